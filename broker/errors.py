@@ -1,0 +1,194 @@
+"""One exception tree for the whole gateway.
+
+Every error that can end a call has a stable ``type`` code: it travels on the wire as
+``{"type": ..., "message": ...}`` and the client turns it back into the same class.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class HermesError(Exception):
+    """Base of every error the gateway raises on purpose."""
+
+    type: str = "error"
+    retryable: bool = False
+
+    def __init__(self, message: str = "", **details: Any) -> None:
+        super().__init__(message or self.__class__.__doc__ or self.type)
+        self.message = message or (self.__class__.__doc__ or self.type)
+        self.details = details
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type, "message": self.message}
+        if self.details:
+            out["details"] = self.details
+        return out
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# --- configuration and connection -------------------------------------------------------------
+
+
+class ConfigError(HermesError):
+    """The configuration is invalid."""
+
+    type = "config_error"
+
+
+class BrokerUnavailable(HermesError):
+    """No Redis broker could be reached or started."""
+
+    type = "broker_unavailable"
+
+
+# --- the wire ---------------------------------------------------------------------------------
+
+
+class DecodeError(HermesError):
+    """A payload could not be decoded."""
+
+    type = "bad_payload"
+
+
+class IllegalTransition(HermesError):
+    """A call was asked to move between two states the state machine does not connect."""
+
+    type = "illegal_transition"
+
+
+# --- submission (raised at once in the caller) ----------------------------------------------
+
+
+class UnknownTool(HermesError):
+    """The tool is not in the directory."""
+
+    type = "unknown_tool"
+
+
+class InvalidSpec(HermesError):
+    """A tool spec does not validate."""
+
+    type = "invalid_spec"
+
+
+class QueueFull(HermesError):
+    """The waiting queue for this concurrency key is full."""
+
+    type = "queue_full"
+
+
+class NoWorkers(HermesError):
+    """No worker listens on the queue the call needs."""
+
+    type = "no_workers"
+
+
+# --- call outcomes (raised by CallHandle.result) --------------------------------------------
+
+
+class CallFailed(HermesError):
+    """A call ended in the ``failed`` state; ``type`` is the worker's error type."""
+
+    type = "remote_error"
+
+    def __init__(self, message: str = "", *, error_type: str | None = None, **details: Any) -> None:
+        super().__init__(message, **details)
+        if error_type:
+            self.type = error_type
+
+    @property
+    def error_type(self) -> str:
+        return self.type
+
+
+class InvalidArgs(CallFailed):
+    """The arguments do not match the tool's input schema."""
+
+    type = "invalid_args"
+
+
+class PermissionDenied(CallFailed):
+    """The principal may not call this tool."""
+
+    type = "permission_denied"
+
+
+class CircuitOpen(CallFailed):
+    """The tool's circuit breaker is open."""
+
+    type = "circuit_open"
+
+
+class ExecutorError(CallFailed):
+    """The back end behind the tool failed."""
+
+    type = "executor_error"
+    retryable = True
+
+
+class ToolTimeout(CallFailed):
+    """The tool ran past its timeout and was stopped."""
+
+    type = "tool_timeout"
+    retryable = True
+
+
+class OutputTooLarge(CallFailed):
+    """The tool's output passed the size cap."""
+
+    type = "output_too_large"
+
+
+class WorkerLost(CallFailed):
+    """The worker running the call died and the call ran out of attempts."""
+
+    type = "worker_lost"
+
+
+class CallCancelled(HermesError):
+    """The call was cancelled."""
+
+    type = "cancelled"
+
+
+class CallTimeout(HermesError):
+    """Waiting for the call's result timed out (the call itself may still finish)."""
+
+    type = "timeout"
+
+
+_BY_TYPE: dict[str, type[CallFailed]] = {
+    cls.type: cls
+    for cls in (
+        CallFailed,
+        InvalidArgs,
+        PermissionDenied,
+        CircuitOpen,
+        ExecutorError,
+        ToolTimeout,
+        OutputTooLarge,
+        WorkerLost,
+    )
+}
+_BY_TYPE[DecodeError.type] = CallFailed
+_BY_TYPE[UnknownTool.type] = CallFailed
+
+
+def error_from_wire(data: dict[str, Any] | None) -> CallFailed:
+    """Rebuild the typed error a worker reported; unknown types stay ``CallFailed`` with that type."""
+    data = data or {}
+    etype = str(data.get("type") or "remote_error")
+    message = str(data.get("message") or etype)
+    details = data.get("details") or {}
+    cls = _BY_TYPE.get(etype, CallFailed)
+    return cls(message, error_type=etype, **details)
+
+
+def register_error_type(cls: type[CallFailed]) -> type[CallFailed]:
+    """Let later modules (policy, flow control) add their own typed call failures."""
+    _BY_TYPE[cls.type] = cls
+    return cls

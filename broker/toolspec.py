@@ -1,0 +1,145 @@
+"""The tool spec: what a tool is, as written in YAML and stored in the directory."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from .errors import InvalidSpec
+
+EXECUTOR_TYPES = ("http", "command", "mcp", "database", "grpc", "python")
+
+# Keys every spec may carry; anything else is executor-specific and kept in ``config``.
+_COMMON = {
+    "name",
+    "description",
+    "executor",
+    "input_schema",
+    "output_schema",
+    "timeout",
+    "permissions",
+    "concurrency",
+    "queue_size",
+    "retry",
+    "breaker",
+    "sensitive",
+    "version",
+}
+
+DEFAULT_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A registered tool. ``config`` holds the executor's own keys (command, endpoint, ...)."""
+
+    name: str
+    executor: str
+    description: str = ""
+    input_schema: dict[str, Any] = field(default_factory=lambda: {"type": "object"})
+    output_schema: dict[str, Any] | None = None
+    timeout: float = DEFAULT_TIMEOUT
+    permissions: tuple[str, ...] | None = None
+    concurrency: int | None = None
+    queue_size: int | None = None
+    retry: dict[str, Any] | None = None
+    breaker: dict[str, Any] | None = None
+    sensitive: tuple[str, ...] = ()
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ToolSpec:
+        """Validate a spec mapping; errors name the field path and what was expected."""
+        if not isinstance(data, dict):
+            raise InvalidSpec(f"tool spec: expected a mapping, got {type(data).__name__}")
+        name = data.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise InvalidSpec("tool spec.name: expected a non-empty string", path="name")
+        where = f"tool {name!r}"
+        executor = data.get("executor")
+        if executor not in EXECUTOR_TYPES:
+            raise InvalidSpec(
+                f"{where}: executor: expected one of {', '.join(EXECUTOR_TYPES)}, got {executor!r}",
+                path="executor",
+            )
+        schema = data.get("input_schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise InvalidSpec(f"{where}: input_schema: expected a mapping (JSON Schema)", path="input_schema")
+        out_schema = data.get("output_schema")
+        if out_schema is not None and not isinstance(out_schema, dict):
+            raise InvalidSpec(f"{where}: output_schema: expected a mapping (JSON Schema)", path="output_schema")
+        timeout = data.get("timeout", DEFAULT_TIMEOUT)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise InvalidSpec(f"{where}: timeout: expected a positive number of seconds, got {timeout!r}", path="timeout")
+        perms = data.get("permissions")
+        if perms is not None:
+            if isinstance(perms, str):
+                perms = [perms]
+            if not isinstance(perms, list) or not all(isinstance(p, str) for p in perms):
+                raise InvalidSpec(f"{where}: permissions: expected a list of tag strings", path="permissions")
+            perms = tuple(perms)
+        for key in ("concurrency", "queue_size"):
+            val = data.get(key)
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < (1 if key == "concurrency" else 0)):
+                raise InvalidSpec(f"{where}: {key}: expected a positive integer, got {val!r}", path=key)
+        for key in ("retry", "breaker"):
+            val = data.get(key)
+            if val is not None and not isinstance(val, dict):
+                raise InvalidSpec(f"{where}: {key}: expected a mapping", path=key)
+        sensitive = data.get("sensitive") or ()
+        if not isinstance(sensitive, list | tuple) or not all(isinstance(s, str) for s in sensitive):
+            raise InvalidSpec(f"{where}: sensitive: expected a list of argument names", path="sensitive")
+        description = data.get("description", "")
+        if not isinstance(description, str):
+            raise InvalidSpec(f"{where}: description: expected a string", path="description")
+        config = {k: v for k, v in data.items() if k not in _COMMON}
+        return cls(
+            name=name,
+            executor=executor,
+            description=description,
+            input_schema=schema,
+            output_schema=out_schema,
+            timeout=float(timeout),
+            permissions=perms,
+            concurrency=data.get("concurrency"),
+            queue_size=data.get("queue_size"),
+            retry=data.get("retry"),
+            breaker=data.get("breaker"),
+            sensitive=tuple(sensitive),
+            config=config,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": self.name,
+            "executor": self.executor,
+            "description": self.description,
+            "input_schema": self.input_schema,
+            "timeout": self.timeout,
+        }
+        for key in ("output_schema", "concurrency", "queue_size", "retry", "breaker"):
+            val = getattr(self, key)
+            if val is not None:
+                out[key] = val
+        if self.permissions is not None:
+            out["permissions"] = list(self.permissions)
+        if self.sensitive:
+            out["sensitive"] = list(self.sensitive)
+        out.update(self.config)
+        return out
+
+    def digest(self) -> str:
+        """A content hash: re-registering an identical spec is a no-op."""
+        packed = msgpack.packb(_canonical(self.to_dict()), use_bin_type=True)
+        return hashlib.sha256(packed).hexdigest()[:16]
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, dict):
+        return [[k, _canonical(value[k])] for k in sorted(value)]
+    if isinstance(value, list | tuple):
+        return [_canonical(v) for v in value]
+    return value
