@@ -192,3 +192,41 @@ def register_error_type(cls: type[CallFailed]) -> type[CallFailed]:
     """Let later modules (policy, flow control) add their own typed call failures."""
     _BY_TYPE[cls.type] = cls
     return cls
+
+
+# --- LLM providers ----------------------------------------------------------------------------
+
+
+@register_error_type
+class ProviderError(ExecutorError):
+    """The LLM provider failed or refused the request."""
+
+    type = "provider_error"
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        status: int | None = None,
+        retry_after: float | None = None,
+        retryable: bool = True,
+        error_type: str | None = None,
+        **details: Any,
+    ) -> None:
+        # status/retry_after/retryable go into details too, so they survive the wire round trip.
+        if status is not None:
+            details["status"] = status
+        if retry_after is not None:
+            details["retry_after"] = retry_after
+        details["retryable"] = retryable
+        super().__init__(message, error_type=error_type, **details)
+        self.status = status
+        self.retry_after = retry_after
+        self.retryable = retryable
+
+
+@register_error_type
+class ProviderTimeout(ToolTimeout):
+    """The LLM provider did not answer within the call's timeout."""
+
+    type = "provider_timeout"
