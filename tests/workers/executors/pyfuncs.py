@@ -1,0 +1,39 @@
+"""Callables the python-executor tests point specs at."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+
+from broker.errors import InvalidArgs
+
+
+def add(a: int, b: int = 1) -> int:
+    return a + b
+
+
+def with_progress(n: int, ctx) -> dict:
+    ctx.progress(f"counting to {n}")
+    return {"n": n, "call_id": ctx.call_id}
+
+
+def explode(message: str) -> None:
+    raise ValueError(message)
+
+
+def typed_failure() -> None:
+    raise InvalidArgs("bad city", violations=["$.city: unknown"])
+
+
+def not_serialisable() -> object:
+    return {"when": datetime.datetime(2024, 1, 1)}
+
+
+async def aadd(a: int, b: int) -> dict:
+    await asyncio.sleep(0)
+    return {"sum": a + b, "pair": (a, b)}
+
+
+async def aslow(seconds: float) -> str:
+    await asyncio.sleep(seconds)
+    return "finished"

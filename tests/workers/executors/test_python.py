@@ -1,0 +1,108 @@
+"""The python executor: import once, call with **args (+ctx), async with deadline and cancellation."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from broker.errors import CallCancelled, ExecutorError, InvalidArgs, InvalidSpec, ToolTimeout
+from broker.toolspec import ToolSpec
+from workers.executors import python as pyexec
+
+MOD = "tests.workers.executors.pyfuncs"
+
+
+def spec(function: str) -> ToolSpec:
+    return ToolSpec.from_dict({"name": "t", "executor": "python", "function": function})
+
+
+@pytest.fixture
+def ex() -> pyexec.PythonExecutor:
+    return pyexec.create({})
+
+
+def test_sync_function_gets_kwargs(ex, make_ctx):
+    assert ex.run(spec(f"{MOD}:add"), {"a": 2, "b": 5}, make_ctx()) == 7
+
+
+def test_dotted_reference_also_resolves(ex, make_ctx):
+    assert ex.run(spec(f"{MOD}.add"), {"a": 2}, make_ctx()) == 3
+
+
+def test_ctx_parameter_receives_context_and_progress(ex, make_ctx):
+    ctx = make_ctx()
+    assert ex.run(spec(f"{MOD}:with_progress"), {"n": 3}, ctx) == {"n": 3, "call_id": "c-test"}
+    assert ctx.messages == ["counting to 3"]
+
+
+def test_model_cannot_pass_ctx(ex, make_ctx):
+    with pytest.raises(InvalidArgs, match="reserved"):
+        ex.run(spec(f"{MOD}:with_progress"), {"n": 3, "ctx": "x"}, make_ctx())
+
+
+def test_unexpected_argument_is_invalid_args(ex, make_ctx):
+    with pytest.raises(InvalidArgs, match="unexpected keyword"):
+        ex.run(spec(f"{MOD}:add"), {"a": 1, "zzz": 2}, make_ctx())
+
+
+def test_exception_becomes_executor_error_with_type_and_message(ex, make_ctx):
+    with pytest.raises(ExecutorError, match="ValueError: kaboom"):
+        ex.run(spec(f"{MOD}:explode"), {"message": "kaboom"}, make_ctx())
+
+
+def test_gateway_errors_pass_through(ex, make_ctx):
+    with pytest.raises(InvalidArgs, match="bad city"):
+        ex.run(spec(f"{MOD}:typed_failure"), {}, make_ctx())
+
+
+def test_non_serialisable_result_is_executor_error(ex, make_ctx):
+    with pytest.raises(ExecutorError, match=r"\$\.when is a datetime"):
+        ex.run(spec(f"{MOD}:not_serialisable"), {}, make_ctx())
+
+
+def test_async_function_runs_and_tuples_become_lists(ex, make_ctx):
+    assert ex.run(spec(f"{MOD}:aadd"), {"a": 1, "b": 2}, make_ctx()) == {"sum": 3, "pair": [1, 2]}
+
+
+def test_async_function_is_stopped_at_deadline(ex, make_ctx):
+    with pytest.raises(ToolTimeout):
+        ex.run(spec(f"{MOD}:aslow"), {"seconds": 30}, make_ctx(timeout=0.3))
+
+
+def test_async_function_is_cancelled(ex, make_ctx):
+    ctx = make_ctx(timeout=30)
+    threading.Timer(0.2, ctx.cancelled.set).start()
+    with pytest.raises(CallCancelled):
+        ex.run(spec(f"{MOD}:aslow"), {"seconds": 30}, ctx)
+
+
+def test_builtin_sleep_is_cancellable(ex, make_ctx):
+    ctx = make_ctx(timeout=30)
+    threading.Timer(0.2, ctx.cancelled.set).start()
+    with pytest.raises(CallCancelled):
+        ex.run(spec("workers.executors.builtin:sleep"), {"seconds": 30}, ctx)
+
+
+def test_builtin_sleep_times_out(ex, make_ctx):
+    with pytest.raises(ToolTimeout):
+        ex.run(spec("workers.executors.builtin:sleep"), {"seconds": 30}, make_ctx(timeout=0.2))
+
+
+def test_builtin_noop_and_echo(ex, make_ctx):
+    assert ex.run(spec("workers.executors.builtin:noop"), {"x": 1}, make_ctx()) is None
+    assert ex.run(spec("workers.executors.builtin:echo"), {"x": [1, b"b"]}, make_ctx()) == {"x": [1, b"b"]}
+
+
+def test_bad_reference_is_spec_error(ex, make_ctx):
+    with pytest.raises(InvalidSpec, match="cannot import"):
+        ex.run(spec("no_such_module_xyz:f"), {}, make_ctx())
+    with pytest.raises(InvalidSpec, match="has no"):
+        ex.run(spec(f"{MOD}:missing"), {}, make_ctx())
+
+
+def test_cancelled_before_start_does_not_call(ex, make_ctx):
+    ctx = make_ctx()
+    ctx.cancelled.set()
+    with pytest.raises(CallCancelled):
+        ex.run(spec(f"{MOD}:explode"), {"message": "should not run"}, ctx)

@@ -1,0 +1,243 @@
+"""The ``command`` executor: run a program with argv filled from the arguments. Never a shell.
+
+Spec keys (``spec.config``), each also settable as a default in ``executors.command``:
+
+- ``command``: a string (split with :func:`shlex.split` FIRST, then each element is filled) or a list.
+  ``{{field}}`` placeholders are filled per argv element, so a value stays exactly one argument.
+  ``argv[0]`` may not contain a placeholder: a value never chooses the program.
+- ``args_separator: true``: put ``--`` before the first argv element that holds a value, so a value
+  starting with ``-`` cannot be read as an option by programs that honour ``--``.
+- ``env``: names passed through from the worker's environment (default: PATH, HOME, LANG, LC_ALL,
+  LC_CTYPE, TZ, TMPDIR; the rest, secrets included, stays out); ``env_set: {K: V}`` sets more
+  (values may hold placeholders: an argument passed in the environment is still never a command).
+- ``cwd``; ``stdin: json`` (write the arguments as JSON to stdin); ``output: text | json``.
+- ``max_output``: cap on stdout in bytes (default 1 MiB) -> OutputTooLarge.
+- ``kill_grace``: seconds between SIGTERM and SIGKILL of the process group (default 2).
+
+Result: stdout as text with one trailing newline removed (or parsed JSON with ``output: json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shlex
+import signal
+import subprocess
+import time
+from typing import Any
+
+from broker.errors import (
+    CallCancelled,
+    ExecutorError,
+    InvalidArgs,
+    InvalidSpec,
+    OutputTooLarge,
+    ToolTimeout,
+)
+from broker.toolspec import ToolSpec
+
+from .base import ExecContext
+from .template import fill, has_placeholder
+
+DEFAULT_MAX_OUTPUT = 1024 * 1024
+DEFAULT_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
+STDERR_TAIL = 2000
+_POLL = 0.05  # how often a running command notices cancellation between output chunks
+
+
+def build_argv(config: dict[str, Any], args: dict[str, Any], where: str) -> list[str]:
+    """Split the template into argv, then fill each element on its own."""
+    template = config.get("command")
+    if isinstance(template, str):
+        try:
+            parts = shlex.split(template)
+        except ValueError as e:
+            raise InvalidSpec(f"{where}: command: cannot split {template!r}: {e}") from e
+    elif isinstance(template, list) and all(isinstance(p, str | int | float) for p in template):
+        parts = [str(p) for p in template]
+    else:
+        raise InvalidSpec(f"{where}: command: expected a string or a list of strings")
+    if not parts:
+        raise InvalidSpec(f"{where}: command: is empty")
+    if has_placeholder(parts[0]):
+        raise InvalidSpec(f"{where}: command: the program (argv[0]) may not contain a placeholder")
+    argv = [parts[0]]
+    separated = not config.get("args_separator")
+    for part in parts[1:]:
+        if not separated and has_placeholder(part):
+            argv.append("--")
+            separated = True
+        argv.append(fill(part, args, where))
+    if any("\x00" in a for a in argv):
+        raise InvalidArgs(f"{where}: an argument contains a NUL byte, which no program can receive")
+    return argv
+
+
+def build_env(config: dict[str, Any], args: dict[str, Any], where: str) -> dict[str, str]:
+    """The allow-listed part of the worker's environment plus ``env_set``."""
+    names = config.get("env", DEFAULT_ENV)
+    if isinstance(names, str):
+        names = [names]
+    env = {n: os.environ[n] for n in names if n in os.environ}
+    for key, val in (config.get("env_set") or {}).items():
+        env[str(key)] = fill(str(val), args, where)
+        if "\x00" in env[str(key)]:
+            raise InvalidArgs(f"{where}: env_set {key}: a value contains a NUL byte")
+    return env
+
+
+class CommandExecutor:
+    """Runs tool commands as child processes, each in its own process group."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.settings = settings
+
+    def run(self, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext) -> Any:
+        config = {**self.settings, **spec.config}
+        where = f"tool {spec.name!r}"
+        argv = build_argv(config, args, where)
+        env = build_env(config, args, where)
+        max_output = int(config.get("max_output", DEFAULT_MAX_OUTPUT))
+        grace = float(config.get("kill_grace", 2.0))
+        stdin_data = None
+        if config.get("stdin") == "json":
+            stdin_data = json.dumps(args, ensure_ascii=False).encode()
+        ctx.check()
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE if stdin_data is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=config.get("cwd"),
+                env=env,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except FileNotFoundError as e:
+            raise ExecutorError(f"{where}: command not found: {argv[0]}", command=argv[0]) from e
+        except PermissionError as e:
+            raise ExecutorError(f"{where}: command not executable: {argv[0]}", command=argv[0]) from e
+        except OSError as e:
+            raise ExecutorError(f"{where}: cannot start {argv[0]}: {e}", command=argv[0]) from e
+        try:
+            out, err = _communicate(proc, stdin_data, ctx, max_output, where)
+        except BaseException:
+            _kill_group(proc, grace)
+            raise
+        finally:
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+        code = proc.returncode
+        text = out.decode("utf-8", errors="replace")
+        if code != 0:
+            tail = err.decode("utf-8", errors="replace").strip()[-STDERR_TAIL:]
+            reason = f"exit code {code}" if code > 0 else f"killed by signal {-code}"
+            raise ExecutorError(
+                f"{where}: {argv[0]} failed with {reason}" + (f": {tail}" if tail else ""),
+                exit_code=code,
+                stderr=tail,
+            )
+        if config.get("output") == "json":
+            try:
+                return json.loads(text)
+            except ValueError as e:
+                raise ExecutorError(f"{where}: output is not JSON: {e}") from e
+        if text.endswith("\r\n"):
+            return text[:-2]
+        return text[:-1] if text.endswith("\n") else text
+
+    def close(self) -> None:
+        pass
+
+
+def _communicate(
+    proc: subprocess.Popen[bytes], stdin_data: bytes | None, ctx: ExecContext, max_output: int, where: str
+) -> tuple[bytes, bytes]:
+    """Read both pipes until EOF and exit, watching the deadline, cancellation and the output cap."""
+    assert proc.stdout is not None and proc.stderr is not None
+    out = bytearray()
+    err = bytearray()
+    pending = memoryview(stdin_data) if stdin_data is not None else None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ, out)
+        sel.register(proc.stderr, selectors.EVENT_READ, err)
+        if proc.stdin is not None and pending is not None:
+            os.set_blocking(proc.stdin.fileno(), False)
+            sel.register(proc.stdin, selectors.EVENT_WRITE, None)
+        reaped = False
+        while True:
+            _check(ctx, where)
+            if not reaped and proc.poll() is not None:
+                # The leader exited; children it left holding our pipes must not keep the call open.
+                _signal_group(proc, signal.SIGKILL)
+                reaped = True
+            if not sel.get_map():
+                # Pipes are closed; the process may still be running (it closed stdout itself).
+                try:
+                    proc.wait(timeout=min(_POLL, max(ctx.deadline - time.monotonic(), 0.001)))
+                except subprocess.TimeoutExpired:
+                    continue
+                break
+            for key, _ in sel.select(timeout=min(_POLL, max(ctx.deadline - time.monotonic(), 0.001))):
+                if key.data is None:
+                    assert pending is not None and proc.stdin is not None
+                    try:
+                        written = os.write(key.fd, pending[:65536])
+                    except (BrokenPipeError, OSError):
+                        written = len(pending)
+                    pending = pending[written:]
+                    if not pending:
+                        sel.unregister(key.fileobj)
+                        proc.stdin.close()
+                    continue
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                buf: bytearray = key.data
+                buf += chunk
+                if buf is out and len(out) > max_output:
+                    raise OutputTooLarge(
+                        f"{where}: output passed the cap of {max_output} bytes", limit=max_output
+                    )
+                if buf is err and len(err) > 4 * STDERR_TAIL:
+                    del err[: -2 * STDERR_TAIL]
+    # The leader is gone; anything it left behind in its group dies with it (no orphans per call).
+    _signal_group(proc, signal.SIGKILL)
+    return bytes(out), bytes(err)
+
+
+def _check(ctx: ExecContext, where: str) -> None:
+    if ctx.cancelled.is_set():
+        raise CallCancelled(f"call {ctx.call_id} was cancelled")
+    if time.monotonic() >= ctx.deadline:
+        raise ToolTimeout(f"{where}: timed out after {ctx.timeout:g}s", timeout=ctx.timeout)
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _kill_group(proc: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM the whole process group, then SIGKILL whatever is left after ``grace`` seconds."""
+    _signal_group(proc, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_group(proc, signal.SIGKILL)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:  # pragma: no cover - only a kernel in trouble gets here
+        pass
+
+
+def create(settings: dict[str, Any]) -> CommandExecutor:
+    return CommandExecutor(settings)
