@@ -230,3 +230,10 @@ class ProviderTimeout(ToolTimeout):
     """The LLM provider did not answer within the call's timeout."""
 
     type = "provider_timeout"
+
+
+@register_error_type
+class InvalidOutput(CallFailed):
+    """The tool's result does not match its output schema."""
+
+    type = "invalid_output"
