@@ -1,0 +1,252 @@
+"""Tool arguments: parse the text a person types, coerce model output as Hermes does, validate.
+
+Coercion follows hermes-agent's ``coerce_tool_args`` (model_tools.py): strings become numbers or
+booleans where the schema asks for them, ``"null"`` becomes None where null is allowed, a JSON string
+becomes the array/object the schema expects, and a bare value where an array is expected is wrapped
+as ``[value]``. Anything that does not coerce cleanly is left as it was, for validation to report.
+Unlike Hermes we recurse into every nested property and item, not only JSON-encoded ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import threading
+from typing import Any
+
+import yaml
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+
+from broker.errors import InvalidArgs, InvalidOutput, InvalidSpec
+
+_INT = re.compile(r"^\s*[-+]?\d+\s*$")
+_MAX_MESSAGE = 300
+_CACHE_MAX = 1024
+
+# --- coercion -----------------------------------------------------------------------------------
+
+
+def coerce_args(schema: dict[str, Any] | None, args: Any) -> Any:
+    """Return a coerced copy of ``args`` (the input is never mutated)."""
+    if not isinstance(schema, dict) or not isinstance(args, dict):
+        return args
+    return _coerce(args, schema)
+
+
+def _types(schema: dict[str, Any]) -> list[str]:
+    t = schema.get("type")
+    if isinstance(t, str):
+        return [t]
+    if isinstance(t, list):
+        return [x for x in t if isinstance(x, str)]
+    return []
+
+
+def _allows_null(schema: dict[str, Any]) -> bool:
+    if "null" in _types(schema) or schema.get("nullable") is True:
+        return True
+    return any(
+        isinstance(v, dict) and v.get("type") == "null"
+        for key in ("anyOf", "oneOf")
+        for v in (schema.get(key) if isinstance(schema.get(key), list) else [])
+    )
+
+
+def _coerce(value: Any, schema: Any) -> Any:
+    if not isinstance(schema, dict):
+        return value
+    types = _types(schema)
+    if isinstance(value, str):
+        value = _coerce_string(value, schema, types)
+        if isinstance(value, str):
+            if "array" in types and "string" not in types:
+                return (
+                    [_coerce(value, schema.get("items"))]
+                    if isinstance(schema.get("items"), dict)
+                    else [value]
+                )
+            return value
+    if isinstance(value, list):
+        if types and "array" not in types:
+            return value
+        items = schema.get("items")
+        prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
+        out = []
+        for i, item in enumerate(value):
+            sub = prefix[i] if i < len(prefix) else items
+            out.append(_coerce(item, sub))
+        return out
+    if isinstance(value, dict):
+        if types and "object" not in types:
+            return _wrap(value, schema, types)
+        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        extra = schema.get("additionalProperties")
+        return {k: _coerce(v, props.get(k, extra)) for k, v in value.items()}
+    return _wrap(value, schema, types)
+
+
+def _wrap(value: Any, schema: dict[str, Any], types: list[str]) -> Any:
+    """A bare (non-null) value where only an array fits becomes a one-element array."""
+    if value is not None and types == ["array"]:
+        return [_coerce(value, schema.get("items"))]
+    return value
+
+
+def _coerce_string(value: str, schema: dict[str, Any], types: list[str]) -> Any:
+    if _allows_null(schema) and value.strip().lower() == "null":
+        return None
+    if "string" in types:
+        return value  # a string is acceptable as it is; never second-guess it
+    for t in types:
+        if t in ("integer", "number"):
+            out = _coerce_number(value, integer_only=t == "integer")
+        elif t == "boolean":
+            low = value.strip().lower()
+            out = True if low == "true" else False if low == "false" else value
+        elif t in ("array", "object"):
+            out = _coerce_json(value, list if t == "array" else dict)
+        else:
+            continue
+        if out is not value:
+            return out
+    return value
+
+
+def _coerce_number(value: str, integer_only: bool) -> Any:
+    if _INT.match(value):
+        return int(value)  # exact, even past float precision
+    try:
+        f = float(value)
+    except (ValueError, OverflowError):
+        return value
+    if math.isnan(f) or math.isinf(f):
+        return value
+    if f == int(f):
+        return int(f)
+    return value if integer_only else f
+
+
+def _coerce_json(value: str, kind: type) -> Any:
+    try:
+        parsed = json.loads(value)
+    except (ValueError, TypeError):
+        return value
+    return parsed if isinstance(parsed, kind) else value
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+_validators: dict[str, Draft202012Validator] = {}
+_lock = threading.Lock()
+
+
+def _digest(schema: dict[str, Any]) -> str:
+    blob = json.dumps(schema, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def validator_for(schema: dict[str, Any]) -> Draft202012Validator:
+    """A cached Draft 2020-12 validator (with format checks); an invalid schema is InvalidSpec."""
+    key = _digest(schema)
+    found = _validators.get(key)
+    if found is not None:
+        return found
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as e:
+        raise InvalidSpec(f"schema is not valid JSON Schema 2020-12: {e.message}") from e
+    made = Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
+    with _lock:
+        if len(_validators) >= _CACHE_MAX:
+            _validators.clear()  # specs rarely change; a full reset keeps this simple and bounded
+        _validators[key] = made
+    return made
+
+
+def json_path(parts: Any) -> str:
+    """``$.a.b[0]``; keys that are not identifiers are quoted: ``$["a b"]``."""
+    out = "$"
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif isinstance(p, str) and p.isidentifier():
+            out += f".{p}"
+        else:
+            out += f"[{json.dumps(p, ensure_ascii=False)}]"
+    return out
+
+
+def violations(schema: dict[str, Any], instance: Any) -> list[str]:
+    """Every way ``instance`` breaks ``schema``, as ``path: message``, sorted by path."""
+    found = []
+    for err in validator_for(schema).iter_errors(instance):
+        path = list(err.absolute_path)
+        if err.validator == "required" and isinstance(err.instance, dict):
+            missing = [n for n in err.validator_value if n not in err.instance and repr(n) in err.message]
+            if missing:
+                path.append(missing[0])
+        message = err.message if len(err.message) <= _MAX_MESSAGE else err.message[: _MAX_MESSAGE - 3] + "..."
+        found.append((json_path(path), message))
+    found.sort()
+    return [f"{p}: {m}" for p, m in found]
+
+
+def validate_args(schema: dict[str, Any] | None, args: Any, tool: str | None = None) -> None:
+    """Raise InvalidArgs listing every violation (``details.violations``) if ``args`` do not fit."""
+    if not schema:
+        return
+    problems = violations(schema, args)
+    if problems:
+        where = f"tool {tool!r}: " if tool else ""
+        raise InvalidArgs(f"{where}invalid arguments: " + "; ".join(problems), violations=problems)
+
+
+def check_output(schema: dict[str, Any] | None, result: Any, tool: str | None = None) -> None:
+    """Raise InvalidOutput listing every violation if the tool's result does not fit its output schema."""
+    if not schema:
+        return
+    problems = violations(schema, result)
+    if problems:
+        where = f"tool {tool!r}: " if tool else ""
+        raise InvalidOutput(
+            f"{where}result does not match the output schema: " + "; ".join(problems), violations=problems
+        )
+
+
+# --- parsing what a person types -----------------------------------------------------------------
+
+
+class _ArgsLoader(yaml.SafeLoader):
+    """YAML 1.2-ish scalars: only true/false are booleans, dates stay strings (yes/no/on are text)."""
+
+
+_ArgsLoader.yaml_implicit_resolvers = {
+    first: [
+        (tag, rx)
+        for tag, rx in resolvers
+        if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:timestamp")
+    ]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_ArgsLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def parse_args_text(text: str | None) -> dict[str, Any]:
+    """Arguments typed on a command line: JSON, or the YAML flow form the seed prints (``{name: Alice}``)."""
+    if text is None or not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        try:
+            value = yaml.load(text, Loader=_ArgsLoader)  # noqa: S506 - a SafeLoader subclass
+        except yaml.YAMLError as e:
+            raise InvalidArgs(f"arguments are neither JSON nor YAML: {e}") from e
+    if not isinstance(value, dict):
+        raise InvalidArgs(f'arguments must be a mapping like {{"name": "Alice"}}, got {type(value).__name__}')
+    return {str(k): v for k, v in value.items()}
