@@ -1,0 +1,322 @@
+"""Call records in Redis: submit, transition, claim, lease and reap, each one atomic script.
+
+Every write takes an optional ``pipeline``; only the creator of a pipeline executes it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+from redis.client import Pipeline
+
+from . import events, keys, scripts
+from .codec import pack, unpack
+from .envelope import Envelope
+from .errors import IllegalTransition, QueueFull
+from .states import RQ_STATUS, TERMINAL, State, sources
+
+RQ_FUNC = "workers.entry.run_call"
+SUBMIT_TTL = 7 * 86400
+_RQ_TIME = "%Y-%m-%dT%H:%M:%S.%fZ"
+
+# Reasons a transition script refused.
+MISSING, FENCED, WRONG_STATE = -1, -2, -3
+
+
+def rq_now() -> str:
+    return datetime.now(UTC).strftime(_RQ_TIME)
+
+
+@dataclass(frozen=True)
+class CallInfo:
+    """What every event of a call repeats; built once per call."""
+
+    call_id: str
+    trace_id: str
+    span_id: str
+    kind: str
+    name: str
+    session_id: str | None
+    channel: str
+    ckey: str
+    queue: str
+
+    @classmethod
+    def of(cls, env: Envelope, ckey: str, span_id: str | None = None) -> CallInfo:
+        return cls(
+            call_id=env.call_id,
+            trace_id=env.trace_id,
+            span_id=span_id or env.parent_span_id,
+            kind=env.kind,
+            name=env.name,
+            session_id=env.context.get("session_id"),
+            channel=env.channel,
+            ckey=ckey,
+            queue=env.queue,
+        )
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A call a worker took from a queue."""
+
+    call_id: str
+    data: bytes
+    attempt: int
+
+
+def job_fields(env: Envelope, *, ckey: str, max_attempts: int, timeout: float) -> dict[str, Any]:
+    """The RQ job hash (RQ's own fields, so ``rq info``/``Job.fetch`` work) plus ours."""
+    stamp = rq_now()
+    return {
+        "created_at": stamp,
+        "enqueued_at": stamp,
+        "data": pack([RQ_FUNC, None, [env.to_dict()], {}]),
+        "origin": env.queue,
+        "description": f"hermes {env.kind} {env.name}",
+        "timeout": int(timeout) + 1,
+        "result_ttl": 86400,
+        "failure_ttl": 86400,
+        "worker_name": "",
+        "started_at": "",
+        "ended_at": "",
+        keys.F_ATTEMPT: 1,
+        keys.F_MAX_ATTEMPTS: max_attempts,
+        keys.F_CHANNEL: env.channel,
+        keys.F_QUEUE: keys.queue(env.queue),
+        keys.F_CKEY: ckey,
+        keys.F_KIND: env.kind,
+        keys.F_TOOL: env.name,
+        keys.F_TRACE: env.trace_id,
+    }
+
+
+def envelope_of(data: bytes) -> Envelope:
+    """Decode the envelope out of the RQ job's ``data`` field."""
+    raw = unpack(data)
+    if not isinstance(raw, list) or len(raw) != 4 or not isinstance(raw[2], list) or not raw[2]:
+        from .errors import DecodeError
+
+        raise DecodeError("job data is not a hermes call")
+    return Envelope.from_dict(raw[2][0])
+
+
+class Calls:
+    """Scripted operations on call records."""
+
+    def __init__(self, conn: redis.Redis) -> None:
+        self.conn = conn
+        self._submit = conn.register_script(scripts.SUBMIT)
+        self._transition = conn.register_script(scripts.TRANSITION)
+        self._claim = conn.register_script(scripts.CLAIM)
+        self._reap = conn.register_script(scripts.REAP)
+
+    # -- submission ------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        env: Envelope,
+        *,
+        ckey: str,
+        queue_size: int,
+        max_attempts: int,
+        timeout: float,
+        pipeline: Pipeline | None = None,
+    ) -> Any:
+        """Admit and enqueue a call with its ``pending`` event; returns the script's reply (or the pipeline)."""
+        info = CallInfo.of(env, ckey)
+        ev = events.payload(
+            call_id=env.call_id,
+            state=State.PENDING,
+            trace_id=info.trace_id,
+            span_id=info.span_id,
+            attempt=1,
+            kind=env.kind,
+            name=info.name,
+            session_id=info.session_id,
+            detail={"queue": env.queue},
+        )
+        fields = job_fields(env, ckey=ckey, max_attempts=max_attempts, timeout=timeout)
+        flat: list[Any] = []
+        for k, v in fields.items():
+            flat.append(k)
+            flat.append("" if v is None else v)
+        idem = env.options.idempotency_key
+        return self._submit(
+            keys=[
+                keys.job(env.call_id),
+                keys.queue(env.queue),
+                keys.history(env.call_id),
+                keys.waiting(ckey),
+                keys.RQ_QUEUES,
+                keys.IDEMPOTENCY.format(idem or ""),
+            ],
+            args=[env.call_id, ev, SUBMIT_TTL, queue_size, time.time(), env.channel, keys.queue(env.queue), "1" if idem else "", *flat],
+            client=pipeline,
+        )
+
+    @staticmethod
+    def check_submit(reply: Any, ckey: str, queue_size: int) -> tuple[bool, str]:
+        """Turn a SUBMIT reply into (accepted_new, call_id) or raise QueueFull."""
+        code, value = int(reply[0]), reply[1]
+        if code < 0:
+            raise QueueFull(
+                f"queue for {ckey!r} is full ({int(value)} waiting, limit {queue_size})",
+                key=ckey,
+                limit=queue_size,
+                depth=int(value),
+            )
+        return code == 1, value.decode() if isinstance(value, bytes) else str(value)
+
+    # -- transitions -----------------------------------------------------------------------------
+
+    def transition(
+        self,
+        info: CallInfo,
+        target: State | None,
+        *,
+        attempt: int,
+        detail: dict[str, Any] | None = None,
+        fence: bool = True,
+        from_states: frozenset[State] | None = None,
+        lease: float | str | None = None,
+        requeue: bool = False,
+        fields: dict[str, Any] | None = None,
+        ttl: int | None = None,
+        event_type: str = events.TRANSITION,
+        current: State | None = None,
+        pipeline: Pipeline | None = None,
+    ) -> Any:
+        """Move a call to ``target`` (or publish a non-state event when None), atomically with its event."""
+        if target is not None:
+            allowed = from_states if from_states is not None else sources(target)
+            if current is not None and current not in allowed:
+                raise IllegalTransition(f"illegal transition {current} -> {target}", current=str(current), target=str(target))
+            src = ",".join(sorted(allowed))
+            state = str(target)
+            if target in TERMINAL:
+                lease = "-"
+                ttl = ttl or 86400
+                fields = dict(fields or {})
+                fields.setdefault("ended_at", rq_now())
+        else:
+            src, state = "", ""
+        ev = events.payload(
+            call_id=info.call_id,
+            state=state or (str(current) if current else ""),
+            trace_id=info.trace_id,
+            span_id=info.span_id,
+            attempt=attempt,
+            kind=info.kind,
+            name=info.name,
+            session_id=info.session_id,
+            type=event_type,
+            detail=detail,
+        )
+        flat: list[Any] = []
+        for k, v in (fields or {}).items():
+            flat.append(k)
+            flat.append(v)
+        return self._transition(
+            keys=[keys.job(info.call_id), keys.history(info.call_id), keys.LEASES, keys.waiting(info.ckey)],
+            args=[
+                info.call_id,
+                ev,
+                "" if ttl is None else ttl,
+                str(attempt) if fence else "",
+                src,
+                state,
+                RQ_STATUS[target] if target is not None else "",
+                "" if lease is None else lease,
+                keys.queue(info.queue) if requeue else "",
+                time.time(),
+                info.channel,
+                *flat,
+            ],
+            client=pipeline,
+        )
+
+    # -- workers ---------------------------------------------------------------------------------
+
+    def claim(self, queues: list[str], n: int, worker: str, lease: float) -> list[Claimed]:
+        """Take up to ``n`` pending calls off the queues (in order), leased to ``worker``."""
+        reply = self._claim(
+            keys=[keys.LEASES, *(keys.queue(q) for q in queues)],
+            args=[n, worker, time.time() + lease, rq_now()],
+        )
+        out = []
+        for i in range(0, len(reply), 3):
+            cid, data, attempt = reply[i], reply[i + 1], reply[i + 2]
+            out.append(Claimed(cid.decode(), data or b"", int(attempt or 1)))
+        return out
+
+    def extend_leases(self, call_ids: list[str], lease: float, pipeline: Pipeline | None = None) -> None:
+        """Push the lease deadline of calls still running here (only those still leased)."""
+        if not call_ids:
+            return
+        deadline = time.time() + lease
+        target = pipeline if pipeline is not None else self.conn
+        target.zadd(keys.LEASES, {cid: deadline for cid in call_ids}, xx=True)
+
+    def reap(self, lease: float, limit: int = 100) -> list[dict[str, Any]]:
+        """Expired leases, taken over by this reaper for one more lease while it settles them."""
+        now = time.time()
+        reply = self._reap(keys=[keys.LEASES], args=[now, now + lease, limit])
+        out = []
+        for i in range(0, len(reply), 7):
+            cid, state, attempt, max_att, queue, cancel, ckey = (
+                (v.decode() if isinstance(v, bytes) else str(v)) for v in reply[i : i + 7]
+            )
+            out.append(
+                {
+                    "call_id": cid,
+                    "state": state,
+                    "attempt": int(attempt or 1),
+                    "max_attempts": int(max_att or 1),
+                    "queue": queue,
+                    "cancel": cancel == "1",
+                    "ckey": ckey,
+                }
+            )
+        return out
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def record(self, call_id: str) -> dict[str, Any] | None:
+        """The call's record as plain values (state, attempt, result, error, ...)."""
+        raw = self.conn.hgetall(keys.job(call_id))
+        if not raw:
+            return None
+        rec = {k.decode(): v for k, v in raw.items()}
+        out: dict[str, Any] = {
+            "call_id": call_id,
+            "state": _s(rec.get(keys.F_STATE)),
+            "attempt": int(rec.get(keys.F_ATTEMPT) or 0),
+            "seq": int(rec.get(keys.F_SEQ) or 0),
+            "kind": _s(rec.get(keys.F_KIND)),
+            "name": _s(rec.get(keys.F_TOOL)),
+            "trace_id": _s(rec.get(keys.F_TRACE)),
+            "channel": _s(rec.get(keys.F_CHANNEL)),
+            "worker": _s(rec.get(keys.F_WORKER)),
+            "queue": _s(rec.get("origin")),
+            "created_at": _s(rec.get("created_at")),
+            "ended_at": _s(rec.get("ended_at")),
+        }
+        if rec.get(keys.F_RESULT) is not None:
+            out["result"] = unpack(rec[keys.F_RESULT])
+        if rec.get(keys.F_ERROR) is not None:
+            out["error"] = unpack(rec[keys.F_ERROR])
+        if rec.get("data"):
+            try:
+                out["envelope"] = envelope_of(rec["data"])
+            except Exception:  # noqa: BLE001 - a record with a bad payload is still a record
+                out["envelope"] = None
+        return out
+
+
+def _s(v: bytes | None) -> str:
+    return v.decode() if isinstance(v, bytes) else (v or "")

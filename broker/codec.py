@@ -1,0 +1,42 @@
+"""msgpack on the wire, never pickle; also RQ's serializer for our jobs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from .errors import DecodeError
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, set | frozenset | tuple):
+        return list(obj)
+    if hasattr(obj, "isoformat"):
+        return obj.isoformat()
+    raise TypeError(f"cannot encode {type(obj).__name__} on the wire")
+
+
+def pack(value: Any) -> bytes:
+    """Encode with msgpack; unknown types are a TypeError, not a silent str()."""
+    return msgpack.packb(value, use_bin_type=True, default=_default)
+
+
+def unpack(data: bytes | bytearray | memoryview) -> Any:
+    """Decode msgpack; anything malformed is a DecodeError."""
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise DecodeError(f"payload is not valid msgpack: {e}") from e
+
+
+class MsgpackSerializer:
+    """RQ serializer (``dumps``/``loads``) so RQ stores our jobs as msgpack."""
+
+    @staticmethod
+    def dumps(obj: Any) -> bytes:
+        return pack(obj)
+
+    @staticmethod
+    def loads(data: bytes) -> Any:
+        return unpack(data)

@@ -1,0 +1,61 @@
+"""Connecting to the broker: ``HERMES_REDIS_URL`` or the embedded one."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import redis
+
+from .embedded import EmbeddedBroker
+from .errors import BrokerUnavailable
+
+URL_ENV = "HERMES_REDIS_URL"
+
+
+@dataclass
+class BrokerHandle:
+    """A connection plus where it goes (for the CLI to say which broker it uses)."""
+
+    conn: redis.Redis
+    url: str
+    description: str
+    embedded: EmbeddedBroker | None = None
+
+    def close(self) -> None:
+        self.conn.close()
+        if self.embedded is not None:
+            self.embedded.stop()
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for messages."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        user = creds.split(":", 1)[0] if ":" in creds else ""
+        return f"{scheme}://{user}:***@{host}" if ":" in creds else f"{scheme}://{creds}@{host}"
+    return url
+
+
+def from_url(url: str, **kwargs: object) -> redis.Redis:
+    """A client for redis://, rediss:// or unix:// URLs (password in the URL), checked with PING."""
+    try:
+        conn = redis.Redis.from_url(url, health_check_interval=30, **kwargs)  # type: ignore[arg-type]
+        conn.ping()
+    except (redis.ConnectionError, redis.TimeoutError, ValueError) as e:
+        raise BrokerUnavailable(f"cannot reach Redis at {redact_url(url)}: {e}") from e
+    except redis.AuthenticationError as e:
+        raise BrokerUnavailable(f"Redis at {redact_url(url)} refused the credentials: {e}") from e
+    return conn
+
+
+def connect(url: str | None = None, *, embedded_ok: bool = True) -> BrokerHandle:
+    """Connect to ``url``, else ``$HERMES_REDIS_URL``, else start the embedded broker."""
+    url = url or os.environ.get(URL_ENV) or None
+    if url:
+        return BrokerHandle(from_url(url), url, f"Redis at {redact_url(url)}")
+    if not embedded_ok:
+        raise BrokerUnavailable(f"{URL_ENV} is not set and the embedded broker is not allowed here")
+    emb = EmbeddedBroker().start()
+    return BrokerHandle(from_url(emb.url), emb.url, emb.describe(), emb)

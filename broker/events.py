@@ -1,0 +1,188 @@
+"""Events: one per state transition (and per progress message or stream delta).
+
+An event is a msgpack map. ``seq`` is added by the Lua script that appends the event to the call's
+durable history and publishes it on the caller's channel, so it rises by exactly one per call and a
+subscriber can see a gap. Late subscribers read the history, then the live tail (``follow``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from . import keys
+from .codec import pack, unpack
+from .errors import DecodeError
+from .states import TERMINAL
+
+TRANSITION = "transition"
+PROGRESS = "progress"
+DELTA = "delta"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event of one call."""
+
+    call_id: str
+    seq: int
+    state: str
+    ts: float
+    trace_id: str
+    span_id: str
+    attempt: int
+    kind: str
+    tool_name: str | None = None
+    model: str | None = None
+    session_id: str | None = None
+    type: str = TRANSITION
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def terminal(self) -> bool:
+        return self.type == TRANSITION and self.state in TERMINAL
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "call_id": self.call_id,
+            "seq": self.seq,
+            "state": self.state,
+            "ts": self.ts,
+            "trace_id": self.trace_id,
+            "span_id": self.span_id,
+            "attempt": self.attempt,
+            "kind": self.kind,
+            "tool_name": self.tool_name,
+            "model": self.model,
+            "session_id": self.session_id,
+            "type": self.type,
+            "detail": self.detail,
+        }
+
+
+def payload(
+    *,
+    call_id: str,
+    state: str,
+    trace_id: str,
+    span_id: str,
+    attempt: int,
+    kind: str,
+    name: str,
+    session_id: str | None,
+    type: str = TRANSITION,
+    detail: dict[str, Any] | None = None,
+    ts: float | None = None,
+) -> bytes:
+    """Encode an event without ``seq`` (the script adds it). Always a msgpack fixmap of 12 keys."""
+    return pack(
+        {
+            "call_id": call_id,
+            "state": state,
+            "ts": time.time() if ts is None else ts,
+            "trace_id": trace_id,
+            "span_id": span_id,
+            "attempt": attempt,
+            "kind": kind,
+            "tool_name": name if kind == "tool" else None,
+            "model": name if kind == "llm" else None,
+            "session_id": session_id,
+            "type": type,
+            "detail": detail or {},
+        }
+    )
+
+
+def decode(data: bytes) -> Event:
+    """Decode one published or stored event."""
+    raw = unpack(data)
+    if not isinstance(raw, dict) or "call_id" not in raw or "seq" not in raw:
+        raise DecodeError("not an event")
+    return Event(
+        call_id=raw["call_id"],
+        seq=int(raw["seq"]),
+        state=raw.get("state") or "",
+        ts=float(raw.get("ts") or 0.0),
+        trace_id=raw.get("trace_id") or "",
+        span_id=raw.get("span_id") or "",
+        attempt=int(raw.get("attempt") or 0),
+        kind=raw.get("kind") or "",
+        tool_name=raw.get("tool_name"),
+        model=raw.get("model"),
+        session_id=raw.get("session_id"),
+        type=raw.get("type") or TRANSITION,
+        detail=raw.get("detail") or {},
+    )
+
+
+def history(conn: redis.Redis, call_id: str, start_seq: int = 1) -> list[Event]:
+    """Stored events of a call from ``start_seq`` on (history index = seq - 1)."""
+    return [decode(b) for b in conn.lrange(keys.history(call_id), start_seq - 1, -1)]
+
+
+def follow(
+    conn: redis.Redis,
+    call_id: str,
+    *,
+    timeout: float | None = None,
+    poll: float = 1.0,
+) -> Iterator[Event]:
+    """History then live tail of one call, each event once, in seq order, until a terminal event.
+
+    Subscribes before reading the history so nothing published in between is missed; a gap in the
+    live tail (a dropped message) is filled from the history.
+    """
+    channel = conn.hget(keys.job(call_id), keys.F_CHANNEL)
+    if channel is None:
+        yield from _drain(history(conn, call_id))
+        return
+    pubsub = conn.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(channel)
+    try:
+        last = 0
+        for ev in history(conn, call_id):
+            last = ev.seq
+            yield ev
+            if ev.terminal:
+                return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic()))
+            msg = pubsub.get_message(timeout=wait)
+            if msg is None:
+                # Quiet: re-read the history in case a message was lost on the way.
+                fresh = history(conn, call_id, last + 1)
+                for ev in fresh:
+                    last = ev.seq
+                    yield ev
+                    if ev.terminal:
+                        return
+                if deadline is not None and time.monotonic() >= deadline:
+                    return
+                continue
+            try:
+                ev = decode(msg["data"])
+            except DecodeError:
+                continue
+            if ev.call_id != call_id or ev.seq <= last:
+                continue
+            if ev.seq > last + 1:
+                for missing in history(conn, call_id, last + 1):
+                    if missing.seq >= ev.seq:
+                        break
+                    last = missing.seq
+                    yield missing
+            last = ev.seq
+            yield ev
+            if ev.terminal:
+                return
+    finally:
+        pubsub.close()
+
+
+def _drain(events: list[Event]) -> Iterator[Event]:
+    yield from events

@@ -1,0 +1,68 @@
+"""Every Redis key and channel the gateway uses, in one place.
+
+Calls are RQ jobs: the call record *is* the RQ job hash (``rq:job:<id>``) with our own ``h_*`` fields
+beside RQ's, and calls wait on RQ's queue lists, so RQ's own tools (``rq info``) see them.
+"""
+
+from __future__ import annotations
+
+RQ_JOB = "rq:job:{}"
+RQ_QUEUE = "rq:queue:{}"
+RQ_QUEUES = "rq:queues"
+
+PREFIX = "hermes"
+
+HISTORY = PREFIX + ":hist:{}"  # list of encoded events of one call, index = seq - 1
+CALLER_CHANNEL = PREFIX + ":ch:{}"  # pub/sub channel of one client (the caller's channel)
+CALL_CHANNEL = PREFIX + ":call:{}"  # pub/sub channel for a single call, when the caller asked for one
+CONTROL_CHANNEL = PREFIX + ":ctl"  # cancel / stop / reload broadcasts to every worker
+LEASES = PREFIX + ":leases"  # zset call_id -> lease deadline (unix seconds)
+WAITING = PREFIX + ":waiting:{}"  # zset call_id -> submit time, per concurrency key (admission)
+IDEMPOTENCY = PREFIX + ":idem:{}"  # idempotency key -> call_id
+WORKERS = PREFIX + ":workers"  # zset worker name -> last heartbeat
+WORKER = PREFIX + ":worker:{}"  # hash of one worker's figures
+FAILURES = PREFIX + ":failures"  # capped list of recent failures
+TOOLS = PREFIX + ":tools"  # hash tool name -> packed directory entry
+TOOLS_VERSION = PREFIX + ":tools:version"  # counter, bumped on every directory change
+TOOLS_CHANNEL = PREFIX + ":tools:changes"  # pub/sub notice of directory changes
+
+# Our fields inside the RQ job hash.
+F_STATE = "h_state"
+F_SEQ = "h_seq"
+F_ATTEMPT = "h_attempt"
+F_MAX_ATTEMPTS = "h_max_attempts"
+F_CHANNEL = "h_channel"
+F_RESULT = "h_result"
+F_ERROR = "h_error"
+F_CANCEL = "h_cancel"
+F_WORKER = "h_worker"
+F_QUEUE = "h_queue"
+F_CKEY = "h_ckey"
+F_KIND = "h_kind"
+F_TOOL = "h_tool"
+F_TRACE = "h_trace"
+F_ENVELOPE = "h_env"
+
+
+def job(call_id: str) -> str:
+    return RQ_JOB.format(call_id)
+
+
+def queue(name: str) -> str:
+    return RQ_QUEUE.format(name)
+
+
+def history(call_id: str) -> str:
+    return HISTORY.format(call_id)
+
+
+def caller_channel(client_id: str) -> str:
+    return CALLER_CHANNEL.format(client_id)
+
+
+def waiting(ckey: str) -> str:
+    return WAITING.format(ckey)
+
+
+def worker(name: str) -> str:
+    return WORKER.format(name)

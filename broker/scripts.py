@@ -1,0 +1,149 @@
+"""Lua scripts: every check-then-set on a call is one atomic script.
+
+Events are msgpack maps; a script appends ``seq`` to the map it is given, so the sequence number is
+assigned atomically with the state change and the history append, with no msgpack library in Lua.
+"""
+
+from __future__ import annotations
+
+# Appends the key "seq" with integer value `seq` to the fixmap `p` (at most 14 entries).
+_WITH_SEQ = r"""
+local function with_seq(p, seq)
+  local n = string.byte(p, 1) - 128
+  local s
+  if seq < 128 then
+    s = string.char(seq)
+  elseif seq < 65536 then
+    s = string.char(205, math.floor(seq / 256), seq % 256)
+  else
+    s = string.char(206, math.floor(seq / 16777216) % 256, math.floor(seq / 65536) % 256,
+                    math.floor(seq / 256) % 256, seq % 256)
+  end
+  return string.char(128 + n + 1) .. string.sub(p, 2) .. '\163seq' .. s
+end
+"""
+
+# KEYS: 1 call hash, 2 history, 3 leases, 4 waiting zset (of the call's concurrency key)
+# ARGV: 1 call_id, 2 event payload, 3 ttl ('' = leave), 4 attempt fence ('' = none),
+#       5 allowed sources ('' = any non-terminal, '*' = anything), 6 new state ('' = no change),
+#       7 rq status, 8 lease ('' keep, '-' drop, else new deadline), 9 requeue: queue key or '',
+#       10 now, 11 channel, 12.. field/value pairs to set
+# Returns {seq, state before}; seq < 0: -1 no such call, -2 attempt fence, -3 wrong source state.
+TRANSITION = (
+    _WITH_SEQ
+    + r"""
+local st = redis.call('HGET', KEYS[1], 'h_state')
+if not st then return {-1, ''} end
+if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'h_attempt') ~= ARGV[4] then return {-2, st} end
+if ARGV[5] == '' then
+  if st == 'done' or st == 'failed' or st == 'cancelled' then return {-3, st} end
+elseif ARGV[5] ~= '*' then
+  if not string.find(',' .. ARGV[5] .. ',', ',' .. st .. ',', 1, true) then return {-3, st} end
+end
+local seq = redis.call('HINCRBY', KEYS[1], 'h_seq', 1)
+if ARGV[6] ~= '' then
+  redis.call('HSET', KEYS[1], 'h_state', ARGV[6], 'status', ARGV[7])
+end
+for i = 12, #ARGV, 2 do
+  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+if ARGV[8] == '-' then
+  redis.call('ZREM', KEYS[3], ARGV[1])
+elseif ARGV[8] ~= '' then
+  redis.call('ZADD', KEYS[3], ARGV[8], ARGV[1])
+end
+if ARGV[9] ~= '' then
+  redis.call('ZADD', KEYS[4], ARGV[10], ARGV[1])
+  redis.call('RPUSH', ARGV[9], ARGV[1])
+end
+local ev = with_seq(ARGV[2], seq)
+redis.call('RPUSH', KEYS[2], ev)
+if ARGV[3] ~= '' then
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
+end
+redis.call('PUBLISH', ARGV[11], ev)
+return {seq, st}
+"""
+)
+
+# KEYS: 1 call hash, 2 queue list, 3 history, 4 waiting zset, 5 rq:queues, 6 idempotency key
+# ARGV: 1 call_id, 2 pending event payload, 3 ttl, 4 queue_size (-1 = unlimited), 5 now,
+#       6 channel, 7 queue key, 8 use idempotency ('1'/''), 9.. field/value pairs of the job hash
+# Returns {1, call_id} accepted; {0, existing call_id} duplicate; {-1, depth} queue full.
+SUBMIT = (
+    _WITH_SEQ
+    + r"""
+if ARGV[8] == '1' then
+  local existing = redis.call('GET', KEYS[6])
+  if existing then return {0, existing} end
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then return {0, ARGV[1]} end
+local limit = tonumber(ARGV[4])
+if limit >= 0 then
+  local depth = redis.call('ZCARD', KEYS[4])
+  if depth >= limit then return {-1, depth} end
+end
+local fields = {}
+for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[1], unpack(fields))
+redis.call('HSET', KEYS[1], 'h_seq', 1, 'h_state', 'pending', 'status', 'queued')
+redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
+redis.call('RPUSH', KEYS[2], ARGV[1])
+redis.call('SADD', KEYS[5], ARGV[7])
+if ARGV[8] == '1' then redis.call('SET', KEYS[6], ARGV[1], 'EX', ARGV[3]) end
+local ev = with_seq(ARGV[2], 1)
+redis.call('RPUSH', KEYS[3], ev)
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+redis.call('PUBLISH', ARGV[6], ev)
+return {1, ARGV[1]}
+"""
+)
+
+# KEYS: 1 leases, 2.. queue lists (in priority order)
+# ARGV: 1 max calls, 2 worker name, 3 lease deadline, 4 started_at (RQ time format)
+# Pops up to ARGV[1] pending calls, leases them to this worker, and returns
+# {call_id, data, attempt, ...}. Calls no longer pending (cancelled, expired) are dropped from the queue.
+CLAIM = r"""
+local out = {}
+local want = tonumber(ARGV[1])
+local got = 0
+for q = 2, #KEYS do
+  while got < want do
+    local id = redis.call('LPOP', KEYS[q])
+    if not id then break end
+    local hk = 'rq:job:' .. id
+    local f = redis.call('HMGET', hk, 'h_state', 'h_ckey', 'data', 'h_attempt')
+    if f[2] then redis.call('ZREM', 'hermes:waiting:' .. f[2], id) end
+    if f[1] == 'pending' then
+      redis.call('HSET', hk, 'h_worker', ARGV[2], 'worker_name', ARGV[2], 'started_at', ARGV[4])
+      redis.call('ZADD', KEYS[1], ARGV[3], id)
+      out[#out + 1] = id
+      out[#out + 1] = f[3]
+      out[#out + 1] = f[4]
+      got = got + 1
+    end
+  end
+end
+return out
+"""
+
+# KEYS: 1 leases. ARGV: 1 now, 2 reaper lease deadline, 3 limit.
+# Takes expired leases over (pushes their deadline out so one reaper owns them) and returns
+# {call_id, state, attempt, max_attempts, queue, cancel, ckey, ...} for the reaper to settle.
+REAP = r"""
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
+local out = {}
+for _, id in ipairs(ids) do
+  local f = redis.call('HMGET', 'rq:job:' .. id, 'h_state', 'h_attempt', 'h_max_attempts', 'h_queue', 'h_cancel', 'h_ckey')
+  if not f[1] then
+    redis.call('ZREM', KEYS[1], id)
+  else
+    redis.call('ZADD', KEYS[1], ARGV[2], id)
+    out[#out + 1] = id
+    for i = 1, 6 do out[#out + 1] = f[i] or '' end
+  end
+end
+return out
+"""

@@ -1,0 +1,63 @@
+"""The call state machine: states and the transitions that connect them."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from .errors import IllegalTransition
+
+
+class State(StrEnum):
+    """States of a call (Tool Gateway document), plus ``cancelled``."""
+
+    PENDING = "pending"
+    ROUTING = "routing"
+    EXECUTING = "executing"
+    FORMATTING = "formatting"
+    DONE = "done"
+    FAILED = "failed"
+    RETRYING = "retrying"
+    CANCELLED = "cancelled"
+
+
+TERMINAL = frozenset({State.DONE, State.FAILED, State.CANCELLED})
+ACTIVE = frozenset({State.ROUTING, State.EXECUTING, State.FORMATTING})
+
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.PENDING: frozenset({State.ROUTING, State.FAILED, State.CANCELLED}),
+    State.ROUTING: frozenset({State.EXECUTING, State.FAILED, State.CANCELLED, State.RETRYING}),
+    State.EXECUTING: frozenset({State.FORMATTING, State.FAILED, State.CANCELLED, State.RETRYING}),
+    State.FORMATTING: frozenset({State.DONE, State.FAILED, State.CANCELLED, State.RETRYING}),
+    State.RETRYING: frozenset({State.PENDING, State.FAILED, State.CANCELLED}),
+    State.DONE: frozenset(),
+    State.FAILED: frozenset(),
+    State.CANCELLED: frozenset(),
+}
+
+# RQ's own status for each of our states, kept in the job hash so RQ's tools agree with us.
+RQ_STATUS = {
+    State.PENDING: "queued",
+    State.ROUTING: "started",
+    State.EXECUTING: "started",
+    State.FORMATTING: "started",
+    State.RETRYING: "scheduled",
+    State.DONE: "finished",
+    State.FAILED: "failed",
+    State.CANCELLED: "canceled",
+}
+
+
+def sources(target: State) -> frozenset[State]:
+    """Every state from which ``target`` may be entered."""
+    return frozenset(s for s, outs in TRANSITIONS.items() if target in outs)
+
+
+def check_transition(current: State | str, target: State | str) -> State:
+    """Return ``target`` as a State, or raise IllegalTransition: illegal moves are bugs."""
+    try:
+        cur, tgt = State(current), State(target)
+    except ValueError as e:
+        raise IllegalTransition(f"unknown state in {current!r} -> {target!r}") from e
+    if tgt not in TRANSITIONS[cur]:
+        raise IllegalTransition(f"illegal transition {cur} -> {tgt}", current=str(cur), target=str(tgt))
+    return tgt

@@ -1,0 +1,45 @@
+"""Hermes Gateway: a distributed execution backend for AI agents."""
+
+from __future__ import annotations
+
+from broker.errors import (
+    BrokerUnavailable,
+    CallCancelled,
+    CallFailed,
+    CallTimeout,
+    CircuitOpen,
+    ExecutorError,
+    HermesError,
+    InvalidArgs,
+    NoWorkers,
+    PermissionDenied,
+    QueueFull,
+    ToolTimeout,
+    UnknownTool,
+)
+from broker.events import Event
+from broker.toolspec import ToolSpec
+from hermes_gateway.client import Gateway
+from hermes_gateway.handle import CallHandle
+
+__version__ = "0.10.0"
+
+__all__ = [
+    "BrokerUnavailable",
+    "CallCancelled",
+    "CallFailed",
+    "CallHandle",
+    "CallTimeout",
+    "CircuitOpen",
+    "Event",
+    "ExecutorError",
+    "Gateway",
+    "HermesError",
+    "InvalidArgs",
+    "NoWorkers",
+    "PermissionDenied",
+    "QueueFull",
+    "ToolSpec",
+    "ToolTimeout",
+    "UnknownTool",
+]

@@ -1,0 +1,305 @@
+"""The Gateway client: submit tool calls, follow their events, get typed results."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+import structlog
+
+from broker import events as ev_mod
+from broker import keys
+from broker.calls import Calls
+from broker.codec import unpack
+from broker.config import Settings, load_settings
+from broker.connection import BrokerHandle, connect
+from broker.directory import Directory, Entry, sync_dir
+from broker.envelope import CONTEXT_FIELDS, Envelope, Options, new_call_id
+from broker.errors import DecodeError, HermesError, NoWorkers, QueueFull
+from broker.toolspec import ToolSpec
+from broker.tracecontext import ensure_traceparent
+from hermes_gateway.handle import CallHandle, cancel_call
+from workers.core import concurrency_key
+
+log = structlog.get_logger("hermes.client")
+
+UNLIMITED_QUEUE = 10_000
+
+
+def current_traceparent() -> tuple[str | None, str | None]:
+    """The traceparent/tracestate of the caller's current OpenTelemetry span, if any."""
+    try:
+        from opentelemetry import propagate
+    except ImportError:
+        return None, None
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier.get("traceparent"), carrier.get("tracestate")
+
+
+class Gateway:
+    """A client of the gateway: one connection, one event channel, many calls in flight."""
+
+    def __init__(self, handle: BrokerHandle, settings: Settings | None = None) -> None:
+        self.broker = handle
+        self.conn: redis.Redis = handle.conn
+        self.settings = settings or load_settings()
+        self.client_id = uuid.uuid4().hex
+        self.channel = keys.caller_channel(self.client_id)
+        self.calls = Calls(self.conn)
+        self.directory = Directory(self.conn)
+        self._handles: dict[str, CallHandle] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._pubsub = self.conn.pubsub(ignore_subscribe_messages=True)
+        self._pubsub.subscribe(self.channel, keys.TOOLS_CHANNEL)
+        self._thread = threading.Thread(target=self._dispatch, name="hermes-client-events", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def connect(cls, url: str | None = None, *, home: str | None = None, embedded_ok: bool = True) -> Gateway:
+        """Connect to ``url`` / ``$HERMES_REDIS_URL``, else start the embedded broker."""
+        settings = load_settings(home)
+        return cls(connect(url or settings.redis_url, embedded_ok=embedded_ok), settings)
+
+    def __enter__(self) -> Gateway:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the event thread and close the connection (and the embedded broker, if ours)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._thread.join(3)
+        try:
+            self._pubsub.close()
+        except redis.RedisError:
+            pass
+        self.broker.close()
+
+    @property
+    def description(self) -> str:
+        return self.broker.description
+
+    # -- tools -----------------------------------------------------------------------------------
+
+    def register_tool(self, spec: ToolSpec | dict[str, Any]) -> int:
+        """Add or update a tool in the shared directory; returns its version."""
+        version, _ = self.directory.register(spec)
+        return version
+
+    def sync_tools(self, path: Any = None) -> list[tuple[str, int, bool]]:
+        """Register every spec file of ``$HERMES_HOME/tools`` (or ``path``)."""
+        from pathlib import Path
+
+        return sync_dir(self.directory, Path(path) if path else self.settings.tools_dir)
+
+    def tool(self, name: str) -> Entry:
+        return self.directory.get(name)
+
+    def tools(self) -> list[Entry]:
+        return self.directory.all()
+
+    # -- calls -----------------------------------------------------------------------------------
+
+    def _envelope(self, name: str, args: dict[str, Any] | None, opts: dict[str, Any], context: dict[str, Any]) -> tuple[Envelope, ToolSpec]:
+        entry = self.directory.get(name)
+        spec = entry.spec
+        unknown = set(context) - set(CONTEXT_FIELDS)
+        if unknown:
+            raise TypeError(f"unknown call context field(s): {', '.join(sorted(unknown))}; known: {', '.join(CONTEXT_FIELDS)}")
+        if args is not None and not isinstance(args, dict):
+            from broker.errors import InvalidArgs
+
+            raise InvalidArgs(f"arguments for {name!r} must be a mapping, got {type(args).__name__}")
+        tp, ts = opts.get("traceparent"), opts.get("tracestate")
+        if tp is None:
+            tp, ts = current_traceparent()
+        env = Envelope(
+            call_id=opts.get("call_id") or new_call_id(),
+            kind="tool",
+            tool=name,
+            args=args or {},
+            tool_version=entry.version,
+            context={k: v for k, v in context.items() if v is not None},
+            traceparent=ensure_traceparent(tp),
+            tracestate=ts,
+            options=Options(
+                timeout=opts.get("timeout"),
+                idempotency_key=opts.get("idempotency_key"),
+                max_attempts=opts.get("max_attempts"),
+            ),
+            queue=opts.get("queue") or str(spec.config.get("queue") or "tools"),
+            channel=self.channel,
+        )
+        return env, spec
+
+    def _limits(self, env: Envelope, spec: ToolSpec) -> dict[str, Any]:
+        queue_size = spec.queue_size
+        if queue_size is None:
+            queue_size = int(self.settings.executor_settings(spec.executor).get("queue_size", UNLIMITED_QUEUE))
+        return {
+            "ckey": concurrency_key(env),
+            "queue_size": queue_size,
+            "max_attempts": env.options.max_attempts or self.settings.max_attempts,
+            "timeout": float(env.options.timeout or spec.timeout),
+        }
+
+    def call_tool(
+        self,
+        name: str,
+        args: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+        idempotency_key: str | None = None,
+        max_attempts: int | None = None,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+        queue: str | None = None,
+        **context: Any,
+    ) -> CallHandle:
+        """Submit one tool call; raises UnknownTool or QueueFull at once, else returns its handle."""
+        opts = {
+            "timeout": timeout,
+            "idempotency_key": idempotency_key,
+            "max_attempts": max_attempts,
+            "traceparent": traceparent,
+            "tracestate": tracestate,
+            "queue": queue,
+        }
+        env, spec = self._envelope(name, args, opts, context)
+        limits = self._limits(env, spec)
+        handle = self._track(CallHandle(self, env.call_id, name))
+        try:
+            reply = self.calls.submit(env, **limits)
+            accepted, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"])
+        except BaseException:
+            self._untrack(env.call_id)
+            raise
+        if call_id != env.call_id:  # idempotent resubmission: follow the call that already exists
+            self._untrack(env.call_id)
+            handle = CallHandle(self, call_id, name, own=False)
+        return handle
+
+    def map(self, name: str, items: Iterable[dict[str, Any]], **common: Any) -> list[CallHandle]:
+        """Submit many calls of one tool in one pipelined round trip; refused items raise on ``result()``."""
+        return self.submit_many(((name, args) for args in items), **common)
+
+    def submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> list[CallHandle]:
+        """Submit (tool, args) pairs in one pipeline; each gets a handle, refused ones carry their error."""
+        opts = {k: common.pop(k) for k in ("timeout", "max_attempts", "traceparent", "tracestate", "queue") if k in common}
+        prepared = []
+        for name, args in calls:
+            env, spec = self._envelope(name, args, opts, common)
+            prepared.append((env, self._limits(env, spec), self._track(CallHandle(self, env.call_id, name))))
+        pipe = self.conn.pipeline(transaction=False)
+        for env, limits, _ in prepared:
+            self.calls.submit(env, pipeline=pipe, **limits)
+        replies = pipe.execute(raise_on_error=False)
+        handles = []
+        for (env, limits, handle), reply in zip(prepared, replies, strict=True):
+            try:
+                if isinstance(reply, Exception):
+                    raise HermesError(f"submission failed: {reply}")
+                Calls.check_submit(reply, limits["ckey"], limits["queue_size"])
+            except (QueueFull, HermesError) as e:
+                self._untrack(env.call_id)
+                handle._refuse(e)
+            handles.append(handle)
+        return handles
+
+    def cancel(self, call_id: str) -> bool:
+        return cancel_call(self, call_id)
+
+    def handle(self, call_id: str) -> CallHandle:
+        """A handle on any call by id (for example one submitted by another process)."""
+        rec = self.calls.record(call_id)
+        if rec is None:
+            from broker.errors import CallFailed
+
+            raise CallFailed(f"no such call {call_id}", error_type="unknown_call")
+        h = CallHandle(self, call_id, rec["name"], rec["kind"], own=rec["channel"] == self.channel)
+        h.sync()
+        return h
+
+    # -- cluster ---------------------------------------------------------------------------------
+
+    def live_workers(self, queue: str | None = None, within: float | None = None) -> list[dict[str, Any]]:
+        """Workers whose heartbeat is recent, optionally only those listening on ``queue``."""
+        horizon = time.time() - (within or max(15.0, self.settings.lease))
+        names = self.conn.zrangebyscore(keys.WORKERS, horizon, "+inf")
+        pipe = self.conn.pipeline(transaction=False)
+        for n in names:
+            pipe.hgetall(keys.worker(n.decode()))
+        out = []
+        for raw in pipe.execute():
+            if not raw:
+                continue
+            w = {k.decode(): v.decode() for k, v in raw.items()}
+            if queue is None or queue in w.get("queues", "").split(","):
+                out.append(w)
+        return out
+
+    def require_workers(self, queue: str) -> None:
+        if not self.live_workers(queue):
+            raise NoWorkers(
+                f"no worker listens on queue {queue!r} at {self.description}; start one with "
+                f"`hermes-gateway worker --queues {queue}`",
+                queue=queue,
+            )
+
+    # -- events ----------------------------------------------------------------------------------
+
+    def _track(self, handle: CallHandle) -> CallHandle:
+        with self._lock:
+            self._handles[handle.call_id] = handle
+        return handle
+
+    def _untrack(self, call_id: str) -> None:
+        with self._lock:
+            self._handles.pop(call_id, None)
+
+    def _dispatch(self) -> None:
+        while not self._closed.is_set():
+            try:
+                msg = self._pubsub.get_message(timeout=0.5)
+            except (redis.ConnectionError, redis.TimeoutError, ValueError):
+                if self._closed.is_set():
+                    return
+                time.sleep(0.5)
+                continue
+            if msg is None:
+                continue
+            if msg["channel"] == keys.TOOLS_CHANNEL.encode():
+                self.directory.invalidate(msg["data"].decode(errors="replace"))
+                continue
+            try:
+                event = ev_mod.decode(msg["data"])
+            except DecodeError:
+                log.warning("undecodable event on the caller channel")
+                continue
+            handle = self._handles.get(event.call_id)
+            if handle is None:
+                continue
+            if event.seq > handle.last_seq + 1:
+                handle.sync()  # a gap: fill it from the durable history
+            handle._feed(event)
+            if event.terminal:
+                self._untrack(event.call_id)
+
+
+def decode_failures(raw: list[bytes]) -> list[dict[str, Any]]:
+    out = []
+    for item in raw:
+        try:
+            out.append(unpack(item))
+        except DecodeError:
+            continue
+    return out

@@ -1,0 +1,186 @@
+"""CallHandle: the caller's view of one submitted call."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from broker import events as ev_mod
+from broker import keys
+from broker.codec import pack
+from broker.errors import CallCancelled, CallTimeout, HermesError, error_from_wire
+from broker.events import Event
+from broker.states import TERMINAL, State
+
+if TYPE_CHECKING:
+    from hermes_gateway.client import Gateway
+
+_MISSING = object()
+
+
+class CallHandle:
+    """A submitted call: wait for its result, follow its events, or cancel it."""
+
+    def __init__(self, gateway: Gateway, call_id: str, name: str, kind: str = "tool", *, own: bool = True) -> None:
+        self.gateway = gateway
+        self.call_id = call_id
+        self.name = name
+        self.kind = kind
+        self.own = own  # events arrive on our channel (False: someone else's call, followed from Redis)
+        self.refused: HermesError | None = None
+        self._events: list[Event] = []
+        self._cv = threading.Condition()
+        self._done = threading.Event()
+        self._result: Any = _MISSING
+        self._final: Event | None = None
+
+    def __repr__(self) -> str:
+        return f"<CallHandle {self.name} {self.call_id} {self.state}>"
+
+    # -- fed by the gateway's dispatcher ---------------------------------------------------------
+
+    @property
+    def last_seq(self) -> int:
+        return self._events[-1].seq if self._events else 0
+
+    def _feed(self, event: Event) -> None:
+        with self._cv:
+            if event.seq <= self.last_seq:
+                return
+            self._events.append(event)
+            if event.terminal:
+                self._final = event
+                self._done.set()
+            self._cv.notify_all()
+
+    def _refuse(self, error: HermesError) -> None:
+        self.refused = error
+        self._done.set()
+        with self._cv:
+            self._cv.notify_all()
+
+    # -- public ----------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        if self.refused is not None:
+            return "refused"
+        for event in reversed(self._events):
+            if event.type == ev_mod.TRANSITION:
+                return event.state
+        return str(State.PENDING)
+
+    @property
+    def trace_id(self) -> str:
+        return self._events[0].trace_id if self._events else ""
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The call's result; raises its typed error, CallCancelled, or CallTimeout."""
+        if self.refused is not None:
+            raise self.refused
+        self._wait(timeout)
+        if self.refused is not None:
+            raise self.refused
+        final = self._final
+        assert final is not None
+        if final.state == State.DONE:
+            if self._result is _MISSING:
+                if "result" in final.detail:
+                    self._result = final.detail["result"]
+                else:
+                    rec = self.gateway.calls.record(self.call_id) or {}
+                    self._result = rec.get("result")
+            return self._result
+        error = final.detail.get("error") or {}
+        if final.state == State.CANCELLED:
+            raise CallCancelled(error.get("message") or f"call {self.call_id} was cancelled")
+        raise error_from_wire(error)
+
+    def _wait(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        check = 0.0
+        while not self._done.is_set():
+            wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+            if self._done.wait(wait):
+                return
+            # Pub/sub is fire-and-forget: now and then read the durable history directly.
+            if time.monotonic() >= check:
+                check = time.monotonic() + 1.0
+                self.sync()
+                if self._done.is_set():
+                    return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CallTimeout(f"no result for call {self.call_id} ({self.name}) within {timeout:g}s", call_id=self.call_id)
+
+    def sync(self) -> None:
+        """Fetch any events we have not seen from the call's durable history."""
+        for event in ev_mod.history(self.gateway.conn, self.call_id, self.last_seq + 1):
+            self._feed(event)
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """Every event of the call in order (those already seen first), until the terminal one."""
+        if not self.own:
+            yield from ev_mod.follow(self.gateway.conn, self.call_id, timeout=timeout)
+            return
+        i = 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cv:
+                while i >= len(self._events) and not (self.refused is not None):
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return
+                    if not self._cv.wait(1.0 if left is None else min(left, 1.0)):
+                        self._cv.release()
+                        try:
+                            self.sync()
+                        finally:
+                            self._cv.acquire()
+                if self.refused is not None and i >= len(self._events):
+                    return
+                event = self._events[i]
+            i += 1
+            yield event
+            if event.terminal:
+                return
+
+    def cancel(self) -> bool:
+        """Ask for the call to stop: at once while it waits, through its worker while it runs."""
+        return self.gateway.cancel(self.call_id)
+
+    @property
+    def final_state(self) -> str | None:
+        return self._final.state if self._final else None
+
+
+def cancel_call(gateway: Gateway, call_id: str) -> bool:
+    """Cancel by id; True when the request was recorded (the call was not already finished)."""
+    from broker.calls import CallInfo
+
+    conn = gateway.conn
+    raw = conn.hmget(keys.job(call_id), keys.F_STATE, keys.F_ATTEMPT, keys.F_TRACE, keys.F_KIND, keys.F_TOOL, keys.F_CHANNEL, keys.F_CKEY, "origin")
+    if raw[0] is None:
+        return False
+    state, attempt, trace, kind, tool, chan, ckey, origin = ((v or b"").decode() for v in raw)
+    if state in TERMINAL:
+        return False
+    info = CallInfo(call_id, trace, "", kind, tool, None, chan, ckey, origin)
+    if state == State.PENDING:
+        err = {"type": "cancelled", "message": "cancelled by the caller before it started"}
+        reply = gateway.calls.transition(
+            info, State.CANCELLED, attempt=int(attempt or 1), fence=False, from_states=frozenset({State.PENDING}),
+            detail={"error": err}, fields={keys.F_ERROR: pack(err)},
+        )
+        if int(reply[0]) > 0:
+            conn.zrem(keys.waiting(ckey), call_id)
+            return True
+    pipe = conn.pipeline()
+    pipe.hset(keys.job(call_id), keys.F_CANCEL, "1")
+    pipe.publish(keys.CONTROL_CHANNEL, pack({"op": "cancel", "call_id": call_id}))
+    pipe.execute()
+    return True

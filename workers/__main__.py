@@ -1,0 +1,35 @@
+"""``python -m workers``: one worker process (what the pool supervisor starts)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from broker.config import load_settings
+from broker.errors import HermesError
+from broker.logs import configure
+from workers.pool import run_worker
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workers")
+    parser.add_argument("--queues", default="tools,llm")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--grace", type=float, default=25.0)
+    args = parser.parse_args(argv)
+    settings = load_settings()
+    configure(settings.log_level, settings.log_format)
+    url = os.environ.get("HERMES_REDIS_URL") or settings.redis_url
+    if not url:
+        print("error: HERMES_REDIS_URL is not set; a worker process needs a broker URL", file=sys.stderr)
+        return 2
+    try:
+        return run_worker(url, settings, [q for q in args.queues.split(",") if q], args.concurrency, args.grace)
+    except HermesError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""What a call needs from its worker process: broker access, directory, executors, bookkeeping."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+import structlog
+
+from broker import keys
+from broker.calls import Calls
+from broker.codec import pack
+from broker.config import Settings
+from broker.directory import Directory
+from broker.envelope import Envelope
+from broker.states import State
+from broker.toolspec import ToolSpec
+from workers.executors.base import ExecContext, get_executor
+from workers.outbox import Outbox
+from workers.runner import Running
+
+log = structlog.get_logger("hermes.worker")
+
+FAILURES_KEPT = 100
+
+
+def concurrency_key(env: Envelope, spec_executor: str | None = None) -> str:
+    """The key whose limit a call counts against: the tool itself, or the model for LLM calls."""
+    if env.kind == "tool":
+        return f"tool:{env.tool}"
+    return f"llm:{env.name}"
+
+
+class WorkerCore:
+    """Shared services of one worker process."""
+
+    def __init__(self, conn: redis.Redis, settings: Settings, name: str) -> None:
+        self.conn = conn
+        self.settings = settings
+        self.name = name
+        self.calls = Calls(conn)
+        self.outbox = Outbox(conn)
+        self.directory = Directory(conn)
+        self._inflight: dict[str, Running] = {}
+        self._lock = threading.Lock()
+        self._cancelled: set[str] = set()
+        self.processed = 0
+        self.failed = 0
+        self.idle = threading.Condition(self._lock)
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+
+    def ckey_of(self, env: Envelope) -> str:
+        return concurrency_key(env)
+
+    def track(self, run: Running) -> None:
+        with self._lock:
+            self._inflight[run.info.call_id] = run
+
+    def untrack(self, run: Running) -> None:
+        with self._lock:
+            self._inflight.pop(run.info.call_id, None)
+            self._cancelled.discard(run.info.call_id)
+            self.idle.notify_all()
+
+    def inflight(self) -> list[Running]:
+        with self._lock:
+            return list(self._inflight.values())
+
+    def inflight_count(self) -> int:
+        return len(self._inflight)
+
+    def cancel(self, call_id: str) -> bool:
+        """Cancel a call running here (control message); True when it was ours."""
+        with self._lock:
+            run = self._inflight.get(call_id)
+            self._cancelled.add(call_id)
+            if len(self._cancelled) > 10_000:  # ids of calls that never came here
+                self._cancelled.clear()
+            if run is None:
+                return False
+        if run.ctx is not None:
+            run.ctx.cancelled.set()
+        return True
+
+    def is_cancelled(self, call_id: str) -> bool:
+        # A cancel lands here through the control channel; by the time a call is ``routing`` in
+        # Redis it is tracked, so a client that saw ``routing`` and published reaches it.
+        return call_id in self._cancelled
+
+    def finished(self, run: Running, state: State, error: dict[str, Any] | None, duration: float) -> None:
+        self.processed += 1
+        if state is State.FAILED:
+            self.failed += 1
+            entry = pack(
+                {
+                    "call_id": run.info.call_id,
+                    "name": run.info.name,
+                    "kind": run.info.kind,
+                    "error": error or {},
+                    "ts": time.time(),
+                    "worker": self.name,
+                }
+            )
+
+            def write(pipe: Any) -> None:
+                pipe.lpush(keys.FAILURES, entry)
+                pipe.ltrim(keys.FAILURES, 0, FAILURES_KEPT - 1)
+
+            self.outbox.put(write)
+        log.debug("call ended", state=str(state), duration_ms=round(duration * 1000, 3))
+
+    # -- the call's steps (the middleware flow plugs in here) -------------------------------------
+
+    def execute_tool(
+        self,
+        run: Running,
+        spec: ToolSpec,
+        args: dict[str, Any],
+        ctx: ExecContext,
+        move: Callable[..., None],
+    ) -> Any:
+        """Pre-execution checks, then the executor; moves the call to ``executing``."""
+        move(run, State.EXECUTING)
+        ctx.check()
+        executor = get_executor(spec.executor, ctx.settings)
+        return executor.run(spec, args, ctx)
+
+    def format_result(self, run: Running, spec: ToolSpec, result: Any) -> Any:
+        return result
+
+    def close(self) -> None:
+        self.outbox.close()

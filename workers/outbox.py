@@ -1,0 +1,107 @@
+"""Write-behind: many threads queue Redis writes, one thread sends them in pipelines.
+
+Under load every round trip carries the writes of many calls; ordering per call is kept because
+there is one queue and one sender.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import redis
+import structlog
+from redis.client import Pipeline
+
+log = structlog.get_logger("hermes.worker.outbox")
+
+Writer = Callable[[Pipeline], Any]
+Callback = Callable[[Any], None]
+
+
+class Outbox:
+    """A FIFO of pipeline writers flushed by one background thread."""
+
+    def __init__(self, conn: redis.Redis, max_batch: int = 512) -> None:
+        self.conn = conn
+        self.max_batch = max_batch
+        self._items: deque[tuple[Writer, Callback | None]] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._busy = False
+        self._thread = threading.Thread(target=self._run, name="hermes-outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, writer: Writer, callback: Callback | None = None) -> None:
+        """Queue a write; ``writer(pipe)`` adds exactly one command, ``callback`` gets its reply."""
+        with self._cond:
+            self._items.append((writer, callback))
+            self._cond.notify()
+
+    def call(self, writer: Writer, timeout: float = 30.0) -> Any:
+        """Queue a write and wait for its reply."""
+        done = threading.Event()
+        box: list[Any] = []
+
+        def cb(reply: Any) -> None:
+            box.append(reply)
+            done.set()
+
+        self.put(writer, cb)
+        if not done.wait(timeout):
+            raise TimeoutError("outbox write not flushed in time")
+        if isinstance(box[0], Exception):
+            raise box[0]
+        return box[0]
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until everything queued so far has been sent."""
+        try:
+            self.call(lambda pipe: pipe.echo(b""), timeout)
+            return True
+        except (TimeoutError, redis.RedisError):
+            return False
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def pending(self) -> int:
+        return len(self._items)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._items and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self._items:
+                    return
+                batch = []
+                while self._items and len(batch) < self.max_batch:
+                    batch.append(self._items.popleft())
+            self._send(batch)
+
+    def _send(self, batch: list[tuple[Writer, Callback | None]]) -> None:
+        for attempt in range(5):
+            pipe = self.conn.pipeline(transaction=False)
+            for writer, _ in batch:
+                writer(pipe)
+            try:
+                replies = pipe.execute(raise_on_error=False)
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                log.warning("outbox flush failed, retrying", error=str(e), attempt=attempt + 1)
+                threading.Event().wait(min(0.1 * 2**attempt, 2.0))
+        else:
+            replies = [redis.ConnectionError("broker unreachable")] * len(batch)
+        for (_, cb), reply in zip(batch, replies, strict=True):
+            if cb is not None:
+                try:
+                    cb(reply)
+                except Exception:  # noqa: BLE001 - a callback must not stop the sender
+                    log.exception("outbox callback failed")

@@ -1,0 +1,92 @@
+"""Running a worker: one process in the foreground, or a supervisor over several."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import structlog
+
+from broker.config import Settings
+from broker.connection import from_url
+from broker.errors import BrokerUnavailable
+
+log = structlog.get_logger("hermes.pool")
+
+
+def run_worker(url: str, settings: Settings, queues: list[str], concurrency: int, grace: float) -> int:
+    """Run one worker in this process until it is stopped."""
+    from workers.worker import Worker
+
+    conn = from_url(url)
+    worker = Worker(conn, settings, queues, concurrency=concurrency, grace=grace)
+    worker.install_signals()
+    worker.work()
+    return 0
+
+
+def worker_argv(queues: list[str], concurrency: int, grace: float) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "workers",
+        "--queues",
+        ",".join(queues),
+        "--concurrency",
+        str(concurrency),
+        "--grace",
+        str(grace),
+    ]
+
+
+def spawn(url: str, queues: list[str], concurrency: int, grace: float = 25.0, env: dict[str, str] | None = None) -> subprocess.Popen[Any]:
+    """Start one worker process on ``url``."""
+    child_env = dict(os.environ if env is None else env)
+    child_env["HERMES_REDIS_URL"] = url
+    return subprocess.Popen(worker_argv(queues, concurrency, grace), env=child_env)
+
+
+def supervise(url: str, queues: list[str], concurrency: int, processes: int, grace: float) -> int:
+    """Start ``processes`` workers, restart any that crash, pass SIGTERM/SIGINT on, wait for all."""
+    if not url:
+        raise BrokerUnavailable("worker pools need a broker URL")
+    children = [spawn(url, queues, concurrency, grace) for _ in range(processes)]
+    stopping = False
+
+    def on_term(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    log.info("worker pool started", processes=processes, concurrency=concurrency, queues=queues)
+    restarts: list[float] = []
+    while True:
+        alive = False
+        for i, child in enumerate(children):
+            code = child.poll()
+            if code is None:
+                alive = True
+                continue
+            if not stopping and code != 0:
+                now = time.monotonic()
+                restarts[:] = [t for t in restarts if now - t < 60]
+                if len(restarts) >= 10 * processes:
+                    log.error("workers keep crashing; giving up", exit_code=code)
+                    stopping = True
+                    on_term(signal.SIGTERM, None)
+                    continue
+                restarts.append(now)
+                log.warning("worker process exited; restarting", exit_code=code, pid=child.pid)
+                children[i] = spawn(url, queues, concurrency, grace)
+                alive = True
+        if not alive:
+            return 0
+        time.sleep(0.2)

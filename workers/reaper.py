@@ -1,0 +1,79 @@
+"""Settling calls whose worker died: retried while attempts are left, else failed with a reason."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+
+from broker import keys
+from broker.calls import CallInfo, Calls
+from broker.codec import pack
+from broker.errors import WorkerLost
+from broker.states import ACTIVE, State
+from broker.tracecontext import new_span_id
+
+log = structlog.get_logger("hermes.reaper")
+
+
+def reap(calls: Calls, lease: float, result_ttl: int) -> int:
+    """Settle every call whose lease ran out; returns how many were settled."""
+    expired = calls.reap(lease)
+    for item in expired:
+        try:
+            _settle(calls, item, result_ttl)
+        except Exception:  # noqa: BLE001 - one bad record must not stop the reaper
+            log.exception("could not settle expired call", call_id=item["call_id"])
+    return len(expired)
+
+
+def _info(calls: Calls, call_id: str, item: dict[str, Any]) -> CallInfo:
+    raw = calls.conn.hmget(keys.job(call_id), keys.F_TRACE, keys.F_KIND, keys.F_TOOL, keys.F_CHANNEL, "origin")
+    trace, kind, tool, chan, origin = ((v or b"").decode(errors="replace") for v in raw)
+    return CallInfo(call_id, trace, new_span_id(), kind, tool, None, chan, item["ckey"], origin)
+
+
+def _settle(calls: Calls, item: dict[str, Any], result_ttl: int) -> None:
+    call_id, state, attempt = item["call_id"], item["state"], item["attempt"]
+    if state == State.PENDING or state == State.RETRYING and not item["cancel"]:
+        info = _info(calls, call_id, item)
+        if state == State.RETRYING:
+            calls.transition(info, State.PENDING, attempt=attempt, requeue=True, lease="-", current=State.RETRYING)
+        else:
+            # Claimed but never started: back on the queue, same attempt.
+            pipe = calls.conn.pipeline()
+            pipe.zadd(keys.waiting(item["ckey"]), {call_id: 0})
+            pipe.lpush(item["queue"], call_id)
+            pipe.zrem(keys.LEASES, call_id)
+            pipe.execute()
+        log.info("requeued call of a lost worker", call_id=call_id, state=state)
+        return
+    if state not in ACTIVE and state != State.RETRYING:
+        calls.conn.zrem(keys.LEASES, call_id)
+        return
+    info = _info(calls, call_id, item)
+    current = State(state)
+    if item["cancel"]:
+        err = {"type": "cancelled", "message": "call cancelled; its worker was lost"}
+        calls.transition(
+            info, State.CANCELLED, attempt=attempt, current=current, detail={"error": err},
+            fields={keys.F_ERROR: pack(err)}, ttl=result_ttl,
+        )
+    elif attempt < item["max_attempts"]:
+        reply = calls.transition(
+            info, State.RETRYING, attempt=attempt, current=current, lease="-",
+            detail={"reason": "worker_lost", "next_attempt": attempt + 1},
+            fields={keys.F_ATTEMPT: attempt + 1},
+        )
+        if int(reply[0]) > 0:
+            calls.transition(info, State.PENDING, attempt=attempt + 1, requeue=True, current=State.RETRYING)
+        log.warning("worker lost mid-call, retrying", call_id=call_id, attempt=attempt + 1)
+    else:
+        err = WorkerLost(
+            f"the worker running this call was lost {attempt} time(s); no attempts left", attempts=attempt
+        ).to_wire()
+        calls.transition(
+            info, State.FAILED, attempt=attempt, current=current, detail={"error": err},
+            fields={keys.F_ERROR: pack(err)}, ttl=result_ttl,
+        )
+        log.warning("worker lost mid-call, no attempts left", call_id=call_id, attempt=attempt)

@@ -1,0 +1,178 @@
+"""Running one call through the state machine: routing → executing → formatting → done.
+
+Every transition goes through the worker's outbox (write-behind, pipelined) and is fenced by the
+call's attempt number, so a worker that lost its lease can no longer move the call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from broker import keys
+from broker.calls import CallInfo, Claimed, envelope_of
+from broker.codec import pack
+from broker.envelope import Envelope
+from broker.errors import CallCancelled, DecodeError, HermesError
+from broker.events import PROGRESS
+from broker.states import State
+from broker.tracecontext import new_span_id
+from workers.executors.base import ExecContext
+
+if TYPE_CHECKING:
+    from workers.worker import WorkerCore
+
+log = structlog.get_logger("hermes.worker")
+
+INLINE_RESULT_LIMIT = 64 * 1024
+
+
+@dataclass
+class Running:
+    """A call in flight in this process."""
+
+    info: CallInfo
+    env: Envelope
+    attempt: int
+    state: State = State.PENDING
+    ctx: ExecContext | None = None
+    lost: bool = False
+    abandoned: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+
+class CallRunner:
+    """Runs claimed calls for one worker process."""
+
+    def __init__(self, core: WorkerCore) -> None:
+        self.core = core
+
+    # -- transitions -----------------------------------------------------------------------------
+
+    def _move(self, run: Running, target: State, detail: dict[str, Any] | None = None, **kw: Any) -> None:
+        current = run.state
+        run.state = target
+        calls = self.core.calls
+
+        def write(pipe: Any) -> None:
+            calls.transition(run.info, target, attempt=run.attempt, detail=detail, current=current, pipeline=pipe, **kw)
+
+        self.core.outbox.put(write, lambda reply: self._check(run, target, reply))
+
+    def _check(self, run: Running, target: State, reply: Any) -> None:
+        if isinstance(reply, Exception):
+            log.error("transition not written", call_id=run.info.call_id, state=str(target), error=str(reply))
+            return
+        if int(reply[0]) < 0 and not run.lost:
+            run.lost = True
+            if run.ctx is not None:
+                run.ctx.cancelled.set()
+            log.info(
+                "call taken from this worker",
+                call_id=run.info.call_id,
+                wanted=str(target),
+                actual=reply[1].decode() if isinstance(reply[1], bytes) else reply[1],
+            )
+
+    def progress(self, run: Running, message: str) -> None:
+        calls = self.core.calls
+        state = run.state
+
+        def write(pipe: Any) -> None:
+            calls.transition(
+                run.info, None, attempt=run.attempt, detail={"message": message}, event_type=PROGRESS, current=state, pipeline=pipe
+            )
+
+        self.core.outbox.put(write)
+
+    # -- the call --------------------------------------------------------------------------------
+
+    def run(self, claimed: Claimed) -> None:
+        """Run one claimed call to a terminal state (or hand it back); never raises."""
+        try:
+            env = envelope_of(claimed.data)
+        except DecodeError as e:
+            self._fail_undecodable(claimed, e)
+            return
+        ckey = self.core.ckey_of(env)
+        run = Running(CallInfo.of(env, ckey, span_id=new_span_id()), env, claimed.attempt)
+        self.core.track(run)
+        structlog.contextvars.bind_contextvars(call_id=env.call_id, trace_id=run.info.trace_id, tool=run.info.name)
+        try:
+            self._run(run)
+        except CallCancelled as e:
+            if not run.abandoned and not run.lost:
+                self._finish(run, State.CANCELLED, error=e.to_wire())
+        except HermesError as e:
+            if not run.abandoned and not run.lost:
+                self._finish(run, State.FAILED, error=e.to_wire())
+        except Exception as e:  # noqa: BLE001 - nothing a caller sends may kill the worker
+            log.exception("call crashed in the worker")
+            if not run.abandoned and not run.lost:
+                self._finish(run, State.FAILED, error={"type": "internal_error", "message": f"{type(e).__name__}: {e}"})
+        finally:
+            self.core.untrack(run)
+            structlog.contextvars.clear_contextvars()
+
+    def _run(self, run: Running) -> None:
+        env, core = run.env, self.core
+        self._move(run, State.ROUTING, {"worker": core.name})
+        if env.kind != "tool":
+            raise DecodeError(f"this worker cannot run {env.kind!r} calls yet")
+        entry = core.directory.get(env.tool or "", env.tool_version)
+        spec = entry.spec
+        timeout = float(env.options.timeout or spec.timeout)
+        ctx = ExecContext(
+            call_id=env.call_id,
+            tool_name=spec.name,
+            timeout=timeout,
+            attempt=run.attempt,
+            traceparent=env.traceparent,
+            tracestate=env.tracestate,
+            progress_sink=lambda msg: self.progress(run, msg),
+            settings=core.settings.executor_settings(spec.executor),
+        )
+        run.ctx = ctx
+        if core.is_cancelled(env.call_id):
+            ctx.cancelled.set()
+        result = core.execute_tool(run, spec, dict(env.args or {}), ctx, self._move)
+        if run.lost or run.abandoned:
+            return
+        self._move(run, State.FORMATTING)
+        result = core.format_result(run, spec, result)
+        self._finish(run, State.DONE, result=result)
+
+    def _finish(self, run: Running, target: State, *, result: Any = None, error: dict[str, Any] | None = None) -> None:
+        duration = time.monotonic() - run.started
+        fields: dict[str, Any] = {}
+        detail: dict[str, Any] = {"duration_ms": round(duration * 1000, 3)}
+        if target is State.DONE:
+            try:
+                packed = pack(result)
+            except (TypeError, ValueError) as e:
+                target = State.FAILED
+                error = {"type": "unserializable_result", "message": f"tool result cannot be encoded: {e}"}
+            else:
+                fields[keys.F_RESULT] = packed
+                if len(packed) <= INLINE_RESULT_LIMIT:
+                    detail["result"] = result
+                else:
+                    detail["result_in_record"] = True
+        if error is not None:
+            fields[keys.F_ERROR] = pack(error)
+            detail["error"] = error
+        self._move(run, target, detail, fields=fields, ttl=self.core.settings.result_ttl)
+        self.core.finished(run, target, error, duration)
+
+    def _fail_undecodable(self, claimed: Claimed, err: DecodeError) -> None:
+        """A payload that does not decode fails that call with a typed error; the worker goes on."""
+        core = self.core
+        raw = core.conn.hmget(keys.job(claimed.call_id), keys.F_CHANNEL, keys.F_CKEY, keys.F_TRACE, keys.F_KIND, keys.F_TOOL)
+        chan, ckey, trace, kind, tool = ((v or b"").decode(errors="replace") for v in raw)
+        info = CallInfo(claimed.call_id, trace, new_span_id(), kind or "tool", tool, None, chan or keys.CONTROL_CHANNEL, ckey, "")
+        run = Running(info, None, claimed.attempt)  # type: ignore[arg-type]
+        log.warning("undecodable call payload", call_id=claimed.call_id, error=str(err))
+        self._finish(run, State.FAILED, error=err.to_wire())

@@ -1,0 +1,258 @@
+"""A worker process: claims calls from RQ queues and keeps up to N of them in flight on threads.
+
+It registers as an RQ worker (``rq info`` lists it and its queues), heartbeats, extends the leases of
+its calls, reaps the calls of dead workers, and on SIGTERM finishes in-flight calls within a grace
+period, handing back what is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import redis
+import structlog
+from rq import Queue
+from rq import Worker as RQWorker
+
+from broker import keys
+from broker.codec import MsgpackSerializer, pack, unpack
+from broker.config import Settings
+from broker.states import State
+from workers import reaper
+from workers.core import WorkerCore
+from workers.executors.base import close_all
+from workers.runner import CallRunner
+
+log = structlog.get_logger("hermes.worker")
+
+CLAIM_BATCH = 64
+
+
+def worker_name() -> str:
+    return f"hermes-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class Worker:
+    """One worker process."""
+
+    def __init__(
+        self,
+        conn: redis.Redis,
+        settings: Settings,
+        queues: list[str],
+        concurrency: int = 16,
+        name: str | None = None,
+        grace: float = 25.0,
+    ) -> None:
+        self.conn = conn
+        self.settings = settings
+        self.queues = queues
+        self.concurrency = max(1, concurrency)
+        self.name = name or worker_name()
+        self.grace = grace
+        self.lease = settings.lease
+        self.core = WorkerCore(conn, settings, self.name)
+        self.runner = CallRunner(self.core)
+        self.pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="hermes-call")
+        self.stopping = threading.Event()
+        self._slots = threading.Semaphore(self.concurrency)
+        self._wake = threading.Event()
+        self.rq = RQWorker(
+            [Queue(q, connection=conn, serializer=MsgpackSerializer) for q in queues],
+            connection=conn,
+            name=self.name,
+            serializer=MsgpackSerializer,
+        )
+        self.started_at = time.time()
+
+    # -- life cycle ------------------------------------------------------------------------------
+
+    def install_signals(self) -> None:
+        def on_term(signum: int, _frame: Any) -> None:
+            if self.stopping.is_set() and signum == signal.SIGINT:
+                log.warning("second interrupt: stopping now")
+                os._exit(1)
+            log.info("stop requested", signal=signal.Signals(signum).name)
+            self.request_stop()
+
+        signal.signal(signal.SIGTERM, on_term)
+        signal.signal(signal.SIGINT, on_term)
+
+    def request_stop(self) -> None:
+        self.stopping.set()
+        self._wake.set()
+
+    def work(self) -> None:
+        """Run until stopped; then drain within the grace period."""
+        self.rq.register_birth()
+        self.rq.set_state("busy")
+        self._heartbeat_once()
+        threads = [
+            threading.Thread(target=self._heartbeat_loop, name="hermes-heartbeat", daemon=True),
+            threading.Thread(target=self._control_loop, name="hermes-control", daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        log.info("worker started", worker=self.name, queues=self.queues, concurrency=self.concurrency, pid=os.getpid())
+        try:
+            self._dispatch()
+        finally:
+            self._shutdown()
+
+    def _dispatch(self) -> None:
+        idle = 0.001
+        while not self.stopping.is_set():
+            if not self._slots.acquire(timeout=0.2):
+                continue
+            if self.stopping.is_set():
+                self._slots.release()
+                break
+            free = 1
+            while free < CLAIM_BATCH and self._slots.acquire(blocking=False):
+                free += 1
+            try:
+                claimed = self.core.calls.claim(self.queues, free, self.name, self.lease)
+            except redis.RedisError as e:
+                log.warning("claim failed", error=str(e))
+                claimed = []
+                time.sleep(0.5)
+            for _ in range(free - len(claimed)):
+                self._slots.release()
+            if not claimed:
+                self._wake.wait(idle)
+                self._wake.clear()
+                idle = min(idle * 2, 0.05)
+                continue
+            idle = 0.001
+            for c in claimed:
+                self.pool.submit(self._run_one, c)
+
+    def _run_one(self, claimed: Any) -> None:
+        try:
+            self.runner.run(claimed)
+        finally:
+            self._slots.release()
+
+    def _shutdown(self) -> None:
+        deadline = time.monotonic() + self.grace
+        with self.core.idle:
+            while self.core.inflight_count() and time.monotonic() < deadline:
+                self.core.idle.wait(0.1)
+        leftovers = self.core.inflight()
+        for run in leftovers:
+            self._hand_back(run)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.core.close()
+        close_all()
+        try:
+            pipe = self.conn.pipeline()
+            pipe.zrem(keys.WORKERS, self.name)
+            pipe.delete(keys.worker(self.name))
+            pipe.execute()
+            self.rq.register_death()
+        except redis.RedisError:
+            pass
+        log.info("worker stopped", worker=self.name, handed_back=len(leftovers), processed=self.core.processed)
+
+    def _hand_back(self, run: Any) -> None:
+        """Requeue a call the grace period could not finish; it does not count as a failed attempt."""
+        run.abandoned = True
+        if run.ctx is not None:
+            run.ctx.cancelled.set()
+        current = run.state
+        if current not in (State.ROUTING, State.EXECUTING, State.FORMATTING):
+            return
+        calls = self.core.calls
+        reply = calls.transition(
+            run.info, State.RETRYING, attempt=run.attempt, current=current, lease="-",
+            detail={"reason": "worker_shutdown", "next_attempt": run.attempt + 1},
+            fields={keys.F_ATTEMPT: run.attempt + 1},
+        )
+        if int(reply[0]) > 0:
+            self.conn.hincrby(keys.job(run.info.call_id), keys.F_MAX_ATTEMPTS, 1)
+            calls.transition(run.info, State.PENDING, attempt=run.attempt + 1, requeue=True, current=State.RETRYING)
+
+    # -- background threads ----------------------------------------------------------------------
+
+    def _heartbeat_once(self) -> None:
+        running = [r.info.call_id for r in self.core.inflight()]
+        pipe = self.conn.pipeline(transaction=False)
+        self.rq.heartbeat(pipeline=pipe)
+        pipe.zadd(keys.WORKERS, {self.name: time.time()})
+        pipe.hset(
+            keys.worker(self.name),
+            mapping={
+                "name": self.name,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "queues": ",".join(self.queues),
+                "concurrency": self.concurrency,
+                "inflight": len(running),
+                "processed": self.core.processed,
+                "failed": self.core.failed,
+                "started_at": self.started_at,
+                "heartbeat": time.time(),
+            },
+        )
+        pipe.expire(keys.worker(self.name), int(self.lease * 2) + 5)
+        self.core.calls.extend_leases(running, self.lease, pipeline=pipe)
+        pipe.execute()
+
+    def _heartbeat_loop(self) -> None:
+        interval = max(0.2, min(self.lease / 3.0, 5.0))
+        while not self.stopping.wait(interval):
+            try:
+                self._heartbeat_once()
+                reaper.reap(self.core.calls, self.lease, self.settings.result_ttl)
+                self.conn.zremrangebyscore(keys.WORKERS, "-inf", time.time() - self.lease * 2)
+            except redis.RedisError as e:
+                log.warning("heartbeat failed", error=str(e))
+            except Exception:  # noqa: BLE001 - the heartbeat must keep going
+                log.exception("heartbeat crashed")
+
+    def _control_loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                pubsub = self.conn.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(keys.CONTROL_CHANNEL)
+                while not self.stopping.is_set():
+                    msg = pubsub.get_message(timeout=1.0)
+                    if msg is not None:
+                        self._on_control(msg["data"])
+                pubsub.close()
+            except redis.RedisError as e:
+                log.warning("control channel lost", error=str(e))
+                time.sleep(1.0)
+
+    def _on_control(self, data: bytes) -> None:
+        try:
+            msg = unpack(data)
+        except Exception:  # noqa: BLE001 - garbage on the channel is ignored
+            return
+        if not isinstance(msg, dict):
+            return
+        op = msg.get("op")
+        target = msg.get("worker")
+        if target and target != self.name:
+            return
+        if op == "cancel" and msg.get("call_id"):
+            self.core.cancel(str(msg["call_id"]))
+        elif op == "stop":
+            log.info("stop requested over the control channel")
+            self.request_stop()
+        elif op == "reload":
+            self.core.directory.invalidate()
+            reload = getattr(self.core, "reload", None)
+            if reload is not None:
+                reload()
+
+
+def control_message(op: str, **fields: Any) -> bytes:
+    return pack({"op": op, **fields})
