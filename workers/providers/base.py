@@ -1,0 +1,118 @@
+"""The provider protocol, the context a provider call runs in, and the per-process provider cache."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from broker.errors import CallCancelled, ConfigError, ProviderTimeout
+
+DeltaSink = Callable[[dict[str, Any]], None]
+
+# `model.provider` spellings -> module under workers.providers. OpenAI-compatible servers
+# (DeepSeek, vLLM, Ollama, llama.cpp, LM Studio) all speak the same chat-completions dialect.
+_MODULES: dict[str, str] = {
+    "openai-compatible": "openai_compat",
+    "openai_compatible": "openai_compat",
+    "openai_compat": "openai_compat",
+    "openai": "openai_compat",
+    "custom": "openai_compat",
+}
+
+
+@dataclass
+class ProviderContext:
+    """What a provider call gets besides the request: deadline, cancellation, stream sink, trace."""
+
+    call_id: str
+    timeout: float = 120.0
+    attempt: int = 1
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    on_delta: DeltaSink | None = None
+    traceparent: str | None = None
+    tracestate: str | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.timeout
+
+    def remaining(self) -> float:
+        """Seconds left before the call's timeout; raises ProviderTimeout when none are."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise ProviderTimeout(f"LLM call {self.call_id} timed out after {self.timeout:g}s")
+        return left
+
+    def check(self) -> None:
+        """Raise if the call was cancelled or ran out of time."""
+        if self.cancelled.is_set():
+            raise CallCancelled(f"call {self.call_id} was cancelled")
+        self.remaining()
+
+
+class Provider(Protocol):
+    """Runs one chat-completions request and returns the provider's own response shape."""
+
+    def complete(self, request: dict[str, Any], ctx: ProviderContext) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+_instances: dict[tuple[str, str, str], Provider] = {}
+_lock = threading.Lock()
+
+
+def provider_module(name: str) -> str:
+    """The module name under ``workers.providers`` that serves ``model.provider``."""
+    key = (name or "openai-compatible").strip().lower()
+    module = _MODULES.get(key)
+    if module is None:
+        raise ConfigError(f"unknown model provider {name!r}; known: {', '.join(sorted(_MODULES))}")
+    return module
+
+
+def _cache_key(settings_model: dict[str, Any]) -> tuple[str, str, str]:
+    # The key is hashed so the cache never holds (or prints) the secret itself.
+    api_key = str(settings_model.get("api_key") or "")
+    digest = hashlib.sha256(api_key.encode()).hexdigest()[:16] if api_key else ""
+    module = provider_module(str(settings_model.get("provider") or ""))
+    return (module, str(settings_model.get("base_url") or ""), digest)
+
+
+def create(settings_model: dict[str, Any]) -> Provider:
+    """A new provider from a ``model:`` settings block (not cached)."""
+    module = importlib.import_module(
+        f"{__package__}.{provider_module(str(settings_model.get('provider') or ''))}"
+    )
+    return module.create(settings_model)
+
+
+def get_provider(settings_model: dict[str, Any]) -> Provider:
+    """One provider per (provider, base_url, api_key) per process, created on first use."""
+    key = _cache_key(settings_model)
+    inst = _instances.get(key)
+    if inst is not None:
+        return inst
+    with _lock:
+        inst = _instances.get(key)
+        if inst is None:
+            inst = create(settings_model)
+            _instances[key] = inst
+    return inst
+
+
+def close_all() -> None:
+    """Close every cached provider (worker shutdown)."""
+    with _lock:
+        for inst in _instances.values():
+            try:
+                inst.close()
+            except Exception:  # noqa: BLE001 - closing is best effort at shutdown
+                pass
+        _instances.clear()

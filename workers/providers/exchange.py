@@ -1,0 +1,99 @@
+"""A blocking HTTP exchange on a helper thread, so the calling thread can be cancelled or time out at once.
+
+httpx cannot resume a response after a read timeout, and closing a socket does not wake a thread blocked
+in ``recv``. So the exchange runs on its own daemon thread and hands items over a queue; the caller polls
+the queue in short slices, checking ``cancelled`` and the deadline between them. On abort the socket is
+shut down (which does wake the reader) and the reader closes the response itself.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from broker.errors import CallCancelled, ProviderTimeout
+
+from .base import ProviderContext
+
+POLL = 0.25  # seconds between cancellation checks while waiting for the server
+
+Item = tuple[str, Any]
+
+# Items after which the reader hands over nothing more (it may still drain the body for reuse).
+FINAL = frozenset({"error", "json", "end"})
+
+
+class Exchange:
+    """The hand-over between the reader thread and the calling thread for one provider call."""
+
+    def __init__(self, ctx: ProviderContext) -> None:
+        self.ctx = ctx
+        self.stop = threading.Event()
+        self.final = False
+        self._items: queue.SimpleQueue[Item] = queue.SimpleQueue()
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def start(self, target: Callable[[Exchange], None]) -> threading.Thread:
+        """Run ``target(self)`` on a daemon thread named after the call."""
+        thread = threading.Thread(target=target, args=(self,), daemon=True, name=f"llm-{self.ctx.call_id}")
+        thread.start()
+        return thread
+
+    # --- reader side --------------------------------------------------------------------------
+
+    def put(self, kind: str, value: Any = None) -> None:
+        """Hand one item to the caller."""
+        self._items.put((kind, value))
+
+    def attach(self, response: Any) -> None:
+        """Remember the response's socket so an abort can wake a reader blocked on it."""
+        stream = (getattr(response, "extensions", None) or {}).get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        with self._lock:
+            self._sock = sock
+        if self.stop.is_set():
+            self._shutdown()
+
+    # --- caller side --------------------------------------------------------------------------
+
+    def next(self) -> Item:
+        """The next item from the reader; raises CallCancelled or ProviderTimeout (and aborts) instead."""
+        ctx = self.ctx
+        while True:
+            if ctx.cancelled.is_set():
+                self.abort()
+                raise CallCancelled(f"call {ctx.call_id} was cancelled")
+            left = ctx.deadline - time.monotonic()
+            if left <= 0:
+                self.abort()
+                raise ProviderTimeout(f"LLM call {ctx.call_id} timed out after {ctx.timeout:g}s")
+            try:
+                item = self._items.get(timeout=min(POLL, left))
+            except queue.Empty:
+                continue
+            self.final = item[0] in FINAL
+            return item
+
+    def abort(self) -> None:
+        """Tell the reader to stop and wake it if it is blocked on the socket (unless it is done)."""
+        if self.final:
+            return
+        self.stop.set()
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            sock = self._sock
+        if sock is None:
+            return
+        try:
+            # The base-class method, so an SSLSocket is shut down at the TCP level without touching
+            # TLS state the reader thread is using.
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed

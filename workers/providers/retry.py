@@ -1,0 +1,75 @@
+"""When to try a failed provider call again: Retry-After first, else exponential backoff with full jitter."""
+
+from __future__ import annotations
+
+import email.utils
+import random
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+RETRYABLE_STATUSES: frozenset[int] = frozenset({408, 429})
+
+
+def is_retryable_status(status: int) -> bool:
+    """429, 408 and every 5xx are worth another attempt; other statuses will fail the same way again."""
+    return status in RETRYABLE_STATUSES or 500 <= status <= 599
+
+
+def parse_retry_after(headers: Mapping[str, str], now: float | None = None) -> float | None:
+    """Seconds to wait from ``retry-after-ms`` or ``Retry-After`` (delta-seconds or an HTTP-date)."""
+    lowered = {k.lower(): v for k, v in headers.items()}
+    raw_ms = lowered.get("retry-after-ms")
+    if raw_ms:
+        try:
+            return max(0.0, float(raw_ms) / 1000.0)
+        except ValueError:
+            pass
+    raw = (lowered.get("retry-after") or "").strip()
+    if not raw:
+        return None
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(raw)
+    except (TypeError, ValueError):
+        return None
+    if when is None:
+        return None
+    current = time.time() if now is None else now
+    return max(0.0, when.timestamp() - current)
+
+
+def retry_delay(
+    error: BaseException,
+    attempt: int,
+    base: float = 0.5,
+    cap: float = 30.0,
+    max_retry_after: float = 60.0,
+    rand: Callable[[], float] = random.random,
+) -> float | None:
+    """Seconds before the next attempt, or None to give up (not retryable, or the server asks too much).
+
+    ``attempt`` is the 1-based number of the attempt that just failed.
+    """
+    if not getattr(error, "retryable", False):
+        return None
+    retry_after: Any = getattr(error, "retry_after", None)
+    if retry_after is not None:
+        wait = float(retry_after)
+        return None if wait > max_retry_after else wait
+    ceiling = min(cap, base * (2 ** max(0, attempt - 1)))
+    return rand() * ceiling
+
+
+def give_up_reason(error: BaseException, max_retry_after: float = 60.0) -> str:
+    """A sentence saying why ``retry_delay`` returned None for this error."""
+    retry_after = getattr(error, "retry_after", None)
+    if getattr(error, "retryable", False) and retry_after is not None and retry_after > max_retry_after:
+        return (
+            f"provider asked to retry after {retry_after:g}s, more than the {max_retry_after:g}s "
+            f"this gateway waits; giving up: {error}"
+        )
+    return f"not retryable: {error}"
