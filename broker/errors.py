@@ -237,3 +237,10 @@ class InvalidOutput(CallFailed):
     """The tool's result does not match its output schema."""
 
     type = "invalid_output"
+
+
+@register_error_type
+class DestinationBlocked(CallFailed):
+    """The SSRF guard refused the address a tool tried to reach (private, loopback, metadata, ...)."""
+
+    type = "destination_blocked"
