@@ -1,0 +1,326 @@
+"""The contract's call order, with the worker supplying only the steps that are its own.
+
+Tool call: coerce args → ``tool_request`` → availability → ``pre_tool_call`` (block directive) →
+policy (guardrails, approval, schema) on the *effective* args → ``tool_execution`` chain around the
+executor → ``post_tool_call`` → ``transform_tool_result``.
+
+LLM call: (worker builds provider kwargs) → ``llm_request`` → ``pre_api_request`` with the
+effective request → ``llm_execution`` chain around the provider → ``post_api_request`` or
+``api_request_error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from middleware.execution import BaseCall
+from middleware.kinds import (
+    API_REQUEST_ERROR,
+    LLM_CONTEXT_FIELDS,
+    POST_API_REQUEST,
+    POST_TOOL_CALL,
+    PRE_API_REQUEST,
+    PRE_TOOL_CALL,
+    TOOL_CONTEXT_FIELDS,
+    TRANSFORM_TOOL_RESULT,
+    normalize_context,
+)
+from middleware.runtime import MiddlewareRuntime
+
+# (tool_name, effective_args, context) -> None, or raise to refuse the call.
+Check = Callable[[str, dict[str, Any], dict[str, Any]], Any]
+
+
+def error_type(exc: BaseException) -> str:
+    """The stable type code of a gateway error (its ``type`` attribute), else the class name."""
+    code = getattr(exc, "type", None)
+    return code if isinstance(code, str) and code else type(exc).__name__
+
+
+def default_is_cancelled(exc: BaseException) -> bool:
+    """Cancellation is a ``cancelled``-typed gateway error or a futures/asyncio cancellation."""
+    return (
+        isinstance(exc, concurrent.futures.CancelledError | asyncio.CancelledError)
+        or error_type(exc) == "cancelled"
+    )
+
+
+def _block_message(results: list[Any]) -> tuple[str, str] | None:
+    """The first valid ``{"action": "block"|"approve", "message": ...}`` directive, as Hermes reads it."""
+    for result in results:
+        if not isinstance(result, dict):
+            continue
+        action = result.get("action")
+        message = result.get("message")
+        message = message if isinstance(message, str) and message else ""
+        if action == "block" and message:
+            return action, message
+        if action == "approve":
+            return action, message
+    return None
+
+
+class _Source:
+    """Resolves the runtime per call, so a plugin reload is picked up by the next call."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def current(self) -> MiddlewareRuntime:
+        src = self.source
+        if isinstance(src, MiddlewareRuntime):
+            return src
+        runtime = src.runtime
+        return runtime() if callable(runtime) else runtime
+
+
+@dataclass
+class ToolCallFlow:
+    """Runs one tool call in the contract's order. Build once per worker; ``run()`` per call.
+
+    ``source`` is a MiddlewareRuntime, a MiddlewareRegistry or a PluginManager. Steps (all optional):
+    ``coerce(tool_name, args) -> args``; ``check_available`` and ``policy`` as ``Check`` (raise to
+    refuse); ``approve(tool_name, message, context) -> bool`` for a pre_tool_call ``approve``
+    directive (absent: fail closed, i.e. blocked); ``on_blocked(tool_name, message, context)``
+    returns the result of a blocked call or raises (default: ``{"error": message}``, as Hermes).
+    """
+
+    source: Any
+    coerce: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None
+    check_available: Check | None = None
+    policy: Check | None = None
+    approve: Callable[[str, str, dict[str, Any]], bool] | None = None
+    on_blocked: Callable[[str, str, dict[str, Any]], Any] | None = None
+    is_cancelled: Callable[[BaseException], bool] = default_is_cancelled
+
+    def __post_init__(self) -> None:
+        self._source = _Source(self.source)
+
+    def run(
+        self,
+        tool_name: str,
+        args: dict[str, Any],
+        *,
+        execute: BaseCall,
+        context: Mapping[str, Any] | None = None,
+        check_available: Check | None = None,
+        policy: Check | None = None,
+    ) -> Any:
+        """Run the call; return the final result or raise. Per-call checks override the flow's."""
+        rt = self._source.current()
+        check_available = check_available or self.check_available
+        policy = policy or self.policy
+        if self.coerce is not None:
+            args = self.coerce(tool_name, args)
+        ctx = normalize_context(dict(context or {}), TOOL_CONTEXT_FIELDS)
+        if rt.empty:
+            if check_available is not None:
+                check_available(tool_name, args, ctx)
+            if policy is not None:
+                policy(tool_name, args, ctx)
+            return execute(args)
+
+        outcome = rt.tool_request(ctx, tool_name, args)
+        eff, trace = outcome.payload, outcome.trace
+        base = {**ctx, "tool_name": tool_name}
+        if check_available is not None:
+            self._guard(rt, check_available, tool_name, eff, ctx, base, trace, status="error")
+        directive = _block_message(rt.emit(PRE_TOOL_CALL, **base, args=eff, middleware_trace=list(trace)))
+        if directive is not None:
+            action, message = directive
+            if action == "approve" and self.approve is not None and self.approve(tool_name, message, ctx):
+                directive = None
+            elif action == "approve":
+                message = message or f"BLOCKED: plugin approval required for {tool_name}"
+        if directive is not None:
+            return self._blocked(rt, tool_name, message, eff, ctx, base, trace)
+        if policy is not None:
+            self._guard(rt, policy, tool_name, eff, ctx, base, trace, status="blocked")
+
+        started = time.monotonic()
+        try:
+            result = rt.run_tool_execution(
+                ctx, tool_name, eff, execute, original_args=outcome.original, middleware_trace=trace
+            )
+        except BaseException as exc:
+            status = "cancelled" if self.is_cancelled(exc) else "error"
+            self._post(rt, base, eff, None, trace, started, status, exc)
+            raise
+        duration_ms = self._post(rt, base, eff, result, trace, started, "ok", None)
+        if rt.has_hook(TRANSFORM_TOOL_RESULT):
+            replaced = rt.emit(
+                TRANSFORM_TOOL_RESULT,
+                **base,
+                args=eff,
+                result=result,
+                duration_ms=duration_ms,
+                status="ok",
+                error_type=None,
+                error_message=None,
+                middleware_trace=list(trace),
+            )
+            if replaced:
+                result = replaced[0]  # the first non-None return wins; None means "keep"
+        return result
+
+    def _guard(
+        self,
+        rt: MiddlewareRuntime,
+        check: Check,
+        tool_name: str,
+        eff: dict[str, Any],
+        ctx: dict[str, Any],
+        base: dict[str, Any],
+        trace: list[dict[str, Any]],
+        *,
+        status: str,
+    ) -> None:
+        try:
+            check(tool_name, eff, ctx)
+        except BaseException as exc:
+            self._post(rt, base, eff, None, trace, None, status, exc)
+            raise
+
+    def _blocked(
+        self,
+        rt: MiddlewareRuntime,
+        tool_name: str,
+        message: str,
+        eff: dict[str, Any],
+        ctx: dict[str, Any],
+        base: dict[str, Any],
+        trace: list[dict[str, Any]],
+    ) -> Any:
+        result: Any = {"error": message}
+        if rt.has_hook(POST_TOOL_CALL):
+            rt.emit(
+                POST_TOOL_CALL,
+                **base,
+                args=eff,
+                result=result,
+                duration_ms=0,
+                status="blocked",
+                error_type="plugin_block",
+                error_message=message,
+                middleware_trace=list(trace),
+            )
+        if self.on_blocked is not None:
+            return self.on_blocked(tool_name, message, ctx)
+        return result
+
+    @staticmethod
+    def _post(
+        rt: MiddlewareRuntime,
+        base: dict[str, Any],
+        eff: dict[str, Any],
+        result: Any,
+        trace: list[dict[str, Any]],
+        started: float | None,
+        status: str,
+        exc: BaseException | None,
+    ) -> int:
+        duration_ms = 0 if started is None else int((time.monotonic() - started) * 1000)
+        if rt.has_hook(POST_TOOL_CALL):
+            rt.emit(
+                POST_TOOL_CALL,
+                **base,
+                args=eff,
+                result=result,
+                duration_ms=duration_ms,
+                status=status,
+                error_type=None if exc is None else error_type(exc),
+                error_message=None if exc is None else str(exc),
+                middleware_trace=list(trace),
+            )
+        return duration_ms
+
+
+def _message_count(request: Mapping[str, Any]) -> int:
+    messages = request.get("messages")
+    if not isinstance(messages, list):
+        messages = request.get("input")
+    return len(messages) if isinstance(messages, list) else 0
+
+
+@dataclass
+class LLMCallFlow:
+    """Runs one provider call in the contract's order. Build once per worker; ``run()`` per attempt.
+
+    ``describe_response(response) -> dict`` may add fields (``usage``, ``finish_reason``...) to
+    ``post_api_request``; by default ``response_model`` is read from the response when present.
+    """
+
+    source: Any
+    describe_response: Callable[[Any], Mapping[str, Any]] | None = None
+
+    def __post_init__(self) -> None:
+        self._source = _Source(self.source)
+
+    def run(
+        self, request: dict[str, Any], *, call_provider: BaseCall, context: Mapping[str, Any] | None = None
+    ) -> Any:
+        """Run the provider call with ``request`` (the built provider kwargs); return its response or raise."""
+        rt = self._source.current()
+        if rt.empty:
+            return call_provider(request)
+        ctx = normalize_context(dict(context or {}), LLM_CONTEXT_FIELDS)
+        outcome = rt.llm_request(ctx, request)
+        eff, trace = outcome.payload, outcome.trace
+        started_at = time.time()
+        if rt.has_hook(PRE_API_REQUEST):
+            tools = eff.get("tools")
+            rt.emit(
+                PRE_API_REQUEST,
+                **ctx,
+                request=eff,
+                middleware_trace=list(trace),
+                started_at=started_at,
+                message_count=_message_count(eff),
+                tool_count=len(tools) if isinstance(tools, list) else 0,
+            )
+        t0 = time.monotonic()
+        try:
+            response = rt.run_llm_execution(
+                ctx, eff, call_provider, original_request=outcome.original, middleware_trace=trace
+            )
+        except BaseException as exc:
+            if rt.has_hook(API_REQUEST_ERROR):
+                rt.emit(
+                    API_REQUEST_ERROR,
+                    **ctx,
+                    request=eff,
+                    middleware_trace=list(trace),
+                    api_duration=time.monotonic() - t0,
+                    started_at=started_at,
+                    ended_at=time.time(),
+                    status_code=getattr(exc, "status_code", None),
+                    retryable=getattr(exc, "retryable", None),
+                    error={"type": error_type(exc), "message": str(exc)},
+                )
+            raise
+        if rt.has_hook(POST_API_REQUEST):
+            extra = dict(self.describe_response(response)) if self.describe_response is not None else {}
+            extra.setdefault("response_model", _response_model(response))
+            rt.emit(
+                POST_API_REQUEST,
+                **ctx,
+                request=eff,
+                response=response,
+                middleware_trace=list(trace),
+                api_duration=time.monotonic() - t0,
+                started_at=started_at,
+                ended_at=time.time(),
+                **extra,
+            )
+        return response
+
+
+def _response_model(response: Any) -> Any:
+    if isinstance(response, Mapping):
+        return response.get("model")
+    return getattr(response, "model", None)

@@ -1,0 +1,194 @@
+"""``MiddlewareRuntime``: an immutable snapshot of registered middleware and hooks that calls run through."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from middleware.execution import BaseCall, ExecutionChain
+from middleware.kinds import (
+    LLM_CONTEXT_FIELDS,
+    LLM_EXECUTION,
+    LLM_REQUEST,
+    TELEMETRY_SCHEMA_VERSION,
+    TOOL_CONTEXT_FIELDS,
+    TOOL_EXECUTION,
+    TOOL_REQUEST,
+    middleware_payload,
+    normalize_context,
+)
+from middleware.registry import Registration
+from middleware.reporter import FailureReporter
+from middleware.requests import RequestOutcome, apply_request_chain
+
+
+class MiddlewareRuntime:
+    """Runs request middleware, execution chains and observer hooks; safe to share across threads.
+
+    ``empty`` is True when nothing at all is registered: the caller may then run the base call
+    directly, with no copies and no payloads built.
+    """
+
+    __slots__ = ("_middleware", "_hooks", "_chains", "reporter", "empty")
+
+    def __init__(
+        self,
+        middleware: Mapping[str, tuple[Registration, ...]],
+        hooks: Mapping[str, tuple[Registration, ...]],
+        reporter: FailureReporter,
+    ) -> None:
+        self._middleware = dict(middleware)
+        self._hooks = dict(hooks)
+        self.reporter = reporter
+        self._chains = {
+            kind: ExecutionChain(kind, self._middleware[kind], reporter)
+            for kind in (LLM_EXECUTION, TOOL_EXECUTION)
+            if self._middleware.get(kind)
+        }
+        self.empty = not any(self._middleware.values()) and not any(self._hooks.values())
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    def has_middleware(self, kind: str) -> bool:
+        """True when at least one callback is registered for ``kind``."""
+        return bool(self._middleware.get(kind))
+
+    def has_hook(self, name: str) -> bool:
+        """True when at least one callback is registered for hook ``name``."""
+        return name in self._hooks
+
+    def middleware(self, kind: str) -> tuple[Registration, ...]:
+        """The registrations for ``kind`` in registration (= chain) order."""
+        return self._middleware.get(kind, ())
+
+    # -- request middleware ----------------------------------------------------------------------
+
+    def tool_request(
+        self, context: Mapping[str, Any] | None, tool_name: str, args: dict[str, Any]
+    ) -> RequestOutcome:
+        """Apply ``tool_request`` middleware; the outcome holds effective args, original args and trace."""
+        regs = self._middleware.get(TOOL_REQUEST)
+        if not regs:
+            return RequestOutcome(payload=args, original=args, trace=[])
+        fields = normalize_context(dict(context or {}), TOOL_CONTEXT_FIELDS)
+        fields["tool_name"] = tool_name
+        return apply_request_chain(TOOL_REQUEST, regs, args, fields, self.reporter)
+
+    def llm_request(self, context: Mapping[str, Any] | None, request: dict[str, Any]) -> RequestOutcome:
+        """Apply ``llm_request`` middleware; the outcome holds effective request, original and trace."""
+        regs = self._middleware.get(LLM_REQUEST)
+        if not regs:
+            return RequestOutcome(payload=request, original=request, trace=[])
+        fields = normalize_context(dict(context or {}), LLM_CONTEXT_FIELDS)
+        return apply_request_chain(LLM_REQUEST, regs, request, fields, self.reporter)
+
+    def apply_tool_request(
+        self, context: Mapping[str, Any] | None, tool_name: str, args: dict[str, Any]
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Return ``(effective_args, middleware_trace)``; the caller's ``args`` is never mutated."""
+        outcome = self.tool_request(context, tool_name, args)
+        return outcome.payload, outcome.trace
+
+    def apply_llm_request(
+        self, context: Mapping[str, Any] | None, request: dict[str, Any]
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Return ``(effective_request, middleware_trace)``; the caller's ``request`` is never mutated."""
+        outcome = self.llm_request(context, request)
+        return outcome.payload, outcome.trace
+
+    # -- execution middleware --------------------------------------------------------------------
+
+    def run_tool_execution(
+        self,
+        context: Mapping[str, Any] | None,
+        tool_name: str,
+        args: dict[str, Any],
+        base: BaseCall,
+        *,
+        original_args: dict[str, Any] | None = None,
+        middleware_trace: list[dict[str, Any]] | None = None,
+    ) -> Any:
+        """Run ``base(args)`` through the ``tool_execution`` chain; returns the tool's own result shape."""
+        chain = self._chains.get(TOOL_EXECUTION)
+        if chain is None:
+            return base(args)
+        fields = normalize_context(dict(context or {}), TOOL_CONTEXT_FIELDS)
+        fields["tool_name"] = tool_name
+        payload = middleware_payload(
+            fields,
+            original_args=args if original_args is None else original_args,
+            middleware_trace=list(middleware_trace or ()),
+        )
+        return chain(args, base, payload)
+
+    def run_llm_execution(
+        self,
+        context: Mapping[str, Any] | None,
+        request: dict[str, Any],
+        base: BaseCall,
+        *,
+        original_request: dict[str, Any] | None = None,
+        middleware_trace: list[dict[str, Any]] | None = None,
+    ) -> Any:
+        """Run ``base(request)`` through the ``llm_execution`` chain; returns the provider's own response."""
+        chain = self._chains.get(LLM_EXECUTION)
+        if chain is None:
+            return base(request)
+        fields = normalize_context(dict(context or {}), LLM_CONTEXT_FIELDS)
+        payload = middleware_payload(
+            fields,
+            original_request=request if original_request is None else original_request,
+            middleware_trace=list(middleware_trace or ()),
+        )
+        return chain(request, base, payload)
+
+    # -- observer hooks --------------------------------------------------------------------------
+
+    def emit(self, hook_name: str, **payload: Any) -> list[Any]:
+        """Call every callback of ``hook_name``; failures are logged (warn-once) and skipped.
+
+        Returns the non-None return values in registration order.
+        """
+        regs = self._hooks.get(hook_name)
+        if not regs:
+            return []
+        payload.setdefault("telemetry_schema_version", TELEMETRY_SCHEMA_VERSION)
+        results: list[Any] = []
+        for reg in regs:
+            try:
+                ret = reg.callback(**payload)
+            except Exception as exc:
+                self.reporter.report(f"hook {hook_name}", reg.callback, exc, payload, plugin=reg.plugin)
+                continue
+            if ret is not None:
+                results.append(ret)
+        return results
+
+    # -- whole calls (the contract's order) -----------------------------------------------------
+
+    def run_tool_call(
+        self,
+        tool_name: str,
+        args: dict[str, Any],
+        *,
+        execute: BaseCall,
+        context: Mapping[str, Any] | None = None,
+        **steps: Callable[..., Any] | None,
+    ) -> Any:
+        """One tool call in the contract's order; ``steps`` are ToolCallFlow's optional callables."""
+        from middleware.flow import ToolCallFlow
+
+        return ToolCallFlow(self, **steps).run(tool_name, args, execute=execute, context=context)
+
+    def run_llm_call(
+        self,
+        request: dict[str, Any],
+        *,
+        call_provider: BaseCall,
+        context: Mapping[str, Any] | None = None,
+        **steps: Callable[..., Any] | None,
+    ) -> Any:
+        """One provider call in the contract's order; ``steps`` are LLMCallFlow's optional callables."""
+        from middleware.flow import LLMCallFlow
+
+        return LLMCallFlow(self, **steps).run(request, call_provider=call_provider, context=context)
