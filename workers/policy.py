@@ -1,0 +1,424 @@
+"""Policy: which principal may call which tool, judged on the effective (post-middleware) args.
+
+Configured under ``policy:`` in ``config.yaml``::
+
+    policy:
+      mode: permissive            # or strict (recommended in production)
+      default_principal: anonymous  # who a call without a principal is
+      deny_tools: [rm_rf, "db_drop_*"]   # refused for everyone (glob patterns)
+      allow_tools: [...]          # optional: when set, nothing else may be called
+      principals:
+        agent-a: {grants: [read_only, write], deny_tools: [shell]}
+        "ops-*": {grants: ["*"]}  # "*" as a grant holds every tag
+        "*": {grants: [read_only]}  # every principal, the anonymous one included
+      args:
+        path_prefixes:
+          read_file: [/srv/data/]                      # checks path-like args (path, file, *_path, ...)
+          write_file: {args: [dest], allow: [/tmp/out]}
+
+Rules are tried in a fixed order and the first refusal wins: ``deny_tools``, the principal's
+``deny_tools``, ``allow_tools``, the principal's ``allow_tools``, the permission tags (mode), then the
+argument rules. A principal's grants are the union of every ``principals`` entry whose key (a glob)
+matches its name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import posixpath
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any
+
+from broker.codec import pack, unpack
+from broker.errors import ConfigError, DecodeError, PermissionDenied
+from broker.toolspec import ToolSpec
+
+PERMISSIVE = "permissive"
+STRICT = "strict"
+MODES = (PERMISSIVE, STRICT)
+ANONYMOUS = "anonymous"
+ALL_TAGS = "*"
+POLICY_VERSION = 1
+
+# Argument names the list form of ``path_prefixes`` checks.
+PATH_ARG_NAMES = frozenset({"path", "file", "filename", "filepath", "dir", "directory", "cwd", "dest", "src"})
+PATH_ARG_SUFFIXES = ("_path", "_file", "_dir", "_directory")
+
+_TOP_KEYS = {"mode", "default_principal", "deny_tools", "allow_tools", "principals", "args"}
+_PRINCIPAL_KEYS = {"grants", "deny_tools", "allow_tools"}
+_ARG_RULES = {"path_prefixes"}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The verdict on one call: allowed or not, the rule that decided, the tags still missing."""
+
+    allowed: bool
+    rule: str
+    missing: tuple[str, ...] = ()
+    message: str = ""
+    principal: str = ""
+    tool: str = ""
+
+    def __bool__(self) -> bool:
+        return self.allowed
+
+
+@dataclass(frozen=True)
+class PrincipalRule:
+    """One ``principals`` entry; ``pattern`` is a glob over principal names."""
+
+    pattern: str
+    grants: tuple[str, ...] = ()
+    deny_tools: tuple[str, ...] = ()
+    allow_tools: tuple[str, ...] | None = None
+
+    @property
+    def source(self) -> str:
+        return f"principals.{self.pattern}"
+
+
+@dataclass(frozen=True)
+class PathRule:
+    """Allowed prefixes for a tool's path-like args; ``args`` None means "every path-like name"."""
+
+    tool: str
+    allow: tuple[str, ...]
+    args: tuple[str, ...] | None = None
+
+    def judged_args(self, args: Mapping[str, Any]) -> list[str]:
+        if self.args is not None:
+            return [a for a in self.args if a in args]
+        return [a for a in args if a in PATH_ARG_NAMES or a.endswith(PATH_ARG_SUFFIXES)]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Plain data: build with ``from_dict``/``from_settings``, ship with ``encode``/``decode``."""
+
+    mode: str = PERMISSIVE
+    default_principal: str = ANONYMOUS
+    deny_tools: tuple[str, ...] = ()
+    allow_tools: tuple[str, ...] | None = None
+    principals: tuple[PrincipalRule, ...] = ()
+    path_rules: tuple[PathRule, ...] = ()
+    _grant_cache: dict[str, tuple[tuple[str, str], ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    # --- building -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_settings(cls, policy_settings: Mapping[str, Any] | None) -> Policy:
+        """The policy of ``settings.policy`` (an empty mapping is the permissive default)."""
+        return cls.from_dict(policy_settings or {})
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Policy:
+        """Validate a ``policy:`` mapping; typos are errors, because a silently ignored rule is a hole."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"policy: expected a mapping, got {type(data).__name__}")
+        unknown = set(data) - _TOP_KEYS - {"version"}
+        if unknown:
+            raise ConfigError(
+                f"policy: unknown key(s) {sorted(unknown)}; expected some of {sorted(_TOP_KEYS)}"
+            )
+        mode = data.get("mode", PERMISSIVE)
+        if mode not in MODES:
+            raise ConfigError(f"policy.mode: expected one of {MODES}, got {mode!r}")
+        default_principal = data.get("default_principal") or ANONYMOUS
+        if not isinstance(default_principal, str):
+            raise ConfigError("policy.default_principal: expected a string")
+        principals_raw = data.get("principals") or {}
+        if not isinstance(principals_raw, Mapping):
+            raise ConfigError("policy.principals: expected a mapping of principal -> {grants, deny_tools}")
+        principals = tuple(_principal(str(k), v) for k, v in principals_raw.items())
+        args_raw = data.get("args") or {}
+        if not isinstance(args_raw, Mapping) or set(args_raw) - _ARG_RULES:
+            raise ConfigError(f"policy.args: expected a mapping with some of {sorted(_ARG_RULES)}")
+        prefixes = args_raw.get("path_prefixes") or {}
+        if not isinstance(prefixes, Mapping):
+            raise ConfigError("policy.args.path_prefixes: expected a mapping of tool -> prefixes")
+        return cls(
+            mode=mode,
+            default_principal=default_principal,
+            deny_tools=_names(data.get("deny_tools"), "policy.deny_tools") or (),
+            allow_tools=_names(data.get("allow_tools"), "policy.allow_tools"),
+            principals=principals,
+            path_rules=tuple(_path_rule(str(t), v) for t, v in prefixes.items()),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``policy:`` mapping this policy was built from (normalised)."""
+        out: dict[str, Any] = {
+            "version": POLICY_VERSION,
+            "mode": self.mode,
+            "default_principal": self.default_principal,
+            "deny_tools": list(self.deny_tools),
+            "principals": {},
+        }
+        if self.allow_tools is not None:
+            out["allow_tools"] = list(self.allow_tools)
+        for p in self.principals:
+            entry: dict[str, Any] = {"grants": list(p.grants), "deny_tools": list(p.deny_tools)}
+            if p.allow_tools is not None:
+                entry["allow_tools"] = list(p.allow_tools)
+            out["principals"][p.pattern] = entry
+        if self.path_rules:
+            out["args"] = {
+                "path_prefixes": {
+                    r.tool: {"allow": list(r.allow), **({"args": list(r.args)} if r.args is not None else {})}
+                    for r in self.path_rules
+                }
+            }
+        return out
+
+    def encode(self) -> bytes:
+        """msgpack, for storing in Redis and pushing to every worker."""
+        return pack(self.to_dict())
+
+    @classmethod
+    def decode(cls, data: bytes) -> Policy:
+        raw = unpack(data)
+        if not isinstance(raw, dict) or raw.get("version") != POLICY_VERSION:
+            raise DecodeError(f"not a version {POLICY_VERSION} policy")
+        try:
+            return cls.from_dict(raw)
+        except ConfigError as e:
+            raise DecodeError(f"stored policy does not validate: {e}") from e
+
+    def digest(self) -> str:
+        """Content hash: workers compare it to skip reloading an unchanged policy."""
+        return hashlib.sha256(self.encode()).hexdigest()[:16]
+
+    # --- judging --------------------------------------------------------------------------------
+
+    def principal_of(self, principal: str | None) -> str:
+        """The principal a call acts as: its own, or ``default_principal`` when it carries none."""
+        return principal or self.default_principal
+
+    def grants_of(self, principal: str | None) -> tuple[tuple[str, str], ...]:
+        """``(tag, source rule)`` pairs the principal holds, in config order, first source per tag."""
+        name = self.principal_of(principal)
+        cached = self._grant_cache.get(name)
+        if cached is not None:
+            return cached
+        seen: dict[str, str] = {}
+        for rule in self._rules_for(name):
+            for tag in rule.grants:
+                seen.setdefault(tag, rule.source)
+        result = tuple(seen.items())
+        if len(self._grant_cache) < 10_000:  # principals are few; never let a flood of names grow it
+            self._grant_cache[name] = result
+        return result
+
+    def check(self, principal: str | None, spec: ToolSpec, args: Mapping[str, Any] | None = None) -> Decision:
+        """Judge one call; ``args`` are the effective args (after ``tool_request`` middleware)."""
+        who = self.principal_of(principal)
+        tool = spec.name
+        rules = self._rules_for(who)
+
+        def deny(rule: str, message: str, missing: tuple[str, ...] = ()) -> Decision:
+            return Decision(False, rule, missing, message, who, tool)
+
+        if _matches(tool, self.deny_tools):
+            return deny("deny_tools", f"tool {tool!r} is denied for everyone by policy.deny_tools")
+        for r in rules:
+            if _matches(tool, r.deny_tools):
+                return deny(
+                    f"{r.source}.deny_tools", f"tool {tool!r} is denied to {who!r} by {r.source}.deny_tools"
+                )
+        if self.allow_tools is not None and not _matches(tool, self.allow_tools):
+            return deny("allow_tools", f"tool {tool!r} is not in policy.allow_tools")
+        for r in rules:
+            if r.allow_tools is not None and not _matches(tool, r.allow_tools):
+                return deny(f"{r.source}.allow_tools", f"tool {tool!r} is not in {r.source}.allow_tools")
+
+        if spec.permissions is None:
+            if self.mode == STRICT:
+                return deny(
+                    "mode.strict",
+                    f"tool {tool!r} declares no permissions and policy.mode is strict",
+                )
+            granted_rule = "mode.permissive"
+        else:
+            held = {t for t, _ in self.grants_of(who)}
+            missing = () if ALL_TAGS in held else tuple(t for t in spec.permissions if t not in held)
+            if missing:
+                return deny(
+                    "permissions",
+                    f"principal {who!r} lacks permission(s) {', '.join(missing)} for tool {tool!r}",
+                    missing,
+                )
+            granted_rule = "permissions"
+
+        if args:
+            for pr in self.path_rules:
+                if pr.tool != tool and pr.tool != ALL_TAGS:
+                    continue
+                for name in pr.judged_args(args):
+                    bad = _outside(args[name], pr.allow)
+                    if bad is not None:
+                        return deny(
+                            f"args.path_prefixes.{pr.tool}",
+                            f"argument {name!r} of tool {tool!r} = {bad!r} is outside the allowed prefixes "
+                            f"{list(pr.allow)}",
+                        )
+        return Decision(True, granted_rule, (), f"principal {who!r} may call tool {tool!r}", who, tool)
+
+    def enforce(
+        self, principal: str | None, spec: ToolSpec, args: Mapping[str, Any] | None = None
+    ) -> Decision:
+        """``check``, raising PermissionDenied (details: tool, principal, missing, rule) on refusal."""
+        decision = self.check(principal, spec, args)
+        if not decision.allowed:
+            raise PermissionDenied(
+                decision.message,
+                tool=decision.tool,
+                principal=decision.principal,
+                missing=list(decision.missing),
+                rule=decision.rule,
+            )
+        return decision
+
+    def allowed_tools(self, principal: str | None, specs: Iterable[ToolSpec]) -> list[ToolSpec]:
+        """The specs this principal may call (argument rules cannot be judged without args)."""
+        return [s for s in specs if self.check(principal, s).allowed]
+
+    def explain(self, principal: str | None, spec: ToolSpec, args: Mapping[str, Any] | None = None) -> str:
+        """A human explanation of the verdict, for ``hermes-gateway policy explain PRINCIPAL TOOL``."""
+        who = self.principal_of(principal)
+        d = self.check(principal, spec, args)
+        lines = [f"policy: may principal {who!r} call tool {spec.name!r}?"]
+        if not principal:
+            lines.append(
+                f"  principal:      none in the call context, so it acts as default_principal {who!r}"
+            )
+        undeclared = "refused in strict mode" if self.mode == STRICT else "allowed to anyone"
+        lines.append(
+            f"  mode:           {self.mode} (a tool with no permissions declaration is {undeclared})"
+        )
+        if spec.permissions is None:
+            lines.append("  tool declares:  no permissions declaration")
+        elif not spec.permissions:
+            lines.append("  tool declares:  an empty declaration (no tags needed)")
+        else:
+            lines.append(f"  tool declares:  {', '.join(spec.permissions)} (every one is needed)")
+        held = self.grants_of(who)
+        matched = [r.source for r in self._rules_for(who)]
+        lines.append(
+            f"  rules matching: {', '.join(matched) if matched else 'none (no policy.principals entry)'}"
+        )
+        if held:
+            lines.append("  principal holds:")
+            lines.extend(f"    {tag:<14} from {src}.grants" for tag, src in held)
+        else:
+            lines.append("  principal holds: no tags")
+        if d.missing:
+            lines.append(f"  missing:        {', '.join(d.missing)}")
+        verdict = "ALLOWED" if d.allowed else "DENIED"
+        lines.append(f"  verdict:        {verdict} by rule {d.rule!r}: {d.message}")
+        lines.append(f"  how to fix:     {self._fix(d, spec)}")
+        return "\n".join(lines)
+
+    def _fix(self, d: Decision, spec: ToolSpec) -> str:
+        tool, who = spec.name, d.principal
+        if d.allowed:
+            if spec.permissions is None:
+                return (
+                    "nothing to fix; but the tool declares no permissions, so strict mode would refuse it: "
+                    f"add `permissions: [...]` to the spec of {tool!r}"
+                )
+            return "nothing to fix"
+        if d.rule == "mode.strict":
+            return (
+                f"declare `permissions: [tags]` in the spec of {tool!r} (`permissions: []` needs no tags), "
+                "or set policy.mode: permissive (not recommended in production)"
+            )
+        if d.rule == "permissions":
+            own = any(r.pattern == who for r in self.principals)
+            where = (
+                f"policy.principals.{who}.grants"
+                if own
+                else f"a new entry policy.principals.{who}: {{grants: [...]}}"
+            )
+            return f"grant {', '.join(d.missing)} in {where} (config.yaml), or call as a principal that holds them"
+        if d.rule.endswith("deny_tools"):
+            return f"remove {tool!r} (or the pattern matching it) from policy.{d.rule}"
+        if d.rule.endswith("allow_tools"):
+            return f"add {tool!r} to policy.{d.rule}"
+        if d.rule.startswith("args.path_prefixes"):
+            return f"pass a path under an allowed prefix, or add its prefix to policy.{d.rule}"
+        return f"change the rule policy.{d.rule}"
+
+    def _rules_for(self, name: str) -> list[PrincipalRule]:
+        return [r for r in self.principals if r.pattern == name or fnmatchcase(name, r.pattern)]
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def _names(value: Any, where: str) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{where}: expected a list of names, got {value!r}")
+    return tuple(value)
+
+
+def _principal(name: str, raw: Any) -> PrincipalRule:
+    where = f"policy.principals.{name}"
+    if raw is None:
+        raw = {}
+    if isinstance(raw, list):  # shorthand: agent-a: [read_only, write]
+        raw = {"grants": raw}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping with some of {sorted(_PRINCIPAL_KEYS)}")
+    unknown = set(raw) - _PRINCIPAL_KEYS
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {sorted(unknown)}; expected some of {sorted(_PRINCIPAL_KEYS)}"
+        )
+    return PrincipalRule(
+        pattern=name,
+        grants=_names(raw.get("grants"), f"{where}.grants") or (),
+        deny_tools=_names(raw.get("deny_tools"), f"{where}.deny_tools") or (),
+        allow_tools=_names(raw.get("allow_tools"), f"{where}.allow_tools"),
+    )
+
+
+def _path_rule(tool: str, raw: Any) -> PathRule:
+    where = f"policy.args.path_prefixes.{tool}"
+    if isinstance(raw, str | list | tuple):
+        allow = _names(raw, where)
+        return PathRule(tool, tuple(_norm(p) for p in allow or ()))
+    if isinstance(raw, Mapping) and set(raw) <= {"allow", "args", "arg"} and "allow" in raw:
+        names = _names(raw.get("args", raw.get("arg")), f"{where}.args")
+        allow = _names(raw["allow"], f"{where}.allow") or ()
+        return PathRule(tool, tuple(_norm(p) for p in allow), names)
+    raise ConfigError(f"{where}: expected a list of prefixes or {{allow: [...], args: [...]}}")
+
+
+def _norm(path: str) -> str:
+    return posixpath.normpath(path) if path else path
+
+
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    return any(p == name or fnmatchcase(name, p) for p in patterns)
+
+
+def _outside(value: Any, allow: tuple[str, ...]) -> Any:
+    """The offending value when ``value`` (a path or list of paths) leaves every prefix, else None."""
+    values = value if isinstance(value, list | tuple) else [value]
+    for v in values:
+        if not isinstance(v, str):
+            return v
+        # Normalise first so "/srv/data/../../etc/passwd" is judged as "/etc/passwd".
+        path = _norm(v)
+        if not any(path == p or path.startswith(p.rstrip("/") + "/") for p in allow):
+            return v
+    return None
