@@ -136,7 +136,9 @@ class ToolCallFlow:
             if action == "approve" and self.approve is not None and self.approve(tool_name, message, ctx):
                 directive = None
             elif action == "approve":
-                message = message or f"BLOCKED: plugin approval required for {tool_name}"
+                # No gate, or the gate said no: fail closed, as Hermes does.
+                reason = f": {message}" if message else ""
+                message = f"BLOCKED: plugin approval required for {tool_name}{reason}"
         if directive is not None:
             return self._blocked(rt, tool_name, message, eff, ctx, base, trace)
         if policy is not None:
