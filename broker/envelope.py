@@ -28,6 +28,30 @@ CONTEXT_FIELDS = (
 
 KINDS = ("tool", "llm")
 
+_NONE = type(None)
+# Types of the optional fields: a wrong type is a malformed payload, caught here rather than deep in a worker.
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "tool": (str, _NONE),
+    "tool_version": (int,),
+    "request": (dict, _NONE),
+    "tracestate": (str, _NONE),
+    "baggage": (str, _NONE),
+    "queue": (str,),
+    "channel": (str,),
+    "submitted_at": (int, float),
+}
+_OPTION_TYPES: dict[str, tuple[type, ...]] = {
+    "timeout": (int, float, _NONE),
+    "idempotency_key": (str, _NONE),
+    "max_attempts": (int, _NONE),
+}
+
+
+def _check_types(data: dict[str, Any], types: dict[str, tuple[type, ...]], where: str) -> None:
+    for key, allowed in types.items():
+        if key in data and (isinstance(data[key], bool) or not isinstance(data[key], allowed)):
+            raise DecodeError(f"envelope {where}{key!r} has the wrong type ({type(data[key]).__name__})")
+
 
 def new_call_id() -> str:
     return uuid.uuid4().hex
@@ -114,6 +138,8 @@ class Envelope:
             raise DecodeError("envelope args must be a mapping")
         if not isinstance(kwargs.get("context", {}), dict):
             raise DecodeError("envelope context must be a mapping")
+        _check_types(kwargs, _FIELD_TYPES, "field ")
+        _check_types(opts, _OPTION_TYPES, "option ")
         try:
             options = Options(**{k: v for k, v in opts.items() if k in {f.name for f in fields(Options)}})
             return cls(options=options, **kwargs)
