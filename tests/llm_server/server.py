@@ -59,8 +59,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         owner = self.server.owner
-        owner._record(self, None)
         path = self.path.split("?")[0].rstrip("/")
+        if not path.startswith("/_"):  # the control routes are not traffic under test
+            owner._record(self, None)
         if path in ("/v1/models", "/models"):
             model = {"id": owner.model, "object": "model", "created": 0, "owned_by": "hermes-test"}
             self._send_json(200, {"object": "list", "data": [model]})
@@ -222,7 +223,9 @@ class LLMServer:
 
     def start(self) -> LLMServer:
         """Serve on a background thread."""
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True, name="llm-server")
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True, name="llm-server"
+        )
         self._thread.start()
         return self
 
