@@ -236,6 +236,11 @@ _ArgsLoader.add_implicit_resolver(
 )
 
 
+def load_yaml_text(text: str) -> Any:
+    """Parse YAML (or JSON) text with the argument loader's scalar rules; raises ``yaml.YAMLError``."""
+    return yaml.load(text, Loader=_ArgsLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def parse_args_text(text: str | None) -> dict[str, Any]:
     """Arguments typed on a command line: JSON, or the YAML flow form the seed prints (``{name: Alice}``)."""
     if text is None or not text.strip():
@@ -244,7 +249,7 @@ def parse_args_text(text: str | None) -> dict[str, Any]:
         value = json.loads(text)
     except ValueError:
         try:
-            value = yaml.load(text, Loader=_ArgsLoader)  # noqa: S506 - a SafeLoader subclass
+            value = load_yaml_text(text)
         except yaml.YAMLError as e:
             raise InvalidArgs(f"arguments are neither JSON nor YAML: {e}") from e
     if not isinstance(value, dict):

@@ -11,7 +11,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from broker.errors import InvalidArgs
+import yaml
+
+from broker.errors import InvalidArgs, InvalidSpec
+from workers.args import load_yaml_text
 
 PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_.\-]*)\s*\}\}")
 
@@ -86,3 +89,41 @@ def fill_structure(template: Any, args: dict[str, Any], where: str) -> Any:
     if isinstance(template, list):
         return [fill_structure(v, args, where) for v in template]
     return template
+
+
+_SENTINEL = "__hgw_ph_{}_c0ffee__"
+_SENTINEL_RE = re.compile(r"__hgw_ph_(\d+)_c0ffee__")
+
+
+def parse_template(text: str, where: str) -> Any:
+    """Parse a YAML-flow/JSON template such as ``{query: {{city}}}`` into a structure, placeholders kept.
+
+    Placeholders are masked before parsing (so ``{{city}}`` is not read as a nested mapping) and put
+    back as leaf strings afterwards; :func:`fill_structure` then fills the typed values in.
+    """
+    found: list[str] = []
+
+    def mask(m: re.Match[str]) -> str:
+        found.append(m.group(0))
+        return _SENTINEL.format(len(found) - 1)
+
+    try:
+        parsed = load_yaml_text(PLACEHOLDER.sub(mask, text))
+    except yaml.YAMLError as e:
+        raise InvalidSpec(f"{where}: template is not valid YAML/JSON: {e}") from e
+
+    def unmask(value: Any) -> Any:
+        if isinstance(value, str):
+            return _SENTINEL_RE.sub(lambda m: found[int(m.group(1))], value)
+        if isinstance(value, dict):
+            out = {}
+            for k, v in value.items():
+                if isinstance(k, str) and _SENTINEL_RE.search(k):
+                    raise InvalidSpec(f"{where}: template keys may not contain placeholders")
+                out[k] = unmask(v)
+            return out
+        if isinstance(value, list):
+            return [unmask(v) for v in value]
+        return value
+
+    return unmask(parsed)

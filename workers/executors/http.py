@@ -1,0 +1,279 @@
+"""The ``http`` executor: call an HTTP endpoint with the arguments, behind the SSRF guard.
+
+Spec keys (defaults may also sit in ``executors.http``):
+
+- ``method`` (GET), ``endpoint``: URL; ``{{field}}`` may appear in the path and query only (never the
+  scheme or host) and is percent-encoded, so a value cannot add a path segment or a parameter.
+- ``headers``: values may hold ``{{field}}`` (names may not); CR/LF/NUL in a value is refused.
+- Arguments not used in the endpoint go to the query string (GET/DELETE/HEAD) or a form body
+  (POST/PUT/PATCH), as the seed says; ``send_args_as: query | form | json`` overrides.
+- ``body_template``: a YAML-flow/JSON string like ``{query: {{city}}, opts: {unit: {{unit}}}}``. It is
+  parsed into a structure FIRST; typed values are then put into it and it is sent as JSON.
+- SSRF guard (on by default; ``ssrf_guard: false`` only in settings): see :mod:`netguard`.
+  ``allow_hosts`` / ``allow_networks`` (settings and spec lists are combined) admit named exceptions.
+- ``max_output`` (bytes, default 1 MiB) caps the response body; ``max_redirects`` (5); ``verify`` TLS.
+
+Result: the parsed JSON body if the response is JSON, else text. Status >= 400 is an ExecutorError
+with ``details.status`` (retryable for 408, 429 and 5xx only).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
+
+import httpcore
+import httpx
+
+from broker.errors import (
+    CallCancelled,
+    ExecutorError,
+    HermesError,
+    InvalidArgs,
+    InvalidSpec,
+    OutputTooLarge,
+    ToolTimeout,
+)
+from broker.toolspec import ToolSpec
+
+from .base import ExecContext
+from .netguard import GuardedBackend, GuardPolicy, current_call
+from .template import fill, fill_structure, has_placeholder, parse_template, placeholders, render
+
+DEFAULT_MAX_OUTPUT = 1024 * 1024
+DEFAULT_MAX_REDIRECTS = 5
+_BODY_METHODS = {"POST", "PUT", "PATCH"}
+_EXCERPT = 500
+
+
+class _GuardedTransport(httpx.HTTPTransport):
+    """httpx's own transport with the connection pool built on the guarded network backend."""
+
+    def __init__(self, policy: GuardPolicy, verify: bool) -> None:
+        super().__init__(verify=verify, trust_env=False)
+        # Same pool httpx builds, except for the backend; proxies are never used (they would
+        # connect on our behalf to addresses the guard never saw).
+        self._pool = httpcore.ConnectionPool(
+            ssl_context=httpx.create_ssl_context(verify=verify, trust_env=False),
+            max_connections=100,
+            max_keepalive_connections=20,
+            keepalive_expiry=5.0,
+            network_backend=GuardedBackend(policy),
+        )
+
+
+class HttpExecutor:
+    """One httpx client per guard policy (usually one), shared by all worker threads."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.settings = settings
+        self._clients: dict[tuple[Any, ...], httpx.Client] = {}
+        self._lock = threading.Lock()
+
+    def _policy(self, config: dict[str, Any]) -> GuardPolicy:
+        hosts = [*self.settings.get("allow_hosts", ()), *config.get("allow_hosts", ())]
+        nets = [*self.settings.get("allow_networks", ()), *config.get("allow_networks", ())]
+        enabled = self.settings.get("ssrf_guard", True) is not False
+        return GuardPolicy.build(enabled, hosts, nets)
+
+    def client(self, policy: GuardPolicy, verify: bool) -> httpx.Client:
+        key = (policy, verify)
+        found = self._clients.get(key)
+        if found is not None:
+            return found
+        with self._lock:
+            found = self._clients.get(key)
+            if found is None:
+                found = httpx.Client(
+                    transport=_GuardedTransport(policy, verify), follow_redirects=False, trust_env=False
+                )
+                self._clients[key] = found
+        return found
+
+    def run(self, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext) -> Any:
+        config = {**self.settings, **spec.config}
+        where = f"tool {spec.name!r}"
+        request_kw = build_request(config, args, where)
+        headers = request_kw.pop("headers")
+        if ctx.traceparent:
+            headers["traceparent"] = ctx.traceparent
+            if ctx.tracestate:
+                headers["tracestate"] = ctx.tracestate
+        client = self.client(self._policy(config), bool(config.get("verify", True)))
+        max_output = int(config.get("max_output", DEFAULT_MAX_OUTPUT))
+        max_redirects = int(config.get("max_redirects", DEFAULT_MAX_REDIRECTS))
+        secret_headers = {str(k).lower() for k in (config.get("headers") or {})}
+        ctx.check()
+        ctx.progress(f"calling {request_kw['method']} {urlsplit(request_kw['url']).netloc}")
+        token = current_call.set(ctx)
+        try:
+            request = client.build_request(headers=headers, **request_kw)
+            origin = request.url.copy_with(path="/", query=None, fragment=None)
+            for hop in range(max_redirects + 1):
+                ctx.check()
+                timeout = ctx.remaining()
+                request.extensions["timeout"] = httpx.Timeout(timeout).as_dict()
+                response = client.send(request, stream=True)
+                try:
+                    if response.next_request is None:
+                        return _read_result(response, ctx, max_output, where)
+                    if hop == max_redirects:
+                        raise ExecutorError(
+                            f"{where}: more than {max_redirects} redirects", status=response.status_code
+                        )
+                    request = _next_hop(response.next_request, origin, secret_headers, where)
+                finally:
+                    response.close()
+            raise AssertionError("unreachable")  # pragma: no cover
+        except httpx.TimeoutException as e:
+            raise ToolTimeout(f"{where}: timed out after {ctx.timeout:g}s ({type(e).__name__})") from e
+        except (httpx.HTTPError, httpx.InvalidURL, httpx.StreamError) as e:
+            if ctx.cancelled.is_set():
+                raise CallCancelled(f"call {ctx.call_id} was cancelled") from e
+            raise ExecutorError(f"{where}: {type(e).__name__}: {e}") from e
+        except HermesError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a surprise in the HTTP stack fails the call, not the worker
+            raise ExecutorError(f"{where}: {type(e).__name__}: {e}") from e
+        finally:
+            current_call.reset(token)
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+
+
+def build_request(config: dict[str, Any], args: dict[str, Any], where: str) -> dict[str, Any]:
+    """Method, URL, headers and body for one call, with every value placed, never pasted."""
+    method = str(config.get("method", "GET")).upper()
+    endpoint = config.get("endpoint") or config.get("url")
+    if not isinstance(endpoint, str) or not endpoint:
+        raise InvalidSpec(f"{where}: endpoint: expected a URL")
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise InvalidSpec(f"{where}: endpoint: expected an http(s) URL, got {endpoint!r}")
+    if has_placeholder(parts.scheme + "://" + parts.netloc):
+        raise InvalidSpec(f"{where}: endpoint: placeholders may not appear in the scheme or host")
+    used = set(placeholders(parts.path) + placeholders(parts.query))
+    url = urlunsplit(
+        (
+            parts.scheme,
+            parts.netloc,
+            fill(parts.path, args, where, encode=lambda v: _path_value(v, where)),
+            fill(parts.query, args, where, encode=lambda v: quote(v, safe="")),
+            "",
+        )
+    )
+    headers: dict[str, str] = {}
+    for name, value in (config.get("headers") or {}).items():
+        if has_placeholder(str(name)):
+            raise InvalidSpec(f"{where}: headers: placeholders may not appear in header names")
+        used.update(placeholders(str(value)))
+        filled = fill(str(value), args, where)
+        if any(c in filled for c in "\r\n\x00"):
+            raise InvalidArgs(f"{where}: header {name}: value may not contain CR, LF or NUL")
+        headers[str(name)] = filled
+    out: dict[str, Any] = {"method": method, "url": url, "headers": headers}
+    template = config.get("body_template")
+    if template is not None:
+        structure = parse_template(template, where) if isinstance(template, str) else template
+        out["json"] = fill_structure(structure, args, where)
+        return out
+    rest = {k: v for k, v in args.items() if k not in used and v is not None}
+    mode = config.get("send_args_as") or ("form" if method in _BODY_METHODS else "query")
+    if mode == "json":
+        out["json"] = rest
+    elif mode == "form":
+        out["data"] = _flat(rest)
+    elif mode == "query":
+        # httpx replaces (does not extend) a URL's query when given params: merge them ourselves.
+        split = urlsplit(url)
+        pairs = parse_qsl(split.query, keep_blank_values=True)
+        pairs += [(k, v) for k, values in _flat(rest).items() for v in values]
+        out["url"] = urlunsplit((split.scheme, split.netloc, split.path, "", ""))
+        out["params"] = pairs
+    else:
+        raise InvalidSpec(f"{where}: send_args_as: expected query, form or json, got {mode!r}")
+    return out
+
+
+def _path_value(value: str, where: str) -> str:
+    """Percent-encode a path value; ``.`` and ``..`` are refused (clients and servers resolve them)."""
+    if value in (".", ".."):
+        raise InvalidArgs(f"{where}: {value!r} is not allowed as a URL path value")
+    return quote(value, safe="")
+
+
+def _flat(args: dict[str, Any]) -> dict[str, list[str]]:
+    """Flatten to form/query fields: lists repeat the key, mappings travel as JSON text."""
+    return {
+        key: [_scalar(item) for item in (value if isinstance(value, list) else [value])]
+        for key, value in args.items()
+    }
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return render(value)
+
+
+def _next_hop(
+    request: httpx.Request, origin: httpx.URL, secret_headers: set[str], where: str
+) -> httpx.Request:
+    """The redirect target as httpx built it, minus the spec's own headers when it leaves the origin."""
+    if request.url.scheme not in ("http", "https"):
+        raise ExecutorError(f"{where}: redirect to unsupported scheme {request.url.scheme!r}")
+    if request.url.copy_with(path="/", query=None, fragment=None) != origin:
+        for name in secret_headers:
+            request.headers.pop(name, None)
+    return request
+
+
+def _read_result(response: httpx.Response, ctx: ExecContext, max_output: int, where: str) -> Any:
+    """Stream the body up to the cap, then decode it; errors carry the status and an excerpt."""
+    declared = response.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_output and response.status_code < 400:
+        raise OutputTooLarge(
+            f"{where}: response of {declared} bytes passes the cap of {max_output}", limit=max_output
+        )
+    body = bytearray()
+    for chunk in response.iter_bytes():
+        body += chunk
+        if len(body) > max_output:
+            if response.status_code >= 400:
+                break
+            raise OutputTooLarge(f"{where}: response passed the cap of {max_output} bytes", limit=max_output)
+        if ctx.cancelled.is_set():
+            raise CallCancelled(f"call {ctx.call_id} was cancelled")
+        if time.monotonic() >= ctx.deadline:
+            raise ToolTimeout(f"{where}: timed out after {ctx.timeout:g}s")
+    text = bytes(body).decode(response.encoding or "utf-8", errors="replace")
+    status = response.status_code
+    if status >= 400:
+        excerpt = text[:_EXCERPT]
+        err = ExecutorError(
+            f"{where}: HTTP {status} {response.reason_phrase}" + (f": {excerpt}" if excerpt else ""),
+            status=status,
+            body=excerpt,
+            retryable=status in (408, 429) or status >= 500,
+        )
+        err.retryable = status in (408, 429) or status >= 500
+        raise err
+    ctx.progress(f"HTTP {status}, {len(body)} bytes")
+    ctype = response.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if ctype == "application/json" or ctype.endswith("+json"):
+        try:
+            return json.loads(text) if text.strip() else None
+        except ValueError as e:
+            raise ExecutorError(f"{where}: response claims JSON but is not: {e}", status=status) from e
+    return text
+
+
+def create(settings: dict[str, Any]) -> HttpExecutor:
+    return HttpExecutor(settings)

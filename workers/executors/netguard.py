@@ -1,0 +1,215 @@
+"""The SSRF guard for outgoing tool traffic, enforced where sockets are opened.
+
+It plugs into httpcore as a network backend: every new connection resolves the host itself, refuses it
+if ANY resolved address is private, loopback, link-local, multicast, reserved, unspecified or a cloud
+metadata address, and connects to the address it checked (so DNS rebinding between check and connect
+has nothing to exploit). Redirects open new connections, so every hop is checked the same way.
+
+The streams it returns also watch the call's cancellation flag while waiting for bytes, so a cancelled
+call stops promptly even when the server is silent.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import ipaddress
+import select
+import socket
+import ssl
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import httpcore
+
+from broker.errors import CallCancelled, DestinationBlocked, InvalidSpec
+
+from .base import ExecContext
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+# Cloud metadata endpoints: refused even when an allow-list would otherwise admit them.
+METADATA = frozenset(
+    ipaddress.ip_address(a)
+    for a in ("169.254.169.254", "169.254.170.2", "100.100.100.200", "fd00:ec2::254", "192.0.0.192")
+)
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_POLL = 0.05
+
+# The call whose request is being sent on this thread (httpcore's sync pool does I/O in the caller).
+current_call: contextvars.ContextVar[ExecContext | None] = contextvars.ContextVar(
+    "current_call", default=None
+)
+
+
+def resolve_host(host: str, port: int) -> list[str]:
+    """All addresses ``host`` resolves to (tests replace this to simulate hostile DNS)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(info[4][0] for info in infos))
+
+
+@dataclass(frozen=True)
+class GuardPolicy:
+    """What the guard admits: public addresses, plus explicitly allowed hosts and networks."""
+
+    enabled: bool = True
+    allow_hosts: frozenset[str] = frozenset()
+    allow_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+
+    @classmethod
+    def build(cls, enabled: bool, hosts: Iterable[str], networks: Iterable[str]) -> GuardPolicy:
+        try:
+            nets = tuple(ipaddress.ip_network(str(n), strict=False) for n in networks)
+        except ValueError as e:
+            raise InvalidSpec(f"http: allow_networks: {e}") from e
+        return cls(bool(enabled), frozenset(str(h).lower().strip("[]") for h in hosts), nets)
+
+    def host_allowed(self, host: str) -> bool:
+        host = host.lower().rstrip(".")
+        for pattern in self.allow_hosts:
+            if host == pattern or (pattern.startswith("*.") and host.endswith(pattern[1:])):
+                return True
+        return False
+
+    def refusal(self, host: str, address: str) -> str | None:
+        """Why ``address`` (resolved from ``host``) may not be reached, or None if it may."""
+        try:
+            ip = ipaddress.ip_address(address.split("%", 1)[0])
+        except ValueError:
+            return f"{address!r} is not an IP address"
+        for candidate in _embedded(ip):
+            if candidate in METADATA:
+                return f"{candidate} is a cloud metadata address"
+        if not self.enabled or self.host_allowed(host):
+            return None
+        if any(ip in net for net in self.allow_networks if net.version == ip.version):
+            return None
+        for candidate in _embedded(ip):
+            if not candidate.is_global or candidate.is_multicast:
+                return f"{candidate} is not a public address ({_kind(candidate)})"
+        return None
+
+
+def _embedded(ip: IPAddress) -> list[IPAddress]:
+    """The address plus any IPv4 address hidden inside it (mapped, 6to4, Teredo, NAT64)."""
+    out: list[IPAddress] = [ip]
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped:
+            out.append(ip.ipv4_mapped)
+        if ip.sixtofour:
+            out.append(ip.sixtofour)
+        if ip.teredo:
+            out.extend(ip.teredo)
+        if ip in _NAT64:
+            out.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    return out
+
+
+def _kind(ip: IPAddress) -> str:
+    for name in ("loopback", "link_local", "private", "multicast", "reserved", "unspecified"):
+        if getattr(ip, f"is_{name}"):
+            return name.replace("_", "-")
+    return "non-global"
+
+
+class GuardedBackend(httpcore.NetworkBackend):
+    """httpcore network backend that checks and pins every address before connecting."""
+
+    def __init__(self, policy: GuardPolicy) -> None:
+        self.policy = policy
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        bare = host.strip("[]")
+        try:
+            addresses = resolve_host(bare, port)
+        except (socket.gaierror, UnicodeError) as e:
+            raise httpcore.ConnectError(f"cannot resolve {bare!r}: {e}") from e
+        if not addresses:
+            raise httpcore.ConnectError(f"{bare!r} resolves to no address")
+        for address in addresses:
+            reason = self.policy.refusal(bare, address)
+            if reason:
+                raise DestinationBlocked(
+                    f"refusing to connect to {bare!r}: {reason}", host=bare, address=address
+                )
+        last: Exception | None = None
+        for address in addresses:
+            try:
+                sock = socket.create_connection(
+                    (address, port),
+                    timeout,
+                    source_address=None if local_address is None else (local_address, 0),
+                )
+            except TimeoutError as e:
+                raise httpcore.ConnectTimeout(f"connecting to {bare}:{port} timed out") from e
+            except OSError as e:
+                last = e
+                continue
+            for option in socket_options or ():
+                sock.setsockopt(*option)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return WatchedStream(_sync_stream(sock), sock)
+        raise httpcore.ConnectError(f"cannot connect to {bare}:{port}: {last}")
+
+    def connect_unix_socket(self, path: str, timeout: float | None = None, socket_options: Any = None) -> Any:
+        raise DestinationBlocked("unix sockets are not reachable from the http executor")
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+def _sync_stream(sock: socket.socket) -> httpcore.NetworkStream:
+    from httpcore._backends.sync import SyncStream  # the stock stream; only its construction is private
+
+    return SyncStream(sock)
+
+
+class WatchedStream(httpcore.NetworkStream):
+    """A stream whose reads notice the current call's cancellation while the server is silent."""
+
+    def __init__(self, inner: httpcore.NetworkStream, sock: socket.socket) -> None:
+        self._inner = inner
+        self._sock = sock
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        ctx = current_call.get()
+        if ctx is not None:
+            self._wait_readable(ctx, timeout)
+        return self._inner.read(max_bytes, timeout)
+
+    def _wait_readable(self, ctx: ExecContext, timeout: float | None) -> None:
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if ctx.cancelled.is_set():
+                raise CallCancelled(f"call {ctx.call_id} was cancelled")
+            if isinstance(self._sock, ssl.SSLSocket) and self._sock.pending():
+                return
+            wait = _POLL if end is None else max(0.0, min(_POLL, end - time.monotonic()))
+            readable, _, _ = select.select([self._sock], [], [], wait)
+            if readable:
+                return
+            if end is not None and time.monotonic() >= end:
+                raise httpcore.ReadTimeout("timed out waiting for the server")
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._inner.write(buffer, timeout)
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(
+        self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore.NetworkStream:
+        inner = self._inner.start_tls(ssl_context, server_hostname, timeout)
+        return WatchedStream(inner, inner.get_extra_info("socket"))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
