@@ -27,6 +27,8 @@ class Reply:
     usage: dict[str, Any] | None = None
     body: dict[str, Any] | None = None  # sent verbatim (status 200, JSON), ignoring stream
     drop: bool = False  # close the connection without answering
+    events: list[Any] | None = None  # stream these SSE data payloads (dict -> JSON, str verbatim) instead
+    done: bool = True  # end the stream with "data: [DONE]"
     on_chunk: Callable[[int], None] | None = None
 
     @classmethod

@@ -115,9 +115,14 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(200, Answer(reply, body, owner.model).completion(), reply.headers)
         else:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            self._stream(reply, Answer(reply, body, owner.model).chunks(include_usage))
+            chunks = (
+                reply.events
+                if reply.events is not None
+                else Answer(reply, body, owner.model).chunks(include_usage)
+            )
+            self._stream(reply, chunks)
 
-    def _stream(self, reply: Reply, chunks: list[dict[str, Any]]) -> None:
+    def _stream(self, reply: Reply, chunks: list[Any]) -> None:
         owner = self.server.owner
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
@@ -126,8 +131,10 @@ class _Handler(BaseHTTPRequestHandler):
         for k, v in reply.headers.items():
             self.send_header(k, v)
         self.end_headers()
-        events = [f"data: {json.dumps(c, ensure_ascii=False)}\n\n".encode() for c in chunks]
-        events.append(b"data: [DONE]\n\n")
+        data = [c if isinstance(c, str) else json.dumps(c, ensure_ascii=False) for c in chunks]
+        events = [f"data: {d}\n\n".encode() for d in data]
+        if reply.done:
+            events.append(b"data: [DONE]\n\n")
         try:
             for i, event in enumerate(events):
                 if reply.on_chunk is not None:

@@ -166,6 +166,39 @@ def test_server_that_ignores_stream_true_still_yields_a_delta(provider, server):
     assert deltas == [{"index": 0, "content": "whole", "finish_reason": "stop"}]
 
 
+def _chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+
+
+def test_stream_that_ends_without_done_still_completes(provider, server):
+    server.script(Reply(events=[_chunk({"content": "par"}), _chunk({"content": "tial"}, "stop")], done=False))
+    result = provider.complete({"messages": user("x"), "stream": True}, make_ctx())
+    assert result["choices"][0]["message"]["content"] == "partial"
+    assert result["choices"][0]["finish_reason"] == "stop"
+
+
+def test_error_event_mid_stream_raises_provider_error(provider, server):
+    error = {"error": {"message": "model overloaded", "type": "server_error", "code": 503}}
+    server.script(Reply(events=[_chunk({"content": "Hel"}), error]))
+    seen: list[dict[str, Any]] = []
+    with pytest.raises(ProviderError, match="model overloaded") as info:
+        provider.complete({"messages": user("x"), "stream": True}, make_ctx(on_delta=seen.append))
+    assert (info.value.status, info.value.retryable) == (503, True)
+    assert seen == [{"index": 0, "content": "Hel"}]
+
+
+def test_garbage_chunk_is_a_non_retryable_provider_error(provider, server):
+    server.script(Reply(events=["<html>proxy error</html>"]))
+    err = _raises(provider, ProviderError, stream=True)
+    assert not err.retryable and "not JSON" in str(err)
+
+
 def test_a_failing_delta_sink_does_not_fail_the_call(provider):
     def broken(delta: dict[str, Any]) -> None:
         raise RuntimeError("redis down")
@@ -273,7 +306,7 @@ def test_cancel_mid_stream_ends_the_call_within_a_second(provider, server):
     server.script(
         Reply(text="Hello world, slowly", chunk_size=6, on_chunk=lambda i: i == 2 and release.wait(10))
     )
-    ctx = make_ctx()
+    ctx = make_ctx(call_id="cancel-mid-stream")
     cancelled_at: list[float] = []
     contents: list[str] = []
 
@@ -291,12 +324,29 @@ def test_cancel_mid_stream_ends_the_call_within_a_second(provider, server):
         with pytest.raises(CallCancelled):
             provider.complete({"messages": user("x"), "stream": True}, ctx)
         returned_after = time.monotonic() - cancelled_at[0]
+        # The socket shutdown wakes the reader thread too: it ends while the server is still stalled.
+        reader_gone = _wait_until(lambda: "llm-cancel-mid-stream" not in _thread_names(), 2.0)
     finally:
         release.set()
     assert contents == ["Hello "]
     assert returned_after < 2
+    assert reader_gone
     # The provider is still usable afterwards (the aborted connection left the pool).
-    assert provider.complete({"messages": user("Reply exactly ok")}, make_ctx())["choices"][0]["message"]
+    result = provider.complete({"messages": user("Reply exactly ok")}, make_ctx())
+    assert result["choices"][0]["message"]["content"] == "ok"
+
+
+def _thread_names() -> set[str]:
+    return {t.name for t in threading.enumerate()}
+
+
+def _wait_until(predicate: Any, limit: float) -> bool:
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return bool(predicate())
 
 
 def test_cancel_while_waiting_for_response_headers(provider, server):
