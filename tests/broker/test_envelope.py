@@ -1,0 +1,190 @@
+"""The call envelope: msgpack round trip, and every malformed payload is a DecodeError."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import msgpack
+import pytest
+
+from broker.calls import envelope_of
+from broker.codec import pack
+from broker.envelope import ENVELOPE_VERSION, Envelope, Options
+from broker.errors import DecodeError
+
+TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def tool_env(**kw: Any) -> Envelope:
+    base: dict[str, Any] = {
+        "call_id": "c1",
+        "kind": "tool",
+        "traceparent": TP,
+        "tool": "get_weather",
+        "args": {"city": "北京", "days": 3, "nested": {"a": [1, 2.5, None, True]}},
+        "tool_version": 4,
+        "context": {"session_id": "s1", "tool_call_id": "tc9"},
+        "tracestate": "vendor=1",
+        "options": Options(timeout=2.5, idempotency_key="k1", max_attempts=2),
+        "queue": "tools",
+        "channel": "hermes:ch:abc",
+        "submitted_at": 1_700_000_000.5,
+    }
+    base.update(kw)
+    return Envelope(**base)
+
+
+def valid_dict(**changes: Any) -> dict[str, Any]:
+    d = tool_env().to_dict()
+    d.update(changes)
+    return d
+
+
+def test_tool_envelope_round_trips_through_msgpack() -> None:
+    env = tool_env()
+    data = env.encode()
+    assert isinstance(data, bytes)
+    assert Envelope.decode(data) == env
+
+
+def test_llm_envelope_round_trips_and_is_named_by_its_model() -> None:
+    env = Envelope(
+        call_id="c2",
+        kind="llm",
+        traceparent=TP,
+        request={"model": "gpt-x", "messages": [{"role": "user", "content": "hi"}]},
+        context={"provider": "openai"},
+    )
+    back = Envelope.decode(env.encode())
+    assert back == env
+    assert back.name == "gpt-x"
+    assert back.tool is None
+
+
+def test_trace_ids_come_from_the_traceparent() -> None:
+    env = tool_env()
+    assert env.trace_id == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert env.parent_span_id == "00f067aa0ba902b7"
+    assert tool_env(traceparent="garbage").trace_id == ""
+
+
+def test_unknown_fields_from_a_newer_client_are_ignored() -> None:
+    assert Envelope.from_dict(valid_dict(future_field={"x": 1})) == tool_env()
+
+
+def test_unknown_option_fields_are_ignored() -> None:
+    d = valid_dict()
+    d["options"] = {**d["options"], "priority": "high"}
+    assert Envelope.from_dict(d).options == Options(timeout=2.5, idempotency_key="k1", max_attempts=2)
+
+
+BAD_BYTES = [
+    b"",  # nothing
+    b"\xc1",  # the one byte msgpack never uses
+    b"\x92\x01",  # array of 2 with one element: truncated
+    b"\xd9\x05ab",  # str8 of length 5 with two bytes
+    pack({"a": 1}) + b"\x01",  # trailing data
+    b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00",  # the start of a pickle
+    b"{}",  # JSON, not msgpack
+]
+
+
+@pytest.mark.parametrize("data", BAD_BYTES, ids=range(len(BAD_BYTES)))
+def test_bytes_that_are_not_msgpack_are_a_decode_error(data: bytes) -> None:
+    with pytest.raises(DecodeError):
+        Envelope.decode(data)
+
+
+BAD_SHAPES: list[Any] = [
+    None,
+    1,
+    "envelope",
+    [1, 2, 3],
+    b"raw",
+    {},
+    valid_dict(version=None),
+    valid_dict(version=ENVELOPE_VERSION + 1),
+    valid_dict(version="1"),
+    valid_dict(call_id=None),
+    valid_dict(call_id=""),
+    valid_dict(call_id=7),
+    valid_dict(kind="shell"),
+    valid_dict(kind=None),
+    valid_dict(traceparent=None),
+    valid_dict(traceparent=b"00-ab"),
+    valid_dict(tool=None),
+    valid_dict(tool=""),
+    valid_dict(args=[1, 2]),
+    valid_dict(args="city=x"),
+    valid_dict(context=["s1"]),
+    valid_dict(options=[1]),
+    valid_dict(options="fast"),
+    valid_dict(kind="llm", request=None),
+    valid_dict(kind="llm", request=["gpt"]),
+    {k: v for k, v in valid_dict().items() if k != "kind"},
+    {k: v for k, v in valid_dict().items() if k != "version"},
+]
+
+
+@pytest.mark.parametrize("data", BAD_SHAPES, ids=range(len(BAD_SHAPES)))
+def test_msgpack_of_the_wrong_shape_is_a_decode_error(data: Any) -> None:
+    with pytest.raises(DecodeError):
+        Envelope.from_dict(data)
+    with pytest.raises(DecodeError):
+        Envelope.decode(msgpack.packb(data, use_bin_type=True))
+
+
+BAD_TYPES: list[dict[str, Any]] = [
+    valid_dict(tool=5),
+    valid_dict(tool_version="latest"),
+    valid_dict(tool_version=None),
+    valid_dict(queue=None),
+    valid_dict(queue=["tools"]),
+    valid_dict(channel=3),
+    valid_dict(tracestate=1),
+    valid_dict(submitted_at="yesterday"),
+    valid_dict(options={"timeout": "soon"}),
+    valid_dict(options={"max_attempts": "3"}),
+    valid_dict(options={"idempotency_key": 12}),
+]
+
+
+@pytest.mark.parametrize("data", BAD_TYPES, ids=range(len(BAD_TYPES)))
+def test_fields_of_the_wrong_type_are_a_decode_error(data: dict[str, Any]) -> None:
+    # A worker must learn at decode time that a payload is malformed, not crash on it later.
+    with pytest.raises(DecodeError):
+        Envelope.from_dict(data)
+
+
+def test_random_bytes_never_raise_anything_but_decode_error() -> None:
+    rng = random.Random(1234)
+    good = tool_env().encode()
+    for i in range(3000):
+        if i % 2:
+            data = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+        else:  # flip bytes of a valid envelope: mostly well-formed msgpack with broken values
+            buf = bytearray(good)
+            for _ in range(rng.randrange(1, 4)):
+                buf[rng.randrange(len(buf))] = rng.randrange(256)
+            data = bytes(buf)
+        try:
+            env = Envelope.decode(data)
+        except DecodeError:
+            continue
+        assert isinstance(env, Envelope)
+
+
+def test_job_data_of_another_shape_is_a_decode_error() -> None:
+    good = pack(["workers.entry.run_call", None, [tool_env().to_dict()], {}])
+    assert envelope_of(good) == tool_env()
+    for bad in (
+        b"\xc1",
+        pack({"func": "x"}),
+        pack(["workers.entry.run_call", None, [], {}]),
+        pack(["workers.entry.run_call", None, "env", {}]),
+        pack(["workers.entry.run_call", None, [tool_env().to_dict()]]),
+        pack(["workers.entry.run_call", None, [["not", "a", "mapping"]], {}]),
+    ):
+        with pytest.raises(DecodeError):
+            envelope_of(bad)

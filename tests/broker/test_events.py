@@ -1,0 +1,287 @@
+"""Events: one per transition, seq rising by one, durable history, CAS refusals, late followers."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgpack
+import pytest
+
+from broker import events, keys
+from broker.calls import FENCED, MISSING, WRONG_STATE, CallInfo, Calls
+from broker.envelope import Envelope
+from broker.states import State
+
+TRACE, SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+TP = f"00-{TRACE}-{SPAN}-01"
+CHANNEL = "hermes:ch:client1"
+
+# DESIGN.md: {call_id, seq, state, ts, trace_id, span_id, attempt, kind, tool_name | model, session_id, detail}
+DESIGN_FIELDS = {
+    "call_id",
+    "seq",
+    "state",
+    "ts",
+    "trace_id",
+    "span_id",
+    "attempt",
+    "kind",
+    "session_id",
+    "detail",
+}
+# Our one addition: ``type`` tells transitions from progress messages and stream deltas.
+EXTRA_FIELDS = {"type"}
+
+
+def submit(calls: Calls, call_id: str = "c1", **env_kw: Any) -> CallInfo:
+    env = Envelope(
+        call_id=call_id,
+        kind=env_kw.pop("kind", "tool"),
+        tool=env_kw.pop("tool", "echo"),
+        args={},
+        traceparent=TP,
+        channel=env_kw.pop("channel", CHANNEL),
+        context={"session_id": "sess-1"},
+        **env_kw,
+    )
+    accepted, cid = Calls.check_submit(
+        calls.submit(env, ckey="tool:echo", queue_size=-1, max_attempts=3, timeout=5), "tool:echo", -1
+    )
+    assert accepted and cid == call_id
+    return CallInfo.of(env, "tool:echo")
+
+
+def raw_history(r: Any, call_id: str = "c1") -> list[dict[str, Any]]:
+    return [msgpack.unpackb(b, raw=False) for b in r.lrange(keys.history(call_id), 0, -1)]
+
+
+def walk(calls: Calls, info: CallInfo, states: list[State], attempt: int = 1) -> None:
+    for target in states:
+        seq, _ = calls.transition(info, target, attempt=attempt)
+        assert seq > 0, f"{target} refused: {seq}"
+
+
+HAPPY = [State.ROUTING, State.EXECUTING, State.FORMATTING, State.DONE]
+
+
+def published(ps: Any) -> list[bytes]:
+    """Every message waiting on a pubsub (subscribe confirmations skipped)."""
+    out = []
+    while (msg := ps.get_message(timeout=0.01)) is not None:
+        if msg["type"] == "message":
+            out.append(msg["data"])
+    return out
+
+
+def test_seq_rises_by_one_per_event_and_history_keeps_the_order(fake: Any) -> None:
+    calls = Calls(fake)
+    info = submit(calls)
+    walk(calls, info, HAPPY)
+    hist = events.history(fake, "c1")
+    assert [e.seq for e in hist] == [1, 2, 3, 4, 5]
+    assert [e.state for e in hist] == ["pending", "routing", "executing", "formatting", "done"]
+    assert [e.ts for e in hist] == sorted(e.ts for e in hist)
+    assert int(fake.hget(keys.job("c1"), keys.F_SEQ)) == 5
+    assert hist[-1].terminal and not any(e.terminal for e in hist[:-1])
+
+
+def test_the_event_carries_exactly_the_documented_fields(fake: Any) -> None:
+    calls = Calls(fake)
+    info = submit(calls)
+    walk(calls, info, [State.ROUTING])
+    for raw in raw_history(fake):
+        assert set(raw) == DESIGN_FIELDS | {"tool_name", "model"} | EXTRA_FIELDS
+        assert raw["call_id"] == "c1"
+        assert raw["trace_id"] == TRACE
+        assert raw["kind"] == "tool" and raw["tool_name"] == "echo" and raw["model"] is None
+        assert raw["session_id"] == "sess-1"
+        assert raw["attempt"] == 1
+        assert isinstance(raw["ts"], float) and abs(raw["ts"] - time.time()) < 60
+        assert isinstance(raw["detail"], dict)
+        assert raw["type"] == events.TRANSITION
+    assert raw_history(fake)[0]["span_id"] == SPAN  # the pending event names the caller's span
+
+
+def test_an_llm_event_names_the_model_not_a_tool(fake: Any) -> None:
+    data = events.payload(
+        call_id="c9",
+        state="pending",
+        trace_id=TRACE,
+        span_id=SPAN,
+        attempt=1,
+        kind="llm",
+        name="gpt-x",
+        session_id=None,
+    )
+    raw = msgpack.unpackb(data, raw=False)
+    assert raw["model"] == "gpt-x" and raw["tool_name"] is None
+
+
+def test_the_payload_is_a_fixmap_so_lua_can_append_seq() -> None:
+    data = events.payload(
+        call_id="c", state="x", trace_id="", span_id="", attempt=1, kind="tool", name="t", session_id=None,
+        detail={"k": list(range(100))},
+    )  # fmt: skip
+    assert 0x80 <= data[0] <= 0x8F - 1  # room for one more key
+
+
+@pytest.mark.parametrize("start", [120, 250, 65_530, 16_777_210])
+def test_seq_is_encoded_correctly_past_each_msgpack_width(fake: Any, start: int) -> None:
+    calls = Calls(fake)
+    info = submit(calls)
+    fake.hset(keys.job("c1"), keys.F_SEQ, start)
+    fake.delete(keys.history("c1"))
+    for _ in range(12):  # progress events do not change the state, so any number may follow
+        calls.transition(info, None, attempt=1, event_type=events.PROGRESS, detail={"message": "m"})
+    seqs = [e.seq for e in events.history(fake, "c1", 1)]
+    assert seqs == list(range(start + 1, start + 13))
+
+
+def test_progress_events_keep_the_state_and_still_count(fake: Any) -> None:
+    calls = Calls(fake)
+    info = submit(calls)
+    walk(calls, info, [State.ROUTING, State.EXECUTING])
+    seq, before = calls.transition(
+        info,
+        None,
+        attempt=1,
+        event_type=events.PROGRESS,
+        detail={"message": "5 rows"},
+        current=State.EXECUTING,
+    )
+    assert seq == 4 and before == b"executing"
+    ev = events.history(fake, "c1")[-1]
+    assert ev.type == events.PROGRESS and ev.state == "executing" and ev.detail == {"message": "5 rows"}
+    assert not ev.terminal
+    assert fake.hget(keys.job("c1"), keys.F_STATE) == b"executing"
+
+
+def test_each_event_is_published_on_the_callers_channel(fake: Any) -> None:
+    ps = fake.pubsub()
+    ps.subscribe(CHANNEL)
+    calls = Calls(fake)
+    info = submit(calls)
+    walk(calls, info, HAPPY)
+    got = published(ps)
+    assert len(got) == 5
+    assert got == fake.lrange(keys.history("c1"), 0, -1)
+    ps.close()
+
+
+def _unchanged(r: Any) -> tuple[Any, ...]:
+    return (
+        r.hget(keys.job("c1"), keys.F_STATE),
+        r.hget(keys.job("c1"), keys.F_SEQ),
+        r.llen(keys.history("c1")),
+    )
+
+
+def test_refusals_have_distinct_codes_and_change_nothing(fake: Any) -> None:
+    calls = Calls(fake)
+    ps = fake.pubsub()
+    ps.subscribe(CHANNEL)
+    ghost = CallInfo("nope", TRACE, SPAN, "tool", "echo", None, CHANNEL, "tool:echo", "tools")
+    assert calls.transition(ghost, State.ROUTING, attempt=1)[0] == MISSING == -1
+    assert not fake.exists(keys.job("nope")) and not fake.exists(keys.history("nope"))
+
+    info = submit(calls)
+    assert len(published(ps)) == 1  # the pending event
+    before = _unchanged(fake)
+    seq, state = calls.transition(info, State.ROUTING, attempt=2)  # a worker holding an old lease
+    assert (seq, state) == (FENCED, b"pending") and FENCED == -2
+    assert _unchanged(fake) == before
+    seq, state = calls.transition(info, State.FORMATTING, attempt=1)  # pending -> formatting skips steps
+    assert (seq, state) == (WRONG_STATE, b"pending") and WRONG_STATE == -3
+    assert _unchanged(fake) == before
+    assert published(ps) == []
+    ps.close()
+
+
+def test_no_transition_leaves_a_terminal_state(fake: Any) -> None:
+    calls = Calls(fake)
+    info = submit(calls)
+    walk(calls, info, HAPPY)
+    for target in State:
+        assert calls.transition(info, target, attempt=1)[0] == WRONG_STATE
+    # Not even a progress event, nor an unfenced write from outside.
+    assert calls.transition(info, None, attempt=1, event_type=events.PROGRESS)[0] == WRONG_STATE
+    assert calls.transition(info, State.CANCELLED, attempt=1, fence=False)[0] == WRONG_STATE
+    assert [e.seq for e in events.history(fake, "c1")] == [1, 2, 3, 4, 5]
+
+
+def test_terminal_transitions_drop_the_lease_and_set_a_ttl(fake: Any) -> None:
+    calls = Calls(fake)
+    info = submit(calls)
+    fake.zadd(keys.LEASES, {"c1": time.time() + 30})
+    walk(calls, info, [State.ROUTING, State.FAILED])
+    assert fake.zscore(keys.LEASES, "c1") is None
+    assert 0 < fake.ttl(keys.job("c1")) <= 86400
+    assert 0 < fake.ttl(keys.history("c1")) <= 86400
+    assert fake.hget(keys.job("c1"), "ended_at")
+
+
+# -- follow(): late subscribers ------------------------------------------------------------------
+
+
+def test_follow_after_the_end_gives_the_whole_history_once(fake: Any) -> None:
+    calls = Calls(fake)
+    info = submit(calls)
+    walk(calls, info, HAPPY)
+    assert [e.seq for e in events.follow(fake, "c1", timeout=1)] == [1, 2, 3, 4, 5]
+
+
+def test_follow_joins_late_then_tails_live_filling_a_dropped_message(fake: Any) -> None:
+    calls = Calls(fake)
+    info = submit(calls)
+    walk(calls, info, [State.ROUTING, State.EXECUTING])
+    stream = events.follow(fake, "c1", timeout=5, poll=0.05)
+
+    got = [next(stream) for _ in range(3)]  # history: subscribed by now
+    assert [e.seq for e in got] == [1, 2, 3]
+
+    fake.publish(CHANNEL, fake.lindex(keys.history("c1"), 1))  # an old event again: must not repeat
+    calls.transition(
+        info, None, attempt=1, event_type=events.PROGRESS, detail={"message": "half"}, current=State.EXECUTING
+    )  # seq 4
+    lost = CallInfo(**{**info.__dict__, "channel": "hermes:ch:elsewhere"})
+    calls.transition(lost, State.FORMATTING, attempt=1)  # seq 5: stored, never reaches the follower
+    calls.transition(info, State.DONE, attempt=1)  # seq 6: published, shows the gap
+
+    got += list(stream)
+    assert [e.seq for e in got] == [1, 2, 3, 4, 5, 6]
+    assert [e.state for e in got] == ["pending", "routing", "executing", "executing", "formatting", "done"]
+    assert got[3].type == events.PROGRESS
+
+
+def test_follow_reads_a_dropped_terminal_event_from_history_when_quiet(fake: Any) -> None:
+    calls = Calls(fake)
+    info = submit(calls)
+    stream = events.follow(fake, "c1", timeout=5, poll=0.02)
+    assert next(stream).seq == 1
+    lost = CallInfo(**{**info.__dict__, "channel": "hermes:ch:elsewhere"})
+    walk(calls, lost, HAPPY)  # nothing of it is published to the follower
+    assert [e.state for e in stream] == ["routing", "executing", "formatting", "done"]
+
+
+def test_follow_ignores_other_calls_on_a_shared_channel(fake: Any) -> None:
+    calls = Calls(fake)
+    info = submit(calls, "c1")
+    other = submit(calls, "c2")
+    stream = events.follow(fake, "c1", timeout=5, poll=0.05)
+    assert next(stream).seq == 1
+    walk(calls, other, HAPPY)
+    walk(calls, info, HAPPY)
+    rest = list(stream)
+    assert {e.call_id for e in rest} == {"c1"}
+    assert [e.seq for e in rest] == [2, 3, 4, 5]
+
+
+def test_follow_stops_at_its_timeout_without_a_terminal_event(fake: Any) -> None:
+    calls = Calls(fake)
+    submit(calls)
+    assert [e.seq for e in events.follow(fake, "c1", timeout=0.1, poll=0.02)] == [1]
+
+
+def test_follow_of_an_unknown_call_is_empty(fake: Any) -> None:
+    assert list(events.follow(fake, "missing", timeout=0.1)) == []
