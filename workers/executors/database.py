@@ -1,0 +1,300 @@
+"""The ``database`` executor: parameterised SQL through SQLAlchemy 2, read-only by default.
+
+Spec keys (``dsn`` may also come from ``executors.database.dsn``):
+
+- Template mode (default): ``query: SELECT ... WHERE city = :city``. Named bind parameters are filled
+  from the arguments by the driver; nothing is ever pasted into the SQL text.
+- Structured mode: ``mode: structured`` and ``tables: {name: [allowed columns]}``. The model sends
+  ``{table, columns, where: {col: value | [values]}, limit}``; every name is checked against the
+  allow-list, then the statement is built with SQLAlchemy Core (quoted identifiers, bound values).
+- ``read_only`` (default true): only SELECT/WITH/VALUES/TABLE/SHOW/EXPLAIN statements, run in a
+  transaction that is always rolled back (PostgreSQL: ``SET TRANSACTION READ ONLY``; SQLite:
+  ``PRAGMA query_only``). ``read_only: false`` commits.
+- ``max_rows`` (default 1000; extra rows are dropped and reported as progress).
+- The call's deadline becomes ``SET LOCAL statement_timeout`` (PostgreSQL) or an interrupting
+  progress handler (SQLite); cancellation cancels the running statement.
+
+Result: a list of row dicts with JSON-friendly values.
+"""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from broker.errors import CallCancelled, ExecutorError, HermesError, InvalidArgs, InvalidSpec, ToolTimeout
+from broker.toolspec import ToolSpec
+
+from .base import ExecContext
+
+DEFAULT_MAX_ROWS = 1000
+_READ_VERBS = {"select", "with", "values", "table", "show", "explain"}
+_COMMENTS = re.compile(r"(--[^\n]*|/\*.*?\*/)", re.S)
+_POLL = 0.05
+
+
+def first_keyword(sql: str) -> str:
+    stripped = _COMMENTS.sub(" ", sql).strip().lstrip("(").strip()
+    return stripped.split(None, 1)[0].lower() if stripped else ""
+
+
+def _single_statement(sql: str) -> bool:
+    body = _COMMENTS.sub(" ", sql).strip().rstrip(";")
+    # A ';' inside a string literal is fine; strip literals before looking.
+    return ";" not in re.sub(r"'(?:[^']|'')*'", "''", body)
+
+
+class DatabaseExecutor:
+    """Engines are cached per DSN and shared by all worker threads (SQLAlchemy pools are thread-safe)."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.settings = settings
+        self._engines: dict[str, Engine] = {}
+        self._lock = threading.Lock()
+        self._inflight: dict[int, tuple[ExecContext, Callable[[], None]]] = {}
+        self._watcher: threading.Thread | None = None
+
+    def engine(self, dsn: str) -> Engine:
+        found = self._engines.get(dsn)
+        if found is not None:
+            return found
+        with self._lock:
+            found = self._engines.get(dsn)
+            if found is None:
+                url = re.sub(r"^postgres(ql)?://", "postgresql+psycopg://", dsn)
+                try:
+                    found = sa.create_engine(url, pool_pre_ping=True)
+                except (sa.exc.ArgumentError, ImportError) as e:
+                    raise InvalidSpec(f"database: dsn: {e}") from e
+                self._engines[dsn] = found
+        return found
+
+    def run(self, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext) -> Any:
+        config = {**self.settings, **spec.config}
+        where = f"tool {spec.name!r}"
+        dsn = config.get("dsn")
+        if not isinstance(dsn, str) or not dsn:
+            raise InvalidSpec(f"{where}: dsn: expected a database URL (spec or executors.database.dsn)")
+        read_only = config.get("read_only", True) is not False
+        max_rows = int(config.get("max_rows", DEFAULT_MAX_ROWS))
+        if config.get("mode", "template") == "structured":
+            statement, params, max_rows = build_structured(config, args, where, max_rows)
+        else:
+            statement, params = build_template(config, args, where, read_only)
+        engine = self.engine(dsn)
+        ctx.check()
+        ctx.progress("querying database")
+        try:
+            with engine.connect() as conn:
+                rows, more = self._execute(conn, statement, params, ctx, read_only, max_rows)
+        except HermesError:
+            raise
+        except sa.exc.DBAPIError as e:
+            raise self._translate(e, ctx, where) from e
+        except sa.exc.SQLAlchemyError as e:
+            raise ExecutorError(f"{where}: {type(e).__name__}: {e}") from e
+        suffix = f" (more than {max_rows}; only the first {max_rows} returned)" if more else ""
+        ctx.progress(f"{len(rows)} rows found{suffix}, formatting")
+        return [{k: json_friendly(v) for k, v in row.items()} for row in rows]
+
+    def _execute(
+        self,
+        conn: Connection,
+        statement: Any,
+        params: dict[str, Any],
+        ctx: ExecContext,
+        read_only: bool,
+        max_rows: int,
+    ) -> tuple[list[dict[str, Any]], bool]:
+        dialect = conn.dialect.name
+        raw = conn.connection.dbapi_connection
+        trans = conn.begin()
+        cancel: Callable[[], None] = lambda: None  # noqa: E731
+        try:
+            if dialect == "postgresql":
+                if read_only:
+                    conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+                ms = max(1, int(ctx.remaining() * 1000))
+                conn.exec_driver_sql(f"SET LOCAL statement_timeout = {ms}")
+                cancel = getattr(raw, "cancel_safe", None) or raw.cancel
+            elif dialect == "sqlite":
+                if read_only:
+                    conn.exec_driver_sql("PRAGMA query_only = ON")
+                raw.set_progress_handler(
+                    lambda: int(ctx.cancelled.is_set() or time.monotonic() >= ctx.deadline), 1000
+                )
+            self._watch(ctx, cancel)
+            try:
+                result = conn.execute(statement, params)
+                rows = (
+                    [dict(r) for r in result.mappings().fetchmany(max_rows + 1)]
+                    if result.returns_rows
+                    else []
+                )
+            finally:
+                self._unwatch(ctx)
+            more = len(rows) > max_rows
+            if read_only:
+                trans.rollback()
+            else:
+                trans.commit()
+            return rows[:max_rows], more
+        finally:
+            if trans.is_active:
+                trans.rollback()
+            if dialect == "sqlite":
+                raw.set_progress_handler(None, 0)
+                if read_only:
+                    conn.exec_driver_sql("PRAGMA query_only = OFF")
+
+    def _translate(self, e: sa.exc.DBAPIError, ctx: ExecContext, where: str) -> HermesError:
+        message = (
+            str(getattr(e, "orig", e)).strip().splitlines()[0]
+            if str(getattr(e, "orig", e)).strip()
+            else str(e)
+        )
+        if ctx.cancelled.is_set():
+            return CallCancelled(f"call {ctx.call_id} was cancelled")
+        lowered = message.lower()
+        if time.monotonic() >= ctx.deadline or "statement timeout" in lowered or lowered == "interrupted":
+            return ToolTimeout(f"{where}: query timed out after {ctx.timeout:g}s", timeout=ctx.timeout)
+        err = ExecutorError(
+            f"{where}: database error: {message}", retryable=isinstance(e, sa.exc.OperationalError)
+        )
+        err.retryable = isinstance(e, sa.exc.OperationalError)
+        return err
+
+    # --- cancellation watcher: one thread for all in-flight queries of this executor ----------------
+
+    def _watch(self, ctx: ExecContext, cancel: Callable[[], None]) -> None:
+        with self._lock:
+            self._inflight[id(ctx)] = (ctx, cancel)
+            if self._watcher is None or not self._watcher.is_alive():
+                self._watcher = threading.Thread(target=self._watch_loop, name="db-cancel-watch", daemon=True)
+                self._watcher.start()
+
+    def _unwatch(self, ctx: ExecContext) -> None:
+        with self._lock:
+            self._inflight.pop(id(ctx), None)
+
+    def _watch_loop(self) -> None:
+        while True:
+            time.sleep(_POLL)
+            with self._lock:
+                if not self._inflight:
+                    self._watcher = None
+                    return
+                due = [(k, c) for k, (ctx, c) in self._inflight.items() if ctx.cancelled.is_set()]
+                for key, _ in due:
+                    self._inflight.pop(key, None)
+            for _, cancel in due:
+                try:
+                    cancel()
+                except Exception:  # noqa: BLE001 - the query may have just finished; nothing to cancel
+                    pass
+
+    def close(self) -> None:
+        with self._lock:
+            for engine in self._engines.values():
+                engine.dispose()
+            self._engines.clear()
+
+
+def build_template(
+    config: dict[str, Any], args: dict[str, Any], where: str, read_only: bool
+) -> tuple[Any, dict[str, Any]]:
+    """``text()`` with the named bind parameters it mentions, each taken from the arguments."""
+    query = config.get("query")
+    if not isinstance(query, str) or not query.strip():
+        raise InvalidSpec(f"{where}: query: expected an SQL string (or mode: structured)")
+    if not _single_statement(query):
+        raise InvalidSpec(f"{where}: query: one statement only")
+    if read_only and first_keyword(query) not in _READ_VERBS:
+        raise InvalidSpec(f"{where}: query: read-only tools may only read (set read_only: false to write)")
+    statement = sa.text(query)
+    names = list(statement.compile().params)  # the bind parameter names text() found in the SQL
+    missing = [n for n in names if n not in args]
+    if missing:
+        raise InvalidArgs(
+            f"{where}: missing value for {', '.join(':' + n for n in missing)}",
+            violations=[f"$.{n}: missing" for n in missing],
+        )
+    return statement, {n: args[n] for n in names}
+
+
+def build_structured(
+    config: dict[str, Any], args: dict[str, Any], where: str, max_rows: int
+) -> tuple[Any, dict[str, Any], int]:
+    """A Core SELECT from ``{table, columns, where, limit}``, every identifier from the allow-list."""
+    tables = config.get("tables")
+    if not isinstance(tables, dict) or not tables:
+        raise InvalidSpec(f"{where}: tables: structured mode needs {{table: [columns]}}")
+    name = args.get("table")
+    if not isinstance(name, str) or name not in tables:
+        raise InvalidArgs(
+            f"{where}: table {name!r} is not one of {sorted(tables)}", violations=["$.table: not allowed"]
+        )
+    allowed = [str(c) for c in tables[name] or ()]
+    wanted = args.get("columns") or allowed
+    if isinstance(wanted, str):
+        wanted = [wanted]
+    bad = [c for c in wanted if not isinstance(c, str) or c not in allowed]
+    filters = args.get("where") or {}
+    if not isinstance(filters, dict):
+        raise InvalidArgs(f"{where}: where: expected a mapping of column to value")
+    bad += [c for c in filters if c not in allowed]
+    if bad:
+        raise InvalidArgs(
+            f"{where}: columns not allowed for {name}: {bad!r}",
+            violations=[f"$.columns: {c!r} not allowed" for c in bad],
+        )
+    limit = args.get("limit", max_rows)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise InvalidArgs(
+            f"{where}: limit: expected a non-negative integer", violations=["$.limit: not an integer"]
+        )
+    limit = min(limit, max_rows)
+    tbl = sa.table(name, *(sa.column(c) for c in allowed))
+    stmt = sa.select(*(tbl.c[c] for c in wanted))
+    for col, value in filters.items():
+        if isinstance(value, list):
+            stmt = stmt.where(tbl.c[col].in_(value))
+        elif value is None:
+            stmt = stmt.where(tbl.c[col].is_(None))
+        else:
+            stmt = stmt.where(tbl.c[col] == value)
+    return stmt.limit(limit), {}, limit
+
+
+def json_friendly(value: Any) -> Any:
+    """Database values as msgpack/JSON-friendly ones."""
+    if value is None or isinstance(value, str | bool | int | float | bytes):
+        return value
+    if isinstance(value, decimal.Decimal):
+        return int(value) if value == value.to_integral_value() else float(value)
+    if isinstance(value, datetime.datetime | datetime.date | datetime.time):
+        return value.isoformat()
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, memoryview | bytearray):
+        return bytes(value)
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, list | tuple):
+        return [json_friendly(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): json_friendly(v) for k, v in value.items()}
+    return str(value)
+
+
+def create(settings: dict[str, Any]) -> DatabaseExecutor:
+    return DatabaseExecutor(settings)
