@@ -16,7 +16,7 @@ _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 DEFAULT_LEASE = 30.0
 DEFAULT_CONCURRENCY = 5
-DEFAULT_QUEUE_SIZE = 100
+DEFAULT_QUEUE_SIZE = 10_000
 
 
 def hermes_home(explicit: str | os.PathLike[str] | None = None) -> Path:

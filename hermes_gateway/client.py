@@ -27,8 +27,6 @@ from workers.core import concurrency_key
 
 log = structlog.get_logger("hermes.client")
 
-UNLIMITED_QUEUE = 10_000
-
 
 def current_traceparent() -> tuple[str | None, str | None]:
     """The traceparent/tracestate of the caller's current OpenTelemetry span, if any."""
@@ -144,7 +142,7 @@ class Gateway:
     def _limits(self, env: Envelope, spec: ToolSpec) -> dict[str, Any]:
         queue_size = spec.queue_size
         if queue_size is None:
-            queue_size = int(self.settings.executor_settings(spec.executor).get("queue_size", UNLIMITED_QUEUE))
+            queue_size = self.settings.queue_size_for(spec.executor)
         return {
             "ckey": concurrency_key(env),
             "queue_size": queue_size,

@@ -35,7 +35,7 @@ class Outbox:
         self._thread.start()
 
     def put(self, writer: Writer, callback: Callback | None = None) -> None:
-        """Queue a write; ``writer(pipe)`` adds exactly one command, ``callback`` gets its reply."""
+        """Queue a write; ``callback`` gets the reply of the first command ``writer(pipe)`` adds."""
         with self._cond:
             self._items.append((writer, callback))
             self._cond.notify()
@@ -87,21 +87,31 @@ class Outbox:
             self._send(batch)
 
     def _send(self, batch: list[tuple[Writer, Callback | None]]) -> None:
-        for attempt in range(5):
-            pipe = self.conn.pipeline(transaction=False)
-            for writer, _ in batch:
-                writer(pipe)
-            try:
-                replies = pipe.execute(raise_on_error=False)
-                break
-            except (redis.ConnectionError, redis.TimeoutError) as e:
-                log.warning("outbox flush failed, retrying", error=str(e), attempt=attempt + 1)
-                threading.Event().wait(min(0.1 * 2**attempt, 2.0))
-        else:
-            replies = [redis.ConnectionError("broker unreachable")] * len(batch)
+        try:
+            replies = self._execute(batch)
+        except Exception as e:  # noqa: BLE001 - the sender thread must survive anything
+            log.exception("outbox batch failed")
+            replies = [e] * len(batch)
         for (_, cb), reply in zip(batch, replies, strict=True):
             if cb is not None:
                 try:
                     cb(reply)
                 except Exception:  # noqa: BLE001 - a callback must not stop the sender
                     log.exception("outbox callback failed")
+
+    def _execute(self, batch: list[tuple[Writer, Callback | None]]) -> list[Any]:
+        """Send one pipeline; each writer's reply is the reply of the first command it added."""
+        for attempt in range(5):
+            pipe = self.conn.pipeline(transaction=False)
+            starts = []
+            for writer, _ in batch:
+                starts.append(len(pipe.command_stack))
+                writer(pipe)
+            try:
+                replies = pipe.execute(raise_on_error=False)
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                log.warning("outbox flush failed, retrying", error=str(e), attempt=attempt + 1)
+                threading.Event().wait(min(0.1 * 2**attempt, 2.0))
+                continue
+            return [replies[i] if i < len(replies) else None for i in starts]
+        return [redis.ConnectionError("broker unreachable")] * len(batch)

@@ -50,6 +50,20 @@ def spawn(url: str, queues: list[str], concurrency: int, grace: float = 25.0, en
     return subprocess.Popen(worker_argv(queues, concurrency, grace), env=child_env)
 
 
+def stop_all(procs: list[subprocess.Popen[Any]], timeout: float = 30.0) -> None:
+    """SIGTERM every process, then wait; SIGKILL what is still there after ``timeout``."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def supervise(url: str, queues: list[str], concurrency: int, processes: int, grace: float) -> int:
     """Start ``processes`` workers, restart any that crash, pass SIGTERM/SIGINT on, wait for all."""
     if not url:

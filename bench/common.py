@@ -1,0 +1,83 @@
+"""Shared set-up for benchmarks: a broker URL, a scratch HERMES_HOME, worker processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def broker_url(arg: str | None) -> tuple[str, Any]:
+    """The URL to use, starting the embedded broker when none is given or set."""
+    url = arg or os.environ.get("HERMES_REDIS_URL")
+    if url:
+        return url, None
+    from broker.embedded import EmbeddedBroker
+
+    emb = EmbeddedBroker().start()
+    return emb.url, emb
+
+
+def scratch_home(tools: list[dict[str, Any]], config: dict[str, Any] | None = None) -> Path:
+    home = Path(tempfile.mkdtemp(prefix="hermes-bench-"))
+    (home / "tools").mkdir()
+    for spec in tools:
+        (home / "tools" / f"{spec['name']}.yaml").write_text(yaml.safe_dump(spec))
+    if config:
+        (home / "config.yaml").write_text(yaml.safe_dump(config))
+    return home
+
+
+def start_workers(url: str, home: Path, queue: str, processes: int, concurrency: int, extra_env: dict[str, str] | None = None) -> list[subprocess.Popen[bytes]]:
+    env = dict(os.environ, HERMES_REDIS_URL=url, HERMES_HOME=str(home), HERMES_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT))
+    env.update(extra_env or {})
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "workers", "--queues", queue, "--concurrency", str(concurrency)],
+            env=env,
+            cwd=ROOT,
+        )
+        for _ in range(processes)
+    ]
+
+
+def start_rq_workers(url: str, queue: str, processes: int) -> list[subprocess.Popen[bytes]]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "rq.cli", "worker", "--url", url, "--worker-class", "rq.SimpleWorker", "--quiet", queue],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+        )
+        for _ in range(processes)
+    ]
+
+
+def stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def wait_for_workers(conn: Any, count: int, queue: str, timeout: float = 20.0) -> None:
+    """Until ``count`` RQ-registered workers listen on ``queue``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if conn.scard(f"rq:workers:{queue}") >= count:
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"workers did not start on {queue}")

@@ -1,0 +1,118 @@
+"""End-to-end throughput of no-op tool calls: our stack against stock RQ on the same Redis.
+
+Ours: enqueue → done event observed by the caller, with the full event path on.
+RQ: the same number of no-op jobs through ``SimpleWorker``, finished jobs counted by the caller.
+Both sides get the same number of warm worker processes. The last line is ``ratio_vs_rq=<x>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import broker_url, scratch_home, start_rq_workers, start_workers, stop, wait_for_workers  # noqa: E402
+
+
+def run_ours(url: str, n: int, processes: int, concurrency: int, plugins: list[str] | None = None) -> float:
+    from broker.connection import from_url
+    from hermes_gateway import Gateway
+    from hermes_gateway.client import BrokerHandle
+
+    queue = f"bench-{uuid.uuid4().hex[:8]}"
+    tool = {
+        "name": f"noop_{queue.replace('-', '_')}",
+        "executor": "python",
+        "function": "workers.executors.builtin:noop",
+        "concurrency": 100_000,
+        "queue_size": 1_000_000,
+        "queue": queue,
+    }
+    config = {"plugins": {"enabled": plugins}} if plugins else None
+    home = scratch_home([tool], config)
+    conn = from_url(url)
+    procs = start_workers(url, home, queue, processes, concurrency)
+    try:
+        wait_for_workers(conn, processes, queue)
+        from broker.config import load_settings
+
+        gw = Gateway(BrokerHandle(from_url(url), url, url), load_settings(home))
+        gw.sync_tools(home / "tools")
+        # Warm-up: a few calls so every process has imported and connected.
+        for h in gw.map(tool["name"], [{}] * (20 * processes)):
+            h.result(30)
+        start = time.perf_counter()
+        handles = []
+        batch = 500
+        for i in range(0, n, batch):
+            handles.extend(gw.map(tool["name"], [{}] * min(batch, n - i)))
+        for h in handles:
+            h.result(120)
+        elapsed = time.perf_counter() - start
+        gw.close()
+        return n / elapsed
+    finally:
+        stop(procs)
+
+
+def run_rq(url: str, n: int, processes: int) -> float:
+    from rq import Queue
+
+    from broker.connection import from_url
+
+    conn = from_url(url)
+    queue_name = f"rqbench-{uuid.uuid4().hex[:8]}"
+    q = Queue(queue_name, connection=conn)
+    procs = start_rq_workers(url, queue_name, processes)
+    try:
+        wait_for_workers(conn, processes, queue_name)
+        warm = [Queue.prepare_data("workers.executors.builtin.noop") for _ in range(10 * processes)]
+        jobs = q.enqueue_many(warm)
+        _wait_finished(q, len(jobs))
+        base = q.finished_job_registry.count
+        start = time.perf_counter()
+        batch = 500
+        for i in range(0, n, batch):
+            q.enqueue_many([Queue.prepare_data("workers.executors.builtin.noop") for _ in range(min(batch, n - i))])
+        _wait_finished(q, base + n)
+        elapsed = time.perf_counter() - start
+        return n / elapsed
+    finally:
+        stop(procs)
+
+
+def _wait_finished(q: object, count: int, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while q.finished_job_registry.count < count:  # type: ignore[attr-defined]
+        if time.monotonic() > deadline:
+            raise RuntimeError("stock RQ did not finish in time")
+        time.sleep(0.01)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("-n", "--calls", type=int, default=2000)
+    parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--url", default=None, help="Redis URL (default $HERMES_REDIS_URL, else embedded)")
+    parser.add_argument("--skip-plugins", action="store_true", help="skip the run with the example plugins")
+    args = parser.parse_args()
+    url, emb = broker_url(args.url)
+    try:
+        print(f"broker: {url}; {args.calls} no-op calls; {args.processes} worker process(es) each side")
+        rq_rate = run_rq(url, args.calls, args.processes)
+        print(f"stock RQ SimpleWorker: {rq_rate:,.0f} jobs/s")
+        ours = run_ours(url, args.calls, args.processes, args.concurrency)
+        print(f"hermes-gateway:        {ours:,.0f} calls/s (enqueue -> done event at the caller)")
+        print(f"ratio_vs_rq={ours / rq_rate:.2f}")
+    finally:
+        if emb is not None:
+            emb.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""The ``hermes-gateway`` command line."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import click
+
+from broker.config import Settings, load_settings
+from broker.errors import CallCancelled, CallFailed, CallTimeout, HermesError
+from broker.logs import configure
+
+
+def _settings(ctx: click.Context) -> Settings:
+    return ctx.obj["settings"]
+
+
+def _print_result(result: Any) -> None:
+    if isinstance(result, str):
+        click.echo(result)
+    else:
+        click.echo(json.dumps(result, ensure_ascii=False, indent=2, default=str))
+
+
+def _fail(message: str, code: int = 2) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--home", envvar="HERMES_HOME", default=None, help="Config directory (default ~/.hermes).")
+@click.option("--log-level", default=None, help="DEBUG, INFO, WARNING, ERROR (default: logging.level or INFO).")
+@click.option("--log-format", type=click.Choice(["console", "json"]), default=None, help="Log lines as text or JSON.")
+@click.version_option("0.10.0", prog_name="hermes-gateway", message="%(prog)s v%(version)s")
+@click.pass_context
+def main(ctx: click.Context, home: str | None, log_level: str | None, log_format: str | None) -> None:
+    """Hermes Gateway: LLM and tool calls through Redis and RQ worker pools."""
+    try:
+        settings = load_settings(home)
+    except HermesError as e:
+        _fail(str(e))
+    configure(log_level or settings.log_level, log_format or settings.log_format)
+    ctx.obj = {"settings": settings}
+
+
+# -- workers -------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--queues", default="tools,llm", show_default=True, help="Comma-separated queues, in priority order.")
+@click.option("--concurrency", "-c", default=16, show_default=True, help="Calls in flight per process.")
+@click.option("--processes", "-p", default=1, show_default=True, help="Worker processes to run.")
+@click.option("--grace", default=25.0, show_default=True, help="Seconds to finish in-flight calls on SIGTERM.")
+@click.pass_context
+def worker(ctx: click.Context, queues: str, concurrency: int, processes: int, grace: float) -> None:
+    """Run worker processes that take calls off the queues."""
+    from broker.connection import connect
+    from workers.pool import run_worker, supervise
+
+    settings = _settings(ctx)
+    qs = [q.strip() for q in queues.split(",") if q.strip()]
+    try:
+        handle = connect(settings.redis_url)
+    except HermesError as e:
+        _fail(str(e))
+    click.echo(f"broker: {handle.description}", err=True)
+    if handle.embedded is not None:
+        click.echo(f"clients reach it with: export HERMES_REDIS_URL={handle.url}", err=True)
+    try:
+        if processes > 1:
+            sys.exit(supervise(handle.url, qs, concurrency, processes, grace))
+        sys.exit(run_worker(handle.url, settings, qs, concurrency, grace))
+    finally:
+        handle.close()
+
+
+@main.command()
+@click.option("--all", "all_", is_flag=True, help="Stop every worker on the broker.")
+@click.argument("names", nargs=-1)
+@click.pass_context
+def stop(ctx: click.Context, all_: bool, names: tuple[str, ...]) -> None:
+    """Stop workers gracefully (they finish or hand back in-flight calls)."""
+    from broker import keys
+    from broker.connection import connect
+    from workers.worker import control_message
+
+    if not all_ and not names:
+        _fail("name the workers to stop, or pass --all")
+    settings = _settings(ctx)
+    try:
+        handle = connect(settings.redis_url, embedded_ok=False)
+    except HermesError as e:
+        _fail(str(e))
+    if all_:
+        reached = handle.conn.publish(keys.CONTROL_CHANNEL, control_message("stop"))
+        click.echo(f"stop sent to all workers on {handle.description} ({reached} listening)")
+    for name in names:
+        handle.conn.publish(keys.CONTROL_CHANNEL, control_message("stop", worker=name))
+        click.echo(f"stop sent to {name}")
+    handle.close()
+
+
+# -- tools ---------------------------------------------------------------------------------------
+
+
+@main.group()
+def tool() -> None:
+    """List, run and register tools."""
+
+
+@tool.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def tool_list(ctx: click.Context, as_json: bool) -> None:
+    """List the tools in the directory (and in $HERMES_HOME/tools)."""
+    from hermes_gateway.views import tools_table
+
+    settings = _settings(ctx)
+    with _gateway(settings, need_workers=False) as (gw, _):
+        gw.sync_tools()
+        entries = gw.tools()
+        if as_json:
+            click.echo(json.dumps([{**e.spec.to_dict(), "version": e.version} for e in entries], ensure_ascii=False, indent=2))
+        else:
+            tools_table(entries, settings)
+
+
+@tool.command("run")
+@click.argument("name")
+@click.argument("args", required=False, default="{}")
+@click.option("--follow", "-f", is_flag=True, help="Also print each state transition with its trace id.")
+@click.option("--timeout", type=float, default=None, help="Seconds to wait for the result.")
+@click.option("--session-id", default=None)
+@click.option("--principal", default=None)
+@click.pass_context
+def tool_run(ctx: click.Context, name: str, args: str, follow: bool, timeout: float | None, session_id: str | None, principal: str | None) -> None:
+    """Run one tool call: ARGS is JSON or YAML flow form, e.g. '{name: Alice}'."""
+    from workers.args import parse_args_text
+
+    settings = _settings(ctx)
+    try:
+        parsed = parse_args_text(args)
+    except HermesError as e:
+        _fail(str(e))
+    with _gateway(settings) as (gw, procs):
+        if procs:
+            click.echo(f"broker: {gw.description}; started {len(procs)} worker for this call", err=True)
+        gw.sync_tools()
+        try:
+            spec = gw.tool(name).spec
+            if not procs:
+                gw.require_workers(str(spec.config.get("queue") or "tools"))
+            context = {k: v for k, v in (("session_id", session_id), ("principal", principal)) if v}
+            handle = gw.call_tool(name, parsed, timeout=timeout, **context)
+            if follow:
+                for ev in handle.events(timeout=timeout):
+                    click.echo(_event_line(ev), err=True)
+            result = handle.result(timeout)
+        except CallCancelled as e:
+            _fail(f"cancelled: {e}", 1)
+        except CallTimeout as e:
+            _fail(str(e), 1)
+        except CallFailed as e:
+            _fail(f"{e.error_type}: {e}", 1)
+        except HermesError as e:
+            _fail(f"{e.type}: {e}")
+        _print_result(result)
+
+
+def _event_line(ev: Any) -> str:
+    label = ev.state if ev.type == "transition" else f"{ev.type}"
+    extra = ""
+    if ev.type != "transition":
+        extra = " " + json.dumps(ev.detail, ensure_ascii=False, default=str)
+    elif "error" in ev.detail:
+        extra = f" {ev.detail['error'].get('type')}: {ev.detail['error'].get('message')}"
+    elif "duration_ms" in ev.detail:
+        extra = f" ({ev.detail['duration_ms']:.1f} ms)"
+    return f"[{ev.seq:>2}] {label:<10} trace_id={ev.trace_id} attempt={ev.attempt}{extra}"
+
+
+@tool.command("register")
+@click.argument("spec_file", type=click.Path(exists=True, dir_okay=False))
+@click.pass_context
+def tool_register(ctx: click.Context, spec_file: str) -> None:
+    """Add or update a tool from a YAML spec file."""
+    from pathlib import Path
+
+    from broker.directory import load_spec_file
+
+    with _gateway(_settings(ctx), need_workers=False) as (gw, _):
+        try:
+            spec = load_spec_file(Path(spec_file))
+        except HermesError as e:
+            _fail(str(e))
+        version, changed = gw.directory.register(spec)
+        click.echo(f"{spec.name}: {'registered' if changed else 'unchanged'} (version {version})")
+
+
+@tool.command("show")
+@click.argument("name")
+@click.pass_context
+def tool_show(ctx: click.Context, name: str) -> None:
+    """Print one tool's spec."""
+    import yaml
+
+    with _gateway(_settings(ctx), need_workers=False) as (gw, _):
+        gw.sync_tools()
+        try:
+            entry = gw.tool(name)
+        except HermesError as e:
+            _fail(str(e))
+        click.echo(yaml.safe_dump({**entry.spec.to_dict(), "version": entry.version}, allow_unicode=True, sort_keys=False))
+
+
+@tool.command("remove")
+@click.argument("name")
+@click.pass_context
+def tool_remove(ctx: click.Context, name: str) -> None:
+    """Remove a tool from the directory."""
+    with _gateway(_settings(ctx), need_workers=False) as (gw, _):
+        if not gw.directory.remove(name):
+            _fail(f"unknown tool {name!r}")
+        click.echo(f"{name}: removed")
+
+
+# -- calls, status, demo -------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("call_id")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing until the call ends.")
+@click.pass_context
+def events(ctx: click.Context, call_id: str, follow: bool) -> None:
+    """Print a call's event history (and its live tail with --follow)."""
+    from broker import events as ev_mod
+
+    with _gateway(_settings(ctx), need_workers=False) as (gw, _):
+        stream = ev_mod.follow(gw.conn, call_id) if follow else iter(ev_mod.history(gw.conn, call_id))
+        for ev in stream:
+            click.echo(_event_line(ev))
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Queues with depths, workers with in-flight counts, recent failures."""
+    from hermes_gateway.views import print_status, status_data
+
+    with _gateway(_settings(ctx), need_workers=False) as (gw, _):
+        data = status_data(gw)
+        if as_json:
+            click.echo(json.dumps(data, indent=2, default=str))
+        else:
+            print_status(data, gw.description)
+
+
+@main.command()
+@click.option("--calls", "-n", default=300, show_default=True, help="Calls in the batch.")
+@click.option("--processes", default=2, show_default=True, help="Worker processes.")
+@click.option("--concurrency", default=32, show_default=True, help="Calls in flight per worker process.")
+@click.pass_context
+def demo(ctx: click.Context, calls: int, processes: int, concurrency: int) -> None:
+    """Start a broker and a worker pool, run a batch of calls live, and summarise."""
+    from hermes_gateway.demo import run_demo
+
+    try:
+        sys.exit(run_demo(_settings(ctx), calls=calls, processes=processes, concurrency=concurrency))
+    except HermesError as e:
+        _fail(str(e))
+
+
+@contextlib.contextmanager
+def _gateway(settings: Settings, need_workers: bool = True) -> Iterator[tuple[Any, list[Any]]]:
+    """The gateway for one command; broker errors become a clear message and exit code 2."""
+    from hermes_gateway.local import local_stack
+
+    with contextlib.ExitStack() as stack:
+        try:
+            pair = stack.enter_context(local_stack(settings, need_workers=need_workers))
+        except HermesError as e:
+            _fail(str(e))
+        yield pair

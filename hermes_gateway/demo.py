@@ -1,0 +1,152 @@
+"""``hermes-gateway demo``: a broker, a worker pool, a live batch, and a summary."""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from broker.config import Settings
+from broker.connection import connect
+from hermes_gateway.client import Gateway
+from hermes_gateway.handle import CallHandle
+from hermes_gateway.local import wait_for_heartbeats
+from workers.pool import spawn, stop_all
+
+QUEUE = "demo"
+
+DEMO_TOOLS: list[dict[str, Any]] = [
+    {
+        "name": "hello",
+        "description": "Greet someone by name",
+        "executor": "command",
+        "command": "echo Hello, {{name}}!",
+        "input_schema": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
+        "timeout": 10,
+        "concurrency": 20,
+        "queue": QUEUE,
+    },
+    {
+        "name": "get_weather",
+        "description": "查询指定城市的实时天气情况",
+        "executor": "python",
+        "function": "hermes_gateway.demo_tools:weather",
+        "input_schema": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+        },
+        "timeout": 10,
+        "concurrency": 50,
+        "queue": QUEUE,
+    },
+]
+
+CITIES = ["北京", "上海", "广州", "深圳", "杭州", "成都", "Berlin", "Paris", "Lisbon", "Nairobi"]
+NAMES = ["Alice", "Bob", "Chen", "Dana", "Émile", "Farah"]
+
+
+def _batch(n: int, rng: random.Random) -> list[tuple[str, dict[str, Any]]]:
+    out: list[tuple[str, dict[str, Any]]] = []
+    for i in range(n):
+        if i % 4 == 0:
+            out.append(("hello", {"name": rng.choice(NAMES)}))
+        elif i % 50 == 7:
+            out.append(("get_weather", {"city": "Atlantis"}))  # fails on purpose: no such station
+        else:
+            out.append(("get_weather", {"city": rng.choice(CITIES), "unit": rng.choice(["celsius", "fahrenheit"])}))
+    return out
+
+
+def _latency(h: CallHandle) -> float | None:
+    evs = [e for e in h._events if e.type == "transition"]
+    if len(evs) < 2:
+        return None
+    return (evs[-1].ts - evs[0].ts) * 1000
+
+
+def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int) -> int:
+    console = Console(width=max(110, Console().width))
+    handle = connect(settings.redis_url)
+    console.print(f"[bold]broker[/bold]: {handle.description}")
+    gw = Gateway(handle, settings)
+    env = dict(os.environ, HERMES_LOG_LEVEL="WARNING")
+    procs = [spawn(handle.url, [QUEUE], concurrency, env=env) for _ in range(processes)]
+    try:
+        wait_for_heartbeats(gw, processes)
+        for spec in DEMO_TOOLS:
+            gw.register_tool(spec)
+        console.print(f"[bold]workers[/bold]: {processes} processes x {concurrency} calls in flight on queue {QUEUE!r}")
+        console.print("[bold]tools[/bold]: " + ", ".join(s["name"] for s in DEMO_TOOLS))
+
+        console.rule("one call, live")
+        one = gw.call_tool("get_weather", {"city": "北京"}, session_id="demo-session")
+        for ev in one.events(timeout=30):
+            what = ev.state if ev.type == "transition" else f"  {ev.type}: {ev.detail.get('message', '')}"
+            console.print(f"  seq={ev.seq} {what:<40} trace_id={ev.trace_id}")
+        console.print(f"  result: {one.result(30)}")
+
+        console.rule(f"a batch of {calls} calls")
+        rng = random.Random(10)
+        work = _batch(calls, rng)
+        start = time.perf_counter()
+        handles = gw.submit_many(work, session_id="demo-session")
+        with Progress(
+            TextColumn("calls"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False
+        ) as bar:
+            task = bar.add_task("calls", total=len(handles))
+            while True:
+                finished = sum(1 for h in handles if h.done())
+                bar.update(task, completed=finished)
+                if finished == len(handles):
+                    break
+                time.sleep(0.05)
+        wall = time.perf_counter() - start
+
+        outcomes: dict[str, int] = {}
+        for h in handles:
+            try:
+                h.result(0)
+                outcomes["done"] = outcomes.get("done", 0) + 1
+            except Exception as e:  # noqa: BLE001 - the summary counts every kind of failure
+                key = f"failed ({getattr(e, 'type', type(e).__name__)})"
+                outcomes[key] = outcomes.get(key, 0) + 1
+        lat = sorted(x for x in (_latency(h) for h in handles) if x is not None)
+        table = Table(title="summary", title_justify="left")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        table.add_row("calls", str(len(handles)))
+        for k, v in sorted(outcomes.items()):
+            table.add_row(k, str(v))
+        table.add_row("wall time", f"{wall:.2f} s")
+        table.add_row("throughput", f"{len(handles) / wall:,.0f} calls/s")
+        if lat:
+            table.add_row("latency p50", f"{statistics.median(lat):.1f} ms")
+            table.add_row("latency p99", f"{lat[min(len(lat) - 1, int(len(lat) * 0.99))]:.1f} ms")
+        console.print(table)
+
+        topo = Table(title="topology", title_justify="left")
+        for col in ("worker", "pid", "queues", "concurrency", "ran (this demo)", "failed"):
+            topo.add_column(col)
+        ran_by: dict[str, list[int]] = {}
+        for h in [one, *handles]:
+            worker = next((e.detail.get("worker") for e in h._events if e.state == "routing"), None)
+            if worker:
+                tally = ran_by.setdefault(worker, [0, 0])
+                tally[0] += 1
+                tally[1] += h.final_state == "failed"
+        for w in gw.live_workers(QUEUE):
+            done, failed = ran_by.get(w.get("name", ""), [0, 0])
+            topo.add_row(w.get("name", ""), w.get("pid", ""), w.get("queues", ""), w.get("concurrency", ""), str(done), str(failed))
+        console.print(topo)
+        console.print(f"broker: {handle.description}")
+        return 0
+    finally:
+        stop_all(procs)
+        gw.close()

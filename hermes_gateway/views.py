@@ -1,0 +1,99 @@
+"""Terminal views: the tool list and the status page."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from broker import keys
+from broker.codec import unpack
+from broker.config import Settings
+from broker.directory import Entry
+
+console = Console()
+
+
+def tools_table(entries: list[Entry], settings: Settings) -> None:
+    table = Table(title="tools", title_justify="left")
+    for col in ("name", "executor", "permissions", "concurrency", "queue_size", "timeout", "version", "description"):
+        table.add_column(col)
+    for e in entries:
+        s = e.spec
+        table.add_row(
+            s.name,
+            s.executor,
+            ",".join(s.permissions) if s.permissions is not None else "-",
+            str(s.concurrency or settings.concurrency_for(s.executor)),
+            str(s.queue_size if s.queue_size is not None else settings.queue_size_for(s.executor)),
+            f"{s.timeout:g}s",
+            str(e.version),
+            s.description,
+        )
+    console.print(table)
+
+
+def status_data(gw: Any) -> dict[str, Any]:
+    """Everything ``status`` shows, as plain data."""
+    conn = gw.conn
+    queue_keys = sorted(k.decode() for k in conn.smembers(keys.RQ_QUEUES))
+    pipe = conn.pipeline(transaction=False)
+    for k in queue_keys:
+        pipe.llen(k)
+    depths = pipe.execute()
+    waiting = {}
+    for k in conn.scan_iter(match=keys.WAITING.format("*"), count=500):
+        waiting[k.decode().split(":", 2)[2]] = conn.zcard(k)
+    failures = []
+    for raw in conn.lrange(keys.FAILURES, 0, 9):
+        try:
+            failures.append(unpack(raw))
+        except Exception:  # noqa: BLE001 - a damaged entry is skipped, not fatal
+            continue
+    return {
+        "broker": gw.description,
+        "queues": [{"queue": k.split(":", 2)[2], "depth": d} for k, d in zip(queue_keys, depths, strict=True)],
+        "waiting_by_key": waiting,
+        "leased_calls": conn.zcard(keys.LEASES),
+        "workers": gw.live_workers(),
+        "recent_failures": failures,
+    }
+
+
+def print_status(data: dict[str, Any], description: str) -> None:
+    console.print(f"[bold]broker[/bold]: {description}")
+    q = Table(title="queues", title_justify="left")
+    q.add_column("queue")
+    q.add_column("depth", justify="right")
+    for row in data["queues"]:
+        q.add_row(row["queue"], str(row["depth"]))
+    console.print(q)
+    w = Table(title=f"workers ({len(data['workers'])})", title_justify="left")
+    for col in ("name", "queues", "in flight", "concurrency", "processed", "failed", "heartbeat"):
+        w.add_column(col)
+    now = time.time()
+    for row in data["workers"]:
+        w.add_row(
+            row.get("name", ""),
+            row.get("queues", ""),
+            row.get("inflight", "0"),
+            row.get("concurrency", ""),
+            row.get("processed", "0"),
+            row.get("failed", "0"),
+            f"{now - float(row.get('heartbeat', now)):.1f}s ago",
+        )
+    console.print(w)
+    f = Table(title="recent failures", title_justify="left")
+    for col in ("when", "call", "name", "error"):
+        f.add_column(col)
+    for row in data["recent_failures"]:
+        err = row.get("error") or {}
+        f.add_row(
+            time.strftime("%H:%M:%S", time.localtime(row.get("ts", 0))),
+            str(row.get("call_id", ""))[:12],
+            str(row.get("name", "")),
+            f"{err.get('type')}: {err.get('message')}",
+        )
+    console.print(f)
