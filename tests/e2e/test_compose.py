@@ -1,0 +1,135 @@
+"""docker-compose.yml cannot run here (no Docker engine), so run each service's command line as compose
+would — image entrypoint + command, with the service's environment — against a Redis started from the
+redis service's own command, and check the stack works end to end."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+pytestmark = pytest.mark.e2e
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dockerfile() -> tuple[list[str], dict[str, str], list[tuple[str, str]]]:
+    """ENTRYPOINT, ENV and COPY lines of the Dockerfile."""
+    entry: list[str] = []
+    env: dict[str, str] = {}
+    copies: list[tuple[str, str]] = []
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if line.startswith("ENTRYPOINT"):
+            entry = yaml.safe_load(line.split(None, 1)[1])
+        elif line.startswith("ENV"):
+            k, v = line.split(None, 1)[1].split("=", 1)
+            env[k] = v
+        elif line.startswith("COPY"):
+            src, dst = line.split()[1:3]
+            copies.append((src, dst))
+    return entry, env, copies
+
+
+def _argv(entry: list[str], command: list[str]) -> list[str]:
+    argv = [*entry, *command]
+    exe = BIN / argv[0]
+    return [str(exe) if exe.exists() else argv[0], *argv[1:]]
+
+
+def test_compose_services_run_as_written(tmp_path: Path) -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    entry, image_env, copies = _dockerfile()
+    assert entry == ["hermes-gateway"]
+    assert any("pip install" in line for line in (ROOT / "Dockerfile").read_text().splitlines())
+
+    # The image's HERMES_HOME: what the Dockerfile copies there.
+    home = tmp_path / "hermes"
+    for src, dst in copies:
+        if dst.startswith(image_env["HERMES_HOME"]):
+            shutil.copytree(ROOT / src, home / Path(dst).relative_to(image_env["HERMES_HOME"]))
+    assert (home / "tools" / "hello.yaml").exists()
+
+    # redis: its own command line, on a free port, in a scratch dir; AOF must be on.
+    rcmd = services["redis"]["command"]
+    assert "--appendonly" in rcmd and rcmd[rcmd.index("--appendonly") + 1] == "yes"
+    port = _free_port()
+    rdir = tmp_path / "redis-data"
+    rdir.mkdir()
+    redis_proc = subprocess.Popen([*rcmd, "--port", str(port), "--dir", str(rdir), "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL)
+    procs = [redis_proc]
+    try:
+        conn = redis.Redis(port=port)
+        for _ in range(200):
+            try:
+                conn.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        url_for = lambda svc_env: svc_env["HERMES_REDIS_URL"].replace("redis://redis:6379", f"redis://127.0.0.1:{port}")  # noqa: E731
+
+        def env_of(name: str) -> dict[str, str]:
+            svc_env = {k: str(v) for k, v in services[name]["environment"].items()}
+            env = {**os.environ, **image_env, **svc_env}
+            env["HERMES_REDIS_URL"] = url_for(svc_env)
+            env["HERMES_HOME"] = str(home)  # the image path /hermes, laid out under tmp
+            return env
+
+        worker_log = (tmp_path / "worker.log").open("wb")
+        worker = subprocess.Popen(_argv(entry, services["worker"]["command"]), env=env_of("worker"), stderr=worker_log, stdout=worker_log)
+        procs.append(worker)
+        deadline = time.monotonic() + 30
+        while conn.zcard("hermes:workers") < 1:
+            assert time.monotonic() < deadline, (tmp_path / "worker.log").read_text()
+            assert worker.poll() is None, (tmp_path / "worker.log").read_text()
+            time.sleep(0.1)
+
+        call = subprocess.run(
+            _argv(entry, services["call"]["command"]), env=env_of("call"), capture_output=True, text=True, timeout=60
+        )
+        assert call.returncode == 0, call.stderr
+        assert call.stdout.strip() == "Hello, Alice!"
+        assert "done" in call.stderr and "trace_id=" in call.stderr  # --follow printed the transitions
+
+        # Scaling: a second worker from the same command joins the same queues.
+        second = subprocess.Popen(_argv(entry, services["worker"]["command"]), env=env_of("worker"), stderr=subprocess.DEVNULL)
+        procs.append(second)
+        deadline = time.monotonic() + 30
+        while conn.zcard("hermes:workers") < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        # compose stop sends SIGTERM and waits stop_grace_period: the workers must exit 0 within it.
+        grace = float(services["worker"]["stop_grace_period"].rstrip("s"))
+        for p in (worker, second):
+            p.terminate()
+        for p in (worker, second):
+            assert p.wait(grace) == 0
+        assert list(rdir.glob("**/*.aof*")) or list(rdir.glob("appendonlydir/*")), "redis service must write its AOF"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_compose_commands_are_argv_lists() -> None:
+    """No service relies on a shell: every command is an argv list."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    for name, svc in compose["services"].items():
+        assert isinstance(svc.get("command"), list), f"{name}: command must be a list, not {shlex.quote(str(svc.get('command')))}"
