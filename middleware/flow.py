@@ -130,7 +130,9 @@ class ToolCallFlow:
         base = {**ctx, "tool_name": tool_name}
         if check_available is not None:
             self._guard(rt, check_available, tool_name, eff, ctx, base, trace, status="error")
-        directive = _block_message(rt.emit(PRE_TOOL_CALL, **base, args=eff, middleware_trace=list(trace)))
+        directive = None
+        if rt.has_hook(PRE_TOOL_CALL):
+            directive = _block_message(rt.emit(PRE_TOOL_CALL, **base, args=eff, middleware_trace=list(trace)))
         if directive is not None:
             action, message = directive
             if action == "approve" and self.approve is not None and self.approve(tool_name, message, ctx):

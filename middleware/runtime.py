@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from middleware.execution import BaseCall, ExecutionChain
@@ -173,7 +173,7 @@ class MiddlewareRuntime:
         *,
         execute: BaseCall,
         context: Mapping[str, Any] | None = None,
-        **steps: Callable[..., Any] | None,
+        **steps: Any,
     ) -> Any:
         """One tool call in the contract's order; ``steps`` are ToolCallFlow's optional callables."""
         from middleware.flow import ToolCallFlow
@@ -186,7 +186,7 @@ class MiddlewareRuntime:
         *,
         call_provider: BaseCall,
         context: Mapping[str, Any] | None = None,
-        **steps: Callable[..., Any] | None,
+        **steps: Any,
     ) -> Any:
         """One provider call in the contract's order; ``steps`` are LLMCallFlow's optional callables."""
         from middleware.flow import LLMCallFlow
