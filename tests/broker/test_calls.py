@@ -1,0 +1,232 @@
+"""Call records: submission (duplicates, idempotency, admission), claiming and lease expiry."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import redis
+from rq import Queue
+from rq.job import Job
+
+from broker import events, keys
+from broker.calls import CallInfo, Calls
+from broker.codec import MsgpackSerializer, unpack
+from broker.envelope import Envelope, Options
+from broker.errors import QueueFull
+from broker.states import State
+
+TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+CKEY = "tool:echo"
+
+
+def env(
+    call_id: str, *, tool: str = "echo", queue: str = "tools", idem: str | None = None, **args: Any
+) -> Envelope:
+    return Envelope(
+        call_id=call_id,
+        kind="tool",
+        tool=tool,
+        args=args,
+        traceparent=TP,
+        queue=queue,
+        channel="hermes:ch:test",
+        options=Options(idempotency_key=idem),
+    )
+
+
+def submit(calls: Calls, e: Envelope, queue_size: int = -1, ckey: str = CKEY) -> tuple[bool, str]:
+    reply = calls.submit(e, ckey=ckey, queue_size=queue_size, max_attempts=3, timeout=5)
+    return Calls.check_submit(reply, ckey, queue_size)
+
+
+def test_a_submitted_call_is_an_rq_job_on_an_rq_queue(fake: Any) -> None:
+    calls = Calls(fake)
+    assert submit(calls, env("c1", city="北京")) == (True, "c1")
+    assert fake.lrange(keys.queue("tools"), 0, -1) == [b"c1"]
+    assert fake.smembers(keys.RQ_QUEUES) == {keys.queue("tools").encode()}
+    rec = calls.record("c1")
+    assert rec is not None
+    assert (rec["state"], rec["attempt"], rec["seq"], rec["name"], rec["queue"]) == (
+        "pending",
+        1,
+        1,
+        "echo",
+        "tools",
+    )
+    assert rec["envelope"].call_id == "c1" and rec["envelope"].args == {"city": "北京"}
+    # RQ itself reads it: status, origin, and the function + args through our msgpack serializer.
+    job = Job.fetch("c1", connection=fake, serializer=MsgpackSerializer)
+    assert job.get_status() == "queued"
+    assert job.origin == "tools"
+    assert job.func_name == "workers.entry.run_call"
+    assert job.args[0]["call_id"] == "c1" and job.args[0]["args"] == {"city": "北京"}
+    assert Queue("tools", connection=fake, serializer=MsgpackSerializer).job_ids == ["c1"]
+    assert [e.state for e in events.history(fake, "c1")] == ["pending"]
+
+
+def test_submitting_the_same_call_id_twice_is_a_no_op(fake: Any) -> None:
+    calls = Calls(fake)
+    assert submit(calls, env("c1", n=1)) == (True, "c1")
+    assert submit(calls, env("c1", n=2)) == (False, "c1")
+    assert fake.llen(keys.queue("tools")) == 1
+    assert fake.llen(keys.history("c1")) == 1
+    assert fake.zcard(keys.waiting(CKEY)) == 1
+    assert calls.record("c1")["envelope"].args == {"n": 1}
+
+
+def test_an_idempotency_key_returns_the_call_that_already_exists(fake: Any) -> None:
+    calls = Calls(fake)
+    assert submit(calls, env("first", idem="order-42")) == (True, "first")
+    assert submit(calls, env("second", idem="order-42")) == (False, "first")
+    assert not fake.exists(keys.job("second"))
+    assert fake.lrange(keys.queue("tools"), 0, -1) == [b"first"]
+    assert 0 < fake.ttl(keys.IDEMPOTENCY.format("order-42"))
+    assert submit(calls, env("third", idem="order-43")) == (True, "third")
+
+
+def test_queue_full_is_refused_at_once_and_admits_again_after_a_claim(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(3):
+        assert submit(calls, env(f"c{i}"), queue_size=3)[0]
+    with pytest.raises(QueueFull) as info:
+        submit(calls, env("c3"), queue_size=3)
+    assert info.value.details == {"key": CKEY, "limit": 3, "depth": 3}
+    assert not fake.exists(keys.job("c3")) and not fake.exists(keys.history("c3"))
+    assert fake.llen(keys.queue("tools")) == 3
+    # Another concurrency key on the same queue has its own limit.
+    assert submit(calls, env("other", tool="other"), queue_size=3, ckey="tool:other")[0]
+    assert [c.call_id for c in calls.claim(["tools"], 1, "w1", 30)] == ["c0"]
+    assert submit(calls, env("c3"), queue_size=3) == (True, "c3")
+
+
+def test_a_cancelled_call_frees_its_place_in_the_waiting_queue(fake: Any) -> None:
+    calls = Calls(fake)
+    submit(calls, env("c0"), queue_size=1)
+    info = CallInfo.of(env("c0"), CKEY)
+    assert calls.transition(info, State.CANCELLED, attempt=1, fence=False)[0] > 0
+    fake.zrem(keys.waiting(CKEY), "c0")  # what cancel_call does
+    assert submit(calls, env("c1"), queue_size=1)[0]
+
+
+def test_admission_is_atomic_under_racing_pipelines(conn: redis.Redis) -> None:
+    # Eight threads each pipeline 50 submissions against a limit of 120: exactly 120 get in.
+    limit, threads, per = 120, 8, 50
+    results: list[Any] = []
+    lock = threading.Lock()
+    start = threading.Barrier(threads)
+
+    def client(t: int) -> None:
+        calls = Calls(redis.Redis(connection_pool=conn.connection_pool))
+        pipe = calls.conn.pipeline(transaction=False)
+        for i in range(per):
+            calls.submit(
+                env(f"t{t}-{i}"), ckey=CKEY, queue_size=limit, max_attempts=3, timeout=5, pipeline=pipe
+            )
+        start.wait()
+        replies = pipe.execute()
+        with lock:
+            results.extend(replies)
+
+    pool = [threading.Thread(target=client, args=(t,)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    accepted = [r for r in results if int(r[0]) == 1]
+    refused = [r for r in results if int(r[0]) == -1]
+    assert len(accepted) == limit and len(refused) == threads * per - limit
+    assert conn.zcard(keys.waiting(CKEY)) == limit
+    assert conn.llen(keys.queue("tools")) == limit
+    assert len(conn.keys(keys.RQ_JOB.format("*"))) == limit
+    assert all(int(r[1]) == limit for r in refused)
+
+
+def test_claim_takes_calls_in_order_and_leases_them(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(5):
+        submit(calls, env(f"c{i}"))
+    before = time.time()
+    got = calls.claim(["tools"], 3, "worker-a", 30)
+    assert [c.call_id for c in got] == ["c0", "c1", "c2"]
+    assert all(c.attempt == 1 and c.data for c in got)
+    assert fake.lrange(keys.queue("tools"), 0, -1) == [b"c3", b"c4"]
+    assert fake.zcard(keys.waiting(CKEY)) == 2
+    for c in got:
+        assert before + 29 < fake.zscore(keys.LEASES, c.call_id) < time.time() + 31
+        assert fake.hget(keys.job(c.call_id), keys.F_WORKER) == b"worker-a"
+        assert fake.hget(keys.job(c.call_id), "worker_name") == b"worker-a"
+        assert unpack(c.data)[2][0]["call_id"] == c.call_id
+
+
+def test_claim_reads_queues_in_priority_order(fake: Any) -> None:
+    calls = Calls(fake)
+    submit(calls, env("low", queue="bulk"))
+    submit(calls, env("high", queue="tools"))
+    assert [c.call_id for c in calls.claim(["tools", "bulk"], 2, "w", 30)] == ["high", "low"]
+    assert calls.claim(["tools", "bulk"], 2, "w", 30) == []
+
+
+def test_claim_skips_cancelled_calls_and_drops_them_from_the_queue(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(4):
+        submit(calls, env(f"c{i}"))
+    for cid in ("c1", "c2"):
+        info = CallInfo.of(env(cid), CKEY)
+        assert calls.transition(info, State.CANCELLED, attempt=1, fence=False)[0] > 0
+    got = calls.claim(["tools"], 10, "w", 30)
+    assert [c.call_id for c in got] == ["c0", "c3"]
+    assert fake.llen(keys.queue("tools")) == 0
+    assert fake.zcard(keys.waiting(CKEY)) == 0
+    assert fake.zscore(keys.LEASES, "c1") is None
+    assert fake.hget(keys.job("c1"), keys.F_WORKER) is None
+    assert fake.hget(keys.job("c1"), keys.F_STATE) == b"cancelled"
+
+
+def test_claim_drops_ids_whose_record_expired(fake: Any) -> None:
+    calls = Calls(fake)
+    submit(calls, env("c0"))
+    submit(calls, env("c1"))
+    fake.delete(keys.job("c0"))
+    assert [c.call_id for c in calls.claim(["tools"], 10, "w", 30)] == ["c1"]
+
+
+def test_extend_leases_only_touches_calls_still_leased(fake: Any) -> None:
+    calls = Calls(fake)
+    fake.zadd(keys.LEASES, {"mine": 1.0})
+    calls.extend_leases(["mine", "gone"], 30)
+    assert fake.zscore(keys.LEASES, "mine") > time.time() + 29
+    assert fake.zscore(keys.LEASES, "gone") is None
+
+
+def test_reap_returns_only_expired_leases_and_takes_them_over(fake: Any) -> None:
+    calls = Calls(fake)
+    for cid in ("old", "fresh"):
+        submit(calls, env(cid))
+    got = calls.claim(["tools"], 2, "w", 30)
+    assert len(got) == 2
+    info = CallInfo.of(env("old"), CKEY)
+    calls.transition(info, State.ROUTING, attempt=1)
+    fake.hset(keys.job("old"), keys.F_CANCEL, "1")
+    fake.zadd(keys.LEASES, {"old": time.time() - 1, "vanished": time.time() - 1})
+    reaped = calls.reap(lease=10)
+    assert reaped == [
+        {
+            "call_id": "old",
+            "state": "routing",
+            "attempt": 1,
+            "max_attempts": 3,
+            "queue": keys.queue("tools"),
+            "cancel": True,
+            "ckey": CKEY,
+        }
+    ]
+    assert fake.zscore(keys.LEASES, "old") > time.time() + 9  # one reaper owns it now
+    assert fake.zscore(keys.LEASES, "vanished") is None  # no record: nothing to settle
+    assert calls.reap(lease=10) == []  # a second reaper finds nothing
+
+
+def test_record_of_an_unknown_call_is_none(fake: Any) -> None:
+    assert Calls(fake).record("nope") is None

