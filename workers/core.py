@@ -13,18 +13,29 @@ import structlog
 from broker import keys
 from broker.calls import Calls
 from broker.codec import pack
-from broker.config import Settings
+from broker.config import Settings, load_settings
+from broker.errors import CallFailed
 from broker.directory import Directory
 from broker.envelope import Envelope
 from broker.states import State
 from broker.toolspec import ToolSpec
+from middleware import PluginManager, ToolCallFlow
+from workers.args import check_output, coerce_args, validate_args
 from workers.executors.base import ExecContext, get_executor
+from workers.policy import Policy
 from workers.outbox import Outbox
 from workers.runner import Running
 
 log = structlog.get_logger("hermes.worker")
 
 FAILURES_KEPT = 100
+
+
+TOOL_CONTEXT = ("session_id", "task_id", "turn_id", "api_request_id", "tool_call_id")
+
+
+def _blocked(tool_name: str, message: str, _ctx: dict[str, Any]) -> Any:
+    raise CallFailed(message or f"tool {tool_name!r} was blocked by a plugin", error_type="blocked", tool=tool_name)
 
 
 def concurrency_key(env: Envelope, spec_executor: str | None = None) -> str:
@@ -50,6 +61,10 @@ class WorkerCore:
         self.processed = 0
         self.failed = 0
         self.idle = threading.Condition(self._lock)
+        self.policy = Policy.from_settings(settings.policy)
+        self.plugins = PluginManager(settings.home)
+        self.plugins.load()
+        self.tool_flow = ToolCallFlow(self.plugins, on_blocked=_blocked)
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
@@ -113,7 +128,12 @@ class WorkerCore:
             self.outbox.put(write)
         log.debug("call ended", state=str(state), duration_ms=round(duration * 1000, 3))
 
-    # -- the call's steps (the middleware flow plugs in here) -------------------------------------
+    # -- the call's steps: the Hermes contract's order ------------------------------------------
+
+    def reload(self) -> None:
+        """Re-import plugins and re-read policy (``hermes-gateway plugins reload``)."""
+        self.plugins.reload()
+        self.policy = Policy.from_settings(load_settings(self.settings.home).policy)
 
     def execute_tool(
         self,
@@ -123,13 +143,29 @@ class WorkerCore:
         ctx: ExecContext,
         move: Callable[..., None],
     ) -> Any:
-        """Pre-execution checks, then the executor; moves the call to ``executing``."""
-        move(run, State.EXECUTING)
-        ctx.check()
-        executor = get_executor(spec.executor, ctx.settings)
-        return executor.run(spec, args, ctx)
+        """Coerce → ``tool_request`` → checks on the effective args → ``tool_execution`` around the executor."""
+        env = run.env
+        args = coerce_args(spec.input_schema, args)
+        principal = env.context.get("principal")
+        policy = self.policy
+
+        def checks(tool_name: str, eff: dict[str, Any], _ctx: dict[str, Any]) -> None:
+            policy.enforce(principal, spec, eff)
+            validate_args(spec.input_schema, eff, tool_name)
+
+        def execute(eff: dict[str, Any]) -> Any:
+            move(run, State.EXECUTING)
+            ctx.check()
+            return get_executor(spec.executor, ctx.settings).run(spec, eff, ctx)
+
+        context = {k: env.context.get(k) for k in TOOL_CONTEXT if env.context.get(k) is not None}
+        result = self.tool_flow.run(spec.name, args, execute=execute, context=context, policy=checks)
+        if run.state is State.ROUTING:  # a middleware answered without calling the tool
+            move(run, State.EXECUTING)
+        return result
 
     def format_result(self, run: Running, spec: ToolSpec, result: Any) -> Any:
+        check_output(spec.output_schema, result, spec.name)
         return result
 
     def close(self) -> None:
