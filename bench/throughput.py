@@ -15,6 +15,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+EXAMPLE_PLUGINS = Path(__file__).resolve().parent.parent / "examples" / "plugins"
+SEED_PLUGINS = [
+    "middleware-demo-llm-tag",
+    "middleware-demo-terminal-workdir",
+    "middleware-demo-llm-timing",
+    "middleware-demo-tool-annotate",
+]
+
 from bench.common import broker_url, scratch_home, start_rq_workers, start_workers, stop, wait_for_workers  # noqa: E402
 
 
@@ -34,6 +42,11 @@ def run_ours(url: str, n: int, processes: int, concurrency: int, plugins: list[s
     }
     config = {"plugins": {"enabled": plugins}} if plugins else None
     home = scratch_home([tool], config)
+    if plugins:
+        import shutil
+
+        for name in plugins:
+            shutil.copytree(EXAMPLE_PLUGINS / name, home / "plugins" / name)
     conn = from_url(url)
     procs = start_workers(url, home, queue, processes, concurrency)
     try:
@@ -108,6 +121,10 @@ def main() -> None:
         print(f"stock RQ SimpleWorker: {rq_rate:,.0f} jobs/s")
         ours = run_ours(url, args.calls, args.processes, args.concurrency)
         print(f"hermes-gateway:        {ours:,.0f} calls/s (enqueue -> done event at the caller)")
+        if not args.skip_plugins:
+            with_plugins = run_ours(url, args.calls, args.processes, args.concurrency, SEED_PLUGINS)
+            print(f"hermes-gateway + the seed's 4 example plugins: {with_plugins:,.0f} calls/s")
+            print(f"plugins_ratio={with_plugins / ours:.3f}  (target >= 0.85)")
         print(f"ratio_vs_rq={ours / rq_rate:.2f}")
     finally:
         if emb is not None:
