@@ -86,7 +86,8 @@ class CallRunner:
                 run.info, None, attempt=run.attempt, detail={"message": message}, event_type=PROGRESS, current=state, pipeline=pipe
             )
 
-        self.core.outbox.put(write)
+        # Progress is fenced like a transition: a refusal means the call was taken from us, so stop the tool.
+        self.core.outbox.put(write, lambda reply: self._check(run, state, reply))
 
     # -- the call --------------------------------------------------------------------------------
 
