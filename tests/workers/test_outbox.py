@@ -1,0 +1,101 @@
+"""The write-behind outbox: one sender, pipelined, in order, every reply (or error) to its writer."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import fakeredis
+import pytest
+import redis
+
+from workers.outbox import Outbox
+
+
+@pytest.fixture
+def server() -> fakeredis.FakeServer:
+    return fakeredis.FakeServer()
+
+
+@pytest.fixture
+def outbox(server: fakeredis.FakeServer) -> Any:
+    box = Outbox(fakeredis.FakeRedis(server=server), max_batch=16)
+    yield box
+    box.close(5)
+
+
+def test_writes_land_in_order_and_each_callback_gets_its_reply(outbox: Outbox, server: Any) -> None:
+    replies: list[Any] = []
+    for i in range(100):
+        outbox.put(lambda pipe, i=i: pipe.rpush("l", i), replies.append)
+    assert outbox.flush(5)
+    r = fakeredis.FakeRedis(server=server)
+    assert [int(x) for x in r.lrange("l", 0, -1)] == list(range(100))
+    assert replies == list(range(1, 101))  # RPUSH answers the new length
+    assert outbox.pending() == 0
+
+
+def test_each_threads_writes_keep_their_order(outbox: Outbox, server: Any) -> None:
+    def writer(t: int) -> None:
+        for i in range(200):
+            outbox.put(lambda pipe, i=i: pipe.rpush(f"l{t}", i))
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert outbox.flush(5)
+    r = fakeredis.FakeRedis(server=server)
+    for t in range(6):
+        assert [int(x) for x in r.lrange(f"l{t}", 0, -1)] == list(range(200))
+
+
+def test_a_failing_command_reports_to_its_own_callback_and_the_rest_still_land(
+    outbox: Outbox, server: Any
+) -> None:
+    r = fakeredis.FakeRedis(server=server)
+    r.set("str", "x")
+    got: dict[str, Any] = {}
+    outbox.put(lambda pipe: pipe.rpush("l", 1), lambda rep: got.setdefault("before", rep))
+    outbox.put(lambda pipe: pipe.rpush("str", 1), lambda rep: got.setdefault("bad", rep))
+    outbox.put(lambda pipe: pipe.rpush("l", 2), lambda rep: got.setdefault("after", rep))
+    assert outbox.flush(5)
+    assert got["before"] == 1 and got["after"] == 2
+    assert isinstance(got["bad"], redis.ResponseError)
+    with pytest.raises(redis.ResponseError):
+        outbox.call(lambda pipe: pipe.rpush("str", 1), timeout=5)
+
+
+def test_call_waits_for_the_reply(outbox: Outbox) -> None:
+    assert outbox.call(lambda pipe: pipe.incrby("n", 5), timeout=5) == 5
+    assert outbox.call(lambda pipe: pipe.get("n"), timeout=5) == b"5"
+
+
+def test_a_crashing_callback_does_not_stop_the_sender(outbox: Outbox) -> None:
+    def boom(_reply: Any) -> None:
+        raise RuntimeError("callback bug")
+
+    outbox.put(lambda pipe: pipe.incr("n"), boom)
+    assert outbox.call(lambda pipe: pipe.incr("n"), timeout=5) == 2
+
+
+def test_a_short_broker_outage_is_retried(outbox: Outbox, server: Any) -> None:
+    server.connected = False
+    done = threading.Event()
+    box: list[Any] = []
+    outbox.put(lambda pipe: pipe.rpush("l", "kept"), lambda rep: (box.append(rep), done.set()))
+    threading.Event().wait(0.05)  # the first send fails; the sender backs off and tries again
+    server.connected = True
+    assert done.wait(5)
+    assert box == [1]
+    assert fakeredis.FakeRedis(server=server).lrange("l", 0, -1) == [b"kept"]
+
+
+def test_close_sends_what_is_queued(server: Any) -> None:
+    box = Outbox(fakeredis.FakeRedis(server=server))
+    for i in range(50):
+        box.put(lambda pipe, i=i: pipe.rpush("l", i))
+    box.close(5)
+    assert fakeredis.FakeRedis(server=server).llen("l") == 50
+    assert not box._thread.is_alive()

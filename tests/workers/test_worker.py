@@ -1,0 +1,272 @@
+"""A worker's call path in-process on fakeredis: the runner, lease fencing, the reaper, control messages."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker import events, keys
+from broker.calls import CallInfo, Calls, Claimed
+from broker.codec import pack, unpack
+from broker.config import Settings
+from broker.directory import Directory
+from broker.envelope import Envelope, Options
+from broker.states import State
+from workers import reaper
+from workers.core import WorkerCore
+from workers.runner import CallRunner
+from workers.worker import Worker, control_message
+
+TRACE, SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+TP = f"00-{TRACE}-{SPAN}-01"
+TOOLS = [
+    {"name": "echo", "executor": "python", "function": "workers.executors.builtin:echo", "timeout": 5},
+    {"name": "sleep", "executor": "python", "function": "workers.executors.builtin:sleep", "timeout": 30},
+]
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return Settings(home=tmp_path, lease=5.0, result_ttl=600)
+
+
+@pytest.fixture
+def core(fake: Any, settings: Settings) -> Any:
+    for spec in TOOLS:
+        Directory(fake).register(spec)
+    c = WorkerCore(fake, settings, "w-test")
+    yield c
+    c.close()
+
+
+def submit(fake: Any, call_id: str, tool: str = "echo", max_attempts: int = 3, **args: Any) -> CallInfo:
+    env = Envelope(
+        call_id=call_id,
+        kind="tool",
+        tool=tool,
+        args=args,
+        traceparent=TP,
+        channel="hermes:ch:t",
+        context={"session_id": "s"},
+        options=Options(max_attempts=max_attempts),
+    )
+    ckey = f"tool:{tool}"
+    Calls.check_submit(
+        Calls(fake).submit(env, ckey=ckey, queue_size=-1, max_attempts=max_attempts, timeout=30), ckey, -1
+    )
+    return CallInfo.of(env, ckey)
+
+
+def run_all(core: WorkerCore) -> list[Claimed]:
+    claimed = core.calls.claim(["tools"], 100, core.name, core.settings.lease)
+    runner = CallRunner(core)
+    for c in claimed:
+        runner.run(c)
+    assert core.outbox.flush(5)
+    return claimed
+
+
+def states(fake: Any, call_id: str) -> list[str]:
+    return [e.state for e in events.history(fake, call_id) if e.type == events.TRANSITION]
+
+
+# -- the runner --------------------------------------------------------------------------------
+
+
+def test_a_call_runs_through_every_state_to_done(fake: Any, core: WorkerCore) -> None:
+    submit(fake, "c1", city="北京")
+    run_all(core)
+    hist = events.history(fake, "c1")
+    assert [e.state for e in hist] == ["pending", "routing", "executing", "formatting", "done"]
+    assert [e.seq for e in hist] == [1, 2, 3, 4, 5]
+    assert {e.trace_id for e in hist} == {TRACE}
+    assert hist[0].span_id == SPAN
+    worker_spans = {e.span_id for e in hist[1:]}
+    assert len(worker_spans) == 1 and SPAN not in worker_spans  # the attempt is a child span
+    assert hist[1].detail == {"worker": "w-test"}
+    assert hist[-1].detail["result"] == {"city": "北京"}
+    rec = core.calls.record("c1")
+    assert rec["state"] == "done" and rec["result"] == {"city": "北京"}
+    assert fake.zscore(keys.LEASES, "c1") is None
+    assert fake.hget(keys.job("c1"), "status") == b"finished"
+    assert core.processed == 1 and core.failed == 0
+
+
+def test_an_undecodable_payload_fails_that_call_with_bad_payload(fake: Any, core: WorkerCore) -> None:
+    submit(fake, "c1")
+    fake.hset(keys.job("c1"), "data", b"\xc1\xc1 garbage")
+    submit(fake, "c2")
+    run_all(core)
+    assert states(fake, "c1") == ["pending", "failed"]
+    assert core.calls.record("c1")["error"]["type"] == "bad_payload"
+    assert states(fake, "c2")[-1] == "done"
+    failures = [unpack(x) for x in fake.lrange(keys.FAILURES, 0, -1)]
+    assert [f["call_id"] for f in failures] == ["c1"]
+
+
+def test_an_unknown_tool_fails_with_unknown_tool(fake: Any, core: WorkerCore) -> None:
+    submit(fake, "c1")
+    Directory(fake).remove("echo")
+    run_all(core)
+    assert states(fake, "c1") == ["pending", "routing", "failed"]
+    err = core.calls.record("c1")["error"]
+    assert err["type"] == "unknown_tool" and err["details"] == {"tool": "echo"}
+
+
+def test_a_result_msgpack_cannot_carry_fails_the_call_not_the_worker(fake: Any, core: WorkerCore) -> None:
+    submit(fake, "c1")
+    core.format_result = lambda run, spec, result: object()  # type: ignore[method-assign]
+    run_all(core)
+    assert core.calls.record("c1")["error"]["type"] == "unserializable_result"
+
+
+def test_a_worker_that_lost_its_lease_cannot_move_the_call(
+    fake: Any, core: WorkerCore, settings: Settings
+) -> None:
+    submit(fake, "c1", tool="sleep", seconds=30)
+    [claimed] = core.calls.claim(["tools"], 1, core.name, settings.lease)
+    runner = CallRunner(core)
+    thread = threading.Thread(target=runner.run, args=(claimed,))
+    thread.start()
+    deadline = time.monotonic() + 5
+    while "executing" not in states(fake, "c1"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    # The lease runs out (the worker looked dead) and a reaper gives the call a second attempt.
+    fake.zadd(keys.LEASES, {"c1": time.time() - 1})
+    assert reaper.reap(Calls(fake), lease=5, result_ttl=600) == 1
+    assert states(fake, "c1")[-2:] == ["retrying", "pending"]
+    # The old attempt's next write is fenced off; the runner notices, stops its tool and writes nothing.
+    runner.progress(core.inflight()[0], "still here")
+    thread.join(5)
+    assert not thread.is_alive()
+    assert core.outbox.flush(5)
+    rec = core.calls.record("c1")
+    assert (rec["state"], rec["attempt"]) == ("pending", 2)
+    assert states(fake, "c1") == ["pending", "routing", "executing", "retrying", "pending"]
+    assert fake.lrange(keys.queue("tools"), 0, -1) == [b"c1"]
+
+
+def test_a_cancel_control_message_stops_a_running_call(
+    fake: Any, core: WorkerCore, settings: Settings
+) -> None:
+    submit(fake, "c1", tool="sleep", seconds=30)
+    [claimed] = core.calls.claim(["tools"], 1, core.name, settings.lease)
+    thread = threading.Thread(target=CallRunner(core).run, args=(claimed,))
+    thread.start()
+    deadline = time.monotonic() + 5
+    while "executing" not in states(fake, "c1"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert core.cancel("c1") is True  # it runs here
+    thread.join(5)
+    assert core.outbox.flush(5)
+    assert states(fake, "c1")[-1] == "cancelled"
+    assert core.calls.record("c1")["error"]["type"] == "cancelled"
+
+
+def test_a_cancel_that_arrives_before_the_call_starts_still_stops_it(fake: Any, core: WorkerCore) -> None:
+    submit(fake, "c1", tool="sleep", seconds=30)
+    assert core.cancel("c1") is False  # not running here (yet): remembered
+    run_all(core)
+    assert states(fake, "c1")[-1] == "cancelled"
+
+
+# -- the reaper --------------------------------------------------------------------------------
+
+
+def _start(fake: Any, info: CallInfo, upto: list[State], worker: str = "dead-worker") -> None:
+    Calls(fake).claim(["tools"], 1, worker, 30)
+    for target in upto:
+        assert Calls(fake).transition(info, target, attempt=1)[0] > 0
+    fake.zadd(keys.LEASES, {info.call_id: time.time() - 1})
+
+
+def test_reaper_retries_a_lost_call_while_attempts_are_left(fake: Any) -> None:
+    info = submit(fake, "c1", max_attempts=3)
+    _start(fake, info, [State.ROUTING, State.EXECUTING])
+    assert reaper.reap(Calls(fake), lease=5, result_ttl=600) == 1
+    hist = events.history(fake, "c1")
+    assert [e.state for e in hist] == ["pending", "routing", "executing", "retrying", "pending"]
+    assert hist[3].detail == {"reason": "worker_lost", "next_attempt": 2}
+    assert (hist[3].attempt, hist[4].attempt) == (1, 2)
+    assert fake.lrange(keys.queue("tools"), 0, -1) == [b"c1"]
+    assert fake.zscore(keys.waiting("tool:echo"), "c1") is not None
+    assert fake.zscore(keys.LEASES, "c1") is None
+    assert int(fake.hget(keys.job("c1"), keys.F_ATTEMPT)) == 2
+    assert reaper.reap(Calls(fake), lease=5, result_ttl=600) == 0
+
+
+def test_reaper_fails_a_lost_call_with_worker_lost_when_no_attempts_are_left(fake: Any) -> None:
+    info = submit(fake, "c1", max_attempts=1)
+    _start(fake, info, [State.ROUTING, State.EXECUTING, State.FORMATTING])
+    reaper.reap(Calls(fake), lease=5, result_ttl=600)
+    assert states(fake, "c1")[-1] == "failed"
+    rec = Calls(fake).record("c1")
+    assert rec["error"]["type"] == "worker_lost"
+    assert events.history(fake, "c1")[-1].detail["error"]["type"] == "worker_lost"
+    assert fake.llen(keys.queue("tools")) == 0
+    assert fake.zscore(keys.LEASES, "c1") is None
+
+
+def test_reaper_puts_back_a_call_claimed_but_never_started(fake: Any) -> None:
+    info = submit(fake, "c1")
+    _start(fake, info, [])
+    reaper.reap(Calls(fake), lease=5, result_ttl=600)
+    assert states(fake, "c1") == ["pending"]
+    assert fake.lrange(keys.queue("tools"), 0, -1) == [b"c1"]
+    assert int(fake.hget(keys.job("c1"), keys.F_ATTEMPT)) == 1
+    assert [c.call_id for c in Calls(fake).claim(["tools"], 5, "w2", 30)] == ["c1"]
+
+
+def test_reaper_cancels_a_lost_call_that_was_being_cancelled(fake: Any) -> None:
+    info = submit(fake, "c1")
+    _start(fake, info, [State.ROUTING, State.EXECUTING])
+    fake.hset(keys.job("c1"), keys.F_CANCEL, "1")
+    reaper.reap(Calls(fake), lease=5, result_ttl=600)
+    assert states(fake, "c1")[-1] == "cancelled"
+    assert fake.llen(keys.queue("tools")) == 0
+
+
+def test_reaper_finishes_a_retry_its_predecessor_left_half_done(fake: Any) -> None:
+    info = submit(fake, "c1")
+    _start(fake, info, [State.ROUTING])
+    Calls(fake).transition(info, State.RETRYING, attempt=1, fields={keys.F_ATTEMPT: 2})
+    fake.zadd(keys.LEASES, {"c1": time.time() - 1})
+    reaper.reap(Calls(fake), lease=5, result_ttl=600)
+    assert states(fake, "c1") == ["pending", "routing", "retrying", "pending"]
+    assert fake.lrange(keys.queue("tools"), 0, -1) == [b"c1"]
+
+
+def test_reaper_drops_leases_of_finished_calls(fake: Any) -> None:
+    info = submit(fake, "c1")
+    _start(fake, info, [State.ROUTING, State.EXECUTING, State.FORMATTING, State.DONE])
+    fake.zadd(keys.LEASES, {"c1": time.time() - 1})
+    reaper.reap(Calls(fake), lease=5, result_ttl=600)
+    assert fake.zcard(keys.LEASES) == 0
+    assert states(fake, "c1")[-1] == "done"
+
+
+# -- control messages --------------------------------------------------------------------------
+
+
+def test_control_messages_stop_and_cancel_and_ignore_the_rest(fake: Any, settings: Settings) -> None:
+    w = Worker(fake, settings, ["tools"], concurrency=2, name="w-a")
+    try:
+        w._on_control(b"\xc1 not msgpack")
+        w._on_control(pack(["op", "stop"]))
+        w._on_control(control_message("stop", worker="w-b"))  # addressed to another worker
+        w._on_control(control_message("reboot"))
+        assert not w.stopping.is_set()
+        w._on_control(control_message("cancel", call_id="c9"))
+        assert w.core.is_cancelled("c9")
+        w._on_control(control_message("stop", worker="w-a"))
+        assert w.stopping.is_set()
+    finally:
+        w.core.close()
+        w.pool.shutdown()
+    assert unpack(control_message("stop")) == {"op": "stop"}
