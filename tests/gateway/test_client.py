@@ -1,0 +1,186 @@
+"""The Gateway client against the real Redis with no worker: submission, refusals, cancel, handles."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import pytest
+
+from broker import events, keys
+from broker.errors import (
+    CallCancelled,
+    CallFailed,
+    CallTimeout,
+    InvalidArgs,
+    NoWorkers,
+    QueueFull,
+    UnknownTool,
+)
+from hermes_gateway.client import Gateway
+
+TRACE, SPAN = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+TP = f"00-{TRACE}-{SPAN}-01"
+
+
+@pytest.fixture
+def gw(gateway: Gateway, home: Any) -> Gateway:
+    home.echo_tool()
+    home.sleep_tool()
+    home.echo_tool("tiny", queue_size=2)
+    gateway.sync_tools()
+    return gateway
+
+
+def test_a_call_is_pending_on_its_queue_with_the_callers_trace(gw: Gateway, conn: Any) -> None:
+    h = gw.call_tool("echo", {"x": 1}, traceparent=TP, session_id="s1", tool_call_id="tc1")
+    assert conn.lrange(keys.queue("tools"), 0, -1) == [h.call_id.encode()]
+    rec = gw.calls.record(h.call_id)
+    assert rec["state"] == "pending" and rec["trace_id"] == TRACE
+    env = rec["envelope"]
+    assert env.args == {"x": 1} and env.traceparent == TP
+    assert env.context == {"session_id": "s1", "tool_call_id": "tc1"}
+    assert env.tool_version >= 1
+    [ev] = events.history(conn, h.call_id)
+    assert (ev.state, ev.trace_id, ev.span_id, ev.session_id) == ("pending", TRACE, SPAN, "s1")
+    assert not h.done()
+
+
+def test_without_a_traceparent_a_fresh_valid_trace_starts(gw: Gateway) -> None:
+    a, b = gw.call_tool("echo", {}), gw.call_tool("echo", {})
+    ta, tb = gw.calls.record(a.call_id)["trace_id"], gw.calls.record(b.call_id)["trace_id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", ta) and set(ta) != {"0"}
+    assert ta != tb
+    tp = gw.calls.record(a.call_id)["envelope"].traceparent
+    assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-0[01]", tp)
+
+
+def test_an_invalid_traceparent_is_replaced_not_propagated(gw: Gateway) -> None:
+    h = gw.call_tool("echo", {}, traceparent="00-" + "0" * 32 + "-" + SPAN + "-01")
+    assert gw.calls.record(h.call_id)["trace_id"] not in ("", "0" * 32)
+
+
+def test_an_unknown_tool_is_refused_at_once(gw: Gateway, conn: Any) -> None:
+    with pytest.raises(UnknownTool):
+        gw.call_tool("no_such_tool", {})
+    assert conn.llen(keys.queue("tools")) == 0
+
+
+def test_bad_arguments_and_unknown_context_are_refused_at_once(gw: Gateway, conn: Any) -> None:
+    with pytest.raises(InvalidArgs):
+        gw.call_tool("echo", ["not", "a", "mapping"])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="unknown call context"):
+        gw.call_tool("echo", {}, sesion_id="typo")
+    assert conn.llen(keys.queue("tools")) == 0
+
+
+def test_a_full_queue_is_queue_full_at_once_never_a_silent_drop(gw: Gateway, conn: Any) -> None:
+    gw.call_tool("tiny", {})
+    gw.call_tool("tiny", {})
+    with pytest.raises(QueueFull) as info:
+        gw.call_tool("tiny", {})
+    assert info.value.details["limit"] == 2
+    assert conn.llen(keys.queue("tools")) == 2
+    assert len(gw._handles) == 2  # the refused call is not left tracked
+
+
+def test_map_submits_in_one_go_and_refused_items_raise_on_result(gw: Gateway, conn: Any) -> None:
+    handles = gw.map("tiny", [{"i": i} for i in range(4)])
+    assert [h.state for h in handles] == ["pending", "pending", "refused", "refused"]
+    with pytest.raises(QueueFull):
+        handles[3].result(0)
+    assert handles[3].done()
+    assert conn.llen(keys.queue("tools")) == 2
+
+
+def test_an_idempotency_key_gives_back_the_existing_call(gw: Gateway, conn: Any) -> None:
+    a = gw.call_tool("echo", {"n": 1}, idempotency_key="charge-7")
+    b = gw.call_tool("echo", {"n": 2}, idempotency_key="charge-7")
+    assert b.call_id == a.call_id
+    assert conn.llen(keys.queue("tools")) == 1
+
+
+def test_result_times_out_when_no_worker_runs_the_call(gw: Gateway) -> None:
+    h = gw.call_tool("echo", {})
+    with pytest.raises(CallTimeout):
+        h.result(timeout=0.2)
+    assert gw.calls.record(h.call_id)["state"] == "pending"  # the call itself goes on waiting
+
+
+def test_cancelling_a_pending_call_ends_it_at_once(gw: Gateway, conn: Any) -> None:
+    h = gw.call_tool("sleep", {"seconds": 5})
+    assert h.cancel() is True
+    assert gw.calls.record(h.call_id)["state"] == "cancelled"
+    with pytest.raises(CallCancelled):
+        h.result(timeout=5)
+    assert [e.state for e in h.events(timeout=5)] == ["pending", "cancelled"]
+    assert conn.zcard(keys.waiting("tool:sleep")) == 0
+    assert h.cancel() is False  # already finished
+    assert gw.cancel("no-such-call") is False
+
+
+def test_events_arrive_on_the_callers_channel_and_settle_the_handle(gw: Gateway, conn: Any) -> None:
+    from broker.calls import CallInfo
+    from broker.states import State
+
+    h = gw.call_tool("echo", {"k": "v"})
+    rec = gw.calls.record(h.call_id)
+    info = CallInfo.of(rec["envelope"], "tool:echo")
+    for target in (State.ROUTING, State.EXECUTING, State.FORMATTING):
+        gw.calls.transition(info, target, attempt=1)
+    gw.calls.transition(info, State.DONE, attempt=1, detail={"result": {"k": "v"}})
+    assert h.result(timeout=5) == {"k": "v"}
+    assert [e.seq for e in h.events(timeout=1)] == [1, 2, 3, 4, 5]
+    assert h.final_state == "done" and h.trace_id == rec["trace_id"]
+    assert h.call_id not in gw._handles
+
+
+def test_a_failed_call_raises_its_typed_error(gw: Gateway) -> None:
+    from broker.calls import CallInfo
+    from broker.codec import pack
+    from broker.states import State
+
+    h = gw.call_tool("echo", {})
+    info = CallInfo.of(gw.calls.record(h.call_id)["envelope"], "tool:echo")
+    err = {"type": "invalid_args", "message": "city: required", "details": {"path": "city"}}
+    gw.calls.transition(
+        info, State.FAILED, attempt=1, detail={"error": err}, fields={keys.F_ERROR: pack(err)}
+    )
+    with pytest.raises(InvalidArgs) as exc:
+        h.result(timeout=5)
+    assert exc.value.details == {"path": "city"}
+
+
+def test_handle_by_id_follows_a_call_from_another_client(gw: Gateway, redis_url: str, home: Any) -> None:
+    h = gw.call_tool("sleep", {"seconds": 1})
+    other = Gateway.connect(redis_url, home=str(home.path), embedded_ok=False)
+    try:
+        theirs = other.handle(h.call_id)
+        assert theirs.state == "pending" and not theirs.own
+        h.cancel()
+        assert [e.state for e in theirs.events(timeout=5)] == ["pending", "cancelled"]
+        with pytest.raises(CallFailed) as info:
+            other.handle("no-such-call")
+        assert info.value.type == "unknown_call"
+    finally:
+        other.close()
+
+
+def test_a_directory_change_by_another_client_is_seen(gw: Gateway, redis_url: str, home: Any) -> None:
+    assert gw.tool("echo").spec.timeout == 10
+    other = Gateway.connect(redis_url, home=str(home.path), embedded_ok=False)
+    try:
+        other.register_tool({**gw.tool("echo").spec.to_dict(), "timeout": 3})
+    finally:
+        other.close()
+    deadline = time.monotonic() + 5
+    while gw.tool("echo").spec.timeout != 3:
+        assert time.monotonic() < deadline, "the change notice never invalidated the cache"
+        time.sleep(0.02)
+
+
+def test_require_workers_says_how_to_start_one(gw: Gateway) -> None:
+    assert gw.live_workers("tools") == []
+    with pytest.raises(NoWorkers, match="hermes-gateway worker --queues tools"):
+        gw.require_workers("tools")
