@@ -221,10 +221,15 @@ class Worker:
         while not self.stopping.is_set():
             try:
                 pubsub = self.conn.pubsub(ignore_subscribe_messages=True)
-                pubsub.subscribe(keys.CONTROL_CHANNEL)
+                pubsub.subscribe(keys.CONTROL_CHANNEL, keys.TOOLS_CHANNEL)
                 while not self.stopping.is_set():
                     msg = pubsub.get_message(timeout=1.0)
-                    if msg is not None:
+                    if msg is None:
+                        continue
+                    if msg["channel"] == keys.TOOLS_CHANNEL.encode():
+                        # A changed or removed tool must not keep running from this worker's cache.
+                        self.core.directory.invalidate(msg["data"].decode(errors="replace"))
+                    else:
                         self._on_control(msg["data"])
                 pubsub.close()
             except redis.RedisError as e:
