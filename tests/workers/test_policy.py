@@ -120,7 +120,12 @@ def test_enforce_raises_permission_denied_naming_tool_principal_missing_and_rule
         p.enforce("agent-b", WRITE, {})
     err = exc.value
     assert err.type == "permission_denied"
-    assert err.details == {"tool": "write_file", "principal": "agent-b", "missing": ["write"], "rule": "permissions"}
+    assert err.details == {
+        "tool": "write_file",
+        "principal": "agent-b",
+        "missing": ["write"],
+        "rule": "permissions",
+    }
     back = error_from_wire(err.to_wire())  # what the client rebuilds from the wire
     assert isinstance(back, PermissionDenied) and back.details["missing"] == ["write"]
     assert p.enforce("agent-a", WRITE, {}).allowed
@@ -155,7 +160,14 @@ def test_explain_for_a_denied_tool_names_the_list_to_edit() -> None:
 
 # --- argument rules on the effective args ---------------------------------------------------------
 
-PATHS = {"args": {"path_prefixes": {"read_file": ["/srv/data"], "write_file": {"args": ["dest"], "allow": ["/tmp/out/"]}}}}
+PATHS = {
+    "args": {
+        "path_prefixes": {
+            "read_file": ["/srv/data"],
+            "write_file": {"args": ["dest"], "allow": ["/tmp/out/"]},
+        }
+    }
+}
 
 
 def test_path_prefixes_judge_path_like_args_and_normalise_traversal() -> None:

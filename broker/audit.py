@@ -1,0 +1,417 @@
+"""The audit log: one record per finished call, in a capped Redis stream (and optionally a JSONL file).
+
+Each record is written by the same pipeline that finishes the call, so a call is never done without
+its record. The stream is trimmed by count and/or age; a sorted set indexes records by call id with
+the same retention, so ``get`` is two cheap reads and the index never outgrows the stream.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime
+from pathlib import Path
+from typing import IO, Any
+
+from .codec import pack, unpack
+from .errors import ConfigError, DecodeError
+from .redact import MASK, is_secret_key, redact, redact_text, sensitive_hashes
+
+# TODO(lead): move these to broker/keys.py.
+AUDIT_STREAM = "hermes:audit"  # stream of packed AuditRecords, capped by count and/or age
+AUDIT_INDEX = "hermes:audit:idx"  # zset call_id -> ms part of its stream id
+
+AUDIT_VERSION = 1
+SUMMARY_LIMIT = 1024  # bytes of UTF-8 in a result summary
+DEFAULT_MAXLEN = 100_000
+# Request keys that are conversation or tool payload, not model parameters.
+_NOT_MODEL_PARAMS = frozenset(
+    {"model", "messages", "input", "prompt", "system", "tools", "functions", "contents"}
+)
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    """What the audit log keeps about one finished call. Args are stored redacted, never raw."""
+
+    call_id: str
+    kind: str  # tool | llm
+    state: str  # final state: done | failed | cancelled
+    ts: float = field(default_factory=time.time)  # when the call finished, unix seconds
+    principal: str | None = None
+    tool_name: str | None = None
+    model: str | None = None
+    model_params: dict[str, Any] = field(default_factory=dict)
+    args: Any = None
+    result_summary: str | None = None
+    duration_ms: float = 0.0
+    attempts: int = 1
+    error_type: str | None = None
+    error_message: str | None = None
+    middleware_trace: list[dict[str, Any]] = field(default_factory=list)
+    trace_id: str = ""
+    api_request_id: str | None = None
+    tool_call_id: str | None = None
+    session_id: str | None = None
+    turn_id: str | None = None
+    task_id: str | None = None
+    parent_call_id: str | None = None  # the LLM call that asked for this tool call, if known
+    sensitive_hashes: dict[str, str] = field(default_factory=dict)
+    version: int = AUDIT_VERSION
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        call_id: str,
+        kind: str,
+        state: str,
+        args: Mapping[str, Any] | None = None,
+        sensitive: tuple[str, ...] | list[str] = (),
+        result: Any = None,
+        request: Mapping[str, Any] | None = None,
+        error: BaseException | Mapping[str, Any] | None = None,
+        **rest: Any,
+    ) -> AuditRecord:
+        """Build a record from raw call data: redacts args, hashes sensitive ones, summarises the result."""
+        if request is not None:
+            rest.setdefault("model", request.get("model"))
+            rest.setdefault("model_params", model_params(request))
+        if error is not None:
+            etype, emsg = _error_parts(error)
+            rest.setdefault("error_type", etype)
+            rest.setdefault("error_message", emsg)
+        if rest.get("error_message"):
+            rest["error_message"] = redact_text(str(rest["error_message"]))
+        return cls(
+            call_id=call_id,
+            kind=kind,
+            state=state,
+            args=redact(dict(args), sensitive) if args is not None else None,
+            sensitive_hashes=sensitive_hashes(args, sensitive),
+            result_summary=summarize(result) if result is not None else None,
+            middleware_trace=[redact(dict(t)) for t in rest.pop("middleware_trace", None) or ()],
+            **rest,
+        )
+
+    @property
+    def name(self) -> str:
+        """Tool name or model: what the call ran."""
+        return self.tool_name or self.model or ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def encode(self) -> bytes:
+        return pack(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: Any) -> AuditRecord:
+        if not isinstance(data, dict):
+            raise DecodeError(f"audit record must be a mapping, got {type(data).__name__}")
+        if data.get("version", AUDIT_VERSION) != AUDIT_VERSION:
+            raise DecodeError(f"unsupported audit record version {data.get('version')!r}")
+        known = {f.name for f in fields(cls)}
+        try:
+            # Unknown keys are dropped: a newer writer may add fields an older reader does not know.
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError as e:
+            raise DecodeError(f"audit record does not fit: {e}") from e
+
+    @classmethod
+    def decode(cls, data: bytes) -> AuditRecord:
+        return cls.from_dict(unpack(data))
+
+    def to_json(self) -> str:
+        """One JSONL line (no newline)."""
+        return json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":"), default=_json_default)
+
+
+def summarize(result: Any, limit: int = SUMMARY_LIMIT) -> str:
+    """A redacted, truncated repr of a result: at most ``limit`` bytes of UTF-8."""
+    text = _Preview(limit * 4).render(result)
+    raw = text.encode("utf-8")
+    if len(raw) <= limit:
+        return text
+    tail = "...(truncated)"
+    cut = raw[: limit - len(tail)].decode("utf-8", errors="ignore")  # never split a character
+    return cut + tail
+
+
+class _Full(Exception):
+    pass
+
+
+class _Preview:
+    """``repr(redact(value))`` that stops once ``budget`` characters are out: results can be huge."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.parts: builtins.list[str] = []
+        self.used = 0
+
+    def render(self, value: Any) -> str:
+        if isinstance(value, str):  # a text result is shown as text, not as its repr
+            return redact_text(value[: self.budget * 4])
+        try:
+            self._walk(value)
+        except _Full:
+            self.parts.append("...")
+        return "".join(self.parts)
+
+    def _emit(self, text: str) -> None:
+        if self.used > self.budget:
+            raise _Full
+        self.parts.append(text)
+        self.used += len(text)
+
+    def _walk(self, value: Any) -> None:
+        if isinstance(value, str):
+            # Slice with room to spare: a secret cut at the slice end lies far past what is kept.
+            self._emit(repr(redact_text(value[: self.budget * 4])))
+        elif isinstance(value, Mapping):
+            self._emit("{")
+            for i, (k, v) in enumerate(value.items()):
+                self._emit(f"{', ' if i else ''}{k!r}: ")
+                if isinstance(k, str) and is_secret_key(k) and v not in (None, ""):
+                    self._emit(repr(MASK))
+                else:
+                    self._walk(v)
+            self._emit("}")
+        elif isinstance(value, list | tuple):
+            self._emit("[" if isinstance(value, list) else "(")
+            for i, v in enumerate(value):
+                self._emit(", " if i else "")
+                self._walk(v)
+            self._emit("]" if isinstance(value, list) else ")")
+        else:
+            self._emit(redact_text(repr(redact(value)))[: self.budget * 4])
+
+
+def model_params(request: Mapping[str, Any]) -> dict[str, Any]:
+    """The model parameters of an LLM request (temperature, max_tokens, ...), without the conversation."""
+    return redact({k: v for k, v in request.items() if k not in _NOT_MODEL_PARAMS})
+
+
+def _error_parts(error: BaseException | Mapping[str, Any]) -> tuple[str, str]:
+    if isinstance(error, Mapping):
+        return str(error.get("type") or "error"), str(error.get("message") or "")
+    return str(getattr(error, "type", None) or type(error).__name__), str(error)
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, bytes | bytearray):
+        return bytes(obj).decode("utf-8", errors="replace")
+    if isinstance(obj, set | frozenset | tuple):
+        return list(obj)
+    return str(obj)
+
+
+# XADD, trim by count and/or age, index the call id, and trim the index to the stream's first entry.
+# One script so the index and the stream cannot drift apart. KEYS: stream, index.
+# ARGV: maxlen (0 = none), minid (0 = none), "~" or "=", call_id ("" = trim only), field, value, ...
+_APPEND_LUA = """
+local id = false
+if ARGV[4] ~= '' then
+  id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 5))
+  redis.call('ZADD', KEYS[2], string.match(id, '^(%d+)'), ARGV[4])
+end
+if ARGV[1] ~= '0' then redis.call('XTRIM', KEYS[1], 'MAXLEN', ARGV[3], ARGV[1]) end
+if ARGV[2] ~= '0' then redis.call('XTRIM', KEYS[1], 'MINID', ARGV[3], ARGV[2]) end
+local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
+if first[1] then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. string.match(first[1][1], '^(%d+)'))
+else
+  redis.call('DEL', KEYS[2])
+end
+return id
+"""
+
+
+class AuditLog:
+    """Append, look up, filter and export audit records. Needs a client with ``decode_responses=False``."""
+
+    def __init__(
+        self,
+        redis: Any,
+        key: str = AUDIT_STREAM,
+        *,
+        index_key: str | None = None,
+        maxlen: int | None = DEFAULT_MAXLEN,
+        max_age: float | None = None,
+        approximate: bool = True,
+        jsonl_path: str | os.PathLike[str] | None = None,
+        clock: Any = time.time,
+    ) -> None:
+        self.redis = redis
+        self.key = key
+        self.index_key = index_key or (AUDIT_INDEX if key == AUDIT_STREAM else key + ":idx")
+        self.maxlen = int(maxlen or 0)
+        self.max_age = float(max_age or 0)
+        self.approximate = approximate
+        self.jsonl_path = Path(jsonl_path) if jsonl_path else None
+        self._clock = clock
+        self._script = redis.register_script(_APPEND_LUA)
+        self._file_lock = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, redis: Any, audit: Mapping[str, Any] | None, **kw: Any) -> AuditLog:
+        """From ``settings.audit``: ``{maxlen, max_age (seconds), approximate, jsonl}``."""
+        audit = dict(audit or {})
+        unknown = set(audit) - {"maxlen", "max_age", "approximate", "jsonl", "key"}
+        if unknown:
+            raise ConfigError(f"audit: unknown key(s) {sorted(unknown)}")
+        try:
+            maxlen = int(audit.get("maxlen", DEFAULT_MAXLEN) or 0)
+            max_age = float(audit.get("max_age") or 0)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"audit: maxlen and max_age must be numbers: {e}") from e
+        if maxlen < 0 or max_age < 0:
+            raise ConfigError("audit: maxlen and max_age must not be negative")
+        return cls(
+            redis,
+            audit.get("key") or AUDIT_STREAM,
+            maxlen=maxlen,
+            max_age=max_age,
+            approximate=bool(audit.get("approximate", True)),
+            jsonl_path=audit.get("jsonl"),
+            **kw,
+        )
+
+    # --- writing ----------------------------------------------------------------------------------
+
+    def append(self, record: AuditRecord, pipeline: Any = None) -> Any:
+        """Add a record (into ``pipeline`` when given: only its creator executes it); mirrors to JSONL."""
+        fields_ = [
+            "call_id",
+            record.call_id,
+            "name",
+            record.name,
+            "principal",
+            record.principal or "",
+            "state",
+            record.state,
+            "d",
+            record.encode(),
+        ]
+        client = pipeline if pipeline is not None else self.redis
+        result = self._script(
+            keys=[self.key, self.index_key], args=self._trim_args(record.call_id) + fields_, client=client
+        )
+        if self.jsonl_path is not None:
+            self._mirror(record)
+        return result
+
+    def trim(self) -> None:
+        """Apply retention now (appends do it too); for a periodic sweep of an idle log."""
+        self._script(keys=[self.key, self.index_key], args=self._trim_args(""))
+
+    def _trim_args(self, call_id: str) -> list[Any]:
+        minid = int((self._clock() - self.max_age) * 1000) if self.max_age else 0
+        return [self.maxlen, max(minid, 0), "~" if self.approximate else "=", call_id]
+
+    def _mirror(self, record: AuditRecord) -> None:
+        line = (record.to_json() + "\n").encode("utf-8")
+        assert self.jsonl_path is not None
+        with self._file_lock:
+            # One O_APPEND write per line: whole lines even with several processes on one file.
+            fd = os.open(self.jsonl_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+
+    # --- reading ----------------------------------------------------------------------------------
+
+    def get(self, call_id: str) -> AuditRecord | None:
+        """The latest record of a call, or None when there is none (or it was trimmed)."""
+        ms = self.redis.zscore(self.index_key, call_id)
+        if ms is None:
+            return None
+        ms = int(ms)
+        found = None
+        for _id, entry in self.redis.xrange(self.key, f"{ms}-0", f"{ms}-18446744073709551615"):
+            if _text(entry.get(b"call_id")) == call_id:
+                found = entry
+        return AuditRecord.decode(found[b"d"]) if found is not None else None
+
+    def list(
+        self,
+        tool: str | None = None,
+        principal: str | None = None,
+        state: str | None = None,
+        since: float | datetime | None = None,
+        limit: int = 100,
+    ) -> builtins.list[AuditRecord]:
+        """Newest first, filtered by tool (or model), principal, final state, and append time ``since``."""
+        out: builtins.list[AuditRecord] = []
+        for rec in self._scan(tool, principal, state, since, None, newest_first=True):
+            out.append(rec)
+            if len(out) >= limit:
+                break
+        return out
+
+    def export(
+        self,
+        fp: IO[str],
+        tool: str | None = None,
+        principal: str | None = None,
+        state: str | None = None,
+        since: float | datetime | None = None,
+        until: float | datetime | None = None,
+    ) -> int:
+        """Write matching records to ``fp`` as JSONL, oldest first; returns how many."""
+        n = 0
+        for rec in self._scan(tool, principal, state, since, until, newest_first=False):
+            fp.write(rec.to_json() + "\n")
+            n += 1
+        return n
+
+    def __len__(self) -> int:
+        return int(self.redis.xlen(self.key))
+
+    def _scan(
+        self,
+        tool: str | None,
+        principal: str | None,
+        state: str | None,
+        since: float | datetime | None,
+        until: float | datetime | None,
+        *,
+        newest_first: bool,
+        batch: int = 500,
+    ) -> Iterator[AuditRecord]:
+        lo = _stream_id(since, "0") if since is not None else "-"
+        hi = _stream_id(until, "18446744073709551615") if until is not None else "+"
+        want = {b"name": tool, b"principal": principal, b"state": state}
+        cursor_lo, cursor_hi = lo, hi
+        while True:
+            if newest_first:
+                page = self.redis.xrevrange(self.key, cursor_hi, cursor_lo, count=batch)
+            else:
+                page = self.redis.xrange(self.key, cursor_lo, cursor_hi, count=batch)
+            for _sid, entry in page:
+                # Filter on the plain fields first: most entries never need unpacking.
+                if all(v is None or _text(entry.get(k)) == v for k, v in want.items()):
+                    yield AuditRecord.decode(entry[b"d"])
+            if len(page) < batch:
+                return
+            last = _text(page[-1][0])
+            if newest_first:
+                cursor_hi = "(" + last
+            else:
+                cursor_lo = "(" + last
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value or "")
+
+
+def _stream_id(when: float | datetime, seq: str) -> str:
+    ts = when.timestamp() if isinstance(when, datetime) else float(when)
+    return f"{int(ts * 1000)}-{seq}"
