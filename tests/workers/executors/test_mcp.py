@@ -1,0 +1,188 @@
+"""The mcp executor against a real MCP server, over stdio and over streamable HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from broker.errors import CallCancelled, ExecutorError, InvalidSpec, OutputTooLarge, ToolTimeout
+from broker.toolspec import ToolSpec
+from workers.executors import mcp as mcpexec
+from workers.executors.base import ExecContext
+
+SERVER = str(Path(__file__).with_name("mcp_server.py"))
+STDIO = {"command": [sys.executable, SERVER, "stdio"], "stderr": "discard"}
+TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+@pytest.fixture(scope="module")
+def ex():
+    executor = mcpexec.create({"servers": {"test": STDIO}})
+    yield executor
+    executor.close()
+
+
+@pytest.fixture(scope="module")
+def http_url():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, SERVER, "http", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/mcp"
+    proc.terminate()
+    proc.wait(5)
+
+
+def spec(tool: str, server: dict | str = "test", **extra) -> ToolSpec:
+    return ToolSpec.from_dict({"name": f"t_{tool}", "executor": "mcp", "mcp": server, "tool": tool, **extra})
+
+
+def test_stdio_tool_call_returns_the_result(ex, make_ctx):
+    assert ex.run(spec("greet"), {"name": "Alice"}, make_ctx()) == "Hello, Alice!"
+
+
+def test_trace_context_travels_in_meta_and_progress_is_reported(ex, make_ctx):
+    ctx = make_ctx(traceparent=TP, tracestate="k=v")
+    out = ex.run(spec("trace"), {}, ctx)
+    assert '"traceparent": "' + TP + '"' in out and '"tracestate": "k=v"' in out
+    assert ctx.messages == ["half way"]
+
+
+def test_tool_error_is_a_failed_call_with_the_server_message(ex, make_ctx):
+    with pytest.raises(ExecutorError, match="no such city"):
+        ex.run(spec("fail"), {"message": "no such city"}, make_ctx())
+
+
+def test_unknown_tool_is_executor_error(ex, make_ctx):
+    with pytest.raises(ExecutorError, match="Unknown tool"):
+        ex.run(spec("nope"), {}, make_ctx())
+
+
+def test_session_is_reused(ex, make_ctx):
+    first = ex.run(spec("whoami"), {}, make_ctx())
+    assert ex.run(spec("whoami"), {}, make_ctx()) == first
+
+
+def test_timeout_is_tool_timeout_and_session_survives(ex, make_ctx):
+    with pytest.raises(ToolTimeout):
+        ex.run(spec("slow"), {"seconds": 30}, make_ctx(timeout=0.5))
+    assert ex.run(spec("greet"), {"name": "B"}, make_ctx()) == "Hello, B!"
+
+
+def test_cancellation_stops_the_call(ex, make_ctx):
+    ctx = make_ctx(timeout=30)
+    threading.Timer(0.3, ctx.cancelled.set).start()
+    with pytest.raises(CallCancelled):
+        ex.run(spec("slow"), {"seconds": 30}, ctx)
+
+
+def test_oversize_result_is_output_too_large(ex, make_ctx):
+    with pytest.raises(OutputTooLarge):
+        ex.run(spec("big", max_output=10_000), {"size": 50_000}, make_ctx())
+
+
+def test_many_calls_in_flight_share_one_session(ex, make_ctx):
+    with ThreadPoolExecutor(8) as pool:
+        out = list(pool.map(lambda i: ex.run(spec("greet"), {"name": str(i)}, make_ctx()), range(16)))
+    assert out == [f"Hello, {i}!" for i in range(16)]
+
+
+def test_session_is_re_established_after_the_server_dies(make_ctx):
+    executor = mcpexec.create({})
+    try:
+        before = pid_of(executor)
+        with pytest.raises(ExecutorError, match="closed the connection"):
+            executor.run(spec("die", STDIO), {}, make_ctx(timeout=5))
+        after = pid_of(executor)
+        assert after != before
+        # Killed between calls: the next call notices the dead session and starts a new one.
+        os.kill(after, signal.SIGKILL)
+        assert wait_gone(after)
+        time.sleep(0.2)  # let the SDK read EOF; the assertion below is about behaviour, not speed
+        assert pid_of(executor) not in (before, after)
+    finally:
+        executor.close()
+
+
+def pid_of(executor) -> int:
+    """whoami's dict comes back as the JSON text the server wrote (no structured content)."""
+    ctx = ExecContext(call_id="c", tool_name="whoami", timeout=10)
+    return json.loads(executor.run(spec("whoami", STDIO), {}, ctx))["pid"]
+
+
+def wait_gone(pid: int) -> bool:
+    for _ in range(100):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_handshake_timeout_is_reported(make_ctx):
+    executor = mcpexec.create({"handshake_timeout": 0.5})
+    slow = {"command": [sys.executable, SERVER, "slowstart", "5"], "stderr": "discard"}
+    try:
+        with pytest.raises(ExecutorError, match="handshake"):
+            executor.run(spec("greet", slow), {"name": "x"}, make_ctx())
+    finally:
+        executor.close()
+
+
+def test_missing_server_program_is_executor_error(make_ctx):
+    executor = mcpexec.create({})
+    try:
+        with pytest.raises(ExecutorError):
+            executor.run(spec("greet", {"command": ["/nonexistent/mcp-server"]}), {"name": "x"}, make_ctx())
+    finally:
+        executor.close()
+
+
+def test_bad_server_config_is_spec_error(ex, make_ctx):
+    with pytest.raises(InvalidSpec):
+        ex.run(spec("greet", {"nothing": 1}), {}, make_ctx())
+    with pytest.raises(InvalidSpec):
+        ex.run(spec("greet", "unknown-name"), {}, make_ctx())
+
+
+def test_streamable_http_server(http_url, make_ctx):
+    executor = mcpexec.create({})
+    try:
+        assert executor.run(spec("greet", {"url": http_url}), {"name": "Zoe"}, make_ctx()) == "Hello, Zoe!"
+        out = executor.run(spec("trace", {"url": http_url}), {}, make_ctx(traceparent=TP))
+        assert TP in out
+        with pytest.raises(ExecutorError, match="bad"):
+            executor.run(spec("fail", {"url": http_url}), {"message": "bad"}, make_ctx())
+    finally:
+        executor.close()
+
+
+def test_list_server_tools_gives_tool_specs(http_url):
+    specs = mcpexec.list_server_tools(STDIO)
+    by_name = {s["name"]: s for s in specs}
+    assert {"greet", "add", "slow"} <= set(by_name)
+    greet = ToolSpec.from_dict(by_name["greet"])
+    assert greet.executor == "mcp" and greet.input_schema["required"] == ["name"]
+    assert {s["name"] for s in mcpexec.list_server_tools({"url": http_url})} == set(by_name)
