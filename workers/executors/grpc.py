@@ -1,0 +1,188 @@
+"""The ``grpc`` executor: unary calls described by server reflection, JSON in and JSON out.
+
+Spec keys (``target`` may also come from ``executors.grpc.target``):
+
+- ``target``: ``host:port``; ``tls: true`` for a TLS channel (system roots).
+- ``method``: ``package.Service/Method`` (``package.Service.Method`` also accepted).
+- ``metadata``: extra request metadata (``traceparent``/``tracestate`` are added from the call).
+- ``max_output``: cap on the response message size in bytes (default 1 MiB).
+
+The method's message types come from the server's reflection service (cached per target), arguments
+are parsed into the request with ``json_format`` and the response comes back as a dict. gRPC status
+codes become typed errors: DEADLINE_EXCEEDED -> ToolTimeout, INVALID_ARGUMENT -> InvalidArgs,
+UNAVAILABLE / RESOURCE_EXHAUSTED / ABORTED / INTERNAL -> retryable ExecutorError, others ExecutorError.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import grpc
+from google.protobuf import descriptor_pool, json_format, message_factory
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from broker.errors import (
+    CallCancelled,
+    ExecutorError,
+    HermesError,
+    InvalidArgs,
+    InvalidSpec,
+    OutputTooLarge,
+    ToolTimeout,
+)
+from broker.toolspec import ToolSpec
+
+from .base import ExecContext
+
+DEFAULT_MAX_OUTPUT = 1024 * 1024
+_POLL = 0.05
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.INTERNAL,
+}
+
+
+class _Target:
+    """A channel to one server plus the descriptor pool its reflection service fills lazily."""
+
+    def __init__(self, address: str, tls: bool) -> None:
+        options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+        if tls:
+            self.channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(), options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        self.pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(self.channel))
+        self.methods: dict[str, tuple[Any, Any, Any]] = {}
+        self.lock = threading.Lock()
+
+    def method(self, name: str, where: str) -> tuple[Any, Any, Any]:
+        """(callable, request class, response class) for ``package.Service/Method``."""
+        found = self.methods.get(name)
+        if found is not None:
+            return found
+        service, sep, method = name.rpartition("/")
+        if not sep:
+            service, _, method = name.rpartition(".")
+        if not service or not method:
+            raise InvalidSpec(f"{where}: method: expected 'package.Service/Method', got {name!r}")
+        with self.lock:
+            try:
+                desc = self.pool.FindServiceByName(service).FindMethodByName(method)
+            except KeyError as e:
+                raise ExecutorError(
+                    f"{where}: the server does not offer {service}/{method} (via reflection)"
+                ) from e
+            if desc is None:
+                raise ExecutorError(f"{where}: the server does not offer {service}/{method} (via reflection)")
+            if desc.client_streaming or desc.server_streaming:
+                raise InvalidSpec(
+                    f"{where}: {service}/{method} is a streaming method; only unary calls are supported"
+                )
+            request = message_factory.GetMessageClass(desc.input_type)
+            response = message_factory.GetMessageClass(desc.output_type)
+            call = self.channel.unary_unary(
+                f"/{service}/{method}",
+                request_serializer=request.SerializeToString,
+                response_deserializer=response.FromString,
+            )
+            self.methods[name] = (call, request, response)
+        return self.methods[name]
+
+
+class GrpcExecutor:
+    """One channel per target, shared by all worker threads (gRPC channels are thread-safe)."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.settings = settings
+        self._targets: dict[tuple[str, bool], _Target] = {}
+        self._lock = threading.Lock()
+
+    def target(self, address: str, tls: bool) -> _Target:
+        key = (address, tls)
+        found = self._targets.get(key)
+        if found is None:
+            with self._lock:
+                found = self._targets.get(key)
+                if found is None:
+                    found = self._targets[key] = _Target(address, tls)
+        return found
+
+    def run(self, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext) -> Any:
+        config = {**self.settings, **spec.config}
+        where = f"tool {spec.name!r}"
+        address = config.get("target")
+        if not isinstance(address, str) or not address:
+            raise InvalidSpec(f"{where}: target: expected host:port")
+        name = config.get("method")
+        if not isinstance(name, str):
+            raise InvalidSpec(f"{where}: method: expected 'package.Service/Method'")
+        max_output = int(config.get("max_output", DEFAULT_MAX_OUTPUT))
+        metadata = [(str(k).lower(), str(v)) for k, v in (config.get("metadata") or {}).items()]
+        if ctx.traceparent:
+            metadata.append(("traceparent", ctx.traceparent))
+            if ctx.tracestate:
+                metadata.append(("tracestate", ctx.tracestate))
+        ctx.check()
+        target = self.target(address, bool(config.get("tls", False)))
+        try:
+            call, request_cls, _ = target.method(name, where)
+        except HermesError:
+            raise
+        except grpc.RpcError as e:
+            raise _translate(e, ctx, where) from e
+        except Exception as e:  # noqa: BLE001 - reflection failures (server down, no reflection) fail the call
+            raise ExecutorError(f"{where}: cannot describe {name} via reflection at {address}: {e}") from e
+        try:
+            request = json_format.ParseDict(args, request_cls())
+        except json_format.ParseError as e:
+            raise InvalidArgs(f"{where}: arguments do not fit {request_cls.DESCRIPTOR.full_name}: {e}") from e
+        future = call.future(request, timeout=ctx.remaining(), metadata=metadata or None)
+        while True:
+            try:
+                response = future.result(timeout=_POLL)
+                break
+            except grpc.FutureTimeoutError:
+                if ctx.cancelled.is_set():
+                    future.cancel()
+                    raise CallCancelled(f"call {ctx.call_id} was cancelled") from None
+            except grpc.RpcError as e:
+                raise _translate(e, ctx, where) from e
+            except grpc.FutureCancelledError as e:
+                raise CallCancelled(f"call {ctx.call_id} was cancelled") from e
+        size = response.ByteSize()
+        if size > max_output:
+            raise OutputTooLarge(
+                f"{where}: response of {size} bytes passes the cap of {max_output}", limit=max_output
+            )
+        ctx.progress(f"gRPC OK, {size} bytes")
+        return json_format.MessageToDict(response, preserving_proto_field_name=True)
+
+    def close(self) -> None:
+        with self._lock:
+            for target in self._targets.values():
+                target.channel.close()
+            self._targets.clear()
+
+
+def _translate(e: grpc.RpcError, ctx: ExecContext, where: str) -> HermesError:
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = (e.details() if hasattr(e, "details") else str(e)) or code.name
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED or (time.monotonic() >= ctx.deadline):
+        return ToolTimeout(f"{where}: timed out after {ctx.timeout:g}s ({details})", status=code.name)
+    if code == grpc.StatusCode.CANCELLED and ctx.cancelled.is_set():
+        return CallCancelled(f"call {ctx.call_id} was cancelled")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgs(f"{where}: server rejected the arguments: {details}", status=code.name)
+    err = ExecutorError(
+        f"{where}: gRPC {code.name}: {details}", status=code.name, retryable=code in _RETRYABLE
+    )
+    err.retryable = code in _RETRYABLE
+    return err
+
+
+def create(settings: dict[str, Any]) -> GrpcExecutor:
+    return GrpcExecutor(settings)
