@@ -1,0 +1,208 @@
+"""One LLM call in a worker: provider kwargs, the contract's LLM flow per attempt, retries with Retry-After.
+
+Every provider attempt runs the whole flow again (``llm_request`` → ``pre_api_request`` →
+``llm_execution`` around the provider → ``post_api_request`` | ``api_request_error``), as Hermes does,
+so middleware and observer hooks see each attempt. Stream deltas become ``delta`` events as they
+arrive; each retry is announced as a ``progress`` event. The provider's settings (``model:`` in
+config.yaml, api key included) stay in this process: nothing here puts them in an event or a log.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from broker.errors import CallCancelled, ProviderError, ProviderTimeout
+from broker.events import DELTA, PROGRESS
+from broker.states import State
+from workers.executors.base import ExecContext
+from workers.providers import ProviderContext, get_provider, give_up_reason, retry_delay
+
+if TYPE_CHECKING:
+    from workers.core import WorkerCore
+    from workers.providers import Provider
+    from workers.runner import Running
+
+# (run, target state) -> None: the runner's transition; (run, event type, detail) -> None: a non-state event.
+Move = Callable[..., None]
+Publish = Callable[["Running", str, dict[str, Any]], None]
+
+log = structlog.get_logger("hermes.worker")
+
+DEFAULT_PROVIDER = "openai-compatible"
+DEFAULT_API_MODE = "chat_completions"
+DEFAULT_TIMEOUT = 120.0
+DEFAULT_MAX_RETRIES = 2
+DEFAULT_MAX_RETRY_AFTER = 60.0
+
+# Runtime context an LLM call takes from its envelope; provider/model/api_mode are settled here.
+LLM_CONTEXT = ("session_id", "task_id", "turn_id", "api_request_id")
+
+
+def provider_kwargs(
+    request: Mapping[str, Any], context: Mapping[str, Any], model_settings: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The provider kwargs the middleware sees: the caller's request, with the model filled in.
+
+    The request's own ``model`` wins; then the call's context; then ``model.model`` of config.yaml.
+    """
+    kwargs = copy.deepcopy(dict(request))
+    model = kwargs.get("model") or context.get("model") or model_settings.get("model")
+    if model:
+        kwargs["model"] = model
+    return kwargs
+
+
+def describe_response(response: Any) -> dict[str, Any]:
+    """Fields of a chat completion that ``post_api_request`` observers get besides the response."""
+    if not isinstance(response, Mapping):
+        return {}
+    choices = response.get("choices") or []
+    first = choices[0] if choices and isinstance(choices[0], Mapping) else {}
+    return {"usage": response.get("usage"), "finish_reason": first.get("finish_reason")}
+
+
+def _label(error: BaseException) -> str:
+    status = getattr(error, "status", None)
+    return f"{status} {error}" if status else str(error)
+
+
+class LLMCall:
+    """Runs one claimed LLM call up to its response; the runner does the states around it."""
+
+    def __init__(self, core: WorkerCore, run: Running, move: Move, publish: Publish) -> None:
+        self.core = core
+        self.run = run
+        self.move = move
+        self.publish = publish
+        env = run.env
+        cfg = core.settings.model
+        self.cfg = cfg
+        self.request = provider_kwargs(env.request or {}, env.context, cfg)
+        self.model = str(self.request.get("model") or "")
+        self.timeout = float(env.options.timeout or cfg.get("timeout") or DEFAULT_TIMEOUT)
+        self.max_retries = max(0, int(cfg.get("max_retries", DEFAULT_MAX_RETRIES)))
+        self.max_retry_after = float(cfg.get("max_retry_after", DEFAULT_MAX_RETRY_AFTER))
+        self.context: dict[str, Any] = {
+            k: env.context[k] for k in LLM_CONTEXT if env.context.get(k) is not None
+        }
+        self.context["provider"] = env.context.get("provider") or cfg.get("provider") or DEFAULT_PROVIDER
+        self.context["model"] = self.model
+        self.context["api_mode"] = env.context.get("api_mode") or cfg.get("api_mode") or DEFAULT_API_MODE
+        # The runner's control channel cancels through run.ctx; the provider watches the same Event.
+        self.ctx = ExecContext(
+            call_id=env.call_id,
+            tool_name=self.model,
+            timeout=self.timeout,
+            attempt=run.attempt,
+            traceparent=env.traceparent,
+            tracestate=env.tracestate,
+            settings=core.settings.executor_settings("llm"),
+        )
+        run.ctx = self.ctx
+        if self.core.is_cancelled(env.call_id):
+            self.ctx.cancelled.set()
+
+    def execute(self) -> Any:
+        """Attempts until one succeeds; raises the error that ends the call (typed, secret-free)."""
+        provider = get_provider(self.cfg)
+        n = 1
+        while True:
+            self._check()
+            try:
+                response = self._attempt(provider, n)
+            except (ProviderError, ProviderTimeout) as e:
+                delay = self._retry_in(e, n)
+                self._announce_retry(e, n, delay)
+                if self.ctx.cancelled.wait(delay):
+                    raise CallCancelled(f"call {self.run.info.call_id} was cancelled") from None
+                n += 1
+                continue
+            if self.run.state is State.ROUTING:  # a middleware answered without calling the provider
+                self.move(self.run, State.EXECUTING)
+            return response
+
+    # -- one attempt -----------------------------------------------------------------------------
+
+    def _attempt(self, provider: Provider, n: int) -> Any:
+        run, ctx = self.run, self.ctx
+        context = dict(self.context)
+        # Each attempt is its own API request, so hooks can tell attempts apart unless the caller named it.
+        context.setdefault("api_request_id", f"{run.info.call_id}-{n}")
+
+        def call_provider(request: dict[str, Any]) -> Any:
+            if run.state is State.ROUTING:
+                self.move(run, State.EXECUTING)
+            pctx = ProviderContext(
+                call_id=run.info.call_id,
+                timeout=self._remaining(),
+                attempt=n,
+                cancelled=ctx.cancelled,
+                on_delta=self._delta,
+                traceparent=ctx.traceparent,
+                tracestate=ctx.tracestate,
+            )
+            return provider.complete(request, pctx)
+
+        return self.core.llm_flow.run(
+            copy.deepcopy(self.request), call_provider=call_provider, context=context
+        )
+
+    def _delta(self, delta: dict[str, Any]) -> None:
+        self.publish(self.run, DELTA, delta)
+
+    # -- retries ---------------------------------------------------------------------------------
+
+    def _retry_in(self, error: ProviderError | ProviderTimeout, n: int) -> float:
+        """Seconds before attempt ``n + 1``; raises the error that ends the call when there is none."""
+        if n > self.max_retries:
+            raise error
+        delay = retry_delay(error, n, max_retry_after=self.max_retry_after)
+        if delay is None:
+            if getattr(error, "retryable", False):  # the server asked for a wait we refuse
+                raise ProviderError(
+                    give_up_reason(error, self.max_retry_after),
+                    status=getattr(error, "status", None),
+                    retryable=False,
+                ) from error
+            raise error
+        left = self.ctx.deadline - time.monotonic()
+        if delay >= left:
+            if isinstance(error, ProviderTimeout):
+                raise error
+            raise ProviderError(
+                f"a retry in {delay:.1f}s would pass the call's {self.timeout:g}s timeout; "
+                f"giving up: {error}",
+                status=getattr(error, "status", None),
+                retryable=False,
+            ) from error
+        return delay
+
+    def _announce_retry(self, error: ProviderError | ProviderTimeout, n: int, delay: float) -> None:
+        message = f"retrying after {delay:.1f}s: {_label(error)}"
+        log.info("llm attempt failed, retrying", attempt=n, delay_s=round(delay, 3), error=str(error))
+        detail = {
+            "message": message,
+            "attempt": n,
+            "next_attempt": n + 1,
+            "delay": round(delay, 3),
+            "error": error.to_wire(),
+        }
+        self.publish(self.run, PROGRESS, detail)
+
+    # -- time and cancellation -------------------------------------------------------------------
+
+    def _remaining(self) -> float:
+        left = self.ctx.deadline - time.monotonic()
+        if left <= 0:
+            raise ProviderTimeout(f"LLM call {self.run.info.call_id} timed out after {self.timeout:g}s")
+        return left
+
+    def _check(self) -> None:
+        if self.ctx.cancelled.is_set():
+            raise CallCancelled(f"call {self.run.info.call_id} was cancelled")
+        self._remaining()
