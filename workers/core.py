@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -14,16 +15,18 @@ from broker import keys
 from broker.calls import Calls
 from broker.codec import pack
 from broker.config import Settings, load_settings
-from broker.errors import CallFailed
 from broker.directory import Directory
 from broker.envelope import Envelope
+from broker.errors import CallFailed
 from broker.states import State
 from broker.toolspec import ToolSpec
-from middleware import PluginManager, ToolCallFlow
+from middleware import LLMCallFlow, PluginManager, ToolCallFlow
+from middleware.plugins import NAMESPACE as PLUGIN_NAMESPACE
 from workers.args import check_output, coerce_args, validate_args
 from workers.executors.base import ExecContext, get_executor
-from workers.policy import Policy
+from workers.llm import describe_response
 from workers.outbox import Outbox
+from workers.policy import Policy
 from workers.runner import Running
 
 log = structlog.get_logger("hermes.worker")
@@ -62,9 +65,13 @@ class WorkerCore:
         self.failed = 0
         self.idle = threading.Condition(self._lock)
         self.policy = Policy.from_settings(settings.policy)
+        # Plugins log through stdlib logging (they run inside Hermes too); the root logger is held at
+        # WARNING to quiet libraries, so plugin loggers get the gateway's own level.
+        logging.getLogger(PLUGIN_NAMESPACE).setLevel(settings.log_level)
         self.plugins = PluginManager(settings.home)
         self.plugins.load()
         self.tool_flow = ToolCallFlow(self.plugins, on_blocked=_blocked)
+        self.llm_flow = LLMCallFlow(self.plugins, describe_response=describe_response)
 
     # -- bookkeeping -----------------------------------------------------------------------------
 

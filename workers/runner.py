@@ -21,6 +21,7 @@ from broker.events import PROGRESS
 from broker.states import State
 from broker.tracecontext import new_span_id
 from workers.executors.base import ExecContext
+from workers.llm import LLMCall
 
 if TYPE_CHECKING:
     from workers.worker import WorkerCore
@@ -78,15 +79,20 @@ class CallRunner:
             )
 
     def progress(self, run: Running, message: str) -> None:
+        # Progress is fenced like a transition: a refusal means the call was taken from us, so stop the tool.
+        self.publish(run, PROGRESS, {"message": message})
+
+    def publish(self, run: Running, event_type: str, detail: dict[str, Any]) -> None:
+        """A non-state event (a stream delta, a retry notice), fenced like a transition."""
         calls = self.core.calls
         state = run.state
 
         def write(pipe: Any) -> None:
             calls.transition(
-                run.info, None, attempt=run.attempt, detail={"message": message}, event_type=PROGRESS, current=state, pipeline=pipe
+                run.info, None, attempt=run.attempt, detail=detail, event_type=event_type, current=state,
+                pipeline=pipe,
             )
 
-        # Progress is fenced like a transition: a refusal means the call was taken from us, so stop the tool.
         self.core.outbox.put(write, lambda reply: self._check(run, state, reply))
 
     # -- the call --------------------------------------------------------------------------------
@@ -121,8 +127,13 @@ class CallRunner:
     def _run(self, run: Running) -> None:
         env, core = run.env, self.core
         self._move(run, State.ROUTING, {"worker": core.name})
-        if env.kind != "tool":
-            raise DecodeError(f"this worker cannot run {env.kind!r} calls yet")
+        if env.kind == "llm":
+            result = LLMCall(core, run, self._move, self.publish).execute()
+            if run.lost or run.abandoned:
+                return
+            self._move(run, State.FORMATTING)
+            self._finish(run, State.DONE, result=result)
+            return
         entry = core.directory.get(env.tool or "", env.tool_version)
         spec = entry.spec
         timeout = float(env.options.timeout or spec.timeout)
