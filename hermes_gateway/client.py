@@ -1,4 +1,4 @@
-"""The Gateway client: submit tool calls, follow their events, get typed results."""
+"""The Gateway client: submit tool and LLM calls, follow their events, get typed results."""
 
 from __future__ import annotations
 
@@ -173,8 +173,61 @@ class Gateway:
             "queue": queue,
         }
         env, spec = self._envelope(name, args, opts, context)
-        limits = self._limits(env, spec)
-        handle = self._track(CallHandle(self, env.call_id, name))
+        return self._submit(env, self._limits(env, spec))
+
+    def call_llm(
+        self,
+        request: dict[str, Any],
+        *,
+        timeout: float | None = None,
+        idempotency_key: str | None = None,
+        max_attempts: int | None = None,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+        queue: str = "llm",
+        **context: Any,
+    ) -> CallHandle:
+        """Submit one LLM call (chat-completions kwargs): events carry stream deltas, the result the response.
+
+        The provider is ``model:`` of config.yaml as the worker reads it; ``request["model"]`` overrides
+        ``model.model`` for this call. Raises QueueFull at once when the model's queue is full.
+        """
+        if not isinstance(request, dict):
+            from broker.errors import InvalidArgs
+
+            raise InvalidArgs(f"an LLM request must be a mapping, got {type(request).__name__}")
+        unknown = set(context) - set(CONTEXT_FIELDS)
+        if unknown:
+            known = ", ".join(CONTEXT_FIELDS)
+            raise TypeError(f"unknown call context field(s): {', '.join(sorted(unknown))}; known: {known}")
+        model_cfg = self.settings.model
+        context.setdefault("provider", model_cfg.get("provider") or "openai-compatible")
+        context.setdefault("api_mode", model_cfg.get("api_mode") or "chat_completions")
+        context["model"] = request.get("model") or context.get("model") or model_cfg.get("model")
+        tp, ts = traceparent, tracestate
+        if tp is None:
+            tp, ts = current_traceparent()
+        env = Envelope(
+            call_id=new_call_id(),
+            kind="llm",
+            request=request,
+            context={k: v for k, v in context.items() if v is not None},
+            traceparent=ensure_traceparent(tp),
+            tracestate=ts,
+            options=Options(timeout=timeout, idempotency_key=idempotency_key, max_attempts=max_attempts),
+            queue=queue,
+            channel=self.channel,
+        )
+        limits = {
+            "ckey": concurrency_key(env),
+            "queue_size": self.settings.queue_size_for("llm"),
+            "max_attempts": max_attempts or self.settings.max_attempts,
+            "timeout": float(timeout or model_cfg.get("timeout") or 120.0),
+        }
+        return self._submit(env, limits)
+
+    def _submit(self, env: Envelope, limits: dict[str, Any]) -> CallHandle:
+        handle = self._track(CallHandle(self, env.call_id, env.name, env.kind))
         try:
             reply = self.calls.submit(env, **limits)
             accepted, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"])
@@ -183,7 +236,7 @@ class Gateway:
             raise
         if call_id != env.call_id:  # idempotent resubmission: follow the call that already exists
             self._untrack(env.call_id)
-            handle = CallHandle(self, call_id, name, own=False)
+            handle = CallHandle(self, call_id, env.name, env.kind, own=False)
         return handle
 
     def map(self, name: str, items: Iterable[dict[str, Any]], **common: Any) -> list[CallHandle]:
