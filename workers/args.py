@@ -51,8 +51,16 @@ def _allows_null(schema: dict[str, Any]) -> bool:
     return any(
         isinstance(v, dict) and v.get("type") == "null"
         for key in ("anyOf", "oneOf")
-        for v in (schema.get(key) if isinstance(schema.get(key), list) else [])
+        for v in _list(schema.get(key))
     )
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
 
 
 def _coerce(value: Any, schema: Any) -> Any:
@@ -73,7 +81,7 @@ def _coerce(value: Any, schema: Any) -> Any:
         if types and "array" not in types:
             return value
         items = schema.get("items")
-        prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
+        prefix = _list(schema.get("prefixItems"))
         out = []
         for i, item in enumerate(value):
             sub = prefix[i] if i < len(prefix) else items
@@ -82,7 +90,7 @@ def _coerce(value: Any, schema: Any) -> Any:
     if isinstance(value, dict):
         if types and "object" not in types:
             return _wrap(value, schema, types)
-        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        props = _dict(schema.get("properties"))
         extra = schema.get("additionalProperties")
         return {k: _coerce(v, props.get(k, extra)) for k, v in value.items()}
     return _wrap(value, schema, types)

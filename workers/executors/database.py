@@ -116,7 +116,7 @@ class DatabaseExecutor:
         max_rows: int,
     ) -> tuple[list[dict[str, Any]], bool]:
         dialect = conn.dialect.name
-        raw = conn.connection.dbapi_connection
+        raw: Any = conn.connection.dbapi_connection  # the driver's own connection (cancel, progress handler)
         trans = conn.begin()
         cancel: Callable[[], None] = lambda: None  # noqa: E731
         try:

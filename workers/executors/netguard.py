@@ -46,7 +46,7 @@ current_call: contextvars.ContextVar[ExecContext | None] = contextvars.ContextVa
 def resolve_host(host: str, port: int) -> list[str]:
     """All addresses ``host`` resolves to (tests replace this to simulate hostile DNS)."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return list(dict.fromkeys(info[4][0] for info in infos))
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
 @dataclass(frozen=True)
