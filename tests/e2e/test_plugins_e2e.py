@@ -1,0 +1,167 @@
+"""The seed's four example plugins enabled in HERMES_HOME, against real worker processes.
+
+``middleware-demo-llm-tag`` (llm_request), ``middleware-demo-terminal-workdir`` (tool_request),
+``middleware-demo-llm-timing`` (llm_execution) and ``middleware-demo-tool-annotate`` (tool_execution),
+copied into ``$HERMES_HOME/plugins`` and enabled as a user would; plus ``hermes-gateway plugins reload``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker.errors import CallFailed, PermissionDenied
+from middleware import enable_plugin
+from tests.conftest import ECHO, Home, wait_until
+from tests.llm_server import LLMServer
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples" / "plugins"
+LLM_TAG = "middleware-demo-llm-tag"
+WORKDIR = "middleware-demo-terminal-workdir"
+TIMING = "middleware-demo-llm-timing"
+ANNOTATE = "middleware-demo-tool-annotate"
+ALL = (LLM_TAG, WORKDIR, TIMING, ANNOTATE)
+KEY = f"sk-e2e-{uuid.uuid4().hex}"
+TAG = {"hermes_middleware_demo": True}
+ASK = {"messages": [{"role": "user", "content": "Reply exactly ok"}], "stream": True}
+
+
+@pytest.fixture
+def llm() -> Iterator[LLMServer]:
+    with LLMServer(api_key=KEY) as server:
+        yield server
+
+
+@pytest.fixture
+def user_home(tmp_path: Path) -> Path:
+    """The workers' $HOME: the workdir plugin's default lives under it."""
+    path = tmp_path / "user-home"
+    path.mkdir()
+    return path
+
+
+def demo_dir(user_home: Path) -> str:
+    """Where ``middleware-demo-terminal-workdir`` points terminal calls by default."""
+    return str(user_home / ".hermes" / "cache" / "scratch" / "hermes-middleware-demo")
+
+
+def set_up(home: Home, llm: LLMServer, allow: list[str], enabled: tuple[str, ...]) -> None:
+    """config.yaml (model + a workdir policy), the ``terminal`` tool, and the example plugins."""
+    home.config(
+        {
+            "model": {
+                "provider": "openai-compatible",
+                "base_url": llm.base_url,
+                "api_key": "${E2E_KEY}",
+                "model": "hermes-test",
+            },
+            "policy": {"args": {"path_prefixes": {"terminal": {"args": ["workdir"], "allow": allow}}}},
+        }
+    )
+    home.tool(
+        "terminal",
+        function=ECHO,
+        timeout=10,
+        input_schema={
+            "type": "object",
+            "properties": {"command": {"type": "string"}, "workdir": {"type": "string"}},
+            "required": ["command", "workdir"],
+            "additionalProperties": False,
+        },
+    )
+    for name in ALL:
+        shutil.copytree(EXAMPLES / name, home.path / "plugins" / name)
+    for name in enabled:
+        enable_plugin(home.path, name)
+
+
+def start(workers: Any, user_home: Path) -> Any:
+    [worker] = workers(queues="llm,tools", env={"HOME": str(user_home), "E2E_KEY": KEY})
+    return worker
+
+
+def reload_plugins(redis_url: str, home: Home) -> str:
+    """``hermes-gateway plugins reload``, as a user runs it."""
+    env = {**os.environ, "HERMES_REDIS_URL": redis_url, "HERMES_HOME": str(home.path)}
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "hermes-gateway"), "plugins", "reload"],
+        env=env, capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    return out.stdout
+
+
+def test_the_four_example_plugins_on_real_workers(
+    llm: LLMServer, home: Home, gateway: Any, workers: Any, user_home: Path
+) -> None:
+    demo = demo_dir(user_home)
+    set_up(home, llm, allow=[demo], enabled=ALL)
+    gateway.sync_tools()
+    worker = start(workers, user_home)
+    loaded = next(line for line in worker.log().splitlines() if "plugins loaded" in line)
+    assert all(name in loaded for name in ALL)
+
+    # llm-tag: the tag is in the request the provider received.
+    reply = gateway.call_llm(ASK).result(20)
+    assert reply["choices"][0]["message"]["content"] == "ok"
+    assert llm.chat_requests[-1].body["metadata"] == TAG
+    # llm-timing: the wrapper logged the provider call's elapsed time in the worker's output.
+    wait_until(lambda: "llm_execution elapsed_ms=" in worker.log(), timeout=5, message="the timing line")
+
+    # terminal-workdir: no workdir given, the middleware's default passes the schema (workdir is
+    # required) and the path policy (only the demo dir is allowed): both judged the rewritten args.
+    # tool-annotate wraps the execution and hands back the tool's result unchanged.
+    assert gateway.call_tool("terminal", {"command": "ls"}).result(20) == {"command": "ls", "workdir": demo}
+    # An explicit workdir is kept (setdefault) and the policy refuses it.
+    with pytest.raises(PermissionDenied) as info:
+        gateway.call_tool("terminal", {"command": "ls", "workdir": "/etc"}).result(20)
+    assert info.value.type == "permission_denied" and "'/etc'" in str(info.value)
+    assert info.value.details["rule"] == "args.path_prefixes.terminal"
+    assert KEY not in worker.log()
+
+
+def test_the_policy_judges_the_workdir_the_middleware_wrote(
+    llm: LLMServer, home: Home, gateway: Any, workers: Any, user_home: Path, tmp_path: Path
+) -> None:
+    # The policy allows somewhere else: the caller sent no workdir at all, so the only value the
+    # policy can refuse is the one the tool_request middleware put there.
+    set_up(home, llm, allow=[str(tmp_path / "elsewhere")], enabled=(WORKDIR,))
+    gateway.sync_tools()
+    start(workers, user_home)
+    with pytest.raises(PermissionDenied) as info:
+        gateway.call_tool("terminal", {"command": "ls"}).result(20)
+    assert repr(demo_dir(user_home)) in str(info.value)
+
+
+def test_plugins_reload_makes_a_running_worker_pick_up_newly_enabled_plugins(
+    llm: LLMServer, home: Home, gateway: Any, workers: Any, user_home: Path, redis_url: str
+) -> None:
+    demo = demo_dir(user_home)
+    set_up(home, llm, allow=[demo], enabled=())
+    gateway.sync_tools()
+    worker = start(workers, user_home)
+    gateway.call_llm(ASK).result(20)
+    assert "metadata" not in llm.chat_requests[-1].body
+    with pytest.raises(CallFailed) as info:  # no middleware: the required workdir is missing
+        gateway.call_tool("terminal", {"command": "ls"}).result(20)
+    assert info.value.type == "invalid_args"
+
+    enable_plugin(home.path, LLM_TAG)
+    enable_plugin(home.path, WORKDIR)
+    assert "reload sent to workers" in reload_plugins(redis_url, home)
+    wait_until(lambda: worker.log().count("plugins loaded") >= 2, timeout=10, message="the worker to reload")
+
+    gateway.call_llm(ASK).result(20)
+    assert llm.chat_requests[-1].body["metadata"] == TAG
+    assert gateway.call_tool("terminal", {"command": "ls"}).result(20) == {"command": "ls", "workdir": demo}
+    assert worker.alive and len(workers.started) == 1  # the same process, never restarted
