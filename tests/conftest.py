@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -66,8 +69,12 @@ def wait_until_fixture() -> Callable[..., Any]:
 
 
 @pytest.fixture
-def redis_url() -> str:
-    """URL of the dedicated test database (``HERMES_TEST_REDIS_URL``, default db 9), flushed first."""
+def redis_url() -> Iterator[str]:
+    """URL of the dedicated test database (``HERMES_TEST_REDIS_URL``, default db 9), flushed first.
+
+    Held under a file lock for the whole test, so two pytest runs on one machine (two engineers, or
+    a run beside CI) take turns on the database instead of flushing it under each other.
+    """
     url = os.environ.get("HERMES_TEST_REDIS_URL") or DEFAULT_TEST_REDIS_URL
     parsed = urlparse(url)
     db = (parsed.path or "/0").lstrip("/") or "0"
@@ -79,9 +86,17 @@ def redis_url() -> str:
         client.ping()
     except redis.ConnectionError as e:
         pytest.fail(f"the test Redis at {url} is not reachable: {e}")
-    client.flushdb()
-    client.close()
-    return url
+    lock_path = (
+        Path(tempfile.gettempdir()) / f"hermes-test-redis-{hashlib.sha1(url.encode()).hexdigest()[:12]}.lock"
+    )
+    with open(lock_path, "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            client.flushdb()
+            client.close()
+            yield url
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture
@@ -264,6 +279,8 @@ class WorkerFactory:
             "--grace",
             str(grace),
         ]
+        # Pub/sub ignores the db index: count control-channel listeners server-wide, before and after.
+        listeners = self._listeners()
         batch = []
         for _ in range(count):
             log_path = self.log_dir / f"worker-{len(self.started)}.log"
@@ -285,7 +302,15 @@ class WorkerFactory:
                 if time.monotonic() > deadline:
                     pytest.fail(f"worker {w.pid} sent no heartbeat within {wait:g}s:\n{w.log()}")
                 time.sleep(0.02)
+        # The control thread subscribes just after the first heartbeat; a stop or cancel published
+        # before that would be missed, so wait for it too (best effort: the count is server-wide).
+        ready = time.monotonic() + 5
+        while self._listeners() < listeners + count and time.monotonic() < ready:
+            time.sleep(0.01)
         return batch
+
+    def _listeners(self) -> int:
+        return int(dict(self._client.pubsub_numsub("hermes:ctl")).get(b"hermes:ctl", 0))
 
     def stop_all(self, timeout: float = 10.0) -> None:
         for w in self.started:

@@ -1,0 +1,116 @@
+"""Malformed payloads and unknown tools fail with typed errors while the worker keeps serving."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from broker import keys
+from broker.calls import Calls
+from broker.codec import pack
+from broker.envelope import Envelope
+from broker.tracecontext import ensure_traceparent
+from tests.e2e.util import all_terminal, current, error_type, states
+
+pytestmark = pytest.mark.e2e
+
+
+def write_raw_call(conn: Any, call_id: str, data: bytes | None, channel: str) -> None:
+    """A call written by hand, the way a buggy or hostile client could: job hash + queue entry."""
+    fields: dict[str, Any] = {
+        keys.F_STATE: "pending",
+        keys.F_ATTEMPT: 1,
+        keys.F_MAX_ATTEMPTS: 3,
+        keys.F_SEQ: 0,
+        keys.F_CHANNEL: channel,
+        keys.F_CKEY: "tool:echo",
+        keys.F_KIND: "tool",
+        keys.F_TOOL: "echo",
+        "status": "queued",
+        "origin": "tools",
+    }
+    if data is not None:
+        fields["data"] = data
+    conn.hset(keys.job(call_id), mapping=fields)
+    conn.rpush(keys.queue("tools"), call_id)
+
+
+def good_env(**kw: Any) -> dict[str, Any]:
+    env = Envelope(call_id="x", kind="tool", tool="echo", args={}, traceparent=ensure_traceparent(None))
+    return {**env.to_dict(), **kw}
+
+
+MALFORMED = {
+    "garbage": b"\xc1\xc1\xc1 not msgpack at all",
+    "truncated": pack(["workers.entry.run_call", None, [good_env()], {}])[:-7],
+    "not-a-job": pack({"func": "os.system", "args": ["rm -rf /"]}),
+    "pickle": b"\x80\x04\x95\x1b\x00\x00\x00\x00\x00\x00\x00\x8c\x05posix\x94\x8c\x06system\x94\x93\x94.",
+    "future-version": pack(["workers.entry.run_call", None, [good_env(version=99)], {}]),
+    "wrong-types": pack(["workers.entry.run_call", None, [good_env(tool_version="latest")], {}]),
+    "no-data": None,
+}
+
+
+def test_malformed_payloads_and_unknown_tools_fail_typed_and_the_worker_keeps_serving(
+    gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any
+) -> None:
+    home.echo_tool()
+    home.echo_tool("temp")
+    gateway.sync_tools()
+    # Submitted while the tool exists, then the tool is removed before any worker picks the call up.
+    doomed = gateway.call_tool("temp", {"a": 1})
+    assert gateway.directory.remove("temp")
+    bad_ids = []
+    for name, data in MALFORMED.items():
+        write_raw_call(conn, f"bad-{name}", data, gateway.channel)
+        bad_ids.append(f"bad-{name}")
+
+    [w] = workers(1, concurrency=4)
+    ids = [*bad_ids, doomed.call_id]
+    wait_until(lambda: all_terminal(conn, ids), 10, message="the bad calls to end")
+
+    for cid in bad_ids:
+        assert current(conn, [cid])[cid] == "failed", cid
+        assert error_type(conn, cid) == "bad_payload", cid
+        assert states(conn, cid) == ["failed"], cid
+    assert states(conn, doomed.call_id) == ["pending", "routing", "failed"]
+    assert error_type(conn, doomed.call_id) == "unknown_tool"
+    with pytest.raises(Exception) as info:
+        doomed.result(timeout=5)
+    assert getattr(info.value, "type", None) == "unknown_tool"
+
+    # Still serving: a normal call afterwards succeeds, on the same process.
+    assert gateway.call_tool("echo", {"after": True}).result(timeout=10) == {"after": True}
+    assert w.alive
+    wait_until(lambda: conn.hget(keys.worker(w.name), "processed") == b"%d" % (len(ids) + 1), 5)
+    assert int(conn.hget(keys.worker(w.name), "failed")) == len(ids)
+    assert "Traceback" not in w.log()
+
+
+def test_a_tool_removed_after_a_worker_cached_it_is_unknown(
+    gateway: Any, home: Any, workers: Any, conn: Any
+) -> None:
+    home.echo_tool("temp")
+    gateway.sync_tools()
+    workers(1, concurrency=2)
+    assert gateway.call_tool("temp", {"n": 1}).result(timeout=10) == {"n": 1}  # the worker knows it now
+    version = gateway.tool("temp").version
+    assert gateway.directory.remove("temp")
+    time.sleep(0.2)  # the removal notice travels
+    # A client that still believes in the tool submits straight to Redis.
+    env = Envelope(
+        call_id="stale",
+        kind="tool",
+        tool="temp",
+        args={"n": 2},
+        tool_version=version,
+        traceparent=ensure_traceparent(None),
+        channel=gateway.channel,
+    )
+    Calls(conn).submit(env, ckey="tool:temp", queue_size=-1, max_attempts=1, timeout=5)
+    handle = gateway.handle("stale")
+    with pytest.raises(Exception) as info:
+        handle.result(timeout=10)
+    assert getattr(info.value, "type", None) == "unknown_tool"

@@ -1,0 +1,102 @@
+"""Stopping workers: SIGTERM drains within the grace period and hands back the rest; stop over the wire."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker import keys
+from tests.e2e.util import all_terminal, current, field, histories
+
+pytestmark = pytest.mark.e2e
+
+GRACE = 1.0
+SHORT, LONG = 0.4, 2.0
+
+
+def test_sigterm_finishes_what_fits_in_the_grace_period_and_hands_back_the_rest(
+    gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any
+) -> None:
+    home.sleep_tool()
+    gateway.sync_tools()
+    [first] = workers(1, concurrency=8, grace=GRACE)
+    short = [gateway.call_tool("sleep", {"seconds": SHORT}) for _ in range(3)]
+    long = [gateway.call_tool("sleep", {"seconds": LONG}) for _ in range(3)]
+    ids = [h.call_id for h in short + long]
+    wait_until(lambda: set(current(conn, ids).values()) == {"executing"}, 5, message="all calls executing")
+
+    first.terminate()
+    assert first.wait(GRACE + 5) == 0
+    assert "handed_back=3" in first.log()
+    # Nothing was lost: the short calls finished on the first worker, the long ones wait for another.
+    assert current(conn, [h.call_id for h in short]) == {h.call_id: "done" for h in short}
+    assert current(conn, [h.call_id for h in long]) == {h.call_id: "pending" for h in long}
+    assert conn.llen(keys.queue("tools")) == 3
+    assert first.name not in {n.decode() for n in conn.zrange(keys.WORKERS, 0, -1)}
+
+    [second] = workers(1, concurrency=8)
+    wait_until(lambda: all_terminal(conn, ids), LONG + 5, message="the handed-back calls to finish")
+    assert [h.result(timeout=1) for h in short + long] == [{"slept": SHORT}] * 3 + [{"slept": LONG}] * 3
+
+    stored = histories(conn, ids)
+    for h in short:
+        assert [e.state for e in stored[h.call_id]] == [
+            "pending",
+            "routing",
+            "executing",
+            "formatting",
+            "done",
+        ]
+        assert stored[h.call_id][1].detail["worker"] == first.name
+    for h in long:
+        hist = stored[h.call_id]
+        assert [(e.state, e.attempt) for e in hist] == [
+            ("pending", 1),
+            ("routing", 1),
+            ("executing", 1),
+            ("retrying", 1),
+            ("pending", 2),
+            ("routing", 2),
+            ("executing", 2),
+            ("formatting", 2),
+            ("done", 2),
+        ]
+        assert hist[3].detail["reason"] == "worker_shutdown"
+        assert hist[5].detail["worker"] == second.name
+        # A hand-back is not the call's fault: it does not use up one of its attempts.
+        assert int(field(conn, h.call_id, keys.F_MAX_ATTEMPTS)) == 4
+
+
+def _cli() -> str:
+    path = Path(sys.executable).parent / "hermes-gateway"
+    assert path.exists(), f"the hermes-gateway console script is not installed next to {sys.executable}"
+    return str(path)
+
+
+def test_hermes_gateway_stop_all_stops_every_worker_cleanly(
+    redis_url: str, home: Any, workers: Any, conn: Any
+) -> None:
+    started = workers(2, concurrency=2)
+    env = {**os.environ, "HERMES_REDIS_URL": redis_url, "HERMES_HOME": str(home.path)}
+    out = subprocess.run([_cli(), "stop", "--all"], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "stop sent to all workers" in out.stdout
+    for w in started:
+        assert w.wait(10) == 0
+    assert conn.zcard(keys.WORKERS) == 0
+
+
+def test_a_stop_message_for_one_worker_stops_only_that_one(workers: Any, conn: Any) -> None:
+    from workers.worker import control_message
+
+    a, b = workers(2, concurrency=2)
+    assert conn.publish(keys.CONTROL_CHANNEL, control_message("stop", worker=a.name)) >= 2
+    assert a.wait(10) == 0
+    assert b.alive
+    assert conn.publish(keys.CONTROL_CHANNEL, control_message("stop")) >= 1
+    assert b.wait(10) == 0
