@@ -83,6 +83,8 @@ class Settings:
     def executor_settings(self, kind: str) -> dict[str, Any]:
         """``executors.<kind>`` merged over ``executor`` (the seed writes both spellings)."""
         base = dict(self.raw.get("executor") or {})
+        if kind == "mcp":
+            base.update(self.mcp)  # the seed's `mcp.handshake_timeout` lives at the top level
         base.update(self.executors.get(kind) or {})
         return base
 

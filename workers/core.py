@@ -12,6 +12,7 @@ import redis
 import structlog
 
 from broker import keys
+from broker.audit import AuditLog
 from broker.calls import Calls
 from broker.codec import pack
 from broker.config import Settings, load_settings
@@ -38,7 +39,9 @@ TOOL_CONTEXT = ("session_id", "task_id", "turn_id", "api_request_id", "tool_call
 
 
 def _blocked(tool_name: str, message: str, _ctx: dict[str, Any]) -> Any:
-    raise CallFailed(message or f"tool {tool_name!r} was blocked by a plugin", error_type="blocked", tool=tool_name)
+    raise CallFailed(
+        message or f"tool {tool_name!r} was blocked by a plugin", error_type="blocked", tool=tool_name
+    )
 
 
 def concurrency_key(env: Envelope, spec_executor: str | None = None) -> str:
@@ -65,6 +68,7 @@ class WorkerCore:
         self.failed = 0
         self.idle = threading.Condition(self._lock)
         self.policy = Policy.from_settings(settings.policy)
+        self.audit = AuditLog.from_settings(conn, settings.audit)
         # Plugins log through stdlib logging (they run inside Hermes too); the root logger is held at
         # WARNING to quiet libraries, so plugin loggers get the gateway's own level.
         logging.getLogger(PLUGIN_NAMESPACE).setLevel(settings.log_level)
@@ -156,7 +160,10 @@ class WorkerCore:
         principal = env.context.get("principal")
         policy = self.policy
 
+        run.sensitive = spec.sensitive
+
         def checks(tool_name: str, eff: dict[str, Any], _ctx: dict[str, Any]) -> None:
+            run.args = eff
             policy.enforce(principal, spec, eff)
             validate_args(spec.input_schema, eff, tool_name)
 

@@ -7,6 +7,7 @@ from typing import Any
 import structlog
 
 from broker import keys
+from broker.audit import AuditLog, AuditRecord
 from broker.calls import CallInfo, Calls
 from broker.codec import pack
 from broker.errors import WorkerLost
@@ -16,29 +17,50 @@ from broker.tracecontext import new_span_id
 log = structlog.get_logger("hermes.reaper")
 
 
-def reap(calls: Calls, lease: float, result_ttl: int) -> int:
+def reap(calls: Calls, lease: float, result_ttl: int, audit: AuditLog | None = None) -> int:
     """Settle every call whose lease ran out; returns how many were settled."""
     expired = calls.reap(lease)
     for item in expired:
         try:
-            _settle(calls, item, result_ttl)
+            _settle(calls, item, result_ttl, audit)
         except Exception:  # noqa: BLE001 - one bad record must not stop the reaper
             log.exception("could not settle expired call", call_id=item["call_id"])
     return len(expired)
 
 
 def _info(calls: Calls, call_id: str, item: dict[str, Any]) -> CallInfo:
-    raw = calls.conn.hmget(keys.job(call_id), keys.F_TRACE, keys.F_KIND, keys.F_TOOL, keys.F_CHANNEL, "origin")
+    raw = calls.conn.hmget(
+        keys.job(call_id), keys.F_TRACE, keys.F_KIND, keys.F_TOOL, keys.F_CHANNEL, "origin"
+    )
     trace, kind, tool, chan, origin = ((v or b"").decode(errors="replace") for v in raw)
     return CallInfo(call_id, trace, new_span_id(), kind, tool, None, chan, item["ckey"], origin)
 
 
-def _settle(calls: Calls, item: dict[str, Any], result_ttl: int) -> None:
+def _audit(audit: AuditLog | None, info: CallInfo, state: State, attempt: int, err: dict[str, Any]) -> None:
+    if audit is None:
+        return
+    audit.append(
+        AuditRecord.of(
+            call_id=info.call_id,
+            kind=info.kind,
+            state=str(state),
+            error=err,
+            tool_name=info.name if info.kind == "tool" else None,
+            model=info.name if info.kind == "llm" else None,
+            trace_id=info.trace_id,
+            attempts=attempt,
+        )
+    )
+
+
+def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog | None = None) -> None:
     call_id, state, attempt = item["call_id"], item["state"], item["attempt"]
     if state == State.PENDING or state == State.RETRYING and not item["cancel"]:
         info = _info(calls, call_id, item)
         if state == State.RETRYING:
-            calls.transition(info, State.PENDING, attempt=attempt, requeue=True, lease="-", current=State.RETRYING)
+            calls.transition(
+                info, State.PENDING, attempt=attempt, requeue=True, lease="-", current=State.RETRYING
+            )
         else:
             # Claimed but never started: back on the queue, same attempt.
             pipe = calls.conn.pipeline()
@@ -55,13 +77,24 @@ def _settle(calls: Calls, item: dict[str, Any], result_ttl: int) -> None:
     current = State(state)
     if item["cancel"]:
         err = {"type": "cancelled", "message": "call cancelled; its worker was lost"}
-        calls.transition(
-            info, State.CANCELLED, attempt=attempt, current=current, detail={"error": err},
-            fields={keys.F_ERROR: pack(err)}, ttl=result_ttl,
+        reply = calls.transition(
+            info,
+            State.CANCELLED,
+            attempt=attempt,
+            current=current,
+            detail={"error": err},
+            fields={keys.F_ERROR: pack(err)},
+            ttl=result_ttl,
         )
+        if int(reply[0]) > 0:
+            _audit(audit, info, State.CANCELLED, attempt, err)
     elif attempt < item["max_attempts"]:
         reply = calls.transition(
-            info, State.RETRYING, attempt=attempt, current=current, lease="-",
+            info,
+            State.RETRYING,
+            attempt=attempt,
+            current=current,
+            lease="-",
             detail={"reason": "worker_lost", "next_attempt": attempt + 1},
             fields={keys.F_ATTEMPT: attempt + 1},
         )
@@ -72,8 +105,15 @@ def _settle(calls: Calls, item: dict[str, Any], result_ttl: int) -> None:
         err = WorkerLost(
             f"the worker running this call was lost {attempt} time(s); no attempts left", attempts=attempt
         ).to_wire()
-        calls.transition(
-            info, State.FAILED, attempt=attempt, current=current, detail={"error": err},
-            fields={keys.F_ERROR: pack(err)}, ttl=result_ttl,
+        reply = calls.transition(
+            info,
+            State.FAILED,
+            attempt=attempt,
+            current=current,
+            detail={"error": err},
+            fields={keys.F_ERROR: pack(err)},
+            ttl=result_ttl,
         )
+        if int(reply[0]) > 0:
+            _audit(audit, info, State.FAILED, attempt, err)
         log.warning("worker lost mid-call, no attempts left", call_id=call_id, attempt=attempt)

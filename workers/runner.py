@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from broker import keys
+from broker.audit import AuditRecord
 from broker.calls import CallInfo, Claimed, envelope_of
 from broker.codec import pack
 from broker.envelope import Envelope
@@ -42,6 +43,8 @@ class Running:
     ctx: ExecContext | None = None
     lost: bool = False
     abandoned: bool = False
+    args: dict[str, Any] | None = None  # the effective args (after tool_request middleware)
+    sensitive: tuple[str, ...] = ()
     started: float = field(default_factory=time.monotonic)
 
 
@@ -59,7 +62,9 @@ class CallRunner:
         calls = self.core.calls
 
         def write(pipe: Any) -> None:
-            calls.transition(run.info, target, attempt=run.attempt, detail=detail, current=current, pipeline=pipe, **kw)
+            calls.transition(
+                run.info, target, attempt=run.attempt, detail=detail, current=current, pipeline=pipe, **kw
+            )
 
         self.core.outbox.put(write, lambda reply: self._check(run, target, reply))
 
@@ -89,7 +94,12 @@ class CallRunner:
 
         def write(pipe: Any) -> None:
             calls.transition(
-                run.info, None, attempt=run.attempt, detail=detail, event_type=event_type, current=state,
+                run.info,
+                None,
+                attempt=run.attempt,
+                detail=detail,
+                event_type=event_type,
+                current=state,
                 pipeline=pipe,
             )
 
@@ -107,7 +117,9 @@ class CallRunner:
         ckey = self.core.ckey_of(env)
         run = Running(CallInfo.of(env, ckey, span_id=new_span_id()), env, claimed.attempt)
         self.core.track(run)
-        structlog.contextvars.bind_contextvars(call_id=env.call_id, trace_id=run.info.trace_id, tool=run.info.name)
+        structlog.contextvars.bind_contextvars(
+            call_id=env.call_id, trace_id=run.info.trace_id, tool=run.info.name
+        )
         try:
             self._run(run)
         except CallCancelled as e:
@@ -119,7 +131,9 @@ class CallRunner:
         except Exception as e:  # noqa: BLE001 - nothing a caller sends may kill the worker
             log.exception("call crashed in the worker")
             if not run.abandoned and not run.lost:
-                self._finish(run, State.FAILED, error={"type": "internal_error", "message": f"{type(e).__name__}: {e}"})
+                self._finish(
+                    run, State.FAILED, error={"type": "internal_error", "message": f"{type(e).__name__}: {e}"}
+                )
         finally:
             self.core.untrack(run)
             structlog.contextvars.clear_contextvars()
@@ -157,7 +171,9 @@ class CallRunner:
         result = core.format_result(run, spec, result)
         self._finish(run, State.DONE, result=result)
 
-    def _finish(self, run: Running, target: State, *, result: Any = None, error: dict[str, Any] | None = None) -> None:
+    def _finish(
+        self, run: Running, target: State, *, result: Any = None, error: dict[str, Any] | None = None
+    ) -> None:
         duration = time.monotonic() - run.started
         fields: dict[str, Any] = {}
         detail: dict[str, Any] = {"duration_ms": round(duration * 1000, 3)}
@@ -176,15 +192,72 @@ class CallRunner:
         if error is not None:
             fields[keys.F_ERROR] = pack(error)
             detail["error"] = error
-        self._move(run, target, detail, fields=fields, ttl=self.core.settings.result_ttl)
+        record = self._audit_record(run, target, result, error, duration)
+        calls, audit, current = self.core.calls, self.core.audit, run.state
+        run.state = target
+
+        def write(pipe: Any) -> None:
+            # The audit record rides in the same pipeline as the terminal transition.
+            calls.transition(
+                run.info,
+                target,
+                attempt=run.attempt,
+                detail=detail,
+                current=current,
+                pipeline=pipe,
+                fields=fields,
+                ttl=self.core.settings.result_ttl,
+            )
+            audit.append(record, pipeline=pipe)
+
+        self.core.outbox.put(write, lambda reply: self._check(run, target, reply))
         self.core.finished(run, target, error, duration)
+
+    def _audit_record(
+        self, run: Running, target: State, result: Any, error: dict[str, Any] | None, duration: float
+    ) -> AuditRecord:
+        env = run.env
+        context = env.context if env is not None else {}
+        return AuditRecord.of(
+            call_id=run.info.call_id,
+            kind=run.info.kind,
+            state=str(target),
+            args=run.args if run.args is not None else (env.args if env is not None else None),
+            sensitive=run.sensitive,
+            result=result if target is State.DONE else None,
+            request=env.request if env is not None and env.kind == "llm" else None,
+            error=error,
+            tool_name=run.info.name if run.info.kind == "tool" else None,
+            principal=context.get("principal"),
+            session_id=context.get("session_id"),
+            turn_id=context.get("turn_id"),
+            task_id=context.get("task_id"),
+            api_request_id=context.get("api_request_id"),
+            tool_call_id=context.get("tool_call_id"),
+            parent_call_id=context.get("parent_call_id"),
+            trace_id=run.info.trace_id,
+            duration_ms=round(duration * 1000, 3),
+            attempts=run.attempt,
+        )
 
     def _fail_undecodable(self, claimed: Claimed, err: DecodeError) -> None:
         """A payload that does not decode fails that call with a typed error; the worker goes on."""
         core = self.core
-        raw = core.conn.hmget(keys.job(claimed.call_id), keys.F_CHANNEL, keys.F_CKEY, keys.F_TRACE, keys.F_KIND, keys.F_TOOL)
+        raw = core.conn.hmget(
+            keys.job(claimed.call_id), keys.F_CHANNEL, keys.F_CKEY, keys.F_TRACE, keys.F_KIND, keys.F_TOOL
+        )
         chan, ckey, trace, kind, tool = ((v or b"").decode(errors="replace") for v in raw)
-        info = CallInfo(claimed.call_id, trace, new_span_id(), kind or "tool", tool, None, chan or keys.CONTROL_CHANNEL, ckey, "")
+        info = CallInfo(
+            claimed.call_id,
+            trace,
+            new_span_id(),
+            kind or "tool",
+            tool,
+            None,
+            chan or keys.CONTROL_CHANNEL,
+            ckey,
+            "",
+        )
         run = Running(info, None, claimed.attempt)  # type: ignore[arg-type]
         log.warning("undecodable call payload", call_id=claimed.call_id, error=str(err))
         self._finish(run, State.FAILED, error=err.to_wire())

@@ -100,7 +100,13 @@ class Worker:
         ]
         for t in threads:
             t.start()
-        log.info("worker started", worker=self.name, queues=self.queues, concurrency=self.concurrency, pid=os.getpid())
+        log.info(
+            "worker started",
+            worker=self.name,
+            queues=self.queues,
+            concurrency=self.concurrency,
+            pid=os.getpid(),
+        )
         try:
             self._dispatch()
         finally:
@@ -159,7 +165,9 @@ class Worker:
             self.rq.register_death()
         except redis.RedisError:
             pass
-        log.info("worker stopped", worker=self.name, handed_back=len(leftovers), processed=self.core.processed)
+        log.info(
+            "worker stopped", worker=self.name, handed_back=len(leftovers), processed=self.core.processed
+        )
 
     def _hand_back(self, run: Any) -> None:
         """Requeue a call the grace period could not finish; it does not count as a failed attempt."""
@@ -171,13 +179,19 @@ class Worker:
             return
         calls = self.core.calls
         reply = calls.transition(
-            run.info, State.RETRYING, attempt=run.attempt, current=current, lease="-",
+            run.info,
+            State.RETRYING,
+            attempt=run.attempt,
+            current=current,
+            lease="-",
             detail={"reason": "worker_shutdown", "next_attempt": run.attempt + 1},
             fields={keys.F_ATTEMPT: run.attempt + 1},
         )
         if int(reply[0]) > 0:
             self.conn.hincrby(keys.job(run.info.call_id), keys.F_MAX_ATTEMPTS, 1)
-            calls.transition(run.info, State.PENDING, attempt=run.attempt + 1, requeue=True, current=State.RETRYING)
+            calls.transition(
+                run.info, State.PENDING, attempt=run.attempt + 1, requeue=True, current=State.RETRYING
+            )
 
     # -- background threads ----------------------------------------------------------------------
 
@@ -210,7 +224,7 @@ class Worker:
         while not self.stopping.wait(interval):
             try:
                 self._heartbeat_once()
-                reaper.reap(self.core.calls, self.lease, self.settings.result_ttl)
+                reaper.reap(self.core.calls, self.lease, self.settings.result_ttl, self.core.audit)
                 self.conn.zremrangebyscore(keys.WORKERS, "-inf", time.time() - self.lease * 2)
             except redis.RedisError as e:
                 log.warning("heartbeat failed", error=str(e))
