@@ -25,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: HERMES_REDIS_URL is not set; a worker process needs a broker URL", file=sys.stderr)
         return 2
     try:
-        return run_worker(url, settings, [q for q in args.queues.split(",") if q], args.concurrency, args.grace)
+        return run_worker(
+            url, settings, [q for q in args.queues.split(",") if q], args.concurrency, args.grace
+        )
     except HermesError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -43,7 +43,9 @@ def worker_argv(queues: list[str], concurrency: int, grace: float) -> list[str]:
     ]
 
 
-def spawn(url: str, queues: list[str], concurrency: int, grace: float = 25.0, env: dict[str, str] | None = None) -> subprocess.Popen[Any]:
+def spawn(
+    url: str, queues: list[str], concurrency: int, grace: float = 25.0, env: dict[str, str] | None = None
+) -> subprocess.Popen[Any]:
     """Start one worker process on ``url``."""
     child_env = dict(os.environ if env is None else env)
     child_env["HERMES_REDIS_URL"] = url
