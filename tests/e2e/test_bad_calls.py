@@ -11,6 +11,7 @@ from broker import keys
 from broker.calls import Calls
 from broker.codec import pack
 from broker.envelope import Envelope
+from broker.errors import CallFailed
 from broker.tracecontext import ensure_traceparent
 from tests.e2e.util import all_terminal, current, error_type, states
 
@@ -77,9 +78,9 @@ def test_malformed_payloads_and_unknown_tools_fail_typed_and_the_worker_keeps_se
         assert states(conn, cid) == ["failed"], cid
     assert states(conn, doomed.call_id) == ["pending", "routing", "failed"]
     assert error_type(conn, doomed.call_id) == "unknown_tool"
-    with pytest.raises(Exception) as info:
+    with pytest.raises(CallFailed) as info:
         doomed.result(timeout=5)
-    assert getattr(info.value, "type", None) == "unknown_tool"
+    assert info.value.type == "unknown_tool"
 
     # Still serving: a normal call afterwards succeeds, on the same process.
     assert gateway.call_tool("echo", {"after": True}).result(timeout=10) == {"after": True}
@@ -111,6 +112,6 @@ def test_a_tool_removed_after_a_worker_cached_it_is_unknown(
     )
     Calls(conn).submit(env, ckey="tool:temp", queue_size=-1, max_attempts=1, timeout=5)
     handle = gateway.handle("stale")
-    with pytest.raises(Exception) as info:
+    with pytest.raises(CallFailed) as info:
         handle.result(timeout=10)
-    assert getattr(info.value, "type", None) == "unknown_tool"
+    assert info.value.type == "unknown_tool"

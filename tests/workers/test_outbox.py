@@ -67,6 +67,17 @@ def test_a_failing_command_reports_to_its_own_callback_and_the_rest_still_land(
         outbox.call(lambda pipe: pipe.rpush("str", 1), timeout=5)
 
 
+def test_a_writer_of_several_commands_gets_the_reply_of_its_first(outbox: Outbox, server: Any) -> None:
+    def write(pipe: Any) -> None:
+        pipe.rpush("multi", "a", "b")
+        pipe.expire("multi", 60)
+        pipe.llen("multi")
+
+    assert outbox.call(write, timeout=5) == 2
+    assert outbox.call(lambda pipe: pipe.rpush("multi", "c"), timeout=5) == 3  # later replies line up
+    assert 0 < fakeredis.FakeRedis(server=server).ttl("multi") <= 60
+
+
 def test_call_waits_for_the_reply(outbox: Outbox) -> None:
     assert outbox.call(lambda pipe: pipe.incrby("n", 5), timeout=5) == 5
     assert outbox.call(lambda pipe: pipe.get("n"), timeout=5) == b"5"
