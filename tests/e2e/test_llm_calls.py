@@ -256,6 +256,34 @@ def test_a_400_is_not_retried(llm: LLMServer, gateway: Any, workers: Any) -> Non
     assert not [e for e in handle.events(timeout=5) if e.type == events.PROGRESS]
 
 
+def test_retries_stop_after_model_max_retries_with_the_last_error(
+    llm: LLMServer, gateway: Any, workers: Any
+) -> None:
+    llm.script(*(Reply(status=503, error="overloaded", headers={"Retry-After": "0"}) for _ in range(4)))
+    workers(queues="llm", env=KEY_ENV)
+    handle = gateway.call_llm({"messages": ASK})
+    with pytest.raises(CallFailed, match="HTTP 503: overloaded"):
+        handle.result(20)
+    assert len(llm.chat_requests) == 3  # the first attempt and model.max_retries = 2 more
+    retries = [e.detail for e in handle.events(timeout=5) if e.type == events.PROGRESS]
+    assert [(r["attempt"], r["message"]) for r in retries] == [
+        (1, "retrying after 0.0s: 503 provider returned HTTP 503: overloaded"),
+        (2, "retrying after 0.0s: 503 provider returned HTTP 503: overloaded"),
+    ]
+
+
+def test_a_provider_that_does_not_answer_in_time_fails_the_call_with_provider_timeout(
+    llm: LLMServer, gateway: Any, workers: Any
+) -> None:
+    llm.script(Reply(text="too late", delay=10))
+    workers(queues="llm", env=KEY_ENV)
+    handle = gateway.call_llm({"messages": ASK}, timeout=1)
+    with pytest.raises(CallFailed) as info:
+        handle.result(10)
+    assert info.value.type == "provider_timeout"
+    assert len(llm.chat_requests) == 1  # no time was left for another attempt
+
+
 # -- cancellation ------------------------------------------------------------------------------
 
 
