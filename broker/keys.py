@@ -15,6 +15,7 @@ PREFIX = "hermes"
 HISTORY = PREFIX + ":hist:{}"  # list of encoded events of one call, index = seq - 1
 CALLER_CHANNEL = PREFIX + ":ch:{}"  # pub/sub channel of one client (the caller's channel)
 CALL_CHANNEL = PREFIX + ":call:{}"  # pub/sub channel for a single call, when the caller asked for one
+WAKE_CHANNEL = PREFIX + ":wake:{}"  # "a call was queued" nudge to the workers of one queue
 CONTROL_CHANNEL = PREFIX + ":ctl"  # cancel / stop / reload broadcasts to every worker
 LEASES = PREFIX + ":leases"  # zset call_id -> lease deadline (unix seconds)
 WAITING = PREFIX + ":waiting:{}"  # zset call_id -> submit time, per concurrency key (admission)
@@ -50,6 +51,10 @@ def job(call_id: str) -> str:
 
 def queue(name: str) -> str:
     return RQ_QUEUE.format(name)
+
+
+def wake(queue_name: str) -> str:
+    return WAKE_CHANNEL.format(queue_name)
 
 
 def history(call_id: str) -> str:

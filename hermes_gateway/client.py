@@ -229,7 +229,10 @@ class Gateway:
     def _submit(self, env: Envelope, limits: dict[str, Any]) -> CallHandle:
         handle = self._track(CallHandle(self, env.call_id, env.name, env.kind))
         try:
-            reply = self.calls.submit(env, **limits)
+            pipe = self.conn.pipeline(transaction=False)
+            self.calls.submit(env, pipeline=pipe, **limits)
+            pipe.publish(keys.wake(env.queue), b"")
+            reply = pipe.execute()[0]
             accepted, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"])
         except BaseException:
             self._untrack(env.call_id)
@@ -253,7 +256,9 @@ class Gateway:
         pipe = self.conn.pipeline(transaction=False)
         for env, limits, _ in prepared:
             self.calls.submit(env, pipeline=pipe, **limits)
-        replies = pipe.execute(raise_on_error=False)
+        for queue in {env.queue for env, _, _ in prepared}:
+            pipe.publish(keys.wake(queue), b"")
+        replies = pipe.execute(raise_on_error=False)[: len(prepared)]
         handles = []
         for (env, limits, handle), reply in zip(prepared, replies, strict=True):
             try:

@@ -33,6 +33,8 @@ from workers.runner import CallRunner
 log = structlog.get_logger("hermes.worker")
 
 CLAIM_BATCH = 64
+# Submissions publish a wake-up; polling is only the fallback for a lost message.
+IDLE_POLL_MAX = 0.5
 
 
 def worker_name() -> str:
@@ -134,7 +136,7 @@ class Worker:
             if not claimed:
                 self._wake.wait(idle)
                 self._wake.clear()
-                idle = min(idle * 2, 0.05)
+                idle = min(idle * 2, IDLE_POLL_MAX)
                 continue
             idle = 0.001
             for c in claimed:
@@ -235,12 +237,15 @@ class Worker:
         while not self.stopping.is_set():
             try:
                 pubsub = self.conn.pubsub(ignore_subscribe_messages=True)
-                pubsub.subscribe(keys.CONTROL_CHANNEL, keys.TOOLS_CHANNEL)
+                wakes = {keys.wake(q).encode() for q in self.queues}
+                pubsub.subscribe(keys.CONTROL_CHANNEL, keys.TOOLS_CHANNEL, *wakes)
                 while not self.stopping.is_set():
                     msg = pubsub.get_message(timeout=1.0)
                     if msg is None:
                         continue
-                    if msg["channel"] == keys.TOOLS_CHANNEL.encode():
+                    if msg["channel"] in wakes:
+                        self._wake.set()  # a call was submitted: claim now instead of at the next poll
+                    elif msg["channel"] == keys.TOOLS_CHANNEL.encode():
                         # A changed or removed tool must not keep running from this worker's cache.
                         self.core.directory.invalidate(msg["data"].decode(errors="replace"))
                     else:
