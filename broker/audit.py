@@ -18,13 +18,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
+from . import keys
 from .codec import pack, unpack
 from .errors import ConfigError, DecodeError
 from .redact import MASK, is_secret_key, redact, redact_text, sensitive_hashes
 
-# TODO(lead): move these to broker/keys.py.
-AUDIT_STREAM = "hermes:audit"  # stream of packed AuditRecords, capped by count and/or age
-AUDIT_INDEX = "hermes:audit:idx"  # zset call_id -> ms part of its stream id
+AUDIT_STREAM = keys.AUDIT_STREAM
+AUDIT_INDEX = keys.AUDIT_INDEX
 
 AUDIT_VERSION = 1
 SUMMARY_LIMIT = 1024  # bytes of UTF-8 in a result summary

@@ -26,6 +26,10 @@ FAILURES = PREFIX + ":failures"  # capped list of recent failures
 TOOLS = PREFIX + ":tools"  # hash tool name -> packed directory entry
 TOOLS_VERSION = PREFIX + ":tools:version"  # counter, bumped on every directory change
 TOOLS_CHANNEL = PREFIX + ":tools:changes"  # pub/sub notice of directory changes
+AUDIT_STREAM = PREFIX + ":audit"  # stream of packed AuditRecords, capped by count and/or age
+AUDIT_INDEX = PREFIX + ":audit:idx"  # zset call_id -> ms part of its stream id
+POLICY = PREFIX + ":policy"  # hash: data (packed Policy), digest, version, pushed_at, source
+POLICY_CHANNEL = PREFIX + ":policy:changes"  # pub/sub notice (the new version) of a pushed policy
 
 # Our fields inside the RQ job hash.
 F_STATE = "h_state"
