@@ -130,24 +130,28 @@ class CallHandle:
         i = 0
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            with self._cv:
-                while i >= len(self._events) and not (self.refused is not None):
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        return
-                    if not self._cv.wait(1.0 if left is None else min(left, 1.0)):
-                        self._cv.release()
-                        try:
-                            self.sync()
-                        finally:
-                            self._cv.acquire()
-                if self.refused is not None and i >= len(self._events):
-                    return
-                event = self._events[i]
+            event = self._next(i, deadline)
+            if event is None:
+                return
             i += 1
             yield event
             if event.terminal:
                 return
+
+    def _next(self, i: int, deadline: float | None) -> Event | None:
+        """Event number ``i``, waiting for it; None when refused or out of time."""
+        while True:
+            with self._cv:
+                if i < len(self._events):
+                    return self._events[i]
+                if self.refused is not None:
+                    return None
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                if self._cv.wait(1.0 if left is None else min(left, 1.0)):
+                    continue
+            self.sync()  # quiet for a second: read the durable history in case pub/sub dropped one
 
     def cancel(self) -> bool:
         """Ask for the call to stop: at once while it waits, through its worker while it runs."""
