@@ -110,8 +110,13 @@ class ToolCallFlow:
         context: Mapping[str, Any] | None = None,
         check_available: Check | None = None,
         policy: Check | None = None,
+        on_trace: Callable[[list[dict[str, Any]]], Any] | None = None,
     ) -> Any:
-        """Run the call; return the final result or raise. Per-call checks override the flow's."""
+        """Run the call; return the final result or raise. Per-call checks override the flow's.
+
+        ``on_trace(middleware_trace)`` is told the ``tool_request`` trace as soon as it is known, so a
+        caller can record it even when a later step refuses the call.
+        """
         rt = self._source.current()
         check_available = check_available or self.check_available
         policy = policy or self.policy
@@ -127,6 +132,8 @@ class ToolCallFlow:
 
         outcome = rt.tool_request(ctx, tool_name, args)
         eff, trace = outcome.payload, outcome.trace
+        if on_trace is not None:
+            on_trace(list(trace))
         base = {**ctx, "tool_name": tool_name}
         if check_available is not None:
             self._guard(rt, check_available, tool_name, eff, ctx, base, trace, status="error")
@@ -266,15 +273,25 @@ class LLMCallFlow:
         self._source = _Source(self.source)
 
     def run(
-        self, request: dict[str, Any], *, call_provider: BaseCall, context: Mapping[str, Any] | None = None
+        self,
+        request: dict[str, Any],
+        *,
+        call_provider: BaseCall,
+        context: Mapping[str, Any] | None = None,
+        on_trace: Callable[[list[dict[str, Any]]], Any] | None = None,
     ) -> Any:
-        """Run the provider call with ``request`` (the built provider kwargs); return its response or raise."""
+        """Run the provider call with ``request`` (the built provider kwargs); return its response or raise.
+
+        ``on_trace(middleware_trace)`` is told this attempt's ``llm_request`` trace before the provider runs.
+        """
         rt = self._source.current()
         if rt.empty:
             return call_provider(request)
         ctx = normalize_context(dict(context or {}), LLM_CONTEXT_FIELDS)
         outcome = rt.llm_request(ctx, request)
         eff, trace = outcome.payload, outcome.trace
+        if on_trace is not None:
+            on_trace(list(trace))
         started_at = time.time()
         if rt.has_hook(PRE_API_REQUEST):
             tools = eff.get("tools")
