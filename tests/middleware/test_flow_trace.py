@@ -22,7 +22,9 @@ def test_tool_flow_reports_the_tool_request_trace_before_policy_refuses(registry
         raise PermissionError(args["path"])
 
     with pytest.raises(PermissionError, match="/jail/x"):
-        ToolCallFlow(registry).run("read", {"path": "/etc"}, execute=lambda a: a, policy=refuse, on_trace=seen.append)
+        ToolCallFlow(registry).run(
+            "read", {"path": "/etc"}, execute=lambda a: a, policy=refuse, on_trace=seen.append
+        )
     assert len(seen) == 1
     assert [(t["source"], t["reason"]) for t in seen[0]] == [("jailer", "pinned")]
 
