@@ -18,11 +18,12 @@ from broker.codec import pack
 from broker.config import Settings, load_settings
 from broker.directory import Directory
 from broker.envelope import Envelope
-from broker.errors import CallFailed
+from broker.errors import CallFailed, DecodeError
 from broker.states import State
 from broker.toolspec import ToolSpec
 from middleware import LLMCallFlow, PluginManager, ToolCallFlow
 from middleware.plugins import NAMESPACE as PLUGIN_NAMESPACE
+from workers import policy_store
 from workers.args import check_output, coerce_args, validate_args
 from workers.executors.base import ExecContext, get_executor
 from workers.llm import describe_response
@@ -67,7 +68,11 @@ class WorkerCore:
         self.processed = 0
         self.failed = 0
         self.idle = threading.Condition(self._lock)
-        self.policy = Policy.from_settings(settings.policy)
+        # config.yaml's policy until one is pushed to Redis (``hermes-gateway policy push``).
+        self._config_policy = Policy.from_settings(settings.policy)
+        self.policy = self._config_policy
+        self.policy_version = 0
+        self.refresh_policy()
         self.audit = AuditLog.from_settings(conn, settings.audit)
         # Plugins log through stdlib logging (they run inside Hermes too); the root logger is held at
         # WARNING to quiet libraries, so plugin loggers get the gateway's own level.
@@ -144,7 +149,22 @@ class WorkerCore:
     def reload(self) -> None:
         """Re-import plugins and re-read policy (``hermes-gateway plugins reload``)."""
         self.plugins.reload()
-        self.policy = Policy.from_settings(load_settings(self.settings.home).policy)
+        self._config_policy = Policy.from_settings(load_settings(self.settings.home).policy)
+        self.refresh_policy()
+
+    def refresh_policy(self) -> bool:
+        """Re-read the active policy (a push notice, a reconnect); True when it changed."""
+        try:
+            policy, version = policy_store.active(self.conn, self._config_policy)
+        except DecodeError as e:
+            # A broken push must not open everything up: keep judging by the policy we have.
+            log.error("stored policy ignored; keeping the current one", error=str(e))
+            return False
+        changed = policy != self.policy
+        self.policy, self.policy_version = policy, version  # the next call reads the new one
+        if changed:
+            log.info("policy changed", version=version, mode=policy.mode, digest=policy.digest())
+        return changed
 
     def execute_tool(
         self,
@@ -173,7 +193,13 @@ class WorkerCore:
             return get_executor(spec.executor, ctx.settings).run(spec, eff, ctx)
 
         context = {k: env.context.get(k) for k in TOOL_CONTEXT if env.context.get(k) is not None}
-        result = self.tool_flow.run(spec.name, args, execute=execute, context=context, policy=checks)
+
+        def on_trace(trace: list[dict[str, Any]]) -> None:
+            run.middleware_trace = trace
+
+        result = self.tool_flow.run(
+            spec.name, args, execute=execute, context=context, policy=checks, on_trace=on_trace
+        )
         if run.state is State.ROUTING:  # a middleware answered without calling the tool
             move(run, State.EXECUTING)
         return result

@@ -288,70 +288,14 @@ class Policy:
         return [s for s in specs if self.check(principal, s).allowed]
 
     def explain(self, principal: str | None, spec: ToolSpec, args: Mapping[str, Any] | None = None) -> str:
-        """A human explanation of the verdict, for ``hermes-gateway policy explain PRINCIPAL TOOL``."""
-        who = self.principal_of(principal)
-        d = self.check(principal, spec, args)
-        lines = [f"policy: may principal {who!r} call tool {spec.name!r}?"]
-        if not principal:
-            lines.append(
-                f"  principal:      none in the call context, so it acts as default_principal {who!r}"
-            )
-        undeclared = "refused in strict mode" if self.mode == STRICT else "allowed to anyone"
-        lines.append(
-            f"  mode:           {self.mode} (a tool with no permissions declaration is {undeclared})"
-        )
-        if spec.permissions is None:
-            lines.append("  tool declares:  no permissions declaration")
-        elif not spec.permissions:
-            lines.append("  tool declares:  an empty declaration (no tags needed)")
-        else:
-            lines.append(f"  tool declares:  {', '.join(spec.permissions)} (every one is needed)")
-        held = self.grants_of(who)
-        matched = [r.source for r in self._rules_for(who)]
-        lines.append(
-            f"  rules matching: {', '.join(matched) if matched else 'none (no policy.principals entry)'}"
-        )
-        if held:
-            lines.append("  principal holds:")
-            lines.extend(f"    {tag:<14} from {src}.grants" for tag, src in held)
-        else:
-            lines.append("  principal holds: no tags")
-        if d.missing:
-            lines.append(f"  missing:        {', '.join(d.missing)}")
-        verdict = "ALLOWED" if d.allowed else "DENIED"
-        lines.append(f"  verdict:        {verdict} by rule {d.rule!r}: {d.message}")
-        lines.append(f"  how to fix:     {self._fix(d, spec)}")
-        return "\n".join(lines)
+        """A human explanation of the verdict (see ``workers.policy_explain``)."""
+        from workers.policy_explain import explain  # the wording lives apart from the rules
 
-    def _fix(self, d: Decision, spec: ToolSpec) -> str:
-        tool, who = spec.name, d.principal
-        if d.allowed:
-            if spec.permissions is None:
-                return (
-                    "nothing to fix; but the tool declares no permissions, so strict mode would refuse it: "
-                    f"add `permissions: [...]` to the spec of {tool!r}"
-                )
-            return "nothing to fix"
-        if d.rule == "mode.strict":
-            return (
-                f"declare `permissions: [tags]` in the spec of {tool!r} (`permissions: []` needs no tags), "
-                "or set policy.mode: permissive (not recommended in production)"
-            )
-        if d.rule == "permissions":
-            own = any(r.pattern == who for r in self.principals)
-            where = (
-                f"policy.principals.{who}.grants"
-                if own
-                else f"a new entry policy.principals.{who}: {{grants: [...]}}"
-            )
-            return f"grant {', '.join(d.missing)} in {where} (config.yaml), or call as a principal that holds them"
-        if d.rule.endswith("deny_tools"):
-            return f"remove {tool!r} (or the pattern matching it) from policy.{d.rule}"
-        if d.rule.endswith("allow_tools"):
-            return f"add {tool!r} to policy.{d.rule}"
-        if d.rule.startswith("args.path_prefixes"):
-            return f"pass a path under an allowed prefix, or add its prefix to policy.{d.rule}"
-        return f"change the rule policy.{d.rule}"
+        return explain(self, principal, spec, args)
+
+    def rules_for(self, principal: str | None) -> list[PrincipalRule]:
+        """The ``principals`` entries that match this principal, in config order."""
+        return self._rules_for(self.principal_of(principal))
 
     def _rules_for(self, name: str) -> list[PrincipalRule]:
         return [r for r in self.principals if r.pattern == name or fnmatchcase(name, r.pattern)]

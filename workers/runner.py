@@ -45,6 +45,7 @@ class Running:
     abandoned: bool = False
     args: dict[str, Any] | None = None  # the effective args (after tool_request middleware)
     sensitive: tuple[str, ...] = ()
+    middleware_trace: list[dict[str, Any]] = field(default_factory=list)  # request middleware's, for audit
     started: float = field(default_factory=time.monotonic)
 
 
@@ -238,6 +239,7 @@ class CallRunner:
             trace_id=run.info.trace_id,
             duration_ms=round(duration * 1000, 3),
             attempts=run.attempt,
+            middleware_trace=run.middleware_trace,
         )
 
     def _fail_undecodable(self, claimed: Claimed, err: DecodeError) -> None:
@@ -254,7 +256,7 @@ class CallRunner:
             kind or "tool",
             tool,
             None,
-            chan or keys.CONTROL_CHANNEL,
+            chan or keys.caller_channel("unknown"),
             ckey,
             "",
         )

@@ -1,0 +1,91 @@
+"""The active policy in Redis: pushed once, read by every worker, changed without a restart.
+
+``hermes:policy`` is a hash (``data`` = ``Policy.encode()``, ``digest``, ``version``, ``pushed_at``,
+``source``). A push bumps ``version`` and publishes it on ``hermes:policy:changes`` in one script, so
+a worker that sees the notice always finds the new policy. With nothing stored, ``config.yaml``'s
+``policy:`` is the policy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from broker import keys
+from workers.policy import Policy
+
+# KEYS: 1 policy hash. ARGV: 1 packed policy, 2 digest, 3 pushed_at, 4 source, 5 channel.
+# Returns {version, changed}: pushing the stored policy again changes nothing and tells nobody.
+_PUSH = r"""
+if redis.call('HGET', KEYS[1], 'digest') == ARGV[2] then
+  return {tonumber(redis.call('HGET', KEYS[1], 'version')), 0}
+end
+local v = redis.call('HINCRBY', KEYS[1], 'version', 1)
+redis.call('HSET', KEYS[1], 'data', ARGV[1], 'digest', ARGV[2], 'pushed_at', ARGV[3], 'source', ARGV[4])
+redis.call('PUBLISH', ARGV[5], v)
+return {v, 1}
+"""
+
+# KEYS: 1 policy hash. ARGV: 1 channel. Keeps the version counter so a later push is still newer.
+_CLEAR = r"""
+if redis.call('HEXISTS', KEYS[1], 'data') == 0 then return 0 end
+local v = redis.call('HINCRBY', KEYS[1], 'version', 1)
+redis.call('HDEL', KEYS[1], 'data', 'digest', 'pushed_at', 'source')
+redis.call('PUBLISH', ARGV[1], v)
+return v
+"""
+
+
+@dataclass(frozen=True)
+class Stored:
+    """The policy in Redis and its bookkeeping; ``policy`` is None once cleared."""
+
+    policy: Policy | None
+    version: int
+    pushed_at: float = 0.0
+    source: str = ""
+
+
+def push(conn: Any, policy: Policy, source: str = "") -> tuple[int, bool]:
+    """Make ``policy`` the active one for every worker; returns ``(version, changed)``."""
+    script = conn.register_script(_PUSH)
+    version, changed = script(
+        keys=[keys.POLICY],
+        args=[policy.encode(), policy.digest(), repr(time.time()), source, keys.POLICY_CHANNEL],
+    )
+    return int(version), bool(changed)
+
+
+def clear(conn: Any) -> int:
+    """Drop the stored policy (workers fall back to their config.yaml); returns the new version, 0 if none."""
+    return int(conn.register_script(_CLEAR)(keys=[keys.POLICY], args=[keys.POLICY_CHANNEL]))
+
+
+def version(conn: Any) -> int:
+    """The stored version counter (0 when nothing was ever pushed)."""
+    raw = conn.hget(keys.POLICY, "version")
+    return int(raw) if raw is not None else 0
+
+
+def load(conn: Any) -> Stored:
+    """The stored policy; raises DecodeError when what is stored is not a valid policy."""
+    raw = conn.hgetall(keys.POLICY)
+    fields = {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
+    ver = int(fields.get("version") or 0)
+    data = fields.get("data")
+    if data is None:
+        return Stored(None, ver)
+    source = fields.get("source") or b""
+    return Stored(
+        Policy.decode(data),
+        ver,
+        float(fields.get("pushed_at") or 0),
+        source.decode(errors="replace") if isinstance(source, bytes) else str(source),
+    )
+
+
+def active(conn: Any, fallback: Policy) -> tuple[Policy, int]:
+    """The policy calls are judged by: the stored one, else ``fallback`` (config.yaml's); with its version."""
+    stored = load(conn)
+    return (stored.policy if stored.policy is not None else fallback), stored.version
