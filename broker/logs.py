@@ -8,6 +8,8 @@ from typing import Any
 
 import structlog
 
+from .redact import redact_processor, redact_text
+
 _extra_processors: list[Any] = []
 
 
@@ -32,6 +34,8 @@ def configure(level: str = "INFO", fmt: str = "console", stream: Any = None) -> 
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             *_extra_processors,
             structlog.processors.format_exc_info,
+            # After format_exc_info, so a traceback's text is scrubbed too; no secret reaches a log line.
+            redact_processor,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
@@ -39,3 +43,21 @@ def configure(level: str = "INFO", fmt: str = "console", stream: Any = None) -> 
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=max(lvl, logging.WARNING), stream=stream or sys.stderr)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RedactFilter) for f in handler.filters):
+            handler.addFilter(RedactFilter())
+
+
+class RedactFilter(logging.Filter):
+    """Scrubs stdlib log records (plugins log through ``logging``) the way the structlog processor does."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        cleaned = redact_text(message)
+        if cleaned != message:
+            record.msg, record.args = cleaned, None
+        if record.exc_info and record.exc_info[0] is not None:
+            # The handler would format the traceback later, unscrubbed: format it now and clean it.
+            text = logging.Formatter().formatException(record.exc_info)
+            record.exc_text, record.exc_info = redact_text(text), None
+        return True
