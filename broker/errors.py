@@ -244,3 +244,9 @@ class DestinationBlocked(CallFailed):
     """The SSRF guard refused the address a tool tried to reach (private, loopback, metadata, ...)."""
 
     type = "destination_blocked"
+
+
+class ReplayRefused(HermesError):
+    """An audited call cannot be replayed as asked (redacted args not supplied, a hash that does not match)."""
+
+    type = "replay_refused"
