@@ -14,6 +14,7 @@ from . import keys
 from .codec import pack, unpack
 from .errors import InvalidSpec, UnknownTool
 from .toolspec import ToolSpec
+from .yamlload import load_yaml
 
 # KEYS: 1 tools hash, 2 version counter. ARGV: 1 name, 2 digest, 3 packed spec, 4 channel.
 # Returns {version, changed}. Re-registering an identical spec is a no-op.
@@ -50,6 +51,8 @@ class Directory:
         self._register = conn.register_script(_REGISTER)
         self._cache: dict[str, Entry] = {}
         self._lock = threading.Lock()
+        # Bumped by every invalidation: a fetch that raced a change notice must not re-cache what it read.
+        self._generation = 0
 
     def register(self, spec: ToolSpec | dict[str, Any]) -> tuple[int, bool]:
         """Store a spec; returns (version, changed)."""
@@ -57,17 +60,23 @@ class Directory:
             spec = ToolSpec.from_dict(spec)
         version, changed = self._register(
             keys=[keys.TOOLS, keys.TOOLS_VERSION],
-            args=[spec.name, spec.digest(), pack(spec.to_dict()), keys.TOOLS_CHANNEL],
+            args=[
+                spec.name,
+                spec.digest(),
+                pack(spec.to_dict()),
+                keys.channel(self.conn, keys.TOOLS_CHANNEL),
+            ],
         )
         return int(version), bool(changed)
 
     def remove(self, name: str) -> bool:
+        """Delete a tool; every instance is told over pub/sub. True when it existed."""
         pipe = self.conn.pipeline()
         pipe.hdel(keys.TOOLS, name)
         pipe.hdel(keys.TOOLS + ":digest", name)
         pipe.hdel(keys.TOOLS + ":ver", name)
         pipe.incr(keys.TOOLS_VERSION)
-        pipe.publish(keys.TOOLS_CHANNEL, name)
+        pipe.publish(keys.channel(self.conn, keys.TOOLS_CHANNEL), name)
         removed = pipe.execute()[0]
         with self._lock:
             self._cache.pop(name, None)
@@ -81,42 +90,47 @@ class Directory:
         raw, ver = pipe.execute()
         if raw is None:
             return None
-        return Entry(ToolSpec.from_dict(unpack(raw)), int(ver or 0))
+        return Entry(ToolSpec.from_stored(unpack(raw)), int(ver or 0))
 
     def get(self, name: str, min_version: int = 0) -> Entry:
         """A spec at least as new as ``min_version``: the cache serves only when it is new enough."""
         entry = self._cache.get(name)
         if entry is None or entry.version < min_version:
+            generation = self._generation
             fresh = self.fetch(name)
             if fresh is None:
                 raise UnknownTool(f"unknown tool {name!r}: it is not in the tool directory", tool=name)
             with self._lock:
-                self._cache[name] = fresh
+                if generation == self._generation:
+                    self._cache[name] = fresh
             entry = fresh
         return entry
 
     def invalidate(self, name: str | None = None) -> None:
+        """Drop cached entries (one, or all) after a change notice."""
         with self._lock:
+            self._generation += 1
             if name is None:
                 self._cache.clear()
             else:
                 self._cache.pop(name, None)
 
     def all(self) -> list[Entry]:
+        """Every entry, sorted by name (read from Redis, not the cache)."""
         pipe = self.conn.pipeline(transaction=False)
         pipe.hgetall(keys.TOOLS)
         pipe.hgetall(keys.TOOLS + ":ver")
         raw, vers = pipe.execute()
         out = []
         for name, packed in sorted(raw.items()):
-            out.append(Entry(ToolSpec.from_dict(unpack(packed)), int(vers.get(name, 0))))
+            out.append(Entry(ToolSpec.from_stored(unpack(packed)), int(vers.get(name, 0))))
         return out
 
 
 def load_spec_file(path: Path) -> ToolSpec:
     """Read one YAML spec; errors name the file."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise InvalidSpec(f"{path}: not valid YAML: {e}") from e
     try:

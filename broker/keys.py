@@ -6,6 +6,8 @@ beside RQ's, and calls wait on RQ's queue lists, so RQ's own tools (``rq info``)
 
 from __future__ import annotations
 
+from typing import Any
+
 RQ_JOB = "rq:job:{}"
 RQ_QUEUE = "rq:queue:{}"
 RQ_QUEUES = "rq:queues"
@@ -55,6 +57,13 @@ def job(call_id: str) -> str:
 
 def queue(name: str) -> str:
     return RQ_QUEUE.format(name)
+
+
+def channel(conn: Any, base: str) -> str:
+    """A pub/sub channel scoped to the connection's database: Redis shares pub/sub across DB numbers,
+    so two deployments on db 0 and db 1 of one server must not hear each other's control messages."""
+    db = int(conn.connection_pool.connection_kwargs.get("db") or 0)
+    return base if db == 0 else f"{base}@db{db}"
 
 
 def wake(queue_name: str) -> str:

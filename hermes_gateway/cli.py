@@ -96,10 +96,10 @@ def stop(ctx: click.Context, all_: bool, names: tuple[str, ...]) -> None:
     except HermesError as e:
         _fail(str(e))
     if all_:
-        reached = handle.conn.publish(keys.CONTROL_CHANNEL, control_message("stop"))
+        reached = handle.conn.publish(keys.channel(handle.conn, keys.CONTROL_CHANNEL), control_message("stop"))
         click.echo(f"stop sent to all workers on {handle.description} ({reached} listening)")
     for name in names:
-        handle.conn.publish(keys.CONTROL_CHANNEL, control_message("stop", worker=name))
+        handle.conn.publish(keys.channel(handle.conn, keys.CONTROL_CHANNEL), control_message("stop", worker=name))
         click.echo(f"stop sent to {name}")
     handle.close()
 
@@ -351,7 +351,7 @@ def plugins_reload(ctx: click.Context) -> None:
         handle = connect(_settings(ctx).redis_url, embedded_ok=False)
     except HermesError as e:
         _fail(str(e))
-    reached = handle.conn.publish(keys.CONTROL_CHANNEL, control_message("reload"))
+    reached = handle.conn.publish(keys.channel(handle.conn, keys.CONTROL_CHANNEL), control_message("reload"))
     click.echo(f"reload sent to workers on {handle.description} ({reached} listening)")
     handle.close()
 

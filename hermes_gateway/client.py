@@ -54,7 +54,8 @@ class Gateway:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._pubsub = self.conn.pubsub(ignore_subscribe_messages=True)
-        self._pubsub.subscribe(self.channel, keys.TOOLS_CHANNEL)
+        self._tools_channel = keys.channel(self.conn, keys.TOOLS_CHANNEL).encode()
+        self._pubsub.subscribe(self.channel, self._tools_channel)
         self._thread = threading.Thread(target=self._dispatch, name="hermes-client-events", daemon=True)
         self._thread.start()
 
@@ -231,7 +232,7 @@ class Gateway:
         try:
             pipe = self.conn.pipeline(transaction=False)
             self.calls.submit(env, pipeline=pipe, **limits)
-            pipe.publish(keys.wake(env.queue), b"")
+            pipe.publish(keys.channel(self.conn, keys.wake(env.queue)), b"")
             reply = pipe.execute()[0]
             accepted, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"])
         except BaseException:
@@ -257,7 +258,7 @@ class Gateway:
         for env, limits, _ in prepared:
             self.calls.submit(env, pipeline=pipe, **limits)
         for queue in {env.queue for env, _, _ in prepared}:
-            pipe.publish(keys.wake(queue), b"")
+            pipe.publish(keys.channel(self.conn, keys.wake(queue)), b"")
         replies = pipe.execute(raise_on_error=False)[: len(prepared)]
         handles = []
         for (env, limits, handle), reply in zip(prepared, replies, strict=True):
@@ -333,7 +334,7 @@ class Gateway:
                 continue
             if msg is None:
                 continue
-            if msg["channel"] == keys.TOOLS_CHANNEL.encode():
+            if msg["channel"] == self._tools_channel:
                 self.directory.invalidate(msg["data"].decode(errors="replace"))
                 continue
             try:

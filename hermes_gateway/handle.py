@@ -185,6 +185,6 @@ def cancel_call(gateway: Gateway, call_id: str) -> bool:
             return True
     pipe = conn.pipeline()
     pipe.hset(keys.job(call_id), keys.F_CANCEL, "1")
-    pipe.publish(keys.CONTROL_CHANNEL, pack({"op": "cancel", "call_id": call_id}))
+    pipe.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))
     pipe.execute()
     return True

@@ -237,15 +237,16 @@ class Worker:
         while not self.stopping.is_set():
             try:
                 pubsub = self.conn.pubsub(ignore_subscribe_messages=True)
-                wakes = {keys.wake(q).encode() for q in self.queues}
-                pubsub.subscribe(keys.CONTROL_CHANNEL, keys.TOOLS_CHANNEL, *wakes)
+                wakes = {keys.channel(self.conn, keys.wake(q)).encode() for q in self.queues}
+                tools = keys.channel(self.conn, keys.TOOLS_CHANNEL).encode()
+                pubsub.subscribe(keys.channel(self.conn, keys.CONTROL_CHANNEL), tools, *wakes)
                 while not self.stopping.is_set():
                     msg = pubsub.get_message(timeout=1.0)
                     if msg is None:
                         continue
                     if msg["channel"] in wakes:
                         self._wake.set()  # a call was submitted: claim now instead of at the next poll
-                    elif msg["channel"] == keys.TOOLS_CHANNEL.encode():
+                    elif msg["channel"] == tools:
                         # A changed or removed tool must not keep running from this worker's cache.
                         self.core.directory.invalidate(msg["data"].decode(errors="replace"))
                     else:

@@ -95,8 +95,8 @@ def test_a_stop_message_for_one_worker_stops_only_that_one(workers: Any, conn: A
     from workers.worker import control_message
 
     a, b = workers(2, concurrency=2)
-    assert conn.publish(keys.CONTROL_CHANNEL, control_message("stop", worker=a.name)) >= 2
+    assert conn.publish(keys.channel(conn, keys.CONTROL_CHANNEL), control_message("stop", worker=a.name)) >= 2
     assert a.wait(10) == 0
     assert b.alive
-    assert conn.publish(keys.CONTROL_CHANNEL, control_message("stop")) >= 1
+    assert conn.publish(keys.channel(conn, keys.CONTROL_CHANNEL), control_message("stop")) >= 1
     assert b.wait(10) == 0
