@@ -319,7 +319,7 @@ class LLMCallFlow:
                     api_duration=time.monotonic() - t0,
                     started_at=started_at,
                     ended_at=time.time(),
-                    status_code=getattr(exc, "status_code", None),
+                    status_code=getattr(exc, "status_code", None) or getattr(exc, "status", None),
                     retryable=getattr(exc, "retryable", None),
                     error={"type": error_type(exc), "message": str(exc)},
                 )
