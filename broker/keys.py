@@ -32,6 +32,13 @@ AUDIT_STREAM = PREFIX + ":audit"  # stream of packed AuditRecords, capped by cou
 AUDIT_INDEX = PREFIX + ":audit:idx"  # zset call_id -> ms part of its stream id
 POLICY = PREFIX + ":policy"  # hash: data (packed Policy), digest, version, pushed_at, source
 POLICY_CHANNEL = PREFIX + ":policy:changes"  # pub/sub notice (the new version) of a pushed policy
+SLOTS = PREFIX + ":slots:{}"  # zset call_id -> lease deadline (+inf while queued) of calls holding a slot
+LIMITS = PREFIX + ":limits"  # hash concurrency key -> its limit (-1 = none), written by every submission
+SCHEDULED = PREFIX + ":scheduled"  # zset call_id -> when a ``retrying`` call is due back on ``pending``
+BREAKER = PREFIX + ":breaker:{}"  # hash: state, opened_at, failures, probe, ... of one circuit breaker
+BREAKER_WINDOW = PREFIX + ":breaker:{}:win"  # hash bucket -> calls / failures, for the error-rate rule
+BREAKERS = PREFIX + ":breakers"  # set of every breaker key (for status)
+BREAKER_CHANNEL = PREFIX + ":breakers:changes"  # pub/sub: every breaker state change
 
 # Our fields inside the RQ job hash.
 F_STATE = "h_state"
@@ -84,3 +91,11 @@ def waiting(ckey: str) -> str:
 
 def worker(name: str) -> str:
     return WORKER.format(name)
+
+
+def slots(ckey: str) -> str:
+    return SLOTS.format(ckey)
+
+
+def breaker(key: str) -> str:
+    return BREAKER.format(key)
