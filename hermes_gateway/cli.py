@@ -378,3 +378,13 @@ def policy_explain(ctx: click.Context, principal: str, tool_name: str) -> None:
         except HermesError as e:
             _fail(str(e))
         click.echo(pol.explain(principal, spec))
+
+
+# -- audit log and the active policy (hermes_gateway/audit_cli.py, hermes_gateway/policy_cli.py) --
+
+from hermes_gateway.audit_cli import audit  # noqa: E402 - the commands register onto the groups above
+from hermes_gateway.policy_cli import policy_clear, policy_push, policy_show  # noqa: E402
+
+main.add_command(audit)
+for _command in (policy_push, policy_show, policy_clear):
+    policy.add_command(_command)

@@ -1,0 +1,135 @@
+"""``hermes-gateway policy push|show|clear``: the active policy every worker judges calls by."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+
+from broker.config import Settings
+from broker.errors import ConfigError, HermesError
+from workers import policy_store
+from workers.policy import Policy
+
+
+def _settings(ctx: click.Context) -> Settings:
+    return ctx.find_root().obj["settings"]
+
+
+def _fail(message: str, code: int = 2) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def _connect(settings: Settings) -> Any:
+    from broker.connection import connect
+
+    try:
+        return connect(settings.redis_url, embedded_ok=False)
+    except HermesError as e:
+        _fail(f"{e} (the active policy lives in the broker: set HERMES_REDIS_URL)")
+
+
+def read_policy_file(path: Path) -> Policy:
+    """A policy from a YAML file: a whole config.yaml (its ``policy:``) or the bare policy mapping."""
+    from broker.config import expand_env
+
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: {e}") from e
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path}: expected a mapping")
+    data = raw.get("policy") if "policy" in raw else raw
+    return Policy.from_settings(expand_env(dict(data or {})))
+
+
+def _summary(policy: Policy) -> str:
+    return (
+        f"mode {policy.mode}, {len(policy.principals)} principal rule(s), "
+        f"{len(policy.deny_tools)} denied tool pattern(s), {len(policy.path_rules)} path rule(s)"
+    )
+
+
+@click.command("push")
+@click.option(
+    "--file",
+    "path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="A YAML file with a policy: mapping (default: config.yaml in $HERMES_HOME).",
+)
+@click.pass_context
+def policy_push(ctx: click.Context, path: Path | None) -> None:
+    """Make config.yaml's policy (or --file's) the one every worker uses, from its next call on."""
+    settings = _settings(ctx)
+    source = path or settings.config_path
+    try:
+        policy = read_policy_file(path) if path else Policy.from_settings(settings.policy)
+    except HermesError as e:
+        _fail(str(e))
+    handle = _connect(settings)
+    try:
+        version, changed = policy_store.push(handle.conn, policy, source=str(source))
+    finally:
+        handle.close()
+    if changed:
+        click.echo(
+            f"policy version {version} pushed from {source} ({_summary(policy)}); workers apply it now"
+        )
+    else:
+        click.echo(f"policy unchanged (version {version} is the same policy)")
+
+
+@click.command("show")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def policy_show(ctx: click.Context, as_json: bool) -> None:
+    """The policy workers use now: the pushed one, else config.yaml's."""
+    settings = _settings(ctx)
+    handle = _connect(settings)
+    try:
+        stored = policy_store.load(handle.conn)
+    except HermesError as e:
+        _fail(f"the stored policy is unreadable ({e}); workers keep the policy they had: push a new one")
+    finally:
+        handle.close()
+    if stored.policy is not None:
+        policy, origin = stored.policy, "redis"
+        pushed = datetime.fromtimestamp(stored.pushed_at).astimezone().isoformat(timespec="seconds")
+        header = f"active policy: version {stored.version}, pushed {pushed} from {stored.source or '?'}"
+    else:
+        try:
+            policy, origin = Policy.from_settings(settings.policy), "config.yaml"
+        except HermesError as e:
+            _fail(str(e))
+        header = f"no policy pushed to {handle.description}; workers use their config.yaml's (this one's:)"
+    if as_json:
+        doc = {
+            "origin": origin,
+            "version": stored.version,
+            "source": stored.source,
+            "policy": policy.to_dict(),
+        }
+        click.echo(json.dumps(doc, ensure_ascii=False, indent=2))
+        return
+    click.echo(header)
+    click.echo(yaml.safe_dump(policy.to_dict(), allow_unicode=True, sort_keys=False).rstrip())
+
+
+@click.command("clear")
+@click.pass_context
+def policy_clear(ctx: click.Context) -> None:
+    """Drop the pushed policy: every worker goes back to its own config.yaml's."""
+    handle = _connect(_settings(ctx))
+    try:
+        version = policy_store.clear(handle.conn)
+    finally:
+        handle.close()
+    click.echo("policy cleared; workers use their config.yaml's" if version else "no policy was pushed")

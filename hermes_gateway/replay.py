@@ -1,0 +1,208 @@
+"""Replaying an audited tool call: the same tool and principal with the recorded arguments.
+
+The audit log keeps arguments redacted. A sensitive argument is kept as its sha256 hash, so the caller
+must supply the value again and it is checked against the hash; any other argument the redaction masked
+must be supplied too (there is nothing to check it against). Everything else runs as recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker.audit import AuditLog, AuditRecord, summarize
+from broker.errors import CallCancelled, CallFailed, CallTimeout, ReplayRefused
+from broker.redact import MASK, redact_text, verify_hash
+
+# Context a replay carries over: who called matters to policy; the LLM's tool_call_id belongs to the original.
+REPLAY_CONTEXT = ("principal", "session_id", "task_id", "turn_id")
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """What a replay will run: the tool, its arguments and context, and what was supplied by hand."""
+
+    record: AuditRecord
+    tool: str
+    args: dict[str, Any]
+    context: dict[str, Any]
+    verified: tuple[str, ...] = ()  # sensitive args supplied and matching their recorded hash
+    unverified: tuple[str, ...] = ()  # masked args supplied with nothing to check them against
+
+
+@dataclass(frozen=True)
+class ReplayOutcome:
+    """The recorded call beside its replay."""
+
+    plan: ReplayPlan
+    call_id: str
+    state: str
+    result: Any = None
+    error: dict[str, Any] | None = None
+    record: AuditRecord | None = None  # the replay's own audit record
+    notes: list[str] = field(default_factory=list)
+
+
+def plan(record: AuditRecord, supplied: Mapping[str, str]) -> ReplayPlan:
+    """Rebuild a call's arguments from its record and the ``supplied`` values (as typed: text)."""
+    if record.kind != "tool" or not record.tool_name:
+        raise ReplayRefused(
+            f"call {record.call_id} is an {record.kind} call; only tool calls can be replayed "
+            "(the audit log keeps an LLM call's parameters, not its conversation)"
+        )
+    if not isinstance(record.args, dict):
+        raise ReplayRefused(f"the audit record of {record.call_id} holds no arguments to replay")
+    args = dict(record.args)
+    hashed = record.sensitive_hashes
+    masked = [k for k, v in args.items() if k not in hashed and _masked(v)]
+    extra = sorted(set(supplied) - set(hashed) - set(masked))
+    if extra:
+        raise ReplayRefused(
+            f"--arg {', '.join(extra)}: only redacted arguments may be supplied "
+            f"({', '.join(sorted([*hashed, *masked])) or 'none in this call'}); the rest replay as recorded",
+            arguments=extra,
+        )
+    missing = sorted(k for k in [*hashed, *masked] if k not in supplied)
+    if missing:
+        raise ReplayRefused(
+            f"argument(s) {', '.join(missing)} of call {record.call_id} were redacted in the audit log; "
+            f"supply them with {' '.join(f'--arg {k}=VALUE' for k in missing)}",
+            missing=missing,
+        )
+    for name, digest in hashed.items():
+        value = _matching(supplied[name], digest)
+        if value is _NO_MATCH:
+            raise ReplayRefused(
+                f"the value given for {name!r} is not the one call {record.call_id} ran with "
+                "(its sha256 differs from the recorded hash)",
+                argument=name,
+            )
+        args[name] = value
+    for name in masked:
+        args[name] = _parsed(supplied[name])
+    context = {k: getattr(record, k) for k in REPLAY_CONTEXT if getattr(record, k, None)}
+    return ReplayPlan(record, record.tool_name, args, context, tuple(sorted(hashed)), tuple(sorted(masked)))
+
+
+def run(gateway: Any, audit: AuditLog, replay: ReplayPlan, timeout: float | None = None) -> ReplayOutcome:
+    """Submit the planned call, wait for it, and fetch its own audit record."""
+    handle = gateway.call_tool(replay.tool, replay.args, timeout=timeout, **replay.context)
+    result: Any = None
+    error: dict[str, Any] | None = None
+    try:
+        result = handle.result(timeout)
+        state = "done"
+    except (CallFailed, CallCancelled) as e:
+        error = {"type": getattr(e, "error_type", None) or e.type, "message": str(e)}
+        state = "cancelled" if isinstance(e, CallCancelled) else "failed"
+    except CallTimeout as e:
+        error, state = {"type": e.type, "message": str(e)}, "running"
+    record = None
+    # The record rides in the pipeline of the terminal transition; allow the outbox a moment.
+    deadline = time.monotonic() + (2.0 if state != "running" else 0.0)
+    while True:
+        record = audit.get(handle.call_id)
+        if record is not None or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
+    notes = []
+    if replay.verified:
+        notes.append(f"sensitive argument(s) {', '.join(replay.verified)} matched their recorded hash")
+    if replay.unverified:
+        notes.append(
+            f"masked argument(s) {', '.join(replay.unverified)} were taken as given (no hash to check)"
+        )
+    return ReplayOutcome(replay, handle.call_id, state, result, error, record, notes)
+
+
+def render(outcome: ReplayOutcome, width: int = 110) -> str:
+    """The recorded call and its replay side by side."""
+    old, new = outcome.plan.record, outcome.record
+    new_summary = (
+        new.result_summary
+        if new is not None
+        else (summarize(outcome.result) if outcome.state == "done" else None)
+    )
+    rows = [
+        ("call", old.call_id, outcome.call_id),
+        ("tool", old.tool_name or "", outcome.plan.tool),
+        (
+            "principal",
+            old.principal or "-",
+            (new.principal if new else outcome.plan.context.get("principal")) or "-",
+        ),
+        ("state", old.state, outcome.state),
+        ("error", _error(old.error_type, old.error_message), _new_error(outcome)),
+        ("result", old.result_summary or "-", new_summary or "-"),
+        ("duration", f"{old.duration_ms:.1f} ms", f"{new.duration_ms:.1f} ms" if new else "-"),
+    ]
+    label, col = 11, max(20, (width - 11 - 3) // 2)
+    lines = [
+        f"{'':<{label}}{'recorded':<{col}}   replay",
+        f"{'':<{label}}{'-' * (col - 1):<{col}}   {'-' * (col - 1)}",
+    ]
+    for name, left, right in rows:
+        lcells = textwrap.wrap(str(left), col - 1) or [""]
+        rcells = textwrap.wrap(str(right), col - 1) or [""]
+        for i in range(max(len(lcells), len(rcells))):
+            lc = lcells[i] if i < len(lcells) else ""
+            rc = rcells[i] if i < len(rcells) else ""
+            lines.append(f"{name if i == 0 else '':<{label}}{lc:<{col}}   {rc}".rstrip())
+    same = old.state == outcome.state and old.result_summary == new_summary
+    lines.append("")
+    lines.append("same outcome as recorded" if same else "the outcome differs from the recorded one")
+    lines.extend(f"note: {n}" for n in outcome.notes)
+    return "\n".join(lines)
+
+
+_NO_MATCH = object()
+
+
+def _masked(value: Any) -> bool:
+    if isinstance(value, str):
+        return MASK in value
+    if isinstance(value, Mapping):
+        return any(_masked(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_masked(v) for v in value)
+    return False
+
+
+def _parsed(text: str) -> Any:
+    """JSON when the text is a JSON object or array, else the text (the worker coerces it to the schema)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict | list) else text
+
+
+def _matching(text: str, digest: str) -> Any:
+    """The reading of ``text`` (as text, or as JSON) whose hash is ``digest``."""
+    candidates: list[Any] = [text]
+    try:
+        candidates.append(json.loads(text))
+    except ValueError:
+        pass
+    for value in candidates:
+        if verify_hash(value, digest):
+            return value
+    return _NO_MATCH
+
+
+def _new_error(outcome: ReplayOutcome) -> str:
+    if outcome.record is not None:
+        return _error(outcome.record.error_type, outcome.record.error_message)
+    if not outcome.error:
+        return "-"
+    return _error(outcome.error.get("type"), redact_text(str(outcome.error.get("message") or "")))
+
+
+def _error(etype: str | None, message: str | None) -> str:
+    if not etype:
+        return "-"
+    return f"{etype}: {message}" if message else etype
