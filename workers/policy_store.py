@@ -52,14 +52,21 @@ def push(conn: Any, policy: Policy, source: str = "") -> tuple[int, bool]:
     script = conn.register_script(_PUSH)
     version, changed = script(
         keys=[keys.POLICY],
-        args=[policy.encode(), policy.digest(), repr(time.time()), source, keys.POLICY_CHANNEL],
+        args=[
+            policy.encode(),
+            policy.digest(),
+            repr(time.time()),
+            source,
+            keys.channel(conn, keys.POLICY_CHANNEL),
+        ],
     )
     return int(version), bool(changed)
 
 
 def clear(conn: Any) -> int:
     """Drop the stored policy (workers fall back to their config.yaml); returns the new version, 0 if none."""
-    return int(conn.register_script(_CLEAR)(keys=[keys.POLICY], args=[keys.POLICY_CHANNEL]))
+    channel = keys.channel(conn, keys.POLICY_CHANNEL)
+    return int(conn.register_script(_CLEAR)(keys=[keys.POLICY], args=[channel]))
 
 
 def version(conn: Any) -> int:

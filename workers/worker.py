@@ -239,7 +239,9 @@ class Worker:
                 pubsub = self.conn.pubsub(ignore_subscribe_messages=True)
                 wakes = {keys.channel(self.conn, keys.wake(q)).encode() for q in self.queues}
                 tools = keys.channel(self.conn, keys.TOOLS_CHANNEL).encode()
-                pubsub.subscribe(keys.channel(self.conn, keys.CONTROL_CHANNEL), tools, *wakes)
+                policy = keys.channel(self.conn, keys.POLICY_CHANNEL).encode()
+                pubsub.subscribe(keys.channel(self.conn, keys.CONTROL_CHANNEL), tools, policy, *wakes)
+                self.core.refresh_policy()  # a push made while we were not subscribed
                 while not self.stopping.is_set():
                     msg = pubsub.get_message(timeout=1.0)
                     if msg is None:
@@ -249,6 +251,8 @@ class Worker:
                     elif msg["channel"] == tools:
                         # A changed or removed tool must not keep running from this worker's cache.
                         self.core.directory.invalidate(msg["data"].decode(errors="replace"))
+                    elif msg["channel"] == policy:
+                        self.core.refresh_policy()  # the next call is judged by the pushed policy
                     else:
                         self._on_control(msg["data"])
                 pubsub.close()
