@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
+from .yamlload import load_yaml
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -102,7 +103,7 @@ def load_settings(home: str | os.PathLike[str] | None = None) -> Settings:
     raw: dict[str, Any] = {}
     if path.exists():
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            loaded = load_yaml(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from e
         if not isinstance(loaded, dict):

@@ -9,25 +9,11 @@ from typing import Any
 import msgpack
 
 from .errors import InvalidSpec
+from .specchecks import COMMON_KEYS, check_strict
 
 EXECUTOR_TYPES = ("http", "command", "mcp", "database", "grpc", "python")
 
-# Keys every spec may carry; anything else is executor-specific and kept in ``config``.
-_COMMON = {
-    "name",
-    "description",
-    "executor",
-    "input_schema",
-    "output_schema",
-    "timeout",
-    "permissions",
-    "concurrency",
-    "queue_size",
-    "retry",
-    "breaker",
-    "sensitive",
-    "version",
-}
+_COMMON = COMMON_KEYS
 
 DEFAULT_TIMEOUT = 30.0
 
@@ -53,6 +39,18 @@ class ToolSpec:
     @classmethod
     def from_dict(cls, data: Any) -> ToolSpec:
         """Validate a spec mapping; errors name the field path and what was expected."""
+        return cls._build(data, strict=True)
+
+    @classmethod
+    def from_stored(cls, data: Any) -> ToolSpec:
+        """A spec read back from the directory: checked at registration, so only rebuilt here.
+
+        Skipping the strict checks also keeps specs stored by an older version readable.
+        """
+        return cls._build(data, strict=False)
+
+    @classmethod
+    def _build(cls, data: Any, strict: bool) -> ToolSpec:
         if not isinstance(data, dict):
             raise InvalidSpec(f"tool spec: expected a mapping, got {type(data).__name__}")
         name = data.get("name")
@@ -70,10 +68,14 @@ class ToolSpec:
             raise InvalidSpec(f"{where}: input_schema: expected a mapping (JSON Schema)", path="input_schema")
         out_schema = data.get("output_schema")
         if out_schema is not None and not isinstance(out_schema, dict):
-            raise InvalidSpec(f"{where}: output_schema: expected a mapping (JSON Schema)", path="output_schema")
+            raise InvalidSpec(
+                f"{where}: output_schema: expected a mapping (JSON Schema)", path="output_schema"
+            )
         timeout = data.get("timeout", DEFAULT_TIMEOUT)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-            raise InvalidSpec(f"{where}: timeout: expected a positive number of seconds, got {timeout!r}", path="timeout")
+            raise InvalidSpec(
+                f"{where}: timeout: expected a positive number of seconds, got {timeout!r}", path="timeout"
+            )
         perms = data.get("permissions")
         if perms is not None:
             if isinstance(perms, str):
@@ -83,7 +85,9 @@ class ToolSpec:
             perms = tuple(perms)
         for key in ("concurrency", "queue_size"):
             val = data.get(key)
-            if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < (1 if key == "concurrency" else 0)):
+            if val is not None and (
+                isinstance(val, bool) or not isinstance(val, int) or val < (1 if key == "concurrency" else 0)
+            ):
                 raise InvalidSpec(f"{where}: {key}: expected a positive integer, got {val!r}", path=key)
         for key in ("retry", "breaker"):
             val = data.get(key)
@@ -96,6 +100,11 @@ class ToolSpec:
         if not isinstance(description, str):
             raise InvalidSpec(f"{where}: description: expected a string", path="description")
         config = {k: v for k, v in data.items() if k not in _COMMON}
+        if strict:
+            check_strict(where, executor, data, schema, out_schema)
+        if executor == "mcp" and "server" in config and "mcp" not in config:
+            # `server: name` is shorthand for `mcp: {server: name}`, the form the executor reads.
+            config["mcp"] = {"server": config.pop("server")}
         return cls(
             name=name,
             executor=executor,
