@@ -213,6 +213,7 @@ class Worker:
                 "inflight": len(running),
                 "processed": self.core.processed,
                 "failed": self.core.failed,
+                "policy_version": self.core.policy_version,  # which pushed policy it judges by
                 "started_at": self.started_at,
                 "heartbeat": time.time(),
             },
