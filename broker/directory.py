@@ -16,14 +16,19 @@ from .errors import InvalidSpec, UnknownTool
 from .toolspec import ToolSpec
 from .yamlload import load_yaml
 
-# KEYS: 1 tools hash, 2 version counter. ARGV: 1 name, 2 digest, 3 packed spec, 4 channel.
-# Returns {version, changed}. Re-registering an identical spec is a no-op.
+# KEYS: 1 tools hash, 2 version counter. ARGV: 1 name, 2 digest, 3 packed spec, 4 channel, 5 replace (0/1).
+# Returns {version, outcome}: 0 unchanged (identical spec: a no-op), 1 added, 2 updated, 3 kept (a different
+# spec is there and replace is 0). Check and write are one script, so two writers cannot interleave.
 _REGISTER = r"""
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if cur then
   local d = redis.call('HGET', KEYS[1] .. ':digest', ARGV[1])
+  local ver = tonumber(redis.call('HGET', KEYS[1] .. ':ver', ARGV[1]))
   if d == ARGV[2] then
-    return {tonumber(redis.call('HGET', KEYS[1] .. ':ver', ARGV[1])), 0}
+    return {ver, 0}
+  end
+  if ARGV[5] == '0' then
+    return {ver, 3}
   end
 end
 local v = redis.call('INCR', KEYS[2])
@@ -31,8 +36,16 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
 redis.call('HSET', KEYS[1] .. ':digest', ARGV[1], ARGV[2])
 redis.call('HSET', KEYS[1] .. ':ver', ARGV[1], v)
 redis.call('PUBLISH', ARGV[4], ARGV[1])
+if cur then
+  return {v, 2}
+end
 return {v, 1}
 """
+
+OUTCOMES = ("unchanged", "added", "updated", "kept")
+
+# Keys only a v0.9 spec file has (see hermes_gateway/migrate.py).
+_V09_KEYS = frozenset({"type", "schema", "parameters", "timeout_ms", "tags", "cmd", "handler", "retries"})
 
 
 @dataclass(frozen=True)
@@ -56,18 +69,27 @@ class Directory:
 
     def register(self, spec: ToolSpec | dict[str, Any]) -> tuple[int, bool]:
         """Store a spec; returns (version, changed)."""
+        version, outcome = self.put(spec)
+        return version, outcome != "unchanged"
+
+    def put(self, spec: ToolSpec | dict[str, Any], *, replace: bool = True) -> tuple[int, str]:
+        """Store a spec; returns (version, outcome), outcome one of ``OUTCOMES``.
+
+        With ``replace=False`` a different spec already registered under the name is kept ("kept").
+        """
         if not isinstance(spec, ToolSpec):
             spec = ToolSpec.from_dict(spec)
-        version, changed = self._register(
+        version, outcome = self._register(
             keys=[keys.TOOLS, keys.TOOLS_VERSION],
             args=[
                 spec.name,
                 spec.digest(),
                 pack(spec.to_dict()),
                 keys.channel(self.conn, keys.TOOLS_CHANNEL),
+                1 if replace else 0,
             ],
         )
-        return int(version), bool(changed)
+        return int(version), OUTCOMES[int(outcome)]
 
     def remove(self, name: str) -> bool:
         """Delete a tool; every instance is told over pub/sub. True when it existed."""
@@ -136,7 +158,10 @@ def load_spec_file(path: Path) -> ToolSpec:
     try:
         return ToolSpec.from_dict(data)
     except InvalidSpec as e:
-        raise InvalidSpec(f"{path}: {e.message}", **e.details) from e
+        hint = ""
+        if isinstance(data, dict) and _V09_KEYS & set(data):
+            hint = " (this looks like a v0.9 spec: `hermes-gateway migrate` converts it)"
+        raise InvalidSpec(f"{path}: {e.message}{hint}", **e.details) from e
 
 
 def load_spec_dir(path: Path) -> list[ToolSpec]:

@@ -106,6 +106,15 @@ class Gateway:
     def tools(self) -> list[Entry]:
         return self.directory.all()
 
+    def tool_schemas(self, principal: str | None = None) -> list[dict[str, Any]]:
+        """OpenAI function tools for every tool ``principal`` may call (the policy workers judge by)."""
+        from hermes_gateway.schemas import tool_schemas
+        from workers import policy_store
+        from workers.policy import Policy
+
+        policy, _ = policy_store.active(self.conn, Policy.from_settings(self.settings.policy))
+        return tool_schemas(self.directory.all(), policy, principal)
+
     # -- calls -----------------------------------------------------------------------------------
 
     def _envelope(self, name: str, args: dict[str, Any] | None, opts: dict[str, Any], context: dict[str, Any]) -> tuple[Envelope, ToolSpec]:
