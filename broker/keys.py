@@ -32,6 +32,8 @@ AUDIT_STREAM = PREFIX + ":audit"  # stream of packed AuditRecords, capped by cou
 AUDIT_INDEX = PREFIX + ":audit:idx"  # zset call_id -> ms part of its stream id
 POLICY = PREFIX + ":policy"  # hash: data (packed Policy), digest, version, pushed_at, source
 POLICY_CHANNEL = PREFIX + ":policy:changes"  # pub/sub notice (the new version) of a pushed policy
+STATS = PREFIX + ":stats"  # hash of call figures summed over all workers (workers/metrics.py)
+STATS_INFLIGHT = PREFIX + ":stats:inflight:{}"  # hash concurrency key -> calls running, per worker
 SLOTS = PREFIX + ":slots:{}"  # zset call_id -> lease deadline (+inf while queued) of calls holding a slot
 LIMITS = PREFIX + ":limits"  # hash concurrency key -> its limit (-1 = none), written by every submission
 SCHEDULED = PREFIX + ":scheduled"  # zset call_id -> when a ``retrying`` call is due back on ``pending``
@@ -99,3 +101,7 @@ def slots(ckey: str) -> str:
 
 def breaker(key: str) -> str:
     return BREAKER.format(key)
+
+
+def stats_inflight(worker_name: str) -> str:
+    return STATS_INFLIGHT.format(worker_name)
