@@ -1,0 +1,220 @@
+"""OpenTelemetry SDK set-up from the standard ``OTEL_*`` environment (and ``HERMES_TRACE``).
+
+Tracing is off unless asked for. Off means no SDK provider: the API hands out no-op tracers and our
+hot paths skip even those (``tracer()`` returns None). Asked for means, first match wins:
+
+- ``OTEL_SDK_DISABLED=true`` or ``HERMES_TRACE=off``: off;
+- ``HERMES_TRACE=console | otlp | memory`` (``memory`` keeps spans in-process: benchmarks);
+- ``OTEL_TRACES_EXPORTER=otlp | console | none``;
+- an OTLP endpoint in ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``: otlp.
+
+Everything else is the SDK's own reading of the environment: ``OTEL_SERVICE_NAME`` /
+``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL`` (``http/protobuf`` default,
+``grpc``), ``OTEL_TRACES_SAMPLER(_ARG)``, ``OTEL_BSP_*``, ``OTEL_METRIC_EXPORT_INTERVAL``. Metrics are
+exported with OTLP when traces are (unless ``OTEL_METRICS_EXPORTER=none``), to the console only when
+``OTEL_METRICS_EXPORTER=console``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from opentelemetry import metrics, trace
+from opentelemetry.metrics import NoOpMeterProvider
+from opentelemetry.metrics._internal import _ProxyMeterProvider
+from opentelemetry.trace import NoOpTracerProvider, ProxyTracerProvider
+
+from broker.errors import ConfigError
+
+TRACE_ENV = "HERMES_TRACE"
+MODES = ("off", "console", "otlp", "memory")
+SCOPE = "hermes_gateway"
+
+_lock = threading.Lock()
+_mode: str | None = None  # what setup() installed in this process
+_tracer_override: Any = None
+_meter_override: Any = None
+_tracer_cache: tuple[Any, Any] | None = None
+_meter_cache: tuple[Any, Any] | None = None
+_memory_exporter: Any = None
+
+
+def trace_mode(environ: Mapping[str, str] | None = None) -> str:
+    """The tracing mode the environment asks for: off, console, otlp or memory."""
+    env = os.environ if environ is None else environ
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return "off"
+    mode = env.get(TRACE_ENV, "").strip().lower()
+    if mode in ("none", "0", "false", "no"):
+        return "off"
+    if mode:
+        if mode not in MODES:
+            raise ConfigError(f"{TRACE_ENV}: expected one of {', '.join(MODES)}, got {mode!r}")
+        return mode
+    exporter = env.get("OTEL_TRACES_EXPORTER", "").split(",")[0].strip().lower()
+    if exporter in ("none", "console", "otlp"):
+        return "off" if exporter == "none" else exporter
+    if exporter:
+        raise ConfigError(f"OTEL_TRACES_EXPORTER: only otlp, console and none are built in, got {exporter!r}")
+    if env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return "otlp"
+    return "off"
+
+
+def setup(service_name: str, mode: str | None = None) -> str:
+    """Install the SDK tracer and meter providers for this process (once); returns the mode in force."""
+    global _mode, _memory_exporter
+    with _lock:
+        if _mode is not None:
+            return _mode
+        mode = mode or trace_mode()
+        if mode not in MODES:
+            raise ConfigError(f"tracing mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode == "off":
+            _mode = mode
+            return mode
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+        resource = Resource.create(_default_service(service_name))
+        provider = TracerProvider(resource=resource)  # sampler: OTEL_TRACES_SAMPLER, ParentBased by default
+        exporter = _span_exporter(mode)
+        if mode == "memory":
+            _memory_exporter = exporter
+        # Console output is for a quick look: print each span as it ends rather than in batches.
+        processor = SimpleSpanProcessor(exporter) if mode == "console" else BatchSpanProcessor(exporter)
+        provider.add_span_processor(processor)
+        trace.set_tracer_provider(provider)
+        reader = _metric_reader(mode)
+        if reader is not None:
+            from opentelemetry.sdk.metrics import MeterProvider
+
+            metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=[reader]))
+        _mode = mode
+        return mode
+
+
+def mode() -> str:
+    """The mode ``setup`` installed here ("off" before any set-up)."""
+    return _mode or "off"
+
+
+def _default_service(name: str) -> dict[str, str]:
+    # The environment names the service when it says so; our default only fills the gap.
+    if os.environ.get("OTEL_SERVICE_NAME") or "service.name=" in os.environ.get(
+        "OTEL_RESOURCE_ATTRIBUTES", ""
+    ):
+        return {}
+    return {"service.name": name}
+
+
+def _protocol(signal: str) -> str:
+    return (
+        (
+            os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL")
+            or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+            or "http/protobuf"
+        )
+        .strip()
+        .lower()
+    )
+
+
+def _span_exporter(mode: str) -> Any:
+    if mode == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        return ConsoleSpanExporter()
+    if mode == "memory":
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        return InMemorySpanExporter()
+    if _protocol("TRACES") == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+        return GrpcExporter()
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()
+
+
+def _metric_reader(mode: str) -> Any:
+    wanted = os.environ.get("OTEL_METRICS_EXPORTER", "").split(",")[0].strip().lower()
+    if wanted == "none" or (not wanted and mode != "otlp"):
+        return None
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+    exporter: Any
+    if wanted == "console":
+        from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
+
+        exporter = ConsoleMetricExporter()
+    elif _protocol("METRICS") == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as Grpc
+
+        exporter = Grpc()
+    else:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+
+        exporter = OTLPMetricExporter()
+    return PeriodicExportingMetricReader(exporter)
+
+
+def flush(timeout_ms: int = 5000) -> None:
+    """Push out spans and metrics still buffered (before a process exits)."""
+    for provider in (
+        _tracer_override or trace.get_tracer_provider(),
+        _meter_override or metrics.get_meter_provider(),
+    ):
+        force = getattr(provider, "force_flush", None)
+        if force is not None:
+            try:
+                force(timeout_ms)
+            except Exception:  # noqa: BLE001 - an unreachable collector must not stop a shutdown
+                pass
+
+
+def memory_spans() -> list[Any]:
+    """Spans kept by ``HERMES_TRACE=memory`` in this process."""
+    return list(_memory_exporter.get_finished_spans()) if _memory_exporter is not None else []
+
+
+# -- which tracer / meter calls use ------------------------------------------------------------
+
+
+def use_providers(tracer_provider: Any = None, meter_provider: Any = None) -> None:
+    """Route our spans and metrics to these providers instead of the global ones (tests, benchmarks)."""
+    global _tracer_override, _meter_override
+    _tracer_override, _meter_override = tracer_provider, meter_provider
+
+
+def tracer() -> Any:
+    """Our tracer when an SDK provider is set (here or by the host application), else None: skip spans."""
+    global _tracer_cache
+    provider = _tracer_override or trace.get_tracer_provider()
+    if isinstance(provider, ProxyTracerProvider | NoOpTracerProvider):
+        return None
+    cached = _tracer_cache
+    if cached is not None and cached[0] is provider:
+        return cached[1]
+    found = provider.get_tracer(SCOPE)
+    _tracer_cache = (provider, found)
+    return found
+
+
+def meter() -> Any:
+    """Our meter when an SDK meter provider is set, else None: skip measurements."""
+    global _meter_cache
+    provider = _meter_override or metrics.get_meter_provider()
+    if isinstance(provider, NoOpMeterProvider | _ProxyMeterProvider):
+        return None
+    cached = _meter_cache
+    if cached is not None and cached[0] is provider:
+        return cached[1]
+    found = provider.get_meter(SCOPE)
+    _meter_cache = (provider, found)
+    return found
