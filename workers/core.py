@@ -23,7 +23,7 @@ from broker.states import State
 from broker.toolspec import ToolSpec
 from middleware import LLMCallFlow, PluginManager, ToolCallFlow
 from middleware.plugins import NAMESPACE as PLUGIN_NAMESPACE
-from workers import policy_store
+from workers import metrics, otelsdk, policy_store
 from workers.args import check_output, coerce_args, validate_args
 from workers.executors.base import ExecContext, get_executor
 from workers.llm import describe_response
@@ -81,6 +81,10 @@ class WorkerCore:
         self.plugins.load()
         self.tool_flow = ToolCallFlow(self.plugins, on_blocked=_blocked)
         self.llm_flow = LLMCallFlow(self.plugins, describe_response=describe_response)
+        # Tracing and metrics from OTEL_* / HERMES_TRACE (off unless asked for); figures for `status --watch`.
+        otelsdk.setup("hermes-worker")
+        metrics.watch_queues(conn)
+        self.stats = metrics.StatsFlusher(conn, name, self.inflight_by_key)
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
@@ -96,6 +100,23 @@ class WorkerCore:
             self._inflight.pop(run.info.call_id, None)
             self._cancelled.discard(run.info.call_id)
             self.idle.notify_all()
+        if run.claimed_at and not run.outcome:  # handed back or taken over: never reached finished()
+            state = "handed_back" if run.abandoned else "lost"
+            duration = time.monotonic() - run.started
+            metrics.call_ended(run.info.ckey, run.info.kind, run.info.name, state, None, duration)
+
+    def inflight_by_key(self) -> dict[str, int]:
+        """Calls running in this process per concurrency key."""
+        out: dict[str, int] = {}
+        for run in self.inflight():
+            out[run.info.ckey] = out.get(run.info.ckey, 0) + 1
+        return out
+
+    def started(self, run: Running) -> None:
+        """A call begins here: queue-wait and in-flight figures, and its start line."""
+        wait = max(0.0, run.claimed_at - float(run.env.submitted_at))
+        metrics.call_started(run.info.ckey, run.info.queue, wait)
+        log.info("call started", attempt=run.attempt, queue_wait_ms=round(wait * 1000, 3))
 
     def inflight(self) -> list[Running]:
         with self._lock:
@@ -142,7 +163,19 @@ class WorkerCore:
                 pipe.ltrim(keys.FAILURES, 0, FAILURES_KEPT - 1)
 
             self.outbox.put(write)
-        log.debug("call ended", state=str(state), duration_ms=round(duration * 1000, 3))
+        outcome = str(state)
+        run.outcome = outcome
+        err_type = str(error.get("type") or "error") if error else None
+        run.trace.end(outcome, error)
+        # An undecodable payload never started (claimed_at 0), so it was never counted in flight.
+        info = run.info
+        metrics.call_ended(info.ckey, info.kind, info.name, outcome, err_type, duration, bool(run.claimed_at))
+        ms = round(duration * 1000, 3)
+        if state is State.FAILED:
+            message = (error or {}).get("message")
+            log.warning("call finished", state=outcome, duration_ms=ms, error_type=err_type, error=message)
+        else:
+            log.info("call finished", state=outcome, duration_ms=ms)
 
     # -- the call's steps: the Hermes contract's order ------------------------------------------
 
@@ -181,16 +214,28 @@ class WorkerCore:
         policy = self.policy
 
         run.sensitive = spec.sensitive
+        trace, chain = run.trace, False
+        if trace.span is not None:  # tracing on: a span for each middleware stage that has registrations
+            runtime = self.plugins.runtime()
+            chain = runtime.has_middleware("tool_execution")
+            if runtime.has_middleware("tool_request"):
+                trace.open("tool_request")
 
         def checks(tool_name: str, eff: dict[str, Any], _ctx: dict[str, Any]) -> None:
-            run.args = eff
-            policy.enforce(principal, spec, eff)
-            validate_args(spec.input_schema, eff, tool_name)
+            trace.close("tool_request")
+            with trace.phase("policy"):
+                run.args = eff
+                policy.enforce(principal, spec, eff)
+                validate_args(spec.input_schema, eff, tool_name)
+            if chain:
+                trace.open("tool_execution")
 
         def execute(eff: dict[str, Any]) -> Any:
             move(run, State.EXECUTING)
             ctx.check()
-            return get_executor(spec.executor, ctx.settings).run(spec, eff, ctx)
+            # The executors forward ctx.traceparent: the executor span's context, so the back end's parent is it.
+            with trace.executor(spec, eff, ctx, spec.sensitive):
+                return get_executor(spec.executor, ctx.settings).run(spec, eff, ctx)
 
         context = {k: env.context.get(k) for k in TOOL_CONTEXT if env.context.get(k) is not None}
 
@@ -200,6 +245,7 @@ class WorkerCore:
         result = self.tool_flow.run(
             spec.name, args, execute=execute, context=context, policy=checks, on_trace=on_trace
         )
+        trace.close("tool_execution")
         if run.state is State.ROUTING:  # a middleware answered without calling the tool
             move(run, State.EXECUTING)
         return result
@@ -210,3 +256,5 @@ class WorkerCore:
 
     def close(self) -> None:
         self.outbox.close()
+        self.stats.close()
+        otelsdk.flush()

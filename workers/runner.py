@@ -23,6 +23,7 @@ from broker.states import State
 from broker.tracecontext import new_span_id
 from workers.executors.base import ExecContext
 from workers.llm import LLMCall
+from workers.telemetry import NO_TRACE, CallTrace, NoTrace
 
 if TYPE_CHECKING:
     from workers.worker import WorkerCore
@@ -47,6 +48,9 @@ class Running:
     sensitive: tuple[str, ...] = ()
     middleware_trace: list[dict[str, Any]] = field(default_factory=list)  # request middleware's, for audit
     started: float = field(default_factory=time.monotonic)
+    trace: NoTrace = NO_TRACE  # the call's spans (NO_TRACE when tracing is off)
+    claimed_at: float = 0.0  # wall clock when this worker began it (0: never began)
+    outcome: str = ""  # the state core.finished recorded
 
 
 class CallRunner:
@@ -116,11 +120,16 @@ class CallRunner:
             self._fail_undecodable(claimed, e)
             return
         ckey = self.core.ckey_of(env)
-        run = Running(CallInfo.of(env, ckey, span_id=new_span_id()), env, claimed.attempt)
+        claimed_at = time.time()
+        # With tracing on, events carry the consumer span's id, so events and spans line up.
+        trace = CallTrace.start(env, claimed.attempt, claimed_at)
+        info = CallInfo.of(env, ckey, span_id=trace.span_id or new_span_id())
+        run = Running(info, env, claimed.attempt, trace=trace, claimed_at=claimed_at)
         self.core.track(run)
         structlog.contextvars.bind_contextvars(
-            call_id=env.call_id, trace_id=run.info.trace_id, tool=run.info.name
+            call_id=env.call_id, trace_id=info.trace_id, span_id=info.span_id, tool=info.name
         )
+        self.core.started(run)
         try:
             self._run(run)
         except CallCancelled as e:
@@ -137,6 +146,7 @@ class CallRunner:
                 )
         finally:
             self.core.untrack(run)
+            trace.finish()
             structlog.contextvars.clear_contextvars()
 
     def _run(self, run: Running) -> None:
