@@ -117,16 +117,17 @@ def tool() -> None:
 @click.pass_context
 def tool_list(ctx: click.Context, as_json: bool) -> None:
     """List the tools in the directory (and in $HERMES_HOME/tools)."""
-    from hermes_gateway.views import tools_table
+    from hermes_gateway.views import breaker_states, tool_rows, tools_table
 
     settings = _settings(ctx)
     with _gateway(settings, need_workers=False) as (gw, _):
         gw.sync_tools()
         entries = gw.tools()
+        states = breaker_states(gw.conn, [e.spec for e in entries])
         if as_json:
-            click.echo(json.dumps([{**e.spec.to_dict(), "version": e.version} for e in entries], ensure_ascii=False, indent=2))
+            click.echo(json.dumps(tool_rows(entries, settings, states), ensure_ascii=False, indent=2))
         else:
-            tools_table(entries, settings)
+            tools_table(entries, settings, states)
 
 
 @tool.command("run")
@@ -388,3 +389,11 @@ from hermes_gateway.policy_cli import policy_clear, policy_push, policy_show  # 
 main.add_command(audit)
 for _command in (policy_push, policy_show, policy_clear):
     policy.add_command(_command)
+
+
+# -- filling the directory in bulk (hermes_gateway/directory_cli.py) -----------------------------
+
+from hermes_gateway.directory_cli import mcp, migrate  # noqa: E402 - commands defined beside their helpers
+
+main.add_command(migrate)
+main.add_command(mcp)

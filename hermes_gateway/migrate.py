@@ -158,9 +158,19 @@ def _entries(path: Path, data: Any, label: str) -> Iterator[_Found]:
 
 
 def migrate(
-    directory: Directory, home: Path, *, force: bool = False, rewrite: bool = True, dry_run: bool = False
+    directory: Directory,
+    home: Path,
+    *,
+    force: bool = False,
+    rewrite: bool = True,
+    dry_run: bool = False,
+    to_files: bool = False,
 ) -> list[Outcome]:
-    """Import every v0.9 spec under ``home``; one Outcome per spec found, in the order found."""
+    """Import every v0.9 spec under ``home``; one Outcome per spec found, in the order found.
+
+    ``to_files`` also writes specs of the list files to ``tools/<name>.yaml`` (when no such file
+    exists): with the embedded broker the directory ends with the command, the files do not.
+    """
     out: list[Outcome] = []
     seen: dict[str, tuple[str, str]] = {}  # name -> (source, digest)
     for found in find_legacy(home):
@@ -197,6 +207,10 @@ def migrate(
         converted = notes or (found.file is not None and found.file.suffix == ".json")
         if rewrite and not dry_run and found.file is not None and converted and outcome.status != "skipped":
             _rewrite(found.file, data)
+        target = home / "tools" / f"{spec.name}.yaml"
+        if to_files and not dry_run and found.file is None and not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(_HEADER.format(found.source) + _dump(data), encoding="utf-8")
     return out
 
 
@@ -233,10 +247,11 @@ def _rewrite(path: Path, data: dict[str, Any]) -> None:
         path.rename(backup)
     elif path != target:
         path.unlink()
-    target.write_text(
-        "# converted from v0.9 by `hermes-gateway migrate`; the original is "
-        + backup.name
-        + "\n"
-        + yaml.safe_dump(data, allow_unicode=True, sort_keys=False),
-        encoding="utf-8",
-    )
+    target.write_text(_HEADER.format(backup.name) + _dump(data), encoding="utf-8")
+
+
+_HEADER = "# converted from v0.9 ({}) by `hermes-gateway migrate`\n"
+
+
+def _dump(data: dict[str, Any]) -> str:
+    return yaml.safe_dump(data, allow_unicode=True, sort_keys=False)

@@ -12,25 +12,67 @@ from broker import keys
 from broker.codec import unpack
 from broker.config import Settings
 from broker.directory import Entry
+from broker.toolspec import ToolSpec
 
 console = Console()
 
 
-def tools_table(entries: list[Entry], settings: Settings) -> None:
-    table = Table(title="tools", title_justify="left")
-    for col in ("name", "executor", "permissions", "concurrency", "queue_size", "timeout", "version", "description"):
-        table.add_column(col)
+def breaker_states(conn: Any, specs: list[ToolSpec]) -> dict[str, str]:
+    """Each tool's breaker state from ``hermes:breaker:<key>`` (``closed`` when none is stored)."""
+    candidates = {s.name: _breaker_keys(s) for s in specs}
+    pipe = conn.pipeline(transaction=False)
+    for keys_of_tool in candidates.values():
+        for k in keys_of_tool:
+            pipe.hget(keys.breaker(k), "state")
+    replies = iter(pipe.execute())
+    out = {}
+    for name, keys_of_tool in candidates.items():
+        found = [r for r in (next(replies) for _ in keys_of_tool) if r]
+        out[name] = found[0].decode() if found else "closed"
+    return out
+
+
+def _breaker_keys(spec: ToolSpec) -> list[str]:
+    # The breaker's own ``key`` when the spec names one, else the tool's concurrency key, else its name.
+    named = (spec.breaker or {}).get("key")
+    return [k for k in (named, f"tool:{spec.name}", spec.name) if k]
+
+
+def tool_rows(
+    entries: list[Entry], settings: Settings, states: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """What ``tool list`` shows per tool: the spec, its version, effective limits and breaker state."""
+    rows = []
     for e in entries:
         s = e.spec
+        limits = {
+            "concurrency": s.concurrency or settings.concurrency_for(s.executor),
+            "queue_size": s.queue_size if s.queue_size is not None else settings.queue_size_for(s.executor),
+            "timeout": s.timeout,
+        }
+        state = (states or {}).get(s.name, "closed")
+        rows.append({**s.to_dict(), "version": e.version, "limits": limits, "breaker_state": state})
+    return rows
+
+
+def tools_table(entries: list[Entry], settings: Settings, states: dict[str, str] | None = None) -> None:
+    table = Table(title="tools", title_justify="left")
+    cols = ("name", "executor", "permissions", "concurrency", "queue_size", "timeout", "breaker", "version")
+    for col in (*cols, "description"):
+        table.add_column(col)
+    for row in tool_rows(entries, settings, states):
+        perms = row.get("permissions")
+        limits = row["limits"]
         table.add_row(
-            s.name,
-            s.executor,
-            ",".join(s.permissions) if s.permissions is not None else "-",
-            str(s.concurrency or settings.concurrency_for(s.executor)),
-            str(s.queue_size if s.queue_size is not None else settings.queue_size_for(s.executor)),
-            f"{s.timeout:g}s",
-            str(e.version),
-            s.description,
+            row["name"],
+            row["executor"],
+            ",".join(perms) if perms is not None else "-",
+            str(limits["concurrency"]),
+            str(limits["queue_size"]),
+            f"{limits['timeout']:g}s",
+            row["breaker_state"],
+            str(row["version"]),
+            row["description"],
         )
     console.print(table)
 

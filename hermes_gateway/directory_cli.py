@@ -1,0 +1,141 @@
+"""``hermes-gateway migrate`` and ``hermes-gateway mcp add``: filling the tool directory in bulk."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import asdict
+from typing import Any
+
+import click
+
+from broker.config import Settings
+from broker.errors import HermesError
+
+
+def _settings(ctx: click.Context) -> Settings:
+    return ctx.find_root().obj["settings"]
+
+
+def _fail(message: str, code: int = 2) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def _stack(settings: Settings) -> Any:
+    from hermes_gateway.local import local_stack
+
+    try:
+        return local_stack(settings, need_workers=False)
+    except HermesError as e:
+        _fail(str(e))
+
+
+def _line(status: str, name: str, version: int | None, source: str, reason: str) -> str:
+    ver = f"v{version}" if version is not None else "-"
+    return f"{status:<10} {name:<28} {ver:<6} {source}" + (f"  ({reason})" if reason else "")
+
+
+@click.command()
+@click.option(
+    "--force", is_flag=True, help="Replace tools the directory already holds with a different spec."
+)
+@click.option("--dry-run", is_flag=True, help="Report what would happen; change nothing.")
+@click.option("--no-rewrite", is_flag=True, help="Leave old per-file specs in tools/ as they are.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+@click.pass_context
+def migrate(ctx: click.Context, force: bool, dry_run: bool, no_rewrite: bool, as_json: bool) -> None:
+    """Import the v0.9 tool files ($HERMES_HOME/tools.json, tools/*) into the tool directory."""
+    from hermes_gateway.migrate import migrate as run_migration
+
+    settings = _settings(ctx)
+    with _stack(settings) as (gw, _):
+        embedded = gw.broker.embedded is not None
+        try:
+            outcomes = run_migration(
+                gw.directory,
+                settings.home,
+                force=force,
+                rewrite=not no_rewrite,
+                dry_run=dry_run,
+                to_files=embedded,
+            )
+        except OSError as e:
+            _fail(f"cannot read the old tool files: {e}")
+    if as_json:
+        click.echo(json.dumps([asdict(o) for o in outcomes], ensure_ascii=False, indent=2))
+        return
+    if not outcomes:
+        click.echo(f"nothing to migrate: no tools.json, tools.yaml or tools/ specs in {settings.home}")
+        return
+    for o in outcomes:
+        click.echo(_line(o.status, o.name, o.version, o.source, o.reason))
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        counts[o.status] = counts.get(o.status, 0) + 1
+    summary = ", ".join(f"{n} {status}" for status, n in counts.items())
+    click.echo(f"{'dry run: ' if dry_run else ''}{summary}")
+    if embedded:
+        click.echo(
+            "note: the embedded broker lasts only for this command; the specs were written to "
+            f"{settings.tools_dir} so every command loads them. Set HERMES_REDIS_URL to fill a shared directory.",
+            err=True,
+        )
+
+
+@click.group()
+def mcp() -> None:
+    """Import MCP servers' tools into the directory."""
+
+
+@mcp.command("add")
+@click.argument("server_name")
+@click.option("--command", "command", default=None, help='Start a stdio server, e.g. "uvx mcp-server-fetch".')
+@click.option("--url", default=None, help="A streamable-HTTP server, e.g. http://127.0.0.1:8000/mcp.")
+@click.option("--prefix", default="", help="Put before every tool name (e.g. fs_), to keep servers apart.")
+@click.option("--env", "env", multiple=True, help="KEY=VALUE for a stdio server's environment (repeatable).")
+@click.option(
+    "--timeout",
+    type=float,
+    default=None,
+    help="Seconds to connect and list (executors.mcp.handshake_timeout).",
+)
+@click.pass_context
+def mcp_add(
+    ctx: click.Context,
+    server_name: str,
+    command: str | None,
+    url: str | None,
+    prefix: str,
+    env: tuple[str, ...],
+    timeout: float | None,
+) -> None:
+    """Register every tool of an MCP server (SERVER_NAME labels it) as an mcp tool."""
+    from hermes_gateway.mcp_import import import_server
+
+    if bool(command) == bool(url):
+        _fail("give the server as exactly one of --command or --url")
+    server: dict[str, Any] = {"url": url} if url else {"command": shlex.split(command or "")}
+    if env:
+        pairs = [e.partition("=") for e in env]
+        if any(not sep for _, sep, _ in pairs):
+            _fail("--env expects KEY=VALUE")
+        server["env"] = {k: v for k, _, v in pairs}
+    settings = _settings(ctx)
+    handshake = timeout or float(settings.executor_settings("mcp").get("handshake_timeout", 10.0))
+    with _stack(settings) as (gw, _):
+        try:
+            results = import_server(
+                gw.directory,
+                server,
+                prefix=prefix,
+                handshake_timeout=handshake,
+                write_dir=settings.tools_dir if gw.broker.embedded is not None else None,
+            )
+        except HermesError as e:
+            _fail(f"{server_name}: {e}", 1)
+    for r in results:
+        click.echo(_line(r.status, r.name, r.version, server_name, r.reason))
+    added = sum(r.status in ("added", "updated") for r in results)
+    click.echo(f"{server_name}: {len(results)} tools, {added} added or updated")
