@@ -279,7 +279,7 @@ class WorkerFactory:
             "--grace",
             str(grace),
         ]
-        # Pub/sub ignores the db index: count control-channel listeners server-wide, before and after.
+        # Count control-channel listeners before and after (the channel is scoped to the db index).
         listeners = self._listeners()
         batch = []
         for _ in range(count):
@@ -303,14 +303,17 @@ class WorkerFactory:
                     pytest.fail(f"worker {w.pid} sent no heartbeat within {wait:g}s:\n{w.log()}")
                 time.sleep(0.02)
         # The control thread subscribes just after the first heartbeat; a stop or cancel published
-        # before that would be missed, so wait for it too (best effort: the count is server-wide).
+        # before that would be missed, so wait for it too (best effort: other runs may share the db).
         ready = time.monotonic() + 5
         while self._listeners() < listeners + count and time.monotonic() < ready:
             time.sleep(0.01)
         return batch
 
     def _listeners(self) -> int:
-        return int(dict(self._client.pubsub_numsub("hermes:ctl")).get(b"hermes:ctl", 0))
+        from broker import keys
+
+        channel = keys.channel(self._client, keys.CONTROL_CHANNEL)
+        return int(dict(self._client.pubsub_numsub(channel)).get(channel.encode(), 0))
 
     def stop_all(self, timeout: float = 10.0) -> None:
         for w in self.started:
