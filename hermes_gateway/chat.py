@@ -1,0 +1,248 @@
+"""A minimal agent loop over the queue: the LLM call and the tool calls it asks for all run on workers.
+
+Each turn enqueues one LLM call (``gw.call_llm``) offering the tools the principal may call; the tool
+calls of its answer are submitted together and run in parallel on the workers, each carrying the
+session, turn, tool-call id and the LLM call as its parent; their results go back as ``tool``
+messages. The loop ends at an answer without tool calls, or after ``max_turns`` LLM calls.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from broker.errors import DecodeError, HermesError
+from broker.events import DELTA
+
+if TYPE_CHECKING:
+    from hermes_gateway.client import Gateway
+    from hermes_gateway.handle import CallHandle
+
+DEFAULT_MAX_TURNS = 8
+DEFAULT_WAIT = 600.0  # seconds the loop waits for one call; the workers enforce the calls' own timeouts
+
+
+@dataclass
+class ToolRun:
+    """One tool call the model asked for and what became of it."""
+
+    tool_call_id: str
+    name: str
+    args: Any
+    call_id: str | None = None  # None when it never reached the queue (bad arguments, unknown tool)
+    result: Any = None
+    error: dict[str, Any] | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def content(self) -> str:
+        """The ``tool`` message content the model gets back."""
+        if self.error is not None:
+            return json.dumps({"error": f"{self.error['type']}: {self.error['message']}"}, ensure_ascii=False)
+        if isinstance(self.result, str):
+            return self.result
+        return json.dumps(self.result, ensure_ascii=False, default=str)
+
+
+@dataclass
+class Turn:
+    """One LLM call and the tool calls of its answer."""
+
+    number: int
+    turn_id: str
+    llm_call_id: str
+    content: str | None
+    tools: list[ToolRun] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class ChatResult:
+    """The answer (None when the turn limit came first) and how the loop got there."""
+
+    answer: str | None
+    session_id: str
+    messages: list[dict[str, Any]]
+    turns: list[Turn]
+
+    @property
+    def finished(self) -> bool:
+        return self.answer is not None
+
+
+def offered_tools(gw: Gateway, principal: str | None, only: list[str] | None = None) -> list[dict[str, Any]]:
+    """The function tools to offer: those the policy lets ``principal`` call (optionally only some)."""
+    schemas = gw.tool_schemas(principal)
+    if only is not None:
+        schemas = [s for s in schemas if s["function"]["name"] in only]
+    return schemas
+
+
+def parse_arguments(raw: Any) -> dict[str, Any]:
+    """A tool call's ``arguments`` (a JSON string from the provider) as a mapping; ValueError if not one."""
+    if isinstance(raw, dict):
+        return raw
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
+        return {}
+    value = json.loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError(f"arguments must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _error(e: BaseException) -> dict[str, Any]:
+    if isinstance(e, HermesError):
+        return {"type": e.type, "message": e.message}
+    return {"type": "invalid_args", "message": f"the tool call's arguments are not usable: {e}"}
+
+
+class ChatSession:
+    """A conversation run through the gateway; ``ask`` runs one user message to an answer."""
+
+    def __init__(
+        self,
+        gw: Gateway,
+        *,
+        principal: str | None = None,
+        session_id: str | None = None,
+        system: str | None = None,
+        model: str | None = None,
+        max_turns: int = DEFAULT_MAX_TURNS,
+        stream: bool = False,
+        tools: list[str] | None = None,
+        wait: float = DEFAULT_WAIT,
+        on_delta: Callable[[str], None] | None = None,
+        on_turn: Callable[[Turn], None] | None = None,
+    ) -> None:
+        if max_turns < 1:
+            raise ValueError("max_turns must be at least 1")
+        self.gw = gw
+        self.principal = principal
+        self.session_id = session_id or f"chat-{uuid.uuid4().hex[:12]}"
+        self.model = model
+        self.max_turns = max_turns
+        self.stream = stream
+        self.only = tools
+        self.wait = wait
+        self.on_delta = on_delta
+        self.on_turn = on_turn
+        self.messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+        self._turns = 0  # across asks, so turn ids stay unique within the session
+
+    def ask(self, query: str) -> ChatResult:
+        """Run ``query`` until the model answers without tool calls or the turn limit is reached."""
+        self.messages.append({"role": "user", "content": query})
+        schemas = offered_tools(self.gw, self.principal, self.only)
+        turns: list[Turn] = []
+        for n in range(1, self.max_turns + 1):
+            turn = self._llm_turn(n, schemas)
+            turns.append(turn)
+            if not turn.tools:
+                self._report(turn)
+                return ChatResult(turn.content or "", self.session_id, self.messages, turns)
+            started = time.monotonic()
+            self._run_tools(turn)
+            turn.seconds += time.monotonic() - started
+            self.messages.extend(
+                {"role": "tool", "tool_call_id": r.tool_call_id, "content": r.content()} for r in turn.tools
+            )
+            self._report(turn)
+        return ChatResult(None, self.session_id, self.messages, turns)
+
+    # -- one turn --------------------------------------------------------------------------------
+
+    def _context(self, turn_id: str, **more: Any) -> dict[str, Any]:
+        context = {"session_id": self.session_id, "turn_id": turn_id, "principal": self.principal, **more}
+        return {k: v for k, v in context.items() if v is not None}
+
+    def _llm_turn(self, n: int, schemas: list[dict[str, Any]]) -> Turn:
+        self._turns += 1
+        turn_id = f"{self.session_id}-t{self._turns}"
+        request: dict[str, Any] = {"messages": list(self.messages)}
+        if schemas:
+            request["tools"] = schemas
+        if self.model:
+            request["model"] = self.model
+        if self.stream:
+            request["stream"] = True
+        started = time.monotonic()
+        handle = self.gw.call_llm(request, **self._context(turn_id))
+        if self.stream and self.on_delta is not None:
+            self._relay(handle)
+        response = handle.result(self.wait)
+        message = _first_message(response)
+        assistant: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+        calls = message.get("tool_calls") or []
+        if calls:
+            assistant["tool_calls"] = calls
+        self.messages.append(assistant)
+        turn = Turn(n, turn_id, handle.call_id, message.get("content"), seconds=time.monotonic() - started)
+        for tc in calls:
+            fn = tc.get("function") or {}
+            turn.tools.append(
+                ToolRun(str(tc.get("id") or ""), str(fn.get("name") or ""), fn.get("arguments"))
+            )
+        return turn
+
+    def _relay(self, handle: CallHandle) -> None:
+        for ev in handle.events(timeout=self.wait):
+            if ev.type == DELTA and ev.detail.get("content"):
+                assert self.on_delta is not None
+                self.on_delta(str(ev.detail["content"]))
+
+    def _run_tools(self, turn: Turn) -> None:
+        """Submit every tool call of the turn first, then collect: they run side by side on the workers."""
+        pending: list[tuple[ToolRun, CallHandle, float]] = []
+        for run in turn.tools:
+            try:
+                run.args = parse_arguments(run.args)
+                context = self._context(
+                    turn.turn_id, tool_call_id=run.tool_call_id, parent_call_id=turn.llm_call_id
+                )
+                handle = self.gw.call_tool(run.name, run.args, **context)
+            except (HermesError, ValueError) as e:
+                run.error = _error(e)
+                continue
+            run.call_id = handle.call_id
+            pending.append((run, handle, time.monotonic()))
+        for run, handle, started in pending:
+            try:
+                run.result = handle.result(self.wait)
+            except HermesError as e:
+                run.error = _error(e)
+            run.seconds = time.monotonic() - started
+
+    def _report(self, turn: Turn) -> None:
+        if self.on_turn is not None:
+            self.on_turn(turn)
+
+
+def _first_message(response: Any) -> dict[str, Any]:
+    choices = (response or {}).get("choices") if isinstance(response, dict) else None
+    if not choices or not isinstance(choices[0], dict):
+        raise DecodeError(f"the provider's response has no choices: {str(response)[:200]}")
+    return choices[0].get("message") or {}
+
+
+def describe_turn(turn: Turn) -> list[str]:
+    """Lines for ``chat --verbose``: the LLM call, then each tool call with its outcome."""
+    lines = [
+        f"turn {turn.number}: llm call {turn.llm_call_id} -> "
+        + (f"{len(turn.tools)} tool call(s)" if turn.tools else "answer")
+    ]
+    for r in turn.tools:
+        args = json.dumps(r.args, ensure_ascii=False, default=str) if not isinstance(r.args, str) else r.args
+        outcome = r.content() if r.ok else f"error {r.content()}"
+        if len(outcome) > 300:
+            outcome = outcome[:300] + "…"
+        lines.append(
+            f"  {r.name}({args}) call {r.call_id or '-'} [{r.tool_call_id}] {r.seconds * 1000:.0f} ms -> {outcome}"
+        )
+    return lines
