@@ -114,6 +114,8 @@ class Calls:
         self._transition = conn.register_script(scripts.TRANSITION)
         self._claim = conn.register_script(scripts.CLAIM)
         self._reap = conn.register_script(scripts.REAP)
+        # Pub/sub is shared by every DB of a server: the scripts' wake-ups carry this DB's suffix.
+        self.wake_suffix = keys.channel(conn, "")
 
     # -- submission ------------------------------------------------------------------------------
 
@@ -125,9 +127,11 @@ class Calls:
         queue_size: int,
         max_attempts: int,
         timeout: float,
+        concurrency: int = -1,
         pipeline: Pipeline | None = None,
     ) -> Any:
-        """Admit and enqueue a call with its ``pending`` event; returns the script's reply (or the pipeline)."""
+        """Admit a call with its ``pending`` event: onto its queue with a slot of ``ckey`` when one is free
+        (``concurrency`` -1 = no limit), else waiting (at most ``queue_size``). Returns the script's reply."""
         info = CallInfo.of(env, ckey)
         ev = events.payload(
             call_id=env.call_id,
@@ -154,8 +158,22 @@ class Calls:
                 keys.waiting(ckey),
                 keys.RQ_QUEUES,
                 keys.IDEMPOTENCY.format(idem or ""),
+                keys.slots(ckey),
+                keys.LIMITS,
             ],
-            args=[env.call_id, ev, SUBMIT_TTL, queue_size, time.time(), env.channel, keys.queue(env.queue), "1" if idem else "", *flat],
+            args=[
+                env.call_id,
+                ev,
+                SUBMIT_TTL,
+                queue_size,
+                time.time(),
+                env.channel,
+                keys.queue(env.queue),
+                "1" if idem else "",
+                concurrency,
+                ckey,
+                *flat,
+            ],
             client=pipeline,
         )
 
@@ -185,13 +203,21 @@ class Calls:
         from_states: frozenset[State] | None = None,
         lease: float | str | None = None,
         requeue: bool = False,
+        requeue_score: float | None = None,
+        schedule_at: float | None = None,
         fields: dict[str, Any] | None = None,
         ttl: int | None = None,
         event_type: str = events.TRANSITION,
         current: State | None = None,
         pipeline: Pipeline | None = None,
     ) -> Any:
-        """Move a call to ``target`` (or publish a non-state event when None), atomically with its event."""
+        """Move a call to ``target`` (or publish a non-state event when None), atomically with its event.
+
+        Ending (or ``retrying``) releases the call's concurrency slot and promotes the oldest waiting call
+        of its key; ``requeue`` admits it again (a free slot, else waiting at ``requeue_score``, default
+        now); ``schedule_at`` puts a ``retrying`` call on the scheduled set, due at that time.
+        """
+        release = target is not None and (target in TERMINAL or target is State.RETRYING)
         if target is not None:
             allowed = from_states if from_states is not None else sources(target)
             if current is not None and current not in allowed:
@@ -222,7 +248,15 @@ class Calls:
             flat.append(k)
             flat.append(v)
         return self._transition(
-            keys=[keys.job(info.call_id), keys.history(info.call_id), keys.LEASES, keys.waiting(info.ckey)],
+            keys=[
+                keys.job(info.call_id),
+                keys.history(info.call_id),
+                keys.LEASES,
+                keys.waiting(info.ckey),
+                keys.slots(info.ckey),
+                keys.LIMITS,
+                keys.SCHEDULED,
+            ],
             args=[
                 info.call_id,
                 ev,
@@ -233,8 +267,12 @@ class Calls:
                 RQ_STATUS[target] if target is not None else "",
                 "" if lease is None else lease,
                 keys.queue(info.queue) if requeue else "",
-                time.time(),
+                time.time() if requeue_score is None else requeue_score,
                 info.channel,
+                "1" if release else "",
+                info.ckey,
+                "" if schedule_at is None else schedule_at,
+                self.wake_suffix,
                 *flat,
             ],
             client=pipeline,
@@ -254,13 +292,25 @@ class Calls:
             out.append(Claimed(cid.decode(), data or b"", int(attempt or 1)))
         return out
 
-    def extend_leases(self, call_ids: list[str], lease: float, pipeline: Pipeline | None = None) -> None:
-        """Push the lease deadline of calls still running here (only those still leased)."""
+    def extend_leases(
+        self,
+        call_ids: list[str],
+        lease: float,
+        pipeline: Pipeline | None = None,
+        ckeys: dict[str, str] | None = None,
+    ) -> None:
+        """Push the lease deadline of calls still running here (only those still leased), and of the
+        concurrency slots they hold (``ckeys``: call_id -> concurrency key)."""
         if not call_ids:
             return
         deadline = time.time() + lease
         target = pipeline if pipeline is not None else self.conn
         target.zadd(keys.LEASES, {cid: deadline for cid in call_ids}, xx=True)
+        by_key: dict[str, dict[str, float]] = {}
+        for cid, ckey in (ckeys or {}).items():
+            by_key.setdefault(ckey, {})[cid] = deadline
+        for ckey, members in by_key.items():
+            target.zadd(keys.slots(ckey), members, xx=True)
 
     def reap(self, lease: float, limit: int = 100) -> list[dict[str, Any]]:
         """Expired leases, taken over by this reaper for one more lease while it settles them."""

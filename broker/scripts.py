@@ -23,14 +23,57 @@ local function with_seq(p, seq)
 end
 """
 
-# KEYS: 1 call hash, 2 history, 3 leases, 4 waiting zset (of the call's concurrency key)
+# Concurrency slots. A call is *waiting* (zset by submit time, bounded by queue_size) until it can take
+# a slot of its concurrency key; it then holds the slot (score +inf while queued, its lease deadline once
+# claimed) until it ends or goes back to ``retrying``. Only calls holding a slot are on an RQ queue, so
+# a worker never blocks on a limit. Every push onto a queue publishes the queue's wake-up channel.
+_SLOTS = r"""
+local function wake(qkey, suffix)
+  redis.call('PUBLISH', 'hermes:wake:' .. string.sub(qkey, 10) .. suffix, '')
+end
+local function limit_of(limits, ckey)
+  return tonumber(redis.call('HGET', limits, ckey) or '-1')
+end
+-- Fill free slots with the oldest waiting calls, pushing each onto its queue.
+local function promote(slots, waiting, limits, ckey, suffix)
+  local limit = limit_of(limits, ckey)
+  while limit < 0 or redis.call('ZCARD', slots) < limit do
+    local top = redis.call('ZPOPMIN', waiting)
+    if #top == 0 then break end
+    local id = top[1]
+    local f = redis.call('HMGET', 'rq:job:' .. id, 'h_state', 'h_queue')
+    if f[1] == 'pending' and f[2] then
+      redis.call('ZADD', slots, 'inf', id)
+      redis.call('RPUSH', f[2], id)
+      wake(f[2], suffix)
+    end
+  end
+end
+-- Admit a call that is already accepted: a free slot when nobody waits before it, else wait.
+local function admit(slots, waiting, limits, ckey, id, qkey, score, suffix)
+  local limit = limit_of(limits, ckey)
+  if redis.call('ZCARD', waiting) == 0 and (limit < 0 or redis.call('ZCARD', slots) < limit) then
+    redis.call('ZADD', slots, 'inf', id)
+    redis.call('RPUSH', qkey, id)
+    wake(qkey, suffix)
+  else
+    redis.call('ZADD', waiting, score, id)
+    promote(slots, waiting, limits, ckey, suffix)
+  end
+end
+"""
+
+# KEYS: 1 call hash, 2 history, 3 leases, 4 waiting zset, 5 slots zset (of the call's concurrency key),
+#       6 limits hash, 7 scheduled zset
 # ARGV: 1 call_id, 2 event payload, 3 ttl ('' = leave), 4 attempt fence ('' = none),
 #       5 allowed sources ('' = any non-terminal, '*' = anything), 6 new state ('' = no change),
 #       7 rq status, 8 lease ('' keep, '-' drop, else new deadline), 9 requeue: queue key or '',
-#       10 now, 11 channel, 12.. field/value pairs to set
+#       10 waiting score for a requeue, 11 channel, 12 release the slot ('1'/''), 13 concurrency key,
+#       14 due time to schedule a retry at ('' = none), 15 wake channel suffix, 16.. field/value pairs
 # Returns {seq, state before}; seq < 0: -1 no such call, -2 attempt fence, -3 wrong source state.
 TRANSITION = (
     _WITH_SEQ
+    + _SLOTS
     + r"""
 local st = redis.call('HGET', KEYS[1], 'h_state')
 if not st then return {-1, ''} end
@@ -44,7 +87,7 @@ local seq = redis.call('HINCRBY', KEYS[1], 'h_seq', 1)
 if ARGV[6] ~= '' then
   redis.call('HSET', KEYS[1], 'h_state', ARGV[6], 'status', ARGV[7])
 end
-for i = 12, #ARGV, 2 do
+for i = 16, #ARGV, 2 do
   redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
 end
 if ARGV[8] == '-' then
@@ -52,9 +95,18 @@ if ARGV[8] == '-' then
 elseif ARGV[8] ~= '' then
   redis.call('ZADD', KEYS[3], ARGV[8], ARGV[1])
 end
+if ARGV[12] == '1' then
+  redis.call('ZREM', KEYS[4], ARGV[1])
+  if redis.call('ZREM', KEYS[5], ARGV[1]) == 1 then
+    promote(KEYS[5], KEYS[4], KEYS[6], ARGV[13], ARGV[15])
+  end
+end
+if ARGV[14] ~= '' then
+  redis.call('ZADD', KEYS[7], ARGV[14], ARGV[1])
+end
 if ARGV[9] ~= '' then
-  redis.call('ZADD', KEYS[4], ARGV[10], ARGV[1])
-  redis.call('RPUSH', ARGV[9], ARGV[1])
+  redis.call('ZREM', KEYS[7], ARGV[1])
+  admit(KEYS[5], KEYS[4], KEYS[6], ARGV[13], ARGV[1], ARGV[9], ARGV[10], ARGV[15])
 end
 local ev = with_seq(ARGV[2], seq)
 redis.call('RPUSH', KEYS[2], ev)
@@ -67,10 +119,13 @@ return {seq, st}
 """
 )
 
-# KEYS: 1 call hash, 2 queue list, 3 history, 4 waiting zset, 5 rq:queues, 6 idempotency key
+# KEYS: 1 call hash, 2 queue list, 3 history, 4 waiting zset, 5 rq:queues, 6 idempotency key,
+#       7 slots zset, 8 limits hash
 # ARGV: 1 call_id, 2 pending event payload, 3 ttl, 4 queue_size (-1 = unlimited), 5 now,
-#       6 channel, 7 queue key, 8 use idempotency ('1'/''), 9.. field/value pairs of the job hash
-# Returns {1, call_id} accepted; {0, existing call_id} duplicate; {-1, depth} queue full.
+#       6 channel, 7 queue key, 8 use idempotency ('1'/''), 9 concurrency (-1 = unlimited),
+#       10 concurrency key, 11.. field/value pairs of the job hash
+# Returns {1, call_id, queued 1 / waiting 0} accepted; {0, existing call_id} duplicate;
+# {-1, depth} queue full (depth = calls waiting for a slot of this key).
 SUBMIT = (
     _WITH_SEQ
     + r"""
@@ -79,17 +134,24 @@ if ARGV[8] == '1' then
   if existing then return {0, existing} end
 end
 if redis.call('EXISTS', KEYS[1]) == 1 then return {0, ARGV[1]} end
-local limit = tonumber(ARGV[4])
-if limit >= 0 then
-  local depth = redis.call('ZCARD', KEYS[4])
-  if depth >= limit then return {-1, depth} end
+local limit = tonumber(ARGV[9])
+redis.call('HSET', KEYS[8], ARGV[10], limit)
+local depth = redis.call('ZCARD', KEYS[4])
+local run = depth == 0 and (limit < 0 or redis.call('ZCARD', KEYS[7]) < limit)
+if not run then
+  local qsize = tonumber(ARGV[4])
+  if qsize >= 0 and depth >= qsize then return {-1, depth} end
 end
 local fields = {}
-for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 11, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('HSET', KEYS[1], 'h_seq', 1, 'h_state', 'pending', 'status', 'queued')
-redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
-redis.call('RPUSH', KEYS[2], ARGV[1])
+if run then
+  redis.call('ZADD', KEYS[7], 'inf', ARGV[1])
+  redis.call('RPUSH', KEYS[2], ARGV[1])
+else
+  redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
+end
 redis.call('SADD', KEYS[5], ARGV[7])
 if ARGV[8] == '1' then redis.call('SET', KEYS[6], ARGV[1], 'EX', ARGV[3]) end
 local ev = with_seq(ARGV[2], 1)
@@ -97,14 +159,15 @@ redis.call('RPUSH', KEYS[3], ev)
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
 redis.call('PUBLISH', ARGV[6], ev)
-return {1, ARGV[1]}
+return {1, ARGV[1], run and 1 or 0}
 """
 )
 
 # KEYS: 1 leases, 2.. queue lists (in priority order)
 # ARGV: 1 max calls, 2 worker name, 3 lease deadline, 4 started_at (RQ time format)
-# Pops up to ARGV[1] pending calls, leases them to this worker, and returns
-# {call_id, data, attempt, ...}. Calls no longer pending (cancelled, expired) are dropped from the queue.
+# Pops up to ARGV[1] pending calls, leases them to this worker (their slot's score becomes the lease
+# deadline), and returns {call_id, data, attempt, ...}. Calls no longer pending (cancelled, expired)
+# are dropped from the queue; their slot went back when they ended.
 CLAIM = r"""
 local out = {}
 local want = tonumber(ARGV[1])
@@ -115,8 +178,8 @@ for q = 2, #KEYS do
     if not id then break end
     local hk = 'rq:job:' .. id
     local f = redis.call('HMGET', hk, 'h_state', 'h_ckey', 'data', 'h_attempt')
-    if f[2] then redis.call('ZREM', 'hermes:waiting:' .. f[2], id) end
     if f[1] == 'pending' then
+      if f[2] then redis.call('ZADD', 'hermes:slots:' .. f[2], 'XX', ARGV[3], id) end
       redis.call('HSET', hk, 'h_worker', ARGV[2], 'worker_name', ARGV[2], 'started_at', ARGV[4])
       redis.call('ZADD', KEYS[1], ARGV[3], id)
       out[#out + 1] = id
@@ -145,5 +208,57 @@ for _, id in ipairs(ids) do
     for i = 1, 6 do out[#out + 1] = f[i] or '' end
   end
 end
+return out
+"""
+
+# KEYS: 1 limits hash. ARGV: 1 cut-off (slots whose deadline is older are checked), 2 max per key,
+# 3 wake channel suffix.
+# Frees slots still held by calls that ended, went back to retrying, or vanished (a safety net: every
+# path that ends a call releases its slot in the same script), then refills. Returns slots freed.
+SWEEP = (
+    _SLOTS
+    + r"""
+local freed = 0
+for _, ckey in ipairs(redis.call('HKEYS', KEYS[1])) do
+  local slots, waiting = 'hermes:slots:' .. ckey, 'hermes:waiting:' .. ckey
+  local stale = redis.call('ZRANGEBYSCORE', slots, '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
+  local n = 0
+  for _, id in ipairs(stale) do
+    local st = redis.call('HGET', 'rq:job:' .. id, 'h_state')
+    if not st or st == 'done' or st == 'failed' or st == 'cancelled' or st == 'retrying' then
+      redis.call('ZREM', slots, id)
+      n = n + 1
+    end
+  end
+  if n > 0 then promote(slots, waiting, KEYS[1], ckey, ARGV[3]) end
+  if redis.call('EXISTS', slots) == 0 and redis.call('EXISTS', waiting) == 0 then
+    redis.call('HDEL', KEYS[1], ckey)
+  end
+  freed = freed + n
+end
+return freed
+"""
+)
+
+# KEYS: 1 scheduled zset. ARGV: 1 now, 2 hold until, 3 max.
+# Retries that are due, held for a while by this scheduler (a dead one's become due again), with what
+# a transition needs: {call_id, state, attempt, trace, kind, tool, channel, ckey, origin, queue, ...};
+# the last element is the next due time after them ('' when none).
+DUE = r"""
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
+local out = {}
+for _, id in ipairs(ids) do
+  local f = redis.call('HMGET', 'rq:job:' .. id, 'h_state', 'h_attempt', 'h_trace', 'h_kind', 'h_tool',
+                       'h_channel', 'h_ckey', 'origin', 'h_queue')
+  if f[1] ~= 'retrying' then
+    redis.call('ZREM', KEYS[1], id)
+  else
+    redis.call('ZADD', KEYS[1], ARGV[2], id)
+    out[#out + 1] = id
+    for i = 1, 9 do out[#out + 1] = f[i] or '' end
+  end
+end
+local nxt = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+out[#out + 1] = nxt[2] or ''
 return out
 """

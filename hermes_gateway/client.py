@@ -153,10 +153,13 @@ class Gateway:
         queue_size = spec.queue_size
         if queue_size is None:
             queue_size = self.settings.queue_size_for(spec.executor)
+        # Error retries (``retry.max``) need their attempts too; an explicit per-call max_attempts wins.
+        retries = int((spec.retry or {}).get("max") or 0)
         return {
             "ckey": concurrency_key(env),
             "queue_size": queue_size,
-            "max_attempts": env.options.max_attempts or self.settings.max_attempts,
+            "concurrency": spec.concurrency or self.settings.concurrency_for(spec.executor),
+            "max_attempts": env.options.max_attempts or max(self.settings.max_attempts, retries + 1),
             "timeout": float(env.options.timeout or spec.timeout),
         }
 
@@ -231,6 +234,7 @@ class Gateway:
         limits = {
             "ckey": concurrency_key(env),
             "queue_size": self.settings.queue_size_for("llm"),
+            "concurrency": self.settings.concurrency_for("llm"),
             "max_attempts": max_attempts or self.settings.max_attempts,
             "timeout": float(timeout or model_cfg.get("timeout") or 120.0),
         }
@@ -252,11 +256,11 @@ class Gateway:
             handle = CallHandle(self, call_id, env.name, env.kind, own=False)
         return handle
 
-    def map(self, name: str, items: Iterable[dict[str, Any]], **common: Any) -> list[CallHandle]:
+    def map(self, name: str, items: Iterable[dict[str, Any]], **common: Any) -> Batch:
         """Submit many calls of one tool in one pipelined round trip; refused items raise on ``result()``."""
         return self.submit_many(((name, args) for args in items), **common)
 
-    def submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> list[CallHandle]:
+    def submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> Batch:
         """Submit (tool, args) pairs in one pipeline; each gets a handle, refused ones carry their error."""
         opts = {k: common.pop(k) for k in ("timeout", "max_attempts", "traceparent", "tracestate", "queue") if k in common}
         prepared = []
@@ -269,7 +273,7 @@ class Gateway:
         for queue in {env.queue for env, _, _ in prepared}:
             pipe.publish(keys.channel(self.conn, keys.wake(queue)), b"")
         replies = pipe.execute(raise_on_error=False)[: len(prepared)]
-        handles = []
+        handles = Batch()
         for (env, limits, handle), reply in zip(prepared, replies, strict=True):
             try:
                 if isinstance(reply, Exception):
@@ -369,3 +373,16 @@ def decode_failures(raw: list[bytes]) -> list[dict[str, Any]]:
         except DecodeError:
             continue
     return out
+
+
+class Batch(list[CallHandle]):
+    """The handles of a batch, in submission order; ``accepted`` and ``refused`` split them."""
+
+    @property
+    def accepted(self) -> list[CallHandle]:
+        return [h for h in self if h.refused is None]
+
+    @property
+    def refused(self) -> list[tuple[int, CallHandle]]:
+        """(index in the batch, handle) of each refused item; ``handle.refused`` is its error."""
+        return [(i, h) for i, h in enumerate(self) if h.refused is not None]

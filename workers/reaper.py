@@ -62,11 +62,12 @@ def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog
                 info, State.PENDING, attempt=attempt, requeue=True, lease="-", current=State.RETRYING
             )
         else:
-            # Claimed but never started: back on the queue, same attempt.
+            # Claimed but never started: back at the head of the queue, same attempt, keeping its slot.
             pipe = calls.conn.pipeline()
-            pipe.zadd(keys.waiting(item["ckey"]), {call_id: 0})
+            pipe.zadd(keys.slots(item["ckey"]), {call_id: "inf"}, xx=True)
             pipe.lpush(item["queue"], call_id)
             pipe.zrem(keys.LEASES, call_id)
+            pipe.publish(keys.wake(item["queue"].split(":", 2)[-1]) + calls.wake_suffix, b"")
             pipe.execute()
         log.info("requeued call of a lost worker", call_id=call_id, state=state)
         return
@@ -99,7 +100,15 @@ def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog
             fields={keys.F_ATTEMPT: attempt + 1},
         )
         if int(reply[0]) > 0:
-            calls.transition(info, State.PENDING, attempt=attempt + 1, requeue=True, current=State.RETRYING)
+            # Lost work goes before the calls waiting for a slot (score 0).
+            calls.transition(
+                info,
+                State.PENDING,
+                attempt=attempt + 1,
+                requeue=True,
+                requeue_score=0,
+                current=State.RETRYING,
+            )
         log.warning("worker lost mid-call, retrying", call_id=call_id, attempt=attempt + 1)
     else:
         err = WorkerLost(

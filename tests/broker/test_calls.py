@@ -37,8 +37,10 @@ def env(
     )
 
 
-def submit(calls: Calls, e: Envelope, queue_size: int = -1, ckey: str = CKEY) -> tuple[bool, str]:
-    reply = calls.submit(e, ckey=ckey, queue_size=queue_size, max_attempts=3, timeout=5)
+def submit(
+    calls: Calls, e: Envelope, queue_size: int = -1, ckey: str = CKEY, concurrency: int = -1
+) -> tuple[bool, str]:
+    reply = calls.submit(e, ckey=ckey, queue_size=queue_size, max_attempts=3, timeout=5, concurrency=concurrency)
     return Calls.check_submit(reply, ckey, queue_size)
 
 
@@ -73,7 +75,7 @@ def test_submitting_the_same_call_id_twice_is_a_no_op(fake: Any) -> None:
     assert submit(calls, env("c1", n=2)) == (False, "c1")
     assert fake.llen(keys.queue("tools")) == 1
     assert fake.llen(keys.history("c1")) == 1
-    assert fake.zcard(keys.waiting(CKEY)) == 1
+    assert fake.zcard(keys.slots(CKEY)) == 1  # no limit: it holds a slot at once
     assert calls.record("c1")["envelope"].args == {"n": 1}
 
 
@@ -87,19 +89,24 @@ def test_an_idempotency_key_returns_the_call_that_already_exists(fake: Any) -> N
     assert submit(calls, env("third", idem="order-43")) == (True, "third")
 
 
-def test_queue_full_is_refused_at_once_and_admits_again_after_a_claim(fake: Any) -> None:
+def test_queue_full_is_refused_at_once_and_admits_again_after_a_call_ends(fake: Any) -> None:
+    # queue_size bounds the calls waiting beyond the concurrency limit (here 1 running + 3 waiting).
     calls = Calls(fake)
-    for i in range(3):
-        assert submit(calls, env(f"c{i}"), queue_size=3)[0]
+    for i in range(4):
+        assert submit(calls, env(f"c{i}"), queue_size=3, concurrency=1)[0]
     with pytest.raises(QueueFull) as info:
-        submit(calls, env("c3"), queue_size=3)
+        submit(calls, env("c4"), queue_size=3, concurrency=1)
     assert info.value.details == {"key": CKEY, "limit": 3, "depth": 3}
-    assert not fake.exists(keys.job("c3")) and not fake.exists(keys.history("c3"))
-    assert fake.llen(keys.queue("tools")) == 3
+    assert not fake.exists(keys.job("c4")) and not fake.exists(keys.history("c4"))
+    assert fake.lrange(keys.queue("tools"), 0, -1) == [b"c0"]
     # Another concurrency key on the same queue has its own limit.
-    assert submit(calls, env("other", tool="other"), queue_size=3, ckey="tool:other")[0]
+    assert submit(calls, env("other", tool="other"), queue_size=3, ckey="tool:other", concurrency=1)[0]
     assert [c.call_id for c in calls.claim(["tools"], 1, "w1", 30)] == ["c0"]
-    assert submit(calls, env("c3"), queue_size=3) == (True, "c3")
+    with pytest.raises(QueueFull):  # claiming does not free a slot: ending does
+        submit(calls, env("c4"), queue_size=3, concurrency=1)
+    assert calls.transition(CallInfo.of(env("c0"), CKEY), State.CANCELLED, attempt=1, fence=False)[0] > 0
+    assert fake.lrange(keys.queue("tools"), 0, -1) == [b"other", b"c1"]
+    assert submit(calls, env("c4"), queue_size=3, concurrency=1) == (True, "c4")
 
 
 def test_a_cancelled_call_frees_its_place_in_the_waiting_queue(fake: Any) -> None:
@@ -112,8 +119,8 @@ def test_a_cancelled_call_frees_its_place_in_the_waiting_queue(fake: Any) -> Non
 
 
 def test_admission_is_atomic_under_racing_pipelines(conn: redis.Redis) -> None:
-    # Eight threads each pipeline 50 submissions against a limit of 120: exactly 120 get in.
-    limit, threads, per = 120, 8, 50
+    # Eight threads each pipeline 50 submissions against 10 slots and 120 waiting: exactly 130 get in.
+    limit, threads, per, running = 120, 8, 50, 10
     results: list[Any] = []
     lock = threading.Lock()
     start = threading.Barrier(threads)
@@ -123,7 +130,13 @@ def test_admission_is_atomic_under_racing_pipelines(conn: redis.Redis) -> None:
         pipe = calls.conn.pipeline(transaction=False)
         for i in range(per):
             calls.submit(
-                env(f"t{t}-{i}"), ckey=CKEY, queue_size=limit, max_attempts=3, timeout=5, pipeline=pipe
+                env(f"t{t}-{i}"),
+                ckey=CKEY,
+                queue_size=limit,
+                max_attempts=3,
+                timeout=5,
+                concurrency=running,
+                pipeline=pipe,
             )
         start.wait()
         replies = pipe.execute()
@@ -137,10 +150,10 @@ def test_admission_is_atomic_under_racing_pipelines(conn: redis.Redis) -> None:
         th.join()
     accepted = [r for r in results if int(r[0]) == 1]
     refused = [r for r in results if int(r[0]) == -1]
-    assert len(accepted) == limit and len(refused) == threads * per - limit
+    assert len(accepted) == limit + running and len(refused) == threads * per - limit - running
     assert conn.zcard(keys.waiting(CKEY)) == limit
-    assert conn.llen(keys.queue("tools")) == limit
-    assert len(conn.keys(keys.RQ_JOB.format("*"))) == limit
+    assert conn.llen(keys.queue("tools")) == running
+    assert len(conn.keys(keys.RQ_JOB.format("*"))) == limit + running
     assert all(int(r[1]) == limit for r in refused)
 
 
@@ -153,9 +166,10 @@ def test_claim_takes_calls_in_order_and_leases_them(fake: Any) -> None:
     assert [c.call_id for c in got] == ["c0", "c1", "c2"]
     assert all(c.attempt == 1 and c.data for c in got)
     assert fake.lrange(keys.queue("tools"), 0, -1) == [b"c3", b"c4"]
-    assert fake.zcard(keys.waiting(CKEY)) == 2
+    assert fake.zscore(keys.slots(CKEY), "c3") == float("inf")  # queued: holds its slot, not leased
     for c in got:
         assert before + 29 < fake.zscore(keys.LEASES, c.call_id) < time.time() + 31
+        assert fake.zscore(keys.slots(CKEY), c.call_id) == fake.zscore(keys.LEASES, c.call_id)
         assert fake.hget(keys.job(c.call_id), keys.F_WORKER) == b"worker-a"
         assert fake.hget(keys.job(c.call_id), "worker_name") == b"worker-a"
         assert unpack(c.data)[2][0]["call_id"] == c.call_id

@@ -28,7 +28,7 @@ TP = f"00-{TRACE}-{SPAN}-01"
 def gw(gateway: Gateway, home: Any) -> Gateway:
     home.echo_tool()
     home.sleep_tool()
-    home.echo_tool("tiny", queue_size=2)
+    home.echo_tool("tiny", queue_size=2, concurrency=1)  # 1 running + 2 waiting, then QueueFull
     gateway.sync_tools()
     return gateway
 
@@ -76,22 +76,22 @@ def test_bad_arguments_and_unknown_context_are_refused_at_once(gw: Gateway, conn
 
 
 def test_a_full_queue_is_queue_full_at_once_never_a_silent_drop(gw: Gateway, conn: Any) -> None:
-    gw.call_tool("tiny", {})
-    gw.call_tool("tiny", {})
+    for _ in range(3):
+        gw.call_tool("tiny", {})
     with pytest.raises(QueueFull) as info:
         gw.call_tool("tiny", {})
     assert info.value.details["limit"] == 2
-    assert conn.llen(keys.queue("tools")) == 2
-    assert len(gw._handles) == 2  # the refused call is not left tracked
+    assert conn.llen(keys.queue("tools")) == 1  # only the call holding the slot is on the queue
+    assert len(gw._handles) == 3  # the refused call is not left tracked
 
 
 def test_map_submits_in_one_go_and_refused_items_raise_on_result(gw: Gateway, conn: Any) -> None:
-    handles = gw.map("tiny", [{"i": i} for i in range(4)])
-    assert [h.state for h in handles] == ["pending", "pending", "refused", "refused"]
+    handles = gw.map("tiny", [{"i": i} for i in range(5)])
+    assert [h.state for h in handles] == ["pending", "pending", "pending", "refused", "refused"]
     with pytest.raises(QueueFull):
-        handles[3].result(0)
-    assert handles[3].done()
-    assert conn.llen(keys.queue("tools")) == 2
+        handles[4].result(0)
+    assert handles[4].done()
+    assert conn.llen(keys.queue("tools")) == 1
 
 
 def test_an_idempotency_key_gives_back_the_existing_call(gw: Gateway, conn: Any) -> None:

@@ -195,7 +195,7 @@ def test_reaper_retries_a_lost_call_while_attempts_are_left(fake: Any) -> None:
     assert hist[3].detail == {"reason": "worker_lost", "next_attempt": 2}
     assert (hist[3].attempt, hist[4].attempt) == (1, 2)
     assert fake.lrange(keys.queue("tools"), 0, -1) == [b"c1"]
-    assert fake.zscore(keys.waiting("tool:echo"), "c1") is not None
+    assert fake.zscore(keys.slots("tool:echo"), "c1") == float("inf")  # back on the queue with a slot
     assert fake.zscore(keys.LEASES, "c1") is None
     assert int(fake.hget(keys.job("c1"), keys.F_ATTEMPT)) == 2
     assert reaper.reap(Calls(fake), lease=5, result_ttl=600) == 0

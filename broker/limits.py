@@ -1,0 +1,79 @@
+"""Concurrency slots and scheduled retries, as seen from outside a call: sweep, due retries, snapshot.
+
+The slots themselves are taken and given back inside the call scripts (SUBMIT, CLAIM, TRANSITION), so a
+call's flow-control bookkeeping costs no extra round trip; this module holds what runs beside them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from . import keys, scripts
+
+
+@dataclass(frozen=True)
+class Due:
+    """A ``retrying`` call whose next attempt is due."""
+
+    call_id: str
+    attempt: int
+    trace_id: str
+    kind: str
+    name: str
+    channel: str
+    ckey: str
+    queue: str
+
+
+class Limits:
+    """Scripted operations on concurrency slots and the retry schedule."""
+
+    def __init__(self, conn: redis.Redis) -> None:
+        self.conn = conn
+        self._sweep = conn.register_script(scripts.SWEEP)
+        self._due = conn.register_script(scripts.DUE)
+        self.wake_suffix = keys.channel(conn, "")
+
+    def sweep(self, grace: float, per_key: int = 200) -> int:
+        """Free slots whose lease ran out more than ``grace`` seconds ago and whose call no longer runs."""
+        return int(self._sweep(keys=[keys.LIMITS], args=[time.time() - grace, per_key, self.wake_suffix]))
+
+    def due(self, hold: float, limit: int = 100) -> tuple[list[Due], float | None]:
+        """Retries due now (held ``hold`` seconds for this caller), and when the next one is due."""
+        now = time.time()
+        reply = self._due(keys=[keys.SCHEDULED], args=[now, now + hold, limit])
+        nxt = reply[-1]
+        out = []
+        for i in range(0, len(reply) - 1, 10):
+            cid, _state, attempt, trace, kind, tool, chan, ckey, origin, _queue = (
+                v.decode() if isinstance(v, bytes) else str(v) for v in reply[i : i + 10]
+            )
+            out.append(Due(cid, int(attempt or 1), trace, kind, tool, chan, ckey, origin))
+        return out, (float(nxt) if nxt not in (b"", "", None) else None)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Every concurrency key with its limit, calls holding a slot and calls waiting for one."""
+        raw = self.conn.hgetall(keys.LIMITS)
+        names = sorted(k.decode() for k in raw)
+        pipe = self.conn.pipeline(transaction=False)
+        for ckey in names:
+            pipe.zcard(keys.slots(ckey))
+            pipe.zcard(keys.waiting(ckey))
+        counts = pipe.execute()
+        return [
+            {
+                "key": ckey,
+                "limit": int(raw[ckey.encode()]),
+                "running": int(counts[2 * i]),
+                "waiting": int(counts[2 * i + 1]),
+            }
+            for i, ckey in enumerate(names)
+        ]
+
+    def scheduled(self) -> int:
+        """How many retries are waiting for their time."""
+        return int(self.conn.zcard(keys.SCHEDULED))
