@@ -1,0 +1,90 @@
+"""Client-side tracing: the producer span of a submission, and the SDK set-up for the CLI.
+
+A submission is a ``send <queue>`` PRODUCER span (messaging.system ``rq``; ``messaging.message.id`` is
+the call id) under the caller's current span or the ``traceparent`` the caller passed. Its context —
+``traceparent``, ``tracestate`` and W3C ``baggage`` — rides in the envelope, and the worker's
+``process <queue>`` span continues from it. A batch (``map``/``submit_many``) is one span with
+``messaging.batch.message_count``. With no SDK provider there is no span: the envelope carries the
+caller's context as it is, or a fresh trace id (``ensure_traceparent``).
+"""
+
+from __future__ import annotations
+
+import os
+from types import TracebackType
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from broker.envelope import Envelope
+from workers import otelsdk
+from workers.telemetry import MESSAGING_SYSTEM, headers_of, mark_failed, parent_context
+
+Headers = tuple[str | None, str | None, str | None]  # traceparent, tracestate, baggage
+
+
+def setup(mode: str | None = None) -> str:
+    """Install the SDK in this process (``--trace`` / ``OTEL_*``); workers started from here inherit it."""
+    if mode:
+        os.environ[otelsdk.TRACE_ENV] = mode
+    return otelsdk.setup("hermes-gateway", mode)
+
+
+def current_headers() -> Headers:
+    """``(traceparent, tracestate, baggage)`` of the caller's current OpenTelemetry context."""
+    return headers_of()
+
+
+class Sending:
+    """The producer span of one submission or one batch; ``headers`` go into the envelope(s)."""
+
+    def __init__(self, traceparent: str | None = None, tracestate: str | None = None) -> None:
+        tracer = otelsdk.tracer()
+        if traceparent is not None:
+            parent: Any = parent_context(traceparent, tracestate, headers_of()[2])
+        else:
+            parent = None  # the current context
+        self.span: Any = None
+        if tracer is None:
+            self.headers: Headers = (traceparent, tracestate, None) if traceparent else current_headers()
+            return
+        self.span = tracer.start_span(
+            "send",
+            context=parent,
+            kind=SpanKind.PRODUCER,
+            attributes={
+                "messaging.system": MESSAGING_SYSTEM,
+                "messaging.operation.type": "send",
+                "messaging.operation.name": "send",
+            },
+        )
+        self.headers = headers_of(trace.set_span_in_context(self.span, parent))
+
+    def describe(self, env: Envelope | None, count: int = 1) -> None:
+        """Name the span after the destination and tag it with the message (or the batch size)."""
+        if self.span is None or env is None:
+            return
+        self.span.update_name(f"send {env.queue}")
+        attrs: dict[str, Any] = {"messaging.destination.name": env.queue}
+        if count == 1:
+            attrs["messaging.message.id"] = env.call_id
+            if env.kind == "tool":
+                attrs["gen_ai.tool.name"] = env.tool or ""
+            else:
+                attrs["gen_ai.request.model"] = env.name
+        else:
+            attrs["messaging.batch.message_count"] = count
+        self.span.set_attributes(attrs)
+
+    def __enter__(self) -> Sending:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.span is None:
+            return
+        if exc is not None:
+            mark_failed(self.span, exc)
+        self.span.end()
