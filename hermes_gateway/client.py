@@ -23,6 +23,7 @@ from broker.errors import DecodeError, HermesError, NoWorkers, QueueFull
 from broker.toolspec import ToolSpec
 from broker.tracecontext import ensure_traceparent
 from hermes_gateway.handle import CallHandle, cancel_call
+from hermes_gateway.telemetry import Sending, current_headers
 from workers.core import concurrency_key
 
 log = structlog.get_logger("hermes.client")
@@ -127,9 +128,10 @@ class Gateway:
             from broker.errors import InvalidArgs
 
             raise InvalidArgs(f"arguments for {name!r} must be a mapping, got {type(args).__name__}")
-        tp, ts = opts.get("traceparent"), opts.get("tracestate")
+        # The producer span's context when tracing is on (Sending), else the caller's own or the current one.
+        tp, ts, bg = opts.get("trace_headers") or (opts.get("traceparent"), opts.get("tracestate"), None)
         if tp is None:
-            tp, ts = current_traceparent()
+            tp, ts, bg = current_headers()
         env = Envelope(
             call_id=opts.get("call_id") or new_call_id(),
             kind="tool",
@@ -139,6 +141,7 @@ class Gateway:
             context={k: v for k, v in context.items() if v is not None},
             traceparent=ensure_traceparent(tp),
             tracestate=ts,
+            baggage=bg,
             options=Options(
                 timeout=opts.get("timeout"),
                 idempotency_key=opts.get("idempotency_key"),
@@ -185,8 +188,11 @@ class Gateway:
             "tracestate": tracestate,
             "queue": queue,
         }
-        env, spec = self._envelope(name, args, opts, context)
-        return self._submit(env, self._limits(env, spec))
+        with Sending(traceparent, tracestate) as send:
+            opts["trace_headers"] = send.headers
+            env, spec = self._envelope(name, args, opts, context)
+            send.describe(env)
+            return self._submit(env, self._limits(env, spec))
 
     def call_llm(
         self,
@@ -217,9 +223,8 @@ class Gateway:
         context.setdefault("provider", model_cfg.get("provider") or "openai-compatible")
         context.setdefault("api_mode", model_cfg.get("api_mode") or "chat_completions")
         context["model"] = request.get("model") or context.get("model") or model_cfg.get("model")
-        tp, ts = traceparent, tracestate
-        if tp is None:
-            tp, ts = current_traceparent()
+        send = Sending(traceparent, tracestate)
+        tp, ts, bg = send.headers
         env = Envelope(
             call_id=new_call_id(),
             kind="llm",
@@ -227,6 +232,7 @@ class Gateway:
             context={k: v for k, v in context.items() if v is not None},
             traceparent=ensure_traceparent(tp),
             tracestate=ts,
+            baggage=bg,
             options=Options(timeout=timeout, idempotency_key=idempotency_key, max_attempts=max_attempts),
             queue=queue,
             channel=self.channel,
@@ -238,7 +244,9 @@ class Gateway:
             "max_attempts": max_attempts or self.settings.max_attempts,
             "timeout": float(timeout or model_cfg.get("timeout") or 120.0),
         }
-        return self._submit(env, limits)
+        with send:
+            send.describe(env)
+            return self._submit(env, limits)
 
     def _submit(self, env: Envelope, limits: dict[str, Any]) -> CallHandle:
         handle = self._track(CallHandle(self, env.call_id, env.name, env.kind))
@@ -263,6 +271,8 @@ class Gateway:
     def submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> Batch:
         """Submit (tool, args) pairs in one pipeline; each gets a handle, refused ones carry their error."""
         opts = {k: common.pop(k) for k in ("timeout", "max_attempts", "traceparent", "tracestate", "queue") if k in common}
+        send = Sending(opts.get("traceparent"), opts.get("tracestate"))  # one producer span for the batch
+        opts["trace_headers"] = send.headers
         prepared = []
         for name, args in calls:
             env, spec = self._envelope(name, args, opts, common)
@@ -272,7 +282,9 @@ class Gateway:
             self.calls.submit(env, pipeline=pipe, **limits)
         for queue in {env.queue for env, _, _ in prepared}:
             pipe.publish(keys.channel(self.conn, keys.wake(queue)), b"")
-        replies = pipe.execute(raise_on_error=False)[: len(prepared)]
+        with send:
+            send.describe(prepared[0][0] if prepared else None, len(prepared))
+            replies = pipe.execute(raise_on_error=False)[: len(prepared)]
         handles = Batch()
         for (env, limits, handle), reply in zip(prepared, replies, strict=True):
             try:
