@@ -21,6 +21,7 @@ from broker.events import DELTA, PROGRESS
 from broker.states import State
 from workers.executors.base import ExecContext
 from workers.providers import ProviderContext, get_provider, give_up_reason, retry_delay
+from workers.telemetry import record_usage
 
 if TYPE_CHECKING:
     from workers.core import WorkerCore
@@ -146,7 +147,11 @@ class LLMCall:
                 traceparent=ctx.traceparent,
                 tracestate=ctx.tracestate,
             )
-            return provider.complete(request, pctx)
+            # ``chat <model>``: the provider forwards this span's context (pctx.traceparent) to the API.
+            with run.trace.provider(self.model, str(self.context["provider"]), pctx) as span:
+                response = provider.complete(request, pctx)
+                record_usage(span, response)
+                return response
 
         return self.core.llm_flow.run(
             copy.deepcopy(self.request), call_provider=call_provider, context=context
@@ -185,6 +190,7 @@ class LLMCall:
     def _announce_retry(self, error: ProviderError | ProviderTimeout, n: int, delay: float) -> None:
         message = f"retrying after {delay:.1f}s: {_label(error)}"
         log.info("llm attempt failed, retrying", attempt=n, delay_s=round(delay, 3), error=str(error))
+        self.run.trace.retry(n, delay, error)
         detail = {
             "message": message,
             "attempt": n,
