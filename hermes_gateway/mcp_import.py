@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,9 +38,12 @@ def import_server(
     ``write_dir`` also writes each spec to ``<write_dir>/<name>.yaml`` (for an embedded broker, whose
     directory ends with the command).
     """
+    listing = dict(server)
+    if not _stderr_is_a_file():
+        listing["stderr"] = "discard"  # the SDK hands the server our stderr, which must be a real file
     out = []
-    for found in list_server_tools(server, handshake_timeout=handshake_timeout):
-        data = {**found, "name": f"{prefix}{found['name']}"}
+    for found in list_server_tools(listing, handshake_timeout=handshake_timeout):
+        data = {**found, "name": f"{prefix}{found['name']}", "mcp": server}
         try:
             spec = ToolSpec.from_dict(data)
         except InvalidSpec as e:
@@ -54,3 +58,11 @@ def import_server(
                 yaml.safe_dump(spec.to_dict(), allow_unicode=True, sort_keys=False), encoding="utf-8"
             )
     return out
+
+
+def _stderr_is_a_file() -> bool:
+    try:
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    return True

@@ -1,0 +1,231 @@
+"""Filling and reading the directory: v0.9 migration, ``mcp add``, ``tool list``, model-facing schemas."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from broker import keys
+from broker.directory import Directory, load_spec_dir
+from hermes_gateway.cli import main
+from hermes_gateway.migrate import migrate, upgrade_spec
+
+MCP_SERVER = Path(__file__).resolve().parents[1] / "workers" / "executors" / "mcp_server.py"
+
+# A v0.9 home: one tools.json list (old key names) and per-file specs in tools/.
+TOOLS_JSON = {
+    "tools": [
+        {
+            "name": "get_weather",
+            "description": "查询指定城市的实时天气情况",
+            "type": "rest",
+            "url": "http://127.0.0.1:8081/weather",
+            "schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            "timeout_ms": 5000,
+            "tags": ["read_only"],
+        },
+        {"name": "adder", "type": "py", "handler": "tests.workers.executors.pyfuncs:add", "retries": 2},
+        {"name": "off", "type": "shell", "cmd": "echo off", "enabled": False},
+        {"name": "broken", "type": "shell", "cmd": "echo", "schema": {"type": "object", "required": "x"}},
+    ]
+}
+OLD_HELLO = "name: hello\ntype: shell\ncmd: echo Hello, {{name}}!\nparameters: {type: object, properties: {name: {type: string}}}\ntimeout_ms: 2500\n"
+NEW_ECHO = "name: echo\nexecutor: python\nfunction: workers.executors.builtin:echo\n"
+
+
+def _v09_home(home: Any) -> None:
+    (home.path / "tools.json").write_text(json.dumps(TOOLS_JSON, ensure_ascii=False), encoding="utf-8")
+    (home.tools_dir / "hello.yaml").write_text(OLD_HELLO, encoding="utf-8")
+    (home.tools_dir / "lookup.json").write_text(
+        json.dumps({"type": "sql", "sql": "SELECT 1 WHERE :x = :x", "timeout_ms": 800}), encoding="utf-8"
+    )
+    (home.tools_dir / "echo.yaml").write_text(NEW_ECHO, encoding="utf-8")
+
+
+def test_upgrade_spec_renames_the_old_keys() -> None:
+    new, notes = upgrade_spec(
+        {"name": "x", "type": "shell", "cmd": "ls", "timeout_ms": 1500, "tags": "admin"}
+    )
+    assert new == {
+        "name": "x",
+        "executor": "command",
+        "command": "ls",
+        "timeout": 1.5,
+        "permissions": ["admin"],
+    }
+    assert "type→executor" in notes and "executor shell→command" in notes and "timeout_ms→timeout" in notes
+
+
+def test_migrate_imports_reports_why_and_a_second_run_changes_nothing(fake: Any, home: Any) -> None:
+    _v09_home(home)
+    d = Directory(fake)
+    first = {o.name: o for o in migrate(d, home.path)}
+    assert {n: o.status for n, o in first.items()} == {
+        "get_weather": "imported",
+        "adder": "imported",
+        "off": "skipped",
+        "broken": "skipped",
+        "echo": "imported",
+        "hello": "imported",
+        "lookup": "imported",
+    }
+    assert first["off"].reason == "disabled in v0.9 (enabled: false)"
+    assert first["broken"].reason.endswith(
+        "input_schema.required: not valid JSON Schema 2020-12: 'x' is not of type 'array'"
+    )
+    assert "schema→input_schema" in first["get_weather"].reason
+    weather = d.fetch("get_weather").spec
+    assert (weather.executor, weather.timeout, weather.permissions) == ("http", 5.0, ("read_only",))
+    assert d.fetch("adder").spec.retry == {"max": 2}
+    assert d.fetch("hello").spec.config["command"] == "echo Hello, {{name}}!"
+
+    # Old per-file specs were rewritten in the v0.10 shape (originals kept), so tool list can read tools/.
+    assert sorted(p.name for p in home.tools_dir.iterdir()) == [
+        "echo.yaml",
+        "hello.yaml",
+        "hello.yaml.v09.bak",
+        "lookup.json.v09.bak",
+        "lookup.yaml",
+    ]
+    assert {s.name for s in load_spec_dir(home.tools_dir)} == {"echo", "hello", "lookup"}
+
+    counter = fake.get(keys.TOOLS_VERSION)
+    second = migrate(d, home.path)
+    assert {o.name: o.status for o in second if o.name not in ("off", "broken")} == dict.fromkeys(
+        ["get_weather", "adder", "echo", "hello", "lookup"], "unchanged"
+    )
+    assert [o.reason for o in second if o.status == "skipped"] == [
+        first["off"].reason,
+        first["broken"].reason,
+    ]
+    assert fake.get(keys.TOOLS_VERSION) == counter
+
+
+def test_migrate_keeps_a_different_directory_spec_unless_forced(fake: Any, home: Any) -> None:
+    (home.tools_dir / "hello.yaml").write_text(OLD_HELLO, encoding="utf-8")
+    d = Directory(fake)
+    d.register({"name": "hello", "executor": "command", "command": "echo newer"})
+    [o] = migrate(d, home.path, dry_run=True)
+    assert (o.status, o.reason) == ("skipped", "differs from the directory's spec")
+    [o] = migrate(d, home.path)
+    assert o.status == "skipped" and "--force replaces it" in o.reason
+    assert (home.tools_dir / "hello.yaml").read_text() == OLD_HELLO  # not rewritten: nothing was imported
+    [o] = migrate(d, home.path, force=True)
+    assert (o.status, o.version) == ("updated", 2)
+    assert d.fetch("hello").spec.config["command"] == "echo Hello, {{name}}!"
+
+
+def test_cli_migrate_twice_on_the_shared_broker(
+    redis_url: str, home: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HERMES_REDIS_URL", redis_url)
+    (home.path / "tools.yaml").write_text(
+        yaml.safe_dump([{"name": "adder", "type": "py", "handler": "tests.workers.executors.pyfuncs:add"}]),
+        encoding="utf-8",
+    )
+    (home.tools_dir / "hello.yaml").write_text(OLD_HELLO, encoding="utf-8")
+    runner = CliRunner()
+    first = runner.invoke(main, ["migrate"])
+    assert first.exit_code == 0, first.output
+    assert "imported   adder" in first.output and "1 imported" not in first.output
+    assert first.output.strip().endswith("2 imported")
+    second = runner.invoke(main, ["migrate", "--json"])
+    assert second.exit_code == 0, second.output
+    assert [(o["name"], o["status"]) for o in json.loads(second.output)] == [
+        ("adder", "unchanged"),
+        ("hello", "unchanged"),
+    ]
+
+
+def test_tool_list_shows_limits_permissions_and_breaker_state(
+    redis_url: str, home: Any, conn: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HERMES_REDIS_URL", redis_url)
+    home.config({"executors": {"python": {"concurrency": 7}}})
+    home.echo_tool("echo", permissions=["read_only"], queue_size=3)
+    home.noop_tool("noop", breaker={"failures": 2, "cooldown": 5})
+    conn.hset(keys.breaker("tool:noop"), mapping={"state": "open", "opened_at": 1})
+    result = CliRunner().invoke(main, ["tool", "list", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["name"]: r for r in json.loads(result.output)}
+    assert rows["echo"]["limits"] == {"concurrency": 7, "queue_size": 3, "timeout": 10.0}
+    assert (rows["echo"]["permissions"], rows["echo"]["breaker_state"]) == (["read_only"], "closed")
+    assert rows["noop"]["breaker_state"] == "open"
+    from rich.console import Console
+
+    monkeypatch.setattr("hermes_gateway.views.console", Console(width=200))
+    table = CliRunner().invoke(main, ["tool", "list"])
+    assert table.exit_code == 0, table.output
+    assert "breaker" in table.output and "open" in table.output and "closed" in table.output
+
+
+def test_tool_schemas_are_the_tools_each_principal_may_call(redis_url: str, home: Any) -> None:
+    from hermes_gateway.client import Gateway
+
+    home.config(
+        {
+            "policy": {
+                "mode": "strict",
+                "principals": {
+                    "reader": {"grants": ["read_only"]},
+                    "admin": {"grants": ["read_only", "write"]},
+                },
+            }
+        }
+    )
+    gw = Gateway.connect(redis_url, home=str(home.path), embedded_ok=False)
+    try:
+        schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+        gw.register_tool(
+            {**_py("lookup"), "description": "Look up", "permissions": ["read_only"], "input_schema": schema}
+        )
+        gw.register_tool({**_py("drop"), "permissions": ["write"]})
+        gw.register_tool(_py("undeclared"))  # strict mode: nobody may call it
+        names = {p: [t["function"]["name"] for t in gw.tool_schemas(p)] for p in ("reader", "admin", None)}
+        assert names == {"reader": ["lookup"], "admin": ["drop", "lookup"], None: []}
+        [lookup] = gw.tool_schemas("reader")
+        assert lookup == {
+            "type": "function",
+            "function": {"name": "lookup", "description": "Look up", "parameters": schema},
+        }
+        assert gw.tool_schemas("admin")[0]["function"]["parameters"] == {"type": "object", "properties": {}}
+    finally:
+        gw.close()
+
+
+def _py(name: str) -> dict[str, Any]:
+    return {"name": name, "executor": "python", "function": "workers.executors.builtin:echo"}
+
+
+def test_mcp_add_imports_every_tool_of_a_real_server(
+    redis_url: str, home: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HERMES_REDIS_URL", redis_url)
+    command = f"{sys.executable} {MCP_SERVER} stdio"
+    runner = CliRunner()
+    first = runner.invoke(main, ["mcp", "add", "test", "--command", command, "--prefix", "t_"])
+    assert first.exit_code == 0, first.output
+    lines = [line.split() for line in first.output.splitlines()[:-1]]
+    assert {(words[0], words[1]) for words in lines} >= {
+        ("added", "t_greet"),
+        ("added", "t_add"),
+        ("added", "t_fail"),
+    }
+    assert first.output.splitlines()[-1].startswith("test: ")
+    d = Directory(__import__("redis").Redis.from_url(redis_url))
+    greet = d.fetch("t_greet").spec
+    assert (greet.executor, greet.config["tool"]) == ("mcp", "greet")
+    assert greet.config["mcp"]["command"][-2:] == [str(MCP_SERVER), "stdio"]
+    assert greet.input_schema["properties"]["name"]["type"] == "string"
+    second = runner.invoke(main, ["mcp", "add", "test", "--command", command, "--prefix", "t_"])
+    assert {line.split()[0] for line in second.output.splitlines()[:-1]} == {"unchanged"}
+    bad = runner.invoke(
+        main, ["mcp", "add", "nowhere", "--command", f"{sys.executable} -c pass", "--timeout", "3"]
+    )
+    assert bad.exit_code == 1 and "nowhere:" in bad.output
