@@ -25,10 +25,12 @@ from middleware import LLMCallFlow, PluginManager, ToolCallFlow
 from middleware.plugins import NAMESPACE as PLUGIN_NAMESPACE
 from workers import metrics, otelsdk, policy_store
 from workers.args import check_output, coerce_args, validate_args
+from workers.breakers import BreakerGuard
 from workers.executors.base import ExecContext, get_executor
 from workers.llm import describe_response
 from workers.outbox import Outbox
 from workers.policy import Policy
+from workers.retry import RetryScheduler
 from workers.runner import Running
 
 log = structlog.get_logger("hermes.worker")
@@ -74,6 +76,8 @@ class WorkerCore:
         self.policy_version = 0
         self.refresh_policy()
         self.audit = AuditLog.from_settings(conn, settings.audit)
+        self.breakers = BreakerGuard(self)
+        self.scheduler = RetryScheduler(conn, hold=settings.lease)  # run on a thread by the Worker
         # Plugins log through stdlib logging (they run inside Hermes too); the root logger is held at
         # WARNING to quiet libraries, so plugin loggers get the gateway's own level.
         logging.getLogger(PLUGIN_NAMESPACE).setLevel(settings.log_level)
@@ -206,8 +210,12 @@ class WorkerCore:
         args: dict[str, Any],
         ctx: ExecContext,
         move: Callable[..., None],
+        publish: Callable[..., None] | None = None,
     ) -> Any:
-        """Coerce → ``tool_request`` → checks on the effective args → ``tool_execution`` around the executor."""
+        """Coerce → ``tool_request`` → checks on the effective args → ``tool_execution`` around the executor.
+
+        The tool's circuit breaker is checked right before its executor and told the outcome after.
+        """
         env = run.env
         args = coerce_args(spec.input_schema, args)
         principal = env.context.get("principal")
@@ -234,7 +242,8 @@ class WorkerCore:
             move(run, State.EXECUTING)
             ctx.check()
             # The executors forward ctx.traceparent: the executor span's context, so the back end's parent is it.
-            with trace.executor(spec, eff, ctx, spec.sensitive):
+            breaker = self.breakers.guard(run, spec, ctx.timeout, publish)
+            with breaker, trace.executor(spec, eff, ctx, spec.sensitive):
                 return get_executor(spec.executor, ctx.settings).run(spec, eff, ctx)
 
         context = {k: env.context.get(k) for k in TOOL_CONTEXT if env.context.get(k) is not None}
@@ -249,6 +258,10 @@ class WorkerCore:
         if run.state is State.ROUTING:  # a middleware answered without calling the tool
             move(run, State.EXECUTING)
         return result
+
+    def retries_scheduled(self, due: float) -> None:
+        """A retry went on the schedule here: the scheduler looks again by ``due``."""
+        self.scheduler.kick(due)
 
     def format_result(self, run: Running, spec: ToolSpec, result: Any) -> Any:
         check_output(spec.output_schema, result, spec.name)
