@@ -224,7 +224,7 @@ class WorkerCore:
         run.sensitive = spec.sensitive
         trace, chain = run.trace, False
         if trace.span is not None:  # tracing on: a span for each middleware stage that has registrations
-            runtime = self.plugins.runtime()
+            runtime = self.plugins.runtime
             chain = runtime.has_middleware("tool_execution")
             if runtime.has_middleware("tool_request"):
                 trace.open("tool_request")
