@@ -18,13 +18,12 @@ from broker.codec import unpack
 from broker.config import Settings, load_settings
 from broker.connection import BrokerHandle, connect
 from broker.directory import Directory, Entry, sync_dir
-from broker.envelope import CONTEXT_FIELDS, Envelope, Options, new_call_id
+from broker.envelope import Envelope
 from broker.errors import DecodeError, HermesError, NoWorkers, QueueFull
 from broker.toolspec import ToolSpec
-from broker.tracecontext import ensure_traceparent
+from hermes_gateway.envelopes import check_llm_request, llm_envelope, tool_envelope, tool_limits
 from hermes_gateway.handle import CallHandle, cancel_call
-from hermes_gateway.telemetry import Sending, current_headers
-from workers.core import concurrency_key
+from hermes_gateway.telemetry import Sending
 
 log = structlog.get_logger("hermes.client")
 
@@ -120,51 +119,10 @@ class Gateway:
 
     def _envelope(self, name: str, args: dict[str, Any] | None, opts: dict[str, Any], context: dict[str, Any]) -> tuple[Envelope, ToolSpec]:
         entry = self.directory.get(name)
-        spec = entry.spec
-        unknown = set(context) - set(CONTEXT_FIELDS)
-        if unknown:
-            raise TypeError(f"unknown call context field(s): {', '.join(sorted(unknown))}; known: {', '.join(CONTEXT_FIELDS)}")
-        if args is not None and not isinstance(args, dict):
-            from broker.errors import InvalidArgs
-
-            raise InvalidArgs(f"arguments for {name!r} must be a mapping, got {type(args).__name__}")
-        # The producer span's context when tracing is on (Sending), else the caller's own or the current one.
-        tp, ts, bg = opts.get("trace_headers") or (opts.get("traceparent"), opts.get("tracestate"), None)
-        if tp is None:
-            tp, ts, bg = current_headers()
-        env = Envelope(
-            call_id=opts.get("call_id") or new_call_id(),
-            kind="tool",
-            tool=name,
-            args=args or {},
-            tool_version=entry.version,
-            context={k: v for k, v in context.items() if v is not None},
-            traceparent=ensure_traceparent(tp),
-            tracestate=ts,
-            baggage=bg,
-            options=Options(
-                timeout=opts.get("timeout"),
-                idempotency_key=opts.get("idempotency_key"),
-                max_attempts=opts.get("max_attempts"),
-            ),
-            queue=opts.get("queue") or str(spec.config.get("queue") or "tools"),
-            channel=self.channel,
-        )
-        return env, spec
+        return tool_envelope(entry, name, args, opts, context, self.channel), entry.spec
 
     def _limits(self, env: Envelope, spec: ToolSpec) -> dict[str, Any]:
-        queue_size = spec.queue_size
-        if queue_size is None:
-            queue_size = self.settings.queue_size_for(spec.executor)
-        # Error retries (``retry.max``) need their attempts too; an explicit per-call max_attempts wins.
-        retries = int((spec.retry or {}).get("max") or 0)
-        return {
-            "ckey": concurrency_key(env),
-            "queue_size": queue_size,
-            "concurrency": spec.concurrency or self.settings.concurrency_for(spec.executor),
-            "max_attempts": env.options.max_attempts or max(self.settings.max_attempts, retries + 1),
-            "timeout": float(env.options.timeout or spec.timeout),
-        }
+        return tool_limits(env, spec, self.settings)
 
     def call_tool(
         self,
@@ -211,39 +169,10 @@ class Gateway:
         The provider is ``model:`` of config.yaml as the worker reads it; ``request["model"]`` overrides
         ``model.model`` for this call. Raises QueueFull at once when the model's queue is full.
         """
-        if not isinstance(request, dict):
-            from broker.errors import InvalidArgs
-
-            raise InvalidArgs(f"an LLM request must be a mapping, got {type(request).__name__}")
-        unknown = set(context) - set(CONTEXT_FIELDS)
-        if unknown:
-            known = ", ".join(CONTEXT_FIELDS)
-            raise TypeError(f"unknown call context field(s): {', '.join(sorted(unknown))}; known: {known}")
-        model_cfg = self.settings.model
-        context.setdefault("provider", model_cfg.get("provider") or "openai-compatible")
-        context.setdefault("api_mode", model_cfg.get("api_mode") or "chat_completions")
-        context["model"] = request.get("model") or context.get("model") or model_cfg.get("model")
+        check_llm_request(request, context)  # before the producer span starts
         send = Sending(traceparent, tracestate)
-        tp, ts, bg = send.headers
-        env = Envelope(
-            call_id=new_call_id(),
-            kind="llm",
-            request=request,
-            context={k: v for k, v in context.items() if v is not None},
-            traceparent=ensure_traceparent(tp),
-            tracestate=ts,
-            baggage=bg,
-            options=Options(timeout=timeout, idempotency_key=idempotency_key, max_attempts=max_attempts),
-            queue=queue,
-            channel=self.channel,
-        )
-        limits = {
-            "ckey": concurrency_key(env),
-            "queue_size": self.settings.queue_size_for("llm"),
-            "concurrency": self.settings.concurrency_for("llm"),
-            "max_attempts": max_attempts or self.settings.max_attempts,
-            "timeout": float(timeout or model_cfg.get("timeout") or 120.0),
-        }
+        opts = {"timeout": timeout, "idempotency_key": idempotency_key, "max_attempts": max_attempts, "queue": queue}
+        env, limits = llm_envelope(request, self.settings, opts, context, self.channel, send.headers)
         with send:
             send.describe(env)
             return self._submit(env, limits)

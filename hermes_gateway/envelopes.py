@@ -1,0 +1,127 @@
+"""What a client submits: the envelope of a tool or LLM call and its admission limits (pure, no I/O).
+
+The threaded ``Gateway`` and the asyncio ``AsyncGateway`` both build their calls here, so the two
+clients cannot drift apart on context fields, trace headers, queues or limits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from broker.config import Settings
+from broker.directory import Entry
+from broker.envelope import CONTEXT_FIELDS, Envelope, Options, new_call_id
+from broker.errors import InvalidArgs
+from broker.toolspec import ToolSpec
+from broker.tracecontext import ensure_traceparent
+from hermes_gateway.telemetry import Headers, current_headers
+from workers.core import concurrency_key
+
+
+def check_context(context: dict[str, Any]) -> None:
+    """Refuse call-context fields the envelope does not know (a typo would otherwise vanish)."""
+    unknown = set(context) - set(CONTEXT_FIELDS)
+    if unknown:
+        known = ", ".join(CONTEXT_FIELDS)
+        raise TypeError(f"unknown call context field(s): {', '.join(sorted(unknown))}; known: {known}")
+
+
+def check_llm_request(request: Any, context: dict[str, Any]) -> None:
+    """Refuse an LLM request that is not a mapping, or unknown context fields."""
+    if not isinstance(request, dict):
+        raise InvalidArgs(f"an LLM request must be a mapping, got {type(request).__name__}")
+    check_context(context)
+
+
+def tool_envelope(
+    entry: Entry,
+    name: str,
+    args: dict[str, Any] | None,
+    opts: dict[str, Any],
+    context: dict[str, Any],
+    channel: str,
+) -> Envelope:
+    """The envelope of one call of the directory tool ``entry``; events go to ``channel``."""
+    spec = entry.spec
+    check_context(context)
+    if args is not None and not isinstance(args, dict):
+        raise InvalidArgs(f"arguments for {name!r} must be a mapping, got {type(args).__name__}")
+    # The producer span's context when tracing is on (Sending), else the caller's own or the current one.
+    tp, ts, bg = opts.get("trace_headers") or (opts.get("traceparent"), opts.get("tracestate"), None)
+    if tp is None:
+        tp, ts, bg = current_headers()
+    return Envelope(
+        call_id=opts.get("call_id") or new_call_id(),
+        kind="tool",
+        tool=name,
+        args=args or {},
+        tool_version=entry.version,
+        context={k: v for k, v in context.items() if v is not None},
+        traceparent=ensure_traceparent(tp),
+        tracestate=ts,
+        baggage=bg,
+        options=Options(
+            timeout=opts.get("timeout"),
+            idempotency_key=opts.get("idempotency_key"),
+            max_attempts=opts.get("max_attempts"),
+        ),
+        queue=opts.get("queue") or str(spec.config.get("queue") or "tools"),
+        channel=channel,
+    )
+
+
+def tool_limits(env: Envelope, spec: ToolSpec, settings: Settings) -> dict[str, Any]:
+    """Admission limits of a tool call: concurrency key and limit, queue size, attempts, timeout."""
+    queue_size = spec.queue_size
+    if queue_size is None:
+        queue_size = settings.queue_size_for(spec.executor)
+    # Error retries (``retry.max``) need their attempts too; an explicit per-call max_attempts wins.
+    retries = int((spec.retry or {}).get("max") or 0)
+    return {
+        "ckey": concurrency_key(env),
+        "queue_size": queue_size,
+        "concurrency": spec.concurrency or settings.concurrency_for(spec.executor),
+        "max_attempts": env.options.max_attempts or max(settings.max_attempts, retries + 1),
+        "timeout": float(env.options.timeout or spec.timeout),
+    }
+
+
+def llm_envelope(
+    request: dict[str, Any],
+    settings: Settings,
+    opts: dict[str, Any],
+    context: dict[str, Any],
+    channel: str,
+    headers: Headers,
+) -> tuple[Envelope, dict[str, Any]]:
+    """The envelope and limits of one LLM call (chat-completions kwargs) on ``opts["queue"]``."""
+    check_llm_request(request, context)
+    context = dict(context)
+    model_cfg = settings.model
+    context.setdefault("provider", model_cfg.get("provider") or "openai-compatible")
+    context.setdefault("api_mode", model_cfg.get("api_mode") or "chat_completions")
+    context["model"] = request.get("model") or context.get("model") or model_cfg.get("model")
+    tp, ts, bg = headers
+    timeout, max_attempts = opts.get("timeout"), opts.get("max_attempts")
+    env = Envelope(
+        call_id=new_call_id(),
+        kind="llm",
+        request=request,
+        context={k: v for k, v in context.items() if v is not None},
+        traceparent=ensure_traceparent(tp),
+        tracestate=ts,
+        baggage=bg,
+        options=Options(
+            timeout=timeout, idempotency_key=opts.get("idempotency_key"), max_attempts=max_attempts
+        ),
+        queue=opts.get("queue") or "llm",
+        channel=channel,
+    )
+    limits = {
+        "ckey": concurrency_key(env),
+        "queue_size": settings.queue_size_for("llm"),
+        "concurrency": settings.concurrency_for("llm"),
+        "max_attempts": max_attempts or settings.max_attempts,
+        "timeout": float(timeout or model_cfg.get("timeout") or 120.0),
+    }
+    return env, limits
