@@ -156,9 +156,8 @@ def breaker_changed(key: str, old: str, new: str) -> None:
 
 
 def watch_queues(conn: redis.Redis) -> None:
-    """Let the queue-depth gauge read the RQ queues through ``conn`` (once per process)."""
-    if not _queue_conns:
-        _queue_conns.append(conn)
+    """Let the queue-depth gauge read the RQ queues through ``conn`` (the latest worker core's)."""
+    _queue_conns[:] = [conn]
     _instruments()  # create the gauges now, so a reader sees them before the first call
 
 

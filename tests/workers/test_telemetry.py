@@ -1,0 +1,295 @@
+"""A worker's spans and metrics in-process on fakeredis, read back from in-memory exporters."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from broker import events, keys
+from broker.calls import Calls
+from broker.config import Settings
+from broker.directory import Directory
+from broker.envelope import Envelope, Options
+from broker.errors import ProviderError
+from workers import metrics, otelsdk
+from workers.core import WorkerCore
+from workers.runner import CallRunner
+from workers.telemetry import NO_TRACE, CallTrace, record_usage
+
+TRACE, PARENT = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+TP = f"00-{TRACE}-{PARENT}-01"
+KEY = "sk-" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8"
+TOOLS = [
+    {"name": "echo", "executor": "python", "function": "workers.executors.builtin:echo", "timeout": 5},
+    {
+        "name": "login",
+        "executor": "python",
+        "function": "workers.executors.builtin:echo",
+        "timeout": 5,
+        "sensitive": ["pin"],
+    },
+    {
+        "name": "seen",
+        "executor": "python",
+        "function": "tests.workers.test_telemetry:seen_traceparent",
+        "timeout": 5,
+    },
+    {
+        "name": "strict",
+        "executor": "python",
+        "function": "workers.executors.builtin:echo",
+        "timeout": 5,
+        "input_schema": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+    },
+]
+
+
+def seen_traceparent(ctx: Any) -> str:
+    """The traceparent the executor was given (what it would forward to a back end)."""
+    return str(ctx.traceparent)
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    otelsdk.use_providers(tracer_provider=provider)
+    yield exporter
+    otelsdk.use_providers()
+
+
+@pytest.fixture
+def reader() -> Iterator[InMemoryMetricReader]:
+    metric_reader = InMemoryMetricReader()
+    otelsdk.use_providers(meter_provider=MeterProvider(metric_readers=[metric_reader]))
+    yield metric_reader
+    otelsdk.use_providers()
+
+
+@pytest.fixture
+def core(fake: Any, tmp_path: Path) -> Iterator[WorkerCore]:
+    for spec in TOOLS:
+        Directory(fake).register(spec)
+    c = WorkerCore(fake, Settings(home=tmp_path, lease=5.0, result_ttl=600), "w-tel")
+    yield c
+    c.close()
+
+
+def submit(fake: Any, call_id: str, tool: str = "echo", tp: str = TP, **args: Any) -> None:
+    env = Envelope(
+        call_id=call_id,
+        kind="tool",
+        tool=tool,
+        args=args,
+        traceparent=tp,
+        baggage="tenant=acme",
+        channel="hermes:ch:t",
+        context={"session_id": "s", "tool_call_id": f"tc-{call_id}"},
+        options=Options(max_attempts=1),
+    )
+    ckey = f"tool:{tool}"
+    Calls.check_submit(
+        Calls(fake).submit(env, ckey=ckey, queue_size=-1, max_attempts=1, timeout=30), ckey, -1
+    )
+
+
+def run_all(core: WorkerCore) -> None:
+    runner = CallRunner(core)
+    for c in core.calls.claim(["tools"], 100, core.name, core.settings.lease):
+        runner.run(c)
+    assert core.outbox.flush(5)
+
+
+def by_name(exporter: InMemorySpanExporter) -> dict[str, Any]:
+    return {s.name: s for s in exporter.get_finished_spans()}
+
+
+# -- spans -------------------------------------------------------------------------------------
+
+
+def test_a_call_continues_the_callers_trace_as_process_span_with_policy_and_executor_children(
+    fake: Any, core: WorkerCore, spans: InMemorySpanExporter
+) -> None:
+    submit(fake, "c1", city="Paris")
+    run_all(core)
+    found = by_name(spans)
+    process, policy, execute = found["process tools"], found["policy"], found["execute_tool echo"]
+    assert {s.context.trace_id for s in found.values()} == {int(TRACE, 16)}
+    assert process.kind is SpanKind.CONSUMER
+    assert process.parent.span_id == int(PARENT, 16)
+    assert [link.context.span_id for link in process.links] == [int(PARENT, 16)]
+    attrs = process.attributes
+    assert attrs["messaging.system"] == "rq" and attrs["messaging.operation.type"] == "process"
+    assert attrs["messaging.destination.name"] == "tools" and attrs["messaging.message.id"] == "c1"
+    assert attrs["hermes.call.state"] == "done" and attrs["hermes.queue.wait_ms"] >= 0
+    assert policy.parent.span_id == process.context.span_id
+    assert execute.parent.span_id == process.context.span_id
+    assert execute.attributes["gen_ai.operation.name"] == "execute_tool"
+    assert execute.attributes["gen_ai.tool.name"] == "echo"
+    assert execute.attributes["gen_ai.tool.call.id"] == "tc-c1"
+    assert process.status.status_code is StatusCode.UNSET
+    # Events carry the trace id and the consumer span's id, so an event leads straight to its span.
+    worker_events = events.history(fake, "c1")[1:]
+    assert {(e.trace_id, e.span_id) for e in worker_events} == {(TRACE, f"{process.context.span_id:016x}")}
+    assert core.audit.get("c1").trace_id == TRACE
+
+
+def test_the_executor_is_given_its_own_spans_context_to_forward(
+    fake: Any, core: WorkerCore, spans: InMemorySpanExporter
+) -> None:
+    submit(fake, "c1", tool="seen")
+    run_all(core)
+    execute = by_name(spans)["execute_tool seen"]
+    forwarded = core.calls.record("c1")["result"]
+    assert forwarded == f"00-{TRACE}-{execute.context.span_id:016x}-01"
+
+
+def test_a_call_with_a_new_trace_id_starts_its_own_trace(
+    fake: Any, core: WorkerCore, spans: InMemorySpanExporter
+) -> None:
+    other = "0af7651916cd43dd8448eb211c80319c"
+    submit(fake, "c1", tp=f"00-{other}-b7ad6b7169203331-01")
+    run_all(core)
+    assert {s.context.trace_id for s in spans.get_finished_spans()} == {int(other, 16)}
+
+
+def test_a_refused_call_marks_policy_and_process_spans_error_with_error_type(
+    fake: Any, core: WorkerCore, spans: InMemorySpanExporter
+) -> None:
+    submit(fake, "c1", tool="strict", n="not a number")
+    run_all(core)
+    found = by_name(spans)
+    for name in ("policy", "process tools"):
+        assert found[name].status.status_code is StatusCode.ERROR
+        assert found[name].attributes["error.type"] == "invalid_args"
+    assert "execute_tool strict" not in found
+    assert found["process tools"].attributes["hermes.call.state"] == "failed"
+
+
+def test_secrets_and_sensitive_args_never_reach_span_attributes(
+    fake: Any, core: WorkerCore, spans: InMemorySpanExporter
+) -> None:
+    submit(fake, "c1", tool="login", api_key=KEY, pin="4242", note=f"header Authorization: Bearer {KEY}")
+    run_all(core)
+    dumped = repr([(s.attributes, s.events, s.status.description) for s in spans.get_finished_spans()])
+    assert KEY not in dumped and "4242" not in dumped
+    args = by_name(spans)["execute_tool login"].attributes["gen_ai.tool.call.arguments"]
+    assert '"api_key": "***"' in args and '"pin": "sha256:' in args
+
+
+def test_tracing_off_means_no_trace_object_and_events_still_get_a_span_id(
+    fake: Any, core: WorkerCore
+) -> None:
+    otelsdk.use_providers()
+    env = Envelope(call_id="x", kind="tool", tool="echo", traceparent=TP)
+    assert otelsdk.tracer() is None and CallTrace.start(env, 1) is NO_TRACE
+    submit(fake, "c1")
+    run_all(core)
+    spans_ids = {e.span_id for e in events.history(fake, "c1")[1:]}
+    assert len(spans_ids) == 1 and PARENT not in spans_ids
+
+
+def test_provider_usage_and_retries_land_on_spans(spans: InMemorySpanExporter) -> None:
+    env = Envelope(call_id="l1", kind="llm", request={"model": "m"}, traceparent=TP, queue="llm")
+    trace = CallTrace.start(env, 1)
+
+    class Ctx:
+        attempt = 2
+        traceparent = None
+
+    ctx = Ctx()
+    with pytest.raises(ProviderError):
+        with trace.provider("m", "openai-compatible", ctx):
+            raise ProviderError(f"503 from upstream, key {KEY}", status=503)
+    trace.retry(1, 0.25, ProviderError("503", status=503))
+    with trace.provider("m", "openai-compatible", ctx) as span:
+        record_usage(
+            span,
+            {
+                "model": "m-1",
+                "usage": {"prompt_tokens": 12, "completion_tokens": 5},
+                "choices": [{"finish_reason": "stop"}],
+            },
+        )
+    trace.end("done")
+    trace.finish()
+    chats = [s for s in spans.get_finished_spans() if s.name == "chat m"]
+    assert [s.status.status_code for s in chats] == [StatusCode.ERROR, StatusCode.UNSET]
+    assert chats[0].attributes["error.type"] == "provider_error" and KEY not in chats[0].status.description
+    assert chats[1].attributes["gen_ai.usage.input_tokens"] == 12
+    assert chats[1].attributes["gen_ai.usage.output_tokens"] == 5
+    assert chats[1].attributes["gen_ai.response.finish_reasons"] == ("stop",)
+    assert ctx.traceparent == f"00-{TRACE}-{chats[1].context.span_id:016x}-01"
+    process = by_name(spans)["process llm"]
+    retry = [e for e in process.events if e.name == "retry"]
+    assert len(retry) == 1 and retry[0].attributes["hermes.retry.delay_s"] == 0.25
+
+
+# -- metrics -----------------------------------------------------------------------------------
+
+
+def points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {}
+    data = reader.get_metrics_data()
+    for rm in data.resource_metrics if data else []:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                out.setdefault(m.name, []).extend(m.data.data_points)
+    return out
+
+
+def test_metrics_after_a_known_workload(fake: Any, core: WorkerCore, reader: InMemoryMetricReader) -> None:
+    metrics.watch_queues(fake)
+    for i in range(3):
+        submit(fake, f"ok{i}", n=i)
+    submit(fake, "bad", tool="strict", n="x")
+    run_all(core)
+    submit(fake, "queued")  # left waiting: the queue-depth gauge sees it
+    metrics.breaker_changed("tool:echo", "closed", "open")
+    got = points(reader)
+    calls = {
+        (
+            p.attributes["hermes.call.name"],
+            p.attributes["hermes.call.state"],
+            p.attributes.get("error.type"),
+        ): p.value
+        for p in got["hermes.calls"]
+    }
+    assert calls == {("echo", "done", None): 3, ("strict", "failed", "invalid_args"): 1}
+    assert sum(p.count for p in got["hermes.call.duration"]) == 4
+    assert sum(p.count for p in got["hermes.call.queue_wait"]) == 4
+    assert {p.attributes["hermes.concurrency_key"]: p.value for p in got["hermes.executor.inflight"]} == {
+        "tool:echo": 0,
+        "tool:strict": 0,
+    }
+    assert [(p.attributes["hermes.breaker.key"], p.value) for p in got["hermes.breaker.state"]] == [
+        ("tool:echo", 2)
+    ]
+    assert [p.value for p in got["hermes.breaker.state_changes"]] == [1]
+    depth = {p.attributes["messaging.destination.name"]: p.value for p in got["hermes.queue.depth"]}
+    assert depth == {"tools": 1}
+
+
+def test_totals_reach_redis_for_the_status_view(fake: Any, core: WorkerCore) -> None:
+    core.stats.flush_now()  # whatever earlier tests in this process counted
+    fake.delete(keys.STATS)
+    submit(fake, "ok", n=1)
+    submit(fake, "bad", tool="strict", n="x")
+    run_all(core)
+    metrics.breaker_changed("tool:strict", "closed", "open")
+    core.stats.flush_now()
+    stats = {k.decode(): v.decode() for k, v in fake.hgetall(keys.STATS).items()}
+    assert stats["calls|tool|echo|done|"] == "1"
+    assert stats["calls|tool|strict|failed|invalid_args"] == "1"
+    assert stats["duration_n|tool|echo"] == "1" and float(stats["duration|tool|echo"]) > 0
+    assert stats["wait_n|tools"] == "2" and stats["breaker|tool:strict"] == "open"
