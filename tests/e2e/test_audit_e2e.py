@@ -13,6 +13,7 @@ import pytest
 
 from broker import keys
 from broker.audit import AuditLog, AuditRecord
+from broker.errors import CallFailed
 from broker.redact import hash_value
 from middleware import enable_plugin
 from tests.broker.test_redact import CORPUS
@@ -129,9 +130,9 @@ def test_secrets_reach_no_audit_record_mirror_export_or_worker_log(
     for h, (_, text, _), pw in zip(done, CORPUS, passwords, strict=True):
         assert h.result(20) == {"note": text, "password": pw}  # the caller gets its own data back
     for h in failed:
-        with pytest.raises(Exception) as info:
+        with pytest.raises(CallFailed) as info:
             h.result(20)
-        assert getattr(info.value, "type", "") == "executor_error"
+        assert info.value.type == "executor_error"
 
     audit = AuditLog(conn)
     for h, pw in zip(done, passwords, strict=True):
