@@ -21,6 +21,7 @@ from broker.errors import CallCancelled, DecodeError, HermesError
 from broker.events import PROGRESS
 from broker.states import State
 from broker.tracecontext import new_span_id
+from workers import retry
 from workers.executors.base import ExecContext
 from workers.llm import LLMCall
 from workers.telemetry import NO_TRACE, CallTrace, NoTrace
@@ -136,7 +137,7 @@ class CallRunner:
             if not run.abandoned and not run.lost:
                 self._finish(run, State.CANCELLED, error=e.to_wire())
         except HermesError as e:
-            if not run.abandoned and not run.lost:
+            if not run.abandoned and not run.lost and not self._retry(run, e):
                 self._finish(run, State.FAILED, error=e.to_wire())
         except Exception as e:  # noqa: BLE001 - nothing a caller sends may kill the worker
             log.exception("call crashed in the worker")
@@ -175,12 +176,16 @@ class CallRunner:
         run.ctx = ctx
         if core.is_cancelled(env.call_id):
             ctx.cancelled.set()
-        result = core.execute_tool(run, spec, dict(env.args or {}), ctx, self._move)
+        result = core.execute_tool(run, spec, dict(env.args or {}), ctx, self._move, publish=self.publish)
         if run.lost or run.abandoned:
             return
         self._move(run, State.FORMATTING)
         result = core.format_result(run, spec, result)
         self._finish(run, State.DONE, result=result)
+
+    def _retry(self, run: Running, error: HermesError) -> bool:
+        """Schedule another attempt when the tool's ``retry:`` allows it (the slot goes back meanwhile)."""
+        return retry.schedule(self.core, run, error, lambda reply: self._check(run, State.RETRYING, reply))
 
     def _finish(
         self, run: Running, target: State, *, result: Any = None, error: dict[str, Any] | None = None

@@ -99,6 +99,10 @@ class Worker:
         threads = [
             threading.Thread(target=self._heartbeat_loop, name="hermes-heartbeat", daemon=True),
             threading.Thread(target=self._control_loop, name="hermes-control", daemon=True),
+            # Due retries back to pending; a call waiting for its retry holds no thread.
+            threading.Thread(
+                target=self.core.scheduler.run, args=(self.stopping,), name="hermes-retry", daemon=True
+            ),
         ]
         for t in threads:
             t.start()
@@ -191,14 +195,21 @@ class Worker:
         )
         if int(reply[0]) > 0:
             self.conn.hincrby(keys.job(run.info.call_id), keys.F_MAX_ATTEMPTS, 1)
+            # Handed-back work goes before the calls waiting for a slot (score 0).
             calls.transition(
-                run.info, State.PENDING, attempt=run.attempt + 1, requeue=True, current=State.RETRYING
+                run.info,
+                State.PENDING,
+                attempt=run.attempt + 1,
+                requeue=True,
+                requeue_score=0,
+                current=State.RETRYING,
             )
 
     # -- background threads ----------------------------------------------------------------------
 
     def _heartbeat_once(self) -> None:
-        running = [r.info.call_id for r in self.core.inflight()]
+        runs = self.core.inflight()
+        running = [r.info.call_id for r in runs]
         pipe = self.conn.pipeline(transaction=False)
         self.rq.heartbeat(pipeline=pipe)
         pipe.zadd(keys.WORKERS, {self.name: time.time()})
@@ -219,7 +230,8 @@ class Worker:
             },
         )
         pipe.expire(keys.worker(self.name), int(self.lease * 2) + 5)
-        self.core.calls.extend_leases(running, self.lease, pipeline=pipe)
+        slots = {r.info.call_id: r.info.ckey for r in runs}  # the concurrency slots they hold, too
+        self.core.calls.extend_leases(running, self.lease, pipeline=pipe, ckeys=slots)
         pipe.execute()
 
     def _heartbeat_loop(self) -> None:
@@ -228,6 +240,8 @@ class Worker:
             try:
                 self._heartbeat_once()
                 reaper.reap(self.core.calls, self.lease, self.settings.result_ttl, self.core.audit)
+                # Slots still held by calls that ended (a safety net: ending gives the slot back).
+                self.core.scheduler.limits.sweep(self.lease)
                 self.conn.zremrangebyscore(keys.WORKERS, "-inf", time.time() - self.lease * 2)
             except redis.RedisError as e:
                 log.warning("heartbeat failed", error=str(e))
