@@ -28,6 +28,9 @@ DEFAULT_TEST_REDIS_URL = "redis://127.0.0.1:6379/9"
 ECHO = "workers.executors.builtin:echo"
 SLEEP = "workers.executors.builtin:sleep"
 NOOP = "workers.executors.builtin:noop"
+# The helper tools' cluster-wide concurrency limit: high, so tests about other things are not throttled by
+# the default of 5 (tests about limits pass ``concurrency=``).
+HELPER_CONCURRENCY = 1000
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -136,7 +139,7 @@ class Home:
 
     def echo_tool(self, name: str = "echo", **fields: Any) -> dict[str, Any]:
         """A python tool returning its arguments."""
-        return self.tool(name, function=ECHO, **{"timeout": 10, **fields})
+        return self.tool(name, function=ECHO, **{"timeout": 10, "concurrency": HELPER_CONCURRENCY, **fields})
 
     def sleep_tool(self, name: str = "sleep", **fields: Any) -> dict[str, Any]:
         """A python tool sleeping ``seconds`` (cancellable)."""
@@ -145,13 +148,14 @@ class Home:
             function=SLEEP,
             **{
                 "timeout": 30,
+                "concurrency": HELPER_CONCURRENCY,
                 "input_schema": {"type": "object", "properties": {"seconds": {"type": "number"}}},
                 **fields,
             },
         )
 
     def noop_tool(self, name: str = "noop", **fields: Any) -> dict[str, Any]:
-        return self.tool(name, function=NOOP, **{"timeout": 10, **fields})
+        return self.tool(name, function=NOOP, **{"timeout": 10, "concurrency": HELPER_CONCURRENCY, **fields})
 
     def remove_tool(self, name: str) -> None:
         (self.tools_dir / f"{name}.yaml").unlink(missing_ok=True)
