@@ -149,7 +149,7 @@ def test_permissive_and_strict_judge_the_same_directory_and_a_push_reaches_runni
     assert gateway.call_tool("open", {}).result(20) is None
 
 
-def test_grants_and_denials_per_principal(home: Home, gateway: Any, workers: Any) -> None:
+def test_grants_and_denials_per_principal(home: Home, gateway: Any, workers: Any, redis_url: str) -> None:
     for name, perms in {
         "read": ["read_only"],
         "write": ["write"],
@@ -173,6 +173,8 @@ def test_grants_and_denials_per_principal(home: Home, gateway: Any, workers: Any
         }
     )
     gateway.sync_tools()
+    # Pushed, so this client (whose settings predate config.yaml) and the worker judge by one policy.
+    cli(redis_url, home, "policy", "push")
     workers(1)
     ok, no = None, "denied"
     table = [
@@ -201,6 +203,18 @@ def test_grants_and_denials_per_principal(home: Home, gateway: Any, workers: Any
         assert (err.details["rule"], err.details["missing"]) == why, (who, tool)
         assert err.details["principal"] == (who or "anonymous") and err.details["tool"] == tool
         assert tool in str(err)
+    # What the model is offered is exactly what the worker lets through, per principal.
+    for who in ("agent-a", "agent-b", "ops-1", None):
+        offered = {t["function"]["name"] for t in gateway.tool_schemas(who)}
+        allowed = {tool for w, tool, outcome, _ in table if w == who and outcome is ok}
+        judged = {tool for w, tool, _, _ in table if w == who}
+        assert offered & judged == allowed, who
+    assert {t["function"]["name"] for t in gateway.tool_schemas("ops-1")} == {
+        "read",
+        "write",
+        "admin",
+        "shell",
+    }
 
 
 def test_a_refusal_never_runs_the_executor_reaches_post_tool_call_as_blocked_and_is_audited(
