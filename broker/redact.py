@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from functools import lru_cache
 from typing import Any
 
@@ -229,7 +229,7 @@ class RedactProcessor:
     def __init__(self, sensitive_fields: Iterable[str] = ()) -> None:
         self.sensitive_fields = frozenset(sensitive_fields)
 
-    def __call__(self, logger: Any, method_name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    def __call__(self, logger: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> dict[str, Any]:
         out = redact(event_dict, self.sensitive_fields)
         for key, val in out.items():
             # Exceptions bound as values are rendered with str()/repr() later: clean that text now.
