@@ -26,7 +26,15 @@ SEED_PLUGINS = [
 from bench.common import broker_url, scratch_home, start_rq_workers, start_workers, stop, wait_for_workers  # noqa: E402
 
 
-def run_ours(url: str, n: int, processes: int, concurrency: int, plugins: list[str] | None = None) -> float:
+def run_ours(
+    url: str,
+    n: int,
+    processes: int,
+    concurrency: int,
+    plugins: list[str] | None = None,
+    tracing: bool = False,
+) -> float:
+    """Calls/s through our stack; ``tracing``: a real SDK pipeline (batch processor into memory) on both sides."""
     from broker.connection import from_url
     from hermes_gateway import Gateway
     from hermes_gateway.client import BrokerHandle
@@ -48,7 +56,10 @@ def run_ours(url: str, n: int, processes: int, concurrency: int, plugins: list[s
         for name in plugins:
             shutil.copytree(EXAMPLE_PLUGINS / name, home / "plugins" / name)
     conn = from_url(url)
-    procs = start_workers(url, home, queue, processes, concurrency)
+    trace_env = {"HERMES_TRACE": "memory"} if tracing else None
+    procs = start_workers(url, home, queue, processes, concurrency, trace_env)
+    if tracing:
+        _client_tracing(True)
     try:
         wait_for_workers(conn, processes, queue)
         from broker.config import load_settings
@@ -69,7 +80,25 @@ def run_ours(url: str, n: int, processes: int, concurrency: int, plugins: list[s
         gw.close()
         return n / elapsed
     finally:
+        if tracing:
+            _client_tracing(False)
         stop(procs)
+
+
+def _client_tracing(on: bool) -> None:
+    """The client's producer spans go through a batch processor into memory while ``on``."""
+    from workers import otelsdk
+
+    if not on:
+        otelsdk.use_providers()
+        return
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
+    otelsdk.use_providers(tracer_provider=provider)
 
 
 def run_rq(url: str, n: int, processes: int) -> float:
@@ -113,6 +142,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--url", default=None, help="Redis URL (default $HERMES_REDIS_URL, else embedded)")
     parser.add_argument("--skip-plugins", action="store_true", help="skip the run with the example plugins")
+    parser.add_argument("--skip-tracing", action="store_true", help="skip the run with tracing on")
     args = parser.parse_args()
     url, emb = broker_url(args.url)
     try:
@@ -125,6 +155,10 @@ def main() -> None:
             with_plugins = run_ours(url, args.calls, args.processes, args.concurrency, SEED_PLUGINS)
             print(f"hermes-gateway + the seed's 4 example plugins: {with_plugins:,.0f} calls/s")
             print(f"plugins_ratio={with_plugins / ours:.3f}  (target >= 0.85)")
+        if not args.skip_tracing:
+            traced = run_ours(url, args.calls, args.processes, args.concurrency, tracing=True)
+            print(f"hermes-gateway + tracing (SDK, batch processor, in-memory): {traced:,.0f} calls/s")
+            print(f"tracing_ratio={traced / ours:.3f}  (target >= 0.75)")
         print(f"ratio_vs_rq={ours / rq_rate:.2f}")
     finally:
         if emb is not None:
