@@ -1,0 +1,340 @@
+"""The asyncio client: the ``Gateway`` surface on ``redis.asyncio``, with no threads.
+
+Calls are built by ``hermes_gateway.envelopes`` and submitted by the broker's own SUBMIT script
+(``broker.calls.Calls`` registered on the asyncio connection), exactly as the threaded client does;
+one pub/sub task feeds every handle. ``await handle.result()`` and ``async for ev in handle.events()``::
+
+    async with await AsyncGateway.connect(url) as gw:
+        handle = await gw.call_tool("get_weather", {"city": "Berlin"}, session_id="s-1")
+        async for ev in handle.events():
+            print(ev.state)
+        print(await handle.result())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import redis.asyncio as aioredis
+import structlog
+from redis import RedisError
+
+from broker import events as ev_mod
+from broker import keys
+from broker.calls import CallInfo, Calls
+from broker.codec import pack, unpack
+from broker.config import Settings, load_settings
+from broker.connection import BrokerHandle, connect, redact_url
+from broker.directory import Entry
+from broker.envelope import Envelope
+from broker.errors import (
+    BrokerUnavailable,
+    CallFailed,
+    DecodeError,
+    HermesError,
+    QueueFull,
+    UnknownTool,
+)
+from broker.states import TERMINAL, State
+from broker.toolspec import ToolSpec
+from hermes_gateway.aio_handle import AsyncBatch, AsyncCallHandle
+from hermes_gateway.envelopes import check_llm_request, llm_envelope, tool_envelope, tool_limits
+from hermes_gateway.telemetry import Sending
+
+log = structlog.get_logger("hermes.client")
+
+
+class AsyncGateway:
+    """An asyncio client of the gateway: one connection, one event channel, one pub/sub task."""
+
+    def __init__(
+        self, conn: aioredis.Redis, settings: Settings, *, broker: BrokerHandle | None = None
+    ) -> None:
+        self.conn = conn
+        self.settings = settings
+        self.broker = broker  # the embedded broker this client started, if any
+        self.client_id = uuid.uuid4().hex
+        self.channel = keys.caller_channel(self.client_id)
+        # The broker's own scripts, registered on the asyncio client: same SUBMIT/TRANSITION, awaited.
+        self.calls = Calls(conn)  # type: ignore[arg-type]
+        self._handles: dict[str, AsyncCallHandle] = {}
+        self._tools: dict[str, Entry] = {}
+        self._tools_gen = 0  # bumped by every change notice: a fetch that raced one is not cached
+        self._tools_channel = keys.channel(conn, keys.TOOLS_CHANNEL).encode()
+        self._pubsub = conn.pubsub(ignore_subscribe_messages=True)
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def connect(
+        cls, url: str | None = None, *, home: str | None = None, embedded_ok: bool = True
+    ) -> AsyncGateway:
+        """Connect to ``url`` / ``$HERMES_REDIS_URL`` (else start the embedded broker) and subscribe."""
+        settings = load_settings(home)
+        url = url or settings.redis_url
+        broker = None
+        if not url:
+            broker = connect(None, embedded_ok=embedded_ok)  # starting a child process: once, up front
+            url = broker.url
+        conn = aioredis.Redis.from_url(url)
+        try:
+            await conn.ping()
+        except (RedisError, OSError) as e:
+            await conn.aclose()
+            raise BrokerUnavailable(f"cannot reach Redis at {redact_url(url)}: {e}") from e
+        gw = cls(conn, settings, broker=broker)
+        await gw.start()
+        return gw
+
+    async def start(self) -> None:
+        """Subscribe before any submission, so no event of ours can be published unheard."""
+        await self._pubsub.subscribe(self.channel, self._tools_channel)
+        self._task = asyncio.create_task(self._dispatch(), name="hermes-aio-events")
+
+    async def close(self) -> None:
+        """Stop the event task and close the connection (and the embedded broker, if ours)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        with contextlib.suppress(RedisError, OSError):
+            await self._pubsub.aclose()
+        await self.conn.aclose()
+        if self.broker is not None:
+            self.broker.close()
+
+    async def __aenter__(self) -> AsyncGateway:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- tools -----------------------------------------------------------------------------------
+
+    async def tool(self, name: str) -> Entry:
+        """The directory entry of ``name`` (cached until a change notice); UnknownTool if absent."""
+        entry = self._tools.get(name)
+        if entry is None:
+            generation = self._tools_gen
+            pipe = self.conn.pipeline(transaction=False)
+            pipe.hget(keys.TOOLS, name)
+            pipe.hget(keys.TOOLS + ":ver", name)
+            raw, ver = await pipe.execute()
+            if raw is None:
+                raise UnknownTool(f"unknown tool {name!r}: it is not in the tool directory", tool=name)
+            entry = Entry(ToolSpec.from_stored(unpack(bytes(raw))), int(ver or 0))
+            if generation == self._tools_gen:
+                self._tools[name] = entry
+        return entry
+
+    async def tools(self) -> list[Entry]:
+        """Every directory entry, sorted by name."""
+        pipe = self.conn.pipeline(transaction=False)
+        pipe.hgetall(keys.TOOLS)
+        pipe.hgetall(keys.TOOLS + ":ver")
+        raw, vers = await pipe.execute()
+        return [Entry(ToolSpec.from_stored(unpack(v)), int(vers.get(k, 0))) for k, v in sorted(raw.items())]
+
+    # -- calls -----------------------------------------------------------------------------------
+
+    async def call_tool(
+        self,
+        name: str,
+        args: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+        idempotency_key: str | None = None,
+        max_attempts: int | None = None,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+        queue: str | None = None,
+        **context: Any,
+    ) -> AsyncCallHandle:
+        """Submit one tool call; raises UnknownTool or QueueFull at once, else returns its handle."""
+        entry = await self.tool(name)
+        opts: dict[str, Any] = {
+            "timeout": timeout,
+            "idempotency_key": idempotency_key,
+            "max_attempts": max_attempts,
+            "queue": queue,
+        }
+        with Sending(traceparent, tracestate) as send:
+            opts["trace_headers"] = send.headers
+            env = tool_envelope(entry, name, args, opts, context, self.channel)
+            send.describe(env)
+            return await self._submit(env, tool_limits(env, entry.spec, self.settings))
+
+    async def call_llm(
+        self,
+        request: dict[str, Any],
+        *,
+        timeout: float | None = None,
+        idempotency_key: str | None = None,
+        max_attempts: int | None = None,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+        queue: str = "llm",
+        **context: Any,
+    ) -> AsyncCallHandle:
+        """Submit one LLM call (chat-completions kwargs); the result is the provider's response."""
+        check_llm_request(request, context)
+        send = Sending(traceparent, tracestate)
+        opts = {
+            "timeout": timeout,
+            "idempotency_key": idempotency_key,
+            "max_attempts": max_attempts,
+            "queue": queue,
+        }
+        env, limits = llm_envelope(request, self.settings, opts, context, self.channel, send.headers)
+        with send:
+            send.describe(env)
+            return await self._submit(env, limits)
+
+    async def _submit(self, env: Envelope, limits: dict[str, Any]) -> AsyncCallHandle:
+        handle = self._track(AsyncCallHandle(self, env.call_id, env.name, env.kind))
+        try:
+            pipe = self.conn.pipeline(transaction=False)
+            await self.calls.submit(env, pipeline=pipe, **limits)  # type: ignore[arg-type]
+            pipe.publish(keys.channel(self.conn, keys.wake(env.queue)), b"")
+            reply = (await pipe.execute())[0]
+            _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"])
+        except BaseException:
+            self._handles.pop(env.call_id, None)
+            raise
+        if call_id != env.call_id:  # idempotent resubmission: follow the call that already exists
+            self._handles.pop(env.call_id, None)
+            handle = AsyncCallHandle(self, call_id, env.name, env.kind, own=False)
+            await handle.sync()
+        return handle
+
+    async def map(self, name: str, items: Iterable[dict[str, Any]], **common: Any) -> AsyncBatch:
+        """Submit many calls of one tool in one pipelined round trip; refused items raise on ``result()``."""
+        return await self.submit_many(((name, args) for args in items), **common)
+
+    async def submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> AsyncBatch:
+        """Submit (tool, args) pairs in one pipeline; each gets a handle, refused ones carry their error."""
+        names = ("timeout", "max_attempts", "traceparent", "tracestate", "queue")
+        opts = {k: common.pop(k) for k in names if k in common}
+        calls = list(calls)
+        for name in {n for n, _ in calls}:
+            await self.tool(name)  # fill the cache (and raise UnknownTool) before the round trip
+        send = Sending(opts.get("traceparent"), opts.get("tracestate"))  # one producer span for the batch
+        opts["trace_headers"] = send.headers
+        prepared = []
+        for name, args in calls:
+            entry = self._tools.get(name) or await self.tool(name)
+            env = tool_envelope(entry, name, args, opts, common, self.channel)
+            handle = self._track(AsyncCallHandle(self, env.call_id, name))
+            prepared.append((env, tool_limits(env, entry.spec, self.settings), handle))
+        pipe = self.conn.pipeline(transaction=False)
+        for env, limits, _ in prepared:
+            await self.calls.submit(env, pipeline=pipe, **limits)  # type: ignore[arg-type]
+        for queue in {env.queue for env, _, _ in prepared}:
+            pipe.publish(keys.channel(self.conn, keys.wake(queue)), b"")
+        with send:
+            send.describe(prepared[0][0] if prepared else None, len(prepared))
+            replies = (await pipe.execute(raise_on_error=False))[: len(prepared)]
+        batch = AsyncBatch()
+        for (env, limits, handle), reply in zip(prepared, replies, strict=True):
+            try:
+                if isinstance(reply, Exception):
+                    raise HermesError(f"submission failed: {reply}")
+                Calls.check_submit(reply, limits["ckey"], limits["queue_size"])
+            except (QueueFull, HermesError) as e:
+                self._handles.pop(env.call_id, None)
+                handle._refuse(e)
+            batch.append(handle)
+        return batch
+
+    async def handle(self, call_id: str) -> AsyncCallHandle:
+        """A handle on any call by id (for example one submitted by another process)."""
+        raw = await self.conn.hmget(keys.job(call_id), keys.F_TOOL, keys.F_KIND, keys.F_CHANNEL)
+        if raw[1] is None:
+            raise CallFailed(f"no such call {call_id}", error_type="unknown_call")
+        name, kind, channel = (_text(v) for v in raw)
+        h = AsyncCallHandle(self, call_id, name, kind, own=channel == self.channel)
+        if h.own:
+            self._track(h)
+        await h.sync()
+        return h
+
+    async def cancel(self, call_id: str) -> bool:
+        """Cancel by id (as ``hermes_gateway.handle.cancel_call``); True when the request was recorded."""
+        conn = self.conn
+        fields = (
+            keys.F_STATE,
+            keys.F_ATTEMPT,
+            keys.F_TRACE,
+            keys.F_KIND,
+            keys.F_TOOL,
+            keys.F_CHANNEL,
+            keys.F_CKEY,
+        )
+        raw = await conn.hmget(keys.job(call_id), *fields, "origin")
+        if raw[0] is None:
+            return False
+        state, attempt, trace, kind, tool, chan, ckey, origin = (_text(v) for v in raw)
+        if state in TERMINAL:
+            return False
+        if state == State.PENDING:
+            info = CallInfo(call_id, trace, "", kind, tool, None, chan, ckey, origin)
+            err = {"type": "cancelled", "message": "cancelled by the caller before it started"}
+            reply = await self.calls.transition(
+                info,
+                State.CANCELLED,
+                attempt=int(attempt or 1),
+                fence=False,
+                from_states=frozenset({State.PENDING}),
+                detail={"error": err},
+                fields={keys.F_ERROR: pack(err)},
+            )
+            if int(reply[0]) > 0:
+                await conn.zrem(keys.waiting(ckey), call_id)
+                return True
+        pipe = conn.pipeline()
+        pipe.hset(keys.job(call_id), keys.F_CANCEL, "1")
+        pipe.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))
+        await pipe.execute()
+        return True
+
+    # -- events ----------------------------------------------------------------------------------
+
+    def _track(self, handle: AsyncCallHandle) -> AsyncCallHandle:
+        self._handles[handle.call_id] = handle
+        return handle
+
+    async def _dispatch(self) -> None:
+        while True:
+            try:
+                msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            except (RedisError, OSError) as e:
+                log.warning("event subscription interrupted; handles fall back to the history", error=str(e))
+                await asyncio.sleep(0.5)
+                continue
+            if msg is None:
+                continue
+            if msg["channel"] == self._tools_channel:
+                self._tools_gen += 1
+                self._tools.pop(msg["data"].decode(errors="replace"), None)
+                continue
+            try:
+                event = ev_mod.decode(msg["data"])
+            except DecodeError:
+                log.warning("undecodable event on the caller channel")
+                continue
+            handle = self._handles.get(event.call_id)
+            if handle is None:
+                continue
+            if event.seq > handle.last_seq + 1:
+                await handle.sync()  # a gap: fill it from the durable history
+            handle._feed(event)
+            if event.terminal:
+                self._handles.pop(event.call_id, None)
+
+
+def _text(value: bytes | str | None) -> str:
+    return value.decode() if isinstance(value, bytes) else (value or "")

@@ -1,0 +1,168 @@
+"""The asyncio client against a real Redis and real worker processes: calls, events, batches, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from broker import events, keys
+from broker.calls import envelope_of
+from broker.errors import CallCancelled, CallFailed, InvalidArgs, QueueFull, UnknownTool
+from hermes_gateway.aio import AsyncGateway
+from tests.conftest import Home
+from tests.llm_server import LLMServer
+
+Scenario = Callable[[AsyncGateway], Awaitable[Any]]
+
+
+def run(redis_url: str, home: Home, scenario: Scenario) -> Any:
+    """Run ``scenario`` with a connected AsyncGateway in a fresh event loop (one per test)."""
+
+    async def main() -> Any:
+        async with await AsyncGateway.connect(redis_url, home=str(home.path), embedded_ok=False) as gw:
+            return await asyncio.wait_for(scenario(gw), 30)
+
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def tools(home: Home, gateway: Any) -> None:
+    """echo and sleep in the directory (through the threaded client: one directory for both)."""
+    home.echo_tool()
+    home.sleep_tool()
+    gateway.sync_tools()
+
+
+def transitions(evs: list[events.Event]) -> list[str]:
+    return [e.state for e in evs if e.type == events.TRANSITION]
+
+
+def test_call_tool_result_and_events_in_order_with_the_context_carried(
+    redis_url: str, home: Home, tools: None, workers: Any, conn: Any
+) -> None:
+    workers()
+
+    async def scenario(gw: AsyncGateway) -> Any:
+        handle = await gw.call_tool("echo", {"x": 1}, session_id="s-1", tool_call_id="tc-1", turn_id="t-1")
+        evs = [ev async for ev in handle.events(timeout=20)]
+        return handle, evs, await handle.result(5)
+
+    handle, evs, result = run(redis_url, home, scenario)
+    assert result == {"x": 1}
+    assert transitions(evs) == ["pending", "routing", "executing", "formatting", "done"]
+    assert [e.seq for e in evs] == list(range(1, len(evs) + 1))
+    assert handle.final_state == "done"
+    context = envelope_of(conn.hget(keys.job(handle.call_id), "data")).context
+    assert context == {"session_id": "s-1", "tool_call_id": "tc-1", "turn_id": "t-1"}
+
+
+def test_many_calls_awaited_together_and_a_batch_in_one_round_trip(
+    redis_url: str, home: Home, tools: None, workers: Any
+) -> None:
+    workers(concurrency=32)
+
+    async def scenario(gw: AsyncGateway) -> Any:
+        singles = [await gw.call_tool("echo", {"i": i}) for i in range(20)]
+        batch = await gw.map("echo", ({"i": i} for i in range(200)))
+        mixed = await gw.submit_many([("echo", {"a": 1}), ("sleep", {"seconds": 0})], session_id="s-b")
+        got = await asyncio.gather(*(h.result(20) for h in [*singles, *batch, *mixed]))
+        return batch, got
+
+    batch, got = run(redis_url, home, scenario)
+    assert len(batch.accepted) == 200 and batch.refused == []
+    assert got[:220] == [{"i": i} for i in range(20)] + [{"i": i} for i in range(200)]
+    assert got[220] == {"a": 1} and got[221] == {"slept": 0}
+
+
+def test_a_full_queue_refuses_batch_items_and_single_calls_at_once(
+    redis_url: str, home: Home, gateway: Any
+) -> None:
+    home.echo_tool("tight", concurrency=1, queue_size=2)
+    gateway.sync_tools()  # no workers: nothing leaves the queue
+
+    async def scenario(gw: AsyncGateway) -> Any:
+        batch = await gw.map("tight", [{"i": i} for i in range(5)])
+        with pytest.raises(QueueFull):
+            await gw.call_tool("tight", {"i": 9})
+        with pytest.raises(UnknownTool):
+            await gw.call_tool("nope", {})
+        with pytest.raises(QueueFull):
+            await batch[-1].result(1)
+        return batch
+
+    batch = run(redis_url, home, scenario)
+    assert len(batch.accepted) == 3 and [i for i, _ in batch.refused] == [3, 4]
+    assert all(isinstance(h.refused, QueueFull) for _, h in batch.refused)
+
+
+def test_cancel_a_waiting_call_and_a_running_one(
+    redis_url: str, home: Home, tools: None, workers: Any
+) -> None:
+    async def waiting(gw: AsyncGateway) -> Any:
+        handle = await gw.call_tool("sleep", {"seconds": 5})  # no worker yet: it waits
+        assert await handle.cancel() is True
+        with pytest.raises(CallCancelled):
+            await handle.result(10)
+        assert await handle.cancel() is False  # already over
+        return transitions([ev async for ev in handle.events(timeout=5)])
+
+    assert run(redis_url, home, waiting) == ["pending", "cancelled"]
+
+    workers()
+
+    async def running(gw: AsyncGateway) -> Any:
+        handle = await gw.call_tool("sleep", {"seconds": 20})
+        async for ev in handle.events(timeout=20):
+            if ev.state == "executing":
+                assert await handle.cancel() is True
+        with pytest.raises(CallCancelled):
+            await handle.result(10)
+        return handle.final_state
+
+    assert run(redis_url, home, running) == "cancelled"
+
+
+def test_call_llm_streams_deltas_as_events_and_returns_the_completion(
+    redis_url: str, home: Home, workers: Any
+) -> None:
+    with LLMServer() as llm:
+        home.config({"model": {"provider": "openai-compatible", "base_url": llm.base_url, "model": "m"}})
+        workers(queues="llm")
+
+        async def scenario(gw: AsyncGateway) -> Any:
+            ask = [{"role": "user", "content": "Reply exactly hello from asyncio"}]
+            handle = await gw.call_llm({"messages": ask, "stream": True}, session_id="s-llm")
+            deltas = [
+                ev.detail.get("content", "") async for ev in handle.events(20) if ev.type == events.DELTA
+            ]
+            return deltas, await handle.result(5)
+
+        deltas, result = run(redis_url, home, scenario)
+    assert "".join(deltas) == "hello from asyncio" and len(deltas) > 1
+    assert result["choices"][0]["message"]["content"] == "hello from asyncio"
+
+
+def test_failures_are_typed_and_an_idempotent_resubmission_follows_the_first_call(
+    redis_url: str, home: Home, gateway: Any, workers: Any
+) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    home.echo_tool("strict", input_schema=schema)
+    gateway.sync_tools()
+    workers()
+
+    async def scenario(gw: AsyncGateway) -> Any:
+        bad = await gw.call_tool("strict", {"n": "not a number"})
+        with pytest.raises(CallFailed) as info:
+            await bad.result(20)
+        first = await gw.call_tool("strict", {"n": 1}, idempotency_key="k-1")
+        again = await gw.call_tool("strict", {"n": 2}, idempotency_key="k-1")
+        other = await gw.handle(first.call_id)
+        return info.value, first, again, await again.result(20), await other.result(20)
+
+    error, first, again, result, followed = run(redis_url, home, scenario)
+    assert isinstance(error, InvalidArgs) and error.type == "invalid_args"
+    assert again.call_id == first.call_id and not again.own
+    assert result == followed == {"n": 1}
