@@ -60,3 +60,55 @@ def test_configure_twice_installs_one_filter_per_handler(out: io.StringIO) -> No
     configure("INFO", "json", stream=out)
     for handler in logging.getLogger().handlers:
         assert sum(isinstance(f, RedactFilter) for f in handler.filters) == 1
+
+
+# -- the lines a call emits -------------------------------------------------------------------------
+
+CALL = {
+    "call_id": "22abb8081e944e1086a9d8a9339d9486",
+    "trace_id": "dc2ba6c1dbf02ceb442ee92e079f3c0b",
+    "span_id": "e03e5431d4303650",
+    "tool": "get_weather",
+}
+
+
+@pytest.fixture
+def bound() -> Iterator[None]:
+    structlog.contextvars.bind_contextvars(**CALL)
+    yield
+    structlog.contextvars.clear_contextvars()
+
+
+def test_json_lines_parse_and_carry_the_fields_bound_for_the_call(out: io.StringIO, bound: None) -> None:
+    structlog.get_logger("hermes.worker").info("call finished", state="done", duration_ms=1.5)
+    (line,) = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert {k: line[k] for k in CALL} == CALL
+    assert line["event"] == "call finished" and line["level"] == "info" and line["duration_ms"] == 1.5
+    assert line["timestamp"].endswith("Z")
+
+
+def test_a_secret_in_a_field_that_is_not_a_hex_id_is_still_masked(out: io.StringIO) -> None:
+    structlog.contextvars.bind_contextvars(call_id=KEY, trace_id="not-hex " + KEY)
+    try:
+        structlog.get_logger("t").warning("call finished")
+    finally:
+        structlog.contextvars.clear_contextvars()
+    assert KEY not in out.getvalue() and "***" in out.getvalue()
+
+
+def test_console_lines_are_human_readable_and_the_level_filters(bound: None) -> None:
+    stream = io.StringIO()
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers = []
+    try:
+        configure("WARNING", "console", stream=stream)
+        log = structlog.get_logger("hermes.worker")
+        log.info("call started")
+        log.warning("call finished", state="failed", error_type="executor_error")
+    finally:
+        root.handlers = saved
+        structlog.reset_defaults()
+    (line,) = stream.getvalue().splitlines()
+    assert not line.startswith("{") and "call finished" in line and "[warning" in line
+    assert "error_type=executor_error" in line and f"span_id={CALL['span_id']}" in line
