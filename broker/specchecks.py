@@ -71,6 +71,7 @@ _RETRY: dict[str, tuple[Any, str]] = {
         lambda v: isinstance(v, bool) or (_is_num(v) and 0 <= v <= 1),
         "true/false or a fraction 0..1",
     ),
+    "factor": (lambda v: _is_num(v) and v >= 1, "a number >= 1 (backoff growth per attempt)"),
     "on": (
         lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
         "an error type or a list of error types (e.g. [executor_error, tool_timeout])",
@@ -83,6 +84,7 @@ _BREAKER: dict[str, tuple[Any, str]] = {
     "window": (lambda v: _is_num(v) and v > 0, "a number of seconds > 0"),
     "min_calls": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "key": (lambda v: isinstance(v, str) and bool(v), "a non-empty string"),
+    "on": _RETRY["on"],
 }
 _JSON_TYPES = "string, number, integer, boolean, object, array, null"
 

@@ -123,7 +123,7 @@ def tool_list(ctx: click.Context, as_json: bool) -> None:
     with _gateway(settings, need_workers=False) as (gw, _):
         gw.sync_tools()
         entries = gw.tools()
-        states = breaker_states(gw.conn, [e.spec for e in entries])
+        states = breaker_states(gw.conn, [e.spec for e in entries], settings)
         if as_json:
             click.echo(json.dumps(tool_rows(entries, settings, states), ensure_ascii=False, indent=2))
         else:

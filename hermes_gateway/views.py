@@ -17,25 +17,19 @@ from broker.toolspec import ToolSpec
 console = Console()
 
 
-def breaker_states(conn: Any, specs: list[ToolSpec]) -> dict[str, str]:
+def breaker_states(conn: Any, specs: list[ToolSpec], settings: Settings) -> dict[str, str]:
     """Each tool's breaker state from ``hermes:breaker:<key>`` (``closed`` when none is stored)."""
-    candidates = {s.name: _breaker_keys(s) for s in specs}
+    from workers.breakers import breaker_config
+
+    names = {}
+    for s in specs:
+        cfg = breaker_config(settings, s)
+        names[s.name] = cfg.key if cfg is not None else f"tool:{s.name}"
     pipe = conn.pipeline(transaction=False)
-    for keys_of_tool in candidates.values():
-        for k in keys_of_tool:
-            pipe.hget(keys.breaker(k), "state")
-    replies = iter(pipe.execute())
-    out = {}
-    for name, keys_of_tool in candidates.items():
-        found = [r for r in (next(replies) for _ in keys_of_tool) if r]
-        out[name] = found[0].decode() if found else "closed"
-    return out
-
-
-def _breaker_keys(spec: ToolSpec) -> list[str]:
-    # The breaker's own ``key`` when the spec names one, else the tool's concurrency key, else its name.
-    named = (spec.breaker or {}).get("key")
-    return [k for k in (named, f"tool:{spec.name}", spec.name) if k]
+    for key in names.values():
+        pipe.hget(keys.breaker(key), "state")
+    states = pipe.execute()
+    return {name: (raw.decode() if raw else "closed") for name, raw in zip(names, states, strict=True)}
 
 
 def tool_rows(

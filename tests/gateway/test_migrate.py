@@ -148,8 +148,10 @@ def test_tool_list_shows_limits_permissions_and_breaker_state(
 ) -> None:
     monkeypatch.setenv("HERMES_REDIS_URL", redis_url)
     home.config({"executors": {"python": {"concurrency": 7}}})
-    home.echo_tool("echo", permissions=["read_only"], queue_size=3)
-    home.noop_tool("noop", breaker={"failures": 2, "cooldown": 5})
+    echo = "workers.executors.builtin:echo"
+    home.tool("echo", function=echo, timeout=10, permissions=["read_only"], queue_size=3)
+    home.tool("noop", function=echo, breaker={"failures": 2, "cooldown": 5})
+    home.tool("shared", function=echo, breaker={"key": "backend-a"})
     conn.hset(keys.breaker("tool:noop"), mapping={"state": "open", "opened_at": 1})
     result = CliRunner().invoke(main, ["tool", "list", "--json"])
     assert result.exit_code == 0, result.output
@@ -157,6 +159,10 @@ def test_tool_list_shows_limits_permissions_and_breaker_state(
     assert rows["echo"]["limits"] == {"concurrency": 7, "queue_size": 3, "timeout": 10.0}
     assert (rows["echo"]["permissions"], rows["echo"]["breaker_state"]) == (["read_only"], "closed")
     assert rows["noop"]["breaker_state"] == "open"
+    assert rows["shared"]["breaker_state"] == "closed"
+    conn.hset(keys.breaker("backend-a"), "state", "half_open")  # a breaker the spec names by its key
+    rows = {r["name"]: r for r in json.loads(CliRunner().invoke(main, ["tool", "list", "--json"]).output)}
+    assert rows["shared"]["breaker_state"] == "half_open"
     from rich.console import Console
 
     monkeypatch.setattr("hermes_gateway.views.console", Console(width=200))
