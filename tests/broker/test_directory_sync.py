@@ -71,7 +71,14 @@ def test_valid_retry_breaker_and_schemas_are_accepted() -> None:
             **ECHO,
             "input_schema": {"type": "object", "properties": {"city": {"type": ["string", "null"]}}},
             "output_schema": {"type": "array", "items": {"$ref": "#/$defs/row"}, "$defs": {"row": {}}},
-            "retry": {"max": 3, "backoff": 0.5, "max_backoff": 10, "jitter": True, "on": ["executor_error"]},
+            "retry": {
+                "max": 3,
+                "backoff": 0.5,
+                "max_backoff": 10,
+                "jitter": True,
+                "factor": 3,
+                "on": ["executor_error"],
+            },
             "breaker": {
                 "failures": 5,
                 "cooldown": 30,
@@ -79,16 +86,12 @@ def test_valid_retry_breaker_and_schemas_are_accepted() -> None:
                 "window": 60,
                 "min_calls": 10,
                 "key": "k",
+                "on": ["tool_timeout"],
             },
         }
     )
-    assert spec.retry == {
-        "max": 3,
-        "backoff": 0.5,
-        "max_backoff": 10,
-        "jitter": True,
-        "on": ["executor_error"],
-    }
+    assert spec.retry is not None and spec.retry["factor"] == 3
+    assert spec.breaker is not None and spec.breaker["on"] == ["tool_timeout"]
 
 
 def test_an_unknown_key_for_the_executor_is_named_with_the_known_ones() -> None:
