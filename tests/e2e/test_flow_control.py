@@ -1,0 +1,325 @@
+"""Flow control on real worker processes: cluster-wide limits, slots of a killed worker, breakers,
+retries on a schedule, idempotent resubmission and timeouts that really stop the executor."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker import events, keys
+from broker.codec import unpack
+from broker.errors import CallFailed, CircuitOpen, ExecutorError, ToolTimeout
+from tests.conftest import REPO
+from tests.e2e.flowtools import lines
+from tests.e2e.util import all_terminal, current, field, histories
+
+pytestmark = pytest.mark.e2e
+
+BACKEND = "tests.e2e.flowtools:backend"
+PY = sys.executable
+
+
+def _intervals(conn: Any, ids: list[str], until: float | None = None) -> list[tuple[float, float]]:
+    """[executing, formatting) of every attempt, from the stored events (a lost attempt ends at ``until``)."""
+    out = []
+    for hist in histories(conn, ids).values():
+        start = None
+        for e in hist:
+            if e.type != events.TRANSITION:
+                continue
+            if e.state == "executing":
+                start = e.ts
+            elif start is not None and e.state in ("formatting", "retrying", "failed", "cancelled"):
+                out.append((start, e.ts if e.state == "formatting" or until is None else min(e.ts, until)))
+                start = None
+    return out
+
+
+def _max_overlap(intervals: list[tuple[float, float]]) -> int:
+    # Ends sort before starts at the same instant: a slot handed on is not two calls at once.
+    marks = sorted(
+        [(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals], key=lambda m: (m[0], m[1])
+    )
+    best = now = 0
+    for _, d in marks:
+        now += d
+        best = max(best, now)
+    return best
+
+
+def test_the_limit_holds_across_workers_for_calls_submitted_by_several_processes(
+    gateway: Any, home: Any, workers: Any, conn: Any, redis_url: str, wait_until: Any
+) -> None:
+    home.sleep_tool("slow", concurrency=3, queue_size=100)
+    gateway.sync_tools()
+    workers(2, concurrency=8)
+    peak = [0]
+    stop = threading.Event()
+
+    def sample() -> None:  # the slot set itself never holds more than the limit
+        while not stop.is_set():
+            peak[0] = max(peak[0], conn.zcard(keys.slots("tool:slow")))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    code = (
+        "import json, sys\n"
+        "from hermes_gateway.client import Gateway\n"
+        "gw = Gateway.connect(sys.argv[1], home=sys.argv[2], embedded_ok=False)\n"
+        "batch = gw.map('slow', [{'seconds': 0.15}] * 8)\n"
+        "print(json.dumps([h.call_id for h in batch.accepted]))\n"
+        "gw.close()\n"
+    )
+    env = dict(os.environ, HERMES_HOME=str(home.path))
+    procs = [
+        subprocess.Popen(
+            [PY, "-c", code, redis_url, str(home.path)], cwd=REPO, env=env, stdout=subprocess.PIPE
+        )
+        for _ in range(3)
+    ]
+    ids = [cid for p in procs for cid in json.loads(p.communicate(timeout=30)[0])]
+    assert len(ids) == 24
+    wait_until(lambda: all_terminal(conn, ids), 30, message="24 calls done")
+    stop.set()
+    sampler.join()
+    assert set(current(conn, ids).values()) == {"done"}
+    assert _max_overlap(_intervals(conn, ids)) == 3  # the limit was reached, and never passed
+    assert peak[0] <= 3
+    assert conn.zcard(keys.slots("tool:slow")) == 0 and conn.zcard(keys.waiting("tool:slow")) == 0
+
+
+def test_slots_held_by_a_killed_worker_come_back_within_the_lease(
+    gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any
+) -> None:
+    lease = 1.0
+    home.sleep_tool("hold", concurrency=2)
+    gateway.sync_tools()
+    pair = workers(2, concurrency=8, lease=lease)
+    ids = [gateway.call_tool("hold", {"seconds": 1.0}).call_id for _ in range(4)]
+    wait_until(lambda: list(current(conn, ids).values()).count("executing") == 2, 10, message="2 executing")
+    running = [cid for cid, st in current(conn, ids).items() if st == "executing"]
+    victim = next(w for w in pair if w.name == field(conn, running[0], keys.F_WORKER))
+    lost = [cid for cid in running if field(conn, cid, keys.F_WORKER) == victim.name]
+    assert conn.zcard(keys.waiting("tool:hold")) == 2
+    victim.kill()
+    killed_at = time.time()
+
+    wait_until(lambda: all_terminal(conn, ids), 15, message="every call done")
+    assert set(current(conn, ids).values()) == {"done"}
+    stored = histories(conn, ids)
+    for cid in lost:
+        retrying = next(e for e in stored[cid] if e.state == "retrying")
+        assert retrying.detail["reason"] == "worker_lost"
+        # The slot went back when the reaper settled the call: within the lease and one heartbeat tick.
+        assert retrying.ts - killed_at < lease + lease / 3 + 1.0
+    assert _max_overlap(_intervals(conn, ids, until=killed_at)) <= 2
+    assert conn.zcard(keys.slots("tool:hold")) == 0
+
+
+def _fragile(home: Any, tmp: Path, **breaker: Any) -> tuple[Path, Path]:
+    mode, log = tmp / "mode", tmp / "backend.log"
+    mode.write_text("fail")
+    home.tool(
+        "fragile",
+        function=BACKEND,
+        timeout=10,
+        concurrency=10,
+        breaker=breaker,
+        input_schema={
+            "type": "object",
+            "properties": {"tag": {"type": "string"}, "hold": {"type": "number"}},
+        },
+    )
+    return mode, log
+
+
+def test_a_breaker_opens_lets_one_probe_through_and_closes_across_two_workers(
+    gateway: Any, home: Any, workers: Any, conn: Any, tmp_path: Path, wait_until: Any
+) -> None:
+    cooldown = 1.0
+    mode, log = _fragile(home, tmp_path, failures=3, cooldown=cooldown)
+    gateway.sync_tools()
+    a, b = workers(2, concurrency=3)
+    changes: list[dict[str, Any]] = []
+    pubsub = conn.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(keys.channel(conn, keys.BREAKER_CHANNEL))
+
+    def call(tag: str, hold: float = 0.0) -> Any:
+        return gateway.call_tool(
+            "fragile", {"mode_file": str(mode), "log": str(log), "tag": tag, "hold": hold}
+        )
+
+    # Three failures in a row open it; the third call says so in its own events.
+    for i in range(3):
+        with pytest.raises(ExecutorError):
+            call(f"f{i}").result(10)
+    tripped = call("after")
+    with pytest.raises(CircuitOpen) as refused:
+        tripped.result(10)
+    assert refused.value.details["key"] == "tool:fragile"
+    assert len(lines(log)) == 3  # the refused call never reached the back end
+
+    # After the cooldown exactly one of six concurrent calls (on both workers) is the probe.
+    mode.write_text("ok")
+    time.sleep(cooldown + 0.1)
+    batch = [call(f"p{i}", hold=0.8) for i in range(6)]
+    outcomes = []
+    for h in batch:
+        try:
+            h.result(10)
+            outcomes.append("ok")
+        except CircuitOpen:
+            outcomes.append("circuit_open")
+    assert sorted(outcomes) == ["circuit_open"] * 5 + ["ok"]
+    assert len(lines(log)) == 4
+    assert {field(conn, h.call_id, keys.F_WORKER) for h in batch} == {a.name, b.name}
+    assert call("closed").result(10) == {"ok": True, "tag": "closed"}
+
+    # Open again; a failed probe re-opens it.
+    mode.write_text("fail")
+    for i in range(3):
+        with pytest.raises(ExecutorError):
+            call(f"g{i}").result(10)
+    time.sleep(cooldown + 0.1)
+    with pytest.raises(ExecutorError):
+        call("probe2").result(10)
+    with pytest.raises(CircuitOpen):
+        call("still-open").result(10)
+
+    def drained() -> bool:
+        while (msg := pubsub.get_message(timeout=0.05)) is not None:
+            changes.append(unpack(msg["data"]))
+        return len(changes) >= 6
+
+    wait_until(drained, 5, message="six breaker changes published")
+    pubsub.close()
+    assert [(c["previous"], c["state"]) for c in changes] == [
+        ("closed", "open"),
+        ("open", "half_open"),
+        ("half_open", "closed"),
+        ("closed", "open"),
+        ("open", "half_open"),
+        ("half_open", "open"),
+    ]
+    # The call that tripped it carries the change as a progress event.
+    trip_call = changes[0]["call_id"]
+    progress = [e for e in events.history(conn, trip_call) if e.type == events.PROGRESS]
+    assert progress and progress[0].detail["breaker"]["state"] == "open"
+
+
+def test_a_failed_call_is_retried_on_schedule_without_holding_a_worker_thread(
+    gateway: Any, home: Any, workers: Any, conn: Any, tmp_path: Path
+) -> None:
+    counter = tmp_path / "count"
+    home.tool(
+        "flaky",
+        function="tests.e2e.flowtools:fail_times",
+        timeout=10,
+        retry={"max": 3, "backoff": 0.4, "jitter": 0},
+        input_schema={"type": "object"},
+    )
+    home.echo_tool()
+    gateway.sync_tools()
+    workers(1, concurrency=1)  # one thread: the other call can only run while the retry waits
+    flaky = gateway.call_tool("flaky", {"counter": str(counter), "times": 2})
+    time.sleep(0.2)
+    other = gateway.call_tool("echo", {"x": 1})
+    assert flaky.result(15) == {"attempts": 3}
+    assert other.result(5) == {"x": 1}
+    hist = [e for e in events.history(conn, flaky.call_id) if e.type == events.TRANSITION]
+    assert [(e.state, e.attempt) for e in hist] == [
+        ("pending", 1),
+        ("routing", 1),
+        ("executing", 1),
+        ("retrying", 1),
+        ("pending", 2),
+        ("routing", 2),
+        ("executing", 2),
+        ("retrying", 2),
+        ("pending", 3),
+        ("routing", 3),
+        ("executing", 3),
+        ("formatting", 3),
+        ("done", 3),
+    ]
+    retrying = [e for e in hist if e.state == "retrying"]
+    pendings = [e for e in hist if e.state == "pending"][1:]
+    assert [r.detail["delay"] for r in retrying] == [0.4, 0.8]  # exponential, no jitter asked for
+    for r, p in zip(retrying, pendings, strict=True):
+        assert r.detail["error"]["type"] == "executor_error"
+        assert p.ts >= r.detail["next_attempt_at"] - 0.01  # not before it was due
+    done_other = [e for e in events.history(conn, other.call_id) if e.state == "done"][0]
+    assert done_other.ts < pendings[0].ts  # it ran while the first retry waited
+
+    # Out of retries: the last error stands.
+    counter.unlink()
+    with pytest.raises(ExecutorError):
+        gateway.call_tool("flaky", {"counter": str(counter), "times": 9}, max_attempts=2).result(15)
+    assert counter.read_text() == "2"
+
+
+def test_a_call_submitted_twice_with_one_idempotency_key_runs_once(
+    gateway: Any, home: Any, workers: Any, redis_url: str, tmp_path: Path
+) -> None:
+    from hermes_gateway.client import Gateway
+
+    mode, log = _fragile(home, tmp_path)
+    mode.write_text("ok")
+    gateway.sync_tools()
+    workers(1)
+    args = {"mode_file": str(mode), "log": str(log), "tag": "charge", "hold": 0.3}
+    other = Gateway.connect(redis_url, home=str(home.path), embedded_ok=False)
+    try:
+        first = gateway.call_tool("fragile", args, idempotency_key="order-42")
+        second = other.call_tool("fragile", args, idempotency_key="order-42")
+        assert second.call_id == first.call_id
+        assert first.result(10) == second.result(10) == {"ok": True, "tag": "charge"}
+        again = other.call_tool("fragile", args, idempotency_key="order-42")  # after it finished, too
+        assert again.call_id == first.call_id and again.result(5) == {"ok": True, "tag": "charge"}
+    finally:
+        other.close()
+    assert len(lines(log)) == 1
+
+
+def test_a_timeout_stops_the_command_and_its_process_is_gone(
+    gateway: Any, home: Any, workers: Any, tmp_path: Path, wait_until: Any
+) -> None:
+    script = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(60)"
+    home.tool(
+        "napper",
+        "command",
+        command=[PY, "-c", script, "{{pidfile}}"],
+        timeout=30,
+        kill_grace=0.5,
+        input_schema={"type": "object", "properties": {"pidfile": {"type": "string"}}},
+    )
+    home.sleep_tool("short", timeout=0.5)
+    gateway.sync_tools()
+    workers(1)
+    pidfile = tmp_path / "pid"
+    h = gateway.call_tool("napper", {"pidfile": str(pidfile)}, timeout=1.0)  # per-call timeout
+    with pytest.raises(ToolTimeout):
+        h.result(10)
+    pid = int(wait_until(lambda: pidfile.exists() and pidfile.read_text(), 5, message="pid written"))
+
+    def gone() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_until(gone, 5, message=f"process {pid} gone")
+    # The tool's own timeout applies when the call gives none.
+    with pytest.raises(CallFailed) as info:
+        gateway.call_tool("short", {"seconds": 5}).result(10)
+    assert info.value.error_type == "tool_timeout"
