@@ -1,0 +1,129 @@
+"""``hermes-gateway status --watch``: the call figures live in the terminal, read from Redis.
+
+The same figures the OpenTelemetry metrics carry (``workers/metrics.py``): calls by tool, state and
+error type, mean duration and queue wait, calls in flight per concurrency key, breaker states and
+queue depths. Workers add their totals to ``hermes:stats`` once a second; this view reads them, so it
+works with tracing and metrics export off.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from broker import keys
+from workers.metrics import SEP, queue_depths
+
+
+def figures(conn: redis.Redis) -> dict[str, Any]:
+    """Everything the live view shows, as plain data (a few round trips)."""
+    raw = {k.decode(): v.decode() for k, v in conn.hgetall(keys.STATS).items()}
+    calls: dict[str, dict[str, Any]] = {}
+    errors: dict[tuple[str, str], int] = {}
+    waits: dict[str, dict[str, float]] = {}
+    for field, value in raw.items():
+        parts = field.split(SEP)
+        if parts[0] == "calls" and len(parts) >= 5:
+            name, state, etype = f"{parts[1]}:{SEP.join(parts[2:-2])}", parts[-2], parts[-1]
+            row = calls.setdefault(name, {"states": {}, "duration_s": 0.0, "n": 0})
+            row["states"][state] = row["states"].get(state, 0) + int(value)
+            if etype:
+                errors[(name, etype)] = errors.get((name, etype), 0) + int(value)
+        elif parts[0] in ("duration", "duration_n") and len(parts) >= 3:
+            row = calls.setdefault(
+                f"{parts[1]}:{SEP.join(parts[2:])}", {"states": {}, "duration_s": 0.0, "n": 0}
+            )
+            if parts[0] == "duration":
+                row["duration_s"] = float(value)
+            else:
+                row["n"] = int(value)
+        elif parts[0] in ("wait", "wait_n") and len(parts) >= 2:
+            w = waits.setdefault(SEP.join(parts[1:]), {"sum": 0.0, "n": 0})
+            w["sum" if parts[0] == "wait" else "n"] = float(value)
+    inflight: dict[str, int] = {}
+    for key in conn.scan_iter(match=keys.STATS_INFLIGHT.format("*"), count=500):
+        for ckey, n in conn.hgetall(key).items():
+            inflight[ckey.decode()] = inflight.get(ckey.decode(), 0) + int(n)
+    breaker_keys = sorted(k.decode() for k in conn.smembers(keys.BREAKERS))
+    pipe = conn.pipeline(transaction=False)
+    for k in breaker_keys:
+        pipe.hget(keys.breaker(k), "state")
+    breakers = {k: (s or b"closed").decode() for k, s in zip(breaker_keys, pipe.execute(), strict=True)}
+    for field, value in raw.items():  # breakers reported through workers.metrics.breaker_changed
+        if field.startswith(f"breaker{SEP}"):
+            breakers.setdefault(field.split(SEP, 1)[1], value)
+    return {
+        "calls": calls,
+        "errors": errors,
+        "queue_wait": {q: (w["sum"] / w["n"] if w["n"] else 0.0) for q, w in waits.items()},
+        "inflight": inflight,
+        "breakers": breakers,
+        "queues": dict(queue_depths(conn)),
+        "ts": time.time(),
+    }
+
+
+def _total(row: dict[str, Any]) -> int:
+    return sum(row["states"].values())
+
+
+def render(data: dict[str, Any], previous: dict[str, Any] | None = None) -> Group:
+    """The tables for one refresh; rates come from the difference with ``previous``."""
+    elapsed = max(1e-6, data["ts"] - previous["ts"]) if previous else 0.0
+    calls = Table(title="calls", title_justify="left")
+    for col in ("name", "done", "failed", "cancelled", "other", "mean ms", "per s"):
+        calls.add_column(col, justify="left" if col == "name" else "right")
+    for name, row in sorted(data["calls"].items()):
+        states = dict(row["states"])
+        done, failed, cancelled = (states.pop(s, 0) for s in ("done", "failed", "cancelled"))
+        mean = row["duration_s"] / row["n"] * 1000 if row["n"] else 0.0
+        rate = ""
+        if previous:
+            before = previous["calls"].get(name)
+            rate = f"{(_total(row) - (_total(before) if before else 0)) / elapsed:,.1f}"
+        calls.add_row(
+            name, str(done), str(failed), str(cancelled), str(sum(states.values())), f"{mean:,.1f}", rate
+        )
+    errors = Table(title="errors", title_justify="left")
+    for col in ("name", "error type", "count"):
+        errors.add_column(col)
+    for (name, etype), n in sorted(data["errors"].items()):
+        errors.add_row(name, etype, str(n))
+    queues = Table(title="queues", title_justify="left")
+    for col in ("queue", "depth", "mean wait ms"):
+        queues.add_column(col)
+    for q in sorted(set(data["queues"]) | set(data["queue_wait"])):
+        queues.add_row(q, str(data["queues"].get(q, 0)), f"{data['queue_wait'].get(q, 0.0) * 1000:,.1f}")
+    flight = Table(title="in flight", title_justify="left")
+    flight.add_column("concurrency key")
+    flight.add_column("calls", justify="right")
+    for k, n in sorted(data["inflight"].items()):
+        flight.add_row(k, str(n))
+    breakers = Table(title="breakers", title_justify="left")
+    breakers.add_column("key")
+    breakers.add_column("state")
+    for k, s in sorted(data["breakers"].items()):
+        breakers.add_row(k, f"[red]{s}[/red]" if s == "open" else s)
+    return Group(calls, errors, queues, flight, breakers)
+
+
+def watch(
+    conn: redis.Redis, interval: float = 1.0, rounds: int | None = None, console: Console | None = None
+) -> None:
+    """Redraw the figures every ``interval`` seconds until Ctrl-C (or ``rounds`` refreshes)."""
+    previous = figures(conn)
+    done = 0
+    with Live(render(previous), console=console, refresh_per_second=4, transient=False) as live:
+        try:
+            while rounds is None or done < rounds:
+                time.sleep(interval)
+                current = figures(conn)
+                live.update(render(current, previous))
+                previous, done = current, done + 1
+        except KeyboardInterrupt:
+            pass
