@@ -35,15 +35,27 @@ def _fail(message: str, code: int = 2) -> None:
 @click.option("--home", envvar="HERMES_HOME", default=None, help="Config directory (default ~/.hermes).")
 @click.option("--log-level", default=None, help="DEBUG, INFO, WARNING, ERROR (default: logging.level or INFO).")
 @click.option("--log-format", type=click.Choice(["console", "json"]), default=None, help="Log lines as text or JSON.")
+@click.option(
+    "--trace",
+    type=click.Choice(["off", "console", "otlp"]),
+    default=None,
+    help="Trace the calls: console prints spans, otlp exports to OTEL_EXPORTER_OTLP_ENDPOINT (default: OTEL_* env).",
+)
 @click.version_option("0.10.0", prog_name="hermes-gateway", message="%(prog)s v%(version)s")
 @click.pass_context
-def main(ctx: click.Context, home: str | None, log_level: str | None, log_format: str | None) -> None:
+def main(ctx: click.Context, home: str | None, log_level: str | None, log_format: str | None, trace: str | None) -> None:
     """Hermes Gateway: LLM and tool calls through Redis and RQ worker pools."""
     try:
         settings = load_settings(home)
     except HermesError as e:
         _fail(str(e))
     configure(log_level or settings.log_level, log_format or settings.log_format)
+    from hermes_gateway.telemetry import setup as setup_tracing
+
+    try:
+        setup_tracing(trace)  # workers this command starts inherit the mode
+    except HermesError as e:
+        _fail(str(e))
     ctx.obj = {"settings": settings}
 
 
@@ -248,12 +260,19 @@ def events(ctx: click.Context, call_id: str, follow: bool) -> None:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--watch", "-w", is_flag=True, help="Live call figures (by tool, state, error; durations, waits, in flight, breakers).")
+@click.option("--interval", default=1.0, show_default=True, help="Seconds between refreshes with --watch.")
 @click.pass_context
-def status(ctx: click.Context, as_json: bool) -> None:
+def status(ctx: click.Context, as_json: bool, watch: bool, interval: float) -> None:
     """Queues with depths, workers with in-flight counts, recent failures."""
     from hermes_gateway.views import print_status, status_data
 
     with _gateway(_settings(ctx), need_workers=False) as (gw, _):
+        if watch:
+            from hermes_gateway.watch import watch as watch_figures
+
+            watch_figures(gw.conn, interval)
+            return
         data = status_data(gw)
         if as_json:
             click.echo(json.dumps(data, indent=2, default=str))
