@@ -250,3 +250,9 @@ class ReplayRefused(HermesError):
     """An audited call cannot be replayed as asked (redacted args not supplied, a hash that does not match)."""
 
     type = "replay_refused"
+
+
+class FlowError(HermesError):
+    """A flow document is invalid, or one of its expressions cannot be evaluated."""
+
+    type = "flow_error"
