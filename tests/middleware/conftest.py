@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import structlog
 
 from middleware import MiddlewareRegistry
+from middleware.manifest import ENTRY_POINTS_GROUP
 
 
 @pytest.fixture
@@ -31,6 +33,14 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     (hermes_home / "plugins").mkdir(parents=True)
     monkeypatch.setenv("HERMES_HOME", str(hermes_home))
     monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    # Discovery sees only the plugins a test installs: those of installed distributions (ours declares
+    # ``hermes-gateway`` for the Hermes agent) are hidden; ``fake_entry_points`` adds its own on top.
+    real = importlib.metadata.entry_points
+
+    def entry_points(**params: Any) -> Any:
+        return [] if params.get("group") == ENTRY_POINTS_GROUP else real(**params)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
     yield hermes_home
     # Plugin modules are imported under hermes_plugins.*; drop them so tests do not share module state.
     for name in [m for m in sys.modules if m == "hermes_plugins" or m.startswith("hermes_plugins.")]:
