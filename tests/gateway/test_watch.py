@@ -1,0 +1,71 @@
+"""``status --watch``: the figures workers add to Redis, read back and drawn."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+
+from broker import keys
+from hermes_gateway.watch import figures, render, watch
+from workers import metrics
+
+
+def workload(fake: Any) -> None:
+    """What a worker would have counted: 3 done and 1 failed get_weather calls, 1 cancelled LLM call."""
+    metrics.flush(fake.pipeline())  # drop what other tests in this process counted
+    fake.delete(keys.STATS)
+    for duration, state, etype in (
+        (0.1, "done", None),
+        (0.2, "done", None),
+        (0.3, "done", None),
+        (0.4, "failed", "tool_timeout"),
+    ):
+        metrics.call_started("tool:get_weather", "tools", 0.05)
+        metrics.call_ended("tool:get_weather", "tool", "get_weather", state, etype, duration)
+    metrics.call_started("llm:gpt", "llm", 0.25)
+    metrics.call_ended("llm:gpt", "llm", "gpt", "cancelled", None, 1.0)
+    pipe = fake.pipeline()
+    assert metrics.flush(pipe)
+    pipe.execute()
+    fake.hset(keys.stats_inflight("w1"), mapping={"tool:get_weather": 2})
+    fake.hset(keys.stats_inflight("w2"), mapping={"tool:get_weather": 1, "llm:gpt": 4})
+    fake.sadd(keys.BREAKERS, "tool:get_weather")
+    fake.hset(keys.breaker("tool:get_weather"), "state", "open")
+    fake.sadd(keys.RQ_QUEUES, keys.queue("tools"))
+    fake.rpush(keys.queue("tools"), "a", "b")
+
+
+def test_figures_sum_what_the_workers_reported(fake: Any) -> None:
+    workload(fake)
+    data = figures(fake)
+    weather = data["calls"]["tool:get_weather"]
+    assert weather["states"] == {"done": 3, "failed": 1} and weather["n"] == 4
+    assert round(weather["duration_s"], 6) == 1.0
+    assert data["calls"]["llm:gpt"]["states"] == {"cancelled": 1}
+    assert data["errors"] == {("tool:get_weather", "tool_timeout"): 1}
+    assert round(data["queue_wait"]["tools"], 6) == 0.05 and round(data["queue_wait"]["llm"], 6) == 0.25
+    assert data["inflight"] == {"tool:get_weather": 3, "llm:gpt": 4}
+    assert data["breakers"] == {"tool:get_weather": "open"}
+    assert data["queues"] == {"tools": 2}
+
+
+def test_the_view_draws_counts_means_and_rates(fake: Any) -> None:
+    workload(fake)
+    before = figures(fake)
+    after = {**figures(fake), "ts": before["ts"] + 2.0}
+    after["calls"]["tool:get_weather"] = {"states": {"done": 7, "failed": 1}, "duration_s": 1.0, "n": 8}
+    out = Console(record=True, width=150)
+    out.print(render(after, before))
+    text = out.export_text()
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in text.splitlines() if "│" in line]
+    # name, done, failed, cancelled, other, mean ms (1.0 s / 8 calls), per s ((8 - 4) calls in 2 s)
+    assert ["tool:get_weather", "7", "1", "0", "0", "125.0", "2.0"] in rows
+    assert "tool_timeout" in text and "open" in text
+
+
+def test_watch_refreshes_then_returns(fake: Any) -> None:
+    workload(fake)
+    out = Console(record=True, width=150)
+    watch(fake, interval=0.01, rounds=2, console=out)
+    assert "get_weather" in out.export_text()
