@@ -1,0 +1,63 @@
+"""The Hermes agent plugin ``hermes-gateway``: the gateway's tools in a Hermes session, run on our workers.
+
+Install ``hermes-gateway`` in the agent's environment, then ``hermes plugins enable hermes-gateway``.
+The plugin reaches the gateway's Redis at ``HERMES_GATEWAY_URL``, ``HERMES_REDIS_URL`` or
+``plugins.entries.hermes-gateway.redis_url`` (workers run wherever ``hermes-gateway worker`` runs).
+Every tool the principal may call becomes a Hermes tool in the ``hermes-gateway`` toolset; calling
+one enqueues it with the agent's session, turn and tool-call ids. With ``HERMES_GATEWAY_ROUTE_LLM=1``
+(or ``route_llm: true``) the agent's own chat-completions calls go through the ``llm`` queue too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+
+from broker.errors import HermesError
+from hermes_gateway.hermes_plugin.bridge import PLUGIN_NAME, TOOLSET, Bridge, Options
+
+log = structlog.get_logger("hermes.plugin")
+
+__all__ = ["PLUGIN_NAME", "TOOLSET", "Bridge", "Options", "register"]
+
+BRIDGE: Bridge | None = None  # the agent process's one bridge (for tests and a clean shutdown)
+
+
+def register(ctx: Any) -> None:
+    """Hermes' plugin entry: register the gateway's tools and middleware on ``ctx``."""
+    global BRIDGE
+    if not hasattr(type(ctx), "register_tool"):
+        # Our own workers load the same plugins (shared config.yaml) with a middleware-only context;
+        # routing their LLM calls back onto the queue would loop, so this plugin is agent-side only.
+        return
+    from broker.config import load_settings
+
+    settings = load_settings()
+    options = Options.load(settings)
+    if not options.url:
+        log.warning(
+            "hermes-gateway plugin: no gateway to reach; set HERMES_GATEWAY_URL or HERMES_REDIS_URL",
+            plugin=PLUGIN_NAME,
+        )
+        return
+    bridge = Bridge(options, settings)
+    try:
+        tools = bridge.tools()
+    except HermesError as e:
+        log.warning(f"hermes-gateway plugin: cannot list the gateway's tools: {e}", plugin=PLUGIN_NAME)
+        bridge.close()
+        return
+    for name, schema in tools:
+        ctx.register_tool(
+            name=name,
+            toolset=TOOLSET,
+            schema=schema,
+            handler=bridge.handler(name),
+            description=schema.get("description", ""),
+            emoji="🛰️",
+        )
+    ctx.register_middleware("tool_execution", bridge.tool_execution)
+    if options.route_llm:
+        ctx.register_middleware("llm_execution", bridge.llm_execution)
+    BRIDGE = bridge

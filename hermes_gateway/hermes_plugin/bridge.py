@@ -1,0 +1,193 @@
+"""What the plugin does inside the Hermes agent: gateway tools as Hermes tools, LLM calls via the queue.
+
+Hermes calls a tool handler as ``handler(args, task_id=..., session_id=..., ...)`` and expects a string
+back; the ids of the model's tool call (``tool_call_id``, ``turn_id``, ``api_request_id``) reach only
+the ``tool_execution`` middleware, so that middleware puts them in a context variable the handler
+(same thread, just below it in the chain) reads. ``llm_execution`` gets the provider kwargs and must
+return what the provider client would: an OpenAI SDK ``ChatCompletion``, built from our dict.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import structlog
+
+from broker.config import Settings, load_settings
+from broker.errors import HermesError
+
+log = structlog.get_logger("hermes.plugin")
+
+PLUGIN_NAME = "hermes-gateway"
+TOOLSET = "hermes-gateway"
+# The model's ids for the tool call being run on this thread, set by the tool_execution middleware.
+_TOOL_CALL: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
+    "hermes_gateway_tool_call", default=None
+)
+_IDS = ("session_id", "task_id", "turn_id", "tool_call_id", "api_request_id")
+# Provider kwargs that configure Hermes' HTTP client rather than the request (and may not be serialisable).
+_CLIENT_ONLY = frozenset({"timeout"})
+
+
+def _flag(value: Any) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class Options:
+    """The plugin's settings: ``HERMES_GATEWAY_*`` variables over ``plugins.entries.hermes-gateway``."""
+
+    url: str | None
+    route_llm: bool = False
+    principal: str | None = None
+    timeout: float = 600.0
+    tool_prefix: str = ""
+
+    @classmethod
+    def load(cls, settings: Settings) -> Options:
+        entry = ((settings.plugins.get("entries") or {}).get(PLUGIN_NAME)) or {}
+        env = os.environ
+        return cls(
+            url=env.get("HERMES_GATEWAY_URL") or entry.get("redis_url") or settings.redis_url,
+            route_llm=_flag(env.get("HERMES_GATEWAY_ROUTE_LLM", entry.get("route_llm", False))),
+            principal=env.get("HERMES_GATEWAY_PRINCIPAL") or entry.get("principal") or None,
+            timeout=float(env.get("HERMES_GATEWAY_TIMEOUT") or entry.get("timeout") or 600.0),
+            tool_prefix=str(env.get("HERMES_GATEWAY_TOOL_PREFIX") or entry.get("tool_prefix") or ""),
+        )
+
+
+def request_body(request: dict[str, Any]) -> dict[str, Any]:
+    """The provider kwargs as they can travel (msgpack): client-only and unserialisable values left out."""
+    body = {}
+    for key, value in request.items():
+        if key in _CLIENT_ONLY:
+            continue
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            log.debug("provider kwarg not sent through the gateway", key=key, type=type(value).__name__)
+            continue
+        body[key] = value
+    return body
+
+
+def as_completion(response: Any) -> Any:
+    """Our chat.completion dict as the OpenAI SDK object Hermes' transport reads (attributes, not keys)."""
+    try:
+        from openai.types.chat import ChatCompletion
+
+        return ChatCompletion.model_validate(response)
+    except Exception:  # noqa: BLE001 - no SDK, or a shape it refuses: attribute access is all Hermes needs
+        return _namespace(response)
+
+
+def _namespace(value: Any) -> Any:
+    if isinstance(value, dict):
+        return SimpleNamespace(**{k: _namespace(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return [_namespace(v) for v in value]
+    return value
+
+
+class Bridge:
+    """One gateway client per agent process, shared by every tool handler and the middleware."""
+
+    def __init__(self, options: Options, settings: Settings | None = None) -> None:
+        self.options = options
+        self.settings = settings or load_settings()
+        self.names: dict[str, str] = {}  # Hermes tool name -> gateway tool name
+        self._gw: Any = None
+        self._lock = threading.Lock()
+        self._last_llm: dict[
+            str, str
+        ] = {}  # session -> its latest LLM call id (the parent of its tool calls)
+
+    @property
+    def gw(self) -> Any:
+        with self._lock:
+            if self._gw is None:
+                from hermes_gateway.client import Gateway
+
+                self._gw = Gateway.connect(self.options.url, embedded_ok=False)
+            return self._gw
+
+    def close(self) -> None:
+        with self._lock:
+            if self._gw is not None:
+                self._gw.close()
+                self._gw = None
+
+    # -- tools -----------------------------------------------------------------------------------
+
+    def tools(self) -> list[tuple[str, dict[str, Any]]]:
+        """(Hermes name, Hermes schema) of every gateway tool the principal may call."""
+        out = []
+        for tool in self.gw.tool_schemas(self.options.principal):
+            fn = tool["function"]
+            name = f"{self.options.tool_prefix}{fn['name']}"
+            self.names[name] = fn["name"]
+            out.append((name, {**fn, "name": name}))
+        return out
+
+    def handler(self, name: str) -> Callable[..., str]:
+        """The Hermes handler of tool ``name``: run it on the workers, return its result as text."""
+
+        def run(args: dict[str, Any], **kw: Any) -> str:
+            return self.call(name, args, kw)
+
+        run.__name__ = f"gateway_{name}"
+        return run
+
+    def call(self, name: str, args: dict[str, Any], kw: dict[str, Any]) -> str:
+        ids = {k: kw.get(k) for k in ("session_id", "task_id")}
+        ids.update(_TOOL_CALL.get() or {})
+        context = {k: str(v) for k, v in ids.items() if v}
+        parent = self._last_llm.get(context.get("session_id", ""))
+        if parent:
+            context["parent_call_id"] = parent
+        if self.options.principal:
+            context["principal"] = self.options.principal
+        try:
+            handle = self.gw.call_tool(self.names.get(name, name), args or {}, **context)
+            result = handle.result(self.options.timeout)
+        except HermesError as e:
+            return json.dumps({"error": f"{e.type}: {e.message}"}, ensure_ascii=False)
+        return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
+
+    def tool_execution(self, tool_name: str = "", args: Any = None, next_call: Any = None, **kw: Any) -> Any:
+        """Middleware: hand the model's ids for this tool call to our handler below in the chain."""
+        if tool_name not in self.names:
+            return next_call(args)
+        token = _TOOL_CALL.set({k: str(kw[k]) for k in _IDS if kw.get(k)})
+        try:
+            return next_call(args)
+        finally:
+            _TOOL_CALL.reset(token)
+
+    # -- the agent's own LLM calls ---------------------------------------------------------------
+
+    def llm_execution(self, request: Any = None, next_call: Any = None, **kw: Any) -> Any:
+        """Middleware: run the provider call on the gateway's ``llm`` queue instead of in the agent."""
+        if kw.get("api_mode") not in (None, "", "chat_completions") or not isinstance(request, dict):
+            return next_call(request)  # only chat-completions requests travel the queue
+        context = {k: str(kw[k]) for k in ("session_id", "task_id", "turn_id", "api_request_id") if kw.get(k)}
+        if kw.get("provider"):
+            context["provider"] = str(kw["provider"])
+        if self.options.principal:
+            context["principal"] = self.options.principal
+        body = request_body(request)
+        # Hermes streams inside its client call, so the kwargs have no ``stream``; asking the worker to
+        # stream publishes the deltas as events, and the result is the assembled completion all the same.
+        body.setdefault("stream", True)
+        if body["stream"]:
+            body.setdefault("stream_options", {"include_usage": True})
+        handle = self.gw.call_llm(body, **context)
+        self._last_llm[context.get("session_id", "")] = handle.call_id
+        return as_completion(handle.result(self.options.timeout))

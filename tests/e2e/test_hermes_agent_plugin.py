@@ -1,0 +1,188 @@
+"""The real Hermes agent (hermes-agent 0.19.0 from PyPI, its own venv) with our ``hermes-gateway`` plugin.
+
+``hermes plugins enable hermes-gateway`` then ``hermes chat -q ... -Q`` against the local LLM server:
+the model's ``get_weather`` call runs on our worker processes (events, audit record, the agent's ids in
+the call context) and its result comes back into the conversation. With ``HERMES_GATEWAY_ROUTE_LLM=1``
+the agent's own provider calls travel the ``llm`` queue too. The venv is the one the middleware interop
+tests cache; our package is added to it (editable, with the few dependencies the plugin imports).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from broker import events, keys
+from broker.audit import AuditLog, AuditRecord
+from broker.calls import Calls, envelope_of
+from tests.conftest import REPO, Home
+from tests.llm_server import LLMServer
+from tests.middleware.test_interop_hermes_agent import (  # noqa: F401 - the fixture, reused
+    HERMES_VERSION,
+    VENV_ROOT,
+    _terminal_line,
+    hermes_python,
+)
+
+pytestmark = [pytest.mark.interop, pytest.mark.e2e]
+
+MODEL = "hermes-test"
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+# What the plugin imports beyond Hermes' own dependencies (the rest of ours is for workers and the CLI).
+PLUGIN_DEPS = ["redis>=5", "msgpack>=1.0", "structlog>=24", "jsonschema>=4.20"]
+
+
+@pytest.fixture(scope="module")
+def hermes_bin(request: pytest.FixtureRequest, hermes_python: Path) -> Path:  # noqa: F811
+    """The venv's ``hermes``, with our package installed in the venv (redone when pyproject changes)."""
+    venv = hermes_python.parent.parent
+    stamp = hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()[:16]
+    marker = venv / ".hermes-gateway-plugin"
+    with open(VENV_ROOT / f"{HERMES_VERSION}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists() and json.loads(marker.read_text()).get("stamp") == stamp:
+            took = json.loads(marker.read_text())["install_s"]
+            _terminal_line(
+                request, f"hermes-gateway in the hermes-agent venv: cached (install took {took:.1f}s)"
+            )
+            return venv / "bin" / "hermes"
+        started = time.monotonic()
+        otel = subprocess.run(
+            [
+                str(hermes_python),
+                "-c",
+                "import importlib.metadata as m; print(m.version('opentelemetry-api'))",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        pip = [str(hermes_python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        for step in (
+            [*pip, "--no-deps", "-e", str(REPO)],
+            [*pip, *PLUGIN_DEPS, f"opentelemetry-sdk=={otel}"],
+        ):
+            proc = subprocess.run(step, capture_output=True, text=True, timeout=600)
+            assert proc.returncode == 0, f"{' '.join(step)} failed:\n{proc.stderr[-2000:]}"
+        took = time.monotonic() - started
+        marker.write_text(json.dumps({"stamp": stamp, "install_s": took}))
+        _terminal_line(request, f"hermes-gateway installed into the hermes-agent venv in {took:.1f}s")
+        return venv / "bin" / "hermes"
+
+
+@pytest.fixture
+def llm(home: Home, gateway: Any) -> Iterator[LLMServer]:
+    """The LLM server; the workers' config points at it and the directory has a python get_weather."""
+    with LLMServer(model=MODEL) as server:
+        home.config({"model": {"provider": "openai-compatible", "base_url": server.base_url, "model": MODEL}})
+        home.tool(
+            "get_weather",
+            function="hermes_gateway.demo_tools:weather",
+            description="Current weather in a city",
+            input_schema=WEATHER_SCHEMA,
+        )
+        gateway.sync_tools()
+        yield server
+
+
+class Agent:
+    """A HERMES_HOME for the agent (its own config, not the workers'), and its commands."""
+
+    def __init__(self, binary: Path, root: Path, server: LLMServer, redis_url: str) -> None:
+        self.binary = binary
+        self.root = root
+        root.mkdir()
+        model = {"provider": "custom", "base_url": server.base_url, "default": MODEL, "api_key": "sk-test"}
+        (root / "config.yaml").write_text(yaml.safe_dump({"model": model}))
+        self.env = {"PATH": os.environ.get("PATH", ""), "HERMES_HOME": str(root), "HOME": str(root)}
+        self.env["HERMES_REDIS_URL"] = redis_url
+
+    def run(self, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        started = time.monotonic()
+        proc = subprocess.run(
+            [str(self.binary), *args],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            cwd=self.root,
+            env={**self.env, **env},
+            stdin=subprocess.DEVNULL,
+        )
+        print(f"hermes {' '.join(args[:2])}: {time.monotonic() - started:.1f}s")
+        assert proc.returncode == 0, f"hermes {args} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+        return proc
+
+
+@pytest.fixture
+def agent(hermes_bin: Path, tmp_path: Path, llm: LLMServer, redis_url: str) -> Agent:
+    agent = Agent(hermes_bin, tmp_path / "agent-home", llm, redis_url)
+    agent.run("plugins", "enable", "hermes-gateway")  # the documented command, non-interactive
+    assert yaml.safe_load((agent.root / "config.yaml").read_text())["plugins"]["enabled"] == [
+        "hermes-gateway"
+    ]
+    return agent
+
+
+def records(conn: Any) -> list[AuditRecord]:
+    return sorted(AuditLog(conn).list(), key=lambda r: r.ts)
+
+
+def session_of(out: str) -> str:
+    found = re.search(r"session_id:\s*(\S+)", out)
+    assert found, out
+    return found.group(1)
+
+
+def test_hermes_chat_calls_a_gateway_tool_that_runs_on_our_workers(
+    agent: Agent, llm: LLMServer, workers: Any, conn: Any
+) -> None:
+    workers(queues="tools")
+    proc = agent.run("chat", "-q", "What is the weather in Berlin?", "-Q")
+    out = proc.stdout + proc.stderr
+
+    [record] = [r for r in records(conn) if r.kind == "tool"]
+    assert record.tool_name == "get_weather" and record.state == "done" and record.args == {"city": "Berlin"}
+    result = Calls(conn).record(record.call_id)["result"]
+    assert result["city"] == "Berlin" and "'temperature'" in (record.result_summary or "")
+    assert f"Tool result: {json.dumps(result, ensure_ascii=False)}" in proc.stdout  # back in the conversation
+    # The agent's session, turn and tool-call ids rode into the call.
+    assert record.session_id == session_of(out)
+    context = envelope_of(conn.hget(keys.job(record.call_id), "data")).context
+    assert context["turn_id"] and context["task_id"] and context["api_request_id"]
+    offered, answered = llm.chat_requests
+    assert "get_weather" in [t["function"]["name"] for t in offered.body["tools"]]
+    [tool_msg] = [m for m in answered.body["messages"] if m["role"] == "tool"]
+    assert record.tool_call_id == context["tool_call_id"] == tool_msg["tool_call_id"]
+    states = [e.state for e in events.history(conn, record.call_id) if e.type == events.TRANSITION]
+    assert states == ["pending", "routing", "executing", "formatting", "done"]
+    assert "x-hermes-call-id" not in offered.headers  # the agent called its provider itself
+
+
+def test_route_llm_sends_the_agents_provider_calls_through_the_llm_queue(
+    agent: Agent, llm: LLMServer, workers: Any, conn: Any
+) -> None:
+    workers(queues="tools,llm")
+    proc = agent.run("chat", "-q", "What is the weather in Paris?", "-Q", HERMES_GATEWAY_ROUTE_LLM="1")
+
+    session = session_of(proc.stdout + proc.stderr)
+    first, tool, second = records(conn)
+    assert (first.kind, tool.kind, second.kind) == ("llm", "tool", "llm")
+    assert {first.session_id, tool.session_id, second.session_id} == {session}
+    assert 'Tool result: {"city": "Paris"' in proc.stdout
+    # Each provider request the server saw came from a worker running that LLM call.
+    assert [r.headers.get("x-hermes-call-id") for r in llm.chat_requests] == [first.call_id, second.call_id]
+    context = envelope_of(conn.hget(keys.job(tool.call_id), "data")).context
+    assert context["parent_call_id"] == first.call_id
+    deltas = [e for e in events.history(conn, second.call_id) if e.type == events.DELTA]
+    assert "".join(d.detail.get("content", "") for d in deltas).startswith("Tool result:")
