@@ -1,0 +1,1 @@
+"""Orchestration of tool calls: flows of serial, parallel, conditional and fallback steps."""

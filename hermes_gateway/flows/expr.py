@@ -1,0 +1,342 @@
+"""A small, safe expression language for flows: paths, literals, comparisons, boolean logic. Never eval.
+
+``steps.lookup.result.city == 'Paris' and len(steps.search.result) > 0``. Names are looked up in the
+scope (``args``, ``steps``, a ``for_each`` item); ``.name`` and ``[key]`` read mapping keys and list
+items only (never Python attributes); a missing key reads as ``null``. Templates put ``{{ expr }}`` in
+strings: a string that is one whole template keeps the value's type, otherwise values are interpolated.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import re
+from collections.abc import Callable
+from typing import Any
+
+from broker.errors import FlowError
+
+_TOKEN = re.compile(
+    r"""\s*(?:
+    (?P<num>\d+(?:\.\d+)?)
+  | (?P<str>'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")
+  | (?P<op>==|!=|<=|>=|<|>|\(|\)|\[|\]|\.|,|\+|-)
+  | (?P<name>[A-Za-z_][A-Za-z0-9_]*)
+    )""",
+    re.VERBOSE,
+)
+_TEMPLATE = re.compile(r"\{\{(.*?)\}\}", re.DOTALL)
+_CONSTANTS = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
+_KEYWORDS = {"and", "or", "not", "in"}
+_ORDER = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
+
+
+def _length(v: Any) -> int:
+    if not isinstance(v, str | list | dict):
+        raise FlowError(f"len() of a {type(v).__name__}")
+    return len(v)
+
+
+FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "len": _length,
+    "lower": lambda s: str(s).lower(),
+    "upper": lambda s: str(s).upper(),
+    "str": lambda v: v if isinstance(v, str) else json.dumps(v, ensure_ascii=False),
+    "int": lambda v: int(v),
+    "float": lambda v: float(v),
+}
+
+Node = tuple[Any, ...]
+
+
+def _tokens(text: str) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    pos = 0
+    text = text.rstrip()
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if m is None or m.end() == pos:
+            raise FlowError(f"expression {text!r}: unexpected {text[pos:].strip()[:20]!r}")
+        pos = m.end()
+        if m.group("num") is not None:
+            raw = m.group("num")
+            out.append(("lit", float(raw) if "." in raw else int(raw)))
+        elif m.group("str") is not None:
+            out.append(("lit", _unquote(m.group("str"))))
+        elif m.group("op") is not None:
+            out.append(("op", m.group("op")))
+        else:
+            word = m.group("name")
+            if word in _CONSTANTS:
+                out.append(("lit", _CONSTANTS[word]))
+            elif word in _KEYWORDS:
+                out.append(("op", word))
+            else:
+                out.append(("name", word))
+    return out
+
+
+def _unquote(raw: str) -> str:
+    body = raw[1:-1]
+    return re.sub(r"\\(.)", lambda m: {"n": "\n", "t": "\t"}.get(m.group(1), m.group(1)), body)
+
+
+class _Parser:
+    """Precedence climbing: or < and < not < comparison < + - < unary < postfix."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.toks = _tokens(text)
+        self.i = 0
+
+    def error(self, what: str) -> FlowError:
+        return FlowError(f"expression {self.text!r}: {what}", expression=self.text)
+
+    def peek(self, value: str | None = None) -> bool:
+        if self.i >= len(self.toks):
+            return False
+        kind, v = self.toks[self.i]
+        return kind == "op" and (value is None or v == value)
+
+    def take(self, value: str) -> None:
+        if not self.peek(value):
+            raise self.error(f"expected {value!r}")
+        self.i += 1
+
+    def parse(self) -> Node:
+        if not self.toks:
+            raise self.error("empty")
+        node = self.or_()
+        if self.i != len(self.toks):
+            raise self.error(f"unexpected {self.toks[self.i][1]!r}")
+        return node
+
+    def or_(self) -> Node:
+        node = self.and_()
+        while self.peek("or"):
+            self.i += 1
+            node = ("or", node, self.and_())
+        return node
+
+    def and_(self) -> Node:
+        node = self.not_()
+        while self.peek("and"):
+            self.i += 1
+            node = ("and", node, self.not_())
+        return node
+
+    def not_(self) -> Node:
+        if self.peek("not"):
+            self.i += 1
+            return ("not", self.not_())
+        return self.compare()
+
+    def compare(self) -> Node:
+        node = self.sum()
+        for op in ("==", "!=", "<=", ">=", "<", ">", "in"):
+            if self.peek(op):
+                self.i += 1
+                return ("cmp", op, node, self.sum())
+        if self.peek("not") and self.i + 1 < len(self.toks) and self.toks[self.i + 1] == ("op", "in"):
+            self.i += 2
+            return ("not", ("cmp", "in", node, self.sum()))
+        return node
+
+    def sum(self) -> Node:
+        node = self.unary()
+        while self.peek("+") or self.peek("-"):
+            op = self.toks[self.i][1]
+            self.i += 1
+            node = ("arith", op, node, self.unary())
+        return node
+
+    def unary(self) -> Node:
+        if self.peek("-"):
+            self.i += 1
+            return ("neg", self.unary())
+        return self.postfix()
+
+    def postfix(self) -> Node:
+        node = self.primary()
+        while True:
+            if self.peek("."):
+                self.i += 1
+                if self.i >= len(self.toks) or self.toks[self.i][0] != "name":
+                    raise self.error("expected a name after '.'")
+                node = ("get", node, ("lit", self.toks[self.i][1]))
+                self.i += 1
+            elif self.peek("["):
+                self.i += 1
+                key = self.or_()
+                self.take("]")
+                node = ("get", node, key)
+            else:
+                return node
+
+    def primary(self) -> Node:
+        if self.i >= len(self.toks):
+            raise self.error("ends too early")
+        kind, v = self.toks[self.i]
+        self.i += 1
+        if kind == "lit":
+            return ("lit", v)
+        if kind == "name":
+            if self.peek("("):
+                if v not in FUNCTIONS:
+                    raise self.error(f"unknown function {v!r} (known: {', '.join(sorted(FUNCTIONS))})")
+                self.i += 1
+                args = [] if self.peek(")") else self.items(")")
+                self.take(")")
+                return ("call", v, *args)
+            return ("name", v)
+        if v == "(":
+            node = self.or_()
+            self.take(")")
+            return node
+        if v == "[":
+            items = [] if self.peek("]") else self.items("]")
+            self.take("]")
+            return ("list", *items)
+        raise self.error(f"unexpected {v!r}")
+
+    def items(self, close: str) -> list[Node]:
+        out = [self.or_()]
+        while self.peek(","):
+            self.i += 1
+            out.append(self.or_())
+        return out
+
+
+class Expression:
+    """A parsed expression; ``evaluate(scope)`` reads only the scope's data."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text.strip()
+        self.tree = _Parser(self.text).parse()
+
+    def __repr__(self) -> str:
+        return f"Expression({self.text!r})"
+
+    def names(self) -> set[str]:
+        """The root names the expression reads (``steps``, ``args``, ...)."""
+        out: set[str] = set()
+
+        def walk(n: Any) -> None:
+            if isinstance(n, tuple) and n:
+                if n[0] == "name":
+                    out.add(n[1])
+                for child in n[1:]:
+                    walk(child)
+
+        walk(self.tree)
+        return out
+
+    def evaluate(self, scope: dict[str, Any]) -> Any:
+        try:
+            return _eval(self.tree, scope)
+        except FlowError:
+            raise
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise FlowError(f"expression {self.text!r}: {e}", expression=self.text) from e
+
+
+def _eval(n: Node, scope: dict[str, Any]) -> Any:
+    op = n[0]
+    if op == "lit":
+        return n[1]
+    if op == "name":
+        if n[1] not in scope:
+            raise FlowError(f"unknown name {n[1]!r} (known: {', '.join(sorted(scope))})")
+        return scope[n[1]]
+    if op == "get":
+        base, key = _eval(n[1], scope), _eval(n[2], scope)
+        if isinstance(base, dict):
+            return base.get(key)
+        if isinstance(base, list) and isinstance(key, int) and not isinstance(key, bool):
+            return base[key] if -len(base) <= key < len(base) else None
+        return None
+    if op == "and":
+        return _truth(_eval(n[1], scope)) and _truth(_eval(n[2], scope))
+    if op == "or":
+        return _truth(_eval(n[1], scope)) or _truth(_eval(n[2], scope))
+    if op == "not":
+        return not _truth(_eval(n[1], scope))
+    if op == "neg":
+        return -_number(_eval(n[1], scope))
+    if op == "list":
+        return [_eval(c, scope) for c in n[1:]]
+    if op == "call":
+        return FUNCTIONS[n[1]](*(_eval(c, scope) for c in n[2:]))
+    if op == "arith":
+        a, b = _eval(n[2], scope), _eval(n[3], scope)
+        if n[1] == "+" and isinstance(a, str) and isinstance(b, str):
+            return a + b
+        return _number(a) + _number(b) if n[1] == "+" else _number(a) - _number(b)
+    a, b = _eval(n[2], scope), _eval(n[3], scope)
+    cmp = n[1]
+    if cmp == "==":
+        return a == b
+    if cmp == "!=":
+        return a != b
+    if cmp == "in":
+        return a in b if isinstance(b, str | list | dict) else False
+    if a is None or b is None:
+        return False  # an ordering against a missing value is never true
+    return _ORDER[cmp](a, b)
+
+
+def _truth(v: Any) -> bool:
+    return bool(v)
+
+
+def _number(v: Any) -> float | int:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise FlowError(f"expected a number, got {v!r}")
+    return v
+
+
+# -- templates ---------------------------------------------------------------------------------------
+
+
+def compile_template(value: Any) -> Any:
+    """Parse every ``{{ expr }}`` in a value (nested mappings and lists too) once, up front."""
+    if isinstance(value, str):
+        parts = _TEMPLATE.split(value)
+        if len(parts) == 1:
+            return value
+        if len(parts) == 3 and parts[0] == "" and parts[2] == "":
+            return Expression(parts[1])  # the whole string: keep the value's own type
+        return _Interpolated([Expression(p) if i % 2 else p for i, p in enumerate(parts)])
+    if isinstance(value, dict):
+        return {k: compile_template(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [compile_template(v) for v in value]
+    return value
+
+
+class _Interpolated:
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+
+    def render(self, scope: dict[str, Any]) -> str:
+        out = []
+        for p in self.parts:
+            if isinstance(p, Expression):
+                v = p.evaluate(scope)
+                out.append(v if isinstance(v, str) else json.dumps(v, ensure_ascii=False))
+            else:
+                out.append(p)
+        return "".join(out)
+
+
+def render(compiled: Any, scope: dict[str, Any]) -> Any:
+    """Fill a compiled template from the scope."""
+    if isinstance(compiled, Expression):
+        return compiled.evaluate(scope)
+    if isinstance(compiled, _Interpolated):
+        return compiled.render(scope)
+    if isinstance(compiled, dict):
+        return {k: render(v, scope) for k, v in compiled.items()}
+    if isinstance(compiled, list):
+        return [render(v, scope) for v in compiled]
+    return compiled

@@ -1,0 +1,286 @@
+"""Running a flow: every step is an ordinary call through ``Gateway.call_tool`` (limits, breakers,
+policy and audit apply to each); the runner only decides what to call next and reports as it goes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from broker import events as ev_mod
+from broker.breaker import Breakers, rejecting
+from broker.errors import CallCancelled, CallTimeout, CircuitOpen, FlowError, HermesError
+from workers.breakers import breaker_config
+
+from .expr import render
+from .model import Flow, Step
+
+if TYPE_CHECKING:
+    from hermes_gateway.client import Gateway
+
+OK_STATES = ("done", "skipped", "fallback")
+
+
+@dataclass
+class StepResult:
+    """What became of one step; expressions read it as ``steps.<id>.result`` / ``.state`` / ``.error``."""
+
+    id: str
+    state: str = "pending"  # pending, running, done, failed, skipped, fallback, partial
+    result: Any = None
+    error: dict[str, Any] | None = None
+    call_id: str | None = None
+    items: list[dict[str, Any]] | None = None
+    reason: str = ""
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "ok": self.state in OK_STATES,
+            "result": self.result,
+            "error": self.error,
+            "call_id": self.call_id,
+            "items": self.items,
+            "reason": self.reason,
+        }
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """A step changed state (or its call did): what ``flow run`` prints live."""
+
+    step: str
+    state: str
+    call_id: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+    ts: float = field(default_factory=time.time)
+
+
+@dataclass
+class FlowResult:
+    """The flow's outcome: ``done`` or ``failed``, every step's result, and the flow's ``result``."""
+
+    name: str
+    state: str
+    steps: dict[str, StepResult]
+    result: Any = None
+    error: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "state": self.state,
+            "result": self.result,
+            "error": self.error,
+            "steps": {k: v.view() for k, v in self.steps.items()},
+        }
+
+
+class FlowRunner:
+    """Runs flows on a Gateway; ``on_event`` hears every step and call state change."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        *,
+        on_event: Callable[[StepEvent], None] | None = None,
+        wait: float | None = 300.0,
+        max_parallel: int = 64,
+        **context: Any,
+    ) -> None:
+        self.gw = gateway
+        self.on_event = on_event
+        self.wait = wait
+        self.max_parallel = max_parallel
+        self.context = context
+        self._breakers = Breakers(gateway.conn)
+        self._lock = threading.Lock()
+
+    def run(self, flow: Flow, args: dict[str, Any] | None = None) -> FlowResult:
+        """Run every step in order; stops at the first failed step whose ``on_error`` is ``fail``."""
+        flow.validate()
+        results = {s.id: StepResult(s.id) for s in flow.all_steps()}
+        scope: dict[str, Any] = {"args": dict(args or {}), "steps": {k: v.view() for k, v in results.items()}}
+        run = _Run(self, results, scope)
+        completed = run.steps(flow.steps, scope)
+        out = FlowResult(flow.name, "done" if completed else "failed", results)
+        failed = next((r for r in results.values() if r.state == "failed"), None)
+        if not completed and failed is not None:
+            out.error = {"step": failed.id, **(failed.error or {})}
+        if completed:
+            try:
+                out.result = (
+                    render(flow.result_tpl, scope)
+                    if flow.result is not None
+                    else {s.id: results[s.id].result for s in flow.steps}
+                )
+            except FlowError as e:
+                out.state, out.error = "failed", {"step": "result", **e.to_wire()}
+        return out
+
+
+class _Run:
+    """One run of one flow."""
+
+    def __init__(self, runner: FlowRunner, results: dict[str, StepResult], scope: dict[str, Any]) -> None:
+        self.r = runner
+        self.gw = runner.gw
+        self.results = results
+        self.scope = scope
+
+    def emit(self, res: StepResult, state: str | None = None, **detail: Any) -> None:
+        if state is not None:
+            res.state = state
+        self.scope["steps"][res.id] = res.view()
+        if self.r.on_event is not None:
+            self.r.on_event(StepEvent(res.id, res.state, res.call_id, detail))
+
+    def steps(self, steps: list[Step], scope: dict[str, Any]) -> bool:
+        return all(self.step(s, scope) for s in steps)
+
+    def step(self, step: Step, scope: dict[str, Any]) -> bool:
+        """Run one step; False when the flow must stop."""
+        res = self.results[step.id]
+        try:
+            if step.when_expr is not None and not step.when_expr.evaluate(scope):
+                res.reason = f"condition is false: {step.when}"
+                self.emit(res, "skipped", reason=res.reason)
+                return True
+            if step.kind == "tool":
+                self.tool(step, scope, res)
+            elif step.kind == "for_each":
+                self.for_each(step, scope, res)
+            elif step.kind == "parallel":
+                self.parallel(step, scope, res)
+            else:
+                self.emit(res, "running")
+                ok = self.steps(step.steps or [], scope)
+                res.result = {c.id: self.results[c.id].result for c in step.steps or []}
+                if not ok:
+                    res.error = {"type": "step_failed", "message": "a step of the group failed"}
+                self.emit(res, "done" if ok else "failed")
+        except FlowError as e:
+            res.error = e.to_wire()
+            self.emit(res, "failed", error=res.error)
+        return res.state != "failed" or step.on_error == "continue"
+
+    # -- a tool call -----------------------------------------------------------------------------
+
+    def tool(self, step: Step, scope: dict[str, Any], res: StepResult) -> None:
+        args = render(step.args_tpl, scope)
+        if step.fallback is not None and self.breaker_open(step.tool or ""):
+            self.fallback(step, scope, res, args, "breaker open")
+            return
+        outcome = self.call(step.tool or "", args, step.timeout, res)
+        if isinstance(outcome, CircuitOpen) and step.fallback is not None:
+            self.fallback(step, scope, res, args, "breaker open")
+        elif isinstance(outcome, HermesError):
+            res.error = outcome.to_wire()
+            self.emit(res, "failed", error=res.error)
+        else:
+            res.result = outcome
+            self.emit(res, "done")
+
+    def call(self, tool: str, args: Any, timeout: float | None, res: StepResult) -> Any:
+        """One call, its events reported as they come; returns the result or the error."""
+        try:
+            handle = self.gw.call_tool(tool, args, timeout=timeout, **self.r.context)
+        except HermesError as e:
+            return e
+        res.call_id = handle.call_id
+        self.emit(res, "running", tool=tool)
+        try:
+            for ev in handle.events(timeout=self.r.wait):
+                if ev.type == ev_mod.TRANSITION and not ev.terminal:
+                    self.emit(res, "running", call_state=ev.state, attempt=ev.attempt)
+            return handle.result(0 if handle.done() else self.r.wait)
+        except (HermesError, CallCancelled, CallTimeout) as e:
+            return e
+
+    def fallback(self, step: Step, scope: dict[str, Any], res: StepResult, args: Any, why: str) -> None:
+        fb = step.fallback
+        assert fb is not None
+        res.reason = why
+        if fb.skip:
+            self.emit(res, "skipped", reason=why)
+            return
+        fb_args = render(step.fallback_tpl, scope) if step.fallback_tpl is not None else args
+        outcome = self.call(fb.tool or "", fb_args, step.timeout, res)
+        if isinstance(outcome, HermesError):
+            res.error = outcome.to_wire()
+            self.emit(res, "failed", error=res.error)
+        else:
+            res.result = outcome
+            self.emit(res, "fallback", tool=fb.tool, reason=why)
+
+    def breaker_open(self, tool: str) -> bool:
+        """Whether the tool's breaker would refuse a call now (then the fallback goes first)."""
+        try:
+            cfg = breaker_config(self.gw.settings, self.gw.tool(tool).spec)
+        except HermesError:
+            return False
+        return cfg is not None and rejecting(self.r._breakers.state(cfg.key), cfg.cooldown)
+
+    # -- fan-out ---------------------------------------------------------------------------------
+
+    def for_each(self, step: Step, scope: dict[str, Any], res: StepResult) -> None:
+        assert step.each_expr is not None
+        items = step.each_expr.evaluate(scope)
+        if not isinstance(items, list):
+            raise FlowError(
+                f"step {step.id}: for_each: {step.for_each!r} is a {type(items).__name__}, not a list"
+            )
+        tool = step.tool or ""
+        if step.fallback is not None and self.breaker_open(tool):
+            if step.fallback.skip:
+                res.reason = "breaker open"
+                self.emit(res, "skipped", reason=res.reason)
+                return
+            tool = step.fallback.tool or tool
+        calls = [
+            (tool, render(step.args_tpl, {**scope, step.as_name: it, "index": i}))
+            for i, it in enumerate(items)
+        ]
+        opts = {"timeout": step.timeout} if step.timeout is not None else {}
+        batch = self.gw.submit_many(calls, **opts, **self.r.context) if calls else []
+        self.emit(res, "running", total=len(calls))
+        out: list[dict[str, Any]] = []
+        for i, handle in enumerate(batch):
+            try:
+                out.append(
+                    {"index": i, "ok": True, "result": handle.result(self.r.wait), "call_id": handle.call_id}
+                )
+            except (HermesError, CallCancelled, CallTimeout) as e:
+                out.append({"index": i, "ok": False, "error": e.to_wire(), "call_id": handle.call_id})
+            self.emit(res, "running", done=len(out), failed=sum(not o["ok"] for o in out), total=len(calls))
+        self.combine(res, out, [o.get("result") for o in out])
+
+    def parallel(self, step: Step, scope: dict[str, Any], res: StepResult) -> None:
+        branches = step.parallel or []
+        self.emit(res, "running", branches=[b.id for b in branches])
+        with ThreadPoolExecutor(
+            min(len(branches), self.r.max_parallel), thread_name_prefix="hermes-flow"
+        ) as pool:
+            list(pool.map(lambda b: self.step(b, scope), branches))
+        out = []
+        for b in branches:
+            r = self.results[b.id]
+            item: dict[str, Any] = {"id": b.id, "ok": r.state in OK_STATES, "state": r.state}
+            item.update({"result": r.result} if item["ok"] else {"error": r.error})
+            out.append(item)
+        self.combine(res, out, {b.id: self.results[b.id].result for b in branches})
+
+    def combine(self, res: StepResult, items: list[dict[str, Any]], result: Any) -> None:
+        res.items, res.result = items, result
+        failed = sum(not i["ok"] for i in items)
+        if failed:
+            res.error = {
+                "type": "partial_failure",
+                "message": f"{failed} of {len(items)} failed",
+                "failed": failed,
+            }
+        state = "done" if not failed else ("failed" if failed == len(items) else "partial")
+        self.emit(res, state, failed=failed, total=len(items))

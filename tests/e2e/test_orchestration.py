@@ -1,0 +1,224 @@
+"""Flows on real workers: serial steps fed by reference, conditions, parallel and for-each fan-out with
+failures per item, breaker fallback, and ``hermes-gateway flow run`` showing steps live."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from broker import events
+from hermes_gateway.flow import Flow, StepEvent, run_flow
+from tests.conftest import REPO
+from tests.e2e.flowtools import lines
+
+pytestmark = pytest.mark.e2e
+
+BACKEND = "tests.e2e.flowtools:backend"
+
+
+def _tools(home: Any, tmp: Path, **breaker: Any) -> tuple[Path, Path]:
+    home.echo_tool()
+    mode, log = tmp / "mode", tmp / "backend.log"
+    mode.write_text("fail")
+    home.tool(
+        "fragile",
+        function=BACKEND,
+        timeout=10,
+        concurrency=10,
+        breaker=breaker,
+        input_schema={"type": "object"},
+    )
+    return mode, log
+
+
+def test_serial_steps_pass_results_by_reference_and_conditions_skip_steps(
+    gateway: Any, home: Any, workers: Any, conn: Any, tmp_path: Path
+) -> None:
+    _tools(home, tmp_path)
+    gateway.sync_tools()
+    workers(1)
+    flow = (
+        Flow("trip")
+        .step("lookup", "echo", {"city": "{{ args.city }}", "people": "{{ args.n }}", "tags": ["a", "b"]})
+        .step(
+            "weather",
+            "echo",
+            {
+                "city": "{{ steps.lookup.result.city }}",
+                "line": "{{ steps.lookup.result.city }} x{{ args.n }}",
+            },
+            when="steps.lookup.result.people > 1 and 'a' in steps.lookup.result.tags",
+        )
+        .step("abroad", "echo", {"never": True}, when="steps.lookup.result.city != 'Paris'")
+        .step("after", "echo", {"skipped": "{{ steps.abroad.state }}", "got": "{{ steps.abroad.result }}"})
+    )
+    seen: list[StepEvent] = []
+    out = run_flow(gateway, flow, {"city": "Paris", "n": 2}, on_event=seen.append, session_id="s-flow")
+    assert out.state == "done", out.error
+    assert out.steps["lookup"].result == {"city": "Paris", "people": 2, "tags": ["a", "b"]}  # types kept
+    assert out.steps["weather"].result == {"city": "Paris", "line": "Paris x2"}
+    assert out.steps["abroad"].state == "skipped" and out.steps["abroad"].call_id is None
+    assert out.steps["after"].result == {"skipped": "skipped", "got": None}
+    assert out.result["weather"] == {"city": "Paris", "line": "Paris x2"}
+    # Every step was an ordinary call, reported live with its own states, carrying the flow's context.
+    lookup_states = [
+        e.detail.get("call_state") for e in seen if e.step == "lookup" and "call_state" in e.detail
+    ]
+    assert lookup_states == ["pending", "routing", "executing", "formatting"]
+    assert [e.state for e in seen if e.step == "weather"][-1] == "done"
+    first = events.history(conn, out.steps["lookup"].call_id)[0]
+    assert first.session_id == "s-flow"
+
+    # A failed step stops a flow; on_error: continue lets it go on.
+    doc = {
+        "name": "stops",
+        "steps": [
+            {
+                "id": "bad",
+                "tool": "fragile",
+                "args": {"mode_file": str(tmp_path / "mode"), "log": str(tmp_path / "l")},
+            },
+            {"id": "next", "tool": "echo", "args": {"x": 1}},
+        ],
+    }
+    stopped = run_flow(gateway, doc)
+    assert stopped.state == "failed" and stopped.error["step"] == "bad"
+    assert stopped.error["type"] == "executor_error" and stopped.steps["next"].state == "pending"
+    doc["steps"][0]["on_error"] = "continue"
+    went_on = run_flow(gateway, doc)
+    assert went_on.state == "done" and went_on.steps["next"].result == {"x": 1}
+
+
+def test_parallel_and_for_each_fan_out_with_one_combined_result_and_failures_per_item(
+    gateway: Any, home: Any, workers: Any, tmp_path: Path
+) -> None:
+    mode, log = _tools(home, tmp_path)
+    ok_mode = tmp_path / "ok"
+    ok_mode.write_text("ok")
+    gateway.sync_tools()
+    workers(2, concurrency=8)
+    doc = {
+        "name": "fan",
+        "steps": [
+            {
+                "id": "fan",
+                "parallel": [
+                    {"id": "a", "tool": "echo", "args": {"v": "{{ args.v }}"}},
+                    {
+                        "id": "b",
+                        "tool": "fragile",
+                        "args": {"mode_file": str(mode), "log": str(log), "tag": "b"},
+                    },
+                    {
+                        "id": "c",
+                        "steps": [
+                            {"id": "c1", "tool": "echo", "args": {"w": 2}},
+                            {"id": "c2", "tool": "echo", "args": {"w": "{{ steps.c1.result.w }}"}},
+                        ],
+                    },
+                ],
+            },
+            {
+                "id": "each",
+                "for_each": "args.items",
+                "as": "it",
+                "tool": "fragile",
+                "args": {"mode_file": "{{ it.mode }}", "log": str(log), "tag": "{{ it.tag }}"},
+            },
+            {
+                "id": "summary",
+                "tool": "echo",
+                "args": {"failed": "{{ steps.each.items[1].ok }}", "fan": "{{ steps.fan.state }}"},
+            },
+        ],
+    }
+    items = [
+        {"mode": str(ok_mode), "tag": "x"},
+        {"mode": str(mode), "tag": "y"},
+        {"mode": str(ok_mode), "tag": "z"},
+    ]
+    out = run_flow(gateway, doc, {"v": 7, "items": items})
+    assert out.state == "done", out.error
+    fan = out.steps["fan"]
+    assert fan.state == "partial"
+    assert fan.result["a"] == {"v": 7} and fan.result["c"] == {"c1": {"w": 2}, "c2": {"w": 2}}
+    assert [(i["id"], i["ok"]) for i in fan.items] == [("a", True), ("b", False), ("c", True)]
+    assert fan.items[1]["error"]["type"] == "executor_error"
+    each = out.steps["each"]
+    assert each.state == "partial" and each.error["failed"] == 1
+    assert each.result == [{"ok": True, "tag": "x"}, None, {"ok": True, "tag": "z"}]
+    assert [i["ok"] for i in each.items] == [True, False, True]
+    assert out.steps["summary"].result == {"failed": False, "fan": "partial"}
+    assert sorted(line.split()[1] for line in lines(log)) == ["b", "x", "y", "z"]
+
+
+def test_an_open_breaker_takes_the_fallback_or_skips_and_the_cli_shows_steps_live(
+    gateway: Any, home: Any, workers: Any, redis_url: str, tmp_path: Path
+) -> None:
+    mode, log = _tools(home, tmp_path, failures=1, cooldown=60)
+    gateway.sync_tools()
+    workers(1)
+    backend = {"mode_file": str(mode), "log": str(log)}
+    with pytest.raises(Exception):  # noqa: B017 - one failure opens this breaker
+        gateway.call_tool("fragile", {**backend, "tag": "trip"}).result(10)
+    flow = {
+        "name": "degraded",
+        "steps": [
+            {
+                "id": "main",
+                "tool": "fragile",
+                "args": {**backend, "tag": "main"},
+                "fallback": {"tool": "echo", "args": {"from": "fallback", "city": "{{ args.city }}"}},
+            },
+            {"id": "optional", "tool": "fragile", "args": {**backend, "tag": "opt"}, "fallback": "skip"},
+            {
+                "id": "final",
+                "tool": "echo",
+                "args": {"main": "{{ steps.main.result.from }}", "opt": "{{ steps.optional.state }}"},
+            },
+        ],
+        "result": "{{ steps.final.result }}",
+    }
+    path = tmp_path / "flow.yaml"
+    path.write_text(yaml.safe_dump(flow))
+    out = run_flow(gateway, path, {"city": "Oslo"})
+    assert out.steps["main"].state == "fallback" and out.steps["main"].result == {
+        "from": "fallback",
+        "city": "Oslo",
+    }
+    assert out.steps["optional"].state == "skipped" and out.steps["optional"].reason == "breaker open"
+    assert out.result == {"main": "fallback", "opt": "skipped"}
+    assert [line.split()[1] for line in lines(log)] == [
+        "trip"
+    ]  # the open breaker kept the back end untouched
+
+    env = dict(os.environ, HERMES_REDIS_URL=redis_url, HERMES_HOME=str(home.path))
+    cli = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "hermes-gateway"),
+            "flow",
+            "run",
+            str(path),
+            "--args",
+            '{"city": "Rome"}',
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout) == {"main": "fallback", "opt": "skipped"}
+    shown = cli.stderr.splitlines()
+    assert any(" main " in line and "fallback" in line for line in shown)
+    assert any(" optional " in line and "skipped" in line for line in shown)
+    assert any(" final " in line and "executing" in line for line in shown)
+    assert "flow degraded: done" in cli.stderr
