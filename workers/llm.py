@@ -154,7 +154,10 @@ class LLMCall:
                 return response
 
         return self.core.llm_flow.run(
-            copy.deepcopy(self.request), call_provider=call_provider, context=context
+            copy.deepcopy(self.request),
+            call_provider=call_provider,
+            context=context,
+            on_trace=lambda trace: setattr(self.run, "middleware_trace", list(trace)),
         )
 
     def _delta(self, delta: dict[str, Any]) -> None:
