@@ -394,7 +394,9 @@ def policy_explain(ctx: click.Context, principal: str, tool_name: str) -> None:
         gw.sync_tools()
         try:
             spec = gw.tool(tool_name).spec
-            pol = Policy.from_settings(settings.policy)
+            from workers.policy_store import active
+
+            pol, _ = active(gw.conn, Policy.from_settings(settings.policy))  # the pushed policy wins
         except HermesError as e:
             _fail(str(e))
         click.echo(pol.explain(principal, spec))
