@@ -76,6 +76,10 @@ class Gateway:
         if self._closed.is_set():
             return
         self._closed.set()
+        try:
+            self.conn.publish(self.channel, b"")  # wake the event thread so it sees the close at once
+        except redis.RedisError:
+            pass
         self._thread.join(3)
         try:
             self._pubsub.close()
@@ -286,7 +290,7 @@ class Gateway:
                     return
                 time.sleep(0.5)
                 continue
-            if msg is None:
+            if msg is None or self._closed.is_set():
                 continue
             if msg["channel"] == self._tools_channel:
                 self.directory.invalidate(msg["data"].decode(errors="replace"))
