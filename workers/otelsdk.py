@@ -17,6 +17,7 @@ exported with OTLP when traces are (unless ``OTEL_METRICS_EXPORTER=none``), to t
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from collections.abc import Mapping
@@ -40,6 +41,8 @@ _meter_override: Any = None
 _tracer_cache: tuple[Any, Any] | None = None
 _meter_cache: tuple[Any, Any] | None = None
 _memory_exporter: Any = None
+_installed: list[tuple[Any, Any]] = []  # (provider, exporter) pairs setup() made, for shutdown()
+EXIT_FLUSH_MS = 1000
 
 
 def trace_mode(environ: Mapping[str, str] | None = None) -> str:
@@ -81,7 +84,9 @@ def setup(service_name: str, mode: str | None = None) -> str:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
         resource = Resource.create(_default_service(service_name))
-        provider = TracerProvider(resource=resource)  # sampler: OTEL_TRACES_SAMPLER, ParentBased by default
+        # Sampler: OTEL_TRACES_SAMPLER, ParentBased(always_on) by default. Our shutdown() replaces the SDK's
+        # exit hook, so an unreachable collector cannot hold a process for the exporter's 10 s of retries.
+        provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         exporter = _span_exporter(mode)
         if mode == "memory":
             _memory_exporter = exporter
@@ -89,13 +94,43 @@ def setup(service_name: str, mode: str | None = None) -> str:
         processor = SimpleSpanProcessor(exporter) if mode == "console" else BatchSpanProcessor(exporter)
         provider.add_span_processor(processor)
         trace.set_tracer_provider(provider)
-        reader = _metric_reader(mode)
-        if reader is not None:
+        _installed.append((provider, exporter))
+        metric_exporter = _metric_exporter(mode)
+        if metric_exporter is not None:
             from opentelemetry.sdk.metrics import MeterProvider
+            from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-            metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=[reader]))
+            reader = PeriodicExportingMetricReader(metric_exporter)  # OTEL_METRIC_EXPORT_INTERVAL
+            meter_provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False)
+            metrics.set_meter_provider(meter_provider)
+            _installed.append((meter_provider, metric_exporter))
+        atexit.register(shutdown)
         _mode = mode
         return mode
+
+
+def shutdown(timeout_ms: int = EXIT_FLUSH_MS) -> None:
+    """Flush within ``timeout_ms``, then stop the exporters (aborting their retries) and the providers."""
+    pairs = list(_installed)
+    _installed.clear()
+    for provider, exporter in pairs:
+        _bounded(provider.force_flush, timeout_ms)
+        _bounded(exporter.shutdown, 200)  # wakes an export sleeping between retries: it gives up
+        _bounded(provider.shutdown, 200)
+
+
+def _bounded(step: Any, timeout_ms: int) -> None:
+    # The SDK's force_flush ignores its timeout and exports in the caller's thread, retrying for up to
+    # OTEL_EXPORTER_OTLP_TIMEOUT (10 s): run each step on a daemon thread and stop waiting in time.
+    def run() -> None:
+        try:
+            step()
+        except Exception:  # noqa: BLE001 - an unreachable collector must not stop a process from exiting
+            pass
+
+    thread = threading.Thread(target=run, name="hermes-otel-flush", daemon=True)
+    thread.start()
+    thread.join(timeout_ms / 1000)
 
 
 def mode() -> str:
@@ -142,12 +177,10 @@ def _span_exporter(mode: str) -> Any:
     return OTLPSpanExporter()
 
 
-def _metric_reader(mode: str) -> Any:
+def _metric_exporter(mode: str) -> Any:
     wanted = os.environ.get("OTEL_METRICS_EXPORTER", "").split(",")[0].strip().lower()
     if wanted == "none" or (not wanted and mode != "otlp"):
         return None
-    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-
     exporter: Any
     if wanted == "console":
         from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
@@ -161,10 +194,10 @@ def _metric_reader(mode: str) -> Any:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
         exporter = OTLPMetricExporter()
-    return PeriodicExportingMetricReader(exporter)
+    return exporter
 
 
-def flush(timeout_ms: int = 5000) -> None:
+def flush(timeout_ms: int = EXIT_FLUSH_MS) -> None:
     """Push out spans and metrics still buffered (before a process exits)."""
     for provider in (
         _tracer_override or trace.get_tracer_provider(),
@@ -172,10 +205,7 @@ def flush(timeout_ms: int = 5000) -> None:
     ):
         force = getattr(provider, "force_flush", None)
         if force is not None:
-            try:
-                force(timeout_ms)
-            except Exception:  # noqa: BLE001 - an unreachable collector must not stop a shutdown
-                pass
+            _bounded(force, timeout_ms)
 
 
 def memory_spans() -> list[Any]:
