@@ -269,5 +269,4 @@ class WorkerCore:
 
     def close(self) -> None:
         self.outbox.close()
-        self.stats.close()
-        otelsdk.flush()
+        self.stats.close()  # spans still buffered go out in otelsdk.shutdown at exit (bounded)
