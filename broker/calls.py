@@ -172,6 +172,7 @@ class Calls:
                 "1" if idem else "",
                 concurrency,
                 ckey,
+                self.wake_suffix,
                 *flat,
             ],
             client=pipeline,

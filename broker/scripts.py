@@ -123,11 +123,12 @@ return {seq, st}
 #       7 slots zset, 8 limits hash
 # ARGV: 1 call_id, 2 pending event payload, 3 ttl, 4 queue_size (-1 = unlimited), 5 now,
 #       6 channel, 7 queue key, 8 use idempotency ('1'/''), 9 concurrency (-1 = unlimited),
-#       10 concurrency key, 11.. field/value pairs of the job hash
+#       10 concurrency key, 11 wake channel suffix, 12.. field/value pairs of the job hash
 # Returns {1, call_id, queued 1 / waiting 0} accepted; {0, existing call_id} duplicate;
 # {-1, depth} queue full (depth = calls waiting for a slot of this key).
 SUBMIT = (
     _WITH_SEQ
+    + _SLOTS
     + r"""
 if ARGV[8] == '1' then
   local existing = redis.call('GET', KEYS[6])
@@ -143,7 +144,7 @@ if not run then
   if qsize >= 0 and depth >= qsize then return {-1, depth} end
 end
 local fields = {}
-for i = 11, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 12, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('HSET', KEYS[1], 'h_seq', 1, 'h_state', 'pending', 'status', 'queued')
 if run then
@@ -151,6 +152,7 @@ if run then
   redis.call('RPUSH', KEYS[2], ARGV[1])
 else
   redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
+  promote(KEYS[7], KEYS[4], KEYS[8], ARGV[10], ARGV[11])  -- slots free after the limit was raised
 end
 redis.call('SADD', KEYS[5], ARGV[7])
 if ARGV[8] == '1' then redis.call('SET', KEYS[6], ARGV[1], 'EX', ARGV[3]) end

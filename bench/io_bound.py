@@ -1,0 +1,200 @@
+"""I/O-bound calls under a cluster-wide concurrency limit: our stack against stock RQ on the same Redis.
+
+2,000 calls of a tool that waits 50 ms (``workers.executors.builtin:sleep``), executor concurrency 100,
+two worker processes. Prints the highest number of calls ever executing at once (from the executing and
+formatting events' timestamps, and the peak size of the slot set sampled in Redis; both must equal the
+limit, never more), the wall time against the limit-bound ideal as ``efficiency=<ideal/actual>``, and
+the same workload on stock ``rq worker-pool`` with as many processes. The last line is ``ratio_vs_rq=<x>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import ROOT, broker_url, scratch_home, start_workers, stop, wait_for_workers  # noqa: E402
+
+
+def _max_overlap(intervals: list[tuple[float, float]]) -> int:
+    marks = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    best = now = 0
+    for _, d in marks:
+        now += d
+        best = max(best, now)
+    return best
+
+
+def _executing_intervals(conn: object, ids: list[str]) -> list[tuple[float, float]]:
+    from broker import events, keys
+
+    pipe = conn.pipeline(transaction=False)  # type: ignore[attr-defined]
+    for cid in ids:
+        pipe.lrange(keys.history(cid), 0, -1)
+    out = []
+    for raw in pipe.execute():
+        start = None
+        for ev in (events.decode(b) for b in raw):
+            if ev.type != events.TRANSITION:
+                continue
+            if ev.state == "executing":
+                start = ev.ts
+            elif ev.state == "formatting" and start is not None:
+                out.append((start, ev.ts))
+    return out
+
+
+def run_ours(url: str, n: int, limit: int, processes: int, seconds: float) -> tuple[float, int, int]:
+    """(wall seconds, peak executing from events, peak slots held) for n calls."""
+    from broker import keys
+    from broker.config import load_settings
+    from broker.connection import from_url
+    from hermes_gateway import Gateway
+    from hermes_gateway.client import BrokerHandle
+
+    queue = f"iobench-{uuid.uuid4().hex[:8]}"
+    name = f"wait_{queue.replace('-', '_')}"
+    tool = {
+        "name": name,
+        "executor": "python",
+        "function": "workers.executors.builtin:sleep",
+        "concurrency": limit,
+        "queue_size": n * 2,
+        "queue": queue,
+        "timeout": 30,
+        "input_schema": {"type": "object", "properties": {"seconds": {"type": "number"}}},
+    }
+    home = scratch_home([tool])
+    conn = from_url(url)
+    # Each process could run every call alone: the cluster-wide limit is what holds them back.
+    procs = start_workers(url, home, queue, processes, limit)
+    try:
+        wait_for_workers(conn, processes, queue)
+        gw = Gateway(BrokerHandle(from_url(url), url, url), load_settings(home))
+        gw.sync_tools(home / "tools")
+        for h in gw.map(name, [{"seconds": 0.001}] * (10 * processes)):
+            h.result(30)
+        peak = [0]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], int(conn.zcard(keys.slots(f"tool:{name}"))))
+                time.sleep(0.002)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        start = time.perf_counter()
+        handles = []
+        for i in range(0, n, 500):
+            handles.extend(gw.map(name, [{"seconds": seconds}] * min(500, n - i)))
+        for h in handles:
+            h.result(300)
+        elapsed = time.perf_counter() - start
+        done.set()
+        sampler.join()
+        executing = _max_overlap(_executing_intervals(conn, [h.call_id for h in handles]))
+        gw.close()
+        return elapsed, executing, peak[0]
+    finally:
+        stop(procs)
+
+
+def run_rq(url: str, n: int, processes: int, seconds: float) -> float:
+    """Wall seconds for n sleep jobs on ``rq worker-pool -n processes``."""
+    from rq import Queue
+
+    from broker.connection import from_url
+
+    conn = from_url(url)
+    queue_name = f"rqiobench-{uuid.uuid4().hex[:8]}"
+    q = Queue(queue_name, connection=conn)
+    pool = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rq.cli",
+            "worker-pool",
+            "--url",
+            url,
+            "-n",
+            str(processes),
+            "--quiet",
+            queue_name,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_workers(conn, processes, queue_name, timeout=60)
+        q.enqueue_many(
+            [Queue.prepare_data("workers.executors.builtin.sleep", (0.001,)) for _ in range(2 * processes)]
+        )
+        _wait_finished(q, 2 * processes)
+        base = q.finished_job_registry.count
+        start = time.perf_counter()
+        for i in range(0, n, 500):
+            q.enqueue_many(
+                [
+                    Queue.prepare_data("workers.executors.builtin.sleep", (seconds,))
+                    for _ in range(min(500, n - i))
+                ]
+            )
+        _wait_finished(q, base + n)
+        return time.perf_counter() - start
+    finally:
+        stop([pool])
+
+
+def _wait_finished(q: object, count: int, timeout: float = 900.0) -> None:
+    deadline = time.monotonic() + timeout
+    while q.finished_job_registry.count < count:  # type: ignore[attr-defined]
+        if time.monotonic() > deadline:
+            raise RuntimeError("stock RQ did not finish in time")
+        time.sleep(0.05)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("-n", "--calls", type=int, default=2000)
+    parser.add_argument("--limit", type=int, default=100, help="executor concurrency (cluster-wide)")
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=0.05, help="how long each call waits")
+    parser.add_argument("--url", default=None, help="Redis URL (default $HERMES_REDIS_URL, else embedded)")
+    parser.add_argument("--skip-rq", action="store_true", help="ours only (no ratio line)")
+    args = parser.parse_args()
+    url, emb = broker_url(args.url)
+    try:
+        n, limit = args.calls, args.limit
+        ideal = n * args.seconds / limit
+        print(
+            f"broker: {url}; {n} calls of {args.seconds * 1000:g} ms, limit {limit}, {args.processes} processes"
+        )
+        elapsed, executing, slots = run_ours(url, n, limit, args.processes, args.seconds)
+        print(
+            f"hermes-gateway: {elapsed:.3f}s ({n / elapsed:,.0f} calls/s); ideal (limit-bound) {ideal:.3f}s"
+        )
+        print(
+            f"max_executing={executing} (from events)  max_slots_held={slots} (sampled in Redis)  limit={limit}"
+        )
+        print("limit held" if max(executing, slots) <= limit else "LIMIT EXCEEDED")
+        print(f"efficiency={ideal / elapsed:.3f}  (target >= 0.85)")
+        if args.skip_rq:
+            return
+        rq_elapsed = run_rq(url, n, args.processes, args.seconds)
+        print(f"stock RQ worker-pool -n {args.processes}: {rq_elapsed:.3f}s ({n / rq_elapsed:,.0f} jobs/s)")
+        print(f"ratio_vs_rq={rq_elapsed / elapsed:.2f}")
+    finally:
+        if emb is not None:
+            emb.stop()
+
+
+if __name__ == "__main__":
+    main()
