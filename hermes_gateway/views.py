@@ -95,7 +95,44 @@ def status_data(gw: Any) -> dict[str, Any]:
         "leased_calls": conn.zcard(keys.LEASES),
         "workers": gw.live_workers(),
         "recent_failures": failures,
+        **flow_control_data(conn),
     }
+
+
+def flow_control_data(conn: Any) -> dict[str, Any]:
+    """Concurrency keys (limit, running, waiting), retries on the schedule, circuit breakers."""
+    from broker.breaker import Breakers
+    from broker.limits import Limits
+
+    return {
+        "concurrency": Limits(conn).snapshot(),
+        "scheduled_retries": conn.zcard(keys.SCHEDULED),
+        "breakers": Breakers(conn).all(),
+    }
+
+
+def print_flow_control(data: dict[str, Any]) -> None:
+    title = f"concurrency keys (retries scheduled: {data['scheduled_retries']})"
+    c = Table(title=title, title_justify="left")
+    for col in ("key", "limit", "running", "waiting"):
+        c.add_column(col, justify="left" if col == "key" else "right")
+    for row in data["concurrency"]:
+        limit = "-" if row["limit"] < 0 else str(row["limit"])
+        c.add_row(row["key"], limit, str(row["running"]), str(row["waiting"]))
+    console.print(c)
+    b = Table(title="circuit breakers", title_justify="left")
+    for col in ("key", "state", "since", "reason", "last error"):
+        b.add_column(col)
+    for row in data["breakers"]:
+        since = row.get("changed_at")
+        b.add_row(
+            row["key"],
+            row["state"],
+            time.strftime("%H:%M:%S", time.localtime(since)) if since else "-",
+            row.get("reason") or "",
+            row.get("last_error") or "",
+        )
+    console.print(b)
 
 
 def print_status(data: dict[str, Any], description: str) -> None:
@@ -121,6 +158,8 @@ def print_status(data: dict[str, Any], description: str) -> None:
             f"{now - float(row.get('heartbeat', now)):.1f}s ago",
         )
     console.print(w)
+    if "breakers" in data:
+        print_flow_control(data)
     f = Table(title="recent failures", title_justify="left")
     for col in ("when", "call", "name", "error"):
         f.add_column(col)
