@@ -12,6 +12,7 @@ from broker.breaker import BreakerConfig, Breakers, Change
 from broker.errors import CallCancelled, CircuitOpen, HermesError
 from broker.events import PROGRESS
 from broker.toolspec import ToolSpec
+from workers import metrics
 
 if TYPE_CHECKING:
     from workers.core import WorkerCore
@@ -82,6 +83,7 @@ class BreakerGuard:
 
     def _announce(self, run: Running, change: Change, publish: Publish | None) -> None:
         log.warning("circuit breaker changed", key=change.key, state=change.state, reason=change.reason)
+        metrics.breaker_changed(change.key, change.previous, change.state)
         breakers = self.breakers
         self.core.outbox.put(lambda pipe: breakers.publish(change, pipe))
         if publish is not None:
