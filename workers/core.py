@@ -104,8 +104,13 @@ class WorkerCore:
             self._inflight.pop(run.info.call_id, None)
             self._cancelled.discard(run.info.call_id)
             self.idle.notify_all()
-        if run.claimed_at and not run.outcome:  # handed back or taken over: never reached finished()
-            state = "handed_back" if run.abandoned else "lost"
+        if run.claimed_at and not run.outcome:  # retrying, handed back or taken over: finished() never ran
+            if run.state is State.RETRYING:
+                state = "retrying"
+            else:
+                state = "handed_back" if run.abandoned else "lost"
+            run.outcome = state
+            run.trace.end(state)
             duration = time.monotonic() - run.started
             metrics.call_ended(run.info.ckey, run.info.kind, run.info.name, state, None, duration)
 
