@@ -216,10 +216,22 @@ def memory_spans() -> list[Any]:
 # -- which tracer / meter calls use ------------------------------------------------------------
 
 
-def use_providers(tracer_provider: Any = None, meter_provider: Any = None) -> None:
-    """Route our spans and metrics to these providers instead of the global ones (tests, benchmarks)."""
+_KEEP: Any = object()
+
+
+def use_providers(tracer_provider: Any = _KEEP, meter_provider: Any = _KEEP) -> None:
+    """Route our spans / metrics to these providers instead of the global ones (tests, benchmarks).
+
+    Only what is passed changes; no arguments at all goes back to the global providers for both.
+    """
     global _tracer_override, _meter_override
-    _tracer_override, _meter_override = tracer_provider, meter_provider
+    if tracer_provider is _KEEP and meter_provider is _KEEP:
+        _tracer_override = _meter_override = None
+        return
+    if tracer_provider is not _KEEP:
+        _tracer_override = tracer_provider
+    if meter_provider is not _KEEP:
+        _meter_override = meter_provider
 
 
 def tracer() -> Any:

@@ -124,6 +124,7 @@ def schedule(core: WorkerCore, run: Running, error: HermesError, check: Callable
 
     core.outbox.put(write, check)
     core.retries_scheduled(due)
+    run.trace.retry(run.attempt, delay, error)  # a span event on this attempt's process span
     log.info("attempt failed, retrying", attempt=run.attempt, error=error.type, delay=round(delay, 3))
     return True
 

@@ -50,6 +50,14 @@ TOOLS = [
         "timeout": 5,
         "input_schema": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
     },
+    {
+        "name": "flaky",
+        "executor": "python",
+        "function": "workers.executors.builtin:echo",
+        "timeout": 5,
+        "input_schema": {"type": "object", "properties": {"n": {"type": "integer"}}},
+        "retry": {"max": 2, "backoff": 0.01, "on": ["invalid_args"]},
+    },
 ]
 
 
@@ -85,7 +93,7 @@ def core(fake: Any, tmp_path: Path) -> Iterator[WorkerCore]:
     c.close()
 
 
-def submit(fake: Any, call_id: str, tool: str = "echo", tp: str = TP, **args: Any) -> None:
+def submit(fake: Any, call_id: str, tool: str = "echo", tp: str = TP, attempts: int = 1, **args: Any) -> None:
     env = Envelope(
         call_id=call_id,
         kind="tool",
@@ -95,11 +103,11 @@ def submit(fake: Any, call_id: str, tool: str = "echo", tp: str = TP, **args: An
         baggage="tenant=acme",
         channel="hermes:ch:t",
         context={"session_id": "s", "tool_call_id": f"tc-{call_id}"},
-        options=Options(max_attempts=1),
+        options=Options(max_attempts=attempts),
     )
     ckey = f"tool:{tool}"
     Calls.check_submit(
-        Calls(fake).submit(env, ckey=ckey, queue_size=-1, max_attempts=1, timeout=30), ckey, -1
+        Calls(fake).submit(env, ckey=ckey, queue_size=-1, max_attempts=attempts, timeout=30), ckey, -1
     )
 
 
@@ -174,6 +182,19 @@ def test_a_refused_call_marks_policy_and_process_spans_error_with_error_type(
         assert found[name].attributes["error.type"] == "invalid_args"
     assert "execute_tool strict" not in found
     assert found["process tools"].attributes["hermes.call.state"] == "failed"
+
+
+def test_a_retried_attempt_ends_its_span_retrying_with_a_retry_event(
+    fake: Any, core: WorkerCore, spans: InMemorySpanExporter, reader: InMemoryMetricReader
+) -> None:
+    submit(fake, "c1", tool="flaky", attempts=3, n="x")
+    run_all(core)
+    process = by_name(spans)["process tools"]
+    assert process.attributes["hermes.call.state"] == "retrying"
+    (event,) = [e for e in process.events if e.name == "retry"]
+    assert event.attributes["error.type"] == "invalid_args" and event.attributes["hermes.attempt"] == 1
+    states = [(p.attributes["hermes.call.state"], p.value) for p in points(reader)["hermes.calls"]]
+    assert states == [("retrying", 1)]
 
 
 def test_secrets_and_sensitive_args_never_reach_span_attributes(
