@@ -142,7 +142,7 @@ class Gateway:
         **context: Any,
     ) -> CallHandle:
         """Submit one tool call; raises UnknownTool or QueueFull at once, else returns its handle."""
-        opts = {
+        opts: dict[str, Any] = {
             "timeout": timeout,
             "idempotency_key": idempotency_key,
             "max_attempts": max_attempts,
@@ -203,7 +203,8 @@ class Gateway:
 
     def submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> Batch:
         """Submit (tool, args) pairs in one pipeline; each gets a handle, refused ones carry their error."""
-        opts = {k: common.pop(k) for k in ("timeout", "max_attempts", "traceparent", "tracestate", "queue") if k in common}
+        names = ("timeout", "max_attempts", "traceparent", "tracestate", "queue")
+        opts: dict[str, Any] = {k: common.pop(k) for k in names if k in common}
         send = Sending(opts.get("traceparent"), opts.get("tracestate"))  # one producer span for the batch
         opts["trace_headers"] = send.headers
         prepared = []
