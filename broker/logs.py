@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from typing import Any
+from collections.abc import Mapping, MutableMapping
+from typing import Any, cast
 
 import structlog
 
@@ -20,14 +21,14 @@ _HEX_IDS = ("call_id", "trace_id", "span_id")
 _HEX = re.compile(r"[0-9a-f]{8,64}")
 
 
-def redact_event(logger: Any, method_name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+def redact_event(logger: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> Mapping[str, Any]:
     """The redaction processor, minus the ids and stamps that cannot hold a secret."""
     kept = {k: event_dict.pop(k) for k in _GENERATED if k in event_dict}
     for k in _HEX_IDS:
         value = event_dict.get(k)
         if type(value) is str and _HEX.fullmatch(value):
             kept[k] = event_dict.pop(k)
-    out = redact_processor(logger, method_name, event_dict)
+    out = redact_processor(logger, method_name, cast(dict[str, Any], event_dict))
     out.update(kept)
     return out
 

@@ -17,12 +17,12 @@ from rich.live import Live
 from rich.table import Table
 
 from broker import keys
-from workers.metrics import SEP, queue_depths
+from workers.metrics import SEP, queue_depths, text
 
 
 def figures(conn: redis.Redis) -> dict[str, Any]:
     """Everything the live view shows, as plain data (a few round trips)."""
-    raw = {k.decode(): v.decode() for k, v in conn.hgetall(keys.STATS).items()}
+    raw = {text(k): text(v) for k, v in conn.hgetall(keys.STATS).items()}
     calls: dict[str, dict[str, Any]] = {}
     errors: dict[tuple[str, str], int] = {}
     waits: dict[str, dict[str, float]] = {}
@@ -48,8 +48,8 @@ def figures(conn: redis.Redis) -> dict[str, Any]:
     inflight: dict[str, int] = {}
     for key in conn.scan_iter(match=keys.STATS_INFLIGHT.format("*"), count=500):
         for ckey, n in conn.hgetall(key).items():
-            inflight[ckey.decode()] = inflight.get(ckey.decode(), 0) + int(n)
-    breaker_keys = sorted(k.decode() for k in conn.smembers(keys.BREAKERS))
+            inflight[text(ckey)] = inflight.get(text(ckey), 0) + int(n)
+    breaker_keys = sorted(text(k) for k in conn.smembers(keys.BREAKERS))
     pipe = conn.pipeline(transaction=False)
     for k in breaker_keys:
         pipe.hget(keys.breaker(k), "state")

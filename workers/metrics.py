@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -183,9 +183,14 @@ def _observe_queues(_options: Any) -> Iterable[Any]:
         return []
 
 
+def text(value: bytes | str) -> str:
+    """A Redis reply as text (clients may or may not decode responses)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def queue_depths(conn: redis.Redis) -> list[tuple[str, int]]:
     """``(queue, calls waiting)`` for every RQ queue, in one round trip after the queue list."""
-    names = sorted(k.decode() for k in conn.smembers(keys.RQ_QUEUES))
+    names = sorted(text(k) for k in conn.smembers(keys.RQ_QUEUES))
     pipe = conn.pipeline(transaction=False)
     for k in names:
         pipe.llen(k)
@@ -229,7 +234,7 @@ class StatsFlusher:
         current = self.inflight()
         if current:
             pipe.delete(self.key)
-            pipe.hset(self.key, mapping=current)
+            pipe.hset(self.key, mapping=cast(Any, current))
             pipe.expire(self.key, int(FLUSH_INTERVAL * 5) + 1)
         elif self._had_inflight:
             pipe.delete(self.key)
