@@ -57,8 +57,8 @@ class Limits:
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Every concurrency key with its limit, calls holding a slot and calls waiting for one."""
-        raw = self.conn.hgetall(keys.LIMITS)
-        names = sorted(k.decode() for k in raw)
+        limits = {_text(k): int(v) for k, v in self.conn.hgetall(keys.LIMITS).items()}
+        names = sorted(limits)
         pipe = self.conn.pipeline(transaction=False)
         for ckey in names:
             pipe.zcard(keys.slots(ckey))
@@ -67,7 +67,7 @@ class Limits:
         return [
             {
                 "key": ckey,
-                "limit": int(raw[ckey.encode()]),
+                "limit": limits[ckey],
                 "running": int(counts[2 * i]),
                 "waiting": int(counts[2 * i + 1]),
             }
@@ -77,3 +77,7 @@ class Limits:
     def scheduled(self) -> int:
         """How many retries are waiting for their time."""
         return int(self.conn.zcard(keys.SCHEDULED))
+
+
+def _text(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
