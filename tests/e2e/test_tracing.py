@@ -12,6 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from opentelemetry import baggage
+from opentelemetry import context as otel_context
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -21,8 +23,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from broker import events
+from broker import events, keys
 from broker.audit import AuditLog
+from broker.calls import envelope_of
 from tests.conftest import REPO, wait_until
 from workers import otelsdk
 
@@ -204,8 +207,12 @@ def test_one_trace_across_client_worker_and_http_back_end(
 ) -> None:
     provider, exporter = client_spans
     gateway.sync_tools()
-    with provider.get_tracer("agent").start_as_current_span("agent turn") as turn:
-        handle = gateway.call_tool("get_weather", {"city": "Paris", "api_key": KEY}, tool_call_id="tc-1")
+    token = otel_context.attach(baggage.set_baggage("tenant", "acme"))
+    try:
+        with provider.get_tracer("agent").start_as_current_span("agent turn") as turn:
+            handle = gateway.call_tool("get_weather", {"city": "Paris", "api_key": KEY}, tool_call_id="tc-1")
+    finally:
+        otel_context.detach(token)
     result = handle.result(20)
     trace_id = f"{turn.get_span_context().trace_id:032x}"
 
@@ -215,6 +222,8 @@ def test_one_trace_across_client_worker_and_http_back_end(
     assert send.attributes["messaging.message.id"] == handle.call_id
     assert send.attributes["messaging.destination.name"] == "tools"
     send_id = f"{send.context.span_id:016x}"
+    env = envelope_of(gateway.conn.hget(keys.job(handle.call_id), "data"))
+    assert env.traceparent.startswith(f"00-{trace_id}-{send_id}-") and env.baggage == "tenant=acme"
 
     # The worker: process tools (CONSUMER, child of and linked to send) -> policy, execute_tool.
     got = worker_spans(

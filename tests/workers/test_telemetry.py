@@ -61,9 +61,11 @@ TOOLS = [
 ]
 
 
-def seen_traceparent(ctx: Any) -> str:
-    """The traceparent the executor was given (what it would forward to a back end)."""
-    return str(ctx.traceparent)
+def seen_traceparent(ctx: Any) -> dict[str, Any]:
+    """The traceparent the executor was given (what it would forward) and the baggage in force."""
+    from opentelemetry import baggage
+
+    return {"traceparent": str(ctx.traceparent), "baggage": dict(baggage.get_all())}
 
 
 @pytest.fixture
@@ -152,14 +154,15 @@ def test_a_call_continues_the_callers_trace_as_process_span_with_policy_and_exec
     assert core.audit.get("c1").trace_id == TRACE
 
 
-def test_the_executor_is_given_its_own_spans_context_to_forward(
+def test_the_executor_is_given_its_own_spans_context_and_the_callers_baggage(
     fake: Any, core: WorkerCore, spans: InMemorySpanExporter
 ) -> None:
     submit(fake, "c1", tool="seen")
     run_all(core)
     execute = by_name(spans)["execute_tool seen"]
-    forwarded = core.calls.record("c1")["result"]
-    assert forwarded == f"00-{TRACE}-{execute.context.span_id:016x}-01"
+    seen = core.calls.record("c1")["result"]
+    assert seen["traceparent"] == f"00-{TRACE}-{execute.context.span_id:016x}-01"
+    assert seen["baggage"] == {"tenant": "acme"}  # the caller's W3C baggage, from the envelope
 
 
 def test_a_call_with_a_new_trace_id_starts_its_own_trace(
