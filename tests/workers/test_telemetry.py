@@ -317,3 +317,30 @@ def test_totals_reach_redis_for_the_status_view(fake: Any, core: WorkerCore) -> 
     assert stats["calls|tool|strict|failed|invalid_args"] == "1"
     assert stats["duration_n|tool|echo"] == "1" and float(stats["duration|tool|echo"]) > 0
     assert stats["wait_n|tools"] == "2" and stats["breaker|tool:strict"] == "open"
+
+
+# -- turning it on -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("environ", "mode"),
+    [
+        ({}, "off"),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, "otlp"),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4318/v1/traces"}, "otlp"),
+        ({"OTEL_TRACES_EXPORTER": "console"}, "console"),
+        ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, "off"),
+        ({"HERMES_TRACE": "memory", "OTEL_TRACES_EXPORTER": "console"}, "memory"),
+        ({"HERMES_TRACE": "off", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, "off"),
+        ({"OTEL_SDK_DISABLED": "true", "HERMES_TRACE": "console"}, "off"),
+    ],
+)
+def test_the_environment_decides_whether_tracing_is_on(environ: dict[str, str], mode: str) -> None:
+    assert otelsdk.trace_mode(environ) == mode
+
+
+def test_an_unknown_tracing_mode_is_a_config_error() -> None:
+    from broker.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="HERMES_TRACE"):
+        otelsdk.trace_mode({"HERMES_TRACE": "jaeger"})
