@@ -354,3 +354,12 @@ def workers(
     factory.stop_all()
     if _failed(request.node):
         factory.dump_logs()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_structlog() -> Iterator[None]:
+    """A test that configures logging (level filter, stream) must not leak it into the next one."""
+    yield
+    import structlog
+
+    structlog.reset_defaults()
