@@ -8,6 +8,7 @@ Both sides get the same number of warm worker processes. The last line is ``rati
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 import uuid
@@ -140,24 +141,35 @@ def main() -> None:
     parser.add_argument("-n", "--calls", type=int, default=2000)
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--url", default=None, help="Redis URL (default $HERMES_REDIS_URL, else embedded)")
     parser.add_argument("--skip-plugins", action="store_true", help="skip the run with the example plugins")
     parser.add_argument("--skip-tracing", action="store_true", help="skip the run with tracing on")
     args = parser.parse_args()
     url, emb = broker_url(args.url)
+    runs: dict[str, list[float]] = {"rq": [], "ours": [], "plugins": [], "tracing": []}
     try:
-        print(f"broker: {url}; {args.calls} no-op calls; {args.processes} worker process(es) each side")
-        rq_rate = run_rq(url, args.calls, args.processes)
-        print(f"stock RQ SimpleWorker: {rq_rate:,.0f} jobs/s")
-        ours = run_ours(url, args.calls, args.processes, args.concurrency)
-        print(f"hermes-gateway:        {ours:,.0f} calls/s (enqueue -> done event at the caller)")
-        if not args.skip_plugins:
-            with_plugins = run_ours(url, args.calls, args.processes, args.concurrency, SEED_PLUGINS)
-            print(f"hermes-gateway + the seed's 4 example plugins: {with_plugins:,.0f} calls/s")
+        print(f"broker: {url}; {args.calls} no-op calls; {args.processes} worker process(es) each side; "
+              f"{args.rounds} interleaved rounds (a shared 2-core machine is noisy: medians count)")
+        for r in range(1, args.rounds + 1):
+            # Interleaved, so slow and fast spells of the machine fall on every side alike.
+            runs["rq"].append(run_rq(url, args.calls, args.processes))
+            runs["ours"].append(run_ours(url, args.calls, args.processes, args.concurrency))
+            if not args.skip_plugins:
+                runs["plugins"].append(run_ours(url, args.calls, args.processes, args.concurrency, SEED_PLUGINS))
+            if not args.skip_tracing:
+                runs["tracing"].append(run_ours(url, args.calls, args.processes, args.concurrency, tracing=True))
+            print(f"round {r}: " + ", ".join(f"{k} {v[-1]:,.0f}/s" for k, v in runs.items() if v))
+        rq_rate, ours = statistics.median(runs["rq"]), statistics.median(runs["ours"])
+        print(f"stock RQ SimpleWorker: {rq_rate:,.0f} jobs/s (median)")
+        print(f"hermes-gateway:        {ours:,.0f} calls/s (median; enqueue -> done event at the caller)")
+        if runs["plugins"]:
+            with_plugins = statistics.median(runs["plugins"])
+            print(f"hermes-gateway + the seed's 4 example plugins: {with_plugins:,.0f} calls/s (median)")
             print(f"plugins_ratio={with_plugins / ours:.3f}  (target >= 0.85)")
-        if not args.skip_tracing:
-            traced = run_ours(url, args.calls, args.processes, args.concurrency, tracing=True)
-            print(f"hermes-gateway + tracing (SDK, batch processor, in-memory): {traced:,.0f} calls/s")
+        if runs["tracing"]:
+            traced = statistics.median(runs["tracing"])
+            print(f"hermes-gateway + tracing (SDK, batch processor, in-memory): {traced:,.0f} calls/s (median)")
             print(f"tracing_ratio={traced / ours:.3f}  (target >= 0.75)")
         print(f"ratio_vs_rq={ours / rq_rate:.2f}")
     finally:

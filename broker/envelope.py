@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .codec import pack, unpack
 from .errors import DecodeError
-from .tracecontext import parse_traceparent
+from .tracecontext import parse_traceparent, random_hex
 
 ENVELOPE_VERSION = 1
 
@@ -54,7 +53,7 @@ def _check_types(data: dict[str, Any], types: dict[str, tuple[type, ...]], where
 
 
 def new_call_id() -> str:
-    return uuid.uuid4().hex
+    return random_hex(16)
 
 
 @dataclass(frozen=True)
@@ -112,8 +111,8 @@ class Envelope:
         return str((self.request or {}).get("model") or self.context.get("model") or "")
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "options"}
-        out["options"] = {f.name: getattr(self.options, f.name) for f in fields(Options)}
+        out = {name: getattr(self, name) for name in _ENVELOPE_FIELDS if name != "options"}
+        out["options"] = {name: getattr(self.options, name) for name in _OPTION_FIELDS}
         return out
 
     def encode(self) -> bytes:
@@ -126,7 +125,7 @@ class Envelope:
         version = data.get("version")
         if version != ENVELOPE_VERSION:
             raise DecodeError(f"unsupported envelope version {version!r} (this worker speaks {ENVELOPE_VERSION})")
-        known = {f.name for f in fields(cls)}
+        known = _ENVELOPE_FIELDS
         kwargs = {k: v for k, v in data.items() if k in known}
         opts = kwargs.pop("options", None) or {}
         if not isinstance(opts, dict):
@@ -141,7 +140,7 @@ class Envelope:
         _check_types(kwargs, _FIELD_TYPES, "field ")
         _check_types(opts, _OPTION_TYPES, "option ")
         try:
-            options = Options(**{k: v for k, v in opts.items() if k in {f.name for f in fields(Options)}})
+            options = Options(**{k: v for k, v in opts.items() if k in _OPTION_FIELDS})
             return cls(options=options, **kwargs)
         except TypeError as e:
             raise DecodeError(f"envelope does not fit: {e}") from e
@@ -149,3 +148,8 @@ class Envelope:
     @classmethod
     def decode(cls, data: bytes) -> Envelope:
         return cls.from_dict(unpack(data))
+
+
+# Field names, computed once: dataclasses.fields() is slow enough to show on the hot path.
+_ENVELOPE_FIELDS = tuple(f.name for f in fields(Envelope))
+_OPTION_FIELDS = tuple(f.name for f in fields(Options))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,8 +39,8 @@ _lock = threading.Lock()
 _mode: str | None = None  # what setup() installed in this process
 _tracer_override: Any = None
 _meter_override: Any = None
-_tracer_cache: tuple[Any, Any] | None = None
-_meter_cache: tuple[Any, Any] | None = None
+_tracer_cache: tuple[Any, Any, bool] | None = None  # (provider, tracer, provider is the global one)
+_meter_cache: tuple[Any, Any, bool] | None = None
 _memory_exporter: Any = None
 _installed: list[tuple[Any, Any]] = []  # (provider, exporter) pairs setup() made, for shutdown()
 EXIT_FLUSH_MS = 1000
@@ -234,29 +235,55 @@ def use_providers(tracer_provider: Any = _KEEP, meter_provider: Any = _KEEP) -> 
         _meter_override = meter_provider
 
 
+# While no SDK provider is installed, OTel's get_*_provider() reads os.environ on every call; that shows
+# on the per-call path, so a "none yet" answer is trusted for a second. A global SDK provider can only be
+# set once, so a real one is trusted for good.
+_RECHECK = 1.0
+_tracer_checked = 0.0
+_meter_checked = 0.0
+
+
 def tracer() -> Any:
     """Our tracer when an SDK provider is set (here or by the host application), else None: skip spans."""
-    global _tracer_cache
+    global _tracer_cache, _tracer_checked
+    if _tracer_override is None:
+        cached = _tracer_cache
+        if cached is not None and cached[2]:
+            return cached[1]
+        now = time.monotonic()
+        if cached is None and now - _tracer_checked < _RECHECK:
+            return None
+        _tracer_checked = now
     provider = _tracer_override or trace.get_tracer_provider()
     if isinstance(provider, ProxyTracerProvider | NoOpTracerProvider):
+        _tracer_cache = None
         return None
     cached = _tracer_cache
     if cached is not None and cached[0] is provider:
         return cached[1]
     found = provider.get_tracer(SCOPE)
-    _tracer_cache = (provider, found)
+    _tracer_cache = (provider, found, _tracer_override is None)
     return found
 
 
 def meter() -> Any:
     """Our meter when an SDK meter provider is set, else None: skip measurements."""
-    global _meter_cache
+    global _meter_cache, _meter_checked
+    if _meter_override is None:
+        cached = _meter_cache
+        if cached is not None and cached[2]:
+            return cached[1]
+        now = time.monotonic()
+        if cached is None and now - _meter_checked < _RECHECK:
+            return None
+        _meter_checked = now
     provider = _meter_override or metrics.get_meter_provider()
     if isinstance(provider, NoOpMeterProvider | _ProxyMeterProvider):
+        _meter_cache = None
         return None
     cached = _meter_cache
     if cached is not None and cached[0] is provider:
         return cached[1]
     found = provider.get_meter(SCOPE)
-    _meter_cache = (provider, found)
+    _meter_cache = (provider, found, _meter_override is None)
     return found
