@@ -1,0 +1,58 @@
+"""Helpers shared by the ``hermes-gateway`` command modules."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import click
+
+from broker.config import Settings
+from broker.errors import HermesError
+
+
+def _settings(ctx: click.Context) -> Settings:
+    return ctx.obj["settings"]
+
+
+def _print_result(result: Any) -> None:
+    if isinstance(result, str):
+        click.echo(result)
+    else:
+        click.echo(json.dumps(result, ensure_ascii=False, indent=2, default=str))
+
+
+def _fail(message: str, code: int = 2) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+
+def _event_line(ev: Any) -> str:
+    label = ev.state if ev.type == "transition" else f"{ev.type}"
+    extra = ""
+    if ev.type != "transition":
+        extra = " " + json.dumps(ev.detail, ensure_ascii=False, default=str)
+    elif "error" in ev.detail:
+        extra = f" {ev.detail['error'].get('type')}: {ev.detail['error'].get('message')}"
+    elif "duration_ms" in ev.detail:
+        extra = f" ({ev.detail['duration_ms']:.1f} ms)"
+    return f"[{ev.seq:>2}] {label:<10} trace_id={ev.trace_id} attempt={ev.attempt}{extra}"
+
+
+
+@contextlib.contextmanager
+def _gateway(settings: Settings, need_workers: bool = True) -> Iterator[tuple[Any, list[Any]]]:
+    """The gateway for one command; broker errors become a clear message and exit code 2."""
+    from hermes_gateway.local import local_stack
+
+    with contextlib.ExitStack() as stack:
+        try:
+            pair = stack.enter_context(local_stack(settings, need_workers=need_workers))
+        except HermesError as e:
+            _fail(str(e))
+        yield pair
+

@@ -1,0 +1,88 @@
+"""``hermes-gateway flow``: run and check flows of tool calls."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from broker.errors import HermesError
+from hermes_gateway.cli_common import _fail, _gateway, _print_result, _settings
+
+# -- flows (orchestration) ---------------------------------------------------------------------------
+
+
+@click.group()
+def flow() -> None:
+    """Run flows of tool calls: serial, parallel, conditional, with breaker fallback."""
+
+
+def _flow_line(ev: Any, t0: float) -> str:
+    call = f" call={ev.call_id[:12]}" if ev.call_id else ""
+    extra = " ".join(f"{k}={json.dumps(v, ensure_ascii=False, default=str)}" for k, v in ev.detail.items())
+    return f"[{ev.ts - t0:7.3f}s] {ev.step:<16} {ev.state:<9}{call} {extra}".rstrip()
+
+
+@flow.command("check")
+@click.argument("flow_file", type=click.Path(exists=True, dir_okay=False))
+def flow_check(flow_file: str) -> None:
+    """Validate a flow document (ids, shapes, every expression) without running it."""
+    from hermes_gateway.flow import load_flow
+
+    try:
+        f = load_flow(flow_file)
+    except HermesError as e:
+        _fail(str(e))
+    click.echo(f"{f.name}: ok ({len(f.all_steps())} steps)")
+
+
+@flow.command("run")
+@click.argument("flow_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--args", "args_text", default="{}", help="The flow's arguments as a JSON object.")
+@click.option("--session-id", default=None)
+@click.option("--principal", default=None)
+@click.option("--wait", type=float, default=300.0, show_default=True, help="Seconds to wait for each call.")
+@click.option("--json", "as_json", is_flag=True, help="Print every step's outcome, not only the result.")
+@click.pass_context
+def flow_run(
+    ctx: click.Context,
+    flow_file: str,
+    args_text: str,
+    session_id: str | None,
+    principal: str | None,
+    wait: float,
+    as_json: bool,
+) -> None:
+    """Run a flow (YAML or JSON), showing each step's state live on stderr; the result goes to stdout."""
+    import time
+
+    from hermes_gateway.flow import load_flow, run_flow
+
+    try:
+        parsed = json.loads(args_text)
+    except ValueError as e:
+        _fail(f"--args: not valid JSON: {e}")
+    if not isinstance(parsed, dict):
+        _fail("--args: expected a JSON object")
+    try:
+        f = load_flow(flow_file)
+    except HermesError as e:
+        _fail(str(e))
+    context = {k: v for k, v in (("session_id", session_id), ("principal", principal)) if v}
+    t0 = time.time()
+    with _gateway(_settings(ctx)) as (gw, procs):
+        if procs:
+            click.echo(f"broker: {gw.description}; started {len(procs)} worker for this flow", err=True)
+        gw.sync_tools()
+        try:
+            show = lambda ev: click.echo(_flow_line(ev, t0), err=True)  # noqa: E731
+            outcome = run_flow(gw, f, parsed, on_event=show, wait=wait, **context)
+        except HermesError as e:
+            _fail(f"{e.type}: {e}")
+    click.echo(f"flow {f.name}: {outcome.state} in {time.time() - t0:.3f}s", err=True)
+    _print_result(outcome.to_dict() if as_json else outcome.result)
+    if outcome.state != "done":
+        err = outcome.error or {}
+        _fail(f"step {err.get('step')}: {err.get('type')}: {err.get('message')}", 1)
+

@@ -1,0 +1,102 @@
+"""``hermes-gateway plugins`` and ``policy explain``."""
+
+from __future__ import annotations
+
+import click
+
+from broker.errors import HermesError
+from hermes_gateway.cli_common import _fail, _gateway, _settings
+
+# -- plugins and policy --------------------------------------------------------------------------
+
+
+@click.group()
+def plugins() -> None:
+    """Enable, disable, list and reload middleware plugins (same config.yaml as the Hermes agent)."""
+
+
+@plugins.command("list")
+@click.pass_context
+def plugins_list(ctx: click.Context) -> None:
+    """Every plugin found, and whether it is enabled."""
+    from middleware import list_plugins
+
+    found = list_plugins(_settings(ctx).home)
+    if not found:
+        click.echo(f"no plugins in {_settings(ctx).plugins_dir} or the hermes_agent.plugins entry points")
+    for info in found:
+        mark = "enabled " if info.enabled else "disabled"
+        err = f"  error: {info.error}" if info.error else ""
+        click.echo(f"{mark}  {info.name:<32} {info.source:<12} {info.description or ''}{err}")
+
+
+@plugins.command("enable")
+@click.argument("name")
+@click.pass_context
+def plugins_enable(ctx: click.Context, name: str) -> None:
+    """Enable a plugin (written to plugins.enabled in config.yaml)."""
+    from middleware import enable_plugin
+
+    try:
+        key = enable_plugin(_settings(ctx).home, name)
+    except LookupError as e:
+        _fail(str(e))
+    click.echo(f"enabled {key}; running workers pick it up with `hermes-gateway plugins reload`")
+
+
+@plugins.command("disable")
+@click.argument("name")
+@click.pass_context
+def plugins_disable(ctx: click.Context, name: str) -> None:
+    """Disable a plugin."""
+    from middleware import disable_plugin
+
+    try:
+        key = disable_plugin(_settings(ctx).home, name)
+    except LookupError as e:
+        _fail(str(e))
+    click.echo(f"disabled {key}")
+
+
+@plugins.command("reload")
+@click.pass_context
+def plugins_reload(ctx: click.Context) -> None:
+    """Make every running worker re-import its plugins (and re-read policy) without a restart."""
+    from broker import keys
+    from broker.connection import connect
+    from workers.worker import control_message
+
+    try:
+        handle = connect(_settings(ctx).redis_url, embedded_ok=False)
+    except HermesError as e:
+        _fail(str(e))
+    reached = handle.conn.publish(keys.channel(handle.conn, keys.CONTROL_CHANNEL), control_message("reload"))
+    click.echo(f"reload sent to workers on {handle.description} ({reached} listening)")
+    handle.close()
+
+
+@click.group()
+def policy() -> None:
+    """Inspect the permission policy."""
+
+
+@policy.command("explain")
+@click.argument("principal")
+@click.argument("tool_name")
+@click.pass_context
+def policy_explain(ctx: click.Context, principal: str, tool_name: str) -> None:
+    """Why PRINCIPAL may or may not call TOOL (the 'listed but permission denied' question)."""
+    from workers.policy import Policy
+
+    settings = _settings(ctx)
+    with _gateway(settings, need_workers=False) as (gw, _):
+        gw.sync_tools()
+        try:
+            spec = gw.tool(tool_name).spec
+            from workers.policy_store import active
+
+            pol, _ = active(gw.conn, Policy.from_settings(settings.policy))  # the pushed policy wins
+        except HermesError as e:
+            _fail(str(e))
+        click.echo(pol.explain(principal, spec))
+
