@@ -14,7 +14,8 @@ import redis
 from redis.client import Pipeline
 
 from . import events, keys, scripts
-from .codec import pack, unpack
+from .codec import pack, text, unpack
+from .codec import raw as as_bytes
 from .envelope import Envelope
 from .errors import IllegalTransition, QueueFull
 from .states import RQ_STATUS, TERMINAL, State, sources
@@ -342,7 +343,7 @@ class Calls:
         raw = self.conn.hgetall(keys.job(call_id))
         if not raw:
             return None
-        rec = {k.decode(): v for k, v in raw.items()}
+        rec = {text(k): v for k, v in raw.items()}
         out: dict[str, Any] = {
             "call_id": call_id,
             "state": _s(rec.get(keys.F_STATE)),
@@ -358,16 +359,15 @@ class Calls:
             "ended_at": _s(rec.get("ended_at")),
         }
         if rec.get(keys.F_RESULT) is not None:
-            out["result"] = unpack(rec[keys.F_RESULT])
+            out["result"] = unpack(as_bytes(rec[keys.F_RESULT]))
         if rec.get(keys.F_ERROR) is not None:
-            out["error"] = unpack(rec[keys.F_ERROR])
+            out["error"] = unpack(as_bytes(rec[keys.F_ERROR]))
         if rec.get("data"):
             try:
-                out["envelope"] = envelope_of(rec["data"])
+                out["envelope"] = envelope_of(as_bytes(rec["data"]))
             except Exception:  # noqa: BLE001 - a record with a bad payload is still a record
                 out["envelope"] = None
         return out
 
 
-def _s(v: bytes | None) -> str:
-    return v.decode() if isinstance(v, bytes) else (v or "")
+_s = text  # a Redis reply as text

@@ -30,6 +30,18 @@ def unpack(data: bytes | bytearray | memoryview) -> Any:
         raise DecodeError(f"payload is not valid msgpack: {e}") from e
 
 
+def text(value: Any) -> str:
+    """A Redis reply (bytes, str or None) as text."""
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode(errors="replace")
+    return "" if value is None else str(value)
+
+
+def raw(value: Any) -> bytes:
+    """A Redis reply as bytes (redis-py types replies as ``bytes | str``)."""
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
 class MsgpackSerializer:
     """RQ serializer (``dumps``/``loads``) so RQ stores our jobs as msgpack."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ def hermes_home(explicit: str | os.PathLike[str] | None = None) -> Path:
     return Path(os.environ.get("HERMES_HOME") or "~/.hermes").expanduser()
 
 
-def expand_env(value: Any, environ: dict[str, str] | None = None) -> Any:
+def expand_env(value: Any, environ: Mapping[str, str] | None = None) -> Any:
     """Replace ``${VAR}`` (and ``${VAR:-default}``) in every string, so secrets stay out of files."""
     env = os.environ if environ is None else environ
     if isinstance(value, str):

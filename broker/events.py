@@ -15,7 +15,7 @@ from typing import Any
 import redis
 
 from . import keys
-from .codec import pack, unpack
+from .codec import pack, raw, unpack
 from .errors import DecodeError
 from .states import TERMINAL
 
@@ -121,7 +121,7 @@ def decode(data: bytes) -> Event:
 
 def history(conn: redis.Redis, call_id: str, start_seq: int = 1) -> list[Event]:
     """Stored events of a call from ``start_seq`` on (history index = seq - 1)."""
-    return [decode(b) for b in conn.lrange(keys.history(call_id), start_seq - 1, -1)]
+    return [decode(raw(b)) for b in conn.lrange(keys.history(call_id), start_seq - 1, -1)]
 
 
 def follow(

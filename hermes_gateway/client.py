@@ -14,7 +14,7 @@ import structlog
 from broker import events as ev_mod
 from broker import keys
 from broker.calls import Calls
-from broker.codec import unpack
+from broker.codec import text, unpack
 from broker.config import Settings, load_settings
 from broker.connection import BrokerHandle, connect
 from broker.directory import Directory, Entry, sync_dir
@@ -253,7 +253,7 @@ class Gateway:
         names = self.conn.zrangebyscore(keys.WORKERS, horizon, "+inf")
         pipe = self.conn.pipeline(transaction=False)
         for n in names:
-            pipe.hgetall(keys.worker(n.decode()))
+            pipe.hgetall(keys.worker(text(n)))
         out = []
         for raw in pipe.execute():
             if not raw:

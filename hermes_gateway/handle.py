@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker import events as ev_mod
 from broker import keys
-from broker.codec import pack
+from broker.codec import pack, text
 from broker.errors import CallCancelled, CallTimeout, HermesError, error_from_wire
 from broker.events import Event
 from broker.states import TERMINAL, State
@@ -170,7 +170,7 @@ def cancel_call(gateway: Gateway, call_id: str) -> bool:
     raw = conn.hmget(keys.job(call_id), keys.F_STATE, keys.F_ATTEMPT, keys.F_TRACE, keys.F_KIND, keys.F_TOOL, keys.F_CHANNEL, keys.F_CKEY, "origin")
     if raw[0] is None:
         return False
-    state, attempt, trace, kind, tool, chan, ckey, origin = ((v or b"").decode() for v in raw)
+    state, attempt, trace, kind, tool, chan, ckey, origin = (text(v) for v in raw)
     if state in TERMINAL:
         return False
     info = CallInfo(call_id, trace, "", kind, tool, None, chan, ckey, origin)

@@ -81,7 +81,7 @@ class Outbox:
                     self._cond.wait()
                 if self._closed and not self._items:
                     return
-                batch = []
+                batch: list[tuple[Writer, Callback | None]] = []
                 while self._items and len(batch) < self.max_batch:
                     batch.append(self._items.popleft())
             self._send(batch)

@@ -9,7 +9,7 @@ import structlog
 from broker import keys
 from broker.audit import AuditLog, AuditRecord
 from broker.calls import CallInfo, Calls
-from broker.codec import pack
+from broker.codec import pack, text
 from broker.errors import WorkerLost
 from broker.states import ACTIVE, State
 from broker.tracecontext import new_span_id
@@ -32,7 +32,7 @@ def _info(calls: Calls, call_id: str, item: dict[str, Any]) -> CallInfo:
     raw = calls.conn.hmget(
         keys.job(call_id), keys.F_TRACE, keys.F_KIND, keys.F_TOOL, keys.F_CHANNEL, "origin"
     )
-    trace, kind, tool, chan, origin = ((v or b"").decode(errors="replace") for v in raw)
+    trace, kind, tool, chan, origin = (text(v) for v in raw)
     return CallInfo(call_id, trace, new_span_id(), kind, tool, None, chan, item["ckey"], origin)
 
 

@@ -15,7 +15,7 @@ import structlog
 from broker import keys
 from broker.audit import AuditRecord
 from broker.calls import CallInfo, Claimed, envelope_of
-from broker.codec import pack
+from broker.codec import pack, text
 from broker.envelope import Envelope
 from broker.errors import CallCancelled, DecodeError, HermesError
 from broker.events import PROGRESS
@@ -263,7 +263,7 @@ class CallRunner:
         raw = core.conn.hmget(
             keys.job(claimed.call_id), keys.F_CHANNEL, keys.F_CKEY, keys.F_TRACE, keys.F_KIND, keys.F_TOOL
         )
-        chan, ckey, trace, kind, tool = ((v or b"").decode(errors="replace") for v in raw)
+        chan, ckey, trace, kind, tool = (text(v) for v in raw)
         info = CallInfo(
             claimed.call_id,
             trace,
