@@ -76,7 +76,7 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
     handle = connect(settings.redis_url)
     console.print(f"[bold]broker[/bold]: {handle.description}")
     gw = Gateway(handle, settings)
-    env = dict(os.environ, HERMES_LOG_LEVEL="WARNING")
+    env = dict(os.environ, HERMES_LOG_LEVEL="ERROR")  # failures show in the summary, not as log lines
     procs = [spawn(handle.url, [QUEUE], concurrency, env=env) for _ in range(processes)]
     try:
         wait_for_heartbeats(gw, processes)

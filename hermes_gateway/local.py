@@ -33,7 +33,7 @@ def local_stack(
     procs: list[Any] = []
     try:
         if handle.embedded is not None and need_workers:
-            env = dict(os.environ, HERMES_LOG_LEVEL=os.environ.get("HERMES_WORKER_LOG_LEVEL", "WARNING"))
+            env = dict(os.environ, HERMES_LOG_LEVEL=os.environ.get("HERMES_WORKER_LOG_LEVEL", "ERROR"))
             procs = [spawn(handle.url, list(queues), concurrency, env=env) for _ in range(processes)]
             wait_for_heartbeats(gw, len(procs))
         yield gw, procs
