@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -14,7 +15,8 @@ from broker.config import Settings
 from broker.directory import Entry
 from broker.toolspec import ToolSpec
 
-console = Console()
+# Piped output (scripts, CI logs) gets wide tables instead of rich's 80-column default, so names stay whole.
+console = Console(width=None if sys.stdout.isatty() else 200)
 
 
 def breaker_states(conn: Any, specs: list[ToolSpec], settings: Settings) -> dict[str, str]:

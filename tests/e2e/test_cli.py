@@ -1,0 +1,97 @@
+"""The command line as a newcomer meets it: the seed's `tool run` on a fresh machine (embedded broker),
+the no-worker message, `tool list`, `status` and `demo` — each run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = str(Path(sys.executable).parent / "hermes-gateway")
+
+pytestmark = pytest.mark.e2e
+
+
+def _run(args: list[str], env: dict[str, str], timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CLI, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _env(home: Any, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_")}
+    env["HERMES_HOME"] = str(home.path)
+    env.update(extra)
+    return env
+
+
+def test_the_seeds_hello_runs_on_the_embedded_broker_without_any_redis_url(home: Any) -> None:
+    shutil.copy(ROOT / "examples" / "tools" / "hello.yaml", home.tools_dir / "hello.yaml")
+    env = _env(home)
+
+    plain = _run(["tool", "run", "hello", '{"name": "Alice"}'], env)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout == "Hello, Alice!\n"
+    assert "embedded broker" in plain.stderr
+
+    followed = _run(["tool", "run", "hello", "{name: Alice}", "--follow"], env)
+    assert followed.returncode == 0, followed.stderr
+    assert followed.stdout == "Hello, Alice!\n"
+    lines = [ln for ln in followed.stderr.splitlines() if ln.startswith("[")]
+    assert [ln.split()[2] for ln in lines] == ["pending", "routing", "executing", "formatting", "done"]
+    trace_ids = {ln.split("trace_id=")[1].split()[0] for ln in lines}
+    assert len(trace_ids) == 1 and len(trace_ids.pop()) == 32
+
+
+def test_tool_run_says_at_once_when_no_worker_listens(redis_url: str, home: Any) -> None:
+    shutil.copy(ROOT / "examples" / "tools" / "hello.yaml", home.tools_dir / "hello.yaml")
+    started = time.monotonic()
+    out = _run(["tool", "run", "hello", '{"name": "Alice"}'], _env(home, HERMES_REDIS_URL=redis_url), timeout=30)
+    assert out.returncode == 2
+    assert "no worker listens on queue 'tools'" in out.stderr
+    assert "hermes-gateway worker --queues tools" in out.stderr
+    assert time.monotonic() - started < 20  # it does not wait for a result that cannot come
+
+
+def test_a_failing_call_exits_1_with_its_typed_error(redis_url: str, home: Any, workers: Any) -> None:
+    home.tool("boom", executor="command", command="false", timeout=5)
+    workers(1)
+    out = _run(["tool", "run", "boom"], _env(home, HERMES_REDIS_URL=redis_url), timeout=30)
+    assert out.returncode == 1
+    assert "executor_error" in out.stderr
+
+
+def test_tool_list_and_status_show_the_tools_workers_and_recent_failures(redis_url: str, home: Any, workers: Any) -> None:
+    home.tool("boom", executor="command", command="false", timeout=5)
+    home.echo_tool()
+    [worker] = workers(1)
+    env = _env(home, HERMES_REDIS_URL=redis_url)
+    listed = json.loads(_run(["tool", "list", "--json"], env).stdout)
+    assert {t["name"] for t in listed} >= {"boom", "echo"}
+    assert _run(["tool", "run", "boom"], env).returncode == 1
+
+    status = _run(["status", "--json"], env)
+    assert status.returncode == 0, status.stderr
+    data = json.loads(status.stdout)
+    assert [w["name"] for w in data["workers"]] == [worker.name]
+    assert any(q["queue"] == "tools" for q in data["queues"])
+    assert data["recent_failures"][0]["name"] == "boom"
+    assert data["recent_failures"][0]["error"]["type"] == "executor_error"
+
+    table = _run(["status"], env)
+    assert table.returncode == 0 and worker.name in table.stdout and "recent failures" in table.stdout
+
+
+def test_demo_runs_a_live_batch_and_ends_with_a_summary_and_the_topology(home: Any) -> None:
+    out = _run(["demo", "--calls", "60", "--processes", "1", "--concurrency", "16"], _env(home), timeout=120)
+    assert out.returncode == 0, out.stderr
+    for needle in ("one call, live", "seq=1 pending", "done", "summary", "throughput", "latency p50",
+                   "latency p99", "topology", "embedded broker"):
+        assert needle in out.stdout, needle
+    assert "│ calls" in out.stdout and "60" in out.stdout
