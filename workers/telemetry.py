@@ -13,17 +13,28 @@ so the call path never branches and pays almost nothing.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.propagators.composite import CompositePropagator
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from broker.errors import CallCancelled
@@ -37,6 +48,9 @@ MESSAGING_SYSTEM = "rq"
 ARGS_LIMIT = 1024
 _W3C = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
 _NULL: AbstractContextManager[Any] = nullcontext()
+_EMPTY = otel_context.Context()
+_NO_STATE = TraceState()
+_HEX = frozenset("0123456789abcdef")
 
 
 # -- W3C context -------------------------------------------------------------------------------
@@ -46,12 +60,32 @@ def parent_context(
     traceparent: str | None, tracestate: str | None = None, baggage: str | None = None
 ) -> otel_context.Context:
     """The OpenTelemetry context a W3C ``traceparent``/``tracestate``/``baggage`` triple describes."""
+    fast = _fast_parent(traceparent, tracestate) if not baggage else None
+    if fast is not None:
+        return fast
     carrier = {"traceparent": traceparent or ""}
     if tracestate:
         carrier["tracestate"] = tracestate
     if baggage:
         carrier["baggage"] = baggage
     return _W3C.extract(carrier, context=otel_context.Context())
+
+
+def _fast_parent(traceparent: str | None, tracestate: str | None) -> otel_context.Context | None:
+    # The envelope's own well-formed version-00 header, parsed without the propagators' regex and
+    # composite machinery (a per-call cost); anything else (baggage, odd headers) takes the full path.
+    if not traceparent or len(traceparent) != 55 or not traceparent.startswith("00-"):
+        return None
+    if traceparent[35] != "-" or traceparent[52] != "-" or not _HEX.issuperset(traceparent[3:35]):
+        return None
+    if not _HEX.issuperset(traceparent[36:52]) or not _HEX.issuperset(traceparent[53:]):
+        return None
+    trace_id, span_id = int(traceparent[3:35], 16), int(traceparent[36:52], 16)
+    if not trace_id or not span_id:
+        return _EMPTY
+    state = TraceState.from_header([tracestate]) if tracestate else _NO_STATE
+    sc = SpanContext(trace_id, span_id, True, TraceFlags(int(traceparent[53:], 16)), state)
+    return trace.set_span_in_context(NonRecordingSpan(sc), _EMPTY)
 
 
 def headers_of(ctx: otel_context.Context | None = None) -> tuple[str | None, str | None, str | None]:
@@ -101,25 +135,52 @@ def retry_event(span: Any, attempt: int, delay: float, error: BaseException | Ma
 
 
 def _args_attribute(args: Mapping[str, Any] | None, sensitive: Sequence[str]) -> str:
+    if not args:
+        return "{}"
     text = json.dumps(redact(dict(args or {}), sensitive), ensure_ascii=False, default=str)
     return text if len(text) <= ARGS_LIMIT else text[: ARGS_LIMIT - 1] + "…"
 
 
-@contextmanager
-def _span(tracer: Any, name: str, parent: Any, kind: SpanKind, attributes: dict[str, Any]) -> Iterator[Any]:
-    span = tracer.start_span(name, context=parent, kind=kind, attributes=attributes)
-    token = otel_context.attach(trace.set_span_in_context(span, parent))
-    try:
-        yield span
-    except CallCancelled:
-        span.add_event("cancelled")
-        raise
-    except BaseException as e:
-        mark_failed(span, e)
-        raise
-    finally:
-        otel_context.detach(token)
+class _Phase:
+    """A span we end ourselves on leaving; ``ctx`` set: that context is current meanwhile (executors)."""
+
+    __slots__ = ("span", "ctx", "_token")
+
+    def __init__(self, span: Any, ctx: otel_context.Context | None = None) -> None:
+        self.span = span
+        self.ctx = ctx
+        self._token: Any = None
+
+    def __enter__(self) -> Any:
+        if self.ctx is not None:
+            self._token = otel_context.attach(self.ctx)
+        return self.span
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        span = self.span
+        if self._token is not None:
+            otel_context.detach(self._token)
+            self._token = None
+        if exc is not None:
+            if isinstance(exc, CallCancelled):
+                span.add_event("cancelled")
+            else:
+                mark_failed(span, exc)
         span.end()
+
+
+def _start(tracer: Any, name: str, parent: Any, kind: SpanKind, attributes: dict[str, Any]) -> Any:
+    # We end (and mark) our spans ourselves, so the SDK's own exception recording stays off.
+    return tracer.start_span(
+        name,
+        context=parent,
+        kind=kind,
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    )
 
 
 # -- one call ----------------------------------------------------------------------------------
@@ -162,7 +223,11 @@ NO_TRACE = NoTrace()
 
 
 class CallTrace(NoTrace):
-    """The spans of one call in this worker: ``process <queue>`` and its children."""
+    """The spans of one call in this worker: ``process <queue>`` and its children.
+
+    Children get their parent passed explicitly; the OpenTelemetry context is made current only around
+    the executor and the provider (user code that reads baggage or opens spans of its own runs there).
+    """
 
     def __init__(self, tracer: Any, env: Envelope, attempt: int, claimed_at: float) -> None:
         self.tracer = tracer
@@ -196,12 +261,13 @@ class CallTrace(NoTrace):
             kind=SpanKind.CONSUMER,
             links=[Link(caller)] if caller.is_valid else None,
             attributes=attributes,
+            record_exception=False,
+            set_status_on_exception=False,
         )
         self.ctx = trace.set_span_in_context(self.span, parent)
         self.span_id = f"{self.span.get_span_context().span_id:016x}"
-        self._token: Any = otel_context.attach(self.ctx)
         self._open: dict[str, Any] = {}
-        self._chain: Any = None
+        self._chain_ctx: Any = None  # the tool_execution span's context while it is open
         self._ended = False
 
     @classmethod
@@ -213,69 +279,55 @@ class CallTrace(NoTrace):
         return cls(tracer, env, attempt, time.time() if claimed_at is None else claimed_at)
 
     def _parent(self) -> Any:
-        return trace.set_span_in_context(self._chain, self.ctx) if self._chain is not None else self.ctx
+        return self._chain_ctx if self._chain_ctx is not None else self.ctx
 
     # -- phases ----------------------------------------------------------------------------------
 
     def open(self, name: str) -> None:
         """Start a phase span that callbacks end later (``tool_request`` ends when the checks begin)."""
         if name not in self._open:
-            span = self.tracer.start_span(name, context=self._parent(), kind=SpanKind.INTERNAL)
+            span = _start(self.tracer, name, self._parent(), SpanKind.INTERNAL, {})
             self._open[name] = span
             if name == "tool_execution":
-                self._chain = span
+                self._chain_ctx = trace.set_span_in_context(span, self.ctx)
 
     def close(self, name: str) -> None:
-        span = self._open.pop(name, None)
+        span = self._open.pop(name, None) if self._open else None
         if span is not None:
             span.end()
         if name == "tool_execution":
-            self._chain = None
+            self._chain_ctx = None
 
     def phase(self, name: str, **attributes: Any) -> AbstractContextManager[Any]:
-        return _span(self.tracer, name, self._parent(), SpanKind.INTERNAL, attributes)
+        return _Phase(_start(self.tracer, name, self._parent(), SpanKind.INTERNAL, attributes))
 
     def executor(
         self, spec: Any, args: Mapping[str, Any], ctx: Any, sensitive: Sequence[str] = ()
     ) -> AbstractContextManager[Any]:
         """``execute_tool <tool>``; the executor forwards this span's context (``ctx.traceparent``)."""
-        return self._executor(spec, args, ctx, sensitive)
-
-    @contextmanager
-    def _executor(
-        self, spec: Any, args: Mapping[str, Any], ctx: Any, sensitive: Sequence[str]
-    ) -> Iterator[Any]:
-        attributes = {
-            "gen_ai.operation.name": "execute_tool",
-            "gen_ai.tool.name": spec.name,
-            "gen_ai.tool.call.id": self.tool_call_id,
-            "gen_ai.tool.type": "function",
-            "gen_ai.tool.call.arguments": _args_attribute(args, sensitive),
-            "hermes.executor": spec.executor,
-        }
-        with _span(
-            self.tracer, f"execute_tool {spec.name}", self._parent(), SpanKind.INTERNAL, attributes
-        ) as s:
-            ctx.traceparent = traceparent_of(s)
-            state = s.get_span_context().trace_state
-            ctx.tracestate = state.to_header() if state else None
-            yield s
+        attributes = dict(_tool_attributes(spec.name, spec.executor))
+        attributes["gen_ai.tool.call.id"] = self.tool_call_id
+        attributes["gen_ai.tool.call.arguments"] = _args_attribute(args, sensitive)
+        parent = self._parent()
+        span = _start(self.tracer, f"execute_tool {spec.name}", parent, SpanKind.INTERNAL, attributes)
+        sc = span.get_span_context()
+        ctx.traceparent = f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{int(sc.trace_flags):02x}"
+        state = sc.trace_state
+        ctx.tracestate = state.to_header() if state else None
+        return _Phase(span, trace.set_span_in_context(span, parent))
 
     def provider(self, model: str, provider: str, ctx: Any) -> AbstractContextManager[Any]:
         """``chat <model>`` around one provider request; the provider forwards this span's context."""
-        return self._provider(model, provider, ctx)
-
-    @contextmanager
-    def _provider(self, model: str, provider: str, ctx: Any) -> Iterator[Any]:
         attributes = {
             "gen_ai.operation.name": "chat",
             "gen_ai.provider.name": provider,
             "gen_ai.request.model": model,
             "hermes.attempt": getattr(ctx, "attempt", 1),
         }
-        with _span(self.tracer, f"chat {model}", self._parent(), SpanKind.CLIENT, attributes) as s:
-            ctx.traceparent = traceparent_of(s)
-            yield s
+        parent = self._parent()
+        span = _start(self.tracer, f"chat {model}", parent, SpanKind.CLIENT, attributes)
+        ctx.traceparent = traceparent_of(span)
+        return _Phase(span, trace.set_span_in_context(span, parent))
 
     def retry(self, attempt: int, delay: float, error: BaseException | Mapping[str, Any]) -> None:
         retry_event(self.span, attempt, delay, error)
@@ -295,12 +347,20 @@ class CallTrace(NoTrace):
         self.span.end()
 
     def finish(self) -> None:
-        """Leave the call's context (same thread that started it); ends the span if ``end`` was not called."""
+        """The call is over here: ends the span if ``end`` was not called."""
         if not self._ended:
             self.end("abandoned")
-        if self._token is not None:
-            otel_context.detach(self._token)
-            self._token = None
+
+
+@functools.lru_cache(maxsize=1024)
+def _tool_attributes(name: str, executor: str) -> Mapping[str, Any]:
+    # The executor span's attributes that depend on the tool alone: built once per tool.
+    return {
+        "gen_ai.operation.name": "execute_tool",
+        "gen_ai.tool.name": name,
+        "gen_ai.tool.type": "function",
+        "hermes.executor": executor,
+    }
 
 
 def record_usage(span: Any, response: Any) -> None:
