@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import redis
@@ -22,14 +21,23 @@ from .states import RQ_STATUS, TERMINAL, State, sources
 
 RQ_FUNC = "workers.entry.run_call"
 SUBMIT_TTL = 7 * 86400
-_RQ_TIME = "%Y-%m-%dT%H:%M:%S.%fZ"
 
 # Reasons a transition script refused.
 MISSING, FENCED, WRONG_STATE = -1, -2, -3
 
 
+_SECOND: list[tuple[int, str]] = [(0, "")]  # the last whole second formatted (strftime showed in profiles)
+
+
 def rq_now() -> str:
-    return datetime.now(UTC).strftime(_RQ_TIME)
+    """Now in RQ's time format (UTC, microseconds)."""
+    t = time.time()
+    sec = int(t)
+    cached = _SECOND[0]
+    if cached[0] != sec:
+        cached = (sec, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec)))
+        _SECOND[0] = cached
+    return f"{cached[1]}.{int((t - sec) * 1_000_000):06d}Z"
 
 
 @dataclass(frozen=True)
@@ -212,8 +220,12 @@ class Calls:
         event_type: str = events.TRANSITION,
         current: State | None = None,
         pipeline: Pipeline | None = None,
+        handoff: tuple[str, float] | None = None,
     ) -> Any:
         """Move a call to ``target`` (or publish a non-state event when None), atomically with its event.
+
+        ``handoff`` (worker, lease seconds): the released slot goes straight to the oldest waiting call of
+        the same queue, leased to that worker; read it from the reply with ``handed_off``.
 
         Ending (or ``retrying``) releases the call's concurrency slot and promotes the oldest waiting call
         of its key; ``requeue`` admits it again (a free slot, else waiting at ``requeue_score``, default
@@ -275,10 +287,21 @@ class Calls:
                 info.ckey,
                 "" if schedule_at is None else schedule_at,
                 self.wake_suffix,
+                handoff[0] if handoff and release else "",
+                time.time() + handoff[1] if handoff and release else "",
+                rq_now() if handoff and release else "",
                 *flat,
             ],
             client=pipeline,
         )
+
+    @staticmethod
+    def handed_off(reply: Any) -> Claimed | None:
+        """The call a TRANSITION with ``handoff`` leased to the worker, if any."""
+        if isinstance(reply, Exception) or len(reply) < 5:
+            return None
+        cid, data, attempt = reply[2], reply[3], reply[4]
+        return Claimed(cid.decode() if isinstance(cid, bytes) else str(cid), data or b"", int(attempt or 1))
 
     # -- workers ---------------------------------------------------------------------------------
 

@@ -69,12 +69,36 @@ end
 #       5 allowed sources ('' = any non-terminal, '*' = anything), 6 new state ('' = no change),
 #       7 rq status, 8 lease ('' keep, '-' drop, else new deadline), 9 requeue: queue key or '',
 #       10 waiting score for a requeue, 11 channel, 12 release the slot ('1'/''), 13 concurrency key,
-#       14 due time to schedule a retry at ('' = none), 15 wake channel suffix, 16.. field/value pairs
+#       14 due time to schedule a retry at ('' = none), 15 wake channel suffix, 16 hand-off worker ('' =
+#       none), 17 its lease deadline, 18 started_at (RQ time format), 19.. field/value pairs
 # Returns {seq, state before}; seq < 0: -1 no such call, -2 attempt fence, -3 wrong source state.
+# With a hand-off worker, the slot released here goes to the oldest waiting call of the same queue,
+# leased to that worker as CLAIM would, and the reply gains {call_id, data, attempt}: no queue push,
+# no wake-up, no claim round trip between one call ending and the next one starting.
 TRANSITION = (
     _WITH_SEQ
     + _SLOTS
     + r"""
+local function hand_off(slots, waiting, limits, ckey, qkey)
+  local limit = limit_of(limits, ckey)
+  while limit < 0 or redis.call('ZCARD', slots) < limit do
+    local top = redis.call('ZRANGE', waiting, 0, 0)
+    if #top == 0 then return nil end
+    local id = top[1]
+    local hk = 'rq:job:' .. id
+    local f = redis.call('HMGET', hk, 'h_state', 'h_queue', 'data', 'h_attempt')
+    if f[1] == 'pending' and f[2] then
+      if f[2] ~= qkey then return nil end  -- a queue this worker may not serve: promote() pushes it
+      redis.call('ZREM', waiting, id)
+      redis.call('ZADD', slots, ARGV[17], id)
+      redis.call('HSET', hk, 'h_worker', ARGV[16], 'worker_name', ARGV[16], 'started_at', ARGV[18])
+      redis.call('ZADD', KEYS[3], ARGV[17], id)
+      return {id, f[3], f[4]}
+    end
+    redis.call('ZREM', waiting, id)  -- no longer pending: dropped, as promote() does
+  end
+  return nil
+end
 local st = redis.call('HGET', KEYS[1], 'h_state')
 if not st then return {-1, ''} end
 if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'h_attempt') ~= ARGV[4] then return {-2, st} end
@@ -87,7 +111,8 @@ local seq = redis.call('HINCRBY', KEYS[1], 'h_seq', 1)
 if ARGV[6] ~= '' then
   redis.call('HSET', KEYS[1], 'h_state', ARGV[6], 'status', ARGV[7])
 end
-for i = 16, #ARGV, 2 do
+local qkey = ARGV[16] ~= '' and redis.call('HGET', KEYS[1], 'h_queue')
+for i = 19, #ARGV, 2 do
   redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
 end
 if ARGV[8] == '-' then
@@ -95,9 +120,11 @@ if ARGV[8] == '-' then
 elseif ARGV[8] ~= '' then
   redis.call('ZADD', KEYS[3], ARGV[8], ARGV[1])
 end
+local handed = nil
 if ARGV[12] == '1' then
   redis.call('ZREM', KEYS[4], ARGV[1])
   if redis.call('ZREM', KEYS[5], ARGV[1]) == 1 then
+    if qkey then handed = hand_off(KEYS[5], KEYS[4], KEYS[6], ARGV[13], qkey) end
     promote(KEYS[5], KEYS[4], KEYS[6], ARGV[13], ARGV[15])
   end
 end
@@ -115,6 +142,7 @@ if ARGV[3] ~= '' then
   redis.call('EXPIRE', KEYS[2], ARGV[3])
 end
 redis.call('PUBLISH', ARGV[11], ev)
+if handed then return {seq, st, handed[1], handed[2], handed[3]} end
 return {seq, st}
 """
 )

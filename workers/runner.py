@@ -59,6 +59,8 @@ class CallRunner:
 
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
+        # Set by a worker process: ``reserve(ckey)`` -> (worker, lease) or None, ``received(reply, ckey)``.
+        self.handoff: Any = None
 
     # -- transitions -----------------------------------------------------------------------------
 
@@ -211,6 +213,8 @@ class CallRunner:
         record = self._audit_record(run, target, result, error, duration)
         calls, audit, current = self.core.calls, self.core.audit, run.state
         run.state = target
+        ckey = run.info.ckey
+        handoff = self.handoff.reserve(ckey) if self.handoff is not None else None
 
         def write(pipe: Any) -> None:
             # The audit record rides in the same pipeline as the terminal transition.
@@ -223,10 +227,18 @@ class CallRunner:
                 pipeline=pipe,
                 fields=fields,
                 ttl=self.core.settings.result_ttl,
+                handoff=handoff,
             )
             audit.append(record, pipeline=pipe)
 
-        self.core.outbox.put(write, lambda reply: self._check(run, target, reply))
+        def written(reply: Any) -> None:
+            try:
+                self._check(run, target, reply)
+            finally:
+                if handoff is not None:
+                    self.handoff.received(reply, ckey)
+
+        self.core.outbox.put(write, written)
         self.core.finished(run, target, error, duration)
 
     def _audit_record(

@@ -35,6 +35,8 @@ log = structlog.get_logger("hermes.worker")
 CLAIM_BATCH = 64
 # Submissions publish a wake-up; polling is only the fallback for a lost message.
 IDLE_POLL_MAX = 0.5
+# After an ending call found nobody waiting for its slot, how long its key's calls end without a hand-off.
+HANDOFF_RETRY = 0.05
 
 
 def worker_name() -> str:
@@ -66,6 +68,10 @@ class Worker:
         self.stopping = threading.Event()
         self._slots = threading.Semaphore(self.concurrency)
         self._wake = threading.Event()
+        # A call thread ending keeps its token for the call its slot is handed to (see ``reserve``).
+        self._local = threading.local()
+        self._no_waiters: dict[str, float] = {}  # ckey -> until when a hand-off is not tried
+        self.runner.handoff = self
         self.rq = RQWorker(
             [Queue(q, connection=conn, serializer=MsgpackSerializer) for q in queues],
             connection=conn,
@@ -147,13 +153,45 @@ class Worker:
                 self.pool.submit(self._run_one, c)
 
     def _run_one(self, claimed: Any) -> None:
+        local = self._local
+        local.in_call, local.keep = True, False
         try:
             self.runner.run(claimed)
         finally:
+            local.in_call = False
+            if not local.keep:
+                self._slots.release()
+
+    # -- hand-off: the slot a call frees goes straight to the next waiting call, on this worker ----
+
+    def reserve(self, ckey: str) -> tuple[str, float] | None:
+        """On a call's thread as it ends: keep its thread for the call its slot is handed to."""
+        local = self._local
+        if self.stopping.is_set() or not getattr(local, "in_call", False) or local.keep:
+            return None
+        # Holding the thread until the write is flushed only pays when calls wait for this key's slots;
+        # after a miss, ask again only now and then (a waiting call is still promoted onto the queue).
+        if time.monotonic() < self._no_waiters.get(ckey, 0.0):
+            return None
+        local.keep = True
+        return self.name, self.lease
+
+    def received(self, reply: Any, ckey: str) -> None:
+        """The reply of an ending transition that reserved: run the call handed to us, else free the thread."""
+        claimed = self.core.calls.handed_off(reply)
+        if claimed is None:
+            self._no_waiters[ckey] = time.monotonic() + HANDOFF_RETRY
+            self._slots.release()
+            return
+        self._no_waiters.pop(ckey, None)
+        try:
+            self.pool.submit(self._run_one, claimed)
+        except RuntimeError:  # pool shut down: the call stays leased and the reaper settles it
             self._slots.release()
 
     def _shutdown(self) -> None:
         deadline = time.monotonic() + self.grace
+        self.core.outbox.flush(self.grace)  # calls handed to us in flight are submitted before the drain
         with self.core.idle:
             while self.core.inflight_count() and time.monotonic() < deadline:
                 self.core.idle.wait(0.1)
