@@ -110,3 +110,16 @@ def test_close_sends_what_is_queued(server: Any) -> None:
     box.close(5)
     assert fakeredis.FakeRedis(server=server).llen("l") == 50
     assert not box._thread.is_alive()
+
+
+def test_a_script_the_server_lost_is_reloaded_and_its_commands_rerun_in_order(outbox: Outbox, server: Any) -> None:
+    r = fakeredis.FakeRedis(server=server)
+    push = r.register_script("return redis.call('RPUSH', KEYS[1], ARGV[1])")
+    assert outbox.call(lambda pipe: push(keys=["l"], args=["a"], client=pipe), 5) == 1
+    r.script_flush()  # a restarted or flushed server: the next pipeline skips the SCRIPT EXISTS check
+    replies: list[Any] = []
+    for v in ("b", "c"):
+        outbox.put(lambda pipe, v=v: push(keys=["l"], args=[v], client=pipe), replies.append)
+    assert outbox.flush(5)
+    assert replies == [2, 3]
+    assert r.lrange("l", 0, -1) == [b"a", b"b", b"c"]
