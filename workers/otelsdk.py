@@ -4,7 +4,7 @@ Tracing is off unless asked for. Off means no SDK provider: the API hands out no
 hot paths skip even those (``tracer()`` returns None). Asked for means, first match wins:
 
 - ``OTEL_SDK_DISABLED=true`` or ``HERMES_TRACE=off``: off;
-- ``HERMES_TRACE=console | otlp | memory`` (``memory`` keeps spans in-process: benchmarks);
+- ``HERMES_TRACE=console | otlp | memory`` (``memory`` keeps the latest spans in-process: benchmarks);
 - ``OTEL_TRACES_EXPORTER=otlp | console | none``;
 - an OTLP endpoint in ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``: otlp.
 
@@ -44,6 +44,7 @@ _meter_cache: tuple[Any, Any, bool] | None = None
 _memory_exporter: Any = None
 _installed: list[tuple[Any, Any]] = []  # (provider, exporter) pairs setup() made, for shutdown()
 EXIT_FLUSH_MS = 1000
+MEMORY_KEEP = 2048  # spans HERMES_TRACE=memory keeps: a worker's heap (and GC passes) must not grow per call
 
 
 def trace_mode(environ: Mapping[str, str] | None = None) -> str:
@@ -166,9 +167,7 @@ def _span_exporter(mode: str) -> Any:
 
         return ConsoleSpanExporter()
     if mode == "memory":
-        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-        return InMemorySpanExporter()
+        return _recent_spans_exporter(MEMORY_KEEP)
     if _protocol("TRACES") == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 
@@ -176,6 +175,33 @@ def _span_exporter(mode: str) -> Any:
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     return OTLPSpanExporter()
+
+
+def _recent_spans_exporter(keep: int) -> Any:
+    """An exporter that keeps the latest ``keep`` spans, like a real one that lets spans go once sent.
+
+    The SDK's in-memory exporter keeps every span: in a long run the heap grows per call, and
+    the interpreter's full GC passes over it get longer, which a benchmark would book on tracing.
+    """
+    from collections import deque
+
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    class RecentSpans(SpanExporter):
+        def __init__(self) -> None:
+            self._spans: deque[Any] = deque(maxlen=keep)
+
+        def export(self, spans: Any) -> SpanExportResult:
+            self._spans.extend(spans)  # deque appends are thread-safe
+            return SpanExportResult.SUCCESS
+
+        def get_finished_spans(self) -> tuple[Any, ...]:
+            return tuple(self._spans)
+
+        def clear(self) -> None:
+            self._spans.clear()
+
+    return RecentSpans()
 
 
 def _metric_exporter(mode: str) -> Any:
@@ -210,7 +236,7 @@ def flush(timeout_ms: int = EXIT_FLUSH_MS) -> None:
 
 
 def memory_spans() -> list[Any]:
-    """Spans kept by ``HERMES_TRACE=memory`` in this process."""
+    """The latest spans (up to ``MEMORY_KEEP``) kept by ``HERMES_TRACE=memory`` in this process."""
     return list(_memory_exporter.get_finished_spans()) if _memory_exporter is not None else []
 
 
