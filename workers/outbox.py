@@ -14,7 +14,8 @@ from typing import Any
 import redis
 import structlog
 from redis.client import Pipeline
-from redis.exceptions import NoScriptError
+
+from broker import pipes
 
 log = structlog.get_logger("hermes.worker.outbox")
 
@@ -32,7 +33,6 @@ class Outbox:
         self._cond = threading.Condition()
         self._closed = False
         self._busy = False
-        self._loaded: set[str] = set()  # script digests the server is known to hold
         self._thread = threading.Thread(target=self._run, name="hermes-outbox", daemon=True)
         self._thread.start()
 
@@ -109,34 +109,11 @@ class Outbox:
             for writer, _ in batch:
                 starts.append(len(pipe.command_stack))
                 writer(pipe)
-            stack, scripts = list(pipe.command_stack), list(pipe.scripts)
-            # redis-py checks SCRIPT EXISTS before every pipeline with scripts: one more round trip per
-            # flush, paid by every call's latency. A script the server lost is reloaded on NOSCRIPT instead.
-            if all(s.sha in self._loaded for s in scripts):
-                pipe.scripts = set()
             try:
-                replies = pipe.execute(raise_on_error=False)
+                replies = pipes.execute(pipe)
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 log.warning("outbox flush failed, retrying", error=str(e), attempt=attempt + 1)
                 threading.Event().wait(min(0.1 * 2**attempt, 2.0))
                 continue
-            self._loaded.update(s.sha for s in scripts)
-            if any(isinstance(r, NoScriptError) for r in replies):
-                replies = self._rerun_unloaded(stack, scripts, replies)
             return [replies[i] if i < len(replies) else None for i in starts]
         return [redis.ConnectionError("broker unreachable")] * len(batch)
-
-    def _rerun_unloaded(self, stack: list[Any], scripts: list[Any], replies: list[Any]) -> list[Any]:
-        """Load the scripts again and rerun, in order, the commands the server refused with NOSCRIPT."""
-        self._loaded.clear()
-        for s in scripts:
-            s.sha = self.conn.script_load(s.script)
-        pipe = self.conn.pipeline(transaction=False)
-        failed = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
-        for i in failed:
-            args, options = stack[i]
-            pipe.execute_command(*args, **options)
-        for i, reply in zip(failed, pipe.execute(raise_on_error=False), strict=True):
-            replies[i] = reply
-        self._loaded.update(s.sha for s in scripts)
-        return replies

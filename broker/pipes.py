@@ -1,0 +1,89 @@
+"""Send a redis-py pipeline with less overhead than ``Pipeline.execute``.
+
+The hot paths (a worker's outbox flush, a client's submission) send pipelines of script calls, many per
+second. redis-py's ``execute`` asks the server ``SCRIPT EXISTS`` before every pipeline that holds scripts
+(one more round trip) and packs each command in Python. ``execute`` here packs with hiredis when it is
+installed, sends everything in one write, assumes the scripts are loaded, and — only when the server
+answers NOSCRIPT (a restart or ``SCRIPT FLUSH``) — loads them and reruns the refused commands in order.
+
+Replies come back as ``Pipeline.execute(raise_on_error=False)`` gives them: parsed by the client's
+response callbacks, a ``ResponseError`` instance in place of a command that failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from redis.client import EMPTY_RESPONSE, NEVER_DECODE, Pipeline
+from redis.exceptions import NoScriptError, ResponseError
+
+_hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
+try:
+    from hiredis import pack_command as _hiredis_pack
+except ImportError:  # pragma: no cover - hiredis is an install dependency; redis-py packs without it
+    _hiredis_pack = None
+
+Command = tuple[tuple[Any, ...], dict[str, Any]]
+_DROP = (NEVER_DECODE, EMPTY_RESPONSE, "keys")
+
+
+def execute(pipe: Pipeline) -> list[Any]:
+    """Send ``pipe``'s queued commands in one round trip and return their replies; the pipe is reset."""
+    stack: list[Command] = list(pipe.command_stack)
+    scripts = list(pipe.scripts)
+    client = pipe  # the pipeline carries the client's response callbacks
+    pool = pipe.connection_pool
+    pipe.reset()
+    if not stack:
+        return []
+    conn = pool.get_connection()
+    try:
+        replies = _round_trip(conn, client, stack)
+        refused = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+        if refused:
+            for s in scripts:
+                loaded = _round_trip(conn, client, [(("SCRIPT", "LOAD", s.script), {})])[0]
+                if isinstance(loaded, Exception):
+                    raise loaded
+                s.sha = loaded if isinstance(loaded, str) else loaded.decode()
+            again = _round_trip(conn, client, [stack[i] for i in refused])
+            for i, reply in zip(refused, again, strict=True):
+                replies[i] = reply
+        return replies
+    except BaseException:
+        conn.disconnect()  # replies may be left unread on the socket: never hand it out again as is
+        raise
+    finally:
+        pool.release(conn)
+
+
+def _round_trip(conn: Any, client: Pipeline, stack: Sequence[Command]) -> list[Any]:
+    def send_and_read() -> list[Any]:
+        conn.send_packed_command([b"".join(_pack(conn, args) for args, _ in stack)])
+        return [_read(conn, client.response_callbacks, args[0], options) for args, options in stack]
+
+    disconnect: Callable[[Exception], None] = lambda _e: conn.disconnect()  # noqa: E731
+    return conn.retry.call_with_retry(send_and_read, disconnect)
+
+
+def _pack(conn: Any, args: tuple[Any, ...]) -> bytes:
+    name = args[0]
+    # redis-py splits a multi-word command name ("SCRIPT LOAD"); hiredis would send it as one word.
+    if _hiredis_pack is not None and isinstance(name, str) and " " not in name:
+        try:
+            return _hiredis_pack(args)
+        except TypeError:
+            pass
+    return b"".join(conn.pack_command(*args))
+
+
+def _read(conn: Any, callbacks: dict[Any, Any], name: Any, options: dict[str, Any]) -> Any:
+    try:
+        reply = conn.read_response(disable_decoding=NEVER_DECODE in options)
+    except ResponseError as e:
+        return options[EMPTY_RESPONSE] if EMPTY_RESPONSE in options else e
+    callback = callbacks.get(name)
+    if callback is None:
+        return reply
+    return callback(reply, **{k: v for k, v in options.items() if k not in _DROP})

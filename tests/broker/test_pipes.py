@@ -1,0 +1,98 @@
+"""broker.pipes: one round trip, the same replies as redis-py's Pipeline.execute, NOSCRIPT recovery."""
+
+from __future__ import annotations
+
+import redis
+from redis.exceptions import ResponseError
+
+from broker import pipes
+
+
+def _queue(pipe: redis.client.Pipeline) -> None:
+    pipe.set("k", "v")
+    pipe.get("k")
+    pipe.incr("n")
+    pipe.hset("h", mapping={"a": "1", "b": "2"})
+    pipe.hgetall("h")
+    pipe.zadd("z", {"m": 1.5})
+    pipe.zrange("z", 0, -1, withscores=True)
+    pipe.exists("k", "missing")
+    pipe.lpush("k", "x")  # WRONGTYPE: a ResponseError in its place, the rest still runs
+    pipe.config_get("maxmemory")  # a two-word command name
+    pipe.delete("n")
+
+
+def test_replies_match_redis_py(conn: redis.Redis) -> None:
+    expected_pipe = conn.pipeline(transaction=False)
+    _queue(expected_pipe)
+    expected = expected_pipe.execute(raise_on_error=False)
+    conn.delete("k", "n", "h", "z")
+
+    pipe = conn.pipeline(transaction=False)
+    _queue(pipe)
+    got = pipes.execute(pipe)
+
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        if isinstance(e, ResponseError):
+            assert isinstance(g, ResponseError) and "WRONGTYPE" in str(g)
+        else:
+            assert g == e
+    assert got[1] == b"v" and got[4] == {b"a": b"1", b"b": b"2"} and got[6] == [(b"m", 1.5)]
+    assert pipe.command_stack == [], "the pipe is reset and can be reused"
+
+
+def test_decoding_client(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    pipe = client.pipeline(transaction=False)
+    pipe.set("s", "é")
+    pipe.get("s")
+    assert pipes.execute(pipe) == [True, "é"]
+
+
+def test_empty_pipeline_sends_nothing(conn: redis.Redis) -> None:
+    assert pipes.execute(conn.pipeline(transaction=False)) == []
+
+
+def test_script_lost_by_the_server_is_loaded_and_only_refused_commands_rerun(conn: redis.Redis) -> None:
+    incr_by = conn.register_script("return redis.call('INCRBY', KEYS[1], ARGV[1])")
+    pipe = conn.pipeline(transaction=False)
+    incr_by(keys=["c"], args=[1], client=pipe)
+    assert pipes.execute(pipe) == [1]
+
+    conn.script_flush()  # a restarted or flushed server
+    pipe = conn.pipeline(transaction=False)
+    pipe.incr("plain")  # not a script: must run exactly once
+    incr_by(keys=["c"], args=[10], client=pipe)
+    pipe.get("c")  # runs before the rerun: still sees the old value
+    incr_by(keys=["c"], args=[100], client=pipe)
+    replies = pipes.execute(pipe)
+
+    assert replies[0] == 1 and conn.get("plain") == b"1"
+    assert replies[1] == 11 and replies[3] == 111, "refused commands rerun in their order"
+    assert replies[2] == b"1"
+    assert conn.script_exists(incr_by.sha) == [True]
+
+
+def test_connection_dropped_between_pipelines_is_reopened(conn: redis.Redis, redis_url: str) -> None:
+    pipe = conn.pipeline(transaction=False)
+    pipe.client_id()
+    (first_id,) = pipes.execute(pipe)
+    killer = redis.Redis.from_url(redis_url)
+    assert killer.client_kill_filter(_id=first_id) == 1
+    killer.close()
+    pipe = conn.pipeline(transaction=False)
+    pipe.set("after", "1")
+    pipe.client_id()
+    ok, second_id = pipes.execute(pipe)
+    assert ok is True and second_id != first_id
+    assert conn.get("after") == b"1"
+
+
+def test_connection_goes_back_to_the_pool(conn: redis.Redis) -> None:
+    pool = conn.connection_pool
+    for _ in range(20):
+        pipe = conn.pipeline(transaction=False)
+        pipe.ping()
+        assert pipes.execute(pipe) == [True]
+    assert len(pool._in_use_connections) == 0
