@@ -12,7 +12,7 @@ import redis
 import structlog
 
 from broker import events as ev_mod
-from broker import keys
+from broker import keys, pipes
 from broker.calls import Calls
 from broker.codec import text, unpack
 from broker.config import Settings, load_settings
@@ -26,6 +26,8 @@ from hermes_gateway.handle import CallHandle, cancel_call
 from hermes_gateway.telemetry import Sending
 
 log = structlog.get_logger("hermes.client")
+
+SUBMIT_CHUNK = 100  # calls per pipelined round trip in submit_many
 
 
 def current_traceparent() -> tuple[str | None, str | None]:
@@ -187,7 +189,9 @@ class Gateway:
             pipe = self.conn.pipeline(transaction=False)
             self.calls.submit(env, pipeline=pipe, **limits)
             pipe.publish(keys.channel(self.conn, keys.wake(env.queue)), b"")
-            reply = pipe.execute()[0]
+            reply = pipes.execute(pipe)[0]
+            if isinstance(reply, Exception):
+                raise reply
             accepted, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"])
         except BaseException:
             self._untrack(env.call_id)
@@ -198,38 +202,61 @@ class Gateway:
         return handle
 
     def map(self, name: str, items: Iterable[dict[str, Any]], **common: Any) -> Batch:
-        """Submit many calls of one tool in one pipelined round trip; refused items raise on ``result()``."""
+        """Submit many calls of one tool, pipelined; refused items raise on ``result()``."""
         return self.submit_many(((name, args) for args in items), **common)
 
     def submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> Batch:
-        """Submit (tool, args) pairs in one pipeline; each gets a handle, refused ones carry their error."""
+        """Submit (tool, args) pairs; each gets a handle, refused ones carry their error.
+
+        Every item is built and validated first (an unknown tool or bad argument raises before anything
+        is sent); then the calls go out in pipelines of ``SUBMIT_CHUNK``, each waking the workers, so
+        workers start on the first calls while the rest are still being sent. A broker failure on the
+        first pipeline raises; a later one refuses the items not yet accepted.
+        """
         names = ("timeout", "max_attempts", "traceparent", "tracestate", "queue")
         opts: dict[str, Any] = {k: common.pop(k) for k in names if k in common}
         send = Sending(opts.get("traceparent"), opts.get("tracestate"))  # one producer span for the batch
         opts["trace_headers"] = send.headers
         prepared = []
-        for name, args in calls:
-            env, spec = self._envelope(name, args, opts, common)
-            prepared.append((env, self._limits(env, spec), self._track(CallHandle(self, env.call_id, name))))
-        pipe = self.conn.pipeline(transaction=False)
-        for env, limits, _ in prepared:
-            self.calls.submit(env, pipeline=pipe, **limits)
-        for queue in {env.queue for env, _, _ in prepared}:
-            pipe.publish(keys.channel(self.conn, keys.wake(queue)), b"")
+        try:
+            for name, args in calls:
+                env, spec = self._envelope(name, args, opts, common)
+                prepared.append((env, self._limits(env, spec), self._track(CallHandle(self, env.call_id, name))))
+        except BaseException:
+            for env, _, _ in prepared:
+                self._untrack(env.call_id)
+            raise
+        handles = Batch()
         with send:
             send.describe(prepared[0][0] if prepared else None, len(prepared))
-            replies = pipe.execute(raise_on_error=False)[: len(prepared)]
-        handles = Batch()
-        for (env, limits, handle), reply in zip(prepared, replies, strict=True):
-            try:
-                if isinstance(reply, Exception):
-                    raise HermesError(f"submission failed: {reply}")
-                Calls.check_submit(reply, limits["ckey"], limits["queue_size"])
-            except (QueueFull, HermesError) as e:
-                self._untrack(env.call_id)
-                handle._refuse(e)
-            handles.append(handle)
+            for start in range(0, len(prepared), SUBMIT_CHUNK):
+                chunk = prepared[start : start + SUBMIT_CHUNK]
+                try:
+                    replies: list[Any] = self._send_chunk(chunk)
+                except redis.RedisError as e:
+                    if start == 0:
+                        for env, _, _ in prepared:
+                            self._untrack(env.call_id)
+                        raise
+                    replies = [e] * len(chunk)
+                for (env, limits, handle), reply in zip(chunk, replies, strict=True):
+                    try:
+                        if isinstance(reply, Exception):
+                            raise HermesError(f"submission failed: {reply}")
+                        Calls.check_submit(reply, limits["ckey"], limits["queue_size"])
+                    except (QueueFull, HermesError) as e:
+                        self._untrack(env.call_id)
+                        handle._refuse(e)
+                    handles.append(handle)
         return handles
+
+    def _send_chunk(self, chunk: list[tuple[Envelope, dict[str, Any], CallHandle]]) -> list[Any]:
+        pipe = self.conn.pipeline(transaction=False)
+        for env, limits, _ in chunk:
+            self.calls.submit(env, pipeline=pipe, **limits)
+        for queue in dict.fromkeys(env.queue for env, _, _ in chunk):
+            pipe.publish(keys.channel(self.conn, keys.wake(queue)), b"")
+        return pipes.execute(pipe)[: len(chunk)]
 
     def cancel(self, call_id: str) -> bool:
         return cancel_call(self, call_id)

@@ -94,6 +94,58 @@ def test_map_submits_in_one_go_and_refused_items_raise_on_result(gw: Gateway, co
     assert conn.llen(keys.queue("tools")) == 1
 
 
+def test_a_batch_larger_than_one_pipeline_keeps_order_and_refuses_exactly_the_overflow(
+    gw: Gateway, home: Any, conn: Any
+) -> None:
+    from hermes_gateway.client import SUBMIT_CHUNK
+
+    home.echo_tool("wide", queue_size=SUBMIT_CHUNK + 30, concurrency=1)
+    gw.sync_tools()
+    n = 2 * SUBMIT_CHUNK + 7  # three pipelines
+    handles = gw.map("wide", [{"i": i} for i in range(n)])
+    states = [h.state for h in handles]
+    accepted = 1 + SUBMIT_CHUNK + 30  # one holds the slot, the rest wait
+    assert states == ["pending"] * accepted + ["refused"] * (n - accepted)
+    assert len({h.call_id for h in handles}) == n
+    assert all(isinstance(h.refused, QueueFull) for h in handles[accepted:])
+    assert len(gw._handles) == accepted  # refused items are not left tracked
+
+
+def test_a_broker_failure_mid_batch_refuses_only_the_items_not_yet_sent(
+    gw: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import redis
+
+    from hermes_gateway.client import SUBMIT_CHUNK
+
+    real = gw._send_chunk
+    sent: list[int] = []
+
+    def flaky(chunk: Any) -> list[Any]:
+        sent.append(len(chunk))
+        if len(sent) == 2:
+            raise redis.ConnectionError("broker went away")
+        return real(chunk)
+
+    monkeypatch.setattr(gw, "_send_chunk", flaky)
+    handles = gw.map("echo", [{"i": i} for i in range(2 * SUBMIT_CHUNK + 1)])
+    assert sent == [SUBMIT_CHUNK, SUBMIT_CHUNK, 1]
+    states = [h.state for h in handles]
+    assert states == ["pending"] * SUBMIT_CHUNK + ["refused"] * SUBMIT_CHUNK + ["pending"]
+    assert "broker went away" in str(handles[SUBMIT_CHUNK].refused)
+    with pytest.raises(redis.ConnectionError):  # on the first pipeline nothing was accepted: it raises
+        monkeypatch.setattr(gw, "_send_chunk", lambda chunk: (_ for _ in ()).throw(redis.ConnectionError("x")))
+        gw.map("echo", [{"i": 0}])
+    assert len(gw._handles) == SUBMIT_CHUNK + 1
+
+
+def test_a_bad_item_refuses_the_whole_batch_before_anything_is_sent(gw: Gateway, conn: Any) -> None:
+    with pytest.raises(UnknownTool):
+        gw.submit_many([("echo", {"i": 1})] * 150 + [("no_such_tool", {})])
+    assert conn.llen(keys.queue("tools")) == 0
+    assert gw._handles == {}
+
+
 def test_an_idempotency_key_gives_back_the_existing_call(gw: Gateway, conn: Any) -> None:
     a = gw.call_tool("echo", {"n": 1}, idempotency_key="charge-7")
     b = gw.call_tool("echo", {"n": 2}, idempotency_key="charge-7")
