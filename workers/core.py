@@ -65,6 +65,7 @@ class WorkerCore:
         self.outbox = Outbox(conn)
         self.directory = Directory(conn)
         self._inflight: dict[str, Running] = {}
+        self._held: dict[str, int] = {}  # calls in flight here per concurrency key
         self._lock = threading.Lock()
         self._cancelled: set[str] = set()
         self.processed = 0
@@ -98,10 +99,18 @@ class WorkerCore:
     def track(self, run: Running) -> None:
         with self._lock:
             self._inflight[run.info.call_id] = run
+            ckey = run.info.ckey
+            self._held[ckey] = self._held.get(ckey, 0) + 1
 
     def untrack(self, run: Running) -> None:
         with self._lock:
-            self._inflight.pop(run.info.call_id, None)
+            if self._inflight.pop(run.info.call_id, None) is not None:
+                ckey = run.info.ckey
+                left = self._held.get(ckey, 1) - 1
+                if left > 0:
+                    self._held[ckey] = left
+                else:
+                    self._held.pop(ckey, None)
             self._cancelled.discard(run.info.call_id)
             self.idle.notify_all()
         if run.claimed_at and not run.outcome:  # retrying, handed back or taken over: finished() never ran
@@ -113,6 +122,10 @@ class WorkerCore:
             run.trace.end(state)
             duration = time.monotonic() - run.started
             metrics.call_ended(run.info.ckey, run.info.kind, run.info.name, state, None, duration)
+
+    def held(self, ckey: str) -> int:
+        """Calls of concurrency key ``ckey`` in flight in this process (each holds one of its slots)."""
+        return self._held.get(ckey, 0)
 
     def inflight_by_key(self) -> dict[str, int]:
         """Calls running in this process per concurrency key."""

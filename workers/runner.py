@@ -59,7 +59,7 @@ class CallRunner:
 
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
-        # Set by a worker process: ``reserve(ckey)`` -> (worker, lease) or None, ``received(reply, ckey)``.
+        # Set by a worker process: ``reserve(ckey, queue)`` -> (worker, lease) or None, ``received(reply, ckey)``.
         self.handoff: Any = None
 
     # -- transitions -----------------------------------------------------------------------------
@@ -214,7 +214,7 @@ class CallRunner:
         calls, audit, current = self.core.calls, self.core.audit, run.state
         run.state = target
         ckey = run.info.ckey
-        handoff = self.handoff.reserve(ckey) if self.handoff is not None else None
+        handoff = self.handoff.reserve(ckey, run.info.queue) if self.handoff is not None else None
 
         def write(pipe: Any) -> None:
             # The audit record rides in the same pipeline as the terminal transition.

@@ -7,6 +7,7 @@ period, handing back what is left.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -22,7 +23,7 @@ from rq import Queue
 from rq import Worker as RQWorker
 
 from broker import keys
-from broker.codec import MsgpackSerializer, pack, unpack
+from broker.codec import MsgpackSerializer, pack, text, unpack
 from broker.config import Settings
 from broker.states import State
 from workers import reaper
@@ -37,6 +38,7 @@ CLAIM_BATCH = 64
 IDLE_POLL_MAX = 0.5
 # After an ending call found nobody waiting for its slot, how long its key's calls end without a hand-off.
 HANDOFF_RETRY = 0.05
+FAIR_SHARE_TTL = 2.0  # seconds a worker trusts its count of the live workers sharing a key's slots
 
 
 def worker_name() -> str:
@@ -71,6 +73,7 @@ class Worker:
         # A call thread ending keeps its token for the call its slot is handed to (see ``reserve``).
         self._local = threading.local()
         self._no_waiters: dict[str, float] = {}  # ckey -> until when a hand-off is not tried
+        self._shares: dict[tuple[str, str], tuple[float, float]] = {}  # (ckey, queue) -> (until, fair share)
         self.runner.handoff = self
         self.rq = RQWorker(
             [Queue(q, connection=conn, serializer=MsgpackSerializer) for q in queues],
@@ -164,17 +167,47 @@ class Worker:
 
     # -- hand-off: the slot a call frees goes straight to the next waiting call, on this worker ----
 
-    def reserve(self, ckey: str) -> tuple[str, float] | None:
-        """On a call's thread as it ends: keep its thread for the call its slot is handed to."""
+    def reserve(self, ckey: str, queue: str) -> tuple[str, float] | None:
+        """On a call's thread as it ends: keep its thread for the call its slot is handed to.
+
+        Declined while this process holds more than its fair share of the key's slots (the limit over
+        the live workers of the queue): the slot then goes to the waiting call through the queue, where
+        a less busy worker takes it. Without that, whichever worker was first at the start would keep
+        every slot for good, its threads contending for one GIL while the other processes idle.
+        """
         local = self._local
         if self.stopping.is_set() or not getattr(local, "in_call", False) or local.keep:
             return None
         # Holding the thread until the write is flushed only pays when calls wait for this key's slots;
         # after a miss, ask again only now and then (a waiting call is still promoted onto the queue).
-        if time.monotonic() < self._no_waiters.get(ckey, 0.0):
+        now = time.monotonic()
+        if now < self._no_waiters.get(ckey, 0.0):
+            return None
+        if self.core.held(ckey) > self._fair_share(ckey, queue, now):
             return None
         local.keep = True
         return self.name, self.lease
+
+    def _fair_share(self, ckey: str, queue: str, now: float) -> float:
+        """``ceil(limit / live workers on queue)`` for ``ckey``, refreshed every FAIR_SHARE_TTL seconds."""
+        cached = self._shares.get((ckey, queue))
+        if cached is not None and now < cached[0]:
+            return cached[1]
+        share = math.inf
+        try:
+            limit = int(text(self.conn.hget(keys.LIMITS, ckey)) or -1)
+            if limit > 0:
+                horizon = time.time() - max(15.0, self.lease)
+                names = self.conn.zrangebyscore(keys.WORKERS, horizon, "+inf")
+                pipe = self.conn.pipeline(transaction=False)
+                for n in names:
+                    pipe.hget(keys.worker(text(n)), "queues")
+                peers = sum(1 for q in pipe.execute() if queue in text(q).split(","))
+                share = math.ceil(limit / max(1, peers))
+        except redis.RedisError:
+            pass  # keep handing off: the figure is only for balance
+        self._shares[(ckey, queue)] = (now + FAIR_SHARE_TTL, share)
+        return share
 
     def received(self, reply: Any, ckey: str) -> None:
         """The reply of an ending transition that reserved: run the call handed to us, else free the thread."""

@@ -97,6 +97,27 @@ def test_the_limit_holds_across_workers_for_calls_submitted_by_several_processes
     assert conn.zcard(keys.slots("tool:slow")) == 0 and conn.zcard(keys.waiting("tool:slow")) == 0
 
 
+def test_the_slots_of_a_busy_key_are_shared_by_the_workers_not_kept_by_the_first(
+    gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any
+) -> None:
+    # Every ending call hands its slot to the next waiting call on its own worker; whichever worker
+    # claimed first at the start would keep all 10 slots for the whole batch without the fair share.
+    home.sleep_tool("busy", concurrency=10, queue_size=500)
+    gateway.sync_tools()
+    workers(2, concurrency=16)
+    batch = gateway.map("busy", [{"seconds": 0.03}] * 200)
+    ids = [h.call_id for h in batch.accepted]
+    assert len(ids) == 200
+    wait_until(lambda: all_terminal(conn, ids), 60, message="200 calls done")
+    assert set(current(conn, ids).values()) == {"done"}
+    assert _max_overlap(_intervals(conn, ids)) <= 10
+    ran: dict[str, int] = {}
+    for cid in ids:
+        name = field(conn, cid, keys.F_WORKER)
+        ran[name] = ran.get(name, 0) + 1
+    assert len(ran) == 2 and min(ran.values()) >= 60, f"calls per worker: {ran}"
+
+
 def test_slots_held_by_a_killed_worker_come_back_within_the_lease(
     gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any
 ) -> None:

@@ -270,3 +270,40 @@ def test_control_messages_stop_and_cancel_and_ignore_the_rest(fake: Any, setting
         w.core.close()
         w.pool.shutdown()
     assert unpack(control_message("stop")) == {"op": "stop"}
+
+
+def test_a_worker_over_its_fair_share_of_a_keys_slots_declines_the_hand_off(
+    fake: Any, settings: Settings
+) -> None:
+    """limit 10 over two live workers of the queue: a worker holding more than 5 lets the slot go."""
+    w = Worker(fake, settings, ["tools"], concurrency=16, name="w-a")
+    try:
+        fake.hset(keys.LIMITS, "tool:slow", 10)
+        now = time.time()
+        for name, queues in (("w-a", "tools"), ("w-b", "tools,llm"), ("w-c", "llm")):  # w-c: another queue
+            fake.zadd(keys.WORKERS, {name: now})
+            fake.hset(keys.worker(name), "queues", queues)
+        w._local.in_call, w._local.keep = True, False
+
+        def holding(n: int) -> None:
+            w.core._held["tool:slow"] = n
+
+        holding(5)
+        assert w.reserve("tool:slow", "tools") == ("w-a", w.lease)  # at its share: keeps the slot
+        w._local.keep = False
+        holding(6)
+        assert w.reserve("tool:slow", "tools") is None  # over it: the slot goes through the queue
+        assert w._local.keep is False, "a declined hand-off gives the thread back"
+
+        # One worker alone on the queue may hold every slot; the figure is re-read after its TTL.
+        fake.zrem(keys.WORKERS, "w-b")
+        w._shares.clear()
+        holding(10)
+        assert w.reserve("tool:slow", "tools") == ("w-a", w.lease)
+        w._local.keep = False
+        fake.hset(keys.LIMITS, "tool:free", -1)  # no limit: nothing to share
+        w.core._held["tool:free"] = 500
+        assert w.reserve("tool:free", "tools") == ("w-a", w.lease)
+    finally:
+        w.core.close()
+        w.pool.shutdown()
