@@ -37,7 +37,15 @@ def scratch_home(tools: list[dict[str, Any]], config: dict[str, Any] | None = No
 
 
 def start_workers(url: str, home: Path, queue: str, processes: int, concurrency: int, extra_env: dict[str, str] | None = None) -> list[subprocess.Popen[bytes]]:
-    env = dict(os.environ, HERMES_REDIS_URL=url, HERMES_HOME=str(home), HERMES_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT))
+    # Results of a benchmark are not kept for a day: repeated runs would grow the Redis they measure.
+    env = dict(
+        os.environ,
+        HERMES_REDIS_URL=url,
+        HERMES_HOME=str(home),
+        HERMES_LOG_LEVEL="WARNING",
+        HERMES_RESULT_TTL="600",
+        PYTHONPATH=str(ROOT),
+    )
     env.update(extra_env or {})
     return [
         subprocess.Popen(

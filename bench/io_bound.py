@@ -61,8 +61,9 @@ def _executing_intervals(conn: object, ids: list[str]) -> tuple[list[tuple[float
 
 def run_ours(
     url: str, n: int, limit: int, processes: int, seconds: float, rounds: int = 1
-) -> list[tuple[float, int, int, list[int]]]:
-    """Per round: (wall seconds, peak executing from events, peak slots held, calls per worker).
+) -> list[Round]:
+    """Per round: (wall seconds, peak executing from events, peak slots held, calls per worker, mean
+    number of calls executing).
 
     The same worker processes serve every round, as a long-running pool would.
     """
@@ -100,7 +101,10 @@ def run_ours(
         stop(procs)
 
 
-def _round(gw: Any, conn: Any, name: str, n: int, seconds: float) -> tuple[float, int, int, list[int]]:
+Round = tuple[float, int, int, list[int], float]  # secs, executing, slots held, per worker, mean executing
+
+
+def _round(gw: Any, conn: Any, name: str, n: int, seconds: float) -> Round:
     from broker import keys
 
     peak = [0]
@@ -123,7 +127,8 @@ def _round(gw: Any, conn: Any, name: str, n: int, seconds: float) -> tuple[float
     done.set()
     sampler.join()
     intervals, workers = _executing_intervals(conn, [h.call_id for h in handles])
-    return elapsed, _max_overlap(intervals), peak[0], sorted(workers.values(), reverse=True)
+    mean = sum(e - s for s, e in intervals) / elapsed  # calls executing on average over the round
+    return elapsed, _max_overlap(intervals), peak[0], sorted(workers.values(), reverse=True), mean
 
 
 def run_rq(url: str, n: int, processes: int, seconds: float) -> float:
@@ -199,10 +204,10 @@ def main() -> None:
             f"broker: {url}; {n} calls of {args.seconds * 1000:g} ms, limit {limit}, {args.processes} processes"
         )
         results = run_ours(url, n, limit, args.processes, args.seconds, args.rounds)
-        for i, (secs, ex, sl, share) in enumerate(results, 1):
+        for i, (secs, ex, sl, share, mean) in enumerate(results, 1):
             print(
                 f"round {i}: {secs:.3f}s ({n / secs:,.0f} calls/s)  efficiency={ideal / secs:.3f}  "
-                f"max_executing={ex}  max_slots_held={sl}  calls per worker={share}"
+                f"max_executing={ex}  mean_executing={mean:.1f}  max_slots_held={sl}  calls per worker={share}"
             )
         elapsed = statistics.median(r[0] for r in results)
         executing = max(r[1] for r in results)
