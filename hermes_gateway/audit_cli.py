@@ -14,7 +14,8 @@ from typing import Any
 import click
 import yaml
 
-from broker.audit import AuditLog, AuditRecord
+from broker.audit import AuditRecord
+from broker.audit_store import AuditLog
 from broker.config import Settings
 from broker.errors import HermesError
 

@@ -12,7 +12,7 @@ import redis
 import structlog
 
 from broker import keys
-from broker.audit import AuditLog
+from broker.audit_store import AuditLog
 from broker.calls import Calls
 from broker.codec import pack
 from broker.config import Settings, load_settings

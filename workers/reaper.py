@@ -7,7 +7,8 @@ from typing import Any
 import structlog
 
 from broker import keys
-from broker.audit import AuditLog, AuditRecord
+from broker.audit import AuditRecord
+from broker.audit_store import AuditLog
 from broker.calls import CallInfo, Calls
 from broker.codec import pack, text
 from broker.errors import WorkerLost

@@ -15,7 +15,8 @@ import fakeredis
 import pytest
 import redis
 
-from broker.audit import SUMMARY_LIMIT, AuditLog, AuditRecord, summarize
+from broker.audit import SUMMARY_LIMIT, AuditRecord, summarize
+from broker.audit_store import AuditLog
 from broker.errors import ConfigError, DecodeError, PermissionDenied
 from broker.redact import MASK, verify_hash
 from tests.broker.test_redact import CORPUS

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from broker import events, keys
-from broker.audit import AuditLog
+from broker.audit_store import AuditLog
 from broker.calls import envelope_of
 from hermes_gateway.chat import ChatSession
 from tests.conftest import Home

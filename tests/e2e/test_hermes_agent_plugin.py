@@ -24,7 +24,8 @@ import pytest
 import yaml
 
 from broker import events, keys
-from broker.audit import AuditLog, AuditRecord
+from broker.audit import AuditRecord
+from broker.audit_store import AuditLog
 from broker.calls import Calls, envelope_of
 from tests.conftest import REPO, Home
 from tests.llm_server import LLMServer

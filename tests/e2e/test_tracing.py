@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from broker import events, keys
-from broker.audit import AuditLog
+from broker.audit_store import AuditLog
 from broker.calls import envelope_of
 from tests.conftest import REPO, wait_until
 from workers import otelsdk
