@@ -39,9 +39,23 @@ def add_processor(proc: Any) -> None:
         _extra_processors.append(proc)
 
 
+_level = logging.INFO  # the level configure() set; structlog's default when it was never called
+
+
+def info_enabled() -> bool:
+    """Whether an info line would be written.
+
+    For the lines every call emits: with ``cache_logger_on_first_use`` off (so configure() may run again),
+    a filtered-out ``log.info`` still builds a bound logger first, ~20 us a call measured.
+    """
+    return _level <= logging.INFO
+
+
 def configure(level: str = "INFO", fmt: str = "console", stream: Any = None) -> None:
     """Configure structlog and stdlib logging once per process."""
+    global _level
     lvl = getattr(logging, str(level).upper(), logging.INFO)
+    _level = lvl
     renderer: Any
     if fmt == "json":
         renderer = structlog.processors.JSONRenderer()

@@ -11,7 +11,7 @@ from typing import Any
 import redis
 import structlog
 
-from broker import keys
+from broker import keys, logs
 from broker.audit_store import AuditLog
 from broker.calls import Calls
 from broker.codec import pack
@@ -138,7 +138,8 @@ class WorkerCore:
         """A call begins here: queue-wait and in-flight figures, and its start line."""
         wait = max(0.0, run.claimed_at - float(run.env.submitted_at))
         metrics.call_started(run.info.ckey, run.info.queue, wait)
-        log.info("call started", attempt=run.attempt, queue_wait_ms=round(wait * 1000, 3))
+        if logs.info_enabled():
+            log.info("call started", attempt=run.attempt, queue_wait_ms=round(wait * 1000, 3))
 
     def inflight(self) -> list[Running]:
         with self._lock:
@@ -196,7 +197,7 @@ class WorkerCore:
         if state is State.FAILED:
             message = (error or {}).get("message")
             log.warning("call finished", state=outcome, duration_ms=ms, error_type=err_type, error=message)
-        else:
+        elif logs.info_enabled():
             log.info("call finished", state=outcome, duration_ms=ms)
 
     # -- the call's steps: the Hermes contract's order ------------------------------------------
