@@ -2,26 +2,58 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
 
 from broker.config import Settings
 from broker.connection import from_url
-from broker.errors import BrokerUnavailable
+from broker.errors import BrokerUnavailable, ConfigError
 
 log = structlog.get_logger("hermes.pool")
+
+
+# Python's default (700, 10, 10) collects the young generation every 700 container allocations. A worker
+# allocates thousands per second and keeps each call's objects alive for the call's duration, so most of
+# them were scanned and promoted before they died; measured on io_bound, a higher threshold gained ~5%
+# efficiency (4 of 4 interleaved pairs). Reference counting still frees everything that is not a cycle.
+GC_THRESHOLD = (50_000, 20, 10)
+GC_ENV = "HERMES_GC_THRESHOLD"
+
+
+def tune_gc(environ: Mapping[str, str] | None = None) -> tuple[int, ...] | None:
+    """Set the worker's garbage-collector thresholds: ``HERMES_GC_THRESHOLD`` ("N[,N[,N]]", "default"
+    keeps Python's own), else ``GC_THRESHOLD``. Returns what was set (None: left alone)."""
+    raw = (os.environ if environ is None else environ).get(GC_ENV, "").strip()
+    if raw.lower() in ("default", "python", "off"):
+        return None
+    if not raw:
+        wanted: tuple[int, ...] = GC_THRESHOLD
+    else:
+        try:
+            wanted = tuple(int(part) for part in raw.split(","))
+        except ValueError:
+            wanted = ()
+        if not 1 <= len(wanted) <= 3 or any(n < 0 for n in wanted):
+            raise ConfigError(
+                f"{GC_ENV} must be up to three non-negative integers like '50000,20,10', or 'default'; got {raw!r}"
+            )
+    gc.set_threshold(*wanted)
+    return wanted
 
 
 def run_worker(url: str, settings: Settings, queues: list[str], concurrency: int, grace: float) -> int:
     """Run one worker in this process until it is stopped."""
     from workers.worker import Worker
 
+    tune_gc()
     conn = from_url(url)
     worker = Worker(conn, settings, queues, concurrency=concurrency, grace=grace)
     worker.install_signals()
