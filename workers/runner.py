@@ -172,6 +172,7 @@ class CallRunner:
             attempt=run.attempt,
             traceparent=env.traceparent,
             tracestate=env.tracestate,
+            baggage=env.baggage,
             progress_sink=lambda msg: self.progress(run, msg),
             settings=core.settings.executor_settings(spec.executor),
         )

@@ -57,7 +57,9 @@ class H(BaseHTTPRequestHandler):
         with tracer.start_as_current_span("GET /weather", context=ctx, kind=SpanKind.SERVER):
             city = parse_qs(urlsplit(self.path).query).get("city", [""])[0]
             status = 200 if city != "Atlantis" else 404
-            body = json.dumps({"city": city, "traceparent": self.headers.get("traceparent")}).encode()
+            body = json.dumps(
+                {"city": city, "traceparent": self.headers.get("traceparent"), "baggage": self.headers.get("baggage")}
+            ).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -245,6 +247,7 @@ def test_one_trace_across_client_worker_and_http_back_end(
     assert backend_span["parent"] == execute["span_id"]
     assert result["traceparent"].startswith(f"00-{trace_id}-{execute['span_id']}-")
     assert int(result["traceparent"][-2:], 16) & 1  # sampled
+    assert result["baggage"] == "tenant=acme"  # the caller's baggage reaches the back end as it was sent
 
     # Events and the audit record carry the same trace id; worker events the consumer span's id.
     hist = events.history(gateway.conn, handle.call_id)

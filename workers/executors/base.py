@@ -23,10 +23,22 @@ class ExecContext:
     attempt: int = 1
     traceparent: str | None = None
     tracestate: str | None = None
+    baggage: str | None = None  # the caller's W3C baggage, forwarded as it came
     cancelled: threading.Event = field(default_factory=threading.Event)
     progress_sink: Callable[[str], None] | None = None
     settings: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
+
+    def trace_headers(self) -> dict[str, str]:
+        """W3C ``traceparent``, ``tracestate`` and ``baggage`` for the back end (only those present)."""
+        out: dict[str, str] = {}
+        if self.traceparent:
+            out["traceparent"] = self.traceparent
+            if self.tracestate:
+                out["tracestate"] = self.tracestate
+        if self.baggage:
+            out["baggage"] = self.baggage
+        return out
 
     @property
     def deadline(self) -> float:

@@ -4,7 +4,7 @@ Spec keys (``target`` may also come from ``executors.grpc.target``):
 
 - ``target``: ``host:port``; ``tls: true`` for a TLS channel (system roots).
 - ``method``: ``package.Service/Method`` (``package.Service.Method`` also accepted).
-- ``metadata``: extra request metadata (``traceparent``/``tracestate`` are added from the call).
+- ``metadata``: extra request metadata (``traceparent``/``tracestate``/``baggage`` are added from the call).
 - ``max_output``: cap on the response message size in bytes (default 1 MiB).
 
 The method's message types come from the server's reflection service (cached per target), arguments
@@ -122,10 +122,7 @@ class GrpcExecutor:
             raise InvalidSpec(f"{where}: method: expected 'package.Service/Method'")
         max_output = int(config.get("max_output", DEFAULT_MAX_OUTPUT))
         metadata = [(str(k).lower(), str(v)) for k, v in (config.get("metadata") or {}).items()]
-        if ctx.traceparent:
-            metadata.append(("traceparent", ctx.traceparent))
-            if ctx.tracestate:
-                metadata.append(("tracestate", ctx.tracestate))
+        metadata.extend(ctx.trace_headers().items())
         ctx.check()
         target = self.target(address, bool(config.get("tls", False)))
         try:

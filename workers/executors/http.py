@@ -98,10 +98,7 @@ class HttpExecutor:
         where = f"tool {spec.name!r}"
         request_kw = build_request(config, args, where)
         headers = request_kw.pop("headers")
-        if ctx.traceparent:
-            headers["traceparent"] = ctx.traceparent
-            if ctx.tracestate:
-                headers["tracestate"] = ctx.tracestate
+        headers.update(ctx.trace_headers())
         client = self.client(self._policy(config), bool(config.get("verify", True)))
         max_output = int(config.get("max_output", DEFAULT_MAX_OUTPUT))
         max_redirects = int(config.get("max_redirects", DEFAULT_MAX_REDIRECTS))

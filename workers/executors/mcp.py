@@ -10,8 +10,8 @@ Spec keys:
 
 The SDK is async: each executor runs one private event loop in a background thread, and worker threads
 submit calls to it. One session per server is kept per process and re-established when the server dies.
-A result with ``isError`` is a failed call carrying the server's message. ``traceparent`` and
-``tracestate`` travel in the request's ``_meta``.
+A result with ``isError`` is a failed call carrying the server's message. ``traceparent``,
+``tracestate`` and ``baggage`` (when the caller sent any) travel in the request's ``_meta``.
 """
 
 from __future__ import annotations
@@ -205,11 +205,7 @@ class McpExecutor:
         args: dict[str, Any],
         ctx: ExecContext,
     ) -> Any:
-        meta: dict[str, Any] = {}
-        if ctx.traceparent:
-            meta["traceparent"] = ctx.traceparent
-            if ctx.tracestate:
-                meta["tracestate"] = ctx.tracestate
+        meta: dict[str, Any] = dict(ctx.trace_headers())
 
         async def progress(value: float, total: float | None, message: str | None) -> None:
             try:

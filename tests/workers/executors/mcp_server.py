@@ -60,7 +60,10 @@ async def trace(ctx: Context) -> dict:
     """Return the trace context the request carried in ``_meta`` and report progress."""
     await ctx.report_progress(1, 2, "half way")
     meta = ctx.request_context.meta or {}
-    return {"traceparent": meta.get("traceparent"), "tracestate": meta.get("tracestate")}
+    out = {"traceparent": meta.get("traceparent"), "tracestate": meta.get("tracestate")}
+    if "baggage" in meta:
+        out["baggage"] = meta["baggage"]
+    return out
 
 
 if __name__ == "__main__":

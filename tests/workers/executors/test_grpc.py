@@ -44,7 +44,8 @@ def address():
     def greet(request, context):
         meta = dict(context.invocation_metadata())
         return Rep(
-            message=f"Hello, {request.name}!", tags=[meta.get("traceparent", ""), meta.get("x-tenant", "")]
+            message=f"Hello, {request.name}!",
+            tags=[meta.get("traceparent", ""), meta.get("x-tenant", ""), meta.get("baggage", "")],
         )
 
     def fail(request, context):
@@ -89,9 +90,11 @@ def spec(address: str, method: str, **extra) -> ToolSpec:
 
 def test_unary_call_json_in_json_out_with_trace_metadata(ex, address, make_ctx):
     out = ex.run(
-        spec(address, "Greet", metadata={"X-Tenant": "acme"}), {"name": "北京"}, make_ctx(traceparent=TP)
+        spec(address, "Greet", metadata={"X-Tenant": "acme"}),
+        {"name": "北京"},
+        make_ctx(traceparent=TP, baggage="user=7"),
     )
-    assert out == {"message": "Hello, 北京!", "tags": [TP, "acme"]}
+    assert out == {"message": "Hello, 北京!", "tags": [TP, "acme", "user=7"]}
 
 
 def test_dotted_method_name_is_accepted(ex, address, make_ctx):

@@ -114,15 +114,18 @@ def test_path_placeholder_is_percent_encoded_and_removed_from_query(ex, server, 
 def test_headers_are_filled_and_trace_context_forwarded(ex, server, make_ctx):
     tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     s = spec(endpoint=f"{server.base}/h", headers={"X-Api-Key": "k1", "X-User": "{{user}}"})
-    out = ex.run(s, {"user": "bob"}, make_ctx(traceparent=tp, tracestate="a=b"))
+    out = ex.run(s, {"user": "bob"}, make_ctx(traceparent=tp, tracestate="a=b", baggage="tenant=acme"))
     h = out["headers"]
     assert (
         h["x-api-key"] == "k1"
         and h["x-user"] == "bob"
         and h["traceparent"] == tp
         and h["tracestate"] == "a=b"
+        and h["baggage"] == "tenant=acme"
     )
     assert out["query"] == []
+    plain = ex.run(s, {"user": "bob"}, make_ctx())["headers"]
+    assert not {"traceparent", "tracestate", "baggage"} & set(plain), "nothing invented without a context"
 
 
 def test_header_injection_is_refused(ex, server, make_ctx):

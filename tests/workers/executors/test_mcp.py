@@ -61,9 +61,10 @@ def test_stdio_tool_call_returns_the_result(ex, make_ctx):
 
 
 def test_trace_context_travels_in_meta_and_progress_is_reported(ex, make_ctx):
-    ctx = make_ctx(traceparent=TP, tracestate="k=v")
+    ctx = make_ctx(traceparent=TP, tracestate="k=v", baggage="tenant=acme")
     out = ex.run(spec("trace"), {}, ctx)
     assert '"traceparent": "' + TP + '"' in out and '"tracestate": "k=v"' in out
+    assert '"baggage": "tenant=acme"' in out
     assert ctx.messages == ["half way"]
 
 
