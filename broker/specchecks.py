@@ -58,7 +58,8 @@ EXECUTOR_KEYS: dict[str, frozenset[str]] = {
     "python": frozenset({"function"}),
     "database": frozenset({"dsn", "query", "mode", "tables", "read_only", "max_rows"}),
     "grpc": frozenset({"target", "tls", "method", "metadata", "max_output"}),
-    "mcp": frozenset({"mcp", "server", "tool", "handshake_timeout", "max_output"}),
+    # mcp_server: the label ``mcp add`` gave the server the tool came from (``mcp remove`` finds it by that).
+    "mcp": frozenset({"mcp", "server", "tool", "handshake_timeout", "max_output", "mcp_server"}),
 }
 
 _NUMBER = "a number >= 0"

@@ -86,7 +86,7 @@ def migrate(ctx: click.Context, force: bool, dry_run: bool, no_rewrite: bool, as
 
 @click.group()
 def mcp() -> None:
-    """Import MCP servers' tools into the directory."""
+    """Import MCP servers' tools into the directory, list and remove them by server."""
 
 
 @mcp.command("add")
@@ -132,6 +132,7 @@ def mcp_add(
                 prefix=prefix,
                 handshake_timeout=handshake,
                 write_dir=settings.tools_dir if gw.broker.embedded is not None else None,
+                label=server_name,
             )
         except HermesError as e:
             _fail(f"{server_name}: {e}", 1)
@@ -139,3 +140,47 @@ def mcp_add(
         click.echo(_line(r.status, r.name, r.version, server_name, r.reason))
     added = sum(r.status in ("added", "updated") for r in results)
     click.echo(f"{server_name}: {len(results)} tools, {added} added or updated")
+
+
+@mcp.command("list")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: {server: [tool names]}.")
+@click.pass_context
+def mcp_list(ctx: click.Context, as_json: bool) -> None:
+    """The MCP servers whose tools `mcp add` imported, with their tools."""
+    from hermes_gateway.mcp_import import servers
+
+    with _stack(_settings(ctx)) as (gw, _):
+        found = servers(gw.directory)
+    if as_json:
+        click.echo(json.dumps({label: [s.name for s in specs] for label, specs in found.items()}))
+        return
+    if not found:
+        click.echo("no MCP server imported (add one with `hermes-gateway mcp add NAME --command ...|--url ...`)")
+        return
+    for label, specs in found.items():
+        server = specs[0].config.get("mcp") or {}
+        target = server.get("url") or " ".join(str(a) for a in server.get("command") or [])
+        click.echo(f"{label}: {len(specs)} tools  ({target})")
+        for spec in specs:
+            click.echo(f"  {spec.name}")
+
+
+@mcp.command("remove")
+@click.argument("server_name")
+@click.pass_context
+def mcp_remove(ctx: click.Context, server_name: str) -> None:
+    """Remove every tool `mcp add SERVER_NAME` imported (other tools are left alone)."""
+    from hermes_gateway.mcp_import import remove_server
+
+    settings = _settings(ctx)
+    with _stack(settings) as (gw, _):
+        removed = remove_server(
+            gw.directory,
+            server_name,
+            write_dir=settings.tools_dir if gw.broker.embedded is not None else None,
+        )
+    if not removed:
+        _fail(f"no tools were imported from an MCP server named {server_name!r} (see `hermes-gateway mcp list`)", 1)
+    for name in removed:
+        click.echo(f"removed    {name}")
+    click.echo(f"{server_name}: {len(removed)} tools removed")

@@ -1,4 +1,5 @@
-"""``mcp add``: an MCP server's tools become ``mcp`` tools in the directory, one report line each."""
+"""``mcp add``: an MCP server's tools become ``mcp`` tools in the directory, one report line each;
+``mcp list`` and ``mcp remove`` find them again by the server's label."""
 
 from __future__ import annotations
 
@@ -32,8 +33,11 @@ def import_server(
     prefix: str = "",
     handshake_timeout: float = 10.0,
     write_dir: Path | None = None,
+    label: str = "",
 ) -> list[Imported]:
     """List the server's tools and register each (named ``prefix + tool``); raises when it is unreachable.
+
+    ``label`` (the SERVER_NAME of ``mcp add``) is stored in each spec as ``mcp_server``.
 
     ``write_dir`` also writes each spec to ``<write_dir>/<name>.yaml`` (for an embedded broker, whose
     directory ends with the command).
@@ -44,6 +48,8 @@ def import_server(
     out = []
     for found in list_server_tools(listing, handshake_timeout=handshake_timeout):
         data = {**found, "name": f"{prefix}{found['name']}", "mcp": server}
+        if label:
+            data["mcp_server"] = label
         try:
             spec = ToolSpec.from_dict(data)
         except InvalidSpec as e:
@@ -58,6 +64,29 @@ def import_server(
                 yaml.safe_dump(spec.to_dict(), allow_unicode=True, sort_keys=False), encoding="utf-8"
             )
     return out
+
+
+def servers(directory: Directory) -> dict[str, list[ToolSpec]]:
+    """The tools ``mcp add`` imported, by server label (tools registered by hand have none)."""
+    out: dict[str, list[ToolSpec]] = {}
+    for entry in directory.all():
+        label = entry.spec.config.get("mcp_server") if entry.spec.executor == "mcp" else None
+        if label:
+            out.setdefault(str(label), []).append(entry.spec)
+    for specs in out.values():
+        specs.sort(key=lambda s: s.name)
+    return dict(sorted(out.items()))
+
+
+def remove_server(directory: Directory, label: str, write_dir: Path | None = None) -> list[str]:
+    """Remove every tool imported under ``label`` (and its YAML file in ``write_dir``); their names."""
+    removed = []
+    for spec in servers(directory).get(label, []):
+        if directory.remove(spec.name):
+            removed.append(spec.name)
+        if write_dir is not None:
+            (write_dir / f"{spec.name}.yaml").unlink(missing_ok=True)
+    return removed
 
 
 def _stderr_is_a_file() -> bool:

@@ -235,3 +235,48 @@ def test_mcp_add_imports_every_tool_of_a_real_server(
         main, ["mcp", "add", "nowhere", "--command", f"{sys.executable} -c pass", "--timeout", "3"]
     )
     assert bad.exit_code == 1 and "nowhere:" in bad.output
+
+
+def test_mcp_list_and_remove_work_by_server_and_leave_other_tools_alone(
+    redis_url: str, home: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HERMES_REDIS_URL", redis_url)
+    command = f"{sys.executable} {MCP_SERVER} stdio"
+    runner = CliRunner()
+    for label, prefix in (("alpha", "a_"), ("beta", "b_")):
+        added = runner.invoke(main, ["mcp", "add", label, "--command", command, "--prefix", prefix])
+        assert added.exit_code == 0, added.output
+    d = Directory(__import__("redis").Redis.from_url(redis_url))
+    d.register({"name": "a_manual", "executor": "mcp", "mcp": {"command": ["x"]}, "tool": "greet"})
+
+    listed = runner.invoke(main, ["mcp", "list", "--json"])
+    assert listed.exit_code == 0, listed.output
+    by_server = json.loads(listed.output)
+    assert set(by_server) == {"alpha", "beta"}
+    assert "a_greet" in by_server["alpha"] and "b_greet" in by_server["beta"]
+    assert "a_manual" not in by_server["alpha"], "a tool registered by hand belongs to no imported server"
+    text = runner.invoke(main, ["mcp", "list"]).output
+    assert f"alpha: {len(by_server['alpha'])} tools" in text and str(MCP_SERVER) in text
+
+    removed = runner.invoke(main, ["mcp", "remove", "alpha"])
+    assert removed.exit_code == 0, removed.output
+    assert {line.split()[1] for line in removed.output.splitlines()[:-1]} == set(by_server["alpha"])
+    names = {e.spec.name for e in d.all()}
+    assert not names & set(by_server["alpha"])
+    assert set(by_server["beta"]) <= names and "a_manual" in names
+
+    again = runner.invoke(main, ["mcp", "remove", "alpha"])
+    assert again.exit_code == 1 and "no tools were imported from an MCP server named 'alpha'" in again.output
+
+
+def test_remove_server_deletes_the_spec_files_an_embedded_broker_syncs_from(fake: Any, tmp_path: Path) -> None:
+    from hermes_gateway.mcp_import import remove_server
+
+    d = Directory(fake)
+    for name in ("s_one", "s_two"):
+        d.register({"name": name, "executor": "mcp", "mcp": {"command": ["x"]}, "tool": name, "mcp_server": "s"})
+        (tmp_path / f"{name}.yaml").write_text("name: " + name)
+    (tmp_path / "keep.yaml").write_text("name: keep")
+    assert sorted(remove_server(d, "s", write_dir=tmp_path)) == ["s_one", "s_two"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.yaml"]
+    assert remove_server(d, "s", write_dir=tmp_path) == []
