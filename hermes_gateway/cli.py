@@ -120,7 +120,9 @@ def events(ctx: click.Context, call_id: str, follow: bool) -> None:
 
 
 @main.command()
-@click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Plain data, live figures included; with --watch one JSON line per refresh."
+)
 @click.option("--watch", "-w", is_flag=True, help="Live call figures (by tool, state, error; durations, waits, in flight, breakers).")
 @click.option("--interval", default=1.0, show_default=True, help="Seconds between refreshes with --watch.")
 @click.pass_context
@@ -131,8 +133,12 @@ def status(ctx: click.Context, as_json: bool, watch: bool, interval: float) -> N
     with _gateway(_settings(ctx), need_workers=False) as (gw, _):
         if watch:
             from hermes_gateway.watch import watch as watch_figures
+            from hermes_gateway.watch import watch_json
 
-            watch_figures(gw.conn, interval)
+            if as_json:
+                watch_json(gw.conn, interval)
+            else:
+                watch_figures(gw.conn, interval)
             return
         data = status_data(gw)
         if as_json:

@@ -14,6 +14,7 @@ from broker.codec import unpack
 from broker.config import Settings
 from broker.directory import Entry
 from broker.toolspec import ToolSpec
+from hermes_gateway.watch import figures_json
 
 # Piped output (scripts, CI logs) gets wide tables instead of rich's 80-column default, so names stay whole.
 console = Console(width=None if sys.stdout.isatty() else 200)
@@ -98,6 +99,7 @@ def status_data(gw: Any) -> dict[str, Any]:
         "workers": gw.live_workers(),
         "recent_failures": failures,
         **flow_control_data(conn),
+        "figures": figures_json(conn),  # what `status --watch` shows: calls by tool/state/error, waits, ...
     }
 
 

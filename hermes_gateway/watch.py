@@ -8,7 +8,9 @@ works with tracing and metrics export off.
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -66,6 +68,31 @@ def figures(conn: redis.Redis) -> dict[str, Any]:
         "queues": dict(queue_depths(conn)),
         "ts": time.time(),
     }
+
+
+def figures_json(conn: redis.Redis) -> dict[str, Any]:
+    """``figures`` as JSON-safe data: errors become ``[{"call", "error_type", "count"}]``."""
+    data = figures(conn)
+    data["errors"] = [
+        {"call": name, "error_type": etype, "count": n} for (name, etype), n in sorted(data["errors"].items())
+    ]
+    return data
+
+
+def watch_json(
+    conn: redis.Redis, interval: float = 1.0, rounds: int | None = None, out: Callable[[str], None] = print
+) -> None:
+    """One JSON line of ``figures_json`` now and every ``interval`` seconds (``status --watch --json``)."""
+    done = 0
+    try:
+        while True:
+            out(json.dumps(figures_json(conn), default=str))
+            if rounds is not None and done >= rounds:
+                return
+            time.sleep(interval)
+            done += 1
+    except KeyboardInterrupt:
+        pass
 
 
 def _total(row: dict[str, Any]) -> int:

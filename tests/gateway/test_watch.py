@@ -69,3 +69,36 @@ def test_watch_refreshes_then_returns(fake: Any) -> None:
     out = Console(record=True, width=150)
     watch(fake, interval=0.01, rounds=2, console=out)
     assert "get_weather" in out.export_text()
+
+
+def test_json_figures_are_plain_data_and_watch_json_prints_one_line_per_refresh(fake: Any) -> None:
+    import json
+
+    from hermes_gateway.watch import figures_json, watch_json
+
+    workload(fake)
+    data = json.loads(json.dumps(figures_json(fake)))  # survives a JSON round trip
+    assert data["errors"] == [{"call": "tool:get_weather", "error_type": "tool_timeout", "count": 1}]
+    assert data["calls"]["tool:get_weather"]["states"] == {"done": 3, "failed": 1}
+    assert data["inflight"] == {"tool:get_weather": 3, "llm:gpt": 4}
+    lines: list[str] = []
+    watch_json(fake, interval=0.01, rounds=2, out=lines.append)
+    assert len(lines) == 3 and all(json.loads(x)["breakers"] == {"tool:get_weather": "open"} for x in lines)
+
+
+def test_status_json_carries_the_live_figures(redis_url: str, monkeypatch: Any) -> None:
+    import json
+
+    import redis
+    from click.testing import CliRunner
+
+    from hermes_gateway.cli import main
+
+    conn = redis.Redis.from_url(redis_url)
+    workload(conn)
+    monkeypatch.setenv("HERMES_REDIS_URL", redis_url)
+    result = CliRunner().invoke(main, ["status", "--json"])
+    assert result.exit_code == 0, result.output
+    figures_ = json.loads(result.output)["figures"]
+    assert figures_["calls"]["llm:gpt"]["states"] == {"cancelled": 1}
+    assert figures_["queues"] == {"tools": 2} and figures_["breakers"] == {"tool:get_weather": "open"}
