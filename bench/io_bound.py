@@ -5,7 +5,7 @@ two worker processes. Prints the highest number of calls ever executing at once 
 formatting events' timestamps, and the peak size of the slot set sampled in Redis; both must equal the
 limit, never more), the wall time against the limit-bound ideal as ``efficiency=<ideal/actual>`` (the
 median of ``--rounds`` rounds on the same workers), and the same workload on stock ``rq worker-pool``
-with as many processes (one round). The last line is ``ratio_vs_rq=<x>``.
+with as many processes (one round; its job function is ``bench.rqjobs.sleep``, which imports nothing of ours). The last line is ``ratio_vs_rq=<x>``.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def run_rq(url: str, n: int, processes: int, seconds: float) -> float:
     try:
         wait_for_workers(conn, processes, queue_name, timeout=60)
         q.enqueue_many(
-            [Queue.prepare_data("workers.executors.builtin.sleep", (0.001,)) for _ in range(2 * processes)]
+            [Queue.prepare_data("bench.rqjobs.sleep", (0.001,)) for _ in range(2 * processes)]
         )
         _wait_finished(q, 2 * processes)
         base = q.finished_job_registry.count
@@ -168,7 +168,7 @@ def run_rq(url: str, n: int, processes: int, seconds: float) -> float:
         for i in range(0, n, 500):
             q.enqueue_many(
                 [
-                    Queue.prepare_data("workers.executors.builtin.sleep", (seconds,))
+                    Queue.prepare_data("bench.rqjobs.sleep", (seconds,))
                     for _ in range(min(500, n - i))
                 ]
             )

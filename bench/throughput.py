@@ -1,7 +1,8 @@
 """End-to-end throughput of no-op tool calls: our stack against stock RQ on the same Redis.
 
 Ours: enqueue → done event observed by the caller, with the full event path on.
-RQ: the same number of no-op jobs through ``SimpleWorker``, finished jobs counted by the caller.
+RQ: the same number of no-op jobs (``bench.rqjobs.noop``) through ``SimpleWorker``, finished jobs counted
+by the caller.
 Both sides get the same number of warm worker processes. The last line is ``ratio_vs_rq=<x>``.
 """
 
@@ -113,14 +114,14 @@ def run_rq(url: str, n: int, processes: int) -> float:
     procs = start_rq_workers(url, queue_name, processes)
     try:
         wait_for_workers(conn, processes, queue_name)
-        warm = [Queue.prepare_data("workers.executors.builtin.noop") for _ in range(10 * processes)]
+        warm = [Queue.prepare_data("bench.rqjobs.noop") for _ in range(10 * processes)]
         jobs = q.enqueue_many(warm)
         _wait_finished(q, len(jobs))
         base = q.finished_job_registry.count
         start = time.perf_counter()
         batch = 500
         for i in range(0, n, batch):
-            q.enqueue_many([Queue.prepare_data("workers.executors.builtin.noop") for _ in range(min(batch, n - i))])
+            q.enqueue_many([Queue.prepare_data("bench.rqjobs.noop") for _ in range(min(batch, n - i))])
         _wait_finished(q, base + n)
         elapsed = time.perf_counter() - start
         return n / elapsed
