@@ -211,7 +211,8 @@ class Gateway:
         Every item is built and validated first (an unknown tool or bad argument raises before anything
         is sent); then the calls go out in pipelines of ``SUBMIT_CHUNK``, each waking the workers, so
         workers start on the first calls while the rest are still being sent. A broker failure on the
-        first pipeline raises; a later one refuses the items not yet accepted.
+        first pipeline raises; on a later one, the items of that pipeline are refused as "outcome unknown"
+        (the server may have taken some) and the rest as not sent, without waiting on the broker again.
         """
         names = ("timeout", "max_attempts", "traceparent", "tracestate", "queue")
         opts: dict[str, Any] = {k: common.pop(k) for k in names if k in common}
@@ -227,27 +228,43 @@ class Gateway:
                 self._untrack(env.call_id)
             raise
         handles = Batch()
-        with send:
-            send.describe(prepared[0][0] if prepared else None, len(prepared))
-            for start in range(0, len(prepared), SUBMIT_CHUNK):
-                chunk = prepared[start : start + SUBMIT_CHUNK]
-                try:
-                    replies: list[Any] = self._send_chunk(chunk)
-                except redis.RedisError as e:
-                    if start == 0:
-                        for env, _, _ in prepared:
+        done = 0  # items settled (accepted or refused); the rest are untracked if anything escapes
+        try:
+            with send:
+                send.describe(prepared[0][0] if prepared else None, len(prepared))
+                failure: redis.RedisError | None = None
+                for start in range(0, len(prepared), SUBMIT_CHUNK):
+                    chunk = prepared[start : start + SUBMIT_CHUNK]
+                    replies: list[Any]
+                    if failure is not None:  # the broker failed on an earlier pipeline: do not wait on it again
+                        replies = [HermesError(f"not sent: the broker failed earlier in this batch: {failure}")]
+                        replies *= len(chunk)
+                    else:
+                        try:
+                            replies = self._send_chunk(chunk)
+                        except redis.RedisError as e:
+                            if start == 0:
+                                raise
+                            failure = e
+                            # The server may have taken some of this pipeline before the connection broke.
+                            unknown = HermesError(
+                                f"submission outcome unknown: {e}; gw.handle(call_id) finds the call if it was taken"
+                            )
+                            replies = [unknown] * len(chunk)
+                    for (env, limits, handle), reply in zip(chunk, replies, strict=True):
+                        try:
+                            if isinstance(reply, Exception):
+                                raise reply if isinstance(reply, HermesError) else HermesError(f"submission failed: {reply}")
+                            Calls.check_submit(reply, limits["ckey"], limits["queue_size"])
+                        except (QueueFull, HermesError) as e:
                             self._untrack(env.call_id)
-                        raise
-                    replies = [e] * len(chunk)
-                for (env, limits, handle), reply in zip(chunk, replies, strict=True):
-                    try:
-                        if isinstance(reply, Exception):
-                            raise HermesError(f"submission failed: {reply}")
-                        Calls.check_submit(reply, limits["ckey"], limits["queue_size"])
-                    except (QueueFull, HermesError) as e:
-                        self._untrack(env.call_id)
-                        handle._refuse(e)
-                    handles.append(handle)
+                            handle._refuse(e)
+                        handles.append(handle)
+                        done += 1
+        except BaseException:
+            for env, _, _ in prepared[done:]:
+                self._untrack(env.call_id)
+            raise
         return handles
 
     def _send_chunk(self, chunk: list[tuple[Envelope, dict[str, Any], CallHandle]]) -> list[Any]:

@@ -129,14 +129,36 @@ def test_a_broker_failure_mid_batch_refuses_only_the_items_not_yet_sent(
 
     monkeypatch.setattr(gw, "_send_chunk", flaky)
     handles = gw.map("echo", [{"i": i} for i in range(2 * SUBMIT_CHUNK + 1)])
-    assert sent == [SUBMIT_CHUNK, SUBMIT_CHUNK, 1]
+    assert sent == [SUBMIT_CHUNK, SUBMIT_CHUNK], "no pipeline is sent after the broker failed"
     states = [h.state for h in handles]
-    assert states == ["pending"] * SUBMIT_CHUNK + ["refused"] * SUBMIT_CHUNK + ["pending"]
+    assert states == ["pending"] * SUBMIT_CHUNK + ["refused"] * (SUBMIT_CHUNK + 1)
+    assert "outcome unknown" in str(handles[SUBMIT_CHUNK].refused)
     assert "broker went away" in str(handles[SUBMIT_CHUNK].refused)
+    assert "not sent" in str(handles[-1].refused)
     with pytest.raises(redis.ConnectionError):  # on the first pipeline nothing was accepted: it raises
         monkeypatch.setattr(gw, "_send_chunk", lambda chunk: (_ for _ in ()).throw(redis.ConnectionError("x")))
         gw.map("echo", [{"i": 0}])
-    assert len(gw._handles) == SUBMIT_CHUNK + 1
+    assert len(gw._handles) == SUBMIT_CHUNK
+
+
+def test_an_interrupt_mid_batch_leaves_no_handle_tracked_that_was_not_settled(
+    gw: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hermes_gateway.client import SUBMIT_CHUNK
+
+    real = gw._send_chunk
+    calls = []
+
+    def interrupted(chunk: Any) -> list[Any]:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(chunk)
+
+    monkeypatch.setattr(gw, "_send_chunk", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        gw.map("echo", [{"i": i} for i in range(3 * SUBMIT_CHUNK)])
+    assert len(gw._handles) == SUBMIT_CHUNK  # the accepted first pipeline's calls are still followed
 
 
 def test_a_bad_item_refuses_the_whole_batch_before_anything_is_sent(gw: Gateway, conn: Any) -> None:
