@@ -30,6 +30,8 @@ _DROP = (NEVER_DECODE, EMPTY_RESPONSE, "keys")
 
 def execute(pipe: Pipeline) -> list[Any]:
     """Send ``pipe``'s queued commands in one round trip and return their replies; the pipe is reset."""
+    if getattr(pipe, "transaction", False) is True or pipe.explicit_transaction or pipe.watching:
+        raise ValueError("pipes.execute sends plain pipelines; use pipeline(transaction=False), no WATCH")
     stack: list[Command] = list(pipe.command_stack)
     scripts = list(pipe.scripts)
     client = pipe  # the pipeline carries the client's response callbacks
@@ -59,12 +61,21 @@ def execute(pipe: Pipeline) -> list[Any]:
 
 
 def _round_trip(conn: Any, client: Pipeline, stack: Sequence[Command]) -> list[Any]:
+    replied = [False]
+
     def send_and_read() -> list[Any]:
+        replied[0] = False
         conn.send_packed_command([b"".join(_pack(conn, args) for args, _ in stack)])
-        return [_read(conn, client.response_callbacks, args[0], options) for args, options in stack]
+        out = []
+        for args, options in stack:
+            out.append(_read(conn, client.response_callbacks, args[0], options))
+            replied[0] = True
+        return out
 
     disconnect: Callable[[Exception], None] = lambda _e: conn.disconnect()  # noqa: E731
-    return conn.retry.call_with_retry(send_and_read, disconnect)
+    # A connection that breaks before any reply is sent again (the server ran nothing we know of); once
+    # replies came, the server ran at least those commands, and sending the lot again would run them twice.
+    return conn.retry.call_with_retry(send_and_read, disconnect, is_retryable=lambda _e: not replied[0])
 
 
 def _pack(conn: Any, args: tuple[Any, ...]) -> bytes:

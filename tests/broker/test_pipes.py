@@ -96,3 +96,67 @@ def test_connection_goes_back_to_the_pool(conn: redis.Redis) -> None:
         pipe.ping()
         assert pipes.execute(pipe) == [True]
     assert len(pool._in_use_connections) == 0
+
+
+def test_a_transaction_pipeline_is_refused_not_silently_sent_without_multi(conn: redis.Redis) -> None:
+    import pytest
+
+    pipe = conn.pipeline()  # transaction=True by default
+    pipe.set("t", "1")
+    with pytest.raises(ValueError, match="transaction=False"):
+        pipes.execute(pipe)
+    assert conn.get("t") is None
+
+
+def _retrying(redis_url: str) -> redis.Redis:
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return redis.Redis.from_url(redis_url, retry=Retry(NoBackoff(), 3), retry_on_error=[redis.ConnectionError])
+
+
+def test_a_connection_lost_after_replies_began_is_not_sent_again(redis_url: str) -> None:
+    """The server ran the commands it answered: resending would run them twice, retries or not."""
+    import pytest
+
+    conn = _retrying(redis_url)
+    pool = conn.connection_pool
+    c = pool.get_connection()
+    real_read = c.read_response
+    reads = [0]
+
+    def flaky_read(*a: object, **kw: object) -> object:
+        reads[0] += 1
+        if reads[0] == 2:
+            raise redis.ConnectionError("lost mid-reply")
+        return real_read(*a, **kw)
+
+    c.read_response = flaky_read  # type: ignore[method-assign]
+    pool.release(c)
+    pipe = conn.pipeline(transaction=False)
+    pipe.incr("counter")
+    pipe.incr("counter")
+    with pytest.raises(redis.ConnectionError):
+        pipes.execute(pipe)
+    assert conn.get("counter") == b"2", "each INCR ran exactly once"
+
+
+def test_a_connection_lost_before_any_reply_is_retried(redis_url: str) -> None:
+    conn = _retrying(redis_url)
+    pool = conn.connection_pool
+    c = pool.get_connection()
+    real_send = c.send_packed_command
+    sends = [0]
+
+    def flaky_send(*a: object, **kw: object) -> object:
+        sends[0] += 1
+        if sends[0] == 1:
+            raise redis.ConnectionError("refused")
+        return real_send(*a, **kw)
+
+    c.send_packed_command = flaky_send  # type: ignore[method-assign]
+    pool.release(c)
+    pipe = conn.pipeline(transaction=False)
+    pipe.incr("counter")
+    assert pipes.execute(pipe) == [1] and sends[0] >= 2  # (reconnecting sends its own handshake too)
+    assert conn.get("counter") == b"1"
