@@ -23,6 +23,7 @@ LEASES = PREFIX + ":leases"  # zset call_id -> lease deadline (unix seconds)
 WAITING = PREFIX + ":waiting:{}"  # zset call_id -> submit time, per concurrency key (admission)
 IDEMPOTENCY = PREFIX + ":idem:{}"  # idempotency key -> call_id
 WORKERS = PREFIX + ":workers"  # zset worker name -> last heartbeat
+QUEUE_WORKERS = PREFIX + ":qworkers:{}"  # zset per queue: workers listening on it -> last heartbeat
 WORKER = PREFIX + ":worker:{}"  # hash of one worker's figures
 FAILURES = PREFIX + ":failures"  # capped list of recent failures
 TOOLS = PREFIX + ":tools"  # hash tool name -> packed directory entry
@@ -58,6 +59,10 @@ F_KIND = "h_kind"
 F_TOOL = "h_tool"
 F_TRACE = "h_trace"
 F_ENVELOPE = "h_env"
+
+
+def queue_workers(name: str) -> str:
+    return QUEUE_WORKERS.format(name)
 
 
 def job(call_id: str) -> str:

@@ -104,13 +104,16 @@ class WorkerCore:
 
     def untrack(self, run: Running) -> None:
         with self._lock:
-            if self._inflight.pop(run.info.call_id, None) is not None:
-                ckey = run.info.ckey
-                left = self._held.get(ckey, 1) - 1
-                if left > 0:
-                    self._held[ckey] = left
-                else:
-                    self._held.pop(ckey, None)
+            if self._inflight.get(run.info.call_id) is run:
+                del self._inflight[run.info.call_id]
+            # Paired with track() (runner.run's finally), even when a newer run of the same call id (taken
+            # over after a lost lease, then given back to us) replaced this one in _inflight.
+            ckey = run.info.ckey
+            left = self._held.get(ckey, 1) - 1
+            if left > 0:
+                self._held[ckey] = left
+            else:
+                self._held.pop(ckey, None)
             self._cancelled.discard(run.info.call_id)
             self.idle.notify_all()
         if run.claimed_at and not run.outcome:  # retrying, handed back or taken over: finished() never ran

@@ -38,7 +38,7 @@ CLAIM_BATCH = 64
 IDLE_POLL_MAX = 0.5
 # After an ending call found nobody waiting for its slot, how long its key's calls end without a hand-off.
 HANDOFF_RETRY = 0.05
-FAIR_SHARE_TTL = 2.0  # seconds a worker trusts its count of the live workers sharing a key's slots
+FAIR_SHARE_TTL = 1.0  # seconds between re-reads of the limits and of the live workers sharing a queue
 
 
 def worker_name() -> str:
@@ -73,7 +73,10 @@ class Worker:
         # A call thread ending keeps its token for the call its slot is handed to (see ``reserve``).
         self._local = threading.local()
         self._no_waiters: dict[str, float] = {}  # ckey -> until when a hand-off is not tried
-        self._shares: dict[tuple[str, str], tuple[float, float]] = {}  # (ckey, queue) -> (until, fair share)
+        # For the fair share of a key's slots (``fair_share``), refreshed by the heartbeat thread.
+        self._limits: dict[str, int] = {}  # concurrency key -> its limit
+        self._peers: dict[str, int] = {}  # our queue -> live workers serving it
+        self._refresh_now = threading.Event()
         self.runner.handoff = self
         self.rq = RQWorker(
             [Queue(q, connection=conn, serializer=MsgpackSerializer) for q in queues],
@@ -99,12 +102,17 @@ class Worker:
     def request_stop(self) -> None:
         self.stopping.set()
         self._wake.set()
+        self._refresh_now.set()
 
     def work(self) -> None:
         """Run until stopped; then drain within the grace period."""
         self.rq.register_birth()
         self.rq.set_state("busy")
         self._heartbeat_once()
+        try:
+            self.refresh_shares()
+        except redis.RedisError as e:
+            log.warning("could not read the concurrency limits yet", error=str(e))
         threads = [
             threading.Thread(target=self._heartbeat_loop, name="hermes-heartbeat", daemon=True),
             threading.Thread(target=self._control_loop, name="hermes-control", daemon=True),
@@ -183,31 +191,34 @@ class Worker:
         now = time.monotonic()
         if now < self._no_waiters.get(ckey, 0.0):
             return None
-        if self.core.held(ckey) > self._fair_share(ckey, queue, now):
+        if self.core.held(ckey) > self.fair_share(ckey, queue):
             return None
         local.keep = True
         return self.name, self.lease
 
-    def _fair_share(self, ckey: str, queue: str, now: float) -> float:
-        """``ceil(limit / live workers on queue)`` for ``ckey``, refreshed every FAIR_SHARE_TTL seconds."""
-        cached = self._shares.get((ckey, queue))
-        if cached is not None and now < cached[0]:
-            return cached[1]
-        share = math.inf
-        try:
-            limit = int(text(self.conn.hget(keys.LIMITS, ckey)) or -1)
-            if limit > 0:
-                horizon = time.time() - max(15.0, self.lease)
-                names = self.conn.zrangebyscore(keys.WORKERS, horizon, "+inf")
-                pipe = self.conn.pipeline(transaction=False)
-                for n in names:
-                    pipe.hget(keys.worker(text(n)), "queues")
-                peers = sum(1 for q in pipe.execute() if queue in text(q).split(","))
-                share = math.ceil(limit / max(1, peers))
-        except redis.RedisError:
-            pass  # keep handing off: the figure is only for balance
-        self._shares[(ckey, queue)] = (now + FAIR_SHARE_TTL, share)
-        return share
+    def fair_share(self, ckey: str, queue: str) -> float:
+        """``ceil(limit / live workers on queue)`` for ``ckey`` from the figures ``refresh_shares`` keeps
+        (no Redis round trip on the call's thread); unlimited or unknown: no bound."""
+        limit = self._limits.get(ckey)
+        if limit is None:  # a key first seen since the last read: the heartbeat thread reads it now
+            self._limits[ckey] = -1  # (once: until then, and if it has no limit, no bound)
+            self._refresh_now.set()
+            return math.inf
+        if limit <= 0:
+            return math.inf
+        return math.ceil(limit / max(1, self._peers.get(queue, 1)))
+
+    def refresh_shares(self) -> None:
+        """Re-read the limits of every concurrency key and how many live workers serve each of our queues."""
+        horizon = time.time() - max(15.0, self.lease)
+        pipe = self.conn.pipeline(transaction=False)
+        pipe.hgetall(keys.LIMITS)
+        for q in self.queues:
+            pipe.zcount(keys.queue_workers(q), horizon, "+inf")
+        limits, *peers = pipe.execute()
+        # Keys asked about but without an entry (no limit, or swept while idle) stay known as unlimited.
+        self._limits = {**dict.fromkeys(self._limits, -1), **{text(k): int(text(v) or -1) for k, v in limits.items()}}
+        self._peers = {q: int(n) for q, n in zip(self.queues, peers, strict=True)}
 
     def received(self, reply: Any, ckey: str) -> None:
         """The reply of an ending transition that reserved: run the call handed to us, else free the thread."""
@@ -237,6 +248,8 @@ class Worker:
         try:
             pipe = self.conn.pipeline()
             pipe.zrem(keys.WORKERS, self.name)
+            for q in self.queues:
+                pipe.zrem(keys.queue_workers(q), self.name)
             pipe.delete(keys.worker(self.name))
             pipe.execute()
             self.rq.register_death()
@@ -283,7 +296,11 @@ class Worker:
         running = [r.info.call_id for r in runs]
         pipe = self.conn.pipeline(transaction=False)
         self.rq.heartbeat(pipeline=pipe)
-        pipe.zadd(keys.WORKERS, {self.name: time.time()})
+        now = time.time()
+        pipe.zadd(keys.WORKERS, {self.name: now})
+        for q in self.queues:
+            pipe.zadd(keys.queue_workers(q), {self.name: now})
+            pipe.zremrangebyscore(keys.queue_workers(q), "-inf", now - self.lease * 2)
         pipe.hset(
             keys.worker(self.name),
             mapping={
@@ -307,8 +324,18 @@ class Worker:
 
     def _heartbeat_loop(self) -> None:
         interval = max(0.2, min(self.lease / 3.0, 5.0))
-        while not self.stopping.wait(interval):
+        tick = min(interval, FAIR_SHARE_TTL)
+        next_beat = time.monotonic() + interval
+        while not self.stopping.is_set():
+            self._refresh_now.wait(tick)
+            self._refresh_now.clear()
+            if self.stopping.is_set():
+                return
             try:
+                self.refresh_shares()
+                if time.monotonic() < next_beat:
+                    continue
+                next_beat = time.monotonic() + interval
                 self._heartbeat_once()
                 reaper.reap(self.core.calls, self.lease, self.settings.result_ttl, self.core.audit)
                 # Slots still held by calls that ended (a safety net: ending gives the slot back).

@@ -280,14 +280,23 @@ def test_a_worker_over_its_fair_share_of_a_keys_slots_declines_the_hand_off(
     try:
         fake.hset(keys.LIMITS, "tool:slow", 10)
         now = time.time()
-        for name, queues in (("w-a", "tools"), ("w-b", "tools,llm"), ("w-c", "llm")):  # w-c: another queue
-            fake.zadd(keys.WORKERS, {name: now})
-            fake.hset(keys.worker(name), "queues", queues)
+        for name, queues in (("w-a", ["tools"]), ("w-b", ["tools", "llm"]), ("w-c", ["llm"])):  # w-c: other queue
+            for q in queues:
+                fake.zadd(keys.queue_workers(q), {name: now})
+        fake.zadd(keys.queue_workers("tools"), {"w-gone": now - 3600})  # no heartbeat for an hour
         w._local.in_call, w._local.keep = True, False
 
         def holding(n: int) -> None:
             w.core._held["tool:slow"] = n
 
+        # Before the limits were read the key is unknown: no bound, and the heartbeat thread is asked to read.
+        holding(9)
+        assert w.reserve("tool:slow", "tools") == ("w-a", w.lease)
+        assert w._refresh_now.is_set()
+        w._local.keep = False
+
+        w.refresh_shares()  # what the heartbeat thread does every second (no Redis on the call's thread)
+        assert w.fair_share("tool:slow", "tools") == 5
         holding(5)
         assert w.reserve("tool:slow", "tools") == ("w-a", w.lease)  # at its share: keeps the slot
         w._local.keep = False
@@ -295,15 +304,29 @@ def test_a_worker_over_its_fair_share_of_a_keys_slots_declines_the_hand_off(
         assert w.reserve("tool:slow", "tools") is None  # over it: the slot goes through the queue
         assert w._local.keep is False, "a declined hand-off gives the thread back"
 
-        # One worker alone on the queue may hold every slot; the figure is re-read after its TTL.
-        fake.zrem(keys.WORKERS, "w-b")
-        w._shares.clear()
+        # Alone on the queue it may hold every slot; a key with no limit has nothing to share.
+        fake.zrem(keys.queue_workers("tools"), "w-b")
+        fake.hset(keys.LIMITS, "tool:free", -1)
+        w.refresh_shares()
         holding(10)
         assert w.reserve("tool:slow", "tools") == ("w-a", w.lease)
         w._local.keep = False
-        fake.hset(keys.LIMITS, "tool:free", -1)  # no limit: nothing to share
         w.core._held["tool:free"] = 500
         assert w.reserve("tool:free", "tools") == ("w-a", w.lease)
     finally:
         w.core.close()
         w.pool.shutdown()
+
+
+def test_the_held_count_follows_runs_even_when_a_newer_run_replaced_an_older_one(fake: Any, core: WorkerCore) -> None:
+    from workers.runner import Running
+
+    info = CallInfo("c1", TRACE, SPAN, "tool", "echo", None, "hermes:ch:t", "tool:echo", "tools")
+    old, new = Running(info, None, 1), Running(info, None, 2)  # type: ignore[arg-type]
+    core.track(old)
+    core.track(new)  # the call came back to this worker while the old run was still winding down
+    assert core.held("tool:echo") == 2
+    core.untrack(old)
+    assert core.held("tool:echo") == 1 and core.inflight() == [new]
+    core.untrack(new)
+    assert core.held("tool:echo") == 0 and core.inflight() == []
