@@ -71,6 +71,8 @@ def worker(ctx: click.Context, queues: str, concurrency: int, processes: int, gr
         if processes > 1:
             sys.exit(supervise(handle.url, qs, concurrency, processes, grace))
         sys.exit(run_worker(handle.url, settings, qs, concurrency, grace))
+    except HermesError as e:
+        _fail(str(e))
     finally:
         handle.close()
 
@@ -140,7 +142,7 @@ def status(ctx: click.Context, as_json: bool, watch: bool, interval: float) -> N
             else:
                 watch_figures(gw.conn, interval)
             return
-        data = status_data(gw)
+        data = status_data(gw, figures=as_json)
         if as_json:
             click.echo(json.dumps(data, indent=2, default=str))
         else:

@@ -28,24 +28,32 @@ GC_THRESHOLD = (50_000, 20, 10)
 GC_ENV = "HERMES_GC_THRESHOLD"
 
 
-def tune_gc(environ: Mapping[str, str] | None = None) -> tuple[int, ...] | None:
-    """Set the worker's garbage-collector thresholds: ``HERMES_GC_THRESHOLD`` ("N[,N[,N]]", "default"
-    keeps Python's own), else ``GC_THRESHOLD``. Returns what was set (None: left alone)."""
+def gc_threshold(environ: Mapping[str, str] | None = None) -> tuple[int, ...] | None:
+    """The thresholds ``HERMES_GC_THRESHOLD`` asks for ("N[,N[,N]]"; "default": Python's own, None),
+    else ``GC_THRESHOLD``; a malformed value is a ConfigError naming the variable."""
     raw = (os.environ if environ is None else environ).get(GC_ENV, "").strip()
-    if raw.lower() in ("default", "python", "off"):
+    if raw.lower() == "default":
         return None
     if not raw:
-        wanted: tuple[int, ...] = GC_THRESHOLD
-    else:
-        try:
-            wanted = tuple(int(part) for part in raw.split(","))
-        except ValueError:
-            wanted = ()
-        if not 1 <= len(wanted) <= 3 or any(n < 0 for n in wanted):
-            raise ConfigError(
-                f"{GC_ENV} must be up to three non-negative integers like '50000,20,10', or 'default'; got {raw!r}"
-            )
-    gc.set_threshold(*wanted)
+        return GC_THRESHOLD
+    try:
+        wanted = tuple(int(part) for part in raw.split(","))
+    except ValueError:
+        wanted = ()
+    # A first value of 0 would switch automatic collection off: cycles would never be freed.
+    if not 1 <= len(wanted) <= 3 or wanted[0] < 1 or any(n < 0 for n in wanted):
+        raise ConfigError(
+            f"{GC_ENV} must be one to three integers like '50000,20,10' (the first at least 1), "
+            f"or 'default' for Python's own; got {raw!r}"
+        )
+    return wanted
+
+
+def tune_gc(environ: Mapping[str, str] | None = None) -> tuple[int, ...] | None:
+    """Set this worker process's garbage-collector thresholds (``gc_threshold``); returns what was set."""
+    wanted = gc_threshold(environ)
+    if wanted is not None:
+        gc.set_threshold(*wanted)
     return wanted
 
 
@@ -102,6 +110,7 @@ def supervise(url: str, queues: list[str], concurrency: int, processes: int, gra
     """Start ``processes`` workers, restart any that crash, pass SIGTERM/SIGINT on, wait for all."""
     if not url:
         raise BrokerUnavailable("worker pools need a broker URL")
+    gc_threshold()  # a bad value is reported once here, not by every child the pool would restart
     children = [spawn(url, queues, concurrency, grace) for _ in range(processes)]
     stopping = False
 

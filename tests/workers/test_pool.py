@@ -35,7 +35,7 @@ def test_the_thresholds_can_be_set_or_left_to_python() -> None:
     assert gc.get_threshold()[:2] == (20000, 15)
 
 
-@pytest.mark.parametrize("raw", ["lots", "1,2,3,4", "-5", "10,,2"])
+@pytest.mark.parametrize("raw", ["lots", "1,2,3,4", "-5", "10,,2", "0", "off"])
 def test_a_bad_threshold_is_a_config_error_naming_the_variable(raw: str) -> None:
     with pytest.raises(ConfigError, match="HERMES_GC_THRESHOLD"):
         tune_gc({"HERMES_GC_THRESHOLD": raw})
@@ -53,3 +53,18 @@ def test_a_worker_started_with_a_bad_threshold_says_why_and_exits_2(redis_url: s
     )
     assert proc.returncode == 2
     assert "HERMES_GC_THRESHOLD" in proc.stderr
+
+
+@pytest.mark.parametrize("processes", ["1", "3"])
+def test_the_worker_command_reports_a_bad_threshold_once_without_a_traceback(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, processes: str
+) -> None:
+    from click.testing import CliRunner
+
+    from hermes_gateway.cli import main
+
+    monkeypatch.setenv("HERMES_REDIS_URL", redis_url)
+    monkeypatch.setenv("HERMES_GC_THRESHOLD", "0")
+    result = CliRunner().invoke(main, ["worker", "--processes", processes, "--queues", "tools"])
+    assert result.exit_code == 2
+    assert "error: HERMES_GC_THRESHOLD" in result.output and "Traceback" not in result.output
