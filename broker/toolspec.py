@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,8 @@ EXECUTOR_TYPES = ("http", "command", "mcp", "database", "grpc", "python")
 _COMMON = COMMON_KEYS
 
 DEFAULT_TIMEOUT = 30.0
+# OpenAI-compatible and Anthropic APIs refuse other function names; it also keeps a name safe as a file name.
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,12 @@ class ToolSpec:
         name = data.get("name")
         if not isinstance(name, str) or not name.strip():
             raise InvalidSpec("tool spec.name: expected a non-empty string", path="name")
+        if strict and not TOOL_NAME.fullmatch(name):
+            raise InvalidSpec(
+                f"tool spec.name: expected 1-64 letters, digits, '_' or '-' (what model APIs accept as a "
+                f"function name), got {name!r}",
+                path="name",
+            )
         where = f"tool {name!r}"
         executor = data.get("executor")
         if executor not in EXECUTOR_TYPES:

@@ -159,10 +159,21 @@ def mcp_list(ctx: click.Context, as_json: bool) -> None:
         return
     for label, specs in found.items():
         server = specs[0].config.get("mcp") or {}
-        target = server.get("url") or " ".join(str(a) for a in server.get("command") or [])
+        target = _shown_url(str(server["url"])) if server.get("url") else " ".join(map(str, server.get("command") or []))
         click.echo(f"{label}: {len(specs)} tools  ({target})")
         for spec in specs:
             click.echo(f"  {spec.name}")
+
+
+def _shown_url(url: str) -> str:
+    """A server URL without what may be a credential: the password and the query string."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", ""))
 
 
 @mcp.command("remove")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,8 @@ from broker.directory import Directory
 from broker.errors import InvalidSpec
 from broker.toolspec import ToolSpec
 from workers.executors.mcp import list_server_tools
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,9 @@ def import_server(
         listing["stderr"] = "discard"  # the SDK hands the server our stderr, which must be a real file
     out = []
     for found in list_server_tools(listing, handshake_timeout=handshake_timeout):
-        data = {**found, "name": f"{prefix}{found['name']}", "mcp": server}
+        # The server's own name stays in ``tool:`` (what the executor calls); the directory name must be
+        # one a model API accepts, so other characters become '_'.
+        data = {**found, "name": _UNSAFE.sub("_", f"{prefix}{found['name']}")[:64], "mcp": server}
         if label:
             data["mcp_server"] = label
         try:

@@ -113,3 +113,13 @@ def test_the_example_specs_load(fake: Any) -> None:
     examples = Path(__file__).resolve().parents[2] / "examples" / "tools"
     names = {name for name, _, _ in sync_dir(Directory(fake), examples)}
     assert {"hello", "echo_args"} <= names
+
+
+@pytest.mark.parametrize("name", ["../evil", "a/b", "has space", "x" * 65, "files.read", "名字"])
+def test_a_tool_name_a_model_api_would_refuse_is_refused_at_registration(name: str) -> None:
+    from broker.errors import InvalidSpec
+    from broker.toolspec import ToolSpec
+
+    with pytest.raises(InvalidSpec, match="1-64 letters, digits") as info:
+        ToolSpec.from_dict({"name": name, "executor": "python", "function": "m:f"})
+    assert info.value.details.get("path") == "name" or "spec.name" in str(info.value)

@@ -229,6 +229,9 @@ def test_mcp_add_imports_every_tool_of_a_real_server(
     assert (greet.executor, greet.config["tool"]) == ("mcp", "greet")
     assert greet.config["mcp"]["command"][-2:] == [str(MCP_SERVER), "stdio"]
     assert greet.input_schema["properties"]["name"]["type"] == "string"
+    # A server's dotted name is made one a model API accepts; the server is still asked for its own name.
+    dotted = d.fetch("t_files_read").spec
+    assert dotted.config["tool"] == "files.read"
     second = runner.invoke(main, ["mcp", "add", "test", "--command", command, "--prefix", "t_"])
     assert {line.split()[0] for line in second.output.splitlines()[:-1]} == {"unchanged"}
     bad = runner.invoke(

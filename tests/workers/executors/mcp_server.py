@@ -55,6 +55,12 @@ def die() -> str:
     os._exit(3)
 
 
+@server.tool(name="files.read")
+def files_read(path: str) -> str:
+    """A name with a dot, as some servers use: not a name model APIs accept for a function."""
+    return f"read {path}"
+
+
 @server.tool()
 async def trace(ctx: Context) -> dict:
     """Return the trace context the request carried in ``_meta`` and report progress."""
