@@ -14,7 +14,6 @@ from broker.codec import unpack
 from broker.config import Settings
 from broker.directory import Entry
 from broker.toolspec import ToolSpec
-from hermes_gateway.watch import figures_json
 
 # Piped output (scripts, CI logs) gets wide tables instead of rich's 80-column default, so names stay whole.
 console = Console(width=None if sys.stdout.isatty() else 200)
@@ -74,8 +73,8 @@ def tools_table(entries: list[Entry], settings: Settings, states: dict[str, str]
     console.print(table)
 
 
-def status_data(gw: Any) -> dict[str, Any]:
-    """Everything ``status`` shows, as plain data."""
+def status_data(gw: Any, figures: bool = False) -> dict[str, Any]:
+    """Everything ``status`` shows, as plain data; ``figures``: with the live call figures (``--json``)."""
     conn = gw.conn
     queue_keys = sorted(k.decode() for k in conn.smembers(keys.RQ_QUEUES))
     pipe = conn.pipeline(transaction=False)
@@ -91,7 +90,7 @@ def status_data(gw: Any) -> dict[str, Any]:
             failures.append(unpack(raw))
         except Exception:  # noqa: BLE001 - a damaged entry is skipped, not fatal
             continue
-    return {
+    data = {
         "broker": gw.description,
         "queues": [{"queue": k.split(":", 2)[2], "depth": d} for k, d in zip(queue_keys, depths, strict=True)],
         "waiting_by_key": waiting,
@@ -99,8 +98,12 @@ def status_data(gw: Any) -> dict[str, Any]:
         "workers": gw.live_workers(),
         "recent_failures": failures,
         **flow_control_data(conn),
-        "figures": figures_json(conn),  # what `status --watch` shows: calls by tool/state/error, waits, ...
     }
+    if figures:
+        from hermes_gateway.watch import figures_json
+
+        data["figures"] = figures_json(conn)  # what `status --watch` shows: calls by tool/state/error, ...
+    return data
 
 
 def flow_control_data(conn: Any) -> dict[str, Any]:

@@ -79,8 +79,12 @@ def figures_json(conn: redis.Redis) -> dict[str, Any]:
     return data
 
 
+def _print_line(line: str) -> None:
+    print(line, flush=True)  # a reader on a pipe (jq) gets each refresh as it comes
+
+
 def watch_json(
-    conn: redis.Redis, interval: float = 1.0, rounds: int | None = None, out: Callable[[str], None] = print
+    conn: redis.Redis, interval: float = 1.0, rounds: int | None = None, out: Callable[[str], None] = _print_line
 ) -> None:
     """One JSON line of ``figures_json`` now and every ``interval`` seconds (``status --watch --json``)."""
     done = 0
@@ -91,7 +95,7 @@ def watch_json(
                 return
             time.sleep(interval)
             done += 1
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, BrokenPipeError):  # Ctrl-C, or the reader (head, jq) went away
         pass
 
 
