@@ -252,6 +252,9 @@ class AsyncGateway:
 
     async def handle(self, call_id: str) -> AsyncCallHandle:
         """A handle on any call by id (for example one submitted by another process)."""
+        tracked = self._handles.get(call_id)
+        if tracked is not None:  # ours and still running: the handle the event task already feeds
+            return tracked
         raw = await self.conn.hmget(keys.job(call_id), keys.F_TOOL, keys.F_KIND, keys.F_CHANNEL)
         if raw[1] is None:
             raise CallFailed(f"no such call {call_id}", error_type="unknown_call")
