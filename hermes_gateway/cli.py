@@ -150,6 +150,38 @@ def status(ctx: click.Context, as_json: bool, watch: bool, interval: float) -> N
 
 
 @main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8787, show_default=True, help="Port of the API and the console.")
+@click.option("--token", default=None, help="Bearer token every /v1 route wants (default $HERMES_API_TOKEN).")
+@click.pass_context
+def serve(ctx: click.Context, host: str, port: int, token: str | None) -> None:
+    """The HTTP/SSE API and the web console (GET / in a browser); see hermes_gateway/http_api.py."""
+    import os
+
+    import uvicorn
+
+    from hermes_gateway.http_api import TOKEN_ENV, create_app
+    from hermes_gateway.local import local_stack
+
+    token = token or os.environ.get(TOKEN_ENV) or None
+    if token is None and host not in ("127.0.0.1", "localhost", "::1"):
+        _fail(f"listening on {host} lets anyone there register tools and run calls: give --token (or ${TOKEN_ENV})")
+    # uvicorn shuts down on SIGTERM, then raises the signal again to the handler it found: exit through
+    # our own cleanup (stop the local worker, the embedded broker) instead of dying on the spot.
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))
+    try:
+        with local_stack(_settings(ctx)) as (gw, procs):
+            gw.sync_tools()  # $HERMES_HOME/tools, as every command that runs calls does
+            click.echo(f"broker: {gw.description}" + (f" (with {len(procs)} local worker)" if procs else ""), err=True)
+            click.echo(f"console and API on http://{host}:{port}/", err=True)
+            uvicorn.run(create_app(gw, token=token), host=host, port=port, log_level="warning")
+    except HermesError as e:
+        _fail(str(e))
+
+
+@main.command()
 @click.option("--calls", "-n", default=300, show_default=True, help="Calls in the batch.")
 @click.option("--processes", default=2, show_default=True, help="Worker processes.")
 @click.option("--concurrency", default=32, show_default=True, help="Calls in flight per worker process.")

@@ -1,0 +1,298 @@
+"""The HTTP/SSE API and a small web console: ``hermes-gateway serve`` (127.0.0.1:8787 by default).
+
+The same operations as the Python client, for callers in any language and for a browser:
+
+- ``GET /healthz``; ``GET /v1/status`` (what ``status --json`` prints)
+- ``GET /v1/tools``, ``GET|DELETE /v1/tools/{name}``, ``POST /v1/tools`` (a spec as JSON: registered
+  like ``tool register``), ``GET /v1/schemas?principal=`` (the model-facing function list)
+- ``POST /v1/tools/{name}/calls`` ``{"args", "context", "timeout", "idempotency_key", "max_attempts",
+  "wait"}``: 202 with the call id, or with ``wait`` (seconds) the outcome when it comes in time; a W3C
+  ``traceparent``/``tracestate`` request header continues the caller's trace
+- ``GET /v1/calls/{id}``; ``POST /v1/calls/{id}/cancel``
+- ``GET /v1/calls/{id}/events``: Server-Sent Events, the call's history then its live tail, one event
+  per state change, progress message or stream delta (``id:`` is the event's ``seq``, so a reconnecting
+  ``EventSource`` resumes after ``Last-Event-ID``), ending with the terminal one.
+
+Admission errors are HTTP errors with the gateway's typed body ``{"error": {"type", "message",
+"details"}}`` (unknown tool 404, bad arguments or spec 400, ``QueueFull`` 429, ...); a call that ran and
+failed is a 200 with ``"state": "failed"`` and its error. With a token (``--token`` or
+``HERMES_API_TOKEN``) every ``/v1`` route wants ``Authorization: Bearer <token>`` (``?access_token=``
+for ``EventSource``, which cannot send headers).
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from importlib import resources
+from typing import Any
+
+import redis.asyncio as aioredis
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import Route
+
+from broker.errors import (
+    BrokerUnavailable,
+    CallCancelled,
+    CallFailed,
+    CallTimeout,
+    CircuitOpen,
+    HermesError,
+    InvalidArgs,
+    InvalidSpec,
+    NoWorkers,
+    PermissionDenied,
+    QueueFull,
+    UnknownTool,
+)
+from broker.toolspec import ToolSpec
+from hermes_gateway.aio import AsyncGateway
+from hermes_gateway.aio_handle import AsyncCallHandle
+from hermes_gateway.client import Gateway
+
+DEFAULT_PORT = 8787  # the Tool Gateway document's console port
+TOKEN_ENV = "HERMES_API_TOKEN"
+MAX_WAIT = 300.0  # seconds a request may hold on for a call's outcome
+
+_STATUS: list[tuple[type[HermesError], int]] = [
+    (UnknownTool, 404),
+    (InvalidSpec, 400),
+    (InvalidArgs, 400),
+    (QueueFull, 429),
+    (PermissionDenied, 403),
+    (CircuitOpen, 503),
+    (NoWorkers, 503),
+    (BrokerUnavailable, 503),
+]
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class BadRequest(HermesError):
+    """The request itself is malformed (not JSON, wrong field types)."""
+
+    type = "bad_request"
+
+
+def _plain(value: Any) -> Any:
+    """JSON for what a tool may return beyond JSON's types (msgpack bytes become base64)."""
+    if isinstance(value, bytes | bytearray):
+        return {"$base64": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, set | frozenset | tuple):
+        return list(value)
+    return str(value)
+
+
+def reply(data: Any, status: int = 200) -> Response:
+    body = json.dumps(data, ensure_ascii=False, default=_plain)
+    return Response(body, status_code=status, media_type="application/json")
+
+
+def error_reply(error: HermesError) -> Response:
+    status = next((code for cls, code in _STATUS if isinstance(error, cls)), 400)
+    if isinstance(error, CallFailed) and error.type == "unknown_call":
+        status = 404
+    return reply({"error": error.to_wire()}, status)
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    try:
+        data = await request.json()
+    except ValueError as e:
+        raise BadRequest(f"the request body is not JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str) -> Any:
+    value = body.get(name)
+    if value is not None and (isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds)):
+        raise BadRequest(f"{name}: expected {what}, got {type(value).__name__}")
+    return value
+
+
+def event_data(event: Any) -> dict[str, Any]:
+    return asdict(event)
+
+
+def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
+    """The API over ``gw``'s broker: ``gw`` (threads) for the directory and status, an ``AsyncGateway``
+    on the same broker for calls, waits and event streams."""
+    live: dict[str, AsyncGateway] = {}
+
+    @asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        agw = AsyncGateway(aioredis.Redis.from_url(gw.broker.url), gw.settings)
+        await agw.start()
+        live["agw"] = agw
+        try:
+            yield
+        finally:
+            await agw.close()
+
+    def api(handler: Handler) -> Handler:
+        async def wrapped(request: Request) -> Response:
+            if token is not None and not _authorized(request, token):
+                return reply({"error": {"type": "unauthorized", "message": "a bearer token is required"}}, 401)
+            try:
+                return await handler(request)
+            except HermesError as e:
+                return error_reply(e)
+            except TypeError as e:  # an unknown call-context field, from the client's own check
+                return error_reply(BadRequest(str(e)))
+
+        return wrapped
+
+    async def healthz(_request: Request) -> Response:
+        return reply({"ok": True, "broker": gw.description})
+
+    async def console(_request: Request) -> Response:
+        page = resources.files("hermes_gateway").joinpath("console.html").read_text(encoding="utf-8")
+        return HTMLResponse(page)
+
+    @api
+    async def status(_request: Request) -> Response:
+        from hermes_gateway.views import status_data
+
+        return reply(await run_in_threadpool(status_data, gw, True))
+
+    @api
+    async def list_tools(_request: Request) -> Response:
+        rows = []
+        for entry in await live["agw"].tools():
+            spec = entry.spec
+            rows.append(
+                {
+                    "name": spec.name,
+                    "description": spec.description,
+                    "executor": spec.executor,
+                    "permissions": list(spec.permissions) if spec.permissions is not None else None,
+                    "concurrency": spec.concurrency,
+                    "queue_size": spec.queue_size,
+                    "version": entry.version,
+                }
+            )
+        return reply(rows)
+
+    @api
+    async def get_tool(request: Request) -> Response:
+        entry = await live["agw"].tool(request.path_params["name"])
+        return reply({**entry.spec.to_dict(), "version": entry.version})
+
+    @api
+    async def register_tool(request: Request) -> Response:
+        spec = ToolSpec.from_dict(await _body(request))
+        version, outcome = await run_in_threadpool(gw.directory.put, spec)
+        return reply({"name": spec.name, "version": version, "outcome": outcome}, 201 if outcome == "added" else 200)
+
+    @api
+    async def remove_tool(request: Request) -> Response:
+        name = request.path_params["name"]
+        if not await run_in_threadpool(gw.directory.remove, name):
+            raise UnknownTool(f"unknown tool {name!r}: it is not in the tool directory", tool=name)
+        return reply({"removed": name})
+
+    @api
+    async def schemas(request: Request) -> Response:
+        principal = request.query_params.get("principal") or None
+        return reply(await run_in_threadpool(gw.tool_schemas, principal))
+
+    @api
+    async def call_tool(request: Request) -> Response:
+        body = await _body(request)
+        args = _field(body, "args", (dict,), "an object")
+        context = _field(body, "context", (dict,), "an object") or {}
+        wait = _field(body, "wait", (int, float), "seconds")
+        handle = await live["agw"].call_tool(
+            request.path_params["name"],
+            args,
+            timeout=_field(body, "timeout", (int, float), "seconds"),
+            idempotency_key=_field(body, "idempotency_key", (str,), "a string"),
+            max_attempts=_field(body, "max_attempts", (int,), "an integer"),
+            traceparent=request.headers.get("traceparent"),
+            tracestate=request.headers.get("tracestate"),
+            **context,
+        )
+        if not wait:
+            return reply(_accepted(handle), 202)
+        outcome = await _outcome(handle, min(float(wait), MAX_WAIT))
+        return reply(outcome, 200 if handle.done() else 202)
+
+    @api
+    async def get_call(request: Request) -> Response:
+        handle = await live["agw"].handle(request.path_params["call_id"])
+        return reply(await _outcome(handle, 0.0) if handle.done() else _accepted(handle))
+
+    @api
+    async def cancel_call(request: Request) -> Response:
+        call_id = request.path_params["call_id"]
+        await live["agw"].handle(call_id)  # 404 for an unknown id
+        return reply({"call_id": call_id, "cancelled": await live["agw"].cancel(call_id)})
+
+    @api
+    async def call_events(request: Request) -> Response:
+        handle = await live["agw"].handle(request.path_params["call_id"])
+        raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
+        try:
+            after = int(raw)
+        except ValueError as e:
+            raise BadRequest(f"Last-Event-ID / after: expected an event seq, got {raw!r}") from e
+
+        async def stream() -> AsyncIterator[dict[str, str]]:
+            async for event in handle.events():
+                if event.seq > after:
+                    data = json.dumps(event_data(event), ensure_ascii=False, default=_plain)
+                    yield {"id": str(event.seq), "event": event.type, "data": data}
+
+        return EventSourceResponse(stream(), ping=15)
+
+    routes = [
+        Route("/", console),
+        Route("/healthz", healthz),
+        Route("/v1/status", status),
+        Route("/v1/tools", list_tools, methods=["GET"]),
+        Route("/v1/tools", register_tool, methods=["POST"]),
+        Route("/v1/tools/{name}", get_tool, methods=["GET"]),
+        Route("/v1/tools/{name}", remove_tool, methods=["DELETE"]),
+        Route("/v1/tools/{name}/calls", call_tool, methods=["POST"]),
+        Route("/v1/schemas", schemas),
+        Route("/v1/calls/{call_id}", get_call),
+        Route("/v1/calls/{call_id}/cancel", cancel_call, methods=["POST"]),
+        Route("/v1/calls/{call_id}/events", call_events),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def _authorized(request: Request, token: str) -> bool:
+    header = request.headers.get("authorization", "")
+    given = header[7:] if header[:7].lower() == "bearer " else request.query_params.get("access_token", "")
+    return hmac.compare_digest(given.encode(), token.encode())
+
+
+def _accepted(handle: AsyncCallHandle) -> dict[str, Any]:
+    base = f"/v1/calls/{handle.call_id}"
+    return {"call_id": handle.call_id, "name": handle.name, "state": handle.state, "events": f"{base}/events"}
+
+
+async def _outcome(handle: AsyncCallHandle, wait: float) -> dict[str, Any]:
+    """The call's result or error when it has ended within ``wait`` seconds, else where it stands."""
+    out: dict[str, Any] = {"call_id": handle.call_id, "name": handle.name}
+    try:
+        out["result"] = await handle.result(timeout=wait)
+        out["state"] = "done"
+    except CallTimeout:
+        return _accepted(handle)
+    except CallCancelled as e:
+        out.update(state="cancelled", error=e.to_wire())
+    except HermesError as e:
+        out.update(state=handle.final_state or "failed", error=e.to_wire())
+    return out

@@ -1,0 +1,280 @@
+"""The HTTP/SSE API and console: a real uvicorn server, real worker processes, a real Redis, httpx."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from broker import keys
+from broker.calls import envelope_of
+from hermes_gateway.http_api import create_app
+
+pytestmark = pytest.mark.e2e
+
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+TP = f"00-{TRACE}-00f067aa0ba902b7-01"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Served:
+    def __init__(self, gateway: Any, token: str | None = None) -> None:
+        self.port = _free_port()
+        config = uvicorn.Config(
+            create_app(gateway, token=token), host="127.0.0.1", port=self.port, log_level="warning"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the API server did not start"
+            time.sleep(0.02)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture
+def api(gateway: Any, home: Any, workers: Any) -> Iterator[httpx.Client]:
+    home.echo_tool()
+    home.sleep_tool()
+    home.sleep_tool("tight", concurrency=1, queue_size=0)
+    gateway.sync_tools()
+    workers(1, concurrency=8)
+    served = Served(gateway)
+    with httpx.Client(base_url=served.base, timeout=30) as client:
+        yield client
+    served.stop()
+
+
+def _sse(client: httpx.Client, path: str, headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Every SSE event of ``path`` until the server ends the stream."""
+    events: list[dict[str, Any]] = []
+    current: dict[str, Any] = {}
+    with client.stream("GET", path, headers=headers or {}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if not line:
+                if "data" in current:
+                    events.append(current)
+                current = {}
+            elif not line.startswith(":"):
+                field, _, value = line.partition(":")
+                current[field] = value.lstrip(" ")
+    return events
+
+
+def test_register_list_call_and_stream_a_tool_over_http(api: httpx.Client, gateway: Any) -> None:
+    assert api.get("/healthz").json()["ok"] is True
+
+    bad = api.post("/v1/tools", json={"name": "greet", "executor": "python"})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_spec"
+    assert "function" in bad.json()["error"]["message"]
+    spec = {
+        "name": "greet",
+        "executor": "python",
+        "function": "workers.executors.builtin:echo",
+        "description": "says what it got",
+        "input_schema": {"type": "object", "properties": {"who": {"type": "string"}}},
+    }
+    created = api.post("/v1/tools", json=spec)
+    assert created.status_code == 201 and created.json()["outcome"] == "added"
+    assert api.post("/v1/tools", json=spec).json()["outcome"] == "unchanged"
+    assert "greet" in {t["name"] for t in api.get("/v1/tools").json()}
+    assert api.get("/v1/tools/greet").json()["description"] == "says what it got"
+    assert {s["function"]["name"] for s in api.get("/v1/schemas").json()} >= {"greet", "echo"}
+
+    done = api.post("/v1/tools/greet/calls", json={"args": {"who": "北京"}, "wait": 20}, headers={"traceparent": TP})
+    assert done.status_code == 200, done.text
+    body = done.json()
+    assert body["state"] == "done" and body["result"] == {"who": "北京"}
+    env = envelope_of(gateway.conn.hget(keys.job(body["call_id"]), "data"))
+    assert env.traceparent.split("-")[1] == TRACE, "the caller's trace continues through the API"
+
+    accepted = api.post("/v1/tools/sleep/calls", json={"args": {"seconds": 0.2}, "context": {"session_id": "s-1"}})
+    assert accepted.status_code == 202
+    call = accepted.json()
+    events = _sse(api, call["events"])
+    states = [json.loads(e["data"])["state"] for e in events if e["event"] == "transition"]
+    assert states == ["pending", "routing", "executing", "formatting", "done"]
+    assert [int(e["id"]) for e in events] == list(range(1, len(events) + 1))
+    assert json.loads(events[-1]["data"])["session_id"] == "s-1"
+    # Reconnecting with Last-Event-ID gets only what came after.
+    tail = _sse(api, call["events"], headers={"Last-Event-ID": "3"})
+    assert [int(e["id"]) for e in tail] == list(range(4, len(events) + 1))
+    got = api.get(f"/v1/calls/{call['call_id']}").json()
+    assert got["state"] == "done" and got["result"] == {"slept": 0.2}
+
+    assert api.delete("/v1/tools/greet").json() == {"removed": "greet"}
+    assert api.delete("/v1/tools/greet").status_code == 404
+
+
+def test_admission_errors_are_typed_http_errors_and_failures_are_outcomes(api: httpx.Client) -> None:
+    missing = api.post("/v1/tools/nope/calls", json={"args": {}})
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "unknown_tool"
+    assert api.post("/v1/tools/echo/calls", content=b"{not json").status_code == 400
+    wrong = api.post("/v1/tools/echo/calls", json={"args": [1, 2]})
+    assert wrong.status_code == 400 and "args: expected an object" in wrong.json()["error"]["message"]
+    typo = api.post("/v1/tools/echo/calls", json={"context": {"sesion_id": "x"}})
+    assert typo.status_code == 400 and "sesion_id" in typo.json()["error"]["message"]
+
+    first = api.post("/v1/tools/tight/calls", json={"args": {"seconds": 20}})
+    assert first.status_code == 202
+    second = api.post("/v1/tools/tight/calls", json={"args": {"seconds": 0}})  # slot taken, no room to wait
+    assert second.status_code == 429 and second.json()["error"]["type"] == "queue_full"
+    assert second.json()["error"]["details"]["limit"] == 0
+    api.post(f"/v1/calls/{first.json()['call_id']}/cancel")
+
+    bad_args = api.post("/v1/tools/sleep/calls", json={"args": {"seconds": "soon"}, "wait": 20})
+    assert bad_args.status_code == 200
+    assert bad_args.json()["state"] == "failed" and bad_args.json()["error"]["type"] == "invalid_args"
+    assert api.get("/v1/calls/0123456789abcdef0123456789abcdef").status_code == 404
+
+
+def test_a_running_call_is_cancelled_over_http(api: httpx.Client) -> None:
+    call = api.post("/v1/tools/sleep/calls", json={"args": {"seconds": 30}}).json()
+    deadline = time.monotonic() + 10
+    while api.get(f"/v1/calls/{call['call_id']}").json()["state"] != "executing":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert api.post(f"/v1/calls/{call['call_id']}/cancel").json()["cancelled"] is True
+    ended = api.post("/v1/tools/echo/calls", json={"wait": 20}).json()  # the worker goes on serving
+    assert ended["state"] == "done"
+    deadline = time.monotonic() + 10
+    while (state := api.get(f"/v1/calls/{call['call_id']}").json()["state"]) != "cancelled":
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
+
+
+def test_with_a_token_every_v1_route_wants_it_and_the_console_is_served(
+    gateway: Any, home: Any, workers: Any
+) -> None:
+    home.echo_tool()
+    gateway.sync_tools()
+    workers(1, concurrency=4)
+    served = Served(gateway, token="s3cret")
+    try:
+        with httpx.Client(base_url=served.base, timeout=30) as client:
+            page = client.get("/")
+            assert page.status_code == 200 and "<title>Hermes Gateway</title>" in page.text
+            assert client.get("/healthz").status_code == 200
+            denied = client.get("/v1/tools")
+            assert denied.status_code == 401 and denied.json()["error"]["type"] == "unauthorized"
+            assert client.get("/v1/tools", headers={"Authorization": "Bearer wrong"}).status_code == 401
+            auth = {"Authorization": "Bearer s3cret"}
+            call = client.post("/v1/tools/echo/calls", json={"args": {"a": 1}}, headers=auth).json()
+            # EventSource cannot send headers: the token may come as a query parameter.
+            events = _sse(client, f"{call['events']}?access_token=s3cret")
+            assert json.loads(events[-1]["data"])["state"] == "done"
+            status = client.get("/v1/status", headers=auth).json()
+            assert "figures" in status and status["workers"]
+    finally:
+        served.stop()
+
+
+def test_the_serve_command_runs_the_api_and_refuses_an_open_address_without_a_token(
+    redis_url: str, home: Any
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from click.testing import CliRunner
+
+    from hermes_gateway.cli import main
+    from tests.conftest import REPO
+
+    refused = CliRunner().invoke(main, ["serve", "--host", "0.0.0.0"], env={"HERMES_REDIS_URL": redis_url})
+    assert refused.exit_code == 2 and "--token" in refused.output
+
+    port = _free_port()
+    env = dict(os.environ, HERMES_REDIS_URL=redis_url, HERMES_HOME=str(home.path))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from hermes_gateway.cli import main; main()", "serve", "--port", str(port)],
+        cwd=REPO,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                assert time.monotonic() < deadline, "serve did not answer"
+                time.sleep(0.1)
+        assert health.json()["ok"] is True and str(port) not in health.json()["broker"]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_serve_on_the_embedded_broker_runs_calls_and_sigterm_stops_its_worker_and_broker(home: Any) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    home.echo_tool()
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "HERMES_REDIS_URL"}
+    env["HERMES_HOME"] = str(home.path)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from hermes_gateway.cli import main; main()", "serve", "--port", str(port)],
+        cwd=REPO,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 40
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                assert time.monotonic() < deadline, "serve did not answer"
+                time.sleep(0.1)
+        out = httpx.post(
+            f"http://127.0.0.1:{port}/v1/tools/echo/calls", json={"args": {"x": 1}, "wait": 20}, timeout=30
+        ).json()
+        assert out["state"] == "done" and out["result"] == {"x": 1}
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(children) >= 2, "the embedded broker and one local worker"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(40) == 0
+        for pid in map(int, children):
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                assert time.monotonic() < deadline, f"child {pid} outlived serve"
+                time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
