@@ -5,6 +5,7 @@ redis service's own command, and check the stack works end to end."""
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -13,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 import yaml
@@ -84,8 +86,13 @@ def test_compose_services_run_as_written(tmp_path: Path) -> None:
                 time.sleep(0.05)
         url_for = lambda svc_env: svc_env["HERMES_REDIS_URL"].replace("redis://redis:6379", f"redis://127.0.0.1:{port}")  # noqa: E731
 
-        def env_of(name: str) -> dict[str, str]:
-            svc_env = {k: str(v) for k, v in services[name]["environment"].items()}
+        def env_of(name: str, shell: dict[str, str] | None = None) -> dict[str, str]:
+            # ${VAR:-default} is read from the shell that runs compose, as compose does.
+            shell = shell or {}
+            svc_env = {
+                k: re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: shell.get(m.group(1), m.group(2)), str(v))
+                for k, v in services[name]["environment"].items()
+            }
             env = {**os.environ, **image_env, **svc_env}
             env["HERMES_REDIS_URL"] = url_for(svc_env)
             env["HERMES_HOME"] = str(home)  # the image path /hermes, laid out under tmp
@@ -106,6 +113,31 @@ def test_compose_services_run_as_written(tmp_path: Path) -> None:
         assert call.returncode == 0, call.stderr
         assert call.stdout.strip() == "Hello, Alice!"
         assert "done" in call.stderr and "trace_id=" in call.stderr  # --follow printed the transitions
+
+        # api: refuses to listen on every address without a token; with one, serves calls over HTTP.
+        api_port = _free_port()
+        api_argv = [*_argv(entry, services["api"]["command"]), "--port", str(api_port)]
+        no_token = subprocess.run(api_argv, env=env_of("api"), capture_output=True, text=True, timeout=60)
+        assert no_token.returncode == 2 and "--token" in no_token.stderr
+        api = subprocess.Popen(api_argv, env=env_of("api", {"HERMES_API_TOKEN": "t0ken"}), stderr=subprocess.DEVNULL)
+        procs.append(api)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{api_port}/healthz", timeout=2)
+                break
+            except httpx.TransportError:
+                assert api.poll() is None and time.monotonic() < deadline, "the api service did not start"
+                time.sleep(0.1)
+        said = httpx.post(
+            f"http://127.0.0.1:{api_port}/v1/tools/hello/calls",
+            json={"args": {"name": "Bob"}, "wait": 30},
+            headers={"Authorization": "Bearer t0ken"},
+            timeout=40,
+        ).json()
+        assert said["state"] == "done" and said["result"].strip() == "Hello, Bob!"
+        api.terminate()
+        assert api.wait(30) == 0
 
         # Scaling: a second worker from the same command joins the same queues.
         second = subprocess.Popen(_argv(entry, services["worker"]["command"]), env=env_of("worker"), stderr=subprocess.DEVNULL)
