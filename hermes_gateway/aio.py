@@ -262,7 +262,7 @@ class AsyncGateway:
         h = AsyncCallHandle(self, call_id, name, kind, own=channel == self.channel)
         if h.own:
             self._track(h)
-        await h.sync()
+        await h.sync()  # an ended call is untracked again by its terminal event
         return h
 
     async def cancel(self, call_id: str) -> bool:
@@ -310,6 +310,15 @@ class AsyncGateway:
         self._handles[handle.call_id] = handle
         return handle
 
+    def _untrack(self, handle: AsyncCallHandle) -> None:
+        if self._handles.get(handle.call_id) is handle:
+            del self._handles[handle.call_id]
+
+    def invalidate(self, name: str) -> None:
+        """Forget the cached spec of ``name`` (this process changed it; the notice may come later)."""
+        self._tools_gen += 1
+        self._tools.pop(name, None)
+
     async def _dispatch(self) -> None:
         while True:
             try:
@@ -333,10 +342,11 @@ class AsyncGateway:
             if handle is None:
                 continue
             if event.seq > handle.last_seq + 1:
-                await handle.sync()  # a gap: fill it from the durable history
-            handle._feed(event)
-            if event.terminal:
-                self._handles.pop(event.call_id, None)
+                try:
+                    await handle.sync()  # a gap: fill it from the durable history
+                except (RedisError, OSError, DecodeError) as e:
+                    log.warning("could not fill an event gap from the history", error=str(e))
+            handle._feed(event)  # the terminal event untracks the handle
 
 
 def _text(value: bytes | str | None) -> str:

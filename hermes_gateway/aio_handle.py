@@ -72,6 +72,8 @@ class AsyncCallHandle:
         self._events.append(event)
         if event.terminal:
             self._final = event
+            if self.own:  # however the end was seen (pub/sub or a history read), stop tracking the call
+                self.gateway._untrack(self)
         self._wake()
 
     def _refuse(self, error: HermesError) -> None:
