@@ -167,16 +167,23 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None) -> None:
     if token is None and host not in ("127.0.0.1", "localhost", "::1"):
         _fail(f"listening on {host} lets anyone there register tools and run calls: give --token (or ${TOKEN_ENV})")
     # uvicorn shuts down on SIGTERM, then raises the signal again to the handler it found: exit through
-    # our own cleanup (stop the local worker, the embedded broker) instead of dying on the spot.
+    # our own cleanup (stop the local worker, the embedded broker) instead of dying on the spot. While
+    # the broker starts and while cleaning up, a SIGTERM must not cut either short.
     import signal
 
-    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         with local_stack(_settings(ctx)) as (gw, procs):
-            gw.sync_tools()  # $HERMES_HOME/tools, as every command that runs calls does
-            click.echo(f"broker: {gw.description}" + (f" (with {len(procs)} local worker)" if procs else ""), err=True)
-            click.echo(f"console and API on http://{host}:{port}/", err=True)
-            uvicorn.run(create_app(gw, token=token), host=host, port=port, log_level="warning")
+            try:
+                signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))
+                gw.sync_tools()  # $HERMES_HOME/tools, as every command that runs calls does
+                local = f" (with {len(procs)} local worker)" if procs else ""
+                click.echo(f"broker: {gw.description}{local}", err=True)
+                click.echo(f"console and API on http://{host}:{port}/", err=True)
+                app = create_app(gw, token=token)
+                uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+            finally:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except HermesError as e:
         _fail(str(e))
 

@@ -17,7 +17,12 @@ Admission errors are HTTP errors with the gateway's typed body ``{"error": {"typ
 "details"}}`` (unknown tool 404, bad arguments or spec 400, ``QueueFull`` 429, ...); a call that ran and
 failed is a 200 with ``"state": "failed"`` and its error. With a token (``--token`` or
 ``HERMES_API_TOKEN``) every ``/v1`` route wants ``Authorization: Bearer <token>`` (``?access_token=``
-for ``EventSource``, which cannot send headers).
+on the events route, for ``EventSource``, which cannot send headers).
+
+A browser must not be able to drive the API from another site (registering a ``command`` tool is
+running code): request bodies must be ``application/json`` (a cross-site form or ``no-cors`` fetch
+cannot send that without a preflight, which is never answered), a foreign ``Origin`` is refused, and
+without a token the ``Host`` must be a loopback name (no DNS rebinding).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import base64
 import hmac
 import json
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict
@@ -32,6 +38,7 @@ from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -39,6 +46,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
+from broker.envelope import CONTEXT_FIELDS
 from broker.errors import (
     BrokerUnavailable,
     CallCancelled,
@@ -53,6 +61,7 @@ from broker.errors import (
     QueueFull,
     UnknownTool,
 )
+from broker.redact import redact
 from broker.toolspec import ToolSpec
 from hermes_gateway.aio import AsyncGateway
 from hermes_gateway.aio_handle import AsyncCallHandle
@@ -61,6 +70,7 @@ from hermes_gateway.client import Gateway
 DEFAULT_PORT = 8787  # the Tool Gateway document's console port
 TOKEN_ENV = "HERMES_API_TOKEN"
 MAX_WAIT = 300.0  # seconds a request may hold on for a call's outcome
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 
 _STATUS: list[tuple[type[HermesError], int]] = [
     (UnknownTool, 404),
@@ -91,19 +101,32 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def reply(data: Any, status: int = 200) -> Response:
-    body = json.dumps(data, ensure_ascii=False, default=_plain)
-    return Response(body, status_code=status, media_type="application/json")
+class Forbidden(HermesError):
+    """The request comes from somewhere the API does not serve (a foreign origin or host name)."""
+
+    type = "forbidden"
+
+
+def reply(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    try:
+        body = json.dumps(data, ensure_ascii=False, default=_plain).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate the caller sent comes back escaped, not as a 500
+        body = json.dumps(data, ensure_ascii=True, default=_plain).encode("ascii")
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
 def error_reply(error: HermesError) -> Response:
     status = next((code for cls, code in _STATUS if isinstance(error, cls)), 400)
     if isinstance(error, CallFailed) and error.type == "unknown_call":
         status = 404
+    elif isinstance(error, Forbidden):
+        status = 403
     return reply({"error": error.to_wire()}, status)
 
 
 async def _body(request: Request) -> dict[str, Any]:
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+        raise BadRequest("the request body must be sent as Content-Type: application/json")
     try:
         data = await request.json()
     except ValueError as e:
@@ -118,6 +141,34 @@ def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str) 
     if value is not None and (isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds)):
         raise BadRequest(f"{name}: expected {what}, got {type(value).__name__}")
     return value
+
+
+def _number(body: dict[str, Any], name: str, low: float, *, integer: bool = False) -> Any:
+    """A finite number of at least ``low`` (None when absent)."""
+    kinds: tuple[type, ...] = (int,) if integer else (int, float)
+    value = _field(body, name, kinds, "an integer" if integer else "a number of seconds")
+    if value is not None and (not math.isfinite(value) or value < low or abs(value) > 2**53):
+        raise BadRequest(f"{name}: expected a finite number of at least {low:g}, got {value!r}")
+    return value
+
+
+def _context(body: dict[str, Any]) -> dict[str, Any]:
+    context = _field(body, "context", (dict,), "an object") or {}
+    unknown = sorted(str(k) for k in context if k not in CONTEXT_FIELDS)
+    if unknown:
+        raise BadRequest(
+            f"context: unknown field(s) {', '.join(unknown)}; known: {', '.join(CONTEXT_FIELDS)}", fields=unknown
+        )
+    return context
+
+
+def _check_origin(request: Request, token: str | None) -> None:
+    host = request.headers.get("host", "")
+    origin = request.headers.get("origin")
+    if origin is not None and origin.split("://", 1)[-1].rstrip("/") != host:
+        raise Forbidden(f"requests from {origin} are not served here (the API serves its own origin only)")
+    if token is None and host.rsplit(":", 1)[0] not in LOOPBACK and host not in LOOPBACK:
+        raise Forbidden(f"host {host!r}: without a token the API answers to loopback names only")
 
 
 def event_data(event: Any) -> dict[str, Any]:
@@ -139,23 +190,31 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
         finally:
             await agw.close()
 
-    def api(handler: Handler) -> Handler:
+    def api(handler: Handler, *, query_token: bool = False) -> Handler:
         async def wrapped(request: Request) -> Response:
-            if token is not None and not _authorized(request, token):
-                return reply({"error": {"type": "unauthorized", "message": "a bearer token is required"}}, 401)
             try:
+                _check_origin(request, token)
+                if token is not None and not _authorized(request, token, query_token):
+                    unauthorized = {"type": "unauthorized", "message": "a bearer token is required", "details": {}}
+                    return reply({"error": unauthorized}, 401, {"WWW-Authenticate": "Bearer"})
                 return await handler(request)
             except HermesError as e:
                 return error_reply(e)
-            except TypeError as e:  # an unknown call-context field, from the client's own check
-                return error_reply(BadRequest(str(e)))
+            except (RedisError, OSError) as e:
+                return error_reply(BrokerUnavailable(f"the broker did not answer: {e}"))
+            except (OverflowError, UnicodeError) as e:  # what msgpack cannot carry, from the caller's values
+                return error_reply(BadRequest(f"a value cannot be sent: {e}"))
 
         return wrapped
 
     async def healthz(_request: Request) -> Response:
         return reply({"ok": True, "broker": gw.description})
 
-    async def console(_request: Request) -> Response:
+    async def console(request: Request) -> Response:
+        try:
+            _check_origin(request, token)
+        except Forbidden as e:
+            return error_reply(e)
         page = resources.files("hermes_gateway").joinpath("console.html").read_text(encoding="utf-8")
         return HTMLResponse(page)
 
@@ -186,18 +245,22 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
     @api
     async def get_tool(request: Request) -> Response:
         entry = await live["agw"].tool(request.path_params["name"])
-        return reply({**entry.spec.to_dict(), "version": entry.version})
+        # Literal headers, environments and DSNs may hold credentials: masked as in the audit log.
+        return reply({**redact(entry.spec.to_dict()), "version": entry.version})
 
     @api
     async def register_tool(request: Request) -> Response:
         spec = ToolSpec.from_dict(await _body(request))
         version, outcome = await run_in_threadpool(gw.directory.put, spec)
+        live["agw"].invalidate(spec.name)
         return reply({"name": spec.name, "version": version, "outcome": outcome}, 201 if outcome == "added" else 200)
 
     @api
     async def remove_tool(request: Request) -> Response:
         name = request.path_params["name"]
-        if not await run_in_threadpool(gw.directory.remove, name):
+        removed = await run_in_threadpool(gw.directory.remove, name)
+        live["agw"].invalidate(name)
+        if not removed:
             raise UnknownTool(f"unknown tool {name!r}: it is not in the tool directory", tool=name)
         return reply({"removed": name})
 
@@ -210,14 +273,15 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
     async def call_tool(request: Request) -> Response:
         body = await _body(request)
         args = _field(body, "args", (dict,), "an object")
-        context = _field(body, "context", (dict,), "an object") or {}
-        wait = _field(body, "wait", (int, float), "seconds")
+        context = _context(body)
+        wait = _number(body, "wait", 0)
+        timeout = _number(body, "timeout", 0.001)
         handle = await live["agw"].call_tool(
             request.path_params["name"],
             args,
-            timeout=_field(body, "timeout", (int, float), "seconds"),
+            timeout=timeout,
             idempotency_key=_field(body, "idempotency_key", (str,), "a string"),
-            max_attempts=_field(body, "max_attempts", (int,), "an integer"),
+            max_attempts=_number(body, "max_attempts", 1, integer=True),
             traceparent=request.headers.get("traceparent"),
             tracestate=request.headers.get("tracestate"),
             **context,
@@ -238,14 +302,16 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
         await live["agw"].handle(call_id)  # 404 for an unknown id
         return reply({"call_id": call_id, "cancelled": await live["agw"].cancel(call_id)})
 
-    @api
-    async def call_events(request: Request) -> Response:
+    async def call_events_stream(request: Request) -> Response:
         handle = await live["agw"].handle(request.path_params["call_id"])
         raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
         try:
             after = int(raw)
         except ValueError as e:
             raise BadRequest(f"Last-Event-ID / after: expected an event seq, got {raw!r}") from e
+
+        if handle.done() and after >= handle.last_seq:
+            return Response(status_code=204)  # nothing more will come: an EventSource stops reconnecting
 
         async def stream() -> AsyncIterator[dict[str, str]]:
             async for event in handle.events():
@@ -267,14 +333,17 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
         Route("/v1/schemas", schemas),
         Route("/v1/calls/{call_id}", get_call),
         Route("/v1/calls/{call_id}/cancel", cancel_call, methods=["POST"]),
-        Route("/v1/calls/{call_id}/events", call_events),
+        Route("/v1/calls/{call_id}/events", api(call_events_stream, query_token=True)),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
 
 
-def _authorized(request: Request, token: str) -> bool:
+def _authorized(request: Request, token: str, query_token: bool = False) -> bool:
     header = request.headers.get("authorization", "")
-    given = header[7:] if header[:7].lower() == "bearer " else request.query_params.get("access_token", "")
+    if header[:7].lower() == "bearer ":
+        given = header[7:]
+    else:
+        given = request.query_params.get("access_token", "") if query_token else ""
     return hmac.compare_digest(given.encode(), token.encode())
 
 

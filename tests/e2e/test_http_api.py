@@ -128,7 +128,15 @@ def test_register_list_call_and_stream_a_tool_over_http(api: httpx.Client, gatew
 def test_admission_errors_are_typed_http_errors_and_failures_are_outcomes(api: httpx.Client) -> None:
     missing = api.post("/v1/tools/nope/calls", json={"args": {}})
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "unknown_tool"
-    assert api.post("/v1/tools/echo/calls", content=b"{not json").status_code == 400
+    assert api.post("/v1/tools/echo/calls", content=b"{not json", headers={"Content-Type": "application/json"}).status_code == 400
+    # A body that is not declared JSON is refused: a cross-site form or no-cors fetch cannot declare it.
+    plain = api.post("/v1/tools/echo/calls", content=b'{"args": {}}', headers={"Content-Type": "text/plain"})
+    assert plain.status_code == 400 and "application/json" in plain.json()["error"]["message"]
+    for field, value in (("wait", float("nan")), ("wait", -1), ("timeout", 0), ("max_attempts", 0)):
+        refused = api.post("/v1/tools/echo/calls", content=json.dumps({field: value}), headers={"Content-Type": "application/json"})
+        assert refused.status_code == 400 and field in refused.json()["error"]["message"], (field, value)
+    queue = api.post("/v1/tools/echo/calls", json={"context": {"queue": "elsewhere"}})
+    assert queue.status_code == 400 and "queue" in queue.json()["error"]["message"]
     wrong = api.post("/v1/tools/echo/calls", json={"args": [1, 2]})
     assert wrong.status_code == 400 and "args: expected an object" in wrong.json()["error"]["message"]
     typo = api.post("/v1/tools/echo/calls", json={"context": {"sesion_id": "x"}})
@@ -145,6 +153,37 @@ def test_admission_errors_are_typed_http_errors_and_failures_are_outcomes(api: h
     assert bad_args.status_code == 200
     assert bad_args.json()["state"] == "failed" and bad_args.json()["error"]["type"] == "invalid_args"
     assert api.get("/v1/calls/0123456789abcdef0123456789abcdef").status_code == 404
+
+
+def test_other_sites_and_rebound_host_names_are_refused(api: httpx.Client) -> None:
+    evil = api.post("/v1/tools/echo/calls", json={"args": {}}, headers={"Origin": "http://evil.example"})
+    assert evil.status_code == 403 and evil.json()["error"]["type"] == "forbidden"
+    rebound = api.get("/v1/tools", headers={"Host": "evil.example:8787"})
+    assert rebound.status_code == 403
+    same = api.get("/v1/tools", headers={"Origin": str(api.base_url).rstrip("/")})
+    assert same.status_code == 200, "the console's own origin is served"
+
+
+def test_a_spec_read_over_http_masks_credentials(api: httpx.Client) -> None:
+    spec = {
+        "name": "with_key",
+        "executor": "http",
+        "endpoint": "http://127.0.0.1:9/x",
+        "headers": {"Authorization": "Bearer sk-live-123", "X-Trace": "on"},
+    }
+    assert api.post("/v1/tools", json=spec).status_code == 201
+    shown = api.get("/v1/tools/with_key").json()
+    assert shown["headers"] == {"Authorization": "***", "X-Trace": "on"}
+    assert "sk-live-123" not in json.dumps(shown)
+
+
+def test_an_ended_calls_event_stream_says_there_is_nothing_more(api: httpx.Client) -> None:
+    done = api.post("/v1/tools/echo/calls", json={"wait": 20}).json()
+    assert done["state"] == "done"
+    events = _sse(api, f"/v1/calls/{done['call_id']}/events")
+    last = int(events[-1]["id"])
+    again = api.get(f"/v1/calls/{done['call_id']}/events", headers={"Last-Event-ID": str(last)})
+    assert again.status_code == 204  # an EventSource stops reconnecting
 
 
 def test_a_running_call_is_cancelled_over_http(api: httpx.Client) -> None:
@@ -177,6 +216,8 @@ def test_with_a_token_every_v1_route_wants_it_and_the_console_is_served(
             denied = client.get("/v1/tools")
             assert denied.status_code == 401 and denied.json()["error"]["type"] == "unauthorized"
             assert client.get("/v1/tools", headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert denied.headers["www-authenticate"] == "Bearer"
+            assert client.get("/v1/tools?access_token=s3cret").status_code == 401, "query tokens: events only"
             auth = {"Authorization": "Bearer s3cret"}
             call = client.post("/v1/tools/echo/calls", json={"args": {"a": 1}}, headers=auth).json()
             # EventSource cannot send headers: the token may come as a query parameter.
