@@ -322,9 +322,11 @@ class Gateway:
             self._handles[handle.call_id] = handle
         return handle
 
-    def _untrack(self, call_id: str) -> None:
+    def _untrack(self, call_id: str, handle: CallHandle | None = None) -> None:
+        """Stop feeding ``call_id`` (only if it is still ``handle``, when one is given)."""
         with self._lock:
-            self._handles.pop(call_id, None)
+            if handle is None or self._handles.get(call_id) is handle:
+                self._handles.pop(call_id, None)
 
     def _dispatch(self) -> None:
         while not self._closed.is_set():

@@ -54,6 +54,8 @@ class CallHandle:
                 self._final = event
                 self._done.set()
             self._cv.notify_all()
+        if event.terminal and self.own:  # however the end was seen (pub/sub or a history read)
+            self.gateway._untrack(self.call_id, self)
 
     def _refuse(self, error: HermesError) -> None:
         self.refused = error

@@ -258,3 +258,22 @@ def test_require_workers_says_how_to_start_one(gw: Gateway) -> None:
     assert gw.live_workers("tools") == []
     with pytest.raises(NoWorkers, match="hermes-gateway worker --queues tools"):
         gw.require_workers("tools")
+
+
+def test_a_call_whose_end_came_only_through_the_history_is_no_longer_tracked(gw: Gateway, conn: Any) -> None:
+    """A lost terminal pub/sub message must not keep the handle in the client forever."""
+    import dataclasses
+
+    from broker.calls import CallInfo, envelope_of
+    from broker.states import State
+
+    h = gw.call_tool("echo", {"x": 1})
+    assert h.call_id in gw._handles
+    env = envelope_of(conn.hget(keys.job(h.call_id), "data"))
+    # The terminal event goes to the history and to a channel nobody listens on: "lost" for this client.
+    info = dataclasses.replace(CallInfo.of(env, "tool:echo"), channel="hermes:ch:nobody")
+    gw.calls.transition(info, State.CANCELLED, attempt=1, current=State.PENDING)
+    time.sleep(0.1)
+    assert h.call_id in gw._handles and not h.done(), "the client has not heard of it"
+    h.sync()
+    assert h.done() and h.call_id not in gw._handles
