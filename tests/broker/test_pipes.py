@@ -115,24 +115,30 @@ def _retrying(redis_url: str) -> redis.Redis:
     return redis.Redis.from_url(redis_url, retry=Retry(NoBackoff(), 3), retry_on_error=[redis.ConnectionError])
 
 
+def _failing_once(conn: redis.Redis, method: str, on_call: int, error: Exception) -> list[int]:
+    """Make the pooled connection's ``method`` raise ``error`` on its ``on_call``-th use; counts the uses."""
+    pool = conn.connection_pool
+    c = pool.get_connection()
+    real = getattr(c, method)
+    uses = [0]
+
+    def flaky(*a: object, **kw: object) -> object:
+        uses[0] += 1
+        if uses[0] == on_call:
+            raise error
+        return real(*a, **kw)
+
+    setattr(c, method, flaky)
+    pool.release(c)
+    return uses
+
+
 def test_a_connection_lost_after_replies_began_is_not_sent_again(redis_url: str) -> None:
     """The server ran the commands it answered: resending would run them twice, retries or not."""
     import pytest
 
     conn = _retrying(redis_url)
-    pool = conn.connection_pool
-    c = pool.get_connection()
-    real_read = c.read_response
-    reads = [0]
-
-    def flaky_read(*a: object, **kw: object) -> object:
-        reads[0] += 1
-        if reads[0] == 2:
-            raise redis.ConnectionError("lost mid-reply")
-        return real_read(*a, **kw)
-
-    c.read_response = flaky_read  # type: ignore[method-assign]
-    pool.release(c)
+    _failing_once(conn, "read_response", 2, redis.ConnectionError("lost mid-reply"))
     pipe = conn.pipeline(transaction=False)
     pipe.incr("counter")
     pipe.incr("counter")
@@ -143,19 +149,7 @@ def test_a_connection_lost_after_replies_began_is_not_sent_again(redis_url: str)
 
 def test_a_connection_lost_before_any_reply_is_retried(redis_url: str) -> None:
     conn = _retrying(redis_url)
-    pool = conn.connection_pool
-    c = pool.get_connection()
-    real_send = c.send_packed_command
-    sends = [0]
-
-    def flaky_send(*a: object, **kw: object) -> object:
-        sends[0] += 1
-        if sends[0] == 1:
-            raise redis.ConnectionError("refused")
-        return real_send(*a, **kw)
-
-    c.send_packed_command = flaky_send  # type: ignore[method-assign]
-    pool.release(c)
+    sends = _failing_once(conn, "send_packed_command", 1, redis.ConnectionError("refused"))
     pipe = conn.pipeline(transaction=False)
     pipe.incr("counter")
     assert pipes.execute(pipe) == [1] and sends[0] >= 2  # (reconnecting sends its own handshake too)

@@ -8,7 +8,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,16 +18,12 @@ import pytest
 import redis
 import yaml
 
+from tests.e2e.util import free_port, wait_http
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 pytestmark = pytest.mark.e2e
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dockerfile() -> tuple[list[str], dict[str, str], list[tuple[str, str]]]:
@@ -71,7 +66,7 @@ def test_compose_services_run_as_written(tmp_path: Path) -> None:
     # redis: its own command line, on a free port, in a scratch dir; AOF must be on.
     rcmd = services["redis"]["command"]
     assert "--appendonly" in rcmd and rcmd[rcmd.index("--appendonly") + 1] == "yes"
-    port = _free_port()
+    port = free_port()
     rdir = tmp_path / "redis-data"
     rdir.mkdir()
     redis_proc = subprocess.Popen([*rcmd, "--port", str(port), "--dir", str(rdir), "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL)
@@ -115,20 +110,13 @@ def test_compose_services_run_as_written(tmp_path: Path) -> None:
         assert "done" in call.stderr and "trace_id=" in call.stderr  # --follow printed the transitions
 
         # api: refuses to listen on every address without a token; with one, serves calls over HTTP.
-        api_port = _free_port()
+        api_port = free_port()
         api_argv = [*_argv(entry, services["api"]["command"]), "--port", str(api_port)]
         no_token = subprocess.run(api_argv, env=env_of("api"), capture_output=True, text=True, timeout=60)
         assert no_token.returncode == 2 and "--token" in no_token.stderr
         api = subprocess.Popen(api_argv, env=env_of("api", {"HERMES_API_TOKEN": "t0ken"}), stderr=subprocess.DEVNULL)
         procs.append(api)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                httpx.get(f"http://127.0.0.1:{api_port}/healthz", timeout=2)
-                break
-            except httpx.TransportError:
-                assert api.poll() is None and time.monotonic() < deadline, "the api service did not start"
-                time.sleep(0.1)
+        wait_http(f"http://127.0.0.1:{api_port}/healthz", api)
         said = httpx.post(
             f"http://127.0.0.1:{api_port}/v1/tools/hello/calls",
             json={"args": {"name": "Bob"}, "wait": 30},

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ import uvicorn
 from broker import keys
 from broker.calls import envelope_of
 from hermes_gateway.http_api import create_app
+from tests.e2e.util import free_port, wait_http
 
 pytestmark = pytest.mark.e2e
 
@@ -23,15 +23,9 @@ TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 TP = f"00-{TRACE}-00f067aa0ba902b7-01"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Served:
     def __init__(self, gateway: Any, token: str | None = None) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         config = uvicorn.Config(
             create_app(gateway, token=token), host="127.0.0.1", port=self.port, log_level="warning"
         )
@@ -244,7 +238,7 @@ def test_the_serve_command_runs_the_api_and_refuses_an_open_address_without_a_to
     refused = CliRunner().invoke(main, ["serve", "--host", "0.0.0.0"], env={"HERMES_REDIS_URL": redis_url})
     assert refused.exit_code == 2 and "--token" in refused.output
 
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, HERMES_REDIS_URL=redis_url, HERMES_HOME=str(home.path))
     proc = subprocess.Popen(
         [sys.executable, "-c", "from hermes_gateway.cli import main; main()", "serve", "--port", str(port)],
@@ -254,15 +248,7 @@ def test_the_serve_command_runs_the_api_and_refuses_an_open_address_without_a_to
         text=True,
     )
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-                assert time.monotonic() < deadline, "serve did not answer"
-                time.sleep(0.1)
+        health = wait_http(f"http://127.0.0.1:{port}/healthz", proc)
         assert health.json()["ok"] is True and str(port) not in health.json()["broker"]
     finally:
         proc.terminate()
@@ -278,7 +264,7 @@ def test_serve_on_the_embedded_broker_runs_calls_and_sigterm_stops_its_worker_an
     from tests.conftest import REPO
 
     home.echo_tool()
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "HERMES_REDIS_URL"}
     env["HERMES_HOME"] = str(home.path)
     proc = subprocess.Popen(
@@ -289,15 +275,7 @@ def test_serve_on_the_embedded_broker_runs_calls_and_sigterm_stops_its_worker_an
         text=True,
     )
     try:
-        deadline = time.monotonic() + 40
-        while True:
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-                assert time.monotonic() < deadline, "serve did not answer"
-                time.sleep(0.1)
+        wait_http(f"http://127.0.0.1:{port}/healthz", proc, timeout=40)
         out = httpx.post(
             f"http://127.0.0.1:{port}/v1/tools/echo/calls", json={"args": {"x": 1}, "wait": 20}, timeout=30
         ).json()

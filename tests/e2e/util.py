@@ -1,9 +1,13 @@
-"""Helpers for the end-to-end tests: read calls back from Redis."""
+"""Helpers for the end-to-end tests: read calls back from Redis, start and reach servers."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import time
 from typing import Any
 
+import httpx
 import redis
 
 from broker import events, keys
@@ -47,3 +51,23 @@ def error_type(conn: redis.Redis, call_id: str) -> Any:
 
     rec = Calls(conn).record(call_id) or {}
     return (rec.get("error") or {}).get("type")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, proc: subprocess.Popen[Any] | None = None, timeout: float = 30.0) -> httpx.Response:
+    """GET ``url`` until something answers (``proc``, when given, must stay alive meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return httpx.get(url, timeout=2)
+        except httpx.TransportError:
+            if proc is not None and proc.poll() is not None:
+                err = proc.stderr.read() if proc.stderr else ""
+                raise AssertionError(f"the server exited with {proc.returncode} before answering: {err}") from None
+            assert time.monotonic() < deadline, f"nothing answered at {url} within {timeout:g}s"
+            time.sleep(0.1)
