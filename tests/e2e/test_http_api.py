@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -223,30 +225,34 @@ def test_with_a_token_every_v1_route_wants_it_and_the_console_is_served(
         served.stop()
 
 
-def test_the_serve_command_runs_the_api_and_refuses_an_open_address_without_a_token(
-    redis_url: str, home: Any
-) -> None:
-    import os
-    import subprocess
-    import sys
-
-    from click.testing import CliRunner
-
-    from hermes_gateway.cli import main
+def _serve(port: int, env: dict[str, str]) -> subprocess.Popen[str]:
+    """``hermes-gateway serve --port PORT`` as a process of its own."""
     from tests.conftest import REPO
 
-    refused = CliRunner().invoke(main, ["serve", "--host", "0.0.0.0"], env={"HERMES_REDIS_URL": redis_url})
-    assert refused.exit_code == 2 and "--token" in refused.output
-
-    port = free_port()
-    env = dict(os.environ, HERMES_REDIS_URL=redis_url, HERMES_HOME=str(home.path))
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-c", "from hermes_gateway.cli import main; main()", "serve", "--port", str(port)],
         cwd=REPO,
         env=env,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def test_the_serve_command_runs_the_api_and_refuses_an_open_address_without_a_token(
+    redis_url: str, home: Any
+) -> None:
+    import os
+
+    from click.testing import CliRunner
+
+    from hermes_gateway.cli import main
+
+    refused = CliRunner().invoke(main, ["serve", "--host", "0.0.0.0"], env={"HERMES_REDIS_URL": redis_url})
+    assert refused.exit_code == 2 and "--token" in refused.output
+
+    port = free_port()
+    env = dict(os.environ, HERMES_REDIS_URL=redis_url, HERMES_HOME=str(home.path))
+    proc = _serve(port, env)
     try:
         health = wait_http(f"http://127.0.0.1:{port}/healthz", proc)
         assert health.json()["ok"] is True and str(port) not in health.json()["broker"]
@@ -258,22 +264,12 @@ def test_the_serve_command_runs_the_api_and_refuses_an_open_address_without_a_to
 def test_serve_on_the_embedded_broker_runs_calls_and_sigterm_stops_its_worker_and_broker(home: Any) -> None:
     import os
     import signal
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO
 
     home.echo_tool()
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "HERMES_REDIS_URL"}
     env["HERMES_HOME"] = str(home.path)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from hermes_gateway.cli import main; main()", "serve", "--port", str(port)],
-        cwd=REPO,
-        env=env,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _serve(port, env)
     try:
         wait_http(f"http://127.0.0.1:{port}/healthz", proc, timeout=40)
         out = httpx.post(
