@@ -167,13 +167,10 @@ def mcp_list(ctx: click.Context, as_json: bool) -> None:
 
 def _shown_url(url: str) -> str:
     """A server URL without what may be a credential: the password and the query string."""
-    from urllib.parse import urlsplit, urlunsplit
+    from broker.connection import redact_url
 
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if parts.password is not None:
-        netloc = netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", ""))
+    base, query, _ = url.partition("?")
+    return redact_url(base.split("#", 1)[0]) + ("?***" if query else "")
 
 
 @mcp.command("remove")
