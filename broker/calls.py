@@ -6,6 +6,7 @@ Every write takes an optional ``pipeline``; only the creator of a pipeline execu
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,10 @@ class CallInfo:
             ckey=ckey,
             queue=env.queue,
         )
+
+
+# A move not written yet: (state, event detail, when it happened).
+Step = tuple[State, "dict[str, Any] | None", float]
 
 
 @dataclass(frozen=True)
@@ -221,8 +226,14 @@ class Calls:
         current: State | None = None,
         pipeline: Pipeline | None = None,
         handoff: tuple[str, float] | None = None,
+        via: Sequence[Step] = (),
+        ts: float | None = None,
     ) -> Any:
         """Move a call to ``target`` (or publish a non-state event when None), atomically with its event.
+
+        ``via``: moves made before this one that were not written yet, ``(state, detail, ts)`` each in
+        order, the first from ``current``; their events are recorded and published first, in the same
+        script. ``ts``: when this move happened (default now).
 
         ``handoff`` (worker, lease seconds): the released slot goes straight to the oldest waiting call of
         the same queue, leased to that worker; read it from the reply with ``handed_off``.
@@ -232,10 +243,16 @@ class Calls:
         now); ``schedule_at`` puts a ``retrying`` call on the scheduled set, due at that time.
         """
         release = target is not None and (target in TERMINAL or target is State.RETRYING)
+        if via and target is None:
+            raise ValueError("earlier moves ride only with a state change")
+        early: list[bytes] = []
+        first: frozenset[State] | None = None  # what the state in Redis must be: the first move's sources
+        for state_, detail_, ts_ in via:  # each checked as if it were written alone
+            first = self._check_move(current, state_, from_states if first is None else None, first)
+            early.append(self._event(info, str(state_), attempt, events.TRANSITION, detail_, ts_))
+            current = state_
         if target is not None:
-            allowed = from_states if from_states is not None else sources(target)
-            if current is not None and current not in allowed:
-                raise IllegalTransition(f"illegal transition {current} -> {target}", current=str(current), target=str(target))
+            allowed = self._check_move(current, target, from_states if first is None else None, first)
             src = ",".join(sorted(allowed))
             state = str(target)
             if target in TERMINAL:
@@ -245,19 +262,8 @@ class Calls:
                 fields.setdefault("ended_at", rq_now())
         else:
             src, state = "", ""
-        ev = events.payload(
-            call_id=info.call_id,
-            state=state or (str(current) if current else ""),
-            trace_id=info.trace_id,
-            span_id=info.span_id,
-            attempt=attempt,
-            kind=info.kind,
-            name=info.name,
-            session_id=info.session_id,
-            type=event_type,
-            detail=detail,
-        )
-        flat: list[Any] = []
+        ev = self._event(info, state or (str(current) if current else ""), attempt, event_type, detail, ts)
+        flat: list[Any] = [len(early), *early]
         for k, v in (fields or {}).items():
             flat.append(k)
             flat.append(v)
@@ -293,6 +299,34 @@ class Calls:
                 *flat,
             ],
             client=pipeline,
+        )
+
+    @staticmethod
+    def _check_move(
+        current: State | None, target: State, from_states: frozenset[State] | None, first: frozenset[State] | None
+    ) -> frozenset[State]:
+        """Refuse an illegal move; returns the sources the script checks (the first move's)."""
+        allowed = from_states if from_states is not None else sources(target)
+        if current is not None and current not in allowed:
+            raise IllegalTransition(f"illegal transition {current} -> {target}", current=str(current), target=str(target))
+        return first if first is not None else allowed
+
+    @staticmethod
+    def _event(
+        info: CallInfo, state: str, attempt: int, event_type: str, detail: dict[str, Any] | None, ts: float | None
+    ) -> bytes:
+        return events.payload(
+            call_id=info.call_id,
+            state=state,
+            trace_id=info.trace_id,
+            span_id=info.span_id,
+            attempt=attempt,
+            kind=info.kind,
+            name=info.name,
+            session_id=info.session_id,
+            type=event_type,
+            detail=detail,
+            ts=ts,
         )
 
     @staticmethod

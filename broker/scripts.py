@@ -70,7 +70,9 @@ end
 #       7 rq status, 8 lease ('' keep, '-' drop, else new deadline), 9 requeue: queue key or '',
 #       10 waiting score for a requeue, 11 channel, 12 release the slot ('1'/''), 13 concurrency key,
 #       14 due time to schedule a retry at ('' = none), 15 wake channel suffix, 16 hand-off worker ('' =
-#       none), 17 its lease deadline, 18 started_at (RQ time format), 19.. field/value pairs
+#       none), 17 its lease deadline, 18 started_at (RQ time format), 19 k: how many earlier events
+#       come first, 20..19+k their payloads (moves the call made since its last write, recorded and
+#       published in order before ARGV[2]), then field/value pairs
 # Returns {seq, state before}; seq < 0: -1 no such call, -2 attempt fence, -3 wrong source state.
 # With a hand-off worker, the slot released here goes to the oldest waiting call of the same queue,
 # leased to that worker as CLAIM would, and the reply gains {call_id, data, attempt}: no queue push,
@@ -112,8 +114,9 @@ if ARGV[6] ~= '' then
   redis.call('HSET', KEYS[1], 'h_state', ARGV[6], 'status', ARGV[7])
 end
 local qkey = ARGV[16] ~= '' and redis.call('HGET', KEYS[1], 'h_queue')
-for i = 19, #ARGV, 2 do
-  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+local before = tonumber(ARGV[19])
+if #ARGV >= 20 + before then
+  redis.call('HSET', KEYS[1], unpack(ARGV, 20 + before, #ARGV))
 end
 if ARGV[8] == '-' then
   redis.call('ZREM', KEYS[3], ARGV[1])
@@ -134,6 +137,12 @@ end
 if ARGV[9] ~= '' then
   redis.call('ZREM', KEYS[7], ARGV[1])
   admit(KEYS[5], KEYS[4], KEYS[6], ARGV[13], ARGV[1], ARGV[9], ARGV[10], ARGV[15])
+end
+for i = 20, 19 + before do
+  local early = with_seq(ARGV[i], seq)
+  redis.call('RPUSH', KEYS[2], early)
+  redis.call('PUBLISH', ARGV[11], early)
+  seq = redis.call('HINCRBY', KEYS[1], 'h_seq', 1)
 end
 local ev = with_seq(ARGV[2], seq)
 redis.call('RPUSH', KEYS[2], ev)

@@ -6,7 +6,9 @@ call's attempt number, so a worker that lost its lease can no longer move the ca
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +16,7 @@ import structlog
 
 from broker import keys
 from broker.audit import AuditRecord
-from broker.calls import CallInfo, Claimed, envelope_of
+from broker.calls import CallInfo, Claimed, Step, envelope_of
 from broker.codec import pack, text
 from broker.envelope import Envelope
 from broker.errors import CallCancelled, DecodeError, HermesError
@@ -52,6 +54,30 @@ class Running:
     trace: NoTrace = NO_TRACE  # the call's spans (NO_TRACE when tracing is off)
     claimed_at: float = 0.0  # wall clock when this worker began it (0: never began)
     outcome: str = ""  # the state core.finished recorded
+    open: _Write | None = None  # its last write, while later moves may still join it
+
+
+class _Write:
+    """A call's moves queued as one outbox write (one script call).
+
+    Moves the call makes before the outbox's sender takes the write join it — under load the quick
+    successions routing → executing and formatting → done each cost one round of Redis work instead of
+    two — and their events are still recorded and published one by one, in order, with their own times.
+    """
+
+    __slots__ = ("current", "steps", "kw", "after", "callbacks", "taken")
+
+    def __init__(self, current: State) -> None:
+        self.current = current  # the state before the first move
+        self.steps: list[Step] = []
+        self.kw: dict[str, Any] = {}  # the last move's options (a terminal one's fields, ttl, hand-off)
+        self.after: list[Callable[[Any], None]] = []  # more writes in the same pipeline (the audit record)
+        self.callbacks: list[Callable[[Any], None]] = []
+        self.taken = False  # the sender has read it: later moves make a write of their own
+
+
+# Guards joining a write against the sender taking it, and a call's writes queueing in move order.
+_writes = threading.Lock()
 
 
 class CallRunner:
@@ -64,17 +90,72 @@ class CallRunner:
 
     # -- transitions -----------------------------------------------------------------------------
 
-    def _move(self, run: Running, target: State, detail: dict[str, Any] | None = None, **kw: Any) -> None:
+    def _move(self, run: Running, target: State, detail: dict[str, Any] | None = None) -> None:
         current = run.state
         run.state = target
+        self._write(run, current, (target, detail, time.time()), {}, check=lambda reply: self._check(run, target, reply))
+
+    def _write(
+        self,
+        run: Running,
+        current: State,
+        step: Step,
+        kw: dict[str, Any],
+        *,
+        check: Callable[[Any], None],
+        after: Callable[[Any], None] | None = None,
+        last: bool = False,
+    ) -> None:
+        """Queue a move: joined to the call's open write when the sender has not taken it yet."""
+        with _writes:
+            w = run.open
+            if w is None or w.taken:
+                w = _Write(current)
+                self.core.outbox.put(self._writer(run, w), self._replied(w))
+            w.steps.append(step)
+            w.kw = kw
+            if after is not None:
+                w.after.append(after)
+            w.callbacks.append(check)
+            run.open = None if last else w
+
+    def _writer(self, run: Running, w: _Write) -> Callable[[Any], None]:
         calls = self.core.calls
 
         def write(pipe: Any) -> None:
+            with _writes:
+                w.taken = True
+                steps, kw, after = list(w.steps), w.kw, list(w.after)
+            target, detail, ts = steps[-1]
             calls.transition(
-                run.info, target, attempt=run.attempt, detail=detail, current=current, pipeline=pipe, **kw
+                run.info,
+                target,
+                attempt=run.attempt,
+                detail=detail,
+                ts=ts,
+                current=w.current,
+                via=steps[:-1],
+                pipeline=pipe,
+                **kw,
             )
+            for more in after:
+                more(pipe)
 
-        self.core.outbox.put(write, lambda reply: self._check(run, target, reply))
+        return write
+
+    @staticmethod
+    def _replied(w: _Write) -> Callable[[Any], None]:
+        def replied(reply: Any) -> None:
+            for check in w.callbacks:  # complete: the sender took the write before this reply
+                check(reply)
+
+        return replied
+
+    @staticmethod
+    def seal(run: Running) -> None:
+        """Later moves of ``run`` make a new write (a write other than a move was queued after its last)."""
+        with _writes:
+            run.open = None
 
     def _check(self, run: Running, target: State, reply: Any) -> None:
         if isinstance(reply, Exception):
@@ -99,6 +180,7 @@ class CallRunner:
         """A non-state event (a stream delta, a retry notice), fenced like a transition."""
         calls = self.core.calls
         state = run.state
+        ts = time.time()
 
         def write(pipe: Any) -> None:
             calls.transition(
@@ -109,9 +191,12 @@ class CallRunner:
                 event_type=event_type,
                 current=state,
                 pipeline=pipe,
+                ts=ts,
             )
 
-        self.core.outbox.put(write, lambda reply: self._check(run, state, reply))
+        with _writes:  # after the call's moves so far, before its next ones
+            run.open = None
+            self.core.outbox.put(write, lambda reply: self._check(run, state, reply))
 
     # -- the call --------------------------------------------------------------------------------
 
@@ -188,6 +273,7 @@ class CallRunner:
 
     def _retry(self, run: Running, error: HermesError) -> bool:
         """Schedule another attempt when the tool's ``retry:`` allows it (the slot goes back meanwhile)."""
+        self.seal(run)
         return retry.schedule(self.core, run, error, lambda reply: self._check(run, State.RETRYING, reply))
 
     def _finish(
@@ -212,25 +298,10 @@ class CallRunner:
             fields[keys.F_ERROR] = pack(error)
             detail["error"] = error
         record = self._audit_record(run, target, result, error, duration)
-        calls, audit, current = self.core.calls, self.core.audit, run.state
+        audit, current = self.core.audit, run.state
         run.state = target
         ckey = run.info.ckey
         handoff = self.handoff.reserve(ckey, run.info.queue) if self.handoff is not None else None
-
-        def write(pipe: Any) -> None:
-            # The audit record rides in the same pipeline as the terminal transition.
-            calls.transition(
-                run.info,
-                target,
-                attempt=run.attempt,
-                detail=detail,
-                current=current,
-                pipeline=pipe,
-                fields=fields,
-                ttl=self.core.settings.result_ttl,
-                handoff=handoff,
-            )
-            audit.append(record, pipeline=pipe)
 
         def written(reply: Any) -> None:
             try:
@@ -239,7 +310,16 @@ class CallRunner:
                 if handoff is not None:
                     self.handoff.received(reply, ckey)
 
-        self.core.outbox.put(write, written)
+        # The audit record rides in the same pipeline as the terminal transition.
+        self._write(
+            run,
+            current,
+            (target, detail, time.time()),
+            {"fields": fields, "ttl": self.core.settings.result_ttl, "handoff": handoff},
+            check=written,
+            after=lambda pipe: audit.append(record, pipeline=pipe),
+            last=True,
+        )
         self.core.finished(run, target, error, duration)
 
     def _audit_record(

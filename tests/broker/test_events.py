@@ -285,3 +285,60 @@ def test_follow_stops_at_its_timeout_without_a_terminal_event(fake: Any) -> None
 
 def test_follow_of_an_unknown_call_is_empty(fake: Any) -> None:
     assert list(events.follow(fake, "missing", timeout=0.1)) == []
+
+
+# -- moves written together (a worker's outbox joins a call's moves made before it sends them) ------
+
+
+def test_moves_written_together_keep_their_own_events_in_order(fake: Any) -> None:
+    calls = Calls(fake)
+    ps = fake.pubsub()
+    ps.subscribe(CHANNEL)
+    info = submit(calls)
+    published(ps)
+    seq, before = calls.transition(
+        info,
+        State.EXECUTING,
+        attempt=1,
+        current=State.PENDING,
+        via=[(State.ROUTING, {"worker": "w1"}, 1000.0)],
+        ts=1001.0,
+    )
+    assert (seq, before) == (3, b"pending")
+    hist = raw_history(fake)
+    assert [(e["seq"], e["state"]) for e in hist] == [(1, "pending"), (2, "routing"), (3, "executing")]
+    assert (hist[1]["ts"], hist[1]["detail"], hist[2]["ts"]) == (1000.0, {"worker": "w1"}, 1001.0)
+    assert [msgpack.unpackb(b)["state"] for b in published(ps)] == ["routing", "executing"]
+    assert calls.record("c1")["state"] == "executing"
+    # A terminal move with one before it: both events, the fields, the slot released as when alone.
+    seq, _ = calls.transition(
+        info,
+        State.DONE,
+        attempt=1,
+        current=State.EXECUTING,
+        via=[(State.FORMATTING, None, 1002.0)],
+        fields={keys.F_RESULT: b"\x81\xa1k\xa1v"},
+        detail={"result": {"k": "v"}},
+    )
+    assert seq == 5
+    assert [e.state for e in events.history(fake, "c1")][-2:] == ["formatting", "done"]
+    rec = calls.record("c1")
+    assert (rec["state"], rec["result"]) == ("done", {"k": "v"})
+    assert fake.ttl(keys.job("c1")) > 0
+    ps.close()
+
+
+def test_moves_written_together_are_checked_move_by_move(fake: Any) -> None:
+    from broker.errors import IllegalTransition
+
+    calls = Calls(fake)
+    info = submit(calls)
+    with pytest.raises(IllegalTransition):  # routing -> done skips a step, even inside a joined write
+        calls.transition(info, State.EXECUTING, attempt=1, current=State.PENDING, via=[(State.DONE, None, 1.0)])
+    with pytest.raises(ValueError):  # earlier moves need a state change to ride with
+        calls.transition(info, None, attempt=1, via=[(State.ROUTING, None, 1.0)])
+    before = _unchanged(fake)
+    # Redis holds "pending": a first move from "routing" is refused as a whole, nothing written.
+    seq, state = calls.transition(info, State.FORMATTING, attempt=1, via=[(State.EXECUTING, None, 1.0)])
+    assert (seq, state) == (WRONG_STATE, b"pending")
+    assert _unchanged(fake) == before
