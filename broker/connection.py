@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -48,6 +49,25 @@ def from_url(url: str, **kwargs: object) -> redis.Redis:
     except redis.AuthenticationError as e:
         raise BrokerUnavailable(f"Redis at {redact_url(url)} refused the credentials: {e}") from e
     return conn
+
+
+def _as_is(message: Any) -> Any:
+    return message
+
+
+async def _as_is_async(message: Any) -> Any:
+    return message
+
+
+def subscriber(conn: Any, **kwargs: Any) -> Any:
+    """``conn.pubsub(ignore_subscribe_messages=True)`` that hands RESP3 push messages on as they are.
+
+    redis-py's default handler formats every pushed message into a debug string (logged or not): on a
+    busy event channel that costs more than handling the event. Works for redis.asyncio clients too.
+    """
+    is_async = type(conn).__module__.startswith("redis.asyncio")
+    handler = _as_is_async if is_async else _as_is
+    return conn.pubsub(ignore_subscribe_messages=True, push_handler_func=handler, **kwargs)
 
 
 def connect(url: str | None = None, *, embedded_ok: bool = True) -> BrokerHandle:

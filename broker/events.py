@@ -16,6 +16,7 @@ import redis
 
 from . import keys
 from .codec import pack, raw, unpack
+from .connection import subscriber
 from .errors import DecodeError
 from .states import TERMINAL
 
@@ -140,7 +141,7 @@ def follow(
     if channel is None:
         yield from _drain(history(conn, call_id))
         return
-    pubsub = conn.pubsub(ignore_subscribe_messages=True)
+    pubsub = subscriber(conn)
     pubsub.subscribe(channel)
     try:
         last = 0

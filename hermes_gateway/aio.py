@@ -28,7 +28,7 @@ from broker import keys
 from broker.calls import CallInfo, Calls
 from broker.codec import pack, unpack
 from broker.config import Settings, load_settings
-from broker.connection import BrokerHandle, connect, redact_url
+from broker.connection import BrokerHandle, connect, redact_url, subscriber
 from broker.directory import Entry
 from broker.envelope import Envelope
 from broker.errors import (
@@ -65,7 +65,7 @@ class AsyncGateway:
         self._tools: dict[str, Entry] = {}
         self._tools_gen = 0  # bumped by every change notice: a fetch that raced one is not cached
         self._tools_channel = keys.channel(conn, keys.TOOLS_CHANNEL).encode()
-        self._pubsub = conn.pubsub(ignore_subscribe_messages=True)
+        self._pubsub = subscriber(conn)
         self._task: asyncio.Task[None] | None = None
 
     @classmethod

@@ -25,6 +25,7 @@ from rq import Worker as RQWorker
 from broker import keys
 from broker.codec import MsgpackSerializer, pack, text, unpack
 from broker.config import Settings
+from broker.connection import subscriber
 from broker.states import State
 from workers import reaper
 from workers.core import WorkerCore
@@ -349,7 +350,7 @@ class Worker:
     def _control_loop(self) -> None:
         while not self.stopping.is_set():
             try:
-                pubsub = self.conn.pubsub(ignore_subscribe_messages=True)
+                pubsub = subscriber(self.conn)
                 wakes = {keys.channel(self.conn, keys.wake(q)).encode() for q in self.queues}
                 tools = keys.channel(self.conn, keys.TOOLS_CHANNEL).encode()
                 policy = keys.channel(self.conn, keys.POLICY_CHANNEL).encode()

@@ -277,3 +277,47 @@ def test_a_call_whose_end_came_only_through_the_history_is_no_longer_tracked(gw:
     assert h.call_id in gw._handles and not h.done(), "the client has not heard of it"
     h.sync()
     assert h.done() and h.call_id not in gw._handles
+
+
+def _walk_to_done(gw: Gateway, handle: Any) -> None:
+    from broker.calls import CallInfo
+    from broker.states import State
+
+    info = CallInfo.of(gw.calls.record(handle.call_id)["envelope"], "tool:echo")
+    for target in (State.ROUTING, State.EXECUTING, State.FORMATTING):
+        gw.calls.transition(info, target, attempt=1)
+    gw.calls.transition(info, State.DONE, attempt=1, detail={"result": {"ok": 1}})
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_events_arrive_over_either_redis_protocol(protocol: int, redis_url: str, home: Any) -> None:
+    from broker.config import load_settings
+    from broker.connection import BrokerHandle, from_url
+
+    home.echo_tool()
+    gw = Gateway(BrokerHandle(from_url(redis_url, protocol=protocol), redis_url, "test"), load_settings(str(home.path)))
+    try:
+        gw.sync_tools()
+        handles = [gw.call_tool("echo", {"i": i}) for i in range(20)]
+        for h in handles:
+            _walk_to_done(gw, h)
+        # Well inside result()'s one-second history read: the events came over pub/sub.
+        assert [h.result(timeout=0.9) for h in handles] == [{"ok": 1}] * 20
+        assert all(h.state == "done" for h in handles)
+    finally:
+        gw.close()
+
+
+def test_a_dropped_subscription_comes_back_and_events_flow_again(gw: Gateway, conn: Any) -> None:
+    first = gw.call_tool("echo", {"k": 1})
+    _walk_to_done(gw, first)
+    assert first.result(timeout=0.9) == {"ok": 1}  # the event thread is reading the subscription directly
+    killed = conn.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+    assert killed >= 1
+    deadline = time.monotonic() + 10
+    while conn.pubsub_numsub(gw.channel)[0][1] != 1:
+        assert time.monotonic() < deadline, "the client did not subscribe again"
+        time.sleep(0.05)
+    second = gw.call_tool("echo", {"k": 2})
+    _walk_to_done(gw, second)
+    assert second.result(timeout=0.9) == {"ok": 1}
