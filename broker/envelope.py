@@ -93,15 +93,22 @@ class Envelope:
         if self.kind == "llm" and not isinstance(self.request, dict):
             raise DecodeError("an llm call envelope needs a request mapping")
 
+    def _trace_ids(self) -> tuple[str, str]:
+        """(trace_id, parent span id) of ``traceparent``, parsed once (several readers per call)."""
+        ids: tuple[str, str] | None = self.__dict__.get("_ids")
+        if ids is None:
+            parsed = parse_traceparent(self.traceparent)
+            ids = (parsed[0], parsed[1]) if parsed else ("", "")
+            object.__setattr__(self, "_ids", ids)  # a cache on a frozen dataclass, not a field
+        return ids
+
     @property
     def trace_id(self) -> str:
-        parsed = parse_traceparent(self.traceparent)
-        return parsed[0] if parsed else ""
+        return self._trace_ids()[0]
 
     @property
     def parent_span_id(self) -> str:
-        parsed = parse_traceparent(self.traceparent)
-        return parsed[1] if parsed else ""
+        return self._trace_ids()[1]
 
     @property
     def name(self) -> str:

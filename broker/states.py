@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from enum import StrEnum
 
 from .errors import IllegalTransition
@@ -47,6 +48,7 @@ RQ_STATUS = {
 }
 
 
+@functools.cache
 def sources(target: State) -> frozenset[State]:
     """Every state from which ``target`` may be entered."""
     return frozenset(s for s, outs in TRANSITIONS.items() if target in outs)

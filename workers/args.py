@@ -156,11 +156,20 @@ def _digest(schema: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+# The last schema objects seen, by identity: a tool's spec keeps its schema object, so the hot path
+# skips hashing the schema. The schema is kept with its validator so its id cannot be reused meanwhile.
+_by_id: dict[int, tuple[dict[str, Any], Draft202012Validator]] = {}
+
+
 def validator_for(schema: dict[str, Any]) -> Draft202012Validator:
     """A cached Draft 2020-12 validator (with format checks); an invalid schema is InvalidSpec."""
+    seen = _by_id.get(id(schema))
+    if seen is not None and seen[0] is schema:
+        return seen[1]
     key = _digest(schema)
     found = _validators.get(key)
     if found is not None:
+        _remember(schema, found)
         return found
     try:
         Draft202012Validator.check_schema(schema)
@@ -171,7 +180,15 @@ def validator_for(schema: dict[str, Any]) -> Draft202012Validator:
         if len(_validators) >= _CACHE_MAX:
             _validators.clear()  # specs rarely change; a full reset keeps this simple and bounded
         _validators[key] = made
+    _remember(schema, made)
     return made
+
+
+def _remember(schema: dict[str, Any], validator: Draft202012Validator) -> None:
+    with _lock:
+        if len(_by_id) >= _CACHE_MAX:
+            _by_id.clear()
+        _by_id[id(schema)] = (schema, validator)
 
 
 def json_path(parts: Any) -> str:

@@ -94,6 +94,18 @@ def test_validators_are_cached_by_schema_content():
     assert validator_for(dict(SCHEMA)) is validator_for(dict(SCHEMA))
 
 
+def test_a_schema_object_seen_before_is_validated_by_its_own_rules():
+    first = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    other = {"type": "object", "properties": {"n": {"type": "string"}}, "required": ["n"]}
+    for _ in range(2):  # the second round comes from the by-identity cache
+        validate_args(first, {"n": 1})
+        with pytest.raises(InvalidArgs):
+            validate_args(first, {"n": "1"})
+        validate_args(other, {"n": "1"})
+        with pytest.raises(InvalidArgs):
+            validate_args(other, {"n": 1})
+
+
 def test_invalid_schema_is_a_spec_error():
     with pytest.raises(InvalidSpec):
         validate_args({"type": "not-a-type"}, {})

@@ -45,8 +45,22 @@ class _Target:
         except (TypeError, ValueError):
             self.signature = None
         self.wants_ctx = self.signature is not None and "ctx" in self.signature.parameters
+        # For a plain signature (named parameters only), arguments are checked against these sets
+        # instead of binding the signature on every call; anything else is bound as before.
+        self.names: frozenset[str] | None = None
+        self.required: frozenset[str] = frozenset()
+        if self.signature is not None:
+            params = self.signature.parameters.values()
+            plain = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+            if all(p.kind in plain for p in params):
+                self.names = frozenset(p.name for p in params)
+                self.required = frozenset(p.name for p in params if p.default is inspect.Parameter.empty)
         # Instances with an ``async def __call__`` count as async too.
         self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+    def fits(self, kwargs: dict[str, Any]) -> bool:
+        """True when ``kwargs`` certainly bind (False: bind the signature for the exact error)."""
+        return self.names is not None and self.names.issuperset(kwargs) and self.required.issubset(kwargs)
 
 
 class PythonExecutor:
@@ -95,7 +109,7 @@ class PythonExecutor:
             if "ctx" in kwargs:
                 raise InvalidArgs(f"{where}: 'ctx' is reserved and cannot be passed as an argument")
             kwargs["ctx"] = ctx
-        if target.signature is not None:
+        if target.signature is not None and not target.fits(kwargs):
             try:
                 target.signature.bind(**kwargs)
             except TypeError as e:

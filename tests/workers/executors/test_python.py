@@ -46,6 +46,13 @@ def test_unexpected_argument_is_invalid_args(ex, make_ctx):
         ex.run(spec(f"{MOD}:add"), {"a": 1, "zzz": 2}, make_ctx())
 
 
+def test_a_missing_argument_is_invalid_args_and_defaults_fill_in(ex, make_ctx):
+    with pytest.raises(InvalidArgs, match="missing a required argument: 'a'"):
+        ex.run(spec(f"{MOD}:add"), {"b": 2}, make_ctx())
+    assert ex.run(spec(f"{MOD}:add"), {"a": 2}, make_ctx()) == 3  # b defaults to 1
+    assert ex.run(spec(f"{MOD}:add"), {"b": 5, "a": 1}, make_ctx()) == 6
+
+
 def test_exception_becomes_executor_error_with_type_and_message(ex, make_ctx):
     with pytest.raises(ExecutorError, match="ValueError: kaboom"):
         ex.run(spec(f"{MOD}:explode"), {"message": "kaboom"}, make_ctx())
