@@ -94,17 +94,33 @@ def run_ours(
         gw.sync_tools(home / "tools")
         for h in gw.map(name, [{"seconds": 0.001}] * (10 * processes)):
             h.result(30)
-        results = [_round(gw, conn, name, n, seconds) for _ in range(rounds)]
+        results = [_round(gw, conn, name, n, seconds, procs) for _ in range(rounds)]
         gw.close()
         return results
     finally:
         stop(procs)
 
 
-Round = tuple[float, int, int, list[int], float]  # secs, executing, slots held, per worker, mean executing
+# secs, executing, slots held, per worker, mean executing, CPU µs per call (client, workers, Redis)
+Round = tuple[float, int, int, list[int], float, tuple[float, float, float]]
 
 
-def _round(gw: Any, conn: Any, name: str, n: int, seconds: float) -> Round:
+def _cpu(conn: Any, procs: list[Any]) -> tuple[float, float, float]:
+    """CPU seconds so far of this process, the worker processes and the Redis server."""
+    import psutil
+
+    own = sum(psutil.Process().cpu_times()[:2])
+    workers = 0.0
+    for p in procs:
+        try:
+            workers += sum(psutil.Process(p.pid).cpu_times()[:2])
+        except psutil.Error:
+            pass
+    info = conn.info("cpu")
+    return own, workers, float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def _round(gw: Any, conn: Any, name: str, n: int, seconds: float, procs: list[Any]) -> Round:
     from broker import keys
 
     peak = [0]
@@ -117,6 +133,7 @@ def _round(gw: Any, conn: Any, name: str, n: int, seconds: float) -> Round:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    cpu0 = _cpu(conn, procs)
     start = time.perf_counter()
     handles = []
     for i in range(0, n, SUBMIT_CHUNK):  # batches of one pipeline: workers start on the first at once
@@ -124,11 +141,13 @@ def _round(gw: Any, conn: Any, name: str, n: int, seconds: float) -> Round:
     for h in handles:
         h.result(300)
     elapsed = time.perf_counter() - start
+    cpu = tuple((b - a) / n * 1e6 for a, b in zip(cpu0, _cpu(conn, procs), strict=True))
     done.set()
     sampler.join()
     intervals, workers = _executing_intervals(conn, [h.call_id for h in handles])
     mean = sum(e - s for s, e in intervals) / elapsed  # calls executing on average over the round
-    return elapsed, _max_overlap(intervals), peak[0], sorted(workers.values(), reverse=True), mean
+    share = sorted(workers.values(), reverse=True)
+    return elapsed, _max_overlap(intervals), peak[0], share, mean, cpu  # type: ignore[return-value]
 
 
 def run_rq(url: str, n: int, processes: int, seconds: float) -> float:
@@ -204,10 +223,11 @@ def main() -> None:
             f"broker: {url}; {n} calls of {args.seconds * 1000:g} ms, limit {limit}, {args.processes} processes"
         )
         results = run_ours(url, n, limit, args.processes, args.seconds, args.rounds)
-        for i, (secs, ex, sl, share, mean) in enumerate(results, 1):
+        for i, (secs, ex, sl, share, mean, cpu) in enumerate(results, 1):
             print(
                 f"round {i}: {secs:.3f}s ({n / secs:,.0f} calls/s)  efficiency={ideal / secs:.3f}  "
-                f"max_executing={ex}  mean_executing={mean:.1f}  max_slots_held={sl}  calls per worker={share}"
+                f"max_executing={ex}  mean_executing={mean:.1f}  max_slots_held={sl}  calls per worker={share}  "
+                f"cpu_us_per_call=client {cpu[0]:.0f} workers {cpu[1]:.0f} redis {cpu[2]:.0f}"
             )
         elapsed = statistics.median(r[0] for r in results)
         executing = max(r[1] for r in results)
