@@ -158,7 +158,7 @@ return {seq, st}
 
 # KEYS: 1 call hash, 2 queue list, 3 history, 4 waiting zset, 5 rq:queues, 6 idempotency key,
 #       7 slots zset, 8 limits hash
-# ARGV: 1 call_id, 2 pending event payload, 3 ttl, 4 queue_size (-1 = unlimited), 5 now,
+# ARGV: 1 call_id, 2 pending event payload, 3 ttl, 4 queue_size (-1 = unlimited), 5 waiting score,
 #       6 channel, 7 queue key, 8 use idempotency ('1'/''), 9 concurrency (-1 = unlimited),
 #       10 concurrency key, 11 wake channel suffix, 12.. field/value pairs of the job hash
 # Returns {1, call_id, queued 1 / waiting 0} accepted; {0, existing call_id} duplicate;
@@ -173,7 +173,7 @@ if ARGV[8] == '1' then
 end
 if redis.call('EXISTS', KEYS[1]) == 1 then return {0, ARGV[1]} end
 local limit = tonumber(ARGV[9])
-redis.call('HSET', KEYS[8], ARGV[10], limit)
+redis.call('HSET', KEYS[8], ARGV[10], ARGV[9])
 local depth = redis.call('ZCARD', KEYS[4])
 local run = depth == 0 and (limit < 0 or redis.call('ZCARD', KEYS[7]) < limit)
 if not run then
@@ -183,7 +183,7 @@ end
 local fields = {}
 for i = 12, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(fields))
-redis.call('HSET', KEYS[1], 'h_seq', 1, 'h_state', 'pending', 'status', 'queued')
+redis.call('HSET', KEYS[1], 'h_seq', '1', 'h_state', 'pending', 'status', 'queued')
 if run then
   redis.call('ZADD', KEYS[7], 'inf', ARGV[1])
   redis.call('RPUSH', KEYS[2], ARGV[1])

@@ -170,6 +170,7 @@ def test_claim_takes_calls_in_order_and_leases_them(fake: Any) -> None:
     for c in got:
         assert before + 29 < fake.zscore(keys.LEASES, c.call_id) < time.time() + 31
         assert fake.zscore(keys.slots(CKEY), c.call_id) == fake.zscore(keys.LEASES, c.call_id)
+        assert fake.zscore(keys.LEASES, c.call_id).is_integer()  # whole seconds: listpacks keep integers
         assert fake.hget(keys.job(c.call_id), keys.F_WORKER) == b"worker-a"
         assert fake.hget(keys.job(c.call_id), "worker_name") == b"worker-a"
         assert unpack(c.data)[2][0]["call_id"] == c.call_id
@@ -244,3 +245,17 @@ def test_reap_returns_only_expired_leases_and_takes_them_over(fake: Any) -> None
 
 def test_record_of_an_unknown_call_is_none(fake: Any) -> None:
     assert Calls(fake).record("nope") is None
+
+
+def test_lease_and_waiting_scores_are_integers_so_small_sorted_sets_store_no_decimals(conn: redis.Redis) -> None:
+    calls = Calls(conn)
+    for i in range(3):
+        submit(calls, env(f"c{i}"), concurrency=1)  # c0 takes the slot, c1 and c2 wait
+    calls.claim(["tools"], 1, "w", 30)
+    calls.extend_leases(["c0"], 30, ckeys={"c0": CKEY})
+    for key in (keys.LEASES, keys.slots(CKEY), keys.waiting(CKEY)):
+        scores = [s for _, s in conn.zrange(key, 0, -1, withscores=True)]
+        assert scores and all(s.is_integer() for s in scores), (key, scores)
+        assert conn.object("encoding", key) == b"listpack"
+    waiting = conn.zrange(keys.waiting(CKEY), 0, -1, withscores=True)
+    assert [m for m, _ in waiting] == [b"c1", b"c2"] and waiting[0][1] <= waiting[1][1]  # still in order
