@@ -30,13 +30,17 @@ if ARGV[4] ~= '' then
   id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 5))
   redis.call('ZADD', KEYS[2], string.match(id, '^(%d+)'), ARGV[4])
 end
-if ARGV[1] ~= '0' then redis.call('XTRIM', KEYS[1], 'MAXLEN', ARGV[3], ARGV[1]) end
-if ARGV[2] ~= '0' then redis.call('XTRIM', KEYS[1], 'MINID', ARGV[3], ARGV[2]) end
-local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
-if first[1] then
-  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. string.match(first[1][1], '^(%d+)'))
-else
-  redis.call('DEL', KEYS[2])
+local trimmed = 0
+if ARGV[1] ~= '0' then trimmed = trimmed + redis.call('XTRIM', KEYS[1], 'MAXLEN', ARGV[3], ARGV[1]) end
+if ARGV[2] ~= '0' then trimmed = trimmed + redis.call('XTRIM', KEYS[1], 'MINID', ARGV[3], ARGV[2]) end
+-- The index follows the stream: after records went (or on an explicit trim), drop what is older than it.
+if trimmed > 0 or not id then
+  local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
+  if first[1] then
+    redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. string.match(first[1][1], '^(%d+)'))
+  else
+    redis.call('DEL', KEYS[2])
+  end
 end
 return id
 """
