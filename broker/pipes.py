@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.client import EMPTY_RESPONSE, NEVER_DECODE, Pipeline
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
 
 _hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
 try:
@@ -28,8 +28,12 @@ Command = tuple[tuple[Any, ...], dict[str, Any]]
 _DROP = (NEVER_DECODE, EMPTY_RESPONSE, "keys")
 
 
-def execute(pipe: Pipeline) -> list[Any]:
-    """Send ``pipe``'s queued commands in one round trip and return their replies; the pipe is reset."""
+def execute(pipe: Pipeline, connection: Any = None) -> list[Any]:
+    """Send ``pipe``'s queued commands in one round trip and return their replies; the pipe is reset.
+
+    ``connection``: one the caller keeps for its own sending (a worker's outbox) instead of taking one
+    from the pool each time; it is disconnected (and reconnects on the next send) when anything fails.
+    """
     if getattr(pipe, "transaction", False) is True or pipe.explicit_transaction or pipe.watching:
         raise ValueError("pipes.execute sends plain pipelines; use pipeline(transaction=False), no WATCH")
     stack: list[Command] = list(pipe.command_stack)
@@ -39,9 +43,11 @@ def execute(pipe: Pipeline) -> list[Any]:
     pipe.reset()
     if not stack:
         return []
-    conn = pool.get_connection()
+    conn = connection if connection is not None else pool.get_connection()
     try:
-        replies = _round_trip(conn, client, stack)
+        # The pool checks a connection it hands out; a kept one is found dropped (the server restarted,
+        # an idle timeout) only when used, so it gets one more try when nothing was answered yet.
+        replies = _round_trip(conn, client, stack, again=1 if connection is not None else 0)
         refused = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
         if refused:
             for s in scripts:
@@ -57,10 +63,12 @@ def execute(pipe: Pipeline) -> list[Any]:
         conn.disconnect()  # replies may be left unread on the socket: never hand it out again as is
         raise
     finally:
-        pool.release(conn)
+        if connection is None:
+            pool.release(conn)
 
 
-def _round_trip(conn: Any, client: Pipeline, stack: Sequence[Command]) -> list[Any]:
+def _round_trip(conn: Any, client: Pipeline, stack: Sequence[Command], again: int = 0) -> list[Any]:
+    """Send and read once, retried as the connection's retry policy says, plus ``again`` more times."""
     replied = [False]
 
     def send_and_read() -> list[Any]:
@@ -75,7 +83,14 @@ def _round_trip(conn: Any, client: Pipeline, stack: Sequence[Command]) -> list[A
     disconnect: Callable[[Exception], None] = lambda _e: conn.disconnect()  # noqa: E731
     # A connection that breaks before any reply is sent again (the server ran nothing we know of); once
     # replies came, the server ran at least those commands, and sending the lot again would run them twice.
-    return conn.retry.call_with_retry(send_and_read, disconnect, is_retryable=lambda _e: not replied[0])
+    while True:
+        try:
+            return conn.retry.call_with_retry(send_and_read, disconnect, is_retryable=lambda _e: not replied[0])
+        except (ConnectionError, TimeoutError):
+            if again <= 0 or replied[0]:
+                raise
+            again -= 1
+            conn.disconnect()
 
 
 def _pack(conn: Any, args: tuple[Any, ...]) -> bytes:

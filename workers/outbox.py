@@ -32,7 +32,7 @@ class Outbox:
         self._items: deque[tuple[Writer, Callback | None]] = deque()
         self._cond = threading.Condition()
         self._closed = False
-        self._busy = False
+        self._connection: Any = None  # the sender's own connection, taken from the pool once
         self._thread = threading.Thread(target=self._run, name="hermes-outbox", daemon=True)
         self._thread.start()
 
@@ -72,6 +72,9 @@ class Outbox:
             self._closed = True
             self._cond.notify()
         self._thread.join(timeout)
+        if self._connection is not None and not self._thread.is_alive():
+            self.conn.connection_pool.release(self._connection)
+            self._connection = None
 
     def pending(self) -> int:
         return len(self._items)
@@ -110,7 +113,9 @@ class Outbox:
                 starts.append(len(pipe.command_stack))
                 writer(pipe)
             try:
-                replies = pipes.execute(pipe)
+                if self._connection is None:
+                    self._connection = self.conn.connection_pool.get_connection()
+                replies = pipes.execute(pipe, self._connection)
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 log.warning("outbox flush failed, retrying", error=str(e), attempt=attempt + 1)
                 threading.Event().wait(min(0.1 * 2**attempt, 2.0))

@@ -98,6 +98,26 @@ def test_connection_goes_back_to_the_pool(conn: redis.Redis) -> None:
     assert len(pool._in_use_connections) == 0
 
 
+def test_a_kept_connection_is_used_every_time_and_reopened_after_a_drop(conn: redis.Redis, redis_url: str) -> None:
+    pool = conn.connection_pool
+    kept = pool.get_connection()
+    ids = []
+    for _ in range(3):
+        pipe = conn.pipeline(transaction=False)
+        pipe.client_id()
+        ids.extend(pipes.execute(pipe, kept))
+    assert len(set(ids)) == 1 and kept in pool._in_use_connections  # never handed back by execute
+    killer = redis.Redis.from_url(redis_url)
+    assert killer.client_kill_filter(_id=ids[0]) == 1
+    killer.close()
+    pipe = conn.pipeline(transaction=False)
+    pipe.set("after", "1")
+    pipe.client_id()
+    ok, new_id = pipes.execute(pipe, kept)
+    assert ok is True and new_id != ids[0] and conn.get("after") == b"1"
+    pool.release(kept)
+
+
 def test_a_transaction_pipeline_is_refused_not_silently_sent_without_multi(conn: redis.Redis) -> None:
     import pytest
 
