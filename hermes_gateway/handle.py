@@ -31,7 +31,7 @@ class CallHandle:
         self.own = own  # events arrive on our channel (False: someone else's call, followed from Redis)
         self.refused: HermesError | None = None
         self._events: list[Event] = []
-        self._cv = threading.Condition()
+        self._cv = threading.Condition(threading.Lock())  # never re-entered: a plain lock is cheaper
         self._done = threading.Event()
         self._result: Any = _MISSING
         self._final: Event | None = None
