@@ -65,9 +65,14 @@ def subscriber(conn: Any, **kwargs: Any) -> Any:
     redis-py's default handler formats every pushed message into a debug string (logged or not): on a
     busy event channel that costs more than handling the event. Works for redis.asyncio clients too.
     """
-    is_async = type(conn).__module__.startswith("redis.asyncio")
-    handler = _as_is_async if is_async else _as_is
-    return conn.pubsub(ignore_subscribe_messages=True, push_handler_func=handler, **kwargs)
+    import redis.asyncio
+
+    is_async = isinstance(conn, redis.asyncio.Redis)
+    default = redis.asyncio.connection.DefaultParser if is_async else redis.connection.DefaultParser
+    parser = conn.connection_pool.connection_kwargs.get("parser_class") or default
+    if hasattr(parser, "set_pubsub_push_handler"):  # the pure-Python RESP2 parser takes no handler
+        kwargs["push_handler_func"] = _as_is_async if is_async else _as_is
+    return conn.pubsub(ignore_subscribe_messages=True, **kwargs)
 
 
 def connect(url: str | None = None, *, embedded_ok: bool = True) -> BrokerHandle:

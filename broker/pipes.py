@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.client import EMPTY_RESPONSE, NEVER_DECODE, Pipeline
-from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
+from redis.exceptions import ConnectionError, NoScriptError, ResponseError
 
 _hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
 try:
@@ -86,7 +86,7 @@ def _round_trip(conn: Any, client: Pipeline, stack: Sequence[Command], again: in
     while True:
         try:
             return conn.retry.call_with_retry(send_and_read, disconnect, is_retryable=lambda _e: not replied[0])
-        except (ConnectionError, TimeoutError):
+        except ConnectionError:  # (not a timeout: a slow server may have run the commands)
             if again <= 0 or replied[0]:
                 raise
             again -= 1

@@ -111,7 +111,7 @@ class CallRunner:
             w = run.open
             if w is None or w.taken:
                 w = _Write(current)
-                self.core.outbox.put(self._writer(run, w), self._replied(w))
+                self.core.outbox.put(self._writer(run, w), self._replied(w, run.info.call_id))
             w.steps.append(step)
             w.kw = kw
             if after is not None:
@@ -144,10 +144,13 @@ class CallRunner:
         return write
 
     @staticmethod
-    def _replied(w: _Write) -> Callable[[Any], None]:
+    def _replied(w: _Write, run_id: str) -> Callable[[Any], None]:
         def replied(reply: Any) -> None:
             for check in w.callbacks:  # complete: the sender took the write before this reply
-                check(reply)
+                try:
+                    check(reply)
+                except Exception:  # noqa: BLE001 - each move's callback runs (the last returns a hand-off)
+                    log.exception("transition callback failed", call_id=run_id)
 
         return replied
 

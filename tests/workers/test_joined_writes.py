@@ -94,3 +94,22 @@ def test_a_refused_joined_write_marks_the_call_lost(fake: Any) -> None:
     assert run.lost
     assert [e.state for e in events.history(fake, "c1")] == ["pending", "cancelled"]
     outbox.close()
+
+
+def test_every_joined_move_hears_the_reply_even_when_one_callback_fails(fake: Any) -> None:
+    runner, run, written, outbox = _setup(fake)
+    heard: list[str] = []
+
+    def check(run_: Any, target: State, reply: Any) -> None:
+        heard.append(str(target))
+        if target is State.ROUTING:
+            raise RuntimeError("boom")
+
+    runner._check = check  # type: ignore[method-assign]
+    gate = _hold(outbox)
+    runner._move(run, State.ROUTING)
+    runner._move(run, State.EXECUTING)  # the last callback of a terminal write returns a hand-off
+    gate.set()
+    assert outbox.flush(5)
+    assert written == [("executing", 1)] and heard == ["routing", "executing"]
+    outbox.close()
