@@ -103,7 +103,10 @@ def decode(data: bytes) -> Event:
     raw = unpack(data)
     if not isinstance(raw, dict) or "call_id" not in raw or "seq" not in raw:
         raise DecodeError("not an event")
-    return Event(
+    # Filled in directly rather than through the frozen dataclass's __init__ (one object.__setattr__
+    # per field): a caller's event thread decodes every event of every call it has in flight.
+    event = object.__new__(Event)
+    event.__dict__.update(
         call_id=raw["call_id"],
         seq=int(raw["seq"]),
         state=raw.get("state") or "",
@@ -118,6 +121,7 @@ def decode(data: bytes) -> Event:
         type=raw.get("type") or TRANSITION,
         detail=raw.get("detail") or {},
     )
+    return event
 
 
 def history(conn: redis.Redis, call_id: str, start_seq: int = 1) -> list[Event]:

@@ -342,3 +342,28 @@ def test_moves_written_together_are_checked_move_by_move(fake: Any) -> None:
     seq, state = calls.transition(info, State.FORMATTING, attempt=1, via=[(State.EXECUTING, None, 1.0)])
     assert (seq, state) == (WRONG_STATE, b"pending")
     assert _unchanged(fake) == before
+
+
+def test_a_decoded_event_is_the_same_frozen_value_the_constructor_builds(fake: Any) -> None:
+    import dataclasses
+
+    calls = Calls(fake)
+    submit(calls)
+    (decoded,) = events.history(fake, "c1")
+    built = events.Event(
+        call_id="c1",
+        seq=1,
+        state="pending",
+        ts=decoded.ts,
+        trace_id=TRACE,
+        span_id=SPAN,
+        attempt=1,
+        kind="tool",
+        tool_name="echo",
+        session_id="sess-1",
+        detail=decoded.detail,
+    )
+    assert decoded == built and repr(decoded) == repr(built)
+    assert dataclasses.replace(decoded, seq=2).seq == 2 and decoded.terminal is False
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        decoded.seq = 9  # type: ignore[misc]
