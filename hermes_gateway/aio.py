@@ -277,13 +277,16 @@ class AsyncGateway:
             keys.F_CHANNEL,
             keys.F_CKEY,
         )
-        raw = await conn.hmget(keys.job(call_id), *fields, "origin")
+        pipe = conn.pipeline(transaction=False)
+        pipe.hmget(keys.job(call_id), *fields, "origin")
+        pipe.zscore(keys.LEASES, call_id)
+        raw, leased = await pipe.execute()
         if raw[0] is None:
             return False
         state, attempt, trace, kind, tool, chan, ckey, origin = (_text(v) for v in raw)
         if state in TERMINAL:
             return False
-        if state == State.PENDING:
+        if state == State.PENDING and leased is None:  # else its worker is told (as cancel_call does)
             info = CallInfo(call_id, trace, "", kind, tool, None, chan, ckey, origin)
             err = {"type": "cancelled", "message": "cancelled by the caller before it started"}
             reply = await self.calls.transition(

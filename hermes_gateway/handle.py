@@ -169,14 +169,19 @@ def cancel_call(gateway: Gateway, call_id: str) -> bool:
     from broker.calls import CallInfo
 
     conn = gateway.conn
-    raw = conn.hmget(keys.job(call_id), keys.F_STATE, keys.F_ATTEMPT, keys.F_TRACE, keys.F_KIND, keys.F_TOOL, keys.F_CHANNEL, keys.F_CKEY, "origin")
+    pipe = conn.pipeline(transaction=False)
+    pipe.hmget(keys.job(call_id), keys.F_STATE, keys.F_ATTEMPT, keys.F_TRACE, keys.F_KIND, keys.F_TOOL, keys.F_CHANNEL, keys.F_CKEY, "origin")
+    pipe.zscore(keys.LEASES, call_id)
+    raw, leased = pipe.execute()
     if raw[0] is None:
         return False
     state, attempt, trace, kind, tool, chan, ckey, origin = (text(v) for v in raw)
     if state in TERMINAL:
         return False
     info = CallInfo(call_id, trace, "", kind, tool, None, chan, ckey, origin)
-    if state == State.PENDING:
+    # Still pending and not taken by a worker: it ends here and now. A worker that has taken it (it is
+    # leased) is told instead, so its slot is given back only when it has really stopped.
+    if state == State.PENDING and leased is None:
         err = {"type": "cancelled", "message": "cancelled by the caller before it started"}
         reply = gateway.calls.transition(
             info, State.CANCELLED, attempt=int(attempt or 1), fence=False, from_states=frozenset({State.PENDING}),

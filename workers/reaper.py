@@ -56,6 +56,23 @@ def _audit(audit: AuditLog | None, info: CallInfo, state: State, attempt: int, e
 
 def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog | None = None) -> None:
     call_id, state, attempt = item["call_id"], item["state"], item["attempt"]
+    if state == State.PENDING and item["cancel"]:
+        # Cancelled after its worker took it (the worker was to stop it) and that worker was lost first.
+        info = _info(calls, call_id, item)
+        err = {"type": "cancelled", "message": "call cancelled; the worker that took it was lost"}
+        reply = calls.transition(
+            info,
+            State.CANCELLED,
+            attempt=attempt,
+            fence=False,
+            from_states=frozenset({State.PENDING}),
+            detail={"error": err},
+            fields={keys.F_ERROR: pack(err)},
+            ttl=result_ttl,
+        )
+        if int(reply[0]) > 0:
+            _audit(audit, info, State.CANCELLED, attempt, err)
+        return
     if state == State.PENDING or state == State.RETRYING and not item["cancel"]:
         info = _info(calls, call_id, item)
         if state == State.RETRYING:

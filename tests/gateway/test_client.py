@@ -194,6 +194,26 @@ def test_cancelling_a_pending_call_ends_it_at_once(gw: Gateway, conn: Any) -> No
     assert gw.cancel("no-such-call") is False
 
 
+def test_a_pending_call_a_worker_has_taken_is_cancelled_through_that_worker(gw: Gateway, conn: Any) -> None:
+    from broker.codec import unpack
+
+    h = gw.call_tool("sleep", {"seconds": 5})
+    assert [c.call_id for c in gw.calls.claim(["tools"], 1, "w1", 30)] == [h.call_id]  # still "pending"
+    ps = conn.pubsub(ignore_subscribe_messages=True)
+    ps.subscribe(keys.channel(conn, keys.CONTROL_CHANNEL))
+    assert h.cancel() is True
+    # Its slot stays held until the worker has stopped it: no direct cancel behind the worker's back.
+    rec = gw.calls.record(h.call_id)
+    assert rec["state"] == "pending" and conn.hget(keys.job(h.call_id), keys.F_CANCEL) == b"1"
+    assert conn.zscore(keys.slots("tool:sleep"), h.call_id) is not None
+    deadline = time.monotonic() + 5
+    msg = None
+    while msg is None and time.monotonic() < deadline:
+        msg = ps.get_message(timeout=0.2)
+    assert msg is not None and unpack(msg["data"]) == {"op": "cancel", "call_id": h.call_id}
+    ps.close()
+
+
 def test_events_arrive_on_the_callers_channel_and_settle_the_handle(gw: Gateway, conn: Any) -> None:
     from broker.calls import CallInfo
     from broker.states import State

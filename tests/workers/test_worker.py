@@ -232,6 +232,16 @@ def test_reaper_cancels_a_lost_call_that_was_being_cancelled(fake: Any) -> None:
     assert fake.llen(keys.queue("tools")) == 0
 
 
+def test_reaper_cancels_a_call_claimed_never_started_and_being_cancelled(fake: Any) -> None:
+    info = submit(fake, "c1")
+    _start(fake, info, [])  # its worker took it (still "pending" in Redis), was told to cancel, died
+    fake.hset(keys.job("c1"), keys.F_CANCEL, "1")
+    reaper.reap(Calls(fake), lease=5, result_ttl=600)
+    assert states(fake, "c1") == ["pending", "cancelled"]
+    assert fake.llen(keys.queue("tools")) == 0 and fake.zscore(keys.LEASES, "c1") is None
+    assert fake.zscore(keys.slots("tool:echo"), "c1") is None  # its slot went back
+
+
 def test_reaper_finishes_a_retry_its_predecessor_left_half_done(fake: Any) -> None:
     info = submit(fake, "c1")
     _start(fake, info, [State.ROUTING])
