@@ -14,7 +14,6 @@ import socket
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import redis
@@ -31,6 +30,7 @@ from workers import reaper
 from workers.core import WorkerCore
 from workers.executors.base import close_all
 from workers.runner import CallRunner
+from workers.threads import CallThreads
 
 log = structlog.get_logger("hermes.worker")
 
@@ -67,7 +67,7 @@ class Worker:
         self.lease = settings.lease
         self.core = WorkerCore(conn, settings, self.name)
         self.runner = CallRunner(self.core)
-        self.pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="hermes-call")
+        self.pool = CallThreads(self.concurrency, "hermes-call")
         self.stopping = threading.Event()
         self._slots = threading.Semaphore(self.concurrency)
         self._wake = threading.Event()
@@ -243,7 +243,9 @@ class Worker:
         leftovers = self.core.inflight()
         for run in leftovers:
             self._hand_back(run)
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        dropped = self.pool.shutdown(wait=True, cancel_pending=True)
+        if dropped:  # taken off the queue, never started: the reaper puts them back when their lease ends
+            log.warning("calls taken but not started are left to the reaper", calls=dropped)
         self.core.close()
         close_all()
         try:

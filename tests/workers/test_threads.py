@@ -1,0 +1,62 @@
+"""CallThreads: the threads a worker runs calls on."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from workers.threads import CallThreads
+
+
+def test_tasks_run_on_at_most_size_threads_and_idle_threads_are_reused() -> None:
+    pool = CallThreads(3, "t")
+    gate, started, names = threading.Event(), threading.Semaphore(0), set()
+    lock = threading.Lock()
+
+    def task(_: object) -> None:
+        with lock:
+            names.add(threading.current_thread().name)
+        started.release()
+        gate.wait(5)
+
+    for i in range(5):
+        pool.submit(task, i)
+    for _ in range(3):
+        assert started.acquire(timeout=5)
+    assert not started.acquire(timeout=0.2)  # two wait: every thread is busy
+    assert names == {"t_0", "t_1", "t_2"}
+    gate.set()
+    for _ in range(2):
+        assert started.acquire(timeout=5)
+    done = threading.Event()
+    pool.submit(lambda _: done.set(), None)  # an idle thread takes it: no fourth thread
+    assert done.wait(5) and len(pool._threads) == 3
+    assert pool.shutdown() == 0
+
+
+def test_a_failing_task_does_not_take_its_thread_with_it() -> None:
+    pool = CallThreads(1, "t")
+    pool.submit(lambda _: 1 / 0, None)
+    ran = threading.Event()
+    pool.submit(lambda _: ran.set(), None)
+    assert ran.wait(5)
+    pool.shutdown()
+
+
+def test_shutdown_drops_what_has_not_started_and_refuses_more() -> None:
+    pool = CallThreads(1, "t")
+    gate, ran = threading.Event(), []
+    pool.submit(lambda _: gate.wait(5), None)
+    time.sleep(0.05)
+    for i in range(3):
+        pool.submit(ran.append, i)
+    stopper = threading.Thread(target=lambda: setattr(stopper, "dropped", pool.shutdown()))
+    stopper.start()
+    time.sleep(0.1)
+    gate.set()
+    stopper.join(5)
+    assert stopper.dropped == 3 and ran == []  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError):
+        pool.submit(ran.append, 9)

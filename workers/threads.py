@@ -1,0 +1,81 @@
+"""The threads a worker process runs calls on.
+
+What ``ThreadPoolExecutor`` does for this case — up to ``size`` threads taking work off one queue, a new
+thread only when none is idle — without what a call here does not use: a ``Future`` (two condition
+variables), a work item and an executor-wide lock per call. A worker hands every call to a thread, so
+under load that was a measurable share of its CPU.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("hermes.worker")
+
+_STOP = object()
+
+
+class CallThreads:
+    """Runs ``fn(arg)`` on up to ``size`` threads named ``<prefix>_<n>``."""
+
+    def __init__(self, size: int, prefix: str) -> None:
+        self.size = max(1, size)
+        self.prefix = prefix
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0  # threads that finished a task and will take the next one (as the executor counts)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable[[Any], None], arg: Any) -> None:
+        """Queue ``fn(arg)``; RuntimeError once shut down."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot run new calls after shutdown")
+            self._queue.put((fn, arg))
+            if self._idle > 0:
+                self._idle -= 1
+            elif len(self._threads) < self.size:
+                t = threading.Thread(target=self._loop, name=f"{self.prefix}_{len(self._threads)}", daemon=True)
+                self._threads.append(t)
+                t.start()
+
+    def _loop(self) -> None:
+        get = self._queue.get
+        while True:
+            item = get()
+            if item is _STOP:
+                return
+            fn, arg = item
+            try:
+                fn(arg)
+            except BaseException:  # noqa: BLE001 - a task's failure must not take the thread with it
+                log.exception("call thread task failed")
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self, wait: bool = True, cancel_pending: bool = True) -> int:
+        """Take no more work; drop what has not started (``cancel_pending``); returns how many were dropped."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        dropped = 0
+        if cancel_pending:
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not _STOP:
+                    dropped += 1
+        for _ in threads:
+            self._queue.put(_STOP)
+        if wait:
+            for t in threads:
+                t.join()
+        return dropped
