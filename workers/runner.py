@@ -55,6 +55,9 @@ class Running:
     claimed_at: float = 0.0  # wall clock when this worker began it (0: never began)
     outcome: str = ""  # the state core.finished recorded
     open: _Write | None = None  # its last write, while later moves may still join it
+    # Guards joining that write against the sender taking it, and the call's writes queueing in move order
+    # (one per call: the calls of a process never wait on each other's writes).
+    writes: threading.Lock = field(default_factory=threading.Lock)
 
 
 class _Write:
@@ -76,8 +79,6 @@ class _Write:
         self.taken = False  # the sender has read it: later moves make a write of their own
 
 
-# Guards joining a write against the sender taking it, and a call's writes queueing in move order.
-_writes = threading.Lock()
 
 
 class CallRunner:
@@ -107,7 +108,7 @@ class CallRunner:
         last: bool = False,
     ) -> None:
         """Queue a move: joined to the call's open write when the sender has not taken it yet."""
-        with _writes:
+        with run.writes:
             w = run.open
             if w is None or w.taken:
                 w = _Write(current)
@@ -123,7 +124,7 @@ class CallRunner:
         calls = self.core.calls
 
         def write(pipe: Any) -> None:
-            with _writes:
+            with run.writes:
                 w.taken = True
                 steps, kw, after = list(w.steps), w.kw, list(w.after)
             target, detail, ts = steps[-1]
@@ -157,7 +158,7 @@ class CallRunner:
     @staticmethod
     def seal(run: Running) -> None:
         """Later moves of ``run`` make a new write (a write other than a move was queued after its last)."""
-        with _writes:
+        with run.writes:
             run.open = None
 
     def _check(self, run: Running, target: State, reply: Any) -> None:
@@ -197,7 +198,7 @@ class CallRunner:
                 ts=ts,
             )
 
-        with _writes:  # after the call's moves so far, before its next ones
+        with run.writes:  # after the call's moves so far, before its next ones
             run.open = None
             self.core.outbox.put(write, lambda reply: self._check(run, state, reply))
 
