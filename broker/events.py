@@ -8,17 +8,20 @@ subscriber can see a gap. Late subscribers read the history, then the live tail 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+import structlog
 
 from . import keys
 from .codec import pack, raw, unpack
 from .connection import subscriber
 from .errors import DecodeError
 from .states import TERMINAL
+
+log = structlog.get_logger("hermes.events")
 
 TRANSITION = "transition"
 PROGRESS = "progress"
@@ -122,6 +125,23 @@ def decode(data: bytes) -> Event:
         detail=raw.get("detail") or {},
     )
     return event
+
+
+def for_handle(handles: Mapping[str, Any], data: bytes) -> tuple[Event, Any, bool] | None:
+    """A caller's channel message as ``(event, the handle it is for, True when seq skipped some)``.
+
+    None when it is not an event (logged) or no handle of ``handles`` (by call id) waits for it; a skip
+    means the handle should read the history before taking this one.
+    """
+    try:
+        event = decode(data)
+    except DecodeError:
+        log.warning("undecodable event on the caller channel")
+        return None
+    handle = handles.get(event.call_id)
+    if handle is None:
+        return None
+    return event, handle, event.seq > handle.last_seq + 1
 
 
 def history(conn: redis.Redis, call_id: str, start_seq: int = 1) -> list[Event]:

@@ -336,17 +336,13 @@ class AsyncGateway:
                 self._tools_gen += 1
                 self._tools.pop(msg["data"].decode(errors="replace"), None)
                 continue
-            try:
-                event = ev_mod.decode(msg["data"])
-            except DecodeError:
-                log.warning("undecodable event on the caller channel")
+            routed = ev_mod.for_handle(self._handles, msg["data"])
+            if routed is None:
                 continue
-            handle = self._handles.get(event.call_id)
-            if handle is None:
-                continue
-            if event.seq > handle.last_seq + 1:
+            event, handle, gap = routed
+            if gap:
                 try:
-                    await handle.sync()  # a gap: fill it from the durable history
+                    await handle.sync()  # fill it from the durable history
                 except (RedisError, OSError, DecodeError) as e:
                     log.warning("could not fill an event gap from the history", error=str(e))
             handle._feed(event)  # the terminal event untracks the handle

@@ -377,19 +377,12 @@ class Gateway:
             return
         if not data or self._closed.is_set():
             return  # the wake-up close() publishes
-        try:
-            event = ev_mod.decode(data)
-        except DecodeError:
-            log.warning("undecodable event on the caller channel")
-            return
-        handle = self._handles.get(event.call_id)
-        if handle is None:
-            return
-        if event.seq > handle.last_seq + 1:
-            handle.sync()  # a gap: fill it from the durable history
-        handle._feed(event)
-        if event.terminal:
-            self._untrack(event.call_id)
+        routed = ev_mod.for_handle(self._handles, data)
+        if routed is not None:
+            event, handle, gap = routed
+            if gap:
+                handle.sync()  # fill it from the durable history
+            handle._feed(event)  # the terminal event untracks the handle
 
 
 def decode_failures(raw: list[bytes]) -> list[dict[str, Any]]:
