@@ -56,24 +56,9 @@ def _audit(audit: AuditLog | None, info: CallInfo, state: State, attempt: int, e
 
 def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog | None = None) -> None:
     call_id, state, attempt = item["call_id"], item["state"], item["attempt"]
-    if state == State.PENDING and item["cancel"]:
-        # Cancelled after its worker took it (the worker was to stop it) and that worker was lost first.
-        info = _info(calls, call_id, item)
-        err = {"type": "cancelled", "message": "call cancelled; the worker that took it was lost"}
-        reply = calls.transition(
-            info,
-            State.CANCELLED,
-            attempt=attempt,
-            fence=False,
-            from_states=frozenset({State.PENDING}),
-            detail={"error": err},
-            fields={keys.F_ERROR: pack(err)},
-            ttl=result_ttl,
-        )
-        if int(reply[0]) > 0:
-            _audit(audit, info, State.CANCELLED, attempt, err)
-        return
-    if state == State.PENDING or state == State.RETRYING and not item["cancel"]:
+    # A call being cancelled is not put back: it ends below (one claimed but never started, too: its
+    # worker was to stop it, so the caller's cancel left it "pending" for that worker).
+    if state in (State.PENDING, State.RETRYING) and not item["cancel"]:
         info = _info(calls, call_id, item)
         if state == State.RETRYING:
             calls.transition(
@@ -89,7 +74,7 @@ def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog
             pipe.execute()
         log.info("requeued call of a lost worker", call_id=call_id, state=state)
         return
-    if state not in ACTIVE and state != State.RETRYING:
+    if state not in ACTIVE and state not in (State.RETRYING, State.PENDING):
         calls.conn.zrem(keys.LEASES, call_id)
         return
     info = _info(calls, call_id, item)
