@@ -25,7 +25,7 @@ from redis import RedisError
 
 from broker import events as ev_mod
 from broker import keys
-from broker.calls import CallInfo, Calls
+from broker.calls import Calls
 from broker.codec import pack, unpack
 from broker.config import Settings, load_settings
 from broker.connection import BrokerHandle, connect, redact_url, subscriber
@@ -39,6 +39,7 @@ from broker.errors import (
     QueueFull,
     UnknownTool,
 )
+from broker.records import CallInfo
 from broker.states import TERMINAL, State
 from broker.toolspec import ToolSpec
 from hermes_gateway.aio_handle import AsyncBatch, AsyncCallHandle

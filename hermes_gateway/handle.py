@@ -166,7 +166,7 @@ class CallHandle:
 
 def cancel_call(gateway: Gateway, call_id: str) -> bool:
     """Cancel by id; True when the request was recorded (the call was not already finished)."""
-    from broker.calls import CallInfo
+    from broker.records import CallInfo
 
     conn = gateway.conn
     pipe = conn.pipeline(transaction=False)

@@ -15,8 +15,8 @@ def run_call(envelope: dict[str, Any]) -> Any:
     """Run one call synchronously inside a stock RQ worker and return its result."""
     from rq import get_current_job
 
-    from broker.calls import Claimed
     from broker.config import load_settings
+    from broker.records import Claimed
     from workers.core import WorkerCore
     from workers.runner import CallRunner
 

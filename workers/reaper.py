@@ -9,9 +9,10 @@ import structlog
 from broker import keys
 from broker.audit import AuditRecord
 from broker.audit_store import AuditLog
-from broker.calls import CallInfo, Calls
+from broker.calls import Calls
 from broker.codec import pack, text
 from broker.errors import WorkerLost
+from broker.records import CallInfo
 from broker.states import ACTIVE, State
 from broker.tracecontext import new_span_id
 

@@ -18,9 +18,9 @@ import redis
 import structlog
 
 from broker import keys
-from broker.calls import CallInfo
 from broker.errors import HermesError
 from broker.limits import Limits
+from broker.records import CallInfo
 from broker.states import State
 from broker.tracecontext import new_span_id
 

@@ -16,11 +16,11 @@ import structlog
 
 from broker import keys
 from broker.audit import AuditRecord
-from broker.calls import CallInfo, Claimed, Step, envelope_of
 from broker.codec import pack, text
 from broker.envelope import Envelope
 from broker.errors import CallCancelled, DecodeError, HermesError
 from broker.events import PROGRESS
+from broker.records import CallInfo, Claimed, Step, envelope_of
 from broker.states import State
 from broker.tracecontext import new_span_id
 from workers import retry

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from broker import keys
-from broker.calls import CallInfo, Calls
+from broker.calls import Calls
+from broker.records import CallInfo
 from broker.states import State
 from tests.broker.test_limits import CKEY, env, queued, submit
 

@@ -14,7 +14,7 @@ import pytest
 
 from broker import events, keys
 from broker.audit_store import AuditLog
-from broker.calls import envelope_of
+from broker.records import envelope_of
 from hermes_gateway.chat import ChatSession
 from tests.conftest import Home
 from tests.llm_server import LLMServer, Reply

@@ -26,7 +26,8 @@ import yaml
 from broker import events, keys
 from broker.audit import AuditRecord
 from broker.audit_store import AuditLog
-from broker.calls import Calls, envelope_of
+from broker.calls import Calls
+from broker.records import envelope_of
 from tests.conftest import REPO, Home
 from tests.llm_server import LLMServer
 from tests.middleware.test_interop_hermes_agent import (  # noqa: F401 - the fixture, reused

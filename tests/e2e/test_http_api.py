@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 
 from broker import keys
-from broker.calls import envelope_of
+from broker.records import envelope_of
 from hermes_gateway.http_api import create_app
 from tests.e2e.util import free_port, wait_http
 

@@ -25,7 +25,7 @@ from opentelemetry.trace import SpanKind
 
 from broker import events, keys
 from broker.audit_store import AuditLog
-from broker.calls import envelope_of
+from broker.records import envelope_of
 from tests.conftest import REPO, wait_until
 from workers import otelsdk
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from broker import events, keys
-from broker.calls import envelope_of
 from broker.errors import CallCancelled, CallFailed, InvalidArgs, QueueFull, UnknownTool
+from broker.records import envelope_of
 from hermes_gateway.aio import AsyncGateway
 from tests.conftest import Home
 from tests.llm_server import LLMServer

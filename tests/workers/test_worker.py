@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 
 from broker import events, keys
-from broker.calls import CallInfo, Calls, Claimed
+from broker.calls import Calls
 from broker.codec import pack, unpack
 from broker.config import Settings
 from broker.directory import Directory
 from broker.envelope import Envelope, Options
+from broker.records import CallInfo, Claimed
 from broker.states import State
 from workers import reaper
 from workers.core import WorkerCore
