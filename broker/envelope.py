@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from .codec import pack, unpack
@@ -148,9 +148,21 @@ class Envelope:
         _check_types(opts, _OPTION_TYPES, "option ")
         try:
             options = Options(**{k: v for k, v in opts.items() if k in _OPTION_FIELDS})
-            return cls(options=options, **kwargs)
         except TypeError as e:
             raise DecodeError(f"envelope does not fit: {e}") from e
+        # Every required field is checked above and only known ones are kept, so the envelope is filled
+        # in directly (defaults first) rather than through the frozen dataclass's per-field __setattr__:
+        # a worker decodes one per call.
+        env = object.__new__(cls)
+        values = env.__dict__
+        values.update(_DEFAULTS)
+        for name, make in _FACTORIES:
+            if name not in kwargs:
+                values[name] = make()
+        values.update(kwargs)
+        values["options"] = options
+        env.__post_init__()
+        return env
 
     @classmethod
     def decode(cls, data: bytes) -> Envelope:
@@ -159,4 +171,6 @@ class Envelope:
 
 # Field names, computed once: dataclasses.fields() is slow enough to show on the hot path.
 _ENVELOPE_FIELDS = tuple(f.name for f in fields(Envelope))
+_DEFAULTS = {f.name: f.default for f in fields(Envelope) if f.default is not MISSING}
+_FACTORIES = tuple((f.name, f.default_factory) for f in fields(Envelope) if f.default_factory is not MISSING)
 _OPTION_FIELDS = tuple(f.name for f in fields(Options))

@@ -188,3 +188,14 @@ def test_job_data_of_another_shape_is_a_decode_error() -> None:
     ):
         with pytest.raises(DecodeError):
             envelope_of(bad)
+
+
+def test_a_decoded_envelope_missing_optional_fields_gets_the_same_defaults_as_the_constructor() -> None:
+    minimal = {"version": 1, "call_id": "c1", "kind": "tool", "tool": "echo", "traceparent": TP}
+    first, second = Envelope.from_dict(dict(minimal)), Envelope.from_dict(dict(minimal))
+    built = Envelope(call_id="c1", kind="tool", tool="echo", traceparent=TP, submitted_at=first.submitted_at)
+    assert first == built and repr(first) == repr(built)
+    assert first.context == {} and first.context is not second.context  # a fresh dict each, as the factory makes
+    assert first.options == Options() and first.queue == "tools" and first.args is None
+    with pytest.raises(DecodeError):
+        Envelope.from_dict({**minimal, "kind": "shell"})  # __post_init__'s checks still run
