@@ -79,8 +79,6 @@ class _Write:
         self.taken = False  # the sender has read it: later moves make a write of their own
 
 
-
-
 class CallRunner:
     """Runs claimed calls for one worker process."""
 
