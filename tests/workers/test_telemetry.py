@@ -21,6 +21,7 @@ from broker.directory import Directory
 from broker.envelope import Envelope, Options
 from broker.errors import ProviderError
 from workers import metrics, otelsdk
+from workers import spans as spans_mod
 from workers.core import WorkerCore
 from workers.runner import CallRunner
 from workers.telemetry import NO_TRACE, CallTrace, record_usage
@@ -68,12 +69,15 @@ def seen_traceparent(ctx: Any) -> dict[str, Any]:
     return {"traceparent": str(ctx.traceparent), "baggage": dict(baggage.get_all())}
 
 
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
+@pytest.fixture(params=["sdk", "lean"])
+def spans(request: pytest.FixtureRequest) -> Iterator[InMemorySpanExporter]:
+    # Every span assertion holds for the SDK's tracer (a provider a host application set) and for the lean
+    # tracer a worker uses with the provider otelsdk.setup() installs.
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
+    provider = TracerProvider() if request.param == "sdk" else spans_mod.Provider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     otelsdk.use_providers(tracer_provider=provider)
+    assert isinstance(otelsdk.tracer(), spans_mod.LeanTracer) is (request.param == "lean")
     yield exporter
     otelsdk.use_providers()
 
