@@ -89,15 +89,13 @@ class LeanTracer:
         self._as_given: int | None = None
         if limits.max_span_attribute_length is None:
             self._as_given = 1 << 30 if limits.max_span_attributes is None else limits.max_span_attributes
-        # A ParentBased sampler with its default delegates for local parents samples a child of our own
-        # span exactly when that span is sampled, with its trace state and the given attributes: no need
-        # to ask it again for every child (its description names its delegates).
+        # A ParentBased sampler with its default delegates samples a span with a parent exactly when the
+        # parent is sampled, keeping its trace state and the given attributes: for such a sampler the
+        # decision is made here without asking it for every span (its description names its delegates).
         described = provider.sampler.get_description()
-        self._local_follows = (
-            described.startswith("ParentBased{")
-            and "localParentSampled:AlwaysOnSampler" in described
-            and "localParentNotSampled:AlwaysOffSampler" in described
-        )
+        parent_based = described.startswith("ParentBased{")
+        self._follow_local = parent_based and _default_delegates(described, "local")
+        self._follow_remote = parent_based and _default_delegates(described, "remote")
 
     def start_span(
         self,
@@ -121,7 +119,7 @@ class LeanTracer:
             trace_id = parent.trace_id
             random_id = parent.trace_flags.random_trace_id
         state: TraceState | None
-        if parent is not None and not parent.is_remote and self._local_follows:
+        if parent is not None and (self._follow_remote if parent.is_remote else self._follow_local):
             sampled = recording = parent.trace_flags.sampled
             state, extra = parent.trace_state, attributes
         else:
@@ -322,6 +320,12 @@ class LeanSpan(trace.Span):
 
     def __repr__(self) -> str:
         return f"LeanSpan(name={self._name!r}, context={self._context!r})"
+
+
+def _default_delegates(description: str, which: str) -> bool:
+    return f"{which}ParentSampled:AlwaysOnSampler" in description and (
+        f"{which}ParentNotSampled:AlwaysOffSampler" in description
+    )
 
 
 def _append(items: list[Any], item: Any, limit: int | None) -> None:

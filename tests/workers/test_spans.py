@@ -12,7 +12,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from workers import otelsdk
@@ -111,6 +111,11 @@ def test_the_providers_sampler_decides() -> None:
     tracer.start_span("child", context=trace.set_span_in_context(followed)).end()
     followed.end()
     assert [s.name for s in exporter.get_finished_spans()] == ["child", "follows"]
+    # Delegates other than the defaults are asked: here a sampled remote parent is not followed.
+    tracer, exporter = make(sampler=ParentBased(ALWAYS_ON, remote_parent_sampled=ALWAYS_OFF))
+    assert not tracer.start_span("remote child", context=parent_context(TP)).is_recording()
+    local = tracer.start_span("new root")
+    assert tracer.start_span("local child", context=trace.set_span_in_context(local)).is_recording()
 
 
 def test_an_unsampled_local_parent_drops_its_children() -> None:
