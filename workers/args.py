@@ -21,6 +21,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
 from broker.errors import InvalidArgs, InvalidOutput, InvalidSpec
+from workers.quickcheck import Quick, quick_check
 
 _INT = re.compile(r"^\s*[-+]?\d+\s*$")
 _MAX_MESSAGE = 300
@@ -147,7 +148,7 @@ def _coerce_json(value: str, kind: type) -> Any:
 
 # --- validation ---------------------------------------------------------------------------------
 
-_validators: dict[str, Draft202012Validator] = {}
+_validators: dict[str, tuple[Draft202012Validator, Quick | None]] = {}
 _lock = threading.Lock()
 
 
@@ -158,37 +159,38 @@ def _digest(schema: dict[str, Any]) -> str:
 
 # The last schema objects seen, by identity: a tool's spec keeps its schema object, so the hot path
 # skips hashing the schema. The schema is kept with its validator so its id cannot be reused meanwhile.
-_by_id: dict[int, tuple[dict[str, Any], Draft202012Validator]] = {}
+_by_id: dict[int, tuple[dict[str, Any], Draft202012Validator, Quick | None]] = {}
 
 
 def validator_for(schema: dict[str, Any]) -> Draft202012Validator:
     """A cached Draft 2020-12 validator (with format checks); an invalid schema is InvalidSpec."""
+    return _compiled(schema)[0]
+
+
+def _compiled(schema: dict[str, Any]) -> tuple[Draft202012Validator, Quick | None]:
     seen = _by_id.get(id(schema))
     if seen is not None and seen[0] is schema:
-        return seen[1]
+        return seen[1], seen[2]
     key = _digest(schema)
     found = _validators.get(key)
-    if found is not None:
-        _remember(schema, found)
-        return found
-    try:
-        Draft202012Validator.check_schema(schema)
-    except SchemaError as e:
-        raise InvalidSpec(f"schema is not valid JSON Schema 2020-12: {e.message}") from e
-    made = Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
-    with _lock:
-        if len(_validators) >= _CACHE_MAX:
-            _validators.clear()  # specs rarely change; a full reset keeps this simple and bounded
-        _validators[key] = made
-    _remember(schema, made)
-    return made
-
-
-def _remember(schema: dict[str, Any], validator: Draft202012Validator) -> None:
+    if found is None:
+        try:
+            Draft202012Validator.check_schema(schema)
+        except SchemaError as e:
+            raise InvalidSpec(f"schema is not valid JSON Schema 2020-12: {e.message}") from e
+        found = (
+            Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER),
+            quick_check(schema),
+        )
+        with _lock:
+            if len(_validators) >= _CACHE_MAX:
+                _validators.clear()  # specs rarely change; a full reset keeps this simple and bounded
+            _validators[key] = found
     with _lock:
         if len(_by_id) >= _CACHE_MAX:
             _by_id.clear()
-        _by_id[id(schema)] = (schema, validator)
+        _by_id[id(schema)] = (schema, *found)
+    return found
 
 
 def json_path(parts: Any) -> str:
@@ -223,6 +225,9 @@ def validate_args(schema: dict[str, Any] | None, args: Any, tool: str | None = N
     """Raise InvalidArgs listing every violation (``details.violations``) if ``args`` do not fit."""
     if not schema:
         return
+    quick = _compiled(schema)[1]
+    if quick is not None and quick(args):
+        return
     problems = violations(schema, args)
     if problems:
         where = f"tool {tool!r}: " if tool else ""
@@ -232,6 +237,9 @@ def validate_args(schema: dict[str, Any] | None, args: Any, tool: str | None = N
 def check_output(schema: dict[str, Any] | None, result: Any, tool: str | None = None) -> None:
     """Raise InvalidOutput listing every violation if the tool's result does not fit its output schema."""
     if not schema:
+        return
+    quick = _compiled(schema)[1]
+    if quick is not None and quick(result):
         return
     problems = violations(schema, result)
     if problems:
