@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from .codec import pack, unpack
@@ -76,7 +76,14 @@ class AuditRecord:
             rest.setdefault("error_message", emsg)
         if rest.get("error_message"):
             rest["error_message"] = redact_text(str(rest["error_message"]))
-        return cls(
+        unknown = set(rest).difference(_RECORD_FIELDS)
+        if unknown:
+            raise TypeError(f"AuditRecord has no field(s) {', '.join(sorted(unknown))}")
+        # Filled in directly rather than through the frozen dataclass's __init__ (one object.__setattr__
+        # per field, 25 of them): a worker builds one for every call it finishes.
+        record = object.__new__(cls)
+        record.__dict__.update(
+            _defaults(),
             call_id=call_id,
             kind=kind,
             state=state,
@@ -86,6 +93,7 @@ class AuditRecord:
             middleware_trace=[redact(dict(t)) for t in rest.pop("middleware_trace", None) or ()],
             **rest,
         )
+        return record
 
     @property
     def name(self) -> str:
@@ -173,6 +181,8 @@ class _Preview:
                 else:
                     self._walk(v)
             self._emit("}")
+        elif value is None or type(value) in (int, float, bool):  # no secret has the shape of a number
+            self._emit(repr(value))
         elif isinstance(value, list | tuple):
             self._emit("[" if isinstance(value, list) else "(")
             for i, v in enumerate(value):
@@ -208,3 +218,13 @@ def _json_default(obj: Any) -> Any:
 
 
 _RECORD_FIELDS = tuple(f.name for f in fields(AuditRecord))
+_PLAIN_DEFAULTS = {f.name: f.default for f in fields(AuditRecord) if f.default is not MISSING}
+_FACTORIES = tuple((f.name, f.default_factory) for f in fields(AuditRecord) if f.default_factory is not MISSING)
+
+
+def _defaults() -> dict[str, Any]:
+    """Every field's default, with fresh values from the factories (``ts`` now, new empty containers)."""
+    out = dict(_PLAIN_DEFAULTS)
+    for name, factory in _FACTORIES:
+        out[name] = factory()
+    return out
