@@ -103,7 +103,8 @@ class AuditRecord:
     def to_dict(self) -> dict[str, Any]:
         # Shallow on purpose: the values are already plain data (redacted copies), and asdict's deep copy
         # showed as a tenth of a worker's CPU per call.
-        return {name: getattr(self, name) for name in _RECORD_FIELDS}
+        values = self.__dict__
+        return {name: values[name] for name in _RECORD_FIELDS}
 
     def encode(self) -> bytes:
         return pack(self.to_dict())

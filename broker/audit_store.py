@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
-from . import keys
+from . import keys, pipes
 from .audit import AuditRecord
 from .errors import ConfigError
 
@@ -113,8 +113,8 @@ class AuditLog:
             record.encode(),
         ]
         client = pipeline if pipeline is not None else self.redis
-        result = self._script(
-            keys=[self.key, self.index_key], args=self._trim_args(record.call_id) + fields_, client=client
+        result = pipes.script(
+            self._script, [self.key, self.index_key], self._trim_args(record.call_id) + fields_, client
         )
         if self.jsonl_path is not None:
             self._mirror(record)

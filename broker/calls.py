@@ -15,7 +15,7 @@ from typing import Any
 import redis
 from redis.client import Pipeline
 
-from . import events, keys, scripts
+from . import events, keys, pipes, scripts
 from .codec import raw as as_bytes
 from .codec import text, unpack
 from .envelope import Envelope
@@ -74,8 +74,9 @@ class Calls:
             flat.append(k)
             flat.append("" if v is None else v)
         idem = env.options.idempotency_key
-        return self._submit(
-            keys=[
+        return pipes.script(
+            self._submit,
+            [
                 keys.job(env.call_id),
                 keys.queue(env.queue),
                 keys.history(env.call_id),
@@ -85,7 +86,7 @@ class Calls:
                 keys.slots(ckey),
                 keys.LIMITS,
             ],
-            args=[
+            [
                 env.call_id,
                 ev,
                 SUBMIT_TTL,
@@ -99,7 +100,7 @@ class Calls:
                 self.wake_suffix,
                 *flat,
             ],
-            client=pipeline,
+            pipeline,
         )
 
     @staticmethod
@@ -177,8 +178,9 @@ class Calls:
         for k, v in (fields or {}).items():
             flat.append(k)
             flat.append(v)
-        return self._transition(
-            keys=[
+        return pipes.script(
+            self._transition,
+            [
                 keys.job(info.call_id),
                 keys.history(info.call_id),
                 keys.LEASES,
@@ -187,7 +189,7 @@ class Calls:
                 keys.LIMITS,
                 keys.SCHEDULED,
             ],
-            args=[
+            [
                 info.call_id,
                 ev,
                 "" if ttl is None else ttl,
@@ -208,22 +210,32 @@ class Calls:
                 rq_now() if handoff and release else "",
                 *flat,
             ],
-            client=pipeline,
+            pipeline,
         )
 
     @staticmethod
     def _check_move(
-        current: State | None, target: State, from_states: frozenset[State] | None, first: frozenset[State] | None
+        current: State | None,
+        target: State,
+        from_states: frozenset[State] | None,
+        first: frozenset[State] | None,
     ) -> frozenset[State]:
         """Refuse an illegal move; returns the sources the script checks (the first move's)."""
         allowed = from_states if from_states is not None else sources(target)
         if current is not None and current not in allowed:
-            raise IllegalTransition(f"illegal transition {current} -> {target}", current=str(current), target=str(target))
+            raise IllegalTransition(
+                f"illegal transition {current} -> {target}", current=str(current), target=str(target)
+            )
         return first if first is not None else allowed
 
     @staticmethod
     def _event(
-        info: CallInfo, state: str, attempt: int, event_type: str, detail: dict[str, Any] | None, ts: float | None
+        info: CallInfo,
+        state: str,
+        attempt: int,
+        event_type: str,
+        detail: dict[str, Any] | None,
+        ts: float | None,
     ) -> bytes:
         return events.payload(
             call_id=info.call_id,

@@ -174,3 +174,30 @@ def test_a_connection_lost_before_any_reply_is_retried(redis_url: str) -> None:
     pipe.incr("counter")
     assert pipes.execute(pipe) == [1] and sends[0] >= 2  # (reconnecting sends its own handshake too)
     assert conn.get("counter") == b"1"
+
+
+def test_script_calls_queued_straight_onto_a_pipeline_run_as_redis_pys_and_survive_a_script_flush(
+    conn: redis.Redis,
+) -> None:
+    incr_by = conn.register_script("return redis.call('INCRBY', KEYS[1], ARGV[1])")
+    via_redis_py = conn.pipeline(transaction=False)
+    incr_by(keys=["b"], args=[2], client=via_redis_py)
+    ours = conn.pipeline(transaction=False)
+    assert pipes.script(incr_by, ["b"], [2], ours) is ours
+    assert ours.command_stack == via_redis_py.command_stack  # the same EVALSHA, queued the same way
+    via_redis_py.reset()
+    assert incr_by in ours.scripts  # a server that lost it is given it again
+    conn.script_flush()
+    assert pipes.execute(ours) == [2]
+    conn.script_flush()
+    pipes.script(incr_by, ["b"], [3], ours)
+    assert ours.execute() == [5]  # redis-py's own execute loads the registered script too
+
+
+def test_script_calls_outside_a_plain_pipeline_go_through_redis_py(conn: redis.Redis) -> None:
+    incr_by = conn.register_script("return redis.call('INCRBY', KEYS[1], ARGV[1])")
+    assert pipes.script(incr_by, ["c"], [4], None) == 4  # the script's own client, at once
+    assert pipes.script(incr_by, ["c"], [1], conn) == 5
+    with conn.pipeline() as watching:
+        watching.watch("c")  # immediate mode: the command runs now, as redis-py runs it
+        assert pipes.script(incr_by, ["c"], [1], watching) == 6
