@@ -180,10 +180,7 @@ if not run then
   local qsize = tonumber(ARGV[4])
   if qsize >= 0 and depth >= qsize then return {-1, depth} end
 end
-local fields = {}
-for i = 12, #ARGV do fields[#fields + 1] = ARGV[i] end
-redis.call('HSET', KEYS[1], unpack(fields))
-redis.call('HSET', KEYS[1], 'h_seq', '1', 'h_state', 'pending', 'status', 'queued')
+redis.call('HSET', KEYS[1], 'h_seq', '1', 'h_state', 'pending', 'status', 'queued', unpack(ARGV, 12))
 if run then
   redis.call('ZADD', KEYS[7], 'inf', ARGV[1])
   redis.call('RPUSH', KEYS[2], ARGV[1])

@@ -31,8 +31,10 @@ class CallHandle:
         self.own = own  # events arrive on our channel (False: someone else's call, followed from Redis)
         self.refused: HermesError | None = None
         self._events: list[Event] = []
-        self._cv = threading.Condition(threading.Lock())  # never re-entered: a plain lock is cheaper
-        self._done = threading.Event()
+        # One condition for new events and for the end (a plain lock: never re-entered, and cheaper);
+        # a handle per call is made by every submission, so it carries no second Event of its own.
+        self._cv = threading.Condition(threading.Lock())
+        self._over = False  # a terminal event arrived, or the call was refused
         self._result: Any = _MISSING
         self._final: Event | None = None
 
@@ -52,15 +54,15 @@ class CallHandle:
             self._events.append(event)
             if event.terminal:
                 self._final = event
-                self._done.set()
+                self._over = True
             self._cv.notify_all()
         if event.terminal and self.own:  # however the end was seen (pub/sub or a history read)
             self.gateway._untrack(self.call_id, self)
 
     def _refuse(self, error: HermesError) -> None:
-        self.refused = error
-        self._done.set()
         with self._cv:
+            self.refused = error
+            self._over = True
             self._cv.notify_all()
 
     # -- public ----------------------------------------------------------------------------------
@@ -79,7 +81,7 @@ class CallHandle:
         return self._events[0].trace_id if self._events else ""
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._over
 
     def result(self, timeout: float | None = None) -> Any:
         """The call's result; raises its typed error, CallCancelled, or CallTimeout."""
@@ -106,15 +108,16 @@ class CallHandle:
     def _wait(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         check = 0.0
-        while not self._done.is_set():
+        while not self._over:
             wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
-            if self._done.wait(wait):
-                return
+            with self._cv:
+                if self._over or self._cv.wait_for(lambda: self._over, wait):
+                    return
             # Pub/sub is fire-and-forget: now and then read the durable history directly.
             if time.monotonic() >= check:
                 check = time.monotonic() + 1.0
                 self.sync()
-                if self._done.is_set():
+                if self._over:
                     return
             if deadline is not None and time.monotonic() >= deadline:
                 raise CallTimeout(f"no result for call {self.call_id} ({self.name}) within {timeout:g}s", call_id=self.call_id)
