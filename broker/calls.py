@@ -8,6 +8,7 @@ Every write takes an optional ``pipeline``; only the creator of a pipeline execu
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -162,15 +163,16 @@ class Calls:
             first = self._check_move(current, state_, from_states if first is None else None, first)
             early.append(self._event(info, str(state_), attempt, events.TRANSITION, detail_, ts_))
             current = state_
+        stamp = rq_now() if (target in TERMINAL or (handoff and release)) else ""
         if target is not None:
             allowed = self._check_move(current, target, from_states if first is None else None, first)
-            src = ",".join(sorted(allowed))
+            src = _joined(allowed)
             state = str(target)
             if target in TERMINAL:
                 lease = "-"
                 ttl = ttl or 86400
                 fields = dict(fields or {})
-                fields.setdefault("ended_at", rq_now())
+                fields.setdefault("ended_at", stamp)
         else:
             src, state = "", ""
         ev = self._event(info, state or (str(current) if current else ""), attempt, event_type, detail, ts)
@@ -207,7 +209,7 @@ class Calls:
                 self.wake_suffix,
                 handoff[0] if handoff and release else "",
                 lease_deadline(handoff[1]) if handoff and release else "",
-                rq_now() if handoff and release else "",
+                stamp if handoff and release else "",
                 *flat,
             ],
             pipeline,
@@ -350,3 +352,9 @@ class Calls:
 
 
 _s = text  # a Redis reply as text
+
+
+@functools.lru_cache(maxsize=256)
+def _joined(states: frozenset[State]) -> str:
+    """The sources a script checks, as its ``a,b,c`` argument (a few distinct sets, each joined once)."""
+    return ",".join(sorted(states))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import msgpack
@@ -17,9 +18,20 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"cannot encode {type(obj).__name__} on the wire")
 
 
+_packers = threading.local()
+
+
 def pack(value: Any) -> bytes:
     """Encode with msgpack; unknown types are a TypeError, not a silent str()."""
-    return msgpack.packb(value, use_bin_type=True, default=_default)
+    # One packer per thread, kept: ``msgpack.packb`` makes (and allocates a buffer for) a new one each time.
+    packer = getattr(_packers, "packer", None)
+    if packer is None:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True, default=_default)
+    try:
+        return packer.pack(value)
+    except BaseException:
+        _packers.packer = None  # a failed pack may leave a partial buffer behind: start afresh
+        raise
 
 
 def unpack(data: bytes | bytearray | memoryview) -> Any:

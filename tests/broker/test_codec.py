@@ -137,3 +137,26 @@ def test_the_rq_serializer_is_msgpack() -> None:
     data = MsgpackSerializer.dumps(payload)
     assert msgpack.unpackb(data, raw=False) == payload
     assert MsgpackSerializer.loads(data) == payload
+
+
+def test_a_refused_value_leaves_the_threads_packer_clean_and_threads_never_share_one() -> None:
+    import threading
+
+    with pytest.raises(TypeError):
+        pack({"a": [1, 2, object()]})  # fails half way through the map
+    assert unpack(pack({"b": 2})) == {"b": 2}  # nothing of the failed value is left in front
+
+    errors: list[str] = []
+
+    def many(n: int) -> None:
+        for i in range(2000):
+            value = {"t": n, "i": i, "s": "x" * (i % 50)}
+            if unpack(pack(value)) != value:
+                errors.append(f"{n}/{i}")
+
+    threads = [threading.Thread(target=many, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
