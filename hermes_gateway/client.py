@@ -14,15 +14,15 @@ import structlog
 from broker import events as ev_mod
 from broker import keys, pipes
 from broker.calls import Calls
-from broker.codec import text, unpack
+from broker.codec import text
 from broker.config import Settings, load_settings
 from broker.connection import BrokerHandle, connect, subscriber
 from broker.directory import Directory, Entry, sync_dir
 from broker.envelope import Envelope
-from broker.errors import DecodeError, HermesError, NoWorkers, QueueFull
+from broker.errors import HermesError, NoWorkers, QueueFull
 from broker.toolspec import ToolSpec
 from hermes_gateway.envelopes import check_llm_request, llm_envelope, tool_envelope, tool_limits
-from hermes_gateway.handle import CallHandle, cancel_call
+from hermes_gateway.handle import Batch, CallHandle, cancel_call
 from hermes_gateway.telemetry import Sending
 
 log = structlog.get_logger("hermes.client")
@@ -384,25 +384,3 @@ class Gateway:
                 handle.sync()  # fill it from the durable history
             handle._feed(event)  # the terminal event untracks the handle
 
-
-def decode_failures(raw: list[bytes]) -> list[dict[str, Any]]:
-    out = []
-    for item in raw:
-        try:
-            out.append(unpack(item))
-        except DecodeError:
-            continue
-    return out
-
-
-class Batch(list[CallHandle]):
-    """The handles of a batch, in submission order; ``accepted`` and ``refused`` split them."""
-
-    @property
-    def accepted(self) -> list[CallHandle]:
-        return [h for h in self if h.refused is None]
-
-    @property
-    def refused(self) -> list[tuple[int, CallHandle]]:
-        """(index in the batch, handle) of each refused item; ``handle.refused`` is its error."""
-        return [(i, h) for i, h in enumerate(self) if h.refused is not None]

@@ -35,6 +35,7 @@ class CallHandle:
         # a handle per call is made by every submission, so it carries no second Event of its own.
         self._cv = threading.Condition(threading.Lock())
         self._over = False  # a terminal event arrived, or the call was refused
+        self._followers = 0  # threads waiting in events() for the next event (result() waits for the end)
         self._result: Any = _MISSING
         self._final: Event | None = None
 
@@ -55,7 +56,9 @@ class CallHandle:
             if event.terminal:
                 self._final = event
                 self._over = True
-            self._cv.notify_all()
+                self._cv.notify_all()
+            elif self._followers:  # nobody waits for a non-terminal event unless events() does
+                self._cv.notify_all()
         if event.terminal and self.own:  # however the end was seen (pub/sub or a history read)
             self.gateway._untrack(self.call_id, self)
 
@@ -111,8 +114,10 @@ class CallHandle:
         while not self._over:
             wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
             with self._cv:
-                if self._over or self._cv.wait_for(lambda: self._over, wait):
-                    return
+                if not self._over:
+                    self._cv.wait(wait)
+            if self._over:
+                return
             # Pub/sub is fire-and-forget: now and then read the durable history directly.
             if time.monotonic() >= check:
                 check = time.monotonic() + 1.0
@@ -154,7 +159,12 @@ class CallHandle:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
-                if self._cv.wait(1.0 if left is None else min(left, 1.0)):
+                self._followers += 1
+                try:
+                    woken = self._cv.wait(1.0 if left is None else min(left, 1.0))
+                finally:
+                    self._followers -= 1
+                if woken:
                     continue
             self.sync()  # quiet for a second: read the durable history in case pub/sub dropped one
 
@@ -198,3 +208,16 @@ def cancel_call(gateway: Gateway, call_id: str) -> bool:
     pipe.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))
     pipe.execute()
     return True
+
+
+class Batch(list[CallHandle]):
+    """The handles of a batch, in submission order; ``accepted`` and ``refused`` split them."""
+
+    @property
+    def accepted(self) -> list[CallHandle]:
+        return [h for h in self if h.refused is None]
+
+    @property
+    def refused(self) -> list[tuple[int, CallHandle]]:
+        """(index in the batch, handle) of each refused item; ``handle.refused`` is its error."""
+        return [(i, h) for i, h in enumerate(self) if h.refused is not None]

@@ -299,6 +299,33 @@ def test_a_call_whose_end_came_only_through_the_history_is_no_longer_tracked(gw:
     assert h.done() and h.call_id not in gw._handles
 
 
+def test_a_follower_is_woken_by_each_live_event_and_a_result_waiter_by_the_end(
+    gw: Gateway, monkeypatch: Any
+) -> None:
+    import threading
+
+    from broker.records import CallInfo
+    from broker.states import State
+
+    h = gw.call_tool("echo", {"k": "v"})
+    # Every event must come from the live feed: a waiter that missed a wake-up would read the history.
+    monkeypatch.setattr(h, "sync", lambda: pytest.fail("a waiter was not woken and fell back to the history"))
+    seen: list[str] = []
+    follower = threading.Thread(target=lambda: seen.extend(e.state for e in h.events(timeout=10)))
+    follower.start()
+    info = CallInfo.of(gw.calls.record(h.call_id)["envelope"], "tool:echo")
+    for target in (State.ROUTING, State.EXECUTING, State.FORMATTING):
+        gw.calls.transition(info, target, attempt=1)
+        deadline = time.monotonic() + 0.9  # under the follower's 1 s history poll
+        while len(seen) < [State.ROUTING, State.EXECUTING, State.FORMATTING].index(target) + 2:
+            assert time.monotonic() < deadline, f"the follower did not get {target} from the live feed"
+            time.sleep(0.005)
+    gw.calls.transition(info, State.DONE, attempt=1, detail={"result": {"k": "v"}})
+    assert h.result(timeout=0.9) == {"k": "v"}
+    follower.join(5)
+    assert seen == ["pending", "routing", "executing", "formatting", "done"]
+
+
 def _walk_to_done(gw: Gateway, handle: Any) -> None:
     from broker.records import CallInfo
     from broker.states import State
