@@ -7,7 +7,6 @@ period, handing back what is left.
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import socket
@@ -22,7 +21,7 @@ from rq import Queue
 from rq import Worker as RQWorker
 
 from broker import keys
-from broker.codec import MsgpackSerializer, pack, text, unpack
+from broker.codec import MsgpackSerializer, pack, unpack
 from broker.config import Settings
 from broker.connection import subscriber
 from broker.states import State
@@ -30,6 +29,7 @@ from workers import reaper
 from workers.core import WorkerCore
 from workers.executors.base import close_all
 from workers.runner import CallRunner
+from workers.shares import FAIR_SHARE_TTL, FairShares
 from workers.threads import CallThreads
 
 log = structlog.get_logger("hermes.worker")
@@ -39,7 +39,6 @@ CLAIM_BATCH = 64
 IDLE_POLL_MAX = 0.5
 # After an ending call found nobody waiting for its slot, how long its key's calls end without a hand-off.
 HANDOFF_RETRY = 0.05
-FAIR_SHARE_TTL = 1.0  # seconds between re-reads of the limits and of the live workers sharing a queue
 
 
 def worker_name() -> str:
@@ -74,10 +73,10 @@ class Worker:
         # A call thread ending keeps its token for the call its slot is handed to (see ``reserve``).
         self._local = threading.local()
         self._no_waiters: dict[str, float] = {}  # ckey -> until when a hand-off is not tried
-        # For the fair share of a key's slots (``fair_share``), refreshed by the heartbeat thread.
-        self._limits: dict[str, int] = {}  # concurrency key -> its limit
-        self._peers: dict[str, int] = {}  # our queue -> live workers serving it
         self._refresh_now = threading.Event()
+        # How many of a key's slots this process may keep (refreshed by the heartbeat thread).
+        self.shares = FairShares(conn, queues, self.lease, self._refresh_now)
+        self.fair_share, self.refresh_shares = self.shares.fair_share, self.shares.refresh
         self.runner.handoff = self
         self.rq = RQWorker(
             [Queue(q, connection=conn, serializer=MsgpackSerializer) for q in queues],
@@ -196,30 +195,6 @@ class Worker:
             return None
         local.keep = True
         return self.name, self.lease
-
-    def fair_share(self, ckey: str, queue: str) -> float:
-        """``ceil(limit / live workers on queue)`` for ``ckey`` from the figures ``refresh_shares`` keeps
-        (no Redis round trip on the call's thread); unlimited or unknown: no bound."""
-        limit = self._limits.get(ckey)
-        if limit is None:  # a key first seen since the last read: the heartbeat thread reads it now
-            self._limits[ckey] = -1  # (once: until then, and if it has no limit, no bound)
-            self._refresh_now.set()
-            return math.inf
-        if limit <= 0:
-            return math.inf
-        return math.ceil(limit / max(1, self._peers.get(queue, 1)))
-
-    def refresh_shares(self) -> None:
-        """Re-read the limits of every concurrency key and how many live workers serve each of our queues."""
-        horizon = time.time() - max(15.0, self.lease)
-        pipe = self.conn.pipeline(transaction=False)
-        pipe.hgetall(keys.LIMITS)
-        for q in self.queues:
-            pipe.zcount(keys.queue_workers(q), horizon, "+inf")
-        limits, *peers = pipe.execute()
-        # Keys asked about but without an entry (no limit, or swept while idle) stay known as unlimited.
-        self._limits = {**dict.fromkeys(self._limits, -1), **{text(k): int(text(v) or -1) for k, v in limits.items()}}
-        self._peers = {q: int(n) for q, n in zip(self.queues, peers, strict=True)}
 
     def received(self, reply: Any, ckey: str) -> None:
         """The reply of an ending transition that reserved: run the call handed to us, else free the thread."""
