@@ -101,20 +101,22 @@ local function hand_off(slots, waiting, limits, ckey, qkey)
   end
   return nil
 end
-local st = redis.call('HGET', KEYS[1], 'h_state')
+local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_queue')
+local st = rec[1]
 if not st then return {-1, ''} end
-if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'h_attempt') ~= ARGV[4] then return {-2, st} end
+if ARGV[4] ~= '' and rec[2] ~= ARGV[4] then return {-2, st} end
 if ARGV[5] == '' then
   if st == 'done' or st == 'failed' or st == 'cancelled' then return {-3, st} end
 elseif ARGV[5] ~= '*' then
   if not string.find(',' .. ARGV[5] .. ',', ',' .. st .. ',', 1, true) then return {-3, st} end
 end
-local seq = redis.call('HINCRBY', KEYS[1], 'h_seq', 1)
+local before = tonumber(ARGV[19])
+-- One increment for every event this call records: the earlier ones get seq .. seq + before - 1.
+local seq = redis.call('HINCRBY', KEYS[1], 'h_seq', before + 1) - before
 if ARGV[6] ~= '' then
   redis.call('HSET', KEYS[1], 'h_state', ARGV[6], 'status', ARGV[7])
 end
-local qkey = ARGV[16] ~= '' and redis.call('HGET', KEYS[1], 'h_queue')
-local before = tonumber(ARGV[19])
+local qkey = ARGV[16] ~= '' and rec[3]
 if #ARGV >= 20 + before then
   redis.call('HSET', KEYS[1], unpack(ARGV, 20 + before, #ARGV))
 end
@@ -142,7 +144,7 @@ for i = 20, 19 + before do
   local early = with_seq(ARGV[i], seq)
   redis.call('RPUSH', KEYS[2], early)
   redis.call('PUBLISH', ARGV[11], early)
-  seq = redis.call('HINCRBY', KEYS[1], 'h_seq', 1)
+  seq = seq + 1
 end
 local ev = with_seq(ARGV[2], seq)
 redis.call('RPUSH', KEYS[2], ev)
