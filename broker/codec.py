@@ -19,19 +19,23 @@ def _default(obj: Any) -> Any:
 
 
 _packers = threading.local()
+_KEEP_BELOW = 64 * 1024  # a packer whose buffer grew past this is let go, not kept for the thread
 
 
 def pack(value: Any) -> bytes:
     """Encode with msgpack; unknown types are a TypeError, not a silent str()."""
-    # One packer per thread, kept: ``msgpack.packb`` makes (and allocates a buffer for) a new one each time.
+    # A packer per thread, kept between calls (``msgpack.packb`` makes and allocates one each time). It is
+    # taken out while in use, so a pack nested in a ``default=`` conversion gets a fresh one, and it is
+    # dropped after a failure or a large value (its buffer only grows).
     packer = getattr(_packers, "packer", None)
     if packer is None:
-        packer = _packers.packer = msgpack.Packer(use_bin_type=True, default=_default)
-    try:
-        return packer.pack(value)
-    except BaseException:
-        _packers.packer = None  # a failed pack may leave a partial buffer behind: start afresh
-        raise
+        packer = msgpack.Packer(use_bin_type=True, default=_default)
+    else:
+        _packers.packer = None
+    out = packer.pack(value)
+    if len(out) < _KEEP_BELOW:
+        _packers.packer = packer
+    return out
 
 
 def unpack(data: bytes | bytearray | memoryview) -> Any:

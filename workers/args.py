@@ -159,6 +159,8 @@ def _digest(schema: dict[str, Any]) -> str:
 
 # The last schema objects seen, by identity: a tool's spec keeps its schema object, so the hot path
 # skips hashing the schema. The schema is kept with its validator so its id cannot be reused meanwhile.
+# A schema is not edited in place once in use (specs are replaced whole): the quick check compiled from
+# it would not see the edit.
 _by_id: dict[int, tuple[dict[str, Any], Draft202012Validator, Quick | None]] = {}
 
 

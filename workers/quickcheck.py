@@ -43,7 +43,32 @@ _SCALARS = (str, int, float, bool, type(None))
 
 
 def quick_check(schema: Any) -> Quick | None:
-    """A check that returns True only for instances ``schema`` accepts (None: no quick check for it)."""
+    """A check that returns True only for instances ``schema`` accepts (None: no quick check for it).
+
+    Only plain JSON data is judged (dict with str keys, list, str, int, float, bool, None — what msgpack
+    and json decode to); anything else — a Decimal, an IntEnum, an OrderedDict, a str subclass — is "not
+    sure", since jsonschema applies its keywords by ``isinstance`` and the parts below by exact type.
+    """
+    check = _compile(schema)
+    if check is None:
+        return None
+    return lambda v: _plain(v) and check(v)
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    kind = type(value)
+    if kind in _SCALARS:
+        return True
+    if depth > 32:
+        return False
+    if kind is dict:
+        return all(type(k) is str and _plain(v, depth + 1) for k, v in value.items())
+    if kind is list:
+        return all(_plain(v, depth + 1) for v in value)
+    return False
+
+
+def _compile(schema: Any) -> Quick | None:
     if schema is True:
         return _anything
     if not isinstance(schema, dict) or not _KNOWN.issuperset(schema):
@@ -125,7 +150,7 @@ def _size_check(schema: dict[str, Any]) -> _Part:
 def _items_check(schema: dict[str, Any]) -> _Part:
     if "items" not in schema:
         return None
-    item = quick_check(schema["items"])
+    item = _compile(schema["items"])
     if item is None:
         return False
     return lambda v: type(v) is not list or all(item(x) for x in v)
@@ -151,11 +176,11 @@ def _object_check(schema: dict[str, Any]) -> _Part:
         return False
     subs: dict[str, Quick] = {}
     for name, sub in props.items():
-        made = quick_check(sub)
+        made = _compile(sub)
         if made is None:
             return False
         subs[name] = made
-    other = None if extra is False else quick_check(extra)
+    other = None if extra is False else _compile(extra)
     if other is None and extra is not False:
         return False
     needed = tuple(required)

@@ -10,8 +10,9 @@ It keeps the SDK's behaviour where it shows: the provider's sampler decides (and
 trace state), its id generator makes the ids, its span limits bound attributes, events and links, and
 a finished span is an SDK ``ReadableSpan`` handed to every span processor of the provider — the batch
 processor and exporter configured by ``OTEL_*`` (OTLP, console, memory) see exactly what they would.
-What it leaves out: the SDK's own self-metrics on span counts, and ``dropped_*`` counts on exported
-spans (spans we make stay far below the limits; over a limit, the oldest attribute goes, as in the SDK).
+What it leaves out: the SDK's own self-metrics on span counts, its private ``_on_ending`` processor hook,
+and ``dropped_*`` counts on exported spans (spans we make stay far below the limits; over a limit, the
+oldest attribute goes, as in the SDK).
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from time import time_ns
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.sampling import ParentBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import (
     Link,
@@ -40,6 +42,10 @@ from opentelemetry.trace import (
 
 _UNSET = Status(StatusCode.UNSET)
 _PLAIN = (str, bool, int, float)
+# The end of a ParentBased sampler's description when its delegates for parents are the defaults (the
+# root's own description comes first, so a nested ParentBased there cannot end the string like this).
+_REMOTE_DEFAULTS = ",remoteParentSampled:AlwaysOnSampler,remoteParentNotSampled:AlwaysOffSampler"
+_LOCAL_DEFAULTS = ",localParentSampled:AlwaysOnSampler,localParentNotSampled:AlwaysOffSampler}"
 _FLAGS = {
     (sampled, random): TraceFlags(
         (TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT)
@@ -92,10 +98,10 @@ class LeanTracer:
         # A ParentBased sampler with its default delegates samples a span with a parent exactly when the
         # parent is sampled, keeping its trace state and the given attributes: for such a sampler the
         # decision is made here without asking it for every span (its description names its delegates).
-        described = provider.sampler.get_description()
-        parent_based = described.startswith("ParentBased{")
-        self._follow_local = parent_based and _default_delegates(described, "local")
-        self._follow_remote = parent_based and _default_delegates(described, "remote")
+        sampler = provider.sampler
+        described = sampler.get_description() if type(sampler) is ParentBased else ""
+        self._follow_local = described.endswith(_LOCAL_DEFAULTS)
+        self._follow_remote = described.endswith(_REMOTE_DEFAULTS + _LOCAL_DEFAULTS)
 
     def start_span(
         self,
@@ -136,14 +142,14 @@ class LeanTracer:
         )
         if extra:
             if self._as_given is not None and len(extra) <= self._as_given:
-                for value in extra.values():
-                    if type(value) not in _PLAIN:
-                        span.set_attributes(extra)
+                for key, value in extra.items():
+                    if type(value) not in _PLAIN or type(key) is not str or not key:
+                        span.set_attributes(_start_keys(extra))
                         break
                 else:
                     span._attributes.update(extra)  # plain values within the limits: nothing to clean or drop
             else:
-                span.set_attributes(extra)
+                span.set_attributes(_start_keys(extra))
         for link in links or ():
             span.add_link(link.context, link.attributes)
         for processor in provider.processors:
@@ -152,11 +158,26 @@ class LeanTracer:
 
     @contextmanager
     def start_as_current_span(
-        self, name: str, context: otel_context.Context | None = None, **kw: Any
+        self,
+        name: str,
+        context: otel_context.Context | None = None,
+        kind: SpanKind = SpanKind.INTERNAL,
+        attributes: Mapping[str, Any] | None = None,
+        links: Sequence[Link] | None = (),
+        start_time: int | None = None,
+        record_exception: bool = True,
+        set_status_on_exception: bool = True,
+        end_on_exit: bool = True,
     ) -> Iterator[trace.Span]:
-        end_on_exit = kw.pop("end_on_exit", True)
-        span = self.start_span(name, context, **kw)
-        with trace.use_span(span, end_on_exit=end_on_exit) as current:
+        span = self.start_span(
+            name, context, kind, attributes, links, start_time, record_exception, set_status_on_exception
+        )
+        with trace.use_span(
+            span,
+            end_on_exit=end_on_exit,
+            record_exception=record_exception,
+            set_status_on_exception=set_status_on_exception,
+        ) as current:
             yield current
 
 
@@ -206,6 +227,56 @@ class LeanSpan(trace.Span):
         self._status_on_exception = status_on_exception
         self._open = [True]  # emptied by the one end() that exports
 
+    # -- what a processor may read in on_start (the SDK's span is a ReadableSpan too) ----------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def context(self) -> SpanContext:
+        return self._context
+
+    @property
+    def parent(self) -> SpanContext | None:
+        return self._parent
+
+    @property
+    def kind(self) -> SpanKind:
+        return self._kind
+
+    @property
+    def attributes(self) -> Mapping[str, Any]:
+        return MappingProxyType(self._attributes)
+
+    @property
+    def events(self) -> tuple[Event, ...]:
+        return tuple(self._events)
+
+    @property
+    def links(self) -> tuple[Link, ...]:
+        return tuple(self._links)
+
+    @property
+    def status(self) -> Status:
+        return self._status
+
+    @property
+    def start_time(self) -> int:
+        return self._start
+
+    @property
+    def end_time(self) -> int | None:
+        return self._end
+
+    @property
+    def resource(self) -> Any:
+        return self._tracer.provider.resource
+
+    @property
+    def instrumentation_scope(self) -> InstrumentationScope:
+        return self._tracer.scope
+
     # -- the Span interface --------------------------------------------------------------------
 
     def get_span_context(self) -> SpanContext:
@@ -225,11 +296,9 @@ class LeanSpan(trace.Span):
         attrs = self._attributes
         if type(value) not in _PLAIN or (type(value) is str and limits.max_span_attribute_length is not None):
             value = clean(value, limits.max_span_attribute_length)
-        if (
-            key not in attrs
-            and limits.max_span_attributes is not None
-            and len(attrs) >= limits.max_span_attributes
-        ):
+        if key in attrs:
+            del attrs[key]  # set again: it becomes the newest, as in the SDK
+        elif limits.max_span_attributes is not None and len(attrs) >= limits.max_span_attributes:
             if not limits.max_span_attributes:
                 return
             del attrs[next(iter(attrs))]  # the oldest goes, as in the SDK
@@ -251,7 +320,7 @@ class LeanSpan(trace.Span):
         )
 
     def add_link(self, context: SpanContext, attributes: Mapping[str, Any] | None = None) -> None:
-        if self._end is not None or not context.is_valid:
+        if self._end is not None or not (context and (context.is_valid or attributes or context.trace_state)):
             return
         limits = self._tracer.limits
         attrs = _bounded(attributes, limits.max_link_attributes, limits.max_attribute_length)
@@ -274,8 +343,9 @@ class LeanSpan(trace.Span):
         timestamp: int | None = None,
         escaped: bool = False,
     ) -> None:
+        module, qualname = type(exception).__module__, type(exception).__qualname__
         attrs: dict[str, Any] = {
-            "exception.type": type(exception).__qualname__,
+            "exception.type": f"{module}.{qualname}" if module and module != "builtins" else qualname,
             "exception.message": str(exception),
             "exception.stacktrace": "".join(traceback.format_exception(exception)),
             "exception.escaped": str(escaped),
@@ -295,7 +365,7 @@ class LeanSpan(trace.Span):
             context=self._context,
             parent=self._parent,
             resource=tracer.provider.resource,
-            attributes=self._attributes,
+            attributes=dict(self._attributes),
             events=tuple(self._events),
             links=tuple(self._links),
             kind=self._kind,
@@ -322,10 +392,10 @@ class LeanSpan(trace.Span):
         return f"LeanSpan(name={self._name!r}, context={self._context!r})"
 
 
-def _default_delegates(description: str, which: str) -> bool:
-    return f"{which}ParentSampled:AlwaysOnSampler" in description and (
-        f"{which}ParentNotSampled:AlwaysOffSampler" in description
-    )
+def _start_keys(attributes: Mapping[Any, Any]) -> dict[Any, Any]:
+    # As the SDK cleans a span's first attributes: a number or bool key becomes its str (set_attribute
+    # then drops any other key that is not a non-empty str).
+    return {str(k) if type(k) in _PLAIN[1:] else k: v for k, v in attributes.items()}
 
 
 def _append(items: list[Any], item: Any, limit: int | None) -> None:

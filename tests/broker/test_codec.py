@@ -160,3 +160,33 @@ def test_a_refused_value_leaves_the_threads_packer_clean_and_threads_never_share
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_packing_a_large_value_leaves_no_large_buffer_behind() -> None:
+    import gc
+    import tracemalloc
+
+    pack({"warm": 1})
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        out = pack({"blob": b"x" * (8 * 1024 * 1024)})
+        assert len(out) > 8 * 1024 * 1024
+        del out
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 1024 * 1024, f"{held} bytes still held after packing one 8 MiB value"
+
+
+def test_a_pack_nested_in_a_conversion_gets_its_own_packer() -> None:
+    import datetime
+
+    class Stamp(datetime.date):
+        def isoformat(self) -> str:  # a conversion that packs something itself while the outer pack runs
+            return pack({"inner": [1, 2, 3]}).hex()
+
+    value = {"a": "before", "when": Stamp(2026, 12, 3), "z": "after"}
+    got = unpack(pack(value))
+    assert got == {"a": "before", "when": pack({"inner": [1, 2, 3]}).hex(), "z": "after"}

@@ -128,3 +128,37 @@ def test_an_invalid_schema_is_still_refused_before_any_quick_check() -> None:
 
     with pytest.raises(InvalidSpec):
         args_mod.validate_args({"type": "object", "required": "n"}, {"n": 1})
+
+
+def test_values_that_are_not_plain_json_data_are_never_certainly_valid() -> None:
+    import collections
+    import decimal
+    import enum
+    import fractions
+
+    class Big(enum.IntEnum):
+        HUNDRED = 100
+
+    class Name(str):
+        pass
+
+    bounded = {"type": "object", "properties": {"count": {"maximum": 10}, "name": {"maxLength": 2}}}
+    check = quick_check(bounded)
+    assert check is not None and check({"count": 5, "name": "ab"})
+    for odd in (
+        {"count": Big.HUNDRED},
+        {"count": decimal.Decimal(99)},
+        {"count": fractions.Fraction(99)},
+        {"name": Name("too long")},
+        collections.OrderedDict(count=99),
+        collections.defaultdict(int, count=99),
+        {1: "a non-string key"},
+    ):
+        assert check(odd) is False, odd
+    required = quick_check({"required": ["x"]})
+    assert required is not None and not required(collections.OrderedDict())
+    # ... and the full validator then judges them: what jsonschema rejects is still refused.
+    with pytest.raises(InvalidArgs):
+        args_mod.validate_args(bounded, {"count": Big.HUNDRED})
+    with pytest.raises(InvalidArgs):
+        args_mod.validate_args(bounded, {"count": decimal.Decimal(99)})

@@ -216,7 +216,7 @@ def test_processors_see_start_and_end() -> None:
 
     class Recorder:
         def on_start(self, span: Any, parent_context: Any = None) -> None:
-            seen.append(("start", span.name if hasattr(span, "name") else span._name))
+            seen.append(("start", span.name))  # a starting span reads like the SDK's
             span.set_attribute("added.on.start", True)  # a processor may enrich a starting span
 
         def on_end(self, span: Any) -> None:
@@ -257,3 +257,74 @@ def test_setup_installs_our_provider_and_tracer_hands_out_the_lean_one() -> None
         assert not isinstance(otelsdk.tracer(), LeanTracer)  # a provider someone else made: the SDK's tracer
     finally:
         otelsdk.use_providers()
+
+
+def test_sampler_shortcuts_only_for_the_sdks_own_parent_based_with_default_delegates() -> None:
+    asked: list[str] = []
+
+    class Picky(ParentBased):  # same description as ParentBased, its own decisions
+        def should_sample(self, parent_context: Any, trace_id: int, name: str, *rest: Any, **kw: Any) -> Any:
+            asked.append(name)
+            return ALWAYS_OFF.should_sample(parent_context, trace_id, name, *rest, **kw)
+
+    tracer, _ = make(sampler=Picky(ALWAYS_ON))
+    assert not tracer.start_span("remote child", context=parent_context(TP)).is_recording()
+    assert asked == ["remote child"]
+    # A default ParentBased as the root of one whose remote delegate is not the default.
+    nested = ParentBased(root=ParentBased(ALWAYS_ON), remote_parent_sampled=ALWAYS_OFF)
+    lean, _ = make(sampler=nested)
+    full, _ = sdk(sampler=nested)
+    for tracer in (lean, full):
+        assert not tracer.start_span("remote child", context=parent_context(TP)).is_recording()
+
+
+def test_start_as_current_span_takes_the_sdks_arguments() -> None:
+    tracer, exporter = make()
+    with (
+        pytest.raises(RuntimeError),
+        tracer.start_as_current_span(
+            "quiet", None, SpanKind.CLIENT, record_exception=False, set_status_on_exception=False
+        ),
+    ):
+        raise RuntimeError("x")
+    (quiet,) = exporter.get_finished_spans()
+    assert (
+        quiet.kind is SpanKind.CLIENT and quiet.events == () and quiet.status.status_code is StatusCode.UNSET
+    )
+
+
+class ToolBroke(Exception):
+    pass
+
+
+def test_exceptions_links_and_attribute_order_as_the_sdk_records_them() -> None:
+    lean, got = make(span_limits=SpanLimits(max_span_attributes=2))
+    full, want = sdk(span_limits=SpanLimits(max_span_attributes=2))
+    for tracer in (lean, full):
+        span = tracer.start_span("s", attributes={"a": 1, "b": 2})
+        span.set_attribute("a", 3)  # set again: now the newest
+        span.set_attribute("c", 4)  # so "b" is the one that goes
+        span.record_exception(ToolBroke("no"))
+        span.add_link(SpanContext(0, 0, False, TraceFlags(0)), {"why": "kept for its attributes"})
+        span.end()
+    (mine,), (theirs,) = got.get_finished_spans(), want.get_finished_spans()
+    assert dict(mine.attributes) == dict(theirs.attributes) == {"a": 3, "c": 4}
+    assert mine.events[0].attributes["exception.type"] == theirs.events[0].attributes["exception.type"]
+    assert mine.events[0].attributes["exception.type"].endswith("test_spans.ToolBroke")
+    assert [dict(link.attributes) for link in mine.links] == [dict(link.attributes) for link in theirs.links]
+
+
+def test_start_attributes_with_bad_keys_are_dropped_as_the_sdk_drops_them() -> None:
+    lean, got = make()
+    full, want = sdk()
+    for tracer in (lean, full):
+        tracer.start_span("s", attributes={"ok": 1, "": 2, 3: "x"}).end()  # type: ignore[dict-item]
+    assert dict(got.get_finished_spans()[0].attributes) == dict(want.get_finished_spans()[0].attributes)
+
+
+def test_an_attribute_set_after_the_end_does_not_reach_the_exported_span() -> None:
+    tracer, exporter = make()
+    span = tracer.start_span("s", attributes={"a": 1})
+    span.end()
+    span._attributes["late"] = True  # as a racing set_attribute that passed its check just before end()
+    assert dict(exporter.get_finished_spans()[0].attributes) == {"a": 1}
