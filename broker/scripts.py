@@ -34,9 +34,10 @@ end
 local function limit_of(limits, ckey)
   return tonumber(redis.call('HGET', limits, ckey) or '-1')
 end
--- Fill free slots with the oldest waiting calls, pushing each onto its queue.
-local function promote(slots, waiting, limits, ckey, suffix)
-  local limit = limit_of(limits, ckey)
+-- Fill free slots with the oldest waiting calls, pushing each onto its queue (``known``: the key's limit,
+-- when the caller has read it already).
+local function promote(slots, waiting, limits, ckey, suffix, known)
+  local limit = known or limit_of(limits, ckey)
   while limit < 0 or redis.call('ZCARD', slots) < limit do
     local top = redis.call('ZPOPMIN', waiting)
     if #top == 0 then break end
@@ -81,8 +82,7 @@ TRANSITION = (
     _WITH_SEQ
     + _SLOTS
     + r"""
-local function hand_off(slots, waiting, limits, ckey, qkey)
-  local limit = limit_of(limits, ckey)
+local function hand_off(slots, waiting, limit, qkey)
   while limit < 0 or redis.call('ZCARD', slots) < limit do
     local top = redis.call('ZRANGE', waiting, 0, 0)
     if #top == 0 then return nil end
@@ -113,13 +113,13 @@ end
 local before = tonumber(ARGV[19])
 -- One increment for every event this call records: the earlier ones get seq .. seq + before - 1.
 local seq = redis.call('HINCRBY', KEYS[1], 'h_seq', before + 1) - before
+-- The new state and the record's fields in one write.
 if ARGV[6] ~= '' then
-  redis.call('HSET', KEYS[1], 'h_state', ARGV[6], 'status', ARGV[7])
-end
-local qkey = ARGV[16] ~= '' and rec[3]
-if #ARGV >= 20 + before then
+  redis.call('HSET', KEYS[1], 'h_state', ARGV[6], 'status', ARGV[7], unpack(ARGV, 20 + before, #ARGV))
+elseif #ARGV >= 20 + before then
   redis.call('HSET', KEYS[1], unpack(ARGV, 20 + before, #ARGV))
 end
+local qkey = ARGV[16] ~= '' and rec[3]
 if ARGV[8] == '-' then
   redis.call('ZREM', KEYS[3], ARGV[1])
 elseif ARGV[8] ~= '' then
@@ -129,8 +129,9 @@ local handed = nil
 if ARGV[12] == '1' then
   redis.call('ZREM', KEYS[4], ARGV[1])
   if redis.call('ZREM', KEYS[5], ARGV[1]) == 1 then
-    if qkey then handed = hand_off(KEYS[5], KEYS[4], KEYS[6], ARGV[13], qkey) end
-    promote(KEYS[5], KEYS[4], KEYS[6], ARGV[13], ARGV[15])
+    local limit = limit_of(KEYS[6], ARGV[13])
+    if qkey then handed = hand_off(KEYS[5], KEYS[4], limit, qkey) end
+    promote(KEYS[5], KEYS[4], KEYS[6], ARGV[13], ARGV[15], limit)
   end
 end
 if ARGV[14] ~= '' then
@@ -140,14 +141,17 @@ if ARGV[9] ~= '' then
   redis.call('ZREM', KEYS[7], ARGV[1])
   admit(KEYS[5], KEYS[4], KEYS[6], ARGV[13], ARGV[1], ARGV[9], ARGV[10], ARGV[15])
 end
+-- Every event in order: one append to the history, one message each on the caller's channel.
+local stored = {}
 for i = 20, 19 + before do
   local early = with_seq(ARGV[i], seq)
-  redis.call('RPUSH', KEYS[2], early)
+  stored[#stored + 1] = early
   redis.call('PUBLISH', ARGV[11], early)
   seq = seq + 1
 end
 local ev = with_seq(ARGV[2], seq)
-redis.call('RPUSH', KEYS[2], ev)
+stored[#stored + 1] = ev
+redis.call('RPUSH', KEYS[2], unpack(stored))
 if ARGV[3] ~= '' then
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('EXPIRE', KEYS[2], ARGV[3])
