@@ -70,10 +70,7 @@ class Calls:
             detail={"queue": env.queue},
         )
         fields = job_fields(env, ckey=ckey, max_attempts=max_attempts, timeout=timeout)
-        flat: list[Any] = []
-        for k, v in fields.items():
-            flat.append(k)
-            flat.append("" if v is None else v)
+        flat = [x for k, v in fields.items() for x in (k, "" if v is None else v)]
         idem = env.options.idempotency_key
         return pipes.script(
             self._submit,
