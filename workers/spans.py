@@ -181,6 +181,10 @@ class LeanTracer:
             yield current
 
 
+def _field(slot: str) -> Any:
+    return property(lambda self: getattr(self, slot))
+
+
 class LeanSpan(trace.Span):
     """A recording span; ``end()`` hands an SDK ``ReadableSpan`` to the provider's processors."""
 
@@ -227,55 +231,19 @@ class LeanSpan(trace.Span):
         self._status_on_exception = status_on_exception
         self._open = [True]  # emptied by the one end() that exports
 
-    # -- what a processor may read in on_start (the SDK's span is a ReadableSpan too) ----------------
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def context(self) -> SpanContext:
-        return self._context
-
-    @property
-    def parent(self) -> SpanContext | None:
-        return self._parent
-
-    @property
-    def kind(self) -> SpanKind:
-        return self._kind
-
-    @property
-    def attributes(self) -> Mapping[str, Any]:
-        return MappingProxyType(self._attributes)
-
-    @property
-    def events(self) -> tuple[Event, ...]:
-        return tuple(self._events)
-
-    @property
-    def links(self) -> tuple[Link, ...]:
-        return tuple(self._links)
-
-    @property
-    def status(self) -> Status:
-        return self._status
-
-    @property
-    def start_time(self) -> int:
-        return self._start
-
-    @property
-    def end_time(self) -> int | None:
-        return self._end
-
-    @property
-    def resource(self) -> Any:
-        return self._tracer.provider.resource
-
-    @property
-    def instrumentation_scope(self) -> InstrumentationScope:
-        return self._tracer.scope
+    # What a processor may read in on_start (the SDK's span is a ReadableSpan too).
+    name = _field("_name")
+    context = _field("_context")
+    parent = _field("_parent")
+    kind = _field("_kind")
+    status = _field("_status")
+    start_time = _field("_start")
+    end_time = _field("_end")
+    attributes = property(lambda self: MappingProxyType(self._attributes))
+    events = property(lambda self: tuple(self._events))
+    links = property(lambda self: tuple(self._links))
+    resource = property(lambda self: self._tracer.provider.resource)
+    instrumentation_scope = property(lambda self: self._tracer.scope)
 
     # -- the Span interface --------------------------------------------------------------------
 
