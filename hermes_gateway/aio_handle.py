@@ -13,6 +13,7 @@ from broker.codec import unpack
 from broker.errors import CallCancelled, CallTimeout, HermesError, error_from_wire
 from broker.events import Event
 from broker.states import State
+from hermes_gateway.handle import Handles
 
 if TYPE_CHECKING:
     from hermes_gateway.aio import AsyncGateway
@@ -145,13 +146,5 @@ class AsyncCallHandle:
         return await self.gateway.cancel(self.call_id)
 
 
-class AsyncBatch(list[AsyncCallHandle]):
-    """The handles of a batch, in submission order; ``accepted`` and ``refused`` split them."""
-
-    @property
-    def accepted(self) -> list[AsyncCallHandle]:
-        return [h for h in self if h.refused is None]
-
-    @property
-    def refused(self) -> list[tuple[int, AsyncCallHandle]]:
-        return [(i, h) for i, h in enumerate(self) if h.refused is not None]
+class AsyncBatch(Handles[AsyncCallHandle]):
+    """A batch's ``AsyncCallHandle``s (``AsyncGateway.map`` / ``submit_many``)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from broker import events as ev_mod
 from broker import keys
@@ -210,14 +210,25 @@ def cancel_call(gateway: Gateway, call_id: str) -> bool:
     return True
 
 
-class Batch(list[CallHandle]):
+class _Settled(Protocol):
+    refused: HermesError | None
+
+
+H = TypeVar("H", bound=_Settled)
+
+
+class Handles(list[H]):
     """The handles of a batch, in submission order; ``accepted`` and ``refused`` split them."""
 
     @property
-    def accepted(self) -> list[CallHandle]:
+    def accepted(self) -> list[H]:
         return [h for h in self if h.refused is None]
 
     @property
-    def refused(self) -> list[tuple[int, CallHandle]]:
+    def refused(self) -> list[tuple[int, H]]:
         """(index in the batch, handle) of each refused item; ``handle.refused`` is its error."""
         return [(i, h) for i, h in enumerate(self) if h.refused is not None]
+
+
+class Batch(Handles[CallHandle]):
+    """A batch's ``CallHandle``s (``Gateway.map`` / ``submit_many``)."""
