@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .codec import pack, unpack
 from .errors import DecodeError
+from .frozen import filler
 from .redact import MASK, is_secret_key, redact, redact_text, sensitive_hashes
 
 AUDIT_VERSION = 1
@@ -81,19 +82,18 @@ class AuditRecord:
             raise TypeError(f"AuditRecord has no field(s) {', '.join(sorted(unknown))}")
         # Filled in directly rather than through the frozen dataclass's __init__ (one object.__setattr__
         # per field, 25 of them): a worker builds one for every call it finishes.
-        record = object.__new__(cls)
-        record.__dict__.update(
-            _defaults(),
-            call_id=call_id,
-            kind=kind,
-            state=state,
-            args=redact(dict(args), sensitive) if args is not None else None,
-            sensitive_hashes=sensitive_hashes(args, sensitive),
-            result_summary=summarize(result) if result is not None else None,
-            middleware_trace=[redact(dict(t)) for t in rest.pop("middleware_trace", None) or ()],
-            **rest,
+        return _fill(
+            dict(
+                call_id=call_id,
+                kind=kind,
+                state=state,
+                args=redact(dict(args), sensitive) if args is not None else None,
+                sensitive_hashes=sensitive_hashes(args, sensitive),
+                result_summary=summarize(result) if result is not None else None,
+                middleware_trace=[redact(dict(t)) for t in rest.pop("middleware_trace", None) or ()],
+                **rest,
+            )
         )
-        return record
 
     @property
     def name(self) -> str:
@@ -219,13 +219,4 @@ def _json_default(obj: Any) -> Any:
 
 
 _RECORD_FIELDS = tuple(f.name for f in fields(AuditRecord))
-_PLAIN_DEFAULTS = {f.name: f.default for f in fields(AuditRecord) if f.default is not MISSING}
-_FACTORIES = tuple((f.name, f.default_factory) for f in fields(AuditRecord) if f.default_factory is not MISSING)
-
-
-def _defaults() -> dict[str, Any]:
-    """Every field's default, with fresh values from the factories (``ts`` now, new empty containers)."""
-    out = dict(_PLAIN_DEFAULTS)
-    for name, factory in _FACTORIES:
-        out[name] = factory()
-    return out
+_fill = filler(AuditRecord)

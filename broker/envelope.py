@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .codec import pack, unpack
 from .errors import DecodeError
+from .frozen import filler
 from .tracecontext import parse_traceparent, random_hex
 
 ENVELOPE_VERSION = 1
@@ -135,7 +136,9 @@ class Envelope:
             raise DecodeError(f"envelope must be a mapping, got {type(data).__name__}")
         version = data.get("version")
         if version != ENVELOPE_VERSION:
-            raise DecodeError(f"unsupported envelope version {version!r} (this worker speaks {ENVELOPE_VERSION})")
+            raise DecodeError(
+                f"unsupported envelope version {version!r} (this worker speaks {ENVELOPE_VERSION})"
+            )
         known = _ENVELOPE_FIELDS
         kwargs = {k: v for k, v in data.items() if k in known}
         opts = kwargs.pop("options", None) or {}
@@ -157,14 +160,8 @@ class Envelope:
         # Every required field is checked above and only known ones are kept, so the envelope is filled
         # in directly (defaults first) rather than through the frozen dataclass's per-field __setattr__:
         # a worker decodes one per call.
-        env = object.__new__(cls)
-        values = env.__dict__
-        values.update(_DEFAULTS)
-        for name, make in _FACTORIES:
-            if name not in kwargs:
-                values[name] = make()
-        values.update(kwargs)
-        values["options"] = options
+        kwargs["options"] = options
+        env = _fill(kwargs)
         env.__post_init__()
         return env
 
@@ -175,6 +172,5 @@ class Envelope:
 
 # Field names, computed once: dataclasses.fields() is slow enough to show on the hot path.
 _ENVELOPE_FIELDS = tuple(f.name for f in fields(Envelope))
-_DEFAULTS = {f.name: f.default for f in fields(Envelope) if f.default is not MISSING}
-_FACTORIES = tuple((f.name, f.default_factory) for f in fields(Envelope) if f.default_factory is not MISSING)
+_fill = filler(Envelope)
 _OPTION_FIELDS = tuple(f.name for f in fields(Options))
