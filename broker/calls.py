@@ -39,6 +39,7 @@ class Calls:
         self._transition = conn.register_script(scripts.TRANSITION)
         self._claim = conn.register_script(scripts.CLAIM)
         self._reap = conn.register_script(scripts.REAP)
+        self._spare_back = conn.register_script(scripts.SPARE_BACK)
         # Pub/sub is shared by every DB of a server: the scripts' wake-ups carry this DB's suffix.
         self.wake_suffix = keys.channel(conn, "")
 
@@ -83,6 +84,7 @@ class Calls:
                 keys.IDEMPOTENCY.format(idem or ""),
                 keys.slots(ckey),
                 keys.LIMITS,
+                keys.spared(ckey),
             ],
             [
                 env.call_id,
@@ -144,8 +146,10 @@ class Calls:
         order, the first from ``current``; their events are recorded and published first, in the same
         script. ``ts``: when this move happened (default now).
 
-        ``handoff`` (worker, lease seconds): the released slot goes straight to the oldest waiting call of
-        the same queue, leased to that worker; read it from the reply with ``handed_off``.
+        ``handoff`` (worker, lease seconds[, spare call id, spare wanted]): the released slot goes straight
+        to that worker's spare, which it already runs, else to the oldest waiting call of the same queue,
+        leased to that worker (read it from the reply with ``handed_off``); with a spare wanted, the next
+        oldest waiting call of the queue is leased to the worker as a spare, without a slot (``spared``).
 
         Ending (or ``retrying``) releases the call's concurrency slot and promotes the oldest waiting call
         of its key; ``requeue`` admits it again (a free slot, else waiting at ``requeue_score``, default
@@ -160,7 +164,8 @@ class Calls:
             first = self._check_move(current, state_, from_states if first is None else None, first)
             early.append(self._event(info, str(state_), attempt, events.TRANSITION, detail_, ts_))
             current = state_
-        stamp = rq_now() if (target in TERMINAL or (handoff and release)) else ""
+        ho = handoff if handoff and release else None
+        stamp = rq_now() if (target in TERMINAL or ho) else ""
         if target is not None:
             allowed = self._check_move(current, target, from_states if first is None else None, first)
             src = _joined(allowed)
@@ -187,6 +192,7 @@ class Calls:
                 keys.slots(info.ckey),
                 keys.LIMITS,
                 keys.SCHEDULED,
+                keys.spared(info.ckey),
             ],
             [
                 info.call_id,
@@ -204,9 +210,11 @@ class Calls:
                 info.ckey,
                 "" if schedule_at is None else schedule_at,
                 self.wake_suffix,
-                handoff[0] if handoff and release else "",
-                lease_deadline(handoff[1]) if handoff and release else "",
-                stamp if handoff and release else "",
+                ho[0] if ho else "",
+                lease_deadline(ho[1]) if ho else "",
+                stamp if ho else "",
+                ho[2] if ho and len(ho) > 2 and ho[2] else "",
+                "1" if ho and len(ho) > 3 and ho[3] else "",
                 *flat,
             ],
             pipeline,
@@ -253,10 +261,27 @@ class Calls:
     @staticmethod
     def handed_off(reply: Any) -> Claimed | None:
         """The call a TRANSITION with ``handoff`` leased to the worker, if any."""
-        if isinstance(reply, Exception) or len(reply) < 5:
+        if isinstance(reply, Exception) or len(reply) < 5 or not reply[2]:
             return None
         cid, data, attempt = reply[2], reply[3], reply[4]
         return Claimed(cid.decode() if isinstance(cid, bytes) else str(cid), data or b"", int(attempt or 1))
+
+    @staticmethod
+    def spared(reply: Any) -> tuple[Claimed, bytes] | None:
+        """The spare a TRANSITION that wanted one leased to the worker, with its waiting score, if any."""
+        if isinstance(reply, Exception) or len(reply) < 9 or not reply[5]:
+            return None
+        cid, data, attempt, score = reply[5], reply[6], reply[7], reply[8]
+        claimed = Claimed(cid.decode() if isinstance(cid, bytes) else str(cid), data or b"", int(attempt or 1))
+        return claimed, score if isinstance(score, bytes) else str(score).encode()
+
+    def spares_back(self, worker: str, call_ids: list[str]) -> list[str]:
+        """Put spares back in line at their old places (``worker`` '' = whoever holds them); returns the
+        ids left out because a cancel was asked for them, for the caller to end."""
+        if not call_ids:
+            return []
+        reply = self._spare_back(keys=[keys.LEASES, keys.LIMITS], args=[worker, self.wake_suffix, *call_ids])
+        return [v.decode() if isinstance(v, bytes) else str(v) for v in reply]
 
     # -- workers ---------------------------------------------------------------------------------
 
@@ -297,9 +322,9 @@ class Calls:
         now = time.time()
         reply = self._reap(keys=[keys.LEASES], args=[now, lease_deadline(lease), limit])
         out = []
-        for i in range(0, len(reply), 7):
-            cid, state, attempt, max_att, queue, cancel, ckey = (
-                (v.decode() if isinstance(v, bytes) else str(v)) for v in reply[i : i + 7]
+        for i in range(0, len(reply), 8):
+            cid, state, attempt, max_att, queue, cancel, ckey, spare = (
+                (v.decode() if isinstance(v, bytes) else str(v)) for v in reply[i : i + 8]
             )
             out.append(
                 {
@@ -310,6 +335,7 @@ class Calls:
                     "queue": queue,
                     "cancel": cancel == "1",
                     "ckey": ckey,
+                    "spare": spare != "",
                 }
             )
         return out

@@ -65,19 +65,23 @@ end
 """
 
 # KEYS: 1 call hash, 2 history, 3 leases, 4 waiting zset, 5 slots zset (of the call's concurrency key),
-#       6 limits hash, 7 scheduled zset
+#       6 limits hash, 7 scheduled zset, 8 spared zset (of the key)
 # ARGV: 1 call_id, 2 event payload, 3 ttl ('' = leave), 4 attempt fence ('' = none),
 #       5 allowed sources ('' = any non-terminal, '*' = anything), 6 new state ('' = no change),
 #       7 rq status, 8 lease ('' keep, '-' drop, else new deadline), 9 requeue: queue key or '',
 #       10 waiting score for a requeue, 11 channel, 12 release the slot ('1'/''), 13 concurrency key,
 #       14 due time to schedule a retry at ('' = none), 15 wake channel suffix, 16 hand-off worker ('' =
-#       none), 17 its lease deadline, 18 started_at (RQ time format), 19 k: how many earlier events
-#       come first, 20..19+k their payloads (moves the call made since its last write, recorded and
-#       published in order before ARGV[2]), then field/value pairs
+#       none), 17 its lease deadline, 18 started_at (RQ time format), 19 the worker's spare call
+#       that already runs on the released slot ('' = none), 20 a spare wanted ('1'/''), 21 k: how many
+#       earlier events come first, 22..21+k their payloads (moves the call made since its last write,
+#       recorded and published in order before ARGV[2]), then field/value pairs
 # Returns {seq, state before}; seq < 0: -1 no such call, -2 attempt fence, -3 wrong source state.
-# With a hand-off worker, the slot released here goes to the oldest waiting call of the same queue,
-# leased to that worker as CLAIM would, and the reply gains {call_id, data, attempt}: no queue push,
-# no wake-up, no claim round trip between one call ending and the next one starting.
+# With a hand-off worker, the slot released here goes to that worker's spare (ARGV[19]), which it has
+# already started, else to the oldest waiting call of the same queue, leased to that worker as CLAIM
+# would: no queue push, no wake-up, no claim round trip between one call ending and the next one
+# starting. The reply is then {seq, state before, handed call_id, data, attempt, spare call_id, data,
+# attempt, waiting score} ('' where none): a wanted spare is the oldest waiting call of the queue after
+# that, leased to the worker without a slot (``h_spare`` = its waiting score) for its next ending call.
 TRANSITION = (
     _WITH_SEQ
     + _SLOTS
@@ -101,6 +105,37 @@ local function hand_off(slots, waiting, limit, qkey)
   end
   return nil
 end
+-- The oldest waiting call of this queue, leased to the worker as a spare: it holds no slot and stays
+-- pending until the worker starts it on a slot one of its calls releases (ARGV[19] of that call's end).
+local function reserve(waiting, qkey)
+  while true do
+    local top = redis.call('ZRANGE', waiting, 0, 0, 'WITHSCORES')
+    if #top == 0 then return nil end
+    local id = top[1]
+    local hk = 'rq:job:' .. id
+    local f = redis.call('HMGET', hk, 'h_state', 'h_queue', 'data', 'h_attempt')
+    if f[1] == 'pending' and f[2] then
+      if f[2] ~= qkey then return nil end
+      redis.call('ZREM', waiting, id)
+      redis.call('HSET', hk, 'h_worker', ARGV[16], 'worker_name', ARGV[16], 'h_spare', top[2])
+      redis.call('ZADD', KEYS[3], ARGV[17], id)
+      redis.call('ZADD', KEYS[8], top[2], id)  -- still counts as waiting for the queue size
+      return {id, f[3], f[4], top[2]}
+    end
+    redis.call('ZREM', waiting, id)
+  end
+end
+-- The worker's spare takes the slot its ending call released (only while it is still that worker's spare).
+local function take_spare(slots, id)
+  local hk = 'rq:job:' .. id
+  local f = redis.call('HMGET', hk, 'h_state', 'h_spare', 'h_worker')
+  if f[1] ~= 'pending' or not f[2] or f[3] ~= ARGV[16] then return false end
+  redis.call('HDEL', hk, 'h_spare')
+  redis.call('ZREM', KEYS[8], id)
+  redis.call('HSET', hk, 'started_at', ARGV[18])
+  redis.call('ZADD', slots, ARGV[17], id)
+  return true
+end
 local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_queue')
 local st = rec[1]
 if not st then return {-1, ''} end
@@ -110,14 +145,14 @@ if ARGV[5] == '' then
 elseif ARGV[5] ~= '*' then
   if not string.find(',' .. ARGV[5] .. ',', ',' .. st .. ',', 1, true) then return {-3, st} end
 end
-local before = tonumber(ARGV[19])
+local before = tonumber(ARGV[21])
 -- One increment for every event this call records: the earlier ones get seq .. seq + before - 1.
 local seq = redis.call('HINCRBY', KEYS[1], 'h_seq', before + 1) - before
 -- The new state and the record's fields in one write.
 if ARGV[6] ~= '' then
-  redis.call('HSET', KEYS[1], 'h_state', ARGV[6], 'status', ARGV[7], unpack(ARGV, 20 + before, #ARGV))
-elseif #ARGV >= 20 + before then
-  redis.call('HSET', KEYS[1], unpack(ARGV, 20 + before, #ARGV))
+  redis.call('HSET', KEYS[1], 'h_state', ARGV[6], 'status', ARGV[7], unpack(ARGV, 22 + before, #ARGV))
+elseif #ARGV >= 22 + before then
+  redis.call('HSET', KEYS[1], unpack(ARGV, 22 + before, #ARGV))
 end
 local qkey = ARGV[16] ~= '' and rec[3]
 if ARGV[8] == '-' then
@@ -125,12 +160,17 @@ if ARGV[8] == '-' then
 elseif ARGV[8] ~= '' then
   redis.call('ZADD', KEYS[3], ARGV[8], ARGV[1])
 end
-local handed = nil
+local handed, spare = nil, nil
 if ARGV[12] == '1' then
   redis.call('ZREM', KEYS[4], ARGV[1])
   if redis.call('ZREM', KEYS[5], ARGV[1]) == 1 then
     local limit = limit_of(KEYS[6], ARGV[13])
-    if qkey then handed = hand_off(KEYS[5], KEYS[4], limit, qkey) end
+    if qkey then
+      if not (ARGV[19] ~= '' and take_spare(KEYS[5], ARGV[19])) then
+        handed = hand_off(KEYS[5], KEYS[4], limit, qkey)
+      end
+      if ARGV[20] == '1' then spare = reserve(KEYS[4], qkey) end
+    end
     promote(KEYS[5], KEYS[4], KEYS[6], ARGV[13], ARGV[15], limit)
   end
 end
@@ -143,7 +183,7 @@ if ARGV[9] ~= '' then
 end
 -- Every event in order: one append to the history, one message each on the caller's channel.
 local stored = {}
-for i = 20, 19 + before do
+for i = 22, 21 + before do
   local early = with_seq(ARGV[i], seq)
   stored[#stored + 1] = early
   redis.call('PUBLISH', ARGV[11], early)
@@ -157,18 +197,21 @@ if ARGV[3] ~= '' then
   redis.call('EXPIRE', KEYS[2], ARGV[3])
 end
 redis.call('PUBLISH', ARGV[11], ev)
-if handed then return {seq, st, handed[1], handed[2], handed[3]} end
+if handed or spare then
+  handed, spare = handed or {'', '', ''}, spare or {'', '', '', ''}
+  return {seq, st, handed[1], handed[2], handed[3], spare[1], spare[2], spare[3], spare[4]}
+end
 return {seq, st}
 """
 )
 
 # KEYS: 1 call hash, 2 queue list, 3 history, 4 waiting zset, 5 rq:queues, 6 idempotency key,
-#       7 slots zset, 8 limits hash
+#       7 slots zset, 8 limits hash, 9 spared zset
 # ARGV: 1 call_id, 2 pending event payload, 3 ttl, 4 queue_size (-1 = unlimited), 5 waiting score,
 #       6 channel, 7 queue key, 8 use idempotency ('1'/''), 9 concurrency (-1 = unlimited),
 #       10 concurrency key, 11 wake channel suffix, 12.. field/value pairs of the job hash
 # Returns {1, call_id, queued 1 / waiting 0} accepted; {0, existing call_id} duplicate;
-# {-1, depth} queue full (depth = calls waiting for a slot of this key).
+# {-1, depth} queue full (depth = calls waiting for a slot of this key, spares of workers included).
 SUBMIT = (
     _WITH_SEQ
     + _SLOTS
@@ -184,6 +227,7 @@ local depth = redis.call('ZCARD', KEYS[4])
 local run = depth == 0 and (limit < 0 or redis.call('ZCARD', KEYS[7]) < limit)
 if not run then
   local qsize = tonumber(ARGV[4])
+  depth = depth + redis.call('ZCARD', KEYS[9])
   if qsize >= 0 and depth >= qsize then return {-1, depth} end
 end
 redis.call('HSET', KEYS[1], 'h_seq', '1', 'h_state', 'pending', 'status', 'queued', unpack(ARGV, 12))
@@ -236,18 +280,19 @@ return out
 
 # KEYS: 1 leases. ARGV: 1 now, 2 reaper lease deadline, 3 limit.
 # Takes expired leases over (pushes their deadline out so one reaper owns them) and returns
-# {call_id, state, attempt, max_attempts, queue, cancel, ckey, ...} for the reaper to settle.
+# {call_id, state, attempt, max_attempts, queue, cancel, ckey, spare, ...} for the reaper to settle.
 REAP = r"""
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
 local out = {}
 for _, id in ipairs(ids) do
-  local f = redis.call('HMGET', 'rq:job:' .. id, 'h_state', 'h_attempt', 'h_max_attempts', 'h_queue', 'h_cancel', 'h_ckey')
+  local f = redis.call('HMGET', 'rq:job:' .. id, 'h_state', 'h_attempt', 'h_max_attempts', 'h_queue', 'h_cancel', 'h_ckey',
+                       'h_spare')
   if not f[1] then
     redis.call('ZREM', KEYS[1], id)
   else
     redis.call('ZADD', KEYS[1], ARGV[2], id)
     out[#out + 1] = id
-    for i = 1, 6 do out[#out + 1] = f[i] or '' end
+    for i = 1, 7 do out[#out + 1] = f[i] or '' end
   end
 end
 return out
@@ -256,7 +301,8 @@ return out
 # KEYS: 1 limits hash. ARGV: 1 cut-off (slots whose deadline is older are checked), 2 max per key,
 # 3 wake channel suffix.
 # Frees slots still held by calls that ended, went back to retrying, or vanished (a safety net: every
-# path that ends a call releases its slot in the same script), then refills. Returns slots freed.
+# path that ends a call releases its slot in the same script), then refills; drops spare marks of calls
+# that are no longer spares (their record expired). Returns slots freed.
 SWEEP = (
     _SLOTS
     + r"""
@@ -273,7 +319,11 @@ for _, ckey in ipairs(redis.call('HKEYS', KEYS[1])) do
     end
   end
   if n > 0 then promote(slots, waiting, KEYS[1], ckey, ARGV[3]) end
-  if redis.call('EXISTS', slots) == 0 and redis.call('EXISTS', waiting) == 0 then
+  local spared = 'hermes:spared:' .. ckey
+  for _, id in ipairs(redis.call('ZRANGE', spared, 0, tonumber(ARGV[2]) - 1)) do
+    if not redis.call('HGET', 'rq:job:' .. id, 'h_spare') then redis.call('ZREM', spared, id) end  -- gone
+  end
+  if redis.call('EXISTS', slots) == 0 and redis.call('EXISTS', waiting) == 0 and redis.call('EXISTS', spared) == 0 then
     redis.call('HDEL', KEYS[1], ckey)
   end
   freed = freed + n
@@ -304,3 +354,33 @@ local nxt = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
 out[#out + 1] = nxt[2] or ''
 return out
 """
+
+# KEYS: 1 leases, 2 limits hash. ARGV: 1 worker ('' = whichever holds them: the reaper's, for a dead
+# worker), 2 wake channel suffix, 3.. call ids.
+# Gives spares back: each call still a spare of that worker goes back to waiting at its old place and
+# the free slots of its key are filled. Returns the ids left out because a cancel was asked for them
+# (the caller ends those: their worker was to stop them).
+SPARE_BACK = (
+    _SLOTS
+    + r"""
+local cancelled = {}
+for i = 3, #ARGV do
+  local id = ARGV[i]
+  local hk = 'rq:job:' .. id
+  local f = redis.call('HMGET', hk, 'h_state', 'h_spare', 'h_worker', 'h_cancel', 'h_ckey')
+  if f[1] == 'pending' and f[2] and (ARGV[1] == '' or f[3] == ARGV[1]) then
+    redis.call('ZREM', KEYS[1], id)
+    redis.call('HDEL', hk, 'h_spare', 'h_worker', 'worker_name')
+    if f[5] then redis.call('ZREM', 'hermes:spared:' .. f[5], id) end
+    if f[4] == '1' then
+      cancelled[#cancelled + 1] = id
+    elseif f[5] then
+      local waiting = 'hermes:waiting:' .. f[5]
+      redis.call('ZADD', waiting, f[2], id)
+      promote('hermes:slots:' .. f[5], waiting, KEYS[2], f[5], ARGV[2])
+    end
+  end
+end
+return cancelled
+"""
+)

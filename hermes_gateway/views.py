@@ -81,9 +81,11 @@ def status_data(gw: Any, figures: bool = False) -> dict[str, Any]:
     for k in queue_keys:
         pipe.llen(k)
     depths = pipe.execute()
-    waiting = {}
-    for k in conn.scan_iter(match=keys.WAITING.format("*"), count=500):
-        waiting[k.decode().split(":", 2)[2]] = conn.zcard(k)
+    waiting: dict[str, int] = {}
+    for pattern in (keys.WAITING, keys.SPARED):  # spares (leased to a worker ahead of a slot) wait too
+        for k in conn.scan_iter(match=pattern.format("*"), count=500):
+            ckey = k.decode().split(":", 2)[2]
+            waiting[ckey] = waiting.get(ckey, 0) + conn.zcard(k)
     failures = []
     for raw in conn.lrange(keys.FAILURES, 0, 9):
         try:

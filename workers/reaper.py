@@ -57,6 +57,13 @@ def _audit(audit: AuditLog | None, info: CallInfo, state: State, attempt: int, e
 
 def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog | None = None) -> None:
     call_id, state, attempt = item["call_id"], item["state"], item["attempt"]
+    if state == State.PENDING and item.get("spare"):
+        # A lost worker's spare held no slot: it goes back in line at its old place (unless a cancel was
+        # asked for it: it ends below).
+        if call_id not in calls.spares_back("", [call_id]):
+            log.info("spare of a lost worker back in line", call_id=call_id)
+            return
+        item = {**item, "cancel": True}
     # A call being cancelled is not put back: it ends below (one claimed but never started, too: its
     # worker was to stop it, so the caller's cancel left it "pending" for that worker).
     if state in (State.PENDING, State.RETRYING) and not item["cancel"]:
@@ -81,18 +88,7 @@ def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog
     info = _info(calls, call_id, item)
     current = State(state)
     if item["cancel"]:
-        err = {"type": "cancelled", "message": "call cancelled; its worker was lost"}
-        reply = calls.transition(
-            info,
-            State.CANCELLED,
-            attempt=attempt,
-            current=current,
-            detail={"error": err},
-            fields={keys.F_ERROR: pack(err)},
-            ttl=result_ttl,
-        )
-        if int(reply[0]) > 0:
-            _audit(audit, info, State.CANCELLED, attempt, err)
+        _cancel(calls, info, current, attempt, result_ttl, audit, "call cancelled; its worker was lost")
     elif attempt < item["max_attempts"]:
         reply = calls.transition(
             info,
@@ -130,3 +126,29 @@ def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog
         if int(reply[0]) > 0:
             _audit(audit, info, State.FAILED, attempt, err)
         log.warning("worker lost mid-call, no attempts left", call_id=call_id, attempt=attempt)
+
+
+def _cancel(
+    calls: Calls, info: CallInfo, current: State, attempt: int, ttl: int, audit: AuditLog | None, why: str
+) -> None:
+    err = {"type": "cancelled", "message": why}
+    reply = calls.transition(
+        info,
+        State.CANCELLED,
+        attempt=attempt,
+        current=current,
+        detail={"error": err},
+        fields={keys.F_ERROR: pack(err)},
+        ttl=ttl,
+    )
+    if int(reply[0]) > 0:
+        _audit(audit, info, State.CANCELLED, attempt, err)
+
+
+def end_cancelled(calls: Calls, call_id: str, result_ttl: int, audit: AuditLog | None = None) -> None:
+    """End ``cancelled`` a call its caller cancelled while a worker held it unstarted, given back since."""
+    state, attempt, ckey = (text(v) for v in calls.conn.hmget(keys.job(call_id), keys.F_STATE, keys.F_ATTEMPT, keys.F_CKEY))
+    if state != State.PENDING:
+        return
+    info = _info(calls, call_id, {"ckey": ckey})
+    _cancel(calls, info, State.PENDING, int(attempt or 1), result_ttl, audit, "cancelled by the caller before it started")

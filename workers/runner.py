@@ -84,7 +84,7 @@ class CallRunner:
 
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
-        # Set by a worker process: ``reserve(ckey, queue)`` -> (worker, lease) or None, ``received(reply, ckey)``.
+        # Set by a worker process: ``reserve(ckey, queue)`` -> a hand-off or None, ``received(reply, ckey, handoff)``.
         self.handoff: Any = None
 
     # -- transitions -----------------------------------------------------------------------------
@@ -310,7 +310,7 @@ class CallRunner:
                 self._check(run, target, reply)
             finally:
                 if handoff is not None:
-                    self.handoff.received(reply, ckey)
+                    self.handoff.received(reply, ckey, handoff)
 
         # The audit record rides in the same pipeline as the terminal transition.
         self._write(

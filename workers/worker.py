@@ -30,6 +30,7 @@ from workers.core import WorkerCore
 from workers.executors.base import close_all
 from workers.runner import CallRunner
 from workers.shares import FAIR_SHARE_TTL, FairShares
+from workers.spares import Spares
 from workers.threads import CallThreads
 
 log = structlog.get_logger("hermes.worker")
@@ -78,6 +79,7 @@ class Worker:
         self.shares = FairShares(conn, queues, self.lease, self._refresh_now)
         self.fair_share, self.refresh_shares = self.shares.fair_share, self.shares.refresh
         self.runner.handoff = self
+        self.spares = Spares(self.core.calls, self.name, self._end_cancelled)
         self.rq = RQWorker(
             [Queue(q, connection=conn, serializer=MsgpackSerializer) for q in queues],
             connection=conn,
@@ -103,6 +105,7 @@ class Worker:
         self.stopping.set()
         self._wake.set()
         self._refresh_now.set()
+        self.spares.wake()
 
     def work(self) -> None:
         """Run until stopped; then drain within the grace period."""
@@ -123,6 +126,7 @@ class Worker:
         ]
         for t in threads:
             t.start()
+        self.spares.start(self.stopping)
         log.info(
             "worker started",
             worker=self.name,
@@ -165,18 +169,29 @@ class Worker:
 
     def _run_one(self, claimed: Any) -> None:
         local = self._local
-        local.in_call, local.keep = True, False
-        try:
-            self.runner.run(claimed)
-        finally:
-            local.in_call = False
-            if not local.keep:
-                self._slots.release()
+        while claimed is not None:
+            local.in_call, local.keep, local.next = True, False, None
+            try:
+                self.runner.run(claimed)
+            finally:
+                local.in_call = False
+                claimed = local.next  # a spare this thread goes on with, on the slot the call released
+                if not local.keep:
+                    self._slots.release()
+
+    def _run_extra(self, claimed: Any) -> None:
+        """A call handed to us beyond our threads' tokens (rare: see ``received``)."""
+        local = self._local
+        local.in_call, local.keep, local.next = False, True, None
+        self.runner.run(claimed)
 
     # -- hand-off: the slot a call frees goes straight to the next waiting call, on this worker ----
 
-    def reserve(self, ckey: str, queue: str) -> tuple[str, float] | None:
-        """On a call's thread as it ends: keep its thread for the call its slot is handed to.
+    def reserve(self, ckey: str, queue: str) -> tuple[str, float, str, bool] | None:
+        """On a call's thread as it ends: keep its thread for the call its slot is handed to: the oldest
+        spare of the key (this thread goes on with it at once), else the oldest waiting call (see
+        ``received``). Returns the ``handoff`` of the ending call's write: (worker, lease, spare, ask for
+        a spare).
 
         Declined while this process holds more than its fair share of the key's slots (the limit over
         the live workers of the queue): the slot then goes to the waiting call through the queue, where
@@ -186,28 +201,52 @@ class Worker:
         local = self._local
         if self.stopping.is_set() or not getattr(local, "in_call", False) or local.keep:
             return None
+        held = self.core.held(ckey)
+        if held > self.fair_share(ckey, queue):
+            return None
         # Holding the thread until the write is flushed only pays when calls wait for this key's slots;
         # after a miss, ask again only now and then (a waiting call is still promoted onto the queue).
-        now = time.monotonic()
-        if now < self._no_waiters.get(ckey, 0.0):
-            return None
-        if self.core.held(ckey) > self.fair_share(ckey, queue):
+        quiet = time.monotonic() < self._no_waiters.get(ckey, 0.0)
+        spare, ask = self.spares.take(ckey, held, may_ask=not quiet)
+        if spare is None and quiet:
             return None
         local.keep = True
-        return self.name, self.lease
+        if spare is not None:
+            local.next = spare.claimed
+            return self.name, self.lease, spare.claimed.call_id, ask
+        return self.name, self.lease, "", ask
 
-    def received(self, reply: Any, ckey: str) -> None:
-        """The reply of an ending transition that reserved: run the call handed to us, else free the thread."""
-        claimed = self.core.calls.handed_off(reply)
+    def received(self, reply: Any, ckey: str, handoff: tuple[str, float, str, bool]) -> None:
+        """The reply of an ending transition that reserved: keep the spare it leased to us, run the call
+        it handed to us, else free the thread (unless that thread went on with a spare)."""
+        calls = self.core.calls
+        self.spares.received(ckey, handoff[3], calls.spared(reply))
+        claimed = calls.handed_off(reply)
+        if handoff[2]:  # the thread went on with a spare; a call handed to us means the spare was not ours
+            if claimed is not None:
+                self._start(claimed, self._run_extra)
+            return
         if claimed is None:
             self._no_waiters[ckey] = time.monotonic() + HANDOFF_RETRY
             self._slots.release()
             return
         self._no_waiters.pop(ckey, None)
+        self._start(claimed, self._run_one)
+
+    def _start(self, claimed: Any, run: Any) -> None:
         try:
-            self.pool.submit(self._run_one, claimed)
+            self.pool.submit(run, claimed)
         except RuntimeError:  # pool shut down: the call stays leased and the reaper settles it
-            self._slots.release()
+            if run == self._run_one:
+                self._slots.release()
+
+    def _end_cancelled(self, call_ids: list[str]) -> None:
+        """Spares given back that a caller cancelled meanwhile: they end ``cancelled`` here."""
+        for call_id in call_ids:
+            try:
+                reaper.end_cancelled(self.core.calls, call_id, self.settings.result_ttl, self.core.audit)
+            except Exception:  # noqa: BLE001 - one bad record must not stop the others
+                log.exception("could not end a cancelled spare", call_id=call_id)
 
     def _shutdown(self) -> None:
         deadline = time.monotonic() + self.grace
@@ -218,6 +257,8 @@ class Worker:
         leftovers = self.core.inflight()
         for run in leftovers:
             self._hand_back(run)
+        self.core.outbox.flush(self.grace)  # spares leased to us by the last writes, then given back
+        self.spares.close()
         dropped = self.pool.shutdown(wait=True, cancel_pending=True)
         if dropped:  # taken off the queue, never started: the reaper puts them back when their lease ends
             log.warning("calls taken but not started are left to the reaper", calls=dropped)
@@ -271,7 +312,7 @@ class Worker:
 
     def _heartbeat_once(self) -> None:
         runs = self.core.inflight()
-        running = [r.info.call_id for r in runs]
+        running = [r.info.call_id for r in runs] + self.spares.call_ids()
         pipe = self.conn.pipeline(transaction=False)
         self.rq.heartbeat(pipeline=pipe)
         now = time.time()
@@ -290,6 +331,7 @@ class Worker:
                 "inflight": len(running),
                 "processed": self.core.processed,
                 "failed": self.core.failed,
+                "spares_used": self.spares.used,  # calls started on a slot handed over in-process
                 "policy_version": self.core.policy_version,  # which pushed policy it judges by
                 "started_at": self.started_at,
                 "heartbeat": time.time(),

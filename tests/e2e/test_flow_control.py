@@ -146,6 +146,91 @@ def test_slots_held_by_a_killed_worker_come_back_within_the_lease(
     assert conn.zcard(keys.slots("tool:hold")) == 0
 
 
+def _spares_used(conn: Any, names: list[str]) -> int:
+    return sum(int(conn.hget(keys.worker(n), "spares_used") or 0) for n in names)
+
+
+def test_busy_workers_start_spares_on_the_slots_their_calls_free_and_the_limit_holds(
+    gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any
+) -> None:
+    # 12 slots over two workers: each runs about 6 calls of the key, enough to keep spares (the next
+    # waiting calls, leased ahead of a free slot) and to start them as soon as one of its calls ends.
+    home.sleep_tool("spared", concurrency=12, queue_size=500)
+    gateway.sync_tools()
+    pair = workers(2, concurrency=16)
+    batch = gateway.map("spared", [{"seconds": 0.02}] * 300)
+    ids = [h.call_id for h in batch.accepted]
+    assert len(ids) == 300
+    wait_until(lambda: all_terminal(conn, ids), 60, message="300 calls done")
+    assert set(current(conn, ids).values()) == {"done"}
+    assert _max_overlap(_intervals(conn, ids)) <= 12
+    wait_until(lambda: _spares_used(conn, [w.name for w in pair]) > 0, 10, message="a spare started (heartbeat figure)")
+    # Nothing left behind: no slot, no waiting call, no lease, no spare mark.
+    assert conn.zcard(keys.slots("tool:spared")) == 0 and conn.zcard(keys.waiting("tool:spared")) == 0
+    wait_until(lambda: conn.zcard(keys.LEASES) == 0, 10, message="no lease left")
+    assert not [cid for cid in ids if conn.hexists(keys.job(cid), "h_spare")]
+    # Every call was run once, by one worker.
+    for hist in histories(conn, ids).values():
+        assert [e.state for e in hist if e.type == events.TRANSITION].count("executing") == 1
+
+
+def test_spares_of_a_killed_worker_go_back_in_line_and_every_call_ends(
+    gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any
+) -> None:
+    lease = 1.0
+    home.sleep_tool("spares_kill", concurrency=12, queue_size=500)
+    gateway.sync_tools()
+    pair = workers(2, concurrency=16, lease=lease)
+    batch = gateway.map("spares_kill", [{"seconds": 0.05}] * 240)
+    ids = [h.call_id for h in batch.accepted]
+
+    def spare_holder() -> str | None:
+        for cid in ids:
+            if conn.hexists(keys.job(cid), "h_spare"):
+                return field(conn, cid, keys.F_WORKER)
+        return None
+
+    holder: list[str | None] = [None]
+    wait_until(lambda: holder.__setitem__(0, spare_holder()) or holder[0] is not None, 20, message="a spare held")
+    victim = next(w for w in pair if w.name == holder[0])
+    victim.kill()
+    killed_at = time.time()
+    wait_until(lambda: all_terminal(conn, ids), 60, message="every call ended")
+    assert set(current(conn, ids).values()) == {"done"}
+    assert _max_overlap(_intervals(conn, ids, until=killed_at)) <= 12
+    assert conn.zcard(keys.slots("tool:spares_kill")) == 0 and conn.zcard(keys.waiting("tool:spares_kill")) == 0
+    assert not [cid for cid in ids if conn.hexists(keys.job(cid), "h_spare")]
+
+
+def test_a_stopping_worker_gives_its_spares_back_rather_than_leaving_them_to_its_lease(
+    gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any
+) -> None:
+    # A 60 s lease: were the stopped worker's spares left leased, the reaper would take a minute.
+    home.sleep_tool("spares_stop", concurrency=12, queue_size=500)
+    gateway.sync_tools()
+    pair = workers(2, concurrency=16, lease=60.0, grace=10.0)
+    batch = gateway.map("spares_stop", [{"seconds": 0.05}] * 400)
+    ids = [h.call_id for h in batch.accepted]
+
+    def spare_holder() -> str | None:
+        for cid in ids:
+            if conn.hexists(keys.job(cid), "h_spare"):
+                return field(conn, cid, keys.F_WORKER)
+        return None
+
+    holder: list[str | None] = [None]
+    wait_until(lambda: holder.__setitem__(0, spare_holder()) or holder[0] is not None, 20, message="a spare held")
+    victim = next(w for w in pair if w.name == holder[0])
+    victim.terminate()
+    assert victim.wait(15) == 0
+    # Nothing of the stopped worker's is left leased: its spares went back in line as it stopped.
+    left = [cid for cid in ids if conn.hexists(keys.job(cid), "h_spare") and field(conn, cid, keys.F_WORKER) == victim.name]
+    assert left == []
+    wait_until(lambda: all_terminal(conn, ids), 30, message="every call ended on the other worker")
+    assert set(current(conn, ids).values()) == {"done"}
+    assert _max_overlap(_intervals(conn, ids)) <= 12
+
+
 def _fragile(home: Any, tmp: Path, **breaker: Any) -> tuple[Path, Path]:
     mode, log = tmp / "mode", tmp / "backend.log"
     mode.write_text("fail")

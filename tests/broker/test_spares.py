@@ -1,0 +1,197 @@
+"""Spares: an ending call can lease the next waiting call to its worker without a slot, and the worker's
+next ending call moves its slot to that spare; unused spares go back in line at their old places."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from broker import keys
+from broker.calls import Calls
+from broker.errors import QueueFull
+from broker.limits import Limits
+from broker.records import CallInfo
+from broker.states import State
+from tests.broker.test_handoff import finish
+from tests.broker.test_limits import CKEY, env, queued, submit
+from workers import reaper
+
+
+def members(r: Any, key: str) -> list[str]:
+    return [m.decode() for m in r.zrange(key, 0, -1)]
+
+
+def test_an_ending_call_asking_for_a_spare_leases_the_next_waiting_call_to_the_worker_without_a_slot(
+    fake: Any,
+) -> None:
+    calls = Calls(fake)
+    for i in range(4):
+        submit(calls, f"c{i}", limit=1)
+    score_c2 = fake.zscore(keys.waiting(CKEY), "c2")
+    calls.claim(["tools"], 10, "w1", 30)
+    reply = finish(calls, "c0", ("w1", 30, "", True))
+    handed, spare = Calls.handed_off(reply), Calls.spared(reply)
+    assert handed is not None and handed.call_id == "c1"  # the slot: to the oldest, as before
+    assert spare is not None and spare[0].call_id == "c2" and spare[0].attempt == 1 and spare[0].data
+    assert float(spare[1]) == score_c2  # its place in line, to go back to
+    # c2 is leased to w1 but holds no slot and is still pending; c3 keeps waiting; nothing queued.
+    assert members(fake, keys.slots(CKEY)) == ["c1"]
+    assert members(fake, keys.waiting(CKEY)) == ["c3"]
+    assert fake.zscore(keys.LEASES, "c2") is not None
+    assert fake.hmget(keys.job("c2"), "h_state", "h_worker") == [b"pending", b"w1"]
+    assert float(fake.hget(keys.job("c2"), "h_spare")) == score_c2
+    assert queued(fake) == []
+
+
+def test_the_next_ending_call_moves_its_slot_to_the_spare_the_worker_already_runs(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(4):
+        submit(calls, f"c{i}", limit=1)
+    calls.claim(["tools"], 10, "w1", 30)
+    spare = Calls.spared(finish(calls, "c0", ("w1", 30, "", True)))
+    assert spare is not None and spare[0].call_id == "c2"
+    # c1 (handed) ends; the worker has already started its spare c2 on that slot.
+    reply = finish(calls, "c1", ("w1", 30, "c2", False))
+    assert Calls.handed_off(reply) is None  # the slot went to the spare, not to c3
+    assert Calls.spared(reply) is None  # none asked for
+    assert members(fake, keys.slots(CKEY)) == ["c2"]
+    assert fake.zscore(keys.slots(CKEY), "c2") != float("inf")  # its lease deadline
+    assert fake.hget(keys.job("c2"), "h_spare") is None and fake.hget(keys.job("c2"), "started_at")
+    assert members(fake, keys.waiting(CKEY)) == ["c3"]  # still waiting: the limit is 1
+    # The spare runs through its states like any call and its end frees the slot for c3.
+    info = CallInfo.of(env("c2"), CKEY)
+    current = State.PENDING
+    for step in (State.ROUTING, State.EXECUTING, State.FORMATTING, State.DONE):
+        assert calls.transition(info, step, attempt=1, current=current)[0] > 0
+        current = step
+    assert members(fake, keys.slots(CKEY)) == ["c3"] and queued(fake) == ["c3"]
+
+
+def test_a_call_that_is_not_this_workers_spare_does_not_take_the_slot(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(4):
+        submit(calls, f"c{i}", limit=1)
+    calls.claim(["tools"], 10, "w1", 30)
+    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", True))) is not None  # c2 spare of w1
+    # w2 claims c2 as its spare (it is w1's): refused, and c1's slot goes to the oldest waiting call.
+    reply = finish(calls, "c1", ("w2", 30, "c2", False))
+    handed = Calls.handed_off(reply)
+    assert handed is not None and handed.call_id == "c3"
+    assert members(fake, keys.slots(CKEY)) == ["c3"]
+    assert fake.hget(keys.job("c2"), "h_worker") == b"w1" and fake.hget(keys.job("c2"), "h_spare")
+
+
+def test_spares_given_back_go_back_in_line_at_their_old_places_and_fill_free_slots(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(5):
+        submit(calls, f"c{i}", limit=2)
+    score_c3 = fake.zscore(keys.waiting(CKEY), "c3")
+    claimed = calls.claim(["tools"], 10, "w1", 30)
+    assert [c.call_id for c in claimed] == ["c0", "c1"]
+    spare = Calls.spared(finish(calls, "c0", ("w1", 30, "", True)))  # c2 handed, c3 spare
+    assert spare is not None and spare[0].call_id == "c3"
+    assert members(fake, keys.waiting(CKEY)) == ["c4"]
+    assert calls.spares_back("w2", ["c3"]) == []  # not w2's: untouched
+    assert fake.zscore(keys.LEASES, "c3") is not None
+    assert calls.spares_back("w1", ["c3"]) == []
+    # Back in line before c4 (its old place), no longer leased nor w1's; no slot was free, nothing queued.
+    assert members(fake, keys.waiting(CKEY)) == ["c3", "c4"]
+    assert fake.zscore(keys.waiting(CKEY), "c3") == score_c3
+    assert fake.zscore(keys.LEASES, "c3") is None
+    assert fake.hmget(keys.job("c3"), "h_spare", "h_worker") == [None, None]
+    assert queued(fake) == []
+    assert calls.spares_back("w1", ["c3"]) == []  # twice: no effect
+    assert members(fake, keys.waiting(CKEY)) == ["c3", "c4"]
+    # A slot frees up: the oldest (c3) gets it, through the queue.
+    end_ = finish(calls, "c1", None)
+    assert int(end_[0]) > 0
+    assert queued(fake) == ["c3"]
+
+
+def test_a_spare_given_back_that_was_free_to_run_goes_straight_onto_the_queue(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(4):
+        submit(calls, f"c{i}", limit=1)
+    calls.claim(["tools"], 10, "w1", 30)
+    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", True))) is not None  # c1 handed, c2 spare
+    finish(calls, "c1", None)  # c1's slot goes to c3 through the queue (c2 is out of line)
+    assert queued(fake) == ["c3"]
+    calls.claim(["tools"], 10, "w2", 30)
+    finish(calls, "c3", None)  # nobody waits: the slot is free
+    assert fake.zcard(keys.slots(CKEY)) == 0
+    assert calls.spares_back("w1", ["c2"]) == []
+    assert queued(fake) == ["c2"] and members(fake, keys.slots(CKEY)) == ["c2"]
+
+
+def test_a_spare_cancelled_meanwhile_is_left_out_for_the_worker_to_end(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(3):
+        submit(calls, f"c{i}", limit=1)
+    calls.claim(["tools"], 10, "w1", 30)
+    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", True))) is not None  # c2 spare of w1
+    fake.hset(keys.job("c2"), keys.F_CANCEL, "1")  # what a caller's cancel does to a leased pending call
+    assert calls.spares_back("w1", ["c2"]) == ["c2"]
+    assert members(fake, keys.waiting(CKEY)) == [] and fake.zscore(keys.LEASES, "c2") is None
+    reaper.end_cancelled(calls, "c2", 60)
+    assert fake.hget(keys.job("c2"), "h_state") == b"cancelled"
+
+
+def test_the_reaper_puts_a_dead_workers_spare_back_in_line_not_on_the_queue(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(4):
+        submit(calls, f"c{i}", limit=1)
+    calls.claim(["tools"], 10, "dead", 30)
+    assert Calls.spared(finish(calls, "c0", ("dead", 30, "", True))) is not None  # c1 handed, c2 spare
+    fake.hset(keys.job("c3"), keys.F_CANCEL, "0")
+    # The worker died: every lease of it runs out (c1 never started: it keeps its slot, back on the queue).
+    fake.zadd(keys.LEASES, {"c1": 1, "c2": 1})
+    assert reaper.reap(calls, lease=10, result_ttl=60) == 2
+    assert members(fake, keys.waiting(CKEY)) == ["c2", "c3"]  # c2 at its old place, before c3
+    assert queued(fake) == ["c1"]
+    assert members(fake, keys.slots(CKEY)) == ["c1"]
+    assert fake.zscore(keys.LEASES, "c2") is None and fake.hget(keys.job("c2"), "h_state") == b"pending"
+
+
+def test_the_reaper_ends_a_dead_workers_spare_its_caller_cancelled(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(3):
+        submit(calls, f"c{i}", limit=1)
+    calls.claim(["tools"], 10, "dead", 30)
+    assert Calls.spared(finish(calls, "c0", ("dead", 30, "", True))) is not None  # c2 spare
+    fake.hset(keys.job("c2"), keys.F_CANCEL, "1")
+    fake.zadd(keys.LEASES, {"c2": 1})
+    assert reaper.reap(calls, lease=10, result_ttl=60) == 1
+    assert fake.hget(keys.job("c2"), "h_state") == b"cancelled"
+    assert members(fake, keys.waiting(CKEY)) == [] and fake.zscore(keys.LEASES, "c2") is None
+
+
+def test_spares_still_count_as_waiting_for_the_queue_size(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(4):  # c0 runs; c1..c3 wait: the queue (size 3) is full
+        submit(calls, f"c{i}", limit=1, queue_size=3)
+    with pytest.raises(QueueFull):
+        submit(calls, "extra", limit=1, queue_size=3)
+    calls.claim(["tools"], 10, "w1", 30)
+    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", True))) is not None  # c1 handed, c2 spare
+    assert members(fake, keys.waiting(CKEY)) == ["c3"] and members(fake, keys.spared(CKEY)) == ["c2"]
+    submit(calls, "c4", limit=1, queue_size=3)  # c2, c3, c4 wait
+    with pytest.raises(QueueFull) as e:
+        submit(calls, "c5", limit=1, queue_size=3)
+    assert e.value.details == {"key": CKEY, "limit": 3, "depth": 3}
+    assert Limits(fake).snapshot() == [{"key": CKEY, "limit": 1, "running": 1, "waiting": 3}]
+    # Once the spare runs on a slot (or goes back in line) it is counted where it is.
+    finish(calls, "c1", ("w1", 30, "c2", False))
+    assert members(fake, keys.spared(CKEY)) == [] and members(fake, keys.slots(CKEY)) == ["c2"]
+    submit(calls, "c5", limit=1, queue_size=3)
+
+
+def test_the_sweep_drops_the_spare_mark_of_a_call_whose_record_is_gone(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(3):
+        submit(calls, f"c{i}", limit=1)
+    calls.claim(["tools"], 10, "w1", 30)
+    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", True))) is not None  # c2 spare
+    fake.delete(keys.job("c2"))
+    Limits(fake).sweep(grace=0)
+    assert members(fake, keys.spared(CKEY)) == []

@@ -1,0 +1,129 @@
+"""A worker's spares: how many it asks for, the oldest first, unused ones given back, none while stopping."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from broker import keys
+from broker.calls import Calls
+from broker.config import Settings
+from tests.broker.test_handoff import finish
+from tests.broker.test_limits import CKEY, submit
+from workers import spares as spares_mod
+from workers.spares import SPARE_MIN_HELD, SPARES_MAX, Spares
+from workers.worker import Worker
+
+
+@pytest.fixture
+def settings(tmp_path: Any) -> Settings:
+    return Settings(home=tmp_path, lease=5.0, result_ttl=600)
+
+
+def leased_spares(fake: Any, calls: Calls, worker: str, n: int) -> list[tuple[Any, bytes]]:
+    """``n`` spares leased to ``worker`` by real ending transitions (limit 1: c0 runs, the next is handed)."""
+    for i in range(2 * n + 2):  # each ending: one call handed the slot, one more as a spare
+        submit(calls, f"c{i}", limit=1, queue_size=50)
+    calls.claim(["tools"], 10, worker, 30)
+    out = []
+    running = "c0"
+    for _ in range(n):
+        reply = finish(calls, running, (worker, 30, "", True))
+        handed = Calls.handed_off(reply)
+        assert handed is not None
+        running = handed.call_id
+        out.append(Calls.spared(reply))
+    assert all(s is not None for s in out)
+    return out  # type: ignore[return-value]
+
+
+def test_a_worker_asks_for_spares_by_how_many_calls_of_the_key_it_runs(fake: Any) -> None:
+    sp = Spares(Calls(fake), "w1", lambda ids: None)
+    assert sp.take(CKEY, SPARE_MIN_HELD - 1) == (None, False)  # too few calls running here: none
+    asks = [sp.take(CKEY, 2 * SPARE_MIN_HELD)[1] for _ in range(4)]
+    assert asks == [True, True, False, False]  # two asked, replies not read yet: no more
+    sp.received(CKEY, True, None)  # a reply without a spare (nobody waits)
+    assert sp.take(CKEY, 2 * SPARE_MIN_HELD)[1] is True
+    many = [sp.take("tool:other", 1000)[1] for _ in range(SPARES_MAX + 3)]
+    assert many.count(True) == SPARES_MAX
+    assert sp.take(CKEY, 1000, may_ask=False) == (None, False)
+
+
+def test_the_oldest_spare_is_taken_first_and_counted(fake: Any) -> None:
+    calls = Calls(fake)
+    sp = Spares(calls, "w1", lambda ids: None)
+    got = leased_spares(fake, calls, "w1", 2)
+    for spare in got:
+        sp.received(CKEY, True, spare)
+    first, _ = sp.take(CKEY, 8)
+    second, _ = sp.take(CKEY, 8)
+    assert first is not None and second is not None
+    assert [first.claimed.call_id, second.claimed.call_id] == [got[0][0].call_id, got[1][0].call_id]
+    assert sp.take(CKEY, 8)[0] is None
+    assert sp.used == 2
+
+
+def test_a_spare_left_unused_goes_back_in_line_and_the_key_pauses(fake: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spares_mod, "SPARE_TTL", 0.05)
+    calls = Calls(fake)
+    sp = Spares(calls, "w1", lambda ids: None)
+    stopping = threading.Event()
+    sp.start(stopping)
+    try:
+        (spare,) = leased_spares(fake, calls, "w1", 1)
+        sp.received(CKEY, True, spare)
+        cid = spare[0].call_id
+        assert sp.call_ids() == [cid]
+        deadline = time.monotonic() + 5
+        while fake.zscore(keys.waiting(CKEY), cid) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fake.zscore(keys.waiting(CKEY), cid) == float(spare[1])  # its old place
+        assert fake.zscore(keys.LEASES, cid) is None
+        assert sp.call_ids() == []
+        assert sp.take(CKEY, 100) == (None, False)  # paused: its calls end too seldom here
+    finally:
+        stopping.set()
+
+
+def test_closing_gives_every_spare_back_and_asks_for_no_more(fake: Any) -> None:
+    calls = Calls(fake)
+    sp = Spares(calls, "w1", lambda ids: None)
+    for spare in leased_spares(fake, calls, "w1", 2):
+        sp.received(CKEY, True, spare)
+    assert sp.close() == 2
+    assert fake.zcard(keys.LEASES) == 1  # the call running on the slot, not the spares
+    assert not [m for m in fake.zrange(keys.waiting(CKEY), 0, -1) if fake.hget(keys.job(m.decode()), "h_spare")]
+    assert sp.take(CKEY, 100) == (None, False)
+
+
+def test_a_spare_cancelled_before_it_went_back_is_ended_by_the_worker(fake: Any) -> None:
+    calls = Calls(fake)
+    ended: list[list[str]] = []
+    sp = Spares(calls, "w1", ended.append)
+    (spare,) = leased_spares(fake, calls, "w1", 1)
+    sp.received(CKEY, True, spare)
+    fake.hset(keys.job(spare[0].call_id), keys.F_CANCEL, "1")
+    sp.give_back()
+    assert ended == [[spare[0].call_id]]
+
+
+def test_an_ending_call_goes_on_with_the_workers_spare_on_its_own_thread(fake: Any, settings: Settings) -> None:
+    w = Worker(fake, settings, ["tools"], concurrency=16, name="w-a")
+    try:
+        calls = w.core.calls
+        (spare,) = leased_spares(fake, calls, "w-a", 1)
+        w.spares.received(CKEY, True, spare)
+        w._local.in_call, w._local.keep = True, False
+        w.core._held[CKEY] = SPARE_MIN_HELD
+        handoff = w.reserve(CKEY, "tools")
+        assert handoff is not None and handoff[:3] == ("w-a", w.lease, spare[0].call_id)
+        assert w._local.next is spare[0] and w._local.keep is True
+        # The ending write's reply: the slot went to the spare; the thread (not the pool) runs it.
+        w.received([5, b"formatting"], CKEY, handoff)
+        assert w._slots._value == 16  # no token given back: the thread goes on with the spare
+    finally:
+        w.core.close()
+        w.pool.shutdown()

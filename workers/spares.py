@@ -1,0 +1,162 @@
+"""Spares: the next waiting calls of a busy key, leased to this worker ahead of a free slot.
+
+While calls wait for a key's slots, every call of that key ending here hands its slot on (see
+``Worker.reserve``). Through Redis, that costs the ending call's write being sent, run and answered, and
+a thread woken, before the next call starts: on a loaded machine a few milliseconds, during which the
+slot does nothing. A worker running several calls of the key therefore keeps a few *spares*: the
+oldest waiting calls, taken out of the line by the script that ended an earlier call and leased to this
+worker, holding no slot (they stay ``pending``). When one of its calls of the key ends, the thread that
+ran it goes straight on with the oldest spare, and the ending call's write moves the slot over to that
+spare in Redis (``TRANSITION``: ``take_spare``) before the spare's own first write, which follows it in
+the outbox. The number of calls holding slots never grows: a slot goes from an ended call to its
+successor; it only moves sooner.
+
+A spare not started within ``SPARE_TTL`` goes back in line at its old place (``SPARE_BACK``), and the
+key gets no more spares for ``SPARE_PAUSE``: its calls end too seldom for a spare to pay. A worker
+shutting down gives its spares back; a dead worker's spares go back when the reaper finds their leases
+expired. Spares are kept only while this worker runs at least ``SPARE_MIN_HELD`` calls of the key
+(at most one spare for every ``SPARE_MIN_HELD`` of them, and ``SPARES_MAX``), so with small limits the
+line is served strictly in order through Redis; with large ones, the oldest few waiting calls may start
+a few milliseconds apart in a different order on different workers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+import structlog
+
+from broker.calls import Calls
+from broker.records import Claimed
+
+log = structlog.get_logger("hermes.worker")
+
+SPARE_MIN_HELD = 4  # calls of a key running here before this worker keeps a spare for it
+SPARES_MAX = 8  # spares per key at most
+SPARE_TTL = 0.05  # seconds a spare may wait for a slot here before it goes back in line
+SPARE_PAUSE = 0.2  # seconds a key gets no spares after one went back unused
+
+
+@dataclass(frozen=True)
+class Spare:
+    claimed: Claimed
+    score: bytes  # its place in the line, to go back to
+    since: float  # monotonic time it was leased to us
+
+
+class Spares:
+    """This worker's spares per concurrency key, and the thread that gives back those left unused."""
+
+    def __init__(self, calls: Calls, worker: str, on_cancelled: Callable[[list[str]], None]) -> None:
+        self.calls = calls
+        self.worker = worker
+        self.on_cancelled = on_cancelled  # ends spares given back with a cancel asked for them
+        self._lock = threading.Lock()
+        self._spares: dict[str, deque[Spare]] = {}
+        self._asked: dict[str, int] = {}  # spares asked for per key, replies not yet read
+        self._paused: dict[str, float] = {}  # key -> until when it gets no spares
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.used = 0  # spares started here (the worker's ``spares_used`` figure)
+
+    def start(self, stopping: threading.Event) -> None:
+        self._thread = threading.Thread(target=self._expire_loop, args=(stopping,), name="hermes-spares", daemon=True)
+        self._thread.start()
+
+    def take(self, ckey: str, held: int, may_ask: bool = True) -> tuple[Spare | None, bool]:
+        """On an ending call's thread: the oldest spare of ``ckey`` (or None), and whether to ask for one
+        more (``held``: calls of the key running here, the ending one included)."""
+        with self._lock:
+            line = self._spares.get(ckey)
+            spare = line.popleft() if line else None
+            if spare is not None:
+                self.used += 1
+            if self._closed or not may_ask:
+                return spare, False
+            want = min(SPARES_MAX, held // SPARE_MIN_HELD)
+            have = (len(line) if line else 0) + self._asked.get(ckey, 0)
+            ask = have < want and time.monotonic() >= self._paused.get(ckey, 0.0)
+            if ask:
+                self._asked[ckey] = self._asked.get(ckey, 0) + 1
+            return spare, ask
+
+    def received(self, ckey: str, asked: bool, spare: tuple[Claimed, bytes] | None) -> None:
+        """The reply of an ending call's write: the spare it leased to us, if any."""
+        with self._lock:
+            if asked:
+                left = self._asked.get(ckey, 1) - 1
+                if left > 0:
+                    self._asked[ckey] = left
+                else:
+                    self._asked.pop(ckey, None)
+            if spare is None:
+                return
+            self._spares.setdefault(ckey, deque()).append(Spare(spare[0], spare[1], time.monotonic()))
+        self._wake.set()
+
+    def call_ids(self) -> list[str]:
+        with self._lock:
+            return [s.claimed.call_id for line in self._spares.values() for s in line]
+
+    def give_back(self, ckey: str | None = None, older_than: float | None = None) -> int:
+        """Put spares back in line (those of ``ckey``, those waiting since before ``older_than``, or all)."""
+        with self._lock:
+            out: list[Spare] = []
+            for key, line in list(self._spares.items()):
+                if ckey is not None and key != ckey:
+                    continue
+                while line and (older_than is None or line[0].since < older_than):
+                    out.append(line.popleft())
+                    self._paused[key] = time.monotonic() + SPARE_PAUSE
+                if not line:
+                    del self._spares[key]
+        if not out:
+            return 0
+        cancelled = self.calls.spares_back(self.worker, [s.claimed.call_id for s in out])
+        if cancelled:
+            self.on_cancelled(cancelled)
+        return len(out)
+
+    def close(self) -> int:
+        """No more spares: give back what is held (a worker stopping)."""
+        with self._lock:
+            self._closed = True
+        self._wake.set()
+        try:
+            return self.give_back()
+        except redis.RedisError as e:  # their leases run out; the reaper puts them back
+            log.warning("could not give spares back", error=str(e))
+            return 0
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _expire_loop(self, stopping: threading.Event) -> None:
+        while not self._closed:
+            if stopping.is_set():  # a stopping worker starts no spare: others may run them now
+                self.close()
+                return
+            with self._lock:
+                oldest = min((line[0].since for line in self._spares.values() if line), default=None)
+            if oldest is None:
+                self._wake.wait(1.0)
+                self._wake.clear()
+                continue
+            wait = oldest + SPARE_TTL - time.monotonic()
+            if wait > 0:
+                self._wake.wait(wait)
+                self._wake.clear()
+                continue
+            try:
+                n = self.give_back(older_than=time.monotonic() - SPARE_TTL)
+                if n:
+                    log.debug("spares given back unused", spares=n)
+            except redis.RedisError as e:
+                log.warning("could not give spares back", error=str(e))
+                stopping.wait(0.5)
