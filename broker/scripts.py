@@ -77,7 +77,8 @@ end
 #       recorded and published in order before ARGV[2]), then field/value pairs
 # Returns {seq, state before}; seq < 0: -1 no such call, -2 attempt fence, -3 wrong source state.
 # With a hand-off worker, the slot released here goes to that worker's spare (ARGV[19]), which it has
-# already started, else to the oldest waiting call of the same queue, leased to that worker as CLAIM
+# already started, else to its oldest spare (older than every waiting call; it may not have the reply
+# that leased it yet), else to the oldest waiting call of the same queue, leased to that worker as CLAIM
 # would: no queue push, no wake-up, no claim round trip between one call ending and the next one
 # starting. The reply is then {seq, state before, handed call_id, data, attempt, spare call_id, data,
 # attempt, waiting score} ('' where none): a wanted spare is the oldest waiting call of the queue after
@@ -136,6 +137,20 @@ local function take_spare(slots, id)
   redis.call('ZADD', slots, ARGV[17], id)
   return true
 end
+-- The worker's oldest spare, if it is older than every waiting call: it takes the slot (the worker
+-- starts it on the reply), so no younger waiting call starts before it on this worker.
+local function own_spare(slots, waiting)
+  local head = redis.call('ZRANGE', waiting, 0, 0, 'WITHSCORES')
+  local cut = head[2] and tonumber(head[2]) or math.huge
+  local spares = redis.call('ZRANGE', KEYS[8], 0, -1, 'WITHSCORES')
+  for i = 1, #spares, 2 do
+    if tonumber(spares[i + 1]) > cut then return nil end
+    local id = spares[i]
+    local f = redis.call('HMGET', 'rq:job:' .. id, 'h_worker', 'data', 'h_attempt')
+    if f[1] == ARGV[16] and take_spare(slots, id) then return {id, f[2], f[3]} end
+  end
+  return nil
+end
 local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_queue')
 local st = rec[1]
 if not st then return {-1, ''} end
@@ -167,7 +182,7 @@ if ARGV[12] == '1' then
     local limit = limit_of(KEYS[6], ARGV[13])
     if qkey then
       if not (ARGV[19] ~= '' and take_spare(KEYS[5], ARGV[19])) then
-        handed = hand_off(KEYS[5], KEYS[4], limit, qkey)
+        handed = own_spare(KEYS[5], KEYS[4]) or hand_off(KEYS[5], KEYS[4], limit, qkey)
       end
       if ARGV[20] == '1' then spare = reserve(KEYS[4], qkey) end
     end

@@ -36,8 +36,8 @@ from broker.records import Claimed
 
 log = structlog.get_logger("hermes.worker")
 
-SPARE_MIN_HELD = 4  # calls of a key running here before this worker keeps a spare for it
-SPARES_MAX = 8  # spares per key at most
+SPARE_MIN_HELD = 3  # calls of a key running here before this worker keeps a spare for it
+SPARES_MAX = 16  # spares per key at most
 SPARE_TTL = 0.05  # seconds a spare may wait for a slot here before it goes back in line
 SPARE_PAUSE = 0.2  # seconds a key gets no spares after one went back unused
 
@@ -60,6 +60,7 @@ class Spares:
         self._spares: dict[str, deque[Spare]] = {}
         self._asked: dict[str, int] = {}  # spares asked for per key, replies not yet read
         self._paused: dict[str, float] = {}  # key -> until when it gets no spares
+        self._taken: set[str] = set()  # spares started here whose slot move is not answered yet
         self._wake = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -77,6 +78,7 @@ class Spares:
             spare = line.popleft() if line else None
             if spare is not None:
                 self.used += 1
+                self._taken.add(spare.claimed.call_id)
             if self._closed or not may_ask:
                 return spare, False
             want = min(SPARES_MAX, held // SPARE_MIN_HELD)
@@ -86,9 +88,11 @@ class Spares:
                 self._asked[ckey] = self._asked.get(ckey, 0) + 1
             return spare, ask
 
-    def received(self, ckey: str, asked: bool, spare: tuple[Claimed, bytes] | None) -> None:
-        """The reply of an ending call's write: the spare it leased to us, if any."""
+    def received(self, ckey: str, asked: bool, spare: tuple[Claimed, bytes] | None, taken: str = "") -> None:
+        """The reply of an ending call's write: the spare it leased to us, if any (``taken``: the spare
+        that write moved the slot to)."""
         with self._lock:
+            self._taken.discard(taken)
             if asked:
                 left = self._asked.get(ckey, 1) - 1
                 if left > 0:
@@ -99,6 +103,21 @@ class Spares:
                 return
             self._spares.setdefault(ckey, deque()).append(Spare(spare[0], spare[1], time.monotonic()))
         self._wake.set()
+
+    def claim_handed(self, call_id: str) -> bool:
+        """A call an ending write handed us: False when it is a spare already started here (the slot is
+        its own now), else it is ours to start (out of the spares, if it was one)."""
+        with self._lock:
+            if call_id in self._taken:
+                return False
+            for key, line in self._spares.items():
+                for spare in line:
+                    if spare.claimed.call_id == call_id:
+                        line.remove(spare)
+                        if not line:
+                            del self._spares[key]
+                        return True
+            return True
 
     def call_ids(self) -> list[str]:
         with self._lock:

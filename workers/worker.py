@@ -220,14 +220,18 @@ class Worker:
         """The reply of an ending transition that reserved: keep the spare it leased to us, run the call
         it handed to us, else free the thread (unless that thread went on with a spare)."""
         calls = self.core.calls
-        self.spares.received(ckey, handoff[3], calls.spared(reply))
+        self.spares.received(ckey, handoff[3], calls.spared(reply), handoff[2])
         claimed = calls.handed_off(reply)
+        # A spare of ours may come handed (our oldest, ahead of younger waiting calls): unless a thread
+        # here already went on with it, it leaves the spares and starts now.
+        start = claimed is not None and self.spares.claim_handed(claimed.call_id)
         if handoff[2]:  # the thread went on with a spare; a call handed to us means the spare was not ours
-            if claimed is not None:
+            if start:
                 self._start(claimed, self._run_extra)
             return
-        if claimed is None:
-            self._no_waiters[ckey] = time.monotonic() + HANDOFF_RETRY
+        if not start:
+            if claimed is None:
+                self._no_waiters[ckey] = time.monotonic() + HANDOFF_RETRY
             self._slots.release()
             return
         self._no_waiters.pop(ckey, None)

@@ -195,3 +195,34 @@ def test_the_sweep_drops_the_spare_mark_of_a_call_whose_record_is_gone(fake: Any
     fake.delete(keys.job("c2"))
     Limits(fake).sweep(grace=0)
     assert members(fake, keys.spared(CKEY)) == []
+
+
+def test_a_workers_oldest_spare_gets_its_next_freed_slot_before_any_younger_waiting_call(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(6):
+        submit(calls, f"c{i}", limit=2)
+    calls.claim(["tools"], 10, "w1", 30)  # c0, c1 run
+    reply = finish(calls, "c0", ("w1", 30, "", True))  # c2 handed, c3 spare (reply not read yet, say)
+    assert Calls.spared(reply) is not None
+    # c1 ends without naming a spare: its slot goes to w1's spare c3, not to c4 (younger, waiting).
+    handed = Calls.handed_off(finish(calls, "c1", ("w1", 30, "", False)))
+    assert handed is not None and handed.call_id == "c3" and handed.data
+    assert members(fake, keys.slots(CKEY)) == ["c2", "c3"] and members(fake, keys.spared(CKEY)) == []
+    assert fake.hget(keys.job("c3"), "h_spare") is None
+    assert members(fake, keys.waiting(CKEY)) == ["c4", "c5"]
+
+
+def test_another_workers_spare_or_an_older_waiting_call_is_not_taken_as_ones_own_spare(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(6):
+        submit(calls, f"c{i}", limit=2)
+    calls.claim(["tools"], 10, "w1", 30)
+    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", True))) is not None  # c2 handed, c3 spare of w1
+    handed = Calls.handed_off(finish(calls, "c1", ("w2", 30, "", False)))  # w2 gets the waiting head
+    assert handed is not None and handed.call_id == "c4"
+    assert members(fake, keys.spared(CKEY)) == ["c3"]
+    # Work handed back goes first (score 0): older than w1's spare, so it gets w1's next slot.
+    fake.zadd(keys.waiting(CKEY), {"c5": 0})
+    handed = Calls.handed_off(finish(calls, "c2", ("w1", 30, "", False)))
+    assert handed is not None and handed.call_id == "c5"
+    assert members(fake, keys.spared(CKEY)) == ["c3"]

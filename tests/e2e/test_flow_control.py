@@ -231,6 +231,33 @@ def test_a_stopping_worker_gives_its_spares_back_rather_than_leaving_them_to_its
     assert _max_overlap(_intervals(conn, ids)) <= 12
 
 
+def test_one_worker_with_spares_starts_waiting_calls_in_the_order_they_were_submitted(
+    gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any
+) -> None:
+    # Limit 5 on one worker: it keeps a spare, and calls of equal length end in bursts, the case where a
+    # younger waiting call could otherwise be handed a slot before an older spare.
+    home.sleep_tool("ordered", concurrency=5, queue_size=500)
+    gateway.sync_tools()
+    (w,) = workers(1, concurrency=8)
+    batch = gateway.map("ordered", [{"seconds": 0.04}] * 60)
+    ids = [h.call_id for h in batch.accepted]
+    wait_until(lambda: all_terminal(conn, ids), 60, message="60 calls done")
+    assert set(current(conn, ids).values()) == {"done"}
+    stored = histories(conn, ids)
+    started = [next(e.ts for e in stored[cid] if e.state == "executing") for cid in ids]
+    # Calls that waited (all but the first 5) start in submission order; threads racing for slots handed
+    # on at the same moment may swap by a few milliseconds, no more.
+    late = [
+        (i, j)
+        for i in range(5, len(ids))
+        for j in range(i + 1, len(ids))
+        if started[j] < started[i] - 0.005
+    ]
+    assert late == [], f"started before an older waiting call: {late[:5]}"
+    assert _max_overlap(_intervals(conn, ids)) <= 5
+    wait_until(lambda: _spares_used(conn, [w.name]) > 0, 10, message="spares were used")
+
+
 def _fragile(home: Any, tmp: Path, **breaker: Any) -> tuple[Path, Path]:
     mode, log = tmp / "mode", tmp / "backend.log"
     mode.write_text("fail")

@@ -127,3 +127,35 @@ def test_an_ending_call_goes_on_with_the_workers_spare_on_its_own_thread(fake: A
     finally:
         w.core.close()
         w.pool.shutdown()
+
+
+def test_a_handed_spare_leaves_the_spares_unless_a_thread_here_already_started_it(fake: Any) -> None:
+    calls = Calls(fake)
+    sp = Spares(calls, "w1", lambda ids: None)
+    first, second = leased_spares(fake, calls, "w1", 2)
+    sp.received(CKEY, True, first)
+    sp.received(CKEY, True, second)
+    taken, _ = sp.take(CKEY, 8)  # a thread went on with the first; its slot move is not answered yet
+    assert taken is not None and taken.claimed.call_id == first[0].call_id
+    assert sp.claim_handed(first[0].call_id) is False  # handed meanwhile: already running here
+    assert sp.claim_handed(second[0].call_id) is True  # ours to start: out of the spares
+    assert sp.call_ids() == []
+    assert sp.claim_handed("some-other-call") is True
+    sp.received(CKEY, False, None, taken=first[0].call_id)  # the move answered
+    assert sp.claim_handed(first[0].call_id) is True
+
+
+def test_a_handed_call_already_running_here_frees_the_thread_that_waited_for_it(fake: Any, settings: Settings) -> None:
+    w = Worker(fake, settings, ["tools"], concurrency=16, name="w-a")
+    try:
+        (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)
+        w.spares.received(CKEY, True, spare)
+        assert w.spares.take(CKEY, 8)[0] is not None  # another thread went on with it
+        w._slots.acquire()  # the token the ending thread kept for the call handed to it
+        reply = [5, b"formatting", spare[0].call_id.encode(), spare[0].data, b"1", b"", b"", b"", b""]
+        w.received(reply, CKEY, ("w-a", w.lease, "", False))
+        assert w._slots._value == 16  # given back: nothing new started
+        assert w.pool._threads == []
+    finally:
+        w.core.close()
+        w.pool.shutdown()
