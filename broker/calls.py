@@ -146,10 +146,11 @@ class Calls:
         order, the first from ``current``; their events are recorded and published first, in the same
         script. ``ts``: when this move happened (default now).
 
-        ``handoff`` (worker, lease seconds[, spare call id, spare wanted]): the released slot goes straight
-        to that worker's spare, which it already runs, else to the oldest waiting call of the same queue,
-        leased to that worker (read it from the reply with ``handed_off``); with a spare wanted, the next
-        oldest waiting call of the queue is leased to the worker as a spare, without a slot (``spared``).
+        ``handoff`` (worker, lease seconds[, spare call id, spares wanted]): the released slot goes
+        straight to that worker's spare, which it already runs, else to its oldest spare or the oldest
+        waiting call of the same queue, leased to that worker (read it from the reply with ``handed_off``);
+        the next oldest waiting calls of the queue, as many as wanted, are leased to the worker as spares,
+        without a slot (``spared``).
 
         Ending (or ``retrying``) releases the call's concurrency slot and promotes the oldest waiting call
         of its key; ``requeue`` admits it again (a free slot, else waiting at ``requeue_score``, default
@@ -214,7 +215,7 @@ class Calls:
                 lease_deadline(ho[1]) if ho else "",
                 stamp if ho else "",
                 ho[2] if ho and len(ho) > 2 and ho[2] else "",
-                "1" if ho and len(ho) > 3 and ho[3] else "",
+                int(ho[3]) if ho and len(ho) > 3 and ho[3] else "",
                 *flat,
             ],
             pipeline,
@@ -267,13 +268,17 @@ class Calls:
         return Claimed(cid.decode() if isinstance(cid, bytes) else str(cid), data or b"", int(attempt or 1))
 
     @staticmethod
-    def spared(reply: Any) -> tuple[Claimed, bytes] | None:
-        """The spare a TRANSITION that wanted one leased to the worker, with its waiting score, if any."""
-        if isinstance(reply, Exception) or len(reply) < 9 or not reply[5]:
-            return None
-        cid, data, attempt, score = reply[5], reply[6], reply[7], reply[8]
-        claimed = Claimed(cid.decode() if isinstance(cid, bytes) else str(cid), data or b"", int(attempt or 1))
-        return claimed, score if isinstance(score, bytes) else str(score).encode()
+    def spared(reply: Any) -> list[tuple[Claimed, bytes]]:
+        """The spares a TRANSITION that wanted some leased to the worker, oldest first, each with its
+        waiting score."""
+        if isinstance(reply, Exception) or len(reply) < 9:
+            return []
+        out = []
+        for i in range(5, len(reply) - 3, 4):
+            cid, data, attempt, score = reply[i], reply[i + 1], reply[i + 2], reply[i + 3]
+            claimed = Claimed(cid.decode() if isinstance(cid, bytes) else str(cid), data or b"", int(attempt or 1))
+            out.append((claimed, score if isinstance(score, bytes) else str(score).encode()))
+        return out
 
     def spares_back(self, worker: str, call_ids: list[str]) -> list[str]:
         """Put spares back in line at their old places (``worker`` '' = whoever holds them); returns the

@@ -72,7 +72,7 @@ end
 #       10 waiting score for a requeue, 11 channel, 12 release the slot ('1'/''), 13 concurrency key,
 #       14 due time to schedule a retry at ('' = none), 15 wake channel suffix, 16 hand-off worker ('' =
 #       none), 17 its lease deadline, 18 started_at (RQ time format), 19 the worker's spare call
-#       that already runs on the released slot ('' = none), 20 a spare wanted ('1'/''), 21 k: how many
+#       that already runs on the released slot ('' = none), 20 spares wanted ('' = 0), 21 k: how many
 #       earlier events come first, 22..21+k their payloads (moves the call made since its last write,
 #       recorded and published in order before ARGV[2]), then field/value pairs
 # Returns {seq, state before}; seq < 0: -1 no such call, -2 attempt fence, -3 wrong source state.
@@ -80,9 +80,10 @@ end
 # already started, else to its oldest spare (older than every waiting call; it may not have the reply
 # that leased it yet), else to the oldest waiting call of the same queue, leased to that worker as CLAIM
 # would: no queue push, no wake-up, no claim round trip between one call ending and the next one
-# starting. The reply is then {seq, state before, handed call_id, data, attempt, spare call_id, data,
-# attempt, waiting score} ('' where none): a wanted spare is the oldest waiting call of the queue after
-# that, leased to the worker without a slot (``h_spare`` = its waiting score) for its next ending call.
+# starting. The reply is then {seq, state before, handed call_id, data, attempt ('' where none), then
+# call_id, data, attempt, waiting score of each spare}: the wanted spares are the oldest waiting calls of
+# the queue after that, leased to the worker without a slot (``h_spare`` = waiting score) for its next
+# ending calls.
 TRANSITION = (
     _WITH_SEQ
     + _SLOTS
@@ -175,7 +176,7 @@ if ARGV[8] == '-' then
 elseif ARGV[8] ~= '' then
   redis.call('ZADD', KEYS[3], ARGV[8], ARGV[1])
 end
-local handed, spare = nil, nil
+local handed, spares = nil, {}
 if ARGV[12] == '1' then
   redis.call('ZREM', KEYS[4], ARGV[1])
   if redis.call('ZREM', KEYS[5], ARGV[1]) == 1 then
@@ -184,7 +185,11 @@ if ARGV[12] == '1' then
       if not (ARGV[19] ~= '' and take_spare(KEYS[5], ARGV[19])) then
         handed = own_spare(KEYS[5], KEYS[4]) or hand_off(KEYS[5], KEYS[4], limit, qkey)
       end
-      if ARGV[20] == '1' then spare = reserve(KEYS[4], qkey) end
+      for _ = 1, tonumber(ARGV[20]) or 0 do
+        local spare = reserve(KEYS[4], qkey)
+        if not spare then break end
+        for _, v in ipairs(spare) do spares[#spares + 1] = v end
+      end
     end
     promote(KEYS[5], KEYS[4], KEYS[6], ARGV[13], ARGV[15], limit)
   end
@@ -212,9 +217,9 @@ if ARGV[3] ~= '' then
   redis.call('EXPIRE', KEYS[2], ARGV[3])
 end
 redis.call('PUBLISH', ARGV[11], ev)
-if handed or spare then
-  handed, spare = handed or {'', '', ''}, spare or {'', '', '', ''}
-  return {seq, st, handed[1], handed[2], handed[3], spare[1], spare[2], spare[3], spare[4]}
+if handed or #spares > 0 then
+  handed = handed or {'', '', ''}
+  return {seq, st, handed[1], handed[2], handed[3], unpack(spares)}
 end
 return {seq, st}
 """

@@ -40,6 +40,7 @@ SPARE_MIN_HELD = 3  # calls of a key running here before this worker keeps a spa
 SPARES_MAX = 16  # spares per key at most
 SPARE_TTL = 0.05  # seconds a spare may wait for a slot here before it goes back in line
 SPARE_PAUSE = 0.2  # seconds a key gets no spares after one went back unused
+ASK_MAX = 2  # spares asked for by one ending call at most
 
 
 @dataclass(frozen=True)
@@ -70,38 +71,40 @@ class Spares:
         self._thread = threading.Thread(target=self._expire_loop, args=(stopping,), name="hermes-spares", daemon=True)
         self._thread.start()
 
-    def take(self, ckey: str, held: int, may_ask: bool = True) -> tuple[Spare | None, bool]:
-        """On an ending call's thread: the oldest spare of ``ckey`` (or None), and whether to ask for one
-        more (``held``: calls of the key running here, the ending one included)."""
+    def take(self, ckey: str, held: int, may_ask: bool = True) -> tuple[Spare | None, int]:
+        """On an ending call's thread: the oldest spare of ``ckey`` (or None), and how many more to ask
+        for (``held``: calls of the key running here, the ending one included)."""
         with self._lock:
             line = self._spares.get(ckey)
             spare = line.popleft() if line else None
             if spare is not None:
                 self.used += 1
                 self._taken.add(spare.claimed.call_id)
-            if self._closed or not may_ask:
-                return spare, False
+            if self._closed or not may_ask or time.monotonic() < self._paused.get(ckey, 0.0):
+                return spare, 0
             want = min(SPARES_MAX, held // SPARE_MIN_HELD)
             have = (len(line) if line else 0) + self._asked.get(ckey, 0)
-            ask = have < want and time.monotonic() >= self._paused.get(ckey, 0.0)
+            # Every ending call here takes a spare: asking for up to two lets the stock grow back.
+            ask = max(0, min(ASK_MAX, want - have))
             if ask:
-                self._asked[ckey] = self._asked.get(ckey, 0) + 1
+                self._asked[ckey] = self._asked.get(ckey, 0) + ask
             return spare, ask
 
-    def received(self, ckey: str, asked: bool, spare: tuple[Claimed, bytes] | None, taken: str = "") -> None:
-        """The reply of an ending call's write: the spare it leased to us, if any (``taken``: the spare
-        that write moved the slot to)."""
+    def received(self, ckey: str, asked: int, spares: list[tuple[Claimed, bytes]], taken: str = "") -> None:
+        """The reply of an ending call's write that asked for ``asked`` spares: those it leased to us
+        (``taken``: the spare that write moved the slot to)."""
         with self._lock:
             self._taken.discard(taken)
             if asked:
-                left = self._asked.get(ckey, 1) - 1
+                left = self._asked.get(ckey, 0) - asked
                 if left > 0:
                     self._asked[ckey] = left
                 else:
                     self._asked.pop(ckey, None)
-            if spare is None:
+            if not spares:
                 return
-            self._spares.setdefault(ckey, deque()).append(Spare(spare[0], spare[1], time.monotonic()))
+            now = time.monotonic()
+            self._spares.setdefault(ckey, deque()).extend(Spare(c, score, now) for c, score in spares)
         self._wake.set()
 
     def claim_handed(self, call_id: str) -> bool:

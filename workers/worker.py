@@ -187,11 +187,11 @@ class Worker:
 
     # -- hand-off: the slot a call frees goes straight to the next waiting call, on this worker ----
 
-    def reserve(self, ckey: str, queue: str) -> tuple[str, float, str, bool] | None:
+    def reserve(self, ckey: str, queue: str) -> tuple[str, float, str, int] | None:
         """On a call's thread as it ends: keep its thread for the call its slot is handed to: the oldest
         spare of the key (this thread goes on with it at once), else the oldest waiting call (see
-        ``received``). Returns the ``handoff`` of the ending call's write: (worker, lease, spare, ask for
-        a spare).
+        ``received``). Returns the ``handoff`` of the ending call's write: (worker, lease, spare, spares
+        to ask for).
 
         Declined while this process holds more than its fair share of the key's slots (the limit over
         the live workers of the queue): the slot then goes to the waiting call through the queue, where
@@ -216,7 +216,7 @@ class Worker:
             return self.name, self.lease, spare.claimed.call_id, ask
         return self.name, self.lease, "", ask
 
-    def received(self, reply: Any, ckey: str, handoff: tuple[str, float, str, bool]) -> None:
+    def received(self, reply: Any, ckey: str, handoff: tuple[str, float, str, int]) -> None:
         """The reply of an ending transition that reserved: keep the spare it leased to us, run the call
         it handed to us, else free the thread (unless that thread went on with a spare)."""
         calls = self.core.calls

@@ -30,10 +30,10 @@ def test_an_ending_call_asking_for_a_spare_leases_the_next_waiting_call_to_the_w
         submit(calls, f"c{i}", limit=1)
     score_c2 = fake.zscore(keys.waiting(CKEY), "c2")
     calls.claim(["tools"], 10, "w1", 30)
-    reply = finish(calls, "c0", ("w1", 30, "", True))
-    handed, spare = Calls.handed_off(reply), Calls.spared(reply)
+    reply = finish(calls, "c0", ("w1", 30, "", 1))
+    handed, (spare,) = Calls.handed_off(reply), Calls.spared(reply)
     assert handed is not None and handed.call_id == "c1"  # the slot: to the oldest, as before
-    assert spare is not None and spare[0].call_id == "c2" and spare[0].attempt == 1 and spare[0].data
+    assert spare[0].call_id == "c2" and spare[0].attempt == 1 and spare[0].data
     assert float(spare[1]) == score_c2  # its place in line, to go back to
     # c2 is leased to w1 but holds no slot and is still pending; c3 keeps waiting; nothing queued.
     assert members(fake, keys.slots(CKEY)) == ["c1"]
@@ -49,12 +49,12 @@ def test_the_next_ending_call_moves_its_slot_to_the_spare_the_worker_already_run
     for i in range(4):
         submit(calls, f"c{i}", limit=1)
     calls.claim(["tools"], 10, "w1", 30)
-    spare = Calls.spared(finish(calls, "c0", ("w1", 30, "", True)))
-    assert spare is not None and spare[0].call_id == "c2"
+    (spare,) = Calls.spared(finish(calls, "c0", ("w1", 30, "", 1)))
+    assert spare[0].call_id == "c2"
     # c1 (handed) ends; the worker has already started its spare c2 on that slot.
-    reply = finish(calls, "c1", ("w1", 30, "c2", False))
+    reply = finish(calls, "c1", ("w1", 30, "c2", 0))
     assert Calls.handed_off(reply) is None  # the slot went to the spare, not to c3
-    assert Calls.spared(reply) is None  # none asked for
+    assert Calls.spared(reply) == []  # none asked for
     assert members(fake, keys.slots(CKEY)) == ["c2"]
     assert fake.zscore(keys.slots(CKEY), "c2") != float("inf")  # its lease deadline
     assert fake.hget(keys.job("c2"), "h_spare") is None and fake.hget(keys.job("c2"), "started_at")
@@ -73,9 +73,9 @@ def test_a_call_that_is_not_this_workers_spare_does_not_take_the_slot(fake: Any)
     for i in range(4):
         submit(calls, f"c{i}", limit=1)
     calls.claim(["tools"], 10, "w1", 30)
-    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", True))) is not None  # c2 spare of w1
+    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", 1))) != []  # c2 spare of w1
     # w2 claims c2 as its spare (it is w1's): refused, and c1's slot goes to the oldest waiting call.
-    reply = finish(calls, "c1", ("w2", 30, "c2", False))
+    reply = finish(calls, "c1", ("w2", 30, "c2", 0))
     handed = Calls.handed_off(reply)
     assert handed is not None and handed.call_id == "c3"
     assert members(fake, keys.slots(CKEY)) == ["c3"]
@@ -89,8 +89,8 @@ def test_spares_given_back_go_back_in_line_at_their_old_places_and_fill_free_slo
     score_c3 = fake.zscore(keys.waiting(CKEY), "c3")
     claimed = calls.claim(["tools"], 10, "w1", 30)
     assert [c.call_id for c in claimed] == ["c0", "c1"]
-    spare = Calls.spared(finish(calls, "c0", ("w1", 30, "", True)))  # c2 handed, c3 spare
-    assert spare is not None and spare[0].call_id == "c3"
+    (spare,) = Calls.spared(finish(calls, "c0", ("w1", 30, "", 1)))  # c2 handed, c3 spare
+    assert spare[0].call_id == "c3"
     assert members(fake, keys.waiting(CKEY)) == ["c4"]
     assert calls.spares_back("w2", ["c3"]) == []  # not w2's: untouched
     assert fake.zscore(keys.LEASES, "c3") is not None
@@ -114,7 +114,7 @@ def test_a_spare_given_back_that_was_free_to_run_goes_straight_onto_the_queue(fa
     for i in range(4):
         submit(calls, f"c{i}", limit=1)
     calls.claim(["tools"], 10, "w1", 30)
-    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", True))) is not None  # c1 handed, c2 spare
+    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", 1))) != []  # c1 handed, c2 spare
     finish(calls, "c1", None)  # c1's slot goes to c3 through the queue (c2 is out of line)
     assert queued(fake) == ["c3"]
     calls.claim(["tools"], 10, "w2", 30)
@@ -129,7 +129,7 @@ def test_a_spare_cancelled_meanwhile_is_left_out_for_the_worker_to_end(fake: Any
     for i in range(3):
         submit(calls, f"c{i}", limit=1)
     calls.claim(["tools"], 10, "w1", 30)
-    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", True))) is not None  # c2 spare of w1
+    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", 1))) != []  # c2 spare of w1
     fake.hset(keys.job("c2"), keys.F_CANCEL, "1")  # what a caller's cancel does to a leased pending call
     assert calls.spares_back("w1", ["c2"]) == ["c2"]
     assert members(fake, keys.waiting(CKEY)) == [] and fake.zscore(keys.LEASES, "c2") is None
@@ -142,7 +142,7 @@ def test_the_reaper_puts_a_dead_workers_spare_back_in_line_not_on_the_queue(fake
     for i in range(4):
         submit(calls, f"c{i}", limit=1)
     calls.claim(["tools"], 10, "dead", 30)
-    assert Calls.spared(finish(calls, "c0", ("dead", 30, "", True))) is not None  # c1 handed, c2 spare
+    assert Calls.spared(finish(calls, "c0", ("dead", 30, "", 1))) != []  # c1 handed, c2 spare
     fake.hset(keys.job("c3"), keys.F_CANCEL, "0")
     # The worker died: every lease of it runs out (c1 never started: it keeps its slot, back on the queue).
     fake.zadd(keys.LEASES, {"c1": 1, "c2": 1})
@@ -158,7 +158,7 @@ def test_the_reaper_ends_a_dead_workers_spare_its_caller_cancelled(fake: Any) ->
     for i in range(3):
         submit(calls, f"c{i}", limit=1)
     calls.claim(["tools"], 10, "dead", 30)
-    assert Calls.spared(finish(calls, "c0", ("dead", 30, "", True))) is not None  # c2 spare
+    assert Calls.spared(finish(calls, "c0", ("dead", 30, "", 1))) != []  # c2 spare
     fake.hset(keys.job("c2"), keys.F_CANCEL, "1")
     fake.zadd(keys.LEASES, {"c2": 1})
     assert reaper.reap(calls, lease=10, result_ttl=60) == 1
@@ -173,7 +173,7 @@ def test_spares_still_count_as_waiting_for_the_queue_size(fake: Any) -> None:
     with pytest.raises(QueueFull):
         submit(calls, "extra", limit=1, queue_size=3)
     calls.claim(["tools"], 10, "w1", 30)
-    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", True))) is not None  # c1 handed, c2 spare
+    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", 1))) != []  # c1 handed, c2 spare
     assert members(fake, keys.waiting(CKEY)) == ["c3"] and members(fake, keys.spared(CKEY)) == ["c2"]
     submit(calls, "c4", limit=1, queue_size=3)  # c2, c3, c4 wait
     with pytest.raises(QueueFull) as e:
@@ -181,7 +181,7 @@ def test_spares_still_count_as_waiting_for_the_queue_size(fake: Any) -> None:
     assert e.value.details == {"key": CKEY, "limit": 3, "depth": 3}
     assert Limits(fake).snapshot() == [{"key": CKEY, "limit": 1, "running": 1, "waiting": 3}]
     # Once the spare runs on a slot (or goes back in line) it is counted where it is.
-    finish(calls, "c1", ("w1", 30, "c2", False))
+    finish(calls, "c1", ("w1", 30, "c2", 0))
     assert members(fake, keys.spared(CKEY)) == [] and members(fake, keys.slots(CKEY)) == ["c2"]
     submit(calls, "c5", limit=1, queue_size=3)
 
@@ -191,7 +191,7 @@ def test_the_sweep_drops_the_spare_mark_of_a_call_whose_record_is_gone(fake: Any
     for i in range(3):
         submit(calls, f"c{i}", limit=1)
     calls.claim(["tools"], 10, "w1", 30)
-    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", True))) is not None  # c2 spare
+    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", 1))) != []  # c2 spare
     fake.delete(keys.job("c2"))
     Limits(fake).sweep(grace=0)
     assert members(fake, keys.spared(CKEY)) == []
@@ -202,10 +202,10 @@ def test_a_workers_oldest_spare_gets_its_next_freed_slot_before_any_younger_wait
     for i in range(6):
         submit(calls, f"c{i}", limit=2)
     calls.claim(["tools"], 10, "w1", 30)  # c0, c1 run
-    reply = finish(calls, "c0", ("w1", 30, "", True))  # c2 handed, c3 spare (reply not read yet, say)
-    assert Calls.spared(reply) is not None
+    reply = finish(calls, "c0", ("w1", 30, "", 1))  # c2 handed, c3 spare (reply not read yet, say)
+    assert Calls.spared(reply) != []
     # c1 ends without naming a spare: its slot goes to w1's spare c3, not to c4 (younger, waiting).
-    handed = Calls.handed_off(finish(calls, "c1", ("w1", 30, "", False)))
+    handed = Calls.handed_off(finish(calls, "c1", ("w1", 30, "", 0)))
     assert handed is not None and handed.call_id == "c3" and handed.data
     assert members(fake, keys.slots(CKEY)) == ["c2", "c3"] and members(fake, keys.spared(CKEY)) == []
     assert fake.hget(keys.job("c3"), "h_spare") is None
@@ -217,12 +217,12 @@ def test_another_workers_spare_or_an_older_waiting_call_is_not_taken_as_ones_own
     for i in range(6):
         submit(calls, f"c{i}", limit=2)
     calls.claim(["tools"], 10, "w1", 30)
-    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", True))) is not None  # c2 handed, c3 spare of w1
-    handed = Calls.handed_off(finish(calls, "c1", ("w2", 30, "", False)))  # w2 gets the waiting head
+    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", 1))) != []  # c2 handed, c3 spare of w1
+    handed = Calls.handed_off(finish(calls, "c1", ("w2", 30, "", 0)))  # w2 gets the waiting head
     assert handed is not None and handed.call_id == "c4"
     assert members(fake, keys.spared(CKEY)) == ["c3"]
     # Work handed back goes first (score 0): older than w1's spare, so it gets w1's next slot.
     fake.zadd(keys.waiting(CKEY), {"c5": 0})
-    handed = Calls.handed_off(finish(calls, "c2", ("w1", 30, "", False)))
+    handed = Calls.handed_off(finish(calls, "c2", ("w1", 30, "", 0)))
     assert handed is not None and handed.call_id == "c5"
     assert members(fake, keys.spared(CKEY)) == ["c3"]

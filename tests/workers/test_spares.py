@@ -11,10 +11,11 @@ import pytest
 from broker import keys
 from broker.calls import Calls
 from broker.config import Settings
+from broker.records import Claimed
 from tests.broker.test_handoff import finish
 from tests.broker.test_limits import CKEY, submit
 from workers import spares as spares_mod
-from workers.spares import SPARE_MIN_HELD, SPARES_MAX, Spares
+from workers.spares import ASK_MAX, SPARE_MIN_HELD, SPARES_MAX, Spares
 from workers.worker import Worker
 
 
@@ -23,7 +24,7 @@ def settings(tmp_path: Any) -> Settings:
     return Settings(home=tmp_path, lease=5.0, result_ttl=600)
 
 
-def leased_spares(fake: Any, calls: Calls, worker: str, n: int) -> list[tuple[Any, bytes]]:
+def leased_spares(fake: Any, calls: Calls, worker: str, n: int) -> list[tuple[Claimed, bytes]]:
     """``n`` spares leased to ``worker`` by real ending transitions (limit 1: c0 runs, the next is handed)."""
     for i in range(2 * n + 2):  # each ending: one call handed the slot, one more as a spare
         submit(calls, f"c{i}", limit=1, queue_size=50)
@@ -31,25 +32,39 @@ def leased_spares(fake: Any, calls: Calls, worker: str, n: int) -> list[tuple[An
     out = []
     running = "c0"
     for _ in range(n):
-        reply = finish(calls, running, (worker, 30, "", True))
+        reply = finish(calls, running, (worker, 30, "", 1))
         handed = Calls.handed_off(reply)
         assert handed is not None
         running = handed.call_id
-        out.append(Calls.spared(reply))
-    assert all(s is not None for s in out)
-    return out  # type: ignore[return-value]
+        (spare,) = Calls.spared(reply)
+        out.append(spare)
+    return out
 
 
 def test_a_worker_asks_for_spares_by_how_many_calls_of_the_key_it_runs(fake: Any) -> None:
     sp = Spares(Calls(fake), "w1", lambda ids: None)
-    assert sp.take(CKEY, SPARE_MIN_HELD - 1) == (None, False)  # too few calls running here: none
-    asks = [sp.take(CKEY, 2 * SPARE_MIN_HELD)[1] for _ in range(4)]
-    assert asks == [True, True, False, False]  # two asked, replies not read yet: no more
-    sp.received(CKEY, True, None)  # a reply without a spare (nobody waits)
-    assert sp.take(CKEY, 2 * SPARE_MIN_HELD)[1] is True
-    many = [sp.take("tool:other", 1000)[1] for _ in range(SPARES_MAX + 3)]
-    assert many.count(True) == SPARES_MAX
-    assert sp.take(CKEY, 1000, may_ask=False) == (None, False)
+    assert sp.take(CKEY, SPARE_MIN_HELD - 1) == (None, 0)  # too few calls running here: none
+    asks = [sp.take(CKEY, 3 * SPARE_MIN_HELD)[1] for _ in range(4)]
+    assert asks == [ASK_MAX, 1, 0, 0]  # three wanted, at most two a write; replies not read yet: no more
+    sp.received(CKEY, ASK_MAX, [])  # a reply without spares (nobody waits)
+    assert sp.take(CKEY, 3 * SPARE_MIN_HELD)[1] == ASK_MAX
+    many = [sp.take("tool:other", 1000)[1] for _ in range(SPARES_MAX)]
+    assert sum(many) == SPARES_MAX and max(many) == ASK_MAX
+    assert sp.take(CKEY, 1000, may_ask=False) == (None, 0)
+
+
+def test_one_ending_call_can_lease_several_spares_oldest_first(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(6):
+        submit(calls, f"c{i}", limit=1, queue_size=50)
+    calls.claim(["tools"], 10, "w1", 30)
+    reply = finish(calls, "c0", ("w1", 30, "", 3))
+    assert [c.call_id for c, _ in Calls.spared(reply)] == ["c2", "c3", "c4"]
+    sp = Spares(calls, "w1", lambda ids: None)
+    sp.take(CKEY, 9)
+    sp.received(CKEY, 2, Calls.spared(reply))
+    assert sp.call_ids() == ["c2", "c3", "c4"]
+    assert [c.call_id for c, _ in Calls.spared(finish(calls, "c1", ("w1", 30, "", 3)))] == ["c5"]  # all left
 
 
 def test_the_oldest_spare_is_taken_first_and_counted(fake: Any) -> None:
@@ -57,7 +72,7 @@ def test_the_oldest_spare_is_taken_first_and_counted(fake: Any) -> None:
     sp = Spares(calls, "w1", lambda ids: None)
     got = leased_spares(fake, calls, "w1", 2)
     for spare in got:
-        sp.received(CKEY, True, spare)
+        sp.received(CKEY, 1, [spare])
     first, _ = sp.take(CKEY, 8)
     second, _ = sp.take(CKEY, 8)
     assert first is not None and second is not None
@@ -74,7 +89,7 @@ def test_a_spare_left_unused_goes_back_in_line_and_the_key_pauses(fake: Any, mon
     sp.start(stopping)
     try:
         (spare,) = leased_spares(fake, calls, "w1", 1)
-        sp.received(CKEY, True, spare)
+        sp.received(CKEY, 1, [spare])
         cid = spare[0].call_id
         assert sp.call_ids() == [cid]
         deadline = time.monotonic() + 5
@@ -83,7 +98,7 @@ def test_a_spare_left_unused_goes_back_in_line_and_the_key_pauses(fake: Any, mon
         assert fake.zscore(keys.waiting(CKEY), cid) == float(spare[1])  # its old place
         assert fake.zscore(keys.LEASES, cid) is None
         assert sp.call_ids() == []
-        assert sp.take(CKEY, 100) == (None, False)  # paused: its calls end too seldom here
+        assert sp.take(CKEY, 100) == (None, 0)  # paused: its calls end too seldom here
     finally:
         stopping.set()
 
@@ -92,11 +107,11 @@ def test_closing_gives_every_spare_back_and_asks_for_no_more(fake: Any) -> None:
     calls = Calls(fake)
     sp = Spares(calls, "w1", lambda ids: None)
     for spare in leased_spares(fake, calls, "w1", 2):
-        sp.received(CKEY, True, spare)
+        sp.received(CKEY, 1, [spare])
     assert sp.close() == 2
     assert fake.zcard(keys.LEASES) == 1  # the call running on the slot, not the spares
     assert not [m for m in fake.zrange(keys.waiting(CKEY), 0, -1) if fake.hget(keys.job(m.decode()), "h_spare")]
-    assert sp.take(CKEY, 100) == (None, False)
+    assert sp.take(CKEY, 100) == (None, 0)
 
 
 def test_a_spare_cancelled_before_it_went_back_is_ended_by_the_worker(fake: Any) -> None:
@@ -104,7 +119,7 @@ def test_a_spare_cancelled_before_it_went_back_is_ended_by_the_worker(fake: Any)
     ended: list[list[str]] = []
     sp = Spares(calls, "w1", ended.append)
     (spare,) = leased_spares(fake, calls, "w1", 1)
-    sp.received(CKEY, True, spare)
+    sp.received(CKEY, 1, [spare])
     fake.hset(keys.job(spare[0].call_id), keys.F_CANCEL, "1")
     sp.give_back()
     assert ended == [[spare[0].call_id]]
@@ -115,7 +130,7 @@ def test_an_ending_call_goes_on_with_the_workers_spare_on_its_own_thread(fake: A
     try:
         calls = w.core.calls
         (spare,) = leased_spares(fake, calls, "w-a", 1)
-        w.spares.received(CKEY, True, spare)
+        w.spares.received(CKEY, 1, [spare])
         w._local.in_call, w._local.keep = True, False
         w.core._held[CKEY] = SPARE_MIN_HELD
         handoff = w.reserve(CKEY, "tools")
@@ -133,15 +148,15 @@ def test_a_handed_spare_leaves_the_spares_unless_a_thread_here_already_started_i
     calls = Calls(fake)
     sp = Spares(calls, "w1", lambda ids: None)
     first, second = leased_spares(fake, calls, "w1", 2)
-    sp.received(CKEY, True, first)
-    sp.received(CKEY, True, second)
+    sp.received(CKEY, 1, [first])
+    sp.received(CKEY, 1, [second])
     taken, _ = sp.take(CKEY, 8)  # a thread went on with the first; its slot move is not answered yet
     assert taken is not None and taken.claimed.call_id == first[0].call_id
     assert sp.claim_handed(first[0].call_id) is False  # handed meanwhile: already running here
     assert sp.claim_handed(second[0].call_id) is True  # ours to start: out of the spares
     assert sp.call_ids() == []
     assert sp.claim_handed("some-other-call") is True
-    sp.received(CKEY, False, None, taken=first[0].call_id)  # the move answered
+    sp.received(CKEY, 0, [], taken=first[0].call_id)  # the move answered
     assert sp.claim_handed(first[0].call_id) is True
 
 
@@ -149,11 +164,11 @@ def test_a_handed_call_already_running_here_frees_the_thread_that_waited_for_it(
     w = Worker(fake, settings, ["tools"], concurrency=16, name="w-a")
     try:
         (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)
-        w.spares.received(CKEY, True, spare)
+        w.spares.received(CKEY, 1, [spare])
         assert w.spares.take(CKEY, 8)[0] is not None  # another thread went on with it
         w._slots.acquire()  # the token the ending thread kept for the call handed to it
         reply = [5, b"formatting", spare[0].call_id.encode(), spare[0].data, b"1", b"", b"", b"", b""]
-        w.received(reply, CKEY, ("w-a", w.lease, "", False))
+        w.received(reply, CKEY, ("w-a", w.lease, "", 0))
         assert w._slots._value == 16  # given back: nothing new started
         assert w.pool._threads == []
     finally:
