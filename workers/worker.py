@@ -31,12 +31,13 @@ from workers.executors.base import close_all
 from workers.runner import CallRunner
 from workers.shares import FAIR_SHARE_TTL, FairShares
 from workers.spares import Spares
-from workers.threads import CallThreads
+from workers.threads import CallThreads, Tokens
 
 log = structlog.get_logger("hermes.worker")
 
 CLAIM_BATCH = 64
 # Submissions publish a wake-up; polling is only the fallback for a lost message.
+IDLE_POLL_MIN = 0.01
 IDLE_POLL_MAX = 0.5
 # After an ending call found nobody waiting for its slot, how long its key's calls end without a hand-off.
 HANDOFF_RETRY = 0.05
@@ -69,7 +70,7 @@ class Worker:
         self.runner = CallRunner(self.core)
         self.pool = CallThreads(self.concurrency, "hermes-call")
         self.stopping = threading.Event()
-        self._slots = threading.Semaphore(self.concurrency)
+        self._slots = Tokens(self.concurrency)  # one per call this process may run at once
         self._wake = threading.Event()
         # A call thread ending keeps its token for the call its slot is handed to (see ``reserve``).
         self._local = threading.local()
@@ -140,32 +141,31 @@ class Worker:
             self._shutdown()
 
     def _dispatch(self) -> None:
-        idle = 0.001
+        idle = IDLE_POLL_MIN
         while not self.stopping.is_set():
-            if not self._slots.acquire(timeout=0.2):
+            free = self._slots.take(CLAIM_BATCH, timeout=0.2)
+            if not free:
                 continue
             if self.stopping.is_set():
-                self._slots.release()
+                self._slots.give(free)
                 break
-            free = 1
-            while free < CLAIM_BATCH and self._slots.acquire(blocking=False):
-                free += 1
+            self._wake.clear()  # a wake-up from now on means: claim again
             try:
                 claimed = self.core.calls.claim(self.queues, free, self.name, self.lease)
             except redis.RedisError as e:
                 log.warning("claim failed", error=str(e))
                 claimed = []
                 time.sleep(0.5)
-            for _ in range(free - len(claimed)):
-                self._slots.release()
-            if not claimed:
-                self._wake.wait(idle)
-                self._wake.clear()
-                idle = min(idle * 2, IDLE_POLL_MAX)
-                continue
-            idle = 0.001
+            if len(claimed) < free:
+                self._slots.give(free - len(claimed))
             for c in claimed:
                 self.pool.submit(self._run_one, c)
+            if len(claimed) == free:
+                continue  # there may be more
+            # The queues are empty: wait for a wake-up (every push publishes one), polling now and then
+            # in case one was lost.
+            idle = IDLE_POLL_MIN if claimed else min(idle * 2, IDLE_POLL_MAX)
+            self._wake.wait(idle)
 
     def _run_one(self, claimed: Any) -> None:
         local = self._local
@@ -177,7 +177,7 @@ class Worker:
                 local.in_call = False
                 claimed = local.next  # a spare this thread goes on with, on the slot the call released
                 if not local.keep:
-                    self._slots.release()
+                    self._slots.give()
 
     def _run_extra(self, claimed: Any) -> None:
         """A call handed to us beyond our threads' tokens (rare: see ``received``)."""
@@ -232,7 +232,7 @@ class Worker:
         if not start:
             if claimed is None:
                 self._no_waiters[ckey] = time.monotonic() + HANDOFF_RETRY
-            self._slots.release()
+            self._slots.give()
             return
         self._no_waiters.pop(ckey, None)
         self._start(claimed, self._run_one)
@@ -242,7 +242,7 @@ class Worker:
             self.pool.submit(run, claimed)
         except RuntimeError:  # pool shut down: the call stays leased and the reaper settles it
             if run == self._run_one:
-                self._slots.release()
+                self._slots.give()
 
     def _end_cancelled(self, call_ids: list[str]) -> None:
         """Spares given back that a caller cancelled meanwhile: they end ``cancelled`` here."""

@@ -138,7 +138,7 @@ def test_an_ending_call_goes_on_with_the_workers_spare_on_its_own_thread(fake: A
         assert w._local.next is spare[0] and w._local.keep is True
         # The ending write's reply: the slot went to the spare; the thread (not the pool) runs it.
         w.received([5, b"formatting"], CKEY, handoff)
-        assert w._slots._value == 16  # no token given back: the thread goes on with the spare
+        assert w._slots.free == 16  # no token given back: the thread goes on with the spare
     finally:
         w.core.close()
         w.pool.shutdown()
@@ -166,10 +166,10 @@ def test_a_handed_call_already_running_here_frees_the_thread_that_waited_for_it(
         (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)
         w.spares.received(CKEY, 1, [spare])
         assert w.spares.take(CKEY, 8)[0] is not None  # another thread went on with it
-        w._slots.acquire()  # the token the ending thread kept for the call handed to it
+        w._slots.take(1)  # the token the ending thread kept for the call handed to it
         reply = [5, b"formatting", spare[0].call_id.encode(), spare[0].data, b"1", b"", b"", b"", b""]
         w.received(reply, CKEY, ("w-a", w.lease, "", 0))
-        assert w._slots._value == 16  # given back: nothing new started
+        assert w._slots.free == 16  # given back: nothing new started
         assert w.pool._threads == []
     finally:
         w.core.close()

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from workers.threads import CallThreads
+from workers.threads import CallThreads, Tokens
 
 
 def test_tasks_run_on_at_most_size_threads_and_idle_threads_are_reused() -> None:
@@ -60,3 +60,21 @@ def test_shutdown_drops_what_has_not_started_and_refuses_more() -> None:
     assert stopper.dropped == 3 and ran == []  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError):
         pool.submit(ran.append, 9)
+
+
+def test_tokens_hand_out_what_is_free_up_to_a_batch_and_wait_for_the_first() -> None:
+    tokens = Tokens(5)
+    assert tokens.take(3) == 3 and tokens.free == 2
+    assert tokens.take(64) == 2 and tokens.free == 0
+    t0 = time.monotonic()
+    assert tokens.take(1, timeout=0.05) == 0  # none free: waits, then gives up
+    assert time.monotonic() - t0 >= 0.04
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(tokens.take(10, timeout=5)))
+    waiter.start()
+    time.sleep(0.05)
+    tokens.give()
+    tokens.give(2)
+    waiter.join(5)
+    assert got and 1 <= got[0] <= 3  # woken by the first token, takes what is free by then
+    assert tokens.free == 3 - got[0]
