@@ -40,6 +40,7 @@ class Calls:
         self._claim = conn.register_script(scripts.CLAIM)
         self._reap = conn.register_script(scripts.REAP)
         self._spare_back = conn.register_script(scripts.SPARE_BACK)
+        self._requeue = conn.register_script(scripts.REQUEUE)
         # Pub/sub is shared by every DB of a server: the scripts' wake-ups carry this DB's suffix.
         self.wake_suffix = keys.channel(conn, "")
 
@@ -136,7 +137,7 @@ class Calls:
         event_type: str = events.TRANSITION,
         current: State | None = None,
         pipeline: Pipeline | None = None,
-        handoff: tuple[str, float] | None = None,
+        handoff: tuple[str, float] | tuple[str, float, str, int] | None = None,
         via: Sequence[Step] = (),
         ts: float | None = None,
     ) -> Any:
@@ -280,13 +281,28 @@ class Calls:
             out.append((claimed, score if isinstance(score, bytes) else str(score).encode()))
         return out
 
-    def spares_back(self, worker: str, call_ids: list[str]) -> list[str]:
+    def spares_back(self, worker: str, call_ids: list[str], pipeline: Pipeline | None = None) -> list[str]:
         """Put spares back in line at their old places (``worker`` '' = whoever holds them); returns the
-        ids left out because a cancel was asked for them, for the caller to end."""
+        ids left out because a cancel was asked for them, for the caller to end (with ``pipeline``: queued
+        there, returns nothing)."""
         if not call_ids:
             return []
-        reply = self._spare_back(keys=[keys.LEASES, keys.LIMITS], args=[worker, self.wake_suffix, *call_ids])
+        args = [worker, self.wake_suffix, *call_ids]
+        if pipeline is not None:
+            pipes.script(self._spare_back, [keys.LEASES, keys.LIMITS], args, pipeline)
+            return []
+        reply = self._spare_back(keys=[keys.LEASES, keys.LIMITS], args=args)
         return [v.decode() if isinstance(v, bytes) else str(v) for v in reply]
+
+    def requeue_unstarted(self, call_id: str, ckey: str, queue: str, pipeline: Pipeline | None = None) -> Any:
+        """A call leased but never started, still ``pending`` and holding its slot: back at the head of its
+        queue, unleased, keeping the slot (a no-op otherwise)."""
+        return pipes.script(
+            self._requeue,
+            [keys.LEASES, keys.slots(ckey), keys.queue(queue)],
+            [call_id, keys.wake(queue) + self.wake_suffix],
+            pipeline,
+        )
 
     # -- workers ---------------------------------------------------------------------------------
 

@@ -164,6 +164,10 @@ end
 local before = tonumber(ARGV[21])
 -- One increment for every event this call records: the earlier ones get seq .. seq + before - 1.
 local seq = redis.call('HINCRBY', KEYS[1], 'h_seq', before + 1) - before
+-- A spare that leaves ``pending`` (cancelled by its caller, say) is no longer one.
+if st == 'pending' and ARGV[6] ~= '' and ARGV[6] ~= 'pending' and redis.call('ZREM', KEYS[8], ARGV[1]) == 1 then
+  redis.call('HDEL', KEYS[1], 'h_spare')
+end
 -- The new state and the record's fields in one write.
 if ARGV[6] ~= '' then
   redis.call('HSET', KEYS[1], 'h_state', ARGV[6], 'status', ARGV[7], unpack(ARGV, 22 + before, #ARGV))
@@ -181,17 +185,19 @@ if ARGV[12] == '1' then
   redis.call('ZREM', KEYS[4], ARGV[1])
   if redis.call('ZREM', KEYS[5], ARGV[1]) == 1 then
     local limit = limit_of(KEYS[6], ARGV[13])
+    if qkey and not (ARGV[19] ~= '' and take_spare(KEYS[5], ARGV[19])) then
+      if limit < 0 or redis.call('ZCARD', KEYS[5]) < limit then handed = own_spare(KEYS[5], KEYS[4]) end
+      handed = handed or hand_off(KEYS[5], KEYS[4], limit, qkey)
+    end
+    -- Free slots first (a raised limit): spares are taken only from the calls still waiting after that.
+    promote(KEYS[5], KEYS[4], KEYS[6], ARGV[13], ARGV[15], limit)
     if qkey then
-      if not (ARGV[19] ~= '' and take_spare(KEYS[5], ARGV[19])) then
-        handed = own_spare(KEYS[5], KEYS[4]) or hand_off(KEYS[5], KEYS[4], limit, qkey)
-      end
       for _ = 1, tonumber(ARGV[20]) or 0 do
         local spare = reserve(KEYS[4], qkey)
         if not spare then break end
         for _, v in ipairs(spare) do spares[#spares + 1] = v end
       end
     end
-    promote(KEYS[5], KEYS[4], KEYS[6], ARGV[13], ARGV[15], limit)
   end
 end
 if ARGV[14] ~= '' then
@@ -322,7 +328,7 @@ return out
 # 3 wake channel suffix.
 # Frees slots still held by calls that ended, went back to retrying, or vanished (a safety net: every
 # path that ends a call releases its slot in the same script), then refills; drops spare marks of calls
-# that are no longer spares (their record expired). Returns slots freed.
+# that are no longer pending spares (their record expired, say). Returns slots freed.
 SWEEP = (
     _SLOTS
     + r"""
@@ -341,7 +347,8 @@ for _, ckey in ipairs(redis.call('HKEYS', KEYS[1])) do
   if n > 0 then promote(slots, waiting, KEYS[1], ckey, ARGV[3]) end
   local spared = 'hermes:spared:' .. ckey
   for _, id in ipairs(redis.call('ZRANGE', spared, 0, tonumber(ARGV[2]) - 1)) do
-    if not redis.call('HGET', 'rq:job:' .. id, 'h_spare') then redis.call('ZREM', spared, id) end  -- gone
+    local f = redis.call('HMGET', 'rq:job:' .. id, 'h_state', 'h_spare')
+    if f[1] ~= 'pending' or not f[2] then redis.call('ZREM', spared, id) end  -- gone, or no longer a spare
   end
   if redis.call('EXISTS', slots) == 0 and redis.call('EXISTS', waiting) == 0 and redis.call('EXISTS', spared) == 0 then
     redis.call('HDEL', KEYS[1], ckey)
@@ -379,7 +386,8 @@ return out
 # worker), 2 wake channel suffix, 3.. call ids.
 # Gives spares back: each call still a spare of that worker goes back to waiting at its old place and
 # the free slots of its key are filled. Returns the ids left out because a cancel was asked for them
-# (the caller ends those: their worker was to stop them).
+# (the caller ends those: their worker was to stop them; they stay leased, expired, so that the reaper
+# ends any the caller does not).
 SPARE_BACK = (
     _SLOTS
     + r"""
@@ -389,18 +397,36 @@ for i = 3, #ARGV do
   local hk = 'rq:job:' .. id
   local f = redis.call('HMGET', hk, 'h_state', 'h_spare', 'h_worker', 'h_cancel', 'h_ckey')
   if f[1] == 'pending' and f[2] and (ARGV[1] == '' or f[3] == ARGV[1]) then
-    redis.call('ZREM', KEYS[1], id)
     redis.call('HDEL', hk, 'h_spare', 'h_worker', 'worker_name')
     if f[5] then redis.call('ZREM', 'hermes:spared:' .. f[5], id) end
     if f[4] == '1' then
+      -- Left leased (expired at once): if the caller does not end it, the reaper does.
+      redis.call('ZADD', KEYS[1], 0, id)
       cancelled[#cancelled + 1] = id
-    elseif f[5] then
-      local waiting = 'hermes:waiting:' .. f[5]
-      redis.call('ZADD', waiting, f[2], id)
-      promote('hermes:slots:' .. f[5], waiting, KEYS[2], f[5], ARGV[2])
+    else
+      redis.call('ZREM', KEYS[1], id)
+      if f[5] then
+        local waiting = 'hermes:waiting:' .. f[5]
+        redis.call('ZADD', waiting, f[2], id)
+        promote('hermes:slots:' .. f[5], waiting, KEYS[2], f[5], ARGV[2])
+      end
     end
   end
 end
 return cancelled
 """
 )
+
+# KEYS: 1 leases, 2 slots zset of its key, 3 its queue. ARGV: 1 call id, 2 wake channel.
+# A call leased but never started that still holds its slot and is ``pending``: back at the head of its
+# queue, unleased, keeping the slot. Returns 1, or 0 when it did not qualify (nothing done).
+REQUEUE = r"""
+if not redis.call('ZSCORE', KEYS[2], ARGV[1]) or redis.call('HGET', 'rq:job:' .. ARGV[1], 'h_state') ~= 'pending' then
+  return 0
+end
+redis.call('ZADD', KEYS[2], 'inf', ARGV[1])
+redis.call('LPUSH', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('PUBLISH', ARGV[2], '')
+return 1
+"""

@@ -276,7 +276,10 @@ class CallRunner:
     def _retry(self, run: Running, error: HermesError) -> bool:
         """Schedule another attempt when the tool's ``retry:`` allows it (the slot goes back meanwhile)."""
         self.seal(run)
-        return retry.schedule(self.core, run, error, lambda reply: self._check(run, State.RETRYING, reply))
+        scheduled = retry.schedule(self.core, run, error, lambda reply: self._check(run, State.RETRYING, reply))
+        if scheduled and self.handoff is not None:
+            self.handoff.shed(run.info.ckey)  # its slot goes through the queue: our spares go first
+        return scheduled
 
     def _finish(
         self, run: Running, target: State, *, result: Any = None, error: dict[str, Any] | None = None

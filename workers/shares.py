@@ -34,9 +34,9 @@ class FairShares:
         self.limits: dict[str, int] = {}  # concurrency key -> its limit
         self.peers: dict[str, int] = {}  # our queue -> live workers serving it
 
-    def fair_share(self, ckey: str, queue: str) -> float:
-        """``ceil(limit / live workers on queue)`` for ``ckey`` from the figures ``refresh`` keeps
-        (no Redis round trip on the call's thread); unlimited or unknown: no bound."""
+    def fair_share(self, ckey: str, queue: str, floor: bool = False) -> float:
+        """``ceil(limit / live workers on queue)`` for ``ckey`` (``floor``: rounded down) from the figures
+        ``refresh`` keeps (no Redis round trip on the call's thread); unlimited or unknown: no bound."""
         limit = self.limits.get(ckey)
         if limit is None:  # a key first seen since the last read: the heartbeat thread reads it now
             self.limits[ckey] = -1  # (once: until then, and if it has no limit, no bound)
@@ -44,7 +44,8 @@ class FairShares:
             return math.inf
         if limit <= 0:
             return math.inf
-        return math.ceil(limit / max(1, self.peers.get(queue, 1)))
+        share = limit / max(1, self.peers.get(queue, 1))
+        return math.floor(share) if floor else math.ceil(share)
 
     def refresh(self) -> None:
         """Re-read the limits of every concurrency key and how many live workers serve each of our queues."""

@@ -105,7 +105,17 @@ class Spares:
                 return
             now = time.monotonic()
             self._spares.setdefault(ckey, deque()).extend(Spare(c, score, now) for c, score in spares)
+            closed = self._closed
+        if closed:  # leased to us by a write sent before we stopped taking spares: back in line now
+            try:
+                self.give_back(ckey)
+            except redis.RedisError as e:
+                log.warning("could not give spares back", error=str(e))
+            return
         self._wake.set()
+
+    def holds(self, ckey: str) -> bool:
+        return bool(self._spares.get(ckey))
 
     def claim_handed(self, call_id: str) -> bool:
         """A call an ending write handed us: False when it is a spare already started here (the slot is
@@ -179,6 +189,6 @@ class Spares:
                 n = self.give_back(older_than=time.monotonic() - SPARE_TTL)
                 if n:
                     log.debug("spares given back unused", spares=n)
-            except redis.RedisError as e:
+            except Exception as e:  # noqa: BLE001 - the thread must go on; their leases are the fallback
                 log.warning("could not give spares back", error=str(e))
                 stopping.wait(0.5)

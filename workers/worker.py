@@ -24,6 +24,8 @@ from broker import keys
 from broker.codec import MsgpackSerializer, pack, unpack
 from broker.config import Settings
 from broker.connection import subscriber
+from broker.errors import DecodeError
+from broker.records import envelope_of
 from broker.states import State
 from workers import reaper
 from workers.core import WorkerCore
@@ -173,11 +175,32 @@ class Worker:
             local.in_call, local.keep, local.next = True, False, None
             try:
                 self.runner.run(claimed)
+            except Exception:  # noqa: BLE001 - run() never raises; if it did, the spare and token still go on
+                log.exception("call thread failed")
             finally:
                 local.in_call = False
                 claimed = local.next  # a spare this thread goes on with, on the slot the call released
+                if claimed is not None and self.stopping.is_set():
+                    self._requeue_spare(claimed)  # a stopping worker starts nothing new
+                    claimed, local.keep = None, False
                 if not local.keep:
                     self._slots.give()
+
+    def _requeue_spare(self, claimed: Any) -> None:
+        """A spare this thread was to go on with as the worker stops: back at the head of its queue with
+        the slot its predecessor's write moved to it (after that write: through the outbox), else back in
+        line if it is still our spare."""
+        try:
+            env = envelope_of(claimed.data)
+        except DecodeError:
+            return  # its lease runs out and the reaper settles it
+        calls, ckey, cid = self.core.calls, self.core.ckey_of(env), claimed.call_id
+
+        def write(pipe: Any) -> None:
+            calls.requeue_unstarted(cid, ckey, env.queue, pipeline=pipe)
+            calls.spares_back(self.name, [cid], pipeline=pipe)
+
+        self.core.outbox.put(write)
 
     def _run_extra(self, claimed: Any) -> None:
         """A call handed to us beyond our threads' tokens (rare: see ``received``)."""
@@ -199,15 +222,22 @@ class Worker:
         every slot for good, its threads contending for one GIL while the other processes idle.
         """
         local = self._local
-        if self.stopping.is_set() or not getattr(local, "in_call", False) or local.keep:
+        if not getattr(local, "in_call", False) or local.keep:
             return None
         held = self.core.held(ckey)
-        if held > self.fair_share(ckey, queue):
+        if self.stopping.is_set() or held > self.fair_share(ckey, queue):
+            self.shed(ckey)  # the slot goes through the queue: our spares go back in line ahead of it
             return None
         # Holding the thread until the write is flushed only pays when calls wait for this key's slots;
         # after a miss, ask again only now and then (a waiting call is still promoted onto the queue).
         quiet = time.monotonic() < self._no_waiters.get(ckey, 0.0)
-        spare, ask = self.spares.take(ckey, held, may_ask=not quiet)
+        # Spares only while this process holds at most floor(limit / live workers) of the key's slots: the
+        # slots its threads pass on without asking Redis then never add up to more than the limit.
+        if held <= self.fair_share(ckey, queue, floor=True):
+            spare, ask = self.spares.take(ckey, held, may_ask=not quiet)
+        else:
+            self.shed(ckey)
+            spare, ask = None, 0
         if spare is None and quiet:
             return None
         local.keep = True
@@ -236,6 +266,14 @@ class Worker:
             return
         self._no_waiters.pop(ckey, None)
         self._start(claimed, self._run_one)
+
+    def shed(self, ckey: str) -> None:
+        """Give this key's spares back in line (a slot of ours goes through the queue, or we stop)."""
+        if self.spares.holds(ckey):
+            try:
+                self.spares.give_back(ckey)
+            except redis.RedisError as e:  # their leases run out; the reaper puts them back
+                log.warning("could not give spares back", error=str(e))
 
     def _start(self, claimed: Any, run: Any) -> None:
         try:
@@ -332,7 +370,7 @@ class Worker:
                 "pid": os.getpid(),
                 "queues": ",".join(self.queues),
                 "concurrency": self.concurrency,
-                "inflight": len(running),
+                "inflight": len(runs),
                 "processed": self.core.processed,
                 "failed": self.core.failed,
                 "spares_used": self.spares.used,  # calls started on a slot handed over in-process

@@ -132,8 +132,22 @@ def test_a_spare_cancelled_meanwhile_is_left_out_for_the_worker_to_end(fake: Any
     assert Calls.spared(finish(calls, "c0", ("w1", 30, "", 1))) != []  # c2 spare of w1
     fake.hset(keys.job("c2"), keys.F_CANCEL, "1")  # what a caller's cancel does to a leased pending call
     assert calls.spares_back("w1", ["c2"]) == ["c2"]
-    assert members(fake, keys.waiting(CKEY)) == [] and fake.zscore(keys.LEASES, "c2") is None
+    assert members(fake, keys.waiting(CKEY)) == [] and members(fake, keys.spared(CKEY)) == []
+    assert fake.zscore(keys.LEASES, "c2") == 0  # expired at once: if the worker does not end it, the reaper does
     reaper.end_cancelled(calls, "c2", 60)
+    assert fake.hget(keys.job("c2"), "h_state") == b"cancelled"
+    assert fake.zscore(keys.LEASES, "c2") is None
+
+
+def test_a_cancelled_spare_the_worker_failed_to_end_is_ended_by_the_reaper(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(3):
+        submit(calls, f"c{i}", limit=1)
+    calls.claim(["tools"], 10, "w1", 30)
+    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", 1))) != []  # c2 spare of w1
+    fake.hset(keys.job("c2"), keys.F_CANCEL, "1")
+    assert calls.spares_back("w1", ["c2"]) == ["c2"]  # ... and the worker died before ending it
+    assert reaper.reap(calls, lease=10, result_ttl=60) == 1
     assert fake.hget(keys.job("c2"), "h_state") == b"cancelled"
 
 
@@ -143,7 +157,6 @@ def test_the_reaper_puts_a_dead_workers_spare_back_in_line_not_on_the_queue(fake
         submit(calls, f"c{i}", limit=1)
     calls.claim(["tools"], 10, "dead", 30)
     assert Calls.spared(finish(calls, "c0", ("dead", 30, "", 1))) != []  # c1 handed, c2 spare
-    fake.hset(keys.job("c3"), keys.F_CANCEL, "0")
     # The worker died: every lease of it runs out (c1 never started: it keeps its slot, back on the queue).
     fake.zadd(keys.LEASES, {"c1": 1, "c2": 1})
     assert reaper.reap(calls, lease=10, result_ttl=60) == 2
@@ -226,3 +239,66 @@ def test_another_workers_spare_or_an_older_waiting_call_is_not_taken_as_ones_own
     handed = Calls.handed_off(finish(calls, "c2", ("w1", 30, "", 0)))
     assert handed is not None and handed.call_id == "c5"
     assert members(fake, keys.spared(CKEY)) == ["c3"]
+
+
+def test_free_slots_of_a_raised_limit_go_to_the_oldest_waiting_calls_before_any_spare_is_taken(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(8):
+        submit(calls, f"c{i}", limit=2, queue_size=50)
+    calls.claim(["tools"], 10, "w1", 30)  # c0, c1 run
+    fake.hset(keys.LIMITS, CKEY, 5)  # raised: three more slots free
+    reply = finish(calls, "c0", ("w1", 30, "", 2))
+    assert Calls.handed_off(reply).call_id == "c2"  # type: ignore[union-attr]
+    assert queued(fake) == ["c3", "c4", "c5"]  # the free slots, in line
+    assert [c.call_id for c, _ in Calls.spared(reply)] == ["c6", "c7"]  # spares only from what still waits
+
+
+def test_a_workers_own_spare_is_not_handed_a_slot_over_a_lowered_limit(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(8):
+        submit(calls, f"c{i}", limit=3, queue_size=50)
+    calls.claim(["tools"], 10, "w1", 30)  # c0 c1 c2 run
+    reply = finish(calls, "c0", ("w1", 30, "", 2))  # c3 handed, c4 c5 spares
+    assert [c.call_id for c, _ in Calls.spared(reply)] == ["c4", "c5"]
+    fake.hset(keys.LIMITS, CKEY, 1)  # lowered: 3 held, 1 allowed
+    assert Calls.handed_off(finish(calls, "c1", ("w1", 30, "", 0))) is None
+    assert Calls.handed_off(finish(calls, "c2", ("w1", 30, "", 0))) is None
+    assert members(fake, keys.slots(CKEY)) == ["c3"]
+    assert members(fake, keys.spared(CKEY)) == ["c4", "c5"]  # still waiting, as spares
+
+
+def test_a_spare_cancelled_straight_away_by_its_caller_loses_its_mark(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(3):
+        submit(calls, f"c{i}", limit=1, queue_size=50)
+    calls.claim(["tools"], 10, "w1", 30)
+    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", 1))) != []  # c2 spare
+    # A caller that saw c2 pending and not leased (just before it became a spare) cancels it directly.
+    info = CallInfo.of(env("c2"), CKEY)
+    assert calls.transition(info, State.CANCELLED, attempt=1, fence=False, from_states=frozenset({State.PENDING}))[0] > 0
+    assert members(fake, keys.spared(CKEY)) == [] and fake.hget(keys.job("c2"), "h_spare") is None
+    assert Limits(fake).snapshot()[0]["waiting"] == 0
+
+
+def test_the_sweep_drops_marks_of_calls_that_are_no_longer_pending_spares(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(4):
+        submit(calls, f"c{i}", limit=1, queue_size=50)
+    calls.claim(["tools"], 10, "w1", 30)
+    assert len(Calls.spared(finish(calls, "c0", ("w1", 30, "", 2)))) == 2  # c2, c3 spares
+    fake.hset(keys.job("c2"), "h_state", "failed")  # ended by some path that did not clear its mark
+    fake.hdel(keys.job("c3"), "h_spare")
+    Limits(fake).sweep(grace=0)
+    assert members(fake, keys.spared(CKEY)) == []
+
+
+def test_requeue_unstarted_puts_a_call_holding_its_slot_back_at_the_head_and_nothing_else(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(3):
+        submit(calls, f"c{i}", limit=1, queue_size=50)
+    calls.claim(["tools"], 10, "w1", 30)  # c0 leased, holding the slot
+    assert calls.requeue_unstarted("c1", CKEY, "tools") == 0  # waiting, no slot: untouched
+    assert calls.requeue_unstarted("c0", CKEY, "tools") == 1
+    assert queued(fake) == ["c0"] and fake.zscore(keys.LEASES, "c0") is None
+    assert fake.zscore(keys.slots(CKEY), "c0") == float("inf")
+    assert members(fake, keys.waiting(CKEY)) == ["c1", "c2"]

@@ -199,7 +199,16 @@ def test_spares_of_a_killed_worker_go_back_in_line_and_every_call_ends(
     assert set(current(conn, ids).values()) == {"done"}
     assert _max_overlap(_intervals(conn, ids, until=killed_at)) <= 12
     assert conn.zcard(keys.slots("tool:spares_kill")) == 0 and conn.zcard(keys.waiting("tool:spares_kill")) == 0
+    assert conn.zcard(keys.spared("tool:spares_kill")) == 0
     assert not [cid for cid in ids if conn.hexists(keys.job(cid), "h_spare")]
+    # Only calls the killed worker had started ran again; every other call (its unstarted spares too) ran once.
+    for cid, hist in histories(conn, ids).items():
+        moves = [e for e in hist if e.type == events.TRANSITION]
+        runs = [e for e in moves if e.state == "executing"]
+        first = next(e for e in moves if e.state == "routing")
+        if first.detail.get("worker") != victim.name:
+            assert len(runs) == 1, f"{cid} ran {len(runs)} times"
+        assert 1 <= len(runs) <= 2
 
 
 def test_a_stopping_worker_gives_its_spares_back_rather_than_leaving_them_to_its_lease(

@@ -137,8 +137,10 @@ def test_an_ending_call_goes_on_with_the_workers_spare_on_its_own_thread(fake: A
         assert handoff is not None and handoff[:3] == ("w-a", w.lease, spare[0].call_id)
         assert w._local.next is spare[0] and w._local.keep is True
         # The ending write's reply: the slot went to the spare; the thread (not the pool) runs it.
+        assert w._slots.take(1) == 1  # the token of the ending thread
         w.received([5, b"formatting"], CKEY, handoff)
-        assert w._slots.free == 16  # no token given back: the thread goes on with the spare
+        assert w._slots.free == 15  # not given back: the thread goes on with the spare
+        assert w.pool._threads == []  # and nothing else was started
     finally:
         w.core.close()
         w.pool.shutdown()
@@ -167,10 +169,105 @@ def test_a_handed_call_already_running_here_frees_the_thread_that_waited_for_it(
         w.spares.received(CKEY, 1, [spare])
         assert w.spares.take(CKEY, 8)[0] is not None  # another thread went on with it
         w._slots.take(1)  # the token the ending thread kept for the call handed to it
-        reply = [5, b"formatting", spare[0].call_id.encode(), spare[0].data, b"1", b"", b"", b"", b""]
+        reply = [5, b"formatting", spare[0].call_id.encode(), spare[0].data, b"1"]
         w.received(reply, CKEY, ("w-a", w.lease, "", 0))
         assert w._slots.free == 16  # given back: nothing new started
-        assert w.pool._threads == []
+        assert w.pool._threads == [] and w.spares.call_ids() == []
+    finally:
+        w.core.close()
+        w.pool.shutdown()
+
+
+def test_spares_leased_after_the_worker_stopped_taking_them_go_back_at_once(fake: Any) -> None:
+    calls = Calls(fake)
+    sp = Spares(calls, "w1", lambda ids: None)
+    stopping = threading.Event()
+    sp.start(stopping)
+    got = leased_spares(fake, calls, "w1", 1)
+    stopping.set()
+    sp.wake()
+    assert sp._thread is not None
+    sp._thread.join(2)
+    sp.received(CKEY, 1, got)  # the reply of a write sent before the stop
+    assert sp.call_ids() == []
+    assert fake.zscore(keys.waiting(CKEY), got[0][0].call_id) == float(got[0][1])
+
+
+def test_an_error_out_of_a_call_run_neither_loses_the_thread_token_nor_the_spare(
+    fake: Any, settings: Settings
+) -> None:
+    w = Worker(fake, settings, ["tools"], concurrency=4, name="w-a")
+    try:
+        (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)
+        w.spares.received(CKEY, 1, [spare])
+        w.core._held[CKEY] = SPARE_MIN_HELD
+        ran: list[str] = []
+
+        def run(claimed: Any) -> None:
+            ran.append(claimed.call_id)
+            if claimed.call_id == "first":
+                assert w.reserve(CKEY, "tools") is not None  # it goes on with the spare ...
+                raise RuntimeError("boom after reserve")  # ... whatever happens after
+
+        w.runner.run = run  # type: ignore[method-assign]
+        assert w._slots.take(1) == 1
+        w._run_one(Claimed("first", b"", 1))
+        assert ran == ["first", spare[0].call_id]
+        assert w._slots.free == 4
+    finally:
+        w.core.close()
+        w.pool.shutdown()
+
+
+def test_a_worker_over_its_floor_share_takes_no_spare_and_gives_its_spares_back(
+    fake: Any, settings: Settings
+) -> None:
+    w = Worker(fake, settings, ["tools"], concurrency=16, name="w-a")
+    try:
+        (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)
+        w.spares.received(CKEY, 1, [spare])
+        # Limit 9 over two live workers: ceil share 5, floor share 4. Holding 5, it may hand its slot on
+        # through Redis but not to a spare: two workers at 5 would run 10 under a limit of 9.
+        now = time.time()
+        fake.hset(keys.LIMITS, CKEY, 9)
+        for name in ("w-a", "w-b"):
+            fake.zadd(keys.queue_workers("tools"), {name: now})
+        w.refresh_shares()
+        w._local.in_call, w._local.keep = True, False
+        w.core._held[CKEY] = 5
+        handoff = w.reserve(CKEY, "tools")
+        assert handoff is not None and handoff[2:] == ("", 0)
+        assert w.spares.call_ids() == []  # given back, at its old place in line: the raised limit's
+        # free slots went to it first, then to the call behind it
+        assert [m.decode() for m in fake.lrange(keys.queue("tools"), 0, -1)] == [spare[0].call_id, "c3"]
+    finally:
+        w.core.close()
+        w.pool.shutdown()
+
+
+def test_a_stopping_worker_puts_a_spare_its_thread_was_to_go_on_with_back_on_the_queue(
+    fake: Any, settings: Settings
+) -> None:
+    w = Worker(fake, settings, ["tools"], concurrency=4, name="w-a")
+    try:
+        calls = w.core.calls
+        (spare,) = leased_spares(fake, calls, "w-a", 1)
+        cid = spare[0].call_id
+        # c1 (handed the slot) ends; its write moves the slot to the spare its thread goes on with.
+        assert int(finish(calls, "c1", ("w-a", 30, cid, 0))[0]) > 0
+        assert fake.zscore(keys.slots(CKEY), cid) is not None
+
+        def run(claimed: Any) -> None:
+            w._local.keep, w._local.next = True, spare[0]
+            w.request_stop()
+
+        w.runner.run = run  # type: ignore[method-assign]
+        assert w._slots.take(1) == 1
+        w._run_one(Claimed("c1", b"", 1))
+        assert w.core.outbox.flush(5)
+        assert [m.decode() for m in fake.lrange(keys.queue("tools"), 0, -1)] == [cid]
+        assert fake.zscore(keys.slots(CKEY), cid) == float("inf") and fake.zscore(keys.LEASES, cid) is None
+        assert w._slots.free == 4
     finally:
         w.core.close()
         w.pool.shutdown()
