@@ -27,12 +27,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import redis
 import structlog
 
 from broker.calls import Calls
 from broker.records import Claimed
+
+if TYPE_CHECKING:
+    from workers.outbox import Outbox
 
 log = structlog.get_logger("hermes.worker")
 
@@ -136,8 +140,15 @@ class Spares:
         with self._lock:
             return [s.claimed.call_id for line in self._spares.values() for s in line]
 
-    def give_back(self, ckey: str | None = None, older_than: float | None = None) -> int:
-        """Put spares back in line (those of ``ckey``, those waiting since before ``older_than``, or all)."""
+    def give_back(
+        self, ckey: str | None = None, older_than: float | None = None, outbox: Outbox | None = None
+    ) -> int:
+        """Put spares back in line (those of ``ckey``, those waiting since before ``older_than``, or all).
+
+        Spares that waited out ``SPARE_TTL`` pause their key (its calls end too seldom here for spares to
+        pay); others (a worker shedding them) do not. ``outbox``: sent through it, after the writes
+        queued so far, instead of with a round trip of its own.
+        """
         with self._lock:
             out: list[Spare] = []
             for key, line in list(self._spares.items()):
@@ -145,15 +156,24 @@ class Spares:
                     continue
                 while line and (older_than is None or line[0].since < older_than):
                     out.append(line.popleft())
-                    self._paused[key] = time.monotonic() + SPARE_PAUSE
+                    if older_than is not None:
+                        self._paused[key] = time.monotonic() + SPARE_PAUSE
                 if not line:
                     del self._spares[key]
         if not out:
             return 0
-        cancelled = self.calls.spares_back(self.worker, [s.claimed.call_id for s in out])
-        if cancelled:
-            self.on_cancelled(cancelled)
+        ids = [s.claimed.call_id for s in out]
+        if outbox is not None:
+            outbox.put(lambda pipe: self.calls.spares_back(self.worker, ids, pipeline=pipe), self._given_back)
+        else:
+            self._given_back(self.calls.spares_back(self.worker, ids))
         return len(out)
+
+    def _given_back(self, cancelled: Any) -> None:
+        if isinstance(cancelled, Exception):  # their leases run out; the reaper puts them back
+            log.warning("could not give spares back", error=str(cancelled))
+        elif cancelled:
+            self.on_cancelled([c.decode() if isinstance(c, bytes) else str(c) for c in cancelled])
 
     def close(self) -> int:
         """No more spares: give back what is held (a worker stopping)."""

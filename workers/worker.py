@@ -270,10 +270,7 @@ class Worker:
     def shed(self, ckey: str) -> None:
         """Give this key's spares back in line (a slot of ours goes through the queue, or we stop)."""
         if self.spares.holds(ckey):
-            try:
-                self.spares.give_back(ckey)
-            except redis.RedisError as e:  # their leases run out; the reaper puts them back
-                log.warning("could not give spares back", error=str(e))
+            self.spares.give_back(ckey, outbox=self.core.outbox)
 
     def _start(self, claimed: Any, run: Any) -> None:
         try:

@@ -237,6 +237,7 @@ def test_a_worker_over_its_floor_share_takes_no_spare_and_gives_its_spares_back(
         w.core._held[CKEY] = 5
         handoff = w.reserve(CKEY, "tools")
         assert handoff is not None and handoff[2:] == ("", 0)
+        assert w.core.outbox.flush(5)  # (given back through the outbox, after the writes before it)
         assert w.spares.call_ids() == []  # given back, at its old place in line: the raised limit's
         # free slots went to it first, then to the call behind it
         assert [m.decode() for m in fake.lrange(keys.queue("tools"), 0, -1)] == [spare[0].call_id, "c3"]
@@ -271,3 +272,13 @@ def test_a_stopping_worker_puts_a_spare_its_thread_was_to_go_on_with_back_on_the
     finally:
         w.core.close()
         w.pool.shutdown()
+
+
+def test_spares_shed_by_the_worker_go_back_without_pausing_the_key(fake: Any) -> None:
+    calls = Calls(fake)
+    sp = Spares(calls, "w1", lambda ids: None)
+    (spare,) = leased_spares(fake, calls, "w1", 1)
+    sp.received(CKEY, 1, [spare])
+    assert sp.give_back(CKEY, outbox=None) == 1
+    assert fake.zscore(keys.waiting(CKEY), spare[0].call_id) == float(spare[1])
+    assert sp.take(CKEY, 3 * SPARE_MIN_HELD)[1] > 0  # it may ask for spares again at once
