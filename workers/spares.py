@@ -121,6 +121,25 @@ class Spares:
     def holds(self, ckey: str) -> bool:
         return bool(self._spares.get(ckey))
 
+    def cancel(self, call_id: str) -> bool:
+        """A caller cancelled ``call_id``: if it is one of our spares, it goes back now and ends
+        ``cancelled`` (``SPARE_BACK`` leaves it out for ``on_cancelled``), instead of waiting for a slot."""
+        with self._lock:
+            for key, line in self._spares.items():
+                for spare in line:
+                    if spare.claimed.call_id == call_id:
+                        line.remove(spare)
+                        if not line:
+                            del self._spares[key]
+                        break
+                else:
+                    continue
+                break
+            else:
+                return False
+        self._given_back(self.calls.spares_back(self.worker, [call_id]))
+        return True
+
     def claim_handed(self, call_id: str) -> bool:
         """A call an ending write handed us: False when it is a spare already started here (the slot is
         its own now), else it is ours to start (out of the spares, if it was one)."""

@@ -445,6 +445,10 @@ class Worker:
             return
         if op == "cancel" and msg.get("call_id"):
             self.core.cancel(str(msg["call_id"]))
+            try:
+                self.spares.cancel(str(msg["call_id"]))  # a spare of ours ends now, not when a slot frees
+            except redis.RedisError as e:
+                log.warning("could not end a cancelled spare", error=str(e))
         elif op == "stop":
             log.info("stop requested over the control channel")
             self.request_stop()

@@ -267,6 +267,34 @@ def test_one_worker_with_spares_starts_waiting_calls_in_the_order_they_were_subm
     wait_until(lambda: _spares_used(conn, [w.name]) > 0, 10, message="spares were used")
 
 
+def test_a_spare_cancelled_by_its_caller_ends_cancelled_without_running(
+    gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any
+) -> None:
+    home.sleep_tool("spare_cancel", concurrency=4, queue_size=50)
+    gateway.sync_tools()
+    workers(1, concurrency=8)
+    # Four run; the short one ends first and, with 4 calls of the key running here, its worker takes a spare.
+    running = gateway.map("spare_cancel", [{"seconds": 0.2}] + [{"seconds": 3}] * 3)
+    waiting = gateway.map("spare_cancel", [{"seconds": 3}] * 3)
+    ids = [h.call_id for h in [*running, *waiting]]
+
+    def spare() -> str | None:
+        return next((cid for cid in ids if conn.hexists(keys.job(cid), "h_spare")), None)
+
+    found: list[str | None] = [None]
+    wait_until(lambda: found.__setitem__(0, spare()) or found[0] is not None, 10, message="a spare taken")
+    cid = found[0]
+    assert cid is not None
+    t0 = time.monotonic()
+    assert gateway.cancel(cid) is True
+    wait_until(lambda: current(conn, [cid])[cid] == "cancelled", 5, message="the spare cancelled")
+    assert time.monotonic() - t0 < 2.5  # not when a slot frees (the running calls take 3 s)
+    states = [e.state for e in histories(conn, [cid])[cid] if e.type == events.TRANSITION]
+    assert "executing" not in states and conn.zcard(keys.spared("tool:spare_cancel")) == 0
+    wait_until(lambda: all_terminal(conn, ids), 20, message="the rest done")
+    assert conn.zcard(keys.slots("tool:spare_cancel")) == 0
+
+
 def _fragile(home: Any, tmp: Path, **breaker: Any) -> tuple[Path, Path]:
     mode, log = tmp / "mode", tmp / "backend.log"
     mode.write_text("fail")

@@ -282,3 +282,16 @@ def test_spares_shed_by_the_worker_go_back_without_pausing_the_key(fake: Any) ->
     assert sp.give_back(CKEY, outbox=None) == 1
     assert fake.zscore(keys.waiting(CKEY), spare[0].call_id) == float(spare[1])
     assert sp.take(CKEY, 3 * SPARE_MIN_HELD)[1] > 0  # it may ask for spares again at once
+
+
+def test_a_cancelled_spare_ends_at_once_instead_of_waiting_for_a_slot(fake: Any) -> None:
+    calls = Calls(fake)
+    ended: list[list[str]] = []
+    sp = Spares(calls, "w1", ended.append)
+    (spare,) = leased_spares(fake, calls, "w1", 1)
+    sp.received(CKEY, 1, [spare])
+    cid = spare[0].call_id
+    fake.hset(keys.job(cid), keys.F_CANCEL, "1")  # what the caller's cancel wrote before telling us
+    assert sp.cancel("not-a-spare-of-ours") is False
+    assert sp.cancel(cid) is True
+    assert ended == [[cid]] and sp.call_ids() == []
