@@ -140,12 +140,14 @@ class Calls:
         handoff: tuple[str, float] | tuple[str, float, str, int] | None = None,
         via: Sequence[Step] = (),
         ts: float | None = None,
+        unleased: bool = False,
     ) -> Any:
         """Move a call to ``target`` (or publish a non-state event when None), atomically with its event.
 
         ``via``: moves made before this one that were not written yet, ``(state, detail, ts)`` each in
         order, the first from ``current``; their events are recorded and published first, in the same
-        script. ``ts``: when this move happened (default now).
+        script. ``ts``: when this move happened (default now). ``unleased``: only from ``pending`` while no
+        worker holds the call (a caller cancelling it directly; a worker that took it is told instead).
 
         ``handoff`` (worker, lease seconds[, spare call id, spares wanted]): the released slot goes
         straight to that worker's spare, which it already runs, else to its oldest spare or the oldest
@@ -170,7 +172,7 @@ class Calls:
         stamp = rq_now() if (target in TERMINAL or ho) else ""
         if target is not None:
             allowed = self._check_move(current, target, from_states if first is None else None, first)
-            src = _joined(allowed)
+            src = "pending!" if unleased else _joined(allowed)
             state = str(target)
             if target in TERMINAL:
                 lease = "-"
@@ -272,14 +274,25 @@ class Calls:
     def spared(reply: Any) -> list[tuple[Claimed, bytes]]:
         """The spares a TRANSITION that wanted some leased to the worker, oldest first, each with its
         waiting score."""
-        if isinstance(reply, Exception) or len(reply) < 9:
+        if isinstance(reply, Exception) or len(reply) < 10:
             return []
         out = []
-        for i in range(5, len(reply) - 3, 4):
+        for i in range(6, len(reply) - 3, 4):
             cid, data, attempt, score = reply[i], reply[i + 1], reply[i + 2], reply[i + 3]
             claimed = Claimed(cid.decode() if isinstance(cid, bytes) else str(cid), data or b"", int(attempt or 1))
             out.append((claimed, score if isinstance(score, bytes) else str(score).encode()))
         return out
+
+    @staticmethod
+    def spare_moved(reply: Any) -> bool:
+        """Whether the spare a TRANSITION named took the slot its call released."""
+        return not isinstance(reply, Exception) and len(reply) >= 6 and int(reply[5] or 0) == 1
+
+    def load_scripts(self) -> None:
+        """Load the scripts the hot paths queue into pipelines, so that none is refused (NOSCRIPT) and
+        rerun after the commands queued behind it: writes of a worker depend on their order."""
+        for script in (self._transition, self._spare_back, self._requeue, self._submit):
+            self.conn.script_load(script.script)
 
     def spares_back(self, worker: str, call_ids: list[str], pipeline: Pipeline | None = None) -> list[str]:
         """Put spares back in line at their old places (``worker`` '' = whoever holds them); returns the

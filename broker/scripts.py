@@ -67,7 +67,8 @@ end
 # KEYS: 1 call hash, 2 history, 3 leases, 4 waiting zset, 5 slots zset (of the call's concurrency key),
 #       6 limits hash, 7 scheduled zset, 8 spared zset (of the key)
 # ARGV: 1 call_id, 2 event payload, 3 ttl ('' = leave), 4 attempt fence ('' = none),
-#       5 allowed sources ('' = any non-terminal, '*' = anything), 6 new state ('' = no change),
+#       5 allowed sources ('' = any non-terminal, '*' = anything, 'pending!' = pending and not leased),
+#       6 new state ('' = no change),
 #       7 rq status, 8 lease ('' keep, '-' drop, else new deadline), 9 requeue: queue key or '',
 #       10 waiting score for a requeue, 11 channel, 12 release the slot ('1'/''), 13 concurrency key,
 #       14 due time to schedule a retry at ('' = none), 15 wake channel suffix, 16 hand-off worker ('' =
@@ -80,8 +81,8 @@ end
 # already started, else to its oldest spare (older than every waiting call; it may not have the reply
 # that leased it yet), else to the oldest waiting call of the same queue, leased to that worker as CLAIM
 # would: no queue push, no wake-up, no claim round trip between one call ending and the next one
-# starting. The reply is then {seq, state before, handed call_id, data, attempt ('' where none), then
-# call_id, data, attempt, waiting score of each spare}: the wanted spares are the oldest waiting calls of
+# starting. The reply is then {seq, state before, handed call_id, data, attempt ('' where none), 1/0 the
+# named spare took the slot, then call_id, data, attempt, waiting score of each spare}: the wanted spares are the oldest waiting calls of
 # the queue after that, leased to the worker without a slot (``h_spare`` = waiting score) for its next
 # ending calls.
 TRANSITION = (
@@ -158,6 +159,8 @@ if not st then return {-1, ''} end
 if ARGV[4] ~= '' and rec[2] ~= ARGV[4] then return {-2, st} end
 if ARGV[5] == '' then
   if st == 'done' or st == 'failed' or st == 'cancelled' then return {-3, st} end
+elseif ARGV[5] == 'pending!' then  -- pending and taken by no worker (a caller cancelling it directly)
+  if st ~= 'pending' or redis.call('ZSCORE', KEYS[3], ARGV[1]) then return {-3, st} end
 elseif ARGV[5] ~= '*' then
   if not string.find(',' .. ARGV[5] .. ',', ',' .. st .. ',', 1, true) then return {-3, st} end
 end
@@ -180,12 +183,13 @@ if ARGV[8] == '-' then
 elseif ARGV[8] ~= '' then
   redis.call('ZADD', KEYS[3], ARGV[8], ARGV[1])
 end
-local handed, spares = nil, {}
+local handed, spares, moved = nil, {}, false
 if ARGV[12] == '1' then
   redis.call('ZREM', KEYS[4], ARGV[1])
   if redis.call('ZREM', KEYS[5], ARGV[1]) == 1 then
     local limit = limit_of(KEYS[6], ARGV[13])
-    if qkey and not (ARGV[19] ~= '' and take_spare(KEYS[5], ARGV[19])) then
+    moved = qkey and ARGV[19] ~= '' and take_spare(KEYS[5], ARGV[19])
+    if qkey and not moved then
       if limit < 0 or redis.call('ZCARD', KEYS[5]) < limit then handed = own_spare(KEYS[5], KEYS[4]) end
       handed = handed or hand_off(KEYS[5], KEYS[4], limit, qkey)
     end
@@ -223,9 +227,9 @@ if ARGV[3] ~= '' then
   redis.call('EXPIRE', KEYS[2], ARGV[3])
 end
 redis.call('PUBLISH', ARGV[11], ev)
-if handed or #spares > 0 then
+if handed or #spares > 0 or ARGV[19] ~= '' then
   handed = handed or {'', '', ''}
-  return {seq, st, handed[1], handed[2], handed[3], unpack(spares)}
+  return {seq, st, handed[1], handed[2], handed[3], moved and 1 or 0, unpack(spares)}
 end
 return {seq, st}
 """

@@ -296,6 +296,7 @@ class AsyncGateway:
                 attempt=int(attempt or 1),
                 fence=False,
                 from_states=frozenset({State.PENDING}),
+                unleased=True,
                 detail={"error": err},
                 fields={keys.F_ERROR: pack(err)},
             )

@@ -197,7 +197,7 @@ def cancel_call(gateway: Gateway, call_id: str) -> bool:
     if state == State.PENDING and leased is None:
         err = {"type": "cancelled", "message": "cancelled by the caller before it started"}
         reply = gateway.calls.transition(
-            info, State.CANCELLED, attempt=int(attempt or 1), fence=False, from_states=frozenset({State.PENDING}),
+            info, State.CANCELLED, attempt=int(attempt or 1), fence=False, from_states=frozenset({State.PENDING}), unleased=True,
             detail={"error": err}, fields={keys.F_ERROR: pack(err)},
         )
         if int(reply[0]) > 0:

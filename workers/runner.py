@@ -84,7 +84,8 @@ class CallRunner:
 
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
-        # Set by a worker process: ``reserve(ckey, queue)`` -> a hand-off or None, ``received(reply, ckey, handoff)``.
+        # Set by a worker process: ``reserve(ckey, queue, call_id)`` -> a hand-off or None, ``shed_now()``,
+        # ``received(reply, ckey, handoff)``, ``shed(ckey)``.
         self.handoff: Any = None
 
     # -- transitions -----------------------------------------------------------------------------
@@ -276,10 +277,9 @@ class CallRunner:
     def _retry(self, run: Running, error: HermesError) -> bool:
         """Schedule another attempt when the tool's ``retry:`` allows it (the slot goes back meanwhile)."""
         self.seal(run)
-        scheduled = retry.schedule(self.core, run, error, lambda reply: self._check(run, State.RETRYING, reply))
-        if scheduled and self.handoff is not None:
-            self.handoff.shed(run.info.ckey)  # its slot goes through the queue: our spares go first
-        return scheduled
+        # Its slot goes through the queue: our spares of the key go back in line before that write.
+        shed = (lambda: self.handoff.shed(run.info.ckey)) if self.handoff is not None else None
+        return retry.schedule(self.core, run, error, lambda reply: self._check(run, State.RETRYING, reply), shed)
 
     def _finish(
         self, run: Running, target: State, *, result: Any = None, error: dict[str, Any] | None = None
@@ -306,7 +306,9 @@ class CallRunner:
         audit, current = self.core.audit, run.state
         run.state = target
         ckey = run.info.ckey
-        handoff = self.handoff.reserve(ckey, run.info.queue) if self.handoff is not None else None
+        handoff = self.handoff.reserve(ckey, run.info.queue, run.info.call_id) if self.handoff is not None else None
+        if handoff is None and self.handoff is not None and self.handoff.shed_now():
+            self.seal(run)  # our spares' give-back was queued: this ending goes after it, not joined before
 
         def written(reply: Any) -> None:
             try:

@@ -57,10 +57,13 @@ class Spare:
 class Spares:
     """This worker's spares per concurrency key, and the thread that gives back those left unused."""
 
-    def __init__(self, calls: Calls, worker: str, on_cancelled: Callable[[list[str]], None]) -> None:
+    def __init__(
+        self, calls: Calls, worker: str, on_cancelled: Callable[[list[str]], None], outbox: Outbox | None = None
+    ) -> None:
         self.calls = calls
         self.worker = worker
         self.on_cancelled = on_cancelled  # ends spares given back with a cancel asked for them
+        self.outbox = outbox  # the worker's: give-backs from its sender thread go through it
         self._lock = threading.Lock()
         self._spares: dict[str, deque[Spare]] = {}
         self._asked: dict[str, int] = {}  # spares asked for per key, replies not yet read
@@ -111,10 +114,7 @@ class Spares:
             self._spares.setdefault(ckey, deque()).extend(Spare(c, score, now) for c, score in spares)
             closed = self._closed
         if closed:  # leased to us by a write sent before we stopped taking spares: back in line now
-            try:
-                self.give_back(ckey)
-            except redis.RedisError as e:
-                log.warning("could not give spares back", error=str(e))
+            self.give_back(ckey, outbox=self.outbox)  # (this is the outbox's sender thread: no round trip)
             return
         self._wake.set()
 
@@ -192,7 +192,9 @@ class Spares:
         if isinstance(cancelled, Exception):  # their leases run out; the reaper puts them back
             log.warning("could not give spares back", error=str(cancelled))
         elif cancelled:
-            self.on_cancelled([c.decode() if isinstance(c, bytes) else str(c) for c in cancelled])
+            ids = [c.decode() if isinstance(c, bytes) else str(c) for c in cancelled]
+            # Ending them takes round trips: not on the thread that called (the outbox's sender, maybe).
+            threading.Thread(target=self.on_cancelled, args=(ids,), name="hermes-spares-cancel", daemon=True).start()
 
     def close(self) -> int:
         """No more spares: give back what is held (a worker stopping)."""

@@ -77,12 +77,13 @@ class Worker:
         # A call thread ending keeps its token for the call its slot is handed to (see ``reserve``).
         self._local = threading.local()
         self._no_waiters: dict[str, float] = {}  # ckey -> until when a hand-off is not tried
+        self._slotless: set[str] = set()  # spares started here whose slot move was refused
         self._refresh_now = threading.Event()
         # How many of a key's slots this process may keep (refreshed by the heartbeat thread).
         self.shares = FairShares(conn, queues, self.lease, self._refresh_now)
         self.fair_share, self.refresh_shares = self.shares.fair_share, self.shares.refresh
         self.runner.handoff = self
-        self.spares = Spares(self.core.calls, self.name, self._end_cancelled)
+        self.spares = Spares(self.core.calls, self.name, self._end_cancelled, self.core.outbox)
         self.rq = RQWorker(
             [Queue(q, connection=conn, serializer=MsgpackSerializer) for q in queues],
             connection=conn,
@@ -114,6 +115,7 @@ class Worker:
         """Run until stopped; then drain within the grace period."""
         self.rq.register_birth()
         self.rq.set_state("busy")
+        self.core.calls.load_scripts()
         self._heartbeat_once()
         try:
             self.refresh_shares()
@@ -154,7 +156,7 @@ class Worker:
             self._wake.clear()  # a wake-up from now on means: claim again
             try:
                 claimed = self.core.calls.claim(self.queues, free, self.name, self.lease)
-            except redis.RedisError as e:
+            except Exception as e:  # noqa: BLE001 - the dispatcher must go on (a broker hiccup, a bad reply)
                 log.warning("claim failed", error=str(e))
                 claimed = []
                 time.sleep(0.5)
@@ -205,12 +207,15 @@ class Worker:
     def _run_extra(self, claimed: Any) -> None:
         """A call handed to us beyond our threads' tokens (rare: see ``received``)."""
         local = self._local
-        local.in_call, local.keep, local.next = False, True, None
-        self.runner.run(claimed)
+        local.in_call, local.keep, local.next, local.extra = False, True, None, True
+        try:
+            self.runner.run(claimed)
+        finally:
+            local.extra = False
 
     # -- hand-off: the slot a call frees goes straight to the next waiting call, on this worker ----
 
-    def reserve(self, ckey: str, queue: str) -> tuple[str, float, str, int] | None:
+    def reserve(self, ckey: str, queue: str, call_id: str = "") -> tuple[str, float, str, int] | None:
         """On a call's thread as it ends: keep its thread for the call its slot is handed to: the oldest
         spare of the key (this thread goes on with it at once), else the oldest waiting call (see
         ``received``). Returns the ``handoff`` of the ending call's write: (worker, lease, spare, spares
@@ -222,7 +227,13 @@ class Worker:
         every slot for good, its threads contending for one GIL while the other processes idle.
         """
         local = self._local
+        if getattr(local, "extra", False):
+            self.shed(ckey)  # a call beyond our tokens: its slot goes through the queue
+            return None
         if not getattr(local, "in_call", False) or local.keep:
+            return None
+        if call_id in self._slotless:  # a spare whose slot move was refused: it has no slot to pass on
+            self._slotless.discard(call_id)
             return None
         held = self.core.held(ckey)
         if self.stopping.is_set() or held > self.fair_share(ckey, queue):
@@ -251,6 +262,11 @@ class Worker:
         it handed to us, else free the thread (unless that thread went on with a spare)."""
         calls = self.core.calls
         self.spares.received(ckey, handoff[3], calls.spared(reply), handoff[2])
+        if handoff[2] and not calls.spare_moved(reply):
+            # Refused (our lease on the ending call was taken over, or the spare was not ours any more):
+            # the spare runs without a slot, so its own end passes none on to a next spare.
+            self._slotless.add(handoff[2])
+            log.warning("a spare started without its slot", call_id=handoff[2])
         claimed = calls.handed_off(reply)
         # A spare of ours may come handed (our oldest, ahead of younger waiting calls): unless a thread
         # here already went on with it, it leaves the spares and starts now.
@@ -269,8 +285,14 @@ class Worker:
 
     def shed(self, ckey: str) -> None:
         """Give this key's spares back in line (a slot of ours goes through the queue, or we stop)."""
-        if self.spares.holds(ckey):
-            self.spares.give_back(ckey, outbox=self.core.outbox)
+        if self.spares.holds(ckey) and self.spares.give_back(ckey, outbox=self.core.outbox):
+            self._local.shed = True
+
+    def shed_now(self) -> bool:
+        """Whether this thread just queued a give-back of spares (the write that frees its slot must go
+        after it, not join an earlier one); cleared by asking."""
+        shed, self._local.shed = getattr(self._local, "shed", False), False
+        return shed
 
     def _start(self, claimed: Any, run: Any) -> None:
         try:

@@ -302,3 +302,22 @@ def test_requeue_unstarted_puts_a_call_holding_its_slot_back_at_the_head_and_not
     assert queued(fake) == ["c0"] and fake.zscore(keys.LEASES, "c0") is None
     assert fake.zscore(keys.slots(CKEY), "c0") == float("inf")
     assert members(fake, keys.waiting(CKEY)) == ["c1", "c2"]
+
+
+def test_a_caller_cancels_directly_only_a_call_no_worker_holds(fake: Any) -> None:
+    calls = Calls(fake)
+    for i in range(4):
+        submit(calls, f"c{i}", limit=1, queue_size=50)
+    calls.claim(["tools"], 10, "w1", 30)
+    assert Calls.spared(finish(calls, "c0", ("w1", 30, "", 1))) != []  # c2 became w1's spare
+    pending = frozenset({State.PENDING})
+
+    def cancel(cid: str) -> int:
+        info = CallInfo.of(env(cid), CKEY)
+        return int(calls.transition(info, State.CANCELLED, attempt=1, fence=False, from_states=pending, unleased=True)[0])
+
+    # The caller saw c2 pending and unleased a moment ago; now it is w1's: refused, the worker is told instead.
+    assert cancel("c2") == -3
+    assert fake.hget(keys.job("c2"), "h_state") == b"pending" and members(fake, keys.spared(CKEY)) == ["c2"]
+    assert cancel("c3") > 0  # still waiting, held by nobody: cancelled here and now
+    assert fake.hget(keys.job("c3"), "h_state") == b"cancelled"

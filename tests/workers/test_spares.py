@@ -11,12 +11,23 @@ import pytest
 from broker import keys
 from broker.calls import Calls
 from broker.config import Settings
-from broker.records import Claimed
+from broker.errors import HermesError
+from broker.records import CallInfo, Claimed
+from broker.states import State
 from tests.broker.test_handoff import finish
-from tests.broker.test_limits import CKEY, submit
+from tests.broker.test_limits import CKEY, env, submit
+from workers import retry as retry_mod
 from workers import spares as spares_mod
+from workers.runner import Running
 from workers.spares import ASK_MAX, SPARE_MIN_HELD, SPARES_MAX, Spares
 from workers.worker import Worker
+
+
+def wait_for(cond: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -122,7 +133,7 @@ def test_a_spare_cancelled_before_it_went_back_is_ended_by_the_worker(fake: Any)
     sp.received(CKEY, 1, [spare])
     fake.hset(keys.job(spare[0].call_id), keys.F_CANCEL, "1")
     sp.give_back()
-    assert ended == [[spare[0].call_id]]
+    wait_for(lambda: ended == [[spare[0].call_id]])  # (ended on a thread of its own)
 
 
 def test_an_ending_call_goes_on_with_the_workers_spare_on_its_own_thread(fake: Any, settings: Settings) -> None:
@@ -294,4 +305,60 @@ def test_a_cancelled_spare_ends_at_once_instead_of_waiting_for_a_slot(fake: Any)
     fake.hset(keys.job(cid), keys.F_CANCEL, "1")  # what the caller's cancel wrote before telling us
     assert sp.cancel("not-a-spare-of-ours") is False
     assert sp.cancel(cid) is True
-    assert ended == [[cid]] and sp.call_ids() == []
+    assert sp.call_ids() == []
+    wait_for(lambda: ended == [[cid]])
+
+
+def _executing(calls: Calls, cid: str) -> Running:
+    info = CallInfo.of(env(cid), CKEY)
+    current = State.PENDING
+    for step in (State.ROUTING, State.EXECUTING):
+        assert calls.transition(info, step, attempt=1, current=current)[0] > 0
+        current = step
+    return Running(info, env(cid), 1, state=State.EXECUTING)
+
+
+def test_spares_shed_as_a_call_ends_keep_their_place_even_when_its_end_would_join_an_earlier_write(
+    fake: Any, settings: Settings
+) -> None:
+    w = Worker(fake, settings, ["tools"], concurrency=8, name="w-a")
+    try:
+        w.core.calls.load_scripts()
+        (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)  # c1 on the slot (limit 1), c2 our spare, c3 waits
+        w.spares.received(CKEY, 1, [spare])
+        run = _executing(w.core.calls, "c1")
+        now = time.time()
+        for name in ("w-a", "w-b"):  # limit 1 over two workers: holding 2, it is over its share
+            fake.zadd(keys.queue_workers("tools"), {name: now})
+        w.refresh_shares()
+        w.core._held[CKEY] = 2
+        w._local.in_call, w._local.keep = True, False
+        gate = threading.Event()  # hold the sender: the formatting write is still open as the call ends
+        w.core.outbox.put(lambda pipe: gate.wait(5))
+        time.sleep(0.05)
+        w.runner._move(run, State.FORMATTING)
+        w.runner._finish(run, State.DONE, result={"ok": 1})  # sheds c2, then its end frees the slot
+        gate.set()
+        assert w.core.outbox.flush(5)
+        assert [m.decode() for m in fake.lrange(keys.queue("tools"), 0, -1)] == ["c2"]  # not the younger c3
+    finally:
+        w.core.close()
+        w.pool.shutdown()
+
+
+def test_spares_shed_as_a_call_goes_retrying_keep_their_place(
+    fake: Any, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = Worker(fake, settings, ["tools"], concurrency=8, name="w-a")
+    try:
+        w.core.calls.load_scripts()
+        (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)
+        w.spares.received(CKEY, 1, [spare])
+        run = _executing(w.core.calls, "c1")
+        monkeypatch.setattr(retry_mod, "plan", lambda core, run, error: (5.0, retry_mod.RetryPolicy(max=3)))
+        assert w.runner._retry(run, HermesError("boom"))
+        assert w.core.outbox.flush(5)
+        assert [m.decode() for m in fake.lrange(keys.queue("tools"), 0, -1)] == ["c2"]
+    finally:
+        w.core.close()
+        w.pool.shutdown()
