@@ -78,6 +78,7 @@ class Worker:
         self._local = threading.local()
         self._no_waiters: dict[str, float] = {}  # ckey -> until when a hand-off is not tried
         self._slotless: set[str] = set()  # spares started here whose slot move was refused
+        self._slotted: set[str] = set()  # spares started here that an earlier write of ours handed a slot
         self._refresh_now = threading.Event()
         # How many of a key's slots this process may keep (refreshed by the heartbeat thread).
         self.shares = FairShares(conn, queues, self.lease, self._refresh_now)
@@ -262,18 +263,25 @@ class Worker:
         it handed to us, else free the thread (unless that thread went on with a spare)."""
         calls = self.core.calls
         self.spares.received(ckey, handoff[3], calls.spared(reply), handoff[2])
-        if handoff[2] and not calls.spare_moved(reply):
-            # Refused (our lease on the ending call was taken over, or the spare was not ours any more):
-            # the spare runs without a slot, so its own end passes none on to a next spare.
-            self._slotless.add(handoff[2])
-            log.warning("a spare started without its slot", call_id=handoff[2])
         claimed = calls.handed_off(reply)
         # A spare of ours may come handed (our oldest, ahead of younger waiting calls): unless a thread
         # here already went on with it, it leaves the spares and starts now.
         start = claimed is not None and self.spares.claim_handed(claimed.call_id)
+        if claimed is not None and not start:
+            # A thread here went on with it, naming it in a write that Redis runs after this one: this
+            # slot is its own now, and that write will find it moved already.
+            self._slotted.add(claimed.call_id)
+        if handoff[2] and not calls.spare_moved(reply):
+            if handoff[2] in self._slotted:
+                self._slotted.discard(handoff[2])
+            else:
+                # Refused (our lease on the ending call was taken over, or it was not our spare any more):
+                # the spare runs without a slot, so its own end passes none on to a next spare.
+                self._slotless.add(handoff[2])
+                log.warning("a spare started without its slot", call_id=handoff[2])
         if handoff[2]:  # the thread went on with a spare; a call handed to us means the spare was not ours
-            if start:
-                self._start(claimed, self._run_extra)
+            if start:  # (another write of ours gave it a slot first: that write's thread gave its token back)
+                self._start(claimed, self._run_one if self._slots.take(1, 0) else self._run_extra)
             return
         if not start:
             if claimed is None:

@@ -362,3 +362,35 @@ def test_spares_shed_as_a_call_goes_retrying_keep_their_place(
     finally:
         w.core.close()
         w.pool.shutdown()
+
+
+def test_a_spare_one_thread_went_on_with_that_another_ending_write_took_first_keeps_its_slot(
+    fake: Any, settings: Settings
+) -> None:
+    w = Worker(fake, settings, ["tools"], concurrency=8, name="w-a")
+    started: list[tuple[str, Any]] = []
+    w._start = lambda claimed, run: started.append((claimed.call_id, run))  # type: ignore[method-assign]
+    try:
+        calls = w.core.calls
+        for i in range(6):
+            submit(calls, f"c{i}", limit=2, queue_size=50)
+        calls.claim(["tools"], 10, "w-a", 30)  # c0, c1 run
+        reply = finish(calls, "c0", ("w-a", 30, "", 1))  # c2 handed the slot, c3 our spare
+        w.spares.received(CKEY, 1, Calls.spared(reply))
+        spare, _ = w.spares.take(CKEY, 8)  # thread T1 (ending c2, later) goes on with c3 ...
+        assert spare is not None and spare.claimed.call_id == "c3"
+        # ... but c1's ending write, with no spare named, reaches Redis first: its slot goes to our oldest
+        # spare, c3, already running here. That thread's token goes back.
+        assert w._slots.take(1) == 1
+        t2 = finish(calls, "c1", ("w-a", 30, "", 0))
+        w.received(t2, CKEY, ("w-a", w.lease, "", 0))
+        assert started == [] and w._slots.free == 8
+        # T1's write then finds c3 moved already: c2's slot goes to c4, started with a token of its own.
+        t1 = finish(calls, "c2", ("w-a", 30, "c3", 0))
+        w.received(t1, CKEY, ("w-a", w.lease, "c3", 0))
+        assert "c3" not in w._slotless
+        assert started == [("c4", w._run_one)] and w._slots.free == 7
+        assert [m.decode() for m in fake.zrange(keys.slots(CKEY), 0, -1)] == ["c3", "c4"]
+    finally:
+        w.core.close()
+        w.pool.shutdown()
