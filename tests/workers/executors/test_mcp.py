@@ -12,6 +12,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,24 +33,41 @@ def ex():
     executor.close()
 
 
-@pytest.fixture(scope="module")
-def http_url():
+def _start_http_server(log: Any) -> tuple[subprocess.Popen[bytes], int] | None:
+    """The test MCP server on a free port, once it accepts connections (None: it exited first, e.g. the
+    port was taken between choosing and binding it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, SERVER, "http", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    deadline = time.monotonic() + 20
+    proc = subprocess.Popen([sys.executable, SERVER, "http", str(port)], stdout=log, stderr=log)
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return None
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
+            return proc, port
         except OSError:
             time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/mcp"
-    proc.terminate()
+    proc.kill()
     proc.wait(5)
+    raise RuntimeError(f"the test MCP server did not accept connections on port {port} within 30 s")
+
+
+@pytest.fixture(scope="module")
+def http_url(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    log_path = tmp_path_factory.mktemp("mcp-http") / "server.log"
+    with open(log_path, "wb") as log:
+        for _ in range(3):
+            started = _start_http_server(log)
+            if started is not None:
+                break
+        else:
+            raise RuntimeError(f"the test MCP server exited at start three times: {log_path.read_text(errors='replace')}")
+        proc, port = started
+        yield f"http://127.0.0.1:{port}/mcp"
+        proc.terminate()
+        proc.wait(5)
 
 
 def spec(tool: str, server: dict | str = "test", **extra) -> ToolSpec:
