@@ -125,17 +125,7 @@ class Spares:
         """A caller cancelled ``call_id``: if it is one of our spares, it goes back now and ends
         ``cancelled`` (``SPARE_BACK`` leaves it out for ``on_cancelled``), instead of waiting for a slot."""
         with self._lock:
-            for key, line in self._spares.items():
-                for spare in line:
-                    if spare.claimed.call_id == call_id:
-                        line.remove(spare)
-                        if not line:
-                            del self._spares[key]
-                        break
-                else:
-                    continue
-                break
-            else:
+            if not self._remove(call_id):
                 return False
         self._given_back(self.calls.spares_back(self.worker, [call_id]))
         return True
@@ -146,14 +136,19 @@ class Spares:
         with self._lock:
             if call_id in self._taken:
                 return False
-            for key, line in self._spares.items():
-                for spare in line:
-                    if spare.claimed.call_id == call_id:
-                        line.remove(spare)
-                        if not line:
-                            del self._spares[key]
-                        return True
+            self._remove(call_id)
             return True
+
+    def _remove(self, call_id: str) -> bool:
+        """Take ``call_id`` out of the spares (under the lock); False when it is not one."""
+        for key, line in self._spares.items():
+            for spare in line:
+                if spare.claimed.call_id == call_id:
+                    line.remove(spare)
+                    if not line:
+                        del self._spares[key]
+                    return True
+        return False
 
     def call_ids(self) -> list[str]:
         with self._lock:
