@@ -146,13 +146,18 @@ def test_slots_held_by_a_killed_worker_come_back_within_the_lease(
     assert conn.zcard(keys.slots("tool:hold")) == 0
 
 
-def _await_spare(conn: Any, ids: list[str], wait_until: Any) -> str:
-    """The first of ``ids`` seen as a worker's spare (waiting up to 20 s for one)."""
-    found: list[str] = []
+def _await_spare(conn: Any, ids: list[str], wait_until: Any) -> tuple[str, str]:
+    """(call id, worker) of the first of ``ids`` seen as a worker's spare (waiting up to 20 s for one);
+    both read at once: a spare given back loses its worker."""
+    found: list[tuple[str, str]] = []
 
     def look() -> bool:
-        found[:] = [cid for cid in ids if conn.hexists(keys.job(cid), "h_spare")][:1]
-        return bool(found)
+        for cid in ids:
+            spare, worker = conn.hmget(keys.job(cid), "h_spare", keys.F_WORKER)
+            if spare is not None and worker:
+                found[:] = [(cid, worker.decode())]
+                return True
+        return False
 
     wait_until(look, 20, message="a spare held")
     return found[0]
@@ -196,8 +201,8 @@ def test_spares_of_a_killed_worker_go_back_in_line_and_every_call_ends(
     batch = gateway.map("spares_kill", [{"seconds": 0.05}] * 240)
     ids = [h.call_id for h in batch.accepted]
 
-    holder = _await_spare(conn, ids, wait_until)
-    victim = next(w for w in pair if w.name == field(conn, holder, keys.F_WORKER))
+    _, holder = _await_spare(conn, ids, wait_until)
+    victim = next(w for w in pair if w.name == holder)
     victim.kill()
     killed_at = time.time()
     wait_until(lambda: all_terminal(conn, ids), 60, message="every call ended")
@@ -226,8 +231,8 @@ def test_a_stopping_worker_gives_its_spares_back_rather_than_leaving_them_to_its
     batch = gateway.map("spares_stop", [{"seconds": 0.05}] * 400)
     ids = [h.call_id for h in batch.accepted]
 
-    holder = _await_spare(conn, ids, wait_until)
-    victim = next(w for w in pair if w.name == field(conn, holder, keys.F_WORKER))
+    _, holder = _await_spare(conn, ids, wait_until)
+    victim = next(w for w in pair if w.name == holder)
     victim.terminate()
     assert victim.wait(15) == 0
     # Nothing of the stopped worker's is left leased: its spares went back in line as it stopped.
@@ -278,7 +283,7 @@ def test_a_spare_cancelled_by_its_caller_ends_cancelled_without_running(
     waiting = gateway.map("spare_cancel", [{"seconds": 3}] * 3)
     ids = [h.call_id for h in [*running, *waiting]]
 
-    cid = _await_spare(conn, ids, wait_until)
+    cid, _ = _await_spare(conn, ids, wait_until)
     t0 = time.monotonic()
     assert gateway.cancel(cid) is True
     wait_until(lambda: current(conn, [cid])[cid] == "cancelled", 5, message="the spare cancelled")
