@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -31,8 +32,19 @@ def wait_for(cond: Any, timeout: float = 5.0) -> None:
 
 
 @pytest.fixture
-def settings(tmp_path: Any) -> Settings:
-    return Settings(home=tmp_path, lease=5.0, result_ttl=600)
+def worker(fake: Any, tmp_path: Any) -> Iterator[Callable[[int], Worker]]:
+    """``worker(concurrency)``: a Worker named w-a on ``fake`` (not started), closed after the test."""
+    made: list[Worker] = []
+
+    def make(concurrency: int) -> Worker:
+        w = Worker(fake, Settings(home=tmp_path, lease=5.0, result_ttl=600), ["tools"], concurrency=concurrency, name="w-a")
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.core.close()
+        w.pool.shutdown()
 
 
 def leased_spares(fake: Any, calls: Calls, worker: str, n: int) -> list[tuple[Claimed, bytes]]:
@@ -136,25 +148,21 @@ def test_a_spare_cancelled_before_it_went_back_is_ended_by_the_worker(fake: Any)
     wait_for(lambda: ended == [[spare[0].call_id]])  # (ended on a thread of its own)
 
 
-def test_an_ending_call_goes_on_with_the_workers_spare_on_its_own_thread(fake: Any, settings: Settings) -> None:
-    w = Worker(fake, settings, ["tools"], concurrency=16, name="w-a")
-    try:
-        calls = w.core.calls
-        (spare,) = leased_spares(fake, calls, "w-a", 1)
-        w.spares.received(CKEY, 1, [spare])
-        w._local.in_call, w._local.keep = True, False
-        w.core._held[CKEY] = SPARE_MIN_HELD
-        handoff = w.reserve(CKEY, "tools")
-        assert handoff is not None and handoff[:3] == ("w-a", w.lease, spare[0].call_id)
-        assert w._local.next is spare[0] and w._local.keep is True
-        # The ending write's reply: the slot went to the spare; the thread (not the pool) runs it.
-        assert w._slots.take(1) == 1  # the token of the ending thread
-        w.received([5, b"formatting"], CKEY, handoff)
-        assert w._slots.free == 15  # not given back: the thread goes on with the spare
-        assert w.pool._threads == []  # and nothing else was started
-    finally:
-        w.core.close()
-        w.pool.shutdown()
+def test_an_ending_call_goes_on_with_the_workers_spare_on_its_own_thread(fake: Any, worker: Any) -> None:
+    w = worker(16)
+    calls = w.core.calls
+    (spare,) = leased_spares(fake, calls, "w-a", 1)
+    w.spares.received(CKEY, 1, [spare])
+    w._local.in_call, w._local.keep = True, False
+    w.core._held[CKEY] = SPARE_MIN_HELD
+    handoff = w.reserve(CKEY, "tools")
+    assert handoff is not None and handoff[:3] == ("w-a", w.lease, spare[0].call_id)
+    assert w._local.next is spare[0] and w._local.keep is True
+    # The ending write's reply: the slot went to the spare; the thread (not the pool) runs it.
+    assert w._slots.take(1) == 1  # the token of the ending thread
+    w.received([5, b"formatting"], CKEY, handoff)
+    assert w._slots.free == 15  # not given back: the thread goes on with the spare
+    assert w.pool._threads == []  # and nothing else was started
 
 
 def test_a_handed_spare_leaves_the_spares_unless_a_thread_here_already_started_it(fake: Any) -> None:
@@ -173,20 +181,16 @@ def test_a_handed_spare_leaves_the_spares_unless_a_thread_here_already_started_i
     assert sp.claim_handed(first[0].call_id) is True
 
 
-def test_a_handed_call_already_running_here_frees_the_thread_that_waited_for_it(fake: Any, settings: Settings) -> None:
-    w = Worker(fake, settings, ["tools"], concurrency=16, name="w-a")
-    try:
-        (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)
-        w.spares.received(CKEY, 1, [spare])
-        assert w.spares.take(CKEY, 8)[0] is not None  # another thread went on with it
-        w._slots.take(1)  # the token the ending thread kept for the call handed to it
-        reply = [5, b"formatting", spare[0].call_id.encode(), spare[0].data, b"1"]
-        w.received(reply, CKEY, ("w-a", w.lease, "", 0))
-        assert w._slots.free == 16  # given back: nothing new started
-        assert w.pool._threads == [] and w.spares.call_ids() == []
-    finally:
-        w.core.close()
-        w.pool.shutdown()
+def test_a_handed_call_already_running_here_frees_the_thread_that_waited_for_it(fake: Any, worker: Any) -> None:
+    w = worker(16)
+    (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)
+    w.spares.received(CKEY, 1, [spare])
+    assert w.spares.take(CKEY, 8)[0] is not None  # another thread went on with it
+    w._slots.take(1)  # the token the ending thread kept for the call handed to it
+    reply = [5, b"formatting", spare[0].call_id.encode(), spare[0].data, b"1"]
+    w.received(reply, CKEY, ("w-a", w.lease, "", 0))
+    assert w._slots.free == 16  # given back: nothing new started
+    assert w.pool._threads == [] and w.spares.call_ids() == []
 
 
 def test_spares_leased_after_the_worker_stopped_taking_them_go_back_at_once(fake: Any) -> None:
@@ -205,84 +209,72 @@ def test_spares_leased_after_the_worker_stopped_taking_them_go_back_at_once(fake
 
 
 def test_an_error_out_of_a_call_run_neither_loses_the_thread_token_nor_the_spare(
-    fake: Any, settings: Settings
+    fake: Any, worker: Any
 ) -> None:
-    w = Worker(fake, settings, ["tools"], concurrency=4, name="w-a")
-    try:
-        (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)
-        w.spares.received(CKEY, 1, [spare])
-        w.core._held[CKEY] = SPARE_MIN_HELD
-        ran: list[str] = []
+    w = worker(4)
+    (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)
+    w.spares.received(CKEY, 1, [spare])
+    w.core._held[CKEY] = SPARE_MIN_HELD
+    ran: list[str] = []
 
-        def run(claimed: Any) -> None:
-            ran.append(claimed.call_id)
-            if claimed.call_id == "first":
-                assert w.reserve(CKEY, "tools") is not None  # it goes on with the spare ...
-                raise RuntimeError("boom after reserve")  # ... whatever happens after
+    def run(claimed: Any) -> None:
+        ran.append(claimed.call_id)
+        if claimed.call_id == "first":
+            assert w.reserve(CKEY, "tools") is not None  # it goes on with the spare ...
+            raise RuntimeError("boom after reserve")  # ... whatever happens after
 
-        w.runner.run = run  # type: ignore[method-assign]
-        assert w._slots.take(1) == 1
-        w._run_one(Claimed("first", b"", 1))
-        assert ran == ["first", spare[0].call_id]
-        assert w._slots.free == 4
-    finally:
-        w.core.close()
-        w.pool.shutdown()
+    w.runner.run = run  # type: ignore[method-assign]
+    assert w._slots.take(1) == 1
+    w._run_one(Claimed("first", b"", 1))
+    assert ran == ["first", spare[0].call_id]
+    assert w._slots.free == 4
 
 
 def test_a_worker_over_its_floor_share_takes_no_spare_and_gives_its_spares_back(
-    fake: Any, settings: Settings
+    fake: Any, worker: Any
 ) -> None:
-    w = Worker(fake, settings, ["tools"], concurrency=16, name="w-a")
-    try:
-        (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)
-        w.spares.received(CKEY, 1, [spare])
-        # Limit 9 over two live workers: ceil share 5, floor share 4. Holding 5, it may hand its slot on
-        # through Redis but not to a spare: two workers at 5 would run 10 under a limit of 9.
-        now = time.time()
-        fake.hset(keys.LIMITS, CKEY, 9)
-        for name in ("w-a", "w-b"):
-            fake.zadd(keys.queue_workers("tools"), {name: now})
-        w.refresh_shares()
-        w._local.in_call, w._local.keep = True, False
-        w.core._held[CKEY] = 5
-        handoff = w.reserve(CKEY, "tools")
-        assert handoff is not None and handoff[2:] == ("", 0)
-        assert w.core.outbox.flush(5)  # (given back through the outbox, after the writes before it)
-        assert w.spares.call_ids() == []  # given back, at its old place in line: the raised limit's
-        # free slots went to it first, then to the call behind it
-        assert [m.decode() for m in fake.lrange(keys.queue("tools"), 0, -1)] == [spare[0].call_id, "c3"]
-    finally:
-        w.core.close()
-        w.pool.shutdown()
+    w = worker(16)
+    (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)
+    w.spares.received(CKEY, 1, [spare])
+    # Limit 9 over two live workers: ceil share 5, floor share 4. Holding 5, it may hand its slot on
+    # through Redis but not to a spare: two workers at 5 would run 10 under a limit of 9.
+    now = time.time()
+    fake.hset(keys.LIMITS, CKEY, 9)
+    for name in ("w-a", "w-b"):
+        fake.zadd(keys.queue_workers("tools"), {name: now})
+    w.refresh_shares()
+    w._local.in_call, w._local.keep = True, False
+    w.core._held[CKEY] = 5
+    handoff = w.reserve(CKEY, "tools")
+    assert handoff is not None and handoff[2:] == ("", 0)
+    assert w.core.outbox.flush(5)  # (given back through the outbox, after the writes before it)
+    assert w.spares.call_ids() == []  # given back, at its old place in line: the raised limit's
+    # free slots went to it first, then to the call behind it
+    assert [m.decode() for m in fake.lrange(keys.queue("tools"), 0, -1)] == [spare[0].call_id, "c3"]
 
 
 def test_a_stopping_worker_puts_a_spare_its_thread_was_to_go_on_with_back_on_the_queue(
-    fake: Any, settings: Settings
+    fake: Any, worker: Any
 ) -> None:
-    w = Worker(fake, settings, ["tools"], concurrency=4, name="w-a")
-    try:
-        calls = w.core.calls
-        (spare,) = leased_spares(fake, calls, "w-a", 1)
-        cid = spare[0].call_id
-        # c1 (handed the slot) ends; its write moves the slot to the spare its thread goes on with.
-        assert int(finish(calls, "c1", ("w-a", 30, cid, 0))[0]) > 0
-        assert fake.zscore(keys.slots(CKEY), cid) is not None
+    w = worker(4)
+    calls = w.core.calls
+    (spare,) = leased_spares(fake, calls, "w-a", 1)
+    cid = spare[0].call_id
+    # c1 (handed the slot) ends; its write moves the slot to the spare its thread goes on with.
+    assert int(finish(calls, "c1", ("w-a", 30, cid, 0))[0]) > 0
+    assert fake.zscore(keys.slots(CKEY), cid) is not None
 
-        def run(claimed: Any) -> None:
-            w._local.keep, w._local.next = True, spare[0]
-            w.request_stop()
+    def run(claimed: Any) -> None:
+        w._local.keep, w._local.next = True, spare[0]
+        w.request_stop()
 
-        w.runner.run = run  # type: ignore[method-assign]
-        assert w._slots.take(1) == 1
-        w._run_one(Claimed("c1", b"", 1))
-        assert w.core.outbox.flush(5)
-        assert [m.decode() for m in fake.lrange(keys.queue("tools"), 0, -1)] == [cid]
-        assert fake.zscore(keys.slots(CKEY), cid) == float("inf") and fake.zscore(keys.LEASES, cid) is None
-        assert w._slots.free == 4
-    finally:
-        w.core.close()
-        w.pool.shutdown()
+    w.runner.run = run  # type: ignore[method-assign]
+    assert w._slots.take(1) == 1
+    w._run_one(Claimed("c1", b"", 1))
+    assert w.core.outbox.flush(5)
+    assert [m.decode() for m in fake.lrange(keys.queue("tools"), 0, -1)] == [cid]
+    assert fake.zscore(keys.slots(CKEY), cid) == float("inf") and fake.zscore(keys.LEASES, cid) is None
+    assert w._slots.free == 4
 
 
 def test_spares_shed_by_the_worker_go_back_without_pausing_the_key(fake: Any) -> None:
@@ -319,78 +311,66 @@ def _executing(calls: Calls, cid: str) -> Running:
 
 
 def test_spares_shed_as_a_call_ends_keep_their_place_even_when_its_end_would_join_an_earlier_write(
-    fake: Any, settings: Settings
+    fake: Any, worker: Any
 ) -> None:
-    w = Worker(fake, settings, ["tools"], concurrency=8, name="w-a")
-    try:
-        w.core.calls.load_scripts()
-        (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)  # c1 on the slot (limit 1), c2 our spare, c3 waits
-        w.spares.received(CKEY, 1, [spare])
-        run = _executing(w.core.calls, "c1")
-        now = time.time()
-        for name in ("w-a", "w-b"):  # limit 1 over two workers: holding 2, it is over its share
-            fake.zadd(keys.queue_workers("tools"), {name: now})
-        w.refresh_shares()
-        w.core._held[CKEY] = 2
-        w._local.in_call, w._local.keep = True, False
-        gate = threading.Event()  # hold the sender: the formatting write is still open as the call ends
-        w.core.outbox.put(lambda pipe: gate.wait(5))
-        time.sleep(0.05)
-        w.runner._move(run, State.FORMATTING)
-        w.runner._finish(run, State.DONE, result={"ok": 1})  # sheds c2, then its end frees the slot
-        gate.set()
-        assert w.core.outbox.flush(5)
-        assert [m.decode() for m in fake.lrange(keys.queue("tools"), 0, -1)] == ["c2"]  # not the younger c3
-    finally:
-        w.core.close()
-        w.pool.shutdown()
+    w = worker(8)
+    w.core.calls.load_scripts()
+    (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)  # c1 on the slot (limit 1), c2 our spare, c3 waits
+    w.spares.received(CKEY, 1, [spare])
+    run = _executing(w.core.calls, "c1")
+    now = time.time()
+    for name in ("w-a", "w-b"):  # limit 1 over two workers: holding 2, it is over its share
+        fake.zadd(keys.queue_workers("tools"), {name: now})
+    w.refresh_shares()
+    w.core._held[CKEY] = 2
+    w._local.in_call, w._local.keep = True, False
+    gate = threading.Event()  # hold the sender: the formatting write is still open as the call ends
+    w.core.outbox.put(lambda pipe: gate.wait(5))
+    time.sleep(0.05)
+    w.runner._move(run, State.FORMATTING)
+    w.runner._finish(run, State.DONE, result={"ok": 1})  # sheds c2, then its end frees the slot
+    gate.set()
+    assert w.core.outbox.flush(5)
+    assert [m.decode() for m in fake.lrange(keys.queue("tools"), 0, -1)] == ["c2"]  # not the younger c3
 
 
 def test_spares_shed_as_a_call_goes_retrying_keep_their_place(
-    fake: Any, settings: Settings, monkeypatch: pytest.MonkeyPatch
+    fake: Any, worker: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    w = Worker(fake, settings, ["tools"], concurrency=8, name="w-a")
-    try:
-        w.core.calls.load_scripts()
-        (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)
-        w.spares.received(CKEY, 1, [spare])
-        run = _executing(w.core.calls, "c1")
-        monkeypatch.setattr(retry_mod, "plan", lambda core, run, error: (5.0, retry_mod.RetryPolicy(max=3)))
-        assert w.runner._retry(run, HermesError("boom"))
-        assert w.core.outbox.flush(5)
-        assert [m.decode() for m in fake.lrange(keys.queue("tools"), 0, -1)] == ["c2"]
-    finally:
-        w.core.close()
-        w.pool.shutdown()
+    w = worker(8)
+    w.core.calls.load_scripts()
+    (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)
+    w.spares.received(CKEY, 1, [spare])
+    run = _executing(w.core.calls, "c1")
+    monkeypatch.setattr(retry_mod, "plan", lambda core, run, error: (5.0, retry_mod.RetryPolicy(max=3)))
+    assert w.runner._retry(run, HermesError("boom"))
+    assert w.core.outbox.flush(5)
+    assert [m.decode() for m in fake.lrange(keys.queue("tools"), 0, -1)] == ["c2"]
 
 
 def test_a_spare_one_thread_went_on_with_that_another_ending_write_took_first_keeps_its_slot(
-    fake: Any, settings: Settings
+    fake: Any, worker: Any
 ) -> None:
-    w = Worker(fake, settings, ["tools"], concurrency=8, name="w-a")
+    w = worker(8)
     started: list[tuple[str, Any]] = []
     w._start = lambda claimed, run: started.append((claimed.call_id, run))  # type: ignore[method-assign]
-    try:
-        calls = w.core.calls
-        for i in range(6):
-            submit(calls, f"c{i}", limit=2, queue_size=50)
-        calls.claim(["tools"], 10, "w-a", 30)  # c0, c1 run
-        reply = finish(calls, "c0", ("w-a", 30, "", 1))  # c2 handed the slot, c3 our spare
-        w.spares.received(CKEY, 1, Calls.spared(reply))
-        spare, _ = w.spares.take(CKEY, 8)  # thread T1 (ending c2, later) goes on with c3 ...
-        assert spare is not None and spare.claimed.call_id == "c3"
-        # ... but c1's ending write, with no spare named, reaches Redis first: its slot goes to our oldest
-        # spare, c3, already running here. That thread's token goes back.
-        assert w._slots.take(1) == 1
-        t2 = finish(calls, "c1", ("w-a", 30, "", 0))
-        w.received(t2, CKEY, ("w-a", w.lease, "", 0))
-        assert started == [] and w._slots.free == 8
-        # T1's write then finds c3 moved already: c2's slot goes to c4, started with a token of its own.
-        t1 = finish(calls, "c2", ("w-a", 30, "c3", 0))
-        w.received(t1, CKEY, ("w-a", w.lease, "c3", 0))
-        assert "c3" not in w._slotless
-        assert started == [("c4", w._run_one)] and w._slots.free == 7
-        assert [m.decode() for m in fake.zrange(keys.slots(CKEY), 0, -1)] == ["c3", "c4"]
-    finally:
-        w.core.close()
-        w.pool.shutdown()
+    calls = w.core.calls
+    for i in range(6):
+        submit(calls, f"c{i}", limit=2, queue_size=50)
+    calls.claim(["tools"], 10, "w-a", 30)  # c0, c1 run
+    reply = finish(calls, "c0", ("w-a", 30, "", 1))  # c2 handed the slot, c3 our spare
+    w.spares.received(CKEY, 1, Calls.spared(reply))
+    spare, _ = w.spares.take(CKEY, 8)  # thread T1 (ending c2, later) goes on with c3 ...
+    assert spare is not None and spare.claimed.call_id == "c3"
+    # ... but c1's ending write, with no spare named, reaches Redis first: its slot goes to our oldest
+    # spare, c3, already running here. That thread's token goes back.
+    assert w._slots.take(1) == 1
+    t2 = finish(calls, "c1", ("w-a", 30, "", 0))
+    w.received(t2, CKEY, ("w-a", w.lease, "", 0))
+    assert started == [] and w._slots.free == 8
+    # T1's write then finds c3 moved already: c2's slot goes to c4, started with a token of its own.
+    t1 = finish(calls, "c2", ("w-a", 30, "c3", 0))
+    w.received(t1, CKEY, ("w-a", w.lease, "c3", 0))
+    assert "c3" not in w._slotless
+    assert started == [("c4", w._run_one)] and w._slots.free == 7
+    assert [m.decode() for m in fake.zrange(keys.slots(CKEY), 0, -1)] == ["c3", "c4"]
