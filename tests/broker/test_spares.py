@@ -22,6 +22,15 @@ def members(r: Any, key: str) -> list[str]:
     return [m.decode() for m in r.zrange(key, 0, -1)]
 
 
+def lined_up(fake: Any, n: int, limit: int, queue_size: int = 10, worker: str = "w1") -> Calls:
+    """Calls c0..c{n-1} of one key submitted in order (limit ``limit``), those with a slot claimed by ``worker``."""
+    calls = Calls(fake)
+    for i in range(n):
+        submit(calls, f"c{i}", limit=limit, queue_size=queue_size)
+    calls.claim(["tools"], 10, worker, 30)
+    return calls
+
+
 def test_an_ending_call_asking_for_a_spare_leases_the_next_waiting_call_to_the_worker_without_a_slot(
     fake: Any,
 ) -> None:
@@ -45,10 +54,7 @@ def test_an_ending_call_asking_for_a_spare_leases_the_next_waiting_call_to_the_w
 
 
 def test_the_next_ending_call_moves_its_slot_to_the_spare_the_worker_already_runs(fake: Any) -> None:
-    calls = Calls(fake)
-    for i in range(4):
-        submit(calls, f"c{i}", limit=1)
-    calls.claim(["tools"], 10, "w1", 30)
+    calls = lined_up(fake, 4, limit=1)
     (spare,) = Calls.spared(finish(calls, "c0", ("w1", 30, "", 1)))
     assert spare[0].call_id == "c2"
     # c1 (handed) ends; the worker has already started its spare c2 on that slot.
@@ -69,10 +75,7 @@ def test_the_next_ending_call_moves_its_slot_to_the_spare_the_worker_already_run
 
 
 def test_a_call_that_is_not_this_workers_spare_does_not_take_the_slot(fake: Any) -> None:
-    calls = Calls(fake)
-    for i in range(4):
-        submit(calls, f"c{i}", limit=1)
-    calls.claim(["tools"], 10, "w1", 30)
+    calls = lined_up(fake, 4, limit=1)
     assert Calls.spared(finish(calls, "c0", ("w1", 30, "", 1))) != []  # c2 spare of w1
     # w2 claims c2 as its spare (it is w1's): refused, and c1's slot goes to the oldest waiting call.
     reply = finish(calls, "c1", ("w2", 30, "c2", 0))
@@ -110,10 +113,7 @@ def test_spares_given_back_go_back_in_line_at_their_old_places_and_fill_free_slo
 
 
 def test_a_spare_given_back_that_was_free_to_run_goes_straight_onto_the_queue(fake: Any) -> None:
-    calls = Calls(fake)
-    for i in range(4):
-        submit(calls, f"c{i}", limit=1)
-    calls.claim(["tools"], 10, "w1", 30)
+    calls = lined_up(fake, 4, limit=1)
     assert Calls.spared(finish(calls, "c0", ("w1", 30, "", 1))) != []  # c1 handed, c2 spare
     finish(calls, "c1", None)  # c1's slot goes to c3 through the queue (c2 is out of line)
     assert queued(fake) == ["c3"]
@@ -125,10 +125,7 @@ def test_a_spare_given_back_that_was_free_to_run_goes_straight_onto_the_queue(fa
 
 
 def test_a_spare_cancelled_meanwhile_is_left_out_for_the_worker_to_end(fake: Any) -> None:
-    calls = Calls(fake)
-    for i in range(3):
-        submit(calls, f"c{i}", limit=1)
-    calls.claim(["tools"], 10, "w1", 30)
+    calls = lined_up(fake, 3, limit=1)
     assert Calls.spared(finish(calls, "c0", ("w1", 30, "", 1))) != []  # c2 spare of w1
     fake.hset(keys.job("c2"), keys.F_CANCEL, "1")  # what a caller's cancel does to a leased pending call
     assert calls.spares_back("w1", ["c2"]) == ["c2"]
@@ -140,10 +137,7 @@ def test_a_spare_cancelled_meanwhile_is_left_out_for_the_worker_to_end(fake: Any
 
 
 def test_a_cancelled_spare_the_worker_failed_to_end_is_ended_by_the_reaper(fake: Any) -> None:
-    calls = Calls(fake)
-    for i in range(3):
-        submit(calls, f"c{i}", limit=1)
-    calls.claim(["tools"], 10, "w1", 30)
+    calls = lined_up(fake, 3, limit=1)
     assert Calls.spared(finish(calls, "c0", ("w1", 30, "", 1))) != []  # c2 spare of w1
     fake.hset(keys.job("c2"), keys.F_CANCEL, "1")
     assert calls.spares_back("w1", ["c2"]) == ["c2"]  # ... and the worker died before ending it
@@ -152,10 +146,7 @@ def test_a_cancelled_spare_the_worker_failed_to_end_is_ended_by_the_reaper(fake:
 
 
 def test_the_reaper_puts_a_dead_workers_spare_back_in_line_not_on_the_queue(fake: Any) -> None:
-    calls = Calls(fake)
-    for i in range(4):
-        submit(calls, f"c{i}", limit=1)
-    calls.claim(["tools"], 10, "dead", 30)
+    calls = lined_up(fake, 4, limit=1, worker="dead")
     assert Calls.spared(finish(calls, "c0", ("dead", 30, "", 1))) != []  # c1 handed, c2 spare
     # The worker died: every lease of it runs out (c1 never started: it keeps its slot, back on the queue).
     fake.zadd(keys.LEASES, {"c1": 1, "c2": 1})
@@ -167,10 +158,7 @@ def test_the_reaper_puts_a_dead_workers_spare_back_in_line_not_on_the_queue(fake
 
 
 def test_the_reaper_ends_a_dead_workers_spare_its_caller_cancelled(fake: Any) -> None:
-    calls = Calls(fake)
-    for i in range(3):
-        submit(calls, f"c{i}", limit=1)
-    calls.claim(["tools"], 10, "dead", 30)
+    calls = lined_up(fake, 3, limit=1, worker="dead")
     assert Calls.spared(finish(calls, "c0", ("dead", 30, "", 1))) != []  # c2 spare
     fake.hset(keys.job("c2"), keys.F_CANCEL, "1")
     fake.zadd(keys.LEASES, {"c2": 1})
@@ -200,10 +188,7 @@ def test_spares_still_count_as_waiting_for_the_queue_size(fake: Any) -> None:
 
 
 def test_the_sweep_drops_the_spare_mark_of_a_call_whose_record_is_gone(fake: Any) -> None:
-    calls = Calls(fake)
-    for i in range(3):
-        submit(calls, f"c{i}", limit=1)
-    calls.claim(["tools"], 10, "w1", 30)
+    calls = lined_up(fake, 3, limit=1)
     assert Calls.spared(finish(calls, "c0", ("w1", 30, "", 1))) != []  # c2 spare
     fake.delete(keys.job("c2"))
     Limits(fake).sweep(grace=0)
@@ -211,10 +196,7 @@ def test_the_sweep_drops_the_spare_mark_of_a_call_whose_record_is_gone(fake: Any
 
 
 def test_a_workers_oldest_spare_gets_its_next_freed_slot_before_any_younger_waiting_call(fake: Any) -> None:
-    calls = Calls(fake)
-    for i in range(6):
-        submit(calls, f"c{i}", limit=2)
-    calls.claim(["tools"], 10, "w1", 30)  # c0, c1 run
+    calls = lined_up(fake, 6, limit=2)  # c0, c1 run
     reply = finish(calls, "c0", ("w1", 30, "", 1))  # c2 handed, c3 spare (reply not read yet, say)
     assert Calls.spared(reply) != []
     # c1 ends without naming a spare: its slot goes to w1's spare c3, not to c4 (younger, waiting).
@@ -226,10 +208,7 @@ def test_a_workers_oldest_spare_gets_its_next_freed_slot_before_any_younger_wait
 
 
 def test_another_workers_spare_or_an_older_waiting_call_is_not_taken_as_ones_own_spare(fake: Any) -> None:
-    calls = Calls(fake)
-    for i in range(6):
-        submit(calls, f"c{i}", limit=2)
-    calls.claim(["tools"], 10, "w1", 30)
+    calls = lined_up(fake, 6, limit=2)
     assert Calls.spared(finish(calls, "c0", ("w1", 30, "", 1))) != []  # c2 handed, c3 spare of w1
     handed = Calls.handed_off(finish(calls, "c1", ("w2", 30, "", 0)))  # w2 gets the waiting head
     assert handed is not None and handed.call_id == "c4"
@@ -242,10 +221,7 @@ def test_another_workers_spare_or_an_older_waiting_call_is_not_taken_as_ones_own
 
 
 def test_free_slots_of_a_raised_limit_go_to_the_oldest_waiting_calls_before_any_spare_is_taken(fake: Any) -> None:
-    calls = Calls(fake)
-    for i in range(8):
-        submit(calls, f"c{i}", limit=2, queue_size=50)
-    calls.claim(["tools"], 10, "w1", 30)  # c0, c1 run
+    calls = lined_up(fake, 8, limit=2, queue_size=50)  # c0, c1 run
     fake.hset(keys.LIMITS, CKEY, 5)  # raised: three more slots free
     reply = finish(calls, "c0", ("w1", 30, "", 2))
     assert Calls.handed_off(reply).call_id == "c2"  # type: ignore[union-attr]
@@ -254,10 +230,7 @@ def test_free_slots_of_a_raised_limit_go_to_the_oldest_waiting_calls_before_any_
 
 
 def test_a_workers_own_spare_is_not_handed_a_slot_over_a_lowered_limit(fake: Any) -> None:
-    calls = Calls(fake)
-    for i in range(8):
-        submit(calls, f"c{i}", limit=3, queue_size=50)
-    calls.claim(["tools"], 10, "w1", 30)  # c0 c1 c2 run
+    calls = lined_up(fake, 8, limit=3, queue_size=50)  # c0 c1 c2 run
     reply = finish(calls, "c0", ("w1", 30, "", 2))  # c3 handed, c4 c5 spares
     assert [c.call_id for c, _ in Calls.spared(reply)] == ["c4", "c5"]
     fake.hset(keys.LIMITS, CKEY, 1)  # lowered: 3 held, 1 allowed
@@ -268,10 +241,7 @@ def test_a_workers_own_spare_is_not_handed_a_slot_over_a_lowered_limit(fake: Any
 
 
 def test_a_spare_cancelled_straight_away_by_its_caller_loses_its_mark(fake: Any) -> None:
-    calls = Calls(fake)
-    for i in range(3):
-        submit(calls, f"c{i}", limit=1, queue_size=50)
-    calls.claim(["tools"], 10, "w1", 30)
+    calls = lined_up(fake, 3, limit=1, queue_size=50)
     assert Calls.spared(finish(calls, "c0", ("w1", 30, "", 1))) != []  # c2 spare
     # A caller that saw c2 pending and not leased (just before it became a spare) cancels it directly.
     info = CallInfo.of(env("c2"), CKEY)
@@ -281,10 +251,7 @@ def test_a_spare_cancelled_straight_away_by_its_caller_loses_its_mark(fake: Any)
 
 
 def test_the_sweep_drops_marks_of_calls_that_are_no_longer_pending_spares(fake: Any) -> None:
-    calls = Calls(fake)
-    for i in range(4):
-        submit(calls, f"c{i}", limit=1, queue_size=50)
-    calls.claim(["tools"], 10, "w1", 30)
+    calls = lined_up(fake, 4, limit=1, queue_size=50)
     assert len(Calls.spared(finish(calls, "c0", ("w1", 30, "", 2)))) == 2  # c2, c3 spares
     fake.hset(keys.job("c2"), "h_state", "failed")  # ended by some path that did not clear its mark
     fake.hdel(keys.job("c3"), "h_spare")
@@ -293,10 +260,7 @@ def test_the_sweep_drops_marks_of_calls_that_are_no_longer_pending_spares(fake: 
 
 
 def test_requeue_unstarted_puts_a_call_holding_its_slot_back_at_the_head_and_nothing_else(fake: Any) -> None:
-    calls = Calls(fake)
-    for i in range(3):
-        submit(calls, f"c{i}", limit=1, queue_size=50)
-    calls.claim(["tools"], 10, "w1", 30)  # c0 leased, holding the slot
+    calls = lined_up(fake, 3, limit=1, queue_size=50)  # c0 leased, holding the slot
     assert calls.requeue_unstarted("c1", CKEY, "tools") == 0  # waiting, no slot: untouched
     assert calls.requeue_unstarted("c0", CKEY, "tools") == 1
     assert queued(fake) == ["c0"] and fake.zscore(keys.LEASES, "c0") is None
@@ -305,10 +269,7 @@ def test_requeue_unstarted_puts_a_call_holding_its_slot_back_at_the_head_and_not
 
 
 def test_a_caller_cancels_directly_only_a_call_no_worker_holds(fake: Any) -> None:
-    calls = Calls(fake)
-    for i in range(4):
-        submit(calls, f"c{i}", limit=1, queue_size=50)
-    calls.claim(["tools"], 10, "w1", 30)
+    calls = lined_up(fake, 4, limit=1, queue_size=50)
     assert Calls.spared(finish(calls, "c0", ("w1", 30, "", 1))) != []  # c2 became w1's spare
     pending = frozenset({State.PENDING})
 
