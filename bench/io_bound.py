@@ -11,6 +11,7 @@ with as many processes (one round; its job function is ``bench.rqjobs.sleep``, w
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -152,6 +153,13 @@ def _round(gw: Any, conn: Any, name: str, n: int, seconds: float, procs: list[An
     return elapsed, _max_overlap(intervals), peak[0], share, mean, cpu  # type: ignore[return-value]
 
 
+def cpu_ceiling(cpu_us: tuple[float, float, float], cores: int, limit: int, seconds: float) -> float:
+    """The best efficiency this machine's cores allow at the round's CPU per call (client + workers +
+    Redis, all on the same cores here): limit-bound needs ``limit / seconds`` calls a second."""
+    per_call = sum(cpu_us) / 1e6
+    return min(1.0, cores / (per_call * limit / seconds)) if per_call > 0 else 1.0
+
+
 def run_rq(url: str, n: int, processes: int, seconds: float) -> float:
     """Wall seconds for n sleep jobs on ``rq worker-pool -n processes``."""
     from rq import Queue
@@ -225,11 +233,13 @@ def main() -> None:
             f"broker: {url}; {n} calls of {args.seconds * 1000:g} ms, limit {limit}, {args.processes} processes"
         )
         results = run_ours(url, n, limit, args.processes, args.seconds, args.rounds)
+        cores = os.cpu_count() or 1
         for i, (secs, ex, sl, share, mean, cpu) in enumerate(results, 1):
             print(
                 f"round {i}: {secs:.3f}s ({n / secs:,.0f} calls/s)  efficiency={ideal / secs:.3f}  "
                 f"max_executing={ex}  mean_executing={mean:.1f}  max_slots_held={sl}  calls per worker={share}  "
-                f"cpu_us_per_call=client {cpu[0]:.0f} workers {cpu[1]:.0f} redis {cpu[2]:.0f}"
+                f"cpu_us_per_call=client {cpu[0]:.0f} workers {cpu[1]:.0f} redis {cpu[2]:.0f}  "
+                f"cpu_ceiling={cpu_ceiling(cpu, cores, limit, args.seconds):.3f}"
             )
         elapsed = statistics.median(r[0] for r in results)
         executing = max(r[1] for r in results)
@@ -242,6 +252,10 @@ def main() -> None:
             f"max_executing={executing} (from events)  max_slots_held={slots} (sampled in Redis)  limit={limit}"
         )
         print("limit held" if max(executing, slots) <= limit else "LIMIT EXCEEDED")
+        ceiling = statistics.median(cpu_ceiling(r[5], cores, limit, args.seconds) for r in results)
+        print(
+            f"cpu_ceiling={ceiling:.3f}  (median: the efficiency {cores} cores allow at the measured CPU per call)"
+        )
         print(f"efficiency={ideal / elapsed:.3f}  (median; target >= 0.85)")
         if args.skip_rq:
             return
