@@ -16,12 +16,10 @@ from typing import Any
 import redis
 from redis.client import Pipeline
 
-from . import events, keys, pipes, scripts
-from .codec import raw as as_bytes
-from .codec import text, unpack
+from . import events, keys, pipes, scripts, upkeep
 from .envelope import Envelope
 from .errors import IllegalTransition, QueueFull
-from .records import CallInfo, Claimed, Step, envelope_of, job_fields, lease_deadline, rq_now, waiting_score
+from .records import CallInfo, Claimed, Step, job_fields, lease_deadline, read_record, rq_now, waiting_score
 from .states import RQ_STATUS, TERMINAL, State, sources
 
 SUBMIT_TTL = 7 * 86400
@@ -38,9 +36,9 @@ class Calls:
         self._submit = conn.register_script(scripts.SUBMIT)
         self._transition = conn.register_script(scripts.TRANSITION)
         self._claim = conn.register_script(scripts.CLAIM)
-        self._reap = conn.register_script(scripts.REAP)
-        self._spare_back = conn.register_script(scripts.SPARE_BACK)
-        self._requeue = conn.register_script(scripts.REQUEUE)
+        self._reap = conn.register_script(upkeep.REAP)
+        self._spare_back = conn.register_script(upkeep.SPARE_BACK)
+        self._requeue = conn.register_script(upkeep.REQUEUE)
         # Pub/sub is shared by every DB of a server: the scripts' wake-ups carry this DB's suffix.
         self.wake_suffix = keys.channel(conn, "")
 
@@ -378,37 +376,7 @@ class Calls:
 
     def record(self, call_id: str) -> dict[str, Any] | None:
         """The call's record as plain values (state, attempt, result, error, ...)."""
-        raw = self.conn.hgetall(keys.job(call_id))
-        if not raw:
-            return None
-        rec = {text(k): v for k, v in raw.items()}
-        out: dict[str, Any] = {
-            "call_id": call_id,
-            "state": _s(rec.get(keys.F_STATE)),
-            "attempt": int(rec.get(keys.F_ATTEMPT) or 0),
-            "seq": int(rec.get(keys.F_SEQ) or 0),
-            "kind": _s(rec.get(keys.F_KIND)),
-            "name": _s(rec.get(keys.F_TOOL)),
-            "trace_id": _s(rec.get(keys.F_TRACE)),
-            "channel": _s(rec.get(keys.F_CHANNEL)),
-            "worker": _s(rec.get(keys.F_WORKER)),
-            "queue": _s(rec.get("origin")),
-            "created_at": _s(rec.get("created_at")),
-            "ended_at": _s(rec.get("ended_at")),
-        }
-        if rec.get(keys.F_RESULT) is not None:
-            out["result"] = unpack(as_bytes(rec[keys.F_RESULT]))
-        if rec.get(keys.F_ERROR) is not None:
-            out["error"] = unpack(as_bytes(rec[keys.F_ERROR]))
-        if rec.get("data"):
-            try:
-                out["envelope"] = envelope_of(as_bytes(rec["data"]))
-            except Exception:  # noqa: BLE001 - a record with a bad payload is still a record
-                out["envelope"] = None
-        return out
-
-
-_s = text  # a Redis reply as text
+        return read_record(self.conn, call_id)
 
 
 @functools.lru_cache(maxsize=256)

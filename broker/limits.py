@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from . import keys, scripts
+from . import keys, upkeep
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,8 @@ class Limits:
 
     def __init__(self, conn: redis.Redis) -> None:
         self.conn = conn
-        self._sweep = conn.register_script(scripts.SWEEP)
-        self._due = conn.register_script(scripts.DUE)
+        self._sweep = conn.register_script(upkeep.SWEEP)
+        self._due = conn.register_script(upkeep.DUE)
         self.wake_suffix = keys.channel(conn, "")
 
     def sweep(self, grace: float, per_key: int = 200) -> int:

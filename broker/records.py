@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import keys
-from .codec import pack, unpack
+from .codec import pack, text, unpack
+from .codec import raw as as_bytes
 from .envelope import Envelope
 from .errors import DecodeError
 from .states import State
@@ -124,3 +125,35 @@ def envelope_of(data: bytes) -> Envelope:
     if not isinstance(raw, list) or len(raw) != 4 or not isinstance(raw[2], list) or not raw[2]:
         raise DecodeError("job data is not a hermes call")
     return Envelope.from_dict(raw[2][0])
+
+
+def read_record(conn: Any, call_id: str) -> dict[str, Any] | None:
+    """The call's record as plain values (state, attempt, result, error, ...)."""
+    raw = conn.hgetall(keys.job(call_id))
+    if not raw:
+        return None
+    rec = {text(k): v for k, v in raw.items()}
+    out: dict[str, Any] = {
+        "call_id": call_id,
+        "state": text(rec.get(keys.F_STATE)),
+        "attempt": int(rec.get(keys.F_ATTEMPT) or 0),
+        "seq": int(rec.get(keys.F_SEQ) or 0),
+        "kind": text(rec.get(keys.F_KIND)),
+        "name": text(rec.get(keys.F_TOOL)),
+        "trace_id": text(rec.get(keys.F_TRACE)),
+        "channel": text(rec.get(keys.F_CHANNEL)),
+        "worker": text(rec.get(keys.F_WORKER)),
+        "queue": text(rec.get("origin")),
+        "created_at": text(rec.get("created_at")),
+        "ended_at": text(rec.get("ended_at")),
+    }
+    if rec.get(keys.F_RESULT) is not None:
+        out["result"] = unpack(as_bytes(rec[keys.F_RESULT]))
+    if rec.get(keys.F_ERROR) is not None:
+        out["error"] = unpack(as_bytes(rec[keys.F_ERROR]))
+    if rec.get("data"):
+        try:
+            out["envelope"] = envelope_of(as_bytes(rec["data"]))
+        except Exception:  # noqa: BLE001 - a record with a bad payload is still a record
+            out["envelope"] = None
+    return out

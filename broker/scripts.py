@@ -1,7 +1,9 @@
-"""Lua scripts: every check-then-set on a call is one atomic script.
+"""Lua scripts of a call's way through: submit, claim, transition. Each check-then-set is one atomic script.
 
 Events are msgpack maps; a script appends ``seq`` to the map it is given, so the sequence number is
 assigned atomically with the state change and the history append, with no msgpack library in Lua.
+The scripts that put calls and slots back (reaping, sweeping, due retries, spares) are in
+``broker.upkeep``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ end
 # a slot of its concurrency key; it then holds the slot (score +inf while queued, its lease deadline once
 # claimed) until it ends or goes back to ``retrying``. Only calls holding a slot are on an RQ queue, so
 # a worker never blocks on a limit. Every push onto a queue publishes the queue's wake-up channel.
-_SLOTS = r"""
+# (Lua helpers: wake, limit_of, promote, admit; shared with ``broker.upkeep``.)
+SLOTS = r"""
 local function wake(qkey, suffix)
   redis.call('PUBLISH', 'hermes:wake:' .. string.sub(qkey, 10) .. suffix, '')
 end
@@ -87,7 +90,7 @@ end
 # ending calls.
 TRANSITION = (
     _WITH_SEQ
-    + _SLOTS
+    + SLOTS
     + r"""
 local function hand_off(slots, waiting, limit, qkey)
   while limit < 0 or redis.call('ZCARD', slots) < limit do
@@ -244,7 +247,7 @@ return {seq, st}
 # {-1, depth} queue full (depth = calls waiting for a slot of this key, spares of workers included).
 SUBMIT = (
     _WITH_SEQ
-    + _SLOTS
+    + SLOTS
     + r"""
 if ARGV[8] == '1' then
   local existing = redis.call('GET', KEYS[6])
@@ -306,131 +309,4 @@ for q = 2, #KEYS do
   end
 end
 return out
-"""
-
-# KEYS: 1 leases. ARGV: 1 now, 2 reaper lease deadline, 3 limit.
-# Takes expired leases over (pushes their deadline out so one reaper owns them) and returns
-# {call_id, state, attempt, max_attempts, queue, cancel, ckey, spare, ...} for the reaper to settle.
-REAP = r"""
-local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
-local out = {}
-for _, id in ipairs(ids) do
-  local f = redis.call('HMGET', 'rq:job:' .. id, 'h_state', 'h_attempt', 'h_max_attempts', 'h_queue', 'h_cancel', 'h_ckey',
-                       'h_spare')
-  if not f[1] then
-    redis.call('ZREM', KEYS[1], id)
-  else
-    redis.call('ZADD', KEYS[1], ARGV[2], id)
-    out[#out + 1] = id
-    for i = 1, 7 do out[#out + 1] = f[i] or '' end
-  end
-end
-return out
-"""
-
-# KEYS: 1 limits hash. ARGV: 1 cut-off (slots whose deadline is older are checked), 2 max per key,
-# 3 wake channel suffix.
-# Frees slots still held by calls that ended, went back to retrying, or vanished (a safety net: every
-# path that ends a call releases its slot in the same script), then refills; drops spare marks of calls
-# that are no longer pending spares (their record expired, say). Returns slots freed.
-SWEEP = (
-    _SLOTS
-    + r"""
-local freed = 0
-for _, ckey in ipairs(redis.call('HKEYS', KEYS[1])) do
-  local slots, waiting = 'hermes:slots:' .. ckey, 'hermes:waiting:' .. ckey
-  local stale = redis.call('ZRANGEBYSCORE', slots, '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
-  local n = 0
-  for _, id in ipairs(stale) do
-    local st = redis.call('HGET', 'rq:job:' .. id, 'h_state')
-    if not st or st == 'done' or st == 'failed' or st == 'cancelled' or st == 'retrying' then
-      redis.call('ZREM', slots, id)
-      n = n + 1
-    end
-  end
-  if n > 0 then promote(slots, waiting, KEYS[1], ckey, ARGV[3]) end
-  local spared = 'hermes:spared:' .. ckey
-  for _, id in ipairs(redis.call('ZRANGE', spared, 0, tonumber(ARGV[2]) - 1)) do
-    local f = redis.call('HMGET', 'rq:job:' .. id, 'h_state', 'h_spare')
-    if f[1] ~= 'pending' or not f[2] then redis.call('ZREM', spared, id) end  -- gone, or no longer a spare
-  end
-  if redis.call('EXISTS', slots) == 0 and redis.call('EXISTS', waiting) == 0 and redis.call('EXISTS', spared) == 0 then
-    redis.call('HDEL', KEYS[1], ckey)
-  end
-  freed = freed + n
-end
-return freed
-"""
-)
-
-# KEYS: 1 scheduled zset. ARGV: 1 now, 2 hold until, 3 max.
-# Retries that are due, held for a while by this scheduler (a dead one's become due again), with what
-# a transition needs: {call_id, state, attempt, trace, kind, tool, channel, ckey, origin, queue, ...};
-# the last element is the next due time after them ('' when none).
-DUE = r"""
-local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
-local out = {}
-for _, id in ipairs(ids) do
-  local f = redis.call('HMGET', 'rq:job:' .. id, 'h_state', 'h_attempt', 'h_trace', 'h_kind', 'h_tool',
-                       'h_channel', 'h_ckey', 'origin', 'h_queue')
-  if f[1] ~= 'retrying' then
-    redis.call('ZREM', KEYS[1], id)
-  else
-    redis.call('ZADD', KEYS[1], ARGV[2], id)
-    out[#out + 1] = id
-    for i = 1, 9 do out[#out + 1] = f[i] or '' end
-  end
-end
-local nxt = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-out[#out + 1] = nxt[2] or ''
-return out
-"""
-
-# KEYS: 1 leases, 2 limits hash. ARGV: 1 worker ('' = whichever holds them: the reaper's, for a dead
-# worker), 2 wake channel suffix, 3.. call ids.
-# Gives spares back: each call still a spare of that worker goes back to waiting at its old place and
-# the free slots of its key are filled. Returns the ids left out because a cancel was asked for them
-# (the caller ends those: their worker was to stop them; they stay leased, expired, so that the reaper
-# ends any the caller does not).
-SPARE_BACK = (
-    _SLOTS
-    + r"""
-local cancelled = {}
-for i = 3, #ARGV do
-  local id = ARGV[i]
-  local hk = 'rq:job:' .. id
-  local f = redis.call('HMGET', hk, 'h_state', 'h_spare', 'h_worker', 'h_cancel', 'h_ckey')
-  if f[1] == 'pending' and f[2] and (ARGV[1] == '' or f[3] == ARGV[1]) then
-    redis.call('HDEL', hk, 'h_spare', 'h_worker', 'worker_name')
-    if f[5] then redis.call('ZREM', 'hermes:spared:' .. f[5], id) end
-    if f[4] == '1' then
-      -- Left leased (expired at once): if the caller does not end it, the reaper does.
-      redis.call('ZADD', KEYS[1], 0, id)
-      cancelled[#cancelled + 1] = id
-    else
-      redis.call('ZREM', KEYS[1], id)
-      if f[5] then
-        local waiting = 'hermes:waiting:' .. f[5]
-        redis.call('ZADD', waiting, f[2], id)
-        promote('hermes:slots:' .. f[5], waiting, KEYS[2], f[5], ARGV[2])
-      end
-    end
-  end
-end
-return cancelled
-"""
-)
-
-# KEYS: 1 leases, 2 slots zset of its key, 3 its queue. ARGV: 1 call id, 2 wake channel.
-# A call leased but never started that still holds its slot and is ``pending``: back at the head of its
-# queue, unleased, keeping the slot. Returns 1, or 0 when it did not qualify (nothing done).
-REQUEUE = r"""
-if not redis.call('ZSCORE', KEYS[2], ARGV[1]) or redis.call('HGET', 'rq:job:' .. ARGV[1], 'h_state') ~= 'pending' then
-  return 0
-end
-redis.call('ZADD', KEYS[2], 'inf', ARGV[1])
-redis.call('LPUSH', KEYS[3], ARGV[1])
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('PUBLISH', ARGV[2], '')
-return 1
 """
