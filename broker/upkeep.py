@@ -8,25 +8,37 @@ from __future__ import annotations
 
 from .scripts import SLOTS
 
+# The entries of the zset KEYS[1] due by ARGV[1] (at most ARGV[3]) whose record's first field passes
+# ``keep``: held until ARGV[2] (so one caller owns them) and returned as {id, fields..., ...}; the others
+# leave the set.
+_TAKE_DUE = r"""
+local function take_due(fields, keep)
+  local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
+  local out = {}
+  for _, id in ipairs(ids) do
+    local f = redis.call('HMGET', 'rq:job:' .. id, unpack(fields))
+    if keep(f[1]) then
+      redis.call('ZADD', KEYS[1], ARGV[2], id)
+      out[#out + 1] = id
+      for i = 1, #fields do out[#out + 1] = f[i] or '' end
+    else
+      redis.call('ZREM', KEYS[1], id)
+    end
+  end
+  return out
+end
+"""
+
 # KEYS: 1 leases. ARGV: 1 now, 2 reaper lease deadline, 3 limit.
 # Takes expired leases over (pushes their deadline out so one reaper owns them) and returns
 # {call_id, state, attempt, max_attempts, queue, cancel, ckey, spare, ...} for the reaper to settle.
-REAP = r"""
-local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
-local out = {}
-for _, id in ipairs(ids) do
-  local f = redis.call('HMGET', 'rq:job:' .. id, 'h_state', 'h_attempt', 'h_max_attempts', 'h_queue', 'h_cancel', 'h_ckey',
-                       'h_spare')
-  if not f[1] then
-    redis.call('ZREM', KEYS[1], id)
-  else
-    redis.call('ZADD', KEYS[1], ARGV[2], id)
-    out[#out + 1] = id
-    for i = 1, 7 do out[#out + 1] = f[i] or '' end
-  end
-end
-return out
+REAP = (
+    _TAKE_DUE
+    + r"""
+return take_due({'h_state', 'h_attempt', 'h_max_attempts', 'h_queue', 'h_cancel', 'h_ckey', 'h_spare'},
+                function(state) return state end)  -- a record that is gone just leaves the set
 """
+)
 
 # KEYS: 1 limits hash. ARGV: 1 cut-off (slots whose deadline is older are checked), 2 max per key,
 # 3 wake channel suffix.
@@ -67,24 +79,16 @@ return freed
 # Retries that are due, held for a while by this scheduler (a dead one's become due again), with what
 # a transition needs: {call_id, state, attempt, trace, kind, tool, channel, ckey, origin, queue, ...};
 # the last element is the next due time after them ('' when none).
-DUE = r"""
-local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
-local out = {}
-for _, id in ipairs(ids) do
-  local f = redis.call('HMGET', 'rq:job:' .. id, 'h_state', 'h_attempt', 'h_trace', 'h_kind', 'h_tool',
-                       'h_channel', 'h_ckey', 'origin', 'h_queue')
-  if f[1] ~= 'retrying' then
-    redis.call('ZREM', KEYS[1], id)
-  else
-    redis.call('ZADD', KEYS[1], ARGV[2], id)
-    out[#out + 1] = id
-    for i = 1, 9 do out[#out + 1] = f[i] or '' end
-  end
-end
+DUE = (
+    _TAKE_DUE
+    + r"""
+local out = take_due({'h_state', 'h_attempt', 'h_trace', 'h_kind', 'h_tool', 'h_channel', 'h_ckey', 'origin', 'h_queue'},
+                     function(state) return state == 'retrying' end)
 local nxt = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
 out[#out + 1] = nxt[2] or ''
 return out
 """
+)
 
 # KEYS: 1 leases, 2 limits hash. ARGV: 1 worker ('' = whichever holds them: the reaper's, for a dead
 # worker), 2 wake channel suffix, 3.. call ids.

@@ -107,6 +107,24 @@ def test_a_raised_limit_fills_the_new_slots_at_the_next_submission(fake: Any) ->
     assert queued(fake) == ["c0", "c1", "c2"]
 
 
+def test_due_retries_are_held_for_the_caller_and_a_call_no_longer_retrying_leaves_the_schedule(fake: Any) -> None:
+    calls, limits = Calls(fake), Limits(fake)
+    now = time.time()
+    for cid, at in (("c0", now - 2), ("c1", now - 1), ("c2", now + 60)):
+        submit(calls, cid, limit=5)
+        info = CallInfo.of(env(cid), CKEY)
+        calls.transition(info, State.ROUTING, attempt=1)
+        calls.transition(info, State.RETRYING, attempt=1, current=State.ROUTING, schedule_at=at)
+    # c1 was cancelled while it waited for its next attempt: it is no retry any more.
+    calls.transition(CallInfo.of(env("c1"), CKEY), State.CANCELLED, attempt=1, current=State.RETRYING)
+    due, nxt = limits.due(hold=30)
+    assert [d.call_id for d in due] == ["c0"]
+    assert fake.zscore(keys.SCHEDULED, "c1") is None  # dropped, not held and returned again later
+    assert fake.zscore(keys.SCHEDULED, "c0") >= now + 29  # held for this caller
+    assert nxt is not None and abs(nxt - (now + 30)) < 5  # c0's hold comes first, then c2 (60 s)
+    assert limits.due(hold=30)[0] == []  # held: no other scheduler takes it meanwhile
+
+
 def test_the_sweep_frees_slots_of_calls_that_ended_and_refills(fake: Any) -> None:
     calls, limits = Calls(fake), Limits(fake)
     for i in range(3):
