@@ -1,0 +1,52 @@
+"""The benchmarks still run, small, against the test Redis, and what they check still holds.
+
+Performance itself is measured by running them in full (README, Benchmarks), never asserted here.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.e2e
+
+
+def bench(script: str, *args: str, timeout: float = 180) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, f"bench/{script}", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()
+
+
+def test_io_bound_holds_the_limit_and_prints_its_efficiency_and_cpu_ceiling(redis_url: str) -> None:
+    lines = bench("io_bound.py", "--url", redis_url, "-n", "300", "--limit", "20", "--rounds", "2", "--skip-rq")
+    rounds = [line for line in lines if line.startswith("round ")]
+    assert len(rounds) == 2
+    for line in rounds:
+        assert int(re.search(r"max_executing=(\d+)", line)[1]) <= 20  # type: ignore[index]
+        assert int(re.search(r"max_slots_held=(\d+)", line)[1]) <= 20  # type: ignore[index]
+        assert 0 < float(re.search(r"cpu_ceiling=([0-9.]+)", line)[1]) <= 1  # type: ignore[index]
+    assert "limit held" in lines
+    assert re.fullmatch(r"efficiency=[0-9.]+ +\(median; target >= 0\.85\)", lines[-1])
+
+
+def test_rq_ratelimit_compares_the_limit_a_dead_workers_slot_and_submission(redis_url: str) -> None:
+    lines = bench("rq_ratelimit.py", "--url", redis_url, "--jobs", "6", "-n", "300", "--wait", "6", "--lease", "1")
+    limit = next(line for line in lines if line.startswith("1. "))
+    assert "RQ RateLimit peak started=2 (ran 6)" in limit and "ours peak executing=2 (ran 6)" in limit
+    dead = next(line for line in lines if line.startswith("2. "))
+    ours = re.search(r"ours ([0-9.]+)s \(lease 1s", dead)
+    assert ours is not None and float(ours[1]) < 6
+    bound = next(line for line in lines if "one past the waiting bound" in line)
+    assert "ours: QueueFull" in bound
+    assert re.fullmatch(r"ratio_vs_rq=[0-9.]+", lines[-1])
