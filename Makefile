@@ -26,7 +26,7 @@ test: $(DEVSTAMP)
 
 lint: $(DEVSTAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy broker workers middleware hermes_gateway
+	$(BIN)/mypy broker workers middleware hermes_gateway bench
 
 bench: $(STAMP)
 	$(BIN)/python bench/throughput.py

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +17,20 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def broker_url(arg: str | None) -> tuple[str, Any]:
-    """The URL to use, starting the embedded broker when none is given or set."""
+@contextmanager
+def using_broker(arg: str | None) -> Iterator[str]:
+    """The Redis URL to use: ``arg``, else ``$HERMES_REDIS_URL``, else an embedded broker run for the block."""
     url = arg or os.environ.get("HERMES_REDIS_URL")
     if url:
-        return url, None
+        yield url
+        return
     from broker.embedded import EmbeddedBroker
 
     emb = EmbeddedBroker().start()
-    return emb.url, emb
+    try:
+        yield emb.url
+    finally:
+        emb.stop()
 
 
 def scratch_home(tools: list[dict[str, Any]], config: dict[str, Any] | None = None) -> Path:

@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, broker_url, scratch_home, start_workers, stop, wait_for_workers  # noqa: E402
+from bench.common import ROOT, scratch_home, start_workers, stop, using_broker, wait_for_workers  # noqa: E402
 from hermes_gateway.client import SUBMIT_CHUNK  # noqa: E402
 
 
@@ -225,8 +225,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds on the same workers (median reported)")
     parser.add_argument("--skip-rq", action="store_true", help="ours only (no ratio line)")
     args = parser.parse_args()
-    url, emb = broker_url(args.url)
-    try:
+    with using_broker(args.url) as url:
         n, limit = args.calls, args.limit
         ideal = n * args.seconds / limit
         print(
@@ -262,9 +261,6 @@ def main() -> None:
         rq_elapsed = run_rq(url, n, args.processes, args.seconds)
         print(f"stock RQ worker-pool -n {args.processes}: {rq_elapsed:.3f}s ({n / rq_elapsed:,.0f} jobs/s)")
         print(f"ratio_vs_rq={rq_elapsed / elapsed:.2f}")
-    finally:
-        if emb is not None:
-            emb.stop()
 
 
 if __name__ == "__main__":

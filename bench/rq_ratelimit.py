@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, broker_url, scratch_home, start_workers, stop, wait_for_workers  # noqa: E402
+from bench.common import ROOT, scratch_home, start_workers, stop, using_broker, wait_for_workers  # noqa: E402
 
 
 def _peak(sample: Any, done: threading.Event) -> list[int]:
@@ -253,8 +253,7 @@ def main() -> None:
     parser.add_argument("--lease", type=float, default=3.0, help="our workers' lease (seconds)")
     parser.add_argument("--url", default=None, help="Redis URL (default $HERMES_REDIS_URL, else embedded)")
     args = parser.parse_args()
-    url, emb = broker_url(args.url)
-    try:
+    with using_broker(args.url) as url:
         print(f"broker: {url}")
         rq_peak, rq_ran, rq_back = rq_limit_and_dead_slot(url, args.jobs, args.wait)
         our_peak, our_ran, our_back = ours_limit_and_dead_slot(url, args.jobs, args.wait, args.lease)
@@ -281,9 +280,6 @@ def main() -> None:
             f"   one past the waiting bound: RQ RateLimit has none (its rate_limited set grows); ours: {our_bound}"
         )
         print(f"ratio_vs_rq={our_rate / rq_rate:.2f}")
-    finally:
-        if emb is not None:
-            emb.stop()
 
 
 if __name__ == "__main__":

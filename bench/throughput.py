@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -25,7 +26,7 @@ SEED_PLUGINS = [
     "middleware-demo-tool-annotate",
 ]
 
-from bench.common import broker_url, scratch_home, start_rq_workers, start_workers, stop, wait_for_workers  # noqa: E402
+from bench.common import scratch_home, start_rq_workers, start_workers, stop, using_broker, wait_for_workers  # noqa: E402
 
 
 def run_ours(
@@ -69,13 +70,14 @@ def run_ours(
         gw = Gateway(BrokerHandle(from_url(url), url, url), load_settings(home))
         gw.sync_tools(home / "tools")
         # Warm-up: a few calls so every process has imported and connected.
-        for h in gw.map(tool["name"], [{}] * (20 * processes)):
+        name = str(tool["name"])
+        for h in gw.map(name, [{}] * (20 * processes)):
             h.result(30)
         start = time.perf_counter()
-        handles = []
+        handles: list[Any] = []
         batch = 500
         for i in range(0, n, batch):
-            handles.extend(gw.map(tool["name"], [{}] * min(batch, n - i)))
+            handles.extend(gw.map(name, [{}] * min(batch, n - i)))
         for h in handles:
             h.result(120)
         elapsed = time.perf_counter() - start
@@ -147,9 +149,8 @@ def main() -> None:
     parser.add_argument("--skip-plugins", action="store_true", help="skip the run with the example plugins")
     parser.add_argument("--skip-tracing", action="store_true", help="skip the run with tracing on")
     args = parser.parse_args()
-    url, emb = broker_url(args.url)
     runs: dict[str, list[float]] = {"rq": [], "ours": [], "plugins": [], "tracing": []}
-    try:
+    with using_broker(args.url) as url:
         print(f"broker: {url}; {args.calls} no-op calls; {args.processes} worker process(es) each side; "
               f"{args.rounds} interleaved rounds (a shared 2-core machine is noisy: medians count)")
         for r in range(1, args.rounds + 1):
@@ -173,9 +174,6 @@ def main() -> None:
             print(f"hermes-gateway + tracing (SDK, batch processor, in-memory): {traced:,.0f} calls/s (median)")
             print(f"tracing_ratio={traced / ours:.3f}  (target >= 0.75)")
         print(f"ratio_vs_rq={ours / rq_rate:.2f}")
-    finally:
-        if emb is not None:
-            emb.stop()
 
 
 if __name__ == "__main__":
