@@ -97,20 +97,29 @@ def test_the_limit_holds_across_workers_for_calls_submitted_by_several_processes
     assert conn.zcard(keys.slots("tool:slow")) == 0 and conn.zcard(keys.waiting("tool:slow")) == 0
 
 
+def _batch_on_two_workers(
+    gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any, name: str, *, limit: int, n: int, seconds: float
+) -> tuple[list[str], Any]:
+    """``n`` sleep calls of a tool with ``limit`` on two workers of 16 threads, all run to ``done`` with never
+    more than ``limit`` executing at once; (call ids, the workers)."""
+    home.sleep_tool(name, concurrency=limit, queue_size=500)
+    gateway.sync_tools()
+    pair = workers(2, concurrency=16)
+    batch = gateway.map(name, [{"seconds": seconds}] * n)
+    ids = [h.call_id for h in batch.accepted]
+    assert len(ids) == n
+    wait_until(lambda: all_terminal(conn, ids), 60, message=f"{n} calls done")
+    assert set(current(conn, ids).values()) == {"done"}
+    assert _max_overlap(_intervals(conn, ids)) <= limit
+    return ids, pair
+
+
 def test_the_slots_of_a_busy_key_are_shared_by_the_workers_not_kept_by_the_first(
     gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any
 ) -> None:
     # Every ending call hands its slot to the next waiting call on its own worker; whichever worker
     # claimed first at the start would keep all 10 slots for the whole batch without the fair share.
-    home.sleep_tool("busy", concurrency=10, queue_size=500)
-    gateway.sync_tools()
-    workers(2, concurrency=16)
-    batch = gateway.map("busy", [{"seconds": 0.03}] * 200)
-    ids = [h.call_id for h in batch.accepted]
-    assert len(ids) == 200
-    wait_until(lambda: all_terminal(conn, ids), 60, message="200 calls done")
-    assert set(current(conn, ids).values()) == {"done"}
-    assert _max_overlap(_intervals(conn, ids)) <= 10
+    ids, _ = _batch_on_two_workers(gateway, home, workers, conn, wait_until, "busy", limit=10, n=200, seconds=0.03)
     ran: dict[str, int] = {}
     for cid in ids:
         name = field(conn, cid, keys.F_WORKER)
@@ -172,15 +181,7 @@ def test_busy_workers_start_spares_on_the_slots_their_calls_free_and_the_limit_h
 ) -> None:
     # 12 slots over two workers: each runs about 6 calls of the key, enough to keep spares (the next
     # waiting calls, leased ahead of a free slot) and to start them as soon as one of its calls ends.
-    home.sleep_tool("spared", concurrency=12, queue_size=500)
-    gateway.sync_tools()
-    pair = workers(2, concurrency=16)
-    batch = gateway.map("spared", [{"seconds": 0.02}] * 300)
-    ids = [h.call_id for h in batch.accepted]
-    assert len(ids) == 300
-    wait_until(lambda: all_terminal(conn, ids), 60, message="300 calls done")
-    assert set(current(conn, ids).values()) == {"done"}
-    assert _max_overlap(_intervals(conn, ids)) <= 12
+    ids, pair = _batch_on_two_workers(gateway, home, workers, conn, wait_until, "spared", limit=12, n=300, seconds=0.02)
     wait_until(lambda: _spares_used(conn, [w.name for w in pair]) > 0, 10, message="a spare started (heartbeat figure)")
     # Nothing left behind: no slot, no waiting call, no lease, no spare mark.
     assert conn.zcard(keys.slots("tool:spared")) == 0 and conn.zcard(keys.waiting("tool:spared")) == 0
