@@ -11,7 +11,7 @@ from broker.states import State
 from tests.broker.test_limits import CKEY, env, queued, submit
 
 
-def finish(calls: Calls, cid: str, handoff: tuple[str, float] | None) -> Any:
+def finish(calls: Calls, cid: str, handoff: tuple[str, float] | tuple[str, float, str, int] | None) -> Any:
     info = CallInfo.of(env(cid), CKEY)
     current = State.PENDING
     for step in (State.ROUTING, State.EXECUTING, State.FORMATTING):

@@ -64,6 +64,18 @@ def leased_spares(fake: Any, calls: Calls, worker: str, n: int) -> list[tuple[Cl
     return out
 
 
+def cancelled_spare(fake: Any) -> tuple[Spares, str, list[list[str]]]:
+    """One spare held by worker w1's ``Spares`` whose caller asked for a cancel (``h_cancel``, what the
+    caller's cancel writes before telling the worker); (the spares, its call id, the ids it ended)."""
+    calls = Calls(fake)
+    ended: list[list[str]] = []
+    sp = Spares(calls, "w1", ended.append)
+    (spare,) = leased_spares(fake, calls, "w1", 1)
+    sp.received(CKEY, 1, [spare])
+    fake.hset(keys.job(spare[0].call_id), keys.F_CANCEL, "1")
+    return sp, spare[0].call_id, ended
+
+
 def test_a_worker_asks_for_spares_by_how_many_calls_of_the_key_it_runs(fake: Any) -> None:
     sp = Spares(Calls(fake), "w1", lambda ids: None)
     assert sp.take(CKEY, SPARE_MIN_HELD - 1) == (None, 0)  # too few calls running here: none
@@ -138,14 +150,9 @@ def test_closing_gives_every_spare_back_and_asks_for_no_more(fake: Any) -> None:
 
 
 def test_a_spare_cancelled_before_it_went_back_is_ended_by_the_worker(fake: Any) -> None:
-    calls = Calls(fake)
-    ended: list[list[str]] = []
-    sp = Spares(calls, "w1", ended.append)
-    (spare,) = leased_spares(fake, calls, "w1", 1)
-    sp.received(CKEY, 1, [spare])
-    fake.hset(keys.job(spare[0].call_id), keys.F_CANCEL, "1")
+    sp, cid, ended = cancelled_spare(fake)
     sp.give_back()
-    wait_for(lambda: ended == [[spare[0].call_id]])  # (ended on a thread of its own)
+    wait_for(lambda: ended == [[cid]])  # (ended on a thread of its own)
 
 
 def test_an_ending_call_goes_on_with_the_workers_spare_on_its_own_thread(fake: Any, worker: Any) -> None:
@@ -288,13 +295,7 @@ def test_spares_shed_by_the_worker_go_back_without_pausing_the_key(fake: Any) ->
 
 
 def test_a_cancelled_spare_ends_at_once_instead_of_waiting_for_a_slot(fake: Any) -> None:
-    calls = Calls(fake)
-    ended: list[list[str]] = []
-    sp = Spares(calls, "w1", ended.append)
-    (spare,) = leased_spares(fake, calls, "w1", 1)
-    sp.received(CKEY, 1, [spare])
-    cid = spare[0].call_id
-    fake.hset(keys.job(cid), keys.F_CANCEL, "1")  # what the caller's cancel wrote before telling us
+    sp, cid, ended = cancelled_spare(fake)
     assert sp.cancel("not-a-spare-of-ours") is False
     assert sp.cancel(cid) is True
     assert sp.call_ids() == []
