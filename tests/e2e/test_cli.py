@@ -95,3 +95,20 @@ def test_demo_runs_a_live_batch_and_ends_with_a_summary_and_the_topology(home: A
                    "latency p99", "topology", "embedded broker"):
         assert needle in out.stdout, needle
     assert "│ calls" in out.stdout and "60" in out.stdout
+
+
+def test_python_dash_m_runs_the_same_command_when_the_script_is_not_on_path(home: Any) -> None:
+    # The seed's tip for "command not found": the module form works where the script is not on PATH.
+    shutil.copy(ROOT / "examples" / "tools" / "hello.yaml", home.tools_dir / "hello.yaml")
+    env = _env(home)
+    env["PATH"] = "/usr/bin:/bin"  # no venv bin directory
+
+    def module(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "hermes_gateway", *args], env=env, capture_output=True, text=True, timeout=90)
+
+    version = module("--version")
+    assert version.returncode == 0, version.stderr
+    assert version.stdout == "hermes-gateway v0.10.0\n"
+    ran = module("tool", "run", "hello", '{"name": "Alice"}')
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout == "Hello, Alice!\n"
