@@ -116,6 +116,35 @@ def test_the_oldest_spare_is_taken_first_and_counted(fake: Any) -> None:
     assert sp.used == 2
 
 
+def test_a_later_spare_goes_back_after_its_own_wait_without_waking_the_expiry_thread(
+    fake: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(spares_mod, "SPARE_TTL", 0.3)
+    calls = Calls(fake)
+    sp = Spares(calls, "w1", lambda ids: None)
+    stopping = threading.Event()
+    sp.start(stopping)
+    try:
+        for i in range(4):
+            submit(calls, f"c{i}", limit=1, queue_size=50)
+        calls.claim(["tools"], 10, "w1", 30)
+        first, later = Calls.spared(finish(calls, "c0", ("w1", 30, "", 2)))  # c1 runs; c2, c3 spares
+        sp.received(CKEY, 1, [first])
+        time.sleep(0.15)
+        sp._wake.clear()
+        sp.received(CKEY, 1, [later])  # younger than the one the thread waits for: no wake-up needed
+        received = time.monotonic()
+        assert not sp._wake.is_set()
+        # The first goes back at its time (its old place in line), the later one only after its own wait.
+        wait_for(lambda: fake.zscore(keys.waiting(CKEY), first[0].call_id) == float(first[1]))
+        wait_for(lambda: fake.zscore(keys.waiting(CKEY), later[0].call_id) == float(later[1]))
+        assert time.monotonic() - received >= 0.29
+        assert sp.call_ids() == []
+    finally:
+        stopping.set()
+        sp.close()
+
+
 def test_a_spare_left_unused_goes_back_in_line_and_the_key_pauses(fake: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(spares_mod, "SPARE_TTL", 0.05)
     calls = Calls(fake)
