@@ -116,55 +116,57 @@ def test_the_oldest_spare_is_taken_first_and_counted(fake: Any) -> None:
     assert sp.used == 2
 
 
-def test_a_later_spare_goes_back_after_its_own_wait_without_waking_the_expiry_thread(
-    fake: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(spares_mod, "SPARE_TTL", 0.3)
-    calls = Calls(fake)
-    sp = Spares(calls, "w1", lambda ids: None)
-    stopping = threading.Event()
-    sp.start(stopping)
-    try:
-        for i in range(4):
-            submit(calls, f"c{i}", limit=1, queue_size=50)
-        calls.claim(["tools"], 10, "w1", 30)
-        first, later = Calls.spared(finish(calls, "c0", ("w1", 30, "", 2)))  # c1 runs; c2, c3 spares
-        sp.received(CKEY, 1, [first])
-        time.sleep(0.15)
-        sp._wake.clear()
-        sp.received(CKEY, 1, [later])  # younger than the one the thread waits for: no wake-up needed
-        received = time.monotonic()
-        assert not sp._wake.is_set()
-        # The first goes back at its time (its old place in line), the later one only after its own wait.
-        wait_for(lambda: fake.zscore(keys.waiting(CKEY), first[0].call_id) == float(first[1]))
-        wait_for(lambda: fake.zscore(keys.waiting(CKEY), later[0].call_id) == float(later[1]))
-        assert time.monotonic() - received >= 0.29
-        assert sp.call_ids() == []
-    finally:
+@pytest.fixture
+def expiring(fake: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[float], tuple[Calls, Spares]]]:
+    """``expiring(ttl)``: worker w1's spares on ``fake`` with their expiry thread running (``SPARE_TTL`` =
+    ttl), stopped after the test."""
+    started: list[tuple[Spares, threading.Event]] = []
+
+    def make(ttl: float) -> tuple[Calls, Spares]:
+        monkeypatch.setattr(spares_mod, "SPARE_TTL", ttl)
+        calls = Calls(fake)
+        sp = Spares(calls, "w1", lambda ids: None)
+        stopping = threading.Event()
+        sp.start(stopping)
+        started.append((sp, stopping))
+        return calls, sp
+
+    yield make
+    for sp, stopping in started:
         stopping.set()
         sp.close()
 
 
-def test_a_spare_left_unused_goes_back_in_line_and_the_key_pauses(fake: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(spares_mod, "SPARE_TTL", 0.05)
-    calls = Calls(fake)
-    sp = Spares(calls, "w1", lambda ids: None)
-    stopping = threading.Event()
-    sp.start(stopping)
-    try:
-        (spare,) = leased_spares(fake, calls, "w1", 1)
-        sp.received(CKEY, 1, [spare])
-        cid = spare[0].call_id
-        assert sp.call_ids() == [cid]
-        deadline = time.monotonic() + 5
-        while fake.zscore(keys.waiting(CKEY), cid) is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert fake.zscore(keys.waiting(CKEY), cid) == float(spare[1])  # its old place
-        assert fake.zscore(keys.LEASES, cid) is None
-        assert sp.call_ids() == []
-        assert sp.take(CKEY, 100) == (None, 0)  # paused: its calls end too seldom here
-    finally:
-        stopping.set()
+def test_a_later_spare_goes_back_after_its_own_wait_without_waking_the_expiry_thread(fake: Any, expiring: Any) -> None:
+    calls, sp = expiring(0.3)
+    for i in range(4):
+        submit(calls, f"c{i}", limit=1, queue_size=50)
+    calls.claim(["tools"], 10, "w1", 30)
+    first, later = Calls.spared(finish(calls, "c0", ("w1", 30, "", 2)))  # c1 runs; c2, c3 spares
+    sp.received(CKEY, 1, [first])
+    time.sleep(0.15)
+    sp._wake.clear()
+    sp.received(CKEY, 1, [later])  # younger than the one the thread waits for: no wake-up needed
+    received = time.monotonic()
+    assert not sp._wake.is_set()
+    # The first goes back at its time (its old place in line), the later one only after its own wait.
+    wait_for(lambda: fake.zscore(keys.waiting(CKEY), first[0].call_id) == float(first[1]))
+    wait_for(lambda: fake.zscore(keys.waiting(CKEY), later[0].call_id) == float(later[1]))
+    assert time.monotonic() - received >= 0.29
+    assert sp.call_ids() == []
+
+
+def test_a_spare_left_unused_goes_back_in_line_and_the_key_pauses(fake: Any, expiring: Any) -> None:
+    calls, sp = expiring(0.05)
+    (spare,) = leased_spares(fake, calls, "w1", 1)
+    sp.received(CKEY, 1, [spare])
+    cid = spare[0].call_id
+    assert sp.call_ids() == [cid]
+    wait_for(lambda: fake.zscore(keys.waiting(CKEY), cid) is not None)
+    assert fake.zscore(keys.waiting(CKEY), cid) == float(spare[1])  # its old place
+    assert fake.zscore(keys.LEASES, cid) is None
+    assert sp.call_ids() == []
+    assert sp.take(CKEY, 100) == (None, 0)  # paused: its calls end too seldom here
 
 
 def test_closing_gives_every_spare_back_and_asks_for_no_more(fake: Any) -> None:
