@@ -138,6 +138,23 @@ def test_grpc_unary_call_and_a_status_code(gateway: Any, home: Any, workers: Any
     assert "backend refused: INVALID_ARGUMENT" in str(err)
 
 
+def test_grpc_server_stream_reports_progress_as_events_then_the_messages(
+    gateway: Any, home: Any, workers: Any, grpc_address: str  # noqa: F811
+) -> None:
+    home.tool("count", "grpc", target=grpc_address, method=f"{SERVICE}/Count")
+    workers(1)
+    gateway.sync_tools()
+    handle = gateway.call_tool("count", {"times": 3, "name": "0.15"})
+    assert [m["message"] for m in handle.result(20)] == ["1", "2", "3"]
+    progress = [e.detail["message"] for e in handle.events() if e.type == "progress"]
+    assert [p.split(",")[0] for p in progress] == [
+        "gRPC stream: 1 message(s)",
+        "gRPC stream: 2 message(s)",
+        "gRPC stream: 3 message(s)",
+        "gRPC stream ended: 3 message(s)",
+    ]
+
+
 def test_mcp_stdio_tool_and_an_is_error_result(gateway: Any, home: Any, workers: Any) -> None:
     server = {"command": [PY, MCP_SERVER, "stdio"], "stderr": "discard"}
     home.tool("mcp_greet", "mcp", mcp=server, tool="greet")

@@ -1,4 +1,4 @@
-"""The ``grpc`` executor: unary calls described by server reflection, JSON in and JSON out.
+"""The ``grpc`` executor: unary and server-streaming calls described by server reflection, JSON in and out.
 
 Spec keys (``target`` may also come from ``executors.grpc.target``):
 
@@ -8,7 +8,10 @@ Spec keys (``target`` may also come from ``executors.grpc.target``):
 - ``max_output``: cap on the response message size in bytes (default 1 MiB).
 
 The method's message types come from the server's reflection service (cached per target), arguments
-are parsed into the request with ``json_format`` and the response comes back as a dict. gRPC status
+are parsed into the request with ``json_format`` and the response comes back as a dict. A
+server-streaming method's responses come back as a list of dicts, announced as progress events while the
+stream runs (at most one every 0.1 s, and one at its end; ``max_output`` caps their total size);
+client-streaming methods are refused. gRPC status
 codes become typed errors: DEADLINE_EXCEEDED -> ToolTimeout, INVALID_ARGUMENT -> InvalidArgs,
 UNAVAILABLE / RESOURCE_EXHAUSTED / ABORTED / INTERNAL -> retryable ExecutorError, others ExecutorError.
 """
@@ -37,6 +40,7 @@ from broker.toolspec import ToolSpec
 from .base import ExecContext
 
 DEFAULT_MAX_OUTPUT = 1024 * 1024
+STREAM_PROGRESS_EVERY = 0.1  # seconds between progress events of a response stream
 _POLL = 0.05
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -56,11 +60,11 @@ class _Target:
         else:
             self.channel = grpc.insecure_channel(address, options=options)
         self.pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(self.channel))
-        self.methods: dict[str, tuple[Any, Any, Any]] = {}
+        self.methods: dict[str, tuple[Any, Any, bool]] = {}
         self.lock = threading.Lock()
 
-    def method(self, name: str, where: str) -> tuple[Any, Any, Any]:
-        """(callable, request class, response class) for ``package.Service/Method``."""
+    def method(self, name: str, where: str) -> tuple[Any, Any, bool]:
+        """(callable, request class, whether it streams its responses) for ``package.Service/Method``."""
         found = self.methods.get(name)
         if found is not None:
             return found
@@ -78,18 +82,20 @@ class _Target:
                 ) from e
             if desc is None:
                 raise ExecutorError(f"{where}: the server does not offer {service}/{method} (via reflection)")
-            if desc.client_streaming or desc.server_streaming:
+            if desc.client_streaming:
                 raise InvalidSpec(
-                    f"{where}: {service}/{method} is a streaming method; only unary calls are supported"
+                    f"{where}: {service}/{method} streams its requests; only unary and server-streaming "
+                    "methods can be called"
                 )
             request = message_factory.GetMessageClass(desc.input_type)
             response = message_factory.GetMessageClass(desc.output_type)
-            call = self.channel.unary_unary(
+            make = self.channel.unary_stream if desc.server_streaming else self.channel.unary_unary
+            call = make(
                 f"/{service}/{method}",
                 request_serializer=request.SerializeToString,
                 response_deserializer=response.FromString,
             )
-            self.methods[name] = (call, request, response)
+            self.methods[name] = (call, request, desc.server_streaming)
         return self.methods[name]
 
 
@@ -126,7 +132,7 @@ class GrpcExecutor:
         ctx.check()
         target = self.target(address, bool(config.get("tls", False)))
         try:
-            call, request_cls, _ = target.method(name, where)
+            call, request_cls, streams = target.method(name, where)
         except HermesError:
             raise
         except grpc.RpcError as e:
@@ -137,6 +143,8 @@ class GrpcExecutor:
             request = json_format.ParseDict(args, request_cls())
         except json_format.ParseError as e:
             raise InvalidArgs(f"{where}: arguments do not fit {request_cls.DESCRIPTOR.full_name}: {e}") from e
+        if streams:
+            return _stream(call(request, timeout=ctx.remaining(), metadata=metadata or None), ctx, where, max_output)
         future = call.future(request, timeout=ctx.remaining(), metadata=metadata or None)
         while True:
             try:
@@ -163,6 +171,41 @@ class GrpcExecutor:
             for target in self._targets.values():
                 target.channel.close()
             self._targets.clear()
+
+
+def _stream(responses: Any, ctx: ExecContext, where: str, max_output: int) -> list[dict[str, Any]]:
+    """A server stream's messages as dicts, each announced as progress; cancelled with the call."""
+    ended = threading.Event()
+
+    def watch() -> None:  # the iterator blocks between messages: a cancel reaches it from here
+        while not ended.is_set():
+            if ctx.cancelled.wait(_POLL):
+                responses.cancel()
+                return
+
+    threading.Thread(target=watch, name="hermes-grpc-stream", daemon=True).start()
+    out: list[dict[str, Any]] = []
+    total, told = 0, 0.0
+    try:
+        for message in responses:
+            total += message.ByteSize()
+            if total > max_output:
+                responses.cancel()
+                raise OutputTooLarge(
+                    f"{where}: stream of {total} bytes passes the cap of {max_output}", limit=max_output
+                )
+            out.append(json_format.MessageToDict(message, preserving_proto_field_name=True))
+            if time.monotonic() - told >= STREAM_PROGRESS_EVERY:  # a long stream: not an event per message
+                told = time.monotonic()
+                ctx.progress(f"gRPC stream: {len(out)} message(s), {total} bytes so far")
+    except grpc.RpcError as e:
+        raise _translate(e, ctx, where) from e
+    finally:
+        ended.set()
+    if ctx.cancelled.is_set():
+        raise CallCancelled(f"call {ctx.call_id} was cancelled")
+    ctx.progress(f"gRPC stream ended: {len(out)} message(s), {total} bytes")
+    return out
 
 
 def _translate(e: grpc.RpcError, ctx: ExecContext, where: str) -> HermesError:

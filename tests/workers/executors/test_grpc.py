@@ -30,6 +30,12 @@ def build_pool() -> descriptor_pool.DescriptorPool:
     svc = f.service.add(name="Greeter")
     for m in ("Greet", "Fail", "Slow", "Big"):
         svc.method.add(name=m, input_type=".hermes.test.GreetRequest", output_type=".hermes.test.GreetReply")
+    svc.method.add(  # `times` replies, `name` seconds apart (at most), then ends or fails
+        name="Count", input_type=".hermes.test.GreetRequest", output_type=".hermes.test.GreetReply", server_streaming=True
+    )
+    svc.method.add(
+        name="Collect", input_type=".hermes.test.GreetRequest", output_type=".hermes.test.GreetReply", client_streaming=True
+    )
     pool = descriptor_pool.DescriptorPool()
     pool.Add(f)
     return pool
@@ -60,12 +66,32 @@ def address():
     def big(request, context):
         return Rep(message="x" * request.times)
 
+    def count(request, context):
+        pause = float(request.name) if request.name.replace(".", "").isdigit() else 0.0
+        for i in range(request.times):
+            if i and pause:
+                time.sleep(pause)
+            if not context.is_active():
+                return
+            yield Rep(message=f"{i + 1}", tags=[dict(context.invocation_metadata()).get("traceparent", "")])
+        if request.name == "fail":
+            context.abort(grpc.StatusCode.UNAVAILABLE, "stream broke")
+
+    def collect(requests, context):
+        return Rep(message=",".join(r.name for r in requests))
+
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
             fn, request_deserializer=Req.FromString, response_serializer=Rep.SerializeToString
         )
         for name, fn in (("Greet", greet), ("Fail", fail), ("Slow", slow), ("Big", big))
     }
+    handlers["Count"] = grpc.unary_stream_rpc_method_handler(
+        count, request_deserializer=Req.FromString, response_serializer=Rep.SerializeToString
+    )
+    handlers["Collect"] = grpc.stream_unary_rpc_method_handler(
+        collect, request_deserializer=Req.FromString, response_serializer=Rep.SerializeToString
+    )
     server = grpc.server(futures.ThreadPoolExecutor(8))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     reflection.enable_server_reflection((SERVICE, reflection.SERVICE_NAME), server, pool=pool)
@@ -157,3 +183,41 @@ def test_bad_method_name_is_spec_error(ex, address, make_ctx):
             {},
             make_ctx(),
         )
+
+
+def test_a_server_stream_comes_back_as_a_list_with_progress_while_it_runs(ex, address, make_ctx):
+    ctx = make_ctx(traceparent=TP)
+    out = ex.run(spec(address, "Count"), {"times": 4, "name": "0.15"}, ctx)
+    assert out == [{"message": str(i), "tags": [TP]} for i in range(1, 5)]
+    # One progress event per message here (they come 0.15 s apart), then the end.
+    assert [m.split(",")[0] for m in ctx.messages] == [f"gRPC stream: {i} message(s)" for i in range(1, 5)] + [
+        "gRPC stream ended: 4 message(s)"
+    ]
+
+
+def test_a_fast_stream_is_announced_at_most_every_tenth_of_a_second(ex, address, make_ctx):
+    ctx = make_ctx()
+    out = ex.run(spec(address, "Count"), {"times": 500}, ctx)
+    assert len(out) == 500 and out[-1]["message"] == "500"
+    assert len(ctx.messages) < 20 and ctx.messages[-1].startswith("gRPC stream ended: 500 message(s)")
+
+
+def test_a_stream_is_cancelled_timed_out_capped_and_its_errors_typed(ex, address, make_ctx):
+    ctx = make_ctx(timeout=30)
+    threading.Timer(0.3, ctx.cancelled.set).start()
+    started = time.monotonic()
+    with pytest.raises(CallCancelled):
+        ex.run(spec(address, "Count"), {"times": 100, "name": "0.1"}, ctx)
+    assert time.monotonic() - started < 2  # stopped mid-stream, not after its 10 s
+    with pytest.raises(ToolTimeout):
+        ex.run(spec(address, "Count"), {"times": 100, "name": "0.1"}, make_ctx(timeout=0.5))
+    with pytest.raises(OutputTooLarge):
+        ex.run(spec(address, "Count", max_output=50), {"times": 100}, make_ctx())
+    with pytest.raises(ExecutorError, match="stream broke") as info:
+        ex.run(spec(address, "Count"), {"times": 2, "name": "fail"}, make_ctx())
+    assert info.value.retryable is True
+
+
+def test_a_client_streaming_method_is_refused_as_a_spec_error(ex, address, make_ctx):
+    with pytest.raises(InvalidSpec, match="streams its requests"):
+        ex.run(spec(address, "Collect"), {"name": "a"}, make_ctx())
