@@ -64,6 +64,12 @@ def leased_spares(fake: Any, calls: Calls, worker: str, n: int) -> list[tuple[Cl
     return out
 
 
+def held_spare(fake: Any, w: Worker) -> tuple[Claimed, bytes]:
+    """One spare leased to worker ``w`` (named w-a) and held by its ``Spares``."""
+    (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)
+    w.spares.received(CKEY, 1, [spare])
+    return spare
+
 def cancelled_spare(fake: Any) -> tuple[Spares, str, list[list[str]]]:
     """One spare held by worker w1's ``Spares`` whose caller asked for a cancel (``h_cancel``, what the
     caller's cancel writes before telling the worker); (the spares, its call id, the ids it ended)."""
@@ -221,8 +227,7 @@ def test_a_handed_spare_leaves_the_spares_unless_a_thread_here_already_started_i
 
 def test_a_handed_call_already_running_here_frees_the_thread_that_waited_for_it(fake: Any, worker: Any) -> None:
     w = worker(16)
-    (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)
-    w.spares.received(CKEY, 1, [spare])
+    spare = held_spare(fake, w)
     assert w.spares.take(CKEY, 8)[0] is not None  # another thread went on with it
     w._slots.take(1)  # the token the ending thread kept for the call handed to it
     reply = [5, b"formatting", spare[0].call_id.encode(), spare[0].data, b"1"]
@@ -250,8 +255,7 @@ def test_an_error_out_of_a_call_run_neither_loses_the_thread_token_nor_the_spare
     fake: Any, worker: Any
 ) -> None:
     w = worker(4)
-    (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)
-    w.spares.received(CKEY, 1, [spare])
+    spare = held_spare(fake, w)
     w.core._held[CKEY] = SPARE_MIN_HELD
     ran: list[str] = []
 
@@ -272,8 +276,7 @@ def test_a_worker_over_its_floor_share_takes_no_spare_and_gives_its_spares_back(
     fake: Any, worker: Any
 ) -> None:
     w = worker(16)
-    (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)
-    w.spares.received(CKEY, 1, [spare])
+    spare = held_spare(fake, w)
     # Limit 9 over two live workers: ceil share 5, floor share 4. Holding 5, it may hand its slot on
     # through Redis but not to a spare: two workers at 5 would run 10 under a limit of 9.
     now = time.time()
@@ -347,8 +350,7 @@ def test_spares_shed_as_a_call_ends_keep_their_place_even_when_its_end_would_joi
 ) -> None:
     w = worker(8)
     w.core.calls.load_scripts()
-    (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)  # c1 on the slot (limit 1), c2 our spare, c3 waits
-    w.spares.received(CKEY, 1, [spare])
+    held_spare(fake, w)  # c1 on the slot (limit 1), c2 our spare, c3 waits
     run = _executing(w.core.calls, "c1")
     now = time.time()
     for name in ("w-a", "w-b"):  # limit 1 over two workers: holding 2, it is over its share
@@ -371,8 +373,7 @@ def test_spares_shed_as_a_call_goes_retrying_keep_their_place(
 ) -> None:
     w = worker(8)
     w.core.calls.load_scripts()
-    (spare,) = leased_spares(fake, w.core.calls, "w-a", 1)
-    w.spares.received(CKEY, 1, [spare])
+    held_spare(fake, w)
     run = _executing(w.core.calls, "c1")
     monkeypatch.setattr(retry_mod, "plan", lambda core, run, error: (5.0, retry_mod.RetryPolicy(max=3)))
     assert w.runner._retry(run, HermesError("boom"))
