@@ -114,35 +114,33 @@ def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog
         err = WorkerLost(
             f"the worker running this call was lost {attempt} time(s); no attempts left", attempts=attempt
         ).to_wire()
-        reply = calls.transition(
-            info,
-            State.FAILED,
-            attempt=attempt,
-            current=current,
-            detail={"error": err},
-            fields={keys.F_ERROR: pack(err)},
-            ttl=result_ttl,
-        )
-        if int(reply[0]) > 0:
-            _audit(audit, info, State.FAILED, attempt, err)
+        _end(calls, info, State.FAILED, current, attempt, err, result_ttl, audit)
         log.warning("worker lost mid-call, no attempts left", call_id=call_id, attempt=attempt)
 
 
 def _cancel(
     calls: Calls, info: CallInfo, current: State, attempt: int, ttl: int, audit: AuditLog | None, why: str
 ) -> None:
-    err = {"type": "cancelled", "message": why}
+    _end(calls, info, State.CANCELLED, current, attempt, {"type": "cancelled", "message": why}, ttl, audit)
+
+
+def _end(
+    calls: Calls,
+    info: CallInfo,
+    state: State,
+    current: State,
+    attempt: int,
+    err: dict[str, Any],
+    ttl: int,
+    audit: AuditLog | None,
+) -> None:
+    """End the call in ``state`` with ``err``, and write its audit record when this move was the one that
+    ended it."""
     reply = calls.transition(
-        info,
-        State.CANCELLED,
-        attempt=attempt,
-        current=current,
-        detail={"error": err},
-        fields={keys.F_ERROR: pack(err)},
-        ttl=ttl,
+        info, state, attempt=attempt, current=current, detail={"error": err}, fields={keys.F_ERROR: pack(err)}, ttl=ttl
     )
     if int(reply[0]) > 0:
-        _audit(audit, info, State.CANCELLED, attempt, err)
+        _audit(audit, info, state, attempt, err)
 
 
 def end_cancelled(calls: Calls, call_id: str, result_ttl: int, audit: AuditLog | None = None) -> None:
