@@ -81,11 +81,9 @@ def status_data(gw: Any, figures: bool = False) -> dict[str, Any]:
     for k in queue_keys:
         pipe.llen(k)
     depths = pipe.execute()
-    waiting: dict[str, int] = {}
-    for pattern in (keys.WAITING, keys.SPARED):  # spares (leased to a worker ahead of a slot) wait too
-        for k in conn.scan_iter(match=pattern.format("*"), count=500):
-            ckey = k.decode().split(":", 2)[2]
-            waiting[ckey] = waiting.get(ckey, 0) + conn.zcard(k)
+    flow = flow_control_data(conn)
+    # (every key with calls waiting has its limit recorded: the sweep drops a limit only once nothing waits)
+    waiting = {row["key"]: row["waiting"] for row in flow["concurrency"] if row["waiting"]}
     failures = []
     for raw in conn.lrange(keys.FAILURES, 0, 9):
         try:
@@ -99,7 +97,7 @@ def status_data(gw: Any, figures: bool = False) -> dict[str, Any]:
         "leased_calls": conn.zcard(keys.LEASES),
         "workers": gw.live_workers(),
         "recent_failures": failures,
-        **flow_control_data(conn),
+        **flow,
     }
     if figures:
         from hermes_gateway.watch import figures_json
