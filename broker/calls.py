@@ -17,6 +17,7 @@ import redis
 from redis.client import Pipeline
 
 from . import events, keys, pipes, scripts, upkeep
+from .codec import text
 from .envelope import Envelope
 from .errors import IllegalTransition, QueueFull
 from .records import CallInfo, Claimed, Step, job_fields, lease_deadline, read_record, rq_now, waiting_score
@@ -113,7 +114,7 @@ class Calls:
                 limit=queue_size,
                 depth=int(value),
             )
-        return code == 1, value.decode() if isinstance(value, bytes) else str(value)
+        return code == 1, text(value)
 
     # -- transitions -----------------------------------------------------------------------------
 
@@ -266,7 +267,7 @@ class Calls:
         if isinstance(reply, Exception) or len(reply) < 5 or not reply[2]:
             return None
         cid, data, attempt = reply[2], reply[3], reply[4]
-        return Claimed(cid.decode() if isinstance(cid, bytes) else str(cid), data or b"", int(attempt or 1))
+        return Claimed(text(cid), data or b"", int(attempt or 1))
 
     @staticmethod
     def spared(reply: Any) -> list[tuple[Claimed, bytes]]:
@@ -277,7 +278,7 @@ class Calls:
         out = []
         for i in range(6, len(reply) - 3, 4):
             cid, data, attempt, score = reply[i], reply[i + 1], reply[i + 2], reply[i + 3]
-            claimed = Claimed(cid.decode() if isinstance(cid, bytes) else str(cid), data or b"", int(attempt or 1))
+            claimed = Claimed(text(cid), data or b"", int(attempt or 1))
             out.append((claimed, score if isinstance(score, bytes) else str(score).encode()))
         return out
 
@@ -303,7 +304,7 @@ class Calls:
             pipes.script(self._spare_back, [keys.LEASES, keys.LIMITS], args, pipeline)
             return []
         reply = self._spare_back(keys=[keys.LEASES, keys.LIMITS], args=args)
-        return [v.decode() if isinstance(v, bytes) else str(v) for v in reply]
+        return [text(v) for v in reply]
 
     def requeue_unstarted(self, call_id: str, ckey: str, queue: str, pipeline: Pipeline | None = None) -> Any:
         """A call leased but never started, still ``pending`` and holding its slot: back at the head of its
@@ -355,9 +356,7 @@ class Calls:
         reply = self._reap(keys=[keys.LEASES], args=[now, lease_deadline(lease), limit])
         out = []
         for i in range(0, len(reply), 8):
-            cid, state, attempt, max_att, queue, cancel, ckey, spare = (
-                (v.decode() if isinstance(v, bytes) else str(v)) for v in reply[i : i + 8]
-            )
+            cid, state, attempt, max_att, queue, cancel, ckey, spare = (text(v) for v in reply[i : i + 8])
             out.append(
                 {
                     "call_id": cid,

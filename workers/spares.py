@@ -33,6 +33,7 @@ import redis
 import structlog
 
 from broker.calls import Calls
+from broker.codec import text
 from broker.records import Claimed
 
 if TYPE_CHECKING:
@@ -191,7 +192,7 @@ class Spares:
         if isinstance(cancelled, Exception):  # their leases run out; the reaper puts them back
             log.warning("could not give spares back", error=str(cancelled))
         elif cancelled:
-            ids = [c.decode() if isinstance(c, bytes) else str(c) for c in cancelled]
+            ids = [text(c) for c in cancelled]
             # Ending them takes round trips: not on the thread that called (the outbox's sender, maybe).
             threading.Thread(target=self.on_cancelled, args=(ids,), name="hermes-spares-cancel", daemon=True).start()
 
