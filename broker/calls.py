@@ -17,7 +17,7 @@ import redis
 from redis.client import Pipeline
 
 from . import events, keys, pipes, scripts, upkeep
-from .codec import text
+from .codec import raw, text
 from .envelope import Envelope
 from .errors import IllegalTransition, QueueFull
 from .records import CallInfo, Claimed, Step, job_fields, lease_deadline, read_record, rq_now, waiting_score
@@ -279,7 +279,7 @@ class Calls:
         for i in range(6, len(reply) - 3, 4):
             cid, data, attempt, score = reply[i], reply[i + 1], reply[i + 2], reply[i + 3]
             claimed = Claimed(text(cid), data or b"", int(attempt or 1))
-            out.append((claimed, score if isinstance(score, bytes) else str(score).encode()))
+            out.append((claimed, raw(score)))
         return out
 
     @staticmethod
