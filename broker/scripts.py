@@ -92,44 +92,43 @@ TRANSITION = (
     _WITH_SEQ
     + SLOTS
     + r"""
-local function hand_off(slots, waiting, limit, qkey)
-  while limit < 0 or redis.call('ZCARD', slots) < limit do
-    local top = redis.call('ZRANGE', waiting, 0, 0)
+-- The oldest waiting call, pending, of this queue: {id, its waiting score, its job fields (state, queue,
+-- data, attempt)}, dropping on the way calls no longer pending (as promote() does); nil when none waits or
+-- the oldest is on a queue this worker may not serve (promote() pushes that one).
+local function oldest(waiting, qkey)
+  while true do
+    local top = redis.call('ZRANGE', waiting, 0, 0, 'WITHSCORES')
     if #top == 0 then return nil end
-    local id = top[1]
-    local hk = 'rq:job:' .. id
-    local f = redis.call('HMGET', hk, 'h_state', 'h_queue', 'data', 'h_attempt')
+    local f = redis.call('HMGET', 'rq:job:' .. top[1], 'h_state', 'h_queue', 'data', 'h_attempt')
     if f[1] == 'pending' and f[2] then
-      if f[2] ~= qkey then return nil end  -- a queue this worker may not serve: promote() pushes it
-      redis.call('ZREM', waiting, id)
-      redis.call('ZADD', slots, ARGV[17], id)
-      redis.call('HSET', hk, 'h_worker', ARGV[16], 'worker_name', ARGV[16], 'started_at', ARGV[18])
-      redis.call('ZADD', KEYS[3], ARGV[17], id)
-      return {id, f[3], f[4]}
+      if f[2] ~= qkey then return nil end
+      redis.call('ZREM', waiting, top[1])
+      return {top[1], top[2], f}
     end
-    redis.call('ZREM', waiting, id)  -- no longer pending: dropped, as promote() does
+    redis.call('ZREM', waiting, top[1])
   end
-  return nil
+end
+-- The oldest waiting call of this queue takes the released slot, leased to the worker as CLAIM would.
+local function hand_off(slots, waiting, limit, qkey)
+  if limit >= 0 and redis.call('ZCARD', slots) >= limit then return nil end
+  local o = oldest(waiting, qkey)
+  if not o then return nil end
+  local id, f = o[1], o[3]
+  redis.call('ZADD', slots, ARGV[17], id)
+  redis.call('HSET', 'rq:job:' .. id, 'h_worker', ARGV[16], 'worker_name', ARGV[16], 'started_at', ARGV[18])
+  redis.call('ZADD', KEYS[3], ARGV[17], id)
+  return {id, f[3], f[4]}
 end
 -- The oldest waiting call of this queue, leased to the worker as a spare: it holds no slot and stays
 -- pending until the worker starts it on a slot one of its calls releases (ARGV[19] of that call's end).
 local function reserve(waiting, qkey)
-  while true do
-    local top = redis.call('ZRANGE', waiting, 0, 0, 'WITHSCORES')
-    if #top == 0 then return nil end
-    local id = top[1]
-    local hk = 'rq:job:' .. id
-    local f = redis.call('HMGET', hk, 'h_state', 'h_queue', 'data', 'h_attempt')
-    if f[1] == 'pending' and f[2] then
-      if f[2] ~= qkey then return nil end
-      redis.call('ZREM', waiting, id)
-      redis.call('HSET', hk, 'h_worker', ARGV[16], 'worker_name', ARGV[16], 'h_spare', top[2])
-      redis.call('ZADD', KEYS[3], ARGV[17], id)
-      redis.call('ZADD', KEYS[8], top[2], id)  -- still counts as waiting for the queue size
-      return {id, f[3], f[4], top[2]}
-    end
-    redis.call('ZREM', waiting, id)
-  end
+  local o = oldest(waiting, qkey)
+  if not o then return nil end
+  local id, score, f = o[1], o[2], o[3]
+  redis.call('HSET', 'rq:job:' .. id, 'h_worker', ARGV[16], 'worker_name', ARGV[16], 'h_spare', score)
+  redis.call('ZADD', KEYS[3], ARGV[17], id)
+  redis.call('ZADD', KEYS[8], score, id)  -- still counts as waiting for the queue size
+  return {id, f[3], f[4], score}
 end
 -- The worker's spare takes the slot its ending call released (only while it is still that worker's spare).
 local function take_spare(slots, id)
