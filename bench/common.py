@@ -6,8 +6,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -96,3 +97,26 @@ def wait_for_workers(conn: Any, count: int, queue: str, timeout: float = 20.0) -
             return
         time.sleep(0.05)
     raise RuntimeError(f"workers did not start on {queue}")
+
+
+class Peak:
+    """The highest value ``sample()`` returns, sampled every ``every`` seconds on a thread while the block
+    runs (``value``; read it after the block)."""
+
+    def __init__(self, sample: Callable[[], int], every: float) -> None:
+        self.sample, self.every, self.value = sample, every, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._done.is_set():
+            self.value = max(self.value, int(self.sample()))
+            time.sleep(self.every)
+
+    def __enter__(self) -> Peak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()

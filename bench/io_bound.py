@@ -15,7 +15,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections import Counter
@@ -24,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, scratch_home, start_workers, stop, using_broker, wait_for_workers  # noqa: E402
+from bench.common import ROOT, Peak, scratch_home, start_workers, stop, using_broker, wait_for_workers  # noqa: E402
 from hermes_gateway.client import SUBMIT_CHUNK  # noqa: E402
 
 
@@ -124,33 +123,22 @@ def _cpu(conn: Any, procs: list[Any]) -> tuple[float, float, float]:
 def _round(gw: Any, conn: Any, name: str, n: int, seconds: float, procs: list[Any]) -> Round:
     from broker import keys
 
-    peak = [0]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], int(conn.zcard(keys.slots(f"tool:{name}"))))
-            # A cross-check of the events' figure, every 5 ms: each sample is a round trip of this
-            # process, and sampling faster took CPU from the run it measures on a small machine.
-            time.sleep(0.005)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    cpu0 = _cpu(conn, procs)
-    start = time.perf_counter()
-    handles = []
-    for i in range(0, n, SUBMIT_CHUNK):  # batches of one pipeline: workers start on the first at once
-        handles.extend(gw.map(name, [{"seconds": seconds}] * min(SUBMIT_CHUNK, n - i)))
-    for h in handles:
-        h.result(300)
-    elapsed = time.perf_counter() - start
-    cpu = tuple((b - a) / n * 1e6 for a, b in zip(cpu0, _cpu(conn, procs), strict=True))
-    done.set()
-    sampler.join()
+    # A cross-check of the events' figure, every 5 ms: each sample is a round trip of this process, and
+    # sampling faster took CPU from the run it measures on a small machine.
+    with Peak(lambda: conn.zcard(keys.slots(f"tool:{name}")), 0.005) as peak:
+        cpu0 = _cpu(conn, procs)
+        start = time.perf_counter()
+        handles = []
+        for i in range(0, n, SUBMIT_CHUNK):  # batches of one pipeline: workers start on the first at once
+            handles.extend(gw.map(name, [{"seconds": seconds}] * min(SUBMIT_CHUNK, n - i)))
+        for h in handles:
+            h.result(300)
+        elapsed = time.perf_counter() - start
+        cpu = tuple((b - a) / n * 1e6 for a, b in zip(cpu0, _cpu(conn, procs), strict=True))
     intervals, workers = _executing_intervals(conn, [h.call_id for h in handles])
     mean = sum(e - s for s, e in intervals) / elapsed  # calls executing on average over the round
     share = sorted(workers.values(), reverse=True)
-    return elapsed, _max_overlap(intervals), peak[0], share, mean, cpu  # type: ignore[return-value]
+    return elapsed, _max_overlap(intervals), peak.value, share, mean, cpu  # type: ignore[return-value]
 
 
 def cpu_ceiling(cpu_us: tuple[float, float, float], cores: int, limit: int, seconds: float) -> float:

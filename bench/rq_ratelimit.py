@@ -22,7 +22,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -30,20 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, scratch_home, start_workers, stop, using_broker, wait_for_workers  # noqa: E402
-
-
-def _peak(sample: Any, done: threading.Event) -> list[int]:
-    """Samples ``sample()`` every 10 ms until ``done``; the peak is ``out[0]``."""
-    out = [0]
-
-    def loop() -> None:
-        while not done.is_set():
-            out[0] = max(out[0], int(sample()))
-            time.sleep(0.01)
-
-    threading.Thread(target=loop, daemon=True).start()
-    return out
+from bench.common import ROOT, Peak, scratch_home, start_workers, stop, using_broker, wait_for_workers  # noqa: E402
 
 
 def _until(check: Any, timeout: float) -> float | None:
@@ -99,12 +85,10 @@ def rq_limit_and_dead_slot(url: str, jobs: int, wait: float) -> tuple[int, int, 
     try:
         wait_for_workers(conn, 4, name, timeout=60)
         started = StartedJobRegistry(name, connection=conn)
-        done = threading.Event()
-        peak = _peak(lambda: started.count, done)
-        for _ in range(jobs):
-            q.enqueue("bench.rqjobs.sleep", 0.3, rate_limit=limit)
-        _until(lambda: q.finished_job_registry.count >= jobs, 120)
-        done.set()
+        with Peak(lambda: started.count, 0.01) as peak:
+            for _ in range(jobs):
+                q.enqueue("bench.rqjobs.sleep", 0.3, rate_limit=limit)
+            _until(lambda: q.finished_job_registry.count >= jobs, 120)
         finished = q.finished_job_registry.count
         # A worker dies while it runs a rate-limited job: its slot stays taken until RQ's maintenance
         # (every 10 minutes by default) finds the job abandoned after its execution expired.
@@ -116,7 +100,7 @@ def rq_limit_and_dead_slot(url: str, jobs: int, wait: float) -> tuple[int, int, 
         os.kill(holder.pid, signal.SIGKILL)
         registry = RateLimitRegistry(limit.key, conn)
         back = _until(lambda: job_id not in registry.get_allowed_job_ids(), wait)
-        return peak[0], finished, back
+        return peak.value, finished, back
     finally:
         stop(procs)
 
@@ -194,11 +178,9 @@ def ours_limit_and_dead_slot(url: str, jobs: int, wait: float, lease: float) -> 
         gw.sync_tools(home / "tools")
         ckey = f"tool:{tool['name']}"
         executing = lambda: conn.zcount(keys.slots(ckey), "-inf", "(inf")  # noqa: E731 - claimed slots
-        done = threading.Event()
-        peak = _peak(executing, done)
-        handles = gw.map(tool["name"], [{"seconds": 0.3}] * jobs)
-        ok = sum(1 for h in handles if h.result(120) is not None)
-        done.set()
+        with Peak(executing, 0.01) as peak:
+            handles = gw.map(tool["name"], [{"seconds": 0.3}] * jobs)
+            ok = sum(1 for h in handles if h.result(120) is not None)
         long = gw.call_tool(tool["name"], {"seconds": 30.0})
         if _until(lambda: long.state == "executing", 30) is None:
             raise RuntimeError("the long call did not start")
@@ -217,7 +199,7 @@ def ours_limit_and_dead_slot(url: str, jobs: int, wait: float, lease: float) -> 
         )
         long.cancel()
         gw.close()
-        return peak[0], ok, back
+        return peak.value, ok, back
     finally:
         stop(procs)
 
