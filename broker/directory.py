@@ -164,14 +164,27 @@ def load_spec_file(path: Path) -> ToolSpec:
         raise InvalidSpec(f"{path}: {e.message}{hint}", **e.details) from e
 
 
-def load_spec_dir(path: Path) -> list[ToolSpec]:
-    """Every ``*.yaml``/``*.yml`` spec in a directory, sorted by file name."""
+def load_spec_dir(path: Path, errors: list[InvalidSpec] | None = None) -> list[ToolSpec]:
+    """Every ``*.yaml``/``*.yml`` spec in a directory, sorted by file name.
+
+    With ``errors``, a file that does not load is appended there (its message names the file) and the
+    others still load; without, the first bad file raises.
+    """
     if not path.is_dir():
         return []
     files = sorted([*path.glob("*.yaml"), *path.glob("*.yml")])
-    return [load_spec_file(f) for f in files]
+    specs = []
+    for f in files:
+        try:
+            specs.append(load_spec_file(f))
+        except InvalidSpec as e:
+            if errors is None:
+                raise
+            errors.append(e)
+    return specs
 
 
-def sync_dir(directory: Directory, path: Path) -> list[tuple[str, int, bool]]:
-    """Register every spec file of ``path``; returns (name, version, changed) per tool."""
-    return [(spec.name, *directory.register(spec)) for spec in load_spec_dir(path)]
+def sync_dir(directory: Directory, path: Path, errors: list[InvalidSpec] | None = None) -> list[tuple[str, int, bool]]:
+    """Register every spec file of ``path``; returns (name, version, changed) per tool (``errors``: as
+    ``load_spec_dir``)."""
+    return [(spec.name, *directory.register(spec)) for spec in load_spec_dir(path, errors)]

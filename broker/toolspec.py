@@ -69,7 +69,8 @@ class ToolSpec:
         executor = data.get("executor")
         if executor not in EXECUTOR_TYPES:
             raise InvalidSpec(
-                f"{where}: executor: expected one of {', '.join(EXECUTOR_TYPES)}, got {executor!r}",
+                f"{where}: tool executor not found: {executor!r} (executor: expected one of "
+                f"{', '.join(EXECUTOR_TYPES)})",
                 path="executor",
             )
         schema = data.get("input_schema", {"type": "object"})

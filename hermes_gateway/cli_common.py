@@ -31,6 +31,14 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 
+def _sync_tools(gw: Any) -> None:
+    """Register ``$HERMES_HOME/tools``; a spec file that does not load is named on stderr and skipped."""
+    errors: list[HermesError] = []
+    gw.sync_tools(errors=errors)
+    for e in errors:
+        click.echo(f"warning: skipped {e}", err=True)
+
+
 def _event_line(ev: Any) -> str:
     label = ev.state if ev.type == "transition" else f"{ev.type}"
     extra = ""

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from broker.errors import HermesError
-from hermes_gateway.cli_common import _fail, _gateway, _print_result, _settings
+from hermes_gateway.cli_common import _fail, _gateway, _print_result, _settings, _sync_tools
 
 # -- flows (orchestration) ---------------------------------------------------------------------------
 
@@ -74,7 +74,7 @@ def flow_run(
     with _gateway(_settings(ctx)) as (gw, procs):
         if procs:
             click.echo(f"broker: {gw.description}; started {len(procs)} worker for this flow", err=True)
-        gw.sync_tools()
+        _sync_tools(gw)
         try:
             show = lambda ev: click.echo(_flow_line(ev, t0), err=True)  # noqa: E731
             outcome = run_flow(gw, f, parsed, on_event=show, wait=wait, **context)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from broker.errors import HermesError
-from hermes_gateway.cli_common import _fail, _gateway, _settings
+from hermes_gateway.cli_common import _fail, _gateway, _settings, _sync_tools
 
 # -- plugins and policy --------------------------------------------------------------------------
 
@@ -90,7 +90,7 @@ def policy_explain(ctx: click.Context, principal: str, tool_name: str) -> None:
 
     settings = _settings(ctx)
     with _gateway(settings, need_workers=False) as (gw, _):
-        gw.sync_tools()
+        _sync_tools(gw)
         try:
             spec = gw.tool(tool_name).spec
             from workers.policy_store import active

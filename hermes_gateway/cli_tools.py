@@ -7,7 +7,7 @@ import json
 import click
 
 from broker.errors import CallCancelled, CallFailed, CallTimeout, HermesError
-from hermes_gateway.cli_common import _event_line, _fail, _gateway, _print_result, _settings
+from hermes_gateway.cli_common import _event_line, _fail, _gateway, _print_result, _settings, _sync_tools
 
 # -- tools ---------------------------------------------------------------------------------------
 
@@ -26,7 +26,7 @@ def tool_list(ctx: click.Context, as_json: bool) -> None:
 
     settings = _settings(ctx)
     with _gateway(settings, need_workers=False) as (gw, _):
-        gw.sync_tools()
+        _sync_tools(gw)
         entries = gw.tools()
         states = breaker_states(gw.conn, [e.spec for e in entries], settings)
         if as_json:
@@ -37,25 +37,26 @@ def tool_list(ctx: click.Context, as_json: bool) -> None:
 
 @tool.command("run")
 @click.argument("name")
-@click.argument("args", required=False, default="{}")
+@click.argument("args", nargs=-1)
 @click.option("--follow", "-f", is_flag=True, help="Also print each state transition with its trace id.")
 @click.option("--timeout", type=float, default=None, help="Seconds to wait for the result.")
 @click.option("--session-id", default=None)
 @click.option("--principal", default=None)
 @click.pass_context
-def tool_run(ctx: click.Context, name: str, args: str, follow: bool, timeout: float | None, session_id: str | None, principal: str | None) -> None:
-    """Run one tool call: ARGS is JSON or YAML flow form, e.g. '{name: Alice}'."""
+def tool_run(ctx: click.Context, name: str, args: tuple[str, ...], follow: bool, timeout: float | None, session_id: str | None, principal: str | None) -> None:
+    """Run one tool call: ARGS is JSON or YAML flow form, e.g. '{name: Alice}' (unquoted, as in
+    `tool run hello {name: Alice}`, the shell's words are joined back with spaces)."""
     from workers.args import parse_args_text
 
     settings = _settings(ctx)
     try:
-        parsed = parse_args_text(args)
+        parsed = parse_args_text(" ".join(args) or "{}")
     except HermesError as e:
         _fail(str(e))
     with _gateway(settings) as (gw, procs):
         if procs:
             click.echo(f"broker: {gw.description}; started {len(procs)} worker for this call", err=True)
-        gw.sync_tools()
+        _sync_tools(gw)
         try:
             spec = gw.tool(name).spec
             if not procs:
@@ -104,7 +105,7 @@ def tool_show(ctx: click.Context, name: str) -> None:
     import yaml
 
     with _gateway(_settings(ctx), need_workers=False) as (gw, _):
-        gw.sync_tools()
+        _sync_tools(gw)
         try:
             entry = gw.tool(name)
         except HermesError as e:

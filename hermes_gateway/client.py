@@ -19,7 +19,7 @@ from broker.config import Settings, load_settings
 from broker.connection import BrokerHandle, connect, subscriber
 from broker.directory import Directory, Entry, sync_dir
 from broker.envelope import Envelope
-from broker.errors import HermesError, NoWorkers, QueueFull
+from broker.errors import HermesError, InvalidSpec, NoWorkers, QueueFull
 from broker.toolspec import ToolSpec
 from hermes_gateway.envelopes import check_llm_request, llm_envelope, tool_envelope, tool_limits
 from hermes_gateway.handle import Batch, CallHandle, cancel_call
@@ -105,11 +105,20 @@ class Gateway:
         version, _ = self.directory.register(spec)
         return version
 
-    def sync_tools(self, path: Any = None) -> list[tuple[str, int, bool]]:
-        """Register every spec file of ``$HERMES_HOME/tools`` (or ``path``)."""
+    def sync_tools(self, path: Any = None, errors: list[InvalidSpec] | None = None) -> list[tuple[str, int, bool]]:
+        """Register every spec file of ``$HERMES_HOME/tools`` (or ``path``).
+
+        A file that does not load is skipped, so one bad file leaves the others usable: it goes to
+        ``errors`` when given, else it is logged as a warning.
+        """
         from pathlib import Path
 
-        return sync_dir(self.directory, Path(path) if path else self.settings.tools_dir)
+        bad: list[InvalidSpec] = [] if errors is None else errors
+        done = sync_dir(self.directory, Path(path) if path else self.settings.tools_dir, bad)
+        if errors is None:
+            for e in bad:
+                log.warning("tool spec skipped", error=str(e))
+        return done
 
     def tool(self, name: str) -> Entry:
         return self.directory.get(name)

@@ -90,6 +90,17 @@ def test_a_bad_spec_is_refused_before_it_reaches_redis(fake: Any) -> None:
     assert fake.dbsize() == 0
 
 
+def test_a_bad_spec_file_is_collected_and_the_others_still_register(tmp_path: Path, fake: Any) -> None:
+    (tmp_path / "a.yaml").write_text("name: a\nexecutor: command\ncommand: echo hi\n")
+    (tmp_path / "b.yaml").write_text("name: b\nexecutor: ftp\n")
+    (tmp_path / "c.yaml").write_text("name: [unclosed\n")
+    with pytest.raises(InvalidSpec, match="b.yaml.*tool executor not found: 'ftp'"):
+        sync_dir(Directory(fake), tmp_path)  # without a collector the first bad file raises
+    errors: list[InvalidSpec] = []
+    assert sync_dir(Directory(fake), tmp_path, errors) == [("a", 1, True)]
+    assert [str(tmp_path / f) in str(e) for e, f in zip(errors, ["b.yaml", "c.yaml"], strict=True)] == [True, True]
+
+
 def test_spec_files_load_sorted_and_errors_name_the_file(tmp_path: Path, fake: Any) -> None:
     (tmp_path / "b.yaml").write_text("name: b\nexecutor: command\ncommand: echo hi\n")
     (tmp_path / "a.yml").write_text("name: a\nexecutor: python\nfunction: workers.executors.builtin:noop\n")

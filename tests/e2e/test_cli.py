@@ -49,6 +49,27 @@ def test_the_seeds_hello_runs_on_the_embedded_broker_without_any_redis_url(home:
     assert len(trace_ids) == 1 and len(trace_ids.pop()) == 32
 
 
+def test_unquoted_args_as_the_shell_splits_them_and_a_bad_spec_file_spoils_only_itself(
+    redis_url: str, home: Any, workers: Any
+) -> None:
+    shutil.copy(ROOT / "examples" / "tools" / "hello.yaml", home.tools_dir / "hello.yaml")
+    (home.tools_dir / "ftp.yaml").write_text("name: fetch\nexecutor: ftp\n")
+    workers(1)
+    env = _env(home, HERMES_REDIS_URL=redis_url)
+
+    # The seed's `hermes tool run hello {name: Alice}` typed without quotes: the shell gives two words.
+    ran = _run(["tool", "run", "hello", "{name:", "Alice}"], env)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout == "Hello, Alice!\n"
+    assert "ftp.yaml" in ran.stderr and "tool executor not found: 'ftp'" in ran.stderr
+
+    listed = _run(["tool", "list", "--json"], env)
+    assert listed.returncode == 0, listed.stderr
+    names = {t["name"] for t in json.loads(listed.stdout)}
+    assert "hello" in names and "fetch" not in names
+    assert "warning: skipped" in listed.stderr and "ftp.yaml" in listed.stderr
+
+
 def test_tool_run_says_at_once_when_no_worker_listens(redis_url: str, home: Any) -> None:
     shutil.copy(ROOT / "examples" / "tools" / "hello.yaml", home.tools_dir / "hello.yaml")
     started = time.monotonic()
