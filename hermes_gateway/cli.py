@@ -31,6 +31,9 @@ def main(ctx: click.Context, home: str | None, log_level: str | None, log_format
     """Hermes Gateway: LLM and tool calls through Redis and RQ worker pools."""
     try:
         settings = load_settings(home)
+        from workers.policy import Policy
+
+        Policy.from_settings(settings.policy)  # a bad policy is a clear error here, not a worker that dies
     except HermesError as e:
         _fail(str(e))
     configure(log_level or settings.log_level, log_format or settings.log_format)

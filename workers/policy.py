@@ -38,6 +38,9 @@ from broker.toolspec import ToolSpec
 PERMISSIVE = "permissive"
 STRICT = "strict"
 MODES = (PERMISSIVE, STRICT)
+# The seed's names for the two modes: its "whitelist" lets undeclared tools run, its "blacklist" refuses
+# every tool not explicitly granted (it calls that the strict mode too).
+MODE_ALIASES = {"whitelist": PERMISSIVE, "白名单": PERMISSIVE, "blacklist": STRICT, "黑名单": STRICT, "严格模式": STRICT}
 ANONYMOUS = "anonymous"
 ALL_TAGS = "*"
 POLICY_VERSION = 1
@@ -126,8 +129,12 @@ class Policy:
                 f"policy: unknown key(s) {sorted(unknown)}; expected some of {sorted(_TOP_KEYS)}"
             )
         mode = data.get("mode", PERMISSIVE)
+        mode = MODE_ALIASES.get(mode, mode) if isinstance(mode, str) else mode
         if mode not in MODES:
-            raise ConfigError(f"policy.mode: expected one of {MODES}, got {mode!r}")
+            raise ConfigError(
+                f"policy.mode: expected one of {MODES} (or the seed's whitelist = permissive, blacklist = "
+                f"strict), got {mode!r}"
+            )
         default_principal = data.get("default_principal") or ANONYMOUS
         if not isinstance(default_principal, str):
             raise ConfigError("policy.default_principal: expected a string")
@@ -275,7 +282,7 @@ class Policy:
         decision = self.check(principal, spec, args)
         if not decision.allowed:
             raise PermissionDenied(
-                decision.message,
+                f"permission denied: {decision.message}",  # the seed's words for this refusal
                 tool=decision.tool,
                 principal=decision.principal,
                 missing=list(decision.missing),

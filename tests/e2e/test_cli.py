@@ -70,6 +70,16 @@ def test_unquoted_args_as_the_shell_splits_them_and_a_bad_spec_file_spoils_only_
     assert "warning: skipped" in listed.stderr and "ftp.yaml" in listed.stderr
 
 
+def test_a_bad_policy_in_config_is_a_clear_error_at_once_not_a_worker_that_never_starts(home: Any) -> None:
+    shutil.copy(ROOT / "examples" / "tools" / "hello.yaml", home.tools_dir / "hello.yaml")
+    (home.path / "config.yaml").write_text("policy:\n  mode: greylist\n")
+    started = time.monotonic()
+    out = _run(["tool", "run", "hello", "{name: Alice}"], _env(home), timeout=30)
+    assert out.returncode == 2
+    assert "policy.mode: expected one of" in out.stderr and "greylist" in out.stderr
+    assert time.monotonic() - started < 10
+
+
 def test_tool_run_says_at_once_when_no_worker_listens(redis_url: str, home: Any) -> None:
     shutil.copy(ROOT / "examples" / "tools" / "hello.yaml", home.tools_dir / "hello.yaml")
     started = time.monotonic()

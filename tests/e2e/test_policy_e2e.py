@@ -136,6 +136,7 @@ def test_permissive_and_strict_judge_the_same_directory_and_a_push_reaches_runni
     for _ in range(4):  # several calls, so both workers judge one
         err = denied(gateway.call_tool("open", {}, principal="reader"))
         assert err.details["rule"] == "mode.strict" and err.details["tool"] == "open"
+        assert str(err).startswith("permission denied: ")  # the seed's pitfall 3, in its words
     assert gateway.call_tool("free", {}).result(20) is None
     assert gateway.call_tool("read", {}, principal="reader").result(20) is None
     shown = cli(redis_url, home, "policy", "show")

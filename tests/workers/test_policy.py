@@ -260,3 +260,11 @@ def test_from_settings_reads_the_policy_section_of_config_yaml(tmp_path: Any, mo
     assert p.check("agent-a", WRITE).allowed
     assert p.check("agent-a", spec("dangerous", [])).rule == "deny_tools"
     assert Policy.from_settings({}).mode == "permissive"
+
+
+def test_the_seeds_mode_names_are_aliases_and_an_unknown_mode_names_the_choices() -> None:
+    assert Policy.from_dict({"mode": "blacklist"}).mode == STRICT
+    assert Policy.from_dict({"mode": "whitelist"}).mode == "permissive"
+    assert not Policy.from_dict({"mode": "blacklist"}).check(None, spec("open")).allowed
+    with pytest.raises(ConfigError, match="policy.mode: expected one of .*got 'greylist'"):
+        Policy.from_dict({"mode": "greylist"})
