@@ -87,7 +87,11 @@ class GuardPolicy:
             return None
         for candidate in _embedded(ip):
             if not candidate.is_global or candidate.is_multicast:
-                return f"{candidate} is not a public address ({_kind(candidate)})"
+                return (
+                    f"{candidate} is not a public address ({_kind(candidate)}); to reach an internal "
+                    f"service, allow it in config.yaml: executors.http.allow_networks: [\"{_net_of(candidate)}\"] "
+                    f"or allow_hosts: [\"{host}\"]"
+                )
         return None
 
 
@@ -104,6 +108,10 @@ def _embedded(ip: IPAddress) -> list[IPAddress]:
         if ip in _NAT64:
             out.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
     return out
+
+
+def _net_of(ip: IPAddress) -> str:
+    return f"{ip}/{ip.max_prefixlen}"
 
 
 def _kind(ip: IPAddress) -> str:

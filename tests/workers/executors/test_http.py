@@ -255,6 +255,15 @@ def test_ssrf_corpus_is_refused_and_never_connects(guarded, canary, make_ctx):
     assert canary.connections == 0 and canary.requests == []
 
 
+def test_a_loopback_refusal_says_how_to_allow_the_service(guarded, make_ctx):
+    # The seed's get_weather points at 127.0.0.1:8081: the refusal tells the operator the setting to use.
+    with pytest.raises(DestinationBlocked) as info:
+        guarded.run(spec(endpoint="http://127.0.0.1:8081/weather"), {}, make_ctx())
+    message = str(info.value)
+    assert "127.0.0.1 is not a public address (loopback)" in message
+    assert 'executors.http.allow_networks: ["127.0.0.1/32"]' in message and 'allow_hosts: ["127.0.0.1"]' in message
+
+
 def test_redirects_to_private_addresses_are_refused(server, canary, make_ctx):
     # Only the first hop's host is allowed; every redirect target must pass the guard on its own.
     executor = httpexec.create({"allow_hosts": ["127.0.0.1"]})
