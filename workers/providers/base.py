@@ -22,7 +22,29 @@ _MODULES: dict[str, str] = {
     "openai_compat": "openai_compat",
     "openai": "openai_compat",
     "custom": "openai_compat",
+    "deepseek": "openai_compat",
+    "ollama": "openai_compat",
+    "vllm": "openai_compat",
+    "lmstudio": "openai_compat",
+    "llamacpp": "openai_compat",
+    "llama.cpp": "openai_compat",
 }
+
+# Where a named server listens by default, used when ``model.base_url`` is not given.
+DEFAULT_BASE_URLS: dict[str, str] = {
+    "deepseek": "https://api.deepseek.com/v1",
+    "ollama": "http://127.0.0.1:11434/v1",
+    "vllm": "http://127.0.0.1:8000/v1",
+    "lmstudio": "http://127.0.0.1:1234/v1",
+    "llamacpp": "http://127.0.0.1:8080/v1",
+    "llama.cpp": "http://127.0.0.1:8080/v1",
+}
+
+
+def base_url_of(settings_model: dict[str, Any]) -> str:
+    """``model.base_url``, else the named provider's default address ('' when neither)."""
+    given = str(settings_model.get("base_url") or "")
+    return given or DEFAULT_BASE_URLS.get(str(settings_model.get("provider") or "").strip().lower(), "")
 
 
 @dataclass
@@ -82,7 +104,7 @@ def _cache_key(settings_model: dict[str, Any]) -> tuple[str, str, str]:
     api_key = str(settings_model.get("api_key") or "")
     digest = hashlib.sha256(api_key.encode()).hexdigest()[:16] if api_key else ""
     module = provider_module(str(settings_model.get("provider") or ""))
-    return (module, str(settings_model.get("base_url") or ""), digest)
+    return (module, base_url_of(settings_model), digest)
 
 
 def create(settings_model: dict[str, Any]) -> Provider:

@@ -19,7 +19,7 @@ import structlog
 
 from broker.errors import CallCancelled, ConfigError, ProviderError, ProviderTimeout
 
-from .base import ProviderContext
+from .base import ProviderContext, base_url_of
 from .exchange import Exchange
 from .retry import is_retryable_status, parse_retry_after
 from .stream import DONE, StreamAssembler, sse_data
@@ -46,7 +46,10 @@ class OpenAICompatProvider:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         if not base_url:
-            raise ConfigError("model.base_url is required for an openai-compatible provider")
+            raise ConfigError(
+                "model.base_url is required for an openai-compatible provider (ollama, vllm, lmstudio, "
+                "llamacpp and deepseek as model.provider have a default address)"
+            )
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.timeout = float(timeout)
@@ -258,7 +261,7 @@ def _deltas_of(completion: dict[str, Any]) -> list[dict[str, Any]]:
 def create(settings_model: dict[str, Any]) -> OpenAICompatProvider:
     """Build the provider from a ``model:`` settings block."""
     return OpenAICompatProvider(
-        base_url=str(settings_model.get("base_url") or ""),
+        base_url=base_url_of(settings_model),
         api_key=str(settings_model.get("api_key") or ""),
         model=str(settings_model.get("model") or ""),
         timeout=float(settings_model.get("timeout") or 120.0),

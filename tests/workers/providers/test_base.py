@@ -56,3 +56,16 @@ def test_context_check_raises_cancelled_then_timeout():
     late = base.ProviderContext(call_id="c", timeout=1, started=0.0)
     with pytest.raises(ProviderTimeout):
         late.check()
+
+
+def test_local_servers_by_name_get_their_default_address_and_a_given_one_wins():
+    ollama = base.create({"provider": "ollama", "model": "qwen2.5"})
+    assert isinstance(ollama, OpenAICompatProvider) and ollama.base_url == "http://127.0.0.1:11434/v1"
+    assert base.create({"provider": "DeepSeek"}).base_url == "https://api.deepseek.com/v1"
+    assert base.create({"provider": "vllm", "base_url": "http://10.0.0.5:9000/v1/"}).base_url == "http://10.0.0.5:9000/v1"
+    # the cache key follows the address actually used
+    assert base.get_provider({"provider": "ollama"}) is base.get_provider({"provider": "openai", "base_url": "http://127.0.0.1:11434/v1"})
+    with pytest.raises(ConfigError, match="model.base_url is required.*ollama"):
+        base.create({"provider": "openai-compatible"})
+    with pytest.raises(ConfigError, match="unknown model provider 'telepathy'"):
+        base.create({"provider": "telepathy"})
