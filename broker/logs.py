@@ -51,11 +51,25 @@ def info_enabled() -> bool:
     return _level <= logging.INFO
 
 
+_json = False  # whether configure() chose JSON lines
+
+
+def debug_enabled() -> bool:
+    """Whether configure() asked for DEBUG lines."""
+    return _level <= logging.DEBUG
+
+
+def json_lines() -> bool:
+    """Whether log lines are JSON (``--log-format json``): a command's notices on stderr are then log lines too."""
+    return _json
+
+
 def configure(level: str = "INFO", fmt: str = "console", stream: Any = None) -> None:
     """Configure structlog and stdlib logging once per process."""
-    global _level
+    global _level, _json
     lvl = getattr(logging, str(level).upper(), logging.INFO)
     _level = lvl
+    _json = fmt == "json"
     renderer: Any
     if fmt == "json":
         renderer = structlog.processors.JSONRenderer()
@@ -76,10 +90,49 @@ def configure(level: str = "INFO", fmt: str = "console", stream: Any = None) -> 
         logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
         cache_logger_on_first_use=False,
     )
-    logging.basicConfig(level=max(lvl, logging.WARNING), stream=stream or sys.stderr)
-    for handler in logging.getLogger().handlers:
-        if not any(isinstance(f, RedactFilter) for f in handler.filters):
-            handler.addFilter(RedactFilter())
+    # Records of stdlib loggers (plugins, libraries) come out in the same format: JSON lines in JSON mode.
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, "hermes_handler", False)]:
+        root.removeHandler(old)  # configure() again (another level or format) replaces our handler
+    if not root.handlers:
+        handler = logging.StreamHandler(stream or sys.stderr)
+        handler.hermes_handler = True  # type: ignore[attr-defined]
+        handler.setFormatter(
+            structlog.stdlib.ProcessorFormatter(
+                processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, redact_event, renderer],
+                foreign_pre_chain=[
+                    structlog.stdlib.add_logger_name,
+                    structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso", utc=True),
+                    _record_extras,
+                ],
+            )
+        )
+        # Our loggers and plugins' follow the configured level; libraries' stay at WARNING.
+        handler.addFilter(_QuietLibraries())
+        root.addHandler(handler)
+        root.setLevel(lvl)
+    for each in root.handlers:
+        if not any(isinstance(f, RedactFilter) for f in each.filters):
+            each.addFilter(RedactFilter())
+
+
+def _record_extras(logger: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """A stdlib record's fields (``extra={"hermes": {...}}``) and its traceback, which ``RedactFilter``
+    has already formatted and scrubbed into ``exc_text``."""
+    record = event_dict.get("_record")
+    fields = getattr(record, "hermes", None)
+    if isinstance(fields, Mapping):
+        for key, value in fields.items():
+            event_dict.setdefault(str(key), value)
+    if record is not None and record.exc_text:
+        event_dict["exception"] = record.exc_text
+    return event_dict
+
+
+class _QuietLibraries(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.name.startswith(("hermes.", "hermes_plugins"))
 
 
 class RedactFilter(logging.Filter):

@@ -18,6 +18,7 @@ from broker.audit import AuditRecord
 from broker.audit_store import AuditLog
 from broker.config import Settings
 from broker.errors import HermesError
+from hermes_gateway.cli_common import _fail, _note
 
 STATES = ("done", "failed", "cancelled")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
@@ -53,11 +54,6 @@ class When(click.ParamType):
 
 def _settings(ctx: click.Context) -> Settings:
     return ctx.find_root().obj["settings"]
-
-
-def _fail(message: str, code: int = 2) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)
 
 
 @contextlib.contextmanager
@@ -117,7 +113,7 @@ def audit_list(
     for rec in records:
         click.echo(rec.to_json() if as_json else _line(rec))
     if not records and not as_json:
-        click.echo("no audit records match", err=True)
+        _note("no audit records match")
 
 
 @audit.command("show")
@@ -240,4 +236,4 @@ def audit_export(
         fp = stack.enter_context(open(output, "w", encoding="utf-8")) if output else sys.stdout
         n = log.export(fp, tool=tool, principal=principal, state=state, since=since, until=until)
         fp.flush()
-    click.echo(f"exported {n} record(s)" + (f" to {output}" if output else ""), err=True)
+    _note(f"exported {n} record(s)" + (f" to {output}" if output else ""))

@@ -25,8 +25,20 @@ def _print_result(result: Any) -> None:
         click.echo(json.dumps(result, ensure_ascii=False, indent=2, default=str))
 
 
+def _note(message: str, level: str = "info") -> None:
+    """A notice for the user on stderr: plain text, or a log line in JSON mode (so `2>&1 | jq` works)."""
+    from broker.logs import json_lines
+
+    if json_lines():
+        import structlog
+
+        getattr(structlog.get_logger("hermes.cli"), level)(message)
+    else:
+        click.echo(message if level == "info" else f"{level}: {message}", err=True)
+
+
 def _fail(message: str, code: int = 2) -> None:
-    click.echo(f"error: {message}", err=True)
+    _note(message, "error")
     sys.exit(code)
 
 
@@ -36,7 +48,7 @@ def _sync_tools(gw: Any) -> None:
     errors: list[HermesError] = []
     gw.sync_tools(errors=errors)
     for e in errors:
-        click.echo(f"warning: skipped {e}", err=True)
+        _note(f"skipped {e}", "warning")
 
 
 def _event_line(ev: Any) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from broker.errors import HermesError
-from hermes_gateway.cli_common import _fail, _gateway, _print_result, _settings, _sync_tools
+from hermes_gateway.cli_common import _fail, _gateway, _note, _print_result, _settings, _sync_tools
 
 # -- flows (orchestration) ---------------------------------------------------------------------------
 
@@ -73,14 +73,14 @@ def flow_run(
     t0 = time.time()
     with _gateway(_settings(ctx)) as (gw, procs):
         if procs:
-            click.echo(f"broker: {gw.description}; started {len(procs)} worker for this flow", err=True)
+            _note(f"broker: {gw.description}; started {len(procs)} worker for this flow")
         _sync_tools(gw)
         try:
-            show = lambda ev: click.echo(_flow_line(ev, t0), err=True)  # noqa: E731
+            show = lambda ev: _note(_flow_line(ev, t0))  # noqa: E731
             outcome = run_flow(gw, f, parsed, on_event=show, wait=wait, **context)
         except HermesError as e:
             _fail(f"{e.type}: {e}")
-    click.echo(f"flow {f.name}: {outcome.state} in {time.time() - t0:.3f}s", err=True)
+    _note(f"flow {f.name}: {outcome.state} in {time.time() - t0:.3f}s")
     _print_result(outcome.to_dict() if as_json else outcome.result)
     if outcome.state != "done":
         err = outcome.error or {}

@@ -7,7 +7,15 @@ import json
 import click
 
 from broker.errors import CallCancelled, CallFailed, CallTimeout, HermesError
-from hermes_gateway.cli_common import _event_line, _fail, _gateway, _print_result, _settings, _sync_tools
+from hermes_gateway.cli_common import (
+    _event_line,
+    _fail,
+    _gateway,
+    _note,
+    _print_result,
+    _settings,
+    _sync_tools,
+)
 
 # -- tools ---------------------------------------------------------------------------------------
 
@@ -55,7 +63,7 @@ def tool_run(ctx: click.Context, name: str, args: tuple[str, ...], follow: bool,
         _fail(str(e))
     with _gateway(settings) as (gw, procs):
         if procs:
-            click.echo(f"broker: {gw.description}; started {len(procs)} worker for this call", err=True)
+            _note(f"broker: {gw.description}; started {len(procs)} worker for this call")
         _sync_tools(gw)
         try:
             spec = gw.tool(name).spec
@@ -65,7 +73,7 @@ def tool_run(ctx: click.Context, name: str, args: tuple[str, ...], follow: bool,
             handle = gw.call_tool(name, parsed, timeout=timeout, **context)
             if follow:
                 for ev in handle.events(timeout=timeout):
-                    click.echo(_event_line(ev), err=True)
+                    _note(_event_line(ev))
             result = handle.result(timeout)
         except CallCancelled as e:
             _fail(f"cancelled: {e}", 1)

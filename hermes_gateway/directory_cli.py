@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 from dataclasses import asdict
 from typing import Any
 
@@ -12,15 +11,11 @@ import click
 
 from broker.config import Settings
 from broker.errors import HermesError
+from hermes_gateway.cli_common import _fail, _note
 
 
 def _settings(ctx: click.Context) -> Settings:
     return ctx.find_root().obj["settings"]
-
-
-def _fail(message: str, code: int = 2) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)
 
 
 def _stack(settings: Settings) -> Any:
@@ -77,10 +72,9 @@ def migrate(ctx: click.Context, force: bool, dry_run: bool, no_rewrite: bool, as
     summary = ", ".join(f"{n} {status}" for status, n in counts.items())
     click.echo(f"{'dry run: ' if dry_run else ''}{summary}")
     if embedded:
-        click.echo(
+        _note(
             "note: the embedded broker lasts only for this command; the specs were written to "
-            f"{settings.tools_dir} so every command loads them. Set HERMES_REDIS_URL to fill a shared directory.",
-            err=True,
+            f"{settings.tools_dir} so every command loads them. Set HERMES_REDIS_URL to fill a shared directory."
         )
 
 

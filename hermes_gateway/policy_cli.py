@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
@@ -14,17 +13,13 @@ import yaml
 
 from broker.config import Settings
 from broker.errors import ConfigError, HermesError
+from hermes_gateway.cli_common import _fail
 from workers import policy_store
 from workers.policy import Policy
 
 
 def _settings(ctx: click.Context) -> Settings:
     return ctx.find_root().obj["settings"]
-
-
-def _fail(message: str, code: int = 2) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)
 
 
 def _connect(settings: Settings) -> Any:

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import structlog
+from .logs import get_logger
 
 if TYPE_CHECKING:
     from middleware.registry import MiddlewareRegistry
 
-log = structlog.get_logger("hermes.middleware")
+log = get_logger()
 
 
 class PluginContext:

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import structlog
 import yaml
 
-log = structlog.get_logger("hermes.middleware")
+from .logs import get_logger
+
+log = get_logger()
 
 ENTRY_POINTS_GROUP = "hermes_agent.plugins"
 PLUGIN_KINDS = frozenset({"standalone", "backend", "exclusive", "platform", "model-provider"})

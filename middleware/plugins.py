@@ -12,15 +12,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from middleware.config import plugin_lists, read_config
+from middleware.logs import get_logger
 from middleware.manifest import PluginInfo, PluginManifest, discover, group_entry_points, resolve_home
 from middleware.registry import MiddlewareRegistry
 from middleware.reporter import FailureReporter
 from middleware.runtime import MiddlewareRuntime
 
-log = structlog.get_logger("hermes.middleware")
+log = get_logger()
 
 # Directory plugins import as hermes_plugins.<slug>, the namespace Hermes uses, so relative imports
 # inside a plugin package work the same under both runtimes.

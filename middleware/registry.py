@@ -7,16 +7,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import structlog
-
 from middleware.kinds import KINDS, VALID_HOOKS
+from middleware.logs import get_logger
 from middleware.reporter import FailureReporter, callback_label
 
 if TYPE_CHECKING:
     from middleware.context import PluginContext
     from middleware.runtime import MiddlewareRuntime
 
-log = structlog.get_logger("hermes.middleware")
+log = get_logger()
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,9 +6,9 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-import structlog
+from .logs import get_logger
 
-log = structlog.get_logger("hermes.middleware")
+log = get_logger()
 
 
 def callback_label(callback: Any) -> str:

@@ -6,15 +6,14 @@ from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import structlog
-
 from middleware.kinds import PAYLOAD_KEY, middleware_payload, trace_entry
+from middleware.logs import get_logger
 
 if TYPE_CHECKING:
     from middleware.registry import Registration
     from middleware.reporter import FailureReporter
 
-log = structlog.get_logger("hermes.middleware")
+log = get_logger()
 
 
 @dataclass(frozen=True, slots=True)

@@ -112,3 +112,39 @@ def test_console_lines_are_human_readable_and_the_level_filters(bound: None) -> 
     (line,) = stream.getvalue().splitlines()
     assert not line.startswith("{") and "call finished" in line and "[warning" in line
     assert "error_type=executor_error" in line and f"span_id={CALL['span_id']}" in line
+
+
+def test_in_json_mode_stdlib_records_are_json_lines_too_with_their_fields_scrubbed(out: io.StringIO) -> None:
+    # `logging.level: DEBUG` + `--log-format json` (the seed's tip): every line parses, plugins' included.
+    logging.getLogger("hermes_plugins.demo").warning("plugin says %s", "hi")
+    logging.getLogger("hermes.middleware").warning(
+        "tool_request callback failed", extra={"hermes": {"error_type": "KeyError", "error": f"bad {KEY}"}}
+    )
+    try:
+        raise ValueError("nope")
+    except ValueError:
+        logging.getLogger("hermes_plugins.demo").exception("it failed")
+    lines = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [(x["logger"], x["level"], x["event"]) for x in lines] == [
+        ("hermes_plugins.demo", "warning", "plugin says hi"),
+        ("hermes.middleware", "warning", "tool_request callback failed"),
+        ("hermes_plugins.demo", "error", "it failed"),
+    ]
+    assert lines[1]["error_type"] == "KeyError" and KEY not in lines[1]["error"] and "***" in lines[1]["error"]
+    assert "ValueError: nope" in lines[2]["exception"] and all(x["timestamp"].endswith("Z") for x in lines)
+
+
+def test_debug_reaches_our_loggers_but_libraries_stay_at_warning() -> None:
+    stream = io.StringIO()
+    root = logging.getLogger()
+    saved, level = root.handlers[:], root.level
+    root.handlers = []
+    try:
+        configure("DEBUG", "json", stream=stream)
+        logging.getLogger("hermes_plugins.demo").debug("ours")
+        logging.getLogger("httpx").debug("theirs")
+    finally:
+        root.handlers = saved
+        root.setLevel(level)
+        structlog.reset_defaults()
+    assert [json.loads(x)["event"] for x in stream.getvalue().splitlines()] == ["ours"]

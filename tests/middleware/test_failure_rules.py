@@ -214,3 +214,42 @@ def test_failing_hooks_are_fail_open(registry: MiddlewareRegistry, logs: list) -
     assert run(registry, Counter()) == "result"
     assert len(warnings_of(logs)) == 3
     assert registry.runtime().emit("pre_tool_call", tool_name="t") == []
+
+
+STDLIB_ONLY = r'''
+import json, logging, sys
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append({"name": record.name, "level": record.levelname, "msg": record.getMessage(),
+                        "fields": getattr(record, "hermes", None), "tb": record.exc_info is not None})
+root = logging.getLogger()
+root.addHandler(Keep())
+root.setLevel(logging.DEBUG)
+from middleware import MiddlewareRegistry, ToolCallFlow
+registry = MiddlewareRegistry()
+def broken(**kw):
+    raise RuntimeError("boom")
+registry.register_middleware("tool_execution", broken)
+for _ in range(3):
+    assert ToolCallFlow(registry).run("t", {"a": 1}, execute=lambda args: "ok") == "ok"
+sys.stderr.write(json.dumps(records))
+'''
+
+
+def test_a_program_that_never_configured_structlog_gets_the_warn_once_as_stdlib_records() -> None:
+    # Hermes logs through `logging`: a host that only imports this package sees one WARNING record on
+    # hermes.middleware (with its traceback and fields), then DEBUG repeats, and nothing on stdout.
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", STDLIB_ONLY], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ""
+    records = [r for r in json.loads(out.stderr) if r["name"] == "hermes.middleware" and "boom" in r["msg"]]
+    assert [r["level"] for r in records] == ["WARNING", "DEBUG", "DEBUG"]
+    first = records[0]
+    assert first["tb"] and "tool_execution callback" in first["msg"] and "it is given: " in first["msg"]
+    assert first["fields"]["error_type"] == "RuntimeError" and first["fields"]["repeated"] is False
+    assert records[1]["fields"]["repeated"] is True
