@@ -104,7 +104,10 @@ def _error(e: BaseException) -> dict[str, Any]:
 
 
 class ChatSession:
-    """A conversation run through the gateway; ``ask`` runs one user message to an answer."""
+    """A conversation run through the gateway; ``ask`` runs one user message to an answer.
+
+    History is kept across ``ask`` calls (``messages``), so one session is one conversation.
+    """
 
     def __init__(
         self,
@@ -137,7 +140,20 @@ class ChatSession:
         self._turns = 0  # across asks, so turn ids stay unique within the session
 
     def ask(self, query: str) -> ChatResult:
-        """Run ``query`` until the model answers without tool calls or the turn limit is reached."""
+        """Run ``query`` until the model answers without tool calls or the turn limit is reached.
+
+        The conversation carries over: every ``ask`` appends to ``messages``, so a later question sees
+        the earlier ones and their answers. If the ask raises (a failed or timed-out call, Ctrl-C),
+        its messages are taken back out, so the next ``ask`` continues from the last completed one.
+        """
+        mark = len(self.messages)
+        try:
+            return self._ask(query)
+        except BaseException:
+            del self.messages[mark:]
+            raise
+
+    def _ask(self, query: str) -> ChatResult:
         self.messages.append({"role": "user", "content": query})
         schemas = offered_tools(self.gw, self.principal, self.only)
         turns: list[Turn] = []

@@ -1,19 +1,111 @@
-"""``hermes-gateway chat``: a minimal agent loop over the queue."""
+"""``hermes-gateway chat``: a minimal agent loop over the queue, for one question or a conversation."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import click
 
 from broker.errors import CallCancelled, CallFailed, CallTimeout, HermesError
-from hermes_gateway.cli_common import _fail, _gateway, _settings
+from hermes_gateway.cli_common import _fail, _gateway, _note, _settings, _sync_tools
 
 # -- chat: a minimal agent loop over the queue (hermes_gateway/chat.py) ---------------------------
 
+QUIT_WORDS = ("exit", "quit")
+PROMPT = "> "
+
+
+def _ask_once(
+    session: Any, query: str, shown: dict[str, bool], verbose: bool, max_turns: int, *, more: bool = False
+) -> int:
+    """Run one user message and print its answer (or ``error: ...`` on stderr); the exit code it earns.
+
+    ``more``: other messages follow, so a stream that broke off mid-line gets its line ended first.
+    """
+    shown["answer_shown"] = False
+    try:
+        result = session.ask(query)
+    except HermesError as e:
+        if more and shown["open"]:
+            click.echo("")
+        shown["open"] = False
+        if isinstance(e, CallCancelled):
+            click.echo(f"error: cancelled: {e}", err=True)
+            return 1
+        click.echo(f"error: {e.type}: {e}", err=True)
+        return 1 if isinstance(e, (CallTimeout, CallFailed)) else 2
+    if verbose:
+        click.echo(f"session {result.session_id}: {len(result.turns)} LLM call(s)", err=True)
+    if result.answer is None:
+        click.echo(f"error: no answer within {max_turns} turn(s) (--max-turns)", err=True)
+        return 1
+    if not shown["answer_shown"]:
+        click.echo(result.answer)
+    return 0
+
+
+def _read_message(interactive: bool) -> str | None:
+    """The next line of stdin without its newline; None at end of input."""
+    if interactive and sys.stdout.isatty():
+        try:
+            return input(PROMPT)  # line editing and history through readline
+        except EOFError:
+            click.echo("", err=True)
+            return None
+    if interactive:  # answers redirected: keep the prompt off stdout
+        click.echo(PROMPT, nl=False, err=True)
+    line = sys.stdin.readline()
+    if not line:
+        if interactive:
+            click.echo("", err=True)
+        return None
+    return line.rstrip("\r\n")
+
+
+def _conversation(session: Any, shown: dict[str, bool], verbose: bool, max_turns: int) -> int:
+    """Answer stdin's lines in turn in one session; the highest exit code of any turn (0 if none failed)."""
+    interactive = sys.stdin.isatty()
+    if interactive:
+        if sys.stdout.isatty():  # only then does input() use it (and may it write to stdout)
+            try:
+                import readline  # noqa: F401 - importing it gives input() line editing and history
+            except ImportError:  # pragma: no cover - not on every platform
+                pass
+        click.echo(
+            f"hermes-gateway chat, session {session.session_id}. Type a message and press Enter;"
+            " `exit`, `quit` or Ctrl-D to quit.",
+            err=True,
+        )
+    code = 0
+    while True:
+        try:
+            line = _read_message(interactive)
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: leave like Ctrl-D
+            click.echo("", err=True)
+            break
+        if line is None:
+            break
+        query = line.strip()
+        if not query:
+            continue
+        if query.lower() in QUIT_WORDS:
+            break
+        try:
+            code = max(code, _ask_once(session, query, shown, verbose, max_turns, more=True))
+        except KeyboardInterrupt:  # Ctrl-C while a turn runs: end the conversation, no traceback
+            if shown["open"]:
+                click.echo("")
+            click.echo("error: interrupted", err=True)
+            return 130
+    return code
+
 
 @click.command()
-@click.option("--query", "-q", required=True, help="The user message.")
+@click.option(
+    "--query", "-q", default=None,
+    help="Ask this one message and exit. Without it, read messages from stdin, one per line.",
+)
 @click.option("--max-turns", default=8, show_default=True, help="LLM calls at most before giving up.")
 @click.option("--stream", is_flag=True, help="Print the answer's text as it arrives.")
 @click.option("--verbose", "-v", is_flag=True, help="Also print each LLM and tool call (to stderr).")
@@ -25,10 +117,24 @@ from hermes_gateway.cli_common import _fail, _gateway, _settings
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for any one call.")
 @click.pass_context
 def chat(
-    ctx: click.Context, query: str, max_turns: int, stream: bool, verbose: bool, system: str | None,
+    ctx: click.Context, query: str | None, max_turns: int, stream: bool, verbose: bool, system: str | None,
     principal: str | None, session_id: str | None, model: str | None, only: str | None, timeout: float,
 ) -> None:
-    """Ask the model through the gateway; its tool calls run on the workers, in parallel."""
+    """Ask the model through the gateway; its tool calls run on the workers, in parallel.
+
+    \b
+    With --query: one message, one answer. Exit code 1 if a call failed, timed out
+    or was cancelled, or no answer came within --max-turns; 2 on other errors.
+
+    \b
+    Without --query: a conversation. Each line of stdin is one message, answered in
+    turn in one session (later messages see the earlier ones and their answers).
+    At a terminal it shows a prompt; `exit`, `quit`, Ctrl-D or Ctrl-C end it.
+    Piped (printf 'q1\\nq2\\n' | hermes-gateway chat) it prints just the answers.
+    Blank lines are skipped. A failed message prints `error: ...` to stderr and the
+    conversation goes on; the exit code is then the highest such code (1 or 2),
+    0 if every message was answered, 130 after Ctrl-C during a call.
+    """
     from hermes_gateway.chat import ChatSession, describe_turn
 
     # "open": deltas printed and the line not yet ended; "answer_shown": the final answer was streamed.
@@ -50,8 +156,8 @@ def chat(
     settings = _settings(ctx)
     with _gateway(settings) as (gw, procs):
         if verbose and procs:
-            click.echo(f"broker: {gw.description}; started {len(procs)} worker for this chat", err=True)
-        gw.sync_tools()
+            _note(f"broker: {gw.description}; started {len(procs)} worker for this chat")
+        _sync_tools(gw)
         try:
             if not procs:
                 gw.require_workers("llm")
@@ -60,17 +166,11 @@ def chat(
                 max_turns=max_turns, stream=stream, wait=timeout, on_delta=on_delta, on_turn=on_turn,
                 tools=[t.strip() for t in only.split(",") if t.strip()] if only else None,
             )
-            result = session.ask(query)
-        except CallCancelled as e:
-            _fail(f"cancelled: {e}", 1)
-        except (CallTimeout, CallFailed) as e:
-            _fail(f"{e.type}: {e}", 1)
         except HermesError as e:
             _fail(f"{e.type}: {e}")
-        if verbose:
-            click.echo(f"session {result.session_id}: {len(result.turns)} LLM call(s)", err=True)
-        if result.answer is None:
-            _fail(f"no answer within {max_turns} turn(s) (--max-turns)", 1)
-        if not shown["answer_shown"]:
-            click.echo(result.answer)
-
+        if query is not None:
+            code = _ask_once(session, query, shown, verbose, max_turns)
+        else:
+            code = _conversation(session, shown, verbose, max_turns)
+        if code:
+            sys.exit(code)

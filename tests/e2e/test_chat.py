@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import select
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -123,15 +127,26 @@ def test_the_loop_stops_at_the_turn_limit_without_an_answer(
     assert all(t.tools[0].ok for t in result.turns)
 
 
-def run_cli(home: Home, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def cli_env(home: Home, env: dict[str, str] | None = None) -> dict[str, str]:
     child = {k: v for k, v in os.environ.items() if k != "HERMES_REDIS_URL"}
     child.update({"HERMES_HOME": str(home.path), **(env or {})})
+    return child
+
+
+CLI = str(Path(sys.executable).parent / "hermes-gateway")
+
+
+def run_cli(
+    home: Home, *args: str, env: dict[str, str] | None = None, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``hermes-gateway chat ARGS``; ``stdin`` is piped to it when given."""
     return subprocess.run(
-        [str(Path(sys.executable).parent / "hermes-gateway"), "chat", *args],
+        [CLI, "chat", *args],
         capture_output=True,
         text=True,
         timeout=60,
-        env=child,
+        env=cli_env(home, env),
+        input=stdin,
     )
 
 
@@ -164,3 +179,145 @@ def test_cli_chat_without_an_answer_within_max_turns_exits_1(llm: LLMServer, hom
     proc = run_cli(home, "-q", "loop", "--max-turns", "1")
     assert proc.returncode == 1
     assert "no answer within 1 turn(s)" in proc.stderr and proc.stdout == ""
+
+
+# -- chat without --query: a conversation read from stdin --------------------------------------------
+
+
+def roles(request: Any) -> list[tuple[str, Any]]:
+    return [(m["role"], m.get("content")) for m in request.body["messages"]]
+
+
+def test_cli_chat_answers_piped_lines_in_one_conversation_and_later_turns_carry_the_earlier_ones(
+    llm: LLMServer, home: Home
+) -> None:
+    stdin = "北京的天气怎么样？\n\n   \nReply exactly ok\n"  # the blank lines are skipped
+    proc = run_cli(home, "--system", "be brief", stdin=stdin)
+
+    assert proc.returncode == 0, proc.stderr
+    weather, ok = proc.stdout.splitlines()
+    assert weather.startswith('Tool result: {"city": "北京"') and ok == "ok"
+    assert "> " not in proc.stdout and "hermes-gateway chat, session" not in proc.stderr  # piped: no banner
+
+    # 1st question: the tool call and the answer quoting its result; 2nd: one LLM call.
+    asked, answered, second = llm.chat_requests
+    assert roles(asked) == [("system", "be brief"), ("user", "北京的天气怎么样？")]
+    assert [m["role"] for m in answered.body["messages"]] == ["system", "user", "assistant", "tool"]
+    # The second question went to the model after the whole first exchange, in the same conversation.
+    assert [m["role"] for m in second.body["messages"]] == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert second.body["messages"][:4] == answered.body["messages"]
+    assert second.body["messages"][4] == {"role": "assistant", "content": weather}
+    assert second.body["messages"][5] == {"role": "user", "content": "Reply exactly ok"}
+
+
+def test_cli_chat_streams_and_verbose_in_a_conversation_under_one_session_id(
+    llm: LLMServer, home: Home, redis_url: str, workers: Any, conn: Any
+) -> None:
+    workers(queues="tools,llm")
+    proc = run_cli(
+        home, "--stream", "-v", "--session-id", "s-repl", "--tools", "get_weather",
+        stdin="What is the weather in Paris?\nReply exactly done\n", env={"HERMES_REDIS_URL": redis_url},
+    )
+    assert proc.returncode == 0, proc.stderr
+    first, second = proc.stdout.splitlines()  # each answer printed once, on its own line
+    assert first.startswith('Tool result: {"city": "Paris"') and second == "done"
+    assert proc.stderr.count("session s-repl: ") == 2
+    assert "turn 1: llm call" in proc.stderr and "turn 2: llm call" in proc.stderr
+    assert all(r.body["stream"] is True for r in llm.chat_requests) and len(llm.chat_requests) == 3
+    # Turn ids run on across the questions of one session.
+    llm_calls = [e for e in proc.stderr.splitlines() if e.startswith("turn ") and "llm call" in e]
+    call_ids = [line.split("llm call ")[1].split()[0] for line in llm_calls]
+    assert [context_of(conn, c)["turn_id"] for c in call_ids] == ["s-repl-t1", "s-repl-t2", "s-repl-t3"]
+
+
+@pytest.mark.parametrize("word", ["exit", "quit", "  QUIT  "])
+def test_cli_chat_stops_at_exit_or_quit_before_the_lines_after_it(
+    llm: LLMServer, home: Home, word: str
+) -> None:
+    proc = run_cli(home, stdin=f"Reply exactly one\n{word}\nReply exactly two\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "one\n"
+    assert len(llm.chat_requests) == 1
+
+
+def test_cli_chat_with_nothing_on_stdin_asks_nothing_and_exits_0(llm: LLMServer, home: Home) -> None:
+    proc = run_cli(home, stdin="")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "" and "error" not in proc.stderr
+    assert llm.chat_requests == []
+
+
+def test_cli_chat_reports_a_failing_turn_goes_on_with_the_next_and_exits_nonzero(
+    llm: LLMServer, home: Home
+) -> None:
+    def rule(body: dict[str, Any]) -> Reply | None:
+        if "fail" in str(body["messages"][-1].get("content")):
+            return Reply(status=400, error="bad messages")
+        return None
+
+    llm.rule = rule
+    proc = run_cli(home, stdin="please fail\nReply exactly ok\n")
+
+    assert proc.returncode == 1
+    assert "error: provider_error: " in proc.stderr and "HTTP 400: bad messages" in proc.stderr
+    assert proc.stdout == "ok\n"
+    failed, answered = llm.chat_requests
+    assert roles(failed) == [("user", "please fail")]
+    # The failed question left no trace in the conversation: the next one starts where it stood.
+    assert roles(answered) == [("user", "Reply exactly ok")]
+
+
+def test_cli_chat_without_an_answer_within_max_turns_goes_on_and_exits_1(llm: LLMServer, home: Home) -> None:
+    def rule(body: dict[str, Any]) -> Reply | None:
+        if "exactly" in str(body["messages"][-1].get("content")):
+            return None  # the default rule answers it
+        return Reply(tool_calls=[{"name": "get_weather", "arguments": {"city": "Paris"}}])
+
+    llm.rule = rule
+    proc = run_cli(home, "--max-turns", "1", stdin="loop\nReply exactly ok\n")
+    assert proc.returncode == 1
+    assert "no answer within 1 turn(s)" in proc.stderr and proc.stdout == "ok\n"
+    assert len(llm.chat_requests) == 2
+
+
+def _read_until(stream: Any, needle: bytes, seen: bytearray, timeout: float = 30.0) -> None:
+    """Read ``stream`` (a pipe) into ``seen`` until ``needle`` is in it."""
+    deadline = time.monotonic() + timeout
+    while needle not in seen:
+        left = deadline - time.monotonic()
+        assert left > 0, f"{needle!r} not seen in {bytes(seen)!r}"
+        ready, _, _ = select.select([stream], [], [], left)
+        if ready:
+            chunk = os.read(stream.fileno(), 4096)
+            assert chunk, f"stream ended before {needle!r}: {bytes(seen)!r}"
+            seen += chunk
+
+
+def test_cli_chat_at_a_terminal_shows_a_banner_and_prompt_and_ctrl_c_at_the_prompt_ends_cleanly(
+    llm: LLMServer, home: Home
+) -> None:
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [CLI, "chat"], stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=cli_env(home), start_new_session=True,
+    )
+    os.close(slave)
+    try:
+        assert proc.stderr is not None and proc.stdout is not None
+        err = bytearray()
+        _read_until(proc.stderr, b"> ", err)
+        assert b"exit" in err and b"quit" in err and b"Ctrl-D" in err  # the banner says how to quit
+        os.write(master, b"Reply exactly hi\n")
+        err.clear()
+        _read_until(proc.stderr, b"> ", err)  # the next prompt, after the answer
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground group
+        out, rest = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    assert proc.returncode == 0, rest
+    assert out == b"hi\n"  # the prompt and banner stay off stdout
+    assert b"Traceback" not in rest and b"Aborted" not in rest
+    assert len(llm.chat_requests) == 1
