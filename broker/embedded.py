@@ -14,6 +14,7 @@ from pathlib import Path
 
 import redis
 
+from . import runfiles
 from .errors import BrokerUnavailable
 
 _PR_SET_PDEATHSIG = 1
@@ -57,6 +58,7 @@ class EmbeddedBroker:
         self.socket = self.dir / "redis.sock"
         self.persist = persist
         self.proc: subprocess.Popen[bytes] | None = None
+        self.runfile: Path | None = None
 
     @property
     def url(self) -> str:
@@ -100,6 +102,8 @@ class EmbeddedBroker:
             if self.socket.exists():
                 try:
                     if redis.Redis(unix_socket_path=str(self.socket)).ping():
+                        # In the run registry when this process keeps one (serve, worker): stop --all finds it.
+                        self.runfile = runfiles.register("broker", pid=self.proc.pid, parent=os.getpid(), url=self.url)
                         return self
                 except redis.ConnectionError:
                     pass
@@ -109,6 +113,7 @@ class EmbeddedBroker:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
+        runfile, self.runfile = self.runfile, None
         if proc is not None and proc.poll() is None:
             proc.terminate()
             try:
@@ -116,4 +121,5 @@ class EmbeddedBroker:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        runfiles.unregister(runfile)
         shutil.rmtree(self.dir, ignore_errors=True)

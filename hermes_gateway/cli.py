@@ -10,12 +10,45 @@ import click
 from broker.config import load_settings
 from broker.errors import HermesError
 from broker.logs import configure
-from hermes_gateway.cli_common import _event_line, _fail, _gateway, _print_result, _settings
+from hermes_gateway.cli_common import (
+    _event_line,
+    _fail,
+    _gateway,
+    _note,
+    _print_result,
+    _settings,
+    _sync_tools,
+)
 
 __all__ = ["main", "_event_line", "_fail", "_gateway", "_print_result", "_settings"]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# The group's options that a user may also write after the command (`hermes-gateway worker --log-format json`):
+# they are moved in front of it, where click reads them.
+_ANYWHERE = ("--log-level", "--log-format", "--home", "--trace")
+
+
+class _Main(click.Group):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        at = next((i for i, a in enumerate(args) if a in self.commands), len(args))  # the command's name
+        front, rest = list(args[:at]), []
+        i = at
+        while i < len(args):
+            arg = args[i]
+            if arg == "--":
+                rest.extend(args[i:])
+                break
+            if arg.split("=", 1)[0] in _ANYWHERE:
+                take = 1 if "=" in arg else 2
+                front.extend(args[i : i + take])
+                i += take
+                continue
+            rest.append(arg)
+            i += 1
+        return super().parse_args(ctx, front + rest)
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--home", envvar="HERMES_HOME", default=None, help="Config directory (default ~/.hermes).")
 @click.option("--log-level", default=None, help="DEBUG, INFO, WARNING, ERROR (default: logging.level or INFO).")
 @click.option("--log-format", type=click.Choice(["console", "json"]), default=None, help="Log lines as text or JSON.")
@@ -58,18 +91,25 @@ def main(ctx: click.Context, home: str | None, log_level: str | None, log_format
 @click.pass_context
 def worker(ctx: click.Context, queues: str, concurrency: int, processes: int, grace: float) -> None:
     """Run worker processes that take calls off the queues."""
+    import os
+
+    from broker import runfiles
     from broker.connection import connect
     from workers.pool import run_worker, supervise
 
     settings = _settings(ctx)
     qs = [q.strip() for q in queues.split(",") if q.strip()]
+    # This process, its pool's children and its embedded broker go in the run registry of our home, so
+    # `stop --all` on this machine finds them (with or without a broker URL configured).
+    runfiles.enable(settings.home)
+    os.environ["HERMES_HOME"] = str(settings.home)  # the pool's children: same config, same registry
     try:
         handle = connect(settings.redis_url)
     except HermesError as e:
         _fail(str(e))
-    click.echo(f"broker: {handle.description}", err=True)
+    _note(f"broker: {handle.description}")
     if handle.embedded is not None:
-        click.echo(f"clients reach it with: export HERMES_REDIS_URL={handle.url}", err=True)
+        _note(f"clients reach it with: export HERMES_REDIS_URL={handle.url}")
     try:
         if processes > 1:
             sys.exit(supervise(handle.url, qs, concurrency, processes, grace))
@@ -81,30 +121,63 @@ def worker(ctx: click.Context, queues: str, concurrency: int, processes: int, gr
 
 
 @main.command()
-@click.option("--all", "all_", is_flag=True, help="Stop every worker on the broker.")
+@click.option(
+    "--all", "all_", is_flag=True,
+    help="Stop every worker on the broker, and every process our commands run on this machine (serve, "
+    "workers, embedded brokers).",
+)
+@click.option(
+    "--grace", default=10.0, show_default=True,
+    help="With --all: seconds this machine's processes get to exit after SIGTERM before SIGKILL.",
+)
 @click.argument("names", nargs=-1)
 @click.pass_context
-def stop(ctx: click.Context, all_: bool, names: tuple[str, ...]) -> None:
-    """Stop workers gracefully (they finish or hand back in-flight calls)."""
-    from broker import keys
+def stop(ctx: click.Context, all_: bool, grace: float, names: tuple[str, ...]) -> None:
+    """Stop workers gracefully (they finish or hand back in-flight calls); with --all, also stop what
+    runs on this machine from its run registry ($HERMES_HOME/run), so `serve` frees its port."""
+    from broker import keys, runfiles
     from broker.connection import connect
     from workers.worker import control_message
 
     if not all_ and not names:
         _fail("name the workers to stop, or pass --all")
     settings = _settings(ctx)
-    try:
-        handle = connect(settings.redis_url, embedded_ok=False)
-    except HermesError as e:
-        _fail(str(e))
-    if all_:
-        reached = handle.conn.publish(keys.channel(handle.conn, keys.CONTROL_CHANNEL), control_message("stop"))
-        click.echo(f"stop sent to all workers on {handle.description} ({reached} listening)")
-    for name in names:
-        handle.conn.publish(keys.channel(handle.conn, keys.CONTROL_CHANNEL), control_message("stop", worker=name))
-        click.echo(f"stop sent to {name}")
-    handle.close()
+    broker_error: str | None = None
+    if names or settings.redis_url:
+        try:
+            handle = connect(settings.redis_url, embedded_ok=False)
+        except HermesError as e:
+            if names or not all_:
+                _fail(str(e))
+            broker_error = str(e)  # still stop what runs here
+        else:
+            channel = keys.channel(handle.conn, keys.CONTROL_CHANNEL)
+            if all_:
+                reached = handle.conn.publish(channel, control_message("stop"))
+                click.echo(f"stop sent to all workers on {handle.description} ({reached} listening)")
+            for name in names:
+                handle.conn.publish(channel, control_message("stop", worker=name))
+                click.echo(f"stop sent to {name}")
+            handle.close()
+    if not all_:
+        return
 
+    results = {
+        "stopped": "stopped",
+        "exited": "stopped (with its parent)",
+        "killed": f"killed (still running {grace:g}s after SIGTERM)",
+        "stale": "was not running (stale run file removed)",
+        "failed": "could not be stopped",
+    }
+    outcomes = runfiles.stop_all(
+        settings.home, grace, report=lambda o: click.echo(f"{o.entry.describe()}: {results[o.result]}")
+    )
+    if not any(o.result != "stale" for o in outcomes):
+        click.echo(f"nothing running on this machine (run registry {runfiles.run_dir(settings.home)})")
+    if broker_error is not None:
+        _fail(f"the stop message could not be sent: {broker_error}")
+    if any(o.result == "failed" for o in outcomes):
+        sys.exit(1)
 
 
 # -- calls, status, demo -------------------------------------------------------------------------
@@ -170,25 +243,41 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None) -> None:
     if token is None and host not in ("127.0.0.1", "localhost", "::1"):
         _fail(f"listening on {host} lets anyone there register tools and run calls: give --token (or ${TOKEN_ENV})")
     # uvicorn shuts down on SIGTERM, then raises the signal again to the handler it found: exit through
-    # our own cleanup (stop the local worker, the embedded broker) instead of dying on the spot. While
-    # the broker starts and while cleaning up, a SIGTERM must not cut either short.
+    # our own cleanup (stop the local worker, the embedded broker) instead of dying on the spot. A SIGTERM
+    # while the broker and worker start is kept and obeyed once they are up; while cleaning up, ignored.
     import signal
 
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from broker import runfiles
+    from hermes_gateway.local import watch_control_stop
+
+    settings = _settings(ctx)
+    early: list[int] = []
+    signal.signal(signal.SIGTERM, lambda sig, _frame: early.append(sig))
+    # In this machine's run registry ($HERMES_HOME/run) with its embedded broker and local worker, so
+    # `stop --all` stops them all (this process first; it stops its worker and broker itself).
+    runfiles.enable(settings.home)
+    runfile = runfiles.register("serve", host=host, port=port)
     try:
-        with local_stack(_settings(ctx)) as (gw, procs):
+        with local_stack(settings) as (gw, procs):
             try:
                 signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))
-                gw.sync_tools()  # $HERMES_HOME/tools, as every command that runs calls does
+                if early:
+                    sys.exit(0)
+                runfiles.register("serve", host=host, port=port, url=gw.broker.url)
+                # `stop --all` sent to the broker (from any host) stops this server too, as it does workers.
+                watch_control_stop(gw.conn, lambda: os.kill(os.getpid(), signal.SIGTERM))
+                _sync_tools(gw)  # $HERMES_HOME/tools, as every command that runs calls does
                 local = f" (with {len(procs)} local worker)" if procs else ""
-                click.echo(f"broker: {gw.description}{local}", err=True)
-                click.echo(f"console and API on http://{host}:{port}/", err=True)
+                _note(f"broker: {gw.description}{local}")
+                _note(f"console and API on http://{host}:{port}/")
                 app = create_app(gw, token=token)
                 uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
             finally:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except HermesError as e:
         _fail(str(e))
+    finally:
+        runfiles.unregister(runfile)
 
 
 @main.command()

@@ -13,6 +13,7 @@ from typing import Any
 
 import structlog
 
+from broker import runfiles
 from broker.config import Settings
 from broker.connection import from_url
 from broker.errors import BrokerUnavailable, ConfigError
@@ -65,7 +66,9 @@ def run_worker(url: str, settings: Settings, queues: list[str], concurrency: int
     conn = from_url(url)
     worker = Worker(conn, settings, queues, concurrency=concurrency, grace=grace)
     worker.install_signals()
-    worker.work()
+    runfiles.enable(settings.home)  # `hermes-gateway stop --all` on this machine finds it
+    with runfiles.registered("worker", url=url):
+        worker.work()
     return 0
 
 
@@ -125,25 +128,29 @@ def supervise(url: str, queues: list[str], concurrency: int, processes: int, gra
     signal.signal(signal.SIGINT, on_term)
     log.info("worker pool started", processes=processes, concurrency=concurrency, queues=queues)
     restarts: list[float] = []
-    while True:
-        alive = False
-        for i, child in enumerate(children):
-            code = child.poll()
-            if code is None:
-                alive = True
-                continue
-            if not stopping and code != 0:
-                now = time.monotonic()
-                restarts[:] = [t for t in restarts if now - t < 60]
-                if len(restarts) >= 10 * processes:
-                    log.error("workers keep crashing; giving up", exit_code=code)
-                    stopping = True
-                    on_term(signal.SIGTERM, None)
+    runfile = runfiles.register("pool", url=url)  # when the command enabled the run registry
+    try:
+        while True:
+            alive = False
+            for i, child in enumerate(children):
+                code = child.poll()
+                if code is None:
+                    alive = True
                     continue
-                restarts.append(now)
-                log.warning("worker process exited; restarting", exit_code=code, pid=child.pid)
-                children[i] = spawn(url, queues, concurrency, grace)
-                alive = True
-        if not alive:
-            return 0
-        time.sleep(0.2)
+                if not stopping and code != 0:
+                    now = time.monotonic()
+                    restarts[:] = [t for t in restarts if now - t < 60]
+                    if len(restarts) >= 10 * processes:
+                        log.error("workers keep crashing; giving up", exit_code=code)
+                        stopping = True
+                        on_term(signal.SIGTERM, None)
+                        continue
+                    restarts.append(now)
+                    log.warning("worker process exited; restarting", exit_code=code, pid=child.pid)
+                    children[i] = spawn(url, queues, concurrency, grace)
+                    alive = True
+            if not alive:
+                return 0
+            time.sleep(0.2)
+    finally:
+        runfiles.unregister(runfile)

@@ -80,6 +80,27 @@ def test_a_bad_policy_in_config_is_a_clear_error_at_once_not_a_worker_that_never
     assert time.monotonic() - started < 10
 
 
+def test_debug_and_log_format_json_give_only_json_lines_on_stderr_for_jq(home: Any) -> None:
+    # The seed's tip: `logging.level: DEBUG` in config.yaml plus `--log-format json`, filtered with jq. The
+    # flag may follow the command, and the command's notices and its local worker's lines are JSON too.
+    shutil.copy(ROOT / "examples" / "tools" / "hello.yaml", home.tools_dir / "hello.yaml")
+    (home.path / "config.yaml").write_text("logging:\n  level: DEBUG\n")
+    out = _run(["tool", "run", "hello", "{name: Alice}", "--log-format", "json"], _env(home))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "Hello, Alice!\n"
+    lines = [json.loads(line) for line in out.stderr.splitlines()]  # every line parses
+    events = {line["event"] for line in lines}
+    assert any(e.startswith("broker: embedded broker") for e in events)
+    finished = [line for line in lines if line["event"] == "call finished"]
+    assert len(finished) == 1 and finished[0]["state"] == "done" and len(finished[0]["trace_id"]) == 32
+    assert {line["level"] for line in lines} >= {"info", "debug"}
+
+    refused = _run(["--log-format=json", "tool", "run", "nope"], _env(home))
+    assert refused.returncode == 2
+    [error] = [json.loads(line) for line in refused.stderr.splitlines() if '"error"' in line]
+    assert error["level"] == "error" and "nope" in error["event"]
+
+
 def test_tool_run_says_at_once_when_no_worker_listens(redis_url: str, home: Any) -> None:
     shutil.copy(ROOT / "examples" / "tools" / "hello.yaml", home.tools_dir / "hello.yaml")
     started = time.monotonic()

@@ -1,0 +1,303 @@
+"""This machine's run registry: the long-running processes our commands started, one JSON file each.
+
+``$HERMES_HOME/run/<kind>-<pid>.json`` holds ``{pid, kind, started, proc_start, parent, url, port, host}``;
+it is written when a ``serve``, a worker, a worker pool or an embedded broker starts and removed when it
+ends cleanly. ``hermes-gateway stop --all`` reads it to stop what runs here (whatever broker each uses),
+checking each pid still is the process recorded (its start time and command line), so a reused pid is
+never signalled and the files of processes that died are dropped.
+
+Registration is opt-in per process (``enable``): a program that merely uses ``Gateway.connect()`` starts
+an embedded broker nobody else should stop, so that broker is not recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import hermes_home
+
+RUN_DIR = "run"
+
+# What the command line of each kind contains; a pid whose command line has none of its kind's markers
+# is not ours any more (the pid was reused) and is never signalled.
+MARKERS: dict[str, tuple[str, ...]] = {
+    "serve": ("hermes-gateway", "hermes_gateway"),
+    "worker": ("hermes-gateway", "hermes_gateway", "workers"),
+    "pool": ("hermes-gateway", "hermes_gateway", "workers"),
+    "broker": ("redis-server",),
+}
+# The order to name them in when reporting.
+KIND_ORDER = ("serve", "pool", "worker", "broker")
+
+_run_dir: Path | None = None
+
+
+def run_dir(home: str | os.PathLike[str] | None = None) -> Path:
+    return hermes_home(home) / RUN_DIR
+
+
+def enable(home: str | os.PathLike[str] | None = None) -> Path:
+    """Record this process's long-running processes (itself, its embedded broker) under ``home``'s run dir."""
+    global _run_dir
+    _run_dir = run_dir(home)
+    return _run_dir
+
+
+def enabled() -> Path | None:
+    return _run_dir
+
+
+# -- what a process is now -------------------------------------------------------------------------
+
+
+def _proc_stat(pid: int) -> tuple[str, str] | None:
+    """(state letter, start time in clock ticks since boot) from /proc, or None when there is no /proc entry."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    rest = raw[raw.rfind(")") + 2 :].split()  # the command name in parentheses may hold spaces
+    return rest[0], rest[19]
+
+
+def proc_start(pid: int) -> str | None:
+    st = _proc_stat(pid)
+    return st[1] if st else None
+
+
+def cmdline(pid: int) -> str | None:
+    """The process's command line (arguments joined by spaces), None when it cannot be read."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+    except FileNotFoundError:
+        if Path("/proc/self").exists():
+            return None
+    except OSError:
+        return None
+    try:  # no /proc (macOS): ask ps
+        out = subprocess.run(["ps", "-p", str(pid), "-o", "command="], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def alive(pid: int) -> bool:
+    """The pid exists and is not a zombie (an exited child its parent has not waited for yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive, but never ours (see ``Entry.is_ours``)
+    st = _proc_stat(pid)
+    return st is None or st[0] not in ("Z", "X")
+
+
+# -- the files --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Entry:
+    """One run file."""
+
+    path: Path
+    pid: int
+    kind: str
+    started: float = 0.0
+    proc_start: str | None = None
+    parent: int | None = None
+    url: str | None = None
+    port: int | None = None
+    host: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        where = f" on http://{self.host or '127.0.0.1'}:{self.port}/" if self.port else ""
+        broker = f" ({self.url})" if self.url and self.kind == "broker" else ""
+        return f"{self.kind}{where}{broker} pid {self.pid}"
+
+    def is_ours(self) -> bool:
+        """Alive and still the process that wrote this file: same start time (where /proc tells) and a
+        command line of its kind. A pid reused by an unrelated process fails one of the two."""
+        if not alive(self.pid):
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except PermissionError:
+            return False
+        if self.proc_start is not None:
+            now = proc_start(self.pid)
+            if now is not None and now != self.proc_start:
+                return False
+        line = cmdline(self.pid)
+        return line is not None and any(m in line for m in MARKERS.get(self.kind, ()))
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def register(
+    kind: str,
+    *,
+    pid: int | None = None,
+    parent: int | None = None,
+    url: str | None = None,
+    port: int | None = None,
+    host: str | None = None,
+    directory: Path | None = None,
+) -> Path | None:
+    """Record a process (this one unless ``pid``) in the enabled run dir (or ``directory``); its path,
+    or None when registration is not enabled in this process. Never raises on a full or read-only disk."""
+    target = directory or _run_dir
+    if target is None:
+        return None
+    pid = os.getpid() if pid is None else pid
+    data = {
+        "pid": pid,
+        "kind": kind,
+        "started": time.time(),
+        "proc_start": proc_start(pid),
+        "parent": os.getppid() if parent is None and pid == os.getpid() else parent,
+        "url": url,
+        "port": port,
+        "host": host,
+    }
+    path = target / f"{kind}-{pid}.json"
+    try:
+        _write(path, data)
+    except OSError:
+        return None
+    return path
+
+
+def unregister(path: Path | None) -> None:
+    if path is not None:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+@contextlib.contextmanager
+def registered(kind: str, **fields: Any) -> Iterator[Path | None]:
+    """``register`` for the duration of the block (nothing when registration is not enabled)."""
+    path = register(kind, **fields)
+    try:
+        yield path
+    finally:
+        unregister(path)
+
+
+def entries(home: str | os.PathLike[str] | None = None) -> list[Entry]:
+    """Every run file of ``home`` that parses (unreadable ones are removed: nothing could use them)."""
+    root = run_dir(home)
+    found: list[Entry] = []
+    for path in sorted(root.glob("*.json")) if root.is_dir() else []:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            found.append(
+                Entry(
+                    path=path,
+                    pid=int(data["pid"]),
+                    kind=str(data["kind"]),
+                    started=float(data.get("started") or 0.0),
+                    proc_start=data.get("proc_start"),
+                    parent=data.get("parent"),
+                    url=data.get("url"),
+                    port=data.get("port"),
+                    host=data.get("host"),
+                    extra={k: v for k, v in data.items() if k not in Entry.__dataclass_fields__},
+                )
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            unregister(path)
+    return found
+
+
+# -- stopping them ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    entry: Entry
+    result: str  # "stopped" (exited after our SIGTERM), "exited" (with its parent), "killed", "stale", "failed"
+
+    def line(self) -> str:
+        return f"{self.entry.describe()}: {self.result}"
+
+
+def stop_all(
+    home: str | os.PathLike[str] | None = None,
+    grace: float = 10.0,
+    report: Callable[[Outcome], None] | None = None,
+) -> list[Outcome]:
+    """Stop every live process of ``home``'s run registry; drop the files of those that are gone.
+
+    Parents go first: a process whose recorded parent is itself running here gets no signal while that
+    parent lives, since the parent stops it in order (``serve`` drains its local worker, then its broker).
+    What has not exited ``grace`` seconds after the first SIGTERM is SIGKILLed.
+    """
+    outcomes: list[Outcome] = []
+
+    def done(entry: Entry, result: str) -> None:
+        unregister(entry.path)
+        outcome = Outcome(entry, result)
+        outcomes.append(outcome)
+        if report is not None:
+            report(outcome)
+
+    live: list[Entry] = []
+    for entry in entries(home):
+        if entry.is_ours():
+            live.append(entry)
+        else:
+            done(entry, "stale")
+    signalled: set[int] = set()
+    deadline = time.monotonic() + grace
+    while live:
+        running = {e.pid for e in live}
+        for entry in live:
+            if entry.pid in signalled or entry.parent in running:
+                continue
+            signalled.add(entry.pid)
+            try:
+                os.kill(entry.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                done(entry, "failed")
+        still: list[Entry] = []
+        for entry in live:
+            if any(o.entry is entry for o in outcomes):
+                continue
+            if alive(entry.pid):
+                still.append(entry)
+            else:
+                done(entry, "stopped" if entry.pid in signalled else "exited")
+        live = still
+        if not live:
+            break
+        if time.monotonic() >= deadline:
+            for entry in live:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(entry.pid, signal.SIGKILL)
+            for entry in live:
+                end = time.monotonic() + 5
+                while alive(entry.pid) and time.monotonic() < end:
+                    time.sleep(0.02)
+                done(entry, "killed" if not alive(entry.pid) else "failed")
+            break
+        time.sleep(0.05)
+    return outcomes
