@@ -42,6 +42,7 @@ class AuditRecord:
     attempts: int = 1
     error_type: str | None = None
     error_message: str | None = None
+    status_code: int | str | None = None  # the back end's: HTTP status, exit code, gRPC status name
     middleware_trace: list[dict[str, Any]] = field(default_factory=list)
     trace_id: str = ""
     api_request_id: str | None = None

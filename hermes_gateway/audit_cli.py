@@ -79,9 +79,10 @@ def _stamp(ts: float) -> str:
 
 def _line(rec: AuditRecord) -> str:
     err = f"  {rec.error_type}" if rec.error_type else ""
+    status = "-" if rec.status_code is None else str(rec.status_code)
     return (
         f"{_stamp(rec.ts)}  {rec.state:<9} {rec.kind:<4} {rec.name:<24} {rec.principal or '-':<16} "
-        f"{rec.duration_ms:>9.1f} ms  {rec.call_id}{err}"
+        f"{rec.duration_ms:>9.1f} ms  {status:>5}  {rec.call_id}{err}"
     )
 
 

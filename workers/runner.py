@@ -353,6 +353,7 @@ class CallRunner:
             parent_call_id=context.get("parent_call_id"),
             trace_id=run.info.trace_id,
             duration_ms=round(duration * 1000, 3),
+            status_code=_status_code(run, error),
             attempts=run.attempt,
             middleware_trace=run.middleware_trace,
         )
@@ -378,3 +379,15 @@ class CallRunner:
         run = Running(info, None, claimed.attempt)  # type: ignore[arg-type]
         log.warning("undecodable call payload", call_id=claimed.call_id, error=str(err))
         self._finish(run, State.FAILED, error=err.to_wire())
+
+
+def _status_code(run: Running, error: dict[str, Any] | None) -> int | str | None:
+    """The back end's status for the audit record: what the executor saw, else what its error names."""
+    if run.ctx is not None and run.ctx.status_code is not None:
+        return run.ctx.status_code
+    details = (error or {}).get("details") or {}
+    for key in ("status", "exit_code"):
+        value = details.get(key) if isinstance(details, dict) else None
+        if isinstance(value, int | str) and not isinstance(value, bool):
+            return value
+    return None

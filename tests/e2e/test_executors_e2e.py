@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from broker.audit_store import AuditLog
 from broker.errors import CallFailed, ExecutorError, InvalidArgs
+from tests.conftest import wait_until
 from tests.workers.executors.http_server import Recorder
 from tests.workers.executors.test_grpc import SERVICE
 from tests.workers.executors.test_grpc import address as grpc_address  # noqa: F401 - a fixture
@@ -21,6 +23,12 @@ PY = sys.executable
 MCP_SERVER = str(Path(__file__).resolve().parents[1] / "workers" / "executors" / "mcp_server.py")
 PG_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 SEED_BODY_TEMPLATE = "body_template: {query: {{city}}, opts: {unit: {{unit}}}}"
+
+
+def _status_code(gateway: Any, handle: Any) -> Any:
+    """The call's audit record's ``status_code`` (the back end's: HTTP status, exit code, gRPC status)."""
+    log = AuditLog(gateway.conn)
+    return wait_until(lambda: log.get(handle.call_id), 10, message="the audit record").status_code
 
 
 def _failure(handle: Any, error: type[Exception]) -> Any:
@@ -39,9 +47,12 @@ def test_command_hello_and_a_failing_program(gateway: Any, home: Any, workers: A
     home.tool("exit3", "command", command=[PY, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"])
     workers(1)
     gateway.sync_tools()
-    assert gateway.call_tool("hello", {"name": "Alice"}).result(20) == "Hello, Alice!"
-    err = _failure(gateway.call_tool("exit3", max_attempts=1), ExecutorError)
+    hello = gateway.call_tool("hello", {"name": "Alice"})
+    assert hello.result(20) == "Hello, Alice!"
+    exit3 = gateway.call_tool("exit3", max_attempts=1)
+    err = _failure(exit3, ExecutorError)
     assert "boom" in str(err)
+    assert (_status_code(gateway, hello), _status_code(gateway, exit3)) == (0, 3)  # the exit codes, audited
     err = _failure(gateway.call_tool("hello", {"name": 42}), InvalidArgs)  # schema, judged on the worker
     assert "name" in str(err)
 
@@ -75,11 +86,14 @@ def test_http_with_the_seeds_body_template_and_an_error_status(
     home.tool("missing_page", "http", endpoint=f"{http_server.base}/status/404")
     workers(1)
     gateway.sync_tools()
-    result = gateway.call_tool("search_weather", {"city": "北京", "unit": "celsius"}).result(20)
+    found = gateway.call_tool("search_weather", {"city": "北京", "unit": "celsius"})
+    result = found.result(20)
     assert result["method"] == "POST" and result["raw_path"] == "/search"
     assert json.loads(result["body"]) == {"query": "北京", "opts": {"unit": "celsius"}}
-    err = _failure(gateway.call_tool("missing_page", {"msg": "gone"}, max_attempts=1), ExecutorError)
+    missing = gateway.call_tool("missing_page", {"msg": "gone"}, max_attempts=1)
+    err = _failure(missing, ExecutorError)
     assert err.details.get("status") == 404 and "backend says no: gone" in str(err)
+    assert (_status_code(gateway, found), _status_code(gateway, missing)) == (200, 404)
 
 
 @pytest.fixture
@@ -131,11 +145,14 @@ def test_grpc_unary_call_and_a_status_code(gateway: Any, home: Any, workers: Any
     home.tool("refuse", "grpc", target=grpc_address, method=f"{SERVICE}/Fail")
     workers(1)
     gateway.sync_tools()
-    result = gateway.call_tool("greet", {"name": "北京"}).result(20)
+    greeted = gateway.call_tool("greet", {"name": "北京"})
+    result = greeted.result(20)
     assert result["message"] == "Hello, 北京!" and result["tags"][1] == "acme"
     assert result["tags"][0].startswith("00-")  # the call's traceparent reached the server
-    err = _failure(gateway.call_tool("refuse", {"name": "INVALID_ARGUMENT"}, max_attempts=1), InvalidArgs)
+    refused = gateway.call_tool("refuse", {"name": "INVALID_ARGUMENT"}, max_attempts=1)
+    err = _failure(refused, InvalidArgs)
     assert "backend refused: INVALID_ARGUMENT" in str(err)
+    assert (_status_code(gateway, greeted), _status_code(gateway, refused)) == ("OK", "INVALID_ARGUMENT")
 
 
 def test_grpc_server_stream_reports_progress_as_events_then_the_messages(

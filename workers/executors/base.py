@@ -28,6 +28,8 @@ class ExecContext:
     progress_sink: Callable[[str], None] | None = None
     settings: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
+    # The back end's own status for the audit record: HTTP status, exit code, gRPC status name (None: none).
+    status_code: int | str | None = None
 
     def trace_headers(self) -> dict[str, str]:
         """W3C ``traceparent``, ``tracestate`` and ``baggage`` for the back end (only those present)."""

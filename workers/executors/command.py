@@ -132,6 +132,7 @@ class CommandExecutor:
                 if stream is not None:
                     stream.close()
         code = proc.returncode
+        ctx.status_code = code
         text = out.decode("utf-8", errors="replace")
         if code != 0:
             tail = err.decode("utf-8", errors="replace").strip()[-STDERR_TAIL:]

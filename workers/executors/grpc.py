@@ -158,6 +158,7 @@ class GrpcExecutor:
                 raise _translate(e, ctx, where) from e
             except grpc.FutureCancelledError as e:
                 raise CallCancelled(f"call {ctx.call_id} was cancelled") from e
+        ctx.status_code = grpc.StatusCode.OK.name
         size = response.ByteSize()
         if size > max_output:
             raise OutputTooLarge(
@@ -204,12 +205,14 @@ def _stream(responses: Any, ctx: ExecContext, where: str, max_output: int) -> li
         ended.set()
     if ctx.cancelled.is_set():
         raise CallCancelled(f"call {ctx.call_id} was cancelled")
+    ctx.status_code = grpc.StatusCode.OK.name
     ctx.progress(f"gRPC stream ended: {len(out)} message(s), {total} bytes")
     return out
 
 
 def _translate(e: grpc.RpcError, ctx: ExecContext, where: str) -> HermesError:
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    ctx.status_code = code.name
     details = (e.details() if hasattr(e, "details") else str(e)) or code.name
     if code == grpc.StatusCode.DEADLINE_EXCEEDED or (time.monotonic() >= ctx.deadline):
         return ToolTimeout(f"{where}: timed out after {ctx.timeout:g}s ({details})", status=code.name)

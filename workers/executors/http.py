@@ -234,6 +234,7 @@ def _next_hop(
 
 def _read_result(response: httpx.Response, ctx: ExecContext, max_output: int, where: str) -> Any:
     """Stream the body up to the cap, then decode it; errors carry the status and an excerpt."""
+    ctx.status_code = response.status_code
     declared = response.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > max_output and response.status_code < 400:
         raise OutputTooLarge(
