@@ -29,14 +29,27 @@ def load_yaml(text: str) -> Any:
         found.append(m.group(0))
         return _MASK.format(len(found) - 1)
 
-    return _unmask(yaml.safe_load(PLACEHOLDER.sub(mask, text)), found)
+    return _unmask(yaml.safe_load(PLACEHOLDER.sub(mask, text)), found, {})
 
 
-def _unmask(value: Any, found: list[str]) -> Any:
+def _unmask(value: Any, found: list[str], done: dict[int, Any]) -> Any:
+    # ``done``: containers already unmasked, by identity. A YAML alias is the same object again, so a
+    # node repeated through aliases is copied once (a few aliased levels would otherwise be copied
+    # exponentially often), and the copy keeps the sharing the parse had.
     if isinstance(value, str):
         return _MASKED.sub(lambda m: found[int(m.group(1))], value)
+    if not isinstance(value, dict | list):
+        return value
+    key = id(value)
+    if key in done:
+        return done[key]
     if isinstance(value, dict):
-        return {_unmask(k, found): _unmask(v, found) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_unmask(v, found) for v in value]
-    return value
+        out: Any = {}
+        done[key] = out
+        for k, v in value.items():
+            out[_unmask(k, found, done)] = _unmask(v, found, done)
+    else:
+        out = []
+        done[key] = out
+        out.extend(_unmask(v, found, done) for v in value)
+    return out

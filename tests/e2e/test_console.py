@@ -174,6 +174,14 @@ def test_yaml_aliases_cannot_blow_a_spec_up_and_the_body_must_still_be_declared_
     bomb = f"name: bomb\nexecutor: python\nfunction: a:b\ninput_schema: {{type: object, default: {default}}}\n"
     refused = client.post("/v1/tools", json={"yaml": bomb})
     assert refused.status_code == 400 and "too large" in refused.json()["error"]["message"], refused.text
+    # Nine levels with a {{placeholder}} in the aliased node: unmasking copies each node once, so it is
+    # refused at once (each level copied on its own took 10x longer: 3.6 s at seven levels, memory at nine).
+    levels = ["a: &a ['{{x}}', x]"]
+    for prev, name in zip("abcdefgh", "bcdefghi", strict=True):
+        levels.append(f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 10) + "]")
+    bomb = bomb.replace(default, "{" + ", ".join(levels) + "}")
+    refused = client.post("/v1/tools", json={"yaml": bomb}, timeout=30)  # (before: out of memory)
+    assert refused.status_code == 400 and "too large" in refused.json()["error"]["message"], refused.text
     plain = client.post("/v1/tools", content=json.dumps({"yaml": GREET_YAML}), headers={"Content-Type": "text/plain"})
     assert plain.status_code == 400 and "application/json" in plain.json()["error"]["message"]
 
