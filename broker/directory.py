@@ -155,6 +155,10 @@ def load_spec_file(path: Path) -> ToolSpec:
         data = load_yaml(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise InvalidSpec(f"{path}: not valid YAML: {e}") from e
+    except UnicodeError as e:
+        raise InvalidSpec(f"{path}: not UTF-8 text: {e}") from e
+    except OSError as e:  # a dangling symlink, a file removed meanwhile, no permission
+        raise InvalidSpec(f"{path}: cannot be read: {e.strerror or e}") from e
     try:
         return ToolSpec.from_dict(data)
     except InvalidSpec as e:
@@ -172,7 +176,8 @@ def load_spec_dir(path: Path, errors: list[InvalidSpec] | None = None) -> list[T
     """
     if not path.is_dir():
         return []
-    files = sorted([*path.glob("*.yaml"), *path.glob("*.yml")])
+    # (not hidden files: an editor's lock or backup, such as Emacs's .#name.yaml)
+    files = sorted(f for f in [*path.glob("*.yaml"), *path.glob("*.yml")] if not f.name.startswith("."))
     specs = []
     for f in files:
         try:

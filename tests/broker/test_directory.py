@@ -96,9 +96,14 @@ def test_a_bad_spec_file_is_collected_and_the_others_still_register(tmp_path: Pa
     (tmp_path / "c.yaml").write_text("name: [unclosed\n")
     with pytest.raises(InvalidSpec, match="b.yaml.*tool executor not found: 'ftp'"):
         sync_dir(Directory(fake), tmp_path)  # without a collector the first bad file raises
+    (tmp_path / "d.yaml").write_bytes(b"name: \xff\xfe\n")  # not UTF-8
+    (tmp_path / "e.yaml").symlink_to(tmp_path / "gone.yaml")  # dangling
+    (tmp_path / ".#a.yaml").symlink_to("user@host.1234")  # an editor's lock file: not a spec at all
     errors: list[InvalidSpec] = []
     assert sync_dir(Directory(fake), tmp_path, errors) == [("a", 1, True)]
-    assert [str(tmp_path / f) in str(e) for e, f in zip(errors, ["b.yaml", "c.yaml"], strict=True)] == [True, True]
+    names = ["b.yaml", "c.yaml", "d.yaml", "e.yaml"]
+    assert [str(tmp_path / f) in str(e) for e, f in zip(errors, names, strict=True)] == [True] * 4
+    assert "not UTF-8" in str(errors[2]) and "cannot be read" in str(errors[3])
 
 
 def test_spec_files_load_sorted_and_errors_name_the_file(tmp_path: Path, fake: Any) -> None:
