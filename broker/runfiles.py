@@ -26,6 +26,7 @@ from typing import Any
 from .config import hermes_home
 
 RUN_DIR = "run"
+ENV = "HERMES_RUN_REGISTRY"  # set by `hermes-gateway worker`: its worker processes record themselves
 
 # What the command line of each kind contains; a pid whose command line has none of its kind's markers
 # is not ours any more (the pid was reused) and is never signalled.
@@ -144,9 +145,12 @@ class Entry:
 
 
 def _write(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    # Only the owner reads the registry (it names our processes and their brokers).
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(json.dumps(data, indent=1))
     os.replace(tmp, path)
 
 
@@ -172,7 +176,7 @@ def register(
         "started": time.time(),
         "proc_start": proc_start(pid),
         "parent": os.getppid() if parent is None and pid == os.getpid() else parent,
-        "url": url,
+        "url": _redacted(url),  # never a password on disk
         "port": port,
         "host": host,
     }
@@ -182,6 +186,12 @@ def register(
     except OSError:
         return None
     return path
+
+
+def _redacted(url: str | None) -> str | None:
+    from .connection import redact_url  # (connection imports embedded, which registers here)
+
+    return redact_url(url) if url else url
 
 
 def unregister(path: Path | None) -> None:
@@ -271,6 +281,9 @@ def stop_all(
         for entry in live:
             if entry.pid in signalled or entry.parent in running:
                 continue
+            if not entry.is_ours():  # it ended since the first look, and its pid may be another's now
+                done(entry, "exited")
+                continue
             signalled.add(entry.pid)
             try:
                 os.kill(entry.pid, signal.SIGTERM)
@@ -291,8 +304,9 @@ def stop_all(
             break
         if time.monotonic() >= deadline:
             for entry in live:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(entry.pid, signal.SIGKILL)
+                if entry.is_ours():  # (checked again right before: a pid reused since is never killed)
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(entry.pid, signal.SIGKILL)
             for entry in live:
                 end = time.monotonic() + 5
                 while alive(entry.pid) and time.monotonic() < end:

@@ -66,7 +66,10 @@ def run_worker(url: str, settings: Settings, queues: list[str], concurrency: int
     conn = from_url(url)
     worker = Worker(conn, settings, queues, concurrency=concurrency, grace=grace)
     worker.install_signals()
-    runfiles.enable(settings.home)  # `hermes-gateway stop --all` on this machine finds it
+    # Recorded for `hermes-gateway stop --all` when a `worker` command started it (it sets the variable);
+    # the private worker of a `tool run` or a `chat` is its command's to stop, not stop --all's.
+    if os.environ.get(runfiles.ENV):
+        runfiles.enable(settings.home)
     with runfiles.registered("worker", url=url):
         worker.work()
     return 0

@@ -139,6 +139,47 @@ def test_stop_all_stops_a_worker_pool_and_its_embedded_broker(home: Any, tmp_pat
             print(log.read())
 
 
+def test_run_files_are_owner_only_and_hold_no_broker_password(home: Any) -> None:
+    path = runfiles.register("worker", url="redis://:s3cret-pw@db.internal:6379/0", directory=runfiles.run_dir(home.path))
+    assert path is not None
+    try:
+        assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+        text = path.read_text()
+        assert "s3cret-pw" not in text and json.loads(text)["url"] == "redis://:***@db.internal:6379/0"
+    finally:
+        runfiles.unregister(path)
+
+
+def _has_worker_child(pid: int) -> bool:
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return False
+    for child in children:
+        try:
+            if "workers" in child.cmdline():
+                return True
+        except psutil.Error:
+            continue
+    return False
+
+
+def test_a_tool_runs_private_worker_is_its_commands_not_stop_alls(home: Any) -> None:
+    home.tool("slow", executor="command", command=[sys.executable, "-c", "import time; time.sleep(3); print('slept')"], timeout=30)
+    env = _env(home)
+    run = subprocess.Popen([CLI, "tool", "run", "slow"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: _has_worker_child(run.pid), 30, "its worker")
+        assert _run_files(home) == {}  # neither the command's worker nor its embedded broker is recorded
+        out = _stop_all(env)
+        assert out.returncode == 0 and "nothing running on this machine" in out.stdout, out.stdout
+        stdout, stderr = run.communicate(timeout=60)
+        assert run.returncode == 0, stderr
+        assert stdout == "slept\n"
+    finally:
+        _kill(run)
+
+
 def test_a_stale_run_file_is_dropped_and_a_reused_pid_is_not_signalled(home: Any) -> None:
     run = runfiles.run_dir(home.path)
     exited = subprocess.Popen([sys.executable, "-c", "pass"])
