@@ -144,14 +144,19 @@ class ChatSession:
 
         The conversation carries over: every ``ask`` appends to ``messages``, so a later question sees
         the earlier ones and their answers. If the ask raises (a failed or timed-out call, Ctrl-C),
-        its messages are taken back out, so the next ``ask`` continues from the last completed one.
+        its messages are taken back out, so the next ``ask`` continues from the last completed one; so are
+        those of an ask that reached ``max_turns`` without an answer (its result keeps a copy).
         """
         mark = len(self.messages)
         try:
-            return self._ask(query)
+            result = self._ask(query)
         except BaseException:
             del self.messages[mark:]
             raise
+        if result.answer is None:
+            result.messages = list(self.messages)
+            del self.messages[mark:]
+        return result
 
     def _ask(self, query: str) -> ChatResult:
         self.messages.append({"role": "user", "content": query})

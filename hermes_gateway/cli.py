@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -30,7 +31,9 @@ _ANYWHERE = ("--log-level", "--log-format", "--home", "--trace")
 
 class _Main(click.Group):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        at = next((i for i, a in enumerate(args) if a in self.commands), len(args))  # the command's name
+        at = 0  # the command's name: the first word that is not a global option or its value
+        while at < len(args) and args[at] not in self.commands:
+            at += 2 if args[at] in _ANYWHERE else 1
         front, rest = list(args[:at]), []
         i = at
         while i < len(args):
@@ -62,14 +65,17 @@ class _Main(click.Group):
 @click.pass_context
 def main(ctx: click.Context, home: str | None, log_level: str | None, log_format: str | None, trace: str | None) -> None:
     """Hermes Gateway: LLM and tool calls through Redis and RQ worker pools."""
+    configure(log_level or "INFO", log_format or "console")  # until the config is read (its errors, too)
     try:
         settings = load_settings(home)
-        from workers.policy import Policy
-
-        Policy.from_settings(settings.policy)  # a bad policy is a clear error here, not a worker that dies
     except HermesError as e:
         _fail(str(e))
     configure(log_level or settings.log_level, log_format or settings.log_format)
+    # Processes this command starts (a pool's workers, a chat's local worker) log the same way.
+    if log_level:
+        os.environ["HERMES_LOG_LEVEL"] = log_level
+    if log_format:
+        os.environ["HERMES_LOG_FORMAT"] = log_format
     from hermes_gateway.telemetry import setup as setup_tracing
 
     try:
@@ -91,8 +97,6 @@ def main(ctx: click.Context, home: str | None, log_level: str | None, log_format
 @click.pass_context
 def worker(ctx: click.Context, queues: str, concurrency: int, processes: int, grace: float) -> None:
     """Run worker processes that take calls off the queues."""
-    import os
-
     from broker import runfiles
     from broker.connection import connect
     from workers.pool import run_worker, supervise
@@ -103,6 +107,7 @@ def worker(ctx: click.Context, queues: str, concurrency: int, processes: int, gr
     # `stop --all` on this machine finds them (with or without a broker URL configured).
     runfiles.enable(settings.home)
     os.environ["HERMES_HOME"] = str(settings.home)  # the pool's children: same config, same registry
+    os.environ[runfiles.ENV] = "1"
     try:
         handle = connect(settings.redis_url)
     except HermesError as e:
@@ -127,8 +132,9 @@ def worker(ctx: click.Context, queues: str, concurrency: int, processes: int, gr
     "workers, embedded brokers).",
 )
 @click.option(
-    "--grace", default=10.0, show_default=True,
-    help="With --all: seconds this machine's processes get to exit after SIGTERM before SIGKILL.",
+    "--grace", default=30.0, show_default=True,
+    help="With --all: seconds this machine's processes get to exit after SIGTERM before SIGKILL (a worker "
+    "finishes its calls within its own --grace, 25 s by default).",
 )
 @click.argument("names", nargs=-1)
 @click.pass_context
@@ -232,7 +238,6 @@ def status(ctx: click.Context, as_json: bool, watch: bool, interval: float) -> N
 @click.pass_context
 def serve(ctx: click.Context, host: str, port: int, token: str | None) -> None:
     """The HTTP/SSE API and the web console (GET / in a browser); see hermes_gateway/http_api.py."""
-    import os
 
     import uvicorn
 
@@ -256,6 +261,7 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None) -> None:
     # In this machine's run registry ($HERMES_HOME/run) with its embedded broker and local worker, so
     # `stop --all` stops them all (this process first; it stops its worker and broker itself).
     runfiles.enable(settings.home)
+    os.environ[runfiles.ENV] = "1"  # its local worker too (it stops with serve: parents go first)
     runfile = runfiles.register("serve", host=host, port=port)
     try:
         with local_stack(settings) as (gw, procs):

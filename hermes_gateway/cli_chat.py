@@ -31,14 +31,14 @@ def _ask_once(
             click.echo("")
         shown["open"] = False
         if isinstance(e, CallCancelled):
-            click.echo(f"error: cancelled: {e}", err=True)
+            _note(f"cancelled: {e}", "error")
             return 1
-        click.echo(f"error: {e.type}: {e}", err=True)
+        _note(f"{e.type}: {e}", "error")
         return 1 if isinstance(e, (CallTimeout, CallFailed)) else 2
     if verbose:
-        click.echo(f"session {result.session_id}: {len(result.turns)} LLM call(s)", err=True)
+        _note(f"session {result.session_id}: {len(result.turns)} LLM call(s)")
     if result.answer is None:
-        click.echo(f"error: no answer within {max_turns} turn(s) (--max-turns)", err=True)
+        _note(f"no answer within {max_turns} turn(s) (--max-turns)", "error")
         return 1
     if not shown["answer_shown"]:
         click.echo(result.answer)
@@ -96,7 +96,7 @@ def _conversation(session: Any, shown: dict[str, bool], verbose: bool, max_turns
         except KeyboardInterrupt:  # Ctrl-C while a turn runs: end the conversation, no traceback
             if shown["open"]:
                 click.echo("")
-            click.echo("error: interrupted", err=True)
+            _note("interrupted", "error")
             return 130
     return code
 
@@ -151,7 +151,7 @@ def chat(
             shown["open"] = False
         if verbose:
             for line in describe_turn(turn):
-                click.echo(line, err=True)
+                _note(line)
 
     settings = _settings(ctx)
     with _gateway(settings) as (gw, procs):

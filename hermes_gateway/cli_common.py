@@ -26,13 +26,17 @@ def _print_result(result: Any) -> None:
 
 
 def _note(message: str, level: str = "info") -> None:
-    """A notice for the user on stderr: plain text, or a log line in JSON mode (so `2>&1 | jq` works)."""
+    """A notice for the user on stderr: plain text, or in JSON mode a JSON line shaped like the log lines
+    (so `2>&1 | jq` works). It is the command's own output, so the log level never hides it."""
     from broker.logs import json_lines
+    from broker.redact import redact_text
 
     if json_lines():
-        import structlog
+        from datetime import UTC, datetime
 
-        getattr(structlog.get_logger("hermes.cli"), level)(message)
+        stamp = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+        line = {"event": redact_text(message), "level": level, "logger": "hermes.cli", "timestamp": stamp}
+        click.echo(json.dumps(line, ensure_ascii=False), err=True)
     else:
         click.echo(message if level == "info" else f"{level}: {message}", err=True)
 

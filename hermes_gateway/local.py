@@ -38,6 +38,9 @@ def local_stack(
     procs: list[Any] = []
     try:
         if handle.embedded is not None and need_workers:
+            from workers.policy import Policy
+
+            Policy.from_settings(settings.policy)  # a bad policy: a clear error now, not a worker that dies
             # The command's own output stays clean: its workers log errors only, unless DEBUG was asked for
             # (`logging.level: DEBUG`, `--log-level DEBUG`); they log in the command's format (JSON lines too).
             level = os.environ.get("HERMES_WORKER_LOG_LEVEL") or ("DEBUG" if logs.debug_enabled() else "ERROR")

@@ -10,10 +10,19 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
+from broker import logs
 from broker.logs import RedactFilter, configure
 
 KEY = "sk-" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8"
 PW = "postgresql://app:hunter2x@db:5432/prod"
+
+
+@pytest.fixture(autouse=True)
+def _module_state() -> Iterator[None]:
+    """configure() sets module-wide figures (level, JSON or not): later tests get them back as they were."""
+    saved = (logs._level, logs._json)
+    yield
+    logs._level, logs._json = saved
 
 
 @pytest.fixture

@@ -278,6 +278,8 @@ def test_cli_chat_without_an_answer_within_max_turns_goes_on_and_exits_1(llm: LL
     assert proc.returncode == 1
     assert "no answer within 1 turn(s)" in proc.stderr and proc.stdout == "ok\n"
     assert len(llm.chat_requests) == 2
+    # The unanswered question and its tool call are left out of the conversation that goes on.
+    assert roles(llm.chat_requests[1]) == [("user", "Reply exactly ok")]
 
 
 def _read_until(stream: Any, needle: bytes, seen: bytearray, timeout: float = 30.0) -> None:

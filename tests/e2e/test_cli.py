@@ -78,6 +78,9 @@ def test_a_bad_policy_in_config_is_a_clear_error_at_once_not_a_worker_that_never
     assert out.returncode == 2
     assert "policy.mode: expected one of" in out.stderr and "greylist" in out.stderr
     assert time.monotonic() - started < 10
+    # ... and it blocks only what starts workers: the typo does not stop you from stopping things.
+    stopped = _run(["stop", "--all"], _env(home), timeout=30)
+    assert stopped.returncode == 0 and "nothing running" in stopped.stdout, stopped.stderr
 
 
 def test_debug_and_log_format_json_give_only_json_lines_on_stderr_for_jq(home: Any) -> None:
@@ -99,6 +102,33 @@ def test_debug_and_log_format_json_give_only_json_lines_on_stderr_for_jq(home: A
     assert refused.returncode == 2
     [error] = [json.loads(line) for line in refused.stderr.splitlines() if '"error"' in line]
     assert error["level"] == "error" and "nope" in error["event"]
+
+
+def test_in_json_mode_the_commands_own_output_is_json_whatever_the_level(home: Any) -> None:
+    shutil.copy(ROOT / "examples" / "tools" / "hello.yaml", home.tools_dir / "hello.yaml")
+    out = _run(["tool", "run", "hello", "{name: Alice}", "--follow", "--log-format", "json", "--log-level", "ERROR"], _env(home))
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stderr.splitlines()]
+    assert [line["event"].split()[2] for line in lines if line["event"].startswith("[")] == [
+        "pending", "routing", "executing", "formatting", "done"
+    ]
+    failed = _run(["--log-level", "CRITICAL", "--log-format", "json", "tool", "run", "nope"], _env(home))
+    assert failed.returncode == 2
+    [error] = [line for line in map(json.loads, failed.stderr.splitlines()) if line["level"] == "error"]
+    assert "nope" in error["event"]
+
+
+def test_a_global_options_value_that_is_a_command_name_is_not_taken_for_the_command(home: Any, tmp_path: Path) -> None:
+    demo_home = tmp_path / "demo"  # `--home demo`: the value is also the name of a command
+    (demo_home / "tools").mkdir(parents=True)
+    shutil.copy(ROOT / "examples" / "tools" / "hello.yaml", demo_home / "tools" / "hello.yaml")
+    env = _env(home)
+    out = subprocess.run(
+        [CLI, "--home", "demo", "tool", "run", "hello", "{name: Bob}", "--log-level", "WARNING"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=90,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "Hello, Bob!\n"
 
 
 def test_tool_run_says_at_once_when_no_worker_listens(redis_url: str, home: Any) -> None:
