@@ -192,12 +192,23 @@ def stop(ctx: click.Context, all_: bool, grace: float, names: tuple[str, ...]) -
 @main.command()
 @click.argument("call_id")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing until the call ends.")
+@click.option(
+    "--request", "show_request", is_flag=True,
+    help="First print what the call asked for, secrets masked: a tool call's args, an LLM call's whole request "
+    "(the messages the model is sent, tool results included).",
+)
 @click.pass_context
-def events(ctx: click.Context, call_id: str, follow: bool) -> None:
+def events(ctx: click.Context, call_id: str, follow: bool, show_request: bool) -> None:
     """Print a call's event history (and its live tail with --follow)."""
     from broker import events as ev_mod
+    from hermes_gateway.views import call_request
 
     with _gateway(_settings(ctx), need_workers=False) as (gw, _):
+        if show_request:
+            asked = call_request(gw.conn, call_id)
+            if asked is None:
+                _fail(f"no such call {call_id} (unknown, or past its result TTL)", 1)
+            click.echo(json.dumps(asked, ensure_ascii=False, indent=2, default=str))
         stream = ev_mod.follow(gw.conn, call_id) if follow else iter(ev_mod.history(gw.conn, call_id))
         for ev in stream:
             click.echo(_event_line(ev))

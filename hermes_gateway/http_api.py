@@ -10,6 +10,8 @@ The same operations as the Python client, for callers in any language and for a 
   "wait"}``: 202 with the call id, or with ``wait`` (seconds) the outcome when it comes in time; a W3C
   ``traceparent``/``tracestate`` request header continues the caller's trace
 - ``GET /v1/calls/{id}``; ``POST /v1/calls/{id}/cancel``
+- ``GET /v1/calls/{id}/request``: what the call asked for, secrets masked (a tool call's args; an LLM
+  call's whole request, the messages with the tool results fed back)
 - ``GET /v1/calls/{id}/events``: Server-Sent Events, the call's history then its live tail, one event
   per state change, progress message or stream delta (``id:`` is the event's ``seq``, so a reconnecting
   ``EventSource`` resumes after ``Last-Event-ID``), ending with the terminal one.
@@ -69,6 +71,7 @@ from broker.yamlload import load_yaml
 from hermes_gateway.aio import AsyncGateway
 from hermes_gateway.aio_handle import AsyncCallHandle
 from hermes_gateway.client import Gateway
+from hermes_gateway.views import call_request
 
 DEFAULT_PORT = 8787  # the Tool Gateway document's console port
 TOKEN_ENV = "HERMES_API_TOKEN"
@@ -305,6 +308,14 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
         return reply(await _outcome(handle, 0.0) if handle.done() else _accepted(handle))
 
     @api
+    async def get_call_request(request: Request) -> Response:
+        call_id = request.path_params["call_id"]
+        found = await run_in_threadpool(call_request, gw.conn, call_id)
+        if found is None:
+            raise CallFailed(f"no such call {call_id}", error_type="unknown_call")
+        return reply(found)
+
+    @api
     async def cancel_call(request: Request) -> Response:
         call_id = request.path_params["call_id"]
         await live["agw"].handle(call_id)  # 404 for an unknown id
@@ -340,6 +351,7 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
         Route("/v1/tools/{name}/calls", call_tool, methods=["POST"]),
         Route("/v1/schemas", schemas),
         Route("/v1/calls/{call_id}", get_call),
+        Route("/v1/calls/{call_id}/request", get_call_request),
         Route("/v1/calls/{call_id}/cancel", cancel_call, methods=["POST"]),
         Route("/v1/calls/{call_id}/events", api(call_events_stream, query_token=True)),
     ]

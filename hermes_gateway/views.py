@@ -179,3 +179,34 @@ def print_status(data: dict[str, Any], description: str) -> None:
             f"{err.get('type')}: {err.get('message')}",
         )
     console.print(f)
+
+
+def call_request(conn: Any, call_id: str) -> dict[str, Any] | None:
+    """What a call asked for, as submitted, secrets masked: a tool call's args (the tool's ``sensitive``
+    args as their hash, as in its audit record), an LLM call's whole request — the messages the model is
+    sent, tool results included (the seed's check for "was the tool result fed back?"). None: no such call.
+    """
+    from broker.directory import Directory
+    from broker.errors import HermesError
+    from broker.records import read_record
+    from broker.redact import redact
+
+    rec = read_record(conn, call_id)
+    if rec is None:
+        return None
+    env = rec.get("envelope")
+    out: dict[str, Any] = {"call_id": call_id, "kind": rec["kind"], "name": rec["name"], "state": rec["state"]}
+    if env is None:
+        out["error"] = "the call's payload could not be decoded"
+        return out
+    out["context"] = redact(dict(env.context))
+    if env.kind == "llm":
+        out["request"] = redact(env.request)
+        return out
+    sensitive: tuple[str, ...] = ()
+    try:
+        sensitive = Directory(conn).get(env.tool or "").spec.sensitive
+    except HermesError:
+        pass  # a tool removed since: its args are still masked by name and shape
+    out["args"] = redact(dict(env.args or {}), sensitive)
+    return out

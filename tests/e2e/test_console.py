@@ -186,6 +186,22 @@ def test_yaml_aliases_cannot_blow_a_spec_up_and_the_body_must_still_be_declared_
     assert plain.status_code == 400 and "application/json" in plain.json()["error"]["message"]
 
 
+def test_a_calls_request_is_shown_as_submitted_with_its_secrets_masked(
+    client: httpx.Client, gateway: Any, home: Any
+) -> None:
+    spec = {"name": "login", "executor": "python", "function": "workers.executors.builtin:echo",
+            "sensitive": ["password"]}
+    assert client.post("/v1/tools", json=spec).status_code in (200, 201)
+    args = {"user": "ann", "password": "hunter22", "headers": {"Authorization": "Bearer abcdef123456"}}
+    done = client.post("/v1/tools/login/calls", json={"args": args, "context": {"session_id": "s1"}, "wait": 20}).json()
+    asked = client.get(f"/v1/calls/{done['call_id']}/request").json()
+    assert asked["kind"] == "tool" and asked["name"] == "login" and asked["context"]["session_id"] == "s1"
+    assert asked["args"]["user"] == "ann"
+    assert "hunter22" not in json.dumps(asked) and "abcdef123456" not in json.dumps(asked)
+    missing = client.get("/v1/calls/0123456789abcdef0123456789abcdef/request")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "unknown_call"
+
+
 # The page's script under node: a stand-in DOM with the page's element ids, fetch to the real server,
 # EventSource over fetch. It registers a YAML spec, sees a bad one refused, runs a call, follows it in
 # the log stream and the trace view, opens another call by id, removes the tool, and fills the log past its cap.
@@ -318,6 +334,8 @@ const GREET = fs.readFileSync(process.argv[5], "utf8");
   check(/^\d\d:\d\d:\d\d\.\d{3}$/.test(trace[0][1]) && trace[0][2] === "0.0 ms" && trace[0][3] === "", "first row " + trace[0]);
   check(trace.slice(1).every((r) => / (ms|s)$/.test(r[3])) && trace.slice(0, -1).every((r) => / (ms|s)$/.test(r[4])), "durations");
   check(trace.every((r) => /^[0-9a-f]{16}$/.test(r[8])), "span ids " + trace.map((r) => r[8]));
+  await until(() => text("trace-request") !== "", () => "the request in the trace");
+  check(JSON.parse(text("trace-request")).who === "北京", "the call's args: " + text("trace-request"));
 
   // A call started elsewhere, opened by id: its history comes from the events route.
   const other = await (await fetchHere("/v1/tools/echo/calls", {method: "POST",

@@ -192,6 +192,32 @@ def test_a_non_streamed_call_returns_the_providers_response_and_the_request_mode
     assert conn.hget(keys.job(handle.call_id), keys.F_CKEY) == b"llm:other-model"
 
 
+def test_events_request_shows_the_messages_the_model_was_sent_tool_results_included(
+    llm: LLMServer, gateway: Any, workers: Any, redis_url: str, home: Home
+) -> None:
+    # The seed's pitfall 5: "was the tool result really fed back?" -- the request shows the messages.
+    import subprocess
+    import sys
+
+    workers(queues="llm", env=KEY_ENV)
+    messages = [
+        {"role": "user", "content": "北京的天气?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 21}'},
+    ]
+    handle = gateway.call_llm({"messages": messages, "api_key": "sk-" + "z" * 40})
+    handle.result(20)
+    env = {"HERMES_REDIS_URL": redis_url, "HERMES_HOME": str(home.path), "PATH": "/usr/bin:/bin"}
+    cli = str(Path(sys.executable).parent / "hermes-gateway")
+    out = subprocess.run([cli, "events", handle.call_id, "--request"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    shown = json.loads(out.stdout[: out.stdout.index("\n}\n") + 2])
+    assert shown["kind"] == "llm" and shown["request"]["messages"] == messages
+    assert "z" * 40 not in out.stdout  # a key in the request is masked
+    assert out.stdout.rstrip().splitlines()[-1].split()[2] == "done"  # then the events, as before
+
+
 # -- retries -----------------------------------------------------------------------------------
 
 
