@@ -80,7 +80,8 @@ def migrate(ctx: click.Context, force: bool, dry_run: bool, no_rewrite: bool, as
 
 @click.group()
 def mcp() -> None:
-    """Import MCP servers' tools into the directory, list and remove them by server."""
+    """Import MCP servers' tools into the directory, list and remove them by server; serve the directory
+    to MCP clients."""
 
 
 @mcp.command("add")
@@ -186,3 +187,33 @@ def mcp_remove(ctx: click.Context, server_name: str) -> None:
     for name in removed:
         click.echo(f"removed    {name}")
     click.echo(f"{server_name}: {len(removed)} tools removed")
+
+
+@mcp.command("serve")
+@click.option("--principal", default=None, help="Who the calls run as: offer and allow only what the policy lets it call.")
+@click.option("--session-id", default=None, help="Put on every call's context (events, audit, traces).")
+@click.option("--timeout", type=float, default=None, help="Seconds to wait for a call (default: the tool's timeout).")
+@click.pass_context
+def mcp_serve(ctx: click.Context, principal: str | None, session_id: str | None, timeout: float | None) -> None:
+    """Serve the directory's tools to an MCP client over stdio (the client starts this command).
+
+    \b
+    Every call goes through the gateway and its workers (limits, policy, audit, events). Without
+    HERMES_REDIS_URL it starts the embedded broker and a local worker, as `tool run` does.
+    For the Hermes agent, in its config.yaml:
+      mcp_servers:
+        gateway: {command: hermes-gateway, args: [mcp, serve]}
+    """
+    import asyncio
+    import functools
+
+    from hermes_gateway.local import local_stack
+    from hermes_gateway.mcp_serve import serve_stdio
+
+    start = functools.partial(local_stack, _settings(ctx))
+    try:
+        asyncio.run(serve_stdio(start, principal=principal, session_id=session_id, timeout=timeout))
+    except HermesError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        pass

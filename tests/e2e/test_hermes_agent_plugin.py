@@ -1,4 +1,5 @@
-"""The real Hermes agent (hermes-agent 0.19.0 from PyPI, its own venv) with our ``hermes-gateway`` plugin.
+"""The real Hermes agent (hermes-agent 0.19.0 from PyPI, its own venv) with our ``hermes-gateway`` plugin,
+and without it, reaching the directory through ``hermes-gateway mcp serve`` in its ``mcp_servers``.
 
 ``hermes plugins enable hermes-gateway`` then ``hermes chat -q ... -Q`` against the local LLM server:
 the model's ``get_weather`` call runs on our worker processes (events, audit record, the agent's ids in
@@ -15,6 +16,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,13 +45,15 @@ MODEL = "hermes-test"
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 # What the plugin imports beyond Hermes' own dependencies (the rest of ours is for workers and the CLI).
 PLUGIN_DEPS = ["redis>=5", "msgpack>=1.0", "structlog>=24", "jsonschema>=4.20"]
+# The agent's own `mcp` extra (hermes-agent[mcp] pins this): its MCP client, for `mcp serve`.
+AGENT_MCP = "mcp==1.26.0"
 
 
 @pytest.fixture(scope="module")
 def hermes_bin(request: pytest.FixtureRequest, hermes_python: Path) -> Path:  # noqa: F811
     """The venv's ``hermes``, with our package installed in the venv (redone when pyproject changes)."""
     venv = hermes_python.parent.parent
-    stamp = hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()[:16]
+    stamp = hashlib.sha256((REPO / "pyproject.toml").read_bytes() + repr((PLUGIN_DEPS, AGENT_MCP)).encode()).hexdigest()[:16]
     marker = venv / ".hermes-gateway-plugin"
     with open(VENV_ROOT / f"{HERMES_VERSION}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -73,7 +77,7 @@ def hermes_bin(request: pytest.FixtureRequest, hermes_python: Path) -> Path:  # 
         pip = [str(hermes_python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
         for step in (
             [*pip, "--no-deps", "-e", str(REPO)],
-            [*pip, *PLUGIN_DEPS, f"opentelemetry-sdk=={otel}"],
+            [*pip, *PLUGIN_DEPS, AGENT_MCP, f"opentelemetry-sdk=={otel}"],
         ):
             proc = subprocess.run(step, capture_output=True, text=True, timeout=600)
             assert proc.returncode == 0, f"{' '.join(step)} failed:\n{proc.stderr[-2000:]}"
@@ -188,3 +192,31 @@ def test_route_llm_sends_the_agents_provider_calls_through_the_llm_queue(
     assert context["parent_call_id"] == first.call_id
     deltas = [e for e in events.history(conn, second.call_id) if e.type == events.DELTA]
     assert "".join(d.detail.get("content", "") for d in deltas).startswith("Tool result:")
+
+
+def test_hermes_reaches_the_gateways_tools_as_an_mcp_server_without_the_plugin(
+    hermes_bin: Path, tmp_path: Path, llm: LLMServer, redis_url: str, home: Home, workers: Any, conn: Any
+) -> None:
+    # No plugin: the agent's own MCP client starts `hermes-gateway mcp serve` from its mcp_servers config.
+    agent = Agent(hermes_bin, tmp_path / "agent-home", llm, redis_url)
+    config = yaml.safe_load((agent.root / "config.yaml").read_text())
+    ours = Path(sys.executable).parent / "hermes-gateway"  # ours, with every dependency (not the agent's venv)
+    config["mcp_servers"] = {
+        "gateway": {
+            "command": str(ours),
+            "args": ["mcp", "serve", "--principal", "hermes"],
+            "env": {"HERMES_REDIS_URL": redis_url, "HERMES_HOME": str(home.path), "PATH": os.environ.get("PATH", "")},
+        }
+    }
+    (agent.root / "config.yaml").write_text(yaml.safe_dump(config))
+    workers(queues="tools")
+    proc = agent.run("chat", "-q", "What is the weather in Berlin?", "-Q")
+
+    [record] = [r for r in records(conn) if r.kind == "tool"]
+    assert record.tool_name == "get_weather" and record.state == "done" and record.args == {"city": "Berlin"}
+    assert record.principal == "hermes"  # the principal `mcp serve` runs its calls as
+    offered, answered = llm.chat_requests
+    assert "mcp__gateway__get_weather" in [t["function"]["name"] for t in offered.body["tools"]]
+    [tool_msg] = [m for m in answered.body["messages"] if m["role"] == "tool"]
+    assert '"city": "Berlin"' in tool_msg["content"]
+    assert 'Tool result:' in proc.stdout and "Berlin" in proc.stdout

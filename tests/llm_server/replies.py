@@ -77,8 +77,10 @@ def default_rule(body: dict[str, Any]) -> Reply:
     )
     if city:
         name = city.group(1).strip()
-        if "get_weather" in _offered_tools(body):
-            return Reply(tool_calls=[{"name": "get_weather", "arguments": {"city": name}}])
+        # (an MCP client names a server's tool mcp__<server>__<tool>, as the Hermes agent does)
+        weather = sorted(t for t in _offered_tools(body) if t == "get_weather" or t.endswith("__get_weather"))
+        if weather:
+            return Reply(tool_calls=[{"name": weather[0], "arguments": {"city": name}}])
         return Reply(text=f"I have no weather tool, so I cannot tell the weather in {name}.")
     return Reply(text=f"echo: {text}")
 

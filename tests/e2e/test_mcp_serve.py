@@ -1,0 +1,129 @@
+"""`hermes-gateway mcp serve`: the directory served to a real MCP client (the `mcp` SDK's, over stdio),
+every call run by real worker processes through the gateway (policy, audit, events)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker.audit_store import AuditLog
+from tests.conftest import Home, wait_until
+from workers.executors.mcp import _client
+
+pytestmark = pytest.mark.e2e
+
+CLI = str(Path(sys.executable).parent / "hermes-gateway")
+
+
+def _server(home: Home, redis_url: str, *args: str) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_")}
+    env.update(HERMES_REDIS_URL=redis_url, HERMES_HOME=str(home.path))
+    return {"command": [CLI, "mcp", "serve", *args], "env": env, "stderr": "discard"}
+
+
+def test_an_mcp_client_lists_what_its_principal_may_call_and_calls_it_through_the_workers(
+    home: Home, redis_url: str, gateway: Any, workers: Any, conn: Any
+) -> None:
+    home.config({"policy": {"mode": "strict", "principals": {"reader": {"grants": ["read_only"]}}}})
+    home.echo_tool("lookup", permissions=["read_only"], description="Look a thing up",
+                   input_schema={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+    home.tool("broken", "command", command=[sys.executable, "-c", "import sys; sys.exit(4)"], permissions=["read_only"])
+    home.noop_tool("wipe", permissions=["admin"])
+    workers(1)
+    server = _server(home, redis_url, "--principal", "reader", "--session-id", "mcp-s1")
+
+    async def session() -> tuple[Any, ...]:
+        async with _client(server) as client:
+            listed = await client.list_tools()
+            found = await client.call_tool("lookup", {"city": "北京"})
+            bad_args = await client.call_tool("lookup", {"city": 42})
+            failed = await client.call_tool("broken", {})
+            refused = await client.call_tool("wipe", {})
+            # A tool registered while the client is connected is there when it lists again.
+            gateway.register_tool({"name": "late", "executor": "python", "function": "workers.executors.builtin:noop",
+                                   "permissions": ["read_only"]})
+            again = await client.list_tools(cache_mode="refresh")
+            return listed, found, bad_args, failed, refused, again
+
+    listed, found, bad_args, failed, refused, again = asyncio.run(session())
+
+    tools = {t.name: t for t in listed.tools}
+    assert set(tools) == {"lookup", "broken"}  # strict policy: `wipe` needs admin, which reader lacks
+    assert tools["lookup"].description == "Look a thing up"
+    assert tools["lookup"].input_schema["required"] == ["city"]
+    assert "late" in {t.name for t in again.tools}
+
+    assert not found.is_error and found.structured_content == {"city": "北京"}
+    assert found.content[0].text == '{"city": "北京"}'
+    assert bad_args.is_error and bad_args.content[0].text.startswith("invalid_args: ")
+    assert failed.is_error and failed.content[0].text.startswith("executor_error: ")
+    assert refused.is_error and refused.content[0].text.startswith("permission_denied: permission denied: ")
+
+    # Ordinary calls: audited with the principal and the session the server was started with.
+    log = AuditLog(conn)
+    def ours() -> list[Any] | None:
+        found = [r for r in log.list(principal="reader", limit=50) if r.session_id == "mcp-s1"]
+        return found if len(found) >= 4 else None
+
+    records = wait_until(ours, 10, message="the four calls' audit records")
+    assert {(r.tool_name, r.state, r.principal) for r in records} >= {
+        ("lookup", "done", "reader"), ("broken", "failed", "reader"), ("wipe", "failed", "reader"),
+    }
+
+
+def test_without_a_broker_url_it_starts_the_embedded_broker_and_a_worker_and_keeps_stdout_for_mcp(home: Home) -> None:
+    # The seed's hello tool, served with nothing else running: what a local agent's MCP config would start.
+    (home.tools_dir / "hello.yaml").write_text(
+        "name: hello\nexecutor: command\ncommand: echo Hello, {{name}}!\n"
+        "input_schema:\n  type: object\n  properties:\n    name:\n      type: string\n",
+        encoding="utf-8",
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_")}
+    env["HERMES_HOME"] = str(home.path)
+    server = {"command": [CLI, "mcp", "serve"], "env": env, "stderr": "discard"}
+
+    async def session() -> tuple[Any, Any]:
+        async with _client(server) as client:
+            return await client.list_tools(), await client.call_tool("hello", {"name": "Alice"})
+
+    listed, said = asyncio.run(asyncio.wait_for(session(), 90))
+    assert [t.name for t in listed.tools] == ["hello"]
+    assert not said.is_error and said.content[0].text == "Hello, Alice!"
+
+
+def test_a_directory_change_is_announced_so_the_client_lists_again(home: Home, redis_url: str, gateway: Any, workers: Any) -> None:
+    # The handshake-era protocol, as the Hermes agent's MCP client (mcp 1.x) speaks it: on
+    # notifications/tools/list_changed it lists again, so an agent sees new tools without a restart.
+    from mcp import Client, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+
+    home.echo_tool("first")
+    workers(1)
+    server = _server(home, redis_url)
+    notices: list[str] = []
+    changed = asyncio.Event()
+
+    async def on_message(message: Any) -> None:
+        root = getattr(message, "root", message)
+        if "ToolListChanged" in type(root).__name__:
+            notices.append(type(root).__name__)
+            changed.set()
+
+    async def session() -> tuple[Any, Any]:
+        params = StdioServerParameters(command=server["command"][0], args=server["command"][1:], env=server["env"])
+        with open(os.devnull, "w") as devnull:
+            async with Client(stdio_client(params, errlog=devnull), mode="legacy", message_handler=on_message, cache=None) as client:
+                before = await client.list_tools()
+                gateway.register_tool({"name": "second", "executor": "python", "function": "workers.executors.builtin:noop"})
+                await asyncio.wait_for(changed.wait(), 10)
+                return before, await client.list_tools()
+
+    before, after = asyncio.run(session())
+    assert [t.name for t in before.tools] == ["first"]
+    assert [t.name for t in after.tools] == ["first", "second"]
+    assert len(notices) == 1
