@@ -11,6 +11,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -20,13 +21,19 @@ from .errors import BrokerUnavailable
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    # The child Redis must not outlive the process that started it, even on SIGKILL.
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+# Looked up here, once: a forked child of a process with threads must not load libraries (the loader's
+# lock may be held by a thread that does not exist in the child).
+try:
+    _prctl: Any = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+
+
+def die_with_parent() -> None:
+    """(``preexec_fn``) The child gets SIGTERM when the thread that started it ends — its process dying,
+    even by SIGKILL, included (Linux; elsewhere nothing)."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def find_redis_server() -> tuple[str, str]:
@@ -91,7 +98,7 @@ class EmbeddedBroker:
             argv,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         atexit.register(self.stop)
         deadline = time.monotonic() + wait

@@ -147,8 +147,11 @@ class Entry:
 def _write(path: Path, data: dict[str, Any]) -> None:
     # Only the owner reads the registry (it names our processes and their brokers).
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)  # (a directory made by an older version was 0755)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # a leftover keeps its old mode
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(json.dumps(data, indent=1))
     os.replace(tmp, path)

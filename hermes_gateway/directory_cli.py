@@ -11,7 +11,7 @@ import click
 
 from broker.config import Settings
 from broker.errors import HermesError
-from hermes_gateway.cli_common import _fail, _note
+from hermes_gateway.cli_common import _fail, _note, _sync_tools
 
 
 def _settings(ctx: click.Context) -> Settings:
@@ -205,14 +205,20 @@ def mcp_serve(ctx: click.Context, principal: str | None, session_id: str | None,
         gateway: {command: hermes-gateway, args: [mcp, serve]}
     """
     import asyncio
-    import functools
+    import signal
+    import sys
 
     from hermes_gateway.local import local_stack
     from hermes_gateway.mcp_serve import serve_stdio
 
-    start = functools.partial(local_stack, _settings(ctx))
+    settings = _settings(ctx)
+    # The broker and the local worker start before the protocol does: a failure is a plain error, and the
+    # worker writes its standard output to our stderr, never into the protocol on our stdout.
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))  # a client stopping us: clean up
     try:
-        asyncio.run(serve_stdio(start, principal=principal, session_id=session_id, timeout=timeout))
+        with local_stack(settings, worker_stdout=sys.stderr.fileno()) as (gw, procs):
+            _sync_tools(gw)
+            asyncio.run(serve_stdio(gw, principal=principal, session_id=session_id, timeout=timeout, need_workers=not procs))
     except HermesError as e:
         _fail(str(e))
     except KeyboardInterrupt:

@@ -28,10 +28,13 @@ def local_stack(
     processes: int = 1,
     concurrency: int = 16,
     need_workers: bool = True,
+    worker_stdout: Any = None,
 ) -> Iterator[tuple[Gateway, list[Any]]]:
     """Connect to ``HERMES_REDIS_URL``; without one, start the embedded broker and worker processes.
 
-    Yields the gateway and the worker processes this context started (none on a shared broker).
+    Yields the gateway and the worker processes this context started (none on a shared broker). They die
+    with this process, like its embedded broker, even when it is killed; ``worker_stdout`` is where their
+    standard output goes (``mcp serve`` keeps its own for the protocol).
     """
     handle: BrokerHandle = connect(settings.redis_url)
     gw = Gateway(handle, settings)
@@ -48,7 +51,10 @@ def local_stack(
             if logs.json_lines():
                 env["HERMES_LOG_FORMAT"] = "json"
             env["HERMES_HOME"] = str(settings.home)  # the same config, and the same run registry, as ours
-            procs = [spawn(handle.url, list(queues), concurrency, env=env) for _ in range(processes)]
+            procs = [
+                spawn(handle.url, list(queues), concurrency, env=env, stdout=worker_stdout, with_parent=True)
+                for _ in range(processes)
+            ]
             wait_for_heartbeats(gw, len(procs))
         yield gw, procs
     finally:

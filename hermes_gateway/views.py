@@ -203,10 +203,12 @@ def call_request(conn: Any, call_id: str) -> dict[str, Any] | None:
     if env.kind == "llm":
         out["request"] = redact(env.request)
         return out
-    sensitive: tuple[str, ...] = ()
+    args = dict(env.args or {})
     try:
-        sensitive = Directory(conn).get(env.tool or "").spec.sensitive
+        entry = Directory(conn).get(env.tool or "")
+        # The spec the call ran under says which args are sensitive; once it changed, nobody can tell.
+        sensitive = entry.spec.sensitive if entry.version == env.tool_version else tuple(args)
     except HermesError:
-        pass  # a tool removed since: its args are still masked by name and shape
-    out["args"] = redact(dict(env.args or {}), sensitive)
+        sensitive = tuple(args)  # the tool was removed since: every arg as its hash
+    out["args"] = redact(args, sensitive)
     return out

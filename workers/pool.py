@@ -16,6 +16,7 @@ import structlog
 from broker import runfiles
 from broker.config import Settings
 from broker.connection import from_url
+from broker.embedded import die_with_parent
 from broker.errors import BrokerUnavailable, ConfigError
 
 log = structlog.get_logger("hermes.pool")
@@ -90,12 +91,25 @@ def worker_argv(queues: list[str], concurrency: int, grace: float) -> list[str]:
 
 
 def spawn(
-    url: str, queues: list[str], concurrency: int, grace: float = 25.0, env: dict[str, str] | None = None
+    url: str,
+    queues: list[str],
+    concurrency: int,
+    grace: float = 25.0,
+    env: dict[str, str] | None = None,
+    *,
+    stdout: Any = None,
+    with_parent: bool = False,
 ) -> subprocess.Popen[Any]:
-    """Start one worker process on ``url``."""
+    """Start one worker process on ``url`` (``stdout``: where its standard output goes, as for Popen;
+    ``with_parent``: it is sent SIGTERM when the process that started it dies, even by SIGKILL)."""
     child_env = dict(os.environ if env is None else env)
     child_env["HERMES_REDIS_URL"] = url
-    return subprocess.Popen(worker_argv(queues, concurrency, grace), env=child_env)
+    return subprocess.Popen(
+        worker_argv(queues, concurrency, grace),
+        env=child_env,
+        stdout=stdout,
+        preexec_fn=die_with_parent if with_parent else None,  # noqa: PLW1509 - prctl only, no locks taken
+    )
 
 
 def stop_all(procs: list[subprocess.Popen[Any]], timeout: float = 30.0) -> None:

@@ -190,14 +190,18 @@ def test_a_calls_request_is_shown_as_submitted_with_its_secrets_masked(
     client: httpx.Client, gateway: Any, home: Any
 ) -> None:
     spec = {"name": "login", "executor": "python", "function": "workers.executors.builtin:echo",
-            "sensitive": ["password"]}
+            "sensitive": ["ssn"]}
     assert client.post("/v1/tools", json=spec).status_code in (200, 201)
-    args = {"user": "ann", "password": "hunter22", "headers": {"Authorization": "Bearer abcdef123456"}}
+    args = {"user": "ann", "ssn": "123-45-6789", "headers": {"Authorization": "Bearer abcdef123456"}}
     done = client.post("/v1/tools/login/calls", json={"args": args, "context": {"session_id": "s1"}, "wait": 20}).json()
     asked = client.get(f"/v1/calls/{done['call_id']}/request").json()
     assert asked["kind"] == "tool" and asked["name"] == "login" and asked["context"]["session_id"] == "s1"
-    assert asked["args"]["user"] == "ann"
-    assert "hunter22" not in json.dumps(asked) and "abcdef123456" not in json.dumps(asked)
+    assert asked["args"]["user"] == "ann" and asked["args"]["ssn"].startswith("sha256:")  # the spec's `sensitive`
+    assert "123-45-6789" not in json.dumps(asked) and "abcdef123456" not in json.dumps(asked)
+    # Once the tool is gone, its spec cannot say which args were sensitive: every one is a hash.
+    assert client.delete("/v1/tools/login").status_code == 200
+    after = client.get(f"/v1/calls/{done['call_id']}/request").json()["args"]
+    assert all(str(v).startswith("sha256:") for v in after.values()) and "123-45-6789" not in json.dumps(after)
     missing = client.get("/v1/calls/0123456789abcdef0123456789abcdef/request")
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "unknown_call"
 

@@ -127,3 +127,64 @@ def test_a_directory_change_is_announced_so_the_client_lists_again(home: Home, r
     assert [t.name for t in before.tools] == ["first"]
     assert [t.name for t in after.tools] == ["first", "second"]
     assert len(notices) == 1
+
+
+def test_calls_run_side_by_side_and_one_the_client_abandons_is_cancelled(
+    home: Home, redis_url: str, gateway: Any, workers: Any, conn: Any
+) -> None:
+    home.sleep_tool(concurrency=16)
+    workers(1, concurrency=16)
+    server = _server(home, redis_url)
+
+    async def session() -> list[Any]:
+        async with _client(server) as client:
+            done = await asyncio.gather(*(client.call_tool("sleep", {"seconds": 0.5}) for _ in range(12)))
+            asyncio.get_running_loop().create_task(client.call_tool("sleep", {"seconds": 30}))
+            await asyncio.sleep(1.0)  # it is running on a worker when the client leaves
+            return list(done)
+
+    done = asyncio.run(session())
+    assert [r.is_error for r in done] == [False] * 12
+    log = AuditLog(conn)
+    records = wait_until(lambda: (r := log.list(tool="sleep", limit=20)) and len(r) == 13 and r, 20,
+                         message="13 audit records")
+    # The 12 ran side by side (more than the default thread pool's 6 at once) ...
+    overlaps = sorted((r.ts - r.duration_ms / 1000, r.ts) for r in records if r.state == "done")
+    assert max(sum(1 for s, e in overlaps if s <= start < e) for start, _ in overlaps) >= 8
+    # ... and the abandoned one was cancelled in the gateway, not left to run its 30 s.
+    assert [r.state for r in records if r.state != "done"] == ["cancelled"]
+
+
+def test_a_broker_that_cannot_be_reached_is_a_plain_error_not_a_traceback(home: Home) -> None:
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_")}
+    env.update(HERMES_HOME=str(home.path), HERMES_REDIS_URL="redis://127.0.0.1:1/0")
+    out = subprocess.run([CLI, "mcp", "serve"], env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""  # nothing on the protocol's stream
+    assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr
+
+
+def test_killing_the_server_takes_its_worker_and_embedded_broker_with_it(home: Home) -> None:
+    import signal
+    import subprocess
+
+    import psutil
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_")}
+    env["HERMES_HOME"] = str(home.path)
+    proc = subprocess.Popen([CLI, "mcp", "serve"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        def children() -> list[Any] | None:
+            kids = psutil.Process(proc.pid).children()
+            names = " ".join(" ".join(k.cmdline()) for k in kids)
+            return kids if "redis-server" in names and "workers" in names else None
+
+        kids = wait_until(children, 60, message="the embedded broker and the local worker")
+        proc.send_signal(signal.SIGKILL)  # no cleanup of its own: the children must go by themselves
+        proc.wait(10)
+        gone, alive = psutil.wait_procs(kids, timeout=40)
+        assert alive == [], [" ".join(k.cmdline()) for k in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
