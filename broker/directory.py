@@ -168,6 +168,44 @@ def load_spec_file(path: Path) -> ToolSpec:
         raise InvalidSpec(f"{path}: {e.message}{hint}", **e.details) from e
 
 
+YAML_NODES = 100_000  # values a YAML spec sent as text may hold, aliases expanded (a spec is a few hundred)
+
+
+def spec_from_yaml_text(text: str) -> ToolSpec:
+    """A spec sent as YAML text (the console's register form, ``POST /v1/tools`` ``{"yaml": ...}``): read
+    with the spec files' loader (``{{field}}`` placeholders kept), and only what a JSON body could hold,
+    in a bounded amount (YAML also reads dates, binary and sets, and aliases can repeat one node
+    exponentially often)."""
+    try:
+        data = load_yaml(text)
+        _json_values(data, "", [YAML_NODES])
+    except yaml.YAMLError as e:
+        raise InvalidSpec(f"the spec is not valid YAML: {e}", path="yaml") from e
+    except RecursionError as e:
+        raise InvalidSpec("the spec is nested too deeply", path="yaml") from e
+    return ToolSpec.from_dict(data)
+
+
+def _json_values(value: Any, path: str, budget: list[int]) -> None:
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise InvalidSpec(f"the spec is too large (more than {YAML_NODES} values once YAML aliases are expanded)")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise InvalidSpec(f"tool spec.{path or '(top)'}: keys must be strings, got {k!r}", path=path)
+            _json_values(v, f"{path}.{k}" if path else k, budget)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _json_values(v, f"{path}[{i}]", budget)
+    elif not (value is None or isinstance(value, str | int | float | bool)):
+        raise InvalidSpec(
+            f"tool spec.{path or '(top)'}: YAML read a {type(value).__name__}, which JSON has no value for "
+            "(quote it to mean text)",
+            path=path,
+        )
+
+
 def load_spec_dir(path: Path, errors: list[InvalidSpec] | None = None) -> list[ToolSpec]:
     """Every ``*.yaml``/``*.yml`` spec in a directory, sorted by file name.
 

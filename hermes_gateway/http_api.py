@@ -41,7 +41,6 @@ from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
-import yaml
 from redis.exceptions import RedisError
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
@@ -50,6 +49,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
+from broker.directory import spec_from_yaml_text
 from broker.envelope import CONTEXT_FIELDS
 from broker.errors import (
     BrokerUnavailable,
@@ -67,7 +67,6 @@ from broker.errors import (
 )
 from broker.redact import redact
 from broker.toolspec import ToolSpec
-from broker.yamlload import load_yaml
 from hermes_gateway.aio import AsyncGateway
 from hermes_gateway.aio_handle import AsyncCallHandle
 from hermes_gateway.client import Gateway
@@ -77,7 +76,6 @@ DEFAULT_PORT = 8787  # the Tool Gateway document's console port
 TOKEN_ENV = "HERMES_API_TOKEN"
 MAX_WAIT = 300.0  # seconds a request may hold on for a call's outcome
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
-YAML_NODES = 100_000  # values a YAML spec may hold, aliases expanded (a spec is a few hundred)
 
 _STATUS: list[tuple[type[HermesError], int]] = [
     (UnknownTool, 404),
@@ -259,7 +257,9 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
     async def register_tool(request: Request) -> Response:
         body = await _body(request)
         if set(body) == {"yaml"}:  # the spec as YAML text (what the console sends when it is not JSON)
-            spec = await run_in_threadpool(_spec_from_yaml, body["yaml"])
+            if not isinstance(body["yaml"], str):
+                raise BadRequest(f"yaml: expected the spec as YAML text, got {type(body['yaml']).__name__}")
+            spec = await run_in_threadpool(spec_from_yaml_text, body["yaml"])
         else:
             spec = ToolSpec.from_dict(body)
         version, outcome = await run_in_threadpool(gw.directory.put, spec)
@@ -356,42 +356,6 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
         Route("/v1/calls/{call_id}/events", api(call_events_stream, query_token=True)),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
-
-
-def _spec_from_yaml(text: Any) -> ToolSpec:
-    """``{"yaml": TEXT}``: the spec read with the directory's YAML loader (``{{field}}`` placeholders kept)."""
-    if not isinstance(text, str):
-        raise BadRequest(f"yaml: expected the spec as YAML text, got {type(text).__name__}")
-    try:
-        data = load_yaml(text)
-        _json_values(data, "", [YAML_NODES])
-    except yaml.YAMLError as e:
-        raise InvalidSpec(f"the spec is not valid YAML: {e}", path="yaml") from e
-    except RecursionError as e:
-        raise InvalidSpec("the spec is nested too deeply", path="yaml") from e
-    return ToolSpec.from_dict(data)
-
-
-def _json_values(value: Any, path: str, budget: list[int]) -> None:
-    """What a JSON body could hold, and a bounded amount of it: YAML also reads dates, binary and sets,
-    and aliases can repeat one node exponentially often."""
-    budget[0] -= 1
-    if budget[0] < 0:
-        raise InvalidSpec(f"the spec is too large (more than {YAML_NODES} values once YAML aliases are expanded)")
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise InvalidSpec(f"tool spec.{path or '(top)'}: keys must be strings, got {k!r}", path=path)
-            _json_values(v, f"{path}.{k}" if path else k, budget)
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _json_values(v, f"{path}[{i}]", budget)
-    elif not (value is None or isinstance(value, str | int | float | bool)):
-        raise InvalidSpec(
-            f"tool spec.{path or '(top)'}: YAML read a {type(value).__name__}, which JSON has no value for "
-            "(quote it to mean text)",
-            path=path,
-        )
 
 
 def _authorized(request: Request, token: str, query_token: bool = False) -> bool:
