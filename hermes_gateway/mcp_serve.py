@@ -4,9 +4,9 @@ Any MCP client — the Hermes agent's ``mcp_servers``, an IDE, another agent —
 may call (the policy the workers judge by) and calls them through the gateway: each call is an ordinary
 call (queue, limits, breakers, retries, policy, audit, events and trace), run by the workers. The list is
 read from the directory at every ``tools/list``. A change of the directory (a tool registered, updated or
-removed anywhere) is announced with ``notifications/tools/list_changed`` to clients of the handshake-era
-protocol (the Hermes agent's mcp 1.x client among them), which then list again: an agent sees new tools
-without a restart.
+removed anywhere) is announced, so clients list again and an agent sees new tools without a restart: with
+``notifications/tools/list_changed`` in the handshake-era protocol (the Hermes agent's mcp 1.x client),
+and on ``subscriptions/listen`` streams in the newer one.
 
 A failed call comes back as a tool error (``isError``) with its typed error, ``<type>: <message>``; a
 result is one text block (a string as it is, anything else as JSON) plus ``structuredContent`` when it is
@@ -43,10 +43,14 @@ def build_server(
     sessions: list[Any] | None = None,
     pool: ThreadPoolExecutor | None = None,
     need_workers: bool = False,
+    bus: Any = None,
 ) -> Server[Any]:
     """The MCP server for ``gw`` (a ``Gateway``); ``principal`` is who the calls run as. The client's
     session is put in ``sessions`` at its first ``tools/list`` (for ``ChangeNotices``). ``need_workers``:
-    a call to a queue no live worker serves is refused at once (``no_workers``) instead of waiting."""
+    a call to a queue no live worker serves is refused at once (``no_workers``) instead of waiting.
+    ``bus``: the ``SubscriptionBus`` that ``subscriptions/listen`` streams are served from."""
+    from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
+
     sessions = [] if sessions is None else sessions
     threads = pool or ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="hermes-mcp-call")
 
@@ -96,6 +100,7 @@ def build_server(
         instructions="Tools of the Hermes Gateway directory; every call runs on the gateway's workers.",
         on_list_tools=list_tools,
         on_call_tool=call_tool,
+        on_subscriptions_listen=ListenHandler(bus if bus is not None else InMemorySubscriptionBus()),
     )
 
 
@@ -104,8 +109,10 @@ class ChangeNotices:
     client's session (a burst of changes within ``quiet`` seconds is one notice). Redis errors are logged
     and the subscription is made again, backing off up to 5 s."""
 
-    def __init__(self, gw: Any, sessions: list[Any], loop: asyncio.AbstractEventLoop, quiet: float = 0.2) -> None:
-        self.gw, self.sessions, self.loop, self.quiet = gw, sessions, loop, quiet
+    def __init__(
+        self, gw: Any, sessions: list[Any], bus: Any, loop: asyncio.AbstractEventLoop, quiet: float = 0.2
+    ) -> None:
+        self.gw, self.sessions, self.bus, self.loop, self.quiet = gw, sessions, bus, loop, quiet
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hermes-mcp-changes", daemon=True)
 
@@ -142,25 +149,35 @@ class ChangeNotices:
                 until = time.monotonic() + self.quiet
                 while time.monotonic() < until and not self._stop.is_set():
                     pubsub.get_message(timeout=max(0.0, until - time.monotonic()))  # the rest of the burst
-                if self.sessions:
-                    notice = asyncio.run_coroutine_threadsafe(self.sessions[0].send_tool_list_changed(), self.loop)
-                    try:
-                        notice.result(5)
-                    except Exception:  # noqa: BLE001 - the client went away or is stuck: nothing to tell
-                        pass
+                self._announce()
         finally:
             pubsub.close()
+
+    def _announce(self) -> None:
+        from mcp.server.subscriptions import ToolsListChanged
+
+        notices = [self.bus.publish(ToolsListChanged())]  # the newer era's listen streams
+        if self.sessions:  # the handshake era's notification (dropped by the SDK on a newer-era session)
+            notices.append(self.sessions[0].send_tool_list_changed())
+        for coroutine in notices:
+            notice = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+            try:
+                notice.result(5)
+            except Exception:  # noqa: BLE001 - the client went away or is stuck: nothing to tell
+                pass
 
 
 async def serve_stdio(gw: Any, **options: Any) -> None:
     """Serve ``gw``'s directory over stdin/stdout until the client closes stdin."""
     from mcp.server.lowlevel.server import NotificationOptions
     from mcp.server.stdio import stdio_server
+    from mcp.server.subscriptions import InMemorySubscriptionBus
 
     sessions: list[Any] = []
+    bus = InMemorySubscriptionBus()
     pool = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="hermes-mcp-call")
-    server = build_server(gw, sessions=sessions, pool=pool, **options)
-    notices = ChangeNotices(gw, sessions, asyncio.get_running_loop()).start()
+    server = build_server(gw, sessions=sessions, pool=pool, bus=bus, **options)
+    notices = ChangeNotices(gw, sessions, bus, asyncio.get_running_loop()).start()
     try:
         async with stdio_server() as (read_stream, write_stream):
             init = server.create_initialization_options(NotificationOptions(tools_changed=True))

@@ -188,3 +188,22 @@ def test_killing_the_server_takes_its_worker_and_embedded_broker_with_it(home: H
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_newer_protocol_client_hears_of_a_change_on_its_listen_stream(home: Home, redis_url: str, gateway: Any, workers: Any) -> None:
+    # The SDK's default (auto) mode speaks the newer protocol, where changes come on subscriptions/listen.
+    home.echo_tool("first")
+    workers(1)
+
+    async def session() -> tuple[Any, Any]:
+        async with _client(_server(home, redis_url)) as client:
+            before = await client.list_tools()
+            async with client.listen(tools_list_changed=True) as changes:
+                gateway.register_tool({"name": "second", "executor": "python", "function": "workers.executors.builtin:noop"})
+                event = await asyncio.wait_for(changes.__anext__(), 10)
+            assert type(event).__name__ == "ToolsListChanged"
+            return before, await client.list_tools()
+
+    before, after = asyncio.run(session())
+    assert [t.name for t in before.tools] == ["first"]
+    assert [t.name for t in after.tools] == ["first", "second"]
