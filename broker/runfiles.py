@@ -130,16 +130,13 @@ class Entry:
     def is_ours(self) -> bool:
         """Alive and still the process that wrote this file: same start time (where /proc tells) and a
         command line of its kind. A pid reused by an unrelated process fails one of the two."""
-        if not alive(self.pid):
-            return False
         try:
             os.kill(self.pid, 0)
-        except PermissionError:
+        except OSError:  # gone, or another user's process
             return False
-        if self.proc_start is not None:
-            now = proc_start(self.pid)
-            if now is not None and now != self.proc_start:
-                return False
+        st = _proc_stat(self.pid)  # (None without /proc: the command line decides alone)
+        if st is not None and (st[0] in ("Z", "X") or (self.proc_start is not None and st[1] != self.proc_start)):
+            return False
         line = cmdline(self.pid)
         return line is not None and any(m in line for m in MARKERS.get(self.kind, ()))
 

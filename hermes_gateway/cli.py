@@ -153,7 +153,7 @@ def stop(ctx: click.Context, all_: bool, grace: float, names: tuple[str, ...]) -
         try:
             handle = connect(settings.redis_url, embedded_ok=False)
         except HermesError as e:
-            if names or not all_:
+            if names:  # (without --all there are names)
                 _fail(str(e))
             broker_error = str(e)  # still stop what runs here
         else:
