@@ -1,8 +1,8 @@
 """The web console at ``GET /``: its page, the HTTP requests its script sends, and the script itself.
 
-No browser is installed here, so the page's script is run by node against a small stand-in for the DOM
-(elements by id, ``fetch`` to the real server, ``EventSource`` over fetch): the same JS a browser runs,
-driving the real API, the real workers and the real Redis.
+The page's script is run by node against a small stand-in for the DOM (elements by id, ``fetch`` to the
+real server, ``EventSource`` over fetch): the same JS a browser runs, driving the real API, the real
+workers and the real Redis. ``test_console_browser.py`` runs the page in headless Chromium.
 """
 
 from __future__ import annotations
