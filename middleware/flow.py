@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from middleware.kinds import (
     TRANSFORM_TOOL_RESULT,
     normalize_context,
 )
+from middleware.llm_hooks import post_api_fields, pre_api_fields, request_view
 from middleware.runtime import MiddlewareRuntime
 
 # (tool_name, effective_args, context) -> None, or raise to refuse the call.
@@ -155,28 +157,30 @@ class ToolCallFlow:
 
         started = time.monotonic()
         try:
-            result = rt.run_tool_execution(
-                ctx, tool_name, eff, execute, original_args=outcome.original, middleware_trace=trace
-            )
+            result = rt.run_tool_execution(ctx, tool_name, eff, execute, original_args=outcome.original)
         except BaseException as exc:
             status = "cancelled" if self.is_cancelled(exc) else "error"
             self._post(rt, base, eff, None, trace, started, status, exc)
             raise
         duration_ms = self._post(rt, base, eff, result, trace, started, "ok", None)
         if rt.has_hook(TRANSFORM_TOOL_RESULT):
-            replaced = rt.emit(
+            outcome_status, kind, message = result_status(result)
+            replaced = rt.emit(  # no middleware_trace: Hermes sends none to this hook
                 TRANSFORM_TOOL_RESULT,
                 **base,
                 args=eff,
                 result=result,
                 duration_ms=duration_ms,
-                status="ok",
-                error_type=None,
-                error_message=None,
-                middleware_trace=list(trace),
+                status=outcome_status,
+                error_type=kind,
+                error_message=message,
             )
-            if replaced:
-                result = replaced[0]  # the first non-None return wins; None means "keep"
+            # The first replacement wins: a string, as in Hermes, or (our results may be structured) a
+            # dict or list; any other return (None, True, 0...) keeps the result.
+            for value in replaced:
+                if isinstance(value, str | dict | list):
+                    result = value
+                    break
         return result
 
     def _guard(
@@ -237,6 +241,9 @@ class ToolCallFlow:
     ) -> int:
         duration_ms = 0 if started is None else int((time.monotonic() - started) * 1000)
         if rt.has_hook(POST_TOOL_CALL):
+            kind, message = (None, None) if exc is None else (error_type(exc), str(exc))
+            if exc is None and status == "ok":
+                status, kind, message = result_status(result)
             rt.emit(
                 POST_TOOL_CALL,
                 **base,
@@ -244,18 +251,23 @@ class ToolCallFlow:
                 result=result,
                 duration_ms=duration_ms,
                 status=status,
-                error_type=None if exc is None else error_type(exc),
-                error_message=None if exc is None else str(exc),
+                error_type=kind,
+                error_message=message,
                 middleware_trace=list(trace),
             )
         return duration_ms
 
 
-def _message_count(request: Mapping[str, Any]) -> int:
-    messages = request.get("messages")
-    if not isinstance(messages, list):
-        messages = request.get("input")
-    return len(messages) if isinstance(messages, list) else 0
+def result_status(result: Any) -> tuple[str, str | None, str | None]:
+    """(status, error_type, error_message) of a tool result that came back, as Hermes derives them: a
+    result (or JSON text) that is an object with a truthy ``error`` is ``("error", "tool_error", ...)``."""
+    try:
+        parsed = json.loads(result) if isinstance(result, str) else result
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict) and parsed.get("error"):
+        return "error", "tool_error", str(parsed["error"])
+    return "ok", None, None
 
 
 @dataclass
@@ -279,10 +291,14 @@ class LLMCallFlow:
         call_provider: BaseCall,
         context: Mapping[str, Any] | None = None,
         on_trace: Callable[[list[dict[str, Any]]], Any] | None = None,
+        retry_count: int | None = None,
+        max_retries: int | None = None,
     ) -> Any:
         """Run the provider call with ``request`` (the built provider kwargs); return its response or raise.
 
         ``on_trace(middleware_trace)`` is told this attempt's ``llm_request`` trace before the provider runs.
+        The observer hooks get Hermes' payloads (:mod:`middleware.llm_hooks`); ``retry_count`` and
+        ``max_retries`` go to ``api_request_error``.
         """
         rt = self._source.current()
         if rt.empty:
@@ -294,15 +310,12 @@ class LLMCallFlow:
             on_trace(list(trace))
         started_at = time.time()
         if rt.has_hook(PRE_API_REQUEST):
-            tools = eff.get("tools")
             rt.emit(
                 PRE_API_REQUEST,
                 **ctx,
-                request=eff,
+                **pre_api_fields(eff),
                 middleware_trace=list(trace),
                 started_at=started_at,
-                message_count=_message_count(eff),
-                tool_count=len(tools) if isinstance(tools, list) else 0,
             )
         t0 = time.monotonic()
         try:
@@ -314,34 +327,29 @@ class LLMCallFlow:
                 rt.emit(
                     API_REQUEST_ERROR,
                     **ctx,
-                    request=eff,
+                    request=request_view(eff),
                     middleware_trace=list(trace),
                     api_duration=time.monotonic() - t0,
                     started_at=started_at,
                     ended_at=time.time(),
                     status_code=getattr(exc, "status_code", None) or getattr(exc, "status", None),
+                    retry_count=retry_count,
+                    max_retries=max_retries,
                     retryable=getattr(exc, "retryable", None),
+                    reason=error_type(exc),
                     error={"type": error_type(exc), "message": str(exc)},
                 )
             raise
         if rt.has_hook(POST_API_REQUEST):
             extra = dict(self.describe_response(response)) if self.describe_response is not None else {}
-            extra.setdefault("response_model", _response_model(response))
             rt.emit(
                 POST_API_REQUEST,
                 **ctx,
-                request=eff,
-                response=response,
+                **post_api_fields(eff, response, extra),
+                request=request_view(eff),  # the seed: the effective request reaches post_api_request too
                 middleware_trace=list(trace),
                 api_duration=time.monotonic() - t0,
                 started_at=started_at,
                 ended_at=time.time(),
-                **extra,
             )
         return response
-
-
-def _response_model(response: Any) -> Any:
-    if isinstance(response, Mapping):
-        return response.get("model")
-    return getattr(response, "model", None)

@@ -69,8 +69,10 @@ LLM_CONTEXT_FIELDS: tuple[str, ...] = (
     "task_id",
     "turn_id",
     "api_request_id",
+    "platform",
     "provider",
     "model",
+    "base_url",
     "api_mode",
 )
 CONTEXT_FIELDS: tuple[str, ...] = (
@@ -78,9 +80,12 @@ CONTEXT_FIELDS: tuple[str, ...] = (
     "task_id",
     "turn_id",
     "api_request_id",
+    "platform",
     "provider",
     "model",
+    "base_url",
     "api_mode",
+    "api_call_count",
     "tool_name",
     "tool_call_id",
 )
@@ -110,15 +115,15 @@ def middleware_payload(context: dict[str, Any], **fields: Any) -> dict[str, Any]
     return payload
 
 
-def trace_entry(result: dict[str, Any], kind: str, plugin: str | None) -> dict[str, Any]:
-    """Turn a request middleware's ``source``/``reason``/``name`` into one ``middleware_trace`` entry."""
+def trace_entry(result: dict[str, Any]) -> dict[str, Any]:
+    """A request middleware's ``source``/``reason``/``name`` as one ``middleware_trace`` entry.
+
+    Exactly what the plugin returned (non-empty strings only), as Hermes stores it; ``{"source":
+    "plugin"}`` when it returned none of the three.
+    """
     entry: dict[str, Any] = {}
     for key in ("source", "reason", "name"):
         value = result.get(key)
         if isinstance(value, str) and value:
             entry[key] = value
-    if "source" not in entry:
-        # Hermes writes "plugin" here; we know which plugin registered the callback, which is more useful.
-        entry["source"] = plugin or "plugin"
-    entry["kind"] = kind
-    return entry
+    return entry or {"source": "plugin"}

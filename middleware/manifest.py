@@ -173,11 +173,26 @@ def scan_entry_points() -> list[PluginManifest]:
 def discover(
     home: Path, extra_dirs: Iterable[str | os.PathLike[str]] = (), entry_points: bool = True
 ) -> dict[str, PluginManifest]:
-    """Every plugin visible from ``home``, keyed by lookup key; later sources win on collision."""
+    """Every plugin visible from ``home``, keyed by lookup key; later sources win on collision.
+
+    As in Hermes: bundled (``extra_dirs``), then user (``$HERMES_HOME/plugins``), then project
+    (``./.hermes/plugins``, only with ``HERMES_ENABLE_PROJECT_PLUGINS``), then entry points; nothing at
+    all with ``HERMES_SAFE_MODE``.
+    """
+    if env_flag("HERMES_SAFE_MODE"):
+        log.info("HERMES_SAFE_MODE is set: plugin discovery skipped")
+        return {}
     manifests: list[PluginManifest] = []
     for extra in extra_dirs:
         manifests.extend(scan_directory(Path(extra), "bundled"))
     manifests.extend(scan_directory(home / "plugins", "user"))
+    if env_flag("HERMES_ENABLE_PROJECT_PLUGINS"):
+        manifests.extend(scan_directory(Path.cwd() / ".hermes" / "plugins", "project"))
     if entry_points:
         manifests.extend(scan_entry_points())
     return {m.lookup_key: m for m in manifests}
+
+
+def env_flag(name: str) -> bool:
+    """An opt-in environment switch, read as Hermes reads them (1/true/yes/on)."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")

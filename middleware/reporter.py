@@ -26,7 +26,7 @@ class FailureReporter:
     """
 
     def __init__(self) -> None:
-        self._seen: set[tuple[str, str, str, str]] = set()
+        self._seen: set[tuple[str, int, str, str]] = set()
         self._lock = threading.Lock()
 
     def reset(self) -> None:
@@ -46,7 +46,8 @@ class FailureReporter:
     ) -> bool:
         """Log one failure; return True when it was the WARNING (first) occurrence."""
         label = callback_label(callback)
-        key = (where, label, type(exc).__name__, str(exc))
+        # Keyed on the callback object: two closures of one factory share a label, not a report.
+        key = (where, id(callback), type(exc).__name__, str(exc))
         with self._lock:
             first = key not in self._seen
             if first:

@@ -70,5 +70,5 @@ def apply_request_chain(
         if not isinstance(replacement, dict):
             continue
         current = replacement
-        trace.append(trace_entry(result, kind, reg.plugin))
+        trace.append(trace_entry(result))
     return RequestOutcome(payload=current, original=original, trace=trace)

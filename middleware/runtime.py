@@ -106,7 +106,6 @@ class MiddlewareRuntime:
         base: BaseCall,
         *,
         original_args: dict[str, Any] | None = None,
-        middleware_trace: list[dict[str, Any]] | None = None,
     ) -> Any:
         """Run ``base(args)`` through the ``tool_execution`` chain; returns the tool's own result shape."""
         chain = self._chains.get(TOOL_EXECUTION)
@@ -114,10 +113,10 @@ class MiddlewareRuntime:
             return base(args)
         fields = normalize_context(dict(context or {}), TOOL_CONTEXT_FIELDS)
         fields["tool_name"] = tool_name
+        # No middleware_trace here: Hermes sends none to tool_execution, and a callback whose signature
+        # names Hermes' fields exactly would fail on an extra one.
         payload = middleware_payload(
-            fields,
-            original_args=args if original_args is None else original_args,
-            middleware_trace=list(middleware_trace or ()),
+            fields, original_args=args if original_args is None else original_args
         )
         return chain(args, base, payload)
 

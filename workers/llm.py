@@ -13,6 +13,7 @@ import copy
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
 import structlog
 
@@ -21,6 +22,7 @@ from broker.events import DELTA, PROGRESS
 from broker.states import State
 from workers.executors.base import ExecContext
 from workers.providers import ProviderContext, get_provider, give_up_reason, retry_delay
+from workers.providers.base import base_url_of
 from workers.telemetry import record_usage
 
 if TYPE_CHECKING:
@@ -67,6 +69,14 @@ def describe_response(response: Any) -> dict[str, Any]:
     return {"usage": response.get("usage"), "finish_reason": first.get("finish_reason")}
 
 
+def _without_userinfo(url: str) -> str:
+    """A base URL as hooks may see it: any ``user:password@`` left out."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
 def _label(error: BaseException) -> str:
     status = getattr(error, "status", None)
     return f"{status} {error}" if status else str(error)
@@ -94,6 +104,8 @@ class LLMCall:
         self.context["provider"] = env.context.get("provider") or cfg.get("provider") or DEFAULT_PROVIDER
         self.context["model"] = self.model
         self.context["api_mode"] = env.context.get("api_mode") or cfg.get("api_mode") or DEFAULT_API_MODE
+        self.context["platform"] = str(env.context.get("platform") or "")
+        self.context["base_url"] = _without_userinfo(base_url_of(dict(cfg)))
         # The runner's control channel cancels through run.ctx; the provider watches the same Event.
         self.ctx = ExecContext(
             call_id=env.call_id,
@@ -134,6 +146,7 @@ class LLMCall:
         context = dict(self.context)
         # Each attempt is its own API request, so hooks can tell attempts apart unless the caller named it.
         context.setdefault("api_request_id", f"{run.info.call_id}-{n}")
+        context["api_call_count"] = n
 
         def call_provider(request: dict[str, Any]) -> Any:
             if run.state is State.ROUTING:
@@ -158,6 +171,8 @@ class LLMCall:
             call_provider=call_provider,
             context=context,
             on_trace=lambda trace: setattr(self.run, "middleware_trace", list(trace)),
+            retry_count=n - 1,
+            max_retries=self.max_retries,
         )
 
     def _delta(self, delta: dict[str, Any]) -> None:

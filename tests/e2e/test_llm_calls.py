@@ -70,13 +70,16 @@ def on_llm_execution(**kw):
 
 
 def on_pre(**kw):
-    _write("pre_api_request", kw, tagged=_tagged(kw["request"]),
-           trace=[e.get("source") for e in kw["middleware_trace"]])
+    # Hermes' shapes: the request as {"method", "body"}, the response as a summary.
+    _write("pre_api_request", kw, tagged=_tagged(kw["request"]["body"]),
+           trace=[e.get("source") for e in kw["middleware_trace"]], base_url=kw["base_url"],
+           api_call_count=kw["api_call_count"], message_count=kw["message_count"])
 
 
 def on_post(**kw):
     _write("post_api_request", kw, response_model=kw.get("response_model"),
-           finish_reason=kw.get("finish_reason"), content=kw["response"]["choices"][0]["message"]["content"])
+           finish_reason=kw.get("finish_reason"), content=kw["response"]["assistant_message"]["content"],
+           chars=kw["assistant_content_chars"])
 
 
 def on_error(**kw):
@@ -254,6 +257,7 @@ def test_a_429_is_retried_after_its_retry_after_and_each_attempt_runs_the_middle
     ids = [s["api_request_id"] for s in steps]
     assert len(set(ids[:4])) == 1 and len(set(ids[4:])) == 1 and ids[0] != ids[4]
     assert steps[3]["error"] == "provider_error" and "429" in steps[3]["message"]
+    assert [steps[1]["api_call_count"], steps[5]["api_call_count"]] == [1, 2]  # one per attempt, as Hermes counts
     assert_no_secret(gateway.conn, handle.call_id, worker.log(), order_log.read_text())
 
 
@@ -370,8 +374,11 @@ def test_the_llm_order_with_the_example_plugins_and_an_observer(
     assert first["session_id"] == "sess-7" and {s["api_request_id"] for s in steps} == {"req-7"}
     # pre_api_request and llm_execution saw the effective (tagged) request, with the trace entry.
     assert steps[1]["tagged"] and "middleware-demo" in steps[1]["trace"]
+    assert steps[1]["base_url"] == llm.base_url and steps[1]["message_count"] == 1
     assert steps[2]["tagged"]
-    assert steps[4] == {**steps[4], "response_model": MODEL, "finish_reason": "stop", "content": "tagged"}
+    assert steps[4] == {
+        **steps[4], "response_model": MODEL, "finish_reason": "stop", "content": "tagged", "chars": 6
+    }  # fmt: skip
     # The timing wrapper logged elapsed_ms in the worker's output.
     wait_until(
         lambda: "llm_execution elapsed_ms=" in worker.log(), timeout=5, message="the timing plugin's line"

@@ -285,7 +285,7 @@ def test_the_policy_judges_the_path_a_tool_request_middleware_rewrote(
     assert good is not None and refused is not None
     assert good.args == {"path": "/srv/data/notes"} and refused.args == {"path": "/etc/passwd"}
     assert good.middleware_trace == [
-        {"source": "path-probe", "reason": "home paths live under /srv/data", "kind": "tool_request"}
+        {"source": "path-probe", "reason": "home paths live under /srv/data"}
     ]
     assert refused.middleware_trace[0]["reason"] == "a bad rewrite"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -207,21 +208,28 @@ def test_clause_trace_fields_become_middleware_trace_in_later_observer_payloads(
     traces: dict[str, Any] = {}
     for hook in ("pre_tool_call", "post_tool_call", "pre_api_request", "post_api_request"):
         registry.register_hook(hook, lambda _h=hook, **kw: traces.setdefault(_h, kw["middleware_trace"]))
-    exec_traces: list[Any] = []
+    exec_payloads: list[Any] = []
     registry.register_middleware(
         "tool_execution",
-        lambda **kw: exec_traces.append(kw["middleware_trace"]) or kw["next_call"](kw["args"]),
+        lambda **kw: exec_payloads.append(kw) or kw["next_call"](kw["args"]),
     )
     run_tool(registry)
     run_llm(registry)
-    tool_trace = [{"source": "my-plugin", "reason": "selected fallback", "kind": "tool_request"}]
-    assert traces["pre_tool_call"] == traces["post_tool_call"] == exec_traces[0] == tool_trace
-    # No source given: the registering plugin's name stands in (Hermes writes "plugin").
-    assert (
-        traces["pre_api_request"]
-        == traces["post_api_request"]
-        == [{"reason": "r", "source": "q", "kind": "llm_request"}]
-    )
+    # Exactly what the plugin returned, as Hermes stores it; tool_execution gets no trace (Hermes sends none).
+    tool_trace = [{"source": "my-plugin", "reason": "selected fallback"}]
+    assert traces["pre_tool_call"] == traces["post_tool_call"] == tool_trace
+    assert "middleware_trace" not in exec_payloads[0]
+    assert traces["pre_api_request"] == traces["post_api_request"] == [{"reason": "r"}]
+
+
+def test_clause_a_trace_entry_with_none_of_source_reason_name_is_source_plugin(
+    registry: MiddlewareRegistry,
+) -> None:
+    registry.register_middleware("tool_request", lambda **kw: {"args": {"x": 2}, "source": ""}, plugin="p")
+    seen: list[Any] = []
+    registry.register_hook("pre_tool_call", lambda **kw: seen.append(kw["middleware_trace"]))
+    run_tool(registry)
+    assert seen == [[{"source": "plugin"}]]
 
 
 # -- 执行中间件收到一个 next_call 回调 --------------------------------------------------------------
@@ -350,10 +358,23 @@ def test_clause_execution_middleware_gets_the_same_effective_request(registry: M
     registry.register_hook("pre_api_request", lambda **kw: pre.append(kw["request"]))
     registry.register_middleware("llm_execution", recorder(seen))
     run_llm(registry)
-    assert seen[0]["request"] == pre[0]
+    assert pre[0] == {"method": "POST", "body": seen[0]["request"]}  # the hook's view, as Hermes gives it
     assert seen[0]["request"]["model"] == "m2"
     assert seen[0]["original_request"]["model"] == "gpt-x"
     assert callable(seen[0]["next_call"])
+
+
+def test_clause_observer_hooks_are_read_only_a_hook_writing_to_its_request_changes_nothing(
+    registry: MiddlewareRegistry,
+) -> None:
+    def scribble(**kw: Any) -> None:
+        kw["request"]["body"]["temperature"] = 99
+        kw["request"]["body"]["messages"].append({"role": "user", "content": "injected"})
+
+    registry.register_hook("pre_api_request", scribble)
+    sent: list[Any] = []
+    run_llm(registry, provider=lambda req: sent.append(req) or {"model": "gpt-x", "choices": []})
+    assert sent == [{"model": "gpt-x", "messages": [{"role": "user", "content": "hi"}]}]
 
 
 # -- 执行顺序: 工具调用 ---------------------------------------------------------------------------
@@ -452,13 +473,13 @@ def test_clause_example_llm_request_tag_reaches_pre_api_provider_and_post_api(ho
     sent: list[dict[str, Any]] = []
     LLMCallFlow(manager).run(request, call_provider=lambda req: sent.append(req) or {"model": "gpt-x"})
     tagged = {"keep": 1, "metadata": {"hermes_middleware_demo": True}}
-    assert (
-        sent[0]["extra_body"] == seen["pre"]["request"]["extra_body"] == seen["post"]["request"]["extra_body"]
-    )
+    pre, post = seen["pre"]["request"], seen["post"]["request"]
+    assert pre["method"] == post["method"] == "POST"
+    assert sent[0]["extra_body"] == pre["body"]["extra_body"] == post["body"]["extra_body"]
     assert sent[0]["extra_body"] == tagged
     assert request == {"model": "gpt-x", "messages": [], "extra_body": {"keep": 1}}  # caller's dict untouched
     assert seen["pre"]["middleware_trace"] == [
-        {"source": "middleware-demo", "reason": "tagged provider request", "kind": "llm_request"}
+        {"source": "middleware-demo", "reason": "tagged provider request"}
     ]
 
 
@@ -475,13 +496,12 @@ def test_clause_example_terminal_workdir_is_what_telemetry_and_policy_see(home: 
 
 
 def test_clause_example_llm_timing_returns_the_provider_response_unchanged(
-    home: Path, caplog: pytest.LogCaptureFixture
+    home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     manager = _example_manager(home, "middleware-demo-llm-timing")
     response = object()  # the provider adapter's own shape, whatever it is
-    caplog.set_level("INFO")
     assert LLMCallFlow(manager).run({"model": "m"}, call_provider=lambda req: response) is response
-    assert "llm_execution elapsed_ms=" in caplog.text
+    assert re.fullmatch(r"llm_execution elapsed_ms=\d+\n", capsys.readouterr().out)  # the seed's print
 
 
 def test_clause_example_tool_annotate_keeps_the_tool_result(home: Path) -> None:
@@ -540,3 +560,19 @@ def test_clause_observer_hooks_are_read_only(registry: MiddlewareRegistry) -> No
     registry.register_hook("post_tool_call", lambda **kw: "ignored")
     registry.register_hook("pre_tool_call", lambda **kw: {"action": "allow"})
     assert run_tool(registry, execute=lambda a: "real") == "real"
+
+
+def test_clause_warn_once_is_per_callback_even_when_two_share_a_name(
+    registry: MiddlewareRegistry, logs: list
+) -> None:
+    def make() -> Any:
+        def cb(**kw: Any) -> Any:
+            return kw["not_sent_field"]
+
+        return cb
+
+    registry.register_middleware("tool_request", make())
+    registry.register_middleware("tool_request", make())  # same module.qualname, another callback
+    run_tool(registry)
+    run_tool(registry)
+    assert len(warnings_of(logs)) == 2  # each callback's first failure warns; the repeats are DEBUG

@@ -149,7 +149,8 @@ def test_api_request_error_payload_carries_the_error(registry: MiddlewareRegistr
     [payload] = errors
     assert payload["error"] == {"type": "rate_limited", "message": "slow down"}
     assert payload["status_code"] == 429 and payload["retryable"] is True
-    assert payload["request"] == {"model": "m"} and payload["model"] == "m"
+    assert payload["request"] == {"method": "POST", "body": {"model": "m"}} and payload["model"] == "m"
+    assert payload["reason"] == "rate_limited"
 
 
 def test_post_api_request_payload_describes_the_response(registry: MiddlewareRegistry) -> None:
@@ -161,3 +162,77 @@ def test_post_api_request_payload_describes_the_response(registry: MiddlewareReg
     assert post[0]["usage"] == {"input_tokens": 3} and post[0]["response_model"] == "m-2024"
     assert post[0]["api_duration"] >= 0 and post[0]["ended_at"] >= post[0]["started_at"]
     assert pre[0]["message_count"] == 3 and pre[0]["tool_count"] == 2
+
+
+def test_transform_tool_result_takes_the_first_string_dict_or_list_and_ignores_other_returns(
+    registry: MiddlewareRegistry,
+) -> None:
+    registry.register_hook("transform_tool_result", lambda **kw: False)  # ignored, as Hermes ignores it
+    registry.register_hook("transform_tool_result", lambda **kw: 0)
+    registry.register_hook("transform_tool_result", lambda **kw: "REPLACED")
+    registry.register_hook("transform_tool_result", lambda **kw: "too late")
+    assert ToolCallFlow(registry).run("t", {}, execute=lambda a: {"rows": 1}) == "REPLACED"
+
+
+def test_transform_tool_result_with_only_non_replacements_keeps_the_result(registry: MiddlewareRegistry) -> None:
+    registry.register_hook("transform_tool_result", lambda **kw: True)
+    assert ToolCallFlow(registry).run("t", {}, execute=lambda a: {"rows": 1}) == {"rows": 1}
+
+
+@pytest.mark.parametrize(
+    ("result", "status"),
+    [
+        ({"error": "boom"}, ("error", "tool_error", "boom")),
+        ('{"error": "boom"}', ("error", "tool_error", "boom")),
+        ({"error": ""}, ("ok", None, None)),
+        ("plain text", ("ok", None, None)),
+        ({"rows": 1}, ("ok", None, None)),
+    ],
+)
+def test_a_returned_error_result_is_status_error_for_post_tool_call_and_transform(
+    registry: MiddlewareRegistry, result: Any, status: tuple[Any, ...]
+) -> None:
+    post = record(registry, "post_tool_call")
+    transform = record(registry, "transform_tool_result")
+    ToolCallFlow(registry).run("t", {}, execute=lambda a: result)
+    for payload in (post[0], transform[0]):
+        assert (payload["status"], payload["error_type"], payload["error_message"]) == status
+    assert "middleware_trace" in post[0] and "middleware_trace" not in transform[0]  # as Hermes sends them
+
+
+def test_llm_hooks_get_hermes_shapes_and_fields(registry: MiddlewareRegistry) -> None:
+    pre = record(registry, "pre_api_request")
+    post = record(registry, "post_api_request")
+    seen: list[dict[str, Any]] = []
+    registry.register_middleware("llm_request", lambda **kw: seen.append(kw))
+    request = {
+        "model": "m",
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        "max_tokens": 50,
+        "timeout": 30,
+    }
+    response = {
+        "model": "m-1",
+        "choices": [
+            {
+                "finish_reason": "tool_calls",
+                "message": {"role": "assistant", "content": "ok", "tool_calls": [{"id": "c1"}]},
+            }
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
+    context = {"platform": "cli", "base_url": "http://x/v1", "api_call_count": 2, "model": "m"}
+    LLMCallFlow(registry).run(request, call_provider=lambda req: response, context=context)
+    for payload in (seen[0], pre[0], post[0]):
+        assert (payload["platform"], payload["base_url"], payload["api_call_count"]) == ("cli", "http://x/v1", 2)
+    assert pre[0]["request"] == {"method": "POST", "body": {k: v for k, v in request.items() if k != "timeout"}}
+    assert pre[0]["user_message"] == "hi" and pre[0]["message_count"] == 2 and pre[0]["max_tokens"] == 50
+    assert pre[0]["request_messages"] == request["messages"] and pre[0]["request_char_count"] > 0
+    assert post[0]["response"] == {
+        "model": "m-1",
+        "finish_reason": "tool_calls",
+        "assistant_message": {"role": "assistant", "content": "ok", "tool_calls": [{"id": "c1"}]},
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
+    assert post[0]["assistant_content_chars"] == 2 and post[0]["assistant_tool_call_count"] == 1
+    assert post[0]["response_model"] == "m-1" and post[0]["finish_reason"] == "tool_calls"

@@ -256,3 +256,32 @@ def test_all_four_example_plugins_load_together_and_compose(
     assert result["workdir"].endswith("hermes-middleware-demo")
     response = rt.run_llm_call({"model": "m"}, call_provider=lambda req: req)
     assert response["extra_body"]["metadata"]["hermes_middleware_demo"] is True
+
+
+def test_hermes_safe_mode_loads_no_plugin(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_plugin(home, "tagger", TAGGER)
+    enable_plugin(home, "tagger")
+    monkeypatch.setenv("HERMES_SAFE_MODE", "1")
+    manager = PluginManager(home)
+    assert manager.load() == [] and manager.runtime.empty
+    monkeypatch.setenv("HERMES_SAFE_MODE", "0")
+    assert [i.key for i in manager.reload() if i.enabled] == ["tagger"]
+
+
+def test_project_plugins_load_only_when_opted_in_and_win_over_user_plugins(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_plugin(home, "tagger", TAGGER)
+    project = tmp_path / "project"
+    write_plugin(project / ".hermes", "tagger", TAGGER.replace('TAG = "v1"', 'TAG = "project"'))
+    enable_plugin(home, "tagger")
+    monkeypatch.chdir(project)
+
+    def tag() -> Any:
+        manager = PluginManager(home)
+        manager.load()
+        return ToolCallFlow(manager).run("t", {}, execute=lambda a: a)["tag"]
+
+    assert tag() == "v1"
+    monkeypatch.setenv("HERMES_ENABLE_PROJECT_PLUGINS", "true")
+    assert tag() == "project"

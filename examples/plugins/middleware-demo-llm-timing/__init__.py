@@ -1,13 +1,10 @@
-"""LLM execution middleware (the contract's third example): time the provider call.
+"""LLM execution middleware (the contract's third example, unchanged): time the provider call.
 
-The contract's example prints; a worker's stdout is not a log, so this logs through the standard
-``logging`` module instead (the plugin must also run inside the Hermes agent, so no structlog).
+It prints, as the contract's example does: in a worker the line goes to the worker's stdout (its log
+file under ``make test``; stderr under ``mcp serve``, whose stdout is the protocol).
 """
 
-import logging
 import time
-
-log = logging.getLogger("hermes_plugins.middleware_demo_llm_timing")
 
 
 def register(ctx):
@@ -18,5 +15,5 @@ def time_llm_execution(**kwargs):
     started = time.monotonic()
     response = kwargs["next_call"](kwargs["request"])
     elapsed_ms = int((time.monotonic() - started) * 1000)
-    log.info("llm_execution elapsed_ms=%d model=%s", elapsed_ms, kwargs.get("model", ""))
+    print(f"llm_execution elapsed_ms={elapsed_ms}")
     return response
