@@ -164,7 +164,7 @@ class ToolCallFlow:
             raise
         duration_ms = self._post(rt, base, eff, result, trace, started, "ok", None)
         if rt.has_hook(TRANSFORM_TOOL_RESULT):
-            outcome_status, kind, message = result_status(result)
+            outcome_status, err_type, err_message = result_status(result)
             replaced = rt.emit(  # no middleware_trace: Hermes sends none to this hook
                 TRANSFORM_TOOL_RESULT,
                 **base,
@@ -172,8 +172,8 @@ class ToolCallFlow:
                 result=result,
                 duration_ms=duration_ms,
                 status=outcome_status,
-                error_type=kind,
-                error_message=message,
+                error_type=err_type,
+                error_message=err_message,
             )
             # The first replacement wins: a string, as in Hermes, or (our results may be structured) a
             # dict or list; any other return (None, True, 0...) keeps the result.
