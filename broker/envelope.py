@@ -24,9 +24,16 @@ CONTEXT_FIELDS = (
     "model",
     "api_mode",
     "parent_call_id",
+    "platform",  # the agent's platform (cli, telegram...), passed to LLM middleware as Hermes does
+    "plugins_applied",  # comma-separated plugin keys the caller already ran around this call: workers skip them
 )
 
 KINDS = ("tool", "llm")
+
+
+def plugins_applied(context: dict[str, Any]) -> tuple[str, ...]:
+    """The plugin keys a call's caller already ran around it (``plugins_applied``, comma-separated)."""
+    return tuple(p.strip() for p in str(context.get("plugins_applied") or "").split(",") if p.strip())
 
 _NONE = type(None)
 # Types of the optional fields: a wrong type is a malformed payload, caught here rather than deep in a worker.

@@ -15,7 +15,7 @@ import asyncio
 import concurrent.futures
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,13 +113,15 @@ class ToolCallFlow:
         check_available: Check | None = None,
         policy: Check | None = None,
         on_trace: Callable[[list[dict[str, Any]]], Any] | None = None,
+        skip_plugins: Collection[str] = (),
     ) -> Any:
         """Run the call; return the final result or raise. Per-call checks override the flow's.
 
         ``on_trace(middleware_trace)`` is told the ``tool_request`` trace as soon as it is known, so a
-        caller can record it even when a later step refuses the call.
+        caller can record it even when a later step refuses the call. ``skip_plugins``: plugin keys
+        whose callbacks do not run for this call (the caller ran them).
         """
-        rt = self._source.current()
+        rt = self._source.current().without(skip_plugins)
         check_available = check_available or self.check_available
         policy = policy or self.policy
         if self.coerce is not None:
@@ -293,14 +295,15 @@ class LLMCallFlow:
         on_trace: Callable[[list[dict[str, Any]]], Any] | None = None,
         retry_count: int | None = None,
         max_retries: int | None = None,
+        skip_plugins: Collection[str] = (),
     ) -> Any:
         """Run the provider call with ``request`` (the built provider kwargs); return its response or raise.
 
         ``on_trace(middleware_trace)`` is told this attempt's ``llm_request`` trace before the provider runs.
         The observer hooks get Hermes' payloads (:mod:`middleware.llm_hooks`); ``retry_count`` and
-        ``max_retries`` go to ``api_request_error``.
+        ``max_retries`` go to ``api_request_error``; ``skip_plugins`` as for tool calls.
         """
-        rt = self._source.current()
+        rt = self._source.current().without(skip_plugins)
         if rt.empty:
             return call_provider(request)
         ctx = normalize_context(dict(context or {}), LLM_CONTEXT_FIELDS)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from middleware.execution import BaseCall, ExecutionChain
@@ -29,7 +29,7 @@ class MiddlewareRuntime:
     directly, with no copies and no payloads built.
     """
 
-    __slots__ = ("_middleware", "_hooks", "_chains", "reporter", "empty")
+    __slots__ = ("_middleware", "_hooks", "_chains", "reporter", "empty", "_without")
 
     def __init__(
         self,
@@ -46,6 +46,31 @@ class MiddlewareRuntime:
             if self._middleware.get(kind)
         }
         self.empty = not any(self._middleware.values()) and not any(self._hooks.values())
+        self._without: dict[frozenset[str], MiddlewareRuntime] = {}
+
+    def without(self, plugins: Collection[str]) -> MiddlewareRuntime:
+        """This runtime minus every callback the given plugins (keys) registered; cached per set.
+
+        For a call whose caller already ran those plugins around it (a Hermes agent sharing our
+        HERMES_HOME): each plugin then runs once per call, not once on each side.
+        """
+        skip = frozenset(p for p in plugins if p)
+        if not skip or self.empty:
+            return self
+        found = self._without.get(skip)
+        if found is None:
+            found = MiddlewareRuntime(
+                {k: tuple(r for r in regs if r.plugin not in skip) for k, regs in self._middleware.items()},
+                {
+                    k: kept
+                    for k, regs in self._hooks.items()
+                    if (kept := tuple(r for r in regs if r.plugin not in skip))
+                },
+                self.reporter,
+            )
+            if len(self._without) < 64:  # a handful of distinct sets in practice; never unbounded
+                self._without[skip] = found
+        return found
 
     # -- introspection ---------------------------------------------------------------------------
 
@@ -115,9 +140,7 @@ class MiddlewareRuntime:
         fields["tool_name"] = tool_name
         # No middleware_trace here: Hermes sends none to tool_execution, and a callback whose signature
         # names Hermes' fields exactly would fail on an extra one.
-        payload = middleware_payload(
-            fields, original_args=args if original_args is None else original_args
-        )
+        payload = middleware_payload(fields, original_args=args if original_args is None else original_args)
         return chain(args, base, payload)
 
     def run_llm_execution(

@@ -17,7 +17,7 @@ from broker.calls import Calls
 from broker.codec import pack
 from broker.config import Settings, load_settings
 from broker.directory import Directory
-from broker.envelope import Envelope
+from broker.envelope import Envelope, plugins_applied
 from broker.errors import CallFailed, DecodeError
 from broker.states import State
 from broker.toolspec import ToolSpec
@@ -274,7 +274,13 @@ class WorkerCore:
             run.middleware_trace = trace
 
         result = self.tool_flow.run(
-            spec.name, args, execute=execute, context=context, policy=checks, on_trace=on_trace
+            spec.name,
+            args,
+            execute=execute,
+            context=context,
+            policy=checks,
+            on_trace=on_trace,
+            skip_plugins=plugins_applied(env.context),
         )
         trace.close("tool_execution")
         if run.state is State.ROUTING:  # a middleware answered without calling the tool

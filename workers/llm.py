@@ -17,6 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import structlog
 
+from broker.envelope import plugins_applied
 from broker.errors import CallCancelled, ProviderError, ProviderTimeout
 from broker.events import DELTA, PROGRESS
 from broker.states import State
@@ -173,6 +174,7 @@ class LLMCall:
             on_trace=lambda trace: setattr(self.run, "middleware_trace", list(trace)),
             retry_count=n - 1,
             max_retries=self.max_retries,
+            skip_plugins=plugins_applied(self.run.env.context),
         )
 
     def _delta(self, delta: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 
 from broker.config import Settings, load_settings
-from broker.errors import HermesError
+from broker.errors import CallTimeout, HermesError
 
 log = structlog.get_logger("hermes.plugin")
 
@@ -76,6 +76,27 @@ def request_body(request: dict[str, Any]) -> dict[str, Any]:
             continue
         body[key] = value
     return body
+
+
+def agent_plugins() -> str:
+    """Comma-separated keys of the plugins this agent runs itself (their middleware and hooks run here,
+    around our calls), so workers reading the same HERMES_HOME skip them: each runs once per call.
+
+    Hermes' own plugin manager says what it loaded; outside Hermes, the enabled plugins of HERMES_HOME.
+    """
+    keys: set[str] = set()
+    try:
+        from hermes_cli.plugins import get_plugin_manager
+
+        for info in get_plugin_manager().list_plugins():
+            if info.get("enabled") and (info.get("middleware") or info.get("hooks")):
+                keys.update(str(info[k]) for k in ("key", "name") if info.get(k))
+    except Exception:  # noqa: BLE001 - not inside Hermes (or another version): read the config instead
+        from middleware import list_plugins
+
+        keys.update(info.key for info in list_plugins() if info.enabled)
+    keys.discard(PLUGIN_NAME)
+    return ",".join(sorted(keys))
 
 
 def as_completion(response: Any) -> Any:
@@ -154,10 +175,16 @@ class Bridge:
             context["parent_call_id"] = parent
         if self.options.principal:
             context["principal"] = self.options.principal
+        applied = agent_plugins()
+        if applied:
+            context["plugins_applied"] = applied
+        handle = None
         try:
             handle = self.gw.call_tool(self.names.get(name, name), args or {}, **context)
             result = handle.result(self.options.timeout)
         except HermesError as e:
+            if handle is not None and isinstance(e, CallTimeout):
+                handle.cancel()  # the agent stops waiting: the call must not run on unseen
             return json.dumps({"error": f"{e.type}: {e.message}"}, ensure_ascii=False)
         return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
 
@@ -177,11 +204,13 @@ class Bridge:
         """Middleware: run the provider call on the gateway's ``llm`` queue instead of in the agent."""
         if kw.get("api_mode") not in (None, "", "chat_completions") or not isinstance(request, dict):
             return next_call(request)  # only chat-completions requests travel the queue
-        context = {k: str(kw[k]) for k in ("session_id", "task_id", "turn_id", "api_request_id") if kw.get(k)}
-        if kw.get("provider"):
-            context["provider"] = str(kw["provider"])
+        ids = ("session_id", "task_id", "turn_id", "api_request_id", "provider", "platform")
+        context = {k: str(kw[k]) for k in ids if kw.get(k)}
         if self.options.principal:
             context["principal"] = self.options.principal
+        applied = agent_plugins()
+        if applied:
+            context["plugins_applied"] = applied
         body = request_body(request)
         # Hermes streams inside its client call, so the kwargs have no ``stream``; asking the worker to
         # stream publishes the deltas as events, and the result is the assembled completion all the same.
@@ -190,4 +219,10 @@ class Bridge:
             body.setdefault("stream_options", {"include_usage": True})
         handle = self.gw.call_llm(body, **context)
         self._last_llm[context.get("session_id", "")] = handle.call_id
-        return as_completion(handle.result(self.options.timeout))
+        try:
+            return as_completion(handle.result(self.options.timeout))
+        except CallTimeout:
+            # Hermes takes a raise for a failed middleware and calls its provider itself: the call on
+            # the queue must not also go on and complete (and be billed) unseen.
+            handle.cancel()
+            raise

@@ -30,6 +30,7 @@ from broker.audit import AuditRecord
 from broker.audit_store import AuditLog
 from broker.calls import Calls
 from broker.records import envelope_of
+from middleware import enable_plugin
 from tests.conftest import REPO, Home
 from tests.llm_server import LLMServer
 from tests.middleware.test_interop_hermes_agent import (  # noqa: F401 - the fixture, reused
@@ -192,6 +193,54 @@ def test_route_llm_sends_the_agents_provider_calls_through_the_llm_queue(
     assert context["parent_call_id"] == first.call_id
     deltas = [e for e in events.history(conn, second.call_id) if e.type == events.DELTA]
     assert "".join(d.detail.get("content", "") for d in deltas).startswith("Tool result:")
+
+
+# Not idempotent on purpose: run twice, it leaves two notes and two "!".
+NOTER = """
+def register(ctx):
+    ctx.register_middleware("llm_request", note)
+    ctx.register_middleware("tool_request", shout)
+
+
+def note(**kwargs):
+    request = dict(kwargs["request"])
+    request["messages"] = [{"role": "system", "content": "POLICY NOTE"}] + list(request.get("messages") or [])
+    return {"request": request, "source": "noter", "reason": "added the policy note"}
+
+
+def shout(**kwargs):
+    if kwargs.get("tool_name") != "get_weather":
+        return None
+    return {"args": {**kwargs["args"], "city": kwargs["args"]["city"] + "!"}, "source": "noter"}
+"""
+
+
+def _install_noter(home: Path) -> None:
+    plugin = home / "plugins" / "noter"
+    plugin.mkdir(parents=True)
+    (plugin / "plugin.yaml").write_text("name: noter\nversion: '1.0'\n")
+    (plugin / "__init__.py").write_text(NOTER)
+
+
+def test_a_plugin_enabled_for_the_agent_and_the_workers_runs_once_per_call(
+    agent: Agent, llm: LLMServer, home: Home, workers: Any, conn: Any
+) -> None:
+    # The same plugin enabled on both sides (as with one shared HERMES_HOME): Hermes runs it around
+    # the calls it makes, names it in the calls' context, and our workers skip it for those calls.
+    _install_noter(agent.root)
+    agent.run("plugins", "enable", "noter")
+    _install_noter(home.path)
+    enable_plugin(home.path, "noter")
+    workers(queues="tools,llm")
+    agent.run("chat", "-q", "What is the weather in Paris?", "-Q", HERMES_GATEWAY_ROUTE_LLM="1")
+
+    first, tool, second = records(conn)
+    assert tool.args == {"city": "Paris!"}  # one "!": the agent's tool_request ran, the worker's did not
+    for request in llm.chat_requests:  # each provider request has the agent's note once
+        notes = [m for m in request.body["messages"] if m.get("content") == "POLICY NOTE"]
+        assert len(notes) == 1, request.body["messages"]
+    context = envelope_of(conn.hget(keys.job(tool.call_id), "data")).context
+    assert "noter" in context["plugins_applied"].split(",")
 
 
 def test_hermes_reaches_the_gateways_tools_as_an_mcp_server_without_the_plugin(

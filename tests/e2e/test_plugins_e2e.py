@@ -165,3 +165,25 @@ def test_plugins_reload_makes_a_running_worker_pick_up_newly_enabled_plugins(
     assert llm.chat_requests[-1].body["metadata"] == TAG
     assert gateway.call_tool("terminal", {"command": "ls"}).result(20) == {"command": "ls", "workdir": demo}
     assert worker.alive and len(workers.started) == 1  # the same process, never restarted
+
+
+def test_plugins_the_caller_already_ran_are_not_run_again_on_the_worker(
+    llm: LLMServer, home: Home, gateway: Any, workers: Any, user_home: Path
+) -> None:
+    # A Hermes agent sharing this HERMES_HOME runs these plugins around its calls itself and says so
+    # (context plugins_applied); the worker then skips them for that call, so each runs once.
+    demo = demo_dir(user_home)
+    set_up(home, llm, allow=[demo], enabled=(LLM_TAG, WORKDIR))
+    gateway.sync_tools()
+    start(workers, user_home)
+    # Not applied by the caller: the worker's tool_request middleware fills in the workdir.
+    assert gateway.call_tool("terminal", {"command": "ls"}).result(20)["workdir"] == demo
+    # Applied by the caller: skipped here, so nothing fills the required workdir in.
+    with pytest.raises(CallFailed) as info:
+        gateway.call_tool("terminal", {"command": "ls"}, plugins_applied=f"{LLM_TAG},{WORKDIR}").result(20)
+    assert info.value.type == "invalid_args" and "workdir" in str(info.value)
+    # The same for LLM calls: the caller's llm_request tag is not added a second time.
+    gateway.call_llm(ASK, plugins_applied=LLM_TAG).result(20)
+    assert "metadata" not in llm.chat_requests[-1].body
+    gateway.call_llm(ASK).result(20)
+    assert llm.chat_requests[-1].body["metadata"] == TAG

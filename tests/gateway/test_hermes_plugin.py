@@ -11,6 +11,7 @@ from hermes_gateway import hermes_plugin
 from hermes_gateway.hermes_plugin.bridge import Bridge, Options, as_completion, request_body
 from middleware import PluginManager, enable_plugin
 from tests.conftest import Home
+from tests.middleware.helpers import install_example
 
 
 def test_options_come_from_the_plugin_entry_and_the_environment_wins(
@@ -101,3 +102,42 @@ def test_our_own_workers_load_it_as_a_no_op_so_llm_calls_cannot_loop(
     info = infos["hermes-gateway"]
     assert info.enabled and info.source == "entrypoint"
     assert info.middleware == () and info.hooks == ()  # the worker's registry got nothing to run
+
+
+def _recorded(gateway: Any, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The handles of the tool calls the bridge submits."""
+    handles: list[Any] = []
+    submit = gateway.call_tool
+    monkeypatch.setattr(gateway, "call_tool", lambda *a, **kw: handles.append(submit(*a, **kw)) or handles[-1])
+    return handles
+
+
+def test_a_tool_call_the_agent_stops_waiting_for_is_cancelled_not_left_to_run(
+    home: Home, gateway: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home.sleep_tool()
+    gateway.sync_tools()  # no worker serves its queue: the call can only wait
+    bridge = Bridge(Options(url=None, timeout=0.3), load_settings(home.path))
+    bridge._gw = gateway
+    handles = _recorded(gateway, monkeypatch)
+    out = bridge.call("sleep", {"seconds": 1}, {"session_id": "s1"})
+    assert out.startswith('{"error": "timeout: no result for call ')
+    assert handles[0].state == "cancelled"
+
+
+def test_calls_name_the_plugins_the_agent_runs_itself(
+    home: Home, gateway: Any, conn: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from broker.records import read_record
+
+    install_example(home.path, "middleware-demo-llm-tag")
+    enable_plugin(home.path, "middleware-demo-llm-tag")
+    enable_plugin(home.path, "hermes-gateway")  # ours is never named: it runs nothing on the workers
+    home.echo_tool()
+    gateway.sync_tools()
+    bridge = Bridge(Options(url=None, timeout=0.3), load_settings(home.path))
+    bridge._gw = gateway
+    handles = _recorded(gateway, monkeypatch)
+    bridge.call("echo", {}, {"session_id": "s1"})
+    record = read_record(conn, handles[0].call_id)
+    assert record is not None and record["envelope"].context["plugins_applied"] == "middleware-demo-llm-tag"

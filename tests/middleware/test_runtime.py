@@ -75,3 +75,16 @@ def test_uncopyable_request_members_are_shared_not_fatal(registry: MiddlewareReg
     registry.register_middleware("llm_request", lambda **kw: {"request": {**kw["request"], "tagged": True}})
     out, trace = registry.runtime().apply_llm_request({}, {"client": lock, "model": "m"})
     assert out["client"] is lock and out["tagged"] is True and len(trace) == 1
+
+
+def test_without_leaves_out_the_named_plugins_callbacks_only(registry: MiddlewareRegistry) -> None:
+    registry.register_middleware("tool_request", lambda **kw: {"args": {**kw["args"], "a": 1}}, plugin="a")
+    registry.register_middleware("tool_request", lambda **kw: {"args": {**kw["args"], "b": 1}}, plugin="b")
+    seen: list[str] = []
+    registry.register_hook("post_tool_call", lambda **kw: seen.append("a"), plugin="a")
+    flow = ToolCallFlow(registry)
+    assert flow.run("t", {}, execute=lambda a: a) == {"a": 1, "b": 1} and seen == ["a"]
+    assert flow.run("t", {}, execute=lambda a: a, skip_plugins=("a",)) == {"b": 1} and seen == ["a"]
+    rt = registry.runtime()
+    assert rt.without(("a",)) is rt.without(["a"])  # built once per set
+    assert rt.without(()) is rt and rt.without(("a", "b")).empty
