@@ -93,13 +93,36 @@ class Worker(HandOff):
     # -- life cycle ------------------------------------------------------------------------------
 
     def install_signals(self) -> None:
-        def on_term(signum: int, _frame: Any) -> None:
-            if self.stopping.is_set() and signum == signal.SIGINT:
-                log.warning("second interrupt: stopping now")
-                os._exit(1)
-            log.info("stop requested", signal=signal.Signals(signum).name)
-            self.request_stop()
+        """SIGTERM/SIGINT stop the worker; a second SIGINT exits at once.
 
+        The handler takes no lock (it may interrupt the main thread while that holds the logger's or an
+        Event's lock, and a second signal may interrupt the handler itself): it only writes the signal
+        number to a pipe, and a thread of ours logs it and asks the worker to stop.
+        """
+        read_fd, write_fd = os.pipe()
+        interrupts = [0]
+
+        def on_term(signum: int, _frame: Any) -> None:
+            if signum == signal.SIGINT:
+                interrupts[0] += 1
+                if interrupts[0] > 1:
+                    os.write(2, b"second interrupt: stopping now\n")
+                    os._exit(1)
+            try:
+                os.write(write_fd, bytes([signum]))
+            except OSError:
+                pass  # the pipe is full of earlier signals: the stop is already on its way
+
+        def relay() -> None:
+            while True:
+                try:
+                    signum = os.read(read_fd, 1)[0]
+                except (OSError, IndexError):
+                    return
+                log.info("stop requested", signal=signal.Signals(signum).name)
+                self.request_stop()
+
+        threading.Thread(target=relay, name="hermes-signals", daemon=True).start()
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_term)
 

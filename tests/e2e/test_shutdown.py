@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +101,22 @@ def test_a_stop_message_for_one_worker_stops_only_that_one(workers: Any, conn: A
     assert b.alive
     assert conn.publish(keys.channel(conn, keys.CONTROL_CHANNEL), control_message("stop")) >= 1
     assert b.wait(10) == 0
+
+
+def test_a_burst_of_signals_stops_a_busy_logging_worker_without_hanging(
+    gateway: Any, home: Any, workers: Any
+) -> None:
+    # Signals arriving while the worker writes a log line (or while the handler runs) once deadlocked it
+    # on the logger's lock: `timeout`, docker and process-group kills send more than one.
+    home.echo_tool()
+    gateway.sync_tools()
+    for _ in range(5):
+        [worker] = workers(1, concurrency=8, grace=GRACE)
+        handles = [gateway.call_tool("echo", {"i": i}) for i in range(200)]  # "call started" lines
+        for _ in range(200):  # spread out, so some land while the previous one is being handled
+            worker.signal(15)
+            time.sleep(0.0002)
+        # It exits (0, or -15 when a late signal lands while the interpreter is finishing) after a clean stop.
+        assert worker.wait(GRACE + 10) in (0, -15), worker.log()
+        assert "worker stopped" in worker.log()
+        del handles
