@@ -258,7 +258,12 @@ class McpExecutor:
             raise CallCancelled(f"call {ctx.call_id} was cancelled") from e
         except Exception as e:  # noqa: BLE001 - every SDK/transport failure becomes a typed error
             raise _translate(e, where, handshake, server) from e
-        return _result(result, where, max_output)
+        # A spec imported before `unwrap_result` existed declares the wrapper itself: keep the wrapper then.
+        declared = spec.output_schema
+        keep = isinstance(declared, dict) and wrapped_result_schema(declared) is not None
+        return _result(
+            result, where, max_output, unwrap=bool(config.get("unwrap_result")) and not keep, keep=keep
+        )
 
     def close(self) -> None:
         async def close_all() -> None:
@@ -299,8 +304,12 @@ def _translate(e: BaseException, where: str, handshake: float, server: dict[str,
     return ExecutorError(f"{where}: MCP server {target} failed: {type(e).__name__}: {e}")
 
 
-def _result(result: Any, where: str, max_output: int) -> Any:
-    """A tool's result as plain data: structured content if any, else text, else content blocks."""
+def _result(result: Any, where: str, max_output: int, unwrap: bool = False, keep: bool = False) -> Any:
+    """A tool's result as plain data: structured content if any, else text, else content blocks.
+
+    A non-object return value arrives wrapped as ``{"result": value}``: unwrapped when ``unwrap`` (the
+    spec says the server wraps), else when its text shows it is a wrapper; never when ``keep``.
+    """
     blocks = [b.model_dump(mode="json", by_alias=True, exclude_none=True) for b in result.content]
     texts = [b.get("text", "") for b in blocks if b.get("type") == "text"]
     if result.is_error:
@@ -308,7 +317,8 @@ def _result(result: Any, where: str, max_output: int) -> Any:
         raise ExecutorError(f"{where}: {message}", remote_error=True)
     if result.structured_content is not None:
         value = result.structured_content
-        if isinstance(value, dict) and set(value) == {"result"} and _is_wrapped(value["result"], texts):
+        wrapped = isinstance(value, dict) and set(value) == {"result"}
+        if wrapped and not keep and (unwrap or _is_wrapped(value["result"], texts)):
             value = value["result"]  # how servers wrap a non-object return value
     elif blocks and len(texts) == len(blocks):
         value = texts[0] if len(texts) == 1 else "\n".join(texts)
@@ -320,6 +330,26 @@ def _result(result: Any, where: str, max_output: int) -> Any:
             f"{where}: result of {size} bytes passes the cap of {max_output}", limit=max_output
         )
     return value
+
+
+def wrapped_result_schema(schema: dict[str, Any]) -> dict[str, Any] | None:
+    """The schema of the value inside the ``{"result": ...}`` wrapper MCP SDK servers put around a
+    non-object return value (an object with only a required ``result``, titled ``<tool>Output``), or
+    None when ``schema`` is not that wrapper. Shared ``$defs`` stay with it, so its references resolve."""
+    props = schema.get("properties")
+    if (
+        schema.get("type") != "object"
+        or not isinstance(props, dict)
+        or set(props) != {"result"}
+        or schema.get("required") != ["result"]
+        or not str(schema.get("title", "")).endswith("Output")
+        or not isinstance(props["result"], dict)
+    ):
+        return None
+    inner = dict(props["result"])
+    if "$defs" in schema and "$defs" not in inner:
+        inner["$defs"] = schema["$defs"]
+    return inner
 
 
 def _is_wrapped(inner: Any, texts: list[str]) -> bool:
@@ -371,7 +401,11 @@ def list_server_tools(
             "input_schema": tool.input_schema or {"type": "object"},
         }
         if tool.output_schema:
-            spec["output_schema"] = tool.output_schema
+            inner = wrapped_result_schema(tool.output_schema)
+            if inner is None:
+                spec["output_schema"] = tool.output_schema
+            else:  # the result the gateway returns (and checks) is the value, not the server's wrapper
+                spec["output_schema"], spec["unwrap_result"] = inner, True
         specs.append(spec)
     return specs
 

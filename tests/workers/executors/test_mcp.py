@@ -63,7 +63,9 @@ def http_url(tmp_path_factory: pytest.TempPathFactory) -> Any:
             if started is not None:
                 break
         else:
-            raise RuntimeError(f"the test MCP server exited at start three times: {log_path.read_text(errors='replace')}")
+            raise RuntimeError(
+                f"the test MCP server exited at start three times: {log_path.read_text(errors='replace')}"
+            )
         proc, port = started
         yield f"http://127.0.0.1:{port}/mcp"
         proc.terminate()
@@ -205,3 +207,51 @@ def test_list_server_tools_gives_tool_specs(http_url):
     greet = ToolSpec.from_dict(by_name["greet"])
     assert greet.executor == "mcp" and greet.input_schema["required"] == ["name"]
     assert {s["name"] for s in mcpexec.list_server_tools({"url": http_url})} == set(by_name)
+
+
+def test_imported_specs_return_plain_values_that_fit_their_declared_output_schema(ex, make_ctx):
+    # A server wraps a non-object return value as {"result": value}; the imported spec declares the
+    # value's schema and unwraps, so `add` style tools return 5, not an invalid_output error.
+    from workers.args import check_output
+
+    by_name = {s["name"]: s for s in mcpexec.list_server_tools(STDIO)}
+    greet = ToolSpec.from_dict({**by_name["greet"], "mcp": "test"})
+    assert greet.output_schema is not None and greet.output_schema["type"] == "string"
+    assert greet.config["unwrap_result"] is True
+    result = ex.run(greet, {"name": "Alice"}, make_ctx())
+    assert result == "Hello, Alice!"
+    check_output(greet.output_schema, result, "greet")
+
+
+def test_a_spec_declaring_the_wrapper_itself_keeps_the_wrapper(ex, make_ctx):
+    # Imported before unwrap_result existed: its output schema is the wrapper, so the result stays wrapped.
+    from workers.args import check_output
+
+    wrapper = {
+        "type": "object",
+        "title": "greetOutput",
+        "properties": {"result": {"type": "string", "title": "Result"}},
+        "required": ["result"],
+    }
+    old = spec("greet", output_schema=wrapper)
+    result = ex.run(old, {"name": "Bo"}, make_ctx())
+    assert result == {"result": "Hello, Bo!"}
+    check_output(wrapper, result, "greet")
+
+
+def test_wrapped_result_schema_recognises_only_the_sdk_wrapper() -> None:
+    inner = {"$ref": "#/$defs/Point"}
+    defs = {"Point": {"type": "object"}}
+    wrapper = {
+        "type": "object",
+        "title": "fOutput",
+        "properties": {"result": inner},
+        "required": ["result"],
+        "$defs": defs,
+    }
+    assert mcpexec.wrapped_result_schema(wrapper) == {"$ref": "#/$defs/Point", "$defs": defs}
+    assert (
+        mcpexec.wrapped_result_schema({**wrapper, "title": "Point"}) is None
+    )  # a model that has a result field
+    assert mcpexec.wrapped_result_schema({**wrapper, "required": []}) is None
+    assert mcpexec.wrapped_result_schema({"type": "string"}) is None
