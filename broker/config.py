@@ -15,10 +15,14 @@ from .errors import ConfigError
 from .yamlload import load_yaml
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+# The ``${VAR}`` / ``${VAR:-default}`` grammar of :func:`expand_env`, for code that expands with it (tool
+# specs, on the worker) and must first tell which references have no value.
+ENV_VAR = _VAR
 
 DEFAULT_LEASE = 30.0
 DEFAULT_CONCURRENCY = 5
 DEFAULT_QUEUE_SIZE = 10_000
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def hermes_home(explicit: str | os.PathLike[str] | None = None) -> Path:
@@ -38,6 +42,13 @@ def expand_env(value: Any, environ: Mapping[str, str] | None = None) -> Any:
     if isinstance(value, list):
         return [expand_env(v, env) for v in value]
     return value
+
+
+def unset_env(text: str, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Names of the ``${VAR}`` references in ``text`` that :func:`expand_env` would have to leave empty:
+    the variable is not set and the reference gives no ``:-default``."""
+    env = os.environ if environ is None else environ
+    return [m.group(1) for m in _VAR.finditer(text) if m.group(2) is None and m.group(1) not in env]
 
 
 def _env_float(name: str, default: float) -> float:
@@ -91,10 +102,32 @@ class Settings:
         return base
 
     def concurrency_for(self, kind: str) -> int:
-        return int(self.executor_settings(kind).get("concurrency", DEFAULT_CONCURRENCY))
+        value = self.executor_settings(kind).get("concurrency", DEFAULT_CONCURRENCY)
+        return int(_number(value, f"executors.{kind}.concurrency"))
 
     def queue_size_for(self, kind: str) -> int:
-        return int(self.executor_settings(kind).get("queue_size", DEFAULT_QUEUE_SIZE))
+        value = self.executor_settings(kind).get("queue_size", DEFAULT_QUEUE_SIZE)
+        return int(_number(value, f"executors.{kind}.queue_size"))
+
+
+def _number(value: Any, where: str) -> float:
+    """A number setting from config.yaml, or a ConfigError naming its path."""
+    if isinstance(value, bool):
+        raise ConfigError(f"config.yaml: {where}: expected a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config.yaml: {where}: expected a number, got {value!r}") from e
+
+
+def _mapping(raw: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """A section of config.yaml that must be a mapping (absent or empty: {})."""
+    value = raw.get(key)
+    if value is None or value == "":
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"config.yaml: {key}: expected a mapping, got {type(value).__name__} {value!r}")
+    return dict(value)
 
 
 def load_settings(home: str | os.PathLike[str] | None = None) -> Settings:
@@ -110,22 +143,36 @@ def load_settings(home: str | os.PathLike[str] | None = None) -> Settings:
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
         raw = expand_env(loaded)
-    broker = raw.get("broker") or {}
-    logging_cfg = raw.get("logging") or {}
-    workers = raw.get("workers") or {}
+    broker = _mapping(raw, "broker")
+    logging_cfg = _mapping(raw, "logging")
+    workers = _mapping(raw, "workers")
+    executors = _mapping(raw, "executors")
+    for kind, section in executors.items():
+        if section is not None and not isinstance(section, dict):
+            raise ConfigError(f"config.yaml: executors.{kind}: expected a mapping, got {section!r}")
+    _mapping(raw, "executor")  # the seed's singular spelling, merged under executors.<kind>
+    level = str(os.environ.get("HERMES_LOG_LEVEL") or logging_cfg.get("level") or "INFO").upper()
+    level = {"WARN": "WARNING", "FATAL": "CRITICAL"}.get(level, level)
+    if level not in LOG_LEVELS:
+        where = "HERMES_LOG_LEVEL" if os.environ.get("HERMES_LOG_LEVEL") else "config.yaml: logging.level"
+        raise ConfigError(f"{where}: expected one of {', '.join(LOG_LEVELS)}, got {level!r}")
     return Settings(
         home=root,
         redis_url=os.environ.get("HERMES_REDIS_URL") or broker.get("url") or None,
-        log_level=str(os.environ.get("HERMES_LOG_LEVEL") or logging_cfg.get("level") or "INFO").upper(),
+        log_level=level,
         log_format=str(os.environ.get("HERMES_LOG_FORMAT") or logging_cfg.get("format") or "console"),
-        lease=_env_float("HERMES_LEASE", float(workers.get("lease", DEFAULT_LEASE))),
-        max_attempts=int(_env_float("HERMES_MAX_ATTEMPTS", float(workers.get("max_attempts", 3)))),
-        result_ttl=int(_env_float("HERMES_RESULT_TTL", float(workers.get("result_ttl", 86400)))),
-        executors=dict(raw.get("executors") or {}),
-        policy=dict(raw.get("policy") or {}),
-        plugins=dict(raw.get("plugins") or {}),
-        model=dict(raw.get("model") or {}),
-        mcp=dict(raw.get("mcp") or {}),
-        audit=dict(raw.get("audit") or {}),
+        lease=_env_float("HERMES_LEASE", _number(workers.get("lease", DEFAULT_LEASE), "workers.lease")),
+        max_attempts=int(
+            _env_float("HERMES_MAX_ATTEMPTS", _number(workers.get("max_attempts", 3), "workers.max_attempts"))
+        ),
+        result_ttl=int(
+            _env_float("HERMES_RESULT_TTL", _number(workers.get("result_ttl", 86400), "workers.result_ttl"))
+        ),
+        executors=executors,
+        policy=_mapping(raw, "policy"),
+        plugins=_mapping(raw, "plugins"),
+        model=_mapping(raw, "model"),
+        mcp=_mapping(raw, "mcp"),
+        audit=_mapping(raw, "audit"),
         raw=raw,
     )

@@ -5,18 +5,22 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 import click
 
-from broker.config import load_settings
+from broker.config import LOG_LEVELS, load_settings
 from broker.errors import HermesError
 from broker.logs import configure
 from hermes_gateway.cli_common import (
+    POSITIVE,
+    SECONDS,
     _event_line,
     _fail,
     _gateway,
     _note,
     _print_result,
+    _queue_names,
     _settings,
     _sync_tools,
 )
@@ -53,8 +57,15 @@ class _Main(click.Group):
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--home", envvar="HERMES_HOME", default=None, help="Config directory (default ~/.hermes).")
-@click.option("--log-level", default=None, help="DEBUG, INFO, WARNING, ERROR (default: logging.level or INFO).")
-@click.option("--log-format", type=click.Choice(["console", "json"]), default=None, help="Log lines as text or JSON.")
+@click.option(
+    "--log-level",
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    default=None,
+    help="DEBUG, INFO, WARNING, ERROR (default: logging.level or INFO).",
+)
+@click.option(
+    "--log-format", type=click.Choice(["console", "json"]), default=None, help="Log lines as text or JSON."
+)
 @click.option(
     "--trace",
     type=click.Choice(["off", "console", "otlp"]),
@@ -63,7 +74,9 @@ class _Main(click.Group):
 )
 @click.version_option("0.10.0", prog_name="hermes-gateway", message="%(prog)s v%(version)s")
 @click.pass_context
-def main(ctx: click.Context, home: str | None, log_level: str | None, log_format: str | None, trace: str | None) -> None:
+def main(
+    ctx: click.Context, home: str | None, log_level: str | None, log_format: str | None, trace: str | None
+) -> None:
     """Hermes Gateway: LLM and tool calls through Redis and RQ worker pools."""
     configure(log_level or "INFO", log_format or "console")  # until the config is read (its errors, too)
     try:
@@ -85,15 +98,27 @@ def main(ctx: click.Context, home: str | None, log_level: str | None, log_format
     ctx.obj = {"settings": settings}
 
 
-
 # -- workers -------------------------------------------------------------------------------------
 
 
 @main.command()
-@click.option("--queues", default="tools,llm", show_default=True, help="Comma-separated queues, in priority order.")
-@click.option("--concurrency", "-c", default=16, show_default=True, help="Calls in flight per process.")
-@click.option("--processes", "-p", default=1, show_default=True, help="Worker processes to run.")
-@click.option("--grace", default=25.0, show_default=True, help="Seconds to finish in-flight calls on SIGTERM.")
+@click.option(
+    "--queues", default="tools,llm", show_default=True, callback=_queue_names,
+    help="Comma-separated queues, in priority order.",
+)  # fmt: skip
+@click.option(
+    "--concurrency", "-c", default=16, show_default=True, type=POSITIVE, help="Calls in flight per process."
+)
+@click.option(
+    "--processes", "-p", default=1, show_default=True, type=POSITIVE, help="Worker processes to run."
+)
+@click.option(
+    "--grace",
+    default=25.0,
+    show_default=True,
+    type=SECONDS,
+    help="Seconds to finish in-flight calls on SIGTERM.",
+)
 @click.pass_context
 def worker(ctx: click.Context, queues: str, concurrency: int, processes: int, grace: float) -> None:
     """Run worker processes that take calls off the queues."""
@@ -127,12 +152,16 @@ def worker(ctx: click.Context, queues: str, concurrency: int, processes: int, gr
 
 @main.command()
 @click.option(
-    "--all", "all_", is_flag=True,
+    "--all",
+    "all_",
+    is_flag=True,
     help="Stop every worker on the broker, and every process our commands run on this machine (serve, "
     "workers, embedded brokers).",
 )
 @click.option(
-    "--grace", default=30.0, show_default=True,
+    "--grace",
+    default=30.0,
+    show_default=True,
     help="With --all: seconds this machine's processes get to exit after SIGTERM before SIGKILL (a worker "
     "finishes its calls within its own --grace, 25 s by default).",
 )
@@ -193,7 +222,9 @@ def stop(ctx: click.Context, all_: bool, grace: float, names: tuple[str, ...]) -
 @click.argument("call_id")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing until the call ends.")
 @click.option(
-    "--request", "show_request", is_flag=True,
+    "--request",
+    "show_request",
+    is_flag=True,
     help="First print what the call asked for, secrets masked: a tool call's args, an LLM call's whole request "
     "(the messages the model is sent, tool results included).",
 )
@@ -202,8 +233,11 @@ def events(ctx: click.Context, call_id: str, follow: bool, show_request: bool) -
     """Print a call's event history (and its live tail with --follow)."""
     from broker import events as ev_mod
     from hermes_gateway.views import call_request
+    from hermes_gateway.watch import call_known
 
     with _gateway(_settings(ctx), need_workers=False) as (gw, _):
+        if not call_known(gw.conn, call_id):
+            _fail(f"no such call {call_id} (unknown, or past its result TTL)", 1)
         if show_request:
             asked = call_request(gw.conn, call_id)
             if asked is None:
@@ -216,16 +250,29 @@ def events(ctx: click.Context, call_id: str, follow: bool, show_request: bool) -
 
 @main.command()
 @click.option(
-    "--json", "as_json", is_flag=True, help="Plain data, live figures included; with --watch one JSON line per refresh."
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Plain data, live figures included; with --watch one JSON line per refresh.",
 )
-@click.option("--watch", "-w", is_flag=True, help="Live call figures (by tool, state, error; durations, waits, in flight, breakers).")
+@click.option(
+    "--watch",
+    "-w",
+    is_flag=True,
+    help="Live call figures (by tool, state, error; durations, waits, in flight, breakers).",
+)
 @click.option("--interval", default=1.0, show_default=True, help="Seconds between refreshes with --watch.")
 @click.pass_context
 def status(ctx: click.Context, as_json: bool, watch: bool, interval: float) -> None:
     """Queues with depths, workers with in-flight counts, recent failures."""
+    from hermes_gateway.local import THROWAWAY_NOTE, throwaway
     from hermes_gateway.views import print_status, status_data
 
     with _gateway(_settings(ctx), need_workers=False) as (gw, _):
+        if throwaway(gw):
+            _note(
+                f"note: {THROWAWAY_NOTE.format(home=_settings(ctx).home)}: this status is of an empty broker of its own"
+            )
         if watch:
             from hermes_gateway.watch import watch as watch_figures
             from hermes_gateway.watch import watch_json
@@ -242,9 +289,41 @@ def status(ctx: click.Context, as_json: bool, watch: bool, interval: float) -> N
             print_status(data, gw.description)
 
 
+def _listen(host: str, port: int, home: Any) -> Any:
+    """The listening socket of ``serve``; a taken port is a one-line error naming who holds it."""
+    import socket
+
+    from broker import runfiles
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        _fail(f"cannot listen on {host}:{port}: {e.strerror}")
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        holders = [f" (by {x.describe()})" for x in runfiles.entries(home) if x.port == port and x.is_ours()]
+        _fail(
+            f"cannot listen on {host}:{port}: {e.strerror}{holders[0] if holders else ''}; "
+            "`hermes-gateway stop --all` stops this machine's gateway processes, or pick another --port"
+        )
+    sock.listen(2048)
+    return sock
+
+
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", default=8787, show_default=True, help="Port of the API and the console.")
+@click.option(
+    "--port",
+    default=8787,
+    show_default=True,
+    type=click.IntRange(1, 65535),
+    help="Port of the API and the console.",
+)
 @click.option("--token", default=None, help="Bearer token every /v1 route wants (default $HERMES_API_TOKEN).")
 @click.pass_context
 def serve(ctx: click.Context, host: str, port: int, token: str | None) -> None:
@@ -257,7 +336,9 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None) -> None:
 
     token = token or os.environ.get(TOKEN_ENV) or None
     if token is None and host not in ("127.0.0.1", "localhost", "::1"):
-        _fail(f"listening on {host} lets anyone there register tools and run calls: give --token (or ${TOKEN_ENV})")
+        _fail(
+            f"listening on {host} lets anyone there register tools and run calls: give --token (or ${TOKEN_ENV})"
+        )
     # uvicorn shuts down on SIGTERM, then raises the signal again to the handler it found: exit through
     # our own cleanup (stop the local worker, the embedded broker) instead of dying on the spot. A SIGTERM
     # while the broker and worker start is kept and obeyed once they are up; while cleaning up, ignored.
@@ -267,6 +348,7 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None) -> None:
     from hermes_gateway.local import watch_control_stop
 
     settings = _settings(ctx)
+    sock = _listen(host, port, settings.home)  # before the broker and worker: a taken port fails at once
     early: list[int] = []
     signal.signal(signal.SIGTERM, lambda sig, _frame: early.append(sig))
     # In this machine's run registry ($HERMES_HOME/run) with its embedded broker and local worker, so
@@ -288,7 +370,10 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None) -> None:
                 _note(f"broker: {gw.description}{local}")
                 _note(f"console and API on http://{host}:{port}/")
                 app = create_app(gw, token=token)
-                uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+                config = uvicorn.Config(
+                    app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
+                )
+                uvicorn.Server(config).run(sockets=[sock])
             finally:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except HermesError as e:
@@ -298,9 +383,11 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None) -> None:
 
 
 @main.command()
-@click.option("--calls", "-n", default=300, show_default=True, help="Calls in the batch.")
-@click.option("--processes", default=2, show_default=True, help="Worker processes.")
-@click.option("--concurrency", default=32, show_default=True, help="Calls in flight per worker process.")
+@click.option("--calls", "-n", default=300, show_default=True, type=POSITIVE, help="Calls in the batch.")
+@click.option("--processes", default=2, show_default=True, type=POSITIVE, help="Worker processes.")
+@click.option(
+    "--concurrency", default=32, show_default=True, type=POSITIVE, help="Calls in flight per worker process."
+)
 @click.pass_context
 def demo(ctx: click.Context, calls: int, processes: int, concurrency: int) -> None:
     """Start a broker and a worker pool, run a batch of calls live, and summarise."""
@@ -310,7 +397,6 @@ def demo(ctx: click.Context, calls: int, processes: int, concurrency: int) -> No
         sys.exit(run_demo(_settings(ctx), calls=calls, processes=processes, concurrency=concurrency))
     except HermesError as e:
         _fail(str(e))
-
 
 
 # -- command groups defined in their own modules ---------------------------------------------------

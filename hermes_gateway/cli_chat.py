@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from broker.errors import CallCancelled, CallFailed, CallTimeout, HermesError
-from hermes_gateway.cli_common import _fail, _gateway, _note, _settings, _sync_tools
+from hermes_gateway.cli_common import POSITIVE, WAIT_SECONDS, _fail, _gateway, _note, _settings, _sync_tools
 
 # -- chat: a minimal agent loop over the queue (hermes_gateway/chat.py) ---------------------------
 
@@ -106,7 +106,7 @@ def _conversation(session: Any, shown: dict[str, bool], verbose: bool, max_turns
     "--query", "-q", default=None,
     help="Ask this one message and exit. Without it, read messages from stdin, one per line.",
 )
-@click.option("--max-turns", default=8, show_default=True, help="LLM calls at most before giving up.")
+@click.option("--max-turns", default=8, show_default=True, type=POSITIVE, help="LLM calls at most before giving up.")
 @click.option("--stream", is_flag=True, help="Print the answer's text as it arrives.")
 @click.option("--verbose", "-v", is_flag=True, help="Also print each LLM and tool call (to stderr).")
 @click.option("--system", default=None, help="A system message.")
@@ -114,7 +114,7 @@ def _conversation(session: Any, shown: dict[str, bool], verbose: bool, max_turns
 @click.option("--session-id", default=None)
 @click.option("--model", default=None, help="Override model.model of config.yaml.")
 @click.option("--tools", "only", default=None, help="Comma-separated tool names to offer (default: all allowed).")
-@click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for any one call.")
+@click.option("--timeout", type=WAIT_SECONDS, default=600.0, show_default=True, help="Seconds to wait for any one call.")
 @click.pass_context
 def chat(
     ctx: click.Context, query: str | None, max_turns: int, stream: bool, verbose: bool, system: str | None,

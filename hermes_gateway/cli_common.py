@@ -46,7 +46,6 @@ def _fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
-
 def _sync_tools(gw: Any) -> None:
     """Register ``$HERMES_HOME/tools``; a spec file that does not load is named on stderr and skipped."""
     errors: list[HermesError] = []
@@ -67,7 +66,6 @@ def _event_line(ev: Any) -> str:
     return f"[{ev.seq:>2}] {label:<10} trace_id={ev.trace_id} attempt={ev.attempt}{extra}"
 
 
-
 @contextlib.contextmanager
 def _gateway(settings: Settings, need_workers: bool = True) -> Iterator[tuple[Any, list[Any]]]:
     """The gateway for one command; broker errors become a clear message and exit code 2."""
@@ -80,3 +78,15 @@ def _gateway(settings: Settings, need_workers: bool = True) -> Iterator[tuple[An
             _fail(str(e))
         yield pair
 
+
+# Option types shared by the commands: a bad value is click's usage error (exit 2), never a traceback.
+POSITIVE = click.IntRange(min=1)
+SECONDS = click.FloatRange(min=0)
+WAIT_SECONDS = click.FloatRange(min=0, min_open=True)  # how long to wait for a result: more than 0
+
+
+def _queue_names(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    """``--queues``: at least one name (an empty list would start a worker that never takes a call)."""
+    if not [q for q in value.split(",") if q.strip()]:
+        raise click.BadParameter("name at least one queue, e.g. tools,llm")
+    return value

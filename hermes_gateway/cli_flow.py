@@ -8,7 +8,15 @@ from typing import Any
 import click
 
 from broker.errors import HermesError
-from hermes_gateway.cli_common import _fail, _gateway, _note, _print_result, _settings, _sync_tools
+from hermes_gateway.cli_common import (
+    WAIT_SECONDS,
+    _fail,
+    _gateway,
+    _note,
+    _print_result,
+    _settings,
+    _sync_tools,
+)
 
 # -- flows (orchestration) ---------------------------------------------------------------------------
 
@@ -42,7 +50,7 @@ def flow_check(flow_file: str) -> None:
 @click.option("--args", "args_text", default="{}", help="The flow's arguments as a JSON object.")
 @click.option("--session-id", default=None)
 @click.option("--principal", default=None)
-@click.option("--wait", type=float, default=300.0, show_default=True, help="Seconds to wait for each call.")
+@click.option("--wait", type=WAIT_SECONDS, default=300.0, show_default=True, help="Seconds to wait for each call.")
 @click.option("--json", "as_json", is_flag=True, help="Print every step's outcome, not only the result.")
 @click.pass_context
 def flow_run(

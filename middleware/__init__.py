@@ -43,7 +43,14 @@ Failure rules
 
 from __future__ import annotations
 
-from middleware.config import config_path, disable_plugin, enable_plugin, list_plugins, read_config
+from middleware.config import (
+    config_path,
+    disable_plugin,
+    enable_plugin,
+    list_plugins,
+    read_config,
+    set_config_loader,
+)
 from middleware.context import PluginContext
 from middleware.execution import ExecutionChain
 from middleware.flow import LLMCallFlow, ToolCallFlow
@@ -105,5 +112,6 @@ __all__ = [
     "enable_plugin",
     "list_plugins",
     "read_config",
+    "set_config_loader",
     "resolve_home",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,15 @@ import yaml
 from middleware.manifest import PluginInfo, PluginManifest, discover, resolve_home
 
 _write_lock = threading.Lock()
+# How config.yaml is parsed. The host may install a reader that understands more than plain YAML (the
+# gateway's keeps unquoted ``{{field}}`` placeholders, as the Tool Gateway document writes them).
+_loader: Callable[[str], Any] = yaml.safe_load
+
+
+def set_config_loader(loader: Callable[[str], Any]) -> None:
+    """Parse config.yaml with ``loader(text)`` from now on (it raises ``yaml.YAMLError`` on bad YAML)."""
+    global _loader
+    _loader = loader
 
 
 def config_path(home: str | os.PathLike[str] | None = None) -> Path:
@@ -30,7 +39,7 @@ def read_config(home: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """The parsed config.yaml, or ``{}`` when it is missing or not a mapping."""
     path = config_path(home)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = _loader(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {}
     return data if isinstance(data, dict) else {}

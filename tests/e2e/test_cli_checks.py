@@ -1,0 +1,115 @@
+"""Bad settings and option values from the command line: a one-line error and a usage exit, never a
+traceback; the seed's unquoted ``body_template`` in config.yaml; a taken port for ``serve``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker.yamlload import load_yaml
+
+CLI = str(Path(sys.executable).parent / "hermes-gateway")
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.e2e
+
+
+def _run(home: Any, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_")}
+    return subprocess.run(
+        [CLI, *args],
+        env={**base, "HERMES_HOME": str(home.path), **env},
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+
+
+def _config(home: Any, text: str) -> None:
+    (home.path / "config.yaml").write_text(text, encoding="utf-8")
+
+
+SEED_TEMPLATE = """\
+executors:
+  http:
+    allow_networks: ["127.0.0.1/32"]
+    body_template: {query: {{city}}, opts: {unit: {{unit}}}}
+"""
+
+
+def test_the_seeds_unquoted_body_template_does_not_break_plugins_or_workers(home: Any) -> None:
+    _config(home, SEED_TEMPLATE)
+    listed = _run(home, "plugins", "list")
+    assert listed.returncode == 0 and "Traceback" not in listed.stderr, listed.stderr
+    enabled = _run(home, "plugins", "disable", "hermes-gateway")  # rewrites config.yaml
+    assert enabled.returncode == 0, enabled.stderr
+    rewritten = load_yaml((home.path / "config.yaml").read_text(encoding="utf-8"))
+    # The template survives the rewrite: the same structure with its placeholders, as the executor reads it.
+    assert rewritten["executors"]["http"]["body_template"] == {
+        "query": "{{city}}",
+        "opts": {"unit": "{{unit}}"},
+    }
+    (home.tools_dir / "hello.yaml").write_text((ROOT / "examples" / "tools" / "hello.yaml").read_text())
+    ran = _run(home, "tool", "run", "hello", "{name: Alice}")  # its local worker loads plugins too
+    assert ran.returncode == 0 and ran.stdout == "Hello, Alice!\n", ran.stderr
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ("workers: {lease: abc}\n", "config.yaml: workers.lease: expected a number, got 'abc'"),
+        ("executors: [a, b]\n", "config.yaml: executors: expected a mapping, got list"),
+        ("executors: {http: 5}\n", "config.yaml: executors.http: expected a mapping, got 5"),
+        ("policy: [a]\n", "config.yaml: policy: expected a mapping, got list"),
+        ("logging: {level: LOUD}\n", "config.yaml: logging.level: expected one of DEBUG, INFO"),
+    ],
+)
+def test_a_wrong_type_in_config_yaml_is_one_line_naming_the_setting(
+    home: Any, config: str, says: str
+) -> None:
+    _config(home, config)
+    out = _run(home, "tool", "list")
+    assert out.returncode != 0 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_bad_executor_concurrency_fails_the_call_with_its_path(home: Any) -> None:
+    _config(home, "executors: {command: {concurrency: lots}}\n")
+    (home.tools_dir / "hello.yaml").write_text((ROOT / "examples" / "tools" / "hello.yaml").read_text())
+    out = _run(home, "tool", "run", "hello", "{name: A}")
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "executors.command.concurrency: expected a number, got 'lots'" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["chat", "-q", "hi", "--max-turns", "0"], "--max-turns"),
+        (["serve", "--port", "99999"], "--port"),
+        (["flow", "run", "x.yaml", "--wait", "-1"], "--wait"),
+        (["--log-level", "LOUD", "tool", "list"], "--log-level"),
+        (["worker", "--queues", ","], "--queues"),
+        (["worker", "--concurrency", "0"], "--concurrency"),
+        (["chat", "-q", "hi", "--timeout", "0"], "--timeout"),
+    ],
+)
+def test_bad_option_values_are_usage_errors(home: Any, args: list[str], option: str) -> None:
+    out = _run(home, *args)
+    assert out.returncode == 2 and f"Invalid value for '{option}'" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_serve_on_a_taken_port_says_so_before_starting_anything(home: Any) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        out = _run(home, "serve", "--port", str(port))
+    assert out.returncode == 2, out.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in out.stderr
+    assert "stop --all" in out.stderr and "broker:" not in out.stderr and "console and API" not in out.stderr
