@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -166,7 +167,8 @@ def _span_exporter(mode: str) -> Any:
     if mode == "console":
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-        return ConsoleSpanExporter()
+        # stderr: a command's stdout is its result (`x=$(hermes-gateway --trace console tool run ...)`).
+        return ConsoleSpanExporter(out=sys.stderr)
     if mode == "memory":
         return _recent_spans_exporter(MEMORY_KEEP)
     if _protocol("TRACES") == "grpc":

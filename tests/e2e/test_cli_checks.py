@@ -113,3 +113,10 @@ def test_serve_on_a_taken_port_says_so_before_starting_anything(home: Any) -> No
     assert out.returncode == 2, out.stderr
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in out.stderr
     assert "stop --all" in out.stderr and "broker:" not in out.stderr and "console and API" not in out.stderr
+
+
+def test_console_spans_go_to_stderr_so_stdout_is_the_result(home: Any) -> None:
+    (home.tools_dir / "hello.yaml").write_text((ROOT / "examples" / "tools" / "hello.yaml").read_text())
+    out = _run(home, "--trace", "console", "tool", "run", "hello", "{name: Alice}")
+    assert out.returncode == 0 and out.stdout == "Hello, Alice!\n", (out.stdout, out.stderr)
+    assert '"trace_id": "0x' in out.stderr  # the SDK's console exporter's JSON
