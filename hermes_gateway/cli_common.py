@@ -6,6 +6,7 @@ import contextlib
 import json
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import click
@@ -89,4 +90,17 @@ def _queue_names(_ctx: click.Context, _param: click.Parameter, value: str) -> st
     """``--queues``: at least one name (an empty list would start a worker that never takes a call)."""
     if not [q for q in value.split(",") if q.strip()]:
         raise click.BadParameter("name at least one queue, e.g. tools,llm")
+    return value
+
+
+def _args_text(value: str) -> str:
+    """Arguments given on the command line: ``-`` reads them from stdin, ``@PATH`` from a file (for
+    arguments too long for a command line), anything else is the text itself."""
+    if value == "-":
+        return sys.stdin.read()
+    if value.startswith("@"):
+        try:
+            return Path(value[1:]).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            _fail(f"cannot read arguments from {value[1:]}: {e}")
     return value

@@ -10,6 +10,7 @@ import click
 from broker.errors import HermesError
 from hermes_gateway.cli_common import (
     WAIT_SECONDS,
+    _args_text,
     _fail,
     _gateway,
     _note,
@@ -47,7 +48,10 @@ def flow_check(flow_file: str) -> None:
 
 @flow.command("run")
 @click.argument("flow_file", type=click.Path(exists=True, dir_okay=False))
-@click.option("--args", "args_text", default="{}", help="The flow's arguments as a JSON object.")
+@click.option(
+    "--args", "args_text", default="{}",
+    help="The flow's arguments: JSON or YAML flow ({city: Paris}); @FILE reads a file, - reads stdin.",
+)  # fmt: skip
 @click.option("--session-id", default=None)
 @click.option("--principal", default=None)
 @click.option("--wait", type=WAIT_SECONDS, default=300.0, show_default=True, help="Seconds to wait for each call.")
@@ -66,13 +70,12 @@ def flow_run(
     import time
 
     from hermes_gateway.flow import load_flow, run_flow
+    from workers.args import parse_args_text
 
     try:
-        parsed = json.loads(args_text)
-    except ValueError as e:
-        _fail(f"--args: not valid JSON: {e}")
-    if not isinstance(parsed, dict):
-        _fail("--args: expected a JSON object")
+        parsed = parse_args_text(_args_text(args_text))
+    except HermesError as e:
+        _fail(f"--args: {e}")
     try:
         f = load_flow(flow_file)
     except HermesError as e:
@@ -89,7 +92,8 @@ def flow_run(
         except HermesError as e:
             _fail(f"{e.type}: {e}")
     _note(f"flow {f.name}: {outcome.state} in {time.time() - t0:.3f}s")
-    _print_result(outcome.to_dict() if as_json else outcome.result)
+    if as_json or outcome.state == "done":  # a failed flow has no result to print (not a bare null)
+        _print_result(outcome.to_dict() if as_json else outcome.result)
     if outcome.state != "done":
         err = outcome.error or {}
         _fail(f"step {err.get('step')}: {err.get('type')}: {err.get('message')}", 1)

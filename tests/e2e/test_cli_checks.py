@@ -120,3 +120,39 @@ def test_console_spans_go_to_stderr_so_stdout_is_the_result(home: Any) -> None:
     out = _run(home, "--trace", "console", "tool", "run", "hello", "{name: Alice}")
     assert out.returncode == 0 and out.stdout == "Hello, Alice!\n", (out.stdout, out.stderr)
     assert '"trace_id": "0x' in out.stderr  # the SDK's console exporter's JSON
+
+
+ECHO_SPEC = "name: echo\nexecutor: python\nfunction: workers.executors.builtin:echo\n"
+FLOW = """\
+name: greet
+steps:
+  - id: say
+    tool: echo
+    args: {who: "{{ args.who }}"}
+result: "{{ steps.say.result.who }}"
+"""
+
+
+def test_flow_args_take_the_yaml_form_a_file_or_stdin_and_a_failed_flow_prints_no_result(
+    home: Any, tmp_path: Path
+) -> None:
+    (home.tools_dir / "echo.yaml").write_text(ECHO_SPEC)
+    flow = tmp_path / "flow.yaml"
+    flow.write_text(FLOW)
+    yaml_form = _run(home, "flow", "run", str(flow), "--args", "{who: Alice}")
+    assert yaml_form.returncode == 0 and yaml_form.stdout == "Alice\n", yaml_form.stderr
+    args_file = tmp_path / "args.json"
+    args_file.write_text('{"who": "Bob"}')
+    from_file = _run(home, "flow", "run", str(flow), "--args", f"@{args_file}")
+    assert from_file.returncode == 0 and from_file.stdout == "Bob\n", from_file.stderr
+    base = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_")}
+    from_stdin = subprocess.run(
+        [CLI, "flow", "run", str(flow), "--args", "-"], input="{who: Cy}", capture_output=True, text=True,
+        env={**base, "HERMES_HOME": str(home.path)}, timeout=90,
+    )  # fmt: skip
+    assert from_stdin.returncode == 0 and from_stdin.stdout == "Cy\n", from_stdin.stderr
+    (home.tools_dir / "echo.yaml").unlink()  # the step's tool is gone: the flow fails
+    failed = _run(home, "flow", "run", str(flow), "--args", "{who: Dee}")
+    assert failed.returncode == 1 and failed.stdout == "" and "step say" in failed.stderr, failed
+    missing = _run(home, "flow", "run", str(flow), "--args", "@/nonexistent/args.json")
+    assert missing.returncode == 2 and "cannot read arguments from /nonexistent/args.json" in missing.stderr
