@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from broker.errors import DecodeError, HermesError
+from broker.errors import DecodeError, HermesError, UnknownTool
 from broker.events import DELTA
 
 if TYPE_CHECKING:
@@ -81,6 +81,14 @@ def offered_tools(gw: Gateway, principal: str | None, only: list[str] | None = N
     """The function tools to offer: those the policy lets ``principal`` call (optionally only some)."""
     schemas = gw.tool_schemas(principal)
     if only is not None:
+        offered = {s["function"]["name"] for s in schemas}
+        missing = [name for name in only if name not in offered]
+        if missing:  # a typo would otherwise quietly offer fewer tools
+            who = f" for principal {principal!r}" if principal else ""
+            raise UnknownTool(
+                f"no such tool{who}: {', '.join(missing)} (known: {', '.join(sorted(offered)) or 'none'})",
+                tool=missing[0],
+            )
         schemas = [s for s in schemas if s["function"]["name"] in only]
     return schemas
 
@@ -133,6 +141,8 @@ class ChatSession:
         self.max_turns = max_turns
         self.stream = stream
         self.only = tools
+        if tools is not None:
+            offered_tools(gw, principal, tools)  # an unknown name is an error now, not fewer tools later
         self.wait = wait
         self.on_delta = on_delta
         self.on_turn = on_turn

@@ -181,6 +181,12 @@ def test_cli_chat_without_an_answer_within_max_turns_exits_1(llm: LLMServer, hom
     assert "no answer within 1 turn(s)" in proc.stderr and proc.stdout == ""
 
 
+def test_cli_chat_with_an_unknown_tools_name_says_so_before_asking(llm: LLMServer, home: Home) -> None:
+    proc = run_cli(home, "-q", "hi", "--tools", "get_weather,get_wether")
+    assert proc.returncode == 2 and "unknown_tool: no such tool: get_wether (known: " in proc.stderr
+    assert llm.chat_requests == []
+
+
 # -- chat without --query: a conversation read from stdin --------------------------------------------
 
 
