@@ -284,6 +284,13 @@ def _translate(e: BaseException, where: str, handshake: float, server: dict[str,
     from mcp import MCPError
 
     target = server.get("url") or server.get("command")
+    if isinstance(e, BaseExceptionGroup):  # the SDK's task groups: the first real failure says what happened
+        leaves = _leaves(e)
+        if leaves:
+            return _translate(leaves[0], where, handshake, server)
+    if isinstance(e, _TRANSPORT_ERRORS) or (isinstance(e, MCPError) and e.code == _CONNECTION_CLOSED):
+        hint = " (it exited? a stdio server's own error output is above)" if server.get("command") else ""
+        return ExecutorError(f"{where}: MCP server {target} closed the connection{hint}")
     if isinstance(e, TimeoutError):
         return ExecutorError(
             f"{where}: MCP server {target} did not finish the handshake within {handshake:g}s "
@@ -302,6 +309,17 @@ def _translate(e: BaseException, where: str, handshake: float, server: dict[str,
     if isinstance(e, OSError | ValueError) and not isinstance(e, _TRANSPORT_ERRORS):
         return ExecutorError(f"{where}: cannot start MCP server {target}: {e}")
     return ExecutorError(f"{where}: MCP server {target} failed: {type(e).__name__}: {e}")
+
+
+def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
+    """The exceptions inside nested groups, cancellations (the group's own clean-up) left out."""
+    out: list[BaseException] = []
+    for inner in group.exceptions:
+        if isinstance(inner, BaseExceptionGroup):
+            out.extend(_leaves(inner))
+        elif not isinstance(inner, asyncio.CancelledError):
+            out.append(inner)
+    return out
 
 
 def _result(result: Any, where: str, max_output: int, unwrap: bool = False, keep: bool = False) -> Any:

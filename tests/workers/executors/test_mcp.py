@@ -255,3 +255,14 @@ def test_wrapped_result_schema_recognises_only_the_sdk_wrapper() -> None:
     )  # a model that has a result field
     assert mcpexec.wrapped_result_schema({**wrapper, "required": []}) is None
     assert mcpexec.wrapped_result_schema({"type": "string"}) is None
+
+
+def test_a_server_that_exits_before_the_handshake_is_named_plainly(tmp_path: Path) -> None:
+    crash = tmp_path / "crash.py"
+    crash.write_text("raise SystemExit('boom at import')\n")
+    with pytest.raises(ExecutorError) as info:
+        mcpexec.list_server_tools(
+            {"command": [sys.executable, str(crash)], "stderr": "discard"}, handshake_timeout=10
+        )
+    message = str(info.value)
+    assert "closed the connection (it exited?" in message and "ExceptionGroup" not in message, message
