@@ -8,6 +8,10 @@ never signalled and the files of processes that died are dropped.
 
 Registration is opt-in per process (``enable``): a program that merely uses ``Gateway.connect()`` starts
 an embedded broker nobody else should stop, so that broker is not recorded.
+
+The registry is also how a command without ``HERMES_REDIS_URL`` finds the broker of the gateway that runs
+here (``embedded_brokers``): a ``broker`` file's ``url`` is its unix socket (an embedded broker has no
+password, and a password would never be written), its ``parent`` the ``serve`` or ``worker`` that owns it.
 """
 
 from __future__ import annotations
@@ -234,6 +238,43 @@ def entries(home: str | os.PathLike[str] | None = None) -> list[Entry]:
         except (OSError, ValueError, KeyError, TypeError):
             unregister(path)
     return found
+
+
+# -- finding the gateway that runs here --------------------------------------------------------------
+
+# The processes whose embedded broker a command may use, in the order they are preferred.
+OWNERS = ("serve", "pool", "worker")
+
+
+@dataclass
+class LocalBroker:
+    """The embedded broker of a ``serve`` or ``worker`` running here, as its run files record it."""
+
+    owner: Entry
+    broker: Entry
+    url: str  # unix:///.../redis.sock (no password: the embedded broker has none)
+
+    def describe(self) -> str:
+        return f"the embedded broker of {self.owner.kind} (pid {self.owner.pid}) at {self.url}"
+
+
+def embedded_brokers(home: str | os.PathLike[str] | None = None) -> list[LocalBroker]:
+    """The embedded brokers of the live ``serve``/``worker`` processes of ``home``: serve first, then the
+    newest. Both processes are checked to be alive and still the ones recorded; whether the socket answers
+    is for the caller to check (PING). Nothing when the registry is empty or unreadable."""
+    found = entries(home)
+    owners = {e.pid: e for e in found if e.kind in OWNERS}
+    out: list[LocalBroker] = []
+    for entry in found:
+        url = entry.url or ""
+        owner = owners.get(entry.parent) if entry.parent is not None else None
+        if entry.kind != "broker" or owner is None or not url.startswith("unix://") or "@" in url:
+            continue
+        if not Path(url.removeprefix("unix://")).exists() or not (entry.is_ours() and owner.is_ours()):
+            continue
+        out.append(LocalBroker(owner, entry, url))
+    out.sort(key=lambda b: (OWNERS.index(b.owner.kind), -b.owner.started))
+    return out
 
 
 # -- stopping them ----------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import click
 
@@ -62,7 +63,7 @@ def tool_run(ctx: click.Context, name: str, args: tuple[str, ...], follow: bool,
     except HermesError as e:
         _fail(str(e))
     with _gateway(settings) as (gw, procs):
-        if procs:
+        if procs and gw.broker.embedded is not None:  # (on a gateway's broker, local_stack said so)
             _note(f"broker: {gw.description}; started {len(procs)} worker for this call")
         _sync_tools(gw)
         try:
@@ -89,20 +90,93 @@ def tool_run(ctx: click.Context, name: str, args: tuple[str, ...], follow: bool,
 
 @tool.command("register")
 @click.argument("spec_file", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--force", is_flag=True,
+    help="On a broker of this command only: overwrite a different spec file of that name in $HERMES_HOME/tools.",
+)
 @click.pass_context
-def tool_register(ctx: click.Context, spec_file: str) -> None:
-    """Add or update a tool from a YAML spec file."""
+def tool_register(ctx: click.Context, spec_file: str, force: bool) -> None:
+    """Add or update a tool from a YAML spec file.
+
+    Without HERMES_REDIS_URL it goes to the broker of the `serve` or `worker` of this $HERMES_HOME running
+    here; when none runs, the command's broker ends with it, so the spec is written to $HERMES_HOME/tools
+    (which every command loads) instead of being lost."""
     from pathlib import Path
 
     from broker.directory import load_spec_file
+    from hermes_gateway.local import THROWAWAY_NOTE, throwaway
 
-    with _gateway(_settings(ctx), need_workers=False) as (gw, _):
-        try:
-            spec = load_spec_file(Path(spec_file))
-        except HermesError as e:
-            _fail(str(e))
+    settings = _settings(ctx)
+    source = Path(spec_file)
+    try:
+        spec = load_spec_file(source)
+    except HermesError as e:
+        _fail(str(e))
+    with _gateway(settings, need_workers=False) as (gw, _):
+        kept = None
+        if throwaway(gw):
+            kept = _keep_spec_file(settings.tools_dir, source, spec, force)
         version, changed = gw.directory.register(spec)
         click.echo(f"{spec.name}: {'registered' if changed else 'unchanged'} (version {version})")
+        if kept is not None:
+            path, wrote = kept
+            where = (
+                f"the spec was written to {path} so every command loads it"
+                if wrote
+                else f"the spec is already in {path}, which every command loads"
+            )
+            _note(f"note: {THROWAWAY_NOTE.format(home=settings.home)}; {where}")
+
+
+def _spec_files(tools_dir: Any, name: str) -> list[tuple[Any, Any]]:
+    """(path, spec) of each spec file of ``tools_dir`` that registers the tool ``name`` (as ``sync_tools``
+    reads them: ``*.yaml``/``*.yml``, not hidden, loadable)."""
+    from broker.directory import load_spec_file
+
+    if not tools_dir.is_dir():
+        return []
+    found = []
+    for f in sorted([*tools_dir.glob("*.yaml"), *tools_dir.glob("*.yml")]):
+        if f.name.startswith("."):
+            continue
+        try:
+            spec = load_spec_file(f)
+        except HermesError:
+            continue
+        if spec.name == name:
+            found.append((f, spec))
+    return found
+
+
+def _keep_spec_file(tools_dir: Any, source: Any, spec: Any, force: bool) -> tuple[Any, bool]:
+    """Put ``source`` (the spec ``spec``) in ``tools_dir``: (its path there, whether it was written).
+
+    Already there (the same file, or a file with the same spec): nothing is written. A different spec of
+    that name there, or another file at ``<name>.yaml``: an error unless ``force`` (it is overwritten)."""
+    import os
+
+    defining = _spec_files(tools_dir, spec.name)
+    for path, _ in defining:
+        if path.resolve() == source.resolve():
+            return path, False
+    same = [path for path, other in defining if other.digest() == spec.digest()]
+    if same and len(same) == len(defining):
+        return same[0], False
+    target = defining[0][0] if defining else tools_dir / f"{spec.name}.yaml"
+    if target.exists() and not force:
+        _fail(
+            f"{target} holds a different spec than {source} (every command loads $HERMES_HOME/tools, and this "
+            "command's embedded broker ends with it): --force overwrites the file"
+        )
+    try:
+        text = source.read_text(encoding="utf-8")
+        tools_dir.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")  # (hidden: never loaded half-written)
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, target)
+    except OSError as e:
+        _fail(f"cannot write {target}: {e.strerror or e}")
+    return target, True
 
 
 @tool.command("show")
@@ -123,11 +197,45 @@ def tool_show(ctx: click.Context, name: str) -> None:
 
 @tool.command("remove")
 @click.argument("name")
+@click.option(
+    "--delete-file", is_flag=True,
+    help="Also delete the spec file in $HERMES_HOME/tools that registers the tool again on every command.",
+)
 @click.pass_context
-def tool_remove(ctx: click.Context, name: str) -> None:
-    """Remove a tool from the directory."""
-    with _gateway(_settings(ctx), need_workers=False) as (gw, _):
-        if not gw.directory.remove(name):
-            _fail(f"unknown tool {name!r}")
-        click.echo(f"{name}: removed")
+def tool_remove(ctx: click.Context, name: str, delete_file: bool) -> None:
+    """Remove a tool from the directory (and with --delete-file, its spec file in $HERMES_HOME/tools)."""
+    from hermes_gateway.local import THROWAWAY_NOTE, throwaway
 
+    settings = _settings(ctx)
+    files = [path for path, _ in _spec_files(settings.tools_dir, name)]
+    where = ", ".join(str(f) for f in files)
+    with _gateway(settings, need_workers=False) as (gw, _):
+        _sync_tools(gw)  # as list, show and run do: a tool `tool list` shows is known here too
+        existed = gw.directory.remove(name)
+        if not existed and not files:
+            _fail(f"unknown tool {name!r}")
+        if delete_file:
+            for f in files:
+                try:
+                    f.unlink()
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    _fail(f"{name}: removed, but {f} could not be deleted: {e.strerror or e}")
+            click.echo(f"{name}: removed" + (f"; deleted {where}" if files else ""))
+            return
+        if files and throwaway(gw):
+            _fail(
+                f"{name} is not removed: {where} registers it for every command, and "
+                f"{THROWAWAY_NOTE.format(home=settings.home)}; `hermes-gateway tool remove {name} --delete-file` "
+                "deletes that file",
+                1,
+            )
+        click.echo(f"{name}: removed")
+        if files:
+            _note(
+                f"{where} registers {name} again on the next command that loads $HERMES_HOME/tools "
+                f"(tool list, show, run; serve at start); delete it, or run `hermes-gateway tool remove {name} "
+                "--delete-file`",
+                "warning",
+            )

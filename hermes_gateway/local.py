@@ -1,4 +1,6 @@
-"""A broker and workers for the duration of one command, when no ``HERMES_REDIS_URL`` is set."""
+"""The broker (and workers) of one command: ``HERMES_REDIS_URL``; else the embedded broker of the ``serve`` or
+``worker`` that runs here with the same ``$HERMES_HOME``; else a broker and workers of its own, for the
+duration of the command."""
 
 from __future__ import annotations
 
@@ -11,13 +13,50 @@ from typing import Any
 
 import redis
 
-from broker import keys, logs
+from broker import keys, logs, runfiles
 from broker.codec import unpack
 from broker.config import Settings
-from broker.connection import BrokerHandle, connect, subscriber
+from broker.connection import URL_ENV, BrokerHandle, connect, from_url, subscriber
 from broker.errors import BrokerUnavailable
 from hermes_gateway.client import Gateway
 from workers.pool import spawn, stop_all
+
+
+def connect_local(settings: Settings) -> tuple[BrokerHandle, runfiles.LocalBroker | None]:
+    """The broker of a command: ``HERMES_REDIS_URL`` (or ``broker.url``) when set; else the embedded
+    broker of a ``serve``/``worker`` of the same ``$HERMES_HOME`` running here (found in its run registry,
+    alive and answering PING), and which one it is; else a fresh embedded broker of this process.
+
+    A process that records itself in the run registry (``serve``, ``worker``) owns its broker: it never
+    attaches to another's.
+    """
+    url = settings.redis_url or os.environ.get(URL_ENV) or None
+    if url is None and runfiles.enabled() is None:
+        for found in runfiles.embedded_brokers(settings.home):
+            try:
+                conn = from_url(found.url)
+            except BrokerUnavailable:
+                continue  # it is stopping, or its socket is gone: the next one, or our own
+            return BrokerHandle(conn, found.url, found.describe()), found
+    return connect(url), None
+
+
+def throwaway(gw: Gateway) -> bool:
+    """True when the gateway's broker is this command's own embedded one: what it holds (registered tools,
+    calls, events) ends with the command. A ``serve``/``worker`` keeps its broker as long as it runs."""
+    return gw.broker.embedded is not None and runfiles.enabled() is None
+
+
+THROWAWAY_NOTE = (
+    "the embedded broker lasts only for this command (no HERMES_REDIS_URL, and no `hermes-gateway serve` or "
+    "`worker` of {home} runs here)"
+)
+
+
+def _note(message: str) -> None:
+    from hermes_gateway.cli_common import _note as note
+
+    note(message)
 
 
 @contextlib.contextmanager
@@ -30,17 +69,22 @@ def local_stack(
     need_workers: bool = True,
     worker_stdout: Any = None,
 ) -> Iterator[tuple[Gateway, list[Any]]]:
-    """Connect to ``HERMES_REDIS_URL``; without one, start the embedded broker and worker processes.
+    """Connect as ``connect_local`` does; on a broker of its own, start worker processes too.
 
-    Yields the gateway and the worker processes this context started (none on a shared broker). They die
-    with this process, like its embedded broker, even when it is killed; ``worker_stdout`` is where their
-    standard output goes (``mcp serve`` keeps its own for the protocol).
+    Yields the gateway and the worker processes this context started. They die with this process, like
+    its embedded broker, even when it is killed; ``worker_stdout`` is where their standard output goes
+    (``mcp serve`` keeps its own for the protocol). On a shared broker none are started; on the broker of
+    a ``serve``/``worker`` running here, only for queues no live worker listens on (a ``worker --queues
+    tools`` has no LLM worker), and the attachment is noted on stderr ("broker: the embedded broker of
+    serve (pid 1234) at unix:///...").
     """
-    handle: BrokerHandle = connect(settings.redis_url)
+    handle, attached = connect_local(settings)
     gw = Gateway(handle, settings)
     procs: list[Any] = []
     try:
-        if handle.embedded is not None and need_workers:
+        if need_workers and attached is not None:
+            queues = tuple(q for q in queues if not gw.live_workers(q))
+        if need_workers and queues and (handle.embedded is not None or attached is not None):
             from workers.policy import Policy
 
             Policy.from_settings(settings.policy)  # a bad policy: a clear error now, not a worker that dies
@@ -55,17 +99,26 @@ def local_stack(
                 spawn(handle.url, list(queues), concurrency, env=env, stdout=worker_stdout, with_parent=True)
                 for _ in range(processes)
             ]
-            wait_for_heartbeats(gw, len(procs))
+            if attached is None:
+                wait_for_heartbeats(gw, len(procs))
+            else:  # (others' workers are there too: wait until each queue has one)
+                wait_for_heartbeats(gw, 1, queues=queues)
+        if attached is not None:
+            extra = f"; no worker listens on {','.join(queues)}: started {len(procs)} for this command"
+            _note(f"broker: {attached.describe()}{extra if procs else ''}")
         yield gw, procs
     finally:
         stop_all(procs)
         gw.close()
 
 
-def wait_for_heartbeats(gw: Gateway, count: int, timeout: float = 30.0) -> None:
+def wait_for_heartbeats(
+    gw: Gateway, count: int, timeout: float = 30.0, queues: tuple[str, ...] | None = None
+) -> None:
+    """Until ``count`` workers beat (with ``queues``: ``count`` on each of them)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if len(gw.live_workers()) >= count:
+        if all(len(gw.live_workers(q)) >= count for q in (queues or (None,))):
             return
         time.sleep(0.05)
     raise BrokerUnavailable(f"worker processes did not start within {timeout:g}s")
