@@ -59,11 +59,11 @@ def _settings(ctx: click.Context) -> Settings:
 @contextlib.contextmanager
 def _log(ctx: click.Context) -> Iterator[tuple[Any, AuditLog]]:
     """A connection to the shared broker and its audit log (an embedded broker would have none)."""
-    from broker.connection import connect
+    from hermes_gateway.local import connect_shared
 
     settings = _settings(ctx)
     try:
-        handle = connect(settings.redis_url, embedded_ok=False)
+        handle = connect_shared(settings)
         log = AuditLog.from_settings(handle.conn, settings.audit)
     except HermesError as e:
         _fail(f"{e} (the audit log lives in the broker: set HERMES_REDIS_URL)")
@@ -179,9 +179,9 @@ def audit_show(ctx: click.Context, call_id: str, as_json: bool) -> None:
 @click.pass_context
 def audit_replay(ctx: click.Context, call_id: str, arg_pairs: tuple[str, ...], timeout: float) -> None:
     """Run a finished tool call again with its recorded arguments; show both outcomes side by side."""
-    from broker.connection import connect
     from hermes_gateway import replay
     from hermes_gateway.client import Gateway
+    from hermes_gateway.local import connect_shared
 
     supplied: dict[str, str] = {}
     for pair in arg_pairs:
@@ -191,7 +191,7 @@ def audit_replay(ctx: click.Context, call_id: str, arg_pairs: tuple[str, ...], t
         supplied[name.strip()] = value
     settings = _settings(ctx)
     try:
-        handle = connect(settings.redis_url, embedded_ok=False)
+        handle = connect_shared(settings)
     except HermesError as e:
         _fail(f"{e} (the audit log lives in the broker: set HERMES_REDIS_URL)")
     gw = Gateway(handle, settings)

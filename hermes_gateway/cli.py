@@ -171,7 +171,7 @@ def stop(ctx: click.Context, all_: bool, grace: float, names: tuple[str, ...]) -
     """Stop workers gracefully (they finish or hand back in-flight calls); with --all, also stop what
     runs on this machine from its run registry ($HERMES_HOME/run), so `serve` frees its port."""
     from broker import keys, runfiles
-    from broker.connection import connect
+    from hermes_gateway.local import connect_shared
     from workers.worker import control_message
 
     if not all_ and not names:
@@ -180,7 +180,7 @@ def stop(ctx: click.Context, all_: bool, grace: float, names: tuple[str, ...]) -
     broker_error: str | None = None
     if names or settings.redis_url:
         try:
-            handle = connect(settings.redis_url, embedded_ok=False)
+            handle = connect_shared(settings)
         except HermesError as e:
             if names:  # (without --all there are names)
                 _fail(str(e))

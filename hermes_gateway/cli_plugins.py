@@ -63,11 +63,11 @@ def plugins_disable(ctx: click.Context, name: str) -> None:
 def plugins_reload(ctx: click.Context) -> None:
     """Make every running worker re-import its plugins (and re-read policy) without a restart."""
     from broker import keys
-    from broker.connection import connect
+    from hermes_gateway.local import connect_shared
     from workers.worker import control_message
 
     try:
-        handle = connect(_settings(ctx).redis_url, embedded_ok=False)
+        handle = connect_shared(_settings(ctx))
     except HermesError as e:
         _fail(str(e))
     reached = handle.conn.publish(keys.channel(handle.conn, keys.CONTROL_CHANNEL), control_message("reload"))

@@ -31,14 +31,40 @@ def connect_local(settings: Settings) -> tuple[BrokerHandle, runfiles.LocalBroke
     attaches to another's.
     """
     url = settings.redis_url or os.environ.get(URL_ENV) or None
-    if url is None and runfiles.enabled() is None:
-        for found in runfiles.embedded_brokers(settings.home):
-            try:
-                conn = from_url(found.url)
-            except BrokerUnavailable:
-                continue  # it is stopping, or its socket is gone: the next one, or our own
-            return BrokerHandle(conn, found.url, found.describe()), found
+    if url is None:
+        attached = _attach(settings)
+        if attached is not None:
+            return attached
     return connect(url), None
+
+
+def _attach(settings: Settings) -> tuple[BrokerHandle, runfiles.LocalBroker] | None:
+    """The embedded broker of the serve/worker of ``settings.home`` running here, if one answers."""
+    if runfiles.enabled() is not None:
+        return None  # a serve/worker owns its broker
+    for found in runfiles.embedded_brokers(settings.home):
+        try:
+            conn = from_url(found.url)
+        except BrokerUnavailable:
+            continue  # it is stopping, or its socket is gone: the next one
+        return BrokerHandle(conn, found.url, found.describe()), found
+    return None
+
+
+def connect_shared(settings: Settings) -> BrokerHandle:
+    """A broker that outlives this command: ``HERMES_REDIS_URL`` (or ``broker.url``), else the embedded
+    broker of the ``serve``/``worker`` of ``$HERMES_HOME`` running here (noted on stderr). For commands
+    whose subject lives in a running gateway's broker (audit log, active policy, control messages)."""
+    url = settings.redis_url or os.environ.get(URL_ENV) or None
+    if url:
+        return connect(url)
+    attached = _attach(settings)
+    if attached is None:
+        raise BrokerUnavailable(
+            f"{URL_ENV} is not set and no `hermes-gateway serve` or `worker` of {settings.home} runs here"
+        )
+    _note(f"broker: {attached[1].describe()}")
+    return attached[0]
 
 
 def throwaway(gw: Gateway) -> bool:

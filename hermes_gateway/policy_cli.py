@@ -23,10 +23,10 @@ def _settings(ctx: click.Context) -> Settings:
 
 
 def _connect(settings: Settings) -> Any:
-    from broker.connection import connect
+    from hermes_gateway.local import connect_shared
 
     try:
-        return connect(settings.redis_url, embedded_ok=False)
+        return connect_shared(settings)
     except HermesError as e:
         _fail(f"{e} (the active policy lives in the broker: set HERMES_REDIS_URL)")
 

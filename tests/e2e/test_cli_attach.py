@@ -116,6 +116,13 @@ def test_with_serve_running_the_commands_of_the_same_home_use_its_broker(home: A
             events = _run(["events", call["call_id"]], env)
             assert events.returncode == 0, events.stderr
             assert [ln.split()[2] for ln in events.stdout.splitlines()][-1] == "done"
+            # The audit log and control messages live in that broker too.
+            audit = _run(["audit", "show", call["call_id"], "--json"], env)
+            assert audit.returncode == 0 and attached in audit.stderr, audit.stderr
+            assert json.loads(audit.stdout)["record"]["tool_name"] == "hello"
+            reload = _run(["plugins", "reload"], env)
+            assert reload.returncode == 0, reload.stderr
+            assert reload.stdout.startswith(f"reload sent to workers on the embedded broker of serve (pid {serve.pid})")
 
             # A tool removed from the terminal is gone from serve's directory too.
             removed = _run(["tool", "remove", "get_weather"], env)
