@@ -14,6 +14,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 
 from .errors import InvalidSpec
+from .specstatic import _fail, check_placeholders, check_static
 
 # Keys every spec may carry (kept out of ``ToolSpec.config``), and ``queue``, which routing reads.
 COMMON_KEYS = frozenset(
@@ -58,8 +59,9 @@ EXECUTOR_KEYS: dict[str, frozenset[str]] = {
     "python": frozenset({"function"}),
     "database": frozenset({"dsn", "query", "mode", "tables", "read_only", "max_rows"}),
     "grpc": frozenset({"target", "tls", "method", "metadata", "max_output"}),
-    # mcp_server: the label ``mcp add`` gave the server the tool came from (``mcp remove`` finds it by that).
-    "mcp": frozenset({"mcp", "server", "tool", "handshake_timeout", "max_output", "mcp_server"}),
+    # mcp_server: the label ``mcp add`` gave the server the tool came from (``mcp remove`` finds it by that);
+    # unwrap_result: the server wraps a non-object return as {"result": ...} (``mcp add`` sets it).
+    "mcp": frozenset({"mcp", "server", "tool", "handshake_timeout", "max_output", "mcp_server", "unwrap_result"}),
 }
 
 _NUMBER = "a number >= 0"
@@ -98,10 +100,6 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
-def _fail(where: str, path: str, expected: str) -> InvalidSpec:
-    return InvalidSpec(f"{where}: {path}: {expected}", path=path)
-
-
 def check_strict(
     where: str,
     executor: str,
@@ -122,6 +120,8 @@ def check_strict(
         if isinstance(data.get(key), dict):
             check_options(where, key, data[key], rules)
     check_required(where, executor, data)
+    check_static(where, executor, data)
+    check_placeholders(where, executor, data, schema)
 
 
 def check_keys(where: str, executor: str, data: Mapping[str, Any]) -> None:
@@ -183,3 +183,6 @@ def check_required(where: str, executor: str, data: Mapping[str, Any]) -> None:
         need(["method"], "package.Service/Method")
     elif executor == "mcp":
         need(["mcp", "server"], "the server: {command: [...]} | {url: ...} | {server: name}")
+
+
+# -- static checks of each executor's own keys -------------------------------------------------------

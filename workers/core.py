@@ -27,6 +27,7 @@ from workers import metrics, otelsdk, policy_store
 from workers.args import check_output, coerce_args, validate_args
 from workers.breakers import BreakerGuard
 from workers.executors.base import ExecContext, get_executor
+from workers.executors.specenv import run_executor
 from workers.llm import describe_response
 from workers.outbox import Outbox
 from workers.policy import Policy
@@ -266,7 +267,9 @@ class WorkerCore:
             # The executors forward ctx.traceparent: the executor span's context, so the back end's parent is it.
             breaker = self.breakers.guard(run, spec, ctx.timeout, publish)
             with breaker, trace.executor(spec, eff, ctx, spec.sensitive):
-                return get_executor(spec.executor, ctx.settings).run(spec, eff, ctx)
+                # ${VAR} in the spec is filled from this worker's environment here, before any executor
+                # fills {{field}} from the arguments (workers/executors/specenv.py).
+                return run_executor(get_executor(spec.executor, ctx.settings), spec, eff, ctx)
 
         context = {k: env.context.get(k) for k in TOOL_CONTEXT if env.context.get(k) is not None}
 

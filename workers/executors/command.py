@@ -10,6 +10,10 @@ Spec keys (``spec.config``), each also settable as a default in ``executors.comm
 - ``env``: names passed through from the worker's environment (default: PATH, HOME, LANG, LC_ALL,
   LC_CTYPE, TZ, TMPDIR; the rest, secrets included, stays out); ``env_set: {K: V}`` sets more
   (values may hold placeholders: an argument passed in the environment is still never a command).
+  An ``env_set`` entry that is just the placeholder of an optional field the caller left out is not
+  set; inside longer text such a field is ``""``. In argv a missing value is always ``invalid_args``,
+  optional or not: dropping an argument would shift the ones after it (see :mod:`template`).
+- ``${VAR}`` in any of these is filled from the worker's environment first (:mod:`specenv`).
 - ``cwd``; ``stdin: json`` (write the arguments as JSON to stdin); ``output: text | json``.
 - ``max_output``: cap on stdout in bytes (default 1 MiB) -> OutputTooLarge.
 - ``kill_grace``: seconds between SIGTERM and SIGKILL of the process group (default 2).
@@ -39,7 +43,7 @@ from broker.errors import (
 from broker.toolspec import ToolSpec
 
 from .base import ExecContext
-from .template import fill, has_placeholder
+from .template import OMIT, fill, has_placeholder, sole_placeholder, value_of
 
 DEFAULT_MAX_OUTPUT = 1024 * 1024
 DEFAULT_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
@@ -75,14 +79,18 @@ def build_argv(config: dict[str, Any], args: dict[str, Any], where: str) -> list
     return argv
 
 
-def build_env(config: dict[str, Any], args: dict[str, Any], where: str) -> dict[str, str]:
+def build_env(config: dict[str, Any], args: dict[str, Any], where: str, schema: Any = None) -> dict[str, str]:
     """The allow-listed part of the worker's environment plus ``env_set``."""
     names = config.get("env", DEFAULT_ENV)
     if isinstance(names, str):
         names = [names]
     env = {n: os.environ[n] for n in names if n in os.environ}
     for key, val in (config.get("env_set") or {}).items():
-        env[str(key)] = fill(str(val), args, where)
+        text = str(val)
+        field = sole_placeholder(text)
+        if field is not None and value_of(args, field, where, schema=schema) is OMIT:
+            continue  # an optional field left out: the variable is not set
+        env[str(key)] = fill(text, args, where, schema=schema)
         if "\x00" in env[str(key)]:
             raise InvalidArgs(f"{where}: env_set {key}: a value contains a NUL byte")
     return env
@@ -98,7 +106,7 @@ class CommandExecutor:
         config = {**self.settings, **spec.config}
         where = f"tool {spec.name!r}"
         argv = build_argv(config, args, where)
-        env = build_env(config, args, where)
+        env = build_env(config, args, where, spec.input_schema)
         max_output = int(config.get("max_output", DEFAULT_MAX_OUTPUT))
         grace = float(config.get("kill_grace", 2.0))
         stdin_data = None

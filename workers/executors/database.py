@@ -3,7 +3,10 @@
 Spec keys (``dsn`` may also come from ``executors.database.dsn``):
 
 - Template mode (default): ``query: SELECT ... WHERE city = :city``. Named bind parameters are filled
-  from the arguments by the driver; nothing is ever pasted into the SQL text.
+  from the arguments by the driver; nothing is ever pasted into the SQL text. A parameter naming a field
+  ``input_schema`` declares but does not require is bound as NULL when the caller leaves it out
+  (``WHERE (:unit IS NULL OR unit = :unit)``); any other missing one is ``invalid_args``.
+- ``dsn: ${WEATHER_DB_DSN}`` is filled from the worker's environment (:mod:`specenv`).
 - Structured mode: ``mode: structured`` and ``tables: {name: [allowed columns]}``. The model sends
   ``{table, columns, where: {col: value | [values]}, limit}``; every name is checked against the
   allow-list, then the statement is built with SQLAlchemy Core (quoted identifiers, bound values).
@@ -32,25 +35,19 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from broker.errors import CallCancelled, ExecutorError, HermesError, InvalidArgs, InvalidSpec, ToolTimeout
+from broker.specstatic import first_sql_keyword, single_statement
 from broker.toolspec import ToolSpec
 
 from .base import ExecContext
+from .template import optional
 
 DEFAULT_MAX_ROWS = 1000
 _READ_VERBS = {"select", "with", "values", "table", "show", "explain"}
-_COMMENTS = re.compile(r"(--[^\n]*|/\*.*?\*/)", re.S)
 _POLL = 0.05
 
-
-def first_keyword(sql: str) -> str:
-    stripped = _COMMENTS.sub(" ", sql).strip().lstrip("(").strip()
-    return stripped.split(None, 1)[0].lower() if stripped else ""
-
-
-def _single_statement(sql: str) -> bool:
-    body = _COMMENTS.sub(" ", sql).strip().rstrip(";")
-    # A ';' inside a string literal is fine; strip literals before looking.
-    return ";" not in re.sub(r"'(?:[^']|'')*'", "''", body)
+# The statement checks registration also runs (broker/specstatic.py).
+first_keyword = first_sql_keyword
+_single_statement = single_statement
 
 
 class DatabaseExecutor:
@@ -89,7 +86,7 @@ class DatabaseExecutor:
         if config.get("mode", "template") == "structured":
             statement, params, max_rows = build_structured(config, args, where, max_rows)
         else:
-            statement, params = build_template(config, args, where, read_only)
+            statement, params = build_template(config, args, where, read_only, spec.input_schema)
         engine = self.engine(dsn)
         ctx.check()
         ctx.progress("querying database")
@@ -210,7 +207,7 @@ class DatabaseExecutor:
 
 
 def build_template(
-    config: dict[str, Any], args: dict[str, Any], where: str, read_only: bool
+    config: dict[str, Any], args: dict[str, Any], where: str, read_only: bool, schema: Any = None
 ) -> tuple[Any, dict[str, Any]]:
     """``text()`` with the named bind parameters it mentions, each taken from the arguments."""
     query = config.get("query")
@@ -222,13 +219,13 @@ def build_template(
         raise InvalidSpec(f"{where}: query: read-only tools may only read (set read_only: false to write)")
     statement = sa.text(query)
     names = list(statement.compile().params)  # the bind parameter names text() found in the SQL
-    missing = [n for n in names if n not in args]
+    missing = [n for n in names if n not in args and not optional(schema, n)]
     if missing:
         raise InvalidArgs(
             f"{where}: missing value for {', '.join(':' + n for n in missing)}",
             violations=[f"$.{n}: missing" for n in missing],
         )
-    return statement, {n: args[n] for n in names}
+    return statement, {n: args.get(n) for n in names}  # an optional field left out binds NULL
 
 
 def build_structured(

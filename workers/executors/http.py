@@ -9,6 +9,12 @@ Spec keys (defaults may also sit in ``executors.http``):
   (POST/PUT/PATCH), as the seed says; ``send_args_as: query | form | json`` overrides.
 - ``body_template``: a YAML-flow/JSON string like ``{query: {{city}}, opts: {unit: {{unit}}}}``. It is
   parsed into a structure FIRST; typed values are then put into it and it is sent as JSON.
+- A field ``input_schema`` declares but does not require, left out by the caller: a body_template value
+  or list item, a header or a query parameter ``k={{field}}`` that is just its placeholder is left out
+  (``{query: 北京, opts: {}}``); inside longer text it is ``""``. A missing required field is
+  ``invalid_args``. (Rules in :mod:`template`.)
+- ``${VAR}`` anywhere in the spec is filled from the worker's environment before all this
+  (``headers: {Authorization: Bearer ${API_TOKEN}}``; :mod:`specenv`).
 - SSRF guard (on by default; ``ssrf_guard: false`` only in settings): see :mod:`netguard`.
   ``allow_hosts`` / ``allow_networks`` (settings and spec lists are combined) admit named exceptions.
 - ``max_output`` (bytes, default 1 MiB) caps the response body; ``max_redirects`` (5); ``verify`` TLS.
@@ -37,11 +43,22 @@ from broker.errors import (
     OutputTooLarge,
     ToolTimeout,
 )
+from broker.specstatic import http_url_problem
 from broker.toolspec import ToolSpec
 
 from .base import ExecContext
 from .netguard import GuardedBackend, GuardPolicy, current_call
-from .template import fill, fill_structure, has_placeholder, parse_template, placeholders, render
+from .template import (
+    OMIT,
+    fill,
+    fill_structure,
+    has_placeholder,
+    parse_template,
+    placeholders,
+    render,
+    sole_placeholder,
+    value_of,
+)
 
 DEFAULT_MAX_OUTPUT = 1024 * 1024
 DEFAULT_MAX_REDIRECTS = 5
@@ -96,7 +113,7 @@ class HttpExecutor:
     def run(self, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext) -> Any:
         config = {**self.settings, **spec.config}
         where = f"tool {spec.name!r}"
-        request_kw = build_request(config, args, where)
+        request_kw = build_request(config, args, where, spec.input_schema)
         headers = request_kw.pop("headers")
         headers.update(ctx.trace_headers())
         client = self.client(self._policy(config), bool(config.get("verify", True)))
@@ -104,7 +121,10 @@ class HttpExecutor:
         max_redirects = int(config.get("max_redirects", DEFAULT_MAX_REDIRECTS))
         secret_headers = {str(k).lower() for k in (config.get("headers") or {})}
         ctx.check()
-        ctx.progress(f"calling {request_kw['method']} {urlsplit(request_kw['url']).netloc}")
+        # The host and port only: a URL's user:password@ never goes into an event.
+        ctx.progress(
+            f"calling {request_kw['method']} {urlsplit(request_kw['url']).netloc.rpartition('@')[2]}"
+        )
         token = current_call.set(ctx)
         try:
             request = client.build_request(headers=headers, **request_kw)
@@ -145,24 +165,28 @@ class HttpExecutor:
             self._clients.clear()
 
 
-def build_request(config: dict[str, Any], args: dict[str, Any], where: str) -> dict[str, Any]:
-    """Method, URL, headers and body for one call, with every value placed, never pasted."""
+def build_request(
+    config: dict[str, Any], args: dict[str, Any], where: str, schema: Any = None
+) -> dict[str, Any]:
+    """Method, URL, headers and body for one call, with every value placed, never pasted.
+
+    ``schema`` (the tool's ``input_schema``) tells which missing fields are optional (module docstring).
+    """
     method = str(config.get("method", "GET")).upper()
     endpoint = config.get("endpoint") or config.get("url")
     if not isinstance(endpoint, str) or not endpoint:
         raise InvalidSpec(f"{where}: endpoint: expected a URL")
+    problem = http_url_problem(endpoint)
+    if problem:
+        raise InvalidSpec(f"{where}: endpoint: {problem}")
     parts = urlsplit(endpoint)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise InvalidSpec(f"{where}: endpoint: expected an http(s) URL, got {endpoint!r}")
-    if has_placeholder(parts.scheme + "://" + parts.netloc):
-        raise InvalidSpec(f"{where}: endpoint: placeholders may not appear in the scheme or host")
     used = set(placeholders(parts.path) + placeholders(parts.query))
     url = urlunsplit(
         (
             parts.scheme,
             parts.netloc,
-            fill(parts.path, args, where, encode=lambda v: _path_value(v, where)),
-            fill(parts.query, args, where, encode=lambda v: quote(v, safe="")),
+            fill(parts.path, args, where, encode=lambda v: _path_value(v, where), schema=schema),
+            _fill_query(parts.query, args, where, schema),
             "",
         )
     )
@@ -170,8 +194,11 @@ def build_request(config: dict[str, Any], args: dict[str, Any], where: str) -> d
     for name, value in (config.get("headers") or {}).items():
         if has_placeholder(str(name)):
             raise InvalidSpec(f"{where}: headers: placeholders may not appear in header names")
-        used.update(placeholders(str(value)))
-        filled = fill(str(value), args, where)
+        text = str(value)
+        used.update(placeholders(text))
+        if _left_out(text, args, where, schema):
+            continue
+        filled = fill(text, args, where, schema=schema)
         if any(c in filled for c in "\r\n\x00"):
             raise InvalidArgs(f"{where}: header {name}: value may not contain CR, LF or NUL")
         headers[str(name)] = filled
@@ -179,7 +206,9 @@ def build_request(config: dict[str, Any], args: dict[str, Any], where: str) -> d
     template = config.get("body_template")
     if template is not None:
         structure = parse_template(template, where) if isinstance(template, str) else template
-        out["json"] = fill_structure(structure, args, where)
+        body = fill_structure(structure, args, where, schema)
+        if body is not OMIT:  # a template that is only an optional field left out: no body
+            out["json"] = body
         return out
     rest = {k: v for k, v in args.items() if k not in used and v is not None}
     mode = config.get("send_args_as") or ("form" if method in _BODY_METHODS else "query")
@@ -197,6 +226,25 @@ def build_request(config: dict[str, Any], args: dict[str, Any], where: str) -> d
     else:
         raise InvalidSpec(f"{where}: send_args_as: expected query, form or json, got {mode!r}")
     return out
+
+
+def _left_out(text: str, args: dict[str, Any], where: str, schema: Any) -> bool:
+    """True when ``text`` is exactly one placeholder of an optional field the caller left out."""
+    field = sole_placeholder(text)
+    return field is not None and value_of(args, field, where, schema=schema) is OMIT
+
+
+def _fill_query(query: str, args: dict[str, Any], where: str, schema: Any) -> str:
+    """Fill the endpoint's query string pair by pair; ``k={{field}}`` of a left-out optional field goes."""
+    if not has_placeholder(query):
+        return query
+    pieces = []
+    for piece in query.split("&"):
+        _, eq, value = piece.partition("=")
+        if eq and _left_out(value, args, where, schema):
+            continue
+        pieces.append(fill(piece, args, where, encode=lambda v: quote(v, safe=""), schema=schema))
+    return "&".join(pieces)
 
 
 def _path_value(value: str, where: str) -> str:
