@@ -18,7 +18,7 @@ from broker.audit import AuditRecord
 from broker.audit_store import AuditLog
 from broker.config import Settings
 from broker.errors import HermesError
-from hermes_gateway.cli_common import _fail, _note
+from hermes_gateway.cli_common import WAIT_SECONDS, _fail, _note
 
 STATES = ("done", "failed", "cancelled")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
@@ -96,7 +96,7 @@ def audit() -> None:
 @click.option("--principal", default=None)
 @click.option("--state", type=click.Choice(STATES), default=None, help="Final state.")
 @click.option("--since", type=When(), default=None, help="15m, 2h, 7d, an ISO time, or unix seconds.")
-@click.option("--limit", "-n", default=50, show_default=True, help="Newest records to show.")
+@click.option("--limit", "-n", default=50, show_default=True, type=click.IntRange(min=1), help="Newest records to show.")
 @click.option("--json", "as_json", is_flag=True, help="JSON lines instead of a table.")
 @click.pass_context
 def audit_list(
@@ -174,7 +174,7 @@ def audit_show(ctx: click.Context, call_id: str, as_json: bool) -> None:
     help="A redacted argument (sensitive ones are checked against the recorded sha256).",
 )
 @click.option(
-    "--timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for the replay."
+    "--timeout", type=WAIT_SECONDS, default=60.0, show_default=True, help="Seconds to wait for the replay."
 )
 @click.pass_context
 def audit_replay(ctx: click.Context, call_id: str, arg_pairs: tuple[str, ...], timeout: float) -> None:

@@ -9,6 +9,8 @@ import click
 
 from broker.errors import CallCancelled, CallFailed, CallTimeout, HermesError
 from hermes_gateway.cli_common import (
+    WAIT_SECONDS,
+    _args_text,
     _event_line,
     _fail,
     _gateway,
@@ -48,18 +50,20 @@ def tool_list(ctx: click.Context, as_json: bool) -> None:
 @click.argument("name")
 @click.argument("args", nargs=-1)
 @click.option("--follow", "-f", is_flag=True, help="Also print each state transition with its trace id.")
-@click.option("--timeout", type=float, default=None, help="Seconds to wait for the result.")
+@click.option("--timeout", type=WAIT_SECONDS, default=None, help="Seconds to wait for the result.")
 @click.option("--session-id", default=None)
 @click.option("--principal", default=None)
 @click.pass_context
 def tool_run(ctx: click.Context, name: str, args: tuple[str, ...], follow: bool, timeout: float | None, session_id: str | None, principal: str | None) -> None:
     """Run one tool call: ARGS is JSON or YAML flow form, e.g. '{name: Alice}' (unquoted, as in
-    `tool run hello {name: Alice}`, the shell's words are joined back with spaces)."""
+    `tool run hello {name: Alice}`, the shell's words are joined back with spaces); @FILE reads them
+    from a file, - from stdin."""
     from workers.args import parse_args_text
 
     settings = _settings(ctx)
+    text = _args_text(args[0]) if len(args) == 1 else " ".join(args)
     try:
-        parsed = parse_args_text(" ".join(args) or "{}")
+        parsed = parse_args_text(text or "{}")
     except HermesError as e:
         _fail(str(e))
     with _gateway(settings) as (gw, procs):

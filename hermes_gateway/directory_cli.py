@@ -11,7 +11,7 @@ import click
 
 from broker.config import Settings
 from broker.errors import HermesError
-from hermes_gateway.cli_common import _fail, _note, _sync_tools
+from hermes_gateway.cli_common import WAIT_SECONDS, _fail, _note, _sync_tools
 
 
 def _settings(ctx: click.Context) -> Settings:
@@ -92,7 +92,7 @@ def mcp() -> None:
 @click.option("--env", "env", multiple=True, help="KEY=VALUE for a stdio server's environment (repeatable).")
 @click.option(
     "--timeout",
-    type=float,
+    type=WAIT_SECONDS,
     default=None,
     help="Seconds to connect and list (executors.mcp.handshake_timeout).",
 )
@@ -192,7 +192,7 @@ def mcp_remove(ctx: click.Context, server_name: str) -> None:
 @mcp.command("serve")
 @click.option("--principal", default=None, help="Who the calls run as: offer and allow only what the policy lets it call.")
 @click.option("--session-id", default=None, help="Put on every call's context (events, audit, traces).")
-@click.option("--timeout", type=float, default=None, help="Seconds to wait for a call (default: the tool's timeout).")
+@click.option("--timeout", type=WAIT_SECONDS, default=None, help="Seconds to wait for a call (default: the tool's timeout).")
 @click.pass_context
 def mcp_serve(ctx: click.Context, principal: str | None, session_id: str | None, timeout: float | None) -> None:
     """Serve the directory's tools to an MCP client over stdio (the client starts this command).

@@ -156,3 +156,20 @@ def test_flow_args_take_the_yaml_form_a_file_or_stdin_and_a_failed_flow_prints_n
     assert failed.returncode == 1 and failed.stdout == "" and "step say" in failed.stderr, failed
     missing = _run(home, "flow", "run", str(flow), "--args", "@/nonexistent/args.json")
     assert missing.returncode == 2 and "cannot read arguments from /nonexistent/args.json" in missing.stderr
+
+
+def test_tool_run_reads_its_arguments_from_stdin_or_a_file(home: Any, tmp_path: Path) -> None:
+    (home.tools_dir / "hello.yaml").write_text((ROOT / "examples" / "tools" / "hello.yaml").read_text())
+    base = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_")}
+    env = {**base, "HERMES_HOME": str(home.path)}
+    piped = subprocess.run(
+        [CLI, "tool", "run", "hello", "-"], input='{"name": "Stdin"}', env=env, capture_output=True, text=True,
+        timeout=90,
+    )  # fmt: skip
+    assert piped.returncode == 0 and piped.stdout == "Hello, Stdin!\n", piped.stderr
+    args = tmp_path / "args.yaml"
+    args.write_text("{name: File}")
+    from_file = _run(home, "tool", "run", "hello", f"@{args}")
+    assert from_file.returncode == 0 and from_file.stdout == "Hello, File!\n", from_file.stderr
+    zero = _run(home, "tool", "run", "hello", "--timeout", "0")
+    assert zero.returncode == 2 and "Invalid value for '--timeout'" in zero.stderr
