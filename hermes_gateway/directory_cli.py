@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from dataclasses import asdict
 from typing import Any
 
@@ -60,6 +61,8 @@ def migrate(ctx: click.Context, force: bool, dry_run: bool, no_rewrite: bool, as
             _fail(f"cannot read the old tool files: {e}")
     if as_json:
         click.echo(json.dumps([asdict(o) for o in outcomes], ensure_ascii=False, indent=2))
+        if any(o.failed for o in outcomes):
+            sys.exit(1)
         return
     if not outcomes:
         click.echo(f"nothing to migrate: no tools.json, tools.yaml or tools/ specs in {settings.home}")
@@ -75,6 +78,12 @@ def migrate(ctx: click.Context, force: bool, dry_run: bool, no_rewrite: bool, as
         _note(
             "note: the embedded broker lasts only for this command; the specs were written to "
             f"{settings.tools_dir} so every command loads them. Set HERMES_REDIS_URL to fill a shared directory."
+        )
+    failed = [o for o in outcomes if o.failed]
+    if failed:  # scripts see it: the rest was migrated, these were not
+        _fail(
+            f"{len(failed)} spec(s) could not be migrated (see 'skipped' above); fix them and run migrate again",
+            1,
         )
 
 
@@ -150,11 +159,17 @@ def mcp_list(ctx: click.Context, as_json: bool) -> None:
         click.echo(json.dumps({label: [s.name for s in specs] for label, specs in found.items()}))
         return
     if not found:
-        click.echo("no MCP server imported (add one with `hermes-gateway mcp add NAME --command ...|--url ...`)")
+        click.echo(
+            "no MCP server imported (add one with `hermes-gateway mcp add NAME --command ...|--url ...`)"
+        )
         return
     for label, specs in found.items():
         server = specs[0].config.get("mcp") or {}
-        target = _shown_url(str(server["url"])) if server.get("url") else " ".join(map(str, server.get("command") or []))
+        target = (
+            _shown_url(str(server["url"]))
+            if server.get("url")
+            else " ".join(map(str, server.get("command") or []))
+        )
         click.echo(f"{label}: {len(specs)} tools  ({target})")
         for spec in specs:
             click.echo(f"  {spec.name}")
@@ -183,18 +198,32 @@ def mcp_remove(ctx: click.Context, server_name: str) -> None:
             write_dir=settings.tools_dir if gw.broker.embedded is not None else None,
         )
     if not removed:
-        _fail(f"no tools were imported from an MCP server named {server_name!r} (see `hermes-gateway mcp list`)", 1)
+        _fail(
+            f"no tools were imported from an MCP server named {server_name!r} (see `hermes-gateway mcp list`)",
+            1,
+        )
     for name in removed:
         click.echo(f"removed    {name}")
     click.echo(f"{server_name}: {len(removed)} tools removed")
 
 
 @mcp.command("serve")
-@click.option("--principal", default=None, help="Who the calls run as: offer and allow only what the policy lets it call.")
+@click.option(
+    "--principal",
+    default=None,
+    help="Who the calls run as: offer and allow only what the policy lets it call.",
+)
 @click.option("--session-id", default=None, help="Put on every call's context (events, audit, traces).")
-@click.option("--timeout", type=WAIT_SECONDS, default=None, help="Seconds to wait for a call (default: the tool's timeout).")
+@click.option(
+    "--timeout",
+    type=WAIT_SECONDS,
+    default=None,
+    help="Seconds to wait for a call (default: the tool's timeout).",
+)
 @click.pass_context
-def mcp_serve(ctx: click.Context, principal: str | None, session_id: str | None, timeout: float | None) -> None:
+def mcp_serve(
+    ctx: click.Context, principal: str | None, session_id: str | None, timeout: float | None
+) -> None:
     """Serve the directory's tools to an MCP client over stdio (the client starts this command).
 
     \b
@@ -218,7 +247,11 @@ def mcp_serve(ctx: click.Context, principal: str | None, session_id: str | None,
     try:
         with local_stack(settings, worker_stdout=sys.stderr.fileno()) as (gw, procs):
             _sync_tools(gw)
-            asyncio.run(serve_stdio(gw, principal=principal, session_id=session_id, timeout=timeout, need_workers=not procs))
+            asyncio.run(
+                serve_stdio(
+                    gw, principal=principal, session_id=session_id, timeout=timeout, need_workers=not procs
+                )
+            )
     except HermesError as e:
         _fail(str(e))
     except KeyboardInterrupt:

@@ -70,6 +70,7 @@ class Outcome:
     status: str
     version: int | None = None
     reason: str = ""
+    failed: bool = False  # skipped because it could not be read or converted (not by choice)
 
 
 @dataclass
@@ -176,11 +177,17 @@ def migrate(
     for found in find_legacy(home):
         raw = found.raw
         if isinstance(raw, _Unreadable):
-            out.append(Outcome(found.source, "?", "skipped", reason=raw.reason))
+            out.append(Outcome(found.source, "?", "skipped", reason=raw.reason, failed=True))
             continue
         if not isinstance(raw, dict):
             out.append(
-                Outcome(found.source, "?", "skipped", reason=f"expected a mapping, got {type(raw).__name__}")
+                Outcome(
+                    found.source,
+                    "?",
+                    "skipped",
+                    reason=f"expected a mapping, got {type(raw).__name__}",
+                    failed=True,
+                )
             )
             continue
         name = str(raw.get("name") or (found.file.stem if found.file else "?"))
@@ -193,12 +200,18 @@ def migrate(
         try:
             spec = ToolSpec.from_dict(data)
         except InvalidSpec as e:
-            out.append(Outcome(found.source, name, "skipped", reason=e.message))
+            out.append(Outcome(found.source, name, "skipped", reason=e.message, failed=True))
             continue
         earlier = seen.get(spec.name)
         if earlier is not None and earlier[1] != spec.digest():
             out.append(
-                Outcome(found.source, spec.name, "skipped", reason=f"another spec named so in {earlier[0]}")
+                Outcome(
+                    found.source,
+                    spec.name,
+                    "skipped",
+                    reason=f"another spec named so in {earlier[0]}",
+                    failed=True,
+                )
             )
             continue
         seen[spec.name] = (found.source, spec.digest())

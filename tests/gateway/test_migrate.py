@@ -143,6 +143,29 @@ def test_cli_migrate_twice_on_the_shared_broker(
     ]
 
 
+def test_cli_migrate_exits_1_when_a_spec_could_not_be_migrated_and_keeps_the_rest(
+    redis_url: str, home: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HERMES_REDIS_URL", redis_url)
+    (home.path / "tools.yaml").write_text(
+        yaml.safe_dump(
+            [
+                {"name": "adder", "type": "py", "handler": "tests.workers.executors.pyfuncs:add"},
+                {"name": "odd", "type": "ftp"},
+                {"name": "off", "type": "py", "handler": "x:y", "enabled": False},
+            ]
+        ),
+        encoding="utf-8",
+    )
+    out = CliRunner().invoke(main, ["migrate"])
+    assert out.exit_code == 1, out.output
+    assert "imported   adder" in out.output and "1 spec(s) could not be migrated" in out.output
+    as_json = CliRunner().invoke(main, ["migrate", "--json"])
+    assert as_json.exit_code == 1
+    rows = {o["name"]: o for o in json.loads(as_json.output)}
+    assert rows["odd"]["failed"] is True and rows["off"]["failed"] is False  # disabled: skipped by choice
+
+
 def test_tool_list_shows_limits_permissions_and_breaker_state(
     redis_url: str, home: Any, conn: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
