@@ -18,6 +18,9 @@ from .redact import MASK, is_secret_key, redact, redact_text, sensitive_hashes
 
 AUDIT_VERSION = 1
 SUMMARY_LIMIT = 1024  # bytes of UTF-8 in a result summary
+# An argument string kept in a record: longer ones keep this much and say how much more there was (the
+# whole call is in its job record; scanning megabytes for secrets would stall the worker).
+MAX_ARG_TEXT = 64 * 1024
 # Request keys that are conversation or tool payload, not model parameters.
 _NOT_MODEL_PARAMS = frozenset(
     {"model", "messages", "input", "prompt", "system", "tools", "functions", "contents"}
@@ -88,7 +91,7 @@ class AuditRecord:
                 call_id=call_id,
                 kind=kind,
                 state=state,
-                args=redact(dict(args), sensitive) if args is not None else None,
+                args=redact(dict(args), sensitive, max_text=MAX_ARG_TEXT) if args is not None else None,
                 sensitive_hashes=sensitive_hashes(args, sensitive),
                 result_summary=summarize(result) if result is not None else None,
                 middleware_trace=[redact(dict(t)) for t in rest.pop("middleware_trace", None) or ()],

@@ -181,6 +181,10 @@ def print_status(data: dict[str, Any], description: str) -> None:
     console.print(f)
 
 
+# A string in a call's request view longer than this is shown in part (with how much more there was).
+VIEW_MAX_TEXT = 256 * 1024
+
+
 def call_request(conn: Any, call_id: str) -> dict[str, Any] | None:
     """What a call asked for, as submitted, secrets masked: a tool call's args (the tool's ``sensitive``
     args as their hash, as in its audit record), an LLM call's whole request — the messages the model is
@@ -201,7 +205,7 @@ def call_request(conn: Any, call_id: str) -> dict[str, Any] | None:
         return out
     out["context"] = redact(dict(env.context))
     if env.kind == "llm":
-        out["request"] = redact(env.request)
+        out["request"] = redact(env.request, max_text=VIEW_MAX_TEXT)
         return out
     args = dict(env.args or {})
     try:
@@ -210,5 +214,5 @@ def call_request(conn: Any, call_id: str) -> dict[str, Any] | None:
         sensitive = entry.spec.sensitive if entry.version == env.tool_version else tuple(args)
     except HermesError:
         sensitive = tuple(args)  # the tool was removed since: every arg as its hash
-    out["args"] = redact(args, sensitive)
+    out["args"] = redact(args, sensitive, max_text=VIEW_MAX_TEXT)
     return out

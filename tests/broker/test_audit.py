@@ -288,3 +288,13 @@ def test_real_redis_age_retention_drops_records_older_than_max_age(real: redis.R
     now[0] += 10
     log.trim()
     assert len(log) == 0 and not real.exists(prefix + ":idx")
+
+
+def test_a_record_keeps_only_the_start_of_a_huge_argument() -> None:
+    # Scanning all 20 MB of it for secrets took ~5 s holding the GIL, which stalled the whole worker.
+    huge = "a" * 20_000_000
+    r = AuditRecord.of(
+        call_id="big", kind="tool", state="done", tool_name="echo", args={"x": huge}, result={"x": huge}
+    )
+    assert r.args is not None and r.args["x"].startswith("a" * 1000)
+    assert r.args["x"].endswith(f"…[{20_000_000 - 64 * 1024} more characters]")

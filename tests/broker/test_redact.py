@@ -245,3 +245,15 @@ def test_processor_hashes_configured_fields() -> None:
     proc = RedactProcessor(sensitive_fields=["ssn"])
     out = proc(None, "info", {"event": "x", "ssn": "123-45-6789"})
     assert out["ssn"] == hash_value("123-45-6789")
+
+
+def test_long_text_is_clipped_and_a_secret_straddling_the_cut_is_masked_not_shown_in_part() -> None:
+    key = "sk-" + A36
+    text = "x" * 94 + " " + key + " " + "y" * 1000
+    clipped = redact(text, max_text=100)
+    assert clipped.startswith("x" * 94 + " ***") and clipped.endswith(f"…[{len(text) - 100} more characters]")
+    assert "sk-" not in clipped  # the cut fell inside the key: it is masked as it would be whole
+    assert redact("short", max_text=100) == "short"
+    nested = redact({"a": ["z" * 300, {"b": "w" * 300}]}, max_text=10)
+    assert nested == {"a": ["z" * 10 + "…[290 more characters]", {"b": "w" * 10 + "…[290 more characters]"}]}
+    assert redact({"blob": b"\x00" * 50}, max_text=10) == {"blob": "<50 bytes>"}
