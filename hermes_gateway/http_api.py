@@ -30,9 +30,7 @@ without a token the ``Host`` must be a loopback name (no DNS rebinding).
 
 from __future__ import annotations
 
-import base64
 import hmac
-import json
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -70,6 +68,7 @@ from broker.toolspec import ToolSpec
 from hermes_gateway.aio import AsyncGateway
 from hermes_gateway.aio_handle import AsyncCallHandle
 from hermes_gateway.client import Gateway
+from hermes_gateway.http_json import BadRequest, TooLarge, dumps, read_body, reply
 from hermes_gateway.views import call_request
 
 DEFAULT_PORT = 8787  # the Tool Gateway document's console port
@@ -91,33 +90,10 @@ _STATUS: list[tuple[type[HermesError], int]] = [
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-class BadRequest(HermesError):
-    """The request itself is malformed (not JSON, wrong field types)."""
-
-    type = "bad_request"
-
-
-def _plain(value: Any) -> Any:
-    """JSON for what a tool may return beyond JSON's types (msgpack bytes become base64)."""
-    if isinstance(value, bytes | bytearray):
-        return {"$base64": base64.b64encode(bytes(value)).decode()}
-    if isinstance(value, set | frozenset | tuple):
-        return list(value)
-    return str(value)
-
-
 class Forbidden(HermesError):
     """The request comes from somewhere the API does not serve (a foreign origin or host name)."""
 
     type = "forbidden"
-
-
-def reply(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    try:
-        body = json.dumps(data, ensure_ascii=False, default=_plain).encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate the caller sent comes back escaped, not as a 500
-        body = json.dumps(data, ensure_ascii=True, default=_plain).encode("ascii")
-    return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
 def error_reply(error: HermesError) -> Response:
@@ -126,19 +102,9 @@ def error_reply(error: HermesError) -> Response:
         status = 404
     elif isinstance(error, Forbidden):
         status = 403
+    elif isinstance(error, TooLarge):
+        status = 413
     return reply({"error": error.to_wire()}, status)
-
-
-async def _body(request: Request) -> dict[str, Any]:
-    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-        raise BadRequest("the request body must be sent as Content-Type: application/json")
-    try:
-        data = await request.json()
-    except ValueError as e:
-        raise BadRequest(f"the request body is not JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise BadRequest(f"the request body must be a JSON object, got {type(data).__name__}")
-    return data
 
 
 def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str) -> Any:
@@ -255,7 +221,7 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
 
     @api
     async def register_tool(request: Request) -> Response:
-        body = await _body(request)
+        body = await read_body(request)
         if set(body) == {"yaml"}:  # the spec as YAML text (what the console sends when it is not JSON)
             if not isinstance(body["yaml"], str):
                 raise BadRequest(f"yaml: expected the spec as YAML text, got {type(body['yaml']).__name__}")
@@ -282,7 +248,7 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
 
     @api
     async def call_tool(request: Request) -> Response:
-        body = await _body(request)
+        body = await read_body(request)
         args = _field(body, "args", (dict,), "an object")
         context = _context(body)
         wait = _number(body, "wait", 0)
@@ -335,7 +301,7 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
         async def stream() -> AsyncIterator[dict[str, str]]:
             async for event in handle.events():
                 if event.seq > after:
-                    data = json.dumps(event_data(event), ensure_ascii=False, default=_plain)
+                    data = dumps(event_data(event))
                     yield {"id": str(event.seq), "event": event.type, "data": data}
 
         return EventSourceResponse(stream(), ping=15)

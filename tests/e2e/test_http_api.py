@@ -50,6 +50,7 @@ def api(gateway: Any, home: Any, workers: Any) -> Iterator[httpx.Client]:
     home.echo_tool()
     home.sleep_tool()
     home.sleep_tool("tight", concurrency=1, queue_size=0)
+    home.tool("nan", function="tests.workers.executors.pyfuncs:non_finite", timeout=10)
     gateway.sync_tools()
     workers(1, concurrency=8)
     served = Served(gateway)
@@ -96,14 +97,18 @@ def test_register_list_call_and_stream_a_tool_over_http(api: httpx.Client, gatew
     assert api.get("/v1/tools/greet").json()["description"] == "says what it got"
     assert {s["function"]["name"] for s in api.get("/v1/schemas").json()} >= {"greet", "echo"}
 
-    done = api.post("/v1/tools/greet/calls", json={"args": {"who": "北京"}, "wait": 20}, headers={"traceparent": TP})
+    done = api.post(
+        "/v1/tools/greet/calls", json={"args": {"who": "北京"}, "wait": 20}, headers={"traceparent": TP}
+    )
     assert done.status_code == 200, done.text
     body = done.json()
     assert body["state"] == "done" and body["result"] == {"who": "北京"}
     env = envelope_of(gateway.conn.hget(keys.job(body["call_id"]), "data"))
     assert env.traceparent.split("-")[1] == TRACE, "the caller's trace continues through the API"
 
-    accepted = api.post("/v1/tools/sleep/calls", json={"args": {"seconds": 0.2}, "context": {"session_id": "s-1"}})
+    accepted = api.post(
+        "/v1/tools/sleep/calls", json={"args": {"seconds": 0.2}, "context": {"session_id": "s-1"}}
+    )
     assert accepted.status_code == 202
     call = accepted.json()
     events = _sse(api, call["events"])
@@ -124,13 +129,28 @@ def test_register_list_call_and_stream_a_tool_over_http(api: httpx.Client, gatew
 def test_admission_errors_are_typed_http_errors_and_failures_are_outcomes(api: httpx.Client) -> None:
     missing = api.post("/v1/tools/nope/calls", json={"args": {}})
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "unknown_tool"
-    assert api.post("/v1/tools/echo/calls", content=b"{not json", headers={"Content-Type": "application/json"}).status_code == 400
+    assert (
+        api.post(
+            "/v1/tools/echo/calls", content=b"{not json", headers={"Content-Type": "application/json"}
+        ).status_code
+        == 400
+    )
     # A body that is not declared JSON is refused: a cross-site form or no-cors fetch cannot declare it.
     plain = api.post("/v1/tools/echo/calls", content=b'{"args": {}}', headers={"Content-Type": "text/plain"})
     assert plain.status_code == 400 and "application/json" in plain.json()["error"]["message"]
-    for field, value in (("wait", float("nan")), ("wait", -1), ("timeout", 0), ("max_attempts", 0)):
-        refused = api.post("/v1/tools/echo/calls", content=json.dumps({field: value}), headers={"Content-Type": "application/json"})
+    for field, value in (("wait", -1), ("timeout", 0), ("max_attempts", 0)):
+        refused = api.post(
+            "/v1/tools/echo/calls",
+            content=json.dumps({field: value}),
+            headers={"Content-Type": "application/json"},
+        )
         assert refused.status_code == 400 and field in refused.json()["error"]["message"], (field, value)
+    # NaN and Infinity are not JSON (JSON.parse, Go and Java refuse them): refused wherever they stand.
+    for body in ('{"wait": NaN}', '{"args": {"x": Infinity}}', '{"args": {"x": -Infinity}}'):
+        refused = api.post("/v1/tools/echo/calls", content=body, headers={"Content-Type": "application/json"})
+        assert refused.status_code == 400 and "is not a JSON number" in refused.json()["error"]["message"], (
+            body
+        )
     queue = api.post("/v1/tools/echo/calls", json={"context": {"queue": "elsewhere"}})
     assert queue.status_code == 400 and "queue" in queue.json()["error"]["message"]
     wrong = api.post("/v1/tools/echo/calls", json={"args": [1, 2]})
@@ -276,7 +296,9 @@ def test_serve_on_the_embedded_broker_runs_calls_and_sigterm_stops_its_worker_an
             f"http://127.0.0.1:{port}/v1/tools/echo/calls", json={"args": {"x": 1}, "wait": 20}, timeout=30
         ).json()
         assert out["state"] == "done" and out["result"] == {"x": 1}
-        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        children = subprocess.run(
+            ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
+        ).stdout.split()
         assert len(children) >= 2, "the embedded broker and one local worker"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(40) == 0
@@ -293,3 +315,19 @@ def test_serve_on_the_embedded_broker_runs_calls_and_sigterm_stops_its_worker_an
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_responses_and_events_are_strict_json_and_a_huge_body_is_413(
+    api: httpx.Client, gateway: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    strict = {"parse_constant": lambda name: pytest.fail(f"{name} in a response")}
+    # A python tool's NaN / infinity go out as null, in the outcome and in the SSE events alike.
+    done = api.post("/v1/tools/nan/calls", json={"args": {}, "wait": 20})
+    assert json.loads(done.content, **strict)["result"] == {"nan": None, "inf": None, "ok": 1.5}
+    events = _sse(api, f"/v1/calls/{done.json()['call_id']}/events")
+    last = json.loads(events[-1]["data"], **strict)
+    assert last["state"] == "done" and last["detail"]["result"] == {"nan": None, "inf": None, "ok": 1.5}
+    monkeypatch.setenv("HERMES_API_MAX_BODY", "1000")
+    big = api.post("/v1/tools/echo/calls", json={"args": {"x": "a" * 2000}})
+    assert big.status_code == 413 and big.json()["error"]["type"] == "payload_too_large"
+    assert "over the limit of 1000" in big.json()["error"]["message"]

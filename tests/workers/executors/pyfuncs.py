@@ -37,3 +37,8 @@ async def aadd(a: int, b: int) -> dict:
 async def aslow(seconds: float) -> str:
     await asyncio.sleep(seconds)
     return "finished"
+
+
+def non_finite() -> dict[str, float]:
+    """Numbers JSON has no text for (the HTTP API sends them as null)."""
+    return {"nan": float("nan"), "inf": float("inf"), "ok": 1.5}

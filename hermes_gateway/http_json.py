@@ -1,0 +1,105 @@
+"""JSON in and out of the HTTP API: strict JSON only, for callers in any language.
+
+Requests: ``Content-Type: application/json``, at most ``HERMES_API_MAX_BODY`` bytes (32 MiB by default;
+more is ``413 payload_too_large``), an object, and no ``NaN``/``Infinity`` (not JSON: JavaScript's
+``JSON.parse``, Go and Java refuse them). Responses and SSE events never hold them either: a non-finite
+number a tool returned goes out as ``null``. Bytes go out as ``{"$base64": ...}``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from broker.errors import HermesError
+
+MAX_BODY_ENV = "HERMES_API_MAX_BODY"
+DEFAULT_MAX_BODY = 32 * 1024 * 1024
+
+
+class BadRequest(HermesError):
+    """The request itself is malformed (not JSON, wrong field types)."""
+
+    type = "bad_request"
+
+
+class TooLarge(HermesError):
+    """The request body is larger than the API accepts."""
+
+    type = "payload_too_large"
+
+
+def max_body() -> int:
+    raw = os.environ.get(MAX_BODY_ENV)
+    try:
+        return int(raw) if raw else DEFAULT_MAX_BODY
+    except ValueError:
+        return DEFAULT_MAX_BODY
+
+
+def _plain(value: Any) -> Any:
+    """JSON for what a tool may return beyond JSON's types (msgpack bytes become base64)."""
+    if isinstance(value, bytes | bytearray):
+        return {"$base64": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, set | frozenset | tuple):
+        return list(value)
+    return str(value)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinity as None (only called when there is one)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_finite(v) for v in value]
+    return value
+
+
+def dumps(data: Any, ascii_only: bool = False) -> str:
+    """Strict JSON text of ``data``."""
+    try:
+        return json.dumps(data, ensure_ascii=ascii_only, default=_plain, allow_nan=False)
+    except ValueError:  # a NaN or infinity somewhere: JSON has no such number
+        return json.dumps(_finite(data), ensure_ascii=ascii_only, default=_plain, allow_nan=False)
+
+
+def reply(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    try:
+        body = dumps(data).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate the caller sent comes back escaped, not as a 500
+        body = dumps(data, ascii_only=True).encode("ascii")
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+async def read_body(request: Request) -> dict[str, Any]:
+    """The request's JSON object (strictly JSON, bounded in size), or a typed error."""
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+        raise BadRequest("the request body must be sent as Content-Type: application/json")
+    limit = max_body()
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"the request body is {int(declared)} bytes, over the limit of {limit} ({MAX_BODY_ENV})")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise TooLarge(f"the request body is over the limit of {limit} bytes ({MAX_BODY_ENV})")
+    try:
+        data = json.loads(bytes(raw), parse_constant=_not_json)
+    except ValueError as e:
+        raise BadRequest(f"the request body is not JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(data).__name__}")
+    return data
