@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from broker.codec import pack
 from broker.config import Settings
 from broker.directory import Entry
 from broker.envelope import CONTEXT_FIELDS, Envelope, Options, new_call_id
@@ -16,6 +17,18 @@ from broker.toolspec import ToolSpec
 from broker.tracecontext import ensure_traceparent
 from hermes_gateway.telemetry import Headers, current_headers
 from workers.core import concurrency_key
+
+
+def check_sendable(value: Any, what: str) -> None:
+    """A typed error now for a value the wire cannot carry (a Decimal, an arbitrary object), not a bare
+    TypeError from deep in the submission."""
+    try:
+        pack(value)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise InvalidArgs(
+            f"{what} cannot be sent: {e} (values travel as msgpack: JSON-like types, bytes; sets and "
+            "tuples become lists, dates ISO text)"
+        ) from e
 
 
 def check_context(context: dict[str, Any]) -> None:
@@ -46,6 +59,7 @@ def tool_envelope(
     check_context(context)
     if args is not None and not isinstance(args, dict):
         raise InvalidArgs(f"arguments for {name!r} must be a mapping, got {type(args).__name__}")
+    check_sendable(args, f"arguments for {name!r}")
     # The producer span's context when tracing is on (Sending), else the caller's own or the current one.
     tp, ts, bg = opts.get("trace_headers") or (opts.get("traceparent"), opts.get("tracestate"), None)
     if tp is None:
@@ -96,6 +110,7 @@ def llm_envelope(
 ) -> tuple[Envelope, dict[str, Any]]:
     """The envelope and limits of one LLM call (chat-completions kwargs) on ``opts["queue"]``."""
     check_llm_request(request, context)
+    check_sendable(request, "the LLM request")
     context = dict(context)
     model_cfg = settings.model
     context.setdefault("provider", model_cfg.get("provider") or "openai-compatible")

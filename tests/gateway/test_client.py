@@ -72,6 +72,16 @@ def test_bad_arguments_and_unknown_context_are_refused_at_once(gw: Gateway, conn
         gw.call_tool("echo", ["not", "a", "mapping"])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="unknown call context"):
         gw.call_tool("echo", {}, sesion_id="typo")
+    # Values the wire cannot carry are the same typed error, in single calls and batches alike.
+    from decimal import Decimal
+
+    for bad in ({"d": Decimal("1.5")}, {"o": object()}, {"i": 2**70}):
+        with pytest.raises(InvalidArgs, match=r"arguments for 'echo' cannot be sent: cannot encode"):
+            gw.call_tool("echo", bad)
+        with pytest.raises(InvalidArgs, match="cannot be sent"):
+            gw.map("echo", [{"ok": 1}, bad])
+    with pytest.raises(InvalidArgs, match="the LLM request cannot be sent"):
+        gw.call_llm({"messages": [{"role": "user", "content": Decimal("2")}]})
     assert conn.llen(keys.queue("tools")) == 0
 
 
