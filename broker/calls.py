@@ -9,6 +9,8 @@ Every write takes an optional ``pipeline``; only the creator of a pipeline execu
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -19,11 +21,16 @@ from redis.client import Pipeline
 from . import events, keys, pipes, scripts, upkeep
 from .codec import raw, text
 from .envelope import Envelope
-from .errors import IllegalTransition, QueueFull
+from .errors import IdempotencyConflict, IllegalTransition, QueueFull
 from .records import CallInfo, Claimed, Step, job_fields, lease_deadline, read_record, rq_now, waiting_score
 from .states import RQ_STATUS, TERMINAL, State, sources
 
 SUBMIT_TTL = 7 * 86400
+
+# Job hash fields of a call submitted under an idempotency key: the key (TRANSITION gives it the record's
+# TTL when the call ends) and the digest of what was asked (a resubmission asking otherwise is a conflict).
+F_IDEM = "h_idem"
+F_DIGEST = "h_digest"
 
 # Reasons a transition script refused.
 MISSING, FENCED, WRONG_STATE = -1, -2, -3
@@ -73,6 +80,10 @@ class Calls:
         fields = job_fields(env, ckey=ckey, max_attempts=max_attempts, timeout=timeout)
         flat = [x for k, v in fields.items() for x in (k, "" if v is None else v)]
         idem = env.options.idempotency_key
+        digest = ""
+        if idem:
+            digest = request_digest(env)
+            flat += [F_IDEM, keys.IDEMPOTENCY.format(idem), F_DIGEST, digest]
         return pipes.script(
             self._submit,
             [
@@ -94,7 +105,7 @@ class Calls:
                 waiting_score(),
                 env.channel,
                 keys.queue(env.queue),
-                "1" if idem else "",
+                digest,
                 concurrency,
                 ckey,
                 self.wake_suffix,
@@ -104,17 +115,34 @@ class Calls:
         )
 
     @staticmethod
-    def check_submit(reply: Any, ckey: str, queue_size: int) -> tuple[bool, str]:
-        """Turn a SUBMIT reply into (accepted_new, call_id) or raise QueueFull."""
+    def check_submit(reply: Any, ckey: str, queue_size: int, env: Envelope | None = None) -> tuple[bool, str]:
+        """Turn a SUBMIT reply into (accepted_new, call_id) or raise QueueFull / IdempotencyConflict.
+
+        With ``env`` (the envelope submitted), an existing call of another tool or kind under the same
+        idempotency key is a conflict too (a record of an older version carries no digest to compare).
+        """
         code, value = int(reply[0]), reply[1]
-        if code < 0:
+        if code == -1:
             raise QueueFull(
                 f"queue for {ckey!r} is full ({int(value)} waiting, limit {queue_size})",
                 key=ckey,
                 limit=queue_size,
                 depth=int(value),
             )
+        existing = Calls.existing_call(reply)
+        if code == -2 or (
+            code == 0 and env is not None and existing is not None and existing != (env.name, env.kind)
+        ):
+            name, kind = existing or ("", "")
+            raise _conflict(env, text(value), name, kind)
         return code == 1, text(value)
+
+    @staticmethod
+    def existing_call(reply: Any) -> tuple[str, str] | None:
+        """(tool or model, kind) of the existing call an idempotent SUBMIT reply names, if it says."""
+        if int(reply[0]) in (0, -2) and len(reply) >= 4:
+            return text(reply[2]), text(reply[3])
+        return None
 
     # -- transitions -----------------------------------------------------------------------------
 
@@ -376,6 +404,52 @@ class Calls:
     def record(self, call_id: str) -> dict[str, Any] | None:
         """The call's record as plain values (state, attempt, result, error, ...)."""
         return read_record(self.conn, call_id)
+
+
+def request_digest(env: Envelope) -> str:
+    """What a call asks for, as a digest: kind, tool (or model) and canonical args (or LLM request).
+
+    Context, options and trace headers are not part of it: a resubmission under one idempotency key
+    may come from another turn or process, but must ask for the same thing.
+    """
+    body = env.args if env.kind == "tool" else env.request
+    blob = json.dumps([env.kind, env.name, _canonical(body)], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` as plain JSON data, independent of dict and set order (as the wire codec encodes it)."""
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_canonical(v) for v in value]
+    if isinstance(value, set | frozenset):
+        return sorted((_canonical(v) for v in value), key=lambda v: json.dumps(v, sort_keys=True))
+    if isinstance(value, bytes | bytearray | memoryview):
+        return {"$bytes": bytes(value).hex()}
+    if value is None or isinstance(value, str | int | float):
+        return value
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    raise TypeError(f"cannot encode {type(value).__name__} on the wire")
+
+
+def _conflict(env: Envelope | None, call_id: str, name: str, kind: str) -> IdempotencyConflict:
+    key = env.options.idempotency_key if env is not None else None
+    what = "model" if kind == "llm" else "tool"
+    if env is not None and (env.name, env.kind) != (name, kind):
+        asked = "model" if env.kind == "llm" else "tool"
+        why = f": it cannot be reused for {asked} {env.name!r}"
+    else:
+        other = "a different request" if kind == "llm" else "different arguments"
+        why = f" with {other}: reuse a key only to resubmit the same call"
+    return IdempotencyConflict(
+        f"idempotency key {key!r} already belongs to call {call_id} of {what} {name!r}{why}",
+        key=key,
+        call_id=call_id,
+        tool=name,
+        kind=kind,
+    )
 
 
 @functools.lru_cache(maxsize=256)

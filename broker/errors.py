@@ -87,6 +87,16 @@ class NoWorkers(HermesError):
     type = "no_workers"
 
 
+class IdempotencyConflict(HermesError):
+    """The idempotency key already belongs to a call of another tool, or with other arguments.
+
+    ``details``: ``key``, the existing call's ``call_id``, its ``tool`` (tool name, or model of an LLM call)
+    and ``kind``.
+    """
+
+    type = "idempotency_conflict"
+
+
 # --- call outcomes (raised by CallHandle.result) --------------------------------------------
 
 

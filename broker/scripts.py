@@ -69,7 +69,8 @@ end
 
 # KEYS: 1 call hash, 2 history, 3 leases, 4 waiting zset, 5 slots zset (of the call's concurrency key),
 #       6 limits hash, 7 scheduled zset, 8 spared zset (of the key)
-# ARGV: 1 call_id, 2 event payload, 3 ttl ('' = leave), 4 attempt fence ('' = none),
+# ARGV: 1 call_id, 2 event payload, 3 ttl ('' = leave; the call's idempotency key, field ``h_idem``, gets it
+#       too while it still names this call), 4 attempt fence ('' = none),
 #       5 allowed sources ('' = any non-terminal, '*' = anything, 'pending!' = pending and not leased),
 #       6 new state ('' = no change),
 #       7 rq status, 8 lease ('' keep, '-' drop, else new deadline), 9 requeue: queue key or '',
@@ -155,7 +156,7 @@ local function own_spare(slots, waiting)
   end
   return nil
 end
-local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_queue')
+local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_queue', 'h_idem')
 local st = rec[1]
 if not st then return {-1, ''} end
 if ARGV[4] ~= '' and rec[2] ~= ARGV[4] then return {-2, st} end
@@ -227,6 +228,8 @@ redis.call('RPUSH', KEYS[2], unpack(stored))
 if ARGV[3] ~= '' then
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('EXPIRE', KEYS[2], ARGV[3])
+  -- An idempotency key lives no longer than the record it names.
+  if rec[4] and redis.call('GET', rec[4]) == ARGV[1] then redis.call('EXPIRE', rec[4], ARGV[3]) end
 end
 redis.call('PUBLISH', ARGV[11], ev)
 if handed or #spares > 0 or ARGV[19] ~= '' then
@@ -240,17 +243,28 @@ return {seq, st}
 # KEYS: 1 call hash, 2 queue list, 3 history, 4 waiting zset, 5 rq:queues, 6 idempotency key,
 #       7 slots zset, 8 limits hash, 9 spared zset
 # ARGV: 1 call_id, 2 pending event payload, 3 ttl, 4 queue_size (-1 = unlimited), 5 waiting score,
-#       6 channel, 7 queue key, 8 use idempotency ('1'/''), 9 concurrency (-1 = unlimited),
-#       10 concurrency key, 11 wake channel suffix, 12.. field/value pairs of the job hash
-# Returns {1, call_id, queued 1 / waiting 0} accepted; {0, existing call_id} duplicate;
-# {-1, depth} queue full (depth = calls waiting for a slot of this key, spares of workers included).
+#       6 channel, 7 queue key, 8 digest of the request under the idempotency key ('' = no key),
+#       9 concurrency (-1 = unlimited), 10 concurrency key, 11 wake channel suffix, 12.. field/value
+#       pairs of the job hash (with an idempotency key: ``h_idem`` its key, ``h_digest`` ARGV[8])
+# Returns {1, call_id, queued 1 / waiting 0} accepted; {0, existing call_id[, its tool, its kind]}
+# duplicate; {-1, depth} queue full (depth = calls waiting for a slot of this key, spares of workers
+# included); {-2, existing call_id, its tool, its kind} the key belongs to a call with another digest.
+# An idempotency key names a call only while that call's record exists: TRANSITION gives the key the
+# record's TTL when it ends, and a key found without its record (written by an older version) is ignored.
+# A record with no ``h_digest`` (an older version's) matches any digest: the caller compares tool and kind.
 SUBMIT = (
     _WITH_SEQ
     + SLOTS
     + r"""
-if ARGV[8] == '1' then
+if ARGV[8] ~= '' then
   local existing = redis.call('GET', KEYS[6])
-  if existing then return {0, existing} end
+  if existing then
+    local f = redis.call('HMGET', 'rq:job:' .. existing, 'h_tool', 'h_kind', 'h_digest')
+    if f[1] then
+      if f[3] and f[3] ~= ARGV[8] then return {-2, existing, f[1], f[2] or ''} end
+      return {0, existing, f[1], f[2] or ''}
+    end
+  end
 end
 if redis.call('EXISTS', KEYS[1]) == 1 then return {0, ARGV[1]} end
 local limit = tonumber(ARGV[9])
@@ -271,7 +285,7 @@ else
   promote(KEYS[7], KEYS[4], KEYS[8], ARGV[10], ARGV[11])  -- slots free after the limit was raised
 end
 redis.call('SADD', KEYS[5], ARGV[7])
-if ARGV[8] == '1' then redis.call('SET', KEYS[6], ARGV[1], 'EX', ARGV[3]) end
+if ARGV[8] ~= '' then redis.call('SET', KEYS[6], ARGV[1], 'EX', ARGV[3]) end
 local ev = with_seq(ARGV[2], 1)
 redis.call('RPUSH', KEYS[3], ev)
 redis.call('EXPIRE', KEYS[1], ARGV[3])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -43,7 +43,14 @@ from broker.records import CallInfo
 from broker.states import TERMINAL, State
 from broker.toolspec import ToolSpec
 from hermes_gateway.aio_handle import AsyncBatch, AsyncCallHandle
-from hermes_gateway.envelopes import check_llm_request, llm_envelope, tool_envelope, tool_limits
+from hermes_gateway.envelopes import (
+    check_batch_keys,
+    check_llm_request,
+    item_opts,
+    llm_envelope,
+    tool_envelope,
+    tool_limits,
+)
 from hermes_gateway.telemetry import Sending
 
 log = structlog.get_logger("hermes.client")
@@ -155,7 +162,11 @@ class AsyncGateway:
         queue: str | None = None,
         **context: Any,
     ) -> AsyncCallHandle:
-        """Submit one tool call; raises UnknownTool or QueueFull at once, else returns its handle."""
+        """Submit one tool call; raises UnknownTool, QueueFull or IdempotencyConflict at once, else returns its handle.
+
+        ``idempotency_key`` as in ``Gateway.call_tool``: the same tool and arguments under a key still on
+        record get that call's handle; another tool or other arguments are an ``IdempotencyConflict``.
+        """
         entry = await self.tool(name)
         opts: dict[str, Any] = {
             "timeout": timeout,
@@ -202,14 +213,20 @@ class AsyncGateway:
             await self.calls.submit(env, pipeline=pipe, **limits)  # type: ignore[arg-type]
             pipe.publish(keys.channel(self.conn, keys.wake(env.queue)), b"")
             reply = (await pipe.execute())[0]
-            _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"])
+            _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
         except BaseException:
             self._handles.pop(env.call_id, None)
             raise
         if call_id != env.call_id:  # idempotent resubmission: follow the call that already exists
             self._handles.pop(env.call_id, None)
-            handle = AsyncCallHandle(self, call_id, env.name, env.kind, own=False)
-            await handle.sync()
+            handle = await self._existing(reply, call_id, env)
+        return handle
+
+    async def _existing(self, reply: Any, call_id: str, env: Envelope) -> AsyncCallHandle:
+        """A handle on the call an idempotent resubmission found, named as that call is."""
+        name, kind = Calls.existing_call(reply) or (env.name, env.kind)
+        handle = AsyncCallHandle(self, call_id, name, kind, own=False)
+        await handle.sync()
         return handle
 
     async def map(self, name: str, items: Iterable[dict[str, Any]], **common: Any) -> AsyncBatch:
@@ -217,18 +234,23 @@ class AsyncGateway:
         return await self.submit_many(((name, args) for args in items), **common)
 
     async def submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> AsyncBatch:
-        """Submit (tool, args) pairs in one pipeline; each gets a handle, refused ones carry their error."""
+        """Submit (tool, args) pairs in one pipeline; each gets a handle, refused ones carry their error.
+
+        ``idempotency_keys``: one key (or None) per item, as in ``Gateway.submit_many``.
+        """
         names = ("timeout", "max_attempts", "traceparent", "tracestate", "queue")
         opts = {k: common.pop(k) for k in names if k in common}
+        idempotency_keys: Sequence[str | None] | None = common.pop("idempotency_keys", None)
         calls = list(calls)
+        check_batch_keys(common, idempotency_keys, len(calls))
         for name in {n for n, _ in calls}:
             await self.tool(name)  # fill the cache (and raise UnknownTool) before the round trip
         send = Sending(opts.get("traceparent"), opts.get("tracestate"))  # one producer span for the batch
         opts["trace_headers"] = send.headers
         prepared = []
-        for name, args in calls:
+        for i, (name, args) in enumerate(calls):
             entry = self._tools.get(name) or await self.tool(name)
-            env = tool_envelope(entry, name, args, opts, common, self.channel)
+            env = tool_envelope(entry, name, args, item_opts(opts, idempotency_keys, i), common, self.channel)
             handle = self._track(AsyncCallHandle(self, env.call_id, name))
             prepared.append((env, tool_limits(env, entry.spec, self.settings), handle))
         pipe = self.conn.pipeline(transaction=False)
@@ -244,7 +266,10 @@ class AsyncGateway:
             try:
                 if isinstance(reply, Exception):
                     raise HermesError(f"submission failed: {reply}")
-                Calls.check_submit(reply, limits["ckey"], limits["queue_size"])
+                _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
+                if call_id != env.call_id:  # idempotent: follow the call that already exists
+                    self._handles.pop(env.call_id, None)
+                    handle = await self._existing(reply, call_id, env)
             except (QueueFull, HermesError) as e:
                 self._handles.pop(env.call_id, None)
                 handle._refuse(e)

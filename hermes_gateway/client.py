@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis
@@ -21,7 +21,14 @@ from broker.directory import Directory, Entry, sync_dir
 from broker.envelope import Envelope
 from broker.errors import HermesError, InvalidSpec, NoWorkers, QueueFull
 from broker.toolspec import ToolSpec
-from hermes_gateway.envelopes import check_llm_request, llm_envelope, tool_envelope, tool_limits
+from hermes_gateway.envelopes import (
+    check_batch_keys,
+    check_llm_request,
+    item_opts,
+    llm_envelope,
+    tool_envelope,
+    tool_limits,
+)
 from hermes_gateway.handle import Batch, CallHandle, cancel_call
 from hermes_gateway.telemetry import Sending
 
@@ -157,7 +164,12 @@ class Gateway:
         queue: str | None = None,
         **context: Any,
     ) -> CallHandle:
-        """Submit one tool call; raises UnknownTool or QueueFull at once, else returns its handle."""
+        """Submit one tool call; raises UnknownTool, QueueFull or IdempotencyConflict at once, else returns its handle.
+
+        ``idempotency_key``: while the call that first used the key is on record (until its result TTL
+        after it ends), submitting the same tool and arguments under it returns that call's handle;
+        another tool or other arguments are an ``IdempotencyConflict``.
+        """
         opts: dict[str, Any] = {
             "timeout": timeout,
             "idempotency_key": idempotency_key,
@@ -187,7 +199,8 @@ class Gateway:
         """Submit one LLM call (chat-completions kwargs): events carry stream deltas, the result the response.
 
         The provider is ``model:`` of config.yaml as the worker reads it; ``request["model"]`` overrides
-        ``model.model`` for this call. Raises QueueFull at once when the model's queue is full.
+        ``model.model`` for this call. Raises QueueFull at once when the model's queue is full, and
+        IdempotencyConflict when ``idempotency_key`` belongs to a call with another request.
         """
         check_llm_request(request, context)  # before the producer span starts
         send = Sending(traceparent, tracestate)
@@ -206,14 +219,19 @@ class Gateway:
             reply = pipes.execute(pipe)[0]
             if isinstance(reply, Exception):
                 raise reply
-            accepted, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"])
+            accepted, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
         except BaseException:
             self._untrack(env.call_id)
             raise
         if call_id != env.call_id:  # idempotent resubmission: follow the call that already exists
             self._untrack(env.call_id)
-            handle = CallHandle(self, call_id, env.name, env.kind, own=False)
+            handle = self._existing(reply, call_id, env)
         return handle
+
+    def _existing(self, reply: Any, call_id: str, env: Envelope) -> CallHandle:
+        """A handle on the call an idempotent resubmission found, named as that call is."""
+        name, kind = Calls.existing_call(reply) or (env.name, env.kind)
+        return CallHandle(self, call_id, name, kind, own=False)
 
     def map(self, name: str, items: Iterable[dict[str, Any]], **common: Any) -> Batch:
         """Submit many calls of one tool, pipelined; refused items raise on ``result()``."""
@@ -221,6 +239,10 @@ class Gateway:
 
     def submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> Batch:
         """Submit (tool, args) pairs; each gets a handle, refused ones carry their error.
+
+        ``idempotency_keys``: one key (or None) per item, as ``call_tool``'s ``idempotency_key``; an item
+        whose key belongs to another call's request is refused with ``IdempotencyConflict``, one whose
+        key names the same request gets that call's handle.
 
         Every item is built and validated first (an unknown tool or bad argument raises before anything
         is sent); then the calls go out in pipelines of ``SUBMIT_CHUNK``, each waking the workers, so
@@ -230,13 +252,16 @@ class Gateway:
         """
         names = ("timeout", "max_attempts", "traceparent", "tracestate", "queue")
         opts: dict[str, Any] = {k: common.pop(k) for k in names if k in common}
+        idempotency_keys: Sequence[str | None] | None = common.pop("idempotency_keys", None)
+        check_batch_keys(common, idempotency_keys)
         send = Sending(opts.get("traceparent"), opts.get("tracestate"))  # one producer span for the batch
         opts["trace_headers"] = send.headers
         prepared = []
         try:
-            for name, args in calls:
-                env, spec = self._envelope(name, args, opts, common)
+            for i, (name, args) in enumerate(calls):
+                env, spec = self._envelope(name, args, item_opts(opts, idempotency_keys, i), common)
                 prepared.append((env, self._limits(env, spec), self._track(CallHandle(self, env.call_id, name))))
+            check_batch_keys(common, idempotency_keys, len(prepared))
         except BaseException:
             for env, _, _ in prepared:
                 self._untrack(env.call_id)
@@ -269,7 +294,10 @@ class Gateway:
                         try:
                             if isinstance(reply, Exception):
                                 raise reply if isinstance(reply, HermesError) else HermesError(f"submission failed: {reply}")
-                            Calls.check_submit(reply, limits["ckey"], limits["queue_size"])
+                            _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
+                            if call_id != env.call_id:  # idempotent: follow the call that already exists
+                                self._untrack(env.call_id)
+                                handle = self._existing(reply, call_id, env)
                         except (QueueFull, HermesError) as e:
                             self._untrack(env.call_id)
                             handle._refuse(e)
@@ -392,4 +420,3 @@ class Gateway:
             if gap:
                 handle.sync()  # fill it from the durable history
             handle._feed(event)  # the terminal event untracks the handle
-

@@ -6,6 +6,7 @@ clients cannot drift apart on context fields, trace headers, queues or limits.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from broker.codec import pack
@@ -140,3 +141,18 @@ def llm_envelope(
         "timeout": float(timeout or model_cfg.get("timeout") or 120.0),
     }
     return env, limits
+
+
+def check_batch_keys(common: dict[str, Any], idem_keys: Sequence[str | None] | None, n: int | None = None) -> None:
+    """A batch takes one idempotency key (or None) per item, never one key for all of them; ``n`` items."""
+    if "idempotency_key" in common or isinstance(idem_keys, str | bytes):
+        raise TypeError("map/submit_many take idempotency_keys= (one key or None per item), not one key")
+    if idem_keys is not None and n is not None and len(idem_keys) != n:
+        raise ValueError(f"idempotency_keys has {len(idem_keys)} entries for {n} calls")
+
+
+def item_opts(opts: dict[str, Any], idem_keys: Sequence[str | None] | None, i: int) -> dict[str, Any]:
+    """The options of batch item ``i``: ``opts`` with its idempotency key, if it has one."""
+    if idem_keys is None or i >= len(idem_keys) or idem_keys[i] is None:
+        return opts
+    return {**opts, "idempotency_key": idem_keys[i]}
