@@ -6,6 +6,7 @@ there is one queue and one sender.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -21,6 +22,9 @@ log = structlog.get_logger("hermes.worker.outbox")
 
 Writer = Callable[[Pipeline], Any]
 Callback = Callable[[Any], None]
+
+
+_CLOSING_TRIES = 5  # a closing outbox (worker shutdown) stops retrying an unreachable broker after these
 
 
 class Outbox:
@@ -105,8 +109,16 @@ class Outbox:
                     log.exception("outbox callback failed")
 
     def _execute(self, batch: list[tuple[Writer, Callback | None]]) -> list[Any]:
-        """Send one pipeline; each writer's reply is the reply of the first command it added."""
-        for attempt in range(5):
+        """Send one pipeline; each writer's reply is the reply of the first command it added.
+
+        While the broker is unreachable the batch is sent again (every 2 s at most) until it answers: a
+        call that finished during an outage keeps its result instead of being run again once the broker
+        is back (the writes are fenced by attempt, so a call another worker took over meanwhile is not
+        overwritten). Only a closing outbox gives up, after a few tries.
+        """
+        for attempt in itertools.count():
+            if attempt >= _CLOSING_TRIES and self._closed:
+                break
             pipe = self.conn.pipeline(transaction=False)
             starts = []
             for writer, _ in batch:
@@ -117,8 +129,11 @@ class Outbox:
                     self._connection = self.conn.connection_pool.get_connection()
                 replies = pipes.execute(pipe, self._connection)
             except (redis.ConnectionError, redis.TimeoutError) as e:
-                log.warning("outbox flush failed, retrying", error=str(e), attempt=attempt + 1)
-                threading.Event().wait(min(0.1 * 2**attempt, 2.0))
+                if attempt < 5 or attempt % 30 == 0:  # not a line every 2 s for a long outage
+                    log.warning(
+                        "outbox flush failed, retrying", error=str(e), attempt=attempt + 1, writes=len(batch)
+                    )
+                threading.Event().wait(min(0.1 * 2 ** min(attempt, 5), 2.0))
                 continue
             return [replies[i] if i < len(replies) else None for i in starts]
         return [redis.ConnectionError("broker unreachable")] * len(batch)

@@ -103,6 +103,28 @@ def test_a_short_broker_outage_is_retried(outbox: Outbox, server: Any) -> None:
     assert fakeredis.FakeRedis(server=server).lrange("l", 0, -1) == [b"kept"]
 
 
+def test_a_long_broker_outage_keeps_the_writes_until_the_broker_is_back(outbox: Outbox, server: Any) -> None:
+    # Past the first few tries (about 3 s) the writes were dropped, and a call that had finished during
+    # the outage was run again once the broker came back.
+    server.connected = False
+    done = threading.Event()
+    box: list[Any] = []
+    outbox.put(lambda pipe: pipe.rpush("l", "result"), lambda rep: (box.append(rep), done.set()))
+    assert not done.wait(4.5)  # still trying, nothing given up
+    server.connected = True
+    assert done.wait(5)
+    assert box == [1] and fakeredis.FakeRedis(server=server).lrange("l", 0, -1) == [b"result"]
+
+
+def test_a_closing_outbox_gives_up_on_an_unreachable_broker(server: Any) -> None:
+    box = Outbox(fakeredis.FakeRedis(server=server), max_batch=16)
+    server.connected = False
+    got: list[Any] = []
+    box.put(lambda pipe: pipe.rpush("l", "x"), got.append)
+    box.close(10)
+    assert len(got) == 1 and isinstance(got[0], redis.ConnectionError)
+
+
 def test_close_sends_what_is_queued(server: Any) -> None:
     box = Outbox(fakeredis.FakeRedis(server=server))
     for i in range(50):
