@@ -38,7 +38,7 @@ def _dockerfile() -> tuple[list[str], dict[str, str], list[tuple[str, str]]]:
             k, v = line.split(None, 1)[1].split("=", 1)
             env[k] = v
         elif line.startswith("COPY"):
-            src, dst = line.split()[1:3]
+            src, dst = [w for w in line.split()[1:] if not w.startswith("--")][:2]
             copies.append((src, dst))
     return entry, env, copies
 
@@ -47,6 +47,23 @@ def _argv(entry: list[str], command: list[str]) -> list[str]:
     argv = [*entry, *command]
     exe = BIN / argv[0]
     return [str(exe) if exe.exists() else argv[0], *argv[1:]]
+
+
+def test_compose_publishes_only_on_loopback_waits_for_a_healthy_redis_and_the_image_is_not_root() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    # Whoever reaches Redis can register and run tools: nothing is published beyond this machine.
+    for name, svc in services.items():
+        for port in svc.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), (name, port)
+    worker = services["worker"]
+    assert worker["depends_on"]["redis"] == {"condition": "service_healthy"}
+    assert worker["restart"] == "unless-stopped" and services["api"]["restart"] == "unless-stopped"
+    dockerfile = (ROOT / "Dockerfile").read_text().splitlines()
+    users = [line.split()[1] for line in dockerfile if line.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0")
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored
 
 
 def test_compose_services_run_as_written(tmp_path: Path) -> None:
@@ -80,6 +97,11 @@ def test_compose_services_run_as_written(tmp_path: Path) -> None:
             except redis.ConnectionError:
                 time.sleep(0.05)
         url_for = lambda svc_env: svc_env["HERMES_REDIS_URL"].replace("redis://redis:6379", f"redis://127.0.0.1:{port}")  # noqa: E731
+        # redis's healthcheck, run as compose runs it (CMD-SHELL), against this Redis: healthy once it answers.
+        check = services["redis"]["healthcheck"]["test"]
+        assert check[0] == "CMD-SHELL"
+        healthy = subprocess.run(["sh", "-c", check[1].replace("redis-cli ping", f"redis-cli -p {port} ping")], timeout=10)
+        assert healthy.returncode == 0
 
         def env_of(name: str, shell: dict[str, str] | None = None) -> dict[str, str]:
             # ${VAR:-default} is read from the shell that runs compose, as compose does.
