@@ -87,7 +87,9 @@ def configure(level: str = "INFO", fmt: str = "console", stream: Any = None) -> 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
+        # One write() per line (message and newline together): the processes of a pool share one stderr,
+        # and lines written in two parts came out glued to another process's.
+        logger_factory=structlog.WriteLoggerFactory(file=stream or sys.stderr),
         cache_logger_on_first_use=False,
     )
     # Records of stdlib loggers (plugins, libraries) come out in the same format: JSON lines in JSON mode.

@@ -173,3 +173,46 @@ def test_tool_run_reads_its_arguments_from_stdin_or_a_file(home: Any, tmp_path: 
     assert from_file.returncode == 0 and from_file.stdout == "Hello, File!\n", from_file.stderr
     zero = _run(home, "tool", "run", "hello", "--timeout", "0")
     assert zero.returncode == 2 and "Invalid value for '--timeout'" in zero.stderr
+
+
+def test_a_pools_json_logs_are_one_object_per_line(home: Any, redis_url: str, tmp_path: Path) -> None:
+    # The processes of a pool share one stderr (a pipe under docker or systemd): a line written as two
+    # write()s came out glued to another process's line.
+    import json
+    import threading
+    import time
+
+    from hermes_gateway import Gateway
+
+    (home.tools_dir / "echo.yaml").write_text(ECHO_SPEC)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_")}
+    env = {**base, "HERMES_HOME": str(home.path), "HERMES_REDIS_URL": redis_url}
+    pool = subprocess.Popen(
+        [CLI, "--log-format", "json", "--log-level", "DEBUG", "worker", "--queues", "tools", "-c", "16", "-p", "2"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    chunks: list[bytes] = []
+    assert pool.stderr is not None
+    reader = threading.Thread(
+        target=lambda: chunks.extend(iter(lambda: pool.stderr.read(65536), b"")), daemon=True
+    )
+    reader.start()  # drained as it comes: a full pipe would stop the workers
+    try:
+        gw = Gateway.connect(redis_url)
+        gw.sync_tools(home.tools_dir)
+        deadline = time.monotonic() + 30
+        while len(gw.live_workers("tools")) < 2:
+            assert time.monotonic() < deadline and pool.poll() is None, "the pool did not start"
+            time.sleep(0.05)
+        for _ in range(2):
+            for h in gw.map("echo", [{"i": i} for i in range(300)]):
+                h.result(30)
+        gw.close()
+    finally:
+        pool.terminate()
+        pool.wait(60)
+        reader.join(10)
+    lines = b"".join(chunks).decode().splitlines()
+    assert len(lines) > 600  # DEBUG: several lines a call
+    bad = [line for line in lines if not line.startswith("{") or not isinstance(json.loads(line), dict)]
+    assert bad == [], bad[:3]
