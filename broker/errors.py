@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+WIRE_TEXT = 16 * 1024  # characters of an error's message (and of each detail string) that travel
+
 
 class HermesError(Exception):
     """Base of every error the gateway raises on purpose."""
@@ -21,9 +23,14 @@ class HermesError(Exception):
         self.details = details
 
     def to_wire(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"type": self.type, "message": self.message}
+        """The error as it travels (events, records, HTTP): secret-shaped text masked, as in logs and
+        audit records — a message may quote what a caller sent (``{'password': ...} is not of type
+        'string'``) — and very long text cut."""
+        from .redact import clip_text, redact
+
+        out: dict[str, Any] = {"type": self.type, "message": clip_text(self.message, WIRE_TEXT)}
         if self.details:
-            out["details"] = self.details
+            out["details"] = redact(self.details, max_text=WIRE_TEXT)
         return out
 
     def __str__(self) -> str:

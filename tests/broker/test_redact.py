@@ -257,3 +257,19 @@ def test_long_text_is_clipped_and_a_secret_straddling_the_cut_is_masked_not_show
     nested = redact({"a": ["z" * 300, {"b": "w" * 300}]}, max_text=10)
     assert nested == {"a": ["z" * 10 + "…[290 more characters]", {"b": "w" * 10 + "…[290 more characters]"}]}
     assert redact({"blob": b"\x00" * 50}, max_text=10) == {"blob": "<50 bytes>"}
+
+
+def test_an_errors_wire_form_masks_what_its_message_quotes_from_the_caller() -> None:
+    from broker.errors import InvalidArgs
+
+    message = (
+        "tool 'hello': invalid arguments: $.name: {'password': 'hunter2-secret'} is not of type 'string'"
+    )
+    wire = InvalidArgs(message, path="$.name", sent="Bearer " + A36).to_wire()
+    assert "hunter2" not in str(wire) and A36 not in str(wire)
+    assert (
+        wire["message"].endswith("{'password': '***'} is not of type 'string'")
+        and wire["details"]["path"] == "$.name"
+    )
+    huge = InvalidArgs("x" * 100_000).to_wire()["message"]  # a message quoting megabytes is cut, cheaply
+    assert len(huge) < 20_000 and huge.endswith("more characters]")
