@@ -1,4 +1,7 @@
-PY ?= python3
+# The first Python 3.11+ on PATH (python3 may be older where python3.11 was added beside it).
+PY ?= $(shell for p in python3 python3.13 python3.12 python3.11; do \
+	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { echo $$p; break; }; \
+	done)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -7,8 +10,16 @@ DEVSTAMP := $(VENV)/.installed-dev
 .PHONY: demo test lint bench clean
 
 $(BIN)/python:
+	@test -n "$(PY)" || { echo "error: no Python 3.11+ found (python3, python3.11...); install one or run make PY=/path/to/python3.11" >&2; exit 1; }
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+
+# A .venv made by an older Python (before 3.11 was found) is made again.
+ifneq ($(wildcard $(BIN)/python),)
+ifneq ($(shell $(BIN)/python -c 'import sys; print(sys.version_info >= (3, 11))' 2>/dev/null),True)
+$(shell rm -rf $(VENV))
+endif
+endif
 
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e .
