@@ -171,6 +171,7 @@ def stop(ctx: click.Context, all_: bool, grace: float, names: tuple[str, ...]) -
     """Stop workers gracefully (they finish or hand back in-flight calls); with --all, also stop what
     runs on this machine from its run registry ($HERMES_HOME/run), so `serve` frees its port."""
     from broker import keys, runfiles
+    from broker.codec import text
     from hermes_gateway.local import connect_shared
     from workers.worker import control_message
 
@@ -190,10 +191,19 @@ def stop(ctx: click.Context, all_: bool, grace: float, names: tuple[str, ...]) -
             if all_:
                 reached = handle.conn.publish(channel, control_message("stop"))
                 click.echo(f"stop sent to all workers on {handle.description} ({reached} listening)")
+            known = {text(n) for n in handle.conn.zrange(keys.WORKERS, 0, -1)}
+            unknown = [name for name in names if name not in known]
             for name in names:
-                handle.conn.publish(channel, control_message("stop", worker=name))
-                click.echo(f"stop sent to {name}")
+                if name in known:
+                    handle.conn.publish(channel, control_message("stop", worker=name))
+                    click.echo(f"stop sent to {name}")
             handle.close()
+            if unknown:  # a typo must not read as done
+                shown = ", ".join(sorted(known)) or "none"
+                _fail(
+                    f"no such worker: {', '.join(unknown)} (workers on this broker: {shown}; see `hermes-gateway status`)",
+                    1,
+                )
     if not all_:
         return
 

@@ -216,3 +216,20 @@ def test_a_pools_json_logs_are_one_object_per_line(home: Any, redis_url: str, tm
     assert len(lines) > 600  # DEBUG: several lines a call
     bad = [line for line in lines if not line.startswith("{") or not isinstance(json.loads(line), dict)]
     assert bad == [], bad[:3]
+
+
+def test_stop_with_a_name_no_worker_has_is_an_error_and_a_real_name_is_stopped(
+    home: Any, redis_url: str, workers: Any
+) -> None:
+    [worker] = workers(1)
+    env = {"HERMES_REDIS_URL": redis_url}
+    typo = _run(home, "stop", "hermes-typo-name", **env)
+    assert (
+        typo.returncode == 1
+        and "no such worker: hermes-typo-name" in typo.stderr
+        and worker.name in typo.stderr
+    )
+    assert worker.alive
+    real = _run(home, "stop", worker.name, **env)
+    assert real.returncode == 0 and f"stop sent to {worker.name}" in real.stdout
+    assert worker.wait(30) == 0
