@@ -54,6 +54,14 @@ class _Main(click.Group):
             i += 1
         return super().parse_args(ctx, front + rest)
 
+    def invoke(self, ctx: click.Context) -> Any:
+        import redis
+
+        try:
+            return super().invoke(ctx)
+        except (redis.ConnectionError, redis.TimeoutError) as e:  # one line, not a traceback
+            _fail(f"broker_unavailable: the broker did not answer: {e}", 1)
+
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--home", envvar="HERMES_HOME", default=None, help="Config directory (default ~/.hermes).")

@@ -7,10 +7,12 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+import redis
+
 from broker import events as ev_mod
 from broker import keys
 from broker.codec import pack, text
-from broker.errors import CallCancelled, CallTimeout, HermesError, error_from_wire
+from broker.errors import BrokerUnavailable, CallCancelled, CallTimeout, HermesError, error_from_wire
 from broker.events import Event
 from broker.states import TERMINAL, State
 
@@ -111,6 +113,7 @@ class CallHandle:
     def _wait(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         check = 0.0
+        unreachable: Exception | None = None
         while not self._over:
             wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
             with self._cv:
@@ -121,10 +124,21 @@ class CallHandle:
             # Pub/sub is fire-and-forget: now and then read the durable history directly.
             if time.monotonic() >= check:
                 check = time.monotonic() + 1.0
-                self.sync()
+                try:
+                    self.sync()
+                    unreachable = None
+                except (redis.ConnectionError, redis.TimeoutError) as e:
+                    # A broker restart: the call goes on (its worker keeps it) and so does the wait.
+                    unreachable = e
                 if self._over:
                     return
             if deadline is not None and time.monotonic() >= deadline:
+                if unreachable is not None:
+                    raise BrokerUnavailable(
+                        f"no result for call {self.call_id} ({self.name}) within {timeout:g}s: the broker "
+                        f"did not answer ({unreachable})",
+                        call_id=self.call_id,
+                    )
                 raise CallTimeout(f"no result for call {self.call_id} ({self.name}) within {timeout:g}s", call_id=self.call_id)
 
     def sync(self) -> None:
@@ -166,7 +180,10 @@ class CallHandle:
                     self._followers -= 1
                 if woken:
                     continue
-            self.sync()  # quiet for a second: read the durable history in case pub/sub dropped one
+            try:
+                self.sync()  # quiet for a second: read the durable history in case pub/sub dropped one
+            except (redis.ConnectionError, redis.TimeoutError):
+                pass  # a broker restart: keep following until the deadline
 
     def cancel(self) -> bool:
         """Ask for the call to stop: at once while it waits, through its worker while it runs."""
