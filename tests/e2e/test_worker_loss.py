@@ -77,3 +77,37 @@ def test_calls_of_a_killed_worker_are_retried_or_fail_with_worker_lost(
             assert h.result(timeout=5) == {"slept": SLEEP}
     assert conn.zcard(keys.LEASES) == 0
     assert survivor.alive
+
+
+def test_a_killed_workers_command_tools_die_with_it(
+    gateway: Any, home: Any, workers: Any, tmp_path: Any
+) -> None:
+    # An orphaned tool would run on beside its call's retry on another worker, outside the limit.
+    import psutil
+
+    marker = f"hermes-orphan-{tmp_path.name}"
+    home.tool("long", executor="command", command=["sleep", "30"], timeout=60, env_set={"MARK": marker})
+    gateway.sync_tools()
+    [worker] = workers(1)
+    handle = gateway.call_tool("long", {})
+
+    def tools() -> list[Any]:
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if p.info["cmdline"] == ["sleep", "30"] and p.environ().get("MARK") == marker:
+                    found.append(p)
+            except psutil.Error:
+                pass
+        return found
+
+    deadline = time.monotonic() + 20
+    while not tools():
+        assert time.monotonic() < deadline, "the tool did not start"
+        time.sleep(0.05)
+    worker.kill()
+    deadline = time.monotonic() + 10
+    while tools():
+        assert time.monotonic() < deadline, "the tool outlived its killed worker"
+        time.sleep(0.05)
+    gateway.cancel(handle.call_id)

@@ -32,6 +32,7 @@ import subprocess
 import time
 from typing import Any
 
+from broker.embedded import die_with_parent
 from broker.errors import (
     CallCancelled,
     ExecutorError,
@@ -123,6 +124,9 @@ class CommandExecutor:
                 env=env,
                 start_new_session=True,
                 close_fds=True,
+                # A worker killed outright (SIGKILL, OOM) takes its tools with it: an orphan would run on
+                # beside the retry of its call on another worker, outside the concurrency limit.
+                preexec_fn=die_with_parent,
             )
         except FileNotFoundError as e:
             raise ExecutorError(f"{where}: command not found: {argv[0]}", command=argv[0]) from e
