@@ -10,13 +10,14 @@ from broker.errors import CallCancelled, ToolTimeout
 from .base import ExecContext
 
 
-def noop(**kwargs: Any) -> None:
-    """Do nothing: the cheapest possible tool, for measuring the gateway itself."""
+def noop(ctx: ExecContext | None = None, **kwargs: Any) -> None:
+    """Do nothing: the cheapest possible tool, for measuring the gateway itself. It takes ``ctx``, so it
+    runs on the call's thread (it cannot overrun a deadline: it returns at once)."""
     return None
 
 
-def echo(**kwargs: Any) -> dict[str, Any]:
-    """Return the arguments unchanged."""
+def echo(ctx: ExecContext | None = None, **kwargs: Any) -> dict[str, Any]:
+    """Return the arguments unchanged (on the call's thread, like ``noop``)."""
     return kwargs
 
 

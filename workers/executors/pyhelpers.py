@@ -1,0 +1,210 @@
+"""Helper threads for ``python`` tools that cannot cooperate (no ``ctx``): the call's thread waits on
+one with the deadline, so the call can end at its timeout (or on cancel) while the function is abandoned
+and stopped with :class:`ToolStopped` (see :mod:`workers.executors.python`).
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextvars
+import ctypes
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from broker.errors import ExecutorError
+
+log = structlog.get_logger("hermes.executor.python")
+
+POLL = 0.05
+DEFAULT_MAX_ABANDONED = 8
+_HELPER_IDLE = 60.0  # seconds an idle helper thread waits for work before it ends
+
+
+class ToolStopped(BaseException):
+    """Raised inside an abandoned python tool (its call timed out or was cancelled).
+
+    A ``BaseException``, so a tool's ``except Exception`` does not swallow it."""
+
+
+# Called with the GIL held (pythonapi functions keep it); the second prototype passes NULL, which clears
+# a pending exception. Both take the thread id as a plain int, so calling them runs no Python code.
+_inject = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_ulong, ctypes.py_object)(
+    ("PyThreadState_SetAsyncExc", ctypes.pythonapi)
+)
+_uninject = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p)(
+    ("PyThreadState_SetAsyncExc", ctypes.pythonapi)
+)
+
+_QUEUED, _RUNNING, FINISHED = 0, 1, 2
+
+
+class Job:
+    """One function call on a helper thread, and the hand-shake that makes abandoning it safe.
+
+    ``lock`` orders the helper's start/finish against the call thread's ``stop``: a ToolStopped is
+    injected only while the function runs, at most once, and cleared (if still pending) when it ends.
+    """
+
+    def __init__(self, call: Callable[[], Any], tally: Tally) -> None:
+        self.call = call
+        self.context = contextvars.copy_context()  # log fields and trace context follow the call
+        self.tally = tally
+        self.lock = _thread.allocate_lock()
+        self.done = _thread.allocate_lock()
+        self.done.acquire()  # released by the helper when the function has ended
+        self.state = _QUEUED
+        self.abandoned = False
+        self.injected = False
+        self.ident = 0
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def begin(self, ident: int) -> bool:
+        """On the helper: False when the call was given up before the function started."""
+        with self.lock:
+            if self.abandoned:
+                return False
+            self.ident = ident
+            self.state = _RUNNING
+            return True
+
+    def execute(self) -> None:
+        try:
+            self.result = self.context.run(self.call)
+        except BaseException as e:  # noqa: BLE001 - handed to the call thread as the call's outcome
+            self.error = e
+
+    def settle(self) -> None:
+        """On the helper: the function has ended. Idempotent (a late ToolStopped may interrupt it).
+
+        After it returns no ToolStopped is pending; the helper then releases ``done``."""
+        with self.lock:
+            if self.injected:
+                _uninject(self.ident, None)  # first: a pending ToolStopped must not fire later
+            if self.state != FINISHED:
+                self.state = FINISHED
+                if self.abandoned:
+                    self.tally.release()
+
+    def stop(self) -> None:
+        """On the call thread, once it gave up on the call: abandon the function and ask it to stop."""
+        with self.lock:
+            self.abandoned = True
+            if self.state == FINISHED:
+                return
+            self.tally.take()
+            if self.state == _RUNNING:
+                self.injected = True
+                _inject(self.ident, ToolStopped)
+
+
+class Tally:
+    """How many abandoned functions of one tool are still running in this process."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.lock = _thread.allocate_lock()
+
+    def take(self) -> None:
+        with self.lock:
+            self.count += 1
+
+    def release(self) -> None:
+        with self.lock:
+            self.count -= 1
+
+
+class _Helper:
+    """A thread that runs one job at a time, handed to it by the pool."""
+
+    def __init__(self, pool: HelperPool, number: int) -> None:
+        self.pool = pool
+        self.wake = _thread.allocate_lock()
+        self.wake.acquire()
+        self.job: Job | None = None
+        self.thread = threading.Thread(target=self.loop, name=f"hermes-python-{number}", daemon=True)
+
+    def loop(self) -> None:
+        ident = threading.get_ident()
+        while True:
+            if not self.wake.acquire(timeout=_HELPER_IDLE):
+                if self.pool.retire(self):
+                    return
+                self.wake.acquire()  # a job was handed to it just as it timed out
+            job, self.job = self.job, None
+            if job is None:  # the pool closed
+                return
+            self.serve(job, ident)
+            # Back among the idle before the caller wakes: its next call reuses this thread.
+            resting = self.pool.rest(self)
+            job.done.release()
+            if not resting:
+                return
+
+    @staticmethod
+    def serve(job: Job, ident: int) -> None:
+        # From ``begin`` until ``settle`` has cleared it, a ToolStopped may surface at any bytecode
+        # check, also in this frame: catch it and go on; it is injected at most once per job.
+        begun = False
+        while True:
+            try:
+                if not begun:
+                    begun = True
+                    if job.begin(ident):
+                        job.execute()
+                job.settle()
+                return
+            except ToolStopped:
+                continue
+
+
+class HelperPool:
+    """Helper threads for functions without ``ctx``: an idle one is reused, else a new one starts."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.idle: list[_Helper] = []  # a stack: the most recently used is reused, the others retire
+        self.started = 0
+        self.closed = False
+
+    def submit(self, job: Job) -> None:
+        with self.lock:
+            if self.closed:
+                raise ExecutorError("the python executor is closed")
+            helper = self.idle.pop() if self.idle else None
+            if helper is None:
+                self.started += 1
+                helper = _Helper(self, self.started)
+                helper.job = job
+                helper.wake.release()
+                helper.thread.start()
+                return
+            helper.job = job
+        helper.wake.release()
+
+    def rest(self, helper: _Helper) -> bool:
+        with self.lock:
+            if self.closed:
+                return False
+            self.idle.append(helper)
+            return True
+
+    def retire(self, helper: _Helper) -> bool:
+        """An idle helper timed out: it ends unless a job was just handed to it."""
+        with self.lock:
+            if helper in self.idle:
+                self.idle.remove(helper)
+                return True
+            return False
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            idle, self.idle = self.idle, []
+        for helper in idle:
+            helper.wake.release()  # job None: it ends
+
+
