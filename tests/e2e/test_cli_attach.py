@@ -10,7 +10,6 @@ spec file brings back. Each test runs the real CLI as the user would.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import httpx
 import pytest
 
 from broker import runfiles
+from tests.e2e.test_cli import _env, _run
 from tests.e2e.util import free_port, wait_http
 
 pytestmark = pytest.mark.e2e
@@ -31,17 +31,6 @@ CLI = str(Path(sys.executable).parent / "hermes-gateway")
 WEATHER = ROOT / "examples" / "tools" / "get_weather.yaml"
 HELLO = ROOT / "examples" / "tools" / "hello.yaml"
 THROWAWAY = "the embedded broker lasts only for this command"
-
-
-def _run(args: list[str], env: dict[str, str], timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([CLI, *args], env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _env(home: Any, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_")}
-    env["HERMES_HOME"] = str(home.path)
-    env.update(extra)
-    return env
 
 
 def _names(out: subprocess.CompletedProcess[str]) -> set[str]:

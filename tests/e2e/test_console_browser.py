@@ -16,9 +16,12 @@ from typing import Any
 
 import pytest
 
+from tests.e2e import test_console
 from tests.e2e.test_console import GREET_YAML, ConsoleServer
 
 pytestmark = pytest.mark.e2e
+
+served = test_console.served  # the same fixture: a server over the real API, workers and Redis
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is a dev extra")
 
@@ -77,16 +80,6 @@ def browser() -> Iterator[Any]:
         b = p.chromium.launch(executable_path=executable, args=BROWSER_ARGS)
         yield b
         b.close()
-
-
-@pytest.fixture
-def served(gateway: Any, home: Any, workers: Any, request: pytest.FixtureRequest) -> Iterator[ConsoleServer]:
-    home.echo_tool()
-    gateway.sync_tools()
-    workers(1, concurrency=8)
-    server = ConsoleServer(gateway, token=getattr(request, "param", None))
-    yield server
-    server.stop()
 
 
 def _open(browser: Any, served: ConsoleServer) -> Page:
