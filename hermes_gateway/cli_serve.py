@@ -1,0 +1,105 @@
+"""``hermes-gateway serve``: the HTTP/SSE API and the web console (``hermes_gateway/http_api.py``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import click
+
+from broker.errors import HermesError
+from hermes_gateway.cli_common import _fail, _note, _settings, _sync_tools
+
+
+def _listen(host: str, port: int, home: Any) -> Any:
+    """The listening socket of ``serve``; a taken port is a one-line error naming who holds it."""
+    import socket
+
+    from broker import runfiles
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        _fail(f"cannot listen on {host}:{port}: {e.strerror}")
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        holders = [f" (by {x.describe()})" for x in runfiles.entries(home) if x.port == port and x.is_ours()]
+        _fail(
+            f"cannot listen on {host}:{port}: {e.strerror}{holders[0] if holders else ''}; "
+            "`hermes-gateway stop --all` stops this machine's gateway processes, or pick another --port"
+        )
+    sock.listen(2048)
+    return sock
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port",
+    default=8787,
+    show_default=True,
+    type=click.IntRange(1, 65535),
+    help="Port of the API and the console.",
+)
+@click.option("--token", default=None, help="Bearer token every /v1 route wants (default $HERMES_API_TOKEN).")
+@click.pass_context
+def serve(ctx: click.Context, host: str, port: int, token: str | None) -> None:
+    """The HTTP/SSE API and the web console (GET / in a browser); see hermes_gateway/http_api.py."""
+
+    import uvicorn
+
+    from hermes_gateway.http_api import TOKEN_ENV, create_app
+    from hermes_gateway.local import local_stack
+
+    token = token or os.environ.get(TOKEN_ENV) or None
+    if token is None and host not in ("127.0.0.1", "localhost", "::1"):
+        _fail(
+            f"listening on {host} lets anyone there register tools and run calls: give --token (or ${TOKEN_ENV})"
+        )
+    # uvicorn shuts down on SIGTERM, then raises the signal again to the handler it found: exit through
+    # our own cleanup (stop the local worker, the embedded broker) instead of dying on the spot. A SIGTERM
+    # while the broker and worker start is kept and obeyed once they are up; while cleaning up, ignored.
+    import signal
+
+    from broker import runfiles
+    from hermes_gateway.local import watch_control_stop
+
+    settings = _settings(ctx)
+    sock = _listen(host, port, settings.home)  # before the broker and worker: a taken port fails at once
+    early: list[int] = []
+    signal.signal(signal.SIGTERM, lambda sig, _frame: early.append(sig))
+    # In this machine's run registry ($HERMES_HOME/run) with its embedded broker and local worker, so
+    # `stop --all` stops them all (this process first; it stops its worker and broker itself).
+    runfiles.enable(settings.home)
+    os.environ[runfiles.ENV] = "1"  # its local worker too (it stops with serve: parents go first)
+    runfile = runfiles.register("serve", host=host, port=port)
+    try:
+        with local_stack(settings) as (gw, procs):
+            try:
+                signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))
+                if early:
+                    sys.exit(0)
+                runfiles.register("serve", host=host, port=port, url=gw.broker.url)
+                # `stop --all` sent to the broker (from any host) stops this server too, as it does workers.
+                watch_control_stop(gw.conn, lambda: os.kill(os.getpid(), signal.SIGTERM))
+                _sync_tools(gw)  # $HERMES_HOME/tools, as every command that runs calls does
+                local = f" (with {len(procs)} local worker)" if procs else ""
+                _note(f"broker: {gw.description}{local}")
+                _note(f"console and API on http://{host}:{port}/")
+                app = create_app(gw, token=token)
+                config = uvicorn.Config(
+                    app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
+                )
+                uvicorn.Server(config).run(sockets=[sock])
+            finally:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except HermesError as e:
+        _fail(str(e))
+    finally:
+        runfiles.unregister(runfile)
