@@ -9,8 +9,6 @@ Every write takes an optional ``pipeline``; only the creator of a pipeline execu
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +19,8 @@ from redis.client import Pipeline
 from . import events, keys, pipes, scripts, upkeep
 from .codec import raw, text
 from .envelope import Envelope
-from .errors import IdempotencyConflict, IllegalTransition, QueueFull
+from .errors import IllegalTransition, QueueFull
+from .idempotency import conflict, request_digest
 from .records import CallInfo, Claimed, Step, job_fields, lease_deadline, read_record, rq_now, waiting_score
 from .states import RQ_STATUS, TERMINAL, State, sources
 
@@ -134,7 +133,7 @@ class Calls:
             code == 0 and env is not None and existing is not None and existing != (env.name, env.kind)
         ):
             name, kind = existing or ("", "")
-            raise _conflict(env, text(value), name, kind)
+            raise conflict(env, text(value), name, kind)
         return code == 1, text(value)
 
     @staticmethod
@@ -404,52 +403,6 @@ class Calls:
     def record(self, call_id: str) -> dict[str, Any] | None:
         """The call's record as plain values (state, attempt, result, error, ...)."""
         return read_record(self.conn, call_id)
-
-
-def request_digest(env: Envelope) -> str:
-    """What a call asks for, as a digest: kind, tool (or model) and canonical args (or LLM request).
-
-    Context, options and trace headers are not part of it: a resubmission under one idempotency key
-    may come from another turn or process, but must ask for the same thing.
-    """
-    body = env.args if env.kind == "tool" else env.request
-    blob = json.dumps([env.kind, env.name, _canonical(body)], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-
-def _canonical(value: Any) -> Any:
-    """``value`` as plain JSON data, independent of dict and set order (as the wire codec encodes it)."""
-    if isinstance(value, dict):
-        return {str(k): _canonical(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_canonical(v) for v in value]
-    if isinstance(value, set | frozenset):
-        return sorted((_canonical(v) for v in value), key=lambda v: json.dumps(v, sort_keys=True))
-    if isinstance(value, bytes | bytearray | memoryview):
-        return {"$bytes": bytes(value).hex()}
-    if value is None or isinstance(value, str | int | float):
-        return value
-    if hasattr(value, "isoformat"):
-        return value.isoformat()
-    raise TypeError(f"cannot encode {type(value).__name__} on the wire")
-
-
-def _conflict(env: Envelope | None, call_id: str, name: str, kind: str) -> IdempotencyConflict:
-    key = env.options.idempotency_key if env is not None else None
-    what = "model" if kind == "llm" else "tool"
-    if env is not None and (env.name, env.kind) != (name, kind):
-        asked = "model" if env.kind == "llm" else "tool"
-        why = f": it cannot be reused for {asked} {env.name!r}"
-    else:
-        other = "a different request" if kind == "llm" else "different arguments"
-        why = f" with {other}: reuse a key only to resubmit the same call"
-    return IdempotencyConflict(
-        f"idempotency key {key!r} already belongs to call {call_id} of {what} {name!r}{why}",
-        key=key,
-        call_id=call_id,
-        tool=name,
-        kind=kind,
-    )
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,0 +1,39 @@
+"""Idempotency keys: what a call asks for as a digest, and the conflict when a key is reused for another.
+
+SUBMIT (``broker/scripts.py``) stores the digest with the call and compares it when the key comes back;
+the key expires with the call's record.
+"""
+
+from __future__ import annotations
+
+from .envelope import Envelope
+from .errors import IdempotencyConflict
+from .redact import HASH_PREFIX, hash_value
+
+
+def request_digest(env: Envelope) -> str:
+    """What a call asks for, as a digest: kind, tool (or model) and canonical args (or LLM request).
+
+    Context, options and trace headers are not part of it: a resubmission under one idempotency key
+    may come from another turn or process, but must ask for the same thing.
+    """
+    body = env.args if env.kind == "tool" else env.request
+    return hash_value([env.kind, env.name, body]).removeprefix(HASH_PREFIX)[:32]
+
+
+def conflict(env: Envelope | None, call_id: str, name: str, kind: str) -> IdempotencyConflict:
+    key = env.options.idempotency_key if env is not None else None
+    what = "model" if kind == "llm" else "tool"
+    if env is not None and (env.name, env.kind) != (name, kind):
+        asked = "model" if env.kind == "llm" else "tool"
+        why = f": it cannot be reused for {asked} {env.name!r}"
+    else:
+        other = "a different request" if kind == "llm" else "different arguments"
+        why = f" with {other}: reuse a key only to resubmit the same call"
+    return IdempotencyConflict(
+        f"idempotency key {key!r} already belongs to call {call_id} of {what} {name!r}{why}",
+        key=key,
+        call_id=call_id,
+        tool=name,
+        kind=kind,
+    )
