@@ -14,14 +14,10 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# A .venv made by an older Python (before 3.11 was found) is made again.
-ifneq ($(wildcard $(BIN)/python),)
-ifneq ($(shell $(BIN)/python -c 'import sys; print(sys.version_info >= (3, 11))' 2>/dev/null),True)
-$(shell rm -rf $(VENV))
-endif
-endif
 
 $(STAMP): $(BIN)/python pyproject.toml
+	@$(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
+		echo "error: .venv was made by $$($(BIN)/python --version); this needs Python 3.11+: make clean, then make again" >&2; exit 1; }
 	$(BIN)/pip install -q -e .
 	touch $(STAMP)
 

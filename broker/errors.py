@@ -16,6 +16,7 @@ class HermesError(Exception):
 
     type: str = "error"
     retryable: bool = False
+    masked: bool = True  # secret-shaped text in the message is masked on the wire
 
     def __init__(self, message: str = "", **details: Any) -> None:
         super().__init__(message or self.__class__.__doc__ or self.type)
@@ -28,7 +29,8 @@ class HermesError(Exception):
         'string'``) — and very long text cut."""
         from .redact import clip_text, redact
 
-        out: dict[str, Any] = {"type": self.type, "message": clip_text(self.message, WIRE_TEXT)}
+        message = clip_text(self.message, WIRE_TEXT) if self.masked else self.message[:WIRE_TEXT]
+        out: dict[str, Any] = {"type": self.type, "message": message}
         if self.details:
             out["details"] = redact(self.details, max_text=WIRE_TEXT)
         return out
@@ -78,6 +80,10 @@ class UnknownTool(HermesError):
 
 class InvalidSpec(HermesError):
     """A tool spec does not validate."""
+
+    # Its message names the spec's own key paths (``headers.Authorization: ${TOKEN} is not set``), which
+    # the header-shaped secret pattern would mask; a spec keeps its secrets as ${VAR} references.
+    masked = False
 
     type = "invalid_spec"
 

@@ -57,7 +57,7 @@ def _finite(value: Any) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {(_finite(k) if isinstance(k, float) else k): _finite(v) for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):
         return [_finite(v) for v in value]
     return value

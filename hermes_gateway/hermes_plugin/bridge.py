@@ -13,6 +13,7 @@ import contextvars
 import json
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -78,12 +79,25 @@ def request_body(request: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+_PLUGINS_TTL = 5.0  # seconds a plugin list is reused (Hermes reloads plugins rarely; outside it, a disk scan)
+_plugins_seen: dict[str, tuple[float, str]] = {}  # HERMES_HOME -> (when read, the list)
+
+
 def agent_plugins() -> str:
     """Comma-separated keys of the plugins this agent runs itself (their middleware and hooks run here,
     around our calls), so workers reading the same HERMES_HOME skip them: each runs once per call.
 
     Hermes' own plugin manager says what it loaded; outside Hermes, the enabled plugins of HERMES_HOME.
+    Read again after a few seconds, not on every call.
     """
+    home, now = os.environ.get("HERMES_HOME", ""), time.monotonic()
+    seen = _plugins_seen.get(home)
+    if seen is None or now - seen[0] >= _PLUGINS_TTL:
+        seen = _plugins_seen[home] = (now, _read_agent_plugins())
+    return seen[1]
+
+
+def _read_agent_plugins() -> str:
     keys: set[str] = set()
     try:
         from hermes_cli.plugins import get_plugin_manager

@@ -27,12 +27,12 @@ import json
 import os
 import selectors
 import shlex
+import shutil
 import signal
 import subprocess
 import time
 from typing import Any
 
-from broker.embedded import die_with_parent
 from broker.errors import (
     CallCancelled,
     ExecutorError,
@@ -50,6 +50,25 @@ DEFAULT_MAX_OUTPUT = 1024 * 1024
 DEFAULT_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
 STDERR_TAIL = 2000
 _POLL = 0.05  # how often a running command notices cancellation between output chunks
+
+
+# A worker killed outright (SIGKILL, OOM) takes its tools with it: an orphan would run on beside the retry
+# of its call on another worker, outside the concurrency limit. util-linux's setpriv sets the parent-death
+# signal and execs the tool (same pid); a preexec_fn doing it would fork the whole worker with the GIL held.
+_SETPRIV = shutil.which("setpriv")
+
+
+def _dying_with_worker(argv: list[str], where: str, env: dict[str, str]) -> list[str]:
+    if _SETPRIV is None:
+        return argv
+    # What Popen would have said itself, before setpriv hides it behind its own exit code.
+    program = argv[0]
+    found = program if os.sep in program else shutil.which(program, path=env.get("PATH", os.defpath))
+    if found is None or not os.path.exists(found):
+        raise ExecutorError(f"{where}: command not found: {program}", command=program)
+    if os.path.isdir(found) or not os.access(found, os.X_OK):
+        raise ExecutorError(f"{where}: command not executable: {program}", command=program)
+    return [_SETPRIV, "--pdeathsig", "TERM", "--", *argv]  # it looks the program up as we just did
 
 
 def build_argv(config: dict[str, Any], args: dict[str, Any], where: str) -> list[str]:
@@ -116,7 +135,7 @@ class CommandExecutor:
         ctx.check()
         try:
             proc = subprocess.Popen(
-                argv,
+                _dying_with_worker(argv, where, env),
                 stdin=subprocess.PIPE if stdin_data is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -124,9 +143,6 @@ class CommandExecutor:
                 env=env,
                 start_new_session=True,
                 close_fds=True,
-                # A worker killed outright (SIGKILL, OOM) takes its tools with it: an orphan would run on
-                # beside the retry of its call on another worker, outside the concurrency limit.
-                preexec_fn=die_with_parent,
             )
         except FileNotFoundError as e:
             raise ExecutorError(f"{where}: command not found: {argv[0]}", command=argv[0]) from e

@@ -30,7 +30,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, quote_plus, unquote, urlsplit
 
 from broker.config import ENV_VAR, expand_env, unset_env
 from broker.errors import ExecutorError, HermesError, InvalidSpec
@@ -107,7 +107,9 @@ def expand_spec(spec: ToolSpec, environ: Mapping[str, str] | None = None) -> Pre
 
 def _note_secret(secrets: dict[str, str], value: str, ref: str) -> None:
     if len(value) >= MIN_SECRET:
-        secrets.setdefault(value, ref)
+        # Also as a URL carries it: a back end quoting the request URL sends it back percent-encoded.
+        for form in (value, quote(value, safe=""), quote_plus(value), quote(value)):
+            secrets.setdefault(form, ref)
     try:  # a URL's password also travels alone (a driver's error message, a redacted URL)
         password = urlsplit(value).password
     except ValueError:
