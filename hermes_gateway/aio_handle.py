@@ -7,6 +7,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, cast
 
+import redis
+
 from broker import events as ev_mod
 from broker import keys
 from broker.codec import unpack
@@ -99,7 +101,10 @@ class AsyncCallHandle:
         try:
             await asyncio.wait_for(signal.wait(), quiet if left is None else min(left, quiet))
         except TimeoutError:
-            await self.sync()
+            try:
+                await self.sync()
+            except (redis.ConnectionError, redis.TimeoutError):
+                pass  # a broker restart: the call goes on, and so does the wait, until the deadline
 
     async def result(self, timeout: float | None = None) -> Any:
         """The call's result; raises its typed error, CallCancelled, or CallTimeout."""

@@ -4,6 +4,7 @@ the outage instead of raising a raw connection error."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -63,6 +64,17 @@ def _outcome(handle: Any) -> tuple[str, Any]:
         return type(e).__name__, str(e)
 
 
+async def _async_outcome(url: str, call_id: str) -> tuple[str, Any]:
+    from hermes_gateway.aio import AsyncGateway
+
+    async with await AsyncGateway.connect(url) as agw:
+        handle = await agw.handle(call_id)
+        try:
+            return "ok", await handle.result(60)
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            return type(e).__name__, str(e)
+
+
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Server]:
     if REDIS is None:
@@ -106,12 +118,19 @@ def test_calls_finishing_during_a_redis_restart_keep_their_results_and_run_once(
         waited: list[Any] = []
         waiter = threading.Thread(target=lambda: waited.append(_outcome(handles[0])))
         waiter.start()  # waiting on a result across the outage
+        awaited: list[Any] = []  # and the asyncio client (the HTTP API's), on another call
+        async_waiter = threading.Thread(
+            target=lambda: awaited.append(asyncio.run(_async_outcome(server.url, handles[1].call_id)))
+        )
+        async_waiter.start()
         time.sleep(0.8)  # all four running
         server.stop()
         time.sleep(6)  # they finish while Redis is down (longer than the outbox's first tries)
         server.start()
         waiter.join(60)
+        async_waiter.join(60)
         assert waited and waited[0][0] == "ok", waited  # it rode out the outage: no raw ConnectionError
+        assert awaited and awaited[0][0] == "ok", awaited
         results = [h.result(60) for h in handles]
         assert all(r == "" or r is None or isinstance(r, str) for r in results), results
         # Each ran once: its result was kept through the outage, not lost and run again.
