@@ -14,21 +14,15 @@ from broker.envelope import Envelope, Options
 from broker.errors import IdempotencyConflict
 from broker.records import CallInfo
 from broker.states import State
+from tests.broker.test_calls import TP
+from tests.broker.test_calls import env as calls_env
 
-TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 CKEY = "tool:echo"
 
 
 def env(call_id: str, *, tool: str = "echo", idem: str | None = "k", **args: Any) -> Envelope:
-    return Envelope(
-        call_id=call_id,
-        kind="tool",
-        tool=tool,
-        args=args,
-        traceparent=TP,
-        channel="hermes:ch:test",
-        options=Options(idempotency_key=idem),
-    )
+    """test_calls' tool envelope, with an idempotency key by default."""
+    return calls_env(call_id, tool=tool, idem=idem, **args)
 
 
 def llm(call_id: str, content: str, model: str = "m1", idem: str = "k") -> Envelope:

@@ -16,7 +16,7 @@ from workers.executors import command, database
 from workers.executors import http as httpexec
 from workers.executors.template import OMIT, fill, fill_structure, optional, parse_template
 
-from .http_server import Recorder
+from . import test_http
 
 RECORDER = str(Path(__file__).with_name("argv_recorder.py"))
 PY = sys.executable
@@ -29,18 +29,9 @@ WEATHER = {
 SEED_TEMPLATE = "{query: {{city}}, opts: {unit: {{unit}}}}"
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = Recorder()
-    yield srv
-    srv.close()
-
-
-@pytest.fixture(scope="module")
-def ex():
-    executor = httpexec.create({"allow_networks": ["127.0.0.1/32"]})
-    yield executor
-    executor.close()
+# The same loopback back end and guarded executor as test_http (module-scoped there, here too).
+server = test_http.server
+ex = test_http.ex
 
 
 def http_spec(**config: Any) -> ToolSpec:
