@@ -12,8 +12,6 @@ import structlog
 
 from .redact import redact_processor, redact_text
 
-_extra_processors: list[Any] = []
-
 # Fields every call's lines carry that cannot hold a secret: ids we mint or validated as hex, and what
 # the processors before redaction added. Scanning them costs more than the rest of a line (measured).
 _GENERATED = ("timestamp", "level")
@@ -31,12 +29,6 @@ def redact_event(logger: Any, method_name: str, event_dict: MutableMapping[str, 
     out = redact_processor(logger, method_name, cast(dict[str, Any], event_dict))
     out.update(kept)
     return out
-
-
-def add_processor(proc: Any) -> None:
-    """Let later layers (redaction) add a processor before rendering."""
-    if proc not in _extra_processors:
-        _extra_processors.append(proc)
 
 
 _level = logging.INFO  # the level configure() set; structlog's default when it was never called
@@ -80,7 +72,6 @@ def configure(level: str = "INFO", fmt: str = "console", stream: Any = None) -> 
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            *_extra_processors,
             structlog.processors.format_exc_info,
             # After format_exc_info, so a traceback's text is scrubbed too; no secret reaches a log line.
             redact_event,

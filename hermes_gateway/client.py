@@ -37,17 +37,6 @@ log = structlog.get_logger("hermes.client")
 SUBMIT_CHUNK = 100  # calls per pipelined round trip in submit_many
 
 
-def current_traceparent() -> tuple[str | None, str | None]:
-    """The traceparent/tracestate of the caller's current OpenTelemetry span, if any."""
-    try:
-        from opentelemetry import propagate
-    except ImportError:
-        return None, None
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier)
-    return carrier.get("traceparent"), carrier.get("tracestate")
-
-
 # How long the event thread reads the subscription directly with nothing arriving before it goes back to
 # redis-py's reader (which keeps the connection's health checks).
 DIRECT_READ_IDLE = 1.0

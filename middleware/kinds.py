@@ -100,13 +100,6 @@ def normalize_context(context: dict[str, Any] | None, fields: tuple[str, ...]) -
     return out
 
 
-def observer_payload(context: dict[str, Any], **fields: Any) -> dict[str, Any]:
-    """Build an observer hook payload: context, then the hook's own fields, then the schema version."""
-    payload = {**context, **fields}
-    payload.setdefault("telemetry_schema_version", TELEMETRY_SCHEMA_VERSION)
-    return payload
-
-
 def middleware_payload(context: dict[str, Any], **fields: Any) -> dict[str, Any]:
     """Build a middleware payload: context, the kind's own fields, and both schema versions."""
     payload = {**context, **fields}
