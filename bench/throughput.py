@@ -91,10 +91,10 @@ def run_ours(
 
 def _client_tracing(on: bool) -> None:
     """The client's producer spans go through a batch processor into memory while ``on``."""
-    from workers import otelsdk
+    from broker import otel
 
     if not on:
-        otelsdk.use_providers()
+        otel.use_providers()
         return
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -102,7 +102,7 @@ def _client_tracing(on: bool) -> None:
 
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
-    otelsdk.use_providers(tracer_provider=provider)
+    otel.use_providers(tracer_provider=provider)
 
 
 def run_rq(url: str, n: int, processes: int) -> float:

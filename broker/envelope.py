@@ -181,3 +181,10 @@ class Envelope:
 _ENVELOPE_FIELDS = tuple(f.name for f in fields(Envelope))
 _fill = filler(Envelope)
 _OPTION_FIELDS = tuple(f.name for f in fields(Options))
+
+
+def concurrency_key(env: Envelope) -> str:
+    """The key whose limit a call counts against: the tool itself, or the model for LLM calls."""
+    if env.kind == "tool":
+        return f"tool:{env.tool}"
+    return f"llm:{env.name}"

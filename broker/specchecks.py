@@ -15,25 +15,9 @@ from jsonschema.exceptions import best_match
 
 from .errors import InvalidSpec
 from .specstatic import _fail, check_placeholders, check_static
+from .toolspec import COMMON_KEYS
 
 # Keys every spec may carry (kept out of ``ToolSpec.config``), and ``queue``, which routing reads.
-COMMON_KEYS = frozenset(
-    {
-        "name",
-        "description",
-        "executor",
-        "input_schema",
-        "output_schema",
-        "timeout",
-        "permissions",
-        "concurrency",
-        "queue_size",
-        "retry",
-        "breaker",
-        "sensitive",
-        "version",
-    }
-)
 ROUTING_KEYS = frozenset({"queue"})
 
 # Each executor's own keys, as its module docstring in workers/executors/ documents them.

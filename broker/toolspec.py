@@ -10,11 +10,27 @@ from typing import Any
 import msgpack
 
 from .errors import InvalidSpec
-from .specchecks import COMMON_KEYS, check_strict
 
 EXECUTOR_TYPES = ("http", "command", "mcp", "database", "grpc", "python")
 
-_COMMON = COMMON_KEYS
+# The keys every spec may have, whatever its executor; the rest is the executor's own configuration.
+COMMON_KEYS = frozenset(
+    {
+        "name",
+        "description",
+        "executor",
+        "input_schema",
+        "output_schema",
+        "timeout",
+        "permissions",
+        "concurrency",
+        "queue_size",
+        "retry",
+        "breaker",
+        "sensitive",
+        "version",
+    }
+)
 
 DEFAULT_TIMEOUT = 30.0
 # OpenAI-compatible and Anthropic APIs refuse other function names; it also keeps a name safe as a file name.
@@ -109,8 +125,10 @@ class ToolSpec:
         description = data.get("description", "")
         if not isinstance(description, str):
             raise InvalidSpec(f"{where}: description: expected a string", path="description")
-        config = {k: v for k, v in data.items() if k not in _COMMON}
+        config = {k: v for k, v in data.items() if k not in COMMON_KEYS}
         if strict:
+            from .specchecks import check_strict  # jsonschema: only where a spec is registered
+
             check_strict(where, executor, data, schema, out_schema)
         if executor == "mcp" and "server" in config and "mcp" not in config:
             # `server: name` is shorthand for `mcp: {server: name}`, the form the executor reads.

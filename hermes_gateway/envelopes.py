@@ -12,12 +12,11 @@ from typing import Any
 from broker.codec import pack
 from broker.config import Settings
 from broker.directory import Entry
-from broker.envelope import CONTEXT_FIELDS, Envelope, Options, new_call_id
+from broker.envelope import CONTEXT_FIELDS, Envelope, Options, concurrency_key, new_call_id
 from broker.errors import InvalidArgs
 from broker.toolspec import ToolSpec
 from broker.tracecontext import ensure_traceparent
 from hermes_gateway.telemetry import Headers, current_headers
-from workers.core import concurrency_key
 
 
 def check_sendable(value: Any, what: str) -> None:

@@ -17,15 +17,17 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from broker import otel
 from broker.envelope import Envelope
-from workers import otelsdk
-from workers.telemetry import MESSAGING_SYSTEM, headers_of, mark_failed, parent_context
+from broker.otel import MESSAGING_SYSTEM, headers_of, mark_failed, parent_context
 
 Headers = tuple[str | None, str | None, str | None]  # traceparent, tracestate, baggage
 
 
 def setup(mode: str | None = None) -> str:
     """Install the SDK in this process (``--trace`` / ``OTEL_*``); workers started from here inherit it."""
+    from workers import otelsdk  # the SDK: only a process that exports spans loads it
+
     if mode:
         os.environ[otelsdk.TRACE_ENV] = mode
     return otelsdk.setup("hermes-gateway", mode)
@@ -40,7 +42,7 @@ class Sending:
     """The producer span of one submission or one batch; ``headers`` go into the envelope(s)."""
 
     def __init__(self, traceparent: str | None = None, tracestate: str | None = None) -> None:
-        tracer = otelsdk.tracer()
+        tracer = otel.tracer()
         if traceparent is not None:
             parent: Any = parent_context(traceparent, tracestate, headers_of()[2])
         else:

@@ -17,7 +17,7 @@ from broker.calls import Calls
 from broker.codec import pack
 from broker.config import Settings, load_settings
 from broker.directory import Directory
-from broker.envelope import Envelope, plugins_applied
+from broker.envelope import Envelope, concurrency_key, plugins_applied
 from broker.errors import CallFailed, DecodeError
 from broker.states import State
 from broker.toolspec import ToolSpec
@@ -46,13 +46,6 @@ def _blocked(tool_name: str, message: str, _ctx: dict[str, Any]) -> Any:
     raise CallFailed(
         message or f"tool {tool_name!r} was blocked by a plugin", error_type="blocked", tool=tool_name
     )
-
-
-def concurrency_key(env: Envelope, spec_executor: str | None = None) -> str:
-    """The key whose limit a call counts against: the tool itself, or the model for LLM calls."""
-    if env.kind == "tool":
-        return f"tool:{env.tool}"
-    return f"llm:{env.name}"
 
 
 class WorkerCore:

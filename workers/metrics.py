@@ -23,8 +23,7 @@ from typing import Any, cast
 
 import redis
 
-from broker import keys
-from workers import otelsdk
+from broker import keys, otel
 
 BREAKER_STATES = {"closed": 0, "half_open": 1, "half-open": 1, "open": 2}
 FLUSH_INTERVAL = 1.0
@@ -62,7 +61,7 @@ _cache_lock = threading.Lock()
 
 def _instruments() -> _Instruments | None:
     global _cache
-    meter = otelsdk.meter()
+    meter = otel.meter()
     if meter is None:
         return None
     cached = _cache

@@ -21,28 +21,19 @@ import atexit
 import os
 import sys
 import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
 from opentelemetry import metrics, trace
-from opentelemetry.metrics import NoOpMeterProvider
-from opentelemetry.metrics._internal import _ProxyMeterProvider
-from opentelemetry.trace import NoOpTracerProvider, ProxyTracerProvider
 
+from broker import otel
 from broker.errors import ConfigError
 
 TRACE_ENV = "HERMES_TRACE"
 MODES = ("off", "console", "otlp", "memory")
-SCOPE = "hermes_gateway"
 
 _lock = threading.Lock()
 _mode: str | None = None  # what setup() installed in this process
-_tracer_override: Any = None
-_meter_override: Any = None
-_tracer_cache: tuple[Any, Any, bool] | None = None  # (provider, tracer, provider is the global one)
-_meter_cache: tuple[Any, Any, bool] | None = None
-_memory_exporter: Any = None
 _installed: list[tuple[Any, Any]] = []  # (provider, exporter) pairs setup() made, for shutdown()
 EXIT_FLUSH_MS = 1000
 MEMORY_KEEP = 2048  # spans HERMES_TRACE=memory keeps: a worker's heap (and GC passes) must not grow per call
@@ -72,7 +63,7 @@ def trace_mode(environ: Mapping[str, str] | None = None) -> str:
 
 def setup(service_name: str, mode: str | None = None) -> str:
     """Install the SDK tracer and meter providers for this process (once); returns the mode in force."""
-    global _mode, _memory_exporter
+    global _mode
     with _lock:
         if _mode is not None:
             return _mode
@@ -92,8 +83,6 @@ def setup(service_name: str, mode: str | None = None) -> str:
         # exit hook, so an unreachable collector cannot hold a process for the exporter's 10 s of retries.
         provider = Provider(resource=resource, shutdown_on_exit=False)
         exporter = _span_exporter(mode)
-        if mode == "memory":
-            _memory_exporter = exporter
         # Console output is for a quick look: print each span as it ends rather than in batches.
         processor = SimpleSpanProcessor(exporter) if mode == "console" else BatchSpanProcessor(exporter)
         provider.add_span_processor(processor)
@@ -229,93 +218,7 @@ def _metric_exporter(mode: str) -> Any:
 
 def flush(timeout_ms: int = EXIT_FLUSH_MS) -> None:
     """Push out spans and metrics still buffered (before a process exits)."""
-    for provider in (
-        _tracer_override or trace.get_tracer_provider(),
-        _meter_override or metrics.get_meter_provider(),
-    ):
+    for provider in otel.providers():
         force = getattr(provider, "force_flush", None)
         if force is not None:
             _bounded(force, timeout_ms)
-
-
-def memory_spans() -> list[Any]:
-    """The latest spans (up to ``MEMORY_KEEP``) kept by ``HERMES_TRACE=memory`` in this process."""
-    return list(_memory_exporter.get_finished_spans()) if _memory_exporter is not None else []
-
-
-# -- which tracer / meter calls use ------------------------------------------------------------
-
-
-_KEEP: Any = object()
-
-
-def use_providers(tracer_provider: Any = _KEEP, meter_provider: Any = _KEEP) -> None:
-    """Route our spans / metrics to these providers instead of the global ones (tests, benchmarks).
-
-    Only what is passed changes; no arguments at all goes back to the global providers for both.
-    """
-    global _tracer_override, _meter_override
-    if tracer_provider is _KEEP and meter_provider is _KEEP:
-        _tracer_override = _meter_override = None
-        return
-    if tracer_provider is not _KEEP:
-        _tracer_override = tracer_provider
-    if meter_provider is not _KEEP:
-        _meter_override = meter_provider
-
-
-# While no SDK provider is installed, OTel's get_*_provider() reads os.environ on every call; that shows
-# on the per-call path, so a "none yet" answer is trusted for a second. A global SDK provider can only be
-# set once, so a real one is trusted for good.
-_RECHECK = 1.0
-_tracer_checked = 0.0
-_meter_checked = 0.0
-
-
-def tracer() -> Any:
-    """Our tracer when an SDK provider is set (here or by the host application), else None: skip spans."""
-    global _tracer_cache, _tracer_checked
-    if _tracer_override is None:
-        cached = _tracer_cache
-        if cached is not None and cached[2]:
-            return cached[1]
-        now = time.monotonic()
-        if cached is None and now - _tracer_checked < _RECHECK:
-            return None
-        _tracer_checked = now
-    provider = _tracer_override or trace.get_tracer_provider()
-    if isinstance(provider, ProxyTracerProvider | NoOpTracerProvider):
-        _tracer_cache = None
-        return None
-    cached = _tracer_cache
-    if cached is not None and cached[0] is provider:
-        return cached[1]
-    from workers.spans import LeanTracer, Provider
-
-    # Ours (setup() made it): spans at a fraction of the SDK tracer's cost, into the same processors.
-    found = LeanTracer(provider, SCOPE) if isinstance(provider, Provider) else provider.get_tracer(SCOPE)
-    _tracer_cache = (provider, found, _tracer_override is None)
-    return found
-
-
-def meter() -> Any:
-    """Our meter when an SDK meter provider is set, else None: skip measurements."""
-    global _meter_cache, _meter_checked
-    if _meter_override is None:
-        cached = _meter_cache
-        if cached is not None and cached[2]:
-            return cached[1]
-        now = time.monotonic()
-        if cached is None and now - _meter_checked < _RECHECK:
-            return None
-        _meter_checked = now
-    provider = _meter_override or metrics.get_meter_provider()
-    if isinstance(provider, NoOpMeterProvider | _ProxyMeterProvider):
-        _meter_cache = None
-        return None
-    cached = _meter_cache
-    if cached is not None and cached[0] is provider:
-        return cached[1]
-    found = provider.get_meter(SCOPE)
-    _meter_cache = (provider, found, _meter_override is None)
-    return found

@@ -23,101 +23,21 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.baggage.propagation import W3CBaggagePropagator
-from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.trace import (
     Link,
-    NonRecordingSpan,
-    SpanContext,
     SpanKind,
-    Status,
-    StatusCode,
-    TraceFlags,
-    TraceState,
 )
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from broker import otel
 from broker.errors import CallCancelled
+from broker.otel import MESSAGING_SYSTEM, error_type, mark_failed, parent_context, traceparent_of
 from broker.redact import redact, redact_text
-from workers import otelsdk
 
 if TYPE_CHECKING:
     from broker.envelope import Envelope
 
-MESSAGING_SYSTEM = "rq"
 ARGS_LIMIT = 1024
-_W3C = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
 _NULL: AbstractContextManager[Any] = nullcontext()
-_EMPTY = otel_context.Context()
-_NO_STATE = TraceState()
-_HEX = frozenset("0123456789abcdef")
-
-
-# -- W3C context -------------------------------------------------------------------------------
-
-
-def parent_context(
-    traceparent: str | None, tracestate: str | None = None, baggage: str | None = None
-) -> otel_context.Context:
-    """The OpenTelemetry context a W3C ``traceparent``/``tracestate``/``baggage`` triple describes."""
-    fast = _fast_parent(traceparent, tracestate) if not baggage else None
-    if fast is not None:
-        return fast
-    carrier = {"traceparent": traceparent or ""}
-    if tracestate:
-        carrier["tracestate"] = tracestate
-    if baggage:
-        carrier["baggage"] = baggage
-    return _W3C.extract(carrier, context=otel_context.Context())
-
-
-def _fast_parent(traceparent: str | None, tracestate: str | None) -> otel_context.Context | None:
-    # The envelope's own well-formed version-00 header, parsed without the propagators' regex and
-    # composite machinery (a per-call cost); anything else (baggage, odd headers) takes the full path.
-    if not traceparent or len(traceparent) != 55 or not traceparent.startswith("00-"):
-        return None
-    if traceparent[35] != "-" or traceparent[52] != "-" or not _HEX.issuperset(traceparent[3:35]):
-        return None
-    if not _HEX.issuperset(traceparent[36:52]) or not _HEX.issuperset(traceparent[53:]):
-        return None
-    trace_id, span_id = int(traceparent[3:35], 16), int(traceparent[36:52], 16)
-    if not trace_id or not span_id:
-        return _EMPTY
-    state = TraceState.from_header([tracestate]) if tracestate else _NO_STATE
-    sc = SpanContext(trace_id, span_id, True, TraceFlags(int(traceparent[53:], 16)), state)
-    return trace.set_span_in_context(NonRecordingSpan(sc), _EMPTY)
-
-
-def headers_of(ctx: otel_context.Context | None = None) -> tuple[str | None, str | None, str | None]:
-    """``(traceparent, tracestate, baggage)`` of a context (default: the current one); None where absent."""
-    carrier: dict[str, str] = {}
-    _W3C.inject(carrier, context=ctx)
-    return carrier.get("traceparent"), carrier.get("tracestate"), carrier.get("baggage")
-
-
-def traceparent_of(span: Any) -> str:
-    sc = span.get_span_context()
-    return f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{int(sc.trace_flags):02x}"
-
-
-# -- errors ------------------------------------------------------------------------------------
-
-
-def error_type(error: BaseException | Mapping[str, Any]) -> str:
-    """The stable ``error.type`` of an exception or a wire error (``{"type": ...}``)."""
-    if isinstance(error, Mapping):
-        return str(error.get("type") or "error")
-    return str(getattr(error, "type", None) or type(error).__qualname__)
-
-
-def mark_failed(span: Any, error: BaseException | Mapping[str, Any]) -> None:
-    """Status ERROR, ``error.type`` and a redacted ``exception`` event (no stack: frames can hold values)."""
-    message = str(error.get("message") or "") if isinstance(error, Mapping) else str(error)
-    clean = redact_text(message)[:500]
-    span.set_attribute("error.type", error_type(error))
-    span.set_status(Status(StatusCode.ERROR, clean))
-    if isinstance(error, BaseException):
-        span.add_event("exception", {"exception.type": type(error).__qualname__, "exception.message": clean})
 
 
 def retry_event(span: Any, attempt: int, delay: float, error: BaseException | Mapping[str, Any]) -> None:
@@ -273,7 +193,7 @@ class CallTrace(NoTrace):
     @classmethod
     def start(cls, env: Envelope, attempt: int, claimed_at: float | None = None) -> NoTrace:
         """The call's trace when tracing is on, else ``NO_TRACE``."""
-        tracer = otelsdk.tracer()
+        tracer = otel.tracer()
         if tracer is None:
             return NO_TRACE
         return cls(tracer, env, attempt, time.time() if claimed_at is None else claimed_at)

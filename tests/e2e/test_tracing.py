@@ -23,11 +23,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from broker import events, keys
+from broker import events, keys, otel
 from broker.audit_store import AuditLog
 from broker.records import envelope_of
 from tests.conftest import REPO, wait_until
-from workers import otelsdk
 
 KEY = "sk-" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8"
 KIND_SERVER, KIND_CONSUMER = 2, 5  # OTLP Span.SpanKind numbers
@@ -161,9 +160,9 @@ def client_spans() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    otelsdk.use_providers(tracer_provider=provider)
+    otel.use_providers(tracer_provider=provider)
     yield provider, exporter
-    otelsdk.use_providers()
+    otel.use_providers()
 
 
 @pytest.fixture

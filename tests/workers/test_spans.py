@@ -15,9 +15,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from workers import otelsdk
+from broker import otel
+from broker.otel import parent_context
 from workers.spans import LeanTracer, Provider
-from workers.telemetry import parent_context
 
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -26,14 +26,14 @@ def make(**kw: Any) -> tuple[LeanTracer, InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
     provider = Provider(**kw)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return LeanTracer(provider, otelsdk.SCOPE), exporter
+    return LeanTracer(provider, otel.SCOPE), exporter
 
 
 def sdk(**kw: Any) -> tuple[Any, InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
     provider = TracerProvider(**kw)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return provider.get_tracer(otelsdk.SCOPE), exporter
+    return provider.get_tracer(otel.SCOPE), exporter
 
 
 def shape(span: Any) -> dict[str, Any]:
@@ -238,7 +238,7 @@ def test_console_export_of_a_lean_span() -> None:
     out = io.StringIO()
     provider = Provider()
     provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(out=out)))
-    tracer = LeanTracer(provider, otelsdk.SCOPE)
+    tracer = LeanTracer(provider, otel.SCOPE)
     span = tracer.start_span(
         "execute_tool echo", context=parent_context(TP), attributes={"gen_ai.tool.name": "echo"}
     )
@@ -250,13 +250,13 @@ def test_console_export_of_a_lean_span() -> None:
 
 
 def test_setup_installs_our_provider_and_tracer_hands_out_the_lean_one() -> None:
-    otelsdk.use_providers(tracer_provider=Provider())
+    otel.use_providers(tracer_provider=Provider())
     try:
-        assert isinstance(otelsdk.tracer(), LeanTracer)
-        otelsdk.use_providers(tracer_provider=TracerProvider())
-        assert not isinstance(otelsdk.tracer(), LeanTracer)  # a provider someone else made: the SDK's tracer
+        assert isinstance(otel.tracer(), LeanTracer)
+        otel.use_providers(tracer_provider=TracerProvider())
+        assert not isinstance(otel.tracer(), LeanTracer)  # a provider someone else made: the SDK's tracer
     finally:
-        otelsdk.use_providers()
+        otel.use_providers()
 
 
 def test_sampler_shortcuts_only_for_the_sdks_own_parent_based_with_default_delegates() -> None:

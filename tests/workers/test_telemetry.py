@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from broker import events, keys
+from broker import events, keys, otel
 from broker.calls import Calls
 from broker.config import Settings
 from broker.directory import Directory
@@ -76,18 +76,18 @@ def spans(request: pytest.FixtureRequest) -> Iterator[InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
     provider = TracerProvider() if request.param == "sdk" else spans_mod.Provider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    otelsdk.use_providers(tracer_provider=provider)
-    assert isinstance(otelsdk.tracer(), spans_mod.LeanTracer) is (request.param == "lean")
+    otel.use_providers(tracer_provider=provider)
+    assert isinstance(otel.tracer(), spans_mod.LeanTracer) is (request.param == "lean")
     yield exporter
-    otelsdk.use_providers()
+    otel.use_providers()
 
 
 @pytest.fixture
 def reader() -> Iterator[InMemoryMetricReader]:
     metric_reader = InMemoryMetricReader()
-    otelsdk.use_providers(meter_provider=MeterProvider(metric_readers=[metric_reader]))
+    otel.use_providers(meter_provider=MeterProvider(metric_readers=[metric_reader]))
     yield metric_reader
-    otelsdk.use_providers()
+    otel.use_providers()
 
 
 @pytest.fixture
@@ -218,9 +218,9 @@ def test_secrets_and_sensitive_args_never_reach_span_attributes(
 def test_tracing_off_means_no_trace_object_and_events_still_get_a_span_id(
     fake: Any, core: WorkerCore
 ) -> None:
-    otelsdk.use_providers()
+    otel.use_providers()
     env = Envelope(call_id="x", kind="tool", tool="echo", traceparent=TP)
-    assert otelsdk.tracer() is None and CallTrace.start(env, 1) is NO_TRACE
+    assert otel.tracer() is None and CallTrace.start(env, 1) is NO_TRACE
     submit(fake, "c1")
     run_all(core)
     spans_ids = {e.span_id for e in events.history(fake, "c1")[1:]}

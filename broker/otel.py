@@ -1,0 +1,191 @@
+"""The OpenTelemetry API as the client and the workers both use it: which tracer and meter (the global
+providers, a test's, or none), W3C context in and out of envelopes, and marking a span failed.
+
+Only the OpenTelemetry API is imported here, so ``import hermes_gateway`` loads no SDK;
+``workers.otelsdk`` installs the SDK providers a process exports with.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import metrics, trace
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
+from opentelemetry.metrics import NoOpMeterProvider
+from opentelemetry.propagators.composite import CompositePropagator
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    NoOpTracerProvider,
+    ProxyTracerProvider,
+    SpanContext,
+    Status,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+)
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from .redact import redact_text
+
+SCOPE = "hermes_gateway"
+MESSAGING_SYSTEM = "rq"
+_W3C = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
+_EMPTY = otel_context.Context()
+_NO_STATE = TraceState()
+_HEX = frozenset("0123456789abcdef")
+
+_tracer_override: Any = None
+_meter_override: Any = None
+_tracer_cache: tuple[Any, Any, bool] | None = None  # (provider, tracer, provider is the global one)
+_meter_cache: tuple[Any, Any, bool] | None = None
+_KEEP: Any = object()
+
+
+def use_providers(tracer_provider: Any = _KEEP, meter_provider: Any = _KEEP) -> None:
+    """Route our spans / metrics to these providers instead of the global ones (tests, benchmarks).
+
+    Only what is passed changes; no arguments at all goes back to the global providers for both.
+    """
+    global _tracer_override, _meter_override
+    if tracer_provider is _KEEP and meter_provider is _KEEP:
+        _tracer_override = _meter_override = None
+        return
+    if tracer_provider is not _KEEP:
+        _tracer_override = tracer_provider
+    if meter_provider is not _KEEP:
+        _meter_override = meter_provider
+
+
+def providers() -> tuple[Any, Any]:
+    """The tracer and meter providers in force (a test's, else the global ones)."""
+    return _tracer_override or trace.get_tracer_provider(), _meter_override or metrics.get_meter_provider()
+
+
+# While no SDK provider is installed, OTel's get_*_provider() reads os.environ on every call; that shows
+# on the per-call path, so a "none yet" answer is trusted for a second. A global SDK provider can only be
+# set once, so a real one is trusted for good.
+_RECHECK = 1.0
+_tracer_checked = 0.0
+_meter_checked = 0.0
+
+
+def _is_sdk_meter_provider(provider: Any) -> bool:
+    # The API's global stand-in before an SDK provider is set is private (metrics._internal), and so is
+    # its type: an SDK provider is told apart by what the API providers lack, a force_flush().
+    return not isinstance(provider, NoOpMeterProvider) and callable(getattr(provider, "force_flush", None))
+
+
+def tracer() -> Any:
+    """Our tracer when an SDK provider is set (here or by the host application), else None: skip spans."""
+    global _tracer_cache, _tracer_checked
+    if _tracer_override is None:
+        cached = _tracer_cache
+        if cached is not None and cached[2]:
+            return cached[1]
+        now = time.monotonic()
+        if cached is None and now - _tracer_checked < _RECHECK:
+            return None
+        _tracer_checked = now
+    provider = _tracer_override or trace.get_tracer_provider()
+    if isinstance(provider, ProxyTracerProvider | NoOpTracerProvider):
+        _tracer_cache = None
+        return None
+    cached = _tracer_cache
+    if cached is not None and cached[0] is provider:
+        return cached[1]
+    found = provider.get_tracer(SCOPE)
+    _tracer_cache = (provider, found, _tracer_override is None)
+    return found
+
+
+def meter() -> Any:
+    """Our meter when an SDK meter provider is set, else None: skip measurements."""
+    global _meter_cache, _meter_checked
+    if _meter_override is None:
+        cached = _meter_cache
+        if cached is not None and cached[2]:
+            return cached[1]
+        now = time.monotonic()
+        if cached is None and now - _meter_checked < _RECHECK:
+            return None
+        _meter_checked = now
+    provider = _meter_override or metrics.get_meter_provider()
+    if not _is_sdk_meter_provider(provider):
+        _meter_cache = None
+        return None
+    cached = _meter_cache
+    if cached is not None and cached[0] is provider:
+        return cached[1]
+    found = provider.get_meter(SCOPE)
+    _meter_cache = (provider, found, _meter_override is None)
+    return found
+
+
+# -- W3C context -------------------------------------------------------------------------------
+
+
+def parent_context(
+    traceparent: str | None, tracestate: str | None = None, baggage: str | None = None
+) -> otel_context.Context:
+    """The OpenTelemetry context a W3C ``traceparent``/``tracestate``/``baggage`` triple describes."""
+    fast = _fast_parent(traceparent, tracestate) if not baggage else None
+    if fast is not None:
+        return fast
+    carrier = {"traceparent": traceparent or ""}
+    if tracestate:
+        carrier["tracestate"] = tracestate
+    if baggage:
+        carrier["baggage"] = baggage
+    return _W3C.extract(carrier, context=otel_context.Context())
+
+
+def _fast_parent(traceparent: str | None, tracestate: str | None) -> otel_context.Context | None:
+    # The envelope's own well-formed version-00 header, parsed without the propagators' regex and
+    # composite machinery (a per-call cost); anything else (baggage, odd headers) takes the full path.
+    if not traceparent or len(traceparent) != 55 or not traceparent.startswith("00-"):
+        return None
+    if traceparent[35] != "-" or traceparent[52] != "-" or not _HEX.issuperset(traceparent[3:35]):
+        return None
+    if not _HEX.issuperset(traceparent[36:52]) or not _HEX.issuperset(traceparent[53:]):
+        return None
+    trace_id, span_id = int(traceparent[3:35], 16), int(traceparent[36:52], 16)
+    if not trace_id or not span_id:
+        return _EMPTY
+    state = TraceState.from_header([tracestate]) if tracestate else _NO_STATE
+    sc = SpanContext(trace_id, span_id, True, TraceFlags(int(traceparent[53:], 16)), state)
+    return trace.set_span_in_context(NonRecordingSpan(sc), _EMPTY)
+
+
+def headers_of(ctx: otel_context.Context | None = None) -> tuple[str | None, str | None, str | None]:
+    """``(traceparent, tracestate, baggage)`` of a context (default: the current one); None where absent."""
+    carrier: dict[str, str] = {}
+    _W3C.inject(carrier, context=ctx)
+    return carrier.get("traceparent"), carrier.get("tracestate"), carrier.get("baggage")
+
+
+def traceparent_of(span: Any) -> str:
+    sc = span.get_span_context()
+    return f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{int(sc.trace_flags):02x}"
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def error_type(error: BaseException | Mapping[str, Any]) -> str:
+    """The stable ``error.type`` of an exception or a wire error (``{"type": ...}``)."""
+    if isinstance(error, Mapping):
+        return str(error.get("type") or "error")
+    return str(getattr(error, "type", None) or type(error).__qualname__)
+
+
+def mark_failed(span: Any, error: BaseException | Mapping[str, Any]) -> None:
+    """Status ERROR, ``error.type`` and a redacted ``exception`` event (no stack: frames can hold values)."""
+    message = str(error.get("message") or "") if isinstance(error, Mapping) else str(error)
+    clean = redact_text(message)[:500]
+    span.set_attribute("error.type", error_type(error))
+    span.set_status(Status(StatusCode.ERROR, clean))
+    if isinstance(error, BaseException):
+        span.add_event("exception", {"exception.type": type(error).__qualname__, "exception.message": clean})

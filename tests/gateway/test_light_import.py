@@ -1,0 +1,19 @@
+"""The client is a library others import: ``import hermes_gateway`` loads no worker runtime."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_importing_the_client_loads_no_worker_module_no_jsonschema_and_no_tracing_sdk() -> None:
+    code = "import sys, json, hermes_gateway; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    loaded = json.loads(out.stdout)
+    assert [m for m in loaded if m == "workers" or m.startswith("workers.")] == []
+    assert [m for m in loaded if m.startswith("jsonschema")] == []
+    # The span SDK (a worker's, or a CLI run with --trace) is loaded only where spans are exported.
+    assert [m for m in loaded if m.startswith("opentelemetry.sdk.trace")] == []
