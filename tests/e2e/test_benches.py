@@ -50,3 +50,10 @@ def test_rq_ratelimit_compares_the_limit_a_dead_workers_slot_and_submission(redi
     bound = next(line for line in lines if "one past the waiting bound" in line)
     assert "ours: QueueFull" in bound
     assert re.fullmatch(r"ratio_vs_rq=[0-9.]+", lines[-1])
+
+
+def test_provider_sdk_compares_our_provider_with_the_openai_sdk_on_the_same_server() -> None:
+    lines = bench("provider_sdk.py", "-n", "3", "--chunks", "20", "--rounds", "1")
+    assert lines[0].startswith("round 1: ours_stream=")
+    assert re.fullmatch(r"sdk_whole_cpu_ratio=[0-9.]+", lines[-2])
+    assert re.fullmatch(r"sdk_cpu_ratio=[0-9.]+", lines[-1])

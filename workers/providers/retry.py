@@ -1,4 +1,5 @@
-"""When to try a failed provider call again: Retry-After first, else exponential backoff with full jitter."""
+"""When to try a failed provider call again: Retry-After first, else exponential backoff with full jitter
+(the tool retries' formula, ``RetryPolicy.delay``, with ``jitter`` 1)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import random
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from workers.retry import RetryPolicy
 
 RETRYABLE_STATUSES: frozenset[int] = frozenset({408, 429})
 
@@ -60,8 +63,7 @@ def retry_delay(
     if retry_after is not None:
         wait = float(retry_after)
         return None if wait > max_retry_after else wait
-    ceiling = min(cap, base * (2 ** max(0, attempt - 1)))
-    return rand() * ceiling
+    return RetryPolicy(backoff=base, max_backoff=cap, jitter=1.0).delay(attempt, rand)
 
 
 def give_up_reason(error: BaseException, max_retry_after: float = 60.0) -> str:

@@ -60,9 +60,9 @@ def test_retry_delay_refuses_absurd_waits_with_a_clear_reason():
 
 def test_backoff_is_exponential_with_full_jitter_and_capped():
     err = ProviderError("boom", status=500)
-    top = [retry_delay(err, attempt=n, base=0.5, cap=30, rand=lambda: 1.0) for n in range(1, 9)]
+    top = [retry_delay(err, attempt=n, base=0.5, cap=30, rand=lambda: 0.0) for n in range(1, 9)]
     assert top == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
-    assert retry_delay(err, attempt=4, rand=lambda: 0.0) == 0.0
+    assert retry_delay(err, attempt=4, rand=lambda: 1.0) == 0.0
     assert retry_delay(err, attempt=4, base=0.5, rand=lambda: 0.5) == 2.0
 
 
@@ -74,4 +74,4 @@ def test_non_retryable_errors_get_no_delay():
 
 
 def test_timeouts_back_off_like_other_transient_failures():
-    assert retry_delay(ProviderTimeout("slow"), attempt=2, base=1.0, rand=lambda: 1.0) == 2.0
+    assert retry_delay(ProviderTimeout("slow"), attempt=2, base=1.0, rand=lambda: 0.0) == 2.0
