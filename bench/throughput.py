@@ -36,6 +36,7 @@ def run_ours(
     concurrency: int,
     plugins: list[str] | None = None,
     tracing: bool = False,
+    lean: bool = True,
 ) -> float:
     """Calls/s through our stack; ``tracing``: a real SDK pipeline (batch processor into memory) on both sides."""
     from broker.connection import from_url
@@ -59,7 +60,7 @@ def run_ours(
         for name in plugins:
             shutil.copytree(EXAMPLE_PLUGINS / name, home / "plugins" / name)
     conn = from_url(url)
-    trace_env = {"HERMES_TRACE": "memory"} if tracing else None
+    trace_env = {"HERMES_TRACE": "memory", "HERMES_LEAN_SPANS": "1" if lean else "0"} if tracing else None
     procs = start_workers(url, home, queue, processes, concurrency, trace_env)
     if tracing:
         _client_tracing(True)
@@ -149,7 +150,7 @@ def main() -> None:
     parser.add_argument("--skip-plugins", action="store_true", help="skip the run with the example plugins")
     parser.add_argument("--skip-tracing", action="store_true", help="skip the run with tracing on")
     args = parser.parse_args()
-    runs: dict[str, list[float]] = {"rq": [], "ours": [], "plugins": [], "tracing": []}
+    runs: dict[str, list[float]] = {"rq": [], "ours": [], "plugins": [], "tracing": [], "tracing_sdk": []}
     with using_broker(args.url) as url:
         print(f"broker: {url}; {args.calls} no-op calls; {args.processes} worker process(es) each side; "
               f"{args.rounds} interleaved rounds (a shared 2-core machine is noisy: medians count)")
@@ -161,6 +162,9 @@ def main() -> None:
                 runs["plugins"].append(run_ours(url, args.calls, args.processes, args.concurrency, SEED_PLUGINS))
             if not args.skip_tracing:
                 runs["tracing"].append(run_ours(url, args.calls, args.processes, args.concurrency, tracing=True))
+                runs["tracing_sdk"].append(
+                    run_ours(url, args.calls, args.processes, args.concurrency, tracing=True, lean=False)
+                )
             print(f"round {r}: " + ", ".join(f"{k} {v[-1]:,.0f}/s" for k, v in runs.items() if v))
         rq_rate, ours = statistics.median(runs["rq"]), statistics.median(runs["ours"])
         print(f"stock RQ SimpleWorker: {rq_rate:,.0f} jobs/s (median)")
@@ -173,6 +177,9 @@ def main() -> None:
             traced = statistics.median(runs["tracing"])
             print(f"hermes-gateway + tracing (SDK, batch processor, in-memory): {traced:,.0f} calls/s (median)")
             print(f"tracing_ratio={traced / ours:.3f}  (target >= 0.75)")
+            sdk_traced = statistics.median(runs["tracing_sdk"])
+            print(f"hermes-gateway + tracing with the SDK's own tracer (HERMES_LEAN_SPANS=0): {sdk_traced:,.0f} calls/s")
+            print(f"sdk_tracing_ratio={sdk_traced / ours:.3f}  (lean spans pay where this is below tracing_ratio)")
         print(f"ratio_vs_rq={ours / rq_rate:.2f}")
 
 

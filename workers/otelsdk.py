@@ -30,6 +30,7 @@ from broker import otel
 from broker.errors import ConfigError
 
 TRACE_ENV = "HERMES_TRACE"
+LEAN_ENV = "HERMES_LEAN_SPANS"
 MODES = ("off", "console", "otlp", "memory")
 
 _lock = threading.Lock()
@@ -74,6 +75,7 @@ def setup(service_name: str, mode: str | None = None) -> str:
             _mode = mode
             return mode
         from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
         from workers.spans import Provider
@@ -81,7 +83,9 @@ def setup(service_name: str, mode: str | None = None) -> str:
         resource = Resource.create(_default_service(service_name))
         # Sampler: OTEL_TRACES_SAMPLER, ParentBased(always_on) by default. Our shutdown() replaces the SDK's
         # exit hook, so an unreachable collector cannot hold a process for the exporter's 10 s of retries.
-        provider = Provider(resource=resource, shutdown_on_exit=False)
+        # HERMES_LEAN_SPANS=0: the SDK's own tracer (bench/throughput.py measures both; see ARCHITECTURE).
+        kind = TracerProvider if os.environ.get(LEAN_ENV, "1").strip().lower() in ("0", "false", "no") else Provider
+        provider = kind(resource=resource, shutdown_on_exit=False)
         exporter = _span_exporter(mode)
         # Console output is for a quick look: print each span as it ends rather than in batches.
         processor = SimpleSpanProcessor(exporter) if mode == "console" else BatchSpanProcessor(exporter)
