@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qsl, urlsplit
 
@@ -98,12 +97,3 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, json.dumps(record, ensure_ascii=False).encode())
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _handle
-
-
-def wait_for(predicate, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()

@@ -13,6 +13,7 @@ import pytest
 
 from broker.errors import CallCancelled, ExecutorError, ToolTimeout
 from broker.toolspec import ToolSpec
+from tests.conftest import wait_until
 from workers.executors import python as pyexec
 
 from . import stoppable
@@ -31,15 +32,6 @@ def ex():
     executor.close()
 
 
-def wait_for(predicate, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
-
-
 def timed(fn, *args: Any) -> tuple[float, BaseException | None]:
     start = time.monotonic()
     try:
@@ -54,15 +46,15 @@ def test_blocked_sync_function_times_out_at_the_deadline(ex, make_ctx):
     assert isinstance(err, ToolTimeout) and err.to_wire()["type"] == "tool_timeout"
     assert 0.25 < took < 0.6
     # The sleep cannot be interrupted in C, but once it returns the injected ToolStopped ends the function.
-    assert wait_for(lambda: "ToolStopped" in stoppable.events.get("s1", []))
+    wait_until(lambda: "ToolStopped" in stoppable.events.get("s1", []), timeout=5)
     assert "after-sleep" not in stoppable.events["s1"]
-    assert wait_for(lambda: ex._tallies["s1"].count == 0)
+    wait_until(lambda: ex._tallies["s1"].count == 0, timeout=5)
 
 
 def test_pure_python_loop_is_stopped(ex, make_ctx):
     took, err = timed(ex.run, spec("spinner", "s2"), {"tag": "s2", "limit": 20}, make_ctx(timeout=0.3))
     assert isinstance(err, ToolTimeout) and took < 0.6
-    assert wait_for(lambda: "ToolStopped" in stoppable.events.get("s2", []), timeout=2)
+    wait_until(lambda: "ToolStopped" in stoppable.events.get("s2", []), timeout=2)
     seen = stoppable.counters["s2"]
     time.sleep(0.2)
     assert stoppable.counters["s2"] == seen  # it stopped counting (its `except Exception` did not help)
@@ -76,7 +68,7 @@ def test_cancel_ends_the_call_at_once(ex, make_ctx):
     took, err = timed(ex.run, spec("sleeper", "s3"), {"seconds": 1.0, "tag": "s3"}, ctx)
     assert isinstance(err, CallCancelled)
     assert took < 0.5
-    assert wait_for(lambda: "ToolStopped" in stoppable.events.get("s3", []))
+    wait_until(lambda: "ToolStopped" in stoppable.events.get("s3", []), timeout=5)
 
 
 def test_cancel_stops_a_busy_loop(ex, make_ctx):
@@ -84,15 +76,15 @@ def test_cancel_stops_a_busy_loop(ex, make_ctx):
     threading.Timer(0.2, ctx.cancelled.set).start()
     took, err = timed(ex.run, spec("spinner", "s4"), {"tag": "s4", "limit": 20}, ctx)
     assert isinstance(err, CallCancelled) and took < 0.5
-    assert wait_for(lambda: "ToolStopped" in stoppable.events.get("s4", []), timeout=2)
+    wait_until(lambda: "ToolStopped" in stoppable.events.get("s4", []), timeout=2)
 
 
 def test_async_function_without_ctx_is_cancelled(ex, make_ctx):
     took, err = timed(ex.run, spec("asleeper", "s5"), {"seconds": 20, "tag": "s5"}, make_ctx(timeout=0.3))
     assert isinstance(err, ToolTimeout) and took < 0.6
-    assert wait_for(lambda: "CancelledError" in stoppable.events.get("s5", []), timeout=2)
+    wait_until(lambda: "CancelledError" in stoppable.events.get("s5", []), timeout=2)
     assert "finished" not in stoppable.events["s5"]
-    assert wait_for(lambda: ex._tallies["s5"].count == 0)
+    wait_until(lambda: ex._tallies["s5"].count == 0, timeout=5)
 
 
 def test_async_function_without_ctx_returns_its_result(ex, make_ctx):
@@ -107,7 +99,7 @@ def test_an_abandoned_function_does_not_hold_up_the_next_call(ex, make_ctx):
     assert ex.run(sp, {"seconds": 0.05, "tag": "s6b"}, make_ctx()) == {"slept": 0.05, "tag": "s6b"}
     assert time.monotonic() - start < 0.5
     assert ex._tallies["s6"].count == 1  # the first one is still asleep on its helper
-    assert wait_for(lambda: ex._tallies["s6"].count == 0)
+    wait_until(lambda: ex._tallies["s6"].count == 0, timeout=5)
 
 
 def test_abandoned_functions_are_capped_per_tool(make_ctx):
@@ -128,7 +120,7 @@ def _capped_per_tool(ex, make_ctx):
     assert err.to_wire()["type"] == "executor_error"
     # Other tools are not affected, and the tool works again once its abandoned calls have ended.
     assert ex.run(spec("nothing", "s7-other"), {}, make_ctx()) is None
-    assert wait_for(lambda: ex._tallies["s7"].count == 0, timeout=5)
+    wait_until(lambda: ex._tallies["s7"].count == 0, timeout=5)
     assert ex.run(capped, {"seconds": 0.01}, make_ctx()) == {"slept": 0.01, "tag": ""}
 
 
@@ -170,7 +162,7 @@ def test_deadline_races_leave_no_stray_stop_behind(ex, make_ctx):
             ex.run(sp, {"seconds": 0.02, "tag": "race"}, make_ctx(timeout=0.02 + (i % 5) * 0.001))
         except ToolTimeout:
             pass
-    assert wait_for(lambda: ex._tallies["s9"].count == 0)
+    wait_until(lambda: ex._tallies["s9"].count == 0, timeout=5)
     # The helpers are healthy: quick calls on them all succeed, none gets a late ToolStopped.
     results: list[Any] = []
 
@@ -191,7 +183,8 @@ def test_close_ends_idle_helpers(make_ctx):
     ex.run(spec("nothing"), {}, make_ctx())
     helpers = [h.thread for h in ex._helpers.idle]
     ex.close()
-    assert len(helpers) == 1 and wait_for(lambda: not helpers[0].is_alive())
+    assert len(helpers) == 1
+    wait_until(lambda: not helpers[0].is_alive(), timeout=5)
 
 
 def test_functions_listed_inline_run_on_the_call_thread(make_ctx):
