@@ -104,12 +104,16 @@ def test_a_spec_that_could_never_run_is_refused_at_registration(
     ],
 )
 def test_specs_that_can_run_still_register(data: dict[str, Any]) -> None:
-    ToolSpec.from_dict({"name": "x", **data})
+    spec = ToolSpec.from_dict({"name": "x", **data})
+    assert (spec.name, spec.executor) == ("x", data["executor"])
 
 
 def test_every_shipped_example_registers() -> None:
-    for path in sorted(EXAMPLES.glob("*.yaml")):
-        load_spec_file(path)
+    paths = sorted(EXAMPLES.glob("*.yaml"))
+    assert paths
+    for path in paths:
+        spec = load_spec_file(path)
+        assert spec.name and spec.executor in ("http", "command", "mcp", "database", "grpc", "python"), path
 
 
 # -- placeholders must name a declared property ----------------------------------------------------
@@ -147,8 +151,9 @@ def test_the_reviewers_command_spec_from_yaml_is_refused() -> None:
 
 
 def test_placeholders_are_not_judged_when_the_schema_declares_no_properties() -> None:
-    ToolSpec.from_dict({"name": "x", "executor": "command", "command": "echo {{anything}}"})
-    ToolSpec.from_dict(
+    free = ToolSpec.from_dict({"name": "x", "executor": "command", "command": "echo {{anything}}"})
+    assert free.config["command"] == "echo {{anything}}"
+    patterned = ToolSpec.from_dict(
         {
             "name": "x",
             "executor": "command",
@@ -156,6 +161,7 @@ def test_placeholders_are_not_judged_when_the_schema_declares_no_properties() ->
             "input_schema": {"type": "object", "patternProperties": {"^a": {}}, "properties": {"b": {}}},
         }
     )
+    assert patterned.config["command"] == "echo {{anything}}"
 
 
 def test_dotted_placeholders_follow_declared_nested_properties() -> None:

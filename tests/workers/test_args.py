@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from broker.errors import InvalidArgs, InvalidOutput, InvalidSpec
-from workers.args import check_output, coerce_args, parse_args_text, validate_args, validator_for
+from workers.args import check_output, coerce_args, parse_args_text, validate_args, validator_for, violations
 
 SCHEMA = {
     "type": "object",
@@ -87,7 +87,8 @@ def test_validation_lists_every_violation_by_path():
 
 
 def test_valid_args_pass():
-    validate_args(SCHEMA, {"city": "北京", "tags": ["x"], "maybe": None})
+    assert validate_args(SCHEMA, {"city": "北京", "tags": ["x"], "maybe": None}) is None
+    assert violations(SCHEMA, {"city": "北京", "tags": ["x"], "maybe": None}) == []
 
 
 def test_validators_are_cached_by_schema_content():
