@@ -1,0 +1,158 @@
+"""MCP at /mcp of `hermes-gateway serve`: the `mcp` SDK's streamable HTTP client against real `serve`
+processes on loopback, real workers and a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import httpx2
+import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+
+from broker import keys
+from broker.audit_store import AuditLog
+from broker.records import envelope_of
+from tests.conftest import REPO, Home, wait_until
+from tests.e2e.util import current, free_port, wait_http
+
+pytestmark = pytest.mark.e2e
+
+ADMIN = "admin-token-for-tests"
+ALICE = "alice-token-for-tests"
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+TP = f"00-{TRACE}-00f067aa0ba902b7-01"
+LOOKUP_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def sha(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class Serve:
+    """``hermes-gateway serve`` as a process of its own, on a free loopback port."""
+
+    def __init__(self, home: Home, redis_url: str, *args: str) -> None:
+        self.port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_")}
+        env.update(HERMES_REDIS_URL=redis_url, HERMES_HOME=str(home.path), HERMES_API_TOKEN=ADMIN)
+        command = [sys.executable, "-c", "from hermes_gateway.cli import main; main()", "serve"]
+        self.proc = subprocess.Popen(
+            [*command, "--port", str(self.port), *args], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True
+        )
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
+        wait_http(f"http://127.0.0.1:{self.port}/healthz", self.proc)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+@pytest.fixture
+def serve(home: Home, redis_url: str) -> Iterator[Any]:
+    started: list[Serve] = []
+
+    def start(*args: str) -> Serve:
+        started.append(Serve(home, redis_url, *args))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def client(url: str, token: str | None, **options: Any) -> Client:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    transport = streamable_http_client(url, http_client=httpx2.AsyncClient(headers=headers, timeout=60))
+    return Client(transport, cache=None, **options)
+
+
+def configure(home: Home, **extra: Any) -> None:
+    home.config(
+        {
+            "api": {"tokens": {sha(ALICE): {"principal": "alice"}}},
+            "policy": {
+                "mode": "strict",
+                "principals": {"alice": {"grants": ["read_only"]}, "admin": {"grants": ["*"]}},
+            },
+            **extra,
+        }
+    )
+    home.echo_tool("lookup", permissions=["read_only"], description="Look a thing up", input_schema=LOOKUP_SCHEMA)
+    home.tool("steps", function="tests.e2e.mcptools:steps", timeout=20, permissions=["read_only"])
+    home.sleep_tool(permissions=["read_only"])
+    home.noop_tool("wipe", permissions=["admin"])
+
+
+def test_a_client_lists_what_its_token_may_call_calls_it_and_gets_typed_errors_and_progress(
+    home: Home, serve: Any, workers: Any, conn: Any
+) -> None:
+    configure(home)
+    workers(1)
+    server = serve()
+    progress: list[tuple[float, str | None]] = []
+
+    async def on_progress(value: float, total: float | None, message: str | None) -> None:
+        progress.append((value, message))
+
+    async def session() -> tuple[Any, ...]:
+        async with client(server.url, ALICE) as c:
+            listed = await c.list_tools()
+            found = await c.call_tool("lookup", {"city": "北京"}, meta={"traceparent": TP})
+            bad_args = await c.call_tool("lookup", {"city": 42})
+            refused = await c.call_tool("wipe", {})
+            stepped = await c.call_tool("steps", {"n": 3}, progress_callback=on_progress)
+            return c.protocol_version, listed, found, bad_args, refused, stepped
+
+    version, listed, found, bad_args, refused, stepped = asyncio.run(asyncio.wait_for(session(), 60))
+    assert version >= "2026"  # the SDK's client speaks the 2026 protocol to it: stateless requests
+    tools = {t.name: t for t in listed.tools}
+    assert set(tools) == {"lookup", "steps", "sleep"}  # alice's grants (read_only): not `wipe`
+    assert tools["lookup"].description == "Look a thing up" and tools["lookup"].input_schema == LOOKUP_SCHEMA
+
+    assert not found.is_error and found.structured_content == {"city": "北京"}
+    assert bad_args.is_error and bad_args.content[0].text.startswith("invalid_args: ")
+    assert refused.is_error and refused.content[0].text.startswith("permission_denied: ")
+    assert not stepped.is_error and stepped.structured_content == {"steps": 3}
+    assert progress == [(1.0, "step 1 of 3"), (2.0, "step 2 of 3"), (3.0, "step 3 of 3")]
+
+    # Ordinary calls, run as the token's principal; the caller's trace continues.
+    records = wait_until(
+        lambda: (r := AuditLog(conn).list(principal="alice", limit=20)) and len(r) >= 4 and r, 10,
+        message="the calls' audit records",
+    )
+    by_tool = {r.tool_name: r for r in records}
+    assert by_tool["wipe"].state == "failed" and by_tool["wipe"].error_type == "permission_denied"
+    looked_up = [r for r in records if r.tool_name == "lookup" and r.state == "done"][0]
+    env = envelope_of(conn.hget(keys.job(looked_up.call_id), "data"))
+    assert env.traceparent.split("-")[1] == TRACE and env.context["principal"] == "alice"
+
+
+def test_wrong_or_missing_token_is_401_and_a_foreign_origin_403(home: Home, serve: Any) -> None:
+    configure(home)
+    server = serve()
+    init = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    missing = httpx.post(server.url, json=init, headers=headers)
+    wrong = httpx.post(server.url, json=init, headers={**headers, "Authorization": "Bearer nope"})
+    foreign = httpx.post(
+        server.url, json=init, headers={**headers, "Authorization": f"Bearer {ALICE}", "Origin": "http://evil.example"}
+    )
+    assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "unauthorized"
+    assert foreign.status_code == 403 and foreign.json()["error"]["type"] == "forbidden"
+
+    ok = httpx.post(server.url, json=init, headers={**headers, "Authorization": f"Bearer {ALICE}"})
+    assert ok.status_code == 200, ok.text  # the same request with alice's token passes the guard
