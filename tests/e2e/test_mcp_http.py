@@ -156,3 +156,99 @@ def test_wrong_or_missing_token_is_401_and_a_foreign_origin_403(home: Home, serv
 
     ok = httpx.post(server.url, json=init, headers={**headers, "Authorization": f"Bearer {ALICE}"})
     assert ok.status_code == 200, ok.text  # the same request with alice's token passes the guard
+
+
+def test_a_call_the_client_cancels_ends_cancelled_on_the_queue(home: Home, serve: Any, workers: Any, conn: Any) -> None:
+    configure(home)
+    workers(1)
+    server = serve()
+
+    async def session() -> None:
+        async with client(server.url, ALICE) as c:
+            task = asyncio.get_running_loop().create_task(c.call_tool("sleep", {"seconds": 30}))
+            wait_running = asyncio.get_running_loop().run_in_executor(None, running_sleep)
+            await asyncio.wait_for(wait_running, 20)
+            task.cancel()  # the client cancels the request (on this protocol: it closes the response stream)
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    def running_sleep() -> str:
+        def found() -> str | None:
+            records = [e for e in _jobs(conn, "sleep") if current(conn, [e])[e] == "executing"]
+            return records[0] if records else None
+
+        return wait_until(found, 20, message="the sleep call running on a worker")
+
+    asyncio.run(asyncio.wait_for(session(), 60))
+    (call_id,) = _jobs(conn, "sleep")
+    wait_until(lambda: current(conn, [call_id])[call_id] == "cancelled", 15, message="the call cancelled")
+    record = wait_until(lambda: AuditLog(conn).list(tool="sleep", limit=5), 10, message="its audit record")
+    assert record[0].state == "cancelled" and record[0].principal == "alice"
+
+
+def _jobs(conn: Any, tool: str) -> list[str]:
+    """The call ids of ``tool``'s calls in the broker."""
+    found = []
+    for key in conn.scan_iter(match=keys.job("*"), count=1000):
+        data = conn.hget(key, "data")
+        if data is not None and envelope_of(data).name == tool:
+            found.append(envelope_of(data).call_id)
+    return found
+
+
+LATE = {"name": "late", "executor": "python", "function": "workers.executors.builtin:echo", "permissions": ["read_only"]}
+
+
+def test_a_tool_registered_while_connected_is_announced_on_a_listen_stream_and_callable(
+    home: Home, serve: Any, workers: Any, gateway: Any
+) -> None:
+    configure(home)
+    workers(1)
+    server = serve()  # stateless: the 2026 protocol's subscriptions/listen stream carries the change
+
+    async def session() -> tuple[Any, Any, Any, Any]:
+        async with client(server.url, ALICE) as c:
+            before = await c.list_tools()
+            async with c.listen(tools_list_changed=True) as sub:
+                gateway.register_tool(LATE)
+                event = await asyncio.wait_for(anext(aiter(sub)), 10)
+            after = await c.list_tools()
+            return before, event, after, await c.call_tool("late", {"x": 1})
+
+    before, event, after, called = asyncio.run(asyncio.wait_for(session(), 60))
+    assert "late" not in {t.name for t in before.tools}
+    assert type(event).__name__ == "ToolsListChanged"
+    assert "late" in {t.name for t in after.tools}
+    assert not called.is_error and called.structured_content == {"x": 1}
+
+
+def test_with_mcp_stateful_a_handshake_era_session_gets_tools_list_changed(
+    home: Home, serve: Any, workers: Any, gateway: Any
+) -> None:
+    # The handshake-era protocol, as the Hermes agent's mcp 1.x client speaks it: the notification
+    # needs a session's GET stream, so `serve --mcp-stateful`.
+    configure(home)
+    workers(1)
+    server = serve("--mcp-stateful")
+    changed = asyncio.Event()
+    notices: list[str] = []
+
+    async def on_message(message: Any) -> None:
+        root = getattr(message, "root", message)
+        if "ToolListChanged" in type(root).__name__:
+            notices.append(type(root).__name__)
+            changed.set()
+
+    async def session() -> tuple[Any, Any, Any, Any]:
+        async with client(server.url, ALICE, mode="legacy", message_handler=on_message) as c:
+            before = await c.list_tools()
+            gateway.register_tool(LATE)
+            await asyncio.wait_for(changed.wait(), 10)
+            after = await c.list_tools()
+            return c.protocol_version, before, after, await c.call_tool("late", {"x": 2})
+
+    version, before, after, called = asyncio.run(asyncio.wait_for(session(), 60))
+    assert version < "2026"
+    assert "late" not in {t.name for t in before.tools} and "late" in {t.name for t in after.tools}
+    assert notices == ["ToolListChangedNotification"]
+    assert not called.is_error and called.structured_content == {"x": 2}
