@@ -82,7 +82,7 @@ def client(url: str, token: str | None, **options: Any) -> Client:
 def configure(home: Home, **extra: Any) -> None:
     home.config(
         {
-            "api": {"tokens": {sha(ALICE): {"principal": "alice"}}},
+            "api": {"token_principal": "admin", "tokens": {sha(ALICE): {"principal": "alice"}}},
             "policy": {
                 "mode": "strict",
                 "principals": {"alice": {"grants": ["read_only"]}, "admin": {"grants": ["*"]}},
@@ -252,3 +252,41 @@ def test_with_mcp_stateful_a_handshake_era_session_gets_tools_list_changed(
     assert "late" not in {t.name for t in before.tools} and "late" in {t.name for t in after.tools}
     assert notices == ["ToolListChangedNotification"]
     assert not called.is_error and called.structured_content == {"x": 2}
+
+
+class RoundRobin(httpx2.AsyncHTTPTransport):
+    """What a load balancer in front of several `serve` does: each request to the next one in turn."""
+
+    def __init__(self, ports: list[int]) -> None:
+        super().__init__()
+        self.ports, self.sent = ports, []
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        port = self.ports[len(self.sent) % len(self.ports)]
+        self.sent.append(port)
+        request.url = request.url.copy_with(port=port)
+        request.headers["host"] = f"127.0.0.1:{port}"
+        return await super().handle_async_request(request)
+
+
+def test_two_serve_processes_on_one_redis_answer_one_client_alternately(
+    home: Home, serve: Any, workers: Any, conn: Any
+) -> None:
+    configure(home)
+    workers(1)
+    first, second = serve(), serve()
+    balancer = RoundRobin([first.port, second.port])
+    http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {ALICE}"}, transport=balancer, timeout=60)
+
+    async def session() -> list[Any]:
+        async with Client(streamable_http_client(first.url, http_client=http), cache=None) as c:
+            listed = await c.list_tools()
+            calls = [await c.call_tool("lookup", {"city": f"c{i}"}) for i in range(4)]
+            return [listed, *calls]
+
+    listed, *calls = asyncio.run(asyncio.wait_for(session(), 60))
+    assert {"lookup", "steps", "sleep"} <= {t.name for t in listed.tools}
+    assert [c.structured_content for c in calls] == [{"city": f"c{i}"} for i in range(4)]
+    assert [c.is_error for c in calls] == [False] * 4
+    assert balancer.sent.count(first.port) >= 3 and balancer.sent.count(second.port) >= 3
+    assert all(a != b for a, b in zip(balancer.sent, balancer.sent[1:], strict=False))
