@@ -12,9 +12,10 @@ import httpx
 import pytest
 
 from tests.conftest import Home
-from tests.e2e.test_mcp_http import ADMIN, ALICE, client, configure, serve  # noqa: F401 - the fixture
+from tests.e2e.served import ADMIN, ALICE, client, configure, serve_processes
 
 pytestmark = pytest.mark.e2e
+serve = pytest.fixture(serve_processes)
 
 BOB = "bob-token-for-tests"  # a principal granted tools:write, and nothing else
 NEW_TOOL = {"name": "fresh", "executor": "python", "function": "workers.executors.builtin:noop", "permissions": ["read_only"]}
@@ -36,7 +37,7 @@ def api(server: Any, token: str) -> httpx.Client:
 
 def test_a_caller_cannot_claim_another_principal_and_its_own_decides_calls_and_lists(
     home: Home, serve: Any, workers: Any
-) -> None:  # noqa: F811
+) -> None:
     setup(home)
     workers(1)
     server = serve()
@@ -68,7 +69,7 @@ def test_a_caller_cannot_claim_another_principal_and_its_own_decides_calls_and_l
     assert "wipe" in asyncio.run(listed(ADMIN))
 
 
-def test_registering_and_removing_tools_needs_the_tools_write_grant(home: Home, serve: Any) -> None:  # noqa: F811
+def test_registering_and_removing_tools_needs_the_tools_write_grant(home: Home, serve: Any) -> None:
     setup(home)
     server = serve()
     with api(server, ALICE) as alice, api(server, BOB) as bob, api(server, ADMIN) as admin:
@@ -87,7 +88,7 @@ def test_registering_and_removing_tools_needs_the_tools_write_grant(home: Home, 
 
 def test_an_idempotency_key_reused_by_another_principal_is_a_conflict_not_its_result(
     home: Home, serve: Any, workers: Any
-) -> None:  # noqa: F811
+) -> None:
     setup(home)
     workers(1)
     server = serve()
