@@ -31,13 +31,13 @@ def sha(token: str) -> str:
 class Serve:
     """``hermes-gateway serve`` as a process of its own, on a free loopback port."""
 
-    def __init__(self, home: Home, redis_url: str, *args: str) -> None:
+    def __init__(self, home: Home, redis_url: str, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_")}
-        env.update(HERMES_REDIS_URL=redis_url, HERMES_HOME=str(home.path), HERMES_API_TOKEN=ADMIN)
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_")}
+        environ.update(HERMES_REDIS_URL=redis_url, HERMES_HOME=str(home.path), HERMES_API_TOKEN=ADMIN, **(env or {}))
         command = [sys.executable, "-c", "from hermes_gateway.cli import main; main()", "serve"]
         self.proc = subprocess.Popen(
-            [*command, "--port", str(self.port), *args], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True
+            [*command, "--port", str(self.port), *args], cwd=REPO, env=environ, stderr=subprocess.PIPE, text=True
         )
         self.url = f"http://127.0.0.1:{self.port}/mcp"
         wait_http(f"http://127.0.0.1:{self.port}/healthz", self.proc)
@@ -55,8 +55,8 @@ def serve_processes(home: Home, redis_url: str) -> Iterator[Any]:
     """The ``serve`` fixture: ``serve(*args)`` starts one more; all are stopped at teardown."""
     started: list[Serve] = []
 
-    def start(*args: str) -> Serve:
-        started.append(Serve(home, redis_url, *args))
+    def start(*args: str, env: dict[str, str] | None = None) -> Serve:
+        started.append(Serve(home, redis_url, *args, env=env))
         return started[-1]
 
     yield start
@@ -85,3 +85,4 @@ def configure(home: Home, **extra: Any) -> None:
     home.tool("steps", function="tests.e2e.mcptools:steps", timeout=20, permissions=["read_only"])
     home.sleep_tool(permissions=["read_only"])
     home.noop_tool("wipe", permissions=["admin"])
+    home.sleep_tool("tight", concurrency=1, queue_size=0, permissions=["read_only"])

@@ -47,7 +47,7 @@ def test_a_client_lists_what_its_token_may_call_calls_it_and_gets_typed_errors_a
     version, listed, found, bad_args, refused, stepped = asyncio.run(asyncio.wait_for(session(), 60))
     assert version >= "2026"  # the SDK's client speaks the 2026 protocol to it: stateless requests
     tools = {t.name: t for t in listed.tools}
-    assert set(tools) == {"lookup", "steps", "sleep"}  # alice's grants (read_only): not `wipe`
+    assert set(tools) == {"lookup", "steps", "sleep", "tight"}  # alice's grants (read_only): not `wipe`
     assert tools["lookup"].description == "Look a thing up" and tools["lookup"].input_schema == LOOKUP_SCHEMA
 
     assert not found.is_error and found.structured_content == {"city": "北京"}
@@ -68,9 +68,11 @@ def test_a_client_lists_what_its_token_may_call_calls_it_and_gets_typed_errors_a
     assert env.traceparent.split("-")[1] == TRACE and env.context["principal"] == "alice"
 
 
-def test_wrong_or_missing_token_is_401_and_a_foreign_origin_403(home: Home, serve: Any) -> None:
+def test_wrong_or_missing_token_is_401_a_foreign_origin_403_and_a_body_over_the_limit_413(
+    home: Home, serve: Any
+) -> None:
     configure(home)
-    server = serve()
+    server = serve(env={"HERMES_API_MAX_BODY": "4096"})
     init = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
     headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
     missing = httpx.post(server.url, json=init, headers=headers)
@@ -84,6 +86,9 @@ def test_wrong_or_missing_token_is_401_and_a_foreign_origin_403(home: Home, serv
 
     ok = httpx.post(server.url, json=init, headers={**headers, "Authorization": f"Bearer {ALICE}"})
     assert ok.status_code == 200, ok.text  # the same request with alice's token passes the guard
+    big = {**init, "params": {"_meta": {"pad": "x" * 5000}}}
+    too_large = httpx.post(server.url, json=big, headers={**headers, "Authorization": f"Bearer {ALICE}"})
+    assert too_large.status_code == 413
 
 
 def test_a_call_the_client_cancels_ends_cancelled_on_the_queue(home: Home, serve: Any, workers: Any, conn: Any) -> None:
@@ -213,8 +218,31 @@ def test_two_serve_processes_on_one_redis_answer_one_client_alternately(
             return [listed, *calls]
 
     listed, *calls = asyncio.run(asyncio.wait_for(session(), 60))
-    assert {"lookup", "steps", "sleep"} <= {t.name for t in listed.tools}
+    assert {"lookup", "steps", "sleep", "tight"} <= {t.name for t in listed.tools}
     assert [c.structured_content for c in calls] == [{"city": f"c{i}"} for i in range(4)]
     assert [c.is_error for c in calls] == [False] * 4
     assert balancer.sent.count(first.port) >= 3 and balancer.sent.count(second.port) >= 3
     assert all(a != b for a, b in zip(balancer.sent, balancer.sent[1:], strict=False))
+
+
+def test_a_full_queue_is_a_tool_error_saying_so_for_a_handshake_era_client_on_stateless_http(
+    home: Home, serve: Any, workers: Any, conn: Any
+) -> None:
+    configure(home)
+    workers(1)
+    server = serve()
+
+    async def session() -> tuple[str, Any, Any, Any]:
+        async with client(server.url, ALICE, mode="legacy") as c:
+            first = asyncio.get_running_loop().create_task(c.call_tool("tight", {"seconds": 2}))
+            while not _jobs(conn, "tight"):  # submitted: it holds the tool's only slot, and its queue takes none
+                await asyncio.sleep(0.05)
+            refused = await c.call_tool("tight", {"seconds": 0})
+            unknown = await c.call_tool("nope", {})
+            return c.protocol_version, refused, unknown, await first
+
+    version, refused, unknown, first = asyncio.run(asyncio.wait_for(session(), 60))
+    assert version < "2026"  # the handshake era, served statelessly
+    assert refused.is_error and refused.content[0].text.startswith("queue_full: ")
+    assert unknown.is_error and unknown.content[0].text.startswith("unknown_tool: ")
+    assert not first.is_error

@@ -54,7 +54,7 @@ def test_a_caller_cannot_claim_another_principal_and_its_own_decides_calls_and_l
         assert own.status_code == 200 and own.json()["state"] == "done"
         wiped = alice.post("/v1/tools/wipe/calls", json={"args": {}, "wait": 20}).json()
         assert wiped["state"] == "failed" and wiped["error"]["details"]["principal"] == "alice"
-        assert {s["function"]["name"] for s in alice.get("/v1/schemas").json()} == {"lookup", "steps", "sleep"}
+        assert {s["function"]["name"] for s in alice.get("/v1/schemas").json()} == {"lookup", "steps", "sleep", "tight"}
 
         # The admin credential is a trusted back end: it may act for alice, and as itself sees everything.
         as_alice = admin.post("/v1/tools/wipe/calls", json={"args": {}, "context": {"principal": "alice"}, "wait": 20})
@@ -65,7 +65,7 @@ def test_a_caller_cannot_claim_another_principal_and_its_own_decides_calls_and_l
         async with client(server.url, token) as c:
             return {t.name for t in (await c.list_tools()).tools}
 
-    assert asyncio.run(listed(ALICE)) == {"lookup", "steps", "sleep"}
+    assert asyncio.run(listed(ALICE)) == {"lookup", "steps", "sleep", "tight"}
     assert "wipe" in asyncio.run(listed(ADMIN))
 
 
