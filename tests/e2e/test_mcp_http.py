@@ -4,6 +4,7 @@ processes on loopback, real workers and a real Redis."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 import httpx
@@ -225,10 +226,12 @@ def test_two_serve_processes_on_one_redis_answer_one_client_alternately(
     assert all(a != b for a, b in zip(balancer.sent, balancer.sent[1:], strict=False))
 
 
-def test_a_full_queue_is_a_tool_error_saying_so_for_a_handshake_era_client_on_stateless_http(
+def test_a_full_queue_and_an_open_circuit_are_tool_errors_saying_so_for_a_handshake_era_client(
     home: Home, serve: Any, workers: Any, conn: Any
 ) -> None:
     configure(home)
+    failing = [sys.executable, "-c", "import sys; sys.exit(4)"]
+    home.tool("down", "command", command=failing, permissions=["read_only"], breaker={"failures": 2, "cooldown": 120})
     workers(1)
     server = serve()
 
@@ -239,10 +242,13 @@ def test_a_full_queue_is_a_tool_error_saying_so_for_a_handshake_era_client_on_st
                 await asyncio.sleep(0.05)
             refused = await c.call_tool("tight", {"seconds": 0})
             unknown = await c.call_tool("nope", {})
-            return c.protocol_version, refused, unknown, await first
+            down = [await c.call_tool("down", {}) for _ in range(3)]  # two failures open its breaker
+            return c.protocol_version, refused, unknown, down, await first
 
-    version, refused, unknown, first = asyncio.run(asyncio.wait_for(session(), 60))
+    version, refused, unknown, down, first = asyncio.run(asyncio.wait_for(session(), 60))
     assert version < "2026"  # the handshake era, served statelessly
     assert refused.is_error and refused.content[0].text.startswith("queue_full: ")
     assert unknown.is_error and unknown.content[0].text.startswith("unknown_tool: ")
+    assert [r.is_error for r in down] == [True] * 3
+    assert [r.content[0].text.split(":")[0] for r in down] == ["executor_error", "executor_error", "circuit_open"]
     assert not first.is_error
