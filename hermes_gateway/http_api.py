@@ -263,16 +263,20 @@ def create_app(
             context["principal"] = principal
         wait = _number(body, "wait", 0)
         timeout = _number(body, "timeout", 0.001)
-        handle = await live["agw"].call_tool(
-            request.path_params["name"],
-            args,
-            timeout=timeout,
-            idempotency_key=_field(body, "idempotency_key", (str,), "a string"),
-            max_attempts=_number(body, "max_attempts", 1, integer=True),
-            traceparent=request.headers.get("traceparent"),
-            tracestate=request.headers.get("tracestate"),
-            **context,
-        )
+        key = _field(body, "idempotency_key", (str,), "a string")
+        try:
+            handle = await live["agw"].call_tool(
+                request.path_params["name"],
+                args,
+                timeout=timeout,
+                idempotency_key=key,
+                max_attempts=_number(body, "max_attempts", 1, integer=True),
+                traceparent=request.headers.get("traceparent"),
+                tracestate=request.headers.get("tracestate"),
+                **context,
+            )
+        except IdempotencyConflict as e:
+            raise _conflict_for(_caller(request), e, key) from None
         if not wait:
             return reply(_accepted(handle), 202)
         outcome = await _outcome(handle, min(float(wait), MAX_WAIT))
@@ -333,6 +337,18 @@ def create_app(
         Route("/mcp", mcp),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
+
+
+def _conflict_for(caller: Caller, error: IdempotencyConflict, key: str | None) -> IdempotencyConflict:
+    """The conflict as a caller may see it: the call that holds the key may be another principal's, so
+    only an admin credential is told which call it is."""
+    if caller.admin:
+        return error
+    return IdempotencyConflict(
+        f"idempotency key {key!r} already belongs to another call (other arguments, another tool or another "
+        "principal): reuse a key only to resubmit the same call",
+        key=key,
+    )
 
 
 def _accepted(handle: AsyncCallHandle) -> dict[str, Any]:

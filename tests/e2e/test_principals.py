@@ -99,5 +99,7 @@ def test_an_idempotency_key_reused_by_another_principal_is_a_conflict_not_its_re
         reused = alice.post("/v1/tools/lookup/calls", json=body)
         assert reused.status_code == 409, reused.text
         assert reused.json()["error"]["type"] == "idempotency_conflict" and "result" not in reused.json()
+        assert first["call_id"] not in reused.text  # nor the id to fetch admin's call by
+        assert reused.json()["error"]["details"] == {"key": "pay-1"}
         again = admin.post("/v1/tools/lookup/calls", json=body).json()
         assert again["call_id"] == first["call_id"] and again["result"] == {"city": "secret"}
