@@ -92,19 +92,40 @@ def test_wrong_or_missing_token_is_401_a_foreign_origin_403_and_a_body_over_the_
     assert too_large.status_code == 413
 
 
-def test_a_call_the_client_cancels_ends_cancelled_on_the_queue(home: Home, serve: Any, workers: Any, conn: Any) -> None:
+@pytest.mark.parametrize(
+    ("mode", "serve_args"),
+    [("auto", ()), ("legacy", ("--mcp-stateful",)), ("legacy", ())],
+    ids=["2026-stateless", "handshake-stateful", "handshake-stateless"],
+)
+def test_a_call_the_client_cancels_ends_cancelled_on_the_queue(
+    home: Home, serve: Any, workers: Any, conn: Any, mode: str, serve_args: tuple[str, ...]
+) -> None:
+    # 2026: the client closes the response stream; handshake era: it sends notifications/cancelled, which a
+    # stateless server cannot tie to the request (it lands on a transport of its own): there the call is
+    # cancelled when the client leaves (its response stream closes).
+    on_cancel = mode != "legacy" or bool(serve_args)
     configure(home)
     workers(1)
-    server = serve()
+    server = serve(*serve_args)
 
     async def session() -> None:
-        async with client(server.url, ALICE) as c:
+        async with client(server.url, ALICE, mode=mode) as c:
             task = asyncio.get_running_loop().create_task(c.call_tool("sleep", {"seconds": 30}))
             wait_running = asyncio.get_running_loop().run_in_executor(None, running_sleep)
             await asyncio.wait_for(wait_running, 20)
-            task.cancel()  # the client cancels the request (on this protocol: it closes the response stream)
+            task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+            if on_cancel:  # still connected: it is the cancel that stops the call, not the client leaving
+                loop = asyncio.get_running_loop()
+                await asyncio.wait_for(loop.run_in_executor(None, cancelled), 20)
+            assert (await c.call_tool("lookup", {"city": "after"})).structured_content == {"city": "after"}
+        if not on_cancel:
+            await asyncio.get_running_loop().run_in_executor(None, cancelled)
+
+    def cancelled() -> None:
+        (call_id,) = _jobs(conn, "sleep")
+        wait_until(lambda: current(conn, [call_id])[call_id] == "cancelled", 15, message="the call cancelled")
 
     def running_sleep() -> str:
         def found() -> str | None:
@@ -114,8 +135,6 @@ def test_a_call_the_client_cancels_ends_cancelled_on_the_queue(home: Home, serve
         return wait_until(found, 20, message="the sleep call running on a worker")
 
     asyncio.run(asyncio.wait_for(session(), 60))
-    (call_id,) = _jobs(conn, "sleep")
-    wait_until(lambda: current(conn, [call_id])[call_id] == "cancelled", 15, message="the call cancelled")
     record = wait_until(lambda: AuditLog(conn).list(tool="sleep", limit=5), 10, message="its audit record")
     assert record[0].state == "cancelled" and record[0].principal == "alice"
 
