@@ -243,12 +243,17 @@ class ChangeNotices:
         from mcp.server.subscriptions import ToolsListChanged
 
         await self.bus.publish(ToolsListChanged())  # the 2026 protocol's listen streams
-        for key, session in self.sessions.items():  # the handshake era's notification
+
+        async def tell(key: str, session: Any) -> None:  # the handshake era's notification
             try:
                 with anyio.fail_after(5):
                     await session.send_tool_list_changed()
             except Exception:  # noqa: BLE001 - the client went away or is stuck: forget it
                 self.sessions.drop(key)
+
+        async with anyio.create_task_group() as group:  # side by side: a stuck client holds up no other
+            for key, session in self.sessions.items():
+                group.start_soon(tell, key, session)
 
 
 async def serve_stdio(gw: Any, **options: Any) -> None:
