@@ -12,13 +12,17 @@ from .redact import HASH_PREFIX, hash_value
 
 
 def request_digest(env: Envelope) -> str:
-    """What a call asks for, as a digest: kind, tool (or model) and canonical args (or LLM request).
+    """What a call asks for, as a digest: kind, tool (or model), canonical args (or LLM request), and
+    the principal it runs as when it names one.
 
-    Context, options and trace headers are not part of it: a resubmission under one idempotency key
-    may come from another turn or process, but must ask for the same thing.
+    The rest of the context, options and trace headers are not part of it: a resubmission under one
+    idempotency key may come from another turn or process, but must ask for the same thing as the same
+    principal — alice reusing a key of admin's is a conflict, never admin's result.
     """
     body = env.args if env.kind == "tool" else env.request
-    return hash_value([env.kind, env.name, body]).removeprefix(HASH_PREFIX)[:32]
+    principal = env.context.get("principal")
+    what = [env.kind, env.name, body] + ([principal] if principal else [])  # principal-less: digests as before
+    return hash_value(what).removeprefix(HASH_PREFIX)[:32]
 
 
 def conflict(env: Envelope | None, call_id: str, name: str, kind: str) -> IdempotencyConflict:
@@ -29,7 +33,7 @@ def conflict(env: Envelope | None, call_id: str, name: str, kind: str) -> Idempo
         why = f": it cannot be reused for {asked} {env.name!r}"
     else:
         other = "a different request" if kind == "llm" else "different arguments"
-        why = f" with {other}: reuse a key only to resubmit the same call"
+        why = f" with {other} or as another principal: reuse a key only to resubmit the same call"
     return IdempotencyConflict(
         f"idempotency key {key!r} already belongs to call {call_id} of {what} {name!r}{why}",
         key=key,

@@ -1,4 +1,4 @@
-"""``hermes-gateway serve``: the HTTP/SSE API and the web console (``hermes_gateway/http_api.py``)."""
+"""``hermes-gateway serve``: the HTTP/SSE API, ``/mcp`` and the web console (``hermes_gateway/http_api.py``)."""
 
 from __future__ import annotations
 
@@ -47,20 +47,34 @@ def _listen(host: str, port: int, home: Any) -> Any:
     type=click.IntRange(1, 65535),
     help="Port of the API and the console.",
 )
-@click.option("--token", default=None, help="Bearer token every /v1 route wants (default $HERMES_API_TOKEN).")
+@click.option(
+    "--token", default=None, help="Admin bearer token every /v1 route and /mcp want (default $HERMES_API_TOKEN)."
+)
+@click.option(
+    "--mcp-stateful",
+    is_flag=True,
+    help="Keep MCP sessions at /mcp (handshake-era clients then get tools/list_changed; a proxy must be sticky).",
+)
 @click.pass_context
-def serve(ctx: click.Context, host: str, port: int, token: str | None) -> None:
-    """The HTTP/SSE API and the web console (GET / in a browser); see hermes_gateway/http_api.py."""
+def serve(ctx: click.Context, host: str, port: int, token: str | None, mcp_stateful: bool) -> None:
+    """The HTTP/SSE API, MCP at /mcp and the web console (GET / in a browser); see hermes_gateway/http_api.py."""
 
     import uvicorn
 
+    from hermes_gateway.credentials import Credentials
     from hermes_gateway.http_api import TOKEN_ENV, create_app
     from hermes_gateway.local import local_stack
 
     token = token or os.environ.get(TOKEN_ENV) or None
-    if token is None and host not in ("127.0.0.1", "localhost", "::1"):
+    settings = _settings(ctx)
+    try:
+        credentials = Credentials.from_settings(settings, token)
+    except HermesError as e:
+        _fail(str(e))
+    if not credentials.required and host not in ("127.0.0.1", "localhost", "::1"):
         _fail(
-            f"listening on {host} lets anyone there register tools and run calls: give --token (or ${TOKEN_ENV})"
+            f"listening on {host} lets anyone there register tools and run calls: give --token (or ${TOKEN_ENV}, "
+            "or api.tokens in config.yaml)"
         )
     # uvicorn shuts down on SIGTERM, then raises the signal again to the handler it found: exit through
     # our own cleanup (stop the local worker, the embedded broker) instead of dying on the spot. A SIGTERM
@@ -70,7 +84,6 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None) -> None:
     from broker import runfiles
     from hermes_gateway.local import watch_control_stop
 
-    settings = _settings(ctx)
     sock = _listen(host, port, settings.home)  # before the broker and worker: a taken port fails at once
     early: list[int] = []
     signal.signal(signal.SIGTERM, lambda sig, _frame: early.append(sig))
@@ -91,8 +104,8 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None) -> None:
                 _sync_tools(gw)  # $HERMES_HOME/tools, as every command that runs calls does
                 local = f" (with {len(procs)} local worker)" if procs else ""
                 _note(f"broker: {gw.description}{local}")
-                _note(f"console and API on http://{host}:{port}/")
-                app = create_app(gw, token=token)
+                _note(f"console and API on http://{host}:{port}/, MCP on http://{host}:{port}/mcp")
+                app = create_app(gw, credentials=credentials, mcp_stateful=mcp_stateful)
                 config = uvicorn.Config(
                     app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
                 )

@@ -122,14 +122,18 @@ class Gateway:
     def tools(self) -> list[Entry]:
         return self.directory.all()
 
-    def tool_schemas(self, principal: str | None = None) -> list[dict[str, Any]]:
-        """OpenAI function tools for every tool ``principal`` may call (the policy workers judge by)."""
-        from hermes_gateway.schemas import tool_schemas
+    def policy(self) -> Any:
+        """The policy the workers judge by (the one pushed to the broker, else config.yaml's)."""
         from workers import policy_store
         from workers.policy import Policy
 
-        policy, _ = policy_store.active(self.conn, Policy.from_settings(self.settings.policy))
-        return tool_schemas(self.directory.all(), policy, principal)
+        return policy_store.active(self.conn, Policy.from_settings(self.settings.policy))[0]
+
+    def tool_schemas(self, principal: str | None = None) -> list[dict[str, Any]]:
+        """OpenAI function tools for every tool ``principal`` may call (the policy workers judge by)."""
+        from hermes_gateway.schemas import tool_schemas
+
+        return tool_schemas(self.directory.all(), self.policy(), principal)
 
     # -- calls -----------------------------------------------------------------------------------
 

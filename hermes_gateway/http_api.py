@@ -19,18 +19,21 @@ The same operations as the Python client, for callers in any language and for a 
 Admission errors are HTTP errors with the gateway's typed body ``{"error": {"type", "message",
 "details"}}`` (unknown tool 404, bad arguments or spec 400, ``QueueFull`` 429, ...); a call that ran and
 failed is a 200 with ``"state": "failed"`` and its error. With a token (``--token`` or
-``HERMES_API_TOKEN``) every ``/v1`` route wants ``Authorization: Bearer <token>`` (``?access_token=``
-on the events route, for ``EventSource``, which cannot send headers).
+``HERMES_API_TOKEN``, or ``api.tokens`` in config.yaml) every ``/v1`` route and ``/mcp`` want
+``Authorization: Bearer <token>`` (``?access_token=`` on the events route, for ``EventSource``, which
+cannot send headers); the token is who calls (``hermes_gateway.credentials``): a call or ``/v1/schemas``
+naming another principal is refused, registering and removing tools need the ``tools:write`` grant.
+
+``/mcp``: the directory as an MCP server on the streamable HTTP transport (``hermes_gateway.mcp_http``).
 
 A browser must not be able to drive the API from another site (registering a ``command`` tool is
 running code): request bodies must be ``application/json`` (a cross-site form or ``no-cors`` fetch
 cannot send that without a preflight, which is never answered), a foreign ``Origin`` is refused, and
-without a token the ``Host`` must be a loopback name (no DNS rebinding).
+without a token the ``Host`` must be a loopback name (no DNS rebinding): ``hermes_gateway.http_guard``.
 """
 
 from __future__ import annotations
 
-import hmac
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -69,13 +72,14 @@ from broker.toolspec import ToolSpec
 from hermes_gateway.aio import AsyncGateway
 from hermes_gateway.aio_handle import AsyncCallHandle
 from hermes_gateway.client import Gateway
+from hermes_gateway.credentials import CALLER_SCOPE_KEY, TRUSTED_LOCAL, Caller, Credentials
+from hermes_gateway.http_guard import Forbidden, authenticate, check_origin, unauthorized
 from hermes_gateway.http_json import BadRequest, TooLarge, dumps, read_body, reply
 from hermes_gateway.views import call_request
 
 DEFAULT_PORT = 8787  # the Tool Gateway document's console port
 TOKEN_ENV = "HERMES_API_TOKEN"
 MAX_WAIT = 300.0  # seconds a request may hold on for a call's outcome
-LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 
 _STATUS: list[tuple[type[HermesError], int]] = [
     (UnknownTool, 404),
@@ -90,12 +94,6 @@ _STATUS: list[tuple[type[HermesError], int]] = [
 ]
 
 Handler = Callable[[Request], Awaitable[Response]]
-
-
-class Forbidden(HermesError):
-    """The request comes from somewhere the API does not serve (a foreign origin or host name)."""
-
-    type = "forbidden"
 
 
 def error_reply(error: HermesError) -> Response:
@@ -135,23 +133,26 @@ def _context(body: dict[str, Any]) -> dict[str, Any]:
     return context
 
 
-def _check_origin(request: Request, token: str | None) -> None:
-    host = request.headers.get("host", "")
-    origin = request.headers.get("origin")
-    if origin is not None and origin.split("://", 1)[-1].rstrip("/") != host:
-        raise Forbidden(f"requests from {origin} are not served here (the API serves its own origin only)")
-    if token is None and host.rsplit(":", 1)[0] not in LOOPBACK and host not in LOOPBACK:
-        raise Forbidden(f"host {host!r}: without a token the API answers to loopback names only")
+def _caller(request: Request) -> Caller:
+    found = request.scope.get(CALLER_SCOPE_KEY)
+    return found if isinstance(found, Caller) else TRUSTED_LOCAL
 
 
 def event_data(event: Any) -> dict[str, Any]:
     return asdict(event)
 
 
-def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
+def create_app(
+    gw: Gateway, *, token: str | None = None, credentials: Credentials | None = None, mcp_stateful: bool = False
+) -> Starlette:
     """The API over ``gw``'s broker: ``gw`` (threads) for the directory and status, an ``AsyncGateway``
-    on the same broker for calls, waits and event streams."""
+    on the same broker for calls, waits and event streams. ``credentials``: the tokens accepted (default:
+    ``token`` and ``api.tokens`` of ``gw.settings``)."""
+    from hermes_gateway.mcp_http import McpEndpoint
+
     live: dict[str, AsyncGateway] = {}
+    creds = credentials or Credentials.from_settings(gw.settings, token)
+    mcp = McpEndpoint(gw, lambda: live["agw"], creds, stateful=mcp_stateful)
 
     @asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
@@ -159,17 +160,16 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
         await agw.start()
         live["agw"] = agw
         try:
-            yield
+            async with mcp.running():
+                yield
         finally:
             await agw.close()
 
     def api(handler: Handler, *, query_token: bool = False) -> Handler:
         async def wrapped(request: Request) -> Response:
             try:
-                _check_origin(request, token)
-                if token is not None and not _authorized(request, token, query_token):
-                    unauthorized = {"type": "unauthorized", "message": "a bearer token is required", "details": {}}
-                    return reply({"error": unauthorized}, 401, {"WWW-Authenticate": "Bearer"})
+                if authenticate(request, creds, query_token) is None:
+                    return unauthorized()
                 return await handler(request)
             except HermesError as e:
                 return error_reply(e)
@@ -185,7 +185,7 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
 
     async def console(request: Request) -> Response:
         try:
-            _check_origin(request, token)
+            check_origin(request, creds.required)
         except Forbidden as e:
             return error_reply(e)
         page = resources.files("hermes_gateway").joinpath("console.html").read_text(encoding="utf-8")
@@ -221,8 +221,12 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
         # Literal headers, environments and DSNs may hold credentials: masked as in the audit log.
         return reply({**redact(entry.spec.to_dict()), "version": entry.version})
 
+    async def may_manage_tools(request: Request) -> None:
+        _caller(request).check_manage_tools(await run_in_threadpool(gw.policy))
+
     @api
     async def register_tool(request: Request) -> Response:
+        await may_manage_tools(request)
         body = await read_body(request)
         if set(body) == {"yaml"}:  # the spec as YAML text (what the console sends when it is not JSON)
             if not isinstance(body["yaml"], str):
@@ -237,6 +241,7 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
     @api
     async def remove_tool(request: Request) -> Response:
         name = request.path_params["name"]
+        await may_manage_tools(request)
         removed = await run_in_threadpool(gw.directory.remove, name)
         live["agw"].invalidate(name)
         if not removed:
@@ -245,7 +250,7 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
 
     @api
     async def schemas(request: Request) -> Response:
-        principal = request.query_params.get("principal") or None
+        principal = _caller(request).principal_for(request.query_params.get("principal") or None)
         return reply(await run_in_threadpool(gw.tool_schemas, principal))
 
     @api
@@ -253,18 +258,25 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
         body = await read_body(request)
         args = _field(body, "args", (dict,), "an object")
         context = _context(body)
+        principal = _caller(request).principal_for(context.pop("principal", None))
+        if principal is not None:
+            context["principal"] = principal
         wait = _number(body, "wait", 0)
         timeout = _number(body, "timeout", 0.001)
-        handle = await live["agw"].call_tool(
-            request.path_params["name"],
-            args,
-            timeout=timeout,
-            idempotency_key=_field(body, "idempotency_key", (str,), "a string"),
-            max_attempts=_number(body, "max_attempts", 1, integer=True),
-            traceparent=request.headers.get("traceparent"),
-            tracestate=request.headers.get("tracestate"),
-            **context,
-        )
+        key = _field(body, "idempotency_key", (str,), "a string")
+        try:
+            handle = await live["agw"].call_tool(
+                request.path_params["name"],
+                args,
+                timeout=timeout,
+                idempotency_key=key,
+                max_attempts=_number(body, "max_attempts", 1, integer=True),
+                traceparent=request.headers.get("traceparent"),
+                tracestate=request.headers.get("tracestate"),
+                **context,
+            )
+        except IdempotencyConflict as e:
+            raise _conflict_for(_caller(request), e, key) from None
         if not wait:
             return reply(_accepted(handle), 202)
         outcome = await _outcome(handle, min(float(wait), MAX_WAIT))
@@ -322,17 +334,21 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
         Route("/v1/calls/{call_id}/request", get_call_request),
         Route("/v1/calls/{call_id}/cancel", cancel_call, methods=["POST"]),
         Route("/v1/calls/{call_id}/events", api(call_events_stream, query_token=True)),
+        Route("/mcp", mcp),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
 
 
-def _authorized(request: Request, token: str, query_token: bool = False) -> bool:
-    header = request.headers.get("authorization", "")
-    if header[:7].lower() == "bearer ":
-        given = header[7:]
-    else:
-        given = request.query_params.get("access_token", "") if query_token else ""
-    return hmac.compare_digest(given.encode(), token.encode())
+def _conflict_for(caller: Caller, error: IdempotencyConflict, key: str | None) -> IdempotencyConflict:
+    """The conflict as a caller may see it: the call that holds the key may be another principal's, so
+    only an admin credential is told which call it is."""
+    if caller.admin:
+        return error
+    return IdempotencyConflict(
+        f"idempotency key {key!r} already belongs to another call (other arguments, another tool or another "
+        "principal): reuse a key only to resubmit the same call",
+        key=key,
+    )
 
 
 def _accepted(handle: AsyncCallHandle) -> dict[str, Any]:

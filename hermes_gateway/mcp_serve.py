@@ -1,16 +1,22 @@
-"""``hermes-gateway mcp serve``: the directory's tools as an MCP server over stdio.
+"""The directory's tools as an MCP server, one for both transports: stdio (``hermes-gateway mcp serve``)
+and streamable HTTP at ``/mcp`` of ``hermes-gateway serve`` (``hermes_gateway.mcp_http``).
 
-Any MCP client — the Hermes agent's ``mcp_servers``, an IDE, another agent — sees the tools the principal
+Any MCP client — the Hermes agent's ``mcp_servers``, an IDE, another agent — sees the tools its principal
 may call (the policy the workers judge by) and calls them through the gateway: each call is an ordinary
-call (queue, limits, breakers, retries, policy, audit, events and trace), run by the workers. The list is
-read from the directory at every ``tools/list``. A change of the directory (a tool registered, updated or
-removed anywhere) is announced, so clients list again and an agent sees new tools without a restart: with
-``notifications/tools/list_changed`` in the handshake-era protocol (the Hermes agent's mcp 1.x client),
-and on ``subscriptions/listen`` streams in the newer one.
+call (queue, limits, breakers, retries, policy, audit, events and trace; a ``traceparent`` in the request's
+``_meta`` continues the caller's trace), run by the workers. The principal is the one the caller's token
+maps to over HTTP (``hermes_gateway.credentials``), the ``--principal`` of ``mcp serve`` over stdio.
 
-A failed call comes back as a tool error (``isError``) with its typed error, ``<type>: <message>``; a
-result is one text block (a string as it is, anything else as JSON) plus ``structuredContent`` when it is
-an object. A call the client cancels (or abandons by leaving) is cancelled in the gateway too.
+The list is read from the directory at every ``tools/list``. A change of the directory (a tool registered,
+updated or removed anywhere) is announced, so clients list again and an agent sees new tools without a
+restart: with ``notifications/tools/list_changed`` to handshake-era sessions (the Hermes agent's mcp 1.x
+client; over HTTP only in stateful mode, where a session has a stream to push on), and on
+``subscriptions/listen`` streams in the 2026 protocol (stateless).
+
+A tool's progress events become ``notifications/progress`` when the request carries a progress token. A
+failed call comes back as a tool error (``isError``) with its typed error, ``<type>: <message>``; a result
+is one text block (a string as it is, anything else as JSON) plus ``structuredContent`` when it is an
+object. A call the client cancels (or abandons by leaving) is cancelled in the gateway too.
 """
 
 from __future__ import annotations
@@ -19,48 +25,95 @@ import asyncio
 import json
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import mcp_types as types
 import structlog
-from mcp.server.lowlevel.server import Server
+from mcp.server.lowlevel.server import NotificationOptions, Server
 
+from broker import events as ev_mod
 from broker.errors import HermesError
+from hermes_gateway.credentials import CALLER_SCOPE_KEY, Caller
 
-VERSION = "0.10.0"
-CALL_THREADS = 64  # tool calls awaited at once (each waits on a thread of its own)
+VERSION = "0.11.0"
+MAX_SESSIONS = 10_000  # handshake-era sessions remembered for list_changed (the SDK's default session cap)
 
 log = structlog.get_logger("hermes.mcp")
 
 
+class _Server(Server[Any]):
+    """The SDK's low-level server, announcing ``tools.listChanged`` to handshake-era clients on every
+    transport (the HTTP session manager builds its initialization options without arguments)."""
+
+    def create_initialization_options(self, notification_options: Any = None, *args: Any, **kwargs: Any) -> Any:
+        options = notification_options or NotificationOptions(tools_changed=True)
+        return super().create_initialization_options(options, *args, **kwargs)
+
+
+class Sessions:
+    """Handshake-era sessions that listed tools, to tell of a change (the oldest forgotten past a cap)."""
+
+    def __init__(self) -> None:
+        self._by_key: OrderedDict[str, Any] = OrderedDict()
+
+    def add(self, key: str, session: Any) -> None:
+        self._by_key[key] = session
+        self._by_key.move_to_end(key)
+        while len(self._by_key) > MAX_SESSIONS:
+            self._by_key.popitem(last=False)
+
+    def drop(self, key: str) -> None:
+        self._by_key.pop(key, None)
+
+    def items(self) -> list[tuple[str, Any]]:
+        return list(self._by_key.items())
+
+
+def _session_key(ctx: Any) -> str | None:
+    """The key a session is remembered by: its ``Mcp-Session-Id`` over HTTP, ``stdio`` on stdio; None for
+    a stateless HTTP request or a 2026-era one (no stream to push on: those clients listen instead)."""
+    from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
+    if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:
+        return None
+    if ctx.request is None:
+        return "stdio"
+    return ctx.request.headers.get("mcp-session-id")
+
+
 def build_server(
     gw: Any,
+    agw: Callable[[], Any],
     *,
     principal: str | None = None,
     session_id: str | None = None,
     timeout: float | None = None,
-    sessions: list[Any] | None = None,
-    pool: ThreadPoolExecutor | None = None,
+    sessions: Sessions | None = None,
     need_workers: bool = False,
     bus: Any = None,
 ) -> Server[Any]:
-    """The MCP server for ``gw`` (a ``Gateway``); ``principal`` is who the calls run as. The client's
-    session is put in ``sessions`` at its first ``tools/list`` (for ``ChangeNotices``). ``need_workers``:
-    a call to a queue no live worker serves is refused at once (``no_workers``) instead of waiting.
+    """The MCP server over ``gw`` (a ``Gateway``: directory, policy) and ``agw()`` (the ``AsyncGateway``
+    the calls go through). ``principal``: who the calls run as when the request has no caller of its own
+    (stdio). ``sessions``: where handshake-era sessions are kept for ``ChangeNotices``. ``need_workers``: a
+    call to a queue no live worker serves is refused at once (``no_workers``) instead of waiting.
     ``bus``: the ``SubscriptionBus`` that ``subscriptions/listen`` streams are served from."""
     from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 
-    sessions = [] if sessions is None else sessions
-    threads = pool or ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="hermes-mcp-call")
+    fixed = Caller(principal)
 
-    async def blocking(fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(threads, fn, *args)
+    def caller_of(ctx: Any) -> Caller:
+        found = ctx.request.scope.get(CALLER_SCOPE_KEY) if ctx.request is not None else None
+        return found if isinstance(found, Caller) else fixed
 
     async def list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
-        if not sessions:
-            sessions.append(ctx.session)  # the connection to announce changes on
-        schemas = await blocking(gw.tool_schemas, principal)
+        key = _session_key(ctx)
+        if sessions is not None and key is not None:
+            sessions.add(key, ctx.session)  # the connection to announce changes on
+        schemas = await anyio.to_thread.run_sync(gw.tool_schemas, caller_of(ctx).principal)
         tools = [
             types.Tool(
                 name=f["function"]["name"],
@@ -71,20 +124,34 @@ def build_server(
         ]
         return types.ListToolsResult(tools=tools)
 
-    def submit(name: str, args: dict[str, Any]) -> Any:
+    async def run(ctx: Any, name: str, args: dict[str, Any]) -> Any:
+        meta = dict(ctx.meta or {})
         if need_workers:
-            gw.require_workers(str(gw.tool(name).spec.config.get("queue") or "tools"))
-        context = {k: v for k, v in (("principal", principal), ("session_id", session_id)) if v}
-        return gw.call_tool(name, args, timeout=timeout, **context)
+            spec = (await agw().tool(name)).spec
+            await anyio.to_thread.run_sync(gw.require_workers, str(spec.config.get("queue") or "tools"))
+        context = {k: v for k, v in (("principal", caller_of(ctx).principal), ("session_id", session_id)) if v}
+        handle = await agw().call_tool(
+            name,
+            args,
+            timeout=timeout,
+            traceparent=_text(meta.get("traceparent")),
+            tracestate=_text(meta.get("tracestate")),
+            **context,
+        )
+        try:
+            token = meta.get("progress_token", meta.get("progressToken"))
+            if token is not None:
+                await _progress(ctx, handle, token, timeout)
+            return await handle.result(timeout)
+        except BaseException:  # cancelled by the client (or it went away): cancel the call on the queue
+            if not handle.done():
+                with anyio.CancelScope(shield=True):
+                    await handle.cancel()
+            raise
 
     async def call_tool(ctx: Any, params: Any) -> types.CallToolResult:
         try:
-            handle = await blocking(submit, params.name, dict(params.arguments or {}))
-            try:
-                result = await blocking(handle.result, timeout)
-            except asyncio.CancelledError:  # the client cancelled the request, or went away
-                handle.cancel()
-                raise
+            result = await run(ctx, params.name, dict(params.arguments or {}))
         except HermesError as e:
             kind = getattr(e, "error_type", None) or e.type
             return types.CallToolResult(content=[types.TextContent(type="text", text=f"{kind}: {e}")], is_error=True)
@@ -94,7 +161,7 @@ def build_server(
             structured_content=result if isinstance(result, dict) else None,
         )
 
-    return Server(
+    return _Server(
         "hermes-gateway",
         version=VERSION,
         instructions="Tools of the Hermes Gateway directory; every call runs on the gateway's workers.",
@@ -104,13 +171,32 @@ def build_server(
     )
 
 
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+async def _progress(ctx: Any, handle: Any, token: Any, timeout: float | None) -> None:
+    """Send the call's progress events as ``notifications/progress`` (1, 2, ... with the event's message)
+    until it ends."""
+    count = 0
+    async for event in handle.events(timeout):
+        if event.type != ev_mod.PROGRESS:
+            continue
+        count += 1
+        message = event.detail.get("message")
+        await ctx.session.send_progress_notification(
+            token, float(count), None, str(message) if message is not None else None, related_request_id=ctx.request_id
+        )
+
+
 class ChangeNotices:
-    """A thread on the directory's change channel that sends ``notifications/tools/list_changed`` to the
-    client's session (a burst of changes within ``quiet`` seconds is one notice). Redis errors are logged
-    and the subscription is made again, backing off up to 5 s."""
+    """A thread on the directory's change channel that tells clients the tool list changed (a burst of
+    changes within ``quiet`` seconds is one notice): ``ToolsListChanged`` on ``bus`` for listen streams,
+    ``notifications/tools/list_changed`` to each of ``sessions``. Redis errors are logged and the
+    subscription is made again, backing off up to 5 s."""
 
     def __init__(
-        self, gw: Any, sessions: list[Any], bus: Any, loop: asyncio.AbstractEventLoop, quiet: float = 0.2
+        self, gw: Any, sessions: Sessions, bus: Any, loop: asyncio.AbstractEventLoop, quiet: float = 0.2
     ) -> None:
         self.gw, self.sessions, self.bus, self.loop, self.quiet = gw, sessions, bus, loop, quiet
         self._stop = threading.Event()
@@ -149,39 +235,44 @@ class ChangeNotices:
                 until = time.monotonic() + self.quiet
                 while time.monotonic() < until and not self._stop.is_set():
                     pubsub.get_message(timeout=max(0.0, until - time.monotonic()))  # the rest of the burst
-                self._announce()
+                asyncio.run_coroutine_threadsafe(self._announce(), self.loop)
         finally:
             pubsub.close()
 
-    def _announce(self) -> None:
+    async def _announce(self) -> None:
         from mcp.server.subscriptions import ToolsListChanged
 
-        notices = [self.bus.publish(ToolsListChanged())]  # the newer era's listen streams
-        if self.sessions:  # the handshake era's notification (dropped by the SDK on a newer-era session)
-            notices.append(self.sessions[0].send_tool_list_changed())
-        for coroutine in notices:
-            notice = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        await self.bus.publish(ToolsListChanged())  # the 2026 protocol's listen streams
+
+        async def tell(key: str, session: Any) -> None:  # the handshake era's notification
             try:
-                notice.result(5)
-            except Exception:  # noqa: BLE001 - the client went away or is stuck: nothing to tell
-                pass
+                with anyio.fail_after(5):
+                    await session.send_tool_list_changed()
+            except Exception:  # noqa: BLE001 - the client went away or is stuck: forget it
+                self.sessions.drop(key)
+
+        async with anyio.create_task_group() as group:  # side by side: a stuck client holds up no other
+            for key, session in self.sessions.items():
+                group.start_soon(tell, key, session)
 
 
 async def serve_stdio(gw: Any, **options: Any) -> None:
     """Serve ``gw``'s directory over stdin/stdout until the client closes stdin."""
-    from mcp.server.lowlevel.server import NotificationOptions
+    import redis.asyncio as aioredis
     from mcp.server.stdio import stdio_server
     from mcp.server.subscriptions import InMemorySubscriptionBus
 
-    sessions: list[Any] = []
+    from hermes_gateway.aio import AsyncGateway
+
+    sessions = Sessions()
     bus = InMemorySubscriptionBus()
-    pool = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="hermes-mcp-call")
-    server = build_server(gw, sessions=sessions, pool=pool, bus=bus, **options)
+    agw = AsyncGateway(aioredis.Redis.from_url(gw.broker.url), gw.settings)
+    await agw.start()
+    server = build_server(gw, lambda: agw, sessions=sessions, bus=bus, **options)
     notices = ChangeNotices(gw, sessions, bus, asyncio.get_running_loop()).start()
     try:
         async with stdio_server() as (read_stream, write_stream):
-            init = server.create_initialization_options(NotificationOptions(tools_changed=True))
-            await server.run(read_stream, write_stream, init)
+            await server.run(read_stream, write_stream, server.create_initialization_options())
     finally:
         notices.stop()
-        pool.shutdown(wait=False, cancel_futures=True)
+        await agw.close()

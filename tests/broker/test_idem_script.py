@@ -68,8 +68,8 @@ def test_other_arguments_under_a_key_are_a_conflict(fake: Any) -> None:
     assert err.type == "idempotency_conflict"
     assert err.details == {"key": "k", "call_id": "first", "tool": "echo", "kind": "tool"}
     assert str(err) == (
-        "idempotency key 'k' already belongs to call first of tool 'echo' with different arguments: "
-        "reuse a key only to resubmit the same call"
+        "idempotency key 'k' already belongs to call first of tool 'echo' with different arguments or as another "
+        "principal: reuse a key only to resubmit the same call"
     )
     assert not fake.exists(keys.job("second"))
     assert fake.llen(keys.queue("tools")) == 1
@@ -159,3 +159,21 @@ def test_the_digest_is_canonical_and_tells_requests_apart() -> None:
     assert request_digest(llm("i", "hi")) != request_digest(llm("j", "hi", model="m2"))
     with pytest.raises(TypeError, match="cannot encode object"):
         request_digest(env("k", o=object()))
+
+
+def test_the_digest_holds_the_principal_so_a_key_is_not_reused_across_principals(fake: Any) -> None:
+    def as_(call_id: str, principal: str | None, **context: Any) -> Envelope:
+        e = env(call_id, x=1)
+        e.context.update(context, **({"principal": principal} if principal else {}))
+        return e
+
+    # Without a principal the digest is what it always was (keys stored before principals still match).
+    assert request_digest(as_("a", None)) == request_digest(env("b", x=1))
+    assert request_digest(as_("c", "admin")) != request_digest(as_("d", "alice"))
+    assert request_digest(as_("e", "alice", session_id="s1")) == request_digest(as_("f", "alice", session_id="s2"))
+
+    calls = Calls(fake)
+    assert submit(calls, as_("admins", "admin")) == (True, "admins")
+    with pytest.raises(IdempotencyConflict, match="or as another principal"):
+        submit(calls, as_("alices", "alice"))
+    assert submit(calls, as_("again", "admin")) == (False, "admins")

@@ -269,3 +269,36 @@ def test_hermes_reaches_the_gateways_tools_as_an_mcp_server_without_the_plugin(
     [tool_msg] = [m for m in answered.body["messages"] if m["role"] == "tool"]
     assert '"city": "Berlin"' in tool_msg["content"]
     assert 'Tool result:' in proc.stdout and "Berlin" in proc.stdout
+
+
+def test_hermes_reaches_the_gateways_tools_at_mcp_on_serve_with_a_token(
+    hermes_bin: Path, tmp_path: Path, llm: LLMServer, redis_url: str, home: Home, workers: Any, conn: Any
+) -> None:
+    # The README's config for an agent on another machine: `url` + `headers`, no process of ours started
+    # by the agent; its token's principal is who the calls run as.
+    from tests.e2e.served import Serve, sha
+
+    token = "remote-agent-token"
+    config = yaml.safe_load((home.path / "config.yaml").read_text())
+    home.config({**config, "api": {"tokens": {sha(token): {"principal": "remote-hermes"}}}})
+    server = Serve(home, redis_url)
+    try:
+        agent = Agent(hermes_bin, tmp_path / "agent-home", llm, redis_url)
+        agent_config = yaml.safe_load((agent.root / "config.yaml").read_text())
+        agent_config["mcp_servers"] = {
+            "gateway": {"url": server.url, "headers": {"Authorization": f"Bearer {token}"}, "timeout": 60}
+        }
+        (agent.root / "config.yaml").write_text(yaml.safe_dump(agent_config))
+        workers(queues="tools")
+        proc = agent.run("chat", "-q", "What is the weather in Berlin?", "-Q")
+    finally:
+        server.stop()
+
+    [record] = [r for r in records(conn) if r.kind == "tool"]
+    assert record.tool_name == "get_weather" and record.state == "done" and record.args == {"city": "Berlin"}
+    assert record.principal == "remote-hermes"  # the token's principal
+    offered, answered = llm.chat_requests
+    assert "mcp__gateway__get_weather" in [t["function"]["name"] for t in offered.body["tools"]]
+    [tool_msg] = [m for m in answered.body["messages"] if m["role"] == "tool"]
+    assert '"city": "Berlin"' in tool_msg["content"]
+    assert "Berlin" in proc.stdout

@@ -1,0 +1,143 @@
+"""Who is calling the HTTP API and ``/mcp``: principals bound to bearer tokens.
+
+``config.yaml``::
+
+    api:
+      token_principal: ops          # who $HERMES_API_TOKEN / --token calls as (default: none named)
+      tokens:                       # sha256 hex of a token -> who it is
+        9f86d081884c7d65...: {principal: alice}
+        60303ae22b998861...: {principal: ci, admin: true}
+
+``printf %s "$TOKEN" | sha256sum`` gives a token's key; the tokens themselves are never stored. A caller's
+principal is the one its token maps to: a ``principal`` it names in a call's context (or the
+``?principal=`` of ``/v1/schemas``) that differs is refused (``permission_denied``, 403), so alice cannot
+claim to be admin. An *admin* credential — the single ``$HERMES_API_TOKEN``/``--token``, an entry with
+``admin: true``, or any caller of a loopback-only server that has no token at all — is a trusted back end
+acting for its users: it may name the principal a call runs as.
+
+Registering or removing a tool (``POST /v1/tools``, ``DELETE /v1/tools/{name}``) is running code on the
+workers, so it needs an admin credential or the :data:`MANAGE_TOOLS` tag among the principal's policy
+grants (``policy.principals.<name>.grants``; ``"*"`` holds it too).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from broker.errors import ConfigError, PermissionDenied
+
+CALLER_SCOPE_KEY = "hermes.caller"  # where a request's Caller is kept in its ASGI scope
+MANAGE_TOOLS = "tools:write"  # the policy grant that lets a principal register and remove tools
+_HEX = re.compile(r"[0-9a-f]{64}")
+_ENTRY_KEYS = {"principal", "admin"}
+
+
+@dataclass(frozen=True)
+class Caller:
+    """What a request's credential says about it: its principal (None: the policy's default) and
+    whether it is an admin credential."""
+
+    principal: str | None
+    admin: bool = False
+
+    def principal_for(self, claimed: Any) -> str | None:
+        """The principal a call runs as when the caller names ``claimed`` (None: it names none)."""
+        if claimed is None or claimed == "" or claimed == self.principal:
+            return self.principal
+        if self.admin and isinstance(claimed, str):
+            return claimed
+        raise PermissionDenied(
+            f"permission denied: this credential is principal {self.principal!r}, it cannot act as {claimed!r}",
+            principal=self.principal,
+            claimed=claimed if isinstance(claimed, str) else repr(claimed),
+            rule="credentials",
+        )
+
+    def check_manage_tools(self, policy: Any) -> None:
+        """PermissionDenied unless this caller may register and remove tools under ``policy``."""
+        if self.admin:
+            return
+        held = {tag for tag, _ in policy.grants_of(self.principal)}
+        if MANAGE_TOOLS in held or "*" in held:
+            return
+        who = policy.principal_of(self.principal)
+        raise PermissionDenied(
+            f"permission denied: principal {who!r} lacks permission {MANAGE_TOOLS} to register or remove tools",
+            principal=who,
+            missing=[MANAGE_TOOLS],
+            rule="permissions",
+        )
+
+
+TRUSTED_LOCAL = Caller(None, admin=True)  # a loopback-only server without any token: as before tokens
+
+
+def token_key(token: str) -> str:
+    """The ``api.tokens`` key of ``token``: its sha256, hex."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+class Credentials:
+    """The tokens a server accepts and the caller each one is."""
+
+    def __init__(self, token: str | None = None, api: Mapping[str, Any] | None = None) -> None:
+        api = api or {}
+        if not isinstance(api, Mapping):
+            raise ConfigError(f"config.yaml: api: expected a mapping, got {type(api).__name__}")
+        unknown = set(api) - {"tokens", "token_principal"}
+        if unknown:
+            raise ConfigError(f"config.yaml: api: unknown key(s) {sorted(unknown)}; expected tokens, token_principal")
+        named = api.get("token_principal")
+        if named is not None and (not isinstance(named, str) or not named):
+            raise ConfigError("config.yaml: api.token_principal: expected a principal name")
+        self.token = token
+        self.admin_caller = Caller(named, admin=True)
+        self.tokens = {key: _entry(key, raw) for key, raw in _tokens(api.get("tokens")).items()}
+
+    @classmethod
+    def from_settings(cls, settings: Any, token: str | None = None) -> Credentials:
+        return cls(token, (settings.raw or {}).get("api"))
+
+    @property
+    def required(self) -> bool:
+        """Whether a request must present a token (any token is configured)."""
+        return self.token is not None or bool(self.tokens)
+
+    def caller(self, presented: str | None) -> Caller | None:
+        """The caller ``presented`` identifies; None for a missing or unknown token (401)."""
+        if not self.required:
+            return TRUSTED_LOCAL
+        if not presented:
+            return None
+        if self.token is not None and hmac.compare_digest(presented.encode(), self.token.encode()):
+            return self.admin_caller
+        return self.tokens.get(token_key(presented))
+
+
+def _tokens(raw: Any) -> dict[str, Any]:
+    if raw is None or raw == "":
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError("config.yaml: api.tokens: expected a mapping of sha256 hex -> {principal: ...}")
+    return {str(k): v for k, v in raw.items()}
+
+
+def _entry(key: str, raw: Any) -> Caller:
+    where = f"config.yaml: api.tokens.{key[:12]}…"
+    if not _HEX.fullmatch(key):
+        raise ConfigError(f"{where}: a key is the sha256 of a token as 64 lowercase hex digits (sha256sum)")
+    if isinstance(raw, str):
+        raw = {"principal": raw}
+    if not isinstance(raw, Mapping) or set(raw) - _ENTRY_KEYS:
+        raise ConfigError(f"{where}: expected {{principal: NAME, admin: true|false}}")
+    principal, admin = raw.get("principal"), raw.get("admin", False)
+    if not isinstance(principal, str) or not principal:
+        raise ConfigError(f"{where}.principal: expected a principal name")
+    if not isinstance(admin, bool):
+        raise ConfigError(f"{where}.admin: expected true or false")
+    return Caller(principal, admin=admin)

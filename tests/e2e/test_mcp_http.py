@@ -1,0 +1,273 @@
+"""MCP at /mcp of `hermes-gateway serve`: the `mcp` SDK's streamable HTTP client against real `serve`
+processes on loopback, real workers and a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any
+
+import httpx
+import httpx2
+import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+
+from broker import keys
+from broker.audit_store import AuditLog
+from broker.records import envelope_of
+from tests.conftest import Home, wait_until
+from tests.e2e.served import ALICE, LOOKUP_SCHEMA, TP, TRACE, client, configure, serve_processes
+from tests.e2e.util import current
+
+pytestmark = pytest.mark.e2e
+
+serve = pytest.fixture(serve_processes)
+
+
+def test_a_client_lists_what_its_token_may_call_calls_it_and_gets_typed_errors_and_progress(
+    home: Home, serve: Any, workers: Any, conn: Any
+) -> None:
+    configure(home)
+    workers(1)
+    server = serve()
+    progress: list[tuple[float, str | None]] = []
+
+    async def on_progress(value: float, total: float | None, message: str | None) -> None:
+        progress.append((value, message))
+
+    async def session() -> tuple[Any, ...]:
+        async with client(server.url, ALICE) as c:
+            listed = await c.list_tools()
+            found = await c.call_tool("lookup", {"city": "北京"}, meta={"traceparent": TP})
+            bad_args = await c.call_tool("lookup", {"city": 42})
+            refused = await c.call_tool("wipe", {})
+            stepped = await c.call_tool("steps", {"n": 3}, progress_callback=on_progress)
+            return c.protocol_version, listed, found, bad_args, refused, stepped
+
+    version, listed, found, bad_args, refused, stepped = asyncio.run(asyncio.wait_for(session(), 60))
+    assert version >= "2026"  # the SDK's client speaks the 2026 protocol to it: stateless requests
+    tools = {t.name: t for t in listed.tools}
+    assert set(tools) == {"lookup", "steps", "sleep", "tight"}  # alice's grants (read_only): not `wipe`
+    assert tools["lookup"].description == "Look a thing up" and tools["lookup"].input_schema == LOOKUP_SCHEMA
+
+    assert not found.is_error and found.structured_content == {"city": "北京"}
+    assert bad_args.is_error and bad_args.content[0].text.startswith("invalid_args: ")
+    assert refused.is_error and refused.content[0].text.startswith("permission_denied: ")
+    assert not stepped.is_error and stepped.structured_content == {"steps": 3}
+    assert progress == [(1.0, "step 1 of 3"), (2.0, "step 2 of 3"), (3.0, "step 3 of 3")]
+
+    # Ordinary calls, run as the token's principal; the caller's trace continues.
+    records = wait_until(
+        lambda: (r := AuditLog(conn).list(principal="alice", limit=20)) and len(r) >= 4 and r, 10,
+        message="the calls' audit records",
+    )
+    by_tool = {r.tool_name: r for r in records}
+    assert by_tool["wipe"].state == "failed" and by_tool["wipe"].error_type == "permission_denied"
+    looked_up = [r for r in records if r.tool_name == "lookup" and r.state == "done"][0]
+    env = envelope_of(conn.hget(keys.job(looked_up.call_id), "data"))
+    assert env.traceparent.split("-")[1] == TRACE and env.context["principal"] == "alice"
+
+
+def test_wrong_or_missing_token_is_401_a_foreign_origin_403_and_a_body_over_the_limit_413(
+    home: Home, serve: Any
+) -> None:
+    configure(home)
+    server = serve(env={"HERMES_API_MAX_BODY": "4096"})
+    init = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    missing = httpx.post(server.url, json=init, headers=headers)
+    wrong = httpx.post(server.url, json=init, headers={**headers, "Authorization": "Bearer nope"})
+    foreign = httpx.post(
+        server.url, json=init, headers={**headers, "Authorization": f"Bearer {ALICE}", "Origin": "http://evil.example"}
+    )
+    assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "unauthorized"
+    assert foreign.status_code == 403 and foreign.json()["error"]["type"] == "forbidden"
+
+    ok = httpx.post(server.url, json=init, headers={**headers, "Authorization": f"Bearer {ALICE}"})
+    assert ok.status_code == 200, ok.text  # the same request with alice's token passes the guard
+    big = {**init, "params": {"_meta": {"pad": "x" * 5000}}}
+    too_large = httpx.post(server.url, json=big, headers={**headers, "Authorization": f"Bearer {ALICE}"})
+    assert too_large.status_code == 413
+
+
+@pytest.mark.parametrize(
+    ("mode", "serve_args"),
+    [("auto", ()), ("legacy", ("--mcp-stateful",)), ("legacy", ())],
+    ids=["2026-stateless", "handshake-stateful", "handshake-stateless"],
+)
+def test_a_call_the_client_cancels_ends_cancelled_on_the_queue(
+    home: Home, serve: Any, workers: Any, conn: Any, mode: str, serve_args: tuple[str, ...]
+) -> None:
+    # 2026: the client closes the response stream; handshake era: it sends notifications/cancelled, which a
+    # stateless server cannot tie to the request (it lands on a transport of its own): there the call is
+    # cancelled when the client leaves (its response stream closes).
+    on_cancel = mode != "legacy" or bool(serve_args)
+    configure(home)
+    workers(1)
+    server = serve(*serve_args)
+
+    async def session() -> None:
+        async with client(server.url, ALICE, mode=mode) as c:
+            task = asyncio.get_running_loop().create_task(c.call_tool("sleep", {"seconds": 30}))
+            wait_running = asyncio.get_running_loop().run_in_executor(None, running_sleep)
+            await asyncio.wait_for(wait_running, 20)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            if on_cancel:  # still connected: it is the cancel that stops the call, not the client leaving
+                loop = asyncio.get_running_loop()
+                await asyncio.wait_for(loop.run_in_executor(None, cancelled), 20)
+            assert (await c.call_tool("lookup", {"city": "after"})).structured_content == {"city": "after"}
+        if not on_cancel:
+            await asyncio.get_running_loop().run_in_executor(None, cancelled)
+
+    def cancelled() -> None:
+        (call_id,) = _jobs(conn, "sleep")
+        wait_until(lambda: current(conn, [call_id])[call_id] == "cancelled", 15, message="the call cancelled")
+
+    def running_sleep() -> str:
+        def found() -> str | None:
+            records = [e for e in _jobs(conn, "sleep") if current(conn, [e])[e] == "executing"]
+            return records[0] if records else None
+
+        return wait_until(found, 20, message="the sleep call running on a worker")
+
+    asyncio.run(asyncio.wait_for(session(), 60))
+    record = wait_until(lambda: AuditLog(conn).list(tool="sleep", limit=5), 10, message="its audit record")
+    assert record[0].state == "cancelled" and record[0].principal == "alice"
+
+
+def _jobs(conn: Any, tool: str) -> list[str]:
+    """The call ids of ``tool``'s calls in the broker."""
+    found = []
+    for key in conn.scan_iter(match=keys.job("*"), count=1000):
+        data = conn.hget(key, "data")
+        if data is not None and envelope_of(data).name == tool:
+            found.append(envelope_of(data).call_id)
+    return found
+
+
+LATE = {"name": "late", "executor": "python", "function": "workers.executors.builtin:echo", "permissions": ["read_only"]}
+
+
+def test_a_tool_registered_while_connected_is_announced_on_a_listen_stream_and_callable(
+    home: Home, serve: Any, workers: Any, gateway: Any
+) -> None:
+    configure(home)
+    workers(1)
+    server = serve()  # stateless: the 2026 protocol's subscriptions/listen stream carries the change
+
+    async def session() -> tuple[Any, Any, Any, Any]:
+        async with client(server.url, ALICE) as c:
+            before = await c.list_tools()
+            async with c.listen(tools_list_changed=True) as sub:
+                gateway.register_tool(LATE)
+                event = await asyncio.wait_for(anext(aiter(sub)), 10)
+            after = await c.list_tools()
+            return before, event, after, await c.call_tool("late", {"x": 1})
+
+    before, event, after, called = asyncio.run(asyncio.wait_for(session(), 60))
+    assert "late" not in {t.name for t in before.tools}
+    assert type(event).__name__ == "ToolsListChanged"
+    assert "late" in {t.name for t in after.tools}
+    assert not called.is_error and called.structured_content == {"x": 1}
+
+
+def test_with_mcp_stateful_a_handshake_era_session_gets_tools_list_changed(
+    home: Home, serve: Any, workers: Any, gateway: Any
+) -> None:
+    # The handshake-era protocol, as the Hermes agent's mcp 1.x client speaks it: the notification
+    # needs a session's GET stream, so `serve --mcp-stateful`.
+    configure(home)
+    workers(1)
+    server = serve("--mcp-stateful")
+    changed = asyncio.Event()
+    notices: list[str] = []
+
+    async def on_message(message: Any) -> None:
+        root = getattr(message, "root", message)
+        if "ToolListChanged" in type(root).__name__:
+            notices.append(type(root).__name__)
+            changed.set()
+
+    async def session() -> tuple[Any, Any, Any, Any]:
+        async with client(server.url, ALICE, mode="legacy", message_handler=on_message) as c:
+            before = await c.list_tools()
+            gateway.register_tool(LATE)
+            await asyncio.wait_for(changed.wait(), 10)
+            after = await c.list_tools()
+            return c.protocol_version, before, after, await c.call_tool("late", {"x": 2})
+
+    version, before, after, called = asyncio.run(asyncio.wait_for(session(), 60))
+    assert version < "2026"
+    assert "late" not in {t.name for t in before.tools} and "late" in {t.name for t in after.tools}
+    assert notices == ["ToolListChangedNotification"]
+    assert not called.is_error and called.structured_content == {"x": 2}
+
+
+class RoundRobin(httpx2.AsyncHTTPTransport):
+    """What a load balancer in front of several `serve` does: each request to the next one in turn."""
+
+    def __init__(self, ports: list[int]) -> None:
+        super().__init__()
+        self.ports, self.sent = ports, []
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        port = self.ports[len(self.sent) % len(self.ports)]
+        self.sent.append(port)
+        request.url = request.url.copy_with(port=port)
+        request.headers["host"] = f"127.0.0.1:{port}"
+        return await super().handle_async_request(request)
+
+
+def test_two_serve_processes_on_one_redis_answer_one_client_alternately(
+    home: Home, serve: Any, workers: Any, conn: Any
+) -> None:
+    configure(home)
+    workers(1)
+    first, second = serve(), serve()
+    balancer = RoundRobin([first.port, second.port])
+    http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {ALICE}"}, transport=balancer, timeout=60)
+
+    async def session() -> list[Any]:
+        async with Client(streamable_http_client(first.url, http_client=http), cache=None) as c:
+            listed = await c.list_tools()
+            calls = [await c.call_tool("lookup", {"city": f"c{i}"}) for i in range(4)]
+            return [listed, *calls]
+
+    listed, *calls = asyncio.run(asyncio.wait_for(session(), 60))
+    assert {"lookup", "steps", "sleep", "tight"} <= {t.name for t in listed.tools}
+    assert [c.structured_content for c in calls] == [{"city": f"c{i}"} for i in range(4)]
+    assert [c.is_error for c in calls] == [False] * 4
+    assert balancer.sent.count(first.port) >= 3 and balancer.sent.count(second.port) >= 3
+    assert all(a != b for a, b in zip(balancer.sent, balancer.sent[1:], strict=False))
+
+
+def test_a_full_queue_and_an_open_circuit_are_tool_errors_saying_so_for_a_handshake_era_client(
+    home: Home, serve: Any, workers: Any, conn: Any
+) -> None:
+    configure(home)
+    failing = [sys.executable, "-c", "import sys; sys.exit(4)"]
+    home.tool("down", "command", command=failing, permissions=["read_only"], breaker={"failures": 2, "cooldown": 120})
+    workers(1)
+    server = serve()
+
+    async def session() -> tuple[str, Any, Any, Any]:
+        async with client(server.url, ALICE, mode="legacy") as c:
+            first = asyncio.get_running_loop().create_task(c.call_tool("tight", {"seconds": 2}))
+            while not _jobs(conn, "tight"):  # submitted: it holds the tool's only slot, and its queue takes none
+                await asyncio.sleep(0.05)
+            refused = await c.call_tool("tight", {"seconds": 0})
+            unknown = await c.call_tool("nope", {})
+            down = [await c.call_tool("down", {}) for _ in range(3)]  # two failures open its breaker
+            return c.protocol_version, refused, unknown, down, await first
+
+    version, refused, unknown, down, first = asyncio.run(asyncio.wait_for(session(), 60))
+    assert version < "2026"  # the handshake era, served statelessly
+    assert refused.is_error and refused.content[0].text.startswith("queue_full: ")
+    assert unknown.is_error and unknown.content[0].text.startswith("unknown_tool: ")
+    assert [r.is_error for r in down] == [True] * 3
+    assert [r.content[0].text.split(":")[0] for r in down] == ["executor_error", "executor_error", "circuit_open"]
+    assert not first.is_error
