@@ -31,8 +31,9 @@ from starlette.staticfiles import StaticFiles
 from broker import keys
 from broker.audit_store import AuditLog
 from broker.codec import text
-from broker.errors import CallFailed, HermesError
+from broker.errors import CallFailed
 from hermes_gateway import console_data, replay
+from hermes_gateway.http_api import Forbidden, _check_origin, error_reply
 from hermes_gateway.http_json import BadRequest, dumps, read_body, reply
 
 STATS_INTERVAL = 1.5  # seconds between snapshots of the overview
@@ -41,12 +42,6 @@ REPLAY_TIMEOUT = 60.0
 STATES = ("done", "failed", "cancelled")
 
 Handler = Callable[[Request], Awaitable[Response]]
-
-
-class Forbidden(HermesError):
-    """An operation the API does not allow in its present set-up."""
-
-    type = "forbidden"
 
 
 class StatsHub:
@@ -148,14 +143,16 @@ def console_routes(gw: Any, api: Callable[..., Handler], token: str | None) -> l
             )
         from workers.worker import control_message
 
-        def send() -> int:
-            if gw.conn.zscore(keys.WORKERS, name) is None:
-                known = ", ".join(sorted(text(n) for n in gw.conn.zrange(keys.WORKERS, 0, -1))) or "none"
-                raise CallFailed(f"no worker {name!r} (known: {known})", error_type="unknown_worker")
+        def send() -> int | str:
+            if gw.conn.zscore(keys.WORKERS, name) is None:  # a typo must not read as done
+                return ", ".join(sorted(text(n) for n in gw.conn.zrange(keys.WORKERS, 0, -1))) or "none"
             channel = keys.channel(gw.conn, keys.CONTROL_CHANNEL)
             return int(gw.conn.publish(channel, control_message("stop", worker=name)))
 
         listening = await run_in_threadpool(send)
+        if isinstance(listening, str):
+            error = {"type": "unknown_worker", "message": f"no worker {name!r} (known: {listening})", "details": {}}
+            return reply({"error": error}, 404)
         return reply({"worker": name, "stop_sent": True, "listening": listening})
 
     async def audit_list(request: Request) -> Response:
@@ -224,12 +221,9 @@ def console_routes(gw: Any, api: Callable[..., Handler], token: str | None) -> l
         return reply(await run_in_threadpool(run))
 
     async def metrics(request: Request) -> Response:
-        from hermes_gateway.http_api import Forbidden as HostForbidden
-        from hermes_gateway.http_api import _check_origin, error_reply
-
         try:
             _check_origin(request, token)
-        except HostForbidden as e:
+        except Forbidden as e:
             return error_reply(e)
         try:
             body = await run_in_threadpool(prometheus.render)

@@ -122,16 +122,35 @@ def breakers(conn: Any, cooldowns: dict[str, float]) -> list[dict[str, Any]]:
     return out
 
 
-def breaker_cooldowns(gw: Any) -> dict[str, float]:
+def breaker_cooldowns(settings: Any, entries: list[Any]) -> dict[str, float]:
     """Breaker key -> cooldown, from the specs in the directory (and executors.<type>.breaker)."""
     from workers.breakers import breaker_config
 
     out: dict[str, float] = {}
-    for entry in gw.directory.all():
-        cfg = breaker_config(gw.settings, entry.spec)
+    for entry in entries:
+        cfg = breaker_config(settings, entry.spec)
         if cfg is not None:
             out[cfg.key] = cfg.cooldown
     return out
+
+
+def slots(conn: Any, settings: Any, entries: list[Any]) -> list[dict[str, Any]]:
+    """Per concurrency key: its limit, calls executing, slots held and calls waiting; every tool of the
+    directory has a row (with its effective limit) even while idle, when Redis keeps no limit for it."""
+    rows = {row["key"]: row for row in Limits(conn).snapshot()}
+    for entry in entries:
+        spec = entry.spec
+        key = f"tool:{spec.name}"
+        limit = spec.concurrency or settings.concurrency_for(spec.executor)
+        rows.setdefault(key, {"key": key, "limit": limit, "running": 0, "waiting": 0})
+    running = inflight(conn)
+    for ckey, n in running.items():
+        rows.setdefault(ckey, {"key": ckey, "limit": -1, "running": n, "waiting": 0})
+    for row in rows.values():
+        row["executing"] = running.get(row["key"], 0)
+        # The limit is what holds calls back: every slot taken and calls waiting for one.
+        row["bottleneck"] = row["limit"] >= 0 and row["running"] >= row["limit"] and row["waiting"] > 0
+    return sorted(rows.values(), key=lambda r: r["key"])
 
 
 def snapshot(gw: Any) -> dict[str, Any]:
@@ -139,25 +158,16 @@ def snapshot(gw: Any) -> dict[str, Any]:
     conn = gw.conn
     now = time.time()
     calls = call_figures(read_stats(conn))
-    running = inflight(conn)
-    limits = Limits(conn).snapshot()
-    seen = {row["key"] for row in limits}
-    for ckey, n in running.items():
-        if ckey not in seen:
-            limits.append({"key": ckey, "limit": -1, "running": n, "waiting": 0})
-    for row in limits:
-        row["executing"] = running.get(row["key"], 0)
-        # The limit is what holds calls back: every slot taken and calls waiting for one.
-        row["bottleneck"] = row["limit"] >= 0 and row["running"] >= row["limit"] and row["waiting"] > 0
+    entries = gw.directory.all()
     return {
         "ts": now,
         "calls": calls["states"],
         "by_tool": calls["by_tool"],
         "latency": calls["latency"],
         "queues": queue_depths(conn),
-        "limits": sorted(limits, key=lambda r: r["key"]),
+        "limits": slots(conn, gw.settings, entries),
         "workers": workers(conn, gw.settings.lease, now),
-        "breakers": breakers(conn, breaker_cooldowns(gw)),
+        "breakers": breakers(conn, breaker_cooldowns(gw.settings, entries)),
         "scheduled_retries": int(conn.zcard(keys.SCHEDULED)),
     }
 
