@@ -129,20 +129,32 @@ def _install_meters(resource: Any, exporter: Any) -> None:
     _installed.append((meter_provider, exporter))
 
 
-def serve_prometheus(port: int, host: str = "127.0.0.1") -> Any:
+def serve_prometheus(port: int, host: str = "127.0.0.1", service_name: str = "hermes-worker") -> Any:
     """Serve this process's metrics on ``http://host:port/metrics`` through the OpenTelemetry Prometheus
-    exporter; call before ``setup`` (the meter provider it installs gets the reader). Returns the server."""
+    exporter. Before ``setup``, the meter provider it installs gets the reader; after it (the CLI set up
+    tracing before its ``worker`` command ran), our instruments go to a meter provider of their own with
+    the reader (and the metric export ``setup`` chose). Returns the HTTP server."""
+    global _meter_override
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from prometheus_client import REGISTRY, start_http_server
 
     with _lock:
-        if _mode is not None:
-            raise ConfigError("serve_prometheus() must come before the OpenTelemetry set-up")
         try:
             server, _thread = start_http_server(port, addr=host, registry=REGISTRY)
         except OSError as e:
             raise ConfigError(f"cannot serve metrics on {host}:{port}: {e.strerror or e}") from e
-        _extra_readers.append(PrometheusMetricReader())
+        reader = PrometheusMetricReader()
+        if _mode is None:
+            _extra_readers.append(reader)
+            return server
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        exporter = _metric_exporter(_mode) if _mode != "off" else None
+        readers = [reader, *([PeriodicExportingMetricReader(exporter)] if exporter is not None else [])]
+        provider = MeterProvider(resource=_resource(service_name), metric_readers=readers, shutdown_on_exit=False)
+        _installed.append((provider, exporter))
+        _meter_override = provider
     return server
 
 
