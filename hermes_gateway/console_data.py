@@ -169,6 +169,8 @@ def snapshot(gw: Any) -> dict[str, Any]:
         "workers": workers(conn, gw.settings.lease, now),
         "breakers": breakers(conn, breaker_cooldowns(gw.settings, entries)),
         "scheduled_retries": int(conn.zcard(keys.SCHEDULED)),
+        # Bumped on every directory change: the page reloads its tool list when it moves.
+        "tools_version": int(conn.get(keys.TOOLS_VERSION) or 0),
     }
 
 

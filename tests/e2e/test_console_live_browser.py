@@ -68,6 +68,9 @@ def test_the_overview_charts_get_points_while_a_batch_runs(
     workers(1, concurrency=16)
     page = _open(browser, serve())
     page.wait_text("#status", r"workers: 1")
+    # A tool registered elsewhere after the page opened joins its list (the snapshot's directory version).
+    gateway.register_tool({"name": "added_later", "executor": "python", "function": "workers.executors.builtin:echo"})
+    page.wait_text("#tools", "added_later")
 
     def batch() -> None:
         for _ in range(6):
