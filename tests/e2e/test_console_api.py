@@ -190,3 +190,20 @@ def test_the_tool_list_shows_the_effective_concurrency(served: ConsoleServer, ga
         tools = {t["name"]: t for t in client.get("/v1/tools").json()}
     assert tools["plain"]["concurrency"] is None and tools["plain"]["concurrency_effective"] == 5
     assert tools["echo"]["concurrency"] == tools["echo"]["concurrency_effective"] == 1000  # its own
+
+
+def test_the_page_has_the_live_views_and_loads_its_chart_library_from_the_package(served: ConsoleServer) -> None:
+    from importlib import resources
+
+    with _client(served) as client:
+        page = client.get("/").text
+        for element in ("chart-calls", "chart-latency", "chart-queues", "limits", "workers", "breakers",
+                        "waterfall", "trace-link", "audit-session", "audit-rows", "audit-replay"):
+            assert f'id="{element}"' in page, element
+        assert '<script src="static/uPlot.iife.min.js"></script>' in page  # relative: same origin, offline
+        js = client.get("/static/uPlot.iife.min.js")
+        css = client.get("/static/uPlot.min.css")
+    assert js.status_code == 200 and "uPlot" in js.text and "javascript" in js.headers["content-type"]
+    assert css.status_code == 200 and ".uplot" in css.text
+    licence = resources.files("hermes_gateway").joinpath("static/uPlot.LICENSE").read_text(encoding="utf-8")
+    assert "MIT" in licence or "Permission is hereby granted" in licence
