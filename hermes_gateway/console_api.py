@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 import redis.asyncio as aioredis
+import structlog
 from redis.exceptions import RedisError
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
@@ -35,6 +36,8 @@ from broker.errors import CallFailed
 from hermes_gateway import console_data, replay
 from hermes_gateway.http_api import Forbidden, _check_origin, error_reply
 from hermes_gateway.http_json import BadRequest, dumps, read_body, reply
+
+log = structlog.get_logger("hermes.console")
 
 STATS_INTERVAL = 1.5  # seconds between snapshots of the overview
 AUDIT_LIMIT = 200  # records one audit query returns at most
@@ -76,6 +79,9 @@ class StatsHub:
                     snap = await run_in_threadpool(console_data.snapshot, self.gw)
                 except (RedisError, OSError) as e:
                     snap = {"error": {"type": "broker_unavailable", "message": f"the broker did not answer: {e}"}}
+                except Exception as e:  # noqa: BLE001 - one bad tick (a damaged record) must not end every stream
+                    log.exception("console snapshot failed")
+                    snap = {"error": {"type": "internal_error", "message": f"{type(e).__name__}: {e}"}}
                 self.latest = snap
                 for queue in list(self._subs):
                     if queue.full():  # a slow reader gets the newest, not a backlog

@@ -49,3 +49,12 @@ def test_an_open_breaker_says_when_its_next_probe_may_go(fake: Any) -> None:
     rows = {b["key"]: b for b in console_data.breakers(fake, {"tool:x": 30.0})}
     assert rows["tool:x"]["next_probe_at"] == 130.0 and rows["tool:x"]["cooldown"] == 30.0
     assert rows["tool:y"]["state"] == "half_open" and "next_probe_at" not in rows["tool:y"]
+
+
+def test_each_process_of_a_pool_serves_metrics_on_its_own_port(monkeypatch: Any) -> None:
+    from workers.pool import METRICS_PORT_ENV, metrics_env
+
+    monkeypatch.delenv(METRICS_PORT_ENV, raising=False)
+    assert metrics_env(0) is None  # no --metrics-port: the children inherit the environment as is
+    monkeypatch.setenv(METRICS_PORT_ENV, "9464")
+    assert [metrics_env(i)[METRICS_PORT_ENV] for i in range(3)] == ["9464", "9465", "9466"]  # type: ignore[index]
