@@ -58,3 +58,14 @@ def test_each_process_of_a_pool_serves_metrics_on_its_own_port(monkeypatch: Any)
     assert metrics_env(0) is None  # no --metrics-port: the children inherit the environment as is
     monkeypatch.setenv(METRICS_PORT_ENV, "9464")
     assert [metrics_env(i)[METRICS_PORT_ENV] for i in range(3)] == ["9464", "9465", "9466"]  # type: ignore[index]
+
+
+def test_the_trace_link_template_comes_from_the_environment_or_config_yaml(tmp_path: Any, monkeypatch: Any) -> None:
+    from broker.config import load_settings
+
+    monkeypatch.delenv("HERMES_TRACE_URL", raising=False)
+    assert load_settings(tmp_path).trace_url is None
+    (tmp_path / "config.yaml").write_text("console:\n  trace_url: http://tempo:3200/trace/{trace_id}\n")
+    assert load_settings(tmp_path).trace_url == "http://tempo:3200/trace/{trace_id}"
+    monkeypatch.setenv("HERMES_TRACE_URL", "http://localhost:16686/trace/{trace_id}")
+    assert load_settings(tmp_path).trace_url == "http://localhost:16686/trace/{trace_id}"
