@@ -160,10 +160,16 @@ class AuditLog:
         state: str | None = None,
         since: float | datetime | None = None,
         limit: int = 100,
+        *,
+        until: float | datetime | None = None,
+        session_id: str | None = None,
     ) -> builtins.list[AuditRecord]:
-        """Newest first, filtered by tool (or model), principal, final state, and append time ``since``."""
+        """Newest first, filtered by tool (or model), principal, final state, append time ``since`` /
+        ``until`` and session id (read from each record: the stream entry does not carry it)."""
         out: builtins.list[AuditRecord] = []
-        for rec in self._scan(tool, principal, state, since, None, newest_first=True):
+        for rec in self._scan(tool, principal, state, since, until, newest_first=True):
+            if session_id is not None and rec.session_id != session_id:
+                continue
             out.append(rec)
             if len(out) >= limit:
                 break

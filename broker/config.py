@@ -79,6 +79,9 @@ class Settings:
     model: dict[str, Any] = field(default_factory=dict)
     mcp: dict[str, Any] = field(default_factory=dict)
     audit: dict[str, Any] = field(default_factory=dict)
+    # The console links a call's W3C trace id here: ``{trace_id}`` in it is replaced (HERMES_TRACE_URL,
+    # or config.yaml's ``console.trace_url``), e.g. http://localhost:16686/trace/{trace_id} for Jaeger.
+    trace_url: str | None = None
     raw: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -174,5 +177,6 @@ def load_settings(home: str | os.PathLike[str] | None = None) -> Settings:
         model=_mapping(raw, "model"),
         mcp=_mapping(raw, "mcp"),
         audit=_mapping(raw, "audit"),
+        trace_url=str(os.environ.get("HERMES_TRACE_URL") or _mapping(raw, "console").get("trace_url") or "") or None,
         raw=raw,
     )

@@ -126,8 +126,23 @@ def main(
     type=SECONDS,
     help="Seconds to finish in-flight calls on SIGTERM.",
 )
+@click.option(
+    "--metrics-port",
+    default=None,
+    type=click.IntRange(1, 65535),
+    help="Serve Prometheus /metrics on this port (process i of --processes on PORT+i).",
+)
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Address of /metrics.")
 @click.pass_context
-def worker(ctx: click.Context, queues: str, concurrency: int, processes: int, grace: float) -> None:
+def worker(
+    ctx: click.Context,
+    queues: str,
+    concurrency: int,
+    processes: int,
+    grace: float,
+    metrics_port: int | None,
+    metrics_host: str,
+) -> None:
     """Run worker processes that take calls off the queues."""
     from broker import runfiles
     from broker.connection import connect
@@ -140,6 +155,10 @@ def worker(ctx: click.Context, queues: str, concurrency: int, processes: int, gr
     runfiles.enable(settings.home)
     os.environ["HERMES_HOME"] = str(settings.home)  # the pool's children: same config, same registry
     os.environ[runfiles.ENV] = "1"
+    if metrics_port is not None:
+        from workers.pool import METRICS_HOST_ENV, METRICS_PORT_ENV
+
+        os.environ[METRICS_PORT_ENV], os.environ[METRICS_HOST_ENV] = str(metrics_port), metrics_host
     try:
         handle = connect(settings.redis_url)
     except HermesError as e:

@@ -1,4 +1,9 @@
-"""``hermes-gateway demo``: a broker, a worker pool, a live batch, and a summary."""
+"""``hermes-gateway demo``: a broker, a worker pool, a live batch, and a summary.
+
+The broker is ``HERMES_REDIS_URL``, else the embedded broker of a ``hermes-gateway serve`` (or ``worker``)
+of the same ``$HERMES_HOME`` running here, so its console shows the demo's calls; else an embedded broker
+of its own, which ends with the demo.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +18,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from broker.config import Settings
-from broker.connection import connect
 from hermes_gateway.client import Gateway
 from hermes_gateway.handle import CallHandle
-from hermes_gateway.local import wait_for_heartbeats
+from hermes_gateway.local import connect_local, wait_for_heartbeats
 from workers.pool import spawn, stop_all
 
 QUEUE = "demo"
@@ -73,8 +77,12 @@ def _latency(h: CallHandle) -> float | None:
 
 def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int) -> int:
     console = Console(width=max(110, Console().width))
-    handle = connect(settings.redis_url)
+    handle, attached = connect_local(settings)
     console.print(f"[bold]broker[/bold]: {handle.description}")
+    if attached is None and handle.embedded is not None:
+        console.print(
+            "  (its own, gone when the demo ends: start `hermes-gateway serve` first to watch the calls in its console)"
+        )
     gw = Gateway(handle, settings)
     env = dict(os.environ, HERMES_LOG_LEVEL="ERROR")  # failures show in the summary, not as log lines
     procs = [spawn(handle.url, [QUEUE], concurrency, env=env) for _ in range(processes)]

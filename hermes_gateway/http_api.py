@@ -208,7 +208,8 @@ def create_app(
                     "description": spec.description,
                     "executor": spec.executor,
                     "permissions": list(spec.permissions) if spec.permissions is not None else None,
-                    "concurrency": spec.concurrency,
+                    "concurrency": spec.concurrency,  # None: the default, which the next field gives
+                    "concurrency_effective": spec.concurrency or gw.settings.concurrency_for(spec.executor),
                     "queue_size": spec.queue_size,
                     "version": entry.version,
                 }
@@ -336,7 +337,10 @@ def create_app(
         Route("/v1/calls/{call_id}/events", api(call_events_stream, query_token=True)),
         Route("/mcp", mcp),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    from hermes_gateway.console_api import console_routes
+
+    # the console's overview, workers, audit; /metrics
+    return Starlette(routes=[*routes, *console_routes(gw, api, creds)], lifespan=lifespan)
 
 
 def _conflict_for(caller: Caller, error: IdempotencyConflict, key: str | None) -> IdempotencyConflict:

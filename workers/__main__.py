@@ -17,7 +17,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--queues", default="tools,llm")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--grace", type=float, default=25.0)
+    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics on this port")
+    parser.add_argument("--metrics-host", default=None)
     args = parser.parse_args(argv)
+    if args.metrics_port is not None:  # (what the pool passes its children in the environment)
+        from workers.pool import METRICS_HOST_ENV, METRICS_PORT_ENV
+
+        os.environ[METRICS_PORT_ENV] = str(args.metrics_port)
+        os.environ[METRICS_HOST_ENV] = args.metrics_host or os.environ.get(METRICS_HOST_ENV) or "127.0.0.1"
     settings = load_settings()
     configure(settings.log_level, settings.log_format)
     url = os.environ.get("HERMES_REDIS_URL") or settings.redis_url

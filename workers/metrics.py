@@ -12,12 +12,15 @@ Instruments (attributes in brackets):
 
 The same figures are summed per process and added to the ``hermes:stats`` hash once a second (one
 pipeline, only when something changed), with each worker's in-flight calls per key beside it, so the
-terminal view reads them from Redis like ``status`` does.
+terminal view reads them from Redis like ``status`` does. Durations are also counted in fixed buckets
+(``lat|<kind>|<name>|<bucket>``, upper bounds ``LATENCY_BOUNDS``): the console's p50/p99 and the
+gateway-wide ``hermes.call.duration`` histogram of ``serve``'s ``/metrics`` come from them.
 """
 
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
@@ -28,6 +31,14 @@ from broker import keys, otel
 BREAKER_STATES = {"closed": 0, "half_open": 1, "half-open": 1, "open": 2}
 FLUSH_INTERVAL = 1.0
 SEP = "|"
+# Upper bounds (seconds, inclusive, as Prometheus' ``le``) of the duration buckets kept in hermes:stats;
+# the last bucket (index len(LATENCY_BOUNDS)) holds everything slower.
+LATENCY_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+def latency_bucket(seconds: float) -> int:
+    """The index of the bucket a duration falls in (``le`` semantics: 0.001 is in bucket 0)."""
+    return bisect_left(LATENCY_BOUNDS, seconds)
 
 
 class _Instruments:
@@ -127,7 +138,11 @@ def call_ended(
     """A call this worker ran reached a terminal state (or was handed back); ``inflight``: it was counted."""
     label = f"{kind}{SEP}{name}"
     _totals.add(
-        (f"calls{SEP}{label}{SEP}{state}{SEP}{error_type or ''}", f"duration_n{SEP}{label}"),
+        (
+            f"calls{SEP}{label}{SEP}{state}{SEP}{error_type or ''}",
+            f"duration_n{SEP}{label}",
+            f"lat{SEP}{label}{SEP}{bisect_left(LATENCY_BOUNDS, duration_s)}",
+        ),
         ((f"duration{SEP}{label}", duration_s),),
     )
     inst = _instruments()

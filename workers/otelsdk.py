@@ -12,7 +12,8 @@ Everything else is the SDK's own reading of the environment: ``OTEL_SERVICE_NAME
 ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL`` (``http/protobuf`` default,
 ``grpc``), ``OTEL_TRACES_SAMPLER(_ARG)``, ``OTEL_BSP_*``, ``OTEL_METRIC_EXPORT_INTERVAL``. Metrics are
 exported with OTLP when traces are (unless ``OTEL_METRICS_EXPORTER=none``), to the console only when
-``OTEL_METRICS_EXPORTER=console``.
+``OTEL_METRICS_EXPORTER=console``. ``serve_prometheus(port)`` (``worker --metrics-port``) adds the
+OpenTelemetry Prometheus exporter: the same instruments, scraped from ``/metrics``, with tracing on or off.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ MODES = ("off", "console", "otlp", "memory")
 _lock = threading.Lock()
 _mode: str | None = None  # what setup() installed in this process
 _installed: list[tuple[Any, Any]] = []  # (provider, exporter) pairs setup() made, for shutdown()
+_extra_readers: list[Any] = []  # metric readers every meter provider of setup() gets (Prometheus)
 EXIT_FLUSH_MS = 1000
 MEMORY_KEEP = 2048  # spans HERMES_TRACE=memory keeps: a worker's heap (and GC passes) must not grow per call
 
@@ -72,15 +74,16 @@ def setup(service_name: str, mode: str | None = None) -> str:
         if mode not in MODES:
             raise ConfigError(f"tracing mode must be one of {', '.join(MODES)}, got {mode!r}")
         if mode == "off":
+            if _extra_readers:
+                _install_meters(_resource(service_name), None)
             _mode = mode
             return mode
-        from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
         from workers.spans import Provider
 
-        resource = Resource.create(_default_service(service_name))
+        resource = _resource(service_name)
         # Sampler: OTEL_TRACES_SAMPLER, ParentBased(always_on) by default. Our shutdown() replaces the SDK's
         # exit hook, so an unreachable collector cannot hold a process for the exporter's 10 s of retries.
         # HERMES_LEAN_SPANS=0: the SDK's own tracer (bench/throughput.py measures both; see ARCHITECTURE).
@@ -92,18 +95,59 @@ def setup(service_name: str, mode: str | None = None) -> str:
         provider.add_span_processor(processor)
         trace.set_tracer_provider(provider)
         _installed.append((provider, exporter))
-        metric_exporter = _metric_exporter(mode)
-        if metric_exporter is not None:
-            from opentelemetry.sdk.metrics import MeterProvider
-            from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-
-            reader = PeriodicExportingMetricReader(metric_exporter)  # OTEL_METRIC_EXPORT_INTERVAL
-            meter_provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False)
-            metrics.set_meter_provider(meter_provider)
-            _installed.append((meter_provider, metric_exporter))
+        _install_meters(resource, _metric_exporter(mode))
         atexit.register(shutdown)
         _mode = mode
         return mode
+
+
+def _resource(service_name: str) -> Any:
+    from opentelemetry.sdk.resources import Resource
+
+    return Resource.create(_default_service(service_name))
+
+
+def _install_meters(resource: Any, exporter: Any) -> None:
+    """The global meter provider: exporting with ``exporter`` (when any) and read by ``_extra_readers``."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+    readers = list(_extra_readers)
+    if exporter is not None:
+        readers.append(PeriodicExportingMetricReader(exporter))  # OTEL_METRIC_EXPORT_INTERVAL
+    if not readers:
+        return
+    meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
+    metrics.set_meter_provider(meter_provider)
+    _installed.append((meter_provider, exporter))
+
+
+def serve_prometheus(port: int, host: str = "127.0.0.1", service_name: str = "hermes-worker") -> Any:
+    """Serve this process's metrics on ``http://host:port/metrics`` through the OpenTelemetry Prometheus
+    exporter. Before ``setup``, the meter provider it installs gets the reader; after it (the CLI set up
+    tracing before its ``worker`` command ran), our instruments go to a meter provider of their own with
+    the reader (and the metric export ``setup`` chose). Returns the HTTP server."""
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from prometheus_client import REGISTRY, start_http_server
+
+    with _lock:
+        try:
+            server, _thread = start_http_server(port, addr=host, registry=REGISTRY)
+        except OSError as e:
+            raise ConfigError(f"cannot serve metrics on {host}:{port}: {e.strerror or e}") from e
+        reader = PrometheusMetricReader()
+        if _mode is None:
+            _extra_readers.append(reader)
+            return server
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        exporter = _metric_exporter(_mode) if _mode != "off" else None
+        readers = [reader, *([PeriodicExportingMetricReader(exporter)] if exporter is not None else [])]
+        provider = MeterProvider(resource=_resource(service_name), metric_readers=readers, shutdown_on_exit=False)
+        _installed.append((provider, exporter))
+        otel.use_providers(meter_provider=provider)
+    return server
 
 
 def shutdown(timeout_ms: int = EXIT_FLUSH_MS) -> None:
@@ -112,7 +156,8 @@ def shutdown(timeout_ms: int = EXIT_FLUSH_MS) -> None:
     _installed.clear()
     for provider, exporter in pairs:
         _bounded(provider.force_flush, timeout_ms)
-        _bounded(exporter.shutdown, 200)  # wakes an export sleeping between retries: it gives up
+        if exporter is not None:
+            _bounded(exporter.shutdown, 200)  # wakes an export sleeping between retries: it gives up
         _bounded(provider.shutdown, 200)
 
 

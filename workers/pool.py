@@ -64,6 +64,11 @@ def run_worker(url: str, settings: Settings, queues: list[str], concurrency: int
     from workers.worker import Worker
 
     tune_gc()
+    port = os.environ.get(METRICS_PORT_ENV)
+    if port:  # before the worker sets up OpenTelemetry: its meter provider gets the Prometheus reader
+        from workers import otelsdk
+
+        otelsdk.serve_prometheus(int(port), os.environ.get(METRICS_HOST_ENV) or "127.0.0.1")
     conn = from_url(url)
     worker = Worker(conn, settings, queues, concurrency=concurrency, grace=grace)
     worker.install_signals()
@@ -74,6 +79,18 @@ def run_worker(url: str, settings: Settings, queues: list[str], concurrency: int
     with runfiles.registered("worker", url=url):
         worker.work()
     return 0
+
+
+METRICS_PORT_ENV = "HERMES_METRICS_PORT"  # /metrics of a worker process (`worker --metrics-port`)
+METRICS_HOST_ENV = "HERMES_METRICS_HOST"
+
+
+def metrics_env(index: int) -> dict[str, str] | None:
+    """The environment of pool child ``index``: with ``$HERMES_METRICS_PORT`` P, it serves /metrics on P+index."""
+    port = os.environ.get(METRICS_PORT_ENV)
+    if not port:
+        return None
+    return dict(os.environ, **{METRICS_PORT_ENV: str(int(port) + index)})
 
 
 def worker_argv(queues: list[str], concurrency: int, grace: float) -> list[str]:
@@ -131,7 +148,7 @@ def supervise(url: str, queues: list[str], concurrency: int, processes: int, gra
     if not url:
         raise BrokerUnavailable("worker pools need a broker URL")
     gc_threshold()  # a bad value is reported once here, not by every child the pool would restart
-    children = [spawn(url, queues, concurrency, grace) for _ in range(processes)]
+    children = [spawn(url, queues, concurrency, grace, env=metrics_env(i)) for i in range(processes)]
     stopping = False
 
     def on_term(signum: int, _frame: Any) -> None:
@@ -164,7 +181,7 @@ def supervise(url: str, queues: list[str], concurrency: int, processes: int, gra
                         continue
                     restarts.append(now)
                     log.warning("worker process exited; restarting", exit_code=code, pid=child.pid)
-                    children[i] = spawn(url, queues, concurrency, grace)
+                    children[i] = spawn(url, queues, concurrency, grace, env=metrics_env(i))
                     alive = True
             if not alive:
                 return 0

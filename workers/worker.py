@@ -36,6 +36,19 @@ from workers.threads import CallThreads, Tokens
 
 log = structlog.get_logger("hermes.worker")
 
+
+def _version() -> str:
+    """The installed hermes-gateway version (the console's workers table shows it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hermes-gateway")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+VERSION = _version()
+
 CLAIM_BATCH = 64
 # Submissions publish a wake-up; polling is only the fallback for a lost message.
 IDLE_POLL_MIN = 0.01
@@ -278,6 +291,8 @@ class Worker(HandOff):
                 "spares_used": self.spares.used,  # calls started on a slot handed over in-process
                 "policy_version": self.core.policy_version,  # which pushed policy it judges by
                 "started_at": self.started_at,
+                "version": VERSION,
+                "heartbeat_interval": self.heartbeat_interval,
                 "heartbeat": time.time(),
             },
         )
@@ -286,8 +301,13 @@ class Worker(HandOff):
         self.core.calls.extend_leases(running, self.lease, pipeline=pipe, ckeys=slots)
         pipe.execute()
 
+    @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between heartbeats (a third of the lease, 0.2 to 5 s)."""
+        return max(0.2, min(self.lease / 3.0, 5.0))
+
     def _heartbeat_loop(self) -> None:
-        interval = max(0.2, min(self.lease / 3.0, 5.0))
+        interval = self.heartbeat_interval
         tick = min(interval, FAIR_SHARE_TTL)
         next_beat = time.monotonic() + interval
         while not self.stopping.is_set():

@@ -115,8 +115,18 @@ def test_compose_services_run_as_written(tmp_path: Path) -> None:
             env["HERMES_HOME"] = str(home)  # the image path /hermes, laid out under tmp
             return env
 
+        def worker_argv() -> tuple[list[str], int]:
+            # Each container has its own --metrics-port 9464; here they share one machine: a free port each,
+            # on loopback (compose binds the container's every address so Prometheus reaches it).
+            argv = _argv(entry, services["worker"]["command"])
+            mport = free_port()
+            argv[argv.index("--metrics-port") + 1] = str(mport)
+            argv[argv.index("--metrics-host") + 1] = "127.0.0.1"
+            return argv, mport
+
         worker_log = (tmp_path / "worker.log").open("wb")
-        worker = subprocess.Popen(_argv(entry, services["worker"]["command"]), env=env_of("worker"), stderr=worker_log, stdout=worker_log)
+        argv, metrics_port = worker_argv()
+        worker = subprocess.Popen(argv, env=env_of("worker"), stderr=worker_log, stdout=worker_log)
         procs.append(worker)
         deadline = time.monotonic() + 30
         while conn.zcard("hermes:workers") < 1:
@@ -130,6 +140,9 @@ def test_compose_services_run_as_written(tmp_path: Path) -> None:
         assert call.returncode == 0, call.stderr
         assert call.stdout.strip() == "Hello, Alice!"
         assert "done" in call.stderr and "trace_id=" in call.stderr  # --follow printed the transitions
+        # The worker's own /metrics (what Prometheus scrapes from each replica) counted that call.
+        scraped = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+        assert 'hermes_calls_total{' in scraped and 'hermes_call_name="hello"' in scraped
 
         # api: refuses to listen on every address without a token; with one, serves calls over HTTP.
         api_port = free_port()
@@ -146,11 +159,20 @@ def test_compose_services_run_as_written(tmp_path: Path) -> None:
             timeout=40,
         ).json()
         assert said["state"] == "done" and said["result"].strip() == "Hello, Bob!"
+        # The api's /metrics (no token needed, like /healthz): both calls, once the worker flushed its figures.
+        def api_calls() -> float:
+            text = httpx.get(f"http://127.0.0.1:{api_port}/metrics", timeout=10).text
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("hermes_calls_total{"))
+        deadline = time.monotonic() + 10
+        while api_calls() < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert api_calls() == 2
         api.terminate()
         assert api.wait(30) == 0
 
         # Scaling: a second worker from the same command joins the same queues.
-        second = subprocess.Popen(_argv(entry, services["worker"]["command"]), env=env_of("worker"), stderr=subprocess.DEVNULL)
+        second = subprocess.Popen(worker_argv()[0], env=env_of("worker"), stderr=subprocess.DEVNULL)
         procs.append(second)
         deadline = time.monotonic() + 30
         while conn.zcard("hermes:workers") < 2:
@@ -175,3 +197,19 @@ def test_compose_commands_are_argv_lists() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     for name, svc in compose["services"].items():
         assert isinstance(svc.get("command"), list), f"{name}: command must be a list, not {shlex.quote(str(svc.get('command')))}"
+
+
+def test_prometheus_scrapes_the_api_and_every_worker_replica_where_they_serve_metrics() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    prom = services["prometheus"]
+    config_mount = next(v for v in prom["volumes"] if v.endswith(":/etc/prometheus/prometheus.yml:ro"))
+    config = yaml.safe_load((ROOT / config_mount.split(":", 1)[0]).read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    api_cmd = services["api"]["command"]
+    assert jobs["hermes-api"]["static_configs"][0]["targets"] == [f"api:{api_cmd[api_cmd.index('--port') + 1]}"]
+    worker_cmd = services["worker"]["command"]
+    (dns,) = jobs["hermes-worker"]["dns_sd_configs"]
+    assert dns["names"] == ["worker"] and str(dns["port"]) == worker_cmd[worker_cmd.index("--metrics-port") + 1]
+    assert worker_cmd[worker_cmd.index("--metrics-host") + 1] == "0.0.0.0"  # reachable from the prometheus container
+    assert services["api"]["environment"]["HERMES_TRACE_URL"] == "http://localhost:16686/trace/{trace_id}"

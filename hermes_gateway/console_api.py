@@ -1,0 +1,264 @@
+"""The console's own routes, mounted by ``http_api.create_app``:
+
+- ``GET /v1/console``: what the page needs to know (trace link template, whether a token is in force)
+- ``GET /v1/stream/stats``: Server-Sent Events, one ``stats`` snapshot (``console_data.snapshot``) every
+  ``STATS_INTERVAL`` seconds and at once on a breaker change; one producer for every open page
+- ``POST /v1/workers/{name}/stop``: the ``stop`` control message ``hermes-gateway stop NAME`` sends (only
+  when the API runs with a token: without one, any local page could stop the fleet)
+- ``GET /v1/audit?tool=&principal=&session=&state=&since=&until=&limit=``, ``GET /v1/audit/{call_id}``
+  (the record and the call's events), ``POST /v1/audit/{call_id}/replay`` ``{"args": {name: text}}``:
+  ``hermes_gateway.replay`` as ``audit replay`` runs it (refusals and policy denials alike)
+- ``GET /metrics``: Prometheus text (``serve_metrics``), open like ``/healthz``
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import click
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+from sse_starlette.sse import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from broker import keys
+from broker.audit_store import AuditLog
+from broker.codec import text
+from broker.errors import CallFailed
+from hermes_gateway import console_data, replay
+from hermes_gateway.credentials import CALLER_SCOPE_KEY, Credentials
+from hermes_gateway.http_api import Forbidden, error_reply
+from hermes_gateway.http_guard import check_origin
+from hermes_gateway.http_json import BadRequest, dumps, read_body, reply
+
+log = structlog.get_logger("hermes.console")
+
+STATS_INTERVAL = 1.5  # seconds between snapshots of the overview
+AUDIT_LIMIT = 200  # records one audit query returns at most
+REPLAY_TIMEOUT = 60.0
+STATES = ("done", "failed", "cancelled")
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class StatsHub:
+    """One loop reading snapshots while any page listens; every stream gets each one (or the latest)."""
+
+    def __init__(self, gw: Any, interval: float = STATS_INTERVAL) -> None:
+        self.gw = gw
+        self.interval = interval
+        self.latest: dict[str, Any] | None = None
+        self._subs: set[asyncio.Queue[dict[str, Any]]] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
+
+    async def stream(self) -> AsyncIterator[dict[str, Any]]:
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=2)
+        self._subs.add(queue)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run())
+        try:
+            if self.latest is not None:
+                yield self.latest
+            while True:
+                yield await queue.get()
+        finally:
+            self._subs.discard(queue)
+
+    async def _run(self) -> None:
+        listener = asyncio.create_task(self._listen())
+        try:
+            while self._subs:
+                try:
+                    snap = await run_in_threadpool(console_data.snapshot, self.gw)
+                except (RedisError, OSError) as e:
+                    snap = {"error": {"type": "broker_unavailable", "message": f"the broker did not answer: {e}"}}
+                except Exception as e:  # noqa: BLE001 - one bad tick (a damaged record) must not end every stream
+                    log.exception("console snapshot failed")
+                    snap = {"error": {"type": "internal_error", "message": f"{type(e).__name__}: {e}"}}
+                self.latest = snap
+                for queue in list(self._subs):
+                    if queue.full():  # a slow reader gets the newest, not a backlog
+                        queue.get_nowait()
+                    queue.put_nowait(snap)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), self.interval)
+                self._changed.clear()
+        finally:
+            listener.cancel()
+            self.latest = None
+
+    async def _listen(self) -> None:
+        """Breaker changes (their pub/sub channel) wake the loop at once."""
+        channel = keys.channel(self.gw.conn, keys.BREAKER_CHANNEL)
+        while True:
+            conn = aioredis.Redis.from_url(self.gw.broker.url)
+            pubsub = conn.pubsub()
+            try:
+                await pubsub.subscribe(channel)
+                async for msg in pubsub.listen():
+                    if msg.get("type") == "message":
+                        self._changed.set()
+            except (RedisError, OSError):
+                await asyncio.sleep(1.0)
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()
+                    await conn.aclose()
+
+
+def console_routes(gw: Any, api: Callable[..., Handler], creds: Credentials) -> list[BaseRoute]:
+    """The routes above, each ``/v1`` one behind ``api`` (origin, host and token checks, typed errors)."""
+    from hermes_gateway import __version__
+    from hermes_gateway.serve_metrics import CONTENT_TYPE, GatewayMetrics
+
+    hub = StatsHub(gw)
+    prometheus = GatewayMetrics(gw)
+    audit_log = AuditLog.from_settings(gw.conn, gw.settings.audit)
+
+    async def console_config(_request: Request) -> Response:
+        return reply(
+            {
+                "version": __version__,
+                "broker": gw.description,
+                "trace_url": gw.settings.trace_url,
+                "token": creds.required,
+                "stats_interval": hub.interval,
+            }
+        )
+
+    async def stats_stream(_request: Request) -> Response:
+        async def events() -> AsyncIterator[dict[str, str]]:
+            async for snap in hub.stream():
+                yield {"event": "stats", "data": dumps(snap)}
+
+        return EventSourceResponse(events(), ping=15)
+
+    async def stop_worker(request: Request) -> Response:
+        name = request.path_params["name"]
+        caller = request.scope.get(CALLER_SCOPE_KEY)
+        if not creds.required or caller is None or not caller.admin:
+            raise Forbidden(
+                "stopping a worker from the API needs an admin token (serve --token, $HERMES_API_TOKEN or an "
+                f"admin entry of api.tokens); or run `hermes-gateway stop {name}`"
+            )
+        from workers.worker import control_message
+
+        def send() -> int | str:
+            if gw.conn.zscore(keys.WORKERS, name) is None:  # a typo must not read as done
+                return ", ".join(sorted(text(n) for n in gw.conn.zrange(keys.WORKERS, 0, -1))) or "none"
+            channel = keys.channel(gw.conn, keys.CONTROL_CHANNEL)
+            return int(gw.conn.publish(channel, control_message("stop", worker=name)))
+
+        listening = await run_in_threadpool(send)
+        if isinstance(listening, str):
+            error = {"type": "unknown_worker", "message": f"no worker {name!r} (known: {listening})", "details": {}}
+            return reply({"error": error}, 404)
+        return reply({"worker": name, "stop_sent": True, "listening": listening})
+
+    async def audit_list(request: Request) -> Response:
+        q = request.query_params
+        state = q.get("state") or None
+        if state is not None and state not in STATES:
+            raise BadRequest(f"state: expected one of {', '.join(STATES)}, got {state!r}")
+        try:
+            limit = min(int(q.get("limit") or 50), AUDIT_LIMIT)
+        except ValueError as e:
+            raise BadRequest(f"limit: expected a number, got {q.get('limit')!r}") from e
+        records = await run_in_threadpool(
+            audit_log.list,
+            tool=q.get("tool") or None,
+            principal=q.get("principal") or None,
+            state=state,
+            since=_when(q.get("since"), "since"),
+            until=_when(q.get("until"), "until"),
+            session_id=q.get("session") or None,
+            limit=max(1, limit),
+        )
+        return reply([r.to_dict() for r in records])
+
+    async def audit_get(request: Request) -> Response:
+        from broker import events
+
+        call_id = request.path_params["call_id"]
+
+        def read() -> tuple[Any, list[Any]]:
+            return audit_log.get(call_id), events.history(gw.conn, call_id)
+
+        rec, history = await run_in_threadpool(read)
+        if rec is None:
+            raise CallFailed(f"no audit record for call {call_id}", error_type="unknown_call")
+        return reply({"record": rec.to_dict(), "events": [e.to_dict() for e in history]})
+
+    async def audit_replay(request: Request) -> Response:
+        call_id = request.path_params["call_id"]
+        body = await read_body(request)
+        supplied = body.get("args") or {}
+        if not isinstance(supplied, dict) or not all(isinstance(v, str) for v in supplied.values()):
+            raise BadRequest("args: expected an object of redacted argument name -> value as text")
+        timeout = body.get("timeout", REPLAY_TIMEOUT)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= 300:
+            raise BadRequest(f"timeout: expected seconds in (0, 300], got {timeout!r}")
+
+        def run() -> dict[str, Any]:
+            rec = audit_log.get(call_id)
+            if rec is None:
+                raise CallFailed(f"no audit record for call {call_id}", error_type="unknown_call")
+            plan = replay.plan(rec, supplied)  # what `audit replay` does, step by step
+            spec = gw.tool(plan.tool).spec
+            gw.require_workers(str(spec.config.get("queue") or "tools"))
+            outcome = replay.run(gw, audit_log, plan, float(timeout))
+            return {
+                "call_id": outcome.call_id,
+                "state": outcome.state,
+                "result": outcome.result,
+                "error": outcome.error,
+                "recorded": rec.to_dict(),
+                "record": outcome.record.to_dict() if outcome.record is not None else None,
+                "notes": outcome.notes,
+                "comparison": replay.render(outcome),
+            }
+
+        return reply(await run_in_threadpool(run))
+
+    async def metrics(request: Request) -> Response:
+        try:
+            check_origin(request, creds.required)
+        except Forbidden as e:
+            return error_reply(e)
+        try:
+            body = await run_in_threadpool(prometheus.render)
+        except (RedisError, OSError) as e:
+            return Response(f"# the broker did not answer: {e}\n", status_code=503, media_type="text/plain")
+        return Response(body, media_type=CONTENT_TYPE)
+
+    return [
+        Route("/metrics", metrics),
+        Route("/v1/console", api(console_config)),
+        Route("/v1/stream/stats", api(stats_stream, query_token=True)),
+        Route("/v1/workers/{name}/stop", api(stop_worker), methods=["POST"]),
+        Route("/v1/audit", api(audit_list)),
+        Route("/v1/audit/{call_id}", api(audit_get)),
+        Route("/v1/audit/{call_id}/replay", api(audit_replay), methods=["POST"]),
+        Mount("/static", StaticFiles(packages=[("hermes_gateway", "static")]), name="static"),
+    ]
+
+
+def _when(value: str | None, name: str) -> float | None:
+    """``since``/``until``: 15m, 2h, 7d ago, an ISO time or unix seconds (as ``audit list --since``)."""
+    if not value:
+        return None
+    from hermes_gateway.audit_cli import parse_when
+
+    try:
+        return parse_when(value)
+    except click.BadParameter as e:
+        raise BadRequest(f"{name}: {e.message}") from e

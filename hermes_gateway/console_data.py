@@ -1,0 +1,188 @@
+"""What the console's overview shows, read from Redis in one pass: one snapshot every tick of its stream.
+
+Every figure is cumulative or current (calls by state since the broker started, duration bucket counts,
+queue depths, slots, workers, breakers); the page turns consecutive snapshots into rates and
+percentiles, so a tab opened late or reconnecting only loses its own chart history. The readers are
+the ones ``status`` and ``status --watch`` use (``hermes_gateway.watch``, ``broker.limits``,
+``broker.breaker``), plus the duration buckets ``workers.metrics`` keeps in ``hermes:stats``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from broker import keys
+from broker.breaker import OPEN, Breakers
+from broker.limits import Limits
+from workers.metrics import LATENCY_BOUNDS, SEP, text
+
+# A worker whose heartbeat is older than this many of its heartbeat intervals (plus a second of slack
+# for a busy machine) is shown late; the reaper takes its calls back once its lease (3 intervals) passes.
+LATE_AFTER = 2.0
+TERMINAL = ("done", "failed", "cancelled")
+
+
+def call_figures(stats: dict[str, str]) -> dict[str, Any]:
+    """Calls by state (all tools), by tool and state, and duration bucket counts, from ``hermes:stats``."""
+    states: dict[str, int] = {}
+    by_tool: dict[str, dict[str, int]] = {}
+    buckets = [0] * (len(LATENCY_BOUNDS) + 1)
+    by_tool_buckets: dict[str, list[int]] = {}
+    sums: dict[str, float] = {}
+    for field, value in stats.items():
+        parts = field.split(SEP)
+        if parts[0] == "calls" and len(parts) >= 5:
+            name, state = f"{parts[1]}:{SEP.join(parts[2:-2])}", parts[-2]
+            states[state] = states.get(state, 0) + int(value)
+            row = by_tool.setdefault(name, {})
+            row[state] = row.get(state, 0) + int(value)
+        elif parts[0] == "lat" and len(parts) >= 4:
+            name = f"{parts[1]}:{SEP.join(parts[2:-1])}"
+            try:
+                i = int(parts[-1])
+            except ValueError:
+                continue
+            if 0 <= i < len(buckets):
+                buckets[i] += int(value)
+                by_tool_buckets.setdefault(name, [0] * len(buckets))[i] += int(value)
+        elif parts[0] == "duration" and len(parts) >= 3:
+            sums[f"{parts[1]}:{SEP.join(parts[2:])}"] = float(value)
+    return {
+        "states": states,
+        "by_tool": by_tool,
+        "latency": {"bounds": list(LATENCY_BOUNDS), "counts": buckets},
+        "latency_by_tool": by_tool_buckets,
+        "duration_sum": sums,
+    }
+
+
+def read_stats(conn: Any) -> dict[str, str]:
+    return {text(k): text(v) for k, v in conn.hgetall(keys.STATS).items()}
+
+
+def inflight(conn: Any) -> dict[str, int]:
+    """Calls executing per concurrency key, summed over the workers' in-flight hashes."""
+    out: dict[str, int] = {}
+    for key in conn.scan_iter(match=keys.STATS_INFLIGHT.format("*"), count=500):
+        for ckey, n in conn.hgetall(key).items():
+            out[text(ckey)] = out.get(text(ckey), 0) + int(n)
+    return out
+
+
+def queue_depths(conn: Any) -> dict[str, int]:
+    from workers.metrics import queue_depths as depths
+
+    return dict(depths(conn))
+
+
+def workers(conn: Any, lease: float, now: float | None = None) -> list[dict[str, Any]]:
+    """Every worker with a heartbeat on record (late ones too, until the reaper drops them), newest first."""
+    now = time.time() if now is None else now
+    names = [text(n) for n in conn.zrevrange(keys.WORKERS, 0, -1)]
+    pipe = conn.pipeline(transaction=False)
+    for n in names:
+        pipe.hgetall(keys.worker(n))
+    out = []
+    default_interval = max(0.2, min(lease / 3.0, 5.0))
+    for name, raw in zip(names, pipe.execute(), strict=True):
+        if not raw:
+            continue
+        w = {text(k): text(v) for k, v in raw.items()}
+        interval = _float(w.get("heartbeat_interval"), default_interval)
+        age = max(0.0, now - _float(w.get("heartbeat"), now))
+        out.append(
+            {
+                "name": name,
+                "host": w.get("host", ""),
+                "pid": _int(w.get("pid")),
+                "queues": [q for q in w.get("queues", "").split(",") if q],
+                "inflight": _int(w.get("inflight")),
+                "concurrency": _int(w.get("concurrency")),
+                "processed": _int(w.get("processed")),
+                "failed": _int(w.get("failed")),
+                "version": w.get("version", ""),
+                "heartbeat_age": round(age, 3),
+                "heartbeat_interval": interval,
+                "late": age > LATE_AFTER * interval + 1.0,
+            }
+        )
+    return out
+
+
+def breakers(conn: Any, cooldowns: dict[str, float]) -> list[dict[str, Any]]:
+    """Every breaker that ever changed, with when an open one lets its next probe through."""
+    out = []
+    for view in Breakers(conn).all():
+        cooldown = cooldowns.get(view["key"])
+        if view["state"] == OPEN and cooldown is not None:
+            view["next_probe_at"] = float(view.get("opened_at") or 0) + cooldown
+        view["cooldown"] = cooldown
+        out.append(view)
+    return out
+
+
+def breaker_cooldowns(settings: Any, entries: list[Any]) -> dict[str, float]:
+    """Breaker key -> cooldown, from the specs in the directory (and executors.<type>.breaker)."""
+    from workers.breakers import breaker_config
+
+    out: dict[str, float] = {}
+    for entry in entries:
+        cfg = breaker_config(settings, entry.spec)
+        if cfg is not None:
+            out[cfg.key] = cfg.cooldown
+    return out
+
+
+def slots(conn: Any, settings: Any, entries: list[Any]) -> list[dict[str, Any]]:
+    """Per concurrency key: its limit, calls executing, slots held and calls waiting; every tool of the
+    directory has a row (with its effective limit) even while idle, when Redis keeps no limit for it."""
+    rows = {row["key"]: row for row in Limits(conn).snapshot()}
+    for entry in entries:
+        spec = entry.spec
+        key = f"tool:{spec.name}"
+        limit = spec.concurrency or settings.concurrency_for(spec.executor)
+        rows.setdefault(key, {"key": key, "limit": limit, "running": 0, "waiting": 0})
+    running = inflight(conn)
+    for ckey, n in running.items():
+        rows.setdefault(ckey, {"key": ckey, "limit": -1, "running": n, "waiting": 0})
+    for row in rows.values():
+        row["executing"] = running.get(row["key"], 0)
+        # The limit is what holds calls back: every slot taken and calls waiting for one.
+        row["bottleneck"] = row["limit"] >= 0 and row["running"] >= row["limit"] and row["waiting"] > 0
+    return sorted(rows.values(), key=lambda r: r["key"])
+
+
+def snapshot(gw: Any) -> dict[str, Any]:
+    """One tick of the overview: call figures, queues, slots per concurrency key, workers, breakers."""
+    conn = gw.conn
+    now = time.time()
+    calls = call_figures(read_stats(conn))
+    entries = gw.directory.all()
+    return {
+        "ts": now,
+        "calls": calls["states"],
+        "by_tool": calls["by_tool"],
+        "latency": calls["latency"],
+        "queues": queue_depths(conn),
+        "limits": slots(conn, gw.settings, entries),
+        "workers": workers(conn, gw.settings.lease, now),
+        "breakers": breakers(conn, breaker_cooldowns(gw.settings, entries)),
+        "scheduled_retries": int(conn.zcard(keys.SCHEDULED)),
+        # Bumped on every directory change: the page reloads its tool list when it moves.
+        "tools_version": int(conn.get(keys.TOOLS_VERSION) or 0),
+    }
+
+
+def _float(value: Any, default: float) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(float(value))
+    except (TypeError, ValueError):
+        return 0
