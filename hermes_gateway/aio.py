@@ -100,6 +100,9 @@ class AsyncGateway:
     async def start(self) -> None:
         """Subscribe before any submission, so no event of ours can be published unheard."""
         await self._pubsub.subscribe(self.channel, self._tools_channel)
+        # redis-py subscribes again on every reconnect; then every waiting handle reads its history at once.
+        self._catch_up_due = False
+        self._pubsub.connection.register_connect_callback(self._on_reconnect)
         self._task = asyncio.create_task(self._dispatch(), name="hermes-aio-events")
 
     async def close(self) -> None:
@@ -349,13 +352,38 @@ class AsyncGateway:
         self._tools_gen += 1
         self._tools.pop(name, None)
 
+    def _on_reconnect(self, connection: Any) -> None:
+        """redis-py's connect callback of the subscription (after its own, which subscribes again)."""
+        self._catch_up_due = True
+
+    async def catch_up(self) -> None:
+        """Read the durable history of every call still waited on, in one pipelined round trip.
+
+        Done by the event task when its subscription comes back after a broker restart or a dropped
+        connection (as ``Gateway.catch_up``): the events published meanwhile went nowhere.
+        """
+        pending = [h for h in self._handles.values() if not h.done()]
+        if not pending:
+            return
+        pipe = self.conn.pipeline(transaction=False)
+        for h in pending:
+            pipe.lrange(keys.history(h.call_id), h.last_seq, -1)
+        for h, stored in zip(pending, await pipe.execute(), strict=True):
+            for data in stored:
+                h._feed(ev_mod.decode(data))
+
     async def _dispatch(self) -> None:
         while True:
             try:
                 msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if self._catch_up_due:  # (the subscription is back: what was published meanwhile is lost)
+                    self._catch_up_due = False
+                    await self.catch_up()
             except (RedisError, OSError) as e:
-                log.warning("event subscription interrupted; handles fall back to the history", error=str(e))
-                await asyncio.sleep(0.5)
+                if not self._catch_up_due:  # one line per outage, not one per retry
+                    log.warning("event subscription interrupted; handles fall back to the history", error=str(e))
+                self._catch_up_due = True
+                await asyncio.sleep(0.2)
                 continue
             if msg is None:
                 continue

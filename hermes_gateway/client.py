@@ -48,6 +48,8 @@ def current_traceparent() -> tuple[str | None, str | None]:
     return carrier.get("traceparent"), carrier.get("tracestate")
 
 
+CATCH_UP_CHUNK = 500  # history reads per pipelined round trip when the subscription comes back
+
 # How long the event thread reads the subscription directly with nothing arriving before it goes back to
 # redis-py's reader (which keeps the connection's health checks).
 DIRECT_READ_IDLE = 1.0
@@ -70,6 +72,9 @@ class Gateway:
         self._pubsub = subscriber(self.conn)
         self._tools_channel = keys.channel(self.conn, keys.TOOLS_CHANNEL).encode()
         self._pubsub.subscribe(self.channel, self._tools_channel)
+        # redis-py subscribes again on every reconnect; then every waiting handle reads its history at once.
+        self._catch_up_due = False
+        self._pubsub.connection.register_connect_callback(self._on_reconnect)
         self._thread = threading.Thread(target=self._dispatch, name="hermes-client-events", daemon=True)
         self._thread.start()
 
@@ -370,11 +375,18 @@ class Gateway:
             if handle is None or self._handles.get(call_id) is handle:
                 self._handles.pop(call_id, None)
 
+    def _on_reconnect(self, connection: Any) -> None:
+        """redis-py's connect callback of the subscription (after its own, which subscribes again)."""
+        self._catch_up_due = True
+
     def _dispatch(self) -> None:
         while not self._closed.is_set():
             try:
                 # redis-py's reader reconnects, subscribes again and sends health checks ...
                 msg = self._pubsub.get_message(timeout=0.5)
+                if self._catch_up_due:  # (the subscription is back: what was published meanwhile is lost)
+                    self._catch_up_due = False
+                    self.catch_up()
                 if msg is not None and not self._closed.is_set():
                     self._on_message(msg["channel"], msg["data"])
                 # ... and while the subscription is up and busy, messages are read straight off it.
@@ -382,7 +394,31 @@ class Gateway:
             except (redis.ConnectionError, redis.TimeoutError, ValueError):
                 if self._closed.is_set():
                     return
-                time.sleep(0.5)
+                time.sleep(0.2)
+
+    def catch_up(self) -> None:
+        """Read the durable history of every call still waited on, in pipelined round trips.
+
+        Done by the event thread when its subscription comes back after a broker restart or a dropped
+        connection: the events published meanwhile went nowhere, and waiting for each handle's own
+        resync would cost a second per handle waited on in turn. Raises the broker's error (the next
+        reconnect tries again).
+        """
+        with self._lock:
+            pending = [h for h in self._handles.values() if not h.done()]
+        for start in range(0, len(pending), CATCH_UP_CHUNK):
+            chunk = pending[start : start + CATCH_UP_CHUNK]
+            pipe = self.conn.pipeline(transaction=False)
+            for h in chunk:
+                pipe.lrange(keys.history(h.call_id), h.last_seq, -1)
+            try:
+                stored = pipe.execute()
+            except (redis.ConnectionError, redis.TimeoutError):
+                self._catch_up_due = True
+                raise
+            for h, events in zip(chunk, stored, strict=True):
+                for data in events:
+                    h._feed(ev_mod.decode(data))
 
     def _read_direct(self) -> None:
         """Read published messages off the subscribed connection until it has been idle for a while.
