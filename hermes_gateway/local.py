@@ -114,9 +114,9 @@ def local_stack(
             from workers.policy import Policy
 
             Policy.from_settings(settings.policy)  # a bad policy: a clear error now, not a worker that dies
-            # The command's own output stays clean: its workers log errors only, unless DEBUG was asked for
-            # (`logging.level: DEBUG`, `--log-level DEBUG`); they log in the command's format (JSON lines too).
-            level = os.environ.get("HERMES_WORKER_LOG_LEVEL") or ("DEBUG" if logs.debug_enabled() else "ERROR")
+            # The command's own output stays clean: its workers log errors only, unless a level was asked for
+            # (`--log-level`, HERMES_LOG_LEVEL, `logging.level`); they log in the command's format (JSON too).
+            level = os.environ.get("HERMES_WORKER_LOG_LEVEL") or _asked_level(settings) or "ERROR"
             env = dict(os.environ, HERMES_LOG_LEVEL=level)
             if logs.json_lines():
                 env["HERMES_LOG_FORMAT"] = "json"
@@ -136,6 +136,13 @@ def local_stack(
     finally:
         stop_all(procs)
         gw.close()
+
+
+def _asked_level(settings: Settings) -> str | None:
+    """The log level the user set for this command (``--log-level`` sets HERMES_LOG_LEVEL), if any."""
+    logging_cfg = settings.raw.get("logging")
+    asked = os.environ.get("HERMES_LOG_LEVEL") or (isinstance(logging_cfg, dict) and logging_cfg.get("level"))
+    return settings.log_level if asked else None
 
 
 def wait_for_heartbeats(

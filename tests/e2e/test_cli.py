@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -102,6 +103,27 @@ def test_debug_and_log_format_json_give_only_json_lines_on_stderr_for_jq(home: A
     assert refused.returncode == 2
     [error] = [json.loads(line) for line in refused.stderr.splitlines() if '"error"' in line]
     assert error["level"] == "error" and "nope" in error["event"]
+
+
+def test_an_explicit_log_level_reaches_the_private_worker_of_tool_run(home: Any) -> None:
+    # README: in JSON mode the lines of the workers a command starts are JSON lines too; at
+    # `--log-level info` its private worker's `call finished` line is among them, with the call's ids.
+    shutil.copy(ROOT / "examples" / "tools" / "hello.yaml", home.tools_dir / "hello.yaml")
+    args = ["--log-format", "json", "--log-level", "info", "tool", "run", "hello", '{"name": "Alice"}', "--follow"]
+    out = _run(args, _env(home))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "Hello, Alice!\n"
+    lines = [json.loads(line) for line in out.stderr.splitlines()]
+    follow = [line["event"] for line in lines if line["event"].startswith("[")]
+    trace_id = follow[0].split("trace_id=")[1].split()[0]
+    finished = [line for line in lines if line["event"] == "call finished"]
+    assert len(finished) == 1, lines
+    assert finished[0]["state"] == "done" and finished[0]["trace_id"] == trace_id
+    assert re.fullmatch(r"[0-9a-f]{32}", finished[0]["call_id"]), finished
+    # With the default level the command stays quiet: its worker's INFO lines are not shown.
+    quiet = _run(["--log-format", "json", "tool", "run", "hello", '{"name": "Alice"}'], _env(home))
+    assert quiet.returncode == 0, quiet.stderr
+    assert "call finished" not in quiet.stderr
 
 
 def test_in_json_mode_the_commands_own_output_is_json_whatever_the_level(home: Any) -> None:
