@@ -48,6 +48,7 @@ def current_traceparent() -> tuple[str | None, str | None]:
     return carrier.get("traceparent"), carrier.get("tracestate")
 
 
+WORKERS_TRUSTED = 5.0  # seconds a queue seen with a live worker is not checked again (check_workers)
 CATCH_UP_CHUNK = 500  # history reads per pipelined round trip when the subscription comes back
 
 # How long the event thread reads the subscription directly with nothing arriving before it goes back to
@@ -58,8 +59,15 @@ DIRECT_READ_IDLE = 1.0
 class Gateway:
     """A client of the gateway: one connection, one event channel, many calls in flight."""
 
-    def __init__(self, handle: BrokerHandle, settings: Settings | None = None) -> None:
+    def __init__(
+        self, handle: BrokerHandle, settings: Settings | None = None, *, check_workers: bool = False
+    ) -> None:
         self.broker = handle
+        # Refuse a call at once (NoWorkers) when no worker listens on its queue; on an embedded broker of
+        # our own, start a worker for the queue instead (it ends with this gateway).
+        self.check_workers = check_workers
+        self._workers_seen: dict[str, float] = {}  # queue -> until when a seen worker is trusted
+        self._own_workers: list[Any] = []
         self.conn: redis.Redis = handle.conn
         self.settings = settings or load_settings()
         self.client_id = uuid.uuid4().hex
@@ -79,10 +87,25 @@ class Gateway:
         self._thread.start()
 
     @classmethod
-    def connect(cls, url: str | None = None, *, home: str | None = None, embedded_ok: bool = True) -> Gateway:
-        """Connect to ``url`` / ``$HERMES_REDIS_URL``, else start the embedded broker."""
+    def connect(
+        cls, url: str | None = None, *, home: str | None = None, embedded_ok: bool = True, check_workers: bool = True
+    ) -> Gateway:
+        """Connect as the command line does: to ``url`` / ``$HERMES_REDIS_URL`` / ``broker.url``; else to the
+        embedded broker of the ``serve`` or ``worker`` of the same ``$HERMES_HOME`` running here; else start
+        an embedded broker of this gateway's own, with a worker for each queue it calls (both end with it).
+
+        ``check_workers``: a call to a queue no worker listens on raises ``NoWorkers`` at once instead of
+        waiting for one (off: it waits, pending, as on a queue whose workers are still starting).
+        """
         settings = load_settings(home)
-        return cls(connect(url or settings.redis_url, embedded_ok=embedded_ok), settings)
+        url = url or settings.redis_url
+        if url is None and embedded_ok:
+            from hermes_gateway.local import connect_local
+
+            handle, _ = connect_local(settings)
+        else:
+            handle = connect(url, embedded_ok=embedded_ok)
+        return cls(handle, settings, check_workers=check_workers)
 
     def __enter__(self) -> Gateway:
         return self
@@ -104,6 +127,10 @@ class Gateway:
             self._pubsub.close()
         except redis.RedisError:
             pass
+        if self._own_workers:
+            from workers.pool import stop_all
+
+            stop_all(self._own_workers)
         self.broker.close()
 
     @property
@@ -216,6 +243,7 @@ class Gateway:
             return self._submit(env, limits)
 
     def _submit(self, env: Envelope, limits: dict[str, Any]) -> CallHandle:
+        self._ensure_workers((env.queue,))
         handle = self._track(CallHandle(self, env.call_id, env.name, env.kind))
         try:
             pipe = self.conn.pipeline(transaction=False)
@@ -267,6 +295,7 @@ class Gateway:
                 env, spec = self._envelope(name, args, item_opts(opts, idempotency_keys, i), common)
                 prepared.append((env, self._limits(env, spec), self._track(CallHandle(self, env.call_id, name))))
             check_batch_keys(common, idempotency_keys, len(prepared))
+            self._ensure_workers(tuple(dict.fromkeys(env.queue for env, _, _ in prepared)))
         except BaseException:
             for env, _, _ in prepared:
                 self._untrack(env.call_id)
@@ -361,6 +390,23 @@ class Gateway:
                 f"`hermes-gateway worker --queues {queue}`",
                 queue=queue,
             )
+
+    def _ensure_workers(self, queues: tuple[str, ...]) -> None:
+        """With ``check_workers``: NoWorkers for a queue no worker listens on — or, on an embedded broker
+        of our own, a worker started for it. A queue seen served is trusted for a few seconds."""
+        if not self.check_workers:
+            return
+        for queue in queues:
+            if self._workers_seen.get(queue, 0.0) > time.monotonic():
+                continue
+            if not self.live_workers(queue):
+                if self.broker.embedded is None:
+                    self.require_workers(queue)  # raises
+                from hermes_gateway.local import start_workers, wait_for_heartbeats
+
+                self._own_workers += start_workers(self.broker.url, self.settings, (queue,))
+                wait_for_heartbeats(self, 1, queues=(queue,))
+            self._workers_seen[queue] = time.monotonic() + WORKERS_TRUSTED
 
     # -- events ----------------------------------------------------------------------------------
 

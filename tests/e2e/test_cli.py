@@ -199,6 +199,11 @@ def test_demo_runs_a_live_batch_and_ends_with_a_summary_and_the_topology(home: A
                    "latency p99", "topology", "embedded broker"):
         assert needle in out.stdout, needle
     assert "│ calls" in out.stdout and "60" in out.stdout
+    # Its failures are on purpose, and it says so on screen (calls 7 and 57 of 60 ask for Atlantis).
+    assert "2 of them ask for the weather in 'Atlantis', which fails on purpose" in out.stdout
+    rows = {" ".join(line.strip("│ ").split("│")[0].split()): line for line in out.stdout.splitlines() if "│" in line}
+    assert rows["failed (executor_error)"].split("│")[-2].strip() == "2", out.stdout
+    assert rows["of them on purpose (city 'Atlantis')"].split("│")[-2].strip() == "2", out.stdout
 
 
 def test_python_dash_m_runs_the_same_command_when_the_script_is_not_on_path(home: Any) -> None:
@@ -216,3 +221,21 @@ def test_python_dash_m_runs_the_same_command_when_the_script_is_not_on_path(home
     ran = module("tool", "run", "hello", '{"name": "Alice"}')
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout == "Hello, Alice!\n"
+
+
+def test_a_broken_spec_file_is_one_warning_line_naming_file_line_and_problem(home: Any) -> None:
+    (home.tools_dir / "broken.yaml").write_text('name: broken\nexecutor: command\ncommand: "echo hi\n  input_schema: [\n')
+    out = _run(["tool", "list"], _env(home))
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [
+        f"warning: skipped {home.tools_dir / 'broken.yaml'}: not valid YAML: line 5, column 1: found unexpected "
+        "end of stream (while scanning a quoted scalar at line 3, column 10)"
+    ], out.stderr
+    detailed = _run(["--log-level", "debug", "tool", "list"], _env(home))
+    assert "spec file problem in full" in detailed.stderr and 'command: "echo hi' in detailed.stderr
+
+
+def test_help_names_hermes_home(home: Any) -> None:
+    out = _run(["--help"], _env(home))
+    assert out.returncode == 0
+    assert "HERMES_HOME" in out.stdout and "~/.hermes" in out.stdout
