@@ -51,6 +51,7 @@ from hermes_gateway.envelopes import (
     tool_envelope,
     tool_limits,
 )
+from hermes_gateway.handle import CANCEL_FIELDS, cancelled_record
 from hermes_gateway.telemetry import Sending
 
 log = structlog.get_logger("hermes.client")
@@ -297,22 +298,14 @@ class AsyncGateway:
     async def cancel(self, call_id: str) -> bool:
         """Cancel by id (as ``hermes_gateway.handle.cancel_call``); True when the request was recorded."""
         conn = self.conn
-        fields = (
-            keys.F_STATE,
-            keys.F_ATTEMPT,
-            keys.F_TRACE,
-            keys.F_KIND,
-            keys.F_TOOL,
-            keys.F_CHANNEL,
-            keys.F_CKEY,
-        )
         pipe = conn.pipeline(transaction=False)
-        pipe.hmget(keys.job(call_id), *fields, "origin")
+        pipe.hmget(keys.job(call_id), *CANCEL_FIELDS)
         pipe.zscore(keys.LEASES, call_id)
         raw, leased = await pipe.execute()
         if raw[0] is None:
             return False
-        state, attempt, trace, kind, tool, chan, ckey, origin = (_text(v) for v in raw)
+        data = raw[-1]
+        state, attempt, trace, kind, tool, chan, ckey, origin = (_text(v) for v in raw[:-1])
         if state in TERMINAL:
             return False
         if state == State.PENDING and leased is None:  # else its worker is told (as cancel_call does)
@@ -330,12 +323,27 @@ class AsyncGateway:
             )
             if int(reply[0]) > 0:
                 await conn.zrem(keys.waiting(ckey), call_id)
+                await self._audit_cancelled(call_id, kind, tool, trace, int(attempt or 1), data)
                 return True
         pipe = conn.pipeline()
         pipe.hset(keys.job(call_id), keys.F_CANCEL, "1")
         pipe.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))
         await pipe.execute()
         return True
+
+    async def _audit_cancelled(self, call_id: str, kind: str, tool: str, trace: str, attempt: int, data: Any) -> None:
+        """The audit record of a call cancelled while pending (as ``cancel_call`` writes it)."""
+        from broker.audit_store import AuditLog
+
+        sensitive: tuple[str, ...] = ()
+        if kind == "tool":
+            try:
+                sensitive = (await self.tool(tool)).spec.sensitive
+            except HermesError:
+                pass  # removed meanwhile: its arguments are still redacted by name
+        record = cancelled_record(call_id, kind, tool, trace, attempt, data, sensitive)
+        audit: Any = AuditLog.from_settings(self.conn, self.settings.audit)
+        await audit.append(record)
 
     # -- events ----------------------------------------------------------------------------------
 
