@@ -103,7 +103,9 @@ class AsyncGateway:
         await self._pubsub.subscribe(self.channel, self._tools_channel)
         # redis-py subscribes again on every reconnect; then every waiting handle reads its history at once.
         self._catch_up_due = False
-        self._pubsub.connection.register_connect_callback(self._on_reconnect)
+        connection = getattr(self._pubsub, "connection", None)
+        if connection is not None and hasattr(connection, "register_connect_callback"):
+            connection.register_connect_callback(self._on_reconnect)
         self._task = asyncio.create_task(self._dispatch(), name="hermes-aio-events")
 
     async def close(self) -> None:
