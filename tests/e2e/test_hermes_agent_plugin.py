@@ -298,3 +298,44 @@ def test_with_no_worker_listening_the_agents_tool_call_fails_at_once_naming_the_
     assert not conn.keys(keys.job("*"))  # nothing was queued to run later for nobody
     print(f"hermes chat with no worker: {took:.1f}s")
     assert took < 120  # the whole chat, not the plugin's 600 s wait
+
+
+INTERRUPT_SCRIPT = """
+import json, sys, threading, time
+from tools.interrupt import set_interrupt  # Hermes' own per-thread interrupt flag
+from broker.config import load_settings
+from hermes_gateway.hermes_plugin.bridge import Bridge, Options
+
+bridge = Bridge(Options(url=sys.argv[1], timeout=120), load_settings())
+out = {}
+def tool_thread():
+    out["result"] = bridge.call("nap", {"seconds": 30}, {"session_id": "s-int"})
+t = threading.Thread(target=tool_thread)
+started = time.monotonic()
+t.start()
+time.sleep(2)  # the call is running on a worker
+set_interrupt(True, t.ident)  # what Hermes does to the thread of a tool when the user interrupts
+t.join(60)
+out["took"] = time.monotonic() - started
+bridge.close()
+print(json.dumps(out))
+"""
+
+
+def test_a_tool_call_the_real_agent_interrupts_is_cancelled_on_the_worker(
+    hermes_bin: Path, home: Home, gateway: Any, workers: Any, conn: Any, redis_url: str
+) -> None:
+    home.sleep_tool("nap")
+    gateway.sync_tools()
+    workers(queues="tools")
+    env = {"PATH": os.environ.get("PATH", ""), "HERMES_HOME": str(home.path)}
+    proc = subprocess.run(
+        [str(hermes_bin.parent / "python"), "-c", INTERRUPT_SCRIPT, redis_url],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["result"].startswith('{"error": "cancelled: ') and "interrupted by the agent" in out["result"], out
+    assert out["took"] < 15  # not the 30 s the tool sleeps
+    [record] = [r for r in records(conn) if r.tool_name == "nap"]
+    assert record.state == "cancelled" and record.session_id == "s-int"  # stopped on the worker, audited
