@@ -14,6 +14,7 @@ import structlog
 from broker import events as ev_mod
 from broker import keys, pipes
 from broker.calls import Calls
+from broker.codec import raw as as_bytes
 from broker.codec import text
 from broker.config import Settings, load_settings
 from broker.connection import BrokerHandle, connect, subscriber
@@ -68,6 +69,7 @@ class Gateway:
         self.check_workers = check_workers
         self._workers_seen: dict[str, float] = {}  # queue -> until when a seen worker is trusted
         self._own_workers: list[Any] = []
+        self._workers_lock = threading.Lock()  # (two threads' first calls start one worker, not two)
         self.conn: redis.Redis = handle.conn
         self.settings = settings or load_settings()
         self.client_id = uuid.uuid4().hex
@@ -401,14 +403,15 @@ class Gateway:
         for queue in queues:
             if self._workers_seen.get(queue, 0.0) > time.monotonic():
                 continue
-            if not self.live_workers(queue):
-                if self.broker.embedded is None:
-                    self.require_workers(queue)  # raises
-                from hermes_gateway.local import start_workers, wait_for_heartbeats
+            with self._workers_lock:
+                if not self.live_workers(queue):
+                    if self.broker.embedded is None:
+                        self.require_workers(queue)  # raises
+                    from hermes_gateway.local import start_workers, wait_for_heartbeats
 
-                self._own_workers += start_workers(self.broker.url, self.settings, (queue,))
-                wait_for_heartbeats(self, 1, queues=(queue,))
-            self._workers_seen[queue] = time.monotonic() + WORKERS_TRUSTED
+                    self._own_workers += start_workers(self.broker.url, self.settings, (queue,))
+                    wait_for_heartbeats(self, 1, queues=(queue,))
+                self._workers_seen[queue] = time.monotonic() + WORKERS_TRUSTED
 
     # -- events ----------------------------------------------------------------------------------
 
@@ -466,7 +469,7 @@ class Gateway:
                 raise
             for h, events in zip(chunk, stored, strict=True):
                 for data in events:
-                    h._feed(ev_mod.decode(data))
+                    h._feed(ev_mod.decode(as_bytes(data)))
 
     def _read_direct(self) -> None:
         """Read published messages off the subscribed connection until it has been idle for a while.
