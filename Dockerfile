@@ -6,7 +6,7 @@ COPY hermes_gateway ./hermes_gateway
 COPY broker ./broker
 COPY workers ./workers
 COPY middleware ./middleware
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir '.[mcp]'
 
 # Not root: a tool's command runs as this user. Its HERMES_HOME is its own (the run registry is written there).
 RUN useradd --create-home --uid 10001 hermes && mkdir -p /hermes && chown hermes:hermes /hermes

@@ -18,7 +18,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	@$(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
 		echo "error: .venv was made by $$($(BIN)/python --version); this needs Python 3.11+: make clean, then make again" >&2; exit 1; }
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e '.[mcp]'
 	touch $(STAMP)
 
 $(DEVSTAMP): $(STAMP)

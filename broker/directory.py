@@ -154,7 +154,8 @@ def load_spec_file(path: Path) -> ToolSpec:
     try:
         data = load_yaml(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
-        raise InvalidSpec(f"{path}: not valid YAML: {e}") from e
+        # One line naming the place and the problem; PyYAML's own multi-line text stays the cause.
+        raise InvalidSpec(f"{path}: not valid YAML: {yaml_problem(e)}") from e
     except UnicodeError as e:
         raise InvalidSpec(f"{path}: not UTF-8 text: {e}") from e
     except OSError as e:  # a dangling symlink, a file removed meanwhile, no permission
@@ -166,6 +167,24 @@ def load_spec_file(path: Path) -> ToolSpec:
         if isinstance(data, dict) and _V09_KEYS & set(data):
             hint = " (this looks like a v0.9 spec: `hermes-gateway migrate` converts it)"
         raise InvalidSpec(f"{path}: {e.message}{hint}", **e.details) from e
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's error on one line: "line L, column C: problem (while ... at line L, column C)"."""
+
+    def at(mark: Any) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+    problem = getattr(e, "problem", None)
+    if not problem:
+        return " ".join(str(e).split())
+    mark = getattr(e, "problem_mark", None)
+    text = f"{at(mark)}: {problem}" if mark is not None else str(problem)
+    context = getattr(e, "context", None)
+    if context:
+        context_mark = getattr(e, "context_mark", None)
+        text += f" ({context}{' at ' + at(context_mark) if context_mark is not None else ''})"
+    return text
 
 
 YAML_NODES = 100_000  # values a YAML spec sent as text may hold, aliases expanded (a spec is a few hundred)

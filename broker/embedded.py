@@ -99,6 +99,9 @@ class EmbeddedBroker:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             preexec_fn=die_with_parent,
+            # Not in the starting command's process group: Ctrl-C at a terminal reaches the command, which
+            # stops its workers and then this broker; signalled too, the broker would exit under them.
+            process_group=0,
         )
         atexit.register(self.stop)
         deadline = time.monotonic() + wait

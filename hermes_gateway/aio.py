@@ -51,6 +51,7 @@ from hermes_gateway.envelopes import (
     tool_envelope,
     tool_limits,
 )
+from hermes_gateway.handle import CANCEL_FIELDS, cancelled_record
 from hermes_gateway.telemetry import Sending
 
 log = structlog.get_logger("hermes.client")
@@ -100,6 +101,11 @@ class AsyncGateway:
     async def start(self) -> None:
         """Subscribe before any submission, so no event of ours can be published unheard."""
         await self._pubsub.subscribe(self.channel, self._tools_channel)
+        # redis-py subscribes again on every reconnect; then every waiting handle reads its history at once.
+        self._catch_up_due = False
+        connection = getattr(self._pubsub, "connection", None)
+        if connection is not None and hasattr(connection, "register_connect_callback"):
+            connection.register_connect_callback(self._on_reconnect)
         self._task = asyncio.create_task(self._dispatch(), name="hermes-aio-events")
 
     async def close(self) -> None:
@@ -294,22 +300,14 @@ class AsyncGateway:
     async def cancel(self, call_id: str) -> bool:
         """Cancel by id (as ``hermes_gateway.handle.cancel_call``); True when the request was recorded."""
         conn = self.conn
-        fields = (
-            keys.F_STATE,
-            keys.F_ATTEMPT,
-            keys.F_TRACE,
-            keys.F_KIND,
-            keys.F_TOOL,
-            keys.F_CHANNEL,
-            keys.F_CKEY,
-        )
         pipe = conn.pipeline(transaction=False)
-        pipe.hmget(keys.job(call_id), *fields, "origin")
+        pipe.hmget(keys.job(call_id), *CANCEL_FIELDS)
         pipe.zscore(keys.LEASES, call_id)
         raw, leased = await pipe.execute()
         if raw[0] is None:
             return False
-        state, attempt, trace, kind, tool, chan, ckey, origin = (_text(v) for v in raw)
+        data = raw[-1]
+        state, attempt, trace, kind, tool, chan, ckey, origin = (_text(v) for v in raw[:-1])
         if state in TERMINAL:
             return False
         if state == State.PENDING and leased is None:  # else its worker is told (as cancel_call does)
@@ -327,12 +325,27 @@ class AsyncGateway:
             )
             if int(reply[0]) > 0:
                 await conn.zrem(keys.waiting(ckey), call_id)
+                await self._audit_cancelled(call_id, kind, tool, trace, int(attempt or 1), data)
                 return True
         pipe = conn.pipeline()
         pipe.hset(keys.job(call_id), keys.F_CANCEL, "1")
         pipe.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))
         await pipe.execute()
         return True
+
+    async def _audit_cancelled(self, call_id: str, kind: str, tool: str, trace: str, attempt: int, data: Any) -> None:
+        """The audit record of a call cancelled while pending (as ``cancel_call`` writes it)."""
+        from broker.audit_store import AuditLog
+
+        sensitive: tuple[str, ...] = ()
+        if kind == "tool":
+            try:
+                sensitive = (await self.tool(tool)).spec.sensitive
+            except HermesError:
+                pass  # removed meanwhile: its arguments are still redacted by name
+        record = cancelled_record(call_id, kind, tool, trace, attempt, data, sensitive)
+        audit: Any = AuditLog.from_settings(self.conn, self.settings.audit)
+        await audit.append(record)
 
     # -- events ----------------------------------------------------------------------------------
 
@@ -349,13 +362,38 @@ class AsyncGateway:
         self._tools_gen += 1
         self._tools.pop(name, None)
 
+    def _on_reconnect(self, connection: Any) -> None:
+        """redis-py's connect callback of the subscription (after its own, which subscribes again)."""
+        self._catch_up_due = True
+
+    async def catch_up(self) -> None:
+        """Read the durable history of every call still waited on, in one pipelined round trip.
+
+        Done by the event task when its subscription comes back after a broker restart or a dropped
+        connection (as ``Gateway.catch_up``): the events published meanwhile went nowhere.
+        """
+        pending = [h for h in self._handles.values() if not h.done()]
+        if not pending:
+            return
+        pipe = self.conn.pipeline(transaction=False)
+        for h in pending:
+            pipe.lrange(keys.history(h.call_id), h.last_seq, -1)
+        for h, stored in zip(pending, await pipe.execute(), strict=True):
+            for data in stored:
+                h._feed(ev_mod.decode(data))
+
     async def _dispatch(self) -> None:
         while True:
             try:
                 msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if self._catch_up_due:  # (the subscription is back: what was published meanwhile is lost)
+                    self._catch_up_due = False
+                    await self.catch_up()
             except (RedisError, OSError) as e:
-                log.warning("event subscription interrupted; handles fall back to the history", error=str(e))
-                await asyncio.sleep(0.5)
+                if not self._catch_up_due:  # one line per outage, not one per retry
+                    log.warning("event subscription interrupted; handles fall back to the history", error=str(e))
+                self._catch_up_due = True
+                await asyncio.sleep(0.2)
                 continue
             if msg is None:
                 continue

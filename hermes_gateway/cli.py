@@ -63,7 +63,13 @@ class _Main(click.Group):
 
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--home", envvar="HERMES_HOME", default=None, help="Config directory (default ~/.hermes).")
+@click.option(
+    "--home",
+    envvar="HERMES_HOME",
+    show_envvar=True,
+    default=None,
+    help="Config directory: config.yaml, tools/, plugins/ (default $HERMES_HOME, else ~/.hermes).",
+)
 @click.option(
     "--log-level",
     type=click.Choice(LOG_LEVELS, case_sensitive=False),

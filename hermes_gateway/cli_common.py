@@ -53,6 +53,10 @@ def _sync_tools(gw: Any) -> None:
     gw.sync_tools(errors=errors)
     for e in errors:
         _note(f"skipped {e}", "warning")
+        if e.__cause__ is not None:  # the parser's own account, several lines: with --log-level debug
+            import structlog
+
+            structlog.get_logger("hermes.cli").debug("spec file problem in full", detail=str(e.__cause__))
 
 
 def _event_line(ev: Any) -> str:

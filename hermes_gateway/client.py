@@ -14,6 +14,7 @@ import structlog
 from broker import events as ev_mod
 from broker import keys, pipes
 from broker.calls import Calls
+from broker.codec import raw as as_bytes
 from broker.codec import text
 from broker.config import Settings, load_settings
 from broker.connection import BrokerHandle, connect, subscriber
@@ -37,6 +38,9 @@ log = structlog.get_logger("hermes.client")
 SUBMIT_CHUNK = 100  # calls per pipelined round trip in submit_many
 
 
+WORKERS_TRUSTED = 5.0  # seconds a queue seen with a live worker is not checked again (check_workers)
+CATCH_UP_CHUNK = 500  # history reads per pipelined round trip when the subscription comes back
+
 # How long the event thread reads the subscription directly with nothing arriving before it goes back to
 # redis-py's reader (which keeps the connection's health checks).
 DIRECT_READ_IDLE = 1.0
@@ -45,8 +49,16 @@ DIRECT_READ_IDLE = 1.0
 class Gateway:
     """A client of the gateway: one connection, one event channel, many calls in flight."""
 
-    def __init__(self, handle: BrokerHandle, settings: Settings | None = None) -> None:
+    def __init__(
+        self, handle: BrokerHandle, settings: Settings | None = None, *, check_workers: bool = False
+    ) -> None:
         self.broker = handle
+        # Refuse a call at once (NoWorkers) when no worker listens on its queue; on an embedded broker of
+        # our own, start a worker for the queue instead (it ends with this gateway).
+        self.check_workers = check_workers
+        self._workers_seen: dict[str, float] = {}  # queue -> until when a seen worker is trusted
+        self._own_workers: list[Any] = []
+        self._workers_lock = threading.Lock()  # (two threads' first calls start one worker, not two)
         self.conn: redis.Redis = handle.conn
         self.settings = settings or load_settings()
         self.client_id = uuid.uuid4().hex
@@ -59,14 +71,34 @@ class Gateway:
         self._pubsub = subscriber(self.conn)
         self._tools_channel = keys.channel(self.conn, keys.TOOLS_CHANNEL).encode()
         self._pubsub.subscribe(self.channel, self._tools_channel)
+        # redis-py subscribes again on every reconnect; then every waiting handle reads its history at once.
+        self._catch_up_due = False
+        connection = getattr(self._pubsub, "connection", None)
+        if connection is not None and hasattr(connection, "register_connect_callback"):
+            connection.register_connect_callback(self._on_reconnect)
         self._thread = threading.Thread(target=self._dispatch, name="hermes-client-events", daemon=True)
         self._thread.start()
 
     @classmethod
-    def connect(cls, url: str | None = None, *, home: str | None = None, embedded_ok: bool = True) -> Gateway:
-        """Connect to ``url`` / ``$HERMES_REDIS_URL``, else start the embedded broker."""
+    def connect(
+        cls, url: str | None = None, *, home: str | None = None, embedded_ok: bool = True, check_workers: bool = True
+    ) -> Gateway:
+        """Connect as the command line does: to ``url`` / ``$HERMES_REDIS_URL`` / ``broker.url``; else to the
+        embedded broker of the ``serve`` or ``worker`` of the same ``$HERMES_HOME`` running here; else start
+        an embedded broker of this gateway's own, with a worker for each queue it calls (both end with it).
+
+        ``check_workers``: a call to a queue no worker listens on raises ``NoWorkers`` at once instead of
+        waiting for one (off: it waits, pending, as on a queue whose workers are still starting).
+        """
         settings = load_settings(home)
-        return cls(connect(url or settings.redis_url, embedded_ok=embedded_ok), settings)
+        url = url or settings.redis_url
+        if url is None and embedded_ok:
+            from hermes_gateway.local import connect_local
+
+            handle, _ = connect_local(settings)
+        else:
+            handle = connect(url, embedded_ok=embedded_ok)
+        return cls(handle, settings, check_workers=check_workers)
 
     def __enter__(self) -> Gateway:
         return self
@@ -88,6 +120,10 @@ class Gateway:
             self._pubsub.close()
         except redis.RedisError:
             pass
+        if self._own_workers:
+            from workers.pool import stop_all
+
+            stop_all(self._own_workers)
         self.broker.close()
 
     @property
@@ -204,6 +240,7 @@ class Gateway:
             return self._submit(env, limits)
 
     def _submit(self, env: Envelope, limits: dict[str, Any]) -> CallHandle:
+        self._ensure_workers((env.queue,))
         handle = self._track(CallHandle(self, env.call_id, env.name, env.kind))
         try:
             pipe = self.conn.pipeline(transaction=False)
@@ -255,6 +292,7 @@ class Gateway:
                 env, spec = self._envelope(name, args, item_opts(opts, idempotency_keys, i), common)
                 prepared.append((env, self._limits(env, spec), self._track(CallHandle(self, env.call_id, name))))
             check_batch_keys(common, idempotency_keys, len(prepared))
+            self._ensure_workers(tuple(dict.fromkeys(env.queue for env, _, _ in prepared)))
         except BaseException:
             for env, _, _ in prepared:
                 self._untrack(env.call_id)
@@ -350,6 +388,24 @@ class Gateway:
                 queue=queue,
             )
 
+    def _ensure_workers(self, queues: tuple[str, ...]) -> None:
+        """With ``check_workers``: NoWorkers for a queue no worker listens on — or, on an embedded broker
+        of our own, a worker started for it. A queue seen served is trusted for a few seconds."""
+        if not self.check_workers:
+            return
+        for queue in queues:
+            if self._workers_seen.get(queue, 0.0) > time.monotonic():
+                continue
+            with self._workers_lock:
+                if not self.live_workers(queue):
+                    if self.broker.embedded is None:
+                        self.require_workers(queue)  # raises
+                    from hermes_gateway.local import start_workers, wait_for_heartbeats
+
+                    self._own_workers += start_workers(self.broker.url, self.settings, (queue,))
+                    wait_for_heartbeats(self, 1, queues=(queue,))
+                self._workers_seen[queue] = time.monotonic() + WORKERS_TRUSTED
+
     # -- events ----------------------------------------------------------------------------------
 
     def _track(self, handle: CallHandle) -> CallHandle:
@@ -363,11 +419,18 @@ class Gateway:
             if handle is None or self._handles.get(call_id) is handle:
                 self._handles.pop(call_id, None)
 
+    def _on_reconnect(self, connection: Any) -> None:
+        """redis-py's connect callback of the subscription (after its own, which subscribes again)."""
+        self._catch_up_due = True
+
     def _dispatch(self) -> None:
         while not self._closed.is_set():
             try:
                 # redis-py's reader reconnects, subscribes again and sends health checks ...
                 msg = self._pubsub.get_message(timeout=0.5)
+                if self._catch_up_due:  # (the subscription is back: what was published meanwhile is lost)
+                    self._catch_up_due = False
+                    self.catch_up()
                 if msg is not None and not self._closed.is_set():
                     self._on_message(msg["channel"], msg["data"])
                 # ... and while the subscription is up and busy, messages are read straight off it.
@@ -375,7 +438,31 @@ class Gateway:
             except (redis.ConnectionError, redis.TimeoutError, ValueError):
                 if self._closed.is_set():
                     return
-                time.sleep(0.5)
+                time.sleep(0.2)
+
+    def catch_up(self) -> None:
+        """Read the durable history of every call still waited on, in pipelined round trips.
+
+        Done by the event thread when its subscription comes back after a broker restart or a dropped
+        connection: the events published meanwhile went nowhere, and waiting for each handle's own
+        resync would cost a second per handle waited on in turn. Raises the broker's error (the next
+        reconnect tries again).
+        """
+        with self._lock:
+            pending = [h for h in self._handles.values() if not h.done()]
+        for start in range(0, len(pending), CATCH_UP_CHUNK):
+            chunk = pending[start : start + CATCH_UP_CHUNK]
+            pipe = self.conn.pipeline(transaction=False)
+            for h in chunk:
+                pipe.lrange(keys.history(h.call_id), h.last_seq, -1)
+            try:
+                stored = pipe.execute()
+            except (redis.ConnectionError, redis.TimeoutError):
+                self._catch_up_due = True
+                raise
+            for h, events in zip(chunk, stored, strict=True):
+                for data in events:
+                    h._feed(ev_mod.decode(as_bytes(data)))
 
     def _read_direct(self) -> None:
         """Read published messages off the subscribed connection until it has been idle for a while.

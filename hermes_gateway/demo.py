@@ -53,6 +53,7 @@ DEMO_TOOLS: list[dict[str, Any]] = [
 ]
 
 CITIES = ["北京", "上海", "广州", "深圳", "杭州", "成都", "Berlin", "Paris", "Lisbon", "Nairobi"]
+ATLANTIS = "Atlantis"  # the demo's failures on purpose: the weather tool has no station there
 NAMES = ["Alice", "Bob", "Chen", "Dana", "Émile", "Farah"]
 
 
@@ -62,7 +63,7 @@ def _batch(n: int, rng: random.Random) -> list[tuple[str, dict[str, Any]]]:
         if i % 4 == 0:
             out.append(("hello", {"name": rng.choice(NAMES)}))
         elif i % 50 == 7:
-            out.append(("get_weather", {"city": "Atlantis"}))  # fails on purpose: no such station
+            out.append(("get_weather", {"city": ATLANTIS}))  # fails on purpose: no such station
         else:
             out.append(("get_weather", {"city": rng.choice(CITIES), "unit": rng.choice(["celsius", "fahrenheit"])}))
     return out
@@ -103,6 +104,9 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
         console.rule(f"a batch of {calls} calls")
         rng = random.Random(10)
         work = _batch(calls, rng)
+        failing = sum(1 for name, args in work if args.get("city") == ATLANTIS)
+        if failing:
+            console.print(f"  {failing} of them ask for the weather in {ATLANTIS!r}, which fails on purpose (executor_error)")
         start = time.perf_counter()
         handles = gw.submit_many(work, session_id="demo-session")
         with Progress(
@@ -132,6 +136,8 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
         table.add_row("calls", str(len(handles)))
         for k, v in sorted(outcomes.items()):
             table.add_row(k, str(v))
+        if failing:
+            table.add_row(f"  of them on purpose (city {ATLANTIS!r})", str(failing))
         table.add_row("wall time", f"{wall:.2f} s")
         table.add_row("throughput", f"{len(handles) / wall:,.0f} calls/s")
         if lat:

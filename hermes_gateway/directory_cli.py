@@ -238,6 +238,12 @@ def mcp_serve(
     import sys
 
     from hermes_gateway.local import local_stack
+    from workers.executors.mcp import require_sdk
+
+    try:
+        require_sdk("`mcp serve`")
+    except HermesError as e:
+        _fail(str(e))
     from hermes_gateway.mcp_serve import serve_stdio
 
     settings = _settings(ctx)

@@ -194,31 +194,78 @@ class CallHandle:
         return self._final.state if self._final else None
 
 
+CANCEL_FIELDS = (keys.F_STATE, keys.F_ATTEMPT, keys.F_TRACE, keys.F_KIND, keys.F_TOOL, keys.F_CHANNEL, keys.F_CKEY, "origin", "data")
+PENDING_CANCEL = {"type": "cancelled", "message": "cancelled by the caller before it started"}
+
+
+def cancelled_record(call_id: str, kind: str, tool: str, trace: str, attempt: int, data: Any, sensitive: Any) -> Any:
+    """The audit record of a call cancelled while pending (no worker ran it, so the caller writes it)."""
+    from broker.audit import AuditRecord
+    from broker.records import envelope_of
+
+    try:
+        env = envelope_of(data) if data else None
+    except HermesError:
+        env = None
+    context = env.context if env is not None else {}
+    return AuditRecord.of(
+        call_id=call_id,
+        kind=kind,
+        state=str(State.CANCELLED),
+        args=env.args if env is not None else None,
+        sensitive=tuple(sensitive or ()),
+        request=env.request if env is not None and kind == "llm" else None,
+        error=PENDING_CANCEL,
+        tool_name=tool if kind == "tool" else None,
+        model=tool if kind == "llm" else None,
+        principal=context.get("principal"),
+        session_id=context.get("session_id"),
+        turn_id=context.get("turn_id"),
+        task_id=context.get("task_id"),
+        api_request_id=context.get("api_request_id"),
+        tool_call_id=context.get("tool_call_id"),
+        parent_call_id=context.get("parent_call_id"),
+        trace_id=trace,
+        attempts=attempt,
+    )
+
+
 def cancel_call(gateway: Gateway, call_id: str) -> bool:
     """Cancel by id; True when the request was recorded (the call was not already finished)."""
+    from broker.audit_store import AuditLog
     from broker.records import CallInfo
 
     conn = gateway.conn
     pipe = conn.pipeline(transaction=False)
-    pipe.hmget(keys.job(call_id), keys.F_STATE, keys.F_ATTEMPT, keys.F_TRACE, keys.F_KIND, keys.F_TOOL, keys.F_CHANNEL, keys.F_CKEY, "origin")
+    pipe.hmget(keys.job(call_id), *CANCEL_FIELDS)
     pipe.zscore(keys.LEASES, call_id)
     raw, leased = pipe.execute()
     if raw[0] is None:
         return False
-    state, attempt, trace, kind, tool, chan, ckey, origin = (text(v) for v in raw)
+    data = raw[-1]
+    state, attempt, trace, kind, tool, chan, ckey, origin = (text(v) for v in raw[:-1])
     if state in TERMINAL:
         return False
     info = CallInfo(call_id, trace, "", kind, tool, None, chan, ckey, origin)
     # Still pending and not taken by a worker: it ends here and now. A worker that has taken it (it is
     # leased) is told instead, so its slot is given back only when it has really stopped.
     if state == State.PENDING and leased is None:
-        err = {"type": "cancelled", "message": "cancelled by the caller before it started"}
+        err = PENDING_CANCEL
         reply = gateway.calls.transition(
             info, State.CANCELLED, attempt=int(attempt or 1), fence=False, from_states=frozenset({State.PENDING}), unleased=True,
             detail={"error": err}, fields={keys.F_ERROR: pack(err)},
         )
         if int(reply[0]) > 0:
             conn.zrem(keys.waiting(ckey), call_id)
+            # No worker ran it, so none writes its audit record: the README promises one per call.
+            sensitive: tuple[str, ...] = ()
+            if kind == "tool":
+                try:
+                    sensitive = gateway.directory.get(tool).spec.sensitive
+                except HermesError:
+                    pass  # removed meanwhile: its arguments are still redacted by name
+            record = cancelled_record(call_id, kind, tool, trace, int(attempt or 1), data, sensitive)
+            AuditLog.from_settings(conn, gateway.settings.audit).append(record)
             return True
     pipe = conn.pipeline()
     pipe.hset(keys.job(call_id), keys.F_CANCEL, "1")

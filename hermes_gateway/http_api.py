@@ -142,17 +142,37 @@ def event_data(event: Any) -> dict[str, Any]:
     return asdict(event)
 
 
+class _Unavailable:
+    """``/mcp`` where the MCP SDK 2.x is not installed: every request is told what to install (501)."""
+
+    def __init__(self, error: HermesError) -> None:
+        self.error = error
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        yield
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await reply({"error": self.error.to_wire()}, 501)(scope, receive, send)
+
+
 def create_app(
     gw: Gateway, *, token: str | None = None, credentials: Credentials | None = None, mcp_stateful: bool = False
 ) -> Starlette:
     """The API over ``gw``'s broker: ``gw`` (threads) for the directory and status, an ``AsyncGateway``
     on the same broker for calls, waits and event streams. ``credentials``: the tokens accepted (default:
     ``token`` and ``api.tokens`` of ``gw.settings``)."""
-    from hermes_gateway.mcp_http import McpEndpoint
+    from workers.executors.mcp import require_sdk
 
     live: dict[str, AsyncGateway] = {}
     creds = credentials or Credentials.from_settings(gw.settings, token)
-    mcp = McpEndpoint(gw, lambda: live["agw"], creds, stateful=mcp_stateful)
+    try:  # the MCP SDK 2.x is the `mcp` extra: without it /mcp says what to install, the rest runs
+        require_sdk("MCP over HTTP at /mcp")
+        from hermes_gateway.mcp_http import McpEndpoint
+
+        mcp: Any = McpEndpoint(gw, lambda: live["agw"], creds, stateful=mcp_stateful)
+    except HermesError as e:
+        mcp = _Unavailable(e)
 
     @asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:

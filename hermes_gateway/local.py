@@ -111,20 +111,7 @@ def local_stack(
         if need_workers and attached is not None:
             queues = tuple(q for q in queues if not gw.live_workers(q))
         if need_workers and queues and (handle.embedded is not None or attached is not None):
-            from workers.policy import Policy
-
-            Policy.from_settings(settings.policy)  # a bad policy: a clear error now, not a worker that dies
-            # The command's own output stays clean: its workers log errors only, unless DEBUG was asked for
-            # (`logging.level: DEBUG`, `--log-level DEBUG`); they log in the command's format (JSON lines too).
-            level = os.environ.get("HERMES_WORKER_LOG_LEVEL") or ("DEBUG" if logs.debug_enabled() else "ERROR")
-            env = dict(os.environ, HERMES_LOG_LEVEL=level)
-            if logs.json_lines():
-                env["HERMES_LOG_FORMAT"] = "json"
-            env["HERMES_HOME"] = str(settings.home)  # the same config, and the same run registry, as ours
-            procs = [
-                spawn(handle.url, list(queues), concurrency, env=env, stdout=worker_stdout, with_parent=True)
-                for _ in range(processes)
-            ]
+            procs = start_workers(handle.url, settings, queues, processes, concurrency, worker_stdout)
             if attached is None:
                 wait_for_heartbeats(gw, len(procs))
             else:  # (others' workers are there too: wait until each queue has one)
@@ -136,6 +123,38 @@ def local_stack(
     finally:
         stop_all(procs)
         gw.close()
+
+
+def start_workers(
+    url: str,
+    settings: Settings,
+    queues: tuple[str, ...],
+    processes: int = 1,
+    concurrency: int = 16,
+    worker_stdout: Any = None,
+) -> list[Any]:
+    """Worker processes of this process on ``url`` (they die with it, even when it is killed)."""
+    from workers.policy import Policy
+
+    Policy.from_settings(settings.policy)  # a bad policy: a clear error now, not a worker that dies
+    # The command's own output stays clean: its workers log errors only, unless a level was asked for
+    # (`--log-level`, HERMES_LOG_LEVEL, `logging.level`); they log in the command's format (JSON too).
+    level = os.environ.get("HERMES_WORKER_LOG_LEVEL") or _asked_level(settings) or "ERROR"
+    env = dict(os.environ, HERMES_LOG_LEVEL=level)
+    if logs.json_lines():
+        env["HERMES_LOG_FORMAT"] = "json"
+    env["HERMES_HOME"] = str(settings.home)  # the same config, and the same run registry, as ours
+    return [
+        spawn(url, list(queues), concurrency, env=env, stdout=worker_stdout, with_parent=True)
+        for _ in range(processes)
+    ]
+
+
+def _asked_level(settings: Settings) -> str | None:
+    """The log level the user set for this command (``--log-level`` sets HERMES_LOG_LEVEL), if any."""
+    logging_cfg = settings.raw.get("logging")
+    asked = os.environ.get("HERMES_LOG_LEVEL") or (isinstance(logging_cfg, dict) and logging_cfg.get("level"))
+    return settings.log_level if asked else None
 
 
 def wait_for_heartbeats(

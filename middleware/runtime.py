@@ -19,7 +19,7 @@ from middleware.kinds import (
 )
 from middleware.registry import Registration
 from middleware.reporter import FailureReporter
-from middleware.requests import RequestOutcome, apply_request_chain
+from middleware.requests import RequestOutcome, apply_request_chain, safe_copy
 
 
 class MiddlewareRuntime:
@@ -169,7 +169,10 @@ class MiddlewareRuntime:
     def emit(self, hook_name: str, **payload: Any) -> list[Any]:
         """Call every callback of ``hook_name``; failures are logged (warn-once) and skipped.
 
-        Returns the non-None return values in registration order.
+        Returns the non-None return values in registration order. Observer hooks report what happened:
+        each callback gets its own copies of the payload's values (arguments, result, context), so
+        writing to them changes neither the call nor what a later hook sees; a value is changed only by
+        a returned one where the hook's contract says so (``transform_tool_result``).
         """
         regs = self._hooks.get(hook_name)
         if not regs:
@@ -178,7 +181,7 @@ class MiddlewareRuntime:
         results: list[Any] = []
         for reg in regs:
             try:
-                ret = reg.callback(**payload)
+                ret = reg.callback(**{k: safe_copy(v) for k, v in payload.items()})
             except Exception as exc:
                 self.reporter.report(f"hook {hook_name}", reg.callback, exc, payload, plugin=reg.plugin)
                 continue

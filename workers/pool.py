@@ -118,7 +118,9 @@ def spawn(
     with_parent: bool = False,
 ) -> subprocess.Popen[Any]:
     """Start one worker process on ``url`` (``stdout``: where its standard output goes, as for Popen;
-    ``with_parent``: it is sent SIGTERM when the process that started it dies, even by SIGKILL)."""
+    ``with_parent``: it is sent SIGTERM when the process that started it dies, even by SIGKILL, and it
+    runs in a process group of its own: Ctrl-C at a terminal reaches only the command, which stops its
+    workers while their broker is still up, instead of every process of the group at once)."""
     child_env = dict(os.environ if env is None else env)
     child_env["HERMES_REDIS_URL"] = url
     return subprocess.Popen(
@@ -126,6 +128,7 @@ def spawn(
         env=child_env,
         stdout=stdout,
         preexec_fn=die_with_parent if with_parent else None,  # noqa: PLW1509 - prctl only, no locks taken
+        process_group=0 if with_parent else None,
     )
 
 

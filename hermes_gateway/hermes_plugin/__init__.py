@@ -57,6 +57,9 @@ def register(ctx: Any) -> None:
             description=schema.get("description", ""),
             emoji="🛰️",
         )
+    import atexit
+
+    atexit.register(bridge.close)  # the agent exiting cancels the calls it still waits on
     ctx.register_middleware("tool_execution", bridge.tool_execution)
     if options.route_llm:
         ctx.register_middleware("llm_execution", bridge.llm_execution)

@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 
 from broker.config import Settings, load_settings
-from broker.errors import CallTimeout, HermesError
+from broker.errors import BrokerUnavailable, CallCancelled, CallTimeout, HermesError
 
 log = structlog.get_logger("hermes.plugin")
 
@@ -113,6 +113,21 @@ def _read_agent_plugins() -> str:
     return ",".join(sorted(keys))
 
 
+WAIT_SLICE = 0.5  # seconds between looks at the agent's interrupt flag while a call runs
+
+
+def agent_interrupted() -> bool:
+    """Whether the agent asked this thread's tool to stop (Hermes' ``tools.interrupt``; False outside Hermes)."""
+    try:
+        from tools.interrupt import is_interrupted
+    except Exception:  # noqa: BLE001 - not inside Hermes (or another version)
+        return False
+    try:
+        return bool(is_interrupted())
+    except Exception:  # noqa: BLE001 - never let the check break a call
+        return False
+
+
 def as_completion(response: Any) -> Any:
     """Our chat.completion dict as the OpenAI SDK object Hermes' transport reads (attributes, not keys)."""
     try:
@@ -143,6 +158,8 @@ class Bridge:
         self._last_llm: dict[
             str, str
         ] = {}  # session -> its latest LLM call id (the parent of its tool calls)
+        self._waiting: set[Any] = set()  # handles a thread of the agent waits on (cancelled on close)
+        self._waiting_lock = threading.Lock()
 
     @property
     def gw(self) -> Any:
@@ -150,14 +167,53 @@ class Bridge:
             if self._gw is None:
                 from hermes_gateway.client import Gateway
 
-                self._gw = Gateway.connect(self.options.url, embedded_ok=False)
+                # check_workers: a call to a queue no worker listens on is refused at once (NoWorkers).
+                self._gw = Gateway.connect(self.options.url, embedded_ok=False, check_workers=True)
             return self._gw
 
     def close(self) -> None:
+        """Cancel the calls still waited on (the agent is exiting), then disconnect."""
+        with self._waiting_lock:
+            waiting, self._waiting = list(self._waiting), set()
+        for handle in waiting:
+            self._abandon(handle)
         with self._lock:
             if self._gw is not None:
                 self._gw.close()
                 self._gw = None
+
+    def wait(self, handle: Any) -> Any:
+        """``handle.result()`` within the timeout. Any other way out — the timeout, the agent's interrupt
+        (Hermes' ``tools.interrupt``), KeyboardInterrupt, an error, the agent exiting (``close``) —
+        cancels the call: nobody would see it run, so it must not run (or be billed) unseen."""
+        deadline = time.monotonic() + self.options.timeout
+        with self._waiting_lock:
+            self._waiting.add(handle)
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    return handle.result(max(0.0, min(WAIT_SLICE, left)))
+                except (CallTimeout, BrokerUnavailable):
+                    if time.monotonic() >= deadline:
+                        raise CallTimeout(
+                            f"no result for call {handle.call_id} ({handle.name}) within {self.options.timeout:g}s",
+                            call_id=handle.call_id,
+                        ) from None
+                if agent_interrupted():
+                    raise CallCancelled(f"call {handle.call_id} ({handle.name}) interrupted by the agent")
+        finally:
+            with self._waiting_lock:
+                self._waiting.discard(handle)
+            if not handle.done():
+                self._abandon(handle)
+
+    @staticmethod
+    def _abandon(handle: Any) -> None:
+        try:
+            handle.cancel()
+        except Exception as e:  # noqa: BLE001 - the way out goes on; the broker may be the trouble
+            log.warning("could not cancel a call the agent stopped waiting for", call_id=handle.call_id, error=str(e))
 
     # -- tools -----------------------------------------------------------------------------------
 
@@ -192,13 +248,11 @@ class Bridge:
         applied = agent_plugins()
         if applied:
             context["plugins_applied"] = applied
-        handle = None
         try:
+            # NoWorkers at once when no worker listens on the tool's queue (the error names the queue).
             handle = self.gw.call_tool(self.names.get(name, name), args or {}, **context)
-            result = handle.result(self.options.timeout)
+            result = self.wait(handle)
         except HermesError as e:
-            if handle is not None and isinstance(e, CallTimeout):
-                handle.cancel()  # the agent stops waiting: the call must not run on unseen
             return json.dumps({"error": f"{e.type}: {e.message}"}, ensure_ascii=False)
         return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
 
@@ -231,12 +285,9 @@ class Bridge:
         body.setdefault("stream", True)
         if body["stream"]:
             body.setdefault("stream_options", {"include_usage": True})
+        # NoWorkers at once when no worker listens on the llm queue. Hermes takes a raise from a middleware
+        # as its failure: it logs it (naming the queue) and calls the provider itself. A call given up
+        # on is cancelled first (``wait``): it must not also go on and complete (and be billed) unseen.
         handle = self.gw.call_llm(body, **context)
         self._last_llm[context.get("session_id", "")] = handle.call_id
-        try:
-            return as_completion(handle.result(self.options.timeout))
-        except CallTimeout:
-            # Hermes takes a raise for a failed middleware and calls its provider itself: the call on
-            # the queue must not also go on and complete (and be billed) unseen.
-            handle.cancel()
-            raise
+        return as_completion(self.wait(handle))

@@ -50,6 +50,13 @@ class Server:
                 assert time.monotonic() < deadline, "redis-server did not come up"
                 time.sleep(0.05)
 
+    def kill(self) -> None:
+        """SIGKILL: no final AOF rewrite, no clean close of the clients' connections."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(20)
+            self.proc = None
+
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.terminate()  # SIGTERM: it writes its AOF and exits
@@ -143,3 +150,140 @@ def test_calls_finishing_during_a_redis_restart_keep_their_results_and_run_once(
         worker.terminate()
         worker.wait(30)
         log.close()
+
+
+def _finished_lines(log_path: Path) -> list[dict[str, Any]]:
+    """The workers' JSON ``call finished`` lines."""
+    import json
+
+    out = []
+    for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if '"call finished"' in line:
+            with_fields = json.loads(line)
+            if with_fields.get("event") == "call finished":
+                out.append(with_fields)
+    return out
+
+
+def _iso(stamp: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def test_after_a_redis_sigkill_and_restart_every_waiting_result_catches_up_at_once(
+    server: Server, home: Any, tmp_path: Path
+) -> None:
+    """Two workers (10 slots each, lease 6 s) run 400 calls of 0.3 s from a sync and an asyncio client;
+    Redis is killed with SIGKILL 1.5 s in and started again 5 s later on the same AOF. Every call runs
+    once and ends done, and each client's last ``result()`` returns within 3 s of its last call finishing
+    on a worker: the subscription comes back and every waiting handle reads its history in one pass,
+    instead of each one a second after the previous (it was 5-36 s late)."""
+    from hermes_gateway import Gateway
+
+    home.tool(
+        "nap",
+        function="workers.executors.builtin:sleep",
+        queue="rel",
+        timeout=60,
+        concurrency=1000,
+        input_schema={"type": "object", "properties": {"seconds": {"type": "number"}}},
+    )  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_")}
+    env.update(
+        HERMES_REDIS_URL=server.url,
+        HERMES_HOME=str(home.path),
+        HERMES_LEASE="6",
+        HERMES_LOG_FORMAT="json",
+        HERMES_LOG_LEVEL="INFO",
+    )
+    logs = [tmp_path / f"worker-{i}.log" for i in range(2)]
+    outs = [p.open("wb") for p in logs]
+    procs = [
+        subprocess.Popen([CLI, "worker", "--queues", "rel", "--concurrency", "10"], env=env, stdout=o, stderr=o)
+        for o in outs
+    ]
+    gw = Gateway.connect(server.url)
+    try:
+        gw.sync_tools(home.tools_dir)
+        deadline = time.monotonic() + 60
+        while len(gw.live_workers("rel")) < 2:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
+                p.read_text() for p in logs
+            ]
+            time.sleep(0.05)
+        # The asyncio client (the HTTP API's) runs in a loop of its own; the two clients' calls alternate in
+        # the queue, so both have calls finishing during the outage.
+        from hermes_gateway.aio import AsyncGateway
+
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, daemon=True).start()
+
+        def on_loop(coro: Any) -> Any:
+            return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
+
+        agw = on_loop(AsyncGateway.connect(server.url))
+        handles: list[Any] = []
+        ahs: list[Any] = []
+        for _ in range(20):
+            handles += gw.map("nap", [{"seconds": 0.3} for _ in range(10)])
+            ahs += on_loop(agw.map("nap", [{"seconds": 0.3} for _ in range(10)]))
+        assert not [h for h in handles + ahs if h.refused]
+
+        async def async_results() -> tuple[float, list[Any]]:
+            outcomes = []
+            for h in ahs:
+                try:
+                    outcomes.append(("ok", await h.result(120)))
+                except Exception as e:  # noqa: BLE001 - reported by the test
+                    outcomes.append((type(e).__name__, str(e)))
+            return time.time(), outcomes
+
+        async_waiter = asyncio.run_coroutine_threadsafe(async_results(), loop)
+        time.sleep(1.5)
+        server.kill()
+        killed = time.time()
+        time.sleep(5)
+        server.start()
+        back = time.time()
+        outcomes = []
+        for h in handles:
+            try:
+                outcomes.append(("ok", h.result(120)))
+            except Exception as e:  # noqa: BLE001 - reported by the test
+                outcomes.append((type(e).__name__, str(e)))
+        last_result = time.time()
+        async_last, async_outcomes = async_waiter.result(130)
+        on_loop(agw.close())
+        loop.call_soon_threadsafe(loop.stop)
+        assert all(o == ("ok", {"slept": 0.3}) for o in outcomes), [o for o in outcomes if o[0] != "ok"][:5]
+        assert all(o == ("ok", {"slept": 0.3}) for o in async_outcomes), async_outcomes
+        # Nothing run twice, nothing lost: one `call finished` per call, each on its first attempt.
+        finished = [line for p in logs for line in _finished_lines(p)]
+        ids = sorted(line["call_id"] for line in finished)
+        assert len(ids) == len(set(ids)) == 400, (len(ids), len(set(ids)))
+        assert {h.call_id for h in handles + ahs} == set(ids)
+        assert all(gw.calls.record(h.call_id)["attempt"] == 1 for h in handles + ahs)
+        ended = {line["call_id"]: _iso(line["timestamp"]) for line in finished}
+        sync_finish = max(ended[h.call_id] for h in handles)
+        async_finish = max(ended[h.call_id] for h in ahs)
+        figures = (
+            f"killed at +0, back at +{back - killed:.1f}s; the sync client's last call finished on a worker at "
+            f"+{sync_finish - killed:.1f}s, its last result() returned at +{last_result - killed:.1f}s; the "
+            f"asyncio client's at +{async_finish - killed:.1f}s and +{async_last - killed:.1f}s"
+        )
+        print(figures)
+        assert last_result - sync_finish <= 3.0, figures
+        assert async_last - async_finish <= 3.0, figures
+    finally:
+        gw.close()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+        for o in outs:
+            o.close()

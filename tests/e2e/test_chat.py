@@ -304,6 +304,8 @@ def _read_until(stream: Any, needle: bytes, seen: bytearray, timeout: float = 30
 def test_cli_chat_at_a_terminal_shows_a_banner_and_prompt_and_ctrl_c_at_the_prompt_ends_cleanly(
     llm: LLMServer, home: Home
 ) -> None:
+    import psutil
+
     master, slave = pty.openpty()
     proc = subprocess.Popen(
         [CLI, "chat"], stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -313,13 +315,25 @@ def test_cli_chat_at_a_terminal_shows_a_banner_and_prompt_and_ctrl_c_at_the_prom
     try:
         assert proc.stderr is not None and proc.stdout is not None
         err = bytearray()
-        _read_until(proc.stderr, b"> ", err)
+        _read_until(proc.stderr, b"> ", err, timeout=120)  # generous: a loaded machine starts slowly
         assert b"exit" in err and b"quit" in err and b"Ctrl-D" in err  # the banner says how to quit
         os.write(master, b"Reply exactly hi\n")
         err.clear()
-        _read_until(proc.stderr, b"> ", err)  # the next prompt, after the answer
+        _read_until(proc.stderr, b"> ", err, timeout=120)  # the next prompt, after the answer: it reads stdin
+        # Its own worker and embedded broker are not in its process group: Ctrl-C at a terminal signals the
+        # foreground group, and must reach only the chat, which stops them in order (workers first, while
+        # their broker is still up). When they got the SIGINT too, the broker could exit under a worker,
+        # whose stop then waited for it (30 s and more on a loaded machine).
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children and all(os.getpgid(c.pid) != proc.pid for c in children), [
+            (c.pid, c.name(), os.getpgid(c.pid)) for c in children
+        ]
+        err.clear()
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground group
-        out, rest = proc.communicate(timeout=60)
+        # It leaves the prompt at once (a slow machine takes seconds for that, not a minute) ...
+        _read_until(proc.stderr, b"\n", err, timeout=30)
+        # ... and then exits after stopping its worker and broker (bounded: SIGKILL after 30 s each).
+        out, rest = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -328,4 +342,5 @@ def test_cli_chat_at_a_terminal_shows_a_banner_and_prompt_and_ctrl_c_at_the_prom
     assert proc.returncode == 0, rest
     assert out == b"hi\n"  # the prompt and banner stay off stdout
     assert b"Traceback" not in rest and b"Aborted" not in rest
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert len(llm.chat_requests) == 1

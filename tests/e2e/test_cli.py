@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -104,6 +105,27 @@ def test_debug_and_log_format_json_give_only_json_lines_on_stderr_for_jq(home: A
     assert error["level"] == "error" and "nope" in error["event"]
 
 
+def test_an_explicit_log_level_reaches_the_private_worker_of_tool_run(home: Any) -> None:
+    # README: in JSON mode the lines of the workers a command starts are JSON lines too; at
+    # `--log-level info` its private worker's `call finished` line is among them, with the call's ids.
+    shutil.copy(ROOT / "examples" / "tools" / "hello.yaml", home.tools_dir / "hello.yaml")
+    args = ["--log-format", "json", "--log-level", "info", "tool", "run", "hello", '{"name": "Alice"}', "--follow"]
+    out = _run(args, _env(home))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "Hello, Alice!\n"
+    lines = [json.loads(line) for line in out.stderr.splitlines()]
+    follow = [line["event"] for line in lines if line["event"].startswith("[")]
+    trace_id = follow[0].split("trace_id=")[1].split()[0]
+    finished = [line for line in lines if line["event"] == "call finished"]
+    assert len(finished) == 1, lines
+    assert finished[0]["state"] == "done" and finished[0]["trace_id"] == trace_id
+    assert re.fullmatch(r"[0-9a-f]{32}", finished[0]["call_id"]), finished
+    # With the default level the command stays quiet: its worker's INFO lines are not shown.
+    quiet = _run(["--log-format", "json", "tool", "run", "hello", '{"name": "Alice"}'], _env(home))
+    assert quiet.returncode == 0, quiet.stderr
+    assert "call finished" not in quiet.stderr
+
+
 def test_in_json_mode_the_commands_own_output_is_json_whatever_the_level(home: Any) -> None:
     shutil.copy(ROOT / "examples" / "tools" / "hello.yaml", home.tools_dir / "hello.yaml")
     out = _run(["tool", "run", "hello", "{name: Alice}", "--follow", "--log-format", "json", "--log-level", "ERROR"], _env(home))
@@ -177,6 +199,11 @@ def test_demo_runs_a_live_batch_and_ends_with_a_summary_and_the_topology(home: A
                    "latency p99", "topology", "embedded broker"):
         assert needle in out.stdout, needle
     assert "│ calls" in out.stdout and "60" in out.stdout
+    # Its failures are on purpose, and it says so on screen (calls 7 and 57 of 60 ask for Atlantis).
+    assert "2 of them ask for the weather in 'Atlantis', which fails on purpose" in out.stdout
+    rows = {" ".join(line.strip("│ ").split("│")[0].split()): line for line in out.stdout.splitlines() if "│" in line}
+    assert rows["failed (executor_error)"].split("│")[-2].strip() == "2", out.stdout
+    assert rows["of them on purpose (city 'Atlantis')"].split("│")[-2].strip() == "2", out.stdout
 
 
 def test_python_dash_m_runs_the_same_command_when_the_script_is_not_on_path(home: Any) -> None:
@@ -194,3 +221,21 @@ def test_python_dash_m_runs_the_same_command_when_the_script_is_not_on_path(home
     ran = module("tool", "run", "hello", '{"name": "Alice"}')
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout == "Hello, Alice!\n"
+
+
+def test_a_broken_spec_file_is_one_warning_line_naming_file_line_and_problem(home: Any) -> None:
+    (home.tools_dir / "broken.yaml").write_text('name: broken\nexecutor: command\ncommand: "echo hi\n  input_schema: [\n')
+    out = _run(["tool", "list"], _env(home))
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [
+        f"warning: skipped {home.tools_dir / 'broken.yaml'}: not valid YAML: line 5, column 1: found unexpected "
+        "end of stream (while scanning a quoted scalar at line 3, column 10)"
+    ], out.stderr
+    detailed = _run(["--log-level", "debug", "tool", "list"], _env(home))
+    assert "spec file problem in full" in detailed.stderr and 'command: "echo hi' in detailed.stderr
+
+
+def test_help_names_hermes_home(home: Any) -> None:
+    out = _run(["--help"], _env(home))
+    assert out.returncode == 0
+    assert "HERMES_HOME" in out.stdout and "~/.hermes" in out.stdout

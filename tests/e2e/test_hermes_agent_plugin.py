@@ -4,8 +4,8 @@ and without it, reaching the directory through ``hermes-gateway mcp serve`` in i
 ``hermes plugins enable hermes-gateway`` then ``hermes chat -q ... -Q`` against the local LLM server:
 the model's ``get_weather`` call runs on our worker processes (events, audit record, the agent's ids in
 the call context) and its result comes back into the conversation. With ``HERMES_GATEWAY_ROUTE_LLM=1``
-the agent's own provider calls travel the ``llm`` queue too. The venv is the one the middleware interop
-tests cache; our package is added to it (editable, with the few dependencies the plugin imports).
+the agent's own provider calls travel the ``llm`` queue too. The agent's venv is made
+by the README's install, ``pip install 'hermes-agent[mcp]==0.19.0' hermes-gateway`` (this checkout).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -33,58 +34,46 @@ from broker.records import envelope_of
 from middleware import enable_plugin
 from tests.conftest import REPO, Home
 from tests.llm_server import LLMServer
-from tests.middleware.test_interop_hermes_agent import (  # noqa: F401 - the fixture, reused
-    HERMES_VERSION,
-    VENV_ROOT,
-    _terminal_line,
-    hermes_python,
-)
+from tests.middleware.test_interop_hermes_agent import HERMES_VERSION, VENV_ROOT, _terminal_line
 
 pytestmark = [pytest.mark.interop, pytest.mark.e2e]
 
 MODEL = "hermes-test"
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-# What the plugin imports beyond Hermes' own dependencies (the rest of ours is for workers and the CLI).
-PLUGIN_DEPS = ["redis>=5", "msgpack>=1.0", "structlog>=24", "jsonschema>=4.20"]
-# The agent's own `mcp` extra (hermes-agent[mcp] pins this): its MCP client, for `mcp serve`.
-AGENT_MCP = "mcp==1.26.0"
+# The README's install, with this checkout (editable: the code under test) in place of the name.
+DOCUMENTED_INSTALL = ["hermes-agent[mcp]==0.19.0", "-e", str(REPO)]
+AGENT_MCP = "1.26.0"  # what hermes-agent[mcp] pins for its own MCP client
 
 
 @pytest.fixture(scope="module")
-def hermes_bin(request: pytest.FixtureRequest, hermes_python: Path) -> Path:  # noqa: F811
-    """The venv's ``hermes``, with our package installed in the venv (redone when pyproject changes)."""
-    venv = hermes_python.parent.parent
-    stamp = hashlib.sha256((REPO / "pyproject.toml").read_bytes() + repr((PLUGIN_DEPS, AGENT_MCP)).encode()).hexdigest()[:16]
-    marker = venv / ".hermes-gateway-plugin"
-    with open(VENV_ROOT / f"{HERMES_VERSION}.lock", "w") as lock:
+def hermes_bin(request: pytest.FixtureRequest) -> Path:
+    """``hermes`` of a venv made by the README's install, ``pip install 'hermes-agent[mcp]==0.19.0'
+    hermes-gateway``: the agent with its mcp extra and our plugin with all its dependencies, resolved
+    together (no ``--no-deps``). One venv per checkout, cached until pyproject.toml changes."""
+    VENV_ROOT.mkdir(parents=True, exist_ok=True)
+    tag = hashlib.sha256(str(REPO).encode()).hexdigest()[:10]
+    venv = VENV_ROOT / f"{HERMES_VERSION}-documented-{tag}"
+    stamp = hashlib.sha256((REPO / "pyproject.toml").read_bytes() + repr(DOCUMENTED_INSTALL).encode()).hexdigest()[:16]
+    marker = venv / ".hermes-gateway-documented"
+    with open(VENV_ROOT / f"{HERMES_VERSION}-documented-{tag}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if marker.exists() and json.loads(marker.read_text()).get("stamp") == stamp:
             took = json.loads(marker.read_text())["install_s"]
-            _terminal_line(
-                request, f"hermes-gateway in the hermes-agent venv: cached (install took {took:.1f}s)"
-            )
+            _terminal_line(request, f"hermes-agent[mcp] + hermes-gateway venv: cached (install took {took:.1f}s)")
             return venv / "bin" / "hermes"
+        shutil.rmtree(venv, ignore_errors=True)
         started = time.monotonic()
-        otel = subprocess.run(
-            [
-                str(hermes_python),
-                "-c",
-                "import importlib.metadata as m; print(m.version('opentelemetry-api'))",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        pip = [str(hermes_python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        base = Path(getattr(sys, "_base_executable", sys.executable))
+        python = str(venv / "bin" / "python")
         for step in (
-            [*pip, "--no-deps", "-e", str(REPO)],
-            [*pip, *PLUGIN_DEPS, AGENT_MCP, f"opentelemetry-sdk=={otel}"],
+            [str(base), "-m", "venv", str(venv)],
+            [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *DOCUMENTED_INSTALL],
         ):
-            proc = subprocess.run(step, capture_output=True, text=True, timeout=600)
-            assert proc.returncode == 0, f"{' '.join(step)} failed:\n{proc.stderr[-2000:]}"
+            proc = subprocess.run(step, capture_output=True, text=True, timeout=900)
+            assert proc.returncode == 0, f"{' '.join(step)} failed:\n{proc.stderr[-3000:]}"
         took = time.monotonic() - started
         marker.write_text(json.dumps({"stamp": stamp, "install_s": took}))
-        _terminal_line(request, f"hermes-gateway installed into the hermes-agent venv in {took:.1f}s")
+        _terminal_line(request, f"pip install 'hermes-agent[mcp]==0.19.0' hermes-gateway: {took:.1f}s")
         return venv / "bin" / "hermes"
 
 
@@ -302,3 +291,84 @@ def test_hermes_reaches_the_gateways_tools_at_mcp_on_serve_with_a_token(
     [tool_msg] = [m for m in answered.body["messages"] if m["role"] == "tool"]
     assert '"city": "Berlin"' in tool_msg["content"]
     assert "Berlin" in proc.stdout
+
+
+def test_the_documented_install_resolves_beside_the_agents_mcp_and_says_what_needs_the_extra(
+    hermes_bin: Path, home: Home
+) -> None:
+    bin_dir = hermes_bin.parent
+    python = str(bin_dir / "python")
+
+    def version(dist: str) -> str:
+        code = f"import importlib.metadata as m; print(m.version({dist!r}))"
+        return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+    assert version("mcp") == AGENT_MCP and version("hermes-agent") == HERMES_VERSION
+    checked = subprocess.run([python, "-m", "pip", "check"], capture_output=True, text=True)
+    assert "hermes-gateway" not in checked.stdout, checked.stdout  # nothing of ours is unmet
+    # The plugin loads there (it needs no MCP SDK) ...
+    subprocess.run([python, "-c", "import hermes_gateway.hermes_plugin"], check=True, timeout=60)
+    # ... and what needs the SDK 2.x says so at once, naming the extra.
+    env = {"PATH": os.environ.get("PATH", ""), "HERMES_HOME": str(home.path)}
+    served = subprocess.run(
+        [str(bin_dir / "hermes-gateway"), "mcp", "serve"], capture_output=True, text=True, timeout=60, env=env,
+        stdin=subprocess.DEVNULL,
+    )
+    assert served.returncode == 2, served.stderr
+    assert "needs the MCP SDK 2.x (mcp 1.26.0 is installed, not 2.x): pip install 'hermes-gateway[mcp]'" in served.stderr
+
+
+def test_with_no_worker_listening_the_agents_tool_call_fails_at_once_naming_the_queue(
+    agent: Agent, llm: LLMServer, conn: Any
+) -> None:
+    started = time.monotonic()
+    proc = agent.run("chat", "-q", "What is the weather in Berlin?", "-Q")  # no worker runs anywhere
+    took = time.monotonic() - started
+    assert "no_workers: no worker listens on queue 'tools'" in proc.stdout, proc.stdout + proc.stderr
+    offered, answered = llm.chat_requests
+    [tool_msg] = [m for m in answered.body["messages"] if m["role"] == "tool"]
+    assert "no_workers: no worker listens on queue 'tools'" in tool_msg["content"]  # the model was told
+    assert not conn.keys(keys.job("*"))  # nothing was queued to run later for nobody
+    print(f"hermes chat with no worker: {took:.1f}s")
+    assert took < 120  # the whole chat, not the plugin's 600 s wait
+
+
+INTERRUPT_SCRIPT = """
+import json, sys, threading, time
+from tools.interrupt import set_interrupt  # Hermes' own per-thread interrupt flag
+from broker.config import load_settings
+from hermes_gateway.hermes_plugin.bridge import Bridge, Options
+
+bridge = Bridge(Options(url=sys.argv[1], timeout=120), load_settings())
+out = {}
+def tool_thread():
+    out["result"] = bridge.call("nap", {"seconds": 30}, {"session_id": "s-int"})
+t = threading.Thread(target=tool_thread)
+started = time.monotonic()
+t.start()
+time.sleep(2)  # the call is running on a worker
+set_interrupt(True, t.ident)  # what Hermes does to the thread of a tool when the user interrupts
+t.join(60)
+out["took"] = time.monotonic() - started
+bridge.close()
+print(json.dumps(out))
+"""
+
+
+def test_a_tool_call_the_real_agent_interrupts_is_cancelled_on_the_worker(
+    hermes_bin: Path, home: Home, gateway: Any, workers: Any, conn: Any, redis_url: str
+) -> None:
+    home.sleep_tool("nap")
+    gateway.sync_tools()
+    workers(queues="tools")
+    env = {"PATH": os.environ.get("PATH", ""), "HERMES_HOME": str(home.path)}
+    proc = subprocess.run(
+        [str(hermes_bin.parent / "python"), "-c", INTERRUPT_SCRIPT, redis_url],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["result"].startswith('{"error": "cancelled: ') and "interrupted by the agent" in out["result"], out
+    assert out["took"] < 15  # not the 30 s the tool sleeps
+    [record] = [r for r in records(conn) if r.tool_name == "nap"]
+    assert record.state == "cancelled" and record.session_id == "s-int"  # stopped on the worker, audited

@@ -271,3 +271,37 @@ def test_a_full_queue_and_an_open_circuit_are_tool_errors_saying_so_for_a_handsh
     assert [r.is_error for r in down] == [True] * 3
     assert [r.content[0].text.split(":")[0] for r in down] == ["executor_error", "executor_error", "circuit_open"]
     assert not first.is_error
+
+
+def test_without_the_mcp_extra_serve_still_runs_and_mcp_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, gateway: Any
+) -> None:
+    from starlette.testclient import TestClient
+
+    import workers.executors.mcp as mcp_executor
+    from hermes_gateway.http_api import create_app
+
+    real = mcp_executor.require_sdk
+
+    def missing(what: str = "the mcp executor") -> None:
+        monkeypatch.setattr("builtins.__import__", _refusing_mcp(__import__))
+        try:
+            real(what)
+        finally:
+            monkeypatch.undo()
+
+    monkeypatch.setattr(mcp_executor, "require_sdk", missing)
+    with TestClient(create_app(gateway)) as client:
+        assert client.get("/healthz").status_code == 200
+        answer = client.post("/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
+    assert answer.status_code == 501
+    assert "pip install 'hermes-gateway[mcp]'" in answer.json()["error"]["message"]
+
+
+def _refusing_mcp(real_import: Any) -> Any:
+    def refusing(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "mcp" or name.startswith("mcp."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    return refusing

@@ -166,3 +166,23 @@ def test_failures_are_typed_and_an_idempotent_resubmission_follows_the_first_cal
     assert isinstance(error, InvalidArgs) and error.type == "invalid_args"
     assert again.call_id == first.call_id and not again.own
     assert result == followed == {"n": 1}
+
+
+def test_a_call_cancelled_while_pending_gets_its_audit_record(redis_url: str, home: Home, gateway: Any) -> None:
+    from broker.audit_store import AuditLog
+
+    home.sleep_tool("nap", sensitive=["token"])
+    gateway.sync_tools()
+
+    async def scenario(gw: AsyncGateway) -> Any:
+        handle = await gw.call_tool("nap", {"seconds": 5, "token": "s3cret-value"}, session_id="s-9", principal="ops")
+        assert await handle.cancel() is True  # no worker: it ends here, pending
+        return handle.call_id
+
+    call_id = run(redis_url, home, scenario)
+    record = AuditLog(gateway.conn).get(call_id)
+    assert record is not None, "a call cancelled while pending left no audit record"
+    assert (record.state, record.kind, record.tool_name) == ("cancelled", "tool", "nap")
+    assert (record.session_id, record.principal, record.error_type) == ("s-9", "ops", "cancelled")
+    assert record.args["seconds"] == 5 and "s3cret-value" not in repr(record)
+    assert record.trace_id == gateway.calls.record(call_id)["trace_id"]

@@ -378,3 +378,21 @@ def test_a_dropped_subscription_comes_back_and_events_flow_again(gw: Gateway, co
     second = gw.call_tool("echo", {"k": 2})
     _walk_to_done(gw, second)
     assert second.result(timeout=0.9) == {"ok": 1}
+
+
+def test_a_call_cancelled_while_pending_gets_its_audit_record(gw: Gateway, home: Any) -> None:
+    from broker.audit_store import AuditLog
+
+    home.sleep_tool("nap", sensitive=["token"])
+    gw.sync_tools()
+    h = gw.call_tool("nap", {"seconds": 5, "token": "s3cret-value"}, session_id="s-1", tool_call_id="tc-1")
+    assert h.cancel() is True  # no worker: it ends here, pending
+    with pytest.raises(CallCancelled):
+        h.result(5)
+    record = AuditLog(gw.conn).get(h.call_id)
+    assert record is not None, "a call cancelled while pending left no audit record"
+    assert (record.state, record.kind, record.tool_name, record.session_id) == ("cancelled", "tool", "nap", "s-1")
+    assert record.tool_call_id == "tc-1" and record.error_type == "cancelled" and record.attempts == 1
+    assert record.args["seconds"] == 5 and "s3cret-value" not in repr(record)
+    assert record.trace_id == h.trace_id
+    assert h.cancel() is False and len(AuditLog(gw.conn)) == 1  # one record per call, not per cancel

@@ -141,3 +141,102 @@ def test_calls_name_the_plugins_the_agent_runs_itself(
     bridge.call("echo", {}, {"session_id": "s1"})
     record = read_record(conn, handles[0].call_id)
     assert record is not None and record["envelope"].context["plugins_applied"] == "middleware-demo-llm-tag"
+
+
+def _bridge(home: Home, gateway: Any, timeout: float = 30.0) -> Bridge:
+    bridge = Bridge(Options(url=None, timeout=timeout), load_settings(home.path))
+    bridge._gw = gateway
+    return bridge
+
+
+def test_with_no_worker_listening_a_tool_call_and_a_routed_llm_turn_are_refused_at_once(
+    home: Home, redis_url: str
+) -> None:
+    import time
+
+    from broker import keys
+    from broker.errors import NoWorkers
+    from hermes_gateway.client import Gateway
+
+    home.sleep_tool()
+    bridge = Bridge(Options(url=redis_url, timeout=600), load_settings(home.path))  # connects as in the agent
+    try:
+        bridge.gw.sync_tools()
+        started = time.monotonic()
+        out = bridge.call("sleep", {"seconds": 1}, {"session_id": "s1"})
+        assert out.startswith('{"error": "no_workers: no worker listens on queue \'tools\''), out
+        with pytest.raises(NoWorkers, match="no worker listens on queue 'llm'"):
+            bridge.llm_execution(request={"model": "m", "messages": []}, next_call=None, session_id="s1")
+        assert time.monotonic() - started < 5  # not the 600 s timeout
+        assert isinstance(bridge.gw, Gateway) and not bridge.gw.conn.keys(keys.job("*"))  # nothing queued
+    finally:
+        bridge.close()
+
+
+def test_a_call_the_agent_interrupts_is_cancelled(home: Home, gateway: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from hermes_gateway.hermes_plugin import bridge as bridge_mod
+
+    home.sleep_tool()
+    gateway.sync_tools()  # no worker: the call waits, pending
+    bridge = _bridge(home, gateway)
+    handles = _recorded(gateway, monkeypatch)
+    asked = time.monotonic() + 0.4
+    monkeypatch.setattr(bridge_mod, "agent_interrupted", lambda: time.monotonic() > asked)  # Hermes' flag
+    out = bridge.call("sleep", {"seconds": 1}, {"session_id": "s1"})
+    assert out.startswith('{"error": "cancelled: ') and "interrupted by the agent" in out, out
+    assert gateway.calls.record(handles[0].call_id)["state"] == "cancelled"
+
+
+def test_a_call_whose_wait_ends_by_keyboard_interrupt_or_an_error_is_cancelled(
+    home: Home, gateway: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import _thread
+    import threading
+
+    home.sleep_tool()
+    gateway.sync_tools()
+    bridge = _bridge(home, gateway)
+    handles = _recorded(gateway, monkeypatch)
+    threading.Timer(0.4, _thread.interrupt_main).start()  # Ctrl-C in the agent while the tool runs
+    with pytest.raises(KeyboardInterrupt):
+        bridge.call("sleep", {"seconds": 1}, {"session_id": "s1"})
+    assert gateway.calls.record(handles[0].call_id)["state"] == "cancelled"
+
+    # An error out of the wait (a routed LLM turn's, here) cancels it too.
+    from hermes_gateway.handle import CallHandle
+
+    def broken(self: Any, timeout: float | None = None) -> Any:
+        raise RuntimeError("the connection broke")
+
+    calls: list[Any] = []
+    submit = gateway.call_llm
+    monkeypatch.setattr(gateway, "call_llm", lambda *a, **kw: calls.append(submit(*a, **kw)) or calls[-1])
+    monkeypatch.setattr(CallHandle, "result", broken)
+    with pytest.raises(RuntimeError):
+        bridge.llm_execution(request={"model": "m", "messages": []}, next_call=None, session_id="s1")
+    assert gateway.calls.record(calls[0].call_id)["state"] == "cancelled"
+
+
+def test_the_agent_exiting_cancels_the_calls_it_still_waits_on(
+    home: Home, gateway: Any, monkeypatch: pytest.MonkeyPatch, wait_until: Any
+) -> None:
+    import threading
+
+    home.sleep_tool()
+    gateway.sync_tools()
+    bridge = _bridge(home, gateway)
+    handles = _recorded(gateway, monkeypatch)
+    out: list[str] = []
+    waiter = threading.Thread(target=lambda: out.append(bridge.call("sleep", {"seconds": 1}, {})), daemon=True)
+    waiter.start()
+    wait_until(lambda: bridge._waiting, message="the call to be waited on")
+    bridge._gw = None  # (the gateway fixture closes its own client)
+    with bridge._waiting_lock:
+        waiting = list(bridge._waiting)
+    bridge.close()  # what atexit runs when the agent exits
+    assert [h.call_id for h in waiting] == [handles[0].call_id]
+    assert gateway.calls.record(handles[0].call_id)["state"] == "cancelled"
+    waiter.join(10)
+    assert out and out[0].startswith('{"error": "cancelled')

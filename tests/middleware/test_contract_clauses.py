@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any
@@ -375,6 +376,76 @@ def test_clause_observer_hooks_are_read_only_a_hook_writing_to_its_request_chang
     sent: list[Any] = []
     run_llm(registry, provider=lambda req: sent.append(req) or {"model": "gpt-x", "choices": []})
     assert sent == [{"model": "gpt-x", "messages": [{"role": "user", "content": "hi"}]}]
+
+
+def test_clause_observer_hooks_are_read_only_for_tool_calls_each_hook_kind(registry: MiddlewareRegistry) -> None:
+    """A pre_tool_call, post_tool_call or transform_tool_result hook writing to its payload (arguments,
+    result, context values) changes neither what runs, what is returned, nor what a later hook sees."""
+    seen: dict[str, list[Any]] = {"pre": [], "post": [], "transform": [], "policy": []}
+
+    def scribble(name: str):
+        def hook(**kw: Any) -> None:
+            seen[name].append({"args": copy.deepcopy(kw["args"]), "result": copy.deepcopy(kw.get("result"))})
+            kw["args"]["word"] = "x"
+            kw["args"]["nested"]["deep"].append("x")
+            if isinstance(kw.get("result"), dict):
+                kw["result"]["echo"]["word"] = "x"
+                kw["result"]["added"] = True
+            kw["middleware_trace"].append({"source": "observer"})
+
+        return hook
+
+    for hook_name, key in (("pre_tool_call", "pre"), ("post_tool_call", "post"), ("transform_tool_result", "transform")):
+        registry.register_hook(hook_name, scribble(key))
+        registry.register_hook(hook_name, scribble(key))  # the second sees what the first was given
+    received: list[Any] = []
+    args = {"word": "a", "nested": {"deep": []}}
+    result = ToolCallFlow(registry, policy=lambda n, a, c: seen["policy"].append(copy.deepcopy(a))).run(
+        "terminal",
+        args,
+        execute=lambda a: received.append(copy.deepcopy(a)) or {"echo": dict(a)},
+        context=TOOL_CTX,
+    )
+    clean = {"word": "a", "nested": {"deep": []}}
+    assert received == [clean]  # the tool got the arguments, not the hook's edits
+    assert seen["policy"] == [clean]
+    assert result == {"echo": clean}  # the edits of post_tool_call and transform_tool_result are gone
+    assert args == clean  # the caller's object is untouched
+    for key in ("pre", "post", "transform"):
+        assert [v["args"] for v in seen[key]] == [clean, clean], key
+    assert [v["result"] for v in seen["post"] + seen["transform"]] == [{"echo": clean}] * 4
+
+
+def test_clause_observer_hooks_are_read_only_for_a_blocked_tool_call(registry: MiddlewareRegistry) -> None:
+    registry.register_hook("pre_tool_call", lambda **kw: {"action": "block", "message": "no"})
+
+    def scribble(**kw: Any) -> None:
+        kw["result"]["error"] = "changed by an observer"
+
+    registry.register_hook("post_tool_call", scribble)
+    assert run_tool(registry) == {"error": "no"}
+
+
+def test_clause_observer_hooks_are_read_only_for_llm_error_and_response_hooks(registry: MiddlewareRegistry) -> None:
+    def scribble(**kw: Any) -> None:
+        kw["request"]["body"]["messages"].append({"role": "user", "content": "injected"})
+        if isinstance(kw.get("response"), dict):
+            kw["response"]["model"] = "changed"
+
+    for hook_name in ("post_api_request", "api_request_error"):
+        registry.register_hook(hook_name, scribble)
+    request = {"model": "gpt-x", "messages": [{"role": "user", "content": "hi"}]}
+    response = {"model": "gpt-x", "choices": [{"message": {"role": "assistant", "content": "ok"}}]}
+    got = LLMCallFlow(registry).run(request, call_provider=lambda req: response, context=LLM_CTX)
+    assert got == {"model": "gpt-x", "choices": [{"message": {"role": "assistant", "content": "ok"}}]}
+    assert request == {"model": "gpt-x", "messages": [{"role": "user", "content": "hi"}]}
+
+    def fail(req: Any) -> Any:
+        raise RuntimeError("provider down")
+
+    with pytest.raises(RuntimeError):
+        LLMCallFlow(registry).run(request, call_provider=fail, context=LLM_CTX)
+    assert request == {"model": "gpt-x", "messages": [{"role": "user", "content": "hi"}]}
 
 
 # -- 执行顺序: 工具调用 ---------------------------------------------------------------------------

@@ -72,8 +72,29 @@ def server_config(config: dict[str, Any], settings: dict[str, Any], where: str) 
     return server
 
 
+MCP_EXTRA = "pip install 'hermes-gateway[mcp]'"
+
+
+def require_sdk(what: str = "the mcp executor") -> None:
+    """ExecutorError unless the ``mcp`` SDK 2.x is importable. It is the ``mcp`` extra: the Hermes agent
+    plugin installs beside ``hermes-agent[mcp]``, whose MCP client pins mcp 1.x."""
+    try:
+        from mcp import Client  # noqa: F401 - the 2.x client API
+    except ImportError:
+        try:
+            from importlib.metadata import version
+
+            found = f"mcp {version('mcp')} is installed, not 2.x"
+        except Exception:  # noqa: BLE001 - not installed at all
+            found = "it is not installed"
+        missing = ExecutorError(f"{what} needs the MCP SDK 2.x ({found}): {MCP_EXTRA}", error_type="mcp_sdk_missing")
+        missing.retryable = False  # (as the instance says: another try finds no SDK either)
+        raise missing from None
+
+
 def _client(server: dict[str, Any]) -> Any:
     """An unentered ``mcp.Client`` for the server."""
+    require_sdk()
     from mcp import Client, StdioServerParameters
     from mcp.client.stdio import stdio_client
     from mcp.client.streamable_http import streamable_http_client
