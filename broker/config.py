@@ -22,6 +22,7 @@ ENV_VAR = _VAR
 DEFAULT_LEASE = 30.0
 DEFAULT_CONCURRENCY = 5
 DEFAULT_QUEUE_SIZE = 10_000
+DEFAULT_WAIT_TIMEOUT_MS = 500
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -79,6 +80,9 @@ class Settings:
     model: dict[str, Any] = field(default_factory=dict)
     mcp: dict[str, Any] = field(default_factory=dict)
     audit: dict[str, Any] = field(default_factory=dict)
+    # A submission returns only once ``WAIT wait_replicas wait_timeout_ms`` confirms it (0: not asked).
+    wait_replicas: int = 0
+    wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS
     raw: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -156,6 +160,15 @@ def load_settings(home: str | os.PathLike[str] | None = None) -> Settings:
     if level not in LOG_LEVELS:
         where = "HERMES_LOG_LEVEL" if os.environ.get("HERMES_LOG_LEVEL") else "config.yaml: logging.level"
         raise ConfigError(f"{where}: expected one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    wait_replicas = _env_float("HERMES_WAIT_REPLICAS", _number(broker.get("wait_replicas", 0), "broker.wait_replicas"))
+    wait_timeout = _env_float(
+        "HERMES_WAIT_TIMEOUT_MS",
+        _number(broker.get("wait_timeout_ms", DEFAULT_WAIT_TIMEOUT_MS), "broker.wait_timeout_ms"),
+    )
+    if wait_replicas < 0 or wait_replicas != int(wait_replicas):
+        raise ConfigError(f"broker.wait_replicas: expected a whole number of replicas >= 0, got {wait_replicas:g}")
+    if wait_timeout <= 0 or wait_timeout != int(wait_timeout):
+        raise ConfigError(f"broker.wait_timeout_ms: expected a whole number of milliseconds > 0, got {wait_timeout:g}")
     return Settings(
         home=root,
         redis_url=os.environ.get("HERMES_REDIS_URL") or broker.get("url") or None,
@@ -174,5 +187,7 @@ def load_settings(home: str | os.PathLike[str] | None = None) -> Settings:
         model=_mapping(raw, "model"),
         mcp=_mapping(raw, "mcp"),
         audit=_mapping(raw, "audit"),
+        wait_replicas=int(wait_replicas),
+        wait_timeout_ms=int(wait_timeout),
         raw=raw,
     )

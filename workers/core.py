@@ -63,7 +63,7 @@ class WorkerCore:
         self.settings = settings
         self.name = name
         self.calls = Calls(conn)
-        self.outbox = Outbox(conn)
+        self.outbox = Outbox(conn, settings=settings)
         self.directory = Directory(conn)
         self._inflight: dict[str, Running] = {}
         self._held: dict[str, int] = {}  # calls in flight here per concurrency key

@@ -21,6 +21,7 @@ from rq import Queue
 from rq import Worker as RQWorker
 
 from broker import keys
+from broker.calls import Calls
 from broker.codec import MsgpackSerializer, pack, unpack
 from broker.config import Settings
 from broker.connection import subscriber
@@ -89,6 +90,13 @@ class Worker(HandOff):
             serializer=MsgpackSerializer,
         )
         self.started_at = time.time()
+        # Claims go on a connection of their own when the replicas must confirm them (WAIT confirms the
+        # writes of the connection it is sent on).
+        self._claims = self.core.calls
+        if settings.wait_replicas > 0:
+            own = redis.Redis(connection_pool=conn.connection_pool, single_connection_client=True)
+            self._claims = Calls(own)
+        self._unconfirmed_logged = 0.0
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -176,11 +184,13 @@ class Worker(HandOff):
                 break
             self._wake.clear()  # a wake-up from now on means: claim again
             try:
-                claimed = self.core.calls.claim(self.queues, free, self.name, self.lease)
+                claimed = self._claims.claim(self.queues, free, self.name, self.lease)
             except Exception as e:  # noqa: BLE001 - the dispatcher must go on (a broker hiccup, a bad reply)
                 log.warning("claim failed", error=str(e))
                 claimed = []
                 time.sleep(0.5)
+            if claimed and self.settings.wait_replicas > 0:
+                self._confirm_claims(len(claimed))
             if len(claimed) < free:
                 self._slots.give(free - len(claimed))
             for c in claimed:
@@ -191,6 +201,20 @@ class Worker(HandOff):
             # in case one was lost.
             idle = IDLE_POLL_MIN if claimed else min(idle * 2, IDLE_POLL_MAX)
             self._wake.wait(idle)
+
+    def _confirm_claims(self, n: int) -> None:
+        """With ``broker.wait_replicas``: wait until the replicas have the claims before the calls start, so
+        a primary lost meanwhile cannot hand the same attempt to another worker. Short of that (no replica
+        answers) the calls run anyway — they were accepted, and a promotion needs a replica — with a warning."""
+        try:
+            acked = int(self._claims.conn.wait(self.settings.wait_replicas, self.settings.wait_timeout_ms))
+        except redis.RedisError as e:
+            acked, why = -1, str(e)
+        else:
+            why = f"{acked} of {self.settings.wait_replicas} replica(s) confirmed"
+        if acked < self.settings.wait_replicas and time.monotonic() >= self._unconfirmed_logged + 10:
+            self._unconfirmed_logged = time.monotonic()
+            log.warning("claims not confirmed by the replicas; running them anyway", calls=n, why=why)
 
     def _shutdown(self) -> None:
         deadline = time.monotonic() + self.grace
