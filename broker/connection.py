@@ -9,7 +9,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote
 
 import redis
-from redis.sentinel import MasterNotFoundError
+from redis.sentinel import MasterNotFoundError, SentinelManagedConnection
 
 from .embedded import EmbeddedBroker
 from .errors import BrokerUnavailable, ConfigError
@@ -236,14 +236,68 @@ def sentinels_say(url: str) -> str:
     return "; ".join(said)
 
 
+class _FollowingConnection(SentinelManagedConnection):
+    """A Sentinel-managed connection that asks where the primary is on *every* reconnect.
+
+    redis-py resolves the primary in ``connect()``, but a connection that broke is connected again by
+    ``send_packed_command`` through ``connect_check_health``, which reuses the old address: a connection
+    kept across a failover (a worker's outbox, a subscription) would knock on the dead primary forever.
+    """
+
+    _resolving = False
+
+    def connect_to(self, address: Any) -> None:
+        self._resolving = True  # the address was just asked for
+        try:
+            super().connect_to(address)
+        finally:
+            self._resolving = False
+
+    def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        if self._sock is None and not self._resolving and self.connection_pool.is_master:
+            self.host, self.port = self.connection_pool.get_master_address()
+        super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+
+
+def _async_following_connection() -> type:
+    """The asyncio twin of :class:`_FollowingConnection` (made on first use: redis.asyncio loads lazily)."""
+    global _ASYNC_FOLLOWING
+    if _ASYNC_FOLLOWING is None:
+        from redis.asyncio.sentinel import SentinelManagedConnection as AsyncManaged
+
+        class AsyncFollowing(AsyncManaged):  # type: ignore[misc]
+            _resolving = False
+
+            async def connect_to(self, address: Any) -> None:
+                self._resolving = True
+                try:
+                    await super().connect_to(address)
+                finally:
+                    self._resolving = False
+
+            async def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+                if not self.is_connected and not self._resolving and self.connection_pool.is_master:
+                    self.host, self.port = await self.connection_pool.get_master_address()
+                await super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+
+        _ASYNC_FOLLOWING = AsyncFollowing
+    return _ASYNC_FOLLOWING
+
+
+_ASYNC_FOLLOWING: type | None = None
+
+
 def sentinel_client(url: str, *, is_async: bool = False, **kwargs: Any) -> Any:
     """A client of the primary the Sentinels of ``url`` name (redis-py's ``Sentinel.master_for``): its
     pool asks them again on every new connection, so it follows a promoted replica by itself."""
     parsed = parse_sentinel_url(url)
     sentinel_kwargs = _sentinel_kwargs(parsed)
     options: dict[str, Any] = {"db": parsed.db, "username": parsed.username, "password": parsed.password}
-    if not is_async:
+    if is_async:
+        options["connection_class"] = _async_following_connection()
+    else:
         options["health_check_interval"] = 30
+        options["connection_class"] = _FollowingConnection
     options.update(kwargs)
     if is_async:
         from redis.asyncio.sentinel import Sentinel as AsyncSentinel

@@ -8,6 +8,7 @@ told (``BrokerNotDurable``) instead of holding a call a failover may lose.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from .config import Settings
@@ -35,3 +36,30 @@ def shortfall(acked: Any, settings: Settings, what: str, **details: Any) -> Brok
         wanted=wanted,
         **details,
     )
+
+
+class Confirmer:
+    """A worker's WAITs (its claims, its outbox's batches): while the replicas fall short, it stops asking
+    for ``SKIP`` seconds — a worker must not crawl at one ``wait_timeout_ms`` per write when no replica is
+    left (and with none, no failover can lose its writes either)."""
+
+    SKIP = 5.0
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._skip_until = 0.0
+
+    def wanted(self) -> bool:
+        """Whether to WAIT now: asked for, and not backing off."""
+        return self.settings.wait_replicas > 0 and time.monotonic() >= self._skip_until
+
+    def queue(self, pipe: Any) -> bool:
+        """Queue WAIT behind ``pipe``'s writes when :meth:`wanted`; whether it was queued."""
+        return self.wanted() and queue_wait(pipe, self.settings)
+
+    def check(self, acked: Any, what: str) -> BrokerNotDurable | None:
+        """The shortfall of a WAIT reply (and then back off), else None."""
+        short = shortfall(acked, self.settings, what)
+        if short is not None:
+            self._skip_until = time.monotonic() + self.SKIP
+        return short

@@ -17,8 +17,8 @@ import redis
 import structlog
 from redis.client import Pipeline
 
-from broker import durability, pipes
-from broker.config import Settings
+from broker import pipes
+from broker.durability import Confirmer
 
 log = structlog.get_logger("hermes.worker.outbox")
 
@@ -32,11 +32,11 @@ _CLOSING_TRIES = 5  # a closing outbox (worker shutdown) stops retrying an unrea
 class Outbox:
     """A FIFO of pipeline writers flushed by one background thread."""
 
-    def __init__(self, conn: redis.Redis, max_batch: int = 512, settings: Settings | None = None) -> None:
+    def __init__(self, conn: redis.Redis, max_batch: int = 512, confirmer: Confirmer | None = None) -> None:
         self.conn = conn
         # With ``broker.wait_replicas``, every batch ends with WAIT: its callbacks (a hand-off starting the
         # next call) run once the replicas have the writes.
-        self.settings = settings
+        self.confirmer = confirmer
         self._unconfirmed_logged = 0.0
         self.max_batch = max_batch
         self._items: deque[tuple[Writer, Callback | None]] = deque()
@@ -115,8 +115,8 @@ class Outbox:
                     log.exception("outbox callback failed")
 
     def _confirmed(self, acked: Any, writes: int) -> None:
-        assert self.settings is not None
-        short = durability.shortfall(acked, self.settings, "worker writes")
+        assert self.confirmer is not None
+        short = self.confirmer.check(acked, "worker writes")
         if short is not None and time.monotonic() >= self._unconfirmed_logged + 10:
             self._unconfirmed_logged = time.monotonic()
             log.warning("writes not confirmed by the replicas", writes=writes, why=str(short))
@@ -137,7 +137,7 @@ class Outbox:
             for writer, _ in batch:
                 starts.append(len(pipe.command_stack))
                 writer(pipe)
-            confirm = self.settings is not None and durability.queue_wait(pipe, self.settings)
+            confirm = self.confirmer is not None and self.confirmer.queue(pipe)
             try:
                 if self._connection is None:
                     self._connection = self.conn.connection_pool.get_connection()
