@@ -37,6 +37,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cluster_port() -> int:
+    """A free port for a cluster node: at most 55535, with its bus port (port + 10000) free too."""
+    import random
+
+    for _ in range(200):
+        port = random.randint(20000, 45000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a cluster node")
+
+
 def _wait(predicate: object, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while True:
