@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -174,7 +175,7 @@ class SentinelStack:
         """The port the Sentinels name as the primary now."""
         for s in self.sentinels:
             with contextlib.suppress(redis.RedisError):
-                addr = s.client(socket_timeout=1).sentinel_get_master_addr_by_name(MASTER)
+                addr: Any = s.client(socket_timeout=1).sentinel_get_master_addr_by_name(MASTER)
                 if addr:
                     return int(addr[1])
         raise RuntimeError("no Sentinel answered")
@@ -198,6 +199,55 @@ class SentinelStack:
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> SentinelStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ClusterStack:
+    """``primaries`` cluster-enabled redis-server processes (no replicas) joined by ``redis-cli --cluster
+    create``; every slot is served."""
+
+    def __init__(self, primaries: int = 3, workdir: Path | None = None) -> None:
+        self.dir = workdir or Path(tempfile.mkdtemp(prefix="hermes-cluster-"))
+        self._own_dir = workdir is None
+        self.nodes = []
+        for i in range(primaries):
+            port = cluster_port()
+            args = [redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--dir", str(self.dir / f"c{i}")]
+            self.nodes.append(Server(port, args, self.dir / f"c{i}", f"cluster node {i}"))
+
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def start(self) -> ClusterStack:
+        try:
+            for n in self.nodes:
+                n.start()
+            cli = shutil.which("redis-cli") or str(Path(redis_server()).with_name("redis-cli"))
+            addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+            subprocess.run(
+                [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                timeout=60,
+            )
+            first = self.nodes[0].client()
+            _wait(lambda: first.cluster("info")["cluster_state"] == "ok", 30, "cluster_state:ok")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> ClusterStack:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
