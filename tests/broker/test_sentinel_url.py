@@ -136,3 +136,20 @@ def test_a_short_wait_is_broker_not_durable_with_what_was_confirmed(tmp_path: Pa
     assert error.details == {"replicas": 1, "wanted": 2, "call_id": "c1"}
     assert "1 of 2 replica(s) within 500 ms" in str(error)
     assert error.to_wire()["type"] == "broker_not_durable"
+
+
+def test_a_workers_confirmer_backs_off_after_a_short_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from broker.durability import Confirmer
+
+    monkeypatch.setenv("HERMES_WAIT_REPLICAS", "1")
+    confirmer = Confirmer(load_settings(tmp_path))
+    assert confirmer.wanted()
+    assert confirmer.check(1, "claims") is None and confirmer.wanted()
+    assert isinstance(confirmer.check(0, "claims"), BrokerNotDurable)
+    assert not confirmer.wanted()  # no WAIT for a while: no replica answers
+    monkeypatch.setattr(time, "monotonic", lambda: float("inf"))
+    assert confirmer.wanted()
+    monkeypatch.setenv("HERMES_WAIT_REPLICAS", "0")
+    assert not Confirmer(load_settings(tmp_path)).wanted()
