@@ -96,6 +96,18 @@ def _wait_workers(gw: Any, count: int, workers: Workers) -> None:
         time.sleep(0.05)
 
 
+async def _async_result(url: str, home: Home, call_id: str, connected: threading.Event) -> tuple[str, Any]:
+    from hermes_gateway.aio import AsyncGateway
+
+    async with await AsyncGateway.connect(url, home=str(home.path), embedded_ok=False) as agw:
+        handle = await agw.handle(call_id)
+        connected.set()
+        try:
+            return "ok", await handle.result(120)
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            return type(e).__name__, str(e)
+
+
 def test_calls_go_through_a_sentinel_url_from_every_client_and_the_cli(
     stack: SentinelStack, home: Home, workers: Workers
 ) -> None:
@@ -175,6 +187,13 @@ def test_killing_the_primary_mid_batch_loses_no_accepted_call_and_reports_reruns
         waited: list[Any] = []
         waiter = threading.Thread(target=lambda: waited.append(batch[-1].result(120)))
         waiter.start()
+        awaited: list[Any] = []  # and one on the asyncio client (the HTTP API's), connected before the kill
+        connected = threading.Event()
+        async_waiter = threading.Thread(
+            target=lambda: awaited.append(asyncio.run(_async_result(url, home, batch[-2].call_id, connected)))
+        )
+        async_waiter.start()
+        assert connected.wait(30)
         deadline = time.monotonic() + 20
         while len(list(marks.iterdir())) < 10:  # mid-batch: some ran, most have not
             assert time.monotonic() < deadline, workers.logs()
@@ -192,7 +211,9 @@ def test_killing_the_primary_mid_batch_loses_no_accepted_call_and_reports_reruns
             except Exception as e:  # noqa: BLE001 - reported below
                 outcomes.append(f"{type(e).__name__}: {e}")
         waiter.join(120)
+        async_waiter.join(120)
         assert waited, "the waiting caller got no result"
+        assert awaited and awaited[0] == ("ok", ""), awaited  # (the command tool prints nothing)
         assert outcomes == ["done"] * len(batch), [o for o in outcomes if o != "done"][:5]
         records = {cid: gw.calls.record(cid) for cid in ids}
         assert {cid for cid, rec in records.items() if rec is None} == set()  # none lost
