@@ -43,7 +43,7 @@ CLAIM_BATCH = 64
 IDLE_POLL_MIN = 0.01
 IDLE_POLL_MAX = 0.5
 # Beyond wait_timeout_ms, how long a caller may take to cancel a submission its replicas did not confirm.
-UNCONFIRMED_MARGIN = 0.3
+UNCONFIRMED_MARGIN = 1.0
 
 
 def rq_time(raw: Any) -> float:
