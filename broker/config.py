@@ -22,6 +22,7 @@ ENV_VAR = _VAR
 DEFAULT_LEASE = 30.0
 DEFAULT_CONCURRENCY = 5
 DEFAULT_QUEUE_SIZE = 10_000
+DEFAULT_WAIT_TIMEOUT_MS = 500
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -82,6 +83,9 @@ class Settings:
     # The console links a call's W3C trace id here: ``{trace_id}`` in it is replaced (HERMES_TRACE_URL,
     # or config.yaml's ``console.trace_url``), e.g. http://localhost:16686/trace/{trace_id} for Jaeger.
     trace_url: str | None = None
+    # A submission returns only once ``WAIT wait_replicas wait_timeout_ms`` confirms it (0: not asked).
+    wait_replicas: int = 0
+    wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS
     raw: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -159,6 +163,15 @@ def load_settings(home: str | os.PathLike[str] | None = None) -> Settings:
     if level not in LOG_LEVELS:
         where = "HERMES_LOG_LEVEL" if os.environ.get("HERMES_LOG_LEVEL") else "config.yaml: logging.level"
         raise ConfigError(f"{where}: expected one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    wait_replicas = _env_float("HERMES_WAIT_REPLICAS", _number(broker.get("wait_replicas", 0), "broker.wait_replicas"))
+    wait_timeout = _env_float(
+        "HERMES_WAIT_TIMEOUT_MS",
+        _number(broker.get("wait_timeout_ms", DEFAULT_WAIT_TIMEOUT_MS), "broker.wait_timeout_ms"),
+    )
+    if wait_replicas < 0 or wait_replicas != int(wait_replicas):
+        raise ConfigError(f"broker.wait_replicas: expected a whole number of replicas >= 0, got {wait_replicas:g}")
+    if wait_timeout <= 0 or wait_timeout != int(wait_timeout):
+        raise ConfigError(f"broker.wait_timeout_ms: expected a whole number of milliseconds > 0, got {wait_timeout:g}")
     return Settings(
         home=root,
         redis_url=os.environ.get("HERMES_REDIS_URL") or broker.get("url") or None,
@@ -178,5 +191,7 @@ def load_settings(home: str | os.PathLike[str] | None = None) -> Settings:
         mcp=_mapping(raw, "mcp"),
         audit=_mapping(raw, "audit"),
         trace_url=str(os.environ.get("HERMES_TRACE_URL") or _mapping(raw, "console").get("trace_url") or "") or None,
+        wait_replicas=int(wait_replicas),
+        wait_timeout_ms=int(wait_timeout),
         raw=raw,
     )

@@ -54,6 +54,17 @@ class BrokerUnavailable(HermesError):
     type = "broker_unavailable"
 
 
+class BrokerNotDurable(HermesError):
+    """A submission was not confirmed on ``broker.wait_replicas`` replicas within ``broker.wait_timeout_ms``.
+
+    The call is not accepted: it was cancelled (``details["cancelled"]``) unless a worker had already
+    finished it; ``details``: ``call_id`` (or ``call_ids``), ``replicas`` (how many confirmed), ``wanted``.
+    """
+
+    type = "broker_not_durable"
+    retryable = True
+
+
 # --- the wire ---------------------------------------------------------------------------------
 
 

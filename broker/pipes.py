@@ -65,6 +65,8 @@ def execute(pipe: Pipeline, connection: Any = None) -> list[Any]:
         replies = _round_trip(conn, client, stack, again=1 if connection is not None else 0)
         refused = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
         if refused:
+            # A WAIT queued behind a refused script confirmed the writes before it, not the rerun: sent again.
+            refused += [i for i in range(refused[0] + 1, len(stack)) if stack[i][0][0] == "WAIT" and i not in refused]
             for s in scripts:
                 loaded = _round_trip(conn, client, [(("SCRIPT", "LOAD", s.script), {})])[0]
                 if isinstance(loaded, Exception):

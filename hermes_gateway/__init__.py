@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from broker.errors import (
+    BrokerNotDurable,
     BrokerUnavailable,
     CallCancelled,
     CallFailed,
@@ -30,6 +31,7 @@ set_config_loader(load_yaml)  # config.yaml may hold the seed's unquoted {{field
 __version__ = "0.10.0"
 
 __all__ = [
+    "BrokerNotDurable",
     "BrokerUnavailable",
     "CallCancelled",
     "CallFailed",

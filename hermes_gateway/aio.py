@@ -23,12 +23,12 @@ import redis.asyncio as aioredis
 import structlog
 from redis import RedisError
 
+from broker import durability, keys
 from broker import events as ev_mod
-from broker import keys
 from broker.calls import Calls
 from broker.codec import pack, unpack
 from broker.config import Settings, load_settings
-from broker.connection import BrokerHandle, connect, redact_url, subscriber
+from broker.connection import BrokerHandle, async_from_url, connect, redact_url, subscriber
 from broker.directory import Entry
 from broker.envelope import Envelope
 from broker.errors import (
@@ -88,7 +88,7 @@ class AsyncGateway:
         if not url:
             broker = connect(None, embedded_ok=embedded_ok)  # starting a child process: once, up front
             url = broker.url
-        conn = aioredis.Redis.from_url(url)
+        conn = async_from_url(url)
         try:
             await conn.ping()
         except (RedisError, OSError) as e:
@@ -217,9 +217,13 @@ class AsyncGateway:
         try:
             pipe = self.conn.pipeline(transaction=False)
             await self.calls.submit(env, pipeline=pipe, **limits)  # type: ignore[arg-type]
+            confirm = durability.queue_wait(pipe, self.settings)  # before the wake-up: workers see it confirmed
             pipe.publish(keys.channel(self.conn, keys.wake(env.queue)), b"")
-            reply = (await pipe.execute())[0]
+            replies = await pipe.execute()
+            reply = replies[0]
             _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
+            if confirm and call_id == env.call_id:
+                await self._confirm(replies[1], env)
         except BaseException:
             self._handles.pop(env.call_id, None)
             raise
@@ -227,6 +231,18 @@ class AsyncGateway:
             self._handles.pop(env.call_id, None)
             handle = await self._existing(reply, call_id, env)
         return handle
+
+    async def _confirm(self, acked: Any, env: Envelope) -> None:
+        """Raise BrokerNotDurable, the call cancelled, when WAIT confirmed it on too few replicas."""
+        error = durability.shortfall(acked, self.settings, f"call {env.call_id} ({env.name}) not accepted", call_id=env.call_id)
+        if error is None:
+            return
+        try:
+            error.details["cancelled"] = await self.cancel(env.call_id)
+        except (RedisError, OSError) as e:  # the broker failed meanwhile: the caller is told it may still run
+            error.details["cancelled"] = False
+            error.message += f"; cancelling it failed too ({e}): gw.handle({env.call_id!r}) finds it if it was kept"
+        raise error
 
     async def _existing(self, reply: Any, call_id: str, env: Envelope) -> AsyncCallHandle:
         """A handle on the call an idempotent resubmission found, named as that call is."""
@@ -262,11 +278,13 @@ class AsyncGateway:
         pipe = self.conn.pipeline(transaction=False)
         for env, limits, _ in prepared:
             await self.calls.submit(env, pipeline=pipe, **limits)  # type: ignore[arg-type]
+        confirm = bool(prepared) and durability.queue_wait(pipe, self.settings)
         for queue in {env.queue for env, _, _ in prepared}:
             pipe.publish(keys.channel(self.conn, keys.wake(queue)), b"")
         with send:
             send.describe(prepared[0][0] if prepared else None, len(prepared))
-            replies = (await pipe.execute(raise_on_error=False))[: len(prepared)]
+            sent = await pipe.execute(raise_on_error=False)
+            replies, acked = sent[: len(prepared)], sent[len(prepared)] if confirm else None
         batch = AsyncBatch()
         for (env, limits, handle), reply in zip(prepared, replies, strict=True):
             try:
@@ -276,6 +294,8 @@ class AsyncGateway:
                 if call_id != env.call_id:  # idempotent: follow the call that already exists
                     self._handles.pop(env.call_id, None)
                     handle = await self._existing(reply, call_id, env)
+                elif acked is not None:
+                    await self._confirm(acked, env)
             except (QueueFull, HermesError) as e:
                 self._handles.pop(env.call_id, None)
                 handle._refuse(e)

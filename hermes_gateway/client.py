@@ -11,8 +11,8 @@ from typing import Any
 import redis
 import structlog
 
+from broker import durability, keys, pipes
 from broker import events as ev_mod
-from broker import keys, pipes
 from broker.calls import Calls
 from broker.codec import raw as as_bytes
 from broker.codec import text
@@ -245,11 +245,15 @@ class Gateway:
         try:
             pipe = self.conn.pipeline(transaction=False)
             self.calls.submit(env, pipeline=pipe, **limits)
+            confirm = durability.queue_wait(pipe, self.settings)  # before the wake-up: workers see it confirmed
             pipe.publish(keys.channel(self.conn, keys.wake(env.queue)), b"")
-            reply = pipes.execute(pipe)[0]
+            replies = pipes.execute(pipe)
+            reply = replies[0]
             if isinstance(reply, Exception):
                 raise reply
             accepted, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
+            if confirm and call_id == env.call_id:
+                self._confirm(replies[1], env)
         except BaseException:
             self._untrack(env.call_id)
             raise
@@ -257,6 +261,18 @@ class Gateway:
             self._untrack(env.call_id)
             handle = self._existing(reply, call_id, env)
         return handle
+
+    def _confirm(self, acked: Any, env: Envelope) -> None:
+        """Raise BrokerNotDurable, the call cancelled, when WAIT confirmed it on too few replicas."""
+        error = durability.shortfall(acked, self.settings, f"call {env.call_id} ({env.name}) not accepted", call_id=env.call_id)
+        if error is None:
+            return
+        try:
+            error.details["cancelled"] = cancel_call(self, env.call_id)
+        except redis.RedisError as e:  # the broker failed meanwhile: the caller is told it may still run
+            error.details["cancelled"] = False
+            error.message += f"; cancelling it failed too ({e}): gw.handle({env.call_id!r}) finds it if it was kept"
+        raise error
 
     def _existing(self, reply: Any, call_id: str, env: Envelope) -> CallHandle:
         """A handle on the call an idempotent resubmission found, named as that call is."""
@@ -306,12 +322,13 @@ class Gateway:
                 for start in range(0, len(prepared), SUBMIT_CHUNK):
                     chunk = prepared[start : start + SUBMIT_CHUNK]
                     replies: list[Any]
+                    acked: Any = None  # WAIT's reply for this pipeline, when confirmations are asked for
                     if failure is not None:  # the broker failed on an earlier pipeline: do not wait on it again
                         replies = [HermesError(f"not sent: the broker failed earlier in this batch: {failure}")]
                         replies *= len(chunk)
                     else:
                         try:
-                            replies = self._send_chunk(chunk)
+                            replies, acked = self._send_chunk(chunk)
                         except redis.RedisError as e:
                             if start == 0:
                                 raise
@@ -329,6 +346,8 @@ class Gateway:
                             if call_id != env.call_id:  # idempotent: follow the call that already exists
                                 self._untrack(env.call_id)
                                 handle = self._existing(reply, call_id, env)
+                            elif acked is not None:
+                                self._confirm(acked, env)
                         except (QueueFull, HermesError) as e:
                             self._untrack(env.call_id)
                             handle._refuse(e)
@@ -340,13 +359,16 @@ class Gateway:
             raise
         return handles
 
-    def _send_chunk(self, chunk: list[tuple[Envelope, dict[str, Any], CallHandle]]) -> list[Any]:
+    def _send_chunk(self, chunk: list[tuple[Envelope, dict[str, Any], CallHandle]]) -> tuple[list[Any], Any]:
+        """The SUBMIT replies of ``chunk``, and WAIT's reply (None when not asked for)."""
         pipe = self.conn.pipeline(transaction=False)
         for env, limits, _ in chunk:
             self.calls.submit(env, pipeline=pipe, **limits)
+        confirm = durability.queue_wait(pipe, self.settings)
         for queue in dict.fromkeys(env.queue for env, _, _ in chunk):
             pipe.publish(keys.channel(self.conn, keys.wake(queue)), b"")
-        return pipes.execute(pipe)[: len(chunk)]
+        replies = pipes.execute(pipe)
+        return replies[: len(chunk)], replies[len(chunk)] if confirm else None
 
     def cancel(self, call_id: str) -> bool:
         return cancel_call(self, call_id)

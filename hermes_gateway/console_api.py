@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import click
-import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 from sse_starlette.sse import EventSourceResponse
@@ -32,6 +31,7 @@ from starlette.staticfiles import StaticFiles
 from broker import keys
 from broker.audit_store import AuditLog
 from broker.codec import text
+from broker.connection import async_from_url
 from broker.errors import CallFailed
 from hermes_gateway import console_data, replay
 from hermes_gateway.credentials import CALLER_SCOPE_KEY, Credentials
@@ -100,7 +100,7 @@ class StatsHub:
         """Breaker changes (their pub/sub channel) wake the loop at once."""
         channel = keys.channel(self.gw.conn, keys.BREAKER_CHANNEL)
         while True:
-            conn = aioredis.Redis.from_url(self.gw.broker.url)
+            conn = async_from_url(self.gw.broker.url)
             pubsub = conn.pubsub()
             try:
                 await pubsub.subscribe(channel)

@@ -41,7 +41,6 @@ from dataclasses import asdict
 from importlib import resources
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
@@ -50,9 +49,11 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
+from broker.connection import async_from_url
 from broker.directory import spec_from_yaml_text
 from broker.envelope import CONTEXT_FIELDS
 from broker.errors import (
+    BrokerNotDurable,
     BrokerUnavailable,
     CallCancelled,
     CallFailed,
@@ -91,6 +92,7 @@ _STATUS: list[tuple[type[HermesError], int]] = [
     (CircuitOpen, 503),
     (NoWorkers, 503),
     (BrokerUnavailable, 503),
+    (BrokerNotDurable, 503),
 ]
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -176,7 +178,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
-        agw = AsyncGateway(aioredis.Redis.from_url(gw.broker.url), gw.settings)
+        agw = AsyncGateway(async_from_url(gw.broker.url), gw.settings)
         await agw.start()
         live["agw"] = agw
         try:

@@ -17,6 +17,7 @@ from broker.calls import Calls
 from broker.codec import pack
 from broker.config import Settings, load_settings
 from broker.directory import Directory
+from broker.durability import Confirmer
 from broker.envelope import Envelope, concurrency_key, plugins_applied
 from broker.errors import CallFailed, DecodeError
 from broker.states import State
@@ -56,7 +57,8 @@ class WorkerCore:
         self.settings = settings
         self.name = name
         self.calls = Calls(conn)
-        self.outbox = Outbox(conn)
+        self.confirmer = Confirmer(settings)  # WAITs for the replicas, when broker.wait_replicas asks
+        self.outbox = Outbox(conn, confirmer=self.confirmer)
         self.directory = Directory(conn)
         self._inflight: dict[str, Running] = {}
         self._held: dict[str, int] = {}  # calls in flight here per concurrency key

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ import structlog
 from redis.client import Pipeline
 
 from broker import pipes
+from broker.durability import Confirmer
 
 log = structlog.get_logger("hermes.worker.outbox")
 
@@ -30,8 +32,12 @@ _CLOSING_TRIES = 5  # a closing outbox (worker shutdown) stops retrying an unrea
 class Outbox:
     """A FIFO of pipeline writers flushed by one background thread."""
 
-    def __init__(self, conn: redis.Redis, max_batch: int = 512) -> None:
+    def __init__(self, conn: redis.Redis, max_batch: int = 512, confirmer: Confirmer | None = None) -> None:
         self.conn = conn
+        # With ``broker.wait_replicas``, every batch ends with WAIT: its callbacks (a hand-off starting the
+        # next call) run once the replicas have the writes.
+        self.confirmer = confirmer
+        self._unconfirmed_logged = 0.0
         self.max_batch = max_batch
         self._items: deque[tuple[Writer, Callback | None]] = deque()
         self._cond = threading.Condition()
@@ -108,6 +114,13 @@ class Outbox:
                 except Exception:  # noqa: BLE001 - a callback must not stop the sender
                     log.exception("outbox callback failed")
 
+    def _confirmed(self, acked: Any, writes: int) -> None:
+        assert self.confirmer is not None
+        short = self.confirmer.check(acked, "worker writes")
+        if short is not None and time.monotonic() >= self._unconfirmed_logged + 10:
+            self._unconfirmed_logged = time.monotonic()
+            log.warning("writes not confirmed by the replicas", writes=writes, why=str(short))
+
     def _execute(self, batch: list[tuple[Writer, Callback | None]]) -> list[Any]:
         """Send one pipeline; each writer's reply is the reply of the first command it added.
 
@@ -124,10 +137,13 @@ class Outbox:
             for writer, _ in batch:
                 starts.append(len(pipe.command_stack))
                 writer(pipe)
+            confirm = self.confirmer is not None and self.confirmer.queue(pipe)
             try:
                 if self._connection is None:
                     self._connection = self.conn.connection_pool.get_connection()
                 replies = pipes.execute(pipe, self._connection)
+                if confirm:
+                    self._confirmed(replies[-1], len(batch))
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 if attempt < 5 or attempt % 30 == 0:  # not a line every 2 s for a long outage
                     log.warning(

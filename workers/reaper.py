@@ -73,8 +73,13 @@ def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog
                 info, State.PENDING, attempt=attempt, requeue=True, lease="-", current=State.RETRYING
             )
         else:
-            # Claimed but never started: back at the head of the queue, same attempt, keeping its slot.
+            # Claimed, no start on record: back at the head of the queue, keeping its slot. Its worker
+            # writes its first move behind the start (and a failover may lose that write), so it may have
+            # run: the next run is the next attempt, reported as such, and the budget grows by one with it
+            # (as for a call handed back at shutdown) so an unstarted call loses nothing.
             pipe = calls.conn.pipeline()
+            pipe.hincrby(keys.job(call_id), keys.F_ATTEMPT, 1)
+            pipe.hincrby(keys.job(call_id), keys.F_MAX_ATTEMPTS, 1)
             pipe.zadd(keys.slots(item["ckey"]), {call_id: "inf"}, xx=True)
             pipe.lpush(item["queue"], call_id)
             pipe.zrem(keys.LEASES, call_id)

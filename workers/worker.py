@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import redis
@@ -21,6 +22,7 @@ from rq import Queue
 from rq import Worker as RQWorker
 
 from broker import keys
+from broker.calls import Calls
 from broker.codec import MsgpackSerializer, pack, unpack
 from broker.config import Settings
 from broker.connection import subscriber
@@ -53,6 +55,17 @@ CLAIM_BATCH = 64
 # Submissions publish a wake-up; polling is only the fallback for a lost message.
 IDLE_POLL_MIN = 0.01
 IDLE_POLL_MAX = 0.5
+# Beyond wait_timeout_ms, how long a caller may take to cancel a submission its replicas did not confirm.
+UNCONFIRMED_MARGIN = 1.0
+
+
+def rq_time(raw: Any) -> float:
+    """A record's RQ timestamp (``2026-01-02T03:04:05.123456Z``) as unix seconds; 0 when absent or unreadable."""
+    try:
+        stamp = raw.decode() if isinstance(raw, bytes) else str(raw)
+        return datetime.strptime(stamp.rstrip("Z"), "%Y-%m-%dT%H:%M:%S.%f").replace(tzinfo=UTC).timestamp()
+    except (AttributeError, ValueError):
+        return 0.0
 
 
 def worker_name() -> str:
@@ -102,6 +115,13 @@ class Worker(HandOff):
             serializer=MsgpackSerializer,
         )
         self.started_at = time.time()
+        # Claims go on a connection of their own when the replicas must confirm them (WAIT confirms the
+        # writes of the connection it is sent on).
+        self._claims = self.core.calls
+        if settings.wait_replicas > 0:
+            own = redis.Redis(connection_pool=conn.connection_pool, single_connection_client=True)
+            self._claims = Calls(own)
+        self._unconfirmed_logged = 0.0
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -189,11 +209,13 @@ class Worker(HandOff):
                 break
             self._wake.clear()  # a wake-up from now on means: claim again
             try:
-                claimed = self.core.calls.claim(self.queues, free, self.name, self.lease)
+                claimed = self._claims.claim(self.queues, free, self.name, self.lease)
             except Exception as e:  # noqa: BLE001 - the dispatcher must go on (a broker hiccup, a bad reply)
                 log.warning("claim failed", error=str(e))
                 claimed = []
                 time.sleep(0.5)
+            if claimed and self._claims is not self.core.calls:
+                self._confirm_claims([c.call_id for c in claimed])
             if len(claimed) < free:
                 self._slots.give(free - len(claimed))
             for c in claimed:
@@ -204,6 +226,50 @@ class Worker(HandOff):
             # in case one was lost.
             idle = IDLE_POLL_MIN if claimed else min(idle * 2, IDLE_POLL_MAX)
             self._wake.wait(idle)
+
+    def _confirm_claims(self, call_ids: list[str]) -> None:
+        """With ``broker.wait_replicas``: wait until the replicas have the claims before the calls start, so
+        a primary lost meanwhile cannot hand the same attempt to another worker (the replication stream is
+        in order: a confirmed claim confirms the submission before it too).
+
+        Short of that (no replica answers, or backing off after it did not), the calls run anyway — they
+        were accepted, and a promotion needs a replica — except one its caller cancels: a submission its
+        replicas did not confirm is cancelled by its caller, ``wait_timeout_ms`` after it was made at most,
+        so a call submitted less than that ago is held until its caller has decided.
+        """
+        confirmer = self.core.confirmer
+        if confirmer.wanted():
+            try:  # on the claims' own connection (a pipeline would take another from the pool)
+                acked: Any = self._claims.conn.execute_command(
+                    "WAIT", self.settings.wait_replicas, self.settings.wait_timeout_ms
+                )
+            except redis.RedisError as e:
+                acked = e
+            short = confirmer.check(acked, "claims")
+            if short is None:
+                return
+            if time.monotonic() >= self._unconfirmed_logged + 10:
+                self._unconfirmed_logged = time.monotonic()
+                log.warning("claims not confirmed by the replicas", calls=len(call_ids), why=str(short))
+        try:
+            self._hold_unconfirmed(call_ids)
+        except redis.RedisError as e:
+            log.warning("could not check unconfirmed claims for cancels", error=str(e))
+
+    def _hold_unconfirmed(self, call_ids: list[str]) -> None:
+        pipe = self.conn.pipeline(transaction=False)
+        for cid in call_ids:
+            pipe.hget(keys.job(cid), "enqueued_at")
+        submitted = [rq_time(v) for v in pipe.execute()]
+        limit = self.settings.wait_timeout_ms / 1000 + UNCONFIRMED_MARGIN
+        hold = min(max(submitted) + limit - time.time(), limit)
+        if hold > 0:
+            self.stopping.wait(hold)
+        for cid in call_ids:
+            pipe.hget(keys.job(cid), keys.F_CANCEL)
+        for cid, flag in zip(call_ids, pipe.execute(), strict=True):
+            if flag:
+                self.core.cancel(cid)  # it ends cancelled without running
 
     def _shutdown(self) -> None:
         deadline = time.monotonic() + self.grace

@@ -201,3 +201,24 @@ def test_script_calls_outside_a_plain_pipeline_go_through_redis_py(conn: redis.R
     with conn.pipeline() as watching:
         watching.watch("c")  # immediate mode: the command runs now, as redis-py runs it
         assert pipes.script(incr_by, ["c"], [1], watching) == 6
+
+
+def test_a_wait_behind_a_refused_script_is_sent_again_after_its_rerun(conn: redis.Redis) -> None:
+    # WAIT confirms the writes its connection sent before it: a script refused (NOSCRIPT) and rerun after
+    # it would go unconfirmed, so the WAIT goes again behind the rerun (its reply is the second one's).
+    script = conn.register_script("return redis.call('INCR', KEYS[1])")
+    conn.script_flush()
+    waits = int(conn.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
+    pipe = conn.pipeline(transaction=False)
+    pipes.script(script, ["n"], [], pipe)
+    pipe.execute_command("WAIT", 0, 100)
+    pipe.set("after", "1")
+    replies = pipes.execute(pipe)
+    assert replies == [1, 0, True]
+    assert int(conn.info("commandstats")["cmdstat_wait"]["calls"]) == waits + 2
+    # Scripts already loaded: one WAIT, no rerun.
+    pipe = conn.pipeline(transaction=False)
+    pipes.script(script, ["n"], [], pipe)
+    pipe.execute_command("WAIT", 0, 100)
+    assert pipes.execute(pipe) == [2, 0]
+    assert int(conn.info("commandstats")["cmdstat_wait"]["calls"]) == waits + 3

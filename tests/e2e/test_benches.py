@@ -57,3 +57,25 @@ def test_provider_sdk_compares_our_provider_with_the_openai_sdk_on_the_same_serv
     assert lines[0].startswith("round 1: ours_stream=")
     assert re.fullmatch(r"sdk_whole_cpu_ratio=[0-9.]+", lines[-2])
     assert re.fullmatch(r"sdk_cpu_ratio=[0-9.]+", lines[-1])
+
+
+def test_scale_out_measures_redis_cpu_side_by_side_with_rq_and_a_sentinel_failover() -> None:
+    # Its own redis-server processes (plain, a Sentinel set-up, a cluster when redis+cluster:// is known).
+    out = bench("scale_out.py", "-n", "150", "--failover-calls", "60", "--lease", "2", timeout=420)
+    lines = [line for line in out if not line.startswith("20")]  # (worker log lines share its stdout)
+    plain = next(line for line in lines if line.startswith("plain Redis: "))
+    assert float(re.search(r"([0-9.]+) µs Redis CPU per call", plain)[1]) > 0  # type: ignore[index]
+    rq = next(line for line in lines if line.startswith("stock RQ, plain Redis: "))
+    assert float(re.search(r"([0-9.]+) µs Redis CPU per job", rq)[1]) > 0  # type: ignore[index]
+    sentinel = next(line for line in lines if line.startswith("Sentinel (wait_replicas 1): "))
+    assert "node-a" in sentinel and "node-b" in sentinel and "sentinel-2" in sentinel
+    failover = next(line for line in lines if line.startswith("failover "))
+    figures = dict(re.findall(r"(lost|stuck|duplicated)=(\d+)", failover))
+    assert figures["lost"] == "0" and figures["stuck"] == "0", failover
+    reported = re.search(r"reported as attempt > 1: (\d+)", failover)
+    assert reported is not None and reported[1] == figures["duplicated"], failover
+    assert re.fullmatch(r"busiest_shard_share=([0-9.]+|n/a)", lines[-1])
+    if lines[-1] == "busiest_shard_share=n/a":
+        assert any(line.startswith("cluster: ") for line in lines)
+    else:
+        assert any(line.startswith("cluster, 3 primaries, 6 queues") for line in lines)

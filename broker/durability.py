@@ -1,0 +1,65 @@
+"""Confirmed submissions: ``broker.wait_replicas: N`` makes a write wait for ``WAIT N timeout``.
+
+Redis replicates asynchronously: a primary that dies right after answering may take its last writes with
+it, and the replica Sentinel promotes never saw them. ``WAIT`` (sent on the same connection, after the
+writes) answers how many replicas have them; short of N within ``broker.wait_timeout_ms`` the caller is
+told (``BrokerNotDurable``) instead of holding a call a failover may lose.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .config import Settings
+from .errors import BrokerNotDurable
+
+
+def queue_wait(pipe: Any, settings: Settings) -> bool:
+    """Queue ``WAIT`` behind the writes in ``pipe`` when the settings ask for it; whether it was queued."""
+    if settings.wait_replicas <= 0:
+        return False
+    pipe.execute_command("WAIT", settings.wait_replicas, settings.wait_timeout_ms)
+    return True
+
+
+def shortfall(acked: Any, settings: Settings, what: str, **details: Any) -> BrokerNotDurable | None:
+    """The error to raise when ``acked`` (WAIT's reply, or the error in its place) falls short, else None."""
+    wanted = settings.wait_replicas
+    if not isinstance(acked, Exception) and int(acked) >= wanted:
+        return None
+    got = "an error: " + str(acked) if isinstance(acked, Exception) else f"{int(acked)} of {wanted} replica(s)"
+    return BrokerNotDurable(
+        f"{what}: the broker confirmed it on {got} within {settings.wait_timeout_ms} ms "
+        f"(broker.wait_replicas: {wanted})",
+        replicas=0 if isinstance(acked, Exception) else int(acked),
+        wanted=wanted,
+        **details,
+    )
+
+
+class Confirmer:
+    """A worker's WAITs (its claims, its outbox's batches): while the replicas fall short, it stops asking
+    for ``SKIP`` seconds — a worker must not crawl at one ``wait_timeout_ms`` per write when no replica is
+    left (and with none, no failover can lose its writes either)."""
+
+    SKIP = 5.0
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._skip_until = 0.0
+
+    def wanted(self) -> bool:
+        """Whether to WAIT now: asked for, and not backing off."""
+        return self.settings.wait_replicas > 0 and time.monotonic() >= self._skip_until
+
+    def queue(self, pipe: Any) -> bool:
+        """Queue WAIT behind ``pipe``'s writes when :meth:`wanted`; whether it was queued."""
+        return self.wanted() and queue_wait(pipe, self.settings)
+
+    def check(self, acked: Any, what: str) -> BrokerNotDurable | None:
+        """The shortfall of a WAIT reply (and then back off), else None."""
+        short = shortfall(acked, self.settings, what)
+        if short is not None:
+            self._skip_until = time.monotonic() + self.SKIP
+        return short
