@@ -44,7 +44,6 @@ class Calls:
         self._transition = conn.register_script(scripts.TRANSITION)
         self._claim = conn.register_script(scripts.CLAIM)
         self._reap = conn.register_script(upkeep.REAP)
-        self._spare_back = conn.register_script(upkeep.SPARE_BACK)
         self._requeue = conn.register_script(upkeep.REQUEUE)
         # Pub/sub is shared by every DB of a server: the scripts' wake-ups carry this DB's suffix.
         self.wake_suffix = keys.channel(conn, "")
@@ -94,7 +93,6 @@ class Calls:
                 keys.IDEMPOTENCY.format(idem or ""),
                 keys.slots(ckey),
                 keys.LIMITS,
-                keys.spared(ckey),
             ],
             [
                 env.call_id,
@@ -163,7 +161,6 @@ class Calls:
         event_type: str = events.TRANSITION,
         current: State | None = None,
         pipeline: Pipeline | None = None,
-        handoff: tuple[str, float] | tuple[str, float, str, int] | None = None,
         via: Sequence[Step] = (),
         ts: float | None = None,
         unleased: bool = False,
@@ -174,12 +171,6 @@ class Calls:
         order, the first from ``current``; their events are recorded and published first, in the same
         script. ``ts``: when this move happened (default now). ``unleased``: only from ``pending`` while no
         worker holds the call (a caller cancelling it directly; a worker that took it is told instead).
-
-        ``handoff`` (worker, lease seconds[, spare call id, spares wanted]): the released slot goes
-        straight to that worker's spare, which it already runs, else to its oldest spare or the oldest
-        waiting call of the same queue, leased to that worker (read it from the reply with ``handed_off``);
-        the next oldest waiting calls of the queue, as many as wanted, are leased to the worker as spares,
-        without a slot (``spared``).
 
         Ending (or ``retrying``) releases the call's concurrency slot and promotes the oldest waiting call
         of its key; ``requeue`` admits it again (a free slot, else waiting at ``requeue_score``, default
@@ -194,8 +185,7 @@ class Calls:
             first = self._check_move(current, state_, from_states if first is None else None, first)
             early.append(self._event(info, str(state_), attempt, events.TRANSITION, detail_, ts_))
             current = state_
-        ho = handoff if handoff and release else None
-        stamp = rq_now() if (target in TERMINAL or ho) else ""
+        stamp = rq_now() if target in TERMINAL else ""
         if target is not None:
             allowed = self._check_move(current, target, from_states if first is None else None, first)
             src = "pending!" if unleased else _joined(allowed)
@@ -222,7 +212,6 @@ class Calls:
                 keys.slots(info.ckey),
                 keys.LIMITS,
                 keys.SCHEDULED,
-                keys.spared(info.ckey),
             ],
             [
                 info.call_id,
@@ -240,11 +229,6 @@ class Calls:
                 info.ckey,
                 "" if schedule_at is None else schedule_at,
                 self.wake_suffix,
-                ho[0] if ho else "",
-                lease_deadline(ho[1]) if ho else "",
-                stamp if ho else "",
-                ho[2] if ho and len(ho) > 2 and ho[2] else "",
-                int(ho[3]) if ho and len(ho) > 3 and ho[3] else "",
                 *flat,
             ],
             pipeline,
@@ -288,50 +272,11 @@ class Calls:
             ts=ts,
         )
 
-    @staticmethod
-    def handed_off(reply: Any) -> Claimed | None:
-        """The call a TRANSITION with ``handoff`` leased to the worker, if any."""
-        if isinstance(reply, Exception) or len(reply) < 5 or not reply[2]:
-            return None
-        cid, data, attempt = reply[2], reply[3], reply[4]
-        return Claimed(text(cid), data or b"", int(attempt or 1))
-
-    @staticmethod
-    def spared(reply: Any) -> list[tuple[Claimed, bytes]]:
-        """The spares a TRANSITION that wanted some leased to the worker, oldest first, each with its
-        waiting score."""
-        if isinstance(reply, Exception) or len(reply) < 10:
-            return []
-        out = []
-        for i in range(6, len(reply) - 3, 4):
-            cid, data, attempt, score = reply[i], reply[i + 1], reply[i + 2], reply[i + 3]
-            claimed = Claimed(text(cid), data or b"", int(attempt or 1))
-            out.append((claimed, raw(score)))
-        return out
-
-    @staticmethod
-    def spare_moved(reply: Any) -> bool:
-        """Whether the spare a TRANSITION named took the slot its call released."""
-        return not isinstance(reply, Exception) and len(reply) >= 6 and int(reply[5] or 0) == 1
-
     def load_scripts(self) -> None:
         """Load the scripts the hot paths queue into pipelines, so that none is refused (NOSCRIPT) and
         rerun after the commands queued behind it: writes of a worker depend on their order."""
-        for script in (self._transition, self._spare_back, self._requeue, self._submit):
+        for script in (self._transition, self._requeue, self._submit):
             self.conn.script_load(script.script)
-
-    def spares_back(self, worker: str, call_ids: list[str], pipeline: Pipeline | None = None) -> list[str]:
-        """Put spares back in line at their old places (``worker`` '' = whoever holds them); returns the
-        ids left out because a cancel was asked for them, for the caller to end (with ``pipeline``: queued
-        there, returns nothing)."""
-        if not call_ids:
-            return []
-        args = [worker, self.wake_suffix, *call_ids]
-        if pipeline is not None:
-            pipes.script(self._spare_back, [keys.LEASES, keys.LIMITS], args, pipeline)
-            return []
-        reply = self._spare_back(keys=[keys.LEASES, keys.LIMITS], args=args)
-        return [text(v) for v in reply]
 
     def requeue_unstarted(self, call_id: str, ckey: str, queue: str, pipeline: Pipeline | None = None) -> Any:
         """A call leased but never started, still ``pending`` and holding its slot: back at the head of its
@@ -382,8 +327,8 @@ class Calls:
         now = time.time()
         reply = self._reap(keys=[keys.LEASES], args=[now, lease_deadline(lease), limit])
         out = []
-        for i in range(0, len(reply), 8):
-            cid, state, attempt, max_att, queue, cancel, ckey, spare = (text(v) for v in reply[i : i + 8])
+        for i in range(0, len(reply), 7):
+            cid, state, attempt, max_att, queue, cancel, ckey = (text(v) for v in reply[i : i + 7])
             out.append(
                 {
                     "call_id": cid,
@@ -393,7 +338,6 @@ class Calls:
                     "queue": queue,
                     "cancel": cancel == "1",
                     "ckey": ckey,
-                    "spare": spare != "",
                 }
             )
         return out

@@ -36,7 +36,6 @@ POLICY_CHANNEL = PREFIX + ":policy:changes"  # pub/sub notice (the new version) 
 STATS = PREFIX + ":stats"  # hash of call figures summed over all workers (workers/metrics.py)
 STATS_INFLIGHT = PREFIX + ":stats:inflight:{}"  # hash concurrency key -> calls running, per worker
 SLOTS = PREFIX + ":slots:{}"  # zset call_id -> lease deadline (+inf while queued) of calls holding a slot
-SPARED = PREFIX + ":spared:{}"  # zset call_id -> waiting score: calls leased to a worker as spares (no slot)
 LIMITS = PREFIX + ":limits"  # hash concurrency key -> its limit (-1 = none), written by every submission
 SCHEDULED = PREFIX + ":scheduled"  # zset call_id -> when a ``retrying`` call is due back on ``pending``
 BREAKER = PREFIX + ":breaker:{}"  # hash: state, opened_at, failures, probe, ... of one circuit breaker
@@ -103,10 +102,6 @@ def worker(name: str) -> str:
 
 def slots(ckey: str) -> str:
     return SLOTS.format(ckey)
-
-
-def spared(ckey: str) -> str:
-    return SPARED.format(ckey)
 
 
 def breaker(key: str) -> str:

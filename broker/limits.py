@@ -63,14 +63,13 @@ class Limits:
         for ckey in names:
             pipe.zcard(keys.slots(ckey))
             pipe.zcard(keys.waiting(ckey))
-            pipe.zcard(keys.spared(ckey))  # waiting too: leased to a worker ahead of a free slot
         counts = pipe.execute()
         return [
             {
                 "key": ckey,
                 "limit": limits[ckey],
-                "running": int(counts[3 * i]),
-                "waiting": int(counts[3 * i + 1]) + int(counts[3 * i + 2]),
+                "running": int(counts[2 * i]),
+                "waiting": int(counts[2 * i + 1]),
             }
             for i, ckey in enumerate(names)
         ]

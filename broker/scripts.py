@@ -2,7 +2,7 @@
 
 Events are msgpack maps; a script appends ``seq`` to the map it is given, so the sequence number is
 assigned atomically with the state change and the history append, with no msgpack library in Lua.
-The scripts that put calls and slots back (reaping, sweeping, due retries, spares) are in
+The scripts that put calls and slots back (reaping, sweeping, due retries) are in
 ``broker.upkeep``.
 """
 
@@ -68,94 +68,15 @@ end
 """
 
 # KEYS: 1 call hash, 2 history, 3 leases, 4 waiting zset, 5 slots zset (of the call's concurrency key),
-#       6 limits hash, 7 scheduled zset, 8 spared zset (of the key)
-# ARGV: 1 call_id, 2 event payload, 3 ttl ('' = leave; the call's idempotency key, field ``h_idem``, gets it
-#       too while it still names this call), 4 attempt fence ('' = none),
-#       5 allowed sources ('' = any non-terminal, '*' = anything, 'pending!' = pending and not leased),
-#       6 new state ('' = no change),
-#       7 rq status, 8 lease ('' keep, '-' drop, else new deadline), 9 requeue: queue key or '',
-#       10 waiting score for a requeue, 11 channel, 12 release the slot ('1'/''), 13 concurrency key,
-#       14 due time to schedule a retry at ('' = none), 15 wake channel suffix, 16 hand-off worker ('' =
-#       none), 17 its lease deadline, 18 started_at (RQ time format), 19 the worker's spare call
-#       that already runs on the released slot ('' = none), 20 spares wanted ('' = 0), 21 k: how many
-#       earlier events come first, 22..21+k their payloads (moves the call made since its last write,
-#       recorded and published in order before ARGV[2]), then field/value pairs
+#       6 limits hash, 7 scheduled zset
+# ARGV: 1 call_id, 2 event payload, 3 ttl, 4 attempt fence, 5 allowed sources, 6 new state, 7 rq status,
+#       8 lease, 9 requeue queue key, 10 waiting score, 11 channel, 12 release the slot, 13 concurrency key,
+#       14 due time of a retry, 15 wake suffix, 16 k earlier events, 17..16+k their payloads, then fields
 # Returns {seq, state before}; seq < 0: -1 no such call, -2 attempt fence, -3 wrong source state.
-# With a hand-off worker, the slot released here goes to that worker's spare (ARGV[19]), which it has
-# already started, else to its oldest spare (older than every waiting call; it may not have the reply
-# that leased it yet), else to the oldest waiting call of the same queue, leased to that worker as CLAIM
-# would: no queue push, no wake-up, no claim round trip between one call ending and the next one
-# starting. The reply is then {seq, state before, handed call_id, data, attempt ('' where none), 1/0 the
-# named spare took the slot, then call_id, data, attempt, waiting score of each spare}: the wanted spares are the oldest waiting calls of
-# the queue after that, leased to the worker without a slot (``h_spare`` = waiting score) for its next
-# ending calls.
 TRANSITION = (
     _WITH_SEQ
     + SLOTS
     + r"""
--- The oldest waiting call, pending, of this queue: {id, its waiting score, its job fields (state, queue,
--- data, attempt)}, dropping on the way calls no longer pending (as promote() does); nil when none waits or
--- the oldest is on a queue this worker may not serve (promote() pushes that one).
-local function oldest(waiting, qkey)
-  while true do
-    local top = redis.call('ZRANGE', waiting, 0, 0, 'WITHSCORES')
-    if #top == 0 then return nil end
-    local f = redis.call('HMGET', 'rq:job:' .. top[1], 'h_state', 'h_queue', 'data', 'h_attempt')
-    if f[1] == 'pending' and f[2] then
-      if f[2] ~= qkey then return nil end
-      redis.call('ZREM', waiting, top[1])
-      return {top[1], top[2], f}
-    end
-    redis.call('ZREM', waiting, top[1])
-  end
-end
--- The oldest waiting call of this queue takes the released slot, leased to the worker as CLAIM would.
-local function hand_off(slots, waiting, limit, qkey)
-  if limit >= 0 and redis.call('ZCARD', slots) >= limit then return nil end
-  local o = oldest(waiting, qkey)
-  if not o then return nil end
-  local id, f = o[1], o[3]
-  redis.call('ZADD', slots, ARGV[17], id)
-  redis.call('HSET', 'rq:job:' .. id, 'h_worker', ARGV[16], 'worker_name', ARGV[16], 'started_at', ARGV[18])
-  redis.call('ZADD', KEYS[3], ARGV[17], id)
-  return {id, f[3], f[4]}
-end
--- The oldest waiting call of this queue, leased to the worker as a spare: it holds no slot and stays
--- pending until the worker starts it on a slot one of its calls releases (ARGV[19] of that call's end).
-local function reserve(waiting, qkey)
-  local o = oldest(waiting, qkey)
-  if not o then return nil end
-  local id, score, f = o[1], o[2], o[3]
-  redis.call('HSET', 'rq:job:' .. id, 'h_worker', ARGV[16], 'worker_name', ARGV[16], 'h_spare', score)
-  redis.call('ZADD', KEYS[3], ARGV[17], id)
-  redis.call('ZADD', KEYS[8], score, id)  -- still counts as waiting for the queue size
-  return {id, f[3], f[4], score}
-end
--- The worker's spare takes the slot its ending call released (only while it is still that worker's spare).
-local function take_spare(slots, id)
-  local hk = 'rq:job:' .. id
-  local f = redis.call('HMGET', hk, 'h_state', 'h_spare', 'h_worker')
-  if f[1] ~= 'pending' or not f[2] or f[3] ~= ARGV[16] then return false end
-  redis.call('HDEL', hk, 'h_spare')
-  redis.call('ZREM', KEYS[8], id)
-  redis.call('HSET', hk, 'started_at', ARGV[18])
-  redis.call('ZADD', slots, ARGV[17], id)
-  return true
-end
--- The worker's oldest spare, if it is older than every waiting call: it takes the slot (the worker
--- starts it on the reply), so no younger waiting call starts before it on this worker.
-local function own_spare(slots, waiting)
-  local head = redis.call('ZRANGE', waiting, 0, 0, 'WITHSCORES')
-  local cut = head[2] and tonumber(head[2]) or math.huge
-  local spares = redis.call('ZRANGE', KEYS[8], 0, -1, 'WITHSCORES')
-  for i = 1, #spares, 2 do
-    if tonumber(spares[i + 1]) > cut then return nil end
-    local id = spares[i]
-    local f = redis.call('HMGET', 'rq:job:' .. id, 'h_worker', 'data', 'h_attempt')
-    if f[1] == ARGV[16] and take_spare(slots, id) then return {id, f[2], f[3]} end
-  end
-  return nil
-end
 local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_queue', 'h_idem')
 local st = rec[1]
 if not st then return {-1, ''} end
@@ -167,44 +88,24 @@ elseif ARGV[5] == 'pending!' then  -- pending and taken by no worker (a caller c
 elseif ARGV[5] ~= '*' then
   if not string.find(',' .. ARGV[5] .. ',', ',' .. st .. ',', 1, true) then return {-3, st} end
 end
-local before = tonumber(ARGV[21])
+local before = tonumber(ARGV[16])
 -- One increment for every event this call records: the earlier ones get seq .. seq + before - 1.
 local seq = redis.call('HINCRBY', KEYS[1], 'h_seq', before + 1) - before
--- A spare that leaves ``pending`` (cancelled by its caller, say) is no longer one.
-if st == 'pending' and ARGV[6] ~= '' and ARGV[6] ~= 'pending' and redis.call('ZREM', KEYS[8], ARGV[1]) == 1 then
-  redis.call('HDEL', KEYS[1], 'h_spare')
-end
 -- The new state and the record's fields in one write.
 if ARGV[6] ~= '' then
-  redis.call('HSET', KEYS[1], 'h_state', ARGV[6], 'status', ARGV[7], unpack(ARGV, 22 + before, #ARGV))
-elseif #ARGV >= 22 + before then
-  redis.call('HSET', KEYS[1], unpack(ARGV, 22 + before, #ARGV))
+  redis.call('HSET', KEYS[1], 'h_state', ARGV[6], 'status', ARGV[7], unpack(ARGV, 17 + before, #ARGV))
+elseif #ARGV >= 17 + before then
+  redis.call('HSET', KEYS[1], unpack(ARGV, 17 + before, #ARGV))
 end
-local qkey = ARGV[16] ~= '' and rec[3]
 if ARGV[8] == '-' then
   redis.call('ZREM', KEYS[3], ARGV[1])
 elseif ARGV[8] ~= '' then
   redis.call('ZADD', KEYS[3], ARGV[8], ARGV[1])
 end
-local handed, spares, moved = nil, {}, false
 if ARGV[12] == '1' then
   redis.call('ZREM', KEYS[4], ARGV[1])
   if redis.call('ZREM', KEYS[5], ARGV[1]) == 1 then
-    local limit = limit_of(KEYS[6], ARGV[13])
-    moved = qkey and ARGV[19] ~= '' and take_spare(KEYS[5], ARGV[19])
-    if qkey and not moved then
-      if limit < 0 or redis.call('ZCARD', KEYS[5]) < limit then handed = own_spare(KEYS[5], KEYS[4]) end
-      handed = handed or hand_off(KEYS[5], KEYS[4], limit, qkey)
-    end
-    -- Free slots first (a raised limit): spares are taken only from the calls still waiting after that.
-    promote(KEYS[5], KEYS[4], KEYS[6], ARGV[13], ARGV[15], limit)
-    if qkey then
-      for _ = 1, tonumber(ARGV[20]) or 0 do
-        local spare = reserve(KEYS[4], qkey)
-        if not spare then break end
-        for _, v in ipairs(spare) do spares[#spares + 1] = v end
-      end
-    end
+    promote(KEYS[5], KEYS[4], KEYS[6], ARGV[13], ARGV[15])
   end
 end
 if ARGV[14] ~= '' then
@@ -216,7 +117,7 @@ if ARGV[9] ~= '' then
 end
 -- Every event in order: one append to the history, one message each on the caller's channel.
 local stored = {}
-for i = 22, 21 + before do
+for i = 17, 16 + before do
   local early = with_seq(ARGV[i], seq)
   stored[#stored + 1] = early
   redis.call('PUBLISH', ARGV[11], early)
@@ -232,23 +133,18 @@ if ARGV[3] ~= '' then
   if rec[4] and redis.call('GET', rec[4]) == ARGV[1] then redis.call('EXPIRE', rec[4], ARGV[3]) end
 end
 redis.call('PUBLISH', ARGV[11], ev)
-if handed or #spares > 0 or ARGV[19] ~= '' then
-  handed = handed or {'', '', ''}
-  return {seq, st, handed[1], handed[2], handed[3], moved and 1 or 0, unpack(spares)}
-end
 return {seq, st}
 """
 )
 
 # KEYS: 1 call hash, 2 queue list, 3 history, 4 waiting zset, 5 rq:queues, 6 idempotency key,
-#       7 slots zset, 8 limits hash, 9 spared zset
+#       7 slots zset, 8 limits hash
 # ARGV: 1 call_id, 2 pending event payload, 3 ttl, 4 queue_size (-1 = unlimited), 5 waiting score,
 #       6 channel, 7 queue key, 8 digest of the request under the idempotency key ('' = no key),
 #       9 concurrency (-1 = unlimited), 10 concurrency key, 11 wake channel suffix, 12.. field/value
 #       pairs of the job hash (with an idempotency key: ``h_idem`` its key, ``h_digest`` ARGV[8])
 # Returns {1, call_id, queued 1 / waiting 0} accepted; {0, existing call_id[, its tool, its kind]}
-# duplicate; {-1, depth} queue full (depth = calls waiting for a slot of this key, spares of workers
-# included); {-2, existing call_id, its tool, its kind} the key belongs to a call with another digest.
+# duplicate; {-1, depth} queue full (depth = calls waiting for a slot of this key); {-2, existing call_id, its tool, its kind} the key belongs to a call with another digest.
 # An idempotency key names a call only while that call's record exists: TRANSITION gives the key the
 # record's TTL when it ends, and a key found without its record (written by an older version) is ignored.
 # A record with no ``h_digest`` (an older version's) matches any digest: the caller compares tool and kind.
@@ -273,8 +169,7 @@ local depth = redis.call('ZCARD', KEYS[4])
 local run = depth == 0 and (limit < 0 or redis.call('ZCARD', KEYS[7]) < limit)
 if not run then
   local qsize = tonumber(ARGV[4])
-  depth = depth + redis.call('ZCARD', KEYS[9])
-  if qsize >= 0 and depth >= qsize then return {-1, depth} end
+    if qsize >= 0 and depth >= qsize then return {-1, depth} end
 end
 redis.call('HSET', KEYS[1], 'h_seq', '1', 'h_state', 'pending', 'status', 'queued', unpack(ARGV, 12))
 if run then

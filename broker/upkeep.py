@@ -1,5 +1,5 @@
 """Lua scripts that put calls and slots back: expired leases (REAP), slots of ended calls (SWEEP), retries
-that are due (DUE), spares given back in line (SPARE_BACK), a leased call never started (REQUEUE).
+that are due (DUE), a leased call never started (REQUEUE).
 
 The call's own way through (submit, claim, transition) is in ``broker.scripts``.
 """
@@ -31,11 +31,11 @@ end
 
 # KEYS: 1 leases. ARGV: 1 now, 2 reaper lease deadline, 3 limit.
 # Takes expired leases over (pushes their deadline out so one reaper owns them) and returns
-# {call_id, state, attempt, max_attempts, queue, cancel, ckey, spare, ...} for the reaper to settle.
+# {call_id, state, attempt, max_attempts, queue, cancel, ckey, ...} for the reaper to settle.
 REAP = (
     _TAKE_DUE
     + r"""
-return take_due({'h_state', 'h_attempt', 'h_max_attempts', 'h_queue', 'h_cancel', 'h_ckey', 'h_spare'},
+return take_due({'h_state', 'h_attempt', 'h_max_attempts', 'h_queue', 'h_cancel', 'h_ckey'},
                 function(state) return state end)  -- a record that is gone just leaves the set
 """
 )
@@ -43,8 +43,7 @@ return take_due({'h_state', 'h_attempt', 'h_max_attempts', 'h_queue', 'h_cancel'
 # KEYS: 1 limits hash. ARGV: 1 cut-off (slots whose deadline is older are checked), 2 max per key,
 # 3 wake channel suffix.
 # Frees slots still held by calls that ended, went back to retrying, or vanished (a safety net: every
-# path that ends a call releases its slot in the same script), then refills; drops spare marks of calls
-# that are no longer pending spares (their record expired, say). Returns slots freed.
+# path that ends a call releases its slot in the same script), then refills. Returns slots freed.
 SWEEP = (
     SLOTS
     + r"""
@@ -61,12 +60,7 @@ for _, ckey in ipairs(redis.call('HKEYS', KEYS[1])) do
     end
   end
   if n > 0 then promote(slots, waiting, KEYS[1], ckey, ARGV[3]) end
-  local spared = 'hermes:spared:' .. ckey
-  for _, id in ipairs(redis.call('ZRANGE', spared, 0, tonumber(ARGV[2]) - 1)) do
-    local f = redis.call('HMGET', 'rq:job:' .. id, 'h_state', 'h_spare')
-    if f[1] ~= 'pending' or not f[2] then redis.call('ZREM', spared, id) end  -- gone, or no longer a spare
-  end
-  if redis.call('EXISTS', slots) == 0 and redis.call('EXISTS', waiting) == 0 and redis.call('EXISTS', spared) == 0 then
+  if redis.call('EXISTS', slots) == 0 and redis.call('EXISTS', waiting) == 0 then
     redis.call('HDEL', KEYS[1], ckey)
   end
   freed = freed + n
@@ -87,41 +81,6 @@ local out = take_due({'h_state', 'h_attempt', 'h_trace', 'h_kind', 'h_tool', 'h_
 local nxt = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
 out[#out + 1] = nxt[2] or ''
 return out
-"""
-)
-
-# KEYS: 1 leases, 2 limits hash. ARGV: 1 worker ('' = whichever holds them: the reaper's, for a dead
-# worker), 2 wake channel suffix, 3.. call ids.
-# Gives spares back: each call still a spare of that worker goes back to waiting at its old place and
-# the free slots of its key are filled. Returns the ids left out because a cancel was asked for them
-# (the caller ends those: their worker was to stop them; they stay leased, expired, so that the reaper
-# ends any the caller does not).
-SPARE_BACK = (
-    SLOTS
-    + r"""
-local cancelled = {}
-for i = 3, #ARGV do
-  local id = ARGV[i]
-  local hk = 'rq:job:' .. id
-  local f = redis.call('HMGET', hk, 'h_state', 'h_spare', 'h_worker', 'h_cancel', 'h_ckey')
-  if f[1] == 'pending' and f[2] and (ARGV[1] == '' or f[3] == ARGV[1]) then
-    redis.call('HDEL', hk, 'h_spare', 'h_worker', 'worker_name')
-    if f[5] then redis.call('ZREM', 'hermes:spared:' .. f[5], id) end
-    if f[4] == '1' then
-      -- Left leased (expired at once): if the caller does not end it, the reaper does.
-      redis.call('ZADD', KEYS[1], 0, id)
-      cancelled[#cancelled + 1] = id
-    else
-      redis.call('ZREM', KEYS[1], id)
-      if f[5] then
-        local waiting = 'hermes:waiting:' .. f[5]
-        redis.call('ZADD', waiting, f[2], id)
-        promote('hermes:slots:' .. f[5], waiting, KEYS[2], f[5], ARGV[2])
-      end
-    end
-  end
-end
-return cancelled
 """
 )
 

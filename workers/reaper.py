@@ -57,13 +57,6 @@ def _audit(audit: AuditLog | None, info: CallInfo, state: State, attempt: int, e
 
 def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog | None = None) -> None:
     call_id, state, attempt = item["call_id"], item["state"], item["attempt"]
-    if state == State.PENDING and item.get("spare"):
-        # A lost worker's spare held no slot: it goes back in line at its old place (unless a cancel was
-        # asked for it: it ends below).
-        if call_id not in calls.spares_back("", [call_id]):
-            log.info("spare of a lost worker back in line", call_id=call_id)
-            return
-        item = {**item, "cancel": True}
     # A call being cancelled is not put back: it ends below (one claimed but never started, too: its
     # worker was to stop it, so the caller's cancel left it "pending" for that worker).
     if state in (State.PENDING, State.RETRYING) and not item["cancel"]:

@@ -96,15 +96,11 @@ def schedule(
     run: Running,
     error: HermesError,
     check: Callable[[Any], None],
-    before: Callable[[], None] | None = None,
 ) -> bool:
-    """Move a failed attempt to ``retrying`` on the schedule when its policy allows; True when it did.
-    ``before``: run once the retry is decided, before its write is queued."""
+    """Move a failed attempt to ``retrying`` on the schedule when its policy allows; True when it did."""
     planned = plan(core, run, error)
     if planned is None:
         return False
-    if before is not None:
-        before()
     delay, policy = planned
     due = time.time() + delay
     detail = {

@@ -28,10 +28,7 @@ from broker.states import State
 from workers import reaper
 from workers.core import WorkerCore
 from workers.executors.base import close_all
-from workers.handoff import HandOff
 from workers.runner import CallRunner
-from workers.shares import FAIR_SHARE_TTL, FairShares
-from workers.spares import Spares
 from workers.threads import CallThreads, Tokens
 
 log = structlog.get_logger("hermes.worker")
@@ -46,7 +43,7 @@ def worker_name() -> str:
     return f"hermes-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-class Worker(HandOff):
+class Worker:
     """One worker process."""
 
     def __init__(
@@ -71,17 +68,7 @@ class Worker(HandOff):
         self.stopping = threading.Event()
         self._slots = Tokens(self.concurrency)  # one per call this process may run at once
         self._wake = threading.Event()
-        # A call thread ending keeps its token for the call its slot is handed to (see ``reserve``).
-        self._local = threading.local()
-        self._no_waiters: dict[str, float] = {}  # ckey -> until when a hand-off is not tried
-        self._slotless: set[str] = set()  # spares started here whose slot move was refused
-        self._slotted: set[str] = set()  # spares started here that an earlier write of ours handed a slot
-        self._refresh_now = threading.Event()
-        # How many of a key's slots this process may keep (refreshed by the heartbeat thread).
-        self.shares = FairShares(conn, queues, self.lease, self._refresh_now)
-        self.fair_share, self.refresh_shares = self.shares.fair_share, self.shares.refresh
-        self.runner.handoff = self
-        self.spares = Spares(self.core.calls, self.name, self._end_cancelled, self.core.outbox)
+        self._beat_now = threading.Event()
         self.rq = RQWorker(
             [Queue(q, connection=conn, serializer=MsgpackSerializer) for q in queues],
             connection=conn,
@@ -129,8 +116,7 @@ class Worker(HandOff):
     def request_stop(self) -> None:
         self.stopping.set()
         self._wake.set()
-        self._refresh_now.set()
-        self.spares.wake()
+        self._beat_now.set()
 
     def work(self) -> None:
         """Run until stopped; then drain within the grace period."""
@@ -138,10 +124,6 @@ class Worker(HandOff):
         self.rq.set_state("busy")
         self.core.calls.load_scripts()
         self._heartbeat_once()
-        try:
-            self.refresh_shares()
-        except redis.RedisError as e:
-            log.warning("could not read the concurrency limits yet", error=str(e))
         threads = [
             threading.Thread(target=self._heartbeat_loop, name="hermes-heartbeat", daemon=True),
             threading.Thread(target=self._control_loop, name="hermes-control", daemon=True),
@@ -152,7 +134,6 @@ class Worker(HandOff):
         ]
         for t in threads:
             t.start()
-        self.spares.start(self.stopping)
         log.info(
             "worker started",
             worker=self.name,
@@ -201,8 +182,7 @@ class Worker(HandOff):
         leftovers = self.core.inflight()
         for run in leftovers:
             self._hand_back(run)
-        self.core.outbox.flush(self.grace)  # spares leased to us by the last writes, then given back
-        self.spares.close()
+        self.core.outbox.flush(self.grace)
         dropped = self.pool.shutdown(wait=True, cancel_pending=True)
         if dropped:  # taken off the queue, never started: the reaper puts them back when their lease ends
             log.warning("calls taken but not started are left to the reaper", calls=dropped)
@@ -252,11 +232,19 @@ class Worker(HandOff):
                 current=State.RETRYING,
             )
 
+    def _run_one(self, claimed: Any) -> None:
+        try:
+            self.runner.run(claimed)
+        except Exception:  # noqa: BLE001 - run() never raises; if it did, the token still goes back
+            log.exception("call thread failed")
+        finally:
+            self._slots.give()
+
     # -- background threads ----------------------------------------------------------------------
 
     def _heartbeat_once(self) -> None:
         runs = self.core.inflight()
-        running = [r.info.call_id for r in runs] + self.spares.call_ids()
+        running = [r.info.call_id for r in runs]
         pipe = self.conn.pipeline(transaction=False)
         self.rq.heartbeat(pipeline=pipe)
         now = time.time()
@@ -275,7 +263,6 @@ class Worker(HandOff):
                 "inflight": len(runs),
                 "processed": self.core.processed,
                 "failed": self.core.failed,
-                "spares_used": self.spares.used,  # calls started on a slot handed over in-process
                 "policy_version": self.core.policy_version,  # which pushed policy it judges by
                 "started_at": self.started_at,
                 "heartbeat": time.time(),
@@ -288,18 +275,11 @@ class Worker(HandOff):
 
     def _heartbeat_loop(self) -> None:
         interval = max(0.2, min(self.lease / 3.0, 5.0))
-        tick = min(interval, FAIR_SHARE_TTL)
-        next_beat = time.monotonic() + interval
         while not self.stopping.is_set():
-            self._refresh_now.wait(tick)
-            self._refresh_now.clear()
+            self._beat_now.wait(interval)
             if self.stopping.is_set():
                 return
             try:
-                self.refresh_shares()
-                if time.monotonic() < next_beat:
-                    continue
-                next_beat = time.monotonic() + interval
                 self._heartbeat_once()
                 reaper.reap(self.core.calls, self.lease, self.settings.result_ttl, self.core.audit)
                 # Slots still held by calls that ended (a safety net: ending gives the slot back).
@@ -350,10 +330,6 @@ class Worker(HandOff):
             return
         if op == "cancel" and msg.get("call_id"):
             self.core.cancel(str(msg["call_id"]))
-            try:
-                self.spares.cancel(str(msg["call_id"]))  # a spare of ours ends now, not when a slot frees
-            except redis.RedisError as e:
-                log.warning("could not end a cancelled spare", error=str(e))
         elif op == "stop":
             log.info("stop requested over the control channel")
             self.request_stop()

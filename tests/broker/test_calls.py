@@ -237,7 +237,6 @@ def test_reap_returns_only_expired_leases_and_takes_them_over(fake: Any) -> None
             "queue": keys.queue("tools"),
             "cancel": True,
             "ckey": CKEY,
-            "spare": False,
         }
     ]
     assert fake.zscore(keys.LEASES, "old") > time.time() + 9  # one reaper owns it now

@@ -283,52 +283,6 @@ def test_control_messages_stop_and_cancel_and_ignore_the_rest(fake: Any, setting
     assert unpack(control_message("stop")) == {"op": "stop"}
 
 
-def test_a_worker_over_its_fair_share_of_a_keys_slots_declines_the_hand_off(
-    fake: Any, settings: Settings
-) -> None:
-    """limit 10 over two live workers of the queue: a worker holding more than 5 lets the slot go."""
-    w = Worker(fake, settings, ["tools"], concurrency=16, name="w-a")
-    try:
-        fake.hset(keys.LIMITS, "tool:slow", 10)
-        now = time.time()
-        for name, queues in (("w-a", ["tools"]), ("w-b", ["tools", "llm"]), ("w-c", ["llm"])):  # w-c: other queue
-            for q in queues:
-                fake.zadd(keys.queue_workers(q), {name: now})
-        fake.zadd(keys.queue_workers("tools"), {"w-gone": now - 3600})  # no heartbeat for an hour
-        w._local.in_call, w._local.keep = True, False
-
-        def holding(n: int) -> None:
-            w.core._held["tool:slow"] = n
-
-        # Before the limits were read the key is unknown: no bound, and the heartbeat thread is asked to read.
-        holding(9)
-        assert w.reserve("tool:slow", "tools")[:3] == ("w-a", w.lease, "")
-        assert w._refresh_now.is_set()
-        w._local.keep = False
-
-        w.refresh_shares()  # what the heartbeat thread does every second (no Redis on the call's thread)
-        assert w.fair_share("tool:slow", "tools") == 5
-        holding(5)
-        assert w.reserve("tool:slow", "tools")[:3] == ("w-a", w.lease, "")  # at its share: keeps the slot
-        w._local.keep = False
-        holding(6)
-        assert w.reserve("tool:slow", "tools") is None  # over it: the slot goes through the queue
-        assert w._local.keep is False, "a declined hand-off gives the thread back"
-
-        # Alone on the queue it may hold every slot; a key with no limit has nothing to share.
-        fake.zrem(keys.queue_workers("tools"), "w-b")
-        fake.hset(keys.LIMITS, "tool:free", -1)
-        w.refresh_shares()
-        holding(10)
-        assert w.reserve("tool:slow", "tools")[:3] == ("w-a", w.lease, "")
-        w._local.keep = False
-        w.core._held["tool:free"] = 500
-        assert w.reserve("tool:free", "tools")[:3] == ("w-a", w.lease, "")
-    finally:
-        w.core.close()
-        w.pool.shutdown()
-
-
 def test_the_held_count_follows_runs_even_when_a_newer_run_replaced_an_older_one(fake: Any, core: WorkerCore) -> None:
     from workers.runner import Running
 
