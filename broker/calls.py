@@ -16,8 +16,9 @@ from typing import Any
 import redis
 from redis.client import Pipeline
 
-from . import events, keys, pipes, scripts, upkeep
-from .codec import raw, text
+from . import events, keys, pipes, scripts
+from .codec import text
+from .connection import is_cluster
 from .envelope import Envelope
 from .errors import IllegalTransition, QueueFull
 from .idempotency import conflict, request_digest
@@ -43,10 +44,23 @@ class Calls:
         self._submit = conn.register_script(scripts.SUBMIT)
         self._transition = conn.register_script(scripts.TRANSITION)
         self._claim = conn.register_script(scripts.CLAIM)
-        self._reap = conn.register_script(upkeep.REAP)
-        self._requeue = conn.register_script(upkeep.REQUEUE)
-        # Pub/sub is shared by every DB of a server: the scripts' wake-ups carry this DB's suffix.
-        self.wake_suffix = keys.channel(conn, "")
+        self._reap = conn.register_script(scripts.TAKE_DUE)
+        self._requeue = conn.register_script(scripts.REQUEUE)
+        # Events go out on sharded channels (in the call's slot) on a cluster, where plain PUBLISH would
+        # reach every node; a plain Redis (the embedded one may be 6.2) has only PUBLISH.
+        self.publish = "SPUBLISH" if is_cluster(conn) else "PUBLISH"
+        self._listed: set[str] = set()  # queues this process added to rq:queues
+
+    def wake_channel(self, queue: str) -> str:
+        """The wake-up channel of ``queue`` (pub/sub is shared by every DB of a server: scoped to ours)."""
+        return keys.channel(self.conn, keys.wake(queue))
+
+    def list_queue(self, queue: str) -> None:
+        """Add ``queue`` to RQ's set of queues (``rq info`` lists it), once per process: a set spanning
+        queues is no key of a submission's slot."""
+        if queue not in self._listed:
+            self.conn.sadd(keys.RQ_QUEUES, keys.queue(queue))
+            self._listed.add(queue)
 
     # -- submission ------------------------------------------------------------------------------
 
@@ -79,20 +93,21 @@ class Calls:
         flat = [x for k, v in fields.items() for x in (k, "" if v is None else v)]
         idem = env.options.idempotency_key
         digest = ""
+        tag = keys.tag(env.queue)
         if idem:
             digest = request_digest(env)
-            flat += [F_IDEM, keys.IDEMPOTENCY.format(idem), F_DIGEST, digest]
+            flat += [F_IDEM, keys.idempotency(tag, idem), F_DIGEST, digest]
+        self.list_queue(env.queue)
         return pipes.script(
             self._submit,
             [
                 keys.job(env.call_id),
                 keys.queue(env.queue),
                 keys.history(env.call_id),
-                keys.waiting(ckey),
-                keys.RQ_QUEUES,
-                keys.IDEMPOTENCY.format(idem or ""),
-                keys.slots(ckey),
-                keys.LIMITS,
+                keys.waiting(tag, ckey),
+                keys.idempotency(tag, idem or ""),
+                keys.slots(tag, ckey),
+                keys.limits(tag),
             ],
             [
                 env.call_id,
@@ -101,11 +116,12 @@ class Calls:
                 queue_size,
                 waiting_score(),
                 env.channel,
-                keys.queue(env.queue),
                 digest,
                 concurrency,
                 ckey,
-                self.wake_suffix,
+                self.wake_channel(env.queue),
+                self.publish,
+                keys.job(""),
                 *flat,
             ],
             pipeline,
@@ -202,16 +218,18 @@ class Calls:
         for k, v in (fields or {}).items():
             flat.append(k)
             flat.append(v)
+        tag = keys.tag(info.queue)
         return pipes.script(
             self._transition,
             [
                 keys.job(info.call_id),
                 keys.history(info.call_id),
-                keys.LEASES,
-                keys.waiting(info.ckey),
-                keys.slots(info.ckey),
-                keys.LIMITS,
-                keys.SCHEDULED,
+                keys.leases(tag),
+                keys.waiting(tag, info.ckey),
+                keys.slots(tag, info.ckey),
+                keys.limits(tag),
+                keys.scheduled(tag),
+                keys.queue(info.queue),
             ],
             [
                 info.call_id,
@@ -222,13 +240,14 @@ class Calls:
                 state,
                 RQ_STATUS[target] if target is not None else "",
                 "" if lease is None else lease,
-                keys.queue(info.queue) if requeue else "",
+                "1" if requeue else "",
                 waiting_score() if requeue_score is None else requeue_score,
                 info.channel,
                 "1" if release else "",
                 info.ckey,
                 "" if schedule_at is None else schedule_at,
-                self.wake_suffix,
+                self.wake_channel(info.queue),
+                self.publish,
                 *flat,
             ],
             pipeline,
@@ -281,65 +300,72 @@ class Calls:
     def requeue_unstarted(self, call_id: str, ckey: str, queue: str, pipeline: Pipeline | None = None) -> Any:
         """A call leased but never started, still ``pending`` and holding its slot: back at the head of its
         queue, unleased, keeping the slot (a no-op otherwise)."""
+        tag = keys.tag(queue)
         return pipes.script(
             self._requeue,
-            [keys.LEASES, keys.slots(ckey), keys.queue(queue)],
-            [call_id, keys.wake(queue) + self.wake_suffix],
+            [keys.leases(tag), keys.slots(tag, ckey), keys.queue(queue), keys.job(call_id)],
+            [call_id, self.wake_channel(queue)],
             pipeline,
         )
 
     # -- workers ---------------------------------------------------------------------------------
 
     def claim(self, queues: list[str], n: int, worker: str, lease: float) -> list[Claimed]:
-        """Take up to ``n`` pending calls off the queues (in order), leased to ``worker``."""
-        reply = self._claim(
-            keys=[keys.LEASES, *(keys.queue(q) for q in queues)],
-            args=[n, worker, lease_deadline(lease), rq_now()],
-        )
-        out = []
-        for i in range(0, len(reply), 3):
-            cid, data, attempt = reply[i], reply[i + 1], reply[i + 2]
-            out.append(Claimed(cid.decode(), data or b"", int(attempt or 1)))
+        """Take up to ``n`` pending calls off the queues (in order), leased to ``worker``: one script per
+        queue (each queue is a slot of its own), the next queue only while fewer than ``n`` came."""
+        out: list[Claimed] = []
+        deadline, now = lease_deadline(lease), rq_now()
+        for q in queues:
+            tag = keys.tag(q)
+            reply = self._claim(
+                keys=[keys.leases(tag), keys.queue(q)],
+                args=[n - len(out), worker, deadline, now, keys.job(""), keys.slots(tag, "")],
+            )
+            for i in range(0, len(reply), 3):
+                cid, data, attempt = reply[i], reply[i + 1], reply[i + 2]
+                out.append(Claimed(cid.decode(), data or b"", int(attempt or 1)))
+            if len(out) >= n:
+                break
         return out
 
-    def extend_leases(
-        self,
-        call_ids: list[str],
-        lease: float,
-        pipeline: Pipeline | None = None,
-        ckeys: dict[str, str] | None = None,
-    ) -> None:
+    def extend_leases(self, runs: Sequence[CallInfo], lease: float, pipeline: Pipeline | None = None) -> None:
         """Push the lease deadline of calls still running here (only those still leased), and of the
-        concurrency slots they hold (``ckeys``: call_id -> concurrency key)."""
-        if not call_ids:
+        concurrency slots they hold."""
+        if not runs:
             return
         deadline = lease_deadline(lease)
         target = pipeline if pipeline is not None else self.conn
-        target.zadd(keys.LEASES, {cid: deadline for cid in call_ids}, xx=True)
-        by_key: dict[str, dict[str, int]] = {}
-        for cid, ckey in (ckeys or {}).items():
-            by_key.setdefault(ckey, {})[cid] = deadline
-        for ckey, members in by_key.items():
-            target.zadd(keys.slots(ckey), members, xx=True)
+        by_lease: dict[str, dict[str, int]] = {}
+        by_slots: dict[str, dict[str, int]] = {}
+        for info in runs:
+            tag = keys.tag(info.queue)
+            by_lease.setdefault(keys.leases(tag), {})[info.call_id] = deadline
+            by_slots.setdefault(keys.slots(tag, info.ckey), {})[info.call_id] = deadline
+        for key, members in (*by_lease.items(), *by_slots.items()):
+            target.zadd(key, members, xx=True)
 
-    def reap(self, lease: float, limit: int = 100) -> list[dict[str, Any]]:
-        """Expired leases, taken over by this reaper for one more lease while it settles them."""
+    def reap(self, queues: Sequence[str], lease: float, limit: int = 100) -> list[dict[str, Any]]:
+        """Expired leases of calls on ``queues``, taken over by this reaper for one more lease while it
+        settles them."""
         now = time.time()
-        reply = self._reap(keys=[keys.LEASES], args=[now, lease_deadline(lease), limit])
         out = []
-        for i in range(0, len(reply), 7):
-            cid, state, attempt, max_att, queue, cancel, ckey = (text(v) for v in reply[i : i + 7])
-            out.append(
-                {
-                    "call_id": cid,
-                    "state": state,
-                    "attempt": int(attempt or 1),
-                    "max_attempts": int(max_att or 1),
-                    "queue": queue,
-                    "cancel": cancel == "1",
-                    "ckey": ckey,
-                }
+        for q in queues:
+            reply = self._reap(
+                keys=[keys.leases(keys.tag(q))], args=[now, lease_deadline(lease), limit, keys.job(""), "reap"]
             )
+            for i in range(0, len(reply), 7):
+                cid, state, attempt, max_att, queue, cancel, ckey = (text(v) for v in reply[i : i + 7])
+                out.append(
+                    {
+                        "call_id": cid,
+                        "state": state,
+                        "attempt": int(attempt or 1),
+                        "max_attempts": int(max_att or 1),
+                        "queue": queue,
+                        "cancel": cancel == "1",
+                        "ckey": ckey,
+                    }
+                )
         return out
 
     # -- reading ---------------------------------------------------------------------------------

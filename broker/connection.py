@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+import redis.cluster
 
 from .embedded import EmbeddedBroker
 from .errors import BrokerUnavailable
@@ -39,12 +40,64 @@ def redact_url(url: str) -> str:
     return url
 
 
+CLUSTER_SCHEME = "redis+cluster://"
+
+
+def is_cluster(conn: Any) -> bool:
+    """Whether ``conn`` is a Redis Cluster client (sync or asyncio)."""
+    import redis.asyncio.cluster
+
+    return isinstance(conn, (redis.cluster.RedisCluster, redis.asyncio.cluster.RedisCluster))
+
+
+def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], dict[str, str]]:
+    """The seed nodes and credentials of ``redis+cluster://[user:pass@]host:port[,host:port...]``."""
+    from urllib.parse import unquote
+
+    rest = url[len(CLUSTER_SCHEME) :].split("/", 1)[0].split("?", 1)[0]
+    creds: dict[str, str] = {}
+    if "@" in rest:
+        userinfo, rest = rest.rsplit("@", 1)
+        user, _, password = userinfo.partition(":")
+        if user:
+            creds["username"] = unquote(user)
+        if password:
+            creds["password"] = unquote(password)
+    nodes = []
+    for part in rest.split(","):
+        host, _, port = part.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"a cluster seed node is host:port, not {part!r}")
+        nodes.append((host.strip("[]"), int(port)))
+    return nodes, creds
+
+
+def cluster_from_url(url: str, **kwargs: Any) -> Any:
+    """A ``RedisCluster`` client on the seed nodes of a ``redis+cluster://`` URL, checked with PING."""
+    from redis.cluster import ClusterNode, RedisCluster
+
+    nodes, creds = cluster_nodes(url)
+    conn = RedisCluster(
+        startup_nodes=[ClusterNode(h, p) for h, p in nodes], health_check_interval=30, **creds, **kwargs
+    )
+    conn.ping()
+    return conn
+
+
 def from_url(url: str, **kwargs: object) -> redis.Redis:
-    """A client for redis://, rediss:// or unix:// URLs (password in the URL), checked with PING."""
+    """A client for redis://, rediss:// or unix:// URLs (password in the URL), or a Redis Cluster for
+    ``redis+cluster://host:port[,host:port...]``, checked with PING."""
     try:
+        if url.startswith(CLUSTER_SCHEME):
+            return cluster_from_url(url, **kwargs)  # type: ignore[no-any-return]
         conn = redis.Redis.from_url(url, health_check_interval=30, **kwargs)  # type: ignore[arg-type]
         conn.ping()
-    except (redis.ConnectionError, redis.TimeoutError, ValueError) as e:
+    except (
+        redis.ConnectionError,
+        redis.TimeoutError,
+        redis.exceptions.RedisClusterException,
+        ValueError,
+    ) as e:
         raise BrokerUnavailable(f"cannot reach Redis at {redact_url(url)}: {e}") from e
     except redis.AuthenticationError as e:
         raise BrokerUnavailable(f"Redis at {redact_url(url)} refused the credentials: {e}") from e
@@ -67,6 +120,8 @@ def subscriber(conn: Any, **kwargs: Any) -> Any:
     """
     import redis.asyncio
 
+    if is_cluster(conn):  # (subscribe confirmations are kept: a client waits for its sharded ones)
+        return conn.pubsub(**kwargs)
     is_async = isinstance(conn, redis.asyncio.Redis)
     default = redis.asyncio.connection.DefaultParser if is_async else redis.connection.DefaultParser
     parser = conn.connection_pool.connection_kwargs.get("parser_class") or default

@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover - hiredis is an install dependency; redi
     _hiredis_pack = None
 
 Command = tuple[tuple[Any, ...], dict[str, Any]]
+_TEXT: dict[str, str] = {}  # sha -> text of every script sent through ``script`` (to resend as EVAL)
 _DROP = (NEVER_DECODE, EMPTY_RESPONSE, "keys")
 
 
@@ -36,6 +37,7 @@ def script(script: Any, keys: Sequence[Any], args: Sequence[Any], client: Any = 
     straight onto the stack here. The script is registered with the pipeline as redis-py does, so a
     server that lost it gets it again (``execute`` here, or ``Pipeline.execute``).
     """
+    _TEXT.setdefault(script.sha, script.script)
     if type(client) is Pipeline and not client.watching:
         client.scripts.add(script)
         client.command_stack.append((("EVALSHA", script.sha, len(keys), *keys, *args), {}))
@@ -48,7 +50,10 @@ def execute(pipe: Pipeline, connection: Any = None) -> list[Any]:
 
     ``connection``: one the caller keeps for its own sending (a worker's outbox) instead of taking one
     from the pool each time; it is disconnected (and reconnects on the next send) when anything fails.
+    A cluster's pipeline (no single connection) is sent by redis-py, one batch per node (``stock``).
     """
+    if not isinstance(pipe, Pipeline):
+        return stock(pipe)
     if getattr(pipe, "transaction", False) is True or pipe.explicit_transaction or pipe.watching:
         raise ValueError("pipes.execute sends plain pipelines; use pipeline(transaction=False), no WATCH")
     stack: list[Command] = list(pipe.command_stack)
@@ -80,6 +85,26 @@ def execute(pipe: Pipeline, connection: Any = None) -> list[Any]:
     finally:
         if connection is None:
             pool.release(conn)
+
+
+def stock(pipe: Any) -> list[Any]:
+    """``pipe.execute(raise_on_error=False)``; scripts a node refused with NOSCRIPT (it restarted, or a
+    slot moved to a node that never ran them) are sent again as EVAL with their text, in order."""
+    stack = list(pipe.command_stack)
+    replies = pipe.execute(raise_on_error=False)
+    refused = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+    if refused:
+        for i in refused:
+            cmd = stack[i]
+            args = cmd.args if hasattr(cmd, "args") else cmd[0]
+            pipe.execute_command("EVAL", _TEXT[_text(args[1])], *args[2:])
+        for i, reply in zip(refused, pipe.execute(raise_on_error=False), strict=True):
+            replies[i] = reply
+    return replies
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def _round_trip(conn: Any, client: Pipeline, stack: Sequence[Command], again: int = 0) -> list[Any]:

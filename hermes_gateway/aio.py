@@ -97,6 +97,9 @@ class AsyncGateway:
         await gw.start()
         return gw
 
+    def _channel_of(self, _queue: str) -> str:
+        return self.channel
+
     async def start(self) -> None:
         """Subscribe before any submission, so no event of ours can be published unheard."""
         await self._pubsub.subscribe(self.channel, self._tools_channel)
@@ -176,7 +179,7 @@ class AsyncGateway:
         }
         with Sending(traceparent, tracestate) as send:
             opts["trace_headers"] = send.headers
-            env = tool_envelope(entry, name, args, opts, context, self.channel)
+            env = tool_envelope(entry, name, args, opts, context, self._channel_of)
             send.describe(env)
             return await self._submit(env, tool_limits(env, entry.spec, self.settings))
 
@@ -201,7 +204,7 @@ class AsyncGateway:
             "max_attempts": max_attempts,
             "queue": queue,
         }
-        env, limits = llm_envelope(request, self.settings, opts, context, self.channel, send.headers)
+        env, limits = llm_envelope(request, self.settings, opts, context, self._channel_of, send.headers)
         with send:
             send.describe(env)
             return await self._submit(env, limits)
@@ -250,7 +253,7 @@ class AsyncGateway:
         prepared = []
         for i, (name, args) in enumerate(calls):
             entry = self._tools.get(name) or await self.tool(name)
-            env = tool_envelope(entry, name, args, item_opts(opts, idempotency_keys, i), common, self.channel)
+            env = tool_envelope(entry, name, args, item_opts(opts, idempotency_keys, i), common, self._channel_of)
             handle = self._track(AsyncCallHandle(self, env.call_id, name))
             prepared.append((env, tool_limits(env, entry.spec, self.settings), handle))
         pipe = self.conn.pipeline(transaction=False)
@@ -303,15 +306,13 @@ class AsyncGateway:
             keys.F_CHANNEL,
             keys.F_CKEY,
         )
-        pipe = conn.pipeline(transaction=False)
-        pipe.hmget(keys.job(call_id), *fields, "origin")
-        pipe.zscore(keys.LEASES, call_id)
-        raw, leased = await pipe.execute()
+        raw = await conn.hmget(keys.job(call_id), *fields, "origin")
         if raw[0] is None:
             return False
         state, attempt, trace, kind, tool, chan, ckey, origin = (_text(v) for v in raw)
         if state in TERMINAL:
             return False
+        leased = await conn.zscore(keys.leases(keys.tag(origin)), call_id)
         if state == State.PENDING and leased is None:  # else its worker is told (as cancel_call does)
             info = CallInfo(call_id, trace, "", kind, tool, None, chan, ckey, origin)
             err = {"type": "cancelled", "message": "cancelled by the caller before it started"}
@@ -326,12 +327,9 @@ class AsyncGateway:
                 fields={keys.F_ERROR: pack(err)},
             )
             if int(reply[0]) > 0:
-                await conn.zrem(keys.waiting(ckey), call_id)
                 return True
-        pipe = conn.pipeline()
-        pipe.hset(keys.job(call_id), keys.F_CANCEL, "1")
-        pipe.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))
-        await pipe.execute()
+        await conn.hset(keys.job(call_id), keys.F_CANCEL, "1")
+        await conn.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))
         return True
 
     # -- events ----------------------------------------------------------------------------------

@@ -16,10 +16,10 @@ from broker import keys, pipes
 from broker.calls import Calls
 from broker.codec import text
 from broker.config import Settings, load_settings
-from broker.connection import BrokerHandle, connect, subscriber
+from broker.connection import BrokerHandle, connect, is_cluster, subscriber
 from broker.directory import Directory, Entry, sync_dir
 from broker.envelope import Envelope
-from broker.errors import HermesError, InvalidSpec, NoWorkers, QueueFull
+from broker.errors import BrokerUnavailable, HermesError, InvalidSpec, NoWorkers, QueueFull
 from broker.toolspec import ToolSpec
 from hermes_gateway.envelopes import (
     check_batch_keys,
@@ -34,6 +34,8 @@ from hermes_gateway.telemetry import Sending
 
 log = structlog.get_logger("hermes.client")
 
+CLUSTER_POLL = 0.05  # seconds a cluster client's event thread waits on its sharded channels per round
+SUBSCRIBE_WAIT = 5.0  # seconds to wait for the server to confirm a new sharded subscription
 SUBMIT_CHUNK = 100  # calls per pipelined round trip in submit_many
 
 
@@ -67,9 +69,14 @@ class Gateway:
         self._handles: dict[str, CallHandle] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        # On a cluster, events come on one sharded channel per queue tag used (``channel_for``).
+        self.cluster = is_cluster(self.conn)
+        self._channels = {self.channel}
+        self._confirmed: dict[str, threading.Event] = {}
+        self._sub_lock = threading.Lock()
         self._pubsub = subscriber(self.conn)
         self._tools_channel = keys.channel(self.conn, keys.TOOLS_CHANNEL).encode()
-        self._pubsub.subscribe(self.channel, self._tools_channel)
+        self._pubsub.subscribe(self._tools_channel, *([] if self.cluster else [self.channel]))
         self._thread = threading.Thread(target=self._dispatch, name="hermes-client-events", daemon=True)
         self._thread.start()
 
@@ -91,7 +98,8 @@ class Gateway:
             return
         self._closed.set()
         try:
-            self.conn.publish(self.channel, b"")  # wake the event thread so it sees the close at once
+            if not self.cluster:
+                self.conn.publish(self.channel, b"")  # wake the event thread so it sees the close at once
         except redis.RedisError:
             pass
         self._thread.join(3)
@@ -146,7 +154,24 @@ class Gateway:
 
     def _envelope(self, name: str, args: dict[str, Any] | None, opts: dict[str, Any], context: dict[str, Any]) -> tuple[Envelope, ToolSpec]:
         entry = self.directory.get(name)
-        return tool_envelope(entry, name, args, opts, context, self.channel), entry.spec
+        return tool_envelope(entry, name, args, opts, context, self.channel_for), entry.spec
+
+    def channel_for(self, queue: str) -> str:
+        """The channel this client hears the events of its calls on ``queue`` on: its one channel on a
+        plain Redis; on a cluster its sharded channel of the queue's tag, subscribed (and confirmed by
+        the server) before the first call there is sent, so no event of it goes unheard."""
+        if not self.cluster:
+            return self.channel
+        ch = keys.caller_channel(self.client_id, keys.tag(queue))
+        if ch in self._channels:
+            return ch
+        confirmed = self._confirmed.setdefault(ch, threading.Event())
+        with self._sub_lock:
+            self._pubsub.ssubscribe(ch)
+        self._channels.add(ch)
+        if not confirmed.wait(SUBSCRIBE_WAIT):
+            raise BrokerUnavailable(f"the broker did not confirm the subscription to {ch} in time")
+        return ch
 
     def _limits(self, env: Envelope, spec: ToolSpec) -> dict[str, Any]:
         return tool_limits(env, spec, self.settings)
@@ -205,7 +230,7 @@ class Gateway:
         check_llm_request(request, context)  # before the producer span starts
         send = Sending(traceparent, tracestate)
         opts = {"timeout": timeout, "idempotency_key": idempotency_key, "max_attempts": max_attempts, "queue": queue}
-        env, limits = llm_envelope(request, self.settings, opts, context, self.channel, send.headers)
+        env, limits = llm_envelope(request, self.settings, opts, context, self.channel_for, send.headers)
         with send:
             send.describe(env)
             return self._submit(env, limits)
@@ -327,7 +352,7 @@ class Gateway:
             from broker.errors import CallFailed
 
             raise CallFailed(f"no such call {call_id}", error_type="unknown_call")
-        h = CallHandle(self, call_id, rec["name"], rec["kind"], own=rec["channel"] == self.channel)
+        h = CallHandle(self, call_id, rec["name"], rec["kind"], own=rec["channel"] in self._channels)
         h.sync()
         return h
 
@@ -371,6 +396,9 @@ class Gateway:
                 self._handles.pop(call_id, None)
 
     def _dispatch(self) -> None:
+        if self.cluster:
+            self._dispatch_cluster()
+            return
         while not self._closed.is_set():
             try:
                 # redis-py's reader reconnects, subscribes again and sends health checks ...
@@ -379,6 +407,30 @@ class Gateway:
                     self._on_message(msg["channel"], msg["data"])
                 # ... and while the subscription is up and busy, messages are read straight off it.
                 self._read_direct()
+            except (redis.ConnectionError, redis.TimeoutError, ValueError):
+                if self._closed.is_set():
+                    return
+                time.sleep(0.5)
+
+    def _dispatch_cluster(self) -> None:
+        """A cluster's loop: the directory's notices (plain pub/sub) and the sharded channels of the
+        queue tags in use, read in turn (redis-py follows a sharded channel to its slot's new node)."""
+        pubsub = self._pubsub
+        while not self._closed.is_set():
+            try:
+                with self._sub_lock:
+                    msgs = [pubsub.get_message(timeout=0.0)]
+                    if pubsub.shard_channels:
+                        msgs.append(pubsub.get_sharded_message(timeout=CLUSTER_POLL))
+                for msg in msgs:
+                    if msg is None or self._closed.is_set():
+                        continue
+                    if msg["type"] in ("message", "smessage"):
+                        self._on_message(msg["channel"], msg["data"])
+                    elif msg["type"] == "ssubscribe":
+                        self._confirmed.setdefault(text(msg["channel"]), threading.Event()).set()
+                if not pubsub.shard_channels:
+                    self._closed.wait(CLUSTER_POLL)
             except (redis.ConnectionError, redis.TimeoutError, ValueError):
                 if self._closed.is_set():
                     return

@@ -6,9 +6,10 @@ clients cannot drift apart on context fields, trace headers, queues or limits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from broker import keys
 from broker.codec import pack
 from broker.config import Settings
 from broker.directory import Entry
@@ -53,9 +54,9 @@ def tool_envelope(
     args: dict[str, Any] | None,
     opts: dict[str, Any],
     context: dict[str, Any],
-    channel: str,
+    channel: Callable[[str], str],
 ) -> Envelope:
-    """The envelope of one call of the directory tool ``entry``; events go to ``channel``."""
+    """The envelope of one call of the directory tool ``entry``; events go to ``channel(queue)``."""
     spec = entry.spec
     check_context(context)
     if args is not None and not isinstance(args, dict):
@@ -65,8 +66,9 @@ def tool_envelope(
     tp, ts, bg = opts.get("trace_headers") or (opts.get("traceparent"), opts.get("tracestate"), None)
     if tp is None:
         tp, ts, bg = current_headers()
+    queue = opts.get("queue") or str(spec.config.get("queue") or "tools")
     return Envelope(
-        call_id=opts.get("call_id") or new_call_id(),
+        call_id=keys.call_id(queue, opts.get("call_id") or new_call_id()),
         kind="tool",
         tool=name,
         args=args or {},
@@ -80,8 +82,8 @@ def tool_envelope(
             idempotency_key=opts.get("idempotency_key"),
             max_attempts=opts.get("max_attempts"),
         ),
-        queue=opts.get("queue") or str(spec.config.get("queue") or "tools"),
-        channel=channel,
+        queue=queue,
+        channel=channel(queue),
     )
 
 
@@ -106,7 +108,7 @@ def llm_envelope(
     settings: Settings,
     opts: dict[str, Any],
     context: dict[str, Any],
-    channel: str,
+    channel: Callable[[str], str],
     headers: Headers,
 ) -> tuple[Envelope, dict[str, Any]]:
     """The envelope and limits of one LLM call (chat-completions kwargs) on ``opts["queue"]``."""
@@ -119,8 +121,9 @@ def llm_envelope(
     context["model"] = request.get("model") or context.get("model") or model_cfg.get("model")
     tp, ts, bg = headers
     timeout, max_attempts = opts.get("timeout"), opts.get("max_attempts")
+    queue = opts.get("queue") or "llm"
     env = Envelope(
-        call_id=new_call_id(),
+        call_id=keys.call_id(queue, new_call_id()),
         kind="llm",
         request=request,
         context={k: v for k, v in context.items() if v is not None},
@@ -130,8 +133,8 @@ def llm_envelope(
         options=Options(
             timeout=timeout, idempotency_key=opts.get("idempotency_key"), max_attempts=max_attempts
         ),
-        queue=opts.get("queue") or "llm",
-        channel=channel,
+        queue=queue,
+        channel=channel(queue),
     )
     limits = {
         "ckey": concurrency_key(env),

@@ -199,15 +199,13 @@ def cancel_call(gateway: Gateway, call_id: str) -> bool:
     from broker.records import CallInfo
 
     conn = gateway.conn
-    pipe = conn.pipeline(transaction=False)
-    pipe.hmget(keys.job(call_id), keys.F_STATE, keys.F_ATTEMPT, keys.F_TRACE, keys.F_KIND, keys.F_TOOL, keys.F_CHANNEL, keys.F_CKEY, "origin")
-    pipe.zscore(keys.LEASES, call_id)
-    raw, leased = pipe.execute()
+    raw = conn.hmget(keys.job(call_id), keys.F_STATE, keys.F_ATTEMPT, keys.F_TRACE, keys.F_KIND, keys.F_TOOL, keys.F_CHANNEL, keys.F_CKEY, "origin")
     if raw[0] is None:
         return False
     state, attempt, trace, kind, tool, chan, ckey, origin = (text(v) for v in raw)
     if state in TERMINAL:
         return False
+    leased = conn.zscore(keys.leases(keys.tag(origin)), call_id)
     info = CallInfo(call_id, trace, "", kind, tool, None, chan, ckey, origin)
     # Still pending and not taken by a worker: it ends here and now. A worker that has taken it (it is
     # leased) is told instead, so its slot is given back only when it has really stopped.
@@ -218,12 +216,9 @@ def cancel_call(gateway: Gateway, call_id: str) -> bool:
             detail={"error": err}, fields={keys.F_ERROR: pack(err)},
         )
         if int(reply[0]) > 0:
-            conn.zrem(keys.waiting(ckey), call_id)
             return True
-    pipe = conn.pipeline()
-    pipe.hset(keys.job(call_id), keys.F_CANCEL, "1")
-    pipe.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))
-    pipe.execute()
+    conn.hset(keys.job(call_id), keys.F_CANCEL, "1")
+    conn.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))
     return True
 
 

@@ -19,9 +19,9 @@ from broker.tracecontext import new_span_id
 log = structlog.get_logger("hermes.reaper")
 
 
-def reap(calls: Calls, lease: float, result_ttl: int, audit: AuditLog | None = None) -> int:
-    """Settle every call whose lease ran out; returns how many were settled."""
-    expired = calls.reap(lease)
+def reap(calls: Calls, queues: list[str], lease: float, result_ttl: int, audit: AuditLog | None = None) -> int:
+    """Settle every call on ``queues`` whose lease ran out; returns how many were settled."""
+    expired = calls.reap(queues, lease)
     for item in expired:
         try:
             _settle(calls, item, result_ttl, audit)
@@ -67,16 +67,18 @@ def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog
             )
         else:
             # Claimed but never started: back at the head of the queue, same attempt, keeping its slot.
-            pipe = calls.conn.pipeline()
-            pipe.zadd(keys.slots(item["ckey"]), {call_id: "inf"}, xx=True)
+            name = keys.queue_name(item["queue"])
+            tag = keys.tag(name)
+            pipe = calls.conn.pipeline(transaction=False)  # (keys of one slot)
+            pipe.zadd(keys.slots(tag, item["ckey"]), {call_id: "inf"}, xx=True)
             pipe.lpush(item["queue"], call_id)
-            pipe.zrem(keys.LEASES, call_id)
-            pipe.publish(keys.wake(item["queue"].split(":", 2)[-1]) + calls.wake_suffix, b"")
+            pipe.zrem(keys.leases(tag), call_id)
             pipe.execute()
+            calls.conn.publish(calls.wake_channel(name), b"")
         log.info("requeued call of a lost worker", call_id=call_id, state=state)
         return
     if state not in ACTIVE and state not in (State.RETRYING, State.PENDING):
-        calls.conn.zrem(keys.LEASES, call_id)
+        calls.conn.zrem(keys.leases(keys.tag(keys.queue_name(item["queue"]))), call_id)
         return
     info = _info(calls, call_id, item)
     current = State(state)

@@ -143,6 +143,7 @@ class RetryScheduler:
 
         self.calls = Calls(conn)
         self.hold = hold
+        self.queues: list[str] = []  # the worker's queues: their due retries are moved here
         self._kick = threading.Event()
         self._next = float("inf")
 
@@ -154,7 +155,7 @@ class RetryScheduler:
 
     def run_once(self) -> tuple[int, float | None]:
         """Move what is due; returns (moved, next due time)."""
-        due, nxt = self.limits.due(self.hold)
+        due, nxt = self.limits.due(self.queues, self.hold)
         if due:
             pipe = self.calls.conn.pipeline(transaction=False)
             for d in due:

@@ -23,7 +23,7 @@ from rq import Worker as RQWorker
 from broker import keys
 from broker.codec import MsgpackSerializer, pack, unpack
 from broker.config import Settings
-from broker.connection import subscriber
+from broker.connection import is_cluster, subscriber
 from broker.states import State
 from workers import reaper
 from workers.core import WorkerCore
@@ -69,8 +69,10 @@ class Worker:
         self._slots = Tokens(self.concurrency)  # one per call this process may run at once
         self._wake = threading.Event()
         self._beat_now = threading.Event()
-        self.rq = RQWorker(
-            [Queue(q, connection=conn, serializer=MsgpackSerializer) for q in queues],
+        self.core.scheduler.queues = queues
+        # Registered as an RQ worker (``rq info`` lists it) on a plain Redis; RQ knows no Redis Cluster.
+        self.rq = None if is_cluster(conn) else RQWorker(
+            [Queue(keys.tag(q), connection=conn, serializer=MsgpackSerializer) for q in queues],
             connection=conn,
             name=self.name,
             serializer=MsgpackSerializer,
@@ -120,8 +122,9 @@ class Worker:
 
     def work(self) -> None:
         """Run until stopped; then drain within the grace period."""
-        self.rq.register_birth()
-        self.rq.set_state("busy")
+        if self.rq is not None:
+            self.rq.register_birth()
+            self.rq.set_state("busy")
         self.core.calls.load_scripts()
         self._heartbeat_once()
         threads = [
@@ -195,7 +198,8 @@ class Worker:
                 pipe.zrem(keys.queue_workers(q), self.name)
             pipe.delete(keys.worker(self.name))
             pipe.execute()
-            self.rq.register_death()
+            if self.rq is not None:
+                self.rq.register_death()
         except redis.RedisError:
             pass
         log.info(
@@ -244,9 +248,9 @@ class Worker:
 
     def _heartbeat_once(self) -> None:
         runs = self.core.inflight()
-        running = [r.info.call_id for r in runs]
         pipe = self.conn.pipeline(transaction=False)
-        self.rq.heartbeat(pipeline=pipe)
+        if self.rq is not None:
+            self.rq.heartbeat(pipeline=pipe)
         now = time.time()
         pipe.zadd(keys.WORKERS, {self.name: now})
         for q in self.queues:
@@ -269,8 +273,7 @@ class Worker:
             },
         )
         pipe.expire(keys.worker(self.name), int(self.lease * 2) + 5)
-        slots = {r.info.call_id: r.info.ckey for r in runs}  # the concurrency slots they hold, too
-        self.core.calls.extend_leases(running, self.lease, pipeline=pipe, ckeys=slots)
+        self.core.calls.extend_leases([r.info for r in runs], self.lease, pipeline=pipe)
         pipe.execute()
 
     def _heartbeat_loop(self) -> None:
@@ -281,9 +284,9 @@ class Worker:
                 return
             try:
                 self._heartbeat_once()
-                reaper.reap(self.core.calls, self.lease, self.settings.result_ttl, self.core.audit)
+                reaper.reap(self.core.calls, self.queues, self.lease, self.settings.result_ttl, self.core.audit)
                 # Slots still held by calls that ended (a safety net: ending gives the slot back).
-                self.core.scheduler.limits.sweep(self.lease)
+                self.core.scheduler.limits.sweep(self.queues, self.lease)
                 self.conn.zremrangebyscore(keys.WORKERS, "-inf", time.time() - self.lease * 2)
             except redis.RedisError as e:
                 log.warning("heartbeat failed", error=str(e))

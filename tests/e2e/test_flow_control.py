@@ -66,7 +66,7 @@ def test_the_limit_holds_across_workers_for_calls_submitted_by_several_processes
 
     def sample() -> None:  # the slot set itself never holds more than the limit
         while not stop.is_set():
-            peak[0] = max(peak[0], conn.zcard(keys.slots("tool:slow")))
+            peak[0] = max(peak[0], conn.zcard(keys.slots("{tools}", "tool:slow")))
             time.sleep(0.005)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -94,7 +94,7 @@ def test_the_limit_holds_across_workers_for_calls_submitted_by_several_processes
     assert set(current(conn, ids).values()) == {"done"}
     assert _max_overlap(_intervals(conn, ids)) == 3  # the limit was reached, and never passed
     assert peak[0] <= 3
-    assert conn.zcard(keys.slots("tool:slow")) == 0 and conn.zcard(keys.waiting("tool:slow")) == 0
+    assert conn.zcard(keys.slots("{tools}", "tool:slow")) == 0 and conn.zcard(keys.waiting("{tools}", "tool:slow")) == 0
 
 
 def _batch_on_two_workers(
@@ -139,7 +139,7 @@ def test_slots_held_by_a_killed_worker_come_back_within_the_lease(
     running = [cid for cid, st in current(conn, ids).items() if st == "executing"]
     victim = next(w for w in pair if w.name == field(conn, running[0], keys.F_WORKER))
     lost = [cid for cid in running if field(conn, cid, keys.F_WORKER) == victim.name]
-    assert conn.zcard(keys.waiting("tool:hold")) == 2
+    assert conn.zcard(keys.waiting("{tools}", "tool:hold")) == 2
     victim.kill()
     killed_at = time.time()
 
@@ -152,7 +152,7 @@ def test_slots_held_by_a_killed_worker_come_back_within_the_lease(
         # The slot went back when the reaper settled the call: within the lease and one heartbeat tick.
         assert retrying.ts - killed_at < lease + lease / 3 + 1.0
     assert _max_overlap(_intervals(conn, ids, until=killed_at)) <= 2
-    assert conn.zcard(keys.slots("tool:hold")) == 0
+    assert conn.zcard(keys.slots("{tools}", "tool:hold")) == 0
 
 
 def test_one_worker_starts_waiting_calls_in_the_order_they_were_submitted(

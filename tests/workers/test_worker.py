@@ -92,7 +92,7 @@ def test_a_call_runs_through_every_state_to_done(fake: Any, core: WorkerCore) ->
     assert hist[-1].detail["result"] == {"city": "北京"}
     rec = core.calls.record("c1")
     assert rec["state"] == "done" and rec["result"] == {"city": "北京"}
-    assert fake.zscore(keys.LEASES, "c1") is None
+    assert fake.zscore(keys.leases("{tools}"), "c1") is None
     assert fake.hget(keys.job("c1"), "status") == b"finished"
     assert core.processed == 1 and core.failed == 0
 
@@ -138,8 +138,8 @@ def test_a_worker_that_lost_its_lease_cannot_move_the_call(
         assert time.monotonic() < deadline
         time.sleep(0.01)
     # The lease runs out (the worker looked dead) and a reaper gives the call a second attempt.
-    fake.zadd(keys.LEASES, {"c1": time.time() - 1})
-    assert reaper.reap(Calls(fake), lease=5, result_ttl=600) == 1
+    fake.zadd(keys.leases("{tools}"), {"c1": time.time() - 1})
+    assert reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600) == 1
     assert states(fake, "c1")[-2:] == ["retrying", "pending"]
     # The old attempt's next write is fenced off; the runner notices, stops its tool and writes nothing.
     runner.progress(core.inflight()[0], "still here")
@@ -184,40 +184,40 @@ def _start(fake: Any, info: CallInfo, upto: list[State], worker: str = "dead-wor
     Calls(fake).claim(["tools"], 1, worker, 30)
     for target in upto:
         assert Calls(fake).transition(info, target, attempt=1)[0] > 0
-    fake.zadd(keys.LEASES, {info.call_id: time.time() - 1})
+    fake.zadd(keys.leases("{tools}"), {info.call_id: time.time() - 1})
 
 
 def test_reaper_retries_a_lost_call_while_attempts_are_left(fake: Any) -> None:
     info = submit(fake, "c1", max_attempts=3)
     _start(fake, info, [State.ROUTING, State.EXECUTING])
-    assert reaper.reap(Calls(fake), lease=5, result_ttl=600) == 1
+    assert reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600) == 1
     hist = events.history(fake, "c1")
     assert [e.state for e in hist] == ["pending", "routing", "executing", "retrying", "pending"]
     assert hist[3].detail == {"reason": "worker_lost", "next_attempt": 2}
     assert (hist[3].attempt, hist[4].attempt) == (1, 2)
     assert fake.lrange(keys.queue("tools"), 0, -1) == [b"c1"]
-    assert fake.zscore(keys.slots("tool:echo"), "c1") == float("inf")  # back on the queue with a slot
-    assert fake.zscore(keys.LEASES, "c1") is None
+    assert fake.zscore(keys.slots("{tools}", "tool:echo"), "c1") == float("inf")  # back on the queue with a slot
+    assert fake.zscore(keys.leases("{tools}"), "c1") is None
     assert int(fake.hget(keys.job("c1"), keys.F_ATTEMPT)) == 2
-    assert reaper.reap(Calls(fake), lease=5, result_ttl=600) == 0
+    assert reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600) == 0
 
 
 def test_reaper_fails_a_lost_call_with_worker_lost_when_no_attempts_are_left(fake: Any) -> None:
     info = submit(fake, "c1", max_attempts=1)
     _start(fake, info, [State.ROUTING, State.EXECUTING, State.FORMATTING])
-    reaper.reap(Calls(fake), lease=5, result_ttl=600)
+    reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600)
     assert states(fake, "c1")[-1] == "failed"
     rec = Calls(fake).record("c1")
     assert rec["error"]["type"] == "worker_lost"
     assert events.history(fake, "c1")[-1].detail["error"]["type"] == "worker_lost"
     assert fake.llen(keys.queue("tools")) == 0
-    assert fake.zscore(keys.LEASES, "c1") is None
+    assert fake.zscore(keys.leases("{tools}"), "c1") is None
 
 
 def test_reaper_puts_back_a_call_claimed_but_never_started(fake: Any) -> None:
     info = submit(fake, "c1")
     _start(fake, info, [])
-    reaper.reap(Calls(fake), lease=5, result_ttl=600)
+    reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600)
     assert states(fake, "c1") == ["pending"]
     assert fake.lrange(keys.queue("tools"), 0, -1) == [b"c1"]
     assert int(fake.hget(keys.job("c1"), keys.F_ATTEMPT)) == 1
@@ -228,7 +228,7 @@ def test_reaper_cancels_a_lost_call_that_was_being_cancelled(fake: Any) -> None:
     info = submit(fake, "c1")
     _start(fake, info, [State.ROUTING, State.EXECUTING])
     fake.hset(keys.job("c1"), keys.F_CANCEL, "1")
-    reaper.reap(Calls(fake), lease=5, result_ttl=600)
+    reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600)
     assert states(fake, "c1")[-1] == "cancelled"
     assert fake.llen(keys.queue("tools")) == 0
 
@@ -237,18 +237,18 @@ def test_reaper_cancels_a_call_claimed_never_started_and_being_cancelled(fake: A
     info = submit(fake, "c1")
     _start(fake, info, [])  # its worker took it (still "pending" in Redis), was told to cancel, died
     fake.hset(keys.job("c1"), keys.F_CANCEL, "1")
-    reaper.reap(Calls(fake), lease=5, result_ttl=600)
+    reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600)
     assert states(fake, "c1") == ["pending", "cancelled"]
-    assert fake.llen(keys.queue("tools")) == 0 and fake.zscore(keys.LEASES, "c1") is None
-    assert fake.zscore(keys.slots("tool:echo"), "c1") is None  # its slot went back
+    assert fake.llen(keys.queue("tools")) == 0 and fake.zscore(keys.leases("{tools}"), "c1") is None
+    assert fake.zscore(keys.slots("{tools}", "tool:echo"), "c1") is None  # its slot went back
 
 
 def test_reaper_finishes_a_retry_its_predecessor_left_half_done(fake: Any) -> None:
     info = submit(fake, "c1")
     _start(fake, info, [State.ROUTING])
     Calls(fake).transition(info, State.RETRYING, attempt=1, fields={keys.F_ATTEMPT: 2})
-    fake.zadd(keys.LEASES, {"c1": time.time() - 1})
-    reaper.reap(Calls(fake), lease=5, result_ttl=600)
+    fake.zadd(keys.leases("{tools}"), {"c1": time.time() - 1})
+    reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600)
     assert states(fake, "c1") == ["pending", "routing", "retrying", "pending"]
     assert fake.lrange(keys.queue("tools"), 0, -1) == [b"c1"]
 
@@ -256,9 +256,9 @@ def test_reaper_finishes_a_retry_its_predecessor_left_half_done(fake: Any) -> No
 def test_reaper_drops_leases_of_finished_calls(fake: Any) -> None:
     info = submit(fake, "c1")
     _start(fake, info, [State.ROUTING, State.EXECUTING, State.FORMATTING, State.DONE])
-    fake.zadd(keys.LEASES, {"c1": time.time() - 1})
-    reaper.reap(Calls(fake), lease=5, result_ttl=600)
-    assert fake.zcard(keys.LEASES) == 0
+    fake.zadd(keys.leases("{tools}"), {"c1": time.time() - 1})
+    reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600)
+    assert fake.zcard(keys.leases("{tools}")) == 0
     assert states(fake, "c1")[-1] == "done"
 
 
