@@ -72,8 +72,8 @@ class Directory:
         pipe.hdel(keys.TOOLS_DIGEST, name)
         pipe.hdel(keys.TOOLS_VER, name)
         pipe.incr(keys.TOOLS_VERSION)
-        pipe.publish(keys.channel(self.conn, keys.TOOLS_CHANNEL), name)
-        removed = pipe.execute()[0]
+        removed = pipe.execute()[0]  # (one slot, {hermes:dir}: a transaction on a cluster too)
+        self.conn.publish(keys.channel(self.conn, keys.TOOLS_CHANNEL), name)
         with self._lock:
             self._cache.pop(name, None)
         return bool(removed)

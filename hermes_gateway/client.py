@@ -240,8 +240,9 @@ class Gateway:
         try:
             pipe = self.conn.pipeline(transaction=False)
             self.calls.submit(env, pipeline=pipe, **limits)
-            pipe.publish(keys.channel(self.conn, keys.wake(env.queue)), b"")
+            self._wake(pipe, [env.queue])
             reply = pipes.execute(pipe)[0]
+            self._wake(None, [env.queue])
             if isinstance(reply, Exception):
                 raise reply
             accepted, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
@@ -338,9 +339,19 @@ class Gateway:
         pipe = self.conn.pipeline(transaction=False)
         for env, limits, _ in chunk:
             self.calls.submit(env, pipeline=pipe, **limits)
-        for queue in dict.fromkeys(env.queue for env, _, _ in chunk):
-            pipe.publish(keys.channel(self.conn, keys.wake(queue)), b"")
-        return pipes.execute(pipe)[: len(chunk)]
+        queues = list(dict.fromkeys(env.queue for env, _, _ in chunk))
+        self._wake(pipe, queues)
+        replies = pipes.execute(pipe)[: len(chunk)]
+        self._wake(None, queues)
+        return replies
+
+    def _wake(self, pipe: Any, queues: list[str]) -> None:
+        """Wake the workers of ``queues``: in the submission's pipeline on a plain Redis (``pipe``), after
+        it on a cluster (``pipe`` None; a cluster pipeline carries no PUBLISH)."""
+        if (pipe is None) != self.cluster:
+            return
+        for queue in queues:
+            (pipe if pipe is not None else self.conn).publish(keys.channel(self.conn, keys.wake(queue)), b"")
 
     def cancel(self, call_id: str) -> bool:
         return cancel_call(self, call_id)

@@ -125,7 +125,7 @@ class Outbox:
                 starts.append(len(pipe.command_stack))
                 writer(pipe)
             try:
-                if self._connection is None:
+                if self._connection is None and hasattr(self.conn, "connection_pool"):  # (none on a cluster)
                     self._connection = self.conn.connection_pool.get_connection()
                 replies = pipes.execute(pipe, self._connection)
             except (redis.ConnectionError, redis.TimeoutError) as e:

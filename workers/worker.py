@@ -304,7 +304,7 @@ class Worker:
                 self.core.refresh_policy()  # a push made while we were not subscribed
                 while not self.stopping.is_set():
                     msg = pubsub.get_message(timeout=1.0)
-                    if msg is None:
+                    if msg is None or msg.get("type") != "message":  # (a cluster's pubsub passes confirmations)
                         continue
                     if msg["channel"] in wakes:
                         self._wake.set()  # a call was submitted: claim now instead of at the next poll

@@ -1,0 +1,148 @@
+"""The core paths on a real 3-primary Redis Cluster (started by ``tests.cluster_procs``), with real workers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker import events, keys
+from tests.cluster_procs import Cluster, migrate_slot, start_cluster
+from tests.conftest import REPO, WorkerFactory
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = start_cluster(tmp_path_factory.mktemp("cluster"))
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def curl(cluster: Cluster, home: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    for port in cluster.ports:
+        cluster.node(port).flushall()
+    monkeypatch.setenv("HERMES_REDIS_URL", cluster.url)
+    return cluster.url
+
+
+@pytest.fixture
+def cworkers(curl: str, home: Any, tmp_path: Path) -> Iterator[WorkerFactory]:
+    logs = tmp_path / "cluster-worker-logs"
+    logs.mkdir()
+    factory = WorkerFactory(curl, home, logs)
+    yield factory
+    factory.stop_all()
+
+
+@pytest.fixture
+def cgateway(curl: str, home: Any) -> Iterator[Any]:
+    from hermes_gateway.client import Gateway
+
+    gw = Gateway.connect(curl, home=str(home.path), embedded_ok=False)
+    yield gw
+    gw.close()
+
+
+def _history(gw: Any, cid: str) -> list[Any]:
+    return [events.decode(b) for b in gw.conn.lrange(keys.history(cid), 0, -1)]
+
+
+def test_status_on_a_cluster_is_a_table_not_a_moved_error(curl: str, cgateway: Any, home: Any) -> None:
+    home.sleep_tool()
+    cgateway.sync_tools()
+    out = subprocess.run(
+        [sys.executable, "-m", "hermes_gateway", "status"], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr
+    assert "MovedError" not in out.stdout + out.stderr
+
+
+def test_an_unreachable_cluster_is_one_line_naming_the_url_with_the_password_masked(monkeypatch: Any, home: Any) -> None:
+    from tests.cluster_procs import free_port
+
+    url = f"redis+cluster://u:s3cret@127.0.0.1:{free_port()}"
+    monkeypatch.setenv("HERMES_REDIS_URL", url)
+    out = subprocess.run(
+        [sys.executable, "-m", "hermes_gateway", "status"], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert out.returncode != 0
+    assert "s3cret" not in out.stdout + out.stderr and "Traceback" not in out.stderr
+    assert "redis+cluster://u:***@127.0.0.1" in out.stdout + out.stderr
+
+
+def test_core_paths_on_a_cluster(cgateway: Any, cworkers: Any, home: Any) -> None:
+    gw = cgateway
+    home.sleep_tool("nap", concurrency=2, queue_size=50)
+    home.sleep_tool("other_nap", queue="other")
+    gw.sync_tools()
+    cworkers(2, queues="tools,other", concurrency=8)
+    # Submit and events: results on two queues (two slots, two sharded channels of this client).
+    a = gw.call_tool("nap", {"seconds": 0.05})
+    b = gw.call_tool("other_nap", {"seconds": 0.05})
+    assert a.result(timeout=20) == {"slept": 0.05} and b.result(timeout=20) == {"slept": 0.05}
+    assert a.call_id.startswith("{tools}.") and b.call_id.startswith("{other}.")
+    states = [e.state for e in a.events(timeout=5) if e.type == events.TRANSITION]
+    assert states[0] == "pending" and states[-1] == "done"
+    # Limits: never more than 2 executing; a waiting call cancelled ends at once.
+    batch = [gw.call_tool("nap", {"seconds": 0.3}) for _ in range(6)]
+    time.sleep(0.2)
+    last = batch[-1]
+    assert gw.cancel(last.call_id) is True
+    for h in batch[:-1]:
+        assert h.result(timeout=30) == {"slept": 0.3}
+    assert gw.calls.record(last.call_id)["state"] == "cancelled"
+    spans = []
+    for h in batch[:-1]:
+        hist = _history(gw, h.call_id)
+        start = next(e.ts for e in hist if e.state == "executing")
+        end = next(e.ts for e in hist if e.state == "formatting")
+        spans.append((start, end))
+    marks = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
+    peak = now = 0
+    for _, d in marks:
+        now += d
+        peak = max(peak, now)
+    assert peak <= 2
+    # Idempotency: the same key names the same call.
+    first = gw.call_tool("nap", {"seconds": 0.01}, idempotency_key="once")
+    again = gw.call_tool("nap", {"seconds": 0.01}, idempotency_key="once")
+    assert first.call_id == again.call_id and first.result(timeout=20) == {"slept": 0.01}
+    # Audit: every finished call has its record.
+    from broker.audit_store import AuditLog
+
+    log = AuditLog(gw.conn)
+    assert log.get(a.call_id) is not None and log.get(b.call_id) is not None
+
+
+def test_a_slot_migration_during_a_batch_loses_no_call_and_runs_none_twice(
+    cluster: Cluster, cgateway: Any, cworkers: Any, home: Any
+) -> None:
+    gw = cgateway
+    home.sleep_tool("mig", concurrency=8, queue_size=1000)
+    gw.sync_tools()
+    cworkers(2, queues="tools", concurrency=8)
+    handles = gw.map("mig", [{"seconds": 0.02}] * 200)
+    ids = [h.call_id for h in handles.accepted]
+    slot = gw.conn.keyslot(keys.queue("tools"))
+    dest = next(p for p in cluster.ports if p != cluster.slot_owner(slot))
+    time.sleep(0.3)
+    moved = migrate_slot(cluster, slot, dest)
+    assert moved > 0 and cluster.slot_owner(slot) == dest
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        states = [gw.calls.record(cid)["state"] for cid in ids]
+        if all(s in ("done", "failed", "cancelled") for s in states):
+            break
+        time.sleep(0.2)
+    assert states.count("done") == len(ids), {s: states.count(s) for s in set(states)}
+    for cid in ids:
+        runs = [e for e in _history(gw, cid) if e.type == events.TRANSITION and e.state == "executing"]
+        assert len(runs) == 1, cid
