@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.client import EMPTY_RESPONSE, NEVER_DECODE, Pipeline
+from redis.cluster import ClusterPipeline
 from redis.exceptions import ConnectionError, NoScriptError, ResponseError
 
 _hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
@@ -42,6 +43,11 @@ def script(script: Any, keys: Sequence[Any], args: Sequence[Any], client: Any = 
         client.scripts.add(script)
         client.command_stack.append((("EVALSHA", script.sha, len(keys), *keys, *args), {}))
         return client
+    if isinstance(client, ClusterPipeline):
+        # A cluster's pipeline: queued as EVALSHA and noted, so ``stock`` can resend it as EVAL.
+        noted = client.__dict__.setdefault("hermes_evals", {})
+        noted[len(client)] = (script.sha, len(keys), *keys, *args)
+        return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
     return script(keys=keys, args=args, client=client)
 
 
@@ -89,22 +95,19 @@ def execute(pipe: Pipeline, connection: Any = None) -> list[Any]:
 
 def stock(pipe: Any) -> list[Any]:
     """``pipe.execute(raise_on_error=False)``; scripts a node refused with NOSCRIPT (it restarted, or a
-    slot moved to a node that never ran them) are sent again as EVAL with their text, in order."""
-    stack = list(pipe.command_stack)
+    slot moved to a node that never ran them) are sent again as EVAL with their text, in order (those
+    queued through ``script``, which notes them on the pipeline)."""
+    noted: dict[int, tuple[Any, ...]] = getattr(pipe, "hermes_evals", {})
+    pipe.hermes_evals = {}
     replies = pipe.execute(raise_on_error=False)
-    refused = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+    refused = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError) and i in noted]
     if refused:
         for i in refused:
-            cmd = stack[i]
-            args = cmd.args if hasattr(cmd, "args") else cmd[0]
-            pipe.execute_command("EVAL", _TEXT[_text(args[1])], *args[2:])
+            sha, *rest = noted[i]
+            pipe.execute_command("EVAL", _TEXT[sha], *rest)
         for i, reply in zip(refused, pipe.execute(raise_on_error=False), strict=True):
             replies[i] = reply
     return replies
-
-
-def _text(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def _round_trip(conn: Any, client: Pipeline, stack: Sequence[Command], again: int = 0) -> list[Any]:
