@@ -17,7 +17,7 @@ import redis
 from redis.client import Pipeline
 
 from . import events, keys, pipes, scripts
-from .codec import text
+from .codec import pack, text
 from .connection import is_cluster
 from .envelope import Envelope
 from .errors import IllegalTransition, QueueFull
@@ -253,6 +253,144 @@ class Calls:
             pipeline,
         )
 
+    # -- named operations (each one TRANSITION) ----------------------------------------------------
+
+    def move(
+        self,
+        info: CallInfo,
+        target: State,
+        *,
+        attempt: int,
+        current: State | None,
+        detail: dict[str, Any] | None = None,
+        via: Sequence[Step] = (),
+        ts: float | None = None,
+        fields: dict[str, Any] | None = None,
+        ttl: int | None = None,
+        pipeline: Pipeline | None = None,
+    ) -> Any:
+        """A worker moves the call it holds (fenced by ``attempt``), with the moves ``via`` not written yet;
+        a terminal ``target`` ends it (``fields``: result or error, ``ttl``: how long the record stays)."""
+        return self.transition(
+            info,
+            target,
+            attempt=attempt,
+            current=current,
+            detail=detail,
+            via=via,
+            ts=ts,
+            fields=fields,
+            ttl=ttl,
+            pipeline=pipeline,
+        )
+
+    def note(
+        self,
+        info: CallInfo,
+        event_type: str,
+        detail: dict[str, Any],
+        *,
+        attempt: int,
+        current: State | None,
+        ts: float | None = None,
+        pipeline: Pipeline | None = None,
+    ) -> Any:
+        """An event that changes no state (progress, a stream delta), fenced like a move."""
+        return self.transition(
+            info,
+            None,
+            attempt=attempt,
+            detail=detail,
+            event_type=event_type,
+            current=current,
+            ts=ts,
+            pipeline=pipeline,
+        )
+
+    def finish(
+        self, info: CallInfo, target: State, *, attempt: int, current: State, error: dict[str, Any], ttl: int
+    ) -> Any:
+        """End a call with ``error`` (``failed`` or ``cancelled``) on behalf of a lost worker."""
+        return self.transition(
+            info,
+            target,
+            attempt=attempt,
+            current=current,
+            detail={"error": error},
+            fields={keys.F_ERROR: pack(error)},
+            ttl=ttl,
+        )
+
+    def retry(
+        self,
+        info: CallInfo,
+        *,
+        attempt: int,
+        current: State,
+        detail: dict[str, Any],
+        due: float | None = None,
+        pipeline: Pipeline | None = None,
+    ) -> Any:
+        """The attempt ends ``retrying``: its lease and slot go, the next attempt is counted and, with
+        ``due``, put on the schedule."""
+        return self.transition(
+            info,
+            State.RETRYING,
+            attempt=attempt,
+            current=current,
+            detail=detail,
+            lease="-",
+            schedule_at=due,
+            fields={keys.F_ATTEMPT: attempt + 1},
+            pipeline=pipeline,
+        )
+
+    def requeue(
+        self, info: CallInfo, *, attempt: int, score: float | None = None, pipeline: Pipeline | None = None
+    ) -> Any:
+        """A ``retrying`` call is admitted again: a free slot, else it waits at ``score`` (default now)."""
+        return self.transition(
+            info,
+            State.PENDING,
+            attempt=attempt,
+            requeue=True,
+            requeue_score=score,
+            lease="-",
+            current=State.RETRYING,
+            pipeline=pipeline,
+        )
+
+    def hand_back(
+        self, info: CallInfo, *, attempt: int, current: State, reason: str, free: bool = False
+    ) -> bool:
+        """A running call goes back before every waiting call (score 0) as its next attempt (``free``: an
+        attempt that does not count, its worker stopped); False when it was no longer this attempt's."""
+        reply = self.retry(
+            info, attempt=attempt, current=current, detail={"reason": reason, "next_attempt": attempt + 1}
+        )
+        if int(reply[0]) <= 0:
+            return False
+        if free:
+            self.conn.hincrby(keys.job(info.call_id), keys.F_MAX_ATTEMPTS, 1)
+        self.requeue(info, attempt=attempt + 1, score=0)
+        return True
+
+    def cancel_unleased(
+        self, info: CallInfo, *, attempt: int, error: dict[str, Any], pipeline: Pipeline | None = None
+    ) -> Any:
+        """A caller cancels a call still ``pending`` that no worker holds."""
+        return self.transition(
+            info,
+            State.CANCELLED,
+            attempt=attempt,
+            fence=False,
+            from_states=frozenset({State.PENDING}),
+            unleased=True,
+            detail={"error": error},
+            fields={keys.F_ERROR: pack(error)},
+            pipeline=pipeline,
+        )
+
     @staticmethod
     def _check_move(
         current: State | None,
@@ -351,7 +489,8 @@ class Calls:
         out = []
         for q in queues:
             reply = self._reap(
-                keys=[keys.leases(keys.tag(q))], args=[now, lease_deadline(lease), limit, keys.job(""), "reap"]
+                keys=[keys.leases(keys.tag(q))],
+                args=[now, lease_deadline(lease), limit, keys.job(""), "reap"],
             )
             for i in range(0, len(reply), 7):
                 cid, state, attempt, max_att, queue, cancel, ckey = (text(v) for v in reply[i : i + 7])

@@ -77,9 +77,8 @@ def cluster_from_url(url: str, **kwargs: Any) -> Any:
     from redis.cluster import ClusterNode, RedisCluster
 
     nodes, creds = cluster_nodes(url)
-    conn = RedisCluster(
-        startup_nodes=[ClusterNode(h, p) for h, p in nodes], health_check_interval=30, **creds, **kwargs
-    )
+    options: dict[str, Any] = {**creds, **kwargs}
+    conn = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], health_check_interval=30, **options)
     conn.ping()
     return conn
 

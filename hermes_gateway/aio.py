@@ -316,16 +316,7 @@ class AsyncGateway:
         if state == State.PENDING and leased is None:  # else its worker is told (as cancel_call does)
             info = CallInfo(call_id, trace, "", kind, tool, None, chan, ckey, origin)
             err = {"type": "cancelled", "message": "cancelled by the caller before it started"}
-            reply = await self.calls.transition(
-                info,
-                State.CANCELLED,
-                attempt=int(attempt or 1),
-                fence=False,
-                from_states=frozenset({State.PENDING}),
-                unleased=True,
-                detail={"error": err},
-                fields={keys.F_ERROR: pack(err)},
-            )
+            reply = await self.calls.cancel_unleased(info, attempt=int(attempt or 1), error=err)
             if int(reply[0]) > 0:
                 return True
         await conn.hset(keys.job(call_id), keys.F_CANCEL, "1")

@@ -211,10 +211,7 @@ def cancel_call(gateway: Gateway, call_id: str) -> bool:
     # leased) is told instead, so its slot is given back only when it has really stopped.
     if state == State.PENDING and leased is None:
         err = {"type": "cancelled", "message": "cancelled by the caller before it started"}
-        reply = gateway.calls.transition(
-            info, State.CANCELLED, attempt=int(attempt or 1), fence=False, from_states=frozenset({State.PENDING}), unleased=True,
-            detail={"error": err}, fields={keys.F_ERROR: pack(err)},
-        )
+        reply = gateway.calls.cancel_unleased(info, attempt=int(attempt or 1), error=err)
         if int(reply[0]) > 0:
             return True
     conn.hset(keys.job(call_id), keys.F_CANCEL, "1")

@@ -10,7 +10,7 @@ from broker import keys
 from broker.audit import AuditRecord
 from broker.audit_store import AuditLog
 from broker.calls import Calls
-from broker.codec import pack, text
+from broker.codec import text
 from broker.errors import WorkerLost
 from broker.records import CallInfo
 from broker.states import ACTIVE, State
@@ -62,9 +62,7 @@ def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog
     if state in (State.PENDING, State.RETRYING) and not item["cancel"]:
         info = _info(calls, call_id, item)
         if state == State.RETRYING:
-            calls.transition(
-                info, State.PENDING, attempt=attempt, requeue=True, lease="-", current=State.RETRYING
-            )
+            calls.requeue(info, attempt=attempt)
         else:
             # Claimed but never started: back at the head of the queue, same attempt, keeping its slot.
             name = keys.queue_name(item["queue"])
@@ -85,25 +83,7 @@ def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog
     if item["cancel"]:
         _cancel(calls, info, current, attempt, result_ttl, audit, "call cancelled; its worker was lost")
     elif attempt < item["max_attempts"]:
-        reply = calls.transition(
-            info,
-            State.RETRYING,
-            attempt=attempt,
-            current=current,
-            lease="-",
-            detail={"reason": "worker_lost", "next_attempt": attempt + 1},
-            fields={keys.F_ATTEMPT: attempt + 1},
-        )
-        if int(reply[0]) > 0:
-            # Lost work goes before the calls waiting for a slot (score 0).
-            calls.transition(
-                info,
-                State.PENDING,
-                attempt=attempt + 1,
-                requeue=True,
-                requeue_score=0,
-                current=State.RETRYING,
-            )
+        calls.hand_back(info, attempt=attempt, current=current, reason="worker_lost")
         log.warning("worker lost mid-call, retrying", call_id=call_id, attempt=attempt + 1)
     else:
         err = WorkerLost(
@@ -131,9 +111,7 @@ def _end(
 ) -> None:
     """End the call in ``state`` with ``err``, and write its audit record when this move was the one that
     ended it."""
-    reply = calls.transition(
-        info, state, attempt=attempt, current=current, detail={"error": err}, fields={keys.F_ERROR: pack(err)}, ttl=ttl
-    )
+    reply = calls.finish(info, state, attempt=attempt, current=current, error=err, ttl=ttl)
     if int(reply[0]) > 0:
         _audit(audit, info, state, attempt, err)
 

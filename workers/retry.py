@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import redis
 import structlog
 
-from broker import keys
 from broker.errors import HermesError
 from broker.limits import Limits
 from broker.records import CallInfo
@@ -115,17 +114,7 @@ def schedule(
     run.state = State.RETRYING
 
     def write(pipe: Any) -> None:
-        calls.transition(
-            run.info,
-            State.RETRYING,
-            attempt=run.attempt,
-            current=current,
-            detail=detail,
-            lease="-",
-            schedule_at=due,
-            fields={keys.F_ATTEMPT: run.attempt + 1},
-            pipeline=pipe,
-        )
+        calls.retry(run.info, attempt=run.attempt, current=current, detail=detail, due=due, pipeline=pipe)
 
     core.outbox.put(write, check)
     core.retries_scheduled(due)
@@ -160,9 +149,7 @@ class RetryScheduler:
             pipe = self.calls.conn.pipeline(transaction=False)
             for d in due:
                 info = CallInfo(d.call_id, d.trace_id, new_span_id(), d.kind, d.name, None, d.channel, d.ckey, d.queue)
-                self.calls.transition(
-                    info, State.PENDING, attempt=d.attempt, requeue=True, current=State.RETRYING, pipeline=pipe
-                )
+                self.calls.requeue(info, attempt=d.attempt, pipeline=pipe)
             pipe.execute(raise_on_error=False)
         return len(due), nxt
 

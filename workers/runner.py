@@ -124,16 +124,9 @@ class CallRunner:
                 w.taken = True
                 steps, kw, after = list(w.steps), w.kw, list(w.after)
             target, detail, ts = steps[-1]
-            calls.transition(
-                run.info,
-                target,
-                attempt=run.attempt,
-                detail=detail,
-                ts=ts,
-                current=w.current,
-                via=steps[:-1],
-                pipeline=pipe,
-                **kw,
+            calls.move(
+                run.info, target, attempt=run.attempt, current=w.current, detail=detail, via=steps[:-1], ts=ts,
+                pipeline=pipe, **kw,
             )
             for more in after:
                 more(pipe)
@@ -183,16 +176,7 @@ class CallRunner:
         ts = time.time()
 
         def write(pipe: Any) -> None:
-            calls.transition(
-                run.info,
-                None,
-                attempt=run.attempt,
-                detail=detail,
-                event_type=event_type,
-                current=state,
-                pipeline=pipe,
-                ts=ts,
-            )
+            calls.note(run.info, event_type, detail, attempt=run.attempt, current=state, ts=ts, pipeline=pipe)
 
         with run.writes:  # after the call's moves so far, before its next ones
             run.open = None

@@ -214,27 +214,7 @@ class Worker:
         current = run.state
         if current not in (State.ROUTING, State.EXECUTING, State.FORMATTING):
             return
-        calls = self.core.calls
-        reply = calls.transition(
-            run.info,
-            State.RETRYING,
-            attempt=run.attempt,
-            current=current,
-            lease="-",
-            detail={"reason": "worker_shutdown", "next_attempt": run.attempt + 1},
-            fields={keys.F_ATTEMPT: run.attempt + 1},
-        )
-        if int(reply[0]) > 0:
-            self.conn.hincrby(keys.job(run.info.call_id), keys.F_MAX_ATTEMPTS, 1)
-            # Handed-back work goes before the calls waiting for a slot (score 0).
-            calls.transition(
-                run.info,
-                State.PENDING,
-                attempt=run.attempt + 1,
-                requeue=True,
-                requeue_score=0,
-                current=State.RETRYING,
-            )
+        self.core.calls.hand_back(run.info, attempt=run.attempt, current=current, reason="worker_shutdown", free=True)
 
     def _run_one(self, claimed: Any) -> None:
         try:
