@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
+import redis.asyncio
+import redis.asyncio.cluster
 from redis.client import Pipeline
 
 from . import events, keys, pipes, scripts
@@ -49,7 +51,8 @@ class Calls:
         # Events go out on sharded channels (in the call's slot) on a cluster, where plain PUBLISH would
         # reach every node; a plain Redis (the embedded one may be 6.2) has only PUBLISH.
         self.publish = "SPUBLISH" if is_cluster(conn) else "PUBLISH"
-        self._listed: set[str] = set()  # queues this process added to rq:queues
+        self.listed: set[str] = set()  # queues this process added to rq:queues
+        self.is_async = isinstance(conn, (redis.asyncio.Redis, redis.asyncio.cluster.RedisCluster))
 
     def wake_channel(self, queue: str) -> str:
         """The wake-up channel of ``queue`` (pub/sub is shared by every DB of a server: scoped to ours)."""
@@ -58,9 +61,9 @@ class Calls:
     def list_queue(self, queue: str) -> None:
         """Add ``queue`` to RQ's set of queues (``rq info`` lists it), once per process: a set spanning
         queues is no key of a submission's slot."""
-        if queue not in self._listed:
+        if queue not in self.listed:
             self.conn.sadd(keys.RQ_QUEUES, keys.queue(queue))
-            self._listed.add(queue)
+            self.listed.add(queue)
 
     # -- submission ------------------------------------------------------------------------------
 
@@ -97,7 +100,8 @@ class Calls:
         if idem:
             digest = request_digest(env)
             flat += [F_IDEM, keys.idempotency(tag, idem), F_DIGEST, digest]
-        self.list_queue(env.queue)
+        if not self.is_async:  # (an asyncio client awaits its own SADD: AsyncGateway._list)
+            self.list_queue(env.queue)
         return pipes.script(
             self._submit,
             [

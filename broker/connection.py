@@ -83,6 +83,30 @@ def cluster_from_url(url: str, **kwargs: Any) -> Any:
     return conn
 
 
+async def async_from_url(url: str) -> Any:
+    """An asyncio client (``redis.asyncio``; its cluster client for ``redis+cluster://``), checked with
+    PING; BrokerUnavailable naming the URL (password masked) when it does not answer."""
+    import redis.asyncio
+    import redis.asyncio.cluster
+
+    conn: Any = None
+    try:
+        if url.startswith(CLUSTER_SCHEME):
+            nodes, creds = cluster_nodes(url)
+            options: dict[str, Any] = dict(creds)
+            conn = redis.asyncio.cluster.RedisCluster(
+                startup_nodes=[redis.asyncio.cluster.ClusterNode(h, p) for h, p in nodes], **options
+            )
+        else:
+            conn = redis.asyncio.Redis.from_url(url)
+        await conn.ping()
+    except (redis.RedisError, OSError, ValueError) as e:
+        if conn is not None:
+            await conn.aclose()
+        raise BrokerUnavailable(f"cannot reach Redis at {redact_url(url)}: {e}") from e
+    return conn
+
+
 def from_url(url: str, **kwargs: object) -> redis.Redis:
     """A client for redis://, rediss:// or unix:// URLs (password in the URL), or a Redis Cluster for
     ``redis+cluster://host:port[,host:port...]``, checked with PING."""

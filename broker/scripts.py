@@ -31,3 +31,6 @@ AUDIT_APPEND = load("audit_append")
 TOOL_REGISTER = load("tool_register")
 POLICY_PUSH = load("policy_push")
 POLICY_CLEAR = load("policy_clear")
+
+# The scripts sent inside pipelines (a cluster client loads them on every primary up front).
+PIPELINED = (SUBMIT, TRANSITION, REQUEUE, AUDIT_APPEND)

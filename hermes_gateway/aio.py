@@ -24,11 +24,11 @@ import structlog
 from redis import RedisError
 
 from broker import events as ev_mod
-from broker import keys
+from broker import keys, scripts
 from broker.calls import Calls
 from broker.codec import pack, unpack
 from broker.config import Settings, load_settings
-from broker.connection import BrokerHandle, connect, redact_url, subscriber
+from broker.connection import BrokerHandle, async_from_url, connect, is_cluster, subscriber
 from broker.directory import Entry
 from broker.envelope import Envelope
 from broker.errors import (
@@ -53,6 +53,9 @@ from hermes_gateway.envelopes import (
 )
 from hermes_gateway.telemetry import Sending
 
+CLUSTER_POLL = 0.05  # seconds the event task waits on the sharded channels per round, on a cluster
+SUBSCRIBE_WAIT = 5.0  # seconds to wait for the server to confirm new sharded subscriptions
+
 log = structlog.get_logger("hermes.client")
 
 
@@ -67,6 +70,10 @@ class AsyncGateway:
         self.broker = broker  # the embedded broker this client started, if any
         self.client_id = uuid.uuid4().hex
         self.channel = keys.caller_channel(self.client_id)
+        self.cluster = is_cluster(conn)
+        self._channels = {self.channel}
+        self._wanted: set[str] = set()
+        self._confirmed: dict[str, asyncio.Event] = {}
         # The broker's own scripts, registered on the asyncio client: same SUBMIT/TRANSITION, awaited.
         self.calls = Calls(conn)  # type: ignore[arg-type]
         self._handles: dict[str, AsyncCallHandle] = {}
@@ -87,22 +94,62 @@ class AsyncGateway:
         if not url:
             broker = connect(None, embedded_ok=embedded_ok)  # starting a child process: once, up front
             url = broker.url
-        conn = aioredis.Redis.from_url(url)
-        try:
-            await conn.ping()
-        except (RedisError, OSError) as e:
-            await conn.aclose()
-            raise BrokerUnavailable(f"cannot reach Redis at {redact_url(url)}: {e}") from e
+        conn = await async_from_url(url)
         gw = cls(conn, settings, broker=broker)
         await gw.start()
         return gw
 
-    def _channel_of(self, _queue: str) -> str:
-        return self.channel
+    def _channel_of(self, queue: str) -> str:
+        """The channel of this client's calls on ``queue``: its one channel on a plain Redis; on a cluster
+        its sharded channel of the queue's tag (subscribed by ``_subscribed`` before the call is sent)."""
+        if not self.cluster:
+            return self.channel
+        ch = keys.caller_channel(self.client_id, keys.tag(queue))
+        if ch not in self._channels:
+            self._wanted.add(ch)
+        return ch
+
+    async def _subscribed(self) -> None:
+        """On a cluster: SSUBSCRIBE the channels new envelopes named, and wait for the server to confirm
+        them, so no event of those calls is published unheard."""
+        wanted, self._wanted = self._wanted - self._channels, set()
+        if not wanted:
+            return
+        events = [self._confirmed.setdefault(ch, asyncio.Event()) for ch in wanted]
+        await self._pubsub.ssubscribe(*wanted)
+        self._channels |= wanted
+        try:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), SUBSCRIBE_WAIT)
+        except TimeoutError as e:
+            raise BrokerUnavailable(f"the broker did not confirm the subscriptions {sorted(wanted)} in time") from e
+
+    async def _list(self, queues: Iterable[str]) -> None:
+        """Add ``queues`` to RQ's set of queues, once per process (as ``Calls.list_queue``)."""
+        for queue in queues:
+            if queue not in self.calls.listed:
+                await self.conn.sadd(keys.RQ_QUEUES, keys.queue(queue))
+                self.calls.listed.add(queue)
+
+    async def _wake(self, pipe: Any, queues: Iterable[str]) -> None:
+        """Wake the workers of ``queues``: in the submission's pipeline on a plain Redis, after it on a
+        cluster (``pipe`` None; a cluster pipeline carries no PUBLISH)."""
+        if (pipe is None) != self.cluster:
+            return
+        for queue in queues:
+            channel = keys.channel(self.conn, keys.wake(queue))
+            if pipe is not None:
+                pipe.publish(channel, b"")
+            else:
+                await self.conn.publish(channel, b"")
 
     async def start(self) -> None:
         """Subscribe before any submission, so no event of ours can be published unheard."""
-        await self._pubsub.subscribe(self.channel, self._tools_channel)
+        if self.cluster:
+            for text_ in scripts.PIPELINED:  # a cluster pipeline cannot load a script a node lacks
+                await self.conn.script_load(text_)
+            await self._pubsub.subscribe(self._tools_channel)
+        else:
+            await self._pubsub.subscribe(self.channel, self._tools_channel)
         self._task = asyncio.create_task(self._dispatch(), name="hermes-aio-events")
 
     async def close(self) -> None:
@@ -133,7 +180,7 @@ class AsyncGateway:
             generation = self._tools_gen
             pipe = self.conn.pipeline(transaction=False)
             pipe.hget(keys.TOOLS, name)
-            pipe.hget(keys.TOOLS + ":ver", name)
+            pipe.hget(keys.TOOLS_VER, name)
             raw, ver = await pipe.execute()
             if raw is None:
                 raise UnknownTool(f"unknown tool {name!r}: it is not in the tool directory", tool=name)
@@ -146,7 +193,7 @@ class AsyncGateway:
         """Every directory entry, sorted by name."""
         pipe = self.conn.pipeline(transaction=False)
         pipe.hgetall(keys.TOOLS)
-        pipe.hgetall(keys.TOOLS + ":ver")
+        pipe.hgetall(keys.TOOLS_VER)
         raw, vers = await pipe.execute()
         return [Entry(ToolSpec.from_stored(unpack(v)), int(vers.get(k, 0))) for k, v in sorted(raw.items())]
 
@@ -212,10 +259,13 @@ class AsyncGateway:
     async def _submit(self, env: Envelope, limits: dict[str, Any]) -> AsyncCallHandle:
         handle = self._track(AsyncCallHandle(self, env.call_id, env.name, env.kind))
         try:
+            await self._subscribed()
+            await self._list([env.queue])
             pipe = self.conn.pipeline(transaction=False)
             await self.calls.submit(env, pipeline=pipe, **limits)  # type: ignore[arg-type]
-            pipe.publish(keys.channel(self.conn, keys.wake(env.queue)), b"")
+            await self._wake(pipe, [env.queue])
             reply = (await pipe.execute())[0]
+            await self._wake(None, [env.queue])
             _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
         except BaseException:
             self._handles.pop(env.call_id, None)
@@ -256,14 +306,17 @@ class AsyncGateway:
             env = tool_envelope(entry, name, args, item_opts(opts, idempotency_keys, i), common, self._channel_of)
             handle = self._track(AsyncCallHandle(self, env.call_id, name))
             prepared.append((env, tool_limits(env, entry.spec, self.settings), handle))
+        await self._subscribed()
+        await self._list(dict.fromkeys(env.queue for env, _, _ in prepared))
         pipe = self.conn.pipeline(transaction=False)
         for env, limits, _ in prepared:
             await self.calls.submit(env, pipeline=pipe, **limits)  # type: ignore[arg-type]
-        for queue in {env.queue for env, _, _ in prepared}:
-            pipe.publish(keys.channel(self.conn, keys.wake(queue)), b"")
+        queues = list(dict.fromkeys(env.queue for env, _, _ in prepared))
+        await self._wake(pipe, queues)
         with send:
             send.describe(prepared[0][0] if prepared else None, len(prepared))
             replies = (await pipe.execute(raise_on_error=False))[: len(prepared)]
+        await self._wake(None, queues)
         batch = AsyncBatch()
         for (env, limits, handle), reply in zip(prepared, replies, strict=True):
             try:
@@ -288,7 +341,7 @@ class AsyncGateway:
         if raw[1] is None:
             raise CallFailed(f"no such call {call_id}", error_type="unknown_call")
         name, kind, channel = (_text(v) for v in raw)
-        h = AsyncCallHandle(self, call_id, name, kind, own=channel == self.channel)
+        h = AsyncCallHandle(self, call_id, name, kind, own=channel in self._channels)
         if h.own:
             self._track(h)
         await h.sync()  # an ended call is untracked again by its terminal event
@@ -338,10 +391,23 @@ class AsyncGateway:
         self._tools_gen += 1
         self._tools.pop(name, None)
 
+    async def _next_message(self) -> Any:
+        """The next message: on a cluster the directory's notices, then the sharded channels in turn."""
+        if not self.cluster:
+            return await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+        msg = await self._pubsub.get_message(timeout=0.0)
+        if msg is None and self._pubsub.shard_channels:
+            msg = await self._pubsub.get_sharded_message(timeout=CLUSTER_POLL)
+        elif msg is None:
+            await asyncio.sleep(CLUSTER_POLL)
+        if msg is not None and msg["type"] == "ssubscribe":
+            self._confirmed.setdefault(_text(msg["channel"]), asyncio.Event()).set()
+        return msg if msg is None or msg["type"] in ("message", "smessage") else None
+
     async def _dispatch(self) -> None:
         while True:
             try:
-                msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                msg = await self._next_message()
             except (RedisError, OSError) as e:
                 log.warning("event subscription interrupted; handles fall back to the history", error=str(e))
                 await asyncio.sleep(0.5)

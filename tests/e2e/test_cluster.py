@@ -146,3 +146,31 @@ def test_a_slot_migration_during_a_batch_loses_no_call_and_runs_none_twice(
     for cid in ids:
         runs = [e for e in _history(gw, cid) if e.type == events.TRANSITION and e.state == "executing"]
         assert len(runs) == 1, cid
+
+
+def test_the_async_client_on_a_cluster_gets_results_and_events_of_two_queues(
+    curl: str, cgateway: Any, cworkers: Any, home: Any
+) -> None:
+    import asyncio
+
+    from hermes_gateway.aio import AsyncGateway
+
+    home.sleep_tool("anap")
+    home.sleep_tool("bnap", queue="other")
+    cgateway.sync_tools()
+    cworkers(1, queues="tools,other", concurrency=8)
+
+    async def run() -> list[Any]:
+        async with await AsyncGateway.connect(curl, home=str(home.path), embedded_ok=False) as gw:
+            a = await gw.call_tool("anap", {"seconds": 0.05})
+            b = await gw.call_tool("bnap", {"seconds": 0.05})
+            batch = await gw.map("anap", [{"seconds": 0.01}] * 10)
+            out = [await a.result(timeout=20), await b.result(timeout=20)]
+            out += [await h.result(timeout=20) for h in batch]
+            assert a.call_id.startswith("{tools}.") and b.call_id.startswith("{other}.")
+            states = [e.state async for e in a.events(timeout=5) if e.type == events.TRANSITION]
+            assert states[0] == "pending" and states[-1] == "done"
+            return out
+
+    results = asyncio.run(run())
+    assert results[:2] == [{"slept": 0.05}] * 2 and results[2:] == [{"slept": 0.01}] * 10
