@@ -18,7 +18,7 @@ import redis.asyncio
 import redis.asyncio.cluster
 from redis.client import Pipeline
 
-from . import events, keys, pipes, scripts
+from . import events, keys, partitions, pipes, scripts
 from .codec import pack, text
 from .connection import is_cluster
 from .envelope import Envelope
@@ -56,7 +56,7 @@ class Calls:
 
     def wake_channel(self, queue: str) -> str:
         """The wake-up channel of ``queue`` (pub/sub is shared by every DB of a server: scoped to ours)."""
-        return keys.channel(self.conn, keys.wake(queue))
+        return keys.channel(self.conn, keys.wake(partitions.base(queue)))
 
     def list_queue(self, queue: str) -> None:
         """Add ``queue`` to RQ's set of queues (``rq info`` lists it), once per process: a set spanning

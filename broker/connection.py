@@ -148,7 +148,9 @@ def subscriber(conn: Any, **kwargs: Any) -> Any:
     is_async = isinstance(conn, redis.asyncio.Redis)
     default = redis.asyncio.connection.DefaultParser if is_async else redis.connection.DefaultParser
     parser = conn.connection_pool.connection_kwargs.get("parser_class") or default
-    if hasattr(parser, "set_pubsub_push_handler"):  # the pure-Python RESP2 parser takes no handler
+    from . import pipes
+
+    if pipes.FAST and hasattr(parser, "set_pubsub_push_handler"):  # (the pure-Python RESP2 parser takes none)
         kwargs["push_handler_func"] = _as_is_async if is_async else _as_is
     return conn.pubsub(ignore_subscribe_messages=True, **kwargs)
 

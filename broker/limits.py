@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from . import keys, scripts
+from . import keys, partitions, scripts
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Limits:
         freed = 0
         for q in queues:
             tag = keys.tag(q)
-            wake = keys.channel(self.conn, keys.wake(q))
+            wake = keys.channel(self.conn, keys.wake(partitions.base(q)))
             for ckey in map(_text, self.conn.hkeys(keys.limits(tag))):
                 freed += int(
                     self._sweep(

@@ -25,9 +25,18 @@ try:
 except ImportError:  # pragma: no cover - hiredis is an install dependency; redis-py packs without it
     _hiredis_pack = None
 
+# The private path (below) is used only while this is on: ``configure(settings.fast_path)``.
+FAST = True
+
 Command = tuple[tuple[Any, ...], dict[str, Any]]
 _TEXT: dict[str, str] = {}  # sha -> text of every script sent through ``script`` (to resend as EVAL)
 _DROP = (NEVER_DECODE, EMPTY_RESPONSE, "keys")
+
+
+def configure(fast: bool) -> None:
+    """Use the private path (``fast``) or redis-py's own ``Pipeline.execute`` for plain pipelines."""
+    global FAST
+    FAST = fast
 
 
 def script(script: Any, keys: Sequence[Any], args: Sequence[Any], client: Any = None) -> Any:
@@ -39,7 +48,7 @@ def script(script: Any, keys: Sequence[Any], args: Sequence[Any], client: Any = 
     server that lost it gets it again (``execute`` here, or ``Pipeline.execute``).
     """
     _TEXT.setdefault(script.sha, script.script)
-    if type(client) is Pipeline and not client.watching:
+    if FAST and type(client) is Pipeline and not client.watching:
         client.scripts.add(script)
         client.command_stack.append((("EVALSHA", script.sha, len(keys), *keys, *args), {}))
         return client
@@ -58,7 +67,7 @@ def execute(pipe: Pipeline, connection: Any = None) -> list[Any]:
     from the pool each time; it is disconnected (and reconnects on the next send) when anything fails.
     A cluster's pipeline (no single connection) is sent by redis-py, one batch per node (``stock``).
     """
-    if not isinstance(pipe, Pipeline):
+    if not FAST or not isinstance(pipe, Pipeline):
         return stock(pipe)
     if getattr(pipe, "transaction", False) is True or pipe.explicit_transaction or pipe.watching:
         raise ValueError("pipes.execute sends plain pipelines; use pipeline(transaction=False), no WATCH")

@@ -34,7 +34,7 @@ COMMON_KEYS = frozenset(
         "version",
     }
 )
-ROUTING_KEYS = frozenset({"queue"})
+ROUTING_KEYS = frozenset({"queue", "queue_partitions"})
 
 # Each executor's own keys, as its module docstring in workers/executors/ documents them.
 EXECUTOR_KEYS: dict[str, frozenset[str]] = {

@@ -24,7 +24,7 @@ import structlog
 from redis import RedisError
 
 from broker import events as ev_mod
-from broker import keys, scripts
+from broker import keys, partitions, scripts
 from broker.calls import Calls
 from broker.codec import pack, unpack
 from broker.config import Settings, load_settings
@@ -136,7 +136,7 @@ class AsyncGateway:
         if (pipe is None) != self.cluster:
             return
         for queue in queues:
-            channel = keys.channel(self.conn, keys.wake(queue))
+            channel = self.calls.wake_channel(queue)
             if pipe is not None:
                 pipe.publish(channel, b"")
             else:
@@ -226,7 +226,7 @@ class AsyncGateway:
         }
         with Sending(traceparent, tracestate) as send:
             opts["trace_headers"] = send.headers
-            env = tool_envelope(entry, name, args, opts, context, self._channel_of)
+            env = tool_envelope(entry, name, args, opts, context, self._channel_of, self.settings)
             send.describe(env)
             return await self._submit(env, tool_limits(env, entry.spec, self.settings))
 
@@ -303,7 +303,7 @@ class AsyncGateway:
         prepared = []
         for i, (name, args) in enumerate(calls):
             entry = self._tools.get(name) or await self.tool(name)
-            env = tool_envelope(entry, name, args, item_opts(opts, idempotency_keys, i), common, self._channel_of)
+            env = tool_envelope(entry, name, args, item_opts(opts, idempotency_keys, i), common, self._channel_of, self.settings)
             handle = self._track(AsyncCallHandle(self, env.call_id, name))
             prepared.append((env, tool_limits(env, entry.spec, self.settings), handle))
         await self._subscribed()
@@ -311,7 +311,7 @@ class AsyncGateway:
         pipe = self.conn.pipeline(transaction=False)
         for env, limits, _ in prepared:
             await self.calls.submit(env, pipeline=pipe, **limits)  # type: ignore[arg-type]
-        queues = list(dict.fromkeys(env.queue for env, _, _ in prepared))
+        queues = list(dict.fromkeys(partitions.base(env.queue) for env, _, _ in prepared))
         await self._wake(pipe, queues)
         with send:
             send.describe(prepared[0][0] if prepared else None, len(prepared))

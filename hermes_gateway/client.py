@@ -12,7 +12,7 @@ import redis
 import structlog
 
 from broker import events as ev_mod
-from broker import keys, pipes
+from broker import keys, partitions, pipes
 from broker.calls import Calls
 from broker.codec import text
 from broker.config import Settings, load_settings
@@ -64,6 +64,7 @@ class Gateway:
         self.settings = settings or load_settings()
         self.client_id = uuid.uuid4().hex
         self.channel = keys.caller_channel(self.client_id)
+        pipes.configure(self.settings.fast_path)
         self.calls = Calls(self.conn)
         self.directory = Directory(self.conn)
         self._handles: dict[str, CallHandle] = {}
@@ -154,7 +155,7 @@ class Gateway:
 
     def _envelope(self, name: str, args: dict[str, Any] | None, opts: dict[str, Any], context: dict[str, Any]) -> tuple[Envelope, ToolSpec]:
         entry = self.directory.get(name)
-        return tool_envelope(entry, name, args, opts, context, self.channel_for), entry.spec
+        return tool_envelope(entry, name, args, opts, context, self.channel_for, self.settings), entry.spec
 
     def channel_for(self, queue: str) -> str:
         """The channel this client hears the events of its calls on ``queue`` on: its one channel on a
@@ -339,7 +340,7 @@ class Gateway:
         pipe = self.conn.pipeline(transaction=False)
         for env, limits, _ in chunk:
             self.calls.submit(env, pipeline=pipe, **limits)
-        queues = list(dict.fromkeys(env.queue for env, _, _ in chunk))
+        queues = list(dict.fromkeys(partitions.base(env.queue) for env, _, _ in chunk))
         self._wake(pipe, queues)
         replies = pipes.execute(pipe)[: len(chunk)]
         self._wake(None, queues)
@@ -351,7 +352,7 @@ class Gateway:
         if (pipe is None) != self.cluster:
             return
         for queue in queues:
-            (pipe if pipe is not None else self.conn).publish(keys.channel(self.conn, keys.wake(queue)), b"")
+            (pipe if pipe is not None else self.conn).publish(self.calls.wake_channel(queue), b"")
 
     def cancel(self, call_id: str) -> bool:
         return cancel_call(self, call_id)
@@ -455,7 +456,7 @@ class Gateway:
         answer read here is counted as ``get_message`` would; any trouble goes back to ``get_message``.
         """
         pubsub, conn = self._pubsub, self._pubsub.connection
-        if conn is None or not pubsub.subscribed:
+        if not pipes.FAST or conn is None or not pubsub.subscribed:
             return
         while not self._closed.is_set():
             try:

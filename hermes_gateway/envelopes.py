@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from broker import keys
+from broker import keys, partitions
 from broker.codec import pack
 from broker.config import Settings
 from broker.directory import Entry
@@ -55,8 +55,10 @@ def tool_envelope(
     opts: dict[str, Any],
     context: dict[str, Any],
     channel: Callable[[str], str],
+    settings: Settings | None = None,
 ) -> Envelope:
-    """The envelope of one call of the directory tool ``entry``; events go to ``channel(queue)``."""
+    """The envelope of one call of the directory tool ``entry``; events go to ``channel(queue)``. A tool
+    split in partitions (``queue_partitions``) gets the next partition with a share of its limit."""
     spec = entry.spec
     check_context(context)
     if args is not None and not isinstance(args, dict):
@@ -67,6 +69,10 @@ def tool_envelope(
     if tp is None:
         tp, ts, bg = current_headers()
     queue = opts.get("queue") or str(spec.config.get("queue") or "tools")
+    n = partitions.count(spec)
+    if n > 1:
+        concurrency = spec.concurrency or (settings.concurrency_for(spec.executor) if settings else -1)
+        queue = partitions.route(queue, n, concurrency, opts.get("idempotency_key"))
     return Envelope(
         call_id=keys.call_id(queue, opts.get("call_id") or new_call_id()),
         kind="tool",
@@ -94,10 +100,13 @@ def tool_limits(env: Envelope, spec: ToolSpec, settings: Settings) -> dict[str, 
         queue_size = settings.queue_size_for(spec.executor)
     # Error retries (``retry.max``) need their attempts too; an explicit per-call max_attempts wins.
     retries = int((spec.retry or {}).get("max") or 0)
+    concurrency = spec.concurrency or settings.concurrency_for(spec.executor)
+    # A partition's share of the tool's limit and queue size (the shares add up to them exactly).
+    concurrency, queue_size = partitions.limits(env.queue, partitions.count(spec), concurrency, queue_size)
     return {
         "ckey": concurrency_key(env),
         "queue_size": queue_size,
-        "concurrency": spec.concurrency or settings.concurrency_for(spec.executor),
+        "concurrency": concurrency,
         "max_attempts": env.options.max_attempts or max(settings.max_attempts, retries + 1),
         "timeout": float(env.options.timeout or spec.timeout),
     }

@@ -11,7 +11,7 @@ from typing import Any
 import redis
 import structlog
 
-from broker import keys, logs
+from broker import keys, logs, pipes
 from broker.audit_store import AuditLog
 from broker.calls import Calls
 from broker.codec import pack
@@ -62,6 +62,7 @@ class WorkerCore:
         self.conn = conn
         self.settings = settings
         self.name = name
+        pipes.configure(settings.fast_path)
         self.calls = Calls(conn)
         self.outbox = Outbox(conn)
         self.directory = Directory(conn)

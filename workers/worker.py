@@ -20,7 +20,7 @@ import structlog
 from rq import Queue
 from rq import Worker as RQWorker
 
-from broker import keys
+from broker import keys, partitions
 from broker.codec import MsgpackSerializer, pack, unpack
 from broker.config import Settings
 from broker.connection import is_cluster, subscriber
@@ -69,7 +69,10 @@ class Worker:
         self._slots = Tokens(self.concurrency)  # one per call this process may run at once
         self._wake = threading.Event()
         self._beat_now = threading.Event()
-        self.core.scheduler.queues = queues
+        # The queues claimed from: ``queues`` and the partitions of their tools (``refresh_queues``).
+        self.claim_queues = list(queues)
+        self._turn = 0
+        self.core.scheduler.queues = self.claim_queues
         # Registered as an RQ worker (``rq info`` lists it) on a plain Redis; RQ knows no Redis Cluster.
         self.rq = None if is_cluster(conn) else RQWorker(
             [Queue(keys.tag(q), connection=conn, serializer=MsgpackSerializer) for q in queues],
@@ -127,6 +130,10 @@ class Worker:
             self.rq.set_state("busy")
         self.core.calls.load_scripts()
         self._heartbeat_once()
+        try:
+            self.refresh_queues()
+        except redis.RedisError as e:
+            log.warning("could not read the tool directory yet", error=str(e))
         threads = [
             threading.Thread(target=self._heartbeat_loop, name="hermes-heartbeat", daemon=True),
             threading.Thread(target=self._control_loop, name="hermes-control", daemon=True),
@@ -160,7 +167,9 @@ class Worker:
                 break
             self._wake.clear()  # a wake-up from now on means: claim again
             try:
-                claimed = self.core.calls.claim(self.queues, free, self.name, self.lease)
+                self._turn += 1  # each partition of a queue is claimed from first in turn
+                order = partitions.rotated(self.claim_queues, self._turn)
+                claimed = self.core.calls.claim(order, free, self.name, self.lease)
             except Exception as e:  # noqa: BLE001 - the dispatcher must go on (a broker hiccup, a bad reply)
                 log.warning("claim failed", error=str(e))
                 claimed = []
@@ -216,6 +225,11 @@ class Worker:
             return
         self.core.calls.hand_back(run.info, attempt=run.attempt, current=current, reason="worker_shutdown", free=True)
 
+    def refresh_queues(self) -> None:
+        """Claim from every partition of the tools on our queues (re-read on a directory change and with
+        every heartbeat)."""
+        self.claim_queues[:] = partitions.expand(self.queues, (e.spec for e in self.core.directory.all()))
+
     def _run_one(self, claimed: Any) -> None:
         try:
             self.runner.run(claimed)
@@ -264,9 +278,10 @@ class Worker:
                 return
             try:
                 self._heartbeat_once()
-                reaper.reap(self.core.calls, self.queues, self.lease, self.settings.result_ttl, self.core.audit)
+                self.refresh_queues()
+                reaper.reap(self.core.calls, self.claim_queues, self.lease, self.settings.result_ttl, self.core.audit)
                 # Slots still held by calls that ended (a safety net: ending gives the slot back).
-                self.core.scheduler.limits.sweep(self.queues, self.lease)
+                self.core.scheduler.limits.sweep(self.claim_queues, self.lease)
                 self.conn.zremrangebyscore(keys.WORKERS, "-inf", time.time() - self.lease * 2)
             except redis.RedisError as e:
                 log.warning("heartbeat failed", error=str(e))
@@ -291,6 +306,7 @@ class Worker:
                     elif msg["channel"] == tools:
                         # A changed or removed tool must not keep running from this worker's cache.
                         self.core.directory.invalidate(msg["data"].decode(errors="replace"))
+                        self.refresh_queues()  # a tool's partitions may have changed
                     elif msg["channel"] == policy:
                         self.core.refresh_policy()  # the next call is judged by the pushed policy
                     else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 from redis.exceptions import ResponseError
 
@@ -201,3 +203,30 @@ def test_script_calls_outside_a_plain_pipeline_go_through_redis_py(conn: redis.R
     with conn.pipeline() as watching:
         watching.watch("c")  # immediate mode: the command runs now, as redis-py runs it
         assert pipes.script(incr_by, ["c"], [1], watching) == 6
+
+
+def test_with_the_fast_path_off_pipelines_go_through_redis_py_and_scripts_are_reloaded(conn: Any) -> None:
+    pipes.configure(False)
+    try:
+        script = conn.register_script("return ARGV[1]")
+        pipe = conn.pipeline(transaction=False)
+        pipes.script(script, [], ["x"], pipe)
+        pipe.get("hermes:test:nothing")
+        conn.script_flush()  # redis-py's execute loads what the server lost
+        assert pipes.execute(pipe) == [b"x", None]
+    finally:
+        pipes.configure(True)
+
+
+def test_broker_fast_path_is_a_setting_and_a_bad_value_is_a_clear_error(tmp_path: Any, monkeypatch: Any) -> None:
+    import pytest
+
+    from broker.config import load_settings
+    from broker.errors import ConfigError
+
+    assert load_settings(str(tmp_path)).fast_path is True  # the measured default (ARCHITECTURE)
+    monkeypatch.setenv("HERMES_REDIS_FAST_PATH", "0")
+    assert load_settings(str(tmp_path)).fast_path is False
+    monkeypatch.setenv("HERMES_REDIS_FAST_PATH", "maybe")
+    with pytest.raises(ConfigError, match="fast_path"):
+        load_settings(str(tmp_path))
