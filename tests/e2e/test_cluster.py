@@ -174,3 +174,11 @@ def test_the_async_client_on_a_cluster_gets_results_and_events_of_two_queues(
 
     results = asyncio.run(run())
     assert results[:2] == [{"slept": 0.05}] * 2 and results[2:] == [{"slept": 0.01}] * 10
+
+
+def test_racing_clients_on_a_cluster_never_exceed_the_limit_or_queue_size_of_a_partitioned_tool(
+    curl: str, home: Any, cworkers: Any, wait_until: Any
+) -> None:
+    from tests.e2e.partition_race import race
+
+    race(curl, home, cworkers, wait_until)
