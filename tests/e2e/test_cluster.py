@@ -182,3 +182,29 @@ def test_racing_clients_on_a_cluster_never_exceed_the_limit_or_queue_size_of_a_p
     from tests.e2e.partition_race import race
 
     race(curl, home, cworkers, wait_until)
+
+
+def test_a_late_follower_on_a_cluster_gets_the_history_then_the_live_tail_each_event_once(
+    curl: str, cgateway: Any, cworkers: Any, home: Any
+) -> None:
+    from broker.connection import from_url
+
+    home.sleep_tool("slow", queue="other")
+    cgateway.sync_tools()
+    cworkers(1, queues="other", concurrency=4)
+    h = cgateway.call_tool("slow", {"seconds": 1.0})
+    deadline = time.monotonic() + 10
+    while cgateway.calls.record(h.call_id)["state"] != "executing" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    other = from_url(curl)  # another process's view: only the call id
+    try:
+        # poll=30, timeout=20: were the live tail not heard on the sharded channel, the events after the
+        # history would come only from the re-read at the 20 s timeout (the call takes about 1 s)
+        t0 = time.monotonic()
+        seen = list(events.follow(other, h.call_id, timeout=20, poll=30))
+        assert time.monotonic() - t0 < 15
+    finally:
+        other.close()
+    seqs = [e.seq for e in seen]
+    assert seqs == list(range(1, len(seqs) + 1)) and seen[-1].state == "done"
+    assert [e.state for e in seen if e.type == events.TRANSITION][:2] == ["pending", "routing"]
