@@ -201,7 +201,7 @@ class Worker:
         self.core.close()
         close_all()
         try:
-            pipe = self.conn.pipeline()
+            pipe = self.conn.pipeline(transaction=False)  # (keys of several slots on a cluster)
             pipe.zrem(keys.WORKERS, self.name)
             for q in self.queues:
                 pipe.zrem(keys.queue_workers(q), self.name)

@@ -208,3 +208,17 @@ def test_a_late_follower_on_a_cluster_gets_the_history_then_the_live_tail_each_e
     seqs = [e.seq for e in seen]
     assert seqs == list(range(1, len(seqs) + 1)) and seen[-1].state == "done"
     assert [e.state for e in seen if e.type == events.TRANSITION][:2] == ["pending", "routing"]
+
+
+def test_stop_name_on_a_cluster_stops_the_worker_which_leaves_the_registry(
+    curl: str, cgateway: Any, cworkers: Any
+) -> None:
+    (w,) = cworkers(1, queues="tools")
+    assert cgateway.conn.zscore(keys.WORKERS, w.name) is not None
+    out = subprocess.run(
+        [sys.executable, "-m", "hermes_gateway", "stop", w.name], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert w.wait(20) == 0
+    assert cgateway.conn.zscore(keys.WORKERS, w.name) is None
+    assert not cgateway.conn.exists(keys.worker(w.name))
