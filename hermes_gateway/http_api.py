@@ -38,7 +38,6 @@ from dataclasses import asdict
 from importlib import resources
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
@@ -47,6 +46,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
+from broker.connection import async_from_url
 from broker.directory import spec_from_yaml_text
 from broker.envelope import CONTEXT_FIELDS
 from broker.errors import (
@@ -155,7 +155,7 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
-        agw = AsyncGateway(aioredis.Redis.from_url(gw.broker.url), gw.settings)
+        agw = AsyncGateway(await async_from_url(gw.broker.url), gw.settings)
         await agw.start()
         live["agw"] = agw
         try:

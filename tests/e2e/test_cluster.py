@@ -222,3 +222,38 @@ def test_stop_name_on_a_cluster_stops_the_worker_which_leaves_the_registry(
     assert w.wait(20) == 0
     assert cgateway.conn.zscore(keys.WORKERS, w.name) is None
     assert not cgateway.conn.exists(keys.worker(w.name))
+
+
+def test_serve_on_a_cluster_takes_a_call_streams_its_events_and_shows_its_record(
+    curl: str, cgateway: Any, cworkers: Any, home: Any
+) -> None:
+    import json
+    import os
+
+    import httpx
+
+    from tests.e2e.test_http_api import _serve, _sse
+    from tests.e2e.util import free_port, wait_http
+
+    home.sleep_tool()
+    cgateway.sync_tools()
+    cworkers(1, queues="tools", concurrency=4)
+    port = free_port()
+    proc = _serve(port, {**os.environ, "HERMES_REDIS_URL": curl, "HERMES_HOME": str(home.path)})
+    try:
+        base = f"http://127.0.0.1:{port}"
+        assert wait_http(f"{base}/healthz", proc).status_code == 200
+        with httpx.Client(base_url=base, timeout=30) as api:
+            waited = api.post("/v1/tools/sleep/calls", json={"args": {"seconds": 0.05}, "wait": 20}).json()
+            assert waited["state"] == "done" and waited["result"] == {"slept": 0.05}
+            accepted = api.post("/v1/tools/sleep/calls", json={"args": {"seconds": 0.2}})
+            assert accepted.status_code == 202
+            call = accepted.json()
+            streamed = _sse(api, call["events"])
+            states = [json.loads(e["data"])["state"] for e in streamed if e["event"] == "transition"]
+            assert states == ["pending", "routing", "executing", "formatting", "done"]
+            got = api.get(f"/v1/calls/{httpx.URL(call['call_id']).raw_path.decode()}").json()
+            assert got["state"] == "done" and got["result"] == {"slept": 0.2}
+    finally:
+        proc.terminate()
+        proc.wait(10)
