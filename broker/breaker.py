@@ -17,6 +17,7 @@ from redis.client import Pipeline
 
 from . import keys, scripts
 from .codec import pack
+from .connection import is_cluster
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 BUCKETS = 10  # the error-rate window is counted in this many buckets
@@ -147,8 +148,10 @@ class Breakers:
         return Change(cfg.key, before, after, reason, call_id, now)
 
     def publish(self, change: Change, pipeline: Pipeline | None = None) -> None:
-        """Announce a change on the breaker channel."""
-        (pipeline if pipeline is not None else self.conn).publish(self.channel, pack(change.to_dict()))
+        """Announce a change on the breaker channel (in ``pipeline`` on a plain Redis; a cluster's pipelines
+        carry no PUBLISH, so there it goes at once)."""
+        target = pipeline if pipeline is not None and not is_cluster(self.conn) else self.conn
+        target.publish(self.channel, pack(change.to_dict()))
 
     def state(self, key: str) -> dict[str, Any]:
         """One breaker's state (``closed`` when it never tripped)."""

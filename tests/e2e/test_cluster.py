@@ -40,6 +40,11 @@ def cworkers(curl: str, home: Any, tmp_path: Path) -> Iterator[WorkerFactory]:
     factory = WorkerFactory(curl, home, logs)
     yield factory
     factory.stop_all()
+    # Nothing a worker wrote was refused by the cluster (a command a cluster pipeline does not take, a
+    # script in the wrong slot): every transition went through.
+    for w in factory.started:
+        bad = [line for line in w.log().splitlines() if "transition not written" in line or "outbox batch failed" in line]
+        assert bad == [], bad[:3]
 
 
 @pytest.fixture
@@ -257,3 +262,39 @@ def test_serve_on_a_cluster_takes_a_call_streams_its_events_and_shows_its_record
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_breakers_and_flows_on_a_cluster(curl: str, cgateway: Any, cworkers: Any, home: Any, tmp_path: Path) -> None:
+    from broker.errors import CircuitOpen, ExecutorError
+    from hermes_gateway.flow import Flow, run_flow
+    from tests.e2e.flowtools import lines
+
+    gw = cgateway
+    mode, log = tmp_path / "mode", tmp_path / "backend.log"
+    mode.write_text("fail")
+    home.echo_tool()
+    home.tool(
+        "fragile", function="tests.e2e.flowtools:backend", timeout=10, concurrency=10,
+        breaker={"failures": 3, "cooldown": 30}, input_schema={"type": "object"}, queue="other",
+    )
+    gw.sync_tools()
+    cworkers(1, queues="tools,other", concurrency=4)
+    # Three failures open the breaker (its keys in their own slot); the next call is refused unrun.
+    for i in range(3):
+        with pytest.raises(ExecutorError):
+            gw.call_tool("fragile", {"mode_file": str(mode), "log": str(log), "tag": f"f{i}"}).result(20)
+    with pytest.raises(CircuitOpen):
+        gw.call_tool("fragile", {"mode_file": str(mode), "log": str(log), "tag": "after"}).result(20)
+    assert len(lines(log)) == 3
+    from broker.breaker import Breakers
+
+    assert Breakers(gw.conn).all()[0]["state"] == "open"
+    # A flow: steps are ordinary calls, results passed by reference.
+    flow = (
+        Flow("trip")
+        .step("lookup", "echo", {"city": "{{ args.city }}"})
+        .step("again", "echo", {"twice": "{{ steps.lookup.result.city }}"})
+    )
+    out = run_flow(gw, flow, {"city": "Paris"})
+    assert out.state == "done", out.error
+    assert out.steps["again"].result == {"twice": "Paris"}
