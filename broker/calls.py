@@ -9,157 +9,33 @@ Every write takes an optional ``pipeline``; only the creator of a pipeline execu
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import redis
-import redis.asyncio
-import redis.asyncio.cluster
 from redis.client import Pipeline
 
-from . import events, keys, partitions, pipes, scripts
-from .codec import pack, text
-from .connection import is_cluster
-from .envelope import Envelope
-from .errors import IllegalTransition, QueueFull
-from .idempotency import conflict, request_digest
-from .records import CallInfo, Claimed, Step, job_fields, lease_deadline, read_record, rq_now, waiting_score
+from . import events, keys, pipes, scripts
+from .codec import pack
+from .errors import IllegalTransition
+from .records import CallInfo, Step, read_record, rq_now, waiting_score
 from .states import RQ_STATUS, TERMINAL, State, sources
-
-SUBMIT_TTL = 7 * 86400
-
-# Job hash fields of a call submitted under an idempotency key: the key (TRANSITION gives it the record's
-# TTL when the call ends) and the digest of what was asked (a resubmission asking otherwise is a conflict).
-F_IDEM = "h_idem"
-F_DIGEST = "h_digest"
+from .submits import F_DIGEST, F_IDEM, SUBMIT_TTL, Submits
 
 # Reasons a transition script refused.
 MISSING, FENCED, WRONG_STATE = -1, -2, -3
 
 
-class Calls:
-    """Scripted operations on call records."""
+__all__ = ["F_DIGEST", "F_IDEM", "SUBMIT_TTL", "Calls"]
+
+
+class Calls(Submits):
+    """Scripted operations on call records: transitions here, submission in ``Submits``, the workers'
+    side (claims and leases) in ``Claims``."""
 
     def __init__(self, conn: redis.Redis) -> None:
-        self.conn = conn
-        self._submit = conn.register_script(scripts.SUBMIT)
+        super().__init__(conn)
         self._transition = conn.register_script(scripts.TRANSITION)
-        self._claim = conn.register_script(scripts.CLAIM)
-        self._reap = conn.register_script(scripts.TAKE_DUE)
-        self._requeue = conn.register_script(scripts.REQUEUE)
-        # Events go out on sharded channels (in the call's slot) on a cluster, where plain PUBLISH would
-        # reach every node; a plain Redis (the embedded one may be 6.2) has only PUBLISH.
-        self.publish = "SPUBLISH" if is_cluster(conn) else "PUBLISH"
-        self.listed: set[str] = set()  # queues this process added to rq:queues
-        self.is_async = isinstance(conn, (redis.asyncio.Redis, redis.asyncio.cluster.RedisCluster))
-
-    def wake_channel(self, queue: str) -> str:
-        """The wake-up channel of ``queue`` (pub/sub is shared by every DB of a server: scoped to ours)."""
-        return keys.channel(self.conn, keys.wake(partitions.base(queue)))
-
-    def list_queue(self, queue: str) -> None:
-        """Add ``queue`` to RQ's set of queues (``rq info`` lists it), once per process: a set spanning
-        queues is no key of a submission's slot."""
-        if queue not in self.listed:
-            self.conn.sadd(keys.RQ_QUEUES, keys.queue(queue))
-            self.listed.add(queue)
-
-    # -- submission ------------------------------------------------------------------------------
-
-    def submit(
-        self,
-        env: Envelope,
-        *,
-        ckey: str,
-        queue_size: int,
-        max_attempts: int,
-        timeout: float,
-        concurrency: int = -1,
-        pipeline: Pipeline | None = None,
-    ) -> Any:
-        """Admit a call with its ``pending`` event: onto its queue with a slot of ``ckey`` when one is free
-        (``concurrency`` -1 = no limit), else waiting (at most ``queue_size``). Returns the script's reply."""
-        info = CallInfo.of(env, ckey)
-        ev = events.payload(
-            call_id=env.call_id,
-            state=State.PENDING,
-            trace_id=info.trace_id,
-            span_id=info.span_id,
-            attempt=1,
-            kind=env.kind,
-            name=info.name,
-            session_id=info.session_id,
-            detail={"queue": env.queue},
-        )
-        fields = job_fields(env, ckey=ckey, max_attempts=max_attempts, timeout=timeout)
-        flat = [x for k, v in fields.items() for x in (k, "" if v is None else v)]
-        idem = env.options.idempotency_key
-        digest = ""
-        tag = keys.tag(env.queue)
-        if idem:
-            digest = request_digest(env)
-            flat += [F_IDEM, keys.idempotency(tag, idem), F_DIGEST, digest]
-        if not self.is_async:  # (an asyncio client awaits its own SADD: AsyncGateway._list)
-            self.list_queue(env.queue)
-        return pipes.script(
-            self._submit,
-            [
-                keys.job(env.call_id),
-                keys.queue(env.queue),
-                keys.history(env.call_id),
-                keys.waiting(tag, ckey),
-                keys.idempotency(tag, idem or ""),
-                keys.slots(tag, ckey),
-                keys.limits(tag),
-            ],
-            [
-                env.call_id,
-                ev,
-                SUBMIT_TTL,
-                queue_size,
-                waiting_score(),
-                env.channel,
-                digest,
-                concurrency,
-                ckey,
-                self.wake_channel(env.queue),
-                self.publish,
-                keys.job(""),
-                *flat,
-            ],
-            pipeline,
-        )
-
-    @staticmethod
-    def check_submit(reply: Any, ckey: str, queue_size: int, env: Envelope | None = None) -> tuple[bool, str]:
-        """Turn a SUBMIT reply into (accepted_new, call_id) or raise QueueFull / IdempotencyConflict.
-
-        With ``env`` (the envelope submitted), an existing call of another tool or kind under the same
-        idempotency key is a conflict too (a record of an older version carries no digest to compare).
-        """
-        code, value = int(reply[0]), reply[1]
-        if code == -1:
-            raise QueueFull(
-                f"queue for {ckey!r} is full ({int(value)} waiting, limit {queue_size})",
-                key=ckey,
-                limit=queue_size,
-                depth=int(value),
-            )
-        existing = Calls.existing_call(reply)
-        if code == -2 or (
-            code == 0 and env is not None and existing is not None and existing != (env.name, env.kind)
-        ):
-            name, kind = existing or ("", "")
-            raise conflict(env, text(value), name, kind)
-        return code == 1, text(value)
-
-    @staticmethod
-    def existing_call(reply: Any) -> tuple[str, str] | None:
-        """(tool or model, kind) of the existing call an idempotent SUBMIT reply names, if it says."""
-        if int(reply[0]) in (0, -2) and len(reply) >= 4:
-            return text(reply[2]), text(reply[3])
-        return None
 
     # -- transitions -----------------------------------------------------------------------------
 
@@ -438,78 +314,6 @@ class Calls:
         rerun after the commands queued behind it: writes of a worker depend on their order."""
         for script in (self._transition, self._requeue, self._submit):
             self.conn.script_load(script.script)
-
-    def requeue_unstarted(self, call_id: str, ckey: str, queue: str, pipeline: Pipeline | None = None) -> Any:
-        """A call leased but never started, still ``pending`` and holding its slot: back at the head of its
-        queue, unleased, keeping the slot (a no-op otherwise)."""
-        tag = keys.tag(queue)
-        return pipes.script(
-            self._requeue,
-            [keys.leases(tag), keys.slots(tag, ckey), keys.queue(queue), keys.job(call_id)],
-            [call_id, self.wake_channel(queue)],
-            pipeline,
-        )
-
-    # -- workers ---------------------------------------------------------------------------------
-
-    def claim(self, queues: list[str], n: int, worker: str, lease: float) -> list[Claimed]:
-        """Take up to ``n`` pending calls off the queues (in order), leased to ``worker``: one script per
-        queue (each queue is a slot of its own), the next queue only while fewer than ``n`` came."""
-        out: list[Claimed] = []
-        deadline, now = lease_deadline(lease), rq_now()
-        for q in queues:
-            tag = keys.tag(q)
-            reply = self._claim(
-                keys=[keys.leases(tag), keys.queue(q)],
-                args=[n - len(out), worker, deadline, now, keys.job(""), keys.slots(tag, "")],
-            )
-            for i in range(0, len(reply), 3):
-                cid, data, attempt = reply[i], reply[i + 1], reply[i + 2]
-                out.append(Claimed(cid.decode(), data or b"", int(attempt or 1)))
-            if len(out) >= n:
-                break
-        return out
-
-    def extend_leases(self, runs: Sequence[CallInfo], lease: float, pipeline: Pipeline | None = None) -> None:
-        """Push the lease deadline of calls still running here (only those still leased), and of the
-        concurrency slots they hold."""
-        if not runs:
-            return
-        deadline = lease_deadline(lease)
-        target = pipeline if pipeline is not None else self.conn
-        by_lease: dict[str, dict[str, int]] = {}
-        by_slots: dict[str, dict[str, int]] = {}
-        for info in runs:
-            tag = keys.tag(info.queue)
-            by_lease.setdefault(keys.leases(tag), {})[info.call_id] = deadline
-            by_slots.setdefault(keys.slots(tag, info.ckey), {})[info.call_id] = deadline
-        for key, members in (*by_lease.items(), *by_slots.items()):
-            target.zadd(key, members, xx=True)
-
-    def reap(self, queues: Sequence[str], lease: float, limit: int = 100) -> list[dict[str, Any]]:
-        """Expired leases of calls on ``queues``, taken over by this reaper for one more lease while it
-        settles them."""
-        now = time.time()
-        out = []
-        for q in queues:
-            reply = self._reap(
-                keys=[keys.leases(keys.tag(q))],
-                args=[now, lease_deadline(lease), limit, keys.job(""), "reap"],
-            )
-            for i in range(0, len(reply), 7):
-                cid, state, attempt, max_att, queue, cancel, ckey = (text(v) for v in reply[i : i + 7])
-                out.append(
-                    {
-                        "call_id": cid,
-                        "state": state,
-                        "attempt": int(attempt or 1),
-                        "max_attempts": int(max_att or 1),
-                        "queue": queue,
-                        "cancel": cancel == "1",
-                        "ckey": ckey,
-                    }
-                )
-        return out
 
     # -- reading ---------------------------------------------------------------------------------
 
