@@ -298,3 +298,33 @@ def test_breakers_and_flows_on_a_cluster(curl: str, cgateway: Any, cworkers: Any
     out = run_flow(gw, flow, {"city": "Paris"})
     assert out.state == "done", out.error
     assert out.steps["again"].result == {"twice": "Paris"}
+
+
+def test_a_pushed_policy_and_a_removed_tool_reach_the_workers_on_a_cluster(
+    curl: str, cgateway: Any, cworkers: Any, home: Any
+) -> None:
+    from broker.errors import HermesError, UnknownTool
+    from workers import policy_store
+    from workers.policy import Policy
+
+    gw = cgateway
+    home.echo_tool("guarded")  # declares no permissions: open under permissive, refused under strict
+    gw.sync_tools()
+    cworkers(1, queues="tools")
+    def allowed() -> bool:
+        try:
+            return bool(gw.call_tool("guarded", {"x": 2}).result(20) == {"x": 2})
+        except HermesError as e:
+            assert e.type == "permission_denied"
+            return False
+
+    assert allowed()  # config.yaml's policy (permissive)
+    policy_store.push(gw.conn, Policy.from_dict({"mode": "strict"}))
+    deadline = time.monotonic() + 10
+    while allowed():  # the workers apply the pushed policy on its notice
+        assert time.monotonic() < deadline, "the pushed policy did not reach the worker"
+        time.sleep(0.1)
+    policy_store.clear(gw.conn)
+    assert gw.directory.remove("guarded") is True
+    with pytest.raises(UnknownTool):
+        gw.call_tool("guarded", {"x": 3})
