@@ -90,10 +90,12 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def wait_for_workers(conn: Any, count: int, queue: str, timeout: float = 20.0) -> None:
-    """Until ``count`` RQ-registered workers listen on ``queue``."""
+    """Until ``count`` workers listen on ``queue``: stock RQ's (RQ's registry) or ours (their heartbeats)."""
+    from broker import keys
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if conn.scard(f"rq:workers:{queue}") >= count:
+        if max(conn.scard(f"rq:workers:{queue}"), conn.zcard(keys.queue_workers(queue))) >= count:
             return
         time.sleep(0.05)
     raise RuntimeError(f"workers did not start on {queue}")

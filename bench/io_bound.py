@@ -125,7 +125,8 @@ def _round(gw: Any, conn: Any, name: str, n: int, seconds: float, procs: list[An
 
     # A cross-check of the events' figure, every 5 ms: each sample is a round trip of this process, and
     # sampling faster took CPU from the run it measures on a small machine.
-    with Peak(lambda: conn.zcard(keys.slots(f"tool:{name}")), 0.005) as peak:
+    held = keys.slots(keys.tag(str(gw.tool(name).spec.config.get("queue") or "tools")), f"tool:{name}")
+    with Peak(lambda: conn.zcard(held), 0.005) as peak:
         cpu0 = _cpu(conn, procs)
         start = time.perf_counter()
         handles = []

@@ -177,7 +177,7 @@ def ours_limit_and_dead_slot(url: str, jobs: int, wait: float, lease: float) -> 
         gw = Gateway(BrokerHandle(from_url(url), url, url), load_settings(home))
         gw.sync_tools(home / "tools")
         ckey = f"tool:{tool['name']}"
-        executing = lambda: conn.zcount(keys.slots(ckey), "-inf", "(inf")  # noqa: E731 - claimed slots
+        executing = lambda: conn.zcount(keys.slots(keys.tag(queue), ckey), "-inf", "(inf")  # noqa: E731 - claimed slots
         with Peak(executing, 0.01) as peak:
             handles = gw.map(tool["name"], [{"seconds": 0.3}] * jobs)
             ok = sum(1 for h in handles if h.result(120) is not None)

@@ -37,8 +37,10 @@ def run_ours(
     plugins: list[str] | None = None,
     tracing: bool = False,
     lean: bool = True,
+    fast_path: bool = True,
 ) -> float:
-    """Calls/s through our stack; ``tracing``: a real SDK pipeline (batch processor into memory) on both sides."""
+    """Calls/s through our stack; ``tracing``: a real SDK pipeline (batch processor into memory) on both
+    sides; ``fast_path`` False: redis-py's stock pipelines and pub/sub reads (``broker.fast_path``)."""
     from broker.connection import from_url
     from hermes_gateway import Gateway
     from hermes_gateway.client import BrokerHandle
@@ -52,7 +54,8 @@ def run_ours(
         "queue_size": 1_000_000,
         "queue": queue,
     }
-    config = {"plugins": {"enabled": plugins}} if plugins else None
+    config: dict[str, Any] = {"plugins": {"enabled": plugins}} if plugins else {}
+    config["broker"] = {"fast_path": fast_path}  # (read by the workers and this client from config.yaml)
     home = scratch_home([tool], config)
     if plugins:
         import shutil
@@ -149,8 +152,11 @@ def main() -> None:
     parser.add_argument("--url", default=None, help="Redis URL (default $HERMES_REDIS_URL, else embedded)")
     parser.add_argument("--skip-plugins", action="store_true", help="skip the run with the example plugins")
     parser.add_argument("--skip-tracing", action="store_true", help="skip the run with tracing on")
+    parser.add_argument(
+        "--skip-stock", action="store_true", help="skip the run on redis-py's stock pipelines (broker.fast_path: false)"
+    )
     args = parser.parse_args()
-    runs: dict[str, list[float]] = {"rq": [], "ours": [], "plugins": [], "tracing": [], "tracing_sdk": []}
+    runs: dict[str, list[float]] = {"rq": [], "ours": [], "stock": [], "plugins": [], "tracing": [], "tracing_sdk": []}
     with using_broker(args.url) as url:
         print(f"broker: {url}; {args.calls} no-op calls; {args.processes} worker process(es) each side; "
               f"{args.rounds} interleaved rounds (a shared 2-core machine is noisy: medians count)")
@@ -158,6 +164,8 @@ def main() -> None:
             # Interleaved, so slow and fast spells of the machine fall on every side alike.
             runs["rq"].append(run_rq(url, args.calls, args.processes))
             runs["ours"].append(run_ours(url, args.calls, args.processes, args.concurrency))
+            if not args.skip_stock:
+                runs["stock"].append(run_ours(url, args.calls, args.processes, args.concurrency, fast_path=False))
             if not args.skip_plugins:
                 runs["plugins"].append(run_ours(url, args.calls, args.processes, args.concurrency, SEED_PLUGINS))
             if not args.skip_tracing:
@@ -169,6 +177,10 @@ def main() -> None:
         rq_rate, ours = statistics.median(runs["rq"]), statistics.median(runs["ours"])
         print(f"stock RQ SimpleWorker: {rq_rate:,.0f} jobs/s (median)")
         print(f"hermes-gateway:        {ours:,.0f} calls/s (median; enqueue -> done event at the caller)")
+        if runs["stock"]:
+            stock = statistics.median(runs["stock"])
+            print(f"hermes-gateway on redis-py's stock pipelines and pub/sub: {stock:,.0f} calls/s (median)")
+            print(f"stock_path_ratio={stock / ours:.3f}  (broker.fast_path pays when < 0.90)")
         if runs["plugins"]:
             with_plugins = statistics.median(runs["plugins"])
             print(f"hermes-gateway + the seed's 4 example plugins: {with_plugins:,.0f} calls/s (median)")

@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
-from . import keys, pipes
+from . import keys, pipes, scripts
 from .audit import AuditRecord
 from .errors import ConfigError
 
@@ -24,26 +24,7 @@ AUDIT_STREAM = keys.AUDIT_STREAM
 AUDIT_INDEX = keys.AUDIT_INDEX
 DEFAULT_MAXLEN = 100_000
 
-_APPEND_LUA = """
-local id = false
-if ARGV[4] ~= '' then
-  id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 5))
-  redis.call('ZADD', KEYS[2], string.match(id, '^(%d+)'), ARGV[4])
-end
-local trimmed = 0
-if ARGV[1] ~= '0' then trimmed = trimmed + redis.call('XTRIM', KEYS[1], 'MAXLEN', ARGV[3], ARGV[1]) end
-if ARGV[2] ~= '0' then trimmed = trimmed + redis.call('XTRIM', KEYS[1], 'MINID', ARGV[3], ARGV[2]) end
--- The index follows the stream: after records went (or on an explicit trim), drop what is older than it.
-if trimmed > 0 or not id then
-  local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
-  if first[1] then
-    redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. string.match(first[1][1], '^(%d+)'))
-  else
-    redis.call('DEL', KEYS[2])
-  end
-end
-return id
-"""
+
 
 
 class AuditLog:
@@ -69,7 +50,7 @@ class AuditLog:
         self.approximate = approximate
         self.jsonl_path = Path(jsonl_path) if jsonl_path else None
         self._clock = clock
-        self._script = redis.register_script(_APPEND_LUA)
+        self._script = redis.register_script(scripts.AUDIT_APPEND)
         self._file_lock = threading.Lock()
 
     @classmethod

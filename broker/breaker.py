@@ -15,104 +15,14 @@ from typing import Any
 import redis
 from redis.client import Pipeline
 
-from . import keys
+from . import keys, scripts
 from .codec import pack
+from .connection import is_cluster
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 BUCKETS = 10  # the error-rate window is counted in this many buckets
 
-# KEYS: 1 breaker hash, 2 breakers set. ARGV: 1 now, 2 cooldown, 3 call_id, 4 probe deadline, 5 key.
-# Returns {decision allow|probe|reject, state before, retry_at or ''}.
-CHECK = r"""
-local f = redis.call('HMGET', KEYS[1], 'state', 'opened_at', 'probe', 'probe_until')
-local state = f[1] or 'closed'
-if state == 'closed' then return {'allow', 'closed', ''} end
-local now = tonumber(ARGV[1])
-if state == 'open' then
-  local reopen = tonumber(f[2] or 0) + tonumber(ARGV[2])
-  if now < reopen then return {'reject', 'open', tostring(reopen)} end
-  redis.call('HSET', KEYS[1], 'state', 'half_open', 'probe', ARGV[3], 'probe_until', ARGV[4], 'changed_at', now)
-  redis.call('SADD', KEYS[2], ARGV[5])
-  return {'probe', 'open', ''}
-end
-if f[3] == ARGV[3] then return {'probe', 'half_open', ''} end
-if tonumber(f[4] or 0) < now then
-  redis.call('HSET', KEYS[1], 'probe', ARGV[3], 'probe_until', ARGV[4])
-  return {'probe', 'half_open', ''}
-end
-return {'reject', 'half_open', f[4] or ''}
-"""
 
-# KEYS: 1 breaker hash, 2 window hash, 3 breakers set.
-# ARGV: 1 now, 2 outcome ok|fail|neutral, 3 call_id, 4 consecutive failures that open it (0 = rule off),
-#       5 failure rate that opens it (0 = rule off), 6 window seconds, 7 min calls in the window,
-#       8 error type, 9 key
-# Returns {state after, state before, reason}.
-RECORD = r"""
-local f = redis.call('HMGET', KEYS[1], 'state', 'probe')
-local state = f[1] or 'closed'
-local now = tonumber(ARGV[1])
-local outcome = ARGV[2]
-local function open(reason)
-  redis.call('HSET', KEYS[1], 'state', 'open', 'opened_at', now, 'changed_at', now, 'failures', 0,
-             'probe', '', 'probe_until', 0, 'reason', reason, 'last_error', ARGV[8])
-  redis.call('DEL', KEYS[2])
-  redis.call('SADD', KEYS[3], ARGV[9])
-end
-if state == 'half_open' then
-  if f[2] ~= ARGV[3] then return {state, state, ''} end
-  if outcome == 'ok' then
-    redis.call('HSET', KEYS[1], 'state', 'closed', 'changed_at', now, 'failures', 0, 'probe', '',
-               'probe_until', 0, 'reason', 'probe succeeded')
-    redis.call('DEL', KEYS[2])
-    return {'closed', 'half_open', 'probe succeeded'}
-  elseif outcome == 'fail' then
-    open('probe failed')
-    return {'open', 'half_open', 'probe failed'}
-  end
-  redis.call('HSET', KEYS[1], 'probe', '', 'probe_until', 0)
-  return {'half_open', 'half_open', ''}
-end
-if state == 'open' or outcome == 'neutral' then return {state, state, ''} end
-local reason = ''
-local threshold = tonumber(ARGV[4])
-if outcome == 'ok' then
-  if threshold > 0 then redis.call('HSET', KEYS[1], 'failures', 0) end
-else
-  local n = redis.call('HINCRBY', KEYS[1], 'failures', 1)
-  redis.call('HSET', KEYS[1], 'last_error', ARGV[8])
-  if threshold > 0 and n >= threshold then reason = n .. ' consecutive failures' end
-end
-local rate = tonumber(ARGV[5])
-if rate > 0 then
-  local window = tonumber(ARGV[6])
-  local width = window / 10
-  local b = math.floor(now / width)
-  redis.call('HINCRBY', KEYS[2], 'c' .. b, 1)
-  if outcome == 'fail' then redis.call('HINCRBY', KEYS[2], 'f' .. b, 1) end
-  redis.call('EXPIRE', KEYS[2], math.ceil(window + width))
-  local calls, fails = 0, 0
-  local all = redis.call('HGETALL', KEYS[2])
-  for i = 1, #all, 2 do
-    local kind, at = string.sub(all[i], 1, 1), tonumber(string.sub(all[i], 2))
-    if at <= b - 10 then
-      redis.call('HDEL', KEYS[2], all[i])
-    elseif kind == 'c' then
-      calls = calls + tonumber(all[i + 1])
-    else
-      fails = fails + tonumber(all[i + 1])
-    end
-  end
-  if reason == '' and calls >= tonumber(ARGV[7]) and fails / calls >= rate then
-    reason = fails .. ' of ' .. calls .. ' calls failed in ' .. ARGV[6] .. 's'
-  end
-end
-if reason ~= '' then
-  open(reason)
-  return {'open', 'closed', reason}
-end
-return {'closed', 'closed', ''}
-"""
 
 # Error types that count as a failure of the back end unless a breaker lists its own (``on``).
 COUNTED = frozenset(
@@ -192,8 +102,8 @@ class Breakers:
 
     def __init__(self, conn: redis.Redis) -> None:
         self.conn = conn
-        self._check = conn.register_script(CHECK)
-        self._record = conn.register_script(RECORD)
+        self._check = conn.register_script(scripts.BREAKER_CHECK)
+        self._record = conn.register_script(scripts.BREAKER_RECORD)
         self.channel = keys.channel(conn, keys.BREAKER_CHANNEL)
 
     def check(self, cfg: BreakerConfig, call_id: str, probe_ttl: float) -> Decision:
@@ -238,8 +148,10 @@ class Breakers:
         return Change(cfg.key, before, after, reason, call_id, now)
 
     def publish(self, change: Change, pipeline: Pipeline | None = None) -> None:
-        """Announce a change on the breaker channel."""
-        (pipeline if pipeline is not None else self.conn).publish(self.channel, pack(change.to_dict()))
+        """Announce a change on the breaker channel (in ``pipeline`` on a plain Redis; a cluster's pipelines
+        carry no PUBLISH, so there it goes at once)."""
+        target = pipeline if pipeline is not None and not is_cluster(self.conn) else self.conn
+        target.publish(self.channel, pack(change.to_dict()))
 
     def state(self, key: str) -> dict[str, Any]:
         """One breaker's state (``closed`` when it never tripped)."""

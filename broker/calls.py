@@ -9,139 +9,33 @@ Every write takes an optional ``pipeline``; only the creator of a pipeline execu
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import redis
 from redis.client import Pipeline
 
-from . import events, keys, pipes, scripts, upkeep
-from .codec import raw, text
-from .envelope import Envelope
-from .errors import IllegalTransition, QueueFull
-from .idempotency import conflict, request_digest
-from .records import CallInfo, Claimed, Step, job_fields, lease_deadline, read_record, rq_now, waiting_score
+from . import events, keys, pipes, scripts
+from .codec import pack
+from .errors import IllegalTransition
+from .records import CallInfo, Step, read_record, rq_now, waiting_score
 from .states import RQ_STATUS, TERMINAL, State, sources
-
-SUBMIT_TTL = 7 * 86400
-
-# Job hash fields of a call submitted under an idempotency key: the key (TRANSITION gives it the record's
-# TTL when the call ends) and the digest of what was asked (a resubmission asking otherwise is a conflict).
-F_IDEM = "h_idem"
-F_DIGEST = "h_digest"
+from .submits import F_DIGEST, F_IDEM, SUBMIT_TTL, Submits
 
 # Reasons a transition script refused.
 MISSING, FENCED, WRONG_STATE = -1, -2, -3
 
 
-class Calls:
-    """Scripted operations on call records."""
+__all__ = ["F_DIGEST", "F_IDEM", "SUBMIT_TTL", "Calls"]
+
+
+class Calls(Submits):
+    """Scripted operations on call records: transitions here, submission in ``Submits``, the workers'
+    side (claims and leases) in ``Claims``."""
 
     def __init__(self, conn: redis.Redis) -> None:
-        self.conn = conn
-        self._submit = conn.register_script(scripts.SUBMIT)
+        super().__init__(conn)
         self._transition = conn.register_script(scripts.TRANSITION)
-        self._claim = conn.register_script(scripts.CLAIM)
-        self._reap = conn.register_script(upkeep.REAP)
-        self._spare_back = conn.register_script(upkeep.SPARE_BACK)
-        self._requeue = conn.register_script(upkeep.REQUEUE)
-        # Pub/sub is shared by every DB of a server: the scripts' wake-ups carry this DB's suffix.
-        self.wake_suffix = keys.channel(conn, "")
-
-    # -- submission ------------------------------------------------------------------------------
-
-    def submit(
-        self,
-        env: Envelope,
-        *,
-        ckey: str,
-        queue_size: int,
-        max_attempts: int,
-        timeout: float,
-        concurrency: int = -1,
-        pipeline: Pipeline | None = None,
-    ) -> Any:
-        """Admit a call with its ``pending`` event: onto its queue with a slot of ``ckey`` when one is free
-        (``concurrency`` -1 = no limit), else waiting (at most ``queue_size``). Returns the script's reply."""
-        info = CallInfo.of(env, ckey)
-        ev = events.payload(
-            call_id=env.call_id,
-            state=State.PENDING,
-            trace_id=info.trace_id,
-            span_id=info.span_id,
-            attempt=1,
-            kind=env.kind,
-            name=info.name,
-            session_id=info.session_id,
-            detail={"queue": env.queue},
-        )
-        fields = job_fields(env, ckey=ckey, max_attempts=max_attempts, timeout=timeout)
-        flat = [x for k, v in fields.items() for x in (k, "" if v is None else v)]
-        idem = env.options.idempotency_key
-        digest = ""
-        if idem:
-            digest = request_digest(env)
-            flat += [F_IDEM, keys.IDEMPOTENCY.format(idem), F_DIGEST, digest]
-        return pipes.script(
-            self._submit,
-            [
-                keys.job(env.call_id),
-                keys.queue(env.queue),
-                keys.history(env.call_id),
-                keys.waiting(ckey),
-                keys.RQ_QUEUES,
-                keys.IDEMPOTENCY.format(idem or ""),
-                keys.slots(ckey),
-                keys.LIMITS,
-                keys.spared(ckey),
-            ],
-            [
-                env.call_id,
-                ev,
-                SUBMIT_TTL,
-                queue_size,
-                waiting_score(),
-                env.channel,
-                keys.queue(env.queue),
-                digest,
-                concurrency,
-                ckey,
-                self.wake_suffix,
-                *flat,
-            ],
-            pipeline,
-        )
-
-    @staticmethod
-    def check_submit(reply: Any, ckey: str, queue_size: int, env: Envelope | None = None) -> tuple[bool, str]:
-        """Turn a SUBMIT reply into (accepted_new, call_id) or raise QueueFull / IdempotencyConflict.
-
-        With ``env`` (the envelope submitted), an existing call of another tool or kind under the same
-        idempotency key is a conflict too (a record of an older version carries no digest to compare).
-        """
-        code, value = int(reply[0]), reply[1]
-        if code == -1:
-            raise QueueFull(
-                f"queue for {ckey!r} is full ({int(value)} waiting, limit {queue_size})",
-                key=ckey,
-                limit=queue_size,
-                depth=int(value),
-            )
-        existing = Calls.existing_call(reply)
-        if code == -2 or (
-            code == 0 and env is not None and existing is not None and existing != (env.name, env.kind)
-        ):
-            name, kind = existing or ("", "")
-            raise conflict(env, text(value), name, kind)
-        return code == 1, text(value)
-
-    @staticmethod
-    def existing_call(reply: Any) -> tuple[str, str] | None:
-        """(tool or model, kind) of the existing call an idempotent SUBMIT reply names, if it says."""
-        if int(reply[0]) in (0, -2) and len(reply) >= 4:
-            return text(reply[2]), text(reply[3])
-        return None
 
     # -- transitions -----------------------------------------------------------------------------
 
@@ -163,7 +57,6 @@ class Calls:
         event_type: str = events.TRANSITION,
         current: State | None = None,
         pipeline: Pipeline | None = None,
-        handoff: tuple[str, float] | tuple[str, float, str, int] | None = None,
         via: Sequence[Step] = (),
         ts: float | None = None,
         unleased: bool = False,
@@ -174,12 +67,6 @@ class Calls:
         order, the first from ``current``; their events are recorded and published first, in the same
         script. ``ts``: when this move happened (default now). ``unleased``: only from ``pending`` while no
         worker holds the call (a caller cancelling it directly; a worker that took it is told instead).
-
-        ``handoff`` (worker, lease seconds[, spare call id, spares wanted]): the released slot goes
-        straight to that worker's spare, which it already runs, else to its oldest spare or the oldest
-        waiting call of the same queue, leased to that worker (read it from the reply with ``handed_off``);
-        the next oldest waiting calls of the queue, as many as wanted, are leased to the worker as spares,
-        without a slot (``spared``).
 
         Ending (or ``retrying``) releases the call's concurrency slot and promotes the oldest waiting call
         of its key; ``requeue`` admits it again (a free slot, else waiting at ``requeue_score``, default
@@ -194,8 +81,7 @@ class Calls:
             first = self._check_move(current, state_, from_states if first is None else None, first)
             early.append(self._event(info, str(state_), attempt, events.TRANSITION, detail_, ts_))
             current = state_
-        ho = handoff if handoff and release else None
-        stamp = rq_now() if (target in TERMINAL or ho) else ""
+        stamp = rq_now() if target in TERMINAL else ""
         if target is not None:
             allowed = self._check_move(current, target, from_states if first is None else None, first)
             src = "pending!" if unleased else _joined(allowed)
@@ -212,17 +98,18 @@ class Calls:
         for k, v in (fields or {}).items():
             flat.append(k)
             flat.append(v)
+        tag = keys.tag(info.queue)
         return pipes.script(
             self._transition,
             [
                 keys.job(info.call_id),
                 keys.history(info.call_id),
-                keys.LEASES,
-                keys.waiting(info.ckey),
-                keys.slots(info.ckey),
-                keys.LIMITS,
-                keys.SCHEDULED,
-                keys.spared(info.ckey),
+                keys.leases(tag),
+                keys.waiting(tag, info.ckey),
+                keys.slots(tag, info.ckey),
+                keys.limits(tag),
+                keys.scheduled(tag),
+                keys.queue(info.queue),
             ],
             [
                 info.call_id,
@@ -233,21 +120,155 @@ class Calls:
                 state,
                 RQ_STATUS[target] if target is not None else "",
                 "" if lease is None else lease,
-                keys.queue(info.queue) if requeue else "",
+                "1" if requeue else "",
                 waiting_score() if requeue_score is None else requeue_score,
                 info.channel,
                 "1" if release else "",
                 info.ckey,
                 "" if schedule_at is None else schedule_at,
-                self.wake_suffix,
-                ho[0] if ho else "",
-                lease_deadline(ho[1]) if ho else "",
-                stamp if ho else "",
-                ho[2] if ho and len(ho) > 2 and ho[2] else "",
-                int(ho[3]) if ho and len(ho) > 3 and ho[3] else "",
+                self.wake_channel(info.queue),
+                self.publish,
                 *flat,
             ],
             pipeline,
+        )
+
+    # -- named operations (each one TRANSITION) ----------------------------------------------------
+
+    def move(
+        self,
+        info: CallInfo,
+        target: State,
+        *,
+        attempt: int,
+        current: State | None,
+        detail: dict[str, Any] | None = None,
+        via: Sequence[Step] = (),
+        ts: float | None = None,
+        fields: dict[str, Any] | None = None,
+        ttl: int | None = None,
+        pipeline: Pipeline | None = None,
+    ) -> Any:
+        """A worker moves the call it holds (fenced by ``attempt``), with the moves ``via`` not written yet;
+        a terminal ``target`` ends it (``fields``: result or error, ``ttl``: how long the record stays)."""
+        return self.transition(
+            info,
+            target,
+            attempt=attempt,
+            current=current,
+            detail=detail,
+            via=via,
+            ts=ts,
+            fields=fields,
+            ttl=ttl,
+            pipeline=pipeline,
+        )
+
+    def note(
+        self,
+        info: CallInfo,
+        event_type: str,
+        detail: dict[str, Any],
+        *,
+        attempt: int,
+        current: State | None,
+        ts: float | None = None,
+        pipeline: Pipeline | None = None,
+    ) -> Any:
+        """An event that changes no state (progress, a stream delta), fenced like a move."""
+        return self.transition(
+            info,
+            None,
+            attempt=attempt,
+            detail=detail,
+            event_type=event_type,
+            current=current,
+            ts=ts,
+            pipeline=pipeline,
+        )
+
+    def finish(
+        self, info: CallInfo, target: State, *, attempt: int, current: State, error: dict[str, Any], ttl: int
+    ) -> Any:
+        """End a call with ``error`` (``failed`` or ``cancelled``) on behalf of a lost worker."""
+        return self.transition(
+            info,
+            target,
+            attempt=attempt,
+            current=current,
+            detail={"error": error},
+            fields={keys.F_ERROR: pack(error)},
+            ttl=ttl,
+        )
+
+    def retry(
+        self,
+        info: CallInfo,
+        *,
+        attempt: int,
+        current: State,
+        detail: dict[str, Any],
+        due: float | None = None,
+        pipeline: Pipeline | None = None,
+    ) -> Any:
+        """The attempt ends ``retrying``: its lease and slot go, the next attempt is counted and, with
+        ``due``, put on the schedule."""
+        return self.transition(
+            info,
+            State.RETRYING,
+            attempt=attempt,
+            current=current,
+            detail=detail,
+            lease="-",
+            schedule_at=due,
+            fields={keys.F_ATTEMPT: attempt + 1},
+            pipeline=pipeline,
+        )
+
+    def requeue(
+        self, info: CallInfo, *, attempt: int, score: float | None = None, pipeline: Pipeline | None = None
+    ) -> Any:
+        """A ``retrying`` call is admitted again: a free slot, else it waits at ``score`` (default now)."""
+        return self.transition(
+            info,
+            State.PENDING,
+            attempt=attempt,
+            requeue=True,
+            requeue_score=score,
+            lease="-",
+            current=State.RETRYING,
+            pipeline=pipeline,
+        )
+
+    def hand_back(
+        self, info: CallInfo, *, attempt: int, current: State, reason: str, free: bool = False
+    ) -> bool:
+        """A running call goes back before every waiting call (score 0) as its next attempt (``free``: an
+        attempt that does not count, its worker stopped); False when it was no longer this attempt's."""
+        reply = self.retry(
+            info, attempt=attempt, current=current, detail={"reason": reason, "next_attempt": attempt + 1}
+        )
+        if int(reply[0]) <= 0:
+            return False
+        if free:
+            self.conn.hincrby(keys.job(info.call_id), keys.F_MAX_ATTEMPTS, 1)
+        self.requeue(info, attempt=attempt + 1, score=0)
+        return True
+
+    def cancel_unleased(
+        self, info: CallInfo, *, attempt: int, error: dict[str, Any], pipeline: Pipeline | None = None
+    ) -> Any:
+        """A caller cancels a call still ``pending`` that no worker holds."""
+        return self.transition(
+            info,
+            State.CANCELLED,
+            attempt=attempt,
+            fence=False,
+            from_states=frozenset({State.PENDING}),
+            unleased=True,
+            detail={"error": error},
+            fields={keys.F_ERROR: pack(error)},
+            pipeline=pipeline,
         )
 
     @staticmethod
@@ -288,115 +309,11 @@ class Calls:
             ts=ts,
         )
 
-    @staticmethod
-    def handed_off(reply: Any) -> Claimed | None:
-        """The call a TRANSITION with ``handoff`` leased to the worker, if any."""
-        if isinstance(reply, Exception) or len(reply) < 5 or not reply[2]:
-            return None
-        cid, data, attempt = reply[2], reply[3], reply[4]
-        return Claimed(text(cid), data or b"", int(attempt or 1))
-
-    @staticmethod
-    def spared(reply: Any) -> list[tuple[Claimed, bytes]]:
-        """The spares a TRANSITION that wanted some leased to the worker, oldest first, each with its
-        waiting score."""
-        if isinstance(reply, Exception) or len(reply) < 10:
-            return []
-        out = []
-        for i in range(6, len(reply) - 3, 4):
-            cid, data, attempt, score = reply[i], reply[i + 1], reply[i + 2], reply[i + 3]
-            claimed = Claimed(text(cid), data or b"", int(attempt or 1))
-            out.append((claimed, raw(score)))
-        return out
-
-    @staticmethod
-    def spare_moved(reply: Any) -> bool:
-        """Whether the spare a TRANSITION named took the slot its call released."""
-        return not isinstance(reply, Exception) and len(reply) >= 6 and int(reply[5] or 0) == 1
-
     def load_scripts(self) -> None:
         """Load the scripts the hot paths queue into pipelines, so that none is refused (NOSCRIPT) and
         rerun after the commands queued behind it: writes of a worker depend on their order."""
-        for script in (self._transition, self._spare_back, self._requeue, self._submit):
+        for script in (self._transition, self._requeue, self._submit):
             self.conn.script_load(script.script)
-
-    def spares_back(self, worker: str, call_ids: list[str], pipeline: Pipeline | None = None) -> list[str]:
-        """Put spares back in line at their old places (``worker`` '' = whoever holds them); returns the
-        ids left out because a cancel was asked for them, for the caller to end (with ``pipeline``: queued
-        there, returns nothing)."""
-        if not call_ids:
-            return []
-        args = [worker, self.wake_suffix, *call_ids]
-        if pipeline is not None:
-            pipes.script(self._spare_back, [keys.LEASES, keys.LIMITS], args, pipeline)
-            return []
-        reply = self._spare_back(keys=[keys.LEASES, keys.LIMITS], args=args)
-        return [text(v) for v in reply]
-
-    def requeue_unstarted(self, call_id: str, ckey: str, queue: str, pipeline: Pipeline | None = None) -> Any:
-        """A call leased but never started, still ``pending`` and holding its slot: back at the head of its
-        queue, unleased, keeping the slot (a no-op otherwise)."""
-        return pipes.script(
-            self._requeue,
-            [keys.LEASES, keys.slots(ckey), keys.queue(queue)],
-            [call_id, keys.wake(queue) + self.wake_suffix],
-            pipeline,
-        )
-
-    # -- workers ---------------------------------------------------------------------------------
-
-    def claim(self, queues: list[str], n: int, worker: str, lease: float) -> list[Claimed]:
-        """Take up to ``n`` pending calls off the queues (in order), leased to ``worker``."""
-        reply = self._claim(
-            keys=[keys.LEASES, *(keys.queue(q) for q in queues)],
-            args=[n, worker, lease_deadline(lease), rq_now()],
-        )
-        out = []
-        for i in range(0, len(reply), 3):
-            cid, data, attempt = reply[i], reply[i + 1], reply[i + 2]
-            out.append(Claimed(cid.decode(), data or b"", int(attempt or 1)))
-        return out
-
-    def extend_leases(
-        self,
-        call_ids: list[str],
-        lease: float,
-        pipeline: Pipeline | None = None,
-        ckeys: dict[str, str] | None = None,
-    ) -> None:
-        """Push the lease deadline of calls still running here (only those still leased), and of the
-        concurrency slots they hold (``ckeys``: call_id -> concurrency key)."""
-        if not call_ids:
-            return
-        deadline = lease_deadline(lease)
-        target = pipeline if pipeline is not None else self.conn
-        target.zadd(keys.LEASES, {cid: deadline for cid in call_ids}, xx=True)
-        by_key: dict[str, dict[str, int]] = {}
-        for cid, ckey in (ckeys or {}).items():
-            by_key.setdefault(ckey, {})[cid] = deadline
-        for ckey, members in by_key.items():
-            target.zadd(keys.slots(ckey), members, xx=True)
-
-    def reap(self, lease: float, limit: int = 100) -> list[dict[str, Any]]:
-        """Expired leases, taken over by this reaper for one more lease while it settles them."""
-        now = time.time()
-        reply = self._reap(keys=[keys.LEASES], args=[now, lease_deadline(lease), limit])
-        out = []
-        for i in range(0, len(reply), 8):
-            cid, state, attempt, max_att, queue, cancel, ckey, spare = (text(v) for v in reply[i : i + 8])
-            out.append(
-                {
-                    "call_id": cid,
-                    "state": state,
-                    "attempt": int(attempt or 1),
-                    "max_attempts": int(max_att or 1),
-                    "queue": queue,
-                    "cancel": cancel == "1",
-                    "ckey": ckey,
-                    "spare": spare != "",
-                }
-            )
-        return out
 
     # -- reading ---------------------------------------------------------------------------------
 

@@ -68,6 +68,9 @@ class Settings:
 
     home: Path
     redis_url: str | None = None
+    # redis-py's private insides for hot pipelines and pub/sub reads on a plain Redis (broker/pipes.py,
+    # Gateway._read_direct): ``broker.fast_path`` / HERMES_REDIS_FAST_PATH, default measured (ARCHITECTURE)
+    fast_path: bool = True
     log_level: str = "INFO"
     log_format: str = "console"
     lease: float = DEFAULT_LEASE
@@ -115,6 +118,18 @@ class Settings:
     def queue_size_for(self, kind: str) -> int:
         value = self.executor_settings(kind).get("queue_size", DEFAULT_QUEUE_SIZE)
         return int(_number(value, f"executors.{kind}.queue_size"))
+
+
+def _flag(value: Any, where: str) -> bool:
+    """A yes/no setting (true/false, 1/0, yes/no, on/off), or a ConfigError naming it."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{where} (HERMES_REDIS_FAST_PATH): expected true or false, got {value!r}")
 
 
 def _number(value: Any, where: str) -> float:
@@ -175,6 +190,7 @@ def load_settings(home: str | os.PathLike[str] | None = None) -> Settings:
     return Settings(
         home=root,
         redis_url=os.environ.get("HERMES_REDIS_URL") or broker.get("url") or None,
+        fast_path=_flag(os.environ.get("HERMES_REDIS_FAST_PATH", broker.get("fast_path", True)), "broker.fast_path"),
         log_level=level,
         log_format=str(os.environ.get("HERMES_LOG_FORMAT") or logging_cfg.get("format") or "console"),
         lease=_env_float("HERMES_LEASE", _number(workers.get("lease", DEFAULT_LEASE), "workers.lease")),

@@ -9,6 +9,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote
 
 import redis
+import redis.cluster
 from redis.sentinel import MasterNotFoundError, SentinelManagedConnection
 
 from .embedded import EmbeddedBroker
@@ -59,10 +60,92 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{netloc}{slash}{path}{question}{query}"
 
 
-def from_url(url: str, **kwargs: Any) -> redis.Redis:
-    """A client for redis://, rediss://, unix:// (password in the URL) or redis+sentinel:// URLs, checked
-    with PING."""
+CLUSTER_SCHEME = "redis+cluster://"
+
+
+def is_cluster(conn: Any) -> bool:
+    """Whether ``conn`` is a Redis Cluster client (sync or asyncio)."""
+    import redis.asyncio.cluster
+
+    return isinstance(conn, (redis.cluster.RedisCluster, redis.asyncio.cluster.RedisCluster))
+
+
+def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], dict[str, str]]:
+    """The seed nodes and credentials of ``redis+cluster://[user:pass@]host:port[,host:port...]``."""
+    from urllib.parse import unquote
+
+    rest = url[len(CLUSTER_SCHEME) :].split("/", 1)[0].split("?", 1)[0]
+    creds: dict[str, str] = {}
+    if "@" in rest:
+        userinfo, rest = rest.rsplit("@", 1)
+        user, _, password = userinfo.partition(":")
+        if user:
+            creds["username"] = unquote(user)
+        if password:
+            creds["password"] = unquote(password)
+    nodes = []
+    for part in rest.split(","):
+        host, _, port = part.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"a cluster seed node is host:port, not {part!r}")
+        nodes.append((host.strip("[]"), int(port)))
+    return nodes, creds
+
+
+def cluster_from_url(url: str, **kwargs: Any) -> Any:
+    """A ``RedisCluster`` client on the seed nodes of a ``redis+cluster://`` URL, checked with PING."""
+    from redis.cluster import ClusterNode, RedisCluster
+
+    nodes, creds = cluster_nodes(url)
+    options: dict[str, Any] = {**creds, **kwargs}
+    conn = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], health_check_interval=30, **options)
+    conn.ping()
+    return conn
+
+
+async def async_from_url(url: str, **kwargs: Any) -> Any:
+    """An asyncio client for the same URLs as :func:`from_url` (``redis.asyncio``; its cluster client for
+    ``redis+cluster://``, a Sentinel-managed one for ``redis+sentinel://``), checked with PING;
+    BrokerUnavailable naming the URL (passwords masked) when it does not answer."""
+    import redis.asyncio
+    import redis.asyncio.cluster
+
+    conn: Any = None
     try:
+        if url.startswith(CLUSTER_SCHEME):
+            nodes, creds = cluster_nodes(url)
+            options: dict[str, Any] = {**creds, **kwargs}
+            conn = redis.asyncio.cluster.RedisCluster(
+                startup_nodes=[redis.asyncio.cluster.ClusterNode(h, p) for h, p in nodes], **options
+            )
+        elif url.startswith(SENTINEL_SCHEME + "://"):
+            conn = sentinel_client(url, is_async=True, **kwargs)
+        else:
+            conn = redis.asyncio.Redis.from_url(url, **kwargs)
+        await conn.ping()
+    except MasterNotFoundError as e:
+        await _close(conn)
+        raise BrokerUnavailable(f"no primary at {redact_url(url)}: {sentinels_say(url)}") from e
+    except redis.AuthenticationError as e:  # (a ConnectionError: caught before those)
+        await _close(conn)
+        raise BrokerUnavailable(f"Redis at {redact_url(url)} refused the credentials: {e}") from e
+    except (redis.RedisError, OSError, ValueError) as e:
+        await _close(conn)
+        raise BrokerUnavailable(f"cannot reach Redis at {redact_url(url)}: {e}") from e
+    return conn
+
+
+async def _close(conn: Any) -> None:
+    if conn is not None:
+        await conn.aclose()
+
+
+def from_url(url: str, **kwargs: Any) -> redis.Redis:
+    """A client for redis://, rediss://, unix:// (password in the URL), redis+sentinel:// URLs, or a Redis
+    Cluster for ``redis+cluster://host:port[,host:port...]``, checked with PING."""
+    try:
+        if url.startswith(CLUSTER_SCHEME):
+            return cluster_from_url(url, **kwargs)  # type: ignore[no-any-return]
         if url.startswith(SENTINEL_SCHEME + "://"):
             conn = sentinel_client(url, **kwargs)
         else:
@@ -72,7 +155,12 @@ def from_url(url: str, **kwargs: Any) -> redis.Redis:
         raise BrokerUnavailable(f"no primary at {redact_url(url)}: {sentinels_say(url)}") from e
     except redis.AuthenticationError as e:  # (a ConnectionError: caught before those)
         raise BrokerUnavailable(f"Redis at {redact_url(url)} refused the credentials: {e}") from e
-    except (redis.ConnectionError, redis.TimeoutError, ValueError) as e:
+    except (
+        redis.ConnectionError,
+        redis.TimeoutError,
+        redis.exceptions.RedisClusterException,
+        ValueError,
+    ) as e:
         raise BrokerUnavailable(f"cannot reach Redis at {redact_url(url)}: {e}") from e
     return conn
 
@@ -93,10 +181,14 @@ def subscriber(conn: Any, **kwargs: Any) -> Any:
     """
     import redis.asyncio
 
+    if is_cluster(conn):  # (subscribe confirmations are kept: a client waits for its sharded ones)
+        return conn.pubsub(**kwargs)
     is_async = isinstance(conn, redis.asyncio.Redis)
     default = redis.asyncio.connection.DefaultParser if is_async else redis.connection.DefaultParser
     parser = conn.connection_pool.connection_kwargs.get("parser_class") or default
-    if hasattr(parser, "set_pubsub_push_handler"):  # the pure-Python RESP2 parser takes no handler
+    from . import pipes
+
+    if pipes.FAST and hasattr(parser, "set_pubsub_push_handler"):  # (the pure-Python RESP2 parser takes none)
         kwargs["push_handler_func"] = _as_is_async if is_async else _as_is
     return conn.pubsub(ignore_subscribe_messages=True, **kwargs)
 
@@ -111,15 +203,6 @@ def connect(url: str | None = None, *, embedded_ok: bool = True) -> BrokerHandle
     emb = EmbeddedBroker().start()
     return BrokerHandle(from_url(emb.url), emb.url, emb.describe(), emb)
 
-
-def async_from_url(url: str, **kwargs: Any) -> Any:
-    """A ``redis.asyncio`` client for the same URLs as :func:`from_url` (not yet connected: the caller
-    awaits its PING)."""
-    import redis.asyncio as aioredis
-
-    if url.startswith(SENTINEL_SCHEME + "://"):
-        return sentinel_client(url, is_async=True, **kwargs)
-    return aioredis.Redis.from_url(url, **kwargs)
 
 
 # -- Sentinel ------------------------------------------------------------------------------------

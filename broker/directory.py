@@ -10,37 +10,11 @@ from typing import Any
 import redis
 import yaml
 
-from . import keys
+from . import keys, scripts
 from .codec import pack, unpack
 from .errors import InvalidSpec, UnknownTool
 from .toolspec import ToolSpec
 from .yamlload import load_yaml
-
-# KEYS: 1 tools hash, 2 version counter. ARGV: 1 name, 2 digest, 3 packed spec, 4 channel, 5 replace (0/1).
-# Returns {version, outcome}: 0 unchanged (identical spec: a no-op), 1 added, 2 updated, 3 kept (a different
-# spec is there and replace is 0). Check and write are one script, so two writers cannot interleave.
-_REGISTER = r"""
-local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if cur then
-  local d = redis.call('HGET', KEYS[1] .. ':digest', ARGV[1])
-  local ver = tonumber(redis.call('HGET', KEYS[1] .. ':ver', ARGV[1]))
-  if d == ARGV[2] then
-    return {ver, 0}
-  end
-  if ARGV[5] == '0' then
-    return {ver, 3}
-  end
-end
-local v = redis.call('INCR', KEYS[2])
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
-redis.call('HSET', KEYS[1] .. ':digest', ARGV[1], ARGV[2])
-redis.call('HSET', KEYS[1] .. ':ver', ARGV[1], v)
-redis.call('PUBLISH', ARGV[4], ARGV[1])
-if cur then
-  return {v, 2}
-end
-return {v, 1}
-"""
 
 OUTCOMES = ("unchanged", "added", "updated", "kept")
 
@@ -61,7 +35,7 @@ class Directory:
 
     def __init__(self, conn: redis.Redis) -> None:
         self.conn = conn
-        self._register = conn.register_script(_REGISTER)
+        self._register = conn.register_script(scripts.TOOL_REGISTER)
         self._cache: dict[str, Entry] = {}
         self._lock = threading.Lock()
         # Bumped by every invalidation: a fetch that raced a change notice must not re-cache what it read.
@@ -80,7 +54,7 @@ class Directory:
         if not isinstance(spec, ToolSpec):
             spec = ToolSpec.from_dict(spec)
         version, outcome = self._register(
-            keys=[keys.TOOLS, keys.TOOLS_VERSION],
+            keys=[keys.TOOLS, keys.TOOLS_VERSION, keys.TOOLS_DIGEST, keys.TOOLS_VER],
             args=[
                 spec.name,
                 spec.digest(),
@@ -95,11 +69,11 @@ class Directory:
         """Delete a tool; every instance is told over pub/sub. True when it existed."""
         pipe = self.conn.pipeline()
         pipe.hdel(keys.TOOLS, name)
-        pipe.hdel(keys.TOOLS + ":digest", name)
-        pipe.hdel(keys.TOOLS + ":ver", name)
+        pipe.hdel(keys.TOOLS_DIGEST, name)
+        pipe.hdel(keys.TOOLS_VER, name)
         pipe.incr(keys.TOOLS_VERSION)
-        pipe.publish(keys.channel(self.conn, keys.TOOLS_CHANNEL), name)
-        removed = pipe.execute()[0]
+        removed = pipe.execute()[0]  # (one slot, {hermes:dir}: a transaction on a cluster too)
+        self.conn.publish(keys.channel(self.conn, keys.TOOLS_CHANNEL), name)
         with self._lock:
             self._cache.pop(name, None)
         return bool(removed)
@@ -108,7 +82,7 @@ class Directory:
         """Read one entry from Redis (no cache)."""
         pipe = self.conn.pipeline(transaction=False)
         pipe.hget(keys.TOOLS, name)
-        pipe.hget(keys.TOOLS + ":ver", name)
+        pipe.hget(keys.TOOLS_VER, name)
         raw, ver = pipe.execute()
         if raw is None:
             return None
@@ -141,7 +115,7 @@ class Directory:
         """Every entry, sorted by name (read from Redis, not the cache)."""
         pipe = self.conn.pipeline(transaction=False)
         pipe.hgetall(keys.TOOLS)
-        pipe.hgetall(keys.TOOLS + ":ver")
+        pipe.hgetall(keys.TOOLS_VER)
         raw, vers = pipe.execute()
         out = []
         for name, packed in sorted(raw.items()):

@@ -8,7 +8,7 @@ subscriber can see a gap. Late subscribers read the history, then the live tail 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,12 +17,13 @@ import structlog
 
 from . import keys
 from .codec import pack, raw, unpack
-from .connection import subscriber
+from .connection import is_cluster, subscriber
 from .errors import DecodeError
 from .states import TERMINAL
 
 log = structlog.get_logger("hermes.events")
 
+SUBSCRIBE_WAIT = 5.0  # seconds a late follower on a cluster waits for its subscription to be confirmed
 TRANSITION = "transition"
 PROGRESS = "progress"
 DELTA = "delta"
@@ -166,7 +167,7 @@ def follow(
         yield from _drain(history(conn, call_id))
         return
     pubsub = subscriber(conn)
-    pubsub.subscribe(channel)
+    get = _subscribe(conn, pubsub, channel)
     try:
         last = 0
         for ev in history(conn, call_id):
@@ -177,7 +178,7 @@ def follow(
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic()))
-            msg = pubsub.get_message(timeout=wait)
+            msg = get(wait)
             if msg is None:
                 # Quiet: re-read the history in case a message was lost on the way.
                 fresh = history(conn, call_id, last + 1)
@@ -207,6 +208,26 @@ def follow(
                 return
     finally:
         pubsub.close()
+
+
+def _subscribe(conn: Any, pubsub: Any, channel: Any) -> Callable[[float], Any]:
+    """Subscribe to a call's channel, confirmed; returns the function reading its next message (None when
+    quiet). On a cluster the channel is sharded (SSUBSCRIBE, in the call's slot)."""
+    if not is_cluster(conn):
+        pubsub.subscribe(channel)
+        return lambda wait: pubsub.get_message(timeout=wait)
+    pubsub.ssubscribe(channel)
+    deadline = time.monotonic() + SUBSCRIBE_WAIT
+    while time.monotonic() < deadline:  # confirmed before the history is read: nothing falls in between
+        msg = pubsub.get_sharded_message(timeout=0.1)
+        if msg is not None and msg["type"] == "ssubscribe":
+            break
+
+    def get(wait: float) -> Any:
+        msg = pubsub.get_sharded_message(timeout=wait)
+        return msg if msg is not None and msg["type"] == "smessage" else None
+
+    return get
 
 
 def _drain(events: list[Event]) -> Iterator[Event]:

@@ -1,7 +1,15 @@
-"""Every Redis key and channel the gateway uses, in one place.
+"""Every Redis key and channel the gateway uses, in one place, laid out for Redis Cluster.
 
 Calls are RQ jobs: the call record *is* the RQ job hash (``rq:job:<id>``) with our own ``h_*`` fields
-beside RQ's, and calls wait on RQ's queue lists, so RQ's own tools (``rq info``) see them.
+beside RQ's, and calls wait on RQ's queue lists, so RQ's own tools (``rq info``) see them on a plain Redis.
+
+Slots (docs/ARCHITECTURE.md, "Keys and hash slots"): the keys of one queue and of the calls on it share
+the queue's hash tag ``{<queue>}``: its list ``rq:queue:{tools}``, its leases, scheduled retries, limits,
+slot and waiting sets and idempotency keys, and — because a call id starts with its queue's tag
+(``{tools}.<hex>``, see ``call_id``) — each call's record ``rq:job:{tools}.<hex>`` and history. So every
+script about a call or a queue touches one slot. State that spans queues lives in slots of its own:
+the tool directory (``{hermes:dir}``), breakers (``{hermes:brk}``), the audit log (``{hermes:audit}``),
+and single keys (policy, worker registry, stats, failures) reached by single-key commands.
 """
 
 from __future__ import annotations
@@ -14,34 +22,39 @@ RQ_QUEUES = "rq:queues"
 
 PREFIX = "hermes"
 
+# -- per call (the call id carries its queue's tag) --
 HISTORY = PREFIX + ":hist:{}"  # list of encoded events of one call, index = seq - 1
-CALLER_CHANNEL = PREFIX + ":ch:{}"  # pub/sub channel of one client (the caller's channel)
-CALL_CHANNEL = PREFIX + ":call:{}"  # pub/sub channel for a single call, when the caller asked for one
+# -- per queue tag --
+LEASES = PREFIX + ":leases:{}"  # zset call_id -> lease deadline (unix seconds), per queue tag
+SCHEDULED = PREFIX + ":scheduled:{}"  # zset call_id -> when a ``retrying`` call is due back on ``pending``
+LIMITS = PREFIX + ":limits:{}"  # hash concurrency key -> its limit (-1 = none), written by every submission
+SLOTS = PREFIX + ":slots:{}:{}"  # zset call_id -> lease deadline (+inf while queued) of calls holding a slot
+WAITING = PREFIX + ":waiting:{}:{}"  # zset call_id -> submit time, per concurrency key (admission)
+IDEMPOTENCY = PREFIX + ":idem:{}:{}"  # idempotency key -> call_id
+QUEUE_WORKERS = PREFIX + ":qworkers:{}"  # zset per queue: workers listening on it -> last heartbeat
+# -- channels --
+CALLER_CHANNEL = PREFIX + ":ch:{}"  # pub/sub channel of one client (the caller's channel), plain Redis
+SHARD_CHANNEL = PREFIX + ":ch:{}:{}"  # the caller's sharded channel of one queue tag, on a cluster
 WAKE_CHANNEL = PREFIX + ":wake:{}"  # "a call was queued" nudge to the workers of one queue
 CONTROL_CHANNEL = PREFIX + ":ctl"  # cancel / stop / reload broadcasts to every worker
-LEASES = PREFIX + ":leases"  # zset call_id -> lease deadline (unix seconds)
-WAITING = PREFIX + ":waiting:{}"  # zset call_id -> submit time, per concurrency key (admission)
-IDEMPOTENCY = PREFIX + ":idem:{}"  # idempotency key -> call_id
+# -- cross-queue state, slots of its own --
 WORKERS = PREFIX + ":workers"  # zset worker name -> last heartbeat
-QUEUE_WORKERS = PREFIX + ":qworkers:{}"  # zset per queue: workers listening on it -> last heartbeat
 WORKER = PREFIX + ":worker:{}"  # hash of one worker's figures
 FAILURES = PREFIX + ":failures"  # capped list of recent failures
-TOOLS = PREFIX + ":tools"  # hash tool name -> packed directory entry
-TOOLS_VERSION = PREFIX + ":tools:version"  # counter, bumped on every directory change
+TOOLS = PREFIX + ":{dir}:tools"  # hash tool name -> packed directory entry
+TOOLS_DIGEST = TOOLS + ":digest"  # hash tool name -> digest of its spec
+TOOLS_VER = TOOLS + ":ver"  # hash tool name -> its version
+TOOLS_VERSION = TOOLS + ":version"  # counter, bumped on every directory change
 TOOLS_CHANNEL = PREFIX + ":tools:changes"  # pub/sub notice of directory changes
-AUDIT_STREAM = PREFIX + ":audit"  # stream of packed AuditRecords, capped by count and/or age
-AUDIT_INDEX = PREFIX + ":audit:idx"  # zset call_id -> ms part of its stream id
+AUDIT_STREAM = PREFIX + ":{audit}"  # stream of packed AuditRecords, capped by count and/or age
+AUDIT_INDEX = PREFIX + ":{audit}:idx"  # zset call_id -> ms part of its stream id
 POLICY = PREFIX + ":policy"  # hash: data (packed Policy), digest, version, pushed_at, source
 POLICY_CHANNEL = PREFIX + ":policy:changes"  # pub/sub notice (the new version) of a pushed policy
 STATS = PREFIX + ":stats"  # hash of call figures summed over all workers (workers/metrics.py)
 STATS_INFLIGHT = PREFIX + ":stats:inflight:{}"  # hash concurrency key -> calls running, per worker
-SLOTS = PREFIX + ":slots:{}"  # zset call_id -> lease deadline (+inf while queued) of calls holding a slot
-SPARED = PREFIX + ":spared:{}"  # zset call_id -> waiting score: calls leased to a worker as spares (no slot)
-LIMITS = PREFIX + ":limits"  # hash concurrency key -> its limit (-1 = none), written by every submission
-SCHEDULED = PREFIX + ":scheduled"  # zset call_id -> when a ``retrying`` call is due back on ``pending``
-BREAKER = PREFIX + ":breaker:{}"  # hash: state, opened_at, failures, probe, ... of one circuit breaker
-BREAKER_WINDOW = PREFIX + ":breaker:{}:win"  # hash bucket -> calls / failures, for the error-rate rule
-BREAKERS = PREFIX + ":breakers"  # set of every breaker key (for status)
+BREAKER = PREFIX + ":{{brk}}:breaker:{}"  # hash: state, opened_at, failures, probe, ... of one circuit breaker
+BREAKER_WINDOW = PREFIX + ":{{brk}}:breaker:{}:win"  # hash bucket -> calls / failures, for the error-rate rule
+BREAKERS = PREFIX + ":{brk}:breakers"  # set of every breaker key (for status)
 BREAKER_CHANNEL = PREFIX + ":breakers:changes"  # pub/sub: every breaker state change
 
 # Our fields inside the RQ job hash.
@@ -62,8 +75,26 @@ F_TRACE = "h_trace"
 F_ENVELOPE = "h_env"
 
 
+def tag(queue_name: str) -> str:
+    """The hash tag of a queue: every key of the queue and of the calls on it carries it."""
+    return "{" + queue_name + "}"
+
+
+def tag_in(name: str) -> str:
+    """The hash tag inside a call id or a key (``{tools}`` of ``{tools}.ab12``), '' when it has none."""
+    start = name.find("{")
+    end = name.find("}", start + 1)
+    return name[start : end + 1] if start >= 0 and end > start + 1 else ""
+
+
+def call_id(queue_name: str, unique: str) -> str:
+    """A call id on ``queue_name``: its tag, a dot, then ``unique`` (a caller's own id keeps its tag)."""
+    t = tag(queue_name)
+    return unique if unique.startswith(t + ".") else f"{t}.{unique}"
+
+
 def queue_workers(name: str) -> str:
-    return QUEUE_WORKERS.format(name)
+    return QUEUE_WORKERS.format(tag(name))
 
 
 def job(call_id: str) -> str:
@@ -71,13 +102,20 @@ def job(call_id: str) -> str:
 
 
 def queue(name: str) -> str:
-    return RQ_QUEUE.format(name)
+    return RQ_QUEUE.format(tag(name))
+
+
+def queue_name(queue_key: str) -> str:
+    """``tools`` of ``rq:queue:{tools}``."""
+    return tag_in(queue_key)[1:-1] or queue_key.removeprefix(RQ_QUEUE.format(""))
 
 
 def channel(conn: Any, base: str) -> str:
     """A pub/sub channel scoped to the connection's database: Redis shares pub/sub across DB numbers,
-    so two deployments on db 0 and db 1 of one server must not hear each other's control messages."""
-    db = int(conn.connection_pool.connection_kwargs.get("db") or 0)
+    so two deployments on db 0 and db 1 of one server must not hear each other's control messages.
+    (A cluster has only db 0, and its clients no single connection pool.)"""
+    pool = getattr(conn, "connection_pool", None)
+    db = int(pool.connection_kwargs.get("db") or 0) if pool is not None else 0
     return base if db == 0 else f"{base}@db{db}"
 
 
@@ -89,24 +127,38 @@ def history(call_id: str) -> str:
     return HISTORY.format(call_id)
 
 
-def caller_channel(client_id: str) -> str:
-    return CALLER_CHANNEL.format(client_id)
+def caller_channel(client_id: str, queue_tag: str = "") -> str:
+    """The channel a client hears its calls' events on: one per client on a plain Redis; on a cluster one
+    per queue tag it uses (a sharded channel in the slot of that queue's calls)."""
+    return SHARD_CHANNEL.format(queue_tag, client_id) if queue_tag else CALLER_CHANNEL.format(client_id)
 
 
-def waiting(ckey: str) -> str:
-    return WAITING.format(ckey)
+def leases(queue_tag: str) -> str:
+    return LEASES.format(queue_tag)
+
+
+def scheduled(queue_tag: str) -> str:
+    return SCHEDULED.format(queue_tag)
+
+
+def limits(queue_tag: str) -> str:
+    return LIMITS.format(queue_tag)
+
+
+def waiting(queue_tag: str, ckey: str) -> str:
+    return WAITING.format(queue_tag, ckey)
+
+
+def slots(queue_tag: str, ckey: str) -> str:
+    return SLOTS.format(queue_tag, ckey)
+
+
+def idempotency(queue_tag: str, key: str) -> str:
+    return IDEMPOTENCY.format(queue_tag, key)
 
 
 def worker(name: str) -> str:
     return WORKER.format(name)
-
-
-def slots(ckey: str) -> str:
-    return SLOTS.format(ckey)
-
-
-def spared(ckey: str) -> str:
-    return SPARED.format(ckey)
 
 
 def breaker(key: str) -> str:

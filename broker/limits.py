@@ -7,12 +7,13 @@ call's flow-control bookkeeping costs no extra round trip; this module holds wha
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 
-from . import keys, upkeep
+from . import keys, partitions, scripts
 
 
 @dataclass(frozen=True)
@@ -34,50 +35,75 @@ class Limits:
 
     def __init__(self, conn: redis.Redis) -> None:
         self.conn = conn
-        self._sweep = conn.register_script(upkeep.SWEEP)
-        self._due = conn.register_script(upkeep.DUE)
-        self.wake_suffix = keys.channel(conn, "")
+        self._sweep = conn.register_script(scripts.SWEEP)
+        self._due = conn.register_script(scripts.TAKE_DUE)
 
-    def sweep(self, grace: float, per_key: int = 200) -> int:
-        """Free slots whose lease ran out more than ``grace`` seconds ago and whose call no longer runs."""
-        return int(self._sweep(keys=[keys.LIMITS], args=[time.time() - grace, per_key, self.wake_suffix]))
+    def sweep(self, queues: Sequence[str], grace: float, per_key: int = 200) -> int:
+        """Free slots of calls on ``queues`` whose lease ran out more than ``grace`` seconds ago and whose
+        call no longer runs (one script per concurrency key: each touches one queue's slot)."""
+        freed = 0
+        for q in queues:
+            tag = keys.tag(q)
+            wake = keys.channel(self.conn, keys.wake(partitions.base(q)))
+            for ckey in map(_text, self.conn.hkeys(keys.limits(tag))):
+                freed += int(
+                    self._sweep(
+                        keys=[
+                            keys.slots(tag, ckey),
+                            keys.waiting(tag, ckey),
+                            keys.limits(tag),
+                            keys.queue(q),
+                        ],
+                        args=[time.time() - grace, per_key, ckey, keys.job(""), wake],
+                    )
+                )
+        return freed
 
-    def due(self, hold: float, limit: int = 100) -> tuple[list[Due], float | None]:
-        """Retries due now (held ``hold`` seconds for this caller), and when the next one is due."""
+    def due(self, queues: Sequence[str], hold: float, limit: int = 100) -> tuple[list[Due], float | None]:
+        """Retries on ``queues`` due now (held ``hold`` seconds for this caller), and when the next is due."""
         now = time.time()
-        reply = self._due(keys=[keys.SCHEDULED], args=[now, now + hold, limit])
-        nxt = reply[-1]
         out = []
-        for i in range(0, len(reply) - 1, 10):
-            cid, _state, attempt, trace, kind, tool, chan, ckey, origin, _queue = (
-                v.decode() if isinstance(v, bytes) else str(v) for v in reply[i : i + 10]
+        nxt: float | None = None
+        for q in queues:
+            reply = self._due(
+                keys=[keys.scheduled(keys.tag(q))], args=[now, now + hold, limit, keys.job(""), "due"]
             )
-            out.append(Due(cid, int(attempt or 1), trace, kind, tool, chan, ckey, origin))
-        return out, (float(nxt) if nxt not in (b"", "", None) else None)
+            after = reply[-1]
+            for i in range(0, len(reply) - 1, 10):
+                cid, _state, attempt, trace, kind, tool, chan, ckey, origin, _queue = (
+                    v.decode() if isinstance(v, bytes) else str(v) for v in reply[i : i + 10]
+                )
+                out.append(Due(cid, int(attempt or 1), trace, kind, tool, chan, ckey, origin or q))
+            if after not in (b"", "", None):
+                nxt = float(after) if nxt is None else min(nxt, float(after))
+        return out, nxt
+
+    def queues(self) -> list[str]:
+        """Every queue RQ's set lists (the queues calls were submitted to)."""
+        return sorted(keys.queue_name(_text(k)) for k in self.conn.smembers(keys.RQ_QUEUES))
 
     def snapshot(self) -> list[dict[str, Any]]:
-        """Every concurrency key with its limit, calls holding a slot and calls waiting for one."""
-        limits = {_text(k): int(v) for k, v in self.conn.hgetall(keys.LIMITS).items()}
-        names = sorted(limits)
-        pipe = self.conn.pipeline(transaction=False)
-        for ckey in names:
-            pipe.zcard(keys.slots(ckey))
-            pipe.zcard(keys.waiting(ckey))
-            pipe.zcard(keys.spared(ckey))  # waiting too: leased to a worker ahead of a free slot
-        counts = pipe.execute()
-        return [
-            {
-                "key": ckey,
-                "limit": limits[ckey],
-                "running": int(counts[3 * i]),
-                "waiting": int(counts[3 * i + 1]) + int(counts[3 * i + 2]),
-            }
-            for i, ckey in enumerate(names)
-        ]
+        """Every concurrency key with its limit, calls holding a slot and calls waiting for one (summed
+        over the queues it is used on)."""
+        per: dict[str, dict[str, int]] = {}
+        for q in self.queues():
+            tag = keys.tag(q)
+            limits = {_text(k): int(v) for k, v in self.conn.hgetall(keys.limits(tag)).items()}
+            names = sorted(limits)
+            pipe = self.conn.pipeline(transaction=False)
+            for ckey in names:
+                pipe.zcard(keys.slots(tag, ckey))
+                pipe.zcard(keys.waiting(tag, ckey))
+            counts = pipe.execute() if names else []
+            for i, ckey in enumerate(names):
+                row = per.setdefault(ckey, {"limit": limits[ckey], "running": 0, "waiting": 0})
+                row["running"] += int(counts[2 * i])
+                row["waiting"] += int(counts[2 * i + 1])
+        return [{"key": ckey, **per[ckey]} for ckey in sorted(per)]
 
     def scheduled(self) -> int:
         """How many retries are waiting for their time."""
-        return int(self.conn.zcard(keys.SCHEDULED))
+        return sum(int(self.conn.zcard(keys.scheduled(keys.tag(q)))) for q in self.queues())
 
 
 def _text(v: bytes | str) -> str:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.client import EMPTY_RESPONSE, NEVER_DECODE, Pipeline
+from redis.cluster import ClusterPipeline
 from redis.exceptions import ConnectionError, NoScriptError, ResponseError
 
 _hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
@@ -24,8 +25,18 @@ try:
 except ImportError:  # pragma: no cover - hiredis is an install dependency; redis-py packs without it
     _hiredis_pack = None
 
+# The private path (below) is used only while this is on: ``configure(settings.fast_path)``.
+FAST = True
+
 Command = tuple[tuple[Any, ...], dict[str, Any]]
+_TEXT: dict[str, str] = {}  # sha -> text of every script sent through ``script`` (to resend as EVAL)
 _DROP = (NEVER_DECODE, EMPTY_RESPONSE, "keys")
+
+
+def configure(fast: bool) -> None:
+    """Use the private path (``fast``) or redis-py's own ``Pipeline.execute`` for plain pipelines."""
+    global FAST
+    FAST = fast
 
 
 def script(script: Any, keys: Sequence[Any], args: Sequence[Any], client: Any = None) -> Any:
@@ -36,10 +47,16 @@ def script(script: Any, keys: Sequence[Any], args: Sequence[Any], client: Any = 
     straight onto the stack here. The script is registered with the pipeline as redis-py does, so a
     server that lost it gets it again (``execute`` here, or ``Pipeline.execute``).
     """
-    if type(client) is Pipeline and not client.watching:
+    _TEXT.setdefault(script.sha, script.script)
+    if FAST and type(client) is Pipeline and not client.watching:
         client.scripts.add(script)
         client.command_stack.append((("EVALSHA", script.sha, len(keys), *keys, *args), {}))
         return client
+    if isinstance(client, ClusterPipeline):
+        # A cluster's pipeline: queued as EVALSHA and noted, so ``stock`` can resend it as EVAL.
+        noted = client.__dict__.setdefault("hermes_evals", {})
+        noted[len(client)] = (script.sha, len(keys), *keys, *args)
+        return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
     return script(keys=keys, args=args, client=client)
 
 
@@ -48,7 +65,10 @@ def execute(pipe: Pipeline, connection: Any = None) -> list[Any]:
 
     ``connection``: one the caller keeps for its own sending (a worker's outbox) instead of taking one
     from the pool each time; it is disconnected (and reconnects on the next send) when anything fails.
+    A cluster's pipeline (no single connection) is sent by redis-py, one batch per node (``stock``).
     """
+    if not FAST or not isinstance(pipe, Pipeline):
+        return stock(pipe)
     if getattr(pipe, "transaction", False) is True or pipe.explicit_transaction or pipe.watching:
         raise ValueError("pipes.execute sends plain pipelines; use pipeline(transaction=False), no WATCH")
     stack: list[Command] = list(pipe.command_stack)
@@ -82,6 +102,23 @@ def execute(pipe: Pipeline, connection: Any = None) -> list[Any]:
     finally:
         if connection is None:
             pool.release(conn)
+
+
+def stock(pipe: Any) -> list[Any]:
+    """``pipe.execute(raise_on_error=False)``; scripts a node refused with NOSCRIPT (it restarted, or a
+    slot moved to a node that never ran them) are sent again as EVAL with their text, in order (those
+    queued through ``script``, which notes them on the pipeline)."""
+    noted: dict[int, tuple[Any, ...]] = getattr(pipe, "hermes_evals", {})
+    pipe.hermes_evals = {}
+    replies = pipe.execute(raise_on_error=False)
+    refused = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError) and i in noted]
+    if refused:
+        for i in refused:
+            sha, *rest = noted[i]
+            pipe.execute_command("EVAL", _TEXT[sha], *rest)
+        for i, reply in zip(refused, pipe.execute(raise_on_error=False), strict=True):
+            replies[i] = reply
+    return replies
 
 
 def _round_trip(conn: Any, client: Pipeline, stack: Sequence[Command], again: int = 0) -> list[Any]:

@@ -18,7 +18,7 @@ from .specstatic import _fail, check_placeholders, check_static
 from .toolspec import COMMON_KEYS
 
 # Keys every spec may carry (kept out of ``ToolSpec.config``), and ``queue``, which routing reads.
-ROUTING_KEYS = frozenset({"queue"})
+ROUTING_KEYS = frozenset({"queue", "queue_partitions"})
 
 # Each executor's own keys, as its module docstring in workers/executors/ documents them.
 EXECUTOR_KEYS: dict[str, frozenset[str]] = {

@@ -115,6 +115,11 @@ class ToolSpec:
                 isinstance(val, bool) or not isinstance(val, int) or val < (1 if key == "concurrency" else 0)
             ):
                 raise InvalidSpec(f"{where}: {key}: expected a positive integer, got {val!r}", path=key)
+        parts = data.get("queue_partitions")
+        if parts is not None and (isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= 1024):
+            raise InvalidSpec(
+                f"{where}: queue_partitions: expected an integer from 1 to 1024, got {parts!r}", path="queue_partitions"
+            )
         for key in ("retry", "breaker"):
             val = data.get(key)
             if val is not None and not isinstance(val, dict):

@@ -23,18 +23,15 @@ import redis.asyncio as aioredis
 import structlog
 from redis import RedisError
 
-from broker import durability, keys
-from broker import events as ev_mod
+from broker import durability, keys, partitions, scripts
 from broker.calls import Calls
 from broker.codec import pack, unpack
 from broker.config import Settings, load_settings
-from broker.connection import BrokerHandle, async_from_url, connect, redact_url, subscriber
+from broker.connection import BrokerHandle, async_from_url, connect, is_cluster, subscriber
 from broker.directory import Entry
 from broker.envelope import Envelope
 from broker.errors import (
-    BrokerUnavailable,
     CallFailed,
-    DecodeError,
     HermesError,
     QueueFull,
     UnknownTool,
@@ -42,6 +39,7 @@ from broker.errors import (
 from broker.records import CallInfo
 from broker.states import TERMINAL, State
 from broker.toolspec import ToolSpec
+from hermes_gateway.aio_events import AsyncEvents
 from hermes_gateway.aio_handle import AsyncBatch, AsyncCallHandle
 from hermes_gateway.envelopes import (
     check_batch_keys,
@@ -57,7 +55,7 @@ from hermes_gateway.telemetry import Sending
 log = structlog.get_logger("hermes.client")
 
 
-class AsyncGateway:
+class AsyncGateway(AsyncEvents):
     """An asyncio client of the gateway: one connection, one event channel, one pub/sub task."""
 
     def __init__(
@@ -68,6 +66,10 @@ class AsyncGateway:
         self.broker = broker  # the embedded broker this client started, if any
         self.client_id = uuid.uuid4().hex
         self.channel = keys.caller_channel(self.client_id)
+        self.cluster = is_cluster(conn)
+        self._channels = {self.channel}
+        self._wanted: set[str] = set()
+        self._confirmed: dict[str, asyncio.Event] = {}
         # The broker's own scripts, registered on the asyncio client: same SUBMIT/TRANSITION, awaited.
         self.calls = Calls(conn)  # type: ignore[arg-type]
         self._handles: dict[str, AsyncCallHandle] = {}
@@ -88,21 +90,21 @@ class AsyncGateway:
         if not url:
             broker = connect(None, embedded_ok=embedded_ok)  # starting a child process: once, up front
             url = broker.url
-        conn = async_from_url(url)
-        try:
-            await conn.ping()
-        except (RedisError, OSError) as e:
-            await conn.aclose()
-            raise BrokerUnavailable(f"cannot reach Redis at {redact_url(url)}: {e}") from e
+        conn = await async_from_url(url)
         gw = cls(conn, settings, broker=broker)
         await gw.start()
         return gw
 
     async def start(self) -> None:
         """Subscribe before any submission, so no event of ours can be published unheard."""
-        await self._pubsub.subscribe(self.channel, self._tools_channel)
-        # redis-py subscribes again on every reconnect; then every waiting handle reads its history at once.
         self._catch_up_due = False
+        if self.cluster:
+            for text_ in scripts.PIPELINED:  # a cluster pipeline cannot load a script a node lacks
+                await self.conn.script_load(text_)
+            await self._pubsub.subscribe(self._tools_channel)
+        else:
+            await self._pubsub.subscribe(self.channel, self._tools_channel)
+        # redis-py subscribes again on every reconnect; then every waiting handle reads its history at once.
         connection = getattr(self._pubsub, "connection", None)
         if connection is not None and hasattr(connection, "register_connect_callback"):
             connection.register_connect_callback(self._on_reconnect)
@@ -136,7 +138,7 @@ class AsyncGateway:
             generation = self._tools_gen
             pipe = self.conn.pipeline(transaction=False)
             pipe.hget(keys.TOOLS, name)
-            pipe.hget(keys.TOOLS + ":ver", name)
+            pipe.hget(keys.TOOLS_VER, name)
             raw, ver = await pipe.execute()
             if raw is None:
                 raise UnknownTool(f"unknown tool {name!r}: it is not in the tool directory", tool=name)
@@ -149,7 +151,7 @@ class AsyncGateway:
         """Every directory entry, sorted by name."""
         pipe = self.conn.pipeline(transaction=False)
         pipe.hgetall(keys.TOOLS)
-        pipe.hgetall(keys.TOOLS + ":ver")
+        pipe.hgetall(keys.TOOLS_VER)
         raw, vers = await pipe.execute()
         return [Entry(ToolSpec.from_stored(unpack(v)), int(vers.get(k, 0))) for k, v in sorted(raw.items())]
 
@@ -182,7 +184,7 @@ class AsyncGateway:
         }
         with Sending(traceparent, tracestate) as send:
             opts["trace_headers"] = send.headers
-            env = tool_envelope(entry, name, args, opts, context, self.channel)
+            env = tool_envelope(entry, name, args, opts, context, self._channel_of, self.settings)
             send.describe(env)
             return await self._submit(env, tool_limits(env, entry.spec, self.settings))
 
@@ -207,7 +209,7 @@ class AsyncGateway:
             "max_attempts": max_attempts,
             "queue": queue,
         }
-        env, limits = llm_envelope(request, self.settings, opts, context, self.channel, send.headers)
+        env, limits = llm_envelope(request, self.settings, opts, context, self._channel_of, send.headers)
         with send:
             send.describe(env)
             return await self._submit(env, limits)
@@ -215,12 +217,15 @@ class AsyncGateway:
     async def _submit(self, env: Envelope, limits: dict[str, Any]) -> AsyncCallHandle:
         handle = self._track(AsyncCallHandle(self, env.call_id, env.name, env.kind))
         try:
+            await self._subscribed()
+            await self._list([env.queue])
             pipe = self.conn.pipeline(transaction=False)
             await self.calls.submit(env, pipeline=pipe, **limits)  # type: ignore[arg-type]
             confirm = durability.queue_wait(pipe, self.settings)  # before the wake-up: workers see it confirmed
-            pipe.publish(keys.channel(self.conn, keys.wake(env.queue)), b"")
+            await self._wake(pipe, [env.queue])
             replies = await pipe.execute()
             reply = replies[0]
+            await self._wake(None, [env.queue])
             _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
             if confirm and call_id == env.call_id:
                 await self._confirm(replies[1], env)
@@ -272,19 +277,22 @@ class AsyncGateway:
         prepared = []
         for i, (name, args) in enumerate(calls):
             entry = self._tools.get(name) or await self.tool(name)
-            env = tool_envelope(entry, name, args, item_opts(opts, idempotency_keys, i), common, self.channel)
+            env = tool_envelope(entry, name, args, item_opts(opts, idempotency_keys, i), common, self._channel_of, self.settings)
             handle = self._track(AsyncCallHandle(self, env.call_id, name))
             prepared.append((env, tool_limits(env, entry.spec, self.settings), handle))
+        await self._subscribed()
+        await self._list(dict.fromkeys(env.queue for env, _, _ in prepared))
         pipe = self.conn.pipeline(transaction=False)
         for env, limits, _ in prepared:
             await self.calls.submit(env, pipeline=pipe, **limits)  # type: ignore[arg-type]
         confirm = bool(prepared) and durability.queue_wait(pipe, self.settings)
-        for queue in {env.queue for env, _, _ in prepared}:
-            pipe.publish(keys.channel(self.conn, keys.wake(queue)), b"")
+        queues = list(dict.fromkeys(partitions.base(env.queue) for env, _, _ in prepared))
+        await self._wake(pipe, queues)
         with send:
             send.describe(prepared[0][0] if prepared else None, len(prepared))
             sent = await pipe.execute(raise_on_error=False)
             replies, acked = sent[: len(prepared)], sent[len(prepared)] if confirm else None
+        await self._wake(None, queues)
         batch = AsyncBatch()
         for (env, limits, handle), reply in zip(prepared, replies, strict=True):
             try:
@@ -311,7 +319,7 @@ class AsyncGateway:
         if raw[1] is None:
             raise CallFailed(f"no such call {call_id}", error_type="unknown_call")
         name, kind, channel = (_text(v) for v in raw)
-        h = AsyncCallHandle(self, call_id, name, kind, own=channel == self.channel)
+        h = AsyncCallHandle(self, call_id, name, kind, own=channel in self._channels)
         if h.own:
             self._track(h)
         await h.sync()  # an ended call is untracked again by its terminal event
@@ -320,37 +328,23 @@ class AsyncGateway:
     async def cancel(self, call_id: str) -> bool:
         """Cancel by id (as ``hermes_gateway.handle.cancel_call``); True when the request was recorded."""
         conn = self.conn
-        pipe = conn.pipeline(transaction=False)
-        pipe.hmget(keys.job(call_id), *CANCEL_FIELDS)
-        pipe.zscore(keys.LEASES, call_id)
-        raw, leased = await pipe.execute()
+        raw = await conn.hmget(keys.job(call_id), *CANCEL_FIELDS)
         if raw[0] is None:
             return False
         data = raw[-1]
         state, attempt, trace, kind, tool, chan, ckey, origin = (_text(v) for v in raw[:-1])
         if state in TERMINAL:
             return False
+        leased = await conn.zscore(keys.leases(keys.tag(origin)), call_id)
         if state == State.PENDING and leased is None:  # else its worker is told (as cancel_call does)
             info = CallInfo(call_id, trace, "", kind, tool, None, chan, ckey, origin)
             err = {"type": "cancelled", "message": "cancelled by the caller before it started"}
-            reply = await self.calls.transition(
-                info,
-                State.CANCELLED,
-                attempt=int(attempt or 1),
-                fence=False,
-                from_states=frozenset({State.PENDING}),
-                unleased=True,
-                detail={"error": err},
-                fields={keys.F_ERROR: pack(err)},
-            )
+            reply = await self.calls.cancel_unleased(info, attempt=int(attempt or 1), error=err)
             if int(reply[0]) > 0:
-                await conn.zrem(keys.waiting(ckey), call_id)
                 await self._audit_cancelled(call_id, kind, tool, trace, int(attempt or 1), data)
                 return True
-        pipe = conn.pipeline()
-        pipe.hset(keys.job(call_id), keys.F_CANCEL, "1")
-        pipe.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))
-        await pipe.execute()
+        await conn.hset(keys.job(call_id), keys.F_CANCEL, "1")
+        await conn.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))
         return True
 
     async def _audit_cancelled(self, call_id: str, kind: str, tool: str, trace: str, attempt: int, data: Any) -> None:
@@ -366,72 +360,6 @@ class AsyncGateway:
         record = cancelled_record(call_id, kind, tool, trace, attempt, data, sensitive)
         audit: Any = AuditLog.from_settings(self.conn, self.settings.audit)
         await audit.append(record)
-
-    # -- events ----------------------------------------------------------------------------------
-
-    def _track(self, handle: AsyncCallHandle) -> AsyncCallHandle:
-        self._handles[handle.call_id] = handle
-        return handle
-
-    def _untrack(self, handle: AsyncCallHandle) -> None:
-        if self._handles.get(handle.call_id) is handle:
-            del self._handles[handle.call_id]
-
-    def invalidate(self, name: str) -> None:
-        """Forget the cached spec of ``name`` (this process changed it; the notice may come later)."""
-        self._tools_gen += 1
-        self._tools.pop(name, None)
-
-    def _on_reconnect(self, connection: Any) -> None:
-        """redis-py's connect callback of the subscription (after its own, which subscribes again)."""
-        self._catch_up_due = True
-
-    async def catch_up(self) -> None:
-        """Read the durable history of every call still waited on, in one pipelined round trip.
-
-        Done by the event task when its subscription comes back after a broker restart or a dropped
-        connection (as ``Gateway.catch_up``): the events published meanwhile went nowhere.
-        """
-        pending = [h for h in self._handles.values() if not h.done()]
-        if not pending:
-            return
-        pipe = self.conn.pipeline(transaction=False)
-        for h in pending:
-            pipe.lrange(keys.history(h.call_id), h.last_seq, -1)
-        for h, stored in zip(pending, await pipe.execute(), strict=True):
-            for data in stored:
-                h._feed(ev_mod.decode(data))
-
-    async def _dispatch(self) -> None:
-        while True:
-            try:
-                msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                if self._catch_up_due:  # (the subscription is back: what was published meanwhile is lost)
-                    self._catch_up_due = False
-                    await self.catch_up()
-            except (RedisError, OSError) as e:
-                if not self._catch_up_due:  # one line per outage, not one per retry
-                    log.warning("event subscription interrupted; handles fall back to the history", error=str(e))
-                self._catch_up_due = True
-                await asyncio.sleep(0.2)
-                continue
-            if msg is None:
-                continue
-            if msg["channel"] == self._tools_channel:
-                self._tools_gen += 1
-                self._tools.pop(msg["data"].decode(errors="replace"), None)
-                continue
-            routed = ev_mod.for_handle(self._handles, msg["data"])
-            if routed is None:
-                continue
-            event, handle, gap = routed
-            if gap:
-                try:
-                    await handle.sync()  # fill it from the durable history
-                except (RedisError, OSError, DecodeError) as e:
-                    log.warning("could not fill an event gap from the history", error=str(e))
-            handle._feed(event)  # the terminal event untracks the handle
-
 
 def _text(value: bytes | str | None) -> str:
     return value.decode() if isinstance(value, bytes) else (value or "")

@@ -11,17 +11,16 @@ from typing import Any
 import redis
 import structlog
 
-from broker import durability, keys, pipes
-from broker import events as ev_mod
+from broker import durability, keys, partitions, pipes
 from broker.calls import Calls
-from broker.codec import raw as as_bytes
 from broker.codec import text
 from broker.config import Settings, load_settings
-from broker.connection import BrokerHandle, connect, subscriber
+from broker.connection import BrokerHandle, connect, is_cluster, subscriber
 from broker.directory import Directory, Entry, sync_dir
 from broker.envelope import Envelope
 from broker.errors import HermesError, InvalidSpec, NoWorkers, QueueFull
 from broker.toolspec import ToolSpec
+from hermes_gateway.client_events import ClientEvents
 from hermes_gateway.envelopes import (
     check_batch_keys,
     check_llm_request,
@@ -39,14 +38,10 @@ SUBMIT_CHUNK = 100  # calls per pipelined round trip in submit_many
 
 
 WORKERS_TRUSTED = 5.0  # seconds a queue seen with a live worker is not checked again (check_workers)
-CATCH_UP_CHUNK = 500  # history reads per pipelined round trip when the subscription comes back
-
-# How long the event thread reads the subscription directly with nothing arriving before it goes back to
-# redis-py's reader (which keeps the connection's health checks).
-DIRECT_READ_IDLE = 1.0
 
 
-class Gateway:
+
+class Gateway(ClientEvents):
     """A client of the gateway: one connection, one event channel, many calls in flight."""
 
     def __init__(
@@ -63,14 +58,20 @@ class Gateway:
         self.settings = settings or load_settings()
         self.client_id = uuid.uuid4().hex
         self.channel = keys.caller_channel(self.client_id)
+        pipes.configure(self.settings.fast_path)
         self.calls = Calls(self.conn)
         self.directory = Directory(self.conn)
         self._handles: dict[str, CallHandle] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        # On a cluster, events come on one sharded channel per queue tag used (``channel_for``).
+        self.cluster = is_cluster(self.conn)
+        self._channels = {self.channel}
+        self._confirmed: dict[str, threading.Event] = {}
+        self._sub_lock = threading.Lock()
         self._pubsub = subscriber(self.conn)
         self._tools_channel = keys.channel(self.conn, keys.TOOLS_CHANNEL).encode()
-        self._pubsub.subscribe(self.channel, self._tools_channel)
+        self._pubsub.subscribe(self._tools_channel, *([] if self.cluster else [self.channel]))
         # redis-py subscribes again on every reconnect; then every waiting handle reads its history at once.
         self._catch_up_due = False
         connection = getattr(self._pubsub, "connection", None)
@@ -112,7 +113,8 @@ class Gateway:
             return
         self._closed.set()
         try:
-            self.conn.publish(self.channel, b"")  # wake the event thread so it sees the close at once
+            if not self.cluster:
+                self.conn.publish(self.channel, b"")  # wake the event thread so it sees the close at once
         except redis.RedisError:
             pass
         self._thread.join(3)
@@ -175,7 +177,7 @@ class Gateway:
 
     def _envelope(self, name: str, args: dict[str, Any] | None, opts: dict[str, Any], context: dict[str, Any]) -> tuple[Envelope, ToolSpec]:
         entry = self.directory.get(name)
-        return tool_envelope(entry, name, args, opts, context, self.channel), entry.spec
+        return tool_envelope(entry, name, args, opts, context, self.channel_for, self.settings), entry.spec
 
     def _limits(self, env: Envelope, spec: ToolSpec) -> dict[str, Any]:
         return tool_limits(env, spec, self.settings)
@@ -234,7 +236,7 @@ class Gateway:
         check_llm_request(request, context)  # before the producer span starts
         send = Sending(traceparent, tracestate)
         opts = {"timeout": timeout, "idempotency_key": idempotency_key, "max_attempts": max_attempts, "queue": queue}
-        env, limits = llm_envelope(request, self.settings, opts, context, self.channel, send.headers)
+        env, limits = llm_envelope(request, self.settings, opts, context, self.channel_for, send.headers)
         with send:
             send.describe(env)
             return self._submit(env, limits)
@@ -246,9 +248,10 @@ class Gateway:
             pipe = self.conn.pipeline(transaction=False)
             self.calls.submit(env, pipeline=pipe, **limits)
             confirm = durability.queue_wait(pipe, self.settings)  # before the wake-up: workers see it confirmed
-            pipe.publish(keys.channel(self.conn, keys.wake(env.queue)), b"")
+            self._wake(pipe, [env.queue])
             replies = pipes.execute(pipe)
             reply = replies[0]
+            self._wake(None, [env.queue])
             if isinstance(reply, Exception):
                 raise reply
             accepted, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
@@ -365,10 +368,19 @@ class Gateway:
         for env, limits, _ in chunk:
             self.calls.submit(env, pipeline=pipe, **limits)
         confirm = durability.queue_wait(pipe, self.settings)
-        for queue in dict.fromkeys(env.queue for env, _, _ in chunk):
-            pipe.publish(keys.channel(self.conn, keys.wake(queue)), b"")
+        queues = list(dict.fromkeys(partitions.base(env.queue) for env, _, _ in chunk))
+        self._wake(pipe, queues)
         replies = pipes.execute(pipe)
+        self._wake(None, queues)
         return replies[: len(chunk)], replies[len(chunk)] if confirm else None
+
+    def _wake(self, pipe: Any, queues: list[str]) -> None:
+        """Wake the workers of ``queues``: in the submission's pipeline on a plain Redis (``pipe``), after
+        it on a cluster (``pipe`` None; a cluster pipeline carries no PUBLISH)."""
+        if (pipe is None) != self.cluster:
+            return
+        for queue in queues:
+            (pipe if pipe is not None else self.conn).publish(self.calls.wake_channel(queue), b"")
 
     def cancel(self, call_id: str) -> bool:
         return cancel_call(self, call_id)
@@ -380,7 +392,7 @@ class Gateway:
             from broker.errors import CallFailed
 
             raise CallFailed(f"no such call {call_id}", error_type="unknown_call")
-        h = CallHandle(self, call_id, rec["name"], rec["kind"], own=rec["channel"] == self.channel)
+        h = CallHandle(self, call_id, rec["name"], rec["kind"], own=rec["channel"] in self._channels)
         h.sync()
         return h
 
@@ -427,98 +439,3 @@ class Gateway:
                     self._own_workers += start_workers(self.broker.url, self.settings, (queue,))
                     wait_for_heartbeats(self, 1, queues=(queue,))
                 self._workers_seen[queue] = time.monotonic() + WORKERS_TRUSTED
-
-    # -- events ----------------------------------------------------------------------------------
-
-    def _track(self, handle: CallHandle) -> CallHandle:
-        with self._lock:
-            self._handles[handle.call_id] = handle
-        return handle
-
-    def _untrack(self, call_id: str, handle: CallHandle | None = None) -> None:
-        """Stop feeding ``call_id`` (only if it is still ``handle``, when one is given)."""
-        with self._lock:
-            if handle is None or self._handles.get(call_id) is handle:
-                self._handles.pop(call_id, None)
-
-    def _on_reconnect(self, connection: Any) -> None:
-        """redis-py's connect callback of the subscription (after its own, which subscribes again)."""
-        self._catch_up_due = True
-
-    def _dispatch(self) -> None:
-        while not self._closed.is_set():
-            try:
-                # redis-py's reader reconnects, subscribes again and sends health checks ...
-                msg = self._pubsub.get_message(timeout=0.5)
-                if self._catch_up_due:  # (the subscription is back: what was published meanwhile is lost)
-                    self._catch_up_due = False
-                    self.catch_up()
-                if msg is not None and not self._closed.is_set():
-                    self._on_message(msg["channel"], msg["data"])
-                # ... and while the subscription is up and busy, messages are read straight off it.
-                self._read_direct()
-            except (redis.ConnectionError, redis.TimeoutError, ValueError):
-                if self._closed.is_set():
-                    return
-                time.sleep(0.2)
-
-    def catch_up(self) -> None:
-        """Read the durable history of every call still waited on, in pipelined round trips.
-
-        Done by the event thread when its subscription comes back after a broker restart or a dropped
-        connection: the events published meanwhile went nowhere, and waiting for each handle's own
-        resync would cost a second per handle waited on in turn. Raises the broker's error (the next
-        reconnect tries again).
-        """
-        with self._lock:
-            pending = [h for h in self._handles.values() if not h.done()]
-        for start in range(0, len(pending), CATCH_UP_CHUNK):
-            chunk = pending[start : start + CATCH_UP_CHUNK]
-            pipe = self.conn.pipeline(transaction=False)
-            for h in chunk:
-                pipe.lrange(keys.history(h.call_id), h.last_seq, -1)
-            try:
-                stored = pipe.execute()
-            except (redis.ConnectionError, redis.TimeoutError):
-                self._catch_up_due = True
-                raise
-            for h, events in zip(chunk, stored, strict=True):
-                for data in events:
-                    h._feed(ev_mod.decode(as_bytes(data)))
-
-    def _read_direct(self) -> None:
-        """Read published messages off the subscribed connection until it has been idle for a while.
-
-        Per message this skips the layers of ``PubSub.get_message`` (retry wrapper, health-check
-        bookkeeping, message dicts), which under load cost more than handling the event. A health-check
-        answer read here is counted as ``get_message`` would; any trouble goes back to ``get_message``.
-        """
-        pubsub, conn = self._pubsub, self._pubsub.connection
-        if conn is None or not pubsub.subscribed:
-            return
-        while not self._closed.is_set():
-            try:
-                # (RESP3 delivers messages as pushes: push_request hands them back instead of skipping them)
-                reply = conn.read_response(timeout=DIRECT_READ_IDLE, disconnect_on_error=False, push_request=True)
-            except redis.TimeoutError:
-                return  # idle: get_message takes over (and sends its health check when due)
-            except (redis.ConnectionError, OSError):
-                conn.disconnect()  # get_message reconnects and subscribes again
-                return
-            if isinstance(reply, list) and len(reply) == 3 and reply[0] == b"message":
-                self._on_message(reply[1], reply[2])
-            elif pubsub.is_health_check_response(reply) and pubsub.health_check_response_counter > 0:
-                pubsub.health_check_response_counter -= 1
-
-    def _on_message(self, channel: bytes, data: bytes) -> None:
-        if channel == self._tools_channel:
-            self.directory.invalidate(data.decode(errors="replace"))
-            return
-        if not data or self._closed.is_set():
-            return  # the wake-up close() publishes
-        routed = ev_mod.for_handle(self._handles, data)
-        if routed is not None:
-            event, handle, gap = routed
-            if gap:
-                handle.sync()  # fill it from the durable history
-            handle._feed(event)  # the terminal event untracks the handle

@@ -32,7 +32,7 @@ from broker import keys
 from broker.audit_store import AuditLog
 from broker.codec import text
 from broker.connection import async_from_url
-from broker.errors import CallFailed
+from broker.errors import CallFailed, HermesError
 from hermes_gateway import console_data, replay
 from hermes_gateway.credentials import CALLER_SCOPE_KEY, Credentials
 from hermes_gateway.http_api import Forbidden, error_reply
@@ -100,7 +100,11 @@ class StatsHub:
         """Breaker changes (their pub/sub channel) wake the loop at once."""
         channel = keys.channel(self.gw.conn, keys.BREAKER_CHANNEL)
         while True:
-            conn = async_from_url(self.gw.broker.url)
+            try:
+                conn = await async_from_url(self.gw.broker.url)
+            except HermesError:  # the broker is away: try again in a second
+                await asyncio.sleep(1.0)
+                continue
             pubsub = conn.pubsub()
             try:
                 await pubsub.subscribe(channel)

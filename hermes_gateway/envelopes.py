@@ -6,9 +6,10 @@ clients cannot drift apart on context fields, trace headers, queues or limits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from broker import keys, partitions
 from broker.codec import pack
 from broker.config import Settings
 from broker.directory import Entry
@@ -52,9 +53,11 @@ def tool_envelope(
     args: dict[str, Any] | None,
     opts: dict[str, Any],
     context: dict[str, Any],
-    channel: str,
+    channel: Callable[[str], str],
+    settings: Settings | None = None,
 ) -> Envelope:
-    """The envelope of one call of the directory tool ``entry``; events go to ``channel``."""
+    """The envelope of one call of the directory tool ``entry``; events go to ``channel(queue)``. A tool
+    split in partitions (``queue_partitions``) gets the next partition with a share of its limit."""
     spec = entry.spec
     check_context(context)
     if args is not None and not isinstance(args, dict):
@@ -64,8 +67,13 @@ def tool_envelope(
     tp, ts, bg = opts.get("trace_headers") or (opts.get("traceparent"), opts.get("tracestate"), None)
     if tp is None:
         tp, ts, bg = current_headers()
+    queue = opts.get("queue") or str(spec.config.get("queue") or "tools")
+    n = partitions.count(spec)
+    if n > 1:
+        concurrency = spec.concurrency or (settings.concurrency_for(spec.executor) if settings else -1)
+        queue = partitions.route(queue, n, concurrency, opts.get("idempotency_key"))
     return Envelope(
-        call_id=opts.get("call_id") or new_call_id(),
+        call_id=keys.call_id(queue, opts.get("call_id") or new_call_id()),
         kind="tool",
         tool=name,
         args=args or {},
@@ -79,8 +87,8 @@ def tool_envelope(
             idempotency_key=opts.get("idempotency_key"),
             max_attempts=opts.get("max_attempts"),
         ),
-        queue=opts.get("queue") or str(spec.config.get("queue") or "tools"),
-        channel=channel,
+        queue=queue,
+        channel=channel(queue),
     )
 
 
@@ -91,10 +99,13 @@ def tool_limits(env: Envelope, spec: ToolSpec, settings: Settings) -> dict[str, 
         queue_size = settings.queue_size_for(spec.executor)
     # Error retries (``retry.max``) need their attempts too; an explicit per-call max_attempts wins.
     retries = int((spec.retry or {}).get("max") or 0)
+    concurrency = spec.concurrency or settings.concurrency_for(spec.executor)
+    # A partition's share of the tool's limit and queue size (the shares add up to them exactly).
+    concurrency, queue_size = partitions.limits(env.queue, partitions.count(spec), concurrency, queue_size)
     return {
         "ckey": concurrency_key(env),
         "queue_size": queue_size,
-        "concurrency": spec.concurrency or settings.concurrency_for(spec.executor),
+        "concurrency": concurrency,
         "max_attempts": env.options.max_attempts or max(settings.max_attempts, retries + 1),
         "timeout": float(env.options.timeout or spec.timeout),
     }
@@ -105,7 +116,7 @@ def llm_envelope(
     settings: Settings,
     opts: dict[str, Any],
     context: dict[str, Any],
-    channel: str,
+    channel: Callable[[str], str],
     headers: Headers,
 ) -> tuple[Envelope, dict[str, Any]]:
     """The envelope and limits of one LLM call (chat-completions kwargs) on ``opts["queue"]``."""
@@ -118,8 +129,9 @@ def llm_envelope(
     context["model"] = request.get("model") or context.get("model") or model_cfg.get("model")
     tp, ts, bg = headers
     timeout, max_attempts = opts.get("timeout"), opts.get("max_attempts")
+    queue = opts.get("queue") or "llm"
     env = Envelope(
-        call_id=new_call_id(),
+        call_id=keys.call_id(queue, new_call_id()),
         kind="llm",
         request=request,
         context={k: v for k, v in context.items() if v is not None},
@@ -129,8 +141,8 @@ def llm_envelope(
         options=Options(
             timeout=timeout, idempotency_key=opts.get("idempotency_key"), max_attempts=max_attempts
         ),
-        queue=opts.get("queue") or "llm",
-        channel=channel,
+        queue=queue,
+        channel=channel(queue),
     )
     limits = {
         "ckey": concurrency_key(env),

@@ -236,27 +236,21 @@ def cancel_call(gateway: Gateway, call_id: str) -> bool:
     from broker.records import CallInfo
 
     conn = gateway.conn
-    pipe = conn.pipeline(transaction=False)
-    pipe.hmget(keys.job(call_id), *CANCEL_FIELDS)
-    pipe.zscore(keys.LEASES, call_id)
-    raw, leased = pipe.execute()
+    raw = conn.hmget(keys.job(call_id), *CANCEL_FIELDS)
     if raw[0] is None:
         return False
     data = raw[-1]
     state, attempt, trace, kind, tool, chan, ckey, origin = (text(v) for v in raw[:-1])
     if state in TERMINAL:
         return False
+    leased = conn.zscore(keys.leases(keys.tag(origin)), call_id)
     info = CallInfo(call_id, trace, "", kind, tool, None, chan, ckey, origin)
     # Still pending and not taken by a worker: it ends here and now. A worker that has taken it (it is
     # leased) is told instead, so its slot is given back only when it has really stopped.
     if state == State.PENDING and leased is None:
         err = PENDING_CANCEL
-        reply = gateway.calls.transition(
-            info, State.CANCELLED, attempt=int(attempt or 1), fence=False, from_states=frozenset({State.PENDING}), unleased=True,
-            detail={"error": err}, fields={keys.F_ERROR: pack(err)},
-        )
+        reply = gateway.calls.cancel_unleased(info, attempt=int(attempt or 1), error=err)
         if int(reply[0]) > 0:
-            conn.zrem(keys.waiting(ckey), call_id)
             # No worker ran it, so none writes its audit record: the README promises one per call.
             sensitive: tuple[str, ...] = ()
             if kind == "tool":
@@ -267,10 +261,8 @@ def cancel_call(gateway: Gateway, call_id: str) -> bool:
             record = cancelled_record(call_id, kind, tool, trace, int(attempt or 1), data, sensitive)
             AuditLog.from_settings(conn, gateway.settings.audit).append(record)
             return True
-    pipe = conn.pipeline()
-    pipe.hset(keys.job(call_id), keys.F_CANCEL, "1")
-    pipe.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))
-    pipe.execute()
+    conn.hset(keys.job(call_id), keys.F_CANCEL, "1")
+    conn.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))
     return True
 
 

@@ -178,7 +178,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
-        agw = AsyncGateway(async_from_url(gw.broker.url), gw.settings)
+        agw = AsyncGateway(await async_from_url(gw.broker.url), gw.settings)
         await agw.start()
         live["agw"] = agw
         try:

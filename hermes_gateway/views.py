@@ -92,9 +92,9 @@ def status_data(gw: Any, figures: bool = False) -> dict[str, Any]:
             continue
     data = {
         "broker": gw.description,
-        "queues": [{"queue": k.split(":", 2)[2], "depth": d} for k, d in zip(queue_keys, depths, strict=True)],
+        "queues": [{"queue": keys.queue_name(k), "depth": d} for k, d in zip(queue_keys, depths, strict=True)],
         "waiting_by_key": waiting,
-        "leased_calls": conn.zcard(keys.LEASES),
+        "leased_calls": sum(conn.zcard(keys.leases(keys.tag(keys.queue_name(k)))) for k in queue_keys),
         "workers": gw.live_workers(),
         "recent_failures": failures,
         **flow,
@@ -113,7 +113,7 @@ def flow_control_data(conn: Any) -> dict[str, Any]:
 
     return {
         "concurrency": Limits(conn).snapshot(),
-        "scheduled_retries": conn.zcard(keys.SCHEDULED),
+        "scheduled_retries": Limits(conn).scheduled(),
         "breakers": Breakers(conn).all(),
     }
 

@@ -249,7 +249,9 @@ class WorkerFactory:
         self.home = home
         self.log_dir = log_dir
         self.started: list[WorkerProc] = []
-        self._client = redis.Redis.from_url(redis_url)
+        from broker.connection import from_url
+
+        self._client = from_url(redis_url)
 
     def __call__(
         self,
@@ -317,6 +319,11 @@ class WorkerFactory:
 
     def _listeners(self) -> int:
         from broker import keys
+        from broker.connection import is_cluster
+
+        if is_cluster(self._client):  # (PUBSUB NUMSUB counts one node's subscribers only)
+            time.sleep(0.3)
+            return 1 << 30
 
         channel = keys.channel(self._client, keys.CONTROL_CHANNEL)
         return int(dict(self._client.pubsub_numsub(channel)).get(channel.encode(), 0))

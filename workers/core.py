@@ -11,7 +11,7 @@ from typing import Any
 import redis
 import structlog
 
-from broker import keys, logs
+from broker import keys, logs, pipes
 from broker.audit_store import AuditLog
 from broker.calls import Calls
 from broker.codec import pack
@@ -56,6 +56,7 @@ class WorkerCore:
         self.conn = conn
         self.settings = settings
         self.name = name
+        pipes.configure(settings.fast_path)
         self.calls = Calls(conn)
         self.confirmer = Confirmer(settings)  # WAITs for the replicas, when broker.wait_replicas asks
         self.outbox = Outbox(conn, confirmer=self.confirmer)

@@ -208,7 +208,7 @@ def queue_depths(conn: redis.Redis) -> list[tuple[str, int]]:
     pipe = conn.pipeline(transaction=False)
     for k in names:
         pipe.llen(k)
-    return [(k.split(":", 2)[2], int(d)) for k, d in zip(names, pipe.execute(), strict=True)]
+    return [(keys.queue_name(k), int(d)) for k, d in zip(names, pipe.execute(), strict=True)]
 
 
 # -- writing the totals to Redis ---------------------------------------------------------------

@@ -17,7 +17,7 @@ import redis
 import structlog
 from redis.client import Pipeline
 
-from broker import pipes
+from broker import keys, pipes
 from broker.durability import Confirmer
 
 log = structlog.get_logger("hermes.worker.outbox")
@@ -71,7 +71,7 @@ class Outbox:
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until everything queued so far has been sent."""
         try:
-            self.call(lambda pipe: pipe.echo(b""), timeout)
+            self.call(lambda pipe: pipe.exists(keys.WORKERS), timeout)  # (a keyed no-op: a cluster pipeline takes no ECHO)
             return True
         except (TimeoutError, redis.RedisError):
             return False
@@ -139,7 +139,7 @@ class Outbox:
                 writer(pipe)
             confirm = self.confirmer is not None and self.confirmer.queue(pipe)
             try:
-                if self._connection is None:
+                if self._connection is None and hasattr(self.conn, "connection_pool"):  # (none on a cluster)
                     self._connection = self.conn.connection_pool.get_connection()
                 replies = pipes.execute(pipe, self._connection)
                 if confirm:

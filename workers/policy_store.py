@@ -12,29 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from broker import keys
+from broker import keys, scripts
 from workers.policy import Policy
-
-# KEYS: 1 policy hash. ARGV: 1 packed policy, 2 digest, 3 pushed_at, 4 source, 5 channel.
-# Returns {version, changed}: pushing the stored policy again changes nothing and tells nobody.
-_PUSH = r"""
-if redis.call('HGET', KEYS[1], 'digest') == ARGV[2] then
-  return {tonumber(redis.call('HGET', KEYS[1], 'version')), 0}
-end
-local v = redis.call('HINCRBY', KEYS[1], 'version', 1)
-redis.call('HSET', KEYS[1], 'data', ARGV[1], 'digest', ARGV[2], 'pushed_at', ARGV[3], 'source', ARGV[4])
-redis.call('PUBLISH', ARGV[5], v)
-return {v, 1}
-"""
-
-# KEYS: 1 policy hash. ARGV: 1 channel. Keeps the version counter so a later push is still newer.
-_CLEAR = r"""
-if redis.call('HEXISTS', KEYS[1], 'data') == 0 then return 0 end
-local v = redis.call('HINCRBY', KEYS[1], 'version', 1)
-redis.call('HDEL', KEYS[1], 'data', 'digest', 'pushed_at', 'source')
-redis.call('PUBLISH', ARGV[1], v)
-return v
-"""
 
 
 @dataclass(frozen=True)
@@ -49,7 +28,7 @@ class Stored:
 
 def push(conn: Any, policy: Policy, source: str = "") -> tuple[int, bool]:
     """Make ``policy`` the active one for every worker; returns ``(version, changed)``."""
-    script = conn.register_script(_PUSH)
+    script = conn.register_script(scripts.POLICY_PUSH)
     version, changed = script(
         keys=[keys.POLICY],
         args=[
@@ -66,7 +45,7 @@ def push(conn: Any, policy: Policy, source: str = "") -> tuple[int, bool]:
 def clear(conn: Any) -> int:
     """Drop the stored policy (workers fall back to their config.yaml); returns the new version, 0 if none."""
     channel = keys.channel(conn, keys.POLICY_CHANNEL)
-    return int(conn.register_script(_CLEAR)(keys=[keys.POLICY], args=[channel]))
+    return int(conn.register_script(scripts.POLICY_CLEAR)(keys=[keys.POLICY], args=[channel]))
 
 
 def version(conn: Any) -> int:

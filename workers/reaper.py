@@ -10,7 +10,7 @@ from broker import keys
 from broker.audit import AuditRecord
 from broker.audit_store import AuditLog
 from broker.calls import Calls
-from broker.codec import pack, text
+from broker.codec import text
 from broker.errors import WorkerLost
 from broker.records import CallInfo
 from broker.states import ACTIVE, State
@@ -19,9 +19,9 @@ from broker.tracecontext import new_span_id
 log = structlog.get_logger("hermes.reaper")
 
 
-def reap(calls: Calls, lease: float, result_ttl: int, audit: AuditLog | None = None) -> int:
-    """Settle every call whose lease ran out; returns how many were settled."""
-    expired = calls.reap(lease)
+def reap(calls: Calls, queues: list[str], lease: float, result_ttl: int, audit: AuditLog | None = None) -> int:
+    """Settle every call on ``queues`` whose lease ran out; returns how many were settled."""
+    expired = calls.reap(queues, lease)
     for item in expired:
         try:
             _settle(calls, item, result_ttl, audit)
@@ -57,63 +57,38 @@ def _audit(audit: AuditLog | None, info: CallInfo, state: State, attempt: int, e
 
 def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog | None = None) -> None:
     call_id, state, attempt = item["call_id"], item["state"], item["attempt"]
-    if state == State.PENDING and item.get("spare"):
-        # A lost worker's spare held no slot: it goes back in line at its old place (unless a cancel was
-        # asked for it: it ends below).
-        if call_id not in calls.spares_back("", [call_id]):
-            log.info("spare of a lost worker back in line", call_id=call_id)
-            return
-        item = {**item, "cancel": True}
     # A call being cancelled is not put back: it ends below (one claimed but never started, too: its
     # worker was to stop it, so the caller's cancel left it "pending" for that worker).
     if state in (State.PENDING, State.RETRYING) and not item["cancel"]:
         info = _info(calls, call_id, item)
         if state == State.RETRYING:
-            calls.transition(
-                info, State.PENDING, attempt=attempt, requeue=True, lease="-", current=State.RETRYING
-            )
+            calls.requeue(info, attempt=attempt)
         else:
             # Claimed, no start on record: back at the head of the queue, keeping its slot. Its worker
             # writes its first move behind the start (and a failover may lose that write), so it may have
             # run: the next run is the next attempt, reported as such, and the budget grows by one with it
             # (as for a call handed back at shutdown) so an unstarted call loses nothing.
-            pipe = calls.conn.pipeline()
+            name = keys.queue_name(item["queue"])
+            tag = keys.tag(name)
+            pipe = calls.conn.pipeline(transaction=False)  # (keys of one slot)
             pipe.hincrby(keys.job(call_id), keys.F_ATTEMPT, 1)
             pipe.hincrby(keys.job(call_id), keys.F_MAX_ATTEMPTS, 1)
-            pipe.zadd(keys.slots(item["ckey"]), {call_id: "inf"}, xx=True)
+            pipe.zadd(keys.slots(tag, item["ckey"]), {call_id: "inf"}, xx=True)
             pipe.lpush(item["queue"], call_id)
-            pipe.zrem(keys.LEASES, call_id)
-            pipe.publish(keys.wake(item["queue"].split(":", 2)[-1]) + calls.wake_suffix, b"")
+            pipe.zrem(keys.leases(tag), call_id)
             pipe.execute()
+            calls.conn.publish(calls.wake_channel(name), b"")
         log.info("requeued call of a lost worker", call_id=call_id, state=state)
         return
     if state not in ACTIVE and state not in (State.RETRYING, State.PENDING):
-        calls.conn.zrem(keys.LEASES, call_id)
+        calls.conn.zrem(keys.leases(keys.tag(keys.queue_name(item["queue"]))), call_id)
         return
     info = _info(calls, call_id, item)
     current = State(state)
     if item["cancel"]:
         _cancel(calls, info, current, attempt, result_ttl, audit, "call cancelled; its worker was lost")
     elif attempt < item["max_attempts"]:
-        reply = calls.transition(
-            info,
-            State.RETRYING,
-            attempt=attempt,
-            current=current,
-            lease="-",
-            detail={"reason": "worker_lost", "next_attempt": attempt + 1},
-            fields={keys.F_ATTEMPT: attempt + 1},
-        )
-        if int(reply[0]) > 0:
-            # Lost work goes before the calls waiting for a slot (score 0).
-            calls.transition(
-                info,
-                State.PENDING,
-                attempt=attempt + 1,
-                requeue=True,
-                requeue_score=0,
-                current=State.RETRYING,
-            )
+        calls.hand_back(info, attempt=attempt, current=current, reason="worker_lost")
         log.warning("worker lost mid-call, retrying", call_id=call_id, attempt=attempt + 1)
     else:
         err = WorkerLost(
@@ -141,9 +116,7 @@ def _end(
 ) -> None:
     """End the call in ``state`` with ``err``, and write its audit record when this move was the one that
     ended it."""
-    reply = calls.transition(
-        info, state, attempt=attempt, current=current, detail={"error": err}, fields={keys.F_ERROR: pack(err)}, ttl=ttl
-    )
+    reply = calls.finish(info, state, attempt=attempt, current=current, error=err, ttl=ttl)
     if int(reply[0]) > 0:
         _audit(audit, info, state, attempt, err)
 

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import redis
 import structlog
 
-from broker import keys
 from broker.errors import HermesError
 from broker.limits import Limits
 from broker.records import CallInfo
@@ -96,15 +95,11 @@ def schedule(
     run: Running,
     error: HermesError,
     check: Callable[[Any], None],
-    before: Callable[[], None] | None = None,
 ) -> bool:
-    """Move a failed attempt to ``retrying`` on the schedule when its policy allows; True when it did.
-    ``before``: run once the retry is decided, before its write is queued."""
+    """Move a failed attempt to ``retrying`` on the schedule when its policy allows; True when it did."""
     planned = plan(core, run, error)
     if planned is None:
         return False
-    if before is not None:
-        before()
     delay, policy = planned
     due = time.time() + delay
     detail = {
@@ -119,17 +114,7 @@ def schedule(
     run.state = State.RETRYING
 
     def write(pipe: Any) -> None:
-        calls.transition(
-            run.info,
-            State.RETRYING,
-            attempt=run.attempt,
-            current=current,
-            detail=detail,
-            lease="-",
-            schedule_at=due,
-            fields={keys.F_ATTEMPT: run.attempt + 1},
-            pipeline=pipe,
-        )
+        calls.retry(run.info, attempt=run.attempt, current=current, detail=detail, due=due, pipeline=pipe)
 
     core.outbox.put(write, check)
     core.retries_scheduled(due)
@@ -147,6 +132,7 @@ class RetryScheduler:
 
         self.calls = Calls(conn)
         self.hold = hold
+        self.queues: list[str] = []  # the worker's queues: their due retries are moved here
         self._kick = threading.Event()
         self._next = float("inf")
 
@@ -158,14 +144,12 @@ class RetryScheduler:
 
     def run_once(self) -> tuple[int, float | None]:
         """Move what is due; returns (moved, next due time)."""
-        due, nxt = self.limits.due(self.hold)
+        due, nxt = self.limits.due(self.queues, self.hold)
         if due:
             pipe = self.calls.conn.pipeline(transaction=False)
             for d in due:
                 info = CallInfo(d.call_id, d.trace_id, new_span_id(), d.kind, d.name, None, d.channel, d.ckey, d.queue)
-                self.calls.transition(
-                    info, State.PENDING, attempt=d.attempt, requeue=True, current=State.RETRYING, pipeline=pipe
-                )
+                self.calls.requeue(info, attempt=d.attempt, pipeline=pipe)
             pipe.execute(raise_on_error=False)
         return len(due), nxt
 

@@ -84,9 +84,6 @@ class CallRunner:
 
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
-        # Set by a worker process: ``reserve(ckey, queue, call_id)`` -> a hand-off or None, ``shed_now()``,
-        # ``received(reply, ckey, handoff)``, ``shed(ckey)``.
-        self.handoff: Any = None
 
     # -- transitions -----------------------------------------------------------------------------
 
@@ -127,16 +124,9 @@ class CallRunner:
                 w.taken = True
                 steps, kw, after = list(w.steps), w.kw, list(w.after)
             target, detail, ts = steps[-1]
-            calls.transition(
-                run.info,
-                target,
-                attempt=run.attempt,
-                detail=detail,
-                ts=ts,
-                current=w.current,
-                via=steps[:-1],
-                pipeline=pipe,
-                **kw,
+            calls.move(
+                run.info, target, attempt=run.attempt, current=w.current, detail=detail, via=steps[:-1], ts=ts,
+                pipeline=pipe, **kw,
             )
             for more in after:
                 more(pipe)
@@ -186,16 +176,7 @@ class CallRunner:
         ts = time.time()
 
         def write(pipe: Any) -> None:
-            calls.transition(
-                run.info,
-                None,
-                attempt=run.attempt,
-                detail=detail,
-                event_type=event_type,
-                current=state,
-                pipeline=pipe,
-                ts=ts,
-            )
+            calls.note(run.info, event_type, detail, attempt=run.attempt, current=state, ts=ts, pipeline=pipe)
 
         with run.writes:  # after the call's moves so far, before its next ones
             run.open = None
@@ -277,9 +258,7 @@ class CallRunner:
     def _retry(self, run: Running, error: HermesError) -> bool:
         """Schedule another attempt when the tool's ``retry:`` allows it (the slot goes back meanwhile)."""
         self.seal(run)
-        # Its slot goes through the queue: our spares of the key go back in line before that write.
-        shed = (lambda: self.handoff.shed(run.info.ckey)) if self.handoff is not None else None
-        return retry.schedule(self.core, run, error, lambda reply: self._check(run, State.RETRYING, reply), shed)
+        return retry.schedule(self.core, run, error, lambda reply: self._check(run, State.RETRYING, reply))
 
     def _finish(
         self, run: Running, target: State, *, result: Any = None, error: dict[str, Any] | None = None
@@ -305,25 +284,13 @@ class CallRunner:
         record = self._audit_record(run, target, result, error, duration)
         audit, current = self.core.audit, run.state
         run.state = target
-        ckey = run.info.ckey
-        handoff = self.handoff.reserve(ckey, run.info.queue, run.info.call_id) if self.handoff is not None else None
-        if handoff is None and self.handoff is not None and self.handoff.shed_now():
-            self.seal(run)  # our spares' give-back was queued: this ending goes after it, not joined before
-
-        def written(reply: Any) -> None:
-            try:
-                self._check(run, target, reply)
-            finally:
-                if handoff is not None:
-                    self.handoff.received(reply, ckey, handoff)
-
         # The audit record rides in the same pipeline as the terminal transition.
         self._write(
             run,
             current,
             (target, detail, time.time()),
-            {"fields": fields, "ttl": self.core.settings.result_ttl, "handoff": handoff},
-            check=written,
+            {"fields": fields, "ttl": self.core.settings.result_ttl},
+            check=lambda reply: self._check(run, target, reply),
             after=lambda pipe: audit.append(record, pipeline=pipe),
             last=True,
         )

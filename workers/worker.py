@@ -21,19 +21,16 @@ import structlog
 from rq import Queue
 from rq import Worker as RQWorker
 
-from broker import keys
+from broker import keys, partitions
 from broker.calls import Calls
 from broker.codec import MsgpackSerializer, pack, unpack
 from broker.config import Settings
-from broker.connection import subscriber
+from broker.connection import is_cluster, subscriber
 from broker.states import State
 from workers import reaper
 from workers.core import WorkerCore
 from workers.executors.base import close_all
-from workers.handoff import HandOff
 from workers.runner import CallRunner
-from workers.shares import FAIR_SHARE_TTL, FairShares
-from workers.spares import Spares
 from workers.threads import CallThreads, Tokens
 
 log = structlog.get_logger("hermes.worker")
@@ -72,7 +69,7 @@ def worker_name() -> str:
     return f"hermes-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-class Worker(HandOff):
+class Worker:
     """One worker process."""
 
     def __init__(
@@ -97,19 +94,14 @@ class Worker(HandOff):
         self.stopping = threading.Event()
         self._slots = Tokens(self.concurrency)  # one per call this process may run at once
         self._wake = threading.Event()
-        # A call thread ending keeps its token for the call its slot is handed to (see ``reserve``).
-        self._local = threading.local()
-        self._no_waiters: dict[str, float] = {}  # ckey -> until when a hand-off is not tried
-        self._slotless: set[str] = set()  # spares started here whose slot move was refused
-        self._slotted: set[str] = set()  # spares started here that an earlier write of ours handed a slot
-        self._refresh_now = threading.Event()
-        # How many of a key's slots this process may keep (refreshed by the heartbeat thread).
-        self.shares = FairShares(conn, queues, self.lease, self._refresh_now)
-        self.fair_share, self.refresh_shares = self.shares.fair_share, self.shares.refresh
-        self.runner.handoff = self
-        self.spares = Spares(self.core.calls, self.name, self._end_cancelled, self.core.outbox)
-        self.rq = RQWorker(
-            [Queue(q, connection=conn, serializer=MsgpackSerializer) for q in queues],
+        self._beat_now = threading.Event()
+        # The queues claimed from: ``queues`` and the partitions of their tools (``refresh_queues``).
+        self.claim_queues = list(queues)
+        self._turn = 0
+        self.core.scheduler.queues = self.claim_queues
+        # Registered as an RQ worker (``rq info`` lists it) on a plain Redis; RQ knows no Redis Cluster.
+        self.rq = None if is_cluster(conn) else RQWorker(
+            [Queue(keys.tag(q), connection=conn, serializer=MsgpackSerializer) for q in queues],
             connection=conn,
             name=self.name,
             serializer=MsgpackSerializer,
@@ -162,19 +154,19 @@ class Worker(HandOff):
     def request_stop(self) -> None:
         self.stopping.set()
         self._wake.set()
-        self._refresh_now.set()
-        self.spares.wake()
+        self._beat_now.set()
 
     def work(self) -> None:
         """Run until stopped; then drain within the grace period."""
-        self.rq.register_birth()
-        self.rq.set_state("busy")
+        if self.rq is not None:
+            self.rq.register_birth()
+            self.rq.set_state("busy")
         self.core.calls.load_scripts()
         self._heartbeat_once()
         try:
-            self.refresh_shares()
+            self.refresh_queues()
         except redis.RedisError as e:
-            log.warning("could not read the concurrency limits yet", error=str(e))
+            log.warning("could not read the tool directory yet", error=str(e))
         threads = [
             threading.Thread(target=self._heartbeat_loop, name="hermes-heartbeat", daemon=True),
             threading.Thread(target=self._control_loop, name="hermes-control", daemon=True),
@@ -185,7 +177,6 @@ class Worker(HandOff):
         ]
         for t in threads:
             t.start()
-        self.spares.start(self.stopping)
         log.info(
             "worker started",
             worker=self.name,
@@ -209,7 +200,9 @@ class Worker(HandOff):
                 break
             self._wake.clear()  # a wake-up from now on means: claim again
             try:
-                claimed = self._claims.claim(self.queues, free, self.name, self.lease)
+                self._turn += 1  # each partition of a queue is claimed from first in turn
+                order = partitions.rotated(self.claim_queues, self._turn)
+                claimed = self._claims.claim(order, free, self.name, self.lease)
             except Exception as e:  # noqa: BLE001 - the dispatcher must go on (a broker hiccup, a bad reply)
                 log.warning("claim failed", error=str(e))
                 claimed = []
@@ -280,21 +273,21 @@ class Worker(HandOff):
         leftovers = self.core.inflight()
         for run in leftovers:
             self._hand_back(run)
-        self.core.outbox.flush(self.grace)  # spares leased to us by the last writes, then given back
-        self.spares.close()
+        self.core.outbox.flush(self.grace)
         dropped = self.pool.shutdown(wait=True, cancel_pending=True)
         if dropped:  # taken off the queue, never started: the reaper puts them back when their lease ends
             log.warning("calls taken but not started are left to the reaper", calls=dropped)
         self.core.close()
         close_all()
         try:
-            pipe = self.conn.pipeline()
+            pipe = self.conn.pipeline(transaction=False)  # (keys of several slots on a cluster)
             pipe.zrem(keys.WORKERS, self.name)
             for q in self.queues:
                 pipe.zrem(keys.queue_workers(q), self.name)
             pipe.delete(keys.worker(self.name))
             pipe.execute()
-            self.rq.register_death()
+            if self.rq is not None:
+                self.rq.register_death()
         except redis.RedisError:
             pass
         log.info(
@@ -309,35 +302,28 @@ class Worker(HandOff):
         current = run.state
         if current not in (State.ROUTING, State.EXECUTING, State.FORMATTING):
             return
-        calls = self.core.calls
-        reply = calls.transition(
-            run.info,
-            State.RETRYING,
-            attempt=run.attempt,
-            current=current,
-            lease="-",
-            detail={"reason": "worker_shutdown", "next_attempt": run.attempt + 1},
-            fields={keys.F_ATTEMPT: run.attempt + 1},
-        )
-        if int(reply[0]) > 0:
-            self.conn.hincrby(keys.job(run.info.call_id), keys.F_MAX_ATTEMPTS, 1)
-            # Handed-back work goes before the calls waiting for a slot (score 0).
-            calls.transition(
-                run.info,
-                State.PENDING,
-                attempt=run.attempt + 1,
-                requeue=True,
-                requeue_score=0,
-                current=State.RETRYING,
-            )
+        self.core.calls.hand_back(run.info, attempt=run.attempt, current=current, reason="worker_shutdown", free=True)
+
+    def refresh_queues(self) -> None:
+        """Claim from every partition of the tools on our queues (re-read on a directory change and with
+        every heartbeat)."""
+        self.claim_queues[:] = partitions.expand(self.queues, (e.spec for e in self.core.directory.all()))
+
+    def _run_one(self, claimed: Any) -> None:
+        try:
+            self.runner.run(claimed)
+        except Exception:  # noqa: BLE001 - run() never raises; if it did, the token still goes back
+            log.exception("call thread failed")
+        finally:
+            self._slots.give()
 
     # -- background threads ----------------------------------------------------------------------
 
     def _heartbeat_once(self) -> None:
         runs = self.core.inflight()
-        running = [r.info.call_id for r in runs] + self.spares.call_ids()
         pipe = self.conn.pipeline(transaction=False)
-        self.rq.heartbeat(pipeline=pipe)
+        if self.rq is not None:
+            self.rq.heartbeat(pipeline=pipe)
         now = time.time()
         pipe.zadd(keys.WORKERS, {self.name: now})
         for q in self.queues:
@@ -354,7 +340,6 @@ class Worker(HandOff):
                 "inflight": len(runs),
                 "processed": self.core.processed,
                 "failed": self.core.failed,
-                "spares_used": self.spares.used,  # calls started on a slot handed over in-process
                 "policy_version": self.core.policy_version,  # which pushed policy it judges by
                 "started_at": self.started_at,
                 "version": VERSION,
@@ -363,8 +348,7 @@ class Worker(HandOff):
             },
         )
         pipe.expire(keys.worker(self.name), int(self.lease * 2) + 5)
-        slots = {r.info.call_id: r.info.ckey for r in runs}  # the concurrency slots they hold, too
-        self.core.calls.extend_leases(running, self.lease, pipeline=pipe, ckeys=slots)
+        self.core.calls.extend_leases([r.info for r in runs], self.lease, pipeline=pipe)
         pipe.execute()
 
     @property
@@ -374,22 +358,16 @@ class Worker(HandOff):
 
     def _heartbeat_loop(self) -> None:
         interval = self.heartbeat_interval
-        tick = min(interval, FAIR_SHARE_TTL)
-        next_beat = time.monotonic() + interval
         while not self.stopping.is_set():
-            self._refresh_now.wait(tick)
-            self._refresh_now.clear()
+            self._beat_now.wait(interval)
             if self.stopping.is_set():
                 return
             try:
-                self.refresh_shares()
-                if time.monotonic() < next_beat:
-                    continue
-                next_beat = time.monotonic() + interval
                 self._heartbeat_once()
-                reaper.reap(self.core.calls, self.lease, self.settings.result_ttl, self.core.audit)
+                self.refresh_queues()
+                reaper.reap(self.core.calls, self.claim_queues, self.lease, self.settings.result_ttl, self.core.audit)
                 # Slots still held by calls that ended (a safety net: ending gives the slot back).
-                self.core.scheduler.limits.sweep(self.lease)
+                self.core.scheduler.limits.sweep(self.claim_queues, self.lease)
                 self.conn.zremrangebyscore(keys.WORKERS, "-inf", time.time() - self.lease * 2)
             except redis.RedisError as e:
                 log.warning("heartbeat failed", error=str(e))
@@ -407,13 +385,14 @@ class Worker(HandOff):
                 self.core.refresh_policy()  # a push made while we were not subscribed
                 while not self.stopping.is_set():
                     msg = pubsub.get_message(timeout=1.0)
-                    if msg is None:
+                    if msg is None or msg.get("type") != "message":  # (a cluster's pubsub passes confirmations)
                         continue
                     if msg["channel"] in wakes:
                         self._wake.set()  # a call was submitted: claim now instead of at the next poll
                     elif msg["channel"] == tools:
                         # A changed or removed tool must not keep running from this worker's cache.
                         self.core.directory.invalidate(msg["data"].decode(errors="replace"))
+                        self.refresh_queues()  # a tool's partitions may have changed
                     elif msg["channel"] == policy:
                         self.core.refresh_policy()  # the next call is judged by the pushed policy
                     else:
@@ -436,10 +415,6 @@ class Worker(HandOff):
             return
         if op == "cancel" and msg.get("call_id"):
             self.core.cancel(str(msg["call_id"]))
-            try:
-                self.spares.cancel(str(msg["call_id"]))  # a spare of ours ends now, not when a slot frees
-            except redis.RedisError as e:
-                log.warning("could not end a cancelled spare", error=str(e))
         elif op == "stop":
             log.info("stop requested over the control channel")
             self.request_stop()

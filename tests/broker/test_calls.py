@@ -66,7 +66,7 @@ def test_a_submitted_call_is_an_rq_job_on_an_rq_queue(fake: Any) -> None:
     assert job.origin == "tools"
     assert job.func_name == "workers.entry.run_call"
     assert job.args[0]["call_id"] == "c1" and job.args[0]["args"] == {"city": "北京"}
-    assert Queue("tools", connection=fake, serializer=MsgpackSerializer).job_ids == ["c1"]
+    assert Queue(keys.tag("tools"), connection=fake, serializer=MsgpackSerializer).job_ids == ["c1"]
     assert [e.state for e in events.history(fake, "c1")] == ["pending"]
 
 
@@ -76,7 +76,7 @@ def test_submitting_the_same_call_id_twice_is_a_no_op(fake: Any) -> None:
     assert submit(calls, env("c1", n=2)) == (False, "c1")
     assert fake.llen(keys.queue("tools")) == 1
     assert fake.llen(keys.history("c1")) == 1
-    assert fake.zcard(keys.slots(CKEY)) == 1  # no limit: it holds a slot at once
+    assert fake.zcard(keys.slots("{tools}", CKEY)) == 1  # no limit: it holds a slot at once
     assert calls.record("c1")["envelope"].args == {"n": 1}
 
 
@@ -86,7 +86,7 @@ def test_an_idempotency_key_returns_the_call_that_already_exists(fake: Any) -> N
     assert submit(calls, env("second", idem="order-42")) == (False, "first")
     assert not fake.exists(keys.job("second"))
     assert fake.lrange(keys.queue("tools"), 0, -1) == [b"first"]
-    assert 0 < fake.ttl(keys.IDEMPOTENCY.format("order-42"))
+    assert 0 < fake.ttl(keys.idempotency("{tools}", "order-42"))
     assert submit(calls, env("third", idem="order-43")) == (True, "third")
 
 
@@ -115,7 +115,7 @@ def test_a_cancelled_call_frees_its_place_in_the_waiting_queue(fake: Any) -> Non
     submit(calls, env("c0"), queue_size=1)
     info = CallInfo.of(env("c0"), CKEY)
     assert calls.transition(info, State.CANCELLED, attempt=1, fence=False)[0] > 0
-    fake.zrem(keys.waiting(CKEY), "c0")  # what cancel_call does
+    fake.zrem(keys.waiting("{tools}", CKEY), "c0")  # what cancel_call does
     assert submit(calls, env("c1"), queue_size=1)[0]
 
 
@@ -152,7 +152,7 @@ def test_admission_is_atomic_under_racing_pipelines(conn: redis.Redis) -> None:
     accepted = [r for r in results if int(r[0]) == 1]
     refused = [r for r in results if int(r[0]) == -1]
     assert len(accepted) == limit + running and len(refused) == threads * per - limit - running
-    assert conn.zcard(keys.waiting(CKEY)) == limit
+    assert conn.zcard(keys.waiting("{tools}", CKEY)) == limit
     assert conn.llen(keys.queue("tools")) == running
     assert len(conn.keys(keys.RQ_JOB.format("*"))) == limit + running
     assert all(int(r[1]) == limit for r in refused)
@@ -167,11 +167,11 @@ def test_claim_takes_calls_in_order_and_leases_them(fake: Any) -> None:
     assert [c.call_id for c in got] == ["c0", "c1", "c2"]
     assert all(c.attempt == 1 and c.data for c in got)
     assert fake.lrange(keys.queue("tools"), 0, -1) == [b"c3", b"c4"]
-    assert fake.zscore(keys.slots(CKEY), "c3") == float("inf")  # queued: holds its slot, not leased
+    assert fake.zscore(keys.slots("{tools}", CKEY), "c3") == float("inf")  # queued: holds its slot, not leased
     for c in got:
-        assert before + 29 < fake.zscore(keys.LEASES, c.call_id) < time.time() + 31
-        assert fake.zscore(keys.slots(CKEY), c.call_id) == fake.zscore(keys.LEASES, c.call_id)
-        assert fake.zscore(keys.LEASES, c.call_id).is_integer()  # whole seconds: listpacks keep integers
+        assert before + 29 < fake.zscore(keys.leases("{tools}"), c.call_id) < time.time() + 31
+        assert fake.zscore(keys.slots("{tools}", CKEY), c.call_id) == fake.zscore(keys.leases("{tools}"), c.call_id)
+        assert fake.zscore(keys.leases("{tools}"), c.call_id).is_integer()  # whole seconds: listpacks keep integers
         assert fake.hget(keys.job(c.call_id), keys.F_WORKER) == b"worker-a"
         assert fake.hget(keys.job(c.call_id), "worker_name") == b"worker-a"
         assert unpack(c.data)[2][0]["call_id"] == c.call_id
@@ -195,8 +195,8 @@ def test_claim_skips_cancelled_calls_and_drops_them_from_the_queue(fake: Any) ->
     got = calls.claim(["tools"], 10, "w", 30)
     assert [c.call_id for c in got] == ["c0", "c3"]
     assert fake.llen(keys.queue("tools")) == 0
-    assert fake.zcard(keys.waiting(CKEY)) == 0
-    assert fake.zscore(keys.LEASES, "c1") is None
+    assert fake.zcard(keys.waiting("{tools}", CKEY)) == 0
+    assert fake.zscore(keys.leases("{tools}"), "c1") is None
     assert fake.hget(keys.job("c1"), keys.F_WORKER) is None
     assert fake.hget(keys.job("c1"), keys.F_STATE) == b"cancelled"
 
@@ -211,10 +211,10 @@ def test_claim_drops_ids_whose_record_expired(fake: Any) -> None:
 
 def test_extend_leases_only_touches_calls_still_leased(fake: Any) -> None:
     calls = Calls(fake)
-    fake.zadd(keys.LEASES, {"mine": 1.0})
-    calls.extend_leases(["mine", "gone"], 30)
-    assert fake.zscore(keys.LEASES, "mine") > time.time() + 29
-    assert fake.zscore(keys.LEASES, "gone") is None
+    fake.zadd(keys.leases("{tools}"), {"mine": 1.0})
+    calls.extend_leases([CallInfo.of(env("mine"), CKEY), CallInfo.of(env("gone"), CKEY)], 30)
+    assert fake.zscore(keys.leases("{tools}"), "mine") > time.time() + 29
+    assert fake.zscore(keys.leases("{tools}"), "gone") is None
 
 
 def test_reap_returns_only_expired_leases_and_takes_them_over(fake: Any) -> None:
@@ -226,8 +226,8 @@ def test_reap_returns_only_expired_leases_and_takes_them_over(fake: Any) -> None
     info = CallInfo.of(env("old"), CKEY)
     calls.transition(info, State.ROUTING, attempt=1)
     fake.hset(keys.job("old"), keys.F_CANCEL, "1")
-    fake.zadd(keys.LEASES, {"old": time.time() - 1, "vanished": time.time() - 1})
-    reaped = calls.reap(lease=10)
+    fake.zadd(keys.leases("{tools}"), {"old": time.time() - 1, "vanished": time.time() - 1})
+    reaped = calls.reap(["tools"], lease=10)
     assert reaped == [
         {
             "call_id": "old",
@@ -237,12 +237,11 @@ def test_reap_returns_only_expired_leases_and_takes_them_over(fake: Any) -> None
             "queue": keys.queue("tools"),
             "cancel": True,
             "ckey": CKEY,
-            "spare": False,
         }
     ]
-    assert fake.zscore(keys.LEASES, "old") > time.time() + 9  # one reaper owns it now
-    assert fake.zscore(keys.LEASES, "vanished") is None  # no record: nothing to settle
-    assert calls.reap(lease=10) == []  # a second reaper finds nothing
+    assert fake.zscore(keys.leases("{tools}"), "old") > time.time() + 9  # one reaper owns it now
+    assert fake.zscore(keys.leases("{tools}"), "vanished") is None  # no record: nothing to settle
+    assert calls.reap(["tools"], lease=10) == []  # a second reaper finds nothing
 
 
 def test_record_of_an_unknown_call_is_none(fake: Any) -> None:
@@ -254,10 +253,10 @@ def test_lease_and_waiting_scores_are_integers_so_small_sorted_sets_store_no_dec
     for i in range(3):
         submit(calls, env(f"c{i}"), concurrency=1)  # c0 takes the slot, c1 and c2 wait
     calls.claim(["tools"], 1, "w", 30)
-    calls.extend_leases(["c0"], 30, ckeys={"c0": CKEY})
-    for key in (keys.LEASES, keys.slots(CKEY), keys.waiting(CKEY)):
+    calls.extend_leases([CallInfo.of(env("c0"), CKEY)], 30)
+    for key in (keys.leases("{tools}"), keys.slots("{tools}", CKEY), keys.waiting("{tools}", CKEY)):
         scores = [s for _, s in conn.zrange(key, 0, -1, withscores=True)]
         assert scores and all(s.is_integer() for s in scores), (key, scores)
         assert conn.object("encoding", key) == b"listpack"
-    waiting = conn.zrange(keys.waiting(CKEY), 0, -1, withscores=True)
+    waiting = conn.zrange(keys.waiting("{tools}", CKEY), 0, -1, withscores=True)
     assert [m for m, _ in waiting] == [b"c1", b"c2"] and waiting[0][1] <= waiting[1][1]  # still in order

@@ -214,9 +214,9 @@ def test_no_transition_leaves_a_terminal_state(fake: Any) -> None:
 def test_terminal_transitions_drop_the_lease_and_set_a_ttl(fake: Any) -> None:
     calls = Calls(fake)
     info = submit(calls)
-    fake.zadd(keys.LEASES, {"c1": time.time() + 30})
+    fake.zadd(keys.leases("{tools}"), {"c1": time.time() + 30})
     walk(calls, info, [State.ROUTING, State.FAILED])
-    assert fake.zscore(keys.LEASES, "c1") is None
+    assert fake.zscore(keys.leases("{tools}"), "c1") is None
     assert 0 < fake.ttl(keys.job("c1")) <= 86400
     assert 0 < fake.ttl(keys.history("c1")) <= 86400
     assert fake.hget(keys.job("c1"), "ended_at")

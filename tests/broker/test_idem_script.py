@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from broker import keys
-from broker.calls import F_DIGEST, F_IDEM, Calls, request_digest
+from broker.calls import F_DIGEST, F_IDEM, Calls
 from broker.envelope import Envelope, Options
 from broker.errors import IdempotencyConflict
+from broker.idempotency import request_digest
 from broker.records import CallInfo
 from broker.states import State
 from tests.broker.test_calls import TP
@@ -54,9 +55,9 @@ def test_the_same_request_under_a_key_returns_the_existing_call_with_its_name(fa
     assert Calls.check_submit(reply, CKEY, -1, env("second", n=1, when=[1, 2])) == (False, "first")
     assert Calls.existing_call(reply) == ("echo", "tool")
     assert not fake.exists(keys.job("second"))
-    assert fake.get(keys.IDEMPOTENCY.format("k")) == b"first"
+    assert fake.get(keys.idempotency("{tools}", "k")) == b"first"
     rec = fake.hmget(keys.job("first"), F_IDEM, F_DIGEST)
-    assert rec == [keys.IDEMPOTENCY.format("k").encode(), request_digest(env("x", n=1, when=[1, 2])).encode()]
+    assert rec == [keys.idempotency("{tools}", "k").encode(), request_digest(env("x", n=1, when=[1, 2])).encode()]
 
 
 def test_other_arguments_under_a_key_are_a_conflict(fake: Any) -> None:
@@ -92,16 +93,17 @@ def test_llm_requests_conflict_on_another_request_or_model_and_not_with_a_tool_c
         submit(calls, llm("second", "bye"))
     with pytest.raises(IdempotencyConflict, match="it cannot be reused for model 'm2'"):
         submit(calls, llm("third", "hi", model="m2"))
-    with pytest.raises(IdempotencyConflict, match="it cannot be reused for tool 'echo'"):
-        submit(calls, env("fourth"))
+    # Idempotency keys are per queue (they live in the queue's hash slot): on the tools queue the same
+    # key names no LLM call.
+    assert submit(calls, env("fourth")) == (True, "fourth")
 
 
 def test_a_key_whose_call_record_is_gone_runs_a_new_call(fake: Any) -> None:
     # As an older version left it: the key (plain call id, 7 days) outlived the record and its history.
     calls = Calls(fake)
-    fake.set(keys.IDEMPOTENCY.format("k"), "vanished", ex=7 * 86400)
+    fake.set(keys.idempotency("{tools}", "k"), "vanished", ex=7 * 86400)
     assert submit(calls, env("new", v=2)) == (True, "new")
-    assert fake.get(keys.IDEMPOTENCY.format("k")) == b"new"
+    assert fake.get(keys.idempotency("{tools}", "k")) == b"new"
     assert fake.lrange(keys.queue("tools"), 0, -1) == [b"new"]
     # and the same with a record of ours that expired
     submit(calls, env("a", idem="k2", v=1))
@@ -122,7 +124,7 @@ def test_ending_a_call_gives_its_key_the_records_ttl(fake: Any) -> None:
     calls = Calls(fake)
     e = env("first", v=1)
     submit(calls, e)
-    idem = keys.IDEMPOTENCY.format("k")
+    idem = keys.idempotency("{tools}", "k")
     assert fake.ttl(idem) > 86400  # pending: as long as the pending record
     finish(calls, e, ttl=3)
     assert 0 < fake.ttl(idem) <= 3
@@ -133,7 +135,7 @@ def test_ending_a_call_leaves_a_key_that_names_another_call_alone(fake: Any) -> 
     calls = Calls(fake)
     e = env("first", v=1)
     submit(calls, e)
-    idem = keys.IDEMPOTENCY.format("k")
+    idem = keys.idempotency("{tools}", "k")
     fake.set(idem, "someone-else", ex=1000)
     finish(calls, e, ttl=3)
     assert fake.get(idem) == b"someone-else" and fake.ttl(idem) > 900
@@ -145,7 +147,7 @@ def test_calls_without_a_key_carry_no_idempotency_fields(fake: Any) -> None:
     assert submit(calls, e) == (True, "plain")
     assert fake.hmget(keys.job("plain"), F_IDEM, F_DIGEST) == [None, None]
     finish(calls, e, ttl=3)
-    assert fake.keys(keys.IDEMPOTENCY.format("*")) == []
+    assert fake.keys(keys.idempotency("{tools}", "*")) == []
 
 
 def test_the_digest_is_canonical_and_tells_requests_apart() -> None:

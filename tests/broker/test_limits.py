@@ -59,13 +59,13 @@ def test_only_calls_holding_a_slot_are_queued_and_a_freed_slot_goes_to_the_oldes
     for i in range(5):
         submit(calls, f"c{i}")
     assert queued(fake) == ["c0", "c1"]
-    assert [m.decode() for m in fake.zrange(keys.waiting(CKEY), 0, -1)] == ["c2", "c3", "c4"]
+    assert [m.decode() for m in fake.zrange(keys.waiting("{tools}", CKEY), 0, -1)] == ["c2", "c3", "c4"]
     assert [c.call_id for c in calls.claim(["tools"], 10, "w", 30)] == ["c0", "c1"]
     end(calls, "c1")
     assert queued(fake) == ["c2"]  # the oldest waiting call, at once
     end(calls, "c0", State.FAILED)
     assert queued(fake) == ["c2", "c3"]
-    assert fake.zcard(keys.slots(CKEY)) == 2
+    assert fake.zcard(keys.slots("{tools}", CKEY)) == 2
 
 
 def test_every_ending_and_a_retry_give_the_slot_back_a_cancelled_waiter_leaves_the_queue(fake: Any) -> None:
@@ -75,16 +75,16 @@ def test_every_ending_and_a_retry_give_the_slot_back_a_cancelled_waiter_leaves_t
     # Cancelling a waiting call takes it out of the waiting set; nothing is promoted for it.
     info3 = CallInfo.of(env("c3"), CKEY)
     assert calls.transition(info3, State.CANCELLED, attempt=1, fence=False)[0] > 0
-    assert fake.zscore(keys.waiting(CKEY), "c3") is None and queued(fake) == ["c0"]
+    assert fake.zscore(keys.waiting("{tools}", CKEY), "c3") is None and queued(fake) == ["c0"]
     # A retry releases the slot (the next call gets it) and comes back through admission, waiting.
     calls.claim(["tools"], 1, "w", 30)
     info0 = CallInfo.of(env("c0"), CKEY)
     calls.transition(info0, State.ROUTING, attempt=1)
     calls.transition(info0, State.RETRYING, attempt=1, current=State.ROUTING, schedule_at=time.time() - 1)
-    assert queued(fake) == ["c1"] and fake.zscore(keys.SCHEDULED, "c0") is not None
+    assert queued(fake) == ["c1"] and fake.zscore(keys.scheduled("{tools}"), "c0") is not None
     calls.transition(info0, State.PENDING, attempt=1, requeue=True, requeue_score=0, current=State.RETRYING)
-    assert fake.zscore(keys.SCHEDULED, "c0") is None
-    assert [m.decode() for m in fake.zrange(keys.waiting(CKEY), 0, -1)] == ["c0", "c2"]  # score 0: first
+    assert fake.zscore(keys.scheduled("{tools}"), "c0") is None
+    assert [m.decode() for m in fake.zrange(keys.waiting("{tools}", CKEY), 0, -1)] == ["c0", "c2"]  # score 0: first
     calls.claim(["tools"], 1, "w", 30)
     end(calls, "c1")
     assert queued(fake) == ["c0"]
@@ -117,12 +117,12 @@ def test_due_retries_are_held_for_the_caller_and_a_call_no_longer_retrying_leave
         calls.transition(info, State.RETRYING, attempt=1, current=State.ROUTING, schedule_at=at)
     # c1 was cancelled while it waited for its next attempt: it is no retry any more.
     calls.transition(CallInfo.of(env("c1"), CKEY), State.CANCELLED, attempt=1, current=State.RETRYING)
-    due, nxt = limits.due(hold=30)
+    due, nxt = limits.due(["tools"], hold=30)
     assert [d.call_id for d in due] == ["c0"]
-    assert fake.zscore(keys.SCHEDULED, "c1") is None  # dropped, not held and returned again later
-    assert fake.zscore(keys.SCHEDULED, "c0") >= now + 29  # held for this caller
+    assert fake.zscore(keys.scheduled("{tools}"), "c1") is None  # dropped, not held and returned again later
+    assert fake.zscore(keys.scheduled("{tools}"), "c0") >= now + 29  # held for this caller
     assert nxt is not None and abs(nxt - (now + 30)) < 5  # c0's hold comes first, then c2 (60 s)
-    assert limits.due(hold=30)[0] == []  # held: no other scheduler takes it meanwhile
+    assert limits.due(["tools"], hold=30)[0] == []  # held: no other scheduler takes it meanwhile
 
 
 def test_the_sweep_frees_slots_of_calls_that_ended_and_refills(fake: Any) -> None:
@@ -132,9 +132,9 @@ def test_the_sweep_frees_slots_of_calls_that_ended_and_refills(fake: Any) -> Non
     calls.claim(["tools"], 2, "w", 30)
     # A slot left behind by a call that is gone (a crash between writes of an older version, a flush).
     fake.delete(keys.job("c0"))
-    fake.zadd(keys.slots(CKEY), {"c0": time.time() - 100})
-    fake.zadd(keys.slots(CKEY), {"c1": time.time() - 100})  # c1 still runs (pending): left alone
-    assert limits.sweep(grace=10) == 1
+    fake.zadd(keys.slots("{tools}", CKEY), {"c0": time.time() - 100})
+    fake.zadd(keys.slots("{tools}", CKEY), {"c1": time.time() - 100})  # c1 still runs (pending): left alone
+    assert limits.sweep(["tools"], grace=10) == 1
     assert queued(fake) == ["c2"]
     assert limits.snapshot() == [{"key": CKEY, "limit": 2, "running": 2, "waiting": 0}]
 
@@ -158,9 +158,9 @@ def test_random_operations_never_hold_more_slots_than_the_limit(fake: Any) -> No
                 live.pop(rng.randrange(len(live))),
                 rng.choice([State.DONE, State.FAILED, State.CANCELLED]),
             )
-        assert fake.zcard(keys.slots(CKEY)) <= 3
-        assert fake.zcard(keys.waiting(CKEY)) <= 5
-        assert fake.zcard(keys.waiting(CKEY)) == 0 or fake.zcard(keys.slots(CKEY)) == 3
+        assert fake.zcard(keys.slots("{tools}", CKEY)) <= 3
+        assert fake.zcard(keys.waiting("{tools}", CKEY)) <= 5
+        assert fake.zcard(keys.waiting("{tools}", CKEY)) == 0 or fake.zcard(keys.slots("{tools}", CKEY)) == 3
 
 
 def _race(url: str, proc: int, per: int, barrier: Any, out: Any) -> None:
@@ -192,5 +192,5 @@ def test_queue_full_is_exact_when_processes_race(redis_url: str, conn: redis.Red
         w.join(10)
     # 5 slots + 50 waiting, never one more, whatever the interleaving.
     assert codes.count(1) == 55 and codes.count(-1) == procs * per - 55
-    assert conn.zcard(keys.slots(CKEY)) == 5 and conn.zcard(keys.waiting(CKEY)) == 50
+    assert conn.zcard(keys.slots("{tools}", CKEY)) == 5 and conn.zcard(keys.waiting("{tools}", CKEY)) == 50
     assert conn.llen(keys.queue("tools")) == 5

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 from redis.exceptions import ResponseError
 
@@ -222,3 +224,30 @@ def test_a_wait_behind_a_refused_script_is_sent_again_after_its_rerun(conn: redi
     pipe.execute_command("WAIT", 0, 100)
     assert pipes.execute(pipe) == [2, 0]
     assert int(conn.info("commandstats")["cmdstat_wait"]["calls"]) == waits + 3
+
+
+def test_with_the_fast_path_off_pipelines_go_through_redis_py_and_scripts_are_reloaded(conn: Any) -> None:
+    pipes.configure(False)
+    try:
+        script = conn.register_script("return ARGV[1]")
+        pipe = conn.pipeline(transaction=False)
+        pipes.script(script, [], ["x"], pipe)
+        pipe.get("hermes:test:nothing")
+        conn.script_flush()  # redis-py's execute loads what the server lost
+        assert pipes.execute(pipe) == [b"x", None]
+    finally:
+        pipes.configure(True)
+
+
+def test_broker_fast_path_is_a_setting_and_a_bad_value_is_a_clear_error(tmp_path: Any, monkeypatch: Any) -> None:
+    import pytest
+
+    from broker.config import load_settings
+    from broker.errors import ConfigError
+
+    assert load_settings(str(tmp_path)).fast_path is True  # the measured default (ARCHITECTURE)
+    monkeypatch.setenv("HERMES_REDIS_FAST_PATH", "0")
+    assert load_settings(str(tmp_path)).fast_path is False
+    monkeypatch.setenv("HERMES_REDIS_FAST_PATH", "maybe")
+    with pytest.raises(ConfigError, match="fast_path"):
+        load_settings(str(tmp_path))

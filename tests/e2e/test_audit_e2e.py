@@ -79,7 +79,7 @@ def test_every_one_of_a_thousand_calls_has_one_audit_record_through_a_worker_kil
     assert all(by_call[c][0].state == final[c] for c in ids)
     errors = collections.Counter(by_call[c][0].error_type for c in ids)
     assert errors["permission_denied"] == 97 and errors["invalid_args"] == 97
-    assert errors["worker_lost"] >= 1  # a one-attempt sleeper of the victim, audited by the reaper
+    assert errors["worker_lost"] >= 1, errors  # a one-attempt sleeper of the victim, audited by the reaper
     assert errors[None] == 1000 - sum(n for t, n in errors.items() if t is not None)
     assert {by_call[c][0].principal for c in ids[24:]} == {"batch"}
     assert {by_call[h.call_id][0].attempts for h in retried if by_call[h.call_id][0].state == "done"} >= {2}

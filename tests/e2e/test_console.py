@@ -321,8 +321,8 @@ const GREET = fs.readFileSync(process.argv[5], "utf8");
   await el("run").onclick();
   check(text("runerr") === "", "run: " + text("runerr"));
   const id = el("calls").children[0].value;
-  check(/^[0-9a-f]{32}$/.test(id), "call id " + id);
-  const logged = () => text("log").split("\n").filter((l) => l.includes(`  ${id.slice(0, 8)}  `));
+  check(/^\{tools\}\.[0-9a-f]{32}$/.test(id), "call id " + id);  // (ids start with their queue's hash tag)
+  const logged = () => text("log").split("\n").filter((l) => l.includes(`  ${id.split(".").pop().slice(0, 8)}  `));
   await until(() => logged().some((l) => / done /.test(l)), () => "done in the log: " + text("log"));
   const states = logged().map((l) => l.split(/\s+/)[2]);
   check(JSON.stringify(states) === JSON.stringify(["pending", "routing", "executing", "formatting", "done"]), "log " + states);

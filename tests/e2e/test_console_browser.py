@@ -109,7 +109,7 @@ def test_register_run_trace_and_remove_a_tool_in_a_browser(browser: Any, served:
     for state in ("pending", "routing", "executing", "formatting"):
         assert re.search(rf"\b{state}\b", log), (state, log)
     head = page.wait_text("#trace-head", r"trace_id [0-9a-f]{32}")
-    assert re.match(r"call [0-9a-f]{32} · greet · done · trace_id", head), head
+    assert re.match(r"call \{tools\}\.[0-9a-f]{32} · greet · done · trace_id", head), head
     rows = page.page.locator("#trace tr")
     states = [rows.nth(i).locator("td").nth(5).text_content() for i in range(rows.count())]
     assert states == ["pending", "routing", "executing", "formatting", "done"], states

@@ -66,7 +66,7 @@ def test_the_limit_holds_across_workers_for_calls_submitted_by_several_processes
 
     def sample() -> None:  # the slot set itself never holds more than the limit
         while not stop.is_set():
-            peak[0] = max(peak[0], conn.zcard(keys.slots("tool:slow")))
+            peak[0] = max(peak[0], conn.zcard(keys.slots("{tools}", "tool:slow")))
             time.sleep(0.005)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -94,7 +94,7 @@ def test_the_limit_holds_across_workers_for_calls_submitted_by_several_processes
     assert set(current(conn, ids).values()) == {"done"}
     assert _max_overlap(_intervals(conn, ids)) == 3  # the limit was reached, and never passed
     assert peak[0] <= 3
-    assert conn.zcard(keys.slots("tool:slow")) == 0 and conn.zcard(keys.waiting("tool:slow")) == 0
+    assert conn.zcard(keys.slots("{tools}", "tool:slow")) == 0 and conn.zcard(keys.waiting("{tools}", "tool:slow")) == 0
 
 
 def _batch_on_two_workers(
@@ -139,7 +139,7 @@ def test_slots_held_by_a_killed_worker_come_back_within_the_lease(
     running = [cid for cid, st in current(conn, ids).items() if st == "executing"]
     victim = next(w for w in pair if w.name == field(conn, running[0], keys.F_WORKER))
     lost = [cid for cid in running if field(conn, cid, keys.F_WORKER) == victim.name]
-    assert conn.zcard(keys.waiting("tool:hold")) == 2
+    assert conn.zcard(keys.waiting("{tools}", "tool:hold")) == 2
     victim.kill()
     killed_at = time.time()
 
@@ -152,106 +152,16 @@ def test_slots_held_by_a_killed_worker_come_back_within_the_lease(
         # The slot went back when the reaper settled the call: within the lease and one heartbeat tick.
         assert retrying.ts - killed_at < lease + lease / 3 + 1.0
     assert _max_overlap(_intervals(conn, ids, until=killed_at)) <= 2
-    assert conn.zcard(keys.slots("tool:hold")) == 0
+    assert conn.zcard(keys.slots("{tools}", "tool:hold")) == 0
 
 
-def _await_spare(conn: Any, ids: list[str], wait_until: Any) -> tuple[str, str]:
-    """(call id, worker) of the first of ``ids`` seen as a worker's spare (waiting up to 20 s for one);
-    both read at once: a spare given back loses its worker."""
-    found: list[tuple[str, str]] = []
-
-    def look() -> bool:
-        for cid in ids:
-            spare, worker = conn.hmget(keys.job(cid), "h_spare", keys.F_WORKER)
-            if spare is not None and worker:
-                found[:] = [(cid, worker.decode())]
-                return True
-        return False
-
-    wait_until(look, 20, message="a spare held")
-    return found[0]
-
-
-def _spares_used(conn: Any, names: list[str]) -> int:
-    return sum(int(conn.hget(keys.worker(n), "spares_used") or 0) for n in names)
-
-
-def test_busy_workers_start_spares_on_the_slots_their_calls_free_and_the_limit_holds(
+def test_one_worker_starts_waiting_calls_in_the_order_they_were_submitted(
     gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any
 ) -> None:
-    # 12 slots over two workers: each runs about 6 calls of the key, enough to keep spares (the next
-    # waiting calls, leased ahead of a free slot) and to start them as soon as one of its calls ends.
-    ids, pair = _batch_on_two_workers(gateway, home, workers, conn, wait_until, "spared", limit=12, n=300, seconds=0.02)
-    wait_until(lambda: _spares_used(conn, [w.name for w in pair]) > 0, 10, message="a spare started (heartbeat figure)")
-    # Nothing left behind: no slot, no waiting call, no lease, no spare mark.
-    assert conn.zcard(keys.slots("tool:spared")) == 0 and conn.zcard(keys.waiting("tool:spared")) == 0
-    wait_until(lambda: conn.zcard(keys.LEASES) == 0, 10, message="no lease left")
-    assert not [cid for cid in ids if conn.hexists(keys.job(cid), "h_spare")]
-    # Every call was run once, by one worker.
-    for hist in histories(conn, ids).values():
-        assert [e.state for e in hist if e.type == events.TRANSITION].count("executing") == 1
-
-
-def test_spares_of_a_killed_worker_go_back_in_line_and_every_call_ends(
-    gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any
-) -> None:
-    lease = 1.0
-    home.sleep_tool("spares_kill", concurrency=12, queue_size=500)
-    gateway.sync_tools()
-    pair = workers(2, concurrency=16, lease=lease)
-    batch = gateway.map("spares_kill", [{"seconds": 0.05}] * 240)
-    ids = [h.call_id for h in batch.accepted]
-
-    _, holder = _await_spare(conn, ids, wait_until)
-    victim = next(w for w in pair if w.name == holder)
-    victim.kill()
-    killed_at = time.time()
-    wait_until(lambda: all_terminal(conn, ids), 60, message="every call ended")
-    assert set(current(conn, ids).values()) == {"done"}
-    assert _max_overlap(_intervals(conn, ids, until=killed_at)) <= 12
-    assert conn.zcard(keys.slots("tool:spares_kill")) == 0 and conn.zcard(keys.waiting("tool:spares_kill")) == 0
-    assert conn.zcard(keys.spared("tool:spares_kill")) == 0
-    assert not [cid for cid in ids if conn.hexists(keys.job(cid), "h_spare")]
-    # Only calls the killed worker had started ran again; every other call (its unstarted spares too) ran once.
-    for cid, hist in histories(conn, ids).items():
-        moves = [e for e in hist if e.type == events.TRANSITION]
-        runs = [e for e in moves if e.state == "executing"]
-        first = next(e for e in moves if e.state == "routing")
-        if first.detail.get("worker") != victim.name:
-            assert len(runs) == 1, f"{cid} ran {len(runs)} times"
-        assert 1 <= len(runs) <= 2
-
-
-def test_a_stopping_worker_gives_its_spares_back_rather_than_leaving_them_to_its_lease(
-    gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any
-) -> None:
-    # A 60 s lease: were the stopped worker's spares left leased, the reaper would take a minute.
-    home.sleep_tool("spares_stop", concurrency=12, queue_size=500)
-    gateway.sync_tools()
-    pair = workers(2, concurrency=16, lease=60.0, grace=10.0)
-    batch = gateway.map("spares_stop", [{"seconds": 0.05}] * 400)
-    ids = [h.call_id for h in batch.accepted]
-
-    _, holder = _await_spare(conn, ids, wait_until)
-    victim = next(w for w in pair if w.name == holder)
-    victim.terminate()
-    assert victim.wait(15) == 0
-    # Nothing of the stopped worker's is left leased: its spares went back in line as it stopped.
-    left = [cid for cid in ids if conn.hexists(keys.job(cid), "h_spare") and field(conn, cid, keys.F_WORKER) == victim.name]
-    assert left == []
-    wait_until(lambda: all_terminal(conn, ids), 30, message="every call ended on the other worker")
-    assert set(current(conn, ids).values()) == {"done"}
-    assert _max_overlap(_intervals(conn, ids)) <= 12
-
-
-def test_one_worker_with_spares_starts_waiting_calls_in_the_order_they_were_submitted(
-    gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any
-) -> None:
-    # Limit 5 on one worker: it keeps a spare, and calls of equal length end in bursts, the case where a
-    # younger waiting call could otherwise be handed a slot before an older spare.
+    # Limit 5 on one worker: calls of equal length end in bursts, each freeing a slot for the oldest waiting call.
     home.sleep_tool("ordered", concurrency=5, queue_size=500)
     gateway.sync_tools()
-    (w,) = workers(1, concurrency=8)
+    workers(1, concurrency=8)
     batch = gateway.map("ordered", [{"seconds": 0.04}] * 60)
     ids = [h.call_id for h in batch.accepted]
     wait_until(lambda: all_terminal(conn, ids), 60, message="60 calls done")
@@ -270,29 +180,6 @@ def test_one_worker_with_spares_starts_waiting_calls_in_the_order_they_were_subm
     ]
     assert late == [], f"started before an older waiting call: {late[:5]}"
     assert _max_overlap(_intervals(conn, ids)) <= 5
-    wait_until(lambda: _spares_used(conn, [w.name]) > 0, 10, message="spares were used")
-
-
-def test_a_spare_cancelled_by_its_caller_ends_cancelled_without_running(
-    gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any
-) -> None:
-    home.sleep_tool("spare_cancel", concurrency=4, queue_size=50)
-    gateway.sync_tools()
-    workers(1, concurrency=8)
-    # Four run; the short one ends first and, with 4 calls of the key running here, its worker takes a spare.
-    running = gateway.map("spare_cancel", [{"seconds": 0.2}] + [{"seconds": 3}] * 3)
-    waiting = gateway.map("spare_cancel", [{"seconds": 3}] * 3)
-    ids = [h.call_id for h in [*running, *waiting]]
-
-    cid, _ = _await_spare(conn, ids, wait_until)
-    t0 = time.monotonic()
-    assert gateway.cancel(cid) is True
-    wait_until(lambda: current(conn, [cid])[cid] == "cancelled", 5, message="the spare cancelled")
-    assert time.monotonic() - t0 < 2.5  # not when a slot frees (the running calls take 3 s)
-    states = [e.state for e in histories(conn, [cid])[cid] if e.type == events.TRANSITION]
-    assert "executing" not in states and conn.zcard(keys.spared("tool:spare_cancel")) == 0
-    wait_until(lambda: all_terminal(conn, ids), 20, message="the rest done")
-    assert conn.zcard(keys.slots("tool:spare_cancel")) == 0
 
 
 def _fragile(home: Any, tmp: Path, **breaker: Any) -> tuple[Path, Path]:

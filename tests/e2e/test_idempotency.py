@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 
 
 def idem(key: str) -> str:
-    return keys.IDEMPOTENCY.format(key)
+    return keys.idempotency("{tools}", key)
 
 
 @pytest.fixture

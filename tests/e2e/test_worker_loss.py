@@ -75,7 +75,7 @@ def test_calls_of_a_killed_worker_are_retried_or_fail_with_worker_lost(
                 h.result(timeout=5)
         else:
             assert h.result(timeout=5) == {"slept": SLEEP}
-    assert conn.zcard(keys.LEASES) == 0
+    assert conn.zcard(keys.leases("{tools}")) == 0
     assert survivor.alive
 
 

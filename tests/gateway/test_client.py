@@ -199,7 +199,7 @@ def test_cancelling_a_pending_call_ends_it_at_once(gw: Gateway, conn: Any) -> No
     with pytest.raises(CallCancelled):
         h.result(timeout=5)
     assert [e.state for e in h.events(timeout=5)] == ["pending", "cancelled"]
-    assert conn.zcard(keys.waiting("tool:sleep")) == 0
+    assert conn.zcard(keys.waiting("{tools}", "tool:sleep")) == 0
     assert h.cancel() is False  # already finished
     assert gw.cancel("no-such-call") is False
 
@@ -215,7 +215,7 @@ def test_a_pending_call_a_worker_has_taken_is_cancelled_through_that_worker(gw: 
     # Its slot stays held until the worker has stopped it: no direct cancel behind the worker's back.
     rec = gw.calls.record(h.call_id)
     assert rec["state"] == "pending" and conn.hget(keys.job(h.call_id), keys.F_CANCEL) == b"1"
-    assert conn.zscore(keys.slots("tool:sleep"), h.call_id) is not None
+    assert conn.zscore(keys.slots("{tools}", "tool:sleep"), h.call_id) is not None
     deadline = time.monotonic() + 5
     msg = None
     while msg is None and time.monotonic() < deadline:

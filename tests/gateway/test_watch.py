@@ -104,7 +104,7 @@ def test_status_json_carries_the_live_figures(redis_url: str, monkeypatch: Any) 
     assert figures_["queues"] == {"tools": 2} and figures_["breakers"] == {"tool:get_weather": "open"}
 
 
-def test_status_counts_a_workers_spares_as_waiting_calls_of_their_key(redis_url: str, monkeypatch: Any) -> None:
+def test_status_counts_running_and_waiting_calls_of_their_key(redis_url: str, monkeypatch: Any) -> None:
     import json
 
     import redis
@@ -112,18 +112,16 @@ def test_status_counts_a_workers_spares_as_waiting_calls_of_their_key(redis_url:
 
     from broker.calls import Calls
     from hermes_gateway.cli import main
-    from tests.broker.test_handoff import finish
     from tests.broker.test_limits import CKEY, submit
 
     conn = redis.Redis.from_url(redis_url)
     calls = Calls(conn)
     for i in range(5):
         submit(calls, f"c{i}", limit=1, queue_size=50)
-    calls.claim(["tools"], 10, "w1", 30)
-    finish(calls, "c0", ("w1", 30, "", 1))  # c1 takes the slot, c2 becomes w1's spare; c3, c4 wait
+    calls.claim(["tools"], 10, "w1", 30)  # c0 runs; c1..c4 wait for its slot
     monkeypatch.setenv("HERMES_REDIS_URL", redis_url)
     result = CliRunner().invoke(main, ["status", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    assert data["waiting_by_key"] == {CKEY: 3}
-    assert data["concurrency"] == [{"key": CKEY, "limit": 1, "running": 1, "waiting": 3}]
+    assert data["waiting_by_key"] == {CKEY: 4}
+    assert data["concurrency"] == [{"key": CKEY, "limit": 1, "running": 1, "waiting": 4}]

@@ -65,6 +65,7 @@ def core(fake: Any, tmp_path: Path) -> Any:
         }
     )
     c = WorkerCore(fake, Settings(home=tmp_path, lease=5.0, result_ttl=600), "w-test")
+    c.scheduler.queues = ["tools"]  # (a Worker sets its queues)
     yield c
     c.close()
 
@@ -110,14 +111,14 @@ def test_a_failed_attempt_waits_on_the_schedule_without_its_slot_then_comes_back
         10.0,
     )
     assert before + 10 <= retrying.detail["next_attempt_at"] <= time.time() + 10
-    assert fake.zscore(keys.SCHEDULED, "c1") == pytest.approx(retrying.detail["next_attempt_at"])
+    assert fake.zscore(keys.scheduled("{tools}"), "c1") == pytest.approx(retrying.detail["next_attempt_at"])
     # Its slot went to the next call while it waits.
-    assert fake.zscore(keys.slots("tool:flaky"), "c1") is None
+    assert fake.zscore(keys.slots("{tools}", "tool:flaky"), "c1") is None
     assert _run(core) == 1
     assert _transitions(fake, "c2")[-1] == ("done", 1)
     # Not due yet: the scheduler leaves it; once due, back to pending and through admission.
     assert core.scheduler.run_once()[0] == 0
-    fake.zadd(keys.SCHEDULED, {"c1": time.time() - 1})
+    fake.zadd(keys.scheduled("{tools}"), {"c1": time.time() - 1})
     assert core.scheduler.run_once()[0] == 1
     assert _run(core) == 1
     assert _transitions(fake, "c1") == [
@@ -131,7 +132,7 @@ def test_a_failed_attempt_waits_on_the_schedule_without_its_slot_then_comes_back
         ("formatting", 2),
         ("done", 2),
     ]
-    assert fake.zcard(keys.SCHEDULED) == 0 and fake.zcard(keys.slots("tool:flaky")) == 0
+    assert fake.zcard(keys.scheduled("{tools}")) == 0 and fake.zcard(keys.slots("{tools}", "tool:flaky")) == 0
 
 
 def test_no_retry_past_max_or_the_callers_max_attempts(fake: Any, core: WorkerCore, tmp_path: Path) -> None:
@@ -141,7 +142,7 @@ def test_no_retry_past_max_or_the_callers_max_attempts(fake: Any, core: WorkerCo
     _submit(fake, "c2", counter=str(tmp_path / "b"), times=5)
     for _ in range(3):
         _run(core)
-        fake.zadd(keys.SCHEDULED, {"c2": time.time() - 1})
+        fake.zadd(keys.scheduled("{tools}"), {"c2": time.time() - 1})
         core.scheduler.run_once()
     states = _transitions(fake, "c2")
     assert [s for s, _ in states].count("retrying") == 2  # max: 2 retries after the first attempt

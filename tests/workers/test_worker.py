@@ -92,7 +92,7 @@ def test_a_call_runs_through_every_state_to_done(fake: Any, core: WorkerCore) ->
     assert hist[-1].detail["result"] == {"city": "北京"}
     rec = core.calls.record("c1")
     assert rec["state"] == "done" and rec["result"] == {"city": "北京"}
-    assert fake.zscore(keys.LEASES, "c1") is None
+    assert fake.zscore(keys.leases("{tools}"), "c1") is None
     assert fake.hget(keys.job("c1"), "status") == b"finished"
     assert core.processed == 1 and core.failed == 0
 
@@ -138,8 +138,8 @@ def test_a_worker_that_lost_its_lease_cannot_move_the_call(
         assert time.monotonic() < deadline
         time.sleep(0.01)
     # The lease runs out (the worker looked dead) and a reaper gives the call a second attempt.
-    fake.zadd(keys.LEASES, {"c1": time.time() - 1})
-    assert reaper.reap(Calls(fake), lease=5, result_ttl=600) == 1
+    fake.zadd(keys.leases("{tools}"), {"c1": time.time() - 1})
+    assert reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600) == 1
     assert states(fake, "c1")[-2:] == ["retrying", "pending"]
     # The old attempt's next write is fenced off; the runner notices, stops its tool and writes nothing.
     runner.progress(core.inflight()[0], "still here")
@@ -184,41 +184,41 @@ def _start(fake: Any, info: CallInfo, upto: list[State], worker: str = "dead-wor
     Calls(fake).claim(["tools"], 1, worker, 30)
     for target in upto:
         assert Calls(fake).transition(info, target, attempt=1)[0] > 0
-    fake.zadd(keys.LEASES, {info.call_id: time.time() - 1})
+    fake.zadd(keys.leases("{tools}"), {info.call_id: time.time() - 1})
 
 
 def test_reaper_retries_a_lost_call_while_attempts_are_left(fake: Any) -> None:
     info = submit(fake, "c1", max_attempts=3)
     _start(fake, info, [State.ROUTING, State.EXECUTING])
-    assert reaper.reap(Calls(fake), lease=5, result_ttl=600) == 1
+    assert reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600) == 1
     hist = events.history(fake, "c1")
     assert [e.state for e in hist] == ["pending", "routing", "executing", "retrying", "pending"]
     assert hist[3].detail == {"reason": "worker_lost", "next_attempt": 2}
     assert (hist[3].attempt, hist[4].attempt) == (1, 2)
     assert fake.lrange(keys.queue("tools"), 0, -1) == [b"c1"]
-    assert fake.zscore(keys.slots("tool:echo"), "c1") == float("inf")  # back on the queue with a slot
-    assert fake.zscore(keys.LEASES, "c1") is None
+    assert fake.zscore(keys.slots("{tools}", "tool:echo"), "c1") == float("inf")  # back on the queue with a slot
+    assert fake.zscore(keys.leases("{tools}"), "c1") is None
     assert int(fake.hget(keys.job("c1"), keys.F_ATTEMPT)) == 2
-    assert reaper.reap(Calls(fake), lease=5, result_ttl=600) == 0
+    assert reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600) == 0
 
 
 def test_reaper_fails_a_lost_call_with_worker_lost_when_no_attempts_are_left(fake: Any) -> None:
     info = submit(fake, "c1", max_attempts=1)
     _start(fake, info, [State.ROUTING, State.EXECUTING, State.FORMATTING])
-    reaper.reap(Calls(fake), lease=5, result_ttl=600)
+    reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600)
     assert states(fake, "c1")[-1] == "failed"
     rec = Calls(fake).record("c1")
     assert rec["error"]["type"] == "worker_lost"
     assert events.history(fake, "c1")[-1].detail["error"]["type"] == "worker_lost"
     assert fake.llen(keys.queue("tools")) == 0
-    assert fake.zscore(keys.LEASES, "c1") is None
+    assert fake.zscore(keys.leases("{tools}"), "c1") is None
 
 
 def test_reaper_puts_back_a_call_claimed_but_never_started_as_its_next_attempt(fake: Any) -> None:
     info = submit(fake, "c1")
     max_before = int(fake.hget(keys.job("c1"), keys.F_MAX_ATTEMPTS))
     _start(fake, info, [])
-    reaper.reap(Calls(fake), lease=5, result_ttl=600)
+    reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600)
     assert states(fake, "c1") == ["pending"]
     assert fake.lrange(keys.queue("tools"), 0, -1) == [b"c1"]
     # Its worker may have started it with the first move still unwritten (write-behind, or lost in a
@@ -232,7 +232,7 @@ def test_reaper_cancels_a_lost_call_that_was_being_cancelled(fake: Any) -> None:
     info = submit(fake, "c1")
     _start(fake, info, [State.ROUTING, State.EXECUTING])
     fake.hset(keys.job("c1"), keys.F_CANCEL, "1")
-    reaper.reap(Calls(fake), lease=5, result_ttl=600)
+    reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600)
     assert states(fake, "c1")[-1] == "cancelled"
     assert fake.llen(keys.queue("tools")) == 0
 
@@ -241,18 +241,18 @@ def test_reaper_cancels_a_call_claimed_never_started_and_being_cancelled(fake: A
     info = submit(fake, "c1")
     _start(fake, info, [])  # its worker took it (still "pending" in Redis), was told to cancel, died
     fake.hset(keys.job("c1"), keys.F_CANCEL, "1")
-    reaper.reap(Calls(fake), lease=5, result_ttl=600)
+    reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600)
     assert states(fake, "c1") == ["pending", "cancelled"]
-    assert fake.llen(keys.queue("tools")) == 0 and fake.zscore(keys.LEASES, "c1") is None
-    assert fake.zscore(keys.slots("tool:echo"), "c1") is None  # its slot went back
+    assert fake.llen(keys.queue("tools")) == 0 and fake.zscore(keys.leases("{tools}"), "c1") is None
+    assert fake.zscore(keys.slots("{tools}", "tool:echo"), "c1") is None  # its slot went back
 
 
 def test_reaper_finishes_a_retry_its_predecessor_left_half_done(fake: Any) -> None:
     info = submit(fake, "c1")
     _start(fake, info, [State.ROUTING])
     Calls(fake).transition(info, State.RETRYING, attempt=1, fields={keys.F_ATTEMPT: 2})
-    fake.zadd(keys.LEASES, {"c1": time.time() - 1})
-    reaper.reap(Calls(fake), lease=5, result_ttl=600)
+    fake.zadd(keys.leases("{tools}"), {"c1": time.time() - 1})
+    reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600)
     assert states(fake, "c1") == ["pending", "routing", "retrying", "pending"]
     assert fake.lrange(keys.queue("tools"), 0, -1) == [b"c1"]
 
@@ -260,9 +260,9 @@ def test_reaper_finishes_a_retry_its_predecessor_left_half_done(fake: Any) -> No
 def test_reaper_drops_leases_of_finished_calls(fake: Any) -> None:
     info = submit(fake, "c1")
     _start(fake, info, [State.ROUTING, State.EXECUTING, State.FORMATTING, State.DONE])
-    fake.zadd(keys.LEASES, {"c1": time.time() - 1})
-    reaper.reap(Calls(fake), lease=5, result_ttl=600)
-    assert fake.zcard(keys.LEASES) == 0
+    fake.zadd(keys.leases("{tools}"), {"c1": time.time() - 1})
+    reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600)
+    assert fake.zcard(keys.leases("{tools}")) == 0
     assert states(fake, "c1")[-1] == "done"
 
 
@@ -285,52 +285,6 @@ def test_control_messages_stop_and_cancel_and_ignore_the_rest(fake: Any, setting
         w.core.close()
         w.pool.shutdown()
     assert unpack(control_message("stop")) == {"op": "stop"}
-
-
-def test_a_worker_over_its_fair_share_of_a_keys_slots_declines_the_hand_off(
-    fake: Any, settings: Settings
-) -> None:
-    """limit 10 over two live workers of the queue: a worker holding more than 5 lets the slot go."""
-    w = Worker(fake, settings, ["tools"], concurrency=16, name="w-a")
-    try:
-        fake.hset(keys.LIMITS, "tool:slow", 10)
-        now = time.time()
-        for name, queues in (("w-a", ["tools"]), ("w-b", ["tools", "llm"]), ("w-c", ["llm"])):  # w-c: other queue
-            for q in queues:
-                fake.zadd(keys.queue_workers(q), {name: now})
-        fake.zadd(keys.queue_workers("tools"), {"w-gone": now - 3600})  # no heartbeat for an hour
-        w._local.in_call, w._local.keep = True, False
-
-        def holding(n: int) -> None:
-            w.core._held["tool:slow"] = n
-
-        # Before the limits were read the key is unknown: no bound, and the heartbeat thread is asked to read.
-        holding(9)
-        assert w.reserve("tool:slow", "tools")[:3] == ("w-a", w.lease, "")
-        assert w._refresh_now.is_set()
-        w._local.keep = False
-
-        w.refresh_shares()  # what the heartbeat thread does every second (no Redis on the call's thread)
-        assert w.fair_share("tool:slow", "tools") == 5
-        holding(5)
-        assert w.reserve("tool:slow", "tools")[:3] == ("w-a", w.lease, "")  # at its share: keeps the slot
-        w._local.keep = False
-        holding(6)
-        assert w.reserve("tool:slow", "tools") is None  # over it: the slot goes through the queue
-        assert w._local.keep is False, "a declined hand-off gives the thread back"
-
-        # Alone on the queue it may hold every slot; a key with no limit has nothing to share.
-        fake.zrem(keys.queue_workers("tools"), "w-b")
-        fake.hset(keys.LIMITS, "tool:free", -1)
-        w.refresh_shares()
-        holding(10)
-        assert w.reserve("tool:slow", "tools")[:3] == ("w-a", w.lease, "")
-        w._local.keep = False
-        w.core._held["tool:free"] = 500
-        assert w.reserve("tool:free", "tools")[:3] == ("w-a", w.lease, "")
-    finally:
-        w.core.close()
-        w.pool.shutdown()
 
 
 def test_the_held_count_follows_runs_even_when_a_newer_run_replaced_an_older_one(fake: Any, core: WorkerCore) -> None:

@@ -1,0 +1,104 @@
+"""The workers' side of call records: claim, leases, reaping, a claimed call put back unstarted.
+
+Each is one script on one queue's slot (``broker/lua/claim.lua``, ``take_due.lua``, ``requeue.lua``);
+``broker.calls.Calls`` adds submission and transitions on top.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from redis.client import Pipeline
+
+from . import keys, partitions, pipes, scripts
+from .codec import text
+from .records import CallInfo, Claimed, lease_deadline, rq_now
+
+
+class Claims:
+    """Scripted operations of the workers on call records."""
+
+    def __init__(self, conn: redis.Redis) -> None:
+        self.conn = conn
+        self._claim = conn.register_script(scripts.CLAIM)
+        self._reap = conn.register_script(scripts.TAKE_DUE)
+        self._requeue = conn.register_script(scripts.REQUEUE)
+
+    def wake_channel(self, queue: str) -> str:
+        """The wake-up channel of ``queue`` (pub/sub is shared by every DB of a server: scoped to ours)."""
+        return keys.channel(self.conn, keys.wake(partitions.base(queue)))
+
+    def requeue_unstarted(self, call_id: str, ckey: str, queue: str, pipeline: Pipeline | None = None) -> Any:
+        """A call leased but never started, still ``pending`` and holding its slot: back at the head of its
+        queue, unleased, keeping the slot (a no-op otherwise)."""
+        tag = keys.tag(queue)
+        return pipes.script(
+            self._requeue,
+            [keys.leases(tag), keys.slots(tag, ckey), keys.queue(queue), keys.job(call_id)],
+            [call_id, self.wake_channel(queue)],
+            pipeline,
+        )
+
+    # -- workers ---------------------------------------------------------------------------------
+
+    def claim(self, queues: list[str], n: int, worker: str, lease: float) -> list[Claimed]:
+        """Take up to ``n`` pending calls off the queues (in order), leased to ``worker``: one script per
+        queue (each queue is a slot of its own), the next queue only while fewer than ``n`` came."""
+        out: list[Claimed] = []
+        deadline, now = lease_deadline(lease), rq_now()
+        for q in queues:
+            tag = keys.tag(q)
+            reply = self._claim(
+                keys=[keys.leases(tag), keys.queue(q)],
+                args=[n - len(out), worker, deadline, now, keys.job(""), keys.slots(tag, "")],
+            )
+            for i in range(0, len(reply), 3):
+                cid, data, attempt = reply[i], reply[i + 1], reply[i + 2]
+                out.append(Claimed(cid.decode(), data or b"", int(attempt or 1)))
+            if len(out) >= n:
+                break
+        return out
+
+    def extend_leases(self, runs: Sequence[CallInfo], lease: float, pipeline: Pipeline | None = None) -> None:
+        """Push the lease deadline of calls still running here (only those still leased), and of the
+        concurrency slots they hold."""
+        if not runs:
+            return
+        deadline = lease_deadline(lease)
+        target = pipeline if pipeline is not None else self.conn
+        by_lease: dict[str, dict[str, int]] = {}
+        by_slots: dict[str, dict[str, int]] = {}
+        for info in runs:
+            tag = keys.tag(info.queue)
+            by_lease.setdefault(keys.leases(tag), {})[info.call_id] = deadline
+            by_slots.setdefault(keys.slots(tag, info.ckey), {})[info.call_id] = deadline
+        for key, members in (*by_lease.items(), *by_slots.items()):
+            target.zadd(key, members, xx=True)
+
+    def reap(self, queues: Sequence[str], lease: float, limit: int = 100) -> list[dict[str, Any]]:
+        """Expired leases of calls on ``queues``, taken over by this reaper for one more lease while it
+        settles them."""
+        now = time.time()
+        out = []
+        for q in queues:
+            reply = self._reap(
+                keys=[keys.leases(keys.tag(q))],
+                args=[now, lease_deadline(lease), limit, keys.job(""), "reap"],
+            )
+            for i in range(0, len(reply), 7):
+                cid, state, attempt, max_att, queue, cancel, ckey = (text(v) for v in reply[i : i + 7])
+                out.append(
+                    {
+                        "call_id": cid,
+                        "state": state,
+                        "attempt": int(attempt or 1),
+                        "max_attempts": int(max_att or 1),
+                        "queue": queue,
+                        "cancel": cancel == "1",
+                        "ckey": ckey,
+                    }
+                )
+        return out

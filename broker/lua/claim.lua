@@ -1,0 +1,32 @@
+-- CLAIM: take up to `max` pending calls off one queue, leased to a worker.
+-- KEYS: 1 leases zset, 2 queue list (of one queue tag)
+-- ARGV: see the locals below
+-- Returns {call_id, data, attempt, ...}. A call's slot score becomes its lease deadline. Calls no longer
+-- pending (cancelled, expired) are dropped from the queue; their slot went back when they ended.
+-- The ids popped are discovered here: their records are read at job_prefix .. id and their slot sets at
+-- slots_prefix .. concurrency key (ids and keys carry the queue's tag, so all of them live in this slot).
+local max = tonumber(ARGV[1])
+local worker = ARGV[2]
+local deadline = ARGV[3]
+local started_at = ARGV[4]
+local job_prefix = ARGV[5]
+local slots_prefix = ARGV[6]
+
+local out = {}
+local got = 0
+while got < max do
+  local id = redis.call('LPOP', KEYS[2])
+  if not id then break end
+  local job = job_prefix .. id
+  local f = redis.call('HMGET', job, 'h_state', 'h_ckey', 'data', 'h_attempt')
+  if f[1] == 'pending' then
+    if f[2] then redis.call('ZADD', slots_prefix .. f[2], 'XX', deadline, id) end
+    redis.call('HSET', job, 'h_worker', worker, 'worker_name', worker, 'started_at', started_at)
+    redis.call('ZADD', KEYS[1], deadline, id)
+    out[#out + 1] = id
+    out[#out + 1] = f[3]
+    out[#out + 1] = f[4]
+    got = got + 1
+  end
+end
+return out

@@ -1,0 +1,55 @@
+-- SUBMIT: accept a call with its `pending` event (uses with_seq, slots).
+-- KEYS: 1 job hash, 2 queue list, 3 history list, 4 waiting zset, 5 idempotency key (of the queue's
+--       tag; its name with an empty key when the call has none), 6 slots zset, 7 limits hash
+-- ARGV: see the locals below; then field/value pairs of the job hash (with an idempotency key: `h_idem`
+--       its key, `h_digest` the request digest)
+-- Returns {1, call_id, queued 1 / waiting 0} accepted; {0, existing call_id[, its tool, its kind]}
+-- duplicate; {-1, depth} queue full (depth = calls waiting for a slot of this key); {-2, existing call_id,
+-- its tool, its kind} the idempotency key belongs to a call with another digest.
+-- The existing call an idempotency key names is read at job_prefix .. its id: ids carry their queue's
+-- hash tag, so that record lives in this slot (one of the few keys not passed in KEYS).
+local call_id = ARGV[1]
+local event = ARGV[2]
+local ttl = ARGV[3]
+local queue_size = tonumber(ARGV[4])
+local score = ARGV[5]
+local channel = ARGV[6]
+local digest = ARGV[7]
+local concurrency = ARGV[8]
+local ckey = ARGV[9]
+local wake_channel = ARGV[10]
+local publish = ARGV[11]        -- PUBLISH, or SPUBLISH on a cluster
+local job_prefix = ARGV[12]
+local FIELDS = 13
+
+if digest ~= '' then
+  local existing = redis.call('GET', KEYS[5])
+  if existing then
+    local f = redis.call('HMGET', job_prefix .. existing, 'h_tool', 'h_kind', 'h_digest')
+    if f[1] then
+      if f[3] and f[3] ~= digest then return {-2, existing, f[1], f[2] or ''} end
+      return {0, existing, f[1], f[2] or ''}
+    end
+  end
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then return {0, call_id} end
+local limit = tonumber(concurrency)
+redis.call('HSET', KEYS[7], ckey, concurrency)
+local depth = redis.call('ZCARD', KEYS[4])
+local run = depth == 0 and (limit < 0 or redis.call('ZCARD', KEYS[6]) < limit)
+if not run and queue_size >= 0 and depth >= queue_size then return {-1, depth} end
+redis.call('HSET', KEYS[1], 'h_seq', '1', 'h_state', 'pending', 'status', 'queued', unpack(ARGV, FIELDS))
+if run then
+  redis.call('ZADD', KEYS[6], 'inf', call_id)
+  redis.call('RPUSH', KEYS[2], call_id)
+else
+  redis.call('ZADD', KEYS[4], score, call_id)
+  promote(KEYS[6], KEYS[4], KEYS[2], limit, wake_channel)  -- slots free after the limit was raised
+end
+if digest ~= '' then redis.call('SET', KEYS[5], call_id, 'EX', ttl) end
+local ev = with_seq(event, 1)
+redis.call('RPUSH', KEYS[3], ev)
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('EXPIRE', KEYS[3], ttl)
+redis.call(publish, channel, ev)
+return {1, call_id, run and 1 or 0}

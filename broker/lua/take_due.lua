@@ -1,0 +1,38 @@
+-- TAKE_DUE (REAP and DUE): the entries of a zset due by `now` whose record passes a check, held until
+-- `hold` (so one caller owns them) and returned with their record's fields; the others leave the set.
+-- KEYS: 1 the zset (a queue tag's leases, or its scheduled retries)
+-- ARGV: see the locals below
+-- REAP (mode 'reap'): expired leases; returns {call_id, state, attempt, max_attempts, queue, cancel,
+--   ckey, ...} for the reaper to settle (a record that is gone just leaves the set).
+-- DUE (mode 'due'): retries that are due: {call_id, state, attempt, trace, kind, tool, channel, ckey,
+--   origin, queue, ...}, then the next due time after them ('' when none).
+-- Records are read at job_prefix .. id: ids carry the queue's tag, so they live in this slot.
+local now = ARGV[1]
+local hold = ARGV[2]
+local max = tonumber(ARGV[3])
+local job_prefix = ARGV[4]
+local mode = ARGV[5]
+
+local fields
+if mode == 'reap' then
+  fields = {'h_state', 'h_attempt', 'h_max_attempts', 'h_queue', 'h_cancel', 'h_ckey'}
+else
+  fields = {'h_state', 'h_attempt', 'h_trace', 'h_kind', 'h_tool', 'h_channel', 'h_ckey', 'origin', 'h_queue'}
+end
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, max)
+local out = {}
+for _, id in ipairs(ids) do
+  local f = redis.call('HMGET', job_prefix .. id, unpack(fields))
+  if f[1] and (mode == 'reap' or f[1] == 'retrying') then
+    redis.call('ZADD', KEYS[1], hold, id)
+    out[#out + 1] = id
+    for i = 1, #fields do out[#out + 1] = f[i] or '' end
+  else
+    redis.call('ZREM', KEYS[1], id)
+  end
+end
+if mode == 'due' then
+  local nxt = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  out[#out + 1] = nxt[2] or ''
+end
+return out

@@ -1,0 +1,82 @@
+-- TRANSITION: move a call (or record a non-state event), atomically with its events (uses with_seq, slots).
+-- KEYS: 1 job hash, 2 history list, 3 leases zset, 4 waiting zset, 5 slots zset (of the call's
+--       concurrency key), 6 limits hash, 7 scheduled zset, 8 queue list — all of the call's queue tag
+-- ARGV: see the locals below; then `before` earlier event payloads (moves the call made since its last
+--       write, recorded and published in order first), then field/value pairs for the job hash
+-- Returns {seq, state before}; seq < 0: -1 no such call, -2 attempt fence, -3 wrong source state.
+-- Ending with a ttl also expires the call's idempotency key (named in its record's `h_idem`: a key of
+-- the same tag, so of this slot) while it still names this call.
+local call_id = ARGV[1]
+local event = ARGV[2]
+local ttl = ARGV[3]             -- '' = leave the TTL
+local fence = ARGV[4]           -- the attempt the writer holds ('' = none)
+local sources = ARGV[5]         -- '' any non-terminal, '*' anything, 'pending!' pending and not leased, else a,b,c
+local state = ARGV[6]           -- new state ('' = no change)
+local rq_status = ARGV[7]
+local lease = ARGV[8]           -- '' keep, '-' drop, else the new deadline
+local requeue = ARGV[9]         -- '1' = admit it again (a free slot, else waiting at `score`)
+local score = ARGV[10]
+local channel = ARGV[11]
+local release = ARGV[12]        -- '1' = give its slot back
+local ckey = ARGV[13]
+local due = ARGV[14]            -- when a retry is due ('' = not scheduled)
+local wake_channel = ARGV[15]
+local publish = ARGV[16]        -- PUBLISH, or SPUBLISH on a cluster
+local before = tonumber(ARGV[17])
+local EARLY = 18
+local FIELDS = EARLY + before
+
+local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem')
+local st = rec[1]
+if not st then return {-1, ''} end
+if fence ~= '' and rec[2] ~= fence then return {-2, st} end
+if sources == '' then
+  if st == 'done' or st == 'failed' or st == 'cancelled' then return {-3, st} end
+elseif sources == 'pending!' then  -- pending and taken by no worker (a caller cancelling it directly)
+  if st ~= 'pending' or redis.call('ZSCORE', KEYS[3], call_id) then return {-3, st} end
+elseif sources ~= '*' then
+  if not string.find(',' .. sources .. ',', ',' .. st .. ',', 1, true) then return {-3, st} end
+end
+-- One increment for every event this call records: the earlier ones get seq .. seq + before - 1.
+local seq = redis.call('HINCRBY', KEYS[1], 'h_seq', before + 1) - before
+if state ~= '' then
+  redis.call('HSET', KEYS[1], 'h_state', state, 'status', rq_status, unpack(ARGV, FIELDS, #ARGV))
+elseif #ARGV >= FIELDS then
+  redis.call('HSET', KEYS[1], unpack(ARGV, FIELDS, #ARGV))
+end
+if lease == '-' then
+  redis.call('ZREM', KEYS[3], call_id)
+elseif lease ~= '' then
+  redis.call('ZADD', KEYS[3], lease, call_id)
+end
+if release == '1' then
+  redis.call('ZREM', KEYS[4], call_id)
+  if redis.call('ZREM', KEYS[5], call_id) == 1 then
+    promote(KEYS[5], KEYS[4], KEYS[8], limit_of(KEYS[6], ckey), wake_channel)
+  end
+end
+if due ~= '' then
+  redis.call('ZADD', KEYS[7], due, call_id)
+end
+if requeue == '1' then
+  redis.call('ZREM', KEYS[7], call_id)
+  admit(KEYS[5], KEYS[4], KEYS[8], limit_of(KEYS[6], ckey), call_id, score, wake_channel)
+end
+-- Every event in order: one append to the history, one message each on the caller's channel.
+local stored = {}
+for i = EARLY, FIELDS - 1 do
+  local early = with_seq(ARGV[i], seq)
+  stored[#stored + 1] = early
+  redis.call(publish, channel, early)
+  seq = seq + 1
+end
+local ev = with_seq(event, seq)
+stored[#stored + 1] = ev
+redis.call('RPUSH', KEYS[2], unpack(stored))
+if ttl ~= '' then
+  redis.call('EXPIRE', KEYS[1], ttl)
+  redis.call('EXPIRE', KEYS[2], ttl)
+  if rec[3] and redis.call('GET', rec[3]) == call_id then redis.call('EXPIRE', rec[3], ttl) end
+end
+redis.call(publish, channel, ev)
+return {seq, st}

@@ -1,0 +1,330 @@
+"""The core paths on a real 3-primary Redis Cluster (started by ``tests.cluster_procs``), with real workers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker import events, keys
+from tests.cluster_procs import Cluster, migrate_slot, start_cluster
+from tests.conftest import REPO, WorkerFactory
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = start_cluster(tmp_path_factory.mktemp("cluster"))
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def curl(cluster: Cluster, home: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    for port in cluster.ports:
+        cluster.node(port).flushall()
+    monkeypatch.setenv("HERMES_REDIS_URL", cluster.url)
+    return cluster.url
+
+
+@pytest.fixture
+def cworkers(curl: str, home: Any, tmp_path: Path) -> Iterator[WorkerFactory]:
+    logs = tmp_path / "cluster-worker-logs"
+    logs.mkdir()
+    factory = WorkerFactory(curl, home, logs)
+    yield factory
+    factory.stop_all()
+    # Nothing a worker wrote was refused by the cluster (a command a cluster pipeline does not take, a
+    # script in the wrong slot): every transition went through.
+    for w in factory.started:
+        bad = [line for line in w.log().splitlines() if "transition not written" in line or "outbox batch failed" in line]
+        assert bad == [], bad[:3]
+
+
+@pytest.fixture
+def cgateway(curl: str, home: Any) -> Iterator[Any]:
+    from hermes_gateway.client import Gateway
+
+    gw = Gateway.connect(curl, home=str(home.path), embedded_ok=False)
+    yield gw
+    gw.close()
+
+
+def _history(gw: Any, cid: str) -> list[Any]:
+    return [events.decode(b) for b in gw.conn.lrange(keys.history(cid), 0, -1)]
+
+
+def test_status_on_a_cluster_is_a_table_not_a_moved_error(curl: str, cgateway: Any, home: Any) -> None:
+    home.sleep_tool()
+    cgateway.sync_tools()
+    out = subprocess.run(
+        [sys.executable, "-m", "hermes_gateway", "status"], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr
+    assert "MovedError" not in out.stdout + out.stderr
+
+
+def test_an_unreachable_cluster_is_one_line_naming_the_url_with_the_password_masked(monkeypatch: Any, home: Any) -> None:
+    from tests.cluster_procs import free_port
+
+    url = f"redis+cluster://u:s3cret@127.0.0.1:{free_port()}"
+    monkeypatch.setenv("HERMES_REDIS_URL", url)
+    out = subprocess.run(
+        [sys.executable, "-m", "hermes_gateway", "status"], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert out.returncode != 0
+    assert "s3cret" not in out.stdout + out.stderr and "Traceback" not in out.stderr
+    assert "redis+cluster://u:***@127.0.0.1" in out.stdout + out.stderr
+
+
+def test_core_paths_on_a_cluster(cgateway: Any, cworkers: Any, home: Any) -> None:
+    gw = cgateway
+    home.sleep_tool("nap", concurrency=2, queue_size=50)
+    home.sleep_tool("other_nap", queue="other")
+    gw.sync_tools()
+    cworkers(2, queues="tools,other", concurrency=8)
+    # Submit and events: results on two queues (two slots, two sharded channels of this client).
+    a = gw.call_tool("nap", {"seconds": 0.05})
+    b = gw.call_tool("other_nap", {"seconds": 0.05})
+    assert a.result(timeout=20) == {"slept": 0.05} and b.result(timeout=20) == {"slept": 0.05}
+    assert a.call_id.startswith("{tools}.") and b.call_id.startswith("{other}.")
+    states = [e.state for e in a.events(timeout=5) if e.type == events.TRANSITION]
+    assert states[0] == "pending" and states[-1] == "done"
+    # Limits: never more than 2 executing; a waiting call cancelled ends at once.
+    batch = [gw.call_tool("nap", {"seconds": 0.3}) for _ in range(6)]
+    time.sleep(0.2)
+    last = batch[-1]
+    assert gw.cancel(last.call_id) is True
+    for h in batch[:-1]:
+        assert h.result(timeout=30) == {"slept": 0.3}
+    assert gw.calls.record(last.call_id)["state"] == "cancelled"
+    spans = []
+    for h in batch[:-1]:
+        hist = _history(gw, h.call_id)
+        start = next(e.ts for e in hist if e.state == "executing")
+        end = next(e.ts for e in hist if e.state == "formatting")
+        spans.append((start, end))
+    marks = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
+    peak = now = 0
+    for _, d in marks:
+        now += d
+        peak = max(peak, now)
+    assert peak <= 2
+    # Idempotency: the same key names the same call.
+    first = gw.call_tool("nap", {"seconds": 0.01}, idempotency_key="once")
+    again = gw.call_tool("nap", {"seconds": 0.01}, idempotency_key="once")
+    assert first.call_id == again.call_id and first.result(timeout=20) == {"slept": 0.01}
+    # Audit: every finished call has its record.
+    from broker.audit_store import AuditLog
+
+    log = AuditLog(gw.conn)
+    assert log.get(a.call_id) is not None and log.get(b.call_id) is not None
+
+
+def test_a_slot_migration_during_a_batch_loses_no_call_and_runs_none_twice(
+    cluster: Cluster, cgateway: Any, cworkers: Any, home: Any
+) -> None:
+    gw = cgateway
+    home.sleep_tool("mig", concurrency=8, queue_size=1000)
+    gw.sync_tools()
+    cworkers(2, queues="tools", concurrency=8)
+    handles = gw.map("mig", [{"seconds": 0.02}] * 200)
+    ids = [h.call_id for h in handles.accepted]
+    slot = gw.conn.keyslot(keys.queue("tools"))
+    dest = next(p for p in cluster.ports if p != cluster.slot_owner(slot))
+    time.sleep(0.3)
+    moved = migrate_slot(cluster, slot, dest)
+    assert moved > 0 and cluster.slot_owner(slot) == dest
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        states = [gw.calls.record(cid)["state"] for cid in ids]
+        if all(s in ("done", "failed", "cancelled") for s in states):
+            break
+        time.sleep(0.2)
+    assert states.count("done") == len(ids), {s: states.count(s) for s in set(states)}
+    for cid in ids:
+        runs = [e for e in _history(gw, cid) if e.type == events.TRANSITION and e.state == "executing"]
+        assert len(runs) == 1, cid
+
+
+def test_the_async_client_on_a_cluster_gets_results_and_events_of_two_queues(
+    curl: str, cgateway: Any, cworkers: Any, home: Any
+) -> None:
+    import asyncio
+
+    from hermes_gateway.aio import AsyncGateway
+
+    home.sleep_tool("anap")
+    home.sleep_tool("bnap", queue="other")
+    cgateway.sync_tools()
+    cworkers(1, queues="tools,other", concurrency=8)
+
+    async def run() -> list[Any]:
+        async with await AsyncGateway.connect(curl, home=str(home.path), embedded_ok=False) as gw:
+            a = await gw.call_tool("anap", {"seconds": 0.05})
+            b = await gw.call_tool("bnap", {"seconds": 0.05})
+            batch = await gw.map("anap", [{"seconds": 0.01}] * 10)
+            out = [await a.result(timeout=20), await b.result(timeout=20)]
+            out += [await h.result(timeout=20) for h in batch]
+            assert a.call_id.startswith("{tools}.") and b.call_id.startswith("{other}.")
+            states = [e.state async for e in a.events(timeout=5) if e.type == events.TRANSITION]
+            assert states[0] == "pending" and states[-1] == "done"
+            return out
+
+    results = asyncio.run(run())
+    assert results[:2] == [{"slept": 0.05}] * 2 and results[2:] == [{"slept": 0.01}] * 10
+
+
+def test_racing_clients_on_a_cluster_never_exceed_the_limit_or_queue_size_of_a_partitioned_tool(
+    curl: str, home: Any, cworkers: Any, wait_until: Any
+) -> None:
+    from tests.e2e.partition_race import race
+
+    race(curl, home, cworkers, wait_until)
+
+
+def test_a_late_follower_on_a_cluster_gets_the_history_then_the_live_tail_each_event_once(
+    curl: str, cgateway: Any, cworkers: Any, home: Any
+) -> None:
+    from broker.connection import from_url
+
+    home.sleep_tool("slow", queue="other")
+    cgateway.sync_tools()
+    cworkers(1, queues="other", concurrency=4)
+    h = cgateway.call_tool("slow", {"seconds": 1.0})
+    deadline = time.monotonic() + 10
+    while cgateway.calls.record(h.call_id)["state"] != "executing" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    other = from_url(curl)  # another process's view: only the call id
+    try:
+        # poll=30, timeout=20: were the live tail not heard on the sharded channel, the events after the
+        # history would come only from the re-read at the 20 s timeout (the call takes about 1 s)
+        t0 = time.monotonic()
+        seen = list(events.follow(other, h.call_id, timeout=20, poll=30))
+        assert time.monotonic() - t0 < 15
+    finally:
+        other.close()
+    seqs = [e.seq for e in seen]
+    assert seqs == list(range(1, len(seqs) + 1)) and seen[-1].state == "done"
+    assert [e.state for e in seen if e.type == events.TRANSITION][:2] == ["pending", "routing"]
+
+
+def test_stop_name_on_a_cluster_stops_the_worker_which_leaves_the_registry(
+    curl: str, cgateway: Any, cworkers: Any
+) -> None:
+    (w,) = cworkers(1, queues="tools")
+    assert cgateway.conn.zscore(keys.WORKERS, w.name) is not None
+    out = subprocess.run(
+        [sys.executable, "-m", "hermes_gateway", "stop", w.name], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert w.wait(20) == 0
+    assert cgateway.conn.zscore(keys.WORKERS, w.name) is None
+    assert not cgateway.conn.exists(keys.worker(w.name))
+
+
+def test_serve_on_a_cluster_takes_a_call_streams_its_events_and_shows_its_record(
+    curl: str, cgateway: Any, cworkers: Any, home: Any
+) -> None:
+    import json
+    import os
+
+    import httpx
+
+    from tests.e2e.test_http_api import _serve, _sse
+    from tests.e2e.util import free_port, wait_http
+
+    home.sleep_tool()
+    cgateway.sync_tools()
+    cworkers(1, queues="tools", concurrency=4)
+    port = free_port()
+    proc = _serve(port, {**os.environ, "HERMES_REDIS_URL": curl, "HERMES_HOME": str(home.path)})
+    try:
+        base = f"http://127.0.0.1:{port}"
+        assert wait_http(f"{base}/healthz", proc).status_code == 200
+        with httpx.Client(base_url=base, timeout=30) as api:
+            waited = api.post("/v1/tools/sleep/calls", json={"args": {"seconds": 0.05}, "wait": 20}).json()
+            assert waited["state"] == "done" and waited["result"] == {"slept": 0.05}
+            accepted = api.post("/v1/tools/sleep/calls", json={"args": {"seconds": 0.2}})
+            assert accepted.status_code == 202
+            call = accepted.json()
+            streamed = _sse(api, call["events"])
+            states = [json.loads(e["data"])["state"] for e in streamed if e["event"] == "transition"]
+            assert states == ["pending", "routing", "executing", "formatting", "done"]
+            got = api.get(f"/v1/calls/{httpx.URL(call['call_id']).raw_path.decode()}").json()
+            assert got["state"] == "done" and got["result"] == {"slept": 0.2}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_breakers_and_flows_on_a_cluster(curl: str, cgateway: Any, cworkers: Any, home: Any, tmp_path: Path) -> None:
+    from broker.errors import CircuitOpen, ExecutorError
+    from hermes_gateway.flow import Flow, run_flow
+    from tests.e2e.flowtools import lines
+
+    gw = cgateway
+    mode, log = tmp_path / "mode", tmp_path / "backend.log"
+    mode.write_text("fail")
+    home.echo_tool()
+    home.tool(
+        "fragile", function="tests.e2e.flowtools:backend", timeout=10, concurrency=10,
+        breaker={"failures": 3, "cooldown": 30}, input_schema={"type": "object"}, queue="other",
+    )
+    gw.sync_tools()
+    cworkers(1, queues="tools,other", concurrency=4)
+    # Three failures open the breaker (its keys in their own slot); the next call is refused unrun.
+    for i in range(3):
+        with pytest.raises(ExecutorError):
+            gw.call_tool("fragile", {"mode_file": str(mode), "log": str(log), "tag": f"f{i}"}).result(20)
+    with pytest.raises(CircuitOpen):
+        gw.call_tool("fragile", {"mode_file": str(mode), "log": str(log), "tag": "after"}).result(20)
+    assert len(lines(log)) == 3
+    from broker.breaker import Breakers
+
+    assert Breakers(gw.conn).all()[0]["state"] == "open"
+    # A flow: steps are ordinary calls, results passed by reference.
+    flow = (
+        Flow("trip")
+        .step("lookup", "echo", {"city": "{{ args.city }}"})
+        .step("again", "echo", {"twice": "{{ steps.lookup.result.city }}"})
+    )
+    out = run_flow(gw, flow, {"city": "Paris"})
+    assert out.state == "done", out.error
+    assert out.steps["again"].result == {"twice": "Paris"}
+
+
+def test_a_pushed_policy_and_a_removed_tool_reach_the_workers_on_a_cluster(
+    curl: str, cgateway: Any, cworkers: Any, home: Any
+) -> None:
+    from broker.errors import HermesError, UnknownTool
+    from workers import policy_store
+    from workers.policy import Policy
+
+    gw = cgateway
+    home.echo_tool("guarded")  # declares no permissions: open under permissive, refused under strict
+    gw.sync_tools()
+    cworkers(1, queues="tools")
+    def allowed() -> bool:
+        try:
+            return bool(gw.call_tool("guarded", {"x": 2}).result(20) == {"x": 2})
+        except HermesError as e:
+            assert e.type == "permission_denied"
+            return False
+
+    assert allowed()  # config.yaml's policy (permissive)
+    policy_store.push(gw.conn, Policy.from_dict({"mode": "strict"}))
+    deadline = time.monotonic() + 10
+    while allowed():  # the workers apply the pushed policy on its notice
+        assert time.monotonic() < deadline, "the pushed policy did not reach the worker"
+        time.sleep(0.1)
+    policy_store.clear(gw.conn)
+    assert gw.directory.remove("guarded") is True
+    with pytest.raises(UnknownTool):
+        gw.call_tool("guarded", {"x": 3})
