@@ -180,7 +180,12 @@ def create_app(gw: Gateway, *, token: str | None = None) -> Starlette:
 
         return wrapped
 
-    async def healthz(_request: Request) -> Response:
+    async def healthz(request: Request) -> Response:
+        # No token wanted (probes), but the same origin and Host checks; the broker URL without passwords.
+        try:
+            _check_origin(request, token)
+        except Forbidden as e:
+            return error_reply(e)
         return reply({"ok": True, "broker": gw.description})
 
     async def console(request: Request) -> Response:
