@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +61,16 @@ def _masked_param(param: str) -> str:
 
 
 _PASSWORD_PARAMS = frozenset({"pass", "pw", "passwd", "password", "auth", "credentials"})
+
+
+@contextmanager
+def answered(what: str) -> Iterator[None]:
+    """Redis failing (down, restarting, refusing the command) while doing ``what`` is a typed
+    ``BrokerUnavailable`` for the caller, not a raw redis error (redis.asyncio raises the same classes)."""
+    try:
+        yield
+    except redis.RedisError as e:
+        raise BrokerUnavailable(f"{what}: the broker did not answer: {e}") from e
 
 
 def from_url(url: str, **kwargs: object) -> redis.Redis:

@@ -28,7 +28,7 @@ from broker import keys
 from broker.calls import Calls
 from broker.codec import pack, unpack
 from broker.config import Settings, load_settings
-from broker.connection import BrokerHandle, connect, redact_url, subscriber
+from broker.connection import BrokerHandle, answered, connect, redact_url, subscriber
 from broker.directory import Entry
 from broker.envelope import Envelope
 from broker.errors import (
@@ -167,16 +167,16 @@ class AsyncGateway:
         ``idempotency_key`` as in ``Gateway.call_tool``: the same tool and arguments under a key still on
         record get that call's handle; another tool or other arguments are an ``IdempotencyConflict``.
         """
-        entry = await self.tool(name)
         opts: dict[str, Any] = {
             "timeout": timeout,
             "idempotency_key": idempotency_key,
             "max_attempts": max_attempts,
             "queue": queue,
         }
-        with Sending(traceparent, tracestate) as send:
+        with answered(f"submitting a call of {name!r}"), Sending(traceparent, tracestate) as send:
+            entry = await self.tool(name)
             opts["trace_headers"] = send.headers
-            env = tool_envelope(entry, name, args, opts, context, self.channel)
+            env = tool_envelope(entry, name, args, opts, context, self.channel, self.settings.max_args)
             send.describe(env)
             return await self._submit(env, tool_limits(env, entry.spec, self.settings))
 
@@ -202,7 +202,7 @@ class AsyncGateway:
             "queue": queue,
         }
         env, limits = llm_envelope(request, self.settings, opts, context, self.channel, send.headers)
-        with send:
+        with answered("submitting an LLM call"), send:
             send.describe(env)
             return await self._submit(env, limits)
 
@@ -238,6 +238,10 @@ class AsyncGateway:
 
         ``idempotency_keys``: one key (or None) per item, as in ``Gateway.submit_many``.
         """
+        with answered("submitting a batch of calls"):
+            return await self._submit_many(calls, **common)
+
+    async def _submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> AsyncBatch:
         names = ("timeout", "max_attempts", "traceparent", "tracestate", "queue")
         opts = {k: common.pop(k) for k in names if k in common}
         idempotency_keys: Sequence[str | None] | None = common.pop("idempotency_keys", None)
@@ -250,7 +254,9 @@ class AsyncGateway:
         prepared = []
         for i, (name, args) in enumerate(calls):
             entry = self._tools.get(name) or await self.tool(name)
-            env = tool_envelope(entry, name, args, item_opts(opts, idempotency_keys, i), common, self.channel)
+            env = tool_envelope(
+                entry, name, args, item_opts(opts, idempotency_keys, i), common, self.channel, self.settings.max_args
+            )
             handle = self._track(AsyncCallHandle(self, env.call_id, name))
             prepared.append((env, tool_limits(env, entry.spec, self.settings), handle))
         pipe = self.conn.pipeline(transaction=False)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from broker.codec import pack
-from broker.config import Settings
+from broker.config import MAX_ARGS_ENV, Settings
 from broker.directory import Entry
 from broker.envelope import CONTEXT_FIELDS, Envelope, Options, new_call_id
 from broker.errors import InvalidArgs
@@ -20,16 +20,23 @@ from hermes_gateway.telemetry import Headers, current_headers
 from workers.core import concurrency_key
 
 
-def check_sendable(value: Any, what: str) -> None:
+def check_sendable(value: Any, what: str, limit: int | None = None) -> None:
     """A typed error now for a value the wire cannot carry (a Decimal, an arbitrary object), not a bare
-    TypeError from deep in the submission."""
+    TypeError from deep in the submission; with ``limit``, for one larger than that many bytes packed."""
     try:
-        pack(value)
+        size = len(pack(value))
     except (TypeError, ValueError, OverflowError) as e:
         raise InvalidArgs(
             f"{what} cannot be sent: {e} (values travel as msgpack: JSON-like types, bytes; sets and "
             "tuples become lists, dates ISO text)"
         ) from e
+    if limit is not None and size > limit:
+        raise InvalidArgs(
+            f"{what} take {size} bytes, over the limit of {limit} (broker.max_args in config.yaml, "
+            f"${MAX_ARGS_ENV}); pass large data by reference (a path, a URL) instead",
+            size=size,
+            limit=limit,
+        )
 
 
 def check_context(context: dict[str, Any]) -> None:
@@ -54,13 +61,15 @@ def tool_envelope(
     opts: dict[str, Any],
     context: dict[str, Any],
     channel: str,
+    max_bytes: int | None = None,
 ) -> Envelope:
-    """The envelope of one call of the directory tool ``entry``; events go to ``channel``."""
+    """The envelope of one call of the directory tool ``entry``; events go to ``channel``; arguments
+    larger than ``max_bytes`` packed are refused (``Settings.max_args``)."""
     spec = entry.spec
     check_context(context)
     if args is not None and not isinstance(args, dict):
         raise InvalidArgs(f"arguments for {name!r} must be a mapping, got {type(args).__name__}")
-    check_sendable(args, f"arguments for {name!r}")
+    check_sendable(args, f"arguments for {name!r}", max_bytes)
     # The producer span's context when tracing is on (Sending), else the caller's own or the current one.
     tp, ts, bg = opts.get("trace_headers") or (opts.get("traceparent"), opts.get("tracestate"), None)
     if tp is None:
@@ -111,7 +120,7 @@ def llm_envelope(
 ) -> tuple[Envelope, dict[str, Any]]:
     """The envelope and limits of one LLM call (chat-completions kwargs) on ``opts["queue"]``."""
     check_llm_request(request, context)
-    check_sendable(request, "the LLM request")
+    check_sendable(request, "the LLM request", settings.max_args)
     context = dict(context)
     model_cfg = settings.model
     context.setdefault("provider", model_cfg.get("provider") or "openai-compatible")
