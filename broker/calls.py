@@ -16,7 +16,7 @@ from typing import Any
 import redis
 from redis.client import Pipeline
 
-from . import events, keys, pipes, scripts, upkeep
+from . import events, keys, pipes, poison, scripts, upkeep
 from .codec import raw, text
 from .envelope import Envelope
 from .errors import IllegalTransition, QueueFull
@@ -354,7 +354,10 @@ class Calls:
         out = []
         for i in range(0, len(reply), 3):
             cid, data, attempt = reply[i], reply[i + 1], reply[i + 2]
-            out.append(Claimed(cid.decode(), data or b"", int(attempt or 1)))
+            try:
+                out.append(Claimed(cid.decode(), data or b"", int(attempt or 1)))
+            except (TypeError, ValueError):  # one unreadable record is settled alone (broker.poison)
+                poison.settle(self, cid, poison.row_problem({"h_attempt": attempt}))
         return out
 
     def extend_leases(
@@ -384,12 +387,17 @@ class Calls:
         out = []
         for i in range(0, len(reply), 8):
             cid, state, attempt, max_att, queue, cancel, ckey, spare = (text(v) for v in reply[i : i + 8])
+            try:
+                numbers = int(attempt or 1), int(max_att or 1)
+            except ValueError:  # one unreadable record is settled alone (broker.poison)
+                poison.settle(self, reply[i], poison.row_problem({"h_attempt": attempt, "h_max_attempts": max_att}))
+                continue
             out.append(
                 {
                     "call_id": cid,
                     "state": state,
-                    "attempt": int(attempt or 1),
-                    "max_attempts": int(max_att or 1),
+                    "attempt": numbers[0],
+                    "max_attempts": numbers[1],
                     "queue": queue,
                     "cancel": cancel == "1",
                     "ckey": ckey,

@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from . import keys, upkeep
+from . import keys, poison, upkeep
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,13 @@ class Limits:
             cid, _state, attempt, trace, kind, tool, chan, ckey, origin, _queue = (
                 v.decode() if isinstance(v, bytes) else str(v) for v in reply[i : i + 10]
             )
-            out.append(Due(cid, int(attempt or 1), trace, kind, tool, chan, ckey, origin))
+            try:
+                out.append(Due(cid, int(attempt or 1), trace, kind, tool, chan, ckey, origin))
+            except ValueError:  # an unreadable record: taken off the schedule, failed alone (broker.poison)
+                from .calls import Calls
+
+                self.conn.zrem(keys.SCHEDULED, cid)
+                poison.settle(Calls(self.conn), cid, poison.row_problem({"h_attempt": attempt}))
         return out, (float(nxt) if nxt not in (b"", "", None) else None)
 
     def snapshot(self) -> list[dict[str, Any]]:

@@ -415,6 +415,12 @@ class Gateway:
                 pubsub.health_check_response_counter -= 1
 
     def _on_message(self, channel: bytes, data: bytes) -> None:
+        try:
+            self._route(channel, data)
+        except Exception as e:  # noqa: BLE001 - one bad message must not stop the event thread
+            log.warning("event message skipped", channel=channel, error=f"{type(e).__name__}: {e}")
+
+    def _route(self, channel: bytes, data: bytes) -> None:
         if channel == self._tools_channel:
             self.directory.invalidate(data.decode(errors="replace"))
             return
