@@ -93,8 +93,10 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None) -> None:
                 _note(f"broker: {gw.description}{local}")
                 _note(f"console and API on http://{host}:{port}/")
                 app = create_app(gw, token=token)
+                from hermes_gateway.http_limits import uvicorn_options
+
                 config = uvicorn.Config(
-                    app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
+                    app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5, **uvicorn_options()
                 )
                 uvicorn.Server(config).run(sockets=[sock])
             finally:

@@ -19,10 +19,36 @@ from broker.tracecontext import ensure_traceparent
 from hermes_gateway.telemetry import Headers, current_headers
 from workers.core import concurrency_key
 
+MAX_DEPTH = 100  # levels of nesting a call's arguments may have (a tool's arguments rarely pass 10)
+
+
+def nesting(value: Any, limit: int = MAX_DEPTH) -> int:
+    """How deeply ``value`` nests lists and mappings, counted up to ``limit + 1`` (walked without recursion:
+    the point is to refuse what would exhaust the recursion of the code that handles it later)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        depth += 1
+        if depth > limit:
+            return depth
+        deepest = max(deepest, depth)
+        stack.extend((child, depth) for child in children if isinstance(child, dict | list | tuple))
+    return deepest
+
 
 def check_sendable(value: Any, what: str, limit: int | None = None) -> None:
     """A typed error now for a value the wire cannot carry (a Decimal, an arbitrary object), not a bare
-    TypeError from deep in the submission; with ``limit``, for one larger than that many bytes packed."""
+    TypeError from deep in the submission; with ``limit``, for one larger than that many bytes packed.
+    Nesting deeper than ``MAX_DEPTH`` is refused too: validation, redaction and the executors recurse."""
+    if nesting(value) > MAX_DEPTH:
+        raise InvalidArgs(f"{what} are nested more than {MAX_DEPTH} levels deep", limit=MAX_DEPTH)
     try:
         size = len(pack(value))
     except (TypeError, ValueError, OverflowError) as e:

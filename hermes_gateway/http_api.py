@@ -69,7 +69,7 @@ from broker.toolspec import ToolSpec
 from hermes_gateway.aio import AsyncGateway
 from hermes_gateway.aio_handle import AsyncCallHandle
 from hermes_gateway.client import Gateway
-from hermes_gateway.http_json import BadRequest, TooLarge, dumps, read_body, reply
+from hermes_gateway.http_json import BadRequest, RequestTimeout, TooLarge, dumps, read_body, reply
 from hermes_gateway.views import call_request
 
 DEFAULT_PORT = 8787  # the Tool Gateway document's console port
@@ -106,6 +106,8 @@ def error_reply(error: HermesError) -> Response:
         status = 403
     elif isinstance(error, TooLarge):
         status = 413
+    elif isinstance(error, RequestTimeout):
+        status = 408
     return reply({"error": error.to_wire()}, status)
 
 

@@ -154,3 +154,22 @@ def test_a_bad_max_args_setting_is_a_config_error(home: Any, monkeypatch: pytest
     monkeypatch.setenv("HERMES_MAX_ARGS", "0")
     with pytest.raises(ConfigError, match="max_args"):
         _ = load_settings(home.path).max_args
+
+
+def test_arguments_nested_past_the_limit_are_refused_at_submission(gateway: Any, home: Any, conn: redis.Redis) -> None:
+    from hermes_gateway.envelopes import MAX_DEPTH
+
+    home.echo_tool()
+    gateway.sync_tools()
+    deep: Any = 1
+    for _ in range(MAX_DEPTH):
+        deep = {"a": deep}
+    with pytest.raises(InvalidArgs, match="nested more than"):
+        gateway.call_tool("echo", {"x": deep})  # MAX_DEPTH + 1 levels with the arguments' own
+    listed: Any = []
+    for _ in range(5000):
+        listed = [listed]
+    with pytest.raises(InvalidArgs, match="nested more than"):
+        gateway.call_tool("echo", {"x": listed})
+    assert conn.keys(keys.job("*")) == []
+    assert gateway.call_tool("echo", deep["a"]).call_id  # MAX_DEPTH levels: accepted
