@@ -5,7 +5,8 @@ could never run is refused at registration rather than at its first call: an htt
 is not an http(s) URL (or has a placeholder in its scheme or host), a python ``function`` that is not
 ``module:callable``, a ``command`` that cannot be split or names its program by placeholder, a
 ``body_template`` that does not parse, more than one SQL statement in a database ``query``, a grpc
-``method`` that is not ``package.Service/Method``. The executors in ``workers/executors/`` keep the
+``method`` that is not ``package.Service/Method``, shell or interpreter code holding a placeholder
+(``sh -c "ls {{dir}}"``: :func:`code_placeholder`). The executors in ``workers/executors/`` keep the
 same checks (a stored spec is not re-validated) and share the helpers defined here.
 
 When ``input_schema`` declares ``properties``, every ``{{placeholder}}`` in a templated key
