@@ -13,7 +13,7 @@ from typing import Any
 import redis
 from redis.client import Pipeline
 
-from . import keys, partitions, pipes, scripts
+from . import keys, partitions, pipes, poison, scripts
 from .codec import text
 from .records import CallInfo, Claimed, lease_deadline, rq_now
 
@@ -57,7 +57,10 @@ class Claims:
             )
             for i in range(0, len(reply), 3):
                 cid, data, attempt = reply[i], reply[i + 1], reply[i + 2]
-                out.append(Claimed(cid.decode(), data or b"", int(attempt or 1)))
+                try:
+                    out.append(Claimed(cid.decode(), data or b"", int(attempt or 1)))
+                except (TypeError, ValueError):  # one unreadable record is settled alone (broker.poison)
+                    poison.settle(self, cid, poison.row_problem({"h_attempt": attempt}))  # type: ignore[arg-type]
             if len(out) >= n:
                 break
         return out
@@ -90,12 +93,18 @@ class Claims:
             )
             for i in range(0, len(reply), 7):
                 cid, state, attempt, max_att, queue, cancel, ckey = (text(v) for v in reply[i : i + 7])
+                try:
+                    numbers = int(attempt or 1), int(max_att or 1)
+                except ValueError:  # one unreadable record is settled alone (broker.poison)
+                    problem = poison.row_problem({"h_attempt": attempt, "h_max_attempts": max_att})
+                    poison.settle(self, reply[i], problem)  # type: ignore[arg-type]
+                    continue
                 out.append(
                     {
                         "call_id": cid,
                         "state": state,
-                        "attempt": int(attempt or 1),
-                        "max_attempts": int(max_att or 1),
+                        "attempt": numbers[0],
+                        "max_attempts": numbers[1],
                         "queue": queue,
                         "cancel": cancel == "1",
                         "ckey": ckey,

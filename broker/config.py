@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Mapping
@@ -23,6 +24,10 @@ DEFAULT_LEASE = 30.0
 DEFAULT_CONCURRENCY = 5
 DEFAULT_QUEUE_SIZE = 10_000
 DEFAULT_WAIT_TIMEOUT_MS = 500
+# Bytes a call's arguments (an LLM call's request) may take, packed: what the broker keeps for a day.
+# The HTTP API's body limit (HERMES_API_MAX_BODY) has the same default.
+DEFAULT_MAX_ARGS = 32 * 1024 * 1024
+MAX_ARGS_ENV = "HERMES_MAX_ARGS"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -110,6 +115,17 @@ class Settings:
             base.update(self.mcp)  # the seed's `mcp.handshake_timeout` lives at the top level
         base.update(self.executors.get(kind) or {})
         return base
+
+    @functools.cached_property
+    def max_args(self) -> int:
+        """Bytes a call's arguments may take packed (``broker.max_args``, ``$HERMES_MAX_ARGS``; 32 MiB):
+        a larger submission is ``invalid_args`` at once, never stored."""
+        section = self.raw.get("broker")
+        broker: dict[str, Any] = section if isinstance(section, dict) else {}
+        value = _env_float(MAX_ARGS_ENV, _number(broker.get("max_args", DEFAULT_MAX_ARGS), "broker.max_args"))
+        if value <= 0:
+            raise ConfigError(f"broker.max_args / {MAX_ARGS_ENV}: expected a number of bytes > 0, got {value:g}")
+        return int(value)
 
     def concurrency_for(self, kind: str) -> int:
         value = self.executor_settings(kind).get("concurrency", DEFAULT_CONCURRENCY)

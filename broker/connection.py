@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote
@@ -37,27 +38,48 @@ class BrokerHandle:
             self.embedded.stop()
 
 
-_QUERY_SECRET = re.compile(r"((?:^|&)(?:sentinel_)?password=)[^&#]*", re.IGNORECASE)
 
 
 def redact_url(url: str) -> str:
-    """The URL without its passwords (``user:pass@``, ``?password=``, ``?sentinel_password=``), for
-    messages."""
+    """The URL without its passwords, for messages, status and run files: the userinfo password
+    (``redis://user:pw@host``) and every secret-named query parameter (``redis://host/0?password=pw``,
+    which redis-py reads too) become ``***``; the rest is left as written."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
-    netloc, slash, path = rest.partition("/")
-    if not slash:
-        netloc, question, query = rest.partition("?")
-        path = question + query if question else ""
-    if "@" in netloc:
-        creds, host = netloc.rsplit("@", 1)
-        user = creds.split(":", 1)[0]
-        netloc = f"{user}:***@{host}" if ":" in creds else f"{creds}@{host}"
-    path, question, query = path.partition("?")
-    if question:
-        query = _QUERY_SECRET.sub(r"\1***", query)
-    return f"{scheme}://{netloc}{slash}{path}{question}{query}"
+    rest, hash_, fragment = rest.partition("#")
+    rest, qmark, query = rest.partition("?")
+    if "@" in rest:  # (a password may hold a "/": the last "@" ends the userinfo)
+        creds, host = rest.rsplit("@", 1)
+        if ":" in creds:
+            rest = f"{creds.split(':', 1)[0]}:***@{host}"
+    if query:
+        query = "&".join(_masked_param(p) for p in query.split("&"))
+    return f"{scheme}://{rest}{qmark}{query}{hash_}{fragment}"
+
+
+def _masked_param(param: str) -> str:
+    from urllib.parse import unquote_plus
+
+    from .redact import MASK, is_secret_key
+
+    name, eq, value = param.partition("=")
+    key = unquote_plus(name)
+    secret = eq and value and (is_secret_key(key) or key.lower() in _PASSWORD_PARAMS)
+    return f"{name}={MASK}" if secret else param
+
+
+_PASSWORD_PARAMS = frozenset({"pass", "pw", "passwd", "password", "auth", "credentials"})
+
+
+@contextmanager
+def answered(what: str) -> Iterator[None]:
+    """Redis failing (down, restarting, refusing the command) while doing ``what`` is a typed
+    ``BrokerUnavailable`` for the caller, not a raw redis error (redis.asyncio raises the same classes)."""
+    try:
+        yield
+    except redis.RedisError as e:
+        raise BrokerUnavailable(f"{what}: the broker did not answer: {e}") from e
 
 
 CLUSTER_SCHEME = "redis+cluster://"

@@ -8,15 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import redis
+import structlog
 import yaml
 
 from . import keys, scripts
-from .codec import pack, unpack
-from .errors import InvalidSpec, UnknownTool
+from .codec import pack, text, unpack
+from .errors import HermesError, InvalidSpec, UnknownTool
 from .toolspec import ToolSpec
 from .yamlload import load_yaml
 
 OUTCOMES = ("unchanged", "added", "updated", "kept")
+log = structlog.get_logger("hermes.directory")
 
 # Keys only a v0.9 spec file has (see hermes_gateway/migrate.py).
 _V09_KEYS = frozenset({"type", "schema", "parameters", "timeout_ms", "tags", "cmd", "handler", "retries"})
@@ -112,15 +114,34 @@ class Directory:
                 self._cache.pop(name, None)
 
     def all(self) -> list[Entry]:
-        """Every entry, sorted by name (read from Redis, not the cache)."""
+        """Every entry, sorted by name (read from Redis, not the cache); one that does not decode is
+        skipped with a warning naming it (``readable``)."""
         pipe = self.conn.pipeline(transaction=False)
         pipe.hgetall(keys.TOOLS)
         pipe.hgetall(keys.TOOLS_VER)
         raw, vers = pipe.execute()
-        out = []
-        for name, packed in sorted(raw.items()):
+        return readable(raw, vers)
+
+
+_warned: set[tuple[bytes, int]] = set()  # (name, hash of the bad entry): each is warned about once
+
+
+def readable(raw: dict[Any, Any], vers: dict[Any, Any]) -> list[Entry]:
+    """The entries of the tools hash ``raw`` (versions ``vers``) that decode, sorted by name. An entry that
+    does not (damaged, or written by something else) is skipped, so one bad entry leaves the listing, the
+    schemas and the other tools usable; a warning names it, once."""
+    out = []
+    for name, packed in sorted(raw.items()):
+        try:
             out.append(Entry(ToolSpec.from_stored(unpack(packed)), int(vers.get(name, 0))))
-        return out
+        except (HermesError, TypeError, ValueError, KeyError, AttributeError) as e:
+            mark = (bytes(name) if isinstance(name, bytes | bytearray) else str(name).encode(), hash(bytes(packed)))
+            if mark not in _warned:
+                if len(_warned) > 10_000:
+                    _warned.clear()
+                _warned.add(mark)
+                log.warning("tool directory entry skipped: it does not decode", tool=text(name), error=str(e))
+    return out
 
 
 def load_spec_file(path: Path) -> ToolSpec:

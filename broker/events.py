@@ -105,26 +105,32 @@ def payload(
 def decode(data: bytes) -> Event:
     """Decode one published or stored event."""
     raw = unpack(data)
-    if not isinstance(raw, dict) or "call_id" not in raw or "seq" not in raw:
+    if not isinstance(raw, dict) or not isinstance(raw.get("call_id"), str) or "seq" not in raw:
         raise DecodeError("not an event")
+    detail = raw.get("detail") or {}
+    if not isinstance(detail, dict):
+        raise DecodeError("not an event: its detail is not a mapping")
     # Filled in directly rather than through the frozen dataclass's __init__ (one object.__setattr__
     # per field): a caller's event thread decodes every event of every call it has in flight.
     event = object.__new__(Event)
-    event.__dict__.update(
-        call_id=raw["call_id"],
-        seq=int(raw["seq"]),
-        state=raw.get("state") or "",
-        ts=float(raw.get("ts") or 0.0),
-        trace_id=raw.get("trace_id") or "",
-        span_id=raw.get("span_id") or "",
-        attempt=int(raw.get("attempt") or 0),
-        kind=raw.get("kind") or "",
-        tool_name=raw.get("tool_name"),
-        model=raw.get("model"),
-        session_id=raw.get("session_id"),
-        type=raw.get("type") or TRANSITION,
-        detail=raw.get("detail") or {},
-    )
+    try:  # a malformed message (a seq that is no number, say) is a DecodeError, never a crash of the reader
+        event.__dict__.update(
+            call_id=raw["call_id"],
+            seq=int(raw["seq"]),
+            state=str(raw.get("state") or ""),
+            ts=float(raw.get("ts") or 0.0),
+            trace_id=raw.get("trace_id") or "",
+            span_id=raw.get("span_id") or "",
+            attempt=int(raw.get("attempt") or 0),
+            kind=raw.get("kind") or "",
+            tool_name=raw.get("tool_name"),
+            model=raw.get("model"),
+            session_id=raw.get("session_id"),
+            type=raw.get("type") or TRANSITION,
+            detail=detail,
+        )
+    except (TypeError, ValueError, OverflowError) as e:
+        raise DecodeError(f"not an event: {e}") from e
     return event
 
 

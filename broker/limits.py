@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from . import keys, partitions, scripts
+from . import keys, partitions, poison, scripts
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,13 @@ class Limits:
                 cid, _state, attempt, trace, kind, tool, chan, ckey, origin, _queue = (
                     v.decode() if isinstance(v, bytes) else str(v) for v in reply[i : i + 10]
                 )
-                out.append(Due(cid, int(attempt or 1), trace, kind, tool, chan, ckey, origin or q))
+                try:
+                    out.append(Due(cid, int(attempt or 1), trace, kind, tool, chan, ckey, origin or q))
+                except ValueError:  # an unreadable record: taken off the schedule, failed alone (broker.poison)
+                    from .calls import Calls
+
+                    self.conn.zrem(keys.scheduled(keys.tag(q)), cid)
+                    poison.settle(Calls(self.conn), cid, poison.row_problem({"h_attempt": attempt}))
             if after not in (b"", "", None):
                 nxt = float(after) if nxt is None else min(nxt, float(after))
         return out, nxt

@@ -136,7 +136,7 @@ def read_record(conn: Any, call_id: str) -> dict[str, Any] | None:
     out: dict[str, Any] = {
         "call_id": call_id,
         "state": text(rec.get(keys.F_STATE)),
-        "attempt": int(rec.get(keys.F_ATTEMPT) or 0),
+        "attempt": _int(rec.get(keys.F_ATTEMPT)),
         "seq": int(rec.get(keys.F_SEQ) or 0),
         "kind": text(rec.get(keys.F_KIND)),
         "name": text(rec.get(keys.F_TOOL)),
@@ -157,3 +157,11 @@ def read_record(conn: Any, call_id: str) -> dict[str, Any] | None:
         except Exception:  # noqa: BLE001 - a record with a bad payload is still a record
             out["envelope"] = None
     return out
+
+
+def _int(value: Any) -> int:
+    """A counter field as a number; 0 for one that is not (a damaged record is still shown)."""
+    try:
+        return int(value or 0)
+    except ValueError:
+        return 0

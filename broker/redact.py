@@ -53,7 +53,7 @@ _PATTERNS: tuple[tuple[str, str], ...] = (
     (
         "hdr",
         r"(?P<hdr_head>(?i:\b(?:proxy-)?(?:authorization|x-api-key|api-key|x-auth-token|cookie|set-cookie))"
-        r"[\"']?\s*[:=]\s*[\"']?)(?P<hdr_val>[^\r\n\"']+)",
+        r"\\*[\"']?\s*[:=]\s*\\*[\"']?)(?P<hdr_val>[^\r\n\"'\\]+)",
     ),
     # Auth schemes followed by a credential.
     (
@@ -89,12 +89,13 @@ _PATTERNS: tuple[tuple[str, str], ...] = (
     ),
     ("slackhook", r"https://hooks\.slack\.com/services/[A-Za-z0-9/_\-]+"),
     ("tg", r"\b\d{8,10}:AA[A-Za-z0-9_\-]{30,}"),  # Telegram bot token
-    # key=value / "key": "value" in free text (query strings, config dumps, exception messages).
+    # key=value / "key": "value" in free text (query strings, config dumps, exception messages), also
+    # JSON quoted inside JSON text (a back end's error quoting a request: {\"password\":\"...\"}).
     (
         "kv",
         r"(?P<kv_head>(?<![A-Za-z0-9_\-])[\"']?(?i:[A-Za-z0-9_\-]*(?:passw(?:or)?d|passphrase|pwd|secret|token"
         r"|api[-_]?key|access[-_]?key|private[-_]?key|accountkey|sharedaccesskey))"
-        r"[\"']?\s*[:=]\s*[\"']?)(?P<kv_val>[^\s\"'&,;}{)\]]{3,})",
+        r"\\*[\"']?\s*[:=]\s*\\*[\"']?)(?P<kv_val>(?:[^\s\"'\\&,;}{)\]]|\\(?![\\\"'])){3,})",
     ),
 )
 

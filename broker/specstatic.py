@@ -5,7 +5,8 @@ could never run is refused at registration rather than at its first call: an htt
 is not an http(s) URL (or has a placeholder in its scheme or host), a python ``function`` that is not
 ``module:callable``, a ``command`` that cannot be split or names its program by placeholder, a
 ``body_template`` that does not parse, more than one SQL statement in a database ``query``, a grpc
-``method`` that is not ``package.Service/Method``. The executors in ``workers/executors/`` keep the
+``method`` that is not ``package.Service/Method``, shell or interpreter code holding a placeholder
+(``sh -c "ls {{dir}}"``: :func:`code_placeholder`). The executors in ``workers/executors/`` keep the
 same checks (a stored spec is not re-validated) and share the helpers defined here.
 
 When ``input_schema`` declares ``properties``, every ``{{placeholder}}`` in a templated key
@@ -94,6 +95,68 @@ def first_sql_keyword(sql: str) -> str:
     return stripped.split(None, 1)[0].lower() if stripped else ""
 
 
+# Programs that run code given on their command line, and the options that give it (a word of single-letter
+# options like bash's ``-ec`` holds the letter). A placeholder in that code would let a value be code.
+_SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "ash", "fish", "csh", "tcsh"})
+_CODE_OPTIONS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    # program (basename, version suffix dropped) -> (short option letters, long options)
+    **{sh: (frozenset("c"), frozenset({"--command"})) for sh in _SHELLS},
+    "python": (frozenset("c"), frozenset()),
+    "pypy": (frozenset("c"), frozenset()),
+    "perl": (frozenset("eE"), frozenset()),
+    "ruby": (frozenset("e"), frozenset()),
+    "node": (frozenset("ep"), frozenset({"--eval", "--print"})),
+    "deno": (frozenset(), frozenset({"eval"})),
+    "php": (frozenset("r"), frozenset()),
+    "lua": (frozenset("e"), frozenset()),
+    "luajit": (frozenset("e"), frozenset()),
+    "tclsh": (frozenset(), frozenset()),
+    "osascript": (frozenset("e"), frozenset()),
+    "pwsh": (frozenset(), frozenset({"-c", "-command", "-encodedcommand", "-ec"})),
+    "powershell": (frozenset(), frozenset({"-c", "-command", "-encodedcommand", "-ec"})),
+}
+# Programs that run the program named after them (``env sh {{x}}``).
+_WRAPPERS = frozenset({"env", "busybox", "nice", "nohup", "setsid", "stdbuf", "sudo", "doas", "time", "exec"})
+_VERSION = re.compile(r"[\d.]+$")
+
+
+def _program(part: str) -> str:
+    name = part.rsplit("/", 1)[-1].lower().removesuffix(".exe")
+    return _VERSION.sub("", name) if not name.startswith(("sh", "ksh")) else name
+
+
+def code_placeholder(parts: list[str]) -> str | None:
+    """What is wrong when a command hands code with a placeholder in it to a shell or interpreter
+    (``sh -c "ls {{dir}}"``, ``python3 -c ...``, ``bash -ec``, also behind ``env``/``timeout``/``busybox``)
+    or lets a value name the script it runs (``sh {{script}}``); None when it does not. Values after
+    the code stay arguments (``sh -c 'cat "$1"' sh {{file}}`` is fine)."""
+    for i, part in enumerate(parts):
+        program = _program(part)
+        options = _CODE_OPTIONS.get(program)
+        if options is None or (i > 0 and part.startswith("-")):
+            continue
+        letters, longs = options
+        for opt in parts[i + 1 :]:
+            name, eq, inline = opt.partition("=")
+            short = opt[1:] if opt.startswith("-") and not opt.startswith("--") else ""
+            if name.lower() in longs or (short.isalpha() and letters & set(short)):
+                j = parts.index(opt, i + 1)
+                code = inline if eq and name.lower() in longs else (parts[j + 1] if j + 1 < len(parts) else "")
+                if PLACEHOLDER.search(code) or PLACEHOLDER.search(opt):
+                    return (
+                        f"{program} {name} runs its next argument as code: a placeholder there would let a "
+                        "value be code; pass values as arguments after the code (sh -c 'cat \"$1\"' sh {{file}})"
+                    )
+                return None
+            if not opt.startswith("-"):
+                named = i == 0 or _program(parts[i - 1]) in _WRAPPERS  # the program itself, not an argument
+                if named and PLACEHOLDER.search(opt):
+                    return f"{program} {opt}: a placeholder would let a value name the script {program} runs"
+                return None  # a script file: what follows are its arguments
+        return None
+    return None
+
+
 def check_static(where: str, executor: str, data: Mapping[str, Any]) -> None:
     """Each executor's checks that need no call: a spec failing them could never run."""
     check = _STATIC.get(executor)
@@ -152,6 +215,12 @@ def _static_command(where: str, data: Mapping[str, Any]) -> None:
         raise _fail(where, "command", "is empty")
     if PLACEHOLDER.search(parts[0]):
         raise _fail(where, "command", "the program (argv[0]) may not contain a placeholder")
+    problem = code_placeholder(parts)
+    if problem:
+        raise _fail(where, "command", problem)
+    separator = data.get("args_separator")
+    if separator is not None and not isinstance(separator, bool):
+        raise _fail(where, "args_separator", f"expected true or false, got {separator!r}")
     env_set = data.get("env_set")
     if env_set is not None and not isinstance(env_set, dict):
         raise _fail(where, "env_set", "expected a mapping {NAME: value}")

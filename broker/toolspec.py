@@ -33,8 +33,9 @@ COMMON_KEYS = frozenset(
 )
 
 DEFAULT_TIMEOUT = 30.0
-# OpenAI-compatible and Anthropic APIs refuse other function names; it also keeps a name safe as a file name.
-TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# OpenAI-compatible and Anthropic APIs refuse other function names; it also keeps a name safe as a file name,
+# and, not starting with "-", as a command-line argument (a tool named "--help" or "-" reads as an option).
+TOOL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class ToolSpec:
         if strict and not TOOL_NAME.fullmatch(name):
             raise InvalidSpec(
                 f"tool spec.name: expected 1-64 letters, digits, '_' or '-' (what model APIs accept as a "
-                f"function name), got {name!r}",
+                f"function name), not starting with '-', got {name!r}",
                 path="name",
             )
         where = f"tool {name!r}"

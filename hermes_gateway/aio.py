@@ -27,8 +27,8 @@ from broker import durability, keys, partitions, scripts
 from broker.calls import Calls
 from broker.codec import pack, unpack
 from broker.config import Settings, load_settings
-from broker.connection import BrokerHandle, async_from_url, connect, is_cluster, subscriber
-from broker.directory import Entry
+from broker.connection import BrokerHandle, answered, async_from_url, connect, is_cluster, subscriber
+from broker.directory import Entry, readable
 from broker.envelope import Envelope
 from broker.errors import (
     CallFailed,
@@ -153,7 +153,7 @@ class AsyncGateway(AsyncEvents):
         pipe.hgetall(keys.TOOLS)
         pipe.hgetall(keys.TOOLS_VER)
         raw, vers = await pipe.execute()
-        return [Entry(ToolSpec.from_stored(unpack(v)), int(vers.get(k, 0))) for k, v in sorted(raw.items())]
+        return readable(raw, vers)  # one entry that does not decode is skipped with a warning
 
     # -- calls -----------------------------------------------------------------------------------
 
@@ -175,14 +175,14 @@ class AsyncGateway(AsyncEvents):
         ``idempotency_key`` as in ``Gateway.call_tool``: the same tool and arguments under a key still on
         record get that call's handle; another tool or other arguments are an ``IdempotencyConflict``.
         """
-        entry = await self.tool(name)
         opts: dict[str, Any] = {
             "timeout": timeout,
             "idempotency_key": idempotency_key,
             "max_attempts": max_attempts,
             "queue": queue,
         }
-        with Sending(traceparent, tracestate) as send:
+        with answered(f"submitting a call of {name!r}"), Sending(traceparent, tracestate) as send:
+            entry = await self.tool(name)
             opts["trace_headers"] = send.headers
             env = tool_envelope(entry, name, args, opts, context, self._channel_of, self.settings)
             send.describe(env)
@@ -210,7 +210,7 @@ class AsyncGateway(AsyncEvents):
             "queue": queue,
         }
         env, limits = llm_envelope(request, self.settings, opts, context, self._channel_of, send.headers)
-        with send:
+        with answered("submitting an LLM call"), send:
             send.describe(env)
             return await self._submit(env, limits)
 
@@ -265,6 +265,10 @@ class AsyncGateway(AsyncEvents):
 
         ``idempotency_keys``: one key (or None) per item, as in ``Gateway.submit_many``.
         """
+        with answered("submitting a batch of calls"):
+            return await self._submit_many(calls, **common)
+
+    async def _submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> AsyncBatch:
         names = ("timeout", "max_attempts", "traceparent", "tracestate", "queue")
         opts = {k: common.pop(k) for k in names if k in common}
         idempotency_keys: Sequence[str | None] | None = common.pop("idempotency_keys", None)

@@ -149,20 +149,26 @@ class AsyncEvents:
                 continue
             if msg is None:
                 continue
-            if msg["channel"] == self._tools_channel:
-                self._tools_gen += 1
-                self._tools.pop(msg["data"].decode(errors="replace"), None)
-                continue
-            routed = ev_mod.for_handle(self._handles, msg["data"])
-            if routed is None:
-                continue
-            event, handle, gap = routed
-            if gap:
-                try:
-                    await handle.sync()  # fill it from the durable history
-                except (RedisError, OSError, DecodeError) as e:
-                    log.warning("could not fill an event gap from the history", error=str(e))
-            handle._feed(event)  # the terminal event untracks the handle
+            try:
+                await self._route(msg["channel"], msg["data"])
+            except Exception as e:  # noqa: BLE001 - one bad message must not end the event task
+                log.warning("event message skipped", channel=msg.get("channel"), error=f"{type(e).__name__}: {e}")
+
+    async def _route(self, channel: bytes, data: bytes) -> None:
+        if channel == self._tools_channel:
+            self._tools_gen += 1
+            self._tools.pop(data.decode(errors="replace"), None)
+            return
+        routed = ev_mod.for_handle(self._handles, data)
+        if routed is None:
+            return
+        event, handle, gap = routed
+        if gap:
+            try:
+                await handle.sync()  # fill it from the durable history
+            except (RedisError, OSError, DecodeError) as e:
+                log.warning("could not fill an event gap from the history", error=str(e))
+        handle._feed(event)  # the terminal event untracks the handle
 
 
 def _text(value: bytes | str | None) -> str:

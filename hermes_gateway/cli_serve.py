@@ -106,8 +106,10 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None, mcp_state
                 _note(f"broker: {gw.description}{local}")
                 _note(f"console and API on http://{host}:{port}/, MCP on http://{host}:{port}/mcp")
                 app = create_app(gw, credentials=credentials, mcp_stateful=mcp_stateful)
+                from hermes_gateway.http_limits import uvicorn_options
+
                 config = uvicorn.Config(
-                    app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
+                    app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5, **uvicorn_options()
                 )
                 uvicorn.Server(config).run(sockets=[sock])
             finally:

@@ -15,7 +15,7 @@ from broker import durability, keys, partitions, pipes
 from broker.calls import Calls
 from broker.codec import text
 from broker.config import Settings, load_settings
-from broker.connection import BrokerHandle, connect, is_cluster, subscriber
+from broker.connection import BrokerHandle, answered, connect, is_cluster, subscriber
 from broker.directory import Directory, Entry, sync_dir
 from broker.envelope import Envelope
 from broker.errors import HermesError, InvalidSpec, NoWorkers, QueueFull
@@ -209,7 +209,7 @@ class Gateway(ClientEvents):
             "tracestate": tracestate,
             "queue": queue,
         }
-        with Sending(traceparent, tracestate) as send:
+        with answered(f"submitting a call of {name!r}"), Sending(traceparent, tracestate) as send:
             opts["trace_headers"] = send.headers
             env, spec = self._envelope(name, args, opts, context)
             send.describe(env)
@@ -237,7 +237,7 @@ class Gateway(ClientEvents):
         send = Sending(traceparent, tracestate)
         opts = {"timeout": timeout, "idempotency_key": idempotency_key, "max_attempts": max_attempts, "queue": queue}
         env, limits = llm_envelope(request, self.settings, opts, context, self.channel_for, send.headers)
-        with send:
+        with answered("submitting an LLM call"), send:
             send.describe(env)
             return self._submit(env, limits)
 
@@ -299,6 +299,11 @@ class Gateway(ClientEvents):
         first pipeline raises; on a later one, the items of that pipeline are refused as "outcome unknown"
         (the server may have taken some) and the rest as not sent, without waiting on the broker again.
         """
+        with answered("submitting a batch of calls"):
+            return self._submit_many(calls, **common)
+
+    def _submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> Batch:
+        """``submit_many`` without its BrokerUnavailable translation."""
         names = ("timeout", "max_attempts", "traceparent", "tracestate", "queue")
         opts: dict[str, Any] = {k: common.pop(k) for k in names if k in common}
         idempotency_keys: Sequence[str | None] | None = common.pop("idempotency_keys", None)

@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import redis
+import structlog
 
 from broker import events as ev_mod
 from broker import keys, pipes
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 DIRECT_READ_IDLE = 1.0
 CLUSTER_POLL = 0.05  # seconds a cluster client's event thread waits on its sharded channels per round
 SUBSCRIBE_WAIT = 5.0  # seconds to wait for the server to confirm a new sharded subscription
+log = structlog.get_logger("hermes.client")
 CATCH_UP_CHUNK = 500  # history reads per pipelined round trip when the subscription comes back
 
 
@@ -171,6 +173,12 @@ class ClientEvents:
                 pubsub.health_check_response_counter -= 1
 
     def _on_message(self, channel: bytes, data: bytes) -> None:
+        try:
+            self._route(channel, data)
+        except Exception as e:  # noqa: BLE001 - one bad message must not stop the event thread
+            log.warning("event message skipped", channel=channel, error=f"{type(e).__name__}: {e}")
+
+    def _route(self, channel: bytes, data: bytes) -> None:
         if channel == self._tools_channel:
             self.directory.invalidate(data.decode(errors="replace"))
             return

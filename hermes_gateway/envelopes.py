@@ -11,7 +11,7 @@ from typing import Any
 
 from broker import keys, partitions
 from broker.codec import pack
-from broker.config import Settings
+from broker.config import MAX_ARGS_ENV, Settings
 from broker.directory import Entry
 from broker.envelope import CONTEXT_FIELDS, Envelope, Options, concurrency_key, new_call_id
 from broker.errors import InvalidArgs
@@ -19,17 +19,50 @@ from broker.toolspec import ToolSpec
 from broker.tracecontext import ensure_traceparent
 from hermes_gateway.telemetry import Headers, current_headers
 
+MAX_DEPTH = 100  # levels of nesting a call's arguments may have (a tool's arguments rarely pass 10)
 
-def check_sendable(value: Any, what: str) -> None:
+
+def nesting(value: Any, limit: int = MAX_DEPTH) -> int:
+    """How deeply ``value`` nests lists and mappings, counted up to ``limit + 1`` (walked without recursion:
+    the point is to refuse what would exhaust the recursion of the code that handles it later)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        depth += 1
+        if depth > limit:
+            return depth
+        deepest = max(deepest, depth)
+        stack.extend((child, depth) for child in children if isinstance(child, dict | list | tuple))
+    return deepest
+
+
+def check_sendable(value: Any, what: str, limit: int | None = None) -> None:
     """A typed error now for a value the wire cannot carry (a Decimal, an arbitrary object), not a bare
-    TypeError from deep in the submission."""
+    TypeError from deep in the submission; with ``limit``, for one larger than that many bytes packed.
+    Nesting deeper than ``MAX_DEPTH`` is refused too: validation, redaction and the executors recurse."""
+    if nesting(value) > MAX_DEPTH:
+        raise InvalidArgs(f"{what} are nested more than {MAX_DEPTH} levels deep", limit=MAX_DEPTH)
     try:
-        pack(value)
+        size = len(pack(value))
     except (TypeError, ValueError, OverflowError) as e:
         raise InvalidArgs(
             f"{what} cannot be sent: {e} (values travel as msgpack: JSON-like types, bytes; sets and "
             "tuples become lists, dates ISO text)"
         ) from e
+    if limit is not None and size > limit:
+        raise InvalidArgs(
+            f"{what} take {size} bytes, over the limit of {limit} (broker.max_args in config.yaml, "
+            f"${MAX_ARGS_ENV}); pass large data by reference (a path, a URL) instead",
+            size=size,
+            limit=limit,
+        )
 
 
 def check_context(context: dict[str, Any]) -> None:
@@ -57,12 +90,13 @@ def tool_envelope(
     settings: Settings | None = None,
 ) -> Envelope:
     """The envelope of one call of the directory tool ``entry``; events go to ``channel(queue)``. A tool
-    split in partitions (``queue_partitions``) gets the next partition with a share of its limit."""
+    split in partitions (``queue_partitions``) gets the next partition with a share of its limit;
+    arguments larger than ``settings.max_args`` packed are refused."""
     spec = entry.spec
     check_context(context)
     if args is not None and not isinstance(args, dict):
         raise InvalidArgs(f"arguments for {name!r} must be a mapping, got {type(args).__name__}")
-    check_sendable(args, f"arguments for {name!r}")
+    check_sendable(args, f"arguments for {name!r}", settings.max_args if settings is not None else None)
     # The producer span's context when tracing is on (Sending), else the caller's own or the current one.
     tp, ts, bg = opts.get("trace_headers") or (opts.get("traceparent"), opts.get("tracestate"), None)
     if tp is None:
@@ -121,7 +155,7 @@ def llm_envelope(
 ) -> tuple[Envelope, dict[str, Any]]:
     """The envelope and limits of one LLM call (chat-completions kwargs) on ``opts["queue"]``."""
     check_llm_request(request, context)
-    check_sendable(request, "the LLM request")
+    check_sendable(request, "the LLM request", settings.max_args)
     context = dict(context)
     model_cfg = settings.model
     context.setdefault("provider", model_cfg.get("provider") or "openai-compatible")

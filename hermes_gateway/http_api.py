@@ -75,7 +75,7 @@ from hermes_gateway.aio_handle import AsyncCallHandle
 from hermes_gateway.client import Gateway
 from hermes_gateway.credentials import CALLER_SCOPE_KEY, TRUSTED_LOCAL, Caller, Credentials
 from hermes_gateway.http_guard import Forbidden, authenticate, check_origin, unauthorized
-from hermes_gateway.http_json import BadRequest, TooLarge, dumps, read_body, reply
+from hermes_gateway.http_json import BadRequest, RequestTimeout, TooLarge, dumps, read_body, reply
 from hermes_gateway.views import call_request
 
 DEFAULT_PORT = 8787  # the Tool Gateway document's console port
@@ -106,6 +106,8 @@ def error_reply(error: HermesError) -> Response:
         status = 403
     elif isinstance(error, TooLarge):
         status = 413
+    elif isinstance(error, RequestTimeout):
+        status = 408
     return reply({"error": error.to_wire()}, status)
 
 
@@ -202,7 +204,12 @@ def create_app(
 
         return wrapped
 
-    async def healthz(_request: Request) -> Response:
+    async def healthz(request: Request) -> Response:
+        # No token wanted (probes), but the same origin and Host checks; the broker URL without passwords.
+        try:
+            check_origin(request, creds.required)
+        except Forbidden as e:
+            return error_reply(e)
         return reply({"ok": True, "broker": gw.description})
 
     async def console(request: Request) -> Response:

@@ -1,13 +1,16 @@
 """JSON in and out of the HTTP API: strict JSON only, for callers in any language.
 
 Requests: ``Content-Type: application/json``, at most ``HERMES_API_MAX_BODY`` bytes (32 MiB by default;
-more is ``413 payload_too_large``), an object, and no ``NaN``/``Infinity`` (not JSON: JavaScript's
+more is ``413 payload_too_large``), arriving within ``HERMES_API_BODY_TIMEOUT`` seconds (60 by default;
+later is ``408 request_timeout``), an object nested at most as deeply as Python's parser goes (deeper is
+``400``), and no ``NaN``/``Infinity`` (not JSON: JavaScript's
 ``JSON.parse``, Go and Java refuse them). Responses and SSE events never hold them either: a non-finite
 number a tool returned goes out as ``null``. Bytes go out as ``{"$base64": ...}``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import math
@@ -33,6 +36,19 @@ class TooLarge(HermesError):
     """The request body is larger than the API accepts."""
 
     type = "payload_too_large"
+
+
+class RequestTimeout(HermesError):
+    """The request body did not arrive in time."""
+
+    type = "request_timeout"
+
+
+def body_timeout() -> float:
+    """Seconds a request body may take to arrive (``HERMES_API_BODY_TIMEOUT``, 60 by default)."""
+    from hermes_gateway.http_limits import BODY_TIMEOUT, BODY_TIMEOUT_ENV, setting
+
+    return setting(BODY_TIMEOUT_ENV, BODY_TIMEOUT)
 
 
 def max_body() -> int:
@@ -92,14 +108,23 @@ async def read_body(request: Request) -> dict[str, Any]:
     if declared.isdigit() and int(declared) > limit:
         raise TooLarge(f"the request body is {int(declared)} bytes, over the limit of {limit} ({MAX_BODY_ENV})")
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise TooLarge(f"the request body is over the limit of {limit} bytes ({MAX_BODY_ENV})")
+    deadline = body_timeout()
+    try:
+        async with asyncio.timeout(deadline):  # a slow (or stalled) body is not waited on forever
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > limit:
+                    raise TooLarge(f"the request body is over the limit of {limit} bytes ({MAX_BODY_ENV})")
+    except TimeoutError as e:
+        raise RequestTimeout(
+            f"the request body did not arrive within {deadline:g}s ({len(raw)} bytes came; HERMES_API_BODY_TIMEOUT)"
+        ) from e
     try:
         data = json.loads(bytes(raw), parse_constant=_not_json)
     except ValueError as e:
         raise BadRequest(f"the request body is not JSON: {e}") from e
+    except RecursionError as e:  # (arrays or objects nested thousands deep)
+        raise BadRequest("the request body is nested too deeply") from e
     if not isinstance(data, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(data).__name__}")
     return data

@@ -13,7 +13,8 @@ Configured under ``policy:`` in ``config.yaml``::
         "*": {grants: [read_only]}  # every principal, the anonymous one included
       args:
         path_prefixes:
-          read_file: [/srv/data/]                      # checks path-like args (path, file, *_path, ...)
+          read_file: [/srv/data/]          # every path-like value: by name at any depth, schema
+                                           # format: path, a command's argv (workers/pathargs.py)
           write_file: {args: [dest], allow: [/tmp/out]}
 
 Rules are tried in a fixed order and the first refusal wins: ``deny_tools``, the principal's
@@ -34,6 +35,7 @@ from typing import Any
 from broker.codec import pack, unpack
 from broker.errors import ConfigError, DecodeError, PermissionDenied
 from broker.toolspec import ToolSpec
+from workers import pathargs
 
 PERMISSIVE = "permissive"
 STRICT = "strict"
@@ -45,9 +47,7 @@ ANONYMOUS = "anonymous"
 ALL_TAGS = "*"
 POLICY_VERSION = 1
 
-# Argument names the list form of ``path_prefixes`` checks.
-PATH_ARG_NAMES = frozenset({"path", "file", "filename", "filepath", "dir", "directory", "cwd", "dest", "src"})
-PATH_ARG_SUFFIXES = ("_path", "_file", "_dir", "_directory")
+# Which arguments the list form of ``path_prefixes`` checks: see workers/pathargs.py.
 
 _TOP_KEYS = {"mode", "default_principal", "deny_tools", "allow_tools", "principals", "args"}
 _PRINCIPAL_KEYS = {"grants", "deny_tools", "allow_tools"}
@@ -85,16 +85,19 @@ class PrincipalRule:
 
 @dataclass(frozen=True)
 class PathRule:
-    """Allowed prefixes for a tool's path-like args; ``args`` None means "every path-like name"."""
+    """Allowed prefixes for a tool's path-like args; ``args`` None means "every path-like value"
+    (by name at any depth, by schema ``format: path``, by position in a command's argv: see
+    ``workers/pathargs.py``), else exactly the arguments named (dotted names reach nested ones)."""
 
     tool: str
     allow: tuple[str, ...]
     args: tuple[str, ...] | None = None
 
-    def judged_args(self, args: Mapping[str, Any]) -> list[str]:
+    def judged(self, spec: ToolSpec, args: Mapping[str, Any]) -> list[tuple[str, Any]]:
+        """``(where, value)`` of every value this rule judges in the call's effective args."""
         if self.args is not None:
-            return [a for a in self.args if a in args]
-        return [a for a in args if a in PATH_ARG_NAMES or a.endswith(PATH_ARG_SUFFIXES)]
+            return pathargs.named(self.args, args)
+        return pathargs.every_path(spec, args)
 
 
 @dataclass(frozen=True)
@@ -265,8 +268,8 @@ class Policy:
             for pr in self.path_rules:
                 if pr.tool != tool and pr.tool != ALL_TAGS:
                     continue
-                for name in pr.judged_args(args):
-                    bad = _outside(args[name], pr.allow)
+                for name, value in pr.judged(spec, args):
+                    bad = _outside(value, pr.allow)
                     if bad is not None:
                         return deny(
                             f"args.path_prefixes.{pr.tool}",

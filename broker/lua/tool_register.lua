@@ -12,7 +12,7 @@ local replace = ARGV[5]         -- '0' / '1'
 local cur = redis.call('HGET', KEYS[1], name)
 if cur then
   local d = redis.call('HGET', KEYS[3], name)
-  local ver = tonumber(redis.call('HGET', KEYS[4], name))
+  local ver = tonumber(redis.call('HGET', KEYS[4], name)) or 0  -- (a damaged version reads as 0)
   if d == digest then
     return {ver, 0}
   end

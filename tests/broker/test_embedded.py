@@ -113,3 +113,17 @@ def test_an_unreachable_url_is_broker_unavailable_without_the_password() -> None
 )
 def test_redact_url(url: str, shown: str) -> None:
     assert redact_url(url) == shown
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://h:1/0?password=pw", "redis://h:1/0?password=***"),
+        ("redis://h:1/0?db=2&password=pw&x=1", "redis://h:1/0?db=2&password=***&x=1"),
+        ("unix:///tmp/r.sock?db=0&password=p%40w", "unix:///tmp/r.sock?db=0&password=***"),
+        ("rediss://u:p/w@h:1/0?ssl_cert_reqs=none", "rediss://u:***@h:1/0?ssl_cert_reqs=none"),
+        ("redis://h:1/0?password=", "redis://h:1/0?password="),
+    ],
+)
+def test_redact_url_masks_a_query_string_password(url: str, shown: str) -> None:
+    assert redact_url(url) == shown

@@ -273,3 +273,18 @@ def test_an_errors_wire_form_masks_what_its_message_quotes_from_the_caller() -> 
     )
     huge = InvalidArgs("x" * 100_000).to_wire()["message"]  # a message quoting megabytes is cut, cheaply
     assert len(huge) < 20_000 and huge.endswith("more characters]")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"error": "upstream said {\\"password\\":\\"hunter22x\\"}"}',  # JSON quoted inside JSON text
+        'bad request: {\\"api_key\\": \\"hunter22x\\", \\"user\\": \\"bob\\"}',
+        '{\\"Authorization\\":\\"hunter22x\\"}',
+        "{\\\\\\\"token\\\\\\\":\\\\\\\"hunter22x\\\\\\\"}",  # quoted twice
+        "password=hunter22x\\more",  # a backslash inside the value does not end it
+    ],
+)
+def test_json_escaped_secrets_in_back_end_error_text_are_masked(text: str) -> None:
+    out = redact_text(text)
+    assert "hunter22x" not in out and "more" not in out and MASK in out

@@ -310,3 +310,35 @@ def _open(gateway: Any) -> bool:
     except PermissionDenied:
         return False
     return True
+
+
+def test_path_rules_judge_nested_and_unconventionally_named_paths_on_real_workers(
+    home: Home, gateway: Any, workers: Any, tmp_path: Path
+) -> None:
+    # Issue 24.2: `cat {{opts.path}}` and `cat {{filePath}}` read /etc/hostname past a path rule.
+    allowed_dir = tmp_path / "data"
+    allowed_dir.mkdir()
+    (allowed_dir / "ok.txt").write_text("fine")
+    home.tool(
+        "cat_opts",
+        "command",
+        command="cat -- {{opts.path}}",
+        input_schema={"type": "object", "properties": {"opts": {"type": "object"}}},
+    )
+    home.tool("cat_camel", "command", command="cat -- {{filePath}}")
+    home.tool("read_nested", "python", function=ECHO)  # its "file" is nested in a list of records
+    home.config({"policy": {"args": {"path_prefixes": {"*": [str(allowed_dir)]}}}})
+    gateway.sync_tools()
+    workers(1)
+    secret = "/etc/hostname"
+    attempts = [
+        ("cat_opts", {"opts": {"path": secret}}),
+        ("cat_opts", {"opts": {"path": f"{allowed_dir}/../../../../etc/hostname"}}),
+        ("cat_camel", {"filePath": secret}),
+        ("read_nested", {"batch": [{"file": str(allowed_dir / "ok.txt")}, {"file": secret}]}),
+    ]
+    for name, args in attempts:
+        with pytest.raises(PermissionDenied, match="outside the allowed prefixes"):
+            gateway.call_tool(name, args).result(timeout=20)
+    assert gateway.call_tool("cat_opts", {"opts": {"path": str(allowed_dir / "ok.txt")}}).result(timeout=20) == "fine"
+    assert gateway.call_tool("cat_camel", {"filePath": str(allowed_dir / "ok.txt")}).result(timeout=20) == "fine"

@@ -5,8 +5,15 @@ Spec keys (``spec.config``), each also settable as a default in ``executors.comm
 - ``command``: a string (split with :func:`shlex.split` FIRST, then each element is filled) or a list.
   ``{{field}}`` placeholders are filled per argv element, so a value stays exactly one argument.
   ``argv[0]`` may not contain a placeholder: a value never chooses the program.
-- ``args_separator: true``: put ``--`` before the first argv element that holds a value, so a value
-  starting with ``-`` cannot be read as an option by programs that honour ``--``.
+- A value may not make an argv element start with ``-`` (``sort {{x}}`` with ``x = "--output=F"`` is
+  ``invalid_args``): no value becomes an option. ``args_separator: true`` instead puts ``--`` before the
+  first argv element that holds a value and lets values start with ``-`` (for programs that honour
+  ``--``; literal options must then come before the values); ``args_separator: false`` lets them through
+  as they are (the spec author's word that the program takes no harmful option there). An element whose
+  template starts with ``-`` (``--name={{n}}``, ``-n{{count}}``) is an option the spec wrote: its value is fine.
+- A shell or interpreter's code may not hold a placeholder (``sh -c "ls {{dir}}"``, ``python3 -c``,
+  ``perl -e``, ...; refused at registration): pass values as arguments after the code
+  (``sh -c 'ls -- "$1"' sh {{dir}}``).
 - ``env``: names passed through from the worker's environment (default: PATH, HOME, LANG, LC_ALL,
   LC_CTYPE, TZ, TMPDIR; the rest, secrets included, stays out); ``env_set: {K: V}`` sets more
   (values may hold placeholders: an argument passed in the environment is still never a command).
@@ -41,10 +48,11 @@ from broker.errors import (
     OutputTooLarge,
     ToolTimeout,
 )
+from broker.specstatic import code_placeholder
 from broker.toolspec import ToolSpec
 
 from .base import ExecContext
-from .template import OMIT, fill, has_placeholder, sole_placeholder, value_of
+from .template import OMIT, fill, has_placeholder, placeholders, sole_placeholder, value_of
 
 DEFAULT_MAX_OUTPUT = 1024 * 1024
 DEFAULT_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
@@ -87,13 +95,27 @@ def build_argv(config: dict[str, Any], args: dict[str, Any], where: str) -> list
         raise InvalidSpec(f"{where}: command: is empty")
     if has_placeholder(parts[0]):
         raise InvalidSpec(f"{where}: command: the program (argv[0]) may not contain a placeholder")
+    problem = code_placeholder(parts)
+    if problem:
+        raise InvalidSpec(f"{where}: command: {problem}")
     argv = [parts[0]]
-    separated = not config.get("args_separator")
+    mode = config.get("args_separator")
+    separated = mode is not True  # true: a "--" goes before the first element holding a value
     for part in parts[1:]:
         if not separated and has_placeholder(part):
             argv.append("--")
             separated = True
-        argv.append(fill(part, args, where))
+        filled = fill(part, args, where)
+        if mode is None and filled.startswith("-") and not part.startswith("-"):
+            # A value made this element look like an option ("--output=F" for `sort {{x}}`).
+            field = placeholders(part)[0]
+            raise InvalidArgs(
+                f"{where}: the value of {{{{{field}}}}} starts with '-', so {argv[0]} would read it as an "
+                "option; the spec can set args_separator: true (a '--' before the values) to pass such values",
+                field=field,
+                violations=[f"$.{field}: starts with '-'"],
+            )
+        argv.append(filled)
     if any("\x00" in a for a in argv):
         raise InvalidArgs(f"{where}: an argument contains a NUL byte, which no program can receive")
     return argv

@@ -209,7 +209,7 @@ def test_hostile_values_arrive_as_exactly_one_argument_and_never_run(ex, make_ct
     values = hostile_values(marker)
     assert len(values) >= 30
     templates = [
-        spec(command=[PY, RECORDER, "{{v}}"], output="json"),
+        spec(command=[PY, RECORDER, "{{v}}"], args_separator=False, output="json"),
         spec(command=f"{PY} {RECORDER} --name={{{{v}}}}", output="json"),
         spec(command=f"{PY} {RECORDER} {{{{v}}}}", args_separator=True, output="json"),
     ]

@@ -1,0 +1,103 @@
+"""Poison records: one call record that does not convert in a claim, reap or due batch is settled alone
+(failed with a typed error, or dropped), and the other calls of the batch go on (issue 24.3). Real Redis."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+
+from broker import events, keys
+from broker.calls import Calls
+from broker.limits import Limits
+from broker.states import State
+from tests.broker.test_calls import CKEY, env, submit
+
+
+def _events(conn: redis.Redis, call_id: str) -> list[events.Event]:
+    return events.history(conn, call_id)
+
+
+def _error(conn: redis.Redis, call_id: str) -> dict[str, Any]:
+    rec = Calls(conn).record(call_id)
+    assert rec is not None
+    return rec["error"] or {}
+
+
+def test_a_claim_batch_with_one_unreadable_attempt_hands_out_every_other_call(conn: redis.Redis) -> None:
+    calls = Calls(conn)
+    ids = [f"c{i:02d}" for i in range(21)]
+    for cid in ids:
+        submit(calls, env(cid, n=1))
+    conn.hset(keys.job("c05"), keys.F_ATTEMPT, "not-a-number")
+    pubsub = conn.pubsub()
+    pubsub.subscribe("hermes:ch:test")
+    claimed = calls.claim(["tools"], 25, "w1", 30)
+    assert sorted(c.call_id for c in claimed) == [cid for cid in ids if cid != "c05"]
+    # The bad one alone: failed with a typed error, its caller told, its lease and slot gone.
+    rec = calls.record("c05")
+    assert rec is not None and rec["state"] == "failed"
+    assert _error(conn, "c05")["type"] == "bad_payload"
+    assert "h_attempt='not-a-number'" in _error(conn, "c05")["message"]
+    assert [e.state for e in _events(conn, "c05")] == ["pending", "failed"]
+    assert conn.zscore(keys.LEASES, "c05") is None and conn.zscore(keys.slots(CKEY), "c05") is None
+    published = []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not published:
+        msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
+        if msg is not None:
+            published.append(events.decode(msg["data"]))
+    assert published and published[0].call_id == "c05" and published[0].state == "failed"
+    pubsub.close()
+    # The others are leased to the worker as usual.
+    assert all(conn.zscore(keys.LEASES, c.call_id) is not None for c in claimed)
+
+
+def test_a_record_with_nothing_to_publish_on_is_dropped_alone(conn: redis.Redis) -> None:
+    calls = Calls(conn)
+    for cid in ("a", "b", "c"):
+        submit(calls, env(cid))
+    conn.hset(keys.job("b"), keys.F_ATTEMPT, "x")
+    conn.hdel(keys.job("b"), keys.F_CHANNEL)
+    claimed = calls.claim(["tools"], 10, "w1", 30)
+    assert [c.call_id for c in claimed] == ["a", "c"]
+    assert conn.zscore(keys.LEASES, "b") is None and conn.zscore(keys.slots(CKEY), "b") is None
+
+
+def test_a_reap_batch_with_one_unreadable_record_settles_the_others(conn: redis.Redis) -> None:
+    calls = Calls(conn)
+    ids = [f"r{i}" for i in range(6)]
+    for cid in ids:
+        submit(calls, env(cid))
+    assert len(calls.claim(["tools"], 10, "w-dead", 0.05)) == 6
+    conn.hset(keys.job("r2"), keys.F_MAX_ATTEMPTS, "lots")
+    conn.hset(keys.job("r4"), keys.F_ATTEMPT, "-")
+    time.sleep(1.1)  # (lease deadlines are whole seconds)
+    expired = calls.reap(30)
+    assert sorted(item["call_id"] for item in expired) == ["r0", "r1", "r3", "r5"]
+    for bad in ("r2", "r4"):
+        assert calls.record(bad)["state"] == "failed"  # type: ignore[index]
+        assert _error(conn, bad)["type"] == "bad_payload"
+        assert conn.zscore(keys.LEASES, bad) is None
+
+
+def test_a_due_retry_batch_with_one_unreadable_record_hands_out_the_others(conn: redis.Redis) -> None:
+    calls = Calls(conn)
+    for cid in ("d1", "d2", "d3"):
+        submit(calls, env(cid))
+        conn.hset(keys.job(cid), keys.F_STATE, str(State.RETRYING))
+        conn.zadd(keys.SCHEDULED, {cid: time.time() - 1})
+    conn.hset(keys.job("d2"), keys.F_ATTEMPT, "2x")
+    due, _ = Limits(conn).due(30)
+    assert sorted(d.call_id for d in due) == ["d1", "d3"]
+    assert calls.record("d2")["state"] == "failed"  # type: ignore[index]
+    assert conn.zscore(keys.SCHEDULED, "d2") is None
+
+
+def test_a_damaged_record_still_reads(conn: redis.Redis) -> None:
+    calls = Calls(conn)
+    submit(calls, env("z"))
+    conn.hset(keys.job("z"), keys.F_ATTEMPT, "zz")
+    rec = calls.record("z")
+    assert rec is not None and rec["attempt"] == 0 and rec["state"] == "pending"

@@ -1,0 +1,144 @@
+"""Which strings of a call are paths: what ``policy.args.path_prefixes`` judges.
+
+A path rule's list form (``read_file: [/srv/data/]``) judges every *path-like* string of the call's
+effective arguments, found three ways, at any depth:
+
+1. **by name**: an argument whose name says path, in any case and spelling: ``path``, ``file``,
+   ``filename``, ``filePath``, ``file_name``, ``outputFile``, ``log-dir``, ``srcPath``, ``cwd``, ``dest``,
+   ``src``, ... (its last word is path/file/dir/directory/folder/cwd/dest/src, or the words end in
+   filename/filepath/pathname/dirname/dirpath), also plural (``paths``, ``files``), nested
+   (``opts.path``, ``items[2].file``) or not;
+2. **by schema**: an argument ``input_schema`` declares with ``format: path`` (or ``file-path``,
+   ``directory-path``), whatever its name;
+3. **by position**, for a ``command`` tool: every string that fills a placeholder of its argv (a program
+   may read any argument as a file name: ``cat {{anything}}``), dotted (``{{opts.path}}``) or not, and
+   every ``env_set`` value whose variable name says path (``CONFIG_FILE: "{{c}}"``).
+
+Numbers and booleans filling an argv placeholder are not paths; under a path-like name, anything that is
+not a string (or a list of strings) is refused. The mapping form (``{args: [dest, opts.path], allow:
+[...]}``) judges exactly the arguments it names (dotted names reach into nested ones) and nothing else:
+use it for a command tool whose argv also holds values that are not paths (``grep {{pattern}} {{file}}``).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from broker.specstatic import PLACEHOLDER
+from broker.toolspec import ToolSpec
+
+# A name's last word that makes it path-like, and word runs that end one (``file_name`` -> "filename").
+PATH_WORDS = frozenset(
+    {"path", "paths", "file", "files", "dir", "dirs", "directory", "directories", "folder", "folders"}
+    | {"cwd", "dest", "src", "filename", "filenames", "filepath", "filepaths", "pathname", "dirname"}
+)
+PATH_ENDINGS = ("filename", "filenames", "filepath", "filepaths", "pathname", "dirname", "dirpath")
+PATH_FORMATS = frozenset({"path", "file-path", "directory-path", "filepath", "dir-path"})
+_CAMEL = re.compile(r"([a-z0-9])([A-Z])")
+_SPLIT = re.compile(r"[^A-Za-z0-9]+")
+_MISSING = object()
+
+
+def path_like(name: str) -> bool:
+    """True when an argument (or environment variable) name says it holds a path."""
+    words = [w for w in _SPLIT.split(_CAMEL.sub(r"\1_\2", name).lower()) if w]
+    if not words:
+        return False
+    return words[-1] in PATH_WORDS or "".join(words).endswith(PATH_ENDINGS)
+
+
+def every_path(spec: ToolSpec, args: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """``(where, value)`` for every path-like value of the call (the three ways above), each place once."""
+    found: dict[str, Any] = {}
+    for where, value in _by_name(args, ""):
+        found.setdefault(where, value)
+    for where, value in _by_schema(spec.input_schema, args, ""):
+        found.setdefault(where, value)
+    if spec.executor == "command":
+        for where, value in _by_position(spec.config, args):
+            found.setdefault(where, value)
+    return list(found.items())
+
+
+def named(names: tuple[str, ...], args: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """``(name, value)`` for each of ``names`` the call has (``opts.path`` is followed into ``opts``)."""
+    out = []
+    for name in names:
+        value = lookup(args, name)
+        if value is not _MISSING:
+            out.append((name, value))
+    return out
+
+
+def lookup(args: Mapping[str, Any], name: str) -> Any:
+    """``args[name]``, else the dotted path into nested mappings (as placeholders read it)."""
+    if name in args:
+        return args[name]
+    value: Any = args
+    for part in name.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _by_name(value: Any, where: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            here = f"{where}.{key}" if where else str(key)
+            if isinstance(key, str) and path_like(key) and not _holds_mapping(item):
+                yield here, item
+            else:
+                yield from _by_name(item, here)
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            yield from _by_name(item, f"{where}[{i}]")
+
+
+def _holds_mapping(value: Any) -> bool:
+    """A mapping, or a list with one: searched by name inside rather than judged as a path itself."""
+    if isinstance(value, Mapping):
+        return True
+    return isinstance(value, list | tuple) and any(isinstance(v, Mapping) for v in value)
+
+
+def _by_schema(schema: Any, value: Any, where: str) -> Iterator[tuple[str, Any]]:
+    if not isinstance(schema, Mapping):
+        return
+    if schema.get("format") in PATH_FORMATS and where:
+        yield where, value
+        return
+    if isinstance(value, Mapping):
+        props = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        for key, item in value.items():
+            sub = props.get(key, extra) if isinstance(props, Mapping) else extra
+            yield from _by_schema(sub, item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            yield from _by_schema(schema.get("items"), item, f"{where}[{i}]")
+
+
+def _by_position(config: Mapping[str, Any], args: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    template = config.get("command")
+    try:
+        parts = shlex.split(template) if isinstance(template, str) else [str(p) for p in template or ()]
+    except ValueError:
+        parts = []  # the executor refuses this spec itself
+    for part in parts[1:]:
+        for name in PLACEHOLDER.findall(part):
+            value = lookup(args, name)
+            if isinstance(value, str):
+                yield f"{name} (argv)", value
+    env_set = config.get("env_set")
+    if isinstance(env_set, Mapping):
+        for var, text in env_set.items():
+            if not path_like(str(var)):
+                continue
+            for name in PLACEHOLDER.findall(str(text)):
+                value = lookup(args, name)
+                if isinstance(value, str):
+                    yield f"{name} (env {var})", value
