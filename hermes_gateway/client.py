@@ -242,7 +242,7 @@ class Gateway(ClientEvents):
             return self._submit(env, limits)
 
     def _submit(self, env: Envelope, limits: dict[str, Any]) -> CallHandle:
-        self._ensure_workers((env.queue,))
+        self._ensure_workers((partitions.base(env.queue),))
         handle = self._track(CallHandle(self, env.call_id, env.name, env.kind))
         try:
             pipe = self.conn.pipeline(transaction=False)
@@ -316,7 +316,7 @@ class Gateway(ClientEvents):
                 env, spec = self._envelope(name, args, item_opts(opts, idempotency_keys, i), common)
                 prepared.append((env, self._limits(env, spec), self._track(CallHandle(self, env.call_id, name))))
             check_batch_keys(common, idempotency_keys, len(prepared))
-            self._ensure_workers(tuple(dict.fromkeys(env.queue for env, _, _ in prepared)))
+            self._ensure_workers(tuple(dict.fromkeys(partitions.base(env.queue) for env, _, _ in prepared)))
         except BaseException:
             for env, _, _ in prepared:
                 self._untrack(env.call_id)

@@ -222,6 +222,46 @@ class ClusterStack:
     def url(self) -> str:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
+    @property
+    def ports(self) -> list[int]:
+        return [n.port for n in self.nodes]
+
+    def node(self, port: int) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=port)
+
+    def slot_owner(self, slot: int) -> int:
+        """The port of the primary serving ``slot``."""
+        for lo, hi, primary, *_ in self.node(self.ports[0]).execute_command("CLUSTER SLOTS"):
+            if lo <= slot <= hi:
+                return int(primary[1])
+        raise LookupError(slot)
+
+    def node_id(self, port: int) -> str:
+        return str(self.node(port).execute_command("CLUSTER MYID").decode())
+
+    def migrate_slot(self, slot: int, dest_port: int) -> int:
+        """Move ``slot`` (and its keys) to the primary on ``dest_port`` as ``redis-cli --cluster reshard``
+        does (SETSLOT IMPORTING / MIGRATING, MIGRATE in batches, SETSLOT NODE everywhere); returns the keys
+        moved."""
+        src_port = self.slot_owner(slot)
+        if src_port == dest_port:
+            return 0
+        src, dst = self.node(src_port), self.node(dest_port)
+        src_id, dst_id = self.node_id(src_port), self.node_id(dest_port)
+        dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+        moved = 0
+        while True:
+            names = src.execute_command("CLUSTER GETKEYSINSLOT", slot, 50)
+            if not names:
+                break
+            src.execute_command("MIGRATE", "127.0.0.1", dest_port, "", 0, 5000, "REPLACE", "KEYS", *names)
+            moved += len(names)
+            time.sleep(0.01)  # the calls go on meanwhile
+        for port in self.ports:
+            self.node(port).execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+        return moved
+
     def start(self) -> ClusterStack:
         try:
             for n in self.nodes:

@@ -1,4 +1,4 @@
-"""The core paths on a real 3-primary Redis Cluster (started by ``tests.cluster_procs``), with real workers."""
+"""The core paths on a real 3-primary Redis Cluster (started by ``tests.redis_stack.ClusterStack``), with real workers."""
 
 from __future__ import annotations
 
@@ -12,25 +12,24 @@ from typing import Any
 import pytest
 
 from broker import events, keys
-from tests.cluster_procs import Cluster, migrate_slot, start_cluster
 from tests.conftest import REPO, WorkerFactory
+from tests.redis_stack import ClusterStack as Cluster
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = start_cluster(tmp_path_factory.mktemp("cluster"))
-    yield c
-    c.stop()
+    with Cluster(3, tmp_path_factory.mktemp("cluster")) as c:
+        yield c
 
 
 @pytest.fixture
 def curl(cluster: Cluster, home: Any, monkeypatch: pytest.MonkeyPatch) -> str:
     for port in cluster.ports:
         cluster.node(port).flushall()
-    monkeypatch.setenv("HERMES_REDIS_URL", cluster.url)
-    return cluster.url
+    monkeypatch.setenv("HERMES_REDIS_URL", cluster.url())
+    return cluster.url()
 
 
 @pytest.fixture
@@ -71,7 +70,7 @@ def test_status_on_a_cluster_is_a_table_not_a_moved_error(curl: str, cgateway: A
 
 
 def test_an_unreachable_cluster_is_one_line_naming_the_url_with_the_password_masked(monkeypatch: Any, home: Any) -> None:
-    from tests.cluster_procs import free_port
+    from tests.redis_stack import cluster_port as free_port
 
     url = f"redis+cluster://u:s3cret@127.0.0.1:{free_port()}"
     monkeypatch.setenv("HERMES_REDIS_URL", url)
@@ -139,7 +138,7 @@ def test_a_slot_migration_during_a_batch_loses_no_call_and_runs_none_twice(
     slot = gw.conn.keyslot(keys.queue("tools"))
     dest = next(p for p in cluster.ports if p != cluster.slot_owner(slot))
     time.sleep(0.3)
-    moved = migrate_slot(cluster, slot, dest)
+    moved = cluster.migrate_slot(slot, dest)
     assert moved > 0 and cluster.slot_owner(slot) == dest
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
