@@ -262,3 +262,33 @@ class RedactProcessor:
 
 
 redact_processor = RedactProcessor()
+
+
+def redact_url(url: str) -> str:
+    """The URL without its passwords, for messages, status and run files: the userinfo password
+    (``redis://user:pw@host``) and every secret-named query parameter (``redis://host/0?password=pw``,
+    which redis-py reads too) become ``***``; the rest is left as written."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    rest, hash_, fragment = rest.partition("#")
+    rest, qmark, query = rest.partition("?")
+    if "@" in rest:  # (a password may hold a "/": the last "@" ends the userinfo)
+        creds, host = rest.rsplit("@", 1)
+        if ":" in creds:
+            rest = f"{creds.split(':', 1)[0]}:***@{host}"
+    if query:
+        query = "&".join(_masked_param(p) for p in query.split("&"))
+    return f"{scheme}://{rest}{qmark}{query}{hash_}{fragment}"
+
+
+def _masked_param(param: str) -> str:
+    from urllib.parse import unquote_plus
+
+    name, eq, value = param.partition("=")
+    key = unquote_plus(name)
+    secret = eq and value and (is_secret_key(key) or key.lower() in _PASSWORD_PARAMS)
+    return f"{name}={MASK}" if secret else param
+
+
+_PASSWORD_PARAMS = frozenset({"pass", "pw", "passwd", "password", "auth", "credentials"})

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from broker.config import load_settings
-from broker.connection import from_url, parse_sentinel_url, redact_url
+from broker.connection import from_url, redact_url
 from broker.durability import shortfall
 from broker.errors import BrokerNotDurable, BrokerUnavailable, ConfigError
+from broker.sentinel import parse_sentinel_url
 from tests.e2e.util import free_port
 
 

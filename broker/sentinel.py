@@ -1,0 +1,203 @@
+"""Redis Sentinel: ``redis+sentinel://`` URLs, what the Sentinels say, and clients that follow the primary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, unquote
+
+import redis
+from redis.sentinel import SentinelManagedConnection
+
+from .errors import ConfigError
+from .redact import redact_url
+
+SENTINEL_SCHEME = "redis+sentinel"
+SENTINEL_PORT = 26379
+# How long a Sentinel may take to answer "where is the primary" (an unreachable one is skipped after it).
+SENTINEL_TIMEOUT = 2.0
+
+
+@dataclass(frozen=True)
+class SentinelURL:
+    """``redis+sentinel://[user:pass@]host:port[,host:port...]/<master>[/db][?sentinel_password=...]``.
+
+    ``user:pass`` authenticate to the primary (and its replicas); ``sentinel_password`` (and
+    ``sentinel_username``) to the Sentinels themselves. A host without a port is on 26379.
+    """
+
+    sentinels: tuple[tuple[str, int], ...]
+    master: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    sentinel_username: str | None = None
+    sentinel_password: str | None = field(default=None, repr=False)
+
+
+def parse_sentinel_url(url: str) -> SentinelURL:
+    """Read a ``redis+sentinel://`` URL; a ConfigError naming the (masked) URL says what is wrong."""
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"broker URL {redact_url(url)}: {why}")
+
+    prefix = SENTINEL_SCHEME + "://"
+    if not url.startswith(prefix):
+        raise bad(f"not a {prefix} URL")
+    rest, _, query = url[len(prefix) :].partition("?")
+    netloc, _, path = rest.partition("/")
+    username = password = None
+    if "@" in netloc:
+        creds, netloc = netloc.rsplit("@", 1)
+        user, has_pw, pw = creds.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if has_pw else None
+    sentinels = []
+    for part in netloc.split(","):
+        part = part.strip()
+        if not part:
+            raise bad("expected host:port[,host:port...] of the Sentinels before /<master-name>")
+        if part.startswith("["):  # [IPv6]:port
+            host, _, port_text = part[1:].partition("]")
+            port_text = port_text.removeprefix(":")
+        else:
+            host, _, port_text = part.rpartition(":") if ":" in part else (part, "", "")
+        try:
+            port = int(port_text) if port_text else SENTINEL_PORT
+        except ValueError:
+            raise bad(f"Sentinel {part!r}: the port is not a number") from None
+        if not host or not 0 < port < 65536:
+            raise bad(f"Sentinel {part!r}: expected host:port")
+        sentinels.append((host, port))
+    segments = [unquote(s) for s in path.split("/")] if path else []
+    if segments and segments[-1] == "":
+        segments.pop()
+    if not segments or not segments[0]:
+        raise bad("no master name: expected redis+sentinel://host:port[,host:port...]/<master-name>[/db]")
+    if len(segments) > 2:
+        raise bad("expected /<master-name>[/db] after the Sentinels")
+    db = 0
+    if len(segments) == 2:
+        if not segments[1].isdigit():
+            raise bad(f"database {segments[1]!r} is not a number")
+        db = int(segments[1])
+    options = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
+    unknown = sorted(set(options) - {"sentinel_password", "sentinel_username"})
+    if unknown:
+        raise bad(f"unknown option(s) {', '.join(unknown)}; known: sentinel_password, sentinel_username")
+    return SentinelURL(
+        tuple(sentinels),
+        segments[0],
+        db,
+        username,
+        password,
+        options.get("sentinel_username") or None,
+        options.get("sentinel_password") or None,
+    )
+
+
+def _sentinel_kwargs(parsed: SentinelURL) -> dict[str, Any]:
+    out: dict[str, Any] = {"socket_connect_timeout": SENTINEL_TIMEOUT, "socket_timeout": SENTINEL_TIMEOUT}
+    if parsed.sentinel_password is not None:
+        out["password"] = parsed.sentinel_password
+    if parsed.sentinel_username is not None:
+        out["username"] = parsed.sentinel_username
+    return out
+
+
+def sentinels_say(url: str) -> str:
+    """What each Sentinel of ``url`` answers about its primary, in one line (why no primary was found)."""
+    parsed = parse_sentinel_url(url)
+    said = []
+    for host, port in parsed.sentinels:
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        client = redis.Redis(host, port, **_sentinel_kwargs(parsed))
+        try:
+            masters: dict[str, Any] = client.sentinel_masters()  # type: ignore[assignment]
+        except redis.RedisError as e:
+            said.append(f"{where} did not answer ({type(e).__name__}: {e})")
+            continue
+        finally:
+            client.close()
+        state = masters.get(parsed.master)
+        if state is None:
+            watched = ", ".join(sorted(masters)) or "none"
+            said.append(f"{where} watches no primary named {parsed.master!r} (it watches: {watched})")
+        else:
+            flags = ",".join(k for k in ("is_sdown", "is_odown", "is_disconnected") if state.get(k)) or "not a master"
+            said.append(f"{where} names {state.get('ip')}:{state.get('port')} but it is down ({flags})")
+    return "; ".join(said)
+
+
+class _FollowingConnection(SentinelManagedConnection):
+    """A Sentinel-managed connection that asks where the primary is on *every* reconnect.
+
+    redis-py resolves the primary in ``connect()``, but a connection that broke is connected again by
+    ``send_packed_command`` through ``connect_check_health``, which reuses the old address: a connection
+    kept across a failover (a worker's outbox, a subscription) would knock on the dead primary forever.
+    """
+
+    _resolving = False
+
+    def connect_to(self, address: Any) -> None:
+        self._resolving = True  # the address was just asked for
+        try:
+            super().connect_to(address)
+        finally:
+            self._resolving = False
+
+    def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        if self._sock is None and not self._resolving and self.connection_pool.is_master:
+            self.host, self.port = self.connection_pool.get_master_address()
+        super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+
+
+def _async_following_connection() -> type:
+    """The asyncio twin of :class:`_FollowingConnection` (made on first use: redis.asyncio loads lazily)."""
+    global _ASYNC_FOLLOWING
+    if _ASYNC_FOLLOWING is None:
+        from redis.asyncio.sentinel import SentinelManagedConnection as AsyncManaged
+
+        class AsyncFollowing(AsyncManaged):  # type: ignore[misc]
+            _resolving = False
+
+            async def connect_to(self, address: Any) -> None:
+                self._resolving = True
+                try:
+                    await super().connect_to(address)
+                finally:
+                    self._resolving = False
+
+            async def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+                if not self.is_connected and not self._resolving and self.connection_pool.is_master:
+                    self.host, self.port = await self.connection_pool.get_master_address()
+                await super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+
+        _ASYNC_FOLLOWING = AsyncFollowing
+    return _ASYNC_FOLLOWING
+
+
+_ASYNC_FOLLOWING: type | None = None
+
+
+def sentinel_client(url: str, *, is_async: bool = False, **kwargs: Any) -> Any:
+    """A client of the primary the Sentinels of ``url`` name (redis-py's ``Sentinel.master_for``): its
+    pool asks them again on every new connection, so it follows a promoted replica by itself."""
+    parsed = parse_sentinel_url(url)
+    sentinel_kwargs = _sentinel_kwargs(parsed)
+    options: dict[str, Any] = {"db": parsed.db, "username": parsed.username, "password": parsed.password}
+    if is_async:
+        options["connection_class"] = _async_following_connection()
+    else:
+        options["health_check_interval"] = 30
+        options["connection_class"] = _FollowingConnection
+    options.update(kwargs)
+    if is_async:
+        from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+
+        return AsyncSentinel(list(parsed.sentinels), sentinel_kwargs=sentinel_kwargs).master_for(
+            parsed.master, **options
+        )
+    from redis.sentinel import Sentinel
+
+    return Sentinel(list(parsed.sentinels), sentinel_kwargs=sentinel_kwargs).master_for(parsed.master, **options)
