@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -13,14 +12,14 @@ import structlog
 
 from broker import durability, keys, partitions, pipes
 from broker.calls import Calls
-from broker.codec import text
 from broker.config import Settings, load_settings
 from broker.connection import BrokerHandle, answered, connect, is_cluster, subscriber
 from broker.directory import Directory, Entry, sync_dir
 from broker.envelope import Envelope
-from broker.errors import HermesError, InvalidSpec, NoWorkers, QueueFull
+from broker.errors import HermesError, InvalidSpec, QueueFull
 from broker.toolspec import ToolSpec
 from hermes_gateway.client_events import ClientEvents
+from hermes_gateway.client_workers import ClientWorkers
 from hermes_gateway.envelopes import (
     check_batch_keys,
     check_llm_request,
@@ -37,11 +36,10 @@ log = structlog.get_logger("hermes.client")
 SUBMIT_CHUNK = 100  # calls per pipelined round trip in submit_many
 
 
-WORKERS_TRUSTED = 5.0  # seconds a queue seen with a live worker is not checked again (check_workers)
 
 
 
-class Gateway(ClientEvents):
+class Gateway(ClientEvents, ClientWorkers):
     """A client of the gateway: one connection, one event channel, many calls in flight."""
 
     def __init__(
@@ -400,47 +398,3 @@ class Gateway(ClientEvents):
         h = CallHandle(self, call_id, rec["name"], rec["kind"], own=rec["channel"] in self._channels)
         h.sync()
         return h
-
-    # -- cluster ---------------------------------------------------------------------------------
-
-    def live_workers(self, queue: str | None = None, within: float | None = None) -> list[dict[str, Any]]:
-        """Workers whose heartbeat is recent, optionally only those listening on ``queue``."""
-        horizon = time.time() - (within or max(15.0, self.settings.lease))
-        names = self.conn.zrangebyscore(keys.WORKERS, horizon, "+inf")
-        pipe = self.conn.pipeline(transaction=False)
-        for n in names:
-            pipe.hgetall(keys.worker(text(n)))
-        out = []
-        for raw in pipe.execute():
-            if not raw:
-                continue
-            w = {k.decode(): v.decode() for k, v in raw.items()}
-            if queue is None or queue in w.get("queues", "").split(","):
-                out.append(w)
-        return out
-
-    def require_workers(self, queue: str) -> None:
-        if not self.live_workers(queue):
-            raise NoWorkers(
-                f"no worker listens on queue {queue!r} at {self.description}; start one with "
-                f"`hermes-gateway worker --queues {queue}`",
-                queue=queue,
-            )
-
-    def _ensure_workers(self, queues: tuple[str, ...]) -> None:
-        """With ``check_workers``: NoWorkers for a queue no worker listens on — or, on an embedded broker
-        of our own, a worker started for it. A queue seen served is trusted for a few seconds."""
-        if not self.check_workers:
-            return
-        for queue in queues:
-            if self._workers_seen.get(queue, 0.0) > time.monotonic():
-                continue
-            with self._workers_lock:
-                if not self.live_workers(queue):
-                    if self.broker.embedded is None:
-                        self.require_workers(queue)  # raises
-                    from hermes_gateway.local import start_workers, wait_for_heartbeats
-
-                    self._own_workers += start_workers(self.broker.url, self.settings, (queue,))
-                    wait_for_heartbeats(self, 1, queues=(queue,))
-                self._workers_seen[queue] = time.monotonic() + WORKERS_TRUSTED
