@@ -9,7 +9,6 @@ Every Redis here is a local redis-server process this script starts on free loop
   first call done on the promoted replica, and accepted calls lost, stuck, and run twice;
 - a 3-primary Redis Cluster (``redis+cluster://``): Redis CPU per call summed over the nodes, calls/s with
   1 and 2 worker processes, and with 6 queues the busiest shard's share of the Redis CPU (ideal 0.333).
-  This part needs ``redis+cluster://`` support in ``broker.connection``; without it, it says so.
 The last line is ``busiest_shard_share=<x>``.
 """
 
@@ -207,7 +206,7 @@ def cluster_supported() -> str | None:
         from_url(f"redis+cluster://127.0.0.1:{free_port()}").close()
     except HermesError as e:
         if "must specify one of the following schemes" in str(e):
-            return "redis+cluster:// is not known to broker.connection in this build (it comes with branch scaleout)"
+            return "redis+cluster:// is not known to broker.connection in this build"
     return None
 
 
