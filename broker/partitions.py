@@ -1,7 +1,11 @@
 """Queue partitions: one logical queue spread over N hash tags (``queue_partitions: N`` on a tool).
 
-A tool with N > 1 partitions puts its calls on queues ``<queue>#0`` .. ``<queue>#N-1``, each its own hash
-tag (``{tools#0}``...), so on a cluster one hot queue spreads over up to N shards. The tool's concurrency
+A tool with N > 1 partitions puts its calls on queues ``<queue>#0.<k>`` .. ``<queue>#N-1.<k>``, each its own
+hash tag (``{tools#0.3}``...), so on a cluster one hot queue spreads over up to N shards. The suffix ``k``
+is the first that puts partition i's tag in the i-th N-th of the 16,384 hash slots — where a cluster made
+by ``redis-cli --cluster create`` has its i-th shard when N is a multiple of the shard count — so the
+partitions spread evenly instead of falling where their names happen to hash (6 plain names on 3 shards
+measured 0.30 / 0.68 / 0.02 of the Redis CPU). The tool's concurrency
 limit and ``queue_size`` are split statically over the partitions (``shares``: partition i gets
 ``total // N`` plus one for the first ``total % N``), so the sums are exactly the tool's figures and each
 partition's own slot and waiting sets (exact, atomic, in one slot) bound it: never more than the limit
@@ -14,10 +18,13 @@ while another has one free (no borrowing between shards).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 SEP = "#"
 _turn = itertools.count()
@@ -30,7 +37,18 @@ def count(spec: Any) -> int:
 
 def names(queue: str, n: int) -> list[str]:
     """The queues of a logical queue split in ``n``."""
-    return [queue] if n <= 1 else [f"{queue}{SEP}{i}" for i in range(n)]
+    return [queue] if n <= 1 else [name(queue, n, i) for i in range(n)]
+
+
+@functools.lru_cache(maxsize=4096)
+def name(queue: str, n: int, i: int) -> str:
+    """Partition ``i`` of ``queue`` split in ``n``: ``<queue>#<i>.<k>``, its hash slot in the i-th n-th."""
+    lo, hi = i * REDIS_CLUSTER_HASH_SLOTS // n, (i + 1) * REDIS_CLUSTER_HASH_SLOTS // n
+    for k in itertools.count():
+        candidate = f"{queue}{SEP}{i}.{k}"
+        if lo <= key_slot(("{" + candidate + "}").encode()) < hi:
+            return candidate
+    raise AssertionError("unreachable")
 
 
 def base(name: str) -> str:
@@ -40,7 +58,7 @@ def base(name: str) -> str:
 
 def index(name: str) -> int:
     """The partition number of a queue name (0 for an unsplit queue)."""
-    _, _, i = name.partition(SEP)
+    i = name.partition(SEP)[2].partition(".")[0]
     return int(i) if i.isdigit() else 0
 
 
@@ -57,7 +75,7 @@ def route(queue: str, n: int, concurrency: int, idempotency_key: str | None = No
         return queue
     usable = n if concurrency < 0 else min(n, concurrency)
     i = zlib.crc32(idempotency_key.encode()) % usable if idempotency_key else next(_turn) % usable
-    return f"{queue}{SEP}{i}"
+    return name(queue, n, i)
 
 
 def limits(queue: str, n: int, concurrency: int, queue_size: int) -> tuple[int, int]:

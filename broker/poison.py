@@ -50,17 +50,17 @@ def settle(calls: Calls, raw_id: Any, reason: str) -> str:
 def _settle(calls: Calls, call_id: str, reason: str) -> str:
     conn = calls.conn
     raw = conn.hmget(
-        keys.job(call_id), keys.F_STATE, keys.F_CHANNEL, keys.F_CKEY, keys.F_TRACE, keys.F_KIND, keys.F_TOOL
+        keys.job(call_id), keys.F_STATE, keys.F_CHANNEL, keys.F_CKEY, keys.F_TRACE, keys.F_KIND, keys.F_TOOL, "origin"
     )
-    state, chan, ckey, trace, kind, tool = (text(v) for v in raw)
-    tag = keys.tag_in(call_id)
+    state, chan, ckey, trace, kind, tool, origin = (text(v) for v in raw)
+    tag = keys.tag(origin) if origin else keys.tag_in(call_id)  # (its queue's keys)
     if not state or state in TERMINAL:
         conn.zrem(keys.leases(tag), call_id)
         return "gone"
     message = f"call record {call_id} cannot be read ({reason}); the call is failed, not run"
     error = DecodeError(message, call_id=call_id).to_wire()
     if chan:
-        info = CallInfo(call_id, trace, new_span_id(), kind or "tool", tool, None, chan, ckey, "")
+        info = CallInfo(call_id, trace, new_span_id(), kind or "tool", tool, None, chan, ckey, origin)
         reply = calls.transition(
             info,
             State.FAILED,

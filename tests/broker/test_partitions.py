@@ -27,17 +27,19 @@ def test_the_shares_of_a_limit_and_a_queue_size_add_up_exactly() -> None:
 
 def test_calls_go_round_the_partitions_with_a_share_and_a_key_always_to_the_same_one() -> None:
     seen = [partitions.route("q", 4, 100) for _ in range(40)]
-    assert {s: seen.count(s) for s in set(seen)} == {f"q#{i}": 10 for i in range(4)}
-    assert {partitions.route("q", 4, 2) for _ in range(20)} == {"q#0", "q#1"}  # limit 2: two partitions
+    four = partitions.names("q", 4)
+    assert {s: seen.count(s) for s in set(seen)} == {p: 10 for p in four}
+    assert {partitions.route("q", 4, 2) for _ in range(20)} == set(four[:2])  # limit 2: two partitions
     assert len({partitions.route("q", 4, 100, "key-1") for _ in range(10)}) == 1
     assert partitions.route("q", 1, 100) == "q"
 
 
 def test_workers_claim_every_partition_of_their_queues_each_first_in_turn() -> None:
     qs = partitions.expand(["q", "other"], [spec(3), spec(2, queue="elsewhere")])
-    assert qs == ["q", "other", "q#0", "q#1", "q#2"]
+    three = partitions.names("q", 3)
+    assert qs == ["q", "other", *three] and [partitions.index(p) for p in three] == [0, 1, 2]
     firsts = {tuple(partitions.rotated(qs, t))[0] for t in range(4)}
-    assert firsts == {"q", "q#0", "q#1", "q#2"}
+    assert firsts == {"q", *three}
     assert all(partitions.rotated(qs, t).index("other") > partitions.rotated(qs, t).index(partitions.rotated(qs, t)[0]) for t in range(4))
 
 
@@ -49,3 +51,12 @@ def test_a_bad_partition_count_is_refused_naming_the_field() -> None:
     for bad in (0, -1, True, "3", 5000):
         with pytest.raises(InvalidSpec, match="queue_partitions"):
             spec(bad)
+
+
+def test_partition_tags_fall_in_even_shares_of_the_hash_slots() -> None:
+    from redis.crc import key_slot
+
+    for n in (2, 3, 6, 12):
+        slots = [key_slot(("{" + p + "}").encode()) for p in partitions.names("tools", n)]
+        assert [slot * n // 16384 for slot in slots] == list(range(n))  # partition i in the i-th n-th
+        assert all(partitions.base(p) == "tools" for p in partitions.names("tools", n))

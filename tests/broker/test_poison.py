@@ -14,6 +14,8 @@ from broker.limits import Limits
 from broker.states import State
 from tests.broker.test_calls import CKEY, env, submit
 
+TAG = keys.tag("tools")  # (the calls' ids here carry no tag: their records say their queue)
+
 
 def _events(conn: redis.Redis, call_id: str) -> list[events.Event]:
     return events.history(conn, call_id)
@@ -41,7 +43,7 @@ def test_a_claim_batch_with_one_unreadable_attempt_hands_out_every_other_call(co
     assert _error(conn, "c05")["type"] == "bad_payload"
     assert "h_attempt='not-a-number'" in _error(conn, "c05")["message"]
     assert [e.state for e in _events(conn, "c05")] == ["pending", "failed"]
-    assert conn.zscore(keys.LEASES, "c05") is None and conn.zscore(keys.slots(CKEY), "c05") is None
+    assert conn.zscore(keys.leases(TAG), "c05") is None and conn.zscore(keys.slots(TAG, CKEY), "c05") is None
     published = []
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and not published:
@@ -51,7 +53,7 @@ def test_a_claim_batch_with_one_unreadable_attempt_hands_out_every_other_call(co
     assert published and published[0].call_id == "c05" and published[0].state == "failed"
     pubsub.close()
     # The others are leased to the worker as usual.
-    assert all(conn.zscore(keys.LEASES, c.call_id) is not None for c in claimed)
+    assert all(conn.zscore(keys.leases(TAG), c.call_id) is not None for c in claimed)
 
 
 def test_a_record_with_nothing_to_publish_on_is_dropped_alone(conn: redis.Redis) -> None:
@@ -62,7 +64,7 @@ def test_a_record_with_nothing_to_publish_on_is_dropped_alone(conn: redis.Redis)
     conn.hdel(keys.job("b"), keys.F_CHANNEL)
     claimed = calls.claim(["tools"], 10, "w1", 30)
     assert [c.call_id for c in claimed] == ["a", "c"]
-    assert conn.zscore(keys.LEASES, "b") is None and conn.zscore(keys.slots(CKEY), "b") is None
+    assert conn.zscore(keys.leases(TAG), "b") is None and conn.zscore(keys.slots(TAG, CKEY), "b") is None
 
 
 def test_a_reap_batch_with_one_unreadable_record_settles_the_others(conn: redis.Redis) -> None:
@@ -74,12 +76,12 @@ def test_a_reap_batch_with_one_unreadable_record_settles_the_others(conn: redis.
     conn.hset(keys.job("r2"), keys.F_MAX_ATTEMPTS, "lots")
     conn.hset(keys.job("r4"), keys.F_ATTEMPT, "-")
     time.sleep(1.1)  # (lease deadlines are whole seconds)
-    expired = calls.reap(30)
+    expired = calls.reap(["tools"], 30)
     assert sorted(item["call_id"] for item in expired) == ["r0", "r1", "r3", "r5"]
     for bad in ("r2", "r4"):
         assert calls.record(bad)["state"] == "failed"  # type: ignore[index]
         assert _error(conn, bad)["type"] == "bad_payload"
-        assert conn.zscore(keys.LEASES, bad) is None
+        assert conn.zscore(keys.leases(TAG), bad) is None
 
 
 def test_a_due_retry_batch_with_one_unreadable_record_hands_out_the_others(conn: redis.Redis) -> None:
@@ -87,12 +89,12 @@ def test_a_due_retry_batch_with_one_unreadable_record_hands_out_the_others(conn:
     for cid in ("d1", "d2", "d3"):
         submit(calls, env(cid))
         conn.hset(keys.job(cid), keys.F_STATE, str(State.RETRYING))
-        conn.zadd(keys.SCHEDULED, {cid: time.time() - 1})
+        conn.zadd(keys.scheduled(TAG), {cid: time.time() - 1})
     conn.hset(keys.job("d2"), keys.F_ATTEMPT, "2x")
-    due, _ = Limits(conn).due(30)
+    due, _ = Limits(conn).due(["tools"], 30)
     assert sorted(d.call_id for d in due) == ["d1", "d3"]
     assert calls.record("d2")["state"] == "failed"  # type: ignore[index]
-    assert conn.zscore(keys.SCHEDULED, "d2") is None
+    assert conn.zscore(keys.scheduled(TAG), "d2") is None
 
 
 def test_a_damaged_record_still_reads(conn: redis.Redis) -> None:

@@ -50,7 +50,7 @@ def race(url: str, home: Any, workers: Any, wait_until: Any, clients: int = 6, e
         # Every partition's share is taken and no more: exactly the limit plus the queue size accepted.
         assert len(accepted) == LIMIT + QUEUE_SIZE, (len(accepted), len(refused))
         assert running <= LIMIT and waiting <= QUEUE_SIZE and running + waiting == len(accepted)
-        assert {cid.split(".")[0] for cid in accepted} == set(tags)  # spread over every partition
+        assert {keys.tag_in(cid) for cid in accepted} == set(tags)  # spread over every partition
         wait_until(
             lambda: all(gws[0].calls.record(c)["state"] == "done" for c in accepted), 60, message="every call done"
         )

@@ -119,7 +119,7 @@ def test_an_explicit_log_level_reaches_the_private_worker_of_tool_run(home: Any)
     finished = [line for line in lines if line["event"] == "call finished"]
     assert len(finished) == 1, lines
     assert finished[0]["state"] == "done" and finished[0]["trace_id"] == trace_id
-    assert re.fullmatch(r"[0-9a-f]{32}", finished[0]["call_id"]), finished
+    assert re.fullmatch(r"\{tools\}\.[0-9a-f]{32}", finished[0]["call_id"]), finished
     # With the default level the command stays quiet: its worker's INFO lines are not shown.
     quiet = _run(["--log-format", "json", "tool", "run", "hello", '{"name": "Alice"}'], _env(home))
     assert quiet.returncode == 0, quiet.stderr
