@@ -51,10 +51,11 @@ class Claims:
         deadline, now = lease_deadline(lease), rq_now()
         for q in queues:
             tag = keys.tag(q)
-            reply = self._claim(
+            reply, absent = self._claim(
                 keys=[keys.leases(tag), keys.queue(q)],
                 args=[n - len(out), worker, deadline, now, keys.job(""), keys.slots(tag, "")],
             )
+            self.recheck_absent(absent, requeue=keys.queue(q))
             for i in range(0, len(reply), 3):
                 cid, data, attempt = reply[i], reply[i + 1], reply[i + 2]
                 try:
@@ -64,6 +65,19 @@ class Claims:
             if len(out) >= n:
                 break
         return out
+
+    def recheck_absent(self, ids: list[bytes], *, requeue: str | None = None, zset: str | None = None) -> None:
+        """Ids a script found no record of, asked again where a cluster's redirections are followed: a
+        record on its way to another node (a slot migration) keeps its place — back at the head of
+        ``requeue`` (it still holds its slot), or left in ``zset`` (held) — and one that is gone (expired)
+        leaves ``zset``."""
+        for raw_id in ids:
+            cid = text(raw_id)
+            if self.conn.exists(keys.job(cid)):
+                if requeue is not None:
+                    self.conn.lpush(requeue, cid)
+            elif zset is not None:
+                self.conn.zrem(zset, cid)
 
     def extend_leases(self, runs: Sequence[CallInfo], lease: float, pipeline: Pipeline | None = None) -> None:
         """Push the lease deadline of calls still running here (only those still leased), and of the
@@ -91,6 +105,7 @@ class Claims:
                 keys=[keys.leases(keys.tag(q))],
                 args=[now, lease_deadline(lease), limit, keys.job(""), "reap"],
             )
+            self.recheck_absent(reply.pop(), zset=keys.leases(keys.tag(q)))
             for i in range(0, len(reply), 7):
                 cid, state, attempt, max_att, queue, cancel, ckey = (text(v) for v in reply[i : i + 7])
                 try:

@@ -1,8 +1,11 @@
 -- CLAIM: take up to `max` pending calls off one queue, leased to a worker.
 -- KEYS: 1 leases zset, 2 queue list (of one queue tag)
 -- ARGV: see the locals below
--- Returns {call_id, data, attempt, ...}. A call's slot score becomes its lease deadline. Calls no longer
--- pending (cancelled, expired) are dropped from the queue; their slot went back when they ended.
+-- Returns {{call_id, data, attempt, ...}, {absent id, ...}}. A call's slot score becomes its lease deadline.
+-- Calls no longer pending (cancelled) are dropped from the queue; their slot went back when they ended.
+-- An id whose record is not here is returned as absent: on a cluster its record may be on the way to
+-- another node (a slot migration: MIGRATE moves key by key), so the caller asks again where redirections
+-- are followed and puts it back, or drops it when it is gone (expired).
 -- The ids popped are discovered here: their records are read at job_prefix .. id and their slot sets at
 -- slots_prefix .. concurrency key (ids and keys carry the queue's tag, so all of them live in this slot).
 local max = tonumber(ARGV[1])
@@ -13,6 +16,7 @@ local job_prefix = ARGV[5]
 local slots_prefix = ARGV[6]
 
 local out = {}
+local absent = {}
 local got = 0
 while got < max do
   local id = redis.call('LPOP', KEYS[2])
@@ -27,6 +31,8 @@ while got < max do
     out[#out + 1] = f[3]
     out[#out + 1] = f[4]
     got = got + 1
+  elseif not f[1] then
+    absent[#absent + 1] = id
   end
 end
-return out
+return {out, absent}

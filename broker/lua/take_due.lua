@@ -6,7 +6,10 @@
 --   ckey, ...} for the reaper to settle (a record that is gone just leaves the set).
 -- DUE (mode 'due'): retries that are due: {call_id, state, attempt, trace, kind, tool, channel, ckey,
 --   origin, queue, ...}, then the next due time after them ('' when none).
--- Records are read at job_prefix .. id: ids carry the queue's tag, so they live in this slot.
+-- Records are read at job_prefix .. id: ids carry the queue's tag, so they live in this slot. An entry whose
+-- record is not here is held too and its id returned as absent, the reply's last element (a list): on a
+-- cluster the record may be on its way to another node (a slot migration), so the caller asks again where
+-- redirections are followed and takes the entry out only when the record is gone.
 local now = ARGV[1]
 local hold = ARGV[2]
 local max = tonumber(ARGV[3])
@@ -21,12 +24,16 @@ else
 end
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, max)
 local out = {}
+local absent = {}
 for _, id in ipairs(ids) do
   local f = redis.call('HMGET', job_prefix .. id, unpack(fields))
   if f[1] and (mode == 'reap' or f[1] == 'retrying') then
     redis.call('ZADD', KEYS[1], hold, id)
     out[#out + 1] = id
     for i = 1, #fields do out[#out + 1] = f[i] or '' end
+  elseif not f[1] then
+    redis.call('ZADD', KEYS[1], hold, id)
+    absent[#absent + 1] = id
   else
     redis.call('ZREM', KEYS[1], id)
   end
@@ -35,4 +42,5 @@ if mode == 'due' then
   local nxt = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
   out[#out + 1] = nxt[2] or ''
 end
+out[#out + 1] = absent
 return out

@@ -103,3 +103,17 @@ def test_a_damaged_record_still_reads(conn: redis.Redis) -> None:
     conn.hset(keys.job("z"), keys.F_ATTEMPT, "zz")
     rec = calls.record("z")
     assert rec is not None and rec["attempt"] == 0 and rec["state"] == "pending"
+
+
+def test_a_queued_id_without_a_record_is_dropped_and_a_scheduled_one_leaves_the_schedule(conn: redis.Redis) -> None:
+    # (on a cluster, a record mid-migration is asked for again where redirections are followed and kept:
+    # tests/e2e/test_cluster.py moves a queue's slot under a batch)
+    calls = Calls(conn)
+    submit(calls, env("kept"))
+    conn.lpush(keys.queue("tools"), "expired")  # an id whose record is gone
+    conn.zadd(keys.scheduled(TAG), {"expired-retry": time.time() - 1})
+    claimed = calls.claim(["tools"], 10, "w1", 30)
+    assert [c.call_id for c in claimed] == ["kept"]
+    assert conn.llen(keys.queue("tools")) == 0 and conn.zscore(keys.leases(TAG), "expired") is None
+    due, _ = Limits(conn).due(["tools"], 30)
+    assert due == [] and conn.zscore(keys.scheduled(TAG), "expired-retry") is None

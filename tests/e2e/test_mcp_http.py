@@ -291,7 +291,7 @@ def test_without_the_mcp_extra_serve_still_runs_and_mcp_says_what_to_install(
             monkeypatch.undo()
 
     monkeypatch.setattr(mcp_executor, "require_sdk", missing)
-    with TestClient(create_app(gateway)) as client:
+    with TestClient(create_app(gateway), base_url="http://127.0.0.1") as client:
         assert client.get("/healthz").status_code == 200
         answer = client.post("/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
     assert answer.status_code == 501
