@@ -263,6 +263,6 @@ def test_the_audit_filter_finds_a_call_by_session_and_replays_it(
     assert '"who": "ann"' in page.wait_text("#audit-record", "ann")
     page.page.once("dialog", lambda d: d.accept())
     page.page.click("#audit-replay")
-    out = page.wait_text("#audit-out", r"replay [0-9a-f]{32}: done")
+    out = page.wait_text("#audit-out", r"replay \{tools\}\.[0-9a-f]{32}: done")
     assert "same outcome as recorded" in out
     assert page.problems == [], page.problems
