@@ -79,3 +79,4 @@ def test_scale_out_measures_redis_cpu_side_by_side_with_rq_and_a_sentinel_failov
         assert any(line.startswith("cluster: ") for line in lines)
     else:
         assert any(line.startswith("cluster, 3 primaries, 6 queues") for line in lines)
+        assert any(line.startswith("cluster, 3 primaries, 1 queue with queue_partitions: 6") for line in lines)
