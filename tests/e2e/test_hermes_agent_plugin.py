@@ -277,13 +277,18 @@ def test_hermes_reaches_the_gateways_tools_at_mcp_on_serve_with_a_token(
         agent_config["mcp_servers"] = {
             "gateway": {"url": server.url, "headers": {"Authorization": f"Bearer {token}"}, "timeout": 60}
         }
+        # Hermes discovers MCP tools in the background and waits mcp_discovery_timeout (1.5 s) for them
+        # before the first turn: a remote gateway (here a loaded test machine) may take longer to answer.
+        agent_config["mcp_discovery_timeout"] = 30
         (agent.root / "config.yaml").write_text(yaml.safe_dump(agent_config))
         workers(queues="tools")
         proc = agent.run("chat", "-q", "What is the weather in Berlin?", "-Q")
     finally:
         server.stop()
 
-    [record] = [r for r in records(conn) if r.kind == "tool"]
+    tool_records = [r for r in records(conn) if r.kind == "tool"]
+    assert len(tool_records) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [record] = tool_records
     assert record.tool_name == "get_weather" and record.state == "done" and record.args == {"city": "Berlin"}
     assert record.principal == "remote-hermes"  # the token's principal
     offered, answered = llm.chat_requests
