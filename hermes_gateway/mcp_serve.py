@@ -39,7 +39,7 @@ from broker import events as ev_mod
 from broker.errors import HermesError
 from hermes_gateway.credentials import CALLER_SCOPE_KEY, Caller
 
-VERSION = "0.11.0"
+VERSION = "0.10.0"  # (the package version: pyproject, hermes_gateway.__version__)
 MAX_SESSIONS = 10_000  # handshake-era sessions remembered for list_changed (the SDK's default session cap)
 
 log = structlog.get_logger("hermes.mcp")
