@@ -135,6 +135,14 @@ class AuditRecord:
         return json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":"), default=_json_default)
 
 
+CONTEXT_KEYS = ("principal", "session_id", "turn_id", "task_id", "api_request_id", "tool_call_id", "parent_call_id")
+
+
+def context_fields(context: Mapping[str, Any]) -> dict[str, Any]:
+    """The runtime-context fields an audit record keeps, from a call's context (None where absent)."""
+    return {k: context.get(k) for k in CONTEXT_KEYS}
+
+
 def summarize(result: Any, limit: int = SUMMARY_LIMIT) -> str:
     """A redacted, truncated repr of a result: at most ``limit`` bytes of UTF-8."""
     text = _Preview(limit * 4).render(result)

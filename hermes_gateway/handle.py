@@ -200,7 +200,7 @@ PENDING_CANCEL = {"type": "cancelled", "message": "cancelled by the caller befor
 
 def cancelled_record(call_id: str, kind: str, tool: str, trace: str, attempt: int, data: Any, sensitive: Any) -> Any:
     """The audit record of a call cancelled while pending (no worker ran it, so the caller writes it)."""
-    from broker.audit import AuditRecord
+    from broker.audit import AuditRecord, context_fields
     from broker.records import envelope_of
 
     try:
@@ -218,13 +218,7 @@ def cancelled_record(call_id: str, kind: str, tool: str, trace: str, attempt: in
         error=PENDING_CANCEL,
         tool_name=tool if kind == "tool" else None,
         model=tool if kind == "llm" else None,
-        principal=context.get("principal"),
-        session_id=context.get("session_id"),
-        turn_id=context.get("turn_id"),
-        task_id=context.get("task_id"),
-        api_request_id=context.get("api_request_id"),
-        tool_call_id=context.get("tool_call_id"),
-        parent_call_id=context.get("parent_call_id"),
+        **context_fields(context),
         trace_id=trace,
         attempts=attempt,
     )

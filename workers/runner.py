@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from broker import keys
-from broker.audit import AuditRecord
+from broker.audit import AuditRecord, context_fields
 from broker.codec import pack, text
 from broker.envelope import Envelope
 from broker.errors import CallCancelled, DecodeError, HermesError
@@ -311,13 +311,7 @@ class CallRunner:
             request=env.request if env is not None and env.kind == "llm" else None,
             error=error,
             tool_name=run.info.name if run.info.kind == "tool" else None,
-            principal=context.get("principal"),
-            session_id=context.get("session_id"),
-            turn_id=context.get("turn_id"),
-            task_id=context.get("task_id"),
-            api_request_id=context.get("api_request_id"),
-            tool_call_id=context.get("tool_call_id"),
-            parent_call_id=context.get("parent_call_id"),
+            **context_fields(context),
             trace_id=run.info.trace_id,
             duration_ms=round(duration * 1000, 3),
             status_code=_status_code(run, error),
