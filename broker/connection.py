@@ -91,6 +91,21 @@ def cluster_from_url(url: str, **kwargs: Any) -> Any:
     return conn
 
 
+def cluster_node_url(url: str, info: dict[str, Any]) -> bool:
+    """Whether a plain ``redis://``/``rediss://`` URL reached a Redis Cluster node (its ``INFO cluster``):
+    such a URL is then used as the cluster's seed node, as ``redis+cluster://`` would be. A cluster has
+    only database 0, so a URL naming another is refused, saying so."""
+    if str(info.get("cluster_enabled", 0)) != "1":
+        return False
+    db = redis.connection.parse_url(url).get("db") if url.startswith(("redis://", "rediss://")) else None
+    if not db:
+        return True
+    raise BrokerUnavailable(
+        f"{redact_url(url)} is a Redis Cluster node, and a cluster has only database 0: drop /{db} from the "
+        f"URL (or name the cluster as {CLUSTER_SCHEME}host:port[,host:port...])"
+    )
+
+
 async def async_from_url(url: str, **kwargs: Any) -> Any:
     """An asyncio client for the same URLs as :func:`from_url` (``redis.asyncio``; its cluster client for
     ``redis+cluster://``, a Sentinel-managed one for ``redis+sentinel://``), checked with PING;
@@ -110,6 +125,9 @@ async def async_from_url(url: str, **kwargs: Any) -> Any:
             conn = sentinel_client(url, is_async=True, **kwargs)
         else:
             conn = redis.asyncio.Redis.from_url(url, **kwargs)
+            if cluster_node_url(url, await _info_cluster(conn)):
+                await _close(conn)
+                conn = redis.asyncio.cluster.RedisCluster.from_url(url, **kwargs)
         await conn.ping()
     except MasterNotFoundError as e:
         await _close(conn)
@@ -128,9 +146,30 @@ async def _close(conn: Any) -> None:
         await conn.aclose()
 
 
+async def _info_cluster(conn: Any) -> dict[str, Any]:
+    try:
+        return await conn.info("cluster")  # type: ignore[no-any-return]
+    except redis.ResponseError as e:
+        return _refused(e)
+
+
+def _info_cluster_sync(conn: redis.Redis) -> dict[str, Any]:
+    try:
+        return conn.info("cluster")  # type: ignore[return-value]
+    except redis.ResponseError as e:
+        return _refused(e)
+
+
+def _refused(e: redis.ResponseError) -> dict[str, Any]:
+    """What ``INFO cluster`` refused says: a cluster node refuses the SELECT of a URL's database; INFO
+    renamed or refused (a managed Redis) is taken as no cluster."""
+    return {"cluster_enabled": 1} if "not allowed in cluster mode" in str(e) else {}
+
+
 def from_url(url: str, **kwargs: Any) -> redis.Redis:
     """A client for redis://, rediss://, unix:// (password in the URL), redis+sentinel:// URLs, or a Redis
-    Cluster for ``redis+cluster://host:port[,host:port...]``, checked with PING."""
+    Cluster for ``redis+cluster://host:port[,host:port...]`` (or a plain URL naming one of its nodes),
+    checked with PING (a plain URL with ``INFO cluster``)."""
     try:
         if url.startswith(CLUSTER_SCHEME):
             return cluster_from_url(url, **kwargs)  # type: ignore[no-any-return]
@@ -138,6 +177,12 @@ def from_url(url: str, **kwargs: Any) -> redis.Redis:
             conn = sentinel_client(url, **kwargs)
         else:
             conn = redis.Redis.from_url(url, health_check_interval=30, **kwargs)  # type: ignore[arg-type]
+            if cluster_node_url(url, _info_cluster_sync(conn)):  # (INFO answers: no PING needed after it)
+                conn.close()
+                cluster = redis.cluster.RedisCluster.from_url(url, health_check_interval=30, **kwargs)
+                cluster.ping()
+                return cluster  # type: ignore[return-value]
+            return conn
         conn.ping()
     except MasterNotFoundError as e:
         raise BrokerUnavailable(f"no primary at {redact_url(url)}: {sentinels_say(url)}") from e

@@ -12,7 +12,19 @@ import time
 from typing import Any
 
 from .config import Settings
-from .errors import BrokerNotDurable
+from .connection import is_cluster
+from .errors import BrokerNotDurable, ConfigError
+
+
+def check_supported(conn: Any, settings: Settings) -> None:
+    """ConfigError when ``broker.wait_replicas`` is asked of a Redis Cluster: WAIT confirms the writes of
+    one connection to one node, and a cluster client's writes of one call go to several (the call's
+    queue, the directory, the audit), so the promise could not be kept."""
+    if settings.wait_replicas > 0 and is_cluster(conn):
+        raise ConfigError(
+            f"broker.wait_replicas ({settings.wait_replicas}; env HERMES_WAIT_REPLICAS) is not supported on a "
+            "Redis Cluster: use it with a single or Sentinel-managed primary, or set it to 0"
+        )
 
 
 def queue_wait(pipe: Any, settings: Settings) -> bool:

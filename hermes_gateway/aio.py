@@ -63,6 +63,7 @@ class AsyncGateway(AsyncEvents):
     ) -> None:
         self.conn = conn
         self.settings = settings
+        durability.check_supported(conn, settings)
         self.broker = broker  # the embedded broker this client started, if any
         self.client_id = uuid.uuid4().hex
         self.channel = keys.caller_channel(self.client_id)

@@ -54,6 +54,7 @@ class Gateway(ClientEvents, ClientWorkers):
         self._workers_lock = threading.Lock()  # (two threads' first calls start one worker, not two)
         self.conn: redis.Redis = handle.conn
         self.settings = settings or load_settings()
+        durability.check_supported(self.conn, self.settings)
         self.client_id = uuid.uuid4().hex
         self.channel = keys.caller_channel(self.client_id)
         pipes.configure(self.settings.fast_path)

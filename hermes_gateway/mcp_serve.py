@@ -258,15 +258,15 @@ class ChangeNotices:
 
 async def serve_stdio(gw: Any, **options: Any) -> None:
     """Serve ``gw``'s directory over stdin/stdout until the client closes stdin."""
-    import redis.asyncio as aioredis
     from mcp.server.stdio import stdio_server
     from mcp.server.subscriptions import InMemorySubscriptionBus
 
+    from broker.connection import async_from_url
     from hermes_gateway.aio import AsyncGateway
 
     sessions = Sessions()
     bus = InMemorySubscriptionBus()
-    agw = AsyncGateway(aioredis.Redis.from_url(gw.broker.url), gw.settings)
+    agw = AsyncGateway(await async_from_url(gw.broker.url), gw.settings)
     await agw.start()
     server = build_server(gw, lambda: agw, sessions=sessions, bus=bus, **options)
     notices = ChangeNotices(gw, sessions, bus, asyncio.get_running_loop()).start()

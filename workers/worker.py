@@ -21,7 +21,7 @@ import structlog
 from rq import Queue
 from rq import Worker as RQWorker
 
-from broker import keys, partitions
+from broker import durability, keys, partitions
 from broker.calls import Calls
 from broker.codec import MsgpackSerializer, pack, unpack
 from broker.config import Settings
@@ -81,6 +81,7 @@ class Worker:
         name: str | None = None,
         grace: float = 25.0,
     ) -> None:
+        durability.check_supported(conn, settings)
         self.conn = conn
         self.settings = settings
         self.queues = queues

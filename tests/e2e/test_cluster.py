@@ -327,3 +327,81 @@ def test_a_pushed_policy_and_a_removed_tool_reach_the_workers_on_a_cluster(
     assert gw.directory.remove("guarded") is True
     with pytest.raises(UnknownTool):
         gw.call_tool("guarded", {"x": 3})
+
+
+def test_a_plain_url_naming_one_node_is_taken_as_the_clusters_seed(
+    cluster: Cluster, curl: str, home: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The issue's first try: ``HERMES_REDIS_URL=redis://<a node>`` gave a raw MovedError traceback."""
+    from broker.connection import from_url, is_cluster
+    from broker.errors import BrokerUnavailable
+    from hermes_gateway.client import Gateway
+
+    node = f"redis://127.0.0.1:{cluster.ports[0]}"
+    monkeypatch.setenv("HERMES_REDIS_URL", node)
+    home.sleep_tool()
+    for cmd in (["tool", "register", str(home.tools_dir / "sleep.yaml")], ["tool", "list"], ["status"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "hermes_gateway", *cmd], capture_output=True, text=True, timeout=60, cwd=REPO
+        )
+        assert out.returncode == 0, (cmd, out.stderr)
+        assert "Traceback" not in out.stderr and "MovedError" not in out.stdout + out.stderr
+        if cmd[:2] == ["tool", "list"]:
+            assert "sleep" in out.stdout
+    conn = from_url(node)
+    assert is_cluster(conn)
+    conn.close()
+    logs = tmp_path / "plain-url-worker-logs"
+    logs.mkdir()
+    started = WorkerFactory(node, home, logs)
+    try:
+        started(1)
+        gw = Gateway.connect(node, home=str(home.path), embedded_ok=False)
+        try:
+            assert gw.call_tool("sleep", {"seconds": 0.01}).result(timeout=20) == {"slept": 0.01}
+        finally:
+            gw.close()
+    finally:
+        started.stop_all()
+    # A cluster has database 0 only: a URL naming another is refused, saying so.
+    with pytest.raises(BrokerUnavailable, match="only database 0: drop /9 from the URL"):
+        from_url(node + "/9")
+
+
+def test_wait_replicas_on_a_cluster_is_refused_plainly_by_the_client_and_the_worker(
+    curl: str, home: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from broker.errors import ConfigError
+    from hermes_gateway.client import Gateway
+
+    monkeypatch.setenv("HERMES_WAIT_REPLICAS", "1")
+    with pytest.raises(ConfigError, match="not supported on a Redis Cluster"):
+        Gateway.connect(curl, home=str(home.path), embedded_ok=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "workers", "--queues", "tools"], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert out.returncode != 0
+    assert "not supported on a Redis Cluster" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_mcp_serve_over_stdio_on_a_cluster_lists_and_calls_a_tool(curl: str, cgateway: Any, cworkers: Any, home: Any) -> None:
+    import asyncio
+    import os
+
+    from workers.executors.mcp import _client
+
+    home.echo_tool("lookup", description="Look a thing up")
+    cgateway.sync_tools()
+    cworkers(1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_")}
+    env.update(HERMES_REDIS_URL=curl, HERMES_HOME=str(home.path))
+    server = {"command": [str(Path(sys.executable).parent / "hermes-gateway"), "mcp", "serve"], "env": env,
+              "stderr": "discard"}
+
+    async def session() -> tuple[Any, Any]:
+        async with _client(server) as client:
+            return await client.list_tools(), await client.call_tool("lookup", {"city": "北京"})
+
+    listed, found = asyncio.run(session())
+    assert "lookup" in {t.name for t in listed.tools}
+    assert not found.is_error and found.structured_content == {"city": "北京"}
