@@ -13,11 +13,11 @@ from typing import Any
 
 import structlog
 
-from broker import runfiles
 from broker.config import Settings
 from broker.connection import from_url
 from broker.embedded import die_with_parent
 from broker.errors import BrokerUnavailable, ConfigError
+from workers import runfiles
 
 log = structlog.get_logger("hermes.pool")
 
