@@ -10,15 +10,20 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import redis
 
-from . import runfiles
 from .errors import BrokerUnavailable
 
 _PR_SET_PDEATHSIG = 1
+
+# Set in a process that keeps this machine's run registry (``workers.runfiles.enable``: serve, worker):
+# called with the broker's pid and URL once it answers, so ``stop --all`` finds it; what it returns is
+# called when the broker stops.
+on_start: Callable[[int, str], Callable[[], None]] | None = None
 
 
 # Looked up here, once: a forked child of a process with threads must not load libraries (the loader's
@@ -65,7 +70,7 @@ class EmbeddedBroker:
         self.socket = self.dir / "redis.sock"
         self.persist = persist
         self.proc: subprocess.Popen[bytes] | None = None
-        self.runfile: Path | None = None
+        self._unrecord: Callable[[], None] | None = None
 
     @property
     def url(self) -> str:
@@ -112,8 +117,8 @@ class EmbeddedBroker:
             if self.socket.exists():
                 try:
                     if redis.Redis(unix_socket_path=str(self.socket)).ping():
-                        # In the run registry when this process keeps one (serve, worker): stop --all finds it.
-                        self.runfile = runfiles.register("broker", pid=self.proc.pid, parent=os.getpid(), url=self.url)
+                        if on_start is not None:
+                            self._unrecord = on_start(self.proc.pid, self.url)
                         return self
                 except redis.ConnectionError:
                     pass
@@ -123,7 +128,7 @@ class EmbeddedBroker:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        runfile, self.runfile = self.runfile, None
+        unrecord, self._unrecord = self._unrecord, None
         if proc is not None and proc.poll() is None:
             proc.terminate()
             try:
@@ -131,5 +136,6 @@ class EmbeddedBroker:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        runfiles.unregister(runfile)
+        if unrecord is not None:
+            unrecord()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -150,8 +150,8 @@ def worker(
     metrics_host: str,
 ) -> None:
     """Run worker processes that take calls off the queues."""
-    from broker import runfiles
     from broker.connection import connect
+    from workers import runfiles
     from workers.pool import run_worker, supervise
 
     settings = _settings(ctx)
@@ -202,9 +202,10 @@ def worker(
 def stop(ctx: click.Context, all_: bool, grace: float, names: tuple[str, ...]) -> None:
     """Stop workers gracefully (they finish or hand back in-flight calls); with --all, also stop what
     runs on this machine from its run registry ($HERMES_HOME/run), so `serve` frees its port."""
-    from broker import keys, runfiles
+    from broker import keys
     from broker.codec import text
     from hermes_gateway.local import connect_shared
+    from workers import runfiles
     from workers.worker import control_message
 
     if not all_ and not names:

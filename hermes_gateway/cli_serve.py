@@ -16,7 +16,7 @@ def _listen(host: str, port: int, home: Any) -> Any:
     """The listening socket of ``serve``; a taken port is a one-line error naming who holds it."""
     import socket
 
-    from broker import runfiles
+    from workers import runfiles
 
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -81,8 +81,8 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None, mcp_state
     # while the broker and worker start is kept and obeyed once they are up; while cleaning up, ignored.
     import signal
 
-    from broker import runfiles
     from hermes_gateway.local import watch_control_stop
+    from workers import runfiles
 
     sock = _listen(host, port, settings.home)  # before the broker and worker: a taken port fails at once
     early: list[int] = []

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import click
@@ -35,8 +35,7 @@ from broker.connection import async_from_url
 from broker.errors import CallFailed, HermesError
 from hermes_gateway import console_data, replay
 from hermes_gateway.credentials import CALLER_SCOPE_KEY, Credentials
-from hermes_gateway.http_api import Forbidden, error_reply
-from hermes_gateway.http_guard import check_origin
+from hermes_gateway.http_guard import Forbidden, guarded
 from hermes_gateway.http_json import BadRequest, dumps, read_body, reply
 
 log = structlog.get_logger("hermes.console")
@@ -45,9 +44,6 @@ STATS_INTERVAL = 1.5  # seconds between snapshots of the overview
 AUDIT_LIMIT = 200  # records one audit query returns at most
 REPLAY_TIMEOUT = 60.0
 STATES = ("done", "failed", "cancelled")
-
-Handler = Callable[[Request], Awaitable[Response]]
-
 
 class StatsHub:
     """One loop reading snapshots while any page listens; every stream gets each one (or the latest)."""
@@ -119,14 +115,15 @@ class StatsHub:
                     await conn.aclose()
 
 
-def console_routes(gw: Any, api: Callable[..., Handler], creds: Credentials) -> list[BaseRoute]:
-    """The routes above, each ``/v1`` one behind ``api`` (origin, host and token checks, typed errors)."""
+def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
+    """The routes above, each behind ``http_guard.Guard`` (origin and Host checks; the token on ``/v1``)."""
     from hermes_gateway import __version__
     from hermes_gateway.serve_metrics import CONTENT_TYPE, GatewayMetrics
 
     hub = StatsHub(gw)
     prometheus = GatewayMetrics(gw)
     audit_log = AuditLog.from_settings(gw.conn, gw.settings.audit)
+    auth = guarded(creds)
 
     async def console_config(_request: Request) -> Response:
         return reply(
@@ -233,11 +230,7 @@ def console_routes(gw: Any, api: Callable[..., Handler], creds: Credentials) -> 
 
         return reply(await run_in_threadpool(run))
 
-    async def metrics(request: Request) -> Response:
-        try:
-            check_origin(request, creds.required)
-        except Forbidden as e:
-            return error_reply(e)
+    async def metrics(_request: Request) -> Response:
         try:
             body = await run_in_threadpool(prometheus.render)
         except (RedisError, OSError) as e:
@@ -245,13 +238,13 @@ def console_routes(gw: Any, api: Callable[..., Handler], creds: Credentials) -> 
         return Response(body, media_type=CONTENT_TYPE)
 
     return [
-        Route("/metrics", metrics),
-        Route("/v1/console", api(console_config)),
-        Route("/v1/stream/stats", api(stats_stream, query_token=True)),
-        Route("/v1/workers/{name}/stop", api(stop_worker), methods=["POST"]),
-        Route("/v1/audit", api(audit_list)),
-        Route("/v1/audit/{call_id}", api(audit_get)),
-        Route("/v1/audit/{call_id}/replay", api(audit_replay), methods=["POST"]),
+        Route("/metrics", metrics, middleware=guarded(creds, token=False)),
+        Route("/v1/console", console_config, middleware=auth),
+        Route("/v1/stream/stats", stats_stream, middleware=guarded(creds, query_token=True)),
+        Route("/v1/workers/{name}/stop", stop_worker, methods=["POST"], middleware=auth),
+        Route("/v1/audit", audit_list, middleware=auth),
+        Route("/v1/audit/{call_id}", audit_get, middleware=auth),
+        Route("/v1/audit/{call_id}/replay", audit_replay, methods=["POST"], middleware=auth),
         Mount("/static", StaticFiles(packages=[("hermes_gateway", "static")]), name="static"),
     ]
 

@@ -30,18 +30,21 @@ A browser must not be able to drive the API from another site (registering a ``c
 running code): request bodies must be ``application/json`` (a cross-site form or ``no-cors`` fetch
 cannot send that without a preflight, which is never answered), a foreign ``Origin`` is refused, and
 without a token the ``Host`` must be a loopback name (no DNS rebinding): ``hermes_gateway.http_guard``.
+
+The app is Starlette's: each route names its checks as route middleware (``http_guard.Guard``: origin and
+Host, then the token), and typed errors become HTTP answers in the app's exception handlers
+(``http_guard.ERROR_HANDLERS``); the endpoints are the methods of :class:`Api`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from importlib import resources
 from typing import Any
 
-from redis.exceptions import RedisError
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -53,19 +56,11 @@ from broker.connection import async_from_url
 from broker.directory import spec_from_yaml_text
 from broker.envelope import CONTEXT_FIELDS
 from broker.errors import (
-    BrokerNotDurable,
-    BrokerUnavailable,
     CallCancelled,
     CallFailed,
     CallTimeout,
-    CircuitOpen,
     HermesError,
     IdempotencyConflict,
-    InvalidArgs,
-    InvalidSpec,
-    NoWorkers,
-    PermissionDenied,
-    QueueFull,
     UnknownTool,
 )
 from broker.redact import redact
@@ -73,42 +68,14 @@ from broker.toolspec import ToolSpec
 from hermes_gateway.aio import AsyncGateway
 from hermes_gateway.aio_handle import AsyncCallHandle
 from hermes_gateway.client import Gateway
-from hermes_gateway.credentials import CALLER_SCOPE_KEY, TRUSTED_LOCAL, Caller, Credentials
-from hermes_gateway.http_guard import Forbidden, authenticate, check_origin, unauthorized
-from hermes_gateway.http_json import BadRequest, RequestTimeout, TooLarge, dumps, read_body, reply
+from hermes_gateway.credentials import CALLER_SCOPE_KEY, Caller, Credentials
+from hermes_gateway.http_guard import ERROR_HANDLERS, guarded
+from hermes_gateway.http_guard import error_reply as error_reply
+from hermes_gateway.http_json import BadRequest, dumps, read_body, reply
 from hermes_gateway.views import call_request
 
-DEFAULT_PORT = 8787  # the Tool Gateway document's console port
 TOKEN_ENV = "HERMES_API_TOKEN"
 MAX_WAIT = 300.0  # seconds a request may hold on for a call's outcome
-
-_STATUS: list[tuple[type[HermesError], int]] = [
-    (UnknownTool, 404),
-    (InvalidSpec, 400),
-    (InvalidArgs, 400),
-    (QueueFull, 429),
-    (IdempotencyConflict, 409),
-    (PermissionDenied, 403),
-    (CircuitOpen, 503),
-    (NoWorkers, 503),
-    (BrokerUnavailable, 503),
-    (BrokerNotDurable, 503),
-]
-
-Handler = Callable[[Request], Awaitable[Response]]
-
-
-def error_reply(error: HermesError) -> Response:
-    status = next((code for cls, code in _STATUS if isinstance(error, cls)), 400)
-    if isinstance(error, CallFailed) and error.type == "unknown_call":
-        status = 404
-    elif isinstance(error, Forbidden):
-        status = 403
-    elif isinstance(error, TooLarge):
-        status = 413
-    elif isinstance(error, RequestTimeout):
-        status = 408
-    return reply({"error": error.to_wire()}, status)
 
 
 def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str) -> Any:
@@ -138,12 +105,8 @@ def _context(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _caller(request: Request) -> Caller:
-    found = request.scope.get(CALLER_SCOPE_KEY)
-    return found if isinstance(found, Caller) else TRUSTED_LOCAL
-
-
-def event_data(event: Any) -> dict[str, Any]:
-    return asdict(event)
+    caller: Caller = request.scope[CALLER_SCOPE_KEY]  # (set by http_guard.Guard)
+    return caller
 
 
 class _Unavailable:
@@ -160,76 +123,50 @@ class _Unavailable:
         await reply({"error": self.error.to_wire()}, 501)(scope, receive, send)
 
 
-def create_app(
-    gw: Gateway, *, token: str | None = None, credentials: Credentials | None = None, mcp_stateful: bool = False
-) -> Starlette:
-    """The API over ``gw``'s broker: ``gw`` (threads) for the directory and status, an ``AsyncGateway``
-    on the same broker for calls, waits and event streams. ``credentials``: the tokens accepted (default:
-    ``token`` and ``api.tokens`` of ``gw.settings``)."""
-    from workers.executors.mcp import require_sdk
+class Api:
+    """The endpoints over ``gw``'s broker: ``gw`` (threads) for the directory and status, ``agw`` (an
+    ``AsyncGateway`` on the same broker, opened by ``lifespan``) for calls, waits and event streams."""
 
-    live: dict[str, AsyncGateway] = {}
-    creds = credentials or Credentials.from_settings(gw.settings, token)
-    try:  # the MCP SDK 2.x is the `mcp` extra: without it /mcp says what to install, the rest runs
-        require_sdk("MCP over HTTP at /mcp")
-        from hermes_gateway.mcp_http import McpEndpoint
+    agw: AsyncGateway
 
-        mcp: Any = McpEndpoint(gw, lambda: live["agw"], creds, stateful=mcp_stateful)
-    except HermesError as e:
-        mcp = _Unavailable(e)
+    def __init__(self, gw: Gateway, mcp_stateful: bool) -> None:
+        from workers.executors.mcp import require_sdk
+
+        self.gw = gw
+        try:  # the MCP SDK 2.x is the `mcp` extra: without it /mcp says what to install, the rest runs
+            require_sdk("MCP over HTTP at /mcp")
+            from hermes_gateway.mcp_http import McpEndpoint
+
+            self.mcp: Any = McpEndpoint(gw, lambda: self.agw, stateful=mcp_stateful)
+        except HermesError as e:
+            self.mcp = _Unavailable(e)
 
     @asynccontextmanager
-    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
-        agw = AsyncGateway(await async_from_url(gw.broker.url), gw.settings)
-        await agw.start()
-        live["agw"] = agw
+    async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
+        self.agw = AsyncGateway(await async_from_url(self.gw.broker.url), self.gw.settings)
+        await self.agw.start()
         try:
-            async with mcp.running():
+            async with self.mcp.running():
                 yield
         finally:
-            await agw.close()
+            await self.agw.close()
 
-    def api(handler: Handler, *, query_token: bool = False) -> Handler:
-        async def wrapped(request: Request) -> Response:
-            try:
-                if authenticate(request, creds, query_token) is None:
-                    return unauthorized()
-                return await handler(request)
-            except HermesError as e:
-                return error_reply(e)
-            except (RedisError, OSError) as e:
-                return error_reply(BrokerUnavailable(f"the broker did not answer: {e}"))
-            except (OverflowError, UnicodeError) as e:  # what msgpack cannot carry, from the caller's values
-                return error_reply(BadRequest(f"a value cannot be sent: {e}"))
-
-        return wrapped
-
-    async def healthz(request: Request) -> Response:
+    async def healthz(self, _request: Request) -> Response:
         # No token wanted (probes), but the same origin and Host checks; the broker URL without passwords.
-        try:
-            check_origin(request, creds.required)
-        except Forbidden as e:
-            return error_reply(e)
-        return reply({"ok": True, "broker": gw.description})
+        return reply({"ok": True, "broker": self.gw.description})
 
-    async def console(request: Request) -> Response:
-        try:
-            check_origin(request, creds.required)
-        except Forbidden as e:
-            return error_reply(e)
+    async def console(self, _request: Request) -> Response:
         page = resources.files("hermes_gateway").joinpath("console.html").read_text(encoding="utf-8")
         return HTMLResponse(page)
 
-    @api
-    async def status(_request: Request) -> Response:
+    async def status(self, _request: Request) -> Response:
         from hermes_gateway.views import status_data
 
-        return reply(await run_in_threadpool(status_data, gw, True))
+        return reply(await run_in_threadpool(status_data, self.gw, True))
 
-    @api
-    async def list_tools(_request: Request) -> Response:
+    async def list_tools(self, _request: Request) -> Response:
         rows = []
-        for entry in await live["agw"].tools():
+        for entry in await self.agw.tools():
             spec = entry.spec
             rows.append(
                 {
@@ -238,25 +175,23 @@ def create_app(
                     "executor": spec.executor,
                     "permissions": list(spec.permissions) if spec.permissions is not None else None,
                     "concurrency": spec.concurrency,  # None: the default, which the next field gives
-                    "concurrency_effective": spec.concurrency or gw.settings.concurrency_for(spec.executor),
+                    "concurrency_effective": spec.concurrency or self.gw.settings.concurrency_for(spec.executor),
                     "queue_size": spec.queue_size,
                     "version": entry.version,
                 }
             )
         return reply(rows)
 
-    @api
-    async def get_tool(request: Request) -> Response:
-        entry = await live["agw"].tool(request.path_params["name"])
+    async def get_tool(self, request: Request) -> Response:
+        entry = await self.agw.tool(request.path_params["name"])
         # Literal headers, environments and DSNs may hold credentials: masked as in the audit log.
         return reply({**redact(entry.spec.to_dict()), "version": entry.version})
 
-    async def may_manage_tools(request: Request) -> None:
-        _caller(request).check_manage_tools(await run_in_threadpool(gw.policy))
+    async def _may_manage_tools(self, request: Request) -> None:
+        _caller(request).check_manage_tools(await run_in_threadpool(self.gw.policy))
 
-    @api
-    async def register_tool(request: Request) -> Response:
-        await may_manage_tools(request)
+    async def register_tool(self, request: Request) -> Response:
+        await self._may_manage_tools(request)
         body = await read_body(request)
         if set(body) == {"yaml"}:  # the spec as YAML text (what the console sends when it is not JSON)
             if not isinstance(body["yaml"], str):
@@ -264,27 +199,24 @@ def create_app(
             spec = await run_in_threadpool(spec_from_yaml_text, body["yaml"])
         else:
             spec = ToolSpec.from_dict(body)
-        version, outcome = await run_in_threadpool(gw.directory.put, spec)
-        live["agw"].invalidate(spec.name)
+        version, outcome = await run_in_threadpool(self.gw.directory.put, spec)
+        self.agw.invalidate(spec.name)
         return reply({"name": spec.name, "version": version, "outcome": outcome}, 201 if outcome == "added" else 200)
 
-    @api
-    async def remove_tool(request: Request) -> Response:
+    async def remove_tool(self, request: Request) -> Response:
         name = request.path_params["name"]
-        await may_manage_tools(request)
-        removed = await run_in_threadpool(gw.directory.remove, name)
-        live["agw"].invalidate(name)
+        await self._may_manage_tools(request)
+        removed = await run_in_threadpool(self.gw.directory.remove, name)
+        self.agw.invalidate(name)
         if not removed:
             raise UnknownTool(f"unknown tool {name!r}: it is not in the tool directory", tool=name)
         return reply({"removed": name})
 
-    @api
-    async def schemas(request: Request) -> Response:
+    async def schemas(self, request: Request) -> Response:
         principal = _caller(request).principal_for(request.query_params.get("principal") or None)
-        return reply(await run_in_threadpool(gw.tool_schemas, principal))
+        return reply(await run_in_threadpool(self.gw.tool_schemas, principal))
 
-    @api
-    async def call_tool(request: Request) -> Response:
+    async def call_tool(self, request: Request) -> Response:
         body = await read_body(request)
         args = _field(body, "args", (dict,), "an object")
         context = _context(body)
@@ -295,7 +227,7 @@ def create_app(
         timeout = _number(body, "timeout", 0.001)
         key = _field(body, "idempotency_key", (str,), "a string")
         try:
-            handle = await live["agw"].call_tool(
+            handle = await self.agw.call_tool(
                 request.path_params["name"],
                 args,
                 timeout=timeout,
@@ -312,27 +244,24 @@ def create_app(
         outcome = await _outcome(handle, min(float(wait), MAX_WAIT))
         return reply(outcome, 200 if handle.done() else 202)
 
-    @api
-    async def get_call(request: Request) -> Response:
-        handle = await live["agw"].handle(request.path_params["call_id"])
+    async def get_call(self, request: Request) -> Response:
+        handle = await self.agw.handle(request.path_params["call_id"])
         return reply(await _outcome(handle, 0.0) if handle.done() else _accepted(handle))
 
-    @api
-    async def get_call_request(request: Request) -> Response:
+    async def get_call_request(self, request: Request) -> Response:
         call_id = request.path_params["call_id"]
-        found = await run_in_threadpool(call_request, gw.conn, call_id)
+        found = await run_in_threadpool(call_request, self.gw.conn, call_id)
         if found is None:
             raise CallFailed(f"no such call {call_id}", error_type="unknown_call")
         return reply(found)
 
-    @api
-    async def cancel_call(request: Request) -> Response:
+    async def cancel_call(self, request: Request) -> Response:
         call_id = request.path_params["call_id"]
-        await live["agw"].handle(call_id)  # 404 for an unknown id
-        return reply({"call_id": call_id, "cancelled": await live["agw"].cancel(call_id)})
+        await self.agw.handle(call_id)  # 404 for an unknown id
+        return reply({"call_id": call_id, "cancelled": await self.agw.cancel(call_id)})
 
-    async def call_events_stream(request: Request) -> Response:
-        handle = await live["agw"].handle(request.path_params["call_id"])
+    async def call_events(self, request: Request) -> Response:
+        handle = await self.agw.handle(request.path_params["call_id"])
         raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
         try:
             after = int(raw)
@@ -345,31 +274,42 @@ def create_app(
         async def stream() -> AsyncIterator[dict[str, str]]:
             async for event in handle.events():
                 if event.seq > after:
-                    data = dumps(event_data(event))
+                    data = dumps(asdict(event))
                     yield {"id": str(event.seq), "event": event.type, "data": data}
 
         return EventSourceResponse(stream(), ping=15)
 
-    routes = [
-        Route("/", console),
-        Route("/healthz", healthz),
-        Route("/v1/status", status),
-        Route("/v1/tools", list_tools, methods=["GET"]),
-        Route("/v1/tools", register_tool, methods=["POST"]),
-        Route("/v1/tools/{name}", get_tool, methods=["GET"]),
-        Route("/v1/tools/{name}", remove_tool, methods=["DELETE"]),
-        Route("/v1/tools/{name}/calls", call_tool, methods=["POST"]),
-        Route("/v1/schemas", schemas),
-        Route("/v1/calls/{call_id}", get_call),
-        Route("/v1/calls/{call_id}/request", get_call_request),
-        Route("/v1/calls/{call_id}/cancel", cancel_call, methods=["POST"]),
-        Route("/v1/calls/{call_id}/events", api(call_events_stream, query_token=True)),
-        Route("/mcp", mcp),
-    ]
+
+def create_app(
+    gw: Gateway, *, token: str | None = None, credentials: Credentials | None = None, mcp_stateful: bool = False
+) -> Starlette:
+    """The API over ``gw``'s broker (:class:`Api`). ``credentials``: the tokens accepted (default: ``token``
+    and ``api.tokens`` of ``gw.settings``)."""
     from hermes_gateway.console_api import console_routes
 
-    # the console's overview, workers, audit; /metrics
-    return Starlette(routes=[*routes, *console_routes(gw, api, creds)], lifespan=lifespan)
+    creds = credentials or Credentials.from_settings(gw.settings, token)
+    api = Api(gw, mcp_stateful)
+    origin = guarded(creds, token=False)  # the console page and probes: no token, the same origin checks
+    auth = guarded(creds)
+    events = guarded(creds, query_token=True)
+    routes = [
+        Route("/", api.console, middleware=origin),
+        Route("/healthz", api.healthz, middleware=origin),
+        Route("/v1/status", api.status, middleware=auth),
+        Route("/v1/tools", api.list_tools, methods=["GET"], middleware=auth),
+        Route("/v1/tools", api.register_tool, methods=["POST"], middleware=auth),
+        Route("/v1/tools/{name}", api.get_tool, methods=["GET"], middleware=auth),
+        Route("/v1/tools/{name}", api.remove_tool, methods=["DELETE"], middleware=auth),
+        Route("/v1/tools/{name}/calls", api.call_tool, methods=["POST"], middleware=auth),
+        Route("/v1/schemas", api.schemas, middleware=auth),
+        Route("/v1/calls/{call_id}", api.get_call, middleware=auth),
+        Route("/v1/calls/{call_id}/request", api.get_call_request, middleware=auth),
+        Route("/v1/calls/{call_id}/cancel", api.cancel_call, methods=["POST"], middleware=auth),
+        Route("/v1/calls/{call_id}/events", api.call_events, middleware=events),
+        Route("/mcp", api.mcp, middleware=auth),
+        *console_routes(gw, creds),  # the console's overview, workers, audit; /metrics
+    ]
+    return Starlette(routes=routes, exception_handlers=ERROR_HANDLERS, lifespan=api.lifespan)
 
 
 def _conflict_for(caller: Caller, error: IdempotencyConflict, key: str | None) -> IdempotencyConflict:

@@ -1,5 +1,7 @@
-"""What every HTTP route of ``serve`` checks first (``/v1``, ``/mcp``, the console): where the request
-comes from and who sends it.
+"""What every HTTP route of ``serve`` passes through (``/v1``, ``/mcp``, the console): first where the
+request comes from and who sends it (:class:`Guard`, a Starlette route middleware), and what a typed error
+becomes (``ERROR_HANDLERS``, the app's exception handlers: ``{"error": {"type", "message", "details"}}``
+with the status of ``error_reply``; a broker that does not answer is 503 ``broker_unavailable``).
 
 A browser must not be able to drive the API from another site: a foreign ``Origin`` is refused, and
 without a token the ``Host`` must be a loopback name (no DNS rebinding). With a token configured
@@ -9,12 +11,31 @@ and is the ``Caller`` its token maps to (``hermes_gateway.credentials``).
 
 from __future__ import annotations
 
-from starlette.requests import HTTPConnection
-from starlette.responses import Response
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-from broker.errors import HermesError
-from hermes_gateway.credentials import CALLER_SCOPE_KEY, Caller, Credentials
-from hermes_gateway.http_json import reply
+from redis.exceptions import RedisError
+from starlette.middleware import Middleware
+from starlette.requests import HTTPConnection, Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from broker.errors import (
+    BrokerNotDurable,
+    BrokerUnavailable,
+    CallFailed,
+    CircuitOpen,
+    HermesError,
+    IdempotencyConflict,
+    InvalidArgs,
+    InvalidSpec,
+    NoWorkers,
+    PermissionDenied,
+    QueueFull,
+    UnknownTool,
+)
+from hermes_gateway.credentials import CALLER_SCOPE_KEY, Credentials
+from hermes_gateway.http_json import BadRequest, RequestTimeout, TooLarge, reply
 
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 
@@ -46,11 +67,78 @@ def unauthorized() -> Response:
     return reply({"error": body}, 401, {"WWW-Authenticate": "Bearer"})
 
 
-def authenticate(request: HTTPConnection, credentials: Credentials, query_token: bool = False) -> Caller | None:
-    """Check the origin (raises Forbidden) and the token: the caller (also kept in the request's scope),
-    or None when the token is missing or unknown (answer ``unauthorized()``)."""
-    check_origin(request, credentials.required)
-    caller = credentials.caller(presented_token(request, query_token))
-    if caller is not None:
-        request.scope[CALLER_SCOPE_KEY] = caller
-    return caller
+class Guard:
+    """The origin and Host checks (a refusal raises ``Forbidden``: the app's exception handlers answer 403),
+    then, unless ``token=False``, the bearer token: 401 when it is missing or unknown, else its ``Caller`` is
+    kept in the request's scope (``CALLER_SCOPE_KEY``). ``query_token``: ``?access_token=`` is taken too,
+    for ``EventSource``, which cannot send headers."""
+
+    def __init__(self, app: ASGIApp, creds: Credentials, *, token: bool = True, query_token: bool = False) -> None:
+        self.app, self.credentials, self.token, self.query_token = app, creds, token, query_token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = HTTPConnection(scope)
+        check_origin(request, self.credentials.required)
+        if self.token:
+            caller = self.credentials.caller(presented_token(request, self.query_token))
+            if caller is None:
+                await unauthorized()(scope, receive, send)
+                return
+            scope[CALLER_SCOPE_KEY] = caller
+        await self.app(scope, receive, send)
+
+
+def guarded(credentials: Credentials, *, token: bool = True, query_token: bool = False) -> list[Middleware]:
+    """The ``middleware=`` of a route behind :class:`Guard`."""
+    return [Middleware(Guard, credentials, token=token, query_token=query_token)]
+
+
+# -- typed errors as HTTP ----------------------------------------------------------------------------
+
+_STATUS: list[tuple[type[HermesError], int]] = [
+    (UnknownTool, 404),
+    (InvalidSpec, 400),
+    (InvalidArgs, 400),
+    (QueueFull, 429),
+    (IdempotencyConflict, 409),
+    (PermissionDenied, 403),
+    (Forbidden, 403),
+    (CircuitOpen, 503),
+    (NoWorkers, 503),
+    (BrokerUnavailable, 503),
+    (BrokerNotDurable, 503),
+    (TooLarge, 413),
+    (RequestTimeout, 408),
+]
+
+
+def error_reply(error: HermesError) -> Response:
+    """A typed error as HTTP: its status (400 unless the table says otherwise) and ``{"error": ...}``."""
+    if isinstance(error, CallFailed) and error.type == "unknown_call":
+        status = 404
+    else:
+        status = next((code for cls, code in _STATUS if isinstance(error, cls)), 400)
+    return reply({"error": error.to_wire()}, status)
+
+
+async def _typed(_request: Request, error: Exception) -> Response:
+    assert isinstance(error, HermesError)
+    return error_reply(error)
+
+
+async def _broker_down(_request: Request, error: Exception) -> Response:
+    return error_reply(BrokerUnavailable(f"the broker did not answer: {error}"))
+
+
+async def _unsendable(_request: Request, error: Exception) -> Response:  # what msgpack cannot carry
+    return error_reply(BadRequest(f"a value cannot be sent: {error}"))
+
+
+# The app's exception handlers (Starlette looks an exception's classes up in order, most derived first).
+ERROR_HANDLERS: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+    HermesError: _typed,
+    RedisError: _broker_down,
+    OSError: _broker_down,
+    OverflowError: _unsendable,
+    UnicodeError: _unsendable,
+}

@@ -13,12 +13,13 @@ from typing import Any
 
 import redis
 
-from broker import keys, logs, runfiles
+from broker import keys, logs
 from broker.codec import unpack
 from broker.config import Settings
 from broker.connection import URL_ENV, BrokerHandle, connect, from_url, subscriber
 from broker.errors import BrokerUnavailable
 from hermes_gateway.client import Gateway
+from workers import runfiles
 from workers.pool import spawn, stop_all
 
 

@@ -1,5 +1,6 @@
 """``/mcp`` on ``hermes-gateway serve``: the MCP server of ``hermes_gateway.mcp_serve`` on the streamable
-HTTP transport (the ``mcp`` SDK's ``StreamableHTTPSessionManager``), behind the API's protections.
+HTTP transport (the ``mcp`` SDK's ``StreamableHTTPSessionManager``), behind the API's protections (its
+route's ``http_guard.Guard``: origin, Host, bearer token).
 
 Stateless by default: every request stands alone, so any ``serve`` behind a load balancer answers any
 request; 2026-protocol clients get tool-list changes on a ``subscriptions/listen`` stream. ``stateful``
@@ -18,12 +19,8 @@ from typing import Any
 
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.subscriptions import InMemorySubscriptionBus
-from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
-from broker.errors import HermesError
-from hermes_gateway.credentials import Credentials
-from hermes_gateway.http_guard import authenticate, unauthorized
 from hermes_gateway.http_json import max_body
 from hermes_gateway.mcp_serve import ChangeNotices, Sessions, build_server
 
@@ -31,8 +28,8 @@ from hermes_gateway.mcp_serve import ChangeNotices, Sessions, build_server
 class McpEndpoint:
     """The ASGI app served at ``/mcp``; ``running()`` is entered in the server's lifespan."""
 
-    def __init__(self, gw: Any, agw: Callable[[], Any], credentials: Credentials, *, stateful: bool = False) -> None:
-        self.gw, self.credentials = gw, credentials
+    def __init__(self, gw: Any, agw: Callable[[], Any], *, stateful: bool = False) -> None:
+        self.gw = gw
         self.sessions = Sessions()
         self.bus = InMemorySubscriptionBus()
         server = build_server(gw, agw, sessions=self.sessions, bus=self.bus)
@@ -50,15 +47,4 @@ class McpEndpoint:
             notices.stop()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        from hermes_gateway.http_api import error_reply
-
-        request = Request(scope, receive)
-        try:
-            caller = authenticate(request, self.credentials)
-        except HermesError as e:
-            await error_reply(e)(scope, receive, send)
-            return
-        if caller is None:
-            await unauthorized()(scope, receive, send)
-            return
         await self.manager.handle_request(scope, receive, send)

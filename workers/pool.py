@@ -13,11 +13,11 @@ from typing import Any
 
 import structlog
 
-from broker import runfiles
 from broker.config import Settings
 from broker.connection import from_url
 from broker.embedded import die_with_parent
 from broker.errors import BrokerUnavailable, ConfigError
+from workers import runfiles
 
 log = structlog.get_logger("hermes.pool")
 
@@ -61,6 +61,7 @@ def tune_gc(environ: Mapping[str, str] | None = None) -> tuple[int, ...] | None:
 
 def run_worker(url: str, settings: Settings, queues: list[str], concurrency: int, grace: float) -> int:
     """Run one worker in this process until it is stopped."""
+    from workers.stopping import install_signals
     from workers.worker import Worker
 
     tune_gc()
@@ -71,7 +72,7 @@ def run_worker(url: str, settings: Settings, queues: list[str], concurrency: int
         otelsdk.serve_prometheus(int(port), os.environ.get(METRICS_HOST_ENV) or "127.0.0.1")
     conn = from_url(url)
     worker = Worker(conn, settings, queues, concurrency=concurrency, grace=grace)
-    worker.install_signals()
+    install_signals(worker.request_stop)
     # Recorded for `hermes-gateway stop --all` when a `worker` command started it (it sets the variable);
     # the private worker of a `tool run` or a `chat` is its command's to stop, not stop --all's.
     if os.environ.get(runfiles.ENV):

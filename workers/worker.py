@@ -2,13 +2,12 @@
 
 It registers as an RQ worker (``rq info`` lists it and its queues), heartbeats, extends the leases of
 its calls, reaps the calls of dead workers, and on SIGTERM finishes in-flight calls within a grace
-period, handing back what is left.
+period, handing back what is left (``workers.stopping``).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import threading
 import time
@@ -26,11 +25,10 @@ from broker.calls import Calls
 from broker.codec import MsgpackSerializer, pack, unpack
 from broker.config import Settings
 from broker.connection import is_cluster, subscriber
-from broker.states import State
 from workers import reaper
 from workers.core import WorkerCore
-from workers.executors.base import close_all
 from workers.runner import CallRunner
+from workers.stopping import drain
 from workers.threads import CallThreads, Tokens
 
 log = structlog.get_logger("hermes.worker")
@@ -117,40 +115,6 @@ class Worker:
         self._unconfirmed_logged = 0.0
 
     # -- life cycle ------------------------------------------------------------------------------
-
-    def install_signals(self) -> None:
-        """SIGTERM/SIGINT stop the worker; a second SIGINT exits at once.
-
-        The handler takes no lock (it may interrupt the main thread while that holds the logger's or an
-        Event's lock, and a second signal may interrupt the handler itself): it only writes the signal
-        number to a pipe, and a thread of ours logs it and asks the worker to stop.
-        """
-        read_fd, write_fd = os.pipe()
-        interrupts = [0]
-
-        def on_term(signum: int, _frame: Any) -> None:
-            if signum == signal.SIGINT:
-                interrupts[0] += 1
-                if interrupts[0] > 1:
-                    os.write(2, b"second interrupt: stopping now\n")
-                    os._exit(1)
-            try:
-                os.write(write_fd, bytes([signum]))
-            except OSError:
-                pass  # the pipe is full of earlier signals: the stop is already on its way
-
-        def relay() -> None:
-            while True:
-                try:
-                    signum = os.read(read_fd, 1)[0]
-                except (OSError, IndexError):
-                    return
-                log.info("stop requested", signal=signal.Signals(signum).name)
-                self.request_stop()
-
-        threading.Thread(target=relay, name="hermes-signals", daemon=True).start()
-        signal.signal(signal.SIGTERM, on_term)
-        signal.signal(signal.SIGINT, on_term)
 
     def request_stop(self) -> None:
         self.stopping.set()
@@ -266,20 +230,7 @@ class Worker:
                 self.core.cancel(cid)  # it ends cancelled without running
 
     def _shutdown(self) -> None:
-        deadline = time.monotonic() + self.grace
-        self.core.outbox.flush(self.grace)  # calls handed to us in flight are submitted before the drain
-        with self.core.idle:
-            while self.core.inflight_count() and time.monotonic() < deadline:
-                self.core.idle.wait(0.1)
-        leftovers = self.core.inflight()
-        for run in leftovers:
-            self._hand_back(run)
-        self.core.outbox.flush(self.grace)
-        dropped = self.pool.shutdown(wait=True, cancel_pending=True)
-        if dropped:  # taken off the queue, never started: the reaper puts them back when their lease ends
-            log.warning("calls taken but not started are left to the reaper", calls=dropped)
-        self.core.close()
-        close_all()
+        handed_back = drain(self.core, self.pool, self.grace)
         try:
             pipe = self.conn.pipeline(transaction=False)  # (keys of several slots on a cluster)
             pipe.zrem(keys.WORKERS, self.name)
@@ -291,19 +242,7 @@ class Worker:
                 self.rq.register_death()
         except redis.RedisError:
             pass
-        log.info(
-            "worker stopped", worker=self.name, handed_back=len(leftovers), processed=self.core.processed
-        )
-
-    def _hand_back(self, run: Any) -> None:
-        """Requeue a call the grace period could not finish; it does not count as a failed attempt."""
-        run.abandoned = True
-        if run.ctx is not None:
-            run.ctx.cancelled.set()
-        current = run.state
-        if current not in (State.ROUTING, State.EXECUTING, State.FORMATTING):
-            return
-        self.core.calls.hand_back(run.info, attempt=run.attempt, current=current, reason="worker_shutdown", free=True)
+        log.info("worker stopped", worker=self.name, handed_back=handed_back, processed=self.core.processed)
 
     def refresh_queues(self) -> None:
         """Claim from every partition of the tools on our queues (re-read on a directory change and with

@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
-from broker import runfiles
 from tests.e2e.test_cli import _env, _run
 from tests.e2e.util import free_port, wait_http
+from workers import runfiles
 
 pytestmark = pytest.mark.e2e
 

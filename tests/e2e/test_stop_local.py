@@ -17,8 +17,8 @@ from typing import Any
 import psutil
 import pytest
 
-from broker import runfiles
 from tests.e2e.util import free_port, wait_http
+from workers import runfiles
 
 pytestmark = pytest.mark.e2e
 

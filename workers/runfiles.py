@@ -7,7 +7,9 @@ checking each pid still is the process recorded (its start time and command line
 never signalled and the files of processes that died are dropped.
 
 Registration is opt-in per process (``enable``): a program that merely uses ``Gateway.connect()`` starts
-an embedded broker nobody else should stop, so that broker is not recorded.
+an embedded broker nobody else should stop, so that broker is not recorded. (``enable`` sets
+``broker.embedded.on_start``: the broker layer records nothing itself.) What a pid is now — alive, its
+start time, its command line — is ``psutil``'s to read.
 
 The registry is also how a command without ``HERMES_REDIS_URL`` finds the broker of the gateway that runs
 here (``embedded_brokers``): a ``broker`` file's ``url`` is its unix socket (an embedded broker has no
@@ -20,14 +22,17 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import hermes_home
+import psutil
+
+from broker import embedded
+from broker.config import hermes_home
+from broker.connection import redact_url
 
 RUN_DIR = "run"
 ENV = "HERMES_RUN_REGISTRY"  # set by `hermes-gateway worker`: its worker processes record themselves
@@ -54,7 +59,13 @@ def enable(home: str | os.PathLike[str] | None = None) -> Path:
     """Record this process's long-running processes (itself, its embedded broker) under ``home``'s run dir."""
     global _run_dir
     _run_dir = run_dir(home)
+    embedded.on_start = _record_broker
     return _run_dir
+
+
+def _record_broker(pid: int, url: str) -> Callable[[], None]:
+    path = register("broker", pid=pid, parent=os.getpid(), url=url)
+    return lambda: unregister(path)
 
 
 def enabled() -> Path | None:
@@ -63,49 +74,29 @@ def enabled() -> Path | None:
 
 # -- what a process is now -------------------------------------------------------------------------
 
+_GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)  # exited, not yet waited for by its parent
 
-def _proc_stat(pid: int) -> tuple[str, str] | None:
-    """(state letter, start time in clock ticks since boot) from /proc, or None when there is no /proc entry."""
+
+def _since_boot(proc: psutil.Process) -> float:
+    """Seconds from boot to the process's start (unlike its start time of day, no clock change moves it)."""
+    return round(proc.create_time() - psutil.boot_time(), 2)
+
+
+def proc_start(pid: int) -> float | None:
     try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return _since_boot(psutil.Process(pid))
+    except psutil.Error:
         return None
-    rest = raw[raw.rfind(")") + 2 :].split()  # the command name in parentheses may hold spaces
-    return rest[0], rest[19]
-
-
-def proc_start(pid: int) -> str | None:
-    st = _proc_stat(pid)
-    return st[1] if st else None
-
-
-def cmdline(pid: int) -> str | None:
-    """The process's command line (arguments joined by spaces), None when it cannot be read."""
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-        return raw.replace(b"\0", b" ").decode(errors="replace").strip()
-    except FileNotFoundError:
-        if Path("/proc/self").exists():
-            return None
-    except OSError:
-        return None
-    try:  # no /proc (macOS): ask ps
-        out = subprocess.run(["ps", "-p", str(pid), "-o", "command="], capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
 
 
 def alive(pid: int) -> bool:
     """The pid exists and is not a zombie (an exited child its parent has not waited for yet)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() not in _GONE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.AccessDenied:
         return True  # someone else's process: alive, but never ours (see ``Entry.is_ours``)
-    st = _proc_stat(pid)
-    return st is None or st[0] not in ("Z", "X")
 
 
 # -- the files --------------------------------------------------------------------------------------
@@ -119,7 +110,7 @@ class Entry:
     pid: int
     kind: str
     started: float = 0.0
-    proc_start: str | None = None
+    proc_start: float | None = None  # seconds from boot to its start (a run file of 0.10 holds clock ticks)
     parent: int | None = None
     url: str | None = None
     port: int | None = None
@@ -132,17 +123,19 @@ class Entry:
         return f"{self.kind}{where}{broker} pid {self.pid}"
 
     def is_ours(self) -> bool:
-        """Alive and still the process that wrote this file: same start time (where /proc tells) and a
-        command line of its kind. A pid reused by an unrelated process fails one of the two."""
+        """Alive and still the process that wrote this file: same start time and a command line of its
+        kind. A pid reused by an unrelated process fails one of the two."""
         try:
-            os.kill(self.pid, 0)
-        except OSError:  # gone, or another user's process
+            os.kill(self.pid, 0)  # (gone, or another user's process: not ours)
+            proc = psutil.Process(self.pid)
+            if proc.status() in _GONE:
+                return False
+            if isinstance(self.proc_start, float) and _since_boot(proc) != self.proc_start:
+                return False
+            line = " ".join(proc.cmdline())
+        except (OSError, psutil.Error):
             return False
-        st = _proc_stat(self.pid)  # (None without /proc: the command line decides alone)
-        if st is not None and (st[0] in ("Z", "X") or (self.proc_start is not None and st[1] != self.proc_start)):
-            return False
-        line = cmdline(self.pid)
-        return line is not None and any(m in line for m in MARKERS.get(self.kind, ()))
+        return any(m in line for m in MARKERS.get(self.kind, ()))
 
 
 def _write(path: Path, data: dict[str, Any]) -> None:
@@ -180,7 +173,7 @@ def register(
         "started": time.time(),
         "proc_start": proc_start(pid),
         "parent": os.getppid() if parent is None and pid == os.getpid() else parent,
-        "url": _redacted(url),  # never a password on disk
+        "url": redact_url(url) if url else url,  # never a password on disk
         "port": port,
         "host": host,
     }
@@ -190,12 +183,6 @@ def register(
     except OSError:
         return None
     return path
-
-
-def _redacted(url: str | None) -> str | None:
-    from .connection import redact_url  # (connection imports embedded, which registers here)
-
-    return redact_url(url) if url else url
 
 
 def unregister(path: Path | None) -> None:

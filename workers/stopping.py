@@ -1,0 +1,87 @@
+"""How a worker process stops: a signal (or ``stop`` on the control channel) asks for it, the claim loop
+ends, and the calls in flight get the grace period; what is left is handed back to its queue.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from broker.states import State
+from workers.core import WorkerCore
+from workers.executors.base import close_all
+from workers.threads import CallThreads
+
+log = structlog.get_logger("hermes.worker")
+
+
+def install_signals(request_stop: Callable[[], None]) -> None:
+    """SIGTERM/SIGINT call ``request_stop``; a second SIGINT exits at once.
+
+    The handler takes no lock (it may interrupt the main thread while that holds the logger's or an
+    Event's lock, and a second signal may interrupt the handler itself): it only writes the signal
+    number to a pipe, and a thread of ours logs it and asks the worker to stop.
+    """
+    read_fd, write_fd = os.pipe()
+    interrupts = [0]
+
+    def on_term(signum: int, _frame: Any) -> None:
+        if signum == signal.SIGINT:
+            interrupts[0] += 1
+            if interrupts[0] > 1:
+                os.write(2, b"second interrupt: stopping now\n")
+                os._exit(1)
+        try:
+            os.write(write_fd, bytes([signum]))
+        except OSError:
+            pass  # the pipe is full of earlier signals: the stop is already on its way
+
+    def relay() -> None:
+        while True:
+            try:
+                signum = os.read(read_fd, 1)[0]
+            except (OSError, IndexError):
+                return
+            log.info("stop requested", signal=signal.Signals(signum).name)
+            request_stop()
+
+    threading.Thread(target=relay, name="hermes-signals", daemon=True).start()
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+
+
+def drain(core: WorkerCore, pool: CallThreads, grace: float) -> int:
+    """Wait up to ``grace`` seconds for the calls in flight, hand back the rest, and close the call threads
+    and executors; the number of calls handed back."""
+    deadline = time.monotonic() + grace
+    core.outbox.flush(grace)  # calls handed to us in flight are submitted before the drain
+    with core.idle:
+        while core.inflight_count() and time.monotonic() < deadline:
+            core.idle.wait(0.1)
+    leftovers = core.inflight()
+    for run in leftovers:
+        hand_back(core, run)
+    core.outbox.flush(grace)
+    dropped = pool.shutdown(wait=True, cancel_pending=True)
+    if dropped:  # taken off the queue, never started: the reaper puts them back when their lease ends
+        log.warning("calls taken but not started are left to the reaper", calls=dropped)
+    core.close()
+    close_all()
+    return len(leftovers)
+
+
+def hand_back(core: WorkerCore, run: Any) -> None:
+    """Requeue a call the grace period could not finish; it does not count as a failed attempt."""
+    run.abandoned = True
+    if run.ctx is not None:
+        run.ctx.cancelled.set()
+    current = run.state
+    if current not in (State.ROUTING, State.EXECUTING, State.FORMATTING):
+        return
+    core.calls.hand_back(run.info, attempt=run.attempt, current=current, reason="worker_shutdown", free=True)
