@@ -257,7 +257,7 @@ def create_app(
     @api
     async def register_tool(request: Request) -> Response:
         await may_manage_tools(request)
-        body = await read_body(request)
+        body = await read_body(request, gw.settings.api)
         if set(body) == {"yaml"}:  # the spec as YAML text (what the console sends when it is not JSON)
             if not isinstance(body["yaml"], str):
                 raise BadRequest(f"yaml: expected the spec as YAML text, got {type(body['yaml']).__name__}")
@@ -285,7 +285,7 @@ def create_app(
 
     @api
     async def call_tool(request: Request) -> Response:
-        body = await read_body(request)
+        body = await read_body(request, gw.settings.api)
         args = _field(body, "args", (dict,), "an object")
         context = _context(body)
         principal = _caller(request).principal_for(context.pop("principal", None))

@@ -24,7 +24,6 @@ from starlette.types import Receive, Scope, Send
 from broker.errors import HermesError
 from hermes_gateway.credentials import Credentials
 from hermes_gateway.http_guard import authenticate, unauthorized
-from hermes_gateway.http_json import max_body
 from hermes_gateway.mcp_serve import ChangeNotices, Sessions, build_server
 
 
@@ -37,7 +36,7 @@ class McpEndpoint:
         self.bus = InMemorySubscriptionBus()
         server = build_server(gw, agw, sessions=self.sessions, bus=self.bus)
         self.manager = StreamableHTTPSessionManager(
-            server, stateless=not stateful, max_request_body_size=max_body(), session_idle_timeout=30 * 60
+            server, stateless=not stateful, max_request_body_size=gw.settings.api.max_body, session_idle_timeout=30 * 60
         )
 
     @asynccontextmanager
