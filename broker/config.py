@@ -1,41 +1,95 @@
-"""One typed settings object, loaded once from ``$HERMES_HOME/config.yaml`` and the environment."""
+"""One typed settings object, read from ``$HERMES_HOME/config.yaml`` and the environment when asked.
+
+Every ``HERMES_*`` variable is read here and nowhere else (tests/broker/test_config.py checks it); the
+table in README.md ("Configuration") lists them. A section mirrors its part of config.yaml: an
+environment variable wins over the file, a bad value is a ``ConfigError`` naming where it came from.
+Nothing is read at import time: ``load_settings()`` reads, callers pass the result down.
+"""
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from .errors import ConfigError
+from .settings import (
+    AGENT_PLUGIN,
+    DEFAULT_CONCURRENCY,
+    DEFAULT_LEASE,
+    DEFAULT_MAX_ARGS,
+    DEFAULT_QUEUE_SIZE,
+    DEFAULT_WAIT_TIMEOUT_MS,
+    GC_THRESHOLD,
+    LOG_LEVELS,
+    TRACE_MODES,
+    AgentPluginSettings,
+    ApiSettings,
+    BrokerSettings,
+    ConsoleSettings,
+    LoggingSettings,
+    PluginDiscovery,
+    Settings,
+    TelemetrySettings,
+    WorkerSettings,
+    yaml_number,
+)
 from .yamlload import load_yaml
+
+__all__ = [
+    "DEFAULT_CONCURRENCY",
+    "DEFAULT_MAX_ARGS",
+    "DEFAULT_QUEUE_SIZE",
+    "GC_THRESHOLD",
+    "LOG_LEVELS",
+    "TRACE_MODES",
+    "AgentPluginSettings",
+    "ApiSettings",
+    "BrokerSettings",
+    "ConsoleSettings",
+    "LoggingSettings",
+    "PluginDiscovery",
+    "Settings",
+    "TelemetrySettings",
+    "WorkerSettings",
+    "expand_env",
+    "hermes_home",
+    "load_settings",
+    "unset_env",
+]
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 # The ``${VAR}`` / ``${VAR:-default}`` grammar of :func:`expand_env`, for code that expands with it (tool
 # specs, on the worker) and must first tell which references have no value.
 ENV_VAR = _VAR
 
-DEFAULT_LEASE = 30.0
-DEFAULT_CONCURRENCY = 5
-DEFAULT_QUEUE_SIZE = 10_000
-DEFAULT_WAIT_TIMEOUT_MS = 500
-# Bytes a call's arguments (an LLM call's request) may take, packed: what the broker keeps for a day.
-# The HTTP API's body limit (HERMES_API_MAX_BODY) has the same default.
-DEFAULT_MAX_ARGS = 32 * 1024 * 1024
+HOME_ENV = "HERMES_HOME"
+REDIS_URL_ENV = "HERMES_REDIS_URL"
+FAST_PATH_ENV = "HERMES_REDIS_FAST_PATH"
 MAX_ARGS_ENV = "HERMES_MAX_ARGS"
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+TRACE_ENV = "HERMES_TRACE"
+LEAN_SPANS_ENV = "HERMES_LEAN_SPANS"
+GC_ENV = "HERMES_GC_THRESHOLD"
+METRICS_PORT_ENV = "HERMES_METRICS_PORT"  # /metrics of a worker process (`worker --metrics-port`)
+METRICS_HOST_ENV = "HERMES_METRICS_HOST"
+RUN_REGISTRY_ENV = "HERMES_RUN_REGISTRY"  # set by `worker`/`serve`: their worker processes record themselves
+API_TOKEN_ENV = "HERMES_API_TOKEN"
+API_MAX_BODY_ENV = "HERMES_API_MAX_BODY"
+API_BODY_TIMEOUT_ENV = "HERMES_API_BODY_TIMEOUT"
 
 
-def hermes_home(explicit: str | os.PathLike[str] | None = None) -> Path:
+def hermes_home(
+    explicit: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None
+) -> Path:
     """``$HERMES_HOME`` or ``~/.hermes``."""
     if explicit:
         return Path(explicit).expanduser()
-    return Path(os.environ.get("HERMES_HOME") or "~/.hermes").expanduser()
+    env = os.environ if environ is None else environ
+    return Path(env.get(HOME_ENV) or "~/.hermes").expanduser()
 
 
 def expand_env(value: Any, environ: Mapping[str, str] | None = None) -> Any:
@@ -57,8 +111,225 @@ def unset_env(text: str, environ: Mapping[str, str] | None = None) -> list[str]:
     return [m.group(1) for m in _VAR.finditer(text) if m.group(2) is None and m.group(1) not in env]
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
+def load_settings(
+    home: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Read ``config.yaml`` (if any), expand ``${VAR}``, apply ``HERMES_*`` overrides (from ``environ``,
+    default this process's environment)."""
+    env = os.environ if environ is None else environ
+    root = hermes_home(home, env)
+    raw = _read_config(root / "config.yaml", env)
+    executors = _mapping(raw, "executors")
+    for kind, section in executors.items():
+        if section is not None and not isinstance(section, dict):
+            raise ConfigError(f"config.yaml: executors.{kind}: expected a mapping, got {section!r}")
+    _mapping(raw, "executor")  # the seed's singular spelling, merged under executors.<kind>
+    logging_ = _logging(_mapping(raw, "logging"), env)
+    broker = _broker(_mapping(raw, "broker"), env)
+    plugins = _mapping(raw, "plugins")
+    return Settings(
+        home=root,
+        broker=broker,
+        logging=logging_,
+        workers=_workers(_mapping(raw, "workers"), env),
+        api=_api(env),
+        telemetry=_telemetry(env),
+        console=ConsoleSettings(
+            trace_url=str(env.get("HERMES_TRACE_URL") or _mapping(raw, "console").get("trace_url") or "")
+            or None
+        ),
+        plugin_discovery=PluginDiscovery(
+            safe_mode=_on(env, "HERMES_SAFE_MODE"), project_plugins=_on(env, "HERMES_ENABLE_PROJECT_PLUGINS")
+        ),
+        agent_plugin=_agent_plugin(plugins, env, broker.url),
+        executors=executors,
+        policy=_mapping(raw, "policy"),
+        plugins=plugins,
+        model=_mapping(raw, "model"),
+        mcp=_mapping(raw, "mcp"),
+        audit=_mapping(raw, "audit"),
+        raw=raw,
+    )
+
+
+def _read_config(path: Path, env: Mapping[str, str]) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        loaded = load_yaml(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    expanded: dict[str, Any] = expand_env(loaded, env)
+    return expanded
+
+
+def _logging(section: dict[str, Any], env: Mapping[str, str]) -> LoggingSettings:
+    level = _level(env.get("HERMES_LOG_LEVEL"), section.get("level"), "HERMES_LOG_LEVEL", "logging.level")
+    worker_level = env.get("HERMES_WORKER_LOG_LEVEL") or None
+    return LoggingSettings(
+        level=level or "INFO",
+        format=str(env.get("HERMES_LOG_FORMAT") or section.get("format") or "console"),
+        level_set=level is not None,
+        worker_level=_level(worker_level, None, "HERMES_WORKER_LOG_LEVEL", "") if worker_level else None,
+    )
+
+
+def _level(from_env: str | None, from_file: Any, env_name: str, key: str) -> str | None:
+    """A log level (WARN and FATAL as Python spells them), or None when neither says one."""
+    asked = from_env or from_file
+    if not asked:
+        return None
+    level = str(asked).upper()
+    level = {"WARN": "WARNING", "FATAL": "CRITICAL"}.get(level, level)
+    if level not in LOG_LEVELS:
+        where = env_name if from_env else f"config.yaml: {key}"
+        raise ConfigError(f"{where}: expected one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    return level
+
+
+def _broker(section: dict[str, Any], env: Mapping[str, str]) -> BrokerSettings:
+    wait_replicas = _env_float(
+        env, "HERMES_WAIT_REPLICAS", yaml_number(section.get("wait_replicas", 0), "broker.wait_replicas")
+    )
+    wait_timeout = _env_float(
+        env,
+        "HERMES_WAIT_TIMEOUT_MS",
+        yaml_number(section.get("wait_timeout_ms", DEFAULT_WAIT_TIMEOUT_MS), "broker.wait_timeout_ms"),
+    )
+    if wait_replicas < 0 or wait_replicas != int(wait_replicas):
+        raise ConfigError(
+            f"broker.wait_replicas: expected a whole number of replicas >= 0, got {wait_replicas:g}"
+        )
+    if wait_timeout <= 0 or wait_timeout != int(wait_timeout):
+        raise ConfigError(
+            f"broker.wait_timeout_ms: expected a whole number of milliseconds > 0, got {wait_timeout:g}"
+        )
+    max_args = _env_float(
+        env, MAX_ARGS_ENV, yaml_number(section.get("max_args", DEFAULT_MAX_ARGS), "broker.max_args")
+    )
+    if max_args <= 0:
+        raise ConfigError(
+            f"broker.max_args / {MAX_ARGS_ENV}: expected a number of bytes > 0, got {max_args:g}"
+        )
+    fast_path = env.get(FAST_PATH_ENV, section.get("fast_path", True))
+    return BrokerSettings(
+        url=env.get(REDIS_URL_ENV) or section.get("url") or None,
+        fast_path=_flag(fast_path, "broker.fast_path", FAST_PATH_ENV),
+        wait_replicas=int(wait_replicas),
+        wait_timeout_ms=int(wait_timeout),
+        max_args=int(max_args),
+    )
+
+
+def _workers(section: dict[str, Any], env: Mapping[str, str]) -> WorkerSettings:
+    lease = _env_float(env, "HERMES_LEASE", yaml_number(section.get("lease", DEFAULT_LEASE), "workers.lease"))
+    attempts = _env_float(
+        env, "HERMES_MAX_ATTEMPTS", yaml_number(section.get("max_attempts", 3), "workers.max_attempts")
+    )
+    ttl = _env_float(
+        env, "HERMES_RESULT_TTL", yaml_number(section.get("result_ttl", 86400), "workers.result_ttl")
+    )
+    port = env.get(METRICS_PORT_ENV, "").strip()
+    if port and not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise ConfigError(f"{METRICS_PORT_ENV}: expected a port number, got {port!r}")
+    return WorkerSettings(
+        lease=lease,
+        max_attempts=int(attempts),
+        result_ttl=int(ttl),
+        gc_threshold=_gc_threshold(env.get(GC_ENV, "")),
+        metrics_port=int(port) if port else None,
+        metrics_host=env.get(METRICS_HOST_ENV) or "127.0.0.1",
+        run_registry=bool(env.get(RUN_REGISTRY_ENV)),
+    )
+
+
+def _gc_threshold(raw: str) -> tuple[int, ...] | None:
+    """The thresholds ``HERMES_GC_THRESHOLD`` asks for ("N[,N[,N]]"; "default": Python's own, None),
+    else ``GC_THRESHOLD``; a malformed value is a ConfigError naming the variable."""
+    raw = raw.strip()
+    if raw.lower() == "default":
+        return None
+    if not raw:
+        return GC_THRESHOLD
+    try:
+        wanted = tuple(int(part) for part in raw.split(","))
+    except ValueError:
+        wanted = ()
+    # A first value of 0 would switch automatic collection off: cycles would never be freed.
+    if not 1 <= len(wanted) <= 3 or wanted[0] < 1 or any(n < 0 for n in wanted):
+        raise ConfigError(
+            f"{GC_ENV} must be one to three integers like '50000,20,10' (the first at least 1), "
+            f"or 'default' for Python's own; got {raw!r}"
+        )
+    return wanted
+
+
+def _api(env: Mapping[str, str]) -> ApiSettings:
+    return ApiSettings(
+        token=env.get(API_TOKEN_ENV) or None,
+        max_body=int(_lenient(env, API_MAX_BODY_ENV, ApiSettings.max_body, whole=True)),
+        body_timeout=_lenient(env, API_BODY_TIMEOUT_ENV, ApiSettings.body_timeout),
+        header_timeout=_lenient(env, "HERMES_API_HEADER_TIMEOUT", ApiSettings.header_timeout),
+        keep_alive=_lenient(env, "HERMES_API_KEEP_ALIVE", ApiSettings.keep_alive),
+        max_connections=int(_lenient(env, "HERMES_API_MAX_CONNECTIONS", ApiSettings.max_connections)),
+    )
+
+
+def _lenient(env: Mapping[str, str], name: str, default: float, whole: bool = False) -> float:
+    """A positive number from the environment, else ``default`` (a bad value is ignored, not fatal)."""
+    raw = env.get(name, "")
+    try:
+        value = (int(raw) if whole else float(raw)) if raw else default
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+def _telemetry(env: Mapping[str, str]) -> TelemetrySettings:
+    mode = env.get(TRACE_ENV, "").strip().lower()
+    if mode in ("none", "0", "false", "no"):
+        mode = "off"
+    if mode and mode not in TRACE_MODES:
+        raise ConfigError(f"{TRACE_ENV}: expected one of {', '.join(TRACE_MODES)}, got {mode!r}")
+    return TelemetrySettings(
+        trace=mode, lean_spans=env.get(LEAN_SPANS_ENV, "1").strip().lower() not in ("0", "false", "no")
+    )
+
+
+def _agent_plugin(
+    plugins: dict[str, Any], env: Mapping[str, str], broker_url: str | None
+) -> AgentPluginSettings:
+    entries = plugins.get("entries")
+    entry = entries.get(AGENT_PLUGIN) if isinstance(entries, dict) else None
+    entry = entry if isinstance(entry, dict) else {}
+    timeout = env.get("HERMES_GATEWAY_TIMEOUT") or entry.get("timeout") or 600.0
+    try:
+        seconds = float(timeout)
+    except (TypeError, ValueError) as e:
+        where = f"HERMES_GATEWAY_TIMEOUT / plugins.entries.{AGENT_PLUGIN}.timeout"
+        raise ConfigError(f"{where}: expected a number of seconds, got {timeout!r}") from e
+    return AgentPluginSettings(
+        url=env.get("HERMES_GATEWAY_URL") or entry.get("redis_url") or broker_url,
+        route_llm=_truthy(env.get("HERMES_GATEWAY_ROUTE_LLM", entry.get("route_llm", False))),
+        principal=env.get("HERMES_GATEWAY_PRINCIPAL") or entry.get("principal") or None,
+        timeout=seconds,
+        tool_prefix=str(env.get("HERMES_GATEWAY_TOOL_PREFIX") or entry.get("tool_prefix") or ""),
+    )
+
+
+def _truthy(value: Any) -> bool:
+    """An opt-in switch, read as Hermes reads them (1/true/yes/on; anything else is off)."""
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _on(env: Mapping[str, str], name: str) -> bool:
+    return _truthy(env.get(name, ""))
+
+
+def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
     if raw is None or raw == "":
         return default
     try:
@@ -67,76 +338,7 @@ def _env_float(name: str, default: float) -> float:
         raise ConfigError(f"{name}: expected a number, got {raw!r}") from e
 
 
-@dataclass(frozen=True)
-class Settings:
-    """Every setting the gateway reads. Environment variables override the file."""
-
-    home: Path
-    redis_url: str | None = None
-    # redis-py's private insides for hot pipelines and pub/sub reads on a plain Redis (broker/pipes.py,
-    # Gateway._read_direct): ``broker.fast_path`` / HERMES_REDIS_FAST_PATH, default measured (ARCHITECTURE)
-    fast_path: bool = True
-    log_level: str = "INFO"
-    log_format: str = "console"
-    lease: float = DEFAULT_LEASE
-    max_attempts: int = 3
-    result_ttl: int = 86400
-    queues: tuple[str, ...] = ("tools", "llm")
-    executors: dict[str, Any] = field(default_factory=dict)
-    policy: dict[str, Any] = field(default_factory=dict)
-    plugins: dict[str, Any] = field(default_factory=dict)
-    model: dict[str, Any] = field(default_factory=dict)
-    mcp: dict[str, Any] = field(default_factory=dict)
-    audit: dict[str, Any] = field(default_factory=dict)
-    # The console links a call's W3C trace id here: ``{trace_id}`` in it is replaced (HERMES_TRACE_URL,
-    # or config.yaml's ``console.trace_url``), e.g. http://localhost:16686/trace/{trace_id} for Jaeger.
-    trace_url: str | None = None
-    # A submission returns only once ``WAIT wait_replicas wait_timeout_ms`` confirms it (0: not asked).
-    wait_replicas: int = 0
-    wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS
-    raw: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def tools_dir(self) -> Path:
-        return self.home / "tools"
-
-    @property
-    def plugins_dir(self) -> Path:
-        return self.home / "plugins"
-
-    @property
-    def config_path(self) -> Path:
-        return self.home / "config.yaml"
-
-    def executor_settings(self, kind: str) -> dict[str, Any]:
-        """``executors.<kind>`` merged over ``executor`` (the seed writes both spellings)."""
-        base = dict(self.raw.get("executor") or {})
-        if kind == "mcp":
-            base.update(self.mcp)  # the seed's `mcp.handshake_timeout` lives at the top level
-        base.update(self.executors.get(kind) or {})
-        return base
-
-    @functools.cached_property
-    def max_args(self) -> int:
-        """Bytes a call's arguments may take packed (``broker.max_args``, ``$HERMES_MAX_ARGS``; 32 MiB):
-        a larger submission is ``invalid_args`` at once, never stored."""
-        section = self.raw.get("broker")
-        broker: dict[str, Any] = section if isinstance(section, dict) else {}
-        value = _env_float(MAX_ARGS_ENV, _number(broker.get("max_args", DEFAULT_MAX_ARGS), "broker.max_args"))
-        if value <= 0:
-            raise ConfigError(f"broker.max_args / {MAX_ARGS_ENV}: expected a number of bytes > 0, got {value:g}")
-        return int(value)
-
-    def concurrency_for(self, kind: str) -> int:
-        value = self.executor_settings(kind).get("concurrency", DEFAULT_CONCURRENCY)
-        return int(_number(value, f"executors.{kind}.concurrency"))
-
-    def queue_size_for(self, kind: str) -> int:
-        value = self.executor_settings(kind).get("queue_size", DEFAULT_QUEUE_SIZE)
-        return int(_number(value, f"executors.{kind}.queue_size"))
-
-
-def _flag(value: Any, where: str) -> bool:
+def _flag(value: Any, where: str, env_name: str) -> bool:
     """A yes/no setting (true/false, 1/0, yes/no, on/off), or a ConfigError naming it."""
     if isinstance(value, bool):
         return value
@@ -145,17 +347,7 @@ def _flag(value: Any, where: str) -> bool:
         return True
     if text in ("0", "false", "no", "off"):
         return False
-    raise ConfigError(f"{where} (HERMES_REDIS_FAST_PATH): expected true or false, got {value!r}")
-
-
-def _number(value: Any, where: str) -> float:
-    """A number setting from config.yaml, or a ConfigError naming its path."""
-    if isinstance(value, bool):
-        raise ConfigError(f"config.yaml: {where}: expected a number, got {value!r}")
-    try:
-        return float(value)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"config.yaml: {where}: expected a number, got {value!r}") from e
+    raise ConfigError(f"{where} ({env_name}): expected true or false, got {value!r}")
 
 
 def _mapping(raw: Mapping[str, Any], key: str) -> dict[str, Any]:
@@ -166,64 +358,3 @@ def _mapping(raw: Mapping[str, Any], key: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError(f"config.yaml: {key}: expected a mapping, got {type(value).__name__} {value!r}")
     return dict(value)
-
-
-def load_settings(home: str | os.PathLike[str] | None = None) -> Settings:
-    """Read ``config.yaml`` (if any), expand ``${VAR}``, apply ``HERMES_*`` overrides."""
-    root = hermes_home(home)
-    path = root / "config.yaml"
-    raw: dict[str, Any] = {}
-    if path.exists():
-        try:
-            loaded = load_yaml(path.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from e
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level")
-        raw = expand_env(loaded)
-    broker = _mapping(raw, "broker")
-    logging_cfg = _mapping(raw, "logging")
-    workers = _mapping(raw, "workers")
-    executors = _mapping(raw, "executors")
-    for kind, section in executors.items():
-        if section is not None and not isinstance(section, dict):
-            raise ConfigError(f"config.yaml: executors.{kind}: expected a mapping, got {section!r}")
-    _mapping(raw, "executor")  # the seed's singular spelling, merged under executors.<kind>
-    level = str(os.environ.get("HERMES_LOG_LEVEL") or logging_cfg.get("level") or "INFO").upper()
-    level = {"WARN": "WARNING", "FATAL": "CRITICAL"}.get(level, level)
-    if level not in LOG_LEVELS:
-        where = "HERMES_LOG_LEVEL" if os.environ.get("HERMES_LOG_LEVEL") else "config.yaml: logging.level"
-        raise ConfigError(f"{where}: expected one of {', '.join(LOG_LEVELS)}, got {level!r}")
-    wait_replicas = _env_float("HERMES_WAIT_REPLICAS", _number(broker.get("wait_replicas", 0), "broker.wait_replicas"))
-    wait_timeout = _env_float(
-        "HERMES_WAIT_TIMEOUT_MS",
-        _number(broker.get("wait_timeout_ms", DEFAULT_WAIT_TIMEOUT_MS), "broker.wait_timeout_ms"),
-    )
-    if wait_replicas < 0 or wait_replicas != int(wait_replicas):
-        raise ConfigError(f"broker.wait_replicas: expected a whole number of replicas >= 0, got {wait_replicas:g}")
-    if wait_timeout <= 0 or wait_timeout != int(wait_timeout):
-        raise ConfigError(f"broker.wait_timeout_ms: expected a whole number of milliseconds > 0, got {wait_timeout:g}")
-    return Settings(
-        home=root,
-        redis_url=os.environ.get("HERMES_REDIS_URL") or broker.get("url") or None,
-        fast_path=_flag(os.environ.get("HERMES_REDIS_FAST_PATH", broker.get("fast_path", True)), "broker.fast_path"),
-        log_level=level,
-        log_format=str(os.environ.get("HERMES_LOG_FORMAT") or logging_cfg.get("format") or "console"),
-        lease=_env_float("HERMES_LEASE", _number(workers.get("lease", DEFAULT_LEASE), "workers.lease")),
-        max_attempts=int(
-            _env_float("HERMES_MAX_ATTEMPTS", _number(workers.get("max_attempts", 3), "workers.max_attempts"))
-        ),
-        result_ttl=int(
-            _env_float("HERMES_RESULT_TTL", _number(workers.get("result_ttl", 86400), "workers.result_ttl"))
-        ),
-        executors=executors,
-        policy=_mapping(raw, "policy"),
-        plugins=_mapping(raw, "plugins"),
-        model=_mapping(raw, "model"),
-        mcp=_mapping(raw, "mcp"),
-        audit=_mapping(raw, "audit"),
-        trace_url=str(os.environ.get("HERMES_TRACE_URL") or _mapping(raw, "console").get("trace_url") or "") or None,
-        wait_replicas=int(wait_replicas),
-        wait_timeout_ms=int(wait_timeout),
-        raw=raw,
-    )

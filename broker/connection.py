@@ -1,9 +1,8 @@
-"""Connecting to the broker: ``HERMES_REDIS_URL`` (plain, ``redis+cluster://``, ``redis+sentinel://``: ``broker.sentinel``) or
-the embedded one."""
+"""Connecting to the broker: a URL (``HERMES_REDIS_URL`` / ``broker.url``: plain, ``redis+cluster://``,
+``redis+sentinel://``: ``broker.sentinel``) or the embedded one."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,12 +13,13 @@ import redis
 import redis.cluster
 from redis.sentinel import MasterNotFoundError
 
+from .config import REDIS_URL_ENV
 from .embedded import EmbeddedBroker
 from .errors import BrokerUnavailable
 from .redact import redact_url
 from .sentinel import SENTINEL_SCHEME, sentinel_client, sentinels_say
 
-URL_ENV = "HERMES_REDIS_URL"
+URL_ENV = REDIS_URL_ENV  # (named in messages; Settings reads it: ``settings.broker.url``)
 
 
 @dataclass
@@ -227,8 +227,7 @@ def subscriber(conn: Any, **kwargs: Any) -> Any:
 
 
 def connect(url: str | None = None, *, embedded_ok: bool = True) -> BrokerHandle:
-    """Connect to ``url``, else ``$HERMES_REDIS_URL``, else start the embedded broker."""
-    url = url or os.environ.get(URL_ENV) or None
+    """Connect to ``url`` (``settings.broker.url``), else start the embedded broker."""
     if url:
         return BrokerHandle(from_url(url), url, f"Redis at {redact_url(url)}")
     if not embedded_ok:

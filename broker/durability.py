@@ -20,29 +20,29 @@ def check_supported(conn: Any, settings: Settings) -> None:
     """ConfigError when ``broker.wait_replicas`` is asked of a Redis Cluster: WAIT confirms the writes of
     one connection to one node, and a cluster client's writes of one call go to several (the call's
     queue, the directory, the audit), so the promise could not be kept."""
-    if settings.wait_replicas > 0 and is_cluster(conn):
+    if settings.broker.wait_replicas > 0 and is_cluster(conn):
         raise ConfigError(
-            f"broker.wait_replicas ({settings.wait_replicas}; env HERMES_WAIT_REPLICAS) is not supported on a "
+            f"broker.wait_replicas ({settings.broker.wait_replicas}; env HERMES_WAIT_REPLICAS) is not supported on a "
             "Redis Cluster: use it with a single or Sentinel-managed primary, or set it to 0"
         )
 
 
 def queue_wait(pipe: Any, settings: Settings) -> bool:
     """Queue ``WAIT`` behind the writes in ``pipe`` when the settings ask for it; whether it was queued."""
-    if settings.wait_replicas <= 0:
+    if settings.broker.wait_replicas <= 0:
         return False
-    pipe.execute_command("WAIT", settings.wait_replicas, settings.wait_timeout_ms)
+    pipe.execute_command("WAIT", settings.broker.wait_replicas, settings.broker.wait_timeout_ms)
     return True
 
 
 def shortfall(acked: Any, settings: Settings, what: str, **details: Any) -> BrokerNotDurable | None:
     """The error to raise when ``acked`` (WAIT's reply, or the error in its place) falls short, else None."""
-    wanted = settings.wait_replicas
+    wanted = settings.broker.wait_replicas
     if not isinstance(acked, Exception) and int(acked) >= wanted:
         return None
     got = "an error: " + str(acked) if isinstance(acked, Exception) else f"{int(acked)} of {wanted} replica(s)"
     return BrokerNotDurable(
-        f"{what}: the broker confirmed it on {got} within {settings.wait_timeout_ms} ms "
+        f"{what}: the broker confirmed it on {got} within {settings.broker.wait_timeout_ms} ms "
         f"(broker.wait_replicas: {wanted})",
         replicas=0 if isinstance(acked, Exception) else int(acked),
         wanted=wanted,
@@ -63,7 +63,7 @@ class Confirmer:
 
     def wanted(self) -> bool:
         """Whether to WAIT now: asked for, and not backing off."""
-        return self.settings.wait_replicas > 0 and time.monotonic() >= self._skip_until
+        return self.settings.broker.wait_replicas > 0 and time.monotonic() >= self._skip_until
 
     def queue(self, pipe: Any) -> bool:
         """Queue WAIT behind ``pipe``'s writes when :meth:`wanted`; whether it was queued."""

@@ -25,7 +25,7 @@ try:
 except ImportError:  # pragma: no cover - hiredis is an install dependency; redis-py packs without it
     _hiredis_pack = None
 
-# The private path (below) is used only while this is on: ``configure(settings.fast_path)``.
+# The private path (below) is used only while this is on: ``configure(settings.broker.fast_path)``.
 FAST = True
 
 Command = tuple[tuple[Any, ...], dict[str, Any]]

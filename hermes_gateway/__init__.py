@@ -21,12 +21,8 @@ from broker.errors import (
 )
 from broker.events import Event
 from broker.toolspec import ToolSpec
-from broker.yamlload import load_yaml
 from hermes_gateway.client import Gateway
 from hermes_gateway.handle import CallHandle
-from middleware import set_config_loader
-
-set_config_loader(load_yaml)  # config.yaml may hold the seed's unquoted {{field}} templates
 
 __version__ = "0.10.0"
 

@@ -86,7 +86,7 @@ class AsyncGateway(AsyncEvents):
     ) -> AsyncGateway:
         """Connect to ``url`` / ``$HERMES_REDIS_URL`` (else start the embedded broker) and subscribe."""
         settings = load_settings(home)
-        url = url or settings.redis_url
+        url = url or settings.broker.url
         broker = None
         if not url:
             broker = connect(None, embedded_ok=embedded_ok)  # starting a child process: once, up front

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -9,7 +10,7 @@ from typing import Any
 
 import click
 
-from broker.config import LOG_LEVELS, load_settings
+from broker.config import LOG_LEVELS, RUN_REGISTRY_ENV, load_settings
 from broker.errors import HermesError
 from broker.logs import configure
 from hermes_gateway.cli_common import (
@@ -96,8 +97,17 @@ def main(
         settings = load_settings(home)
     except HermesError as e:
         _fail(str(e))
-    configure(log_level or settings.log_level, log_format or settings.log_format)
-    # Processes this command starts (a pool's workers, a chat's local worker) log the same way.
+    if log_level or log_format:  # the command line wins over the environment and config.yaml
+        was = settings.logging
+        asked = dataclasses.replace(
+            was,
+            level=log_level or was.level,
+            format=log_format or was.format,
+            level_set=was.level_set or bool(log_level),
+        )
+        settings = dataclasses.replace(settings, logging=asked)
+    configure(settings.logging.level, settings.logging.format)
+    # Written, not read: processes this command starts (a pool's workers, a chat's worker) log the same way.
     if log_level:
         os.environ["HERMES_LOG_LEVEL"] = log_level
     if log_format:
@@ -105,7 +115,7 @@ def main(
     from hermes_gateway.telemetry import setup as setup_tracing
 
     try:
-        setup_tracing(trace)  # workers this command starts inherit the mode
+        setup_tracing(settings.telemetry, trace)  # workers this command starts inherit the mode
     except HermesError as e:
         _fail(str(e))
     ctx.obj = {"settings": settings}
@@ -159,14 +169,14 @@ def worker(
     # This process, its pool's children and its embedded broker go in the run registry of our home, so
     # `stop --all` on this machine finds them (with or without a broker URL configured).
     runfiles.enable(settings.home)
-    os.environ["HERMES_HOME"] = str(settings.home)  # the pool's children: same config, same registry
-    os.environ[runfiles.ENV] = "1"
-    if metrics_port is not None:
-        from workers.pool import METRICS_HOST_ENV, METRICS_PORT_ENV
-
-        os.environ[METRICS_PORT_ENV], os.environ[METRICS_HOST_ENV] = str(metrics_port), metrics_host
+    # Written, not read: the environment of the pool's children (same config, same run registry).
+    os.environ["HERMES_HOME"] = str(settings.home)
+    os.environ[RUN_REGISTRY_ENV] = "1"
+    if metrics_port is not None:  # the command line wins over HERMES_METRICS_PORT / HERMES_METRICS_HOST
+        metrics = dataclasses.replace(settings.workers, metrics_port=metrics_port, metrics_host=metrics_host)
+        settings = dataclasses.replace(settings, workers=metrics)
     try:
-        handle = connect(settings.redis_url)
+        handle = connect(settings.broker.url)
     except HermesError as e:
         _fail(str(e))
     _note(f"broker: {handle.description}")
@@ -174,7 +184,7 @@ def worker(
         _note(f"clients reach it with: export HERMES_REDIS_URL={handle.url}")
     try:
         if processes > 1:
-            sys.exit(supervise(handle.url, qs, concurrency, processes, grace))
+            sys.exit(supervise(handle.url, qs, concurrency, processes, grace, settings.workers))
         sys.exit(run_worker(handle.url, settings, qs, concurrency, grace))
     except HermesError as e:
         _fail(str(e))
@@ -212,7 +222,7 @@ def stop(ctx: click.Context, all_: bool, grace: float, names: tuple[str, ...]) -
         _fail("name the workers to stop, or pass --all")
     settings = _settings(ctx)
     broker_error: str | None = None
-    if names or settings.redis_url:
+    if names or settings.broker.url:
         try:
             handle = connect_shared(settings)
         except HermesError as e:

@@ -21,9 +21,10 @@ def plugins_list(ctx: click.Context) -> None:
     """Every plugin found, and whether it is enabled."""
     from middleware import list_plugins
 
-    found = list_plugins(_settings(ctx).home)
+    settings = _settings(ctx)
+    found = list_plugins(settings.home, discovery=settings.plugin_discovery)
     if not found:
-        click.echo(f"no plugins in {_settings(ctx).plugins_dir} or the hermes_agent.plugins entry points")
+        click.echo(f"no plugins in {settings.plugins_dir} or the hermes_agent.plugins entry points")
     for info in found:
         mark = "enabled " if info.enabled else "disabled"
         err = f"  error: {info.error}" if info.error else ""
@@ -38,7 +39,7 @@ def plugins_enable(ctx: click.Context, name: str) -> None:
     from middleware import enable_plugin
 
     try:
-        key = enable_plugin(_settings(ctx).home, name)
+        key = enable_plugin(_settings(ctx).home, name, discovery=_settings(ctx).plugin_discovery)
     except LookupError as e:
         _fail(str(e))
     click.echo(f"enabled {key}; running workers pick it up with `hermes-gateway plugins reload`")
@@ -52,7 +53,7 @@ def plugins_disable(ctx: click.Context, name: str) -> None:
     from middleware import disable_plugin
 
     try:
-        key = disable_plugin(_settings(ctx).home, name)
+        key = disable_plugin(_settings(ctx).home, name, discovery=_settings(ctx).plugin_discovery)
     except LookupError as e:
         _fail(str(e))
     click.echo(f"disabled {key}")

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from broker.config import RUN_REGISTRY_ENV
 from broker.errors import HermesError
 from hermes_gateway.cli_common import _fail, _note, _settings, _sync_tools
 
@@ -65,8 +66,8 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None, mcp_state
     from hermes_gateway.http_api import TOKEN_ENV, create_app
     from hermes_gateway.local import local_stack
 
-    token = token or os.environ.get(TOKEN_ENV) or None
     settings = _settings(ctx)
+    token = token or settings.api.token
     try:
         credentials = Credentials.from_settings(settings, token)
     except HermesError as e:
@@ -90,7 +91,8 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None, mcp_state
     # In this machine's run registry ($HERMES_HOME/run) with its embedded broker and local worker, so
     # `stop --all` stops them all (this process first; it stops its worker and broker itself).
     runfiles.enable(settings.home)
-    os.environ[runfiles.ENV] = "1"  # its local worker too (it stops with serve: parents go first)
+    # Written, not read: its local worker records itself too (it stops with serve: parents go first).
+    os.environ[RUN_REGISTRY_ENV] = "1"
     runfile = runfiles.register("serve", host=host, port=port)
     try:
         with local_stack(settings) as (gw, procs):
@@ -109,7 +111,12 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None, mcp_state
                 from hermes_gateway.http_limits import uvicorn_options
 
                 config = uvicorn.Config(
-                    app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5, **uvicorn_options()
+                    app,
+                    host=host,
+                    port=port,
+                    log_level="warning",
+                    timeout_graceful_shutdown=5,
+                    **uvicorn_options(settings.api),
                 )
                 uvicorn.Server(config).run(sockets=[sock])
             finally:

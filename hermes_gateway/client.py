@@ -57,7 +57,7 @@ class Gateway(ClientEvents, ClientWorkers):
         durability.check_supported(self.conn, self.settings)
         self.client_id = uuid.uuid4().hex
         self.channel = keys.caller_channel(self.client_id)
-        pipes.configure(self.settings.fast_path)
+        pipes.configure(self.settings.broker.fast_path)
         self.calls = Calls(self.conn)
         self.directory = Directory(self.conn)
         self._handles: dict[str, CallHandle] = {}
@@ -91,7 +91,7 @@ class Gateway(ClientEvents, ClientWorkers):
         waiting for one (off: it waits, pending, as on a queue whose workers are still starting).
         """
         settings = load_settings(home)
-        url = url or settings.redis_url
+        url = url or settings.broker.url
         if url is None and embedded_ok:
             from hermes_gateway.local import connect_local
 

@@ -33,7 +33,7 @@ class ClientWorkers:
 
     def live_workers(self, queue: str | None = None, within: float | None = None) -> list[dict[str, Any]]:
         """Workers whose heartbeat is recent, optionally only those listening on ``queue``."""
-        horizon = time.time() - (within or max(15.0, self.settings.lease))
+        horizon = time.time() - (within or max(15.0, self.settings.workers.lease))
         names = self.conn.zrangebyscore(keys.WORKERS, horizon, "+inf")
         pipe = self.conn.pipeline(transaction=False)
         for n in names:

@@ -130,7 +130,7 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
             {
                 "version": __version__,
                 "broker": gw.description,
-                "trace_url": gw.settings.trace_url,
+                "trace_url": gw.settings.console.trace_url,
                 "token": creds.required,
                 "stats_interval": hub.interval,
             }
@@ -201,7 +201,7 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
 
     async def audit_replay(request: Request) -> Response:
         call_id = request.path_params["call_id"]
-        body = await read_body(request)
+        body = await read_body(request, gw.settings.api)
         supplied = body.get("args") or {}
         if not isinstance(supplied, dict) or not all(isinstance(v, str) for v in supplied.values()):
             raise BadRequest("args: expected an object of redacted argument name -> value as text")

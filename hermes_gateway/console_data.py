@@ -166,7 +166,7 @@ def snapshot(gw: Any) -> dict[str, Any]:
         "latency": calls["latency"],
         "queues": queue_depths(conn),
         "limits": slots(conn, gw.settings, entries),
-        "workers": workers(conn, gw.settings.lease, now),
+        "workers": workers(conn, gw.settings.workers.lease, now),
         "breakers": breakers(conn, breaker_cooldowns(gw.settings, entries)),
         "scheduled_retries": int(conn.zcard(keys.SCHEDULED)),
         # Bumped on every directory change: the page reloads its tool list when it moves.

@@ -85,7 +85,8 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
             "  (its own, gone when the demo ends: start `hermes-gateway serve` first to watch the calls in its console)"
         )
     gw = Gateway(handle, settings)
-    env = dict(os.environ, HERMES_LOG_LEVEL="ERROR")  # failures show in the summary, not as log lines
+    # The children's environment: ours, logging errors only (failures show in the summary, not as log lines).
+    env = dict(os.environ, HERMES_LOG_LEVEL="ERROR")
     procs = [spawn(handle.url, [QUEUE], concurrency, env=env) for _ in range(processes)]
     try:
         wait_for_heartbeats(gw, processes)

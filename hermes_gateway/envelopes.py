@@ -91,12 +91,13 @@ def tool_envelope(
 ) -> Envelope:
     """The envelope of one call of the directory tool ``entry``; events go to ``channel(queue)``. A tool
     split in partitions (``queue_partitions``) gets the next partition with a share of its limit;
-    arguments larger than ``settings.max_args`` packed are refused."""
+    arguments larger than ``settings.broker.max_args`` packed are refused."""
     spec = entry.spec
     check_context(context)
     if args is not None and not isinstance(args, dict):
         raise InvalidArgs(f"arguments for {name!r} must be a mapping, got {type(args).__name__}")
-    check_sendable(args, f"arguments for {name!r}", settings.max_args if settings is not None else None)
+    limit = settings.broker.max_args if settings is not None else None
+    check_sendable(args, f"arguments for {name!r}", limit)
     # The producer span's context when tracing is on (Sending), else the caller's own or the current one.
     tp, ts, bg = opts.get("trace_headers") or (opts.get("traceparent"), opts.get("tracestate"), None)
     if tp is None:
@@ -140,7 +141,7 @@ def tool_limits(env: Envelope, spec: ToolSpec, settings: Settings) -> dict[str, 
         "ckey": concurrency_key(env),
         "queue_size": queue_size,
         "concurrency": concurrency,
-        "max_attempts": env.options.max_attempts or max(settings.max_attempts, retries + 1),
+        "max_attempts": env.options.max_attempts or max(settings.workers.max_attempts, retries + 1),
         "timeout": float(env.options.timeout or spec.timeout),
     }
 
@@ -155,7 +156,7 @@ def llm_envelope(
 ) -> tuple[Envelope, dict[str, Any]]:
     """The envelope and limits of one LLM call (chat-completions kwargs) on ``opts["queue"]``."""
     check_llm_request(request, context)
-    check_sendable(request, "the LLM request", settings.max_args)
+    check_sendable(request, "the LLM request", settings.broker.max_args)
     context = dict(context)
     model_cfg = settings.model
     context.setdefault("provider", model_cfg.get("provider") or "openai-compatible")
@@ -182,7 +183,7 @@ def llm_envelope(
         "ckey": concurrency_key(env),
         "queue_size": settings.queue_size_for("llm"),
         "concurrency": settings.concurrency_for("llm"),
-        "max_attempts": max_attempts or settings.max_attempts,
+        "max_attempts": max_attempts or settings.workers.max_attempts,
         "timeout": float(timeout or model_cfg.get("timeout") or 120.0),
     }
     return env, limits

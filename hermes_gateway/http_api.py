@@ -192,7 +192,7 @@ class Api:
 
     async def register_tool(self, request: Request) -> Response:
         await self._may_manage_tools(request)
-        body = await read_body(request)
+        body = await read_body(request, self.gw.settings.api)
         if set(body) == {"yaml"}:  # the spec as YAML text (what the console sends when it is not JSON)
             if not isinstance(body["yaml"], str):
                 raise BadRequest(f"yaml: expected the spec as YAML text, got {type(body['yaml']).__name__}")
@@ -217,7 +217,7 @@ class Api:
         return reply(await run_in_threadpool(self.gw.tool_schemas, principal))
 
     async def call_tool(self, request: Request) -> Response:
-        body = await read_body(request)
+        body = await read_body(request, self.gw.settings.api)
         args = _field(body, "args", (dict,), "an object")
         context = _context(body)
         principal = _caller(request).principal_for(context.pop("principal", None))

@@ -14,16 +14,13 @@ import asyncio
 import base64
 import json
 import math
-import os
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from broker.config import API_BODY_TIMEOUT_ENV, API_MAX_BODY_ENV, ApiSettings
 from broker.errors import HermesError
-
-MAX_BODY_ENV = "HERMES_API_MAX_BODY"
-DEFAULT_MAX_BODY = 32 * 1024 * 1024
 
 
 class BadRequest(HermesError):
@@ -42,21 +39,6 @@ class RequestTimeout(HermesError):
     """The request body did not arrive in time."""
 
     type = "request_timeout"
-
-
-def body_timeout() -> float:
-    """Seconds a request body may take to arrive (``HERMES_API_BODY_TIMEOUT``, 60 by default)."""
-    from hermes_gateway.http_limits import BODY_TIMEOUT, BODY_TIMEOUT_ENV, setting
-
-    return setting(BODY_TIMEOUT_ENV, BODY_TIMEOUT)
-
-
-def max_body() -> int:
-    raw = os.environ.get(MAX_BODY_ENV)
-    try:
-        return int(raw) if raw else DEFAULT_MAX_BODY
-    except ValueError:
-        return DEFAULT_MAX_BODY
 
 
 def _plain(value: Any) -> Any:
@@ -99,25 +81,25 @@ def _not_json(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-async def read_body(request: Request) -> dict[str, Any]:
-    """The request's JSON object (strictly JSON, bounded in size), or a typed error."""
+async def read_body(request: Request, api: ApiSettings) -> dict[str, Any]:
+    """The request's JSON object (strictly JSON, bounded by ``api``'s size and time), or a typed error."""
     if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
         raise BadRequest("the request body must be sent as Content-Type: application/json")
-    limit = max_body()
+    limit = api.max_body
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise TooLarge(f"the request body is {int(declared)} bytes, over the limit of {limit} ({MAX_BODY_ENV})")
+        raise TooLarge(f"the request body is {int(declared)} bytes, over the limit of {limit} ({API_MAX_BODY_ENV})")
     raw = bytearray()
-    deadline = body_timeout()
+    deadline = api.body_timeout
     try:
         async with asyncio.timeout(deadline):  # a slow (or stalled) body is not waited on forever
             async for chunk in request.stream():
                 raw += chunk
                 if len(raw) > limit:
-                    raise TooLarge(f"the request body is over the limit of {limit} bytes ({MAX_BODY_ENV})")
+                    raise TooLarge(f"the request body is over the limit of {limit} bytes ({API_MAX_BODY_ENV})")
     except TimeoutError as e:
         raise RequestTimeout(
-            f"the request body did not arrive within {deadline:g}s ({len(raw)} bytes came; HERMES_API_BODY_TIMEOUT)"
+            f"the request body did not arrive within {deadline:g}s ({len(raw)} bytes came; {API_BODY_TIMEOUT_ENV})"
         ) from e
     try:
         data = json.loads(bytes(raw), parse_constant=_not_json)

@@ -4,55 +4,39 @@ uvicorn (h11) closes a connection idle *after* a response (``timeout_keep_alive`
 a request that never comes or trickles in byte by byte, and every byte it receives cancels that timer.
 So ``serve`` runs uvicorn with :class:`BoundedH11Protocol`, which adds:
 
-- a **header deadline**: the request line and headers must be complete within ``HEADER_TIMEOUT`` of the
+- a **header deadline**: the request line and headers must be complete within ``header_timeout`` of the
   connection opening (or of the previous response ending, on a kept-alive connection); otherwise the
   connection is closed. It covers idle connections that never send a request, and slow-header ones;
 - **no half-read bodies**: a response sent while the client is still sending its body (413, 408, a route
   that reads none) closes the connection, instead of leaving it open to a trickle.
 
-The body itself has a deadline in :func:`hermes_gateway.http_json.read_body` (``BODY_TIMEOUT``: 408).
+The body itself has a deadline in :func:`hermes_gateway.http_json.read_body` (``body_timeout``: 408).
 Headers are capped at ``MAX_HEADER_BYTES`` (h11's incomplete-event limit: more is a 400), and at most
-``MAX_CONNECTIONS`` connections are served at once (uvicorn's ``limit_concurrency``: 503 past it; an SSE
-stream holds one). Each has an environment variable, read when ``serve`` starts.
+``max_connections`` connections are served at once (uvicorn's ``limit_concurrency``: 503 past it; an SSE
+stream holds one). Each has an environment variable (``settings.api``: broker/settings.py), read when
+``serve`` starts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-HEADER_TIMEOUT_ENV = "HERMES_API_HEADER_TIMEOUT"
-BODY_TIMEOUT_ENV = "HERMES_API_BODY_TIMEOUT"
-KEEP_ALIVE_ENV = "HERMES_API_KEEP_ALIVE"
-MAX_CONNECTIONS_ENV = "HERMES_API_MAX_CONNECTIONS"
+from broker.config import ApiSettings
 
-HEADER_TIMEOUT = 10.0  # seconds from connect (or the previous response) to a complete request head
-BODY_TIMEOUT = 60.0  # seconds to receive a whole request body (32 MiB at ~4 Mbit/s)
-KEEP_ALIVE = 5.0  # seconds an idle kept-alive connection stays open (uvicorn's default)
-MAX_CONNECTIONS = 1000
 MAX_HEADER_BYTES = 64 * 1024
-
-
-def setting(name: str, default: float) -> float:
-    """A positive number from the environment, else ``default`` (a bad value is ignored, not fatal)."""
-    raw = os.environ.get(name, "")
-    try:
-        value = float(raw) if raw else default
-    except ValueError:
-        return default
-    return value if value > 0 else default
 
 
 class BoundedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a header deadline, closing connections left with a half-read body."""
 
+    header_timeout = ApiSettings.header_timeout  # (uvicorn_options makes a subclass with the one asked for)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.header_timeout = setting(HEADER_TIMEOUT_ENV, HEADER_TIMEOUT)
         self._head_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -98,11 +82,12 @@ class BoundedH11Protocol(H11Protocol):
             self.transport.close()
 
 
-def uvicorn_options() -> dict[str, Any]:
+def uvicorn_options(api: ApiSettings) -> dict[str, Any]:
     """The ``uvicorn.Config`` keyword arguments that bound ``serve``'s connections."""
+    protocol = type("BoundedH11Protocol", (BoundedH11Protocol,), {"header_timeout": api.header_timeout})
     return {
-        "http": BoundedH11Protocol,
-        "timeout_keep_alive": setting(KEEP_ALIVE_ENV, KEEP_ALIVE),
+        "http": protocol,
+        "timeout_keep_alive": api.keep_alive,
         "h11_max_incomplete_event_size": MAX_HEADER_BYTES,
-        "limit_concurrency": int(setting(MAX_CONNECTIONS_ENV, MAX_CONNECTIONS)),
+        "limit_concurrency": api.max_connections,
     }

@@ -31,7 +31,7 @@ def connect_local(settings: Settings) -> tuple[BrokerHandle, runfiles.LocalBroke
     A process that records itself in the run registry (``serve``, ``worker``) owns its broker: it never
     attaches to another's.
     """
-    url = settings.redis_url or os.environ.get(URL_ENV) or None
+    url = settings.broker.url
     if url is None:
         attached = _attach(settings)
         if attached is not None:
@@ -56,7 +56,7 @@ def connect_shared(settings: Settings) -> BrokerHandle:
     """A broker that outlives this command: ``HERMES_REDIS_URL`` (or ``broker.url``), else the embedded
     broker of the ``serve``/``worker`` of ``$HERMES_HOME`` running here (noted on stderr). For commands
     whose subject lives in a running gateway's broker (audit log, active policy, control messages)."""
-    url = settings.redis_url or os.environ.get(URL_ENV) or None
+    url = settings.broker.url
     if url:
         return connect(url)
     attached = _attach(settings)
@@ -140,8 +140,9 @@ def start_workers(
     Policy.from_settings(settings.policy)  # a bad policy: a clear error now, not a worker that dies
     # The command's own output stays clean: its workers log errors only, unless a level was asked for
     # (`--log-level`, HERMES_LOG_LEVEL, `logging.level`); they log in the command's format (JSON too).
-    level = os.environ.get("HERMES_WORKER_LOG_LEVEL") or _asked_level(settings) or "ERROR"
-    env = dict(os.environ, HERMES_LOG_LEVEL=level)
+    asked = settings.logging
+    level = asked.worker_level or (asked.level if asked.level_set else "ERROR")
+    env = dict(os.environ, HERMES_LOG_LEVEL=level)  # a child process's environment: ours, with its level
     if logs.json_lines():
         env["HERMES_LOG_FORMAT"] = "json"
     env["HERMES_HOME"] = str(settings.home)  # the same config, and the same run registry, as ours
@@ -149,13 +150,6 @@ def start_workers(
         spawn(url, list(queues), concurrency, env=env, stdout=worker_stdout, with_parent=True)
         for _ in range(processes)
     ]
-
-
-def _asked_level(settings: Settings) -> str | None:
-    """The log level the user set for this command (``--log-level`` sets HERMES_LOG_LEVEL), if any."""
-    logging_cfg = settings.raw.get("logging")
-    asked = os.environ.get("HERMES_LOG_LEVEL") or (isinstance(logging_cfg, dict) and logging_cfg.get("level"))
-    return settings.log_level if asked else None
 
 
 def wait_for_heartbeats(

@@ -21,7 +21,6 @@ from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.subscriptions import InMemorySubscriptionBus
 from starlette.types import Receive, Scope, Send
 
-from hermes_gateway.http_json import max_body
 from hermes_gateway.mcp_serve import ChangeNotices, Sessions, build_server
 
 
@@ -34,7 +33,7 @@ class McpEndpoint:
         self.bus = InMemorySubscriptionBus()
         server = build_server(gw, agw, sessions=self.sessions, bus=self.bus)
         self.manager = StreamableHTTPSessionManager(
-            server, stateless=not stateful, max_request_body_size=max_body(), session_idle_timeout=30 * 60
+            server, stateless=not stateful, max_request_body_size=gw.settings.api.max_body, session_idle_timeout=30 * 60
         )
 
     @asynccontextmanager

@@ -18,19 +18,21 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from broker import otel
+from broker.config import TRACE_ENV, TelemetrySettings
 from broker.envelope import Envelope
 from broker.otel import MESSAGING_SYSTEM, headers_of, mark_failed, parent_context
 
 Headers = tuple[str | None, str | None, str | None]  # traceparent, tracestate, baggage
 
 
-def setup(mode: str | None = None) -> str:
-    """Install the SDK in this process (``--trace`` / ``OTEL_*``); workers started from here inherit it."""
+def setup(telemetry: TelemetrySettings, mode: str | None = None) -> str:
+    """Install the SDK in this process (``--trace``, else ``HERMES_TRACE`` / ``OTEL_*``); workers started
+    from here inherit it."""
     from workers import otelsdk  # the SDK: only a process that exports spans loads it
 
     if mode:
-        os.environ[otelsdk.TRACE_ENV] = mode
-    return otelsdk.setup("hermes-gateway", mode)
+        os.environ[TRACE_ENV] = mode  # written, not read: the environment of the workers this command starts
+    return otelsdk.setup("hermes-gateway", telemetry, mode)
 
 
 def current_headers() -> Headers:

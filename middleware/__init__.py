@@ -11,7 +11,9 @@ Plugins
 
     ``enable_plugin(home, name)``, ``disable_plugin(home, name)`` and ``list_plugins(home)`` edit and
     read that file; ``PluginManager(home).load()`` imports the enabled plugins and
-    ``PluginManager.reload()`` re-imports them fresh (and resets the warn-once reporter).
+    ``PluginManager.reload()`` re-imports them fresh (and resets the warn-once reporter). Each takes
+    ``discovery=``, the host's say (Hermes' safe mode and project plugins, and how config.yaml is
+    parsed; the gateway passes ``Settings.plugin_discovery``); by default ``PLAIN``: neither, plain YAML.
 
 Calls (what the worker does)
     ``runtime = manager.runtime`` (or ``MiddlewareRegistry().runtime()``) is an immutable snapshot;
@@ -49,7 +51,6 @@ from middleware.config import (
     enable_plugin,
     list_plugins,
     read_config,
-    set_config_loader,
 )
 from middleware.context import PluginContext
 from middleware.execution import ExecutionChain
@@ -71,7 +72,15 @@ from middleware.kinds import (
     TRANSFORM_TOOL_RESULT,
     VALID_HOOKS,
 )
-from middleware.manifest import ENTRY_POINTS_GROUP, PluginInfo, PluginManifest, resolve_home
+from middleware.manifest import (
+    ENTRY_POINTS_GROUP,
+    PLAIN,
+    Discovery,
+    PlainDiscovery,
+    PluginInfo,
+    PluginManifest,
+    resolve_home,
+)
 from middleware.plugins import PluginManager
 from middleware.registry import MiddlewareRegistry, Registration
 from middleware.reporter import FailureReporter
@@ -95,11 +104,14 @@ __all__ = [
     "TOOL_REQUEST",
     "TRANSFORM_TOOL_RESULT",
     "VALID_HOOKS",
+    "PLAIN",
+    "Discovery",
     "ExecutionChain",
     "FailureReporter",
     "LLMCallFlow",
     "MiddlewareRegistry",
     "MiddlewareRuntime",
+    "PlainDiscovery",
     "PluginContext",
     "PluginInfo",
     "PluginManager",
@@ -112,6 +124,5 @@ __all__ = [
     "enable_plugin",
     "list_plugins",
     "read_config",
-    "set_config_loader",
     "resolve_home",
 ]

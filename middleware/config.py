@@ -10,24 +10,15 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from middleware.manifest import PluginInfo, PluginManifest, discover, resolve_home
+from middleware.manifest import PLAIN, Discovery, PluginInfo, PluginManifest, discover, resolve_home
 
 _write_lock = threading.Lock()
-# How config.yaml is parsed. The host may install a reader that understands more than plain YAML (the
-# gateway's keeps unquoted ``{{field}}`` placeholders, as the Tool Gateway document writes them).
-_loader: Callable[[str], Any] = yaml.safe_load
-
-
-def set_config_loader(loader: Callable[[str], Any]) -> None:
-    """Parse config.yaml with ``loader(text)`` from now on (it raises ``yaml.YAMLError`` on bad YAML)."""
-    global _loader
-    _loader = loader
 
 
 def config_path(home: str | os.PathLike[str] | None = None) -> Path:
@@ -35,11 +26,13 @@ def config_path(home: str | os.PathLike[str] | None = None) -> Path:
     return resolve_home(home) / "config.yaml"
 
 
-def read_config(home: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """The parsed config.yaml, or ``{}`` when it is missing or not a mapping."""
+def read_config(home: str | os.PathLike[str] | None = None, discovery: Discovery = PLAIN) -> dict[str, Any]:
+    """The parsed config.yaml (by ``discovery.read_yaml``: the host's reader may understand more than plain
+    YAML, as the gateway's keeps unquoted ``{{field}}`` placeholders), or ``{}`` when it is missing or not
+    a mapping."""
     path = config_path(home)
     try:
-        data = _loader(path.read_text(encoding="utf-8"))
+        data = discovery.read_yaml(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {}
     return data if isinstance(data, dict) else {}
@@ -92,12 +85,12 @@ def _resolve(name: str, manifests: Iterable[PluginManifest]) -> PluginManifest:
 
 
 def _edit_lists(
-    home: str | os.PathLike[str] | None, name: str, enable: bool, extra_dirs: Iterable[Any]
+    home: str | os.PathLike[str] | None, name: str, enable: bool, extra_dirs: Iterable[Any], discovery: Discovery
 ) -> str:
-    manifest = _resolve(name, discover(resolve_home(home), extra_dirs).values())
+    manifest = _resolve(name, discover(resolve_home(home), extra_dirs, discovery=discovery).values())
     key = manifest.lookup_key
     with _write_lock:
-        config = read_config(home)
+        config = read_config(home, discovery)
         section = config.get("plugins")
         if not isinstance(section, dict):
             section = {}
@@ -118,24 +111,28 @@ def _edit_lists(
     return key
 
 
-def enable_plugin(home: str | os.PathLike[str] | None, name: str, *, extra_dirs: Iterable[Any] = ()) -> str:
+def enable_plugin(
+    home: str | os.PathLike[str] | None, name: str, *, extra_dirs: Iterable[Any] = (), discovery: Discovery = PLAIN
+) -> str:
     """Add a plugin to ``plugins.enabled`` (and drop it from ``disabled``); returns its key."""
-    return _edit_lists(home, name, True, extra_dirs)
+    return _edit_lists(home, name, True, extra_dirs, discovery)
 
 
-def disable_plugin(home: str | os.PathLike[str] | None, name: str, *, extra_dirs: Iterable[Any] = ()) -> str:
+def disable_plugin(
+    home: str | os.PathLike[str] | None, name: str, *, extra_dirs: Iterable[Any] = (), discovery: Discovery = PLAIN
+) -> str:
     """Remove a plugin from ``plugins.enabled`` and add it to ``disabled``; returns its key."""
-    return _edit_lists(home, name, False, extra_dirs)
+    return _edit_lists(home, name, False, extra_dirs, discovery)
 
 
 def list_plugins(
-    home: str | os.PathLike[str] | None = None, *, extra_dirs: Iterable[Any] = ()
+    home: str | os.PathLike[str] | None = None, *, extra_dirs: Iterable[Any] = (), discovery: Discovery = PLAIN
 ) -> list[PluginInfo]:
     """Every discoverable plugin with its enabled state, without importing any of them."""
     home_path = resolve_home(home)
-    enabled, disabled = plugin_lists(read_config(home_path))
+    enabled, disabled = plugin_lists(read_config(home_path, discovery))
     out: list[PluginInfo] = []
-    for key, m in sorted(discover(home_path, extra_dirs).items()):
+    for key, m in sorted(discover(home_path, extra_dirs, discovery=discovery).items()):
         error = m.error
         if (
             error is None

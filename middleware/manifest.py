@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -64,10 +64,44 @@ class PluginInfo:
     hooks: tuple[str, ...] = ()
 
 
+class Discovery(Protocol):
+    """What the host decides about plugins: Hermes' switches and how config.yaml is read. The gateway
+    passes ``Settings.plugin_discovery`` (``HERMES_SAFE_MODE``, ``HERMES_ENABLE_PROJECT_PLUGINS``)."""
+
+    @property
+    def safe_mode(self) -> bool:
+        """Load no plugin at all."""
+        ...
+
+    @property
+    def project_plugins(self) -> bool:
+        """Look in ``./.hermes/plugins`` as well."""
+        ...
+
+    def read_yaml(self, text: str) -> Any:
+        """config.yaml parsed (raises ``yaml.YAMLError`` on bad YAML)."""
+        ...
+
+
+@dataclass(frozen=True)
+class PlainDiscovery:
+    """No switch on, config.yaml read as plain YAML: a host that says nothing else gets this."""
+
+    safe_mode: bool = False
+    project_plugins: bool = False
+
+    def read_yaml(self, text: str) -> Any:
+        return yaml.safe_load(text)
+
+
+PLAIN = PlainDiscovery()
+
+
 def resolve_home(home: str | os.PathLike[str] | None = None) -> Path:
     """``home``, else ``$HERMES_HOME``, else ``~/.hermes`` (Hermes' own resolution order)."""
     if home is not None:
         return Path(home)
+    # Where config.yaml is: this package imports nothing of ours, so it finds HERMES_HOME as Hermes does.
     env = os.environ.get("HERMES_HOME", "").strip()
     return Path(env) if env else Path.home() / ".hermes"
 
@@ -171,28 +205,26 @@ def scan_entry_points() -> list[PluginManifest]:
 
 
 def discover(
-    home: Path, extra_dirs: Iterable[str | os.PathLike[str]] = (), entry_points: bool = True
+    home: Path,
+    extra_dirs: Iterable[str | os.PathLike[str]] = (),
+    entry_points: bool = True,
+    discovery: Discovery = PLAIN,
 ) -> dict[str, PluginManifest]:
     """Every plugin visible from ``home``, keyed by lookup key; later sources win on collision.
 
     As in Hermes: bundled (``extra_dirs``), then user (``$HERMES_HOME/plugins``), then project
-    (``./.hermes/plugins``, only with ``HERMES_ENABLE_PROJECT_PLUGINS``), then entry points; nothing at
-    all with ``HERMES_SAFE_MODE``.
+    (``./.hermes/plugins``, only with ``discovery.project_plugins``: HERMES_ENABLE_PROJECT_PLUGINS), then
+    entry points; nothing at all with ``discovery.safe_mode`` (HERMES_SAFE_MODE).
     """
-    if env_flag("HERMES_SAFE_MODE"):
+    if discovery.safe_mode:
         log.info("HERMES_SAFE_MODE is set: plugin discovery skipped")
         return {}
     manifests: list[PluginManifest] = []
     for extra in extra_dirs:
         manifests.extend(scan_directory(Path(extra), "bundled"))
     manifests.extend(scan_directory(home / "plugins", "user"))
-    if env_flag("HERMES_ENABLE_PROJECT_PLUGINS"):
+    if discovery.project_plugins:
         manifests.extend(scan_directory(Path.cwd() / ".hermes" / "plugins", "project"))
     if entry_points:
         manifests.extend(scan_entry_points())
     return {m.lookup_key: m for m in manifests}
-
-
-def env_flag(name: str) -> bool:
-    """An opt-in environment switch, read as Hermes reads them (1/true/yes/on)."""
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")

@@ -14,7 +14,15 @@ from typing import Any
 
 from middleware.config import plugin_lists, read_config
 from middleware.logs import get_logger
-from middleware.manifest import PluginInfo, PluginManifest, discover, group_entry_points, resolve_home
+from middleware.manifest import (
+    PLAIN,
+    Discovery,
+    PluginInfo,
+    PluginManifest,
+    discover,
+    group_entry_points,
+    resolve_home,
+)
 from middleware.registry import MiddlewareRegistry
 from middleware.reporter import FailureReporter
 from middleware.runtime import MiddlewareRuntime
@@ -84,7 +92,8 @@ class PluginManager:
 
     ``load()`` is idempotent; ``reload()`` re-reads config and manifests, re-imports every plugin
     module from disk, swaps in a fresh runtime (calls in flight finish on the old one) and resets
-    the warn-once failure reporter. ``extra_dirs`` are scanned like Hermes' bundled plugin dir.
+    the warn-once failure reporter. ``extra_dirs`` are scanned like Hermes' bundled plugin dir;
+    ``discovery`` is the host's say on safe mode, project plugins and reading config.yaml.
     """
 
     def __init__(
@@ -93,10 +102,12 @@ class PluginManager:
         *,
         extra_dirs: Iterable[str | os.PathLike[str]] = (),
         entry_points: bool = True,
+        discovery: Discovery = PLAIN,
     ) -> None:
         self.home = resolve_home(home)
         self.extra_dirs = tuple(Path(d) for d in extra_dirs)
         self.entry_points = entry_points
+        self.discovery = discovery
         self.reporter = FailureReporter()
         self._registry = MiddlewareRegistry(self.reporter)
         self._plugins: dict[str, PluginInfo] = {}
@@ -135,8 +146,8 @@ class PluginManager:
         if fresh:
             _purge(self._modules)
             self._modules.clear()
-        manifests = discover(self.home, self.extra_dirs, self.entry_points)
-        enabled, disabled = plugin_lists(read_config(self.home))
+        manifests = discover(self.home, self.extra_dirs, self.entry_points, self.discovery)
+        enabled, disabled = plugin_lists(read_config(self.home, self.discovery))
         registry = MiddlewareRegistry(self.reporter)
         infos: dict[str, PluginInfo] = {}
         for key, manifest in manifests.items():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 import sys
 
 from broker.config import load_settings
@@ -20,14 +20,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics on this port")
     parser.add_argument("--metrics-host", default=None)
     args = parser.parse_args(argv)
+    try:
+        settings = load_settings()
+    except HermesError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.metrics_port is not None:  # (what the pool passes its children in the environment)
-        from workers.pool import METRICS_HOST_ENV, METRICS_PORT_ENV
-
-        os.environ[METRICS_PORT_ENV] = str(args.metrics_port)
-        os.environ[METRICS_HOST_ENV] = args.metrics_host or os.environ.get(METRICS_HOST_ENV) or "127.0.0.1"
-    settings = load_settings()
-    configure(settings.log_level, settings.log_format)
-    url = os.environ.get("HERMES_REDIS_URL") or settings.redis_url
+        host = args.metrics_host or settings.workers.metrics_host
+        metrics = dataclasses.replace(settings.workers, metrics_port=args.metrics_port, metrics_host=host)
+        settings = dataclasses.replace(settings, workers=metrics)
+    configure(settings.logging.level, settings.logging.format)
+    url = settings.broker.url
     if not url:
         print("error: HERMES_REDIS_URL is not set; a worker process needs a broker URL", file=sys.stderr)
         return 2

@@ -47,7 +47,7 @@ class BreakerGuard:
             yield
             return
         call_id = run.info.call_id
-        decision = self.breakers.check(cfg, call_id, probe_ttl=timeout + self.core.settings.lease)
+        decision = self.breakers.check(cfg, call_id, probe_ttl=timeout + self.core.settings.workers.lease)
         if decision.change is not None:
             self._announce(run, decision.change, publish)
         if not decision.allowed:

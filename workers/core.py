@@ -56,7 +56,7 @@ class WorkerCore:
         self.conn = conn
         self.settings = settings
         self.name = name
-        pipes.configure(settings.fast_path)
+        pipes.configure(settings.broker.fast_path)
         self.calls = Calls(conn)
         self.confirmer = Confirmer(settings)  # WAITs for the replicas, when broker.wait_replicas asks
         self.outbox = Outbox(conn, confirmer=self.confirmer)
@@ -75,16 +75,16 @@ class WorkerCore:
         self.refresh_policy()
         self.audit = AuditLog.from_settings(conn, settings.audit)
         self.breakers = BreakerGuard(self)
-        self.scheduler = RetryScheduler(conn, hold=settings.lease)  # run on a thread by the Worker
+        self.scheduler = RetryScheduler(conn, hold=settings.workers.lease)  # run on a thread by the Worker
         # Plugins log through stdlib logging (they run inside Hermes too); the root logger is held at
         # WARNING to quiet libraries, so plugin loggers get the gateway's own level.
-        logging.getLogger(PLUGIN_NAMESPACE).setLevel(settings.log_level)
-        self.plugins = PluginManager(settings.home)
+        logging.getLogger(PLUGIN_NAMESPACE).setLevel(settings.logging.level)
+        self.plugins = PluginManager(settings.home, discovery=settings.plugin_discovery)
         self.plugins.load()
         self.tool_flow = ToolCallFlow(self.plugins, on_blocked=_blocked)
         self.llm_flow = LLMCallFlow(self.plugins, describe_response=describe_response)
         # Tracing and metrics from OTEL_* / HERMES_TRACE (off unless asked for); figures for `status --watch`.
-        otelsdk.setup("hermes-worker")
+        otelsdk.setup("hermes-worker", settings.telemetry)
         metrics.watch_queues(conn)
         self.stats = metrics.StatsFlusher(conn, name, self.inflight_by_key)
 

@@ -1,4 +1,4 @@
-"""OpenTelemetry SDK set-up from the standard ``OTEL_*`` environment (and ``HERMES_TRACE``).
+"""OpenTelemetry SDK set-up from the standard ``OTEL_*`` environment (and ``settings.telemetry``: HERMES_TRACE).
 
 Tracing is off unless asked for. Off means no SDK provider: the API hands out no-op tracers and our
 hot paths skip even those (``tracer()`` returns None). Asked for means, first match wins:
@@ -28,11 +28,10 @@ from typing import Any
 from opentelemetry import metrics, trace
 
 from broker import otel
+from broker.config import TRACE_MODES, TelemetrySettings
 from broker.errors import ConfigError
 
-TRACE_ENV = "HERMES_TRACE"
-LEAN_ENV = "HERMES_LEAN_SPANS"
-MODES = ("off", "console", "otlp", "memory")
+MODES = TRACE_MODES
 
 _lock = threading.Lock()
 _mode: str | None = None  # what setup() installed in this process
@@ -42,18 +41,13 @@ EXIT_FLUSH_MS = 1000
 MEMORY_KEEP = 2048  # spans HERMES_TRACE=memory keeps: a worker's heap (and GC passes) must not grow per call
 
 
-def trace_mode(environ: Mapping[str, str] | None = None) -> str:
-    """The tracing mode the environment asks for: off, console, otlp or memory."""
-    env = os.environ if environ is None else environ
+def trace_mode(telemetry: TelemetrySettings, environ: Mapping[str, str] | None = None) -> str:
+    """The tracing mode asked for: off, console, otlp or memory (``HERMES_TRACE``, then ``OTEL_*``)."""
+    env = os.environ if environ is None else environ  # the SDK's OTEL_* variables, not ours
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return "off"
-    mode = env.get(TRACE_ENV, "").strip().lower()
-    if mode in ("none", "0", "false", "no"):
-        return "off"
-    if mode:
-        if mode not in MODES:
-            raise ConfigError(f"{TRACE_ENV}: expected one of {', '.join(MODES)}, got {mode!r}")
-        return mode
+    if telemetry.trace:
+        return telemetry.trace
     exporter = env.get("OTEL_TRACES_EXPORTER", "").split(",")[0].strip().lower()
     if exporter in ("none", "console", "otlp"):
         return "off" if exporter == "none" else exporter
@@ -64,13 +58,13 @@ def trace_mode(environ: Mapping[str, str] | None = None) -> str:
     return "off"
 
 
-def setup(service_name: str, mode: str | None = None) -> str:
+def setup(service_name: str, telemetry: TelemetrySettings, mode: str | None = None) -> str:
     """Install the SDK tracer and meter providers for this process (once); returns the mode in force."""
     global _mode
     with _lock:
         if _mode is not None:
             return _mode
-        mode = mode or trace_mode()
+        mode = mode or trace_mode(telemetry)
         if mode not in MODES:
             raise ConfigError(f"tracing mode must be one of {', '.join(MODES)}, got {mode!r}")
         if mode == "off":
@@ -87,7 +81,7 @@ def setup(service_name: str, mode: str | None = None) -> str:
         # Sampler: OTEL_TRACES_SAMPLER, ParentBased(always_on) by default. Our shutdown() replaces the SDK's
         # exit hook, so an unreachable collector cannot hold a process for the exporter's 10 s of retries.
         # HERMES_LEAN_SPANS=0: the SDK's own tracer (bench/throughput.py measures both; see ARCHITECTURE).
-        kind = TracerProvider if os.environ.get(LEAN_ENV, "1").strip().lower() in ("0", "false", "no") else Provider
+        kind = Provider if telemetry.lean_spans else TracerProvider
         provider = kind(resource=resource, shutdown_on_exit=False)
         exporter = _span_exporter(mode)
         # Console output is for a quick look: print each span as it ends rather than in batches.

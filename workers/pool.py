@@ -8,55 +8,25 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import structlog
 
-from broker.config import Settings
+from broker.config import METRICS_HOST_ENV, METRICS_PORT_ENV, Settings, WorkerSettings
 from broker.connection import from_url
 from broker.embedded import die_with_parent
-from broker.errors import BrokerUnavailable, ConfigError
+from broker.errors import BrokerUnavailable
 from workers import runfiles
 
 log = structlog.get_logger("hermes.pool")
 
 
-# Python's default (700, 10, 10) collects the young generation every 700 container allocations. A worker
-# allocates thousands per second and keeps each call's objects alive for the call's duration, so most of
-# them were scanned and promoted before they died; measured on io_bound, a higher threshold gained ~5%
-# efficiency (4 of 4 interleaved pairs). Reference counting still frees everything that is not a cycle.
-GC_THRESHOLD = (50_000, 20, 10)
-GC_ENV = "HERMES_GC_THRESHOLD"
-
-
-def gc_threshold(environ: Mapping[str, str] | None = None) -> tuple[int, ...] | None:
-    """The thresholds ``HERMES_GC_THRESHOLD`` asks for ("N[,N[,N]]"; "default": Python's own, None),
-    else ``GC_THRESHOLD``; a malformed value is a ConfigError naming the variable."""
-    raw = (os.environ if environ is None else environ).get(GC_ENV, "").strip()
-    if raw.lower() == "default":
-        return None
-    if not raw:
-        return GC_THRESHOLD
-    try:
-        wanted = tuple(int(part) for part in raw.split(","))
-    except ValueError:
-        wanted = ()
-    # A first value of 0 would switch automatic collection off: cycles would never be freed.
-    if not 1 <= len(wanted) <= 3 or wanted[0] < 1 or any(n < 0 for n in wanted):
-        raise ConfigError(
-            f"{GC_ENV} must be one to three integers like '50000,20,10' (the first at least 1), "
-            f"or 'default' for Python's own; got {raw!r}"
-        )
-    return wanted
-
-
-def tune_gc(environ: Mapping[str, str] | None = None) -> tuple[int, ...] | None:
-    """Set this worker process's garbage-collector thresholds (``gc_threshold``); returns what was set."""
-    wanted = gc_threshold(environ)
-    if wanted is not None:
-        gc.set_threshold(*wanted)
-    return wanted
+def tune_gc(threshold: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """Set this worker process's garbage-collector thresholds (``settings.workers.gc_threshold``; None:
+    Python's own); returns what was set."""
+    if threshold is not None:
+        gc.set_threshold(*threshold)
+    return threshold
 
 
 def run_worker(url: str, settings: Settings, queues: list[str], concurrency: int, grace: float) -> int:
@@ -64,34 +34,31 @@ def run_worker(url: str, settings: Settings, queues: list[str], concurrency: int
     from workers.stopping import install_signals
     from workers.worker import Worker
 
-    tune_gc()
-    port = os.environ.get(METRICS_PORT_ENV)
+    tune_gc(settings.workers.gc_threshold)
+    port = settings.workers.metrics_port
     if port:  # before the worker sets up OpenTelemetry: its meter provider gets the Prometheus reader
         from workers import otelsdk
 
-        otelsdk.serve_prometheus(int(port), os.environ.get(METRICS_HOST_ENV) or "127.0.0.1")
+        otelsdk.serve_prometheus(port, settings.workers.metrics_host)
     conn = from_url(url)
     worker = Worker(conn, settings, queues, concurrency=concurrency, grace=grace)
     install_signals(worker.request_stop)
     # Recorded for `hermes-gateway stop --all` when a `worker` command started it (it sets the variable);
     # the private worker of a `tool run` or a `chat` is its command's to stop, not stop --all's.
-    if os.environ.get(runfiles.ENV):
+    if settings.workers.run_registry:
         runfiles.enable(settings.home)
     with runfiles.registered("worker", url=url):
         worker.work()
     return 0
 
 
-METRICS_PORT_ENV = "HERMES_METRICS_PORT"  # /metrics of a worker process (`worker --metrics-port`)
-METRICS_HOST_ENV = "HERMES_METRICS_HOST"
-
-
-def metrics_env(index: int) -> dict[str, str] | None:
-    """The environment of pool child ``index``: with ``$HERMES_METRICS_PORT`` P, it serves /metrics on P+index."""
-    port = os.environ.get(METRICS_PORT_ENV)
-    if not port:
+def metrics_env(index: int, workers: WorkerSettings) -> dict[str, str] | None:
+    """The environment of pool child ``index``: with a metrics port P, it serves /metrics on P+index."""
+    if not workers.metrics_port:
         return None
-    return dict(os.environ, **{METRICS_PORT_ENV: str(int(port) + index)})
+    # A child process's environment: ours, with its own port.
+    port = {METRICS_PORT_ENV: str(workers.metrics_port + index), METRICS_HOST_ENV: workers.metrics_host}
+    return dict(os.environ, **port)
 
 
 def worker_argv(queues: list[str], concurrency: int, grace: float) -> list[str]:
@@ -122,7 +89,7 @@ def spawn(
     ``with_parent``: it is sent SIGTERM when the process that started it dies, even by SIGKILL, and it
     runs in a process group of its own: Ctrl-C at a terminal reaches only the command, which stops its
     workers while their broker is still up, instead of every process of the group at once)."""
-    child_env = dict(os.environ if env is None else env)
+    child_env = dict(os.environ if env is None else env)  # a child process's environment: ours by default
     child_env["HERMES_REDIS_URL"] = url
     return subprocess.Popen(
         worker_argv(queues, concurrency, grace),
@@ -147,12 +114,13 @@ def stop_all(procs: list[subprocess.Popen[Any]], timeout: float = 30.0) -> None:
             p.wait()
 
 
-def supervise(url: str, queues: list[str], concurrency: int, processes: int, grace: float) -> int:
+def supervise(
+    url: str, queues: list[str], concurrency: int, processes: int, grace: float, workers: WorkerSettings
+) -> int:
     """Start ``processes`` workers, restart any that crash, pass SIGTERM/SIGINT on, wait for all."""
     if not url:
         raise BrokerUnavailable("worker pools need a broker URL")
-    gc_threshold()  # a bad value is reported once here, not by every child the pool would restart
-    children = [spawn(url, queues, concurrency, grace, env=metrics_env(i)) for i in range(processes)]
+    children = [spawn(url, queues, concurrency, grace, env=metrics_env(i, workers)) for i in range(processes)]
     stopping = False
 
     def on_term(signum: int, _frame: Any) -> None:
@@ -185,7 +153,7 @@ def supervise(url: str, queues: list[str], concurrency: int, processes: int, gra
                         continue
                     restarts.append(now)
                     log.warning("worker process exited; restarting", exit_code=code, pid=child.pid)
-                    children[i] = spawn(url, queues, concurrency, grace, env=metrics_env(i))
+                    children[i] = spawn(url, queues, concurrency, grace, env=metrics_env(i, workers))
                     alive = True
             if not alive:
                 return 0

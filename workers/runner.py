@@ -289,7 +289,7 @@ class CallRunner:
             run,
             current,
             (target, detail, time.time()),
-            {"fields": fields, "ttl": self.core.settings.result_ttl},
+            {"fields": fields, "ttl": self.core.settings.workers.result_ttl},
             check=lambda reply: self._check(run, target, reply),
             after=lambda pipe: audit.append(record, pipeline=pipe),
             last=True,

@@ -86,7 +86,7 @@ class Worker:
         self.concurrency = max(1, concurrency)
         self.name = name or worker_name()
         self.grace = grace
-        self.lease = settings.lease
+        self.lease = settings.workers.lease
         self.core = WorkerCore(conn, settings, self.name)
         self.runner = CallRunner(self.core)
         self.pool = CallThreads(self.concurrency, "hermes-call")
@@ -109,7 +109,7 @@ class Worker:
         # Claims go on a connection of their own when the replicas must confirm them (WAIT confirms the
         # writes of the connection it is sent on).
         self._claims = self.core.calls
-        if settings.wait_replicas > 0:
+        if settings.broker.wait_replicas > 0:
             own = redis.Redis(connection_pool=conn.connection_pool, single_connection_client=True)
             self._claims = Calls(own)
         self._unconfirmed_logged = 0.0
@@ -199,7 +199,7 @@ class Worker:
         if confirmer.wanted():
             try:  # on the claims' own connection (a pipeline would take another from the pool)
                 acked: Any = self._claims.conn.execute_command(
-                    "WAIT", self.settings.wait_replicas, self.settings.wait_timeout_ms
+                    "WAIT", self.settings.broker.wait_replicas, self.settings.broker.wait_timeout_ms
                 )
             except redis.RedisError as e:
                 acked = e
@@ -219,7 +219,7 @@ class Worker:
         for cid in call_ids:
             pipe.hget(keys.job(cid), "enqueued_at")
         submitted = [rq_time(v) for v in pipe.execute()]
-        limit = self.settings.wait_timeout_ms / 1000 + UNCONFIRMED_MARGIN
+        limit = self.settings.broker.wait_timeout_ms / 1000 + UNCONFIRMED_MARGIN
         hold = min(max(submitted) + limit - time.time(), limit)
         if hold > 0:
             self.stopping.wait(hold)
@@ -305,7 +305,7 @@ class Worker:
             try:
                 self._heartbeat_once()
                 self.refresh_queues()
-                reaper.reap(self.core.calls, self.claim_queues, self.lease, self.settings.result_ttl, self.core.audit)
+                reaper.reap(self.core.calls, self.claim_queues, self.lease, self.settings.workers.result_ttl, self.core.audit)
                 # Slots still held by calls that ended (a safety net: ending gives the slot back).
                 self.core.scheduler.limits.sweep(self.claim_queues, self.lease)
                 self.conn.zremrangebyscore(keys.WORKERS, "-inf", time.time() - self.lease * 2)

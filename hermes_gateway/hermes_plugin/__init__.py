@@ -34,7 +34,7 @@ def register(ctx: Any) -> None:
     from broker.config import load_settings
 
     settings = load_settings()
-    options = Options.load(settings)
+    options = settings.agent_plugin
     if not options.url:
         log.warning(
             "hermes-gateway plugin: no gateway to reach; set HERMES_GATEWAY_URL or HERMES_REDIS_URL",

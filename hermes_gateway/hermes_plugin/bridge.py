@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import contextvars
 import json
-import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import structlog
 
-from broker.config import Settings, load_settings
+from broker.config import AgentPluginSettings, PluginDiscovery, Settings, load_settings
 from broker.errors import BrokerUnavailable, CallCancelled, CallTimeout, HermesError
 
 log = structlog.get_logger("hermes.plugin")
@@ -37,31 +36,8 @@ _IDS = ("session_id", "task_id", "turn_id", "tool_call_id", "api_request_id")
 _CLIENT_ONLY = frozenset({"timeout"})
 
 
-def _flag(value: Any) -> bool:
-    return str(value).strip().lower() in ("1", "true", "yes", "on")
-
-
-@dataclass(frozen=True)
-class Options:
-    """The plugin's settings: ``HERMES_GATEWAY_*`` variables over ``plugins.entries.hermes-gateway``."""
-
-    url: str | None
-    route_llm: bool = False
-    principal: str | None = None
-    timeout: float = 600.0
-    tool_prefix: str = ""
-
-    @classmethod
-    def load(cls, settings: Settings) -> Options:
-        entry = ((settings.plugins.get("entries") or {}).get(PLUGIN_NAME)) or {}
-        env = os.environ
-        return cls(
-            url=env.get("HERMES_GATEWAY_URL") or entry.get("redis_url") or settings.redis_url,
-            route_llm=_flag(env.get("HERMES_GATEWAY_ROUTE_LLM", entry.get("route_llm", False))),
-            principal=env.get("HERMES_GATEWAY_PRINCIPAL") or entry.get("principal") or None,
-            timeout=float(env.get("HERMES_GATEWAY_TIMEOUT") or entry.get("timeout") or 600.0),
-            tool_prefix=str(env.get("HERMES_GATEWAY_TOOL_PREFIX") or entry.get("tool_prefix") or ""),
-        )
+# The plugin's settings (``settings.agent_plugin``): HERMES_GATEWAY_* over plugins.entries.hermes-gateway.
+Options = AgentPluginSettings
 
 
 def request_body(request: dict[str, Any]) -> dict[str, Any]:
@@ -80,24 +56,24 @@ def request_body(request: dict[str, Any]) -> dict[str, Any]:
 
 
 _PLUGINS_TTL = 5.0  # seconds a plugin list is reused (Hermes reloads plugins rarely; outside it, a disk scan)
-_plugins_seen: dict[str, tuple[float, str]] = {}  # HERMES_HOME -> (when read, the list)
+_plugins_seen: dict[Path, tuple[float, str]] = {}  # HERMES_HOME -> (when read, the list)
 
 
-def agent_plugins() -> str:
+def agent_plugins(settings: Settings) -> str:
     """Comma-separated keys of the plugins this agent runs itself (their middleware and hooks run here,
     around our calls), so workers reading the same HERMES_HOME skip them: each runs once per call.
 
     Hermes' own plugin manager says what it loaded; outside Hermes, the enabled plugins of HERMES_HOME.
     Read again after a few seconds, not on every call.
     """
-    home, now = os.environ.get("HERMES_HOME", ""), time.monotonic()
+    home, now = settings.home, time.monotonic()
     seen = _plugins_seen.get(home)
     if seen is None or now - seen[0] >= _PLUGINS_TTL:
-        seen = _plugins_seen[home] = (now, _read_agent_plugins())
+        seen = _plugins_seen[home] = (now, _read_agent_plugins(home, settings.plugin_discovery))
     return seen[1]
 
 
-def _read_agent_plugins() -> str:
+def _read_agent_plugins(home: Path, discovery: PluginDiscovery) -> str:
     keys: set[str] = set()
     try:
         from hermes_cli.plugins import get_plugin_manager
@@ -108,7 +84,7 @@ def _read_agent_plugins() -> str:
     except Exception:  # noqa: BLE001 - not inside Hermes (or another version): read the config instead
         from middleware import list_plugins
 
-        keys.update(info.key for info in list_plugins() if info.enabled)
+        keys.update(info.key for info in list_plugins(home, discovery=discovery) if info.enabled)
     keys.discard(PLUGIN_NAME)
     return ",".join(sorted(keys))
 
@@ -245,7 +221,7 @@ class Bridge:
             context["parent_call_id"] = parent
         if self.options.principal:
             context["principal"] = self.options.principal
-        applied = agent_plugins()
+        applied = agent_plugins(self.settings)
         if applied:
             context["plugins_applied"] = applied
         try:
@@ -276,7 +252,7 @@ class Bridge:
         context = {k: str(kw[k]) for k in ids if kw.get(k)}
         if self.options.principal:
             context["principal"] = self.options.principal
-        applied = agent_plugins()
+        applied = agent_plugins(self.settings)
         if applied:
             context["plugins_applied"] = applied
         body = request_body(request)

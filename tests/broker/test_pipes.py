@@ -245,9 +245,9 @@ def test_broker_fast_path_is_a_setting_and_a_bad_value_is_a_clear_error(tmp_path
     from broker.config import load_settings
     from broker.errors import ConfigError
 
-    assert load_settings(str(tmp_path)).fast_path is True  # the measured default (ARCHITECTURE)
+    assert load_settings(str(tmp_path)).broker.fast_path is True  # the measured default (ARCHITECTURE)
     monkeypatch.setenv("HERMES_REDIS_FAST_PATH", "0")
-    assert load_settings(str(tmp_path)).fast_path is False
+    assert load_settings(str(tmp_path)).broker.fast_path is False
     monkeypatch.setenv("HERMES_REDIS_FAST_PATH", "maybe")
     with pytest.raises(ConfigError, match="fast_path"):
         load_settings(str(tmp_path))

@@ -102,11 +102,11 @@ def test_wait_replicas_and_its_timeout_come_from_config_and_the_environment(
     monkeypatch.delenv("HERMES_WAIT_REPLICAS", raising=False)
     monkeypatch.delenv("HERMES_WAIT_TIMEOUT_MS", raising=False)
     settings = _settings(tmp_path, "broker: {}\n")
-    assert (settings.wait_replicas, settings.wait_timeout_ms) == (0, 500)  # type: ignore[attr-defined]
+    assert (settings.broker.wait_replicas, settings.broker.wait_timeout_ms) == (0, 500)
     settings = _settings(tmp_path, "broker:\n  wait_replicas: 2\n  wait_timeout_ms: 250\n")
-    assert (settings.wait_replicas, settings.wait_timeout_ms) == (2, 250)  # type: ignore[attr-defined]
+    assert (settings.broker.wait_replicas, settings.broker.wait_timeout_ms) == (2, 250)
     monkeypatch.setenv("HERMES_WAIT_REPLICAS", "1")
-    assert load_settings(tmp_path).wait_replicas == 1
+    assert load_settings(tmp_path).broker.wait_replicas == 1
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from broker.config import ConsoleSettings
 from tests.e2e.test_console import ConsoleServer
 from tests.e2e.test_console_browser import WAIT_MS, Page, browser
 
@@ -32,7 +33,7 @@ SHOTS = os.environ.get("HERMES_CONSOLE_SCREENSHOTS")
 @pytest.fixture
 def serve(gateway: Any) -> Iterator[Any]:
     """``serve(token=None)``: the API and console over ``gateway`` (linking traces to Jaeger)."""
-    gateway.settings = dataclasses.replace(gateway.settings, trace_url=TRACE_URL)
+    gateway.settings = dataclasses.replace(gateway.settings, console=ConsoleSettings(trace_url=TRACE_URL))
     servers: list[ConsoleServer] = []
 
     def start(token: str | None = None) -> ConsoleServer:

@@ -15,6 +15,7 @@ import pytest
 import uvicorn
 
 from broker import keys
+from broker.config import load_settings
 from broker.records import envelope_of
 from hermes_gateway.http_api import create_app
 from tests.e2e.util import free_port, wait_http
@@ -328,6 +329,7 @@ def test_responses_and_events_are_strict_json_and_a_huge_body_is_413(
     last = json.loads(events[-1]["data"], **strict)
     assert last["state"] == "done" and last["detail"]["result"] == {"nan": None, "inf": None, "ok": 1.5}
     monkeypatch.setenv("HERMES_API_MAX_BODY", "1000")
+    monkeypatch.setattr(gateway, "settings", load_settings(gateway.settings.home))  # as a `serve` started now reads it
     big = api.post("/v1/tools/echo/calls", json={"args": {"x": "a" * 2000}})
     assert big.status_code == 413 and big.json()["error"]["type"] == "payload_too_large"
     assert "over the limit of 1000" in big.json()["error"]["message"]

@@ -51,21 +51,22 @@ def test_an_open_breaker_says_when_its_next_probe_may_go(fake: Any) -> None:
     assert rows["tool:y"]["state"] == "half_open" and "next_probe_at" not in rows["tool:y"]
 
 
-def test_each_process_of_a_pool_serves_metrics_on_its_own_port(monkeypatch: Any) -> None:
-    from workers.pool import METRICS_PORT_ENV, metrics_env
+def test_each_process_of_a_pool_serves_metrics_on_its_own_port(tmp_path: Any) -> None:
+    from broker.config import METRICS_PORT_ENV, load_settings
+    from workers.pool import metrics_env
 
-    monkeypatch.delenv(METRICS_PORT_ENV, raising=False)
-    assert metrics_env(0) is None  # no --metrics-port: the children inherit the environment as is
-    monkeypatch.setenv(METRICS_PORT_ENV, "9464")
-    assert [metrics_env(i)[METRICS_PORT_ENV] for i in range(3)] == ["9464", "9465", "9466"]  # type: ignore[index]
+    workers = load_settings(tmp_path, environ={}).workers
+    assert metrics_env(0, workers) is None  # no --metrics-port: the children inherit the environment as is
+    workers = load_settings(tmp_path, environ={METRICS_PORT_ENV: "9464"}).workers
+    assert [metrics_env(i, workers)[METRICS_PORT_ENV] for i in range(3)] == ["9464", "9465", "9466"]  # type: ignore[index]
 
 
 def test_the_trace_link_template_comes_from_the_environment_or_config_yaml(tmp_path: Any, monkeypatch: Any) -> None:
     from broker.config import load_settings
 
     monkeypatch.delenv("HERMES_TRACE_URL", raising=False)
-    assert load_settings(tmp_path).trace_url is None
+    assert load_settings(tmp_path).console.trace_url is None
     (tmp_path / "config.yaml").write_text("console:\n  trace_url: http://tempo:3200/trace/{trace_id}\n")
-    assert load_settings(tmp_path).trace_url == "http://tempo:3200/trace/{trace_id}"
+    assert load_settings(tmp_path).console.trace_url == "http://tempo:3200/trace/{trace_id}"
     monkeypatch.setenv("HERMES_TRACE_URL", "http://localhost:16686/trace/{trace_id}")
-    assert load_settings(tmp_path).trace_url == "http://localhost:16686/trace/{trace_id}"
+    assert load_settings(tmp_path).console.trace_url == "http://localhost:16686/trace/{trace_id}"

@@ -19,11 +19,11 @@ def test_options_come_from_the_plugin_entry_and_the_environment_wins(
 ) -> None:
     entry = {"redis_url": "redis://cfg:6379/1", "route_llm": True, "principal": "alice", "timeout": 30}
     home.config({"plugins": {"enabled": ["hermes-gateway"], "entries": {"hermes-gateway": entry}}})
-    opts = Options.load(load_settings(home.path))
+    opts = load_settings(home.path).agent_plugin
     assert opts == Options(url="redis://cfg:6379/1", route_llm=True, principal="alice", timeout=30.0)
     monkeypatch.setenv("HERMES_GATEWAY_URL", "redis://env:6379/2")
     monkeypatch.setenv("HERMES_GATEWAY_ROUTE_LLM", "0")
-    opts = Options.load(load_settings(home.path))
+    opts = load_settings(home.path).agent_plugin
     assert opts.url == "redis://env:6379/2" and opts.route_llm is False
 
 

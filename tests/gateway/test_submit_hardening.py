@@ -103,7 +103,7 @@ def test_submitting_during_an_outage_raises_broker_unavailable_async(own_redis: 
 def test_arguments_over_the_limit_are_refused_before_anything_is_stored(
     gateway: Any, home: Any, conn: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert load_settings(home.path).max_args == DEFAULT_MAX_ARGS == 32 * 1024 * 1024
+    assert load_settings(home.path).broker.max_args == DEFAULT_MAX_ARGS == 32 * 1024 * 1024
     home.echo_tool()
     gateway.sync_tools()
     # The default: 33 MiB of arguments (the probe kept 20 MB for 24 h) is refused.
@@ -150,10 +150,10 @@ def test_a_bad_max_args_setting_is_a_config_error(home: Any, monkeypatch: pytest
 
     monkeypatch.setenv("HERMES_MAX_ARGS", "lots")
     with pytest.raises(ConfigError, match="HERMES_MAX_ARGS"):
-        _ = load_settings(home.path).max_args
+        load_settings(home.path)
     monkeypatch.setenv("HERMES_MAX_ARGS", "0")
     with pytest.raises(ConfigError, match="max_args"):
-        _ = load_settings(home.path).max_args
+        load_settings(home.path)
 
 
 def test_arguments_nested_past_the_limit_are_refused_at_submission(gateway: Any, home: Any, conn: redis.Redis) -> None:

@@ -11,6 +11,7 @@ import yaml
 
 from middleware import (
     ENTRY_POINTS_GROUP,
+    PlainDiscovery,
     PluginManager,
     ToolCallFlow,
     disable_plugin,
@@ -258,13 +259,12 @@ def test_all_four_example_plugins_load_together_and_compose(
     assert response["extra_body"]["metadata"]["hermes_middleware_demo"] is True
 
 
-def test_hermes_safe_mode_loads_no_plugin(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hermes_safe_mode_loads_no_plugin(home: Path) -> None:
     write_plugin(home, "tagger", TAGGER)
     enable_plugin(home, "tagger")
-    monkeypatch.setenv("HERMES_SAFE_MODE", "1")
-    manager = PluginManager(home)
+    manager = PluginManager(home, discovery=PlainDiscovery(safe_mode=True))  # (the gateway: HERMES_SAFE_MODE=1)
     assert manager.load() == [] and manager.runtime.empty
-    monkeypatch.setenv("HERMES_SAFE_MODE", "0")
+    manager.discovery = PlainDiscovery(safe_mode=False)
     assert [i.key for i in manager.reload() if i.enabled] == ["tagger"]
 
 
@@ -277,11 +277,10 @@ def test_project_plugins_load_only_when_opted_in_and_win_over_user_plugins(
     enable_plugin(home, "tagger")
     monkeypatch.chdir(project)
 
-    def tag() -> Any:
-        manager = PluginManager(home)
+    def tag(discovery: PlainDiscovery) -> Any:
+        manager = PluginManager(home, discovery=discovery)
         manager.load()
         return ToolCallFlow(manager).run("t", {}, execute=lambda a: a)["tag"]
 
-    assert tag() == "v1"
-    monkeypatch.setenv("HERMES_ENABLE_PROJECT_PLUGINS", "true")
-    assert tag() == "project"
+    assert tag(PlainDiscovery()) == "v1"
+    assert tag(PlainDiscovery(project_plugins=True)) == "project"  # (the gateway: HERMES_ENABLE_PROJECT_PLUGINS)

@@ -10,7 +10,7 @@ import pytest
 
 from broker import events, keys
 from broker.calls import Calls
-from broker.config import Settings
+from broker.config import Settings, WorkerSettings
 from broker.directory import Directory
 from broker.envelope import Envelope, Options
 from broker.errors import CallFailed, ExecutorError, InvalidArgs, ToolTimeout
@@ -64,7 +64,7 @@ def core(fake: Any, tmp_path: Path) -> Any:
             "retry": {"max": 2, "backoff": 10, "jitter": 0},
         }
     )
-    c = WorkerCore(fake, Settings(home=tmp_path, lease=5.0, result_ttl=600), "w-test")
+    c = WorkerCore(fake, Settings(home=tmp_path, workers=WorkerSettings(lease=5.0, result_ttl=600)), "w-test")
     c.scheduler.queues = ["tools"]  # (a Worker sets its queues)
     yield c
     c.close()

@@ -16,7 +16,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from broker import events, keys, otel
 from broker.calls import Calls
-from broker.config import Settings
+from broker.config import Settings, WorkerSettings, load_settings
 from broker.directory import Directory
 from broker.envelope import Envelope, Options
 from broker.errors import ProviderError
@@ -94,7 +94,7 @@ def reader() -> Iterator[InMemoryMetricReader]:
 def core(fake: Any, tmp_path: Path) -> Iterator[WorkerCore]:
     for spec in TOOLS:
         Directory(fake).register(spec)
-    c = WorkerCore(fake, Settings(home=tmp_path, lease=5.0, result_ttl=600), "w-tel")
+    c = WorkerCore(fake, Settings(home=tmp_path, workers=WorkerSettings(lease=5.0, result_ttl=600)), "w-tel")
     yield c
     c.close()
 
@@ -119,7 +119,7 @@ def submit(fake: Any, call_id: str, tool: str = "echo", tp: str = TP, attempts: 
 
 def run_all(core: WorkerCore) -> None:
     runner = CallRunner(core)
-    for c in core.calls.claim(["tools"], 100, core.name, core.settings.lease):
+    for c in core.calls.claim(["tools"], 100, core.name, core.settings.workers.lease):
         runner.run(c)
     assert core.outbox.flush(5)
 
@@ -339,12 +339,13 @@ def test_totals_reach_redis_for_the_status_view(fake: Any, core: WorkerCore) -> 
         ({"OTEL_SDK_DISABLED": "true", "HERMES_TRACE": "console"}, "off"),
     ],
 )
-def test_the_environment_decides_whether_tracing_is_on(environ: dict[str, str], mode: str) -> None:
-    assert otelsdk.trace_mode(environ) == mode
+def test_the_environment_decides_whether_tracing_is_on(environ: dict[str, str], mode: str, tmp_path: Path) -> None:
+    telemetry = load_settings(tmp_path, environ=environ).telemetry  # HERMES_TRACE, as a worker reads it
+    assert otelsdk.trace_mode(telemetry, environ) == mode
 
 
-def test_an_unknown_tracing_mode_is_a_config_error() -> None:
+def test_an_unknown_tracing_mode_is_a_config_error(tmp_path: Path) -> None:
     from broker.errors import ConfigError
 
     with pytest.raises(ConfigError, match="HERMES_TRACE"):
-        otelsdk.trace_mode({"HERMES_TRACE": "jaeger"})
+        load_settings(tmp_path, environ={"HERMES_TRACE": "jaeger"})

@@ -12,7 +12,7 @@ import pytest
 from broker import events, keys
 from broker.calls import Calls
 from broker.codec import pack, unpack
-from broker.config import Settings
+from broker.config import Settings, WorkerSettings
 from broker.directory import Directory
 from broker.envelope import Envelope, Options
 from broker.records import CallInfo, Claimed
@@ -32,7 +32,7 @@ TOOLS = [
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    return Settings(home=tmp_path, lease=5.0, result_ttl=600)
+    return Settings(home=tmp_path, workers=WorkerSettings(lease=5.0, result_ttl=600))
 
 
 @pytest.fixture
@@ -63,7 +63,7 @@ def submit(fake: Any, call_id: str, tool: str = "echo", max_attempts: int = 3, *
 
 
 def run_all(core: WorkerCore) -> list[Claimed]:
-    claimed = core.calls.claim(["tools"], 100, core.name, core.settings.lease)
+    claimed = core.calls.claim(["tools"], 100, core.name, core.settings.workers.lease)
     runner = CallRunner(core)
     for c in claimed:
         runner.run(c)
@@ -129,7 +129,7 @@ def test_a_worker_that_lost_its_lease_cannot_move_the_call(
     fake: Any, core: WorkerCore, settings: Settings
 ) -> None:
     submit(fake, "c1", tool="sleep", seconds=30)
-    [claimed] = core.calls.claim(["tools"], 1, core.name, settings.lease)
+    [claimed] = core.calls.claim(["tools"], 1, core.name, settings.workers.lease)
     runner = CallRunner(core)
     thread = threading.Thread(target=runner.run, args=(claimed,))
     thread.start()
@@ -156,7 +156,7 @@ def test_a_cancel_control_message_stops_a_running_call(
     fake: Any, core: WorkerCore, settings: Settings
 ) -> None:
     submit(fake, "c1", tool="sleep", seconds=30)
-    [claimed] = core.calls.claim(["tools"], 1, core.name, settings.lease)
+    [claimed] = core.calls.claim(["tools"], 1, core.name, settings.workers.lease)
     thread = threading.Thread(target=CallRunner(core).run, args=(claimed,))
     thread.start()
     deadline = time.monotonic() + 5

@@ -126,7 +126,7 @@ def build_env(config: dict[str, Any], args: dict[str, Any], where: str, schema: 
     names = config.get("env", DEFAULT_ENV)
     if isinstance(names, str):
         names = [names]
-    env = {n: os.environ[n] for n in names if n in os.environ}
+    env = {n: os.environ[n] for n in names if n in os.environ}  # the child process's environment
     for key, val in (config.get("env_set") or {}).items():
         text = str(val)
         field = sole_placeholder(text)

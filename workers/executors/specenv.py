@@ -69,7 +69,7 @@ class Prepared:
 
 def expand_spec(spec: ToolSpec, environ: Mapping[str, str] | None = None) -> Prepared:
     """``spec`` with ``${VAR}`` in its configuration filled from ``environ`` (default: ``os.environ``)."""
-    env = os.environ if environ is None else environ
+    env = os.environ if environ is None else environ  # user data for ${VAR} in a spec, not a setting
     where = f"tool {spec.name!r}"
     secrets: dict[str, str] = {}
     changed = False

@@ -1,0 +1,184 @@
+"""The typed settings: one frozen section per part of config.yaml, and the ``HERMES_*`` variables of each.
+
+:func:`broker.config.load_settings` fills them; nothing here reads a file or the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .yamlload import load_yaml
+
+DEFAULT_LEASE = 30.0
+DEFAULT_CONCURRENCY = 5
+DEFAULT_QUEUE_SIZE = 10_000
+DEFAULT_WAIT_TIMEOUT_MS = 500
+# Bytes a call's arguments (an LLM call's request) may take, packed: what the broker keeps for a day.
+# The HTTP API's body limit (HERMES_API_MAX_BODY) has the same default.
+DEFAULT_MAX_ARGS = 32 * 1024 * 1024
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+TRACE_MODES = ("off", "console", "otlp", "memory")
+# Python's default (700, 10, 10) collects the young generation every 700 container allocations. A worker
+# allocates thousands per second and keeps each call's objects alive for the call's duration, so most of
+# them were scanned and promoted before they died; measured on io_bound, a higher threshold gained ~5%
+# efficiency (4 of 4 interleaved pairs). Reference counting still frees everything that is not a cycle.
+GC_THRESHOLD = (50_000, 20, 10)
+AGENT_PLUGIN = "hermes-gateway"  # the Hermes agent plugin's name in plugins.entries
+
+
+@dataclass(frozen=True)
+class BrokerSettings:
+    """``broker:`` — where the broker is and what a write waits for."""
+
+    url: str | None = None  # broker.url / HERMES_REDIS_URL
+    # redis-py's private insides for hot pipelines and pub/sub reads on a plain Redis (broker/pipes.py,
+    # Gateway._read_direct): broker.fast_path / HERMES_REDIS_FAST_PATH, default measured (ARCHITECTURE)
+    fast_path: bool = True
+    # A submission returns only once ``WAIT wait_replicas wait_timeout_ms`` confirms it (0: not asked).
+    wait_replicas: int = 0  # broker.wait_replicas / HERMES_WAIT_REPLICAS
+    wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS  # broker.wait_timeout_ms / HERMES_WAIT_TIMEOUT_MS
+    # Bytes a call's arguments may take packed: a larger submission is ``invalid_args`` at once, never stored.
+    max_args: int = DEFAULT_MAX_ARGS  # broker.max_args / HERMES_MAX_ARGS
+
+
+@dataclass(frozen=True)
+class LoggingSettings:
+    """``logging:`` — level and line format; a command's own workers log errors only unless asked."""
+
+    level: str = "INFO"  # logging.level / HERMES_LOG_LEVEL
+    format: str = "console"  # logging.format / HERMES_LOG_FORMAT
+    level_set: bool = False  # a level was asked for (--log-level, HERMES_LOG_LEVEL, logging.level)
+    worker_level: str | None = None  # HERMES_WORKER_LOG_LEVEL: the level of a command's own workers
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """``workers:`` — leases and retries, and how a worker process runs."""
+
+    lease: float = DEFAULT_LEASE  # workers.lease / HERMES_LEASE
+    max_attempts: int = 3  # workers.max_attempts / HERMES_MAX_ATTEMPTS
+    result_ttl: int = 86400  # workers.result_ttl / HERMES_RESULT_TTL
+    gc_threshold: tuple[int, ...] | None = GC_THRESHOLD  # HERMES_GC_THRESHOLD ("default": None, Python's own)
+    metrics_port: int | None = None  # HERMES_METRICS_PORT: Prometheus /metrics of a worker process
+    metrics_host: str = "127.0.0.1"  # HERMES_METRICS_HOST
+    run_registry: bool = False  # HERMES_RUN_REGISTRY: record this worker for `stop --all`
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    """``serve``'s HTTP bounds (a bad or non-positive value keeps the default) and its admin token."""
+
+    token: str | None = None  # HERMES_API_TOKEN (``--token`` wins)
+    max_body: int = DEFAULT_MAX_ARGS  # HERMES_API_MAX_BODY: bytes of a request body
+    body_timeout: float = (
+        60.0  # HERMES_API_BODY_TIMEOUT: seconds to receive a whole body (32 MiB at ~4 Mbit/s)
+    )
+    header_timeout: float = 10.0  # HERMES_API_HEADER_TIMEOUT: seconds from connect to a complete request head
+    keep_alive: float = 5.0  # HERMES_API_KEEP_ALIVE: seconds an idle kept-alive connection stays open
+    max_connections: int = 1000  # HERMES_API_MAX_CONNECTIONS
+
+
+@dataclass(frozen=True)
+class TelemetrySettings:
+    """Tracing beyond the standard ``OTEL_*`` variables (which the OpenTelemetry SDK reads itself)."""
+
+    trace: str = ""  # HERMES_TRACE: off, console, otlp or memory ("": the OTEL_* environment decides)
+    lean_spans: bool = True  # HERMES_LEAN_SPANS=0: the SDK's own tracer (bench/throughput.py measures both)
+
+
+@dataclass(frozen=True)
+class ConsoleSettings:
+    """``console:`` — the web console."""
+
+    # A call's W3C trace id is linked here: ``{trace_id}`` in it is replaced (console.trace_url /
+    # HERMES_TRACE_URL), e.g. http://localhost:16686/trace/{trace_id} for Jaeger.
+    trace_url: str | None = None
+
+
+@dataclass(frozen=True)
+class PluginDiscovery:
+    """Hermes' own switches for finding plugins, and config.yaml's reader, for ``middleware``."""
+
+    safe_mode: bool = False  # HERMES_SAFE_MODE: no plugin at all
+    project_plugins: bool = False  # HERMES_ENABLE_PROJECT_PLUGINS: ./.hermes/plugins as well
+
+    def read_yaml(self, text: str) -> Any:
+        """config.yaml as the gateway reads it: the seed's unquoted ``{{field}}`` templates stay text."""
+        return load_yaml(text)
+
+
+@dataclass(frozen=True)
+class AgentPluginSettings:
+    """The Hermes agent plugin's options: ``HERMES_GATEWAY_*`` over ``plugins.entries.hermes-gateway``."""
+
+    url: str | None = None  # HERMES_GATEWAY_URL / redis_url (else the broker's URL)
+    route_llm: bool = (
+        False  # HERMES_GATEWAY_ROUTE_LLM / route_llm: the agent's LLM calls go through the queue
+    )
+    principal: str | None = None  # HERMES_GATEWAY_PRINCIPAL / principal
+    timeout: float = 600.0  # HERMES_GATEWAY_TIMEOUT / timeout
+    tool_prefix: str = ""  # HERMES_GATEWAY_TOOL_PREFIX / tool_prefix
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting the gateway reads. Environment variables override the file."""
+
+    home: Path
+    broker: BrokerSettings = BrokerSettings()
+    logging: LoggingSettings = LoggingSettings()
+    workers: WorkerSettings = WorkerSettings()
+    api: ApiSettings = ApiSettings()
+    telemetry: TelemetrySettings = TelemetrySettings()
+    console: ConsoleSettings = ConsoleSettings()
+    plugin_discovery: PluginDiscovery = PluginDiscovery()
+    agent_plugin: AgentPluginSettings = AgentPluginSettings()
+    # Sections read by the parts they configure (their keys are theirs: an executor's, the policy's...).
+    executors: dict[str, Any] = field(default_factory=dict)
+    policy: dict[str, Any] = field(default_factory=dict)
+    plugins: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
+    mcp: dict[str, Any] = field(default_factory=dict)
+    audit: dict[str, Any] = field(default_factory=dict)
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tools_dir(self) -> Path:
+        return self.home / "tools"
+
+    @property
+    def plugins_dir(self) -> Path:
+        return self.home / "plugins"
+
+    @property
+    def config_path(self) -> Path:
+        return self.home / "config.yaml"
+
+    def executor_settings(self, kind: str) -> dict[str, Any]:
+        """``executors.<kind>`` merged over ``executor`` (the seed writes both spellings)."""
+        base = dict(self.raw.get("executor") or {})
+        if kind == "mcp":
+            base.update(self.mcp)  # the seed's `mcp.handshake_timeout` lives at the top level
+        base.update(self.executors.get(kind) or {})
+        return base
+
+    def concurrency_for(self, kind: str) -> int:
+        value = self.executor_settings(kind).get("concurrency", DEFAULT_CONCURRENCY)
+        return int(yaml_number(value, f"executors.{kind}.concurrency"))
+
+    def queue_size_for(self, kind: str) -> int:
+        value = self.executor_settings(kind).get("queue_size", DEFAULT_QUEUE_SIZE)
+        return int(yaml_number(value, f"executors.{kind}.queue_size"))
+
+
+def yaml_number(value: Any, where: str) -> float:
+    """A number setting from config.yaml, or a ConfigError naming its path."""
+    if isinstance(value, bool):
+        raise ConfigError(f"config.yaml: {where}: expected a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config.yaml: {where}: expected a number, got {value!r}") from e
