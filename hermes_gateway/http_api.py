@@ -50,7 +50,6 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
 from broker.connection import async_from_url
-from broker.directory import spec_from_yaml_text
 from broker.envelope import CONTEXT_FIELDS
 from broker.errors import (
     BrokerNotDurable,
@@ -69,7 +68,6 @@ from broker.errors import (
     UnknownTool,
 )
 from broker.redact import redact
-from broker.toolspec import ToolSpec
 from hermes_gateway.aio import AsyncGateway
 from hermes_gateway.aio_handle import AsyncCallHandle
 from hermes_gateway.client import Gateway
@@ -166,7 +164,7 @@ def create_app(
     """The API over ``gw``'s broker: ``gw`` (threads) for the directory and status, an ``AsyncGateway``
     on the same broker for calls, waits and event streams. ``credentials``: the tokens accepted (default:
     ``token`` and ``api.tokens`` of ``gw.settings``)."""
-    from workers.executors.mcp import require_sdk
+    from workers.executors.mcp_session import require_sdk
 
     live: dict[str, AsyncGateway] = {}
     creds = credentials or Credentials.from_settings(gw.settings, token)
@@ -258,12 +256,14 @@ def create_app(
     async def register_tool(request: Request) -> Response:
         await may_manage_tools(request)
         body = await read_body(request)
+        from workers.specs import check_spec, spec_from_yaml_text  # (registration's checks: the executors')
+
         if set(body) == {"yaml"}:  # the spec as YAML text (what the console sends when it is not JSON)
             if not isinstance(body["yaml"], str):
                 raise BadRequest(f"yaml: expected the spec as YAML text, got {type(body['yaml']).__name__}")
             spec = await run_in_threadpool(spec_from_yaml_text, body["yaml"])
         else:
-            spec = ToolSpec.from_dict(body)
+            spec = check_spec(body)
         version, outcome = await run_in_threadpool(gw.directory.put, spec)
         live["agw"].invalidate(spec.name)
         return reply({"name": spec.name, "version": version, "outcome": outcome}, 201 if outcome == "added" else 200)

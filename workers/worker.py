@@ -29,7 +29,7 @@ from broker.connection import is_cluster, subscriber
 from broker.states import State
 from workers import reaper
 from workers.core import WorkerCore
-from workers.executors.base import close_all
+from workers.executors import close_all
 from workers.runner import CallRunner
 from workers.threads import CallThreads, Tokens
 
