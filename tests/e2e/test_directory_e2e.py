@@ -57,9 +57,9 @@ def test_another_client_sees_changes_and_removals_over_pub_sub(
     gateway: Any, redis_url: str, wait_until: Any
 ) -> None:
     other = Directory(redis.Redis.from_url(redis_url))
-    other.register(_version_tool(1))
+    other.register(check_spec(_version_tool(1)))
     assert gateway.tool("which").spec.config["command"][-1] == "print('v1')"  # cached from here on
-    other.register(_version_tool(2))
+    other.register(check_spec(_version_tool(2)))
     wait_until(
         lambda: gateway.tool("which").spec.config["command"][-1] == "print('v2')", message="the notice"
     )
