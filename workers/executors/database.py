@@ -54,6 +54,15 @@ def single_statement(sql: str) -> bool:
     return ";" not in re.sub(r"'(?:[^']|'')*'", "''", body)
 
 
+def checked_query(where: str, query: Any) -> str:
+    """``query`` when it is one SQL statement (registration's check and the run's)."""
+    if not isinstance(query, str) or not query.strip():
+        raise InvalidSpec.at(where, "query", "expected an SQL string (or mode: structured)")
+    if not single_statement(query):
+        raise InvalidSpec.at(where, "query", "one statement only")
+    return query
+
+
 def first_keyword(sql: str) -> str:
     """The statement's first keyword, lower case (comments and an opening parenthesis skipped)."""
     stripped = _SQL_COMMENTS.sub(" ", sql).strip().lstrip("(").strip()
@@ -86,11 +95,7 @@ class DatabaseExecutor:
                 if columns is not None and not (isinstance(columns, list) and all(isinstance(c, str) for c in columns)):
                     raise InvalidSpec.at(where, f"tables.{table}", "expected a list of column names")
             return
-        query = data["query"]
-        if not isinstance(query, str) or not query.strip():
-            raise InvalidSpec.at(where, "query", "expected an SQL string")
-        if not single_statement(query):
-            raise InvalidSpec.at(where, "query", "one statement only")
+        checked_query(where, data["query"])
 
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = settings
@@ -257,11 +262,7 @@ def build_template(
     """``text()`` with the named bind parameters it mentions, each taken from the arguments."""
     import sqlalchemy as sa
 
-    query = config.get("query")
-    if not isinstance(query, str) or not query.strip():
-        raise InvalidSpec.at(where, "query", "expected an SQL string (or mode: structured)")
-    if not single_statement(query):
-        raise InvalidSpec.at(where, "query", "one statement only")
+    query = checked_query(where, config.get("query"))
     if read_only and first_keyword(query) not in _READ_VERBS:
         raise InvalidSpec.at(where, "query", "read-only tools may only read (set read_only: false to write)")
     statement = sa.text(query)
