@@ -98,6 +98,11 @@ class InvalidSpec(HermesError):
 
     type = "invalid_spec"
 
+    @classmethod
+    def at(cls, where: str, path: str, expected: str) -> InvalidSpec:
+        """``where: path: expected``, the path also in the details: the field a YAML author edits."""
+        return cls(f"{where}: {path}: {expected}", path=path)
+
 
 class QueueFull(HermesError):
     """The waiting queue for this concurrency key is full."""

@@ -1,6 +1,7 @@
-"""Registration-time checks of a tool spec: JSON Schemas, retry/breaker keys, each executor's own keys.
+"""Registration-time checks of what every tool spec has: JSON Schemas, retry and breaker options.
 
-Every error names the field path (``input_schema.properties.city.type``, ``retry.backoff``) and what
+Each executor checks its own keys (``check`` in ``workers/executors/<kind>.py``; ``workers/specs.py``
+runs both). Every error names the field path (``input_schema.properties.city.type``, ``retry.backoff``) and what
 was expected, because the person reading it is editing a YAML file.
 """
 
@@ -14,39 +15,6 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 
 from .errors import InvalidSpec
-from .specstatic import _fail, check_placeholders, check_static
-from .toolspec import COMMON_KEYS
-
-# Keys every spec may carry (kept out of ``ToolSpec.config``), and ``queue``, which routing reads.
-ROUTING_KEYS = frozenset({"queue", "queue_partitions"})
-
-# Each executor's own keys, as its module docstring in workers/executors/ documents them.
-EXECUTOR_KEYS: dict[str, frozenset[str]] = {
-    "command": frozenset(
-        {"command", "args_separator", "env", "env_set", "cwd", "stdin", "output", "max_output", "kill_grace"}
-    ),
-    "http": frozenset(
-        {
-            "endpoint",
-            "url",
-            "method",
-            "headers",
-            "send_args_as",
-            "body_template",
-            "allow_hosts",
-            "allow_networks",
-            "max_output",
-            "max_redirects",
-            "verify",
-        }
-    ),
-    "python": frozenset({"function"}),
-    "database": frozenset({"dsn", "query", "mode", "tables", "read_only", "max_rows"}),
-    "grpc": frozenset({"target", "tls", "method", "metadata", "max_output"}),
-    # mcp_server: the label ``mcp add`` gave the server the tool came from (``mcp remove`` finds it by that);
-    # unwrap_result: the server wraps a non-object return as {"result": ...} (``mcp add`` sets it).
-    "mcp": frozenset({"mcp", "server", "tool", "handshake_timeout", "max_output", "mcp_server", "unwrap_result"}),
-}
 
 _NUMBER = "a number >= 0"
 # key -> (check, what was expected)
@@ -85,17 +53,12 @@ def _is_num(v: Any) -> bool:
 
 
 def check_strict(
-    where: str,
-    executor: str,
-    data: Mapping[str, Any],
-    schema: dict[str, Any],
-    out_schema: dict[str, Any] | None,
+    where: str, data: Mapping[str, Any], schema: dict[str, Any], out_schema: dict[str, Any] | None
 ) -> None:
     """Everything ``ToolSpec.from_dict`` checks beyond field types; raises InvalidSpec."""
-    check_keys(where, executor, data)
     check_schema(where, "input_schema", schema)
     if schema.get("type", "object") != "object":
-        raise _fail(
+        raise InvalidSpec.at(
             where, "input_schema.type", f'expected "object" (arguments are a mapping), got {schema["type"]!r}'
         )
     if out_schema is not None:
@@ -103,22 +66,21 @@ def check_strict(
     for key, rules in (("retry", _RETRY), ("breaker", _BREAKER)):
         if isinstance(data.get(key), dict):
             check_options(where, key, data[key], rules)
-    check_required(where, executor, data)
-    check_static(where, executor, data)
-    check_placeholders(where, executor, data, schema)
 
 
-def check_keys(where: str, executor: str, data: Mapping[str, Any]) -> None:
-    known = COMMON_KEYS | ROUTING_KEYS | EXECUTOR_KEYS[executor]
+def check_keys(where: str, what: str, data: Mapping[str, Any], known: frozenset[str]) -> None:
+    """Every key of ``data`` is one of ``known`` (the error suggests the nearest); ``what``: "a http tool"."""
     for key in data:
-        if key in known:
-            continue
-        hint = difflib.get_close_matches(str(key), known, n=1)
-        maybe = f" (did you mean {hint[0]!r}?)" if hint else ""
-        raise InvalidSpec(
-            f"{where}: {key}: unknown key for a {executor} tool{maybe}; known keys: {', '.join(sorted(known))}",
-            path=str(key),
-        )
+        if key not in known:
+            raise InvalidSpec(
+                f"{where}: {key}: unknown key for {what}{_maybe(key, known)}; known keys: {', '.join(sorted(known))}",
+                path=str(key),
+            )
+
+
+def _maybe(key: Any, known: Iterable[str]) -> str:
+    hint = difflib.get_close_matches(str(key), known, n=1)
+    return f" (did you mean {hint[0]!r}?)" if hint else ""
 
 
 def check_schema(where: str, field: str, schema: dict[str, Any]) -> None:
@@ -131,7 +93,7 @@ def check_schema(where: str, field: str, schema: dict[str, Any]) -> None:
         expected = f"expected a JSON Schema type ({_JSON_TYPES}) or a list of them, got {error.instance!r}"
     else:
         expected = f"not valid JSON Schema 2020-12: {error.message}"
-    raise _fail(where, path, expected)
+    raise InvalidSpec.at(where, path, expected)
 
 
 def check_options(
@@ -139,34 +101,7 @@ def check_options(
 ) -> None:
     for key, val in value.items():
         if key not in rules:
-            hint = difflib.get_close_matches(str(key), rules, n=1)
-            maybe = f" (did you mean {hint[0]!r}?)" if hint else ""
-            raise _fail(where, f"{section}.{key}", f"unknown key{maybe}; known keys: {', '.join(rules)}")
+            raise InvalidSpec.at(where, f"{section}.{key}", f"unknown key{_maybe(key, rules)}; known keys: {', '.join(rules)}")
         check, expected = rules[key]
         if not check(val):
-            raise _fail(where, f"{section}.{key}", f"expected {expected}, got {val!r}")
-
-
-def check_required(where: str, executor: str, data: Mapping[str, Any]) -> None:
-    def need(keys: Iterable[str], expected: str) -> None:
-        if not any(data.get(k) not in (None, "") for k in keys):
-            raise _fail(where, next(iter(keys)), f"required for a {executor} tool: {expected}")
-
-    if executor == "command":
-        need(["command"], "the program and its arguments, e.g. `echo Hello, {{name}}!`")
-    elif executor == "http":
-        need(["endpoint", "url"], "the URL to call, e.g. http://host/path/{{id}}")
-    elif executor == "python":
-        need(["function"], '"package.module:callable"')
-    elif executor == "database":
-        if data.get("mode") == "structured":
-            need(["tables"], "with mode: structured, the allow-list {table: [columns]}")
-        else:
-            need(["query"], "the SQL with :named parameters (or `mode: structured` with `tables`)")
-    elif executor == "grpc":
-        need(["method"], "package.Service/Method")
-    elif executor == "mcp":
-        need(["mcp", "server"], "the server: {command: [...]} | {url: ...} | {server: name}")
-
-
-# -- static checks of each executor's own keys -------------------------------------------------------
+            raise InvalidSpec.at(where, f"{section}.{key}", f"expected {expected}, got {val!r}")

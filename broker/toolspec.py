@@ -11,8 +11,6 @@ import msgpack
 
 from .errors import InvalidSpec
 
-EXECUTOR_TYPES = ("http", "command", "mcp", "database", "grpc", "python")
-
 # The keys every spec may have, whatever its executor; the rest is the executor's own configuration.
 COMMON_KEYS = frozenset(
     {
@@ -31,6 +29,8 @@ COMMON_KEYS = frozenset(
         "version",
     }
 )
+# Keys routing reads (also kept in ``config``): every spec may carry them too.
+ROUTING_KEYS = frozenset({"queue", "queue_partitions"})
 
 DEFAULT_TIMEOUT = 30.0
 # OpenAI-compatible and Anthropic APIs refuse other function names; it also keeps a name safe as a file name,
@@ -58,7 +58,9 @@ class ToolSpec:
 
     @classmethod
     def from_dict(cls, data: Any) -> ToolSpec:
-        """Validate a spec mapping; errors name the field path and what was expected."""
+        """Validate what every spec has (name, schemas, timeout, retry, breaker...); errors name the field
+        path and what was expected. The executor's own keys are its executor's to check: registration
+        goes through ``workers.specs.check_spec``, which runs both."""
         return cls._build(data, strict=True)
 
     @classmethod
@@ -84,12 +86,9 @@ class ToolSpec:
             )
         where = f"tool {name!r}"
         executor = data.get("executor")
-        if executor not in EXECUTOR_TYPES:
-            raise InvalidSpec(
-                f"{where}: tool executor not found: {executor!r} (executor: expected one of "
-                f"{', '.join(EXECUTOR_TYPES)})",
-                path="executor",
-            )
+        if not isinstance(executor, str) or not executor:
+            # Which names exist is the executors' table (workers/executors/__init__.py), checked at registration.
+            raise InvalidSpec(f"{where}: executor: expected an executor's name, got {executor!r}", path="executor")
         schema = data.get("input_schema", {"type": "object"})
         if not isinstance(schema, dict):
             raise InvalidSpec(f"{where}: input_schema: expected a mapping (JSON Schema)", path="input_schema")
@@ -135,7 +134,7 @@ class ToolSpec:
         if strict:
             from .specchecks import check_strict  # jsonschema: only where a spec is registered
 
-            check_strict(where, executor, data, schema, out_schema)
+            check_strict(where, data, schema, out_schema)
         if executor == "mcp" and "server" in config and "mcp" not in config:
             # `server: name` is shorthand for `mcp: {server: name}`, the form the executor reads.
             config["mcp"] = {"server": config.pop("server")}

@@ -107,8 +107,8 @@ def tool_register(ctx: click.Context, spec_file: str, force: bool) -> None:
     (which every command loads) instead of being lost."""
     from pathlib import Path
 
-    from broker.directory import load_spec_file
     from hermes_gateway.local import THROWAWAY_NOTE, throwaway
+    from workers.specs import load_spec_file
 
     settings = _settings(ctx)
     source = Path(spec_file)
@@ -135,7 +135,7 @@ def tool_register(ctx: click.Context, spec_file: str, force: bool) -> None:
 def _spec_files(tools_dir: Any, name: str) -> list[tuple[Any, Any]]:
     """(path, spec) of each spec file of ``tools_dir`` that registers the tool ``name`` (as ``sync_tools``
     reads them: ``*.yaml``/``*.yml``, not hidden, loadable)."""
-    from broker.directory import load_spec_file
+    from workers.specs import load_spec_file
 
     if not tools_dir.is_dir():
         return []

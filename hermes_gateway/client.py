@@ -14,7 +14,7 @@ from broker import durability, keys, partitions, pipes
 from broker.calls import Calls
 from broker.config import Settings, load_settings
 from broker.connection import BrokerHandle, answered, connect, is_cluster, subscriber
-from broker.directory import Directory, Entry, sync_dir
+from broker.directory import Directory, Entry
 from broker.envelope import Envelope
 from broker.errors import HermesError, InvalidSpec, QueueFull
 from broker.toolspec import ToolSpec
@@ -134,8 +134,10 @@ class Gateway(ClientEvents, ClientWorkers):
     # -- tools -----------------------------------------------------------------------------------
 
     def register_tool(self, spec: ToolSpec | dict[str, Any]) -> int:
-        """Add or update a tool in the shared directory; returns its version."""
-        version, _ = self.directory.register(spec)
+        """Check a spec as registration does and add or update it in the shared directory; returns its version."""
+        from workers.specs import check_spec  # (the executors' checks: not loaded by `import hermes_gateway`)
+
+        version, _ = self.directory.register(check_spec(spec))
         return version
 
     def sync_tools(self, path: Any = None, errors: list[InvalidSpec] | None = None) -> list[tuple[str, int, bool]]:
@@ -145,6 +147,8 @@ class Gateway(ClientEvents, ClientWorkers):
         ``errors`` when given, else it is logged as a warning.
         """
         from pathlib import Path
+
+        from workers.specs import sync_dir
 
         bad: list[InvalidSpec] = [] if errors is None else errors
         done = sync_dir(self.directory, Path(path) if path else self.settings.tools_dir, bad)

@@ -238,7 +238,7 @@ def mcp_serve(
     import sys
 
     from hermes_gateway.local import local_stack
-    from workers.executors.mcp import require_sdk
+    from workers.executors.mcp_session import require_sdk
 
     try:
         require_sdk("`mcp serve`")

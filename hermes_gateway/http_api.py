@@ -53,7 +53,6 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
 from broker.connection import async_from_url
-from broker.directory import spec_from_yaml_text
 from broker.envelope import CONTEXT_FIELDS
 from broker.errors import (
     CallCancelled,
@@ -64,7 +63,6 @@ from broker.errors import (
     UnknownTool,
 )
 from broker.redact import redact
-from broker.toolspec import ToolSpec
 from hermes_gateway.aio import AsyncGateway
 from hermes_gateway.aio_handle import AsyncCallHandle
 from hermes_gateway.client import Gateway
@@ -130,7 +128,7 @@ class Api:
     agw: AsyncGateway
 
     def __init__(self, gw: Gateway, mcp_stateful: bool) -> None:
-        from workers.executors.mcp import require_sdk
+        from workers.executors.mcp_session import require_sdk
 
         self.gw = gw
         try:  # the MCP SDK 2.x is the `mcp` extra: without it /mcp says what to install, the rest runs
@@ -193,12 +191,14 @@ class Api:
     async def register_tool(self, request: Request) -> Response:
         await self._may_manage_tools(request)
         body = await read_body(request, self.gw.settings.api)
+        from workers.specs import check_spec, spec_from_yaml_text  # (registration's checks: the executors')
+
         if set(body) == {"yaml"}:  # the spec as YAML text (what the console sends when it is not JSON)
             if not isinstance(body["yaml"], str):
                 raise BadRequest(f"yaml: expected the spec as YAML text, got {type(body['yaml']).__name__}")
             spec = await run_in_threadpool(spec_from_yaml_text, body["yaml"])
         else:
-            spec = ToolSpec.from_dict(body)
+            spec = check_spec(body)
         version, outcome = await run_in_threadpool(self.gw.directory.put, spec)
         self.agw.invalidate(spec.name)
         return reply({"name": spec.name, "version": version, "outcome": outcome}, 201 if outcome == "added" else 200)

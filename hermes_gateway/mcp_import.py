@@ -15,6 +15,7 @@ from broker.directory import Directory
 from broker.errors import InvalidSpec
 from broker.toolspec import ToolSpec
 from workers.executors.mcp import list_server_tools
+from workers.specs import check_spec
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
@@ -56,7 +57,7 @@ def import_server(
         if label:
             data["mcp_server"] = label
         try:
-            spec = ToolSpec.from_dict(data)
+            spec = check_spec(data)
         except InvalidSpec as e:
             # A server's schema that is not valid JSON Schema would mislead the model: name it, go on.
             out.append(Imported(data["name"], "skipped", reason=e.message))

@@ -34,6 +34,7 @@ from broker.directory import Directory
 from broker.errors import InvalidSpec
 from broker.toolspec import ToolSpec
 from broker.yamlload import load_yaml
+from workers.specs import check_spec
 
 RENAMES = {
     "type": "executor",
@@ -198,7 +199,7 @@ def migrate(
         if found.file is not None and "name" not in data:
             data["name"] = name
         try:
-            spec = ToolSpec.from_dict(data)
+            spec = check_spec(data)
         except InvalidSpec as e:
             out.append(Outcome(found.source, name, "skipped", reason=e.message, failed=True))
             continue

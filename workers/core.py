@@ -27,7 +27,8 @@ from middleware.plugins import NAMESPACE as PLUGIN_NAMESPACE
 from workers import metrics, otelsdk, policy_store
 from workers.args import check_output, coerce_args, validate_args
 from workers.breakers import BreakerGuard
-from workers.executors.base import ExecContext, get_executor
+from workers.executors import get_executor
+from workers.executors.base import ExecContext
 from workers.executors.specenv import run_executor
 from workers.llm import describe_response
 from workers.outbox import Outbox

@@ -27,7 +27,7 @@ import shlex
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from broker.specstatic import PLACEHOLDER
+from broker.placeholders import OMIT, lookup, names
 from broker.toolspec import ToolSpec
 
 # A name's last word that makes it path-like, and word runs that end one (``file_name`` -> "filename").
@@ -39,7 +39,6 @@ PATH_ENDINGS = ("filename", "filenames", "filepath", "filepaths", "pathname", "d
 PATH_FORMATS = frozenset({"path", "file-path", "directory-path", "filepath", "dir-path"})
 _CAMEL = re.compile(r"([a-z0-9])([A-Z])")
 _SPLIT = re.compile(r"[^A-Za-z0-9]+")
-_MISSING = object()
 
 
 def path_like(name: str) -> bool:
@@ -68,21 +67,9 @@ def named(names: tuple[str, ...], args: Mapping[str, Any]) -> list[tuple[str, An
     out = []
     for name in names:
         value = lookup(args, name)
-        if value is not _MISSING:
+        if value is not OMIT:
             out.append((name, value))
     return out
-
-
-def lookup(args: Mapping[str, Any], name: str) -> Any:
-    """``args[name]``, else the dotted path into nested mappings (as placeholders read it)."""
-    if name in args:
-        return args[name]
-    value: Any = args
-    for part in name.split("."):
-        if not isinstance(value, Mapping) or part not in value:
-            return _MISSING
-        value = value[part]
-    return value
 
 
 def _by_name(value: Any, where: str) -> Iterator[tuple[str, Any]]:
@@ -129,7 +116,7 @@ def _by_position(config: Mapping[str, Any], args: Mapping[str, Any]) -> Iterator
     except ValueError:
         parts = []  # the executor refuses this spec itself
     for part in parts[1:]:
-        for name in PLACEHOLDER.findall(part):
+        for name in names(part):
             value = lookup(args, name)
             if isinstance(value, str):
                 yield f"{name} (argv)", value
@@ -138,7 +125,7 @@ def _by_position(config: Mapping[str, Any], args: Mapping[str, Any]) -> Iterator
         for var, text in env_set.items():
             if not path_like(str(var)):
                 continue
-            for name in PLACEHOLDER.findall(str(text)):
+            for name in names(str(text)):
                 value = lookup(args, name)
                 if isinstance(value, str):
                     yield f"{name} (env {var})", value

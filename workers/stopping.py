@@ -15,7 +15,7 @@ import structlog
 
 from broker.states import State
 from workers.core import WorkerCore
-from workers.executors.base import close_all
+from workers.executors import close_all
 from workers.threads import CallThreads
 
 log = structlog.get_logger("hermes.worker")

@@ -1,4 +1,5 @@
-"""Spec validation with field paths, the seed's unquoted body_template, and the directory shared by processes."""
+"""Spec validation with field paths (what every spec has; an executor's keys: tests/workers/test_specs.py), the
+seed's unquoted body_template in config.yaml, and the directory shared by processes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import redis
 from broker import keys
 from broker.codec import unpack
 from broker.config import load_settings
-from broker.directory import Directory, load_spec_file
+from broker.directory import Directory
 from broker.errors import InvalidSpec
 from broker.toolspec import ToolSpec
 
@@ -94,74 +95,13 @@ def test_valid_retry_breaker_and_schemas_are_accepted() -> None:
     assert spec.breaker is not None and spec.breaker["on"] == ["tool_timeout"]
 
 
-def test_an_unknown_key_for_the_executor_is_named_with_the_known_ones() -> None:
-    e = _error({"name": "w", "executor": "http", "endpiont": "http://x/"})
-    assert e.details == {"path": "endpiont"}
-    assert "unknown key for a http tool (did you mean 'endpoint'?)" in e.message
-    assert "known keys: allow_hosts, allow_networks, body_template" in e.message
-    # A key that belongs to another executor is unknown here too.
-    e = _error({**ECHO, "command": "echo hi"})
-    assert e.details == {"path": "command"}
-    assert "function" in e.message
-
-
-@pytest.mark.parametrize(
-    ("spec", "path"),
-    [
-        ({"executor": "command"}, "command"),
-        ({"executor": "http", "method": "POST"}, "endpoint"),
-        ({"executor": "python"}, "function"),
-        ({"executor": "database", "dsn": "sqlite://"}, "query"),
-        ({"executor": "database", "mode": "structured"}, "tables"),
-        ({"executor": "grpc", "target": "127.0.0.1:1"}, "method"),
-        ({"executor": "mcp", "tool": "x"}, "mcp"),
-    ],
-)
-def test_each_executor_names_its_missing_required_key(spec: dict[str, Any], path: str) -> None:
-    e = _error({"name": "t", **spec})
-    assert e.details == {"path": path}
-    assert f"required for a {spec['executor']} tool" in e.message
-
-
-def test_each_executor_accepts_its_minimal_spec() -> None:
-    minimal = [
-        {"executor": "command", "command": "echo hi"},
-        {"executor": "http", "url": "http://127.0.0.1/"},
-        {"executor": "python", "function": "pkg.mod:fn"},
-        {"executor": "database", "query": "SELECT 1"},
-        {"executor": "database", "mode": "structured", "tables": {"t": ["a"]}},
-        {"executor": "grpc", "method": "pkg.Svc/M"},
-        {"executor": "mcp", "mcp": {"command": ["srv"]}},
-    ]
-    for m in minimal:
-        assert ToolSpec.from_dict({"name": "t", **m}).executor == m["executor"]
-
-
 def test_mcp_server_shorthand_becomes_the_form_the_executor_reads() -> None:
     spec = ToolSpec.from_dict({"name": "t", "executor": "mcp", "server": "fs", "tool": "read"})
     assert spec.config == {"mcp": {"server": "fs"}, "tool": "read"}
     assert ToolSpec.from_dict(spec.to_dict()) == spec
 
 
-def test_stored_specs_are_read_back_without_the_strict_checks() -> None:
-    old = {"name": "legacy", "executor": "command", "command": "echo", "note": "written by an older version"}
-    with pytest.raises(InvalidSpec):
-        ToolSpec.from_dict(old)
-    assert ToolSpec.from_stored(old).config == {"command": "echo", "note": "written by an older version"}
-
-
 # -- the seed's unquoted body_template -----------------------------------------------------------
-
-
-def test_the_seeds_body_template_line_loads_from_a_spec_file(tmp_path: Path) -> None:
-    path = tmp_path / "search.yaml"
-    path.write_text(
-        "name: search_weather\nexecutor: http\nmethod: POST\nendpoint: http://127.0.0.1:8081/search\n"
-        f"{SEED_BODY_TEMPLATE}\n",
-        encoding="utf-8",
-    )
-    spec = load_spec_file(path)
-    assert spec.config["body_template"] == SEED_TEMPLATE_VALUE
 
 
 def test_the_seeds_body_template_line_loads_from_config_yaml(tmp_path: Path) -> None:
@@ -172,45 +112,26 @@ def test_the_seeds_body_template_line_loads_from_config_yaml(tmp_path: Path) -> 
     assert settings.executor_settings("http")["body_template"] == SEED_TEMPLATE_VALUE
 
 
-def test_placeholders_elsewhere_keep_their_text(tmp_path: Path) -> None:
-    path = tmp_path / "hello.yaml"
-    path.write_text(
-        "name: hello\nexecutor: command\ncommand: echo Hello, {{name}}!\n"
-        "env_set: {GREETING: {{ greeting }}, FIXED: '{{x}} y'}\n",
-        encoding="utf-8",
-    )
-    spec = load_spec_file(path)
-    assert spec.config["command"] == "echo Hello, {{name}}!"
-    assert spec.config["env_set"] == {"GREETING": "{{ greeting }}", "FIXED": "{{x}} y"}
-
-
-def test_an_old_spec_file_points_at_migrate(tmp_path: Path) -> None:
-    path = tmp_path / "old.yaml"
-    path.write_text("name: old\ntype: shell\ncmd: echo hi\ntimeout_ms: 5000\n", encoding="utf-8")
-    with pytest.raises(InvalidSpec, match="old.yaml.*hermes-gateway migrate"):
-        load_spec_file(path)
-
-
 # -- the directory ------------------------------------------------------------------------------
 
 
 def test_put_without_replace_keeps_a_different_spec(fake: Any) -> None:
-    d = Directory(fake)
-    assert d.put(ECHO) == (1, "added")
-    assert d.put({**ECHO, "timeout": 3}, replace=False) == (1, "kept")
+    d, echo, echo3 = Directory(fake), ToolSpec.from_dict(ECHO), ToolSpec.from_dict({**ECHO, "timeout": 3})
+    assert d.put(echo) == (1, "added")
+    assert d.put(echo3, replace=False) == (1, "kept")
     assert d.fetch("echo").spec.timeout == 30.0
-    assert d.put(ECHO, replace=False) == (1, "unchanged")
-    assert d.put({**ECHO, "timeout": 3}) == (2, "updated")
+    assert d.put(echo, replace=False) == (1, "unchanged")
+    assert d.put(echo3) == (2, "updated")
 
 
 def test_a_fetch_that_raced_a_change_notice_is_not_cached(fake: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     d, other = Directory(fake), Directory(fake)
-    other.register(ECHO)
+    other.register(ToolSpec.from_dict(ECHO))
     real_fetch = d.fetch
 
     def slow_fetch(name: str) -> Any:
         entry = real_fetch(name)  # reads version 1 ...
-        other.register({**ECHO, "timeout": 9})  # ... while version 2 lands
+        other.register(ToolSpec.from_dict({**ECHO, "timeout": 9}))  # ... while version 2 lands
         d.invalidate(name)  # and its notice arrives before the reader stores what it read
         return entry
 
@@ -223,7 +144,7 @@ def test_a_fetch_that_raced_a_change_notice_is_not_cached(fake: Any, monkeypatch
 def _register_loop(index: int, url: str, spec: dict[str, Any], times: int, start: Any, out: Any) -> None:
     d = Directory(redis.Redis.from_url(url))
     start.wait(10)
-    out.put((index, [d.put(spec) for _ in range(times)]))
+    out.put((index, [d.put(ToolSpec.from_dict(spec)) for _ in range(times)]))
 
 
 def _race(url: str, specs: list[dict[str, Any]], times: int) -> list[list[tuple[int, str]]]:

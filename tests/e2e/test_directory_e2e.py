@@ -11,7 +11,7 @@ from broker import keys
 from broker.codec import pack
 from broker.directory import Directory
 from broker.errors import UnknownTool
-from broker.toolspec import ToolSpec
+from workers.specs import check_spec
 
 
 def _version_tool(n: int) -> dict[str, Any]:
@@ -41,7 +41,7 @@ def test_a_worker_that_missed_the_change_notice_still_refetches_the_newer_spec(
     gateway.register_tool(_version_tool(1))
     assert gateway.call_tool("which").result(20) == "v1"
     # Write version 2 the way the directory does, but publish nothing: the worker's cache is stale.
-    spec = ToolSpec.from_dict(_version_tool(2))
+    spec = check_spec(_version_tool(2))
     version = int(conn.incr(keys.TOOLS_VERSION))
     pipe = conn.pipeline()
     pipe.hset(keys.TOOLS, spec.name, pack(spec.to_dict()))
@@ -57,9 +57,9 @@ def test_another_client_sees_changes_and_removals_over_pub_sub(
     gateway: Any, redis_url: str, wait_until: Any
 ) -> None:
     other = Directory(redis.Redis.from_url(redis_url))
-    other.register(_version_tool(1))
+    other.register(check_spec(_version_tool(1)))
     assert gateway.tool("which").spec.config["command"][-1] == "print('v1')"  # cached from here on
-    other.register(_version_tool(2))
+    other.register(check_spec(_version_tool(2)))
     wait_until(
         lambda: gateway.tool("which").spec.config["command"][-1] == "print('v2')", message="the notice"
     )

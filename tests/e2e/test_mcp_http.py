@@ -278,7 +278,7 @@ def test_without_the_mcp_extra_serve_still_runs_and_mcp_says_what_to_install(
 ) -> None:
     from starlette.testclient import TestClient
 
-    import workers.executors.mcp as mcp_executor
+    import workers.executors.mcp_session as mcp_executor
     from hermes_gateway.http_api import create_app
 
     real = mcp_executor.require_sdk

@@ -13,7 +13,7 @@ import pytest
 
 from broker.audit_store import AuditLog
 from tests.conftest import Home, wait_until
-from workers.executors.mcp import _client
+from workers.executors.mcp_session import client_for as _client
 
 pytestmark = pytest.mark.e2e
 

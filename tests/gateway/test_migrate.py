@@ -12,9 +12,10 @@ import yaml
 from click.testing import CliRunner
 
 from broker import keys
-from broker.directory import Directory, load_spec_dir
+from broker.directory import Directory
 from hermes_gateway.cli import main
 from hermes_gateway.migrate import migrate, upgrade_spec
+from workers.specs import check_spec, load_spec_dir
 
 MCP_SERVER = Path(__file__).resolve().parents[1] / "workers" / "executors" / "mcp_server.py"
 
@@ -110,7 +111,7 @@ def test_migrate_imports_reports_why_and_a_second_run_changes_nothing(fake: Any,
 def test_migrate_keeps_a_different_directory_spec_unless_forced(fake: Any, home: Any) -> None:
     (home.tools_dir / "hello.yaml").write_text(OLD_HELLO, encoding="utf-8")
     d = Directory(fake)
-    d.register({"name": "hello", "executor": "command", "command": "echo newer"})
+    d.register(check_spec({"name": "hello", "executor": "command", "command": "echo newer"}))
     [o] = migrate(d, home.path, dry_run=True)
     assert (o.status, o.reason) == ("skipped", "differs from the directory's spec")
     [o] = migrate(d, home.path)
@@ -273,7 +274,7 @@ def test_mcp_list_and_remove_work_by_server_and_leave_other_tools_alone(
         added = runner.invoke(main, ["mcp", "add", label, "--command", command, "--prefix", prefix])
         assert added.exit_code == 0, added.output
     d = Directory(__import__("redis").Redis.from_url(redis_url))
-    d.register({"name": "a_manual", "executor": "mcp", "mcp": {"command": ["x"]}, "tool": "greet"})
+    d.register(check_spec({"name": "a_manual", "executor": "mcp", "mcp": {"command": ["x"]}, "tool": "greet"}))
 
     listed = runner.invoke(main, ["mcp", "list", "--json"])
     assert listed.exit_code == 0, listed.output
@@ -300,7 +301,7 @@ def test_remove_server_deletes_the_spec_files_an_embedded_broker_syncs_from(fake
 
     d = Directory(fake)
     for name in ("s_one", "s_two"):
-        d.register({"name": name, "executor": "mcp", "mcp": {"command": ["x"]}, "tool": name, "mcp_server": "s"})
+        d.register(check_spec({"name": name, "executor": "mcp", "mcp": {"command": ["x"]}, "tool": name, "mcp_server": "s"}))
         (tmp_path / f"{name}.yaml").write_text("name: " + name)
     (tmp_path / "keep.yaml").write_text("name: keep")
     assert sorted(remove_server(d, "s", write_dir=tmp_path)) == ["s_one", "s_two"]

@@ -11,6 +11,7 @@ import pytest
 from broker.toolspec import ToolSpec
 from workers.pathargs import path_like
 from workers.policy import Policy
+from workers.specs import check_spec
 
 ALLOW = ["/srv/data"]
 
@@ -21,7 +22,7 @@ def rule(tool: str, allow: Any = None) -> Policy:
 
 def tool(name: str, executor: str = "python", **fields: Any) -> ToolSpec:
     extra: dict[str, Any] = {"function": "workers.executors.builtin:echo"} if executor == "python" else {}
-    return ToolSpec.from_dict({"name": name, "executor": executor, **extra, **fields})
+    return check_spec({"name": name, "executor": executor, **extra, **fields})
 
 
 def allowed(p: Policy, spec: ToolSpec, args: dict[str, Any]) -> bool:

@@ -10,13 +10,14 @@ from broker.config import load_settings
 from broker.errors import ConfigError, DecodeError, PermissionDenied, error_from_wire
 from broker.toolspec import ToolSpec
 from workers.policy import ANONYMOUS, STRICT, Policy
+from workers.specs import check_spec
 
 
 def spec(name: str, permissions: list[str] | None = None) -> ToolSpec:
     data: dict[str, Any] = {"name": name, "executor": "command", "command": "true"}
     if permissions is not None:
         data["permissions"] = permissions
-    return ToolSpec.from_dict(data)
+    return check_spec(data)
 
 
 UNDECLARED = spec("legacy")

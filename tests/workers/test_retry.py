@@ -17,6 +17,7 @@ from broker.errors import CallFailed, ExecutorError, InvalidArgs, ToolTimeout
 from workers.core import WorkerCore
 from workers.retry import RetryPolicy
 from workers.runner import CallRunner
+from workers.specs import check_spec
 
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -56,13 +57,15 @@ def test_which_errors_are_retried() -> None:
 @pytest.fixture
 def core(fake: Any, tmp_path: Path) -> Any:
     Directory(fake).register(
-        {
-            "name": "flaky",
-            "executor": "python",
-            "function": "tests.e2e.flowtools:fail_times",
-            "timeout": 5,
-            "retry": {"max": 2, "backoff": 10, "jitter": 0},
-        }
+        check_spec(
+            {
+                "name": "flaky",
+                "executor": "python",
+                "function": "tests.e2e.flowtools:fail_times",
+                "timeout": 5,
+                "retry": {"max": 2, "backoff": 10, "jitter": 0},
+            }
+        )
     )
     c = WorkerCore(fake, Settings(home=tmp_path, workers=WorkerSettings(lease=5.0, result_ttl=600)), "w-test")
     c.scheduler.queues = ["tools"]  # (a Worker sets its queues)

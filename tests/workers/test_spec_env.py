@@ -13,6 +13,7 @@ from broker.errors import ExecutorError, InvalidSpec
 from broker.toolspec import ToolSpec
 from workers.executors import command, specenv
 from workers.executors.base import ExecContext
+from workers.specs import check_spec
 
 RECORDER = str(Path(__file__).parent / "executors" / "argv_recorder.py")
 PY = sys.executable
@@ -20,7 +21,7 @@ TOKEN = "tok-9f8e7d6c5b4a-secret"
 
 
 def spec(**fields: Any) -> ToolSpec:
-    return ToolSpec.from_dict({"name": "t", "executor": "command", "command": "echo hi", **fields})
+    return check_spec({"name": "t", "executor": "command", "command": "echo hi", **fields})
 
 
 def make_ctx() -> ExecContext:
@@ -38,7 +39,7 @@ def _fresh_cache() -> Any:
 
 
 def test_references_in_the_config_are_filled_and_the_stored_spec_is_left_as_written() -> None:
-    s = ToolSpec.from_dict(
+    s = check_spec(
         {
             "name": "w",
             "executor": "http",
@@ -62,7 +63,7 @@ def test_lists_and_nested_mappings_are_filled() -> None:
 
 
 def test_an_unset_variable_is_a_typed_error_naming_the_key_path_and_the_variable() -> None:
-    s = ToolSpec.from_dict(
+    s = check_spec(
         {"name": "x", "executor": "database", "dsn": "${WEATHER_DB_DSN}", "query": "SELECT 1"}
     )
     with pytest.raises(InvalidSpec) as info:
@@ -94,14 +95,14 @@ def test_an_argument_value_that_looks_like_a_reference_stays_literal(monkeypatch
     monkeypatch.setenv("SECRET_FOR_TEST", TOKEN)
     monkeypatch.setenv("SPEC_FLAG", "on")
     s = spec(command=[PY, RECORDER, "{{a}}", "x{{b}}y", "--flag=${SPEC_FLAG}"], output="json")
-    out = specenv.run_executor(command.create({}), s, {"a": "${HOME}", "b": "${SECRET_FOR_TEST}"}, make_ctx())
+    out = specenv.run_executor(command.CommandExecutor({}), s, {"a": "${HOME}", "b": "${SECRET_FOR_TEST}"}, make_ctx())
     assert out["argv"] == ["${HOME}", "x${SECRET_FOR_TEST}y", "--flag=on"]
 
 
 def test_a_filled_in_value_is_never_read_as_a_reference_again(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OUTER_REF", "${HOME}")
     s = spec(command=[PY, RECORDER, "${OUTER_REF}"], output="json")
-    assert specenv.run_executor(command.create({}), s, {}, make_ctx())["argv"] == ["${HOME}"]
+    assert specenv.run_executor(command.CommandExecutor({}), s, {}, make_ctx())["argv"] == ["${HOME}"]
 
 
 def test_prepared_specs_are_cached_per_spec_object(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -146,7 +147,7 @@ DSN = "postgresql://reader:pw-Zx81-secret@db.internal:5432/weather"
 
 
 def db_spec() -> ToolSpec:
-    return ToolSpec.from_dict(
+    return check_spec(
         {"name": "d", "executor": "database", "dsn": "${LEAKY_DSN}", "query": "SELECT 1"}
     )
 

@@ -24,6 +24,7 @@ from workers import metrics, otelsdk
 from workers import spans as spans_mod
 from workers.core import WorkerCore
 from workers.runner import CallRunner
+from workers.specs import check_spec
 from workers.telemetry import NO_TRACE, CallTrace, record_usage
 
 TRACE, PARENT = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
@@ -93,7 +94,7 @@ def reader() -> Iterator[InMemoryMetricReader]:
 @pytest.fixture
 def core(fake: Any, tmp_path: Path) -> Iterator[WorkerCore]:
     for spec in TOOLS:
-        Directory(fake).register(spec)
+        Directory(fake).register(check_spec(spec))
     c = WorkerCore(fake, Settings(home=tmp_path, workers=WorkerSettings(lease=5.0, result_ttl=600)), "w-tel")
     yield c
     c.close()

@@ -20,6 +20,7 @@ from broker.states import State
 from workers import reaper
 from workers.core import WorkerCore
 from workers.runner import CallRunner
+from workers.specs import check_spec
 from workers.worker import Worker, control_message
 
 TRACE, SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
@@ -38,7 +39,7 @@ def settings(tmp_path: Path) -> Settings:
 @pytest.fixture
 def core(fake: Any, settings: Settings) -> Any:
     for spec in TOOLS:
-        Directory(fake).register(spec)
+        Directory(fake).register(check_spec(spec))
     c = WorkerCore(fake, settings, "w-test")
     yield c
     c.close()

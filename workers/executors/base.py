@@ -1,15 +1,15 @@
-"""The executor protocol and the context an executor runs in."""
+"""The executor protocol, the context an executor runs in, and helpers of their registration checks."""
 
 from __future__ import annotations
 
-import importlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
-from broker.errors import CallCancelled, ConfigError, ToolTimeout
+from broker.config import ENV_VAR
+from broker.errors import CallCancelled, InvalidSpec, ToolTimeout
 from broker.toolspec import ToolSpec
 
 
@@ -66,39 +66,30 @@ class ExecContext:
 
 
 class Executor(Protocol):
-    """Runs one tool call. Must turn back-end failures into typed errors and never kill the process."""
+    """One kind of executor, one module each (``workers/executors/__init__.py`` lists them): its spec keys
+    and registration checks on the class, and its run. A run must turn back-end failures into typed errors
+    and never kill the process; one instance per process serves every thread."""
+
+    keys: ClassVar[frozenset[str]]  # the spec keys it reads, besides those every spec has
+
+    def __init__(self, settings: dict[str, Any]) -> None: ...
+
+    @staticmethod
+    def check(where: str, data: Mapping[str, Any]) -> None:
+        """Registration: refuse (InvalidSpec naming the key) a spec of this kind that could never run."""
 
     def run(self, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext) -> Any: ...
 
     def close(self) -> None: ...
 
 
-_instances: dict[str, Executor] = {}
-_lock = threading.Lock()
+def from_env(value: Any) -> bool:
+    """True when the text starts with a ``${VAR}`` reference: only the worker's environment can judge it
+    (``specenv.py`` fills it in right before the run)."""
+    return isinstance(value, str) and ENV_VAR.match(value.strip()) is not None
 
 
-def get_executor(kind: str, settings: dict[str, Any] | None = None) -> Executor:
-    """One executor instance per type per process, created on first use from ``workers.executors.<kind>``."""
-    inst = _instances.get(kind)
-    if inst is not None:
-        return inst
-    with _lock:
-        inst = _instances.get(kind)
-        if inst is None:
-            try:
-                module = importlib.import_module(f"workers.executors.{kind}")
-            except ModuleNotFoundError as e:
-                raise ConfigError(f"tool executor not found: {kind!r}") from e
-            inst = module.create(settings or {})
-            _instances[kind] = inst
-    return inst
-
-
-def close_all() -> None:
-    with _lock:
-        for inst in _instances.values():
-            try:
-                inst.close()
-            except Exception:  # noqa: BLE001 - closing is best effort at shutdown
-                pass
-        _instances.clear()
+def require(where: str, kind: str, data: Mapping[str, Any], keys: tuple[str, ...], expected: str) -> None:
+    """One of ``keys`` must be given (the error names the first)."""
+    if not any(data.get(k) not in (None, "") for k in keys):
+        raise InvalidSpec.at(where, keys[0], f"required for a {kind} tool: {expected}")

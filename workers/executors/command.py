@@ -12,14 +12,15 @@ Spec keys (``spec.config``), each also settable as a default in ``executors.comm
   as they are (the spec author's word that the program takes no harmful option there). An element whose
   template starts with ``-`` (``--name={{n}}``, ``-n{{count}}``) is an option the spec wrote: its value is fine.
 - A shell or interpreter's code may not hold a placeholder (``sh -c "ls {{dir}}"``, ``python3 -c``,
-  ``perl -e``, ...; refused at registration): pass values as arguments after the code
+  ``perl -e``, ...; refused at registration, and again at run time, as every check here:
+  a stored spec is not re-validated): pass values as arguments after the code
   (``sh -c 'ls -- "$1"' sh {{dir}}``).
 - ``env``: names passed through from the worker's environment (default: PATH, HOME, LANG, LC_ALL,
   LC_CTYPE, TZ, TMPDIR; the rest, secrets included, stays out); ``env_set: {K: V}`` sets more
   (values may hold placeholders: an argument passed in the environment is still never a command).
   An ``env_set`` entry that is just the placeholder of an optional field the caller left out is not
   set; inside longer text such a field is ``""``. In argv a missing value is always ``invalid_args``,
-  optional or not: dropping an argument would shift the ones after it (see :mod:`template`).
+  optional or not: dropping an argument would shift the ones after it (see ``broker/placeholders.py``).
 - ``${VAR}`` in any of these is filled from the worker's environment first (:mod:`specenv`).
 - ``cwd``; ``stdin: json`` (write the arguments as JSON to stdin); ``output: text | json``.
 - ``max_output``: cap on stdout in bytes (default 1 MiB) -> OutputTooLarge.
@@ -32,27 +33,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import selectors
 import shlex
 import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Mapping
 from typing import Any
 
-from broker.errors import (
-    CallCancelled,
-    ExecutorError,
-    InvalidArgs,
-    InvalidSpec,
-    OutputTooLarge,
-    ToolTimeout,
-)
-from broker.specstatic import code_placeholder
+from broker.errors import CallCancelled, ExecutorError, InvalidArgs, InvalidSpec, OutputTooLarge, ToolTimeout
+from broker.placeholders import OMIT, check_declared, fill, has, names, sole, value_of
 from broker.toolspec import ToolSpec
 
-from .base import ExecContext
-from .template import OMIT, fill, has_placeholder, placeholders, sole_placeholder, value_of
+from .base import ExecContext, require
 
 DEFAULT_MAX_OUTPUT = 1024 * 1024
 DEFAULT_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
@@ -79,36 +74,107 @@ def _dying_with_worker(argv: list[str], where: str, env: dict[str, str]) -> list
     return [_SETPRIV, "--pdeathsig", "TERM", "--", *argv]  # it looks the program up as we just did
 
 
-def build_argv(config: dict[str, Any], args: dict[str, Any], where: str) -> list[str]:
-    """Split the template into argv, then fill each element on its own."""
-    template = config.get("command")
+def split_command(where: str, template: Any) -> list[str]:
+    """The ``command`` template as argv, before any filling, checked: it splits, it is not empty, a value
+    never chooses the program, and no shell or interpreter gets code holding a placeholder."""
     if isinstance(template, str):
         try:
             parts = shlex.split(template)
         except ValueError as e:
-            raise InvalidSpec(f"{where}: command: cannot split {template!r}: {e}") from e
-    elif isinstance(template, list) and all(isinstance(p, str | int | float) for p in template):
+            raise InvalidSpec.at(where, "command", f"cannot split {template!r}: {e}") from e
+    elif isinstance(template, list):
+        for i, part in enumerate(template):
+            if isinstance(part, bool) or not isinstance(part, str | int | float):
+                raise InvalidSpec.at(where, f"command[{i}]", f"expected a string, got {type(part).__name__}")
         parts = [str(p) for p in template]
     else:
-        raise InvalidSpec(f"{where}: command: expected a string or a list of strings")
+        raise InvalidSpec.at(where, "command", "expected a string or a list of strings")
     if not parts:
-        raise InvalidSpec(f"{where}: command: is empty")
-    if has_placeholder(parts[0]):
-        raise InvalidSpec(f"{where}: command: the program (argv[0]) may not contain a placeholder")
+        raise InvalidSpec.at(where, "command", "is empty")
+    if has(parts[0]):
+        raise InvalidSpec.at(where, "command", "the program (argv[0]) may not contain a placeholder")
     problem = code_placeholder(parts)
     if problem:
-        raise InvalidSpec(f"{where}: command: {problem}")
+        raise InvalidSpec.at(where, "command", problem)
+    return parts
+
+
+# Programs that run code given on their command line, and the options that give it (a word of single-letter
+# options like bash's ``-ec`` holds the letter). A placeholder in that code would let a value be code.
+_SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "ash", "fish", "csh", "tcsh"})
+_CODE_OPTIONS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    # program (basename, version suffix dropped) -> (short option letters, long options)
+    **{sh: (frozenset("c"), frozenset({"--command"})) for sh in _SHELLS},
+    "python": (frozenset("c"), frozenset()),
+    "pypy": (frozenset("c"), frozenset()),
+    "perl": (frozenset("eE"), frozenset()),
+    "ruby": (frozenset("e"), frozenset()),
+    "node": (frozenset("ep"), frozenset({"--eval", "--print"})),
+    "deno": (frozenset(), frozenset({"eval"})),
+    "php": (frozenset("r"), frozenset()),
+    "lua": (frozenset("e"), frozenset()),
+    "luajit": (frozenset("e"), frozenset()),
+    "tclsh": (frozenset(), frozenset()),
+    "osascript": (frozenset("e"), frozenset()),
+    "pwsh": (frozenset(), frozenset({"-c", "-command", "-encodedcommand", "-ec"})),
+    "powershell": (frozenset(), frozenset({"-c", "-command", "-encodedcommand", "-ec"})),
+}
+# Programs that run the program named after them (``env sh {{x}}``).
+_WRAPPERS = frozenset({"env", "busybox", "nice", "nohup", "setsid", "stdbuf", "sudo", "doas", "time", "exec"})
+_VERSION = re.compile(r"[\d.]+$")
+
+
+def _program(part: str) -> str:
+    name = part.rsplit("/", 1)[-1].lower().removesuffix(".exe")
+    return _VERSION.sub("", name) if not name.startswith(("sh", "ksh")) else name
+
+
+def code_placeholder(parts: list[str]) -> str | None:
+    """What is wrong when a command hands code with a placeholder in it to a shell or interpreter
+    (``sh -c "ls {{dir}}"``, ``python3 -c ...``, ``bash -ec``, also behind ``env``/``timeout``/``busybox``)
+    or lets a value name the script it runs (``sh {{script}}``); None when it does not. Values after
+    the code stay arguments (``sh -c 'cat "$1"' sh {{file}}`` is fine)."""
+    for i, part in enumerate(parts):
+        program = _program(part)
+        options = _CODE_OPTIONS.get(program)
+        if options is None or (i > 0 and part.startswith("-")):
+            continue
+        letters, longs = options
+        for opt in parts[i + 1 :]:
+            name, eq, inline = opt.partition("=")
+            short = opt[1:] if opt.startswith("-") and not opt.startswith("--") else ""
+            if name.lower() in longs or (short.isalpha() and letters & set(short)):
+                j = parts.index(opt, i + 1)
+                code = inline if eq and name.lower() in longs else (parts[j + 1] if j + 1 < len(parts) else "")
+                if has(code) or has(opt):
+                    return (
+                        f"{program} {name} runs its next argument as code: a placeholder there would let a "
+                        "value be code; pass values as arguments after the code (sh -c 'cat \"$1\"' sh {{file}})"
+                    )
+                return None
+            if not opt.startswith("-"):
+                named = i == 0 or _program(parts[i - 1]) in _WRAPPERS  # the program itself, not an argument
+                if named and has(opt):
+                    return f"{program} {opt}: a placeholder would let a value name the script {program} runs"
+                return None  # a script file: what follows are its arguments
+        return None
+    return None
+
+
+def build_argv(config: dict[str, Any], args: dict[str, Any], where: str) -> list[str]:
+    """Split the template into argv, then fill each element on its own."""
+    parts = split_command(where, config.get("command"))
     argv = [parts[0]]
     mode = config.get("args_separator")
     separated = mode is not True  # true: a "--" goes before the first element holding a value
     for part in parts[1:]:
-        if not separated and has_placeholder(part):
+        if not separated and has(part):
             argv.append("--")
             separated = True
         filled = fill(part, args, where)
         if mode is None and filled.startswith("-") and not part.startswith("-"):
             # A value made this element look like an option ("--output=F" for `sort {{x}}`).
-            field = placeholders(part)[0]
+            field = names(part)[0]
             raise InvalidArgs(
                 f"{where}: the value of {{{{{field}}}}} starts with '-', so {argv[0]} would read it as an "
                 "option; the spec can set args_separator: true (a '--' before the values) to pass such values",
@@ -129,7 +195,7 @@ def build_env(config: dict[str, Any], args: dict[str, Any], where: str, schema: 
     env = {n: os.environ[n] for n in names if n in os.environ}  # the child process's environment
     for key, val in (config.get("env_set") or {}).items():
         text = str(val)
-        field = sole_placeholder(text)
+        field = sole(text)
         if field is not None and value_of(args, field, where, schema=schema) is OMIT:
             continue  # an optional field left out: the variable is not set
         env[str(key)] = fill(text, args, where, schema=schema)
@@ -141,8 +207,26 @@ def build_env(config: dict[str, Any], args: dict[str, Any], where: str, schema: 
 class CommandExecutor:
     """Runs tool commands as child processes, each in its own process group."""
 
+    keys = frozenset(
+        {"command", "args_separator", "env", "env_set", "cwd", "stdin", "output", "max_output", "kill_grace"}
+    )
+
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = settings
+
+    @staticmethod
+    def check(where: str, data: Mapping[str, Any]) -> None:
+        require(where, "command", data, ("command",), "the program and its arguments, e.g. `echo Hello, {{name}}!`")
+        split_command(where, data["command"])
+        separator = data.get("args_separator")
+        if separator is not None and not isinstance(separator, bool):
+            raise InvalidSpec.at(where, "args_separator", f"expected true or false, got {separator!r}")
+        if data.get("env_set") is not None and not isinstance(data["env_set"], dict):
+            raise InvalidSpec.at(where, "env_set", "expected a mapping {NAME: value}")
+        env = data.get("env")
+        if env is not None and not (isinstance(env, str) or (isinstance(env, list) and all(isinstance(n, str) for n in env))):
+            raise InvalidSpec.at(where, "env", "expected a variable name or a list of names")
+        check_declared(where, data, ("command", "env_set"))
 
     def run(self, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext) -> Any:
         config = {**self.settings, **spec.config}
@@ -289,6 +373,3 @@ def _kill_group(proc: subprocess.Popen[bytes], grace: float) -> None:
     except subprocess.TimeoutExpired:  # pragma: no cover - only a kernel in trouble gets here
         pass
 
-
-def create(settings: dict[str, Any]) -> CommandExecutor:
-    return CommandExecutor(settings)

@@ -28,30 +28,74 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any
-
-import sqlalchemy as sa
-from sqlalchemy.engine import Connection, Engine
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from broker.errors import CallCancelled, ExecutorError, HermesError, InvalidArgs, InvalidSpec, ToolTimeout
-from broker.specstatic import first_sql_keyword, single_statement
+from broker.placeholders import optional
 from broker.toolspec import ToolSpec
 
-from .base import ExecContext
-from .template import optional
+from .base import ExecContext, require
+
+if TYPE_CHECKING:  # SQLAlchemy (and its driver) is imported where a query runs, not where a spec registers
+    import sqlalchemy as sa
+    from sqlalchemy.engine import Connection, Engine
 
 DEFAULT_MAX_ROWS = 1000
 _READ_VERBS = {"select", "with", "values", "table", "show", "explain"}
+_MODES = ("template", "structured")
+_SQL_COMMENTS = re.compile(r"(--[^\n]*|/\*.*?\*/)", re.S)
 _POLL = 0.05
 
-# The statement checks registration also runs (broker/specstatic.py).
-first_keyword = first_sql_keyword
-_single_statement = single_statement
+
+def single_statement(sql: str) -> bool:
+    """True when ``sql`` holds one statement (a ``;`` inside a string literal is fine)."""
+    body = _SQL_COMMENTS.sub(" ", sql).strip().rstrip(";")
+    return ";" not in re.sub(r"'(?:[^']|'')*'", "''", body)
+
+
+def checked_query(where: str, query: Any) -> str:
+    """``query`` when it is one SQL statement (registration's check and the run's)."""
+    if not isinstance(query, str) or not query.strip():
+        raise InvalidSpec.at(where, "query", "expected an SQL string (or mode: structured)")
+    if not single_statement(query):
+        raise InvalidSpec.at(where, "query", "one statement only")
+    return query
+
+
+def first_keyword(sql: str) -> str:
+    """The statement's first keyword, lower case (comments and an opening parenthesis skipped)."""
+    stripped = _SQL_COMMENTS.sub(" ", sql).strip().lstrip("(").strip()
+    return stripped.split(None, 1)[0].lower() if stripped else ""
 
 
 class DatabaseExecutor:
     """Engines are cached per DSN and shared by all worker threads (SQLAlchemy pools are thread-safe)."""
+
+    keys = frozenset({"dsn", "query", "mode", "tables", "read_only", "max_rows"})
+
+    @staticmethod
+    def check(where: str, data: Mapping[str, Any]) -> None:
+        structured = data.get("mode") == "structured"
+        if structured:
+            require(where, "database", data, ("tables",), "with mode: structured, the allow-list {table: [columns]}")
+        else:
+            require(where, "database", data, ("query",), "the SQL with :named parameters (or `mode: structured` with `tables`)")
+        dsn = data.get("dsn")
+        if dsn is not None and not isinstance(dsn, str):
+            raise InvalidSpec.at(where, "dsn", f"expected a database URL, got {type(dsn).__name__}")
+        mode = data.get("mode")
+        if mode is not None and mode not in _MODES:
+            raise InvalidSpec.at(where, "mode", f"expected one of {', '.join(_MODES)}, got {mode!r}")
+        if structured:
+            tables = data["tables"]
+            if not isinstance(tables, dict):
+                raise InvalidSpec.at(where, "tables", "expected a mapping {table: [allowed columns]}")
+            for table, columns in tables.items():
+                if columns is not None and not (isinstance(columns, list) and all(isinstance(c, str) for c in columns)):
+                    raise InvalidSpec.at(where, f"tables.{table}", "expected a list of column names")
+            return
+        checked_query(where, data["query"])
 
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = settings
@@ -67,6 +111,8 @@ class DatabaseExecutor:
         with self._lock:
             found = self._engines.get(dsn)
             if found is None:
+                import sqlalchemy as sa
+
                 url = re.sub(r"^postgres(ql)?://", "postgresql+psycopg://", dsn)
                 try:
                     found = sa.create_engine(url, pool_pre_ping=True)
@@ -76,6 +122,8 @@ class DatabaseExecutor:
         return found
 
     def run(self, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext) -> Any:
+        import sqlalchemy as sa
+
         config = {**self.settings, **spec.config}
         where = f"tool {spec.name!r}"
         dsn = config.get("dsn")
@@ -154,6 +202,8 @@ class DatabaseExecutor:
                     conn.exec_driver_sql("PRAGMA query_only = OFF")
 
     def _translate(self, e: sa.exc.DBAPIError, ctx: ExecContext, where: str) -> HermesError:
+        import sqlalchemy as sa
+
         message = (
             str(getattr(e, "orig", e)).strip().splitlines()[0]
             if str(getattr(e, "orig", e)).strip()
@@ -210,13 +260,11 @@ def build_template(
     config: dict[str, Any], args: dict[str, Any], where: str, read_only: bool, schema: Any = None
 ) -> tuple[Any, dict[str, Any]]:
     """``text()`` with the named bind parameters it mentions, each taken from the arguments."""
-    query = config.get("query")
-    if not isinstance(query, str) or not query.strip():
-        raise InvalidSpec(f"{where}: query: expected an SQL string (or mode: structured)")
-    if not _single_statement(query):
-        raise InvalidSpec(f"{where}: query: one statement only")
+    import sqlalchemy as sa
+
+    query = checked_query(where, config.get("query"))
     if read_only and first_keyword(query) not in _READ_VERBS:
-        raise InvalidSpec(f"{where}: query: read-only tools may only read (set read_only: false to write)")
+        raise InvalidSpec.at(where, "query", "read-only tools may only read (set read_only: false to write)")
     statement = sa.text(query)
     names = list(statement.compile().params)  # the bind parameter names text() found in the SQL
     missing = [n for n in names if n not in args and not optional(schema, n)]
@@ -232,6 +280,8 @@ def build_structured(
     config: dict[str, Any], args: dict[str, Any], where: str, max_rows: int
 ) -> tuple[Any, dict[str, Any], int]:
     """A Core SELECT from ``{table, columns, where, limit}``, every identifier from the allow-list."""
+    import sqlalchemy as sa
+
     tables = config.get("tables")
     if not isinstance(tables, dict) or not tables:
         raise InvalidSpec(f"{where}: tables: structured mode needs {{table: [columns]}}")
@@ -292,6 +342,3 @@ def json_friendly(value: Any) -> Any:
         return {str(k): json_friendly(v) for k, v in value.items()}
     return str(value)
 
-
-def create(settings: dict[str, Any]) -> DatabaseExecutor:
-    return DatabaseExecutor(settings)

@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
-
-import grpc
-from google.protobuf import descriptor_pool, json_format, message_factory
-from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from broker.errors import (
     CallCancelled,
@@ -37,23 +34,37 @@ from broker.errors import (
 )
 from broker.toolspec import ToolSpec
 
-from .base import ExecContext
+from .base import ExecContext, from_env, require
+
+if TYPE_CHECKING:  # grpc and protobuf are imported where a call runs, not where a spec registers
+    import grpc
 
 DEFAULT_MAX_OUTPUT = 1024 * 1024
 STREAM_PROGRESS_EVERY = 0.1  # seconds between progress events of a response stream
 _POLL = 0.05
-_RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.INTERNAL,
-}
+_RETRYABLE = {"UNAVAILABLE", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL"}  # status code names
+
+
+def split_method(name: str) -> tuple[str, str] | None:
+    """``package.Service/Method`` (or ``package.Service.Method``) as (service, method), or None."""
+    service, sep, method = name.rpartition("/")
+    if not sep:
+        service, _, method = name.rpartition(".")
+    if not service or not method:
+        return None
+    return service, method
 
 
 class _Target:
     """A channel to one server plus the descriptor pool its reflection service fills lazily."""
 
     def __init__(self, address: str, tls: bool) -> None:
+        import grpc
+        from google.protobuf import descriptor_pool
+        from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+            ProtoReflectionDescriptorDatabase,
+        )
+
         options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
         if tls:
             self.channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(), options=options)
@@ -68,11 +79,12 @@ class _Target:
         found = self.methods.get(name)
         if found is not None:
             return found
-        service, sep, method = name.rpartition("/")
-        if not sep:
-            service, _, method = name.rpartition(".")
-        if not service or not method:
-            raise InvalidSpec(f"{where}: method: expected 'package.Service/Method', got {name!r}")
+        split = split_method(name)
+        if split is None:
+            raise InvalidSpec.at(where, "method", f"expected 'package.Service/Method', got {name!r}")
+        service, method = split
+        from google.protobuf import message_factory
+
         with self.lock:
             try:
                 desc = self.pool.FindServiceByName(service).FindMethodByName(method)
@@ -102,6 +114,17 @@ class _Target:
 class GrpcExecutor:
     """One channel per target, shared by all worker threads (gRPC channels are thread-safe)."""
 
+    keys = frozenset({"target", "tls", "method", "metadata", "max_output"})
+
+    @staticmethod
+    def check(where: str, data: Mapping[str, Any]) -> None:
+        require(where, "grpc", data, ("method",), "package.Service/Method")
+        method = data["method"]
+        if not from_env(method) and (not isinstance(method, str) or split_method(method) is None):
+            raise InvalidSpec.at(where, "method", f"expected 'package.Service/Method', got {method!r}")
+        if data.get("metadata") is not None and not isinstance(data["metadata"], dict):
+            raise InvalidSpec.at(where, "metadata", "expected a mapping of metadata key to value")
+
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = settings
         self._targets: dict[tuple[str, bool], _Target] = {}
@@ -118,14 +141,17 @@ class GrpcExecutor:
         return found
 
     def run(self, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext) -> Any:
+        import grpc
+        from google.protobuf import json_format
+
         config = {**self.settings, **spec.config}
         where = f"tool {spec.name!r}"
         address = config.get("target")
         if not isinstance(address, str) or not address:
-            raise InvalidSpec(f"{where}: target: expected host:port")
+            raise InvalidSpec.at(where, "target", "expected host:port")
         name = config.get("method")
         if not isinstance(name, str):
-            raise InvalidSpec(f"{where}: method: expected 'package.Service/Method'")
+            raise InvalidSpec.at(where, "method", "expected 'package.Service/Method'")
         max_output = int(config.get("max_output", DEFAULT_MAX_OUTPUT))
         metadata = [(str(k).lower(), str(v)) for k, v in (config.get("metadata") or {}).items()]
         metadata.extend(ctx.trace_headers().items())
@@ -176,6 +202,9 @@ class GrpcExecutor:
 
 def _stream(responses: Any, ctx: ExecContext, where: str, max_output: int) -> list[dict[str, Any]]:
     """A server stream's messages as dicts, each announced as progress; cancelled with the call."""
+    import grpc
+    from google.protobuf import json_format
+
     ended = threading.Event()
 
     def watch() -> None:  # the iterator blocks between messages: a cancel reaches it from here
@@ -211,6 +240,8 @@ def _stream(responses: Any, ctx: ExecContext, where: str, max_output: int) -> li
 
 
 def _translate(e: grpc.RpcError, ctx: ExecContext, where: str) -> HermesError:
+    import grpc
+
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     ctx.status_code = code.name
     details = (e.details() if hasattr(e, "details") else str(e)) or code.name
@@ -221,11 +252,8 @@ def _translate(e: grpc.RpcError, ctx: ExecContext, where: str) -> HermesError:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidArgs(f"{where}: server rejected the arguments: {details}", status=code.name)
     err = ExecutorError(
-        f"{where}: gRPC {code.name}: {details}", status=code.name, retryable=code in _RETRYABLE
+        f"{where}: gRPC {code.name}: {details}", status=code.name, retryable=code.name in _RETRYABLE
     )
-    err.retryable = code in _RETRYABLE
+    err.retryable = code.name in _RETRYABLE
     return err
 
-
-def create(settings: dict[str, Any]) -> GrpcExecutor:
-    return GrpcExecutor(settings)

@@ -12,12 +12,16 @@ Spec keys (defaults may also sit in ``executors.http``):
 - A field ``input_schema`` declares but does not require, left out by the caller: a body_template value
   or list item, a header or a query parameter ``k={{field}}`` that is just its placeholder is left out
   (``{query: 北京, opts: {}}``); inside longer text it is ``""``. A missing required field is
-  ``invalid_args``. (Rules in :mod:`template`.)
+  ``invalid_args``. (Rules in ``broker/placeholders.py``.)
 - ``${VAR}`` anywhere in the spec is filled from the worker's environment before all this
   (``headers: {Authorization: Bearer ${API_TOKEN}}``; :mod:`specenv`).
 - SSRF guard (on by default; ``ssrf_guard: false`` only in settings): see :mod:`netguard`.
   ``allow_hosts`` / ``allow_networks`` (settings and spec lists are combined) admit named exceptions.
 - ``max_output`` (bytes, default 1 MiB) caps the response body; ``max_redirects`` (5); ``verify`` TLS.
+
+Registration refuses an endpoint that is not an http(s) URL or has a placeholder in its scheme or host,
+a placeholder in a header name or a ``body_template`` key, a ``body_template`` that does not parse, and
+(with declared ``properties``) a placeholder naming none of them; the run checks the same again.
 
 Result: the parsed JSON body if the response is JSON, else text. Status >= 400 is an ExecutorError
 with ``details.status`` (retryable for 408, 429 and 5xx only).
@@ -28,11 +32,11 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
-import httpcore
-import httpx
+import yaml
 
 from broker.errors import (
     CallCancelled,
@@ -43,54 +47,111 @@ from broker.errors import (
     OutputTooLarge,
     ToolTimeout,
 )
-from broker.specstatic import http_url_problem
-from broker.toolspec import ToolSpec
-
-from .base import ExecContext
-from .netguard import GuardedBackend, GuardPolicy, current_call
-from .template import (
+from broker.placeholders import (
     OMIT,
+    check_declared,
     fill,
     fill_structure,
-    has_placeholder,
-    parse_template,
-    placeholders,
+    has,
+    masked_load,
+    names,
     render,
-    sole_placeholder,
+    sole,
     value_of,
 )
+from broker.toolspec import ToolSpec
+from workers.args import load_yaml_text
+
+from .base import ExecContext, from_env, require
+
+if TYPE_CHECKING:  # httpx and the guard are imported where a call runs, not where a spec registers
+    import httpx
+
+    from .netguard import GuardPolicy
 
 DEFAULT_MAX_OUTPUT = 1024 * 1024
 DEFAULT_MAX_REDIRECTS = 5
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
+_SEND_ARGS_AS = ("query", "form", "json")
 _EXCERPT = 500
 
 
-class _GuardedTransport(httpx.HTTPTransport):
-    """httpx's own transport with the connection pool built on the guarded network backend."""
+def url_problem(url: str) -> str | None:
+    """What is wrong with an endpoint (None: nothing)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return f"expected an http(s) URL, got {url!r}"
+    if has(parts.scheme + "://" + parts.netloc):
+        return "placeholders may not appear in the scheme or host"
+    return None
 
-    def __init__(self, policy: GuardPolicy, verify: bool) -> None:
-        super().__init__(verify=verify, trust_env=False)
-        # Same pool httpx builds, except for the backend; proxies are never used (they would
-        # connect on our behalf to addresses the guard never saw).
-        self._pool = httpcore.ConnectionPool(
-            ssl_context=httpx.create_ssl_context(verify=verify, trust_env=False),
-            max_connections=100,
-            max_keepalive_connections=20,
-            keepalive_expiry=5.0,
-            network_backend=GuardedBackend(policy),
-        )
+
+def parse_body(template: str, where: str) -> Any:
+    """A ``body_template`` text such as ``{query: {{city}}}`` as a structure, its placeholders kept as
+    leaf strings (never keys); :func:`fill_structure` then puts the typed values in."""
+    try:
+        parsed = masked_load(template, load_yaml_text)
+    except yaml.YAMLError as e:
+        raise InvalidSpec.at(where, "body_template", f"template is not valid YAML/JSON: {e}") from e
+    for path, key in _keys(parsed, "body_template"):
+        if has(key):
+            raise InvalidSpec.at(where, path, "template keys may not contain placeholders")
+    return parsed
+
+
+def _keys(value: Any, path: str) -> Iterator[tuple[str, str]]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield f"{path}.{k}", str(k)
+            yield from _keys(v, f"{path}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _keys(v, f"{path}[{i}]")
 
 
 class HttpExecutor:
     """One httpx client per guard policy (usually one), shared by all worker threads."""
+
+    keys = frozenset(
+        {"endpoint", "url", "method", "headers", "send_args_as", "body_template"}
+        | {"allow_hosts", "allow_networks", "max_output", "max_redirects", "verify"}
+    )
 
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = settings
         self._clients: dict[tuple[Any, ...], httpx.Client] = {}
         self._lock = threading.Lock()
 
+    @staticmethod
+    def check(where: str, data: Mapping[str, Any]) -> None:
+        require(where, "http", data, ("endpoint", "url"), "the URL to call, e.g. http://host/path/{{id}}")
+        for key in ("endpoint", "url"):
+            url = data.get(key)
+            if url in (None, "") or from_env(url):
+                continue  # a ${VAR} is judged on the worker, once filled in
+            if not isinstance(url, str):
+                raise InvalidSpec.at(where, key, f"expected an http(s) URL, got {type(url).__name__} {url!r}")
+            problem = url_problem(url.strip())
+            if problem:
+                raise InvalidSpec.at(where, key, problem)
+        mode = data.get("send_args_as")
+        if mode is not None and mode not in _SEND_ARGS_AS:
+            raise InvalidSpec.at(where, "send_args_as", f"expected one of {', '.join(_SEND_ARGS_AS)}, got {mode!r}")
+        headers = data.get("headers")
+        if headers is not None and not isinstance(headers, dict):
+            raise InvalidSpec.at(where, "headers", "expected a mapping of header name to value")
+        for name, value in (headers or {}).items():
+            if has(str(name)):
+                raise InvalidSpec.at(where, f"headers.{name}", "placeholders may not appear in header names")
+            if isinstance(value, dict | list):
+                raise InvalidSpec.at(where, f"headers.{name}", "expected a text value")
+        if isinstance(data.get("body_template"), str):
+            parse_body(data["body_template"], where)
+        check_declared(where, data, ("endpoint", "url", "headers", "body_template"))
+
     def _policy(self, config: dict[str, Any]) -> GuardPolicy:
+        from .netguard import GuardPolicy
+
         hosts = [*self.settings.get("allow_hosts", ()), *config.get("allow_hosts", ())]
         nets = [*self.settings.get("allow_networks", ()), *config.get("allow_networks", ())]
         enabled = self.settings.get("ssrf_guard", True) is not False
@@ -104,13 +165,21 @@ class HttpExecutor:
         with self._lock:
             found = self._clients.get(key)
             if found is None:
+                import httpx
+
+                from .netguard import GuardedTransport
+
                 found = httpx.Client(
-                    transport=_GuardedTransport(policy, verify), follow_redirects=False, trust_env=False
+                    transport=GuardedTransport(policy, verify), follow_redirects=False, trust_env=False
                 )
                 self._clients[key] = found
         return found
 
     def run(self, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext) -> Any:
+        import httpx
+
+        from .netguard import current_call
+
         config = {**self.settings, **spec.config}
         where = f"tool {spec.name!r}"
         request_kw = build_request(config, args, where, spec.input_schema)
@@ -175,12 +244,12 @@ def build_request(
     method = str(config.get("method", "GET")).upper()
     endpoint = config.get("endpoint") or config.get("url")
     if not isinstance(endpoint, str) or not endpoint:
-        raise InvalidSpec(f"{where}: endpoint: expected a URL")
-    problem = http_url_problem(endpoint)
+        raise InvalidSpec.at(where, "endpoint", "expected a URL")
+    problem = url_problem(endpoint)
     if problem:
-        raise InvalidSpec(f"{where}: endpoint: {problem}")
+        raise InvalidSpec.at(where, "endpoint", problem)
     parts = urlsplit(endpoint)
-    used = set(placeholders(parts.path) + placeholders(parts.query))
+    used = set(names(parts.path) + names(parts.query))
     url = urlunsplit(
         (
             parts.scheme,
@@ -192,10 +261,10 @@ def build_request(
     )
     headers: dict[str, str] = {}
     for name, value in (config.get("headers") or {}).items():
-        if has_placeholder(str(name)):
-            raise InvalidSpec(f"{where}: headers: placeholders may not appear in header names")
+        if has(str(name)):
+            raise InvalidSpec.at(where, f"headers.{name}", "placeholders may not appear in header names")
         text = str(value)
-        used.update(placeholders(text))
+        used.update(names(text))
         if _left_out(text, args, where, schema):
             continue
         filled = fill(text, args, where, schema=schema)
@@ -205,7 +274,7 @@ def build_request(
     out: dict[str, Any] = {"method": method, "url": url, "headers": headers}
     template = config.get("body_template")
     if template is not None:
-        structure = parse_template(template, where) if isinstance(template, str) else template
+        structure = parse_body(template, where) if isinstance(template, str) else template
         body = fill_structure(structure, args, where, schema)
         if body is not OMIT:  # a template that is only an optional field left out: no body
             out["json"] = body
@@ -230,13 +299,13 @@ def build_request(
 
 def _left_out(text: str, args: dict[str, Any], where: str, schema: Any) -> bool:
     """True when ``text`` is exactly one placeholder of an optional field the caller left out."""
-    field = sole_placeholder(text)
+    field = sole(text)
     return field is not None and value_of(args, field, where, schema=schema) is OMIT
 
 
 def _fill_query(query: str, args: dict[str, Any], where: str, schema: Any) -> str:
     """Fill the endpoint's query string pair by pair; ``k={{field}}`` of a left-out optional field goes."""
-    if not has_placeholder(query):
+    if not has(query):
         return query
     pieces = []
     for piece in query.split("&"):
@@ -320,6 +389,3 @@ def _read_result(response: httpx.Response, ctx: ExecContext, max_output: int, wh
             raise ExecutorError(f"{where}: response claims JSON but is not: {e}", status=status) from e
     return text
 
-
-def create(settings: dict[str, Any]) -> HttpExecutor:
-    return HttpExecutor(settings)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpcore
+import httpx
 
 from broker.errors import CallCancelled, DestinationBlocked, InvalidSpec
 
@@ -221,3 +222,19 @@ class WatchedStream(httpcore.NetworkStream):
 
     def get_extra_info(self, info: str) -> Any:
         return self._inner.get_extra_info(info)
+
+
+class GuardedTransport(httpx.HTTPTransport):
+    """httpx's own transport with the connection pool built on the guarded network backend."""
+
+    def __init__(self, policy: GuardPolicy, verify: bool) -> None:
+        super().__init__(verify=verify, trust_env=False)
+        # Same pool httpx builds, except for the backend; proxies are never used (they would
+        # connect on our behalf to addresses the guard never saw).
+        self._pool = httpcore.ConnectionPool(
+            ssl_context=httpx.create_ssl_context(verify=verify, trust_env=False),
+            max_connections=100,
+            max_keepalive_connections=20,
+            keepalive_expiry=5.0,
+            network_backend=GuardedBackend(policy),
+        )

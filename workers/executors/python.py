@@ -29,10 +29,11 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import re
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import structlog
@@ -47,10 +48,22 @@ from broker.errors import (
 )
 from broker.toolspec import ToolSpec
 
-from .base import ExecContext
+from .base import ExecContext, from_env, require
 from .pyhelpers import DEFAULT_MAX_ABANDONED, FINISHED, POLL, HelperPool, Job, Tally
 
 log = structlog.get_logger("hermes.executor.python")
+_DOTTED = re.compile(r"[^\W\d]\w*(?:\.[^\W\d]\w*)*")
+
+
+def split_ref(ref: str) -> tuple[str, str] | None:
+    """``module:attr`` (or ``module.attr``) as (module, attr), or None when it is not that shape."""
+    module, sep, attr = ref.strip().partition(":")
+    if not sep:
+        module, _, attr = ref.strip().rpartition(".")
+    if not _DOTTED.fullmatch(module) or not _DOTTED.fullmatch(attr):
+        return None
+    return module, attr
+
 
 class _Target:
     """A resolved callable and what we learned about it once."""
@@ -84,6 +97,15 @@ class _Target:
 class PythonExecutor:
     """Calls Python functions in-process; thread-safe (the resolved-callable cache is locked)."""
 
+    keys = frozenset({"function"})
+
+    @staticmethod
+    def check(where: str, data: Mapping[str, Any]) -> None:
+        require(where, "python", data, ("function",), '"package.module:callable"')
+        ref = data["function"]
+        if not from_env(ref) and (not isinstance(ref, str) or split_ref(ref) is None):
+            raise InvalidSpec.at(where, "function", f"expected 'package.module:callable', got {ref!r}")
+
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = settings
         self._targets: dict[str, _Target] = {}
@@ -101,24 +123,21 @@ class PythonExecutor:
         target = self._targets.get(ref) if isinstance(ref, str) else None
         if target is not None:
             return target
-        if not isinstance(ref, str) or not ref.strip():
-            raise InvalidSpec(f"{where}: function: expected 'package.module:callable', got {ref!r}")
-        module_name, sep, attr = ref.partition(":")
-        if not sep:
-            module_name, _, attr = ref.rpartition(".")
-        if not module_name or not attr:
-            raise InvalidSpec(f"{where}: function: expected 'package.module:callable', got {ref!r}")
+        split = split_ref(ref) if isinstance(ref, str) else None
+        if split is None:
+            raise InvalidSpec.at(where, "function", f"expected 'package.module:callable', got {ref!r}")
+        module_name, attr = split
         with self._lock:
             try:
                 obj: Any = importlib.import_module(module_name)
                 for part in attr.split("."):
                     obj = getattr(obj, part)
             except ImportError as e:
-                raise InvalidSpec(f"{where}: function: cannot import {module_name!r}: {e}") from e
+                raise InvalidSpec.at(where, "function", f"cannot import {module_name!r}: {e}") from e
             except AttributeError as e:
-                raise InvalidSpec(f"{where}: function: {module_name!r} has no {attr!r}") from e
+                raise InvalidSpec.at(where, "function", f"{module_name!r} has no {attr!r}") from e
             if not callable(obj):
-                raise InvalidSpec(f"{where}: function: {ref!r} is not callable")
+                raise InvalidSpec.at(where, "function", f"{ref!r} is not callable")
             target = _Target(obj)
             target.inline = target.wants_ctx or ref.replace(":", ".") in self._inline
             self._targets[ref] = target
@@ -250,6 +269,3 @@ def to_wire_value(value: Any, where: str, path: str = "$") -> Any:
         f"{where}: result at {path} is a {type(value).__name__}; return dict/list/str/int/float/bool/None/bytes"
     )
 
-
-def create(settings: dict[str, Any]) -> PythonExecutor:
-    return PythonExecutor(settings)

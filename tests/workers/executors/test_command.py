@@ -15,18 +15,19 @@ import pytest
 from broker.errors import CallCancelled, ExecutorError, InvalidArgs, InvalidSpec, OutputTooLarge, ToolTimeout
 from broker.toolspec import ToolSpec
 from workers.executors import command
+from workers.specs import check_spec
 
 RECORDER = str(Path(__file__).with_name("argv_recorder.py"))
 PY = sys.executable
 
 
 def spec(**config: object) -> ToolSpec:
-    return ToolSpec.from_dict({"name": "t", "executor": "command", **config})
+    return check_spec({"name": "t", "executor": "command", **config})
 
 
 @pytest.fixture
 def ex() -> command.CommandExecutor:
-    return command.create({})
+    return command.CommandExecutor({})
 
 
 def test_seed_hello_prints_greeting_without_trailing_newline(ex, make_ctx):

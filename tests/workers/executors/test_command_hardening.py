@@ -11,18 +11,19 @@ import pytest
 from broker.errors import InvalidArgs, InvalidSpec
 from broker.toolspec import ToolSpec
 from workers.executors import command
+from workers.specs import check_spec
 
 RECORDER = str(Path(__file__).with_name("argv_recorder.py"))
 PY = sys.executable
 
 
 def spec(**config: object) -> ToolSpec:
-    return ToolSpec.from_dict({"name": "t", "executor": "command", **config})
+    return check_spec({"name": "t", "executor": "command", **config})
 
 
 @pytest.fixture
 def ex() -> command.CommandExecutor:
-    return command.create({})
+    return command.CommandExecutor({})
 
 
 def test_a_value_cannot_become_an_option_of_sort_by_default(ex, make_ctx, tmp_path):
@@ -106,9 +107,9 @@ def test_a_stored_spec_with_code_placeholders_is_refused_at_run_time(ex, make_ct
 @pytest.mark.parametrize("name", ["-", "--help", "-rf", "-x_y"])
 def test_tool_names_that_read_as_options_are_refused(name):
     with pytest.raises(InvalidSpec, match="not starting with '-'"):
-        ToolSpec.from_dict({"name": name, "executor": "command", "command": "true"})
+        check_spec({"name": name, "executor": "command", "command": "true"})
 
 
 @pytest.mark.parametrize("name", ["a-b", "_x", "9lives", "get_weather"])
 def test_ordinary_tool_names_still_register(name):
-    assert ToolSpec.from_dict({"name": name, "executor": "command", "command": "true"}).name == name
+    assert check_spec({"name": name, "executor": "command", "command": "true"}).name == name

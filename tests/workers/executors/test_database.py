@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from broker.errors import CallCancelled, ExecutorError, InvalidArgs, InvalidSpec, ToolTimeout
 from broker.toolspec import ToolSpec
 from workers.executors import database
+from workers.specs import check_spec
 
 PG_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 
@@ -78,13 +79,13 @@ def db(request, tmp_path):
 
 @pytest.fixture
 def ex():
-    executor = database.create({})
+    executor = database.DatabaseExecutor({})
     yield executor
     executor.close()
 
 
 def spec(**config) -> ToolSpec:
-    return ToolSpec.from_dict({"name": "t", "executor": "database", **config})
+    return check_spec({"name": "t", "executor": "database", **config})
 
 
 def test_template_query_binds_parameters_and_reports_progress(ex, db, make_ctx):
@@ -241,7 +242,7 @@ def test_missing_dsn_is_spec_error(ex, make_ctx):
 
 
 def test_dsn_from_executor_settings(tmp_path, make_ctx):
-    executor = database.create({"dsn": f"sqlite:///{tmp_path / 'x.db'}"})
+    executor = database.DatabaseExecutor({"dsn": f"sqlite:///{tmp_path / 'x.db'}"})
     try:
         assert executor.run(spec(query="SELECT 1 AS one, :v AS v"), {"v": "a"}, make_ctx()) == [
             {"one": 1, "v": "a"}

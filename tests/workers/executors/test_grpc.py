@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from broker.errors import CallCancelled, ExecutorError, InvalidArgs, InvalidSpec, OutputTooLarge, ToolTimeout
 from broker.toolspec import ToolSpec
 from workers.executors import grpc as grpcexec
+from workers.specs import check_spec
 
 SERVICE = "hermes.test.Greeter"
 TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -103,13 +104,13 @@ def address():
 
 @pytest.fixture(scope="module")
 def ex():
-    executor = grpcexec.create({})
+    executor = grpcexec.GrpcExecutor({})
     yield executor
     executor.close()
 
 
 def spec(address: str, method: str, **extra) -> ToolSpec:
-    return ToolSpec.from_dict(
+    return check_spec(
         {"name": "t", "executor": "grpc", "target": address, "method": f"{SERVICE}/{method}", **extra}
     )
 
@@ -124,7 +125,7 @@ def test_unary_call_json_in_json_out_with_trace_metadata(ex, address, make_ctx):
 
 
 def test_dotted_method_name_is_accepted(ex, address, make_ctx):
-    s = ToolSpec.from_dict({"name": "t", "executor": "grpc", "target": address, "method": f"{SERVICE}.Greet"})
+    s = check_spec({"name": "t", "executor": "grpc", "target": address, "method": f"{SERVICE}.Greet"})
     assert ex.run(s, {"name": "a"}, make_ctx())["message"] == "Hello, a!"
 
 
@@ -179,7 +180,7 @@ def test_unknown_method_and_unreachable_server(ex, address, make_ctx):
 def test_bad_method_name_is_spec_error(ex, address, make_ctx):
     with pytest.raises(InvalidSpec):
         ex.run(
-            ToolSpec.from_dict({"name": "t", "executor": "grpc", "target": address, "method": "Greet"}),
+            check_spec({"name": "t", "executor": "grpc", "target": address, "method": "Greet"}),
             {},
             make_ctx(),
         )

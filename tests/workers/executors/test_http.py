@@ -19,6 +19,7 @@ from broker.errors import (
 from broker.toolspec import ToolSpec
 from workers.executors import http as httpexec
 from workers.executors import netguard
+from workers.specs import check_spec
 
 from .http_server import Recorder
 
@@ -40,14 +41,14 @@ def canary():
 
 @pytest.fixture(scope="module")
 def ex():
-    executor = httpexec.create({"allow_networks": ["127.0.0.1/32"]})
+    executor = httpexec.HttpExecutor({"allow_networks": ["127.0.0.1/32"]})
     yield executor
     executor.close()
 
 
 @pytest.fixture(scope="module")
 def guarded():
-    executor = httpexec.create({})
+    executor = httpexec.HttpExecutor({})
     yield executor
     executor.close()
 
@@ -67,7 +68,7 @@ def fake_dns(monkeypatch):
 
 
 def spec(**config) -> ToolSpec:
-    return ToolSpec.from_dict({"name": "t", "executor": "http", **config})
+    return check_spec({"name": "t", "executor": "http", **config})
 
 
 def test_get_sends_fields_as_query_and_parses_json(ex, server, make_ctx):
@@ -98,7 +99,7 @@ def test_body_template_is_parsed_then_filled_with_typed_values(ex, server, make_
 
 
 def test_body_template_from_executor_settings(server, make_ctx):
-    executor = httpexec.create({"allow_networks": ["127.0.0.1/8"], "body_template": "{q: {{city}}}"})
+    executor = httpexec.HttpExecutor({"allow_networks": ["127.0.0.1/8"], "body_template": "{q: {{city}}}"})
     try:
         out = executor.run(spec(method="POST", endpoint=f"{server.base}/s"), {"city": "上海"}, make_ctx())
     finally:
@@ -196,7 +197,7 @@ def test_too_many_redirects_is_executor_error(ex, server, make_ctx):
 def test_spec_headers_are_dropped_when_a_redirect_leaves_the_origin(ex, server, make_ctx):
     other = f"http://api.test:{server.server_address[1]}/landed"  # same IP, different origin
     s = spec(endpoint=f"{server.base}/redirect?to={quote(other, safe='')}", headers={"X-Api-Key": "secret"})
-    executor = httpexec.create({"allow_networks": ["127.0.0.1/32"]})
+    executor = httpexec.HttpExecutor({"allow_networks": ["127.0.0.1/32"]})
     try:
         out = executor.run(s, {}, make_ctx())
     finally:
@@ -266,7 +267,7 @@ def test_a_loopback_refusal_says_how_to_allow_the_service(guarded, make_ctx):
 
 def test_redirects_to_private_addresses_are_refused(server, canary, make_ctx):
     # Only the first hop's host is allowed; every redirect target must pass the guard on its own.
-    executor = httpexec.create({"allow_hosts": ["127.0.0.1"]})
+    executor = httpexec.HttpExecutor({"allow_hosts": ["127.0.0.1"]})
     port = canary.server_address[1]
     targets = [
         f"http://localhost:{port}/",
@@ -288,7 +289,7 @@ def test_redirects_to_private_addresses_are_refused(server, canary, make_ctx):
 
 
 def test_metadata_is_refused_even_when_allow_listed(make_ctx):
-    executor = httpexec.create({"allow_networks": ["169.254.0.0/16"], "allow_hosts": ["meta.test"]})
+    executor = httpexec.HttpExecutor({"allow_networks": ["169.254.0.0/16"], "allow_hosts": ["meta.test"]})
     try:
         for url in ("http://169.254.169.254/", "http://meta.test/"):
             with pytest.raises(DestinationBlocked, match="metadata"):
@@ -361,7 +362,7 @@ def test_hostile_values_in_form_and_template_bodies_add_no_fields(ex, server, ma
 
 
 def test_guard_disabled_only_by_settings(server, make_ctx):
-    executor = httpexec.create({"ssrf_guard": False})
+    executor = httpexec.HttpExecutor({"ssrf_guard": False})
     try:
         assert executor.run(spec(endpoint=f"{server.base}/open"), {}, make_ctx())["raw_path"] == "/open"
     finally:

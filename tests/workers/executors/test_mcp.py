@@ -20,6 +20,7 @@ from broker.errors import CallCancelled, ExecutorError, InvalidSpec, OutputTooLa
 from broker.toolspec import ToolSpec
 from workers.executors import mcp as mcpexec
 from workers.executors.base import ExecContext
+from workers.specs import check_spec
 
 SERVER = str(Path(__file__).with_name("mcp_server.py"))
 STDIO = {"command": [sys.executable, SERVER, "stdio"], "stderr": "discard"}
@@ -28,7 +29,7 @@ TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 @pytest.fixture(scope="module")
 def ex():
-    executor = mcpexec.create({"servers": {"test": STDIO}})
+    executor = mcpexec.McpExecutor({"servers": {"test": STDIO}})
     yield executor
     executor.close()
 
@@ -73,7 +74,7 @@ def http_url(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def spec(tool: str, server: dict | str = "test", **extra) -> ToolSpec:
-    return ToolSpec.from_dict({"name": f"t_{tool}", "executor": "mcp", "mcp": server, "tool": tool, **extra})
+    return check_spec({"name": f"t_{tool}", "executor": "mcp", "mcp": server, "tool": tool, **extra})
 
 
 def test_stdio_tool_call_returns_the_result(ex, make_ctx):
@@ -128,7 +129,7 @@ def test_many_calls_in_flight_share_one_session(ex, make_ctx):
 
 
 def test_session_is_re_established_after_the_server_dies(make_ctx):
-    executor = mcpexec.create({})
+    executor = mcpexec.McpExecutor({})
     try:
         before = pid_of(executor)
         with pytest.raises(ExecutorError, match="closed the connection"):
@@ -163,7 +164,7 @@ def wait_gone(pid: int) -> bool:
 
 
 def test_handshake_timeout_is_reported(make_ctx):
-    executor = mcpexec.create({"handshake_timeout": 0.5})
+    executor = mcpexec.McpExecutor({"handshake_timeout": 0.5})
     slow = {"command": [sys.executable, SERVER, "slowstart", "5"], "stderr": "discard"}
     try:
         with pytest.raises(ExecutorError, match="handshake"):
@@ -173,7 +174,7 @@ def test_handshake_timeout_is_reported(make_ctx):
 
 
 def test_missing_server_program_is_executor_error(make_ctx):
-    executor = mcpexec.create({})
+    executor = mcpexec.McpExecutor({})
     try:
         with pytest.raises(ExecutorError):
             executor.run(spec("greet", {"command": ["/nonexistent/mcp-server"]}), {"name": "x"}, make_ctx())
@@ -189,7 +190,7 @@ def test_bad_server_config_is_spec_error(ex, make_ctx):
 
 
 def test_streamable_http_server(http_url, make_ctx):
-    executor = mcpexec.create({})
+    executor = mcpexec.McpExecutor({})
     try:
         assert executor.run(spec("greet", {"url": http_url}), {"name": "Zoe"}, make_ctx()) == "Hello, Zoe!"
         out = executor.run(spec("trace", {"url": http_url}), {}, make_ctx(traceparent=TP))
@@ -204,7 +205,7 @@ def test_list_server_tools_gives_tool_specs(http_url):
     specs = mcpexec.list_server_tools(STDIO)
     by_name = {s["name"]: s for s in specs}
     assert {"greet", "add", "slow"} <= set(by_name)
-    greet = ToolSpec.from_dict(by_name["greet"])
+    greet = check_spec(by_name["greet"])
     assert greet.executor == "mcp" and greet.input_schema["required"] == ["name"]
     assert {s["name"] for s in mcpexec.list_server_tools({"url": http_url})} == set(by_name)
 
@@ -215,7 +216,7 @@ def test_imported_specs_return_plain_values_that_fit_their_declared_output_schem
     from workers.args import check_output
 
     by_name = {s["name"]: s for s in mcpexec.list_server_tools(STDIO)}
-    greet = ToolSpec.from_dict({**by_name["greet"], "mcp": "test"})
+    greet = check_spec({**by_name["greet"], "mcp": "test"})
     assert greet.output_schema is not None and greet.output_schema["type"] == "string"
     assert greet.config["unwrap_result"] is True
     result = ex.run(greet, {"name": "Alice"}, make_ctx())

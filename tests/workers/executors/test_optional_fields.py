@@ -11,10 +11,12 @@ import pytest
 import sqlalchemy as sa
 
 from broker.errors import InvalidArgs
+from broker.placeholders import OMIT, fill, fill_structure, optional
 from broker.toolspec import ToolSpec
 from workers.executors import command, database
 from workers.executors import http as httpexec
-from workers.executors.template import OMIT, fill, fill_structure, optional, parse_template
+from workers.executors.http import parse_body
+from workers.specs import check_spec
 
 from . import test_http
 
@@ -35,7 +37,7 @@ ex = test_http.ex
 
 
 def http_spec(**config: Any) -> ToolSpec:
-    return ToolSpec.from_dict({"name": "get_weather", "executor": "http", "input_schema": WEATHER, **config})
+    return check_spec({"name": "get_weather", "executor": "http", "input_schema": WEATHER, **config})
 
 
 # -- the template rules ----------------------------------------------------------------------------
@@ -58,7 +60,7 @@ def test_optional_means_declared_and_not_required() -> None:
 
 
 def test_the_seeds_template_without_the_optional_unit_leaves_it_out() -> None:
-    structure = parse_template(SEED_TEMPLATE, "w")
+    structure = parse_body(SEED_TEMPLATE, "w")
     assert fill_structure(structure, {"city": "北京"}, "w", WEATHER) == {"query": "北京", "opts": {}}
     assert fill_structure(structure, {"city": "北京", "unit": "celsius"}, "w", WEATHER) == {
         "query": "北京",
@@ -67,13 +69,13 @@ def test_the_seeds_template_without_the_optional_unit_leaves_it_out() -> None:
 
 
 def test_list_items_drop_out_and_text_reads_empty() -> None:
-    structure = parse_template("{tags: [{{city}}, {{unit}}, x], note: 'in {{unit}} units'}", "w")
+    structure = parse_body("{tags: [{{city}}, {{unit}}, x], note: 'in {{unit}} units'}", "w")
     assert fill_structure(structure, {"city": "a"}, "w", WEATHER) == {"tags": ["a", "x"], "note": "in  units"}
     assert fill("u={{unit}}", {}, "w", schema=WEATHER) == "u="
 
 
 def test_an_explicit_null_in_a_structure_stays_null() -> None:
-    structure = parse_template(SEED_TEMPLATE, "w")
+    structure = parse_body(SEED_TEMPLATE, "w")
     assert fill_structure(structure, {"city": "a", "unit": None}, "w", WEATHER) == {
         "query": "a",
         "opts": {"unit": None},
@@ -81,7 +83,7 @@ def test_an_explicit_null_in_a_structure_stays_null() -> None:
 
 
 def test_a_missing_required_field_is_still_the_callers_mistake() -> None:
-    structure = parse_template(SEED_TEMPLATE, "w")
+    structure = parse_body(SEED_TEMPLATE, "w")
     with pytest.raises(InvalidArgs, match=r"no value for placeholder \{\{city\}\}"):
         fill_structure(structure, {"unit": "celsius"}, "w", WEATHER)
     with pytest.raises(InvalidArgs, match="city"):
@@ -90,7 +92,7 @@ def test_a_missing_required_field_is_still_the_callers_mistake() -> None:
 
 def test_without_a_schema_every_missing_field_is_an_error_as_before() -> None:
     with pytest.raises(InvalidArgs, match="unit"):
-        fill_structure(parse_template(SEED_TEMPLATE, "w"), {"city": "a"}, "w")
+        fill_structure(parse_body(SEED_TEMPLATE, "w"), {"city": "a"}, "w")
     assert fill_structure("{{unit}}", {}, "w", WEATHER) is OMIT
 
 
@@ -107,7 +109,7 @@ def test_http_body_template_with_the_optional_unit_left_out(ex, server, make_ctx
 
 def test_http_the_seeds_template_from_executor_settings(server, make_ctx) -> None:
     # The reviewer's setup: executors.http.body_template in config.yaml, the seed's get_weather spec.
-    executor = httpexec.create({"allow_networks": ["127.0.0.1/32"], "body_template": SEED_TEMPLATE})
+    executor = httpexec.HttpExecutor({"allow_networks": ["127.0.0.1/32"], "body_template": SEED_TEMPLATE})
     try:
         out = executor.run(
             http_spec(method="POST", endpoint=f"{server.base}/w"), {"city": "北京"}, make_ctx()
@@ -148,7 +150,7 @@ def test_http_a_left_out_field_in_the_path_reads_empty(ex, server, make_ctx) -> 
 
 
 def test_command_env_set_of_a_left_out_field_is_not_set(make_ctx) -> None:
-    s = ToolSpec.from_dict(
+    s = check_spec(
         {
             "name": "c",
             "executor": "command",
@@ -158,17 +160,17 @@ def test_command_env_set_of_a_left_out_field_is_not_set(make_ctx) -> None:
             "output": "json",
         }
     )
-    out = command.create({}).run(s, {"city": "北京"}, make_ctx())
+    out = command.CommandExecutor({}).run(s, {"city": "北京"}, make_ctx())
     assert "UNIT" not in out["env"] and out["env"]["LABEL"] == "u-"
     assert out["argv"] == ["北京"]
 
 
 def test_command_argv_still_wants_every_value(make_ctx) -> None:
-    s = ToolSpec.from_dict(
+    s = check_spec(
         {"name": "c", "executor": "command", "command": "echo {{city}} {{unit}}", "input_schema": WEATHER}
     )
     with pytest.raises(InvalidArgs, match="unit"):
-        command.create({}).run(s, {"city": "北京"}, make_ctx())
+        command.CommandExecutor({}).run(s, {"city": "北京"}, make_ctx())
 
 
 # -- database: a left-out optional parameter binds NULL --------------------------------------------
@@ -181,7 +183,7 @@ def test_database_optional_parameter_binds_null(tmp_path, make_ctx) -> None:
         c.exec_driver_sql("CREATE TABLE w (city TEXT, unit TEXT, temp INTEGER)")
         c.exec_driver_sql("INSERT INTO w VALUES ('北京', 'celsius', 21), ('北京', 'fahrenheit', 70)")
     engine.dispose()
-    s = ToolSpec.from_dict(
+    s = check_spec(
         {
             "name": "d",
             "executor": "database",
@@ -190,7 +192,7 @@ def test_database_optional_parameter_binds_null(tmp_path, make_ctx) -> None:
             "input_schema": WEATHER,
         }
     )
-    ex = database.create({})
+    ex = database.DatabaseExecutor({})
     try:
         assert ex.run(s, {"city": "北京"}, make_ctx()) == [{"temp": 21}, {"temp": 70}]
         assert ex.run(s, {"city": "北京", "unit": "celsius"}, make_ctx()) == [{"temp": 21}]

@@ -9,17 +9,18 @@ import pytest
 from broker.errors import CallCancelled, ExecutorError, InvalidArgs, InvalidSpec, ToolTimeout
 from broker.toolspec import ToolSpec
 from workers.executors import python as pyexec
+from workers.specs import check_spec
 
 MOD = "tests.workers.executors.pyfuncs"
 
 
 def spec(function: str) -> ToolSpec:
-    return ToolSpec.from_dict({"name": "t", "executor": "python", "function": function})
+    return check_spec({"name": "t", "executor": "python", "function": function})
 
 
 @pytest.fixture
 def ex() -> pyexec.PythonExecutor:
-    return pyexec.create({})
+    return pyexec.PythonExecutor({})
 
 
 def test_sync_function_gets_kwargs(ex, make_ctx):

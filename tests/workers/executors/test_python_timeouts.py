@@ -15,6 +15,7 @@ from broker.errors import CallCancelled, ExecutorError, ToolTimeout
 from broker.toolspec import ToolSpec
 from tests.conftest import wait_until
 from workers.executors import python as pyexec
+from workers.specs import check_spec
 
 from . import stoppable
 
@@ -22,12 +23,12 @@ MOD = "tests.workers.executors.stoppable"
 
 
 def spec(function: str, name: str = "t") -> ToolSpec:
-    return ToolSpec.from_dict({"name": name, "executor": "python", "function": f"{MOD}:{function}"})
+    return check_spec({"name": name, "executor": "python", "function": f"{MOD}:{function}"})
 
 
 @pytest.fixture
 def ex():
-    executor = pyexec.create({})
+    executor = pyexec.PythonExecutor({})
     yield executor
     executor.close()
 
@@ -103,7 +104,7 @@ def test_an_abandoned_function_does_not_hold_up_the_next_call(ex, make_ctx):
 
 
 def test_abandoned_functions_are_capped_per_tool(make_ctx):
-    ex = pyexec.create({"max_abandoned": 2})
+    ex = pyexec.PythonExecutor({"max_abandoned": 2})
     try:
         _capped_per_tool(ex, make_ctx)
     finally:
@@ -125,7 +126,7 @@ def _capped_per_tool(ex, make_ctx):
 
 
 def test_the_cap_comes_from_settings_too(make_ctx):
-    ex = pyexec.create({"max_abandoned": 0})
+    ex = pyexec.PythonExecutor({"max_abandoned": 0})
     try:
         with pytest.raises(ExecutorError, match="max_abandoned 0"):
             ex.run(spec("nothing", "s8"), {}, make_ctx())
@@ -179,7 +180,7 @@ def test_deadline_races_leave_no_stray_stop_behind(ex, make_ctx):
 
 
 def test_close_ends_idle_helpers(make_ctx):
-    ex = pyexec.create({})
+    ex = pyexec.PythonExecutor({})
     ex.run(spec("nothing"), {}, make_ctx())
     helpers = [h.thread for h in ex._helpers.idle]
     ex.close()
@@ -188,7 +189,7 @@ def test_close_ends_idle_helpers(make_ctx):
 
 
 def test_functions_listed_inline_run_on_the_call_thread(make_ctx):
-    ex = pyexec.create({"inline": [f"{MOD}.whoami"]})  # either spelling of the reference
+    ex = pyexec.PythonExecutor({"inline": [f"{MOD}.whoami"]})  # either spelling of the reference
     try:
         assert ex.run(spec("whoami"), {}, make_ctx())["thread"] == threading.get_ident()
         assert ex.run(spec("nothing"), {}, make_ctx()) is None  # not listed: on a helper

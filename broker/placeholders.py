@@ -1,4 +1,8 @@
-"""``{{field}}`` placeholders: filling one string at a time from the call's arguments.
+"""``{{field}}`` placeholders: their one grammar, and filling them from a call's arguments.
+
+Everything that reads a placeholder calls this module: YAML loading (``yamlload.py``, which keeps the
+seed's unquoted ``{query: {{city}}}`` as text), registration (each executor's ``check``), the executors
+filling their templates, and the path rules (``workers/pathargs.py``).
 
 Executors split or parse their templates into a structure FIRST and only then fill each leaf, so a
 value can never change the structure it lands in (a second argv element, a JSON key, a URL path segment).
@@ -17,47 +21,53 @@ A field the caller left out (or sent as null where text is needed):
 - otherwise (a required field, or one the schema does not declare) it is the caller's mistake:
   ``invalid_args: ... no value for placeholder {{unit}}``.
 
-Registration (``broker/specstatic.py``) refuses a placeholder naming no declared property when the
-schema declares any, so "not declared" only happens with schemas that declare no properties at all.
+Registration refuses a placeholder naming no declared property when the schema declares any
+(:func:`check_declared`), so "not declared" only happens with schemas that declare no properties at all.
 ``${VAR}`` references are filled from the worker's environment before any of this, never in argument
-values (``specenv.py``).
+values (``workers/executors/specenv.py``).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import yaml
+from .errors import InvalidArgs, InvalidSpec
 
-from broker.errors import InvalidArgs, InvalidSpec
-from broker.specstatic import PLACEHOLDER
-from workers.args import load_yaml_text
+# The grammar: group 1 is the field name, a dotted path into nested arguments.
+PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_.\-]*)\s*\}\}")
+# A field that is not there; as a filled leaf, one its container drops (an optional field left out).
+OMIT: Any = object()
+# A plain YAML scalar that cannot occur in real text and that no YAML resolver reads as non-string.
+_MASK = "__hermes_placeholder_{}_7f3a__"
+_MASKED = re.compile(r"__hermes_placeholder_(\d+)_7f3a__")
 
-_MISSING = object()
-# What a leaf that is exactly one placeholder of a missing optional field fills to: its container drops it.
-OMIT: Any = _MISSING
 
-
-def placeholders(text: str) -> list[str]:
+def names(text: str) -> list[str]:
     """Names of the placeholders in ``text``, in order."""
     return PLACEHOLDER.findall(text)
 
 
-def has_placeholder(text: Any) -> bool:
+def has(text: Any) -> bool:
     return isinstance(text, str) and PLACEHOLDER.search(text) is not None
 
 
-def lookup(args: dict[str, Any], name: str) -> Any:
-    """``args[name]``, or a dotted path into nested mappings (``opts.unit``); ``_MISSING`` if absent."""
+def sole(text: str) -> str | None:
+    """The field name when ``text`` is exactly one placeholder (spaces around allowed), else None."""
+    m = PLACEHOLDER.fullmatch(text.strip())
+    return m.group(1) if m else None
+
+
+def lookup(args: Mapping[str, Any], name: str) -> Any:
+    """``args[name]``, or a dotted path into nested mappings (``opts.unit``); ``OMIT`` if absent."""
     if name in args:
         return args[name]
     value: Any = args
     for part in name.split("."):
-        if not isinstance(value, dict) or part not in value:
-            return _MISSING
+        if not isinstance(value, Mapping) or part not in value:
+            return OMIT
         value = value[part]
     return value
 
@@ -89,13 +99,58 @@ def optional(schema: Any, name: str) -> bool:
     return skippable
 
 
+def declared(schema: Mapping[str, Any], name: str) -> bool:
+    """True when ``name`` (maybe dotted) is declared, or names a level that declares nothing."""
+    props = schema.get("properties")
+    if isinstance(props, dict) and name in props:
+        return True
+    node: Any = schema
+    for part in name.split("."):
+        props = node.get("properties") if isinstance(node, dict) else None
+        if not isinstance(props, dict) or not props:
+            return True  # nothing declared at this level: nothing to judge against
+        if part not in props:
+            return False
+        node = props[part]
+    return True
+
+
+def check_declared(where: str, data: Mapping[str, Any], keys: tuple[str, ...]) -> None:
+    """Registration: with declared ``properties``, each ``{{name}}`` in the spec's ``keys`` must name one."""
+    schema = data.get("input_schema")
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    if not isinstance(schema, dict) or not isinstance(props, dict) or not props or schema.get("patternProperties"):
+        return
+    for key in keys:
+        for path, text in _strings(data.get(key), key):
+            for name in names(text):
+                if not declared(schema, name):
+                    raise InvalidSpec.at(
+                        where,
+                        path,
+                        f"placeholder {{{{{name}}}}} names no property of input_schema "
+                        f"(declared: {', '.join(sorted(map(str, props)))})",
+                    )
+
+
+def _strings(value: Any, path: str) -> Iterator[tuple[str, str]]:
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(v, f"{path}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _strings(v, f"{path}[{i}]")
+
+
 def value_of(
     args: dict[str, Any], name: str, where: str, allow_none: bool = False, schema: Any = None
 ) -> Any:
     """The argument a placeholder names; ``OMIT`` for a missing optional field (with ``schema``);
     any other missing one is the caller's mistake (InvalidArgs)."""
     value = lookup(args, name)
-    if value is _MISSING or (value is None and not allow_none):
+    if value is OMIT or (value is None and not allow_none):
         if schema is not None and optional(schema, name):
             return OMIT
         raise InvalidArgs(
@@ -125,16 +180,10 @@ def fill(
     return PLACEHOLDER.sub(sub, text)
 
 
-def sole_placeholder(text: str) -> str | None:
-    """The field name when ``text`` is exactly one placeholder (spaces around allowed), else None."""
-    m = PLACEHOLDER.fullmatch(text.strip())
-    return m.group(1) if m else None
-
-
 def fill_typed(text: str, args: dict[str, Any], where: str, schema: Any = None) -> Any:
     """A string that is exactly one placeholder becomes the typed value (``OMIT`` for a missing optional
     field, with ``schema``); otherwise text is filled."""
-    name = sole_placeholder(text)
+    name = sole(text)
     if name is not None:
         # Inside a structure an explicit null stays null; only inside text would it read as "None".
         return value_of(args, name, where, allow_none=True, schema=schema)
@@ -160,39 +209,39 @@ def fill_structure(template: Any, args: dict[str, Any], where: str, schema: Any 
     return template
 
 
-_SENTINEL = "__hgw_ph_{}_c0ffee__"
-_SENTINEL_RE = re.compile(r"__hgw_ph_(\d+)_c0ffee__")
+def masked_load(text: str, load: Callable[[str], Any]) -> Any:
+    """``load`` (a YAML loader) on ``text`` with its placeholders kept as the same text wherever they stand.
 
-
-def parse_template(text: str, where: str) -> Any:
-    """Parse a YAML-flow/JSON template such as ``{query: {{city}}}`` into a structure, placeholders kept.
-
-    Placeholders are masked before parsing (so ``{{city}}`` is not read as a nested mapping) and put
-    back as leaf strings afterwards; :func:`fill_structure` then fills the typed values in.
-    """
+    Unmasked, ``{{city}}`` reads as a flow mapping used as a key, and YAML fails."""
+    if "{{" not in text:
+        return load(text)
     found: list[str] = []
 
     def mask(m: re.Match[str]) -> str:
         found.append(m.group(0))
-        return _SENTINEL.format(len(found) - 1)
+        return _MASK.format(len(found) - 1)
 
-    try:
-        parsed = load_yaml_text(PLACEHOLDER.sub(mask, text))
-    except yaml.YAMLError as e:
-        raise InvalidSpec(f"{where}: template is not valid YAML/JSON: {e}") from e
+    return _unmask(load(PLACEHOLDER.sub(mask, text)), found, {})
 
-    def unmask(value: Any) -> Any:
-        if isinstance(value, str):
-            return _SENTINEL_RE.sub(lambda m: found[int(m.group(1))], value)
-        if isinstance(value, dict):
-            out = {}
-            for k, v in value.items():
-                if isinstance(k, str) and _SENTINEL_RE.search(k):
-                    raise InvalidSpec(f"{where}: template keys may not contain placeholders")
-                out[k] = unmask(v)
-            return out
-        if isinstance(value, list):
-            return [unmask(v) for v in value]
+
+def _unmask(value: Any, found: list[str], done: dict[int, Any]) -> Any:
+    # ``done``: containers already unmasked, by identity. A YAML alias is the same object again, so a
+    # node repeated through aliases is copied once (a few aliased levels would otherwise be copied
+    # exponentially often), and the copy keeps the sharing the parse had.
+    if isinstance(value, str):
+        return _MASKED.sub(lambda m: found[int(m.group(1))], value)
+    if not isinstance(value, dict | list):
         return value
-
-    return unmask(parsed)
+    key = id(value)
+    if key in done:
+        return done[key]
+    if isinstance(value, dict):
+        out: Any = {}
+        done[key] = out
+        for k, v in value.items():
+            out[_unmask(k, found, done)] = _unmask(v, found, done)
+    else:
+        out = []
+        done[key] = out
+        out.extend(_unmask(v, found, done) for v in value)
+    return out

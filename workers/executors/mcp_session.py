@@ -1,0 +1,228 @@
+"""MCP sessions for the ``mcp`` executor and ``mcp add``: one live ``mcp.Client`` per server, held open by
+its own task on a private event loop (the SDK is async; worker threads submit calls to that loop), and the
+SDK's failures turned into typed errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+import anyio
+
+from broker.errors import ExecutorError, HermesError, InvalidArgs, ToolTimeout
+
+DEFAULT_HANDSHAKE_TIMEOUT = 10.0
+_INVALID_PARAMS = -32602
+CONNECTION_CLOSED = -32000
+# Errors that mean the connection itself is gone (not that the server answered with an error).
+TRANSPORT_ERRORS = (
+    anyio.ClosedResourceError,
+    anyio.BrokenResourceError,
+    anyio.EndOfStream,
+    ConnectionError,
+    EOFError,
+)
+MCP_EXTRA = "pip install 'hermes-gateway[mcp]'"
+
+
+def require_sdk(what: str = "the mcp executor") -> None:
+    """ExecutorError unless the ``mcp`` SDK 2.x is importable. It is the ``mcp`` extra: the Hermes agent
+    plugin installs beside ``hermes-agent[mcp]``, whose MCP client pins mcp 1.x."""
+    try:
+        from mcp import Client  # noqa: F401 - the 2.x client API
+    except ImportError:
+        try:
+            from importlib.metadata import version
+
+            found = f"mcp {version('mcp')} is installed, not 2.x"
+        except Exception:  # noqa: BLE001 - not installed at all
+            found = "it is not installed"
+        missing = ExecutorError(f"{what} needs the MCP SDK 2.x ({found}): {MCP_EXTRA}", error_type="mcp_sdk_missing")
+        missing.retryable = False  # (as the instance says: another try finds no SDK either)
+        raise missing from None
+
+
+def client_for(server: dict[str, Any]) -> Any:
+    """An unentered ``mcp.Client`` for the server."""
+    require_sdk()
+    from mcp import Client, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared._httpx_utils import create_mcp_http_client
+
+    if server.get("url"):
+        headers = {str(k): str(v) for k, v in (server.get("headers") or {}).items()}
+        http = create_mcp_http_client(headers=headers or None)
+        return Client(streamable_http_client(str(server["url"]), http_client=http), cache=None)
+    command = server["command"]
+    argv = [str(a) for a in (command if isinstance(command, list) else [command, *server.get("args", [])])]
+    params = StdioServerParameters(
+        command=argv[0],
+        args=argv[1:],
+        env={str(k): str(v) for k, v in (server.get("env") or {}).items()} or None,
+        cwd=server.get("cwd"),
+    )
+    errlog = open(os.devnull, "w") if server.get("stderr") == "discard" else None  # noqa: SIM115
+    transport = stdio_client(params, errlog=errlog) if errlog else stdio_client(params)
+    return Client(transport, cache=None)
+
+
+class Session:
+    """One live client, held open by its own task on the executor's loop."""
+
+    def __init__(self, server: dict[str, Any], handshake_timeout: float) -> None:
+        self.server = server
+        self.handshake_timeout = handshake_timeout
+        self.client: Any = None
+        self.task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+
+    @property
+    def alive(self) -> bool:
+        if self.client is None or self.task is None or self.task.done():
+            return False
+        # The SDK marks its dispatcher closed when the server's stream ends (the process died or the
+        # HTTP session went away); there is no public flag, so look and degrade gracefully.
+        dispatcher = getattr(getattr(self.client, "_session", None), "_dispatcher", None)
+        return not getattr(dispatcher, "_closed", False)
+
+    async def start(self) -> None:
+        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.task = asyncio.create_task(self._hold(ready))
+        try:
+            # The handshake deadline is kept from outside: a cancel scope around __aenter__ would
+            # close before the SDK's own task groups do, which anyio forbids.
+            await asyncio.wait_for(asyncio.shield(ready), self.handshake_timeout)
+        except TimeoutError:
+            ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # consumed: no warning
+            self.task.cancel()
+            target = self.server.get("url") or self.server.get("command")
+            raise ExecutorError(
+                f"MCP server {target} did not finish the handshake within {self.handshake_timeout:g}s "
+                "(raise mcp.handshake_timeout for slow servers)"
+            ) from None
+
+    async def _hold(self, ready: asyncio.Future[None]) -> None:
+        # The SDK's task groups must be entered and left by the same task: this one.
+        client = client_for(self.server)
+        try:
+            await client.__aenter__()
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the session
+            if not ready.done():
+                ready.set_exception(e)
+            return
+        self.client = client
+        ready.set_result(None)
+        try:
+            await self._stop.wait()
+        finally:
+            self.client = None
+            try:
+                with anyio.move_on_after(5, shield=True):
+                    await client.__aexit__(None, None, None)
+            except BaseException:  # noqa: BLE001 - the server may already be gone
+                pass
+
+    async def close(self) -> None:
+        self._stop.set()
+        if self.task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self.task), 6)
+            except BaseException:  # noqa: BLE001 - closing is best effort
+                pass
+
+
+class SessionPool:
+    """One session per server, on the pool's own event loop; a dead session is re-established."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="mcp-executor-loop", daemon=True)
+        self._thread.start()
+        self._sessions: dict[str, Session] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def get(self, key: str, server: dict[str, Any], handshake_timeout: float) -> Session:
+        session = self._sessions.get(key)
+        if session is not None and session.alive:
+            return session
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            session = self._sessions.get(key)
+            if session is not None and session.alive:
+                return session
+            if session is not None:
+                await session.close()
+            session = Session(server, handshake_timeout)
+            await session.start()
+            self._sessions[key] = session
+            return session
+
+    async def drop(self, key: str, session: Session) -> None:
+        if self._sessions.get(key) is session:
+            del self._sessions[key]
+        await session.close()
+
+    def close(self) -> None:
+        async def close_all() -> None:
+            for session in list(self._sessions.values()):
+                await session.close()
+            self._sessions.clear()
+
+        if self._loop.is_running():
+            try:
+                self.submit(close_all()).result(timeout=15)
+            except Exception:  # noqa: BLE001 - shutdown is best effort
+                pass
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+
+def translate(e: BaseException, where: str, handshake: float, server: dict[str, Any]) -> HermesError:
+    from mcp import MCPError
+
+    target = server.get("url") or server.get("command")
+    if isinstance(e, BaseExceptionGroup):  # the SDK's task groups: the first real failure says what happened
+        leaves = _leaves(e)
+        if leaves:
+            return translate(leaves[0], where, handshake, server)
+    if isinstance(e, TRANSPORT_ERRORS) or (isinstance(e, MCPError) and e.code == CONNECTION_CLOSED):
+        hint = " (it exited? a stdio server's own error output is above)" if server.get("command") else ""
+        return ExecutorError(f"{where}: MCP server {target} closed the connection{hint}")
+    if isinstance(e, TimeoutError):
+        return ExecutorError(
+            f"{where}: MCP server {target} did not finish the handshake within {handshake:g}s "
+            "(raise mcp.handshake_timeout for slow servers)"
+        )
+    if isinstance(e, MCPError):
+        if e.code == _INVALID_PARAMS:
+            return InvalidArgs(f"{where}: MCP server rejected the arguments: {e.message}", code=e.code)
+        if "timed out" in e.message.lower():
+            return ToolTimeout(f"{where}: MCP server did not answer in time: {e.message}")
+        if e.code == CONNECTION_CLOSED:
+            return ExecutorError(
+                f"{where}: MCP server {target} closed the connection: {e.message}", code=e.code
+            )
+        return ExecutorError(f"{where}: MCP error {e.code}: {e.message}", code=e.code)
+    if isinstance(e, OSError | ValueError) and not isinstance(e, TRANSPORT_ERRORS):
+        return ExecutorError(f"{where}: cannot start MCP server {target}: {e}")
+    return ExecutorError(f"{where}: MCP server {target} failed: {type(e).__name__}: {e}")
+
+
+def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
+    """The exceptions inside nested groups, cancellations (the group's own clean-up) left out."""
+    out: list[BaseException] = []
+    for inner in group.exceptions:
+        if isinstance(inner, BaseExceptionGroup):
+            out.extend(_leaves(inner))
+        elif not isinstance(inner, asyncio.CancelledError):
+            out.append(inner)
+    return out
