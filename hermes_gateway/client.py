@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
@@ -34,9 +35,6 @@ from hermes_gateway.telemetry import Sending
 log = structlog.get_logger("hermes.client")
 
 SUBMIT_CHUNK = 100  # calls per pipelined round trip in submit_many
-
-
-
 
 
 class Gateway(ClientEvents, ClientWorkers):
@@ -111,16 +109,12 @@ class Gateway(ClientEvents, ClientWorkers):
         if self._closed.is_set():
             return
         self._closed.set()
-        try:
+        with contextlib.suppress(redis.RedisError):
             if not self.cluster:
                 self.conn.publish(self.channel, b"")  # wake the event thread so it sees the close at once
-        except redis.RedisError:
-            pass
         self._thread.join(3)
-        try:
+        with contextlib.suppress(redis.RedisError):
             self._pubsub.close()
-        except redis.RedisError:
-            pass
         if self._own_workers:
             from workers.pool import stop_all
 
