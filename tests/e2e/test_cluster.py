@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -257,6 +258,11 @@ def test_serve_on_a_cluster_takes_a_call_streams_its_events_and_shows_its_record
             streamed = _sse(api, call["events"])
             states = [json.loads(e["data"])["state"] for e in streamed if e["event"] == "transition"]
             assert states == ["pending", "routing", "executing", "formatting", "done"]
+            # The 202's link works as given in curl, which takes the `{tools}` of a bare call id for a glob.
+            assert "{" not in call["events"] and "}" not in call["events"]
+            if shutil.which("curl"):
+                out = subprocess.run(["curl", "-sN", base + call["events"]], capture_output=True, text=True, timeout=30)
+                assert '"state": "done"' in out.stdout, out.stdout
             got = api.get(f"/v1/calls/{httpx.URL(call['call_id']).raw_path.decode()}").json()
             assert got["state"] == "done" and got["result"] == {"slept": 0.2}
     finally:
