@@ -62,7 +62,12 @@ def is_cluster(conn: Any) -> bool:
 def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], dict[str, str]]:
     """The seed nodes and credentials of ``redis+cluster://[user:pass@]host:port[,host:port...]``."""
 
-    rest = url[len(CLUSTER_SCHEME) :].split("/", 1)[0].split("?", 1)[0]
+    rest, _, query = url[len(CLUSTER_SCHEME) :].partition("?")
+    rest, _, path = rest.partition("/")
+    if path.strip("/") not in ("", "0"):  # taken silently, it would name a database the cluster has not
+        raise ValueError(f"a cluster has only database 0: drop /{path.strip('/')} from the URL")
+    if query:
+        raise ValueError(f"a {CLUSTER_SCHEME} URL takes no ?options (got ?{query.split('=', 1)[0]}=...)")
     creds: dict[str, str] = {}
     if "@" in rest:
         userinfo, rest = rest.rsplit("@", 1)

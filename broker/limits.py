@@ -94,8 +94,10 @@ class Limits:
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Every concurrency key with its limit, calls holding a slot and calls waiting for one (summed
-        over the queues it is used on)."""
+        over the queues it is used on). The limit of a tool split in queue partitions is the sum of its
+        partitions' shares on record (each partition records its own share), so the tool's whole limit."""
         per: dict[str, dict[str, int]] = {}
+        shares: dict[str, dict[str, int]] = {}  # concurrency key -> logical queue -> its limit (summed)
         for q in self.queues():
             tag = keys.tag(q)
             limits = {_text(k): int(v) for k, v in self.conn.hgetall(keys.limits(tag)).items()}
@@ -109,6 +111,12 @@ class Limits:
                 row = per.setdefault(ckey, {"limit": limits[ckey], "running": 0, "waiting": 0})
                 row["running"] += int(counts[2 * i])
                 row["waiting"] += int(counts[2 * i + 1])
+                by_queue = shares.setdefault(ckey, {})
+                base, share = partitions.base(q), limits[ckey]
+                had = by_queue.get(base)
+                by_queue[base] = share if had is None else -1 if had < 0 or share < 0 else had + share
+        for ckey, by_queue in shares.items():
+            per[ckey]["limit"] = max(by_queue.values())
         return [{"key": ckey, **per[ckey]} for ckey in sorted(per)]
 
     def scheduled(self) -> int:

@@ -168,7 +168,7 @@ def snapshot(gw: Any) -> dict[str, Any]:
         "limits": slots(conn, gw.settings, entries),
         "workers": workers(conn, gw.settings.workers.lease, now),
         "breakers": breakers(conn, breaker_cooldowns(gw.settings, entries)),
-        "scheduled_retries": int(conn.zcard(keys.SCHEDULED)),
+        "scheduled_retries": Limits(conn).scheduled(),  # (per queue: every queue has its own set)
         # Bumped on every directory change: the page reloads its tool list when it moves.
         "tools_version": int(conn.get(keys.TOOLS_VERSION) or 0),
     }

@@ -44,6 +44,7 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict
 from importlib import resources
 from typing import Any
+from urllib.parse import quote
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
@@ -325,7 +326,7 @@ def _conflict_for(caller: Caller, error: IdempotencyConflict, key: str | None) -
 
 
 def _accepted(handle: AsyncCallHandle) -> dict[str, Any]:
-    base = f"/v1/calls/{handle.call_id}"
+    base = "/v1/calls/" + quote(handle.call_id, safe="")  # `{tools}.<hex>`: braces are not URL characters
     return {"call_id": handle.call_id, "name": handle.name, "state": handle.state, "events": f"{base}/events"}
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -256,6 +258,11 @@ def test_serve_on_a_cluster_takes_a_call_streams_its_events_and_shows_its_record
             streamed = _sse(api, call["events"])
             states = [json.loads(e["data"])["state"] for e in streamed if e["event"] == "transition"]
             assert states == ["pending", "routing", "executing", "formatting", "done"]
+            # The 202's link works as given in curl, which takes the `{tools}` of a bare call id for a glob.
+            assert "{" not in call["events"] and "}" not in call["events"]
+            if shutil.which("curl"):
+                out = subprocess.run(["curl", "-sN", base + call["events"]], capture_output=True, text=True, timeout=30)
+                assert '"state": "done"' in out.stdout, out.stdout
             got = api.get(f"/v1/calls/{httpx.URL(call['call_id']).raw_path.decode()}").json()
             assert got["state"] == "done" and got["result"] == {"slept": 0.2}
     finally:
@@ -405,3 +412,86 @@ def test_mcp_serve_over_stdio_on_a_cluster_lists_and_calls_a_tool(curl: str, cga
     listed, found = asyncio.run(session())
     assert "lookup" in {t.name for t in listed.tools}
     assert not found.is_error and found.structured_content == {"city": "北京"}
+
+
+def test_one_call_clients_spread_over_partitions_and_status_shows_the_tools_whole_limit(
+    curl: str, home: Any
+) -> None:
+    """Trying it as a new user: every ``tool run`` (one call per process) landed on partition 0, so a fleet
+    of such clients had a third of the limit; ``status`` showed a partition's share (2) as the limit (6)."""
+    import json
+
+    from hermes_gateway.client import Gateway
+
+    home.sleep_tool("wide", concurrency=6, queue_partitions=3)
+    gw = Gateway.connect(curl, home=str(home.path), embedded_ok=False, check_workers=False)
+    try:
+        gw.sync_tools()
+        for _ in range(3):  # one client in turn: one call on each partition (no worker: they wait)
+            gw.call_tool("wide", {"seconds": 0.01})
+    finally:
+        gw.close()
+    out = subprocess.run(
+        [sys.executable, "-m", "hermes_gateway", "status", "--json"], capture_output=True, text=True, timeout=60,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr
+    row = next(r for r in json.loads(out.stdout)["concurrency"] if r["key"] == "tool:wide")
+    assert row["limit"] == 6 and row["running"] + row["waiting"] <= 3
+    one_call = (
+        "from hermes_gateway.client import Gateway\n"
+        "gw = Gateway.connect(embedded_ok=False, check_workers=False)\n"
+        "print(gw.call_tool('wide', {'seconds': 0.01}).call_id)\n"
+        "gw.close()\n"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", one_call], stdout=subprocess.PIPE, text=True, cwd=REPO)
+        for _ in range(10)
+    ]
+    tags = set()
+    for p in procs:
+        stdout, _ = p.communicate(timeout=120)
+        assert p.returncode == 0
+        tags.add(stdout.strip().split("}", 1)[0])
+    # Ten one-call clients all on one of three partitions: 3 * (1/3)^10, once in 20,000 runs.
+    assert len(tags) > 1, tags
+
+
+def test_the_consoles_scheduled_retries_count_the_retries_of_every_queue(curl: str, cworkers: Any, home: Any,
+                                                                       tmp_path: Path) -> None:
+    """The console's stats read ``hermes:scheduled:{}`` (the key's template): always 0."""
+    from hermes_gateway import console_data
+    from hermes_gateway.client import Gateway
+
+    home.tool(
+        "flaky",
+        function="tests.e2e.flowtools:fail_times",
+        timeout=10,
+        retry={"max": 3, "backoff": 30, "jitter": 0},
+        input_schema={"type": "object"},
+    )
+    cworkers(1)
+    gw = Gateway.connect(curl, home=str(home.path), embedded_ok=False)
+    try:
+        gw.sync_tools()
+        h = gw.call_tool("flaky", {"counter": str(tmp_path / "count"), "times": 1})
+        deadline = time.monotonic() + 20
+        while gw.calls.record(h.call_id)["state"] != "retrying":
+            assert time.monotonic() < deadline, "the call never got to retrying"
+            time.sleep(0.05)
+        assert console_data.snapshot(gw)["scheduled_retries"] == 1
+        assert gw.cancel(h.call_id) is True
+    finally:
+        gw.close()
+
+
+def test_a_cluster_url_naming_a_database_or_options_is_refused_in_one_line(cluster: Cluster, curl: str) -> None:
+    """``redis+cluster://node/3`` ran on database 0 and ``?ssl=true`` was dropped, both silently."""
+    seed = f"redis+cluster://u:s3cret@127.0.0.1:{cluster.ports[0]}"
+    for url, said in ((seed + "/3", "only database 0: drop /3"), (seed + "?ssl=true", "takes no ?options")):
+        out = subprocess.run(
+            [sys.executable, "-m", "hermes_gateway", "status"], capture_output=True, text=True, timeout=60,
+            cwd=REPO, env={**os.environ, "HERMES_REDIS_URL": url},
+        )
+        assert out.returncode != 0 and said in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and "s3cret" not in out.stdout + out.stderr
