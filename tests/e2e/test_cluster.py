@@ -395,7 +395,7 @@ def test_mcp_serve_over_stdio_on_a_cluster_lists_and_calls_a_tool(curl: str, cga
     import asyncio
     import os
 
-    from workers.executors.mcp_session import _client
+    from workers.executors.mcp_session import client_for as _client
 
     home.echo_tool("lookup", description="Look a thing up")
     cgateway.sync_tools()
