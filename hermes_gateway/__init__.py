@@ -26,7 +26,18 @@ from hermes_gateway.handle import CallHandle
 
 __version__ = "0.10.0"
 
+
+def __getattr__(name: str) -> object:
+    """``AsyncGateway`` on first use: the asyncio client (redis.asyncio) is not loaded by ``import hermes_gateway``."""
+    if name == "AsyncGateway":
+        from hermes_gateway.aio import AsyncGateway
+
+        return AsyncGateway
+    raise AttributeError(f"module 'hermes_gateway' has no attribute {name!r}")
+
+
 __all__ = [
+    "AsyncGateway",
     "BrokerNotDurable",
     "BrokerUnavailable",
     "CallCancelled",

@@ -55,6 +55,25 @@ def test_the_readmes_python_block_runs_as_printed_without_a_redis_url(home: Any,
     assert not list((home.path / "run").glob("*.json")) if (home.path / "run").is_dir() else True
 
 
+def test_the_readmes_asyncio_block_runs_as_printed_against_a_url_with_a_worker(
+    redis_url: str, home: Any, gateway: Any, workers: Any, tmp_path: Path
+) -> None:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text[text.index("## Python API") : text.index("## HTTP/SSE API")], re.S)
+    block = next(b for b in blocks if "AsyncGateway" in b)
+    shutil.copy(HELLO, home.tools_dir / "hello.yaml")
+    gateway.sync_tools()
+    workers(1)
+    script = tmp_path / "example_async.py"
+    script.write_text(block, encoding="utf-8")
+    out = subprocess.run([sys.executable, str(script)], env=_env(home, HERMES_REDIS_URL=redis_url),
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[:5] == ["1 pending", "2 routing", "3 executing", "4 formatting", "5 done"], out.stdout
+    assert lines[5:] == ["Hello, Alice!", "['Hello, Bob!', 'Hello, Carol!']"], out.stdout
+
+
 def test_connect_with_a_url_refuses_a_call_at_once_when_no_worker_listens(redis_url: str, home: Any) -> None:
     from hermes_gateway import Gateway
 

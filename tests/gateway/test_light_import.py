@@ -17,3 +17,13 @@ def test_importing_the_client_loads_no_worker_module_no_jsonschema_and_no_tracin
     assert [m for m in loaded if m.startswith("jsonschema")] == []
     # The span SDK (a worker's, or a CLI run with --trace) is loaded only where spans are exported.
     assert [m for m in loaded if m.startswith("opentelemetry.sdk.trace")] == []
+
+
+def test_the_asyncio_client_is_exported_but_loaded_only_when_asked_for() -> None:
+    code = (
+        "import sys, hermes_gateway; before = 'hermes_gateway.aio' in sys.modules; "
+        "from hermes_gateway import AsyncGateway; from hermes_gateway.aio import AsyncGateway as A; "
+        "print(before, AsyncGateway is A, 'AsyncGateway' in hermes_gateway.__all__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True", "True"]
