@@ -38,6 +38,22 @@ def pack(value: Any) -> bytes:
     return out
 
 
+def extend_map(packed_map: bytes, key: str) -> bytes:
+    """A packed map with room for one more entry and that entry's key, its value's bytes to follow: how
+    bytes already packed (a call's arguments) go into a record without packing them again."""
+    first = packed_map[0]
+    if 0x80 <= first <= 0x8F:  # fixmap, map 16, map 32
+        n, rest = first & 0x0F, packed_map[1:]
+    elif first in (0xDE, 0xDF):
+        width = 2 if first == 0xDE else 4
+        n, rest = int.from_bytes(packed_map[1 : 1 + width], "big"), packed_map[1 + width :]
+    else:
+        raise ValueError("extend_map: not a packed map")
+    n += 1
+    head = bytes([0x80 | n]) if n <= 15 else b"\xde" + n.to_bytes(2, "big") if n <= 0xFFFF else b"\xdf" + n.to_bytes(4, "big")
+    return head + rest + pack(key)
+
+
 def unpack(data: bytes | bytearray | memoryview) -> Any:
     """Decode msgpack; anything malformed is a DecodeError."""
     try:

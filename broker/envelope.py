@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .codec import pack, unpack
+from .codec import extend_map, pack, unpack
 from .errors import DecodeError
 from .frozen import filler
 from .tracecontext import parse_traceparent, random_hex
@@ -104,6 +104,24 @@ class Envelope:
             raise DecodeError("a tool call envelope needs a tool name")
         if self.kind == "llm" and not isinstance(self.request, dict):
             raise DecodeError("an llm call envelope needs a request mapping")
+
+    def keep_packed(self, packed: bytes) -> Envelope:
+        """Keep the msgpack bytes of the call's body (``args``, or an LLM call's ``request``) the client
+        made when checking it, so the job is not packed twice (:meth:`job_data`); returns ``self``."""
+        object.__setattr__(self, "_packed", packed)  # a cache on a frozen dataclass, not a field
+        return self
+
+    def job_data(self, func: str) -> bytes:
+        """RQ's job ``data``, ``[func, None, [envelope], {}]`` packed; the body's bytes kept by
+        :meth:`keep_packed` are put in as they are."""
+        out = self.to_dict()
+        packed: bytes | None = self.__dict__.get("_packed")
+        if packed is None:
+            return pack([func, None, [out], {}])
+        body = "args" if self.kind == "tool" else "request"
+        del out[body]
+        # [func, None, [{..., body: <packed>}], {}]: array of 4, nil, array of 1, the map, empty map
+        return b"".join((b"\x94", pack(func), b"\xc0\x91", extend_map(pack(out), body), packed, b"\x80"))
 
     def _trace_ids(self) -> tuple[str, str]:
         """(trace_id, parent span id) of ``traceparent``, parsed once (several readers per call)."""

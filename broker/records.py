@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import keys
-from .codec import pack, text, unpack
 from .codec import raw as as_bytes
+from .codec import text, unpack
 from .envelope import Envelope
 from .errors import DecodeError
 from .states import State
@@ -99,7 +99,7 @@ def job_fields(env: Envelope, *, ckey: str, max_attempts: int, timeout: float) -
     return {
         "created_at": stamp,
         "enqueued_at": stamp,
-        "data": pack([RQ_FUNC, None, [env.to_dict()], {}]),
+        "data": env.job_data(RQ_FUNC),
         "origin": env.queue,
         "description": f"hermes {env.kind} {env.name}",
         "timeout": int(timeout) + 1,
@@ -127,6 +127,19 @@ def envelope_of(data: bytes) -> Envelope:
     return Envelope.from_dict(raw[2][0])
 
 
+def _inline_result(conn: Any, call_id: str) -> Any:
+    """A result small enough to travel in the ``done`` event is kept only there: the call's last event
+    (nothing is recorded after a call ends), else found in the whole history."""
+    from .events import TRANSITION, decode
+
+    last = conn.lindex(keys.history(call_id), -1)
+    found = [decode(as_bytes(last))] if last is not None else []
+    if not found or found[0].state != State.DONE.value:
+        found = [decode(as_bytes(b)) for b in conn.lrange(keys.history(call_id), 0, -1)]
+    done = [e for e in found if e.type == TRANSITION and e.state == State.DONE.value]
+    return done[-1].detail.get("result") if done else None
+
+
 def read_record(conn: Any, call_id: str) -> dict[str, Any] | None:
     """The call's record as plain values (state, attempt, result, error, ...)."""
     raw = conn.hgetall(keys.job(call_id))
@@ -149,6 +162,8 @@ def read_record(conn: Any, call_id: str) -> dict[str, Any] | None:
     }
     if rec.get(keys.F_RESULT) is not None:
         out["result"] = unpack(as_bytes(rec[keys.F_RESULT]))
+    elif out["state"] == State.DONE.value:
+        out["result"] = _inline_result(conn, call_id)
     if rec.get(keys.F_ERROR) is not None:
         out["error"] = unpack(as_bytes(rec[keys.F_ERROR]))
     if rec.get("data"):

@@ -43,26 +43,28 @@ def nesting(value: Any, limit: int = MAX_DEPTH) -> int:
     return deepest
 
 
-def check_sendable(value: Any, what: str, limit: int | None = None) -> None:
-    """A typed error now for a value the wire cannot carry (a Decimal, an arbitrary object), not a bare
-    TypeError from deep in the submission; with ``limit``, for one larger than that many bytes packed.
-    Nesting deeper than ``MAX_DEPTH`` is refused too: validation, redaction and the executors recurse."""
+def check_sendable(value: Any, what: str, limit: int | None = None) -> bytes:
+    """``value`` packed (the envelope keeps these bytes: the job is not packed again), or a typed error now
+    for a value the wire cannot carry (a Decimal, an arbitrary object), not a bare TypeError from deep in
+    the submission; with ``limit``, for one larger than that many bytes packed. Nesting deeper than
+    ``MAX_DEPTH`` is refused too: validation, redaction and the executors recurse."""
     if nesting(value) > MAX_DEPTH:
         raise InvalidArgs(f"{what} are nested more than {MAX_DEPTH} levels deep", limit=MAX_DEPTH)
     try:
-        size = len(pack(value))
+        packed = pack(value)
     except (TypeError, ValueError, OverflowError) as e:
         raise InvalidArgs(
             f"{what} cannot be sent: {e} (values travel as msgpack: JSON-like types, bytes; sets and "
             "tuples become lists, dates ISO text)"
         ) from e
-    if limit is not None and size > limit:
+    if limit is not None and len(packed) > limit:
         raise InvalidArgs(
-            f"{what} take {size} bytes, over the limit of {limit} (broker.max_args in config.yaml, "
+            f"{what} take {len(packed)} bytes, over the limit of {limit} (broker.max_args in config.yaml, "
             f"${MAX_ARGS_ENV}); pass large data by reference (a path, a URL) instead",
-            size=size,
+            size=len(packed),
             limit=limit,
         )
+    return packed
 
 
 def check_context(context: dict[str, Any]) -> None:
@@ -97,7 +99,8 @@ def tool_envelope(
     if args is not None and not isinstance(args, dict):
         raise InvalidArgs(f"arguments for {name!r} must be a mapping, got {type(args).__name__}")
     limit = settings.broker.max_args if settings is not None else None
-    check_sendable(args, f"arguments for {name!r}", limit)
+    args = args or {}
+    packed = check_sendable(args, f"arguments for {name!r}", limit)
     # The producer span's context when tracing is on (Sending), else the caller's own or the current one.
     tp, ts, bg = opts.get("trace_headers") or (opts.get("traceparent"), opts.get("tracestate"), None)
     if tp is None:
@@ -107,11 +110,11 @@ def tool_envelope(
     if n > 1:
         concurrency = spec.concurrency or (settings.concurrency_for(spec.executor) if settings else -1)
         queue = partitions.route(queue, n, concurrency, opts.get("idempotency_key"))
-    return Envelope(
+    env = Envelope(
         call_id=keys.call_id(queue, opts.get("call_id") or new_call_id()),
         kind="tool",
         tool=name,
-        args=args or {},
+        args=args,
         tool_version=entry.version,
         context={k: v for k, v in context.items() if v is not None},
         traceparent=ensure_traceparent(tp),
@@ -125,6 +128,7 @@ def tool_envelope(
         queue=queue,
         channel=channel(queue),
     )
+    return env.keep_packed(packed)
 
 
 def tool_limits(env: Envelope, spec: ToolSpec, settings: Settings) -> dict[str, Any]:
@@ -156,7 +160,7 @@ def llm_envelope(
 ) -> tuple[Envelope, dict[str, Any]]:
     """The envelope and limits of one LLM call (chat-completions kwargs) on ``opts["queue"]``."""
     check_llm_request(request, context)
-    check_sendable(request, "the LLM request", settings.broker.max_args)
+    packed = check_sendable(request, "the LLM request", settings.broker.max_args)
     context = dict(context)
     model_cfg = settings.model
     context.setdefault("provider", model_cfg.get("provider") or "openai-compatible")
@@ -178,7 +182,7 @@ def llm_envelope(
         ),
         queue=queue,
         channel=channel(queue),
-    )
+    ).keep_packed(packed)
     limits = {
         "ckey": concurrency_key(env),
         "queue_size": settings.queue_size_for("llm"),

@@ -272,11 +272,11 @@ class CallRunner:
             except (TypeError, ValueError) as e:
                 target = State.FAILED
                 error = {"type": "unserializable_result", "message": f"tool result cannot be encoded: {e}"}
-            else:
-                fields[keys.F_RESULT] = packed
+            else:  # stored once: in the done event (history and caller), else in the record when large
                 if len(packed) <= INLINE_RESULT_LIMIT:
                     detail["result"] = result
                 else:
+                    fields[keys.F_RESULT] = packed
                     detail["result_in_record"] = True
         if error is not None:
             fields[keys.F_ERROR] = pack(error)

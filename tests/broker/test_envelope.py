@@ -199,3 +199,33 @@ def test_a_decoded_envelope_missing_optional_fields_gets_the_same_defaults_as_th
     assert first.options == Options() and first.queue == "tools" and first.args is None
     with pytest.raises(DecodeError):
         Envelope.from_dict({**minimal, "kind": "shell"})  # __post_init__'s checks still run
+
+
+@pytest.mark.parametrize("entries", [0, 1, 14, 15, 16, 70_000])
+def test_extend_map_adds_one_entry_across_the_fixmap_map16_and_map32_headers(entries: int) -> None:
+    from broker.codec import extend_map, unpack
+
+    base = {f"k{i}": i for i in range(entries)}
+    spliced = extend_map(pack(base), "body") + pack({"x": [1, "二"]})
+    assert unpack(spliced) == {**base, "body": {"x": [1, "二"]}}
+
+
+def test_extend_map_refuses_what_is_not_a_packed_map() -> None:
+    from broker.codec import extend_map
+
+    with pytest.raises(ValueError, match="not a packed map"):
+        extend_map(pack([1, 2]), "body")
+
+
+def test_job_data_puts_the_checked_bytes_in_as_they_are_and_decodes_like_a_fresh_pack() -> None:
+    env = tool_env(args={"city": "x"})
+    fresh = env.job_data("workers.entry.run_call")
+    # The same mapping in a longer (valid, non-canonical) form: a map 16 header where a pack gives a fixmap.
+    packed_args = b"\xde\x00\x01" + pack("city") + pack("x")
+    assert packed_args not in fresh
+    kept = tool_env(args={"city": "x"}).keep_packed(packed_args).job_data("workers.entry.run_call")
+    assert packed_args in kept  # not packed again: the very bytes the client checked
+    assert msgpack.unpackb(kept, raw=False) == msgpack.unpackb(fresh, raw=False)
+    assert envelope_of(kept) == env
+    llm = Envelope(call_id="c2", kind="llm", traceparent=TP, request={"model": "m", "messages": []})
+    assert envelope_of(llm.keep_packed(pack(llm.request)).job_data("f")) == llm
