@@ -11,20 +11,18 @@ import builtins
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
 from . import keys, pipes, scripts
 from .audit import AuditRecord
-from .errors import ConfigError
+from .settings import DEFAULT_AUDIT_MAXLEN, AuditSettings
 
 AUDIT_STREAM = keys.AUDIT_STREAM
 AUDIT_INDEX = keys.AUDIT_INDEX
-DEFAULT_MAXLEN = 100_000
-
-
+DEFAULT_MAXLEN = DEFAULT_AUDIT_MAXLEN
 
 
 class AuditLog:
@@ -54,26 +52,16 @@ class AuditLog:
         self._file_lock = threading.Lock()
 
     @classmethod
-    def from_settings(cls, redis: Any, audit: Mapping[str, Any] | None, **kw: Any) -> AuditLog:
-        """From ``settings.audit``: ``{maxlen, max_age (seconds), approximate, jsonl}``."""
-        audit = dict(audit or {})
-        unknown = set(audit) - {"maxlen", "max_age", "approximate", "jsonl", "key"}
-        if unknown:
-            raise ConfigError(f"audit: unknown key(s) {sorted(unknown)}")
-        try:
-            maxlen = int(audit.get("maxlen", DEFAULT_MAXLEN) or 0)
-            max_age = float(audit.get("max_age") or 0)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"audit: maxlen and max_age must be numbers: {e}") from e
-        if maxlen < 0 or max_age < 0:
-            raise ConfigError("audit: maxlen and max_age must not be negative")
+    def from_settings(cls, redis: Any, audit: AuditSettings | None, **kw: Any) -> AuditLog:
+        """From ``settings.audit`` (``broker.config`` parsed and checked it)."""
+        audit = audit or AuditSettings()
         return cls(
             redis,
-            audit.get("key") or AUDIT_STREAM,
-            maxlen=maxlen,
-            max_age=max_age,
-            approximate=bool(audit.get("approximate", True)),
-            jsonl_path=audit.get("jsonl"),
+            audit.key or AUDIT_STREAM,
+            maxlen=audit.maxlen,
+            max_age=audit.max_age,
+            approximate=audit.approximate,
+            jsonl_path=audit.jsonl,
             **kw,
         )
 

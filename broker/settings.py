@@ -27,6 +27,8 @@ TRACE_MODES = ("off", "console", "otlp", "memory")
 # efficiency (4 of 4 interleaved pairs). Reference counting still frees everything that is not a cycle.
 GC_THRESHOLD = (50_000, 20, 10)
 AGENT_PLUGIN = "hermes-gateway"  # the Hermes agent plugin's name in plugins.entries
+DEFAULT_AUDIT_MAXLEN = 100_000
+DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,42 @@ class AgentPluginSettings:
 
 
 @dataclass(frozen=True)
+class AuditSettings:
+    """``audit:`` — the audit log's retention and JSONL mirror (``broker.audit_store.AuditLog``)."""
+
+    key: str | None = None  # audit.key: the stream (None: hermes:{audit}); tests use their own
+    maxlen: int = DEFAULT_AUDIT_MAXLEN  # audit.maxlen: records kept (0: no count limit)
+    max_age: float = 0.0  # audit.max_age: seconds a record is kept (0: no age limit)
+    approximate: bool = True  # audit.approximate: trim with ``~`` (cheaper, may keep a few more)
+    jsonl: str | None = None  # audit.jsonl: a file every record is also appended to
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """``model:`` — the LLM provider the ``llm`` workers call (``workers.llm``, ``workers.providers``).
+
+    Other keys of Hermes' own ``model:`` section (``default``, ...) are Hermes', not read here.
+    """
+
+    provider: str = ""  # model.provider: openai-compatible (""), openai, deepseek, ollama, vllm, ...
+    model: str = ""  # model.model: used when neither the request nor the call's context names one
+    base_url: str = ""  # model.base_url ("": the named provider's default address)
+    api_key: str = field(default="", repr=False)  # model.api_key (``${VAR}`` keeps it out of the file)
+    api_mode: str = ""  # model.api_mode ("": chat_completions)
+    timeout: float = 120.0  # model.timeout: seconds a call may take (its own timeout wins)
+    max_retries: int = 2  # model.max_retries: retries of a failed attempt (429, 5xx, connection)
+    max_retry_after: float = 60.0  # model.max_retry_after: longest Retry-After honoured, seconds
+    headers: dict[str, str] = field(default_factory=dict)  # model.headers: sent with every request
+
+
+@dataclass(frozen=True)
+class McpSettings:
+    """``mcp:`` — the seed's spelling of ``executors.mcp.handshake_timeout`` (which wins over it)."""
+
+    handshake_timeout: float | None = None  # mcp.handshake_timeout (None: the executor's 10 s)
+
+
+@dataclass(frozen=True)
 class Settings:
     """Every setting the gateway reads. Environment variables override the file."""
 
@@ -136,14 +174,14 @@ class Settings:
     console: ConsoleSettings = ConsoleSettings()
     plugin_discovery: PluginDiscovery = PluginDiscovery()
     agent_plugin: AgentPluginSettings = AgentPluginSettings()
-    # Sections read by the parts they configure (their keys are theirs: an executor's, the policy's...).
+    audit: AuditSettings = AuditSettings()
+    model: ModelSettings = ModelSettings()
+    mcp: McpSettings = McpSettings()
+    # Per kind, each executor checks its own keys (executor_settings merges them; see there).
     executors: dict[str, Any] = field(default_factory=dict)
+    # Parsed into the typed workers.policy.Policy, which broker cannot import (workers depends on broker).
     policy: dict[str, Any] = field(default_factory=dict)
-    plugins: dict[str, Any] = field(default_factory=dict)
-    model: dict[str, Any] = field(default_factory=dict)
-    mcp: dict[str, Any] = field(default_factory=dict)
-    audit: dict[str, Any] = field(default_factory=dict)
-    raw: dict[str, Any] = field(default_factory=dict)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)  # expanded: may hold secrets
 
     @property
     def tools_dir(self) -> Path:
@@ -160,8 +198,8 @@ class Settings:
     def executor_settings(self, kind: str) -> dict[str, Any]:
         """``executors.<kind>`` merged over ``executor`` (the seed writes both spellings)."""
         base = dict(self.raw.get("executor") or {})
-        if kind == "mcp":
-            base.update(self.mcp)  # the seed's `mcp.handshake_timeout` lives at the top level
+        if kind == "mcp" and self.mcp.handshake_timeout is not None:
+            base["handshake_timeout"] = self.mcp.handshake_timeout  # the seed's spelling, at the top level
         base.update(self.executors.get(kind) or {})
         return base
 

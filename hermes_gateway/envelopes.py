@@ -163,9 +163,9 @@ def llm_envelope(
     packed = check_sendable(request, "the LLM request", settings.broker.max_args)
     context = dict(context)
     model_cfg = settings.model
-    context.setdefault("provider", model_cfg.get("provider") or "openai-compatible")
-    context.setdefault("api_mode", model_cfg.get("api_mode") or "chat_completions")
-    context["model"] = request.get("model") or context.get("model") or model_cfg.get("model")
+    context.setdefault("provider", model_cfg.provider or "openai-compatible")
+    context.setdefault("api_mode", model_cfg.api_mode or "chat_completions")
+    context["model"] = request.get("model") or context.get("model") or model_cfg.model or None
     tp, ts, bg = headers
     timeout, max_attempts = opts.get("timeout"), opts.get("max_attempts")
     queue = opts.get("queue") or "llm"
@@ -188,7 +188,7 @@ def llm_envelope(
         "queue_size": settings.queue_size_for("llm"),
         "concurrency": settings.concurrency_for("llm"),
         "max_attempts": max_attempts or settings.workers.max_attempts,
-        "timeout": float(timeout or model_cfg.get("timeout") or 120.0),
+        "timeout": float(timeout or model_cfg.timeout),
     }
     return env, limits
 

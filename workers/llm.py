@@ -20,6 +20,7 @@ import structlog
 from broker.envelope import plugins_applied
 from broker.errors import CallCancelled, ProviderError, ProviderTimeout
 from broker.events import DELTA, PROGRESS
+from broker.settings import ModelSettings
 from broker.states import State
 from workers.executors.base import ExecContext
 from workers.providers import ProviderContext, get_provider, give_up_reason, retry_delay
@@ -39,23 +40,20 @@ log = structlog.get_logger("hermes.worker")
 
 DEFAULT_PROVIDER = "openai-compatible"
 DEFAULT_API_MODE = "chat_completions"
-DEFAULT_TIMEOUT = 120.0
-DEFAULT_MAX_RETRIES = 2
-DEFAULT_MAX_RETRY_AFTER = 60.0
 
 # Runtime context an LLM call takes from its envelope; provider/model/api_mode are settled here.
 LLM_CONTEXT = ("session_id", "task_id", "turn_id", "api_request_id")
 
 
 def provider_kwargs(
-    request: Mapping[str, Any], context: Mapping[str, Any], model_settings: Mapping[str, Any]
+    request: Mapping[str, Any], context: Mapping[str, Any], model_settings: ModelSettings
 ) -> dict[str, Any]:
     """The provider kwargs the middleware sees: the caller's request, with the model filled in.
 
     The request's own ``model`` wins; then the call's context; then ``model.model`` of config.yaml.
     """
     kwargs = copy.deepcopy(dict(request))
-    model = kwargs.get("model") or context.get("model") or model_settings.get("model")
+    model = kwargs.get("model") or context.get("model") or model_settings.model
     if model:
         kwargs["model"] = model
     return kwargs
@@ -96,17 +94,17 @@ class LLMCall:
         self.cfg = cfg
         self.request = provider_kwargs(env.request or {}, env.context, cfg)
         self.model = str(self.request.get("model") or "")
-        self.timeout = float(env.options.timeout or cfg.get("timeout") or DEFAULT_TIMEOUT)
-        self.max_retries = max(0, int(cfg.get("max_retries", DEFAULT_MAX_RETRIES)))
-        self.max_retry_after = float(cfg.get("max_retry_after", DEFAULT_MAX_RETRY_AFTER))
+        self.timeout = float(env.options.timeout or cfg.timeout)
+        self.max_retries = cfg.max_retries
+        self.max_retry_after = cfg.max_retry_after
         self.context: dict[str, Any] = {
             k: env.context[k] for k in LLM_CONTEXT if env.context.get(k) is not None
         }
-        self.context["provider"] = env.context.get("provider") or cfg.get("provider") or DEFAULT_PROVIDER
+        self.context["provider"] = env.context.get("provider") or cfg.provider or DEFAULT_PROVIDER
         self.context["model"] = self.model
-        self.context["api_mode"] = env.context.get("api_mode") or cfg.get("api_mode") or DEFAULT_API_MODE
+        self.context["api_mode"] = env.context.get("api_mode") or cfg.api_mode or DEFAULT_API_MODE
         self.context["platform"] = str(env.context.get("platform") or "")
-        self.context["base_url"] = _without_userinfo(base_url_of(dict(cfg)))
+        self.context["base_url"] = _without_userinfo(base_url_of(cfg))
         # The runner's control channel cancels through run.ctx; the provider watches the same Event.
         self.ctx = ExecContext(
             call_id=env.call_id,

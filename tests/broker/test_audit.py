@@ -17,6 +17,7 @@ import redis
 
 from broker.audit import SUMMARY_LIMIT, AuditRecord, summarize
 from broker.audit_store import AuditLog
+from broker.config import load_settings
 from broker.errors import ConfigError, DecodeError, PermissionDenied
 from broker.redact import MASK, verify_hash
 from tests.broker.test_redact import CORPUS
@@ -235,13 +236,25 @@ def test_jsonl_mirror_writes_whole_lines_from_many_threads(fake: fakeredis.FakeR
     }
 
 
-def test_from_settings_reads_retention_and_rejects_typos(fake: fakeredis.FakeRedis, tmp_path: Path) -> None:
-    log = AuditLog.from_settings(fake, {"maxlen": 10, "max_age": 3600, "jsonl": str(tmp_path / "a.jsonl")})
-    assert (log.maxlen, log.max_age, log.jsonl_path) == (10, 3600.0, tmp_path / "a.jsonl")
+def test_from_settings_reads_retention_and_config_rejects_typos(
+    fake: fakeredis.FakeRedis, tmp_path: Path
+) -> None:
+    (tmp_path / "config.yaml").write_text(
+        f"audit: {{maxlen: 10, max_age: 3600, approximate: false, jsonl: {tmp_path / 'a.jsonl'}}}\n"
+    )
+    log = AuditLog.from_settings(fake, load_settings(tmp_path, environ={}).audit)
+    assert (log.maxlen, log.max_age, log.approximate, log.jsonl_path) == (10, 3600.0, False, tmp_path / "a.jsonl")
     assert AuditLog.from_settings(fake, None).maxlen == 100_000
-    for bad in ({"max_len": 5}, {"maxlen": "many"}, {"max_age": -1}):
-        with pytest.raises(ConfigError):
-            AuditLog.from_settings(fake, bad)
+    assert AuditLog.from_settings(fake, load_settings(tmp_path / "none", environ={}).audit).maxlen == 100_000
+    for bad, message in (
+        ("{max_len: 5}", r"audit: unknown key\(s\) \['max_len'\]"),
+        ("{maxlen: many}", "audit: maxlen and max_age must be numbers"),
+        ("{max_age: -1}", "audit: maxlen and max_age must not be negative"),
+        ("{approximate: maybe}", "audit.approximate: expected true or false"),
+    ):
+        (tmp_path / "config.yaml").write_text(f"audit: {bad}\n")
+        with pytest.raises(ConfigError, match=message):
+            load_settings(tmp_path, environ={})
 
 
 # --- the log on the real Redis ------------------------------------------------------------------

@@ -168,6 +168,45 @@ def test_a_bad_value_is_a_config_error_naming_its_variable(
     assert message in str(info.value)
 
 
+def test_the_model_and_mcp_sections_are_typed_with_their_defaults(tmp_path: Path) -> None:
+    defaults = load_settings(tmp_path, environ={})
+    assert (defaults.model.provider, defaults.model.timeout, defaults.model.max_retries) == ("", 120.0, 2)
+    assert (defaults.model.max_retry_after, defaults.mcp.handshake_timeout) == (60.0, None)
+    assert "handshake_timeout" not in defaults.executor_settings("mcp")
+    (tmp_path / "config.yaml").write_text(
+        "model: {provider: ollama, model: qwen, base_url: 'http://h:1/v1', api_key: '${KEY}', api_mode: x,\n"
+        "        timeout: 7, max_retries: 4, max_retry_after: 3, headers: {X-A: 1}, default: hermes-own}\n"
+        "mcp: {handshake_timeout: 30}\n"
+        "executors: {mcp: {concurrency: 2}}\n"
+    )
+    settings = load_settings(tmp_path, environ={"KEY": "sk-secret"})
+    model = settings.model
+    assert (model.provider, model.model, model.base_url, model.api_key, model.api_mode) == (
+        "ollama", "qwen", "http://h:1/v1", "sk-secret", "x"
+    )
+    assert (model.timeout, model.max_retries, model.max_retry_after, model.headers) == (7.0, 4, 3.0, {"X-A": "1"})
+    assert "sk-secret" not in repr(settings)  # the key is kept out of logs of the settings
+    assert settings.executor_settings("mcp") == {"handshake_timeout": 30.0, "concurrency": 2}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("model: {timeout: soon}", "config.yaml: model.timeout: expected a number"),
+        ("model: {max_retries: 1.5}", "config.yaml: model.max_retries: expected a whole number"),
+        ("model: {headers: [a]}", "config.yaml: model.headers: expected a mapping"),
+        ("mcp: {handshake_timeout: never}", "config.yaml: mcp.handshake_timeout: expected a number"),
+        ("mcp: {servers: {}}", "config.yaml: mcp: unknown key(s) ['servers']"),
+        ("model: fast", "config.yaml: model: expected a mapping"),
+    ],
+)
+def test_a_bad_model_or_mcp_key_is_a_config_error_naming_it(tmp_path: Path, text: str, message: str) -> None:
+    (tmp_path / "config.yaml").write_text(text + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(tmp_path, environ={})
+    assert message in str(info.value)
+
+
 @pytest.mark.parametrize("raw", ["lots", "0", "-3", ""])
 def test_a_bad_http_bound_keeps_its_default(tmp_path: Path, raw: str) -> None:
     api = load_settings(tmp_path, environ={"HERMES_API_MAX_BODY": raw, "HERMES_API_HEADER_TIMEOUT": raw}).api

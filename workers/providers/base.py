@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from broker.errors import CallCancelled, ConfigError, ProviderTimeout
+from broker.settings import ModelSettings
 
 DeltaSink = Callable[[dict[str, Any]], None]
 
@@ -41,10 +42,9 @@ DEFAULT_BASE_URLS: dict[str, str] = {
 }
 
 
-def base_url_of(settings_model: dict[str, Any]) -> str:
+def base_url_of(settings_model: ModelSettings) -> str:
     """``model.base_url``, else the named provider's default address ('' when neither)."""
-    given = str(settings_model.get("base_url") or "")
-    return given or DEFAULT_BASE_URLS.get(str(settings_model.get("provider") or "").strip().lower(), "")
+    return settings_model.base_url or DEFAULT_BASE_URLS.get(settings_model.provider.strip().lower(), "")
 
 
 @dataclass
@@ -99,23 +99,21 @@ def provider_module(name: str) -> str:
     return module
 
 
-def _cache_key(settings_model: dict[str, Any]) -> tuple[str, str, str]:
+def _cache_key(settings_model: ModelSettings) -> tuple[str, str, str]:
     # The key is hashed so the cache never holds (or prints) the secret itself.
-    api_key = str(settings_model.get("api_key") or "")
+    api_key = settings_model.api_key
     digest = hashlib.sha256(api_key.encode()).hexdigest()[:16] if api_key else ""
-    module = provider_module(str(settings_model.get("provider") or ""))
+    module = provider_module(settings_model.provider)
     return (module, base_url_of(settings_model), digest)
 
 
-def create(settings_model: dict[str, Any]) -> Provider:
-    """A new provider from a ``model:`` settings block (not cached)."""
-    module = importlib.import_module(
-        f"{__package__}.{provider_module(str(settings_model.get('provider') or ''))}"
-    )
+def create(settings_model: ModelSettings) -> Provider:
+    """A new provider from the ``model:`` settings (not cached)."""
+    module = importlib.import_module(f"{__package__}.{provider_module(settings_model.provider)}")
     return module.create(settings_model)
 
 
-def get_provider(settings_model: dict[str, Any]) -> Provider:
+def get_provider(settings_model: ModelSettings) -> Provider:
     """One provider per (provider, base_url, api_key) per process, created on first use."""
     key = _cache_key(settings_model)
     inst = _instances.get(key)

@@ -18,6 +18,7 @@ import httpx
 import structlog
 
 from broker.errors import CallCancelled, ConfigError, ProviderError, ProviderTimeout
+from broker.settings import ModelSettings
 
 from .base import ProviderContext, base_url_of
 from .exchange import Exchange
@@ -258,13 +259,13 @@ def _deltas_of(completion: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def create(settings_model: dict[str, Any]) -> OpenAICompatProvider:
-    """Build the provider from a ``model:`` settings block."""
+def create(settings_model: ModelSettings) -> OpenAICompatProvider:
+    """Build the provider from the ``model:`` settings."""
     return OpenAICompatProvider(
         base_url=base_url_of(settings_model),
-        api_key=str(settings_model.get("api_key") or ""),
-        model=str(settings_model.get("model") or ""),
-        timeout=float(settings_model.get("timeout") or 120.0),
-        max_retries=int(settings_model.get("max_retries", 2)),
-        headers=dict(settings_model.get("headers") or {}),
+        api_key=settings_model.api_key,
+        model=settings_model.model,
+        timeout=settings_model.timeout,
+        max_retries=settings_model.max_retries,
+        headers=dict(settings_model.headers),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from broker.errors import CallCancelled, ConfigError, ProviderTimeout
+from broker.settings import ModelSettings
 from workers.providers import base
 from workers.providers.openai_compat import OpenAICompatProvider
 
@@ -17,7 +18,7 @@ def _fresh_cache():
 
 
 def _model(**kw):
-    return {"provider": "openai-compatible", "base_url": "http://127.0.0.1:9/v1", "api_key": "k1", **kw}
+    return ModelSettings(**{"provider": "openai-compatible", "base_url": "http://127.0.0.1:9/v1", "api_key": "k1", **kw})
 
 
 def test_get_provider_is_cached_per_provider_base_url_and_key():
@@ -59,13 +60,13 @@ def test_context_check_raises_cancelled_then_timeout():
 
 
 def test_local_servers_by_name_get_their_default_address_and_a_given_one_wins():
-    ollama = base.create({"provider": "ollama", "model": "qwen2.5"})
+    ollama = base.create(ModelSettings(provider="ollama", model="qwen2.5"))
     assert isinstance(ollama, OpenAICompatProvider) and ollama.base_url == "http://127.0.0.1:11434/v1"
-    assert base.create({"provider": "DeepSeek"}).base_url == "https://api.deepseek.com/v1"
-    assert base.create({"provider": "vllm", "base_url": "http://10.0.0.5:9000/v1/"}).base_url == "http://10.0.0.5:9000/v1"
+    assert base.create(ModelSettings(provider="DeepSeek")).base_url == "https://api.deepseek.com/v1"
+    assert base.create(ModelSettings(provider="vllm", base_url="http://10.0.0.5:9000/v1/")).base_url == "http://10.0.0.5:9000/v1"
     # the cache key follows the address actually used
-    assert base.get_provider({"provider": "ollama"}) is base.get_provider({"provider": "openai", "base_url": "http://127.0.0.1:11434/v1"})
+    assert base.get_provider(ModelSettings(provider="ollama")) is base.get_provider(ModelSettings(provider="openai", base_url="http://127.0.0.1:11434/v1"))
     with pytest.raises(ConfigError, match="model.base_url is required.*ollama"):
-        base.create({"provider": "openai-compatible"})
+        base.create(ModelSettings(provider="openai-compatible"))
     with pytest.raises(ConfigError, match="unknown model provider 'telepathy'"):
-        base.create({"provider": "telepathy"})
+        base.create(ModelSettings(provider="telepathy"))

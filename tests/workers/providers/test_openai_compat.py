@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from broker.errors import CallCancelled, ConfigError, ProviderError, ProviderTimeout
+from broker.settings import ModelSettings
 from tests.llm_server import Reply
 from workers.providers.openai_compat import OpenAICompatProvider, create
 from workers.providers.retry import retry_delay
@@ -295,7 +296,7 @@ def test_wrong_key_is_a_non_retryable_401(server):
 
 def test_missing_base_url_is_a_config_error():
     with pytest.raises(ConfigError):
-        create({"provider": "openai-compatible", "api_key": "x"})
+        create(ModelSettings(provider="openai-compatible", api_key="x"))
 
 
 # --- cancellation --------------------------------------------------------------------------------------
