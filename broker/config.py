@@ -19,7 +19,6 @@ import yaml
 from .errors import ConfigError
 from .settings import (
     AGENT_PLUGIN,
-    DEFAULT_AUDIT_MAXLEN,
     DEFAULT_CONCURRENCY,
     DEFAULT_LEASE,
     DEFAULT_MAX_ARGS,
@@ -40,6 +39,10 @@ from .settings import (
     Settings,
     TelemetrySettings,
     WorkerSettings,
+    audit_settings,
+    flag,
+    mcp_settings,
+    model_settings,
     yaml_number,
 )
 from .yamlload import load_yaml
@@ -150,8 +153,8 @@ def load_settings(
         ),
         agent_plugin=_agent_plugin(plugins, env, broker.url),
         audit=audit_settings(_mapping(raw, "audit")),
-        model=_model(_mapping(raw, "model")),
-        mcp=_mcp(_mapping(raw, "mcp")),
+        model=model_settings(_mapping(raw, "model")),
+        mcp=mcp_settings(_mapping(raw, "mcp")),
         executors=executors,
         policy=_mapping(raw, "policy"),
         raw=raw,
@@ -222,7 +225,7 @@ def _broker(section: dict[str, Any], env: Mapping[str, str]) -> BrokerSettings:
     fast_path = env.get(FAST_PATH_ENV, section.get("fast_path", True))
     return BrokerSettings(
         url=env.get(REDIS_URL_ENV) or section.get("url") or None,
-        fast_path=_flag(fast_path, "broker.fast_path", FAST_PATH_ENV),
+        fast_path=flag(fast_path, "broker.fast_path", FAST_PATH_ENV),
         wait_replicas=int(wait_replicas),
         wait_timeout_ms=int(wait_timeout),
         max_args=int(max_args),
@@ -325,66 +328,6 @@ def _agent_plugin(
     )
 
 
-def audit_settings(section: Mapping[str, Any] | None) -> AuditSettings:
-    """``audit: {maxlen, max_age (seconds), approximate, jsonl, key}``; a typo or a bad number is an error."""
-    audit = dict(section or {})
-    unknown = set(audit) - {"maxlen", "max_age", "approximate", "jsonl", "key"}
-    if unknown:
-        raise ConfigError(f"audit: unknown key(s) {sorted(unknown)}")
-    try:
-        maxlen = int(audit.get("maxlen", DEFAULT_AUDIT_MAXLEN) or 0)
-        max_age = float(audit.get("max_age") or 0)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"audit: maxlen and max_age must be numbers: {e}") from e
-    if maxlen < 0 or max_age < 0:
-        raise ConfigError("audit: maxlen and max_age must not be negative")
-    approximate = audit.get("approximate", True)
-    return AuditSettings(
-        key=str(audit["key"]) if audit.get("key") else None,
-        maxlen=maxlen,
-        max_age=max_age,
-        approximate=approximate if isinstance(approximate, bool) else _flag(approximate, "audit.approximate"),
-        jsonl=str(audit["jsonl"]) if audit.get("jsonl") else None,
-    )
-
-
-def _model(section: dict[str, Any]) -> ModelSettings:
-    """``model:`` — the keys the LLM workers read; Hermes' own (``default``, ...) are left to it."""
-    headers = section.get("headers") or {}
-    if not isinstance(headers, dict):
-        raise ConfigError(f"config.yaml: model.headers: expected a mapping, got {headers!r}")
-    retries = yaml_number(section.get("max_retries", 2), "model.max_retries")
-    if retries != int(retries):
-        raise ConfigError(f"config.yaml: model.max_retries: expected a whole number, got {retries:g}")
-    return ModelSettings(
-        provider=str(section.get("provider") or ""),
-        model=str(section.get("model") or ""),
-        base_url=str(section.get("base_url") or ""),
-        api_key=str(section.get("api_key") or ""),
-        api_mode=str(section.get("api_mode") or ""),
-        timeout=yaml_number(section.get("timeout") or ModelSettings.timeout, "model.timeout"),
-        max_retries=max(0, int(retries)),
-        max_retry_after=yaml_number(
-            section.get("max_retry_after", ModelSettings.max_retry_after), "model.max_retry_after"
-        ),
-        headers={str(k): str(v) for k, v in headers.items()},
-    )
-
-
-def _mcp(section: dict[str, Any]) -> McpSettings:
-    """``mcp: {handshake_timeout}`` (the seed's spelling); other MCP settings go under ``executors.mcp``."""
-    unknown = set(section) - {"handshake_timeout"}
-    if unknown:
-        raise ConfigError(
-            f"config.yaml: mcp: unknown key(s) {sorted(unknown)} (only handshake_timeout; "
-            "the mcp executor's other settings go under executors.mcp)"
-        )
-    timeout = section.get("handshake_timeout")
-    return McpSettings(
-        handshake_timeout=None if timeout is None else yaml_number(timeout, "mcp.handshake_timeout")
-    )
-
-
 def _truthy(value: Any) -> bool:
     """An opt-in switch, read as Hermes reads them (1/true/yes/on; anything else is off)."""
     return str(value).strip().lower() in ("1", "true", "yes", "on")
@@ -402,19 +345,6 @@ def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
         return float(raw)
     except ValueError as e:
         raise ConfigError(f"{name}: expected a number, got {raw!r}") from e
-
-
-def _flag(value: Any, where: str, env_name: str | None = None) -> bool:
-    """A yes/no setting (true/false, 1/0, yes/no, on/off), or a ConfigError naming it."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    named = f"{where} ({env_name})" if env_name else f"config.yaml: {where}"
-    raise ConfigError(f"{named}: expected true or false, got {value!r}")
 
 
 def _mapping(raw: Mapping[str, Any], key: str) -> dict[str, Any]:

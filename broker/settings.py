@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -220,3 +221,79 @@ def yaml_number(value: Any, where: str) -> float:
         return float(value)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config.yaml: {where}: expected a number, got {value!r}") from e
+
+
+# The sections config.yaml alone sets (no environment variable), read by broker/config.py.
+
+
+def audit_settings(section: Mapping[str, Any] | None) -> AuditSettings:
+    """``audit: {maxlen, max_age (seconds), approximate, jsonl, key}``; a typo or a bad number is an error."""
+    audit = dict(section or {})
+    unknown = set(audit) - {"maxlen", "max_age", "approximate", "jsonl", "key"}
+    if unknown:
+        raise ConfigError(f"audit: unknown key(s) {sorted(unknown)}")
+    try:
+        maxlen = int(audit.get("maxlen", DEFAULT_AUDIT_MAXLEN) or 0)
+        max_age = float(audit.get("max_age") or 0)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"audit: maxlen and max_age must be numbers: {e}") from e
+    if maxlen < 0 or max_age < 0:
+        raise ConfigError("audit: maxlen and max_age must not be negative")
+    approximate = audit.get("approximate", True)
+    return AuditSettings(
+        key=str(audit["key"]) if audit.get("key") else None,
+        maxlen=maxlen,
+        max_age=max_age,
+        approximate=approximate if isinstance(approximate, bool) else flag(approximate, "audit.approximate"),
+        jsonl=str(audit["jsonl"]) if audit.get("jsonl") else None,
+    )
+
+
+def model_settings(section: dict[str, Any]) -> ModelSettings:
+    """``model:`` — the keys the LLM workers read; Hermes' own (``default``, ...) are left to it."""
+    headers = section.get("headers") or {}
+    if not isinstance(headers, dict):
+        raise ConfigError(f"config.yaml: model.headers: expected a mapping, got {headers!r}")
+    retries = yaml_number(section.get("max_retries", 2), "model.max_retries")
+    if retries != int(retries):
+        raise ConfigError(f"config.yaml: model.max_retries: expected a whole number, got {retries:g}")
+    return ModelSettings(
+        provider=str(section.get("provider") or ""),
+        model=str(section.get("model") or ""),
+        base_url=str(section.get("base_url") or ""),
+        api_key=str(section.get("api_key") or ""),
+        api_mode=str(section.get("api_mode") or ""),
+        timeout=yaml_number(section.get("timeout") or ModelSettings.timeout, "model.timeout"),
+        max_retries=max(0, int(retries)),
+        max_retry_after=yaml_number(
+            section.get("max_retry_after", ModelSettings.max_retry_after), "model.max_retry_after"
+        ),
+        headers={str(k): str(v) for k, v in headers.items()},
+    )
+
+
+def mcp_settings(section: dict[str, Any]) -> McpSettings:
+    """``mcp: {handshake_timeout}`` (the seed's spelling); other MCP settings go under ``executors.mcp``."""
+    unknown = set(section) - {"handshake_timeout"}
+    if unknown:
+        raise ConfigError(
+            f"config.yaml: mcp: unknown key(s) {sorted(unknown)} (only handshake_timeout; "
+            "the mcp executor's other settings go under executors.mcp)"
+        )
+    timeout = section.get("handshake_timeout")
+    return McpSettings(
+        handshake_timeout=None if timeout is None else yaml_number(timeout, "mcp.handshake_timeout")
+    )
+
+
+def flag(value: Any, where: str, env_name: str | None = None) -> bool:
+    """A yes/no setting (true/false, 1/0, yes/no, on/off), or a ConfigError naming it."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    named = f"{where} ({env_name})" if env_name else f"config.yaml: {where}"
+    raise ConfigError(f"{named}: expected true or false, got {value!r}")
