@@ -7,10 +7,10 @@ own executor's module only, and none of the libraries its run needs (those are i
 from __future__ import annotations
 
 import importlib
-import threading
 from typing import Any
 
 from broker.errors import ConfigError
+from workers.instances import PerProcess
 
 from .base import Executor
 
@@ -23,8 +23,7 @@ EXECUTORS: dict[str, str] = {
     "python": "workers.executors.python:PythonExecutor",
 }
 
-_instances: dict[str, Executor] = {}
-_lock = threading.Lock()
+_instances: PerProcess[str, Executor] = PerProcess()
 
 
 def executor_class(kind: str) -> type[Executor]:
@@ -38,21 +37,8 @@ def executor_class(kind: str) -> type[Executor]:
 
 def get_executor(kind: str, settings: dict[str, Any] | None = None) -> Executor:
     """One executor instance per kind per process, created on first use."""
-    inst = _instances.get(kind)
-    if inst is not None:
-        return inst
-    with _lock:
-        inst = _instances.get(kind)
-        if inst is None:
-            inst = _instances[kind] = executor_class(kind)(settings or {})
-    return inst
+    return _instances.get(kind, lambda: executor_class(kind)(settings or {}))
 
 
 def close_all() -> None:
-    with _lock:
-        for inst in _instances.values():
-            try:
-                inst.close()
-            except Exception:  # noqa: BLE001 - closing is best effort at shutdown
-                pass
-        _instances.clear()
+    _instances.close_all()

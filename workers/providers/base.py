@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from broker.errors import CallCancelled, ConfigError, ProviderTimeout
 from broker.settings import ModelSettings
+from workers.instances import PerProcess
 
 DeltaSink = Callable[[dict[str, Any]], None]
 
@@ -86,8 +87,7 @@ class Provider(Protocol):
     def close(self) -> None: ...
 
 
-_instances: dict[tuple[str, str, str], Provider] = {}
-_lock = threading.Lock()
+_instances: PerProcess[tuple[str, str, str], Provider] = PerProcess()
 
 
 def provider_module(name: str) -> str:
@@ -115,24 +115,9 @@ def create(settings_model: ModelSettings) -> Provider:
 
 def get_provider(settings_model: ModelSettings) -> Provider:
     """One provider per (provider, base_url, api_key) per process, created on first use."""
-    key = _cache_key(settings_model)
-    inst = _instances.get(key)
-    if inst is not None:
-        return inst
-    with _lock:
-        inst = _instances.get(key)
-        if inst is None:
-            inst = create(settings_model)
-            _instances[key] = inst
-    return inst
+    return _instances.get(_cache_key(settings_model), lambda: create(settings_model))
 
 
 def close_all() -> None:
     """Close every cached provider (worker shutdown)."""
-    with _lock:
-        for inst in _instances.values():
-            try:
-                inst.close()
-            except Exception:  # noqa: BLE001 - closing is best effort at shutdown
-                pass
-        _instances.clear()
+    _instances.close_all()

@@ -32,7 +32,7 @@ def test_get_provider_is_cached_per_provider_base_url_and_key():
 
 def test_cache_does_not_hold_the_key_in_clear():
     base.get_provider(_model(api_key="sk-very-secret"))
-    assert "sk-very-secret" not in repr(list(base._instances))
+    assert "sk-very-secret" not in repr(list(base._instances.items))
 
 
 def test_create_reads_the_model_block():
