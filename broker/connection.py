@@ -130,9 +130,10 @@ async def async_from_url(url: str, **kwargs: Any) -> Any:
             conn = sentinel_client(url, is_async=True, **kwargs)
         else:
             conn = redis.asyncio.Redis.from_url(url, **kwargs)
-            if cluster_node_url(url, await _info_cluster(conn)):
-                await _close(conn)
-                conn = redis.asyncio.cluster.RedisCluster.from_url(url, **kwargs)
+            if not cluster_node_url(url, await _info_cluster(conn)):
+                return conn  # (INFO answered: no PING needed after it)
+            await _close(conn)
+            conn = redis.asyncio.cluster.RedisCluster.from_url(url, **kwargs)
         await conn.ping()
     except MasterNotFoundError as e:
         await _close(conn)
