@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
+from .placeholders import load_yaml
 from .settings import (
     AGENT_PLUGIN,
     DEFAULT_CONCURRENCY,
@@ -45,7 +46,6 @@ from .settings import (
     model_settings,
     yaml_number,
 )
-from .yamlload import load_yaml
 
 __all__ = [
     "DEFAULT_CONCURRENCY",

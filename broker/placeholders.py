@@ -1,6 +1,6 @@
 """``{{field}}`` placeholders: their one grammar, and filling them from a call's arguments.
 
-Everything that reads a placeholder calls this module: YAML loading (``yamlload.py``, which keeps the
+Everything that reads a placeholder calls this module: YAML loading (``load_yaml``, which keeps the
 seed's unquoted ``{query: {{city}}}`` as text), registration (each executor's ``check``), the executors
 filling their templates, and the path rules (``workers/pathargs.py``).
 
@@ -33,6 +33,8 @@ import json
 import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+import yaml
 
 from .errors import InvalidArgs, InvalidSpec
 
@@ -222,6 +224,12 @@ def masked_load(text: str, load: Callable[[str], Any]) -> Any:
         return _MASK.format(len(found) - 1)
 
     return _unmask(load(PLACEHOLDER.sub(mask, text)), found, {})
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that keeps ``{{field}}`` placeholders as text (the seed writes
+    ``body_template: {query: {{city}}}`` unquoted); raises ``yaml.YAMLError``."""
+    return masked_load(text, yaml.safe_load)
 
 
 def _unmask(value: Any, found: list[str], done: dict[int, Any]) -> Any:

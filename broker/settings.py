@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .yamlload import load_yaml
+from .placeholders import load_yaml
 
 DEFAULT_LEASE = 30.0
 DEFAULT_CONCURRENCY = 5

@@ -32,8 +32,8 @@ import yaml
 
 from broker.directory import Directory
 from broker.errors import InvalidSpec
+from broker.placeholders import load_yaml
 from broker.toolspec import ToolSpec
-from broker.yamlload import load_yaml
 from workers.specs import check_spec
 
 RENAMES = {

@@ -16,9 +16,9 @@ import yaml
 
 from broker.directory import Directory
 from broker.errors import InvalidSpec
+from broker.placeholders import load_yaml
 from broker.specchecks import check_keys
 from broker.toolspec import COMMON_KEYS, ROUTING_KEYS, ToolSpec
-from broker.yamlload import load_yaml
 
 from .executors import EXECUTORS, executor_class
 

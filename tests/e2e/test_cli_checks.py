@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from broker.yamlload import load_yaml
+from broker.placeholders import load_yaml
 
 CLI = str(Path(sys.executable).parent / "hermes-gateway")
 ROOT = Path(__file__).resolve().parents[2]
