@@ -67,17 +67,7 @@ class Claims:
         return out
 
     def recheck_absent(self, ids: list[bytes], *, requeue: str | None = None, zset: str | None = None) -> None:
-        """Ids a script found no record of, asked again where a cluster's redirections are followed: a
-        record on its way to another node (a slot migration) keeps its place — back at the head of
-        ``requeue`` (it still holds its slot), or left in ``zset`` (held) — and one that is gone (expired)
-        leaves ``zset``."""
-        for raw_id in ids:
-            cid = text(raw_id)
-            if self.conn.exists(keys.job(cid)):
-                if requeue is not None:
-                    self.conn.lpush(requeue, cid)
-            elif zset is not None:
-                self.conn.zrem(zset, cid)
+        recheck_absent(self.conn, ids, requeue=requeue, zset=zset)
 
     def extend_leases(self, runs: Sequence[CallInfo], lease: float, pipeline: Pipeline | None = None) -> None:
         """Push the lease deadline of calls still running here (only those still leased), and of the
@@ -126,3 +116,17 @@ class Claims:
                     }
                 )
         return out
+
+
+def recheck_absent(conn: Any, ids: list[bytes], *, requeue: str | None = None, zset: str | None = None) -> None:
+    """Ids a script found no record of, asked again where a cluster's redirections are followed: a
+    record on its way to another node (a slot migration) keeps its place — back at the head of
+    ``requeue`` (it still holds its slot), or left in ``zset`` (held) — and one that is gone (expired)
+    leaves ``zset``."""
+    for raw_id in ids:
+        cid = text(raw_id)
+        if conn.exists(keys.job(cid)):
+            if requeue is not None:
+                conn.lpush(requeue, cid)
+        elif zset is not None:
+            conn.zrem(zset, cid)

@@ -14,6 +14,7 @@ from typing import Any
 import redis
 
 from . import keys, partitions, poison, scripts
+from .claims import recheck_absent
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,7 @@ class Limits:
             reply = self._due(
                 keys=[keys.scheduled(keys.tag(q))], args=[now, now + hold, limit, keys.job(""), "due"]
             )
-            absent = reply.pop()
-            for raw_id in absent:  # (as Claims.recheck_absent: a record mid-migration keeps its retry)
-                if not self.conn.exists(keys.job(_text(raw_id))):
-                    self.conn.zrem(keys.scheduled(keys.tag(q)), raw_id)
+            recheck_absent(self.conn, reply.pop(), zset=keys.scheduled(keys.tag(q)))  # (a record mid-migration keeps its retry)
             after = reply[-1]
             for i in range(0, len(reply) - 1, 10):
                 cid, _state, attempt, trace, kind, tool, chan, ckey, origin, _queue = (
