@@ -29,6 +29,8 @@ CONTEXT_FIELDS = (
 )
 
 KINDS = ("tool", "llm")
+# Classes of work (fair dispatch): a person waits on an interactive call; nobody waits on one batch call.
+CALL_CLASSES = ("interactive", "batch")
 
 
 def plugins_applied(context: dict[str, Any]) -> tuple[str, ...]:
@@ -51,6 +53,8 @@ _OPTION_TYPES: dict[str, tuple[type, ...]] = {
     "timeout": (int, float, _NONE),
     "idempotency_key": (str, _NONE),
     "max_attempts": (int, _NONE),
+    "fairness_key": (str, _NONE),
+    "call_class": (str, _NONE),
 }
 
 
@@ -75,6 +79,10 @@ class Options:
     timeout: float | None = None
     idempotency_key: str | None = None
     max_attempts: int | None = None
+    # Fair dispatch: whose turn a waiting call takes (default: its principal, else its session) and its
+    # class (``interactive`` default, or ``batch``). None = the default.
+    fairness_key: str | None = None
+    call_class: str | None = None
 
 
 @dataclass(frozen=True)
@@ -199,6 +207,15 @@ class Envelope:
 _ENVELOPE_FIELDS = tuple(f.name for f in fields(Envelope))
 _fill = filler(Envelope)
 _OPTION_FIELDS = tuple(f.name for f in fields(Options))
+
+
+def fairness_of(env: Envelope) -> tuple[str, str]:
+    """(fairness key, class) of a call: whose turn it takes among the calls waiting for a slot of its
+    concurrency key, and ``interactive`` or ``batch``. The key defaults to the call's principal, else its
+    session, else the empty key (one shared turn for anonymous calls)."""
+    ctx = env.context
+    key = env.options.fairness_key or ctx.get("principal") or ctx.get("session_id") or ""
+    return str(key), env.options.call_class or "interactive"
 
 
 def concurrency_key(env: Envelope) -> str:

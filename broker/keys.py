@@ -73,6 +73,8 @@ F_KIND = "h_kind"
 F_TOOL = "h_tool"
 F_TRACE = "h_trace"
 F_ENVELOPE = "h_env"
+F_FKEY = "h_fkey"  # the call's fairness key (fair dispatch: whose turn it takes while waiting)
+F_CLASS = "h_class"  # interactive | batch
 
 
 def tag(queue_name: str) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 from . import keys
 from .codec import raw as as_bytes
 from .codec import text, unpack
-from .envelope import Envelope
+from .envelope import Envelope, fairness_of
 from .errors import DecodeError
 from .states import State
 
@@ -96,6 +96,7 @@ class Claimed:
 def job_fields(env: Envelope, *, ckey: str, max_attempts: int, timeout: float) -> dict[str, Any]:
     """The RQ job hash (RQ's own fields, so ``rq info``/``Job.fetch`` work) plus ours."""
     stamp = rq_now()
+    fkey, klass = fairness_of(env)
     return {
         "created_at": stamp,
         "enqueued_at": stamp,
@@ -116,6 +117,8 @@ def job_fields(env: Envelope, *, ckey: str, max_attempts: int, timeout: float) -
         keys.F_KIND: env.kind,
         keys.F_TOOL: env.name,
         keys.F_TRACE: env.trace_id,
+        keys.F_FKEY: fkey,
+        keys.F_CLASS: klass,
     }
 
 

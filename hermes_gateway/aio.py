@@ -169,6 +169,8 @@ class AsyncGateway(AsyncEvents):
         traceparent: str | None = None,
         tracestate: str | None = None,
         queue: str | None = None,
+        fairness_key: str | None = None,
+        call_class: str | None = None,
         **context: Any,
     ) -> AsyncCallHandle:
         """Submit one tool call; raises UnknownTool, QueueFull or IdempotencyConflict at once, else returns its handle.
@@ -181,6 +183,8 @@ class AsyncGateway(AsyncEvents):
             "idempotency_key": idempotency_key,
             "max_attempts": max_attempts,
             "queue": queue,
+            "fairness_key": fairness_key,
+            "call_class": call_class,
         }
         with answered(f"submitting a call of {name!r}"), Sending(traceparent, tracestate) as send:
             entry = await self.tool(name)
@@ -199,6 +203,8 @@ class AsyncGateway(AsyncEvents):
         traceparent: str | None = None,
         tracestate: str | None = None,
         queue: str = "llm",
+        fairness_key: str | None = None,
+        call_class: str | None = None,
         **context: Any,
     ) -> AsyncCallHandle:
         """Submit one LLM call (chat-completions kwargs); the result is the provider's response."""
@@ -209,6 +215,8 @@ class AsyncGateway(AsyncEvents):
             "idempotency_key": idempotency_key,
             "max_attempts": max_attempts,
             "queue": queue,
+            "fairness_key": fairness_key,
+            "call_class": call_class,
         }
         env, limits = llm_envelope(request, self.settings, opts, context, self._channel_of, send.headers)
         with answered("submitting an LLM call"), send:
@@ -270,7 +278,7 @@ class AsyncGateway(AsyncEvents):
             return await self._submit_many(calls, **common)
 
     async def _submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> AsyncBatch:
-        names = ("timeout", "max_attempts", "traceparent", "tracestate", "queue")
+        names = ("timeout", "max_attempts", "traceparent", "tracestate", "queue", "fairness_key", "call_class")
         opts = {k: common.pop(k) for k in names if k in common}
         idempotency_keys: Sequence[str | None] | None = common.pop("idempotency_keys", None)
         calls = list(calls)

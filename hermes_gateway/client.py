@@ -190,6 +190,8 @@ class Gateway(ClientEvents, ClientWorkers):
         traceparent: str | None = None,
         tracestate: str | None = None,
         queue: str | None = None,
+        fairness_key: str | None = None,
+        call_class: str | None = None,
         **context: Any,
     ) -> CallHandle:
         """Submit one tool call; raises UnknownTool, QueueFull or IdempotencyConflict at once, else returns its handle.
@@ -197,6 +199,10 @@ class Gateway(ClientEvents, ClientWorkers):
         ``idempotency_key``: while the call that first used the key is on record (until its result TTL
         after it ends), submitting the same tool and arguments under it returns that call's handle;
         another tool or other arguments are an ``IdempotencyConflict``.
+
+        ``fairness_key`` / ``call_class``: while calls wait for a slot of the tool's limit, slots go round
+        robin across fairness keys (default: the call's principal, else its session) and to ``interactive``
+        calls (the default) before ``batch`` ones, which keep a minimum share.
         """
         opts: dict[str, Any] = {
             "timeout": timeout,
@@ -205,6 +211,8 @@ class Gateway(ClientEvents, ClientWorkers):
             "traceparent": traceparent,
             "tracestate": tracestate,
             "queue": queue,
+            "fairness_key": fairness_key,
+            "call_class": call_class,
         }
         with answered(f"submitting a call of {name!r}"), Sending(traceparent, tracestate) as send:
             opts["trace_headers"] = send.headers
@@ -222,6 +230,8 @@ class Gateway(ClientEvents, ClientWorkers):
         traceparent: str | None = None,
         tracestate: str | None = None,
         queue: str = "llm",
+        fairness_key: str | None = None,
+        call_class: str | None = None,
         **context: Any,
     ) -> CallHandle:
         """Submit one LLM call (chat-completions kwargs): events carry stream deltas, the result the response.
@@ -232,7 +242,14 @@ class Gateway(ClientEvents, ClientWorkers):
         """
         check_llm_request(request, context)  # before the producer span starts
         send = Sending(traceparent, tracestate)
-        opts = {"timeout": timeout, "idempotency_key": idempotency_key, "max_attempts": max_attempts, "queue": queue}
+        opts = {
+            "timeout": timeout,
+            "idempotency_key": idempotency_key,
+            "max_attempts": max_attempts,
+            "queue": queue,
+            "fairness_key": fairness_key,
+            "call_class": call_class,
+        }
         env, limits = llm_envelope(request, self.settings, opts, context, self.channel_for, send.headers)
         with answered("submitting an LLM call"), send:
             send.describe(env)
@@ -301,7 +318,7 @@ class Gateway(ClientEvents, ClientWorkers):
 
     def _submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> Batch:
         """``submit_many`` without its BrokerUnavailable translation."""
-        names = ("timeout", "max_attempts", "traceparent", "tracestate", "queue")
+        names = ("timeout", "max_attempts", "traceparent", "tracestate", "queue", "fairness_key", "call_class")
         opts: dict[str, Any] = {k: common.pop(k) for k in names if k in common}
         idempotency_keys: Sequence[str | None] | None = common.pop("idempotency_keys", None)
         check_batch_keys(common, idempotency_keys)

@@ -13,12 +13,13 @@ from broker import keys, partitions
 from broker.codec import pack
 from broker.config import MAX_ARGS_ENV, Settings
 from broker.directory import Entry
-from broker.envelope import CONTEXT_FIELDS, Envelope, Options, concurrency_key, new_call_id
+from broker.envelope import CALL_CLASSES, CONTEXT_FIELDS, Envelope, Options, concurrency_key, new_call_id
 from broker.errors import InvalidArgs
 from broker.toolspec import ToolSpec
 from broker.tracecontext import ensure_traceparent
 from hermes_gateway.telemetry import Headers, current_headers
 
+MAX_FAIRNESS_KEY = 256  # characters of a fairness key (it is a field of a hash in Redis)
 MAX_DEPTH = 100  # levels of nesting a call's arguments may have (a tool's arguments rarely pass 10)
 
 
@@ -65,6 +66,23 @@ def check_sendable(value: Any, what: str, limit: int | None = None) -> bytes:
             limit=limit,
         )
     return packed
+
+
+def call_options(opts: dict[str, Any]) -> Options:
+    """The envelope's options from a client's keyword options, with a typed error for a bad fairness key
+    or class (``call_class``: ``interactive`` or ``batch``)."""
+    fkey, klass = opts.get("fairness_key"), opts.get("call_class")
+    if fkey is not None and (not isinstance(fkey, str) or not fkey or len(fkey) > MAX_FAIRNESS_KEY):
+        raise InvalidArgs(f"fairness_key must be a non-empty string of at most {MAX_FAIRNESS_KEY} characters, got {fkey!r}")
+    if klass is not None and klass not in CALL_CLASSES:
+        raise InvalidArgs(f"call_class must be one of {', '.join(CALL_CLASSES)}, got {klass!r}")
+    return Options(
+        timeout=opts.get("timeout"),
+        idempotency_key=opts.get("idempotency_key"),
+        max_attempts=opts.get("max_attempts"),
+        fairness_key=fkey,
+        call_class=klass,
+    )
 
 
 def check_context(context: dict[str, Any]) -> None:
@@ -120,11 +138,7 @@ def tool_envelope(
         traceparent=ensure_traceparent(tp),
         tracestate=ts,
         baggage=bg,
-        options=Options(
-            timeout=opts.get("timeout"),
-            idempotency_key=opts.get("idempotency_key"),
-            max_attempts=opts.get("max_attempts"),
-        ),
+        options=call_options(opts),
         queue=queue,
         channel=channel(queue),
     )
@@ -177,9 +191,7 @@ def llm_envelope(
         traceparent=ensure_traceparent(tp),
         tracestate=ts,
         baggage=bg,
-        options=Options(
-            timeout=timeout, idempotency_key=opts.get("idempotency_key"), max_attempts=max_attempts
-        ),
+        options=call_options(opts),
         queue=queue,
         channel=channel(queue),
     ).keep_packed(packed)

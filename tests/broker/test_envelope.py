@@ -229,3 +229,30 @@ def test_job_data_puts_the_checked_bytes_in_as_they_are_and_decodes_like_a_fresh
     assert envelope_of(kept) == env
     llm = Envelope(call_id="c2", kind="llm", traceparent=TP, request={"model": "m", "messages": []})
     assert envelope_of(llm.keep_packed(pack(llm.request)).job_data("f")) == llm
+
+
+def test_fairness_key_defaults_to_principal_then_session_and_class_to_interactive():
+    from broker.envelope import Envelope, Options, fairness_of
+
+    base = {"call_id": "{tools}.ab", "kind": "tool", "tool": "t", "traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}
+    assert fairness_of(Envelope(**base, context={"principal": "alice", "session_id": "s1"})) == ("alice", "interactive")
+    assert fairness_of(Envelope(**base, context={"session_id": "s1"})) == ("s1", "interactive")
+    assert fairness_of(Envelope(**base)) == ("", "interactive")
+    env = Envelope(**base, context={"principal": "alice"}, options=Options(fairness_key="batch:b1", call_class="batch"))
+    assert fairness_of(env) == ("batch:b1", "batch")
+    assert fairness_of(Envelope.decode(env.encode())) == ("batch:b1", "batch")
+
+
+def test_a_bad_fairness_key_or_class_is_a_typed_error():
+    import pytest
+
+    from broker.errors import InvalidArgs
+    from hermes_gateway.envelopes import call_options
+
+    with pytest.raises(InvalidArgs, match="call_class must be one of interactive, batch"):
+        call_options({"call_class": "urgent"})
+    with pytest.raises(InvalidArgs, match="fairness_key must be a non-empty string"):
+        call_options({"fairness_key": ""})
+    with pytest.raises(InvalidArgs, match="fairness_key"):
+        call_options({"fairness_key": "x" * 300})
+    assert call_options({"fairness_key": "k", "call_class": "batch"}).call_class == "batch"
