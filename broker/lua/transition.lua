@@ -1,11 +1,13 @@
 -- TRANSITION: move a call (or record a non-state event), atomically with its events (uses with_seq, slots).
--- KEYS: 1 job hash, 2 history list, 3 leases zset, 4 waiting zset, 5 slots zset (of the call's
---       concurrency key), 6 limits hash, 7 scheduled zset, 8 queue list — all of the call's queue tag
+-- KEYS: 1 job hash, 2 history list, 3 leases zset, 4 interactive waiting zset, 5 slots zset (of the
+--       call's concurrency key), 6 limits hash, 7 scheduled zset, 8 queue list, 9 batch waiting zset,
+--       10 fair-state hash (4, 5, 9, 10 of the call's concurrency key) — all of the call's queue tag
 -- ARGV: see the locals below; then `before` earlier event payloads (moves the call made since its last
 --       write, recorded and published in order first), then field/value pairs for the job hash
 -- Returns {seq, state before}; seq < 0: -1 no such call, -2 attempt fence, -3 wrong source state.
 -- Ending with a ttl also expires the call's idempotency key (named in its record's `h_idem`: a key of
--- the same tag, so of this slot) while it still names this call.
+-- the same tag, so of this slot) while it still names this call. The records of the calls promote pops
+-- are read at job_prefix .. id (their fairness key; same tag, same slot).
 local call_id = ARGV[1]
 local event = ARGV[2]
 local ttl = ARGV[3]             -- '' = leave the TTL
@@ -15,15 +17,17 @@ local state = ARGV[6]           -- new state ('' = no change)
 local rq_status = ARGV[7]
 local lease = ARGV[8]           -- '' keep, '-' drop, else the new deadline
 local requeue = ARGV[9]         -- '1' = admit it again (a free slot, else waiting at `score`)
-local score = ARGV[10]
+local score = ARGV[10]          -- '' = its fairness key's next turn, else this place (0: before everyone)
 local channel = ARGV[11]
 local release = ARGV[12]        -- '1' = give its slot back
 local ckey = ARGV[13]
 local due = ARGV[14]            -- when a retry is due ('' = not scheduled)
 local wake_channel = ARGV[15]
 local publish = ARGV[16]        -- PUBLISH, or SPUBLISH on a cluster
-local before = tonumber(ARGV[17])
-local EARLY = 18
+local job_prefix = ARGV[17]
+local now = ARGV[18]            -- µs (the fair clock's start, when nobody waited)
+local before = tonumber(ARGV[19])
+local EARLY = 20
 local FIELDS = EARLY + before
 
 local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem')
@@ -50,9 +54,11 @@ elseif lease ~= '' then
   redis.call('ZADD', KEYS[3], lease, call_id)
 end
 if release == '1' then
-  redis.call('ZREM', KEYS[4], call_id)
+  if st == 'pending' then  -- (only a pending call waits)
+    unwait(KEYS[4], KEYS[9], KEYS[10], call_id, redis.call('HGET', KEYS[1], 'h_fkey'))
+  end
   if redis.call('ZREM', KEYS[5], call_id) == 1 then
-    promote(KEYS[5], KEYS[4], KEYS[8], limit_of(KEYS[6], ckey), wake_channel)
+    promote(KEYS[5], KEYS[4], KEYS[9], KEYS[10], KEYS[8], limit_of(KEYS[6], ckey), wake_channel, job_prefix)
   end
 end
 if due ~= '' then
@@ -60,7 +66,9 @@ if due ~= '' then
 end
 if requeue == '1' then
   redis.call('ZREM', KEYS[7], call_id)
-  admit(KEYS[5], KEYS[4], KEYS[8], limit_of(KEYS[6], ckey), call_id, score, wake_channel)
+  local f = redis.call('HMGET', KEYS[1], 'h_fkey', 'h_class')
+  admit(KEYS[5], KEYS[4], KEYS[9], KEYS[10], KEYS[8], limit_of(KEYS[6], ckey), call_id, score, wake_channel,
+        job_prefix, f[1] or '', f[2], tonumber(now))
 end
 -- Every event in order: one append to the history, one message each on the caller's channel.
 local stored = {}
