@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import multiprocessing
 import os
 import platform
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -52,45 +52,28 @@ def interactive(gw: Any, name: str, n: int, seconds: float, **opts: Any) -> list
     return out
 
 
-class BatchRunner:
-    """Submits ``items`` batch calls in chunks, keeping at most ``window`` unfinished, on a thread."""
+def run_batch(url: str, home: str, name: str, items: int, window: int, seconds: float, key: str, out: Any) -> None:
+    """Submit ``items`` batch calls in chunks, keeping at most ``window`` unfinished (run in a process of
+    its own: a submitter thread beside the interactive caller would share its interpreter lock)."""
+    from broker.config import load_settings
+    from broker.connection import BrokerHandle, from_url
+    from hermes_gateway import Gateway
 
-    def __init__(self, gw: Any, name: str, items: int, window: int, seconds: float, key: str) -> None:
-        self.gw, self.name, self.items, self.window, self.seconds, self.key = gw, name, items, window, seconds, key
-        self.done = 0
-        self.error: BaseException | None = None
-        self.started = time.perf_counter()
-        self.elapsed = 0.0
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> BatchRunner:
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        try:
-            pending: collections.deque[Any] = collections.deque()
-            sent, chunk = 0, 500
-            while sent < self.items or pending:
-                while sent < self.items and len(pending) + chunk <= self.window:
-                    k = min(chunk, self.items - sent)
-                    batch = self.gw.map(
-                        self.name, [{"seconds": self.seconds}] * k, fairness_key=self.key, call_class="batch"
-                    )
-                    if batch.refused:
-                        raise RuntimeError(f"batch refused: {batch.refused[0][1].refused}")
-                    pending.extend(batch)
-                    sent += k
-                pending.popleft().result(600)
-                self.done += 1
-            self.elapsed = time.perf_counter() - self.started
-        except BaseException as e:  # (reported by join)
-            self.error = e
-
-    def join(self) -> None:
-        self._thread.join()
-        if self.error is not None:
-            raise self.error
+    gw = Gateway(BrokerHandle(from_url(url), url, url), load_settings(home))
+    start = time.perf_counter()
+    pending: collections.deque[Any] = collections.deque()
+    sent, chunk = 0, 500
+    while sent < items or pending:
+        while sent < items and len(pending) + chunk <= window:
+            k = min(chunk, items - sent)
+            batch = gw.map(name, [{"seconds": seconds}] * k, fairness_key=key, call_class="batch")
+            if batch.refused:
+                raise RuntimeError(f"batch refused: {batch.refused[0][1].refused}")
+            pending.extend(batch)
+            sent += k
+        pending.popleft().result(600)
+    out.put(time.perf_counter() - start)
+    gw.close()
 
 
 def backlog(conn: Any, queue: str, name: str) -> int:
@@ -126,8 +109,12 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         gw.sync_tools(home / "tools")
         interactive(gw, name, 50, seconds, fairness_key="warm-up")
         alone = interactive(gw, name, args.samples, seconds, fairness_key="agent")
-        submitter = Gateway(BrokerHandle(from_url(url), url, url), load_settings(home))  # (its own connections)
-        batch = BatchRunner(submitter, name, args.items, args.window, seconds, f"batch-{queue}").start()
+        ctx = multiprocessing.get_context("spawn")
+        out = ctx.Queue()
+        batch = ctx.Process(
+            target=run_batch, args=(url, str(home), name, args.items, args.window, seconds, f"batch-{queue}", out)
+        )
+        batch.start()
         deadline = time.monotonic() + 60
         while backlog(conn, queue, name) < min(args.window // 2, args.items // 2) and time.monotonic() < deadline:
             time.sleep(0.05)  # until the batch has a backlog of waiting calls
@@ -135,8 +122,8 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         behind = interactive(gw, name, args.samples, seconds, fairness_key="agent")
         fifo = interactive(gw, name, args.fifo_samples, seconds, fairness_key=f"batch-{queue}", call_class="batch")
         depth_after = backlog(conn, queue, name)
+        elapsed = out.get(timeout=3600)
         batch.join()
-        submitter.close()
         gw.close()
     finally:
         stop(procs)
@@ -148,7 +135,7 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         "behind_ms": {"p50": p50_behind, "p99": p99_behind},
         "fifo_ms": {"p50": p50_fifo, "p99": p99_fifo, "samples": len(fifo)},
         "batch_backlog": {"when_measuring": depth, "after": depth_after},
-        "batch_calls_per_s": args.items / batch.elapsed if batch.elapsed else 0.0,
+        "batch_calls_per_s": args.items / elapsed,
         "interactive_slowdown": p99_behind / p99_alone,
     }
 
@@ -179,8 +166,9 @@ def main() -> None:
         result = run(args, url)
     a, b, f = result["alone_ms"], result["behind_ms"], result["fifo_ms"]
     print(f"interactive alone:        p50 {a['p50']:.1f} ms  p99 {a['p99']:.1f} ms")
+    depth = result["batch_backlog"]
     print(f"interactive behind batch: p50 {b['p50']:.1f} ms  p99 {b['p99']:.1f} ms  "
-          f"(batch backlog {result['batch_backlog']['when_measuring']:,} waiting)")
+          f"(batch backlog {depth['when_measuring']:,} waiting, {depth['after']:,} after)")
     if f["samples"]:
         print(f"queued as part of the batch (FIFO, as before fair dispatch): p50 {f['p50']:.1f} ms")
     print(f"batch: {result['batch_calls_per_s']:,.0f} calls/s")
