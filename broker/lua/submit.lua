@@ -43,25 +43,24 @@ end
 if redis.call('EXISTS', KEYS[1]) == 1 then return {0, call_id} end
 local limit = tonumber(concurrency)
 redis.call('HSET', KEYS[7], ckey, concurrency)
-local depth = redis.call('ZCARD', KEYS[4]) + redis.call('ZCARD', KEYS[8])
-local run = depth == 0 and (limit < 0 or redis.call('ZCARD', KEYS[6]) < limit)
-local c = class_of(klass)
+local wi, wb = KEYS[4], KEYS[8]
+local run = redis.call('EXISTS', wi, wb) == 0 and (limit < 0 or redis.call('ZCARD', KEYS[6]) < limit)
+local c, n, last
 if not run then
+  local depth = redis.call('ZCARD', wi) + redis.call('ZCARD', wb)
   if queue_size >= 0 and depth >= queue_size then return {-1, depth} end
-  if key_size >= 0 then
-    local mine = tonumber(redis.call('HGET', KEYS[9], 'n:' .. c .. ':' .. fkey) or '0')
-    if mine >= key_size then return {-3, mine, key_size, fkey} end
-  end
+  c = 'i'
+  if klass == 'batch' then c = 'b' end
+  local f = redis.call('HMGET', KEYS[9], 'n:' .. c .. ':' .. fkey, 'l:' .. c .. ':' .. fkey)
+  n, last = tonumber(f[1]) or 0, tonumber(f[2])
+  if key_size >= 0 and n >= key_size then return {-3, n, key_size, fkey} end
 end
 redis.call('HSET', KEYS[1], 'h_seq', '1', 'h_state', 'pending', 'status', 'queued', unpack(ARGV, FIELDS))
 if run then
   redis.call('ZADD', KEYS[6], 'inf', call_id)
   redis.call('RPUSH', KEYS[2], call_id)
 else
-  redis.call('HSET', KEYS[9], 'sh', share)
-  local tag = fair_wait(KEYS[9], c, fkey, inc, '', tonumber(score))
-  local wi, wb = KEYS[4], KEYS[8]
-  if c == 'b' then redis.call('ZADD', wb, tag, call_id) else redis.call('ZADD', wi, tag, call_id) end
+  fair_wait(KEYS[9], set_of(c, wi, wb), c, fkey, inc, '', tonumber(score), n, last, call_id, {'sh', share})
   -- slots free after the limit was raised
   promote(KEYS[6], wi, wb, KEYS[9], KEYS[2], limit, wake_channel, job_prefix)
 end
