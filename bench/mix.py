@@ -7,7 +7,8 @@ One tool (concurrency ``--limit`` 8, a Python tool sleeping ``--tool-ms`` 5 ms),
    a backlog of waiting batch calls, and the submitter's memory stays bounded).
 3. *fifo* (the reference): a few calls submitted as if they were part of the batch (its key and class),
    which is where every call waited before fair dispatch: behind the whole backlog.
-Latency is submit → ``done`` event at the caller. The machine is shared: figures are noisy, ratios count.
+Latency is submit → ``done`` event at the caller; "to start" is submit → ``routing`` (the slot wait and
+the worker's pick-up), the part fair dispatch decides. The machine is shared: figures are noisy, ratios count.
 The last line is ``interactive_slowdown=<p99 behind / p99 alone>`` (goal <= 2). A JSON result goes to
 ``bench/results/mix-<UTC time>.json``.
 """
@@ -42,13 +43,21 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
     return statistics.median(ordered) * 1e3, p99 * 1e3
 
 
-def interactive(gw: Any, name: str, n: int, seconds: float, **opts: Any) -> list[float]:
-    """Latency of ``n`` calls made one after another, in seconds."""
+def interactive(gw: Any, name: str, n: int, seconds: float, waits: list[float] | None = None, **opts: Any) -> list[float]:
+    """Latency of ``n`` calls made one after another, in seconds; with ``waits``, each call's time from its
+    ``pending`` event to its ``routing`` one (waiting for a slot, then for a worker to take it) is added."""
+    from broker import events, keys
+
     out = []
     for _ in range(n):
         start = time.perf_counter()
-        gw.call_tool(name, {"seconds": seconds}, **opts).result(300)
+        handle = gw.call_tool(name, {"seconds": seconds}, **opts)
+        handle.result(300)
         out.append(time.perf_counter() - start)
+        if waits is not None:
+            hist = [events.decode(b) for b in gw.conn.lrange(keys.history(handle.call_id), 0, -1)]
+            ts = {e.state: e.ts for e in hist}
+            waits.append(ts["routing"] - ts["pending"])
     return out
 
 
@@ -108,7 +117,8 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         gw = Gateway(BrokerHandle(from_url(url), url, url), load_settings(home))
         gw.sync_tools(home / "tools")
         interactive(gw, name, 50, seconds, fairness_key="warm-up")
-        alone = interactive(gw, name, args.samples, seconds, fairness_key="agent")
+        waits_alone: list[float] = []
+        alone = interactive(gw, name, args.samples, seconds, waits_alone, fairness_key="agent")
         ctx = multiprocessing.get_context("spawn")
         out = ctx.Queue()
         batch = ctx.Process(
@@ -119,8 +129,9 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         while backlog(conn, queue, name) < min(args.window // 2, args.items // 2) and time.monotonic() < deadline:
             time.sleep(0.05)  # until the batch has a backlog of waiting calls
         depth = backlog(conn, queue, name)
-        behind = interactive(gw, name, args.samples, seconds, fairness_key="agent")
-        fifo = interactive(gw, name, args.fifo_samples, seconds, fairness_key=f"batch-{queue}", call_class="batch")
+        waits_behind: list[float] = []
+        behind = interactive(gw, name, args.samples, seconds, waits_behind, fairness_key="agent")
+        fifo = interactive(gw, name, args.fifo_samples, seconds, None, fairness_key=f"batch-{queue}", call_class="batch")
         depth_after = backlog(conn, queue, name)
         elapsed = out.get(timeout=3600)
         batch.join()
@@ -130,9 +141,11 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     p50_alone, p99_alone = percentiles(alone)
     p50_behind, p99_behind = percentiles(behind)
     p50_fifo, p99_fifo = percentiles(fifo) if fifo else (0.0, 0.0)
+    wa, wb = percentiles(waits_alone), percentiles(waits_behind)
     return {
         "alone_ms": {"p50": p50_alone, "p99": p99_alone},
         "behind_ms": {"p50": p50_behind, "p99": p99_behind},
+        "to_start_ms": {"alone": {"p50": wa[0], "p99": wa[1]}, "behind": {"p50": wb[0], "p99": wb[1]}},
         "fifo_ms": {"p50": p50_fifo, "p99": p99_fifo, "samples": len(fifo)},
         "batch_backlog": {"when_measuring": depth, "after": depth_after},
         "batch_calls_per_s": args.items / elapsed,
@@ -169,6 +182,9 @@ def main() -> None:
     depth = result["batch_backlog"]
     print(f"interactive behind batch: p50 {b['p50']:.1f} ms  p99 {b['p99']:.1f} ms  "
           f"(batch backlog {depth['when_measuring']:,} waiting, {depth['after']:,} after)")
+    w = result["to_start_ms"]
+    print(f"submit -> a worker starts it: alone p50 {w['alone']['p50']:.1f} / p99 {w['alone']['p99']:.1f} ms, "
+          f"behind p50 {w['behind']['p50']:.1f} / p99 {w['behind']['p99']:.1f} ms")
     if f["samples"]:
         print(f"queued as part of the batch (FIFO, as before fair dispatch): p50 {f['p50']:.1f} ms")
     print(f"batch: {result['batch_calls_per_s']:,.0f} calls/s")
