@@ -55,7 +55,7 @@ elseif lease ~= '' then
 end
 if release == '1' then
   if st == 'pending' then  -- (only a pending call waits)
-    unwait(KEYS[4], KEYS[9], KEYS[10], call_id, redis.call('HGET', KEYS[1], 'h_fkey'))
+    unwait(KEYS[4], KEYS[9], KEYS[10], call_id, KEYS[1])
   end
   if redis.call('ZREM', KEYS[5], call_id) == 1 then
     promote(KEYS[5], KEYS[4], KEYS[9], KEYS[10], KEYS[8], limit_of(KEYS[6], ckey), wake_channel, job_prefix)
