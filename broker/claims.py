@@ -110,7 +110,8 @@ class Claims:
                         "state": state,
                         "attempt": numbers[0],
                         "max_attempts": numbers[1],
-                        "queue": queue,
+                        # (a record without h_queue: the id's tag is its queue's, so its lease can go)
+                        "queue": queue or keys.RQ_QUEUE.format(keys.tag_in(cid) or keys.tag(q)),
                         "cancel": cancel == "1",
                         "ckey": ckey,
                     }
