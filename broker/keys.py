@@ -73,6 +73,7 @@ F_KIND = "h_kind"
 F_TOOL = "h_tool"
 F_TRACE = "h_trace"
 F_ENVELOPE = "h_env"
+F_PRINCIPAL = "h_principal"  # the principal a call runs as (absent: none), read by the API's per-principal checks
 
 
 def tag(queue_name: str) -> str:

@@ -96,7 +96,7 @@ class Claimed:
 def job_fields(env: Envelope, *, ckey: str, max_attempts: int, timeout: float) -> dict[str, Any]:
     """The RQ job hash (RQ's own fields, so ``rq info``/``Job.fetch`` work) plus ours."""
     stamp = rq_now()
-    return {
+    fields = {
         "created_at": stamp,
         "enqueued_at": stamp,
         "data": env.job_data(RQ_FUNC),
@@ -117,6 +117,10 @@ def job_fields(env: Envelope, *, ckey: str, max_attempts: int, timeout: float) -
         keys.F_TOOL: env.name,
         keys.F_TRACE: env.trace_id,
     }
+    principal = env.context.get("principal")
+    if principal:  # (whose call it is, one HGET away for the HTTP API's checks; absent: no principal)
+        fields[keys.F_PRINCIPAL] = principal
+    return fields
 
 
 def envelope_of(data: bytes) -> Envelope:
