@@ -168,3 +168,27 @@ def test_a_replay_runs_as_the_replaying_tokens_principal_and_only_an_admin_repla
         # The replays are in the audit list, each naming the original.
         replays = [r for r in admin.get("/v1/audit").json() if r.get("replay_of") == paid["call_id"]]
         assert sorted(r["principal"] for r in replays) == ["admin", "bob", "ci"]
+
+
+def test_a_stateful_mcp_session_answers_only_the_principal_that_opened_it(home: Home, serve: Any) -> None:
+    setup(home)
+    server = serve("--mcp-stateful")
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    initialize = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}},
+    }
+    with api(server, ALICE) as alice, api(server, BOB) as bob:
+        opened = alice.post("/mcp", json=initialize, headers=headers)
+        assert opened.status_code == 200, opened.text
+        session = {**headers, "Mcp-Session-Id": opened.headers["mcp-session-id"], "Mcp-Protocol-Version": "2025-06-18"}
+        alice.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=session)
+        listing = {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}
+        # bob holding alice's session id (to cancel her requests, to read her stream) is told it does not exist.
+        theirs = bob.post("/mcp", json=listing, headers=session)
+        unknown = bob.post("/mcp", json=listing, headers={**session, "Mcp-Session-Id": "0" * 32})
+        assert theirs.status_code == 404 and theirs.text == unknown.text, theirs.text
+        mine = alice.post("/mcp", json=listing, headers=session)
+        assert mine.status_code == 200 and "lookup" in mine.text, mine.text
