@@ -193,3 +193,18 @@ def test_a_stateful_mcp_session_answers_only_the_principal_that_opened_it(home: 
         assert theirs.status_code == 404 and theirs.text == unknown.text, theirs.text
         mine = alice.post("/mcp", json=listing, headers=session)
         assert mine.status_code == 200 and "lookup" in mine.text, mine.text
+
+
+def test_a_call_the_reaper_ends_is_still_its_principals_in_the_audit_log(home: Home, serve: Any, workers: Any) -> None:
+    setup(home)
+    (victim,) = workers(1, lease=1.0)
+    server = serve()
+    with api(server, ALICE) as alice:
+        call_id = alice.post("/v1/tools/sleep/calls", json={"args": {"seconds": 30}, "max_attempts": 1}).json()["call_id"]
+        wait_until(lambda: alice.get(f"/v1/calls/{quote(call_id)}").json()["state"] == "executing", 10)
+        victim.kill()
+        workers(1, lease=1.0)  # its reaper ends the call: worker_lost, no attempts left
+        wait_until(lambda: alice.get(f"/v1/calls/{quote(call_id)}").json()["state"] == "failed", 20)
+        found = wait_until(lambda: (r := alice.get(f"/v1/audit/{quote(call_id)}")).status_code == 200 and r, 10)
+        record = found.json()["record"]
+        assert record["principal"] == "alice" and record["error_type"] == "worker_lost"
