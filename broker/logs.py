@@ -101,8 +101,9 @@ def configure(level: str = "INFO", fmt: str = "console", stream: Any = None) -> 
                 ],
             )
         )
-        # Our loggers and plugins' follow the configured level; libraries' stay at WARNING.
+        # Our loggers and plugins' follow the configured level; libraries' stay at WARNING, one line each.
         handler.addFilter(_QuietLibraries())
+        handler.addFilter(LibraryRecords())
         root.addHandler(handler)
         root.setLevel(lvl)
     for each in root.handlers:
@@ -121,6 +122,59 @@ def _record_extras(logger: Any, method_name: str, event_dict: MutableMapping[str
     if record is not None and record.exc_text:
         event_dict["exception"] = record.exc_text
     return event_dict
+
+
+class LibraryRecords(logging.Filter):
+    """redis-py's records as one line at WARNING at most: the exception named in the message, its
+    traceback dropped (unless DEBUG is configured). A failover makes redis-py log errors with tracebacks
+    for what the gateway retries and reports itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(LIBRARIES) or _level <= logging.DEBUG:
+            return True
+        if record.levelno > logging.WARNING:
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        if record.exc_info:
+            error = record.exc_info[1]
+            message = record.getMessage()
+            if error is not None and str(error) and str(error) not in message:
+                message = f"{message} ({error})"
+            record.msg, record.args, record.exc_info, record.exc_text = message, None, None, None
+        return True
+
+
+LIBRARIES = ("redis.",)  # loggers whose records LibraryRecords shortens
+
+
+class _LastResort(logging.Handler):
+    """redis-py's records in a process whose application configured no logging: one line on stderr at
+    WARNING (Python's own last resort prints each with its traceback). Where the root logger has a handler
+    (``configure()``'s, or the application's), that handler decides alone."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.addFilter(LibraryRecords())
+        self.addFilter(RedactFilter())
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+
+    def handle(self, record: logging.LogRecord) -> bool:  # type: ignore[override]
+        if logging.getLogger().handlers:
+            return False
+        return bool(super().handle(record))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")  # (the stream of the moment, as the last resort's)
+        except Exception:  # noqa: BLE001 - logging must never raise into redis-py
+            self.handleError(record)
+
+
+def library_logs() -> None:
+    """Give redis-py's loggers a one-line handler of last resort (once per process): a client library must
+    not configure the application's logging, but neither print redis-py's tracebacks on its stderr."""
+    redis_logger = logging.getLogger("redis")
+    if not any(isinstance(h, _LastResort) for h in redis_logger.handlers):
+        redis_logger.addHandler(_LastResort())
 
 
 class _QuietLibraries(logging.Filter):

@@ -53,6 +53,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
+from broker import keys
+from broker.codec import text
 from broker.connection import async_from_url
 from broker.envelope import CONTEXT_FIELDS
 from broker.errors import (
@@ -95,11 +97,10 @@ def _number(body: dict[str, Any], name: str, low: float, *, integer: bool = Fals
 
 def _context(body: dict[str, Any]) -> dict[str, Any]:
     context = _field(body, "context", (dict,), "an object") or {}
-    unknown = sorted(str(k) for k in context if k not in CONTEXT_FIELDS)
+    known = [k for k in CONTEXT_FIELDS if k != "replay_of"]  # (set by the replay route alone)
+    unknown = sorted(str(k) for k in context if k not in known)
     if unknown:
-        raise BadRequest(
-            f"context: unknown field(s) {', '.join(unknown)}; known: {', '.join(CONTEXT_FIELDS)}", fields=unknown
-        )
+        raise BadRequest(f"context: unknown field(s) {', '.join(unknown)}; known: {', '.join(known)}", fields=unknown)
     return context
 
 
@@ -158,10 +159,11 @@ class Api:
         page = resources.files("hermes_gateway").joinpath("console.html").read_text(encoding="utf-8")
         return HTMLResponse(page)
 
-    async def status(self, _request: Request) -> Response:
+    async def status(self, request: Request) -> Response:
         from hermes_gateway.views import status_data
 
-        return reply(await run_in_threadpool(status_data, self.gw, True))
+        caller = _caller(request)
+        return reply(await run_in_threadpool(status_data, self.gw, True, None if caller.admin else caller))
 
     async def list_tools(self, _request: Request) -> Response:
         rows = []
@@ -245,12 +247,24 @@ class Api:
         outcome = await _outcome(handle, min(float(wait), MAX_WAIT))
         return reply(outcome, 200 if handle.done() else 202)
 
+    async def _visible(self, request: Request, call_id: str) -> None:
+        """Unknown call (404, the body of an id that does not exist) unless the caller may see it: a
+        token that is not admin sees its own principal's calls only, so ids cannot be probed. One HGET."""
+        caller = _caller(request)
+        if caller.admin:
+            return
+        owner = await self.agw.conn.hget(keys.job(call_id), keys.F_PRINCIPAL)
+        if not caller.sees(text(owner) if owner is not None else None):
+            raise CallFailed(f"no such call {call_id}", error_type="unknown_call")
+
     async def get_call(self, request: Request) -> Response:
+        await self._visible(request, request.path_params["call_id"])
         handle = await self.agw.handle(request.path_params["call_id"])
         return reply(await _outcome(handle, 0.0) if handle.done() else _accepted(handle))
 
     async def get_call_request(self, request: Request) -> Response:
         call_id = request.path_params["call_id"]
+        await self._visible(request, call_id)
         found = await run_in_threadpool(call_request, self.gw.conn, call_id)
         if found is None:
             raise CallFailed(f"no such call {call_id}", error_type="unknown_call")
@@ -258,10 +272,12 @@ class Api:
 
     async def cancel_call(self, request: Request) -> Response:
         call_id = request.path_params["call_id"]
+        await self._visible(request, call_id)
         await self.agw.handle(call_id)  # 404 for an unknown id
         return reply({"call_id": call_id, "cancelled": await self.agw.cancel(call_id)})
 
     async def call_events(self, request: Request) -> Response:
+        await self._visible(request, request.path_params["call_id"])
         handle = await self.agw.handle(request.path_params["call_id"])
         raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
         try:

@@ -73,8 +73,10 @@ def tools_table(entries: list[Entry], settings: Settings, states: dict[str, str]
     console.print(table)
 
 
-def status_data(gw: Any, figures: bool = False) -> dict[str, Any]:
-    """Everything ``status`` shows, as plain data; ``figures``: with the live call figures (``--json``)."""
+def status_data(gw: Any, figures: bool = False, viewer: Any = None) -> dict[str, Any]:
+    """Everything ``status`` shows, as plain data; ``figures``: with the live call figures (``--json``).
+    ``viewer``: a ``Caller`` that is not admin sees the recent failures of its own principal's calls only,
+    and no breaker's probe call id."""
     conn = gw.conn
     queue_keys = sorted(k.decode() for k in conn.smembers(keys.RQ_QUEUES))
     pipe = conn.pipeline(transaction=False)
@@ -84,12 +86,16 @@ def status_data(gw: Any, figures: bool = False) -> dict[str, Any]:
     flow = flow_control_data(conn)
     # (every key with calls waiting has its limit recorded: the sweep drops a limit only once nothing waits)
     waiting = {row["key"]: row["waiting"] for row in flow["concurrency"] if row["waiting"]}
-    failures = []
-    for raw in conn.lrange(keys.FAILURES, 0, 9):
+    failures: list[Any] = []
+    for raw in conn.lrange(keys.FAILURES, 0, 9 if viewer is None else -1):
         try:
-            failures.append(unpack(raw))
+            entry = unpack(raw)
         except Exception:  # noqa: BLE001 - a damaged entry is skipped, not fatal
             continue
+        if viewer is None or (isinstance(entry, dict) and viewer.sees(entry.get("principal"))):
+            failures.append(entry)
+        if len(failures) == 10:
+            break
     data = {
         "broker": gw.description,
         "queues": [{"queue": keys.queue_name(k), "depth": d} for k, d in zip(queue_keys, depths, strict=True)],
@@ -99,11 +105,18 @@ def status_data(gw: Any, figures: bool = False) -> dict[str, Any]:
         "recent_failures": failures,
         **flow,
     }
+    if viewer is not None:
+        data["breakers"] = hide_probes(data["breakers"])
     if figures:
         from hermes_gateway.watch import figures_json
 
         data["figures"] = figures_json(conn)  # what `status --watch` shows: calls by tool/state/error, ...
     return data
+
+
+def hide_probes(breakers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Breakers without the id of a half-open one's probe call (another principal's, maybe)."""
+    return [{**b, "probe": None} if b.get("probe") else b for b in breakers]
 
 
 def flow_control_data(conn: Any) -> dict[str, Any]:

@@ -179,6 +179,8 @@ class WorkerCore:
                     "error": error or {},
                     "ts": time.time(),
                     "worker": self.name,
+                    # (the API shows a non-admin token its own principal's failures only)
+                    "principal": run.env.context.get("principal") if run.env is not None else None,
                 }
             )
 

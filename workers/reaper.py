@@ -38,7 +38,9 @@ def _info(calls: Calls, call_id: str, item: dict[str, Any]) -> CallInfo:
     return CallInfo(call_id, trace, new_span_id(), kind, tool, None, chan, item["ckey"], origin)
 
 
-def _audit(audit: AuditLog | None, info: CallInfo, state: State, attempt: int, err: dict[str, Any]) -> None:
+def _audit(
+    audit: AuditLog | None, info: CallInfo, state: State, attempt: int, err: dict[str, Any], principal: str | None
+) -> None:
     if audit is None:
         return
     audit.append(
@@ -47,6 +49,7 @@ def _audit(audit: AuditLog | None, info: CallInfo, state: State, attempt: int, e
             kind=info.kind,
             state=str(state),
             error=err,
+            principal=principal,  # (whose record it is: the API shows it to that principal)
             tool_name=info.name if info.kind == "tool" else None,
             model=info.name if info.kind == "llm" else None,
             trace_id=info.trace_id,
@@ -117,8 +120,8 @@ def _end(
     """End the call in ``state`` with ``err``, and write its audit record when this move was the one that
     ended it."""
     reply = calls.finish(info, state, attempt=attempt, current=current, error=err, ttl=ttl)
-    if int(reply[0]) > 0:
-        _audit(audit, info, state, attempt, err)
+    if int(reply[0]) > 0 and audit is not None:
+        _audit(audit, info, state, attempt, err, text(calls.conn.hget(keys.job(info.call_id), keys.F_PRINCIPAL)) or None)
 
 
 def end_cancelled(calls: Calls, call_id: str, result_ttl: int, audit: AuditLog | None = None) -> None:

@@ -323,9 +323,9 @@ class CallRunner:
         """A payload that does not decode fails that call with a typed error; the worker goes on."""
         core = self.core
         raw = core.conn.hmget(
-            keys.job(claimed.call_id), keys.F_CHANNEL, keys.F_CKEY, keys.F_TRACE, keys.F_KIND, keys.F_TOOL
+            keys.job(claimed.call_id), keys.F_CHANNEL, keys.F_CKEY, keys.F_TRACE, keys.F_KIND, keys.F_TOOL, "origin"
         )
-        chan, ckey, trace, kind, tool = (text(v) for v in raw)
+        chan, ckey, trace, kind, tool, origin = (text(v) for v in raw)
         info = CallInfo(
             claimed.call_id,
             trace,
@@ -335,7 +335,7 @@ class CallRunner:
             None,
             chan or keys.caller_channel("unknown"),
             ckey,
-            "",
+            origin or keys.tag_in(claimed.call_id)[1:-1],  # its lease and slot are in its queue's keys
         )
         run = Running(info, None, claimed.attempt)  # type: ignore[arg-type]
         log.warning("undecodable call payload", call_id=claimed.call_id, error=str(err))

@@ -8,12 +8,16 @@
 -- are followed and puts it back, or drops it when it is gone (expired).
 -- The ids popped are discovered here: their records are read at job_prefix .. id and their slot sets at
 -- slots_prefix .. concurrency key (ids and keys carry the queue's tag, so all of them live in this slot).
+-- On a cluster an id that does not start with `id_prefix` (the queue's tag and a dot; '' on one Redis)
+-- is no call of this queue: it is returned as absent without a lookup (its record would be another
+-- slot's key, and the script would fail after its pops).
 local max = tonumber(ARGV[1])
 local worker = ARGV[2]
 local deadline = ARGV[3]
 local started_at = ARGV[4]
 local job_prefix = ARGV[5]
 local slots_prefix = ARGV[6]
+local id_prefix = ARGV[7]
 
 local out = {}
 local absent = {}
@@ -22,7 +26,10 @@ while got < max do
   local id = redis.call('LPOP', KEYS[2])
   if not id then break end
   local job = job_prefix .. id
-  local f = redis.call('HMGET', job, 'h_state', 'h_ckey', 'data', 'h_attempt')
+  local f = {}
+  if string.sub(id, 1, #id_prefix) == id_prefix then
+    f = redis.call('HMGET', job, 'h_state', 'h_ckey', 'data', 'h_attempt')
+  end
   if f[1] == 'pending' then
     if f[2] then redis.call('ZADD', slots_prefix .. f[2], 'XX', deadline, id) end
     redis.call('HSET', job, 'h_worker', worker, 'worker_name', worker, 'started_at', started_at)
