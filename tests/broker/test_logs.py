@@ -228,3 +228,58 @@ def test_json_lines_keep_secret_named_numbers_masked_and_exceptions_as_text(out:
     (line,) = [json.loads(x) for x in out.getvalue().splitlines()]
     assert line["token"] == "***" and line["max_tokens"] == 50
     assert line["error"].startswith("ValueError: bad ") and KEY not in line["error"]
+
+
+class _Writes(io.StringIO):
+    """A stream that remembers each write() (what one system call would carry)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return super().write(text)
+
+
+def test_info_lines_wait_and_go_out_together_in_whole_lines_of_at_most_4_kib() -> None:
+    stream = _Writes()
+    writer = logs.LineWriter(stream, every=60.0)
+    lines = [f"line {i} " + "x" * 90 for i in range(100)]
+    for line in lines:
+        writer.info(line)
+    assert len(stream.writes) == 2  # ~10 KiB of lines: two full chunks out, the rest waiting
+    writer.flush()
+    assert stream.getvalue() == "".join(x + "\n" for x in lines)  # every line, in order, once
+    assert all(w.endswith("\n") and len(w.encode()) <= 4096 for w in stream.writes)
+
+
+def test_a_warning_goes_out_at_once_after_the_info_lines_waiting() -> None:
+    stream = _Writes()
+    writer = logs.LineWriter(stream, every=60.0)
+    writer.info("call started")
+    assert stream.getvalue() == ""
+    writer.warning("call finished state=failed")
+    assert stream.getvalue() == "call started\ncall finished state=failed\n"
+
+
+def test_waiting_lines_are_written_within_the_interval_without_more_logging() -> None:
+    from tests.conftest import wait_until
+
+    stream = _Writes()
+    logs.LineWriter(stream, every=0.05).info("call finished")
+    wait_until(lambda: stream.getvalue() == "call finished\n", timeout=5, message="the ticker never wrote")
+
+
+def test_a_process_that_exits_writes_every_info_line_it_logged() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import structlog\nfrom broker.logs import configure\nconfigure('INFO', 'json')\n"
+        "log = structlog.get_logger('t')\n"
+        "for i in range(500):\n    log.info('call finished', i=i)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    got = [json.loads(x)["i"] for x in done.stderr.splitlines()]
+    assert done.returncode == 0 and got == list(range(500))
