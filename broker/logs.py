@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import logging
-import os
 import re
 import sys
-import threading
 import time
 from collections.abc import Mapping, MutableMapping
 from functools import lru_cache
@@ -135,9 +131,7 @@ def json_lines() -> bool:
 
 def configure(level: str = "INFO", fmt: str = "console", stream: Any = None) -> None:
     """Configure structlog and stdlib logging once per process."""
-    global _level, _json, _calls, _writer
-    flush()  # the lines the writer configure() replaces holds
-    _writer = LineWriter(stream or sys.stderr, None if stream is not None else 0.1)
+    global _level, _json, _calls
     lvl = getattr(logging, str(level).upper(), logging.INFO)
     _level = lvl
     _json = fmt == "json"
@@ -157,9 +151,9 @@ def configure(level: str = "INFO", fmt: str = "console", stream: Any = None) -> 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        # Whole lines per write() (LineWriter): the processes of a pool share one stderr, and lines
-        # written in two parts came out glued to another process's.
-        logger_factory=_writer,
+        # One write() per line (message and newline together): the processes of a pool share one stderr,
+        # and lines written in two parts came out glued to another process's.
+        logger_factory=_OneWriter(stream or sys.stderr),
         cache_logger_on_first_use=False,
     )
     _calls = structlog.get_logger("hermes.worker").bind()
@@ -190,87 +184,15 @@ def configure(level: str = "INFO", fmt: str = "console", stream: Any = None) -> 
             each.addFilter(RedactFilter())
 
 
-class LineWriter:
-    """Where every structlog line goes (the logger factory returns this one object).
+class _OneWriter:
+    """The logger factory: every logger writes through one ``WriteLogger`` (structlog's factory made one
+    per log line, with ``cache_logger_on_first_use`` off)."""
 
-    With ``every`` (the process's own stderr) a line of INFO or below waits with others and they are
-    written together: once 4 KiB wait, else within ``every`` seconds, before the next WARNING line, at
-    exit, or on ``flush()``. A busy worker then makes one write() per ~20 lines instead of one per line:
-    each write gives up the GIL and the worker's call threads queue to take it back (issue #30 measured
-    ~12 us a line in a busy worker). A WARNING or worse line is written at once, after those waiting.
-    One write() holds whole lines only, at most 4 KiB unless one line is longer: the processes of a pool
-    share one stderr, and a pipe keeps a write of up to PIPE_BUF (4 KiB) bytes in one piece.
-    Without ``every`` (a stream given to configure(): tests, embedding) each line is written at once.
-    """
+    def __init__(self, stream: Any) -> None:
+        self.logger = structlog.WriteLogger(stream)
 
-    CHUNK = 4096
-
-    def __init__(self, stream: Any, every: float | None = None) -> None:
-        self.stream, self.every = stream, every
-        self._lock = threading.Lock()
-        self._lines: list[str] = []
-        self._size = 0
-        self._ticking = 0  # the pid whose ticker thread runs (a forked child starts its own)
-
-    def later(self, line: str) -> None:
-        if not self.every:
-            self.now(line)
-            return
-        size = (len(line) if line.isascii() else len(line.encode())) + 1
-        with self._lock:
-            if self._lines and self._size + size > self.CHUNK:
-                self._write_waiting()
-            self._lines.append(line)
-            self._size += size
-            if self._ticking != os.getpid():
-                self._ticking = os.getpid()
-                threading.Thread(target=self._tick, name="hermes-log-writer", daemon=True).start()
-
-    def now(self, line: str) -> None:
-        with self._lock:
-            if self._lines:
-                self._write_waiting()
-            self.stream.write(line + "\n")
-            self.stream.flush()
-
-    def flush(self) -> None:
-        """Write the lines waiting, now."""
-        with self._lock:
-            if self._lines:
-                self._write_waiting()
-
-    def _write_waiting(self) -> None:  # (holding the lock)
-        text = "\n".join(self._lines) + "\n"
-        self._lines, self._size = [], 0
-        self.stream.write(text)
-        self.stream.flush()
-
-    def _tick(self) -> None:
-        while True:
-            time.sleep(self.every or 1.0)
-            try:
-                self.flush()
-            except (OSError, ValueError):  # stderr closed (interpreter exit): nothing more to write
-                return
-
-    def __call__(self, *args: Any) -> LineWriter:
-        return self
-
-    debug = info = later
-    msg = log = warn = warning = err = error = critical = fatal = exception = failure = now
-
-
-_writer: LineWriter | None = None
-
-
-def flush() -> None:
-    """Write the log lines waiting (``LineWriter``); also run at exit."""
-    if _writer is not None:
-        with contextlib.suppress(OSError, ValueError):
-            _writer.flush()
-
-
-atexit.register(flush)
+    def __call__(self, *args: Any) -> structlog.WriteLogger:
+        return self.logger
 
 
 def _record_extras(logger: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
