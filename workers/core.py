@@ -140,7 +140,7 @@ class WorkerCore:
         wait = max(0.0, run.claimed_at - float(run.env.submitted_at))
         metrics.call_started(run.info.ckey, run.info.queue, wait)
         if logs.info_enabled():
-            log.info("call started", attempt=run.attempt, queue_wait_ms=round(wait * 1000, 3))
+            logs.call_log().info("call started", attempt=run.attempt, queue_wait_ms=round(wait * 1000, 3))
 
     def inflight(self) -> list[Running]:
         with self._lock:
@@ -201,7 +201,7 @@ class WorkerCore:
             message = (error or {}).get("message")
             log.warning("call finished", state=outcome, duration_ms=ms, error_type=err_type, error=message)
         elif logs.info_enabled():
-            log.info("call finished", state=outcome, duration_ms=ms)
+            logs.call_log().info("call finished", state=outcome, duration_ms=ms)
 
     # -- the call's steps: the Hermes contract's order ------------------------------------------
 
