@@ -46,15 +46,22 @@ class Claims:
 
     def claim(self, queues: list[str], n: int, worker: str, lease: float) -> list[Claimed]:
         """Take up to ``n`` pending calls off the queues (in order), leased to ``worker``: one script per
-        queue (each queue is a slot of its own), the next queue only while fewer than ``n`` came."""
+        queue (each queue is a slot of its own), the next queue only while fewer than ``n`` came. A queue
+        whose slot is moving to another node (a cluster's redirections, ``pipes.moving``) is skipped this
+        time."""
         out: list[Claimed] = []
         deadline, now = lease_deadline(lease), rq_now()
         for q in queues:
             tag = keys.tag(q)
-            reply, absent = self._claim(
-                keys=[keys.leases(tag), keys.queue(q)],
-                args=[n - len(out), worker, deadline, now, keys.job(""), keys.slots(tag, "")],
-            )
+            try:
+                reply, absent = self._claim(
+                    keys=[keys.leases(tag), keys.queue(q)],
+                    args=[n - len(out), worker, deadline, now, keys.job(""), keys.slots(tag, "")],
+                )
+            except redis.RedisError as e:
+                if not pipes.moving(e):
+                    raise
+                continue  # this queue's slot is moving to another node: claimed again once it is there
             self.recheck_absent(absent, requeue=keys.queue(q))
             for i in range(0, len(reply), 3):
                 cid, data, attempt = reply[i], reply[i + 1], reply[i + 2]
@@ -91,10 +98,15 @@ class Claims:
         now = time.time()
         out = []
         for q in queues:
-            reply = self._reap(
-                keys=[keys.leases(keys.tag(q))],
-                args=[now, lease_deadline(lease), limit, keys.job(""), "reap"],
-            )
+            try:
+                reply = self._reap(
+                    keys=[keys.leases(keys.tag(q))],
+                    args=[now, lease_deadline(lease), limit, keys.job(""), "reap"],
+                )
+            except redis.RedisError as e:
+                if not pipes.moving(e):
+                    raise
+                continue  # this queue's slot is moving: its leases are looked at next time
             self.recheck_absent(reply.pop(), zset=keys.leases(keys.tag(q)))
             for i in range(0, len(reply), 7):
                 cid, state, attempt, max_att, queue, cancel, ckey = (text(v) for v in reply[i : i + 7])

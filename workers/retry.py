@@ -116,7 +116,7 @@ def schedule(
     def write(pipe: Any) -> None:
         calls.retry(run.info, attempt=run.attempt, current=current, detail=detail, due=due, pipeline=pipe)
 
-    core.outbox.put(write, check)
+    core.write(run, write, check)
     core.retries_scheduled(due)
     run.trace.retry(run.attempt, delay, error)  # a span event on this attempt's process span
     log.info("attempt failed, retrying", attempt=run.attempt, error=error.type, delay=round(delay, 3))
