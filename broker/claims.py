@@ -17,6 +17,8 @@ from . import keys, partitions, pipes, poison, scripts
 from .codec import text
 from .records import CallInfo, Claimed, lease_deadline, rq_now
 
+_ABSENT_PATIENCE = 30.0  # seconds a recheck waits out a moving slot (a migration of one slot)
+
 
 class Claims:
     """Scripted operations of the workers on call records."""
@@ -137,8 +139,11 @@ def recheck_absent(conn: Any, ids: list[bytes], *, requeue: str | None = None, z
     leaves ``zset``."""
     for raw_id in ids:
         cid = text(raw_id)
-        if conn.exists(keys.job(cid)):
+        # A slot mid-migration bounces single-key commands too (MOVED back and forth while its nodes learn
+        # the new owner): asked again, so a popped id is never dropped.
+        patience = pipes.for_seconds(_ABSENT_PATIENCE)
+        if pipes.patiently(patience, conn.exists, keys.job(cid)):
             if requeue is not None:
-                conn.lpush(requeue, cid)
+                pipes.patiently(patience, conn.lpush, requeue, cid)
         elif zset is not None:
-            conn.zrem(zset, cid)
+            pipes.patiently(patience, conn.zrem, zset, cid)

@@ -126,6 +126,27 @@ def moving(reply: Any) -> bool:
     return isinstance(reply, ResponseError) and "non local key" in str(reply)
 
 
+def patiently(keep_trying: KeepTrying, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``, called again after a backoff while it fails because a cluster slot is moving
+    (``moving``: it did not run) and ``keep_trying`` says so."""
+    delay, rounds = 0.05, 0
+    while True:
+        try:
+            return call(*args)
+        except (AskError, TryAgainError, ClusterError, ResponseError) as e:
+            if not moving(e) or not keep_trying(rounds, e):
+                raise
+        rounds += 1
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+
+
+def for_seconds(seconds: float) -> KeepTrying:
+    """A ``keep_trying`` that goes on for ``seconds`` from now."""
+    until = time.monotonic() + seconds
+    return lambda _rounds, _e: time.monotonic() < until
+
+
 def settled(pipe: Any, keep_trying: KeepTrying) -> list[Any]:
     """``pipe.execute()`` (the first error raised), riding out a slot migration on a cluster as ``stock``."""
     if not isinstance(pipe, ClusterPipeline):

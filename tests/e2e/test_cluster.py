@@ -154,7 +154,7 @@ def test_a_slot_migration_during_a_batch_loses_no_call_and_runs_none_twice(
         assert len(runs) == 1, cid
 
 
-@pytest.mark.parametrize(("batch", "pause"), [(50, 0.01), (5, 0.05)], ids=["fast", "slow"])
+@pytest.mark.parametrize(("batch", "pause"), [(20, 0.05), (5, 0.1)], ids=["fast", "slow"])
 def test_a_slot_migration_mid_batch_runs_every_call_exactly_once(
     cluster: Cluster, cgateway: Any, cworkers: Any, home: Any, tmp_path: Path, batch: int, pause: float
 ) -> None:
