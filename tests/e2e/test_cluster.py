@@ -178,7 +178,9 @@ def test_a_slot_migration_mid_batch_runs_every_call_exactly_once(
         input_schema={"type": "object", "properties": {"seconds": {"type": "number"}, "log": {"type": "string"}}},
     )
     gw.sync_tools()
-    cworkers(2, queues="tools", concurrency=16, lease=5.0)
+    # A lease shorter than the slow migration: writes that wait for the slot outlast it, so the workers
+    # must keep the leases of the calls they finished meanwhile (without that, ~50 of 300 ran twice).
+    cworkers(2, queues="tools", concurrency=16, lease=2.0)
     handles = gw.map("counted", [{"seconds": 0.25, "log": str(runs)}] * 300)
     ids = [h.call_id for h in handles.accepted]
     assert len(ids) == 300
