@@ -37,6 +37,8 @@ except ImportError:  # pragma: no cover - hiredis is an install dependency; redi
 FAST = True
 
 Command = tuple[tuple[Any, ...], dict[str, Any]]
+# Seconds a caller's submission waits out a moving cluster slot before the refusal is its error.
+SUBMIT_PATIENCE = 30.0
 # Asked before each round of resending the commands a moving slot refused: (rounds so far, one of the
 # errors) -> whether to go on.
 KeepTrying = Callable[[int, Exception], bool]

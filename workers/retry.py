@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 import structlog
 
+from broker import pipes
 from broker.errors import HermesError
 from broker.limits import Limits
 from broker.records import CallInfo
@@ -150,7 +151,7 @@ class RetryScheduler:
             for d in due:
                 info = CallInfo(d.call_id, d.trace_id, new_span_id(), d.kind, d.name, None, d.channel, d.ckey, d.queue)
                 self.calls.requeue(info, attempt=d.attempt, pipeline=pipe)
-            pipe.execute(raise_on_error=False)
+            pipes.execute(pipe, keep_trying=pipes.for_seconds(self.hold))  # (held that long: a moving slot is waited out)
         return len(due), nxt
 
     def run(self, stopping: threading.Event) -> None:

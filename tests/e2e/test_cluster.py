@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -187,10 +188,17 @@ def test_a_slot_migration_mid_batch_runs_every_call_exactly_once(
     slot = gw.conn.keyslot(keys.queue(partitions.name("tools", 3, 1)))
     dest = next(p for p in cluster.ports if p != cluster.slot_owner(slot))
     wait_until(lambda: runs.exists() and len(runs.read_text().splitlines()) >= 20, 30, message="calls running")
-    started = time.monotonic()
-    moved = cluster.migrate_slot(slot, dest, batch=batch, pause=pause)
+    started, moved = time.monotonic(), []
+    mover = threading.Thread(target=lambda: moved.append(cluster.migrate_slot(slot, dest, batch=batch, pause=pause)))
+    mover.start()
+    # More calls submitted while the slot moves (SUBMIT meets TRYAGAIN too): each accepted, none refused.
+    wait_until(lambda: cluster.node(dest).execute_command("CLUSTER COUNTKEYSINSLOT", slot) > 0, 10, 0.01)
+    late = gw.map("counted", [{"seconds": 0.25, "log": str(runs)}] * 60)
+    assert len(late.accepted) == 60
+    ids += [h.call_id for h in late.accepted]
+    mover.join(60)
     took = time.monotonic() - started
-    assert moved > 0 and cluster.slot_owner(slot) == dest
+    assert moved[0] > 0 and cluster.slot_owner(slot) == dest
 
     def ended() -> list[dict[str, Any]] | None:
         records = [gw.calls.record(cid) for cid in ids]
@@ -198,7 +206,7 @@ def test_a_slot_migration_mid_batch_runs_every_call_exactly_once(
 
     records = wait_until(ended, 60, 0.2, "every call ended")
     states = Counter(r["state"] for r in records)
-    assert states == {"done": 300}, (states, f"migration took {took:.1f}s")
+    assert states == {"done": 360}, (states, f"migration took {took:.1f}s")
     lines = [line.split() for line in runs.read_text().splitlines()]
     counts = Counter(cid for cid, _ in lines)
     twice = {cid: n for cid, n in counts.items() if n != 1}
