@@ -20,6 +20,7 @@ from .connection import is_cluster
 from .records import CallInfo, Claimed, lease_deadline, rq_now
 
 log = structlog.get_logger("hermes.claims")
+_ABSENT_PATIENCE = 30.0  # seconds a recheck waits out a moving slot (a migration of one slot)
 
 
 class Claims:
@@ -51,15 +52,22 @@ class Claims:
 
     def claim(self, queues: list[str], n: int, worker: str, lease: float) -> list[Claimed]:
         """Take up to ``n`` pending calls off the queues (in order), leased to ``worker``: one script per
-        queue (each queue is a slot of its own), the next queue only while fewer than ``n`` came."""
+        queue (each queue is a slot of its own), the next queue only while fewer than ``n`` came. A queue
+        whose slot is moving to another node (a cluster's redirections, ``pipes.moving``) is skipped this
+        time."""
         out: list[Claimed] = []
         deadline, now = lease_deadline(lease), rq_now()
         for q in queues:
             tag = keys.tag(q)
-            reply, absent = self._claim(
-                keys=[keys.leases(tag), keys.queue(q)],
-                args=[n - len(out), worker, deadline, now, keys.job(""), keys.slots(tag, ""), tag + "." if self._strict_ids else ""],
-            )
+            try:
+                reply, absent = self._claim(
+                    keys=[keys.leases(tag), keys.queue(q)],
+                    args=[n - len(out), worker, deadline, now, keys.job(""), keys.slots(tag, ""), tag + "." if self._strict_ids else ""],
+                )
+            except redis.RedisError as e:
+                if not pipes.moving(e):
+                    raise
+                continue  # this queue's slot is moving to another node: claimed again once it is there
             if absent:
                 for gone in self.recheck_absent(absent, requeue=keys.queue(q)):
                     DROPPED.warn(q, gone)
@@ -98,10 +106,15 @@ class Claims:
         now = time.time()
         out = []
         for q in queues:
-            reply = self._reap(
-                keys=[keys.leases(keys.tag(q))],
-                args=[now, lease_deadline(lease), limit, keys.job(""), "reap"],
-            )
+            try:
+                reply = self._reap(
+                    keys=[keys.leases(keys.tag(q))],
+                    args=[now, lease_deadline(lease), limit, keys.job(""), "reap"],
+                )
+            except redis.RedisError as e:
+                if not pipes.moving(e):
+                    raise
+                continue  # this queue's slot is moving: its leases are looked at next time
             self.recheck_absent(reply.pop(), zset=keys.leases(keys.tag(q)))
             for i in range(0, len(reply), 7):
                 cid, state, attempt, max_att, queue, cancel, ckey = (text(v) for v in reply[i : i + 7])
@@ -136,13 +149,16 @@ def recheck_absent(conn: Any, ids: list[bytes], *, requeue: str | None = None, z
     gone = []
     for raw_id in ids:
         cid = text(raw_id)
-        if raw(raw_id).startswith(prefix) and conn.hexists(keys.job(cid), keys.F_STATE):
+        # A slot mid-migration bounces single-key commands too (MOVED back and forth while its nodes learn
+        # the new owner): asked again, so a popped id is never dropped.
+        patience = pipes.for_seconds(_ABSENT_PATIENCE)
+        if raw(raw_id).startswith(prefix) and pipes.patiently(patience, conn.hexists, keys.job(cid), keys.F_STATE):
             if requeue is not None:
-                conn.lpush(requeue, cid)
+                pipes.patiently(patience, conn.lpush, requeue, cid)
             continue
         gone.append(raw(raw_id))
         if zset is not None:
-            conn.zrem(zset, cid)
+            pipes.patiently(patience, conn.zrem, zset, cid)
     return gone
 
 

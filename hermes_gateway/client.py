@@ -263,7 +263,9 @@ class Gateway(ClientEvents, ClientWorkers):
             self.calls.submit(env, pipeline=pipe, **limits)
             confirm = durability.queue_wait(pipe, self.settings)  # before the wake-up: workers see it confirmed
             self._wake(pipe, [env.queue])
-            replies = pipes.execute(pipe)
+            # (SUBMIT reads what it discovers before its first write: a refusal of a moving slot means it did
+            # not run, so it is sent again while the slot moves)
+            replies = pipes.execute(pipe, keep_trying=pipes.for_seconds(pipes.SUBMIT_PATIENCE))
             reply = replies[0]
             self._wake(None, [env.queue])
             if isinstance(reply, Exception):
@@ -389,7 +391,7 @@ class Gateway(ClientEvents, ClientWorkers):
         confirm = durability.queue_wait(pipe, self.settings)
         queues = list(dict.fromkeys(partitions.base(env.queue) for env, _, _ in chunk))
         self._wake(pipe, queues)
-        replies = pipes.execute(pipe)
+        replies = pipes.execute(pipe, keep_trying=pipes.for_seconds(pipes.SUBMIT_PATIENCE))
         self._wake(None, queues)
         return replies[: len(chunk)], replies[len(chunk)] if confirm else None
 

@@ -63,6 +63,10 @@ class WorkerCore:
         self.outbox = Outbox(conn, confirmer=self.confirmer)
         self.directory = Directory(conn)
         self._inflight: dict[str, Running] = {}
+        # Calls that ended here whose writes are still on their way (a cluster slot moving holds them in the
+        # outbox): the worker keeps their leases, so the reaper does not take and run them again.
+        self._unwritten: dict[str, Running] = {}
+        self._writing: dict[int, int] = {}  # writes queued and not answered yet, per run (id of its Running)
         self._held: dict[str, int] = {}  # calls in flight here per concurrency key
         self._lock = threading.Lock()
         self._cancelled: set[str] = set()
@@ -100,10 +104,35 @@ class WorkerCore:
             ckey = run.info.ckey
             self._held[ckey] = self._held.get(ckey, 0) + 1
 
+    def write(self, run: Running, writer: Callable[[Any], None], callback: Callable[[Any], None]) -> None:
+        """Queue a write of ``run`` on the outbox; until it is answered the call counts as ``unwritten``
+        once it left this process's in-flight set (its lease is kept)."""
+        key = id(run)
+        with self._lock:
+            self._writing[key] = self._writing.get(key, 0) + 1
+
+        def answered(reply: Any) -> None:
+            with self._lock:
+                left = self._writing.pop(key, 1) - 1
+                if left > 0:
+                    self._writing[key] = left
+                elif self._unwritten.get(run.info.call_id) is run:
+                    del self._unwritten[run.info.call_id]
+            callback(reply)
+
+        self.outbox.put(writer, answered)
+
+    def unwritten(self) -> list[Running]:
+        """Calls no longer running here whose last writes are not in Redis yet (their leases are kept)."""
+        with self._lock:
+            return list(self._unwritten.values())
+
     def untrack(self, run: Running) -> None:
         with self._lock:
             if self._inflight.get(run.info.call_id) is run:
                 del self._inflight[run.info.call_id]
+            if self._writing.get(id(run)):
+                self._unwritten[run.info.call_id] = run
             # Paired with track() (runner.run's finally), even when a newer run of the same call id (taken
             # over after a lost lease, then given back to us) replaced this one in _inflight.
             ckey = run.info.ckey

@@ -6,7 +6,7 @@ from typing import Any
 
 import structlog
 
-from broker import keys
+from broker import keys, pipes
 from broker.audit import AuditRecord
 from broker.audit_store import AuditLog
 from broker.calls import Calls
@@ -17,6 +17,8 @@ from broker.states import ACTIVE, State
 from broker.tracecontext import new_span_id
 
 log = structlog.get_logger("hermes.reaper")
+
+_SETTLE_PATIENCE = 5.0  # seconds a settling write waits out a moving cluster slot (the entry is held a lease)
 
 
 def reap(calls: Calls, queues: list[str], lease: float, result_ttl: int, audit: AuditLog | None = None) -> int:
@@ -79,7 +81,7 @@ def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog
             pipe.zadd(keys.slots(tag, item["ckey"]), {call_id: "inf"}, xx=True)
             pipe.lpush(item["queue"], call_id)
             pipe.zrem(keys.leases(tag), call_id)
-            pipe.execute()
+            pipes.settled(pipe, pipes.for_seconds(_SETTLE_PATIENCE))  # (a moving slot: what it refused, again)
             calls.conn.publish(calls.wake_channel(name), b"")
         log.info("requeued call of a lost worker", call_id=call_id, state=state)
         return

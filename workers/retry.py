@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 import structlog
 
+from broker import pipes
 from broker.errors import HermesError
 from broker.limits import Limits
 from broker.records import CallInfo
@@ -116,7 +117,7 @@ def schedule(
     def write(pipe: Any) -> None:
         calls.retry(run.info, attempt=run.attempt, current=current, detail=detail, due=due, pipeline=pipe)
 
-    core.outbox.put(write, check)
+    core.write(run, write, check)
     core.retries_scheduled(due)
     run.trace.retry(run.attempt, delay, error)  # a span event on this attempt's process span
     log.info("attempt failed, retrying", attempt=run.attempt, error=error.type, delay=round(delay, 3))
@@ -150,7 +151,7 @@ class RetryScheduler:
             for d in due:
                 info = CallInfo(d.call_id, d.trace_id, new_span_id(), d.kind, d.name, None, d.channel, d.ckey, d.queue)
                 self.calls.requeue(info, attempt=d.attempt, pipeline=pipe)
-            pipe.execute(raise_on_error=False)
+            pipes.execute(pipe, keep_trying=pipes.for_seconds(self.hold))  # (held that long: a moving slot is waited out)
         return len(due), nxt
 
     def run(self, stopping: threading.Event) -> None:

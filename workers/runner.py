@@ -108,7 +108,7 @@ class CallRunner:
             w = run.open
             if w is None or w.taken:
                 w = _Write(current)
-                self.core.outbox.put(self._writer(run, w), self._replied(w, run.info.call_id))
+                self.core.write(run, self._writer(run, w), self._replied(w, run.info.call_id))
             w.steps.append(step)
             w.kw = kw
             if after is not None:
@@ -180,7 +180,7 @@ class CallRunner:
 
         with run.writes:  # after the call's moves so far, before its next ones
             run.open = None
-            self.core.outbox.put(write, lambda reply: self._check(run, state, reply))
+            self.core.write(run, write, lambda reply: self._check(run, state, reply))
 
     # -- the call --------------------------------------------------------------------------------
 

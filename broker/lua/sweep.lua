@@ -13,8 +13,9 @@ local wake_channel = ARGV[5]
 local stale = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', cutoff, 'LIMIT', 0, max)
 local freed = 0
 for _, id in ipairs(stale) do
-  local st = redis.call('HGET', job_prefix .. id, 'h_state')
-  if not st or st == 'done' or st == 'failed' or st == 'cancelled' or st == 'retrying' then
+  local st = redis.pcall('HGET', job_prefix .. id, 'h_state')
+  if type(st) == 'table' then  -- already moved to another node (a slot migration): looked at next time
+  elseif not st or st == 'done' or st == 'failed' or st == 'cancelled' or st == 'retrying' then
     redis.call('ZREM', KEYS[1], id)
     freed = freed + 1
   end

@@ -37,6 +37,9 @@ elseif sources == 'pending!' then  -- pending and taken by no worker (a caller c
 elseif sources ~= '*' then
   if not string.find(',' .. sources .. ',', ',' .. st .. ',', 1, true) then return {-3, st} end
 end
+-- The idempotency key is read before the first write: a key this node no longer serves (its slot is
+-- migrating) fails the script here, before it changed anything, so the writer sends it again whole.
+local idem_ours = ttl ~= '' and rec[3] and redis.call('GET', rec[3]) == call_id
 -- One increment for every event this call records: the earlier ones get seq .. seq + before - 1.
 local seq = redis.call('HINCRBY', KEYS[1], 'h_seq', before + 1) - before
 if state ~= '' then
@@ -76,7 +79,7 @@ redis.call('RPUSH', KEYS[2], unpack(stored))
 if ttl ~= '' then
   redis.call('EXPIRE', KEYS[1], ttl)
   redis.call('EXPIRE', KEYS[2], ttl)
-  if rec[3] and redis.call('GET', rec[3]) == call_id then redis.call('EXPIRE', rec[3], ttl) end
+  if idem_ours then redis.call('EXPIRE', rec[3], ttl) end
 end
 redis.call(publish, channel, ev)
 return {seq, st}
