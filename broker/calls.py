@@ -60,6 +60,7 @@ class Calls(Submits):
         via: Sequence[Step] = (),
         ts: float | None = None,
         unleased: bool = False,
+        used_tokens: int | None = None,
     ) -> Any:
         """Move a call to ``target`` (or publish a non-state event when None), atomically with its event.
 
@@ -70,7 +71,8 @@ class Calls(Submits):
 
         Ending (or ``retrying``) releases the call's concurrency slot and promotes the oldest waiting call
         of its key; ``requeue`` admits it again (a free slot, else waiting at ``requeue_score``, default
-        now); ``schedule_at`` puts a ``retrying`` call on the scheduled set, due at that time.
+        now); ``schedule_at`` puts a ``retrying`` call on the scheduled set, due at that time. Releasing
+        settles the call's rate-limiter entry with ``used_tokens`` (None: its estimate stands).
         """
         release = target is not None and (target in TERMINAL or target is State.RETRYING)
         if via and target is None:
@@ -110,6 +112,9 @@ class Calls(Submits):
                 keys.limits(tag),
                 keys.scheduled(tag),
                 keys.queue(info.queue),
+                keys.rate(tag, info.ckey),
+                keys.rate_log(tag, info.ckey),
+                keys.rate_due(tag),
             ],
             [
                 info.call_id,
@@ -128,6 +133,7 @@ class Calls(Submits):
                 "" if schedule_at is None else schedule_at,
                 self.wake_channel(info.queue),
                 self.publish,
+                "" if used_tokens is None else used_tokens,
                 *flat,
             ],
             pipeline,

@@ -30,6 +30,9 @@ SCHEDULED = PREFIX + ":scheduled:{}"  # zset call_id -> when a ``retrying`` call
 LIMITS = PREFIX + ":limits:{}"  # hash concurrency key -> its limit (-1 = none), written by every submission
 SLOTS = PREFIX + ":slots:{}:{}"  # zset call_id -> lease deadline (+inf while queued) of calls holding a slot
 WAITING = PREFIX + ":waiting:{}:{}"  # zset call_id -> submit time, per concurrency key (admission)
+RATE = PREFIX + ":rate:{}:{}"  # hash: a concurrency key's rate limits, token sum, pause, entries (ratelimit.lua)
+RATE_LOG = PREFIX + ":ratelog:{}:{}"  # zset: the rate limiter's sliding log, entry -> when sent (ms)
+RATE_DUE = PREFIX + ":ratedue:{}"  # zset concurrency key -> when its rate limiter has room again (ms)
 IDEMPOTENCY = PREFIX + ":idem:{}:{}"  # idempotency key -> call_id
 QUEUE_WORKERS = PREFIX + ":qworkers:{}"  # zset per queue: workers listening on it -> last heartbeat
 # -- channels --
@@ -50,6 +53,7 @@ AUDIT_STREAM = PREFIX + ":{audit}"  # stream of packed AuditRecords, capped by c
 AUDIT_INDEX = PREFIX + ":{audit}:idx"  # zset call_id -> ms part of its stream id
 POLICY = PREFIX + ":policy"  # hash: data (packed Policy), digest, version, pushed_at, source
 POLICY_CHANNEL = PREFIX + ":policy:changes"  # pub/sub notice (the new version) of a pushed policy
+USAGE_DAY = PREFIX + ":usage:{}:{}"  # hash principal -> tokens used that UTC day (daily_tokens budgets)
 STATS = PREFIX + ":stats"  # hash of call figures summed over all workers (workers/metrics.py)
 STATS_INFLIGHT = PREFIX + ":stats:inflight:{}"  # hash concurrency key -> calls running, per worker
 BREAKER = PREFIX + ":{{brk}}:breaker:{}"  # hash: state, opened_at, failures, probe, ... of one circuit breaker
@@ -155,8 +159,24 @@ def slots(queue_tag: str, ckey: str) -> str:
     return SLOTS.format(queue_tag, ckey)
 
 
+def rate(queue_tag: str, ckey: str) -> str:
+    return RATE.format(queue_tag, ckey)
+
+
+def rate_log(queue_tag: str, ckey: str) -> str:
+    return RATE_LOG.format(queue_tag, ckey)
+
+
+def rate_due(queue_tag: str) -> str:
+    return RATE_DUE.format(queue_tag)
+
+
 def idempotency(queue_tag: str, key: str) -> str:
     return IDEMPOTENCY.format(queue_tag, key)
+
+
+def usage_day(day: str, principal: str) -> str:
+    return USAGE_DAY.format(day, principal)
 
 
 def worker(name: str) -> str:

@@ -54,6 +54,9 @@ class Limits:
                             keys.waiting(tag, ckey),
                             keys.limits(tag),
                             keys.queue(q),
+                            keys.rate(tag, ckey),
+                            keys.rate_log(tag, ckey),
+                            keys.rate_due(tag),
                         ],
                         args=[time.time() - grace, per_key, ckey, keys.job(""), wake],
                     )

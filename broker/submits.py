@@ -19,6 +19,7 @@ from .connection import is_cluster
 from .envelope import Envelope
 from .errors import QueueFull
 from .idempotency import conflict, request_digest
+from .ratelimits import RateLimit
 from .records import CallInfo, job_fields, waiting_score
 from .states import State
 
@@ -60,10 +61,13 @@ class Submits(Claims):
         max_attempts: int,
         timeout: float,
         concurrency: int = -1,
+        rate_limit: RateLimit | None = None,
+        estimate: int = 0,
         pipeline: Pipeline | None = None,
     ) -> Any:
         """Admit a call with its ``pending`` event: onto its queue with a slot of ``ckey`` when one is free
-        (``concurrency`` -1 = no limit), else waiting (at most ``queue_size``). Returns the script's reply."""
+        (``concurrency`` -1 = no limit) and its ``rate_limit`` allows it (``estimate`` tokens reserved),
+        else waiting (at most ``queue_size``). Returns the script's reply."""
         info = CallInfo.of(env, ckey)
         ev = events.payload(
             call_id=env.call_id,
@@ -96,6 +100,9 @@ class Submits(Claims):
                 keys.idempotency(tag, idem or ""),
                 keys.slots(tag, ckey),
                 keys.limits(tag),
+                keys.rate(tag, ckey),
+                keys.rate_log(tag, ckey),
+                keys.rate_due(tag),
             ],
             [
                 env.call_id,
@@ -110,6 +117,8 @@ class Submits(Claims):
                 self.wake_channel(env.queue),
                 self.publish,
                 keys.job(""),
+                rate_limit.argv() if rate_limit is not None else "",
+                estimate if rate_limit is not None else 0,
                 *flat,
             ],
             pipeline,

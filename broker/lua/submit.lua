@@ -1,6 +1,7 @@
--- SUBMIT: accept a call with its `pending` event (uses with_seq, slots).
+-- SUBMIT: accept a call with its `pending` event (uses with_seq, ratelimit, slots).
 -- KEYS: 1 job hash, 2 queue list, 3 history list, 4 waiting zset, 5 idempotency key (of the queue's
---       tag; its name with an empty key when the call has none), 6 slots zset, 7 limits hash
+--       tag; its name with an empty key when the call has none), 6 slots zset, 7 limits hash,
+--       8 rate limiter hash, 9 its log zset, 10 the tag's rate timer zset (see ratelimit)
 -- ARGV: see the locals below; then field/value pairs of the job hash (with an idempotency key: `h_idem`
 --       its key, `h_digest` the request digest)
 -- Returns {1, call_id, queued 1 / waiting 0} accepted; {0, existing call_id[, its tool, its kind]}
@@ -20,7 +21,9 @@ local ckey = ARGV[9]
 local wake_channel = ARGV[10]
 local publish = ARGV[11]        -- PUBLISH, or SPUBLISH on a cluster
 local job_prefix = ARGV[12]
-local FIELDS = 13
+local rate_limits = ARGV[13]    -- 'rpm rps tpm' of the key's rate limit (-1: none of that kind), '' none
+local estimate = ARGV[14]       -- tokens the call reserves from the limiter ('0' for a tool call)
+local FIELDS = 15
 
 if digest ~= '' then
   local existing = redis.call('GET', KEYS[5])
@@ -36,15 +39,27 @@ if redis.call('EXISTS', KEYS[1]) == 1 then return {0, call_id} end
 local limit = tonumber(concurrency)
 redis.call('HSET', KEYS[7], ckey, concurrency)
 local depth = redis.call('ZCARD', KEYS[4])
-local run = depth == 0 and (limit < 0 or redis.call('ZCARD', KEYS[6]) < limit)
-if not run and queue_size >= 0 and depth >= queue_size then return {-1, depth} end
+local free = depth == 0 and (limit < 0 or redis.call('ZCARD', KEYS[6]) < limit)
+if not free and queue_size >= 0 and depth >= queue_size then return {-1, depth} end
+local rate = nil
+if rate_limits ~= '' then
+  local rpm, rps, tpm = string.match(rate_limits, '^(%S+) (%S+) (%S+)$')
+  redis.call('HSET', KEYS[8], 'rpm', rpm, 'rps', rps, 'tpm', tpm)
+  rate = rate_of(KEYS[8], KEYS[9], KEYS[10], ckey)
+  if estimate ~= '0' then redis.call('HSET', KEYS[8], 'e:' .. call_id, estimate) end
+end
+local run = free and rate_admits(rate, call_id)
+if not run and queue_size >= 0 and depth >= queue_size then  -- (queue_size 0, the limiter said wait)
+  if rate then redis.call('HDEL', KEYS[8], 'e:' .. call_id) end
+  return {-1, depth}
+end
 redis.call('HSET', KEYS[1], 'h_seq', '1', 'h_state', 'pending', 'status', 'queued', unpack(ARGV, FIELDS))
 if run then
   redis.call('ZADD', KEYS[6], 'inf', call_id)
   redis.call('RPUSH', KEYS[2], call_id)
 else
   redis.call('ZADD', KEYS[4], score, call_id)
-  promote(KEYS[6], KEYS[4], KEYS[2], limit, wake_channel)  -- slots free after the limit was raised
+  if not free then promote(KEYS[6], KEYS[4], KEYS[2], limit, wake_channel, rate) end  -- (a raised limit)
 end
 if digest ~= '' then redis.call('SET', KEYS[5], call_id, 'EX', ttl) end
 local ev = with_seq(event, 1)

@@ -1,7 +1,8 @@
 -- SWEEP: free slots of one concurrency key still held by calls that ended, went back to retrying or
 -- vanished (a safety net: every path that ends a call releases its slot in the same script), then refill
--- (uses slots). Drops the key from the limits hash once nothing holds or waits for its slots.
--- KEYS: 1 slots zset, 2 waiting zset, 3 limits hash, 4 queue list (of one queue tag)
+-- (uses ratelimit, slots). Drops the key from the limits hash once nothing holds or waits for its slots.
+-- KEYS: 1 slots zset, 2 waiting zset, 3 limits hash, 4 queue list, 5 rate limiter hash, 6 its log,
+--       7 the rate timer zset (of one queue tag)
 -- ARGV: see the locals below. Returns slots freed.
 -- Records of the ids found in the slot set are read at job_prefix .. id (same tag, same slot).
 local cutoff = ARGV[1]          -- slots whose deadline is older are checked
@@ -19,7 +20,9 @@ for _, id in ipairs(stale) do
     freed = freed + 1
   end
 end
-if freed > 0 then promote(KEYS[1], KEYS[2], KEYS[4], limit_of(KEYS[3], ckey), wake_channel) end
+if freed > 0 then
+  promote(KEYS[1], KEYS[2], KEYS[4], limit_of(KEYS[3], ckey), wake_channel, rate_of(KEYS[5], KEYS[6], KEYS[7], ckey))
+end
 if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[2]) == 0 then
   redis.call('HDEL', KEYS[3], ckey)
 end

@@ -1,6 +1,8 @@
--- TRANSITION: move a call (or record a non-state event), atomically with its events (uses with_seq, slots).
+-- TRANSITION: move a call (or record a non-state event), atomically with its events (uses with_seq,
+-- ratelimit, slots).
 -- KEYS: 1 job hash, 2 history list, 3 leases zset, 4 waiting zset, 5 slots zset (of the call's
---       concurrency key), 6 limits hash, 7 scheduled zset, 8 queue list — all of the call's queue tag
+--       concurrency key), 6 limits hash, 7 scheduled zset, 8 queue list, 9 rate limiter hash, 10 its
+--       log, 11 the rate timer zset — all of the call's queue tag
 -- ARGV: see the locals below; then `before` earlier event payloads (moves the call made since its last
 --       write, recorded and published in order first), then field/value pairs for the job hash
 -- Returns {seq, state before}; seq < 0: -1 no such call, -2 attempt fence, -3 wrong source state.
@@ -22,8 +24,9 @@ local ckey = ARGV[13]
 local due = ARGV[14]            -- when a retry is due ('' = not scheduled)
 local wake_channel = ARGV[15]
 local publish = ARGV[16]        -- PUBLISH, or SPUBLISH on a cluster
-local before = tonumber(ARGV[17])
-local EARLY = 18
+local used = ARGV[17]           -- tokens the call used, settled with its rate limiter ('' = its estimate)
+local before = tonumber(ARGV[18])
+local EARLY = 19
 local FIELDS = EARLY + before
 
 local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem')
@@ -49,10 +52,13 @@ if lease == '-' then
 elseif lease ~= '' then
   redis.call('ZADD', KEYS[3], lease, call_id)
 end
+local rate = nil
+if release == '1' or requeue == '1' then rate = rate_of(KEYS[9], KEYS[10], KEYS[11], ckey) end
 if release == '1' then
   redis.call('ZREM', KEYS[4], call_id)
+  rate_settle(rate, call_id, used, state == 'done' or state == 'failed' or state == 'cancelled')
   if redis.call('ZREM', KEYS[5], call_id) == 1 then
-    promote(KEYS[5], KEYS[4], KEYS[8], limit_of(KEYS[6], ckey), wake_channel)
+    promote(KEYS[5], KEYS[4], KEYS[8], limit_of(KEYS[6], ckey), wake_channel, rate)
   end
 end
 if due ~= '' then
@@ -60,7 +66,7 @@ if due ~= '' then
 end
 if requeue == '1' then
   redis.call('ZREM', KEYS[7], call_id)
-  admit(KEYS[5], KEYS[4], KEYS[8], limit_of(KEYS[6], ckey), call_id, score, wake_channel)
+  admit(KEYS[5], KEYS[4], KEYS[8], limit_of(KEYS[6], ckey), call_id, score, wake_channel, rate)
 end
 -- Every event in order: one append to the history, one message each on the caller's channel.
 local stored = {}

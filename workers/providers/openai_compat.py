@@ -22,7 +22,7 @@ from broker.settings import ModelSettings
 
 from .base import ProviderContext, base_url_of
 from .exchange import Exchange
-from .retry import is_retryable_status, parse_retry_after
+from .retry import is_retryable_status, pause_seconds
 from .stream import DONE, StreamAssembler, sse_data
 
 log = structlog.get_logger(__name__)
@@ -202,7 +202,7 @@ class OpenAICompatProvider:
         return ProviderError(
             self._scrub(f"provider returned HTTP {status}: {message}"),
             status=status,
-            retry_after=parse_retry_after(resp.headers),
+            retry_after=pause_seconds(resp.headers),
             retryable=is_retryable_status(status),
             **details,
         )

@@ -1,0 +1,222 @@
+"""Fleet-wide rate limits (broker/lua/ratelimit.lua): exact windows under racing processes on a plain
+Redis and a 3-primary cluster, token reservations settled back, a provider's pause, the timer."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from broker import keys
+from broker.calls import Calls
+from broker.connection import from_url
+from broker.envelope import Envelope
+from broker.errors import InvalidSpec
+from broker.ratelimits import RateLimit, RateLimiter, estimate_tokens, used_tokens
+from broker.records import CallInfo
+from broker.states import State
+from tests.conftest import wait_until
+from tests.redis_stack import ClusterStack
+
+TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+CKEY = "tool:rl"
+Q = "rl"
+
+
+def env(call_id: str) -> Envelope:
+    return Envelope(call_id=call_id, kind="tool", tool="rl", args={}, traceparent=TP, queue=Q, channel=keys.caller_channel("t", keys.tag(Q)))
+
+
+def cid(i: Any) -> str:
+    return keys.call_id(Q, f"c{i}")
+
+
+def submit(calls: Calls, i: Any, limit: RateLimit, estimate: int = 0, queue_size: int = 1000) -> bool:
+    reply = calls.submit(
+        env(cid(i)), ckey=CKEY, queue_size=queue_size, max_attempts=3, timeout=5, concurrency=-1,
+        rate_limit=limit, estimate=estimate,
+    )
+    Calls.check_submit(reply, CKEY, queue_size)
+    return int(reply[2]) == 1
+
+
+def end(calls: Calls, call_id: str, used: int | None = None, state: State = State.DONE) -> None:
+    info = CallInfo.of(env(call_id), CKEY)
+    current = State.PENDING
+    path = [State.ROUTING, State.EXECUTING, State.FORMATTING] if state is State.DONE else [State.ROUTING]
+    for step in [*path, state]:
+        reply = calls.transition(info, step, attempt=1, current=current, used_tokens=used if step is state else None)
+        assert int(reply[0]) > 0, reply
+        current = step
+
+
+def queued(r: Any) -> list[str]:
+    return [c.decode() for c in r.lrange(keys.queue(Q), 0, -1)]
+
+
+def wake(calls: Calls) -> dict[str, str]:
+    return {Q: calls.wake_channel(Q)}
+
+
+# -- the typed limit and the estimates --------------------------------------------------------
+
+
+def test_rate_limit_parse_names_the_bad_field() -> None:
+    assert RateLimit.parse("tool 't'", {"requests_per_minute": 600, "tokens_per_minute": 60000}) == RateLimit(rpm=600, tpm=60000)
+    assert RateLimit.parse("tool 't'", None) is None
+    with pytest.raises(InvalidSpec, match=r"rate_limit\.requests_per_minute: expected an integer >= 1, got 0"):
+        RateLimit.parse("tool 't'", {"requests_per_minute": 0})
+    with pytest.raises(InvalidSpec, match=r"rate_limit\.rpm: unknown key"):
+        RateLimit.parse("tool 't'", {"rpm": 5})
+    with pytest.raises(InvalidSpec, match="expected a mapping"):
+        RateLimit.parse("tool 't'", 5)
+
+
+def test_partition_shares_add_up_to_the_limit() -> None:
+    limit = RateLimit(rpm=601, tpm=60000, rps=10)
+    parts = [limit.share(3, i) for i in range(3)]
+    assert sum(p.rpm for p in parts) == 601 and sum(p.tpm for p in parts) == 60000 and sum(p.rps for p in parts) == 10
+    assert RateLimit(rpm=5).share(3, 0).tpm == -1  # no limit stays none
+
+
+def test_token_estimate_is_max_tokens_plus_the_prompt_size_and_usage_is_read_back() -> None:
+    messages = [{"role": "user", "content": "x" * 400}]
+    est = estimate_tokens({"messages": messages, "max_tokens": 50})
+    assert 150 <= est <= 170  # 50 + ~(400 chars + JSON) / 4
+    assert estimate_tokens({"messages": messages}) >= 1024  # no max_tokens: the default reply estimate
+    assert used_tokens({"usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}}) == 12
+    assert used_tokens({"usage": {"prompt_tokens": 7, "completion_tokens": 5}}) == 12
+    assert used_tokens({"choices": []}) is None
+
+
+# -- the limiter on a real Redis ---------------------------------------------------------------
+
+
+def test_requests_per_minute_admits_the_limit_and_the_rest_wait_in_order(conn: redis.Redis) -> None:
+    calls, limiter = Calls(conn), RateLimiter(conn)
+    limit = RateLimit(rpm=3)
+    ran = [submit(calls, i, limit) for i in range(5)]
+    assert ran == [True, True, True, False, False]
+    assert queued(conn) == [cid(0), cid(1), cid(2)]
+    assert [m.decode() for m in conn.zrange(keys.waiting(keys.tag(Q), CKEY), 0, -1)] == [cid(3), cid(4)]
+    # Not sent yet: the entries wait for their send, no timer (it would fire on a guess).
+    assert conn.zcard(keys.rate_due(keys.tag(Q))) == 0
+    before = conn.time()
+    assert limiter.sent(cid(0), Q, CKEY) == 1
+    due = conn.zscore(keys.rate_due(keys.tag(Q)), CKEY)
+    assert due is not None and abs(due - (before[0] * 1000 + before[1] // 1000 + 60000)) < 1000
+    assert [c.call_id for c in calls.claim([Q], 10, "w", 30)] == [cid(0), cid(1), cid(2)]
+    # Ending a sent call frees nothing within the window ...
+    end(calls, cid(0))
+    assert queued(conn) == []
+    # ... but a call that ends before its request was sent gives its entry back: the next one goes.
+    end(calls, cid(1), state=State.FAILED)
+    assert queued(conn) == [cid(3)]
+
+
+def test_tokens_are_reserved_at_admission_and_settled_with_the_reported_usage(conn: redis.Redis) -> None:
+    calls, limiter = Calls(conn), RateLimiter(conn)
+    limit = RateLimit(tpm=1000)
+    assert submit(calls, 0, limit, estimate=400)
+    assert submit(calls, 1, limit, estimate=400)
+    assert not submit(calls, 2, limit, estimate=400)  # 800 + 400 > 1000: waits
+    h = keys.rate(keys.tag(Q), CKEY)
+    assert int(conn.hget(h, "sum")) == 800
+    calls.claim([Q], 10, "w", 30)
+    limiter.sent(cid(0), Q, CKEY)
+    end(calls, cid(0), used=100)  # used 100 of its 400: 300 back, so the third fits (500 + 400)
+    assert int(conn.hget(h, "sum")) == 900
+    assert queued(conn) == [cid(2)]
+    assert conn.hget(h, "e:" + cid(0)) is None  # its estimate is gone with it
+
+
+def test_a_pause_holds_every_admission_until_it_ends_then_the_timer_promotes(conn: redis.Redis) -> None:
+    calls, limiter = Calls(conn), RateLimiter(conn)
+    limit = RateLimit(rps=100)
+    assert submit(calls, 0, limit)
+    limiter.sent(cid(0), Q, CKEY)
+    end_at = limiter.pause(cid(0), Q, CKEY, 0.3)
+    assert end_at > time.time()
+    assert not submit(calls, 1, limit) and not submit(calls, 2, limit)
+    assert limiter.due([Q], 5.0, wake(calls))[0] == 0  # nothing due before the pause ends
+    wait_until(lambda: limiter.due([Q], 5.0, wake(calls))[0] == 1, timeout=3, message="the timer")
+    assert time.time() >= end_at - 0.01
+    assert queued(conn) == [cid(0), cid(1), cid(2)]
+    rows = limiter.snapshot([Q])
+    assert rows[0]["key"] == CKEY and rows[0]["limits"] == {"requests_per_second": 100} and rows[0]["waiting"] == 0
+
+
+# -- exact under racing processes ----------------------------------------------------------------
+
+
+def _race(url: str, p: int, n: int, rps: int, seconds: float, barrier: Any, out: Any) -> None:
+    """One racing process: submits ``n`` calls, then works as a worker would (claim, stamp the send,
+    end) and runs the limiter's timer, for ``seconds``; reports the Redis time of each send (ms)."""
+    conn = from_url(url)
+    calls, limiter = Calls(conn), RateLimiter(conn)
+    limit = RateLimit(rps=rps)
+    barrier.wait()
+    for i in range(n):
+        submit(calls, f"{p}.{i}", limit)
+    sub = conn.pubsub()
+    sub.subscribe(calls.wake_channel(Q))
+    sends: list[int] = []
+    stop = time.time() + seconds
+    while time.time() < stop:
+        for c in calls.claim([Q], 10, f"w{p}", 30):
+            s, us = conn.time()
+            sends.append(s * 1000 + us // 1000)
+            limiter.sent(c.call_id, Q, CKEY)
+            end(calls, c.call_id)
+        _, nxt = limiter.due([Q], 1.0, wake(calls))
+        timeout = 0.05 if nxt is None else min(0.05, max(0.0, nxt - time.time()))
+        sub.get_message(timeout=timeout)  # a wake-up, or the timer's time
+    sub.close()
+    out.put(sends)
+
+
+def _run_race(url: str, rps: int = 5, seconds: float = 3.0, procs: int = 4) -> list[int]:
+    ctx = multiprocessing.get_context("fork")
+    barrier, out = ctx.Barrier(procs), ctx.Queue()
+    per = int(rps * seconds * 2 / procs) + 1  # twice what the window lets through: work always waits
+    workers = [ctx.Process(target=_race, args=(url, p, per, rps, seconds, barrier, out)) for p in range(procs)]
+    for w in workers:
+        w.start()
+    sends = sorted(t for _ in workers for t in out.get(timeout=seconds + 30))
+    for w in workers:
+        w.join(10)
+    return sends
+
+
+def _most_in_window(sends: list[int], window_ms: int) -> int:
+    best, lo = 0, 0
+    for hi, t in enumerate(sends):
+        while sends[lo] <= t - window_ms:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return best
+
+
+def test_requests_per_second_is_exact_under_racing_processes(redis_url: str) -> None:
+    sends = _run_race(redis_url, rps=5, seconds=3.0)
+    assert _most_in_window(sends, 1000) == 5  # never more than the limit in any 1 s window ...
+    assert len(sends) >= 5 * 2  # ... and the limit used while work waited (3 s: at least 2 full windows)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterStack]:
+    with ClusterStack(3, tmp_path_factory.mktemp("rate-cluster")) as c:
+        yield c
+
+
+@pytest.mark.e2e
+def test_requests_per_second_is_exact_under_racing_processes_on_a_cluster(cluster: ClusterStack) -> None:
+    for port in cluster.ports:
+        cluster.node(port).flushall()
+    sends = _run_race(cluster.url(), rps=5, seconds=3.0)
+    assert _most_in_window(sends, 1000) == 5
+    assert len(sends) >= 5 * 2
