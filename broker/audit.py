@@ -55,6 +55,7 @@ class AuditRecord:
     task_id: str | None = None
     parent_call_id: str | None = None  # the LLM call that asked for this tool call, if known
     sensitive_hashes: dict[str, str] = field(default_factory=dict)
+    usage: dict[str, int] | None = None  # an LLM call's tokens: {"in": prompt, "out": completion}
     version: int = AUDIT_VERSION
 
     @classmethod

@@ -61,6 +61,7 @@ class Calls(Submits):
         ts: float | None = None,
         unleased: bool = False,
         used_tokens: int | None = None,
+        sent: bool = True,
     ) -> Any:
         """Move a call to ``target`` (or publish a non-state event when None), atomically with its event.
 
@@ -72,7 +73,8 @@ class Calls(Submits):
         Ending (or ``retrying``) releases the call's concurrency slot and promotes the oldest waiting call
         of its key; ``requeue`` admits it again (a free slot, else waiting at ``requeue_score``, default
         now); ``schedule_at`` puts a ``retrying`` call on the scheduled set, due at that time. Releasing
-        settles the call's rate-limiter entry with ``used_tokens`` (None: its estimate stands).
+        settles the call's rate-limiter entry with ``used_tokens`` (None: its estimate stands); ``sent``
+        False says its request never left (the entry is given back), else one not stamped yet counts from now.
         """
         release = target is not None and (target in TERMINAL or target is State.RETRYING)
         if via and target is None:
@@ -133,7 +135,7 @@ class Calls(Submits):
                 "" if schedule_at is None else schedule_at,
                 self.wake_channel(info.queue),
                 self.publish,
-                "" if used_tokens is None else used_tokens,
+                "-" if not sent else "" if used_tokens is None else used_tokens,
                 *flat,
             ],
             pipeline,
@@ -154,9 +156,12 @@ class Calls(Submits):
         fields: dict[str, Any] | None = None,
         ttl: int | None = None,
         pipeline: Pipeline | None = None,
+        used_tokens: int | None = None,
+        sent: bool = True,
     ) -> Any:
         """A worker moves the call it holds (fenced by ``attempt``), with the moves ``via`` not written yet;
-        a terminal ``target`` ends it (``fields``: result or error, ``ttl``: how long the record stays)."""
+        a terminal ``target`` ends it (``fields``: result or error, ``ttl``: how long the record stays;
+        ``used_tokens`` / ``sent``: its rate limiter's settlement, see ``transition``)."""
         return self.transition(
             info,
             target,
@@ -168,6 +173,8 @@ class Calls(Submits):
             fields=fields,
             ttl=ttl,
             pipeline=pipeline,
+            used_tokens=used_tokens,
+            sent=sent,
         )
 
     def note(

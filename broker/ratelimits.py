@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,23 +82,6 @@ def estimate_tokens(request: Mapping[str, Any], default_max: int = DEFAULT_MAX_T
     return reply + math.ceil(len(prompt) / CHARS_PER_TOKEN)
 
 
-def used_tokens(response: Any) -> int | None:
-    """``usage.total_tokens`` of a chat completion (prompt + completion when only those are given)."""
-    usage = response.get("usage") if isinstance(response, Mapping) else None
-    if not isinstance(usage, Mapping):
-        return None
-    total = usage.get("total_tokens")
-    if total is None:
-        parts = [usage.get("prompt_tokens"), usage.get("completion_tokens")]
-        if all(p is None for p in parts):
-            return None
-        total = sum(int(p or 0) for p in parts)
-    try:
-        return max(0, int(total))
-    except (TypeError, ValueError):
-        return None
-
-
 class RateLimiter:
     """The scripts beside admission: sent stamps, pauses, the timer, and the snapshot."""
 
@@ -110,15 +92,16 @@ class RateLimiter:
         self._due = conn.register_script(scripts.RATE_DUE)
         self._promote = conn.register_script(scripts.RATE_PROMOTE)
 
-    def sent(self, call_id: str, queue: str, ckey: str, pipeline: Any = None) -> Any:
-        """Stamp the call's entry: its request left now (the window counts it from here)."""
+    def sent(self, call_id: str, queue: str, ckey: str, slack: float = 0.0, pipeline: Any = None) -> Any:
+        """Stamp the call's entry: its request left now (+ ``slack`` seconds; the window counts it from
+        there)."""
         tag = keys.tag(queue)
         script_keys = [keys.rate(tag, ckey), keys.rate_log(tag, ckey), keys.rate_due(tag), keys.waiting(tag, ckey)]
         if pipeline is not None:
             from . import pipes
 
-            return pipes.script(self._sent, script_keys, [call_id, ckey], pipeline)
-        return self._sent(keys=script_keys, args=[call_id, ckey])
+            return pipes.script(self._sent, script_keys, [call_id, ckey, int(slack * 1000)], pipeline)
+        return self._sent(keys=script_keys, args=[call_id, ckey, int(slack * 1000)])
 
     def pause(self, call_id: str, queue: str, ckey: str, seconds: float) -> float:
         """Pause the key for the whole fleet ``seconds`` from now; returns the pause's end (unix s)."""

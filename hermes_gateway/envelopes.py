@@ -14,7 +14,8 @@ from broker.codec import pack
 from broker.config import MAX_ARGS_ENV, Settings
 from broker.directory import Entry
 from broker.envelope import CALL_CLASSES, CONTEXT_FIELDS, Envelope, Options, concurrency_key, new_call_id
-from broker.errors import InvalidArgs
+from broker.errors import InvalidArgs, TokensOverLimit
+from broker.ratelimits import RateLimit, estimate_tokens
 from broker.toolspec import ToolSpec
 from broker.tracecontext import ensure_traceparent
 from hermes_gateway.telemetry import Headers, current_headers
@@ -154,13 +155,18 @@ def tool_limits(env: Envelope, spec: ToolSpec, settings: Settings) -> dict[str, 
     retries = int((spec.retry or {}).get("max") or 0)
     concurrency = spec.concurrency or settings.concurrency_for(spec.executor)
     # A partition's share of the tool's limit and queue size (the shares add up to them exactly).
-    concurrency, queue_size = partitions.limits(env.queue, partitions.count(spec), concurrency, queue_size)
+    n = partitions.count(spec)
+    concurrency, queue_size = partitions.limits(env.queue, n, concurrency, queue_size)
+    rate = RateLimit.parse(f"tool {spec.name!r}", spec.config.get("rate_limit"))
+    if rate is not None and n > 1:
+        rate = rate.share(n, partitions.index(env.queue))
     return {
         "ckey": concurrency_key(env),
         "queue_size": queue_size,
         "concurrency": concurrency,
         "max_attempts": env.options.max_attempts or max(settings.workers.max_attempts, retries + 1),
         "timeout": float(env.options.timeout or spec.timeout),
+        "rate_limit": rate,
     }
 
 
@@ -195,8 +201,19 @@ def llm_envelope(
         queue=queue,
         channel=channel(queue),
     ).keep_packed(packed)
+    ckey = concurrency_key(env)
+    rate = model_cfg.rate_limit_for(str(context["provider"]), str(context.get("model") or ""))
+    estimate = estimate_tokens(request) if rate is not None else 0
+    if rate is not None and 0 <= rate.tpm < estimate:
+        raise TokensOverLimit(
+            f"the LLM call's token estimate ({estimate}: max_tokens + its prompt) is more than {ckey!r} "
+            f"allows in a minute (tokens_per_minute {rate.tpm}): it could never run; lower max_tokens",
+            key=ckey, estimate=estimate, limit=rate.tpm,
+        )
     limits = {
-        "ckey": concurrency_key(env),
+        "ckey": ckey,
+        "rate_limit": rate,
+        "estimate": estimate,
         "queue_size": settings.queue_size_for("llm"),
         "concurrency": settings.concurrency_for("llm"),
         "max_attempts": max_attempts or settings.workers.max_attempts,

@@ -5,12 +5,13 @@
 -- ARGV: see the locals below. Returns 1 when an entry was stamped, else 0 (no limiter, or none taken).
 local call_id = ARGV[1]
 local ckey = ARGV[2]
+local slack = tonumber(ARGV[3])  -- ms added: the stamp may reach Redis before the request the provider
 
 local r = rate_of(KEYS[1], KEYS[2], KEYS[3], ckey)
 if not r then return 0 end
 local m = redis.call('HGET', KEYS[1], 'm:' .. call_id)
 if not m or redis.call('ZSCORE', KEYS[2], m) == false then return 0 end
-local now = rate_now()
+local now = rate_now() + slack
 redis.call('ZADD', KEYS[2], 'XX', now, m)
 if redis.call('ZCARD', KEYS[4]) > 0 then
   local window = RATE_WINDOW

@@ -54,14 +54,14 @@ local function rate_take(r, call_id, now)
     local n = redis.call('ZCARD', r.log)
     if n >= r.rpm then
       local e = redis.call('ZRANGE', r.log, n - r.rpm, n - r.rpm, 'WITHSCORES')
-      at = math.max(at, tonumber(e[2]) + RATE_WINDOW)
+      at = math.max(at, e[2] and tonumber(e[2]) + RATE_WINDOW or UNSENT)  -- (a share of 0: never)
     end
   end
   if r.rps >= 0 then
     local n = redis.call('ZCOUNT', r.log, '(' .. (now - 1000), '+inf')
     if n >= r.rps then
       local e = redis.call('ZRANGEBYSCORE', r.log, '(' .. (now - 1000), '+inf', 'WITHSCORES', 'LIMIT', n - r.rps, 1)
-      at = math.max(at, tonumber(e[2]) + 1000)
+      at = math.max(at, e[2] and tonumber(e[2]) + 1000 or UNSENT)
     end
   end
   if r.tpm >= 0 and need > 0 then
@@ -93,21 +93,25 @@ local function rate_admits(r, call_id)
   return false
 end
 
--- The call's admission is over: its entry counts `used` tokens ('' keeps its estimate); an entry whose
--- request was never sent leaves the log. `final`: the call ended, its estimate goes too.
+-- The call's admission is over: its entry counts `used` tokens ('' keeps its estimate; '-' its request
+-- never left, so the entry goes back); an entry not stamped yet counts from now (a worker that did not
+-- know the key is limited). `final`: the call ended, its estimate goes too.
 local function rate_settle(r, call_id, used, final)
   if not r then return end
   local m = redis.call('HGET', r.h, 'm:' .. call_id)
   if m then
     local score = redis.call('ZSCORE', r.log, m)
     local old = tonumber(redis.call('HGET', r.h, 't:' .. m) or '0')
-    if score and tonumber(score) >= UNSENT then
+    if score and used == '-' then
       redis.call('ZREM', r.log, m)
       redis.call('HDEL', r.h, 't:' .. m)
       if old ~= 0 then redis.call('HINCRBY', r.h, 'sum', -old) end
-    elseif score and used ~= '' then
-      redis.call('HSET', r.h, 't:' .. m, used)
-      redis.call('HINCRBY', r.h, 'sum', tonumber(used) - old)
+    elseif score then
+      if tonumber(score) >= UNSENT then redis.call('ZADD', r.log, 'XX', rate_now(), m) end
+      if used ~= '' then
+        redis.call('HSET', r.h, 't:' .. m, used)
+        redis.call('HINCRBY', r.h, 'sum', tonumber(used) - old)
+      end
     end
     redis.call('HDEL', r.h, 'm:' .. call_id)
   end

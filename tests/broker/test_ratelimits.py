@@ -16,11 +16,12 @@ from broker.calls import Calls
 from broker.connection import from_url
 from broker.envelope import Envelope
 from broker.errors import InvalidSpec
-from broker.ratelimits import RateLimit, RateLimiter, estimate_tokens, used_tokens
+from broker.ratelimits import RateLimit, RateLimiter, estimate_tokens
 from broker.records import CallInfo
 from broker.states import State
 from tests.conftest import wait_until
 from tests.redis_stack import ClusterStack
+from workers.llm import reported_usage
 
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 CKEY = "tool:rl"
@@ -44,12 +45,13 @@ def submit(calls: Calls, i: Any, limit: RateLimit, estimate: int = 0, queue_size
     return int(reply[2]) == 1
 
 
-def end(calls: Calls, call_id: str, used: int | None = None, state: State = State.DONE) -> None:
+def end(calls: Calls, call_id: str, used: int | None = None, state: State = State.DONE, sent: bool = True) -> None:
     info = CallInfo.of(env(call_id), CKEY)
     current = State.PENDING
     path = [State.ROUTING, State.EXECUTING, State.FORMATTING] if state is State.DONE else [State.ROUTING]
     for step in [*path, state]:
-        reply = calls.transition(info, step, attempt=1, current=current, used_tokens=used if step is state else None)
+        last = step is state
+        reply = calls.transition(info, step, attempt=1, current=current, used_tokens=used if last else None, sent=sent or not last)
         assert int(reply[0]) > 0, reply
         current = step
 
@@ -88,9 +90,9 @@ def test_token_estimate_is_max_tokens_plus_the_prompt_size_and_usage_is_read_bac
     est = estimate_tokens({"messages": messages, "max_tokens": 50})
     assert 150 <= est <= 170  # 50 + ~(400 chars + JSON) / 4
     assert estimate_tokens({"messages": messages}) >= 1024  # no max_tokens: the default reply estimate
-    assert used_tokens({"usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}}) == 12
-    assert used_tokens({"usage": {"prompt_tokens": 7, "completion_tokens": 5}}) == 12
-    assert used_tokens({"choices": []}) is None
+    assert reported_usage({"usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}}) == {"in": 7, "out": 5}
+    assert reported_usage({"usage": {"total_tokens": 12}}) == {"in": 12, "out": 0}
+    assert reported_usage({"choices": []}) is None
 
 
 # -- the limiter on a real Redis ---------------------------------------------------------------
@@ -114,8 +116,12 @@ def test_requests_per_minute_admits_the_limit_and_the_rest_wait_in_order(conn: r
     end(calls, cid(0))
     assert queued(conn) == []
     # ... but a call that ends before its request was sent gives its entry back: the next one goes.
-    end(calls, cid(1), state=State.FAILED)
+    end(calls, cid(1), state=State.FAILED, sent=False)
     assert queued(conn) == [cid(3)]
+    # A call whose worker did not stamp its send counts from its end (never given back unasked).
+    end(calls, cid(2))
+    assert queued(conn) == [cid(3)]
+    assert conn.zcount(keys.rate_log(keys.tag(Q), CKEY), 0, 1e14) == 2
 
 
 def test_tokens_are_reserved_at_admission_and_settled_with_the_reported_usage(conn: redis.Redis) -> None:
