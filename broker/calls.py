@@ -70,11 +70,12 @@ class Calls(Submits):
         script. ``ts``: when this move happened (default now). ``unleased``: only from ``pending`` while no
         worker holds the call (a caller cancelling it directly; a worker that took it is told instead).
 
-        Ending (or ``retrying``) releases the call's concurrency slot and promotes the oldest waiting call
-        of its key; ``requeue`` admits it again (a free slot, else waiting at ``requeue_score``, default
-        now); ``schedule_at`` puts a ``retrying`` call on the scheduled set, due at that time. Releasing
-        settles the call's rate-limiter entry with ``used_tokens`` (None: its estimate stands); ``sent``
-        False says its request never left (the entry is given back), else one not stamped yet counts from now.
+        Ending (or ``retrying``) releases the call's concurrency slot and promotes the next waiting call
+        of its key (fair order, broker/lua/slots.lua); ``requeue`` admits it again (a free slot, else
+        waiting at ``requeue_score``, default its fairness key's next turn); ``schedule_at`` puts a
+        ``retrying`` call on the scheduled set, due at that time. Releasing settles the call's rate-limiter
+        entry with ``used_tokens`` (None: its estimate stands); ``sent`` False says its request never left
+        (the entry is given back), else one not stamped yet counts from now.
         """
         release = target is not None and (target in TERMINAL or target is State.RETRYING)
         if via and target is None:
@@ -114,6 +115,8 @@ class Calls(Submits):
                 keys.limits(tag),
                 keys.scheduled(tag),
                 keys.queue(info.queue),
+                keys.waiting_batch(tag, info.ckey),
+                keys.fair(tag, info.ckey),
                 keys.rate(tag, info.ckey),
                 keys.rate_log(tag, info.ckey),
                 keys.rate_due(tag),
@@ -128,13 +131,15 @@ class Calls(Submits):
                 RQ_STATUS[target] if target is not None else "",
                 "" if lease is None else lease,
                 "1" if requeue else "",
-                waiting_score() if requeue_score is None else requeue_score,
+                "" if requeue_score is None else requeue_score,
                 info.channel,
                 "1" if release else "",
                 info.ckey,
                 "" if schedule_at is None else schedule_at,
                 self.wake_channel(info.queue),
                 self.publish,
+                keys.job(""),
+                waiting_score() if requeue else "",
                 "-" if not sent else "" if used_tokens is None else used_tokens,
                 *flat,
             ],
@@ -241,7 +246,8 @@ class Calls(Submits):
     def requeue(
         self, info: CallInfo, *, attempt: int, score: float | None = None, pipeline: Pipeline | None = None
     ) -> Any:
-        """A ``retrying`` call is admitted again: a free slot, else it waits at ``score`` (default now)."""
+        """A ``retrying`` call is admitted again: a free slot, else it waits at ``score`` (default its
+        fairness key's next turn)."""
         return self.transition(
             info,
             State.PENDING,

@@ -5,7 +5,7 @@ beside RQ's, and calls wait on RQ's queue lists, so RQ's own tools (``rq info``)
 
 Slots (docs/ARCHITECTURE.md, "Keys and hash slots"): the keys of one queue and of the calls on it share
 the queue's hash tag ``{<queue>}``: its list ``rq:queue:{tools}``, its leases, scheduled retries, limits,
-slot and waiting sets and idempotency keys, and — because a call id starts with its queue's tag
+slot and waiting sets, fair-state hashes and idempotency keys, and — because a call id starts with its queue's tag
 (``{tools}.<hex>``, see ``call_id``) — each call's record ``rq:job:{tools}.<hex>`` and history. So every
 script about a call or a queue touches one slot. State that spans queues lives in slots of its own:
 the tool directory (``{hermes:dir}``), breakers (``{hermes:brk}``), the audit log (``{hermes:audit}``),
@@ -29,6 +29,9 @@ LEASES = PREFIX + ":leases:{}"  # zset call_id -> lease deadline (unix seconds),
 SCHEDULED = PREFIX + ":scheduled:{}"  # zset call_id -> when a ``retrying`` call is due back on ``pending``
 LIMITS = PREFIX + ":limits:{}"  # hash concurrency key -> its limit (-1 = none), written by every submission
 SLOTS = PREFIX + ":slots:{}:{}"  # zset call_id -> lease deadline (+inf while queued) of calls holding a slot
+WAITING = PREFIX + ":waiting:{}:{}"  # zset call_id -> fair tag of interactive calls, per concurrency key
+WAITING_BATCH = PREFIX + ":waitb:{}:{}"  # zset call_id -> fair tag of batch calls, per concurrency key
+FAIR = PREFIX + ":fair:{}:{}"  # hash: fair dispatch state of a concurrency key's waiting calls (slots.lua)
 WAITING = PREFIX + ":waiting:{}:{}"  # zset call_id -> submit time, per concurrency key (admission)
 RATE = PREFIX + ":rate:{}:{}"  # hash: a concurrency key's rate limits, token sum, pause, entries (ratelimit.lua)
 RATE_LOG = PREFIX + ":ratelog:{}:{}"  # zset: the rate limiter's sliding log, entry -> when sent (ms)
@@ -153,6 +156,14 @@ def limits(queue_tag: str) -> str:
 
 def waiting(queue_tag: str, ckey: str) -> str:
     return WAITING.format(queue_tag, ckey)
+
+
+def waiting_batch(queue_tag: str, ckey: str) -> str:
+    return WAITING_BATCH.format(queue_tag, ckey)
+
+
+def fair(queue_tag: str, ckey: str) -> str:
+    return FAIR.format(queue_tag, ckey)
 
 
 def slots(queue_tag: str, ckey: str) -> str:

@@ -96,7 +96,10 @@ class RateLimiter:
         """Stamp the call's entry: its request left now (+ ``slack`` seconds; the window counts it from
         there)."""
         tag = keys.tag(queue)
-        script_keys = [keys.rate(tag, ckey), keys.rate_log(tag, ckey), keys.rate_due(tag), keys.waiting(tag, ckey)]
+        script_keys = [
+            keys.rate(tag, ckey), keys.rate_log(tag, ckey), keys.rate_due(tag), keys.waiting(tag, ckey),
+            keys.waiting_batch(tag, ckey),
+        ]
         if pipeline is not None:
             from . import pipes
 
@@ -129,8 +132,10 @@ class RateLimiter:
                         keys.queue(q),
                         keys.rate(tag, ckey),
                         keys.rate_log(tag, ckey),
+                        keys.waiting_batch(tag, ckey),
+                        keys.fair(tag, ckey),
                     ],
-                    args=[ckey, wake[q]],
+                    args=[ckey, wake[q], keys.job("")],
                 )
                 done += 1
             if after not in (b"", "", None):
@@ -157,7 +162,8 @@ class RateLimiter:
                 pipe.zcount(log, f"({now - 60000}", "+inf")
                 pipe.zcount(log, f"({now - 1000}", "+inf")
                 pipe.zcard(keys.waiting(tag, ckey))
-                in_min, in_sec, waiting = pipe.execute()
+                pipe.zcard(keys.waiting_batch(tag, ckey))
+                in_min, in_sec, waiting, waiting_batch = pipe.execute()
                 row = rows.setdefault(ckey, {"key": ckey, "limits": {}, "left": {}, "waiting": 0, "paused_until": None})
                 for name, limit, used in (
                     ("requests_per_minute", rpm, in_min),
@@ -167,7 +173,7 @@ class RateLimiter:
                     if limit is not None and limit >= 0:
                         row["limits"][name] = row["limits"].get(name, 0) + limit
                         row["left"][name] = row["left"].get(name, 0) + max(0, limit - int(used))
-                row["waiting"] += int(waiting)
+                row["waiting"] += int(waiting) + int(waiting_batch)
                 if pause and pause > now:
                     row["paused_until"] = max(row["paused_until"] or 0, pause / 1000.0)
         return [rows[k] for k in sorted(rows)]

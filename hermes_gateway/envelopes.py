@@ -13,7 +13,15 @@ from broker import keys, partitions
 from broker.codec import pack
 from broker.config import MAX_ARGS_ENV, Settings
 from broker.directory import Entry
-from broker.envelope import CALL_CLASSES, CONTEXT_FIELDS, Envelope, Options, concurrency_key, new_call_id
+from broker.envelope import (
+    CALL_CLASSES,
+    CONTEXT_FIELDS,
+    Envelope,
+    Options,
+    concurrency_key,
+    fairness_of,
+    new_call_id,
+)
 from broker.errors import InvalidArgs, TokensOverLimit
 from broker.ratelimits import RateLimit, estimate_tokens
 from broker.toolspec import ToolSpec
@@ -155,7 +163,10 @@ def tool_limits(env: Envelope, spec: ToolSpec, settings: Settings) -> dict[str, 
     retries = int((spec.retry or {}).get("max") or 0)
     concurrency = spec.concurrency or settings.concurrency_for(spec.executor)
     # A partition's share of the tool's limit and queue size (the shares add up to them exactly).
+    # (so is the per-key bound: a key's calls go to the partitions in turn)
     n = partitions.count(spec)
+    per_key = settings.fairness.queue_size_per_key
+    key_size = _or_none(per_key if per_key is None else partitions.limits(env.queue, n, concurrency, per_key)[1])
     concurrency, queue_size = partitions.limits(env.queue, n, concurrency, queue_size)
     rate = RateLimit.parse(f"tool {spec.name!r}", spec.config.get("rate_limit"))
     if rate is not None and n > 1:
@@ -167,6 +178,21 @@ def tool_limits(env: Envelope, spec: ToolSpec, settings: Settings) -> dict[str, 
         "max_attempts": env.options.max_attempts or max(settings.workers.max_attempts, retries + 1),
         "timeout": float(env.options.timeout or spec.timeout),
         "rate_limit": rate,
+        **fair_limits(env, settings, key_size),
+    }
+
+
+def _or_none(bound: int | None) -> int:
+    return -1 if bound is None else bound
+
+
+def fair_limits(env: Envelope, settings: Settings, key_size: int) -> dict[str, Any]:
+    """What SUBMIT needs for the call's fair turn: its key's weight, the batch share, the per-key bound."""
+    fairness = settings.fairness
+    return {
+        "weight": fairness.weight_of(env.context.get("principal"), fairness_of(env)[0]),
+        "batch_share": fairness.batch_share,
+        "key_size": key_size,
     }
 
 
@@ -218,6 +244,7 @@ def llm_envelope(
         "concurrency": settings.concurrency_for("llm"),
         "max_attempts": max_attempts or settings.workers.max_attempts,
         "timeout": float(timeout or model_cfg.timeout),
+        **fair_limits(env, settings, _or_none(settings.fairness.queue_size_per_key)),
     }
     return env, limits
 
