@@ -36,6 +36,7 @@ WAITING = PREFIX + ":waiting:{}:{}"  # zset call_id -> submit time, per concurre
 RATE = PREFIX + ":rate:{}:{}"  # hash: a concurrency key's rate limits, token sum, pause, entries (ratelimit.lua)
 RATE_LOG = PREFIX + ":ratelog:{}:{}"  # zset: the rate limiter's sliding log, entry -> when sent (ms)
 RATE_DUE = PREFIX + ":ratedue:{}"  # zset concurrency key -> when its rate limiter has room again (ms)
+RATES = PREFIX + ":rates:{}"  # set of the concurrency keys with a rate limiter, per queue tag (for status)
 IDEMPOTENCY = PREFIX + ":idem:{}:{}"  # idempotency key -> call_id
 QUEUE_WORKERS = PREFIX + ":qworkers:{}"  # zset per queue: workers listening on it -> last heartbeat
 # -- channels --
@@ -180,6 +181,10 @@ def rate_log(queue_tag: str, ckey: str) -> str:
 
 def rate_due(queue_tag: str) -> str:
     return RATE_DUE.format(queue_tag)
+
+
+def rates(queue_tag: str) -> str:
+    return RATES.format(queue_tag)
 
 
 def idempotency(queue_tag: str, key: str) -> str:

@@ -150,7 +150,7 @@ class RateLimiter:
         rows: dict[str, dict[str, Any]] = {}
         for q in queues:
             tag = keys.tag(q)
-            for raw in self.conn.hkeys(keys.limits(tag)):
+            for raw in sorted(self.conn.smembers(keys.rates(tag))):
                 ckey = raw.decode() if isinstance(raw, bytes) else str(raw)
                 h = keys.rate(tag, ckey)
                 cfg = self.conn.hmget(h, "rpm", "rps", "tpm", "sum", "pause")

@@ -118,6 +118,7 @@ class Submits(Claims):
                 keys.rate(tag, ckey),
                 keys.rate_log(tag, ckey),
                 keys.rate_due(tag),
+                keys.rates(tag),
             ],
             [
                 env.call_id,

@@ -2,7 +2,8 @@
 -- KEYS: 1 job hash, 2 queue list, 3 history list, 4 interactive waiting zset, 5 idempotency key (of the
 --       queue's tag; its name with an empty key when the call has none), 6 slots zset, 7 limits hash,
 --       8 batch waiting zset, 9 fair-state hash, 10 rate limiter hash, 11 its log (4, 6, 8-11 of the
---       call's concurrency key), 12 the tag's rate timer zset (see ratelimit)
+--       call's concurrency key), 12 the tag's rate timer zset (see ratelimit), 13 the tag's set of keys
+--       with a rate limiter
 -- ARGV: see the locals below; then field/value pairs of the job hash (with an idempotency key: `h_idem`
 --       its key, `h_digest` the request digest)
 -- Returns {1, call_id, queued 1 / waiting 0} accepted; {0, existing call_id[, its tool, its kind]}
@@ -65,6 +66,7 @@ local rate = nil
 if rate_limits ~= '' then
   local rpm, rps, tpm = string.match(rate_limits, '^(%S+) (%S+) (%S+)$')
   redis.call('HSET', KEYS[10], 'rpm', rpm, 'rps', rps, 'tpm', tpm)
+  redis.call('SADD', KEYS[13], ckey)
   rate = rate_of(KEYS[10], KEYS[11], KEYS[12], ckey)
   if estimate ~= '0' then redis.call('HSET', KEYS[10], 'e:' .. call_id, estimate) end
 end

@@ -125,5 +125,23 @@ def test_tokens_are_settled_with_the_usage_and_counted_per_principal(
                 return f"tokens|bob|{MODEL}|in" in stats and int(stats[f"pcalls|bob|llm|{MODEL}"]) == 5
 
             wait_until(counted, message="the usage in hermes:stats")
+            # Operators see the limiter and each principal's tokens: status, the console, /metrics.
+            from hermes_gateway.console_data import snapshot
+            from hermes_gateway.serve_metrics import GatewayMetrics
+            from hermes_gateway.views import flow_control_data
+
+            [row] = flow_control_data(gw.conn)["rate_limits"]
+            assert row["key"] == CKEY and row["limits"] == {"tokens_per_minute": 3000} and row["waiting"] == 0
+            assert 0 <= row["left"]["tokens_per_minute"] < 3000  # what the last minute's calls used
+            usage = {(u["principal"], u["name"]): u for u in snapshot(gw)["usage"]}
+            assert usage[("bob", CKEY)]["calls"] == 5 and usage[("bob", CKEY)]["tokens_out"] > 0
+            metrics = GatewayMetrics(gw)
+            try:
+                text = metrics.render().decode()
+            finally:
+                metrics.close()
+            tokens = [line for line in text.splitlines() if line.startswith("hermes_llm_tokens_total{")]
+            assert any(f'direction="in",model="{MODEL}",' in t and 'principal="bob"' in t for t in tokens), tokens
+            assert "hermes_rate_limit" in text and 'hermes_rate_kind="tokens_per_minute"' in text
         finally:
             gw.close()
