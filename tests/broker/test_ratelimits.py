@@ -226,3 +226,42 @@ def test_requests_per_second_is_exact_under_racing_processes_on_a_cluster(cluste
     sends = _run_race(cluster.url(), rps=5, seconds=3.0)
     assert _most_in_window(sends, 1000) == 5
     assert len(sends) >= 5 * 2
+
+
+def test_a_tool_spec_rate_limit_is_checked_at_registration() -> None:
+    from workers.specs import check_spec
+
+    base = {"name": "t", "executor": "python", "function": "workers.executors.builtin:echo"}
+    spec = check_spec({**base, "rate_limit": {"requests_per_second": 3}})
+    assert RateLimit.parse("t", spec.config["rate_limit"]) == RateLimit(rps=3)
+    with pytest.raises(InvalidSpec, match=r"rate_limit\.requests_per_hour: unknown key"):
+        check_spec({**base, "rate_limit": {"requests_per_hour": 3}})
+
+
+def test_model_rate_limits_and_daily_budgets_are_read_from_config() -> None:
+    from broker.errors import ConfigError
+    from broker.settings import model_settings
+    from workers.policy import Policy
+
+    m = model_settings({"rate_limits": {"openai/gpt-4o": {"requests_per_minute": 600}, "m": {"tokens_per_minute": 9}}})
+    assert m.rate_limit_for("openai", "gpt-4o") == RateLimit(rpm=600)
+    assert m.rate_limit_for("other", "m") == RateLimit(tpm=9) and m.rate_limit_for("other", "gpt-4o") is None
+    with pytest.raises(ConfigError, match=r"model\.rate_limits\.m\.requests_per_minute: expected an integer >= 1"):
+        model_settings({"rate_limits": {"m": {"requests_per_minute": -1}}})
+    policy = Policy.from_settings({"principals": {"alice": {"daily_tokens": 100}, "*": {"grants": []}}})
+    assert policy.daily_tokens("alice") == 100 and policy.daily_tokens("bob") is None
+    with pytest.raises(ConfigError, match="daily_tokens"):
+        Policy.from_settings({"principals": {"alice": {"daily_tokens": "lots"}}})
+
+
+def test_a_429s_wait_is_read_from_retry_after_or_the_reset_headers() -> None:
+    from workers.providers.retry import parse_reset, pause_seconds
+
+    assert pause_seconds({"Retry-After": "2"}) == 2.0
+    assert pause_seconds({"retry-after-ms": "250", "Retry-After": "9"}) == 0.25
+    assert parse_reset("6m0s") == 360.0 and parse_reset("250ms") == 0.25 and parse_reset("1h2m3.5s") == 3723.5
+    assert parse_reset("soon") is None
+    headers = {"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "1.5s",
+               "x-ratelimit-remaining-tokens": "900", "x-ratelimit-reset-tokens": "30s"}
+    assert pause_seconds(headers) == 1.5  # only the exhausted kind's reset
+    assert pause_seconds({}) is None
