@@ -38,9 +38,6 @@ from workers.retry import RetryScheduler
 from workers.runner import Running
 
 log = structlog.get_logger("hermes.worker")
-# Seconds added to a rate-limited request's send stamp: the stamp is written beside the request (write-behind),
-# so it may reach Redis a little before the request reaches the provider; the window counts from the later time.
-SEND_SLACK = 0.1
 
 FAILURES_KEPT = 100
 
@@ -141,11 +138,10 @@ class WorkerCore:
         return out
 
     def rate_sent(self, run: Running) -> None:
-        """A request of ``run`` is leaving: stamp its rate limiter entry (write-behind, with a slack that
-        covers the request's way to the provider, so the window never starts before the provider's)."""
-        run.sent = True
+        """The provider answered ``run``'s request (so had received it): stamp its rate limiter entry
+        (write-behind: a stamp later than the provider's receipt only keeps the entry counted longer)."""
         info, limiter = run.info, self.limiter
-        self.outbox.put(lambda pipe: limiter.sent(info.call_id, info.queue, info.ckey, SEND_SLACK, pipeline=pipe))
+        self.outbox.put(lambda pipe: limiter.sent(info.call_id, info.queue, info.ckey, pipeline=pipe))
 
     def usage_writer(self, run: Running) -> Callable[[Any], None] | None:
         """Count the ending call's usage (the stats flush), and give back the pipeline write that adds an

@@ -202,8 +202,9 @@ class LLMCall:
                 tracestate=ctx.tracestate,
             )
             # ``chat <model>``: the provider forwards this span's context (pctx.traceparent) to the API.
-            if run.rate:
-                self.core.rate_sent(run)
+            if run.rate:  # its limiter entry counts from the response (the provider surely has the request)
+                run.sent = True
+                pctx.on_response = lambda: self.core.rate_sent(run)
             with run.trace.provider(self.model, str(self.context["provider"]), pctx) as span:
                 response = provider.complete(request, pctx)
                 record_usage(span, response)

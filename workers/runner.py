@@ -94,7 +94,7 @@ class CallRunner:
         current = run.state
         run.state = target
         if target is State.EXECUTING and run.rate and run.env.kind == "tool":
-            self.core.rate_sent(run)
+            run.sent = True  # (its limiter entry counts from the call's end: when the back end surely had it)
         self._write(run, current, (target, detail, time.time()), {}, check=lambda reply: self._check(run, target, reply))
 
     def _write(

@@ -40,6 +40,31 @@ local function rate_trim(r, now)
   if freed ~= 0 then redis.call('HINCRBY', r.h, 'sum', -freed) end
 end
 
+-- The call's admission is over: its entry counts `used` tokens ('' keeps its estimate; '-' its request
+-- never left, so the entry goes back); an entry not stamped yet counts from now (a worker that did not
+-- know the key is limited). `final`: the call ended, its estimate goes too.
+local function rate_settle(r, call_id, used, final)
+  if not r then return end
+  local m = redis.call('HGET', r.h, 'm:' .. call_id)
+  if m then
+    local score = redis.call('ZSCORE', r.log, m)
+    local old = tonumber(redis.call('HGET', r.h, 't:' .. m) or '0')
+    if score and used == '-' then
+      redis.call('ZREM', r.log, m)
+      redis.call('HDEL', r.h, 't:' .. m)
+      if old ~= 0 then redis.call('HINCRBY', r.h, 'sum', -old) end
+    elseif score then
+      if tonumber(score) >= UNSENT then redis.call('ZADD', r.log, 'XX', rate_now(), m) end
+      if used ~= '' then
+        redis.call('HSET', r.h, 't:' .. m, used)
+        redis.call('HINCRBY', r.h, 'sum', tonumber(used) - old)
+      end
+    end
+    redis.call('HDEL', r.h, 'm:' .. call_id)
+  end
+  if final then redis.call('HDEL', r.h, 'e:' .. call_id) end
+end
+
 -- 0 and the call's entry taken when it may be admitted now; else the ms time capacity returns for it
 -- (UNSENT when that waits on requests not sent yet: their send arms the timer).
 local function rate_take(r, call_id, now)
@@ -77,6 +102,8 @@ local function rate_take(r, call_id, now)
     end
   end
   if at > 0 then return math.min(at, UNSENT) end
+  -- An entry of an earlier admission still mapped (a path that re-admits without settling) counts on.
+  if redis.call('HEXISTS', r.h, 'm:' .. call_id) == 1 then rate_settle(r, call_id, '', false) end
   local m = tostring(redis.call('HINCRBY', r.h, 'seq', 1))
   redis.call('ZADD', r.log, UNSENT, m)
   redis.call('HSET', r.h, 'm:' .. call_id, m, 't:' .. m, need)
@@ -93,27 +120,3 @@ local function rate_admits(r, call_id)
   return false
 end
 
--- The call's admission is over: its entry counts `used` tokens ('' keeps its estimate; '-' its request
--- never left, so the entry goes back); an entry not stamped yet counts from now (a worker that did not
--- know the key is limited). `final`: the call ended, its estimate goes too.
-local function rate_settle(r, call_id, used, final)
-  if not r then return end
-  local m = redis.call('HGET', r.h, 'm:' .. call_id)
-  if m then
-    local score = redis.call('ZSCORE', r.log, m)
-    local old = tonumber(redis.call('HGET', r.h, 't:' .. m) or '0')
-    if score and used == '-' then
-      redis.call('ZREM', r.log, m)
-      redis.call('HDEL', r.h, 't:' .. m)
-      if old ~= 0 then redis.call('HINCRBY', r.h, 'sum', -old) end
-    elseif score then
-      if tonumber(score) >= UNSENT then redis.call('ZADD', r.log, 'XX', rate_now(), m) end
-      if used ~= '' then
-        redis.call('HSET', r.h, 't:' .. m, used)
-        redis.call('HINCRBY', r.h, 'sum', tonumber(used) - old)
-      end
-    end
-    redis.call('HDEL', r.h, 'm:' .. call_id)
-  end
-  if final then redis.call('HDEL', r.h, 'e:' .. call_id) end
-end

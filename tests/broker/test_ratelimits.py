@@ -265,3 +265,19 @@ def test_a_429s_wait_is_read_from_retry_after_or_the_reset_headers() -> None:
                "x-ratelimit-remaining-tokens": "900", "x-ratelimit-reset-tokens": "30s"}
     assert pause_seconds(headers) == 1.5  # only the exhausted kind's reset
     assert pause_seconds({}) is None
+
+
+def test_a_call_admitted_again_without_settling_keeps_its_earlier_entry_counted(conn: redis.Redis) -> None:
+    calls = Calls(conn)
+    limit = RateLimit(rpm=2)
+    assert submit(calls, 0, limit)
+    # Whatever path admits the same call again (a requeue), its first entry is not orphaned: it counts
+    # (as sent, from now) and the call takes a second one.
+    info = CallInfo.of(env(cid(0)), CKEY)
+    calls.transition(info, State.ROUTING, attempt=1, current=State.PENDING)
+    calls.transition(info, State.RETRYING, attempt=1, current=State.ROUTING, fields={keys.F_ATTEMPT: 2})
+    conn.hset(keys.rate(keys.tag(Q), CKEY), "m:" + cid(0), "1")  # (as if the release had not settled it)
+    calls.requeue(info, attempt=2)
+    log = keys.rate_log(keys.tag(Q), CKEY)
+    assert conn.zcard(log) == 2 and conn.zscore(log, "1") < 1e15  # the first stamped, the second unsent
+    assert not submit(calls, 1, limit)  # 2 of 2 used: the next waits

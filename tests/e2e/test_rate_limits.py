@@ -145,3 +145,23 @@ def test_tokens_are_settled_with_the_usage_and_counted_per_principal(
             assert "hermes_rate_limit" in text and 'hermes_rate_kind="tokens_per_minute"' in text
         finally:
             gw.close()
+
+
+def test_a_tool_rate_limit_holds_across_workers_and_queue_partitions(gateway: Any, workers: Any) -> None:
+    gateway.register_tool(
+        {
+            "name": "limited", "executor": "python", "function": "workers.executors.builtin:echo",
+            "concurrency": 100, "queue_partitions": 2, "rate_limit": {"requests_per_second": 6},
+        }
+    )
+    workers(2)
+    handles = [gateway.call_tool("limited", {"i": i}) for i in range(18)]
+    for h in handles:
+        h.result(30)
+    started = [
+        e.ts for h in handles for e in h.events(timeout=5) if e.type == "transition" and e.state == "executing"
+    ]
+    assert len(started) == 18
+    # 6 a second, split 3 + 3 over the two partitions (each its own slot), so exact in sum.
+    assert _most_in_window(started, 1.0) <= 6
+    assert max(started) - min(started) >= 1.9  # 18 calls at 6/s: three windows
