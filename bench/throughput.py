@@ -38,9 +38,12 @@ def run_ours(
     tracing: bool = False,
     lean: bool = True,
     fast_path: bool = True,
+    limit: int = 100_000,
 ) -> float:
     """Calls/s through our stack; ``tracing``: a real SDK pipeline (batch processor into memory) on both
-    sides; ``fast_path`` False: redis-py's stock pipelines and pub/sub reads (``broker.fast_path``)."""
+    sides; ``fast_path`` False: redis-py's stock pipelines and pub/sub reads (``broker.fast_path``);
+    ``limit``: the tool's concurrency (a low one makes calls wait for a slot: the admission path).
+    Redis's CPU per timed call (``INFO cpu`` before and after, µs) is appended to ``REDIS_CPU``."""
     from broker.connection import from_url
     from hermes_gateway import Gateway
     from hermes_gateway.client import BrokerHandle
@@ -50,7 +53,7 @@ def run_ours(
         "name": f"noop_{queue.replace('-', '_')}",
         "executor": "python",
         "function": "workers.executors.builtin:noop",
-        "concurrency": 100_000,
+        "concurrency": limit,
         "queue_size": 1_000_000,
         "queue": queue,
     }
@@ -77,6 +80,7 @@ def run_ours(
         name = str(tool["name"])
         for h in gw.map(name, [{}] * (20 * processes)):
             h.result(30)
+        cpu = _redis_cpu(conn)
         start = time.perf_counter()
         handles: list[Any] = []
         batch = 500
@@ -85,12 +89,22 @@ def run_ours(
         for h in handles:
             h.result(120)
         elapsed = time.perf_counter() - start
+        REDIS_CPU.append((_redis_cpu(conn) - cpu) / n * 1e6)
         gw.close()
         return n / elapsed
     finally:
         if tracing:
             _client_tracing(False)
         stop(procs)
+
+
+REDIS_CPU: list[float] = []  # µs of Redis CPU per call, one entry per run_ours
+
+
+def _redis_cpu(conn: Any) -> float:
+    """Seconds of CPU the Redis server has used (user + system, main thread and all)."""
+    info = conn.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def _client_tracing(on: bool) -> None:
@@ -149,6 +163,9 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
+    parser.add_argument(
+        "--limit", type=int, default=100_000, help="the tool's concurrency: 8 makes calls wait for slots (fair dispatch)"
+    )
     parser.add_argument("--url", default=None, help="Redis URL (default $HERMES_REDIS_URL, else embedded)")
     parser.add_argument("--skip-plugins", action="store_true", help="skip the run with the example plugins")
     parser.add_argument("--skip-tracing", action="store_true", help="skip the run with tracing on")
@@ -157,13 +174,15 @@ def main() -> None:
     )
     args = parser.parse_args()
     runs: dict[str, list[float]] = {"rq": [], "ours": [], "stock": [], "plugins": [], "tracing": [], "tracing_sdk": []}
+    ours_cpu: list[float] = []
     with using_broker(args.url) as url:
         print(f"broker: {url}; {args.calls} no-op calls; {args.processes} worker process(es) each side; "
               f"{args.rounds} interleaved rounds (a shared 2-core machine is noisy: medians count)")
         for r in range(1, args.rounds + 1):
             # Interleaved, so slow and fast spells of the machine fall on every side alike.
             runs["rq"].append(run_rq(url, args.calls, args.processes))
-            runs["ours"].append(run_ours(url, args.calls, args.processes, args.concurrency))
+            runs["ours"].append(run_ours(url, args.calls, args.processes, args.concurrency, limit=args.limit))
+            ours_cpu.append(REDIS_CPU[-1])
             if not args.skip_stock:
                 runs["stock"].append(run_ours(url, args.calls, args.processes, args.concurrency, fast_path=False))
             if not args.skip_plugins:
@@ -177,6 +196,8 @@ def main() -> None:
         rq_rate, ours = statistics.median(runs["rq"]), statistics.median(runs["ours"])
         print(f"stock RQ SimpleWorker: {rq_rate:,.0f} jobs/s (median)")
         print(f"hermes-gateway:        {ours:,.0f} calls/s (median; enqueue -> done event at the caller)")
+        print(f"redis_cpu_per_call_us={statistics.median(ours_cpu):.1f}  (median; per round "
+              + ", ".join(f"{c:.1f}" for c in ours_cpu) + f"; tool limit {args.limit})")
         if runs["stock"]:
             stock = statistics.median(runs["stock"])
             print(f"hermes-gateway on redis-py's stock pipelines and pub/sub: {stock:,.0f} calls/s (median)")

@@ -21,6 +21,7 @@ from .errors import QueueFull
 from .idempotency import conflict, request_digest
 from .ratelimits import RateLimit
 from .records import CallInfo, job_fields, waiting_score
+from .settings import DEFAULT_BATCH_SHARE
 from .states import State
 
 SUBMIT_TTL = 7 * 86400
@@ -35,7 +36,6 @@ F_DIGEST = "h_digest"
 # of the batch share passed to the scripts (per 10,000).
 UNIT = 1_000_000
 SHARE_SCALE = 10_000
-DEFAULT_BATCH_SHARE = 0.1
 
 
 class Submits(Claims):

@@ -166,7 +166,7 @@ def tool_limits(env: Envelope, spec: ToolSpec, settings: Settings) -> dict[str, 
     # (so is the per-key bound: a key's calls go to the partitions in turn)
     n = partitions.count(spec)
     per_key = settings.fairness.queue_size_per_key
-    key_size = _or_none(per_key if per_key is None else partitions.limits(env.queue, n, concurrency, per_key)[1])
+    key_size = -1 if per_key is None else partitions.limits(env.queue, n, concurrency, per_key)[1]
     concurrency, queue_size = partitions.limits(env.queue, n, concurrency, queue_size)
     rate = RateLimit.parse(f"tool {spec.name!r}", spec.config.get("rate_limit"))
     if rate is not None and n > 1:
@@ -182,12 +182,9 @@ def tool_limits(env: Envelope, spec: ToolSpec, settings: Settings) -> dict[str, 
     }
 
 
-def _or_none(bound: int | None) -> int:
-    return -1 if bound is None else bound
-
-
 def fair_limits(env: Envelope, settings: Settings, key_size: int) -> dict[str, Any]:
-    """What SUBMIT needs for the call's fair turn: its key's weight, the batch share, the per-key bound."""
+    """What SUBMIT needs for the call's fair turn: its key's weight, the batch share, the per-key bound
+    (``key_size``, -1 = none)."""
     fairness = settings.fairness
     return {
         "weight": fairness.weight_of(env.context.get("principal"), fairness_of(env)[0]),
@@ -214,6 +211,7 @@ def llm_envelope(
     context["model"] = request.get("model") or context.get("model") or model_cfg.model or None
     tp, ts, bg = headers
     timeout, max_attempts = opts.get("timeout"), opts.get("max_attempts")
+    per_key = settings.fairness.queue_size_per_key
     queue = opts.get("queue") or "llm"
     env = Envelope(
         call_id=keys.call_id(queue, new_call_id()),
@@ -244,7 +242,7 @@ def llm_envelope(
         "concurrency": settings.concurrency_for("llm"),
         "max_attempts": max_attempts or settings.workers.max_attempts,
         "timeout": float(timeout or model_cfg.timeout),
-        **fair_limits(env, settings, _or_none(settings.fairness.queue_size_per_key)),
+        **fair_limits(env, settings, -1 if per_key is None else per_key),
     }
     return env, limits
 

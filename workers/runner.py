@@ -275,7 +275,7 @@ class CallRunner:
         def write(pipe: Any) -> None:
             calls.retry(info, attempt=attempt, current=current, detail=detail, pipeline=pipe)
             pipe.hincrby(keys.job(info.call_id), keys.F_MAX_ATTEMPTS, 1)
-            calls.requeue(info, attempt=attempt + 1, score=0, pipeline=pipe)
+            calls.requeue(info, attempt=attempt + 1, first=True, pipeline=pipe)
 
         self.core.outbox.put(write, lambda reply: self._check(run, State.RETRYING, reply))
         log.info("provider rate limit: call back to waiting", paused_until=limited.until)

@@ -47,21 +47,8 @@ end
 if redis.call('EXISTS', KEYS[1]) == 1 then return {0, call_id} end
 local limit = tonumber(concurrency)
 redis.call('HSET', KEYS[7], ckey, concurrency)
-local depth = redis.call('ZCARD', KEYS[4]) + redis.call('ZCARD', KEYS[8])
-local free = depth == 0 and (limit < 0 or redis.call('ZCARD', KEYS[6]) < limit)
-local c = class_of(klass)
-local function refused()  -- the reply when the call may not wait, else nil
-  if queue_size >= 0 and depth >= queue_size then return {-1, depth} end
-  if key_size >= 0 then
-    local mine = tonumber(redis.call('HGET', KEYS[9], 'n:' .. c .. ':' .. fkey) or '0')
-    if mine >= key_size then return {-3, mine, key_size, fkey} end
-  end
-  return nil
-end
-if not free then
-  local no = refused()
-  if no then return no end
-end
+local wi, wb = KEYS[4], KEYS[8]
+local free = redis.call('EXISTS', wi, wb) == 0 and (limit < 0 or redis.call('ZCARD', KEYS[6]) < limit)
 local rate = nil
 if rate_limits ~= '' then
   local rpm, rps, tpm = string.match(rate_limits, '^(%S+) (%S+) (%S+)$')
@@ -70,11 +57,22 @@ if rate_limits ~= '' then
   rate = rate_of(KEYS[10], KEYS[11], KEYS[12], ckey)
   if estimate ~= '0' then redis.call('HSET', KEYS[10], 'e:' .. call_id, estimate) end
 end
-local run = free and rate_admits(rate, call_id)
-if free and not run then  -- the limiter said wait (queue sizes of 0 refuse it)
-  local no = refused()
+local run = free and rate_admits(rate, call_id)  -- (a call the limiter holds back waits too)
+local c, n, last
+if not run then
+  local depth = redis.call('ZCARD', wi) + redis.call('ZCARD', wb)
+  c = 'i'
+  if klass == 'batch' then c = 'b' end
+  local f = redis.call('HMGET', KEYS[9], 'n:' .. c .. ':' .. fkey, 'l:' .. c .. ':' .. fkey)
+  n, last = tonumber(f[1]) or 0, tonumber(f[2])
+  local no = nil
+  if queue_size >= 0 and depth >= queue_size then
+    no = {-1, depth}
+  elseif key_size >= 0 and n >= key_size then
+    no = {-3, n, key_size, fkey}
+  end
   if no then
-    redis.call('HDEL', KEYS[10], 'e:' .. call_id)
+    if rate then redis.call('HDEL', KEYS[10], 'e:' .. call_id) end
     return no
   end
 end
@@ -83,10 +81,7 @@ if run then
   redis.call('ZADD', KEYS[6], 'inf', call_id)
   redis.call('RPUSH', KEYS[2], call_id)
 else
-  redis.call('HSET', KEYS[9], 'sh', share)
-  local tag = fair_wait(KEYS[9], c, fkey, inc, '', tonumber(score))
-  local wi, wb = KEYS[4], KEYS[8]
-  if c == 'b' then redis.call('ZADD', wb, tag, call_id) else redis.call('ZADD', wi, tag, call_id) end
+  fair_wait(KEYS[9], set_of(c, wi, wb), c, fkey, inc, '', tonumber(score), n, last, call_id, {'sh', share})
   -- slots free after the limit was raised
   if not free then promote(KEYS[6], wi, wb, KEYS[9], KEYS[2], limit, wake_channel, job_prefix, rate) end
 end

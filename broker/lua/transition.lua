@@ -19,7 +19,7 @@ local state = ARGV[6]           -- new state ('' = no change)
 local rq_status = ARGV[7]
 local lease = ARGV[8]           -- '' keep, '-' drop, else the new deadline
 local requeue = ARGV[9]         -- '1' = admit it again (a free slot, else waiting at `score`)
-local score = ARGV[10]          -- '' = its fairness key's next turn, else this place (0: before everyone)
+local score = ARGV[10]          -- '' = its fairness key's next turn, 'first' = before every waiting call
 local channel = ARGV[11]
 local release = ARGV[12]        -- '1' = give its slot back
 local ckey = ARGV[13]
