@@ -165,3 +165,48 @@ def test_a_tool_rate_limit_holds_across_workers_and_queue_partitions(gateway: An
     # 6 a second, split 3 + 3 over the two partitions (each its own slot), so exact in sum.
     assert _most_in_window(started, 1.0) <= 6
     assert max(started) - min(started) >= 1.9  # 18 calls at 6/s: three windows
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from tests.redis_stack import ClusterStack
+
+    with ClusterStack(3, tmp_path_factory.mktemp("rate-e2e-cluster")) as c:
+        yield c
+
+
+def test_a_tool_rate_limit_holds_with_real_workers_on_a_cluster(
+    cluster: Any, home: Home, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hermes_gateway.client import Gateway
+    from tests.conftest import WorkerFactory
+
+    for port in cluster.ports:
+        cluster.node(port).flushall()
+    monkeypatch.setenv("HERMES_REDIS_URL", cluster.url())
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    factory = WorkerFactory(cluster.url(), home, logs)
+    gw = Gateway.connect(cluster.url(), home=str(home.path), embedded_ok=False, check_workers=False)
+    try:
+        gw.register_tool(
+            {
+                "name": "limited", "executor": "python", "function": "workers.executors.builtin:echo",
+                "concurrency": 100, "queue_partitions": 3, "rate_limit": {"requests_per_second": 6},
+            }
+        )
+        factory(2)
+        handles = [gw.call_tool("limited", {"i": i}) for i in range(18)]
+        for h in handles:
+            h.result(30)
+        started = [
+            e.ts for h in handles for e in h.events(timeout=5) if e.type == "transition" and e.state == "executing"
+        ]
+        assert len(started) == 18 and _most_in_window(started, 1.0) <= 6  # 2 per partition, three shards
+        assert max(started) - min(started) >= 1.9
+    finally:
+        gw.close()
+        factory.stop_all()
+    for w in factory.started:
+        bad = [line for line in w.log().splitlines() if "transition not written" in line or "outbox batch failed" in line]
+        assert bad == [], bad[:3]
