@@ -56,6 +56,7 @@ class AuditRecord:
     parent_call_id: str | None = None  # the LLM call that asked for this tool call, if known
     replay_of: str | None = None  # the call this one replayed (audit replay), if it is a replay
     sensitive_hashes: dict[str, str] = field(default_factory=dict)
+    usage: dict[str, int] | None = None  # an LLM call's tokens: {"in": prompt, "out": completion}
     version: int = AUDIT_VERSION
 
     @classmethod

@@ -50,7 +50,7 @@ class Calls(Submits):
         from_states: frozenset[State] | None = None,
         lease: float | str | None = None,
         requeue: bool = False,
-        requeue_score: float | None = None,
+        requeue_first: bool = False,
         schedule_at: float | None = None,
         fields: dict[str, Any] | None = None,
         ttl: int | None = None,
@@ -60,6 +60,8 @@ class Calls(Submits):
         via: Sequence[Step] = (),
         ts: float | None = None,
         unleased: bool = False,
+        used_tokens: int | None = None,
+        sent: bool = True,
     ) -> Any:
         """Move a call to ``target`` (or publish a non-state event when None), atomically with its event.
 
@@ -68,9 +70,12 @@ class Calls(Submits):
         script. ``ts``: when this move happened (default now). ``unleased``: only from ``pending`` while no
         worker holds the call (a caller cancelling it directly; a worker that took it is told instead).
 
-        Ending (or ``retrying``) releases the call's concurrency slot and promotes the oldest waiting call
-        of its key; ``requeue`` admits it again (a free slot, else waiting at ``requeue_score``, default
-        now); ``schedule_at`` puts a ``retrying`` call on the scheduled set, due at that time.
+        Ending (or ``retrying``) releases the call's concurrency slot and promotes the next waiting call
+        of its key (fair order, broker/lua/slots.lua); ``requeue`` admits it again (a free slot, else
+        waiting for its fairness key's next turn, or with ``requeue_first`` before every waiting call);
+        ``schedule_at`` puts a ``retrying`` call on the scheduled set, due at that time. Releasing settles
+        the call's rate-limiter entry with ``used_tokens`` (None: its estimate stands); ``sent`` False says
+        its request never left (the entry is given back), else one not stamped yet counts from now.
         """
         release = target is not None and (target in TERMINAL or target is State.RETRYING)
         if via and target is None:
@@ -110,6 +115,11 @@ class Calls(Submits):
                 keys.limits(tag),
                 keys.scheduled(tag),
                 keys.queue(info.queue),
+                keys.waiting_batch(tag, info.ckey),
+                keys.fair(tag, info.ckey),
+                keys.rate(tag, info.ckey),
+                keys.rate_log(tag, info.ckey),
+                keys.rate_due(tag),
             ],
             [
                 info.call_id,
@@ -121,13 +131,16 @@ class Calls(Submits):
                 RQ_STATUS[target] if target is not None else "",
                 "" if lease is None else lease,
                 "1" if requeue else "",
-                waiting_score() if requeue_score is None else requeue_score,
+                "first" if requeue_first else "",
                 info.channel,
                 "1" if release else "",
                 info.ckey,
                 "" if schedule_at is None else schedule_at,
                 self.wake_channel(info.queue),
                 self.publish,
+                keys.job(""),
+                waiting_score() if requeue else "",
+                "-" if not sent else "" if used_tokens is None else used_tokens,
                 *flat,
             ],
             pipeline,
@@ -148,9 +161,12 @@ class Calls(Submits):
         fields: dict[str, Any] | None = None,
         ttl: int | None = None,
         pipeline: Pipeline | None = None,
+        used_tokens: int | None = None,
+        sent: bool = True,
     ) -> Any:
         """A worker moves the call it holds (fenced by ``attempt``), with the moves ``via`` not written yet;
-        a terminal ``target`` ends it (``fields``: result or error, ``ttl``: how long the record stays)."""
+        a terminal ``target`` ends it (``fields``: result or error, ``ttl``: how long the record stays;
+        ``used_tokens`` / ``sent``: its rate limiter's settlement, see ``transition``)."""
         return self.transition(
             info,
             target,
@@ -162,6 +178,8 @@ class Calls(Submits):
             fields=fields,
             ttl=ttl,
             pipeline=pipeline,
+            used_tokens=used_tokens,
+            sent=sent,
         )
 
     def note(
@@ -226,15 +244,16 @@ class Calls(Submits):
         )
 
     def requeue(
-        self, info: CallInfo, *, attempt: int, score: float | None = None, pipeline: Pipeline | None = None
+        self, info: CallInfo, *, attempt: int, first: bool = False, pipeline: Pipeline | None = None
     ) -> Any:
-        """A ``retrying`` call is admitted again: a free slot, else it waits at ``score`` (default now)."""
+        """A ``retrying`` call is admitted again: a free slot, else it waits for its fairness key's next
+        turn (``first``: before every waiting call)."""
         return self.transition(
             info,
             State.PENDING,
             attempt=attempt,
             requeue=True,
-            requeue_score=score,
+            requeue_first=first,
             lease="-",
             current=State.RETRYING,
             pipeline=pipeline,
@@ -243,7 +262,7 @@ class Calls(Submits):
     def hand_back(
         self, info: CallInfo, *, attempt: int, current: State, reason: str, free: bool = False
     ) -> bool:
-        """A running call goes back before every waiting call (score 0) as its next attempt (``free``: an
+        """A running call goes back before every waiting call as its next attempt (``free``: an
         attempt that does not count, its worker stopped); False when it was no longer this attempt's."""
         reply = self.retry(
             info, attempt=attempt, current=current, detail={"reason": reason, "next_attempt": attempt + 1}
@@ -252,7 +271,7 @@ class Calls(Submits):
             return False
         if free:
             self.conn.hincrby(keys.job(info.call_id), keys.F_MAX_ATTEMPTS, 1)
-        self.requeue(info, attempt=attempt + 1, score=0)
+        self.requeue(info, attempt=attempt + 1, first=True)
         return True
 
     def cancel_unleased(

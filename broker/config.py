@@ -33,6 +33,7 @@ from .settings import (
     AuditSettings,
     BrokerSettings,
     ConsoleSettings,
+    FairnessSettings,
     LoggingSettings,
     McpSettings,
     ModelSettings,
@@ -41,6 +42,7 @@ from .settings import (
     TelemetrySettings,
     WorkerSettings,
     audit_settings,
+    fairness_settings,
     flag,
     mcp_settings,
     model_settings,
@@ -59,6 +61,7 @@ __all__ = [
     "AuditSettings",
     "BrokerSettings",
     "ConsoleSettings",
+    "FairnessSettings",
     "LoggingSettings",
     "McpSettings",
     "ModelSettings",
@@ -155,6 +158,9 @@ def load_settings(
         audit=audit_settings(_mapping(raw, "audit")),
         model=model_settings(_mapping(raw, "model")),
         mcp=mcp_settings(_mapping(raw, "mcp")),
+        fairness=fairness_settings(
+            _mapping(raw, "fairness"), env.get("HERMES_BATCH_SHARE"), env.get("HERMES_QUEUE_SIZE_PER_KEY")
+        ),
         executors=executors,
         policy=_mapping(raw, "policy"),
         raw=raw,

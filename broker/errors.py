@@ -110,6 +110,13 @@ class QueueFull(HermesError):
     type = "queue_full"
 
 
+class TokensOverLimit(HermesError):
+    """An LLM call's token estimate alone is more than its model's ``tokens_per_minute``: it could never be
+    admitted. ``details``: ``key``, ``estimate``, ``limit``."""
+
+    type = "tokens_over_limit"
+
+
 class NoWorkers(HermesError):
     """No worker listens on the queue the call needs."""
 
@@ -262,6 +269,14 @@ class ProviderError(ExecutorError):
         self.status = status
         self.retry_after = retry_after
         self.retryable = retryable
+
+
+@register_error_type
+class BudgetExceeded(CallFailed):
+    """The principal has spent its ``policy.principals.<p>.daily_tokens`` for today (UTC).
+    ``details``: ``principal``, ``used``, ``budget``."""
+
+    type = "budget_exceeded"
 
 
 @register_error_type

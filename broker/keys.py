@@ -5,7 +5,7 @@ beside RQ's, and calls wait on RQ's queue lists, so RQ's own tools (``rq info``)
 
 Slots (docs/ARCHITECTURE.md, "Keys and hash slots"): the keys of one queue and of the calls on it share
 the queue's hash tag ``{<queue>}``: its list ``rq:queue:{tools}``, its leases, scheduled retries, limits,
-slot and waiting sets and idempotency keys, and — because a call id starts with its queue's tag
+slot and waiting sets, fair-state hashes and idempotency keys, and — because a call id starts with its queue's tag
 (``{tools}.<hex>``, see ``call_id``) — each call's record ``rq:job:{tools}.<hex>`` and history. So every
 script about a call or a queue touches one slot. State that spans queues lives in slots of its own:
 the tool directory (``{hermes:dir}``), breakers (``{hermes:brk}``), the audit log (``{hermes:audit}``),
@@ -29,7 +29,14 @@ LEASES = PREFIX + ":leases:{}"  # zset call_id -> lease deadline (unix seconds),
 SCHEDULED = PREFIX + ":scheduled:{}"  # zset call_id -> when a ``retrying`` call is due back on ``pending``
 LIMITS = PREFIX + ":limits:{}"  # hash concurrency key -> its limit (-1 = none), written by every submission
 SLOTS = PREFIX + ":slots:{}:{}"  # zset call_id -> lease deadline (+inf while queued) of calls holding a slot
+WAITING = PREFIX + ":waiting:{}:{}"  # zset call_id -> fair tag of interactive calls, per concurrency key
+WAITING_BATCH = PREFIX + ":waitb:{}:{}"  # zset call_id -> fair tag of batch calls, per concurrency key
+FAIR = PREFIX + ":fair:{}:{}"  # hash: fair dispatch state of a concurrency key's waiting calls (slots.lua)
 WAITING = PREFIX + ":waiting:{}:{}"  # zset call_id -> submit time, per concurrency key (admission)
+RATE = PREFIX + ":rate:{}:{}"  # hash: a concurrency key's rate limits, token sum, pause, entries (ratelimit.lua)
+RATE_LOG = PREFIX + ":ratelog:{}:{}"  # zset: the rate limiter's sliding log, entry -> when sent (ms)
+RATE_DUE = PREFIX + ":ratedue:{}"  # zset concurrency key -> when its rate limiter has room again (ms)
+RATES = PREFIX + ":rates:{}"  # set of the concurrency keys with a rate limiter, per queue tag (for status)
 IDEMPOTENCY = PREFIX + ":idem:{}:{}"  # idempotency key -> call_id
 QUEUE_WORKERS = PREFIX + ":qworkers:{}"  # zset per queue: workers listening on it -> last heartbeat
 # -- channels --
@@ -50,6 +57,7 @@ AUDIT_STREAM = PREFIX + ":{audit}"  # stream of packed AuditRecords, capped by c
 AUDIT_INDEX = PREFIX + ":{audit}:idx"  # zset call_id -> ms part of its stream id
 POLICY = PREFIX + ":policy"  # hash: data (packed Policy), digest, version, pushed_at, source
 POLICY_CHANNEL = PREFIX + ":policy:changes"  # pub/sub notice (the new version) of a pushed policy
+USAGE_DAY = PREFIX + ":usage:{}:{}"  # hash principal -> tokens used that UTC day (daily_tokens budgets)
 STATS = PREFIX + ":stats"  # hash of call figures summed over all workers (workers/metrics.py)
 STATS_INFLIGHT = PREFIX + ":stats:inflight:{}"  # hash concurrency key -> calls running, per worker
 BREAKER = PREFIX + ":{{brk}}:breaker:{}"  # hash: state, opened_at, failures, probe, ... of one circuit breaker
@@ -152,12 +160,40 @@ def waiting(queue_tag: str, ckey: str) -> str:
     return WAITING.format(queue_tag, ckey)
 
 
+def waiting_batch(queue_tag: str, ckey: str) -> str:
+    return WAITING_BATCH.format(queue_tag, ckey)
+
+
+def fair(queue_tag: str, ckey: str) -> str:
+    return FAIR.format(queue_tag, ckey)
+
+
 def slots(queue_tag: str, ckey: str) -> str:
     return SLOTS.format(queue_tag, ckey)
 
 
+def rate(queue_tag: str, ckey: str) -> str:
+    return RATE.format(queue_tag, ckey)
+
+
+def rate_log(queue_tag: str, ckey: str) -> str:
+    return RATE_LOG.format(queue_tag, ckey)
+
+
+def rate_due(queue_tag: str) -> str:
+    return RATE_DUE.format(queue_tag)
+
+
+def rates(queue_tag: str) -> str:
+    return RATES.format(queue_tag)
+
+
 def idempotency(queue_tag: str, key: str) -> str:
     return IDEMPOTENCY.format(queue_tag, key)
+
+
+def usage_day(day: str, principal: str) -> str:
+    return USAGE_DAY.format(day, principal)
 
 
 def worker(name: str) -> str:

@@ -55,6 +55,11 @@ class Limits:
                                 keys.waiting(tag, ckey),
                                 keys.limits(tag),
                                 keys.queue(q),
+                                keys.waiting_batch(tag, ckey),
+                                keys.fair(tag, ckey),
+                                keys.rate(tag, ckey),
+                                keys.rate_log(tag, ckey),
+                                keys.rate_due(tag),
                             ],
                             args=[time.time() - grace, per_key, ckey, keys.job(""), wake],
                         )
@@ -100,7 +105,8 @@ class Limits:
         return sorted(keys.queue_name(_text(k)) for k in self.conn.smembers(keys.RQ_QUEUES))
 
     def snapshot(self) -> list[dict[str, Any]]:
-        """Every concurrency key with its limit, calls holding a slot and calls waiting for one (summed
+        """Every concurrency key with its limit, calls holding a slot and calls waiting for one (both
+        classes, summed
         over the queues it is used on). The limit of a tool split in queue partitions is the sum of its
         partitions' shares on record (each partition records its own share), so the tool's whole limit."""
         per: dict[str, dict[str, int]] = {}
@@ -113,11 +119,12 @@ class Limits:
             for ckey in names:
                 pipe.zcard(keys.slots(tag, ckey))
                 pipe.zcard(keys.waiting(tag, ckey))
+                pipe.zcard(keys.waiting_batch(tag, ckey))
             counts = pipe.execute() if names else []
             for i, ckey in enumerate(names):
                 row = per.setdefault(ckey, {"limit": limits[ckey], "running": 0, "waiting": 0})
-                row["running"] += int(counts[2 * i])
-                row["waiting"] += int(counts[2 * i + 1])
+                row["running"] += int(counts[3 * i])
+                row["waiting"] += int(counts[3 * i + 1]) + int(counts[3 * i + 2])
                 by_queue = shares.setdefault(ckey, {})
                 base, share = partitions.base(q), limits[ckey]
                 had = by_queue.get(base)

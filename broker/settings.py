@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, InvalidSpec
 from .placeholders import load_yaml
+from .ratelimits import RateLimit
 
 DEFAULT_LEASE = 30.0
 DEFAULT_CONCURRENCY = 5
@@ -30,6 +31,7 @@ GC_THRESHOLD = (50_000, 20, 10)
 AGENT_PLUGIN = "hermes-gateway"  # the Hermes agent plugin's name in plugins.entries
 DEFAULT_AUDIT_MAXLEN = 100_000
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
+DEFAULT_BATCH_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,31 @@ class ModelSettings:
     max_retries: int = 2  # model.max_retries: retries of a failed attempt (429, 5xx, connection)
     max_retry_after: float = 60.0  # model.max_retry_after: longest Retry-After honoured, seconds
     headers: dict[str, str] = field(default_factory=dict)  # model.headers: sent with every request
+    # model.rate_limits: "<provider>/<model>" or "<model>" -> the fleet-wide limit of its calls
+    rate_limits: dict[str, RateLimit] = field(default_factory=dict)
+
+    def rate_limit_for(self, provider: str, model: str) -> RateLimit | None:
+        """The rate limit of ``model`` on ``provider``: ``provider/model`` first, then the model alone."""
+        return self.rate_limits.get(f"{provider}/{model}") or self.rate_limits.get(model)
+
+
+@dataclass(frozen=True)
+class FairnessSettings:
+    """``fairness:`` — the order in which calls waiting for a slot of a concurrency key get one."""
+
+    # fairness.weights: principal (or fairness key) -> weight (default 1): a key of weight 2 gets twice the
+    # slots of a key of weight 1 while both wait.
+    weights: dict[str, float] = field(default_factory=dict)
+    # The least share of promotions batch calls get while interactive calls wait too.
+    batch_share: float = DEFAULT_BATCH_SHARE  # fairness.batch_share / HERMES_BATCH_SHARE
+    # Calls one fairness key (in one class) may have waiting for a slot (None: only queue_size bounds them).
+    queue_size_per_key: int | None = None  # fairness.queue_size_per_key / HERMES_QUEUE_SIZE_PER_KEY
+
+    def weight_of(self, principal: str | None, fairness_key: str) -> float:
+        """The weight of a call: its principal's, else its fairness key's, else 1."""
+        if principal is not None and principal in self.weights:
+            return self.weights[principal]
+        return self.weights.get(fairness_key, 1.0)
 
 
 @dataclass(frozen=True)
@@ -178,6 +205,7 @@ class Settings:
     audit: AuditSettings = AuditSettings()
     model: ModelSettings = ModelSettings()
     mcp: McpSettings = McpSettings()
+    fairness: FairnessSettings = FairnessSettings()
     # Per kind, each executor checks its own keys (executor_settings merges them; see there).
     executors: dict[str, Any] = field(default_factory=dict)
     # Parsed into the typed workers.policy.Policy, which broker cannot import (workers depends on broker).
@@ -269,7 +297,68 @@ def model_settings(section: dict[str, Any]) -> ModelSettings:
             section.get("max_retry_after", ModelSettings.max_retry_after), "model.max_retry_after"
         ),
         headers={str(k): str(v) for k, v in headers.items()},
+        rate_limits=rate_limits(section.get("rate_limits")),
     )
+
+
+def rate_limits(section: Any) -> dict[str, RateLimit]:
+    """``model.rate_limits: {"<provider>/<model>" | "<model>": {requests_per_minute, tokens_per_minute,
+    requests_per_second}}``; a bad entry is a ConfigError naming it."""
+    if section is None:
+        return {}
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"config.yaml: model.rate_limits: expected a mapping of model -> limits, got {section!r}")
+    out: dict[str, RateLimit] = {}
+    for key, value in section.items():
+        try:
+            limit = RateLimit.parse(f"config.yaml: model.rate_limits.{key}", value)
+        except InvalidSpec as e:
+            raise ConfigError(e.message.replace(": rate_limit.", ".", 1).replace(": rate_limit:", ":", 1)) from e
+        if limit is not None:
+            out[str(key)] = limit
+    return out
+
+
+def fairness_settings(
+    section: Mapping[str, Any], batch_share: str | None = None, per_key: str | None = None
+) -> FairnessSettings:
+    """``fairness: {weights, batch_share, queue_size_per_key}``; ``batch_share`` / ``per_key``: the
+    environment's values, which win. A typo, a weight that is not positive, a share outside 0..1 is an error."""
+    unknown = set(section) - {"weights", "batch_share", "queue_size_per_key"}
+    if unknown:
+        raise ConfigError(f"config.yaml: fairness: unknown key(s) {sorted(unknown)}")
+    weights = section.get("weights") or {}
+    if not isinstance(weights, dict):
+        raise ConfigError(f"config.yaml: fairness.weights: expected a mapping of principal to weight, got {weights!r}")
+    parsed: dict[str, float] = {}
+    for who, w in weights.items():
+        value = yaml_number(w, f"fairness.weights.{who}")
+        if not 0.001 <= value <= 1000:
+            raise ConfigError(f"config.yaml: fairness.weights.{who}: expected a weight from 0.001 to 1000, got {w!r}")
+        parsed[str(who)] = value
+    share = _setting(batch_share, "HERMES_BATCH_SHARE", section.get("batch_share"), "fairness.batch_share")
+    if share is not None and not 0 <= share <= 1:
+        raise ConfigError(f"fairness.batch_share (HERMES_BATCH_SHARE): expected a share from 0 to 1, got {share:g}")
+    size = _setting(per_key, "HERMES_QUEUE_SIZE_PER_KEY", section.get("queue_size_per_key"), "fairness.queue_size_per_key")
+    if size is not None and (size != int(size) or size < 0):
+        raise ConfigError(
+            f"fairness.queue_size_per_key (HERMES_QUEUE_SIZE_PER_KEY): expected a whole number of calls, got {size:g}"
+        )
+    return FairnessSettings(
+        weights=parsed,
+        batch_share=DEFAULT_BATCH_SHARE if share is None else share,
+        queue_size_per_key=None if size is None else int(size),
+    )
+
+
+def _setting(from_env: str | None, env_name: str, from_file: Any, where: str) -> float | None:
+    """A number from the environment (which wins) or config.yaml; None when neither sets it."""
+    if from_env not in (None, ""):
+        try:
+            return float(from_env)  # type: ignore[arg-type]
+        except ValueError as e:
+            raise ConfigError(f"{env_name}: expected a number, got {from_env!r}") from e
+    return None if from_file is None else yaml_number(from_file, where)
 
 
 def mcp_settings(section: dict[str, Any]) -> McpSettings:

@@ -16,10 +16,12 @@ from . import events, keys, pipes, scripts
 from .claims import Claims
 from .codec import text
 from .connection import is_cluster
-from .envelope import Envelope
+from .envelope import Envelope, fairness_of
 from .errors import QueueFull
 from .idempotency import conflict, request_digest
+from .ratelimits import RateLimit
 from .records import CallInfo, job_fields, waiting_score
+from .settings import DEFAULT_BATCH_SHARE
 from .states import State
 
 SUBMIT_TTL = 7 * 86400
@@ -28,6 +30,12 @@ SUBMIT_TTL = 7 * 86400
 # TTL when the call ends) and the digest of what was asked (a resubmission asking otherwise is a conflict).
 F_IDEM = "h_idem"
 F_DIGEST = "h_digest"
+
+# Fair dispatch (broker/lua/slots.lua): a weight-1 fairness key's step between its waiting calls' tags
+# (the tag step of weight w is UNIT / w, an integer: the waiting sets keep integer scores), and the scale
+# of the batch share passed to the scripts (per 10,000).
+UNIT = 1_000_000
+SHARE_SCALE = 10_000
 
 
 class Submits(Claims):
@@ -60,10 +68,18 @@ class Submits(Claims):
         max_attempts: int,
         timeout: float,
         concurrency: int = -1,
+        weight: float = 1.0,
+        batch_share: float = DEFAULT_BATCH_SHARE,
+        key_size: int = -1,
+        rate_limit: RateLimit | None = None,
+        estimate: int = 0,
         pipeline: Pipeline | None = None,
     ) -> Any:
         """Admit a call with its ``pending`` event: onto its queue with a slot of ``ckey`` when one is free
-        (``concurrency`` -1 = no limit), else waiting (at most ``queue_size``). Returns the script's reply."""
+        (``concurrency`` -1 = no limit) and its ``rate_limit`` allows it (``estimate`` tokens reserved),
+        else waiting (at most ``queue_size``; at most ``key_size`` of its fairness key and class, -1 = no
+        such bound) for its fair turn (``weight`` of its fairness key; ``batch_share``: the least share of
+        promotions batch calls get). Returns the script's reply."""
         info = CallInfo.of(env, ckey)
         ev = events.payload(
             call_id=env.call_id,
@@ -77,6 +93,7 @@ class Submits(Claims):
             detail={"queue": env.queue},
         )
         fields = job_fields(env, ckey=ckey, max_attempts=max_attempts, timeout=timeout)
+        fkey, klass = fairness_of(env)
         flat = [x for k, v in fields.items() for x in (k, "" if v is None else v)]
         idem = env.options.idempotency_key
         digest = ""
@@ -96,6 +113,12 @@ class Submits(Claims):
                 keys.idempotency(tag, idem or ""),
                 keys.slots(tag, ckey),
                 keys.limits(tag),
+                keys.waiting_batch(tag, ckey),
+                keys.fair(tag, ckey),
+                keys.rate(tag, ckey),
+                keys.rate_log(tag, ckey),
+                keys.rate_due(tag),
+                keys.rates(tag),
             ],
             [
                 env.call_id,
@@ -110,6 +133,13 @@ class Submits(Claims):
                 self.wake_channel(env.queue),
                 self.publish,
                 keys.job(""),
+                fkey,
+                klass,
+                max(1, round(UNIT / weight)),
+                round(batch_share * SHARE_SCALE),
+                key_size,
+                rate_limit.argv() if rate_limit is not None else "",
+                estimate if rate_limit is not None else 0,
                 *flat,
             ],
             pipeline,
@@ -123,6 +153,16 @@ class Submits(Claims):
         idempotency key is a conflict too (a record of an older version carries no digest to compare).
         """
         code, value = int(reply[0]), reply[1]
+        if code == -3:
+            fkey = text(reply[3])
+            raise QueueFull(
+                f"queue for {ckey!r} is full for fairness key {fkey!r} ({int(value)} waiting, "
+                f"limit {int(reply[2])} per key: fairness.queue_size_per_key)",
+                key=ckey,
+                fairness_key=fkey,
+                limit=int(reply[2]),
+                depth=int(value),
+            )
         if code == -1:
             raise QueueFull(
                 f"queue for {ckey!r} is full ({int(value)} waiting, limit {queue_size})",

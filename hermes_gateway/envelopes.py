@@ -13,8 +13,17 @@ from broker import keys, partitions
 from broker.codec import pack
 from broker.config import MAX_ARGS_ENV, Settings
 from broker.directory import Entry
-from broker.envelope import CALL_CLASSES, CONTEXT_FIELDS, Envelope, Options, concurrency_key, new_call_id
-from broker.errors import InvalidArgs
+from broker.envelope import (
+    CALL_CLASSES,
+    CONTEXT_FIELDS,
+    Envelope,
+    Options,
+    concurrency_key,
+    fairness_of,
+    new_call_id,
+)
+from broker.errors import InvalidArgs, TokensOverLimit
+from broker.ratelimits import RateLimit, estimate_tokens
 from broker.toolspec import ToolSpec
 from broker.tracecontext import ensure_traceparent
 from hermes_gateway.telemetry import Headers, current_headers
@@ -154,13 +163,33 @@ def tool_limits(env: Envelope, spec: ToolSpec, settings: Settings) -> dict[str, 
     retries = int((spec.retry or {}).get("max") or 0)
     concurrency = spec.concurrency or settings.concurrency_for(spec.executor)
     # A partition's share of the tool's limit and queue size (the shares add up to them exactly).
-    concurrency, queue_size = partitions.limits(env.queue, partitions.count(spec), concurrency, queue_size)
+    # (so is the per-key bound: a key's calls go to the partitions in turn)
+    n = partitions.count(spec)
+    per_key = settings.fairness.queue_size_per_key
+    key_size = -1 if per_key is None else partitions.limits(env.queue, n, concurrency, per_key)[1]
+    concurrency, queue_size = partitions.limits(env.queue, n, concurrency, queue_size)
+    rate = RateLimit.parse(f"tool {spec.name!r}", spec.config.get("rate_limit"))
+    if rate is not None and n > 1:
+        rate = rate.share(n, partitions.index(env.queue))
     return {
         "ckey": concurrency_key(env),
         "queue_size": queue_size,
         "concurrency": concurrency,
         "max_attempts": env.options.max_attempts or max(settings.workers.max_attempts, retries + 1),
         "timeout": float(env.options.timeout or spec.timeout),
+        "rate_limit": rate,
+        **fair_limits(env, settings, key_size),
+    }
+
+
+def fair_limits(env: Envelope, settings: Settings, key_size: int) -> dict[str, Any]:
+    """What SUBMIT needs for the call's fair turn: its key's weight, the batch share, the per-key bound
+    (``key_size``, -1 = none)."""
+    fairness = settings.fairness
+    return {
+        "weight": fairness.weight_of(env.context.get("principal"), fairness_of(env)[0]),
+        "batch_share": fairness.batch_share,
+        "key_size": key_size,
     }
 
 
@@ -182,6 +211,7 @@ def llm_envelope(
     context["model"] = request.get("model") or context.get("model") or model_cfg.model or None
     tp, ts, bg = headers
     timeout, max_attempts = opts.get("timeout"), opts.get("max_attempts")
+    per_key = settings.fairness.queue_size_per_key
     queue = opts.get("queue") or "llm"
     env = Envelope(
         call_id=keys.call_id(queue, new_call_id()),
@@ -195,12 +225,24 @@ def llm_envelope(
         queue=queue,
         channel=channel(queue),
     ).keep_packed(packed)
+    ckey = concurrency_key(env)
+    rate = model_cfg.rate_limit_for(str(context["provider"]), str(context.get("model") or ""))
+    estimate = estimate_tokens(request) if rate is not None else 0
+    if rate is not None and 0 <= rate.tpm < estimate:
+        raise TokensOverLimit(
+            f"the LLM call's token estimate ({estimate}: max_tokens + its prompt) is more than {ckey!r} "
+            f"allows in a minute (tokens_per_minute {rate.tpm}): it could never run; lower max_tokens",
+            key=ckey, estimate=estimate, limit=rate.tpm,
+        )
     limits = {
-        "ckey": concurrency_key(env),
+        "ckey": ckey,
+        "rate_limit": rate,
+        "estimate": estimate,
         "queue_size": settings.queue_size_for("llm"),
         "concurrency": settings.concurrency_for("llm"),
         "max_attempts": max_attempts or settings.workers.max_attempts,
         "timeout": float(timeout or model_cfg.timeout),
+        **fair_limits(env, settings, -1 if per_key is None else per_key),
     }
     return env, limits
 

@@ -65,6 +65,23 @@ class GatewayMetrics:
         meter.create_observable_gauge(
             "hermes.workers", [self._workers], unit="{worker}", description="Workers with a recent heartbeat"
         )
+        meter.create_observable_counter(
+            "hermes.llm.tokens", [self._tokens], unit="{token}",
+            description="LLM tokens per principal, model and direction (in: prompt, out: completion)",
+        )
+        meter.create_observable_gauge(
+            "hermes.rate.limit", [self._rate_limits], description="Each rate limiter's limit per kind"
+        )
+        meter.create_observable_gauge(
+            "hermes.rate.left", [self._rate_left], description="What each rate limiter has left in its window"
+        )
+        meter.create_observable_gauge(
+            "hermes.rate.waiting", [self._rate_waiting], unit="{call}", description="Calls waiting on each rate-limited key"
+        )
+        meter.create_observable_gauge(
+            "hermes.rate.paused_until", [self._rate_paused], unit="s",
+            description="When a provider's pause of the key ends (unix seconds; 0: not paused)",
+        )
         self.registry.register(_DurationCollector(self))
 
     def render(self) -> bytes:
@@ -79,6 +96,7 @@ class GatewayMetrics:
             "queues": console_data.queue_depths(conn),
             "inflight": console_data.inflight(conn),
             "limits": Limits(conn).snapshot(),
+            "rate_limits": console_data.rate_limits(conn),
             "breakers": Breakers(conn).all(),
             "workers": len(self.gw.live_workers()),
         }
@@ -105,6 +123,36 @@ class GatewayMetrics:
                     attrs["error.type"] = parts[-1]
                 out.append(Observation(int(value), attrs))
         return out
+
+    def _tokens(self, _options: CallbackOptions) -> Iterable[Observation]:
+        out = []
+        for field, value in self._snap.get("stats", {}).items():
+            parts = field.split(SEP)
+            if parts[0] == "tokens" and len(parts) >= 4 and parts[-1] in ("in", "out"):
+                attrs = {"principal": parts[1], "model": SEP.join(parts[2:-1]), "direction": parts[-1]}
+                out.append(Observation(int(value), attrs))
+        return out
+
+    def _rate_limits(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [
+            Observation(v, {"hermes.concurrency_key": r["key"], "hermes.rate.kind": k})
+            for r in self._snap.get("rate_limits", []) for k, v in r["limits"].items()
+        ]
+
+    def _rate_left(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [
+            Observation(v, {"hermes.concurrency_key": r["key"], "hermes.rate.kind": k})
+            for r in self._snap.get("rate_limits", []) for k, v in r["left"].items()
+        ]
+
+    def _rate_waiting(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(r["waiting"], {"hermes.concurrency_key": r["key"]}) for r in self._snap.get("rate_limits", [])]
+
+    def _rate_paused(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [
+            Observation(r["paused_until"] or 0, {"hermes.concurrency_key": r["key"]})
+            for r in self._snap.get("rate_limits", [])
+        ]
 
     def _queues(self, _options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(d, {"messaging.destination.name": q}) for q, d in self._snap.get("queues", {}).items()]

@@ -123,11 +123,14 @@ def flow_control_data(conn: Any) -> dict[str, Any]:
     """Concurrency keys (limit, running, waiting), retries on the schedule, circuit breakers."""
     from broker.breaker import Breakers
     from broker.limits import Limits
+    from hermes_gateway.console_data import rate_limits, read_stats, usage_figures
 
     return {
         "concurrency": Limits(conn).snapshot(),
         "scheduled_retries": Limits(conn).scheduled(),
         "breakers": Breakers(conn).all(),
+        "rate_limits": rate_limits(conn),
+        "usage": usage_figures(read_stats(conn)),
     }
 
 
@@ -140,6 +143,26 @@ def print_flow_control(data: dict[str, Any]) -> None:
         limit = "-" if row["limit"] < 0 else str(row["limit"])
         c.add_row(row["key"], limit, str(row["running"]), str(row["waiting"]))
     console.print(c)
+    if data.get("rate_limits"):
+        r = Table(title="rate limits (left in the window / limit)", title_justify="left")
+        for col in ("key", "requests/min", "tokens/min", "requests/s", "waiting", "paused until"):
+            r.add_column(col, justify="left" if col == "key" else "right")
+        for row in data["rate_limits"]:
+            left, limits = row["left"], row["limits"]
+            cells = [
+                f"{left[k]}/{limits[k]}" if k in limits else "-"
+                for k in ("requests_per_minute", "tokens_per_minute", "requests_per_second")
+            ]
+            until = row.get("paused_until")
+            r.add_row(row["key"], *cells, str(row["waiting"]), time.strftime("%H:%M:%S", time.localtime(until)) if until else "-")
+        console.print(r)
+    if data.get("usage"):
+        u = Table(title="usage per principal", title_justify="left")
+        for col in ("principal", "tool / model", "calls", "tokens in", "tokens out"):
+            u.add_column(col, justify="right" if col in ("calls", "tokens in", "tokens out") else "left")
+        for row in data["usage"]:
+            u.add_row(row["principal"], row["name"], str(row["calls"]), str(row["tokens_in"]), str(row["tokens_out"]))
+        console.print(u)
     b = Table(title="circuit breakers", title_justify="left")
     for col in ("key", "state", "since", "reason", "last error"):
         b.add_column(col)

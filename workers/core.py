@@ -19,7 +19,8 @@ from broker.config import Settings, load_settings
 from broker.directory import Directory
 from broker.durability import Confirmer
 from broker.envelope import Envelope, concurrency_key, plugins_applied
-from broker.errors import CallFailed, DecodeError
+from broker.errors import BudgetExceeded, CallFailed, DecodeError
+from broker.ratelimits import RateLimiter
 from broker.states import State
 from broker.toolspec import ToolSpec
 from middleware import LLMCallFlow, PluginManager, ToolCallFlow
@@ -81,6 +82,7 @@ class WorkerCore:
         self.audit = AuditLog.from_settings(conn, settings.audit)
         self.breakers = BreakerGuard(self)
         self.scheduler = RetryScheduler(conn, hold=settings.workers.lease)  # run on a thread by the Worker
+        self.limiter = RateLimiter(conn)
         # Plugins log through stdlib logging (they run inside Hermes too); the root logger is held at
         # WARNING to quiet libraries, so plugin loggers get the gateway's own level.
         logging.getLogger(PLUGIN_NAMESPACE).setLevel(settings.logging.level)
@@ -163,6 +165,40 @@ class WorkerCore:
         for run in self.inflight():
             out[run.info.ckey] = out.get(run.info.ckey, 0) + 1
         return out
+
+    def rate_sent(self, run: Running) -> None:
+        """The provider answered ``run``'s request (so had received it): stamp its rate limiter entry
+        (write-behind: a stamp later than the provider's receipt only keeps the entry counted longer)."""
+        info, limiter = run.info, self.limiter
+        self.outbox.put(lambda pipe: limiter.sent(info.call_id, info.queue, info.ckey, pipeline=pipe))
+
+    def usage_writer(self, run: Running) -> Callable[[Any], None] | None:
+        """Count the ending call's usage (the stats flush), and give back the pipeline write that adds an
+        LLM call's tokens to its principal's daily total (None when it reported none)."""
+        principal = run.env.context.get("principal") if run.env is not None else None
+        tokens = run.usage or {"in": 0, "out": 0}
+        metrics.usage(principal, run.info.kind, run.info.name, tokens["in"], tokens["out"])
+        if not principal or run.usage is None:
+            return None
+        key, total = keys.usage_day(time.strftime("%Y-%m-%d", time.gmtime()), str(principal)), tokens["in"] + tokens["out"]
+
+        def write(pipe: Any) -> None:
+            pipe.incrby(key, total)
+            pipe.expire(key, 2 * 86400)
+
+        return write
+
+    def check_budget(self, principal: str | None) -> None:
+        """Raise BudgetExceeded when ``principal`` has used its ``daily_tokens`` today (UTC)."""
+        budget = self.policy.daily_tokens(principal) if principal else None
+        if budget is None:
+            return
+        used = int(self.conn.get(keys.usage_day(time.strftime("%Y-%m-%d", time.gmtime()), str(principal))) or 0)
+        if used >= budget:
+            raise BudgetExceeded(
+                f"principal {principal!r} has used {used} of its {budget} tokens today (UTC)",
+                principal=principal, used=used, budget=budget,
+            )
 
     def started(self, run: Running) -> None:
         """A call begins here: queue-wait and in-flight figures, and its start line."""

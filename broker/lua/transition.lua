@@ -1,11 +1,15 @@
--- TRANSITION: move a call (or record a non-state event), atomically with its events (uses with_seq, slots).
--- KEYS: 1 job hash, 2 history list, 3 leases zset, 4 waiting zset, 5 slots zset (of the call's
---       concurrency key), 6 limits hash, 7 scheduled zset, 8 queue list — all of the call's queue tag
+-- TRANSITION: move a call (or record a non-state event), atomically with its events (uses with_seq,
+-- ratelimit, slots).
+-- KEYS: 1 job hash, 2 history list, 3 leases zset, 4 interactive waiting zset, 5 slots zset (of the
+--       call's concurrency key), 6 limits hash, 7 scheduled zset, 8 queue list, 9 batch waiting zset,
+--       10 fair-state hash, 11 rate limiter hash, 12 its log (4, 5, 9-12 of the call's concurrency key),
+--       13 the rate timer zset — all of the call's queue tag
 -- ARGV: see the locals below; then `before` earlier event payloads (moves the call made since its last
 --       write, recorded and published in order first), then field/value pairs for the job hash
 -- Returns {seq, state before}; seq < 0: -1 no such call, -2 attempt fence, -3 wrong source state.
 -- Ending with a ttl also expires the call's idempotency key (named in its record's `h_idem`: a key of
--- the same tag, so of this slot) while it still names this call.
+-- the same tag, so of this slot) while it still names this call. The records of the calls promote pops
+-- are read at job_prefix .. id (their fairness key; same tag, same slot).
 local call_id = ARGV[1]
 local event = ARGV[2]
 local ttl = ARGV[3]             -- '' = leave the TTL
@@ -15,15 +19,18 @@ local state = ARGV[6]           -- new state ('' = no change)
 local rq_status = ARGV[7]
 local lease = ARGV[8]           -- '' keep, '-' drop, else the new deadline
 local requeue = ARGV[9]         -- '1' = admit it again (a free slot, else waiting at `score`)
-local score = ARGV[10]
+local score = ARGV[10]          -- '' = its fairness key's next turn, 'first' = before every waiting call
 local channel = ARGV[11]
 local release = ARGV[12]        -- '1' = give its slot back
 local ckey = ARGV[13]
 local due = ARGV[14]            -- when a retry is due ('' = not scheduled)
 local wake_channel = ARGV[15]
 local publish = ARGV[16]        -- PUBLISH, or SPUBLISH on a cluster
-local before = tonumber(ARGV[17])
-local EARLY = 18
+local job_prefix = ARGV[17]
+local now = ARGV[18]            -- µs (the fair clock's start, when nobody waited)
+local used = ARGV[19]           -- tokens the call used, settled with its rate limiter ('' its estimate, '-' never sent)
+local before = tonumber(ARGV[20])
+local EARLY = 21
 local FIELDS = EARLY + before
 
 local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem')
@@ -52,10 +59,15 @@ if lease == '-' then
 elseif lease ~= '' then
   redis.call('ZADD', KEYS[3], lease, call_id)
 end
+local rate = nil
+if release == '1' or requeue == '1' then rate = rate_of(KEYS[11], KEYS[12], KEYS[13], ckey) end
 if release == '1' then
-  redis.call('ZREM', KEYS[4], call_id)
+  if st == 'pending' then  -- (only a pending call waits)
+    unwait(KEYS[4], KEYS[9], KEYS[10], call_id, redis.call('HGET', KEYS[1], 'h_fkey'))
+  end
+  rate_settle(rate, call_id, used, state == 'done' or state == 'failed' or state == 'cancelled')
   if redis.call('ZREM', KEYS[5], call_id) == 1 then
-    promote(KEYS[5], KEYS[4], KEYS[8], limit_of(KEYS[6], ckey), wake_channel)
+    promote(KEYS[5], KEYS[4], KEYS[9], KEYS[10], KEYS[8], limit_of(KEYS[6], ckey), wake_channel, job_prefix, rate)
   end
 end
 if due ~= '' then
@@ -63,7 +75,9 @@ if due ~= '' then
 end
 if requeue == '1' then
   redis.call('ZREM', KEYS[7], call_id)
-  admit(KEYS[5], KEYS[4], KEYS[8], limit_of(KEYS[6], ckey), call_id, score, wake_channel)
+  local f = redis.call('HMGET', KEYS[1], 'h_fkey', 'h_class')
+  admit(KEYS[5], KEYS[4], KEYS[9], KEYS[10], KEYS[8], limit_of(KEYS[6], ckey), call_id, score, wake_channel,
+        job_prefix, f[1] or '', f[2], tonumber(now), rate)
 end
 -- Every event in order: one append to the history, one message each on the caller's channel.
 local stored = {}

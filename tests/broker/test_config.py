@@ -32,6 +32,8 @@ VARIABLES: list[tuple[str, str, str, Any]] = [
     ("HERMES_MAX_ATTEMPTS", "7", "workers.max_attempts", 7),
     ("HERMES_RESULT_TTL", "60", "workers.result_ttl", 60),
     ("HERMES_GC_THRESHOLD", "1000,5", "workers.gc_threshold", (1000, 5)),
+    ("HERMES_BATCH_SHARE", "0.25", "fairness.batch_share", 0.25),
+    ("HERMES_QUEUE_SIZE_PER_KEY", "40", "fairness.queue_size_per_key", 40),
     ("HERMES_METRICS_PORT", "9464", "workers.metrics_port", 9464),
     ("HERMES_METRICS_HOST", "0.0.0.0", "workers.metrics_host", "0.0.0.0"),
     ("HERMES_RUN_REGISTRY", "1", "workers.run_registry", True),
@@ -115,6 +117,8 @@ IN_FILE = {
     "HERMES_LEASE": "9",
     "HERMES_MAX_ATTEMPTS": "2",
     "HERMES_RESULT_TTL": "99",
+    "HERMES_BATCH_SHARE": "0.5",
+    "HERMES_QUEUE_SIZE_PER_KEY": "7",
     "HERMES_TRACE_URL": "http://cfg/{trace_id}",
     "HERMES_GATEWAY_URL": "redis://cfg:1/1",
     "HERMES_GATEWAY_ROUTE_LLM": "0",
@@ -158,6 +162,8 @@ def test_each_config_yaml_key_of_the_table_sets_its_setting_and_its_variable_win
         ({"HERMES_METRICS_PORT": "http"}, "HERMES_METRICS_PORT: expected a port number, got 'http'"),
         ({"HERMES_TRACE": "jaeger"}, "HERMES_TRACE: expected one of off, console, otlp, memory, got 'jaeger'"),
         ({"HERMES_GATEWAY_TIMEOUT": "soon"}, "HERMES_GATEWAY_TIMEOUT / plugins.entries.hermes-gateway.timeout"),
+        ({"HERMES_BATCH_SHARE": "2"}, "fairness.batch_share (HERMES_BATCH_SHARE): expected a share from 0 to 1"),
+        ({"HERMES_QUEUE_SIZE_PER_KEY": "1.5"}, "fairness.queue_size_per_key (HERMES_QUEUE_SIZE_PER_KEY): expected a whole"),
     ],
 )
 def test_a_bad_value_is_a_config_error_naming_its_variable(
@@ -338,3 +344,14 @@ def test_the_guard_sees_each_way_of_reading(tmp_path: Path) -> None:
         (9, "d", None),
         (13, "f", "OTEL_"),
     ]
+
+
+def test_fairness_weights_are_per_principal_positive_numbers(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"fairness": {"weights": {"alice": 2, "batch-7": 0.5}}}))
+    fairness = load_settings(tmp_path, environ={}).fairness
+    assert fairness.weight_of("alice", "anything") == 2 and fairness.weight_of(None, "batch-7") == 0.5
+    assert fairness.weight_of("bob", "bob") == 1.0 and fairness.queue_size_per_key is None
+    for bad in ({"weights": {"alice": 0}}, {"weights": ["alice"]}, {"wieghts": {}}):
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump({"fairness": bad}))
+        with pytest.raises(ConfigError, match="fairness"):
+            load_settings(tmp_path, environ={})

@@ -82,9 +82,9 @@ def test_every_ending_and_a_retry_give_the_slot_back_a_cancelled_waiter_leaves_t
     calls.transition(info0, State.ROUTING, attempt=1)
     calls.transition(info0, State.RETRYING, attempt=1, current=State.ROUTING, schedule_at=time.time() - 1)
     assert queued(fake) == ["c1"] and fake.zscore(keys.scheduled("{tools}"), "c0") is not None
-    calls.transition(info0, State.PENDING, attempt=1, requeue=True, requeue_score=0, current=State.RETRYING)
+    calls.transition(info0, State.PENDING, attempt=1, requeue=True, requeue_first=True, current=State.RETRYING)
     assert fake.zscore(keys.scheduled("{tools}"), "c0") is None
-    assert [m.decode() for m in fake.zrange(keys.waiting("{tools}", CKEY), 0, -1)] == ["c0", "c2"]  # score 0: first
+    assert [m.decode() for m in fake.zrange(keys.waiting("{tools}", CKEY), 0, -1)] == ["c0", "c2"]  # first: before c2
     calls.claim(["tools"], 1, "w", 30)
     end(calls, "c1")
     assert queued(fake) == ["c0"]

@@ -46,7 +46,7 @@ def race(url: str, home: Any, workers: Any, wait_until: Any, clients: int = 6, e
         tags = [keys.tag(q) for q in partitions.names("tools", PARTS)]
         ckey = "tool:split"
         running = sum(conn.zcard(keys.slots(t, ckey)) for t in tags)
-        waiting = sum(conn.zcard(keys.waiting(t, ckey)) for t in tags)
+        waiting = sum(conn.zcard(keys.waiting(t, ckey)) + conn.zcard(keys.waiting_batch(t, ckey)) for t in tags)
         # Every partition's share is taken and no more: exactly the limit plus the queue size accepted.
         assert len(accepted) == LIMIT + QUEUE_SIZE, (len(accepted), len(refused))
         assert running <= LIMIT and waiting <= QUEUE_SIZE and running + waiting == len(accepted)

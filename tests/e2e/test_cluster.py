@@ -254,6 +254,12 @@ def test_racing_clients_on_a_cluster_never_exceed_the_limit_or_queue_size_of_a_p
     race(curl, home, cworkers, wait_until)
 
 
+def test_fair_dispatch_on_a_cluster_under_racing_submitters(curl: str, home: Any, cworkers: Any, wait_until: Any) -> None:
+    from tests.e2e.fair_race import fair_race
+
+    fair_race(curl, home, cworkers, wait_until)
+
+
 def test_a_late_follower_on_a_cluster_gets_the_history_then_the_live_tail_each_event_once(
     curl: str, cgateway: Any, cworkers: Any, home: Any
 ) -> None:

@@ -1,0 +1,208 @@
+"""Interactive latency beside a batch on the same tool: what fair dispatch buys (issue #29).
+
+One tool (concurrency ``--limit`` 8, a Python tool sleeping ``--tool-ms`` 5 ms), warm worker processes.
+1. *alone*: ``--samples`` interactive calls one after another (``call_tool(...).result()``), nothing else.
+2. *behind*: the same while a batch of ``--items`` calls (class ``batch``, its own fairness key) runs on
+   the same tool, submitted in chunks with at most ``--window`` of them unfinished (so the tool always has
+   a backlog of waiting batch calls, and the submitter's memory stays bounded).
+3. *fifo* (the reference): a few calls submitted as if they were part of the batch (its key and class),
+   which is where every call waited before fair dispatch: behind the whole backlog.
+Latency is submit → ``done`` event at the caller; "to start" is submit → ``routing`` (the slot wait and
+the worker's pick-up), the part fair dispatch decides. The machine is shared: figures are noisy, ratios count.
+The last line is ``interactive_slowdown=<p99 behind / p99 alone>`` (goal <= 2). A JSON result goes to
+``bench/results/mix-<UTC time>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import ROOT, scratch_home, start_workers, stop, using_broker, wait_for_workers  # noqa: E402
+
+SLEEP = "workers.executors.builtin:sleep"
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    """(p50, p99) in milliseconds."""
+    ordered = sorted(samples)
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    return statistics.median(ordered) * 1e3, p99 * 1e3
+
+
+def interactive(gw: Any, name: str, n: int, seconds: float, waits: list[float] | None = None, **opts: Any) -> list[float]:
+    """Latency of ``n`` calls made one after another, in seconds; with ``waits``, each call's time from its
+    ``pending`` event to its ``routing`` one (waiting for a slot, then for a worker to take it) is added."""
+    from broker import events, keys
+
+    out = []
+    for _ in range(n):
+        start = time.perf_counter()
+        handle = gw.call_tool(name, {"seconds": seconds}, **opts)
+        handle.result(300)
+        out.append(time.perf_counter() - start)
+        if waits is not None:
+            hist = [events.decode(b) for b in gw.conn.lrange(keys.history(handle.call_id), 0, -1)]
+            ts = {e.state: e.ts for e in hist}
+            waits.append(ts["routing"] - ts["pending"])
+    return out
+
+
+def run_batch(url: str, home: str, name: str, items: int, window: int, seconds: float, key: str, out: Any) -> None:
+    """Submit ``items`` batch calls in chunks, keeping at most ``window`` unfinished (run in a process of
+    its own: a submitter thread beside the interactive caller would share its interpreter lock)."""
+    from broker.config import load_settings
+    from broker.connection import BrokerHandle, from_url
+    from hermes_gateway import Gateway
+
+    gw = Gateway(BrokerHandle(from_url(url), url, url), load_settings(home))
+    start = time.perf_counter()
+    pending: collections.deque[Any] = collections.deque()
+    sent, chunk = 0, 500
+    while sent < items or pending:
+        while sent < items and len(pending) + chunk <= window:
+            k = min(chunk, items - sent)
+            batch = gw.map(name, [{"seconds": seconds}] * k, fairness_key=key, call_class="batch")
+            if batch.refused:
+                raise RuntimeError(f"batch refused: {batch.refused[0][1].refused}")
+            pending.extend(batch)
+            sent += k
+        pending.popleft().result(600)
+    out.put(time.perf_counter() - start)
+    gw.close()
+
+
+def backlog(conn: Any, queue: str, name: str) -> int:
+    from broker import keys
+
+    tag, ckey = keys.tag(queue), f"tool:{name}"
+    return int(conn.zcard(keys.waiting(tag, ckey))) + int(conn.zcard(keys.waiting_batch(tag, ckey)))
+
+
+def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    from broker.config import load_settings
+    from broker.connection import BrokerHandle, from_url
+    from hermes_gateway import Gateway
+
+    queue = f"mix-{uuid.uuid4().hex[:8]}"
+    name = f"sleep_{queue.replace('-', '_')}"
+    seconds = args.tool_ms / 1000
+    tool = {
+        "name": name,
+        "executor": "python",
+        "function": SLEEP,
+        "concurrency": args.limit,
+        "queue_size": args.window + 1000,
+        "queue": queue,
+    }
+    home = scratch_home([tool])
+    conn = from_url(url)
+    # Finished calls are kept a short while only: the batch's records would otherwise fill the Redis.
+    procs = start_workers(url, home, queue, args.processes, args.concurrency, {"HERMES_RESULT_TTL": "30"})
+    try:
+        wait_for_workers(conn, args.processes, queue)
+        gw = Gateway(BrokerHandle(from_url(url), url, url), load_settings(home))
+        gw.sync_tools(home / "tools")
+        interactive(gw, name, 50, seconds, fairness_key="warm-up")
+        waits_alone: list[float] = []
+        alone = interactive(gw, name, args.samples, seconds, waits_alone, fairness_key="agent")
+        ctx = multiprocessing.get_context("spawn")
+        out = ctx.Queue()
+        batch = ctx.Process(
+            target=run_batch, args=(url, str(home), name, args.items, args.window, seconds, f"batch-{queue}", out)
+        )
+        batch.start()
+        deadline = time.monotonic() + 60
+        while backlog(conn, queue, name) < min(args.window // 2, args.items // 2) and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the batch has a backlog of waiting calls
+        depth = backlog(conn, queue, name)
+        waits_behind: list[float] = []
+        behind = interactive(gw, name, args.samples, seconds, waits_behind, fairness_key="agent")
+        fifo = interactive(gw, name, args.fifo_samples, seconds, None, fairness_key=f"batch-{queue}", call_class="batch")
+        depth_after = backlog(conn, queue, name)
+        elapsed = out.get(timeout=3600)
+        batch.join()
+        gw.close()
+    finally:
+        stop(procs)
+    p50_alone, p99_alone = percentiles(alone)
+    p50_behind, p99_behind = percentiles(behind)
+    p50_fifo, p99_fifo = percentiles(fifo) if fifo else (0.0, 0.0)
+    wa, wb = percentiles(waits_alone), percentiles(waits_behind)
+    return {
+        "alone_ms": {"p50": p50_alone, "p99": p99_alone},
+        "behind_ms": {"p50": p50_behind, "p99": p99_behind},
+        "to_start_ms": {"alone": {"p50": wa[0], "p99": wa[1]}, "behind": {"p50": wb[0], "p99": wb[1]}},
+        "fifo_ms": {"p50": p50_fifo, "p99": p99_fifo, "samples": len(fifo)},
+        "batch_backlog": {"when_measuring": depth, "after": depth_after},
+        "batch_calls_per_s": args.items / elapsed,
+        "interactive_slowdown": p99_behind / p99_alone,
+    }
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--items", type=int, default=100_000, help="calls in the batch")
+    parser.add_argument("--window", type=int, default=5_000, help="batch calls unfinished at most (its backlog)")
+    parser.add_argument("--samples", type=int, default=200, help="interactive calls per phase")
+    parser.add_argument("--fifo-samples", type=int, default=5, help="calls queued as part of the batch (reference)")
+    parser.add_argument("--limit", type=int, default=8, help="the tool's concurrency")
+    parser.add_argument("--tool-ms", type=float, default=5.0, help="how long the tool runs")
+    parser.add_argument("--processes", type=int, default=1, help="worker processes")
+    parser.add_argument("--concurrency", type=int, default=16, help="threads per worker process")
+    parser.add_argument("--url", default=None, help="Redis URL (default $HERMES_REDIS_URL, else embedded)")
+    parser.add_argument("--no-save", action="store_true", help="do not write the JSON result")
+    args = parser.parse_args()
+    with using_broker(args.url) as url:
+        print(f"broker: {url}; tool limit {args.limit}, {args.tool_ms:g} ms; batch of {args.items:,} "
+              f"(window {args.window:,}); {args.samples} interactive calls per phase (a shared machine is noisy)")
+        result = run(args, url)
+    a, b, f = result["alone_ms"], result["behind_ms"], result["fifo_ms"]
+    print(f"interactive alone:        p50 {a['p50']:.1f} ms  p99 {a['p99']:.1f} ms")
+    depth = result["batch_backlog"]
+    print(f"interactive behind batch: p50 {b['p50']:.1f} ms  p99 {b['p99']:.1f} ms  "
+          f"(batch backlog {depth['when_measuring']:,} waiting, {depth['after']:,} after)")
+    w = result["to_start_ms"]
+    print(f"submit -> a worker starts it: alone p50 {w['alone']['p50']:.1f} / p99 {w['alone']['p99']:.1f} ms, "
+          f"behind p50 {w['behind']['p50']:.1f} / p99 {w['behind']['p99']:.1f} ms")
+    if f["samples"]:
+        print(f"queued as part of the batch (FIFO, as before fair dispatch): p50 {f['p50']:.1f} ms")
+    print(f"batch: {result['batch_calls_per_s']:,.0f} calls/s")
+    if not args.no_save:
+        out = ROOT / "bench" / "results" / f"mix-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        record = {
+            "bench": "mix",
+            "commit": commit(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+            "args": vars(args),
+            **result,
+        }
+        out.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"result: {out.relative_to(ROOT)}")
+    print(f"interactive_slowdown={result['interactive_slowdown']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
