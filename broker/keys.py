@@ -32,12 +32,17 @@ SLOTS = PREFIX + ":slots:{}:{}"  # zset call_id -> lease deadline (+inf while qu
 WAITING = PREFIX + ":waiting:{}:{}"  # zset call_id -> submit time, per concurrency key (admission)
 IDEMPOTENCY = PREFIX + ":idem:{}:{}"  # idempotency key -> call_id
 QUEUE_WORKERS = PREFIX + ":qworkers:{}"  # zset per queue: workers listening on it -> last heartbeat
+BATCH_PART = PREFIX + ":batch:{}:{}"  # prefix of a batch's keys on one queue tag: :r results (index ->
+#   terminal event), :x results too large for the event (index -> packed result), :o indices in completion
+#   order (list), :n counts per terminal state (hash); written by TRANSITION, named in the record's h_batch
 # -- channels --
 CALLER_CHANNEL = PREFIX + ":ch:{}"  # pub/sub channel of one client (the caller's channel), plain Redis
 SHARD_CHANNEL = PREFIX + ":ch:{}:{}"  # the caller's sharded channel of one queue tag, on a cluster
 WAKE_CHANNEL = PREFIX + ":wake:{}"  # "a call was queued" nudge to the workers of one queue
 CONTROL_CHANNEL = PREFIX + ":ctl"  # cancel / stop / reload broadcasts to every worker
 # -- cross-queue state, slots of its own --
+BATCH = PREFIX + ":batch:{}"  # hash of one batch's meta: tool, queues, total, state, submitted, created, ttl
+BATCHES = PREFIX + ":batches"  # zset batch id -> created (``batch list``)
 WORKERS = PREFIX + ":workers"  # zset worker name -> last heartbeat
 WORKER = PREFIX + ":worker:{}"  # hash of one worker's figures
 FAILURES = PREFIX + ":failures"  # capped list of recent failures
@@ -75,6 +80,7 @@ F_TRACE = "h_trace"
 F_ENVELOPE = "h_env"
 F_FKEY = "h_fkey"  # the call's fairness key (fair dispatch: whose turn it takes while waiting)
 F_CLASS = "h_class"  # interactive | batch
+F_BATCH = "h_batch"  # "<ttl> <index> <batch part prefix>" of a batch's call: TRANSITION writes its result there
 
 
 def tag(queue_name: str) -> str:
@@ -157,6 +163,15 @@ def slots(queue_tag: str, ckey: str) -> str:
 
 def idempotency(queue_tag: str, key: str) -> str:
     return IDEMPOTENCY.format(queue_tag, key)
+
+
+def batch(batch_id: str) -> str:
+    return BATCH.format(batch_id)
+
+
+def batch_part(queue_name: str, batch_id: str) -> str:
+    """The prefix of a batch's result keys on ``queue_name`` (its tag, so the call's TRANSITION writes them)."""
+    return BATCH_PART.format(tag(queue_name), batch_id)
 
 
 def worker(name: str) -> str:

@@ -61,9 +61,11 @@ class Submits(Claims):
         timeout: float,
         concurrency: int = -1,
         pipeline: Pipeline | None = None,
+        extra: tuple[Any, ...] = (),
     ) -> Any:
         """Admit a call with its ``pending`` event: onto its queue with a slot of ``ckey`` when one is free
-        (``concurrency`` -1 = no limit), else waiting (at most ``queue_size``). Returns the script's reply."""
+        (``concurrency`` -1 = no limit), else waiting (at most ``queue_size``). Returns the script's reply.
+        ``extra``: more field/value pairs for the job hash (a batch's call: ``h_batch``)."""
         info = CallInfo.of(env, ckey)
         ev = events.payload(
             call_id=env.call_id,
@@ -84,6 +86,7 @@ class Submits(Claims):
         if idem:
             digest = request_digest(env)
             flat += [F_IDEM, keys.idempotency(tag, idem), F_DIGEST, digest]
+        flat += extra
         if not self.is_async:  # (an asyncio client awaits its own SADD: AsyncGateway._list)
             self.list_queue(env.queue)
         return pipes.script(

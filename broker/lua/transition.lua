@@ -6,6 +6,9 @@
 -- Returns {seq, state before}; seq < 0: -1 no such call, -2 attempt fence, -3 wrong source state.
 -- Ending with a ttl also expires the call's idempotency key (named in its record's `h_idem`: a key of
 -- the same tag, so of this slot) while it still names this call.
+-- Ending a batch's call (its record's `h_batch` = "<ttl> <index> <prefix>", a prefix of the same tag) also
+-- writes its result into the batch: the terminal event at <prefix>:r[index] once (HSETNX), then the index
+-- on <prefix>:o (completion order) and a count of the state in <prefix>:n.
 local call_id = ARGV[1]
 local event = ARGV[2]
 local ttl = ARGV[3]             -- '' = leave the TTL
@@ -26,7 +29,7 @@ local before = tonumber(ARGV[17])
 local EARLY = 18
 local FIELDS = EARLY + before
 
-local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem')
+local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem', 'h_batch')
 local st = rec[1]
 if not st then return {-1, ''} end
 if fence ~= '' and rec[2] ~= fence then return {-2, st} end
@@ -77,6 +80,17 @@ if ttl ~= '' then
   redis.call('EXPIRE', KEYS[1], ttl)
   redis.call('EXPIRE', KEYS[2], ttl)
   if rec[3] and redis.call('GET', rec[3]) == call_id then redis.call('EXPIRE', rec[3], ttl) end
+end
+-- A batch's result: written once per index, whoever ends the call (worker, reaper, a caller's cancel).
+if rec[4] and (state == 'done' or state == 'failed' or state == 'cancelled') then
+  local bttl, index, bkey = string.match(rec[4], '^(%d+) (%d+) (.+)$')
+  if bkey and redis.call('HSETNX', bkey .. ':r', index, ev) == 1 then
+    local big = redis.call('HGET', KEYS[1], 'h_result')  -- a result too large for its event
+    if big then redis.call('HSET', bkey .. ':x', index, big) end
+    redis.call('RPUSH', bkey .. ':o', index)
+    redis.call('HINCRBY', bkey .. ':n', state, 1)
+    for _, part in ipairs({':r', ':x', ':o', ':n'}) do redis.call('EXPIRE', bkey .. part, bttl) end
+  end
 end
 redis.call(publish, channel, ev)
 return {seq, st}
