@@ -14,13 +14,14 @@ skipped, the others go with their own ids, so nothing runs twice and each index 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import hashlib
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -507,6 +508,38 @@ class BatchJob:
     def _raise(self) -> None:
         if self.error is not None:
             raise self.error
+
+
+class AsyncBatchJob:
+    """A :class:`BatchJob` for asyncio: the same model, its Redis reads run in worker threads."""
+
+    def __init__(self, job: BatchJob) -> None:
+        self.job = job
+        self.id = job.id
+
+    async def progress(self) -> Progress:
+        return await asyncio.to_thread(self.job.progress)
+
+    async def cancel(self) -> int:
+        return await asyncio.to_thread(self.job.cancel)
+
+    async def wait(self, timeout: float | None = None) -> Progress:
+        return await asyncio.to_thread(self.job.wait, timeout)
+
+    async def results(self, follow: bool = True) -> AsyncIterator[Item]:
+        """Each item's outcome once, as the calls end (read in worker threads, ``POLL`` apart when idle)."""
+        store, cursor = self.job.store, Cursor()
+        queues = (await asyncio.to_thread(store.meta, self.id))["queues"].split(",")
+        while True:
+            complete = (await self.progress()).complete if follow else True
+            items = await asyncio.to_thread(store.read, self.id, queues, cursor)
+            for item in items:
+                yield item
+            if not items:
+                if complete or self.job.error is not None:
+                    self.job._raise()
+                    return
+                await asyncio.sleep(POLL)
 
 
 def start(gw: Gateway, tool: str, items: Iterable[Any], *, window: int | None = None, ttl: int | None = None,

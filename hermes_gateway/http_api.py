@@ -147,7 +147,7 @@ class Api:
 
     @asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
-        self.agw = AsyncGateway(await async_from_url(self.gw.broker.url), self.gw.settings)
+        self.agw = AsyncGateway(await async_from_url(self.gw.broker.url), self.gw.settings, url=self.gw.broker.url)
         await self.agw.start()
         try:
             async with self.mcp.running():

@@ -164,3 +164,29 @@ def test_a_batch_is_followed_by_id_from_another_process(
     assert any(b["id"] == job.id and b["counts"] == {"done": 48, "failed": 2, "cancelled": 0} for b in listed)
     missing = subprocess.run([CLI, "batch", "status", "nosuchbatch"], env=env, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 1 and "no such batch" in missing.stderr
+
+
+def test_the_async_client_runs_a_batch_and_attaches_by_id(
+    redis_url: str, home: Any, workers: Any, tmp_path: Path
+) -> None:
+    import asyncio
+
+    from hermes_gateway.aio import AsyncGateway
+
+    _mark_tool(home, concurrency=8)
+    workers(1, concurrency=8)
+    marks = tmp_path / "marks"
+
+    async def run() -> tuple[list[int], dict[str, Any], dict[str, Any]]:
+        async with await AsyncGateway.connect(redis_url, home=str(home.path)) as agw:
+            from workers.specs import sync_dir
+
+            await asyncio.to_thread(lambda: sync_dir(agw._batch_client().directory, home.tools_dir, []))
+            job = await agw.batch("mark", [{"i": i, "path": str(marks)} for i in range(40)], window=10)
+            seen = [item.index async for item in job.results()]
+            other = await agw.batch_job(job.id)
+            return seen, (await other.wait(30)).to_dict(), (await job.progress()).to_dict()
+
+    seen, waited, progress = asyncio.run(run())
+    assert sorted(seen) == list(range(40))
+    assert waited["complete"] and waited["counts"]["done"] == 40 and progress == {**waited, "rate": progress["rate"]}
