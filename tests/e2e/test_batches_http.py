@@ -73,3 +73,26 @@ def test_batch_routes_answer_typed_errors(api: httpx.Client) -> None:
     assert api.post("/v1/batches?tool=nosuch", json=[{"i": 1}]).status_code == 404
     assert api.post("/v1/batches?tool=mark", content="[]", headers={"content-type": "text/plain"}).status_code == 400
     assert api.post("/v1/batches?tool=mark&window=0", json=[]).status_code == 400
+
+
+def test_metrics_and_the_console_snapshot_count_each_batch_by_state(
+    api: httpx.Client, gateway: Any, tmp_path: Path
+) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hermes_gateway import console_data
+
+    marks = tmp_path / "marks"
+    items: list[Any] = [{"i": i, "path": str(marks)} for i in range(20)]
+    items[3] = "not arguments"
+    batch_id = api.post("/v1/batches?tool=mark", json=items).json()["id"]
+    api.get(f"/v1/batches/{batch_id}/results")  # (follows until complete)
+    samples = {
+        s.labels["hermes_batch_state"]: s.value
+        for fam in text_string_to_metric_families(api.get("/metrics").text)
+        for s in fam.samples
+        if fam.name.startswith("hermes_batch_items") and s.labels.get("hermes_batch_id") == batch_id
+    }
+    assert samples == {"done": 19, "failed": 1, "cancelled": 0, "running": 0, "unsent": 0}
+    row = next(b for b in console_data.snapshot(gateway)["batches"] if b["id"] == batch_id)
+    assert row["counts"] == {"done": 19, "failed": 1, "cancelled": 0} and row["state"] == "finished"
