@@ -104,6 +104,11 @@ def batch_submit(ctx: click.Context, tool: str | None, items: Path | None, out_p
     settings = _settings(ctx)
     with _gateway(settings) as (gw, _):
         _sync_tools(gw)
+        from hermes_gateway.local import THROWAWAY_NOTE, throwaway
+
+        if throwaway(gw):  # the batch would end with this command: nothing to resume after a crash
+            _note(THROWAWAY_NOTE.format(home=settings.home) + ": a batch there cannot be resumed after this "
+                  "command dies; start `hermes-gateway serve` (or `worker`) first", "warning")
         try:
             if resume is not None:
                 tool = tool or gw.batch_job(resume).progress().tool
