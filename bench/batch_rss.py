@@ -2,7 +2,11 @@
 default window) to its end, for several N, each in a fresh process; the slope per item extrapolates to
 1,000,000 items (goal: at most 200 MB). A handle-per-item submitter (``gw.map``) grows ~3.7 KB an item.
 
-    python -m bench.batch_rss [--url redis://...] [--counts 2000,10000,30000]
+    python bench/batch_rss.py [--url redis://...] [--counts 2000,10000,20000]
+
+Measured (2 workers, 100 threads each, a no-op tool; the machine shared with other jobs, so the seconds
+are noisy, the memory is not): peak 48.5 MB at 2,000, 10,000 and 20,000 items alike (base 47.4 MB after
+imports and connecting): ~0.5 byte an item, extrapolated 49 MB for 1,000,000.
 """
 
 from __future__ import annotations
@@ -13,8 +17,11 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
-from bench.common import ROOT, scratch_home, start_workers, stop, using_broker, wait_for_workers
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import ROOT, scratch_home, start_workers, stop, using_broker, wait_for_workers  # noqa: E402
 
 NOOP = {"name": "noop", "executor": "python", "function": "workers.executors.builtin:noop", "timeout": 10,
         "concurrency": 200, "queue_size": 10000}
