@@ -216,7 +216,7 @@ class BatchStore:
             p = dataclasses.replace(p, ended=now)
         return p
 
-    def list(self, limit: int = 100) -> list[Progress]:
+    def recent(self, limit: int = 100) -> list[Progress]:
         """The newest batches still on record, newest first."""
         out = []
         for bid in self.conn.zrevrange(keys.BATCHES, 0, limit - 1):

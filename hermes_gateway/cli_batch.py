@@ -97,7 +97,7 @@ def batch_submit(ctx: click.Context, tool: str | None, items: Path | None, out_p
     """Run TOOL over ITEMS (a JSONL file: one JSON object of arguments a line). Prints the batch id at once,
     then a progress bar on stderr; `batch submit --resume ID [TOOL] ITEMS` after the submitter died."""
     if items is None and tool is not None and resume is not None and Path(tool).exists():
-        tool, items = None, Path(tool)  # `--resume ID items.jsonl`: the tool is the batch's own
+        items, tool = Path(tool), None  # `--resume ID items.jsonl`: the tool is the batch's own
     if items is None:
         _fail("name the items file: batch submit TOOL items.jsonl (or --resume ID items.jsonl)")
     assert items is not None
@@ -210,7 +210,7 @@ def batch_list(ctx: click.Context, as_json: bool) -> None:
     from hermes_gateway.batches import BatchStore
 
     with _gateway(_settings(ctx), need_workers=False) as (gw, _):
-        rows = BatchStore(gw.conn).list()
+        rows = BatchStore(gw.conn).recent()
         if as_json:
             click.echo(json.dumps([p.to_dict() for p in rows], indent=2))
             return

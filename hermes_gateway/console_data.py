@@ -157,7 +157,7 @@ def batches(conn: Any, limit: int = 20) -> list[dict[str, Any]]:
     """The newest batches on record with their counts, rate and ETA (``hermes_gateway/batches.py``)."""
     from hermes_gateway.batches import BatchStore
 
-    return [p.to_dict() for p in BatchStore(conn).list(limit)]
+    return [p.to_dict() for p in BatchStore(conn).recent(limit)]
 
 
 def snapshot(gw: Any) -> dict[str, Any]:

@@ -293,7 +293,8 @@ class Api:
             raise BadRequest(f"window: expected a whole number, got {window!r}") from e
         if size is not None and size < 1:
             raise BadRequest(f"window: expected a whole number of at least 1, got {size}")
-        context = {"principal": _caller(request).principal} if _caller(request).principal else {}
+        principal = _caller(request).principal
+        context: dict[str, Any] = {"principal": principal} if principal else {}
         job = await run_in_threadpool(lambda: self.gw.batch(tool, items, window=size, **context))
         base = "/v1/batches/" + job.id
         return reply({"id": job.id, "tool": tool, "items": len(items), "status": base, "results": base + "/results"}, 202)
@@ -315,7 +316,7 @@ class Api:
 
         caller = _caller(request)
         store = BatchStore(self.gw.conn)
-        rows = await run_in_threadpool(store.list)
+        rows = await run_in_threadpool(store.recent)
         if not caller.admin:
             mine = await run_in_threadpool(lambda: {p.id for p in rows if store.meta(p.id).get("principal", "") == (caller.principal or "")})
             rows = [p for p in rows if p.id in mine]
