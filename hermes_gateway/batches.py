@@ -191,14 +191,7 @@ class BatchStore:
 
     def progress(self, batch_id: str, meta: dict[str, str] | None = None) -> Progress:
         meta = meta or self.meta(batch_id)
-        queues = meta["queues"].split(",")
-        pipe = self.conn.pipeline(transaction=False)
-        for q in queues:
-            pipe.hgetall(keys.batch_part(q, batch_id) + ":n")
-        counts: dict[str, int] = {}
-        for reply in pipe.execute():
-            for k, v in reply.items():
-                counts[text(k)] = counts.get(text(k), 0) + int(v)
+        counts = self.counts(batch_id, meta["queues"].split(","))
         p = Progress(
             id=batch_id,
             tool=meta["tool"],
@@ -215,6 +208,17 @@ class BatchStore:
             self.conn.hsetnx(keys.batch(batch_id), "ended", now)
             p = dataclasses.replace(p, ended=now)
         return p
+
+    def counts(self, batch_id: str, queues: list[str]) -> dict[str, int]:
+        """Calls of the batch ended so far, per terminal state (summed over its queues' counters)."""
+        pipe = self.conn.pipeline(transaction=False)
+        for q in queues:
+            pipe.hgetall(keys.batch_part(q, batch_id) + ":n")
+        counts: dict[str, int] = {}
+        for reply in pipe.execute():
+            for k, v in reply.items():
+                counts[text(k)] = counts.get(text(k), 0) + int(v)
+        return counts
 
     def recent(self, limit: int = 100) -> list[Progress]:
         """The newest batches still on record, newest first."""
@@ -392,7 +396,7 @@ class Submitter:
             self.conn.hset(keys.batch(self.id), "state", "submitted")
 
     def finished(self) -> int:
-        return self.store.progress(self.id, self.meta).finished
+        return sum(self.store.counts(self.id, self.meta["queues"].split(",")).values())
 
     def make_room(self, n: int) -> None:
         """Wait while more than ``window`` calls would be unfinished (the counters in Redis say)."""
@@ -552,7 +556,11 @@ def start(gw: Gateway, tool: str, items: Iterable[Any], *, window: int | None = 
         meta = store.meta(resume)
         if meta["tool"] != tool:
             raise InvalidArgs(f"batch {resume} is a batch of {meta['tool']!r}, not {tool!r}")
+        if meta.get("state") == "cancelled":
+            raise InvalidArgs(f"batch {resume} was cancelled: it cannot be resumed", batch_id=resume)
         batch_id = resume
+        # Submitting again from now (before the thread starts: a reader must not take it for complete).
+        store.conn.hset(keys.batch(batch_id), "state", "submitting")
         store.conn.expire(keys.batch(batch_id), int(meta["ttl"]))
     else:
         entry = gw.directory.get(tool)

@@ -16,7 +16,8 @@ The same operations as the Python client, for callers in any language and for a 
   ``application/x-ndjson``; or a JSON object ``{"tool", "items", "window"}``): 202 with the batch id at
   once, the items sent by a thread of the server; ``GET /v1/batches``, ``GET /v1/batches/{id}`` (counts,
   rate, ETA), ``GET /v1/batches/{id}/results`` (JSONL streamed as the calls end; ``?follow=0``: only what
-  has ended), ``DELETE /v1/batches/{id}`` (cancel) — ``hermes_gateway.batches``, one model with the CLI's
+  has ended), ``DELETE /v1/batches/{id}`` (cancel); ``POST /v1/batches?resume=ID`` with the same items takes
+  up a batch whose submitter died (items with a result are not sent again) — ``hermes_gateway.batches``, one model with the CLI's
 - ``GET /v1/calls/{id}/events``: Server-Sent Events, the call's history then its live tail, one event
   per state change, progress message or stream delta (``id:`` is the event's ``seq``, so a reconnecting
   ``EventSource`` resumes after ``Last-Event-ID``), ending with the terminal one.
@@ -269,8 +270,11 @@ class Api:
     # -- batches (hermes_gateway/batches.py; the threaded Gateway, in the thread pool) ---------------
 
     async def submit_batch(self, request: Request) -> Response:
+        from hermes_gateway.batches import BatchJob
+
         raw = await read_raw(request, self.gw.settings.api, ("application/json", *JSONL_TYPES))
         tool, window = request.query_params.get("tool"), request.query_params.get("window")
+        resume = request.query_params.get("resume")
         if request.headers.get("content-type", "").split(";")[0].strip().lower() in JSONL_TYPES:
             items: Any = _jsonl(raw)
         else:
@@ -278,6 +282,7 @@ class Api:
             if isinstance(body, dict):
                 tool = _field(body, "tool", (str,), "a tool name") or tool
                 window = _number(body, "window", 1, integer=True) or window
+                resume = _field(body, "resume", (str,), "a batch id") or resume
                 items = _field(body, "items", (list,), "an array of argument objects")
                 if items is None:
                     raise BadRequest("items: expected an array of argument objects")
@@ -285,6 +290,10 @@ class Api:
                 items = body
             else:
                 raise BadRequest(f"the body must be a JSON array of argument objects, got {type(body).__name__}")
+        if resume is not None:  # the same items again after the submitter died: the batch's own tool
+            request.path_params["batch_id"] = resume
+            await self._batch(request)  # (unknown, or another principal's: 404)
+            tool = tool or (await run_in_threadpool(BatchJob(self.gw, resume).progress)).tool
         if not tool:
             raise BadRequest("name the tool: POST /v1/batches?tool=NAME (or \"tool\" in a JSON object body)")
         try:
@@ -295,7 +304,7 @@ class Api:
             raise BadRequest(f"window: expected a whole number of at least 1, got {size}")
         principal = _caller(request).principal
         context: dict[str, Any] = {"principal": principal} if principal else {}
-        job = await run_in_threadpool(lambda: self.gw.batch(tool, items, window=size, **context))
+        job = await run_in_threadpool(lambda: self.gw.batch(tool, items, window=size, resume=resume, **context))
         base = "/v1/batches/" + job.id
         return reply({"id": job.id, "tool": tool, "items": len(items), "status": base, "results": base + "/results"}, 202)
 

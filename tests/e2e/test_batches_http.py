@@ -43,7 +43,12 @@ def test_a_json_array_batch_runs_and_its_results_stream_each_index_once(api: htt
     status = api.get(f"/v1/batches/{batch_id}").json()
     assert status["state"] == "finished" and status["counts"]["done"] == 60 and status["total"] == 60
     assert batch_id in {b["id"] for b in api.get("/v1/batches").json()}
+    again = api.post(f"/v1/batches?resume={batch_id}", json=items)  # the same items again: nothing reruns
+    assert again.status_code == 202 and again.json()["id"] == batch_id, again.text
+    assert len(api.get(f"/v1/batches/{batch_id}/results").text.splitlines()) == 60
+    assert api.get(f"/v1/batches/{batch_id}").json()["counts"]["done"] == 60
     assert set(_runs(marks).values()) == {1}
+    assert api.post("/v1/batches?resume=nosuch", json=items).status_code == 404
 
 
 def test_a_jsonl_body_keeps_a_bad_line_as_a_failed_item_and_delete_cancels(api: httpx.Client, tmp_path: Path) -> None:
