@@ -104,6 +104,12 @@ class InvalidSpec(HermesError):
         return cls(f"{where}: {path}: {expected}", path=path)
 
 
+class UnknownBatch(HermesError):
+    """No batch of that id is on record (never made, or past its ``batch.ttl``)."""
+
+    type = "unknown_batch"
+
+
 class QueueFull(HermesError):
     """The waiting queue for this concurrency key is full."""
 

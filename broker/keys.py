@@ -39,12 +39,17 @@ RATE_DUE = PREFIX + ":ratedue:{}"  # zset concurrency key -> when its rate limit
 RATES = PREFIX + ":rates:{}"  # set of the concurrency keys with a rate limiter, per queue tag (for status)
 IDEMPOTENCY = PREFIX + ":idem:{}:{}"  # idempotency key -> call_id
 QUEUE_WORKERS = PREFIX + ":qworkers:{}"  # zset per queue: workers listening on it -> last heartbeat
+BATCH_PART = PREFIX + ":batch:{}:{}"  # prefix of a batch's keys on one queue tag: :r results (index ->
+#   terminal event), :x results too large for the event (index -> packed result), :o indices in completion
+#   order (list), :n counts per terminal state (hash); written by TRANSITION, named in the record's h_batch
 # -- channels --
 CALLER_CHANNEL = PREFIX + ":ch:{}"  # pub/sub channel of one client (the caller's channel), plain Redis
 SHARD_CHANNEL = PREFIX + ":ch:{}:{}"  # the caller's sharded channel of one queue tag, on a cluster
 WAKE_CHANNEL = PREFIX + ":wake:{}"  # "a call was queued" nudge to the workers of one queue
 CONTROL_CHANNEL = PREFIX + ":ctl"  # cancel / stop / reload broadcasts to every worker
 # -- cross-queue state, slots of its own --
+BATCH = PREFIX + ":batch:{}"  # hash of one batch's meta: tool, queues, total, state, submitted, created, ttl
+BATCHES = PREFIX + ":batches"  # zset batch id -> created (``batch list``)
 WORKERS = PREFIX + ":workers"  # zset worker name -> last heartbeat
 WORKER = PREFIX + ":worker:{}"  # hash of one worker's figures
 FAILURES = PREFIX + ":failures"  # capped list of recent failures
@@ -84,6 +89,7 @@ F_ENVELOPE = "h_env"
 F_FKEY = "h_fkey"  # the call's fairness key (fair dispatch: whose turn it takes while waiting)
 F_CLASS = "h_class"  # interactive | batch
 F_PRINCIPAL = "h_principal"  # the principal a call runs as (absent: none), read by the API's per-principal checks
+F_BATCH = "h_batch"  # "<ttl> <index> <batch part prefix>" of a batch's call: TRANSITION writes its result there
 
 
 def tag(queue_name: str) -> str:
@@ -194,6 +200,15 @@ def idempotency(queue_tag: str, key: str) -> str:
 
 def usage_day(day: str, principal: str) -> str:
     return USAGE_DAY.format(day, principal)
+
+
+def batch(batch_id: str) -> str:
+    return BATCH.format(batch_id)
+
+
+def batch_part(queue_name: str, batch_id: str) -> str:
+    """The prefix of a batch's result keys on ``queue_name`` (its tag, so the call's TRANSITION writes them)."""
+    return BATCH_PART.format(tag(queue_name), batch_id)
 
 
 def worker(name: str) -> str:

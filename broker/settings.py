@@ -190,6 +190,14 @@ class McpSettings:
 
 
 @dataclass(frozen=True)
+class BatchSettings:
+    """``batch:`` — batches as objects (``hermes_gateway/batches.py``)."""
+
+    ttl: int = 86400  # batch.ttl / HERMES_BATCH_TTL: seconds a batch's meta, counters and results are kept
+    window: int = 1000  # batch.window / HERMES_BATCH_WINDOW: calls a submitter keeps unfinished at most
+
+
+@dataclass(frozen=True)
 class Settings:
     """Every setting the gateway reads. Environment variables override the file."""
 
@@ -206,6 +214,7 @@ class Settings:
     model: ModelSettings = ModelSettings()
     mcp: McpSettings = McpSettings()
     fairness: FairnessSettings = FairnessSettings()
+    batch: BatchSettings = BatchSettings()
     # Per kind, each executor checks its own keys (executor_settings merges them; see there).
     executors: dict[str, Any] = field(default_factory=dict)
     # Parsed into the typed workers.policy.Policy, which broker cannot import (workers depends on broker).

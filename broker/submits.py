@@ -74,12 +74,14 @@ class Submits(Claims):
         rate_limit: RateLimit | None = None,
         estimate: int = 0,
         pipeline: Pipeline | None = None,
+        extra: tuple[Any, ...] = (),
     ) -> Any:
         """Admit a call with its ``pending`` event: onto its queue with a slot of ``ckey`` when one is free
         (``concurrency`` -1 = no limit) and its ``rate_limit`` allows it (``estimate`` tokens reserved),
         else waiting (at most ``queue_size``; at most ``key_size`` of its fairness key and class, -1 = no
         such bound) for its fair turn (``weight`` of its fairness key; ``batch_share``: the least share of
-        promotions batch calls get). Returns the script's reply."""
+        promotions batch calls get). Returns the script's reply.
+        ``extra``: more field/value pairs for the job hash (a batch's call: ``h_batch``)."""
         info = CallInfo.of(env, ckey)
         ev = events.payload(
             call_id=env.call_id,
@@ -101,6 +103,7 @@ class Submits(Claims):
         if idem:
             digest = request_digest(env)
             flat += [F_IDEM, keys.idempotency(tag, idem), F_DIGEST, digest]
+        flat += extra
         if not self.is_async:  # (an asyncio client awaits its own SADD: AsyncGateway._list)
             self.list_queue(env.queue)
         return pipes.script(

@@ -177,6 +177,13 @@ def slots(conn: Any, settings: Any, entries: list[Any]) -> list[dict[str, Any]]:
     return sorted(rows.values(), key=lambda r: r["key"])
 
 
+def batches(conn: Any, limit: int = 20) -> list[dict[str, Any]]:
+    """The newest batches on record with their counts, rate and ETA (``hermes_gateway/batches.py``)."""
+    from hermes_gateway.batches import BatchStore
+
+    return [p.to_dict() for p in BatchStore(conn).recent(limit)]
+
+
 def snapshot(gw: Any) -> dict[str, Any]:
     """One tick of the overview: call figures, queues, slots per concurrency key, workers, breakers."""
     conn = gw.conn
@@ -195,6 +202,7 @@ def snapshot(gw: Any) -> dict[str, Any]:
         "usage": usage_figures(stats),
         "workers": workers(conn, gw.settings.workers.lease, now),
         "breakers": breakers(conn, breaker_cooldowns(gw.settings, entries)),
+        "batches": batches(conn),
         "scheduled_retries": Limits(conn).scheduled(),  # (per queue: every queue has its own set)
         # Bumped on every directory change: the page reloads its tool list when it moves.
         "tools_version": int(conn.get(keys.TOOLS_VERSION) or 0),

@@ -136,7 +136,7 @@ def tool_envelope(
     n = partitions.count(spec)
     if n > 1:
         concurrency = spec.concurrency or (settings.concurrency_for(spec.executor) if settings else -1)
-        queue = partitions.route(queue, n, concurrency, opts.get("idempotency_key"))
+        queue = partitions.route(queue, n, concurrency, opts.get("idempotency_key"), opts.get("partition_slot"))
     env = Envelope(
         call_id=keys.call_id(queue, opts.get("call_id") or new_call_id()),
         kind="tool",

@@ -63,6 +63,10 @@ class GatewayMetrics:
             "hermes.breaker.state", [self._breakers], description="0 closed, 1 half-open, 2 open"
         )
         meter.create_observable_gauge(
+            "hermes.batch.items", [self._batches], unit="{call}",
+            description="Items of each batch on record by state: done, failed, cancelled, running, unsent",
+        )
+        meter.create_observable_gauge(
             "hermes.workers", [self._workers], unit="{worker}", description="Workers with a recent heartbeat"
         )
         meter.create_observable_counter(
@@ -99,6 +103,7 @@ class GatewayMetrics:
             "rate_limits": console_data.rate_limits(conn),
             "breakers": Breakers(conn).all(),
             "workers": len(self.gw.live_workers()),
+            "batches": console_data.batches(conn, 100),
         }
         with self._lock:  # one scrape at a time: the callbacks read this scrape's snapshot
             self._snap = snap
@@ -172,6 +177,16 @@ class GatewayMetrics:
             Observation(BREAKER_STATES.get(b["state"], 0), {"hermes.breaker.key": b["key"]})
             for b in self._snap.get("breakers", [])
         ]
+
+    def _batches(self, _options: CallbackOptions) -> Iterable[Observation]:
+        out = []
+        for b in self._snap.get("batches", []):
+            attrs = {"hermes.batch.id": b["id"], "hermes.call.name": b["tool"]}
+            figures = {**b["counts"], "running": b["running"]}
+            if b["total"] is not None:
+                figures["unsent"] = max(0, b["total"] - b["submitted"])
+            out += [Observation(n, {**attrs, "hermes.batch.state": state}) for state, n in figures.items()]
+        return out
 
     def _workers(self, _options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(self._snap.get("workers", 0))]

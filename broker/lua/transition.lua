@@ -10,6 +10,9 @@
 -- Ending with a ttl also expires the call's idempotency key (named in its record's `h_idem`: a key of
 -- the same tag, so of this slot) while it still names this call. The records of the calls promote pops
 -- are read at job_prefix .. id (their fairness key; same tag, same slot).
+-- Ending a batch's call (its record's `h_batch` = "<ttl> <index> <prefix>", a prefix of the same tag) also
+-- writes its result into the batch: the terminal event at <prefix>:r[index] once (HSETNX), then the index
+-- on <prefix>:o (completion order) and a count of the state in <prefix>:n.
 local call_id = ARGV[1]
 local event = ARGV[2]
 local ttl = ARGV[3]             -- '' = leave the TTL
@@ -33,7 +36,7 @@ local before = tonumber(ARGV[20])
 local EARLY = 21
 local FIELDS = EARLY + before
 
-local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem')
+local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem', 'h_batch')
 local st = rec[1]
 if not st then return {-1, ''} end
 if fence ~= '' and rec[2] ~= fence then return {-2, st} end
@@ -47,6 +50,14 @@ end
 -- The idempotency key is read before the first write: a key this node no longer serves (its slot is
 -- migrating) fails the script here, before it changed anything, so the writer sends it again whole.
 local idem_ours = ttl ~= '' and rec[3] and redis.call('GET', rec[3]) == call_id
+-- So are a batch's result keys (same tag): is this index's result still to be written?
+local bttl, bindex, bkey
+local batch_new = false
+if rec[4] and (state == 'done' or state == 'failed' or state == 'cancelled') then
+  bttl, bindex, bkey = string.match(rec[4], '^(%d+) (%d+) (.+)$')
+  batch_new = bkey ~= nil and redis.call('HEXISTS', bkey .. ':r', bindex) == 0
+  if batch_new then redis.call('EXISTS', bkey .. ':x', bkey .. ':o', bkey .. ':n') end
+end
 -- One increment for every event this call records: the earlier ones get seq .. seq + before - 1.
 local seq = redis.call('HINCRBY', KEYS[1], 'h_seq', before + 1) - before
 if state ~= '' then
@@ -94,6 +105,15 @@ if ttl ~= '' then
   redis.call('EXPIRE', KEYS[1], ttl)
   redis.call('EXPIRE', KEYS[2], ttl)
   if idem_ours then redis.call('EXPIRE', rec[3], ttl) end
+end
+-- A batch's result: written once per index, whoever ends the call (worker, reaper, a caller's cancel).
+if batch_new then
+  redis.call('HSET', bkey .. ':r', bindex, ev)
+  local big = redis.call('HGET', KEYS[1], 'h_result')  -- a result too large for its event
+  if big then redis.call('HSET', bkey .. ':x', bindex, big) end
+  redis.call('RPUSH', bkey .. ':o', bindex)
+  redis.call('HINCRBY', bkey .. ':n', state, 1)
+  for _, part in ipairs({':r', ':x', ':o', ':n'}) do redis.call('EXPIRE', bkey .. part, bttl) end
 end
 redis.call(publish, channel, ev)
 return {seq, st}
