@@ -44,25 +44,40 @@ def scratch_home(tools: list[dict[str, Any]], config: dict[str, Any] | None = No
     return home
 
 
-def start_workers(url: str, home: Path, queue: str, processes: int, concurrency: int, extra_env: dict[str, str] | None = None) -> list[subprocess.Popen[bytes]]:
+def start_workers(
+    url: str,
+    home: Path,
+    queue: str,
+    processes: int,
+    concurrency: int,
+    extra_env: dict[str, str] | None = None,
+    log_level: str = "INFO",
+) -> list[subprocess.Popen[bytes]]:
+    """``processes`` worker processes on ``queue``, ``concurrency`` call slots each.
+
+    At the default log level, as users run them (two lines a call), written to ``<home>/workers.log`` as a
+    log file or a container's log pipe would take them, not to the terminal running the benchmark.
+    """
     # Results of a benchmark are not kept for a day: repeated runs would grow the Redis they measure.
     env = dict(
         os.environ,
         HERMES_REDIS_URL=url,
         HERMES_HOME=str(home),
-        HERMES_LOG_LEVEL="WARNING",
+        HERMES_LOG_LEVEL=log_level,
         HERMES_RESULT_TTL="600",
         PYTHONPATH=str(ROOT),
     )
     env.update(extra_env or {})
-    return [
-        subprocess.Popen(
-            [sys.executable, "-m", "workers", "--queues", queue, "--concurrency", str(concurrency)],
-            env=env,
-            cwd=ROOT,
-        )
-        for _ in range(processes)
-    ]
+    with (home / "workers.log").open("ab") as log:
+        return [
+            subprocess.Popen(
+                [sys.executable, "-m", "workers", "--queues", queue, "--concurrency", str(concurrency)],
+                env=env,
+                cwd=ROOT,
+                stderr=log,
+            )
+            for _ in range(processes)
+        ]
 
 
 def start_rq_workers(url: str, queue: str, processes: int) -> list[subprocess.Popen[bytes]]:

@@ -1,110 +1,193 @@
-"""End-to-end throughput of no-op tool calls: our stack against stock RQ on the same Redis.
+"""End-to-end throughput of no-op calls at the settings users run, beside Dramatiq and stock RQ in one run.
 
-Ours: enqueue → done event observed by the caller, with the full event path on.
-RQ: the same number of no-op jobs (``bench.rqjobs.noop``) through ``SimpleWorker``, finished jobs counted
-by the caller.
-Both sides get the same number of warm worker processes. The last line is ``ratio_vs_rq=<x>``.
+Rows, each figure from a fresh set of warm worker processes, rows interleaved round by round (medians):
+
+- ``8x8``: ours, one worker process with 8 call slots, tool limit 8, the default log level (INFO, two
+  lines a call); also p50/p99 of calls made one at a time;
+- ``8x5``: the same with the seed's default limit (5 per tool: the limit-bound path);
+- ``8x8_warning``: ``8x8`` at ``HERMES_LOG_LEVEL=WARNING``, so what the INFO lines cost shows;
+- ``64``: 64 slots, no limit in effect, WARNING: the row this benchmark printed before issue #30;
+- ``dramatiq``: Dramatiq, 1 process x 8 threads, a no-op actor (``bench/dramatiq_actors.py``), done when
+  acked (it stores no result);
+- ``rq``: stock RQ ``SimpleWorker``, one process (a quarter of the calls: it is slow).
+
+Ours is timed from the first enqueue to the last ``done`` event seen by the caller. Beside calls/s, each
+figure has CPU per call of Redis (``INFO cpu`` before and after), of the worker processes (and their
+children) and of this process (the caller): CPU time moves far less than calls/s when other processes
+share the machine. ``--with stock,plugins,tracing`` adds the older 64-slot variants. Without ``--url``
+and ``$HERMES_REDIS_URL`` a private Redis is started, so its CPU figure is ours alone.
+
+Results are written to ``bench/results/throughput-<date>-<commit>.json``; the last line printed is
+``ratio_vs_dramatiq=<x>`` (``8x8`` / ``dramatiq``, the median of the per-round ratios).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-EXAMPLE_PLUGINS = Path(__file__).resolve().parent.parent / "examples" / "plugins"
+from bench.common import (  # noqa: E402
+    ROOT,
+    scratch_home,
+    start_rq_workers,
+    start_workers,
+    stop,
+    using_broker,
+    wait_for_workers,
+)
+
+EXAMPLE_PLUGINS = ROOT / "examples" / "plugins"
 SEED_PLUGINS = [
     "middleware-demo-llm-tag",
     "middleware-demo-terminal-workdir",
     "middleware-demo-llm-timing",
     "middleware-demo-tool-annotate",
 ]
+RESULTS = ROOT / "bench" / "results"
+NO_LIMIT = 100_000
+BATCH = 500  # calls per pipelined submission
 
-from bench.common import scratch_home, start_rq_workers, start_workers, stop, using_broker, wait_for_workers  # noqa: E402
+
+@dataclass
+class Sample:
+    """One figure: calls/s and CPU per call (µs) of Redis, the workers and the caller; latency when taken."""
+
+    calls_per_s: float
+    redis_us: float
+    worker_us: float
+    client_us: float
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+
+
+class Cpu:
+    """CPU seconds so far of this process, the given processes (and their children) and the Redis server."""
+
+    def __init__(self, conn: Any, procs: list[subprocess.Popen[bytes]]) -> None:
+        import psutil
+
+        self.conn = conn
+        self.procs = []
+        for p in procs:  # (children now: Dramatiq's worker processes are its master's children)
+            parent = psutil.Process(p.pid)
+            self.procs += [parent, *parent.children(recursive=True)]
+
+    def read(self) -> tuple[float, float, float]:
+        import psutil
+
+        workers = 0.0
+        for p in self.procs:
+            try:
+                workers += sum(p.cpu_times()[:2])
+            except psutil.Error:
+                pass
+        own = sum(psutil.Process().cpu_times()[:2])
+        info = self.conn.info("cpu")
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"]), workers, own
+
+
+def _sample(n: int, elapsed: float, before: tuple[float, float, float], after: tuple[float, float, float]) -> Sample:
+    redis, workers, own = ((b - a) / n * 1e6 for a, b in zip(before, after, strict=True))
+    return Sample(n / elapsed, redis, workers, own)
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    """(p50, p99) in milliseconds."""
+    ordered = sorted(samples)
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    return statistics.median(ordered) * 1e3, p99 * 1e3
+
+
+# -- ours -----------------------------------------------------------------------------------------------
 
 
 def run_ours(
     url: str,
     n: int,
-    processes: int,
-    concurrency: int,
+    slots: int,
+    limit: int | None,
+    log_level: str = "INFO",
+    latency: int = 0,
     plugins: list[str] | None = None,
     tracing: bool = False,
     lean: bool = True,
     fast_path: bool = True,
-    limit: int = 100_000,
-) -> float:
-    """Calls/s through our stack; ``tracing``: a real SDK pipeline (batch processor into memory) on both
-    sides; ``fast_path`` False: redis-py's stock pipelines and pub/sub reads (``broker.fast_path``);
-    ``limit``: the tool's concurrency (a low one makes calls wait for a slot: the admission path).
-    Redis's CPU per timed call (``INFO cpu`` before and after, µs) is appended to ``REDIS_CPU``."""
+) -> Sample:
+    """``n`` no-op calls through one worker process with ``slots`` call slots and a tool limit of ``limit``
+    (None: the executor's default, the seed's 5); then ``latency`` calls one at a time.
+
+    ``tracing``: a real SDK pipeline (batch processor into memory) on both sides; ``fast_path`` False:
+    redis-py's stock pipelines and pub/sub reads (``broker.fast_path``)."""
+    from broker.config import load_settings
     from broker.connection import from_url
     from hermes_gateway import Gateway
     from hermes_gateway.client import BrokerHandle
 
     queue = f"bench-{uuid.uuid4().hex[:8]}"
-    tool = {
+    tool: dict[str, Any] = {
         "name": f"noop_{queue.replace('-', '_')}",
         "executor": "python",
         "function": "workers.executors.builtin:noop",
-        "concurrency": limit,
         "queue_size": 1_000_000,
         "queue": queue,
     }
+    if limit is not None:
+        tool["concurrency"] = limit
     config: dict[str, Any] = {"plugins": {"enabled": plugins}} if plugins else {}
     config["broker"] = {"fast_path": fast_path}  # (read by the workers and this client from config.yaml)
     home = scratch_home([tool], config)
-    if plugins:
-        import shutil
-
-        for name in plugins:
-            shutil.copytree(EXAMPLE_PLUGINS / name, home / "plugins" / name)
+    for name in plugins or []:
+        shutil.copytree(EXAMPLE_PLUGINS / name, home / "plugins" / name)
     conn = from_url(url)
-    trace_env = {"HERMES_TRACE": "memory", "HERMES_LEAN_SPANS": "1" if lean else "0"} if tracing else None
-    procs = start_workers(url, home, queue, processes, concurrency, trace_env)
+    env = {"HERMES_TRACE": "memory", "HERMES_LEAN_SPANS": "1" if lean else "0"} if tracing else {}
+    procs = start_workers(url, home, queue, 1, slots, env, log_level=log_level)
     if tracing:
         _client_tracing(True)
     try:
-        wait_for_workers(conn, processes, queue)
-        from broker.config import load_settings
-
+        wait_for_workers(conn, 1, queue)
         gw = Gateway(BrokerHandle(from_url(url), url, url), load_settings(home))
         gw.sync_tools(home / "tools")
-        # Warm-up: a few calls so every process has imported and connected.
         name = str(tool["name"])
-        for h in gw.map(name, [{}] * (20 * processes)):
+        for h in gw.map(name, [{}] * 40):  # warm: imported, connected, scripts loaded
             h.result(30)
-        cpu = _redis_cpu(conn)
-        start = time.perf_counter()
+        cpu = Cpu(conn, procs)
+        before, start = cpu.read(), time.perf_counter()
         handles: list[Any] = []
-        batch = 500
-        for i in range(0, n, batch):
-            handles.extend(gw.map(name, [{}] * min(batch, n - i)))
+        for i in range(0, n, BATCH):
+            handles.extend(gw.map(name, [{}] * min(BATCH, n - i)))
         for h in handles:
             h.result(120)
-        elapsed = time.perf_counter() - start
-        REDIS_CPU.append((_redis_cpu(conn) - cpu) / n * 1e6)
+        sample = _sample(n, time.perf_counter() - start, before, cpu.read())
+        if latency:
+            times = []
+            for i in range(20 + latency):
+                t0 = time.perf_counter()
+                gw.call_tool(name, {}).result(30)
+                if i >= 20:
+                    times.append(time.perf_counter() - t0)
+            sample.p50_ms, sample.p99_ms = percentiles(times)
         gw.close()
-        return n / elapsed
+        return sample
     finally:
         if tracing:
             _client_tracing(False)
         stop(procs)
-
-
-REDIS_CPU: list[float] = []  # µs of Redis CPU per call, one entry per run_ours
-
-
-def _redis_cpu(conn: Any) -> float:
-    """Seconds of CPU the Redis server has used (user + system, main thread and all)."""
-    info = conn.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+        conn.close()
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def _client_tracing(on: bool) -> None:
@@ -123,7 +206,53 @@ def _client_tracing(on: bool) -> None:
     otel.use_providers(tracer_provider=provider)
 
 
-def run_rq(url: str, n: int, processes: int) -> float:
+# -- peers ----------------------------------------------------------------------------------------------
+
+
+def run_dramatiq(url: str, n: int, threads: int = 8) -> Sample:
+    """``n`` messages to a no-op actor, one Dramatiq process with ``threads`` threads; done when acked."""
+    from broker.connection import from_url
+
+    queue = f"dq-{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ, BENCH_DRAMATIQ_URL=url, BENCH_DRAMATIQ_QUEUE=queue, PYTHONPATH=str(ROOT))
+    log = (Path(os.environ.get("TMPDIR", "/tmp")) / f"{queue}.log").open("wb")
+    cmd = [sys.executable, "-m", "dramatiq", "bench.dramatiq_actors", "--processes", "1", "--threads", str(threads)]
+    procs = [subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=log)]
+    # The sender: this process, with the same queue name (the module reads it at import).
+    os.environ.update(BENCH_DRAMATIQ_URL=url, BENCH_DRAMATIQ_QUEUE=queue)
+    sys.modules.pop("bench.dramatiq_actors", None)
+    import bench.dramatiq_actors as actors
+
+    conn = from_url(url)
+    pending = f"dramatiq:{queue}.msgs"
+    try:
+        for _ in range(40):
+            actors.noop.send()
+        _until_empty(conn, pending, procs)
+        cpu = Cpu(conn, procs)
+        before, start = cpu.read(), time.perf_counter()
+        for _ in range(n):
+            actors.noop.send()
+        _until_empty(conn, pending, procs)
+        return _sample(n, time.perf_counter() - start, before, cpu.read())
+    finally:
+        stop(procs)
+        log.close()
+        actors.broker.close()
+        conn.delete(f"dramatiq:{queue}", pending)
+        conn.close()
+
+
+def _until_empty(conn: Any, key: str, procs: list[subprocess.Popen[bytes]], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while conn.hlen(key):
+        if time.monotonic() > deadline or procs[0].poll() is not None:
+            raise RuntimeError(f"Dramatiq did not finish its messages ({key})")
+        time.sleep(0.002)
+
+
+def run_rq(url: str, n: int) -> Sample:
+    """``n`` no-op jobs through one stock RQ ``SimpleWorker``; done when in the finished registry."""
     from rq import Queue
 
     from broker.connection import from_url
@@ -131,89 +260,165 @@ def run_rq(url: str, n: int, processes: int) -> float:
     conn = from_url(url)
     queue_name = f"rqbench-{uuid.uuid4().hex[:8]}"
     q = Queue(queue_name, connection=conn)
-    procs = start_rq_workers(url, queue_name, processes)
+    procs = start_rq_workers(url, queue_name, 1)
     try:
-        wait_for_workers(conn, processes, queue_name)
-        warm = [Queue.prepare_data("bench.rqjobs.noop") for _ in range(10 * processes)]
-        jobs = q.enqueue_many(warm)
+        wait_for_workers(conn, 1, queue_name)
+        jobs = q.enqueue_many([Queue.prepare_data("bench.rqjobs.noop") for _ in range(10)])
         _wait_finished(q, len(jobs))
         base = q.finished_job_registry.count
-        start = time.perf_counter()
-        batch = 500
-        for i in range(0, n, batch):
-            q.enqueue_many([Queue.prepare_data("bench.rqjobs.noop") for _ in range(min(batch, n - i))])
+        cpu = Cpu(conn, procs)
+        before, start = cpu.read(), time.perf_counter()
+        for i in range(0, n, BATCH):
+            q.enqueue_many([Queue.prepare_data("bench.rqjobs.noop") for _ in range(min(BATCH, n - i))])
         _wait_finished(q, base + n)
-        elapsed = time.perf_counter() - start
-        return n / elapsed
+        return _sample(n, time.perf_counter() - start, before, cpu.read())
     finally:
         stop(procs)
+        conn.close()
 
 
-def _wait_finished(q: object, count: int, timeout: float = 600.0) -> None:
+def _wait_finished(q: Any, count: int, timeout: float = 600.0) -> None:
     deadline = time.monotonic() + timeout
-    while q.finished_job_registry.count < count:  # type: ignore[attr-defined]
+    while q.finished_job_registry.count < count:
         if time.monotonic() > deadline:
             raise RuntimeError("stock RQ did not finish in time")
         time.sleep(0.01)
 
 
+# -- the run --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str
+    label: str
+    run: Callable[[str, int], Sample]
+    calls: float = 1.0  # share of --calls this row runs
+
+
+def rows(latency: int) -> list[Row]:
+    return [
+        Row("8x8", "ours 8 slots, limit 8, INFO (default)", lambda u, n: run_ours(u, n, 8, 8, latency=latency)),
+        Row("8x5", "ours 8 slots, limit 5 (seed default), INFO", lambda u, n: run_ours(u, n, 8, None)),
+        Row("8x8_warning", "ours 8 slots, limit 8, WARNING", lambda u, n: run_ours(u, n, 8, 8, "WARNING")),
+        Row("64", "ours 64 slots, no limit, WARNING", lambda u, n: run_ours(u, n, 64, NO_LIMIT, "WARNING")),
+        Row("dramatiq", "Dramatiq 1 process x 8 threads", run_dramatiq),
+        Row("rq", "stock RQ SimpleWorker, 1 process", run_rq, 0.25),
+    ]
+
+
+def extra_rows() -> list[Row]:
+    return [
+        Row("stock", "64 slots, redis-py's stock pipelines, WARNING",
+            lambda u, n: run_ours(u, n, 64, NO_LIMIT, "WARNING", fast_path=False)),
+        Row("plugins", "64 slots + the seed's 4 example plugins, WARNING",
+            lambda u, n: run_ours(u, n, 64, NO_LIMIT, "WARNING", plugins=SEED_PLUGINS)),
+        Row("tracing", "64 slots + tracing (SDK, batch, in memory), WARNING",
+            lambda u, n: run_ours(u, n, 64, NO_LIMIT, "WARNING", tracing=True)),
+        Row("tracing_sdk", "64 slots + tracing with the SDK's own tracer, WARNING",
+            lambda u, n: run_ours(u, n, 64, NO_LIMIT, "WARNING", tracing=True, lean=False)),
+    ]
+
+
+def _commit() -> tuple[str, bool]:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
+
+
+def _ratio(runs: dict[str, list[Sample]], top: str, bottom: str) -> list[float]:
+    """Per-round ratios of calls/s (same round, so the same spell of the machine)."""
+    return [a.calls_per_s / b.calls_per_s for a, b in zip(runs[top], runs[bottom], strict=False)]
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", "--calls", type=int, default=2000)
-    parser.add_argument("--processes", type=int, default=1)
-    parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
-    parser.add_argument(
-        "--limit", type=int, default=100_000, help="the tool's concurrency: 8 makes calls wait for slots (fair dispatch)"
-    )
-    parser.add_argument("--url", default=None, help="Redis URL (default $HERMES_REDIS_URL, else embedded)")
-    parser.add_argument("--skip-plugins", action="store_true", help="skip the run with the example plugins")
-    parser.add_argument("--skip-tracing", action="store_true", help="skip the run with tracing on")
-    parser.add_argument(
-        "--skip-stock", action="store_true", help="skip the run on redis-py's stock pipelines (broker.fast_path: false)"
-    )
+    parser.add_argument("--latency-calls", type=int, default=200, help="one-at-a-time calls of the 8x8 row")
+    parser.add_argument("--url", default=None, help="Redis URL (default $HERMES_REDIS_URL, else a private one)")
+    parser.add_argument("--only", default="", help="comma-separated row keys to run (default: all)")
+    parser.add_argument("--with", dest="extra", default="", help="also: stock,plugins,tracing (64-slot variants)")
+    parser.add_argument("--out", default=None, help="result JSON path (default bench/results/throughput-...)")
     args = parser.parse_args()
-    runs: dict[str, list[float]] = {"rq": [], "ours": [], "stock": [], "plugins": [], "tracing": [], "tracing_sdk": []}
-    ours_cpu: list[float] = []
+    chosen = rows(args.latency_calls)
+    extras = {x.strip() for x in args.extra.split(",") if x.strip()}
+    chosen += [r for r in extra_rows() if r.key.split("_")[0] in extras]
+    if args.only:
+        only = {x.strip() for x in args.only.split(",")}
+        chosen = [r for r in chosen if r.key in only]
+    runs: dict[str, list[Sample]] = {r.key: [] for r in chosen}
+    load0 = os.getloadavg()
     with using_broker(args.url) as url:
-        print(f"broker: {url}; {args.calls} no-op calls; {args.processes} worker process(es) each side; "
-              f"{args.rounds} interleaved rounds (a shared 2-core machine is noisy: medians count)")
-        for r in range(1, args.rounds + 1):
-            # Interleaved, so slow and fast spells of the machine fall on every side alike.
-            runs["rq"].append(run_rq(url, args.calls, args.processes))
-            runs["ours"].append(run_ours(url, args.calls, args.processes, args.concurrency, limit=args.limit))
-            ours_cpu.append(REDIS_CPU[-1])
-            if not args.skip_stock:
-                runs["stock"].append(run_ours(url, args.calls, args.processes, args.concurrency, fast_path=False))
-            if not args.skip_plugins:
-                runs["plugins"].append(run_ours(url, args.calls, args.processes, args.concurrency, SEED_PLUGINS))
-            if not args.skip_tracing:
-                runs["tracing"].append(run_ours(url, args.calls, args.processes, args.concurrency, tracing=True))
-                runs["tracing_sdk"].append(
-                    run_ours(url, args.calls, args.processes, args.concurrency, tracing=True, lean=False)
-                )
-            print(f"round {r}: " + ", ".join(f"{k} {v[-1]:,.0f}/s" for k, v in runs.items() if v))
-        rq_rate, ours = statistics.median(runs["rq"]), statistics.median(runs["ours"])
-        print(f"stock RQ SimpleWorker: {rq_rate:,.0f} jobs/s (median)")
-        print(f"hermes-gateway:        {ours:,.0f} calls/s (median; enqueue -> done event at the caller)")
-        print(f"redis_cpu_per_call_us={statistics.median(ours_cpu):.1f}  (median; per round "
-              + ", ".join(f"{c:.1f}" for c in ours_cpu) + f"; tool limit {args.limit})")
-        if runs["stock"]:
-            stock = statistics.median(runs["stock"])
-            print(f"hermes-gateway on redis-py's stock pipelines and pub/sub: {stock:,.0f} calls/s (median)")
-            print(f"stock_path_ratio={stock / ours:.3f}  (broker.fast_path pays when < 0.90)")
-        if runs["plugins"]:
-            with_plugins = statistics.median(runs["plugins"])
-            print(f"hermes-gateway + the seed's 4 example plugins: {with_plugins:,.0f} calls/s (median)")
-            print(f"plugins_ratio={with_plugins / ours:.3f}  (target >= 0.85)")
-        if runs["tracing"]:
-            traced = statistics.median(runs["tracing"])
-            print(f"hermes-gateway + tracing (SDK, batch processor, in-memory): {traced:,.0f} calls/s (median)")
-            print(f"tracing_ratio={traced / ours:.3f}  (target >= 0.75)")
-            sdk_traced = statistics.median(runs["tracing_sdk"])
-            print(f"hermes-gateway + tracing with the SDK's own tracer (HERMES_LEAN_SPANS=0): {sdk_traced:,.0f} calls/s")
-            print(f"sdk_tracing_ratio={sdk_traced / ours:.3f}  (lean spans pay where this is below tracing_ratio)")
-        print(f"ratio_vs_rq={ours / rq_rate:.2f}")
+        private = not (args.url or os.environ.get("HERMES_REDIS_URL"))
+        from broker.connection import from_url
+
+        redis_version = from_url(url).info("server").get("redis_version")
+        print(f"broker: {'private Redis ' + str(redis_version) if private else url}; {args.calls} no-op calls a "
+              f"figure; {args.rounds} interleaved rounds; nproc {os.cpu_count()}; load {load0[0]:.2f}")
+        if not private:
+            print("  (a shared Redis: its CPU per call includes other clients')")
+        for r in range(args.rounds):
+            # Interleaved, and each round starts at another row: slow and fast spells fall on every row alike.
+            order = chosen[r % len(chosen):] + chosen[: r % len(chosen)]
+            for row in order:
+                runs[row.key].append(row.run(url, max(1, int(args.calls * row.calls))))
+            print(f"round {r + 1}: " + ", ".join(f"{row.key} {runs[row.key][-1].calls_per_s:,.0f}/s" for row in chosen))
+    load1 = os.getloadavg()
+    medians = {k: {f: statistics.median(getattr(s, f) for s in v) if all(getattr(s, f) is not None for s in v)
+                   else None for f in Sample.__dataclass_fields__} for k, v in runs.items() if v}
+    print(f"{'row':<46} {'calls/s':>8} {'range':>13} {'Redis µs':>9} {'worker µs':>10} {'caller µs':>10}"
+          f" {'p50/p99 ms':>11}   (CPU per call; medians)")
+    for row in chosen:
+        m, v = medians[row.key], [s.calls_per_s for s in runs[row.key]]
+        lat = f"{m['p50_ms']:.2f}/{m['p99_ms']:.2f}" if m["p50_ms"] is not None else "-"
+        print(f"{row.label:<46} {m['calls_per_s']:>8,.0f} {min(v):>6,.0f}-{max(v):<6,.0f} {m['redis_us']:>9.0f}"
+              f" {m['worker_us']:>10.0f} {m['client_us']:>10.0f} {lat:>11}")
+    ratios: dict[str, list[float]] = {}
+    for name, top, bottom in (
+        ("ratio_vs_dramatiq", "8x8", "dramatiq"),
+        ("limit5_vs_dramatiq", "8x5", "dramatiq"),
+        ("info_vs_warning", "8x8", "8x8_warning"),
+        ("ratio_vs_rq", "8x8", "rq"),
+        ("plugins_ratio", "plugins", "64"),
+        ("tracing_ratio", "tracing", "64"),
+        ("stock_path_ratio", "stock", "64"),
+    ):
+        if runs.get(top) and runs.get(bottom):
+            ratios[name] = _ratio(runs, top, bottom)
+    commit, dirty = _commit()
+    result = {
+        "bench": "throughput",
+        "commit": commit,
+        "dirty": dirty,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "nproc": os.cpu_count(),
+        "loadavg_start_end": [round(load0[0], 2), round(load1[0], 2)],
+        "python": platform.python_version(),
+        "redis": redis_version,
+        "private_redis": private,
+        "calls": args.calls,
+        "rounds": args.rounds,
+        "rows": {r.key: {"label": r.label, "median": medians[r.key], "runs": [asdict(s) for s in runs[r.key]]}
+                 for r in chosen},
+        "ratios": {k: {"median": statistics.median(v), "min": min(v), "rounds": v} for k, v in ratios.items()},
+    }
+    out = Path(args.out) if args.out else RESULTS / f"throughput-{time.strftime('%Y%m%d-%H%M%S')}-{commit[:7]}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"results: {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
+    for name, v in ratios.items():
+        if name != "ratio_vs_dramatiq":
+            print(f"{name}={statistics.median(v):.3f} (per round: {', '.join(f'{x:.2f}' for x in v)})")
+    if "ratio_vs_dramatiq" in ratios:
+        v = ratios["ratio_vs_dramatiq"]
+        print(f"8x8 / Dramatiq per round: {', '.join(f'{x:.2f}' for x in v)} (goal: >= 1.3 in every round)")
+        print(f"ratio_vs_dramatiq={statistics.median(v):.2f}")
 
 
 if __name__ == "__main__":

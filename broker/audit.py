@@ -54,7 +54,9 @@ class AuditRecord:
     turn_id: str | None = None
     task_id: str | None = None
     parent_call_id: str | None = None  # the LLM call that asked for this tool call, if known
+    replay_of: str | None = None  # the call this one replayed (audit replay), if it is a replay
     sensitive_hashes: dict[str, str] = field(default_factory=dict)
+    usage: dict[str, int] | None = None  # an LLM call's tokens: {"in": prompt, "out": completion}
     version: int = AUDIT_VERSION
 
     @classmethod
@@ -135,7 +137,16 @@ class AuditRecord:
         return json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":"), default=_json_default)
 
 
-CONTEXT_KEYS = ("principal", "session_id", "turn_id", "task_id", "api_request_id", "tool_call_id", "parent_call_id")
+CONTEXT_KEYS = (
+    "principal",
+    "session_id",
+    "turn_id",
+    "task_id",
+    "api_request_id",
+    "tool_call_id",
+    "parent_call_id",
+    "replay_of",
+)
 
 
 def context_fields(context: Mapping[str, Any]) -> dict[str, Any]:

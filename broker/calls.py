@@ -60,6 +60,8 @@ class Calls(Submits):
         via: Sequence[Step] = (),
         ts: float | None = None,
         unleased: bool = False,
+        used_tokens: int | None = None,
+        sent: bool = True,
     ) -> Any:
         """Move a call to ``target`` (or publish a non-state event when None), atomically with its event.
 
@@ -70,8 +72,10 @@ class Calls(Submits):
 
         Ending (or ``retrying``) releases the call's concurrency slot and promotes the next waiting call
         of its key (fair order, broker/lua/slots.lua); ``requeue`` admits it again (a free slot, else
-        waiting for its fairness key's next turn, or with ``requeue_first`` before every waiting call); ``schedule_at`` puts a
-        ``retrying`` call on the scheduled set, due at that time.
+        waiting for its fairness key's next turn, or with ``requeue_first`` before every waiting call);
+        ``schedule_at`` puts a ``retrying`` call on the scheduled set, due at that time. Releasing settles
+        the call's rate-limiter entry with ``used_tokens`` (None: its estimate stands); ``sent`` False says
+        its request never left (the entry is given back), else one not stamped yet counts from now.
         """
         release = target is not None and (target in TERMINAL or target is State.RETRYING)
         if via and target is None:
@@ -113,6 +117,9 @@ class Calls(Submits):
                 keys.queue(info.queue),
                 keys.waiting_batch(tag, info.ckey),
                 keys.fair(tag, info.ckey),
+                keys.rate(tag, info.ckey),
+                keys.rate_log(tag, info.ckey),
+                keys.rate_due(tag),
             ],
             [
                 info.call_id,
@@ -133,6 +140,7 @@ class Calls(Submits):
                 self.publish,
                 keys.job(""),
                 waiting_score() if requeue else "",
+                "-" if not sent else "" if used_tokens is None else used_tokens,
                 *flat,
             ],
             pipeline,
@@ -153,9 +161,12 @@ class Calls(Submits):
         fields: dict[str, Any] | None = None,
         ttl: int | None = None,
         pipeline: Pipeline | None = None,
+        used_tokens: int | None = None,
+        sent: bool = True,
     ) -> Any:
         """A worker moves the call it holds (fenced by ``attempt``), with the moves ``via`` not written yet;
-        a terminal ``target`` ends it (``fields``: result or error, ``ttl``: how long the record stays)."""
+        a terminal ``target`` ends it (``fields``: result or error, ``ttl``: how long the record stays;
+        ``used_tokens`` / ``sent``: its rate limiter's settlement, see ``transition``)."""
         return self.transition(
             info,
             target,
@@ -167,6 +178,8 @@ class Calls(Submits):
             fields=fields,
             ttl=ttl,
             pipeline=pipeline,
+            used_tokens=used_tokens,
+            sent=sent,
         )
 
     def note(

@@ -31,6 +31,7 @@ from .settings import (
     AgentPluginSettings,
     ApiSettings,
     AuditSettings,
+    BatchSettings,
     BrokerSettings,
     ConsoleSettings,
     FairnessSettings,
@@ -59,6 +60,7 @@ __all__ = [
     "AgentPluginSettings",
     "ApiSettings",
     "AuditSettings",
+    "BatchSettings",
     "BrokerSettings",
     "ConsoleSettings",
     "FairnessSettings",
@@ -161,6 +163,7 @@ def load_settings(
         fairness=fairness_settings(
             _mapping(raw, "fairness"), env.get("HERMES_BATCH_SHARE"), env.get("HERMES_QUEUE_SIZE_PER_KEY")
         ),
+        batch=_batch(_mapping(raw, "batch"), env),
         executors=executors,
         policy=_mapping(raw, "policy"),
         raw=raw,
@@ -258,6 +261,18 @@ def _workers(section: dict[str, Any], env: Mapping[str, str]) -> WorkerSettings:
         metrics_host=env.get(METRICS_HOST_ENV) or "127.0.0.1",
         run_registry=bool(env.get(RUN_REGISTRY_ENV)),
     )
+
+
+def _batch(section: dict[str, Any], env: Mapping[str, str]) -> BatchSettings:
+    ttl = _env_float(env, "HERMES_BATCH_TTL", yaml_number(section.get("ttl", BatchSettings.ttl), "batch.ttl"))
+    window = _env_float(
+        env, "HERMES_BATCH_WINDOW", yaml_number(section.get("window", BatchSettings.window), "batch.window")
+    )
+    if ttl < 1 or ttl != int(ttl):
+        raise ConfigError(f"batch.ttl / HERMES_BATCH_TTL: expected whole seconds >= 1, got {ttl:g}")
+    if window < 1 or window != int(window):
+        raise ConfigError(f"batch.window / HERMES_BATCH_WINDOW: expected a whole number >= 1, got {window:g}")
+    return BatchSettings(ttl=int(ttl), window=int(window))
 
 
 def _gc_threshold(raw: str) -> tuple[int, ...] | None:

@@ -16,6 +16,7 @@ from redis.sentinel import MasterNotFoundError
 from .config import REDIS_URL_ENV
 from .embedded import EmbeddedBroker
 from .errors import BrokerUnavailable
+from .logs import library_logs
 from .redact import redact_url
 from .sentinel import SENTINEL_SCHEME, sentinel_client, sentinels_say
 
@@ -118,6 +119,7 @@ async def async_from_url(url: str, **kwargs: Any) -> Any:
     import redis.asyncio
     import redis.asyncio.cluster
 
+    library_logs()
     conn: Any = None
     try:
         if url.startswith(CLUSTER_SCHEME):
@@ -176,6 +178,7 @@ def from_url(url: str, **kwargs: Any) -> redis.Redis:
     """A client for redis://, rediss://, unix:// (password in the URL), redis+sentinel:// URLs, or a Redis
     Cluster for ``redis+cluster://host:port[,host:port...]`` (or a plain URL naming one of its nodes),
     checked with PING (a plain URL with ``INFO cluster``)."""
+    library_logs()  # (redis-py's own records: one line each, never a traceback on a caller's stderr)
     try:
         if url.startswith(CLUSTER_SCHEME):
             return cluster_from_url(url, **kwargs)  # type: ignore[no-any-return]

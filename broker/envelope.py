@@ -26,6 +26,7 @@ CONTEXT_FIELDS = (
     "parent_call_id",
     "platform",  # the agent's platform (cli, telegram...), passed to LLM middleware as Hermes does
     "plugins_applied",  # comma-separated plugin keys the caller already ran around this call: workers skip them
+    "replay_of",  # the call this one replays (``audit replay``): kept in its audit record
 )
 
 KINDS = ("tool", "llm")

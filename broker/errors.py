@@ -104,10 +104,23 @@ class InvalidSpec(HermesError):
         return cls(f"{where}: {path}: {expected}", path=path)
 
 
+class UnknownBatch(HermesError):
+    """No batch of that id is on record (never made, or past its ``batch.ttl``)."""
+
+    type = "unknown_batch"
+
+
 class QueueFull(HermesError):
     """The waiting queue for this concurrency key is full."""
 
     type = "queue_full"
+
+
+class TokensOverLimit(HermesError):
+    """An LLM call's token estimate alone is more than its model's ``tokens_per_minute``: it could never be
+    admitted. ``details``: ``key``, ``estimate``, ``limit``."""
+
+    type = "tokens_over_limit"
 
 
 class NoWorkers(HermesError):
@@ -262,6 +275,14 @@ class ProviderError(ExecutorError):
         self.status = status
         self.retry_after = retry_after
         self.retryable = retryable
+
+
+@register_error_type
+class BudgetExceeded(CallFailed):
+    """The principal has spent its ``policy.principals.<p>.daily_tokens`` for today (UTC).
+    ``details``: ``principal``, ``used``, ``budget``."""
+
+    type = "budget_exceeded"
 
 
 @register_error_type

@@ -32,14 +32,24 @@ SLOTS = PREFIX + ":slots:{}:{}"  # zset call_id -> lease deadline (+inf while qu
 WAITING = PREFIX + ":waiting:{}:{}"  # zset call_id -> fair tag of interactive calls, per concurrency key
 WAITING_BATCH = PREFIX + ":waitb:{}:{}"  # zset call_id -> fair tag of batch calls, per concurrency key
 FAIR = PREFIX + ":fair:{}:{}"  # hash: fair dispatch state of a concurrency key's waiting calls (slots.lua)
+WAITING = PREFIX + ":waiting:{}:{}"  # zset call_id -> submit time, per concurrency key (admission)
+RATE = PREFIX + ":rate:{}:{}"  # hash: a concurrency key's rate limits, token sum, pause, entries (ratelimit.lua)
+RATE_LOG = PREFIX + ":ratelog:{}:{}"  # zset: the rate limiter's sliding log, entry -> when sent (ms)
+RATE_DUE = PREFIX + ":ratedue:{}"  # zset concurrency key -> when its rate limiter has room again (ms)
+RATES = PREFIX + ":rates:{}"  # set of the concurrency keys with a rate limiter, per queue tag (for status)
 IDEMPOTENCY = PREFIX + ":idem:{}:{}"  # idempotency key -> call_id
 QUEUE_WORKERS = PREFIX + ":qworkers:{}"  # zset per queue: workers listening on it -> last heartbeat
+BATCH_PART = PREFIX + ":batch:{}:{}"  # prefix of a batch's keys on one queue tag: :r results (index ->
+#   terminal event), :x results too large for the event (index -> packed result), :o indices in completion
+#   order (list), :n counts per terminal state (hash); written by TRANSITION, named in the record's h_batch
 # -- channels --
 CALLER_CHANNEL = PREFIX + ":ch:{}"  # pub/sub channel of one client (the caller's channel), plain Redis
 SHARD_CHANNEL = PREFIX + ":ch:{}:{}"  # the caller's sharded channel of one queue tag, on a cluster
 WAKE_CHANNEL = PREFIX + ":wake:{}"  # "a call was queued" nudge to the workers of one queue
 CONTROL_CHANNEL = PREFIX + ":ctl"  # cancel / stop / reload broadcasts to every worker
 # -- cross-queue state, slots of its own --
+BATCH = PREFIX + ":batch:{}"  # hash of one batch's meta: tool, queues, total, state, submitted, created, ttl
+BATCHES = PREFIX + ":batches"  # zset batch id -> created (``batch list``)
 WORKERS = PREFIX + ":workers"  # zset worker name -> last heartbeat
 WORKER = PREFIX + ":worker:{}"  # hash of one worker's figures
 FAILURES = PREFIX + ":failures"  # capped list of recent failures
@@ -52,6 +62,7 @@ AUDIT_STREAM = PREFIX + ":{audit}"  # stream of packed AuditRecords, capped by c
 AUDIT_INDEX = PREFIX + ":{audit}:idx"  # zset call_id -> ms part of its stream id
 POLICY = PREFIX + ":policy"  # hash: data (packed Policy), digest, version, pushed_at, source
 POLICY_CHANNEL = PREFIX + ":policy:changes"  # pub/sub notice (the new version) of a pushed policy
+USAGE_DAY = PREFIX + ":usage:{}:{}"  # hash principal -> tokens used that UTC day (daily_tokens budgets)
 STATS = PREFIX + ":stats"  # hash of call figures summed over all workers (workers/metrics.py)
 STATS_INFLIGHT = PREFIX + ":stats:inflight:{}"  # hash concurrency key -> calls running, per worker
 BREAKER = PREFIX + ":{{brk}}:breaker:{}"  # hash: state, opened_at, failures, probe, ... of one circuit breaker
@@ -77,6 +88,8 @@ F_TRACE = "h_trace"
 F_ENVELOPE = "h_env"
 F_FKEY = "h_fkey"  # the call's fairness key (fair dispatch: whose turn it takes while waiting)
 F_CLASS = "h_class"  # interactive | batch
+F_PRINCIPAL = "h_principal"  # the principal a call runs as (absent: none), read by the API's per-principal checks
+F_BATCH = "h_batch"  # "<ttl> <index> <batch part prefix>" of a batch's call: TRANSITION writes its result there
 
 
 def tag(queue_name: str) -> str:
@@ -165,8 +178,37 @@ def slots(queue_tag: str, ckey: str) -> str:
     return SLOTS.format(queue_tag, ckey)
 
 
+def rate(queue_tag: str, ckey: str) -> str:
+    return RATE.format(queue_tag, ckey)
+
+
+def rate_log(queue_tag: str, ckey: str) -> str:
+    return RATE_LOG.format(queue_tag, ckey)
+
+
+def rate_due(queue_tag: str) -> str:
+    return RATE_DUE.format(queue_tag)
+
+
+def rates(queue_tag: str) -> str:
+    return RATES.format(queue_tag)
+
+
 def idempotency(queue_tag: str, key: str) -> str:
     return IDEMPOTENCY.format(queue_tag, key)
+
+
+def usage_day(day: str, principal: str) -> str:
+    return USAGE_DAY.format(day, principal)
+
+
+def batch(batch_id: str) -> str:
+    return BATCH.format(batch_id)
+
+
+def batch_part(queue_name: str, batch_id: str) -> str:
+    """The prefix of a batch's result keys on ``queue_name`` (its tag, so the call's TRANSITION writes them)."""
+    return BATCH_PART.format(tag(queue_name), batch_id)
 
 
 def worker(name: str) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from . import keys, partitions, poison, scripts
+from . import keys, partitions, pipes, poison, scripts
 from .claims import recheck_absent
 
 
@@ -46,20 +46,27 @@ class Limits:
         for q in queues:
             tag = keys.tag(q)
             wake = keys.channel(self.conn, keys.wake(partitions.base(q)))
-            for ckey in map(_text, self.conn.hkeys(keys.limits(tag))):
-                freed += int(
-                    self._sweep(
-                        keys=[
-                            keys.slots(tag, ckey),
-                            keys.waiting(tag, ckey),
-                            keys.limits(tag),
-                            keys.queue(q),
-                            keys.waiting_batch(tag, ckey),
-                            keys.fair(tag, ckey),
-                        ],
-                        args=[time.time() - grace, per_key, ckey, keys.job(""), wake],
+            try:
+                for ckey in map(_text, self.conn.hkeys(keys.limits(tag))):
+                    freed += int(
+                        self._sweep(
+                            keys=[
+                                keys.slots(tag, ckey),
+                                keys.waiting(tag, ckey),
+                                keys.limits(tag),
+                                keys.queue(q),
+                                keys.waiting_batch(tag, ckey),
+                                keys.fair(tag, ckey),
+                                keys.rate(tag, ckey),
+                                keys.rate_log(tag, ckey),
+                                keys.rate_due(tag),
+                            ],
+                            args=[time.time() - grace, per_key, ckey, keys.job(""), wake],
+                        )
                     )
-                )
+            except redis.RedisError as e:
+                if not pipes.moving(e):
+                    raise  # (a queue whose slot is moving to another node is swept next time)
         return freed
 
     def due(self, queues: Sequence[str], hold: float, limit: int = 100) -> tuple[list[Due], float | None]:
@@ -68,9 +75,14 @@ class Limits:
         out = []
         nxt: float | None = None
         for q in queues:
-            reply = self._due(
-                keys=[keys.scheduled(keys.tag(q))], args=[now, now + hold, limit, keys.job(""), "due"]
-            )
+            try:
+                reply = self._due(
+                    keys=[keys.scheduled(keys.tag(q))], args=[now, now + hold, limit, keys.job(""), "due"]
+                )
+            except redis.RedisError as e:
+                if not pipes.moving(e):
+                    raise
+                continue  # this queue's slot is moving to another node: its retries are taken next time
             recheck_absent(self.conn, reply.pop(), zset=keys.scheduled(keys.tag(q)))  # (a record mid-migration keeps its retry)
             after = reply[-1]
             for i in range(0, len(reply) - 1, 10):

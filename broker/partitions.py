@@ -72,12 +72,16 @@ def share(total: int, n: int, i: int) -> int:
     return total // n + (1 if i < total % n else 0)
 
 
-def route(queue: str, n: int, concurrency: int, idempotency_key: str | None = None) -> str:
-    """The partition a new call goes to: the next with a limit share in turn, or by its idempotency key."""
+def route(queue: str, n: int, concurrency: int, idempotency_key: str | None = None, slot: int | None = None) -> str:
+    """The partition a new call goes to: the next with a limit share in turn, or by its idempotency key,
+    or by ``slot`` (a batch item's index: the same partition whenever the item is submitted again)."""
     if n <= 1:
         return queue
     usable = n if concurrency < 0 else min(n, concurrency)
-    i = zlib.crc32(idempotency_key.encode()) % usable if idempotency_key else next(_turn) % usable
+    if slot is not None:
+        i = slot % usable
+    else:
+        i = zlib.crc32(idempotency_key.encode()) % usable if idempotency_key else next(_turn) % usable
     return name(queue, n, i)
 
 

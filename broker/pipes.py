@@ -12,12 +12,20 @@ response callbacks, a ``ResponseError`` instance in place of a command that fail
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.client import EMPTY_RESPONSE, NEVER_DECODE, Pipeline
 from redis.cluster import ClusterPipeline
-from redis.exceptions import ConnectionError, NoScriptError, ResponseError
+from redis.exceptions import (
+    AskError,
+    ClusterError,
+    ConnectionError,
+    NoScriptError,
+    ResponseError,
+    TryAgainError,
+)
 
 _hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
 try:
@@ -29,6 +37,11 @@ except ImportError:  # pragma: no cover - hiredis is an install dependency; redi
 FAST = True
 
 Command = tuple[tuple[Any, ...], dict[str, Any]]
+# Seconds a caller's submission waits out a moving cluster slot before the refusal is its error.
+SUBMIT_PATIENCE = 30.0
+# Asked before each round of resending the commands a moving slot refused: (rounds so far, one of the
+# errors) -> whether to go on.
+KeepTrying = Callable[[int, Exception], bool]
 _TEXT: dict[str, str] = {}  # sha -> text of every script sent through ``script`` (to resend as EVAL)
 _DROP = (NEVER_DECODE, EMPTY_RESPONSE, "keys")
 
@@ -60,15 +73,16 @@ def script(script: Any, keys: Sequence[Any], args: Sequence[Any], client: Any = 
     return script(keys=keys, args=args, client=client)
 
 
-def execute(pipe: Pipeline, connection: Any = None) -> list[Any]:
+def execute(pipe: Pipeline, connection: Any = None, keep_trying: KeepTrying | None = None) -> list[Any]:
     """Send ``pipe``'s queued commands in one round trip and return their replies; the pipe is reset.
 
     ``connection``: one the caller keeps for its own sending (a worker's outbox) instead of taking one
     from the pool each time; it is disconnected (and reconnects on the next send) when anything fails.
-    A cluster's pipeline (no single connection) is sent by redis-py, one batch per node (``stock``).
+    A cluster's pipeline (no single connection) is sent by redis-py, one batch per node (``stock``,
+    which resends what a moving slot refused while ``keep_trying`` says so).
     """
     if not FAST or not isinstance(pipe, Pipeline):
-        return stock(pipe)
+        return stock(pipe, keep_trying)
     if getattr(pipe, "transaction", False) is True or pipe.explicit_transaction or pipe.watching:
         raise ValueError("pipes.execute sends plain pipelines; use pipeline(transaction=False), no WATCH")
     stack: list[Command] = list(pipe.command_stack)
@@ -104,10 +118,89 @@ def execute(pipe: Pipeline, connection: Any = None) -> list[Any]:
             pool.release(conn)
 
 
-def stock(pipe: Any) -> list[Any]:
+def moving(reply: Any) -> bool:
+    """Whether ``reply`` is a cluster's refusal while a slot moves to another node: ASK or MOVED, TRYAGAIN
+    (a multi-key command or script whose keys are split between the two nodes), redis-py running out of
+    redirections (``TTL exhausted``, CLUSTERDOWN), or a script meeting a key that already left (``non local
+    key``: ours read every such key before their first write). The command did not run: send it again."""
+    if isinstance(reply, (AskError, TryAgainError, ClusterError)):  # (MovedError, ClusterDownError: subclasses)
+        return True
+    return isinstance(reply, ResponseError) and "non local key" in str(reply)
+
+
+def patiently(keep_trying: KeepTrying, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``, called again after a backoff while it fails because a cluster slot is moving
+    (``moving``: it did not run) and ``keep_trying`` says so."""
+    delay, rounds = 0.05, 0
+    while True:
+        try:
+            return call(*args)
+        except (AskError, TryAgainError, ClusterError, ResponseError) as e:
+            if not moving(e) or not keep_trying(rounds, e):
+                raise
+        rounds += 1
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+
+
+def for_seconds(seconds: float) -> KeepTrying:
+    """A ``keep_trying`` that goes on for ``seconds`` from now."""
+    until = time.monotonic() + seconds
+    return lambda _rounds, _e: time.monotonic() < until
+
+
+def settled(pipe: Any, keep_trying: KeepTrying) -> list[Any]:
+    """``pipe.execute()`` (the first error raised), riding out a slot migration on a cluster as ``stock``."""
+    if not isinstance(pipe, ClusterPipeline):
+        return pipe.execute()  # type: ignore[no-any-return]
+    replies = stock(pipe, keep_trying)
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
+def stock(pipe: Any, keep_trying: KeepTrying | None = None) -> list[Any]:
     """``pipe.execute(raise_on_error=False)``; scripts a node refused with NOSCRIPT (it restarted, or a
     slot moved to a node that never ran them) are sent again as EVAL with their text, in order (those
-    queued through ``script``, which notes them on the pipeline)."""
+    queued through ``script``, which notes them on the pipeline).
+
+    On a cluster, commands refused because their slot is moving (``moving``) are sent again, alone and in
+    their order, after a backoff (0.05 s doubling to 0.5 s), for as long as ``keep_trying`` says: redis-py
+    follows a redirection, but gives up on TRYAGAIN within half a second, and a migration lasts as long as
+    it takes to move the slot's keys. Only the refused commands go again: the others ran.
+    """
+    queued = _queued(pipe) if keep_trying is not None else []
+    replies = _stock_once(pipe)
+    delay, rounds = 0.05, 0
+    while keep_trying is not None:
+        refused = [i for i, r in enumerate(replies) if moving(r)]
+        if not refused or not keep_trying(rounds, replies[refused[0]]):
+            break
+        rounds += 1
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+        evals: dict[int, tuple[Any, ...]] = {}
+        for i in refused:
+            args, options, noted = queued[i]
+            if noted is not None:
+                evals[len(pipe)] = noted
+            pipe.execute_command(*args, **options)
+        pipe.hermes_evals = evals
+        for i, reply in zip(refused, _stock_once(pipe), strict=True):
+            replies[i] = reply
+    return replies
+
+
+def _queued(pipe: Any) -> list[tuple[tuple[Any, ...], dict[str, Any], tuple[Any, ...] | None]]:
+    """The commands queued on a cluster pipeline (args, options, the EVALSHA ``script`` noted), before
+    sending: redis-py keeps them on its execution strategy (tests/broker/test_redis_internals.py)."""
+    noted: dict[int, tuple[Any, ...]] = getattr(pipe, "hermes_evals", {})
+    stack = pipe._execution_strategy.command_queue
+    return [(tuple(c.args), dict(c.options), noted.get(i)) for i, c in enumerate(stack)]
+
+
+def _stock_once(pipe: Any) -> list[Any]:
     noted: dict[int, tuple[Any, ...]] = getattr(pipe, "hermes_evals", {})
     pipe.hermes_evals = {}
     replies = pipe.execute(raise_on_error=False)

@@ -97,7 +97,7 @@ def job_fields(env: Envelope, *, ckey: str, max_attempts: int, timeout: float) -
     """The RQ job hash (RQ's own fields, so ``rq info``/``Job.fetch`` work) plus ours."""
     stamp = rq_now()
     fkey, klass = fairness_of(env)
-    return {
+    fields = {
         "created_at": stamp,
         "enqueued_at": stamp,
         "data": env.job_data(RQ_FUNC),
@@ -120,6 +120,10 @@ def job_fields(env: Envelope, *, ckey: str, max_attempts: int, timeout: float) -
         keys.F_FKEY: fkey,
         keys.F_CLASS: klass,
     }
+    principal = env.context.get("principal")
+    if principal:  # (whose call it is, one HGET away for the HTTP API's checks; absent: no principal)
+        fields[keys.F_PRINCIPAL] = principal
+    return fields
 
 
 def envelope_of(data: bytes) -> Envelope:

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, InvalidSpec
 from .placeholders import load_yaml
+from .ratelimits import RateLimit
 
 DEFAULT_LEASE = 30.0
 DEFAULT_CONCURRENCY = 5
@@ -154,6 +155,12 @@ class ModelSettings:
     max_retries: int = 2  # model.max_retries: retries of a failed attempt (429, 5xx, connection)
     max_retry_after: float = 60.0  # model.max_retry_after: longest Retry-After honoured, seconds
     headers: dict[str, str] = field(default_factory=dict)  # model.headers: sent with every request
+    # model.rate_limits: "<provider>/<model>" or "<model>" -> the fleet-wide limit of its calls
+    rate_limits: dict[str, RateLimit] = field(default_factory=dict)
+
+    def rate_limit_for(self, provider: str, model: str) -> RateLimit | None:
+        """The rate limit of ``model`` on ``provider``: ``provider/model`` first, then the model alone."""
+        return self.rate_limits.get(f"{provider}/{model}") or self.rate_limits.get(model)
 
 
 @dataclass(frozen=True)
@@ -183,6 +190,14 @@ class McpSettings:
 
 
 @dataclass(frozen=True)
+class BatchSettings:
+    """``batch:`` — batches as objects (``hermes_gateway/batches.py``)."""
+
+    ttl: int = 86400  # batch.ttl / HERMES_BATCH_TTL: seconds a batch's meta, counters and results are kept
+    window: int = 1000  # batch.window / HERMES_BATCH_WINDOW: calls a submitter keeps unfinished at most
+
+
+@dataclass(frozen=True)
 class Settings:
     """Every setting the gateway reads. Environment variables override the file."""
 
@@ -199,6 +214,7 @@ class Settings:
     model: ModelSettings = ModelSettings()
     mcp: McpSettings = McpSettings()
     fairness: FairnessSettings = FairnessSettings()
+    batch: BatchSettings = BatchSettings()
     # Per kind, each executor checks its own keys (executor_settings merges them; see there).
     executors: dict[str, Any] = field(default_factory=dict)
     # Parsed into the typed workers.policy.Policy, which broker cannot import (workers depends on broker).
@@ -290,7 +306,26 @@ def model_settings(section: dict[str, Any]) -> ModelSettings:
             section.get("max_retry_after", ModelSettings.max_retry_after), "model.max_retry_after"
         ),
         headers={str(k): str(v) for k, v in headers.items()},
+        rate_limits=rate_limits(section.get("rate_limits")),
     )
+
+
+def rate_limits(section: Any) -> dict[str, RateLimit]:
+    """``model.rate_limits: {"<provider>/<model>" | "<model>": {requests_per_minute, tokens_per_minute,
+    requests_per_second}}``; a bad entry is a ConfigError naming it."""
+    if section is None:
+        return {}
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"config.yaml: model.rate_limits: expected a mapping of model -> limits, got {section!r}")
+    out: dict[str, RateLimit] = {}
+    for key, value in section.items():
+        try:
+            limit = RateLimit.parse(f"config.yaml: model.rate_limits.{key}", value)
+        except InvalidSpec as e:
+            raise ConfigError(e.message.replace(": rate_limit.", ".", 1).replace(": rate_limit:", ":", 1)) from e
+        if limit is not None:
+            out[str(key)] = limit
+    return out
 
 
 def fairness_settings(

@@ -15,6 +15,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 
 from .errors import InvalidSpec
+from .ratelimits import RateLimit
 
 _NUMBER = "a number >= 0"
 # key -> (check, what was expected)
@@ -66,6 +67,7 @@ def check_strict(
     for key, rules in (("retry", _RETRY), ("breaker", _BREAKER)):
         if isinstance(data.get(key), dict):
             check_options(where, key, data[key], rules)
+    RateLimit.parse(where, data.get("rate_limit"))
 
 
 def check_keys(where: str, what: str, data: Mapping[str, Any], known: frozenset[str]) -> None:

@@ -19,6 +19,7 @@ from .connection import is_cluster
 from .envelope import Envelope, fairness_of
 from .errors import QueueFull
 from .idempotency import conflict, request_digest
+from .ratelimits import RateLimit
 from .records import CallInfo, job_fields, waiting_score
 from .settings import DEFAULT_BATCH_SHARE
 from .states import State
@@ -70,12 +71,17 @@ class Submits(Claims):
         weight: float = 1.0,
         batch_share: float = DEFAULT_BATCH_SHARE,
         key_size: int = -1,
+        rate_limit: RateLimit | None = None,
+        estimate: int = 0,
         pipeline: Pipeline | None = None,
+        extra: tuple[Any, ...] = (),
     ) -> Any:
         """Admit a call with its ``pending`` event: onto its queue with a slot of ``ckey`` when one is free
-        (``concurrency`` -1 = no limit), else waiting (at most ``queue_size``; at most ``key_size`` of its
-        fairness key and class, -1 = no such bound) for its fair turn (``weight`` of its fairness key;
-        ``batch_share``: the least share of promotions batch calls get). Returns the script's reply."""
+        (``concurrency`` -1 = no limit) and its ``rate_limit`` allows it (``estimate`` tokens reserved),
+        else waiting (at most ``queue_size``; at most ``key_size`` of its fairness key and class, -1 = no
+        such bound) for its fair turn (``weight`` of its fairness key; ``batch_share``: the least share of
+        promotions batch calls get). Returns the script's reply.
+        ``extra``: more field/value pairs for the job hash (a batch's call: ``h_batch``)."""
         info = CallInfo.of(env, ckey)
         ev = events.payload(
             call_id=env.call_id,
@@ -97,6 +103,7 @@ class Submits(Claims):
         if idem:
             digest = request_digest(env)
             flat += [F_IDEM, keys.idempotency(tag, idem), F_DIGEST, digest]
+        flat += extra
         if not self.is_async:  # (an asyncio client awaits its own SADD: AsyncGateway._list)
             self.list_queue(env.queue)
         return pipes.script(
@@ -111,6 +118,10 @@ class Submits(Claims):
                 keys.limits(tag),
                 keys.waiting_batch(tag, ckey),
                 keys.fair(tag, ckey),
+                keys.rate(tag, ckey),
+                keys.rate_log(tag, ckey),
+                keys.rate_due(tag),
+                keys.rates(tag),
             ],
             [
                 env.call_id,
@@ -130,6 +141,8 @@ class Submits(Claims):
                 max(1, round(UNIT / weight)),
                 round(batch_share * SHARE_SCALE),
                 key_size,
+                rate_limit.argv() if rate_limit is not None else "",
+                estimate if rate_limit is not None else 0,
                 *flat,
             ],
             pipeline,

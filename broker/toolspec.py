@@ -30,7 +30,7 @@ COMMON_KEYS = frozenset(
     }
 )
 # Keys routing reads (also kept in ``config``): every spec may carry them too.
-ROUTING_KEYS = frozenset({"queue", "queue_partitions"})
+ROUTING_KEYS = frozenset({"queue", "queue_partitions", "rate_limit"})
 
 DEFAULT_TIMEOUT = 30.0
 # OpenAI-compatible and Anthropic APIs refuse other function names; it also keeps a name safe as a file name,

@@ -17,6 +17,7 @@ from broker.errors import (
     PermissionDenied,
     QueueFull,
     ToolTimeout,
+    UnknownBatch,
     UnknownTool,
 )
 from broker.events import Event
@@ -56,5 +57,6 @@ __all__ = [
     "QueueFull",
     "ToolSpec",
     "ToolTimeout",
+    "UnknownBatch",
     "UnknownTool",
 ]

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 import structlog
@@ -52,6 +52,9 @@ from hermes_gateway.envelopes import (
 from hermes_gateway.handle import CANCEL_FIELDS, cancelled_record
 from hermes_gateway.telemetry import Sending
 
+if TYPE_CHECKING:
+    from hermes_gateway.batches import AsyncBatchJob
+
 log = structlog.get_logger("hermes.client")
 
 
@@ -59,9 +62,11 @@ class AsyncGateway(AsyncEvents):
     """An asyncio client of the gateway: one connection, one event channel, one pub/sub task."""
 
     def __init__(
-        self, conn: aioredis.Redis, settings: Settings, *, broker: BrokerHandle | None = None
+        self, conn: aioredis.Redis, settings: Settings, *, broker: BrokerHandle | None = None, url: str | None = None
     ) -> None:
         self.conn = conn
+        self.url = url or (broker.url if broker is not None else None)  # (batches run on a threaded client)
+        self._batches: Any = None  # that client, made on the first batch
         self.settings = settings
         durability.check_supported(conn, settings)
         self.broker = broker  # the embedded broker this client started, if any
@@ -92,7 +97,7 @@ class AsyncGateway(AsyncEvents):
             broker = connect(None, embedded_ok=embedded_ok)  # starting a child process: once, up front
             url = broker.url
         conn = await async_from_url(url)
-        gw = cls(conn, settings, broker=broker)
+        gw = cls(conn, settings, broker=broker, url=url)
         await gw.start()
         return gw
 
@@ -121,8 +126,39 @@ class AsyncGateway(AsyncEvents):
         with contextlib.suppress(RedisError, OSError):
             await self._pubsub.aclose()
         await self.conn.aclose()
+        if self._batches is not None:
+            await asyncio.to_thread(self._batches.close)
         if self.broker is not None:
             self.broker.close()
+
+    # -- batches: the one model of hermes_gateway/batches.py, run by a threaded client in worker threads --
+
+    def _batch_client(self) -> Any:
+        if self._batches is None:
+            from hermes_gateway.client import Gateway
+
+            if self.url is None:
+                raise HermesError("batches need the broker's URL: AsyncGateway.connect(url) or AsyncGateway(..., url=)")
+            self._batches = Gateway(connect(self.url, embedded_ok=False), self.settings)
+        return self._batches
+
+    async def batch(
+        self, tool: str, items: Any, *, window: int | None = None, ttl: int | None = None,
+        resume: str | None = None, **context: Any,
+    ) -> AsyncBatchJob:
+        """``Gateway.batch`` for asyncio: the items are sent by a thread (iterate them there, not here)."""
+        from hermes_gateway.batches import AsyncBatchJob
+
+        gw = await asyncio.to_thread(self._batch_client)
+        job = await asyncio.to_thread(lambda: gw.batch(tool, items, window=window, ttl=ttl, resume=resume, **context))
+        return AsyncBatchJob(job)
+
+    async def batch_job(self, batch_id: str) -> AsyncBatchJob:
+        """A batch made by any process, by id (UnknownBatch when none is on record)."""
+        from hermes_gateway.batches import AsyncBatchJob
+
+        gw = await asyncio.to_thread(self._batch_client)
+        return AsyncBatchJob(await asyncio.to_thread(gw.batch_job, batch_id))
 
     async def __aenter__(self) -> AsyncGateway:
         return self

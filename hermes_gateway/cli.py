@@ -362,6 +362,7 @@ def demo(ctx: click.Context, calls: int, processes: int, concurrency: int) -> No
 # -- command groups defined in their own modules ---------------------------------------------------
 
 from hermes_gateway.audit_cli import audit  # noqa: E402
+from hermes_gateway.cli_batch import batch  # noqa: E402
 from hermes_gateway.cli_chat import chat  # noqa: E402
 from hermes_gateway.cli_flow import flow  # noqa: E402
 from hermes_gateway.cli_plugins import plugins, policy  # noqa: E402
@@ -370,7 +371,7 @@ from hermes_gateway.cli_tools import tool  # noqa: E402
 from hermes_gateway.directory_cli import mcp, migrate  # noqa: E402
 from hermes_gateway.policy_cli import policy_clear, policy_push, policy_show  # noqa: E402
 
-for _command in (tool, plugins, policy, audit, migrate, mcp, chat, flow, serve):
+for _command in (tool, batch, plugins, policy, audit, migrate, mcp, chat, flow, serve):
     main.add_command(_command)
 for _command in (policy_push, policy_show, policy_clear):
     policy.add_command(_command)

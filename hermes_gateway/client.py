@@ -6,7 +6,7 @@ import contextlib
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 import structlog
@@ -31,6 +31,9 @@ from hermes_gateway.envelopes import (
 )
 from hermes_gateway.handle import Batch, CallHandle, cancel_call
 from hermes_gateway.telemetry import Sending
+
+if TYPE_CHECKING:
+    from hermes_gateway.batches import BatchJob
 
 log = structlog.get_logger("hermes.client")
 
@@ -263,7 +266,9 @@ class Gateway(ClientEvents, ClientWorkers):
             self.calls.submit(env, pipeline=pipe, **limits)
             confirm = durability.queue_wait(pipe, self.settings)  # before the wake-up: workers see it confirmed
             self._wake(pipe, [env.queue])
-            replies = pipes.execute(pipe)
+            # (SUBMIT reads what it discovers before its first write: a refusal of a moving slot means it did
+            # not run, so it is sent again while the slot moves)
+            replies = pipes.execute(pipe, keep_trying=pipes.for_seconds(pipes.SUBMIT_PATIENCE))
             reply = replies[0]
             self._wake(None, [env.queue])
             if isinstance(reply, Exception):
@@ -389,7 +394,7 @@ class Gateway(ClientEvents, ClientWorkers):
         confirm = durability.queue_wait(pipe, self.settings)
         queues = list(dict.fromkeys(partitions.base(env.queue) for env, _, _ in chunk))
         self._wake(pipe, queues)
-        replies = pipes.execute(pipe)
+        replies = pipes.execute(pipe, keep_trying=pipes.for_seconds(pipes.SUBMIT_PATIENCE))
         self._wake(None, queues)
         return replies[: len(chunk)], replies[len(chunk)] if confirm else None
 
@@ -403,6 +408,34 @@ class Gateway(ClientEvents, ClientWorkers):
 
     def cancel(self, call_id: str) -> bool:
         return cancel_call(self, call_id)
+
+    # -- batches ---------------------------------------------------------------------------------
+
+    def batch(
+        self,
+        tool: str,
+        items: Iterable[dict[str, Any]],
+        *,
+        window: int | None = None,
+        ttl: int | None = None,
+        resume: str | None = None,
+        **context: Any,
+    ) -> BatchJob:
+        """Run ``tool`` over ``items`` (argument mappings) as a batch: returns at once with its id while a
+        thread sends the items, at most ``window`` calls unfinished (``batch.window``); its counters and
+        results live in Redis for ``ttl`` (``batch.ttl``). ``resume``: the id of a batch whose submitter
+        died; the same items are sent again and only those with no result yet run."""
+        from hermes_gateway.batches import start
+
+        with answered(f"starting a batch of {tool!r}"):
+            return start(self, tool, items, window=window, ttl=ttl, resume=resume, context=context)
+
+    def batch_job(self, batch_id: str) -> BatchJob:
+        """A batch made by any process, by id (raises UnknownBatch when none is on record)."""
+        from hermes_gateway.batches import BatchJob, BatchStore
+
+        BatchStore(self.conn).meta(batch_id)
+        return BatchJob(self, batch_id)
 
     def handle(self, call_id: str) -> CallHandle:
         """A handle on any call by id (for example one submitted by another process)."""

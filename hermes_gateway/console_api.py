@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -34,9 +35,10 @@ from broker.codec import text
 from broker.connection import async_from_url
 from broker.errors import CallFailed, HermesError
 from hermes_gateway import console_data, replay
-from hermes_gateway.credentials import CALLER_SCOPE_KEY, Credentials
+from hermes_gateway.credentials import CALLER_SCOPE_KEY, Caller, Credentials
 from hermes_gateway.http_guard import Forbidden, guarded
 from hermes_gateway.http_json import BadRequest, dumps, read_body, reply
+from hermes_gateway.views import hide_probes
 
 log = structlog.get_logger("hermes.console")
 
@@ -136,9 +138,13 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
             }
         )
 
-    async def stats_stream(_request: Request) -> Response:
+    async def stats_stream(request: Request) -> Response:
+        admin = _caller(request).admin
+
         async def events() -> AsyncIterator[dict[str, str]]:
             async for snap in hub.stream():
+                if not admin and snap.get("breakers"):  # (a probe's call id may be another principal's)
+                    snap = {**snap, "breakers": hide_probes(snap["breakers"])}
                 yield {"event": "stats", "data": dumps(snap)}
 
         return EventSourceResponse(events(), ping=15)
@@ -174,10 +180,15 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
             limit = min(int(q.get("limit") or 50), AUDIT_LIMIT)
         except ValueError as e:
             raise BadRequest(f"limit: expected a number, got {q.get('limit')!r}") from e
+        caller, principal = _caller(request), q.get("principal") or None
+        if not caller.admin:  # its own principal's records only; another's: none, as for a name never used
+            if principal not in (None, caller.principal):
+                return reply([])
+            principal = caller.principal
         records = await run_in_threadpool(
             audit_log.list,
             tool=q.get("tool") or None,
-            principal=q.get("principal") or None,
+            principal=principal,
             state=state,
             since=_when(q.get("since"), "since"),
             until=_when(q.get("until"), "until"),
@@ -195,7 +206,7 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
             return audit_log.get(call_id), events.history(gw.conn, call_id)
 
         rec, history = await run_in_threadpool(read)
-        if rec is None:
+        if rec is None or not _caller(request).sees(rec.principal):  # another's: as an unknown id
             raise CallFailed(f"no audit record for call {call_id}", error_type="unknown_call")
         return reply({"record": rec.to_dict(), "events": [e.to_dict() for e in history]})
 
@@ -209,11 +220,18 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= 300:
             raise BadRequest(f"timeout: expected seconds in (0, 300], got {timeout!r}")
 
+        caller = _caller(request)
+
         def run() -> dict[str, Any]:
             rec = audit_log.get(call_id)
-            if rec is None:
+            if rec is None or not caller.sees(rec.principal):  # another's: as an unknown id
                 raise CallFailed(f"no audit record for call {call_id}", error_type="unknown_call")
             plan = replay.plan(rec, supplied)  # what `audit replay` does, step by step
+            # It runs as the replaying token's principal, under the policy (an admin token may replay any
+            # call: as its own principal, or as recorded when it has none); the record names the original.
+            context = {k: v for k, v in plan.context.items() if k != "principal"}
+            who = caller.principal or (rec.principal if caller.admin else None)
+            plan = dataclasses.replace(plan, context={**context, **({"principal": who} if who else {})})
             spec = gw.tool(plan.tool).spec
             gw.require_workers(str(spec.config.get("queue") or "tools"))
             outcome = replay.run(gw, audit_log, plan, float(timeout))
@@ -247,6 +265,11 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
         Route("/v1/audit/{call_id}/replay", audit_replay, methods=["POST"], middleware=auth),
         Mount("/static", StaticFiles(packages=[("hermes_gateway", "static")]), name="static"),
     ]
+
+
+def _caller(request: Request) -> Caller:
+    caller: Caller = request.scope[CALLER_SCOPE_KEY]  # (set by http_guard.Guard)
+    return caller
 
 
 def _when(value: str | None, name: str) -> float | None:

@@ -57,6 +57,30 @@ def call_figures(stats: dict[str, str]) -> dict[str, Any]:
     }
 
 
+def usage_figures(stats: dict[str, str]) -> list[dict[str, Any]]:
+    """Per principal and tool or model: calls, and an LLM call's tokens in and out (``workers.metrics.usage``)."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for field, value in stats.items():
+        parts = field.split(SEP)
+        if parts[0] == "pcalls" and len(parts) >= 4:
+            name = f"{parts[2]}:{SEP.join(parts[3:])}"
+            row = rows.setdefault((parts[1], name), {"principal": parts[1], "name": name, "calls": 0, "tokens_in": 0, "tokens_out": 0})
+            row["calls"] += _int(value)
+        elif parts[0] == "tokens" and len(parts) >= 4 and parts[-1] in ("in", "out"):
+            name = f"llm:{SEP.join(parts[2:-1])}"
+            row = rows.setdefault((parts[1], name), {"principal": parts[1], "name": name, "calls": 0, "tokens_in": 0, "tokens_out": 0})
+            row[f"tokens_{parts[-1]}"] += _int(value)
+    return [rows[k] for k in sorted(rows)]
+
+
+def rate_limits(conn: Any) -> list[dict[str, Any]]:
+    """Every rate limiter: its limits, what is left in the window, calls waiting, a pause and its end."""
+    from broker.limits import Limits
+    from broker.ratelimits import RateLimiter
+
+    return RateLimiter(conn).snapshot(Limits(conn).queues())
+
+
 def read_stats(conn: Any) -> dict[str, str]:
     return {text(k): text(v) for k, v in conn.hgetall(keys.STATS).items()}
 
@@ -153,11 +177,19 @@ def slots(conn: Any, settings: Any, entries: list[Any]) -> list[dict[str, Any]]:
     return sorted(rows.values(), key=lambda r: r["key"])
 
 
+def batches(conn: Any, limit: int = 20) -> list[dict[str, Any]]:
+    """The newest batches on record with their counts, rate and ETA (``hermes_gateway/batches.py``)."""
+    from hermes_gateway.batches import BatchStore
+
+    return [p.to_dict() for p in BatchStore(conn).recent(limit)]
+
+
 def snapshot(gw: Any) -> dict[str, Any]:
     """One tick of the overview: call figures, queues, slots per concurrency key, workers, breakers."""
     conn = gw.conn
     now = time.time()
-    calls = call_figures(read_stats(conn))
+    stats = read_stats(conn)
+    calls = call_figures(stats)
     entries = gw.directory.all()
     return {
         "ts": now,
@@ -166,8 +198,11 @@ def snapshot(gw: Any) -> dict[str, Any]:
         "latency": calls["latency"],
         "queues": queue_depths(conn),
         "limits": slots(conn, gw.settings, entries),
+        "rate_limits": rate_limits(conn),
+        "usage": usage_figures(stats),
         "workers": workers(conn, gw.settings.workers.lease, now),
         "breakers": breakers(conn, breaker_cooldowns(gw.settings, entries)),
+        "batches": batches(conn),
         "scheduled_retries": Limits(conn).scheduled(),  # (per queue: every queue has its own set)
         # Bumped on every directory change: the page reloads its tool list when it moves.
         "tools_version": int(conn.get(keys.TOOLS_VERSION) or 0),

@@ -15,6 +15,10 @@ claim to be admin. An *admin* credential — the single ``$HERMES_API_TOKEN``/``
 ``admin: true``, or any caller of a loopback-only server that has no token at all — is a trusted back end
 acting for its users: it may name the principal a call runs as.
 
+Calls are per principal: a credential that is not admin sees, follows, cancels and replays its own
+principal's calls only, and another principal's call id is answered exactly as an unknown one (``sees``);
+an admin credential sees every call.
+
 Registering or removing a tool (``POST /v1/tools``, ``DELETE /v1/tools/{name}``) is running code on the
 workers, so it needs an admin credential or the :data:`MANAGE_TOOLS` tag among the principal's policy
 grants (``policy.principals.<name>.grants``; ``"*"`` holds it too).
@@ -57,6 +61,11 @@ class Caller:
             claimed=claimed if isinstance(claimed, str) else repr(claimed),
             rule="credentials",
         )
+
+    def sees(self, principal: Any) -> bool:
+        """Whether this caller may see and act on a call that runs as ``principal`` (None: no principal):
+        an admin credential every call, any other its own principal's only."""
+        return self.admin or (self.principal is not None and principal == self.principal)
 
     def check_manage_tools(self, policy: Any) -> None:
         """PermissionDenied unless this caller may register and remove tools under ``policy``."""

@@ -22,7 +22,8 @@ from broker.envelope import (
     fairness_of,
     new_call_id,
 )
-from broker.errors import InvalidArgs
+from broker.errors import InvalidArgs, TokensOverLimit
+from broker.ratelimits import RateLimit, estimate_tokens
 from broker.toolspec import ToolSpec
 from broker.tracecontext import ensure_traceparent
 from hermes_gateway.telemetry import Headers, current_headers
@@ -135,7 +136,7 @@ def tool_envelope(
     n = partitions.count(spec)
     if n > 1:
         concurrency = spec.concurrency or (settings.concurrency_for(spec.executor) if settings else -1)
-        queue = partitions.route(queue, n, concurrency, opts.get("idempotency_key"))
+        queue = partitions.route(queue, n, concurrency, opts.get("idempotency_key"), opts.get("partition_slot"))
     env = Envelope(
         call_id=keys.call_id(queue, opts.get("call_id") or new_call_id()),
         kind="tool",
@@ -167,12 +168,16 @@ def tool_limits(env: Envelope, spec: ToolSpec, settings: Settings) -> dict[str, 
     per_key = settings.fairness.queue_size_per_key
     key_size = -1 if per_key is None else partitions.limits(env.queue, n, concurrency, per_key)[1]
     concurrency, queue_size = partitions.limits(env.queue, n, concurrency, queue_size)
+    rate = RateLimit.parse(f"tool {spec.name!r}", spec.config.get("rate_limit"))
+    if rate is not None and n > 1:
+        rate = rate.share(n, partitions.index(env.queue))
     return {
         "ckey": concurrency_key(env),
         "queue_size": queue_size,
         "concurrency": concurrency,
         "max_attempts": env.options.max_attempts or max(settings.workers.max_attempts, retries + 1),
         "timeout": float(env.options.timeout or spec.timeout),
+        "rate_limit": rate,
         **fair_limits(env, settings, key_size),
     }
 
@@ -220,8 +225,19 @@ def llm_envelope(
         queue=queue,
         channel=channel(queue),
     ).keep_packed(packed)
+    ckey = concurrency_key(env)
+    rate = model_cfg.rate_limit_for(str(context["provider"]), str(context.get("model") or ""))
+    estimate = estimate_tokens(request) if rate is not None else 0
+    if rate is not None and 0 <= rate.tpm < estimate:
+        raise TokensOverLimit(
+            f"the LLM call's token estimate ({estimate}: max_tokens + its prompt) is more than {ckey!r} "
+            f"allows in a minute (tokens_per_minute {rate.tpm}): it could never run; lower max_tokens",
+            key=ckey, estimate=estimate, limit=rate.tpm,
+        )
     limits = {
-        "ckey": concurrency_key(env),
+        "ckey": ckey,
+        "rate_limit": rate,
+        "estimate": estimate,
         "queue_size": settings.queue_size_for("llm"),
         "concurrency": settings.concurrency_for("llm"),
         "max_attempts": max_attempts or settings.workers.max_attempts,

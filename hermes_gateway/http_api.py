@@ -12,6 +12,12 @@ The same operations as the Python client, for callers in any language and for a 
 - ``GET /v1/calls/{id}``; ``POST /v1/calls/{id}/cancel``
 - ``GET /v1/calls/{id}/request``: what the call asked for, secrets masked (a tool call's args; an LLM
   call's whole request, the messages with the tool results fed back)
+- ``POST /v1/batches`` (``?tool=NAME``; the items as a JSON array of argument objects, or JSONL sent as
+  ``application/x-ndjson``; or a JSON object ``{"tool", "items", "window"}``): 202 with the batch id at
+  once, the items sent by a thread of the server; ``GET /v1/batches``, ``GET /v1/batches/{id}`` (counts,
+  rate, ETA), ``GET /v1/batches/{id}/results`` (JSONL streamed as the calls end; ``?follow=0``: only what
+  has ended), ``DELETE /v1/batches/{id}`` (cancel); ``POST /v1/batches?resume=ID`` with the same items takes
+  up a batch whose submitter died (items with a result are not sent again) — ``hermes_gateway.batches``, one model with the CLI's
 - ``GET /v1/calls/{id}/events``: Server-Sent Events, the call's history then its live tail, one event
   per state change, progress message or stream delta (``id:`` is the event's ``seq``, so a reconnecting
   ``EventSource`` resumes after ``Last-Event-ID``), ending with the terminal one.
@@ -50,9 +56,11 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, Response
+from starlette.responses import HTMLResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from broker import keys
+from broker.codec import text
 from broker.connection import async_from_url
 from broker.envelope import CONTEXT_FIELDS
 from broker.errors import (
@@ -70,7 +78,7 @@ from hermes_gateway.client import Gateway
 from hermes_gateway.credentials import CALLER_SCOPE_KEY, Caller, Credentials
 from hermes_gateway.http_guard import ERROR_HANDLERS, guarded
 from hermes_gateway.http_guard import error_reply as error_reply
-from hermes_gateway.http_json import BadRequest, dumps, read_body, reply
+from hermes_gateway.http_json import JSONL_TYPES, BadRequest, dumps, parse_json, read_body, read_raw, reply
 from hermes_gateway.views import call_request
 
 TOKEN_ENV = "HERMES_API_TOKEN"
@@ -95,11 +103,10 @@ def _number(body: dict[str, Any], name: str, low: float, *, integer: bool = Fals
 
 def _context(body: dict[str, Any]) -> dict[str, Any]:
     context = _field(body, "context", (dict,), "an object") or {}
-    unknown = sorted(str(k) for k in context if k not in CONTEXT_FIELDS)
+    known = [k for k in CONTEXT_FIELDS if k != "replay_of"]  # (set by the replay route alone)
+    unknown = sorted(str(k) for k in context if k not in known)
     if unknown:
-        raise BadRequest(
-            f"context: unknown field(s) {', '.join(unknown)}; known: {', '.join(CONTEXT_FIELDS)}", fields=unknown
-        )
+        raise BadRequest(f"context: unknown field(s) {', '.join(unknown)}; known: {', '.join(known)}", fields=unknown)
     return context
 
 
@@ -142,7 +149,7 @@ class Api:
 
     @asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
-        self.agw = AsyncGateway(await async_from_url(self.gw.broker.url), self.gw.settings)
+        self.agw = AsyncGateway(await async_from_url(self.gw.broker.url), self.gw.settings, url=self.gw.broker.url)
         await self.agw.start()
         try:
             async with self.mcp.running():
@@ -158,10 +165,11 @@ class Api:
         page = resources.files("hermes_gateway").joinpath("console.html").read_text(encoding="utf-8")
         return HTMLResponse(page)
 
-    async def status(self, _request: Request) -> Response:
+    async def status(self, request: Request) -> Response:
         from hermes_gateway.views import status_data
 
-        return reply(await run_in_threadpool(status_data, self.gw, True))
+        caller = _caller(request)
+        return reply(await run_in_threadpool(status_data, self.gw, True, None if caller.admin else caller))
 
     async def list_tools(self, _request: Request) -> Response:
         rows = []
@@ -245,12 +253,24 @@ class Api:
         outcome = await _outcome(handle, min(float(wait), MAX_WAIT))
         return reply(outcome, 200 if handle.done() else 202)
 
+    async def _visible(self, request: Request, call_id: str) -> None:
+        """Unknown call (404, the body of an id that does not exist) unless the caller may see it: a
+        token that is not admin sees its own principal's calls only, so ids cannot be probed. One HGET."""
+        caller = _caller(request)
+        if caller.admin:
+            return
+        owner = await self.agw.conn.hget(keys.job(call_id), keys.F_PRINCIPAL)
+        if not caller.sees(text(owner) if owner is not None else None):
+            raise CallFailed(f"no such call {call_id}", error_type="unknown_call")
+
     async def get_call(self, request: Request) -> Response:
+        await self._visible(request, request.path_params["call_id"])
         handle = await self.agw.handle(request.path_params["call_id"])
         return reply(await _outcome(handle, 0.0) if handle.done() else _accepted(handle))
 
     async def get_call_request(self, request: Request) -> Response:
         call_id = request.path_params["call_id"]
+        await self._visible(request, call_id)
         found = await run_in_threadpool(call_request, self.gw.conn, call_id)
         if found is None:
             raise CallFailed(f"no such call {call_id}", error_type="unknown_call")
@@ -258,10 +278,94 @@ class Api:
 
     async def cancel_call(self, request: Request) -> Response:
         call_id = request.path_params["call_id"]
+        await self._visible(request, call_id)
         await self.agw.handle(call_id)  # 404 for an unknown id
         return reply({"call_id": call_id, "cancelled": await self.agw.cancel(call_id)})
 
+    # -- batches (hermes_gateway/batches.py; the threaded Gateway, in the thread pool) ---------------
+
+    async def submit_batch(self, request: Request) -> Response:
+        from hermes_gateway.batches import BatchJob
+
+        raw = await read_raw(request, self.gw.settings.api, ("application/json", *JSONL_TYPES))
+        tool, window = request.query_params.get("tool"), request.query_params.get("window")
+        resume = request.query_params.get("resume")
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() in JSONL_TYPES:
+            items: Any = _jsonl(raw)
+        else:
+            body = parse_json(raw)
+            if isinstance(body, dict):
+                tool = _field(body, "tool", (str,), "a tool name") or tool
+                window = _number(body, "window", 1, integer=True) or window
+                resume = _field(body, "resume", (str,), "a batch id") or resume
+                items = _field(body, "items", (list,), "an array of argument objects")
+                if items is None:
+                    raise BadRequest("items: expected an array of argument objects")
+            elif isinstance(body, list):
+                items = body
+            else:
+                raise BadRequest(f"the body must be a JSON array of argument objects, got {type(body).__name__}")
+        if resume is not None:  # the same items again after the submitter died: the batch's own tool
+            request.path_params["batch_id"] = resume
+            await self._batch(request)  # (unknown, or another principal's: 404)
+            tool = tool or (await run_in_threadpool(BatchJob(self.gw, resume).progress)).tool
+        if not tool:
+            raise BadRequest("name the tool: POST /v1/batches?tool=NAME (or \"tool\" in a JSON object body)")
+        try:
+            size = int(window) if window is not None else None
+        except ValueError as e:
+            raise BadRequest(f"window: expected a whole number, got {window!r}") from e
+        if size is not None and size < 1:
+            raise BadRequest(f"window: expected a whole number of at least 1, got {size}")
+        principal = _caller(request).principal
+        context: dict[str, Any] = {"principal": principal} if principal else {}
+        job = await run_in_threadpool(lambda: self.gw.batch(tool, items, window=size, resume=resume, **context))
+        base = "/v1/batches/" + job.id
+        return reply({"id": job.id, "tool": tool, "items": len(items), "status": base, "results": base + "/results"}, 202)
+
+    async def _batch(self, request: Request) -> Any:
+        """The batch of the path, if this caller may see it (another principal's is unknown to it)."""
+        from broker.errors import UnknownBatch
+        from hermes_gateway.batches import BatchJob, BatchStore
+
+        batch_id = request.path_params["batch_id"]
+        meta = await run_in_threadpool(BatchStore(self.gw.conn).meta, batch_id)
+        caller = _caller(request)
+        if not caller.admin and meta.get("principal", "") != (caller.principal or ""):
+            raise UnknownBatch(f"no such batch {batch_id!r} (never made, or past its batch.ttl)", batch_id=batch_id)
+        return BatchJob(self.gw, batch_id)
+
+    async def list_batches(self, request: Request) -> Response:
+        from hermes_gateway.batches import BatchStore
+
+        caller = _caller(request)
+        store = BatchStore(self.gw.conn)
+        rows = await run_in_threadpool(store.recent)
+        if not caller.admin:
+            mine = await run_in_threadpool(lambda: {p.id for p in rows if store.meta(p.id).get("principal", "") == (caller.principal or "")})
+            rows = [p for p in rows if p.id in mine]
+        return reply([p.to_dict() for p in rows])
+
+    async def get_batch(self, request: Request) -> Response:
+        job = await self._batch(request)
+        return reply((await run_in_threadpool(job.progress)).to_dict())
+
+    async def batch_results(self, request: Request) -> Response:
+        job = await self._batch(request)
+        follow = request.query_params.get("follow", "1") not in ("0", "false", "no")
+
+        def lines() -> Any:  # (a sync iterator: Starlette runs it in the thread pool)
+            for item in job.results(follow=follow):
+                yield dumps(item.to_dict()) + "\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    async def cancel_batch(self, request: Request) -> Response:
+        job = await self._batch(request)
+        return reply({"id": job.id, "cancelled": await run_in_threadpool(job.cancel)})
+
     async def call_events(self, request: Request) -> Response:
+        await self._visible(request, request.path_params["call_id"])
         handle = await self.agw.handle(request.path_params["call_id"])
         raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
         try:
@@ -307,6 +411,11 @@ def create_app(
         Route("/v1/calls/{call_id}/request", api.get_call_request, middleware=auth),
         Route("/v1/calls/{call_id}/cancel", api.cancel_call, methods=["POST"], middleware=auth),
         Route("/v1/calls/{call_id}/events", api.call_events, middleware=events),
+        Route("/v1/batches", api.submit_batch, methods=["POST"], middleware=auth),
+        Route("/v1/batches", api.list_batches, methods=["GET"], middleware=auth),
+        Route("/v1/batches/{batch_id}", api.get_batch, methods=["GET"], middleware=auth),
+        Route("/v1/batches/{batch_id}", api.cancel_batch, methods=["DELETE"], middleware=auth),
+        Route("/v1/batches/{batch_id}/results", api.batch_results, methods=["GET"], middleware=auth),
         Route("/mcp", api.mcp, middleware=auth),
         *console_routes(gw, creds),  # the console's overview, workers, audit; /metrics
     ]
@@ -323,6 +432,19 @@ def _conflict_for(caller: Caller, error: IdempotencyConflict, key: str | None) -
         "principal): reuse a key only to resubmit the same call",
         key=key,
     )
+
+
+def _jsonl(raw: bytes) -> list[Any]:
+    """The items of a JSONL body, one per non-blank line; a line that is not JSON stays its text, and the
+    batch records it as a failed item rather than refusing the others."""
+    items: list[Any] = []
+    for line in raw.decode("utf-8", errors="replace").splitlines():
+        if line.strip():
+            try:
+                items.append(parse_json(line.encode(), "a line"))
+            except BadRequest:
+                items.append(line)
+    return items
 
 
 def _accepted(handle: AsyncCallHandle) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from broker.errors import (
     NoWorkers,
     PermissionDenied,
     QueueFull,
+    UnknownBatch,
     UnknownTool,
 )
 from hermes_gateway.credentials import CALLER_SCOPE_KEY, Credentials
@@ -97,6 +98,7 @@ def guarded(credentials: Credentials, *, token: bool = True, query_token: bool =
 
 _STATUS: list[tuple[type[HermesError], int]] = [
     (UnknownTool, 404),
+    (UnknownBatch, 404),
     (InvalidSpec, 400),
     (InvalidArgs, 400),
     (QueueFull, 429),

@@ -81,10 +81,13 @@ def _not_json(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-async def read_body(request: Request, api: ApiSettings) -> dict[str, Any]:
-    """The request's JSON object (strictly JSON, bounded by ``api``'s size and time), or a typed error."""
-    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-        raise BadRequest("the request body must be sent as Content-Type: application/json")
+JSONL_TYPES = ("application/x-ndjson", "application/jsonl", "application/json-lines")
+
+
+async def read_raw(request: Request, api: ApiSettings, types: tuple[str, ...] = ("application/json",)) -> bytes:
+    """The request's body bytes, sent as one of ``types`` and bounded by ``api``'s size and time."""
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() not in types:
+        raise BadRequest(f"the request body must be sent as Content-Type: {' or '.join(types)}")
     limit = api.max_body
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -101,12 +104,22 @@ async def read_body(request: Request, api: ApiSettings) -> dict[str, Any]:
         raise RequestTimeout(
             f"the request body did not arrive within {deadline:g}s ({len(raw)} bytes came; {API_BODY_TIMEOUT_ENV})"
         ) from e
+    return bytes(raw)
+
+
+def parse_json(raw: bytes, what: str = "the request body") -> Any:
+    """Strict JSON (no NaN or Infinity), or a typed error."""
     try:
-        data = json.loads(bytes(raw), parse_constant=_not_json)
+        return json.loads(raw, parse_constant=_not_json)
     except ValueError as e:
-        raise BadRequest(f"the request body is not JSON: {e}") from e
+        raise BadRequest(f"{what} is not JSON: {e}") from e
     except RecursionError as e:  # (arrays or objects nested thousands deep)
-        raise BadRequest("the request body is nested too deeply") from e
+        raise BadRequest(f"{what} is nested too deeply") from e
+
+
+async def read_body(request: Request, api: ApiSettings) -> dict[str, Any]:
+    """The request's JSON object (strictly JSON, bounded by ``api``'s size and time), or a typed error."""
+    data = parse_json(await read_raw(request, api))
     if not isinstance(data, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(data).__name__}")
     return data

@@ -7,7 +7,9 @@ request; 2026-protocol clients get tool-list changes on a ``subscriptions/listen
 (``serve --mcp-stateful``) keeps handshake-era sessions (``Mcp-Session-Id``) with their GET stream, so
 ``notifications/tools/list_changed`` reaches clients such as the Hermes agent's mcp 1.x client — a
 session lives in one ``serve`` process, so a proxy in front of several must keep a client on one
-(sticky on the ``Mcp-Session-Id`` header).
+(sticky on the ``Mcp-Session-Id`` header). A session belongs to the principal that opened it: the
+request's ``Caller`` is handed to the SDK as its authenticated user, and the SDK answers a session id
+used by another principal exactly as an unknown one (404), so nobody cancels or reads another's requests.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.auth.provider import AccessToken
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.subscriptions import InMemorySubscriptionBus
 from starlette.types import Receive, Scope, Send
 
+from hermes_gateway.credentials import CALLER_SCOPE_KEY, Caller
 from hermes_gateway.mcp_serve import ChangeNotices, Sessions, build_server
 
 
@@ -46,4 +51,14 @@ class McpEndpoint:
             notices.stop()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        caller = scope.get(CALLER_SCOPE_KEY)
+        if isinstance(caller, Caller):
+            scope["user"] = session_owner(caller)
         await self.manager.handle_request(scope, receive, send)
+
+
+def session_owner(caller: Caller) -> AuthenticatedUser:
+    """Who a session belongs to, as the SDK compares it (its ``client_id``): the principal, and whether
+    the credential is admin (never the token itself)."""
+    who = f"{'admin' if caller.admin else 'principal'}:{caller.principal or ''}"
+    return AuthenticatedUser(AccessToken(token="", client_id=who, scopes=[]))

@@ -1,4 +1,5 @@
-"""Replaying an audited tool call: the same tool and principal with the recorded arguments.
+"""Replaying an audited tool call: the same tool and principal with the recorded arguments (over HTTP,
+the replaying token's principal: ``console_api``); its audit record names the original (``replay_of``).
 
 The audit log keeps arguments redacted. A sensitive argument is kept as its sha256 hash, so the caller
 must supply the value again and it is checked against the hash; any other argument the redaction masked
@@ -86,6 +87,7 @@ def plan(record: AuditRecord, supplied: Mapping[str, str]) -> ReplayPlan:
     for name in masked:
         args[name] = _parsed(supplied[name])
     context = {k: getattr(record, k) for k in REPLAY_CONTEXT if getattr(record, k, None)}
+    context["replay_of"] = record.call_id  # its audit record names the call it replays
     return ReplayPlan(record, record.tool_name, args, context, tuple(sorted(hashed)), tuple(sorted(masked)))
 
 

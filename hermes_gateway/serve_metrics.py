@@ -63,7 +63,28 @@ class GatewayMetrics:
             "hermes.breaker.state", [self._breakers], description="0 closed, 1 half-open, 2 open"
         )
         meter.create_observable_gauge(
+            "hermes.batch.items", [self._batches], unit="{call}",
+            description="Items of each batch on record by state: done, failed, cancelled, running, unsent",
+        )
+        meter.create_observable_gauge(
             "hermes.workers", [self._workers], unit="{worker}", description="Workers with a recent heartbeat"
+        )
+        meter.create_observable_counter(
+            "hermes.llm.tokens", [self._tokens], unit="{token}",
+            description="LLM tokens per principal, model and direction (in: prompt, out: completion)",
+        )
+        meter.create_observable_gauge(
+            "hermes.rate.limit", [self._rate_limits], description="Each rate limiter's limit per kind"
+        )
+        meter.create_observable_gauge(
+            "hermes.rate.left", [self._rate_left], description="What each rate limiter has left in its window"
+        )
+        meter.create_observable_gauge(
+            "hermes.rate.waiting", [self._rate_waiting], unit="{call}", description="Calls waiting on each rate-limited key"
+        )
+        meter.create_observable_gauge(
+            "hermes.rate.paused_until", [self._rate_paused], unit="s",
+            description="When a provider's pause of the key ends (unix seconds; 0: not paused)",
         )
         self.registry.register(_DurationCollector(self))
 
@@ -79,8 +100,10 @@ class GatewayMetrics:
             "queues": console_data.queue_depths(conn),
             "inflight": console_data.inflight(conn),
             "limits": Limits(conn).snapshot(),
+            "rate_limits": console_data.rate_limits(conn),
             "breakers": Breakers(conn).all(),
             "workers": len(self.gw.live_workers()),
+            "batches": console_data.batches(conn, 100),
         }
         with self._lock:  # one scrape at a time: the callbacks read this scrape's snapshot
             self._snap = snap
@@ -106,6 +129,36 @@ class GatewayMetrics:
                 out.append(Observation(int(value), attrs))
         return out
 
+    def _tokens(self, _options: CallbackOptions) -> Iterable[Observation]:
+        out = []
+        for field, value in self._snap.get("stats", {}).items():
+            parts = field.split(SEP)
+            if parts[0] == "tokens" and len(parts) >= 4 and parts[-1] in ("in", "out"):
+                attrs = {"principal": parts[1], "model": SEP.join(parts[2:-1]), "direction": parts[-1]}
+                out.append(Observation(int(value), attrs))
+        return out
+
+    def _rate_limits(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [
+            Observation(v, {"hermes.concurrency_key": r["key"], "hermes.rate.kind": k})
+            for r in self._snap.get("rate_limits", []) for k, v in r["limits"].items()
+        ]
+
+    def _rate_left(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [
+            Observation(v, {"hermes.concurrency_key": r["key"], "hermes.rate.kind": k})
+            for r in self._snap.get("rate_limits", []) for k, v in r["left"].items()
+        ]
+
+    def _rate_waiting(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(r["waiting"], {"hermes.concurrency_key": r["key"]}) for r in self._snap.get("rate_limits", [])]
+
+    def _rate_paused(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [
+            Observation(r["paused_until"] or 0, {"hermes.concurrency_key": r["key"]})
+            for r in self._snap.get("rate_limits", [])
+        ]
+
     def _queues(self, _options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(d, {"messaging.destination.name": q}) for q, d in self._snap.get("queues", {}).items()]
 
@@ -124,6 +177,16 @@ class GatewayMetrics:
             Observation(BREAKER_STATES.get(b["state"], 0), {"hermes.breaker.key": b["key"]})
             for b in self._snap.get("breakers", [])
         ]
+
+    def _batches(self, _options: CallbackOptions) -> Iterable[Observation]:
+        out = []
+        for b in self._snap.get("batches", []):
+            attrs = {"hermes.batch.id": b["id"], "hermes.call.name": b["tool"]}
+            figures = {**b["counts"], "running": b["running"]}
+            if b["total"] is not None:
+                figures["unsent"] = max(0, b["total"] - b["submitted"])
+            out += [Observation(n, {**attrs, "hermes.batch.state": state}) for state, n in figures.items()]
+        return out
 
     def _workers(self, _options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(self._snap.get("workers", 0))]

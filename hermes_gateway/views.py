@@ -73,8 +73,10 @@ def tools_table(entries: list[Entry], settings: Settings, states: dict[str, str]
     console.print(table)
 
 
-def status_data(gw: Any, figures: bool = False) -> dict[str, Any]:
-    """Everything ``status`` shows, as plain data; ``figures``: with the live call figures (``--json``)."""
+def status_data(gw: Any, figures: bool = False, viewer: Any = None) -> dict[str, Any]:
+    """Everything ``status`` shows, as plain data; ``figures``: with the live call figures (``--json``).
+    ``viewer``: a ``Caller`` that is not admin sees the recent failures of its own principal's calls only,
+    and no breaker's probe call id."""
     conn = gw.conn
     queue_keys = sorted(k.decode() for k in conn.smembers(keys.RQ_QUEUES))
     pipe = conn.pipeline(transaction=False)
@@ -84,12 +86,16 @@ def status_data(gw: Any, figures: bool = False) -> dict[str, Any]:
     flow = flow_control_data(conn)
     # (every key with calls waiting has its limit recorded: the sweep drops a limit only once nothing waits)
     waiting = {row["key"]: row["waiting"] for row in flow["concurrency"] if row["waiting"]}
-    failures = []
-    for raw in conn.lrange(keys.FAILURES, 0, 9):
+    failures: list[Any] = []
+    for raw in conn.lrange(keys.FAILURES, 0, 9 if viewer is None else -1):
         try:
-            failures.append(unpack(raw))
+            entry = unpack(raw)
         except Exception:  # noqa: BLE001 - a damaged entry is skipped, not fatal
             continue
+        if viewer is None or (isinstance(entry, dict) and viewer.sees(entry.get("principal"))):
+            failures.append(entry)
+        if len(failures) == 10:
+            break
     data = {
         "broker": gw.description,
         "queues": [{"queue": keys.queue_name(k), "depth": d} for k, d in zip(queue_keys, depths, strict=True)],
@@ -99,6 +105,8 @@ def status_data(gw: Any, figures: bool = False) -> dict[str, Any]:
         "recent_failures": failures,
         **flow,
     }
+    if viewer is not None:
+        data["breakers"] = hide_probes(data["breakers"])
     if figures:
         from hermes_gateway.watch import figures_json
 
@@ -106,15 +114,23 @@ def status_data(gw: Any, figures: bool = False) -> dict[str, Any]:
     return data
 
 
+def hide_probes(breakers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Breakers without the id of a half-open one's probe call (another principal's, maybe)."""
+    return [{**b, "probe": None} if b.get("probe") else b for b in breakers]
+
+
 def flow_control_data(conn: Any) -> dict[str, Any]:
     """Concurrency keys (limit, running, waiting), retries on the schedule, circuit breakers."""
     from broker.breaker import Breakers
     from broker.limits import Limits
+    from hermes_gateway.console_data import rate_limits, read_stats, usage_figures
 
     return {
         "concurrency": Limits(conn).snapshot(),
         "scheduled_retries": Limits(conn).scheduled(),
         "breakers": Breakers(conn).all(),
+        "rate_limits": rate_limits(conn),
+        "usage": usage_figures(read_stats(conn)),
     }
 
 
@@ -127,6 +143,26 @@ def print_flow_control(data: dict[str, Any]) -> None:
         limit = "-" if row["limit"] < 0 else str(row["limit"])
         c.add_row(row["key"], limit, str(row["running"]), str(row["waiting"]))
     console.print(c)
+    if data.get("rate_limits"):
+        r = Table(title="rate limits (left in the window / limit)", title_justify="left")
+        for col in ("key", "requests/min", "tokens/min", "requests/s", "waiting", "paused until"):
+            r.add_column(col, justify="left" if col == "key" else "right")
+        for row in data["rate_limits"]:
+            left, limits = row["left"], row["limits"]
+            cells = [
+                f"{left[k]}/{limits[k]}" if k in limits else "-"
+                for k in ("requests_per_minute", "tokens_per_minute", "requests_per_second")
+            ]
+            until = row.get("paused_until")
+            r.add_row(row["key"], *cells, str(row["waiting"]), time.strftime("%H:%M:%S", time.localtime(until)) if until else "-")
+        console.print(r)
+    if data.get("usage"):
+        u = Table(title="usage per principal", title_justify="left")
+        for col in ("principal", "tool / model", "calls", "tokens in", "tokens out"):
+            u.add_column(col, justify="right" if col in ("calls", "tokens in", "tokens out") else "left")
+        for row in data["usage"]:
+            u.add_row(row["principal"], row["name"], str(row["calls"]), str(row["tokens_in"]), str(row["tokens_out"]))
+        console.print(u)
     b = Table(title="circuit breakers", title_justify="left")
     for col in ("key", "state", "since", "reason", "last error"):
         b.add_column(col)

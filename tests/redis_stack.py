@@ -239,10 +239,10 @@ class ClusterStack:
     def node_id(self, port: int) -> str:
         return str(self.node(port).execute_command("CLUSTER MYID").decode())
 
-    def migrate_slot(self, slot: int, dest_port: int) -> int:
+    def migrate_slot(self, slot: int, dest_port: int, batch: int = 50, pause: float = 0.01) -> int:
         """Move ``slot`` (and its keys) to the primary on ``dest_port`` as ``redis-cli --cluster reshard``
-        does (SETSLOT IMPORTING / MIGRATING, MIGRATE in batches, SETSLOT NODE everywhere); returns the keys
-        moved."""
+        does (SETSLOT IMPORTING / MIGRATING, MIGRATE ``batch`` keys a round with ``pause`` s between
+        rounds, SETSLOT NODE everywhere); returns the keys moved."""
         src_port = self.slot_owner(slot)
         if src_port == dest_port:
             return 0
@@ -252,12 +252,12 @@ class ClusterStack:
         src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
         moved = 0
         while True:
-            names = src.execute_command("CLUSTER GETKEYSINSLOT", slot, 50)
+            names = src.execute_command("CLUSTER GETKEYSINSLOT", slot, batch)
             if not names:
                 break
             src.execute_command("MIGRATE", "127.0.0.1", dest_port, "", 0, 5000, "REPLACE", "KEYS", *names)
             moved += len(names)
-            time.sleep(0.01)  # the calls go on meanwhile
+            time.sleep(pause)  # the calls go on meanwhile
         for port in self.ports:
             self.node(port).execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
         return moved

@@ -19,7 +19,8 @@ from broker.config import Settings, load_settings
 from broker.directory import Directory
 from broker.durability import Confirmer
 from broker.envelope import Envelope, concurrency_key, plugins_applied
-from broker.errors import CallFailed, DecodeError
+from broker.errors import BudgetExceeded, CallFailed, DecodeError
+from broker.ratelimits import RateLimiter
 from broker.states import State
 from broker.toolspec import ToolSpec
 from middleware import LLMCallFlow, PluginManager, ToolCallFlow
@@ -63,6 +64,10 @@ class WorkerCore:
         self.outbox = Outbox(conn, confirmer=self.confirmer)
         self.directory = Directory(conn)
         self._inflight: dict[str, Running] = {}
+        # Calls that ended here whose writes are still on their way (a cluster slot moving holds them in the
+        # outbox): the worker keeps their leases, so the reaper does not take and run them again.
+        self._unwritten: dict[str, Running] = {}
+        self._writing: dict[int, int] = {}  # writes queued and not answered yet, per run (id of its Running)
         self._held: dict[str, int] = {}  # calls in flight here per concurrency key
         self._lock = threading.Lock()
         self._cancelled: set[str] = set()
@@ -77,6 +82,7 @@ class WorkerCore:
         self.audit = AuditLog.from_settings(conn, settings.audit)
         self.breakers = BreakerGuard(self)
         self.scheduler = RetryScheduler(conn, hold=settings.workers.lease)  # run on a thread by the Worker
+        self.limiter = RateLimiter(conn)
         # Plugins log through stdlib logging (they run inside Hermes too); the root logger is held at
         # WARNING to quiet libraries, so plugin loggers get the gateway's own level.
         logging.getLogger(PLUGIN_NAMESPACE).setLevel(settings.logging.level)
@@ -100,10 +106,35 @@ class WorkerCore:
             ckey = run.info.ckey
             self._held[ckey] = self._held.get(ckey, 0) + 1
 
+    def write(self, run: Running, writer: Callable[[Any], None], callback: Callable[[Any], None]) -> None:
+        """Queue a write of ``run`` on the outbox; until it is answered the call counts as ``unwritten``
+        once it left this process's in-flight set (its lease is kept)."""
+        key = id(run)
+        with self._lock:
+            self._writing[key] = self._writing.get(key, 0) + 1
+
+        def answered(reply: Any) -> None:
+            with self._lock:
+                left = self._writing.pop(key, 1) - 1
+                if left > 0:
+                    self._writing[key] = left
+                elif self._unwritten.get(run.info.call_id) is run:
+                    del self._unwritten[run.info.call_id]
+            callback(reply)
+
+        self.outbox.put(writer, answered)
+
+    def unwritten(self) -> list[Running]:
+        """Calls no longer running here whose last writes are not in Redis yet (their leases are kept)."""
+        with self._lock:
+            return list(self._unwritten.values())
+
     def untrack(self, run: Running) -> None:
         with self._lock:
             if self._inflight.get(run.info.call_id) is run:
                 del self._inflight[run.info.call_id]
+            if self._writing.get(id(run)):
+                self._unwritten[run.info.call_id] = run
             # Paired with track() (runner.run's finally), even when a newer run of the same call id (taken
             # over after a lost lease, then given back to us) replaced this one in _inflight.
             ckey = run.info.ckey
@@ -135,12 +166,46 @@ class WorkerCore:
             out[run.info.ckey] = out.get(run.info.ckey, 0) + 1
         return out
 
+    def rate_sent(self, run: Running) -> None:
+        """The provider answered ``run``'s request (so had received it): stamp its rate limiter entry
+        (write-behind: a stamp later than the provider's receipt only keeps the entry counted longer)."""
+        info, limiter = run.info, self.limiter
+        self.outbox.put(lambda pipe: limiter.sent(info.call_id, info.queue, info.ckey, pipeline=pipe))
+
+    def usage_writer(self, run: Running) -> Callable[[Any], None] | None:
+        """Count the ending call's usage (the stats flush), and give back the pipeline write that adds an
+        LLM call's tokens to its principal's daily total (None when it reported none)."""
+        principal = run.env.context.get("principal") if run.env is not None else None
+        tokens = run.usage or {"in": 0, "out": 0}
+        metrics.usage(principal, run.info.kind, run.info.name, tokens["in"], tokens["out"])
+        if not principal or run.usage is None:
+            return None
+        key, total = keys.usage_day(time.strftime("%Y-%m-%d", time.gmtime()), str(principal)), tokens["in"] + tokens["out"]
+
+        def write(pipe: Any) -> None:
+            pipe.incrby(key, total)
+            pipe.expire(key, 2 * 86400)
+
+        return write
+
+    def check_budget(self, principal: str | None) -> None:
+        """Raise BudgetExceeded when ``principal`` has used its ``daily_tokens`` today (UTC)."""
+        budget = self.policy.daily_tokens(principal) if principal else None
+        if budget is None:
+            return
+        used = int(self.conn.get(keys.usage_day(time.strftime("%Y-%m-%d", time.gmtime()), str(principal))) or 0)
+        if used >= budget:
+            raise BudgetExceeded(
+                f"principal {principal!r} has used {used} of its {budget} tokens today (UTC)",
+                principal=principal, used=used, budget=budget,
+            )
+
     def started(self, run: Running) -> None:
         """A call begins here: queue-wait and in-flight figures, and its start line."""
         wait = max(0.0, run.claimed_at - float(run.env.submitted_at))
         metrics.call_started(run.info.ckey, run.info.queue, wait)
         if logs.info_enabled():
-            log.info("call started", attempt=run.attempt, queue_wait_ms=round(wait * 1000, 3))
+            logs.call_log().info("call started", attempt=run.attempt, queue_wait_ms=round(wait * 1000, 3))
 
     def inflight(self) -> list[Running]:
         with self._lock:
@@ -179,6 +244,8 @@ class WorkerCore:
                     "error": error or {},
                     "ts": time.time(),
                     "worker": self.name,
+                    # (the API shows a non-admin token its own principal's failures only)
+                    "principal": run.env.context.get("principal") if run.env is not None else None,
                 }
             )
 
@@ -199,7 +266,7 @@ class WorkerCore:
             message = (error or {}).get("message")
             log.warning("call finished", state=outcome, duration_ms=ms, error_type=err_type, error=message)
         elif logs.info_enabled():
-            log.info("call finished", state=outcome, duration_ms=ms)
+            logs.call_log().info("call finished", state=outcome, duration_ms=ms)
 
     # -- the call's steps: the Hermes contract's order ------------------------------------------
 

@@ -59,6 +59,21 @@ def provider_kwargs(
     return kwargs
 
 
+def reported_usage(response: Any) -> dict[str, int] | None:
+    """A chat completion's reported tokens as ``{"in": prompt, "out": completion}`` (None without usage)."""
+    usage = response.get("usage") if isinstance(response, Mapping) else None
+    if not isinstance(usage, Mapping):
+        return None
+    try:
+        tokens_in, tokens_out = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    except (TypeError, ValueError):
+        return None
+    if not tokens_in and not tokens_out:
+        total = usage.get("total_tokens")
+        tokens_in = int(total) if isinstance(total, int) and not isinstance(total, bool) else 0
+    return {"in": max(0, tokens_in), "out": max(0, tokens_out)}
+
+
 def describe_response(response: Any) -> dict[str, Any]:
     """Fields of a chat completion that ``post_api_request`` observers get besides the response."""
     if not isinstance(response, Mapping):
@@ -74,6 +89,22 @@ def _without_userinfo(url: str) -> str:
     if "@" not in parts.netloc:
         return url
     return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+# A call the provider keeps refusing for its rate goes back to waiting this many times, then fails as a
+# retry would (each return is free, so without a bound a provider that always says 429 would loop).
+RATE_RETURNS = 10
+PAUSE_STATUSES = (429, 503)
+DEFAULT_PAUSE = 1.0  # seconds a 429/503 without a time to wait pauses its key
+
+
+class RateLimited(Exception):  # noqa: N818 - control flow, not an error (as Dramatiq's Retry)
+    """The provider refused a rate-limited key's request; the key is paused until ``until`` (unix s) and
+    the call goes back to waiting."""
+
+    def __init__(self, until: float) -> None:
+        super().__init__(f"paused until {until:.3f}")
+        self.until = until
 
 
 def _label(error: BaseException) -> str:
@@ -105,6 +136,7 @@ class LLMCall:
         self.context["api_mode"] = env.context.get("api_mode") or cfg.api_mode or DEFAULT_API_MODE
         self.context["platform"] = str(env.context.get("platform") or "")
         self.context["base_url"] = _without_userinfo(base_url_of(cfg))
+        run.rate = cfg.rate_limit_for(str(self.context["provider"]), self.model) is not None
         # The runner's control channel cancels through run.ctx; the provider watches the same Event.
         self.ctx = ExecContext(
             call_id=env.call_id,
@@ -122,12 +154,22 @@ class LLMCall:
     def execute(self) -> Any:
         """Attempts until one succeeds; raises the error that ends the call (typed, secret-free)."""
         provider = get_provider(self.cfg)
+        self.core.check_budget(self.run.env.context.get("principal"))
         n = 1
         while True:
             self._check()
             try:
                 response = self._attempt(provider, n)
-            except (ProviderError, ProviderTimeout) as e:
+            except ProviderError as e:
+                if self.run.rate and e.status in PAUSE_STATUSES and self.run.attempt <= RATE_RETURNS:
+                    self._pause(e)
+                delay = self._retry_in(e, n)
+                self._announce_retry(e, n, delay)
+                if self.ctx.cancelled.wait(delay):
+                    raise CallCancelled(f"call {self.run.info.call_id} was cancelled") from None
+                n += 1
+                continue
+            except ProviderTimeout as e:
                 delay = self._retry_in(e, n)
                 self._announce_retry(e, n, delay)
                 if self.ctx.cancelled.wait(delay):
@@ -160,9 +202,13 @@ class LLMCall:
                 tracestate=ctx.tracestate,
             )
             # ``chat <model>``: the provider forwards this span's context (pctx.traceparent) to the API.
+            if run.rate:  # its limiter entry counts from the response (the provider surely has the request)
+                run.sent = True
+                pctx.on_response = lambda: self.core.rate_sent(run)
             with run.trace.provider(self.model, str(self.context["provider"]), pctx) as span:
                 response = provider.complete(request, pctx)
                 record_usage(span, response)
+                run.usage = reported_usage(response)
                 return response
 
         return self.core.llm_flow.run(
@@ -179,6 +225,14 @@ class LLMCall:
         self.publish(self.run, DELTA, delta)
 
     # -- retries ---------------------------------------------------------------------------------
+
+    def _pause(self, error: ProviderError) -> None:
+        """Pause the key for the whole fleet as long as the provider asked, and send this call back."""
+        wait = error.retry_after if error.retry_after is not None else DEFAULT_PAUSE
+        info = self.run.info
+        until = self.core.limiter.pause(info.call_id, info.queue, info.ckey, min(wait, self.max_retry_after))
+        log.info("provider refused for its rate: key paused", status=error.status, pause_s=round(wait, 3))
+        raise RateLimited(until) from error
 
     def _retry_in(self, error: ProviderError | ProviderTimeout, n: int) -> float:
         """Seconds before attempt ``n + 1``; raises the error that ends the call when there is none."""

@@ -105,6 +105,11 @@ class _Totals:
             for f, v in sums:
                 totals[f] = totals.get(f, 0.0) + v
 
+    def add_n(self, counts: Iterable[tuple[str, int]]) -> None:
+        with self.lock:
+            for f, n in counts:
+                self.counts[f] = self.counts.get(f, 0) + n
+
     def take(self) -> tuple[dict[str, int], dict[str, float], dict[str, str]]:
         with self.lock:
             counts, sums = self.counts, self.sums
@@ -154,6 +159,16 @@ def call_ended(
         if error_type:
             attrs = {**attrs, "error.type": error_type}
         inst.calls.add(1, attrs)
+
+
+def usage(principal: str | None, kind: str, name: str, tokens_in: int = 0, tokens_out: int = 0) -> None:
+    """A call of ``principal`` ended: one call of ``kind:name``, and an LLM call's tokens in and out (the
+    fields ``pcalls|<principal>|<kind>|<name>`` and ``tokens|<principal>|<model>|in`` / ``out``)."""
+    who = principal or "-"
+    counts = [(f"pcalls{SEP}{who}{SEP}{kind}{SEP}{name}", 1)]
+    if tokens_in or tokens_out:
+        counts += [(f"tokens{SEP}{who}{SEP}{name}{SEP}in", tokens_in), (f"tokens{SEP}{who}{SEP}{name}{SEP}out", tokens_out)]
+    _totals.add_n(counts)
 
 
 def breaker_changed(key: str, old: str, new: str) -> None:

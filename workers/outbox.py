@@ -121,13 +121,24 @@ class Outbox:
             self._unconfirmed_logged = time.monotonic()
             log.warning("writes not confirmed by the replicas", writes=writes, why=str(short))
 
+    def _keep_trying(self, rounds: int, error: Exception) -> bool:
+        """Whether to send again the writes a moving cluster slot refused (``pipes.stock``): for as long as
+        the migration lasts — the calls those writes belong to keep their leases meanwhile (the worker
+        heartbeats them until their last write is in, ``WorkerCore.unwritten``) — and a few more seconds
+        only once the outbox is closing."""
+        if rounds == 0 or rounds % 60 == 0:  # (about every 30 s while it lasts)
+            log.warning("a cluster slot is moving: writes wait for it", error=str(error), rounds=rounds)
+        return not self._closed or rounds < _CLOSING_TRIES * 4
+
     def _execute(self, batch: list[tuple[Writer, Callback | None]]) -> list[Any]:
         """Send one pipeline; each writer's reply is the reply of the first command it added.
 
         While the broker is unreachable the batch is sent again (every 2 s at most) until it answers: a
         call that finished during an outage keeps its result instead of being run again once the broker
         is back (the writes are fenced by attempt, so a call another worker took over meanwhile is not
-        overwritten). Only a closing outbox gives up, after a few tries.
+        overwritten). Only a closing outbox gives up, after a few tries. On a cluster, the writes a moving
+        slot refuses (ASK/TRYAGAIN/MOVED, redis-py's redirections running out) are sent again the same way,
+        alone (the rest of the batch went through), see ``_keep_trying``.
         """
         for attempt in itertools.count():
             if attempt >= _CLOSING_TRIES and self._closed:
@@ -141,7 +152,7 @@ class Outbox:
             try:
                 if self._connection is None and hasattr(self.conn, "connection_pool"):  # (none on a cluster)
                     self._connection = self.conn.connection_pool.get_connection()
-                replies = pipes.execute(pipe, self._connection)
+                replies = pipes.execute(pipe, self._connection, self._keep_trying)
                 if confirm:
                     self._confirmed(replies[-1], len(batch))
             except (redis.ConnectionError, redis.TimeoutError) as e:

@@ -50,7 +50,7 @@ POLICY_VERSION = 1
 # Which arguments the list form of ``path_prefixes`` checks: see workers/pathargs.py.
 
 _TOP_KEYS = {"mode", "default_principal", "deny_tools", "allow_tools", "principals", "args"}
-_PRINCIPAL_KEYS = {"grants", "deny_tools", "allow_tools"}
+_PRINCIPAL_KEYS = {"grants", "deny_tools", "allow_tools", "daily_tokens"}
 _ARG_RULES = {"path_prefixes"}
 
 
@@ -77,6 +77,7 @@ class PrincipalRule:
     grants: tuple[str, ...] = ()
     deny_tools: tuple[str, ...] = ()
     allow_tools: tuple[str, ...] | None = None
+    daily_tokens: int | None = None  # LLM tokens the principal may use per UTC day (None: no budget)
 
     @property
     def source(self) -> str:
@@ -175,6 +176,8 @@ class Policy:
             entry: dict[str, Any] = {"grants": list(p.grants), "deny_tools": list(p.deny_tools)}
             if p.allow_tools is not None:
                 entry["allow_tools"] = list(p.allow_tools)
+            if p.daily_tokens is not None:
+                entry["daily_tokens"] = p.daily_tokens
             out["principals"][p.pattern] = entry
         if self.path_rules:
             out["args"] = {
@@ -303,6 +306,13 @@ class Policy:
 
         return explain(self, principal, spec, args)
 
+    def daily_tokens(self, principal: str | None) -> int | None:
+        """The principal's daily token budget: the first matching ``principals`` entry that sets one."""
+        for rule in self.rules_for(principal):
+            if rule.daily_tokens is not None:
+                return rule.daily_tokens
+        return None
+
     def rules_for(self, principal: str | None) -> list[PrincipalRule]:
         """The ``principals`` entries that match this principal, in config order."""
         return self._rules_for(self.principal_of(principal))
@@ -342,7 +352,16 @@ def _principal(name: str, raw: Any) -> PrincipalRule:
         grants=_names(raw.get("grants"), f"{where}.grants") or (),
         deny_tools=_names(raw.get("deny_tools"), f"{where}.deny_tools") or (),
         allow_tools=_names(raw.get("allow_tools"), f"{where}.allow_tools"),
+        daily_tokens=_budget(raw.get("daily_tokens"), f"{where}.daily_tokens"),
     )
+
+
+def _budget(value: Any, where: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{where}: expected a whole number of tokens >= 0, got {value!r}")
+    return value
 
 
 def _path_rule(tool: str, raw: Any) -> PathRule:

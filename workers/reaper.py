@@ -6,7 +6,7 @@ from typing import Any
 
 import structlog
 
-from broker import keys
+from broker import keys, pipes
 from broker.audit import AuditRecord
 from broker.audit_store import AuditLog
 from broker.calls import Calls
@@ -17,6 +17,8 @@ from broker.states import ACTIVE, State
 from broker.tracecontext import new_span_id
 
 log = structlog.get_logger("hermes.reaper")
+
+_SETTLE_PATIENCE = 5.0  # seconds a settling write waits out a moving cluster slot (the entry is held a lease)
 
 
 def reap(calls: Calls, queues: list[str], lease: float, result_ttl: int, audit: AuditLog | None = None) -> int:
@@ -38,7 +40,9 @@ def _info(calls: Calls, call_id: str, item: dict[str, Any]) -> CallInfo:
     return CallInfo(call_id, trace, new_span_id(), kind, tool, None, chan, item["ckey"], origin)
 
 
-def _audit(audit: AuditLog | None, info: CallInfo, state: State, attempt: int, err: dict[str, Any]) -> None:
+def _audit(
+    audit: AuditLog | None, info: CallInfo, state: State, attempt: int, err: dict[str, Any], principal: str | None
+) -> None:
     if audit is None:
         return
     audit.append(
@@ -47,6 +51,7 @@ def _audit(audit: AuditLog | None, info: CallInfo, state: State, attempt: int, e
             kind=info.kind,
             state=str(state),
             error=err,
+            principal=principal,  # (whose record it is: the API shows it to that principal)
             tool_name=info.name if info.kind == "tool" else None,
             model=info.name if info.kind == "llm" else None,
             trace_id=info.trace_id,
@@ -76,7 +81,7 @@ def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog
             pipe.zadd(keys.slots(tag, item["ckey"]), {call_id: "inf"}, xx=True)
             pipe.lpush(item["queue"], call_id)
             pipe.zrem(keys.leases(tag), call_id)
-            pipe.execute()
+            pipes.settled(pipe, pipes.for_seconds(_SETTLE_PATIENCE))  # (a moving slot: what it refused, again)
             calls.conn.publish(calls.wake_channel(name), b"")
         log.info("requeued call of a lost worker", call_id=call_id, state=state)
         return
@@ -117,8 +122,8 @@ def _end(
     """End the call in ``state`` with ``err``, and write its audit record when this move was the one that
     ended it."""
     reply = calls.finish(info, state, attempt=attempt, current=current, error=err, ttl=ttl)
-    if int(reply[0]) > 0:
-        _audit(audit, info, state, attempt, err)
+    if int(reply[0]) > 0 and audit is not None:
+        _audit(audit, info, state, attempt, err, text(calls.conn.hget(keys.job(info.call_id), keys.F_PRINCIPAL)) or None)
 
 
 def end_cancelled(calls: Calls, call_id: str, result_ttl: int, audit: AuditLog | None = None) -> None:

@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 import redis
 import structlog
 
+from broker import pipes
 from broker.errors import HermesError
 from broker.limits import Limits
+from broker.ratelimits import RateLimiter
 from broker.records import CallInfo
 from broker.states import State
 from broker.tracecontext import new_span_id
@@ -116,7 +118,7 @@ def schedule(
     def write(pipe: Any) -> None:
         calls.retry(run.info, attempt=run.attempt, current=current, detail=detail, due=due, pipeline=pipe)
 
-    core.outbox.put(write, check)
+    core.write(run, write, check)
     core.retries_scheduled(due)
     run.trace.retry(run.attempt, delay, error)  # a span event on this attempt's process span
     log.info("attempt failed, retrying", attempt=run.attempt, error=error.type, delay=round(delay, 3))
@@ -128,6 +130,7 @@ class RetryScheduler:
 
     def __init__(self, conn: redis.Redis, hold: float) -> None:
         self.limits = Limits(conn)
+        self.limiter = RateLimiter(conn)
         from broker.calls import Calls
 
         self.calls = Calls(conn)
@@ -143,15 +146,19 @@ class RetryScheduler:
             self._kick.set()
 
     def run_once(self) -> tuple[int, float | None]:
-        """Move what is due; returns (moved, next due time)."""
+        """Move what is due, and promote the calls of rate limiters with room again; returns (moved, next
+        due time)."""
+        promoted, rate_next = self.limiter.due(self.queues, self.hold, {q: self.calls.wake_channel(q) for q in self.queues})
         due, nxt = self.limits.due(self.queues, self.hold)
+        if rate_next is not None:
+            nxt = rate_next if nxt is None else min(nxt, rate_next)
         if due:
             pipe = self.calls.conn.pipeline(transaction=False)
             for d in due:
                 info = CallInfo(d.call_id, d.trace_id, new_span_id(), d.kind, d.name, None, d.channel, d.ckey, d.queue)
                 self.calls.requeue(info, attempt=d.attempt, pipeline=pipe)
-            pipe.execute(raise_on_error=False)
-        return len(due), nxt
+            pipes.execute(pipe, keep_trying=pipes.for_seconds(self.hold))  # (held that long: a moving slot is waited out)
+        return len(due) + promoted, nxt
 
     def run(self, stopping: threading.Event) -> None:
         while not stopping.is_set():

@@ -25,7 +25,7 @@ from broker.states import State
 from broker.tracecontext import new_span_id
 from workers import retry
 from workers.executors.base import ExecContext
-from workers.llm import LLMCall
+from workers.llm import LLMCall, RateLimited
 from workers.telemetry import NO_TRACE, CallTrace, NoTrace
 
 if TYPE_CHECKING:
@@ -54,6 +54,9 @@ class Running:
     trace: NoTrace = NO_TRACE  # the call's spans (NO_TRACE when tracing is off)
     claimed_at: float = 0.0  # wall clock when this worker began it (0: never began)
     outcome: str = ""  # the state core.finished recorded
+    rate: bool = False  # its concurrency key has a rate limit (its sends are stamped on the limiter)
+    sent: bool = False  # a request of it left (stamped): its limiter entry counts it
+    usage: dict[str, int] | None = None  # an LLM call's reported tokens: {"in": prompt, "out": completion}
     open: _Write | None = None  # its last write, while later moves may still join it
     # Guards joining that write against the sender taking it, and the call's writes queueing in move order
     # (one per call: the calls of a process never wait on each other's writes).
@@ -90,6 +93,8 @@ class CallRunner:
     def _move(self, run: Running, target: State, detail: dict[str, Any] | None = None) -> None:
         current = run.state
         run.state = target
+        if target is State.EXECUTING and run.rate and run.env.kind == "tool":
+            run.sent = True  # (its limiter entry counts from the call's end: when the back end surely had it)
         self._write(run, current, (target, detail, time.time()), {}, check=lambda reply: self._check(run, target, reply))
 
     def _write(
@@ -108,7 +113,7 @@ class CallRunner:
             w = run.open
             if w is None or w.taken:
                 w = _Write(current)
-                self.core.outbox.put(self._writer(run, w), self._replied(w, run.info.call_id))
+                self.core.write(run, self._writer(run, w), self._replied(w, run.info.call_id))
             w.steps.append(step)
             w.kw = kw
             if after is not None:
@@ -180,7 +185,7 @@ class CallRunner:
 
         with run.writes:  # after the call's moves so far, before its next ones
             run.open = None
-            self.core.outbox.put(write, lambda reply: self._check(run, state, reply))
+            self.core.write(run, write, lambda reply: self._check(run, state, reply))
 
     # -- the call --------------------------------------------------------------------------------
 
@@ -207,6 +212,9 @@ class CallRunner:
         except CallCancelled as e:
             if not run.abandoned and not run.lost:
                 self._finish(run, State.CANCELLED, error=e.to_wire())
+        except RateLimited as e:
+            if not run.abandoned and not run.lost:
+                self._back_to_waiting(run, e)
         except HermesError as e:
             if not run.abandoned and not run.lost and not self._retry(run, e):
                 self._finish(run, State.FAILED, error=e.to_wire())
@@ -233,6 +241,7 @@ class CallRunner:
             return
         entry = core.directory.get(env.tool or "", env.tool_version)
         spec = entry.spec
+        run.rate = bool(spec.config.get("rate_limit"))
         timeout = float(env.options.timeout or spec.timeout)
         ctx = ExecContext(
             call_id=env.call_id,
@@ -254,6 +263,22 @@ class CallRunner:
         self._move(run, State.FORMATTING)
         result = core.format_result(run, spec, result)
         self._finish(run, State.DONE, result=result)
+
+    def _back_to_waiting(self, run: Running, limited: RateLimited) -> None:
+        """The provider refused for its rate and the key is paused: the call goes back to the head of its
+        key's waiting calls (not a counted attempt), to be promoted when the pause ends."""
+        self.seal(run)
+        calls, info, attempt, current = self.core.calls, run.info, run.attempt, run.state
+        run.state = State.RETRYING
+        detail = {"reason": "rate_limited", "paused_until": limited.until, "next_attempt": attempt + 1}
+
+        def write(pipe: Any) -> None:
+            calls.retry(info, attempt=attempt, current=current, detail=detail, pipeline=pipe)
+            pipe.hincrby(keys.job(info.call_id), keys.F_MAX_ATTEMPTS, 1)
+            calls.requeue(info, attempt=attempt + 1, first=True, pipeline=pipe)
+
+        self.core.outbox.put(write, lambda reply: self._check(run, State.RETRYING, reply))
+        log.info("provider rate limit: call back to waiting", paused_until=limited.until)
 
     def _retry(self, run: Running, error: HermesError) -> bool:
         """Schedule another attempt when the tool's ``retry:`` allows it (the slot goes back meanwhile)."""
@@ -284,14 +309,25 @@ class CallRunner:
         record = self._audit_record(run, target, result, error, duration)
         audit, current = self.core.audit, run.state
         run.state = target
-        # The audit record rides in the same pipeline as the terminal transition.
+        usage = self.core.usage_writer(run)
+
+        def after(pipe: Any) -> None:  # the audit record (and usage) ride with the terminal transition
+            audit.append(record, pipeline=pipe)
+            if usage is not None:
+                usage(pipe)
+
+        kw: dict[str, Any] = {"fields": fields, "ttl": self.core.settings.workers.result_ttl}
+        if run.rate:
+            kw["sent"] = run.sent
+            if run.usage is not None:
+                kw["used_tokens"] = run.usage["in"] + run.usage["out"]
         self._write(
             run,
             current,
             (target, detail, time.time()),
-            {"fields": fields, "ttl": self.core.settings.workers.result_ttl},
+            kw,
             check=lambda reply: self._check(run, target, reply),
-            after=lambda pipe: audit.append(record, pipeline=pipe),
+            after=after,
             last=True,
         )
         self.core.finished(run, target, error, duration)
@@ -317,15 +353,16 @@ class CallRunner:
             status_code=_status_code(run, error),
             attempts=run.attempt,
             middleware_trace=run.middleware_trace,
+            usage=run.usage,
         )
 
     def _fail_undecodable(self, claimed: Claimed, err: DecodeError) -> None:
         """A payload that does not decode fails that call with a typed error; the worker goes on."""
         core = self.core
         raw = core.conn.hmget(
-            keys.job(claimed.call_id), keys.F_CHANNEL, keys.F_CKEY, keys.F_TRACE, keys.F_KIND, keys.F_TOOL
+            keys.job(claimed.call_id), keys.F_CHANNEL, keys.F_CKEY, keys.F_TRACE, keys.F_KIND, keys.F_TOOL, "origin"
         )
-        chan, ckey, trace, kind, tool = (text(v) for v in raw)
+        chan, ckey, trace, kind, tool, origin = (text(v) for v in raw)
         info = CallInfo(
             claimed.call_id,
             trace,
@@ -335,7 +372,7 @@ class CallRunner:
             None,
             chan or keys.caller_channel("unknown"),
             ckey,
-            "",
+            origin or keys.tag_in(claimed.call_id)[1:-1],  # its lease and slot are in its queue's keys
         )
         run = Running(info, None, claimed.attempt)  # type: ignore[arg-type]
         log.warning("undecodable call payload", call_id=claimed.call_id, error=str(err))

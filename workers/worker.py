@@ -20,7 +20,7 @@ import structlog
 from rq import Queue
 from rq import Worker as RQWorker
 
-from broker import durability, keys, partitions
+from broker import durability, keys, partitions, pipes
 from broker.calls import Calls
 from broker.codec import MsgpackSerializer, pack, unpack
 from broker.config import Settings
@@ -261,6 +261,8 @@ class Worker:
 
     def _heartbeat_once(self) -> None:
         runs = self.core.inflight()
+        # Calls that ended here but whose last writes wait (a cluster slot moving) keep their leases too.
+        held = [r.info for r in runs] + [r.info for r in self.core.unwritten()]
         pipe = self.conn.pipeline(transaction=False)
         if self.rq is not None:
             self.rq.heartbeat(pipeline=pipe)
@@ -288,8 +290,11 @@ class Worker:
             },
         )
         pipe.expire(keys.worker(self.name), int(self.lease * 2) + 5)
-        self.core.calls.extend_leases([r.info for r in runs], self.lease, pipeline=pipe)
-        pipe.execute()
+        self.core.calls.extend_leases(held, self.lease, pipeline=pipe)
+        started = time.monotonic()
+        # On a cluster, what a moving slot refuses is sent again (within a lease): missing a beat or two
+        # would let the reaper take the calls of this live worker.
+        pipes.settled(pipe, lambda _rounds, _e: time.monotonic() - started < self.lease and not self.stopping.is_set())
 
     @property
     def heartbeat_interval(self) -> float:
@@ -302,15 +307,20 @@ class Worker:
             self._beat_now.wait(interval)
             if self.stopping.is_set():
                 return
+            step = "heartbeat"
             try:
                 self._heartbeat_once()
+                step = "directory"
                 self.refresh_queues()
+                step = "reaper"
                 reaper.reap(self.core.calls, self.claim_queues, self.lease, self.settings.workers.result_ttl, self.core.audit)
                 # Slots still held by calls that ended (a safety net: ending gives the slot back).
+                step = "sweep"
                 self.core.scheduler.limits.sweep(self.claim_queues, self.lease)
+                step = "workers"
                 self.conn.zremrangebyscore(keys.WORKERS, "-inf", time.time() - self.lease * 2)
             except redis.RedisError as e:
-                log.warning("heartbeat failed", error=str(e))
+                log.warning("heartbeat failed", error=str(e), step=step)
             except Exception:  # noqa: BLE001 - the heartbeat must keep going
                 log.exception("heartbeat crashed")
 

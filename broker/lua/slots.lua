@@ -12,6 +12,9 @@
 -- share `sh` (per 10,000, written by SUBMIT: promotions in other scripts use it). A key with nothing
 -- waiting leaves the hash, and the hash goes once neither class waits.
 -- Invariant: an id in a waiting set is pending (every move out of pending removes it).
+-- A key with a rate limit (`rate`, from ratelimit's rate_of; nil without) also needs the limiter's
+-- admission for the call whose turn it is: when it refuses, that call keeps its place (nothing is popped)
+-- and the limiter's timer promotes it when capacity returns.
 local SHARE_SCALE = 10000
 local DEFAULT_SHARE = 1000      -- fairness.batch_share 0.1 until a SUBMIT writes the configured one
 local UNIT = 1000000            -- a weight-1 key's tag step (broker.submits.UNIT)
@@ -56,39 +59,45 @@ local function fair_left(fair, wi, wb, c, k)
     end
   end
 end
--- The next waiting call to promote (nil when none): the class by the batch credit when both wait, then
--- the lowest tag of that class. (Nobody waiting costs one EXISTS; one class waiting, EXISTS and a pop.)
-local function pop_fair(wi, wb, fair, job_prefix)
+-- The next waiting call to promote (nil when none), read only: the class by the batch credit when both
+-- wait, then the lowest tag of that class; {id, class, its set, the credit to store (false: none)}.
+-- (Nobody waiting costs one EXISTS; one class waiting, EXISTS and a ZRANGE.)
+local function next_fair(wi, wb, fair)
   local sets = redis.call('EXISTS', wi, wb)
   if sets == 0 then return nil end
-  local c, top = 'i', nil
+  local c, set, credit = 'i', wi, false
   if sets == 2 then
     local f = redis.call('HMGET', fair, 'cr', 'sh')
-    local credit = (tonumber(f[1]) or 0) + (tonumber(f[2]) or DEFAULT_SHARE)
+    credit = (tonumber(f[1]) or 0) + (tonumber(f[2]) or DEFAULT_SHARE)
     if credit >= SHARE_SCALE then
-      c = 'b'
+      c, set = 'b', wb
       credit = credit - SHARE_SCALE
     end
-    redis.call('HSET', fair, 'cr', credit)
-    top = redis.call('ZPOPMIN', set_of(c, wi, wb))
-  else
-    top = redis.call('ZPOPMIN', wi)
-    if #top == 0 then
-      c = 'b'
-      top = redis.call('ZPOPMIN', wb)
-    end
   end
-  local id = top[1]
+  local top = redis.call('ZRANGE', set, 0, 0)
+  if #top == 0 and sets == 1 then
+    c, set = 'b', wb
+    top = redis.call('ZRANGE', set, 0, 0)
+  end
+  if #top == 0 then return nil end
+  return {top[1], c, set, credit}
+end
+-- Take the call next_fair chose off waiting.
+local function pop_fair(wi, wb, fair, job_prefix, pick)
+  local id, c, set, credit = pick[1], pick[2], pick[3], pick[4]
+  if credit then redis.call('HSET', fair, 'cr', credit) end
+  redis.call('ZREM', set, id)
   fair_left(fair, wi, wb, c, redis.call('HGET', job_prefix .. id, 'h_fkey') or '')
   return id
 end
 -- Fill free slots with the next waiting calls (fair order), pushing each onto the queue; one wake-up if
 -- any moved. (Promotion is this one function: whatever else may hold a call back goes here.)
-local function promote(slots, wi, wb, fair, queue, limit, wake_channel, job_prefix)
+local function promote(slots, wi, wb, fair, queue, limit, wake_channel, job_prefix, rate)
   local moved = false
   while limit < 0 or redis.call('ZCARD', slots) < limit do
-    local id = pop_fair(wi, wb, fair, job_prefix)
-    if not id then break end
+    local pick = next_fair(wi, wb, fair)
+    if not pick or not rate_admits(rate, pick[1]) then break end
+    local id = pop_fair(wi, wb, fair, job_prefix, pick)
     redis.call('ZADD', slots, 'inf', id)
     redis.call('RPUSH', queue, id)
     moved = true
@@ -107,8 +116,9 @@ local function unwait(wi, wb, fair, call_id, job)
 end
 -- Admit an accepted call again (a retry): a free slot when nobody waits, else it waits in its class at
 -- `score` ('' = its key's next turn, at weight 1; 'first' = before every waiting call).
-local function admit(slots, wi, wb, fair, queue, limit, call_id, score, wake_channel, job_prefix, fkey, klass, now)
-  if redis.call('EXISTS', wi, wb) == 0 and (limit < 0 or redis.call('ZCARD', slots) < limit) then
+local function admit(slots, wi, wb, fair, queue, limit, call_id, score, wake_channel, job_prefix, fkey, klass, now, rate)
+  local free = redis.call('EXISTS', wi, wb) == 0 and (limit < 0 or redis.call('ZCARD', slots) < limit)
+  if free and rate_admits(rate, call_id) then
     redis.call('ZADD', slots, 'inf', call_id)
     redis.call('RPUSH', queue, call_id)
     redis.call('PUBLISH', wake_channel, '')
@@ -117,6 +127,6 @@ local function admit(slots, wi, wb, fair, queue, limit, call_id, score, wake_cha
     if klass == 'batch' then c = 'b' end
     local f = redis.call('HMGET', fair, 'n:' .. c .. ':' .. fkey, 'l:' .. c .. ':' .. fkey)
     fair_wait(fair, set_of(c, wi, wb), c, fkey, UNIT, score, now, tonumber(f[1]) or 0, tonumber(f[2]), call_id, {})
-    promote(slots, wi, wb, fair, queue, limit, wake_channel, job_prefix)
+    if not free then promote(slots, wi, wb, fair, queue, limit, wake_channel, job_prefix, rate) end
   end
 end

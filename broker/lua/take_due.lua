@@ -26,7 +26,8 @@ local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, max)
 local out = {}
 local absent = {}
 for _, id in ipairs(ids) do
-  local f = redis.call('HMGET', job_prefix .. id, unpack(fields))
+  local f = redis.pcall('HMGET', job_prefix .. id, unpack(fields))
+  if f.err then f = {} end  -- already moved to another node (a slot migration): held, asked again as absent
   if f[1] and (mode == 'reap' or f[1] == 'retrying') then
     redis.call('ZADD', KEYS[1], hold, id)
     out[#out + 1] = id

@@ -1,13 +1,18 @@
--- TRANSITION: move a call (or record a non-state event), atomically with its events (uses with_seq, slots).
+-- TRANSITION: move a call (or record a non-state event), atomically with its events (uses with_seq,
+-- ratelimit, slots).
 -- KEYS: 1 job hash, 2 history list, 3 leases zset, 4 interactive waiting zset, 5 slots zset (of the
 --       call's concurrency key), 6 limits hash, 7 scheduled zset, 8 queue list, 9 batch waiting zset,
---       10 fair-state hash (4, 5, 9, 10 of the call's concurrency key) — all of the call's queue tag
+--       10 fair-state hash, 11 rate limiter hash, 12 its log (4, 5, 9-12 of the call's concurrency key),
+--       13 the rate timer zset — all of the call's queue tag
 -- ARGV: see the locals below; then `before` earlier event payloads (moves the call made since its last
 --       write, recorded and published in order first), then field/value pairs for the job hash
 -- Returns {seq, state before}; seq < 0: -1 no such call, -2 attempt fence, -3 wrong source state.
 -- Ending with a ttl also expires the call's idempotency key (named in its record's `h_idem`: a key of
 -- the same tag, so of this slot) while it still names this call. The records of the calls promote pops
 -- are read at job_prefix .. id (their fairness key; same tag, same slot).
+-- Ending a batch's call (its record's `h_batch` = "<ttl> <index> <prefix>", a prefix of the same tag) also
+-- writes its result into the batch: the terminal event at <prefix>:r[index] once (HSETNX), then the index
+-- on <prefix>:o (completion order) and a count of the state in <prefix>:n.
 local call_id = ARGV[1]
 local event = ARGV[2]
 local ttl = ARGV[3]             -- '' = leave the TTL
@@ -26,11 +31,12 @@ local wake_channel = ARGV[15]
 local publish = ARGV[16]        -- PUBLISH, or SPUBLISH on a cluster
 local job_prefix = ARGV[17]
 local now = ARGV[18]            -- µs (the fair clock's start, when nobody waited)
-local before = tonumber(ARGV[19])
-local EARLY = 20
+local used = ARGV[19]           -- tokens the call used, settled with its rate limiter ('' its estimate, '-' never sent)
+local before = tonumber(ARGV[20])
+local EARLY = 21
 local FIELDS = EARLY + before
 
-local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem')
+local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem', 'h_batch')
 local st = rec[1]
 if not st then return {-1, ''} end
 if fence ~= '' and rec[2] ~= fence then return {-2, st} end
@@ -40,6 +46,17 @@ elseif sources == 'pending!' then  -- pending and taken by no worker (a caller c
   if st ~= 'pending' or redis.call('ZSCORE', KEYS[3], call_id) then return {-3, st} end
 elseif sources ~= '*' then
   if not string.find(',' .. sources .. ',', ',' .. st .. ',', 1, true) then return {-3, st} end
+end
+-- The idempotency key is read before the first write: a key this node no longer serves (its slot is
+-- migrating) fails the script here, before it changed anything, so the writer sends it again whole.
+local idem_ours = ttl ~= '' and rec[3] and redis.call('GET', rec[3]) == call_id
+-- So are a batch's result keys (same tag): is this index's result still to be written?
+local bttl, bindex, bkey
+local batch_new = false
+if rec[4] and (state == 'done' or state == 'failed' or state == 'cancelled') then
+  bttl, bindex, bkey = string.match(rec[4], '^(%d+) (%d+) (.+)$')
+  batch_new = bkey ~= nil and redis.call('HEXISTS', bkey .. ':r', bindex) == 0
+  if batch_new then redis.call('EXISTS', bkey .. ':x', bkey .. ':o', bkey .. ':n') end
 end
 -- One increment for every event this call records: the earlier ones get seq .. seq + before - 1.
 local seq = redis.call('HINCRBY', KEYS[1], 'h_seq', before + 1) - before
@@ -53,12 +70,15 @@ if lease == '-' then
 elseif lease ~= '' then
   redis.call('ZADD', KEYS[3], lease, call_id)
 end
+local rate = nil
+if release == '1' or requeue == '1' then rate = rate_of(KEYS[11], KEYS[12], KEYS[13], ckey) end
 if release == '1' then
   if st == 'pending' then  -- (only a pending call waits)
     unwait(KEYS[4], KEYS[9], KEYS[10], call_id, KEYS[1])
   end
+  rate_settle(rate, call_id, used, state == 'done' or state == 'failed' or state == 'cancelled')
   if redis.call('ZREM', KEYS[5], call_id) == 1 then
-    promote(KEYS[5], KEYS[4], KEYS[9], KEYS[10], KEYS[8], limit_of(KEYS[6], ckey), wake_channel, job_prefix)
+    promote(KEYS[5], KEYS[4], KEYS[9], KEYS[10], KEYS[8], limit_of(KEYS[6], ckey), wake_channel, job_prefix, rate)
   end
 end
 if due ~= '' then
@@ -68,7 +88,7 @@ if requeue == '1' then
   redis.call('ZREM', KEYS[7], call_id)
   local f = redis.call('HMGET', KEYS[1], 'h_fkey', 'h_class')
   admit(KEYS[5], KEYS[4], KEYS[9], KEYS[10], KEYS[8], limit_of(KEYS[6], ckey), call_id, score, wake_channel,
-        job_prefix, f[1] or '', f[2], tonumber(now))
+        job_prefix, f[1] or '', f[2], tonumber(now), rate)
 end
 -- Every event in order: one append to the history, one message each on the caller's channel.
 local stored = {}
@@ -84,7 +104,16 @@ redis.call('RPUSH', KEYS[2], unpack(stored))
 if ttl ~= '' then
   redis.call('EXPIRE', KEYS[1], ttl)
   redis.call('EXPIRE', KEYS[2], ttl)
-  if rec[3] and redis.call('GET', rec[3]) == call_id then redis.call('EXPIRE', rec[3], ttl) end
+  if idem_ours then redis.call('EXPIRE', rec[3], ttl) end
+end
+-- A batch's result: written once per index, whoever ends the call (worker, reaper, a caller's cancel).
+if batch_new then
+  redis.call('HSET', bkey .. ':r', bindex, ev)
+  local big = redis.call('HGET', KEYS[1], 'h_result')  -- a result too large for its event
+  if big then redis.call('HSET', bkey .. ':x', bindex, big) end
+  redis.call('RPUSH', bkey .. ':o', bindex)
+  redis.call('HINCRBY', bkey .. ':n', state, 1)
+  for _, part in ipairs({':r', ':x', ':o', ':n'}) do redis.call('EXPIRE', bkey .. part, bttl) end
 end
 redis.call(publish, channel, ev)
 return {seq, st}

@@ -157,3 +157,74 @@ def test_debug_reaches_our_loggers_but_libraries_stay_at_warning() -> None:
         root.setLevel(level)
         structlog.reset_defaults()
     assert [json.loads(x)["event"] for x in stream.getvalue().splitlines()] == ["ours"]
+
+
+# -- the cheap path every call's lines take (issue #30) --------------------------------------------
+
+
+def _console(level: str = "INFO") -> tuple[io.StringIO, list[logging.Handler]]:
+    stream = io.StringIO()
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers = []
+    configure(level, "console", stream=stream)
+    return stream, saved
+
+
+def test_console_call_lines_carry_the_call_and_trace_ids_and_sorted_fields(bound: None) -> None:
+    stream, saved = _console()
+    try:
+        log = structlog.get_logger("hermes.worker")
+        log.info("call started", attempt=1, queue_wait_ms=0.25)
+        log.info("call finished", state="done", duration_ms=1.5)
+    finally:
+        logging.getLogger().handlers = saved
+        structlog.reset_defaults()
+    started, finished = stream.getvalue().splitlines()
+    assert "[info     ] call started" in started and "attempt=1 call_id=" in started
+    for line in (started, finished):
+        assert f"call_id={CALL['call_id']}" in line and f"trace_id={CALL['trace_id']}" in line
+        assert line.startswith("20") and "Z [info" in line
+    assert "duration_ms=1.5 " in finished and "state=done " in finished  # keys sorted, numbers as repr
+
+
+def test_console_lines_mask_secrets_by_key_and_by_shape_every_time_a_value_repeats() -> None:
+    # Short strings' scans are remembered: the second line with the same text must be masked too.
+    stream, saved = _console()
+    try:
+        log = structlog.get_logger("hermes.worker")
+        for _ in range(2):
+            log.info(f"calling with {KEY}", api_key=12345, note=f"url {PW}", args={"password": "hunter22"})
+        log.info("long", text="x" * 300 + " " + KEY)  # past the remembered length: scanned each time
+    finally:
+        logging.getLogger().handlers = saved
+        structlog.reset_defaults()
+    text = stream.getvalue()
+    for secret in (KEY, "hunter2x", "hunter22", "12345"):
+        assert secret not in text
+    assert text.count("api_key=***") == 2 and text.count("***") >= 9
+
+
+def test_console_exceptions_come_under_their_line_scrubbed() -> None:
+    stream, saved = _console()
+    try:
+        try:
+            raise RuntimeError(f"login failed password=hunter22 key {KEY}")
+        except RuntimeError:
+            structlog.get_logger("hermes.worker").exception("call crashed in the worker")
+        logging.getLogger("hermes_plugins.demo").warning("plugin says %s", "hi")
+    finally:
+        logging.getLogger().handlers = saved
+        structlog.reset_defaults()
+    lines = stream.getvalue().splitlines()
+    assert "[error    ] call crashed in the worker" in lines[0] and lines[1] == "Traceback (most recent call last):"
+    assert any(x.startswith("RuntimeError: login failed") for x in lines)
+    assert "[hermes_plugins.demo]" in lines[-1] and "plugin says hi" in lines[-1]
+    assert KEY not in stream.getvalue() and "hunter22" not in stream.getvalue()
+
+
+def test_json_lines_keep_secret_named_numbers_masked_and_exceptions_as_text(out: io.StringIO) -> None:
+    structlog.get_logger("t").warning("x", token=123, max_tokens=50, error=ValueError(f"bad {KEY}"))
+    (line,) = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert line["token"] == "***" and line["max_tokens"] == 50
+    assert line["error"].startswith("ValueError: bad ") and KEY not in line["error"]

@@ -251,3 +251,105 @@ def test_broker_fast_path_is_a_setting_and_a_bad_value_is_a_clear_error(tmp_path
     monkeypatch.setenv("HERMES_REDIS_FAST_PATH", "maybe")
     with pytest.raises(ConfigError, match="fast_path"):
         load_settings(str(tmp_path))
+
+
+# -- a cluster slot moving (issue 31) ------------------------------------------------------------
+
+
+class _MovingPipe:
+    """A cluster pipeline stand-in (its commands on ``_execution_strategy.command_queue``, as redis-py's)
+    whose node refuses the commands named in ``refusals`` with the errors listed there, one per send."""
+
+    def __init__(self, refusals: dict[str, list[Exception]]) -> None:
+        from types import SimpleNamespace
+
+        self._execution_strategy = SimpleNamespace(command_queue=[])
+        self.refusals = refusals
+        self.sent: list[list[str]] = []
+
+    def execute_command(self, *args: Any, **options: Any) -> _MovingPipe:
+        from types import SimpleNamespace
+
+        self._execution_strategy.command_queue.append(SimpleNamespace(args=args, options=options))
+        return self
+
+    def __len__(self) -> int:
+        return len(self._execution_strategy.command_queue)
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        stack, self._execution_strategy.command_queue = self._execution_strategy.command_queue, []
+        self.sent.append([c.args[1] for c in stack])
+        return [(self.refusals.get(c.args[1]) or [f"ran {c.args[1]}"]).pop(0) for c in stack]
+
+
+NON_LOCAL = "Script attempted to access a non local key in a cluster node script: f00, on @user_script:22."
+
+
+def test_commands_a_moving_slot_refused_are_sent_again_alone_in_order_until_they_run() -> None:
+    from redis.exceptions import ClusterError, TryAgainError
+
+    pipe = _MovingPipe({"b": [TryAgainError("TRYAGAIN"), ClusterError("TTL exhausted.")], "c": [ResponseError(NON_LOCAL)]})
+    for name in "abcd":
+        pipe.execute_command("SET", name, "v")
+    rounds: list[int] = []
+    replies = pipes.stock(pipe, lambda n, _e: rounds.append(n) is None)
+    assert replies == ["ran a", "ran b", "ran c", "ran d"]
+    assert pipe.sent == [["a", "b", "c", "d"], ["b", "c"], ["b"]]  # the others ran: never sent twice
+    assert rounds == [0, 1]  # asked before each resend
+
+
+def test_refusals_stay_in_the_replies_when_keep_trying_says_stop_and_other_errors_are_never_resent() -> None:
+    from redis.exceptions import AskError
+
+    pipe = _MovingPipe({"a": [AskError("12 127.0.0.1:7001")], "b": [ResponseError("WRONGTYPE Operation")]})
+    pipe.execute_command("SET", "a", "v")
+    pipe.execute_command("SET", "b", "v")
+    replies = pipes.stock(pipe, lambda _n, _e: False)
+    assert isinstance(replies[0], AskError) and isinstance(replies[1], ResponseError)
+    assert pipe.sent == [["a", "b"]]
+    pipe = _MovingPipe({"b": [ResponseError("WRONGTYPE Operation")]})
+    pipe.execute_command("SET", "b", "v")
+    assert isinstance(pipes.stock(pipe, lambda _n, _e: True)[0], ResponseError) and pipe.sent == [["b"]]
+
+
+def test_moving_names_the_refusals_of_a_migrating_slot_only() -> None:
+    from redis.exceptions import (
+        AskError,
+        ClusterDownError,
+        ClusterError,
+        MovedError,
+        NoScriptError,
+        TryAgainError,
+    )
+
+    for e in (AskError("1 h:1"), MovedError("1 h:1"), TryAgainError("TRYAGAIN"),
+              ClusterError("TTL exhausted."), ClusterDownError("CLUSTERDOWN"), ResponseError(NON_LOCAL)):  # fmt: skip
+        assert pipes.moving(e), e
+    for other in (ResponseError("WRONGTYPE"), NoScriptError("NOSCRIPT"), redis.ConnectionError("gone"), b"OK", 1):
+        assert not pipes.moving(other), other
+
+
+def test_patiently_calls_again_through_a_moving_slot_and_raises_anything_else_at_once() -> None:
+    from redis.exceptions import TryAgainError
+
+    answers: list[Any] = [TryAgainError("TRYAGAIN"), TryAgainError("TRYAGAIN"), 7]
+
+    def call(x: int) -> Any:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer + x
+
+    assert pipes.patiently(lambda _n, _e: True, call, 1) == 8 and answers == []
+    answers[:] = [ResponseError("WRONGTYPE"), 7]
+    try:
+        pipes.patiently(lambda _n, _e: True, call, 1)
+    except ResponseError:
+        pass
+    assert answers == [7]  # not called again
+    answers[:] = [TryAgainError("TRYAGAIN"), 7]
+    try:
+        pipes.patiently(lambda _n, _e: False, call, 1)
+    except TryAgainError:
+        pass
+    assert answers == [7]

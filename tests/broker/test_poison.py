@@ -117,3 +117,21 @@ def test_a_queued_id_without_a_record_is_dropped_and_a_scheduled_one_leaves_the_
     assert conn.llen(keys.queue("tools")) == 0 and conn.zscore(keys.leases(TAG), "expired") is None
     due, _ = Limits(conn).due(["tools"], 30)
     assert due == [] and conn.zscore(keys.scheduled(TAG), "expired-retry") is None
+
+
+def test_dropped_ids_warn_once_each_up_to_a_burst_a_window_then_count_the_rest(monkeypatch: Any) -> None:
+    import structlog.testing
+
+    from broker import claims
+
+    now = [100.0]
+    monkeypatch.setattr(claims.time, "monotonic", lambda: now[0])
+    dropped = claims.DroppedIds(burst=2, window=60.0)
+    with structlog.testing.capture_logs() as logged:
+        for i in range(5):
+            dropped.warn("tools", f"junk-{i}".encode())
+        now[0] += 61.0
+        dropped.warn("tools", b"x" * 100)
+    assert [e["call_id"] for e in logged] == ["junk-0", "junk-1", "x" * 40 + "..."]
+    assert all(e["queue"] == "tools" and e["log_level"] == "warning" for e in logged)
+    assert "suppressed_before" not in logged[1] and logged[2]["suppressed_before"] == 3

@@ -81,3 +81,19 @@ def test_a_parser_class_takes_a_pubsub_push_handler() -> None:
     parser = redis.connection.DefaultParser
     assert hasattr(parser, "set_pubsub_push_handler")
     assert "push_handler_func" in inspect.signature(redis.client.PubSub.__init__).parameters
+
+
+def test_a_cluster_pipeline_queues_args_and_options_on_its_execution_strategy() -> None:
+    """pipes.stock reads a cluster pipeline's queued commands there, to resend those a moving slot refused."""
+    from types import SimpleNamespace
+
+    import redis.cluster
+
+    assert "self._execution_strategy" in inspect.getsource(redis.cluster.ClusterPipeline.__init__)
+    strategy = redis.cluster.PipelineStrategy(SimpleNamespace(nodes_manager=None, command_flags={}))  # type: ignore[arg-type]
+    strategy.execute_command("EVALSHA", "f00", 1, "{q}k", "a")
+    strategy.execute_command("SET", "k", "v", ex=5)
+    assert [(c.args, c.options) for c in strategy.command_queue] == [
+        (("EVALSHA", "f00", 1, "{q}k", "a"), {}),
+        (("SET", "k", "v"), {"ex": 5}),
+    ]

@@ -33,6 +33,18 @@ def fail_times(counter: str, times: int) -> dict[str, Any]:
     return {"attempts": n}
 
 
+def counted(seconds: float, log: str, ctx: Any = None) -> dict[str, Any]:
+    """Append ``<call id> <attempt>`` to ``log`` (one ``O_APPEND`` write: whole lines from many
+    processes), then wait ``seconds``: a test counts the runs of each call from the tool's own side."""
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, f"{ctx.call_id if ctx else '-'} {ctx.attempt if ctx else 0}\n".encode())
+    finally:
+        os.close(fd)
+    time.sleep(seconds)
+    return {"slept": seconds}
+
+
 def lines(path: str | Path) -> list[str]:
     """The lines a back end wrote (none when it was never reached)."""
     p = Path(path)

@@ -5,6 +5,7 @@ Performance itself is measured by running them in full (README, Benchmarks), nev
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -80,3 +81,10 @@ def test_scale_out_measures_redis_cpu_side_by_side_with_rq_and_a_sentinel_failov
     else:
         assert any(line.startswith("cluster, 3 primaries, 6 queues") for line in lines)
         assert any(line.startswith("cluster, 3 primaries, 1 queue with queue_partitions: 6") for line in lines)
+
+
+def test_batch_rss_runs_a_batch_per_count_and_extrapolates_the_submitters_peak(redis_url: str) -> None:
+    lines = bench("batch_rss.py", "--url", redis_url, "--counts", "200,400")
+    rows = [json.loads(line) for line in lines if line.startswith("{")]
+    assert [r["n"] for r in rows] == [200, 400] and all(r["peak_mb"] >= r["base_mb"] > 0 for r in rows)
+    assert re.fullmatch(r"extrapolated_peak_mb_1m=[0-9.]+", lines[-1])

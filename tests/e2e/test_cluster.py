@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,6 +153,69 @@ def test_a_slot_migration_during_a_batch_loses_no_call_and_runs_none_twice(
     for cid in ids:
         runs = [e for e in _history(gw, cid) if e.type == events.TRANSITION and e.state == "executing"]
         assert len(runs) == 1, cid
+
+
+@pytest.mark.parametrize(("batch", "pause"), [(20, 0.05), (5, 0.1)], ids=["fast", "slow"])
+def test_a_slot_migration_mid_batch_runs_every_call_exactly_once(
+    cluster: Cluster, cgateway: Any, cworkers: Any, home: Any, tmp_path: Path, batch: int, pause: float
+) -> None:
+    """Issue 31 item 3: while a partition's slot moves (IMPORTING/MIGRATING, MIGRATE, SETSLOT NODE), the
+    workers' writes meet ASK/TRYAGAIN/MOVED; they must wait it out, keep their leases, and no call may run
+    twice — counted from the tool's own side effect (a line per run), not from the results."""
+    from collections import Counter
+
+    from broker import partitions
+    from tests.conftest import wait_until
+
+    gw = cgateway
+    runs = tmp_path / "runs.log"
+    home.tool(
+        "counted",
+        function="tests.e2e.flowtools:counted",
+        timeout=30,
+        concurrency=60,
+        queue_size=1000,
+        queue_partitions=3,
+        input_schema={"type": "object", "properties": {"seconds": {"type": "number"}, "log": {"type": "string"}}},
+    )
+    gw.sync_tools()
+    # A lease shorter than the slow migration: writes that wait for the slot outlast it, so the workers
+    # must keep the leases of the calls they finished meanwhile (without that, ~50 of 300 ran twice).
+    cworkers(2, queues="tools", concurrency=16, lease=2.0)
+    handles = gw.map("counted", [{"seconds": 0.25, "log": str(runs)}] * 300)
+    ids = [h.call_id for h in handles.accepted]
+    assert len(ids) == 300
+    slot = gw.conn.keyslot(keys.queue(partitions.name("tools", 3, 1)))
+    dest = next(p for p in cluster.ports if p != cluster.slot_owner(slot))
+    wait_until(lambda: runs.exists() and len(runs.read_text().splitlines()) >= 20, 30, message="calls running")
+    started, moved = time.monotonic(), []
+    mover = threading.Thread(target=lambda: moved.append(cluster.migrate_slot(slot, dest, batch=batch, pause=pause)))
+    mover.start()
+    # More calls submitted while the slot moves (SUBMIT meets TRYAGAIN too): each accepted, none refused.
+    wait_until(lambda: cluster.node(dest).execute_command("CLUSTER COUNTKEYSINSLOT", slot) > 0, 10, 0.01)
+    late = gw.map("counted", [{"seconds": 0.25, "log": str(runs)}] * 60)
+    assert len(late.accepted) == 60
+    ids += [h.call_id for h in late.accepted]
+    mover.join(60)
+    took = time.monotonic() - started
+    assert moved[0] > 0 and cluster.slot_owner(slot) == dest
+
+    def ended() -> list[dict[str, Any]] | None:
+        records = [gw.calls.record(cid) for cid in ids]
+        return records if all(r and r["state"] in ("done", "failed", "cancelled") for r in records) else None
+
+    records = wait_until(ended, 60, 0.2, "every call ended")
+    states = Counter(r["state"] for r in records)
+    assert states == {"done": 360}, (states, f"migration took {took:.1f}s")
+    lines = [line.split() for line in runs.read_text().splitlines()]
+    counts = Counter(cid for cid, _ in lines)
+    twice = {cid: n for cid, n in counts.items() if n != 1}
+    first = [(e.state, e.attempt, e.detail.get("reason")) for e in _history(gw, next(iter(twice)))] if twice else []
+    assert set(counts) == set(ids) and twice == {}, (f"{len(twice)} ran more than once", f"{took:.1f}s", first)
+    # The one run is the attempt the record reports, within the call's budget.
+    ran = {cid: int(attempt) for cid, attempt in lines}
+    budget = {cid: int(gw.conn.hget(keys.job(cid), keys.F_MAX_ATTEMPTS)) for cid in ids}
+    assert all(r["attempt"] == ran[r["call_id"]] <= budget[r["call_id"]] for r in records)
 
 
 def test_the_async_client_on_a_cluster_gets_results_and_events_of_two_queues(

@@ -22,6 +22,7 @@ from broker import keys
 from hermes_gateway.aio import AsyncGateway
 from hermes_gateway.aio_handle import AsyncCallHandle
 from hermes_gateway.handle import CallHandle
+from tests.conftest import wait_until
 from tests.e2e.test_http_api import Served
 from tests.e2e.util import all_terminal, current, error_type
 
@@ -214,3 +215,51 @@ def test_an_undecodable_directory_entry_is_skipped_with_one_warning(
             assert schemas.status_code == 200 and [s["function"]["name"] for s in schemas.json()] == ["echo"]
     finally:
         served.stop()
+
+
+def test_a_record_without_h_queue_is_failed_and_its_lease_goes(
+    gateway: Any, home: Any, workers: Any, conn: redis.Redis
+) -> None:
+    home.echo_tool()
+    gateway.sync_tools()
+    call_id = "{tools}.f00d" + "0" * 28
+    conn.hset(keys.job(call_id), mapping={keys.F_STATE: "pending", keys.F_ATTEMPT: 1, "data": "garbage"})
+    conn.lpush(keys.queue("tools"), call_id)
+    workers(1, lease=1.0)
+    wait_until(lambda: current(conn, [call_id])[call_id] == "failed", 20, message="the bad record failed")
+    assert error_type(conn, call_id) == "bad_payload"
+    # The queue is the id's tag's: the lease leaves hermes:leases:{tools}, and the reaper (every lease)
+    # does not take it back.
+    wait_until(lambda: conn.zscore(keys.leases("{tools}"), call_id) is None, 10, message="the lease went")
+    assert conn.zcard(keys.leases("{}")) == 0
+    assert gateway.call_tool("echo", {"after": 1}).result(timeout=20) == {"after": 1}
+
+    # An expired lease of such a record (its worker gone) is the reaper's: it goes too.
+    orphan = "{tools}.f00e" + "0" * 28
+    conn.hset(keys.job(orphan), mapping={keys.F_STATE: "failed", keys.F_ATTEMPT: 1})
+    conn.zadd(keys.leases("{tools}"), {orphan: 1})
+    wait_until(lambda: conn.zscore(keys.leases("{tools}"), orphan) is None, 15, message="the reaper dropped it")
+    # The reaper has run since: the first lease was not taken back either.
+    assert conn.zscore(keys.leases("{tools}"), call_id) is None and conn.zcard(keys.leases("{}")) == 0
+
+
+GARBAGE_IDS = [b"\xff\xfe raw bytes", b"not-a-call-id", b"", b"{other}.1234", ("{tools}.beef" + "0" * 28).encode()]
+
+
+def test_garbage_ids_on_a_queue_are_drained_with_one_warning_each(
+    gateway: Any, home: Any, workers: Any, conn: redis.Redis
+) -> None:
+    home.echo_tool()
+    gateway.sync_tools()
+    conn.rpush(keys.queue("tools"), *GARBAGE_IDS)
+    (worker,) = workers(1)
+    assert gateway.call_tool("echo", {"after": 1}).result(timeout=20) == {"after": 1}  # queued behind them
+    wait_until(lambda: conn.llen(keys.queue("tools")) == 0, 10, message="the queue drained")
+    wait_until(lambda: worker.log().count("dropped an id on queue") >= len(GARBAGE_IDS), 10, message=worker.log())
+    lines = [line for line in worker.log().splitlines() if "dropped an id on queue" in line]
+    assert len(lines) == len(GARBAGE_IDS), lines
+    assert all("queue=tools" in line and "warning" in line for line in lines), lines
+    for raw, line in zip(GARBAGE_IDS, lines, strict=True):  # in the order they were queued, each named
+        shown = raw.decode(errors="replace")
+        assert f"call_id={shown} " in line + " " or f"call_id={shown!r}" in line, line  # (quoted when it has spaces)
+    assert "Traceback" not in worker.log()

@@ -70,6 +70,10 @@ def test_workers_and_clients_work_under_their_users_and_cannot_change_directory_
         assert running.cancel()
         with pytest.raises(CallCancelled):
             running.result(15)
+        # A batch: the client writes its meta, the worker's TRANSITION its results (hermes:batch:*).
+        job = client.batch("echo", [{"n": i} for i in range(5)])
+        assert job.wait(30).counts == {"done": 5}
+        assert sorted(item.result["n"] for item in job.results()) == list(range(5))
 
         for user in ("client", "worker"):
             conn = redis.Redis.from_url(acl_redis.format(user=user))

@@ -205,6 +205,6 @@ def test_plan_matches_a_sensitive_value_as_text_or_as_json() -> None:
     assert rec.args["pin"] == hash_value(1234)
     plan = replay.plan(rec, {"pin": "1234"})  # typed on a command line, it is text; the hash says int
     assert plan.args == {"pin": 1234, "label": "ci"} and plan.verified == ("pin",)
-    assert plan.context == {"principal": "p", "session_id": "s"}
+    assert plan.context == {"principal": "p", "session_id": "s", "replay_of": rec.call_id}  # (named in its record)
     with pytest.raises(ReplayRefused, match="not the one"):
         replay.plan(rec, {"pin": "4321"})

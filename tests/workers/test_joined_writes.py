@@ -30,7 +30,8 @@ def _setup(fake: Any) -> tuple[CallRunner, Running, list[tuple[str, int]], Outbo
 
     calls.transition = counting  # type: ignore[method-assign]
     outbox = Outbox(fake)
-    runner = CallRunner(SimpleNamespace(calls=calls, outbox=outbox))  # type: ignore[arg-type]
+    core = SimpleNamespace(calls=calls, outbox=outbox, write=lambda _run, writer, cb: outbox.put(writer, cb))
+    runner = CallRunner(core)  # type: ignore[arg-type]
     run = Running(CallInfo.of(env, "tool:echo"), env, 1)
     return runner, run, written, outbox
 

@@ -300,3 +300,42 @@ def test_the_held_count_follows_runs_even_when_a_newer_run_replaced_an_older_one
     assert core.held("tool:echo") == 1 and core.inflight() == [new]
     core.untrack(new)
     assert core.held("tool:echo") == 0 and core.inflight() == []
+
+
+def test_a_call_whose_last_writes_wait_in_the_outbox_keeps_its_lease_until_they_land(
+    fake: Any, settings: Settings
+) -> None:
+    """A cluster slot moving holds a finished call's writes in the outbox (issue 31): the call is no longer
+    running here, but its lease must still be extended, or the reaper takes it and runs it again."""
+    for spec in TOOLS:
+        Directory(fake).register(check_spec(spec))
+    w = Worker(fake, settings, ["tools"], concurrency=2, name="w-a")
+    gate, busy = threading.Event(), threading.Event()
+
+    def blocker(pipe: Any) -> None:  # the sender stays busy: the call's writes queue up behind it
+        busy.set()
+        gate.wait(10)
+        pipe.exists(keys.WORKERS)
+
+    try:
+        submit(fake, "c1")
+        [claimed] = w.core.calls.claim(["tools"], 1, w.name, w.lease)
+        w.core.outbox.put(blocker)
+        assert busy.wait(5)
+        w.runner.run(claimed)  # ends here; done is not written yet
+        assert w.core.inflight() == [] and [r.info.call_id for r in w.core.unwritten()] == ["c1"]
+        assert w.core.calls.record("c1")["state"] == "pending"
+        fake.zadd(keys.leases("{tools}"), {"c1": 1}, xx=True)  # as if about to expire
+        w._heartbeat_once()  # a pipeline of its own, not through the held outbox
+        assert fake.zscore(keys.leases("{tools}"), "c1") > time.time() + settings.workers.lease / 2
+        gate.set()
+        assert w.core.outbox.flush(5)
+        assert w.core.unwritten() == []
+        assert w.core.calls.record("c1")["state"] == "done"
+        assert fake.zscore(keys.leases("{tools}"), "c1") is None
+        w._heartbeat_once()  # (ZADD XX: a lease that went is not brought back)
+        assert fake.zscore(keys.leases("{tools}"), "c1") is None
+    finally:
+        gate.set()
+        w.core.close()
+        w.pool.shutdown()

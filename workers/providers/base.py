@@ -57,6 +57,9 @@ class ProviderContext:
     attempt: int = 1
     cancelled: threading.Event = field(default_factory=threading.Event)
     on_delta: DeltaSink | None = None
+    # Called once the provider's response headers arrive (so it has received the request): the rate
+    # limiter counts the request's window from then.
+    on_response: Callable[[], None] | None = None
     traceparent: str | None = None
     tracestate: str | None = None
     started: float = field(default_factory=time.monotonic)

@@ -12,6 +12,7 @@ the middleware again) and uses ``retry_delay`` on the typed errors raised here.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -22,7 +23,7 @@ from broker.settings import ModelSettings
 
 from .base import ProviderContext, base_url_of
 from .exchange import Exchange
-from .retry import is_retryable_status, parse_retry_after
+from .retry import is_retryable_status, pause_seconds
 from .stream import DONE, StreamAssembler, sse_data
 
 log = structlog.get_logger(__name__)
@@ -76,7 +77,7 @@ class OpenAICompatProvider:
         stream = bool(body.get("stream"))
         timeout = httpx.Timeout(ctx.timeout, connect=min(10.0, ctx.timeout))
         ex = Exchange(ctx)
-        ex.start(lambda e: self._exchange(e, body, headers, timeout))
+        ex.start(lambda e: self._exchange(e, body, headers, timeout, ctx.on_response))
         try:
             return self._collect(ex, ctx, stream)
         except BaseException:
@@ -133,13 +134,23 @@ class OpenAICompatProvider:
     # --- the reader thread ---------------------------------------------------------------------
 
     def _exchange(
-        self, ex: Exchange, body: dict[str, Any], headers: dict[str, str], timeout: httpx.Timeout
+        self,
+        ex: Exchange,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        timeout: httpx.Timeout,
+        on_response: Callable[[], None] | None = None,
     ) -> None:
         try:
             with self._client.stream(
                 "POST", "/chat/completions", json=body, headers=headers, timeout=timeout
             ) as resp:
                 ex.attach(resp)
+                if on_response is not None:
+                    try:
+                        on_response()
+                    except Exception as e:  # noqa: BLE001 - bookkeeping must not fail the call
+                        log.warning("llm.on_response_failed", error=repr(e))
                 if ex.stop.is_set():
                     return
                 if resp.status_code >= 400:
@@ -202,7 +213,7 @@ class OpenAICompatProvider:
         return ProviderError(
             self._scrub(f"provider returned HTTP {status}: {message}"),
             status=status,
-            retry_after=parse_retry_after(resp.headers),
+            retry_after=pause_seconds(resp.headers),
             retryable=is_retryable_status(status),
             **details,
         )

@@ -45,6 +45,47 @@ def parse_retry_after(headers: Mapping[str, str], now: float | None = None) -> f
     return max(0.0, when.timestamp() - current)
 
 
+def parse_reset(value: str) -> float | None:
+    """Seconds of an ``x-ratelimit-reset-*`` header: ``1s``, ``6m0s``, ``250ms``, ``1h2m3.5s`` or a number."""
+    text = value.strip().lower()
+    if not text:
+        return None
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        pass
+    total, num = 0.0, ""
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if c.isdigit() or c == ".":
+            num += c
+            i += 1
+            continue
+        unit = "ms" if text.startswith("ms", i) else c
+        if not num or unit not in ("ms", "h", "m", "s"):
+            return None
+        total += float(num) * {"ms": 0.001, "h": 3600.0, "m": 60.0, "s": 1.0}[unit]
+        num = ""
+        i += len(unit)
+    return None if num else total
+
+
+def pause_seconds(headers: Mapping[str, str]) -> float | None:
+    """How long a 429/503 asks the fleet to wait: ``retry-after-ms``, ``Retry-After``, else the longest
+    ``x-ratelimit-reset-requests`` / ``-tokens`` whose remaining count is 0 (or either, when none says)."""
+    from_retry = parse_retry_after(headers)
+    if from_retry is not None:
+        return from_retry
+    lowered = {k.lower(): v for k, v in headers.items()}
+    waits = []
+    for kind in ("requests", "tokens"):
+        reset = parse_reset(lowered.get(f"x-ratelimit-reset-{kind}", ""))
+        if reset is not None and lowered.get(f"x-ratelimit-remaining-{kind}", "0").strip() in ("0", ""):
+            waits.append(reset)
+    return max(waits) if waits else None
+
+
 def retry_delay(
     error: BaseException,
     attempt: int,

@@ -1,0 +1,588 @@
+"""Batches as objects: one model behind the Python and async clients, the CLI, the HTTP API and the console.
+
+A batch is an id, a meta hash (``hermes:batch:<id>``: tool, queues, total once known, state, the submitted
+high-water mark, window, ttl, times) and, per queue tag its calls use, result keys that the calls' own
+TRANSITION writes when they end (``hermes:batch:{q}:<id>:r|x|o|n``, see ``broker/keys.py`` and
+``broker/lua/transition.lua``). Item ``i``'s call id is derived from (batch id, i) and its partition from
+``i``, so submitting an item again finds the same call (SUBMIT answers "exists") and cancel can name them.
+
+The submitter keeps no handle per item: it streams the items in pipelined chunks, at most ``window`` calls
+unfinished (read from the counters in Redis), and a ``QueueFull`` item waits and goes again — so its memory
+is O(window) whatever the item count. Resume = submit the same items again from 0: an item with a result is
+skipped, the others go with their own ids, so nothing runs twice and each index has one result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from broker import events, keys, partitions, pipes
+from broker.calls import Calls
+from broker.codec import pack, raw, text, unpack
+from broker.errors import DecodeError, HermesError, InvalidArgs, QueueFull, UnknownBatch
+from hermes_gateway.envelopes import tool_envelope, tool_limits
+
+if TYPE_CHECKING:
+    from hermes_gateway.client import Gateway
+
+CHUNK = 100  # items per pipelined round trip
+READ_CHUNK = 500  # results read per round trip
+POLL = 0.2  # seconds between looks at the counters while waiting
+STATES = ("submitting", "submitted", "cancelled")  # of the submission; "finished" is derived from counts
+ENDED = ("done", "failed", "cancelled")  # the counters of :n (the terminal states)
+
+
+def new_batch_id() -> str:
+    return uuid.uuid4().hex[:20]
+
+
+def item_call_id(batch_id: str, index: int) -> str:
+    """The unique part of item ``index``'s call id: the same whenever the item is submitted."""
+    return hashlib.blake2b(f"{batch_id}:{index}".encode(), digest_size=16).hexdigest()
+
+
+def check_batch_id(batch_id: str) -> str:
+    """A batch id as given by a user: 1–64 characters of ``[0-9A-Za-z_-]`` (it becomes part of keys)."""
+    if not isinstance(batch_id, str) or not 0 < len(batch_id) <= 64 or not all(
+        c.isalnum() or c in "-_" for c in batch_id
+    ):
+        raise UnknownBatch(f"no such batch {batch_id!r}: an id is 1-64 letters, digits, '-' or '_'")
+    return batch_id
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a batch stands, read from Redis (the same figures from any process)."""
+
+    id: str
+    tool: str
+    state: str  # submitting | submitted | cancelled (of the submission)
+    total: int | None  # items, once the submitter has read them all
+    submitted: int  # items sent so far (the high-water mark)
+    counts: dict[str, int]  # done / failed / cancelled
+    created: float
+    started: float
+    ended: float | None  # when the last call ended (once finished)
+
+    @property
+    def finished(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def complete(self) -> bool:
+        """Every item sent has ended and nothing more will be sent."""
+        return self.state != "submitting" and self.finished >= self.submitted
+
+    @property
+    def rate(self) -> float:
+        """Calls ended per second since the first submission."""
+        span = (self.ended or time.time()) - self.started
+        return self.finished / span if span > 0 else 0.0
+
+    @property
+    def eta(self) -> float | None:
+        """Seconds until every item has ended at the current rate (None: unknown)."""
+        if self.complete:
+            return 0.0
+        left = (self.total if self.total is not None else self.submitted) - self.finished
+        rate = self.rate
+        return left / rate if rate > 0 and self.total is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "tool": self.tool,
+            "state": "finished" if self.complete and self.state == "submitted" else self.state,
+            "total": self.total,
+            "submitted": self.submitted,
+            "finished": self.finished,
+            "running": max(0, self.submitted - self.finished),
+            "counts": {s: self.counts.get(s, 0) for s in ENDED},
+            "created": self.created,
+            "rate": round(self.rate, 3),
+            "eta": None if self.eta is None else round(self.eta, 3),
+            "complete": self.complete,
+        }
+
+
+@dataclass(frozen=True)
+class Item:
+    """One item's outcome: ``{index, call_id, state, result | error}``."""
+
+    index: int
+    call_id: str
+    state: str
+    result: Any = None
+    error: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": self.index, "call_id": self.call_id, "state": self.state}
+        if self.error is not None:
+            out["error"] = self.error
+        else:
+            out["result"] = self.result
+        return out
+
+
+@dataclass
+class Cursor:
+    """How far a reader of a batch's results has come: an offset into each queue's completion list."""
+
+    offsets: dict[str, int] = field(default_factory=dict)
+
+
+def _item(index: int, entry: bytes, big: bytes | None) -> Item:
+    try:
+        ev = events.decode(entry)
+    except DecodeError as e:
+        return Item(index, "", "failed", error={"type": "bad_payload", "message": f"unreadable result: {e}"})
+    detail = ev.detail
+    error = detail.get("error") if ev.state != "done" else None
+    if ev.state != "done" and not isinstance(error, dict):
+        error = {"type": ev.state, "message": f"the call ended {ev.state}"}
+    result = unpack(big) if big is not None else detail.get("result")
+    return Item(index, ev.call_id, ev.state, None if error else result, error)
+
+
+class BatchStore:
+    """A batch's Redis side: meta, progress, results, cancel, and the submission loop."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    # -- meta ----------------------------------------------------------------------------------
+
+    def create(self, tool: str, queues: list[str], *, ttl: int, window: int, principal: str | None = None) -> str:
+        batch_id = new_batch_id()
+        now = time.time()
+        meta = {
+            "tool": tool,
+            "queues": ",".join(queues),
+            "state": "submitting",
+            "submitted": 0,
+            "created": now,
+            "started": now,
+            "ttl": ttl,
+            "window": window,
+            "principal": principal or "",
+        }
+        pipe = self.conn.pipeline(transaction=False)
+        pipe.hset(keys.batch(batch_id), mapping=meta)
+        pipe.expire(keys.batch(batch_id), ttl)
+        pipe.zadd(keys.BATCHES, {batch_id: now})
+        pipe.zremrangebyscore(keys.BATCHES, "-inf", now - ttl)  # batches past their TTL leave the list
+        pipe.execute()
+        return batch_id
+
+    def meta(self, batch_id: str) -> dict[str, str]:
+        raw_meta = self.conn.hgetall(keys.batch(check_batch_id(batch_id)))
+        if not raw_meta:
+            raise UnknownBatch(f"no such batch {batch_id!r} (never made, or past its batch.ttl)", batch_id=batch_id)
+        return {text(k): text(v) for k, v in raw_meta.items()}
+
+    def progress(self, batch_id: str, meta: dict[str, str] | None = None) -> Progress:
+        meta = meta or self.meta(batch_id)
+        counts = self.counts(batch_id, meta["queues"].split(","))
+        p = Progress(
+            id=batch_id,
+            tool=meta["tool"],
+            state=meta.get("state", "submitting"),
+            total=int(meta["total"]) if meta.get("total") else None,
+            submitted=int(meta.get("submitted") or 0),
+            counts=counts,
+            created=float(meta.get("created") or 0),
+            started=float(meta.get("started") or 0),
+            ended=float(meta["ended"]) if meta.get("ended") else None,
+        )
+        if p.complete and p.ended is None:  # the first reader to see it finished stamps the end (rate, ETA)
+            now = time.time()
+            self.conn.hsetnx(keys.batch(batch_id), "ended", now)
+            p = dataclasses.replace(p, ended=now)
+        return p
+
+    def counts(self, batch_id: str, queues: list[str]) -> dict[str, int]:
+        """Calls of the batch ended so far, per terminal state (summed over its queues' counters)."""
+        pipe = self.conn.pipeline(transaction=False)
+        for q in queues:
+            pipe.hgetall(keys.batch_part(q, batch_id) + ":n")
+        counts: dict[str, int] = {}
+        for reply in pipe.execute():
+            for k, v in reply.items():
+                counts[text(k)] = counts.get(text(k), 0) + int(v)
+        return counts
+
+    def recent(self, limit: int = 100) -> list[Progress]:
+        """The newest batches still on record, newest first."""
+        out = []
+        for bid in self.conn.zrevrange(keys.BATCHES, 0, limit - 1):
+            with contextlib.suppress(UnknownBatch):
+                out.append(self.progress(text(bid)))
+        return out
+
+    # -- results -------------------------------------------------------------------------------
+
+    def read(self, batch_id: str, queues: list[str], cursor: Cursor) -> list[Item]:
+        """The results that ended after ``cursor`` (at most READ_CHUNK per queue); moves the cursor on."""
+        pipe = self.conn.pipeline(transaction=False)
+        for q in queues:
+            at = cursor.offsets.get(q, 0)
+            pipe.lrange(keys.batch_part(q, batch_id) + ":o", at, at + READ_CHUNK - 1)
+        lists = pipe.execute()
+        pipe = self.conn.pipeline(transaction=False)
+        wanted: list[tuple[str, list[bytes]]] = []
+        for q, idx in zip(queues, lists, strict=True):
+            if idx:
+                part = keys.batch_part(q, batch_id)
+                pipe.hmget(part + ":r", idx)
+                pipe.hmget(part + ":x", idx)
+                wanted.append((q, idx))
+        if not wanted:
+            return []
+        replies = pipe.execute()
+        items = []
+        for n, (q, idx) in enumerate(wanted):
+            entries, bigs = replies[2 * n], replies[2 * n + 1]
+            for i, entry, big in zip(idx, entries, bigs, strict=True):
+                if entry is not None:
+                    items.append(_item(int(i), raw(entry), None if big is None else raw(big)))
+            cursor.offsets[q] = cursor.offsets.get(q, 0) + len(idx)
+        return items
+
+    def results(
+        self, batch_id: str, *, cursor: Cursor | None = None, follow: bool = True, poll: float = POLL,
+        stop: Callable[[], bool] | None = None,
+    ) -> Iterator[Item]:
+        """Every result of the batch in the order the calls ended, each index once; with ``follow``, as they
+        come, until the batch is complete."""
+        meta = self.meta(batch_id)
+        queues = meta["queues"].split(",")
+        cursor = cursor or Cursor()
+        while True:
+            done_before = self.progress(batch_id).complete if follow else True  # read before the results
+            items = self.read(batch_id, queues, cursor)
+            yield from items
+            if items:
+                continue
+            if done_before or (stop is not None and stop()):
+                return
+            time.sleep(poll)
+
+    def wait(self, batch_id: str, timeout: float | None = None, poll: float = POLL) -> Progress:
+        """Block until the batch is complete (or ``timeout`` seconds: its progress then, not complete)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            p = self.progress(batch_id)
+            if p.complete or (deadline is not None and time.monotonic() >= deadline):
+                return p
+            time.sleep(poll)
+
+    def write_refused(self, batch_id: str, queue: str, index: int, ttl: int, error: HermesError) -> None:
+        """An item the gateway refused before it became a call (bad arguments): its result, failed, so the
+        batch's output still holds every index once."""
+        entry = pack({"call_id": "", "seq": 0, "state": "failed", "type": events.TRANSITION,
+                      "detail": {"error": error.to_wire()}})
+        part = keys.batch_part(queue, batch_id)
+        if self.conn.hsetnx(part + ":r", index, entry):
+            pipe = self.conn.pipeline(transaction=False)
+            pipe.rpush(part + ":o", index)
+            pipe.hincrby(part + ":n", "failed", 1)
+            for suffix in (":r", ":o", ":n"):
+                pipe.expire(part + suffix, ttl)
+            pipe.execute()
+
+    # -- cancel --------------------------------------------------------------------------------
+
+    def cancel(self, gw: Gateway, batch_id: str) -> int:
+        """Stop the submission and cancel every call of the batch not yet ended; returns how many."""
+        from hermes_gateway.handle import cancel_call
+
+        meta = self.meta(batch_id)
+        self.conn.hset(keys.batch(batch_id), "state", "cancelled")
+        queue_of = _router(meta)
+        upto = int(self.meta(batch_id).get("submitted") or 0)  # (read after the state: the submitter stops)
+        cancelled = 0
+        for start in range(0, upto, CHUNK):
+            idx = list(range(start, min(upto, start + CHUNK)))
+            pipe = self.conn.pipeline(transaction=False)
+            for i in idx:
+                pipe.hexists(keys.batch_part(queue_of(i), batch_id) + ":r", i)
+            for i, has in zip(idx, pipe.execute(), strict=True):
+                if not has and cancel_call(gw, keys.call_id(queue_of(i), item_call_id(batch_id, i))):
+                    cancelled += 1
+        return cancelled
+
+    # -- submission ----------------------------------------------------------------------------
+
+    def submit(self, gw: Gateway, batch_id: str, items: Iterable[Any], *, resume: bool = False,
+               context: dict[str, Any] | None = None, stop: threading.Event | None = None) -> Progress:
+        """Send ``items`` (argument mappings) as the batch's calls, from item 0; returns the progress once
+        every item is sent (or the batch was cancelled). ``resume``: items with a result are skipped."""
+        meta = self.meta(batch_id)
+        if meta.get("state") == "cancelled":
+            raise HermesError(f"batch {batch_id} was cancelled", batch_id=batch_id)
+        Submitter(self, gw, batch_id, meta, resume=resume, context=context or {}, stop=stop).run(items)
+        return self.progress(batch_id)
+
+
+def _router(meta: dict[str, str]) -> Callable[[int], str]:
+    """Item index -> its queue (its partition, from the index, when the tool is split)."""
+    queues = meta["queues"].split(",")
+    return lambda i: queues[i % len(queues)]
+
+
+def batch_queues(spec: Any, settings: Any) -> list[str]:
+    """The queues a batch of ``spec``'s calls uses: its queue, or each partition with a share of the limit."""
+    queue = str(spec.config.get("queue") or "tools")
+    n = partitions.count(spec)
+    if n <= 1:
+        return [queue]
+    concurrency = spec.concurrency or settings.concurrency_for(spec.executor)
+    usable = n if concurrency < 0 else min(n, concurrency)
+    return [partitions.name(queue, n, i) for i in range(usable)]
+
+
+class Submitter:
+    """One pass over a batch's items: chunks of SUBMIT in one pipeline each, at most ``window`` unfinished."""
+
+    def __init__(self, store: BatchStore, gw: Gateway, batch_id: str, meta: dict[str, str], *, resume: bool,
+                 context: dict[str, Any], stop: threading.Event | None) -> None:
+        self.store, self.gw, self.id, self.meta = store, gw, batch_id, meta
+        self.conn = store.conn
+        self.resume = resume
+        self.context = context
+        self.stop = stop or threading.Event()
+        self.ttl = int(meta["ttl"])
+        self.window = max(1, int(meta["window"]))
+        self.entry = gw.directory.get(meta["tool"])
+        self.queue_of = _router(meta)
+        self.sent = 0  # the high-water mark: every item before it was accepted (or has a result)
+        self.cancelled = False
+
+    def channel(self, queue: str) -> str:
+        # Nobody listens per call: the batch's channel (sharded in the call's slot on a cluster).
+        return keys.caller_channel("batch." + self.id, keys.tag(queue) if self.gw.cluster else "")
+
+    def run(self, items: Iterable[Any]) -> None:
+        self.conn.hset(keys.batch(self.id), mapping={"state": "submitting"})
+        self.gw._ensure_workers(tuple(dict.fromkeys(partitions.base(q) for q in self.meta["queues"].split(","))))
+        chunk: list[tuple[int, Any]] = []
+        count = 0
+        for i, args in enumerate(items):
+            chunk.append((i, args))
+            count = i + 1
+            if len(chunk) >= min(CHUNK, self.window):
+                self.send(chunk)
+                chunk = []
+            if self.cancelled or self.stop.is_set():
+                return
+        if chunk:
+            self.send(chunk)
+        if self.cancelled or self.stop.is_set():
+            return
+        pipe = self.conn.pipeline(transaction=False)
+        pipe.hset(keys.batch(self.id), mapping={"total": count, "submitted": count})
+        pipe.hget(keys.batch(self.id), "state")
+        _, state = pipe.execute()
+        if text(state or b"") != "cancelled":
+            self.conn.hset(keys.batch(self.id), "state", "submitted")
+
+    def finished(self) -> int:
+        return sum(self.store.counts(self.id, self.meta["queues"].split(",")).values())
+
+    def make_room(self, n: int) -> None:
+        """Wait while more than ``window`` calls would be unfinished (the counters in Redis say)."""
+        delay = 0.01
+        while not self.stop.is_set() and self.sent + n - self.finished() > self.window:
+            if self.is_cancelled():
+                return
+            time.sleep(delay)
+            delay = min(POLL, delay * 2)
+
+    def is_cancelled(self) -> bool:
+        if text(self.conn.hget(keys.batch(self.id), "state") or b"") == "cancelled":
+            self.cancelled = True
+        return self.cancelled
+
+    def send(self, chunk: list[tuple[int, Any]]) -> None:
+        if self.resume:
+            chunk = self.unfinished(chunk)
+        self.make_room(len(chunk))
+        if self.is_cancelled():
+            return
+        prepared = []
+        for i, args in chunk:
+            queue = self.queue_of(i)
+            opts = {"call_id": item_call_id(self.id, i), "queue": partitions.base(queue),
+                    "partition_slot": i, "fairness_key": self.id, "call_class": "batch"}
+            try:
+                env = tool_envelope(self.entry, self.meta["tool"], args, opts, self.context, self.channel,
+                                    self.gw.settings)
+            except (InvalidArgs, TypeError) as e:
+                err = e if isinstance(e, HermesError) else InvalidArgs(str(e))
+                self.store.write_refused(self.id, queue, i, self.ttl, err)
+                continue
+            limits = tool_limits(env, self.entry.spec, self.gw.settings)
+            extra = (keys.F_BATCH, f"{self.ttl} {i} {keys.batch_part(env.queue, self.id)}")
+            prepared.append((env, limits, extra))
+        delay = 0.02
+        while prepared and not self.stop.is_set():
+            refused = self.submit(prepared)
+            if not refused:
+                break
+            prepared = refused
+            if self.is_cancelled():
+                return
+            time.sleep(delay)  # the queue is full: wait for room rather than fail the item
+            delay = min(0.5, delay * 2)
+        self.sent = chunk[-1][0] + 1 if chunk else self.sent
+        self.conn.hset(keys.batch(self.id), "submitted", self.sent)
+        if self.is_cancelled():  # cancelled while this chunk went out: its calls go too
+            self.store.cancel(self.gw, self.id)
+
+    def submit(self, prepared: list[Any]) -> list[Any]:
+        """SUBMIT ``prepared`` in one pipeline; returns the ones refused with QueueFull."""
+        pipe = self.conn.pipeline(transaction=False)
+        for env, limits, extra in prepared:
+            self.gw.calls.submit(env, pipeline=pipe, extra=extra, **limits)
+        queues = list(dict.fromkeys(env.queue for env, _, _ in prepared))
+        self.gw._wake(pipe, queues)
+        replies = pipes.execute(pipe)
+        self.gw._wake(None, queues)
+        refused = []
+        for item, reply in zip(prepared, replies, strict=False):
+            env, limits, _ = item
+            if isinstance(reply, Exception):
+                raise reply if isinstance(reply, HermesError) else HermesError(f"submission failed: {reply}")
+            try:
+                Calls.check_submit(reply, limits["ckey"], limits["queue_size"])
+            except QueueFull:
+                refused.append(item)
+        return refused
+
+    def unfinished(self, chunk: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+        """The items of ``chunk`` with no result yet (a resumed batch sends only those)."""
+        pipe = self.conn.pipeline(transaction=False)
+        for i, _ in chunk:
+            pipe.hexists(keys.batch_part(self.queue_of(i), self.id) + ":r", i)
+        return [item for item, has in zip(chunk, pipe.execute(), strict=True) if not has]
+
+
+class BatchJob:
+    """A batch seen from one process: ``gw.batch(...)`` (submitting in a thread) or ``gw.batch_job(id)``."""
+
+    def __init__(self, gw: Gateway, batch_id: str, thread: threading.Thread | None = None) -> None:
+        self.gw = gw
+        self.id = batch_id
+        self.store = BatchStore(gw.conn)
+        self._thread = thread
+        self.error: BaseException | None = None
+
+    def progress(self) -> Progress:
+        return self.store.progress(self.id)
+
+    def results(self, follow: bool = True) -> Iterator[Item]:
+        """Each item's outcome once, as the calls end, until the batch is complete."""
+        yield from self.store.results(self.id, follow=follow, stop=self._failed)
+        self._raise()
+
+    def cancel(self) -> int:
+        return self.store.cancel(self.gw, self.id)
+
+    def wait(self, timeout: float | None = None) -> Progress:
+        """Block until every item is sent and has ended (or ``timeout``); raises what stopped the submitter."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._raise()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self.store.wait(self.id, left)
+
+    def _failed(self) -> bool:
+        return self.error is not None
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class AsyncBatchJob:
+    """A :class:`BatchJob` for asyncio: the same model, its Redis reads run in worker threads."""
+
+    def __init__(self, job: BatchJob) -> None:
+        self.job = job
+        self.id = job.id
+
+    async def progress(self) -> Progress:
+        return await asyncio.to_thread(self.job.progress)
+
+    async def cancel(self) -> int:
+        return await asyncio.to_thread(self.job.cancel)
+
+    async def wait(self, timeout: float | None = None) -> Progress:
+        return await asyncio.to_thread(self.job.wait, timeout)
+
+    async def results(self, follow: bool = True) -> AsyncIterator[Item]:
+        """Each item's outcome once, as the calls end (read in worker threads, ``POLL`` apart when idle)."""
+        store, cursor = self.job.store, Cursor()
+        queues = (await asyncio.to_thread(store.meta, self.id))["queues"].split(",")
+        while True:
+            complete = (await self.progress()).complete if follow else True
+            items = await asyncio.to_thread(store.read, self.id, queues, cursor)
+            for item in items:
+                yield item
+            if not items:
+                if complete or self.job.error is not None:
+                    self.job._raise()
+                    return
+                await asyncio.sleep(POLL)
+
+
+def start(gw: Gateway, tool: str, items: Iterable[Any], *, window: int | None = None, ttl: int | None = None,
+          resume: str | None = None, background: bool = True, context: dict[str, Any] | None = None) -> BatchJob:
+    """Make (or, with ``resume``, take up again) a batch of ``tool`` over ``items`` and send them, in a
+    thread of its own when ``background``."""
+    store = BatchStore(gw.conn)
+    settings = gw.settings
+    if resume is not None:
+        meta = store.meta(resume)
+        if meta["tool"] != tool:
+            raise InvalidArgs(f"batch {resume} is a batch of {meta['tool']!r}, not {tool!r}")
+        if meta.get("state") == "cancelled":
+            raise InvalidArgs(f"batch {resume} was cancelled: it cannot be resumed", batch_id=resume)
+        batch_id = resume
+        # Submitting again from now (before the thread starts: a reader must not take it for complete).
+        store.conn.hset(keys.batch(batch_id), "state", "submitting")
+        store.conn.expire(keys.batch(batch_id), int(meta["ttl"]))
+    else:
+        entry = gw.directory.get(tool)
+        batch_id = store.create(
+            tool,
+            batch_queues(entry.spec, settings),
+            ttl=ttl or settings.batch.ttl,
+            window=window or settings.batch.window,
+            principal=(context or {}).get("principal"),
+        )
+    job = BatchJob(gw, batch_id)
+
+    def run() -> None:
+        try:
+            store.submit(gw, batch_id, items, resume=resume is not None, context=context)
+        except BaseException as e:  # handed to wait() / results() of this job
+            job.error = e
+
+    if background:
+        job._thread = threading.Thread(target=run, name=f"hermes-batch-{batch_id}", daemon=True)
+        job._thread.start()
+    else:
+        run()
+        job._raise()
+    return job

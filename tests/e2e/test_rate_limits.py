@@ -1,0 +1,212 @@
+"""Rate limits with real worker processes and the fake OpenAI-compatible server: what the provider
+receives stays within the limit across workers, one 429 pauses the fleet, tokens are settled and
+counted per principal, budgets and over-large estimates are refused with typed errors."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from broker import keys
+from broker.audit_store import AuditLog
+from broker.errors import BudgetExceeded, TokensOverLimit
+from broker.ratelimits import RateLimiter
+from tests.conftest import Home, wait_until
+from tests.llm_server import LLMServer, Reply
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "hermes-test"
+ASK = [{"role": "user", "content": "Say something"}]
+CKEY = f"llm:{MODEL}"
+
+
+def _config(home: Home, server: LLMServer, limit: dict[str, int], policy: dict[str, Any] | None = None) -> None:
+    home.config(
+        {
+            "model": {
+                "provider": "openai-compatible",
+                "base_url": server.base_url,
+                "api_key": "sk-test",
+                "model": MODEL,
+                "max_retries": 0,
+                "rate_limits": {MODEL: limit},
+            },
+            "executors": {"llm": {"concurrency": 50}},
+            **({"policy": policy} if policy else {}),
+        }
+    )
+
+
+@pytest.fixture
+def llm(home: Home) -> Iterator[LLMServer]:
+    with LLMServer(api_key="sk-test", model=MODEL) as server:
+        _config(home, server, {"requests_per_second": 5})
+        yield server
+
+
+def _most_in_window(times: list[float], window: float) -> int:
+    times = sorted(times)
+    best, lo = 0, 0
+    for hi, t in enumerate(times):
+        while times[lo] <= t - window:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return best
+
+
+def test_the_provider_never_sees_more_than_the_limit_from_two_workers(llm: LLMServer, gateway: Any, workers: Any) -> None:
+    workers(2, queues="llm")
+    handles = [gateway.call_llm({"messages": ASK}) for _ in range(16)]
+    for h in handles:
+        assert h.result(30)["choices"][0]["message"]["content"]
+    received = [r.received for r in llm.chat_requests]
+    assert len(received) == 16  # each call sent once
+    assert _most_in_window(received, 1.0) <= 5  # 5 per second, counted where the provider counts
+    assert received[-1] - received[0] >= 2.0  # (16 calls at 5/s need three windows: they waited)
+
+
+def test_one_429_pauses_the_fleet_and_the_refused_call_waits_instead_of_retrying(
+    llm: LLMServer, gateway: Any, workers: Any
+) -> None:
+    workers(2, queues="llm")
+    llm.script(Reply(status=429, error="slow down", headers={"Retry-After": "1.5"}))
+    first = gateway.call_llm({"messages": ASK})
+    limiter = RateLimiter(gateway.conn)
+    row = wait_until(lambda: [r for r in limiter.snapshot(["llm"]) if r["paused_until"]], message="the pause")[0]
+    until = row["paused_until"]
+    rest = [gateway.call_llm({"messages": ASK}) for _ in range(4)]
+    for h in [first, *rest]:
+        assert h.result(30)["choices"][0]["message"]["content"]
+    received = [r.received for r in llm.chat_requests]
+    assert len(received) == 6  # the 429, then each call once: no retry burst
+    assert sum(1 for t in received if t < until - 0.01) == 1  # nothing else reached it during the pause
+    # The refused call went back to waiting (no attempt lost in its own retry loop): it ran again.
+    evs = list(first.events(timeout=5))
+    back = [e for e in evs if e.state == "retrying"]
+    assert back and back[0].detail["reason"] == "rate_limited"
+
+
+def test_tokens_are_settled_with_the_usage_and_counted_per_principal(
+    home: Home, redis_url: str, workers: Any
+) -> None:
+    from hermes_gateway.client import Gateway
+
+    with LLMServer(api_key="sk-test", model=MODEL) as server:
+        _config(
+            home, server, {"tokens_per_minute": 3000},
+            policy={"principals": {"alice": {"daily_tokens": 3}}},
+        )
+        gw = Gateway.connect(redis_url, home=str(home.path), embedded_ok=False, check_workers=False)
+        try:
+            with pytest.raises(TokensOverLimit) as over:
+                gw.call_llm({"messages": ASK, "max_tokens": 5000})
+            assert over.value.details["limit"] == 3000
+            workers(1, queues="llm")
+            # Each reserves ~1,000 (max_tokens 1,000 + the prompt) and uses a few: all run within the
+            # minute, which three reservations alone would not allow without the settle-back.
+            handles = [gw.call_llm({"messages": ASK, "max_tokens": 1000}, principal="bob") for _ in range(5)]
+            for h in handles:
+                h.result(20)
+            h = gw.call_llm({"messages": ASK}, principal="alice")
+            h.result(20)
+            with pytest.raises(BudgetExceeded):  # alice's 3 tokens a day are spent by one call
+                gw.call_llm({"messages": ASK}, principal="alice").result(20)
+            record = AuditLog(gw.conn).get(h.call_id)
+            assert record is not None and record.usage and record.usage["in"] > 0
+            day = time.strftime("%Y-%m-%d", time.gmtime())
+            assert int(gw.conn.get(keys.usage_day(day, "alice"))) == record.usage["in"] + record.usage["out"]
+
+            def counted() -> bool:
+                stats = {k.decode(): v for k, v in gw.conn.hgetall(keys.STATS).items()}
+                return f"tokens|bob|{MODEL}|in" in stats and int(stats[f"pcalls|bob|llm|{MODEL}"]) == 5
+
+            wait_until(counted, message="the usage in hermes:stats")
+            # Operators see the limiter and each principal's tokens: status, the console, /metrics.
+            from hermes_gateway.console_data import snapshot
+            from hermes_gateway.serve_metrics import GatewayMetrics
+            from hermes_gateway.views import flow_control_data
+
+            [row] = flow_control_data(gw.conn)["rate_limits"]
+            assert row["key"] == CKEY and row["limits"] == {"tokens_per_minute": 3000} and row["waiting"] == 0
+            assert 0 <= row["left"]["tokens_per_minute"] < 3000  # what the last minute's calls used
+            usage = {(u["principal"], u["name"]): u for u in snapshot(gw)["usage"]}
+            assert usage[("bob", CKEY)]["calls"] == 5 and usage[("bob", CKEY)]["tokens_out"] > 0
+            metrics = GatewayMetrics(gw)
+            try:
+                text = metrics.render().decode()
+            finally:
+                metrics.close()
+            tokens = [line for line in text.splitlines() if line.startswith("hermes_llm_tokens_total{")]
+            assert any(f'direction="in",model="{MODEL}",' in t and 'principal="bob"' in t for t in tokens), tokens
+            assert "hermes_rate_limit" in text and 'hermes_rate_kind="tokens_per_minute"' in text
+        finally:
+            gw.close()
+
+
+def test_a_tool_rate_limit_holds_across_workers_and_queue_partitions(gateway: Any, workers: Any) -> None:
+    gateway.register_tool(
+        {
+            "name": "limited", "executor": "python", "function": "workers.executors.builtin:echo",
+            "concurrency": 100, "queue_partitions": 2, "rate_limit": {"requests_per_second": 6},
+        }
+    )
+    workers(2)
+    handles = [gateway.call_tool("limited", {"i": i}) for i in range(18)]
+    for h in handles:
+        h.result(30)
+    started = [
+        e.ts for h in handles for e in h.events(timeout=5) if e.type == "transition" and e.state == "executing"
+    ]
+    assert len(started) == 18
+    # 6 a second, split 3 + 3 over the two partitions (each its own slot), so exact in sum.
+    assert _most_in_window(started, 1.0) <= 6
+    assert max(started) - min(started) >= 1.9  # 18 calls at 6/s: three windows
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from tests.redis_stack import ClusterStack
+
+    with ClusterStack(3, tmp_path_factory.mktemp("rate-e2e-cluster")) as c:
+        yield c
+
+
+def test_a_tool_rate_limit_holds_with_real_workers_on_a_cluster(
+    cluster: Any, home: Home, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hermes_gateway.client import Gateway
+    from tests.conftest import WorkerFactory
+
+    for port in cluster.ports:
+        cluster.node(port).flushall()
+    monkeypatch.setenv("HERMES_REDIS_URL", cluster.url())
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    factory = WorkerFactory(cluster.url(), home, logs)
+    gw = Gateway.connect(cluster.url(), home=str(home.path), embedded_ok=False, check_workers=False)
+    try:
+        gw.register_tool(
+            {
+                "name": "limited", "executor": "python", "function": "workers.executors.builtin:echo",
+                "concurrency": 100, "queue_partitions": 3, "rate_limit": {"requests_per_second": 6},
+            }
+        )
+        factory(2)
+        handles = [gw.call_tool("limited", {"i": i}) for i in range(18)]
+        for h in handles:
+            h.result(30)
+        started = [
+            e.ts for h in handles for e in h.events(timeout=5) if e.type == "transition" and e.state == "executing"
+        ]
+        assert len(started) == 18 and _most_in_window(started, 1.0) <= 6  # 2 per partition, three shards
+        assert max(started) - min(started) >= 1.9
+    finally:
+        gw.close()
+        factory.stop_all()
+    for w in factory.started:
+        bad = [line for line in w.log().splitlines() if "transition not written" in line or "outbox batch failed" in line]
+        assert bad == [], bad[:3]
