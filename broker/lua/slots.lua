@@ -30,15 +30,19 @@ end
 -- One more call of (class c, key k) waits in `set` (`n`: its key's count before, `last` its last tag,
 -- both from the fair hash); `score` '' = the key's next turn, else that place ('first' = before every
 -- waiting call, as a call handed back goes). `extra`: more fields to write to the hash.
+-- A key with calls waiting has its last tag at or past the head (its calls are in line): no head to read.
 local function fair_wait(fair, set, c, k, inc, score, now, n, last, call_id, extra)
-  local head = redis.call('ZRANGE', set, 0, 0, 'WITHSCORES')
   local tag
   if score == 'first' then
+    local head = redis.call('ZRANGE', set, 0, 0, 'WITHSCORES')
     tag = (tonumber(head[2]) or now) - 1
     redis.call('HSET', fair, 'n:' .. c .. ':' .. k, n + 1, unpack(extra))
   else
-    local base = tonumber(head[2]) or now
-    if last and last > base then base = last end
+    local base = last
+    if n == 0 or not base then
+      local head = redis.call('ZRANGE', set, 0, 0, 'WITHSCORES')
+      base = tonumber(head[2]) or now
+    end
     tag = base + inc
     redis.call('HSET', fair, 'n:' .. c .. ':' .. k, n + 1, 'l:' .. c .. ':' .. k, tag, unpack(extra))
   end
@@ -57,21 +61,24 @@ local function fair_left(fair, wi, wb, c, k)
 end
 -- The next waiting call to promote (nil when none), read only: the class by the batch credit when both
 -- wait, then the lowest tag of that class; {id, class, its set, the credit to store (false: none)}.
+-- (Nobody waiting costs one EXISTS; one class waiting, EXISTS and a ZRANGE.)
 local function next_fair(wi, wb, fair)
+  local sets = redis.call('EXISTS', wi, wb)
+  if sets == 0 then return nil end
   local c, set, credit = 'i', wi, false
-  if redis.call('ZCARD', wb) > 0 then
-    if redis.call('ZCARD', wi) == 0 then
+  if sets == 2 then
+    local f = redis.call('HMGET', fair, 'cr', 'sh')
+    credit = (tonumber(f[1]) or 0) + (tonumber(f[2]) or DEFAULT_SHARE)
+    if credit >= SHARE_SCALE then
       c, set = 'b', wb
-    else
-      local f = redis.call('HMGET', fair, 'cr', 'sh')
-      credit = (tonumber(f[1]) or 0) + (tonumber(f[2]) or DEFAULT_SHARE)
-      if credit >= SHARE_SCALE then
-        c, set = 'b', wb
-        credit = credit - SHARE_SCALE
-      end
+      credit = credit - SHARE_SCALE
     end
   end
   local top = redis.call('ZRANGE', set, 0, 0)
+  if #top == 0 and sets == 1 then
+    c, set = 'b', wb
+    top = redis.call('ZRANGE', set, 0, 0)
+  end
   if #top == 0 then return nil end
   return {top[1], c, set, credit}
 end
@@ -97,14 +104,15 @@ local function promote(slots, wi, wb, fair, queue, limit, wake_channel, job_pref
   end
   if moved then redis.call('PUBLISH', wake_channel, '') end
 end
--- A call leaves waiting without being promoted (cancelled, failed): out of its class's set and counts.
-local function unwait(wi, wb, fair, call_id, fkey)
+-- A call leaves waiting without being promoted (cancelled, failed): out of its class's set and counts
+-- (`job`: its record, for its fairness key).
+local function unwait(wi, wb, fair, call_id, job)
   local c = 'i'
   if redis.call('ZREM', wi, call_id) == 0 then
     if redis.call('ZREM', wb, call_id) == 0 then return end
     c = 'b'
   end
-  fair_left(fair, wi, wb, c, fkey or '')
+  fair_left(fair, wi, wb, c, redis.call('HGET', job, 'h_fkey') or '')
 end
 -- Admit an accepted call again (a retry): a free slot when nobody waits, else it waits in its class at
 -- `score` ('' = its key's next turn, at weight 1; 'first' = before every waiting call).

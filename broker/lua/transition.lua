@@ -74,7 +74,7 @@ local rate = nil
 if release == '1' or requeue == '1' then rate = rate_of(KEYS[11], KEYS[12], KEYS[13], ckey) end
 if release == '1' then
   if st == 'pending' then  -- (only a pending call waits)
-    unwait(KEYS[4], KEYS[9], KEYS[10], call_id, redis.call('HGET', KEYS[1], 'h_fkey'))
+    unwait(KEYS[4], KEYS[9], KEYS[10], call_id, KEYS[1])
   end
   rate_settle(rate, call_id, used, state == 'done' or state == 'failed' or state == 'cancelled')
   if redis.call('ZREM', KEYS[5], call_id) == 1 then
