@@ -28,8 +28,11 @@ $(DEVSTAMP): $(STAMP)
 demo: $(STAMP)
 	$(BIN)/hermes-gateway demo
 
+# Two pytest-xdist workers (each on its own Redis database: tests/conftest.py); tests that must not share the
+# machine with another run carry @pytest.mark.xdist_group and run in one worker (--dist loadgroup).
+TEST_WORKERS ?= 2
 test: $(DEVSTAMP)
-	$(BIN)/python -m tests.ensure_redis -- $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m tests.ensure_redis -- $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: $(DEVSTAMP)
 	$(BIN)/ruff check .
