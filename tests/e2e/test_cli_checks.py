@@ -113,6 +113,9 @@ def test_serve_on_a_taken_port_says_so_before_starting_anything(home: Any) -> No
     assert out.returncode == 2, out.stderr
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in out.stderr
     assert "stop --all" in out.stderr and "broker:" not in out.stderr and "console and API" not in out.stderr
+    # stop --all finds the processes of one HERMES_HOME: the message names the one it looked in.
+    assert f"no gateway process of HERMES_HOME {home.path} holds it (looked in {home.path / 'run'})" in out.stderr
+    assert "--home THAT_HOME stop --all" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 def test_console_spans_go_to_stderr_so_stdout_is_the_result(home: Any) -> None:
