@@ -264,6 +264,30 @@ def test_mcp_add_imports_every_tool_of_a_real_server(
     assert bad.exit_code == 1 and "nowhere:" in bad.output
 
 
+def test_mcp_add_refuses_to_replace_a_tool_of_another_origin_without_force(
+    redis_url: str, home: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HERMES_REDIS_URL", redis_url)
+    command = f"{sys.executable} {MCP_SERVER} stdio"
+    d = Directory(__import__("redis").Redis.from_url(redis_url))
+    d.register(check_spec(_py("t_greet")))  # a local tool in the shared directory
+    home.echo_tool("t_add")  # and a spec file every command loads (it would put its own t_add back)
+    runner = CliRunner()
+    refused = runner.invoke(main, ["mcp", "add", "test", "--command", command, "--prefix", "t_"])
+    assert refused.exit_code == 1, refused.output
+    assert "a tool named 't_greet' exists (python, not from MCP server 'test')" in refused.output
+    assert f"{home.tools_dir / 't_add.yaml'} defines a tool 't_add'" in refused.output
+    assert "--force" in refused.output and "nothing imported" in refused.output
+    assert d.fetch("t_greet").spec.executor == "python" and d.fetch("t_fail") is None  # nothing changed
+    # The server's own tools again are not "another origin"; --force replaces the others.
+    forced = runner.invoke(main, ["mcp", "add", "test", "--command", command, "--prefix", "t_", "--force"])
+    assert forced.exit_code == 0, forced.output
+    d.invalidate()
+    assert d.fetch("t_greet").spec.executor == "mcp" and d.fetch("t_fail") is not None
+    again = runner.invoke(main, ["mcp", "add", "test", "--command", command, "--prefix", "t_"])
+    assert again.exit_code == 1 and "t_add" in again.output and "t_greet" not in again.output, again.output
+
+
 def test_mcp_list_and_remove_work_by_server_and_leave_other_tools_alone(
     redis_url: str, home: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
