@@ -3,7 +3,9 @@ traceback; the seed's unquoted ``body_template`` in config.yaml; a taken port fo
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -134,6 +136,23 @@ steps:
     args: {who: "{{ args.who }}"}
 result: "{{ steps.say.result.who }}"
 """
+
+
+def test_the_readmes_flow_file_runs_as_printed(home: Any, tmp_path: Path) -> None:
+    import re
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if b.startswith("# greet.yaml"))
+    (home.tools_dir / "hello.yaml").write_text((ROOT / "examples" / "tools" / "hello.yaml").read_text())
+    (tmp_path / "greet.yaml").write_text(block)
+    command = block.splitlines()[0].split(": ", 1)[1]  # the command its first comment line gives
+    argv = shlex.split(command)
+    assert argv[:3] == ["hermes-gateway", "flow", "run"]
+    out = subprocess.run([CLI, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=90,
+                         env={**{k: v for k, v in os.environ.items() if not k.startswith("HERMES_")},
+                              "HERMES_HOME": str(home.path)})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"first": "Hello, Ada!", "others": ["Hello, Bob!", "Hello, Carol!"]}
 
 
 def test_flow_args_take_the_yaml_form_a_file_or_stdin_and_a_failed_flow_prints_no_result(
