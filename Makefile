@@ -28,9 +28,11 @@ $(DEVSTAMP): $(STAMP)
 demo: $(STAMP)
 	$(BIN)/hermes-gateway demo
 
-# Two pytest-xdist workers (each on its own Redis database: tests/conftest.py); tests that must not share the
-# machine with another run carry @pytest.mark.xdist_group and run in one worker (--dist loadgroup).
-TEST_WORKERS ?= 2
+# Four pytest-xdist workers, each on its own Redis database (tests/conftest.py: db 9 to 12 by default); most
+# end-to-end tests wait on processes, so four overlap well on two cores. A module whose tests share what
+# one of them builds (a hermes-agent venv) carries @pytest.mark.xdist_group: one worker runs it all
+# (--dist loadgroup). TEST_WORKERS=1 for one process; HERMES_TEST_REDIS_URL sets the first database.
+TEST_WORKERS ?= 4
 test: $(DEVSTAMP)
 	$(BIN)/python -m tests.ensure_redis -- $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
