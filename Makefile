@@ -28,8 +28,13 @@ $(DEVSTAMP): $(STAMP)
 demo: $(STAMP)
 	$(BIN)/hermes-gateway demo
 
+# Four pytest-xdist workers, each on its own Redis database (tests/conftest.py: db 9 to 12 by default); most
+# end-to-end tests wait on processes, so four overlap well on two cores. A module whose tests share what
+# one of them builds (a hermes-agent venv) carries @pytest.mark.xdist_group: one worker runs it all
+# (--dist loadgroup). TEST_WORKERS=1 for one process; HERMES_TEST_REDIS_URL sets the first database.
+TEST_WORKERS ?= 4
 test: $(DEVSTAMP)
-	$(BIN)/python -m tests.ensure_redis -- $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m tests.ensure_redis -- $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: $(DEVSTAMP)
 	$(BIN)/ruff check .

@@ -27,12 +27,13 @@ from broker import durability, keys, partitions, scripts
 from broker.calls import Calls
 from broker.codec import pack, unpack
 from broker.config import Settings, load_settings
-from broker.connection import BrokerHandle, answered, async_from_url, connect, is_cluster, subscriber
-from broker.directory import Entry, readable
+from broker.connection import BrokerHandle, answered, async_from_url, is_cluster, subscriber
+from broker.directory import Directory, Entry, readable
 from broker.envelope import Envelope
 from broker.errors import (
     CallFailed,
     HermesError,
+    InvalidSpec,
     QueueFull,
     UnknownTool,
 )
@@ -41,6 +42,8 @@ from broker.states import TERMINAL, State
 from broker.toolspec import ToolSpec
 from hermes_gateway.aio_events import AsyncEvents
 from hermes_gateway.aio_handle import AsyncBatch, AsyncCallHandle
+from hermes_gateway.client import find_broker, register_dir
+from hermes_gateway.client_workers import WorkerCheck
 from hermes_gateway.envelopes import (
     check_batch_keys,
     check_llm_request,
@@ -62,14 +65,23 @@ class AsyncGateway(AsyncEvents):
     """An asyncio client of the gateway: one connection, one event channel, one pub/sub task."""
 
     def __init__(
-        self, conn: aioredis.Redis, settings: Settings, *, broker: BrokerHandle | None = None, url: str | None = None
+        self,
+        conn: aioredis.Redis,
+        settings: Settings,
+        *,
+        broker: BrokerHandle | None = None,
+        url: str | None = None,
+        check_workers: bool = False,
     ) -> None:
         self.conn = conn
         self.url = url or (broker.url if broker is not None else None)  # (batches run on a threaded client)
         self._batches: Any = None  # that client, made on the first batch
         self.settings = settings
         durability.check_supported(conn, settings)
-        self.broker = broker  # the embedded broker this client started, if any
+        self.broker = broker  # the broker connect() found (closed with this client), if it made one
+        # The same worker check as Gateway's (NoWorkers, or a worker started on an embedded broker of our
+        # own), on the broker's sync connection, run in a thread when a queue is not trusted yet.
+        self._workers = WorkerCheck(broker, settings, check_workers) if broker is not None else None
         self.client_id = uuid.uuid4().hex
         self.channel = keys.caller_channel(self.client_id)
         self.cluster = is_cluster(conn)
@@ -87,18 +99,20 @@ class AsyncGateway(AsyncEvents):
 
     @classmethod
     async def connect(
-        cls, url: str | None = None, *, home: str | None = None, embedded_ok: bool = True
+        cls, url: str | None = None, *, home: str | None = None, embedded_ok: bool = True, check_workers: bool = True
     ) -> AsyncGateway:
-        """Connect to ``url`` / ``$HERMES_REDIS_URL`` (else start the embedded broker) and subscribe."""
+        """Find the broker exactly as ``Gateway.connect`` does (``find_broker``) and subscribe; with
+        ``check_workers`` a call to a queue no worker listens on raises ``NoWorkers`` as it does there."""
         settings = load_settings(home)
-        url = url or settings.broker.url
-        broker = None
-        if not url:
-            broker = connect(None, embedded_ok=embedded_ok)  # starting a child process: once, up front
-            url = broker.url
-        conn = await async_from_url(url)
-        gw = cls(conn, settings, broker=broker, url=url)
-        await gw.start()
+        # (may start a child process, the embedded broker: once, up front)
+        broker = await asyncio.to_thread(find_broker, settings, url, embedded_ok=embedded_ok)
+        try:
+            conn = await async_from_url(broker.url)
+            gw = cls(conn, settings, broker=broker, url=broker.url, check_workers=check_workers)
+            await gw.start()
+        except BaseException:
+            broker.close()
+            raise
         return gw
 
     async def start(self) -> None:
@@ -128,6 +142,8 @@ class AsyncGateway(AsyncEvents):
         await self.conn.aclose()
         if self._batches is not None:
             await asyncio.to_thread(self._batches.close)
+        if self._workers is not None:
+            await asyncio.to_thread(self._workers.close)
         if self.broker is not None:
             self.broker.close()
 
@@ -183,6 +199,13 @@ class AsyncGateway(AsyncEvents):
             if generation == self._tools_gen:
                 self._tools[name] = entry
         return entry
+
+    async def sync_tools(self, path: Any = None, errors: list[InvalidSpec] | None = None) -> list[tuple[str, int, bool]]:
+        """Register every spec file of ``$HERMES_HOME/tools`` (or ``path``), as ``Gateway.sync_tools``."""
+        if self.broker is None:
+            raise HermesError("sync_tools needs a gateway made by AsyncGateway.connect()")
+        directory = Directory(self.broker.conn)
+        return await asyncio.to_thread(register_dir, directory, path or self.settings.tools_dir, errors)
 
     async def tools(self) -> list[Entry]:
         """Every directory entry, sorted by name."""
@@ -259,7 +282,14 @@ class AsyncGateway(AsyncEvents):
             send.describe(env)
             return await self._submit(env, limits)
 
+    async def _ensure_workers(self, queues: Iterable[str]) -> None:
+        """NoWorkers for a queue no worker listens on, as ``Gateway`` (the same check, in a thread)."""
+        queues = tuple(dict.fromkeys(partitions.base(q) for q in queues))
+        if self._workers is not None and self._workers._unchecked(queues):
+            await asyncio.to_thread(self._workers._ensure_workers, queues)
+
     async def _submit(self, env: Envelope, limits: dict[str, Any]) -> AsyncCallHandle:
+        await self._ensure_workers((env.queue,))
         handle = self._track(AsyncCallHandle(self, env.call_id, env.name, env.kind))
         try:
             await self._subscribed()
@@ -329,6 +359,12 @@ class AsyncGateway(AsyncEvents):
             env = tool_envelope(entry, name, args, item_opts(opts, idempotency_keys, i), common, self._channel_of, self.settings)
             handle = self._track(AsyncCallHandle(self, env.call_id, name))
             prepared.append((env, tool_limits(env, entry.spec, self.settings), handle))
+        try:
+            await self._ensure_workers(env.queue for env, _, _ in prepared)
+        except BaseException:
+            for env, _, _ in prepared:
+                self._handles.pop(env.call_id, None)
+            raise
         await self._subscribed()
         await self._list(dict.fromkeys(env.queue for env, _, _ in prepared))
         pipe = self.conn.pipeline(transaction=False)

@@ -30,11 +30,16 @@ def _listen(host: str, port: int, home: Any) -> Any:
         sock.bind(address)
     except OSError as e:
         sock.close()
-        holders = [f" (by {x.describe()})" for x in runfiles.entries(home) if x.port == port and x.is_ours()]
-        _fail(
-            f"cannot listen on {host}:{port}: {e.strerror}{holders[0] if holders else ''}; "
-            "`hermes-gateway stop --all` stops this machine's gateway processes, or pick another --port"
-        )
+        holders = [x.describe() for x in runfiles.entries(home) if x.port == port and x.is_ours()]
+        if holders:
+            hint = f" (by {holders[0]}); `hermes-gateway stop --all` stops it, or pick another --port"
+        else:  # stop --all finds the processes of one HERMES_HOME: say which one was looked in
+            run = runfiles.run_dir(home)
+            hint = (
+                f"; no gateway process of HERMES_HOME {run.parent} holds it (looked in {run}): pick another "
+                "--port, or if it is the serve of another home, stop it with `hermes-gateway --home THAT_HOME stop --all`"
+            )
+        _fail(f"cannot listen on {host}:{port}: {e.strerror}{hint}")
     sock.listen(2048)
     return sock
 

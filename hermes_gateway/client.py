@@ -40,6 +40,33 @@ log = structlog.get_logger("hermes.client")
 SUBMIT_CHUNK = 100  # calls per pipelined round trip in submit_many
 
 
+def find_broker(settings: Settings, url: str | None = None, *, embedded_ok: bool = True) -> BrokerHandle:
+    """The broker of a client (``Gateway.connect`` and ``AsyncGateway.connect`` alike), as the commands find
+    theirs: ``url`` / ``$HERMES_REDIS_URL`` / ``broker.url``; else the embedded broker of the ``serve`` or
+    ``worker`` of the same ``$HERMES_HOME`` running here; else (``embedded_ok``) an embedded broker of its own."""
+    url = url or settings.broker.url
+    if url is None and embedded_ok:
+        from hermes_gateway.local import connect_local
+
+        return connect_local(settings)[0]
+    return connect(url, embedded_ok=embedded_ok)
+
+
+def register_dir(directory: Directory, path: Any, errors: list[InvalidSpec] | None = None) -> list[tuple[str, int, bool]]:
+    """Register every spec file of ``path`` in ``directory`` (``sync_tools`` of both clients); a file that
+    does not load is skipped: it goes to ``errors`` when given, else it is logged as a warning."""
+    from pathlib import Path
+
+    from workers.specs import sync_dir
+
+    bad: list[InvalidSpec] = [] if errors is None else errors
+    done = sync_dir(directory, Path(path), bad)
+    if errors is None:
+        for e in bad:
+            log.warning("tool spec skipped", error=str(e))
+    return done
+
+
 class Gateway(ClientEvents, ClientWorkers):
     """A client of the gateway: one connection, one event channel, many calls in flight."""
 
@@ -92,14 +119,7 @@ class Gateway(ClientEvents, ClientWorkers):
         waiting for one (off: it waits, pending, as on a queue whose workers are still starting).
         """
         settings = load_settings(home)
-        url = url or settings.broker.url
-        if url is None and embedded_ok:
-            from hermes_gateway.local import connect_local
-
-            handle, _ = connect_local(settings)
-        else:
-            handle = connect(url, embedded_ok=embedded_ok)
-        return cls(handle, settings, check_workers=check_workers)
+        return cls(find_broker(settings, url, embedded_ok=embedded_ok), settings, check_workers=check_workers)
 
     def __enter__(self) -> Gateway:
         return self
@@ -143,16 +163,7 @@ class Gateway(ClientEvents, ClientWorkers):
         A file that does not load is skipped, so one bad file leaves the others usable: it goes to
         ``errors`` when given, else it is logged as a warning.
         """
-        from pathlib import Path
-
-        from workers.specs import sync_dir
-
-        bad: list[InvalidSpec] = [] if errors is None else errors
-        done = sync_dir(self.directory, Path(path) if path else self.settings.tools_dir, bad)
-        if errors is None:
-            for e in bad:
-                log.warning("tool spec skipped", error=str(e))
-        return done
+        return register_dir(self.directory, path or self.settings.tools_dir, errors)
 
     def tool(self, name: str) -> Entry:
         return self.directory.get(name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from broker import keys
@@ -55,6 +56,12 @@ class ClientWorkers:
                 queue=queue,
             )
 
+    def _unchecked(self, queues: Iterable[str]) -> bool:
+        """Whether ``_ensure_workers(queues)`` has anything to ask the broker (no I/O: the async client
+        runs the check in a thread only then)."""
+        now = time.monotonic()
+        return self.check_workers and any(self._workers_seen.get(q, 0.0) <= now for q in queues)
+
     def _ensure_workers(self, queues: tuple[str, ...]) -> None:
         """With ``check_workers``: NoWorkers for a queue no worker listens on — or, on an embedded broker
         of our own, a worker started for it. A queue seen served is trusted for a few seconds."""
@@ -72,3 +79,24 @@ class ClientWorkers:
                     self._own_workers += start_workers(self.broker.url, self.settings, (queue,))
                     wait_for_heartbeats(self, 1, queues=(queue,))  # type: ignore[arg-type]
                 self._workers_seen[queue] = time.monotonic() + WORKERS_TRUSTED
+
+
+class WorkerCheck(ClientWorkers):
+    """The worker check on its own, over a broker's sync connection: ``AsyncGateway`` runs it (in a thread)
+    exactly as ``Gateway`` does, and stops the workers it started with ``close()``."""
+
+    def __init__(self, broker: BrokerHandle, settings: Settings, check_workers: bool) -> None:
+        self.broker = broker
+        self.conn = broker.conn
+        self.settings = settings
+        self.check_workers = check_workers
+        self._workers_seen = {}
+        self._own_workers = []
+        self._workers_lock = threading.Lock()
+
+    def close(self) -> None:
+        if self._own_workers:
+            from workers.pool import stop_all
+
+            stop_all(self._own_workers)
+            self._own_workers = []

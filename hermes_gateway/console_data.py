@@ -158,13 +158,20 @@ def breaker_cooldowns(settings: Any, entries: list[Any]) -> dict[str, float]:
     return out
 
 
-def slots(conn: Any, settings: Any, entries: list[Any]) -> list[dict[str, Any]]:
+def slots(
+    conn: Any, settings: Any, entries: list[Any], served: set[str] | None = None
+) -> list[dict[str, Any]]:
     """Per concurrency key: its limit, calls executing, slots held and calls waiting; every tool of the
-    directory has a row (with its effective limit) even while idle, when Redis keeps no limit for it."""
+    directory has a row (with its effective limit) even while idle, when Redis keeps no limit for it.
+
+    ``served``: the queues some live worker listens on. A tool's row with calls held or waiting on a queue
+    outside it says ``no_worker`` (the queue): no worker is the cause then, not the limit."""
     rows = {row["key"]: row for row in Limits(conn).snapshot()}
+    queue_of: dict[str, str] = {}
     for entry in entries:
         spec = entry.spec
         key = f"tool:{spec.name}"
+        queue_of[key] = str(spec.config.get("queue") or "tools")
         limit = spec.concurrency or settings.concurrency_for(spec.executor)
         rows.setdefault(key, {"key": key, "limit": limit, "running": 0, "waiting": 0})
     running = inflight(conn)
@@ -172,8 +179,13 @@ def slots(conn: Any, settings: Any, entries: list[Any]) -> list[dict[str, Any]]:
         rows.setdefault(ckey, {"key": ckey, "limit": -1, "running": n, "waiting": 0})
     for row in rows.values():
         row["executing"] = running.get(row["key"], 0)
-        # The limit is what holds calls back: every slot taken and calls waiting for one.
-        row["bottleneck"] = row["limit"] >= 0 and row["running"] >= row["limit"] and row["waiting"] > 0
+        queue = queue_of.get(row["key"])
+        busy = row["running"] > 0 or row["waiting"] > 0
+        row["no_worker"] = queue if served is not None and queue and busy and queue not in served else None
+        # The limit is what holds calls back: every slot taken and calls waiting for one (with workers).
+        row["bottleneck"] = (
+            not row["no_worker"] and row["limit"] >= 0 and row["running"] >= row["limit"] and row["waiting"] > 0
+        )
     return sorted(rows.values(), key=lambda r: r["key"])
 
 
@@ -191,16 +203,18 @@ def snapshot(gw: Any) -> dict[str, Any]:
     stats = read_stats(conn)
     calls = call_figures(stats)
     entries = gw.directory.all()
+    live = workers(conn, gw.settings.workers.lease, now)
+    served = {q for w in live if not w["late"] for q in w["queues"]}
     return {
         "ts": now,
         "calls": calls["states"],
         "by_tool": calls["by_tool"],
         "latency": calls["latency"],
         "queues": queue_depths(conn),
-        "limits": slots(conn, gw.settings, entries),
+        "limits": slots(conn, gw.settings, entries, served),
         "rate_limits": rate_limits(conn),
         "usage": usage_figures(stats),
-        "workers": workers(conn, gw.settings.workers.lease, now),
+        "workers": live,
         "breakers": breakers(conn, breaker_cooldowns(gw.settings, entries)),
         "batches": batches(conn),
         "scheduled_retries": Limits(conn).scheduled(),  # (per queue: every queue has its own set)

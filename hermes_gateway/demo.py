@@ -2,7 +2,9 @@
 
 The broker is ``HERMES_REDIS_URL``, else the embedded broker of a ``hermes-gateway serve`` (or ``worker``)
 of the same ``$HERMES_HOME`` running here, so its console shows the demo's calls; else an embedded broker
-of its own, which ends with the demo.
+of its own, which ends with the demo. On a broker it shares, the demo touches nothing of the user's: its
+tools have names of their own (``demo_*``) on a queue of their own, and it leaves nothing running behind
+it: its unfinished calls are cancelled (Ctrl-C, an error) and its tools removed before its workers stop.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from hermes_gateway.local import connect_local, wait_for_heartbeats
 from workers.pool import spawn, stop_all
 
 QUEUE = "demo"
+HELLO, WEATHER = "demo_hello", "demo_get_weather"  # (a tool name is [A-Za-z0-9_-]: OpenAI's function names)
+LEAVE_WITHIN = 15.0  # seconds the demo waits for its cancelled calls to end before it stops its workers
 
 DEMO_TOOLS: list[dict[str, Any]] = [
     {
-        "name": "hello",
+        "name": HELLO,
         "description": "Greet someone by name",
         "executor": "command",
         "command": "echo Hello, {{name}}!",
@@ -37,7 +41,7 @@ DEMO_TOOLS: list[dict[str, Any]] = [
         "queue": QUEUE,
     },
     {
-        "name": "get_weather",
+        "name": WEATHER,
         "description": "查询指定城市的实时天气情况",
         "executor": "python",
         "function": "hermes_gateway.demo_tools:weather",
@@ -61,11 +65,11 @@ def _batch(n: int, rng: random.Random) -> list[tuple[str, dict[str, Any]]]:
     out: list[tuple[str, dict[str, Any]]] = []
     for i in range(n):
         if i % 4 == 0:
-            out.append(("hello", {"name": rng.choice(NAMES)}))
+            out.append((HELLO, {"name": rng.choice(NAMES)}))
         elif i % 50 == 7:
-            out.append(("get_weather", {"city": ATLANTIS}))  # fails on purpose: no such station
+            out.append((WEATHER, {"city": ATLANTIS}))  # fails on purpose: no such station
         else:
-            out.append(("get_weather", {"city": rng.choice(CITIES), "unit": rng.choice(["celsius", "fahrenheit"])}))
+            out.append((WEATHER, {"city": rng.choice(CITIES), "unit": rng.choice(["celsius", "fahrenheit"])}))
     return out
 
 
@@ -88,6 +92,7 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
     # The children's environment: ours, logging errors only (failures show in the summary, not as log lines).
     env = dict(os.environ, HERMES_LOG_LEVEL="ERROR")
     procs = [spawn(handle.url, [QUEUE], concurrency, env=env) for _ in range(processes)]
+    handles: list[CallHandle] = []  # every call of the demo, so that it can leave none behind
     try:
         wait_for_heartbeats(gw, processes)
         for spec in DEMO_TOOLS:
@@ -96,7 +101,8 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
         console.print("[bold]tools[/bold]: " + ", ".join(s["name"] for s in DEMO_TOOLS))
 
         console.rule("one call, live")
-        one = gw.call_tool("get_weather", {"city": "北京"}, session_id="demo-session")
+        one = gw.call_tool(WEATHER, {"city": "北京"}, session_id="demo-session")
+        handles.append(one)
         for ev in one.events(timeout=30):
             what = ev.state if ev.type == "transition" else f"  {ev.type}: {ev.detail.get('message', '')}"
             console.print(f"  seq={ev.seq} {what:<40} trace_id={ev.trace_id}")
@@ -109,38 +115,39 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
         if failing:
             console.print(f"  {failing} of them ask for the weather in {ATLANTIS!r}, which fails on purpose (executor_error)")
         start = time.perf_counter()
-        handles = gw.submit_many(work, session_id="demo-session")
+        batch = gw.submit_many(work, session_id="demo-session")
+        handles += batch
         with Progress(
             TextColumn("calls"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False
         ) as bar:
-            task = bar.add_task("calls", total=len(handles))
+            task = bar.add_task("calls", total=len(batch))
             while True:
-                finished = sum(1 for h in handles if h.done())
+                finished = sum(1 for h in batch if h.done())
                 bar.update(task, completed=finished)
-                if finished == len(handles):
+                if finished == len(batch):
                     break
                 time.sleep(0.05)
         wall = time.perf_counter() - start
 
         outcomes: dict[str, int] = {}
-        for h in handles:
+        for h in batch:
             try:
                 h.result(0)
                 outcomes["done"] = outcomes.get("done", 0) + 1
             except Exception as e:  # noqa: BLE001 - the summary counts every kind of failure
                 key = f"failed ({getattr(e, 'type', type(e).__name__)})"
                 outcomes[key] = outcomes.get(key, 0) + 1
-        lat = sorted(x for x in (_latency(h) for h in handles) if x is not None)
+        lat = sorted(x for x in (_latency(h) for h in batch) if x is not None)
         table = Table(title="summary", title_justify="left")
         table.add_column("metric")
         table.add_column("value", justify="right")
-        table.add_row("calls", str(len(handles)))
+        table.add_row("calls", str(len(batch)))
         for k, v in sorted(outcomes.items()):
             table.add_row(k, str(v))
         if failing:
             table.add_row(f"  of them on purpose (city {ATLANTIS!r})", str(failing))
         table.add_row("wall time", f"{wall:.2f} s")
-        table.add_row("throughput", f"{len(handles) / wall:,.0f} calls/s")
+        table.add_row("throughput", f"{len(batch) / wall:,.0f} calls/s")
         if lat:
             table.add_row("latency p50", f"{statistics.median(lat):.1f} ms")
             table.add_row("latency p99", f"{lat[min(len(lat) - 1, int(len(lat) * 0.99))]:.1f} ms")
@@ -150,7 +157,7 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
         for col in ("worker", "pid", "queues", "concurrency", "ran (this demo)", "failed"):
             topo.add_column(col)
         ran_by: dict[str, list[int]] = {}
-        for h in [one, *handles]:
+        for h in handles:
             worker = next((e.detail.get("worker") for e in h._events if e.state == "routing"), None)
             if worker:
                 tally = ran_by.setdefault(worker, [0, 0])
@@ -163,5 +170,27 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
         console.print(f"broker: {handle.description}")
         return 0
     finally:
-        stop_all(procs)
-        gw.close()
+        try:
+            _leave(gw, handles, console)
+        finally:
+            stop_all(procs)
+            gw.close()
+
+
+def _leave(gw: Gateway, handles: list[CallHandle], console: Console) -> None:
+    """Leave the broker as the demo found it: cancel its unfinished calls (while its workers still run, so a
+    running one is stopped by its worker), wait for them to end, and remove its tools from a broker that
+    outlives it (no worker would listen on their queue)."""
+    unfinished = [h for h in handles if not h.done()]
+    for h in unfinished:
+        h.cancel()
+    deadline = time.monotonic() + LEAVE_WITHIN
+    while any(not h.done() for h in unfinished) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = sum(1 for h in unfinished if not h.done())
+    if unfinished:
+        console.print(f"cancelled {len(unfinished) - left} unfinished calls of the demo" + (
+            f"; {left} did not end within {LEAVE_WITHIN:g} s" if left else ""))
+    if gw.broker.embedded is None:
+        for spec in DEMO_TOOLS:
+            gw.directory.remove(spec["name"])

@@ -105,6 +105,7 @@ def mcp() -> None:
     default=None,
     help="Seconds to connect and list (executors.mcp.handshake_timeout).",
 )
+@click.option("--force", is_flag=True, help="Replace tools of another origin that have the same names.")
 @click.pass_context
 def mcp_add(
     ctx: click.Context,
@@ -114,6 +115,7 @@ def mcp_add(
     prefix: str,
     env: tuple[str, ...],
     timeout: float | None,
+    force: bool,
 ) -> None:
     """Register every tool of an MCP server (SERVER_NAME labels it) as an mcp tool."""
     from hermes_gateway.mcp_import import import_server
@@ -137,6 +139,8 @@ def mcp_add(
                 handshake_timeout=handshake,
                 write_dir=settings.tools_dir if gw.broker.embedded is not None else None,
                 label=server_name,
+                tools_dir=settings.tools_dir,
+                force=force,
             )
         except HermesError as e:
             _fail(f"{server_name}: {e}", 1)

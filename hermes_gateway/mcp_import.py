@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from broker.directory import Directory
-from broker.errors import InvalidSpec
+from broker.errors import HermesError, InvalidSpec
 from broker.toolspec import ToolSpec
 from workers.executors.mcp import list_server_tools
 from workers.specs import check_spec
@@ -38,6 +38,8 @@ def import_server(
     handshake_timeout: float = 10.0,
     write_dir: Path | None = None,
     label: str = "",
+    tools_dir: Path | None = None,
+    force: bool = False,
 ) -> list[Imported]:
     """List the server's tools and register each (named ``prefix + tool``); raises when it is unreachable.
 
@@ -45,12 +47,24 @@ def import_server(
 
     ``write_dir`` also writes each spec to ``<write_dir>/<name>.yaml`` (for an embedded broker, whose
     directory ends with the command).
+
+    A tool of another origin under the same name — in the directory, or a spec file ``<tools_dir>/<name>.yaml``
+    that every command loads (and that would put its own tool back) — is not replaced unless ``force``:
+    ``ToolExists`` names them all and nothing is registered.
     """
     listing = dict(server)
     if not _stderr_is_a_file():
         listing["stderr"] = "discard"  # the SDK hands the server our stderr, which must be a real file
+    found_tools = list_server_tools(listing, handshake_timeout=handshake_timeout)
+    if not force:
+        names = [_UNSAFE.sub("_", f"{prefix}{found['name']}")[:64] for found in found_tools]
+        taken = [what for name in names if (what := _taken(directory, tools_dir, name, label))]
+        if taken:
+            raise ToolExists(
+                f"{'; '.join(taken)}: `--force` replaces them, or `--prefix` imports beside them (nothing imported)"
+            )
     out = []
-    for found in list_server_tools(listing, handshake_timeout=handshake_timeout):
+    for found in found_tools:
         # The server's own name stays in ``tool:`` (what the executor calls); the directory name must be
         # one a model API accepts, so other characters become '_'.
         data = {**found, "name": _UNSAFE.sub("_", f"{prefix}{found['name']}")[:64], "mcp": server}
@@ -70,6 +84,30 @@ def import_server(
                 yaml.safe_dump(spec.to_dict(), allow_unicode=True, sort_keys=False), encoding="utf-8"
             )
     return out
+
+
+class ToolExists(HermesError):
+    """``mcp add`` would replace a tool that is not this server's (without ``--force``)."""
+
+
+def _imported_from(data: Any, label: str) -> bool:
+    return isinstance(data, dict) and data.get("executor") == "mcp" and data.get("mcp_server") == label
+
+
+def _taken(directory: Directory, tools_dir: Path | None, name: str, label: str) -> str:
+    """What a tool named ``name`` imported from ``label`` would replace ('' when nothing of another origin)."""
+    entry = directory.fetch(name)
+    if entry is not None and not _imported_from(entry.spec.to_dict(), label):
+        return f"a tool named {name!r} exists ({entry.spec.executor}, not from MCP server {label!r})"
+    path = tools_dir / f"{name}.yaml" if tools_dir is not None else None
+    if path is not None and path.exists():
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            data = None
+        if not _imported_from(data, label):
+            return f"{path} defines a tool {name!r} that every command loads"
+    return ""
 
 
 def servers(directory: Directory) -> dict[str, list[ToolSpec]]:

@@ -71,6 +71,24 @@ def wait_until_fixture() -> Callable[..., Any]:
 # -- Redis -------------------------------------------------------------------------------------
 
 
+def redis_test_url() -> str:
+    """The test database's URL: ``HERMES_TEST_REDIS_URL`` (default db 9), one database further per xdist worker.
+
+    Under ``pytest -n N`` each worker flushes its own database (gw0 the base, gw1 the next, ...), so the
+    workers never wait on one another's lock nor see one another's keys.
+    """
+    url = os.environ.get("HERMES_TEST_REDIS_URL") or DEFAULT_TEST_REDIS_URL
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return url
+    parsed = urlparse(url)
+    base = int((parsed.path or "/0").lstrip("/") or "0")
+    db = base + int(worker[2:])
+    if db > 15:  # (redis.conf's default ``databases 16``)
+        pytest.fail(f"xdist worker {worker} needs db {db} after {url}: lower -n or the base db index")
+    return parsed._replace(path=f"/{db}").geturl()
+
+
 @pytest.fixture
 def redis_url() -> Iterator[str]:
     """URL of the dedicated test database (``HERMES_TEST_REDIS_URL``, default db 9), flushed first.
@@ -78,7 +96,7 @@ def redis_url() -> Iterator[str]:
     Held under a file lock for the whole test, so two pytest runs on one machine (two engineers, or
     a run beside CI) take turns on the database instead of flushing it under each other.
     """
-    url = os.environ.get("HERMES_TEST_REDIS_URL") or DEFAULT_TEST_REDIS_URL
+    url = redis_test_url()
     parsed = urlparse(url)
     db = (parsed.path or "/0").lstrip("/") or "0"
     if db == "0" and parsed.scheme in ("redis", "rediss"):

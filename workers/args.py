@@ -276,17 +276,26 @@ def load_yaml_text(text: str) -> Any:
     return yaml.load(text, Loader=_ArgsLoader)  # noqa: S506 - a SafeLoader subclass
 
 
+def _where(error: yaml.YAMLError, json_error: json.JSONDecodeError) -> str:
+    """One line naming what is wrong and where (PyYAML's own message spans several lines with carets)."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None)
+    if mark is None or not problem:
+        return f"{json_error.msg} at line {json_error.lineno}, column {json_error.colno}"
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+
+
 def parse_args_text(text: str | None) -> dict[str, Any]:
     """Arguments typed on a command line: JSON, or the YAML flow form the seed prints (``{name: Alice}``)."""
     if text is None or not text.strip():
         return {}
     try:
         value = json.loads(text)
-    except ValueError:
+    except json.JSONDecodeError as json_error:
         try:
             value = load_yaml_text(text)
         except yaml.YAMLError as e:
-            raise InvalidArgs(f"arguments are neither JSON nor YAML: {e}") from e
+            raise InvalidArgs(f"arguments are neither JSON nor YAML: {_where(e, json_error)}") from e
     if not isinstance(value, dict):
         raise InvalidArgs(f'arguments must be a mapping like {{"name": "Alice"}}, got {type(value).__name__}')
     return {str(k): v for k, v in value.items()}

@@ -19,6 +19,7 @@ import redis
 import structlog
 from rq import Queue
 from rq import Worker as RQWorker
+from rq.worker import WorkerStatus
 
 from broker import durability, keys, partitions, pipes
 from broker.calls import Calls
@@ -125,7 +126,7 @@ class Worker:
         """Run until stopped; then drain within the grace period."""
         if self.rq is not None:
             self.rq.register_birth()
-            self.rq.set_state("busy")
+            self.rq.set_state(WorkerStatus.IDLE)  # busy while a call runs: each heartbeat says which
         self.core.calls.load_scripts()
         self._heartbeat_once()
         try:
@@ -266,6 +267,7 @@ class Worker:
         pipe = self.conn.pipeline(transaction=False)
         if self.rq is not None:
             self.rq.heartbeat(pipeline=pipe)
+            self.rq.set_state(WorkerStatus.BUSY if runs else WorkerStatus.IDLE, pipeline=pipe)  # (rq info)
         now = time.time()
         pipe.zadd(keys.WORKERS, {self.name: now})
         for q in self.queues:

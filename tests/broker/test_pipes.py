@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import redis
 from redis.exceptions import ResponseError
 
 from broker import pipes
 
+# SCRIPT FLUSH and INFO commandstats are the server's, not a database's: under pytest-xdist these tests
+# run one after another on one worker, so one's flush does not land in the middle of another's rerun.
+pytestmark = pytest.mark.xdist_group("redis-script-cache")
 
 def _queue(pipe: redis.client.Pipeline) -> None:
     pipe.set("k", "v")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -30,11 +31,14 @@ def _error(conn: redis.Redis, call_id: str) -> dict[str, Any]:
 def test_a_claim_batch_with_one_unreadable_attempt_hands_out_every_other_call(conn: redis.Redis) -> None:
     calls = Calls(conn)
     ids = [f"c{i:02d}" for i in range(21)]
+    # A channel of this test's own: pub/sub spans every db of the server, so another test (an xdist
+    # worker on another db) publishing on the helpers' "hermes:ch:test" meanwhile must not be heard here.
+    channel = "hermes:ch:test-poison-claim"
     for cid in ids:
-        submit(calls, env(cid, n=1))
+        submit(calls, dataclasses.replace(env(cid, n=1), channel=channel))
     conn.hset(keys.job("c05"), keys.F_ATTEMPT, "not-a-number")
     pubsub = conn.pubsub()
-    pubsub.subscribe("hermes:ch:test")
+    pubsub.subscribe(channel)
     claimed = calls.claim(["tools"], 25, "w1", 30)
     assert sorted(c.call_id for c in claimed) == [cid for cid in ids if cid != "c05"]
     # The bad one alone: failed with a typed error, its caller told, its lease and slot gone.

@@ -47,9 +47,11 @@ def race(url: str, home: Any, workers: Any, wait_until: Any, clients: int = 6, e
         ckey = "tool:split"
         running = sum(conn.zcard(keys.slots(t, ckey)) for t in tags)
         waiting = sum(conn.zcard(keys.waiting(t, ckey)) + conn.zcard(keys.waiting_batch(t, ckey)) for t in tags)
-        # Every partition's share is taken and no more: exactly the limit plus the queue size accepted.
-        assert len(accepted) == LIMIT + QUEUE_SIZE, (len(accepted), len(refused))
-        assert running <= LIMIT and waiting <= QUEUE_SIZE and running + waiting == len(accepted)
+        ended = sum(gws[0].calls.record(c)["state"] == "done" for c in accepted)  # (read after: only grows)
+        # Every partition's share is taken and no more: the limit plus the queue size accepted — and one more
+        # per call that ended meanwhile (on a loaded machine the race can outlast a 2 s call), never beyond.
+        assert LIMIT + QUEUE_SIZE <= len(accepted) <= LIMIT + QUEUE_SIZE + ended, (len(accepted), len(refused), ended)
+        assert running <= LIMIT and waiting <= QUEUE_SIZE and running + waiting >= len(accepted) - ended
         assert {keys.tag_in(cid) for cid in accepted} == set(tags)  # spread over every partition
         wait_until(
             lambda: all(gws[0].calls.record(c)["state"] == "done" for c in accepted), 60, message="every call done"

@@ -45,8 +45,9 @@ def test_every_one_of_a_thousand_calls_has_one_audit_record_through_a_worker_kil
     gateway.sync_tools()
     a, b = workers(2, concurrency=16, lease=LEASE)
 
-    # Sleepers first, so both workers hold calls in flight when one is killed; half may be retried.
-    sleepers = [gateway.call_tool("sleep", {"seconds": 1.0}, max_attempts=1 + 2 * (i % 2)) for i in range(24)]
+    # Sleepers first, so both workers hold calls in flight when one is killed; half may be retried. (3 s:
+    # on a loaded machine a shorter sleeper seen running may have ended by the time the kill lands.)
+    sleepers = [gateway.call_tool("sleep", {"seconds": 3.0}, max_attempts=1 + 2 * (i % 2)) for i in range(24)]
     once, retried = sleepers[0::2], sleepers[1::2]
     kinds = ["noop"] * 8 + ["locked", "strict_echo"]
     rest = gateway.submit_many([(kinds[i % 10], {}) for i in range(976)], principal="batch")

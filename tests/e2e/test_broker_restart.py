@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import redis
 
+from tests.conftest import wait_until
 from tests.e2e.util import free_port
 
 pytestmark = pytest.mark.e2e
@@ -130,7 +131,7 @@ def test_calls_finishing_during_a_redis_restart_keep_their_results_and_run_once(
             target=lambda: awaited.append(asyncio.run(_async_outcome(server.url, handles[1].call_id)))
         )
         async_waiter.start()
-        time.sleep(0.8)  # all four running
+        wait_until(lambda: len(list(marks.iterdir())) == 4, timeout=30, message="all four running")
         server.stop()
         time.sleep(6)  # they finish while Redis is down (longer than the outbox's first tries)
         server.start()

@@ -206,6 +206,65 @@ def test_demo_runs_a_live_batch_and_ends_with_a_summary_and_the_topology(home: A
     assert rows["of them on purpose (city 'Atlantis')"].split("│")[-2].strip() == "2", out.stdout
 
 
+def _demo_leftovers(conn: Any) -> dict[str, Any]:
+    """What a demo could leave on a shared broker: calls not ended, queued ids, leases, slots held."""
+    from broker import keys
+    from broker.states import TERMINAL
+
+    tag = keys.tag("demo")
+    states = [conn.hget(k, "h_state") for k in conn.scan_iter(match=keys.job(tag + ".*"), count=1000)]
+    return {
+        "unended": sum(1 for st in states if st is not None and st.decode() not in TERMINAL),
+        "queued": conn.llen(keys.queue("demo")),
+        "leases": conn.zcard(keys.leases(tag)),
+        "slots": sum(conn.zcard(k) for k in conn.scan_iter(match=keys.slots(tag, "*"))),
+        "calls": len(states),
+    }
+
+
+def test_demo_on_a_shared_broker_leaves_the_users_tools_and_no_call_behind(
+    redis_url: str, home: Any, gateway: Any
+) -> None:
+    shutil.copy(ROOT / "examples" / "tools" / "hello.yaml", home.tools_dir / "hello.yaml")
+    home.echo_tool("get_weather")
+    gateway.sync_tools()
+    before = {e.spec.name: (e.version, e.spec) for e in gateway.tools()}
+    out = _run(["demo", "--calls", "40", "--processes", "1", "--concurrency", "8"],
+               _env(home, HERMES_REDIS_URL=redis_url), timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "tools: demo_hello, demo_get_weather" in out.stdout
+    gateway.directory.invalidate()
+    # The user's hello and get_weather are as they were; the demo's own tools are gone with its workers.
+    assert {e.spec.name: (e.version, e.spec) for e in gateway.tools()} == before
+    left = _demo_leftovers(gateway.conn)
+    assert left["calls"] == 41 and left == {"unended": 0, "queued": 0, "leases": 0, "slots": 0, "calls": 41}
+
+
+def test_demo_interrupted_mid_batch_cancels_its_calls_before_it_leaves(
+    redis_url: str, home: Any, gateway: Any, tmp_path: Path, wait_until: Any
+) -> None:
+    import signal
+
+    log = tmp_path / "demo.out"
+    with open(log, "w") as stdout:
+        demo = subprocess.Popen([CLI, "demo", "--calls", "3000", "--processes", "1", "--concurrency", "2"],
+                                env=_env(home, HERMES_REDIS_URL=redis_url), stdout=stdout, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        wait_until(lambda: _demo_leftovers(gateway.conn)["calls"] > 1000, timeout=60, message="the demo's batch")
+        demo.send_signal(signal.SIGINT)  # Ctrl-C mid-batch
+        demo.wait(60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait(10)
+    text = log.read_text()
+    assert "cancelled " in text and "unfinished calls of the demo" in text, text
+    left = _demo_leftovers(gateway.conn)
+    assert left["calls"] == 3001 and left["unended"] == 0, left
+    assert (left["queued"], left["leases"], left["slots"]) == (0, 0, 0), left
+    assert not [t for t in gateway.tools() if t.spec.name.startswith("demo_")]
+
+
 def test_python_dash_m_runs_the_same_command_when_the_script_is_not_on_path(home: Any) -> None:
     # The seed's tip for "command not found": the module form works where the script is not on PATH.
     shutil.copy(ROOT / "examples" / "tools" / "hello.yaml", home.tools_dir / "hello.yaml")

@@ -3,7 +3,9 @@ traceback; the seed's unquoted ``body_template`` in config.yaml; a taken port fo
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -113,6 +115,9 @@ def test_serve_on_a_taken_port_says_so_before_starting_anything(home: Any) -> No
     assert out.returncode == 2, out.stderr
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in out.stderr
     assert "stop --all" in out.stderr and "broker:" not in out.stderr and "console and API" not in out.stderr
+    # stop --all finds the processes of one HERMES_HOME: the message names the one it looked in.
+    assert f"no gateway process of HERMES_HOME {home.path} holds it (looked in {home.path / 'run'})" in out.stderr
+    assert "--home THAT_HOME stop --all" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 def test_console_spans_go_to_stderr_so_stdout_is_the_result(home: Any) -> None:
@@ -131,6 +136,23 @@ steps:
     args: {who: "{{ args.who }}"}
 result: "{{ steps.say.result.who }}"
 """
+
+
+def test_the_readmes_flow_file_runs_as_printed(home: Any, tmp_path: Path) -> None:
+    import re
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if b.startswith("# greet.yaml"))
+    (home.tools_dir / "hello.yaml").write_text((ROOT / "examples" / "tools" / "hello.yaml").read_text())
+    (tmp_path / "greet.yaml").write_text(block)
+    command = block.splitlines()[0].split(": ", 1)[1]  # the command its first comment line gives
+    argv = shlex.split(command)
+    assert argv[:3] == ["hermes-gateway", "flow", "run"]
+    out = subprocess.run([CLI, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=90,
+                         env={**{k: v for k, v in os.environ.items() if not k.startswith("HERMES_")},
+                              "HERMES_HOME": str(home.path)})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"first": "Hello, Ada!", "others": ["Hello, Bob!", "Hello, Carol!"]}
 
 
 def test_flow_args_take_the_yaml_form_a_file_or_stdin_and_a_failed_flow_prints_no_result(

@@ -274,7 +274,7 @@ def test_a_breaker_opens_lets_one_probe_through_and_closes_across_two_workers(
 
 
 def test_a_failed_call_is_retried_on_schedule_without_holding_a_worker_thread(
-    gateway: Any, home: Any, workers: Any, conn: Any, tmp_path: Path
+    gateway: Any, home: Any, workers: Any, conn: Any, tmp_path: Path, wait_until: Any
 ) -> None:
     counter = tmp_path / "count"
     home.tool(
@@ -288,7 +288,8 @@ def test_a_failed_call_is_retried_on_schedule_without_holding_a_worker_thread(
     gateway.sync_tools()
     workers(1, concurrency=1)  # one thread: the other call can only run while the retry waits
     flaky = gateway.call_tool("flaky", {"counter": str(counter), "times": 2})
-    time.sleep(0.2)
+    wait_until(lambda: any(e.state == "executing" for e in events.history(conn, flaky.call_id)), 10,
+               message="the flaky call's first attempt")  # fmt: skip
     other = gateway.call_tool("echo", {"x": 1})
     assert flaky.result(15) == {"attempts": 3}
     assert other.result(5) == {"x": 1}

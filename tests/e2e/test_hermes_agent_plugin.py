@@ -36,7 +36,8 @@ from tests.conftest import REPO, Home
 from tests.llm_server import LLMServer
 from tests.middleware.test_interop_hermes_agent import HERMES_VERSION, VENV_ROOT, _terminal_line
 
-pytestmark = [pytest.mark.interop, pytest.mark.e2e]
+# One xdist worker runs the module: its agent venv is built once (under a lock), not waited for twice.
+pytestmark = [pytest.mark.interop, pytest.mark.e2e, pytest.mark.xdist_group("hermes-agent-documented")]
 
 MODEL = "hermes-test"
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until
 from tests.e2e.util import free_port, wait_http
 
 pytestmark = pytest.mark.e2e
@@ -219,15 +219,14 @@ def test_past_the_connection_limit_requests_get_503(tmp_path: Any) -> None:
     try:
         wait_http(f"http://127.0.0.1:{port}/healthz", proc, timeout=60)
         held = [_connect(f"127.0.0.1:{port}") for _ in range(12)]
-        time.sleep(0.3)
-        r = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10)
-        assert r.status_code == 503
+
+        def health() -> int:
+            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code
+
+        wait_until(lambda: health() == 503, 10, interval=0.1, message="503 past the limit")
         for s in held:
             s.close()
-        deadline = time.monotonic() + 10
-        while httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_until(lambda: health() == 200, 10, interval=0.1, message="200 once the connections close")
     finally:
         proc.terminate()
         proc.wait(30)

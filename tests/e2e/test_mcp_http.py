@@ -305,3 +305,47 @@ def _refusing_mcp(real_import: Any) -> Any:
         return real_import(name, *args, **kwargs)
 
     return refusing
+
+
+def test_the_readmes_mcp_client_runs_as_printed(
+    home: Home, serve: Any, workers: Any, gateway: Any, tmp_path: Any
+) -> None:
+    import os
+    import re
+    import subprocess
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "streamable_http_client" in b)
+    configure(home)
+    home.tool("hello", executor="command", command="echo Hello, {{name}}!", permissions=["read_only"],
+              input_schema={"type": "object", "properties": {"name": {"type": "string"}}})  # fmt: skip
+    workers(1)
+    server = serve()
+    (tmp_path / "mcp_client.py").write_text(block, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_")}
+    env.update(HERMES_GATEWAY_MCP_URL=server.url, HERMES_GATEWAY_TOKEN=ALICE, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "mcp_client.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline().rstrip("\n") for _ in range(2)]
+        assert lines[1] == "Hello, Alice!", lines
+        assert "hello" in lines[0] and "wipe" not in lines[0]  # what alice's token may call
+        added: list[str] = []
+
+        def registered_while_it_listens() -> bool:  # one more tool each poll, until it saw one and left
+            if proc.poll() is not None:
+                return True
+            added.append(f"late{len(added)}")
+            gateway.register_tool({**LATE, "name": added[-1]})
+            return False
+
+        wait_until(registered_while_it_listens, timeout=20, interval=0.25, message="the listen stream")
+        rest = proc.stdout.read().splitlines()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+    assert proc.returncode == 0, rest
+    assert rest and rest[0].startswith("tools now: ") and "late0" in rest[0], rest

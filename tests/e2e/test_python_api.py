@@ -4,6 +4,7 @@ same home, and a call refused at once when no worker listens on its queue."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import subprocess
@@ -45,6 +46,16 @@ def test_the_readmes_python_block_runs_as_printed_without_a_redis_url(home: Any,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
+    # The output the README shows under the block, but for the trace id (and the last line, "cancelled",
+    # which a call that a warm worker finished before its cancel does not print).
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    shown = re.search(r"It prints[^\n]*\n\n```text\n(.*?)```", text[text.index("## Python API") :], re.S)
+    assert shown is not None
+
+    def trace_free(ls: list[str]) -> list[str]:
+        return [re.sub(r"[0-9a-f]{32}", "TRACE", line) for line in ls]
+
+    assert trace_free(lines) in (trace_free(shown.group(1).splitlines()), trace_free(shown.group(1).splitlines()[:-1]))
     states = [line.split()[1] for line in lines if re.fullmatch(r"\d+ \w+ [0-9a-f]{32}", line)]
     assert states == ["pending", "routing", "executing", "formatting", "done"], out.stdout
     assert "Hello, Alice!" in lines
@@ -55,12 +66,30 @@ def test_the_readmes_python_block_runs_as_printed_without_a_redis_url(home: Any,
     assert not list((home.path / "run").glob("*.json")) if (home.path / "run").is_dir() else True
 
 
+def readme_asyncio_block() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text[text.index("## Python API") : text.index("## HTTP/SSE API")], re.S)
+    return next(b for b in blocks if "AsyncGateway" in b)
+
+
+def test_the_readmes_asyncio_block_runs_as_printed_without_a_redis_url(home: Any, tmp_path: Path) -> None:
+    # As the threaded client: an embedded broker of its own, with a worker started for the call's queue.
+    shutil.copy(HELLO, home.tools_dir / "hello.yaml")
+    script = tmp_path / "example_async.py"
+    script.write_text(readme_asyncio_block(), encoding="utf-8")
+    out = subprocess.run([sys.executable, str(script)], env=_env(home), capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[:5] == ["1 pending", "2 routing", "3 executing", "4 formatting", "5 done"], out.stdout
+    assert lines[5:] == ["Hello, Alice!", "['Hello, Bob!', 'Hello, Carol!']"], out.stdout
+    assert not list((home.path / "run").glob("*.json")) if (home.path / "run").is_dir() else True
+
+
 def test_the_readmes_asyncio_block_runs_as_printed_against_a_url_with_a_worker(
     redis_url: str, home: Any, gateway: Any, workers: Any, tmp_path: Path
 ) -> None:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    blocks = re.findall(r"```python\n(.*?)```", text[text.index("## Python API") : text.index("## HTTP/SSE API")], re.S)
-    block = next(b for b in blocks if "AsyncGateway" in b)
+    block = readme_asyncio_block()
     shutil.copy(HELLO, home.tools_dir / "hello.yaml")
     gateway.sync_tools()
     workers(1)
@@ -91,8 +120,38 @@ def test_connect_with_a_url_refuses_a_call_at_once_when_no_worker_listens(redis_
         assert not gw.conn.keys(keys.job("*"))  # and nothing was submitted
 
 
+def test_async_connect_with_a_url_refuses_a_call_at_once_when_no_worker_listens(redis_url: str, home: Any) -> None:
+    from hermes_gateway import AsyncGateway
+
+    shutil.copy(HELLO, home.tools_dir / "hello.yaml")
+
+    async def main() -> None:
+        async with await AsyncGateway.connect(redis_url) as gw:
+            await gw.sync_tools()
+            started = time.monotonic()
+            with pytest.raises(NoWorkers) as refused:
+                await gw.call_tool("hello", {"name": "Alice"})
+            assert "no worker listens on queue 'tools'" in str(refused.value)
+            with pytest.raises(NoWorkers):
+                await gw.map("hello", [{"name": "Bob"}, {"name": "Carol"}])
+            assert time.monotonic() - started < 5
+            assert not gw._handles  # nothing left waiting
+            assert not await gw.conn.keys(keys.job("*"))  # and nothing was submitted
+
+    asyncio.run(main())
+
+
 def test_connect_attaches_to_the_serve_of_the_same_home(home: Any, tmp_path: Path) -> None:
-    from hermes_gateway import Gateway
+    from hermes_gateway import AsyncGateway, Gateway
+
+    async def attach_async(pid: int) -> None:  # the asyncio client finds it by the same function
+        async with await AsyncGateway.connect() as agw:
+            assert agw.broker is not None and agw.broker.embedded is None
+            assert f"serve (pid {pid})" in agw.broker.description
+            handle = await agw.call_tool("hello", {"name": "Bob"})
+            assert await handle.result(timeout=30) == "Hello, Bob!"
+            with pytest.raises(NoWorkers, match="'other'"):
+                await agw.call_tool("elsewhere", {})
 
     shutil.copy(HELLO, home.tools_dir / "hello.yaml")
     env = _env(home)
@@ -111,6 +170,7 @@ def test_connect_attaches_to_the_serve_of_the_same_home(home: Any, tmp_path: Pat
                                   "function": "workers.executors.builtin:echo"})  # fmt: skip
                 with pytest.raises(NoWorkers, match="'other'"):
                     gw.call_tool("elsewhere", {})
+            asyncio.run(attach_async(serve.pid))
         finally:
             subprocess.run([CLI, "stop", "--all"], env=env, capture_output=True, timeout=60)
             if serve.poll() is None:

@@ -53,3 +53,21 @@ def test_rq_info_lists_our_workers_and_queues(
     assert conn.hget(job_key, "status") == b"finished"
     assert conn.hget(job_key, "worker_name").decode() in {w.name for w in started}
     assert Queue("{tools}", connection=conn, serializer=MsgpackSerializer).count == 0
+
+
+def test_rq_sees_an_idle_worker_as_idle_and_a_working_one_as_busy(
+    gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any
+) -> None:
+    home.sleep_tool()
+    gateway.sync_tools()
+    (started,) = workers(1, lease=0.6)  # (a heartbeat every 0.2 s)
+
+    def state() -> str:  # read back by RQ's own Worker.all, as `rq info` does
+        return next(w.get_state() for w in Worker.all(connection=conn) if w.name == started.name)
+
+    assert state() == "idle"
+    call = gateway.call_tool("sleep", {"seconds": 3})
+    wait_until(lambda: state() == "busy", timeout=5, message="rq to see the worker busy")
+    assert call.result(timeout=10) == {"slept": 3}
+    wait_until(lambda: state() == "idle", timeout=5, message="rq to see the worker idle again")
+    assert "idle" in rq_info(gateway.broker.url) and "busy" not in rq_info(gateway.broker.url)

@@ -1,4 +1,5 @@
-"""The console's snapshot readers on fakeredis: call figures from hermes:stats, late workers, breakers."""
+"""The console's snapshot readers: call figures from hermes:stats, late workers, breakers (on fakeredis), and
+a tool row naming the queue no worker listens on (on the test Redis, with a real worker)."""
 
 from __future__ import annotations
 
@@ -70,3 +71,17 @@ def test_the_trace_link_template_comes_from_the_environment_or_config_yaml(tmp_p
     assert load_settings(tmp_path).console.trace_url == "http://tempo:3200/trace/{trace_id}"
     monkeypatch.setenv("HERMES_TRACE_URL", "http://localhost:16686/trace/{trace_id}")
     assert load_settings(tmp_path).console.trace_url == "http://localhost:16686/trace/{trace_id}"
+
+
+def test_a_tool_whose_queue_no_worker_listens_on_blames_the_queue_not_the_limit(
+    home: Any, gateway: Any, workers: Any
+) -> None:
+    home.echo_tool("greet", queue="demo", concurrency=1)
+    gateway.sync_tools()
+    handles = gateway.map("greet", [{"i": i} for i in range(3)])  # (the fixture's gateway does not refuse)
+    row = next(r for r in console_data.snapshot(gateway)["limits"] if r["key"] == "tool:greet")
+    assert row["no_worker"] == "demo" and not row["bottleneck"], row
+    workers(1, queues="demo")
+    assert [h.result(20) for h in handles] == [{"i": i} for i in range(3)]
+    row = next(r for r in console_data.snapshot(gateway)["limits"] if r["key"] == "tool:greet")
+    assert row["no_worker"] is None, row

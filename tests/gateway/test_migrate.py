@@ -229,6 +229,11 @@ def test_tool_schemas_are_the_tools_each_principal_may_call(redis_url: str, home
         gw.close()
 
 
+# The stdio server imports the MCP SDK first: on a loaded machine (make test runs two xdist workers) its
+# handshake can pass the default 10 s.
+SLOW_OK = ["--timeout", "60"]
+
+
 def _py(name: str) -> dict[str, Any]:
     return {"name": name, "executor": "python", "function": "workers.executors.builtin:echo"}
 
@@ -239,7 +244,7 @@ def test_mcp_add_imports_every_tool_of_a_real_server(
     monkeypatch.setenv("HERMES_REDIS_URL", redis_url)
     command = f"{sys.executable} {MCP_SERVER} stdio"
     runner = CliRunner()
-    first = runner.invoke(main, ["mcp", "add", "test", "--command", command, "--prefix", "t_"])
+    first = runner.invoke(main, ["mcp", "add", "test", "--command", command, "--prefix", "t_", *SLOW_OK])
     assert first.exit_code == 0, first.output
     lines = [line.split() for line in first.output.splitlines()[:-1]]
     assert {(words[0], words[1]) for words in lines} >= {
@@ -256,12 +261,36 @@ def test_mcp_add_imports_every_tool_of_a_real_server(
     # A server's dotted name is made one a model API accepts; the server is still asked for its own name.
     dotted = d.fetch("t_files_read").spec
     assert dotted.config["tool"] == "files.read"
-    second = runner.invoke(main, ["mcp", "add", "test", "--command", command, "--prefix", "t_"])
+    second = runner.invoke(main, ["mcp", "add", "test", "--command", command, "--prefix", "t_", *SLOW_OK])
     assert {line.split()[0] for line in second.output.splitlines()[:-1]} == {"unchanged"}
     bad = runner.invoke(
         main, ["mcp", "add", "nowhere", "--command", f"{sys.executable} -c pass", "--timeout", "3"]
     )
     assert bad.exit_code == 1 and "nowhere:" in bad.output
+
+
+def test_mcp_add_refuses_to_replace_a_tool_of_another_origin_without_force(
+    redis_url: str, home: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HERMES_REDIS_URL", redis_url)
+    command = f"{sys.executable} {MCP_SERVER} stdio"
+    d = Directory(__import__("redis").Redis.from_url(redis_url))
+    d.register(check_spec(_py("t_greet")))  # a local tool in the shared directory
+    home.echo_tool("t_add")  # and a spec file every command loads (it would put its own t_add back)
+    runner = CliRunner()
+    refused = runner.invoke(main, ["mcp", "add", "test", "--command", command, "--prefix", "t_", *SLOW_OK])
+    assert refused.exit_code == 1, refused.output
+    assert "a tool named 't_greet' exists (python, not from MCP server 'test')" in refused.output
+    assert f"{home.tools_dir / 't_add.yaml'} defines a tool 't_add'" in refused.output
+    assert "--force" in refused.output and "nothing imported" in refused.output
+    assert d.fetch("t_greet").spec.executor == "python" and d.fetch("t_fail") is None  # nothing changed
+    # The server's own tools again are not "another origin"; --force replaces the others.
+    forced = runner.invoke(main, ["mcp", "add", "test", "--command", command, "--prefix", "t_", "--force", *SLOW_OK])
+    assert forced.exit_code == 0, forced.output
+    d.invalidate()
+    assert d.fetch("t_greet").spec.executor == "mcp" and d.fetch("t_fail") is not None
+    again = runner.invoke(main, ["mcp", "add", "test", "--command", command, "--prefix", "t_", *SLOW_OK])
+    assert again.exit_code == 1 and "t_add" in again.output and "t_greet" not in again.output, again.output
 
 
 def test_mcp_list_and_remove_work_by_server_and_leave_other_tools_alone(
@@ -271,7 +300,7 @@ def test_mcp_list_and_remove_work_by_server_and_leave_other_tools_alone(
     command = f"{sys.executable} {MCP_SERVER} stdio"
     runner = CliRunner()
     for label, prefix in (("alpha", "a_"), ("beta", "b_")):
-        added = runner.invoke(main, ["mcp", "add", label, "--command", command, "--prefix", prefix])
+        added = runner.invoke(main, ["mcp", "add", label, "--command", command, "--prefix", prefix, *SLOW_OK])
         assert added.exit_code == 0, added.output
     d = Directory(__import__("redis").Redis.from_url(redis_url))
     d.register(check_spec({"name": "a_manual", "executor": "mcp", "mcp": {"command": ["x"]}, "tool": "greet"}))

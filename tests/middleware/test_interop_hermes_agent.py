@@ -28,7 +28,8 @@ import pytest
 from middleware import PluginManager, ToolCallFlow, disable_plugin, enable_plugin, list_plugins
 from tests.middleware.helpers import EXAMPLES, install_example, write_plugin
 
-pytestmark = pytest.mark.interop
+# One xdist worker runs the module: its agent venv is built once (under a lock), not waited for twice.
+pytestmark = [pytest.mark.interop, pytest.mark.xdist_group("hermes-agent-interop")]
 
 HERMES_VERSION = "0.19.0"
 VENV_ROOT = Path("/tmp/hermes-interop-venv")

@@ -151,3 +151,19 @@ def test_parse_args_text_rejects_non_mappings_and_garbage():
         parse_args_text("Alice")
     with pytest.raises(InvalidArgs):
         parse_args_text("{name: [unclosed")
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ('{"name": Alice', "expected ',' or '}', but got '<stream end>' at line 1, column 15"),
+        ("{name: [}", "expected the node content, but found '}' at line 1, column 9"),
+        ('{\n  "a": 1,\n  "b": : 2\n}', "at line 3, column 8"),
+    ],
+)
+def test_unparsable_arguments_are_one_line_naming_the_position(text: str, where: str) -> None:
+    with pytest.raises(InvalidArgs) as refused:
+        parse_args_text(text)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("arguments are neither JSON nor YAML: "), message
+    assert message.endswith(where), message

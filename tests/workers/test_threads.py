@@ -47,9 +47,9 @@ def test_a_failing_task_does_not_take_its_thread_with_it() -> None:
 
 def test_shutdown_drops_what_has_not_started_and_refuses_more() -> None:
     pool = CallThreads(1, "t")
-    gate, ran = threading.Event(), []
-    pool.submit(lambda _: gate.wait(5), None)
-    time.sleep(0.05)
+    gate, started, ran = threading.Event(), threading.Event(), []
+    pool.submit(lambda _: (started.set(), gate.wait(5)), None)
+    assert started.wait(5)  # the only thread is busy: what follows waits
     for i in range(3):
         pool.submit(ran.append, i)
     stopper = threading.Thread(target=lambda: setattr(stopper, "dropped", pool.shutdown()))
