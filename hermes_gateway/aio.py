@@ -27,7 +27,7 @@ from broker import durability, keys, partitions, scripts
 from broker.calls import Calls
 from broker.codec import pack, unpack
 from broker.config import Settings, load_settings
-from broker.connection import BrokerHandle, answered, async_from_url, is_cluster, subscriber
+from broker.connection import BrokerHandle, answered, async_from_url, connect, is_cluster, subscriber
 from broker.directory import Directory, Entry, readable
 from broker.envelope import Envelope
 from broker.errors import (
