@@ -32,7 +32,6 @@ SLOTS = PREFIX + ":slots:{}:{}"  # zset call_id -> lease deadline (+inf while qu
 WAITING = PREFIX + ":waiting:{}:{}"  # zset call_id -> fair tag of interactive calls, per concurrency key
 WAITING_BATCH = PREFIX + ":waitb:{}:{}"  # zset call_id -> fair tag of batch calls, per concurrency key
 FAIR = PREFIX + ":fair:{}:{}"  # hash: fair dispatch state of a concurrency key's waiting calls (slots.lua)
-WAITING = PREFIX + ":waiting:{}:{}"  # zset call_id -> submit time, per concurrency key (admission)
 RATE = PREFIX + ":rate:{}:{}"  # hash: a concurrency key's rate limits, token sum, pause, entries (ratelimit.lua)
 RATE_LOG = PREFIX + ":ratelog:{}:{}"  # zset: the rate limiter's sliding log, entry -> when sent (ms)
 RATE_DUE = PREFIX + ":ratedue:{}"  # zset concurrency key -> when its rate limiter has room again (ms)

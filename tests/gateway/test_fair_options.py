@@ -47,7 +47,7 @@ def test_the_async_client_sends_the_same(redis_url: str, home: Any, conn: redis.
         sync.sync_tools()
 
     async def go() -> None:
-        gw = await AsyncGateway.connect(redis_url, home=str(home.path), embedded_ok=False)
+        gw = await AsyncGateway.connect(redis_url, home=str(home.path), embedded_ok=False, check_workers=False)
         try:
             await gw.call_tool("slow", {"seconds": 1})
             await gw.call_tool("slow", {"seconds": 1}, fairness_key="carol", call_class="batch")
