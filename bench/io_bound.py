@@ -87,7 +87,8 @@ def run_ours(
     home = scratch_home([tool])
     conn = from_url(url)
     # Each process could run every call alone: the cluster-wide limit is what holds them back.
-    procs = start_workers(url, home, queue, processes, limit)
+    # (the executing intervals are read from the calls' whole histories: ended calls keep them only so)
+    procs = start_workers(url, home, queue, processes, limit, {"HERMES_KEEP_HISTORY": "1"})
     try:
         wait_for_workers(conn, processes, queue)
         gw = Gateway(BrokerHandle(from_url(url), url, url), load_settings(home))

@@ -48,7 +48,7 @@ class AuditLog:
         self.approximate = approximate
         self.jsonl_path = Path(jsonl_path) if jsonl_path else None
         self._clock = clock
-        self._script = redis.register_script(scripts.AUDIT_APPEND)
+        self._script = redis.register_script(scripts.for_server(redis, scripts.AUDIT_APPEND))
         self._file_lock = threading.Lock()
 
     @classmethod

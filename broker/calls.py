@@ -16,9 +16,9 @@ import redis
 from redis.client import Pipeline
 
 from . import events, keys, pipes, scripts
-from .codec import pack
 from .errors import IllegalTransition
-from .records import CallInfo, Step, read_record, rq_now, waiting_score
+from .records import CallInfo, Step, read_record, waiting_score
+from .settings import DEFAULT_RESULT_TTL
 from .states import RQ_STATUS, TERMINAL, State, sources
 from .submits import F_DIGEST, F_IDEM, SUBMIT_TTL, Submits
 
@@ -35,7 +35,9 @@ class Calls(Submits):
 
     def __init__(self, conn: redis.Redis) -> None:
         super().__init__(conn)
-        self._transition = conn.register_script(scripts.TRANSITION)
+        self._transition = conn.register_script(scripts.for_server(conn, scripts.TRANSITION))
+        # An ended call keeps its terminal event alone, unless `workers.keep_history` (set by the owner).
+        self.keep_history = False
 
     # -- transitions -----------------------------------------------------------------------------
 
@@ -86,16 +88,13 @@ class Calls(Submits):
             first = self._check_move(current, state_, from_states if first is None else None, first)
             early.append(self._event(info, str(state_), attempt, events.TRANSITION, detail_, ts_))
             current = state_
-        stamp = rq_now() if target in TERMINAL else ""
         if target is not None:
             allowed = self._check_move(current, target, from_states if first is None else None, first)
             src = "pending!" if unleased else _joined(allowed)
             state = str(target)
-            if target in TERMINAL:
+            if target in TERMINAL:  # (the script keeps only what an ended record needs: see transition.lua)
                 lease = "-"
-                ttl = ttl or 86400
-                fields = dict(fields or {})
-                fields.setdefault("ended_at", stamp)
+                ttl = ttl or DEFAULT_RESULT_TTL
         else:
             src, state = "", ""
         ev = self._event(info, state or (str(current) if current else ""), attempt, event_type, detail, ts)
@@ -141,6 +140,7 @@ class Calls(Submits):
                 keys.job(""),
                 waiting_score() if requeue else "",
                 "-" if not sent else "" if used_tokens is None else used_tokens,
+                "1" if self.keep_history else "",
                 *flat,
             ],
             pipeline,
@@ -215,7 +215,6 @@ class Calls(Submits):
             attempt=attempt,
             current=current,
             detail={"error": error},
-            fields={keys.F_ERROR: pack(error)},
             ttl=ttl,
         )
 
@@ -286,7 +285,6 @@ class Calls(Submits):
             from_states=frozenset({State.PENDING}),
             unleased=True,
             detail={"error": error},
-            fields={keys.F_ERROR: pack(error)},
             pipeline=pipeline,
         )
 

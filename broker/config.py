@@ -24,6 +24,7 @@ from .settings import (
     DEFAULT_LEASE,
     DEFAULT_MAX_ARGS,
     DEFAULT_QUEUE_SIZE,
+    DEFAULT_RESULT_TTL,
     DEFAULT_WAIT_TIMEOUT_MS,
     GC_THRESHOLD,
     LOG_LEVELS,
@@ -85,6 +86,7 @@ ENV_VAR = _VAR
 HOME_ENV = "HERMES_HOME"
 REDIS_URL_ENV = "HERMES_REDIS_URL"
 FAST_PATH_ENV = "HERMES_REDIS_FAST_PATH"
+KEEP_HISTORY_ENV = "HERMES_KEEP_HISTORY"
 MAX_ARGS_ENV = "HERMES_MAX_ARGS"
 TRACE_ENV = "HERMES_TRACE"
 LEAN_SPANS_ENV = "HERMES_LEAN_SPANS"
@@ -247,7 +249,7 @@ def _workers(section: dict[str, Any], env: Mapping[str, str]) -> WorkerSettings:
         env, "HERMES_MAX_ATTEMPTS", yaml_number(section.get("max_attempts", 3), "workers.max_attempts")
     )
     ttl = _env_float(
-        env, "HERMES_RESULT_TTL", yaml_number(section.get("result_ttl", 86400), "workers.result_ttl")
+        env, "HERMES_RESULT_TTL", yaml_number(section.get("result_ttl", DEFAULT_RESULT_TTL), "workers.result_ttl")
     )
     port = env.get(METRICS_PORT_ENV, "").strip()
     if port and not (port.isdigit() and 1 <= int(port) <= 65535):
@@ -260,6 +262,9 @@ def _workers(section: dict[str, Any], env: Mapping[str, str]) -> WorkerSettings:
         metrics_port=int(port) if port else None,
         metrics_host=env.get(METRICS_HOST_ENV) or "127.0.0.1",
         run_registry=bool(env.get(RUN_REGISTRY_ENV)),
+        keep_history=flag(
+            env.get(KEEP_HISTORY_ENV, section.get("keep_history", False)), "workers.keep_history", KEEP_HISTORY_ENV
+        ),
     )
 
 

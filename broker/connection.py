@@ -15,7 +15,7 @@ from redis.sentinel import MasterNotFoundError
 
 from .config import REDIS_URL_ENV
 from .embedded import EmbeddedBroker
-from .errors import BrokerUnavailable
+from .errors import BrokerFull, BrokerUnavailable, HermesError
 from .logs import library_logs
 from .redact import redact_url
 from .sentinel import SENTINEL_SCHEME, sentinel_client, sentinels_say
@@ -43,11 +43,27 @@ class BrokerHandle:
 @contextmanager
 def answered(what: str) -> Iterator[None]:
     """Redis failing (down, restarting, refusing the command) while doing ``what`` is a typed
-    ``BrokerUnavailable`` for the caller, not a raw redis error (redis.asyncio raises the same classes)."""
+    ``BrokerUnavailable`` — or ``BrokerFull`` at maxmemory — for the caller, not a raw redis error
+    (redis.asyncio raises the same classes)."""
     try:
         yield
     except redis.RedisError as e:
-        raise BrokerUnavailable(f"{what}: the broker did not answer: {e}") from e
+        raise broker_error(what, e) from e
+
+
+def broker_error(what: str, error: Exception) -> HermesError:
+    """The typed error for a Redis error met while doing ``what``."""
+    if isinstance(error, redis.exceptions.OutOfMemoryError):
+        return BrokerFull(f"{what}: {out_of_memory(error)}")
+    return BrokerUnavailable(f"{what}: the broker did not answer: {error}")
+
+
+def out_of_memory(error: Exception) -> str:
+    """What ``BrokerFull`` says (Redis refused a write with OOM: used memory is past ``maxmemory``)."""
+    return (
+        f"Redis is out of memory: maxmemory reached ({error}); new calls are refused until ended calls "
+        "free theirs (workers.result_ttl) or maxmemory is raised"
+    )
 
 
 CLUSTER_SCHEME = "redis+cluster://"

@@ -54,6 +54,17 @@ class BrokerUnavailable(HermesError):
     type = "broker_unavailable"
 
 
+class BrokerFull(HermesError):
+    """Redis is out of memory (``maxmemory``): new calls are refused until memory is freed.
+
+    Calls already accepted still run and end (their scripts may run at maxmemory), and an ended call frees
+    most of its memory at once; the rest goes after ``workers.result_ttl``.
+    """
+
+    type = "broker_full"
+    retryable = True
+
+
 class BrokerNotDurable(HermesError):
     """A submission was not confirmed on ``broker.wait_replicas`` replicas within ``broker.wait_timeout_ms``.
 

@@ -152,8 +152,33 @@ def for_handle(handles: Mapping[str, Any], data: bytes) -> tuple[Event, Any, boo
 
 
 def history(conn: redis.Redis, call_id: str, start_seq: int = 1) -> list[Event]:
-    """Stored events of a call from ``start_seq`` on (history index = seq - 1)."""
-    return [decode(raw(b)) for b in conn.lrange(keys.history(call_id), start_seq - 1, -1)]
+    """Stored events of a call from ``start_seq`` on.
+
+    While a call runs, its history holds every event (index = seq - 1); once it has ended, only its
+    terminal event (TRANSITION trims it: a follower that missed events still gets the end, with its
+    result or error). A read from past the start therefore also asks for the last event: when the range
+    is empty and the last event is newer than asked for, the history was trimmed and that event is next.
+    """
+    key = keys.history(call_id)
+    if start_seq <= 1:
+        return [decode(raw(b)) for b in conn.lrange(key, 0, -1)]
+    pipe = conn.pipeline(transaction=False)
+    pipe.lrange(key, start_seq - 1, -1)
+    pipe.lindex(key, -1)
+    stored, last = pipe.execute()
+    return unseen(stored, last, start_seq - 1)
+
+
+def unseen(stored: list[Any], last: Any, seen: int) -> list[Event]:
+    """The events after seq ``seen``, from ``LRANGE history seen -1`` (``stored``) and ``LINDEX history -1``
+    (``last``) read together: the range when it has any, else the last event when the history was trimmed
+    to it and it is new (see ``history``)."""
+    if stored:
+        return [decode(raw(b)) for b in stored]
+    if last is None:
+        return []
+    ev = decode(raw(last))
+    return [ev] if ev.seq > seen else []
 
 
 def follow(
@@ -162,21 +187,23 @@ def follow(
     *,
     timeout: float | None = None,
     poll: float = 1.0,
+    after: int = 0,
 ) -> Iterator[Event]:
     """History then live tail of one call, each event once, in seq order, until a terminal event.
 
     Subscribes before reading the history so nothing published in between is missed; a gap in the
-    live tail (a dropped message) is filled from the history.
+    live tail (a dropped message) is filled from the history. ``after``: the seq already seen (its events
+    and those before it are skipped).
     """
     channel = conn.hget(keys.job(call_id), keys.F_CHANNEL)
-    if channel is None:
-        yield from _drain(history(conn, call_id))
+    if channel is None:  # (an ended call's record names no channel: its history has the end)
+        yield from _drain(history(conn, call_id, after + 1))
         return
     pubsub = subscriber(conn)
     get = _subscribe(conn, pubsub, channel)
     try:
-        last = 0
-        for ev in history(conn, call_id):
+        last = after
+        for ev in history(conn, call_id, after + 1):
             last = ev.seq
             yield ev
             if ev.terminal:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from . import keys
-from .codec import pack, text
+from .codec import text
 from .errors import DecodeError
 from .records import CallInfo
 from .states import TERMINAL, State
@@ -67,7 +67,6 @@ def _settle(calls: Calls, call_id: str, reason: str) -> str:
             attempt=1,
             fence=False,
             detail={"error": error},
-            fields={keys.F_ERROR: pack(error)},
         )
         if int(reply[0]) > 0:
             log.error("unreadable call record failed", call_id=call_id, reason=reason)

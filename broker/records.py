@@ -17,7 +17,7 @@ from .codec import raw as as_bytes
 from .codec import text, unpack
 from .envelope import Envelope, fairness_of
 from .errors import DecodeError
-from .states import State
+from .states import TERMINAL, State
 
 RQ_FUNC = "workers.entry.run_call"
 
@@ -38,6 +38,12 @@ def lease_deadline(seconds: float) -> int:
 def waiting_score() -> int:
     """Where a call joins the line for a slot: now in whole microseconds (an integer score, see above)."""
     return time.time_ns() // 1000
+
+
+def rq_time(t: float) -> str:
+    """A time in RQ's format (UTC, microseconds)."""
+    sec = int(t)
+    return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(sec))}.{int((t - sec) * 1_000_000):06d}Z"
 
 
 def rq_now() -> str:
@@ -134,21 +140,27 @@ def envelope_of(data: bytes) -> Envelope:
     return Envelope.from_dict(raw[2][0])
 
 
-def _inline_result(conn: Any, call_id: str) -> Any:
-    """A result small enough to travel in the ``done`` event is kept only there: the call's last event
-    (nothing is recorded after a call ends), else found in the whole history."""
-    from .events import TRANSITION, decode
+def ending(conn: Any, call_id: str) -> Any:
+    """An ended call's terminal event: the last of its history (an ended call's history is that event
+    alone), else the last terminal one found in the whole history (a record written before trimming)."""
+    from .events import decode
 
     last = conn.lindex(keys.history(call_id), -1)
     found = [decode(as_bytes(last))] if last is not None else []
-    if not found or found[0].state != State.DONE.value:
+    if not found or not found[0].terminal:
         found = [decode(as_bytes(b)) for b in conn.lrange(keys.history(call_id), 0, -1)]
-    done = [e for e in found if e.type == TRANSITION and e.state == State.DONE.value]
-    return done[-1].detail.get("result") if done else None
+    ends = [e for e in found if e.terminal]
+    return ends[-1] if ends else None
 
 
 def read_record(conn: Any, call_id: str) -> dict[str, Any] | None:
-    """The call's record as plain values (state, attempt, result, error, ...)."""
+    """The call's record as plain values (state, attempt, result, error, ...).
+
+    An ended call's hash keeps only what TRANSITION's ``ENDED`` lists; its seq, trace id, end time and
+    result or error come from its terminal event (a result too large for the event from ``h_result``), and
+    it has no envelope any more (``envelope`` None, ``request_dropped`` True: its audit record keeps the
+    arguments, redacted).
+    """
     raw = conn.hgetall(keys.job(call_id))
     if not raw:
         return None
@@ -157,28 +169,44 @@ def read_record(conn: Any, call_id: str) -> dict[str, Any] | None:
         "call_id": call_id,
         "state": text(rec.get(keys.F_STATE)),
         "attempt": _int(rec.get(keys.F_ATTEMPT)),
-        "seq": int(rec.get(keys.F_SEQ) or 0),
+        "seq": _int(rec.get(keys.F_SEQ)),
         "kind": text(rec.get(keys.F_KIND)),
         "name": text(rec.get(keys.F_TOOL)),
         "trace_id": text(rec.get(keys.F_TRACE)),
         "channel": text(rec.get(keys.F_CHANNEL)),
-        "worker": text(rec.get(keys.F_WORKER)),
-        "queue": text(rec.get("origin")),
+        "worker": text(rec.get(keys.F_WORKER) or rec.get("worker_name")),
+        "queue": text(rec.get("origin")) or keys.tag_in(call_id).strip("{}"),
         "created_at": text(rec.get("created_at")),
         "ended_at": text(rec.get("ended_at")),
     }
+    if out["state"] in _ENDED:
+        end = ending(conn, call_id)
+        if end is not None:
+            out["seq"] = max(out["seq"], end.seq)
+            out["trace_id"] = out["trace_id"] or end.trace_id
+            out["ended_at"] = out["ended_at"] or rq_time(end.ts)
+            if "error" in end.detail:
+                out["error"] = end.detail["error"]
+            if "result" in end.detail:
+                out["result"] = end.detail["result"]
     if rec.get(keys.F_RESULT) is not None:
         out["result"] = unpack(as_bytes(rec[keys.F_RESULT]))
     elif out["state"] == State.DONE.value:
-        out["result"] = _inline_result(conn, call_id)
-    if rec.get(keys.F_ERROR) is not None:
+        out.setdefault("result", None)
+    if "error" not in out and rec.get(keys.F_ERROR) is not None:  # (a record written before trimming)
         out["error"] = unpack(as_bytes(rec[keys.F_ERROR]))
     if rec.get("data"):
         try:
             out["envelope"] = envelope_of(as_bytes(rec["data"]))
         except Exception:  # noqa: BLE001 - a record with a bad payload is still a record
             out["envelope"] = None
+    elif out["state"] in _ENDED:
+        out["envelope"] = None
+        out["request_dropped"] = True
     return out
+
+
+_ENDED = frozenset(s.value for s in TERMINAL)
 
 
 def _int(value: Any) -> int:

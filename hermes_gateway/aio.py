@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,15 @@ from broker import durability, keys, partitions, scripts
 from broker.calls import Calls
 from broker.codec import pack, unpack
 from broker.config import Settings, load_settings
-from broker.connection import BrokerHandle, answered, async_from_url, connect, is_cluster, subscriber
+from broker.connection import (
+    BrokerHandle,
+    answered,
+    async_from_url,
+    broker_error,
+    connect,
+    is_cluster,
+    subscriber,
+)
 from broker.directory import Directory, Entry, readable
 from broker.envelope import Envelope
 from broker.errors import (
@@ -90,7 +99,9 @@ class AsyncGateway(AsyncEvents):
         self._confirmed: dict[str, asyncio.Event] = {}
         # The broker's own scripts, registered on the asyncio client: same SUBMIT/TRANSITION, awaited.
         self.calls = Calls(conn)  # type: ignore[arg-type]
+        self.calls.keep_history = settings.workers.keep_history
         self._handles: dict[str, AsyncCallHandle] = {}
+        self._ended: OrderedDict[str, AsyncCallHandle] = OrderedDict()  # our calls that ended lately
         self._tools: dict[str, Entry] = {}
         self._tools_gen = 0  # bumped by every change notice: a fetch that raced one is not cached
         self._tools_channel = keys.channel(conn, keys.TOOLS_CHANNEL).encode()
@@ -382,7 +393,7 @@ class AsyncGateway(AsyncEvents):
         for (env, limits, handle), reply in zip(prepared, replies, strict=True):
             try:
                 if isinstance(reply, Exception):
-                    raise HermesError(f"submission failed: {reply}")
+                    raise broker_error("submission failed", reply)
                 _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
                 if call_id != env.call_id:  # idempotent: follow the call that already exists
                     self._handles.pop(env.call_id, None)
@@ -397,7 +408,7 @@ class AsyncGateway(AsyncEvents):
 
     async def handle(self, call_id: str) -> AsyncCallHandle:
         """A handle on any call by id (for example one submitted by another process)."""
-        tracked = self._handles.get(call_id)
+        tracked = self._handles.get(call_id) or self._ended.get(call_id)
         if tracked is not None:  # ours and still running: the handle the event task already feeds
             return tracked
         raw = await self.conn.hmget(keys.job(call_id), keys.F_TOOL, keys.F_KIND, keys.F_CHANNEL)

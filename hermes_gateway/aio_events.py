@@ -4,6 +4,7 @@ cluster the sharded channel of each queue tag it uses, subscribed before a call 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,9 @@ if TYPE_CHECKING:
     from hermes_gateway.aio_handle import AsyncCallHandle
 
 CLUSTER_POLL = 0.05  # seconds the event task waits on the sharded channels per round, on a cluster
+# Ended calls of ours whose handles (every event heard) are kept for a later `handle(id)`: the HTTP API
+# streams a call's events after submitting it, and by then a quick call may have ended.
+ENDED_KEPT = 1000
 SUBSCRIBE_WAIT = 5.0  # seconds to wait for the server to confirm new sharded subscriptions
 
 log = structlog.get_logger("hermes.client")
@@ -41,6 +45,7 @@ class AsyncEvents:
     _tools: dict[str, Entry]
     _tools_gen: int
     _handles: dict[str, AsyncCallHandle]
+    _ended: OrderedDict[str, AsyncCallHandle]
     _catch_up_due: bool
 
     def _channel_of(self, queue: str) -> str:
@@ -95,6 +100,10 @@ class AsyncEvents:
     def _untrack(self, handle: AsyncCallHandle) -> None:
         if self._handles.get(handle.call_id) is handle:
             del self._handles[handle.call_id]
+            if handle.done():  # kept a while: an ended call's stored history is its last event alone
+                self._ended[handle.call_id] = handle
+                while len(self._ended) > ENDED_KEPT:
+                    self._ended.popitem(last=False)
 
     def invalidate(self, name: str) -> None:
         """Forget the cached spec of ``name`` (this process changed it; the notice may come later)."""
@@ -115,11 +124,13 @@ class AsyncEvents:
         if not pending:
             return
         pipe = self.conn.pipeline(transaction=False)
-        for h in pending:
+        for h in pending:  # (with the last event: an ended call's history is that event alone)
             pipe.lrange(keys.history(h.call_id), h.last_seq, -1)
-        for h, stored in zip(pending, await pipe.execute(), strict=True):
-            for data in stored:
-                h._feed(ev_mod.decode(data))
+            pipe.lindex(keys.history(h.call_id), -1)
+        stored = await pipe.execute()
+        for i, h in enumerate(pending):
+            for event in ev_mod.unseen(stored[2 * i], stored[2 * i + 1], h.last_seq):
+                h._feed(event)
 
     async def _next_message(self) -> Any:
         """The next message: on a cluster the directory's notices, then the sharded channels in turn."""

@@ -85,9 +85,12 @@ class AsyncCallHandle:
 
     async def sync(self) -> None:
         """Fetch the events we have not seen from the call's durable history."""
-        raw = await self.gateway.conn.lrange(keys.history(self.call_id), self.last_seq, -1)
-        for data in raw:
-            self._feed(ev_mod.decode(cast(bytes, data)))
+        pipe = self.gateway.conn.pipeline(transaction=False)
+        pipe.lrange(keys.history(self.call_id), self.last_seq, -1)
+        pipe.lindex(keys.history(self.call_id), -1)  # an ended call's history is its terminal event alone
+        stored, last = await pipe.execute()
+        for event in ev_mod.unseen(stored, last, self.last_seq):
+            self._feed(event)
 
     async def _next_change(self, deadline: float | None) -> None:
         """Wait until something arrives, re-reading the history after a quiet second; CallTimeout at the deadline."""

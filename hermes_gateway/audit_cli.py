@@ -122,7 +122,7 @@ def audit_list(
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: record, events, parent.")
 @click.pass_context
 def audit_show(ctx: click.Context, call_id: str, as_json: bool) -> None:
-    """A call's audit record, its full event history, and the LLM call that asked for it."""
+    """A call's audit record, its events (an ended call keeps its terminal event), and the LLM call that asked for it."""
     from broker import events as ev_mod
     from hermes_gateway.cli import _event_line
 

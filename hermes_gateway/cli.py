@@ -61,6 +61,10 @@ class _Main(click.Group):
             return super().invoke(ctx)
         except (redis.ConnectionError, redis.TimeoutError) as e:  # one line, not a traceback
             _fail(f"broker_unavailable: the broker did not answer: {e}", 1)
+        except redis.exceptions.OutOfMemoryError as e:
+            from broker.connection import out_of_memory
+
+            _fail(f"broker_full: {out_of_memory(e)}", 1)
 
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
@@ -292,7 +296,9 @@ def events(ctx: click.Context, call_id: str, follow: bool, show_request: bool) -
         if not call_known(gw.conn, call_id):
             _fail(f"no such call {call_id} (unknown, or past its result TTL)", 1)
         if show_request:
-            asked = call_request(gw.conn, call_id)
+            from broker.audit_store import AuditLog
+
+            asked = call_request(gw.conn, call_id, AuditLog.from_settings(gw.conn, gw.settings.audit))
             if asked is None:
                 _fail(f"no such call {call_id} (unknown, or past its result TTL)", 1)
             click.echo(json.dumps(asked, ensure_ascii=False, indent=2, default=str))

@@ -14,7 +14,7 @@ import structlog
 from broker import durability, keys, partitions, pipes
 from broker.calls import Calls
 from broker.config import Settings, load_settings
-from broker.connection import BrokerHandle, answered, connect, is_cluster, subscriber
+from broker.connection import BrokerHandle, answered, broker_error, connect, is_cluster, subscriber
 from broker.directory import Directory, Entry
 from broker.envelope import Envelope
 from broker.errors import HermesError, InvalidSpec, QueueFull
@@ -87,6 +87,7 @@ class Gateway(ClientEvents, ClientWorkers):
         self.channel = keys.caller_channel(self.client_id)
         pipes.configure(self.settings.broker.fast_path)
         self.calls = Calls(self.conn)
+        self.calls.keep_history = self.settings.workers.keep_history
         self.directory = Directory(self.conn)
         self._handles: dict[str, CallHandle] = {}
         self._lock = threading.Lock()
@@ -379,7 +380,7 @@ class Gateway(ClientEvents, ClientWorkers):
                     for (env, limits, handle), reply in zip(chunk, replies, strict=True):
                         try:
                             if isinstance(reply, Exception):
-                                raise reply if isinstance(reply, HermesError) else HermesError(f"submission failed: {reply}")
+                                raise reply if isinstance(reply, HermesError) else broker_error("submission failed", reply)
                             _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
                             if call_id != env.call_id:  # idempotent: follow the call that already exists
                                 self._untrack(env.call_id)

@@ -12,7 +12,7 @@ import structlog
 
 from broker import events as ev_mod
 from broker import keys, pipes
-from broker.codec import raw, text
+from broker.codec import text
 from broker.errors import BrokerUnavailable
 
 if TYPE_CHECKING:
@@ -113,16 +113,17 @@ class ClientEvents:
         for start in range(0, len(pending), CATCH_UP_CHUNK):
             chunk = pending[start : start + CATCH_UP_CHUNK]
             pipe = self.conn.pipeline(transaction=False)
-            for h in chunk:
+            for h in chunk:  # (with the last event: an ended call's history is that event alone)
                 pipe.lrange(keys.history(h.call_id), h.last_seq, -1)
+                pipe.lindex(keys.history(h.call_id), -1)
             try:
                 stored = pipe.execute()
             except (redis.ConnectionError, redis.TimeoutError):
                 self._catch_up_due = True
                 raise
-            for h, events in zip(chunk, stored, strict=True):
-                for data in events:
-                    h._feed(ev_mod.decode(raw(data)))
+            for i, h in enumerate(chunk):
+                for event in ev_mod.unseen(stored[2 * i], stored[2 * i + 1], h.last_seq):
+                    h._feed(event)
 
     def _dispatch_cluster(self) -> None:
         """A cluster's loop: the directory's notices (plain pub/sub) and the sharded channels of the

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from broker import keys
+from broker import keys, memory
 from broker.breaker import OPEN, Breakers
 from broker.limits import Limits
 from workers.metrics import LATENCY_BOUNDS, SEP, text
@@ -218,6 +218,7 @@ def snapshot(gw: Any) -> dict[str, Any]:
         "breakers": breakers(conn, breaker_cooldowns(gw.settings, entries)),
         "batches": batches(conn),
         "scheduled_retries": Limits(conn).scheduled(),  # (per queue: every queue has its own set)
+        "memory": memory.usage(conn).to_dict(),  # with a warning past 80 % of maxmemory
         # Bumped on every directory change: the page reloads its tool list when it moves.
         "tools_version": int(conn.get(keys.TOOLS_VERSION) or 0),
     }

@@ -148,8 +148,13 @@ class CallHandle:
 
     def events(self, timeout: float | None = None) -> Iterator[Event]:
         """Every event of the call in order (those already seen first), until the terminal one."""
-        if not self.own:
-            yield from ev_mod.follow(self.gateway.conn, self.call_id, timeout=timeout)
+        if not self.own:  # what it saw already, then the rest (an ended call's history is its end alone)
+            with self._cv:
+                seen = list(self._events)
+            yield from seen
+            if not (seen and seen[-1].terminal):
+                after = seen[-1].seq if seen else 0
+                yield from ev_mod.follow(self.gateway.conn, self.call_id, timeout=timeout, after=after)
             return
         i = 0
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -60,6 +60,7 @@ from starlette.responses import HTMLResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from broker import keys
+from broker.audit_store import AuditLog
 from broker.codec import text
 from broker.connection import async_from_url
 from broker.envelope import CONTEXT_FIELDS
@@ -271,7 +272,8 @@ class Api:
     async def get_call_request(self, request: Request) -> Response:
         call_id = request.path_params["call_id"]
         await self._visible(request, call_id)
-        found = await run_in_threadpool(call_request, self.gw.conn, call_id)
+        audit = AuditLog.from_settings(self.gw.conn, self.gw.settings.audit)
+        found = await run_in_threadpool(call_request, self.gw.conn, call_id, audit)
         if found is None:
             raise CallFailed(f"no such call {call_id}", error_type="unknown_call")
         return reply(found)

@@ -14,13 +14,15 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 from starlette.middleware import Middleware
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from broker.connection import out_of_memory
 from broker.errors import (
+    BrokerFull,
     BrokerNotDurable,
     BrokerUnavailable,
     CallFailed,
@@ -108,6 +110,7 @@ _STATUS: list[tuple[type[HermesError], int]] = [
     (CircuitOpen, 503),
     (NoWorkers, 503),
     (BrokerUnavailable, 503),
+    (BrokerFull, 503),
     (BrokerNotDurable, 503),
     (TooLarge, 413),
     (RequestTimeout, 408),
@@ -129,6 +132,8 @@ async def _typed(_request: Request, error: Exception) -> Response:
 
 
 async def _broker_down(_request: Request, error: Exception) -> Response:
+    if isinstance(error, OutOfMemoryError):
+        return error_reply(BrokerFull(out_of_memory(error)))
     return error_reply(BrokerUnavailable(f"the broker did not answer: {error}"))
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from broker import keys
+from broker import keys, memory
 from broker.codec import unpack
 from broker.config import Settings
 from broker.directory import Entry
@@ -103,6 +103,7 @@ def status_data(gw: Any, figures: bool = False, viewer: Any = None) -> dict[str,
         "leased_calls": sum(conn.zcard(keys.leases(keys.tag(keys.queue_name(k)))) for k in queue_keys),
         "workers": gw.live_workers(),
         "recent_failures": failures,
+        "memory": memory.usage(conn).to_dict(),  # with a warning past 80 % of maxmemory
         **flow,
     }
     if viewer is not None:
@@ -180,6 +181,11 @@ def print_flow_control(data: dict[str, Any]) -> None:
 
 def print_status(data: dict[str, Any], description: str) -> None:
     console.print(f"[bold]broker[/bold]: {description}")
+    mem = data.get("memory") or {}
+    if mem.get("warning"):
+        console.print(f"[bold red]warning[/bold red]: {mem['warning']}", markup=True, highlight=False)
+    elif mem.get("maxmemory"):
+        console.print(f"memory: {memory.mib(mem['used'])} of {memory.mib(mem['maxmemory'])} (maxmemory)")
     q = Table(title="queues", title_justify="left")
     q.add_column("queue")
     q.add_column("depth", justify="right")
@@ -221,10 +227,14 @@ def print_status(data: dict[str, Any], description: str) -> None:
 VIEW_MAX_TEXT = 256 * 1024
 
 
-def call_request(conn: Any, call_id: str) -> dict[str, Any] | None:
+def call_request(conn: Any, call_id: str, audit: Any = None) -> dict[str, Any] | None:
     """What a call asked for, as submitted, secrets masked: a tool call's args (the tool's ``sensitive``
     args as their hash, as in its audit record), an LLM call's whole request — the messages the model is
     sent, tool results included (the seed's check for "was the tool result fed back?"). None: no such call.
+
+    An ended call no longer keeps its request (only its outcome, for ``workers.result_ttl``): the answer
+    then comes from its audit record (``audit``, an ``AuditLog``; ``"source": "audit"``: a tool call's
+    redacted args, an LLM call's model and parameters but not its messages), else says it is gone.
     """
     from broker.directory import Directory
     from broker.errors import HermesError
@@ -236,6 +246,8 @@ def call_request(conn: Any, call_id: str) -> dict[str, Any] | None:
         return None
     env = rec.get("envelope")
     out: dict[str, Any] = {"call_id": call_id, "kind": rec["kind"], "name": rec["name"], "state": rec["state"]}
+    if rec.get("request_dropped"):
+        return _ended_request(out, audit.get(call_id) if audit is not None else None)
     if env is None:
         out["error"] = "the call's payload could not be decoded"
         return out
@@ -251,4 +263,24 @@ def call_request(conn: Any, call_id: str) -> dict[str, Any] | None:
     except HermesError:
         sensitive = tuple(args)  # the tool was removed since: every arg as its hash
     out["args"] = redact(args, sensitive, max_text=VIEW_MAX_TEXT)
+    return out
+
+
+ENDED_REQUEST = "the call has ended: its request is no longer kept (an ended call keeps only its outcome)"
+
+
+def _ended_request(out: dict[str, Any], audited: Any) -> dict[str, Any]:
+    """``call_request`` of an ended call: what its audit record kept, or why there is nothing."""
+    from broker.audit import CONTEXT_KEYS
+
+    if audited is None:
+        out["error"] = f"{ENDED_REQUEST}, and no audit record of it was found"
+        return out
+    out["source"] = "audit"
+    out["note"] = f"{ENDED_REQUEST}: shown from its audit record"
+    out["context"] = {k: getattr(audited, k) for k in CONTEXT_KEYS if getattr(audited, k) is not None}
+    if out["kind"] == "llm":
+        out["request"] = {"model": audited.model, **audited.model_params}  # (the messages are not audited)
+    else:
+        out["args"] = audited.args
     return out

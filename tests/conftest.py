@@ -134,6 +134,52 @@ def fake() -> fakeredis.FakeRedis:
     return fakeredis.FakeRedis(server=fakeredis.FakeServer())
 
 
+# -- what a caller hears -----------------------------------------------------------------------
+
+_HEARD: dict[int, Any] = {}
+
+
+class Heard:
+    """Every event published on ``channel``, kept per call, heard as the caller hears them.
+
+    An ended call's history is its terminal event alone (TRANSITION trims it), so a test that checks the
+    whole way a call went listens on its caller's channel. ``heard(conn)`` subscribes once per client:
+    call it before the events are published (the unit tests' submit helpers do).
+    """
+
+    def __init__(self, conn: Any, channel: str) -> None:
+        self.conn = conn
+        self.pubsub = conn.pubsub()
+        self.pubsub.subscribe(channel)
+        self.calls: dict[str, list[Any]] = {}
+
+    def events(self, call_id: str) -> list[Any]:
+        from broker import events
+
+        while (msg := self.pubsub.get_message(timeout=0.01)) is not None:
+            if msg["type"] == "message":
+                ev = events.decode(msg["data"])
+                self.calls.setdefault(ev.call_id, []).append(ev)
+        return list(self.calls.get(call_id, []))
+
+
+def heard(conn: Any, channel: str = "hermes:ch:t") -> Heard:
+    """The ``Heard`` of ``conn`` on ``channel`` (made and subscribed on first use)."""
+    key = id(conn)
+    found = _HEARD.get(key)
+    if found is None or found.conn is not conn:
+        found = _HEARD[key] = Heard(conn, channel)
+    return found
+
+
+@pytest.fixture
+def keep_history(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``HERMES_KEEP_HISTORY=1`` for this process and the workers and clients it starts: ended calls keep
+    every event, for tests that check the whole way calls went from Redis (by default an ended call keeps
+    its terminal event alone). Ask for it before ``gateway`` and ``workers``."""
+    monkeypatch.setenv("HERMES_KEEP_HISTORY", "1")
+
+
 # -- HERMES_HOME -------------------------------------------------------------------------------
 
 

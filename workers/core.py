@@ -60,6 +60,7 @@ class WorkerCore:
         self.name = name
         pipes.configure(settings.broker.fast_path)
         self.calls = Calls(conn)
+        self.calls.keep_history = settings.workers.keep_history
         self.confirmer = Confirmer(settings)  # WAITs for the replicas, when broker.wait_replicas asks
         self.outbox = Outbox(conn, confirmer=self.confirmer)
         self.directory = Directory(conn)

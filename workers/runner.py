@@ -303,8 +303,7 @@ class CallRunner:
                 else:
                     fields[keys.F_RESULT] = packed
                     detail["result_in_record"] = True
-        if error is not None:
-            fields[keys.F_ERROR] = pack(error)
+        if error is not None:  # (in the terminal event only: the ended record reads it there)
             detail["error"] = error
         record = self._audit_record(run, target, result, error, duration)
         audit, current = self.core.audit, run.state

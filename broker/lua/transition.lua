@@ -13,6 +13,13 @@
 -- Ending a batch's call (its record's `h_batch` = "<ttl> <index> <prefix>", a prefix of the same tag) also
 -- writes its result into the batch: the terminal event at <prefix>:r[index] once (HSETNX), then the index
 -- on <prefix>:o (completion order) and a count of the state in <prefix>:n.
+-- Ending (a ttl) also shrinks what the call keeps for
+-- that ttl (see ENDED below): the history becomes the terminal event alone (what a late follower
+-- gets: its state, result or error, trace id, seq), and the job hash is written anew with only the
+-- fields in ENDED that it has, small values that Redis keeps as a listpack (the `data` of the
+-- submission had made it a hash table, which deleting fields would not undo).
+-- Runs at maxmemory (`allow-oom`, added by broker/scripts.py on Redis 7): an accepted call can always
+-- move and end, and ending frees memory; new calls are refused at SUBMIT instead.
 local call_id = ARGV[1]
 local event = ARGV[2]
 local ttl = ARGV[3]             -- '' = leave the TTL
@@ -32,9 +39,18 @@ local publish = ARGV[16]        -- PUBLISH, or SPUBLISH on a cluster
 local job_prefix = ARGV[17]
 local now = ARGV[18]            -- µs (the fair clock's start, when nobody waited)
 local used = ARGV[19]           -- tokens the call used, settled with its rate limiter ('' its estimate, '-' never sent)
-local before = tonumber(ARGV[20])
-local EARLY = 21
+local keep_history = ARGV[20]   -- '1' = an ended call keeps every event (workers.keep_history)
+local before = tonumber(ARGV[21])
+local EARLY = 22
 local FIELDS = EARLY + before
+-- What an ended call's hash keeps (broker/records.py reads the rest from its terminal event): state and
+-- attempt (scripts, the record), RQ's status, kind and tool (handles by id, idempotent resubmissions),
+-- the idempotency key and digest, a result too large for the done event, and an LLM call's `data` (the
+-- messages its model was sent: `events --request` and the console show them, the seed's "was the tool
+-- result fed back?"; a tool call's arguments are in its audit record). Each byte counts: the hash stays
+-- a listpack in a small allocation (created_at or worker_name would each take it a size class up).
+local ENDED = {'h_state', 'h_attempt', 'status', 'h_kind', 'h_tool', 'h_idem', 'h_digest', 'h_result', 'data', 'h_principal'}
+local KIND, DATA = 4, 9
 
 local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem', 'h_batch')
 local st = rec[1]
@@ -99,9 +115,27 @@ for i = EARLY, FIELDS - 1 do
   seq = seq + 1
 end
 local ev = with_seq(event, seq)
-stored[#stored + 1] = ev
-redis.call('RPUSH', KEYS[2], unpack(stored))
-if ttl ~= '' then
+if ttl == '' or keep_history == '1' then
+  stored[#stored + 1] = ev
+  redis.call('RPUSH', KEYS[2], unpack(stored))
+end
+if ttl ~= '' and keep_history == '1' then
+  redis.call('EXPIRE', KEYS[1], ttl)
+  redis.call('EXPIRE', KEYS[2], ttl)
+  if idem_ours then redis.call('EXPIRE', rec[3], ttl) end
+elseif ttl ~= '' then
+  local kept = redis.call('HMGET', KEYS[1], unpack(ENDED))
+  local fields = {}
+  if kept[KIND] ~= 'llm' then kept[DATA] = false end
+  for i, name in ipairs(ENDED) do
+    if kept[i] then
+      fields[#fields + 1] = name
+      fields[#fields + 1] = kept[i]
+    end
+  end
+  redis.call('DEL', KEYS[1], KEYS[2])
+  redis.call('HSET', KEYS[1], unpack(fields))
+  redis.call('RPUSH', KEYS[2], ev)
   redis.call('EXPIRE', KEYS[1], ttl)
   redis.call('EXPIRE', KEYS[2], ttl)
   if idem_ours then redis.call('EXPIRE', rec[3], ttl) end

@@ -78,13 +78,29 @@ def published(ps: Any) -> list[bytes]:
 def test_seq_rises_by_one_per_event_and_history_keeps_the_order(fake: Any) -> None:
     calls = Calls(fake)
     info = submit(calls)
-    walk(calls, info, HAPPY)
+    walk(calls, info, HAPPY[:-1])
     hist = events.history(fake, "c1")
-    assert [e.seq for e in hist] == [1, 2, 3, 4, 5]
-    assert [e.state for e in hist] == ["pending", "routing", "executing", "formatting", "done"]
+    assert [e.seq for e in hist] == [1, 2, 3, 4]
+    assert [e.state for e in hist] == ["pending", "routing", "executing", "formatting"]
     assert [e.ts for e in hist] == sorted(e.ts for e in hist)
-    assert int(fake.hget(keys.job("c1"), keys.F_SEQ)) == 5
-    assert hist[-1].terminal and not any(e.terminal for e in hist[:-1])
+    assert int(fake.hget(keys.job("c1"), keys.F_SEQ)) == 4
+    assert not any(e.terminal for e in hist)
+    assert [e.seq for e in events.history(fake, "c1", 3)] == [3, 4]
+
+
+def test_an_ended_calls_history_is_its_terminal_event_alone(fake: Any) -> None:
+    calls = Calls(fake)
+    info = submit(calls)
+    walk(calls, info, HAPPY)
+    (end,) = events.history(fake, "c1")
+    assert (end.seq, end.state) == (5, "done") and end.terminal
+    # A reader that saw some events before the end gets the end next, and nothing once it has it.
+    for seen in range(5):
+        assert [e.seq for e in events.history(fake, "c1", seen + 1)] == [5]
+    assert events.history(fake, "c1", 6) == []
+    rec = calls.record("c1")
+    assert (rec["state"], rec["seq"], rec["trace_id"]) == ("done", 5, TRACE)
+    assert rec["ended_at"] and rec["envelope"] is None and rec["request_dropped"]
 
 
 def test_the_event_carries_exactly_the_documented_fields(fake: Any) -> None:
@@ -158,6 +174,17 @@ def test_progress_events_keep_the_state_and_still_count(fake: Any) -> None:
     assert fake.hget(keys.job("c1"), keys.F_STATE) == b"executing"
 
 
+def test_with_keep_history_an_ended_call_keeps_every_event_and_its_whole_record(fake: Any) -> None:
+    calls = Calls(fake)
+    calls.keep_history = True  # (workers.keep_history)
+    info = submit(calls)
+    walk(calls, info, HAPPY)
+    assert [e.seq for e in events.history(fake, "c1")] == [1, 2, 3, 4, 5]
+    assert fake.hget(keys.job("c1"), "data") and fake.hget(keys.job("c1"), keys.F_CHANNEL) == CHANNEL.encode()
+    assert 0 < fake.ttl(keys.job("c1")) <= 3600 and 0 < fake.ttl(keys.history("c1")) <= 3600
+    assert calls.record("c1")["ended_at"]
+
+
 def test_each_event_is_published_on_the_callers_channel(fake: Any) -> None:
     ps = fake.pubsub()
     ps.subscribe(CHANNEL)
@@ -166,7 +193,8 @@ def test_each_event_is_published_on_the_callers_channel(fake: Any) -> None:
     walk(calls, info, HAPPY)
     got = published(ps)
     assert len(got) == 5
-    assert got == fake.lrange(keys.history("c1"), 0, -1)
+    assert [events.decode(b).seq for b in got] == [1, 2, 3, 4, 5]
+    assert got[-1:] == fake.lrange(keys.history("c1"), 0, -1)  # (an ended call keeps its last event)
     ps.close()
 
 
@@ -208,7 +236,7 @@ def test_no_transition_leaves_a_terminal_state(fake: Any) -> None:
     # Not even a progress event, nor an unfenced write from outside.
     assert calls.transition(info, None, attempt=1, event_type=events.PROGRESS)[0] == WRONG_STATE
     assert calls.transition(info, State.CANCELLED, attempt=1, fence=False)[0] == WRONG_STATE
-    assert [e.seq for e in events.history(fake, "c1")] == [1, 2, 3, 4, 5]
+    assert [(e.seq, e.state) for e in events.history(fake, "c1")] == [(5, "done")]
 
 
 def test_terminal_transitions_drop_the_lease_and_set_a_ttl(fake: Any) -> None:
@@ -217,19 +245,19 @@ def test_terminal_transitions_drop_the_lease_and_set_a_ttl(fake: Any) -> None:
     fake.zadd(keys.leases("{tools}"), {"c1": time.time() + 30})
     walk(calls, info, [State.ROUTING, State.FAILED])
     assert fake.zscore(keys.leases("{tools}"), "c1") is None
-    assert 0 < fake.ttl(keys.job("c1")) <= 86400
-    assert 0 < fake.ttl(keys.history("c1")) <= 86400
-    assert fake.hget(keys.job("c1"), "ended_at")
+    assert 0 < fake.ttl(keys.job("c1")) <= 3600  # (the default result TTL)
+    assert 0 < fake.ttl(keys.history("c1")) <= 3600
+    assert calls.record("c1")["ended_at"]
 
 
 # -- follow(): late subscribers ------------------------------------------------------------------
 
 
-def test_follow_after_the_end_gives_the_whole_history_once(fake: Any) -> None:
+def test_follow_after_the_end_gives_the_terminal_event_once(fake: Any) -> None:
     calls = Calls(fake)
     info = submit(calls)
     walk(calls, info, HAPPY)
-    assert [e.seq for e in events.follow(fake, "c1", timeout=1)] == [1, 2, 3, 4, 5]
+    assert [e.seq for e in events.follow(fake, "c1", timeout=1)] == [5]
 
 
 def test_follow_joins_late_then_tails_live_filling_a_dropped_message(fake: Any) -> None:
@@ -247,11 +275,15 @@ def test_follow_joins_late_then_tails_live_filling_a_dropped_message(fake: Any) 
     )  # seq 4
     lost = CallInfo(**{**info.__dict__, "channel": "hermes:ch:elsewhere"})
     calls.transition(lost, State.FORMATTING, attempt=1)  # seq 5: stored, never reaches the follower
-    calls.transition(info, State.DONE, attempt=1)  # seq 6: published, shows the gap
+    calls.transition(
+        info, None, attempt=1, event_type=events.PROGRESS, detail={"message": "late"}, current=State.FORMATTING
+    )  # seq 6: published, shows the gap (filled from the history while the call still runs)
+    got += [next(stream) for _ in range(3)]
+    calls.transition(info, State.DONE, attempt=1)  # seq 7
 
     got += list(stream)
-    assert [e.seq for e in got] == [1, 2, 3, 4, 5, 6]
-    assert [e.state for e in got] == ["pending", "routing", "executing", "executing", "formatting", "done"]
+    assert [e.seq for e in got] == [1, 2, 3, 4, 5, 6, 7]
+    assert [e.state for e in got] == ["pending", "routing", "executing", "executing", "formatting", "formatting", "done"]
     assert got[3].type == events.PROGRESS
 
 
@@ -261,8 +293,8 @@ def test_follow_reads_a_dropped_terminal_event_from_history_when_quiet(fake: Any
     stream = events.follow(fake, "c1", timeout=5, poll=0.02)
     assert next(stream).seq == 1
     lost = CallInfo(**{**info.__dict__, "channel": "hermes:ch:elsewhere"})
-    walk(calls, lost, HAPPY)  # nothing of it is published to the follower
-    assert [e.state for e in stream] == ["routing", "executing", "formatting", "done"]
+    walk(calls, lost, HAPPY)  # nothing of it is published to the follower, and it ended meanwhile
+    assert [(e.seq, e.state) for e in stream] == [(5, "done")]  # the end, with what it carries
 
 
 def test_follow_ignores_other_calls_on_a_shared_channel(fake: Any) -> None:
@@ -272,10 +304,12 @@ def test_follow_ignores_other_calls_on_a_shared_channel(fake: Any) -> None:
     stream = events.follow(fake, "c1", timeout=5, poll=0.05)
     assert next(stream).seq == 1
     walk(calls, other, HAPPY)
-    walk(calls, info, HAPPY)
-    rest = list(stream)
+    walk(calls, info, HAPPY[:-1])
+    rest = [next(stream) for _ in range(3)]
+    walk(calls, info, HAPPY[-1:])
+    rest += list(stream)
     assert {e.call_id for e in rest} == {"c1"}
-    assert [e.seq for e in rest] == [2, 3, 4, 5]
+    assert [e.seq for e in rest] == [2, 3, 4, 5]  # (the live tail: each published event once)
 
 
 def test_follow_stops_at_its_timeout_without_a_terminal_event(fake: Any) -> None:
@@ -322,7 +356,8 @@ def test_moves_written_together_keep_their_own_events_in_order(fake: Any) -> Non
         detail={"result": {"k": "v"}},
     )
     assert seq == 5
-    assert [e.state for e in events.history(fake, "c1")][-2:] == ["formatting", "done"]
+    assert [msgpack.unpackb(b)["state"] for b in published(ps)] == ["formatting", "done"]
+    assert [e.state for e in events.history(fake, "c1")] == ["done"]
     rec = calls.record("c1")
     assert (rec["state"], rec["result"]) == ("done", {"k": "v"})
     assert fake.ttl(keys.job("c1")) > 0

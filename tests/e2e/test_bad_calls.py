@@ -76,11 +76,12 @@ def test_malformed_payloads_and_unknown_tools_fail_typed_and_the_worker_keeps_se
         assert current(conn, [cid])[cid] == "failed", cid
         assert error_type(conn, cid) == "bad_payload", cid
         assert states(conn, cid) == ["failed"], cid
-    assert states(conn, doomed.call_id) == ["pending", "routing", "failed"]
+    assert states(conn, doomed.call_id) == ["failed"]  # (an ended call keeps its terminal event)
     assert error_type(conn, doomed.call_id) == "unknown_tool"
     with pytest.raises(CallFailed) as info:
         doomed.result(timeout=5)
     assert info.value.type == "unknown_tool"
+    assert [e.state for e in doomed.events(timeout=1)] == ["pending", "routing", "failed"]  # as its caller heard
 
     # Still serving: a normal call afterwards succeeds, on the same process.
     assert gateway.call_tool("echo", {"after": True}).result(timeout=10) == {"after": True}

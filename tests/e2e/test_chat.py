@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from broker import events, keys
+from broker.audit import CONTEXT_KEYS
 from broker.audit_store import AuditLog
 from broker.records import envelope_of
 from hermes_gateway.chat import ChatSession
@@ -42,7 +43,14 @@ def llm(home: Home) -> Iterator[LLMServer]:
 
 
 def context_of(conn: Any, call_id: str) -> dict[str, Any]:
-    return envelope_of(conn.hget(keys.job(call_id), "data")).context
+    """The context a call ran with: its envelope's (an ended LLM call keeps it), else its audit record's
+    (an ended tool call keeps no envelope)."""
+    data = conn.hget(keys.job(call_id), "data")
+    if data is not None:
+        return envelope_of(data).context
+    record = AuditLog(conn).get(call_id)
+    assert record is not None, f"no envelope and no audit record of {call_id}"
+    return {k: getattr(record, k) for k in CONTEXT_KEYS if getattr(record, k) is not None}
 
 
 def test_a_weather_question_runs_the_tool_on_a_worker_and_the_answer_quotes_its_result(
@@ -78,7 +86,7 @@ def test_a_weather_question_runs_the_tool_on_a_worker_and_the_answer_quotes_its_
 
 
 def test_the_tool_calls_of_one_answer_run_side_by_side_and_failures_go_back_to_the_model(
-    llm: LLMServer, home: Home, gateway: Any, workers: Any, conn: Any
+    keep_history: None, llm: LLMServer, home: Home, gateway: Any, workers: Any, conn: Any
 ) -> None:
     home.sleep_tool()
     gateway.sync_tools()
@@ -100,7 +108,7 @@ def test_the_tool_calls_of_one_answer_run_side_by_side_and_failures_go_back_to_t
     assert result.answer == "done"
     slow1, slow2, weather, unknown, bad = result.turns[0].tools
     assert slow1.ok and slow2.ok
-    # Both sleeps were executing at once: each started before the other ended.
+    # Both sleeps were executing at once: each started before the other ended (whole histories kept).
     h1, h2 = events.history(conn, slow1.call_id), events.history(conn, slow2.call_id)
     start = {cid: next(e.ts for e in h if e.state == "executing") for cid, h in ((1, h1), (2, h2))}
     end = {cid: h[-1].ts for cid, h in ((1, h1), (2, h2))}

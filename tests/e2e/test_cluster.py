@@ -21,6 +21,11 @@ from tests.redis_stack import ClusterStack as Cluster
 pytestmark = pytest.mark.e2e
 
 
+@pytest.fixture(autouse=True)
+def _whole_histories(keep_history: None) -> None:
+    """These tests read whole histories of ended calls from Redis (workers.keep_history)."""
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with Cluster(3, tmp_path_factory.mktemp("cluster")) as c:

@@ -11,8 +11,9 @@ pytestmark = pytest.mark.e2e
 
 
 def test_racing_submitters_keep_limit_and_per_key_size_and_a_latecomer_is_served_within_a_round(
-    redis_url: str, home: Any, workers: Any, wait_until: Any
+    keep_history: None, redis_url: str, home: Any, workers: Any, wait_until: Any
 ) -> None:
+    # (keep_history: each call's whole history is read back to count its runs and spans)
     from tests.e2e.fair_race import fair_race
 
     fair_race(redis_url, home, workers, wait_until)

@@ -23,6 +23,11 @@ from tests.e2e.util import all_terminal, current, field, histories
 
 pytestmark = pytest.mark.e2e
 
+
+@pytest.fixture(autouse=True)
+def _whole_histories(keep_history: None) -> None:
+    """These tests read whole histories of ended calls from Redis (workers.keep_history)."""
+
 BACKEND = "tests.e2e.flowtools:backend"
 PY = sys.executable
 

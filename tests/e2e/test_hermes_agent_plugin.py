@@ -39,6 +39,11 @@ from tests.middleware.test_interop_hermes_agent import HERMES_VERSION, VENV_ROOT
 # One xdist worker runs the module: its agent venv is built once (under a lock), not waited for twice.
 pytestmark = [pytest.mark.interop, pytest.mark.e2e, pytest.mark.xdist_group("hermes-agent-documented")]
 
+
+@pytest.fixture(autouse=True)
+def _whole_histories(keep_history: None) -> None:
+    """These tests read ended calls' envelopes and stream deltas from Redis (workers.keep_history)."""
+
 MODEL = "hermes-test"
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 # The README's install, with this checkout (editable: the code under test) in place of the name.

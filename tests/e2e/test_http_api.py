@@ -14,9 +14,7 @@ import httpx
 import pytest
 import uvicorn
 
-from broker import keys
 from broker.config import load_settings
-from broker.records import envelope_of
 from hermes_gateway.http_api import create_app
 from tests.e2e.util import free_port, wait_http
 
@@ -104,8 +102,8 @@ def test_register_list_call_and_stream_a_tool_over_http(api: httpx.Client, gatew
     assert done.status_code == 200, done.text
     body = done.json()
     assert body["state"] == "done" and body["result"] == {"who": "北京"}
-    env = envelope_of(gateway.conn.hget(keys.job(body["call_id"]), "data"))
-    assert env.traceparent.split("-")[1] == TRACE, "the caller's trace continues through the API"
+    # The caller's trace continues through the API (the ended call's terminal event carries its trace id).
+    assert gateway.calls.record(body["call_id"])["trace_id"] == TRACE, "the caller's trace continues through the API"
 
     accepted = api.post(
         "/v1/tools/sleep/calls", json={"args": {"seconds": 0.2}, "context": {"session_id": "s-1"}}

@@ -20,6 +20,7 @@ import pytest
 from broker import events, keys
 from broker.codec import pack
 from broker.errors import CallFailed
+from broker.limits import Limits
 from middleware import enable_plugin
 from tests.conftest import Home, wait_until
 from tests.llm_server import LLMServer, Reply
@@ -189,10 +190,11 @@ def test_a_non_streamed_call_returns_the_providers_response_and_the_request_mode
     assert result["choices"][0]["message"]["content"] == "ok"
     assert result["model"] == "other-model"
     assert llm.chat_requests[-1].body["model"] == "other-model"
-    evs = events.history(conn, handle.call_id)
+    evs = list(handle.events(timeout=5))  # (what the caller heard: an ended call keeps its last event)
     assert not [e for e in evs if e.type == events.DELTA]
     assert {e.model for e in evs} == {"other-model"}
-    assert conn.hget(keys.job(handle.call_id), keys.F_CKEY) == b"llm:other-model"
+    assert {e.detail.get("queue") for e in evs if e.state == "pending"} == {"llm"}
+    assert "llm:other-model" in {row["key"] for row in Limits(conn).snapshot()}  # its concurrency key
 
 
 def test_events_request_shows_the_messages_the_model_was_sent_tool_results_included(

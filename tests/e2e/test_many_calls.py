@@ -11,6 +11,11 @@ from tests.e2e.util import histories
 
 pytestmark = pytest.mark.e2e
 
+
+@pytest.fixture(autouse=True)
+def _whole_histories(keep_history: None) -> None:
+    """These tests read whole histories of ended calls from Redis (workers.keep_history)."""
+
 TRACE, SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 TP = f"00-{TRACE}-{SPAN}-01"
 ROAD = ["pending", "routing", "executing", "formatting", "done"]

@@ -13,11 +13,11 @@ import pytest
 import structlog
 from click.testing import CliRunner
 
+from broker import events
 from broker.errors import PermissionDenied
 from hermes_gateway.cli import main
 from middleware import enable_plugin
 from tests.conftest import ECHO, Home, wait_until
-from tests.e2e.util import states
 from workers import policy_store
 
 pytestmark = pytest.mark.e2e
@@ -243,7 +243,8 @@ def test_a_refusal_never_runs_the_executor_reaches_post_tool_call_as_blocked_and
     assert runs(ran) == ["/tmp/ok"]  # the recorder does record: the refusals above were real
 
     for h in refused:
-        assert states(conn, h.call_id) == ["pending", "routing", "failed"]  # never executing
+        heard = [e.state for e in h.events(timeout=1) if e.type == events.TRANSITION]  # (as its caller heard)
+        assert heard == ["pending", "routing", "failed"]  # never executing
     hooks = [json.loads(line) for line in hook_log.read_text().splitlines()]
     assert [(x["status"], x["error_type"]) for x in hooks] == [("blocked", "permission_denied")] * 5 + [
         ("ok", None)

@@ -50,8 +50,7 @@ def test_rq_info_lists_our_workers_and_queues(
     # (RQ's Job.fetch refuses ids with braces; a call id carries its queue's hash tag: its hash is read
     # at RQ's own key for it)
     job_key = Job.key_for(waiting[0].call_id)
-    assert conn.hget(job_key, "status") == b"finished"
-    assert conn.hget(job_key, "worker_name").decode() in {w.name for w in started}
+    assert conn.hget(job_key, "status") == b"finished"  # (an ended call keeps RQ's status, not its worker_name)
     assert Queue("{tools}", connection=conn, serializer=MsgpackSerializer).count == 0
 
 

@@ -16,6 +16,11 @@ from tests.e2e.util import all_terminal, current, field, histories
 
 pytestmark = pytest.mark.e2e
 
+
+@pytest.fixture(autouse=True)
+def _whole_histories(keep_history: None) -> None:
+    """These tests read whole histories of ended calls from Redis (workers.keep_history)."""
+
 GRACE = 1.0
 SHORT, LONG = 0.4, 2.0
 

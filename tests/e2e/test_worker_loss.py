@@ -13,6 +13,11 @@ from tests.e2e.util import all_terminal, current, error_type, field, histories
 
 pytestmark = pytest.mark.e2e
 
+
+@pytest.fixture(autouse=True)
+def _whole_histories(keep_history: None) -> None:
+    """These tests read whole histories of ended calls from Redis (workers.keep_history)."""
+
 LEASE = 2.0
 SLEEP = 1.0
 
@@ -22,9 +27,13 @@ def test_calls_of_a_killed_worker_are_retried_or_fail_with_worker_lost(
 ) -> None:
     home.sleep_tool()
     gateway.sync_tools()
-    a, b = workers(2, concurrency=4, lease=LEASE)
-    # Alternate calls that may be retried with calls that have one attempt only.
-    handles = [gateway.call_tool("sleep", {"seconds": SLEEP}, max_attempts=1 + 2 * (i % 2)) for i in range(8)]
+    # Alternate calls that may be retried with calls that have one attempt only; the first worker takes
+    # the first four (both kinds) before the second one starts, so the victim holds calls of both kinds.
+    (a,) = workers(1, concurrency=4, lease=LEASE)
+    handles = [gateway.call_tool("sleep", {"seconds": SLEEP}, max_attempts=1 + 2 * (i % 2)) for i in range(4)]
+    wait_until(lambda: set(current(conn, [h.call_id for h in handles]).values()) == {"executing"}, 5)
+    (b,) = workers(1, concurrency=4, lease=LEASE)
+    handles += [gateway.call_tool("sleep", {"seconds": SLEEP}, max_attempts=1 + 2 * (i % 2)) for i in range(4)]
     ids = [h.call_id for h in handles]
     once = {h.call_id for i, h in enumerate(handles) if i % 2 == 0}
 

@@ -17,7 +17,8 @@ TRANSITION = events.TRANSITION
 
 
 def histories(conn: redis.Redis, call_ids: list[str]) -> dict[str, list[events.Event]]:
-    """Every call's stored events, read in one pipeline."""
+    """Every call's stored events, read in one pipeline (an ended call's are all there only with the
+    ``keep_history`` fixture: else its terminal event alone)."""
     pipe = conn.pipeline(transaction=False)
     for cid in call_ids:
         pipe.lrange(keys.history(cid), 0, -1)

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from broker import events, keys
+from broker import events
+from broker.audit_store import AuditLog
 from broker.errors import CallCancelled, CallFailed, InvalidArgs, QueueFull, UnknownTool
-from broker.records import envelope_of
 from hermes_gateway.aio import AsyncGateway
 from tests.conftest import Home
 from tests.llm_server import LLMServer
@@ -58,8 +58,11 @@ def test_call_tool_result_and_events_in_order_with_the_context_carried(
     assert transitions(evs) == ["pending", "routing", "executing", "formatting", "done"]
     assert [e.seq for e in evs] == list(range(1, len(evs) + 1))
     assert handle.final_state == "done"
-    context = envelope_of(conn.hget(keys.job(handle.call_id), "data")).context
-    assert context == {"session_id": "s-1", "tool_call_id": "tc-1", "turn_id": "t-1"}
+    assert {e.session_id for e in evs} == {"s-1"}
+    # (An ended call keeps no envelope: its audit record has the context the worker ran it with.)
+    audited = AuditLog(conn).get(handle.call_id)
+    assert audited is not None
+    assert (audited.session_id, audited.tool_call_id, audited.turn_id) == ("s-1", "tc-1", "t-1")
 
 
 def test_many_calls_awaited_together_and_a_batch_in_one_round_trip(

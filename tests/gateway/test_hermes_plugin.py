@@ -137,10 +137,18 @@ def test_calls_name_the_plugins_the_agent_runs_itself(
     gateway.sync_tools()
     bridge = Bridge(Options(url=None, timeout=0.3), load_settings(home.path))
     bridge._gw = gateway
-    handles = _recorded(gateway, monkeypatch)
+    submitted: list[Any] = []
+    submit = gateway.call_tool
+
+    def recording(*a: Any, **kw: Any) -> Any:
+        handle = submit(*a, **kw)
+        rec = read_record(conn, handle.call_id)  # (read while pending: an ended call keeps no envelope)
+        submitted.append(rec["envelope"] if rec else None)
+        return handle
+
+    monkeypatch.setattr(gateway, "call_tool", recording)
     bridge.call("echo", {}, {"session_id": "s1"})
-    record = read_record(conn, handles[0].call_id)
-    assert record is not None and record["envelope"].context["plugins_applied"] == "middleware-demo-llm-tag"
+    assert submitted[0] is not None and submitted[0].context["plugins_applied"] == "middleware-demo-llm-tag"
 
 
 def _bridge(home: Home, gateway: Any, timeout: float = 30.0) -> Bridge:

@@ -14,6 +14,7 @@ from broker.config import Settings, WorkerSettings
 from broker.directory import Directory
 from broker.envelope import Envelope, Options
 from broker.errors import CallFailed, ExecutorError, InvalidArgs, ToolTimeout
+from tests.conftest import heard
 from workers.core import WorkerCore
 from workers.retry import RetryPolicy
 from workers.runner import CallRunner
@@ -74,6 +75,7 @@ def core(fake: Any, tmp_path: Path) -> Any:
 
 
 def _submit(fake: Any, call_id: str, max_attempts: int | None = None, **args: Any) -> None:
+    heard(fake)  # (listening as the caller does: an ended call's history is its last event alone)
     env = Envelope(
         call_id=call_id,
         kind="tool",
@@ -95,7 +97,7 @@ def _run(core: WorkerCore) -> int:
 
 
 def _transitions(fake: Any, cid: str) -> list[tuple[str, int]]:
-    return [(e.state, e.attempt) for e in events.history(fake, cid) if e.type == events.TRANSITION]
+    return [(e.state, e.attempt) for e in heard(fake).events(cid) if e.type == events.TRANSITION]
 
 
 def test_a_failed_attempt_waits_on_the_schedule_without_its_slot_then_comes_back(

@@ -14,12 +14,13 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from broker import events, keys, otel
+from broker import keys, otel
 from broker.calls import Calls
 from broker.config import Settings, WorkerSettings, load_settings
 from broker.directory import Directory
 from broker.envelope import Envelope, Options
 from broker.errors import ProviderError
+from tests.conftest import heard
 from workers import metrics, otelsdk
 from workers import spans as spans_mod
 from workers.core import WorkerCore
@@ -101,6 +102,7 @@ def core(fake: Any, tmp_path: Path) -> Iterator[WorkerCore]:
 
 
 def submit(fake: Any, call_id: str, tool: str = "echo", tp: str = TP, attempts: int = 1, **args: Any) -> None:
+    heard(fake)  # (listening as the caller does: an ended call's history is its last event alone)
     env = Envelope(
         call_id=call_id,
         kind="tool",
@@ -154,7 +156,7 @@ def test_a_call_continues_the_callers_trace_as_process_span_with_policy_and_exec
     assert execute.attributes["gen_ai.tool.call.id"] == "tc-c1"
     assert process.status.status_code is StatusCode.UNSET
     # Events carry the trace id and the consumer span's id, so an event leads straight to its span.
-    worker_events = events.history(fake, "c1")[1:]
+    worker_events = heard(fake).events("c1")[1:]
     assert {(e.trace_id, e.span_id) for e in worker_events} == {(TRACE, f"{process.context.span_id:016x}")}
     assert core.audit.get("c1").trace_id == TRACE
 
@@ -224,7 +226,7 @@ def test_tracing_off_means_no_trace_object_and_events_still_get_a_span_id(
     assert otel.tracer() is None and CallTrace.start(env, 1) is NO_TRACE
     submit(fake, "c1")
     run_all(core)
-    spans_ids = {e.span_id for e in events.history(fake, "c1")[1:]}
+    spans_ids = {e.span_id for e in heard(fake).events("c1")[1:]}
     assert len(spans_ids) == 1 and PARENT not in spans_ids
 
 
