@@ -110,8 +110,9 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     }
     home = scratch_home([tool])
     conn = from_url(url)
-    # Finished calls are kept a short while only: the batch's records would otherwise fill the Redis.
-    procs = start_workers(url, home, queue, args.processes, args.concurrency, {"HERMES_RESULT_TTL": "30"})
+    # Finished calls are kept a short while only: the batch's records would otherwise fill the Redis; whole
+    # histories (keep_history) give each interactive call's wait for a slot.
+    procs = start_workers(url, home, queue, args.processes, args.concurrency, {"HERMES_RESULT_TTL": "30", "HERMES_KEEP_HISTORY": "1"})
     try:
         wait_for_workers(conn, args.processes, queue)
         gw = Gateway(BrokerHandle(from_url(url), url, url), load_settings(home))
