@@ -46,6 +46,9 @@ class Event:
     session_id: str | None = None
     type: str = TRANSITION
     detail: dict[str, Any] = field(default_factory=dict)
+    # On the terminal event an ended call keeps in place of its history (broker/lua/transition.lua): its
+    # earlier transitions, ``[state, attempt, microseconds before this event]`` each, in order.
+    steps: list[list[Any]] | None = None
 
     @property
     def terminal(self) -> bool:
@@ -66,7 +69,7 @@ class Event:
             "session_id": self.session_id,
             "type": self.type,
             "detail": self.detail,
-        }
+        } | ({"steps": self.steps} if self.steps else {})
 
 
 def payload(
@@ -128,10 +131,18 @@ def decode(data: bytes) -> Event:
             session_id=raw.get("session_id"),
             type=raw.get("type") or TRANSITION,
             detail=detail,
+            steps=_steps(raw.get("steps")),
         )
     except (TypeError, ValueError, OverflowError) as e:
         raise DecodeError(f"not an event: {e}") from e
     return event
+
+
+def _steps(raw: Any) -> list[list[Any]] | None:
+    """An ended call's ``steps`` as stored, or None when absent or not a list of 3-item lists."""
+    if not isinstance(raw, list) or not all(isinstance(s, list) and len(s) == 3 for s in raw):
+        return None
+    return raw
 
 
 def for_handle(handles: Mapping[str, Any], data: bytes) -> tuple[Event, Any, bool] | None:

@@ -13,9 +13,9 @@
 -- Ending a batch's call (its record's `h_batch` = "<ttl> <index> <prefix>", a prefix of the same tag) also
 -- writes its result into the batch: the terminal event at <prefix>:r[index] once (HSETNX), then the index
 -- on <prefix>:o (completion order) and a count of the state in <prefix>:n.
--- Ending (a ttl) also shrinks what the call keeps for
--- that ttl (see ENDED below): the history becomes the terminal event alone (what a late follower
--- gets: its state, result or error, trace id, seq), and the job hash is written anew with only the
+-- Ending (a ttl) also shrinks what the call keeps for that ttl (see ENDED below): the history becomes
+-- the terminal event alone (what a late follower gets: its state, result or error, trace id, seq;
+-- stored with `steps`, the earlier moves' times), and the job hash is written anew with only the
 -- fields in ENDED that it has, small values that Redis keeps as a listpack (the `data` of the
 -- submission had made it a hash table, which deleting fields would not undo).
 -- Runs at maxmemory (`allow-oom`, added by broker/scripts.py on Redis 7): an accepted call can always
@@ -133,9 +133,28 @@ elseif ttl ~= '' then
       fields[#fields + 1] = kept[i]
     end
   end
+  -- The events it drops leave their moves on the one it keeps: `steps`, {state, attempt, µs before the
+  -- end} for each earlier transition, from which the console draws an ended call's waterfall. (Redis
+  -- always has cmsgpack; fakeredis, which the unit tests use, has not: there the event goes as it is.)
+  local steps = {}
+  if cmsgpack then
+    local t_end = cmsgpack.unpack(event)['ts']
+    local function step(raw)
+      local e = cmsgpack.unpack(raw)
+      if e['type'] == 'transition' then
+        steps[#steps + 1] = {e['state'], e['attempt'], math.floor((t_end - e['ts']) * 1e6 + 0.5)}
+      end
+    end
+    for _, raw in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do step(raw) end
+    for _, raw in ipairs(stored) do step(raw) end
+  end
+  local kept_ev = ev
+  if #steps > 0 then
+    kept_ev = string.char(string.byte(ev, 1) + 1) .. string.sub(ev, 2) .. '\165steps' .. cmsgpack.pack(steps)
+  end
   redis.call('DEL', KEYS[1], KEYS[2])
   redis.call('HSET', KEYS[1], unpack(fields))
-  redis.call('RPUSH', KEYS[2], ev)
+  redis.call('RPUSH', KEYS[2], kept_ev)
   redis.call('EXPIRE', KEYS[1], ttl)
   redis.call('EXPIRE', KEYS[2], ttl)
   if idem_ours then redis.call('EXPIRE', rec[3], ttl) end

@@ -91,7 +91,14 @@ def test_an_ended_calls_own_keys_take_at_most_800_bytes(stack: Any) -> None:
         rec = stack.calls.record(h.call_id)
         assert (rec["state"], rec["result"], rec["seq"]) == ("done", None, 5)
         assert rec["ended_at"] and rec["trace_id"]
-        assert [e.state for e in stack.handle(h.call_id).events(timeout=5)] == ["done"]
+        kept = list(stack.handle(h.call_id).events(timeout=5))
+        assert [e.state for e in kept] == ["done"]
+        # Its earlier moves ride on it (the console's waterfall of an ended call): state, attempt, and
+        # how many µs before the end each happened, in order.
+        steps = kept[0].steps
+        assert [(s[0], s[1]) for s in steps] == [(st, 1) for st in ("pending", "routing", "executing", "formatting")]
+        befores = [s[2] for s in steps]
+        assert befores == sorted(befores, reverse=True) and befores[-1] >= 0
 
 
 def test_at_maxmemory_a_submission_is_broker_full_and_accepted_calls_still_end(
