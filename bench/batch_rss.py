@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -57,6 +58,34 @@ def child(url: str, home: str, n: int) -> None:
     gw.close()
 
 
+def measure(url: str, counts: list[int]) -> dict[str, Any]:
+    """Peak RSS of a fresh submitter process per batch size in ``counts`` (2 workers), and the slope per
+    item extrapolated to 1,000,000 items."""
+    import redis
+
+    home = scratch_home([NOOP])
+    procs = start_workers(url, home, "tools", 2, 100)
+    rows = []
+    try:
+        wait_for_workers(redis.Redis.from_url(url), 2, "tools")
+        for n in counts:
+            out = subprocess.run([sys.executable, "-m", "bench.batch_rss", "--child", url, str(home), str(n)],
+                                 cwd=ROOT, capture_output=True, text=True, check=True)
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append(row)
+            print(json.dumps(row))
+    finally:
+        stop(procs)
+    first, last = rows[0], rows[-1]
+    slope = (last["peak_mb"] - first["peak_mb"]) / max(1, last["n"] - first["n"])  # MB per item
+    return {
+        "rows": rows,
+        "bytes_per_item": round(slope * 2**20, 1),
+        "extrapolated_peak_mb_1m": round(last["peak_mb"] + max(0.0, slope) * 1_000_000, 1),
+        "goal_mb": 200,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--url", default=None)
@@ -66,28 +95,10 @@ def main() -> None:
     if args.child:
         child(args.child[0], args.child[1], int(args.child[2]))
         return
-    counts = [int(x) for x in args.counts.split(",")]
     with using_broker(args.url) as url:
-        home = scratch_home([NOOP])
-        procs = start_workers(url, home, "tools", 2, 100)
-        try:
-            import redis
-
-            wait_for_workers(redis.Redis.from_url(url), 2, "tools")
-            rows = []
-            for n in counts:
-                out = subprocess.run([sys.executable, "-m", "bench.batch_rss", "--child", url, str(home), str(n)],
-                                     cwd=ROOT, capture_output=True, text=True, check=True)
-                row = json.loads(out.stdout.strip().splitlines()[-1])
-                rows.append(row)
-                print(json.dumps(row))
-        finally:
-            stop(procs)
-    first, last = rows[0], rows[-1]
-    slope = (last["peak_mb"] - first["peak_mb"]) / max(1, last["n"] - first["n"])  # MB per item
-    growth = max(0.0, slope) * 1_000_000
-    print(f"bytes_per_item={slope * 2**20:.1f}")
-    print(f"extrapolated_peak_mb_1m={last['peak_mb'] + growth:.1f}")
+        out = measure(url, [int(x) for x in args.counts.split(",")])
+    print(f"bytes_per_item={out['bytes_per_item']:.1f}")
+    print(f"extrapolated_peak_mb_1m={out['extrapolated_peak_mb_1m']:.1f}")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,12 @@ One tool (concurrency ``--limit`` 8, a Python tool sleeping ``--tool-ms`` 5 ms),
    which is where every call waited before fair dispatch: behind the whole backlog.
 Latency is submit → ``done`` event at the caller; "to start" is submit → ``routing`` (the slot wait and
 the worker's pick-up), the part fair dispatch decides. The machine is shared: figures are noisy, ratios count.
+4. *memory* (unless ``--no-memory``): Redis bytes per finished call (bench/memory.py, goal <= 800), the
+   batch submitter's peak RSS extrapolated to 1,000,000 items (bench/batch_rss.py, goal <= 200 MB), and
+   with ``--soak 600`` ten minutes at full speed with ``result_ttl: 60`` (used_memory flat).
 The last line is ``interactive_slowdown=<p99 behind / p99 alone>`` (goal <= 2). A JSON result goes to
-``bench/results/mix-<UTC time>.json``.
+``bench/results/mix-<UTC time>.json``. Workers run as users run them (no ``keep_history``): the wait for a
+slot comes from the ``steps`` an ended call's terminal event keeps.
 """
 
 from __future__ import annotations
@@ -54,10 +58,10 @@ def interactive(gw: Any, name: str, n: int, seconds: float, waits: list[float] |
         handle = gw.call_tool(name, {"seconds": seconds}, **opts)
         handle.result(300)
         out.append(time.perf_counter() - start)
-        if waits is not None:
-            hist = [events.decode(b) for b in gw.conn.lrange(keys.history(handle.call_id), 0, -1)]
-            ts = {e.state: e.ts for e in hist}
-            waits.append(ts["routing"] - ts["pending"])
+        if waits is not None:  # from the moves its kept terminal event carries: [state, attempt, µs before the end]
+            end = events.decode(gw.conn.lrange(keys.history(handle.call_id), -1, -1)[0])
+            before = {state: us for state, _, us in end.steps or []}
+            waits.append((before["pending"] - before["routing"]) / 1e6)
     return out
 
 
@@ -110,9 +114,8 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     }
     home = scratch_home([tool])
     conn = from_url(url)
-    # Finished calls are kept a short while only: the batch's records would otherwise fill the Redis; whole
-    # histories (keep_history) give each interactive call's wait for a slot.
-    procs = start_workers(url, home, queue, args.processes, args.concurrency, {"HERMES_RESULT_TTL": "30", "HERMES_KEEP_HISTORY": "1"})
+    # Finished calls are kept a short while only: the batch's records would otherwise fill the Redis.
+    procs = start_workers(url, home, queue, args.processes, args.concurrency, {"HERMES_RESULT_TTL": "30"})
     try:
         wait_for_workers(conn, args.processes, queue)
         gw = Gateway(BrokerHandle(from_url(url), url, url), load_settings(home))
@@ -154,6 +157,22 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     }
 
 
+def memory(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    """The bounded-memory figures of the same run: Redis bytes per finished call (bench/memory.py), the
+    batch submitter's peak RSS extrapolated to 1,000,000 items (bench/batch_rss.py) and, with ``--soak``,
+    used_memory over that many seconds at full speed with ``result_ttl: 60``."""
+    from bench import batch_rss
+    from bench import memory as mem
+
+    out: dict[str, Any] = {"redis_bytes": mem.bytes_per_call(url, 5000)}
+    out["submitter_rss"] = batch_rss.measure(url, [2000, 10000, 30000])
+    if args.soak:
+        soaked = mem.soak(url, args.soak)
+        soaked.pop("samples")
+        out["soak"] = soaked
+    return out
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
@@ -172,12 +191,16 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=1, help="worker processes")
     parser.add_argument("--concurrency", type=int, default=16, help="threads per worker process")
     parser.add_argument("--url", default=None, help="Redis URL (default $HERMES_REDIS_URL, else embedded)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory figures (bytes per call, RSS)")
+    parser.add_argument("--soak", type=float, default=0.0, help="seconds of a soak at full speed (result_ttl 60); the issue's run: 600")
     parser.add_argument("--no-save", action="store_true", help="do not write the JSON result")
     args = parser.parse_args()
     with using_broker(args.url) as url:
         print(f"broker: {url}; tool limit {args.limit}, {args.tool_ms:g} ms; batch of {args.items:,} "
               f"(window {args.window:,}); {args.samples} interactive calls per phase (a shared machine is noisy)")
         result = run(args, url)
+        if not args.no_memory:
+            result["memory"] = memory(args, url)
     a, b, f = result["alone_ms"], result["behind_ms"], result["fifo_ms"]
     print(f"interactive alone:        p50 {a['p50']:.1f} ms  p99 {a['p99']:.1f} ms")
     depth = result["batch_backlog"]
@@ -189,6 +212,18 @@ def main() -> None:
     if f["samples"]:
         print(f"queued as part of the batch (FIFO, as before fair dispatch): p50 {f['p50']:.1f} ms")
     print(f"batch: {result['batch_calls_per_s']:,.0f} calls/s")
+    if "memory" in result:
+        m = result["memory"]
+        rb, rss = m["redis_bytes"], m["submitter_rss"]
+        print(f"Redis per finished call: {rb['bytes_per_call']:.0f} bytes (used_memory delta less the audit stream's), "
+              f"{rb['record_bytes']} bytes MEMORY USAGE of one (goal <= 800)")
+        print(f"batch submitter: {rss['bytes_per_item']:.1f} bytes an item, peak "
+              f"{rss['extrapolated_peak_mb_1m']:.0f} MB extrapolated to 1,000,000 items (goal <= 200)")
+        if "soak" in m:
+            k = m["soak"]
+            print(f"soak {k['seconds']:.0f} s at {k['calls_per_s']:,.0f} calls/s, result_ttl 60: used_memory less the "
+                  f"audit stream {k['without_audit_start']:,} at the start, {k['without_audit_after_ttl_min']:,}.."
+                  f"{k['without_audit_after_ttl_max']:,} after the first ttl, {k['without_audit_end']:,} at the end")
     if not args.no_save:
         out = ROOT / "bench" / "results" / f"mix-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
