@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -9,10 +10,30 @@ import redis
 from redis.exceptions import ResponseError
 
 from broker import pipes
+from tests.redis_stack import data_node
 
-# SCRIPT FLUSH and INFO commandstats are the server's, not a database's: under pytest-xdist these tests
-# run one after another on one worker, so one's flush does not land in the middle of another's rerun.
+# SCRIPT FLUSH and INFO commandstats are the server's, not a database's: these tests run on a redis-server
+# of their own, so a flush here never lands in the middle of another test's pipeline (under pytest-xdist
+# other workers share the test Redis), and one after another on one worker.
 pytestmark = pytest.mark.xdist_group("redis-script-cache")
+
+
+@pytest.fixture(scope="module")
+def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    node = data_node(tmp_path_factory.mktemp("pipes"), "pipes").start()
+    try:
+        yield f"redis://127.0.0.1:{node.port}/0"
+    finally:
+        node.stop()
+
+
+@pytest.fixture
+def redis_url(private_redis: str) -> str:
+    """This module's own server, flushed first (overrides tests/conftest.py's shared database)."""
+    client = redis.Redis.from_url(private_redis)
+    client.flushall()
+    client.close()
+    return private_redis
 
 def _queue(pipe: redis.client.Pipeline) -> None:
     pipe.set("k", "v")
