@@ -1,8 +1,8 @@
 """The asyncio client: the ``Gateway`` surface on ``redis.asyncio``, with no threads.
 
-Calls are built by ``hermes_gateway.envelopes`` and submitted by the broker's own SUBMIT script
-(``broker.calls.Calls`` registered on the asyncio connection), exactly as the threaded client does;
-one pub/sub task feeds every handle. ``await handle.result()`` and ``async for ev in handle.events()``::
+A face over ``hermes_gateway.clientcore`` (options, envelopes, the worker check, routing, handle state),
+as ``Gateway`` is. Calls are submitted by the broker's own SUBMIT script (``broker.calls.Calls``
+registered on the asyncio connection); one pub/sub task feeds every handle. ``await handle.result()`` and ``async for ev in handle.events()``::
 
     async with await AsyncGateway.connect(url) as gw:
         handle = await gw.call_tool("get_weather", {"city": "Berlin"}, session_id="s-1")
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -301,18 +302,28 @@ class AsyncGateway:
         await self._ensure_workers((env.queue,))
         handle = self.router.track(AsyncCallHandle(self, env.call_id, env.name, env.kind))
         try:
-            await self._subscribed()
-            await self._list([env.queue])
-            pipe = self.conn.pipeline(transaction=False)
-            await self.calls.submit(env, pipeline=pipe, **limits)  # type: ignore[arg-type]
-            confirm = durability.queue_wait(pipe, self.settings)  # before the wake-up: workers see it confirmed
-            await self._wake(pipe, [env.queue])
-            replies = await pipe.execute()
-            await self._wake(None, [env.queue])
-            return await self._settle(env, limits, handle, replies[0], replies[1] if confirm else None)
+            (reply,), acked = await self._send([(env, limits, handle)])
+            if isinstance(reply, Exception):
+                raise reply
+            return await self._settle(env, limits, handle, reply, acked)
         except BaseException:
             self.router.drop(env.call_id)
             raise
+
+    async def _send(self, prepared: list[tuple[Envelope, dict[str, Any], AsyncCallHandle]]) -> tuple[list[Any], Any]:
+        """SUBMIT ``prepared`` in one pipeline: their replies (an error in place of a failed one), and
+        WAIT's reply (None when not asked for)."""
+        await self._subscribed()
+        await self._list(dict.fromkeys(env.queue for env, _, _ in prepared))
+        pipe = self.conn.pipeline(transaction=False)
+        for env, limits, _ in prepared:
+            await self.calls.submit(env, pipeline=pipe, **limits)  # type: ignore[arg-type]
+        confirm = bool(prepared) and durability.queue_wait(pipe, self.settings)  # (before the wake-up)
+        queues = list(dict.fromkeys(partitions.base(env.queue) for env, _, _ in prepared))
+        await self._wake(pipe, queues)
+        sent = await pipe.execute(raise_on_error=False)
+        await self._wake(None, queues)
+        return sent[: len(prepared)], sent[len(prepared)] if confirm else None
 
     async def _settle(self, env: Envelope, limits: dict[str, Any], handle: AsyncCallHandle, reply: Any, acked: Any) -> AsyncCallHandle:
         """The handle of a submitted call from SUBMIT's reply (and WAIT's, ``acked``, when confirmations
@@ -359,7 +370,7 @@ class AsyncGateway:
         check_batch_keys(common, idempotency_keys, len(calls))
         entries = {name: await self.tool(name) for name in dict.fromkeys(n for n, _ in calls)}  # (UnknownTool first)
         send = Sending(opts.traceparent, opts.tracestate)  # one producer span for the batch
-        opts = CallOptions(**{**opts.__dict__, "trace_headers": send.headers})
+        opts = dataclasses.replace(opts, trace_headers=send.headers)
         prepared: list[tuple[Envelope, dict[str, Any], AsyncCallHandle]] = []
         try:
             for i, (name, args) in enumerate(calls):
@@ -372,19 +383,14 @@ class AsyncGateway:
             for env, _, _ in prepared:
                 self.router.drop(env.call_id)
             raise
-        await self._subscribed()
-        await self._list(dict.fromkeys(env.queue for env, _, _ in prepared))
-        pipe = self.conn.pipeline(transaction=False)
-        for env, limits, _ in prepared:
-            await self.calls.submit(env, pipeline=pipe, **limits)  # type: ignore[arg-type]
-        confirm = bool(prepared) and durability.queue_wait(pipe, self.settings)
-        queues = list(dict.fromkeys(partitions.base(env.queue) for env, _, _ in prepared))
-        await self._wake(pipe, queues)
-        with send:
-            send.describe(prepared[0][0] if prepared else None, len(prepared))
-            sent = await pipe.execute(raise_on_error=False)
-            replies, acked = sent[: len(prepared)], sent[len(prepared)] if confirm else None
-        await self._wake(None, queues)
+        try:
+            with send:
+                send.describe(prepared[0][0] if prepared else None, len(prepared))
+                replies, acked = await self._send(prepared)
+        except BaseException:
+            for env, _, _ in prepared:
+                self.router.drop(env.call_id)
+            raise
         batch = AsyncBatch()
         for (env, limits, handle), reply in zip(prepared, replies, strict=True):
             try:
@@ -537,8 +543,7 @@ class AsyncGateway:
 
     async def _route(self, channel: bytes, data: bytes) -> None:
         if channel == self._tools_channel:
-            self._tools_gen += 1
-            self._tools.pop(data.decode(errors="replace"), None)
+            self.invalidate(data.decode(errors="replace"))
             return
         routed = self.router.route(data)
         if routed is None:

@@ -370,7 +370,8 @@ class Submitter:
         return keys.caller_channel("batch." + self.id, keys.tag(queue) if self.gw.cluster else "")
 
     def run(self, items: Iterable[Any]) -> None:
-        self.conn.hset(keys.batch(self.id), mapping={"state": "submitting"})
+        # (the state is "submitting" already, set before this thread started: setting it here again
+        # would undo a cancel that came first)
         self.gw.workers.ensure(self.meta["queues"].split(","))
         chunk: list[tuple[int, Any]] = []
         count = 0

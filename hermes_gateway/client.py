@@ -1,8 +1,10 @@
-"""The Gateway client: submit tool and LLM calls, follow their events, get typed results."""
+"""The Gateway client: submit tool and LLM calls, follow their events, get typed results (a face over
+``hermes_gateway.clientcore``, with one thread that hears events)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 import uuid
@@ -242,17 +244,10 @@ class Gateway:
         self.workers.ensure((env.queue,))
         handle = self.router.track(CallHandle(self, env.call_id, env.name, env.kind))
         try:
-            pipe = self.conn.pipeline(transaction=False)
-            self.calls.submit(env, pipeline=pipe, **limits)
-            confirm = durability.queue_wait(pipe, self.settings)  # before the wake-up: workers see it confirmed
-            self.wake(pipe, [env.queue])
-            # (SUBMIT reads what it discovers before its first write: a refusal of a moving slot means it did
-            # not run, so it is sent again while the slot moves)
-            replies = pipes.execute(pipe, keep_trying=pipes.for_seconds(pipes.SUBMIT_PATIENCE))
-            self.wake(None, [env.queue])
-            if isinstance(replies[0], Exception):
-                raise replies[0]
-            return self._settle(env, limits, handle, replies[0], replies[1] if confirm else None)
+            (reply,), acked = self._send_chunk([(env, limits, handle)])
+            if isinstance(reply, Exception):
+                raise reply
+            return self._settle(env, limits, handle, reply, acked)
         except BaseException:
             self.router.drop(env.call_id)
             raise
@@ -307,7 +302,7 @@ class Gateway:
         idempotency_keys: Sequence[str | None] | None = common.pop("idempotency_keys", None)
         check_batch_keys(common, idempotency_keys)
         send = Sending(opts.traceparent, opts.tracestate)  # one producer span for the batch
-        opts = CallOptions(**{**opts.__dict__, "trace_headers": send.headers})
+        opts = dataclasses.replace(opts, trace_headers=send.headers)
         prepared: list[tuple[Envelope, dict[str, Any], CallHandle]] = []
         try:
             for i, (name, args) in enumerate(calls):
@@ -365,9 +360,11 @@ class Gateway:
         pipe = self.conn.pipeline(transaction=False)
         for env, limits, _ in chunk:
             self.calls.submit(env, pipeline=pipe, **limits)
-        confirm = durability.queue_wait(pipe, self.settings)
+        confirm = durability.queue_wait(pipe, self.settings)  # before the wake-up: workers see it confirmed
         queues = list(dict.fromkeys(partitions.base(env.queue) for env, _, _ in chunk))
         self.wake(pipe, queues)
+        # (SUBMIT reads what it discovers before its first write: a refusal of a moving slot means it did
+        # not run, so it is sent again while the slot moves)
         replies = pipes.execute(pipe, keep_trying=pipes.for_seconds(pipes.SUBMIT_PATIENCE))
         self.wake(None, queues)
         return replies[: len(chunk)], replies[len(chunk)] if confirm else None
