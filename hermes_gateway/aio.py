@@ -1,8 +1,8 @@
 """The asyncio client: the ``Gateway`` surface on ``redis.asyncio``, with no threads.
 
-Calls are built by ``hermes_gateway.envelopes`` and submitted by the broker's own SUBMIT script
-(``broker.calls.Calls`` registered on the asyncio connection), exactly as the threaded client does;
-one pub/sub task feeds every handle. ``await handle.result()`` and ``async for ev in handle.events()``::
+A face over ``hermes_gateway.clientcore`` (options, envelopes, the worker check, routing, handle state),
+as ``Gateway`` is. Calls are submitted by the broker's own SUBMIT script (``broker.calls.Calls``
+registered on the asyncio connection); one pub/sub task feeds every handle. ``await handle.result()`` and ``async for ev in handle.events()``::
 
     async with await AsyncGateway.connect(url) as gw:
         handle = await gw.call_tool("get_weather", {"city": "Berlin"}, session_id="s-1")
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import uuid
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,7 @@ from redis import RedisError
 
 from broker import durability, keys, partitions, scripts
 from broker.calls import Calls
-from broker.codec import pack, unpack
+from broker.codec import pack, text, unpack
 from broker.config import Settings, load_settings
 from broker.connection import (
     BrokerHandle,
@@ -40,28 +40,33 @@ from broker.connection import (
 from broker.directory import Directory, Entry, readable
 from broker.envelope import Envelope
 from broker.errors import (
+    BrokerUnavailable,
     CallFailed,
+    DecodeError,
     HermesError,
     InvalidSpec,
     QueueFull,
     UnknownTool,
 )
-from broker.records import CallInfo
 from broker.states import TERMINAL, State
 from broker.toolspec import ToolSpec
-from hermes_gateway.aio_events import AsyncEvents
 from hermes_gateway.aio_handle import AsyncBatch, AsyncCallHandle
-from hermes_gateway.client import find_broker, register_dir
-from hermes_gateway.client_workers import WorkerCheck
-from hermes_gateway.envelopes import (
+from hermes_gateway.clientcore import (
+    CANCEL_FIELDS,
+    ENDED_KEPT,
+    PENDING_CANCEL,
+    CallOptions,
+    CancelTarget,
+    Router,
+    WorkerCheck,
     check_batch_keys,
     check_llm_request,
-    item_opts,
+    find_broker,
     llm_envelope,
+    register_dir,
     tool_envelope,
     tool_limits,
 )
-from hermes_gateway.handle import CANCEL_FIELDS, cancelled_record
 from hermes_gateway.telemetry import Sending
 
 if TYPE_CHECKING:
@@ -69,8 +74,11 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("hermes.client")
 
+CLUSTER_POLL = 0.05  # seconds the event task waits on the sharded channels per round, on a cluster
+SUBSCRIBE_WAIT = 5.0  # seconds to wait for the server to confirm new sharded subscriptions
 
-class AsyncGateway(AsyncEvents):
+
+class AsyncGateway:
     """An asyncio client of the gateway: one connection, one event channel, one pub/sub task."""
 
     def __init__(
@@ -90,7 +98,7 @@ class AsyncGateway(AsyncEvents):
         self.broker = broker  # the broker connect() found (closed with this client), if it made one
         # The same worker check as Gateway's (NoWorkers, or a worker started on an embedded broker of our
         # own), on the broker's sync connection, run in a thread when a queue is not trusted yet.
-        self._workers = WorkerCheck(broker, settings, check_workers) if broker is not None else None
+        self.workers = WorkerCheck(broker, settings, check_workers) if broker is not None else None
         self.client_id = uuid.uuid4().hex
         self.channel = keys.caller_channel(self.client_id)
         self.cluster = is_cluster(conn)
@@ -100,13 +108,13 @@ class AsyncGateway(AsyncEvents):
         # The broker's own scripts, registered on the asyncio client: same SUBMIT/TRANSITION, awaited.
         self.calls = Calls(conn)  # type: ignore[arg-type]
         self.calls.keep_history = settings.workers.keep_history
-        self._handles: dict[str, AsyncCallHandle] = {}
-        self._ended: OrderedDict[str, AsyncCallHandle] = OrderedDict()  # our calls that ended lately
+        self.router: Router[AsyncCallHandle] = Router(keep_ended=ENDED_KEPT)  # (+ our calls that ended lately)
         self._tools: dict[str, Entry] = {}
         self._tools_gen = 0  # bumped by every change notice: a fetch that raced one is not cached
         self._tools_channel = keys.channel(conn, keys.TOOLS_CHANNEL).encode()
         self._pubsub = subscriber(conn)
         self._task: asyncio.Task[None] | None = None
+        self._catch_up_due = False
 
     @classmethod
     async def connect(
@@ -153,8 +161,8 @@ class AsyncGateway(AsyncEvents):
         await self.conn.aclose()
         if self._batches is not None:
             await asyncio.to_thread(self._batches.close)
-        if self._workers is not None:
-            await asyncio.to_thread(self._workers.close)
+        if self.workers is not None:
+            await asyncio.to_thread(self.workers.close)
         if self.broker is not None:
             self.broker.close()
 
@@ -248,17 +256,12 @@ class AsyncGateway(AsyncEvents):
         ``idempotency_key`` as in ``Gateway.call_tool``: the same tool and arguments under a key still on
         record get that call's handle; another tool or other arguments are an ``IdempotencyConflict``.
         """
-        opts: dict[str, Any] = {
-            "timeout": timeout,
-            "idempotency_key": idempotency_key,
-            "max_attempts": max_attempts,
-            "queue": queue,
-            "fairness_key": fairness_key,
-            "call_class": call_class,
-        }
         with answered(f"submitting a call of {name!r}"), Sending(traceparent, tracestate) as send:
             entry = await self.tool(name)
-            opts["trace_headers"] = send.headers
+            opts = CallOptions(
+                timeout, idempotency_key, max_attempts, traceparent, tracestate, queue, fairness_key, call_class,
+                trace_headers=send.headers,
+            )
             env = tool_envelope(entry, name, args, opts, context, self._channel_of, self.settings)
             send.describe(env)
             return await self._submit(env, tool_limits(env, entry.spec, self.settings))
@@ -280,15 +283,11 @@ class AsyncGateway(AsyncEvents):
         """Submit one LLM call (chat-completions kwargs); the result is the provider's response."""
         check_llm_request(request, context)
         send = Sending(traceparent, tracestate)
-        opts = {
-            "timeout": timeout,
-            "idempotency_key": idempotency_key,
-            "max_attempts": max_attempts,
-            "queue": queue,
-            "fairness_key": fairness_key,
-            "call_class": call_class,
-        }
-        env, limits = llm_envelope(request, self.settings, opts, context, self._channel_of, send.headers)
+        opts = CallOptions(
+            timeout, idempotency_key, max_attempts, traceparent, tracestate, queue, fairness_key, call_class,
+            trace_headers=send.headers,
+        )
+        env, limits = llm_envelope(request, self.settings, opts, context, self._channel_of)
         with answered("submitting an LLM call"), send:
             send.describe(env)
             return await self._submit(env, limits)
@@ -296,31 +295,48 @@ class AsyncGateway(AsyncEvents):
     async def _ensure_workers(self, queues: Iterable[str]) -> None:
         """NoWorkers for a queue no worker listens on, as ``Gateway`` (the same check, in a thread)."""
         queues = tuple(dict.fromkeys(partitions.base(q) for q in queues))
-        if self._workers is not None and self._workers._unchecked(queues):
-            await asyncio.to_thread(self._workers._ensure_workers, queues)
+        if self.workers is not None and self.workers.unchecked(queues):
+            await asyncio.to_thread(self.workers.ensure, queues)
 
     async def _submit(self, env: Envelope, limits: dict[str, Any]) -> AsyncCallHandle:
         await self._ensure_workers((env.queue,))
-        handle = self._track(AsyncCallHandle(self, env.call_id, env.name, env.kind))
+        handle = self.router.track(AsyncCallHandle(self, env.call_id, env.name, env.kind))
         try:
-            await self._subscribed()
-            await self._list([env.queue])
-            pipe = self.conn.pipeline(transaction=False)
-            await self.calls.submit(env, pipeline=pipe, **limits)  # type: ignore[arg-type]
-            confirm = durability.queue_wait(pipe, self.settings)  # before the wake-up: workers see it confirmed
-            await self._wake(pipe, [env.queue])
-            replies = await pipe.execute()
-            reply = replies[0]
-            await self._wake(None, [env.queue])
-            _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
-            if confirm and call_id == env.call_id:
-                await self._confirm(replies[1], env)
+            (reply,), acked = await self._send([(env, limits, handle)])
+            if isinstance(reply, Exception):
+                raise reply
+            return await self._settle(env, limits, handle, reply, acked)
         except BaseException:
-            self._handles.pop(env.call_id, None)
+            self.router.drop(env.call_id)
             raise
+
+    async def _send(self, prepared: list[tuple[Envelope, dict[str, Any], AsyncCallHandle]]) -> tuple[list[Any], Any]:
+        """SUBMIT ``prepared`` in one pipeline: their replies (an error in place of a failed one), and
+        WAIT's reply (None when not asked for)."""
+        await self._subscribed()
+        await self._list(dict.fromkeys(env.queue for env, _, _ in prepared))
+        pipe = self.conn.pipeline(transaction=False)
+        for env, limits, _ in prepared:
+            await self.calls.submit(env, pipeline=pipe, **limits)  # type: ignore[arg-type]
+        confirm = bool(prepared) and durability.queue_wait(pipe, self.settings)  # (before the wake-up)
+        queues = list(dict.fromkeys(partitions.base(env.queue) for env, _, _ in prepared))
+        await self._wake(pipe, queues)
+        sent = await pipe.execute(raise_on_error=False)
+        await self._wake(None, queues)
+        return sent[: len(prepared)], sent[len(prepared)] if confirm else None
+
+    async def _settle(self, env: Envelope, limits: dict[str, Any], handle: AsyncCallHandle, reply: Any, acked: Any) -> AsyncCallHandle:
+        """The handle of a submitted call from SUBMIT's reply (and WAIT's, ``acked``, when confirmations
+        are asked for): that of the existing call for an idempotent resubmission; raises its refusal."""
+        _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
         if call_id != env.call_id:  # idempotent resubmission: follow the call that already exists
-            self._handles.pop(env.call_id, None)
-            handle = await self._existing(reply, call_id, env)
+            self.router.drop(env.call_id)
+            name, kind = Calls.existing_call(reply) or (env.name, env.kind)
+            existing = AsyncCallHandle(self, call_id, name, kind, own=False)
+            await existing.sync()
+            return existing
+        if acked is not None:
+            await self._confirm(acked, env)
         return handle
 
     async def _confirm(self, acked: Any, env: Envelope) -> None:
@@ -335,13 +351,6 @@ class AsyncGateway(AsyncEvents):
             error.message += f"; cancelling it failed too ({e}): gw.handle({env.call_id!r}) finds it if it was kept"
         raise error
 
-    async def _existing(self, reply: Any, call_id: str, env: Envelope) -> AsyncCallHandle:
-        """A handle on the call an idempotent resubmission found, named as that call is."""
-        name, kind = Calls.existing_call(reply) or (env.name, env.kind)
-        handle = AsyncCallHandle(self, call_id, name, kind, own=False)
-        await handle.sync()
-        return handle
-
     async def map(self, name: str, items: Iterable[dict[str, Any]], **common: Any) -> AsyncBatch:
         """Submit many calls of one tool in one pipelined round trip; refused items raise on ``result()``."""
         return await self.submit_many(((name, args) for args in items), **common)
@@ -355,107 +364,194 @@ class AsyncGateway(AsyncEvents):
             return await self._submit_many(calls, **common)
 
     async def _submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> AsyncBatch:
-        names = ("timeout", "max_attempts", "traceparent", "tracestate", "queue", "fairness_key", "call_class")
-        opts = {k: common.pop(k) for k in names if k in common}
+        opts = CallOptions.take(common)
         idempotency_keys: Sequence[str | None] | None = common.pop("idempotency_keys", None)
         calls = list(calls)
         check_batch_keys(common, idempotency_keys, len(calls))
-        for name in {n for n, _ in calls}:
-            await self.tool(name)  # fill the cache (and raise UnknownTool) before the round trip
-        send = Sending(opts.get("traceparent"), opts.get("tracestate"))  # one producer span for the batch
-        opts["trace_headers"] = send.headers
-        prepared = []
-        for i, (name, args) in enumerate(calls):
-            entry = self._tools.get(name) or await self.tool(name)
-            env = tool_envelope(entry, name, args, item_opts(opts, idempotency_keys, i), common, self._channel_of, self.settings)
-            handle = self._track(AsyncCallHandle(self, env.call_id, name))
-            prepared.append((env, tool_limits(env, entry.spec, self.settings), handle))
+        entries = {name: await self.tool(name) for name in dict.fromkeys(n for n, _ in calls)}  # (UnknownTool first)
+        send = Sending(opts.traceparent, opts.tracestate)  # one producer span for the batch
+        opts = dataclasses.replace(opts, trace_headers=send.headers)
+        prepared: list[tuple[Envelope, dict[str, Any], AsyncCallHandle]] = []
         try:
+            for i, (name, args) in enumerate(calls):
+                entry = entries[name]
+                env = tool_envelope(entry, name, args, opts.item(idempotency_keys, i), common, self._channel_of, self.settings)
+                handle = self.router.track(AsyncCallHandle(self, env.call_id, name))
+                prepared.append((env, tool_limits(env, entry.spec, self.settings), handle))
             await self._ensure_workers(env.queue for env, _, _ in prepared)
         except BaseException:
             for env, _, _ in prepared:
-                self._handles.pop(env.call_id, None)
+                self.router.drop(env.call_id)
             raise
-        await self._subscribed()
-        await self._list(dict.fromkeys(env.queue for env, _, _ in prepared))
-        pipe = self.conn.pipeline(transaction=False)
-        for env, limits, _ in prepared:
-            await self.calls.submit(env, pipeline=pipe, **limits)  # type: ignore[arg-type]
-        confirm = bool(prepared) and durability.queue_wait(pipe, self.settings)
-        queues = list(dict.fromkeys(partitions.base(env.queue) for env, _, _ in prepared))
-        await self._wake(pipe, queues)
-        with send:
-            send.describe(prepared[0][0] if prepared else None, len(prepared))
-            sent = await pipe.execute(raise_on_error=False)
-            replies, acked = sent[: len(prepared)], sent[len(prepared)] if confirm else None
-        await self._wake(None, queues)
+        try:
+            with send:
+                send.describe(prepared[0][0] if prepared else None, len(prepared))
+                replies, acked = await self._send(prepared)
+        except BaseException:
+            for env, _, _ in prepared:
+                self.router.drop(env.call_id)
+            raise
         batch = AsyncBatch()
         for (env, limits, handle), reply in zip(prepared, replies, strict=True):
             try:
                 if isinstance(reply, Exception):
                     raise broker_error("submission failed", reply)
-                _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
-                if call_id != env.call_id:  # idempotent: follow the call that already exists
-                    self._handles.pop(env.call_id, None)
-                    handle = await self._existing(reply, call_id, env)
-                elif acked is not None:
-                    await self._confirm(acked, env)
+                handle = await self._settle(env, limits, handle, reply, acked)
             except (QueueFull, HermesError) as e:
-                self._handles.pop(env.call_id, None)
-                handle._refuse(e)
+                self.router.drop(env.call_id)
+                handle.refuse(e)
             batch.append(handle)
         return batch
 
     async def handle(self, call_id: str) -> AsyncCallHandle:
         """A handle on any call by id (for example one submitted by another process)."""
-        tracked = self._handles.get(call_id) or self._ended.get(call_id)
+        tracked = self.router.get(call_id)
         if tracked is not None:  # ours and still running: the handle the event task already feeds
             return tracked
         raw = await self.conn.hmget(keys.job(call_id), keys.F_TOOL, keys.F_KIND, keys.F_CHANNEL)
         if raw[1] is None:
             raise CallFailed(f"no such call {call_id}", error_type="unknown_call")
-        name, kind, channel = (_text(v) for v in raw)
+        name, kind, channel = (text(v) if v is not None else "" for v in raw)
         h = AsyncCallHandle(self, call_id, name, kind, own=channel in self._channels)
         if h.own:
-            self._track(h)
+            self.router.track(h)
         await h.sync()  # an ended call is untracked again by its terminal event
         return h
 
     async def cancel(self, call_id: str) -> bool:
-        """Cancel by id (as ``hermes_gateway.handle.cancel_call``); True when the request was recorded."""
+        """Cancel by id, as ``Gateway.cancel``; True when the request was recorded."""
         conn = self.conn
-        raw = await conn.hmget(keys.job(call_id), *CANCEL_FIELDS)
-        if raw[0] is None:
+        target = CancelTarget.of(call_id, await conn.hmget(keys.job(call_id), *CANCEL_FIELDS))
+        if target is None or target.state in TERMINAL:
             return False
-        data = raw[-1]
-        state, attempt, trace, kind, tool, chan, ckey, origin = (_text(v) for v in raw[:-1])
-        if state in TERMINAL:
-            return False
-        leased = await conn.zscore(keys.leases(keys.tag(origin)), call_id)
-        if state == State.PENDING and leased is None:  # else its worker is told (as cancel_call does)
-            info = CallInfo(call_id, trace, "", kind, tool, None, chan, ckey, origin)
-            err = {"type": "cancelled", "message": "cancelled by the caller before it started"}
-            reply = await self.calls.cancel_unleased(info, attempt=int(attempt or 1), error=err)
+        info = target.info
+        if target.state == State.PENDING and await conn.zscore(keys.leases(keys.tag(info.queue)), call_id) is None:
+            reply = await self.calls.cancel_unleased(info, attempt=target.attempt, error=PENDING_CANCEL)
             if int(reply[0]) > 0:
-                await self._audit_cancelled(call_id, kind, tool, trace, int(attempt or 1), data)
+                from broker.audit_store import AuditLog
+
+                sensitive: tuple[str, ...] = ()
+                if info.kind == "tool":
+                    with contextlib.suppress(HermesError):  # removed meanwhile: still redacted by name
+                        sensitive = (await self.tool(info.name)).spec.sensitive
+                audit: Any = AuditLog.from_settings(conn, self.settings.audit)
+                await audit.append(target.audit_record(sensitive))
                 return True
         await conn.hset(keys.job(call_id), keys.F_CANCEL, "1")
         await conn.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))
         return True
 
-    async def _audit_cancelled(self, call_id: str, kind: str, tool: str, trace: str, attempt: int, data: Any) -> None:
-        """The audit record of a call cancelled while pending (as ``cancel_call`` writes it)."""
-        from broker.audit_store import AuditLog
+    # -- events ----------------------------------------------------------------------------------
 
-        sensitive: tuple[str, ...] = ()
-        if kind == "tool":
+    def _channel_of(self, queue: str) -> str:
+        """The channel of this client's calls on ``queue``: its one channel on a plain Redis; on a cluster
+        its sharded channel of the queue's tag (subscribed by ``_subscribed`` before the call is sent)."""
+        if not self.cluster:
+            return self.channel
+        ch = keys.caller_channel(self.client_id, keys.tag(queue))
+        if ch not in self._channels:
+            self._wanted.add(ch)
+        return ch
+
+    async def _subscribed(self) -> None:
+        """On a cluster: SSUBSCRIBE the channels new envelopes named, and wait for the server to confirm
+        them, so no event of those calls is published unheard."""
+        wanted, self._wanted = self._wanted - self._channels, set()
+        if not wanted:
+            return
+        events = [self._confirmed.setdefault(ch, asyncio.Event()) for ch in wanted]
+        await self._pubsub.ssubscribe(*wanted)
+        self._channels |= wanted
+        try:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), SUBSCRIBE_WAIT)
+        except TimeoutError as e:
+            raise BrokerUnavailable(f"the broker did not confirm the subscriptions {sorted(wanted)} in time") from e
+
+    async def _list(self, queues: Iterable[str]) -> None:
+        """Add ``queues`` to RQ's set of queues, once per process (as ``Calls.list_queue``)."""
+        for queue in queues:
+            if queue not in self.calls.listed:
+                await self.conn.sadd(keys.RQ_QUEUES, keys.queue(queue))
+                self.calls.listed.add(queue)
+
+    async def _wake(self, pipe: Any, queues: Iterable[str]) -> None:
+        """Wake the workers of ``queues``: in the submission's pipeline on a plain Redis, after it on a
+        cluster (``pipe`` None; a cluster pipeline carries no PUBLISH)."""
+        if (pipe is None) != self.cluster:
+            return
+        for queue in queues:
+            channel = self.calls.wake_channel(queue)
+            if pipe is not None:
+                pipe.publish(channel, b"")
+            else:
+                await self.conn.publish(channel, b"")
+
+    def invalidate(self, name: str) -> None:
+        """Forget the cached spec of ``name`` (this process changed it; the notice may come later)."""
+        self._tools_gen += 1
+        self._tools.pop(name, None)
+
+    def _on_reconnect(self, connection: Any) -> None:
+        """redis-py's connect callback of the subscription (after its own, which subscribes again)."""
+        self._catch_up_due = True
+
+    async def catch_up(self) -> None:
+        """Read the durable history of every call still waited on, in one pipelined round trip.
+
+        Done by the event task when its subscription comes back after a broker restart or a dropped
+        connection (as ``Gateway.catch_up``): the events published meanwhile went nowhere.
+        """
+        pending = self.router.waiting()
+        if not pending:
+            return
+        pipe = self.conn.pipeline(transaction=False)
+        self.router.read_history(pipe, pending)
+        self.router.feed_history(pending, await pipe.execute())
+
+    async def _next_message(self) -> Any:
+        """The next message: on a cluster the directory's notices, then the sharded channels in turn."""
+        if not self.cluster:
+            return await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+        msg = await self._pubsub.get_message(timeout=0.0)
+        if msg is None and self._pubsub.shard_channels:
+            msg = await self._pubsub.get_sharded_message(timeout=CLUSTER_POLL)
+        elif msg is None:
+            await asyncio.sleep(CLUSTER_POLL)
+        if msg is not None and msg["type"] == "ssubscribe":
+            self._confirmed.setdefault(text(msg["channel"]), asyncio.Event()).set()
+        return msg if msg is None or msg["type"] in ("message", "smessage") else None
+
+    async def _dispatch(self) -> None:
+        while True:
             try:
-                sensitive = (await self.tool(tool)).spec.sensitive
-            except HermesError:
-                pass  # removed meanwhile: its arguments are still redacted by name
-        record = cancelled_record(call_id, kind, tool, trace, attempt, data, sensitive)
-        audit: Any = AuditLog.from_settings(self.conn, self.settings.audit)
-        await audit.append(record)
+                msg = await self._next_message()
+                if self._catch_up_due:  # (the subscription is back: what was published meanwhile is lost)
+                    self._catch_up_due = False
+                    await self.catch_up()
+            except (RedisError, OSError) as e:
+                if not self._catch_up_due:  # one line per outage, not one per retry
+                    log.warning("event subscription interrupted; handles fall back to the history", error=str(e))
+                self._catch_up_due = True
+                await asyncio.sleep(0.2)
+                continue
+            if msg is None:
+                continue
+            try:
+                await self._route(msg["channel"], msg["data"])
+            except Exception as e:  # noqa: BLE001 - one bad message must not end the event task
+                log.warning("event message skipped", channel=msg.get("channel"), error=f"{type(e).__name__}: {e}")
 
-def _text(value: bytes | str | None) -> str:
-    return value.decode() if isinstance(value, bytes) else (value or "")
+    async def _route(self, channel: bytes, data: bytes) -> None:
+        if channel == self._tools_channel:
+            self.invalidate(data.decode(errors="replace"))
+            return
+        routed = self.router.route(data)
+        if routed is None:
+            return
+        event, handle, gap = routed
+        if gap:
+            try:
+                await handle.sync()  # fill it from the durable history
+            except (RedisError, OSError, DecodeError) as e:
+                log.warning("could not fill an event gap from the history", error=str(e))
+        handle.feed(event)  # the terminal event untracks the handle

@@ -29,7 +29,7 @@ from broker import events, keys, partitions, pipes
 from broker.calls import Calls
 from broker.codec import pack, raw, text, unpack
 from broker.errors import DecodeError, HermesError, InvalidArgs, QueueFull, UnknownBatch
-from hermes_gateway.envelopes import tool_envelope, tool_limits
+from hermes_gateway.clientcore import CallOptions, tool_envelope, tool_limits
 
 if TYPE_CHECKING:
     from hermes_gateway.client import Gateway
@@ -303,8 +303,6 @@ class BatchStore:
 
     def cancel(self, gw: Gateway, batch_id: str) -> int:
         """Stop the submission and cancel every call of the batch not yet ended; returns how many."""
-        from hermes_gateway.handle import cancel_call
-
         meta = self.meta(batch_id)
         self.conn.hset(keys.batch(batch_id), "state", "cancelled")
         queue_of = _router(meta)
@@ -316,7 +314,7 @@ class BatchStore:
             for i in idx:
                 pipe.hexists(keys.batch_part(queue_of(i), batch_id) + ":r", i)
             for i, has in zip(idx, pipe.execute(), strict=True):
-                if not has and cancel_call(gw, keys.call_id(queue_of(i), item_call_id(batch_id, i))):
+                if not has and gw.cancel(keys.call_id(queue_of(i), item_call_id(batch_id, i))):
                     cancelled += 1
         return cancelled
 
@@ -372,8 +370,9 @@ class Submitter:
         return keys.caller_channel("batch." + self.id, keys.tag(queue) if self.gw.cluster else "")
 
     def run(self, items: Iterable[Any]) -> None:
-        self.conn.hset(keys.batch(self.id), mapping={"state": "submitting"})
-        self.gw._ensure_workers(tuple(dict.fromkeys(partitions.base(q) for q in self.meta["queues"].split(","))))
+        # (the state is "submitting" already, set before this thread started: setting it here again
+        # would undo a cancel that came first)
+        self.gw.workers.ensure(self.meta["queues"].split(","))
         chunk: list[tuple[int, Any]] = []
         count = 0
         for i, args in enumerate(items):
@@ -421,8 +420,8 @@ class Submitter:
         prepared = []
         for i, args in chunk:
             queue = self.queue_of(i)
-            opts = {"call_id": item_call_id(self.id, i), "queue": partitions.base(queue),
-                    "partition_slot": i, "fairness_key": self.id, "call_class": "batch"}
+            opts = CallOptions(queue=partitions.base(queue), fairness_key=self.id, call_class="batch",
+                               call_id=item_call_id(self.id, i), partition_slot=i)
             try:
                 env = tool_envelope(self.entry, self.meta["tool"], args, opts, self.context, self.channel,
                                     self.gw.settings)
@@ -454,9 +453,9 @@ class Submitter:
         for env, limits, extra in prepared:
             self.gw.calls.submit(env, pipeline=pipe, extra=extra, **limits)
         queues = list(dict.fromkeys(env.queue for env, _, _ in prepared))
-        self.gw._wake(pipe, queues)
+        self.gw.wake(pipe, queues)
         replies = pipes.execute(pipe)
-        self.gw._wake(None, queues)
+        self.gw.wake(None, queues)
         refused = []
         for item, reply in zip(prepared, replies, strict=False):
             env, limits, _ = item

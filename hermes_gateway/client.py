@@ -1,9 +1,12 @@
-"""The Gateway client: submit tool and LLM calls, follow their events, get typed results."""
+"""The Gateway client: submit tool and LLM calls, follow their events, get typed results (a face over
+``hermes_gateway.clientcore``, with one thread that hears events)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -13,23 +16,30 @@ import structlog
 
 from broker import durability, keys, partitions, pipes
 from broker.calls import Calls
+from broker.codec import pack, text
 from broker.config import Settings, load_settings
-from broker.connection import BrokerHandle, answered, broker_error, connect, is_cluster, subscriber
+from broker.connection import BrokerHandle, answered, broker_error, is_cluster, subscriber
 from broker.directory import Directory, Entry
 from broker.envelope import Envelope
-from broker.errors import HermesError, InvalidSpec, QueueFull
+from broker.errors import BrokerUnavailable, CallFailed, HermesError, InvalidSpec, QueueFull
+from broker.states import TERMINAL, State
 from broker.toolspec import ToolSpec
-from hermes_gateway.client_events import ClientEvents
-from hermes_gateway.client_workers import ClientWorkers
-from hermes_gateway.envelopes import (
+from hermes_gateway.clientcore import (
+    CANCEL_FIELDS,
+    PENDING_CANCEL,
+    CallOptions,
+    CancelTarget,
+    Router,
+    WorkerCheck,
     check_batch_keys,
     check_llm_request,
-    item_opts,
+    find_broker,
     llm_envelope,
+    register_dir,
     tool_envelope,
     tool_limits,
 )
-from hermes_gateway.handle import Batch, CallHandle, cancel_call
+from hermes_gateway.handle import Batch, CallHandle
 from hermes_gateway.telemetry import Sending
 
 if TYPE_CHECKING:
@@ -38,50 +48,26 @@ if TYPE_CHECKING:
 log = structlog.get_logger("hermes.client")
 
 SUBMIT_CHUNK = 100  # calls per pipelined round trip in submit_many
+# How long the event thread reads the subscription directly with nothing arriving before it goes back to
+# redis-py's reader (which keeps the connection's health checks).
+DIRECT_READ_IDLE = 1.0
+CLUSTER_POLL = 0.05  # seconds a cluster client's event thread waits on its sharded channels per round
+SUBSCRIBE_WAIT = 5.0  # seconds to wait for the server to confirm a new sharded subscription
+CATCH_UP_CHUNK = 500  # history reads per pipelined round trip when the subscription comes back
 
 
-def find_broker(settings: Settings, url: str | None = None, *, embedded_ok: bool = True) -> BrokerHandle:
-    """The broker of a client (``Gateway.connect`` and ``AsyncGateway.connect`` alike), as the commands find
-    theirs: ``url`` / ``$HERMES_REDIS_URL`` / ``broker.url``; else the embedded broker of the ``serve`` or
-    ``worker`` of the same ``$HERMES_HOME`` running here; else (``embedded_ok``) an embedded broker of its own."""
-    url = url or settings.broker.url
-    if url is None and embedded_ok:
-        from hermes_gateway.local import connect_local
-
-        return connect_local(settings)[0]
-    return connect(url, embedded_ok=embedded_ok)
-
-
-def register_dir(directory: Directory, path: Any, errors: list[InvalidSpec] | None = None) -> list[tuple[str, int, bool]]:
-    """Register every spec file of ``path`` in ``directory`` (``sync_tools`` of both clients); a file that
-    does not load is skipped: it goes to ``errors`` when given, else it is logged as a warning."""
-    from pathlib import Path
-
-    from workers.specs import sync_dir
-
-    bad: list[InvalidSpec] = [] if errors is None else errors
-    done = sync_dir(directory, Path(path), bad)
-    if errors is None:
-        for e in bad:
-            log.warning("tool spec skipped", error=str(e))
-    return done
-
-
-class Gateway(ClientEvents, ClientWorkers):
+class Gateway:
     """A client of the gateway: one connection, one event channel, many calls in flight."""
 
     def __init__(
         self, handle: BrokerHandle, settings: Settings | None = None, *, check_workers: bool = False
     ) -> None:
         self.broker = handle
-        # Refuse a call at once (NoWorkers) when no worker listens on its queue; on an embedded broker of
-        # our own, start a worker for the queue instead (it ends with this gateway).
-        self.check_workers = check_workers
-        self._workers_seen: dict[str, float] = {}  # queue -> until when a seen worker is trusted
-        self._own_workers: list[Any] = []
-        self._workers_lock = threading.Lock()  # (two threads' first calls start one worker, not two)
         self.conn: redis.Redis = handle.conn
         self.settings = settings or load_settings()
+        # Refuse a call at once (NoWorkers) when no worker listens on its queue; on an embedded broker of
+        # our own, start a worker for the queue instead (it ends with this gateway).
+        self.workers = WorkerCheck(handle, self.settings, check_workers)
         durability.check_supported(self.conn, self.settings)
         self.client_id = uuid.uuid4().hex
         self.channel = keys.caller_channel(self.client_id)
@@ -89,8 +75,7 @@ class Gateway(ClientEvents, ClientWorkers):
         self.calls = Calls(self.conn)
         self.calls.keep_history = self.settings.workers.keep_history
         self.directory = Directory(self.conn)
-        self._handles: dict[str, CallHandle] = {}
-        self._lock = threading.Lock()
+        self.router: Router[CallHandle] = Router()
         self._closed = threading.Event()
         # On a cluster, events come on one sharded channel per queue tag used (``channel_for``).
         self.cluster = is_cluster(self.conn)
@@ -139,10 +124,7 @@ class Gateway(ClientEvents, ClientWorkers):
         self._thread.join(3)
         with contextlib.suppress(redis.RedisError):
             self._pubsub.close()
-        if self._own_workers:
-            from workers.pool import stop_all
-
-            stop_all(self._own_workers)
+        self.workers.close()
         self.broker.close()
 
     @property
@@ -187,12 +169,11 @@ class Gateway(ClientEvents, ClientWorkers):
 
     # -- calls -----------------------------------------------------------------------------------
 
-    def _envelope(self, name: str, args: dict[str, Any] | None, opts: dict[str, Any], context: dict[str, Any]) -> tuple[Envelope, ToolSpec]:
+    def _prepare(self, name: str, args: dict[str, Any] | None, opts: CallOptions, context: dict[str, Any]) -> tuple[Envelope, dict[str, Any]]:
+        """The envelope of a call of tool ``name`` and its admission limits."""
         entry = self.directory.get(name)
-        return tool_envelope(entry, name, args, opts, context, self.channel_for, self.settings), entry.spec
-
-    def _limits(self, env: Envelope, spec: ToolSpec) -> dict[str, Any]:
-        return tool_limits(env, spec, self.settings)
+        env = tool_envelope(entry, name, args, opts, context, self.channel_for, self.settings)
+        return env, tool_limits(env, entry.spec, self.settings)
 
     def call_tool(
         self,
@@ -219,21 +200,14 @@ class Gateway(ClientEvents, ClientWorkers):
         robin across fairness keys (default: the call's principal, else its session) and to ``interactive``
         calls (the default) before ``batch`` ones, which keep a minimum share.
         """
-        opts: dict[str, Any] = {
-            "timeout": timeout,
-            "idempotency_key": idempotency_key,
-            "max_attempts": max_attempts,
-            "traceparent": traceparent,
-            "tracestate": tracestate,
-            "queue": queue,
-            "fairness_key": fairness_key,
-            "call_class": call_class,
-        }
         with answered(f"submitting a call of {name!r}"), Sending(traceparent, tracestate) as send:
-            opts["trace_headers"] = send.headers
-            env, spec = self._envelope(name, args, opts, context)
+            opts = CallOptions(
+                timeout, idempotency_key, max_attempts, traceparent, tracestate, queue, fairness_key, call_class,
+                trace_headers=send.headers,
+            )
+            env, limits = self._prepare(name, args, opts, context)
             send.describe(env)
-            return self._submit(env, self._limits(env, spec))
+            return self._submit(env, limits)
 
     def call_llm(
         self,
@@ -257,43 +231,37 @@ class Gateway(ClientEvents, ClientWorkers):
         """
         check_llm_request(request, context)  # before the producer span starts
         send = Sending(traceparent, tracestate)
-        opts = {
-            "timeout": timeout,
-            "idempotency_key": idempotency_key,
-            "max_attempts": max_attempts,
-            "queue": queue,
-            "fairness_key": fairness_key,
-            "call_class": call_class,
-        }
-        env, limits = llm_envelope(request, self.settings, opts, context, self.channel_for, send.headers)
+        opts = CallOptions(
+            timeout, idempotency_key, max_attempts, traceparent, tracestate, queue, fairness_key, call_class,
+            trace_headers=send.headers,
+        )
+        env, limits = llm_envelope(request, self.settings, opts, context, self.channel_for)
         with answered("submitting an LLM call"), send:
             send.describe(env)
             return self._submit(env, limits)
 
     def _submit(self, env: Envelope, limits: dict[str, Any]) -> CallHandle:
-        self._ensure_workers((partitions.base(env.queue),))
-        handle = self._track(CallHandle(self, env.call_id, env.name, env.kind))
+        self.workers.ensure((env.queue,))
+        handle = self.router.track(CallHandle(self, env.call_id, env.name, env.kind))
         try:
-            pipe = self.conn.pipeline(transaction=False)
-            self.calls.submit(env, pipeline=pipe, **limits)
-            confirm = durability.queue_wait(pipe, self.settings)  # before the wake-up: workers see it confirmed
-            self._wake(pipe, [env.queue])
-            # (SUBMIT reads what it discovers before its first write: a refusal of a moving slot means it did
-            # not run, so it is sent again while the slot moves)
-            replies = pipes.execute(pipe, keep_trying=pipes.for_seconds(pipes.SUBMIT_PATIENCE))
-            reply = replies[0]
-            self._wake(None, [env.queue])
+            (reply,), acked = self._send_chunk([(env, limits, handle)])
             if isinstance(reply, Exception):
                 raise reply
-            accepted, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
-            if confirm and call_id == env.call_id:
-                self._confirm(replies[1], env)
+            return self._settle(env, limits, handle, reply, acked)
         except BaseException:
-            self._untrack(env.call_id)
+            self.router.drop(env.call_id)
             raise
+
+    def _settle(self, env: Envelope, limits: dict[str, Any], handle: CallHandle, reply: Any, acked: Any) -> CallHandle:
+        """The handle of a submitted call from SUBMIT's reply (and WAIT's, ``acked``, when confirmations
+        are asked for): that of the existing call for an idempotent resubmission; raises its refusal."""
+        _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
         if call_id != env.call_id:  # idempotent resubmission: follow the call that already exists
-            self._untrack(env.call_id)
-            handle = self._existing(reply, call_id, env)
+            self.router.drop(env.call_id)
+            name, kind = Calls.existing_call(reply) or (env.name, env.kind)
+            return CallHandle(self, call_id, name, kind, own=False)
+        if acked is not None:
+            self._confirm(acked, env)
         return handle
 
     def _confirm(self, acked: Any, env: Envelope) -> None:
@@ -302,16 +270,11 @@ class Gateway(ClientEvents, ClientWorkers):
         if error is None:
             return
         try:
-            error.details["cancelled"] = cancel_call(self, env.call_id)
+            error.details["cancelled"] = self.cancel(env.call_id)
         except redis.RedisError as e:  # the broker failed meanwhile: the caller is told it may still run
             error.details["cancelled"] = False
             error.message += f"; cancelling it failed too ({e}): gw.handle({env.call_id!r}) finds it if it was kept"
         raise error
-
-    def _existing(self, reply: Any, call_id: str, env: Envelope) -> CallHandle:
-        """A handle on the call an idempotent resubmission found, named as that call is."""
-        name, kind = Calls.existing_call(reply) or (env.name, env.kind)
-        return CallHandle(self, call_id, name, kind, own=False)
 
     def map(self, name: str, items: Iterable[dict[str, Any]], **common: Any) -> Batch:
         """Submit many calls of one tool, pipelined; refused items raise on ``result()``."""
@@ -335,22 +298,21 @@ class Gateway(ClientEvents, ClientWorkers):
 
     def _submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> Batch:
         """``submit_many`` without its BrokerUnavailable translation."""
-        names = ("timeout", "max_attempts", "traceparent", "tracestate", "queue", "fairness_key", "call_class")
-        opts: dict[str, Any] = {k: common.pop(k) for k in names if k in common}
+        opts = CallOptions.take(common)
         idempotency_keys: Sequence[str | None] | None = common.pop("idempotency_keys", None)
         check_batch_keys(common, idempotency_keys)
-        send = Sending(opts.get("traceparent"), opts.get("tracestate"))  # one producer span for the batch
-        opts["trace_headers"] = send.headers
-        prepared = []
+        send = Sending(opts.traceparent, opts.tracestate)  # one producer span for the batch
+        opts = dataclasses.replace(opts, trace_headers=send.headers)
+        prepared: list[tuple[Envelope, dict[str, Any], CallHandle]] = []
         try:
             for i, (name, args) in enumerate(calls):
-                env, spec = self._envelope(name, args, item_opts(opts, idempotency_keys, i), common)
-                prepared.append((env, self._limits(env, spec), self._track(CallHandle(self, env.call_id, name))))
+                env, limits = self._prepare(name, args, opts.item(idempotency_keys, i), common)
+                prepared.append((env, limits, self.router.track(CallHandle(self, env.call_id, name))))
             check_batch_keys(common, idempotency_keys, len(prepared))
-            self._ensure_workers(tuple(dict.fromkeys(partitions.base(env.queue) for env, _, _ in prepared)))
+            self.workers.ensure(env.queue for env, _, _ in prepared)
         except BaseException:
             for env, _, _ in prepared:
-                self._untrack(env.call_id)
+                self.router.drop(env.call_id)
             raise
         handles = Batch()
         done = 0  # items settled (accepted or refused); the rest are untracked if anything escapes
@@ -381,20 +343,15 @@ class Gateway(ClientEvents, ClientWorkers):
                         try:
                             if isinstance(reply, Exception):
                                 raise reply if isinstance(reply, HermesError) else broker_error("submission failed", reply)
-                            _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
-                            if call_id != env.call_id:  # idempotent: follow the call that already exists
-                                self._untrack(env.call_id)
-                                handle = self._existing(reply, call_id, env)
-                            elif acked is not None:
-                                self._confirm(acked, env)
+                            handle = self._settle(env, limits, handle, reply, acked)
                         except (QueueFull, HermesError) as e:
-                            self._untrack(env.call_id)
-                            handle._refuse(e)
+                            self.router.drop(env.call_id)
+                            handle.refuse(e)
                         handles.append(handle)
                         done += 1
         except BaseException:
             for env, _, _ in prepared[done:]:
-                self._untrack(env.call_id)
+                self.router.drop(env.call_id)
             raise
         return handles
 
@@ -403,14 +360,16 @@ class Gateway(ClientEvents, ClientWorkers):
         pipe = self.conn.pipeline(transaction=False)
         for env, limits, _ in chunk:
             self.calls.submit(env, pipeline=pipe, **limits)
-        confirm = durability.queue_wait(pipe, self.settings)
+        confirm = durability.queue_wait(pipe, self.settings)  # before the wake-up: workers see it confirmed
         queues = list(dict.fromkeys(partitions.base(env.queue) for env, _, _ in chunk))
-        self._wake(pipe, queues)
+        self.wake(pipe, queues)
+        # (SUBMIT reads what it discovers before its first write: a refusal of a moving slot means it did
+        # not run, so it is sent again while the slot moves)
         replies = pipes.execute(pipe, keep_trying=pipes.for_seconds(pipes.SUBMIT_PATIENCE))
-        self._wake(None, queues)
+        self.wake(None, queues)
         return replies[: len(chunk)], replies[len(chunk)] if confirm else None
 
-    def _wake(self, pipe: Any, queues: list[str]) -> None:
+    def wake(self, pipe: Any, queues: list[str]) -> None:
         """Wake the workers of ``queues``: in the submission's pipeline on a plain Redis (``pipe``), after
         it on a cluster (``pipe`` None; a cluster pipeline carries no PUBLISH)."""
         if (pipe is None) != self.cluster:
@@ -419,7 +378,40 @@ class Gateway(ClientEvents, ClientWorkers):
             (pipe if pipe is not None else self.conn).publish(self.calls.wake_channel(queue), b"")
 
     def cancel(self, call_id: str) -> bool:
-        return cancel_call(self, call_id)
+        """Cancel by id; True when the request was recorded (the call was not already finished).
+
+        Still pending and not taken by a worker, it ends here and now (with its audit record: no worker
+        runs it). A worker that has taken it (it is leased) is told instead, so its slot is given back
+        only when it has really stopped."""
+        conn = self.conn
+        target = CancelTarget.of(call_id, conn.hmget(keys.job(call_id), *CANCEL_FIELDS))
+        if target is None or target.state in TERMINAL:
+            return False
+        info = target.info
+        if target.state == State.PENDING and conn.zscore(keys.leases(keys.tag(info.queue)), call_id) is None:
+            reply = self.calls.cancel_unleased(info, attempt=target.attempt, error=PENDING_CANCEL)
+            if int(reply[0]) > 0:
+                from broker.audit_store import AuditLog
+
+                sensitive: tuple[str, ...] = ()
+                if info.kind == "tool":
+                    with contextlib.suppress(HermesError):  # removed meanwhile: still redacted by name
+                        sensitive = self.directory.get(info.name).spec.sensitive
+                AuditLog.from_settings(conn, self.settings.audit).append(target.audit_record(sensitive))
+                return True
+        conn.hset(keys.job(call_id), keys.F_CANCEL, "1")
+        conn.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))
+        return True
+
+    # -- workers ---------------------------------------------------------------------------------
+
+    def live_workers(self, queue: str | None = None, within: float | None = None) -> list[dict[str, Any]]:
+        """Workers whose heartbeat is recent, optionally only those listening on ``queue``."""
+        return self.workers.live_workers(queue, within)
+
+    def require_workers(self, queue: str) -> None:
+        """NoWorkers unless a live worker listens on ``queue``."""
+        self.workers.require_workers(queue)
 
     # -- batches ---------------------------------------------------------------------------------
 
@@ -451,11 +443,139 @@ class Gateway(ClientEvents, ClientWorkers):
 
     def handle(self, call_id: str) -> CallHandle:
         """A handle on any call by id (for example one submitted by another process)."""
-        rec = self.calls.record(call_id)
-        if rec is None:
-            from broker.errors import CallFailed
-
+        name, kind, channel = (text(v) if v is not None else None for v in self.conn.hmget(keys.job(call_id), keys.F_TOOL, keys.F_KIND, keys.F_CHANNEL))
+        if kind is None:
             raise CallFailed(f"no such call {call_id}", error_type="unknown_call")
-        h = CallHandle(self, call_id, rec["name"], rec["kind"], own=rec["channel"] in self._channels)
+        h = CallHandle(self, call_id, name or "", kind, own=channel in self._channels)
         h.sync()
         return h
+
+    # -- events ----------------------------------------------------------------------------------
+
+    def channel_for(self, queue: str) -> str:
+        """The channel this client hears the events of its calls on ``queue`` on: its one channel on a
+        plain Redis; on a cluster its sharded channel of the queue's tag, subscribed (and confirmed by
+        the server) before the first call there is sent, so no event of it goes unheard."""
+        if not self.cluster:
+            return self.channel
+        ch = keys.caller_channel(self.client_id, keys.tag(queue))
+        if ch in self._channels:
+            return ch
+        confirmed = self._confirmed.setdefault(ch, threading.Event())
+        with self._sub_lock:
+            self._pubsub.ssubscribe(ch)
+        self._channels.add(ch)
+        if not confirmed.wait(SUBSCRIBE_WAIT):
+            raise BrokerUnavailable(f"the broker did not confirm the subscription to {ch} in time")
+        return ch
+
+    def _dispatch(self) -> None:
+        if self.cluster:
+            self._dispatch_cluster()
+            return
+        while not self._closed.is_set():
+            try:
+                # redis-py's reader reconnects, subscribes again and sends health checks ...
+                msg = self._pubsub.get_message(timeout=0.5)
+                if self._catch_up_due:  # (the subscription is back: what was published meanwhile is lost)
+                    self._catch_up_due = False
+                    self.catch_up()
+                if msg is not None and not self._closed.is_set():
+                    self._on_message(msg["channel"], msg["data"])
+                # ... and while the subscription is up and busy, messages are read straight off it.
+                self._read_direct()
+            except (redis.ConnectionError, redis.TimeoutError, ValueError):
+                if self._closed.is_set():
+                    return
+                time.sleep(0.2)
+
+    def _on_reconnect(self, connection: Any) -> None:
+        """redis-py's connect callback of the subscription (after its own, which subscribes again)."""
+        self._catch_up_due = True
+
+    def catch_up(self) -> None:
+        """Read the durable history of every call still waited on, in pipelined round trips.
+
+        Done by the event thread when its subscription comes back after a broker restart or a dropped
+        connection: the events published meanwhile went nowhere, and waiting for each handle's own
+        resync would cost a second per handle waited on in turn. Raises the broker's error (the next
+        reconnect tries again).
+        """
+        pending = self.router.waiting()
+        for start in range(0, len(pending), CATCH_UP_CHUNK):
+            chunk = pending[start : start + CATCH_UP_CHUNK]
+            pipe = self.conn.pipeline(transaction=False)
+            self.router.read_history(pipe, chunk)
+            try:
+                stored = pipe.execute()
+            except (redis.ConnectionError, redis.TimeoutError):
+                self._catch_up_due = True
+                raise
+            self.router.feed_history(chunk, stored)
+
+    def _dispatch_cluster(self) -> None:
+        """A cluster's loop: the directory's notices (plain pub/sub) and the sharded channels of the
+        queue tags in use, read in turn (redis-py follows a sharded channel to its slot's new node)."""
+        pubsub = self._pubsub
+        while not self._closed.is_set():
+            try:
+                with self._sub_lock:
+                    msgs = [pubsub.get_message(timeout=0.0)]
+                    if pubsub.shard_channels:
+                        msgs.append(pubsub.get_sharded_message(timeout=CLUSTER_POLL))
+                for msg in msgs:
+                    if msg is None or self._closed.is_set():
+                        continue
+                    if msg["type"] in ("message", "smessage"):
+                        self._on_message(msg["channel"], msg["data"])
+                    elif msg["type"] == "ssubscribe":
+                        self._confirmed.setdefault(text(msg["channel"]), threading.Event()).set()
+                if not pubsub.shard_channels:
+                    self._closed.wait(CLUSTER_POLL)
+            except (redis.ConnectionError, redis.TimeoutError, ValueError):
+                if self._closed.is_set():
+                    return
+                time.sleep(0.5)
+
+    def _read_direct(self) -> None:
+        """Read published messages off the subscribed connection until it has been idle for a while.
+
+        Per message this skips the layers of ``PubSub.get_message`` (retry wrapper, health-check
+        bookkeeping, message dicts), which under load cost more than handling the event. A health-check
+        answer read here is counted as ``get_message`` would; any trouble goes back to ``get_message``.
+        """
+        pubsub, conn = self._pubsub, self._pubsub.connection
+        if not pipes.FAST or conn is None or not pubsub.subscribed:
+            return
+        while not self._closed.is_set():
+            try:
+                # (RESP3 delivers messages as pushes: push_request hands them back instead of skipping them)
+                reply = conn.read_response(timeout=DIRECT_READ_IDLE, disconnect_on_error=False, push_request=True)
+            except redis.TimeoutError:
+                return  # idle: get_message takes over (and sends its health check when due)
+            except (redis.ConnectionError, OSError):
+                conn.disconnect()  # get_message reconnects and subscribes again
+                return
+            if isinstance(reply, list) and len(reply) == 3 and reply[0] == b"message":
+                self._on_message(reply[1], reply[2])
+            elif pubsub.is_health_check_response(reply) and pubsub.health_check_response_counter > 0:
+                pubsub.health_check_response_counter -= 1
+
+    def _on_message(self, channel: bytes, data: bytes) -> None:
+        try:
+            self._route(channel, data)
+        except Exception as e:  # noqa: BLE001 - one bad message must not stop the event thread
+            log.warning("event message skipped", channel=channel, error=f"{type(e).__name__}: {e}")
+
+    def _route(self, channel: bytes, data: bytes) -> None:
+        if channel == self._tools_channel:
+            self.directory.invalidate(data.decode(errors="replace"))
+            return
+        if not data or self._closed.is_set():
+            return  # the wake-up close() publishes
+        routed = self.router.route(data)
+        if routed is not None:
+            event, handle, gap = routed
+            if gap:
+                handle.sync()  # fill it from the durable history
+            handle.feed(event)  # the terminal event untracks the handle

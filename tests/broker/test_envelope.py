@@ -247,12 +247,12 @@ def test_a_bad_fairness_key_or_class_is_a_typed_error():
     import pytest
 
     from broker.errors import InvalidArgs
-    from hermes_gateway.envelopes import call_options
+    from hermes_gateway.clientcore import CallOptions
 
     with pytest.raises(InvalidArgs, match="call_class must be one of interactive, batch"):
-        call_options({"call_class": "urgent"})
+        CallOptions(call_class="urgent").envelope_options()
     with pytest.raises(InvalidArgs, match="fairness_key must be a non-empty string"):
-        call_options({"fairness_key": ""})
+        CallOptions(fairness_key="").envelope_options()
     with pytest.raises(InvalidArgs, match="fairness_key"):
-        call_options({"fairness_key": "x" * 300})
-    assert call_options({"fairness_key": "k", "call_class": "batch"}).call_class == "batch"
+        CallOptions(fairness_key="x" * 300).envelope_options()
+    assert CallOptions(fairness_key="k", call_class="batch").envelope_options().call_class == "batch"

@@ -79,7 +79,7 @@ def test_reusing_a_key_for_other_arguments_or_another_tool_is_a_conflict(
         f"idempotency key 'pay-1' already belongs to call {first.call_id} of tool 'echo': "
         "it cannot be reused for tool 'sleep'"
     )
-    assert gateway._handles == {}  # nothing left tracked for the refused submissions
+    assert gateway.router.handles == {}  # nothing left tracked for the refused submissions
     assert len(conn.keys("rq:job:*")) == 1
 
 

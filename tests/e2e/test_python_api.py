@@ -116,7 +116,7 @@ def test_connect_with_a_url_refuses_a_call_at_once_when_no_worker_listens(redis_
         with pytest.raises(NoWorkers):
             gw.map("hello", [{"name": "Bob"}, {"name": "Carol"}])
         assert time.monotonic() - started < 5
-        assert not gw._handles  # nothing left waiting
+        assert not gw.router.handles  # nothing left waiting
         assert not gw.conn.keys(keys.job("*"))  # and nothing was submitted
 
 
@@ -135,7 +135,7 @@ def test_async_connect_with_a_url_refuses_a_call_at_once_when_no_worker_listens(
             with pytest.raises(NoWorkers):
                 await gw.map("hello", [{"name": "Bob"}, {"name": "Carol"}])
             assert time.monotonic() - started < 5
-            assert not gw._handles  # nothing left waiting
+            assert not gw.router.handles  # nothing left waiting
             assert not await gw.conn.keys(keys.job("*"))  # and nothing was submitted
 
     asyncio.run(main())

@@ -92,7 +92,7 @@ def test_a_full_queue_is_queue_full_at_once_never_a_silent_drop(gw: Gateway, con
         gw.call_tool("tiny", {})
     assert info.value.details["limit"] == 2
     assert conn.llen(keys.queue("tools")) == 1  # only the call holding the slot is on the queue
-    assert len(gw._handles) == 3  # the refused call is not left tracked
+    assert len(gw.router.handles) == 3  # the refused call is not left tracked
 
 
 def test_map_submits_in_one_go_and_refused_items_raise_on_result(gw: Gateway, conn: Any) -> None:
@@ -118,7 +118,7 @@ def test_a_batch_larger_than_one_pipeline_keeps_order_and_refuses_exactly_the_ov
     assert states == ["pending"] * accepted + ["refused"] * (n - accepted)
     assert len({h.call_id for h in handles}) == n
     assert all(isinstance(h.refused, QueueFull) for h in handles[accepted:])
-    assert len(gw._handles) == accepted  # refused items are not left tracked
+    assert len(gw.router.handles) == accepted  # refused items are not left tracked
 
 
 def test_a_broker_failure_mid_batch_refuses_only_the_items_not_yet_sent(
@@ -150,7 +150,7 @@ def test_a_broker_failure_mid_batch_refuses_only_the_items_not_yet_sent(
     with pytest.raises(BrokerUnavailable):  # on the first pipeline nothing was accepted: it raises, typed
         monkeypatch.setattr(gw, "_send_chunk", lambda chunk: (_ for _ in ()).throw(redis.ConnectionError("x")))
         gw.map("echo", [{"i": 0}])
-    assert len(gw._handles) == SUBMIT_CHUNK
+    assert len(gw.router.handles) == SUBMIT_CHUNK
 
 
 def test_an_interrupt_mid_batch_leaves_no_handle_tracked_that_was_not_settled(
@@ -170,14 +170,14 @@ def test_an_interrupt_mid_batch_leaves_no_handle_tracked_that_was_not_settled(
     monkeypatch.setattr(gw, "_send_chunk", interrupted)
     with pytest.raises(KeyboardInterrupt):
         gw.map("echo", [{"i": i} for i in range(3 * SUBMIT_CHUNK)])
-    assert len(gw._handles) == SUBMIT_CHUNK  # the accepted first pipeline's calls are still followed
+    assert len(gw.router.handles) == SUBMIT_CHUNK  # the accepted first pipeline's calls are still followed
 
 
 def test_a_bad_item_refuses_the_whole_batch_before_anything_is_sent(gw: Gateway, conn: Any) -> None:
     with pytest.raises(UnknownTool):
         gw.submit_many([("echo", {"i": 1})] * 150 + [("no_such_tool", {})])
     assert conn.llen(keys.queue("tools")) == 0
-    assert gw._handles == {}
+    assert gw.router.handles == {}
 
 
 def test_an_idempotency_key_gives_back_the_existing_call(gw: Gateway, conn: Any) -> None:
@@ -239,7 +239,7 @@ def test_events_arrive_on_the_callers_channel_and_settle_the_handle(gw: Gateway,
     assert h.result(timeout=5) == {"k": "v"}
     assert [e.seq for e in h.events(timeout=1)] == [1, 2, 3, 4, 5]
     assert h.final_state == "done" and h.trace_id == rec["trace_id"]
-    assert h.call_id not in gw._handles
+    assert h.call_id not in gw.router.handles
 
 
 def test_a_failed_call_raises_its_typed_error(gw: Gateway) -> None:
@@ -300,15 +300,14 @@ def test_a_call_whose_end_came_only_through_the_history_is_no_longer_tracked(gw:
     from broker.states import State
 
     h = gw.call_tool("echo", {"x": 1})
-    assert h.call_id in gw._handles
+    assert h.call_id in gw.router.handles
     env = envelope_of(conn.hget(keys.job(h.call_id), "data"))
     # The terminal event goes to the history and to a channel nobody listens on: "lost" for this client.
     info = dataclasses.replace(CallInfo.of(env, "tool:echo"), channel="hermes:ch:nobody")
     gw.calls.transition(info, State.CANCELLED, attempt=1, current=State.PENDING)
-    time.sleep(0.1)
-    assert h.call_id in gw._handles and not h.done(), "the client has not heard of it"
+    assert h.call_id in gw.router.handles and not h.done(), "the client has not heard of it"
     h.sync()
-    assert h.done() and h.call_id not in gw._handles
+    assert h.done() and h.call_id not in gw.router.handles
 
 
 def test_a_follower_is_woken_by_each_live_event_and_a_result_waiter_by_the_end(

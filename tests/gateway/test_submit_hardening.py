@@ -157,7 +157,7 @@ def test_a_bad_max_args_setting_is_a_config_error(home: Any, monkeypatch: pytest
 
 
 def test_arguments_nested_past_the_limit_are_refused_at_submission(gateway: Any, home: Any, conn: redis.Redis) -> None:
-    from hermes_gateway.envelopes import MAX_DEPTH
+    from hermes_gateway.clientcore import MAX_DEPTH
 
     home.echo_tool()
     gateway.sync_tools()

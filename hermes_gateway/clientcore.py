@@ -1,0 +1,653 @@
+"""The client core: what the threaded ``Gateway`` and the asyncio ``AsyncGateway`` share.
+
+Broker discovery (``find_broker``), typed call options (``CallOptions``), the envelope and admission
+limits of a call (pure, no I/O), the worker check (``NoWorkers``), the routing of events to handles by
+call id (``Router``) and what a handle knows of its call (``CallState``). Each client is a thin face over
+this module: it adds only its own way of waiting (a thread and a condition, or a task and an event).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import structlog
+
+from broker import events as ev_mod
+from broker import keys, partitions
+from broker.codec import pack, text, unpack
+from broker.config import MAX_ARGS_ENV, Settings
+from broker.connection import BrokerHandle, connect
+from broker.directory import Directory, Entry
+from broker.envelope import (
+    CALL_CLASSES,
+    CONTEXT_FIELDS,
+    Envelope,
+    Options,
+    concurrency_key,
+    fairness_of,
+    new_call_id,
+)
+from broker.errors import (
+    CallCancelled,
+    HermesError,
+    InvalidArgs,
+    InvalidSpec,
+    NoWorkers,
+    TokensOverLimit,
+    error_from_wire,
+)
+from broker.events import Event
+from broker.ratelimits import RateLimit, estimate_tokens
+from broker.records import CallInfo
+from broker.states import State
+from broker.toolspec import ToolSpec
+from broker.tracecontext import ensure_traceparent
+from hermes_gateway.telemetry import Headers, current_headers
+
+if TYPE_CHECKING:
+    import redis
+
+log = structlog.get_logger("hermes.client")
+
+MAX_FAIRNESS_KEY = 256  # characters of a fairness key (it is a field of a hash in Redis)
+MAX_DEPTH = 100  # levels of nesting a call's arguments may have (a tool's arguments rarely pass 10)
+WORKERS_TRUSTED = 5.0  # seconds a queue seen with a live worker is not checked again (check_workers)
+# Ended calls of ours whose handles (every event heard) the asyncio client keeps for a later `handle(id)`:
+# the HTTP API streams a call's events after submitting it, and by then a quick call may have ended.
+ENDED_KEPT = 1000
+
+
+# -- the broker ----------------------------------------------------------------------------------
+
+
+def find_broker(settings: Settings, url: str | None = None, *, embedded_ok: bool = True) -> BrokerHandle:
+    """The broker of a client (``Gateway.connect`` and ``AsyncGateway.connect`` alike), as the commands find
+    theirs: ``url`` / ``$HERMES_REDIS_URL`` / ``broker.url``; else the embedded broker of the ``serve`` or
+    ``worker`` of the same ``$HERMES_HOME`` running here; else (``embedded_ok``) an embedded broker of its own."""
+    url = url or settings.broker.url
+    if url is None and embedded_ok:
+        from hermes_gateway.local import connect_local
+
+        return connect_local(settings)[0]
+    return connect(url, embedded_ok=embedded_ok)
+
+
+def register_dir(directory: Directory, path: Any, errors: list[InvalidSpec] | None = None) -> list[tuple[str, int, bool]]:
+    """Register every spec file of ``path`` in ``directory`` (``sync_tools`` of both clients); a file that
+    does not load is skipped: it goes to ``errors`` when given, else it is logged as a warning."""
+    from pathlib import Path
+
+    from workers.specs import sync_dir
+
+    bad: list[InvalidSpec] = [] if errors is None else errors
+    done = sync_dir(directory, Path(path), bad)
+    if errors is None:
+        for e in bad:
+            log.warning("tool spec skipped", error=str(e))
+    return done
+
+
+class WorkerCheck:
+    """Which workers listen on a queue: with ``check_workers`` a call to a queue nobody serves is refused
+    at once (``NoWorkers``) — or, on an embedded broker of the client's own, a worker is started for it
+    (stopped by ``close``). Blocking I/O: the asyncio client runs ``ensure`` in a thread."""
+
+    def __init__(self, broker: BrokerHandle, settings: Settings, check_workers: bool) -> None:
+        self.broker = broker
+        self.conn: redis.Redis = broker.conn
+        self.settings = settings
+        self.check_workers = check_workers
+        self._seen: dict[str, float] = {}  # queue -> until when a seen worker is trusted
+        self._own: list[Any] = []
+        self._lock = threading.Lock()  # (two threads' first calls start one worker, not two)
+
+    def live_workers(self, queue: str | None = None, within: float | None = None) -> list[dict[str, Any]]:
+        """Workers whose heartbeat is recent, optionally only those listening on ``queue``."""
+        horizon = time.time() - (within or max(15.0, self.settings.workers.lease))
+        names = self.conn.zrangebyscore(keys.WORKERS, horizon, "+inf")
+        pipe = self.conn.pipeline(transaction=False)
+        for n in names:
+            pipe.hgetall(keys.worker(text(n)))
+        out = []
+        for raw in pipe.execute():
+            if not raw:
+                continue
+            w = {k.decode(): v.decode() for k, v in raw.items()}
+            if queue is None or queue in w.get("queues", "").split(","):
+                out.append(w)
+        return out
+
+    def require_workers(self, queue: str) -> None:
+        """NoWorkers unless a live worker listens on ``queue``."""
+        if not self.live_workers(queue):
+            raise NoWorkers(
+                f"no worker listens on queue {queue!r} at {self.broker.description}; start one with "
+                f"`hermes-gateway worker --queues {queue}`",
+                queue=queue,
+            )
+
+    def unchecked(self, queues: Iterable[str]) -> bool:
+        """Whether ``ensure(queues)`` has anything to ask the broker (no I/O)."""
+        now = time.monotonic()
+        return self.check_workers and any(self._seen.get(q, 0.0) <= now for q in queues)
+
+    def ensure(self, queues: Iterable[str]) -> None:
+        """With ``check_workers``: NoWorkers for a queue (a partition counts as its base queue) no worker
+        listens on — or a worker started for it on an embedded broker of ours. A queue seen served is
+        trusted for a few seconds."""
+        if not self.check_workers:
+            return
+        for queue in dict.fromkeys(partitions.base(q) for q in queues):
+            if self._seen.get(queue, 0.0) > time.monotonic():
+                continue
+            with self._lock:
+                if not self.live_workers(queue):
+                    if self.broker.embedded is None:
+                        self.require_workers(queue)  # raises
+                    from hermes_gateway.local import start_workers, wait_for_heartbeats
+
+                    self._own += start_workers(self.broker.url, self.settings, (queue,))
+                    wait_for_heartbeats(self, 1, queues=(queue,))  # type: ignore[arg-type]
+                self._seen[queue] = time.monotonic() + WORKERS_TRUSTED
+
+    def close(self) -> None:
+        """Stop the workers this check started."""
+        if self._own:
+            from workers.pool import stop_all
+
+            stop_all(self._own)
+            self._own = []
+
+
+# -- options and envelopes -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """The keyword options of one call (``call_tool``, ``call_llm``, each item of ``submit_many``)."""
+
+    timeout: float | None = None
+    idempotency_key: str | None = None
+    max_attempts: int | None = None
+    traceparent: str | None = None
+    tracestate: str | None = None
+    queue: str | None = None
+    fairness_key: str | None = None
+    call_class: str | None = None
+    # Set by the client, not its caller: the producer span's headers, and a batch item's id and partition.
+    trace_headers: Headers | None = None
+    call_id: str | None = None
+    partition_slot: int | None = None
+
+    # What map/submit_many take as common options (a batch takes idempotency_keys=, one per item).
+    COMMON = ("timeout", "max_attempts", "traceparent", "tracestate", "queue", "fairness_key", "call_class")
+
+    @classmethod
+    def take(cls, common: dict[str, Any]) -> CallOptions:
+        """The options among a batch's ``common`` keywords, removed from it (the rest is call context)."""
+        return cls(**{k: common.pop(k) for k in cls.COMMON if k in common})
+
+    def item(self, idem_keys: Sequence[str | None] | None, i: int) -> CallOptions:
+        """The options of batch item ``i``: these, with its idempotency key if it has one."""
+        if idem_keys is None or i >= len(idem_keys) or idem_keys[i] is None:
+            return self
+        return dataclasses.replace(self, idempotency_key=idem_keys[i])
+
+    def headers(self) -> Headers:
+        """The trace context to send: the producer span's (tracing on), else the caller's own or the current one."""
+        tp, ts, bg = self.trace_headers or (self.traceparent, self.tracestate, None)
+        return (tp, ts, bg) if tp is not None else current_headers()
+
+    def envelope_options(self) -> Options:
+        """The envelope's options, with a typed error for a bad fairness key or class (``call_class``:
+        ``interactive`` or ``batch``)."""
+        fkey, klass = self.fairness_key, self.call_class
+        if fkey is not None and (not isinstance(fkey, str) or not fkey or len(fkey) > MAX_FAIRNESS_KEY):
+            raise InvalidArgs(f"fairness_key must be a non-empty string of at most {MAX_FAIRNESS_KEY} characters, got {fkey!r}")
+        if klass is not None and klass not in CALL_CLASSES:
+            raise InvalidArgs(f"call_class must be one of {', '.join(CALL_CLASSES)}, got {klass!r}")
+        return Options(
+            timeout=self.timeout,
+            idempotency_key=self.idempotency_key,
+            max_attempts=self.max_attempts,
+            fairness_key=fkey,
+            call_class=klass,
+        )
+
+
+def nesting(value: Any, limit: int = MAX_DEPTH) -> int:
+    """How deeply ``value`` nests lists and mappings, counted up to ``limit + 1`` (walked without recursion:
+    the point is to refuse what would exhaust the recursion of the code that handles it later)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        depth += 1
+        if depth > limit:
+            return depth
+        deepest = max(deepest, depth)
+        stack.extend((child, depth) for child in children if isinstance(child, dict | list | tuple))
+    return deepest
+
+
+def check_sendable(value: Any, what: str, limit: int | None = None) -> bytes:
+    """``value`` packed (the envelope keeps these bytes: the job is not packed again), or a typed error now
+    for a value the wire cannot carry (a Decimal, an arbitrary object), not a bare TypeError from deep in
+    the submission; with ``limit``, for one larger than that many bytes packed. Nesting deeper than
+    ``MAX_DEPTH`` is refused too: validation, redaction and the executors recurse."""
+    if nesting(value) > MAX_DEPTH:
+        raise InvalidArgs(f"{what} are nested more than {MAX_DEPTH} levels deep", limit=MAX_DEPTH)
+    try:
+        packed = pack(value)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise InvalidArgs(
+            f"{what} cannot be sent: {e} (values travel as msgpack: JSON-like types, bytes; sets and "
+            "tuples become lists, dates ISO text)"
+        ) from e
+    if limit is not None and len(packed) > limit:
+        raise InvalidArgs(
+            f"{what} take {len(packed)} bytes, over the limit of {limit} (broker.max_args in config.yaml, "
+            f"${MAX_ARGS_ENV}); pass large data by reference (a path, a URL) instead",
+            size=len(packed),
+            limit=limit,
+        )
+    return packed
+
+
+def check_context(context: dict[str, Any]) -> None:
+    """Refuse call-context fields the envelope does not know (a typo would otherwise vanish)."""
+    unknown = set(context) - set(CONTEXT_FIELDS)
+    if unknown:
+        known = ", ".join(CONTEXT_FIELDS)
+        raise TypeError(f"unknown call context field(s): {', '.join(sorted(unknown))}; known: {known}")
+
+
+def check_llm_request(request: Any, context: dict[str, Any]) -> None:
+    """Refuse an LLM request that is not a mapping, or unknown context fields."""
+    if not isinstance(request, dict):
+        raise InvalidArgs(f"an LLM request must be a mapping, got {type(request).__name__}")
+    check_context(context)
+
+
+def check_batch_keys(common: dict[str, Any], idem_keys: Sequence[str | None] | None, n: int | None = None) -> None:
+    """A batch takes one idempotency key (or None) per item, never one key for all of them; ``n`` items."""
+    if "idempotency_key" in common or isinstance(idem_keys, str | bytes):
+        raise TypeError("map/submit_many take idempotency_keys= (one key or None per item), not one key")
+    if idem_keys is not None and n is not None and len(idem_keys) != n:
+        raise ValueError(f"idempotency_keys has {len(idem_keys)} entries for {n} calls")
+
+
+def tool_envelope(
+    entry: Entry,
+    name: str,
+    args: dict[str, Any] | None,
+    opts: CallOptions,
+    context: dict[str, Any],
+    channel: Callable[[str], str],
+    settings: Settings | None = None,
+) -> Envelope:
+    """The envelope of one call of the directory tool ``entry``; events go to ``channel(queue)``. A tool
+    split in partitions (``queue_partitions``) gets the next partition with a share of its limit;
+    arguments larger than ``settings.broker.max_args`` packed are refused."""
+    spec = entry.spec
+    check_context(context)
+    if args is not None and not isinstance(args, dict):
+        raise InvalidArgs(f"arguments for {name!r} must be a mapping, got {type(args).__name__}")
+    limit = settings.broker.max_args if settings is not None else None
+    args = args or {}
+    packed = check_sendable(args, f"arguments for {name!r}", limit)
+    tp, ts, bg = opts.headers()
+    queue = opts.queue or str(spec.config.get("queue") or "tools")
+    n = partitions.count(spec)
+    if n > 1:
+        concurrency = spec.concurrency or (settings.concurrency_for(spec.executor) if settings else -1)
+        queue = partitions.route(queue, n, concurrency, opts.idempotency_key, opts.partition_slot)
+    env = Envelope(
+        call_id=keys.call_id(queue, opts.call_id or new_call_id()),
+        kind="tool",
+        tool=name,
+        args=args,
+        tool_version=entry.version,
+        context={k: v for k, v in context.items() if v is not None},
+        traceparent=ensure_traceparent(tp),
+        tracestate=ts,
+        baggage=bg,
+        options=opts.envelope_options(),
+        queue=queue,
+        channel=channel(queue),
+    )
+    return env.keep_packed(packed)
+
+
+def tool_limits(env: Envelope, spec: ToolSpec, settings: Settings) -> dict[str, Any]:
+    """Admission limits of a tool call: concurrency key and limit, queue size, attempts, timeout."""
+    queue_size = spec.queue_size
+    if queue_size is None:
+        queue_size = settings.queue_size_for(spec.executor)
+    # Error retries (``retry.max``) need their attempts too; an explicit per-call max_attempts wins.
+    retries = int((spec.retry or {}).get("max") or 0)
+    concurrency = spec.concurrency or settings.concurrency_for(spec.executor)
+    # A partition's share of the tool's limit and queue size (the shares add up to them exactly).
+    # (so is the per-key bound: a key's calls go to the partitions in turn)
+    n = partitions.count(spec)
+    per_key = settings.fairness.queue_size_per_key
+    key_size = -1 if per_key is None else partitions.limits(env.queue, n, concurrency, per_key)[1]
+    concurrency, queue_size = partitions.limits(env.queue, n, concurrency, queue_size)
+    rate = RateLimit.parse(f"tool {spec.name!r}", spec.config.get("rate_limit"))
+    if rate is not None and n > 1:
+        rate = rate.share(n, partitions.index(env.queue))
+    return {
+        "ckey": concurrency_key(env),
+        "queue_size": queue_size,
+        "concurrency": concurrency,
+        "max_attempts": env.options.max_attempts or max(settings.workers.max_attempts, retries + 1),
+        "timeout": float(env.options.timeout or spec.timeout),
+        "rate_limit": rate,
+        **fair_limits(env, settings, key_size),
+    }
+
+
+def fair_limits(env: Envelope, settings: Settings, key_size: int) -> dict[str, Any]:
+    """What SUBMIT needs for the call's fair turn: its key's weight, the batch share, the per-key bound
+    (``key_size``, -1 = none)."""
+    fairness = settings.fairness
+    return {
+        "weight": fairness.weight_of(env.context.get("principal"), fairness_of(env)[0]),
+        "batch_share": fairness.batch_share,
+        "key_size": key_size,
+    }
+
+
+def llm_envelope(
+    request: dict[str, Any],
+    settings: Settings,
+    opts: CallOptions,
+    context: dict[str, Any],
+    channel: Callable[[str], str],
+) -> tuple[Envelope, dict[str, Any]]:
+    """The envelope and limits of one LLM call (chat-completions kwargs) on ``opts.queue`` (else ``llm``)."""
+    check_llm_request(request, context)
+    packed = check_sendable(request, "the LLM request", settings.broker.max_args)
+    context = dict(context)
+    model_cfg = settings.model
+    context.setdefault("provider", model_cfg.provider or "openai-compatible")
+    context.setdefault("api_mode", model_cfg.api_mode or "chat_completions")
+    context["model"] = request.get("model") or context.get("model") or model_cfg.model or None
+    tp, ts, bg = opts.headers()
+    per_key = settings.fairness.queue_size_per_key
+    queue = opts.queue or "llm"
+    env = Envelope(
+        call_id=keys.call_id(queue, new_call_id()),
+        kind="llm",
+        request=request,
+        context={k: v for k, v in context.items() if v is not None},
+        traceparent=ensure_traceparent(tp),
+        tracestate=ts,
+        baggage=bg,
+        options=opts.envelope_options(),
+        queue=queue,
+        channel=channel(queue),
+    ).keep_packed(packed)
+    ckey = concurrency_key(env)
+    rate = model_cfg.rate_limit_for(str(context["provider"]), str(context.get("model") or ""))
+    estimate = estimate_tokens(request) if rate is not None else 0
+    if rate is not None and 0 <= rate.tpm < estimate:
+        raise TokensOverLimit(
+            f"the LLM call's token estimate ({estimate}: max_tokens + its prompt) is more than {ckey!r} "
+            f"allows in a minute (tokens_per_minute {rate.tpm}): it could never run; lower max_tokens",
+            key=ckey, estimate=estimate, limit=rate.tpm,
+        )
+    limits = {
+        "ckey": ckey,
+        "rate_limit": rate,
+        "estimate": estimate,
+        "queue_size": settings.queue_size_for("llm"),
+        "concurrency": settings.concurrency_for("llm"),
+        "max_attempts": opts.max_attempts or settings.workers.max_attempts,
+        "timeout": float(opts.timeout or model_cfg.timeout),
+        **fair_limits(env, settings, -1 if per_key is None else per_key),
+    }
+    return env, limits
+
+
+# -- cancelling a call that no worker has taken -------------------------------------------------
+
+CANCEL_FIELDS = (keys.F_STATE, keys.F_ATTEMPT, keys.F_TRACE, keys.F_KIND, keys.F_TOOL, keys.F_CHANNEL, keys.F_CKEY, "origin", "data")
+PENDING_CANCEL = {"type": "cancelled", "message": "cancelled by the caller before it started"}
+
+
+@dataclass(frozen=True)
+class CancelTarget:
+    """A call as cancel reads it (``CANCEL_FIELDS``): who to tell, and what its audit record needs."""
+
+    info: CallInfo
+    state: str
+    attempt: int
+    data: Any
+
+    @classmethod
+    def of(cls, call_id: str, raw: Sequence[Any]) -> CancelTarget | None:
+        """From ``HMGET job CANCEL_FIELDS``; None for a call not on record."""
+        if raw[0] is None:
+            return None
+        state, attempt, trace, kind, tool, chan, ckey, origin = (text(v) if v is not None else "" for v in raw[:-1])
+        return cls(CallInfo(call_id, trace, "", kind, tool, None, chan, ckey, origin), state, int(attempt or 1), raw[-1])
+
+    def audit_record(self, sensitive: Any) -> Any:
+        """The audit record of the call cancelled while pending (no worker ran it, so the caller writes it)."""
+        from broker.audit import AuditRecord, context_fields
+        from broker.records import envelope_of
+
+        info = self.info
+        try:
+            env = envelope_of(self.data) if self.data else None
+        except HermesError:
+            env = None
+        context = env.context if env is not None else {}
+        return AuditRecord.of(
+            call_id=info.call_id,
+            kind=info.kind,
+            state=str(State.CANCELLED),
+            args=env.args if env is not None else None,
+            sensitive=tuple(sensitive or ()),
+            request=env.request if env is not None and info.kind == "llm" else None,
+            error=PENDING_CANCEL,
+            tool_name=info.name if info.kind == "tool" else None,
+            model=info.name if info.kind == "llm" else None,
+            **context_fields(context),
+            trace_id=info.trace_id,
+            attempts=self.attempt,
+        )
+
+
+# -- events and handles --------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+class CallState:
+    """What a handle knows of its call: its events in order, its end, its result or error, or the refusal
+    of its submission. Fed by its client's ``Router`` (pub/sub) or by reads of the call's history; the
+    faces ``CallHandle`` and ``AsyncCallHandle`` add waiting. ``lock``: held while the state changes."""
+
+    def __init__(
+        self,
+        router: Router[Any],
+        call_id: str,
+        name: str,
+        kind: str = "tool",
+        *,
+        own: bool = True,
+        lock: Any = None,
+    ) -> None:
+        self.router = router
+        self.call_id = call_id
+        self.name = name
+        self.kind = kind
+        self.own = own  # events arrive on our channel (False: someone else's call, followed from Redis)
+        self.refused: HermesError | None = None
+        self._events: list[Event] = []
+        self._final: Event | None = None
+        self._result: Any = _MISSING
+        self._lock = lock if lock is not None else contextlib.nullcontext()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} {self.call_id} {self.state}>"
+
+    @property
+    def last_seq(self) -> int:
+        return self._events[-1].seq if self._events else 0
+
+    @property
+    def state(self) -> str:
+        if self.refused is not None:
+            return "refused"
+        for event in reversed(self._events):
+            if event.type == ev_mod.TRANSITION:
+                return event.state
+        return str(State.PENDING)
+
+    @property
+    def final_state(self) -> str | None:
+        return self._final.state if self._final else None
+
+    @property
+    def trace_id(self) -> str:
+        return self._events[0].trace_id if self._events else ""
+
+    def done(self) -> bool:
+        return self._final is not None or self.refused is not None
+
+    def feed(self, event: Event) -> None:
+        """Take one event of the call (one already seen is ignored); at its end the router stops routing."""
+        with self._lock:
+            if event.seq <= self.last_seq:
+                return
+            self._events.append(event)
+            if event.terminal:
+                self._final = event
+            self._changed(event)
+        if event.terminal and self.own:  # however the end was seen (pub/sub or a history read)
+            self.router.ended(self)
+
+    def refuse(self, error: HermesError) -> None:
+        """The submission of the call failed with ``error`` (``result()`` raises it)."""
+        with self._lock:
+            self.refused = error
+            self._changed(None)
+
+    def _changed(self, event: Event | None) -> None:
+        """Called under the lock when an event arrives (None: refused); the faces wake their waiters."""
+
+    def needs_result(self) -> bool:
+        """Whether the call ended done with a result too large for its terminal event (read from its hash)."""
+        final = self._final
+        return final is not None and final.state == State.DONE and self._result is _MISSING and "result" not in final.detail
+
+    def stored_result(self, raw: bytes | None) -> None:
+        """The call's ``F_RESULT`` field as read for ``needs_result``."""
+        self._result = unpack(raw) if raw is not None else None
+
+    def outcome(self) -> Any:
+        """The result of the ended call; raises the refusal, its typed error, or CallCancelled."""
+        if self.refused is not None:
+            raise self.refused
+        final = self._final
+        assert final is not None
+        if final.state == State.DONE:
+            return self._result if self._result is not _MISSING else final.detail.get("result")
+        error = final.detail.get("error") or {}
+        if final.state == State.CANCELLED:
+            raise CallCancelled(error.get("message") or f"call {self.call_id} was cancelled")
+        raise error_from_wire(error)
+
+
+H = TypeVar("H", bound=CallState)
+
+
+class Router(Generic[H]):
+    """The handles of one client by call id: events heard on its channel go to the handle of their call.
+
+    A handle is tracked from its submission until its end (``ended``); with ``keep_ended`` the latest
+    ended ones stay findable by ``get``."""
+
+    def __init__(self, keep_ended: int = 0) -> None:
+        self.handles: dict[str, H] = {}
+        self.keep_ended = keep_ended
+        self._ended: OrderedDict[str, H] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def track(self, handle: H) -> H:
+        with self._lock:
+            self.handles[handle.call_id] = handle
+        return handle
+
+    def drop(self, call_id: str, handle: H | None = None) -> None:
+        """Stop routing to ``call_id`` (only if it is still ``handle``, when one is given)."""
+        with self._lock:
+            if handle is None or self.handles.get(call_id) is handle:
+                self.handles.pop(call_id, None)
+
+    def ended(self, handle: H) -> None:
+        """``handle``'s call ended: it is fed no more (and kept a while with ``keep_ended``)."""
+        with self._lock:
+            if self.handles.get(handle.call_id) is not handle:
+                return
+            del self.handles[handle.call_id]
+            if self.keep_ended:  # (an ended call's stored history is its last event alone)
+                self._ended[handle.call_id] = handle
+                while len(self._ended) > self.keep_ended:
+                    self._ended.popitem(last=False)
+
+    def get(self, call_id: str) -> H | None:
+        """The handle routed to, or kept after its end, for ``call_id``."""
+        return self.handles.get(call_id) or self._ended.get(call_id)
+
+    def route(self, data: bytes) -> tuple[Event, H, bool] | None:
+        """A caller's channel message as ``(event, its handle, True when the handle missed some before it)``."""
+        return ev_mod.for_handle(self.handles, data)
+
+    def waiting(self) -> list[H]:
+        """The handles whose calls have not ended."""
+        with self._lock:
+            return [h for h in self.handles.values() if not h.done()]
+
+    @staticmethod
+    def read_history(pipe: Any, handles: Sequence[CallState]) -> None:
+        """Queue on ``pipe`` the reads of each handle's unseen history (with its last event: an ended
+        call's history is that event alone); ``feed_history`` takes the replies."""
+        for h in handles:
+            pipe.lrange(keys.history(h.call_id), h.last_seq, -1)
+            pipe.lindex(keys.history(h.call_id), -1)
+
+    @staticmethod
+    def feed_history(handles: Sequence[CallState], stored: Sequence[Any]) -> None:
+        for i, h in enumerate(handles):
+            for event in ev_mod.unseen(stored[2 * i], stored[2 * i + 1], h.last_seq):
+                h.feed(event)
+
+
+class Handles(list[H]):
+    """The handles of a batch, in submission order; ``accepted`` and ``refused`` split them."""
+
+    @property
+    def accepted(self) -> list[H]:
+        return [h for h in self if h.refused is None]
+
+    @property
+    def refused(self) -> list[tuple[int, H]]:
+        """(index in the batch, handle) of each refused item; ``handle.refused`` is its error."""
+        return [(i, h) for i, h in enumerate(self) if h.refused is not None]

@@ -1,0 +1,83 @@
+"""The client core both clients stand on: typed options, a handle's state, routing by call id (no I/O);
+and the asyncio face keeps the sync one's promise that a refused batch leaves no handle behind."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from broker import events, keys
+from broker.codec import pack
+from broker.errors import CallCancelled, ExecutorError, InvalidArgs, QueueFull
+from broker.events import Event
+from hermes_gateway.aio import AsyncGateway
+from hermes_gateway.clientcore import CallOptions, CallState, Router
+
+
+def event(call_id: str, seq: int, state: str, **detail: Any) -> Event:
+    return events.decode(wire(call_id, seq, state, **detail))
+
+
+def wire(call_id: str, seq: int, state: str, **detail: Any) -> bytes:
+    return pack({"call_id": call_id, "seq": seq, "state": state, "type": events.TRANSITION, "detail": detail})
+
+
+def test_batch_options_are_taken_from_the_common_keywords_and_the_rest_is_context() -> None:
+    common: dict[str, Any] = {"timeout": 5, "queue": "q", "session_id": "s-1", "call_class": "batch"}
+    opts = CallOptions.take(common)
+    assert (opts.timeout, opts.queue, opts.call_class) == (5, "q", "batch")
+    assert common == {"session_id": "s-1"}
+    assert opts.item(["k0", None], 0).idempotency_key == "k0"
+    assert opts.item(["k0", None], 1) is opts and opts.item(None, 3) is opts
+    with pytest.raises(InvalidArgs, match="call_class"):
+        CallOptions(call_class="urgent").envelope_options()
+
+
+def test_a_handle_takes_each_event_once_in_order_and_its_end_stops_its_routing() -> None:
+    router: Router[CallState] = Router()
+    h = router.track(CallState(router, "c1", "echo"))
+    assert router.route(wire("nobody", 1, "pending")) is None
+    _, routed, gap = router.route(wire("c1", 2, "executing"))  # type: ignore[misc]
+    assert routed is h and gap  # seq 1 was never heard: the face reads the history first
+    h.feed(event("c1", 1, "pending"))
+    h.feed(event("c1", 1, "pending"))
+    h.feed(event("c1", 2, "executing"))
+    assert [e.seq for e in h._events] == [1, 2] and h.state == "executing" and not h.done()
+    h.feed(event("c1", 3, "done", result={"ok": 1}))
+    assert h.done() and h.final_state == "done" and h.outcome() == {"ok": 1}
+    assert router.handles == {} and router.get("c1") is None  # nothing kept without keep_ended
+
+
+def test_an_ended_handle_is_kept_for_lookup_only_with_keep_ended_and_errors_stay_typed() -> None:
+    router: Router[CallState] = Router(keep_ended=1)
+    a, b = (router.track(CallState(router, c, "echo")) for c in ("a", "b"))
+    a.feed(event("a", 1, "failed", error={"type": "executor_error", "message": "boom"}))
+    b.feed(event("b", 1, "cancelled", error={"message": "stopped"}))
+    assert router.get("b") is b and router.get("a") is None  # one kept: the latest
+    with pytest.raises(ExecutorError, match="boom"):
+        a.outcome()
+    with pytest.raises(CallCancelled, match="stopped"):
+        b.outcome()
+    c = router.track(CallState(router, "c", "echo"))
+    c.refuse(QueueFull("full"))
+    assert c.done() and c.state == "refused" and router.waiting() == []
+    with pytest.raises(QueueFull):
+        c.outcome()
+
+
+def test_a_bad_item_refuses_the_whole_async_batch_and_leaves_nothing_tracked(
+    redis_url: str, home: Any, gateway: Any, conn: Any
+) -> None:
+    home.echo_tool()
+    gateway.sync_tools()
+
+    async def scenario() -> dict[str, Any]:
+        async with await AsyncGateway.connect(redis_url, home=str(home.path), embedded_ok=False, check_workers=False) as gw:
+            with pytest.raises(InvalidArgs):
+                await gw.map("echo", [{"i": 1}] * 3 + ["not a mapping"])  # type: ignore[list-item]
+            return dict(gw.router.handles)
+
+    assert asyncio.run(scenario()) == {}
+    assert conn.llen(keys.queue("tools")) == 0
