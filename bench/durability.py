@@ -13,14 +13,15 @@ returning its handle, one call at a time, each run to its end before the next) a
 batch of no-op calls end to end (``submit_many`` in pipelines of 500, one worker process with 8 slots).
 
 Then (``--kill-calls``, 0 to skip) the crash experiment, ``--kill-trials`` times for ``everysec`` and for
-``always``: a batch of calls
-of a tool that leaves one file per run (``bench/failover_tools.py``), Redis killed with SIGKILL
-``--kill-after`` seconds after the batch was accepted and started again on its AOF, every handle waited
-for: calls lost (accepted, never ended), stuck, run twice (counted from the files), and of those how many
-report ``attempt`` > 1.
+``always``: a batch of calls of a tool that leaves one file per run (``bench/failover_tools.py``), Redis
+killed with SIGKILL ``--kill-after`` seconds after the batch was accepted and started again on its AOF,
+every handle waited for: calls lost (accepted, never ended), stuck, run twice (counted from the files),
+and of those how many report ``attempt`` > 1; and, just before the kill, ``aof_buffer_length`` (bytes Redis
+holds back while an fsync lags: what a kill of the process alone loses) and the fsyncs pending;
+``--busy-disk MB`` keeps the disk busy meanwhile (a thread rewriting and fsyncing a file of that size).
 
 Results go to ``bench/results/durability-<time>.json``. The last line is ``always_vs_everysec=<x>``: calls/s
-with ``appendfsync always`` over calls/s with ``everysec``.
+with ``appendfsync always`` over calls/s with ``everysec`` (``nan`` with ``--rounds 0``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -126,9 +128,40 @@ def measure(mode: str, workdir: Path, n: int, singles: int) -> dict[str, Any]:
     return {"calls_per_s": n / elapsed, "submit_p50_ms": q[49] * 1e3, "submit_p99_ms": q[98] * 1e3}
 
 
-def crash(mode: str, workdir: Path, n: int, after: float, seconds: float, lease: float) -> dict[str, Any]:
+@contextmanager
+def busy_disk(workdir: Path, mb: int) -> Iterator[None]:
+    """While the block runs (``mb`` > 0), a thread rewrites an ``mb`` MB file in ``workdir`` and fsyncs it,
+    over and over: a disk other work keeps busy, as a shared machine's is."""
+    if mb <= 0:
+        yield
+        return
+    done = threading.Event()
+    chunk = os.urandom(1 << 20)
+
+    def churn() -> None:
+        with (workdir / "busy-disk").open("wb") as f:
+            while not done.is_set():
+                f.seek(0)
+                for _ in range(mb):
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        (workdir / "busy-disk").unlink(missing_ok=True)
+
+
+def crash(
+    mode: str, workdir: Path, n: int, after: float, seconds: float, lease: float, disk_mb: int = 0
+) -> dict[str, Any]:
     """Kill -9 Redis (``mode``, AOF on) ``after`` seconds after a batch of ``n`` calls was accepted, start it
-    again on its AOF, and count what happened to each call."""
+    again on its AOF, and count what happened to each call (with ``disk_mb``, on a busy disk)."""
     marks = Path(tempfile.mkdtemp(prefix="marks-", dir=workdir))
     tool = {"name": "mark", "executor": "python", "function": MARK, "concurrency": 100_000,
             "queue_size": 1_000_000, "timeout": 60}  # fmt: skip
@@ -140,12 +173,19 @@ def crash(mode: str, workdir: Path, n: int, after: float, seconds: float, lease:
         gw = _gateway(url, home)
         gw.sync_tools(home / "tools")
         _wait_live(gw, "tools", 2)
-        batch = gw.map("mark", [{"id": f"c{i}", "dir": str(marks), "seconds": seconds} for i in range(n)])
-        accepted = batch.accepted
-        time.sleep(after)  # the experiment's own delay, not a synchronisation
-        ran_at_kill = len(list(marks.iterdir()))
-        node.kill()
+        with busy_disk(workdir, disk_mb):
+            batch = gw.map("mark", [{"id": f"c{i}", "dir": str(marks), "seconds": seconds} for i in range(n)])
+            accepted = batch.accepted
+            time.sleep(after)  # the experiment's own delay, not a synchronisation
+            ran_at_kill = len(list(marks.iterdir()))
+            # Bytes Redis holds back in its AOF buffer (not yet written to the file: what a kill -9 of the
+            # process alone loses; it holds them while an everysec fsync lags), and fsyncs still pending.
+            info = node.client().info("persistence")
+            held = (int(info.get("aof_buffer_length", 0)), int(info.get("aof_pending_bio_fsync", 0)))
+            node.kill()
+            killed = time.monotonic()
         node.start()  # same port, same directory: it loads its AOF
+        restart = time.monotonic() - killed
         lost = 0
         for h in accepted:
             try:
@@ -172,7 +212,11 @@ def crash(mode: str, workdir: Path, n: int, after: float, seconds: float, lease:
         "mode": mode,
         "accepted": len(accepted),
         "kill_after_s": after,
+        "busy_disk_mb": disk_mb,
         "runs_started_at_kill": ran_at_kill,
+        "restart_s": restart,
+        "aof_buffer_length_at_kill": held[0],
+        "aof_pending_bio_fsync_at_kill": held[1],
         "lost": lost,
         "stuck": stuck,
         "ran_twice": len(twice),
@@ -193,7 +237,7 @@ def main() -> None:
     )
     parser.add_argument("-n", "--calls", type=int, default=3000, help="no-op calls per calls/s figure")
     parser.add_argument("--singles", type=int, default=500, help="one-at-a-time submissions per p50/p99")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds, modes interleaved; medians reported")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, modes interleaved; medians (0: none)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument(
         "--kill-calls", type=int, default=500, help="calls in the kill -9 experiment (0: skip)"
@@ -202,6 +246,8 @@ def main() -> None:
     parser.add_argument("--kill-trials", type=int, default=3, help="kill -9 runs per AOF setting")
     parser.add_argument("--kill-tool-seconds", type=float, default=0.05, help="each call's run time there")
     parser.add_argument("--lease", type=float, default=5.0, help="worker lease in the kill -9 experiment")
+    parser.add_argument("--busy-disk", type=int, default=0, metavar="MB",
+                        help="rewrite and fsync an MB-sized file in a loop during each kill -9 run")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="the JSON file (default bench/results/...)")
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
@@ -219,14 +265,18 @@ def main() -> None:
             rounds[mode].append(res)
             print(f"round {r + 1} {mode}: {res['calls_per_s']:,.0f} calls/s; submit p50 "
                   f"{res['submit_p50_ms']:.2f} ms, p99 {res['submit_p99_ms']:.2f} ms")  # fmt: skip
-    summary = {
-        m: {
-            k: statistics.median(x[k] for x in rounds[m])
-            for k in ("calls_per_s", "submit_p50_ms", "submit_p99_ms")
+    summary = (
+        {}
+        if not args.rounds
+        else {
+            m: {
+                k: statistics.median(x[k] for x in rounds[m])
+                for k in ("calls_per_s", "submit_p50_ms", "submit_p99_ms")
+            }
+            for m in modes
         }
-        for m in modes
-    }
-    for m in modes:
+    )
+    for m in summary:
         s = summary[m]
         print(f"{m}: {s['calls_per_s']:,.0f} calls/s; submit p50 {s['submit_p50_ms']:.2f} ms, "
               f"p99 {s['submit_p99_ms']:.2f} ms (median of {args.rounds})")  # fmt: skip
@@ -234,12 +284,21 @@ def main() -> None:
     crashes = []
     if args.kill_calls > 0:
         for mode, trial in [(m, t) for t in range(args.kill_trials) for m in ("everysec", "always")]:
-            c = crash(mode, workdir, args.kill_calls, args.kill_after, args.kill_tool_seconds, args.lease)
+            c = crash(
+                mode,
+                workdir,
+                args.kill_calls,
+                args.kill_after,
+                args.kill_tool_seconds,
+                args.lease,
+                args.busy_disk,
+            )
             crashes.append(c)
-            print(f"kill -9 #{trial + 1} ({mode}, {c['accepted']} calls accepted, Redis killed {args.kill_after:g}s later with "
-                  f"{c['runs_started_at_kill']} runs started): lost={c['lost']} stuck={c['stuck']} "
-                  f"ran_twice={c['ran_twice']} (reported as attempt > 1: {c['ran_twice_reported_attempt_gt_1']}) "
-                  f"never_ran={c['never_ran']}")  # fmt: skip
+            print(f"kill -9 #{trial + 1} ({mode}, {c['accepted']} calls accepted, Redis killed {args.kill_after:g}s "
+                  f"later with {c['runs_started_at_kill']} runs started, aof_buffer_length="
+                  f"{c['aof_buffer_length_at_kill']}, pending fsyncs={c['aof_pending_bio_fsync_at_kill']}): "
+                  f"lost={c['lost']} stuck={c['stuck']} ran_twice={c['ran_twice']} (reported as attempt > 1: "
+                  f"{c['ran_twice_reported_attempt_gt_1']}) never_ran={c['never_ran']}")  # fmt: skip
         for mode in ("everysec", "always"):
             mine = [c for c in crashes if c["mode"] == mode]
             total = {
@@ -248,7 +307,9 @@ def main() -> None:
             print(f"kill -9 ({mode}), {len(mine)} run(s): {total['accepted']} calls accepted, lost={total['lost']} "
                   f"stuck={total['stuck']} ran_twice={total['ran_twice']} never_ran={total['never_ran']}")  # fmt: skip
 
-    ratio = summary["always"]["calls_per_s"] / summary["everysec"]["calls_per_s"]
+    ratio = (
+        summary["always"]["calls_per_s"] / summary["everysec"]["calls_per_s"] if args.rounds else float("nan")
+    )
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out = args.out or ROOT / "bench" / "results" / f"durability-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
