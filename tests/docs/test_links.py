@@ -90,3 +90,15 @@ def test_the_readme_opens_with_its_two_set_up_commands() -> None:
         line.split("#")[0].strip() for line in first.group(1).splitlines() if line.split("#")[0].strip()
     ]
     assert commands == ["make demo", "make test"]
+
+
+def test_the_readmes_contents_list_every_section() -> None:
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    contents = text[text.index("## Contents") : text.index("\n## ", text.index("## Contents") + 1)]
+    listed = {m.group(1) for m in re.finditer(r"\]\(#([^)]+)\)", contents)}
+    sections = {a for a in anchors(REPO / "README.md") if a not in ("hermes-gateway", "contents")}
+    top = {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^## (.*)$", text, re.M)
+    }
+    assert top - {"contents"} <= listed <= sections
