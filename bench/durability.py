@@ -1,7 +1,7 @@
 """What a single Redis promises, and what each stronger setting costs.
 
 Every Redis here is a local redis-server process this script starts on a free loopback port, its files in
-a temporary directory on this machine's disk (and stops):
+a temporary directory on this machine's disk (it stops them and removes the directory at the end):
 - ``off``: appendonly no (nothing on disk: a restart loses everything);
 - ``everysec``: ``appendonly yes``, ``appendfsync everysec`` (Redis' default when AOF is on);
 - ``always``: ``appendonly yes``, ``appendfsync always`` (an fsync before each reply);
@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -256,8 +257,16 @@ def main() -> None:
         parser.error(f"--modes: of {', '.join(MODES)}, with everysec and always (got {args.modes})")
 
     workdir = Path(tempfile.mkdtemp(prefix="hermes-durability-"))
+    try:
+        run(args, modes, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)  # the Redis files (AOF) of every server it started
+
+
+def run(args: argparse.Namespace, modes: list[str], workdir: Path) -> None:
     print(f"{args.calls} no-op calls per calls/s figure, {args.singles} single submissions per p50/p99, "
-          f"{args.rounds} round(s); 1 worker process x {SLOTS} slots; Redis files in {workdir}")  # fmt: skip
+          f"{args.rounds} round(s); 1 worker process x {SLOTS} slots; Redis files in {workdir} "
+          "(removed at the end)")  # fmt: skip
     rounds: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for r in range(args.rounds):
         for mode in modes:
