@@ -93,8 +93,9 @@ def test_without_a_home_the_environment_names_it(tmp_path: Path) -> None:
 
 
 def _readme_table() -> list[tuple[str, str, str]]:
-    """(variable, config.yaml key, Settings attribute) of each row of README's configuration table."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+    """(variable, config.yaml key, Settings attribute) of each row of the configuration table (docs/configuration.md,
+    which the README links)."""
+    text = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
     row = re.compile(r"^\| `(HERMES_[A-Z0-9_]+)` \| (?:`([^`]+)`)? *\| `([a-z_.]+)` \|", re.M)
     return [(m.group(1), m.group(2) or "", m.group(3)) for m in row.finditer(text)]
 

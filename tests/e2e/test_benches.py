@@ -1,6 +1,6 @@
 """The benchmarks still run, small, against the test Redis, and what they check still holds.
 
-Performance itself is measured by running them in full (README, Benchmarks), never asserted here.
+Performance itself is measured by running them in full (docs/benchmarks.md), never asserted here.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +89,19 @@ def test_batch_rss_runs_a_batch_per_count_and_extrapolates_the_submitters_peak(r
     rows = [json.loads(line) for line in lines if line.startswith("{")]
     assert [r["n"] for r in rows] == [200, 400] and all(r["peak_mb"] >= r["base_mb"] > 0 for r in rows)
     assert re.fullmatch(r"extrapolated_peak_mb_1m=[0-9.]+", lines[-1])
+
+
+def test_durability_measures_each_persistence_setting_and_counts_runs_across_a_redis_kill(tmp_path: Path) -> None:
+    # Its own redis-server processes: appendonly off, everysec, always, and a primary with a replica.
+    out = tmp_path / "durability.json"
+    lines = bench("durability.py", "-n", "100", "--singles", "20", "--rounds", "1", "--kill-calls", "30",
+                  "--kill-trials", "1", "--lease", "2", "--out", str(out), timeout=420)  # fmt: skip
+    for mode in ("off", "everysec", "always", "replica"):
+        line = next(line for line in lines if line.startswith(f"{mode}: "))
+        assert re.search(r"[0-9,]+ calls/s; submit p50 [0-9.]+ ms, p99 [0-9.]+ ms", line), line
+    for mode in ("everysec", "always"):
+        kill = next(line for line in lines if line.startswith(f"kill -9 ({mode})"))
+        assert "30 calls accepted, lost=0 stuck=0" in kill and "never_ran=0" in kill, kill
+    result = json.loads(out.read_text())
+    assert set(result["median"]) == {"off", "everysec", "always", "replica"} and len(result["kill9"]) == 2
+    assert re.fullmatch(r"always_vs_everysec=[0-9.]+", lines[-1])

@@ -138,10 +138,10 @@ result: "{{ steps.say.result.who }}"
 """
 
 
-def test_the_readmes_flow_file_runs_as_printed(home: Any, tmp_path: Path) -> None:
+def test_the_flow_file_in_the_docs_runs_as_printed(home: Any, tmp_path: Path) -> None:
     import re
 
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "flow-control.md").read_text(encoding="utf-8")  # the flow file the docs show
     block = next(b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if b.startswith("# greet.yaml"))
     (home.tools_dir / "hello.yaml").write_text((ROOT / "examples" / "tools" / "hello.yaml").read_text())
     (tmp_path / "greet.yaml").write_text(block)

@@ -304,7 +304,7 @@ def _refusing_mcp(real_import: Any) -> Any:
     return refusing
 
 
-def test_the_readmes_mcp_client_runs_as_printed(
+def test_the_mcp_client_in_the_docs_runs_as_printed(
     home: Home, serve: Any, workers: Any, gateway: Any, tmp_path: Any
 ) -> None:
     import os
@@ -312,8 +312,8 @@ def test_the_readmes_mcp_client_runs_as_printed(
     import subprocess
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "streamable_http_client" in b)
+    page = (Path(__file__).resolve().parents[2] / "docs" / "http-and-mcp.md").read_text(encoding="utf-8")
+    block = next(b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "streamable_http_client" in b)
     configure(home)
     home.tool("hello", executor="command", command="echo Hello, {{name}}!", permissions=["read_only"],
               input_schema={"type": "object", "properties": {"name": {"type": "string"}}})  # fmt: skip

@@ -32,7 +32,7 @@ def test_the_quick_start_runs_as_printed(tmp_path: Path) -> None:
     (work / "examples").symlink_to(ROOT / "examples")
     env = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_")}
     env["HOME"] = str(tmp_path / "home")
-    script = "set -euo pipefail\n" + readme_block("## The seed's first tool, exactly", "sh")
+    script = "set -euo pipefail\n" + readme_block("## Quick start: the seed's first tool, exactly", "sh")
     out = subprocess.run(["bash", "-c", script], cwd=work, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.splitlines()[-3:] == ["Hello, Alice!", "Hello, Alice!", "Hello, Bob!"], out.stdout
