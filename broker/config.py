@@ -1,7 +1,7 @@
 """One typed settings object, read from ``$HERMES_HOME/config.yaml`` and the environment when asked.
 
 Every ``HERMES_*`` variable is read here and nowhere else (tests/broker/test_config.py checks it); the
-table in README.md ("Configuration") lists them. A section mirrors its part of config.yaml: an
+table in docs/configuration.md lists them. A section mirrors its part of config.yaml: an
 environment variable wins over the file, a bad value is a ``ConfigError`` naming where it came from.
 Nothing is read at import time: ``load_settings()`` reads, callers pass the result down.
 """
