@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import statistics
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
@@ -115,8 +119,11 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
         if failing:
             console.print(f"  {failing} of them ask for the weather in {ATLANTIS!r}, which fails on purpose (executor_error)")
         start = time.perf_counter()
-        batch = gw.submit_many(work, session_id="demo-session")
-        handles += batch
+        with _ctrl_c_after() as interrupted:  # a Ctrl-C mid-submission: once its handles are known, to cancel
+            batch = gw.submit_many(work, session_id="demo-session")
+            handles += batch
+        if interrupted:
+            raise KeyboardInterrupt
         with Progress(
             TextColumn("calls"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False
         ) as bar:
@@ -175,6 +182,21 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
         finally:
             stop_all(procs)
             gw.close()
+
+
+@contextmanager
+def _ctrl_c_after() -> Iterator[list[int]]:
+    """Hold SIGINT until the block ends (the list it gives is then non-empty): the block's calls are in
+    Redis before their handles are, so an interrupt inside would leave calls the demo cannot cancel."""
+    held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _leave(gw: Gateway, handles: list[CallHandle], console: Console) -> None:
