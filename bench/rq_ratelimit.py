@@ -96,7 +96,13 @@ def rq_limit_and_dead_slot(url: str, jobs: int, wait: float) -> tuple[int, int, 
         if _until(lambda: started.count >= 1, 30) is None:
             raise RuntimeError("the long job did not start")
         job_id = started.get_job_ids()[0]
-        holder = _holder(conn, job_id, procs)
+        # (the job is in the started registry a moment before its hash names its worker)
+        holder, deadline = None, time.monotonic() + 10
+        while holder is None and time.monotonic() < deadline:
+            holder = _holder(conn, job_id, procs)
+            time.sleep(0.02)
+        if holder is None:
+            raise RuntimeError(f"no worker process found running {job_id}")
         os.kill(holder.pid, signal.SIGKILL)
         registry = RateLimitRegistry(limit.key, conn)
         back = _until(lambda: job_id not in registry.get_allowed_job_ids(), wait)
@@ -105,8 +111,8 @@ def rq_limit_and_dead_slot(url: str, jobs: int, wait: float) -> tuple[int, int, 
         stop(procs)
 
 
-def _holder(conn: Any, job_id: str, procs: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
-    """The RQ worker process running ``job_id`` (from the job's ``worker_name`` and the worker's pid)."""
+def _holder(conn: Any, job_id: str, procs: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes] | None:
+    """The RQ worker process running ``job_id`` (from the job's ``worker_name`` and the worker's pid), or None."""
     from rq import Worker
     from rq.job import Job
 
@@ -116,7 +122,7 @@ def _holder(conn: Any, job_id: str, procs: list[subprocess.Popen[bytes]]) -> sub
             for p in procs:
                 if p.pid == w.pid:
                     return p
-    raise RuntimeError(f"no worker process found running {job_id}")
+    return None
 
 
 def rq_submit(url: str, n: int) -> tuple[float, str]:
