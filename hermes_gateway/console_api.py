@@ -276,7 +276,7 @@ def _when(value: str | None, name: str) -> float | None:
     """``since``/``until``: 15m, 2h, 7d ago, an ISO time or unix seconds (as ``audit list --since``)."""
     if not value:
         return None
-    from hermes_gateway.audit_cli import parse_when
+    from hermes_gateway.cli.audit_cmd import parse_when
 
     try:
         return parse_when(value)

@@ -81,7 +81,7 @@ THROWAWAY_NOTE = (
 
 
 def _note(message: str) -> None:
-    from hermes_gateway.cli_common import _note as note
+    from hermes_gateway.cli.common import note
 
     note(message)
 

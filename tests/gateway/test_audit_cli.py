@@ -19,7 +19,7 @@ from broker.audit import AuditRecord
 from broker.errors import CallFailed, PermissionDenied, ReplayRefused
 from broker.redact import hash_value
 from hermes_gateway import replay
-from hermes_gateway.audit_cli import parse_when
+from hermes_gateway.cli.audit_cmd import parse_when
 from hermes_gateway.cli import main
 from tests.conftest import ECHO, Home
 from tests.llm_server import LLMServer

@@ -1,13 +1,11 @@
-"""``hermes-gateway plugins`` and ``policy explain``."""
+"""``hermes-gateway plugins``: list, enable, disable and reload middleware plugins."""
 
 from __future__ import annotations
 
 import click
 
 from broker.errors import HermesError
-from hermes_gateway.cli_common import _fail, _gateway, _settings, _sync_tools
-
-# -- plugins and policy --------------------------------------------------------------------------
+from hermes_gateway.cli.common import fail, settings_of
 
 
 @click.group()
@@ -21,7 +19,7 @@ def plugins_list(ctx: click.Context) -> None:
     """Every plugin found, and whether it is enabled."""
     from middleware import list_plugins
 
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     found = list_plugins(settings.home, discovery=settings.plugin_discovery)
     if not found:
         click.echo(f"no plugins in {settings.plugins_dir} or the hermes_agent.plugins entry points")
@@ -39,9 +37,9 @@ def plugins_enable(ctx: click.Context, name: str) -> None:
     from middleware import enable_plugin
 
     try:
-        key = enable_plugin(_settings(ctx).home, name, discovery=_settings(ctx).plugin_discovery)
+        key = enable_plugin(settings_of(ctx).home, name, discovery=settings_of(ctx).plugin_discovery)
     except LookupError as e:
-        _fail(str(e))
+        fail(str(e))
     click.echo(f"enabled {key}; running workers pick it up with `hermes-gateway plugins reload`")
 
 
@@ -53,9 +51,9 @@ def plugins_disable(ctx: click.Context, name: str) -> None:
     from middleware import disable_plugin
 
     try:
-        key = disable_plugin(_settings(ctx).home, name, discovery=_settings(ctx).plugin_discovery)
+        key = disable_plugin(settings_of(ctx).home, name, discovery=settings_of(ctx).plugin_discovery)
     except LookupError as e:
-        _fail(str(e))
+        fail(str(e))
     click.echo(f"disabled {key}")
 
 
@@ -68,36 +66,9 @@ def plugins_reload(ctx: click.Context) -> None:
     from workers.worker import control_message
 
     try:
-        handle = connect_shared(_settings(ctx))
+        handle = connect_shared(settings_of(ctx))
     except HermesError as e:
-        _fail(str(e))
+        fail(str(e))
     reached = handle.conn.publish(keys.channel(handle.conn, keys.CONTROL_CHANNEL), control_message("reload"))
     click.echo(f"reload sent to workers on {handle.description} ({reached} listening)")
     handle.close()
-
-
-@click.group()
-def policy() -> None:
-    """Inspect the permission policy."""
-
-
-@policy.command("explain")
-@click.argument("principal")
-@click.argument("tool_name")
-@click.pass_context
-def policy_explain(ctx: click.Context, principal: str, tool_name: str) -> None:
-    """Why PRINCIPAL may or may not call TOOL (the 'listed but permission denied' question)."""
-    from workers.policy import Policy
-
-    settings = _settings(ctx)
-    with _gateway(settings, need_workers=False) as (gw, _):
-        _sync_tools(gw)
-        try:
-            spec = gw.tool(tool_name).spec
-            from workers.policy_store import active
-
-            pol, _ = active(gw.conn, Policy.from_settings(settings.policy))  # the pushed policy wins
-        except HermesError as e:
-            _fail(str(e))
-        click.echo(pol.explain(principal, spec))
-

@@ -12,7 +12,7 @@ from typing import IO, Any
 import click
 
 from broker.errors import HermesError
-from hermes_gateway.cli_common import POSITIVE, _fail, _gateway, _note, _settings, _sync_tools
+from hermes_gateway.cli.common import POSITIVE, fail, note, open_gateway, settings_of, sync_tools
 
 
 @click.group()
@@ -99,41 +99,41 @@ def batch_submit(ctx: click.Context, tool: str | None, items: Path | None, out_p
     if items is None and tool is not None and resume is not None and Path(tool).exists():
         items, tool = Path(tool), None  # `--resume ID items.jsonl`: the tool is the batch's own
     if items is None:
-        _fail("name the items file: batch submit TOOL items.jsonl (or --resume ID items.jsonl)")
+        fail("name the items file: batch submit TOOL items.jsonl (or --resume ID items.jsonl)")
     assert items is not None
-    settings = _settings(ctx)
-    with _gateway(settings) as (gw, _):
-        _sync_tools(gw)
+    settings = settings_of(ctx)
+    with open_gateway(settings) as (gw, _):
+        sync_tools(gw)
         from hermes_gateway.local import THROWAWAY_NOTE, throwaway
 
         if throwaway(gw):  # the batch would end with this command: nothing to resume after a crash
-            _note(THROWAWAY_NOTE.format(home=settings.home) + ": a batch there cannot be resumed after this "
+            note(THROWAWAY_NOTE.format(home=settings.home) + ": a batch there cannot be resumed after this "
                   "command dies; start `hermes-gateway serve` (or `worker`) first", "warning")
         try:
             if resume is not None:
                 tool = tool or gw.batch_job(resume).progress().tool
             if tool is None:
-                _fail("name the tool: batch submit TOOL items.jsonl")
+                fail("name the tool: batch submit TOOL items.jsonl")
             assert tool is not None
             total = count_items(items)
             context = {"principal": principal} if principal else {}
             job = gw.batch(tool, read_items(items), window=window, resume=resume, **context)
         except HermesError as e:
-            _fail(f"{e.__class__.__name__}: {e}", 1)
+            fail(f"{e.__class__.__name__}: {e}", 1)
         click.echo(job.id)
         sys.stdout.flush()
-        _note(f"batch {job.id}: {total} items of {tool}" + (" (resumed)" if resume else ""))
+        note(f"batch {job.id}: {total} items of {tool}" + (" (resumed)" if resume else ""))
         out = out_path.open("w", encoding="utf-8") if out_path is not None else None
         try:
             p = _follow(gw, job, out, total, not no_progress)
         except KeyboardInterrupt:
-            _fail(f"interrupted: resume with `hermes-gateway batch submit --resume {job.id} {items}`", 130)
+            fail(f"interrupted: resume with `hermes-gateway batch submit --resume {job.id} {items}`", 130)
         finally:
             if out is not None:
                 out.close()
         if job.error is not None:
-            _fail(f"batch {job.id}: submission stopped: {job.error}; resume with --resume {job.id}", 1)
-        _note(_status_text(p))
+            fail(f"batch {job.id}: submission stopped: {job.error}; resume with --resume {job.id}", 1)
+        note(_status_text(p))
         sys.exit(0 if p.counts.get("failed", 0) == 0 and p.counts.get("cancelled", 0) == 0 else 1)
 
 
@@ -143,11 +143,11 @@ def batch_submit(ctx: click.Context, tool: str | None, items: Path | None, out_p
 @click.pass_context
 def batch_status(ctx: click.Context, batch_id: str, as_json: bool) -> None:
     """Counts per state, rate and ETA of a batch."""
-    with _gateway(_settings(ctx), need_workers=False) as (gw, _):
+    with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
         try:
             p = gw.batch_job(batch_id).progress()
         except HermesError as e:
-            _fail(str(e), 1)
+            fail(str(e), 1)
         click.echo(json.dumps(p.to_dict(), indent=2) if as_json else _status_text(p))
 
 
@@ -157,11 +157,11 @@ def batch_status(ctx: click.Context, batch_id: str, as_json: bool) -> None:
 @click.pass_context
 def batch_wait(ctx: click.Context, batch_id: str, timeout: float | None) -> None:
     """Block until every item of the batch has ended; exit 0 when all are done, 1 otherwise."""
-    with _gateway(_settings(ctx), need_workers=False) as (gw, _):
+    with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
         try:
             p = gw.batch_job(batch_id).wait(timeout)
         except HermesError as e:
-            _fail(str(e), 1)
+            fail(str(e), 1)
         click.echo(_status_text(p))
         if not p.complete:
             sys.exit(3)
@@ -176,14 +176,14 @@ def batch_wait(ctx: click.Context, batch_id: str, timeout: float | None) -> None
 @click.pass_context
 def batch_results(ctx: click.Context, batch_id: str, out_path: Path | None, no_follow: bool) -> None:
     """Each item's outcome as a JSONL line `{index, call_id, state, result | error}`, as the calls end."""
-    with _gateway(_settings(ctx), need_workers=False) as (gw, _):
+    with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
         out = out_path.open("w", encoding="utf-8") if out_path is not None else sys.stdout
         try:
             for item in gw.batch_job(batch_id).results(follow=not no_follow):
                 out.write(item_line(item) + "\n")
                 out.flush()
         except HermesError as e:
-            _fail(str(e), 1)
+            fail(str(e), 1)
         finally:
             if out_path is not None:
                 out.close()
@@ -194,11 +194,11 @@ def batch_results(ctx: click.Context, batch_id: str, out_path: Path | None, no_f
 @click.pass_context
 def batch_cancel(ctx: click.Context, batch_id: str) -> None:
     """Stop sending the batch's items and cancel its calls that have not ended."""
-    with _gateway(_settings(ctx), need_workers=False) as (gw, _):
+    with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
         try:
             n = gw.batch_job(batch_id).cancel()
         except HermesError as e:
-            _fail(str(e), 1)
+            fail(str(e), 1)
         click.echo(f"batch {batch_id}: cancelled, {n} calls told to stop")
 
 
@@ -209,7 +209,7 @@ def batch_list(ctx: click.Context, as_json: bool) -> None:
     """The batches on record, newest first."""
     from hermes_gateway.batches import BatchStore
 
-    with _gateway(_settings(ctx), need_workers=False) as (gw, _):
+    with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
         rows = BatchStore(gw.conn).recent()
         if as_json:
             click.echo(json.dumps([p.to_dict() for p in rows], indent=2))

@@ -16,9 +16,8 @@ import yaml
 
 from broker.audit import AuditRecord
 from broker.audit_store import AuditLog
-from broker.config import Settings
 from broker.errors import HermesError
-from hermes_gateway.cli_common import WAIT_SECONDS, _fail, _note
+from hermes_gateway.cli.common import WAIT_SECONDS, event_line, fail, note, settings_of
 
 STATES = ("done", "failed", "cancelled")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
@@ -52,21 +51,17 @@ class When(click.ParamType):
         return value if isinstance(value, float) else parse_when(str(value))
 
 
-def _settings(ctx: click.Context) -> Settings:
-    return ctx.find_root().obj["settings"]
-
-
 @contextlib.contextmanager
 def _log(ctx: click.Context) -> Iterator[tuple[Any, AuditLog]]:
     """A connection to the shared broker and its audit log (an embedded broker would have none)."""
     from hermes_gateway.local import connect_shared
 
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     try:
         handle = connect_shared(settings)
         log = AuditLog.from_settings(handle.conn, settings.audit)
     except HermesError as e:
-        _fail(f"{e} (the audit log lives in the broker: set HERMES_REDIS_URL)")
+        fail(f"{e} (the audit log lives in the broker: set HERMES_REDIS_URL)")
     try:
         yield handle, log
     finally:
@@ -114,7 +109,7 @@ def audit_list(
     for rec in records:
         click.echo(rec.to_json() if as_json else _line(rec))
     if not records and not as_json:
-        _note("no audit records match")
+        note("no audit records match")
 
 
 @audit.command("show")
@@ -124,14 +119,13 @@ def audit_list(
 def audit_show(ctx: click.Context, call_id: str, as_json: bool) -> None:
     """A call's audit record, its events (an ended call keeps its terminal event), and the LLM call that asked for it."""
     from broker import events as ev_mod
-    from hermes_gateway.cli import _event_line
 
     with _log(ctx) as (handle, log):
         rec = log.get(call_id)
         history = ev_mod.history(handle.conn, call_id)
         parent = log.get(rec.parent_call_id) if rec is not None and rec.parent_call_id else None
     if rec is None and not history:
-        _fail(f"no audit record and no events for call {call_id} (unknown, or past retention)", 1)
+        fail(f"no audit record and no events for call {call_id} (unknown, or past retention)", 1)
     if as_json:
         out = {
             "record": rec.to_dict() if rec else None,
@@ -149,7 +143,7 @@ def audit_show(ctx: click.Context, call_id: str, as_json: bool) -> None:
     if history:
         click.echo(f"events ({len(history)}):")
         for ev in history:
-            click.echo("  " + _event_line(ev))
+            click.echo("  " + event_line(ev))
     else:
         click.echo("events: none kept (the history expires with the call record)")
     if rec is not None and rec.parent_call_id:
@@ -187,19 +181,19 @@ def audit_replay(ctx: click.Context, call_id: str, arg_pairs: tuple[str, ...], t
     for pair in arg_pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name:
-            _fail(f"--arg {pair!r}: expected NAME=VALUE")
+            fail(f"--arg {pair!r}: expected NAME=VALUE")
         supplied[name.strip()] = value
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     try:
         handle = connect_shared(settings)
     except HermesError as e:
-        _fail(f"{e} (the audit log lives in the broker: set HERMES_REDIS_URL)")
+        fail(f"{e} (the audit log lives in the broker: set HERMES_REDIS_URL)")
     gw = Gateway(handle, settings)
     try:
         log = AuditLog.from_settings(gw.conn, settings.audit)
         rec = log.get(call_id)
         if rec is None:
-            _fail(f"no audit record for call {call_id} (unknown, unfinished, or past retention)", 1)
+            fail(f"no audit record for call {call_id} (unknown, unfinished, or past retention)", 1)
         assert rec is not None
         try:
             plan = replay.plan(rec, supplied)
@@ -207,7 +201,7 @@ def audit_replay(ctx: click.Context, call_id: str, arg_pairs: tuple[str, ...], t
             gw.require_workers(str(spec.config.get("queue") or "tools"))
             outcome = replay.run(gw, log, plan, timeout)
         except HermesError as e:
-            _fail(f"{e.type}: {e}")
+            fail(f"{e.type}: {e}")
         click.echo(replay.render(outcome))
     finally:
         gw.close()
@@ -237,4 +231,4 @@ def audit_export(
         fp = stack.enter_context(open(output, "w", encoding="utf-8")) if output else sys.stdout
         n = log.export(fp, tool=tool, principal=principal, state=state, since=since, until=until)
         fp.flush()
-    _note(f"exported {n} record(s)" + (f" to {output}" if output else ""))
+    note(f"exported {n} record(s)" + (f" to {output}" if output else ""))

@@ -10,7 +10,7 @@ import click
 
 from broker.config import RUN_REGISTRY_ENV
 from broker.errors import HermesError
-from hermes_gateway.cli_common import _fail, _note, _settings, _sync_tools
+from hermes_gateway.cli.common import fail, note, settings_of, sync_tools
 
 
 def _listen(host: str, port: int, home: Any) -> Any:
@@ -22,7 +22,7 @@ def _listen(host: str, port: int, home: Any) -> Any:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
-        _fail(f"cannot listen on {host}:{port}: {e.strerror}")
+        fail(f"cannot listen on {host}:{port}: {e.strerror}")
     family, _, _, _, address = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -39,7 +39,7 @@ def _listen(host: str, port: int, home: Any) -> Any:
                 f"; no gateway process of HERMES_HOME {run.parent} holds it (looked in {run}): pick another "
                 "--port, or if it is the serve of another home, stop it with `hermes-gateway --home THAT_HOME stop --all`"
             )
-        _fail(f"cannot listen on {host}:{port}: {e.strerror}{hint}")
+        fail(f"cannot listen on {host}:{port}: {e.strerror}{hint}")
     sock.listen(2048)
     return sock
 
@@ -71,14 +71,14 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None, mcp_state
     from hermes_gateway.http_api import TOKEN_ENV, create_app
     from hermes_gateway.local import local_stack
 
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     token = token or settings.api.token
     try:
         credentials = Credentials.from_settings(settings, token)
     except HermesError as e:
-        _fail(str(e))
+        fail(str(e))
     if not credentials.required and host not in ("127.0.0.1", "localhost", "::1"):
-        _fail(
+        fail(
             f"listening on {host} lets anyone there register tools and run calls: give --token (or ${TOKEN_ENV}, "
             "or api.tokens in config.yaml)"
         )
@@ -108,10 +108,10 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None, mcp_state
                 runfiles.register("serve", host=host, port=port, url=gw.broker.url)
                 # `stop --all` sent to the broker (from any host) stops this server too, as it does workers.
                 watch_control_stop(gw.conn, lambda: os.kill(os.getpid(), signal.SIGTERM))
-                _sync_tools(gw)  # $HERMES_HOME/tools, as every command that runs calls does
+                sync_tools(gw)  # $HERMES_HOME/tools, as every command that runs calls does
                 local = f" (with {len(procs)} local worker)" if procs else ""
-                _note(f"broker: {gw.description}{local}")
-                _note(f"console and API on http://{host}:{port}/, MCP on http://{host}:{port}/mcp")
+                note(f"broker: {gw.description}{local}")
+                note(f"console and API on http://{host}:{port}/, MCP on http://{host}:{port}/mcp")
                 app = create_app(gw, credentials=credentials, mcp_stateful=mcp_stateful)
                 from hermes_gateway.http_limits import uvicorn_options
 
@@ -127,6 +127,6 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None, mcp_state
             finally:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except HermesError as e:
-        _fail(str(e))
+        fail(str(e))
     finally:
         runfiles.unregister(runfile)

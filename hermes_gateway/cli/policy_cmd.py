@@ -1,4 +1,4 @@
-"""``hermes-gateway policy push|show|clear``: the active policy every worker judges calls by."""
+"""``hermes-gateway policy push|show|clear|explain``: the active policy every worker judges calls by."""
 
 from __future__ import annotations
 
@@ -13,13 +13,9 @@ import yaml
 
 from broker.config import Settings
 from broker.errors import ConfigError, HermesError
-from hermes_gateway.cli_common import _fail
+from hermes_gateway.cli.common import fail, open_gateway, settings_of, sync_tools
 from workers import policy_store
 from workers.policy import Policy
-
-
-def _settings(ctx: click.Context) -> Settings:
-    return ctx.find_root().obj["settings"]
 
 
 def _connect(settings: Settings) -> Any:
@@ -28,7 +24,7 @@ def _connect(settings: Settings) -> Any:
     try:
         return connect_shared(settings)
     except HermesError as e:
-        _fail(f"{e} (the active policy lives in the broker: set HERMES_REDIS_URL)")
+        fail(f"{e} (the active policy lives in the broker: set HERMES_REDIS_URL)")
 
 
 def read_policy_file(path: Path) -> Policy:
@@ -52,7 +48,12 @@ def _summary(policy: Policy) -> str:
     )
 
 
-@click.command("push")
+@click.group()
+def policy() -> None:
+    """Inspect the permission policy."""
+
+
+@policy.command("push")
 @click.option(
     "--file",
     "path",
@@ -63,12 +64,12 @@ def _summary(policy: Policy) -> str:
 @click.pass_context
 def policy_push(ctx: click.Context, path: Path | None) -> None:
     """Make config.yaml's policy (or --file's) the one every worker uses, from its next call on."""
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     source = path or settings.config_path
     try:
         policy = read_policy_file(path) if path else Policy.from_settings(settings.policy)
     except HermesError as e:
-        _fail(str(e))
+        fail(str(e))
     handle = _connect(settings)
     try:
         version, changed = policy_store.push(handle.conn, policy, source=str(source))
@@ -82,17 +83,17 @@ def policy_push(ctx: click.Context, path: Path | None) -> None:
         click.echo(f"policy unchanged (version {version} is the same policy)")
 
 
-@click.command("show")
+@policy.command("show")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def policy_show(ctx: click.Context, as_json: bool) -> None:
     """The policy workers use now: the pushed one, else config.yaml's."""
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     handle = _connect(settings)
     try:
         stored = policy_store.load(handle.conn)
     except HermesError as e:
-        _fail(f"the stored policy is unreadable ({e}); workers keep the policy they had: push a new one")
+        fail(f"the stored policy is unreadable ({e}); workers keep the policy they had: push a new one")
     finally:
         handle.close()
     if stored.policy is not None:
@@ -103,7 +104,7 @@ def policy_show(ctx: click.Context, as_json: bool) -> None:
         try:
             policy, origin = Policy.from_settings(settings.policy), "config.yaml"
         except HermesError as e:
-            _fail(str(e))
+            fail(str(e))
         header = f"no policy pushed to {handle.description}; workers use their config.yaml's (this one's:)"
     if as_json:
         doc = {
@@ -118,13 +119,32 @@ def policy_show(ctx: click.Context, as_json: bool) -> None:
     click.echo(yaml.safe_dump(policy.to_dict(), allow_unicode=True, sort_keys=False).rstrip())
 
 
-@click.command("clear")
+@policy.command("clear")
 @click.pass_context
 def policy_clear(ctx: click.Context) -> None:
     """Drop the pushed policy: every worker goes back to its own config.yaml's."""
-    handle = _connect(_settings(ctx))
+    handle = _connect(settings_of(ctx))
     try:
         version = policy_store.clear(handle.conn)
     finally:
         handle.close()
     click.echo("policy cleared; workers use their config.yaml's" if version else "no policy was pushed")
+
+
+@policy.command("explain")
+@click.argument("principal")
+@click.argument("tool_name")
+@click.pass_context
+def policy_explain(ctx: click.Context, principal: str, tool_name: str) -> None:
+    """Why PRINCIPAL may or may not call TOOL (the 'listed but permission denied' question)."""
+    settings = settings_of(ctx)
+    with open_gateway(settings, need_workers=False) as (gw, _):
+        sync_tools(gw)
+        try:
+            spec = gw.tool(tool_name).spec
+            from workers.policy_store import active
+
+            pol, _ = active(gw.conn, Policy.from_settings(settings.policy))  # the pushed policy wins
+        except HermesError as e:
+            fail(str(e))
+        click.echo(pol.explain(principal, spec))

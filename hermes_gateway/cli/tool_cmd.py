@@ -8,16 +8,16 @@ from typing import Any
 import click
 
 from broker.errors import CallCancelled, CallFailed, CallTimeout, HermesError
-from hermes_gateway.cli_common import (
+from hermes_gateway.cli.common import (
     WAIT_SECONDS,
-    _args_text,
-    _event_line,
-    _fail,
-    _gateway,
-    _note,
-    _print_result,
-    _settings,
-    _sync_tools,
+    event_line,
+    fail,
+    note,
+    open_gateway,
+    print_result,
+    read_args_text,
+    settings_of,
+    sync_tools,
 )
 
 # -- tools ---------------------------------------------------------------------------------------
@@ -35,9 +35,9 @@ def tool_list(ctx: click.Context, as_json: bool) -> None:
     """List the tools in the directory (and in $HERMES_HOME/tools)."""
     from hermes_gateway.views import breaker_states, tool_rows, tools_table
 
-    settings = _settings(ctx)
-    with _gateway(settings, need_workers=False) as (gw, _):
-        _sync_tools(gw)
+    settings = settings_of(ctx)
+    with open_gateway(settings, need_workers=False) as (gw, _):
+        sync_tools(gw)
         entries = gw.tools()
         states = breaker_states(gw.conn, [e.spec for e in entries], settings)
         if as_json:
@@ -60,16 +60,16 @@ def tool_run(ctx: click.Context, name: str, args: tuple[str, ...], follow: bool,
     from a file, - from stdin."""
     from workers.args import parse_args_text
 
-    settings = _settings(ctx)
-    text = _args_text(args[0]) if len(args) == 1 else " ".join(args)
+    settings = settings_of(ctx)
+    text = read_args_text(args[0]) if len(args) == 1 else " ".join(args)
     try:
         parsed = parse_args_text(text or "{}")
     except HermesError as e:
-        _fail(str(e))
-    with _gateway(settings) as (gw, procs):
+        fail(str(e))
+    with open_gateway(settings) as (gw, procs):
         if procs and gw.broker.embedded is not None:  # (on a gateway's broker, local_stack said so)
-            _note(f"broker: {gw.description}; started {len(procs)} worker for this call")
-        _sync_tools(gw)
+            note(f"broker: {gw.description}; started {len(procs)} worker for this call")
+        sync_tools(gw)
         try:
             spec = gw.tool(name).spec
             if not procs:
@@ -78,17 +78,17 @@ def tool_run(ctx: click.Context, name: str, args: tuple[str, ...], follow: bool,
             handle = gw.call_tool(name, parsed, timeout=timeout, **context)
             if follow:
                 for ev in handle.events(timeout=timeout):
-                    _note(_event_line(ev))
+                    note(event_line(ev))
             result = handle.result(timeout)
         except CallCancelled as e:
-            _fail(f"cancelled: {e}", 1)
+            fail(f"cancelled: {e}", 1)
         except CallTimeout as e:
-            _fail(str(e), 1)
+            fail(str(e), 1)
         except CallFailed as e:
-            _fail(f"{e.error_type}: {e}", 1)
+            fail(f"{e.error_type}: {e}", 1)
         except HermesError as e:
-            _fail(f"{e.type}: {e}")
-        _print_result(result)
+            fail(f"{e.type}: {e}")
+        print_result(result)
 
 
 
@@ -110,13 +110,13 @@ def tool_register(ctx: click.Context, spec_file: str, force: bool) -> None:
     from hermes_gateway.local import THROWAWAY_NOTE, throwaway
     from workers.specs import load_spec_file
 
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     source = Path(spec_file)
     try:
         spec = load_spec_file(source)
     except HermesError as e:
-        _fail(str(e))
-    with _gateway(settings, need_workers=False) as (gw, _):
+        fail(str(e))
+    with open_gateway(settings, need_workers=False) as (gw, _):
         kept = None
         if throwaway(gw):
             kept = _keep_spec_file(settings.tools_dir, source, spec, force)
@@ -129,7 +129,7 @@ def tool_register(ctx: click.Context, spec_file: str, force: bool) -> None:
                 if wrote
                 else f"the spec is already in {path}, which every command loads"
             )
-            _note(f"note: {THROWAWAY_NOTE.format(home=settings.home)}; {where}")
+            note(f"note: {THROWAWAY_NOTE.format(home=settings.home)}; {where}")
 
 
 def _spec_files(tools_dir: Any, name: str) -> list[tuple[Any, Any]]:
@@ -168,7 +168,7 @@ def _keep_spec_file(tools_dir: Any, source: Any, spec: Any, force: bool) -> tupl
         return same[0], False
     target = defining[0][0] if defining else tools_dir / f"{spec.name}.yaml"
     if target.exists() and not force:
-        _fail(
+        fail(
             f"{target} holds a different spec than {source} (every command loads $HERMES_HOME/tools, and this "
             "command's embedded broker ends with it): --force overwrites the file"
         )
@@ -179,7 +179,7 @@ def _keep_spec_file(tools_dir: Any, source: Any, spec: Any, force: bool) -> tupl
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, target)
     except OSError as e:
-        _fail(f"cannot write {target}: {e.strerror or e}")
+        fail(f"cannot write {target}: {e.strerror or e}")
     return target, True
 
 
@@ -190,12 +190,12 @@ def tool_show(ctx: click.Context, name: str) -> None:
     """Print one tool's spec."""
     import yaml
 
-    with _gateway(_settings(ctx), need_workers=False) as (gw, _):
-        _sync_tools(gw)
+    with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
+        sync_tools(gw)
         try:
             entry = gw.tool(name)
         except HermesError as e:
-            _fail(str(e))
+            fail(str(e))
         click.echo(yaml.safe_dump({**entry.spec.to_dict(), "version": entry.version}, allow_unicode=True, sort_keys=False))
 
 
@@ -210,14 +210,14 @@ def tool_remove(ctx: click.Context, name: str, delete_file: bool) -> None:
     """Remove a tool from the directory (and with --delete-file, its spec file in $HERMES_HOME/tools)."""
     from hermes_gateway.local import THROWAWAY_NOTE, throwaway
 
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     files = [path for path, _ in _spec_files(settings.tools_dir, name)]
     where = ", ".join(str(f) for f in files)
-    with _gateway(settings, need_workers=False) as (gw, _):
-        _sync_tools(gw)  # as list, show and run do: a tool `tool list` shows is known here too
+    with open_gateway(settings, need_workers=False) as (gw, _):
+        sync_tools(gw)  # as list, show and run do: a tool `tool list` shows is known here too
         existed = gw.directory.remove(name)
         if not existed and not files:
-            _fail(f"unknown tool {name!r}")
+            fail(f"unknown tool {name!r}")
         if delete_file:
             for f in files:
                 try:
@@ -225,11 +225,11 @@ def tool_remove(ctx: click.Context, name: str, delete_file: bool) -> None:
                 except FileNotFoundError:
                     pass
                 except OSError as e:
-                    _fail(f"{name}: removed, but {f} could not be deleted: {e.strerror or e}")
+                    fail(f"{name}: removed, but {f} could not be deleted: {e.strerror or e}")
             click.echo(f"{name}: removed" + (f"; deleted {where}" if files else ""))
             return
         if files and throwaway(gw):
-            _fail(
+            fail(
                 f"{name} is not removed: {where} registers it for every command, and "
                 f"{THROWAWAY_NOTE.format(home=settings.home)}; `hermes-gateway tool remove {name} --delete-file` "
                 "deletes that file",
@@ -237,7 +237,7 @@ def tool_remove(ctx: click.Context, name: str, delete_file: bool) -> None:
             )
         click.echo(f"{name}: removed")
         if files:
-            _note(
+            note(
                 f"{where} registers {name} again on the next command that loads $HERMES_HOME/tools "
                 f"(tool list, show, run; serve at start); delete it, or run `hermes-gateway tool remove {name} "
                 "--delete-file`",

@@ -8,15 +8,15 @@ from typing import Any
 import click
 
 from broker.errors import HermesError
-from hermes_gateway.cli_common import (
+from hermes_gateway.cli.common import (
     WAIT_SECONDS,
-    _args_text,
-    _fail,
-    _gateway,
-    _note,
-    _print_result,
-    _settings,
-    _sync_tools,
+    fail,
+    note,
+    open_gateway,
+    print_result,
+    read_args_text,
+    settings_of,
+    sync_tools,
 )
 
 # -- flows (orchestration) ---------------------------------------------------------------------------
@@ -42,7 +42,7 @@ def flow_check(flow_file: str) -> None:
     try:
         f = load_flow(flow_file)
     except HermesError as e:
-        _fail(str(e))
+        fail(str(e))
     click.echo(f"{f.name}: ok ({len(f.all_steps())} steps)")
 
 
@@ -73,28 +73,28 @@ def flow_run(
     from workers.args import parse_args_text
 
     try:
-        parsed = parse_args_text(_args_text(args_text))
+        parsed = parse_args_text(read_args_text(args_text))
     except HermesError as e:
-        _fail(f"--args: {e}")
+        fail(f"--args: {e}")
     try:
         f = load_flow(flow_file)
     except HermesError as e:
-        _fail(str(e))
+        fail(str(e))
     context = {k: v for k, v in (("session_id", session_id), ("principal", principal)) if v}
     t0 = time.time()
-    with _gateway(_settings(ctx)) as (gw, procs):
+    with open_gateway(settings_of(ctx)) as (gw, procs):
         if procs:
-            _note(f"broker: {gw.description}; started {len(procs)} worker for this flow")
-        _sync_tools(gw)
+            note(f"broker: {gw.description}; started {len(procs)} worker for this flow")
+        sync_tools(gw)
         try:
-            show = lambda ev: _note(_flow_line(ev, t0))  # noqa: E731
+            show = lambda ev: note(_flow_line(ev, t0))  # noqa: E731
             outcome = run_flow(gw, f, parsed, on_event=show, wait=wait, **context)
         except HermesError as e:
-            _fail(f"{e.type}: {e}")
-    _note(f"flow {f.name}: {outcome.state} in {time.time() - t0:.3f}s")
+            fail(f"{e.type}: {e}")
+    note(f"flow {f.name}: {outcome.state} in {time.time() - t0:.3f}s")
     if as_json or outcome.state == "done":  # a failed flow has no result to print (not a bare null)
-        _print_result(outcome.to_dict() if as_json else outcome.result)
+        print_result(outcome.to_dict() if as_json else outcome.result)
     if outcome.state != "done":
         err = outcome.error or {}
-        _fail(f"step {err.get('step')}: {err.get('type')}: {err.get('message')}", 1)
+        fail(f"step {err.get('step')}: {err.get('type')}: {err.get('message')}", 1)
 

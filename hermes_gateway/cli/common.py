@@ -1,4 +1,4 @@
-"""Helpers shared by the ``hermes-gateway`` command modules."""
+"""Helpers shared by the ``hermes-gateway`` command modules (``hermes_gateway/cli/*_cmd.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -15,18 +15,20 @@ from broker.config import Settings
 from broker.errors import HermesError
 
 
-def _settings(ctx: click.Context) -> Settings:
-    return ctx.obj["settings"]
+def settings_of(ctx: click.Context) -> Settings:
+    """The settings the root group loaded (``--home``, config.yaml, the environment)."""
+    return ctx.find_root().obj["settings"]
 
 
-def _print_result(result: Any) -> None:
+def print_result(result: Any) -> None:
+    """A call's result on stdout: text as it is, anything else as indented JSON."""
     if isinstance(result, str):
         click.echo(result)
     else:
         click.echo(json.dumps(result, ensure_ascii=False, indent=2, default=str))
 
 
-def _note(message: str, level: str = "info") -> None:
+def note(message: str, level: str = "info") -> None:
     """A notice for the user on stderr: plain text, or in JSON mode a JSON line shaped like the log lines
     (so `2>&1 | jq` works). It is the command's own output, so the log level never hides it."""
     from broker.logs import json_lines
@@ -42,24 +44,26 @@ def _note(message: str, level: str = "info") -> None:
         click.echo(message if level == "info" else f"{level}: {message}", err=True)
 
 
-def _fail(message: str, code: int = 2) -> None:
-    _note(message, "error")
+def fail(message: str, code: int = 2) -> NoReturn:
+    """``note`` the error and exit with ``code`` (2: usage or configuration, 1: the operation failed)."""
+    note(message, "error")
     sys.exit(code)
 
 
-def _sync_tools(gw: Any) -> None:
+def sync_tools(gw: Any) -> None:
     """Register ``$HERMES_HOME/tools``; a spec file that does not load is named on stderr and skipped."""
     errors: list[HermesError] = []
     gw.sync_tools(errors=errors)
     for e in errors:
-        _note(f"skipped {e}", "warning")
+        note(f"skipped {e}", "warning")
         if e.__cause__ is not None:  # the parser's own account, several lines: with --log-level debug
             import structlog
 
             structlog.get_logger("hermes.cli").debug("spec file problem in full", detail=str(e.__cause__))
 
 
-def _event_line(ev: Any) -> str:
+def event_line(ev: Any) -> str:
+    """One line of ``events``: the state or event type, trace id, attempt and what the event carries."""
     label = ev.state if ev.type == "transition" else f"{ev.type}"
     extra = ""
     if ev.type != "transition":
@@ -71,8 +75,14 @@ def _event_line(ev: Any) -> str:
     return f"[{ev.seq:>2}] {label:<10} trace_id={ev.trace_id} attempt={ev.attempt}{extra}"
 
 
+def outcome_line(status: str, name: str, version: int | None, source: str, reason: str) -> str:
+    """One line of ``migrate`` or ``mcp add``: what became of one tool spec, and why."""
+    ver = f"v{version}" if version is not None else "-"
+    return f"{status:<10} {name:<28} {ver:<6} {source}" + (f"  ({reason})" if reason else "")
+
+
 @contextlib.contextmanager
-def _gateway(settings: Settings, need_workers: bool = True) -> Iterator[tuple[Any, list[Any]]]:
+def open_gateway(settings: Settings, need_workers: bool = True) -> Iterator[tuple[Any, list[Any]]]:
     """The gateway for one command; broker errors become a clear message and exit code 2."""
     from hermes_gateway.local import local_stack
 
@@ -80,7 +90,7 @@ def _gateway(settings: Settings, need_workers: bool = True) -> Iterator[tuple[An
         try:
             pair = stack.enter_context(local_stack(settings, need_workers=need_workers))
         except HermesError as e:
-            _fail(str(e))
+            fail(str(e))
         yield pair
 
 
@@ -90,14 +100,14 @@ SECONDS = click.FloatRange(min=0)
 WAIT_SECONDS = click.FloatRange(min=0, min_open=True)  # how long to wait for a result: more than 0
 
 
-def _queue_names(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+def check_queues(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
     """``--queues``: at least one name (an empty list would start a worker that never takes a call)."""
     if not [q for q in value.split(",") if q.strip()]:
         raise click.BadParameter("name at least one queue, e.g. tools,llm")
     return value
 
 
-def _args_text(value: str) -> str:
+def read_args_text(value: str) -> str:
     """Arguments given on the command line: ``-`` reads them from stdin, ``@PATH`` from a file (for
     arguments too long for a command line), anything else is the text itself."""
     if value == "-":
@@ -106,5 +116,5 @@ def _args_text(value: str) -> str:
         try:
             return Path(value[1:]).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            _fail(f"cannot read arguments from {value[1:]}: {e}")
+            fail(f"cannot read arguments from {value[1:]}: {e}")
     return value

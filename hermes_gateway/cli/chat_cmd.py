@@ -8,7 +8,15 @@ from typing import Any
 import click
 
 from broker.errors import CallCancelled, CallFailed, CallTimeout, HermesError
-from hermes_gateway.cli_common import POSITIVE, WAIT_SECONDS, _fail, _gateway, _note, _settings, _sync_tools
+from hermes_gateway.cli.common import (
+    POSITIVE,
+    WAIT_SECONDS,
+    fail,
+    note,
+    open_gateway,
+    settings_of,
+    sync_tools,
+)
 
 # -- chat: a minimal agent loop over the queue (hermes_gateway/chat.py) ---------------------------
 
@@ -31,14 +39,14 @@ def _ask_once(
             click.echo("")
         shown["open"] = False
         if isinstance(e, CallCancelled):
-            _note(f"cancelled: {e}", "error")
+            note(f"cancelled: {e}", "error")
             return 1
-        _note(f"{e.type}: {e}", "error")
+        note(f"{e.type}: {e}", "error")
         return 1 if isinstance(e, (CallTimeout, CallFailed)) else 2
     if verbose:
-        _note(f"session {result.session_id}: {len(result.turns)} LLM call(s)")
+        note(f"session {result.session_id}: {len(result.turns)} LLM call(s)")
     if result.answer is None:
-        _note(f"no answer within {max_turns} turn(s) (--max-turns)", "error")
+        note(f"no answer within {max_turns} turn(s) (--max-turns)", "error")
         return 1
     if not shown["answer_shown"]:
         click.echo(result.answer)
@@ -96,7 +104,7 @@ def _conversation(session: Any, shown: dict[str, bool], verbose: bool, max_turns
         except KeyboardInterrupt:  # Ctrl-C while a turn runs: end the conversation, no traceback
             if shown["open"]:
                 click.echo("")
-            _note("interrupted", "error")
+            note("interrupted", "error")
             return 130
     return code
 
@@ -151,13 +159,13 @@ def chat(
             shown["open"] = False
         if verbose:
             for line in describe_turn(turn):
-                _note(line)
+                note(line)
 
-    settings = _settings(ctx)
-    with _gateway(settings) as (gw, procs):
+    settings = settings_of(ctx)
+    with open_gateway(settings) as (gw, procs):
         if verbose and procs:
-            _note(f"broker: {gw.description}; started {len(procs)} worker for this chat")
-        _sync_tools(gw)
+            note(f"broker: {gw.description}; started {len(procs)} worker for this chat")
+        sync_tools(gw)
         try:
             if not procs:
                 gw.require_workers("llm")
@@ -167,7 +175,7 @@ def chat(
                 tools=[t.strip() for t in only.split(",") if t.strip()] if only else None,
             )
         except HermesError as e:
-            _fail(f"{e.type}: {e}")
+            fail(f"{e.type}: {e}")
         if query is not None:
             code = _ask_once(session, query, shown, verbose, max_turns)
         else:

@@ -1,4 +1,5 @@
-"""The ``hermes-gateway`` command line."""
+"""The ``hermes-gateway`` command line: the root group, its own commands (worker, stop, events, status,
+demo), and the command groups of ``hermes_gateway/cli/<group>_cmd.py``."""
 
 from __future__ import annotations
 
@@ -13,19 +14,18 @@ import click
 from broker.config import LOG_LEVELS, RUN_REGISTRY_ENV, load_settings
 from broker.errors import HermesError
 from broker.logs import configure
-from hermes_gateway.cli_common import (
+from hermes_gateway.cli.common import (
     POSITIVE,
     SECONDS,
-    _event_line,
-    _fail,
-    _gateway,
-    _note,
-    _print_result,
-    _queue_names,
-    _settings,
+    check_queues,
+    event_line,
+    fail,
+    note,
+    open_gateway,
+    settings_of,
 )
 
-__all__ = ["main", "_event_line", "_fail", "_gateway", "_print_result", "_settings"]
+__all__ = ["main"]
 
 
 # The group's options that a user may also write after the command (`hermes-gateway worker --log-format json`):
@@ -60,11 +60,11 @@ class _Main(click.Group):
         try:
             return super().invoke(ctx)
         except (redis.ConnectionError, redis.TimeoutError) as e:  # one line, not a traceback
-            _fail(f"broker_unavailable: the broker did not answer: {e}", 1)
+            fail(f"broker_unavailable: the broker did not answer: {e}", 1)
         except redis.exceptions.OutOfMemoryError as e:
             from broker.connection import out_of_memory
 
-            _fail(f"broker_full: {out_of_memory(e)}", 1)
+            fail(f"broker_full: {out_of_memory(e)}", 1)
 
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
@@ -100,7 +100,7 @@ def main(
     try:
         settings = load_settings(home)
     except HermesError as e:
-        _fail(str(e))
+        fail(str(e))
     if log_level or log_format:  # the command line wins over the environment and config.yaml
         was = settings.logging
         asked = dataclasses.replace(
@@ -121,7 +121,7 @@ def main(
     try:
         setup_tracing(settings.telemetry, trace)  # workers this command starts inherit the mode
     except HermesError as e:
-        _fail(str(e))
+        fail(str(e))
     ctx.obj = {"settings": settings}
 
 
@@ -130,7 +130,7 @@ def main(
 
 @main.command()
 @click.option(
-    "--queues", default="tools,llm", show_default=True, callback=_queue_names,
+    "--queues", default="tools,llm", show_default=True, callback=check_queues,
     help="Comma-separated queues, in priority order.",
 )  # fmt: skip
 @click.option(
@@ -168,7 +168,7 @@ def worker(
     from workers import runfiles
     from workers.pool import run_worker, supervise
 
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     qs = [q.strip() for q in queues.split(",") if q.strip()]
     # This process, its pool's children and its embedded broker go in the run registry of our home, so
     # `stop --all` on this machine finds them (with or without a broker URL configured).
@@ -182,16 +182,16 @@ def worker(
     try:
         handle = connect(settings.broker.url)
     except HermesError as e:
-        _fail(str(e))
-    _note(f"broker: {handle.description}")
+        fail(str(e))
+    note(f"broker: {handle.description}")
     if handle.embedded is not None:
-        _note(f"clients reach it with: export HERMES_REDIS_URL={handle.url}")
+        note(f"clients reach it with: export HERMES_REDIS_URL={handle.url}")
     try:
         if processes > 1:
             sys.exit(supervise(handle.url, qs, concurrency, processes, grace, settings.workers))
         sys.exit(run_worker(handle.url, settings, qs, concurrency, grace))
     except HermesError as e:
-        _fail(str(e))
+        fail(str(e))
     finally:
         handle.close()
 
@@ -223,15 +223,15 @@ def stop(ctx: click.Context, all_: bool, grace: float, names: tuple[str, ...]) -
     from workers.worker import control_message
 
     if not all_ and not names:
-        _fail("name the workers to stop, or pass --all")
-    settings = _settings(ctx)
+        fail("name the workers to stop, or pass --all")
+    settings = settings_of(ctx)
     broker_error: str | None = None
     if names or settings.broker.url:
         try:
             handle = connect_shared(settings)
         except HermesError as e:
             if names:  # (without --all there are names)
-                _fail(str(e))
+                fail(str(e))
             broker_error = str(e)  # still stop what runs here
         else:
             channel = keys.channel(handle.conn, keys.CONTROL_CHANNEL)
@@ -247,7 +247,7 @@ def stop(ctx: click.Context, all_: bool, grace: float, names: tuple[str, ...]) -
             handle.close()
             if unknown:  # a typo must not read as done
                 shown = ", ".join(sorted(known)) or "none"
-                _fail(
+                fail(
                     f"no such worker: {', '.join(unknown)} (workers on this broker: {shown}; see `hermes-gateway status`)",
                     1,
                 )
@@ -267,7 +267,7 @@ def stop(ctx: click.Context, all_: bool, grace: float, names: tuple[str, ...]) -
     if not any(o.result != "stale" for o in outcomes):
         click.echo(f"nothing running on this machine (run registry {runfiles.run_dir(settings.home)})")
     if broker_error is not None:
-        _fail(f"the stop message could not be sent: {broker_error}")
+        fail(f"the stop message could not be sent: {broker_error}")
     if any(o.result == "failed" for o in outcomes):
         sys.exit(1)
 
@@ -292,19 +292,19 @@ def events(ctx: click.Context, call_id: str, follow: bool, show_request: bool) -
     from hermes_gateway.views import call_request
     from hermes_gateway.watch import call_known
 
-    with _gateway(_settings(ctx), need_workers=False) as (gw, _):
+    with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
         if not call_known(gw.conn, call_id):
-            _fail(f"no such call {call_id} (unknown, or past its result TTL)", 1)
+            fail(f"no such call {call_id} (unknown, or past its result TTL)", 1)
         if show_request:
             from broker.audit_store import AuditLog
 
             asked = call_request(gw.conn, call_id, AuditLog.from_settings(gw.conn, gw.settings.audit))
             if asked is None:
-                _fail(f"no such call {call_id} (unknown, or past its result TTL)", 1)
+                fail(f"no such call {call_id} (unknown, or past its result TTL)", 1)
             click.echo(json.dumps(asked, ensure_ascii=False, indent=2, default=str))
         stream = ev_mod.follow(gw.conn, call_id) if follow else iter(ev_mod.history(gw.conn, call_id))
         for ev in stream:
-            click.echo(_event_line(ev))
+            click.echo(event_line(ev))
 
 
 @main.command()
@@ -327,10 +327,10 @@ def status(ctx: click.Context, as_json: bool, watch: bool, interval: float) -> N
     from hermes_gateway.local import THROWAWAY_NOTE, throwaway
     from hermes_gateway.views import print_status, status_data
 
-    with _gateway(_settings(ctx), need_workers=False) as (gw, _):
+    with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
         if throwaway(gw):
-            _note(
-                f"note: {THROWAWAY_NOTE.format(home=_settings(ctx).home)}: this status is of an empty broker of its own"
+            note(
+                f"note: {THROWAWAY_NOTE.format(home=settings_of(ctx).home)}: this status is of an empty broker of its own"
             )
         if watch:
             from hermes_gateway.watch import watch as watch_figures
@@ -360,24 +360,23 @@ def demo(ctx: click.Context, calls: int, processes: int, concurrency: int) -> No
     from hermes_gateway.demo import run_demo
 
     try:
-        sys.exit(run_demo(_settings(ctx), calls=calls, processes=processes, concurrency=concurrency))
+        sys.exit(run_demo(settings_of(ctx), calls=calls, processes=processes, concurrency=concurrency))
     except HermesError as e:
-        _fail(str(e))
+        fail(str(e))
 
 
-# -- command groups defined in their own modules ---------------------------------------------------
+# -- the command groups, one module each (hermes_gateway/cli/<group>_cmd.py) ---------------------------
 
-from hermes_gateway.audit_cli import audit  # noqa: E402
-from hermes_gateway.cli_batch import batch  # noqa: E402
-from hermes_gateway.cli_chat import chat  # noqa: E402
-from hermes_gateway.cli_flow import flow  # noqa: E402
-from hermes_gateway.cli_plugins import plugins, policy  # noqa: E402
-from hermes_gateway.cli_serve import serve  # noqa: E402
-from hermes_gateway.cli_tools import tool  # noqa: E402
-from hermes_gateway.directory_cli import mcp, migrate  # noqa: E402
-from hermes_gateway.policy_cli import policy_clear, policy_push, policy_show  # noqa: E402
+from hermes_gateway.cli.audit_cmd import audit  # noqa: E402
+from hermes_gateway.cli.batch_cmd import batch  # noqa: E402
+from hermes_gateway.cli.chat_cmd import chat  # noqa: E402
+from hermes_gateway.cli.flow_cmd import flow  # noqa: E402
+from hermes_gateway.cli.mcp_cmd import mcp  # noqa: E402
+from hermes_gateway.cli.migrate_cmd import migrate  # noqa: E402
+from hermes_gateway.cli.plugins_cmd import plugins  # noqa: E402
+from hermes_gateway.cli.policy_cmd import policy  # noqa: E402
+from hermes_gateway.cli.serve_cmd import serve  # noqa: E402
+from hermes_gateway.cli.tool_cmd import tool  # noqa: E402
 
 for _command in (tool, batch, plugins, policy, audit, migrate, mcp, chat, flow, serve):
     main.add_command(_command)
-for _command in (policy_push, policy_show, policy_clear):
-    policy.add_command(_command)
