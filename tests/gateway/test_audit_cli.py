@@ -19,8 +19,8 @@ from broker.audit import AuditRecord
 from broker.errors import CallFailed, PermissionDenied, ReplayRefused
 from broker.redact import hash_value
 from hermes_gateway import replay
-from hermes_gateway.cli.audit_cmd import parse_when
 from hermes_gateway.cli import main
+from hermes_gateway.cli.audit_cmd import parse_when
 from tests.conftest import ECHO, Home
 from tests.llm_server import LLMServer
 
