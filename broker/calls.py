@@ -109,6 +109,7 @@ class Calls:
         promotions batch calls get). Returns the script's reply.
         ``extra``: more field/value pairs for the job hash (a batch's call: ``h_batch``)."""
         info = CallInfo.of(env, ckey)
+        now = time.time()
         ev = events.payload(
             call_id=env.call_id,
             state=State.PENDING,
@@ -119,8 +120,10 @@ class Calls:
             name=info.name,
             session_id=info.session_id,
             detail={"queue": env.queue},
+            ts=now,
         )
         fields = job_fields(env, ckey=ckey, max_attempts=max_attempts, timeout=timeout)
+        fields[keys.F_STEPS] = step_text(State.PENDING, 1, now)
         fkey, klass = fairness_of(env)
         flat = [x for k, v in fields.items() for x in (k, "" if v is None else v)]
         idem = env.options.idempotency_key
@@ -363,10 +366,13 @@ class Calls:
         if via and target is None:
             raise ValueError("earlier moves ride only with a state change")
         early: list[bytes] = []
+        moves = []  # the steps of the transitions recorded (broker/lua/transition.lua: `moves`, `move`)
         first: frozenset[State] | None = None  # what the state in Redis must be: the first move's sources
         for state_, detail_, ts_ in via:  # each checked as if it were written alone
             first = self._check_move(current, state_, from_states if first is None else None, first)
+            ts_ = time.time() if ts_ is None else ts_
             early.append(self._event(info, str(state_), attempt, events.TRANSITION, detail_, ts_))
+            moves.append(step_text(state_, attempt, ts_))
             current = state_
         if target is not None:
             allowed = self._check_move(current, target, from_states if first is None else None, first)
@@ -377,7 +383,9 @@ class Calls:
                 ttl = ttl or DEFAULT_RESULT_TTL
         else:
             src, state = "", ""
+        ts = time.time() if ts is None else ts
         ev = self._event(info, state or (str(current) if current else ""), attempt, event_type, detail, ts)
+        move = step_text(state, attempt, ts) if state and event_type == events.TRANSITION else ""
         flat: list[Any] = [len(early), *early]
         for k, v in (fields or {}).items():
             flat.append(k)
@@ -421,6 +429,9 @@ class Calls:
                 waiting_score() if requeue else "",
                 "-" if not sent else "" if used_tokens is None else used_tokens,
                 "1" if self.keep_history else "",
+                "".join(moves),
+                move,
+                repr(ts),
                 *flat,
             ],
             pipeline,
@@ -617,6 +628,12 @@ class Calls:
     def record(self, call_id: str) -> dict[str, Any] | None:
         """The call's record as plain values (state, attempt, result, error, ...)."""
         return read_record(self.conn, call_id)
+
+def step_text(state: str, attempt: int, ts: float) -> str:
+    """One transition as the record's ``h_steps`` keeps it (``state attempt ts;``): what an ended call's
+    ``steps`` are built from without decoding its events."""
+    return f"{str(state)} {attempt} {ts!r};"
+
 
 @functools.lru_cache(maxsize=256)
 def _joined(states: frozenset[State]) -> str:

@@ -40,8 +40,11 @@ local job_prefix = ARGV[17]
 local now = ARGV[18]            -- µs (the fair clock's start, when nobody waited)
 local used = ARGV[19]           -- tokens the call used, settled with its rate limiter ('' its estimate, '-' never sent)
 local keep_history = ARGV[20]   -- '1' = an ended call keeps every event (workers.keep_history)
-local before = tonumber(ARGV[21])
-local EARLY = 22
+local moves = ARGV[21]          -- the earlier events' transitions, 'state attempt ts;' each (the record's h_steps)
+local move = ARGV[22]           -- this event's, '' when it is no transition
+local t_end = tonumber(ARGV[23])  -- this event's ts
+local before = tonumber(ARGV[24])
+local EARLY = 25
 local FIELDS = EARLY + before
 -- What an ended call's hash keeps (broker/records.py reads the rest from its terminal event): state and
 -- attempt (scripts, the record), RQ's status, kind and tool (handles by id, idempotent resubmissions),
@@ -52,7 +55,7 @@ local FIELDS = EARLY + before
 local ENDED = {'h_state', 'h_attempt', 'status', 'h_kind', 'h_tool', 'h_idem', 'h_digest', 'h_result', 'data', 'h_principal'}
 local KIND, DATA = 4, 9
 
-local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem', 'h_batch')
+local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem', 'h_batch', 'h_steps')
 local st = rec[1]
 if not st then return {-1, ''} end
 if fence ~= '' and rec[2] ~= fence then return {-2, st} end
@@ -76,8 +79,14 @@ if rec[4] and (state == 'done' or state == 'failed' or state == 'cancelled') the
 end
 -- One increment for every event this call records: the earlier ones get seq .. seq + before - 1.
 local seq = redis.call('HINCRBY', KEYS[1], 'h_seq', before + 1) - before
+local steps_so_far = (rec[5] or '') .. moves
 if state ~= '' then
-  redis.call('HSET', KEYS[1], 'h_state', state, 'status', rq_status, unpack(ARGV, FIELDS, #ARGV))
+  if move ~= '' and ttl == '' then  -- (an ended call's hash is written anew below, without them)
+    redis.call('HSET', KEYS[1], 'h_state', state, 'status', rq_status, 'h_steps', steps_so_far .. move,
+               unpack(ARGV, FIELDS, #ARGV))
+  else
+    redis.call('HSET', KEYS[1], 'h_state', state, 'status', rq_status, unpack(ARGV, FIELDS, #ARGV))
+  end
 elseif #ARGV >= FIELDS then
   redis.call('HSET', KEYS[1], unpack(ARGV, FIELDS, #ARGV))
 end
@@ -134,19 +143,14 @@ elseif ttl ~= '' then
     end
   end
   -- The events it drops leave their moves on the one it keeps: `steps`, {state, attempt, µs before the
-  -- end} for each earlier transition, from which the console draws an ended call's waterfall. (Redis
-  -- always has cmsgpack; fakeredis, which the unit tests use, has not: there the event goes as it is.)
+  -- end} for each earlier transition, from which the console draws an ended call's waterfall; read from
+  -- the record's h_steps and `moves`, no event decoded. (Redis always has cmsgpack; fakeredis, which the
+  -- unit tests use, has not: there the event goes as it is.)
   local steps = {}
   if cmsgpack then
-    local t_end = cmsgpack.unpack(event)['ts']
-    local function step(raw)
-      local e = cmsgpack.unpack(raw)
-      if e['type'] == 'transition' then
-        steps[#steps + 1] = {e['state'], e['attempt'], math.floor((t_end - e['ts']) * 1e6 + 0.5)}
-      end
+    for st_, at_, ts_ in string.gmatch(steps_so_far, '(%S+) (%S+) (%S+);') do
+      steps[#steps + 1] = {st_, tonumber(at_), math.floor((t_end - tonumber(ts_)) * 1e6 + 0.5)}
     end
-    for _, raw in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do step(raw) end
-    for _, raw in ipairs(stored) do step(raw) end
   end
   local kept_ev = ev
   if #steps > 0 then
