@@ -40,11 +40,10 @@ local job_prefix = ARGV[17]
 local now = ARGV[18]            -- µs (the fair clock's start, when nobody waited)
 local used = ARGV[19]           -- tokens the call used, settled with its rate limiter ('' its estimate, '-' never sent)
 local keep_history = ARGV[20]   -- '1' = an ended call keeps every event (workers.keep_history)
-local moves = ARGV[21]          -- the earlier events' transitions, 'state attempt ts;' each (the record's h_steps)
+local moves = ARGV[21]          -- the earlier events' transitions, a step each (broker.calls.step_text; the record's h_steps)
 local move = ARGV[22]           -- this event's, '' when it is no transition
-local t_end = tonumber(ARGV[23])  -- this event's ts
-local before = tonumber(ARGV[24])
-local EARLY = 25
+local before = tonumber(ARGV[23])
+local EARLY = 24
 local FIELDS = EARLY + before
 -- What an ended call's hash keeps (broker/records.py reads the rest from its terminal event): state and
 -- attempt (scripts, the record), RQ's status, kind and tool (handles by id, idempotent resubmissions),
@@ -142,19 +141,25 @@ elseif ttl ~= '' then
       fields[#fields + 1] = kept[i]
     end
   end
-  -- The events it drops leave their moves on the one it keeps: `steps`, {state, attempt, µs before the
-  -- end} for each earlier transition, from which the console draws an ended call's waterfall; read from
-  -- the record's h_steps and `moves`, no event decoded. (Redis always has cmsgpack; fakeredis, which the
-  -- unit tests use, has not: there the event goes as it is.)
-  local steps = {}
-  if cmsgpack then
-    for st_, at_, ts_ in string.gmatch(steps_so_far, '(%S+) (%S+) (%S+);') do
-      steps[#steps + 1] = {st_, tonumber(at_), math.floor((t_end - tonumber(ts_)) * 1e6 + 0.5)}
-    end
-  end
+  -- The events it drops leave their moves on the one it keeps: `steps`, the record's h_steps and
+  -- `moves` as they are (a step for each earlier transition, a msgpack str), from which the
+  -- console draws an ended call's waterfall (broker.events reads them as µs before the end): no event
+  -- decoded, nothing parsed here.
   local kept_ev = ev
-  if #steps > 0 then
-    kept_ev = string.char(string.byte(ev, 1) + 1) .. string.sub(ev, 2) .. '\165steps' .. cmsgpack.pack(steps)
+  local n = #steps_so_far
+  if n > 0 then
+    local head
+    if n < 32 then
+      head = string.char(160 + n)
+    elseif n < 256 then
+      head = string.char(217, n)
+    elseif n < 65536 then
+      head = string.char(218, math.floor(n / 256), n % 256)
+    else
+      head = string.char(219, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,
+                         math.floor(n / 256) % 256, n % 256)
+    end
+    kept_ev = string.char(string.byte(ev, 1) + 1) .. string.sub(ev, 2) .. '\165steps' .. head .. steps_so_far
   end
   redis.call('DEL', KEYS[1], KEYS[2])
   redis.call('HSET', KEYS[1], unpack(fields))
