@@ -10,12 +10,22 @@ Every Redis here is a local redis-server process this script starts on free loop
 - a 3-primary Redis Cluster (``redis+cluster://``): Redis CPU per call summed over the nodes, calls/s with
   1 and 2 worker processes, and with one queue split in 6 partitions (``queue_partitions: 6``) the busiest
   shard's share of the Redis CPU (ideal 0.333); 6 separate queues are shown too.
-The last line is ``busiest_shard_share=<x>``.
+Fleet (``--fleet``, also run by default): calls/s with 1, 2 and 4 worker processes of 8 slots each on plain
+Redis (and on the cluster unless skipped), rounds interleaved (medians), with where the time goes: CPU
+seconds per 1,000 calls of Redis, of this process (the caller) and of the worker processes, and what
+the machine's cores would allow at that cost (``nproc / CPU seconds per call``). Written as JSON to
+``bench/results/scale_out-<date>-<commit>.json``.
+The last line is ``busiest_shard_share=<x>`` (``scale_1_to_2=<x>`` with ``--fleet-only``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -31,6 +41,7 @@ from tests.redis_stack import ClusterStack, SentinelStack, Server, data_node  # 
 NOOP = "workers.executors.builtin:noop"
 MARK = "bench.failover_tools:mark"
 SLOTS = 8  # concurrency of each worker process
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def cpu_seconds(servers: list[Server]) -> list[float]:
@@ -86,7 +97,7 @@ def run_ours(
         calls: list[tuple[str, dict[str, Any]]] = [(str(t["name"]), {}) for t in tools]
         for h in gw.submit_many(calls * 20):  # warm-up: every process imported, connected, scripts loaded
             h.result(60)
-        before = cpu_seconds(servers)
+        before, procs_before = cpu_seconds(servers), process_cpu(procs)
         start = time.perf_counter()
         handles: list[Any] = []
         for i in range(0, n, 500):
@@ -94,12 +105,82 @@ def run_ours(
         for h in handles:
             h.result(120)
         elapsed = time.perf_counter() - start
-        after = cpu_seconds(servers)
+        after, procs_after = cpu_seconds(servers), process_cpu(procs)
         gw.close()
     finally:
         stop(procs)
     used = [a - b for a, b in zip(after, before, strict=True)]
-    return {"us_per_call": sum(used) / n * 1e6, "per_server": used, "calls_per_s": n / elapsed}
+    workers, client = (b - a for a, b in zip(procs_before, procs_after, strict=True))
+    return {
+        "us_per_call": sum(used) / n * 1e6,
+        "per_server": used,
+        "calls_per_s": n / elapsed,
+        # CPU seconds per 1,000 calls: where the time goes
+        "redis_s_per_1k": sum(used) / n * 1000,
+        "workers_s_per_1k": workers / n * 1000,
+        "client_s_per_1k": client / n * 1000,
+    }
+
+
+def process_cpu(procs: list[subprocess.Popen[bytes]]) -> tuple[float, float]:
+    """(CPU seconds so far of the worker processes and their children, of this process)."""
+    import psutil
+
+    workers = 0.0
+    for p in procs:
+        try:
+            parent = psutil.Process(p.pid)
+            for q in (parent, *parent.children(recursive=True)):
+                workers += sum(q.cpu_times()[:2])
+        except psutil.Error:
+            pass
+    return workers, sum(psutil.Process().cpu_times()[:2])
+
+
+def fleet(url: str, servers: list[Server], n: int, rounds: int, counts: tuple[int, ...] = (1, 2, 4)) -> dict[str, Any]:
+    """calls/s and CPU seconds per 1,000 calls with each number of worker processes (8 slots each), rounds
+    interleaved (each starting at another count); medians per count."""
+    runs: dict[int, list[dict[str, Any]]] = {c: [] for c in counts}
+    for r in range(rounds):
+        for c in counts[r % len(counts):] + counts[: r % len(counts)]:
+            runs[c].append(run_ours(url, servers, n, c))
+    fields = ("calls_per_s", "redis_s_per_1k", "workers_s_per_1k", "client_s_per_1k")
+    out: dict[str, Any] = {}
+    for c in counts:
+        med = {f: statistics.median(x[f] for x in runs[c]) for f in fields}
+        total = med["redis_s_per_1k"] + med["workers_s_per_1k"] + med["client_s_per_1k"]
+        med["total_cpu_s_per_1k"] = total
+        med["cores_allow_calls_per_s"] = (os.cpu_count() or 1) / total * 1000  # if CPU were the only bound
+        med["cores_busy"] = med["calls_per_s"] * total / 1000
+        out[str(c)] = {"median": med, "runs": runs[c]}
+    base = out[str(counts[0])]["median"]["calls_per_s"]
+    for c in counts:
+        out[str(c)]["median"]["speedup"] = out[str(c)]["median"]["calls_per_s"] / base
+    return out
+
+
+def print_fleet(name: str, result: dict[str, Any]) -> None:
+    print(f"{name}: processes  calls/s  speedup   CPU s per 1,000 calls: Redis  workers  caller  total"
+          "   cores busy  calls/s the cores allow")
+    for c, v in result.items():
+        m = v["median"]
+        print(f"  {c:>21}  {m['calls_per_s']:7,.0f}  {m['speedup']:6.2f}x  {m['redis_s_per_1k']:24.3f}"
+              f"  {m['workers_s_per_1k']:7.3f}  {m['client_s_per_1k']:6.3f}  {m['total_cpu_s_per_1k']:5.3f}"
+              f"   {m['cores_busy']:10.2f}  {m['cores_allow_calls_per_s']:,.0f}")
+
+
+def write_result(result: dict[str, Any]) -> Path:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=RESULTS.parent.parent, capture_output=True, text=True)
+    sha = commit.stdout.strip()
+    load = os.getloadavg()
+    result = {"bench": "scale_out", "commit": sha, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "nproc": os.cpu_count(), "loadavg_end": round(load[0], 2), "python": platform.python_version(),
+              "slots_per_process": SLOTS, **result}
+    out = RESULTS / f"scale_out-{time.strftime('%Y%m%d-%H%M%S')}-{sha[:7]}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"results: bench/results/{out.name}")
+    return out
 
 
 def run_rq(server: Server, n: int) -> float:
@@ -227,9 +308,27 @@ def main() -> None:
     parser.add_argument("--skip-rq", action="store_true")
     parser.add_argument("--skip-failover", action="store_true")
     parser.add_argument("--skip-cluster", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the fleet figures")
+    parser.add_argument("--fleet-only", action="store_true", help="only the fleet figures (1, 2, 4 processes)")
     args = parser.parse_args()
     n = args.calls
-    print(f"{n} warm no-op calls per figure; {SLOTS} slots per worker process; every Redis a local process")
+    print(f"{n} warm no-op calls per figure; {SLOTS} slots per worker process; every Redis a local process; "
+          f"nproc {os.cpu_count()}; load {os.getloadavg()[0]:.2f}")
+    result: dict[str, Any] = {"calls": n, "rounds": args.rounds}
+    plain = data_node(Path(__import__("tempfile").mkdtemp(prefix="hermes-plain-")), "plain").start()
+    try:
+        result["fleet_plain"] = fleet(f"redis://127.0.0.1:{plain.port}/0", [plain], n, args.rounds)
+        print_fleet("plain Redis", result["fleet_plain"])
+    finally:
+        plain.stop()
+    if not args.skip_cluster and cluster_supported() is None:
+        with ClusterStack(3) as cluster:
+            result["fleet_cluster"] = fleet(cluster.url(), cluster.nodes, n, args.rounds)
+            print_fleet("cluster, 3 primaries", result["fleet_cluster"])
+    write_result(result)
+    if args.fleet_only:
+        print(f"scale_1_to_2={result['fleet_plain']['2']['median']['speedup']:.2f}")
+        return
 
     plain = data_node(Path(__import__("tempfile").mkdtemp(prefix="hermes-plain-")), "plain").start()
     try:

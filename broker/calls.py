@@ -1,7 +1,9 @@
-"""Call records in Redis: submit, transition, claim, lease and reap, each one atomic script.
+"""Call records in Redis: submit, claim, transition, lease and reap, each one atomic script.
 
-What a record holds (``CallInfo``, the job fields, the envelope in it, times and scores) is in
-``broker.records``.
+``Calls`` holds every scripted operation on a call's record: callers submit (SUBMIT: admission,
+idempotency, the ``pending`` event), workers claim, extend leases, reap and requeue (CLAIM, TAKE_DUE,
+REQUEUE), and both move calls (TRANSITION). What a record holds (``CallInfo``, the job fields, the
+envelope in it, times and scores) is in ``broker.records``.
 
 Every write takes an optional ``pipeline``; only the creator of a pipeline executes it.
 """
@@ -9,35 +11,316 @@ Every write takes an optional ``pipeline``; only the creator of a pipeline execu
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import redis
+import redis.asyncio
+import redis.asyncio.cluster
+import structlog
 from redis.client import Pipeline
 
-from . import events, keys, pipes, scripts
-from .errors import IllegalTransition
-from .records import CallInfo, Step, read_record, waiting_score
-from .settings import DEFAULT_RESULT_TTL
-from .states import RQ_STATUS, TERMINAL, State, sources
-from .submits import F_DIGEST, F_IDEM, SUBMIT_TTL, Submits
+from . import events, keys, partitions, pipes, poison, scripts
+from .codec import raw, text
+from .connection import is_cluster
+from .envelope import Envelope, fairness_of
+from .errors import IllegalTransition, QueueFull
+from .idempotency import conflict, request_digest
+from .ratelimits import RateLimit
+from .records import CallInfo, Claimed, Step, job_fields, lease_deadline, read_record, rq_now, waiting_score
+from .settings import DEFAULT_BATCH_SHARE, DEFAULT_RESULT_TTL
+from .states import RQ_STATUS, STEP_CODES, TERMINAL, State, sources
+
+log = structlog.get_logger("hermes.calls")
+_ABSENT_PATIENCE = 30.0  # seconds a recheck waits out a moving slot (a migration of one slot)
+
+
+SUBMIT_TTL = 7 * 86400
+
+# Job hash fields of a call submitted under an idempotency key: the key (TRANSITION gives it the record's
+# TTL when the call ends) and the digest of what was asked (a resubmission asking otherwise is a conflict).
+F_IDEM = "h_idem"
+F_DIGEST = "h_digest"
+
+# Fair dispatch (broker/lua/slots.lua): a weight-1 fairness key's step between its waiting calls' tags
+# (the tag step of weight w is UNIT / w, an integer: the waiting sets keep integer scores), and the scale
+# of the batch share passed to the scripts (per 10,000).
+UNIT = 1_000_000
+SHARE_SCALE = 10_000
+
 
 # Reasons a transition script refused.
 MISSING, FENCED, WRONG_STATE = -1, -2, -3
 
 
-__all__ = ["F_DIGEST", "F_IDEM", "SUBMIT_TTL", "Calls"]
-
-
-class Calls(Submits):
-    """Scripted operations on call records: transitions here, submission in ``Submits``, the workers'
-    side (claims and leases) in ``Claims``."""
+class Calls:
+    """Scripted operations on call records: submission, the workers' side (claims, leases, reaping) and
+    transitions."""
 
     def __init__(self, conn: redis.Redis) -> None:
-        super().__init__(conn)
+        self.conn = conn
+        self._claim = conn.register_script(scripts.CLAIM)
+        self._reap = conn.register_script(scripts.TAKE_DUE)
+        self._requeue = conn.register_script(scripts.REQUEUE)
+        self._strict_ids = is_cluster(conn)  # (see claim.lua: ids of another slot are not looked up)
+
+        self._submit = conn.register_script(scripts.SUBMIT)
+        # Events go out on sharded channels (in the call's slot) on a cluster, where plain PUBLISH would
+        # reach every node; a plain Redis (the embedded one may be 6.2) has only PUBLISH.
+        self.publish = "SPUBLISH" if is_cluster(conn) else "PUBLISH"
+        self.listed: set[str] = set()  # queues this process added to rq:queues
+        self.is_async = isinstance(conn, (redis.asyncio.Redis, redis.asyncio.cluster.RedisCluster))
+
         self._transition = conn.register_script(scripts.for_server(conn, scripts.TRANSITION))
         # An ended call keeps its terminal event alone, unless `workers.keep_history` (set by the owner).
         self.keep_history = False
+
+    def list_queue(self, queue: str) -> None:
+        """Add ``queue`` to RQ's set of queues (``rq info`` lists it), once per process: a set spanning
+        queues is no key of a submission's slot."""
+        if queue not in self.listed:
+            self.conn.sadd(keys.RQ_QUEUES, keys.queue(queue))
+            self.listed.add(queue)
+
+    # -- submission ------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        env: Envelope,
+        *,
+        ckey: str,
+        queue_size: int,
+        max_attempts: int,
+        timeout: float,
+        concurrency: int = -1,
+        weight: float = 1.0,
+        batch_share: float = DEFAULT_BATCH_SHARE,
+        key_size: int = -1,
+        rate_limit: RateLimit | None = None,
+        estimate: int = 0,
+        pipeline: Pipeline | None = None,
+        extra: tuple[Any, ...] = (),
+    ) -> Any:
+        """Admit a call with its ``pending`` event: onto its queue with a slot of ``ckey`` when one is free
+        (``concurrency`` -1 = no limit) and its ``rate_limit`` allows it (``estimate`` tokens reserved),
+        else waiting (at most ``queue_size``; at most ``key_size`` of its fairness key and class, -1 = no
+        such bound) for its fair turn (``weight`` of its fairness key; ``batch_share``: the least share of
+        promotions batch calls get). Returns the script's reply.
+        ``extra``: more field/value pairs for the job hash (a batch's call: ``h_batch``)."""
+        info = CallInfo.of(env, ckey)
+        now = time.time()
+        ev = events.payload(
+            call_id=env.call_id,
+            state=State.PENDING,
+            trace_id=info.trace_id,
+            span_id=info.span_id,
+            attempt=1,
+            kind=env.kind,
+            name=info.name,
+            session_id=info.session_id,
+            detail={"queue": env.queue},
+            ts=now,
+        )
+        fields = job_fields(env, ckey=ckey, max_attempts=max_attempts, timeout=timeout)
+        fields[keys.F_STEPS] = step_text(State.PENDING, 1, now)
+        fkey, klass = fairness_of(env)
+        flat = [x for k, v in fields.items() for x in (k, "" if v is None else v)]
+        idem = env.options.idempotency_key
+        digest = ""
+        tag = keys.tag(env.queue)
+        if idem:
+            digest = request_digest(env)
+            flat += [F_IDEM, keys.idempotency(tag, idem), F_DIGEST, digest]
+        flat += extra
+        if not self.is_async:  # (an asyncio client awaits its own SADD: AsyncGateway._list)
+            self.list_queue(env.queue)
+        return pipes.script(
+            self._submit,
+            [
+                keys.job(env.call_id),
+                keys.queue(env.queue),
+                keys.history(env.call_id),
+                keys.waiting(tag, ckey),
+                keys.idempotency(tag, idem or ""),
+                keys.slots(tag, ckey),
+                keys.limits(tag),
+                keys.waiting_batch(tag, ckey),
+                keys.fair(tag, ckey),
+                keys.rate(tag, ckey),
+                keys.rate_log(tag, ckey),
+                keys.rate_due(tag),
+                keys.rates(tag),
+            ],
+            [
+                env.call_id,
+                ev,
+                SUBMIT_TTL,
+                queue_size,
+                waiting_score(),
+                env.channel,
+                digest,
+                concurrency,
+                ckey,
+                self.wake_channel(env.queue),
+                self.publish,
+                keys.job(""),
+                fkey,
+                klass,
+                max(1, round(UNIT / weight)),
+                round(batch_share * SHARE_SCALE),
+                key_size,
+                rate_limit.argv() if rate_limit is not None else "",
+                estimate if rate_limit is not None else 0,
+                *flat,
+            ],
+            pipeline,
+        )
+
+    @staticmethod
+    def check_submit(reply: Any, ckey: str, queue_size: int, env: Envelope | None = None) -> tuple[bool, str]:
+        """Turn a SUBMIT reply into (accepted_new, call_id) or raise QueueFull / IdempotencyConflict.
+
+        With ``env`` (the envelope submitted), an existing call of another tool or kind under the same
+        idempotency key is a conflict too (a record of an older version carries no digest to compare).
+        """
+        code, value = int(reply[0]), reply[1]
+        if code == -3:
+            fkey = text(reply[3])
+            raise QueueFull(
+                f"queue for {ckey!r} is full for fairness key {fkey!r} ({int(value)} waiting, "
+                f"limit {int(reply[2])} per key: fairness.queue_size_per_key)",
+                key=ckey,
+                fairness_key=fkey,
+                limit=int(reply[2]),
+                depth=int(value),
+            )
+        if code == -1:
+            raise QueueFull(
+                f"queue for {ckey!r} is full ({int(value)} waiting, limit {queue_size})",
+                key=ckey,
+                limit=queue_size,
+                depth=int(value),
+            )
+        existing = Calls.existing_call(reply)
+        if code == -2 or (
+            code == 0 and env is not None and existing is not None and existing != (env.name, env.kind)
+        ):
+            name, kind = existing or ("", "")
+            raise conflict(env, text(value), name, kind)
+        return code == 1, text(value)
+
+    @staticmethod
+    def existing_call(reply: Any) -> tuple[str, str] | None:
+        """(tool or model, kind) of the existing call an idempotent SUBMIT reply names, if it says."""
+        if int(reply[0]) in (0, -2) and len(reply) >= 4:
+            return text(reply[2]), text(reply[3])
+        return None
+
+    def wake_channel(self, queue: str) -> str:
+        """The wake-up channel of ``queue`` (pub/sub is shared by every DB of a server: scoped to ours)."""
+        return keys.channel(self.conn, keys.wake(partitions.base(queue)))
+
+    def requeue_unstarted(self, call_id: str, ckey: str, queue: str, pipeline: Pipeline | None = None) -> Any:
+        """A call leased but never started, still ``pending`` and holding its slot: back at the head of its
+        queue, unleased, keeping the slot (a no-op otherwise)."""
+        tag = keys.tag(queue)
+        return pipes.script(
+            self._requeue,
+            [keys.leases(tag), keys.slots(tag, ckey), keys.queue(queue), keys.job(call_id)],
+            [call_id, self.wake_channel(queue)],
+            pipeline,
+        )
+
+    # -- workers ---------------------------------------------------------------------------------
+
+    def claim(self, queues: list[str], n: int, worker: str, lease: float) -> list[Claimed]:
+        """Take up to ``n`` pending calls off the queues (in order), leased to ``worker``: one script per
+        queue (each queue is a slot of its own), the next queue only while fewer than ``n`` came. A queue
+        whose slot is moving to another node (a cluster's redirections, ``pipes.moving``) is skipped this
+        time."""
+        out: list[Claimed] = []
+        deadline, now = lease_deadline(lease), rq_now()
+        for q in queues:
+            tag = keys.tag(q)
+            try:
+                reply, absent = self._claim(
+                    keys=[keys.leases(tag), keys.queue(q)],
+                    args=[n - len(out), worker, deadline, now, keys.job(""), keys.slots(tag, ""), tag + "." if self._strict_ids else ""],
+                )
+            except redis.RedisError as e:
+                if not pipes.moving(e):
+                    raise
+                continue  # this queue's slot is moving to another node: claimed again once it is there
+            if absent:
+                for gone in self.recheck_absent(absent, requeue=keys.queue(q)):
+                    DROPPED.warn(q, gone)
+            for i in range(0, len(reply), 3):
+                cid, data, attempt = reply[i], reply[i + 1], reply[i + 2]
+                try:
+                    out.append(Claimed(cid.decode(), data or b"", int(attempt or 1)))
+                except (TypeError, ValueError):  # one unreadable record is settled alone (broker.poison)
+                    poison.settle(self, cid, poison.row_problem({"h_attempt": attempt}))  # type: ignore[arg-type]
+            if len(out) >= n:
+                break
+        return out
+
+    def recheck_absent(self, ids: list[bytes], *, requeue: str | None = None, zset: str | None = None) -> list[bytes]:
+        return recheck_absent(self.conn, ids, requeue=requeue, zset=zset)
+
+    def extend_leases(self, runs: Sequence[CallInfo], lease: float, pipeline: Pipeline | None = None) -> None:
+        """Push the lease deadline of calls still running here (only those still leased), and of the
+        concurrency slots they hold."""
+        if not runs:
+            return
+        deadline = lease_deadline(lease)
+        target = pipeline if pipeline is not None else self.conn
+        by_lease: dict[str, dict[str, int]] = {}
+        by_slots: dict[str, dict[str, int]] = {}
+        for info in runs:
+            tag = keys.tag(info.queue)
+            by_lease.setdefault(keys.leases(tag), {})[info.call_id] = deadline
+            by_slots.setdefault(keys.slots(tag, info.ckey), {})[info.call_id] = deadline
+        for key, members in (*by_lease.items(), *by_slots.items()):
+            target.zadd(key, members, xx=True)
+
+    def reap(self, queues: Sequence[str], lease: float, limit: int = 100) -> list[dict[str, Any]]:
+        """Expired leases of calls on ``queues``, taken over by this reaper for one more lease while it
+        settles them."""
+        now = time.time()
+        out = []
+        for q in queues:
+            try:
+                reply = self._reap(
+                    keys=[keys.leases(keys.tag(q))],
+                    args=[now, lease_deadline(lease), limit, keys.job(""), "reap"],
+                )
+            except redis.RedisError as e:
+                if not pipes.moving(e):
+                    raise
+                continue  # this queue's slot is moving: its leases are looked at next time
+            self.recheck_absent(reply.pop(), zset=keys.leases(keys.tag(q)))
+            for i in range(0, len(reply), 7):
+                cid, state, attempt, max_att, queue, cancel, ckey = (text(v) for v in reply[i : i + 7])
+                try:
+                    numbers = int(attempt or 1), int(max_att or 1)
+                except ValueError:  # one unreadable record is settled alone (broker.poison)
+                    problem = poison.row_problem({"h_attempt": attempt, "h_max_attempts": max_att})
+                    poison.settle(self, reply[i], problem)  # type: ignore[arg-type]
+                    continue
+                out.append(
+                    {
+                        "call_id": cid,
+                        "state": state,
+                        "attempt": numbers[0],
+                        "max_attempts": numbers[1],
+                        # (a record without h_queue: the id's tag is its queue's, so its lease can go)
+                        "queue": queue or keys.RQ_QUEUE.format(keys.tag_in(cid) or keys.tag(q)),
+                        "cancel": cancel == "1",
+                        "ckey": ckey,
+                    }
+                )
+        return out
 
     # -- transitions -----------------------------------------------------------------------------
 
@@ -83,10 +366,13 @@ class Calls(Submits):
         if via and target is None:
             raise ValueError("earlier moves ride only with a state change")
         early: list[bytes] = []
+        moves = []  # the steps of the transitions recorded (broker/lua/transition.lua: `moves`, `move`)
         first: frozenset[State] | None = None  # what the state in Redis must be: the first move's sources
         for state_, detail_, ts_ in via:  # each checked as if it were written alone
             first = self._check_move(current, state_, from_states if first is None else None, first)
+            ts_ = time.time() if ts_ is None else ts_
             early.append(self._event(info, str(state_), attempt, events.TRANSITION, detail_, ts_))
+            moves.append(step_text(state_, attempt, ts_))
             current = state_
         if target is not None:
             allowed = self._check_move(current, target, from_states if first is None else None, first)
@@ -97,7 +383,9 @@ class Calls(Submits):
                 ttl = ttl or DEFAULT_RESULT_TTL
         else:
             src, state = "", ""
+        ts = time.time() if ts is None else ts
         ev = self._event(info, state or (str(current) if current else ""), attempt, event_type, detail, ts)
+        move = step_text(state, attempt, ts) if state and event_type == events.TRANSITION else ""
         flat: list[Any] = [len(early), *early]
         for k, v in (fields or {}).items():
             flat.append(k)
@@ -141,6 +429,8 @@ class Calls(Submits):
                 waiting_score() if requeue else "",
                 "-" if not sent else "" if used_tokens is None else used_tokens,
                 "1" if self.keep_history else "",
+                "".join(moves),
+                move,
                 *flat,
             ],
             pipeline,
@@ -338,8 +628,66 @@ class Calls(Submits):
         """The call's record as plain values (state, attempt, result, error, ...)."""
         return read_record(self.conn, call_id)
 
+def step_text(state: str, attempt: int, ts: float) -> str:
+    """One transition as the record's ``h_steps`` keeps it, ``<state's code><attempt> <µs since the
+    epoch>;`` (``STEP_CODES``; 20 bytes a step): what an ended call's ``steps`` are read from
+    (``broker.events``) without decoding its events."""
+    return f"{STEP_CODES[state]}{attempt} {round(ts * 1e6)};"
+
 
 @functools.lru_cache(maxsize=256)
 def _joined(states: frozenset[State]) -> str:
     """The sources a script checks, as its ``a,b,c`` argument (a few distinct sets, each joined once)."""
     return ",".join(sorted(states))
+
+def recheck_absent(conn: Any, ids: list[bytes], *, requeue: str | None = None, zset: str | None = None) -> list[bytes]:
+    """Ids a script found no record of, asked again where a cluster's redirections are followed: a
+    record on its way to another node (a slot migration) keeps its place — back at the head of
+    ``requeue`` (it still holds its slot), or left in ``zset`` (held) — and one that is gone (expired)
+    leaves ``zset``. An id without the tag of ``requeue``'s queue is no call of it, never looked up.
+    Returns the ids dropped."""
+    prefix = keys.tag_in(requeue).encode() + b"." if requeue is not None else b""
+    gone = []
+    for raw_id in ids:
+        cid = text(raw_id)
+        # A slot mid-migration bounces single-key commands too (MOVED back and forth while its nodes learn
+        # the new owner): asked again, so a popped id is never dropped.
+        patience = pipes.for_seconds(_ABSENT_PATIENCE)
+        if raw(raw_id).startswith(prefix) and pipes.patiently(patience, conn.hexists, keys.job(cid), keys.F_STATE):
+            if requeue is not None:
+                pipes.patiently(patience, conn.lpush, requeue, cid)
+            continue
+        gone.append(raw(raw_id))
+        if zset is not None:
+            pipes.patiently(patience, conn.zrem, zset, cid)
+    return gone
+
+
+class DroppedIds:
+    """One warning for each id drained off a queue that names no call there (raw bytes, a foreign tag, a
+    record that does not exist), at most ``burst`` a minute per process; the rest are counted into the
+    next warning."""
+
+    def __init__(self, burst: int = 20, window: float = 60.0) -> None:
+        self.burst, self.window = burst, window
+        self._since, self._sent, self._suppressed = 0.0, 0, 0
+
+    def warn(self, queue: str, raw_id: bytes) -> None:
+        now = time.monotonic()
+        if now - self._since >= self.window:
+            self._since, self._sent = now, 0
+        if self._sent >= self.burst:
+            self._suppressed += 1
+            return
+        self._sent += 1
+        more, self._suppressed = self._suppressed, 0
+        shown = raw_id.decode(errors="replace")
+        log.warning(
+            "dropped an id on queue that names no call of it",
+            queue=queue,
+            call_id=shown[:40] + ("..." if len(shown) > 40 else ""),
+            **({"suppressed_before": more} if more else {}),
+        )
+
+
+DROPPED = DroppedIds()

@@ -19,7 +19,7 @@ from . import keys
 from .codec import pack, raw, unpack
 from .connection import is_cluster, subscriber
 from .errors import DecodeError
-from .states import TERMINAL
+from .states import STEP_STATES, TERMINAL
 
 log = structlog.get_logger("hermes.events")
 
@@ -131,15 +131,27 @@ def decode(data: bytes) -> Event:
             session_id=raw.get("session_id"),
             type=raw.get("type") or TRANSITION,
             detail=detail,
-            steps=_steps(raw.get("steps")),
+            steps=_steps(raw.get("steps"), float(raw.get("ts") or 0.0)),
         )
     except (TypeError, ValueError, OverflowError) as e:
         raise DecodeError(f"not an event: {e}") from e
     return event
 
 
-def _steps(raw: Any) -> list[list[Any]] | None:
-    """An ended call's ``steps`` as stored, or None when absent or not a list of 3-item lists."""
+def _steps(raw: Any, ts: float) -> list[list[Any]] | None:
+    """An ended call's ``steps`` (``[state, attempt, µs before ts]`` each), or None when absent or
+    unreadable. TRANSITION stores them as the record's ``h_steps`` text (``broker.calls.step_text``: no
+    arithmetic in the script); records ended by an older version hold the list itself."""
+    if isinstance(raw, bytes):
+        raw = raw.decode(errors="replace")
+    if isinstance(raw, str):
+        try:
+            return [
+                [STEP_STATES[head[0]], int(head[1:]), round(ts * 1e6) - int(at)]
+                for head, at in (part.split(" ") for part in raw.split(";") if part)
+            ]
+        except (KeyError, IndexError, ValueError):
+            return None
     if not isinstance(raw, list) or not all(isinstance(s, list) and len(s) == 3 for s in raw):
         return None
     return raw

@@ -14,7 +14,7 @@ from typing import Any
 import redis
 
 from . import keys, partitions, pipes, poison, scripts
-from .claims import recheck_absent
+from .calls import recheck_absent
 
 
 @dataclass(frozen=True)

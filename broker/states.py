@@ -22,6 +22,19 @@ class State(StrEnum):
 
 
 TERMINAL = frozenset({State.DONE, State.FAILED, State.CANCELLED})
+
+# One letter per state, as an ended call's kept ``steps`` name them (broker.calls.step_text).
+STEP_CODES: dict[str, str] = {
+    State.PENDING: "p",
+    State.ROUTING: "r",
+    State.EXECUTING: "e",
+    State.FORMATTING: "f",
+    State.DONE: "d",
+    State.FAILED: "x",
+    State.RETRYING: "t",
+    State.CANCELLED: "c",
+}
+STEP_STATES = {code: str(state) for state, code in STEP_CODES.items()}
 ACTIVE = frozenset({State.ROUTING, State.EXECUTING, State.FORMATTING})
 
 TRANSITIONS: dict[State, frozenset[State]] = {

@@ -17,7 +17,7 @@
 -- and the limiter's timer promotes it when capacity returns.
 local SHARE_SCALE = 10000
 local DEFAULT_SHARE = 1000      -- fairness.batch_share 0.1 until a SUBMIT writes the configured one
-local UNIT = 1000000            -- a weight-1 key's tag step (broker.submits.UNIT)
+local UNIT = 1000000            -- a weight-1 key's tag step (broker.calls.UNIT)
 
 local function limit_of(limits, ckey)
   return tonumber(redis.call('HGET', limits, ckey) or '-1')

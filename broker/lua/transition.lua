@@ -40,8 +40,10 @@ local job_prefix = ARGV[17]
 local now = ARGV[18]            -- µs (the fair clock's start, when nobody waited)
 local used = ARGV[19]           -- tokens the call used, settled with its rate limiter ('' its estimate, '-' never sent)
 local keep_history = ARGV[20]   -- '1' = an ended call keeps every event (workers.keep_history)
-local before = tonumber(ARGV[21])
-local EARLY = 22
+local moves = ARGV[21]          -- the earlier events' transitions, a step each (broker.calls.step_text; the record's h_steps)
+local move = ARGV[22]           -- this event's, '' when it is no transition
+local before = tonumber(ARGV[23])
+local EARLY = 24
 local FIELDS = EARLY + before
 -- What an ended call's hash keeps (broker/records.py reads the rest from its terminal event): state and
 -- attempt (scripts, the record), RQ's status, kind and tool (handles by id, idempotent resubmissions),
@@ -52,7 +54,7 @@ local FIELDS = EARLY + before
 local ENDED = {'h_state', 'h_attempt', 'status', 'h_kind', 'h_tool', 'h_idem', 'h_digest', 'h_result', 'data', 'h_principal'}
 local KIND, DATA = 4, 9
 
-local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem', 'h_batch')
+local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem', 'h_batch', 'h_steps')
 local st = rec[1]
 if not st then return {-1, ''} end
 if fence ~= '' and rec[2] ~= fence then return {-2, st} end
@@ -76,8 +78,14 @@ if rec[4] and (state == 'done' or state == 'failed' or state == 'cancelled') the
 end
 -- One increment for every event this call records: the earlier ones get seq .. seq + before - 1.
 local seq = redis.call('HINCRBY', KEYS[1], 'h_seq', before + 1) - before
+local steps_so_far = (rec[5] or '') .. moves
 if state ~= '' then
-  redis.call('HSET', KEYS[1], 'h_state', state, 'status', rq_status, unpack(ARGV, FIELDS, #ARGV))
+  if move ~= '' and ttl == '' then  -- (an ended call's hash is written anew below, without them)
+    redis.call('HSET', KEYS[1], 'h_state', state, 'status', rq_status, 'h_steps', steps_so_far .. move,
+               unpack(ARGV, FIELDS, #ARGV))
+  else
+    redis.call('HSET', KEYS[1], 'h_state', state, 'status', rq_status, unpack(ARGV, FIELDS, #ARGV))
+  end
 elseif #ARGV >= FIELDS then
   redis.call('HSET', KEYS[1], unpack(ARGV, FIELDS, #ARGV))
 end
@@ -133,24 +141,25 @@ elseif ttl ~= '' then
       fields[#fields + 1] = kept[i]
     end
   end
-  -- The events it drops leave their moves on the one it keeps: `steps`, {state, attempt, µs before the
-  -- end} for each earlier transition, from which the console draws an ended call's waterfall. (Redis
-  -- always has cmsgpack; fakeredis, which the unit tests use, has not: there the event goes as it is.)
-  local steps = {}
-  if cmsgpack then
-    local t_end = cmsgpack.unpack(event)['ts']
-    local function step(raw)
-      local e = cmsgpack.unpack(raw)
-      if e['type'] == 'transition' then
-        steps[#steps + 1] = {e['state'], e['attempt'], math.floor((t_end - e['ts']) * 1e6 + 0.5)}
-      end
-    end
-    for _, raw in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do step(raw) end
-    for _, raw in ipairs(stored) do step(raw) end
-  end
+  -- The events it drops leave their moves on the one it keeps: `steps`, the record's h_steps and
+  -- `moves` as they are (a step for each earlier transition, a msgpack str), from which the
+  -- console draws an ended call's waterfall (broker.events reads them as µs before the end): no event
+  -- decoded, nothing parsed here.
   local kept_ev = ev
-  if #steps > 0 then
-    kept_ev = string.char(string.byte(ev, 1) + 1) .. string.sub(ev, 2) .. '\165steps' .. cmsgpack.pack(steps)
+  local n = #steps_so_far
+  if n > 0 then
+    local head
+    if n < 32 then
+      head = string.char(160 + n)
+    elseif n < 256 then
+      head = string.char(217, n)
+    elseif n < 65536 then
+      head = string.char(218, math.floor(n / 256), n % 256)
+    else
+      head = string.char(219, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,
+                         math.floor(n / 256) % 256, n % 256)
+    end
+    kept_ev = string.char(string.byte(ev, 1) + 1) .. string.sub(ev, 2) .. '\165steps' .. head .. steps_so_far
   end
   redis.call('DEL', KEYS[1], KEYS[2])
   redis.call('HSET', KEYS[1], unpack(fields))

@@ -194,7 +194,8 @@ def test_each_event_is_published_on_the_callers_channel(fake: Any) -> None:
     got = published(ps)
     assert len(got) == 5
     assert [events.decode(b).seq for b in got] == [1, 2, 3, 4, 5]
-    assert got[-1:] == fake.lrange(keys.history("c1"), 0, -1)  # (an ended call keeps its last event)
+    (kept,) = events.history(fake, "c1")  # an ended call keeps its last event (with its earlier steps)
+    assert kept.to_dict() == events.decode(got[-1]).to_dict() | {"steps": kept.steps}
     ps.close()
 
 
@@ -403,3 +404,31 @@ def test_a_decoded_event_is_the_same_frozen_value_the_constructor_builds(fake: A
     assert dataclasses.replace(decoded, seq=2).seq == 2 and decoded.terminal is False
     with pytest.raises(dataclasses.FrozenInstanceError):
         decoded.seq = 9  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("broker", ["conn", "fake"])
+def test_an_ended_call_keeps_its_earlier_transitions_as_steps_before_its_end(broker: str, request: Any) -> None:
+    """The terminal event an ended call keeps names every earlier transition (written alone or joined
+    to the end), with its attempt and how long before the end it was: what the console's waterfall
+    draws once the rest of the history is gone (Redis and fakeredis alike: the script parses nothing)."""
+    r = request.getfixturevalue(broker)
+    calls = Calls(r)
+    info = submit(calls)
+    t0 = time.time()
+    calls.move(info, State.ROUTING, attempt=1, current=State.PENDING, ts=t0 + 1.0)
+    calls.move(
+        info,
+        State.DONE,
+        attempt=1,
+        current=State.ROUTING,
+        via=[(State.EXECUTING, None, t0 + 1.5), (State.FORMATTING, None, t0 + 1.75)],
+        ts=t0 + 2.0,
+        ttl=60,
+    )
+    (kept,) = events.history(r, "c1")
+    assert kept.state == "done"
+    assert kept.steps is not None
+    assert [(s[0], s[1]) for s in kept.steps] == [("pending", 1), ("routing", 1), ("executing", 1), ("formatting", 1)]
+    befores = [s[2] for s in kept.steps]
+    assert befores[0] >= 2_000_000  # submitted before t0
+    assert befores[1:] == [1_000_000, 500_000, 250_000]

@@ -126,11 +126,11 @@ def test_a_queued_id_without_a_record_is_dropped_and_a_scheduled_one_leaves_the_
 def test_dropped_ids_warn_once_each_up_to_a_burst_a_window_then_count_the_rest(monkeypatch: Any) -> None:
     import structlog.testing
 
-    from broker import claims
+    from broker import calls
 
     now = [100.0]
-    monkeypatch.setattr(claims.time, "monotonic", lambda: now[0])
-    dropped = claims.DroppedIds(burst=2, window=60.0)
+    monkeypatch.setattr(calls.time, "monotonic", lambda: now[0])
+    dropped = calls.DroppedIds(burst=2, window=60.0)
     with structlog.testing.capture_logs() as logged:
         for i in range(5):
             dropped.warn("tools", f"junk-{i}".encode())

@@ -10,8 +10,8 @@ import pytest
 import redis
 
 from broker import keys
+from broker.calls import UNIT
 from broker.errors import QueueFull
-from broker.submits import UNIT
 from hermes_gateway.aio import AsyncGateway
 from hermes_gateway.client import Gateway
 
