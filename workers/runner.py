@@ -97,7 +97,7 @@ class _Write:
         self.taken = False  # the sender has read it: later moves make a write of their own
 
 
-Stage = list[tuple[Callable[..., None], Callable[..., None]]]
+Stage = list[tuple[Callable[..., None] | None, Callable[..., None] | None]]
 
 
 class CallRunner:
@@ -112,7 +112,10 @@ class CallRunner:
         self._endings = [h.ending for h in hooks if overrides(h, "ending")]
         self._stages: dict[str, Stage] = {
             stage: [
-                (getattr(h, f"before_{stage}"), getattr(h, f"after_{stage}"))
+                (
+                    getattr(h, f"before_{stage}") if overrides(h, f"before_{stage}") else None,
+                    getattr(h, f"after_{stage}") if overrides(h, f"after_{stage}") else None,
+                )
                 for h in hooks
                 if overrides(h, f"before_{stage}") or overrides(h, f"after_{stage}")
             ]
@@ -128,7 +131,8 @@ class CallRunner:
         done, error = 0, None
         try:
             for before, _ in pairs:
-                before(run, spec, args)
+                if before is not None:
+                    before(run, spec, args)
                 done += 1
             return body()
         except BaseException as e:
@@ -136,6 +140,8 @@ class CallRunner:
             raise
         finally:
             for _, after in reversed(pairs[:done]):
+                if after is None:
+                    continue
                 try:
                     after(run, spec, args, error)
                 except Exception:  # noqa: BLE001 - a hook's failure does not change the call's outcome
