@@ -13,6 +13,8 @@ for hooks whose ``before_*`` returned. A ``before_*`` that raises a gateway erro
 - ``before_execute`` / ``after_execute``: right around the executor, inside the ``tool_execution`` chain;
 - ``ending``: a terminal move is being queued; a returned function adds its writes to that move's pipeline.
 
+An LLM call passes ``call`` and ``ending`` only: its middleware runs per provider attempt in ``workers/llm.py``.
+
 Hooks never move the call: the runner owns its states. A hook that has something to tell the caller appends
 ``(event type, detail)`` to ``run.notices``; the runner publishes them after the stage. A new per-call
 concern is a module here with one ``Hook`` subclass and a line in ``HOOKS``.
