@@ -110,7 +110,7 @@ _calls: Any = None  # the logger of every call's lines, made by configure()
 
 
 def call_log() -> Any:
-    """The logger of the lines every call writes (``call started``, ``call finished``), bound once per
+    """The logger of the lines every call writes (``call finished``; ``call started`` at DEBUG), bound once per
     configure(): ``structlog.get_logger()`` assembles a new bound logger on every line (``cache_logger_on_first_use``
     is off so that configure() may run again), ~10 us a line measured in a busy worker."""
     return _calls if _calls is not None else structlog.get_logger("hermes.worker")

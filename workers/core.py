@@ -11,26 +11,18 @@ from typing import Any
 import redis
 import structlog
 
-from broker import keys, logs, pipes
+from broker import keys, pipes
 from broker.audit_store import AuditLog
 from broker.calls import Calls
-from broker.codec import pack
 from broker.config import Settings, load_settings
 from broker.directory import Directory
 from broker.durability import Confirmer
-from broker.envelope import Envelope, concurrency_key, plugins_applied
+from broker.envelope import Envelope, concurrency_key
 from broker.errors import BudgetExceeded, CallFailed, DecodeError
 from broker.ratelimits import RateLimiter
-from broker.states import State
-from broker.toolspec import ToolSpec
 from middleware import LLMCallFlow, PluginManager, ToolCallFlow
 from middleware.plugins import NAMESPACE as PLUGIN_NAMESPACE
 from workers import metrics, otelsdk, policy_store
-from workers.args import check_output, coerce_args, validate_args
-from workers.breakers import BreakerGuard
-from workers.executors import get_executor
-from workers.executors.base import ExecContext
-from workers.executors.specenv import run_executor
 from workers.llm import describe_response
 from workers.outbox import Outbox
 from workers.policy import Policy
@@ -38,12 +30,6 @@ from workers.retry import RetryScheduler
 from workers.runner import Running
 
 log = structlog.get_logger("hermes.worker")
-
-FAILURES_KEPT = 100
-
-
-TOOL_CONTEXT = ("session_id", "task_id", "turn_id", "api_request_id", "tool_call_id")
-
 
 def _blocked(tool_name: str, message: str, _ctx: dict[str, Any]) -> Any:
     raise CallFailed(
@@ -81,7 +67,6 @@ class WorkerCore:
         self.policy_version = 0
         self.refresh_policy()
         self.audit = AuditLog.from_settings(conn, settings.audit)
-        self.breakers = BreakerGuard(self)
         self.scheduler = RetryScheduler(conn, hold=settings.workers.lease)  # run on a thread by the Worker
         self.limiter = RateLimiter(conn)
         # Plugins log through stdlib logging (they run inside Hermes too); the root logger is held at
@@ -146,15 +131,6 @@ class WorkerCore:
                 self._held.pop(ckey, None)
             self._cancelled.discard(run.info.call_id)
             self.idle.notify_all()
-        if run.claimed_at and not run.outcome:  # retrying, handed back or taken over: finished() never ran
-            if run.state is State.RETRYING:
-                state = "retrying"
-            else:
-                state = "handed_back" if run.abandoned else "lost"
-            run.outcome = state
-            run.trace.end(state)
-            duration = time.monotonic() - run.started
-            metrics.call_ended(run.info.ckey, run.info.kind, run.info.name, state, None, duration)
 
     def held(self, ckey: str) -> int:
         """Calls of concurrency key ``ckey`` in flight in this process (each holds one of its slots)."""
@@ -173,22 +149,6 @@ class WorkerCore:
         info, limiter = run.info, self.limiter
         self.outbox.put(lambda pipe: limiter.sent(info.call_id, info.queue, info.ckey, pipeline=pipe))
 
-    def usage_writer(self, run: Running) -> Callable[[Any], None] | None:
-        """Count the ending call's usage (the stats flush), and give back the pipeline write that adds an
-        LLM call's tokens to its principal's daily total (None when it reported none)."""
-        principal = run.env.context.get("principal") if run.env is not None else None
-        tokens = run.usage or {"in": 0, "out": 0}
-        metrics.usage(principal, run.info.kind, run.info.name, tokens["in"], tokens["out"])
-        if not principal or run.usage is None:
-            return None
-        key, total = keys.usage_day(time.strftime("%Y-%m-%d", time.gmtime()), str(principal)), tokens["in"] + tokens["out"]
-
-        def write(pipe: Any) -> None:
-            pipe.incrby(key, total)
-            pipe.expire(key, 2 * 86400)
-
-        return write
-
     def check_budget(self, principal: str | None) -> None:
         """Raise BudgetExceeded when ``principal`` has used its ``daily_tokens`` today (UTC)."""
         budget = self.policy.daily_tokens(principal) if principal else None
@@ -200,13 +160,6 @@ class WorkerCore:
                 f"principal {principal!r} has used {used} of its {budget} tokens today (UTC)",
                 principal=principal, used=used, budget=budget,
             )
-
-    def started(self, run: Running) -> None:
-        """A call begins here: queue-wait and in-flight figures, and its start line."""
-        wait = max(0.0, run.claimed_at - float(run.env.submitted_at))
-        metrics.call_started(run.info.ckey, run.info.queue, wait)
-        if logs.info_enabled():
-            logs.call_log().info("call started", attempt=run.attempt, queue_wait_ms=round(wait * 1000, 3))
 
     def inflight(self) -> list[Running]:
         with self._lock:
@@ -233,44 +186,6 @@ class WorkerCore:
         # Redis it is tracked, so a client that saw ``routing`` and published reaches it.
         return call_id in self._cancelled
 
-    def finished(self, run: Running, state: State, error: dict[str, Any] | None, duration: float) -> None:
-        self.processed += 1
-        if state is State.FAILED:
-            self.failed += 1
-            entry = pack(
-                {
-                    "call_id": run.info.call_id,
-                    "name": run.info.name,
-                    "kind": run.info.kind,
-                    "error": error or {},
-                    "ts": time.time(),
-                    "worker": self.name,
-                    # (the API shows a non-admin token its own principal's failures only)
-                    "principal": run.env.context.get("principal") if run.env is not None else None,
-                }
-            )
-
-            def write(pipe: Any) -> None:
-                pipe.lpush(keys.FAILURES, entry)
-                pipe.ltrim(keys.FAILURES, 0, FAILURES_KEPT - 1)
-
-            self.outbox.put(write)
-        outcome = str(state)
-        run.outcome = outcome
-        err_type = str(error.get("type") or "error") if error else None
-        run.trace.end(outcome, error)
-        # An undecodable payload never started (claimed_at 0), so it was never counted in flight.
-        info = run.info
-        metrics.call_ended(info.ckey, info.kind, info.name, outcome, err_type, duration, bool(run.claimed_at))
-        ms = round(duration * 1000, 3)
-        if state is State.FAILED:
-            message = (error or {}).get("message")
-            log.warning("call finished", state=outcome, duration_ms=ms, error_type=err_type, error=message)
-        elif logs.info_enabled():
-            logs.call_log().info("call finished", state=outcome, duration_ms=ms)
-
-    # -- the call's steps: the Hermes contract's order ------------------------------------------
-
     def reload(self) -> None:
         """Re-import plugins and re-read policy (``hermes-gateway plugins reload``)."""
         self.plugins.reload()
@@ -290,78 +205,6 @@ class WorkerCore:
         if changed:
             log.info("policy changed", version=version, mode=policy.mode, digest=policy.digest())
         return changed
-
-    def execute_tool(
-        self,
-        run: Running,
-        spec: ToolSpec,
-        args: dict[str, Any],
-        ctx: ExecContext,
-        move: Callable[..., None],
-        publish: Callable[..., None] | None = None,
-    ) -> Any:
-        """Coerce → ``tool_request`` → checks on the effective args → ``tool_execution`` around the executor.
-
-        The tool's circuit breaker is checked right before its executor and told the outcome after.
-        """
-        env = run.env
-        args = coerce_args(spec.input_schema, args)
-        principal = env.context.get("principal")
-        policy = self.policy
-
-        run.sensitive = spec.sensitive
-        trace, chain = run.trace, False
-        if trace.span is not None:  # tracing on: a span for each middleware stage that has registrations
-            runtime = self.plugins.runtime
-            chain = runtime.has_middleware("tool_execution")
-            if runtime.has_middleware("tool_request"):
-                trace.open("tool_request")
-
-        def checks(tool_name: str, eff: dict[str, Any], _ctx: dict[str, Any]) -> None:
-            trace.close("tool_request")
-            with trace.phase("policy"):
-                run.args = eff
-                policy.enforce(principal, spec, eff)
-                validate_args(spec.input_schema, eff, tool_name)
-            if chain:
-                trace.open("tool_execution")
-
-        def execute(eff: dict[str, Any]) -> Any:
-            move(run, State.EXECUTING)
-            ctx.check()
-            # The executors forward ctx.traceparent: the executor span's context, so the back end's parent is it.
-            breaker = self.breakers.guard(run, spec, ctx.timeout, publish)
-            with breaker, trace.executor(spec, eff, ctx, spec.sensitive):
-                # ${VAR} in the spec is filled from this worker's environment here, before any executor
-                # fills {{field}} from the arguments (workers/executors/specenv.py).
-                return run_executor(get_executor(spec.executor, ctx.settings), spec, eff, ctx)
-
-        context = {k: env.context.get(k) for k in TOOL_CONTEXT if env.context.get(k) is not None}
-
-        def on_trace(trace: list[dict[str, Any]]) -> None:
-            run.middleware_trace = trace
-
-        result = self.tool_flow.run(
-            spec.name,
-            args,
-            execute=execute,
-            context=context,
-            policy=checks,
-            on_trace=on_trace,
-            skip_plugins=plugins_applied(env.context),
-        )
-        trace.close("tool_execution")
-        if run.state is State.ROUTING:  # a middleware answered without calling the tool
-            move(run, State.EXECUTING)
-        return result
-
-    def retries_scheduled(self, due: float) -> None:
-        """A retry went on the schedule here: the scheduler looks again by ``due``."""
-        self.scheduler.kick(due)
-
-    def format_result(self, run: Running, spec: ToolSpec, result: Any) -> Any:
-        check_output(spec.output_schema, result, spec.name)
-        return result
 
     def close(self) -> None:
         self.outbox.close()

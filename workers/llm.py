@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -21,7 +21,6 @@ from broker.envelope import plugins_applied
 from broker.errors import CallCancelled, ProviderError, ProviderTimeout
 from broker.events import DELTA, PROGRESS
 from broker.settings import ModelSettings
-from broker.states import State
 from workers.executors.base import ExecContext
 from workers.providers import ProviderContext, get_provider, give_up_reason, retry_delay
 from workers.providers.base import base_url_of
@@ -30,11 +29,7 @@ from workers.telemetry import record_usage
 if TYPE_CHECKING:
     from workers.core import WorkerCore
     from workers.providers import Provider
-    from workers.runner import Running
-
-# (run, target state) -> None: the runner's transition; (run, event type, detail) -> None: a non-state event.
-Move = Callable[..., None]
-Publish = Callable[["Running", str, dict[str, Any]], None]
+    from workers.runner import CallRunner, Running
 
 log = structlog.get_logger("hermes.worker")
 
@@ -113,13 +108,13 @@ def _label(error: BaseException) -> str:
 
 
 class LLMCall:
-    """Runs one claimed LLM call up to its response; the runner does the states around it."""
+    """Runs one claimed LLM call up to its response; the runner moves it (``runner.executing`` when the
+    provider is called) and publishes its events (``runner.publish``)."""
 
-    def __init__(self, core: WorkerCore, run: Running, move: Move, publish: Publish) -> None:
+    def __init__(self, core: WorkerCore, run: Running, runner: CallRunner) -> None:
         self.core = core
         self.run = run
-        self.move = move
-        self.publish = publish
+        self.runner = runner
         env = run.env
         cfg = core.settings.model
         self.cfg = cfg
@@ -176,8 +171,7 @@ class LLMCall:
                     raise CallCancelled(f"call {self.run.info.call_id} was cancelled") from None
                 n += 1
                 continue
-            if self.run.state is State.ROUTING:  # a middleware answered without calling the provider
-                self.move(self.run, State.EXECUTING)
+            self.runner.executing(self.run)  # (a middleware may have answered without calling the provider)
             return response
 
     # -- one attempt -----------------------------------------------------------------------------
@@ -190,8 +184,7 @@ class LLMCall:
         context["api_call_count"] = n
 
         def call_provider(request: dict[str, Any]) -> Any:
-            if run.state is State.ROUTING:
-                self.move(run, State.EXECUTING)
+            self.runner.executing(run)
             pctx = ProviderContext(
                 call_id=run.info.call_id,
                 timeout=self._remaining(),
@@ -222,7 +215,7 @@ class LLMCall:
         )
 
     def _delta(self, delta: dict[str, Any]) -> None:
-        self.publish(self.run, DELTA, delta)
+        self.runner.publish(self.run, DELTA, delta)
 
     # -- retries ---------------------------------------------------------------------------------
 
@@ -270,7 +263,7 @@ class LLMCall:
             "delay": round(delay, 3),
             "error": error.to_wire(),
         }
-        self.publish(self.run, PROGRESS, detail)
+        self.runner.publish(self.run, PROGRESS, detail)
 
     # -- time and cancellation -------------------------------------------------------------------
 

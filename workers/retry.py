@@ -22,7 +22,6 @@ from broker.errors import HermesError
 from broker.limits import Limits
 from broker.ratelimits import RateLimiter
 from broker.records import CallInfo
-from broker.states import State
 from broker.tracecontext import new_span_id
 
 if TYPE_CHECKING:
@@ -90,39 +89,6 @@ def plan(core: WorkerCore, run: Running, error: HermesError) -> tuple[float, Ret
     if run.attempt >= allowed or not policy.applies(error):
         return None
     return policy.delay(run.attempt), policy
-
-
-def schedule(
-    core: WorkerCore,
-    run: Running,
-    error: HermesError,
-    check: Callable[[Any], None],
-) -> bool:
-    """Move a failed attempt to ``retrying`` on the schedule when its policy allows; True when it did."""
-    planned = plan(core, run, error)
-    if planned is None:
-        return False
-    delay, policy = planned
-    due = time.time() + delay
-    detail = {
-        "reason": "error",
-        "error": error.to_wire(),
-        "next_attempt": run.attempt + 1,
-        "next_attempt_at": due,
-        "delay": round(delay, 3),
-        "max_attempts": policy.max + 1,
-    }
-    calls, current = core.calls, run.state
-    run.state = State.RETRYING
-
-    def write(pipe: Any) -> None:
-        calls.retry(run.info, attempt=run.attempt, current=current, detail=detail, due=due, pipeline=pipe)
-
-    core.write(run, write, check)
-    core.retries_scheduled(due)
-    run.trace.retry(run.attempt, delay, error)  # a span event on this attempt's process span
-    log.info("attempt failed, retrying", attempt=run.attempt, error=error.type, delay=round(delay, 3))
-    return True
 
 
 class RetryScheduler:

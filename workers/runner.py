@@ -15,16 +15,20 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from broker import keys
-from broker.audit import AuditRecord, context_fields
 from broker.codec import pack, text
-from broker.envelope import Envelope
+from broker.envelope import Envelope, plugins_applied
 from broker.errors import CallCancelled, DecodeError, HermesError
 from broker.events import PROGRESS
 from broker.records import CallInfo, Claimed, Step, envelope_of
 from broker.states import State
+from broker.toolspec import ToolSpec
 from broker.tracecontext import new_span_id
 from workers import retry
+from workers.args import check_output, coerce_args
+from workers.executors import get_executor
 from workers.executors.base import ExecContext
+from workers.executors.specenv import run_executor
+from workers.hooks import HOOKS, overrides
 from workers.llm import LLMCall, RateLimited
 from workers.telemetry import NO_TRACE, CallTrace, NoTrace
 
@@ -34,6 +38,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger("hermes.worker")
 
 INLINE_RESULT_LIMIT = 64 * 1024
+
+# The call's context a tool's middleware sees (``middleware/kinds.py`` normalises it).
+TOOL_CONTEXT = ("session_id", "task_id", "turn_id", "api_request_id", "tool_call_id")
 
 
 @dataclass
@@ -53,14 +60,22 @@ class Running:
     started: float = field(default_factory=time.monotonic)
     trace: NoTrace = NO_TRACE  # the call's spans (NO_TRACE when tracing is off)
     claimed_at: float = 0.0  # wall clock when this worker began it (0: never began)
-    outcome: str = ""  # the state core.finished recorded
+    outcome: str = ""  # how it ended here (its terminal state, retrying, handed_back, lost); "" while running
     rate: bool = False  # its concurrency key has a rate limit (its sends are stamped on the limiter)
     sent: bool = False  # a request of it left (stamped): its limiter entry counts it
     usage: dict[str, int] | None = None  # an LLM call's reported tokens: {"in": prompt, "out": completion}
+    notices: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # hooks' events, for the runner
+    span: Any = None  # the executor span while the executor runs (hooks/call_spans.py)
+    breaker: Any = None  # (its breaker config, probe) while the executor runs (hooks/circuit.py)
     open: _Write | None = None  # its last write, while later moves may still join it
     # Guards joining that write against the sender taking it, and the call's writes queueing in move order
     # (one per call: the calls of a process never wait on each other's writes).
     writes: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def queue_wait(self) -> float:
+        """Seconds from its submission to this worker beginning it."""
+        return max(0.0, self.claimed_at - float(self.env.submitted_at))
 
 
 class _Write:
@@ -82,11 +97,67 @@ class _Write:
         self.taken = False  # the sender has read it: later moves make a write of their own
 
 
+Stage = list[tuple[Callable[..., None] | None, Callable[..., None] | None]]
+
+
 class CallRunner:
-    """Runs claimed calls for one worker process."""
+    """Runs claimed calls for one worker process: owns every state move of a call, and runs the per-call
+    hooks (``workers/hooks/``) at each stage of it."""
 
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
+        hooks = [cls(core) for cls in HOOKS]
+        self._starts = [h.before_call for h in hooks if overrides(h, "before_call")]
+        self._ends = [h.after_call for h in reversed(hooks) if overrides(h, "after_call")]
+        self._endings = [h.ending for h in hooks if overrides(h, "ending")]
+        self._stages: dict[str, Stage] = {
+            stage: [
+                (
+                    getattr(h, f"before_{stage}") if overrides(h, f"before_{stage}") else None,
+                    getattr(h, f"after_{stage}") if overrides(h, f"after_{stage}") else None,
+                )
+                for h in hooks
+                if overrides(h, f"before_{stage}") or overrides(h, f"after_{stage}")
+            ]
+            for stage in ("flow", "checks", "execute")
+        }
+
+    # -- hooks -----------------------------------------------------------------------------------
+
+    def _stage(self, stage: str, run: Running, spec: ToolSpec, args: dict[str, Any], body: Callable[[], Any]) -> Any:
+        """``body`` between the stage's ``before_*`` (table order; one raising ends the stage) and ``after_*``
+        (reverse order, for the hooks whose ``before_*`` returned; contained), then the hooks' notices."""
+        pairs = self._stages[stage]
+        done, error = 0, None
+        try:
+            for before, _ in pairs:
+                if before is not None:
+                    before(run, spec, args)
+                done += 1
+            return body()
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            for _, after in reversed(pairs[:done]):
+                if after is None:
+                    continue
+                try:
+                    after(run, spec, args, error)
+                except Exception:  # noqa: BLE001 - a hook's failure does not change the call's outcome
+                    log.exception("hook failed", stage=f"after_{stage}", hook=type(getattr(after, "__self__", after)).__name__)
+            if run.notices:
+                notices, run.notices = run.notices, []
+                for event_type, detail in notices:
+                    self.publish(run, event_type, detail)
+
+    def _ended(self, run: Running, outcome: str, error: dict[str, Any] | None, duration: float) -> None:
+        run.outcome = outcome
+        for after in self._ends:
+            try:
+                after(run, outcome, error, duration)
+            except Exception:  # noqa: BLE001 - as in _stage
+                log.exception("hook failed", stage="after_call", hook=type(getattr(after, "__self__", after)).__name__)
 
     # -- transitions -----------------------------------------------------------------------------
 
@@ -170,6 +241,11 @@ class CallRunner:
                 actual=reply[1].decode() if isinstance(reply[1], bytes) else reply[1],
             )
 
+    def executing(self, run: Running) -> None:
+        """The call reached its executor (or a middleware answered for it): ``routing`` → ``executing``."""
+        if run.state is State.ROUTING:
+            self._move(run, State.EXECUTING)
+
     def progress(self, run: Running, message: str) -> None:
         # Progress is fenced like a transition: a refusal means the call was taken from us, so stop the tool.
         self.publish(run, PROGRESS, {"message": message})
@@ -206,8 +282,9 @@ class CallRunner:
         structlog.contextvars.bind_contextvars(
             call_id=env.call_id, trace_id=info.trace_id, span_id=info.span_id, tool=info.name
         )
-        self.core.started(run)
         try:
+            for start in self._starts:
+                start(run)
             self._run(run)
         except CallCancelled as e:
             if not run.abandoned and not run.lost:
@@ -226,6 +303,12 @@ class CallRunner:
                 )
         finally:
             self.core.untrack(run)
+            if not run.outcome:  # retrying, handed back or taken over: no terminal move here
+                if run.state is State.RETRYING:
+                    outcome = "retrying"
+                else:
+                    outcome = "handed_back" if run.abandoned else "lost"
+                self._ended(run, outcome, None, time.monotonic() - run.started)
             trace.finish()
             structlog.contextvars.clear_contextvars()
 
@@ -233,20 +316,19 @@ class CallRunner:
         env, core = run.env, self.core
         self._move(run, State.ROUTING, {"worker": core.name})
         if env.kind == "llm":
-            result = LLMCall(core, run, self._move, self.publish).execute()
+            result = LLMCall(core, run, self).execute()
             if run.lost or run.abandoned:
                 return
             self._move(run, State.FORMATTING)
             self._finish(run, State.DONE, result=result)
             return
-        entry = core.directory.get(env.tool or "", env.tool_version)
-        spec = entry.spec
+        spec = core.directory.get(env.tool or "", env.tool_version).spec
         run.rate = bool(spec.config.get("rate_limit"))
-        timeout = float(env.options.timeout or spec.timeout)
-        ctx = ExecContext(
+        run.sensitive = spec.sensitive
+        run.ctx = ExecContext(
             call_id=env.call_id,
             tool_name=spec.name,
-            timeout=timeout,
+            timeout=float(env.options.timeout or spec.timeout),
             attempt=run.attempt,
             traceparent=env.traceparent,
             tracestate=env.tracestate,
@@ -254,15 +336,47 @@ class CallRunner:
             progress_sink=lambda msg: self.progress(run, msg),
             settings=core.settings.executor_settings(spec.executor),
         )
-        run.ctx = ctx
         if core.is_cancelled(env.call_id):
-            ctx.cancelled.set()
-        result = core.execute_tool(run, spec, dict(env.args or {}), ctx, self._move, publish=self.publish)
+            run.ctx.cancelled.set()
+        args = coerce_args(spec.input_schema, dict(env.args or {}))
+        result = self._stage("flow", run, spec, args, lambda: self._flow(run, spec, args))
         if run.lost or run.abandoned:
             return
+        self.executing(run)  # a middleware answered without calling the tool
         self._move(run, State.FORMATTING)
-        result = core.format_result(run, spec, result)
+        check_output(spec.output_schema, result, spec.name)
         self._finish(run, State.DONE, result=result)
+
+    def _flow(self, run: Running, spec: ToolSpec, args: dict[str, Any]) -> Any:
+        """The contract's tool call (``middleware/flow.py``) with the hooks' checks as its policy step and
+        the executor, between the execute hooks, at the heart of its ``tool_execution`` chain."""
+        ctx = run.ctx
+        assert ctx is not None
+
+        def checks(_tool: str, eff: dict[str, Any], _ctx: dict[str, Any]) -> None:
+            self._stage("checks", run, spec, eff, _nothing)
+
+        def execute(eff: dict[str, Any]) -> Any:
+            self.executing(run)
+            ctx.check()
+            # ${VAR} in the spec is filled from this worker's environment here, before any executor
+            # fills {{field}} from the arguments (workers/executors/specenv.py).
+            executor = get_executor(spec.executor, ctx.settings)
+            return self._stage("execute", run, spec, eff, lambda: run_executor(executor, spec, eff, ctx))
+
+        def on_trace(trace: list[dict[str, Any]]) -> None:
+            run.middleware_trace = trace
+
+        context = run.env.context
+        return self.core.tool_flow.run(
+            spec.name,
+            args,
+            execute=execute,
+            context={k: context[k] for k in TOOL_CONTEXT if context.get(k) is not None},
+            policy=checks,
+            on_trace=on_trace,
+            skip_plugins=plugins_applied(context),
+        )
 
     def _back_to_waiting(self, run: Running, limited: RateLimited) -> None:
         """The provider refused for its rate and the key is paused: the call goes back to the head of its
@@ -282,8 +396,31 @@ class CallRunner:
 
     def _retry(self, run: Running, error: HermesError) -> bool:
         """Schedule another attempt when the tool's ``retry:`` allows it (the slot goes back meanwhile)."""
+        planned = retry.plan(self.core, run, error)
+        if planned is None:
+            return False
         self.seal(run)
-        return retry.schedule(self.core, run, error, lambda reply: self._check(run, State.RETRYING, reply))
+        delay, policy = planned
+        due = time.time() + delay
+        detail = {
+            "reason": "error",
+            "error": error.to_wire(),
+            "next_attempt": run.attempt + 1,
+            "next_attempt_at": due,
+            "delay": round(delay, 3),
+            "max_attempts": policy.max + 1,
+        }
+        calls, current = self.core.calls, run.state
+        run.state = State.RETRYING
+
+        def write(pipe: Any) -> None:
+            calls.retry(run.info, attempt=run.attempt, current=current, detail=detail, due=due, pipeline=pipe)
+
+        self.core.write(run, write, lambda reply: self._check(run, State.RETRYING, reply))
+        self.core.scheduler.kick(due)
+        run.trace.retry(run.attempt, delay, error)  # a span event on this attempt's process span
+        log.info("attempt failed, retrying", attempt=run.attempt, error=error.type, delay=round(delay, 3))
+        return True
 
     def _finish(
         self, run: Running, target: State, *, result: Any = None, error: dict[str, Any] | None = None
@@ -305,15 +442,14 @@ class CallRunner:
                     detail["result_in_record"] = True
         if error is not None:  # (in the terminal event only: the ended record reads it there)
             detail["error"] = error
-        record = self._audit_record(run, target, result, error, duration)
-        audit, current = self.core.audit, run.state
+        outcome = str(target)
+        writers = [w for ending in self._endings if (w := ending(run, outcome, result, error, duration)) is not None]
+        current = run.state
         run.state = target
-        usage = self.core.usage_writer(run)
 
-        def after(pipe: Any) -> None:  # the audit record (and usage) ride with the terminal transition
-            audit.append(record, pipeline=pipe)
-            if usage is not None:
-                usage(pipe)
+        def after(pipe: Any) -> None:  # the hooks' writes (audit record, usage, failures) ride with it
+            for write in writers:
+                write(pipe)
 
         kw: dict[str, Any] = {"fields": fields, "ttl": self.core.settings.workers.result_ttl}
         if run.rate:
@@ -326,34 +462,10 @@ class CallRunner:
             (target, detail, time.time()),
             kw,
             check=lambda reply: self._check(run, target, reply),
-            after=after,
+            after=after if writers else None,
             last=True,
         )
-        self.core.finished(run, target, error, duration)
-
-    def _audit_record(
-        self, run: Running, target: State, result: Any, error: dict[str, Any] | None, duration: float
-    ) -> AuditRecord:
-        env = run.env
-        context = env.context if env is not None else {}
-        return AuditRecord.of(
-            call_id=run.info.call_id,
-            kind=run.info.kind,
-            state=str(target),
-            args=run.args if run.args is not None else (env.args if env is not None else None),
-            sensitive=run.sensitive,
-            result=result if target is State.DONE else None,
-            request=env.request if env is not None and env.kind == "llm" else None,
-            error=error,
-            tool_name=run.info.name if run.info.kind == "tool" else None,
-            **context_fields(context),
-            trace_id=run.info.trace_id,
-            duration_ms=round(duration * 1000, 3),
-            status_code=_status_code(run, error),
-            attempts=run.attempt,
-            middleware_trace=run.middleware_trace,
-            usage=run.usage,
-        )
+        self._ended(run, outcome, error, duration)
 
     def _fail_undecodable(self, claimed: Claimed, err: DecodeError) -> None:
         """A payload that does not decode fails that call with a typed error; the worker goes on."""
@@ -378,13 +490,5 @@ class CallRunner:
         self._finish(run, State.FAILED, error=err.to_wire())
 
 
-def _status_code(run: Running, error: dict[str, Any] | None) -> int | str | None:
-    """The back end's status for the audit record: what the executor saw, else what its error names."""
-    if run.ctx is not None and run.ctx.status_code is not None:
-        return run.ctx.status_code
-    details = (error or {}).get("details") or {}
-    for key in ("status", "exit_code"):
-        value = details.get(key) if isinstance(details, dict) else None
-        if isinstance(value, int | str) and not isinstance(value, bool):
-            return value
+def _nothing() -> None:
     return None

@@ -83,12 +83,16 @@ class _Phase:
         if self._token is not None:
             otel_context.detach(self._token)
             self._token = None
-        if exc is not None:
-            if isinstance(exc, CallCancelled):
-                span.add_event("cancelled")
-            else:
-                mark_failed(span, exc)
-        span.end()
+        _ended(span, exc)
+
+
+def _ended(span: Any, exc: BaseException | None) -> None:
+    if exc is not None:
+        if isinstance(exc, CallCancelled):
+            span.add_event("cancelled")
+        else:
+            mark_failed(span, exc)
+    span.end()
 
 
 def _start(tracer: Any, name: str, parent: Any, kind: SpanKind, attributes: dict[str, Any]) -> Any:
@@ -115,7 +119,7 @@ class NoTrace:
     def open(self, name: str) -> None:
         return None
 
-    def close(self, name: str) -> None:
+    def close(self, name: str, error: BaseException | None = None) -> None:
         return None
 
     def phase(self, name: str, **attributes: Any) -> AbstractContextManager[Any]:
@@ -211,10 +215,11 @@ class CallTrace(NoTrace):
             if name == "tool_execution":
                 self._chain_ctx = trace.set_span_in_context(span, self.ctx)
 
-    def close(self, name: str) -> None:
+    def close(self, name: str, error: BaseException | None = None) -> None:
+        """End a phase span ``open`` started (marked failed when ``error`` ended it)."""
         span = self._open.pop(name, None) if self._open else None
         if span is not None:
-            span.end()
+            _ended(span, error)
         if name == "tool_execution":
             self._chain_ctx = None
 

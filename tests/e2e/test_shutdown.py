@@ -117,7 +117,7 @@ def test_a_burst_of_signals_stops_a_busy_logging_worker_without_hanging(
     gateway.sync_tools()
     for _ in range(5):
         [worker] = workers(1, concurrency=8, grace=GRACE)
-        handles = [gateway.call_tool("echo", {"i": i}) for i in range(200)]  # "call started" lines
+        handles = [gateway.call_tool("echo", {"i": i}) for i in range(200)]  # "call finished" lines
         for _ in range(200):  # spread out, so some land while the previous one is being handled
             worker.signal(15)
             time.sleep(0.0002)

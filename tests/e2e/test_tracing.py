@@ -254,14 +254,14 @@ def test_one_trace_across_client_worker_and_http_back_end(
     record = AuditLog.from_settings(gateway.conn, gateway.settings.audit).get(handle.call_id)
     assert record is not None and record.trace_id == trace_id
 
-    # Log lines: JSON, with call_id, trace_id, span_id and tool bound; one start and one end line.
+    # Log lines: JSON, with call_id, trace_id, span_id and tool bound; at INFO one end line (the start is DEBUG).
     lines = log_lines(traced, handle.call_id)
     assert {(x["trace_id"], x["span_id"], x["tool"]) for x in lines} == {
         (trace_id, process["span_id"], "get_weather")
     }
     started = [x for x in lines if x["event"] == "call started"]
     finished = [x for x in lines if x["event"] == "call finished"]
-    assert len(started) == 1 and len(finished) == 1
+    assert len(started) == 0 and len(finished) == 1
     assert (
         finished[0]["state"] == "done" and finished[0]["level"] == "info" and finished[0]["duration_ms"] > 0
     )

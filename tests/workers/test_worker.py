@@ -123,9 +123,11 @@ def test_an_unknown_tool_fails_with_unknown_tool(fake: Any, core: WorkerCore) ->
     assert err["type"] == "unknown_tool" and err["details"] == {"tool": "echo"}
 
 
-def test_a_result_msgpack_cannot_carry_fails_the_call_not_the_worker(fake: Any, core: WorkerCore) -> None:
+def test_a_result_msgpack_cannot_carry_fails_the_call_not_the_worker(
+    fake: Any, core: WorkerCore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     submit(fake, "c1")
-    core.format_result = lambda run, spec, result: object()  # type: ignore[method-assign]
+    monkeypatch.setattr("workers.runner.run_executor", lambda *_: object())
     run_all(core)
     assert core.calls.record("c1")["error"]["type"] == "unserializable_result"
 
