@@ -48,7 +48,9 @@ def test_connect_check_health_takes_the_options_the_override_passes_on() -> None
 
 
 def test_an_async_connection_reconnects_through_connect_check_health_when_it_sends() -> None:
-    assert "connect_check_health" in inspect.getsource(redis.asyncio.connection.AbstractConnection.send_packed_command)
+    assert "connect_check_health" in inspect.getsource(
+        redis.asyncio.connection.AbstractConnection.send_packed_command
+    )
     assert inspect.iscoroutinefunction(redis.asyncio.connection.AbstractConnection.connect_check_health)
 
 

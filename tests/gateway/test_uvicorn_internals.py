@@ -18,7 +18,9 @@ from broker.settings import ApiSettings
 from hermes_gateway.http_limits import BoundedH11Protocol, uvicorn_options
 
 
-async def _app(scope: dict[str, Any], receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]) -> None:
+async def _app(
+    scope: dict[str, Any], receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]
+) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
     await send({"type": "http.response.body", "body": b"ok"})
 
@@ -59,7 +61,9 @@ async def _until(check: Callable[[], bool], timeout: float = 5.0) -> None:
 def _serve(header_timeout: float) -> tuple[BoundedH11Protocol, _Transport]:
     options = uvicorn_options(ApiSettings(header_timeout=header_timeout))
     config = uvicorn.Config(_app, lifespan="off", log_level="warning", **options)
-    protocol = options["http"](config=config, server_state=ServerState(), app_state={}, _loop=asyncio.get_running_loop())
+    protocol = options["http"](
+        config=config, server_state=ServerState(), app_state={}, _loop=asyncio.get_running_loop()
+    )
     transport = _Transport()
     protocol.connection_made(transport)
     return protocol, transport
@@ -69,7 +73,13 @@ def test_the_protocol_class_and_its_hooks_are_where_the_subclass_overrides_them(
     assert issubclass(BoundedH11Protocol, H11Protocol)
     for hook in ("connection_made", "data_received", "on_response_complete", "connection_lost"):
         assert hook in vars(H11Protocol), hook
-    assert list(inspect.signature(H11Protocol.__init__).parameters) == ["self", "config", "server_state", "app_state", "_loop"]
+    assert list(inspect.signature(H11Protocol.__init__).parameters) == [
+        "self",
+        "config",
+        "server_state",
+        "app_state",
+        "_loop",
+    ]
 
 
 def test_the_config_takes_a_protocol_class_and_the_bounds_by_these_names() -> None:
