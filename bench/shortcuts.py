@@ -178,7 +178,7 @@ def lean_spans_row() -> Row:
         provider.add_span_processor(SpanProcessor())  # (a processor that keeps nothing: the span work alone)
         tracers[lean] = provider.get_tracer(SCOPE)
     current = [tracers[True]]
-    attrs = {"hermes.call_id": "{tools}.9f2c0a11", "hermes.tool": "echo", "hermes.attempt": 1}
+    attrs: dict[str, str | int] = {"hermes.call_id": "{tools}.9f2c0a11", "hermes.tool": "echo", "hermes.attempt": 1}
 
     def run(n: int) -> float:
         tracer = current[0]
@@ -215,12 +215,12 @@ def measure(rows: dict[str, Row], rounds: int, seconds: float) -> dict[str, Any]
     per_round: dict[str, list[dict[str, float]]] = {name: [] for name in rows}
     for r in range(rounds):
         for name, (run, turn) in rows.items():
-            figures = {}
+            both: dict[str, float] = {}
             for on in (True, False) if r % 2 == 0 else (False, True):
                 turn(on)
-                figures["on" if on else "off"] = run(sizes[name]) / sizes[name] * 1e6
+                both["on" if on else "off"] = run(sizes[name]) / sizes[name] * 1e6
             turn(True)
-            per_round[name].append(figures)
+            per_round[name].append(both)
     out: dict[str, Any] = {}
     for name, figures in per_round.items():
         ratios = [f["off"] / f["on"] for f in figures]
