@@ -150,6 +150,7 @@ class Worker:
             queues=self.queues,
             concurrency=self.concurrency,
             pid=os.getpid(),
+            **({"shortcuts_off": sorted(off)} if (off := self.settings.workers.shortcuts_off) else {}),
         )
         try:
             self._dispatch()
