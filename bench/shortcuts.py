@@ -16,10 +16,12 @@ A row per shortcut (docs/ARCHITECTURE.md "Why it is fast"; docs/decisions.md for
 Rounds are interleaved (each round measures every row both ways, the order alternating), and each figure
 is the median over rounds of microseconds per operation; a row's ratio is off/on (above 1: the shortcut
 pays), with the lowest and highest per-round ratio beside it as its noise. The machine is shared: the JSON
-(``bench/results/shortcuts-<date>-<commit>.json``) records the load average before and after. The last
-line printed is ``shortcuts_ratio=<x>``, the geometric mean of the rows' ratios.
+(``bench/results/shortcuts-<date>-<commit>.json``) records the load average before and after. Then, end
+to end, all of them on against all off through a real worker process (``--e2e-calls``, ``--e2e-rounds``;
+worker CPU per call, off/on). The last line printed is ``shortcuts_ratio=<x>``, the geometric mean of the
+rows' ratios.
 
-    python bench/shortcuts.py [--url redis://127.0.0.1:6379/15] [--rounds 7]
+    python bench/shortcuts.py [--url redis://127.0.0.1:6379/15] [--rounds 7] [--e2e-calls 1000]
 """
 
 from __future__ import annotations
@@ -239,6 +241,36 @@ def measure(rows: dict[str, Row], rounds: int, seconds: float) -> dict[str, Any]
     return out
 
 
+def end_to_end(url: str, calls: int, rounds: int) -> dict[str, Any]:
+    """Every shortcut on, then every one off (fast path and lean spans too), through one real worker process
+    (8 slots, tracing into memory on both sides, INFO lines): ``bench/throughput.py``'s no-op calls,
+    interleaved rounds. The tool has no input schema, so ``quickcheck`` does not show here."""
+    from bench.throughput import run_ours
+    from broker.shortcuts import NAMES
+
+    per_round: list[dict[str, dict[str, float]]] = []
+    for r in range(rounds):
+        both: dict[str, dict[str, float]] = {}
+        for on in (True, False) if r % 2 == 0 else (False, True):
+            sample = run_ours(
+                url, calls, 8, None, tracing=True, lean=on, fast_path=on, shortcuts_off=() if on else NAMES
+            )
+            both["on" if on else "off"] = {"calls_per_s": sample.calls_per_s, "worker_us": sample.worker_us}
+        per_round.append(both)
+    ratios = [f["off"]["worker_us"] / f["on"]["worker_us"] for f in per_round]
+    return {
+        "calls_per_round": calls,
+        "on_calls_per_s": round(statistics.median(f["on"]["calls_per_s"] for f in per_round), 1),
+        "off_calls_per_s": round(statistics.median(f["off"]["calls_per_s"] for f in per_round), 1),
+        "on_worker_us": round(statistics.median(f["on"]["worker_us"] for f in per_round), 1),
+        "off_worker_us": round(statistics.median(f["off"]["worker_us"] for f in per_round), 1),
+        "worker_cpu_ratio": round(statistics.median(ratios), 3),
+        "worker_cpu_ratio_low": round(min(ratios), 3),
+        "worker_cpu_ratio_high": round(max(ratios), 3),
+        "rounds": [{k: {m: round(v, 1) for m, v in d.items()} for k, d in f.items()} for f in per_round],
+    }
+
+
 def _commit() -> str:
     try:
         return subprocess.run(
@@ -253,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", help="Redis URL (default: $HERMES_REDIS_URL, else an embedded broker)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--seconds", type=float, default=0.3, help="about how long one measurement takes")
+    parser.add_argument(
+        "--e2e-calls", type=int, default=1000, help="calls per end-to-end figure (0: no end-to-end row)"
+    )
+    parser.add_argument("--e2e-rounds", type=int, default=5)
     parser.add_argument("--only", help="comma-separated rows to run (default: all)")
     parser.add_argument("--out", help="result file (default: bench/results/shortcuts-<date>-<commit>.json)")
     args = parser.parse_args(argv)
@@ -269,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only:
             rows = {name: row for name, row in rows.items() if name in args.only.split(",")}
         figures = measure(rows, args.rounds, args.seconds)
+        e2e = end_to_end(url, args.e2e_calls, args.e2e_rounds) if args.e2e_calls > 0 else None
     summary = math.exp(statistics.fmean(math.log(f["ratio"]) for f in figures.values()))
     commit = _commit()
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -281,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "unit": "microseconds per operation, median of rounds; ratio = off/on",
         "rows": figures,
+        "end_to_end": e2e,
         "shortcuts_ratio": round(summary, 3),
     }
     path = Path(args.out) if args.out else RESULTS / f"shortcuts-{stamp}-{commit or 'nocommit'}.json"
@@ -291,6 +329,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{name:<12} {f['on_us']:>9.2f} {f['off_us']:>9.2f} {f['saved_us']:>9.2f} {f['ratio']:>7.2f}"
             f"  ({f['ratio_low']:.2f}-{f['ratio_high']:.2f})"
+        )
+    if e2e is not None:
+        print(
+            f"end to end, all on / all off: {e2e['on_calls_per_s']:,.0f} / {e2e['off_calls_per_s']:,.0f} calls/s, "
+            f"worker CPU {e2e['on_worker_us']:.0f} / {e2e['off_worker_us']:.0f} µs a call, off/on "
+            f"{e2e['worker_cpu_ratio']:.2f} ({e2e['worker_cpu_ratio_low']:.2f}-{e2e['worker_cpu_ratio_high']:.2f})"
         )
     print(f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; written to {path}")
     print(f"shortcuts_ratio={summary:.3f}")

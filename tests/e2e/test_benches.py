@@ -92,9 +92,11 @@ def test_batch_rss_runs_a_batch_per_count_and_extrapolates_the_submitters_peak(r
 
 def test_shortcuts_runs_each_shortcut_both_ways_and_writes_its_json(redis_url: str, tmp_path) -> None:
     out = tmp_path / "shortcuts.json"
-    lines = bench("shortcuts.py", "--url", redis_url, "--rounds", "2", "--seconds", "0.02", "--out", str(out))
+    small = ("--rounds", "2", "--seconds", "0.02", "--e2e-calls", "50", "--e2e-rounds", "1")
+    lines = bench("shortcuts.py", "--url", redis_url, *small, "--out", str(out))
     assert re.fullmatch(r"shortcuts_ratio=\d+\.\d{3}", lines[-1])
     result = json.loads(out.read_text())
     assert set(result["rows"]) == {"threads", "quickcheck", "frozen", "redaction", "pipes", "lean_spans"}
     assert all(len(row["rounds"]) == 2 and row["on_us"] > 0 and row["off_us"] > 0 for row in result["rows"].values())
     assert result["load_average"]["before"] and result["commit"] is not None
+    assert result["end_to_end"]["on_calls_per_s"] > 0 and result["end_to_end"]["off_worker_us"] > 0
