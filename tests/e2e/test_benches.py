@@ -88,4 +88,3 @@ def test_batch_rss_runs_a_batch_per_count_and_extrapolates_the_submitters_peak(r
     rows = [json.loads(line) for line in lines if line.startswith("{")]
     assert [r["n"] for r in rows] == [200, 400] and all(r["peak_mb"] >= r["base_mb"] > 0 for r in rows)
     assert re.fullmatch(r"extrapolated_peak_mb_1m=[0-9.]+", lines[-1])
-
