@@ -126,12 +126,14 @@ def run_ours(
     tracing: bool = False,
     lean: bool = True,
     fast_path: bool = True,
+    shortcuts_off: tuple[str, ...] = (),
 ) -> Sample:
     """``n`` no-op calls through one worker process with ``slots`` call slots and a tool limit of ``limit``
     (None: the executor's default, the seed's 5); then ``latency`` calls one at a time.
 
     ``tracing``: a real SDK pipeline (batch processor into memory) on both sides; ``fast_path`` False:
-    redis-py's stock pipelines and pub/sub reads (``broker.fast_path``)."""
+    redis-py's stock pipelines and pub/sub reads (``broker.fast_path``); ``shortcuts_off``: the workers'
+    ``workers.shortcuts_off`` (bench/shortcuts.py)."""
     from broker.config import load_settings
     from broker.connection import from_url
     from hermes_gateway import Gateway
@@ -149,6 +151,8 @@ def run_ours(
         tool["concurrency"] = limit
     config: dict[str, Any] = {"plugins": {"enabled": plugins}} if plugins else {}
     config["broker"] = {"fast_path": fast_path}  # (read by the workers and this client from config.yaml)
+    if shortcuts_off:
+        config["workers"] = {"shortcuts_off": list(shortcuts_off)}
     home = scratch_home([tool], config)
     for name in plugins or []:
         shutil.copytree(EXAMPLE_PLUGINS / name, home / "plugins" / name)

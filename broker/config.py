@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from . import shortcuts
 from .errors import ConfigError
 from .placeholders import load_yaml
 from .settings import (
@@ -265,7 +266,15 @@ def _workers(section: dict[str, Any], env: Mapping[str, str]) -> WorkerSettings:
         keep_history=flag(
             env.get(KEEP_HISTORY_ENV, section.get("keep_history", False)), "workers.keep_history", KEEP_HISTORY_ENV
         ),
+        shortcuts_off=_shortcuts_off(section.get("shortcuts_off") or ()),
     )
+
+
+def _shortcuts_off(raw: Any) -> frozenset[str]:
+    names = raw.split(",") if isinstance(raw, str) else raw
+    if not isinstance(names, list | tuple):
+        raise ConfigError(f"workers.shortcuts_off: expected a list of names, got {raw!r}")
+    return shortcuts.check(names)
 
 
 def _batch(section: dict[str, Any], env: Mapping[str, str]) -> BatchSettings:

@@ -4,6 +4,7 @@ A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``
 worker decodes and the audit record it builds for every call, that showed in a profile. ``filler`` makes
 them directly: the fields' defaults, fresh values from their default factories (for fields not given),
 then the given values. The caller checks the values (required fields present, no unknown ones) first.
+With ``workers.shortcuts_off: [frozen]`` it calls the class instead (bench/shortcuts.py measures both).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, fields
 from typing import Any, TypeVar
+
+from . import shortcuts
 
 T = TypeVar("T")
 
@@ -21,6 +24,8 @@ def filler(cls: type[T]) -> Callable[[Mapping[str, Any]], T]:
     factories = tuple((f.name, f.default_factory) for f in fields(cls) if f.default_factory is not MISSING)  # type: ignore[arg-type]
 
     def make(values: Mapping[str, Any]) -> T:
+        if not shortcuts.on("frozen"):
+            return cls(**values)
         obj = object.__new__(cls)
         held = obj.__dict__
         held.update(defaults)

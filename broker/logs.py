@@ -12,7 +12,8 @@ from typing import Any
 
 import structlog
 
-from .redact import MASK, is_secret_key, redact, redact_text
+from . import shortcuts
+from .redact import MASK, RedactProcessor, is_secret_key, redact, redact_text
 
 # Fields every call's lines carry that cannot hold a secret: ids we mint or validated as hex, and what
 # the processors before redaction added. Scanning them costs more than the rest of a line (measured).
@@ -24,6 +25,9 @@ _SCALARS = (int, float, bool, type(None))
 _SHORT = 256  # strings up to this long are scanned once per distinct value (messages, tool names, states)
 
 
+_STOCK = RedactProcessor()
+
+
 @lru_cache(maxsize=4096)
 def _redact_short(text: str) -> str:
     return redact_text(text)
@@ -32,7 +36,10 @@ def _redact_short(text: str) -> str:
 def redact_event(logger: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> Mapping[str, Any]:
     """The redaction processor (``broker.redact``) over an event's fields, made cheap for the lines every
     call writes: generated stamps and hex ids are not scanned, numbers are kept, and a short string's
-    scan is remembered (the same message, tool name or state comes back on every call)."""
+    scan is remembered (the same message, tool name or state comes back on every call). With
+    ``workers.shortcuts_off: [redaction]``, ``RedactProcessor`` over the whole event instead."""
+    if not shortcuts.on("redaction"):
+        return _STOCK(logger, method_name, event_dict)
     out: dict[str, Any] = {}
     for key, value in event_dict.items():
         kind = type(value)

@@ -170,6 +170,8 @@ def stock(pipe: Any, keep_trying: KeepTrying | None = None) -> list[Any]:
     follows a redirection, but gives up on TRYAGAIN within half a second, and a migration lasts as long as
     it takes to move the slot's keys. Only the refused commands go again: the others ran.
     """
+    if isinstance(pipe, Pipeline):
+        keep_trying = None  # (only a cluster's slots move: a plain pipeline has nothing to send again)
     queued = _queued(pipe) if keep_trying is not None else []
     replies = _stock_once(pipe)
     delay, rounds = 0.05, 0

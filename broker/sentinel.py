@@ -135,6 +135,8 @@ class _FollowingConnection(SentinelManagedConnection):
     redis-py resolves the primary in ``connect()``, but a connection that broke is connected again by
     ``send_packed_command`` through ``connect_check_health``, which reuses the old address: a connection
     kept across a failover (a worker's outbox, a subscription) would knock on the dead primary forever.
+    ``connect_check_health`` and ``connect_to`` are redis-py's insides, not its documented API: redis is
+    pinned to the range ``tests/broker/test_sentinel_internals.py`` checks them on.
     """
 
     _resolving = False
@@ -147,7 +149,7 @@ class _FollowingConnection(SentinelManagedConnection):
             self._resolving = False
 
     def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
-        if self._sock is None and not self._resolving and self.connection_pool.is_master:
+        if not self.is_connected and not self._resolving and self.connection_pool.is_master:
             self.host, self.port = self.connection_pool.get_master_address()
         super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
 

@@ -76,6 +76,8 @@ class WorkerSettings:
     metrics_port: int | None = None  # HERMES_METRICS_PORT: Prometheus /metrics of a worker process
     metrics_host: str = "127.0.0.1"  # HERMES_METRICS_HOST
     run_registry: bool = False  # HERMES_RUN_REGISTRY: record this worker for `stop --all`
+    # workers.shortcuts_off: speed shortcuts to run without (broker/shortcuts.py; bench/shortcuts.py)
+    shortcuts_off: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,12 @@ Headers are capped at ``MAX_HEADER_BYTES`` (h11's incomplete-event limit: more i
 ``max_connections`` connections are served at once (uvicorn's ``limit_concurrency``: 503 past it; an SSE
 stream holds one). Each has an environment variable (``settings.api``: broker/settings.py), read when
 ``serve`` starts.
+
+uvicorn's public settings cannot do the header deadline (its keep-alive timer starts only after a first
+response, and any byte stops it), so this subclasses its ``H11Protocol``: the hooks and attributes used
+(``connection_made``, ``data_received``, ``on_response_complete``, ``connection_lost``, ``conn``,
+``loop``, ``transport``) are checked one by one in tests/gateway/test_uvicorn_internals.py, and uvicorn is
+pinned to the minor versions they cover.
 """
 
 from __future__ import annotations
@@ -77,8 +83,9 @@ class BoundedH11Protocol(H11Protocol):
             self._close()
 
     def _close(self) -> None:
+        # (uvicorn's keep-alive timer needs no cancelling here: connection_lost cancels it, and it does
+        # nothing on a closing transport)
         if not self.transport.is_closing():
-            self._unset_keepalive_if_required()
             self.transport.close()
 
 

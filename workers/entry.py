@@ -15,6 +15,7 @@ def run_call(envelope: dict[str, Any]) -> Any:
     """Run one call synchronously inside a stock RQ worker and return its result."""
     from rq import get_current_job
 
+    from broker import shortcuts
     from broker.config import load_settings
     from broker.records import Claimed
     from workers.core import WorkerCore
@@ -24,7 +25,9 @@ def run_call(envelope: dict[str, Any]) -> Any:
     if job is None:
         raise RuntimeError("run_call must run inside an RQ job")
     conn = job.connection
-    core = WorkerCore(conn, load_settings(), job.worker_name or "rq-worker")
+    settings = load_settings()
+    shortcuts.configure(settings.workers.shortcuts_off)
+    core = WorkerCore(conn, settings, job.worker_name or "rq-worker")
     try:
         data = pack(["workers.entry.run_call", None, [envelope], {}])
         CallRunner(core).run(Claimed(job.id, data, int(conn.hget(job.key, "h_attempt") or 1)))

@@ -5,13 +5,16 @@ one-property object, on every call. Tool schemas are mostly plain objects of typ
 are compiled into a check that can only say "certainly valid" (nothing more is done) or "not sure" (the
 full Draft 2020-12 validator runs and reports every violation). A schema with any keyword outside the
 set below gets no quick check. Where Python is looser than JSON Schema (``True == 1``, ``1 == 1.0``),
-the check says "not sure". ``workers.args`` keeps the full validator next to it.
+the check says "not sure". ``workers.args`` keeps the full validator next to it. With
+``workers.shortcuts_off: [quickcheck]`` no schema gets one (bench/shortcuts.py measures both).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, Literal
+
+from broker.shortcuts import on
 
 Quick = Callable[[Any], bool]
 
@@ -52,7 +55,7 @@ def quick_check(schema: Any) -> Quick | None:
     check = _compile(schema)
     if check is None:
         return None
-    return lambda v: _plain(v) and check(v)
+    return lambda v: on("quickcheck") and _plain(v) and check(v)
 
 
 def _plain(value: Any, depth: int = 0) -> bool:

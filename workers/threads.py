@@ -3,7 +3,8 @@
 What ``ThreadPoolExecutor`` does for this case — up to ``size`` threads taking work off one queue, a new
 thread only when none is idle — without what a call here does not use: a ``Future`` (two condition
 variables), a work item and an executor-wide lock per call. A worker hands every call to a thread, so
-under load that was a measurable share of its CPU.
+under load that was a measurable share of its CPU. ``workers.shortcuts_off: [threads]`` runs calls on a
+``ThreadPoolExecutor`` instead (``StockThreads``; bench/shortcuts.py measures both).
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import structlog
+
+from broker import shortcuts
 
 log = structlog.get_logger("hermes.worker")
 
@@ -79,6 +83,47 @@ class CallThreads:
             for t in threads:
                 t.join()
         return dropped
+
+
+class StockThreads(CallThreads):
+    """The same interface on the standard library's ``ThreadPoolExecutor`` (the ``threads`` shortcut off)."""
+
+    def __init__(self, size: int, prefix: str) -> None:
+        super().__init__(size, prefix)
+        self._executor = ThreadPoolExecutor(self.size, thread_name_prefix=prefix)
+        self._pending: set[Future[None]] = set()
+
+    def submit(self, fn: Callable[[Any], None], arg: Any) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot run new calls after shutdown")
+            future = self._executor.submit(self._run, fn, arg)
+            self._pending.add(future)
+        future.add_done_callback(self._forget)
+
+    @staticmethod
+    def _run(fn: Callable[[Any], None], arg: Any) -> None:
+        try:
+            fn(arg)
+        except BaseException:  # noqa: BLE001 - as CallThreads: a task's failure is logged, not raised
+            log.exception("call thread task failed")
+
+    def _forget(self, future: Future[None]) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    def shutdown(self, wait: bool = True, cancel_pending: bool = True) -> int:
+        with self._lock:
+            self._closed = True
+            pending = list(self._pending)
+        dropped = sum(1 for f in pending if f.cancel()) if cancel_pending else 0
+        self._executor.shutdown(wait=wait)
+        return dropped
+
+
+def call_threads(size: int, prefix: str) -> CallThreads:
+    """The call threads of a worker: ``CallThreads``, or ``StockThreads`` with the shortcut off."""
+    return CallThreads(size, prefix) if shortcuts.on("threads") else StockThreads(size, prefix)
 
 
 class Tokens:

@@ -21,7 +21,7 @@ from rq import Queue
 from rq import Worker as RQWorker
 from rq.worker import WorkerStatus
 
-from broker import durability, keys, partitions, pipes
+from broker import durability, keys, partitions, pipes, shortcuts
 from broker.calls import Calls
 from broker.codec import MsgpackSerializer, pack, unpack
 from broker.config import Settings
@@ -30,7 +30,7 @@ from workers import reaper
 from workers.core import WorkerCore
 from workers.runner import CallRunner
 from workers.stopping import drain
-from workers.threads import CallThreads, Tokens
+from workers.threads import Tokens, call_threads
 
 log = structlog.get_logger("hermes.worker")
 
@@ -88,9 +88,10 @@ class Worker:
         self.name = name or worker_name()
         self.grace = grace
         self.lease = settings.workers.lease
+        shortcuts.configure(settings.workers.shortcuts_off)  # (before anything a call runs through)
         self.core = WorkerCore(conn, settings, self.name)
         self.runner = CallRunner(self.core)
-        self.pool = CallThreads(self.concurrency, "hermes-call")
+        self.pool = call_threads(self.concurrency, "hermes-call")
         self.stopping = threading.Event()
         self._slots = Tokens(self.concurrency)  # one per call this process may run at once
         self._wake = threading.Event()
@@ -149,6 +150,7 @@ class Worker:
             queues=self.queues,
             concurrency=self.concurrency,
             pid=os.getpid(),
+            **({"shortcuts_off": sorted(off)} if (off := self.settings.workers.shortcuts_off) else {}),
         )
         try:
             self._dispatch()

@@ -378,3 +378,16 @@ def test_patiently_calls_again_through_a_moving_slot_and_raises_anything_else_at
     except TryAgainError:
         pass
     assert answers == [7]
+
+
+def test_with_the_fast_path_off_a_plain_pipeline_sent_with_keep_trying_goes_through_redis_py(conn: Any) -> None:
+    """The client's submissions and the retry scheduler pass ``keep_trying``: on a plain Redis with
+    ``broker.fast_path`` off that must not look for a cluster pipeline's queue."""
+    pipes.configure(False)
+    try:
+        pipe = conn.pipeline(transaction=False)
+        pipe.set("hermes:test:kt", "1")
+        pipe.get("hermes:test:kt")
+        assert pipes.execute(pipe, keep_trying=pipes.for_seconds(1)) == [True, b"1"]
+    finally:
+        pipes.configure(True)

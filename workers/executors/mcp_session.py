@@ -28,6 +28,8 @@ TRANSPORT_ERRORS = (
     EOFError,
 )
 MCP_EXTRA = "pip install 'hermes-gateway[mcp]'"
+MCP_TIMEOUT = 30.0
+MCP_READ_TIMEOUT = 300.0
 
 
 def require_sdk(what: str = "the mcp executor") -> None:
@@ -53,11 +55,13 @@ def client_for(server: dict[str, Any]) -> Any:
     from mcp import Client, StdioServerParameters
     from mcp.client.stdio import stdio_client
     from mcp.client.streamable_http import streamable_http_client
-    from mcp.shared._httpx_utils import create_mcp_http_client
 
     if server.get("url"):
+        import httpx2  # (the SDK's HTTP client library: it documents passing a client of one's own)
+
         headers = {str(k): str(v) for k, v in (server.get("headers") or {}).items()}
-        http = create_mcp_http_client(headers=headers or None)
+        # The SDK's own defaults: 30 s for connect, write and pool; 300 s to read (a response stream stays open).
+        http = httpx2.AsyncClient(headers=headers or None, timeout=httpx2.Timeout(MCP_TIMEOUT, read=MCP_READ_TIMEOUT))
         return Client(streamable_http_client(str(server["url"]), http_client=http), cache=None)
     command = server["command"]
     argv = [str(a) for a in (command if isinstance(command, list) else [command, *server.get("args", [])])]
@@ -87,7 +91,8 @@ class Session:
         if self.client is None or self.task is None or self.task.done():
             return False
         # The SDK marks its dispatcher closed when the server's stream ends (the process died or the
-        # HTTP session went away); there is no public flag, so look and degrade gracefully.
+        # HTTP session went away); there is no public flag, so look and degrade gracefully. mcp is pinned
+        # to the minor version tests/workers/executors/test_mcp_internals.py checks these names on.
         dispatcher = getattr(getattr(self.client, "_session", None), "_dispatcher", None)
         return not getattr(dispatcher, "_closed", False)
 

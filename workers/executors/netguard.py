@@ -1,6 +1,7 @@
 """The SSRF guard for outgoing tool traffic, enforced where sockets are opened.
 
-It plugs into httpcore as a network backend: every new connection resolves the host itself, refuses it
+It plugs into httpcore (public API only: ``httpcore.NetworkBackend``, ``SyncBackend``, ``ConnectionPool``)
+as a network backend, under an httpx transport of our own: every new connection resolves the host itself, refuses it
 if ANY resolved address is private, loopback, link-local, multicast, reserved, unspecified or a cloud
 metadata address, and connects to the address it checked (so DNS rebinding between check and connect
 has nothing to exploit). Redirects open new connections, so every hop is checked the same way.
@@ -17,7 +18,8 @@ import select
 import socket
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,20 +154,14 @@ class GuardedBackend(httpcore.NetworkBackend):
         last: Exception | None = None
         for address in addresses:
             try:
-                sock = socket.create_connection(
-                    (address, port),
-                    timeout,
-                    source_address=None if local_address is None else (local_address, 0),
-                )
-            except TimeoutError as e:
+                # httpcore's own backend, given the address just checked (a literal IP: nothing to resolve)
+                stream = _STOCK.connect_tcp(address, port, timeout, local_address, socket_options)
+            except httpcore.ConnectTimeout as e:
                 raise httpcore.ConnectTimeout(f"connecting to {bare}:{port} timed out") from e
-            except OSError as e:
+            except httpcore.ConnectError as e:
                 last = e
                 continue
-            for option in socket_options or ():
-                sock.setsockopt(*option)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return WatchedStream(_sync_stream(sock), sock)
+            return WatchedStream(stream, stream.get_extra_info("socket"))
         raise httpcore.ConnectError(f"cannot connect to {bare}:{port}: {last}")
 
     def connect_unix_socket(self, path: str, timeout: float | None = None, socket_options: Any = None) -> Any:
@@ -175,10 +171,7 @@ class GuardedBackend(httpcore.NetworkBackend):
         time.sleep(seconds)
 
 
-def _sync_stream(sock: socket.socket) -> httpcore.NetworkStream:
-    from httpcore._backends.sync import SyncStream  # the stock stream; only its construction is private
-
-    return SyncStream(sock)
+_STOCK = httpcore.SyncBackend()
 
 
 class WatchedStream(httpcore.NetworkStream):
@@ -224,17 +217,83 @@ class WatchedStream(httpcore.NetworkStream):
         return self._inner.get_extra_info(info)
 
 
-class GuardedTransport(httpx.HTTPTransport):
-    """httpx's own transport with the connection pool built on the guarded network backend."""
+# httpx names its errors after httpcore's (as httpx's own transport maps them).
+_ERRORS: dict[type[Exception], type[httpx.HTTPError]] = {
+    httpcore.TimeoutException: httpx.TimeoutException,
+    httpcore.ConnectTimeout: httpx.ConnectTimeout,
+    httpcore.ReadTimeout: httpx.ReadTimeout,
+    httpcore.WriteTimeout: httpx.WriteTimeout,
+    httpcore.PoolTimeout: httpx.PoolTimeout,
+    httpcore.NetworkError: httpx.NetworkError,
+    httpcore.ConnectError: httpx.ConnectError,
+    httpcore.ReadError: httpx.ReadError,
+    httpcore.WriteError: httpx.WriteError,
+    httpcore.ProxyError: httpx.ProxyError,
+    httpcore.UnsupportedProtocol: httpx.UnsupportedProtocol,
+    httpcore.ProtocolError: httpx.ProtocolError,
+    httpcore.LocalProtocolError: httpx.LocalProtocolError,
+    httpcore.RemoteProtocolError: httpx.RemoteProtocolError,
+}
+
+
+@contextmanager
+def _as_httpx_errors() -> Iterator[None]:
+    try:
+        yield
+    except Exception as e:
+        as_httpx = next((_ERRORS[cls] for cls in type(e).__mro__ if cls in _ERRORS), None)
+        if as_httpx is None:  # (ours: DestinationBlocked, CallCancelled)
+            raise
+        raise as_httpx(str(e)) from e
+
+
+class _Body(httpx.SyncByteStream):
+    def __init__(self, stream: Iterable[bytes]) -> None:
+        self._stream = stream
+
+    def __iter__(self) -> Iterator[bytes]:
+        with _as_httpx_errors():
+            yield from self._stream
+
+    def close(self) -> None:
+        close = getattr(self._stream, "close", None)
+        if close is not None:
+            close()
+
+
+class GuardedTransport(httpx.BaseTransport):
+    """An httpx transport on an httpcore connection pool whose network backend is the guard.
+
+    The pool is the one httpx's ``HTTPTransport`` builds, except for the backend; proxies are never used
+    (they would connect on our behalf to addresses the guard never saw). Public API of both libraries only.
+    """
 
     def __init__(self, policy: GuardPolicy, verify: bool) -> None:
-        super().__init__(verify=verify, trust_env=False)
-        # Same pool httpx builds, except for the backend; proxies are never used (they would
-        # connect on our behalf to addresses the guard never saw).
-        self._pool = httpcore.ConnectionPool(
+        self.pool = httpcore.ConnectionPool(
             ssl_context=httpx.create_ssl_context(verify=verify, trust_env=False),
             max_connections=100,
             max_keepalive_connections=20,
             keepalive_expiry=5.0,
             network_backend=GuardedBackend(policy),
         )
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        sent = httpcore.Request(
+            method=request.method,
+            url=httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path),
+            headers=request.headers.raw,
+            content=request.stream,  # type: ignore[arg-type]
+            extensions=request.extensions,
+        )
+        with _as_httpx_errors():
+            got = self.pool.handle_request(sent)
+        return httpx.Response(
+            status_code=got.status,
+            headers=got.headers,
+            stream=_Body(got.stream),  # type: ignore[arg-type]
+            extensions=got.extensions,
+        )
+
+    def close(self) -> None:
+        self.pool.close()
