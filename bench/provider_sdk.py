@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.llm_server.replies import Reply  # noqa: E402
 from tests.llm_server.server import LLMServer  # noqa: E402
-from workers.providers.base import ProviderContext  # noqa: E402
 from workers.providers.openai_compat import OpenAICompatProvider  # noqa: E402
+from workers.providers.provider import ProviderContext  # noqa: E402
 
 
 def cpu_per_call(fn: Callable[[], None], n: int) -> float:

@@ -67,7 +67,7 @@ from hermes_gateway.clientcore import (
     tool_envelope,
     tool_limits,
 )
-from hermes_gateway.telemetry import Sending
+from hermes_gateway.tracing import Sending
 
 if TYPE_CHECKING:
     from hermes_gateway.batches import AsyncBatchJob

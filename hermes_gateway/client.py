@@ -40,7 +40,7 @@ from hermes_gateway.clientcore import (
     tool_limits,
 )
 from hermes_gateway.handle import Batch, CallHandle
-from hermes_gateway.telemetry import Sending
+from hermes_gateway.tracing import Sending
 
 if TYPE_CHECKING:
     from hermes_gateway.batches import BatchJob

@@ -49,7 +49,7 @@ from broker.records import CallInfo
 from broker.states import State
 from broker.toolspec import ToolSpec
 from broker.tracecontext import ensure_traceparent
-from hermes_gateway.telemetry import Headers, current_headers
+from hermes_gateway.tracing import Headers, current_headers
 
 if TYPE_CHECKING:
     import redis

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hermes_gateway.flows.engine import FlowResult, FlowRunner, StepEvent, StepResult
 from hermes_gateway.flows.expr import Expression, compile_template, render
 from hermes_gateway.flows.model import Fallback, Flow, Step
-from hermes_gateway.flows.runner import FlowResult, FlowRunner, StepEvent, StepResult
 
 if TYPE_CHECKING:
     from hermes_gateway.client import Gateway

@@ -45,16 +45,9 @@ Failure rules
 
 from __future__ import annotations
 
-from middleware.config import (
-    config_path,
-    disable_plugin,
-    enable_plugin,
-    list_plugins,
-    read_config,
-)
+from middleware.call_order import LLMCallFlow, ToolCallFlow
 from middleware.context import PluginContext
 from middleware.execution import ExecutionChain
-from middleware.flow import LLMCallFlow, ToolCallFlow
 from middleware.kinds import (
     API_REQUEST_ERROR,
     CONTEXT_FIELDS,
@@ -80,6 +73,13 @@ from middleware.manifest import (
     PluginInfo,
     PluginManifest,
     resolve_home,
+)
+from middleware.plugin_config import (
+    config_path,
+    disable_plugin,
+    enable_plugin,
+    list_plugins,
+    read_config,
 )
 from middleware.plugins import PluginManager
 from middleware.registry import MiddlewareRegistry, Registration

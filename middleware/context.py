@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .logs import get_logger
+from .logger import get_logger
 
 if TYPE_CHECKING:
     from middleware.registry import MiddlewareRegistry

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from .logs import get_logger
+from .logger import get_logger
 
 log = get_logger()
 

@@ -12,8 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from middleware.config import plugin_lists, read_config
-from middleware.logs import get_logger
+from middleware.logger import get_logger
 from middleware.manifest import (
     PLAIN,
     Discovery,
@@ -23,6 +22,7 @@ from middleware.manifest import (
     group_entry_points,
     resolve_home,
 )
+from middleware.plugin_config import plugin_lists, read_config
 from middleware.registry import MiddlewareRegistry
 from middleware.reporter import FailureReporter
 from middleware.runtime import MiddlewareRuntime

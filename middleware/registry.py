@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from middleware.kinds import KINDS, VALID_HOOKS
-from middleware.logs import get_logger
+from middleware.logger import get_logger
 from middleware.reporter import FailureReporter, callback_label
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from .logs import get_logger
+from .logger import get_logger
 
 log = get_logger()
 

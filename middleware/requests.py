@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from middleware.kinds import PAYLOAD_KEY, middleware_payload, trace_entry
-from middleware.logs import get_logger
+from middleware.logger import get_logger
 
 if TYPE_CHECKING:
     from middleware.registry import Registration

@@ -201,7 +201,7 @@ class MiddlewareRuntime:
         **steps: Any,
     ) -> Any:
         """One tool call in the contract's order; ``steps`` are ToolCallFlow's optional callables."""
-        from middleware.flow import ToolCallFlow
+        from middleware.call_order import ToolCallFlow
 
         return ToolCallFlow(self, **steps).run(tool_name, args, execute=execute, context=context)
 
@@ -214,6 +214,6 @@ class MiddlewareRuntime:
         **steps: Any,
     ) -> Any:
         """One provider call in the contract's order; ``steps`` are LLMCallFlow's optional callables."""
-        from middleware.flow import LLMCallFlow
+        from middleware.call_order import LLMCallFlow
 
         return LLMCallFlow(self, **steps).run(request, call_provider=call_provider, context=context)

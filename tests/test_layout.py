@@ -1,14 +1,25 @@
-"""The package layout: the command line lives in hermes_gateway/cli/, one module per command group."""
+"""The package layout: every module's basename is its own, and the command line lives in hermes_gateway/cli/."""
 
 from __future__ import annotations
 
 import ast
+from collections import defaultdict
 
 import click
 
 from tests.conftest import REPO
 
 PACKAGES = ("broker", "workers", "middleware", "hermes_gateway")
+
+
+def test_no_two_modules_of_the_packages_share_a_basename() -> None:
+    seen: dict[str, list[str]] = defaultdict(list)
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            if path.name not in ("__init__.py", "__main__.py"):
+                seen[path.name].append(path.relative_to(REPO).as_posix())
+    shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert shared == {}, "rename one of each (tools/rename_modules.py rewrites the imports)"
 
 
 def _defines_click_commands(source: str) -> bool:

@@ -23,7 +23,7 @@ from broker.events import DELTA, PROGRESS
 from broker.settings import ModelSettings
 from workers.executors.base import ExecContext
 from workers.providers import ProviderContext, get_provider, give_up_reason, retry_delay
-from workers.providers.base import base_url_of
+from workers.providers.provider import base_url_of
 from workers.telemetry import record_usage
 
 if TYPE_CHECKING:

@@ -348,7 +348,7 @@ class CallRunner:
         self._finish(run, State.DONE, result=result)
 
     def _flow(self, run: Running, spec: ToolSpec, args: dict[str, Any]) -> Any:
-        """The contract's tool call (``middleware/flow.py``) with the hooks' checks as its policy step and
+        """The contract's tool call (``middleware/call_order.py``) with the hooks' checks as its policy step and
         the executor, between the execute hooks, at the heart of its ``tool_execution`` chain."""
         ctx = run.ctx
         assert ctx is not None

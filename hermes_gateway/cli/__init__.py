@@ -116,7 +116,7 @@ def main(
         os.environ["HERMES_LOG_LEVEL"] = log_level
     if log_format:
         os.environ["HERMES_LOG_FORMAT"] = log_format
-    from hermes_gateway.telemetry import setup as setup_tracing
+    from hermes_gateway.tracing import setup as setup_tracing
 
     try:
         setup_tracing(settings.telemetry, trace)  # workers this command starts inherit the mode

@@ -255,7 +255,7 @@ def test_model_rate_limits_and_daily_budgets_are_read_from_config() -> None:
 
 
 def test_a_429s_wait_is_read_from_retry_after_or_the_reset_headers() -> None:
-    from workers.providers.retry import parse_reset, pause_seconds
+    from workers.providers.backoff import parse_reset, pause_seconds
 
     assert pause_seconds({"Retry-After": "2"}) == 2.0
     assert pause_seconds({"retry-after-ms": "250", "Retry-After": "9"}) == 0.25

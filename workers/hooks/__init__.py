@@ -6,7 +6,7 @@ for hooks whose ``before_*`` returned. A ``before_*`` that raises a gateway erro
 
 - ``before_call`` / ``after_call``: the call began here / it is over here (``outcome``: its terminal state,
   or ``retrying``, ``handed_back``, ``lost``);
-- ``before_flow`` / ``after_flow``: around the tool call's middleware flow (``middleware/flow.py``: request
+- ``before_flow`` / ``after_flow``: around the tool call's middleware flow (``middleware/call_order.py``: request
   middleware, the checks, the ``tool_execution`` chain, the observer hooks);
 - ``before_checks`` / ``after_checks``: on the effective arguments, after request middleware (the
   contract's policy step);
@@ -23,13 +23,13 @@ concern is a module here with one ``Hook`` subclass and a line in ``HOOKS``.
 from __future__ import annotations
 
 from workers.hooks.audit_record import AuditRecordHook
-from workers.hooks.base import Hook, Writer, overrides
 from workers.hooks.call_log import CallLog
 from workers.hooks.call_metrics import CallMetrics
 from workers.hooks.call_spans import CallSpans
 from workers.hooks.checks import Checks
 from workers.hooks.circuit import Circuit
 from workers.hooks.failures import Failures
+from workers.hooks.hook import Hook, Writer, overrides
 from workers.hooks.usage import Usage
 
 # The one table: ``before_*`` run in this order, ``after_*`` in reverse. The breaker is checked before the

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from workers import metrics
-from workers.hooks.base import Hook
+from workers.hooks.hook import Hook
 
 if TYPE_CHECKING:
     from workers.runner import Running

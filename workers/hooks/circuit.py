@@ -14,7 +14,7 @@ from broker.errors import CallCancelled, CircuitOpen, HermesError
 from broker.events import PROGRESS
 from workers import metrics
 from workers.breakers import breaker_config
-from workers.hooks.base import Hook
+from workers.hooks.hook import Hook
 
 if TYPE_CHECKING:
     from broker.toolspec import ToolSpec

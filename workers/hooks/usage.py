@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker import keys
 from workers import metrics
-from workers.hooks.base import Hook, Writer
+from workers.hooks.hook import Hook, Writer
 
 if TYPE_CHECKING:
     from workers.runner import Running

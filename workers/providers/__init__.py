@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .base import Provider, ProviderContext, close_all, create, get_provider
-from .retry import give_up_reason, parse_retry_after, retry_delay
+from .backoff import give_up_reason, parse_retry_after, retry_delay
+from .provider import Provider, ProviderContext, close_all, create, get_provider
 
 __all__ = [
     "Provider",

@@ -17,7 +17,7 @@ from typing import Any
 
 from broker.errors import CallCancelled, ProviderTimeout
 
-from .base import ProviderContext
+from .provider import ProviderContext
 
 POLL = 0.25  # seconds between cancellation checks while waiting for the server
 

@@ -21,9 +21,9 @@ import structlog
 from broker.errors import CallCancelled, ConfigError, ProviderError, ProviderTimeout
 from broker.settings import ModelSettings
 
-from .base import ProviderContext, base_url_of
+from .backoff import is_retryable_status, pause_seconds
 from .exchange import Exchange
-from .retry import is_retryable_status, pause_seconds
+from .provider import ProviderContext, base_url_of
 from .stream import DONE, StreamAssembler, sse_data
 
 log = structlog.get_logger(__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.providers.base import ProviderContext
+from workers.providers.provider import ProviderContext
 
 API_KEY = "sk-test-7f3a9c1e5b"
 

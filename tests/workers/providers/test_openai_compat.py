@@ -15,8 +15,8 @@ import pytest
 from broker.errors import CallCancelled, ConfigError, ProviderError, ProviderTimeout
 from broker.settings import ModelSettings
 from tests.llm_server import Reply
+from workers.providers.backoff import retry_delay
 from workers.providers.openai_compat import OpenAICompatProvider, create
-from workers.providers.retry import retry_delay
 
 from .support import API_KEY, make_ctx, user
 

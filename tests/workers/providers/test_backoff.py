@@ -5,7 +5,7 @@ from __future__ import annotations
 import email.utils
 
 from broker.errors import CallCancelled, ProviderError, ProviderTimeout
-from workers.providers.retry import give_up_reason, is_retryable_status, parse_retry_after, retry_delay
+from workers.providers.backoff import give_up_reason, is_retryable_status, parse_retry_after, retry_delay
 
 NOW = 1_800_000_000.0
 

@@ -6,7 +6,7 @@ import pytest
 
 from broker.errors import CallCancelled, ConfigError, ProviderTimeout
 from broker.settings import ModelSettings
-from workers.providers import base
+from workers.providers import provider as base
 from workers.providers.openai_compat import OpenAICompatProvider
 
 
