@@ -19,7 +19,7 @@ def _whole_histories(keep_history: None) -> None:
     """These tests read whole histories of ended calls from Redis (workers.keep_history)."""
 
 LEASE = 2.0
-SLEEP = 1.0
+SLEEP = 3.0  # long enough that the first worker still runs its four calls once the second one is up
 
 
 def test_calls_of_a_killed_worker_are_retried_or_fail_with_worker_lost(
