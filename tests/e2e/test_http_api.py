@@ -28,7 +28,8 @@ class Served:
     def __init__(self, gateway: Any, token: str | None = None) -> None:
         self.port = free_port()
         config = uvicorn.Config(
-            create_app(gateway, token=token), host="127.0.0.1", port=self.port, log_level="warning"
+            create_app(gateway, token=token), host="127.0.0.1", port=self.port, log_level="warning",
+            timeout_graceful_shutdown=1,  # a browser page still holding an event stream does not delay the stop
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
