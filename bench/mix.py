@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import ROOT, scratch_home, start_workers, stop, using_broker, wait_for_workers  # noqa: E402
 
 SLEEP = "workers.executors.builtin:sleep"
+RESULT_TTL = 30  # seconds the latency phases' ended calls are kept (they would otherwise fill the Redis)
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     home = scratch_home([tool])
     conn = from_url(url)
     # Finished calls are kept a short while only: the batch's records would otherwise fill the Redis.
-    procs = start_workers(url, home, queue, args.processes, args.concurrency, {"HERMES_RESULT_TTL": "30"})
+    procs = start_workers(url, home, queue, args.processes, args.concurrency, {"HERMES_RESULT_TTL": str(RESULT_TTL)})
     try:
         wait_for_workers(conn, args.processes, queue)
         gw = Gateway(BrokerHandle(from_url(url), url, url), load_settings(home))
@@ -163,7 +164,17 @@ def memory(args: argparse.Namespace, url: str) -> dict[str, Any]:
     used_memory over that many seconds at full speed with ``result_ttl: 60``."""
     from bench import batch_rss
     from bench import memory as mem
+    from broker.connection import from_url
 
+    # The latency phases' records expire 30 s after their calls ended (HERMES_RESULT_TTL): measured
+    # while they go, used_memory would fall under the new calls. Wait until the key count is still.
+    conn = from_url(url)
+    time.sleep(RESULT_TTL)
+    before, after = -1, conn.dbsize()
+    while after != before:
+        time.sleep(2)
+        before, after = after, conn.dbsize()
+    conn.close()
     out: dict[str, Any] = {"redis_bytes": mem.bytes_per_call(url, 5000)}
     out["submitter_rss"] = batch_rss.measure(url, [2000, 10000, 30000])
     if args.soak:
