@@ -31,6 +31,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from queue import Empty
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -76,7 +77,7 @@ def run_batch(url: str, home: str, name: str, items: int, window: int, seconds: 
     gw = Gateway(BrokerHandle(from_url(url), url, url), load_settings(home))
     start = time.perf_counter()
     pending: collections.deque[Any] = collections.deque()
-    sent, chunk = 0, 500
+    sent, chunk = 0, min(500, window)
     while sent < items or pending:
         while sent < items and len(pending) + chunk <= window:
             k = min(chunk, items - sent)
@@ -138,7 +139,13 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         behind = interactive(gw, name, args.samples, seconds, waits_behind, fairness_key="agent")
         fifo = interactive(gw, name, args.fifo_samples, seconds, None, fairness_key=f"batch-{queue}", call_class="batch")
         depth_after = backlog(conn, queue, name)
-        elapsed = out.get(timeout=3600)
+        elapsed = None
+        while elapsed is None:
+            try:
+                elapsed = out.get(timeout=1)
+            except Empty:
+                if not batch.is_alive():
+                    raise RuntimeError(f"the batch submitter died (exit code {batch.exitcode})") from None
         batch.join()
         gw.close()
     finally:

@@ -107,3 +107,16 @@ def test_durability_measures_each_persistence_setting_and_counts_runs_across_a_r
     result = json.loads(out.read_text())
     assert set(result["median"]) == {"off", "everysec", "always", "replica"} and len(result["kill9"]) == 2
     assert re.fullmatch(r"always_vs_everysec=[0-9.]+", lines[-1])
+
+
+def test_mix_measures_an_interactive_call_alone_and_behind_a_batch(redis_url: str) -> None:
+    lines = bench(
+        "mix.py", "--url", redis_url, "--items", "400", "--window", "100", "--samples", "10",
+        "--fifo-samples", "1", "--no-memory", "--no-save",
+    )  # fmt: skip
+    alone = next(line for line in lines if line.startswith("interactive alone:"))
+    behind = next(line for line in lines if line.startswith("interactive behind batch:"))
+    assert re.search(r"p99 [0-9.]+ ms", alone) and re.search(r"p99 [0-9.]+ ms", behind)
+    # The wait for a slot, read from the steps an ended call keeps (its workers keep no whole history).
+    assert re.search(r"submit -> a worker starts it: alone p50 [0-9.]+ / p99 [0-9.]+ ms", "\n".join(lines))
+    assert re.fullmatch(r"interactive_slowdown=[0-9.]+", lines[-1])
