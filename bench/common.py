@@ -16,6 +16,8 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+# Where benchmarks write their JSON results; the tests point it at a scratch directory.
+RESULTS = Path(os.environ.get("HERMES_BENCH_RESULTS") or ROOT / "bench" / "results")
 
 
 @contextmanager

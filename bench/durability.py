@@ -46,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, scratch_home, start_workers, stop  # noqa: E402
+from bench.common import RESULTS, ROOT, scratch_home, start_workers, stop  # noqa: E402
 from tests.redis_stack import Server, _wait, data_node  # noqa: E402
 
 NOOP = "workers.executors.builtin:noop"
@@ -320,7 +320,7 @@ def run(args: argparse.Namespace, modes: list[str], workdir: Path) -> None:
         summary["always"]["calls_per_s"] / summary["everysec"]["calls_per_s"] if args.rounds else float("nan")
     )
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = args.out or ROOT / "bench" / "results" / f"durability-{stamp}.json"
+    out = args.out or RESULTS / f"durability-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "bench": "durability",

@@ -27,9 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, scratch_home, start_workers, stop, using_broker, wait_for_workers
+from bench.common import RESULTS, ROOT, scratch_home, start_workers, stop, using_broker, wait_for_workers
 
-RESULTS = ROOT / "bench" / "results"
 ARGS = {"text": "x" * 100}  # 100 bytes of arguments, as the typical call
 TOOL = {
     "name": "noop",

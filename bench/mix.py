@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, scratch_home, start_workers, stop, using_broker, wait_for_workers  # noqa: E402
+from bench.common import RESULTS, ROOT, scratch_home, start_workers, stop, using_broker, wait_for_workers  # noqa: E402
 
 SLEEP = "workers.executors.builtin:sleep"
 RESULT_TTL = 30  # seconds the latency phases' ended calls are kept (they would otherwise fill the Redis)
@@ -243,7 +243,7 @@ def main() -> None:
                   f"audit stream {k['without_audit_start']:,} at the start, {k['without_audit_after_ttl_min']:,}.."
                   f"{k['without_audit_after_ttl_max']:,} after the first ttl, {k['without_audit_end']:,} at the end")
     if not args.no_save:
-        out = ROOT / "bench" / "results" / f"mix-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+        out = RESULTS / f"mix-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         record = {
             "bench": "mix",

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis  # noqa: E402
 
-from bench.common import ROOT, scratch_home, start_workers, stop, using_broker, wait_for_workers  # noqa: E402
+from bench.common import RESULTS, ROOT, scratch_home, start_workers, stop, using_broker, wait_for_workers  # noqa: E402
 from tests.llm_server import LLMServer, Reply  # noqa: E402
 
 MODEL, PAUSE_MODEL = "steady-model", "pause-model"
@@ -138,7 +138,7 @@ def main() -> None:
         "limit": limit, "window_s": window, "per_window": per_window, "processes": args.processes,
         "slots": args.slots, **figures,
     }
-    out = ROOT / "bench" / "results" / f"rate_limits-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = RESULTS / f"rate_limits-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

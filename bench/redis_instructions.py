@@ -29,9 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT  # noqa: E402
+from bench.common import RESULTS, ROOT  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 

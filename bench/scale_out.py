@@ -35,13 +35,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import scratch_home, start_rq_workers, start_workers, stop, wait_for_workers  # noqa: E402
+from bench.common import RESULTS, ROOT, scratch_home, start_rq_workers, start_workers, stop, wait_for_workers  # noqa: E402
 from tests.redis_stack import ClusterStack, SentinelStack, Server, data_node  # noqa: E402
 
 NOOP = "workers.executors.builtin:noop"
 MARK = "bench.failover_tools:mark"
 SLOTS = 8  # concurrency of each worker process
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def cpu_seconds(servers: list[Server]) -> list[float]:
@@ -170,7 +169,7 @@ def print_fleet(name: str, result: dict[str, Any]) -> None:
 
 
 def write_result(result: dict[str, Any]) -> Path:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=RESULTS.parent.parent, capture_output=True, text=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     sha = commit.stdout.strip()
     load = os.getloadavg()
     result = {"bench": "scale_out", "commit": sha, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -179,7 +178,7 @@ def write_result(result: dict[str, Any]) -> Path:
     out = RESULTS / f"scale_out-{time.strftime('%Y%m%d-%H%M%S')}-{sha[:7]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"results: bench/results/{out.name}")
+    print(f"results: {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
     return out
 
 

@@ -42,9 +42,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, using_broker  # noqa: E402
+from bench.common import RESULTS, ROOT, using_broker  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 # (run n operations and return the seconds they took, turn the shortcut on or off)

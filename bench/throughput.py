@@ -41,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
+    RESULTS,
     ROOT,
     scratch_home,
     start_rq_workers,
@@ -57,7 +58,6 @@ SEED_PLUGINS = [
     "middleware-demo-llm-timing",
     "middleware-demo-tool-annotate",
 ]
-RESULTS = ROOT / "bench" / "results"
 NO_LIMIT = 100_000
 BATCH = 500  # calls per pipelined submission
 

@@ -41,6 +41,23 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return rep
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # ``make test`` relies on --dist loadgroup to run a module marked xdist_group on one worker (a shared
+    # hermes-agent venv, a script cache). pytest-xdist marks those items by suffixing "@group" to their node
+    # id; pytest 9.2 stopped reading that attribute, and the groups were silently spread over every worker
+    # (four 38 s venv builds waiting on one lock). Fail the run instead of losing the grouping again.
+    if os.environ.get("PYTEST_XDIST_WORKER") and getattr(config.option, "loadgroup", False):
+        lost = [
+            item.nodeid for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid
+        ]
+        if lost:
+            raise pytest.UsageError(
+                f"--dist loadgroup did not group {lost[0]} (and {len(lost) - 1} more): this pytest-xdist does "
+                "not work with this pytest; keep the versions pyproject.toml pins"
+            )
+
+
 def _failed(node: pytest.Item) -> bool:
     return any(getattr(getattr(node, f"rep_{when}", None), "failed", False) for when in ("setup", "call"))
 

@@ -6,9 +6,11 @@ Performance itself is measured by running them in full (docs/benchmarks.md), nev
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,9 +21,12 @@ pytestmark = pytest.mark.e2e
 
 
 def bench(script: str, *args: str, timeout: float = 180) -> list[str]:
+    # Results go to a scratch directory: a test run leaves bench/results/ as the benchmarks' real runs left it.
+    scratch = tempfile.mkdtemp(prefix="hermes-bench-results-")
     out = subprocess.run(
         [sys.executable, f"bench/{script}", *args],
         cwd=REPO,
+        env={**os.environ, "HERMES_BENCH_RESULTS": scratch},
         capture_output=True,
         text=True,
         timeout=timeout,
