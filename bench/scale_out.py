@@ -309,20 +309,22 @@ def main() -> None:
     parser.add_argument("--skip-cluster", action="store_true")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the fleet figures")
     parser.add_argument("--fleet-only", action="store_true", help="only the fleet figures (1, 2, 4 processes)")
+    parser.add_argument("--fleet", default="1,2,4", help="worker process counts of the fleet figures")
     args = parser.parse_args()
     n = args.calls
+    counts = tuple(int(c) for c in args.fleet.split(","))
     print(f"{n} warm no-op calls per figure; {SLOTS} slots per worker process; every Redis a local process; "
           f"nproc {os.cpu_count()}; load {os.getloadavg()[0]:.2f}")
     result: dict[str, Any] = {"calls": n, "rounds": args.rounds}
     plain = data_node(Path(__import__("tempfile").mkdtemp(prefix="hermes-plain-")), "plain").start()
     try:
-        result["fleet_plain"] = fleet(f"redis://127.0.0.1:{plain.port}/0", [plain], n, args.rounds)
+        result["fleet_plain"] = fleet(f"redis://127.0.0.1:{plain.port}/0", [plain], n, args.rounds, counts)
         print_fleet("plain Redis", result["fleet_plain"])
     finally:
         plain.stop()
     if not args.skip_cluster and cluster_supported() is None:
         with ClusterStack(3) as cluster:
-            result["fleet_cluster"] = fleet(cluster.url(), cluster.nodes, n, args.rounds)
+            result["fleet_cluster"] = fleet(cluster.url(), cluster.nodes, n, args.rounds, counts)
             print_fleet("cluster, 3 primaries", result["fleet_cluster"])
     write_result(result)
     if args.fleet_only:
