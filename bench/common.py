@@ -20,6 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(os.environ.get("HERMES_BENCH_RESULTS") or ROOT / "bench" / "results")
 
 
+def shown(path: Path) -> str:
+    """A result file's path as printed: relative to the checkout when it is inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 @contextmanager
 def using_broker(arg: str | None) -> Iterator[str]:
     """The Redis URL to use: ``arg``, else ``$HERMES_REDIS_URL``, else an embedded broker run for the block."""

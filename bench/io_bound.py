@@ -45,9 +45,9 @@ def _executing_intervals(conn: object, ids: list[str]) -> tuple[list[tuple[float
         pipe.lrange(keys.history(cid), 0, -1)
     out = []
     workers: Counter[str] = Counter()
-    for raw in pipe.execute():
+    for cid, raw in zip(ids, pipe.execute(), strict=True):
         start = None
-        for ev in (events.decode(b) for b in raw):
+        for ev in (events.decode(b, cid) for b in raw):
             if ev.type != events.TRANSITION:
                 continue
             if ev.state == "routing":

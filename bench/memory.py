@@ -27,7 +27,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, ROOT, scratch_home, start_workers, stop, using_broker, wait_for_workers
+from bench.common import (
+    RESULTS,
+    ROOT,
+    scratch_home,
+    shown,
+    start_workers,
+    stop,
+    using_broker,
+    wait_for_workers,
+)
 
 ARGS = {"text": "x" * 100}  # 100 bytes of arguments, as the typical call
 TOOL = {
@@ -201,7 +210,7 @@ def main() -> None:
             print(f"audit_bytes_per_call={out['audit_bytes_per_call']} (the capped audit stream, counted apart)")
             print(f"bytes_per_call={out['bytes_per_call']}  (used_memory delta / N less the audit's growth; goal <= 800)")
             path = write("memory.json", {"redis": version, **out})
-        print(f"written to {path.relative_to(ROOT)}")
+        print(f"written to {shown(path)}")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS, ROOT, scratch_home, start_workers, stop, using_broker, wait_for_workers  # noqa: E402
+from bench.common import (  # noqa: E402
+    RESULTS,
+    ROOT,
+    scratch_home,
+    shown,
+    start_workers,
+    stop,
+    using_broker,
+    wait_for_workers,
+)
 
 SLEEP = "workers.executors.builtin:sleep"
 RESULT_TTL = 30  # seconds the latency phases' ended calls are kept (they would otherwise fill the Redis)
@@ -61,7 +70,7 @@ def interactive(gw: Any, name: str, n: int, seconds: float, waits: list[float] |
         handle.result(300)
         out.append(time.perf_counter() - start)
         if waits is not None:  # from the moves its kept terminal event carries: [state, attempt, µs before the end]
-            end = events.decode(gw.conn.lrange(keys.history(handle.call_id), -1, -1)[0])
+            end = events.decode(gw.conn.lrange(keys.history(handle.call_id), -1, -1)[0], handle.call_id)
             before = {state: us for state, _, us in end.steps or []}
             waits.append((before["pending"] - before["routing"]) / 1e6)
     return out
@@ -254,7 +263,7 @@ def main() -> None:
             **result,
         }
         out.write_text(json.dumps(record, indent=2) + "\n")
-        print(f"result: {out.relative_to(ROOT)}")
+        print(f"result: {shown(out)}")
     print(f"interactive_slowdown={result['interactive_slowdown']:.2f}")
 
 

@@ -35,7 +35,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS, ROOT, scratch_home, start_rq_workers, start_workers, stop, wait_for_workers  # noqa: E402
+from bench.common import (  # noqa: E402
+    RESULTS,
+    ROOT,
+    scratch_home,
+    shown,
+    start_rq_workers,
+    start_workers,
+    stop,
+    wait_for_workers,
+)
 from tests.redis_stack import ClusterStack, SentinelStack, Server, data_node  # noqa: E402
 
 NOOP = "workers.executors.builtin:noop"
@@ -178,7 +187,7 @@ def write_result(result: dict[str, Any]) -> Path:
     out = RESULTS / f"scale_out-{time.strftime('%Y%m%d-%H%M%S')}-{sha[:7]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"results: {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
+    print(f"results: {shown(out)}")
     return out
 
 

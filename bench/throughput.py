@@ -44,6 +44,7 @@ from bench.common import (  # noqa: E402
     RESULTS,
     ROOT,
     scratch_home,
+    shown,
     start_rq_workers,
     start_workers,
     stop,
@@ -415,7 +416,7 @@ def main() -> None:
     out = Path(args.out) if args.out else RESULTS / f"throughput-{time.strftime('%Y%m%d-%H%M%S')}-{commit[:7]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"results: {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
+    print(f"results: {shown(out)}")
     for name, v in ratios.items():
         if name != "ratio_vs_dramatiq":
             print(f"{name}={statistics.median(v):.3f} (per round: {', '.join(f'{x:.2f}' for x in v)})")

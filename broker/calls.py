@@ -630,9 +630,9 @@ class Calls:
 
 def step_text(state: str, attempt: int, ts: float) -> str:
     """One transition as the record's ``h_steps`` keeps it, ``<state's code><attempt> <µs since the
-    epoch>;`` (``STEP_CODES``; 20 bytes a step): what an ended call's ``steps`` are read from
-    (``broker.events``) without decoding its events."""
-    return f"{STEP_CODES[state]}{attempt} {round(ts * 1e6)};"
+    epoch, hexadecimal>;`` (``STEP_CODES``; 17 bytes a step, 20 in decimal): what an ended call's
+    ``steps`` are read from (``broker.events``) without decoding its events."""
+    return f"{STEP_CODES[state]}{attempt} {round(ts * 1e6):x};"
 
 
 @functools.lru_cache(maxsize=256)

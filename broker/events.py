@@ -86,28 +86,36 @@ def payload(
     detail: dict[str, Any] | None = None,
     ts: float | None = None,
 ) -> bytes:
-    """Encode an event without ``seq`` (the script adds it). Always a msgpack fixmap of 12 keys."""
-    return pack(
-        {
-            "call_id": call_id,
-            "state": state,
-            "ts": time.time() if ts is None else ts,
-            "trace_id": trace_id,
-            "span_id": span_id,
-            "attempt": attempt,
-            "kind": kind,
-            "tool_name": name if kind == "tool" else None,
-            "model": name if kind == "llm" else None,
-            "session_id": session_id,
-            "type": type,
-            "detail": detail or {},
-        }
-    )
+    """Encode an event without ``seq`` (the script adds it): a msgpack fixmap of at most 11 keys, the
+    fields DESIGN.md lists (``tool_name`` or ``model``, whichever the kind has) and ``type`` when it is not
+    a transition. An ended call keeps its terminal event for ``workers.result_ttl``: each byte counts
+    (issue 29's 800 bytes a call). ``decode`` fills the absent ones in."""
+    out: dict[str, Any] = {
+        "call_id": call_id,
+        "state": state,
+        "ts": time.time() if ts is None else ts,
+        "trace_id": trace_id,
+        "span_id": span_id,
+        "attempt": attempt,
+        "kind": kind,
+    }
+    if kind == "tool":
+        out["tool_name"] = name
+    elif kind == "llm":
+        out["model"] = name
+    out["session_id"] = session_id
+    if type != TRANSITION:
+        out["type"] = type
+    out["detail"] = detail or {}
+    return pack(out)
 
 
-def decode(data: bytes) -> Event:
-    """Decode one published or stored event."""
+def decode(data: bytes, call_id: str | None = None) -> Event:
+    """Decode one published or stored event. ``call_id``: the call whose history it was read from (an
+    ended call's kept terminal event leaves its id out: broker/lua/transition.lua)."""
     raw = unpack(data)
+    if isinstance(raw, dict) and call_id is not None:
+        raw.setdefault("call_id", call_id)
     if not isinstance(raw, dict) or not isinstance(raw.get("call_id"), str) or "seq" not in raw:
         raise DecodeError("not an event")
     detail = raw.get("detail") or {}
@@ -141,13 +149,14 @@ def decode(data: bytes) -> Event:
 def _steps(raw: Any, ts: float) -> list[list[Any]] | None:
     """An ended call's ``steps`` (``[state, attempt, µs before ts]`` each), or None when absent or
     unreadable. TRANSITION stores them as the record's ``h_steps`` text (``broker.calls.step_text``: no
-    arithmetic in the script); records ended by an older version hold the list itself."""
+    arithmetic in the script; the time in hexadecimal, or in decimal, 16 digits, as earlier versions wrote it); records
+    ended by an older version still hold the list itself."""
     if isinstance(raw, bytes):
         raw = raw.decode(errors="replace")
     if isinstance(raw, str):
         try:
             return [
-                [STEP_STATES[head[0]], int(head[1:]), round(ts * 1e6) - int(at)]
+                [STEP_STATES[head[0]], int(head[1:]), round(ts * 1e6) - (int(at) if len(at) >= 16 else int(at, 16))]
                 for head, at in (part.split(" ") for part in raw.split(";") if part)
             ]
         except (KeyError, IndexError, ValueError):
@@ -184,23 +193,23 @@ def history(conn: redis.Redis, call_id: str, start_seq: int = 1) -> list[Event]:
     """
     key = keys.history(call_id)
     if start_seq <= 1:
-        return [decode(raw(b)) for b in conn.lrange(key, 0, -1)]
+        return [decode(raw(b), call_id) for b in conn.lrange(key, 0, -1)]
     pipe = conn.pipeline(transaction=False)
     pipe.lrange(key, start_seq - 1, -1)
     pipe.lindex(key, -1)
     stored, last = pipe.execute()
-    return unseen(stored, last, start_seq - 1)
+    return unseen(stored, last, start_seq - 1, call_id)
 
 
-def unseen(stored: list[Any], last: Any, seen: int) -> list[Event]:
+def unseen(stored: list[Any], last: Any, seen: int, call_id: str) -> list[Event]:
     """The events after seq ``seen``, from ``LRANGE history seen -1`` (``stored``) and ``LINDEX history -1``
     (``last``) read together: the range when it has any, else the last event when the history was trimmed
     to it and it is new (see ``history``)."""
     if stored:
-        return [decode(raw(b)) for b in stored]
+        return [decode(raw(b), call_id) for b in stored]
     if last is None:
         return []
-    ev = decode(raw(last))
+    ev = decode(raw(last), call_id)
     return [ev] if ev.seq > seen else []
 
 

@@ -146,9 +146,9 @@ def ending(conn: Any, call_id: str) -> Any:
     from .events import decode
 
     last = conn.lindex(keys.history(call_id), -1)
-    found = [decode(as_bytes(last))] if last is not None else []
+    found = [decode(as_bytes(last), call_id)] if last is not None else []
     if not found or not found[0].terminal:
-        found = [decode(as_bytes(b)) for b in conn.lrange(keys.history(call_id), 0, -1)]
+        found = [decode(as_bytes(b), call_id) for b in conn.lrange(keys.history(call_id), 0, -1)]
     ends = [e for e in found if e.terminal]
     return ends[-1] if ends else None
 

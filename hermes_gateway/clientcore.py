@@ -636,7 +636,7 @@ class Router(Generic[H]):
     @staticmethod
     def feed_history(handles: Sequence[CallState], stored: Sequence[Any]) -> None:
         for i, h in enumerate(handles):
-            for event in ev_mod.unseen(stored[2 * i], stored[2 * i + 1], h.last_seq):
+            for event in ev_mod.unseen(stored[2 * i], stored[2 * i + 1], h.last_seq, h.call_id):
                 h.feed(event)
 
 

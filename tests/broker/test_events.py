@@ -11,6 +11,7 @@ import pytest
 from broker import events, keys
 from broker.calls import FENCED, MISSING, WRONG_STATE, Calls
 from broker.envelope import Envelope
+from broker.errors import DecodeError
 from broker.records import CallInfo
 from broker.states import State
 
@@ -32,7 +33,6 @@ DESIGN_FIELDS = {
     "detail",
 }
 # Our one addition: ``type`` tells transitions from progress messages and stream deltas.
-EXTRA_FIELDS = {"type"}
 
 
 def submit(calls: Calls, call_id: str = "c1", **env_kw: Any) -> CallInfo:
@@ -103,20 +103,39 @@ def test_an_ended_calls_history_is_its_terminal_event_alone(fake: Any) -> None:
     assert rec["ended_at"] and rec["envelope"] is None and rec["request_dropped"]
 
 
+@pytest.mark.parametrize("call_id", ["c1", "{tools}." + "ab" * 16, "x" * 300])
+def test_an_ended_calls_kept_event_leaves_its_id_to_the_key_and_readers_put_it_back(fake: Any, call_id: str) -> None:
+    calls = Calls(fake)
+    info = submit(calls, call_id)
+    walk(calls, info, HAPPY)
+    (kept,) = raw_history(fake, call_id)
+    # A short id (fixstr) and a long one (str8) are left out; one past 255 bytes is kept as it is.
+    assert ("call_id" in kept) == (len(call_id) > 255)
+    assert kept["state"] == "done" and kept["seq"] == 5 and kept["steps"]
+    (end,) = events.history(fake, call_id)
+    assert (end.call_id, end.state, end.seq, end.trace_id) == (call_id, "done", 5, TRACE)
+    assert [s[0] for s in end.steps] == ["pending", "routing", "executing", "formatting"]
+    assert calls.record(call_id)["state"] == "done"
+    if len(call_id) <= 255:
+        with pytest.raises(DecodeError):  # read without its key, it names no call
+            events.decode(fake.lindex(keys.history(call_id), -1))
+
+
 def test_the_event_carries_exactly_the_documented_fields(fake: Any) -> None:
     calls = Calls(fake)
     info = submit(calls)
     walk(calls, info, [State.ROUTING])
     for raw in raw_history(fake):
-        assert set(raw) == DESIGN_FIELDS | {"tool_name", "model"} | EXTRA_FIELDS
+        # DESIGN.md's `tool_name | model`: the one the kind has; `type` only on a progress or delta event.
+        assert set(raw) == DESIGN_FIELDS | {"tool_name"}
         assert raw["call_id"] == "c1"
         assert raw["trace_id"] == TRACE
-        assert raw["kind"] == "tool" and raw["tool_name"] == "echo" and raw["model"] is None
+        assert raw["kind"] == "tool" and raw["tool_name"] == "echo"
         assert raw["session_id"] == "sess-1"
         assert raw["attempt"] == 1
         assert isinstance(raw["ts"], float) and abs(raw["ts"] - time.time()) < 60
         assert isinstance(raw["detail"], dict)
-        assert raw["type"] == events.TRANSITION
+        assert events.decode(msgpack.packb(raw)).type == events.TRANSITION
     assert raw_history(fake)[0]["span_id"] == SPAN  # the pending event names the caller's span
 
 
@@ -132,7 +151,22 @@ def test_an_llm_event_names_the_model_not_a_tool(fake: Any) -> None:
         session_id=None,
     )
     raw = msgpack.unpackb(data, raw=False)
-    assert raw["model"] == "gpt-x" and raw["tool_name"] is None
+    assert raw["model"] == "gpt-x" and "tool_name" not in raw
+    event = events.decode(events_with_seq(data))
+    assert (event.model, event.tool_name, event.type) == ("gpt-x", None, events.TRANSITION)
+
+
+def events_with_seq(data: bytes) -> bytes:
+    return msgpack.packb(msgpack.unpackb(data, raw=False) | {"seq": 1})
+
+
+def test_a_progress_event_says_its_type() -> None:
+    data = events.payload(
+        call_id="c9", state="executing", trace_id=TRACE, span_id=SPAN, attempt=1, kind="tool", name="t",
+        session_id=None, type=events.PROGRESS, detail={"message": "5 rows"},
+    )  # fmt: skip
+    assert msgpack.unpackb(data, raw=False)["type"] == events.PROGRESS
+    assert events.decode(events_with_seq(data)).type == events.PROGRESS
 
 
 def test_the_payload_is_a_fixmap_so_lua_can_append_seq() -> None:

@@ -22,7 +22,7 @@ def histories(conn: redis.Redis, call_ids: list[str]) -> dict[str, list[events.E
     pipe = conn.pipeline(transaction=False)
     for cid in call_ids:
         pipe.lrange(keys.history(cid), 0, -1)
-    return {cid: [events.decode(b) for b in raw] for cid, raw in zip(call_ids, pipe.execute(), strict=True)}
+    return {cid: [events.decode(b, cid) for b in raw] for cid, raw in zip(call_ids, pipe.execute(), strict=True)}
 
 
 def states(conn: redis.Redis, call_id: str) -> list[str]:
