@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import re
 import sys
+import threading
 import time
 from collections.abc import Mapping, MutableMapping
 from functools import lru_cache
@@ -136,8 +138,8 @@ def json_lines() -> bool:
     return _json
 
 
-def configure(level: str = "INFO", fmt: str = "console", stream: Any = None) -> None:
-    """Configure structlog and stdlib logging once per process."""
+def configure(level: str = "INFO", fmt: str = "console", stream: Any = None, batched: bool = False) -> None:
+    """Configure structlog and stdlib logging once per process (``batched``: a worker's, see ``BatchedLines``)."""
     global _level, _json, _calls
     lvl = getattr(logging, str(level).upper(), logging.INFO)
     _level = lvl
@@ -160,7 +162,7 @@ def configure(level: str = "INFO", fmt: str = "console", stream: Any = None) -> 
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         # One write() per line (message and newline together): the processes of a pool share one stderr,
         # and lines written in two parts came out glued to another process's.
-        logger_factory=_OneWriter(stream or sys.stderr),
+        logger_factory=_OneWriter(stream or sys.stderr, batched),
         cache_logger_on_first_use=False,
     )
     _calls = structlog.get_logger("hermes.worker").bind()
@@ -193,14 +195,72 @@ def configure(level: str = "INFO", fmt: str = "console", stream: Any = None) -> 
 
 
 class _OneWriter:
-    """The logger factory: every logger writes through one ``WriteLogger`` (structlog's factory made one
-    per log line, with ``cache_logger_on_first_use`` off)."""
+    """The logger factory: every logger writes through one logger (structlog's factory made one per log
+    line, with ``cache_logger_on_first_use`` off): a ``WriteLogger``, or a ``BatchedLines`` (workers)."""
+
+    def __init__(self, stream: Any, batched: bool = False) -> None:
+        self.logger: Any = BatchedLines(stream) if batched else structlog.WriteLogger(stream)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.logger
+
+
+class BatchedLines:
+    """A worker's log lines written a batch at a time by a thread of their own, each write whole lines of
+    at most ``PIPE_BUF`` bytes (the processes of a pool share one stderr: such a write is never cut by
+    another's). A worker thread that wrote its line itself released the interpreter lock for the system
+    call and then waited to get it back behind the other call threads, with every call's ``call finished``
+    line (bench/throughput.py: ``info_vs_warning``). Lines at WARNING and above go out at once, after
+    those before them; the rest within ``EVERY`` seconds, and at exit."""
+
+    EVERY = 0.05
+    CHUNK = 4096  # PIPE_BUF on Linux
 
     def __init__(self, stream: Any) -> None:
-        self.logger = structlog.WriteLogger(stream)
+        self._stream = stream
+        self._lines: list[str] = []
+        self._lock = threading.Lock()  # guards _lines
+        self._io = threading.Lock()  # one writer at a time, in order
+        self._wake = threading.Event()
+        threading.Thread(target=self._loop, name="hermes-log-lines", daemon=True).start()
+        atexit.register(self.flush)
 
-    def __call__(self, *args: Any) -> structlog.WriteLogger:
-        return self.logger
+    def _queue(self, message: str) -> None:
+        with self._lock:
+            self._lines.append(message)
+
+    def _now(self, message: str) -> None:
+        self._queue(message)
+        self.flush()
+
+    msg = log = debug = info = _queue
+    warn = warning = error = err = critical = fatal = exception = failure = _now
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait(self.EVERY)
+            self.flush()
+
+    def flush(self) -> None:
+        with self._io:
+            with self._lock:
+                lines, self._lines = self._lines, []
+            if not lines:
+                return
+            chunk: list[str] = []
+            size = 0
+            try:
+                for line in lines:
+                    n = len(line) + 1
+                    if chunk and size + n > self.CHUNK:
+                        self._stream.write("\n".join(chunk) + "\n")
+                        chunk, size = [], 0
+                    chunk.append(line)
+                    size += n
+                self._stream.write("\n".join(chunk) + "\n")
+                self._stream.flush()
+            except (OSError, ValueError):  # a closed or broken stderr loses the lines, not the worker
+                pass
 
 
 def _record_extras(logger: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         host = args.metrics_host or settings.workers.metrics_host
         metrics = dataclasses.replace(settings.workers, metrics_port=args.metrics_port, metrics_host=host)
         settings = dataclasses.replace(settings, workers=metrics)
-    configure(settings.logging.level, settings.logging.format)
+    configure(settings.logging.level, settings.logging.format, batched=True)
     url = settings.broker.url
     if not url:
         print("error: HERMES_REDIS_URL is not set; a worker process needs a broker URL", file=sys.stderr)

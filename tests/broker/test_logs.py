@@ -228,3 +228,72 @@ def test_json_lines_keep_secret_named_numbers_masked_and_exceptions_as_text(out:
     (line,) = [json.loads(x) for x in out.getvalue().splitlines()]
     assert line["token"] == "***" and line["max_tokens"] == 50
     assert line["error"].startswith("ValueError: bad ") and KEY not in line["error"]
+
+
+class _Pipe(io.StringIO):
+    """A stream that keeps each write() apart, as a pipe shared by a pool's processes sees them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return super().write(text)
+
+
+def test_a_workers_lines_are_written_a_batch_at_a_time_whole_and_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(logs.BatchedLines, "EVERY", 3600.0)  # (only the flushes the test asks for)
+    pipe = _Pipe()
+    lines = logs.BatchedLines(pipe)
+    for i in range(300):
+        lines.info(f"line {i:03d} " + "x" * 40)
+    assert pipe.writes == []  # queued: no system call in the call's thread
+    lines.flush()
+    assert all(len(w) <= logs.BatchedLines.CHUNK and w.endswith("\n") for w in pipe.writes)
+    assert len(pipe.writes) > 1  # split on whole lines under PIPE_BUF
+    assert pipe.getvalue().splitlines() == [f"line {i:03d} " + "x" * 40 for i in range(300)]
+
+
+def test_a_warning_goes_out_at_once_after_the_lines_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(logs.BatchedLines, "EVERY", 3600.0)
+    pipe = _Pipe()
+    lines = logs.BatchedLines(pipe)
+    lines.info("call finished a")
+    lines.warning("call finished b failed")
+    assert pipe.getvalue().splitlines() == ["call finished a", "call finished b failed"]
+
+
+def test_queued_lines_go_out_within_the_interval_and_a_broken_stream_loses_lines_not_the_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import time
+
+    monkeypatch.setattr(logs.BatchedLines, "EVERY", 0.01)
+    pipe = _Pipe()
+    lines = logs.BatchedLines(pipe)
+    lines.info("soon")
+    deadline = time.monotonic() + 5
+    while "soon" not in pipe.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pipe.getvalue() == "soon\n"
+    pipe.close()
+    lines.error("into a closed stream")  # no exception
+
+
+def test_a_worker_configured_batched_writes_its_call_lines_through_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(logs.BatchedLines, "EVERY", 3600.0)
+    pipe = _Pipe()
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers = []
+    try:
+        configure("INFO", "console", stream=pipe, batched=True)
+        logs.call_log().info("call finished", state="done")
+        assert pipe.writes == []
+        logs.call_log().warning("call finished", state="failed")
+    finally:
+        root.handlers = saved
+        structlog.reset_defaults()
+    written = pipe.getvalue().splitlines()
+    assert len(written) == 2 and "state=done" in written[0] and "state=failed" in written[1]
