@@ -172,6 +172,8 @@ def for_handle(handles: Mapping[str, Any], data: bytes) -> tuple[Event, Any, boo
     None when it is not an event (logged) or no handle of ``handles`` (by call id) waits for it; a skip
     means the handle should read the history before taking this one.
     """
+    if not data:  # a wake-up (a client closing publishes one to its channel), not an event
+        return None
     try:
         event = decode(data)
     except DecodeError:

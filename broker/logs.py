@@ -128,6 +128,13 @@ def call_log() -> Any:
 _json = False  # whether configure() chose JSON lines
 
 
+def flush() -> None:
+    """Write a worker's queued lines now (``BatchedLines``): after its start-up lines, say."""
+    writer = getattr(_calls, "_logger", None)
+    if isinstance(writer, BatchedLines):
+        writer.flush()
+
+
 def debug_enabled() -> bool:
     """Whether configure() asked for DEBUG lines."""
     return _level <= logging.DEBUG
@@ -211,9 +218,10 @@ class BatchedLines:
     another's). A worker thread that wrote its line itself released the interpreter lock for the system
     call and then waited to get it back behind the other call threads, with every call's ``call finished``
     line (bench/throughput.py: ``info_vs_warning``). Lines at WARNING and above go out at once, after
-    those before them; the rest within ``EVERY`` seconds, and at exit."""
+    those before them, and so does a line after ``EVERY`` seconds without one (startup, a quiet worker);
+    the rest within ``EVERY`` seconds, and at exit."""
 
-    EVERY = 0.05
+    EVERY = 0.02
     CHUNK = 4096  # PIPE_BUF on Linux
 
     def __init__(self, stream: Any) -> None:
@@ -222,12 +230,16 @@ class BatchedLines:
         self._lock = threading.Lock()  # guards _lines
         self._io = threading.Lock()  # one writer at a time, in order
         self._wake = threading.Event()
+        self._last = 0.0  # time.monotonic() of the last flush
         threading.Thread(target=self._loop, name="hermes-log-lines", daemon=True).start()
         atexit.register(self.flush)
 
     def _queue(self, message: str) -> None:
         with self._lock:
             self._lines.append(message)
+            idle = len(self._lines) == 1 and time.monotonic() - self._last >= self.EVERY
+        if idle:  # a quiet worker's line goes out at once: only lines that come in a rush wait for the batch
+            self.flush()
 
     def _now(self, message: str) -> None:
         self._queue(message)
@@ -245,6 +257,8 @@ class BatchedLines:
         with self._io:
             with self._lock:
                 lines, self._lines = self._lines, []
+                if lines:
+                    self._last = time.monotonic()
             if not lines:
                 return
             chunk: list[str] = []

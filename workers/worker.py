@@ -21,7 +21,7 @@ from rq import Queue
 from rq import Worker as RQWorker
 from rq.worker import WorkerStatus
 
-from broker import durability, keys, partitions, pipes, shortcuts
+from broker import durability, keys, logs, partitions, pipes, shortcuts
 from broker.calls import Calls
 from broker.codec import MsgpackSerializer, pack, unpack
 from broker.config import Settings
@@ -152,6 +152,7 @@ class Worker:
             pid=os.getpid(),
             **({"shortcuts_off": sorted(off)} if (off := self.settings.workers.shortcuts_off) else {}),
         )
+        logs.flush()  # (the start-up lines, before the first call)
         try:
             self._dispatch()
         finally:

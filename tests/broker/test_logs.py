@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -246,6 +247,7 @@ def test_a_workers_lines_are_written_a_batch_at_a_time_whole_and_in_order(monkey
     monkeypatch.setattr(logs.BatchedLines, "EVERY", 3600.0)  # (only the flushes the test asks for)
     pipe = _Pipe()
     lines = logs.BatchedLines(pipe)
+    lines._last = time.monotonic()  # a busy worker: it wrote a line just now
     for i in range(300):
         lines.info(f"line {i:03d} " + "x" * 40)
     assert pipe.writes == []  # queued: no system call in the call's thread
@@ -259,25 +261,37 @@ def test_a_warning_goes_out_at_once_after_the_lines_before_it(monkeypatch: pytes
     monkeypatch.setattr(logs.BatchedLines, "EVERY", 3600.0)
     pipe = _Pipe()
     lines = logs.BatchedLines(pipe)
+    lines._last = time.monotonic()
     lines.info("call finished a")
+    assert pipe.writes == []
     lines.warning("call finished b failed")
     assert pipe.getvalue().splitlines() == ["call finished a", "call finished b failed"]
+
+
+def test_a_quiet_workers_line_goes_out_at_once() -> None:
+    pipe = _Pipe()
+    lines = logs.BatchedLines(pipe)  # (nothing written for EVERY seconds: startup, an idle worker)
+    lines.info("plugins loaded")
+    assert pipe.writes == ["plugins loaded\n"]
+    lines.info("worker started")  # (one just went out: this one waits for the batch)
+    assert pipe.writes == ["plugins loaded\n"]
 
 
 def test_queued_lines_go_out_within_the_interval_and_a_broken_stream_loses_lines_not_the_worker(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import time
-
-    monkeypatch.setattr(logs.BatchedLines, "EVERY", 0.01)
+    monkeypatch.setattr(logs.BatchedLines, "EVERY", 0.05)
     pipe = _Pipe()
     lines = logs.BatchedLines(pipe)
+    lines._last = time.monotonic()
     lines.info("soon")
+    assert pipe.writes == []
     deadline = time.monotonic() + 5
     while "soon" not in pipe.getvalue() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert pipe.getvalue() == "soon\n"
     pipe.close()
+    lines._last = 0.0
     lines.error("into a closed stream")  # no exception
 
 
@@ -289,6 +303,7 @@ def test_a_worker_configured_batched_writes_its_call_lines_through_the_batch(mon
     root.handlers = []
     try:
         configure("INFO", "console", stream=pipe, batched=True)
+        logs.call_log()._logger._last = time.monotonic()  # (busy)
         logs.call_log().info("call finished", state="done")
         assert pipe.writes == []
         logs.call_log().warning("call finished", state="failed")
