@@ -126,13 +126,13 @@ def call_log() -> Any:
 
 
 _json = False  # whether configure() chose JSON lines
+_batched: BatchedLines | None = None  # a worker's line writer (configure(batched=True))
 
 
 def flush() -> None:
     """Write a worker's queued lines now (``BatchedLines``): after its start-up lines, say."""
-    writer = getattr(_calls, "_logger", None)
-    if isinstance(writer, BatchedLines):
-        writer.flush()
+    if _batched is not None:
+        _batched.flush()
 
 
 def debug_enabled() -> bool:
@@ -147,10 +147,11 @@ def json_lines() -> bool:
 
 def configure(level: str = "INFO", fmt: str = "console", stream: Any = None, batched: bool = False) -> None:
     """Configure structlog and stdlib logging once per process (``batched``: a worker's, see ``BatchedLines``)."""
-    global _level, _json, _calls
+    global _level, _json, _calls, _batched
     lvl = getattr(logging, str(level).upper(), logging.INFO)
     _level = lvl
     _json = fmt == "json"
+    _batched = BatchedLines(stream or sys.stderr) if batched else None
     renderer: Any
     if fmt == "json":
         renderer = structlog.processors.JSONRenderer()
@@ -169,7 +170,7 @@ def configure(level: str = "INFO", fmt: str = "console", stream: Any = None, bat
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         # One write() per line (message and newline together): the processes of a pool share one stderr,
         # and lines written in two parts came out glued to another process's.
-        logger_factory=_OneWriter(stream or sys.stderr, batched),
+        logger_factory=_OneWriter(stream or sys.stderr, _batched),
         cache_logger_on_first_use=False,
     )
     _calls = structlog.get_logger("hermes.worker").bind()
@@ -205,8 +206,8 @@ class _OneWriter:
     """The logger factory: every logger writes through one logger (structlog's factory made one per log
     line, with ``cache_logger_on_first_use`` off): a ``WriteLogger``, or a ``BatchedLines`` (workers)."""
 
-    def __init__(self, stream: Any, batched: bool = False) -> None:
-        self.logger: Any = BatchedLines(stream) if batched else structlog.WriteLogger(stream)
+    def __init__(self, stream: Any, batched: BatchedLines | None = None) -> None:
+        self.logger: Any = batched if batched is not None else structlog.WriteLogger(stream)
 
     def __call__(self, *args: Any) -> Any:
         return self.logger
@@ -229,7 +230,6 @@ class BatchedLines:
         self._lines: list[str] = []
         self._lock = threading.Lock()  # guards _lines
         self._io = threading.Lock()  # one writer at a time, in order
-        self._wake = threading.Event()
         self._last = 0.0  # time.monotonic() of the last flush
         threading.Thread(target=self._loop, name="hermes-log-lines", daemon=True).start()
         atexit.register(self.flush)
@@ -250,7 +250,7 @@ class BatchedLines:
 
     def _loop(self) -> None:
         while True:
-            self._wake.wait(self.EVERY)
+            time.sleep(self.EVERY)
             self.flush()
 
     def flush(self) -> None:

@@ -147,12 +147,13 @@ elseif ttl ~= '' then
   -- decoded, nothing parsed here.
   -- It also leaves out its call id, the payload's first entry ("call_id", then a str of the id): its key
   -- names the call, and broker.events.decode takes the id from there (48 bytes of the 800 a call keeps).
-  local kept_ev = ev
+  local count, from = string.byte(ev, 1), 2  -- the fixmap's entries; where they start
   local idn = #call_id
   local id_head = (idn < 32 and 1) or (idn < 256 and 2) or 0
   if id_head > 0 and string.sub(ev, 2, 9) == '\167call_id' then
-    kept_ev = string.char(string.byte(ev, 1) - 1) .. string.sub(ev, 10 + id_head + idn)
+    count, from = count - 1, 10 + id_head + idn
   end
+  local kept_ev = ev
   local n = #steps_so_far
   if n > 0 then
     local head
@@ -166,7 +167,9 @@ elseif ttl ~= '' then
       head = string.char(219, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,
                          math.floor(n / 256) % 256, n % 256)
     end
-    kept_ev = string.char(string.byte(kept_ev, 1) + 1) .. string.sub(kept_ev, 2) .. '\165steps' .. head .. steps_so_far
+    kept_ev = string.char(count + 1) .. string.sub(ev, from) .. '\165steps' .. head .. steps_so_far
+  elseif from > 2 then
+    kept_ev = string.char(count) .. string.sub(ev, from)
   end
   redis.call('DEL', KEYS[1], KEYS[2])
   redis.call('HSET', KEYS[1], unpack(fields))

@@ -7,6 +7,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import structlog
@@ -243,11 +244,18 @@ class _Pipe(io.StringIO):
         return super().write(text)
 
 
-def test_a_workers_lines_are_written_a_batch_at_a_time_whole_and_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(logs.BatchedLines, "EVERY", 3600.0)  # (only the flushes the test asks for)
+def _busy(monkeypatch: pytest.MonkeyPatch, every: float = 3600.0) -> tuple[_Pipe, logs.BatchedLines]:
+    """A writer that wrote a line just now (a busy worker), flushing every ``every`` seconds (by default
+    only when the test asks)."""
+    monkeypatch.setattr(logs.BatchedLines, "EVERY", every)
     pipe = _Pipe()
     lines = logs.BatchedLines(pipe)
-    lines._last = time.monotonic()  # a busy worker: it wrote a line just now
+    lines._last = time.monotonic()
+    return pipe, lines
+
+
+def test_a_workers_lines_are_written_a_batch_at_a_time_whole_and_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    pipe, lines = _busy(monkeypatch)
     for i in range(300):
         lines.info(f"line {i:03d} " + "x" * 40)
     assert pipe.writes == []  # queued: no system call in the call's thread
@@ -258,10 +266,7 @@ def test_a_workers_lines_are_written_a_batch_at_a_time_whole_and_in_order(monkey
 
 
 def test_a_warning_goes_out_at_once_after_the_lines_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(logs.BatchedLines, "EVERY", 3600.0)
-    pipe = _Pipe()
-    lines = logs.BatchedLines(pipe)
-    lines._last = time.monotonic()
+    pipe, lines = _busy(monkeypatch)
     lines.info("call finished a")
     assert pipe.writes == []
     lines.warning("call finished b failed")
@@ -278,17 +283,12 @@ def test_a_quiet_workers_line_goes_out_at_once() -> None:
 
 
 def test_queued_lines_go_out_within_the_interval_and_a_broken_stream_loses_lines_not_the_worker(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, wait_until: Any
 ) -> None:
-    monkeypatch.setattr(logs.BatchedLines, "EVERY", 0.05)
-    pipe = _Pipe()
-    lines = logs.BatchedLines(pipe)
-    lines._last = time.monotonic()
+    pipe, lines = _busy(monkeypatch, 0.05)
     lines.info("soon")
     assert pipe.writes == []
-    deadline = time.monotonic() + 5
-    while "soon" not in pipe.getvalue() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: "soon" in pipe.getvalue(), 5, 0.01, message="the queued line")
     assert pipe.getvalue() == "soon\n"
     pipe.close()
     lines._last = 0.0
@@ -303,7 +303,8 @@ def test_a_worker_configured_batched_writes_its_call_lines_through_the_batch(mon
     root.handlers = []
     try:
         configure("INFO", "console", stream=pipe, batched=True)
-        logs.call_log()._logger._last = time.monotonic()  # (busy)
+        assert logs._batched is not None
+        logs._batched._last = time.monotonic()  # (busy)
         logs.call_log().info("call finished", state="done")
         assert pipe.writes == []
         logs.call_log().warning("call finished", state="failed")
