@@ -74,7 +74,8 @@ def _run(gw: Any, n: int) -> list[str]:
 def _record_bytes(conn: Any, call_id: str) -> int:
     from broker import keys
 
-    return sum(int(conn.memory_usage(k, samples=0) or 0) for k in (keys.job(call_id), keys.history(call_id)))
+    own = (keys.job(call_id), keys.history(call_id), keys.ended(call_id))  # (an ended call has no history list)
+    return sum(int(conn.memory_usage(k, samples=0) or 0) for k in own)
 
 
 class _Stack:

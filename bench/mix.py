@@ -61,7 +61,7 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
 def interactive(gw: Any, name: str, n: int, seconds: float, waits: list[float] | None = None, **opts: Any) -> list[float]:
     """Latency of ``n`` calls made one after another, in seconds; with ``waits``, each call's time from its
     ``pending`` event to its ``routing`` one (waiting for a slot, then for a worker to take it) is added."""
-    from broker import events, keys
+    from broker import events
 
     out = []
     for _ in range(n):
@@ -70,7 +70,7 @@ def interactive(gw: Any, name: str, n: int, seconds: float, waits: list[float] |
         handle.result(300)
         out.append(time.perf_counter() - start)
         if waits is not None:  # from the moves its kept terminal event carries: [state, attempt, µs before the end]
-            end = events.decode(gw.conn.lrange(keys.history(handle.call_id), -1, -1)[0], handle.call_id)
+            end = events.history(gw.conn, handle.call_id)[-1]
             before = {state: us for state, _, us in end.steps or []}
             waits.append((before["pending"] - before["routing"]) / 1e6)
     return out

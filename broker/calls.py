@@ -407,6 +407,7 @@ class Calls:
                 keys.rate(tag, info.ckey),
                 keys.rate_log(tag, info.ckey),
                 keys.rate_due(tag),
+                keys.ended(info.call_id),
             ],
             [
                 info.call_id,

@@ -188,31 +188,28 @@ def for_handle(handles: Mapping[str, Any], data: bytes) -> tuple[Event, Any, boo
 def history(conn: redis.Redis, call_id: str, start_seq: int = 1) -> list[Event]:
     """Stored events of a call from ``start_seq`` on.
 
-    While a call runs, its history holds every event (index = seq - 1); once it has ended, only its
-    terminal event (TRANSITION trims it: a follower that missed events still gets the end, with its
-    result or error). A read from past the start therefore also asks for the last event: when the range
-    is empty and the last event is newer than asked for, the history was trimmed and that event is next.
+    While a call runs, its history list holds every event (index = seq - 1); once it has ended, the list
+    is gone and its terminal event alone is kept, a string at ``keys.ended`` (TRANSITION trims it: a
+    follower that missed events still gets the end, with its result or error). Both are read together
+    (``unseen``); with ``workers.keep_history`` the list stays whole and there is no kept event.
     """
-    key = keys.history(call_id)
-    if start_seq <= 1:
-        return [decode(raw(b), call_id) for b in conn.lrange(key, 0, -1)]
     pipe = conn.pipeline(transaction=False)
-    pipe.lrange(key, start_seq - 1, -1)
-    pipe.lindex(key, -1)
-    stored, last = pipe.execute()
-    return unseen(stored, last, start_seq - 1, call_id)
+    pipe.lrange(keys.history(call_id), max(start_seq - 1, 0), -1)
+    pipe.get(keys.ended(call_id))
+    stored, end = pipe.execute()
+    return unseen(stored, end, start_seq - 1, call_id)
 
 
-def unseen(stored: list[Any], last: Any, seen: int, call_id: str) -> list[Event]:
-    """The events after seq ``seen``, from ``LRANGE history seen -1`` (``stored``) and ``LINDEX history -1``
-    (``last``) read together: the range when it has any, else the last event when the history was trimmed
-    to it and it is new (see ``history``)."""
-    if stored:
-        return [decode(raw(b), call_id) for b in stored]
-    if last is None:
-        return []
-    ev = decode(raw(last), call_id)
-    return [ev] if ev.seq > seen else []
+def unseen(stored: list[Any], end: Any, seen: int, call_id: str) -> list[Event]:
+    """The events after seq ``seen``, from ``LRANGE history seen -1`` (``stored``) and ``GET ended``
+    (``end``, the kept terminal event) read together: the range, then the kept end when it is newer than
+    all of them (the range was read before the call ended, or the history was trimmed to it)."""
+    out = [decode(raw(b), call_id) for b in stored]
+    if end is not None:
+        ev = decode(raw(end), call_id)
+        if ev.seq > (out[-1].seq if out else seen):
+            out.append(ev)
+    return out
 
 
 def follow(

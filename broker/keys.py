@@ -23,7 +23,8 @@ RQ_QUEUES = "rq:queues"
 PREFIX = "hermes"
 
 # -- per call (the call id carries its queue's tag) --
-HISTORY = PREFIX + ":hist:{}"  # list of encoded events of one call, index = seq - 1
+HISTORY = PREFIX + ":hist:{}"  # list of encoded events of one call, index = seq - 1 (while it runs)
+ENDED = PREFIX + ":end:{}"  # string: an ended call's terminal event, kept in place of its history
 # -- per queue tag --
 LEASES = PREFIX + ":leases:{}"  # zset call_id -> lease deadline (unix seconds), per queue tag
 SCHEDULED = PREFIX + ":scheduled:{}"  # zset call_id -> when a ``retrying`` call is due back on ``pending``
@@ -142,6 +143,10 @@ def wake(queue_name: str) -> str:
 
 def history(call_id: str) -> str:
     return HISTORY.format(call_id)
+
+
+def ended(call_id: str) -> str:
+    return ENDED.format(call_id)
 
 
 def caller_channel(client_id: str, queue_tag: str = "") -> str:

@@ -141,15 +141,14 @@ def envelope_of(data: bytes) -> Envelope:
 
 
 def ending(conn: Any, call_id: str) -> Any:
-    """An ended call's terminal event: the last of its history (an ended call's history is that event
-    alone), else the last terminal one found in the whole history (a record written before trimming)."""
-    from .events import decode
+    """An ended call's terminal event: the one it keeps in place of its history (``keys.ended``), else
+    the last terminal one of its whole history (``workers.keep_history``, or a record written before)."""
+    from .events import decode, history
 
-    last = conn.lindex(keys.history(call_id), -1)
-    found = [decode(as_bytes(last), call_id)] if last is not None else []
-    if not found or not found[0].terminal:
-        found = [decode(as_bytes(b), call_id) for b in conn.lrange(keys.history(call_id), 0, -1)]
-    ends = [e for e in found if e.terminal]
+    last = conn.get(keys.ended(call_id))
+    if last is not None:
+        return decode(as_bytes(last), call_id)
+    ends = [e for e in history(conn, call_id) if e.terminal]
     return ends[-1] if ends else None
 
 

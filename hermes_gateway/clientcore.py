@@ -607,7 +607,7 @@ class Router(Generic[H]):
             if self.handles.get(handle.call_id) is not handle:
                 return
             del self.handles[handle.call_id]
-            if self.keep_ended:  # (an ended call's stored history is its last event alone)
+            if self.keep_ended:  # (an ended call keeps its terminal event alone in Redis)
                 self._ended[handle.call_id] = handle
                 while len(self._ended) > self.keep_ended:
                     self._ended.popitem(last=False)
@@ -627,11 +627,11 @@ class Router(Generic[H]):
 
     @staticmethod
     def read_history(pipe: Any, handles: Sequence[CallState]) -> None:
-        """Queue on ``pipe`` the reads of each handle's unseen history (with its last event: an ended
-        call's history is that event alone); ``feed_history`` takes the replies."""
+        """Queue on ``pipe`` the reads of each handle's unseen history (with the terminal event an ended
+        call keeps in its place: ``events.history``); ``feed_history`` takes the replies."""
         for h in handles:
             pipe.lrange(keys.history(h.call_id), h.last_seq, -1)
-            pipe.lindex(keys.history(h.call_id), -1)
+            pipe.get(keys.ended(h.call_id))
 
     @staticmethod
     def feed_history(handles: Sequence[CallState], stored: Sequence[Any]) -> None:

@@ -25,7 +25,7 @@ from workers.metrics import SEP, queue_depths, text
 def call_known(conn: redis.Redis, call_id: str) -> bool:
     """The call has a record or an event history here (an id never submitted on this broker, or one past
     its result TTL, has neither): what ``events CALL_ID`` checks before printing nothing."""
-    return bool(conn.exists(keys.job(call_id), keys.history(call_id)))
+    return bool(conn.exists(keys.job(call_id), keys.history(call_id), keys.ended(call_id)))
 
 
 def figures(conn: redis.Redis) -> dict[str, Any]:

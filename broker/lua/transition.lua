@@ -3,7 +3,8 @@
 -- KEYS: 1 job hash, 2 history list, 3 leases zset, 4 interactive waiting zset, 5 slots zset (of the
 --       call's concurrency key), 6 limits hash, 7 scheduled zset, 8 queue list, 9 batch waiting zset,
 --       10 fair-state hash, 11 rate limiter hash, 12 its log (4, 5, 9-12 of the call's concurrency key),
---       13 the rate timer zset — all of the call's queue tag
+--       13 the rate timer zset, 14 the ended call's kept terminal event (a string) — all of the call's
+--       queue tag
 -- ARGV: see the locals below; then `before` earlier event payloads (moves the call made since its last
 --       write, recorded and published in order first), then field/value pairs for the job hash
 -- Returns {seq, state before}; seq < 0: -1 no such call, -2 attempt fence, -3 wrong source state.
@@ -13,9 +14,10 @@
 -- Ending a batch's call (its record's `h_batch` = "<ttl> <index> <prefix>", a prefix of the same tag) also
 -- writes its result into the batch: the terminal event at <prefix>:r[index] once (HSETNX), then the index
 -- on <prefix>:o (completion order) and a count of the state in <prefix>:n.
--- Ending (a ttl) also shrinks what the call keeps for that ttl (see ENDED below): the history becomes
--- the terminal event alone (what a late follower gets: its state, result or error, trace id, seq;
--- stored with `steps`, the earlier moves' times), and the job hash is written anew with only the
+-- Ending (a ttl) also shrinks what the call keeps for that ttl (see ENDED below): the history list goes
+-- and the terminal event alone stays, a string at KEYS[14] (what a late follower gets: its state, result
+-- or error, trace id, seq; stored with `steps`, the earlier moves' times; a string costs ~150 bytes less
+-- than a one-event list), and the job hash is written anew with only the
 -- fields in ENDED that it has, small values that Redis keeps as a listpack (the `data` of the
 -- submission had made it a hash table, which deleting fields would not undo).
 -- Runs at maxmemory (`allow-oom`, added by broker/scripts.py on Redis 7): an accepted call can always
@@ -173,9 +175,8 @@ elseif ttl ~= '' then
   end
   redis.call('DEL', KEYS[1], KEYS[2])
   redis.call('HSET', KEYS[1], unpack(fields))
-  redis.call('RPUSH', KEYS[2], kept_ev)
   redis.call('EXPIRE', KEYS[1], ttl)
-  redis.call('EXPIRE', KEYS[2], ttl)
+  redis.call('SET', KEYS[14], kept_ev, 'EX', ttl)
   if idem_ours then redis.call('EXPIRE', rec[3], ttl) end
 end
 -- A batch's result: written once per index, whoever ends the call (worker, reaper, a caller's cancel).

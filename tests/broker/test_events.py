@@ -94,6 +94,7 @@ def test_an_ended_calls_history_is_its_terminal_event_alone(fake: Any) -> None:
     walk(calls, info, HAPPY)
     (end,) = events.history(fake, "c1")
     assert (end.seq, end.state) == (5, "done") and end.terminal
+    assert fake.type(keys.ended("c1")) == b"string" and not fake.exists(keys.history("c1"))
     # A reader that saw some events before the end gets the end next, and nothing once it has it.
     for seen in range(5):
         assert [e.seq for e in events.history(fake, "c1", seen + 1)] == [5]
@@ -108,7 +109,8 @@ def test_an_ended_calls_kept_event_leaves_its_id_to_the_key_and_readers_put_it_b
     calls = Calls(fake)
     info = submit(calls, call_id)
     walk(calls, info, HAPPY)
-    (kept,) = raw_history(fake, call_id)
+    assert raw_history(fake, call_id) == []  # the list is gone: the end is kept as a string
+    kept = msgpack.unpackb(fake.get(keys.ended(call_id)), raw=False)
     # A short id (fixstr) and a long one (str8) are left out; one past 255 bytes is kept as it is.
     assert ("call_id" in kept) == (len(call_id) > 255)
     assert kept["state"] == "done" and kept["seq"] == 5 and kept["steps"]
@@ -118,7 +120,7 @@ def test_an_ended_calls_kept_event_leaves_its_id_to_the_key_and_readers_put_it_b
     assert calls.record(call_id)["state"] == "done"
     if len(call_id) <= 255:
         with pytest.raises(DecodeError):  # read without its key, it names no call
-            events.decode(fake.lindex(keys.history(call_id), -1))
+            events.decode(fake.get(keys.ended(call_id)))
 
 
 def test_the_event_carries_exactly_the_documented_fields(fake: Any) -> None:
@@ -281,7 +283,7 @@ def test_terminal_transitions_drop_the_lease_and_set_a_ttl(fake: Any) -> None:
     walk(calls, info, [State.ROUTING, State.FAILED])
     assert fake.zscore(keys.leases("{tools}"), "c1") is None
     assert 0 < fake.ttl(keys.job("c1")) <= 3600  # (the default result TTL)
-    assert 0 < fake.ttl(keys.history("c1")) <= 3600
+    assert 0 < fake.ttl(keys.ended("c1")) <= 3600 and not fake.exists(keys.history("c1"))
     assert calls.record("c1")["ended_at"]
 
 

@@ -107,7 +107,7 @@ def test_a_key_whose_call_record_is_gone_runs_a_new_call(fake: Any) -> None:
     assert fake.lrange(keys.queue("tools"), 0, -1) == [b"new"]
     # and the same with a record of ours that expired
     submit(calls, env("a", idem="k2", v=1))
-    fake.delete(keys.job("a"), keys.history("a"))
+    fake.delete(keys.job("a"), keys.history("a"), keys.ended("a"))
     assert submit(calls, env("b", idem="k2", v=99)) == (True, "b")
 
 
@@ -128,7 +128,7 @@ def test_ending_a_call_gives_its_key_the_records_ttl(fake: Any) -> None:
     assert fake.ttl(idem) > 86400  # pending: as long as the pending record
     finish(calls, e, ttl=3)
     assert 0 < fake.ttl(idem) <= 3
-    assert fake.ttl(keys.job("first")) == fake.ttl(idem) == fake.ttl(keys.history("first"))
+    assert fake.ttl(keys.job("first")) == fake.ttl(idem) == fake.ttl(keys.ended("first"))
 
 
 def test_ending_a_call_leaves_a_key_that_names_another_call_alone(fake: Any) -> None:

@@ -47,7 +47,7 @@ def _submit(url: str, home: str, who: str, klass: str, n: int, start: Any, out: 
 
 
 def _history(conn: Any, cid: str) -> list[Any]:
-    return [events.decode(b, cid) for b in conn.lrange(keys.history(cid), 0, -1)]
+    return events.history(conn, cid)
 
 
 def all_done(conn: Any, ids: list[str]) -> bool:

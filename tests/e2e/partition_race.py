@@ -58,7 +58,7 @@ def race(url: str, home: Any, workers: Any, wait_until: Any, clients: int = 6, e
         )
         spans = []
         for cid in accepted:
-            hist = [events.decode(b, cid) for b in conn.lrange(keys.history(cid), 0, -1)]
+            hist = events.history(conn, cid)
             spans.append((next(e.ts for e in hist if e.state == "executing"), next(e.ts for e in hist if e.state == "formatting")))
         marks = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
         peak = now = 0

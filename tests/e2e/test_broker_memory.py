@@ -82,12 +82,12 @@ def test_an_ended_calls_own_keys_take_at_most_800_bytes(stack: Any) -> None:
     # so a bigger one adds its packed size, up to the 64 KiB an event carries).
     for h in [stack.call_tool("noop", {"text": "x" * 100, "n": 1}) for _ in range(3)]:
         h.result(timeout=20)
-        job, hist = keys.job(h.call_id), keys.history(h.call_id)
-        used = conn.memory_usage(job, samples=0) + conn.memory_usage(hist, samples=0)
+        job, end = keys.job(h.call_id), keys.ended(h.call_id)
+        used = conn.memory_usage(job, samples=0) + conn.memory_usage(end, samples=0)
         assert used <= BUDGET, f"an ended call keeps {used} bytes ({conn.hkeys(job)})"
         assert conn.object("encoding", job) == b"listpack"  # small values only: no hash table
-        assert conn.llen(hist) == 1  # its terminal event
-        assert 0 < conn.ttl(job) <= 3600 and 0 < conn.ttl(hist) <= 3600  # the default workers.result_ttl
+        assert not conn.exists(keys.history(h.call_id)) and conn.type(end) == b"string"  # its terminal event
+        assert 0 < conn.ttl(job) <= 3600 and 0 < conn.ttl(end) <= 3600  # the default workers.result_ttl
         rec = stack.calls.record(h.call_id)
         assert (rec["state"], rec["result"], rec["seq"]) == ("done", None, 5)
         assert rec["ended_at"] and rec["trace_id"]

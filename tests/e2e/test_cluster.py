@@ -64,7 +64,7 @@ def cgateway(curl: str, home: Any) -> Iterator[Any]:
 
 
 def _history(gw: Any, cid: str) -> list[Any]:
-    return [events.decode(b, cid) for b in gw.conn.lrange(keys.history(cid), 0, -1)]
+    return events.history(gw.conn, cid)
 
 
 def test_status_on_a_cluster_is_a_table_not_a_moved_error(curl: str, cgateway: Any, home: Any) -> None:

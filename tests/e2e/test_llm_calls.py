@@ -133,7 +133,8 @@ def transitions(evs: list[events.Event]) -> list[str]:
 
 
 def assert_no_secret(conn: Any, call_id: str, *texts: str) -> None:
-    raw = b"".join(conn.lrange(keys.history(call_id), 0, -1)) + pack(conn.hgetall(keys.job(call_id)))
+    raw = b"".join(conn.lrange(keys.history(call_id), 0, -1)) + (conn.get(keys.ended(call_id)) or b"")
+    raw += pack(conn.hgetall(keys.job(call_id)))
     assert KEY.encode() not in raw
     for text in texts:
         assert KEY not in text

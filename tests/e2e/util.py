@@ -22,7 +22,9 @@ def histories(conn: redis.Redis, call_ids: list[str]) -> dict[str, list[events.E
     pipe = conn.pipeline(transaction=False)
     for cid in call_ids:
         pipe.lrange(keys.history(cid), 0, -1)
-    return {cid: [events.decode(b, cid) for b in raw] for cid, raw in zip(call_ids, pipe.execute(), strict=True)}
+        pipe.get(keys.ended(cid))
+    got = pipe.execute()
+    return {cid: events.unseen(got[2 * i], got[2 * i + 1], 0, cid) for i, cid in enumerate(call_ids)}
 
 
 def states(conn: redis.Redis, call_id: str) -> list[str]:
