@@ -7,8 +7,9 @@ subscriber can see a gap. Late subscribers read the history, then the live tail 
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,6 +165,24 @@ def _steps(raw: Any, ts: float) -> list[list[Any]] | None:
     if not isinstance(raw, list) or not all(isinstance(s, list) and len(s) == 3 for s in raw):
         return None
     return raw
+
+
+def missed_moves(end: Event, seen: Sequence[Event]) -> list[Event]:
+    """The transitions before ``end`` (an ended call's kept terminal event, with its ``steps``) that a
+    follower which saw ``seen`` never got: its live feed lagged and the history it then read was trimmed
+    to the end. Rebuilt from the steps (state, attempt, time; the end's trace id, no span id, no detail)
+    and numbered into the gap of seqs before the end; empty when they would not fit there."""
+    if not end.steps:
+        return []
+    last = seen[-1].seq if seen else 0
+    missed = end.steps[sum(1 for e in seen if e.type == TRANSITION) :]
+    if not missed or len(missed) > end.seq - last - 1:
+        return []
+    return [
+        dataclasses.replace(end, seq=last + 1 + i, state=str(state), attempt=int(attempt),
+                            ts=end.ts - before / 1e6, span_id="", detail={}, steps=None)
+        for i, (state, attempt, before) in enumerate(missed)
+    ]
 
 
 def for_handle(handles: Mapping[str, Any], data: bytes) -> tuple[Event, Any, bool] | None:

@@ -536,6 +536,8 @@ class CallState:
         with self._lock:
             if event.seq <= self.last_seq:
                 return
+            if event.terminal and event.seq > self.last_seq + 1:  # (a trimmed history: the end alone)
+                self._events.extend(ev_mod.missed_moves(event, self._events))
             self._events.append(event)
             if event.terminal:
                 self._final = event

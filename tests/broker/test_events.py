@@ -468,3 +468,26 @@ def test_an_ended_call_keeps_its_earlier_transitions_as_steps_before_its_end(bro
     befores = [s[2] for s in kept.steps]
     assert befores[0] >= 2_000_000  # submitted before t0
     assert befores[1:] == [1_000_000, 500_000, 250_000]
+
+
+@pytest.mark.parametrize("broker", ["conn", "fake"])
+def test_a_follower_whose_feed_lagged_gets_the_moves_it_missed_back_from_the_kept_end(broker: str, request: Any) -> None:
+    """A caller saw the submission live, then read the history only after the call had ended (its feed
+    lagged behind): the history is the end alone, and ``missed_moves`` rebuilds the transitions between
+    from its steps, numbered into the gap, in order, with the end's trace id."""
+    r = request.getfixturevalue(broker)
+    calls = Calls(r)
+    info = submit(calls)
+    seen = events.history(r, "c1")
+    assert [e.state for e in seen] == ["pending"]
+    t0 = time.time()
+    calls.move(info, State.ROUTING, attempt=1, current=State.PENDING, ts=t0 + 1.0)
+    calls.move(info, State.EXECUTING, attempt=1, current=State.ROUTING, ts=t0 + 1.5)
+    calls.move(info, State.FORMATTING, attempt=1, current=State.EXECUTING, ts=t0 + 1.75)
+    calls.move(info, State.DONE, attempt=1, current=State.FORMATTING, ts=t0 + 2.0, ttl=60)
+    (end,) = events.history(r, "c1", seen[-1].seq + 1)
+    missed = events.missed_moves(end, seen)
+    assert [(e.state, e.attempt, e.seq) for e in missed] == [("routing", 1, 2), ("executing", 1, 3), ("formatting", 1, 4)]
+    assert [round(e.ts - t0, 3) for e in missed] == [1.0, 1.5, 1.75]
+    assert {e.trace_id for e in missed} == {end.trace_id} and end.seq == 5
+    assert events.missed_moves(end, seen + missed) == []  # nothing missed, nothing made up

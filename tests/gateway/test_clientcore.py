@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from broker import events, keys
+from broker.calls import step_text
 from broker.codec import pack
 from broker.errors import CallCancelled, ExecutorError, InvalidArgs, QueueFull
 from broker.events import Event
@@ -48,6 +49,17 @@ def test_a_handle_takes_each_event_once_in_order_and_its_end_stops_its_routing()
     h.feed(event("c1", 3, "done", result={"ok": 1}))
     assert h.done() and h.final_state == "done" and h.outcome() == {"ok": 1}
     assert router.handles == {} and router.get("c1") is None  # nothing kept without keep_ended
+
+
+def test_a_handle_whose_feed_lagged_past_the_end_still_lists_every_transition() -> None:
+    """Its history read after the call ended is the kept end alone: the moves between come from its steps."""
+    router: Router[CallState] = Router()
+    h = router.track(CallState(router, "c1", "echo"))
+    h.feed(event("c1", 1, "pending"))
+    steps = "".join(step_text(s, 1, t) for s, t in (("pending", 9.0), ("routing", 9.5), ("executing", 9.75), ("formatting", 9.875)))
+    h.feed(events.decode(pack({"call_id": "c1", "seq": 5, "state": "done", "ts": 10.0, "detail": {"result": 1}, "steps": steps})))
+    assert [(e.seq, e.state, e.ts) for e in h._events[1:]] == [(2, "routing", 9.5), (3, "executing", 9.75), (4, "formatting", 9.875), (5, "done", 10.0)]
+    assert h.outcome() == 1
 
 
 def test_an_ended_handle_is_kept_for_lookup_only_with_keep_ended_and_errors_stay_typed() -> None:
