@@ -2,9 +2,9 @@
 
 One tool (concurrency ``--limit`` 8, a Python tool sleeping ``--tool-ms`` 5 ms), warm worker processes.
 1. *alone*: ``--samples`` interactive calls one after another (``call_tool(...).result()``), nothing else.
-2. *behind*: the same while a batch of ``--items`` calls (class ``batch``, its own fairness key) runs on
-   the same tool, submitted in chunks with at most ``--window`` of them unfinished (so the tool always has
-   a backlog of waiting batch calls, and the submitter's memory stays bounded).
+2. *behind*: the same while a batch of ``--items`` calls runs on the same tool, ``gw.batch`` in a process
+   of its own (class ``batch``, the batch id its fairness key), at most ``--window`` of them unfinished
+   (so the tool always has a backlog of waiting batch calls, and the submitter's memory stays bounded).
 3. *fifo* (the reference): a few calls submitted as if they were part of the batch (its key and class),
    which is where every call waited before fair dispatch: behind the whole backlog.
 Latency is submit → ``done`` event at the caller; "to start" is submit → ``routing`` (the slot wait and
@@ -20,7 +20,6 @@ slot comes from the ``steps`` an ended call's terminal event keeps.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import multiprocessing
 import os
@@ -49,6 +48,7 @@ from bench.common import (  # noqa: E402
 
 SLEEP = "workers.executors.builtin:sleep"
 RESULT_TTL = 30  # seconds the latency phases' ended calls are kept (they would otherwise fill the Redis)
+BATCH_TTL = 900  # seconds the batch (its counters and results) is kept: past the run, not a day
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -76,26 +76,22 @@ def interactive(gw: Any, name: str, n: int, seconds: float, waits: list[float] |
     return out
 
 
-def run_batch(url: str, home: str, name: str, items: int, window: int, seconds: float, key: str, out: Any) -> None:
-    """Submit ``items`` batch calls in chunks, keeping at most ``window`` unfinished (run in a process of
-    its own: a submitter thread beside the interactive caller would share its interpreter lock)."""
+def run_batch(url: str, home: str, name: str, items: int, window: int, seconds: float, out: Any) -> None:
+    """Run ``items`` calls as a batch, ``gw.batch`` as users run one (its submitter keeps at most ``window``
+    unfinished and follows the batch's counters, not each call's events); puts the batch id, then the
+    seconds it took (run in a process of its own: a submitter thread beside the interactive caller would
+    share its interpreter lock)."""
     from broker.config import load_settings
     from broker.connection import BrokerHandle, from_url
     from hermes_gateway import Gateway
 
     gw = Gateway(BrokerHandle(from_url(url), url, url), load_settings(home))
     start = time.perf_counter()
-    pending: collections.deque[Any] = collections.deque()
-    sent, chunk = 0, min(500, window)
-    while sent < items or pending:
-        while sent < items and len(pending) + chunk <= window:
-            k = min(chunk, items - sent)
-            batch = gw.map(name, [{"seconds": seconds}] * k, fairness_key=key, call_class="batch")
-            if batch.refused:
-                raise RuntimeError(f"batch refused: {batch.refused[0][1].refused}")
-            pending.extend(batch)
-            sent += k
-        pending.popleft().result(600)
+    job = gw.batch(name, ({"seconds": seconds} for _ in range(items)), window=window, ttl=BATCH_TTL)
+    out.put(job.id)
+    progress = job.wait()
+    if progress.counts.get("done", 0) != items:
+        raise RuntimeError(f"the batch did not end done: {progress.counts}")
     out.put(time.perf_counter() - start)
     gw.close()
 
@@ -136,17 +132,16 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         alone = interactive(gw, name, args.samples, seconds, waits_alone, fairness_key="agent")
         ctx = multiprocessing.get_context("spawn")
         out = ctx.Queue()
-        batch = ctx.Process(
-            target=run_batch, args=(url, str(home), name, args.items, args.window, seconds, f"batch-{queue}", out)
-        )
+        batch = ctx.Process(target=run_batch, args=(url, str(home), name, args.items, args.window, seconds, out))
         batch.start()
+        batch_id = out.get(timeout=60)  # (its calls' fairness key)
         deadline = time.monotonic() + 60
         while backlog(conn, queue, name) < min(args.window // 2, args.items // 2) and time.monotonic() < deadline:
             time.sleep(0.05)  # until the batch has a backlog of waiting calls
         depth = backlog(conn, queue, name)
         waits_behind: list[float] = []
         behind = interactive(gw, name, args.samples, seconds, waits_behind, fairness_key="agent")
-        fifo = interactive(gw, name, args.fifo_samples, seconds, None, fairness_key=f"batch-{queue}", call_class="batch")
+        fifo = interactive(gw, name, args.fifo_samples, seconds, None, fairness_key=batch_id, call_class="batch")
         depth_after = backlog(conn, queue, name)
         elapsed = None
         while elapsed is None:
