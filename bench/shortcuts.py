@@ -11,6 +11,8 @@ A row per shortcut (docs/ARCHITECTURE.md "Why it is fast"; docs/decisions.md for
 - ``redaction``: a call's two log lines through the redaction processor, against ``RedactProcessor``;
 - ``pipes``: an outbox-sized pipeline of four script calls sent to Redis by ``broker.pipes``, against
   redis-py's ``Pipeline.execute`` (``broker.fast_path``);
+- ``claim``: a worker dispatcher's claim on the connection it keeps, sent by ``broker.pipes``, against
+  redis-py's ``Script.__call__`` (``broker.fast_path``);
 - ``lean_spans``: a call's three nested spans on the lean tracer, against the SDK's (``telemetry.lean_spans``).
 
 Rounds are interleaved (each round measures every row both ways, the order alternating), and each figure
@@ -167,6 +169,26 @@ def pipes_row(url: str) -> Row:
     return run, pipes.configure
 
 
+def claim_row(url: str) -> Row:
+    import redis
+
+    from broker import pipes
+    from broker.calls import Calls
+
+    conn = redis.Redis.from_url(url)
+    calls = Calls(conn)
+    kept = conn.connection_pool.get_connection()
+    calls.claim(["hermes-bench-shortcuts"], 8, "bench", 30)  # (loaded: neither way pays a NOSCRIPT)
+
+    def run(n: int) -> float:
+        started = time.perf_counter()
+        for _ in range(n):  # (an empty queue: the claim's own cost, the work of the script aside)
+            calls.claim(["hermes-bench-shortcuts"], 8, "bench", 30, kept)
+        return time.perf_counter() - started
+
+    return run, pipes.configure
+
+
 def lean_spans_row() -> Row:
     from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 
@@ -299,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             "frozen": frozen_row(),
             "redaction": redaction_row(),
             "pipes": pipes_row(url),
+            "claim": claim_row(url),
             "lean_spans": lean_spans_row(),
         }
         if args.only:

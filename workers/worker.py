@@ -115,6 +115,14 @@ class Worker:
             own = redis.Redis(connection_pool=conn.connection_pool, single_connection_client=True)
             self._claims = Calls(own)
         self._unconfirmed_logged = 0.0
+        self._claim_conn: Any = None  # the dispatcher's own connection for its claims (taken once)
+
+    def _claim_connection(self) -> Any:
+        """The dispatcher's kept connection (as the outbox keeps one): its claims skip the pool and
+        redis-py's command layers; None where the claims need their own client (``wait_replicas``)."""
+        if self._claim_conn is None and self._claims is self.core.calls and hasattr(self.conn, "connection_pool"):
+            self._claim_conn = self.conn.connection_pool.get_connection()
+        return self._claim_conn
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -171,7 +179,7 @@ class Worker:
             try:
                 self._turn += 1  # each partition of a queue is claimed from first in turn
                 order = partitions.rotated(self.claim_queues, self._turn)
-                claimed = self._claims.claim(order, free, self.name, self.lease)
+                claimed = self._claims.claim(order, free, self.name, self.lease, self._claim_connection())
             except Exception as e:  # noqa: BLE001 - the dispatcher must go on (a broker hiccup, a bad reply)
                 log.warning("claim failed", error=str(e))
                 claimed = []
@@ -235,6 +243,9 @@ class Worker:
 
     def _shutdown(self) -> None:
         handed_back = drain(self.core, self.pool, self.grace)
+        if self._claim_conn is not None:  # (the dispatcher has returned: nobody claims on it any more)
+            self.conn.connection_pool.release(self._claim_conn)
+            self._claim_conn = None
         try:
             pipe = self.conn.pipeline(transaction=False)  # (keys of several slots on a cluster)
             pipe.zrem(keys.WORKERS, self.name)

@@ -177,6 +177,31 @@ def test_claim_takes_calls_in_order_and_leases_them(fake: Any) -> None:
         assert unpack(c.data)[2][0]["call_id"] == c.call_id
 
 
+@pytest.mark.parametrize("broker", ["conn", "fake"])
+def test_a_claim_on_a_kept_connection_takes_and_leases_as_the_stock_path_does(broker: str, request: Any) -> None:
+    """The dispatcher's claims go through ``pipes`` on a connection it keeps: the same calls, in order,
+    leased the same way, also after the server lost its scripts (NOSCRIPT: loaded again, sent again)."""
+    r = request.getfixturevalue(broker)
+    calls = Calls(r)
+    for i in range(5):
+        submit(calls, env(f"c{i}"))
+    kept = r.connection_pool.get_connection()
+    try:
+        got = calls.claim(["tools"], 2, "worker-a", 30, kept)
+        assert [c.call_id for c in got] == ["c0", "c1"] and all(c.attempt == 1 and c.data for c in got)
+        assert leased(r, "c1") and r.hget(keys.job("c1"), keys.F_WORKER) == b"worker-a"
+        r.script_flush()
+        assert [c.call_id for c in calls.claim(["tools"], 5, "worker-a", 30, kept)] == ["c2", "c3", "c4"]
+        assert calls.claim(["tools"], 5, "worker-a", 30, kept) == [] and leased(r, "c4")
+    finally:
+        r.connection_pool.release(kept)
+
+
+def leased(r: Any, call_id: str) -> bool:
+    score = r.zscore(keys.leases("{tools}"), call_id)
+    return score is not None and time.time() + 29 < score < time.time() + 31 and score == r.zscore(keys.slots("{tools}", CKEY), call_id)
+
+
 def test_claim_reads_queues_in_priority_order(fake: Any) -> None:
     calls = Calls(fake)
     submit(calls, env("low", queue="bulk"))
