@@ -12,7 +12,9 @@ the worker's pick-up), the part fair dispatch decides. The machine is shared: fi
 4. *memory* (unless ``--no-memory``): Redis bytes per finished call (bench/memory.py, goal <= 800), the
    batch submitter's peak RSS extrapolated to 1,000,000 items (bench/batch_rss.py, goal <= 200 MB), and
    with ``--soak 600`` ten minutes at full speed with ``result_ttl: 60`` (used_memory flat).
-The last line is ``interactive_slowdown=<p99 behind / p99 alone>`` (goal <= 2). A JSON result goes to
+The last line is ``interactive_slowdown=<p99 behind / p99 alone>`` (goal <= 2); each p99 is read from
+1,000 calls (the 10th slowest: from 200, the 2nd or 3rd slowest, a ratio of two such moved by ±0.4 from
+run to run). A JSON result goes to
 ``bench/results/mix-<UTC time>.json``. Workers run as users run them (no ``keep_history``): the wait for a
 slot comes from the ``steps`` an ended call's terminal event keeps.
 """
@@ -206,7 +208,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--items", type=int, default=100_000, help="calls in the batch")
     parser.add_argument("--window", type=int, default=5_000, help="batch calls unfinished at most (its backlog)")
-    parser.add_argument("--samples", type=int, default=200, help="interactive calls per phase")
+    parser.add_argument("--samples", type=int, default=1000, help="interactive calls per phase (p99 = the 10th slowest)")
     parser.add_argument("--fifo-samples", type=int, default=5, help="calls queued as part of the batch (reference)")
     parser.add_argument("--limit", type=int, default=8, help="the tool's concurrency")
     parser.add_argument("--tool-ms", type=float, default=5.0, help="how long the tool runs")
