@@ -20,7 +20,7 @@ def test_shortcuts_runs_each_shortcut_both_ways_and_writes_its_json(redis_url: s
     lines = bench("shortcuts.py", "--url", redis_url, *small, "--out", str(out))
     assert re.fullmatch(r"shortcuts_ratio=\d+\.\d{3}", lines[-1])
     result = json.loads(out.read_text())
-    assert set(result["rows"]) == {"threads", "quickcheck", "frozen", "redaction", "pipes", "lean_spans"}
+    assert set(result["rows"]) == {"threads", "quickcheck", "frozen", "redaction", "pipes", "claim", "lean_spans"}
     assert all(len(row["rounds"]) == 2 and row["on_us"] > 0 and row["off_us"] > 0 for row in result["rows"].values())
     assert result["load_average"]["before"] and result["commit"] is not None
     assert result["end_to_end"]["on_calls_per_s"] > 0 and result["end_to_end"]["off_worker_us"] > 0
