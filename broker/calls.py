@@ -1,8 +1,8 @@
 """Call records in Redis: submit, claim, transition, lease and reap, each one atomic script.
 
 ``Calls`` holds every scripted operation on a call's record: callers submit (SUBMIT: admission,
-idempotency, the ``pending`` event), workers claim, extend leases, reap and requeue (CLAIM, TAKE_DUE,
-REQUEUE), and both move calls (TRANSITION). What a record holds (``CallInfo``, the job fields, the
+idempotency, the ``pending`` event), workers claim, extend leases and reap (CLAIM, TAKE_DUE), and both
+move calls (TRANSITION). What a record holds (``CallInfo``, the job fields, the
 envelope in it, times and scores) is in ``broker.records``.
 
 Every write takes an optional ``pipeline``; only the creator of a pipeline executes it.
@@ -62,7 +62,6 @@ class Calls:
         self.conn = conn
         self._claim = conn.register_script(scripts.CLAIM)
         self._reap = conn.register_script(scripts.TAKE_DUE)
-        self._requeue = conn.register_script(scripts.REQUEUE)
         self._strict_ids = is_cluster(conn)  # (see claim.lua: ids of another slot are not looked up)
 
         self._submit = conn.register_script(scripts.SUBMIT)
@@ -220,17 +219,6 @@ class Calls:
     def wake_channel(self, queue: str) -> str:
         """The wake-up channel of ``queue`` (pub/sub is shared by every DB of a server: scoped to ours)."""
         return keys.channel(self.conn, keys.wake(partitions.base(queue)))
-
-    def requeue_unstarted(self, call_id: str, ckey: str, queue: str, pipeline: Pipeline | None = None) -> Any:
-        """A call leased but never started, still ``pending`` and holding its slot: back at the head of its
-        queue, unleased, keeping the slot (a no-op otherwise)."""
-        tag = keys.tag(queue)
-        return pipes.script(
-            self._requeue,
-            [keys.leases(tag), keys.slots(tag, ckey), keys.queue(queue), keys.job(call_id)],
-            [call_id, self.wake_channel(queue)],
-            pipeline,
-        )
 
     # -- workers ---------------------------------------------------------------------------------
 
@@ -633,7 +621,7 @@ class Calls:
     def load_scripts(self) -> None:
         """Load the scripts the hot paths queue into pipelines, so that none is refused (NOSCRIPT) and
         rerun after the commands queued behind it: writes of a worker depend on their order."""
-        for script in (self._transition, self._requeue, self._submit):
+        for script in (self._transition, self._submit):
             self.conn.script_load(script.script)
 
     # -- reading ---------------------------------------------------------------------------------

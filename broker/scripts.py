@@ -36,7 +36,6 @@ RATE_SENT = load("rate_sent", "ratelimit")
 RATE_PAUSE = load("rate_pause", "ratelimit")
 RATE_DUE = load("rate_due")
 RATE_PROMOTE = load("rate_promote", "ratelimit", "slots")
-REQUEUE = load("requeue")
 BREAKER_CHECK = load("breaker_check")
 BREAKER_RECORD = load("breaker_record")
 AUDIT_APPEND = ALLOW_OOM + load("audit_append")  # (an ended call's record, written with its end)
@@ -45,7 +44,7 @@ POLICY_PUSH = load("policy_push")
 POLICY_CLEAR = load("policy_clear")
 
 # The scripts sent inside pipelines (a cluster client loads them on every primary up front).
-PIPELINED = (SUBMIT, TRANSITION, REQUEUE, AUDIT_APPEND, RATE_SENT)
+PIPELINED = (SUBMIT, TRANSITION, AUDIT_APPEND, RATE_SENT)
 
 
 _FLAGS: dict[int, bool] = {}  # id of a connection pool -> whether its server takes script flags
