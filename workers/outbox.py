@@ -146,7 +146,7 @@ class Outbox:
             pipe = self.conn.pipeline(transaction=False)
             starts = []
             for writer, _ in batch:
-                starts.append(len(pipe.command_stack))
+                starts.append(len(pipe))  # (a cluster pipeline queues elsewhere: its command_stack stays empty)
                 writer(pipe)
             confirm = self.confirmer is not None and self.confirmer.queue(pipe)
             try:

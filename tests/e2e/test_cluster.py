@@ -67,6 +67,29 @@ def _history(gw: Any, cid: str) -> list[Any]:
     return events.history(gw.conn, cid)
 
 
+def test_each_outbox_write_on_a_cluster_gets_its_own_reply(curl: str) -> None:
+    """A worker's outbox sends many calls' writes in one cluster pipeline; each writer's callback gets the
+    reply of its own first command. (redis-py's ClusterPipeline queues commands away from its
+    ``command_stack``: counted there, every callback got the first write's reply, and one fenced move
+    marked every call of its batch lost.)"""
+    from broker.connection import from_url
+    from workers.outbox import Outbox
+
+    conn = from_url(curl)
+    box = Outbox(conn)
+    gate, got = threading.Event(), {}
+    try:
+        box.put(lambda pipe: gate.wait(5) and pipe.exists("hermes:test:gate"))  # (the rest queue up behind it)
+        for i in range(12):
+            box.put(lambda pipe, i=i: pipe.incrby(f"hermes:test:reply:{i}", i + 1), lambda reply, i=i: got.__setitem__(i, reply))
+        gate.set()
+        assert box.flush(10)
+        assert got == {i: i + 1 for i in range(12)}
+    finally:
+        box.close()
+        conn.close()
+
+
 def test_status_on_a_cluster_is_a_table_not_a_moved_error(curl: str, cgateway: Any, home: Any) -> None:
     home.sleep_tool()
     cgateway.sync_tools()
