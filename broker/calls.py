@@ -257,7 +257,7 @@ class Calls:
         return out
 
     def _claim_one(self, keys_: list[str], args: list[Any], connection: Any) -> Any:
-        if connection is None or not pipes.FAST or self._strict_ids:  # (a cluster: redis-py routes it)
+        if connection is None or not pipes.FAST:  # (a cluster client keeps no connection: redis-py routes it)
             return self._claim(keys=keys_, args=args)
         pipe = self.conn.pipeline(transaction=False)
         pipes.script(self._claim, keys_, args, pipe)
