@@ -230,28 +230,18 @@ class Calls:
         through ``pipes`` on a plain Redis (``bench/shortcuts.py``'s ``claim`` row: ~73 µs a claim against
         ~132 through redis-py's ``Script.__call__``)."""
         out: list[Claimed] = []
-        deadline, now = lease_deadline(lease), rq_now()
         for q in queues:
-            tag = keys.tag(q)
             try:
                 reply, absent = self._claim_one(
-                    [keys.leases(tag), keys.queue(q)],
-                    [n - len(out), worker, deadline, now, keys.job(""), keys.slots(tag, ""), tag + "." if self._strict_ids else ""],
+                    [keys.leases(keys.tag(q)), keys.queue(q)],
+                    [*self.claim_args(q, n - len(out), worker, lease), keys.job("")],
                     connection,
                 )
             except redis.RedisError as e:
                 if not pipes.moving(e):
                     raise
                 continue  # this queue's slot is moving to another node: claimed again once it is there
-            if absent:
-                for gone in self.recheck_absent(absent, requeue=keys.queue(q)):
-                    DROPPED.warn(q, gone)
-            for i in range(0, len(reply), 3):
-                cid, data, attempt = reply[i], reply[i + 1], reply[i + 2]
-                try:
-                    out.append(Claimed(cid.decode(), data or b"", int(attempt or 1)))
-                except (TypeError, ValueError):  # one unreadable record is settled alone (broker.poison)
-                    poison.settle(self, cid, poison.row_problem({"h_attempt": attempt}))  # type: ignore[arg-type]
+            out += self.claimed(q, reply, absent)
             if len(out) >= n:
                 break
         return out
@@ -265,6 +255,27 @@ class Calls:
         if isinstance(reply, Exception):
             raise reply
         return reply
+
+    def claim_args(self, queue: str, n: int, worker: str, lease: float) -> list[Any]:
+        """TRANSITION's ``take`` of ``n`` calls of ``queue`` (claiming.lua's claim_calls), CLAIM's arguments
+        but the job prefix (TRANSITION has it already)."""
+        tag = keys.tag(queue)
+        return [n, worker, lease_deadline(lease), rq_now(), keys.slots(tag, ""), tag + "." if self._strict_ids else ""]
+
+    def claimed(self, queue: str, reply: list[Any], absent: list[bytes]) -> list[Claimed]:
+        """The calls a claim took (claim_calls' reply): ids not found here are asked again where a cluster's
+        redirections are followed (``recheck_absent``), an unreadable record is settled alone."""
+        if absent:
+            for gone in self.recheck_absent(absent, requeue=keys.queue(queue)):
+                DROPPED.warn(queue, gone)
+        out: list[Claimed] = []
+        for i in range(0, len(reply), 3):
+            cid, data, attempt = reply[i], reply[i + 1], reply[i + 2]
+            try:
+                out.append(Claimed(cid.decode(), data or b"", int(attempt or 1)))
+            except (TypeError, ValueError):  # one unreadable record is settled alone (broker.poison)
+                poison.settle(self, cid, poison.row_problem({"h_attempt": attempt}))  # type: ignore[arg-type]
+        return out
 
     def recheck_absent(self, ids: list[bytes], *, requeue: str | None = None, zset: str | None = None) -> list[bytes]:
         return recheck_absent(self.conn, ids, requeue=requeue, zset=zset)
@@ -348,6 +359,7 @@ class Calls:
         unleased: bool = False,
         used_tokens: int | None = None,
         sent: bool = True,
+        take: Sequence[Any] = (),
     ) -> Any:
         """Move a call to ``target`` (or publish a non-state event when None), atomically with its event.
 
@@ -362,6 +374,8 @@ class Calls:
         ``schedule_at`` puts a ``retrying`` call on the scheduled set, due at that time. Releasing settles
         the call's rate-limiter entry with ``used_tokens`` (None: its estimate stands); ``sent`` False says
         its request never left (the entry is given back), else one not stamped yet counts from now.
+        ``take`` (``claim_args`` of the call's queue): a releasing worker takes that many next calls in
+        the same script; the reply then ends with claim_calls' two lists (``claimed`` reads them).
         """
         release = target is not None and (target in TERMINAL or target is State.RETRYING)
         if via and target is None:
@@ -433,7 +447,8 @@ class Calls:
                 "1" if self.keep_history else "",
                 "".join(moves),
                 move,
-                *flat,
+                *(take or _NO_TAKE),
+                *flat,  # (ARGV 29 on: how many earlier events, those events, then the job fields)
             ],
             pipeline,
         )
@@ -455,10 +470,12 @@ class Calls:
         pipeline: Pipeline | None = None,
         used_tokens: int | None = None,
         sent: bool = True,
+        take: Sequence[Any] = (),
     ) -> Any:
         """A worker moves the call it holds (fenced by ``attempt``), with the moves ``via`` not written yet;
         a terminal ``target`` ends it (``fields``: result or error, ``ttl``: how long the record stays;
-        ``used_tokens`` / ``sent``: its rate limiter's settlement, see ``transition``)."""
+        ``used_tokens`` / ``sent``: its rate limiter's settlement, ``take``: the next calls it takes, see
+        ``transition``)."""
         return self.transition(
             info,
             target,
@@ -472,6 +489,7 @@ class Calls:
             pipeline=pipeline,
             used_tokens=used_tokens,
             sent=sent,
+            take=take,
         )
 
     def note(
@@ -629,6 +647,9 @@ class Calls:
     def record(self, call_id: str) -> dict[str, Any] | None:
         """The call's record as plain values (state, attempt, result, error, ...)."""
         return read_record(self.conn, call_id)
+
+_NO_TAKE = ('',) * 6  # TRANSITION's ARGV 23-28 when it takes no call
+
 
 def step_text(state: str, attempt: int, ts: float) -> str:
     """One transition as the record's ``h_steps`` keeps it, ``<state's code><attempt> <µs since the

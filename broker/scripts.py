@@ -28,8 +28,8 @@ def load(name: str, *libs: str) -> str:
 ALLOW_OOM = "#!lua flags=allow-oom\n"
 
 SUBMIT = load("submit", "with_seq", "ratelimit", "slots")
-TRANSITION = ALLOW_OOM + load("transition", "with_seq", "ratelimit", "slots")
-CLAIM = load("claim")
+TRANSITION = ALLOW_OOM + load("transition", "with_seq", "ratelimit", "slots", "claiming")
+CLAIM = load("claim", "claiming")
 TAKE_DUE = load("take_due")  # REAP and DUE
 SWEEP = load("sweep", "ratelimit", "slots")
 RATE_SENT = load("rate_sent", "ratelimit")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +71,7 @@ class Running:
     # Guards joining that write against the sender taking it, and the call's writes queueing in move order
     # (one per call: the calls of a process never wait on each other's writes).
     writes: threading.Lock = field(default_factory=threading.Lock)
+    passed_on: bool = False  # its end takes the next call, which gets its thread slot (``CallRunner.next_call``)
 
     @property
     def queue_wait(self) -> float:
@@ -106,6 +107,11 @@ class CallRunner:
 
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
+        # Set by the worker: the TRANSITION ``take`` arguments for the call ending (None: take none), and
+        # what gets the reply (the calls taken, which start on the ended call's thread slot, or nothing
+        # and the slot goes back). Without them each ending call's slot goes back at once.
+        self.next_call: Callable[[Running], Sequence[Any] | None] | None = None
+        self.took: Callable[[str, Any], None] | None = None
         hooks = [cls(core) for cls in HOOKS]
         self._starts = [h.before_call for h in hooks if overrides(h, "before_call")]
         self._ends = [h.after_call for h in reversed(hooks) if overrides(h, "after_call")]
@@ -265,13 +271,14 @@ class CallRunner:
 
     # -- the call --------------------------------------------------------------------------------
 
-    def run(self, claimed: Claimed) -> None:
-        """Run one claimed call to a terminal state (or hand it back); never raises."""
+    def run(self, claimed: Claimed) -> bool:
+        """Run one claimed call to a terminal state (or hand it back); never raises. True when its thread
+        slot passed on with its end (``next_call``: the worker must not give it back)."""
         try:
             env = envelope_of(claimed.data)
         except DecodeError as e:
             self._fail_undecodable(claimed, e)
-            return
+            return False
         ckey = self.core.ckey_of(env)
         claimed_at = time.time()
         # With tracing on, events carry the consumer span's id, so events and spans line up.
@@ -313,6 +320,7 @@ class CallRunner:
                 self._ended(run, outcome, None, time.monotonic() - run.started)
             trace.finish()
             structlog.contextvars.clear_contextvars()
+        return run.passed_on
 
     def _run(self, run: Running) -> None:
         env, core = run.env, self.core
@@ -458,15 +466,19 @@ class CallRunner:
             kw["sent"] = run.sent
             if run.usage is not None:
                 kw["used_tokens"] = run.usage["in"] + run.usage["out"]
-        self._write(
-            run,
-            current,
-            (target, detail, time.time()),
-            kw,
-            check=lambda reply: self._check(run, target, reply),
-            after=after if writers else None,
-            last=True,
-        )
+        take = self.next_call(run) if self.next_call is not None and self.took is not None else None
+        took = self.took if take else None
+        if take:
+            kw["take"], run.passed_on = take, True
+
+        def check(reply: Any) -> None:
+            try:
+                self._check(run, target, reply)
+            finally:
+                if took is not None:  # (the calls it took start on its thread slot, else the slot goes back)
+                    took(run.info.queue, reply)
+
+        self._write(run, current, (target, detail, time.time()), kw, check=check, after=after if writers else None, last=True)
         self._ended(run, outcome, error, duration)
 
     def _fail_undecodable(self, claimed: Claimed, err: DecodeError) -> None:

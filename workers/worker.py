@@ -116,6 +116,11 @@ class Worker:
             self._claims = Calls(own)
         self._unconfirmed_logged = 0.0
         self._claim_conn: Any = None  # the dispatcher's own connection for its claims (taken once)
+        # A call ending here takes the next one of its queue in the same script (when its release promoted
+        # one, that one): no wake-up, dispatcher or claim of its own (not with wait_replicas: claims wait
+        # for the replicas there, see _confirm_claims).
+        if settings.broker.wait_replicas <= 0:
+            self.runner.next_call, self.runner.took = self._next_call, self._took
 
     def _claim_connection(self) -> Any:
         """The dispatcher's kept connection (as the outbox keeps one): its claims skip the pool and
@@ -265,12 +270,37 @@ class Worker:
         self.claim_queues[:] = partitions.expand(self.queues, (e.spec for e in self.core.directory.all()))
 
     def _run_one(self, claimed: Any) -> None:
+        passed_on = False
         try:
-            self.runner.run(claimed)
+            passed_on = self.runner.run(claimed)
         except Exception:  # noqa: BLE001 - run() never raises; if it did, the token still goes back
             log.exception("call thread failed")
         finally:
+            if not passed_on:  # (else its end took the next call: _took gives it or the token)
+                self._slots.give()
+
+    def _next_call(self, run: Any) -> list[Any] | None:
+        """TRANSITION's ``take`` for a call ending here: one next call of its queue, on its thread slot."""
+        if self.stopping.is_set():
+            return None
+        return self.core.calls.claim_args(run.info.queue, 1, self.name, self.lease)
+
+    def _took(self, queue: str, reply: Any) -> None:
+        """The ending's reply (on the outbox thread): the call it took starts on the ended call's thread
+        slot; when it took none (nothing waited, a fenced or failed write) the slot goes back."""
+        claimed = []
+        if not isinstance(reply, Exception) and len(reply) >= 4:
+            try:
+                claimed = self.core.calls.claimed(queue, reply[2], reply[3])
+            except Exception as e:  # noqa: BLE001 - (a broker hiccup rechecking an absent id) the slot goes back
+                log.warning("taking the next call failed", error=str(e))
+        if len(claimed) < 1:
             self._slots.give()
+        for c in claimed:
+            try:
+                self.pool.submit(self._run_one, c)
+            except RuntimeError:  # (shut down meanwhile: leased here, never started; the reaper puts it back)
+                log.warning("a call taken at shutdown is left to the reaper", call_id=c.call_id)
 
     # -- background threads ----------------------------------------------------------------------
 

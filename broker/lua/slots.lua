@@ -102,7 +102,8 @@ local function promote(slots, wi, wb, fair, queue, limit, wake_channel, job_pref
     redis.call('RPUSH', queue, id)
     moved = true
   end
-  if moved then redis.call('PUBLISH', wake_channel, '') end
+  if moved and wake_channel ~= '' then redis.call('PUBLISH', wake_channel, '') end
+  return moved
 end
 -- A call leaves waiting without being promoted (cancelled, failed): out of its class's set and counts
 -- (`job`: its record, for its fairness key).

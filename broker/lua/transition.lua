@@ -1,5 +1,5 @@
 -- TRANSITION: move a call (or record a non-state event), atomically with its events (uses with_seq,
--- ratelimit, slots).
+-- ratelimit, slots, claiming).
 -- KEYS: 1 job hash, 2 history list, 3 leases zset, 4 interactive waiting zset, 5 slots zset (of the
 --       call's concurrency key), 6 limits hash, 7 scheduled zset, 8 queue list, 9 batch waiting zset,
 --       10 fair-state hash, 11 rate limiter hash, 12 its log (4, 5, 9-12 of the call's concurrency key),
@@ -7,7 +7,9 @@
 --       queue tag
 -- ARGV: see the locals below; then `before` earlier event payloads (moves the call made since its last
 --       write, recorded and published in order first), then field/value pairs for the job hash
--- Returns {seq, state before}; seq < 0: -1 no such call, -2 attempt fence, -3 wrong source state.
+-- Returns {seq, state before}; seq < 0: -1 no such call, -2 attempt fence, -3 wrong source state. With
+-- `take` (ARGV 23-28), a release also returns the calls it took: {seq, state before, {call_id, data,
+-- attempt, ...}, {absent id, ...}}, as CLAIM does.
 -- Ending with a ttl also expires the call's idempotency key (named in its record's `h_idem`: a key of
 -- the same tag, so of this slot) while it still names this call. The records of the calls promote pops
 -- are read at job_prefix .. id (their fairness key; same tag, same slot).
@@ -44,8 +46,15 @@ local used = ARGV[19]           -- tokens the call used, settled with its rate l
 local keep_history = ARGV[20]   -- '1' = an ended call keeps every event (workers.keep_history)
 local moves = ARGV[21]          -- the earlier events' transitions, a step each (broker.calls.step_text; the record's h_steps)
 local move = ARGV[22]           -- this event's, '' when it is no transition
-local before = tonumber(ARGV[23])
-local EARLY = 24
+-- A worker ending the call (with `release`) takes the next calls of its queue in the same script, the
+-- ones its promote just put there first: `take` of them ('' = none; it holds a free slot of its own for
+-- each), leased to `worker` until `deadline` (claiming's claim_calls; they come back as the reply's third
+-- and fourth entries). The wake-up goes out only if calls are left on the queue for other workers.
+local take = tonumber(ARGV[23]) or 0
+local worker, deadline, started_at = ARGV[24], ARGV[25], ARGV[26]
+local slots_prefix, id_prefix = ARGV[27], ARGV[28]
+local before = tonumber(ARGV[29])
+local EARLY = 30
 local FIELDS = EARLY + before
 -- What an ended call's hash keeps (broker/records.py reads the rest from its terminal event): state and
 -- attempt (scripts, the record), RQ's status, kind and tool (handles by id, idempotent resubmissions),
@@ -97,6 +106,7 @@ elseif lease ~= '' then
   redis.call('ZADD', KEYS[3], lease, call_id)
 end
 local rate = nil
+local woken = false  -- this release promoted calls onto the queue (their wake-up waits for the take)
 if release == '1' or requeue == '1' then rate = rate_of(KEYS[11], KEYS[12], KEYS[13], ckey) end
 if release == '1' then
   if st == 'pending' then  -- (only a pending call waits)
@@ -104,7 +114,9 @@ if release == '1' then
   end
   rate_settle(rate, call_id, used, state == 'done' or state == 'failed' or state == 'cancelled')
   if redis.call('ZREM', KEYS[5], call_id) == 1 then
-    promote(KEYS[5], KEYS[4], KEYS[9], KEYS[10], KEYS[8], limit_of(KEYS[6], ckey), wake_channel, job_prefix, rate)
+    local channel_now = wake_channel
+    if take > 0 then channel_now = '' end
+    woken = promote(KEYS[5], KEYS[4], KEYS[9], KEYS[10], KEYS[8], limit_of(KEYS[6], ckey), channel_now, job_prefix, rate)
   end
 end
 if due ~= '' then
@@ -189,4 +201,9 @@ if batch_new then
   for _, part in ipairs({':r', ':x', ':o', ':n'}) do redis.call('EXPIRE', bkey .. part, bttl) end
 end
 redis.call(publish, channel, ev)
+if take > 0 and release == '1' then
+  local claimed = claim_calls(KEYS[3], KEYS[8], take, worker, deadline, started_at, job_prefix, slots_prefix, id_prefix)
+  if woken and redis.call('LLEN', KEYS[8]) > 0 then redis.call('PUBLISH', wake_channel, '') end
+  return {seq, st, claimed[1], claimed[2]}
+end
 return {seq, st}

@@ -204,6 +204,34 @@ def leased(r: Any, call_id: str) -> bool:
     return score is not None and time.time() + 29 < score < time.time() + 31 and score == r.zscore(keys.slots("{tools}", CKEY), call_id)
 
 
+def test_a_worker_ending_a_call_takes_the_next_one_its_release_promoted_in_the_same_script(broker: str, request: Any) -> None:
+    """TRANSITION with ``take``: the call waiting for the slot the ending call gives back is promoted and
+    leased to that worker at once, with no wake-up for the other workers (nothing left on the queue); one
+    more waiting call stays waiting, and an ending with nothing to take returns no calls."""
+    r = request.getfixturevalue(broker)
+    calls = Calls(r)
+    for i in range(3):
+        assert submit(calls, env(f"c{i}"), concurrency=1)[0]
+    [first] = calls.claim(["tools"], 1, "w1", 30)
+    wakes = r.pubsub()
+    wakes.subscribe(calls.wake_channel("tools"))
+    assert wakes.get_message(timeout=1)["type"] == "subscribe"
+    info = CallInfo.of(env("c0"), CKEY)
+    reply = calls.transition(info, State.CANCELLED, attempt=1, fence=False, ttl=60, take=calls.claim_args("tools", 1, "w1", 30))
+    assert reply[0] > 0 and first.call_id == "c0"
+    [taken] = calls.claimed("tools", reply[2], reply[3])
+    assert (taken.call_id, taken.attempt) == ("c1", 1) and unpack(taken.data)[2][0]["call_id"] == "c1"
+    assert r.hget(keys.job("c1"), keys.F_WORKER) == b"w1" and r.zscore(keys.leases("{tools}"), "c1") > time.time()
+    assert r.zscore(keys.slots("{tools}", CKEY), "c1") == r.zscore(keys.leases("{tools}"), "c1")  # leased, not queued
+    assert r.llen(keys.queue("tools")) == 0 and r.zcard(keys.waiting("{tools}", CKEY)) == 1  # c2 still waits
+    assert wakes.get_message(timeout=0.2) is None  # nobody else was woken for it
+    r.hset(keys.job("c2"), "h_state", "cancelled")  # (c2 leaves without a slot: the next ending takes none)
+    r.zrem(keys.waiting("{tools}", CKEY), "c2")
+    done = calls.transition(CallInfo.of(env("c1"), CKEY), State.CANCELLED, attempt=1, fence=False, ttl=60, take=calls.claim_args("tools", 1, "w1", 30))
+    assert done[0] > 0 and calls.claimed("tools", done[2], done[3]) == []
+    wakes.close()
+
+
 def test_claim_reads_queues_in_priority_order(fake: Any) -> None:
     calls = Calls(fake)
     submit(calls, env("low", queue="bulk"))
