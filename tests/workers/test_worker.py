@@ -371,3 +371,35 @@ def test_a_call_whose_last_writes_wait_in_the_outbox_keeps_its_lease_until_they_
         gate.set()
         w.core.close()
         w.pool.shutdown()
+
+
+def test_a_call_ending_here_takes_the_next_waiting_one_onto_its_thread_slot(fake: Any, settings: Settings) -> None:
+    """Limit 1, three calls: the worker claims the first; each ending takes the next call in its TRANSITION
+    and runs it on the same thread slot (no dispatcher runs here: only the takes can start them); the last ending takes none and its
+    slot goes back, so every slot is free again and each call ran once."""
+    Directory(fake).register(check_spec({**TOOLS[0], "concurrency": 1}))
+    w = Worker(fake, settings, ["tools"], concurrency=2, name="w-a")
+    try:
+        for i in range(3):
+            Calls.check_submit(
+                Calls(fake).submit(
+                    Envelope(call_id=f"c{i}", kind="tool", tool="echo", args={"i": i}, traceparent=TP, channel="hermes:ch:t"),
+                    ckey="tool:echo", queue_size=-1, max_attempts=1, timeout=30, concurrency=1,
+                ),
+                "tool:echo",
+                -1,
+            )
+        heard(fake)
+        assert w._slots.take(1) == 1  # as the dispatcher does before its claim
+        [first] = w.core.calls.claim(["tools"], 1, w.name, w.lease)
+        assert first.call_id == "c0" and fake.llen(keys.queue("tools")) == 0  # the others wait for the slot
+        w._run_one(first)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not (w._slots.free == 2 and w.core.calls.record("c2")["state"] == "done"):
+            w.core.outbox.flush(1)
+            time.sleep(0.01)
+        assert [w.core.calls.record(f"c{i}")["state"] for i in range(3)] == ["done"] * 3
+        assert w._slots.free == 2 and w.core.processed == 3
+    finally:
+        w.core.close()
+        w.pool.shutdown()
