@@ -257,8 +257,10 @@ class Calls:
         return reply
 
     def claim_args(self, queue: str, n: int, worker: str, lease: float) -> list[Any]:
-        """TRANSITION's ``take`` of ``n`` calls of ``queue`` (claiming.lua's claim_calls), CLAIM's arguments
-        but the job prefix (TRANSITION has it already)."""
+        """CLAIM's arguments but the job prefix: TRANSITION's ``take`` of ``n`` calls of ``queue``
+        (claiming.lua's claim_calls) are these and then the taker's share (``held`` calls of the ending
+        call's key besides it, ``peers`` workers on the queue; transition.lua takes while held * peers <
+        the key's limit)."""
         tag = keys.tag(queue)
         return [n, worker, lease_deadline(lease), rq_now(), keys.slots(tag, ""), tag + "." if self._strict_ids else ""]
 
@@ -448,7 +450,7 @@ class Calls:
                 "".join(moves),
                 move,
                 *(take or _NO_TAKE),
-                *flat,  # (ARGV 29 on: how many earlier events, those events, then the job fields)
+                *flat,  # (ARGV 31 on: how many earlier events, those events, then the job fields)
             ],
             pipeline,
         )
@@ -648,7 +650,7 @@ class Calls:
         """The call's record as plain values (state, attempt, result, error, ...)."""
         return read_record(self.conn, call_id)
 
-_NO_TAKE = ('',) * 6  # TRANSITION's ARGV 23-28 when it takes no call
+_NO_TAKE = ('',) * 8  # TRANSITION's ARGV 23-30 when it takes no call
 
 
 def step_text(state: str, attempt: int, ts: float) -> str:

@@ -34,7 +34,7 @@ from hermes_gateway.clientcore import CallOptions, tool_envelope, tool_limits
 if TYPE_CHECKING:
     from hermes_gateway.client import Gateway
 
-CHUNK = 100  # items per pipelined round trip
+CHUNK = 20  # items per pipelined round trip (~1 ms of Redis: other clients wait behind a pipeline; docs/decisions.md)
 READ_CHUNK = 500  # results read per round trip
 POLL = 0.2  # seconds between looks at the counters while waiting
 STATES = ("submitting", "submitted", "cancelled")  # of the submission; "finished" is derived from counts

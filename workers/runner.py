@@ -72,6 +72,7 @@ class Running:
     # (one per call: the calls of a process never wait on each other's writes).
     writes: threading.Lock = field(default_factory=threading.Lock)
     passed_on: bool = False  # its end takes the next call, which gets its thread slot (``CallRunner.next_call``)
+    take_sent: Sequence[Any] = ()  # the ``take`` arguments its ending write last went with
 
     @property
     def queue_wait(self) -> float:
@@ -110,8 +111,8 @@ class CallRunner:
         # Set by the worker: the TRANSITION ``take`` arguments for the call ending (None: take none), and
         # what gets the reply (the calls taken, which start on the ended call's thread slot, or nothing
         # and the slot goes back). Without them each ending call's slot goes back at once.
-        self.next_call: Callable[[Running], Sequence[Any] | None] | None = None
-        self.took: Callable[[str, Any], None] | None = None
+        self.next_call: Callable[[Running], Callable[[], Sequence[Any]] | None] | None = None
+        self.took: Callable[[str, Any, Sequence[Any]], None] | None = None
         hooks = [cls(core) for cls in HOOKS]
         self._starts = [h.before_call for h in hooks if overrides(h, "before_call")]
         self._ends = [h.after_call for h in reversed(hooks) if overrides(h, "after_call")]
@@ -206,6 +207,9 @@ class CallRunner:
                 w.taken = True
                 steps, kw, after = list(w.steps), w.kw, list(w.after)
             target, detail, ts = steps[-1]
+            if callable(kw.get("take")):  # (its lease deadline from when it goes out, every time it does)
+                run.take_sent = kw["take"]()
+                kw = {**kw, "take": run.take_sent}
             calls.move(
                 run.info, target, attempt=run.attempt, current=w.current, detail=detail, via=steps[:-1], ts=ts,
                 pipeline=pipe, **kw,
@@ -476,7 +480,7 @@ class CallRunner:
                 self._check(run, target, reply)
             finally:
                 if took is not None:  # (the calls it took start on its thread slot, else the slot goes back)
-                    took(run.info.queue, reply)
+                    took(run.info.queue, reply, run.take_sent)
 
         self._write(run, current, (target, detail, time.time()), kw, check=check, after=after if writers else None, last=True)
         self._ended(run, outcome, error, duration)

@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -116,6 +117,7 @@ class Worker:
             self._claims = Calls(own)
         self._unconfirmed_logged = 0.0
         self._claim_conn: Any = None  # the dispatcher's own connection for its claims (taken once)
+        self._peers: dict[str, int] = {}  # live workers per queue, read with each heartbeat
         # A call ending here takes the next one of its queue in the same script (when its release promoted
         # one, that one): no wake-up, dispatcher or claim of its own (not with wait_replicas: claims wait
         # for the replicas there, see _confirm_claims).
@@ -279,17 +281,34 @@ class Worker:
             if not passed_on:  # (else its end took the next call: _took gives it or the token)
                 self._slots.give()
 
-    def _next_call(self, run: Any) -> list[Any] | None:
-        """TRANSITION's ``take`` for a call ending here: one next call of its queue, on its thread slot."""
+    def _next_call(self, run: Any) -> Callable[[], list[Any]] | None:
+        """TRANSITION's ``take`` for a call ending here: one next call of its queue, on its thread slot, while
+        this worker holds less than its share of the key's limit (the workers on the queue, as of the last
+        heartbeat). Its arguments are made when the write goes out (again if the broker was away): the
+        taken call's lease counts from then."""
         if self.stopping.is_set():
             return None
-        return self.core.calls.claim_args(run.info.queue, 1, self.name, self.lease)
+        queue = run.info.queue
+        held = self.core.held(run.info.ckey) - 1  # (the ending call still counts here)
+        peers = self._peers.get(partitions.base(queue), 1)
+        calls, name, lease = self.core.calls, self.name, self.lease
+        return lambda: [*calls.claim_args(queue, 1, name, lease), held, peers]
 
-    def _took(self, queue: str, reply: Any) -> None:
+    def _took(self, queue: str, reply: Any, take: Sequence[Any]) -> None:
         """The ending's reply (on the outbox thread): the call it took starts on the ended call's thread
-        slot; when it took none (nothing waited, a fenced or failed write) the slot goes back."""
+        slot; when it took none (nothing waited, a fenced or failed write) the slot goes back.
+
+        A reply that comes late (half the lease gone: its write waited for a cluster slot that moved, with
+        the rest of its batch) starts nothing: the call was leased to us when taken and no heartbeat kept
+        its lease, so the reaper may have given it to another worker. It stays pending and leased until
+        its lease ends; the reaper then puts it back at the head of its queue, at no cost to its attempts."""
         claimed = []
-        if not isinstance(reply, Exception) and len(reply) >= 4:
+        if not take:  # (its write never went out)
+            pass
+        elif time.time() > float(take[2]) - self.lease / 2:  # (take[2]: the lease deadline it was taken with)
+            if not isinstance(reply, Exception) and len(reply) >= 4 and reply[2]:
+                log.warning("a call taken by a late write is left to the reaper", call_id=reply[2][0].decode(errors="replace"))
+        elif not isinstance(reply, Exception) and len(reply) >= 4:
             try:
                 claimed = self.core.calls.claimed(queue, reply[2], reply[3])
             except Exception as e:  # noqa: BLE001 - (a broker hiccup rechecking an absent id) the slot goes back
@@ -314,9 +333,12 @@ class Worker:
             self.rq.set_state(WorkerStatus.BUSY if runs else WorkerStatus.IDLE, pipeline=pipe)  # (rq info)
         now = time.time()
         pipe.zadd(keys.WORKERS, {self.name: now})
+        peers: dict[str, int] = {}  # queue -> where its worker count comes in the replies
         for q in self.queues:
             pipe.zadd(keys.queue_workers(q), {self.name: now})
             pipe.zremrangebyscore(keys.queue_workers(q), "-inf", now - self.lease * 2)
+            peers[q] = len(pipe)
+            pipe.zcard(keys.queue_workers(q))
         pipe.hset(
             keys.worker(self.name),
             mapping={
@@ -340,7 +362,8 @@ class Worker:
         started = time.monotonic()
         # On a cluster, what a moving slot refuses is sent again (within a lease): missing a beat or two
         # would let the reaper take the calls of this live worker.
-        pipes.settled(pipe, lambda _rounds, _e: time.monotonic() - started < self.lease and not self.stopping.is_set())
+        replies = pipes.settled(pipe, lambda _rounds, _e: time.monotonic() - started < self.lease and not self.stopping.is_set())
+        self._peers = {q: max(1, int(replies[i])) for q, i in peers.items()}
 
     @property
     def heartbeat_interval(self) -> float:

@@ -8,7 +8,7 @@
 -- ARGV: see the locals below; then `before` earlier event payloads (moves the call made since its last
 --       write, recorded and published in order first), then field/value pairs for the job hash
 -- Returns {seq, state before}; seq < 0: -1 no such call, -2 attempt fence, -3 wrong source state. With
--- `take` (ARGV 23-28), a release also returns the calls it took: {seq, state before, {call_id, data,
+-- `take` (ARGV 23-30), a release also returns the calls it took: {seq, state before, {call_id, data,
 -- attempt, ...}, {absent id, ...}}, as CLAIM does.
 -- Ending with a ttl also expires the call's idempotency key (named in its record's `h_idem`: a key of
 -- the same tag, so of this slot) while it still names this call. The records of the calls promote pops
@@ -50,11 +50,16 @@ local move = ARGV[22]           -- this event's, '' when it is no transition
 -- ones its promote just put there first: `take` of them ('' = none; it holds a free slot of its own for
 -- each), leased to `worker` until `deadline` (claiming's claim_calls; they come back as the reply's third
 -- and fourth entries). The wake-up goes out only if calls are left on the queue for other workers.
+-- A worker takes only while it holds less than its share of the key's limit (`held` other calls of the
+-- key, `peers` workers on the queue: held * peers < limit), so the slots of a busy key go round the
+-- workers rather than staying with the first; past its share, the slot goes back with a wake-up.
+local asked = ARGV[23] ~= ''
 local take = tonumber(ARGV[23]) or 0
 local worker, deadline, started_at = ARGV[24], ARGV[25], ARGV[26]
 local slots_prefix, id_prefix = ARGV[27], ARGV[28]
-local before = tonumber(ARGV[29])
-local EARLY = 30
+local held, peers = tonumber(ARGV[29]) or 0, tonumber(ARGV[30]) or 1
+local before = tonumber(ARGV[31])
+local EARLY = 32
 local FIELDS = EARLY + before
 -- What an ended call's hash keeps (broker/records.py reads the rest from its terminal event): state and
 -- attempt (scripts, the record), RQ's status, kind and tool (handles by id, idempotent resubmissions),
@@ -114,9 +119,11 @@ if release == '1' then
   end
   rate_settle(rate, call_id, used, state == 'done' or state == 'failed' or state == 'cancelled')
   if redis.call('ZREM', KEYS[5], call_id) == 1 then
+    local limit = limit_of(KEYS[6], ckey)
+    if take > 0 and limit >= 0 and held * peers >= limit then take = 0 end
     local channel_now = wake_channel
     if take > 0 then channel_now = '' end
-    woken = promote(KEYS[5], KEYS[4], KEYS[9], KEYS[10], KEYS[8], limit_of(KEYS[6], ckey), channel_now, job_prefix, rate)
+    woken = promote(KEYS[5], KEYS[4], KEYS[9], KEYS[10], KEYS[8], limit, channel_now, job_prefix, rate)
   end
 end
 if due ~= '' then
@@ -201,7 +208,8 @@ if batch_new then
   for _, part in ipairs({':r', ':x', ':o', ':n'}) do redis.call('EXPIRE', bkey .. part, bttl) end
 end
 redis.call(publish, channel, ev)
-if take > 0 and release == '1' then
+if asked and release == '1' then
+  if take == 0 then return {seq, st, {}, {}} end
   local claimed = claim_calls(KEYS[3], KEYS[8], take, worker, deadline, started_at, job_prefix, slots_prefix, id_prefix)
   if woken and redis.call('LLEN', KEYS[8]) > 0 then redis.call('PUBLISH', wake_channel, '') end
   return {seq, st, claimed[1], claimed[2]}

@@ -204,6 +204,7 @@ def leased(r: Any, call_id: str) -> bool:
     return score is not None and time.time() + 29 < score < time.time() + 31 and score == r.zscore(keys.slots("{tools}", CKEY), call_id)
 
 
+@pytest.mark.parametrize("broker", ["conn", "fake"])
 def test_a_worker_ending_a_call_takes_the_next_one_its_release_promoted_in_the_same_script(broker: str, request: Any) -> None:
     """TRANSITION with ``take``: the call waiting for the slot the ending call gives back is promoted and
     leased to that worker at once, with no wake-up for the other workers (nothing left on the queue); one
@@ -217,7 +218,7 @@ def test_a_worker_ending_a_call_takes_the_next_one_its_release_promoted_in_the_s
     wakes.subscribe(calls.wake_channel("tools"))
     assert wakes.get_message(timeout=1)["type"] == "subscribe"
     info = CallInfo.of(env("c0"), CKEY)
-    reply = calls.transition(info, State.CANCELLED, attempt=1, fence=False, ttl=60, take=calls.claim_args("tools", 1, "w1", 30))
+    reply = calls.transition(info, State.CANCELLED, attempt=1, fence=False, ttl=60, take=[*calls.claim_args("tools", 1, "w1", 30), 0, 1])
     assert reply[0] > 0 and first.call_id == "c0"
     [taken] = calls.claimed("tools", reply[2], reply[3])
     assert (taken.call_id, taken.attempt) == ("c1", 1) and unpack(taken.data)[2][0]["call_id"] == "c1"
@@ -227,8 +228,32 @@ def test_a_worker_ending_a_call_takes_the_next_one_its_release_promoted_in_the_s
     assert wakes.get_message(timeout=0.2) is None  # nobody else was woken for it
     r.hset(keys.job("c2"), "h_state", "cancelled")  # (c2 leaves without a slot: the next ending takes none)
     r.zrem(keys.waiting("{tools}", CKEY), "c2")
-    done = calls.transition(CallInfo.of(env("c1"), CKEY), State.CANCELLED, attempt=1, fence=False, ttl=60, take=calls.claim_args("tools", 1, "w1", 30))
+    done = calls.transition(CallInfo.of(env("c1"), CKEY), State.CANCELLED, attempt=1, fence=False, ttl=60, take=[*calls.claim_args("tools", 1, "w1", 30), 0, 1])
     assert done[0] > 0 and calls.claimed("tools", done[2], done[3]) == []
+    wakes.close()
+
+
+@pytest.mark.parametrize("broker", ["conn", "fake"])
+def test_a_worker_at_its_share_of_a_key_takes_no_next_call_and_wakes_the_others(broker: str, request: Any) -> None:
+    """The share rule of TRANSITION's ``take``: a worker holding ``held`` other calls of the key with
+    ``peers`` workers on the queue takes only while held * peers < the limit. At its share the call its
+    release promoted goes onto the queue with a wake-up for every worker, and the reply says it took none."""
+    r = request.getfixturevalue(broker)
+    calls = Calls(r)
+    for i in range(4):
+        assert submit(calls, env(f"c{i}"), concurrency=2)[0]
+    assert [c.call_id for c in calls.claim(["tools"], 2, "w1", 30)] == ["c0", "c1"]
+    wakes = r.pubsub()
+    wakes.subscribe(calls.wake_channel("tools"))
+    assert wakes.get_message(timeout=1)["type"] == "subscribe"
+    # w1 holds c1 besides the ending c0, two workers share the queue: 1 * 2 >= 2, its share is used.
+    reply = calls.transition(CallInfo.of(env("c0"), CKEY), State.CANCELLED, attempt=1, fence=False, ttl=60, take=[*calls.claim_args("tools", 1, "w1", 30), 1, 2])
+    assert reply[0] > 0 and calls.claimed("tools", reply[2], reply[3]) == []
+    assert r.lrange(keys.queue("tools"), 0, -1) == [b"c2"] and r.hget(keys.job("c2"), keys.F_WORKER) is None
+    assert wakes.get_message(timeout=1)["type"] == "message"  # the others are told
+    # Alone on the queue (peers 1) the same worker takes: 1 * 1 < 2.
+    reply = calls.transition(CallInfo.of(env("c1"), CKEY), State.CANCELLED, attempt=1, fence=False, ttl=60, take=[*calls.claim_args("tools", 1, "w1", 30), 1, 1])
+    assert [c.call_id for c in calls.claimed("tools", reply[2], reply[3])] == ["c2"]
     wakes.close()
 
 
