@@ -49,6 +49,10 @@ class WorkerCore:
         self.calls.keep_history = settings.workers.keep_history
         self.confirmer = Confirmer(settings)  # WAITs for the replicas, when broker.wait_replicas asks
         self.outbox = Outbox(conn, confirmer=self.confirmer)
+        # Batch calls' writes (``call_class="batch"``) go through an outbox of their own, started with the
+        # first: an agent's call never waits behind a batch's round trip (a call's writes all go one way,
+        # so their order holds).
+        self._batch_outbox: Outbox | None = None
         self.directory = Directory(conn)
         self._inflight: dict[str, Running] = {}
         # Calls that ended here whose writes are still on their way (a cluster slot moving holds them in the
@@ -108,7 +112,22 @@ class WorkerCore:
                     del self._unwritten[run.info.call_id]
             callback(reply)
 
-        self.outbox.put(writer, answered)
+        self.outbox_of(run).put(writer, answered)
+
+    def outbox_of(self, run: Running) -> Outbox:
+        """The outbox of ``run``'s writes: the batch one for a batch call (not for an undecodable one)."""
+        if run.env is None or run.env.options.call_class != "batch":
+            return self.outbox
+        with self._lock:
+            if self._batch_outbox is None:
+                self._batch_outbox = Outbox(self.conn, confirmer=self.confirmer, name="hermes-outbox-batch")
+            return self._batch_outbox
+
+    def flush(self, timeout: float) -> None:
+        """Wait until every write queued so far has been sent (both outboxes)."""
+        for outbox in (self.outbox, self._batch_outbox):
+            if outbox is not None:
+                outbox.flush(timeout)
 
     def unwritten(self) -> list[Running]:
         """Calls no longer running here whose last writes are not in Redis yet (their leases are kept)."""
@@ -207,5 +226,7 @@ class WorkerCore:
         return changed
 
     def close(self) -> None:
+        if self._batch_outbox is not None:
+            self._batch_outbox.close()
         self.outbox.close()
         self.stats.close()  # spans still buffered go out in otelsdk.shutdown at exit (bounded)

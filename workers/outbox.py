@@ -32,7 +32,9 @@ _CLOSING_TRIES = 5  # a closing outbox (worker shutdown) stops retrying an unrea
 class Outbox:
     """A FIFO of pipeline writers flushed by one background thread."""
 
-    def __init__(self, conn: redis.Redis, max_batch: int = 512, confirmer: Confirmer | None = None) -> None:
+    def __init__(
+        self, conn: redis.Redis, max_batch: int = 512, confirmer: Confirmer | None = None, name: str = "hermes-outbox"
+    ) -> None:
         self.conn = conn
         # With ``broker.wait_replicas``, every batch ends with WAIT: its callbacks (a hand-off starting the
         # next call) run once the replicas have the writes.
@@ -43,7 +45,7 @@ class Outbox:
         self._cond = threading.Condition()
         self._closed = False
         self._connection: Any = None  # the sender's own connection, taken from the pool once
-        self._thread = threading.Thread(target=self._run, name="hermes-outbox", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def put(self, writer: Writer, callback: Callback | None = None) -> None:

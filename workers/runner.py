@@ -405,7 +405,7 @@ class CallRunner:
             pipe.hincrby(keys.job(info.call_id), keys.F_MAX_ATTEMPTS, 1)
             calls.requeue(info, attempt=attempt + 1, first=True, pipeline=pipe)
 
-        self.core.outbox.put(write, lambda reply: self._check(run, State.RETRYING, reply))
+        self.core.outbox_of(run).put(write, lambda reply: self._check(run, State.RETRYING, reply))
         log.info("provider rate limit: call back to waiting", paused_until=limited.until)
 
     def _retry(self, run: Running, error: HermesError) -> bool:

@@ -60,14 +60,14 @@ def drain(core: WorkerCore, pool: CallThreads, grace: float) -> int:
     """Wait up to ``grace`` seconds for the calls in flight, hand back the rest, and close the call threads
     and executors; the number of calls handed back."""
     deadline = time.monotonic() + grace
-    core.outbox.flush(grace)  # calls handed to us in flight are submitted before the drain
+    core.flush(grace)  # calls handed to us in flight are submitted before the drain
     with core.idle:
         while core.inflight_count() and time.monotonic() < deadline:
             core.idle.wait(0.1)
     leftovers = core.inflight()
     for run in leftovers:
         hand_back(core, run)
-    core.outbox.flush(grace)
+    core.flush(grace)
     dropped = pool.shutdown(wait=True, cancel_pending=True)
     if dropped:  # taken off the queue, never started: the reaper puts them back when their lease ends
         log.warning("calls taken but not started are left to the reaper", calls=dropped)

@@ -46,7 +46,9 @@ def core(fake: Any, settings: Settings) -> Any:
     c.close()
 
 
-def submit(fake: Any, call_id: str, tool: str = "echo", max_attempts: int = 3, **args: Any) -> CallInfo:
+def submit(
+    fake: Any, call_id: str, tool: str = "echo", max_attempts: int = 3, call_class: str | None = None, **args: Any
+) -> CallInfo:
     heard(fake)  # (listening as the caller does: an ended call's history is its last event alone)
     env = Envelope(
         call_id=call_id,
@@ -56,7 +58,7 @@ def submit(fake: Any, call_id: str, tool: str = "echo", max_attempts: int = 3, *
         traceparent=TP,
         channel="hermes:ch:t",
         context={"session_id": "s"},
-        options=Options(max_attempts=max_attempts),
+        options=Options(max_attempts=max_attempts, call_class=call_class),
     )
     ckey = f"tool:{tool}"
     Calls.check_submit(
@@ -100,6 +102,28 @@ def test_a_call_runs_through_every_state_to_done(fake: Any, core: WorkerCore) ->
     assert fake.zscore(keys.leases("{tools}"), "c1") is None
     assert fake.hget(keys.job("c1"), "status") == b"finished"
     assert core.processed == 1 and core.failed == 0
+
+
+def test_a_batch_calls_writes_go_through_an_outbox_of_their_own(fake: Any, core: WorkerCore, monkeypatch: Any) -> None:
+    """An agent's call never waits behind a batch's round trip: a batch call's moves are sent by a second
+    outbox thread (started with the first batch call), an interactive call's by the first; both end done."""
+    sent_by: dict[str, set[str]] = {}
+    move = core.calls.move
+
+    def recording(info: CallInfo, *args: Any, **kwargs: Any) -> Any:
+        sent_by.setdefault(info.call_id, set()).add(threading.current_thread().name)
+        return move(info, *args, **kwargs)
+
+    monkeypatch.setattr(core.calls, "move", recording)
+    submit(fake, "agent", city="a")
+    submit(fake, "item", call_class="batch", city="b")
+    claimed = core.calls.claim(["tools"], 2, core.name, core.settings.workers.lease)
+    runner = CallRunner(core)
+    for c in claimed:
+        runner.run(c)
+    core.flush(5)
+    assert sent_by == {"agent": {"hermes-outbox"}, "item": {"hermes-outbox-batch"}}
+    assert core.calls.record("agent")["state"] == core.calls.record("item")["state"] == "done"
 
 
 def test_a_finished_call_leaves_no_cycle_for_the_garbage_collector(fake: Any, core: WorkerCore) -> None:
