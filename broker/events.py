@@ -231,6 +231,17 @@ def unseen(stored: list[Any], end: Any, seen: int, call_id: str) -> list[Event]:
     return out
 
 
+def ends_past_a_gap(events: Sequence[Event], seen: int) -> bool:
+    """Whether ``events`` (read after seq ``seen``) end with a terminal event some events before it are
+    missing from: the kept end of a call whose trimmed history no longer has them."""
+    prev = seen
+    for e in events:
+        if e.terminal and e.seq > prev + 1:
+            return True
+        prev = e.seq
+    return False
+
+
 def follow(
     conn: redis.Redis,
     call_id: str,

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 _RESYNC = 1.0  # seconds of quiet before a waiter re-reads the durable history (pub/sub may drop)
 _POLL = 0.2  # the same for a call whose events go to another client's channel: its history is all we see
+LIVE_GRACE = 0.2  # seconds a follower waits for live events an ended call's history no longer holds
 
 
 class AsyncCallHandle(CallState):
@@ -35,14 +36,28 @@ class AsyncCallHandle(CallState):
         self._signal.set()
         self._signal = asyncio.Event()
 
-    async def sync(self) -> None:
-        """Fetch the events we have not seen from the call's durable history."""
+    async def sync(self, live_grace: float = 0.0) -> None:
+        """Fetch the events we have not seen from the call's durable history.
+
+        ``live_grace``: when the history holds the call's kept end past events we have not seen (an ended
+        call keeps its end alone), first give our subscription that long to deliver them: they were
+        published before the end was stored, so they may be unread in it still, and the history can no
+        longer give them (a stream's deltas, progress). The end is taken from the history after that."""
         pipe = self.gateway.conn.pipeline(transaction=False)
         Router.read_history(pipe, [self])
-        Router.feed_history([self], await pipe.execute())
+        stored = await pipe.execute()
+        if live_grace > 0 and self.own and Router.ended_past(self, stored):
+            deadline = time.monotonic() + live_grace
+            while not self.done() and (left := deadline - time.monotonic()) > 0:
+                try:
+                    await asyncio.wait_for(self._signal.wait(), left)
+                except TimeoutError:
+                    break
+        Router.feed_history([self], stored)
 
-    async def _next_change(self, deadline: float | None) -> None:
-        """Wait until something arrives, re-reading the history after a quiet second; CallTimeout at the deadline."""
+    async def _next_change(self, deadline: float | None, live_grace: float = 0.0) -> None:
+        """Wait until something arrives, re-reading the history after a quiet second; CallTimeout at the deadline.
+        (``live_grace``: see ``sync``; events() gives it, result() needs only the end.)"""
         signal = self._signal
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
@@ -54,7 +69,7 @@ class AsyncCallHandle(CallState):
             await asyncio.wait_for(signal.wait(), quiet if left is None else min(left, quiet))
         except TimeoutError:
             try:
-                await self.sync()
+                await self.sync(live_grace)
             except (redis.ConnectionError, redis.TimeoutError):
                 pass  # a broker restart: the call goes on, and so does the wait, until the deadline
 
@@ -76,7 +91,7 @@ class AsyncCallHandle(CallState):
                 if self.refused is not None:
                     return
                 try:
-                    await self._next_change(deadline)
+                    await self._next_change(deadline, LIVE_GRACE)
                 except CallTimeout:
                     return
             event = self._events[i]

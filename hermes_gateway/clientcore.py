@@ -636,6 +636,14 @@ class Router(Generic[H]):
             pipe.get(keys.ended(h.call_id))
 
     @staticmethod
+    def ended_past(handle: CallState, stored: Sequence[Any]) -> bool:
+        """Whether ``read_history``'s replies for ``handle`` (alone) hold the call's kept end past events
+        it has not seen: the call ended, and its history no longer has them."""
+        if stored[1] is None or handle.done():
+            return False
+        return ev_mod.ends_past_a_gap(ev_mod.unseen(stored[0], stored[1], handle.last_seq, handle.call_id), handle.last_seq)
+
+    @staticmethod
     def feed_history(handles: Sequence[CallState], stored: Sequence[Any]) -> None:
         for i, h in enumerate(handles):
             for event in ev_mod.unseen(stored[2 * i], stored[2 * i + 1], h.last_seq, h.call_id):

@@ -18,6 +18,8 @@ from hermes_gateway.clientcore import CallState, Handles
 if TYPE_CHECKING:
     from hermes_gateway.client import Gateway
 
+LIVE_GRACE = 0.2  # seconds a follower waits for live events an ended call's history no longer holds
+
 
 class CallHandle(CallState):
     """A submitted call: wait for its result, follow its events, or cancel it."""
@@ -73,9 +75,25 @@ class CallHandle(CallState):
                     )
                 raise CallTimeout(f"no result for call {self.call_id} ({self.name}) within {timeout:g}s", call_id=self.call_id)
 
-    def sync(self) -> None:
-        """Fetch any events we have not seen from the call's durable history."""
-        for event in ev_mod.history(self.gateway.conn, self.call_id, self.last_seq + 1):
+    def sync(self, live_grace: float = 0.0) -> None:
+        """Fetch any events we have not seen from the call's durable history.
+
+        ``live_grace``: when the history holds the call's kept end past events we have not seen (an ended
+        call keeps its end alone), first give the event thread that long to deliver them: they were
+        published before the end was stored, so they may be unread in our subscription still, and the
+        history can no longer give them (a stream's deltas, progress)."""
+        seen = self.last_seq
+        history = ev_mod.history(self.gateway.conn, self.call_id, seen + 1)
+        if live_grace > 0 and self.own and ev_mod.ends_past_a_gap(history, seen):
+            deadline = time.monotonic() + live_grace
+            with self._cv:
+                self._followers += 1  # (so the event thread wakes us for every event, not just the end)
+                try:
+                    while not self.done() and (left := deadline - time.monotonic()) > 0:
+                        self._cv.wait(left)
+                finally:
+                    self._followers -= 1
+        for event in history:
             self.feed(event)
 
     def events(self, timeout: float | None = None) -> Iterator[Event]:
@@ -118,7 +136,7 @@ class CallHandle(CallState):
                 if woken:
                     continue
             try:
-                self.sync()  # quiet for a second: read the durable history in case pub/sub dropped one
+                self.sync(LIVE_GRACE)  # quiet for a second: read the durable history in case pub/sub dropped one
             except (redis.ConnectionError, redis.TimeoutError):
                 pass  # a broker restart: keep following until the deadline
 
