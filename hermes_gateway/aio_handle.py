@@ -9,17 +9,17 @@ from typing import TYPE_CHECKING, Any, cast
 
 import redis
 
+from broker import events as ev_mod
 from broker import keys
 from broker.errors import CallTimeout
 from broker.events import Event
-from hermes_gateway.clientcore import CallState, Handles, Router
+from hermes_gateway.clientcore import LIVE_GRACE, CallState, Handles, Router
 
 if TYPE_CHECKING:
     from hermes_gateway.aio import AsyncGateway
 
 _RESYNC = 1.0  # seconds of quiet before a waiter re-reads the durable history (pub/sub may drop)
 _POLL = 0.2  # the same for a call whose events go to another client's channel: its history is all we see
-LIVE_GRACE = 0.2  # seconds a follower waits for live events an ended call's history no longer holds
 
 
 class AsyncCallHandle(CallState):
@@ -45,15 +45,18 @@ class AsyncCallHandle(CallState):
         longer give them (a stream's deltas, progress). The end is taken from the history after that."""
         pipe = self.gateway.conn.pipeline(transaction=False)
         Router.read_history(pipe, [self])
-        stored = await pipe.execute()
-        if live_grace > 0 and self.own and Router.ended_past(self, stored):
+        seen = self.last_seq
+        stored, end = await pipe.execute()
+        history = ev_mod.unseen(stored, end, seen, self.call_id)
+        if live_grace > 0 and self.own and ev_mod.ends_past_a_gap(history, seen):
             deadline = time.monotonic() + live_grace
             while not self.done() and (left := deadline - time.monotonic()) > 0:
                 try:
                     await asyncio.wait_for(self._signal.wait(), left)
                 except TimeoutError:
                     break
-        Router.feed_history([self], stored)
+        for event in history:
+            self.feed(event)
 
     async def _next_change(self, deadline: float | None, live_grace: float = 0.0) -> None:
         """Wait until something arrives, re-reading the history after a quiet second; CallTimeout at the deadline.

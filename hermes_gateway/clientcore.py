@@ -478,6 +478,9 @@ class CancelTarget:
 _MISSING = object()
 
 
+LIVE_GRACE = 0.2  # seconds a follower waits for live events an ended call's history no longer holds (``sync``)
+
+
 class CallState:
     """What a handle knows of its call: its events in order, its end, its result or error, or the refusal
     of its submission. Fed by its client's ``Router`` (pub/sub) or by reads of the call's history; the
@@ -634,14 +637,6 @@ class Router(Generic[H]):
         for h in handles:
             pipe.lrange(keys.history(h.call_id), h.last_seq, -1)
             pipe.get(keys.ended(h.call_id))
-
-    @staticmethod
-    def ended_past(handle: CallState, stored: Sequence[Any]) -> bool:
-        """Whether ``read_history``'s replies for ``handle`` (alone) hold the call's kept end past events
-        it has not seen: the call ended, and its history no longer has them."""
-        if stored[1] is None or handle.done():
-            return False
-        return ev_mod.ends_past_a_gap(ev_mod.unseen(stored[0], stored[1], handle.last_seq, handle.call_id), handle.last_seq)
 
     @staticmethod
     def feed_history(handles: Sequence[CallState], stored: Sequence[Any]) -> None:

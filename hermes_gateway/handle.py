@@ -13,12 +13,10 @@ from broker import events as ev_mod
 from broker import keys
 from broker.errors import BrokerUnavailable, CallTimeout
 from broker.events import Event
-from hermes_gateway.clientcore import CallState, Handles
+from hermes_gateway.clientcore import LIVE_GRACE, CallState, Handles
 
 if TYPE_CHECKING:
     from hermes_gateway.client import Gateway
-
-LIVE_GRACE = 0.2  # seconds a follower waits for live events an ended call's history no longer holds
 
 
 class CallHandle(CallState):

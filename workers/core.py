@@ -118,10 +118,11 @@ class WorkerCore:
         """The outbox of ``run``'s writes: the batch one for a batch call (not for an undecodable one)."""
         if run.env is None or run.env.options.call_class != "batch":
             return self.outbox
-        with self._lock:
-            if self._batch_outbox is None:
-                self._batch_outbox = Outbox(self.conn, confirmer=self.confirmer, name="hermes-outbox-batch")
-            return self._batch_outbox
+        if self._batch_outbox is None:  # (the lock only until it exists: every batch write asks)
+            with self._lock:
+                if self._batch_outbox is None:
+                    self._batch_outbox = Outbox(self.conn, confirmer=self.confirmer, name="hermes-outbox-batch")
+        return self._batch_outbox
 
     def flush(self, timeout: float) -> None:
         """Wait until every write queued so far has been sent (both outboxes)."""

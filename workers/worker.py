@@ -303,12 +303,12 @@ class Worker:
         its lease, so the reaper may have given it to another worker. It stays pending and leased until
         its lease ends; the reaper then puts it back at the head of its queue, at no cost to its attempts."""
         claimed = []
-        if not take:  # (its write never went out)
-            pass
-        elif time.time() > float(take[2]) - self.lease / 2:  # (take[2]: the lease deadline it was taken with)
-            if not isinstance(reply, Exception) and len(reply) >= 4 and reply[2]:
+        # (no take: its write never went out; take[2]: the lease deadline the call was taken with)
+        answered = bool(take) and not isinstance(reply, Exception) and len(reply) >= 4
+        if answered and time.time() > float(take[2]) - self.lease / 2:
+            if reply[2]:
                 log.warning("a call taken by a late write is left to the reaper", call_id=reply[2][0].decode(errors="replace"))
-        elif not isinstance(reply, Exception) and len(reply) >= 4:
+        elif answered:
             try:
                 claimed = self.core.calls.claimed(queue, reply[2], reply[3])
             except Exception as e:  # noqa: BLE001 - (a broker hiccup rechecking an absent id) the slot goes back
