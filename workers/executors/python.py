@@ -76,22 +76,27 @@ class _Target:
             self.signature = None
         self.wants_ctx = self.signature is not None and "ctx" in self.signature.parameters
         self.inline = self.wants_ctx  # on the call's own thread (else on a helper thread)
-        # For a plain signature (named parameters only), arguments are checked against these sets
-        # instead of binding the signature on every call; anything else is bound as before.
+        # For a plain signature (named parameters, maybe ``**kwargs``), arguments are checked against these
+        # sets instead of binding the signature on every call; anything else is bound as before.
         self.names: frozenset[str] | None = None
+        self.any_name = False  # it takes ``**kwargs``: any name fits
         self.required: frozenset[str] = frozenset()
         if self.signature is not None:
             params = self.signature.parameters.values()
-            plain = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-            if all(p.kind in plain for p in params):
-                self.names = frozenset(p.name for p in params)
-                self.required = frozenset(p.name for p in params if p.default is inspect.Parameter.empty)
+            kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD)
+            if all(p.kind in kinds for p in params):
+                named = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+                self.names = frozenset(p.name for p in named)
+                self.any_name = len(named) < len(params)
+                self.required = frozenset(p.name for p in named if p.default is inspect.Parameter.empty)
         # Instances with an ``async def __call__`` count as async too.
         self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
     def fits(self, kwargs: dict[str, Any]) -> bool:
         """True when ``kwargs`` certainly bind (False: bind the signature for the exact error)."""
-        return self.names is not None and self.names.issuperset(kwargs) and self.required.issubset(kwargs)
+        if self.names is None:
+            return False
+        return (self.any_name or self.names.issuperset(kwargs)) and self.required.issubset(kwargs)
 
 
 class PythonExecutor:

@@ -42,3 +42,12 @@ async def aslow(seconds: float) -> str:
 def non_finite() -> dict[str, float]:
     """Numbers JSON has no text for (the HTTP API sends them as null)."""
     return {"nan": float("nan"), "inf": float("inf"), "ok": 1.5}
+
+
+def tagged(name: str, **extra: object) -> dict:
+    """A required parameter and ``**kwargs``: any further name is taken."""
+    return {"name": name, **extra}
+
+
+def positional_only(a: int, /) -> int:
+    return a

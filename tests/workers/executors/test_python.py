@@ -54,6 +54,14 @@ def test_a_missing_argument_is_invalid_args_and_defaults_fill_in(ex, make_ctx):
     assert ex.run(spec(f"{MOD}:add"), {"b": 5, "a": 1}, make_ctx()) == 6
 
 
+def test_a_function_with_var_keywords_takes_any_name_but_still_needs_its_required_ones(ex, make_ctx):
+    assert ex.run(spec(f"{MOD}:tagged"), {"name": "x", "colour": "red"}, make_ctx()) == {"name": "x", "colour": "red"}
+    with pytest.raises(InvalidArgs, match="missing a required argument: 'name'"):
+        ex.run(spec(f"{MOD}:tagged"), {"colour": "red"}, make_ctx())
+    with pytest.raises(InvalidArgs, match="positional"):  # (bound: a positional-only parameter cannot be named)
+        ex.run(spec(f"{MOD}:positional_only"), {"a": 1}, make_ctx())
+
+
 def test_exception_becomes_executor_error_with_type_and_message(ex, make_ctx):
     with pytest.raises(ExecutorError, match="ValueError: kaboom"):
         ex.run(spec(f"{MOD}:explode"), {"message": "kaboom"}, make_ctx())
