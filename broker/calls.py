@@ -74,6 +74,7 @@ class Calls:
         self._transition = conn.register_script(scripts.for_server(conn, scripts.TRANSITION))
         # An ended call keeps its terminal event alone, unless `workers.keep_history` (set by the owner).
         self.keep_history = False
+        self._queue_keys: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {}  # (see _keys_of)
 
     def list_queue(self, queue: str) -> None:
         """Add ``queue`` to RQ's set of queues (``rq info`` lists it), once per process: a set spanning
@@ -407,25 +408,10 @@ class Calls:
         for k, v in (fields or {}).items():
             flat.append(k)
             flat.append(v)
-        tag = keys.tag(info.queue)
+        of_queue, wake = self._keys_of(info.queue, info.ckey)
         return pipes.script(
             self._transition,
-            [
-                keys.job(info.call_id),
-                keys.history(info.call_id),
-                keys.leases(tag),
-                keys.waiting(tag, info.ckey),
-                keys.slots(tag, info.ckey),
-                keys.limits(tag),
-                keys.scheduled(tag),
-                keys.queue(info.queue),
-                keys.waiting_batch(tag, info.ckey),
-                keys.fair(tag, info.ckey),
-                keys.rate(tag, info.ckey),
-                keys.rate_log(tag, info.ckey),
-                keys.rate_due(tag),
-                keys.ended(info.call_id),
-            ],
+            [keys.job(info.call_id), keys.history(info.call_id), *of_queue, keys.ended(info.call_id)],
             [
                 info.call_id,
                 ev,
@@ -441,7 +427,7 @@ class Calls:
                 "1" if release else "",
                 info.ckey,
                 "" if schedule_at is None else schedule_at,
-                self.wake_channel(info.queue),
+                wake,
                 self.publish,
                 keys.job(""),
                 waiting_score() if requeue else "",
@@ -454,6 +440,25 @@ class Calls:
             ],
             pipeline,
         )
+
+    def _keys_of(self, queue: str, ckey: str) -> tuple[tuple[str, ...], str]:
+        """TRANSITION's keys of a queue and concurrency key (KEYS 3-13) and the queue's wake-up channel,
+        made once per pair: every move of every call names the same twelve."""
+        got = self._queue_keys.get((queue, ckey))
+        if got is None:
+            tag = keys.tag(queue)
+            got = (
+                (
+                    keys.leases(tag), keys.waiting(tag, ckey), keys.slots(tag, ckey), keys.limits(tag),
+                    keys.scheduled(tag), keys.queue(queue), keys.waiting_batch(tag, ckey), keys.fair(tag, ckey),
+                    keys.rate(tag, ckey), keys.rate_log(tag, ckey), keys.rate_due(tag),
+                ),
+                self.wake_channel(queue),
+            )  # fmt: skip
+            if len(self._queue_keys) >= 4096:  # (pairs are tools and models: a bound that is never reached)
+                self._queue_keys.clear()
+            self._queue_keys[(queue, ckey)] = got
+        return got
 
     # -- named operations (each one TRANSITION) ----------------------------------------------------
 
