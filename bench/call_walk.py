@@ -12,6 +12,7 @@ import argparse
 import sys
 import threading
 import time
+import uuid
 from collections import defaultdict
 from pathlib import Path
 
@@ -72,11 +73,11 @@ def main() -> None:
                     raise SystemExit(f"{call_id} did not end")
                 time.sleep(0.01)
 
-        tag = "{tools}."
-        call(tag + "a" * 32)  # warm-up: imports, scripts, the directory cache
+        tag = "{tools}."  # (fresh ids: a Redis kept from an earlier run still holds that run's ended calls)
+        call(tag + uuid.uuid4().hex)  # warm-up: imports, scripts, the directory cache
         time.sleep(0.5)
         recording.set()
-        call(tag + "b" * 32)
+        call(tag + uuid.uuid4().hex)
         time.sleep(0.2)  # (the outbox's last reply)
         recording.clear()
         worker.request_stop()
