@@ -51,7 +51,7 @@ CHUNK = 1000  # calls submitted (and awaited) at a time
 
 
 def _audit_bytes(conn: Any) -> int:
-    from broker import audit_store
+    from broker import audit as audit_store
 
     return sum(int(conn.memory_usage(k, samples=0) or 0) for k in (audit_store.AUDIT_STREAM, audit_store.AUDIT_INDEX))
 

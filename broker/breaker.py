@@ -18,6 +18,7 @@ from redis.client import Pipeline
 from . import keys, scripts
 from .codec import pack
 from .connection import is_cluster
+from .toolspec import ToolSpec
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 BUCKETS = 10  # the error-rate window is counted in this many buckets
@@ -59,6 +60,16 @@ class BreakerConfig:
     def counts(self, error_type: str) -> bool:
         """Whether an error of this type is a failure of the back end (timeouts, 5xx), not the caller's."""
         return error_type in self.on
+
+
+def breaker_config(settings: Any, spec: ToolSpec) -> BreakerConfig | None:
+    """Which breaker guards a tool: its ``breaker:`` over ``executors.<type>.breaker``; None when neither
+    asks for one."""
+    base = settings.executor_settings(spec.executor).get("breaker")
+    base = base if isinstance(base, dict) else None
+    if not spec.breaker and base is None:
+        return None
+    return BreakerConfig.of({**(base or {}), **(spec.breaker or {})}, f"tool:{spec.name}")
 
 
 @dataclass(frozen=True)

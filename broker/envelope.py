@@ -9,7 +9,7 @@ from typing import Any
 from .codec import extend_map, pack, unpack
 from .errors import DecodeError
 from .frozen import filler
-from .tracecontext import parse_traceparent, random_hex
+from .otel import parse_traceparent, random_hex
 
 ENVELOPE_VERSION = 1
 

@@ -1,5 +1,7 @@
 """The OpenTelemetry API as the client and the workers both use it: which tracer and meter (the global
-providers, a test's, or none), W3C context in and out of envelopes, and marking a span failed.
+providers, a test's, or none), W3C context in and out of envelopes, and marking a span failed; and the W3C
+``traceparent`` header itself (parsed, minted: ``parse_traceparent``, ``ensure_traceparent``), which an
+envelope carries whether tracing is on or not.
 
 Only the OpenTelemetry API is imported here, so ``import hermes_gateway`` loads no SDK;
 ``workers.otelsdk`` installs the SDK providers a process exports with.
@@ -7,6 +9,9 @@ Only the OpenTelemetry API is imported here, so ``import hermes_gateway`` loads 
 
 from __future__ import annotations
 
+import os
+import random
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -189,3 +194,47 @@ def mark_failed(span: Any, error: BaseException | Mapping[str, Any]) -> None:
     span.set_status(Status(StatusCode.ERROR, clean))
     if isinstance(error, BaseException):
         span.add_event("exception", {"exception.type": type(error).__qualname__, "exception.message": clean})
+
+
+# -- W3C trace context: parse and mint ``traceparent`` headers ----------------------------------------
+
+# Ids need to be unique, not secret: a PRNG seeded from the OS (and reseeded in a forked child) is enough,
+# and os.urandom is a system call that costs tens of microseconds per id on some virtual machines.
+_rng = random.Random()
+os.register_at_fork(after_in_child=_rng.seed)
+
+_TP = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+
+
+def parse_traceparent(value: str | None) -> tuple[str, str] | None:
+    """Return ``(trace_id, span_id)`` of a valid traceparent, else None."""
+    if not value:
+        return None
+    m = _TP.match(value.strip().lower())
+    if not m or m.group(1) == "ff" or set(m.group(2)) == {"0"} or set(m.group(3)) == {"0"}:
+        return None
+    return m.group(2), m.group(3)
+
+
+def random_hex(nbytes: int) -> str:
+    """``nbytes`` random bytes as hex, never all zeros (W3C forbids zero ids)."""
+    return f"{_rng.getrandbits(nbytes * 8) or 1:0{nbytes * 2}x}"
+
+
+def new_trace_id() -> str:
+    return random_hex(16)
+
+
+def new_span_id() -> str:
+    return random_hex(8)
+
+
+def make_traceparent(trace_id: str, span_id: str, sampled: bool = True) -> str:
+    return f"00-{trace_id}-{span_id}-{'01' if sampled else '00'}"
+
+
+def ensure_traceparent(value: str | None) -> str:
+    """The caller's traceparent when valid, else the start of a new trace."""
+    if parse_traceparent(value):
+        return value.strip().lower()  # type: ignore[union-attr]
+    return make_traceparent(new_trace_id(), new_span_id())

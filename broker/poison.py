@@ -16,9 +16,9 @@ import structlog
 from . import keys
 from .codec import text
 from .errors import DecodeError
+from .otel import new_span_id
 from .records import CallInfo
 from .states import TERMINAL, State
-from .tracecontext import new_span_id
 
 if TYPE_CHECKING:
     from .calls import Calls

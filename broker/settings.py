@@ -138,7 +138,7 @@ class AgentPluginSettings:
 
 @dataclass(frozen=True)
 class AuditSettings:
-    """``audit:`` — the audit log's retention and JSONL mirror (``broker.audit_store.AuditLog``)."""
+    """``audit:`` — the audit log's retention and JSONL mirror (``broker.audit.AuditLog``)."""
 
     key: str | None = None  # audit.key: the stream (None: hermes:{audit}); tests use their own
     maxlen: int = DEFAULT_AUDIT_MAXLEN  # audit.maxlen: records kept (0: no count limit)

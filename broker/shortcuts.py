@@ -4,7 +4,7 @@ list of names. A worker process sets them once (``configure``) before it runs a 
 default. Each shortcut asks ``on(name)`` in its own module:
 
 - ``threads``: a worker's call threads (``workers/threads.py``) instead of a ``ThreadPoolExecutor``;
-- ``quickcheck``: the compiled quick check of common argument schemas (``workers/quickcheck.py``) before
+- ``quickcheck``: the compiled quick check of common argument schemas (``workers/args.py``) before
   the full JSON Schema validator;
 - ``frozen``: the envelope and audit record filled without their dataclass ``__init__`` (``broker/frozen.py``);
 - ``redaction``: the log lines' redaction processor that skips ids and remembers short strings

@@ -428,7 +428,7 @@ class AsyncGateway:
         if target.state == State.PENDING and await conn.zscore(keys.leases(keys.tag(info.queue)), call_id) is None:
             reply = await self.calls.cancel_unleased(info, attempt=target.attempt, error=PENDING_CANCEL)
             if int(reply[0]) > 0:
-                from broker.audit_store import AuditLog
+                from broker.audit import AuditLog
 
                 sensitive: tuple[str, ...] = ()
                 if info.kind == "tool":

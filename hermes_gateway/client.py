@@ -391,7 +391,7 @@ class Gateway:
         if target.state == State.PENDING and conn.zscore(keys.leases(keys.tag(info.queue)), call_id) is None:
             reply = self.calls.cancel_unleased(info, attempt=target.attempt, error=PENDING_CANCEL)
             if int(reply[0]) > 0:
-                from broker.audit_store import AuditLog
+                from broker.audit import AuditLog
 
                 sensitive: tuple[str, ...] = ()
                 if info.kind == "tool":

@@ -44,11 +44,11 @@ from broker.errors import (
     error_from_wire,
 )
 from broker.events import Event
+from broker.otel import ensure_traceparent
 from broker.ratelimits import RateLimit, estimate_tokens
 from broker.records import CallInfo
 from broker.states import State
 from broker.toolspec import ToolSpec
-from broker.tracecontext import ensure_traceparent
 from hermes_gateway.tracing import Headers, current_headers
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from broker import keys
-from broker.audit_store import AuditLog
+from broker.audit import AuditLog
 from broker.codec import text
 from broker.connection import async_from_url
 from broker.errors import CallFailed, HermesError

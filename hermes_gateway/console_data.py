@@ -148,7 +148,7 @@ def breakers(conn: Any, cooldowns: dict[str, float]) -> list[dict[str, Any]]:
 
 def breaker_cooldowns(settings: Any, entries: list[Any]) -> dict[str, float]:
     """Breaker key -> cooldown, from the specs in the directory (and executors.<type>.breaker)."""
-    from workers.breakers import breaker_config
+    from broker.breaker import breaker_config
 
     out: dict[str, float] = {}
     for entry in entries:

@@ -60,7 +60,7 @@ from starlette.responses import HTMLResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from broker import keys
-from broker.audit_store import AuditLog
+from broker.audit import AuditLog
 from broker.codec import text
 from broker.connection import async_from_url
 from broker.envelope import CONTEXT_FIELDS

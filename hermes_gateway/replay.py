@@ -15,8 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.audit import AuditRecord, summarize
-from broker.audit_store import AuditLog
+from broker.audit import AuditLog, AuditRecord, summarize
 from broker.errors import CallCancelled, CallFailed, CallTimeout, ReplayRefused
 from broker.redact import MASK, redact_text, verify_hash
 

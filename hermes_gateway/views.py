@@ -21,7 +21,7 @@ console = Console(width=None if sys.stdout.isatty() else 200)
 
 def breaker_states(conn: Any, specs: list[ToolSpec], settings: Settings) -> dict[str, str]:
     """Each tool's breaker state from ``hermes:breaker:<key>`` (``closed`` when none is stored)."""
-    from workers.breakers import breaker_config
+    from broker.breaker import breaker_config
 
     names = {}
     for s in specs:

@@ -12,7 +12,7 @@ import redis
 import structlog
 
 from broker import keys, pipes
-from broker.audit_store import AuditLog
+from broker.audit import AuditLog
 from broker.calls import Calls
 from broker.config import Settings, load_settings
 from broker.directory import Directory

@@ -7,14 +7,13 @@ from typing import Any
 import structlog
 
 from broker import keys, pipes
-from broker.audit import AuditRecord
-from broker.audit_store import AuditLog
+from broker.audit import AuditLog, AuditRecord
 from broker.calls import Calls
 from broker.codec import text
 from broker.errors import WorkerLost
+from broker.otel import new_span_id
 from broker.records import CallInfo
 from broker.states import ACTIVE, State
-from broker.tracecontext import new_span_id
 
 log = structlog.get_logger("hermes.reaper")
 

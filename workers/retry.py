@@ -20,9 +20,9 @@ import structlog
 from broker import pipes
 from broker.errors import HermesError
 from broker.limits import Limits
+from broker.otel import new_span_id
 from broker.ratelimits import RateLimiter
 from broker.records import CallInfo
-from broker.tracecontext import new_span_id
 
 if TYPE_CHECKING:
     from workers.core import WorkerCore

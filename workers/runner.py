@@ -19,10 +19,10 @@ from broker.codec import pack, text
 from broker.envelope import Envelope, plugins_applied
 from broker.errors import CallCancelled, DecodeError, HermesError
 from broker.events import PROGRESS
+from broker.otel import new_span_id
 from broker.records import CallInfo, Claimed, Step, envelope_of
 from broker.states import State
 from broker.toolspec import ToolSpec
-from broker.tracecontext import new_span_id
 from workers import retry
 from workers.args import check_output, coerce_args
 from workers.executors import get_executor

@@ -296,7 +296,7 @@ def events(ctx: click.Context, call_id: str, follow: bool, show_request: bool) -
         if not call_known(gw.conn, call_id):
             fail(f"no such call {call_id} (unknown, or past its result TTL)", 1)
         if show_request:
-            from broker.audit_store import AuditLog
+            from broker.audit import AuditLog
 
             asked = call_request(gw.conn, call_id, AuditLog.from_settings(gw.conn, gw.settings.audit))
             if asked is None:

@@ -14,8 +14,7 @@ from typing import Any
 import click
 import yaml
 
-from broker.audit import AuditRecord
-from broker.audit_store import AuditLog
+from broker.audit import AuditLog, AuditRecord
 from broker.errors import HermesError
 from hermes_gateway.cli.common import WAIT_SECONDS, event_line, fail, note, settings_of
 

@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from broker import events as ev_mod
-from broker.breaker import Breakers, rejecting
+from broker.breaker import Breakers, breaker_config, rejecting
 from broker.errors import CallCancelled, CallTimeout, CircuitOpen, FlowError, HermesError
-from workers.breakers import breaker_config
 
 from .expr import render
 from .model import Flow, Step

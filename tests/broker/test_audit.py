@@ -15,8 +15,7 @@ import fakeredis
 import pytest
 import redis
 
-from broker.audit import SUMMARY_LIMIT, AuditRecord, summarize
-from broker.audit_store import AuditLog
+from broker.audit import SUMMARY_LIMIT, AuditLog, AuditRecord, summarize
 from broker.config import load_settings
 from broker.errors import ConfigError, DecodeError, PermissionDenied
 from broker.redact import MASK, verify_hash

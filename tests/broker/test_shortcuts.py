@@ -16,7 +16,7 @@ from broker.errors import ConfigError
 from broker.frozen import filler
 from broker.logs import redact_event
 from broker.redact import MASK, RedactProcessor
-from workers.quickcheck import quick_check
+from workers.args import quick_check
 from workers.threads import CallThreads, StockThreads, call_threads
 
 

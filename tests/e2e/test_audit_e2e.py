@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 
 from broker import keys
-from broker.audit import AuditRecord
-from broker.audit_store import AuditLog
+from broker.audit import AuditLog, AuditRecord
 from broker.errors import CallFailed
 from broker.redact import hash_value
 from middleware import enable_plugin

@@ -12,7 +12,7 @@ from broker.calls import Calls
 from broker.codec import pack
 from broker.envelope import Envelope
 from broker.errors import CallFailed
-from broker.tracecontext import ensure_traceparent
+from broker.otel import ensure_traceparent
 from tests.e2e.util import all_terminal, current, error_type, states
 
 pytestmark = pytest.mark.e2e

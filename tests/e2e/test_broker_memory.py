@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from broker import events, keys
-from broker.audit_store import AuditLog
+from broker.audit import AuditLog
 from broker.errors import BrokerFull
 from hermes_gateway.client import Gateway
 from tests.conftest import Home, WorkerFactory, wait_until

@@ -17,8 +17,7 @@ from typing import Any
 import pytest
 
 from broker import events, keys
-from broker.audit import CONTEXT_KEYS
-from broker.audit_store import AuditLog
+from broker.audit import CONTEXT_KEYS, AuditLog
 from broker.records import envelope_of
 from hermes_gateway.chat import ChatSession
 from tests.conftest import Home

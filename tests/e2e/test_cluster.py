@@ -151,7 +151,7 @@ def test_core_paths_on_a_cluster(cgateway: Any, cworkers: Any, home: Any) -> Non
     again = gw.call_tool("nap", {"seconds": 0.01}, idempotency_key="once")
     assert first.call_id == again.call_id and first.result(timeout=20) == {"slept": 0.01}
     # Audit: every finished call has its record.
-    from broker.audit_store import AuditLog
+    from broker.audit import AuditLog
 
     log = AuditLog(gw.conn)
     assert log.get(a.call_id) is not None and log.get(b.call_id) is not None

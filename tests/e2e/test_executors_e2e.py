@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from broker.audit_store import AuditLog
+from broker.audit import AuditLog
 from broker.errors import CallFailed, ExecutorError, InvalidArgs
 from tests.conftest import wait_until
 from tests.workers.executors.http_server import Recorder

@@ -27,8 +27,7 @@ import pytest
 import yaml
 
 from broker import events, keys
-from broker.audit import AuditRecord
-from broker.audit_store import AuditLog
+from broker.audit import AuditLog, AuditRecord
 from broker.calls import Calls
 from broker.records import envelope_of
 from middleware import enable_plugin

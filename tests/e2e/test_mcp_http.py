@@ -14,7 +14,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
 from broker import keys
-from broker.audit_store import AuditLog
+from broker.audit import AuditLog
 from tests.conftest import Home, wait_until
 from tests.e2e.served import ALICE, LOOKUP_SCHEMA, TP, TRACE, client, configure, serve_processes
 from tests.e2e.util import current

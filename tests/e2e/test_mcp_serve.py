@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from broker.audit_store import AuditLog
+from broker.audit import AuditLog
 from tests.conftest import Home, wait_until
 from workers.executors.mcp_session import client_for as _client
 

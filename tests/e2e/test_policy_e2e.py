@@ -221,7 +221,7 @@ def test_grants_and_denials_per_principal(home: Home, gateway: Any, workers: Any
 def test_a_refusal_never_runs_the_executor_reaches_post_tool_call_as_blocked_and_is_audited(
     home: Home, gateway: Any, workers: Any, conn: Any, ran: Path, hook_log: Path
 ) -> None:
-    from broker.audit_store import AuditLog
+    from broker.audit import AuditLog
 
     recorder(home, ran, permissions=["write"])
     home.config({"policy": {"principals": {"writer": {"grants": ["write"]}}}})
@@ -261,7 +261,7 @@ def test_a_refusal_never_runs_the_executor_reaches_post_tool_call_as_blocked_and
 def test_the_policy_judges_the_path_a_tool_request_middleware_rewrote(
     home: Home, gateway: Any, workers: Any, conn: Any, ran: Path, hook_log: Path
 ) -> None:
-    from broker.audit_store import AuditLog
+    from broker.audit import AuditLog
 
     recorder(home, ran)
     home.tool("peek", function=ECHO, timeout=10)  # the same rule on a python tool

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from broker import keys
-from broker.audit_store import AuditLog
+from broker.audit import AuditLog
 from broker.errors import BudgetExceeded, TokensOverLimit
 from broker.ratelimits import RateLimiter
 from tests.conftest import Home, wait_until

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from broker.audit_store import AuditLog
+from broker.audit import AuditLog
 from broker.errors import CallFailed, InvalidSpec
 from tests.conftest import wait_until
 from tests.e2e.test_http_api import Served

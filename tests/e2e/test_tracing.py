@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from broker import events, otel
-from broker.audit_store import AuditLog
+from broker.audit import AuditLog
 from tests.conftest import REPO, wait_until
 
 KEY = "sk-" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8"

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from broker import events
-from broker.audit_store import AuditLog
+from broker.audit import AuditLog
 from broker.errors import CallCancelled, CallFailed, InvalidArgs, QueueFull, UnknownTool
 from hermes_gateway.aio import AsyncGateway
 from tests.conftest import Home
@@ -175,7 +175,7 @@ def test_failures_are_typed_and_an_idempotent_resubmission_follows_the_first_cal
 
 
 def test_a_call_cancelled_while_pending_gets_its_audit_record(redis_url: str, home: Home, gateway: Any) -> None:
-    from broker.audit_store import AuditLog
+    from broker.audit import AuditLog
 
     home.sleep_tool("nap", sensitive=["token"])
     gateway.sync_tools()

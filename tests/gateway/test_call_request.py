@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.audit import AuditRecord
-from broker.audit_store import AuditLog
+from broker.audit import AuditLog, AuditRecord
 from broker.calls import Calls
 from broker.directory import Directory
 from broker.envelope import Envelope

@@ -382,7 +382,7 @@ def test_a_dropped_subscription_comes_back_and_events_flow_again(gw: Gateway, co
 
 
 def test_a_call_cancelled_while_pending_gets_its_audit_record(gw: Gateway, home: Any) -> None:
-    from broker.audit_store import AuditLog
+    from broker.audit import AuditLog
 
     home.sleep_tool("nap", sensitive=["token"])
     gw.sync_tools()

@@ -10,7 +10,7 @@ from jsonschema import Draft202012Validator
 
 from broker.errors import InvalidArgs
 from workers import args as args_mod
-from workers.quickcheck import quick_check
+from workers.args import quick_check
 
 LEAVES: list[dict[str, Any]] = [
     {"type": "string"},

@@ -9,11 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from broker.breaker import Breakers, Change
+from broker.breaker import Breakers, Change, breaker_config
 from broker.errors import CallCancelled, CircuitOpen, HermesError
 from broker.events import PROGRESS
 from workers import metrics
-from workers.breakers import breaker_config
 from workers.hooks.hook import Hook
 
 if TYPE_CHECKING:
@@ -21,6 +20,7 @@ if TYPE_CHECKING:
     from workers.runner import Running
 
 log = structlog.get_logger("hermes.breaker")
+
 
 
 class Circuit(Hook):
