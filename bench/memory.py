@@ -51,9 +51,9 @@ CHUNK = 1000  # calls submitted (and awaited) at a time
 
 
 def _audit_bytes(conn: Any) -> int:
-    from broker import audit as audit_store
+    from broker import audit
 
-    return sum(int(conn.memory_usage(k, samples=0) or 0) for k in (audit_store.AUDIT_STREAM, audit_store.AUDIT_INDEX))
+    return sum(int(conn.memory_usage(k, samples=0) or 0) for k in (audit.AUDIT_STREAM, audit.AUDIT_INDEX))
 
 
 def _used(conn: Any) -> int:
