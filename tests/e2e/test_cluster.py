@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from broker import events, keys
-from tests.conftest import REPO, WorkerFactory
+from tests.conftest import REPO, WorkerFactory, wait_until
 from tests.redis_stack import ClusterStack as Cluster
 
 pytestmark = pytest.mark.e2e
@@ -128,8 +128,8 @@ def test_core_paths_on_a_cluster(cgateway: Any, cworkers: Any, home: Any) -> Non
     assert states[0] == "pending" and states[-1] == "done"
     # Limits: never more than 2 executing; a waiting call cancelled ends at once.
     batch = [gw.call_tool("nap", {"seconds": 0.3}) for _ in range(6)]
-    time.sleep(0.2)
-    last = batch[-1]
+    wait_until(lambda: gw.calls.record(batch[0].call_id)["state"] == "executing", timeout=10, message="the first nap to run")
+    last = batch[-1]  # (the limit is 2: it waits for at least 0.6 s more)
     assert gw.cancel(last.call_id) is True
     for h in batch[:-1]:
         assert h.result(timeout=30) == {"slept": 0.3}
@@ -168,7 +168,7 @@ def test_a_slot_migration_during_a_batch_loses_no_call_and_runs_none_twice(
     ids = [h.call_id for h in handles.accepted]
     slot = gw.conn.keyslot(keys.queue("tools"))
     dest = next(p for p in cluster.ports if p != cluster.slot_owner(slot))
-    time.sleep(0.3)
+    wait_until(lambda: gw.calls.record(ids[0])["state"] == "done", timeout=20, message="calls to run before the slot moves")
     moved = cluster.migrate_slot(slot, dest)
     assert moved > 0 and cluster.slot_owner(slot) == dest
     deadline = time.monotonic() + 60

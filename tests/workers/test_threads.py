@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from tests.conftest import wait_until
 from workers.threads import CallThreads, Tokens
 
 
@@ -54,7 +55,7 @@ def test_shutdown_drops_what_has_not_started_and_refuses_more() -> None:
         pool.submit(ran.append, i)
     stopper = threading.Thread(target=lambda: setattr(stopper, "dropped", pool.shutdown()))
     stopper.start()
-    time.sleep(0.1)
+    wait_until(lambda: pool._closed, timeout=5, message="shutdown to close the pool")  # (then it waits for the busy thread)
     gate.set()
     stopper.join(5)
     assert stopper.dropped == 3 and ran == []  # type: ignore[attr-defined]
