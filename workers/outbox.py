@@ -44,6 +44,7 @@ class Outbox:
         self._items: deque[tuple[Writer, Callback | None]] = deque()
         self._cond = threading.Condition()
         self._closed = False
+        self._closing = threading.Event()  # set by close(): ends a retry's backoff at once
         self._connection: Any = None  # the sender's own connection, taken from the pool once
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -83,6 +84,7 @@ class Outbox:
         with self._cond:
             self._closed = True
             self._cond.notify()
+        self._closing.set()
         self._thread.join(timeout)
         if self._connection is not None and not self._thread.is_alive():
             self.conn.connection_pool.release(self._connection)
@@ -162,7 +164,7 @@ class Outbox:
                     log.warning(
                         "outbox flush failed, retrying", error=str(e), attempt=attempt + 1, writes=len(batch)
                     )
-                threading.Event().wait(min(0.1 * 2 ** min(attempt, 5), 2.0))
+                self._closing.wait(min(0.1 * 2 ** min(attempt, 5), 2.0))
                 continue
             return [replies[i] if i < len(replies) else None for i in starts]
         return [redis.ConnectionError("broker unreachable")] * len(batch)
