@@ -150,6 +150,10 @@ def test_debug_reaches_our_loggers_but_libraries_stay_at_warning() -> None:
     root = logging.getLogger()
     saved, level = root.handlers[:], root.level
     root.handlers = []
+    # (a worker core made by an earlier test in this process set the plugins' namespace to its level)
+    plugins = logging.getLogger("hermes_plugins")
+    plugins_level = plugins.level
+    plugins.setLevel(logging.NOTSET)
     try:
         configure("DEBUG", "json", stream=stream)
         logging.getLogger("hermes_plugins.demo").debug("ours")
@@ -157,6 +161,7 @@ def test_debug_reaches_our_loggers_but_libraries_stay_at_warning() -> None:
     finally:
         root.handlers = saved
         root.setLevel(level)
+        plugins.setLevel(plugins_level)
         structlog.reset_defaults()
     assert [json.loads(x)["event"] for x in stream.getvalue().splitlines()] == ["ours"]
 
