@@ -106,17 +106,39 @@ class Outbox:
             self._send(batch)
 
     def _send(self, batch: list[tuple[Writer, Callback | None]]) -> None:
-        try:
-            replies = self._execute(batch)
-        except Exception as e:  # noqa: BLE001 - the sender thread must survive anything
-            log.exception("outbox batch failed")
-            replies = [e] * len(batch)
-        for (_, cb), reply in zip(batch, replies, strict=True):
+        answered = [False] * len(batch)
+
+        def answer(k: int, reply: Any) -> None:
+            if answered[k]:  # (answered early, in a round a dropped connection then sent again)
+                return
+            answered[k] = True
+            cb = batch[k][1]
             if cb is not None:
                 try:
                     cb(reply)
                 except Exception:  # noqa: BLE001 - a callback must not stop the sender
                     log.exception("outbox callback failed")
+
+        try:
+            replies = self._execute(batch, answer)
+        except Exception as e:  # noqa: BLE001 - the sender thread must survive anything
+            log.exception("outbox batch failed")
+            replies = [e] * len(batch)
+        for k, reply in enumerate(replies):
+            answer(k, reply)
+
+    @staticmethod
+    def _settled(starts: list[int], total: int, early: Callable[[int, Any], None]) -> pipes.Settled:
+        """``pipes.stock``'s ``settled``: answer the writers whose commands all ran (``starts``: where each
+        writer's commands begin in the pipeline of ``total``)."""
+
+        def settled(replies: list[Any], refused: set[int]) -> None:
+            ends = [*starts[1:], total]
+            for k, (start, end) in enumerate(zip(starts, ends, strict=True)):
+                if not refused.intersection(range(start, end)):
+                    early(k, replies[start] if start < len(replies) else None)
+
+        return settled
 
     def _confirmed(self, acked: Any, writes: int) -> None:
         assert self.confirmer is not None
@@ -134,7 +156,9 @@ class Outbox:
             log.warning("a cluster slot is moving: writes wait for it", error=str(error), rounds=rounds)
         return not self._closed or rounds < _CLOSING_TRIES * 4
 
-    def _execute(self, batch: list[tuple[Writer, Callback | None]]) -> list[Any]:
+    def _execute(
+        self, batch: list[tuple[Writer, Callback | None]], early: Callable[[int, Any], None] | None = None
+    ) -> list[Any]:
         """Send one pipeline; each writer's reply is the reply of the first command it added.
 
         While the broker is unreachable the batch is sent again (every 2 s at most) until it answers: a
@@ -142,7 +166,8 @@ class Outbox:
         is back (the writes are fenced by attempt, so a call another worker took over meanwhile is not
         overwritten). Only a closing outbox gives up, after a few tries. On a cluster, the writes a moving
         slot refuses (ASK/TRYAGAIN/MOVED, redis-py's redirections running out) are sent again the same way,
-        alone (the rest of the batch went through), see ``_keep_trying``.
+        alone (the rest of the batch went through), see ``_keep_trying``; ``early(k, reply)`` meanwhile
+        answers each writer none of whose commands was refused (not with WAIT: its callbacks wait for it).
         """
         for attempt in itertools.count():
             if attempt >= _CLOSING_TRIES and self._closed:
@@ -153,10 +178,11 @@ class Outbox:
                 starts.append(len(pipe))  # (a cluster pipeline queues elsewhere: its command_stack stays empty)
                 writer(pipe)
             confirm = self.confirmer is not None and self.confirmer.queue(pipe)
+            settled = None if confirm or early is None else self._settled(starts, len(pipe), early)
             try:
                 if self._connection is None and hasattr(self.conn, "connection_pool"):  # (none on a cluster)
                     self._connection = self.conn.connection_pool.get_connection()
-                replies = pipes.execute(pipe, self._connection, self._keep_trying)
+                replies = pipes.execute(pipe, self._connection, self._keep_trying, settled)
                 if confirm:
                     self._confirmed(replies[-1], len(batch))
             except (redis.ConnectionError, redis.TimeoutError) as e:

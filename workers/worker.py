@@ -298,9 +298,9 @@ class Worker:
         """The ending's reply (on the outbox thread): the call it took starts on the ended call's thread
         slot; when it took none (nothing waited, a fenced or failed write) the slot goes back.
 
-        A reply that comes late (half the lease gone: its write waited for a cluster slot that moved, with
-        the rest of its batch) starts nothing: the call was leased to us when taken and no heartbeat kept
-        its lease, so the reaper may have given it to another worker. It stays pending and leased until
+        A reply that comes late (half the lease gone: its write waited for a cluster slot that moved) starts
+        nothing: the call was leased to us when taken and no heartbeat kept its lease, so the reaper may
+        have given it to another worker. It stays pending and leased until
         its lease ends; the reaper then puts it back at the head of its queue, at no cost to its attempts."""
         claimed = []
         # (no take: its write never went out; take[2]: the lease deadline the call was taken with)

@@ -593,3 +593,45 @@ def test_a_cluster_url_naming_a_database_or_options_is_refused_in_one_line(clust
         )
         assert out.returncode != 0 and said in out.stderr, out.stderr
         assert "Traceback" not in out.stderr and "s3cret" not in out.stdout + out.stderr
+
+
+def test_an_outbox_write_a_moving_slot_refuses_holds_back_only_its_own_callback(curl: str, cluster: Cluster) -> None:
+    """While a slot migrates, a script on two of its keys, one moved and one not, is refused (TRYAGAIN) and
+    the outbox sends it again until the slot settles; the other writes of its pipeline ran, and their
+    callbacks (a call's take, a caller's hand-off) are answered at once instead of waiting for it."""
+    from broker import pipes
+    from broker.connection import from_url
+    from workers.outbox import Outbox
+
+    conn = from_url(curl)
+    here, absent = "{hermes:test:mv}:here", "{hermes:test:mv}:absent"
+    conn.set(here, "1")
+    slot = conn.keyslot(here)
+    src = cluster.slot_owner(slot)
+    dst = next(p for p in cluster.ports if p != src)
+    assert conn.keyslot("hermes:test:elsewhere") != slot
+    script = conn.register_script("redis.call('GET', KEYS[1]); return redis.call('INCR', KEYS[2])")
+    script(keys=[here, absent], args=[])  # (loaded on its node; the INCR makes `absent` 1)
+    conn.delete(absent)
+    cluster.node(dst).execute_command("CLUSTER SETSLOT", slot, "IMPORTING", cluster.node_id(src))
+    cluster.node(src).execute_command("CLUSTER SETSLOT", slot, "MIGRATING", cluster.node_id(dst))
+    box = Outbox(conn)
+    gate, got = threading.Event(), {}
+    try:
+        box.put(lambda pipe: gate.wait(5) and pipe.exists("hermes:test:gate"))  # (the rest queue up behind it)
+        box.put(lambda pipe: pipes.script(script, [here, absent], [], pipe), lambda reply: got.__setitem__("moving", reply))
+        box.put(lambda pipe: pipe.incr("hermes:test:elsewhere"), lambda reply: got.__setitem__("other", reply))
+        gate.set()
+        wait_until(lambda: "other" in got, timeout=5, message="the write that ran to be answered")
+        assert got["other"] == 1
+        time.sleep(0.5)  # (a few resends of the refused one meanwhile: it is still held back)
+        assert "moving" not in got
+    finally:
+        for port in (src, dst):  # the move called off: the slot is its source's again
+            cluster.node(port).execute_command("CLUSTER SETSLOT", slot, "STABLE")
+    try:
+        wait_until(lambda: "moving" in got, timeout=15, message="the refused write to go through")
+        assert got["moving"] == 1
+    finally:
+        box.close()
+        conn.close()
