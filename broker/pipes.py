@@ -77,17 +77,17 @@ def script(script: Any, keys: Sequence[Any], args: Sequence[Any], client: Any = 
 
 
 def execute(
-    pipe: Pipeline, connection: Any = None, keep_trying: KeepTrying | None = None, settled: Settled | None = None
+    pipe: Pipeline, connection: Any = None, keep_trying: KeepTrying | None = None, on_settled: Settled | None = None
 ) -> list[Any]:
     """Send ``pipe``'s queued commands in one round trip and return their replies; the pipe is reset.
 
     ``connection``: one the caller keeps for its own sending (a worker's outbox) instead of taking one
     from the pool each time; it is disconnected (and reconnects on the next send) when anything fails.
     A cluster's pipeline (no single connection) is sent by redis-py, one batch per node (``stock``,
-    which resends what a moving slot refused while ``keep_trying`` says so, telling ``settled`` first).
+    which resends what a moving slot refused while ``keep_trying`` says so, telling ``on_settled`` first).
     """
     if not FAST or not isinstance(pipe, Pipeline):
-        return stock(pipe, keep_trying, settled)
+        return stock(pipe, keep_trying, on_settled)
     if getattr(pipe, "transaction", False) is True or pipe.explicit_transaction or pipe.watching:
         raise ValueError("pipes.execute sends plain pipelines; use pipeline(transaction=False), no WATCH")
     stack: list[Command] = list(pipe.command_stack)
@@ -165,7 +165,7 @@ def settled(pipe: Any, keep_trying: KeepTrying) -> list[Any]:
     return replies
 
 
-def stock(pipe: Any, keep_trying: KeepTrying | None = None, settled: Settled | None = None) -> list[Any]:
+def stock(pipe: Any, keep_trying: KeepTrying | None = None, on_settled: Settled | None = None) -> list[Any]:
     """``pipe.execute(raise_on_error=False)``; scripts a node refused with NOSCRIPT (it restarted, or a
     slot moved to a node that never ran them) are sent again as EVAL with their text, in order (those
     queued through ``script``, which notes them on the pipeline).
@@ -173,7 +173,7 @@ def stock(pipe: Any, keep_trying: KeepTrying | None = None, settled: Settled | N
     On a cluster, commands refused because their slot is moving (``moving``) are sent again, alone and in
     their order, after a backoff (0.05 s doubling to 0.5 s), for as long as ``keep_trying`` says: redis-py
     follows a redirection, but gives up on TRYAGAIN within half a second, and a migration lasts as long as
-    it takes to move the slot's keys. Only the refused commands go again: the others ran, and ``settled``
+    it takes to move the slot's keys. Only the refused commands go again: the others ran, and ``on_settled``
     gets their replies before the first resend (a worker's outbox answers those writes' callers at once).
     """
     if isinstance(pipe, Pipeline):
@@ -185,8 +185,8 @@ def stock(pipe: Any, keep_trying: KeepTrying | None = None, settled: Settled | N
         refused = [i for i, r in enumerate(replies) if moving(r)]
         if not refused or not keep_trying(rounds, replies[refused[0]]):
             break
-        if rounds == 0 and settled is not None:
-            settled(list(replies), set(refused))
+        if rounds == 0 and on_settled is not None:
+            on_settled(list(replies), set(refused))
         rounds += 1
         time.sleep(delay)
         delay = min(delay * 2, 0.5)

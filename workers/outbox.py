@@ -80,6 +80,8 @@ class Outbox:
             return False
 
     def close(self, timeout: float = 30.0) -> None:
+        """Send what is queued (waiting up to ``timeout`` for it), then stop: an unreachable broker gets its
+        last few tries at once, not after a backoff, and writes still unsent then fail."""
         self.flush(timeout)
         with self._cond:
             self._closed = True
@@ -128,15 +130,14 @@ class Outbox:
             answer(k, reply)
 
     @staticmethod
-    def _settled(starts: list[int], total: int, early: Callable[[int, Any], None]) -> pipes.Settled:
-        """``pipes.stock``'s ``settled``: answer the writers whose commands all ran (``starts``: where each
-        writer's commands begin in the pipeline of ``total``)."""
+    def _settled(starts: list[int], ends: list[int], early: Callable[[int, Any], None]) -> pipes.Settled:
+        """``pipes.stock``'s ``on_settled``: answer the writers whose commands all ran (each writer's commands
+        are ``starts[k]`` to ``ends[k]`` of the pipeline)."""
 
         def settled(replies: list[Any], refused: set[int]) -> None:
-            ends = [*starts[1:], total]
             for k, (start, end) in enumerate(zip(starts, ends, strict=True)):
                 if not refused.intersection(range(start, end)):
-                    early(k, replies[start] if start < len(replies) else None)
+                    early(k, replies[start] if start < end else None)
 
         return settled
 
@@ -177,8 +178,9 @@ class Outbox:
             for writer, _ in batch:
                 starts.append(len(pipe))  # (a cluster pipeline queues elsewhere: its command_stack stays empty)
                 writer(pipe)
+            ends = [*starts[1:], len(pipe)]  # (where each writer's commands end; WAIT comes after them)
             confirm = self.confirmer is not None and self.confirmer.queue(pipe)
-            settled = None if confirm or early is None else self._settled(starts, len(pipe), early)
+            settled = None if confirm or early is None else self._settled(starts, ends, early)
             try:
                 if self._connection is None and hasattr(self.conn, "connection_pool"):  # (none on a cluster)
                     self._connection = self.conn.connection_pool.get_connection()
@@ -192,5 +194,5 @@ class Outbox:
                     )
                 self._closing.wait(min(0.1 * 2 ** min(attempt, 5), 2.0))
                 continue
-            return [replies[i] if i < len(replies) else None for i in starts]
+            return [replies[s] if s < e else None for s, e in zip(starts, ends, strict=True)]  # (no command: None)
         return [redis.ConnectionError("broker unreachable")] * len(batch)

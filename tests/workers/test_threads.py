@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -55,7 +56,7 @@ def test_shutdown_drops_what_has_not_started_and_refuses_more() -> None:
         pool.submit(ran.append, i)
     stopper = threading.Thread(target=lambda: setattr(stopper, "dropped", pool.shutdown()))
     stopper.start()
-    wait_until(lambda: pool._closed, timeout=5, message="shutdown to close the pool")  # (then it waits for the busy thread)
+    wait_until(lambda: _in_join(stopper), timeout=5, message="shutdown to drop the queue and wait for the busy thread")
     gate.set()
     stopper.join(5)
     assert stopper.dropped == 3 and ran == []  # type: ignore[attr-defined]
@@ -79,3 +80,13 @@ def test_tokens_hand_out_what_is_free_up_to_a_batch_and_wait_for_the_first() -> 
     waiter.join(5)
     assert got and 1 <= got[0] <= 3  # woken by the first token, takes what is free by then
     assert tokens.free == 3 - got[0]
+
+
+def _in_join(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is inside a ``join`` (shutdown has dropped what was queued and waits)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_name == "join":
+            return True
+        frame = frame.f_back
+    return False
