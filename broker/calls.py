@@ -135,21 +135,24 @@ class Calls:
         flat += extra
         if not self.is_async:  # (an asyncio client awaits its own SADD: AsyncGateway._list)
             self.list_queue(env.queue)
+        (_leases, waiting, slots, limits, _scheduled, queue, waiting_batch, fair, rate, rate_log, rate_due), wake = (
+            self._keys_of(env.queue, ckey)
+        )
         return pipes.script(
             self._submit,
             [
                 keys.job(env.call_id),
-                keys.queue(env.queue),
+                queue,
                 keys.history(env.call_id),
-                keys.waiting(tag, ckey),
+                waiting,
                 keys.idempotency(tag, idem or ""),
-                keys.slots(tag, ckey),
-                keys.limits(tag),
-                keys.waiting_batch(tag, ckey),
-                keys.fair(tag, ckey),
-                keys.rate(tag, ckey),
-                keys.rate_log(tag, ckey),
-                keys.rate_due(tag),
+                slots,
+                limits,
+                waiting_batch,
+                fair,
+                rate,
+                rate_log,
+                rate_due,
                 keys.rates(tag),
             ],
             [
@@ -162,7 +165,7 @@ class Calls:
                 digest,
                 concurrency,
                 ckey,
-                self.wake_channel(env.queue),
+                wake,
                 self.publish,
                 keys.job(""),
                 fkey,
@@ -442,8 +445,8 @@ class Calls:
         )
 
     def _keys_of(self, queue: str, ckey: str) -> tuple[tuple[str, ...], str]:
-        """TRANSITION's keys of a queue and concurrency key (KEYS 3-13) and the queue's wake-up channel,
-        made once per pair: every move of every call names the same twelve."""
+        """TRANSITION's keys of a queue and concurrency key (KEYS 3-13; SUBMIT names most of them too) and
+        the queue's wake-up channel, made once per pair: every move of every call names the same twelve."""
         got = self._queue_keys.get((queue, ckey))
         if got is None:
             tag = keys.tag(queue)
