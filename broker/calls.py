@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 import redis.asyncio
@@ -74,7 +74,7 @@ class Calls:
         self._transition = conn.register_script(scripts.for_server(conn, scripts.TRANSITION))
         # An ended call keeps its terminal event alone, unless `workers.keep_history` (set by the owner).
         self.keep_history = False
-        self._queue_keys: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {}  # (see _keys_of)
+        self._queue_keys: dict[tuple[str, str], tuple[QueueKeys, str]] = {}  # (see _keys_of)
 
     def list_queue(self, queue: str) -> None:
         """Add ``queue`` to RQ's set of queues (``rq info`` lists it), once per process: a set spanning
@@ -135,24 +135,22 @@ class Calls:
         flat += extra
         if not self.is_async:  # (an asyncio client awaits its own SADD: AsyncGateway._list)
             self.list_queue(env.queue)
-        (_leases, waiting, slots, limits, _scheduled, queue, waiting_batch, fair, rate, rate_log, rate_due), wake = (
-            self._keys_of(env.queue, ckey)
-        )
+        of, wake = self._keys_of(env.queue, ckey)
         return pipes.script(
             self._submit,
             [
                 keys.job(env.call_id),
-                queue,
+                of.queue,
                 keys.history(env.call_id),
-                waiting,
+                of.waiting,
                 keys.idempotency(tag, idem or ""),
-                slots,
-                limits,
-                waiting_batch,
-                fair,
-                rate,
-                rate_log,
-                rate_due,
+                of.slots,
+                of.limits,
+                of.waiting_batch,
+                of.fair,
+                of.rate,
+                of.rate_log,
+                of.rate_due,
                 keys.rates(tag),
             ],
             [
@@ -444,14 +442,14 @@ class Calls:
             pipeline,
         )
 
-    def _keys_of(self, queue: str, ckey: str) -> tuple[tuple[str, ...], str]:
-        """TRANSITION's keys of a queue and concurrency key (KEYS 3-13; SUBMIT names most of them too) and
-        the queue's wake-up channel, made once per pair: every move of every call names the same twelve."""
+    def _keys_of(self, queue: str, ckey: str) -> tuple[QueueKeys, str]:
+        """The keys of a queue and concurrency key (``QueueKeys``) and the queue's wake-up channel, made once
+        per pair: every move of every call names the same twelve."""
         got = self._queue_keys.get((queue, ckey))
         if got is None:
             tag = keys.tag(queue)
             got = (
-                (
+                QueueKeys(
                     keys.leases(tag), keys.waiting(tag, ckey), keys.slots(tag, ckey), keys.limits(tag),
                     keys.scheduled(tag), keys.queue(queue), keys.waiting_batch(tag, ckey), keys.fair(tag, ckey),
                     keys.rate(tag, ckey), keys.rate_log(tag, ckey), keys.rate_due(tag),
@@ -657,6 +655,23 @@ class Calls:
     def record(self, call_id: str) -> dict[str, Any] | None:
         """The call's record as plain values (state, attempt, result, error, ...)."""
         return read_record(self.conn, call_id)
+
+
+class QueueKeys(NamedTuple):
+    """The keys of one queue and concurrency key, in TRANSITION's KEYS order (3 to 13)."""
+
+    leases: str
+    waiting: str
+    slots: str
+    limits: str
+    scheduled: str
+    queue: str
+    waiting_batch: str
+    fair: str
+    rate: str
+    rate_log: str
+    rate_due: str
+
 
 _NO_TAKE = ('',) * 8  # TRANSITION's ARGV 23-30 when it takes no call
 

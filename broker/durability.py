@@ -61,9 +61,14 @@ class Confirmer:
         self.settings = settings
         self._skip_until = 0.0
 
+    @property
+    def asked(self) -> bool:
+        """Whether ``broker.wait_replicas`` asks for WAITs at all."""
+        return self.settings.broker.wait_replicas > 0
+
     def wanted(self) -> bool:
         """Whether to WAIT now: asked for, and not backing off."""
-        return self.settings.broker.wait_replicas > 0 and time.monotonic() >= self._skip_until
+        return self.asked and time.monotonic() >= self._skip_until
 
     def queue(self, pipe: Any) -> bool:
         """Queue WAIT behind ``pipe``'s writes when :meth:`wanted`; whether it was queued."""

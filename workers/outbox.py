@@ -38,7 +38,7 @@ class Outbox:
         self.conn = conn
         # With ``broker.wait_replicas``, every batch ends with WAIT: its callbacks (a hand-off starting the
         # next call) run once the replicas have the writes. (Without, no confirmer is asked at all.)
-        self.confirmer = confirmer if confirmer is not None and confirmer.settings.broker.wait_replicas > 0 else None
+        self.confirmer = confirmer if confirmer is not None and confirmer.asked else None
         self._unconfirmed_logged = 0.0
         self.max_batch = max_batch
         self._items: deque[tuple[Writer, Callback | None]] = deque()

@@ -300,8 +300,8 @@ class Worker:
 
         A reply that comes late (half the lease gone: its write waited for a cluster slot that moved) starts
         nothing: the call was leased to us when taken and no heartbeat kept its lease, so the reaper may
-        have given it to another worker. It stays pending and leased until
-        its lease ends; the reaper then puts it back at the head of its queue, at no cost to its attempts."""
+        have given it to another worker. It stays pending and leased until its lease ends; the reaper then
+        puts it back at the head of its queue, at no cost to its attempts."""
         claimed = []
         # (no take: its write never went out; take[2]: the lease deadline the call was taken with)
         answered = bool(take) and not isinstance(reply, Exception) and len(reply) >= 4
@@ -313,7 +313,7 @@ class Worker:
                 claimed = self.core.calls.claimed(queue, reply[2], reply[3])
             except Exception as e:  # noqa: BLE001 - (a broker hiccup rechecking an absent id) the slot goes back
                 log.warning("taking the next call failed", error=str(e))
-        if len(claimed) < 1:
+        if not claimed:
             self._slots.give()
         for c in claimed:
             try:
