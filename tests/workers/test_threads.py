@@ -56,7 +56,7 @@ def test_shutdown_drops_what_has_not_started_and_refuses_more() -> None:
         pool.submit(ran.append, i)
     stopper = threading.Thread(target=lambda: setattr(stopper, "dropped", pool.shutdown()))
     stopper.start()
-    wait_until(lambda: _in_join(stopper), timeout=5, message="shutdown to drop the queue and wait for the busy thread")
+    wait_until(lambda: _inside(stopper, "join"), timeout=5, message="shutdown to drop the queue and wait for the busy thread")
     gate.set()
     stopper.join(5)
     assert stopper.dropped == 3 and ran == []  # type: ignore[attr-defined]
@@ -74,7 +74,7 @@ def test_tokens_hand_out_what_is_free_up_to_a_batch_and_wait_for_the_first() -> 
     got: list[int] = []
     waiter = threading.Thread(target=lambda: got.append(tokens.take(10, timeout=5)))
     waiter.start()
-    time.sleep(0.05)
+    wait_until(lambda: _inside(waiter, "wait_for"), timeout=5, message="the waiter to wait for a token")
     tokens.give()
     tokens.give(2)
     waiter.join(5)
@@ -82,11 +82,11 @@ def test_tokens_hand_out_what_is_free_up_to_a_batch_and_wait_for_the_first() -> 
     assert tokens.free == 3 - got[0]
 
 
-def _in_join(thread: threading.Thread) -> bool:
-    """Whether ``thread`` is inside a ``join`` (shutdown has dropped what was queued and waits)."""
+def _inside(thread: threading.Thread, function: str) -> bool:
+    """Whether ``thread`` is inside a call of ``function`` now (blocked there, say)."""
     frame = sys._current_frames().get(thread.ident or -1)
     while frame is not None:
-        if frame.f_code.co_name == "join":
+        if frame.f_code.co_name == function:
             return True
         frame = frame.f_back
     return False
