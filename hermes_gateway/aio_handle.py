@@ -58,9 +58,9 @@ class AsyncCallHandle(CallState):
         for event in history:
             self.feed(event)
 
-    async def _next_change(self, deadline: float | None, live_grace: float = 0.0) -> None:
-        """Wait until something arrives, re-reading the history after a quiet second; CallTimeout at the deadline.
-        (``live_grace``: see ``sync``; events() gives it, result() needs only the end.)"""
+    async def _next_change(self, deadline: float | None) -> None:
+        """Wait until something arrives, re-reading the history after a quiet second (with ``LIVE_GRACE``, see
+        ``sync``: a later events() lists what the live feed still had); CallTimeout at the deadline."""
         signal = self._signal
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
@@ -72,7 +72,7 @@ class AsyncCallHandle(CallState):
             await asyncio.wait_for(signal.wait(), quiet if left is None else min(left, quiet))
         except TimeoutError:
             try:
-                await self.sync(live_grace)
+                await self.sync(LIVE_GRACE)
             except (redis.ConnectionError, redis.TimeoutError):
                 pass  # a broker restart: the call goes on, and so does the wait, until the deadline
 
@@ -94,7 +94,7 @@ class AsyncCallHandle(CallState):
                 if self.refused is not None:
                     return
                 try:
-                    await self._next_change(deadline, LIVE_GRACE)
+                    await self._next_change(deadline)
                 except CallTimeout:
                     return
             event = self._events[i]

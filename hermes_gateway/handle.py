@@ -57,7 +57,7 @@ class CallHandle(CallState):
             if time.monotonic() >= check:
                 check = time.monotonic() + 1.0
                 try:
-                    self.sync()
+                    self.sync(LIVE_GRACE)  # (a later events() lists what the live feed still had)
                     unreachable = None
                 except (redis.ConnectionError, redis.TimeoutError) as e:
                     # A broker restart: the call goes on (its worker keeps it) and so does the wait.

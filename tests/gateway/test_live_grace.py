@@ -89,3 +89,30 @@ def test_a_follower_whose_call_has_not_ended_does_not_wait(gateway: Any, conn: r
     started = time.monotonic()
     handle.sync(live_grace=2.0)
     assert time.monotonic() - started < 1.0 and [e.seq for e in handle._events] == [1, 2]
+
+
+def test_result_then_events_lists_the_live_events_its_quiet_resync_found_unread(
+    gateway: Any, conn: redis.Redis, monkeypatch: Any
+) -> None:
+    """result() re-reads the history after a quiet second too: finding the kept end past events it has not
+    seen, it gives the live feed its grace first, so a later events() still lists them (a gRPC stream's
+    progress was lost so, once, in a loaded full run)."""
+    import hermes_gateway.handle as handle_mod
+    from hermes_gateway.handle import CallHandle
+    from tests.conftest import wait_until
+
+    monkeypatch.setattr(handle_mod, "LIVE_GRACE", 10.0)  # (it ends when the live end arrives)
+    conn.set(keys.ended(CID), END)
+    handle = gateway.router.track(CallHandle(gateway, CID, "m", "llm"))
+
+    def live() -> None:  # the event thread, once the resync waits for it
+        wait_until(lambda: handle._followers > 0, timeout=5, message="the resync to wait for the live feed")
+        for e in [*LIVE, END]:
+            handle.feed(events.decode(e))
+
+    feeder = threading.Thread(target=live)
+    feeder.start()
+    assert handle.result(timeout=8) == {"content": "hello world"}
+    feeder.join(5)
+    assert [e.seq for e in handle._events] == [1, 2, 3, 4, 5]
+    assert deltas(handle) == ["hello ", "world"]
