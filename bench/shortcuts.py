@@ -62,7 +62,7 @@ def _switch(name: str) -> Callable[[bool], None]:
 
 
 def threads_row() -> Row:
-    from workers.threads import call_threads
+    from workers.worker import call_threads
 
     def run(n: int) -> float:
         pool = call_threads(8, "bench")

@@ -3,7 +3,7 @@
 list of names. A worker process sets them once (``configure``) before it runs a call; all are on by
 default. Each shortcut asks ``on(name)`` in its own module:
 
-- ``threads``: a worker's call threads (``workers/threads.py``) instead of a ``ThreadPoolExecutor``;
+- ``threads``: a worker's call threads (``workers/worker.py``) instead of a ``ThreadPoolExecutor``;
 - ``quickcheck``: the compiled quick check of common argument schemas (``workers/args.py``) before
   the full JSON Schema validator;
 - ``frozen``: the envelope and audit record filled without their dataclass ``__init__`` (``broker/frozen.py``);

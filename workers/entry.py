@@ -18,8 +18,7 @@ def run_call(envelope: dict[str, Any]) -> Any:
     from broker import shortcuts
     from broker.config import load_settings
     from broker.records import Claimed
-    from workers.core import WorkerCore
-    from workers.runner import CallRunner
+    from workers.runner import CallRunner, WorkerCore
 
     job = get_current_job()
     if job is None:

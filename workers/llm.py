@@ -27,9 +27,8 @@ from workers.providers.provider import base_url_of
 from workers.telemetry import record_usage
 
 if TYPE_CHECKING:
-    from workers.core import WorkerCore
     from workers.providers import Provider
-    from workers.runner import CallRunner, Running
+    from workers.runner import CallRunner, Running, WorkerCore
 
 log = structlog.get_logger("hermes.worker")
 

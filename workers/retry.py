@@ -25,8 +25,7 @@ from broker.ratelimits import RateLimiter
 from broker.records import CallInfo
 
 if TYPE_CHECKING:
-    from workers.core import WorkerCore
-    from workers.runner import Running
+    from workers.runner import Running, WorkerCore
 
 log = structlog.get_logger("hermes.retry")
 

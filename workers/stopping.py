@@ -9,14 +9,16 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from broker.states import State
-from workers.core import WorkerCore
 from workers.executors import close_all
-from workers.threads import CallThreads
+
+if TYPE_CHECKING:
+    from workers.runner import WorkerCore
+    from workers.worker import CallThreads
 
 log = structlog.get_logger("hermes.worker")
 

@@ -17,7 +17,7 @@ from broker.frozen import filler
 from broker.logs import redact_event
 from broker.redact import MASK, RedactProcessor
 from workers.args import quick_check
-from workers.threads import CallThreads, StockThreads, call_threads
+from workers.worker import CallThreads, StockThreads, call_threads
 
 
 @pytest.fixture(autouse=True)

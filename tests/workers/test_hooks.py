@@ -19,9 +19,8 @@ from broker.directory import Directory
 from broker.errors import PermissionDenied
 from broker.toolspec import ToolSpec
 from tests.workers.test_worker import TOOLS, TRACE, run_all, states, submit
-from workers.core import WorkerCore
 from workers.hooks import HOOKS, Hook
-from workers.runner import Running
+from workers.runner import Running, WorkerCore
 from workers.specs import check_spec
 
 

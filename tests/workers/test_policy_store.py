@@ -11,8 +11,8 @@ from broker import keys
 from broker.config import Settings
 from broker.errors import DecodeError
 from workers import policy_store
-from workers.core import WorkerCore
 from workers.policy import STRICT, Policy
+from workers.runner import WorkerCore
 
 STRICT_POLICY = Policy.from_dict({"mode": "strict", "principals": {"a": {"grants": ["x"]}}})
 

@@ -15,9 +15,8 @@ from broker.directory import Directory
 from broker.envelope import Envelope, Options
 from broker.errors import CallFailed, ExecutorError, InvalidArgs, ToolTimeout
 from tests.conftest import heard
-from workers.core import WorkerCore
 from workers.retry import RetryPolicy
-from workers.runner import CallRunner
+from workers.runner import CallRunner, WorkerCore
 from workers.specs import check_spec
 
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

@@ -23,8 +23,7 @@ from broker.errors import ProviderError
 from tests.conftest import heard
 from workers import metrics, otelsdk
 from workers import spans as spans_mod
-from workers.core import WorkerCore
-from workers.runner import CallRunner
+from workers.runner import CallRunner, WorkerCore
 from workers.specs import check_spec
 from workers.telemetry import NO_TRACE, CallTrace, record_usage
 

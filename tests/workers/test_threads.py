@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.conftest import wait_until
-from workers.threads import CallThreads, Tokens
+from workers.worker import CallThreads, Tokens
 
 
 def test_tasks_run_on_at_most_size_threads_and_idle_threads_are_reused() -> None:

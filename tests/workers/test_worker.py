@@ -19,8 +19,7 @@ from broker.records import CallInfo, Claimed
 from broker.states import State
 from tests.conftest import heard
 from workers import reaper
-from workers.core import WorkerCore
-from workers.runner import CallRunner
+from workers.runner import CallRunner, WorkerCore
 from workers.specs import check_spec
 from workers.worker import Worker, control_message
 

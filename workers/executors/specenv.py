@@ -2,7 +2,7 @@
 
 The directory keeps the spec as written (``Authorization: Bearer ${WEATHER_API_TOKEN}``,
 ``dsn: ${WEATHER_DB_DSN}``), so a secret never sits in Redis and ``tool show`` shows the reference.
-Every tool call goes through :func:`run_executor` (``workers/core.py``), which:
+Every tool call goes through :func:`run_executor` (``workers/runner.py``), which:
 
 - expands the spec's own configuration (``spec.config``: the executor's keys such as ``endpoint``,
   ``headers``, ``body_template``, ``dsn``, ``command``, ``env_set``, ``target``; never the name,

@@ -7,8 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from broker.toolspec import ToolSpec
-    from workers.core import WorkerCore
-    from workers.runner import Running
+    from workers.runner import Running, WorkerCore
 
 Writer = Callable[[Any], None]  # more writes in the terminal move's pipeline
 
