@@ -24,7 +24,7 @@ A field the caller left out (or sent as null where text is needed):
 Registration refuses a placeholder naming no declared property when the schema declares any
 (:func:`check_declared`), so "not declared" only happens with schemas that declare no properties at all.
 ``${VAR}`` references are filled from the worker's environment before any of this, never in argument
-values (``workers/executors/specenv.py``).
+values (``workers/executors/__init__.py``).
 """
 
 from __future__ import annotations

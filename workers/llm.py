@@ -21,7 +21,7 @@ from broker.envelope import plugins_applied
 from broker.errors import CallCancelled, ProviderError, ProviderTimeout
 from broker.events import DELTA, PROGRESS
 from broker.settings import ModelSettings
-from workers.executors.base import ExecContext
+from workers.executors import ExecContext
 from workers.providers import ProviderContext, get_provider, give_up_reason, retry_delay
 from workers.providers.provider import base_url_of
 from workers.telemetry import record_usage

@@ -37,9 +37,7 @@ from middleware import LLMCallFlow, PluginManager, ToolCallFlow
 from middleware.plugins import NAMESPACE as PLUGIN_NAMESPACE
 from workers import metrics, otelsdk, policy_store, retry
 from workers.args import check_output, coerce_args
-from workers.executors import get_executor
-from workers.executors.base import ExecContext
-from workers.executors.specenv import run_executor
+from workers.executors import ExecContext, get_executor, run_executor
 from workers.hooks import HOOKS, overrides
 from workers.llm import LLMCall, RateLimited, describe_response
 from workers.outbox import Outbox
@@ -386,7 +384,7 @@ class CallRunner:
             self.executing(run)
             ctx.check()
             # ${VAR} in the spec is filled from this worker's environment here, before any executor
-            # fills {{field}} from the arguments (workers/executors/specenv.py).
+            # fills {{field}} from the arguments (``run_executor``, workers/executors/__init__.py).
             executor = get_executor(spec.executor, ctx.settings)
             return self._stage("execute", run, spec, eff, lambda: run_executor(executor, spec, eff, ctx))
 

@@ -63,7 +63,7 @@ SETTINGS_MODULE = "broker/config.py"
 # Reads of the whole environment (or of one named at run time) that are not settings: where, and why.
 NOT_SETTINGS = {
     ("workers/executors/command.py", "build_env"): "a command tool's child process gets its allow-listed variables",
-    ("workers/executors/specenv.py", "expand_spec"): "${VAR} in a tool spec is user data from the worker's env",
+    ("workers/executors/__init__.py", "expand_spec"): "${VAR} in a tool spec is user data from the worker's env",
     ("workers/pool.py", "spawn"): "a worker child process inherits this process's environment",
     ("workers/pool.py", "metrics_env"): "a pool child's environment: this one's, with its own metrics port",
     ("hermes_gateway/local.py", "start_workers"): "a command's own worker processes inherit its environment",

@@ -11,8 +11,8 @@ import pytest
 
 from broker.errors import ExecutorError, InvalidSpec
 from broker.toolspec import ToolSpec
-from workers.executors import command, specenv
-from workers.executors.base import ExecContext
+from workers import executors as specenv
+from workers.executors import ExecContext, command
 from workers.specs import check_spec
 
 RECORDER = str(Path(__file__).parent / "executors" / "argv_recorder.py")

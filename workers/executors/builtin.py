@@ -7,7 +7,7 @@ from typing import Any
 
 from broker.errors import CallCancelled, ToolTimeout
 
-from .base import ExecContext
+from . import ExecContext
 
 
 def noop(ctx: ExecContext | None = None, **kwargs: Any) -> None:

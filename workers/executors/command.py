@@ -21,7 +21,7 @@ Spec keys (``spec.config``), each also settable as a default in ``executors.comm
   An ``env_set`` entry that is just the placeholder of an optional field the caller left out is not
   set; inside longer text such a field is ``""``. In argv a missing value is always ``invalid_args``,
   optional or not: dropping an argument would shift the ones after it (see ``broker/placeholders.py``).
-- ``${VAR}`` in any of these is filled from the worker's environment first (:mod:`specenv`).
+- ``${VAR}`` in any of these is filled from the worker's environment first (``run_executor`` in ``workers/executors/__init__.py``).
 - ``cwd``; ``stdin: json`` (write the arguments as JSON to stdin); ``output: text | json``.
 - ``max_output``: cap on stdout in bytes (default 1 MiB) -> OutputTooLarge.
 - ``kill_grace``: seconds between SIGTERM and SIGKILL of the process group (default 2).
@@ -47,7 +47,7 @@ from broker.errors import CallCancelled, ExecutorError, InvalidArgs, InvalidSpec
 from broker.placeholders import OMIT, check_declared, fill, has, names, sole, value_of
 from broker.toolspec import ToolSpec
 
-from .base import ExecContext, require
+from . import ExecContext, require
 
 DEFAULT_MAX_OUTPUT = 1024 * 1024
 DEFAULT_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")

@@ -6,7 +6,7 @@ Spec keys (``dsn`` may also come from ``executors.database.dsn``):
   from the arguments by the driver; nothing is ever pasted into the SQL text. A parameter naming a field
   ``input_schema`` declares but does not require is bound as NULL when the caller leaves it out
   (``WHERE (:unit IS NULL OR unit = :unit)``); any other missing one is ``invalid_args``.
-- ``dsn: ${WEATHER_DB_DSN}`` is filled from the worker's environment (:mod:`specenv`).
+- ``dsn: ${WEATHER_DB_DSN}`` is filled from the worker's environment (``run_executor`` in ``workers/executors/__init__.py``).
 - Structured mode: ``mode: structured`` and ``tables: {name: [allowed columns]}``. The model sends
   ``{table, columns, where: {col: value | [values]}, limit}``; every name is checked against the
   allow-list, then the statement is built with SQLAlchemy Core (quoted identifiers, bound values).
@@ -35,7 +35,7 @@ from broker.errors import CallCancelled, ExecutorError, HermesError, InvalidArgs
 from broker.placeholders import optional
 from broker.toolspec import ToolSpec
 
-from .base import ExecContext, require
+from . import ExecContext, require
 
 if TYPE_CHECKING:  # SQLAlchemy (and its driver) is imported where a query runs, not where a spec registers
     import sqlalchemy as sa

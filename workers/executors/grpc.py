@@ -34,7 +34,7 @@ from broker.errors import (
 )
 from broker.toolspec import ToolSpec
 
-from .base import ExecContext, from_env, require
+from . import ExecContext, from_env, require
 
 if TYPE_CHECKING:  # grpc and protobuf are imported where a call runs, not where a spec registers
     import grpc

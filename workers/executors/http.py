@@ -14,7 +14,7 @@ Spec keys (defaults may also sit in ``executors.http``):
   (``{query: 北京, opts: {}}``); inside longer text it is ``""``. A missing required field is
   ``invalid_args``. (Rules in ``broker/placeholders.py``.)
 - ``${VAR}`` anywhere in the spec is filled from the worker's environment before all this
-  (``headers: {Authorization: Bearer ${API_TOKEN}}``; :mod:`specenv`).
+  (``headers: {Authorization: Bearer ${API_TOKEN}}``; ``run_executor`` in ``workers/executors/__init__.py``).
 - SSRF guard (on by default; ``ssrf_guard: false`` only in settings): see :mod:`netguard`.
   ``allow_hosts`` / ``allow_networks`` (settings and spec lists are combined) admit named exceptions.
 - ``max_output`` (bytes, default 1 MiB) caps the response body; ``max_redirects`` (5); ``verify`` TLS.
@@ -62,7 +62,7 @@ from broker.placeholders import (
 from broker.toolspec import ToolSpec
 from workers.args import load_yaml_text
 
-from .base import ExecContext, from_env, require
+from . import ExecContext, from_env, require
 
 if TYPE_CHECKING:  # httpx and the guard are imported where a call runs, not where a spec registers
     import httpx

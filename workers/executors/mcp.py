@@ -27,7 +27,7 @@ from typing import Any
 from broker.errors import CallCancelled, ExecutorError, HermesError, InvalidSpec, OutputTooLarge, ToolTimeout
 from broker.toolspec import ToolSpec
 
-from .base import ExecContext, require
+from . import ExecContext, require
 from .mcp_session import (
     CONNECTION_CLOSED,
     DEFAULT_HANDSHAKE_TIMEOUT,

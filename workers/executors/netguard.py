@@ -28,7 +28,7 @@ import httpx
 
 from broker.errors import CallCancelled, DestinationBlocked, InvalidSpec
 
-from .base import ExecContext
+from . import ExecContext
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 

@@ -48,7 +48,7 @@ from broker.errors import (
 )
 from broker.toolspec import ToolSpec
 
-from .base import ExecContext, from_env, require
+from . import ExecContext, from_env, require
 from .pyhelpers import DEFAULT_MAX_ABANDONED, FINISHED, POLL, HelperPool, Job, Tally
 
 log = structlog.get_logger("hermes.executor.python")

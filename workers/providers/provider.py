@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from broker.errors import CallCancelled, ConfigError, ProviderTimeout
 from broker.settings import ModelSettings
-from workers.instances import PerProcess
+from workers.executors import PerProcess
 
 DeltaSink = Callable[[dict[str, Any]], None]
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from workers.executors.base import ExecContext
+from workers.executors import ExecContext
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ import pytest
 
 from broker.errors import CallCancelled, ExecutorError, InvalidSpec, OutputTooLarge, ToolTimeout
 from broker.toolspec import ToolSpec
+from workers.executors import ExecContext
 from workers.executors import mcp as mcpexec
-from workers.executors.base import ExecContext
 from workers.specs import check_spec
 
 SERVER = str(Path(__file__).with_name("mcp_server.py"))
