@@ -53,10 +53,10 @@ Row = tuple[Callable[[int], float], Callable[[bool], None]]
 
 
 def _switch(name: str) -> Callable[[bool], None]:
-    from broker import shortcuts
+    from broker.settings import configure_shortcuts
 
     def turn(on: bool) -> None:
-        shortcuts.configure(() if on else (name,))
+        configure_shortcuts(() if on else (name,))
 
     return turn
 
@@ -267,7 +267,7 @@ def end_to_end(url: str, calls: int, rounds: int) -> dict[str, Any]:
     (8 slots, tracing into memory on both sides, INFO lines): ``bench/throughput.py``'s no-op calls,
     interleaved rounds. The tool has no input schema, so ``quickcheck`` does not show here."""
     from bench.throughput import run_ours
-    from broker.shortcuts import NAMES
+    from broker.settings import SHORTCUTS as NAMES
 
     per_round: list[dict[str, dict[str, float]]] = []
     for r in range(rounds):

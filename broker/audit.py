@@ -19,10 +19,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
+from broker.envelope import filler
+
 from . import keys, pipes, scripts
 from .codec import pack, unpack
 from .errors import DecodeError
-from .frozen import filler
 from .redact import MASK, is_secret_key, redact, redact_text, sensitive_hashes
 from .settings import DEFAULT_AUDIT_MAXLEN, AuditSettings
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import yaml
 
-from . import shortcuts
 from .errors import ConfigError
 from .placeholders import load_yaml
 from .settings import (
@@ -45,6 +44,7 @@ from .settings import (
     TelemetrySettings,
     WorkerSettings,
     audit_settings,
+    check_shortcuts,
     fairness_settings,
     flag,
     mcp_settings,
@@ -274,7 +274,7 @@ def _shortcuts_off(raw: Any) -> frozenset[str]:
     names = raw.split(",") if isinstance(raw, str) else raw
     if not isinstance(names, list | tuple):
         raise ConfigError(f"workers.shortcuts_off: expected a list of names, got {raw!r}")
-    return shortcuts.check(names)
+    return check_shortcuts(names)
 
 
 def _batch(section: dict[str, Any], env: Mapping[str, str]) -> BatchSettings:

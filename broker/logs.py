@@ -14,8 +14,8 @@ from typing import Any
 
 import structlog
 
-from . import shortcuts
 from .redact import MASK, RedactProcessor, is_secret_key, redact, redact_text
+from .settings import shortcut_on
 
 # Fields every call's lines carry that cannot hold a secret: ids we mint or validated as hex, and what
 # the processors before redaction added. Scanning them costs more than the rest of a line (measured).
@@ -40,7 +40,7 @@ def redact_event(logger: Any, method_name: str, event_dict: MutableMapping[str, 
     call writes: generated stamps and hex ids are not scanned, numbers are kept, and a short string's
     scan is remembered (the same message, tool name or state comes back on every call). With
     ``workers.shortcuts_off: [redaction]``, ``RedactProcessor`` over the whole event instead."""
-    if not shortcuts.on("redaction"):
+    if not shortcut_on("redaction"):
         return _STOCK(logger, method_name, event_dict)
     out: dict[str, Any] = {}
     for key, value in event_dict.items():

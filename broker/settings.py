@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,7 +76,7 @@ class WorkerSettings:
     metrics_port: int | None = None  # HERMES_METRICS_PORT: Prometheus /metrics of a worker process
     metrics_host: str = "127.0.0.1"  # HERMES_METRICS_HOST
     run_registry: bool = False  # HERMES_RUN_REGISTRY: record this worker for `stop --all`
-    # workers.shortcuts_off: speed shortcuts to run without (broker/shortcuts.py; bench/shortcuts.py)
+    # workers.shortcuts_off: speed shortcuts to run without (their switches at the end of this module; bench/shortcuts.py)
     shortcuts_off: frozenset[str] = frozenset()
 
 
@@ -403,3 +403,44 @@ def flag(value: Any, where: str, env_name: str | None = None) -> bool:
         return False
     named = f"{where} ({env_name})" if env_name else f"config.yaml: {where}"
     raise ConfigError(f"{named}: expected true or false, got {value!r}")
+
+
+# -- the speed shortcuts' switches ------------------------------------------------------------------
+# Switches for the speed shortcuts that have a stock twin, so each can be measured on and off
+# (``bench/shortcuts.py``) and turned off where it misbehaves: ``workers.shortcuts_off`` in config.yaml, a
+# list of names. A worker process sets them once (``configure_shortcuts``) before it runs a call; all are on by
+# default. Each shortcut asks ``shortcut_on(name)`` in its own module:
+#
+# - ``threads``: a worker's call threads (``workers/worker.py``) instead of a ``ThreadPoolExecutor``;
+# - ``quickcheck``: the compiled quick check of common argument schemas (``workers/args.py``) before
+#   the full JSON Schema validator;
+# - ``frozen``: the envelope and audit record filled without their dataclass ``__init__`` (``broker/envelope.filler``);
+# - ``redaction``: the log lines' redaction processor that skips ids and remembers short strings
+#   (``broker/logs.redact_event``) instead of ``broker.redact.RedactProcessor``.
+#
+# The two shortcuts on library insides have settings of their own: ``broker.fast_path`` (``broker/pipes.py``)
+# and ``telemetry.lean_spans`` (``workers/spans.py``).
+
+SHORTCUTS = ("threads", "quickcheck", "frozen", "redaction")
+
+_shortcuts_off: frozenset[str] = frozenset()
+
+
+def check_shortcuts(names: Iterable[str], where: str = "workers.shortcuts_off") -> frozenset[str]:
+    """The names as a set; ConfigError naming any that is not a shortcut."""
+    found = frozenset(str(n).strip() for n in names if str(n).strip())
+    unknown = sorted(found - set(SHORTCUTS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown shortcut(s) {', '.join(unknown)}; known: {', '.join(SHORTCUTS)}")
+    return found
+
+
+def configure_shortcuts(off: Iterable[str]) -> None:
+    """Turn off the shortcuts named (and every other one on)."""
+    global _shortcuts_off
+    _shortcuts_off = check_shortcuts(off)
+
+
+def shortcut_on(name: str) -> bool:
+    """Whether the shortcut ``name`` is in use in this process."""
+    return name not in _shortcuts_off

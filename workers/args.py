@@ -30,7 +30,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
 from broker.errors import InvalidArgs, InvalidOutput, InvalidSpec
-from broker.shortcuts import on
+from broker.settings import shortcut_on as on
 
 _INT = re.compile(r"^\s*[-+]?\d+\s*$")
 _MAX_MESSAGE = 300

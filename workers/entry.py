@@ -15,9 +15,9 @@ def run_call(envelope: dict[str, Any]) -> Any:
     """Run one call synchronously inside a stock RQ worker and return its result."""
     from rq import get_current_job
 
-    from broker import shortcuts
     from broker.config import load_settings
     from broker.records import Claimed
+    from broker.settings import configure_shortcuts
     from workers.runner import CallRunner, WorkerCore
 
     job = get_current_job()
@@ -25,7 +25,7 @@ def run_call(envelope: dict[str, Any]) -> Any:
         raise RuntimeError("run_call must run inside an RQ job")
     conn = job.connection
     settings = load_settings()
-    shortcuts.configure(settings.workers.shortcuts_off)
+    configure_shortcuts(settings.workers.shortcuts_off)
     core = WorkerCore(conn, settings, job.worker_name or "rq-worker")
     try:
         data = pack(["workers.entry.run_call", None, [envelope], {}])

@@ -24,11 +24,12 @@ from rq import Queue
 from rq import Worker as RQWorker
 from rq.worker import WorkerStatus
 
-from broker import durability, keys, logs, partitions, pipes, shortcuts
+from broker import durability, keys, logs, partitions, pipes
 from broker.calls import Calls
 from broker.codec import MsgpackSerializer, pack, unpack
 from broker.config import Settings
 from broker.connection import is_cluster, subscriber
+from broker.settings import configure_shortcuts, shortcut_on
 from workers import reaper
 from workers.runner import CallRunner, WorkerCore
 from workers.stopping import drain
@@ -89,7 +90,7 @@ class Worker:
         self.name = name or worker_name()
         self.grace = grace
         self.lease = settings.workers.lease
-        shortcuts.configure(settings.workers.shortcuts_off)  # (before anything a call runs through)
+        configure_shortcuts(settings.workers.shortcuts_off)  # (before anything a call runs through)
         self.core = WorkerCore(conn, settings, self.name)
         self.runner = CallRunner(self.core)
         self.pool = call_threads(self.concurrency, "hermes-call")
@@ -559,7 +560,7 @@ class StockThreads(CallThreads):
 
 def call_threads(size: int, prefix: str) -> CallThreads:
     """The call threads of a worker: ``CallThreads``, or ``StockThreads`` with the shortcut off."""
-    return CallThreads(size, prefix) if shortcuts.on("threads") else StockThreads(size, prefix)
+    return CallThreads(size, prefix) if shortcut_on("threads") else StockThreads(size, prefix)
 
 
 class Tokens:

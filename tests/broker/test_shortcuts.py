@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from broker import shortcuts
 from broker.config import load_settings
+from broker.envelope import filler
 from broker.errors import ConfigError
-from broker.frozen import filler
 from broker.logs import redact_event
 from broker.redact import MASK, RedactProcessor
+from broker.settings import configure_shortcuts
 from workers.args import quick_check
 from workers.worker import CallThreads, StockThreads, call_threads
 
@@ -23,7 +23,7 @@ from workers.worker import CallThreads, StockThreads, call_threads
 @pytest.fixture(autouse=True)
 def all_on() -> Iterator[None]:
     yield
-    shortcuts.configure(())
+    configure_shortcuts(())
 
 
 def test_config_yaml_names_the_shortcuts_to_run_without(tmp_path: Path) -> None:
@@ -42,7 +42,7 @@ def test_an_unknown_shortcut_is_a_config_error_naming_it_and_the_known_ones(tmp_
 
 def test_threads_off_runs_calls_on_a_thread_pool_executor_that_drops_what_has_not_started() -> None:
     assert type(call_threads(2, "t")) is CallThreads
-    shortcuts.configure(["threads"])
+    configure_shortcuts(["threads"])
     pool = call_threads(1, "t")
     assert isinstance(pool, StockThreads)
     release, ran = threading.Event(), []
@@ -73,21 +73,21 @@ class _Made:
 def test_frozen_off_calls_the_dataclass_itself() -> None:
     make = filler(_Made)
     assert make({"a": 1}) == _Made(1) and not hasattr(make({"a": 1}), "inited")
-    shortcuts.configure(["frozen"])
+    configure_shortcuts(["frozen"])
     assert make({"a": 1}) == _Made(1) and vars(make({"a": 1}))["inited"]
 
 
 def test_quickcheck_off_leaves_every_instance_to_the_full_validator() -> None:
     quick = quick_check({"type": "object", "properties": {"n": {"type": "integer"}}})
     assert quick is not None and quick({"n": 1})
-    shortcuts.configure(["quickcheck"])
+    configure_shortcuts(["quickcheck"])
     assert not quick({"n": 1})
 
 
 def test_redaction_off_runs_the_stock_processor_over_the_whole_event() -> None:
     event = {"event": "call finished", "call_id": "{tools}.9f2c0a11", "password": "hunter2", "n": 3}
     fast = redact_event(None, "info", dict(event))
-    shortcuts.configure(["redaction"])
+    configure_shortcuts(["redaction"])
     stock = redact_event(None, "info", dict(event))
     assert stock == RedactProcessor()(None, "info", dict(event))
     assert fast["password"] == stock["password"] == MASK and fast["n"] == stock["n"] == 3
