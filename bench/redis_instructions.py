@@ -76,10 +76,9 @@ class Counted:
 def measure(server: Counted, n: int, limit: int) -> dict[str, float]:
     """Thousands of instructions per call: SUBMIT, then CLAIM + the ending TRANSITION."""
     from broker import keys
-    from broker.calls import Calls
+    from broker.calls import CallInfo, Calls
     from broker.connection import from_url
     from broker.envelope import Envelope
-    from broker.records import CallInfo
     from broker.states import State
 
     conn = from_url(f"unix://{server.sock}")

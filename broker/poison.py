@@ -17,7 +17,6 @@ from . import keys
 from .codec import text
 from .errors import DecodeError
 from .otel import new_span_id
-from .records import CallInfo
 from .states import TERMINAL, State
 
 if TYPE_CHECKING:
@@ -60,6 +59,8 @@ def _settle(calls: Calls, call_id: str, reason: str) -> str:
     message = f"call record {call_id} cannot be read ({reason}); the call is failed, not run"
     error = DecodeError(message, call_id=call_id).to_wire()
     if chan:
+        from .calls import CallInfo  # (calls imports this module)
+
         info = CallInfo(call_id, trace, new_span_id(), kind or "tool", tool, None, chan, ckey, origin)
         reply = calls.transition(
             info,

@@ -21,6 +21,7 @@ import structlog
 
 from broker import events as ev_mod
 from broker import keys, partitions
+from broker.calls import CallInfo
 from broker.codec import pack, text, unpack
 from broker.config import MAX_ARGS_ENV, Settings
 from broker.connection import BrokerHandle, connect
@@ -46,7 +47,6 @@ from broker.errors import (
 from broker.events import Event
 from broker.otel import ensure_traceparent
 from broker.ratelimits import RateLimit, estimate_tokens
-from broker.records import CallInfo
 from broker.states import State
 from broker.toolspec import ToolSpec
 from hermes_gateway.tracing import Headers, current_headers
@@ -449,7 +449,7 @@ class CancelTarget:
     def audit_record(self, sensitive: Any) -> Any:
         """The audit record of the call cancelled while pending (no worker ran it, so the caller writes it)."""
         from broker.audit import AuditRecord, context_fields
-        from broker.records import envelope_of
+        from broker.calls import envelope_of
 
         info = self.info
         try:

@@ -236,9 +236,9 @@ def call_request(conn: Any, call_id: str, audit: Any = None) -> dict[str, Any] |
     then comes from its audit record (``audit``, an ``AuditLog``; ``"source": "audit"``: a tool call's
     redacted args, an LLM call's model and parameters but not its messages), else says it is gone.
     """
+    from broker.calls import read_record
     from broker.directory import Directory
     from broker.errors import HermesError
-    from broker.records import read_record
     from broker.redact import redact
 
     rec = read_record(conn, call_id)

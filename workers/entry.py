@@ -15,8 +15,8 @@ def run_call(envelope: dict[str, Any]) -> Any:
     """Run one call synchronously inside a stock RQ worker and return its result."""
     from rq import get_current_job
 
+    from broker.calls import Claimed
     from broker.config import load_settings
-    from broker.records import Claimed
     from broker.settings import configure_shortcuts
     from workers.runner import CallRunner, WorkerCore
 

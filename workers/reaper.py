@@ -8,11 +8,10 @@ import structlog
 
 from broker import keys, pipes
 from broker.audit import AuditLog, AuditRecord
-from broker.calls import Calls
+from broker.calls import CallInfo, Calls
 from broker.codec import text
 from broker.errors import WorkerLost
 from broker.otel import new_span_id
-from broker.records import CallInfo
 from broker.states import ACTIVE, State
 
 log = structlog.get_logger("hermes.reaper")

@@ -18,11 +18,11 @@ import redis
 import structlog
 
 from broker import pipes
+from broker.calls import CallInfo
 from broker.errors import HermesError
 from broker.limits import Limits
 from broker.otel import new_span_id
 from broker.ratelimits import RateLimiter
-from broker.records import CallInfo
 
 if TYPE_CHECKING:
     from workers.runner import Running, WorkerCore

@@ -20,7 +20,7 @@ import structlog
 
 from broker import keys, pipes
 from broker.audit import AuditLog
-from broker.calls import Calls
+from broker.calls import CallInfo, Calls, Claimed, Step, envelope_of
 from broker.codec import pack, text
 from broker.config import Settings, load_settings
 from broker.directory import Directory
@@ -30,7 +30,6 @@ from broker.errors import BudgetExceeded, CallCancelled, CallFailed, DecodeError
 from broker.events import PROGRESS
 from broker.otel import new_span_id
 from broker.ratelimits import RateLimiter
-from broker.records import CallInfo, Claimed, Step, envelope_of
 from broker.states import State
 from broker.toolspec import ToolSpec
 from middleware import LLMCallFlow, PluginManager, ToolCallFlow

@@ -8,10 +8,10 @@ from typing import Any
 import msgpack
 import pytest
 
+from broker.calls import envelope_of
 from broker.codec import pack
 from broker.envelope import ENVELOPE_VERSION, Envelope, Options
 from broker.errors import DecodeError
-from broker.records import envelope_of
 
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 

@@ -9,10 +9,9 @@ import msgpack
 import pytest
 
 from broker import events, keys
-from broker.calls import FENCED, MISSING, WRONG_STATE, Calls
+from broker.calls import FENCED, MISSING, WRONG_STATE, CallInfo, Calls
 from broker.envelope import Envelope
 from broker.errors import DecodeError
-from broker.records import CallInfo
 from broker.states import State
 
 TRACE, SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"

@@ -14,10 +14,9 @@ import pytest
 import redis
 
 from broker import keys
-from broker.calls import Calls
+from broker.calls import CallInfo, Calls
 from broker.envelope import Envelope, Options
 from broker.errors import QueueFull
-from broker.records import CallInfo
 from broker.states import State
 
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

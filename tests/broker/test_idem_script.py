@@ -9,11 +9,10 @@ from typing import Any
 import pytest
 
 from broker import keys
-from broker.calls import F_DIGEST, F_IDEM, Calls
+from broker.calls import F_DIGEST, F_IDEM, CallInfo, Calls
 from broker.envelope import Envelope, Options
 from broker.errors import IdempotencyConflict
 from broker.idempotency import request_digest
-from broker.records import CallInfo
 from broker.states import State
 from tests.broker.test_calls import TP
 from tests.broker.test_calls import env as calls_env

@@ -11,11 +11,10 @@ import pytest
 import redis
 
 from broker import keys
-from broker.calls import Calls
+from broker.calls import CallInfo, Calls
 from broker.envelope import Envelope
 from broker.errors import QueueFull
 from broker.limits import Limits
-from broker.records import CallInfo
 from broker.states import State
 
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

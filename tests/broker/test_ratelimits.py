@@ -12,12 +12,11 @@ import pytest
 import redis
 
 from broker import keys
-from broker.calls import Calls
+from broker.calls import CallInfo, Calls
 from broker.connection import from_url
 from broker.envelope import Envelope
 from broker.errors import InvalidSpec
 from broker.ratelimits import RateLimit, RateLimiter, estimate_tokens
-from broker.records import CallInfo
 from broker.states import State
 from tests.conftest import wait_until
 from tests.redis_stack import ClusterStack

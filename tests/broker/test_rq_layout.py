@@ -14,9 +14,9 @@ from rq.job import Job, JobStatus
 from rq.worker import Worker
 
 from broker import keys
+from broker.calls import RQ_FUNC, job_fields, rq_time
 from broker.codec import MsgpackSerializer
 from broker.envelope import Envelope
-from broker.records import RQ_FUNC, job_fields, rq_time
 from broker.states import RQ_STATUS
 
 

@@ -9,9 +9,8 @@ import pytest
 from rq.job import JobStatus
 
 from broker import keys
-from broker.calls import MISSING, WRONG_STATE, Calls
+from broker.calls import MISSING, WRONG_STATE, CallInfo, Calls
 from broker.errors import IllegalTransition
-from broker.records import CallInfo
 from broker.states import ACTIVE, RQ_STATUS, TERMINAL, TRANSITIONS, State, check_transition, sources
 
 P, RO, EX, FO, DO, FA, RE, CA = (

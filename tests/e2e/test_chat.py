@@ -18,7 +18,7 @@ import pytest
 
 from broker import events, keys
 from broker.audit import CONTEXT_KEYS, AuditLog
-from broker.records import envelope_of
+from broker.calls import envelope_of
 from hermes_gateway.chat import ChatSession
 from tests.conftest import Home
 from tests.llm_server import LLMServer, Reply

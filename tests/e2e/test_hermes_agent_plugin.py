@@ -28,8 +28,7 @@ import yaml
 
 from broker import events, keys
 from broker.audit import AuditLog, AuditRecord
-from broker.calls import Calls
-from broker.records import envelope_of
+from broker.calls import Calls, envelope_of
 from middleware import enable_plugin
 from tests.conftest import REPO, Home
 from tests.llm_server import LLMServer

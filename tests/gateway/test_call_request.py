@@ -6,10 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from broker.audit import AuditLog, AuditRecord
-from broker.calls import Calls
+from broker.calls import CallInfo, Calls
 from broker.directory import Directory
 from broker.envelope import Envelope
-from broker.records import CallInfo
 from broker.states import State
 from hermes_gateway.views import call_request
 from workers.specs import check_spec

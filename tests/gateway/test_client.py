@@ -227,7 +227,7 @@ def test_a_pending_call_a_worker_has_taken_is_cancelled_through_that_worker(gw: 
 
 
 def test_events_arrive_on_the_callers_channel_and_settle_the_handle(gw: Gateway, conn: Any) -> None:
-    from broker.records import CallInfo
+    from broker.calls import CallInfo
     from broker.states import State
 
     h = gw.call_tool("echo", {"k": "v"})
@@ -243,8 +243,8 @@ def test_events_arrive_on_the_callers_channel_and_settle_the_handle(gw: Gateway,
 
 
 def test_a_failed_call_raises_its_typed_error(gw: Gateway) -> None:
+    from broker.calls import CallInfo
     from broker.codec import pack
-    from broker.records import CallInfo
     from broker.states import State
 
     h = gw.call_tool("echo", {})
@@ -296,7 +296,7 @@ def test_a_call_whose_end_came_only_through_the_history_is_no_longer_tracked(gw:
     """A lost terminal pub/sub message must not keep the handle in the client forever."""
     import dataclasses
 
-    from broker.records import CallInfo, envelope_of
+    from broker.calls import CallInfo, envelope_of
     from broker.states import State
 
     h = gw.call_tool("echo", {"x": 1})
@@ -315,7 +315,7 @@ def test_a_follower_is_woken_by_each_live_event_and_a_result_waiter_by_the_end(
 ) -> None:
     import threading
 
-    from broker.records import CallInfo
+    from broker.calls import CallInfo
     from broker.states import State
 
     h = gw.call_tool("echo", {"k": "v"})
@@ -338,7 +338,7 @@ def test_a_follower_is_woken_by_each_live_event_and_a_result_waiter_by_the_end(
 
 
 def _walk_to_done(gw: Gateway, handle: Any) -> None:
-    from broker.records import CallInfo
+    from broker.calls import CallInfo
     from broker.states import State
 
     info = CallInfo.of(gw.calls.record(handle.call_id)["envelope"], "tool:echo")

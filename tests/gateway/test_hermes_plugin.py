@@ -128,7 +128,7 @@ def test_a_tool_call_the_agent_stops_waiting_for_is_cancelled_not_left_to_run(
 def test_calls_name_the_plugins_the_agent_runs_itself(
     home: Home, gateway: Any, conn: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from broker.records import read_record
+    from broker.calls import read_record
 
     install_example(home.path, "middleware-demo-llm-tag")
     enable_plugin(home.path, "middleware-demo-llm-tag")

@@ -7,9 +7,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from broker import events
-from broker.calls import Calls
+from broker.calls import CallInfo, Calls
 from broker.envelope import Envelope
-from broker.records import CallInfo
 from broker.states import State
 from workers.outbox import Outbox
 from workers.runner import CallRunner, Running

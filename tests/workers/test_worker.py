@@ -10,12 +10,11 @@ from typing import Any
 import pytest
 
 from broker import events, keys
-from broker.calls import Calls
+from broker.calls import CallInfo, Calls, Claimed
 from broker.codec import pack, unpack
 from broker.config import Settings, WorkerSettings
 from broker.directory import Directory
 from broker.envelope import Envelope, Options
-from broker.records import CallInfo, Claimed
 from broker.states import State
 from tests.conftest import heard
 from workers import reaper
