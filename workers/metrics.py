@@ -20,13 +20,19 @@ gateway-wide ``hermes.call.duration`` histogram of ``serve``'s ``/metrics`` come
 from __future__ import annotations
 
 import threading
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import redis
 
 from broker import keys, otel
+from workers.hooks import Hook, Writer
+
+if TYPE_CHECKING:
+    from workers.runner import Running
+
 
 BREAKER_STATES = {"closed": 0, "half_open": 1, "half-open": 1, "open": 2}
 FLUSH_INTERVAL = 1.0
@@ -278,3 +284,42 @@ class StatsFlusher:
         self._stop.set()
         self._thread.join(2)
         self.flush_now()
+
+
+# -- the hooks: a call's metrics, and its token usage ------------------------------------------------
+# Metrics of a call: queue wait and in-flight count when it begins, outcome and duration when it ends.
+
+class CallMetrics(Hook):
+    def before_call(self, run: Running) -> None:
+        call_started(run.info.ckey, run.info.queue, run.queue_wait)
+
+    def after_call(self, run: Running, outcome: str, error: dict[str, Any] | None, duration: float) -> None:
+        info = run.info
+        err_type = str(error.get("type") or "error") if error else None
+        # An undecodable payload never started (claimed_at 0), so it was never counted in flight.
+        call_ended(info.ckey, info.kind, info.name, outcome, err_type, duration, bool(run.claimed_at))
+
+
+# A call's token usage: counted for the stats flush, and an LLM call's tokens added to its principal's
+# daily total (what ``policy``'s ``daily_tokens`` budget reads) in the terminal move's pipeline.
+
+DAY_TTL = 2 * 86400
+
+
+class Usage(Hook):
+    def ending(
+        self, run: Running, state: str, result: Any, error: dict[str, Any] | None, duration: float
+    ) -> Writer | None:
+        principal = run.env.context.get("principal") if run.env is not None else None
+        tokens = run.usage or {"in": 0, "out": 0}
+        usage(principal, run.info.kind, run.info.name, tokens["in"], tokens["out"])
+        if not principal or run.usage is None:
+            return None
+        key = keys.usage_day(time.strftime("%Y-%m-%d", time.gmtime()), str(principal))
+        total = tokens["in"] + tokens["out"]
+
+        def write(pipe: Any) -> None:
+            pipe.incrby(key, total)
+            pipe.expire(key, DAY_TTL)
+
+        return write

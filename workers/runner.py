@@ -37,12 +37,16 @@ from middleware.plugins import NAMESPACE as PLUGIN_NAMESPACE
 from workers import metrics, otelsdk, policy_store, retry
 from workers.args import check_output, coerce_args
 from workers.executors import ExecContext, get_executor, run_executor
-from workers.hooks import HOOKS, overrides
+from workers.hooks import Hook, Writer, overrides
+from workers.hooks.audit_record import AuditRecordHook
+from workers.hooks.call_log import CallLog
+from workers.hooks.circuit import Circuit
 from workers.llm import LLMCall, RateLimited, describe_response
+from workers.metrics import CallMetrics, Usage
 from workers.outbox import Outbox
-from workers.policy import Policy
+from workers.policy import Checks, Policy
 from workers.retry import RetryScheduler
-from workers.telemetry import NO_TRACE, CallTrace, NoTrace
+from workers.telemetry import NO_TRACE, CallSpans, CallTrace, NoTrace
 
 log = structlog.get_logger("hermes.worker")
 
@@ -74,7 +78,7 @@ class Running:
     sent: bool = False  # a request of it left (stamped): its limiter entry counts it
     usage: dict[str, int] | None = None  # an LLM call's reported tokens: {"in": prompt, "out": completion}
     notices: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # hooks' events, for the runner
-    span: Any = None  # the executor span while the executor runs (hooks/call_spans.py)
+    span: Any = None  # the executor span while the executor runs (``CallSpans``, workers/telemetry.py)
     breaker: Any = None  # (its breaker config, probe) while the executor runs (hooks/circuit.py)
     open: _Write | None = None  # its last write, while later moves may still join it
     # Guards joining that write against the sender taking it, and the call's writes queueing in move order
@@ -106,6 +110,48 @@ class _Write:
         self.after: list[Callable[[Any], None]] = []  # more writes in the same pipeline (the audit record)
         self.callbacks: list[Callable[[Any], None]] = []
         self.taken = False  # the sender has read it: later moves make a write of their own
+
+
+# -- the per-call hooks ------------------------------------------------------------------------------
+# The worker's call counts (its heartbeat reports them) and the fleet's list of recent failures
+# (``hermes:failures``, the last ``FAILURES_KEPT``), written with the failed call's terminal move.
+
+FAILURES_KEPT = 100
+
+
+class Failures(Hook):
+    def ending(
+        self, run: Running, state: str, result: Any, error: dict[str, Any] | None, duration: float
+    ) -> Writer | None:
+        core = self.core
+        core.processed += 1
+        if state != "failed":
+            return None
+        core.failed += 1
+        entry = pack(
+            {
+                "call_id": run.info.call_id,
+                "name": run.info.name,
+                "kind": run.info.kind,
+                "error": error or {},
+                "ts": time.time(),
+                "worker": core.name,
+                # (the API shows a non-admin token its own principal's failures only)
+                "principal": run.env.context.get("principal") if run.env is not None else None,
+            }
+        )
+
+        def write(pipe: Any) -> None:
+            pipe.lpush(keys.FAILURES, entry)
+            pipe.ltrim(keys.FAILURES, 0, FAILURES_KEPT - 1)
+
+        return write
+
+
+# The one table of per-call concerns (``workers/hooks/__init__.py`` says how they run): ``before_*`` run in
+# this order, ``after_*`` in reverse. The breaker is checked before the executor span opens (an open circuit
+# calls no executor); the spans wrap the checks (a ``policy`` span).
+HOOKS: list[type[Hook]] = [CallMetrics, CallLog, Circuit, CallSpans, Checks, Usage, AuditRecordHook, Failures]
 
 
 Stage = list[tuple[Callable[..., None] | None, Callable[..., None] | None]]

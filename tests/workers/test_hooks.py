@@ -19,8 +19,8 @@ from broker.directory import Directory
 from broker.errors import PermissionDenied
 from broker.toolspec import ToolSpec
 from tests.workers.test_worker import TOOLS, TRACE, run_all, states, submit
-from workers.hooks import HOOKS, Hook
-from workers.runner import Running, WorkerCore
+from workers.hooks import Hook
+from workers.runner import HOOKS, Running, WorkerCore
 from workers.specs import check_spec
 
 

@@ -1,4 +1,5 @@
-"""Per-call concerns as hooks the runner runs, in the order of ``HOOKS`` (the shape of Dramatiq's middleware).
+"""Per-call concerns as hooks the runner runs, in the order of ``HOOKS`` in ``workers/runner.py`` (the shape of
+Dramatiq's middleware); ``Hook``, which each subclasses, is here.
 
 A call passes these stages, each a pair of methods on ``Hook``; ``CallRunner`` calls a stage's ``before_*``
 in table order and its ``after_*`` in reverse, the latter also when the stage raised (``error`` set) but only
@@ -16,24 +17,59 @@ for hooks whose ``before_*`` returned. A ``before_*`` that raises a gateway erro
 An LLM call passes ``call`` and ``ending`` only: its middleware runs per provider attempt in ``workers/llm.py``.
 
 Hooks never move the call: the runner owns its states. A hook that has something to tell the caller appends
-``(event type, detail)`` to ``run.notices``; the runner publishes them after the stage. A new per-call
-concern is a module here with one ``Hook`` subclass and a line in ``HOOKS``.
+``(event type, detail)`` to ``run.notices``; the runner publishes them after the stage. A hook lives
+with its concern: ``CallMetrics`` and ``Usage`` in ``workers/metrics.py``, ``CallSpans`` in
+``workers/telemetry.py``, ``Checks`` in ``workers/policy.py``, ``Failures`` beside the worker's counters
+in ``workers/runner.py``; a concern with no module of its own has one here (``audit_record``,
+``call_log``, ``circuit``). A new per-call concern is one ``Hook`` subclass and a line in ``HOOKS``.
 """
 
 from __future__ import annotations
 
-from workers.hooks.audit_record import AuditRecordHook
-from workers.hooks.call_log import CallLog
-from workers.hooks.call_metrics import CallMetrics
-from workers.hooks.call_spans import CallSpans
-from workers.hooks.checks import Checks
-from workers.hooks.circuit import Circuit
-from workers.hooks.failures import Failures
-from workers.hooks.hook import Hook, Writer, overrides
-from workers.hooks.usage import Usage
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-# The one table: ``before_*`` run in this order, ``after_*`` in reverse. The breaker is checked before the
-# executor span opens (an open circuit calls no executor); the spans wrap the checks (a ``policy`` span).
-HOOKS: list[type[Hook]] = [CallMetrics, CallLog, Circuit, CallSpans, Checks, Usage, AuditRecordHook, Failures]
+if TYPE_CHECKING:
+    from broker.toolspec import ToolSpec
+    from workers.runner import Running, WorkerCore
 
-__all__ = ["HOOKS", "Hook", "Writer", "overrides"]
+Writer = Callable[[Any], None]  # more writes in the terminal move's pipeline
+
+
+class Hook:
+    """One per-call concern; override the stages it takes part in (the others are skipped)."""
+
+    def __init__(self, core: WorkerCore) -> None:
+        self.core = core
+
+    def before_call(self, run: Running) -> None: ...
+
+    def after_call(self, run: Running, outcome: str, error: dict[str, Any] | None, duration: float) -> None: ...
+
+    def before_flow(self, run: Running, spec: ToolSpec, args: dict[str, Any]) -> None: ...
+
+    def after_flow(
+        self, run: Running, spec: ToolSpec, args: dict[str, Any], error: BaseException | None
+    ) -> None: ...
+
+    def before_checks(self, run: Running, spec: ToolSpec, args: dict[str, Any]) -> None: ...
+
+    def after_checks(
+        self, run: Running, spec: ToolSpec, args: dict[str, Any], error: BaseException | None
+    ) -> None: ...
+
+    def before_execute(self, run: Running, spec: ToolSpec, args: dict[str, Any]) -> None: ...
+
+    def after_execute(
+        self, run: Running, spec: ToolSpec, args: dict[str, Any], error: BaseException | None
+    ) -> None: ...
+
+    def ending(
+        self, run: Running, state: str, result: Any, error: dict[str, Any] | None, duration: float
+    ) -> Writer | None:
+        return None
+
+
+def overrides(hook: Hook, name: str) -> bool:
+    """Whether ``hook`` does something at ``name`` (the runner skips the no-op base methods)."""
+    return getattr(type(hook), name) is not getattr(Hook, name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from broker.audit import AuditRecord, context_fields
-from workers.hooks.hook import Hook, Writer
+from workers.hooks import Hook, Writer
 
 if TYPE_CHECKING:
     from workers.runner import Running

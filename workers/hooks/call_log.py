@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from broker import logs
-from workers.hooks.hook import Hook
+from workers.hooks import Hook
 
 if TYPE_CHECKING:
     from workers.runner import Running

@@ -13,7 +13,7 @@ from broker.breaker import Breakers, Change, breaker_config
 from broker.errors import CallCancelled, CircuitOpen, HermesError
 from broker.events import PROGRESS
 from workers import metrics
-from workers.hooks.hook import Hook
+from workers.hooks import Hook
 
 if TYPE_CHECKING:
     from broker.toolspec import ToolSpec
