@@ -127,3 +127,16 @@ def test_a_before_hook_that_raises_refuses_the_call_before_its_executor(
     run_all(core)
     assert states(fake, "c1") == ["pending", "routing", "failed"] and SEEN == []
     assert core.calls.record("c1")["error"]["type"] == "permission_denied"
+
+
+def test_the_circuit_hook_makes_a_specs_breaker_config_once_and_anew_for_a_new_version(core: WorkerCore) -> None:
+    from workers.hooks.circuit import Circuit
+
+    circuit = Circuit(core)
+    guarded = check_spec({**TOOLS[0], "breaker": {"failures": 3}})
+    first = circuit.config(guarded)
+    assert first is not None and first.key == f"tool:{guarded.name}" and circuit.config(guarded) is first
+    changed = check_spec({**TOOLS[0], "breaker": {"failures": 7}})  # (a new version: a new spec object)
+    second = circuit.config(changed)
+    assert second is not None and second is not first and second != first
+    assert circuit.config(check_spec(TOOLS[0])) is None  # no breaker asked for

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from broker.breaker import Breakers, Change, breaker_config
+from broker.breaker import BreakerConfig, Breakers, Change, breaker_config
 from broker.errors import CallCancelled, CircuitOpen, HermesError
 from broker.events import PROGRESS
 from workers import metrics
@@ -17,19 +17,34 @@ from workers.hooks import Hook
 
 if TYPE_CHECKING:
     from broker.toolspec import ToolSpec
-    from workers.runner import Running
+    from workers.runner import Running, WorkerCore
 
 log = structlog.get_logger("hermes.breaker")
 
 
-
 class Circuit(Hook):
+    def __init__(self, core: WorkerCore) -> None:
+        super().__init__(core)
+        # Each spec's breaker config, made once: the directory hands out the same spec object until the
+        # tool's version changes, and a worker's settings do not change (id -> (spec, config)).
+        self._configs: dict[int, tuple[ToolSpec, BreakerConfig | None]] = {}
+
+    def config(self, spec: ToolSpec) -> BreakerConfig | None:
+        known = self._configs.get(id(spec))
+        if known is not None and known[0] is spec:
+            return known[1]
+        if len(self._configs) > 4096:  # (specs of replaced versions)
+            self._configs.clear()
+        cfg = breaker_config(self.core.settings, spec)
+        self._configs[id(spec)] = (spec, cfg)
+        return cfg
+
     @functools.cached_property
     def breakers(self) -> Breakers:
         return Breakers(self.core.conn)
 
     def before_execute(self, run: Running, spec: ToolSpec, args: dict[str, Any]) -> None:
-        cfg = breaker_config(self.core.settings, spec)
+        cfg = self.config(spec)
         if cfg is None:
             return
         probe_ttl = (run.ctx.timeout if run.ctx is not None else 0.0) + self.core.settings.workers.lease
