@@ -82,10 +82,9 @@ from middleware.plugin_config import (
     read_config,
 )
 from middleware.plugins import PluginManager
-from middleware.registry import MiddlewareRegistry, Registration
 from middleware.reporter import FailureReporter
 from middleware.requests import RequestOutcome
-from middleware.runtime import MiddlewareRuntime
+from middleware.runtime import MiddlewareRegistry, MiddlewareRuntime, Registration
 
 __all__ = [
     "API_REQUEST_ERROR",

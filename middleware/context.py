@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from .logger import get_logger
 
 if TYPE_CHECKING:
-    from middleware.registry import MiddlewareRegistry
+    from middleware.runtime import MiddlewareRegistry
 
 log = get_logger()
 

@@ -13,8 +13,8 @@ from middleware.kinds import PAYLOAD_KEY
 from middleware.reporter import callback_label
 
 if TYPE_CHECKING:
-    from middleware.registry import Registration
     from middleware.reporter import FailureReporter
+    from middleware.runtime import Registration
 
 BaseCall = Callable[[Any], Any]
 

@@ -23,9 +23,8 @@ from middleware.manifest import (
     resolve_home,
 )
 from middleware.plugin_config import plugin_lists, read_config
-from middleware.registry import MiddlewareRegistry
 from middleware.reporter import FailureReporter
-from middleware.runtime import MiddlewareRuntime
+from middleware.runtime import MiddlewareRegistry, MiddlewareRuntime
 
 log = get_logger()
 

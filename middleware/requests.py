@@ -10,8 +10,8 @@ from middleware.kinds import PAYLOAD_KEY, middleware_payload, trace_entry
 from middleware.logger import get_logger
 
 if TYPE_CHECKING:
-    from middleware.registry import Registration
     from middleware.reporter import FailureReporter
+    from middleware.runtime import Registration
 
 log = get_logger()
 
