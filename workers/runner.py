@@ -37,10 +37,7 @@ from middleware.plugins import NAMESPACE as PLUGIN_NAMESPACE
 from workers import metrics, otelsdk, policy_store, retry
 from workers.args import check_output, coerce_args
 from workers.executors import ExecContext, get_executor, run_executor
-from workers.hooks import Hook, Writer, overrides
-from workers.hooks.audit_record import AuditRecordHook
-from workers.hooks.call_log import CallLog
-from workers.hooks.circuit import Circuit
+from workers.hooks import AuditRecordHook, CallLog, Circuit, Hook, Writer, overrides
 from workers.llm import LLMCall, RateLimited, describe_response
 from workers.metrics import CallMetrics, Usage
 from workers.outbox import Outbox
@@ -148,7 +145,7 @@ class Failures(Hook):
         return write
 
 
-# The one table of per-call concerns (``workers/hooks/__init__.py`` says how they run): ``before_*`` run in
+# The one table of per-call concerns (``workers/hooks.py`` says how they run): ``before_*`` run in
 # this order, ``after_*`` in reverse. The breaker is checked before the executor span opens (an open circuit
 # calls no executor); the spans wrap the checks (a ``policy`` span).
 HOOKS: list[type[Hook]] = [CallMetrics, CallLog, Circuit, CallSpans, Checks, Usage, AuditRecordHook, Failures]
@@ -159,7 +156,7 @@ Stage = list[tuple[Callable[..., None] | None, Callable[..., None] | None]]
 
 class CallRunner:
     """Runs claimed calls for one worker process: owns every state move of a call, and runs the per-call
-    hooks (``workers/hooks/``) at each stage of it."""
+    hooks (``workers/hooks.py``) at each stage of it."""
 
     def __init__(self, core: WorkerCore) -> None:
         self.core = core

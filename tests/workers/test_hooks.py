@@ -1,4 +1,4 @@
-"""Per-call hooks (workers/hooks/): run by the runner in table order, after-hooks in reverse and contained;
+"""Per-call hooks (workers/hooks.py): run by the runner in table order, after-hooks in reverse and contained;
 the call's log lines at each level."""
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def test_a_before_hook_that_raises_refuses_the_call_before_its_executor(
 
 
 def test_the_circuit_hook_makes_a_specs_breaker_config_once_and_anew_for_a_new_version(core: WorkerCore) -> None:
-    from workers.hooks.circuit import Circuit
+    from workers.hooks import Circuit
 
     circuit = Circuit(core)
     guarded = check_spec({**TOOLS[0], "breaker": {"failures": 3}})

@@ -1,0 +1,234 @@
+"""Per-call concerns as hooks the runner runs, in the order of ``HOOKS`` in ``workers/runner.py`` (the shape of
+Dramatiq's middleware); ``Hook``, which each subclasses, is here.
+
+A call passes these stages, each a pair of methods on ``Hook``; ``CallRunner`` calls a stage's ``before_*``
+in table order and its ``after_*`` in reverse, the latter also when the stage raised (``error`` set) but only
+for hooks whose ``before_*`` returned. A ``before_*`` that raises a gateway error ends the call with it.
+
+- ``before_call`` / ``after_call``: the call began here / it is over here (``outcome``: its terminal state,
+  or ``retrying``, ``handed_back``, ``lost``);
+- ``before_flow`` / ``after_flow``: around the tool call's middleware flow (``middleware/call_order.py``: request
+  middleware, the checks, the ``tool_execution`` chain, the observer hooks);
+- ``before_checks`` / ``after_checks``: on the effective arguments, after request middleware (the
+  contract's policy step);
+- ``before_execute`` / ``after_execute``: right around the executor, inside the ``tool_execution`` chain;
+- ``ending``: a terminal move is being queued; a returned function adds its writes to that move's pipeline.
+
+An LLM call passes ``call`` and ``ending`` only: its middleware runs per provider attempt in ``workers/llm.py``.
+
+Hooks never move the call: the runner owns its states. A hook that has something to tell the caller appends
+``(event type, detail)`` to ``run.notices``; the runner publishes them after the stage. A hook lives
+with its concern: ``CallMetrics`` and ``Usage`` in ``workers/metrics.py``, ``CallSpans`` in
+``workers/telemetry.py``, ``Checks`` in ``workers/policy.py``, ``Failures`` beside the worker's counters
+in ``workers/runner.py``; the concerns with no module of their own are here: ``AuditRecordHook``
+(the audit record), ``CallLog`` (the call's log lines) and ``Circuit`` (the tool's breaker). A new per-call concern is one ``Hook`` subclass and a line in ``HOOKS``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from broker import logs
+from broker.audit import AuditRecord, context_fields
+from broker.breaker import BreakerConfig, Breakers, Change, breaker_config
+from broker.errors import CallCancelled, CircuitOpen, HermesError
+from broker.events import PROGRESS
+from workers import metrics
+
+if TYPE_CHECKING:
+    from broker.toolspec import ToolSpec
+    from workers.runner import Running, WorkerCore
+
+
+Writer = Callable[[Any], None]  # more writes in the terminal move's pipeline
+
+
+class Hook:
+    """One per-call concern; override the stages it takes part in (the others are skipped)."""
+
+    def __init__(self, core: WorkerCore) -> None:
+        self.core = core
+
+    def before_call(self, run: Running) -> None: ...
+
+    def after_call(self, run: Running, outcome: str, error: dict[str, Any] | None, duration: float) -> None: ...
+
+    def before_flow(self, run: Running, spec: ToolSpec, args: dict[str, Any]) -> None: ...
+
+    def after_flow(
+        self, run: Running, spec: ToolSpec, args: dict[str, Any], error: BaseException | None
+    ) -> None: ...
+
+    def before_checks(self, run: Running, spec: ToolSpec, args: dict[str, Any]) -> None: ...
+
+    def after_checks(
+        self, run: Running, spec: ToolSpec, args: dict[str, Any], error: BaseException | None
+    ) -> None: ...
+
+    def before_execute(self, run: Running, spec: ToolSpec, args: dict[str, Any]) -> None: ...
+
+    def after_execute(
+        self, run: Running, spec: ToolSpec, args: dict[str, Any], error: BaseException | None
+    ) -> None: ...
+
+    def ending(
+        self, run: Running, state: str, result: Any, error: dict[str, Any] | None, duration: float
+    ) -> Writer | None:
+        return None
+
+
+def overrides(hook: Hook, name: str) -> bool:
+    """Whether ``hook`` does something at ``name`` (the runner skips the no-op base methods)."""
+    return getattr(type(hook), name) is not getattr(Hook, name)
+
+
+# -- the audit record ------------------------------------------------------------------------------
+# A call's audit record (``broker/audit.py``), appended in the pipeline of its terminal move.
+
+class AuditRecordHook(Hook):
+    def ending(
+        self, run: Running, state: str, result: Any, error: dict[str, Any] | None, duration: float
+    ) -> Writer | None:
+        env, info = run.env, run.info
+        record = AuditRecord.of(
+            call_id=info.call_id,
+            kind=info.kind,
+            state=state,
+            args=run.args if run.args is not None else (env.args if env is not None else None),
+            sensitive=run.sensitive,
+            result=result if state == "done" else None,
+            request=env.request if env is not None and env.kind == "llm" else None,
+            error=error,
+            tool_name=info.name if info.kind == "tool" else None,
+            **context_fields(env.context if env is not None else {}),
+            trace_id=info.trace_id,
+            duration_ms=round(duration * 1000, 3),
+            status_code=_status_code(run, error),
+            attempts=run.attempt,
+            middleware_trace=run.middleware_trace,
+            usage=run.usage,
+        )
+        audit = self.core.audit
+        return lambda pipe: audit.append(record, pipeline=pipe)
+
+
+def _status_code(run: Running, error: dict[str, Any] | None) -> int | str | None:
+    """The back end's status for the audit record: what the executor saw, else what its error names."""
+    if run.ctx is not None and run.ctx.status_code is not None:
+        return run.ctx.status_code
+    details = (error or {}).get("details") or {}
+    for key in ("status", "exit_code"):
+        value = details.get(key) if isinstance(details, dict) else None
+        if isinstance(value, int | str) and not isinstance(value, bool):
+            return value
+    return None
+
+
+# -- the log lines ---------------------------------------------------------------------------------
+# A call's log lines: ``call started`` (DEBUG) and ``call finished`` (INFO; WARNING with the error when failed).
+#
+# The ids (``call_id``, ``trace_id``, ``span_id``, ``tool``) are bound in contextvars by the runner. Only
+# the ``call finished`` line is written at the default level: each line costs a busy worker tens of µs.
+
+# Ends that are not the call's end (it runs again, here or elsewhere): DEBUG, the next attempt logs its own.
+NOT_ENDED = frozenset(("retrying", "handed_back", "lost"))
+
+
+class CallLog(Hook):
+    def before_call(self, run: Running) -> None:
+        if logs.debug_enabled():
+            logs.call_log().debug("call started", attempt=run.attempt, queue_wait_ms=round(run.queue_wait * 1000, 3))
+
+    def after_call(self, run: Running, outcome: str, error: dict[str, Any] | None, duration: float) -> None:
+        ms = round(duration * 1000, 3)
+        if outcome == "failed":
+            err = error or {}
+            logs.call_log().warning(
+                "call finished", state=outcome, duration_ms=ms, error_type=str(err.get("type") or "error"),
+                error=err.get("message"),
+            )
+        elif outcome in NOT_ENDED:
+            if logs.debug_enabled():
+                logs.call_log().debug("call left this worker", state=outcome, duration_ms=ms)
+        elif logs.info_enabled():
+            logs.call_log().info("call finished", state=outcome, duration_ms=ms)
+
+
+# -- the circuit breaker ---------------------------------------------------------------------------
+# A tool's circuit breaker (``broker/breaker.py``): checked right before its executor (open: CircuitOpen,
+# the back end is not called) and told the executor's outcome after. A state change is logged, counted,
+# published to the fleet and told to the call's caller as a ``progress`` event.
+
+log = structlog.get_logger("hermes.breaker")
+
+
+class Circuit(Hook):
+    def __init__(self, core: WorkerCore) -> None:
+        super().__init__(core)
+        # Each spec's breaker config, made once: the directory hands out the same spec object until the
+        # tool's version changes, and a worker's settings do not change (id -> (spec, config)).
+        self._configs: dict[int, tuple[ToolSpec, BreakerConfig | None]] = {}
+
+    def config(self, spec: ToolSpec) -> BreakerConfig | None:
+        known = self._configs.get(id(spec))
+        if known is not None and known[0] is spec:
+            return known[1]
+        if len(self._configs) > 4096:  # (specs of replaced versions)
+            self._configs.clear()
+        cfg = breaker_config(self.core.settings, spec)
+        self._configs[id(spec)] = (spec, cfg)
+        return cfg
+
+    @functools.cached_property
+    def breakers(self) -> Breakers:
+        return Breakers(self.core.conn)
+
+    def before_execute(self, run: Running, spec: ToolSpec, args: dict[str, Any]) -> None:
+        cfg = self.config(spec)
+        if cfg is None:
+            return
+        probe_ttl = (run.ctx.timeout if run.ctx is not None else 0.0) + self.core.settings.workers.lease
+        decision = self.breakers.check(cfg, run.info.call_id, probe_ttl=probe_ttl)
+        if decision.change is not None:
+            self._announce(run, decision.change)
+        if not decision.allowed:
+            raise CircuitOpen(
+                f"circuit breaker {cfg.key!r} is open; the back end was not called",
+                key=cfg.key,
+                retry_at=decision.retry_at,
+            )
+        run.breaker = (cfg, decision.probe)
+
+    def after_execute(self, run: Running, spec: ToolSpec, args: dict[str, Any], error: BaseException | None) -> None:
+        if run.breaker is None:
+            return
+        (cfg, probe), run.breaker = run.breaker, None
+        outcome, etype = "ok", ""
+        if isinstance(error, CallCancelled):
+            outcome = "neutral"
+        elif error is not None:
+            etype = error.type if isinstance(error, HermesError) else "internal_error"
+            outcome = "fail" if cfg.counts(etype) else "neutral"
+        if outcome == "neutral" and not probe:  # only the probe reports a neutral outcome (it frees the slot)
+            return
+        try:
+            change = self.breakers.record(cfg, run.info.call_id, outcome, etype)
+        except Exception:  # noqa: BLE001 - a breaker write must not change the call's outcome
+            log.exception("breaker outcome not recorded", key=cfg.key)
+            return
+        if change is not None:
+            self._announce(run, change)
+
+    def _announce(self, run: Running, change: Change) -> None:
+        log.warning("circuit breaker changed", key=change.key, state=change.state, reason=change.reason)
+        metrics.breaker_changed(change.key, change.previous, change.state)
+        breakers = self.breakers
+        self.core.outbox.put(lambda pipe: breakers.publish(change, pipe))
+        message = f"circuit breaker {change.key!r}: {change.previous} -> {change.state}"
+        if change.reason:
+            message += f" ({change.reason})"
+        run.notices.append((PROGRESS, {"message": message, "breaker": change.to_dict()}))
