@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from broker.envelope import filler
+from broker.logs import MASK, is_secret_key, redact, redact_text, sensitive_hashes
 
 from . import keys, pipes, scripts
 from .codec import pack, unpack
 from .errors import DecodeError
-from .redact import MASK, is_secret_key, redact, redact_text, sensitive_hashes
 from .settings import DEFAULT_AUDIT_MAXLEN, AuditSettings
 
 AUDIT_VERSION = 1

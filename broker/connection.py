@@ -13,11 +13,12 @@ import redis
 import redis.cluster
 from redis.sentinel import MasterNotFoundError
 
+from broker.logs import redact_url
+
 from .config import REDIS_URL_ENV
 from .embedded import EmbeddedBroker
 from .errors import BrokerFull, BrokerUnavailable, HermesError
 from .logs import library_logs
-from .redact import redact_url
 from .sentinel import SENTINEL_SCHEME, sentinel_client, sentinels_say
 
 URL_ENV = REDIS_URL_ENV  # (named in messages; Settings reads it: ``settings.broker.url``)

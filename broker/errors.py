@@ -27,7 +27,7 @@ class HermesError(Exception):
         """The error as it travels (events, records, HTTP): secret-shaped text masked, as in logs and
         audit records — a message may quote what a caller sent (``{'password': ...} is not of type
         'string'``) — and very long text cut."""
-        from .redact import clip_text, redact
+        from broker.logs import clip_text, redact
 
         message = clip_text(self.message, WIRE_TEXT) if self.masked else self.message[:WIRE_TEXT]
         out: dict[str, Any] = {"type": self.type, "message": message}

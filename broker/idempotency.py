@@ -6,9 +6,10 @@ the key expires with the call's record.
 
 from __future__ import annotations
 
+from broker.logs import HASH_PREFIX, hash_value
+
 from .envelope import Envelope
 from .errors import IdempotencyConflict
-from .redact import HASH_PREFIX, hash_value
 
 
 def request_digest(env: Envelope) -> str:

@@ -33,7 +33,7 @@ from opentelemetry.trace import (
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from .redact import redact_text
+from broker.logs import redact_text
 
 SCOPE = "hermes_gateway"
 MESSAGING_SYSTEM = "rq"

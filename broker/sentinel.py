@@ -11,8 +11,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import SentinelManagedConnection
 
+from broker.logs import redact_url
+
 from .errors import ConfigError
-from .redact import redact_url
 
 SENTINEL_SCHEME = "redis+sentinel"
 SENTINEL_PORT = 26379

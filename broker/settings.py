@@ -416,7 +416,7 @@ def flag(value: Any, where: str, env_name: str | None = None) -> bool:
 #   the full JSON Schema validator;
 # - ``frozen``: the envelope and audit record filled without their dataclass ``__init__`` (``broker/envelope.filler``);
 # - ``redaction``: the log lines' redaction processor that skips ids and remembers short strings
-#   (``broker/logs.redact_event``) instead of ``broker.redact.RedactProcessor``.
+#   (``broker/logs.redact_event``) instead of ``broker.logs.RedactProcessor``.
 #
 # The two shortcuts on library insides have settings of their own: ``broker.fast_path`` (``broker/pipes.py``)
 # and ``telemetry.lean_spans`` (``workers/spans.py``).

@@ -72,7 +72,7 @@ from broker.errors import (
     IdempotencyConflict,
     UnknownTool,
 )
-from broker.redact import redact
+from broker.logs import redact
 from hermes_gateway.aio import AsyncGateway
 from hermes_gateway.aio_handle import AsyncCallHandle
 from hermes_gateway.client import Gateway

@@ -17,7 +17,7 @@ from typing import Any
 
 from broker.audit import AuditLog, AuditRecord, summarize
 from broker.errors import CallCancelled, CallFailed, CallTimeout, ReplayRefused
-from broker.redact import MASK, redact_text, verify_hash
+from broker.logs import MASK, redact_text, verify_hash
 
 # Context a replay carries over: who called matters to policy; the LLM's tool_call_id belongs to the original.
 REPLAY_CONTEXT = ("principal", "session_id", "task_id", "turn_id")

@@ -239,7 +239,7 @@ def call_request(conn: Any, call_id: str, audit: Any = None) -> dict[str, Any] |
     from broker.calls import read_record
     from broker.directory import Directory
     from broker.errors import HermesError
-    from broker.redact import redact
+    from broker.logs import redact
 
     rec = read_record(conn, call_id)
     if rec is None:

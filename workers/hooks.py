@@ -37,7 +37,6 @@ from broker.audit import AuditRecord, context_fields
 from broker.breaker import BreakerConfig, Breakers, Change, breaker_config
 from broker.errors import CallCancelled, CircuitOpen, HermesError
 from broker.events import PROGRESS
-from workers import metrics
 
 if TYPE_CHECKING:
     from broker.toolspec import ToolSpec
@@ -225,7 +224,9 @@ class Circuit(Hook):
 
     def _announce(self, run: Running, change: Change) -> None:
         log.warning("circuit breaker changed", key=change.key, state=change.state, reason=change.reason)
-        metrics.breaker_changed(change.key, change.previous, change.state)
+        from workers.metrics import breaker_changed  # (metrics holds hooks itself: it imports this module)
+
+        breaker_changed(change.key, change.previous, change.state)
         breakers = self.breakers
         self.core.outbox.put(lambda pipe: breakers.publish(change, pipe))
         message = f"circuit breaker {change.key!r}: {change.previous} -> {change.state}"

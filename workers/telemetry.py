@@ -5,7 +5,7 @@ to the producer span; under it: ``tool_request`` (request middleware, when any i
 ``policy``, ``tool_execution`` (the execution middleware chain, when any), ``execute_tool <tool>``
 (the executor; the executors forward *its* context to the back end) and ``chat <model>`` (a provider
 call). Retries are span events. Failures set status ERROR and ``error.type``. Every string that
-could carry a secret goes through ``broker.redact`` first.
+could carry a secret goes through ``broker.logs.redact`` first.
 
 With tracing off (no SDK provider) ``CallTrace.start`` returns ``NO_TRACE``, whose methods do nothing,
 so the call path never branches and pays almost nothing.
@@ -30,8 +30,8 @@ from opentelemetry.trace import (
 
 from broker import otel
 from broker.errors import CallCancelled
+from broker.logs import redact, redact_text
 from broker.otel import MESSAGING_SYSTEM, error_type, mark_failed, parent_context, traceparent_of
-from broker.redact import redact, redact_text
 from workers.hooks import Hook
 
 if TYPE_CHECKING:

@@ -31,8 +31,7 @@ def print_result(result: Any) -> None:
 def note(message: str, level: str = "info") -> None:
     """A notice for the user on stderr: plain text, or in JSON mode a JSON line shaped like the log lines
     (so `2>&1 | jq` works). It is the command's own output, so the log level never hides it."""
-    from broker.logs import json_lines
-    from broker.redact import redact_text
+    from broker.logs import json_lines, redact_text
 
     if json_lines():
         from datetime import UTC, datetime

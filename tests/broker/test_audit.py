@@ -18,7 +18,7 @@ import redis
 from broker.audit import SUMMARY_LIMIT, AuditLog, AuditRecord, summarize
 from broker.config import load_settings
 from broker.errors import ConfigError, DecodeError, PermissionDenied
-from broker.redact import MASK, verify_hash
+from broker.logs import MASK, verify_hash
 from tests.broker.test_redact import CORPUS
 
 

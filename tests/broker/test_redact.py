@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import structlog
 
-from broker.redact import (
+from broker.logs import (
     MASK,
     RedactProcessor,
     hash_value,

@@ -13,8 +13,7 @@ import yaml
 from broker.config import load_settings
 from broker.envelope import filler
 from broker.errors import ConfigError
-from broker.logs import redact_event
-from broker.redact import MASK, RedactProcessor
+from broker.logs import MASK, RedactProcessor, redact_event
 from broker.settings import configure_shortcuts
 from workers.args import quick_check
 from workers.worker import CallThreads, StockThreads, call_threads

@@ -14,7 +14,7 @@ import pytest
 from broker import keys
 from broker.audit import AuditLog, AuditRecord
 from broker.errors import CallFailed
-from broker.redact import hash_value
+from broker.logs import hash_value
 from middleware import enable_plugin
 from tests.broker.test_redact import CORPUS
 from tests.conftest import ECHO, Home, wait_until

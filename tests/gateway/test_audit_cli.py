@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from broker.audit import AuditRecord
 from broker.errors import CallFailed, PermissionDenied, ReplayRefused
-from broker.redact import hash_value
+from broker.logs import hash_value
 from hermes_gateway import replay
 from hermes_gateway.cli import main
 from hermes_gateway.cli.audit_cmd import parse_when
