@@ -4,7 +4,7 @@ Every figure is cumulative or current (calls by state since the broker started, 
 queue depths, slots, workers, breakers); the page turns consecutive snapshots into rates and
 percentiles, so a tab opened late or reconnecting only loses its own chart history. The readers are
 the ones ``status`` and ``status --watch`` use (``hermes_gateway.watch``, ``broker.limits``,
-``broker.breaker``), plus the duration buckets ``workers.metrics`` keeps in ``hermes:stats``.
+``broker.breaker``), plus the duration buckets ``workers.telemetry`` keeps in ``hermes:stats``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from broker import keys, memory
 from broker.breaker import OPEN, Breakers
 from broker.limits import Limits
-from workers.metrics import LATENCY_BOUNDS, SEP, text
+from workers.telemetry import LATENCY_BOUNDS, SEP, text
 
 # A worker whose heartbeat is older than this many of its heartbeat intervals (plus a second of slack
 # for a busy machine) is shown late; the reaper takes its calls back once its lease (3 intervals) passes.
@@ -58,7 +58,7 @@ def call_figures(stats: dict[str, str]) -> dict[str, Any]:
 
 
 def usage_figures(stats: dict[str, str]) -> list[dict[str, Any]]:
-    """Per principal and tool or model: calls, and an LLM call's tokens in and out (``workers.metrics.usage``)."""
+    """Per principal and tool or model: calls, and an LLM call's tokens in and out (``workers.telemetry.usage``)."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for field, value in stats.items():
         parts = field.split(SEP)
@@ -95,7 +95,7 @@ def inflight(conn: Any) -> dict[str, int]:
 
 
 def queue_depths(conn: Any) -> dict[str, int]:
-    from workers.metrics import queue_depths as depths
+    from workers.telemetry import queue_depths as depths
 
     return dict(depths(conn))
 

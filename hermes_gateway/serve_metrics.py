@@ -1,7 +1,7 @@
 """``GET /metrics`` of ``serve``: the gateway-wide figures for Prometheus, read from Redis at each scrape.
 
 ``serve`` runs no calls itself; the workers add what they ran to ``hermes:stats`` every second
-(``workers.metrics``). Here OpenTelemetry observable instruments read those totals and the live state
+(``workers.telemetry``). Here OpenTelemetry observable instruments read those totals and the live state
 (queue depths, calls executing per concurrency key, slot limits, breaker states, live workers), and the
 OpenTelemetry Prometheus exporter writes them out, so ``hermes_calls_total`` summed over its series is
 the number of calls the workers ran (each attempt that ended, ``retrying`` included, as a worker's own
@@ -27,7 +27,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from hermes_gateway import console_data
-from workers.metrics import BREAKER_STATES, LATENCY_BOUNDS, SEP
+from workers.telemetry import BREAKER_STATES, LATENCY_BOUNDS, SEP
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

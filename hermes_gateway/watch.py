@@ -1,6 +1,6 @@
 """``hermes-gateway status --watch``: the call figures live in the terminal, read from Redis.
 
-The same figures the OpenTelemetry metrics carry (``workers/metrics.py``): calls by tool, state and
+The same figures the OpenTelemetry metrics carry (``workers/telemetry.py``): calls by tool, state and
 error type, mean duration and queue wait, calls in flight per concurrency key, breaker states and
 queue depths. Workers add their totals to ``hermes:stats`` once a second; this view reads them, so it
 works with tracing and metrics export off.
@@ -19,7 +19,7 @@ from rich.live import Live
 from rich.table import Table
 
 from broker import keys
-from workers.metrics import SEP, queue_depths, text
+from workers.telemetry import SEP, queue_depths, text
 
 
 def call_known(conn: redis.Redis, call_id: str) -> bool:
@@ -62,7 +62,7 @@ def figures(conn: redis.Redis) -> dict[str, Any]:
     for k in breaker_keys:
         pipe.hget(keys.breaker(k), "state")
     breakers = {k: (s or b"closed").decode() for k, s in zip(breaker_keys, pipe.execute(), strict=True)}
-    for field, value in raw.items():  # breakers reported through workers.metrics.breaker_changed
+    for field, value in raw.items():  # breakers reported through workers.telemetry.breaker_changed
         if field.startswith(f"breaker{SEP}"):
             breakers.setdefault(field.split(SEP, 1)[1], value)
     return {

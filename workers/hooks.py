@@ -18,8 +18,7 @@ An LLM call passes ``call`` and ``ending`` only: its middleware runs per provide
 
 Hooks never move the call: the runner owns its states. A hook that has something to tell the caller appends
 ``(event type, detail)`` to ``run.notices``; the runner publishes them after the stage. A hook lives
-with its concern: ``CallMetrics`` and ``Usage`` in ``workers/metrics.py``, ``CallSpans`` in
-``workers/telemetry.py``, ``Checks`` in ``workers/policy.py``, ``Failures`` beside the worker's counters
+with its concern: ``CallMetrics``, ``Usage`` and ``CallSpans`` in ``workers/telemetry.py``, ``Checks`` in ``workers/policy.py``, ``Failures`` beside the worker's counters
 in ``workers/runner.py``; the concerns with no module of their own are here: ``AuditRecordHook``
 (the audit record), ``CallLog`` (the call's log lines) and ``Circuit`` (the tool's breaker). A new per-call concern is one ``Hook`` subclass and a line in ``HOOKS``.
 """
@@ -224,7 +223,7 @@ class Circuit(Hook):
 
     def _announce(self, run: Running, change: Change) -> None:
         log.warning("circuit breaker changed", key=change.key, state=change.state, reason=change.reason)
-        from workers.metrics import breaker_changed  # (metrics holds hooks itself: it imports this module)
+        from workers.telemetry import breaker_changed  # (metrics holds hooks itself: it imports this module)
 
         breaker_changed(change.key, change.previous, change.state)
         breakers = self.breakers

@@ -34,16 +34,15 @@ from broker.states import State
 from broker.toolspec import ToolSpec
 from middleware import LLMCallFlow, PluginManager, ToolCallFlow
 from middleware.plugins import NAMESPACE as PLUGIN_NAMESPACE
-from workers import metrics, otelsdk, policy_store, retry
+from workers import otelsdk, policy_store, retry, telemetry
 from workers.args import check_output, coerce_args
 from workers.executors import ExecContext, get_executor, run_executor
 from workers.hooks import AuditRecordHook, CallLog, Circuit, Hook, Writer, overrides
 from workers.llm import LLMCall, RateLimited, describe_response
-from workers.metrics import CallMetrics, Usage
 from workers.outbox import Outbox
 from workers.policy import Checks, Policy
 from workers.retry import RetryScheduler
-from workers.telemetry import NO_TRACE, CallSpans, CallTrace, NoTrace
+from workers.telemetry import NO_TRACE, CallMetrics, CallSpans, CallTrace, NoTrace, Usage
 
 log = structlog.get_logger("hermes.worker")
 
@@ -618,8 +617,8 @@ class WorkerCore:
         self.llm_flow = LLMCallFlow(self.plugins, describe_response=describe_response)
         # Tracing and metrics from OTEL_* / HERMES_TRACE (off unless asked for); figures for `status --watch`.
         otelsdk.setup("hermes-worker", settings.telemetry)
-        metrics.watch_queues(conn)
-        self.stats = metrics.StatsFlusher(conn, name, self.inflight_by_key)
+        telemetry.watch_queues(conn)
+        self.stats = telemetry.StatsFlusher(conn, name, self.inflight_by_key)
 
     # -- bookkeeping -----------------------------------------------------------------------------
 

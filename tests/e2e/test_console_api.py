@@ -17,7 +17,7 @@ from tests.conftest import wait_until
 from tests.e2e.test_console import ConsoleServer
 from tests.e2e.util import free_port
 from workers import policy_store
-from workers.metrics import LATENCY_BOUNDS, latency_bucket
+from workers.telemetry import LATENCY_BOUNDS, latency_bucket
 
 pytestmark = pytest.mark.e2e
 

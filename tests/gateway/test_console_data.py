@@ -7,7 +7,7 @@ from typing import Any
 
 from broker import keys
 from hermes_gateway import console_data
-from workers.metrics import LATENCY_BOUNDS, SEP
+from workers.telemetry import LATENCY_BOUNDS, SEP
 
 
 def test_call_figures_sum_states_and_duration_buckets_per_tool() -> None:

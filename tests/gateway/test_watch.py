@@ -8,7 +8,7 @@ from rich.console import Console
 
 from broker import keys
 from hermes_gateway.watch import figures, render, watch
-from workers import metrics
+from workers import telemetry as metrics
 
 
 def workload(fake: Any) -> None:

@@ -21,8 +21,9 @@ from broker.directory import Directory
 from broker.envelope import Envelope, Options
 from broker.errors import ProviderError
 from tests.conftest import heard
-from workers import metrics, otelsdk
+from workers import otelsdk
 from workers import spans as spans_mod
+from workers import telemetry as metrics
 from workers.runner import CallRunner, WorkerCore
 from workers.specs import check_spec
 from workers.telemetry import NO_TRACE, CallTrace, record_usage
