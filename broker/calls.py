@@ -24,7 +24,7 @@ import redis.asyncio.cluster
 import structlog
 from redis.client import Pipeline
 
-from . import events, keys, partitions, pipes, poison, scripts
+from . import events, keys, pipes, poison, scripts
 from .codec import raw, text, unpack
 from .codec import raw as as_bytes  # (``raw`` is a local name in some functions here)
 from .connection import is_cluster
@@ -422,7 +422,7 @@ class Calls:
 
     def wake_channel(self, queue: str) -> str:
         """The wake-up channel of ``queue`` (pub/sub is shared by every DB of a server: scoped to ours)."""
-        return keys.channel(self.conn, keys.wake(partitions.base(queue)))
+        return keys.channel(self.conn, keys.wake(keys.base_queue(queue)))
 
     # -- workers ---------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from . import keys, partitions, pipes, poison, scripts
+from . import keys, pipes, poison, scripts
 from .calls import recheck_absent
 
 
@@ -45,7 +45,7 @@ class Limits:
         freed = 0
         for q in queues:
             tag = keys.tag(q)
-            wake = keys.channel(self.conn, keys.wake(partitions.base(q)))
+            wake = keys.channel(self.conn, keys.wake(keys.base_queue(q)))
             try:
                 for ckey in map(_text, self.conn.hkeys(keys.limits(tag))):
                     freed += int(
@@ -126,7 +126,7 @@ class Limits:
                 row["running"] += int(counts[3 * i])
                 row["waiting"] += int(counts[3 * i + 1]) + int(counts[3 * i + 2])
                 by_queue = shares.setdefault(ckey, {})
-                base, share = partitions.base(q), limits[ckey]
+                base, share = keys.base_queue(q), limits[ckey]
                 had = by_queue.get(base)
                 by_queue[base] = share if had is None else -1 if had < 0 or share < 0 else had + share
         for ckey, by_queue in shares.items():

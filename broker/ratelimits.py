@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from . import keys, partitions, scripts
+from . import keys, scripts
 from .errors import InvalidSpec
 
 KINDS = ("requests_per_minute", "tokens_per_minute", "requests_per_second")
@@ -57,8 +57,8 @@ class RateLimit:
         )
 
     def share(self, n: int, i: int) -> RateLimit:
-        """Partition ``i``'s part of the limit split in ``n`` (as ``partitions.share`` splits concurrency)."""
-        return RateLimit(partitions.share(self.rpm, n, i), partitions.share(self.tpm, n, i), partitions.share(self.rps, n, i))
+        """Partition ``i``'s part of the limit split in ``n`` (as ``keys.partition_share`` splits concurrency)."""
+        return RateLimit(keys.partition_share(self.rpm, n, i), keys.partition_share(self.tpm, n, i), keys.partition_share(self.rps, n, i))
 
     def argv(self) -> str:
         """The limit as SUBMIT takes it."""

@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis import RedisError
 
-from broker import durability, keys, partitions, scripts
+from broker import durability, keys, scripts
 from broker.calls import Calls
 from broker.codec import pack, text, unpack
 from broker.config import Settings, load_settings
@@ -294,7 +294,7 @@ class AsyncGateway:
 
     async def _ensure_workers(self, queues: Iterable[str]) -> None:
         """NoWorkers for a queue no worker listens on, as ``Gateway`` (the same check, in a thread)."""
-        queues = tuple(dict.fromkeys(partitions.base(q) for q in queues))
+        queues = tuple(dict.fromkeys(keys.base_queue(q) for q in queues))
         if self.workers is not None and self.workers.unchecked(queues):
             await asyncio.to_thread(self.workers.ensure, queues)
 
@@ -319,7 +319,7 @@ class AsyncGateway:
         for env, limits, _ in prepared:
             await self.calls.submit(env, pipeline=pipe, **limits)  # type: ignore[arg-type]
         confirm = bool(prepared) and durability.queue_wait(pipe, self.settings)  # (before the wake-up)
-        queues = list(dict.fromkeys(partitions.base(env.queue) for env, _, _ in prepared))
+        queues = list(dict.fromkeys(keys.base_queue(env.queue) for env, _, _ in prepared))
         await self._wake(pipe, queues)
         sent = await pipe.execute(raise_on_error=False)
         await self._wake(None, queues)

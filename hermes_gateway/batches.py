@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from broker import events, keys, partitions, pipes
+from broker import events, keys, pipes
 from broker.calls import Calls
 from broker.codec import pack, raw, text, unpack
 from broker.errors import DecodeError, HermesError, InvalidArgs, QueueFull, UnknownBatch
@@ -340,12 +340,12 @@ def _router(meta: dict[str, str]) -> Callable[[int], str]:
 def batch_queues(spec: Any, settings: Any) -> list[str]:
     """The queues a batch of ``spec``'s calls uses: its queue, or each partition with a share of the limit."""
     queue = str(spec.config.get("queue") or "tools")
-    n = partitions.count(spec)
+    n = keys.partition_count(spec)
     if n <= 1:
         return [queue]
     concurrency = spec.concurrency or settings.concurrency_for(spec.executor)
     usable = n if concurrency < 0 else min(n, concurrency)
-    return [partitions.name(queue, n, i) for i in range(usable)]
+    return [keys.partition_name(queue, n, i) for i in range(usable)]
 
 
 class Submitter:
@@ -420,7 +420,7 @@ class Submitter:
         prepared = []
         for i, args in chunk:
             queue = self.queue_of(i)
-            opts = CallOptions(queue=partitions.base(queue), fairness_key=self.id, call_class="batch",
+            opts = CallOptions(queue=keys.base_queue(queue), fairness_key=self.id, call_class="batch",
                                call_id=item_call_id(self.id, i), partition_slot=i)
             try:
                 env = tool_envelope(self.entry, self.meta["tool"], args, opts, self.context, self.channel,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 import structlog
 
-from broker import durability, keys, partitions, pipes
+from broker import durability, keys, pipes
 from broker.calls import Calls
 from broker.codec import pack, text
 from broker.config import Settings, load_settings
@@ -361,7 +361,7 @@ class Gateway:
         for env, limits, _ in chunk:
             self.calls.submit(env, pipeline=pipe, **limits)
         confirm = durability.queue_wait(pipe, self.settings)  # before the wake-up: workers see it confirmed
-        queues = list(dict.fromkeys(partitions.base(env.queue) for env, _, _ in chunk))
+        queues = list(dict.fromkeys(keys.base_queue(env.queue) for env, _, _ in chunk))
         self.wake(pipe, queues)
         # (SUBMIT reads what it discovers before its first write: a refusal of a moving slot means it did
         # not run, so it is sent again while the slot moves)

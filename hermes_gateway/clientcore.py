@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import structlog
 
 from broker import events as ev_mod
-from broker import keys, partitions
+from broker import keys
 from broker.calls import CallInfo
 from broker.codec import pack, text, unpack
 from broker.config import MAX_ARGS_ENV, Settings
@@ -144,7 +144,7 @@ class WorkerCheck:
         trusted for a few seconds."""
         if not self.check_workers:
             return
-        for queue in dict.fromkeys(partitions.base(q) for q in queues):
+        for queue in dict.fromkeys(keys.base_queue(q) for q in queues):
             if self._seen.get(queue, 0.0) > time.monotonic():
                 continue
             with self._lock:
@@ -311,10 +311,10 @@ def tool_envelope(
     packed = check_sendable(args, f"arguments for {name!r}", limit)
     tp, ts, bg = opts.headers()
     queue = opts.queue or str(spec.config.get("queue") or "tools")
-    n = partitions.count(spec)
+    n = keys.partition_count(spec)
     if n > 1:
         concurrency = spec.concurrency or (settings.concurrency_for(spec.executor) if settings else -1)
-        queue = partitions.route(queue, n, concurrency, opts.idempotency_key, opts.partition_slot)
+        queue = keys.partition_route(queue, n, concurrency, opts.idempotency_key, opts.partition_slot)
     env = Envelope(
         call_id=keys.call_id(queue, opts.call_id or new_call_id()),
         kind="tool",
@@ -342,13 +342,13 @@ def tool_limits(env: Envelope, spec: ToolSpec, settings: Settings) -> dict[str, 
     concurrency = spec.concurrency or settings.concurrency_for(spec.executor)
     # A partition's share of the tool's limit and queue size (the shares add up to them exactly).
     # (so is the per-key bound: a key's calls go to the partitions in turn)
-    n = partitions.count(spec)
+    n = keys.partition_count(spec)
     per_key = settings.fairness.queue_size_per_key
-    key_size = -1 if per_key is None else partitions.limits(env.queue, n, concurrency, per_key)[1]
-    concurrency, queue_size = partitions.limits(env.queue, n, concurrency, queue_size)
+    key_size = -1 if per_key is None else keys.partition_limits(env.queue, n, concurrency, per_key)[1]
+    concurrency, queue_size = keys.partition_limits(env.queue, n, concurrency, queue_size)
     rate = RateLimit.parse(f"tool {spec.name!r}", spec.config.get("rate_limit"))
     if rate is not None and n > 1:
-        rate = rate.share(n, partitions.index(env.queue))
+        rate = rate.share(n, keys.partition_index(env.queue))
     return {
         "ckey": concurrency_key(env),
         "queue_size": queue_size,

@@ -24,7 +24,7 @@ from rq import Queue
 from rq import Worker as RQWorker
 from rq.worker import WorkerStatus
 
-from broker import durability, keys, logs, partitions, pipes
+from broker import durability, keys, logs, pipes
 from broker.calls import Calls
 from broker.codec import MsgpackSerializer, pack, unpack
 from broker.config import Settings
@@ -186,7 +186,7 @@ class Worker:
             self._wake.clear()  # a wake-up from now on means: claim again
             try:
                 self._turn += 1  # each partition of a queue is claimed from first in turn
-                order = partitions.rotated(self.claim_queues, self._turn)
+                order = keys.rotated_queues(self.claim_queues, self._turn)
                 claimed = self._claims.claim(order, free, self.name, self.lease, self._claim_connection())
             except Exception as e:  # noqa: BLE001 - the dispatcher must go on (a broker hiccup, a bad reply)
                 log.warning("claim failed", error=str(e))
@@ -270,7 +270,7 @@ class Worker:
     def refresh_queues(self) -> None:
         """Claim from every partition of the tools on our queues (re-read on a directory change and with
         every heartbeat)."""
-        self.claim_queues[:] = partitions.expand(self.queues, (e.spec for e in self.core.directory.all()))
+        self.claim_queues[:] = keys.claim_queues(self.queues, (e.spec for e in self.core.directory.all()))
 
     def _run_one(self, claimed: Any) -> None:
         passed_on = False
@@ -291,7 +291,7 @@ class Worker:
             return None
         queue = run.info.queue
         held = self.core.held(run.info.ckey) - 1  # (the ending call still counts here)
-        peers = self._peers.get(partitions.base(queue), 1)
+        peers = self._peers.get(keys.base_queue(queue), 1)
         calls, name, lease = self.core.calls, self.name, self.lease
         return lambda: [*calls.claim_args(queue, 1, name, lease), held, peers]
 

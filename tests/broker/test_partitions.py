@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker import partitions
+from broker import keys
 from broker.toolspec import ToolSpec
 
 
@@ -18,7 +18,7 @@ def test_the_shares_of_a_limit_and_a_queue_size_add_up_exactly() -> None:
     for n in (1, 2, 3, 7):
         for limit in (1, 2, 5, 10, 101):
             for qsize in (0, 1, 7, 1000):
-                parts = [partitions.limits(name, n, limit, qsize) for name in partitions.names("q", n)]
+                parts = [keys.partition_limits(name, n, limit, qsize) for name in keys.partition_names("q", n)]
                 assert sum(c for c, _ in parts) == limit
                 usable = min(n, limit)
                 assert sum(q for c, q in parts if c > 0) == qsize
@@ -26,21 +26,21 @@ def test_the_shares_of_a_limit_and_a_queue_size_add_up_exactly() -> None:
 
 
 def test_calls_go_round_the_partitions_with_a_share_and_a_key_always_to_the_same_one() -> None:
-    seen = [partitions.route("q", 4, 100) for _ in range(40)]
-    four = partitions.names("q", 4)
+    seen = [keys.partition_route("q", 4, 100) for _ in range(40)]
+    four = keys.partition_names("q", 4)
     assert {s: seen.count(s) for s in set(seen)} == {p: 10 for p in four}
-    assert {partitions.route("q", 4, 2) for _ in range(20)} == set(four[:2])  # limit 2: two partitions
-    assert len({partitions.route("q", 4, 100, "key-1") for _ in range(10)}) == 1
-    assert partitions.route("q", 1, 100) == "q"
+    assert {keys.partition_route("q", 4, 2) for _ in range(20)} == set(four[:2])  # limit 2: two partitions
+    assert len({keys.partition_route("q", 4, 100, "key-1") for _ in range(10)}) == 1
+    assert keys.partition_route("q", 1, 100) == "q"
 
 
 def test_workers_claim_every_partition_of_their_queues_each_first_in_turn() -> None:
-    qs = partitions.expand(["q", "other"], [spec(3), spec(2, queue="elsewhere")])
-    three = partitions.names("q", 3)
-    assert qs == ["q", "other", *three] and [partitions.index(p) for p in three] == [0, 1, 2]
-    firsts = {tuple(partitions.rotated(qs, t))[0] for t in range(4)}
+    qs = keys.claim_queues(["q", "other"], [spec(3), spec(2, queue="elsewhere")])
+    three = keys.partition_names("q", 3)
+    assert qs == ["q", "other", *three] and [keys.partition_index(p) for p in three] == [0, 1, 2]
+    firsts = {tuple(keys.rotated_queues(qs, t))[0] for t in range(4)}
     assert firsts == {"q", *three}
-    assert all(partitions.rotated(qs, t).index("other") > partitions.rotated(qs, t).index(partitions.rotated(qs, t)[0]) for t in range(4))
+    assert all(keys.rotated_queues(qs, t).index("other") > keys.rotated_queues(qs, t).index(keys.rotated_queues(qs, t)[0]) for t in range(4))
 
 
 def test_a_bad_partition_count_is_refused_naming_the_field() -> None:
@@ -57,6 +57,6 @@ def test_partition_tags_fall_in_even_shares_of_the_hash_slots() -> None:
     from redis.crc import key_slot
 
     for n in (2, 3, 6, 12):
-        slots = [key_slot(("{" + p + "}").encode()) for p in partitions.names("tools", n)]
+        slots = [key_slot(("{" + p + "}").encode()) for p in keys.partition_names("tools", n)]
         assert [slot * n // 16384 for slot in slots] == list(range(n))  # partition i in the i-th n-th
-        assert all(partitions.base(p) == "tools" for p in partitions.names("tools", n))
+        assert all(keys.base_queue(p) == "tools" for p in keys.partition_names("tools", n))

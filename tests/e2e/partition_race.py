@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from broker import events, keys, partitions
+from broker import events, keys
 from broker.errors import QueueFull
 
 LIMIT, QUEUE_SIZE, PARTS = 5, 7, 3
@@ -43,7 +43,7 @@ def race(url: str, home: Any, workers: Any, wait_until: Any, clients: int = 6, e
         for t in threads:
             t.join(60)
         conn = gws[0].conn
-        tags = [keys.tag(q) for q in partitions.names("tools", PARTS)]
+        tags = [keys.tag(q) for q in keys.partition_names("tools", PARTS)]
         ckey = "tool:split"
         running = sum(conn.zcard(keys.slots(t, ckey)) for t in tags)
         waiting = sum(conn.zcard(keys.waiting(t, ckey)) + conn.zcard(keys.waiting_batch(t, ckey)) for t in tags)

@@ -192,7 +192,7 @@ def test_a_slot_migration_mid_batch_runs_every_call_exactly_once(
     twice — counted from the tool's own side effect (a line per run), not from the results."""
     from collections import Counter
 
-    from broker import partitions
+    from broker import keys
     from tests.conftest import wait_until
 
     gw = cgateway
@@ -213,7 +213,7 @@ def test_a_slot_migration_mid_batch_runs_every_call_exactly_once(
     handles = gw.map("counted", [{"seconds": 0.25, "log": str(runs)}] * 300)
     ids = [h.call_id for h in handles.accepted]
     assert len(ids) == 300
-    slot = gw.conn.keyslot(keys.queue(partitions.name("tools", 3, 1)))
+    slot = gw.conn.keyslot(keys.queue(keys.partition_name("tools", 3, 1)))
     dest = next(p for p in cluster.ports if p != cluster.slot_owner(slot))
     wait_until(lambda: runs.exists() and len(runs.read_text().splitlines()) >= 20, 30, message="calls running")
     started, moved = time.monotonic(), []
