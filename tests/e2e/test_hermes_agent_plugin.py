@@ -346,6 +346,7 @@ INTERRUPT_SCRIPT = """
 import json, sys, threading, time
 from tools.interrupt import set_interrupt  # Hermes' own per-thread interrupt flag
 from broker.config import load_settings
+from broker.connection import from_url
 from hermes_gateway.hermes_plugin.bridge import Bridge, Options
 
 bridge = Bridge(Options(url=sys.argv[1], timeout=120), load_settings())
@@ -355,7 +356,12 @@ def tool_thread():
 t = threading.Thread(target=tool_thread)
 started = time.monotonic()
 t.start()
-time.sleep(2)  # the call is running on a worker
+conn = from_url(sys.argv[1])
+def executing():
+    return any(conn.hmget(k, "h_tool", "h_state") == [b"nap", b"executing"] for k in conn.scan_iter("rq:job:*"))
+while not executing():  # until the call is running on a worker
+    assert time.monotonic() - started < 30, "the call never ran"
+    time.sleep(0.02)
 set_interrupt(True, t.ident)  # what Hermes does to the thread of a tool when the user interrupts
 t.join(60)
 out["took"] = time.monotonic() - started
