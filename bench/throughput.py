@@ -71,12 +71,32 @@ class Sample:
     redis_us: float
     worker_us: float
     client_us: float
+    # Context switches per call (voluntary and not, all threads): each is a wakeup, whose cost varies
+    # far more between machines than a CPU's speed does (a loopback round trip took 25 µs on one machine
+    # and 120 µs on the same kind another day).
+    redis_cs: float | None = None
+    worker_cs: float | None = None
+    client_cs: float | None = None
     p50_ms: float | None = None
     p99_ms: float | None = None
 
 
+def switches(pid: int) -> int:
+    """Context switches so far of every thread of process ``pid`` (0 where /proc does not say)."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            for line in status.read_text().splitlines():
+                if "ctxt_switches:" in line:  # voluntary_ and nonvoluntary_
+                    total += int(line.split()[-1])
+        except (OSError, ValueError):
+            pass  # (a thread that ended meanwhile)
+    return total
+
+
 class Cpu:
-    """CPU seconds so far of this process, the given processes (and their children) and the Redis server."""
+    """CPU seconds so far of this process, the given processes (and their children) and the Redis server;
+    and their context switches (``switches_read``; Redis's only when it runs on this machine)."""
 
     def __init__(self, conn: Any, procs: list[subprocess.Popen[bytes]]) -> None:
         import psutil
@@ -86,6 +106,13 @@ class Cpu:
         for p in procs:  # (children now: Dramatiq's worker processes are its master's children)
             parent = psutil.Process(p.pid)
             self.procs += [parent, *parent.children(recursive=True)]
+        host = str(conn.connection_pool.connection_kwargs.get("host", ""))
+        local = host in ("127.0.0.1", "localhost", "::1") or "path" in conn.connection_pool.connection_kwargs
+        self.redis_pid = int(conn.info("server")["process_id"]) if local else None
+
+    def switches_read(self) -> tuple[float, float, float]:
+        redis = switches(self.redis_pid) if self.redis_pid else float("nan")
+        return float(redis), float(sum(switches(p.pid) for p in self.procs)), float(switches(os.getpid()))
 
     def read(self) -> tuple[float, float, float]:
         import psutil
@@ -101,9 +128,19 @@ class Cpu:
         return float(info["used_cpu_user"]) + float(info["used_cpu_sys"]), workers, own
 
 
-def _sample(n: int, elapsed: float, before: tuple[float, float, float], after: tuple[float, float, float]) -> Sample:
+def _sample(
+    n: int,
+    elapsed: float,
+    before: tuple[float, float, float],
+    after: tuple[float, float, float],
+    switched: tuple[tuple[float, float, float], tuple[float, float, float]] | None = None,
+) -> Sample:
     redis, workers, own = ((b - a) / n * 1e6 for a, b in zip(before, after, strict=True))
-    return Sample(n / elapsed, redis, workers, own)
+    sample = Sample(n / elapsed, redis, workers, own)
+    if switched is not None:
+        cs = [(b - a) / n for a, b in zip(*switched, strict=True)]
+        sample.redis_cs, sample.worker_cs, sample.client_cs = (None if v != v else v for v in cs)
+    return sample
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -170,13 +207,14 @@ def run_ours(
         for h in gw.map(name, [{}] * 40):  # warm: imported, connected, scripts loaded
             h.result(30)
         cpu = Cpu(conn, procs)
-        before, start = cpu.read(), time.perf_counter()
+        switched0, before, start = cpu.switches_read(), cpu.read(), time.perf_counter()
         handles: list[Any] = []
         for i in range(0, n, BATCH):
             handles.extend(gw.map(name, [{}] * min(BATCH, n - i)))
         for h in handles:
             h.result(120)
-        sample = _sample(n, time.perf_counter() - start, before, cpu.read())
+        elapsed, after = time.perf_counter() - start, cpu.read()
+        sample = _sample(n, elapsed, before, after, (switched0, cpu.switches_read()))
         if latency:
             times = []
             for i in range(20 + latency):
@@ -235,11 +273,12 @@ def run_dramatiq(url: str, n: int, threads: int = 8) -> Sample:
             actors.noop.send()
         _until_empty(conn, pending, procs)
         cpu = Cpu(conn, procs)
-        before, start = cpu.read(), time.perf_counter()
+        switched0, before, start = cpu.switches_read(), cpu.read(), time.perf_counter()
         for _ in range(n):
             actors.noop.send()
         _until_empty(conn, pending, procs)
-        return _sample(n, time.perf_counter() - start, before, cpu.read())
+        elapsed, after = time.perf_counter() - start, cpu.read()
+        return _sample(n, elapsed, before, after, (switched0, cpu.switches_read()))
     finally:
         stop(procs)
         log.close()
@@ -272,11 +311,12 @@ def run_rq(url: str, n: int) -> Sample:
         _wait_finished(q, len(jobs))
         base = q.finished_job_registry.count
         cpu = Cpu(conn, procs)
-        before, start = cpu.read(), time.perf_counter()
+        switched0, before, start = cpu.switches_read(), cpu.read(), time.perf_counter()
         for i in range(0, n, BATCH):
             q.enqueue_many([Queue.prepare_data("bench.rqjobs.noop") for _ in range(min(BATCH, n - i))])
         _wait_finished(q, base + n)
-        return _sample(n, time.perf_counter() - start, before, cpu.read())
+        elapsed, after = time.perf_counter() - start, cpu.read()
+        return _sample(n, elapsed, before, after, (switched0, cpu.switches_read()))
     finally:
         stop(procs)
         conn.close()
@@ -378,12 +418,13 @@ def main() -> None:
     medians = {k: {f: statistics.median(getattr(s, f) for s in v) if all(getattr(s, f) is not None for s in v)
                    else None for f in Sample.__dataclass_fields__} for k, v in runs.items() if v}
     print(f"{'row':<46} {'calls/s':>8} {'range':>13} {'Redis µs':>9} {'worker µs':>10} {'caller µs':>10}"
-          f" {'p50/p99 ms':>11}   (CPU per call; medians)")
+          f" {'p50/p99 ms':>11} {'switches':>14}   (CPU per call; context switches per call: Redis/worker/caller; medians)")
     for row in chosen:
         m, v = medians[row.key], [s.calls_per_s for s in runs[row.key]]
         lat = f"{m['p50_ms']:.2f}/{m['p99_ms']:.2f}" if m["p50_ms"] is not None else "-"
+        cs = "/".join(f"{m[f]:.1f}" if m[f] is not None else "-" for f in ("redis_cs", "worker_cs", "client_cs"))
         print(f"{row.label:<46} {m['calls_per_s']:>8,.0f} {min(v):>6,.0f}-{max(v):<6,.0f} {m['redis_us']:>9.0f}"
-              f" {m['worker_us']:>10.0f} {m['client_us']:>10.0f} {lat:>11}")
+              f" {m['worker_us']:>10.0f} {m['client_us']:>10.0f} {lat:>11} {cs:>14}")
     ratios: dict[str, list[float]] = {}
     for name, top, bottom in (
         ("ratio_vs_dramatiq", "8x8", "dramatiq"),

@@ -125,3 +125,31 @@ def test_mix_measures_an_interactive_call_alone_and_behind_a_batch(redis_url: st
     # The wait for a slot, read from the steps an ended call keeps (its workers keep no whole history).
     assert re.search(r"submit -> a worker starts it: alone p50 [0-9.]+ / p99 [0-9.]+ ms", "\n".join(lines))
     assert re.fullmatch(r"interactive_slowdown=[0-9.]+", lines[-1])
+
+
+def test_throughputs_switch_count_sums_every_thread_and_grows_when_one_sleeps() -> None:
+    import threading
+    import time
+
+    from bench.throughput import switches
+
+    slept, done = threading.Event(), threading.Event()
+
+    def nap() -> None:
+        time.sleep(0.01)  # blocking is a voluntary switch of this thread
+        slept.set()
+        done.wait(10)
+
+    before = switches(os.getpid())
+    napper = threading.Thread(target=nap)
+    napper.start()
+    try:
+        assert slept.wait(10)
+        status = Path(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/status").read_text()
+        main_thread = sum(int(x.split()[-1]) for x in status.splitlines() if "ctxt_switches:" in x)
+        # The napper is alive with a switch of its own: the sum is more than this thread's count.
+        assert switches(os.getpid()) > main_thread and switches(os.getpid()) >= before + 1
+    finally:
+        done.set()
+        napper.join()
+    assert switches(2**22 + 7) == 0  # no such process: nothing to count
