@@ -119,6 +119,7 @@ class Worker:
         self._unconfirmed_logged = 0.0
         self._claim_conn: Any = None  # the dispatcher's own connection for its claims (taken once)
         self._peers: dict[str, int] = {}  # live workers per queue, read with each heartbeat
+        self.tool_notices = 0  # directory change notices heard (the heartbeat reports it: was a change seen?)
         # A call ending here takes the next one of its queue in the same script (when its release promoted
         # one, that one): no wake-up, dispatcher or claim of its own (not with wait_replicas: claims wait
         # for the replicas there, see _confirm_claims).
@@ -352,6 +353,7 @@ class Worker:
                 "processed": self.core.processed,
                 "failed": self.core.failed,
                 "policy_version": self.core.policy_version,  # which pushed policy it judges by
+                "tool_notices": self.tool_notices,
                 "started_at": self.started_at,
                 "version": VERSION,
                 "heartbeat_interval": self.heartbeat_interval,
@@ -413,6 +415,7 @@ class Worker:
                         # A changed or removed tool must not keep running from this worker's cache.
                         self.core.directory.invalidate(msg["data"].decode(errors="replace"))
                         self.refresh_queues()  # a tool's partitions may have changed
+                        self.tool_notices += 1
                     elif msg["channel"] == policy:
                         self.core.refresh_policy()  # the next call is judged by the pushed policy
                     else:

@@ -92,15 +92,19 @@ def test_malformed_payloads_and_unknown_tools_fail_typed_and_the_worker_keeps_se
 
 
 def test_a_tool_removed_after_a_worker_cached_it_is_unknown(
-    gateway: Any, home: Any, workers: Any, conn: Any
+    gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any
 ) -> None:
     home.echo_tool("temp")
     gateway.sync_tools()
-    workers(1, concurrency=2)
+    [w] = workers(1, concurrency=2)
     assert gateway.call_tool("temp", {"n": 1}).result(timeout=10) == {"n": 1}  # the worker knows it now
     version = gateway.tool("temp").version
+    beat, t0 = keys.worker(w.name), time.time()
+    # Its heartbeat reports the directory notices it has heard: one from now on, then one more after.
+    wait_until(lambda: float(conn.hget(beat, "heartbeat") or 0) > t0, 5)
+    heard = int(conn.hget(beat, "tool_notices") or 0)
     assert gateway.directory.remove("temp")
-    time.sleep(0.2)  # the removal notice travels
+    wait_until(lambda: int(conn.hget(beat, "tool_notices") or 0) > heard, 5)  # the worker dropped it
     # A client that still believes in the tool submits straight to Redis.
     env = Envelope(
         call_id="stale",
