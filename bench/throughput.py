@@ -81,10 +81,13 @@ class Sample:
     p99_ms: float | None = None
 
 
-def switches(pid: int) -> int:
-    """Context switches so far of every thread of process ``pid`` (0 where /proc does not say)."""
+def switches(pid: int) -> int | None:
+    """Context switches so far of every live thread of process ``pid`` (None: no such process here)."""
+    tasks = Path(f"/proc/{pid}/task")
+    if not tasks.is_dir():
+        return None
     total = 0
-    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+    for status in tasks.glob("*/status"):
         try:
             for line in status.read_text().splitlines():
                 if "ctxt_switches:" in line:  # voluntary_ and nonvoluntary_
@@ -92,6 +95,15 @@ def switches(pid: int) -> int:
         except (OSError, ValueError):
             pass  # (a thread that ended meanwhile)
     return total
+
+
+def _redis_pid(conn: Any) -> int | None:
+    """The Redis server's pid when it runs on this machine (its ``process_id`` names a redis-server here)."""
+    pid = int(conn.info("server").get("process_id") or 0)
+    try:
+        return pid if Path(f"/proc/{pid}/comm").read_text().startswith("redis") else None
+    except OSError:
+        return None
 
 
 class Cpu:
@@ -106,13 +118,19 @@ class Cpu:
         for p in procs:  # (children now: Dramatiq's worker processes are its master's children)
             parent = psutil.Process(p.pid)
             self.procs += [parent, *parent.children(recursive=True)]
-        host = str(conn.connection_pool.connection_kwargs.get("host", ""))
-        local = host in ("127.0.0.1", "localhost", "::1") or "path" in conn.connection_pool.connection_kwargs
-        self.redis_pid = int(conn.info("server")["process_id"]) if local else None
+        self.redis_pid = _redis_pid(conn)
 
     def switches_read(self) -> tuple[float, float, float]:
-        redis = switches(self.redis_pid) if self.redis_pid else float("nan")
-        return float(redis), float(sum(switches(p.pid) for p in self.procs)), float(switches(os.getpid()))
+        """(Redis, workers, this process); NaN where a count cannot be read here."""
+        nan = float("nan")
+        redis = switches(self.redis_pid) if self.redis_pid else None
+        workers = [switches(p.pid) for p in self.procs]
+        own = switches(os.getpid())
+        return (
+            nan if redis is None else float(redis),
+            nan if None in workers else float(sum(w or 0 for w in workers)),
+            nan if own is None else float(own),
+        )
 
     def read(self) -> tuple[float, float, float]:
         import psutil

@@ -1,4 +1,5 @@
-"""The typed settings: one frozen section per part of config.yaml, and the ``HERMES_*`` variables of each.
+"""The typed settings: one frozen section per part of config.yaml, and the ``HERMES_*`` variables of each;
+at the end, the speed shortcuts' switches (``workers.shortcuts_off``).
 
 :func:`broker.config.load_settings` fills them; nothing here reads a file or the environment.
 """

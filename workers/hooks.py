@@ -17,10 +17,11 @@ for hooks whose ``before_*`` returned. A ``before_*`` that raises a gateway erro
 An LLM call passes ``call`` and ``ending`` only: its middleware runs per provider attempt in ``workers/llm.py``.
 
 Hooks never move the call: the runner owns its states. A hook that has something to tell the caller appends
-``(event type, detail)`` to ``run.notices``; the runner publishes them after the stage. A hook lives
-with its concern: ``CallMetrics``, ``Usage`` and ``CallSpans`` in ``workers/telemetry.py``, ``Checks`` in ``workers/policy.py``, ``Failures`` beside the worker's counters
-in ``workers/runner.py``; the concerns with no module of their own are here: ``AuditRecordHook``
-(the audit record), ``CallLog`` (the call's log lines) and ``Circuit`` (the tool's breaker). A new per-call concern is one ``Hook`` subclass and a line in ``HOOKS``.
+``(event type, detail)`` to ``run.notices``; the runner publishes them after the stage. A hook lives with
+its concern: ``CallMetrics``, ``Usage`` and ``CallSpans`` in ``workers/telemetry.py``, ``Failures`` beside
+the worker's counters in ``workers/runner.py``. The others are here: ``AuditRecordHook`` (the audit record),
+``CallLog`` (the call's log lines), ``Circuit`` (the tool's breaker) and ``Checks`` (the policy, then the
+input schema). A new per-call concern is one ``Hook`` subclass and a line in ``HOOKS``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from broker.audit import AuditRecord, context_fields
 from broker.breaker import BreakerConfig, Breakers, Change, breaker_config
 from broker.errors import CallCancelled, CircuitOpen, HermesError
 from broker.events import PROGRESS
+from workers.args import validate_args
 
 if TYPE_CHECKING:
     from broker.toolspec import ToolSpec
@@ -223,7 +225,7 @@ class Circuit(Hook):
 
     def _announce(self, run: Running, change: Change) -> None:
         log.warning("circuit breaker changed", key=change.key, state=change.state, reason=change.reason)
-        from workers.telemetry import breaker_changed  # (metrics holds hooks itself: it imports this module)
+        from workers.telemetry import breaker_changed  # (telemetry defines hooks and imports this module)
 
         breaker_changed(change.key, change.previous, change.state)
         breakers = self.breakers
@@ -232,3 +234,16 @@ class Circuit(Hook):
         if change.reason:
             message += f" ({change.reason})"
         run.notices.append((PROGRESS, {"message": message, "breaker": change.to_dict()}))
+
+
+# -- the checks ------------------------------------------------------------------------------------
+# The contract's policy step on the effective arguments: the active policy (``workers/policy.py``), then
+# the tool's input schema (``workers/args.py``). Here, not in policy.py: a client that reads the policy
+# (``Gateway.tool_schemas``) does not load the argument validator.
+
+
+class Checks(Hook):
+    def before_checks(self, run: Running, spec: ToolSpec, args: dict[str, Any]) -> None:
+        run.args = args  # the audit record keeps the arguments the checks saw, refused or not
+        self.core.policy.enforce(run.env.context.get("principal"), spec, args)
+        validate_args(spec.input_schema, args, spec.name)

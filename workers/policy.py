@@ -30,19 +30,12 @@ import posixpath
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from broker.codec import pack, unpack
 from broker.errors import ConfigError, DecodeError, PermissionDenied
 from broker.toolspec import ToolSpec
 from workers import pathargs
-from workers.args import validate_args
-from workers.hooks import Hook
-
-if TYPE_CHECKING:
-    from broker.toolspec import ToolSpec
-    from workers.runner import Running
-
 
 PERMISSIVE = "permissive"
 STRICT = "strict"
@@ -402,13 +395,3 @@ def _outside(value: Any, allow: tuple[str, ...]) -> Any:
         if not any(path == p or path.startswith(p.rstrip("/") + "/") for p in allow):
             return v
     return None
-
-
-# -- the hook: the contract's policy step ------------------------------------------------------------
-# The contract's policy step on the effective arguments: the active policy, then the tool's input schema.
-
-class Checks(Hook):
-    def before_checks(self, run: Running, spec: ToolSpec, args: dict[str, Any]) -> None:
-        run.args = args  # the audit record keeps the arguments the checks saw, refused or not
-        self.core.policy.enforce(run.env.context.get("principal"), spec, args)
-        validate_args(spec.input_schema, args, spec.name)

@@ -37,10 +37,10 @@ from middleware.plugins import NAMESPACE as PLUGIN_NAMESPACE
 from workers import otelsdk, policy_store, retry, telemetry
 from workers.args import check_output, coerce_args
 from workers.executors import ExecContext, get_executor, run_executor
-from workers.hooks import AuditRecordHook, CallLog, Circuit, Hook, Writer, overrides
+from workers.hooks import AuditRecordHook, CallLog, Checks, Circuit, Hook, Writer, overrides
 from workers.llm import LLMCall, RateLimited, describe_response
 from workers.outbox import Outbox
-from workers.policy import Checks, Policy
+from workers.policy import Policy
 from workers.retry import RetryScheduler
 from workers.telemetry import NO_TRACE, CallMetrics, CallSpans, CallTrace, NoTrace, Usage
 
@@ -75,7 +75,7 @@ class Running:
     usage: dict[str, int] | None = None  # an LLM call's reported tokens: {"in": prompt, "out": completion}
     notices: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # hooks' events, for the runner
     span: Any = None  # the executor span while the executor runs (``CallSpans``, workers/telemetry.py)
-    breaker: Any = None  # (its breaker config, probe) while the executor runs (hooks/circuit.py)
+    breaker: Any = None  # (its breaker config, probe) while the executor runs (``Circuit``, workers/hooks.py)
     open: _Write | None = None  # its last write, while later moves may still join it
     # Guards joining that write against the sender taking it, and the call's writes queueing in move order
     # (one per call: the calls of a process never wait on each other's writes).

@@ -323,7 +323,8 @@ def record_usage(span: Any, response: Any) -> None:
 # -- the hook: a tool call's phase spans -------------------------------------------------------------
 # A tool call's phase spans under ``process <queue>``: ``tool_request`` (request middleware, when any),
 # ``policy`` (the checks), ``tool_execution`` (the execution chain, when any) and ``execute_tool <tool>``
-# around the executor (``workers/telemetry.py``; every method does nothing when tracing is off).
+# around the executor (``CallTrace`` above; every method does nothing when tracing is off).
+
 
 class CallSpans(Hook):
     def _registered(self, run: Running, stage: str) -> bool:
