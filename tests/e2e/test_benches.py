@@ -154,3 +154,13 @@ def test_throughputs_switch_count_sums_every_thread_and_grows_when_one_sleeps() 
         done.set()
         napper.join()
     assert switches(2**22 + 7) is None  # no such process here: no count, not a zero
+
+
+def test_one_warm_call_crosses_at_most_25_of_our_modules_on_three_worker_threads(redis_url: str) -> None:
+    # docs/ARCHITECTURE.md's walk of one call names these figures (issue 32's goal: at most 25 modules).
+    lines = bench("call_walk.py", "--url", redis_url)
+    found = re.fullmatch(r"worker side: (\d+) modules, (\d+) functions, (\d+) threads \((.*)\)", lines[-1])
+    assert found is not None, lines[-3:]
+    modules, functions, threads = (int(found[i]) for i in (1, 2, 3))
+    assert 0 < modules <= 25 and functions > 0, lines[-4:]  # (0: the walk recorded nothing)
+    assert threads == 3 and found[4] == "hermes-call, hermes-dispatch, hermes-outbox"
