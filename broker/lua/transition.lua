@@ -61,14 +61,14 @@ local held, peers = tonumber(ARGV[29]) or 0, tonumber(ARGV[30]) or 1
 local before = tonumber(ARGV[31])
 local EARLY = 32
 local FIELDS = EARLY + before
--- What an ended call's hash keeps (broker/records.py reads the rest from its terminal event): state and
+-- What an ended call's hash keeps (broker/calls.py reads the rest from its terminal event): state and
 -- attempt (scripts, the record), RQ's status, kind and tool (handles by id, idempotent resubmissions),
 -- the idempotency key and digest, a result too large for the done event, and an LLM call's `data` (the
 -- messages its model was sent: `events --request` and the console show them, the seed's "was the tool
 -- result fed back?"; a tool call's arguments are in its audit record). Each byte counts: the hash stays
 -- a listpack in a small allocation (created_at or worker_name would each take it a size class up).
-local ENDED = {'h_state', 'h_attempt', 'status', 'h_kind', 'h_tool', 'h_idem', 'h_digest', 'h_result', 'data', 'h_principal'}
-local KIND, DATA = 4, 9
+local ENDED = {'h_state', 'h_attempt', 'status', 'h_kind', 'h_tool', 'h_idem', 'h_digest', 'h_result', 'h_principal'}
+local KIND = 4  -- (an LLM call's `data` is kept too, read apart: see below)
 
 local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem', 'h_batch', 'h_steps')
 local st = rec[1]
@@ -155,11 +155,17 @@ if ttl ~= '' and keep_history == '1' then
 elseif ttl ~= '' then
   local kept = redis.call('HMGET', KEYS[1], unpack(ENDED))
   local fields = {}
-  if kept[KIND] ~= 'llm' then kept[DATA] = false end
   for i, name in ipairs(ENDED) do
     if kept[i] then
       fields[#fields + 1] = name
       fields[#fields + 1] = kept[i]
+    end
+  end
+  if kept[KIND] == 'llm' then  -- (a tool call's `data` is dropped: it is not even read out)
+    local data = redis.call('HGET', KEYS[1], 'data')
+    if data then
+      fields[#fields + 1] = 'data'
+      fields[#fields + 1] = data
     end
   end
   -- The events it drops leave their moves on the one it keeps: `steps`, the record's h_steps and

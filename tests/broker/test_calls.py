@@ -339,3 +339,22 @@ def test_lease_and_waiting_scores_are_integers_so_small_sorted_sets_store_no_dec
         assert conn.object("encoding", key) == b"listpack"
     waiting = conn.zrange(keys.waiting("{tools}", CKEY), 0, -1, withscores=True)
     assert [m for m, _ in waiting] == [b"c1", b"c2"] and waiting[0][1] <= waiting[1][1]  # still in order
+
+
+def test_an_ended_llm_call_keeps_the_request_its_model_was_sent_and_an_ended_tool_call_no_envelope(
+    fake: Any,
+) -> None:
+    calls = Calls(fake)
+    llm = Envelope(
+        call_id="l1", kind="llm", traceparent=TP, queue="tools", channel="hermes:ch:test",
+        request={"model": "m1", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    calls.submit(llm, ckey="llm:m1", queue_size=-1, max_attempts=1, timeout=5)
+    submit(calls, env("t1", city="x"))
+    calls.transition(CallInfo.of(llm, "llm:m1"), State.CANCELLED, attempt=1, fence=False, ttl=600)
+    calls.transition(CallInfo.of(env("t1"), CKEY), State.CANCELLED, attempt=1, fence=False, ttl=600)
+    kept = calls.record("l1")
+    assert kept is not None and kept["state"] == "cancelled" and kept["envelope"].request == llm.request
+    ended_tool = calls.record("t1")
+    assert ended_tool is not None and ended_tool["state"] == "cancelled" and ended_tool["envelope"] is None
+    assert fake.hget(keys.job("t1"), "data") is None and fake.hget(keys.job("t1"), "h_tool") == b"echo"
