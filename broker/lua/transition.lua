@@ -70,7 +70,7 @@ local FIELDS = EARLY + before
 local ENDED = {'h_state', 'h_attempt', 'status', 'h_kind', 'h_tool', 'h_idem', 'h_digest', 'h_result', 'h_principal'}
 local KIND = 4  -- (an LLM call's `data` is kept too, read apart: see below)
 
-local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem', 'h_batch', 'h_steps')
+local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem', 'h_batch', 'h_steps', 'h_seq')
 local st = rec[1]
 if not st then return {-1, ''} end
 if fence ~= '' and rec[2] ~= fence then return {-2, st} end
@@ -92,8 +92,15 @@ if rec[4] and (state == 'done' or state == 'failed' or state == 'cancelled') the
   batch_new = bkey ~= nil and redis.call('HEXISTS', bkey .. ':r', bindex) == 0
   if batch_new then redis.call('EXISTS', bkey .. ':x', bkey .. ':o', bkey .. ':n') end
 end
--- One increment for every event this call records: the earlier ones get seq .. seq + before - 1.
-local seq = redis.call('HINCRBY', KEYS[1], 'h_seq', before + 1) - before
+-- One increment for every event this call records: the earlier ones get seq .. seq + before - 1. (An
+-- ending that trims the record writes it anew without h_seq below: its count is read, not written.)
+local trims = ttl ~= '' and keep_history ~= '1'
+local seq
+if trims then
+  seq = (tonumber(rec[6]) or 0) + 1
+else
+  seq = redis.call('HINCRBY', KEYS[1], 'h_seq', before + 1) - before
+end
 local steps_so_far = (rec[5] or '') .. moves
 if state ~= '' then
   if move ~= '' and ttl == '' then  -- (an ended call's hash is written anew below, without them)
