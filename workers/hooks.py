@@ -37,10 +37,11 @@ from broker.audit import AuditRecord, context_fields
 from broker.breaker import BreakerConfig, Breakers, Change, breaker_config
 from broker.errors import CallCancelled, CircuitOpen, HermesError
 from broker.events import PROGRESS
+from broker.toolspec import ToolSpec
 from workers.args import validate_args
+from workers.executors import PerSpec
 
 if TYPE_CHECKING:
-    from broker.toolspec import ToolSpec
     from workers.runner import Running, WorkerCore
 
 
@@ -169,19 +170,11 @@ log = structlog.get_logger("hermes.breaker")
 class Circuit(Hook):
     def __init__(self, core: WorkerCore) -> None:
         super().__init__(core)
-        # Each spec's breaker config, made once: the directory hands out the same spec object until the
-        # tool's version changes, and a worker's settings do not change (id -> (spec, config)).
-        self._configs: dict[int, tuple[ToolSpec, BreakerConfig | None]] = {}
+        # Each spec's breaker config, made once per spec object (a worker's settings do not change).
+        self._configs = PerSpec(lambda spec: breaker_config(core.settings, spec))
 
     def config(self, spec: ToolSpec) -> BreakerConfig | None:
-        known = self._configs.get(id(spec))
-        if known is not None and known[0] is spec:
-            return known[1]
-        if len(self._configs) > 4096:  # (specs of replaced versions)
-            self._configs.clear()
-        cfg = breaker_config(self.core.settings, spec)
-        self._configs[id(spec)] = (spec, cfg)
-        return cfg
+        return self._configs.get(spec)
 
     @functools.cached_property
     def breakers(self) -> Breakers:

@@ -2,7 +2,7 @@
 
 This module holds what every kind shares: ``ExecContext`` (what a run gets besides the spec and args) and
 the ``Executor`` protocol; ``run_executor``, which fills a spec's ``${VAR}`` from the worker's environment
-right before the run; ``PerProcess``, one instance per key per process; and ``EXECUTORS``, the one table
+right before the run; ``PerProcess``, one instance per key per process; ``PerSpec``, one value per spec object; and ``EXECUTORS``, the one table
 of kinds. A class is imported on first use, so registering a spec loads its
 own executor's module only, and none of the libraries its run needs (those are imported in the run).
 """
@@ -107,6 +107,77 @@ def require(where: str, kind: str, data: Mapping[str, Any], keys: tuple[str, ...
         raise InvalidSpec.at(where, keys[0], f"required for a {kind} tool: {expected}")
 
 
+# -- one instance per key per process, one value per spec object ------------------------------------
+#
+# ``PerProcess``: made on first use and closed together at shutdown (executors by kind, LLM providers by
+# endpoint). ``PerSpec``: a spec's prepared form (its ``${VAR}`` filled), a tool's breaker config.
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V", bound=Closable)
+
+
+class PerProcess(Generic[K, V]):
+    def __init__(self) -> None:
+        self.items: dict[K, V] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: K, make: Callable[[], V]) -> V:
+        """The instance of ``key``, made by ``make()`` the first time (once, under a lock)."""
+        inst = self.items.get(key)
+        if inst is not None:
+            return inst
+        with self._lock:
+            inst = self.items.get(key)
+            if inst is None:
+                inst = self.items[key] = make()
+        return inst
+
+    def close_all(self) -> None:
+        """Close every instance (best effort: at shutdown) and forget them."""
+        with self._lock:
+            for inst in self.items.values():
+                try:
+                    inst.close()
+                except Exception:  # noqa: BLE001 - closing is best effort at shutdown
+                    pass
+            self.items.clear()
+
+
+T = TypeVar("T")
+
+
+class PerSpec(Generic[T]):
+    """A value made once per spec object: the directory hands out one object per tool version, so this
+    sees each version once (keyed by the object's id; the object is held, so its id is not reused while
+    the entry lives). ``make`` raising caches nothing: the next call tries again. Past ``limit`` entries
+    (specs of replaced versions) it starts over."""
+
+    def __init__(self, make: Callable[[ToolSpec], T], limit: int = 4096) -> None:
+        self._make = make
+        self._limit = limit
+        self._items: dict[int, tuple[ToolSpec, T]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, spec: ToolSpec) -> T:
+        hit = self._items.get(id(spec))
+        if hit is not None and hit[0] is spec:
+            return hit[1]
+        value = self._make(spec)
+        with self._lock:
+            if len(self._items) >= self._limit:
+                self._items.clear()
+            self._items[id(spec)] = (spec, value)
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
 # -- ${VAR} in a tool spec -------------------------------------------------------------------------
 #
 # ``${VAR}`` in a tool spec, filled from the WORKER's environment right before its executor runs.
@@ -136,7 +207,6 @@ def require(where: str, kind: str, data: Mapping[str, Any], keys: tuple[str, ...
 # Values shorter than this are not scrubbed from messages (a port number or "true" is no secret, and
 # replacing every "5432" in a message would only garble it).
 MIN_SECRET = 6
-_CACHE_MAX = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,26 +285,17 @@ def _note_secret(secrets: dict[str, str], value: str, ref: str) -> None:
                 secrets.setdefault(text, f"<password of {ref}>")
 
 
-_cache: dict[int, tuple[ToolSpec, Prepared]] = {}
-_lock = threading.Lock()
+_prepared: PerSpec[Prepared] = PerSpec(lambda spec: expand_spec(spec))
 
 
 def prepare(spec: ToolSpec) -> Prepared:
-    """:func:`expand_spec` from this process's environment, cached per spec object (one per version)."""
-    hit = _cache.get(id(spec))
-    if hit is not None and hit[0] is spec:
-        return hit[1]
-    prepared = expand_spec(spec)  # an unset variable raises and is not cached: the next call says it again
-    with _lock:
-        if len(_cache) >= _CACHE_MAX:
-            _cache.clear()
-        _cache[id(spec)] = (spec, prepared)  # holding the spec keeps its id from being reused meanwhile
-    return prepared
+    """:func:`expand_spec` from this process's environment, cached per spec object (one per version); an
+    unset variable raises and is not cached: the next call says it again."""
+    return _prepared.get(spec)
 
 
 def clear_cache() -> None:
-    with _lock:
-        _cache.clear()
+    _prepared.clear()
 
 
 def run_executor(executor: Executor, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext) -> Any:
@@ -278,46 +339,6 @@ def _scrub_error(e: HermesError, prepared: Prepared) -> None:
     # The chained exception quoted the same text; nothing prints it, but nothing needs to keep it either.
     e.__cause__ = None
     e.__suppress_context__ = True
-
-
-# -- one instance per key per process ---------------------------------------------------------------
-#
-# Made on first use and closed together at shutdown (executors by kind,
-# LLM providers by endpoint).
-
-class Closable(Protocol):
-    def close(self) -> None: ...
-
-
-K = TypeVar("K", bound=Hashable)
-V = TypeVar("V", bound=Closable)
-
-
-class PerProcess(Generic[K, V]):
-    def __init__(self) -> None:
-        self.items: dict[K, V] = {}
-        self._lock = threading.Lock()
-
-    def get(self, key: K, make: Callable[[], V]) -> V:
-        """The instance of ``key``, made by ``make()`` the first time (once, under a lock)."""
-        inst = self.items.get(key)
-        if inst is not None:
-            return inst
-        with self._lock:
-            inst = self.items.get(key)
-            if inst is None:
-                inst = self.items[key] = make()
-        return inst
-
-    def close_all(self) -> None:
-        """Close every instance (best effort: at shutdown) and forget them."""
-        with self._lock:
-            for inst in self.items.values():
-                try:
-                    inst.close()
-                except Exception:  # noqa: BLE001 - closing is best effort at shutdown
-                    pass
-            self.items.clear()
 
 
 EXECUTORS: dict[str, str] = {
