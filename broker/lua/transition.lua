@@ -151,7 +151,7 @@ for i = EARLY, FIELDS - 1 do
   seq = seq + 1
 end
 local ev = with_seq(event, seq)
-if ttl == '' or keep_history == '1' then
+if not trims then
   stored[#stored + 1] = ev
   redis.call('RPUSH', KEYS[2], unpack(stored))
 end
@@ -159,7 +159,7 @@ if ttl ~= '' and keep_history == '1' then
   redis.call('EXPIRE', KEYS[1], ttl)
   redis.call('EXPIRE', KEYS[2], ttl)
   if idem_ours then redis.call('EXPIRE', rec[3], ttl) end
-elseif ttl ~= '' then
+elseif trims then
   local kept = redis.call('HMGET', KEYS[1], unpack(ENDED))
   local fields = {}
   for i, name in ipairs(ENDED) do
