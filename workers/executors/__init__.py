@@ -25,8 +25,40 @@ from broker.toolspec import ToolSpec
 
 # -- the context and the protocol -------------------------------------------------------------------
 
+
+class Deadline:
+    """The deadline and cancellation that a tool's run (``ExecContext``) and a provider call
+    (``workers.providers.ProviderContext``) both check; each says what running out of time is
+    (``timed_out``)."""
+
+    call_id: str
+    timeout: float
+    started: float
+    cancelled: threading.Event
+
+    def timed_out(self) -> HermesError:
+        raise NotImplementedError
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.timeout
+
+    def remaining(self) -> float:
+        """Seconds left before the timeout; raises ``timed_out()`` when none are."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise self.timed_out()
+        return left
+
+    def check(self) -> None:
+        """Raise if the call was cancelled or ran out of time."""
+        if self.cancelled.is_set():
+            raise CallCancelled(f"call {self.call_id} was cancelled")
+        self.remaining()
+
+
 @dataclass
-class ExecContext:
+class ExecContext(Deadline):
     """What an executor gets besides the spec and args: deadline, cancellation, progress, trace."""
 
     call_id: str
@@ -54,22 +86,8 @@ class ExecContext:
             out["baggage"] = self.baggage
         return out
 
-    @property
-    def deadline(self) -> float:
-        return self.started + self.timeout
-
-    def remaining(self) -> float:
-        """Seconds left before the tool's timeout; raises ToolTimeout when none are."""
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise ToolTimeout(f"tool {self.tool_name!r} timed out after {self.timeout:g}s")
-        return left
-
-    def check(self) -> None:
-        """Raise if the call was cancelled or ran out of time."""
-        if self.cancelled.is_set():
-            raise CallCancelled(f"call {self.call_id} was cancelled")
-        self.remaining()
+    def timed_out(self) -> HermesError:
+        return ToolTimeout(f"tool {self.tool_name!r} timed out after {self.timeout:g}s")
 
     def progress(self, message: str) -> None:
         """Publish a progress message as an event of this call."""

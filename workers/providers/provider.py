@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from broker.errors import CallCancelled, ConfigError, ProviderTimeout
+from broker.errors import ConfigError, HermesError, ProviderTimeout
 from broker.settings import ModelSettings
-from workers.executors import PerProcess
+from workers.executors import Deadline, PerProcess
 
 DeltaSink = Callable[[dict[str, Any]], None]
 
@@ -49,7 +49,7 @@ def base_url_of(settings_model: ModelSettings) -> str:
 
 
 @dataclass
-class ProviderContext:
+class ProviderContext(Deadline):
     """What a provider call gets besides the request: deadline, cancellation, stream sink, trace."""
 
     call_id: str
@@ -64,22 +64,8 @@ class ProviderContext:
     tracestate: str | None = None
     started: float = field(default_factory=time.monotonic)
 
-    @property
-    def deadline(self) -> float:
-        return self.started + self.timeout
-
-    def remaining(self) -> float:
-        """Seconds left before the call's timeout; raises ProviderTimeout when none are."""
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise ProviderTimeout(f"LLM call {self.call_id} timed out after {self.timeout:g}s")
-        return left
-
-    def check(self) -> None:
-        """Raise if the call was cancelled or ran out of time."""
-        if self.cancelled.is_set():
-            raise CallCancelled(f"call {self.call_id} was cancelled")
-        self.remaining()
+    def timed_out(self) -> HermesError:
+        return ProviderTimeout(f"LLM call {self.call_id} timed out after {self.timeout:g}s")
 
 
 class Provider(Protocol):
