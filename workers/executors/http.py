@@ -30,7 +30,6 @@ with ``details.status`` (retryable for 408, 429 and 5xx only).
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -62,7 +61,7 @@ from broker.placeholders import (
 from broker.toolspec import ToolSpec
 from workers.args import load_yaml_text
 
-from . import ExecContext, from_env, require
+from . import ExecContext, PerProcess, from_env, require
 
 if TYPE_CHECKING:  # httpx and the guard are imported where a call runs, not where a spec registers
     import httpx
@@ -119,8 +118,7 @@ class HttpExecutor:
 
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = settings
-        self._clients: dict[tuple[Any, ...], httpx.Client] = {}
-        self._lock = threading.Lock()
+        self._clients: PerProcess[tuple[Any, ...], httpx.Client] = PerProcess()  # by (guard policy, verify)
 
     @staticmethod
     def check(where: str, data: Mapping[str, Any]) -> None:
@@ -158,22 +156,14 @@ class HttpExecutor:
         return GuardPolicy.build(enabled, hosts, nets)
 
     def client(self, policy: GuardPolicy, verify: bool) -> httpx.Client:
-        key = (policy, verify)
-        found = self._clients.get(key)
-        if found is not None:
-            return found
-        with self._lock:
-            found = self._clients.get(key)
-            if found is None:
-                import httpx
+        def make() -> httpx.Client:
+            import httpx
 
-                from .netguard import GuardedTransport
+            from .netguard import GuardedTransport
 
-                found = httpx.Client(
-                    transport=GuardedTransport(policy, verify), follow_redirects=False, trust_env=False
-                )
-                self._clients[key] = found
-        return found
+            return httpx.Client(transport=GuardedTransport(policy, verify), follow_redirects=False, trust_env=False)
+
+        return self._clients.get((policy, verify), make)
 
     def run(self, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext) -> Any:
         import httpx
@@ -228,10 +218,7 @@ class HttpExecutor:
             current_call.reset(token)
 
     def close(self) -> None:
-        with self._lock:
-            for client in self._clients.values():
-                client.close()
-            self._clients.clear()
+        self._clients.close_all()
 
 
 def build_request(
