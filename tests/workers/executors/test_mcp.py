@@ -18,6 +18,7 @@ import pytest
 
 from broker.errors import CallCancelled, ExecutorError, InvalidSpec, OutputTooLarge, ToolTimeout
 from broker.toolspec import ToolSpec
+from tests.conftest import wait_until
 from workers.executors import ExecContext
 from workers.executors import mcp as mcpexec
 from workers.specs import check_spec
@@ -139,7 +140,8 @@ def test_session_is_re_established_after_the_server_dies(make_ctx):
         # Killed between calls: the next call notices the dead session and starts a new one.
         os.kill(after, signal.SIGKILL)
         assert wait_gone(after)
-        time.sleep(0.2)  # let the SDK read EOF; the assertion below is about behaviour, not speed
+        # Until the SDK has read the server's EOF (its session says it is dead): the next call then starts anew.
+        wait_until(lambda: not any(s.alive for s in executor._pool._sessions.values()), timeout=5)
         assert pid_of(executor) not in (before, after)
     finally:
         executor.close()
