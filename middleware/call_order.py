@@ -67,18 +67,13 @@ def _block_message(results: list[Any]) -> tuple[str, str] | None:
     return None
 
 
-class _Source:
-    """Resolves the runtime per call, so a plugin reload is picked up by the next call."""
-
-    def __init__(self, source: Any) -> None:
-        self.source = source
-
-    def current(self) -> MiddlewareRuntime:
-        src = self.source
-        if isinstance(src, MiddlewareRuntime):
-            return src
-        runtime = src.runtime
-        return runtime() if callable(runtime) else runtime
+def _current(source: Any) -> MiddlewareRuntime:
+    """The runtime of a MiddlewareRuntime, MiddlewareRegistry or PluginManager, read per call so a plugin
+    reload is picked up by the next call."""
+    if isinstance(source, MiddlewareRuntime):
+        return source
+    runtime = source.runtime
+    return runtime() if callable(runtime) else runtime
 
 
 @dataclass
@@ -100,9 +95,6 @@ class ToolCallFlow:
     on_blocked: Callable[[str, str, dict[str, Any]], Any] | None = None
     is_cancelled: Callable[[BaseException], bool] = default_is_cancelled
 
-    def __post_init__(self) -> None:
-        self._source = _Source(self.source)
-
     def run(
         self,
         tool_name: str,
@@ -117,16 +109,15 @@ class ToolCallFlow:
     ) -> Any:
         """Run the call; return the final result or raise. Per-call checks override the flow's.
 
-        ``on_trace(middleware_trace)`` is told the ``tool_request`` trace as soon as it is known, so a
-        caller can record it even when a later step refuses the call. ``skip_plugins``: plugin keys
-        whose callbacks do not run for this call (the caller ran them).
+        ``on_trace(middleware_trace)`` gets the ``tool_request`` trace as soon as it is known, even when a
+        later step refuses the call. ``skip_plugins``: keys of plugins the caller already ran.
         """
-        rt = self._source.current().without(skip_plugins)
+        rt = _current(self.source).without(skip_plugins)
         check_available = check_available or self.check_available
         policy = policy or self.policy
         if self.coerce is not None:
             args = self.coerce(tool_name, args)
-        ctx = normalize_context(dict(context or {}), TOOL_CONTEXT_FIELDS)
+        ctx = normalize_context(context, TOOL_CONTEXT_FIELDS)
         if rt.empty:
             if check_available is not None:
                 check_available(tool_name, args, ctx)
@@ -153,7 +144,21 @@ class ToolCallFlow:
                 reason = f": {message}" if message else ""
                 message = f"BLOCKED: plugin approval required for {tool_name}{reason}"
         if directive is not None:
-            return self._blocked(rt, tool_name, message, eff, ctx, base, trace)
+            if rt.has_hook(POST_TOOL_CALL):
+                rt.emit(
+                    POST_TOOL_CALL,
+                    **base,
+                    args=eff,
+                    result={"error": message},
+                    duration_ms=0,
+                    status="blocked",
+                    error_type="plugin_block",
+                    error_message=message,
+                    middleware_trace=list(trace),
+                )
+            if self.on_blocked is not None:
+                return self.on_blocked(tool_name, message, ctx)
+            return {"error": message}
         if policy is not None:
             self._guard(rt, policy, tool_name, eff, ctx, base, trace, status="blocked")
 
@@ -203,33 +208,6 @@ class ToolCallFlow:
             self._post(rt, base, eff, None, trace, None, status, exc)
             raise
 
-    def _blocked(
-        self,
-        rt: MiddlewareRuntime,
-        tool_name: str,
-        message: str,
-        eff: dict[str, Any],
-        ctx: dict[str, Any],
-        base: dict[str, Any],
-        trace: list[dict[str, Any]],
-    ) -> Any:
-        result: Any = {"error": message}
-        if rt.has_hook(POST_TOOL_CALL):
-            rt.emit(
-                POST_TOOL_CALL,
-                **base,
-                args=eff,
-                result=result,
-                duration_ms=0,
-                status="blocked",
-                error_type="plugin_block",
-                error_message=message,
-                middleware_trace=list(trace),
-            )
-        if self.on_blocked is not None:
-            return self.on_blocked(tool_name, message, ctx)
-        return result
-
     @staticmethod
     def _post(
         rt: MiddlewareRuntime,
@@ -277,14 +255,11 @@ class LLMCallFlow:
     """Runs one provider call in the contract's order. Build once per worker; ``run()`` per attempt.
 
     ``describe_response(response) -> dict`` may add fields (``usage``, ``finish_reason``...) to
-    ``post_api_request``; by default ``response_model`` is read from the response when present.
+    ``post_api_request``.
     """
 
     source: Any
     describe_response: Callable[[Any], Mapping[str, Any]] | None = None
-
-    def __post_init__(self) -> None:
-        self._source = _Source(self.source)
 
     def run(
         self,
@@ -299,14 +274,13 @@ class LLMCallFlow:
     ) -> Any:
         """Run the provider call with ``request`` (the built provider kwargs); return its response or raise.
 
-        ``on_trace(middleware_trace)`` is told this attempt's ``llm_request`` trace before the provider runs.
-        The observer hooks get Hermes' payloads (:mod:`middleware.llm_hooks`); ``retry_count`` and
-        ``max_retries`` go to ``api_request_error``; ``skip_plugins`` as for tool calls.
+        ``on_trace`` gets this attempt's ``llm_request`` trace before the provider runs; ``retry_count``
+        and ``max_retries`` go to ``api_request_error``; ``skip_plugins`` as for tool calls.
         """
-        rt = self._source.current().without(skip_plugins)
+        rt = _current(self.source).without(skip_plugins)
         if rt.empty:
             return call_provider(request)
-        ctx = normalize_context(dict(context or {}), LLM_CONTEXT_FIELDS)
+        ctx = normalize_context(context, LLM_CONTEXT_FIELDS)
         outcome = rt.llm_request(ctx, request)
         eff, trace = outcome.payload, outcome.trace
         if on_trace is not None:

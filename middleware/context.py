@@ -16,8 +16,7 @@ log = get_logger()
 class PluginContext:
     """Registers a plugin's middleware and hooks, attributed to that plugin.
 
-    Hermes' own context offers more (``register_tool``, ``register_command``, ...). The gateway runs
-    only middleware and hooks, so those calls are accepted with a warning and ignored: a Hermes
+    Hermes' other ``register_*`` calls (tools, commands, ...) are ignored with a warning, so a Hermes
     plugin that also registers tools still loads and its middleware still runs.
     """
 
@@ -27,7 +26,6 @@ class PluginContext:
         self.manifest = manifest
         self.middleware_registered: list[str] = []
         self.hooks_registered: list[str] = []
-        self.ignored: list[str] = []
 
     def register_middleware(self, kind: str, callback: Callable[..., Any]) -> None:
         """Register a behaviour-changing callback for ``kind`` (llm_request, llm_execution, ...)."""
@@ -39,14 +37,11 @@ class PluginContext:
         self._registry.register_hook(hook_name, callback, plugin=self.plugin_name)
         self.hooks_registered.append(hook_name)
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("register_"):
-            return self._unsupported(name)
-        raise AttributeError(name)
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        if not name.startswith("register_"):
+            raise AttributeError(name)
 
-    def _unsupported(self, name: str) -> Callable[..., None]:
         def ignore(*_args: Any, **_kwargs: Any) -> None:
-            self.ignored.append(name)
             log.warning(
                 f"plugin {self.plugin_name} called ctx.{name}(), which the gateway does not support; ignored",
                 plugin=self.plugin_name,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 TELEMETRY_SCHEMA_VERSION = "hermes.observer.v1"
@@ -13,8 +14,6 @@ TOOL_REQUEST = "tool_request"
 TOOL_EXECUTION = "tool_execution"
 
 KINDS: tuple[str, ...] = (LLM_REQUEST, LLM_EXECUTION, TOOL_REQUEST, TOOL_EXECUTION)
-REQUEST_KINDS: frozenset[str] = frozenset({LLM_REQUEST, TOOL_REQUEST})
-EXECUTION_KINDS: frozenset[str] = frozenset({LLM_EXECUTION, TOOL_EXECUTION})
 
 # The payload key each kind rewrites or passes to next_call.
 PAYLOAD_KEY: dict[str, str] = {
@@ -75,23 +74,10 @@ LLM_CONTEXT_FIELDS: tuple[str, ...] = (
     "base_url",
     "api_mode",
 )
-CONTEXT_FIELDS: tuple[str, ...] = (
-    "session_id",
-    "task_id",
-    "turn_id",
-    "api_request_id",
-    "platform",
-    "provider",
-    "model",
-    "base_url",
-    "api_mode",
-    "api_call_count",
-    "tool_name",
-    "tool_call_id",
-)
+CONTEXT_FIELDS: tuple[str, ...] = (*LLM_CONTEXT_FIELDS, "api_call_count", "tool_name", "tool_call_id")
 
 
-def normalize_context(context: dict[str, Any] | None, fields: tuple[str, ...]) -> dict[str, Any]:
+def normalize_context(context: Mapping[str, Any] | None, fields: tuple[str, ...]) -> dict[str, Any]:
     """Return a fresh context dict with every field of ``fields`` present (None becomes "")."""
     out: dict[str, Any] = dict(context) if context else {}
     for name in fields:
@@ -109,11 +95,8 @@ def middleware_payload(context: dict[str, Any], **fields: Any) -> dict[str, Any]
 
 
 def trace_entry(result: dict[str, Any]) -> dict[str, Any]:
-    """A request middleware's ``source``/``reason``/``name`` as one ``middleware_trace`` entry.
-
-    Exactly what the plugin returned (non-empty strings only), as Hermes stores it; ``{"source":
-    "plugin"}`` when it returned none of the three.
-    """
+    """A request middleware's non-empty ``source``/``reason``/``name`` as one ``middleware_trace`` entry,
+    as Hermes stores it; ``{"source": "plugin"}`` when it returned none of them."""
     entry: dict[str, Any] = {}
     for key in ("source", "reason", "name"):
         value = result.get(key)

@@ -1,9 +1,5 @@
-"""The LLM observer hooks' payload fields, shaped as the real Hermes agent builds them.
-
-A Hermes observer plugin reads ``request["body"]["messages"]`` in ``pre_api_request``, a response summary
-(``model``, ``finish_reason``, ``assistant_message``, ``usage``) in ``post_api_request``, and counts such as
-``message_count`` or ``assistant_tool_call_count``; the same plugin runs unchanged in our workers. Hooks
-get copies: observer hooks are read-only telemetry, so writing to a payload never reaches the provider.
+"""The LLM observer hooks' payload fields, shaped as the real Hermes agent builds them, so a Hermes
+observer plugin runs unchanged in our workers. Hooks get copies: writing to one never reaches the provider.
 """
 
 from __future__ import annotations

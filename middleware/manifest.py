@@ -2,8 +2,7 @@
 
 A directory plugin is ``<root>/<name>/plugin.yaml`` (or ``plugin.yml``) plus ``__init__.py`` with
 ``register(ctx)``; one category level is allowed (``<root>/<category>/<name>/``, key
-``category/name``). Pip plugins expose the ``hermes_agent.plugins`` entry-point group. Later sources
-override earlier ones on key collision (extra dirs, then ``$HERMES_HOME/plugins``, then entry points).
+``category/name``). Pip plugins expose the ``hermes_agent.plugins`` entry-point group.
 """
 
 from __future__ import annotations
@@ -63,19 +62,34 @@ class PluginInfo:
     middleware: tuple[str, ...] = ()
     hooks: tuple[str, ...] = ()
 
+    @classmethod
+    def of(cls, m: PluginManifest, *, enabled: bool, error: str | None, ctx: Any = None) -> PluginInfo:
+        """The report on ``m``; ``ctx``, its ``register(ctx)`` context, names what it registered."""
+        return cls(
+            name=m.name,
+            source=m.source,
+            enabled=enabled,
+            path=m.path,
+            description=m.description,
+            error=error,
+            key=m.lookup_key,
+            version=m.version,
+            middleware=tuple(ctx.middleware_registered) if ctx is not None else (),
+            hooks=tuple(ctx.hooks_registered) if ctx is not None else (),
+        )
+
 
 class Discovery(Protocol):
-    """What the host decides about plugins: Hermes' switches and how config.yaml is read. The gateway
-    passes ``Settings.plugin_discovery`` (``HERMES_SAFE_MODE``, ``HERMES_ENABLE_PROJECT_PLUGINS``)."""
+    """The host's say on plugins (the gateway passes ``Settings.plugin_discovery``)."""
 
     @property
     def safe_mode(self) -> bool:
-        """Load no plugin at all."""
+        """Load no plugin at all (``HERMES_SAFE_MODE``)."""
         ...
 
     @property
     def project_plugins(self) -> bool:
-        """Look in ``./.hermes/plugins`` as well."""
+        """Look in ``./.hermes/plugins`` as well (``HERMES_ENABLE_PROJECT_PLUGINS``)."""
         ...
 
     def read_yaml(self, text: str) -> Any:
@@ -85,7 +99,7 @@ class Discovery(Protocol):
 
 @dataclass(frozen=True)
 class PlainDiscovery:
-    """No switch on, config.yaml read as plain YAML: a host that says nothing else gets this."""
+    """No switch on, config.yaml read as plain YAML: the default."""
 
     safe_mode: bool = False
     project_plugins: bool = False
@@ -101,7 +115,6 @@ def resolve_home(home: str | os.PathLike[str] | None = None) -> Path:
     """``home``, else ``$HERMES_HOME``, else ``~/.hermes`` (Hermes' own resolution order)."""
     if home is not None:
         return Path(home)
-    # Where config.yaml is: this package imports nothing of ours, so it finds HERMES_HOME as Hermes does.
     env = os.environ.get("HERMES_HOME", "").strip()
     return Path(env) if env else Path.home() / ".hermes"
 
@@ -132,13 +145,14 @@ def _detect_kind(data: dict[str, Any], plugin_dir: Path) -> str:
 
 def parse_manifest(manifest_file: Path, plugin_dir: Path, source: str, prefix: str = "") -> PluginManifest:
     """Read one manifest; a broken one comes back with ``error`` set instead of raising."""
+    key = f"{prefix}/{plugin_dir.name}" if prefix else ""
     try:
         data = yaml.safe_load(manifest_file.read_text(encoding="utf-8")) or {}
         if not isinstance(data, dict):
             raise ValueError("plugin.yaml must be a mapping")
     except (OSError, ValueError, yaml.YAMLError) as exc:
         log.warning(f"failed to parse {manifest_file}: {exc}")
-        key = f"{prefix}/{plugin_dir.name}" if prefix else plugin_dir.name
+        key = key or plugin_dir.name
         return PluginManifest(
             name=plugin_dir.name, source=source, path=str(plugin_dir), key=key, error=str(exc)
         )
@@ -154,7 +168,7 @@ def parse_manifest(manifest_file: Path, plugin_dir: Path, source: str, prefix: s
         source=source,
         path=str(plugin_dir),
         kind=_detect_kind(data, plugin_dir),
-        key=f"{prefix}/{plugin_dir.name}" if prefix else name,
+        key=key or name,
     )
 
 
@@ -212,9 +226,8 @@ def discover(
 ) -> dict[str, PluginManifest]:
     """Every plugin visible from ``home``, keyed by lookup key; later sources win on collision.
 
-    As in Hermes: bundled (``extra_dirs``), then user (``$HERMES_HOME/plugins``), then project
-    (``./.hermes/plugins``, only with ``discovery.project_plugins``: HERMES_ENABLE_PROJECT_PLUGINS), then
-    entry points; nothing at all with ``discovery.safe_mode`` (HERMES_SAFE_MODE).
+    As in Hermes: bundled (``extra_dirs``), user (``$HERMES_HOME/plugins``), project (``./.hermes/plugins``,
+    with ``discovery.project_plugins``), then entry points; none with ``discovery.safe_mode``.
     """
     if discovery.safe_mode:
         log.info("HERMES_SAFE_MODE is set: plugin discovery skipped")

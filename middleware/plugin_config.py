@@ -27,9 +27,8 @@ def config_path(home: str | os.PathLike[str] | None = None) -> Path:
 
 
 def read_config(home: str | os.PathLike[str] | None = None, discovery: Discovery = PLAIN) -> dict[str, Any]:
-    """The parsed config.yaml (by ``discovery.read_yaml``: the host's reader may understand more than plain
-    YAML, as the gateway's keeps unquoted ``{{field}}`` placeholders), or ``{}`` when it is missing or not
-    a mapping."""
+    """The parsed config.yaml (by ``discovery.read_yaml``, the host's reader), or ``{}`` when it is missing
+    or not a mapping."""
     path = config_path(home)
     try:
         data = discovery.read_yaml(path.read_text(encoding="utf-8"))
@@ -132,25 +131,10 @@ def list_plugins(
     home_path = resolve_home(home)
     enabled, disabled = plugin_lists(read_config(home_path, discovery))
     out: list[PluginInfo] = []
-    for key, m in sorted(discover(home_path, extra_dirs, discovery=discovery).items()):
+    for _key, m in sorted(discover(home_path, extra_dirs, discovery=discovery).items()):
         error = m.error
-        if (
-            error is None
-            and m.source != "entrypoint"
-            and m.path
-            and not (Path(m.path) / "__init__.py").exists()
-        ):
+        init = Path(m.path or "") / "__init__.py"
+        if error is None and m.source != "entrypoint" and m.path and not init.exists():
             error = f"no __init__.py in {m.path}"
-        out.append(
-            PluginInfo(
-                name=m.name,
-                source=m.source,
-                enabled=is_enabled(m, enabled, disabled),
-                path=m.path,
-                description=m.description,
-                error=error,
-                key=key,
-                version=m.version,
-            )
-        )
+        out.append(PluginInfo.of(m, enabled=is_enabled(m, enabled, disabled), error=error))
     return out

@@ -89,10 +89,8 @@ def _purge(names: Iterable[str]) -> None:
 class PluginManager:
     """Loads the plugins enabled in ``$HERMES_HOME/config.yaml``; ``runtime`` is what calls run through.
 
-    ``load()`` is idempotent; ``reload()`` re-reads config and manifests, re-imports every plugin
-    module from disk, swaps in a fresh runtime (calls in flight finish on the old one) and resets
-    the warn-once failure reporter. ``extra_dirs`` are scanned like Hermes' bundled plugin dir;
-    ``discovery`` is the host's say on safe mode, project plugins and reading config.yaml.
+    ``reload()`` re-imports every plugin from disk, swaps in a fresh runtime (calls in flight finish on
+    the old one) and resets the warn-once reporter. ``extra_dirs`` are scanned like Hermes' bundled dir.
     """
 
     def __init__(
@@ -152,7 +150,7 @@ class PluginManager:
         for key, manifest in manifests.items():
             skip = self._skip_reason(manifest, enabled, disabled)
             if skip is not None:
-                infos[key] = self._info(manifest, enabled=False, error=skip)
+                infos[key] = PluginInfo.of(manifest, enabled=False, error=skip)
                 log.debug("plugin skipped", plugin=key, reason=skip)
                 continue
             infos[key] = self._load_one(manifest, registry)
@@ -180,21 +178,6 @@ class PluginManager:
             return f"not enabled in config (run `hermes plugins enable {key}` to activate)"
         return None
 
-    @staticmethod
-    def _info(m: PluginManifest, *, enabled: bool, error: str | None, ctx: Any = None) -> PluginInfo:
-        return PluginInfo(
-            name=m.name,
-            source=m.source,
-            enabled=enabled,
-            path=m.path,
-            description=m.description,
-            error=error,
-            key=m.lookup_key,
-            version=m.version,
-            middleware=tuple(ctx.middleware_registered) if ctx is not None else (),
-            hooks=tuple(ctx.hooks_registered) if ctx is not None else (),
-        )
-
     def _load_one(self, manifest: PluginManifest, registry: MiddlewareRegistry) -> PluginInfo:
         key = manifest.lookup_key
         self._modules.add(_module_names(manifest))
@@ -205,19 +188,19 @@ class PluginManager:
                 module = _import_directory_plugin(manifest)
         except Exception as exc:
             log.warning(f"failed to load plugin {key!r}: {exc}", plugin=key, error=str(exc), exc_info=exc)
-            return self._info(manifest, enabled=False, error=str(exc))
+            return PluginInfo.of(manifest, enabled=False, error=str(exc))
         register = getattr(module, "register", None)
         if not callable(register):
             log.warning(f"plugin {key!r} has no register() function", plugin=key)
-            return self._info(manifest, enabled=False, error="no register() function")
+            return PluginInfo.of(manifest, enabled=False, error="no register() function")
         ctx = registry.context(key, manifest)
         try:
             register(ctx)
         except Exception as exc:
             # As in Hermes, what register() added before failing stays registered.
             log.warning(f"plugin {key!r} register() raised: {exc}", plugin=key, error=str(exc), exc_info=exc)
-            return self._info(manifest, enabled=False, error=str(exc), ctx=ctx)
+            return PluginInfo.of(manifest, enabled=False, error=str(exc), ctx=ctx)
         log.debug(
             "plugin loaded", plugin=key, middleware=ctx.middleware_registered, hooks=ctx.hooks_registered
         )
-        return self._info(manifest, enabled=True, error=None, ctx=ctx)
+        return PluginInfo.of(manifest, enabled=True, error=None, ctx=ctx)

@@ -24,11 +24,6 @@ class RequestOutcome:
     original: Any
     trace: list[dict[str, Any]] = field(default_factory=list)
 
-    @property
-    def changed(self) -> bool:
-        """True when at least one middleware replaced the payload."""
-        return bool(self.trace)
-
 
 def safe_copy(payload: Any) -> Any:
     """Deep-copy a payload; fall back to a shallow copy when it holds something uncopyable (a client)."""
@@ -46,11 +41,8 @@ def apply_request_chain(
     fields: dict[str, Any],
     reporter: FailureReporter,
 ) -> RequestOutcome:
-    """Run ``registrations`` in order; each sees the payload as the previous one left it.
-
-    Every callback gets its own copies of the current and original payload, so in-place edits
-    without a returned replacement are ignored and the caller's object is never mutated.
-    """
+    """Run ``registrations`` in order, each on its own copies of the current and original payload (so
+    in-place edits without a returned replacement are ignored and the caller's object is never mutated)."""
     key = PAYLOAD_KEY[kind]
     original = safe_copy(payload)
     current: Any = original

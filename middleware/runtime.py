@@ -1,5 +1,4 @@
-"""What plugins registered (``MiddlewareRegistry``), and ``MiddlewareRuntime``: the immutable snapshot of it,
-built once per change, that calls run through."""
+"""``MiddlewareRegistry`` (what plugins registered) and ``MiddlewareRuntime``, its immutable snapshot."""
 
 from __future__ import annotations
 
@@ -29,9 +28,6 @@ from middleware.requests import RequestOutcome, apply_request_chain, safe_copy
 if TYPE_CHECKING:
     from middleware.context import PluginContext
 
-
-# -- the registry ----------------------------------------------------------------------------------
-
 log = get_logger()
 
 
@@ -45,10 +41,10 @@ class Registration:
 
 
 class MiddlewareRegistry:
-    """Registered middleware and hooks; ``runtime()`` returns the snapshot calls should run through.
+    """Registered middleware and hooks; ``runtime()`` returns the snapshot calls run through.
 
-    Registration is rare and takes a lock; calls read an immutable snapshot with no lock at all.
-    The snapshot (including the folded execution chains) is rebuilt only after a registration change.
+    Registration takes a lock; calls read the snapshot (with its folded execution chains) lock-free.
+    It is rebuilt only after a registration change.
     """
 
     def __init__(self, reporter: FailureReporter | None = None) -> None:
@@ -98,14 +94,6 @@ class MiddlewareRegistry:
 
         return PluginContext(self, plugin, manifest)
 
-    def counts(self) -> tuple[dict[str, int], dict[str, int]]:
-        """How many middleware per kind and callbacks per hook are registered (for attribution)."""
-        with self._lock:
-            return (
-                {kind: len(regs) for kind, regs in self._middleware.items()},
-                {name: len(regs) for name, regs in self._hooks.items()},
-            )
-
     def runtime(self) -> MiddlewareRuntime:
         """The current immutable snapshot; cheap when nothing changed since the last call."""
         snapshot = self._runtime
@@ -121,14 +109,10 @@ class MiddlewareRegistry:
             return self._runtime
 
 
-# -- the snapshot ----------------------------------------------------------------------------------
-
-
 class MiddlewareRuntime:
     """Runs request middleware, execution chains and observer hooks; safe to share across threads.
 
-    ``empty`` is True when nothing at all is registered: the caller may then run the base call
-    directly, with no copies and no payloads built.
+    ``empty``: nothing is registered, so the caller may run the base call directly.
     """
 
     __slots__ = ("_middleware", "_hooks", "_chains", "reporter", "empty", "_without")
@@ -153,8 +137,7 @@ class MiddlewareRuntime:
     def without(self, plugins: Collection[str]) -> MiddlewareRuntime:
         """This runtime minus every callback the given plugins (keys) registered; cached per set.
 
-        For a call whose caller already ran those plugins around it (a Hermes agent sharing our
-        HERMES_HOME): each plugin then runs once per call, not once on each side.
+        For a call whose caller (a Hermes agent sharing our HERMES_HOME) already ran those plugins.
         """
         skip = frozenset(p for p in plugins if p)
         if not skip or self.empty:
@@ -174,8 +157,6 @@ class MiddlewareRuntime:
                 self._without[skip] = found
         return found
 
-    # -- introspection ---------------------------------------------------------------------------
-
     def has_middleware(self, kind: str) -> bool:
         """True when at least one callback is registered for ``kind``."""
         return bool(self._middleware.get(kind))
@@ -184,12 +165,6 @@ class MiddlewareRuntime:
         """True when at least one callback is registered for hook ``name``."""
         return name in self._hooks
 
-    def middleware(self, kind: str) -> tuple[Registration, ...]:
-        """The registrations for ``kind`` in registration (= chain) order."""
-        return self._middleware.get(kind, ())
-
-    # -- request middleware ----------------------------------------------------------------------
-
     def tool_request(
         self, context: Mapping[str, Any] | None, tool_name: str, args: dict[str, Any]
     ) -> RequestOutcome:
@@ -197,7 +172,7 @@ class MiddlewareRuntime:
         regs = self._middleware.get(TOOL_REQUEST)
         if not regs:
             return RequestOutcome(payload=args, original=args, trace=[])
-        fields = normalize_context(dict(context or {}), TOOL_CONTEXT_FIELDS)
+        fields = normalize_context(context, TOOL_CONTEXT_FIELDS)
         fields["tool_name"] = tool_name
         return apply_request_chain(TOOL_REQUEST, regs, args, fields, self.reporter)
 
@@ -206,7 +181,7 @@ class MiddlewareRuntime:
         regs = self._middleware.get(LLM_REQUEST)
         if not regs:
             return RequestOutcome(payload=request, original=request, trace=[])
-        fields = normalize_context(dict(context or {}), LLM_CONTEXT_FIELDS)
+        fields = normalize_context(context, LLM_CONTEXT_FIELDS)
         return apply_request_chain(LLM_REQUEST, regs, request, fields, self.reporter)
 
     def apply_tool_request(
@@ -223,8 +198,6 @@ class MiddlewareRuntime:
         outcome = self.llm_request(context, request)
         return outcome.payload, outcome.trace
 
-    # -- execution middleware --------------------------------------------------------------------
-
     def run_tool_execution(
         self,
         context: Mapping[str, Any] | None,
@@ -238,7 +211,7 @@ class MiddlewareRuntime:
         chain = self._chains.get(TOOL_EXECUTION)
         if chain is None:
             return base(args)
-        fields = normalize_context(dict(context or {}), TOOL_CONTEXT_FIELDS)
+        fields = normalize_context(context, TOOL_CONTEXT_FIELDS)
         fields["tool_name"] = tool_name
         # No middleware_trace here: Hermes sends none to tool_execution, and a callback whose signature
         # names Hermes' fields exactly would fail on an extra one.
@@ -258,7 +231,7 @@ class MiddlewareRuntime:
         chain = self._chains.get(LLM_EXECUTION)
         if chain is None:
             return base(request)
-        fields = normalize_context(dict(context or {}), LLM_CONTEXT_FIELDS)
+        fields = normalize_context(context, LLM_CONTEXT_FIELDS)
         payload = middleware_payload(
             fields,
             original_request=request if original_request is None else original_request,
@@ -266,15 +239,11 @@ class MiddlewareRuntime:
         )
         return chain(request, base, payload)
 
-    # -- observer hooks --------------------------------------------------------------------------
-
     def emit(self, hook_name: str, **payload: Any) -> list[Any]:
         """Call every callback of ``hook_name``; failures are logged (warn-once) and skipped.
 
-        Returns the non-None return values in registration order. Observer hooks report what happened:
-        each callback gets its own copies of the payload's values (arguments, result, context), so
-        writing to them changes neither the call nor what a later hook sees; a value is changed only by
-        a returned one where the hook's contract says so (``transform_tool_result``).
+        Returns the non-None return values in registration order. Each callback gets its own copies
+        of the payload's values, so writing to them changes neither the call nor a later hook.
         """
         regs = self._hooks.get(hook_name)
         if not regs:
@@ -290,8 +259,6 @@ class MiddlewareRuntime:
             if ret is not None:
                 results.append(ret)
         return results
-
-    # -- whole calls (the contract's order) -----------------------------------------------------
 
     def run_tool_call(
         self,
