@@ -1,18 +1,13 @@
 """Tool arguments: parse the text a person types, coerce model output as Hermes does, validate.
 
-Coercion follows hermes-agent's ``coerce_tool_args`` (model_tools.py): strings become numbers or
-booleans where the schema asks for them, ``"null"`` becomes None where null is allowed, a JSON string
-becomes the array/object the schema expects, and a bare value where an array is expected is wrapped
-as ``[value]``. Anything that does not coerce cleanly is left as it was, for validation to report.
-Unlike Hermes we recurse into every nested property and item, not only JSON-encoded ones.
+Coercion follows hermes-agent's ``coerce_tool_args``: strings become the numbers, booleans, None or JSON
+arrays/objects the schema asks for, and a bare value where an array is expected becomes ``[value]``;
+what does not coerce cleanly is left for validation to report. Unlike Hermes it recurses into every
+nested property and item.
 
-Validation has a quick acceptance test in front of jsonschema (``quick_check``, below): jsonschema walks a
-schema through generic keyword dispatch, ~40 µs a call on a small machine for a one-property object, on
-every call. Tool schemas are mostly plain objects of typed properties, so those are compiled into a check
-that can only say "certainly valid" (nothing more is done) or "not sure" (the full Draft 2020-12 validator
-runs and reports every violation). A schema with any keyword outside the set it knows gets no quick check.
-Where Python is looser than JSON Schema (``True == 1``, ``1 == 1.0``), the check says "not sure". With
-``workers.shortcuts_off: [quickcheck]`` no schema gets one (bench/shortcuts.py measures both).
+Validation runs a quick check (``quick_check``) before jsonschema: a plain schema is compiled into a test
+that says only "certainly valid" or "not sure" (then the full Draft 2020-12 validator runs and reports
+every violation). ``workers.shortcuts_off: [quickcheck]`` turns it off.
 """
 
 from __future__ import annotations
@@ -20,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import operator
 import re
 import threading
 from collections.abc import Callable
@@ -81,11 +77,7 @@ def _coerce(value: Any, schema: Any) -> Any:
         value = _coerce_string(value, schema, types)
         if isinstance(value, str):
             if "array" in types and "string" not in types:
-                return (
-                    [_coerce(value, schema.get("items"))]
-                    if isinstance(schema.get("items"), dict)
-                    else [value]
-                )
+                return [_coerce(value, schema.get("items"))]
             return value
     if isinstance(value, list):
         if types and "array" not in types:
@@ -166,10 +158,8 @@ def _digest(schema: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-# The last schema objects seen, by identity: a tool's spec keeps its schema object, so the hot path
-# skips hashing the schema. The schema is kept with its validator so its id cannot be reused meanwhile.
-# A schema is not edited in place once in use (specs are replaced whole): the quick check compiled from
-# it would not see the edit.
+# The last schema objects seen, by identity, so the hot path skips hashing a spec's schema; each is kept
+# with its validator so its id is not reused meanwhile. Specs are replaced whole, never edited in place.
 _by_id: dict[int, tuple[dict[str, Any], Draft202012Validator, Quick | None]] = {}
 
 
@@ -338,15 +328,20 @@ _TYPE_TESTS: dict[str, Callable[[Any], bool]] = {
     "null": lambda v: v is None,
 }
 _NUMBER = (int, float)
+_BOUNDS = {
+    "minimum": operator.ge,
+    "maximum": operator.le,
+    "exclusiveMinimum": operator.gt,
+    "exclusiveMaximum": operator.lt,
+}
 _SCALARS = (str, int, float, bool, type(None))
 
 
 def quick_check(schema: Any) -> Quick | None:
     """A check that returns True only for instances ``schema`` accepts (None: no quick check for it).
 
-    Only plain JSON data is judged (dict with str keys, list, str, int, float, bool, None — what msgpack
-    and json decode to); anything else — a Decimal, an IntEnum, an OrderedDict, a str subclass — is "not
-    sure", since jsonschema applies its keywords by ``isinstance`` and the parts below by exact type.
+    Only plain JSON data (exact types, as msgpack and json decode them) is judged; anything else (a
+    Decimal, an IntEnum, a str subclass) is "not sure", as is ``True == 1`` or ``1 == 1.0``.
     """
     check = _compile(schema)
     if check is None:
@@ -421,14 +416,12 @@ def _value_check(schema: dict[str, Any]) -> _Part:
 
 
 def _bounds_check(schema: dict[str, Any]) -> _Part:
-    bounds = [
-        (k, schema[k]) for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in schema
-    ]
+    bounds = [(_BOUNDS[k], schema[k]) for k in _BOUNDS if k in schema]
     if not bounds:
         return None
     if any(type(b) not in _NUMBER for _, b in bounds):
         return False
-    return lambda v: type(v) not in _NUMBER or all(_within(k, v, b) for k, b in bounds)
+    return lambda v: type(v) not in _NUMBER or all(within(v, b) for within, b in bounds)
 
 
 def _size_check(schema: dict[str, Any]) -> _Part:
@@ -453,16 +446,6 @@ def _items_check(schema: dict[str, Any]) -> _Part:
     if item is None:
         return False
     return lambda v: type(v) is not list or all(item(x) for x in v)
-
-
-def _within(keyword: str, v: Any, bound: Any) -> bool:
-    if keyword == "minimum":
-        return bool(v >= bound)
-    if keyword == "maximum":
-        return bool(v <= bound)
-    if keyword == "exclusiveMinimum":
-        return bool(v > bound)
-    return bool(v < bound)
 
 
 def _object_check(schema: dict[str, Any]) -> _Part:

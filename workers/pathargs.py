@@ -1,23 +1,11 @@
 """Which strings of a call are paths: what ``policy.args.path_prefixes`` judges.
 
-A path rule's list form (``read_file: [/srv/data/]``) judges every *path-like* string of the call's
-effective arguments, found three ways, at any depth:
-
-1. **by name**: an argument whose name says path, in any case and spelling: ``path``, ``file``,
-   ``filename``, ``filePath``, ``file_name``, ``outputFile``, ``log-dir``, ``srcPath``, ``cwd``, ``dest``,
-   ``src``, ... (its last word is path/file/dir/directory/folder/cwd/dest/src, or the words end in
-   filename/filepath/pathname/dirname/dirpath), also plural (``paths``, ``files``), nested
-   (``opts.path``, ``items[2].file``) or not;
-2. **by schema**: an argument ``input_schema`` declares with ``format: path`` (or ``file-path``,
-   ``directory-path``), whatever its name;
-3. **by position**, for a ``command`` tool: every string that fills a placeholder of its argv (a program
-   may read any argument as a file name: ``cat {{anything}}``), dotted (``{{opts.path}}``) or not, and
-   every ``env_set`` value whose variable name says path (``CONFIG_FILE: "{{c}}"``).
-
-Numbers and booleans filling an argv placeholder are not paths; under a path-like name, anything that is
-not a string (or a list of strings) is refused. The mapping form (``{args: [dest, opts.path], allow:
-[...]}``) judges exactly the arguments it names (dotted names reach into nested ones) and nothing else:
-use it for a command tool whose argv also holds values that are not paths (``grep {{pattern}} {{file}}``).
+A path rule's list form (``read_file: [/srv/data/]``) judges every path-like string of the effective
+arguments, at any depth: one whose name says path (``path``, ``filePath``, ``log-dir``, ``paths``,
+``opts.src``...), one the ``input_schema`` declares ``format: path``, and, for a ``command`` tool, every
+string filling a placeholder of its argv or of an ``env_set`` variable whose name says path. Under a
+path-like name, anything but a string (or list of strings) is refused. The mapping form (``{args: [dest,
+opts.path], allow: [...]}``) judges exactly the arguments it names.
 """
 
 from __future__ import annotations
@@ -33,7 +21,7 @@ from broker.toolspec import ToolSpec
 # A name's last word that makes it path-like, and word runs that end one (``file_name`` -> "filename").
 PATH_WORDS = frozenset(
     {"path", "paths", "file", "files", "dir", "dirs", "directory", "directories", "folder", "folders"}
-    | {"cwd", "dest", "src", "filename", "filenames", "filepath", "filepaths", "pathname", "dirname"}
+    | {"cwd", "dest", "src"}
 )
 PATH_ENDINGS = ("filename", "filenames", "filepath", "filepaths", "pathname", "dirname", "dirpath")
 PATH_FORMATS = frozenset({"path", "file-path", "directory-path", "filepath", "dir-path"})
@@ -50,7 +38,7 @@ def path_like(name: str) -> bool:
 
 
 def every_path(spec: ToolSpec, args: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    """``(where, value)`` for every path-like value of the call (the three ways above), each place once."""
+    """``(where, value)`` for every path-like value of the call, each place once."""
     found: dict[str, Any] = {}
     for where, value in _by_name(args, ""):
         found.setdefault(where, value)

@@ -40,15 +40,11 @@ from workers import pathargs
 PERMISSIVE = "permissive"
 STRICT = "strict"
 MODES = (PERMISSIVE, STRICT)
-# The seed's names for the two modes: its "whitelist" lets undeclared tools run, its "blacklist" refuses
-# every tool not explicitly granted (it calls that the strict mode too).
+# The seed's names for the two modes ("whitelist" lets undeclared tools run, "blacklist" refuses them).
 MODE_ALIASES = {"whitelist": PERMISSIVE, "白名单": PERMISSIVE, "blacklist": STRICT, "黑名单": STRICT, "严格模式": STRICT}
 ANONYMOUS = "anonymous"
 ALL_TAGS = "*"
 POLICY_VERSION = 1
-
-# Which arguments the list form of ``path_prefixes`` checks: see workers/pathargs.py.
-
 _TOP_KEYS = {"mode", "default_principal", "deny_tools", "allow_tools", "principals", "args"}
 _PRINCIPAL_KEYS = {"grants", "deny_tools", "allow_tools", "daily_tokens"}
 _ARG_RULES = {"path_prefixes"}
@@ -86,9 +82,8 @@ class PrincipalRule:
 
 @dataclass(frozen=True)
 class PathRule:
-    """Allowed prefixes for a tool's path-like args; ``args`` None means "every path-like value"
-    (by name at any depth, by schema ``format: path``, by position in a command's argv: see
-    ``workers/pathargs.py``), else exactly the arguments named (dotted names reach nested ones)."""
+    """Allowed prefixes for a tool's path-like args: every one ``workers/pathargs.py`` finds when ``args``
+    is None, else exactly the arguments named (dotted names reach nested ones)."""
 
     tool: str
     allow: tuple[str, ...]
@@ -114,8 +109,6 @@ class Policy:
     _grant_cache: dict[str, tuple[tuple[str, str], ...]] = field(
         default_factory=dict, compare=False, repr=False
     )
-
-    # --- building -------------------------------------------------------------------------------
 
     @classmethod
     def from_settings(cls, policy_settings: Mapping[str, Any] | None) -> Policy:
@@ -205,8 +198,6 @@ class Policy:
     def digest(self) -> str:
         """Content hash: workers compare it to skip reloading an unchanged policy."""
         return hashlib.sha256(self.encode()).hexdigest()[:16]
-
-    # --- judging --------------------------------------------------------------------------------
 
     def principal_of(self, principal: str | None) -> str:
         """The principal a call acts as: its own, or ``default_principal`` when it carries none."""
@@ -302,7 +293,7 @@ class Policy:
 
     def explain(self, principal: str | None, spec: ToolSpec, args: Mapping[str, Any] | None = None) -> str:
         """A human explanation of the verdict (see ``workers.policy_explain``)."""
-        from workers.policy_explain import explain  # the wording lives apart from the rules
+        from workers.policy_explain import explain
 
         return explain(self, principal, spec, args)
 
@@ -320,8 +311,6 @@ class Policy:
     def _rules_for(self, name: str) -> list[PrincipalRule]:
         return [r for r in self.principals if r.pattern == name or fnmatchcase(name, r.pattern)]
 
-
-# --- helpers ------------------------------------------------------------------------------------
 
 
 def _names(value: Any, where: str) -> tuple[str, ...] | None:

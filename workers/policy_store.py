@@ -48,12 +48,6 @@ def clear(conn: Any) -> int:
     return int(conn.register_script(scripts.POLICY_CLEAR)(keys=[keys.POLICY], args=[channel]))
 
 
-def version(conn: Any) -> int:
-    """The stored version counter (0 when nothing was ever pushed)."""
-    raw = conn.hget(keys.POLICY, "version")
-    return int(raw) if raw is not None else 0
-
-
 def load(conn: Any) -> Stored:
     """The stored policy; raises DecodeError when what is stored is not a valid policy."""
     raw = conn.hgetall(keys.POLICY)

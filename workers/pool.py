@@ -22,8 +22,7 @@ log = structlog.get_logger("hermes.pool")
 
 
 def tune_gc(threshold: tuple[int, ...] | None) -> tuple[int, ...] | None:
-    """Set this worker process's garbage-collector thresholds (``settings.workers.gc_threshold``; None:
-    Python's own); returns what was set."""
+    """Set this process's GC thresholds (``settings.workers.gc_threshold``; None: Python's own)."""
     if threshold is not None:
         gc.set_threshold(*threshold)
     return threshold
@@ -43,8 +42,8 @@ def run_worker(url: str, settings: Settings, queues: list[str], concurrency: int
     conn = from_url(url)
     worker = Worker(conn, settings, queues, concurrency=concurrency, grace=grace)
     install_signals(worker.request_stop)
-    # Recorded for `hermes-gateway stop --all` when a `worker` command started it (it sets the variable);
-    # the private worker of a `tool run` or a `chat` is its command's to stop, not stop --all's.
+    # Recorded for `hermes-gateway stop --all` when a `worker` command started it, not for the private
+    # worker of a `tool run` or a `chat`.
     if settings.workers.run_registry:
         runfiles.enable(settings.home)
     with runfiles.registered("worker", url=url):
@@ -56,23 +55,13 @@ def metrics_env(index: int, workers: WorkerSettings) -> dict[str, str] | None:
     """The environment of pool child ``index``: with a metrics port P, it serves /metrics on P+index."""
     if not workers.metrics_port:
         return None
-    # A child process's environment: ours, with its own port.
     port = {METRICS_PORT_ENV: str(workers.metrics_port + index), METRICS_HOST_ENV: workers.metrics_host}
     return dict(os.environ, **port)
 
 
 def worker_argv(queues: list[str], concurrency: int, grace: float) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "workers",
-        "--queues",
-        ",".join(queues),
-        "--concurrency",
-        str(concurrency),
-        "--grace",
-        str(grace),
-    ]
+    options = ["--queues", ",".join(queues), "--concurrency", str(concurrency), "--grace", str(grace)]
+    return [sys.executable, "-m", "workers", *options]
 
 
 def spawn(
@@ -85,11 +74,12 @@ def spawn(
     stdout: Any = None,
     with_parent: bool = False,
 ) -> subprocess.Popen[Any]:
-    """Start one worker process on ``url`` (``stdout``: where its standard output goes, as for Popen;
-    ``with_parent``: it is sent SIGTERM when the process that started it dies, even by SIGKILL, and it
-    runs in a process group of its own: Ctrl-C at a terminal reaches only the command, which stops its
-    workers while their broker is still up, instead of every process of the group at once)."""
-    child_env = dict(os.environ if env is None else env)  # a child process's environment: ours by default
+    """Start one worker process on ``url``.
+
+    ``with_parent``: it gets SIGTERM when its parent dies (even by SIGKILL) and runs in its own process
+    group, so Ctrl-C reaches only the command, which stops its workers while their broker is still up.
+    """
+    child_env = dict(os.environ if env is None else env)
     child_env["HERMES_REDIS_URL"] = url
     return subprocess.Popen(
         worker_argv(queues, concurrency, grace),

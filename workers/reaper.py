@@ -38,26 +38,6 @@ def _info(calls: Calls, call_id: str, item: dict[str, Any]) -> CallInfo:
     return CallInfo(call_id, trace, new_span_id(), kind, tool, None, chan, item["ckey"], origin)
 
 
-def _audit(
-    audit: AuditLog | None, info: CallInfo, state: State, attempt: int, err: dict[str, Any], principal: str | None
-) -> None:
-    if audit is None:
-        return
-    audit.append(
-        AuditRecord.of(
-            call_id=info.call_id,
-            kind=info.kind,
-            state=str(state),
-            error=err,
-            principal=principal,  # (whose record it is: the API shows it to that principal)
-            tool_name=info.name if info.kind == "tool" else None,
-            model=info.name if info.kind == "llm" else None,
-            trace_id=info.trace_id,
-            attempts=attempt,
-        )
-    )
-
-
 def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog | None = None) -> None:
     call_id, state, attempt = item["call_id"], item["state"], item["attempt"]
     # A call being cancelled is not put back: it ends below (one claimed but never started, too: its
@@ -89,7 +69,8 @@ def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog
     info = _info(calls, call_id, item)
     current = State(state)
     if item["cancel"]:
-        _cancel(calls, info, current, attempt, result_ttl, audit, "call cancelled; its worker was lost")
+        err = {"type": "cancelled", "message": "call cancelled; its worker was lost"}
+        _end(calls, info, State.CANCELLED, current, attempt, err, result_ttl, audit)
     elif attempt < item["max_attempts"]:
         calls.hand_back(info, attempt=attempt, current=current, reason="worker_lost")
         log.warning("worker lost mid-call, retrying", call_id=call_id, attempt=attempt + 1)
@@ -99,12 +80,6 @@ def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog
         ).to_wire()
         _end(calls, info, State.FAILED, current, attempt, err, result_ttl, audit)
         log.warning("worker lost mid-call, no attempts left", call_id=call_id, attempt=attempt)
-
-
-def _cancel(
-    calls: Calls, info: CallInfo, current: State, attempt: int, ttl: int, audit: AuditLog | None, why: str
-) -> None:
-    _end(calls, info, State.CANCELLED, current, attempt, {"type": "cancelled", "message": why}, ttl, audit)
 
 
 def _end(
@@ -117,17 +92,21 @@ def _end(
     ttl: int,
     audit: AuditLog | None,
 ) -> None:
-    """End the call in ``state`` with ``err``, and write its audit record when this move was the one that
-    ended it."""
+    """End the call in ``state`` with ``err``, and write its audit record when this move ended it."""
     reply = calls.finish(info, state, attempt=attempt, current=current, error=err, ttl=ttl)
-    if int(reply[0]) > 0 and audit is not None:
-        _audit(audit, info, state, attempt, err, text(calls.conn.hget(keys.job(info.call_id), keys.F_PRINCIPAL)) or None)
-
-
-def end_cancelled(calls: Calls, call_id: str, result_ttl: int, audit: AuditLog | None = None) -> None:
-    """End ``cancelled`` a call its caller cancelled while a worker held it unstarted, given back since."""
-    state, attempt, ckey = (text(v) for v in calls.conn.hmget(keys.job(call_id), keys.F_STATE, keys.F_ATTEMPT, keys.F_CKEY))
-    if state != State.PENDING:
+    if int(reply[0]) <= 0 or audit is None:
         return
-    info = _info(calls, call_id, {"ckey": ckey})
-    _cancel(calls, info, State.PENDING, int(attempt or 1), result_ttl, audit, "cancelled by the caller before it started")
+    audit.append(
+        AuditRecord.of(
+            call_id=info.call_id,
+            kind=info.kind,
+            state=str(state),
+            error=err,
+            principal=text(calls.conn.hget(keys.job(info.call_id), keys.F_PRINCIPAL)) or None,
+            tool_name=info.name if info.kind == "tool" else None,
+            model=info.name if info.kind == "llm" else None,
+            trace_id=info.trace_id,
+            attempts=attempt,
+        )
+    )
+

@@ -18,7 +18,7 @@ import redis
 import structlog
 
 from broker import pipes
-from broker.calls import CallInfo
+from broker.calls import CallInfo, Calls
 from broker.errors import HermesError
 from broker.limits import Limits
 from broker.otel import new_span_id
@@ -69,8 +69,7 @@ class RetryPolicy:
 
     def delay(self, attempt: int, rand: Callable[[], float] = random.random) -> float:
         """The wait before the next attempt: within [base * (1 - jitter), base]."""
-        base = self.base_delay(attempt)
-        return base * (1.0 - self.jitter * rand())
+        return self.base_delay(attempt) * (1.0 - self.jitter * rand())
 
 
 def plan(core: WorkerCore, run: Running, error: HermesError) -> tuple[float, RetryPolicy] | None:
@@ -96,8 +95,6 @@ class RetryScheduler:
     def __init__(self, conn: redis.Redis, hold: float) -> None:
         self.limits = Limits(conn)
         self.limiter = RateLimiter(conn)
-        from broker.calls import Calls
-
         self.calls = Calls(conn)
         self.hold = hold
         self.queues: list[str] = []  # the worker's queues: their due retries are moved here

@@ -1,10 +1,7 @@
 """Registration: a tool spec as written (a mapping, a YAML file or text) checked into a ``ToolSpec``.
 
-``check_spec`` is the one check: what every spec has (``ToolSpec.from_dict``, ``broker/specchecks.py``),
-then its executor's part: a kind of the executors' table, only that executor's keys, and its ``check``.
-Every path that registers calls it (``Gateway.register_tool`` and ``sync_tools``, ``tool register``,
-``POST /v1/tools``, ``mcp add``, ``migrate``); the directory (``broker/``, which imports nothing of
-``workers``) stores what they checked and never judges a spec itself.
+``check_spec`` is the one check every registering path calls: what every spec has (``ToolSpec.from_dict``),
+then its executor's keys and ``check``. The directory (``broker/``) stores what it checked.
 """
 
 from __future__ import annotations
@@ -48,7 +45,6 @@ def load_spec_file(path: Path) -> ToolSpec:
     try:
         data = load_yaml(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
-        # One line naming the place and the problem; PyYAML's own multi-line text stays the cause.
         raise InvalidSpec(f"{path}: not valid YAML: {yaml_problem(e)}") from e
     except UnicodeError as e:
         raise InvalidSpec(f"{path}: not UTF-8 text: {e}") from e
@@ -85,9 +81,8 @@ YAML_NODES = 100_000  # values a YAML spec sent as text may hold, aliases expand
 
 
 def spec_from_yaml_text(text: str) -> ToolSpec:
-    """A spec sent as YAML text (the console's register form, ``POST /v1/tools`` ``{"yaml": ...}``): read
-    with the spec files' loader (``{{field}}`` placeholders kept), and only what a JSON body could hold,
-    in a bounded amount (YAML also reads dates, binary and sets, and aliases can repeat one node
+    """A spec sent as YAML text (the console, ``POST /v1/tools`` ``{"yaml": ...}``), read with the spec
+    files' loader, holding only what a JSON body could, in a bounded amount (aliases can repeat a node
     exponentially often)."""
     try:
         data = load_yaml(text)
@@ -120,11 +115,8 @@ def _json_values(value: Any, path: str, budget: list[int]) -> None:
 
 
 def load_spec_dir(path: Path, errors: list[InvalidSpec] | None = None) -> list[ToolSpec]:
-    """Every ``*.yaml``/``*.yml`` spec in a directory, sorted by file name.
-
-    With ``errors``, a file that does not load is appended there (its message names the file) and the
-    others still load; without, the first bad file raises.
-    """
+    """Every ``*.yaml``/``*.yml`` spec in a directory, sorted by file name; with ``errors``, a file that
+    does not load is appended there and the others still load, else the first bad file raises."""
     if not path.is_dir():
         return []
     # (not hidden files: an editor's lock or backup, such as Emacs's .#name.yaml)

@@ -35,7 +35,7 @@ def received(ps: Any) -> list[bytes]:
 
 def test_push_stores_a_new_version_and_publishes_it_but_an_identical_push_changes_nothing(fake: Any) -> None:
     ps = notices(fake)
-    assert policy_store.version(fake) == 0 and policy_store.load(fake).policy is None
+    assert policy_store.load(fake) == policy_store.Stored(None, 0)
     assert policy_store.push(fake, STRICT_POLICY, source="/etc/hermes/config.yaml") == (1, True)
     assert policy_store.push(fake, STRICT_POLICY) == (1, False)
     assert policy_store.push(fake, Policy()) == (2, True)
