@@ -131,7 +131,11 @@ class ToolCallFlow:
             on_trace(list(trace))
         base = {**ctx, "tool_name": tool_name}
         if check_available is not None:
-            self._guard(rt, check_available, tool_name, eff, ctx, base, trace, status="error")
+            try:
+                check_available(tool_name, eff, ctx)
+            except BaseException as exc:
+                self._post(rt, base, eff, None, trace, None, "error", exc)
+                raise
         directive = None
         if rt.has_hook(PRE_TOOL_CALL):
             directive = _block_message(rt.emit(PRE_TOOL_CALL, **base, args=eff, middleware_trace=list(trace)))
@@ -160,7 +164,11 @@ class ToolCallFlow:
                 return self.on_blocked(tool_name, message, ctx)
             return {"error": message}
         if policy is not None:
-            self._guard(rt, policy, tool_name, eff, ctx, base, trace, status="blocked")
+            try:
+                policy(tool_name, eff, ctx)
+            except BaseException as exc:
+                self._post(rt, base, eff, None, trace, None, "blocked", exc)
+                raise
 
         started = time.monotonic()
         try:
@@ -189,24 +197,6 @@ class ToolCallFlow:
                     result = value
                     break
         return result
-
-    def _guard(
-        self,
-        rt: MiddlewareRuntime,
-        check: Check,
-        tool_name: str,
-        eff: dict[str, Any],
-        ctx: dict[str, Any],
-        base: dict[str, Any],
-        trace: list[dict[str, Any]],
-        *,
-        status: str,
-    ) -> None:
-        try:
-            check(tool_name, eff, ctx)
-        except BaseException as exc:
-            self._post(rt, base, eff, None, trace, None, status, exc)
-            raise
 
     @staticmethod
     def _post(

@@ -19,34 +19,8 @@ if TYPE_CHECKING:
 BaseCall = Callable[[Any], Any]
 
 
-class _Frame:
-    """What one call carries down the chain: the base call and the shared payload fields."""
-
-    __slots__ = ("base", "fields")
-
-    def __init__(self, base: BaseCall, fields: dict[str, Any]) -> None:
-        self.base = base
-        self.fields = fields
-
-
-class _NextState:
-    """Single-use bookkeeping for one middleware frame's ``next_call``."""
-
-    __slots__ = ("called", "reused", "ok", "result", "error")
-
-    def __init__(self) -> None:
-        self.called = False
-        self.reused = False
-        self.ok = False
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-
-class _Terminal:
-    __slots__ = ()
-
-    def __call__(self, frame: _Frame, payload: Any) -> Any:
-        return frame.base(payload)
+def _terminal(base: BaseCall, fields: dict[str, Any], payload: Any) -> Any:
+    return base(payload)
 
 
 class _Layer:
@@ -54,7 +28,7 @@ class _Layer:
 
     __slots__ = ("reg", "inner", "kind", "key", "reporter", "label")
 
-    def __init__(self, reg: Registration, inner: _Layer | _Terminal, kind: str, reporter: FailureReporter):
+    def __init__(self, reg: Registration, inner: Callable[..., Any], kind: str, reporter: FailureReporter):
         self.reg = reg
         self.inner = inner
         self.kind = kind
@@ -62,58 +36,54 @@ class _Layer:
         self.reporter = reporter
         self.label = callback_label(reg.callback)
 
-    def __call__(self, frame: _Frame, payload: Any) -> Any:
-        state = _NextState()
-        inner = self.inner
+    def __call__(self, base: BaseCall, fields: dict[str, Any], payload: Any) -> Any:
+        inner, reg = self.inner, self.reg
+        # next_call's single-use bookkeeping for this frame.
+        called = reused = ok = False
+        result: Any = None
+        error: BaseException | None = None
 
         def next_call(next_payload: Any = None) -> Any:
-            if state.called:
-                state.reused = True
+            nonlocal called, reused, ok, result, error
+            if called:
+                reused = True
                 # A second call would run the provider or tool twice: refuse instead.
                 raise RuntimeError(
                     f"{self.kind} middleware {self.label} called next_call() more than once; "
                     "downstream execution is single-use"
                 )
-            state.called = True
+            called = True
             try:
-                result = inner(frame, payload if next_payload is None else next_payload)
+                result = inner(base, fields, payload if next_payload is None else next_payload)
             except BaseException as exc:
-                state.error = exc
+                error = exc
                 raise
-            state.ok = True
-            state.result = result
+            ok = True
             return result
 
-        kwargs = dict(frame.fields)
+        kwargs = dict(fields)
         kwargs[self.key] = payload
         kwargs["next_call"] = next_call
         try:
-            out = self.reg.callback(**kwargs)
+            out = reg.callback(**kwargs)
         except Exception as exc:
-            if state.error is not None:
-                if exc is state.error:
+            if error is not None:
+                if exc is error:
                     raise  # the downstream failure propagates unchanged
-                if state.reused:
-                    raise state.error  # noqa: B904 -- keep its own __cause__; our single-use guard is no translation
+                if reused:  # our single-use guard is no translation: the error keeps its own __cause__
+                    raise error  # noqa: B904
                 raise  # the middleware translated the downstream failure on purpose
-            phase = "after next_call" if state.ok else "before next_call"
-            self.reporter.report(
-                self.kind, self.reg.callback, exc, kwargs, plugin=self.reg.plugin, phase=phase
-            )
-            if state.ok:
-                return state.result  # keep the downstream result; never run it twice
-            return inner(frame, payload)  # fail-open: skip this middleware
-        if out is None and state.error is not None:
+            phase = "after next_call" if ok else "before next_call"
+            self.reporter.report(self.kind, reg.callback, exc, kwargs, plugin=reg.plugin, phase=phase)
+            if ok:
+                return result  # keep the downstream result; never run it twice
+            return inner(base, fields, payload)  # fail-open: skip this middleware
+        if out is None and error is not None:
             # Swallowing a downstream failure into None would report a failed call as a success.
             self.reporter.report(
-                self.kind,
-                self.reg.callback,
-                state.error,
-                kwargs,
-                plugin=self.reg.plugin,
-                phase="swallowed downstream error",
+                self.kind, reg.callback, error, kwargs, plugin=reg.plugin, phase="swallowed downstream error"
             )
-            raise state.error
+            raise error
         return out
 
 
@@ -124,11 +94,11 @@ class ExecutionChain:
 
     def __init__(self, kind: str, registrations: tuple[Registration, ...], reporter: FailureReporter) -> None:
         self.kind = kind
-        entry: _Layer | _Terminal = _Terminal()
+        entry: Callable[..., Any] = _terminal
         for reg in reversed(registrations):  # fold from the inside out so the first registered is outermost
             entry = _Layer(reg, entry, kind, reporter)
         self._entry = entry
 
     def __call__(self, payload: Any, base: BaseCall, fields: dict[str, Any]) -> Any:
         """Run ``base(payload)`` through every layer; ``fields`` is the rest of the middleware payload."""
-        return self._entry(_Frame(base, fields), payload)
+        return self._entry(base, fields, payload)
