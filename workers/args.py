@@ -222,14 +222,14 @@ def violations(schema: dict[str, Any], instance: Any) -> list[str]:
     return [f"{p}: {m}" for p, m in found]
 
 
+def _problems(schema: dict[str, Any], value: Any) -> list[str]:
+    quick = _compiled(schema)[1]
+    return [] if quick is not None and quick(value) else violations(schema, value)
+
+
 def validate_args(schema: dict[str, Any] | None, args: Any, tool: str | None = None) -> None:
     """Raise InvalidArgs listing every violation (``details.violations``) if ``args`` do not fit."""
-    if not schema:
-        return
-    quick = _compiled(schema)[1]
-    if quick is not None and quick(args):
-        return
-    problems = violations(schema, args)
+    problems = _problems(schema, args) if schema else None
     if problems:
         where = f"tool {tool!r}: " if tool else ""
         raise InvalidArgs(f"{where}invalid arguments: " + "; ".join(problems), violations=problems)
@@ -237,12 +237,7 @@ def validate_args(schema: dict[str, Any] | None, args: Any, tool: str | None = N
 
 def check_output(schema: dict[str, Any] | None, result: Any, tool: str | None = None) -> None:
     """Raise InvalidOutput listing every violation if the tool's result does not fit its output schema."""
-    if not schema:
-        return
-    quick = _compiled(schema)[1]
-    if quick is not None and quick(result):
-        return
-    problems = violations(schema, result)
+    problems = _problems(schema, result) if schema else None
     if problems:
         where = f"tool {tool!r}: " if tool else ""
         raise InvalidOutput(
