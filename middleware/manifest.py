@@ -145,14 +145,13 @@ def _detect_kind(data: dict[str, Any], plugin_dir: Path) -> str:
 
 def parse_manifest(manifest_file: Path, plugin_dir: Path, source: str, prefix: str = "") -> PluginManifest:
     """Read one manifest; a broken one comes back with ``error`` set instead of raising."""
-    key = f"{prefix}/{plugin_dir.name}" if prefix else ""
     try:
         data = yaml.safe_load(manifest_file.read_text(encoding="utf-8")) or {}
         if not isinstance(data, dict):
             raise ValueError("plugin.yaml must be a mapping")
     except (OSError, ValueError, yaml.YAMLError) as exc:
         log.warning(f"failed to parse {manifest_file}: {exc}")
-        key = key or plugin_dir.name
+        key = f"{prefix}/{plugin_dir.name}" if prefix else plugin_dir.name
         return PluginManifest(
             name=plugin_dir.name, source=source, path=str(plugin_dir), key=key, error=str(exc)
         )
@@ -168,7 +167,7 @@ def parse_manifest(manifest_file: Path, plugin_dir: Path, source: str, prefix: s
         source=source,
         path=str(plugin_dir),
         kind=_detect_kind(data, plugin_dir),
-        key=key or name,
+        key=f"{prefix}/{plugin_dir.name}" if prefix else name,
     )
 
 
