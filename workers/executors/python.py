@@ -1,27 +1,16 @@
-"""The ``python`` executor: call ``package.module:callable`` in the worker with the arguments.
+"""The ``python`` executor: call ``package.module:callable`` (sync or async) in the worker.
 
-Spec keys: ``function: "package.module:callable"`` (sync or async). The callable gets ``**args``; one
-with a parameter named ``ctx`` also gets the :class:`ExecContext` (deadline, cancellation, progress).
-Settings: ``executors.python.paths`` lists extra directories to put on ``sys.path``;
-``executors.python.max_abandoned`` (default 8) and ``executors.python.inline`` are explained below.
+Spec key: ``function``. A callable with a ``ctx`` parameter also gets the :class:`ExecContext` and runs on
+the call's own thread, expected to watch ``ctx.cancelled`` / ``ctx.deadline`` (an async one is cancelled
+at the deadline). Settings ``executors.python``: ``paths`` (extra ``sys.path`` entries), ``inline`` and
+``max_abandoned`` (default 8).
 
-A callable that takes ``ctx`` runs on the call's own thread, as it always did: it is expected to watch
-``ctx.cancelled`` / ``ctx.deadline`` (an async one is cancelled at the deadline or on cancellation).
-
-A callable without ``ctx`` cannot cooperate, so it runs on a helper thread that the call's thread waits
-on with the deadline. At the deadline (or on cancellation) the *call* ends at once, ``tool_timeout``
-(or ``cancelled``), and its slot is released; the function is abandoned and asked to stop: a
-:class:`ToolStopped` is injected into its thread (``PyThreadState_SetAsyncExc``), so Python code stops
-at its next bytecode check; code blocked in C (``time.sleep``, a socket read) gets it only when that
-returns. An async callable is also cancelled on its loop. Whatever an abandoned function returns is
-discarded. Helper threads come from a growing pool (idle ones retire after a minute), so an abandoned
-function holds a helper, never a call thread. At most ``max_abandoned`` abandoned functions of one tool
-may still be running in a worker process; beyond that, new calls of that tool fail at once with an
-``executor_error`` (retryable, counted by the breaker) until some of them end.
-
-The helper costs two thread switches per call (about 60 µs of CPU on a small VM): nothing for real
-tools, but visible for no-op ones. Functions listed in ``executors.python.inline`` (``module:callable``)
-run on the call's thread like ``ctx`` ones, without that cost and without being stoppable.
+A callable without ``ctx`` runs on a helper thread (``pyhelpers``) the call's thread waits on. At the
+deadline or on cancellation the call ends at once and the function is abandoned: a :class:`ToolStopped`
+is injected into its thread (code blocked in C gets it when that returns) and whatever it returns is
+discarded. Past ``max_abandoned`` abandoned functions of one tool still running, its new calls fail at
+once (a retryable ``executor_error``). Functions listed in ``inline`` run on the call's thread like
+``ctx`` ones: no thread switch, not stoppable.
 """
 
 from __future__ import annotations
@@ -38,14 +27,7 @@ from typing import Any
 
 import structlog
 
-from broker.errors import (
-    CallCancelled,
-    ExecutorError,
-    HermesError,
-    InvalidArgs,
-    InvalidSpec,
-    ToolTimeout,
-)
+from broker.errors import ExecutorError, HermesError, InvalidArgs, InvalidSpec
 from broker.toolspec import ToolSpec
 
 from . import ExecContext, from_env, require
@@ -76,8 +58,7 @@ class _Target:
             self.signature = None
         self.wants_ctx = self.signature is not None and "ctx" in self.signature.parameters
         self.inline = self.wants_ctx  # on the call's own thread (else on a helper thread)
-        # For a plain signature (named parameters, maybe ``**kwargs``), arguments are checked against these
-        # sets instead of binding the signature on every call; anything else is bound as before.
+        # A plain signature (named parameters, maybe ``**kwargs``) is checked against these sets, not bound.
         self.names: frozenset[str] | None = None
         self.any_name = False  # it takes ``**kwargs``: any name fits
         self.required: frozenset[str] = frozenset()
@@ -175,10 +156,7 @@ class PythonExecutor:
             raise
         except Exception as e:  # noqa: BLE001 - any failure of user code is a failed call, not a dead worker
             raise ExecutorError(f"{type(e).__name__}: {e}", exception=type(e).__name__) from e
-        if ctx.cancelled.is_set():
-            raise CallCancelled(f"call {ctx.call_id} was cancelled")
-        if time.monotonic() >= ctx.deadline:
-            raise ToolTimeout(f"{where}: timed out after {ctx.timeout:g}s", timeout=ctx.timeout)
+        ctx.check_at(where)
         return to_wire_value(result, where)
 
     def _run_on_helper(
@@ -208,12 +186,9 @@ class PythonExecutor:
         self._helpers.submit(job)
         done = job.done
         while not done.acquire(timeout=max(0.0, min(POLL, ctx.deadline - time.monotonic()))):
-            if ctx.cancelled.is_set():
-                self._abandon(job, spec, "cancelled")
-                raise CallCancelled(f"call {ctx.call_id} was cancelled")
-            if time.monotonic() >= ctx.deadline:
-                self._abandon(job, spec, "timed out")
-                raise ToolTimeout(f"{where}: timed out after {ctx.timeout:g}s", timeout=ctx.timeout)
+            if ctx.cancelled.is_set() or time.monotonic() >= ctx.deadline:
+                self._abandon(job, spec, "cancelled" if ctx.cancelled.is_set() else "timed out")
+                ctx.check_at(where)
         if job.error is not None:
             raise job.error
         return job.result
@@ -250,9 +225,7 @@ def _run_async(awaitable: Any, ctx: ExecContext, where: str) -> Any:
                     await task
                 except BaseException:  # noqa: BLE001 - the task's own outcome no longer matters
                     pass
-                if ctx.cancelled.is_set():
-                    raise CallCancelled(f"call {ctx.call_id} was cancelled")
-                raise ToolTimeout(f"{where}: timed out after {ctx.timeout:g}s", timeout=ctx.timeout)
+                ctx.check_at(where)
 
     return asyncio.run(guarded())
 
