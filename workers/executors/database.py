@@ -2,20 +2,17 @@
 
 Spec keys (``dsn`` may also come from ``executors.database.dsn``):
 
-- Template mode (default): ``query: SELECT ... WHERE city = :city``. Named bind parameters are filled
-  from the arguments by the driver; nothing is ever pasted into the SQL text. A parameter naming a field
-  ``input_schema`` declares but does not require is bound as NULL when the caller leaves it out
+- Template mode (default): ``query: SELECT ... WHERE city = :city``; the driver binds the arguments,
+  nothing is pasted into the SQL. A parameter of an optional field left out binds NULL
   (``WHERE (:unit IS NULL OR unit = :unit)``); any other missing one is ``invalid_args``.
-- ``dsn: ${WEATHER_DB_DSN}`` is filled from the worker's environment (``run_executor`` in ``workers/executors/__init__.py``).
-- Structured mode: ``mode: structured`` and ``tables: {name: [allowed columns]}``. The model sends
-  ``{table, columns, where: {col: value | [values]}, limit}``; every name is checked against the
-  allow-list, then the statement is built with SQLAlchemy Core (quoted identifiers, bound values).
-- ``read_only`` (default true): only SELECT/WITH/VALUES/TABLE/SHOW/EXPLAIN statements, run in a
-  transaction that is always rolled back (PostgreSQL: ``SET TRANSACTION READ ONLY``; SQLite:
-  ``PRAGMA query_only``). ``read_only: false`` commits.
+- Structured mode: ``mode: structured``, ``tables: {name: [allowed columns]}``; the model sends
+  ``{table, columns, where: {col: value | [values]}, limit}``, checked against the allow-list and built
+  with SQLAlchemy Core.
+- ``read_only`` (default true): only reading statements, in a transaction always rolled back
+  (PostgreSQL ``SET TRANSACTION READ ONLY``, SQLite ``PRAGMA query_only``); ``false`` commits.
 - ``max_rows`` (default 1000; extra rows are dropped and reported as progress).
-- The call's deadline becomes ``SET LOCAL statement_timeout`` (PostgreSQL) or an interrupting
-  progress handler (SQLite); cancellation cancels the running statement.
+- The deadline becomes ``statement_timeout`` (PostgreSQL) or a progress handler (SQLite); cancellation
+  cancels the running statement.
 
 Result: a list of row dicts with JSON-friendly values.
 """
@@ -204,25 +201,20 @@ class DatabaseExecutor:
     def _translate(self, e: sa.exc.DBAPIError, ctx: ExecContext, where: str) -> HermesError:
         import sqlalchemy as sa
 
-        message = (
-            str(getattr(e, "orig", e)).strip().splitlines()[0]
-            if str(getattr(e, "orig", e)).strip()
-            else str(e)
-        )
+        orig = str(getattr(e, "orig", e)).strip()
+        message = orig.splitlines()[0] if orig else str(e)
         if ctx.cancelled.is_set():
             return CallCancelled(f"call {ctx.call_id} was cancelled")
         lowered = message.lower()
         if time.monotonic() >= ctx.deadline or "statement timeout" in lowered or lowered == "interrupted":
             return ToolTimeout(f"{where}: query timed out after {ctx.timeout:g}s", timeout=ctx.timeout)
-        err = ExecutorError(
-            f"{where}: database error: {message}", retryable=isinstance(e, sa.exc.OperationalError)
-        )
-        err.retryable = isinstance(e, sa.exc.OperationalError)
+        retryable = isinstance(e, sa.exc.OperationalError)
+        err = ExecutorError(f"{where}: database error: {message}", retryable=retryable)
+        err.retryable = retryable
         return err
 
-    # --- cancellation watcher: one thread for all in-flight queries of this executor ----------------
-
     def _watch(self, ctx: ExecContext, cancel: Callable[[], None]) -> None:
+        """Have one thread, for all in-flight queries, call ``cancel`` if the call is cancelled."""
         with self._lock:
             self._inflight[id(ctx)] = (ctx, cancel)
             if self._watcher is None or not self._watcher.is_alive():

@@ -1,18 +1,12 @@
 """The ``grpc`` executor: unary and server-streaming calls described by server reflection, JSON in and out.
 
-Spec keys (``target`` may also come from ``executors.grpc.target``):
+Spec keys: ``target`` (``host:port``, also ``executors.grpc.target``), ``tls: true`` (system roots),
+``method`` (``package.Service/Method``), ``metadata`` (the call's trace headers are added),
+``max_output`` (bytes, default 1 MiB).
 
-- ``target``: ``host:port``; ``tls: true`` for a TLS channel (system roots).
-- ``method``: ``package.Service/Method`` (``package.Service.Method`` also accepted).
-- ``metadata``: extra request metadata (``traceparent``/``tracestate``/``baggage`` are added from the call).
-- ``max_output``: cap on the response message size in bytes (default 1 MiB).
-
-The method's message types come from the server's reflection service (cached per target), arguments
-are parsed into the request with ``json_format`` and the response comes back as a dict. A
-server-streaming method's responses come back as a list of dicts, announced as progress events while the
-stream runs (at most one every 0.1 s, and one at its end; ``max_output`` caps their total size);
-client-streaming methods are refused. gRPC status
-codes become typed errors: DEADLINE_EXCEEDED -> ToolTimeout, INVALID_ARGUMENT -> InvalidArgs,
+Message types come from the server's reflection service (cached per target). A server stream's
+responses come back as a list, announced as progress (at most every 0.1 s, and at its end);
+client-streaming methods are refused. DEADLINE_EXCEEDED -> ToolTimeout, INVALID_ARGUMENT -> InvalidArgs,
 UNAVAILABLE / RESOURCE_EXHAUSTED / ABORTED / INTERNAL -> retryable ExecutorError, others ExecutorError.
 """
 
@@ -251,9 +245,8 @@ def _translate(e: grpc.RpcError, ctx: ExecContext, where: str) -> HermesError:
         return CallCancelled(f"call {ctx.call_id} was cancelled")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidArgs(f"{where}: server rejected the arguments: {details}", status=code.name)
-    err = ExecutorError(
-        f"{where}: gRPC {code.name}: {details}", status=code.name, retryable=code.name in _RETRYABLE
-    )
-    err.retryable = code.name in _RETRYABLE
+    retryable = code.name in _RETRYABLE
+    err = ExecutorError(f"{where}: gRPC {code.name}: {details}", status=code.name, retryable=retryable)
+    err.retryable = retryable
     return err
 

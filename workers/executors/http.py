@@ -1,30 +1,20 @@
-"""The ``http`` executor: call an HTTP endpoint with the arguments, behind the SSRF guard.
+"""The ``http`` executor: call an HTTP endpoint with the arguments, behind the SSRF guard (:mod:`netguard`).
 
-Spec keys (defaults may also sit in ``executors.http``):
+Spec keys (defaults may sit in ``executors.http``):
 
-- ``method`` (GET), ``endpoint``: URL; ``{{field}}`` may appear in the path and query only (never the
-  scheme or host) and is percent-encoded, so a value cannot add a path segment or a parameter.
+- ``method`` (GET), ``endpoint``: ``{{field}}`` only in the path and query, percent-encoded.
 - ``headers``: values may hold ``{{field}}`` (names may not); CR/LF/NUL in a value is refused.
-- Arguments not used in the endpoint go to the query string (GET/DELETE/HEAD) or a form body
-  (POST/PUT/PATCH), as the seed says; ``send_args_as: query | form | json`` overrides.
-- ``body_template``: a YAML-flow/JSON string like ``{query: {{city}}, opts: {unit: {{unit}}}}``. It is
-  parsed into a structure FIRST; typed values are then put into it and it is sent as JSON.
-- A field ``input_schema`` declares but does not require, left out by the caller: a body_template value
-  or list item, a header or a query parameter ``k={{field}}`` that is just its placeholder is left out
-  (``{query: 北京, opts: {}}``); inside longer text it is ``""``. A missing required field is
-  ``invalid_args``. (Rules in ``broker/placeholders.py``.)
-- ``${VAR}`` anywhere in the spec is filled from the worker's environment before all this
-  (``headers: {Authorization: Bearer ${API_TOKEN}}``; ``run_executor`` in ``workers/executors/__init__.py``).
-- SSRF guard (on by default; ``ssrf_guard: false`` only in settings): see :mod:`netguard`.
-  ``allow_hosts`` / ``allow_networks`` (settings and spec lists are combined) admit named exceptions.
-- ``max_output`` (bytes, default 1 MiB) caps the response body; ``max_redirects`` (5); ``verify`` TLS.
+- Arguments not used in the endpoint go to the query string (GET/DELETE/HEAD) or a form body;
+  ``send_args_as: query | form | json`` overrides.
+- ``body_template``: a YAML-flow/JSON text, parsed FIRST, then filled with typed values and sent as JSON.
+- An optional field left out drops a body value, header or query parameter that is just its placeholder
+  (``broker/placeholders.py``).
+- ``allow_hosts`` / ``allow_networks`` (settings and spec combined) admit exceptions to the guard
+  (``ssrf_guard: false`` only in settings); ``max_output`` (1 MiB), ``max_redirects`` (5), ``verify``.
 
-Registration refuses an endpoint that is not an http(s) URL or has a placeholder in its scheme or host,
-a placeholder in a header name or a ``body_template`` key, a ``body_template`` that does not parse, and
-(with declared ``properties``) a placeholder naming none of them; the run checks the same again.
-
-Result: the parsed JSON body if the response is JSON, else text. Status >= 400 is an ExecutorError
-with ``details.status`` (retryable for 408, 429 and 5xx only).
+Registration refuses what the run would (a bad URL, a placeholder in the scheme, host, a header name or
+a body key, an unparsable body, a placeholder naming no declared property); the run checks again.
+Result: the JSON body, else text; status >= 400 is an ExecutorError with ``details.status``.
 """
 
 from __future__ import annotations
@@ -86,8 +76,7 @@ def url_problem(url: str) -> str | None:
 
 
 def parse_body(template: str, where: str) -> Any:
-    """A ``body_template`` text such as ``{query: {{city}}}`` as a structure, its placeholders kept as
-    leaf strings (never keys); :func:`fill_structure` then puts the typed values in."""
+    """A ``body_template`` text as a structure, its placeholders kept as leaf strings (never keys)."""
     try:
         parsed = masked_load(template, load_yaml_text)
     except yaml.YAMLError as e:
@@ -224,10 +213,7 @@ class HttpExecutor:
 def build_request(
     config: dict[str, Any], args: dict[str, Any], where: str, schema: Any = None
 ) -> dict[str, Any]:
-    """Method, URL, headers and body for one call, with every value placed, never pasted.
-
-    ``schema`` (the tool's ``input_schema``) tells which missing fields are optional (module docstring).
-    """
+    """Method, URL, headers and body for one call; ``schema`` tells which missing fields are optional."""
     method = str(config.get("method", "GET")).upper()
     endpoint = config.get("endpoint") or config.get("url")
     if not isinstance(endpoint, str) or not endpoint:
@@ -291,7 +277,7 @@ def _left_out(text: str, args: dict[str, Any], where: str, schema: Any) -> bool:
 
 
 def _fill_query(query: str, args: dict[str, Any], where: str, schema: Any) -> str:
-    """Fill the endpoint's query string pair by pair; ``k={{field}}`` of a left-out optional field goes."""
+    """Fill the query pair by pair; ``k={{field}}`` of a left-out optional field goes."""
     if not has(query):
         return query
     pieces = []
