@@ -28,7 +28,7 @@ from broker.errors import (
 )
 from broker.toolspec import ToolSpec
 
-from . import ExecContext, from_env, require
+from . import ExecContext, PerProcess, from_env, require
 
 if TYPE_CHECKING:  # grpc and protobuf are imported where a call runs, not where a spec registers
     import grpc
@@ -68,6 +68,9 @@ class _Target:
         self.methods: dict[str, tuple[Any, Any, bool]] = {}
         self.lock = threading.Lock()
 
+    def close(self) -> None:
+        self.channel.close()
+
     def method(self, name: str, where: str) -> tuple[Any, Any, bool]:
         """(callable, request class, whether it streams its responses) for ``package.Service/Method``."""
         found = self.methods.get(name)
@@ -82,10 +85,8 @@ class _Target:
         with self.lock:
             try:
                 desc = self.pool.FindServiceByName(service).FindMethodByName(method)
-            except KeyError as e:
-                raise ExecutorError(
-                    f"{where}: the server does not offer {service}/{method} (via reflection)"
-                ) from e
+            except KeyError:
+                desc = None
             if desc is None:
                 raise ExecutorError(f"{where}: the server does not offer {service}/{method} (via reflection)")
             if desc.client_streaming:
@@ -121,18 +122,7 @@ class GrpcExecutor:
 
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = settings
-        self._targets: dict[tuple[str, bool], _Target] = {}
-        self._lock = threading.Lock()
-
-    def target(self, address: str, tls: bool) -> _Target:
-        key = (address, tls)
-        found = self._targets.get(key)
-        if found is None:
-            with self._lock:
-                found = self._targets.get(key)
-                if found is None:
-                    found = self._targets[key] = _Target(address, tls)
-        return found
+        self._targets: PerProcess[tuple[str, bool], _Target] = PerProcess()
 
     def run(self, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext) -> Any:
         import grpc
@@ -150,7 +140,8 @@ class GrpcExecutor:
         metadata = [(str(k).lower(), str(v)) for k, v in (config.get("metadata") or {}).items()]
         metadata.extend(ctx.trace_headers().items())
         ctx.check()
-        target = self.target(address, bool(config.get("tls", False)))
+        tls = bool(config.get("tls", False))
+        target = self._targets.get((address, tls), lambda: _Target(address, tls))
         try:
             call, request_cls, streams = target.method(name, where)
         except HermesError:
@@ -188,10 +179,7 @@ class GrpcExecutor:
         return json_format.MessageToDict(response, preserving_proto_field_name=True)
 
     def close(self) -> None:
-        with self._lock:
-            for target in self._targets.values():
-                target.channel.close()
-            self._targets.clear()
+        self._targets.close_all()
 
 
 def _stream(responses: Any, ctx: ExecContext, where: str, max_output: int) -> list[dict[str, Any]]:

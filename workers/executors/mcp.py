@@ -1,18 +1,11 @@
 """The ``mcp`` executor: call tools on MCP servers (stdio or streamable HTTP) through the ``mcp`` SDK.
 
-Spec keys:
+Spec keys: ``mcp``, the server (``{command: [prog, args...], env, cwd}``, ``{url, headers}`` or
+``{server: name}`` of ``executors.mcp.servers``); ``tool`` (default: the spec's name);
+``handshake_timeout`` (10 s); ``max_output`` (bytes of the result's JSON, 1 MiB).
 
-- ``mcp``: the server: ``{command: [prog, args...], env: {...}, cwd: ...}`` (stdio) or ``{url: ...,
-  headers: {...}}`` (streamable HTTP), or ``{server: name}`` naming ``executors.mcp.servers.<name>``.
-- ``tool``: the tool's name on the server (default: the spec's name).
-- ``handshake_timeout``: seconds to connect and negotiate (default 10; also ``executors.mcp``).
-- ``max_output``: cap on the result's JSON size in bytes (default 1 MiB).
-
-The SDK is async: the sessions (``mcp_session.py``) live on a private event loop in a background
-thread, and worker threads submit calls to it. One session per server is kept per process and
-re-established when the server dies.
-A result with ``isError`` is a failed call carrying the server's message. ``traceparent``,
-``tracestate`` and ``baggage`` (when the caller sent any) travel in the request's ``_meta``.
+One session per server per process (``mcp_session.py``), re-established when the server dies. A result
+with ``isError`` is a failed call; the call's trace headers travel in the request's ``_meta``.
 """
 
 from __future__ import annotations
@@ -61,8 +54,7 @@ def server_config(config: dict[str, Any], settings: dict[str, Any], where: str) 
 class McpExecutor:
     """Calls MCP tools; thread-safe (all session state lives on the pool's own loop)."""
 
-    # mcp_server: the label ``mcp add`` gave the server the tool came from (``mcp remove`` finds it by that);
-    # unwrap_result: the server wraps a non-object return as {"result": ...} (``mcp add`` sets it).
+    # mcp_server: the label ``mcp remove`` finds the tool by; unwrap_result: set by ``mcp add``.
     keys = frozenset({"mcp", "server", "tool", "handshake_timeout", "max_output", "mcp_server", "unwrap_result"})
 
     @staticmethod
@@ -101,8 +93,7 @@ class McpExecutor:
                 meta=meta or None,
             )
         except Exception as e:
-            # The connection died with this call in flight. No retry here: the tool may have run, and
-            # retrying is the gateway's decision (ExecutorError is retryable). The next call reconnects.
+            # The connection died: no retry here (the tool may have run); the next call reconnects.
             if isinstance(e, TRANSPORT_ERRORS) or getattr(e, "code", None) == CONNECTION_CLOSED:
                 await self._pool.drop(key, session)
             raise
@@ -148,10 +139,7 @@ class McpExecutor:
 
 def _result(result: Any, where: str, max_output: int, unwrap: bool = False, keep: bool = False) -> Any:
     """A tool's result as plain data: structured content if any, else text, else content blocks.
-
-    A non-object return value arrives wrapped as ``{"result": value}``: unwrapped when ``unwrap`` (the
-    spec says the server wraps), else when its text shows it is a wrapper; never when ``keep``.
-    """
+    ``{"result": value}`` is unwrapped when ``unwrap`` or its text shows a wrapper; never when ``keep``."""
     blocks = [b.model_dump(mode="json", by_alias=True, exclude_none=True) for b in result.content]
     texts = [b.get("text", "") for b in blocks if b.get("type") == "text"]
     if result.is_error:
@@ -175,9 +163,8 @@ def _result(result: Any, where: str, max_output: int, unwrap: bool = False, keep
 
 
 def wrapped_result_schema(schema: dict[str, Any]) -> dict[str, Any] | None:
-    """The schema of the value inside the ``{"result": ...}`` wrapper MCP SDK servers put around a
-    non-object return value (an object with only a required ``result``, titled ``<tool>Output``), or
-    None when ``schema`` is not that wrapper. Shared ``$defs`` stay with it, so its references resolve."""
+    """The schema inside the ``{"result": ...}`` wrapper SDK servers put around a non-object return value
+    (an object with only a required ``result``, titled ``<tool>Output``; ``$defs`` kept), else None."""
     props = schema.get("properties")
     if (
         schema.get("type") != "object"
