@@ -1,13 +1,8 @@
-"""The SSRF guard for outgoing tool traffic, enforced where sockets are opened.
+"""The SSRF guard for outgoing tool traffic, an httpcore network backend under an httpx transport.
 
-It plugs into httpcore (public API only: ``httpcore.NetworkBackend``, ``SyncBackend``, ``ConnectionPool``)
-as a network backend, under an httpx transport of our own: every new connection resolves the host itself, refuses it
-if ANY resolved address is private, loopback, link-local, multicast, reserved, unspecified or a cloud
-metadata address, and connects to the address it checked (so DNS rebinding between check and connect
-has nothing to exploit). Redirects open new connections, so every hop is checked the same way.
-
-The streams it returns also watch the call's cancellation flag while waiting for bytes, so a cancelled
-call stops promptly even when the server is silent.
+Every new connection (each redirect hop too) resolves the host itself, refuses it if ANY address is not
+public or is a cloud metadata address, and connects to the address it checked (no DNS rebinding). Its
+streams also watch the call's cancellation while waiting for bytes.
 """
 
 from __future__ import annotations
@@ -70,10 +65,7 @@ class GuardPolicy:
 
     def host_allowed(self, host: str) -> bool:
         host = host.lower().rstrip(".")
-        for pattern in self.allow_hosts:
-            if host == pattern or (pattern.startswith("*.") and host.endswith(pattern[1:])):
-                return True
-        return False
+        return any(host == p or (p.startswith("*.") and host.endswith(p[1:])) for p in self.allow_hosts)
 
     def refusal(self, host: str, address: str) -> str | None:
         """Why ``address`` (resolved from ``host``) may not be reached, or None if it may."""
@@ -92,8 +84,8 @@ class GuardPolicy:
             if not candidate.is_global or candidate.is_multicast:
                 return (
                     f"{candidate} is not a public address ({_kind(candidate)}); to reach an internal "
-                    f"service, allow it in config.yaml: executors.http.allow_networks: [\"{_net_of(candidate)}\"] "
-                    f"or allow_hosts: [\"{host}\"]"
+                    "service, allow it in config.yaml: executors.http.allow_networks: "
+                    f"[\"{candidate}/{candidate.max_prefixlen}\"] or allow_hosts: [\"{host}\"]"
                 )
         return None
 
@@ -111,10 +103,6 @@ def _embedded(ip: IPAddress) -> list[IPAddress]:
         if ip in _NAT64:
             out.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
     return out
-
-
-def _net_of(ip: IPAddress) -> str:
-    return f"{ip}/{ip.max_prefixlen}"
 
 
 def _kind(ip: IPAddress) -> str:
@@ -262,11 +250,9 @@ class _Body(httpx.SyncByteStream):
 
 
 class GuardedTransport(httpx.BaseTransport):
-    """An httpx transport on an httpcore connection pool whose network backend is the guard.
-
-    The pool is the one httpx's ``HTTPTransport`` builds, except for the backend; proxies are never used
-    (they would connect on our behalf to addresses the guard never saw). Public API of both libraries only.
-    """
+    """An httpx transport on an httpcore connection pool whose network backend is the guard:
+    the pool httpx's ``HTTPTransport`` builds but for the backend, and never a proxy (it would connect to
+    addresses the guard never saw)."""
 
     def __init__(self, policy: GuardPolicy, verify: bool) -> None:
         self.pool = httpcore.ConnectionPool(
