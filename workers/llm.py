@@ -1,10 +1,9 @@
 """One LLM call in a worker: provider kwargs, the contract's LLM flow per attempt, retries with Retry-After.
 
 Every provider attempt runs the whole flow again (``llm_request`` → ``pre_api_request`` →
-``llm_execution`` around the provider → ``post_api_request`` | ``api_request_error``), as Hermes does,
-so middleware and observer hooks see each attempt. Stream deltas become ``delta`` events as they
-arrive; each retry is announced as a ``progress`` event. The provider's settings (``model:`` in
-config.yaml, api key included) stay in this process: nothing here puts them in an event or a log.
+``llm_execution`` around the provider → ``post_api_request`` | ``api_request_error``), so hooks see each
+attempt. Stream deltas become ``delta`` events; each retry is a ``progress`` event. The ``model:``
+settings (api key included) never go into an event or a log.
 """
 
 from __future__ import annotations
@@ -42,10 +41,7 @@ LLM_CONTEXT = ("session_id", "task_id", "turn_id", "api_request_id")
 def provider_kwargs(
     request: Mapping[str, Any], context: Mapping[str, Any], model_settings: ModelSettings
 ) -> dict[str, Any]:
-    """The provider kwargs the middleware sees: the caller's request, with the model filled in.
-
-    The request's own ``model`` wins; then the call's context; then ``model.model`` of config.yaml.
-    """
+    """The caller's request with the model filled in: its own, else the context's, else ``model.model``."""
     kwargs = copy.deepcopy(dict(request))
     model = kwargs.get("model") or context.get("model") or model_settings.model
     if model:
@@ -85,16 +81,14 @@ def _without_userinfo(url: str) -> str:
     return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
-# A call the provider keeps refusing for its rate goes back to waiting this many times, then fails as a
-# retry would (each return is free, so without a bound a provider that always says 429 would loop).
+# A call refused for its rate goes back to waiting this many times at most, then fails as a retry would.
 RATE_RETURNS = 10
 PAUSE_STATUSES = (429, 503)
 DEFAULT_PAUSE = 1.0  # seconds a 429/503 without a time to wait pauses its key
 
 
 class RateLimited(Exception):  # noqa: N818 - control flow, not an error (as Dramatiq's Retry)
-    """The provider refused a rate-limited key's request; the key is paused until ``until`` (unix s) and
-    the call goes back to waiting."""
+    """The provider refused a rate-limited key's request: the key is paused until ``until`` (unix s)."""
 
     def __init__(self, until: float) -> None:
         super().__init__(f"paused until {until:.3f}")
@@ -107,8 +101,7 @@ def _label(error: BaseException) -> str:
 
 
 class LLMCall:
-    """Runs one claimed LLM call up to its response; the runner moves it (``runner.executing`` when the
-    provider is called) and publishes its events (``runner.publish``)."""
+    """Runs one claimed LLM call up to its response; the runner moves it and publishes its events."""
 
     def __init__(self, core: WorkerCore, run: Running, runner: CallRunner) -> None:
         self.core = core
@@ -154,16 +147,10 @@ class LLMCall:
             self._check()
             try:
                 response = self._attempt(provider, n)
-            except ProviderError as e:
-                if self.run.rate and e.status in PAUSE_STATUSES and self.run.attempt <= RATE_RETURNS:
-                    self._pause(e)
-                delay = self._retry_in(e, n)
-                self._announce_retry(e, n, delay)
-                if self.ctx.cancelled.wait(delay):
-                    raise CallCancelled(f"call {self.run.info.call_id} was cancelled") from None
-                n += 1
-                continue
-            except ProviderTimeout as e:
+            except (ProviderError, ProviderTimeout) as e:
+                if isinstance(e, ProviderError) and self.run.rate and e.status in PAUSE_STATUSES:
+                    if self.run.attempt <= RATE_RETURNS:
+                        self._pause(e)
                 delay = self._retry_in(e, n)
                 self._announce_retry(e, n, delay)
                 if self.ctx.cancelled.wait(delay):
@@ -193,7 +180,6 @@ class LLMCall:
                 traceparent=ctx.traceparent,
                 tracestate=ctx.tracestate,
             )
-            # ``chat <model>``: the provider forwards this span's context (pctx.traceparent) to the API.
             if run.rate:  # its limiter entry counts from the response (the provider surely has the request)
                 run.sent = True
                 pctx.on_response = lambda: self.core.rate_sent(run)

@@ -94,10 +94,8 @@ def retry_delay(
     max_retry_after: float = 60.0,
     rand: Callable[[], float] = random.random,
 ) -> float | None:
-    """Seconds before the next attempt, or None to give up (not retryable, or the server asks too much).
-
-    ``attempt`` is the 1-based number of the attempt that just failed.
-    """
+    """Seconds before the attempt after ``attempt`` (1-based), or None to give up (not retryable, or the
+    server asks for a longer wait than ``max_retry_after``)."""
     if not getattr(error, "retryable", False):
         return None
     retry_after: Any = getattr(error, "retry_after", None)

@@ -1,9 +1,8 @@
 """A blocking HTTP exchange on a helper thread, so the calling thread can be cancelled or time out at once.
 
 httpx cannot resume a response after a read timeout, and closing a socket does not wake a thread blocked
-in ``recv``. So the exchange runs on its own daemon thread and hands items over a queue; the caller polls
-the queue in short slices, checking ``cancelled`` and the deadline between them. On abort the socket is
-shut down (which does wake the reader) and the reader closes the response itself.
+in ``recv``: the reader hands items over a queue the caller polls; on abort the socket is shut down
+(which wakes the reader) and the reader closes the response itself.
 """
 
 from __future__ import annotations
@@ -38,13 +37,9 @@ class Exchange:
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 
-    def start(self, target: Callable[[Exchange], None]) -> threading.Thread:
+    def start(self, target: Callable[[Exchange], None]) -> None:
         """Run ``target(self)`` on a daemon thread named after the call."""
-        thread = threading.Thread(target=target, args=(self,), daemon=True, name=f"llm-{self.ctx.call_id}")
-        thread.start()
-        return thread
-
-    # --- reader side --------------------------------------------------------------------------
+        threading.Thread(target=target, args=(self,), daemon=True, name=f"llm-{self.ctx.call_id}").start()
 
     def put(self, kind: str, value: Any = None) -> None:
         """Hand one item to the caller."""
@@ -58,8 +53,6 @@ class Exchange:
             self._sock = sock
         if self.stop.is_set():
             self._shutdown()
-
-    # --- caller side --------------------------------------------------------------------------
 
     def next(self) -> Item:
         """The next item from the reader; raises CallCancelled or ProviderTimeout (and aborts) instead."""
@@ -92,8 +85,7 @@ class Exchange:
         if sock is None:
             return
         try:
-            # The base-class method, so an SSLSocket is shut down at the TCP level without touching
-            # TLS state the reader thread is using.
+            # The base-class method: an SSLSocket is shut down at the TCP level, its TLS state untouched.
             socket.socket.shutdown(sock, socket.SHUT_RDWR)
         except OSError:
             pass  # already closed
