@@ -19,6 +19,9 @@ from broker.config import ENV_VAR, expand_env, unset_env
 from broker.errors import CallCancelled, ConfigError, ExecutorError, HermesError, InvalidSpec, ToolTimeout
 from broker.toolspec import ToolSpec
 
+POLL = 0.05  # seconds between a waiting run's looks at its call's cancellation and deadline
+DEFAULT_MAX_OUTPUT = 1024 * 1024  # bytes of a result, unless the spec's max_output says otherwise
+
 
 class Deadline:
     """The deadline and cancellation a tool run (``ExecContext``) or a provider call checks."""
@@ -80,6 +83,10 @@ class ExecContext(Deadline):
 
     def timed_out(self) -> HermesError:
         return ToolTimeout(f"tool {self.tool_name!r} timed out after {self.timeout:g}s")
+
+    def poll_slice(self) -> float:
+        """Seconds to wait before looking at cancellation and the deadline again."""
+        return max(0.0, min(POLL, self.deadline - time.monotonic()))
 
     def check_at(self, where: str) -> None:
         """Raise if the call was cancelled or ran out of time (the timeout's message starting ``where``)."""

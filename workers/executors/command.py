@@ -30,7 +30,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,12 +37,10 @@ from broker.errors import ExecutorError, InvalidArgs, InvalidSpec, OutputTooLarg
 from broker.placeholders import OMIT, check_declared, fill, has, names, sole, value_of
 from broker.toolspec import ToolSpec
 
-from . import ExecContext, require
+from . import DEFAULT_MAX_OUTPUT, ExecContext, require
 
-DEFAULT_MAX_OUTPUT = 1024 * 1024
 DEFAULT_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
 STDERR_TAIL = 2000
-_POLL = 0.05  # how often a running command notices cancellation between output chunks
 
 
 # A worker killed outright takes its tools with it (an orphan would run beside its call's retry).
@@ -231,7 +228,6 @@ class CommandExecutor:
                 cwd=config.get("cwd"),
                 env=env,
                 start_new_session=True,
-                close_fds=True,
             )
         except FileNotFoundError as e:
             raise ExecutorError(f"{where}: command not found: {argv[0]}", command=argv[0]) from e
@@ -296,11 +292,11 @@ def _communicate(
             if not sel.get_map():
                 # Pipes are closed; the process may still be running (it closed stdout itself).
                 try:
-                    proc.wait(timeout=min(_POLL, max(ctx.deadline - time.monotonic(), 0.001)))
+                    proc.wait(timeout=ctx.poll_slice())
                 except subprocess.TimeoutExpired:
                     continue
                 break
-            for key, _ in sel.select(timeout=min(_POLL, max(ctx.deadline - time.monotonic(), 0.001))):
+            for key, _ in sel.select(timeout=ctx.poll_slice()):
                 if key.data is None:
                     assert pending is not None and proc.stdin is not None
                     try:

@@ -32,7 +32,7 @@ from broker.errors import CallCancelled, ExecutorError, HermesError, InvalidArgs
 from broker.placeholders import optional
 from broker.toolspec import ToolSpec
 
-from . import ExecContext, require
+from . import POLL, ExecContext, require
 
 if TYPE_CHECKING:  # SQLAlchemy (and its driver) is imported where a query runs, not where a spec registers
     import sqlalchemy as sa
@@ -42,7 +42,6 @@ DEFAULT_MAX_ROWS = 1000
 _READ_VERBS = {"select", "with", "values", "table", "show", "explain"}
 _MODES = ("template", "structured")
 _SQL_COMMENTS = re.compile(r"(--[^\n]*|/\*.*?\*/)", re.S)
-_POLL = 0.05
 
 
 def single_statement(sql: str) -> bool:
@@ -227,7 +226,7 @@ class DatabaseExecutor:
 
     def _watch_loop(self) -> None:
         while True:
-            time.sleep(_POLL)
+            time.sleep(POLL)
             with self._lock:
                 if not self._inflight:
                     self._watcher = None

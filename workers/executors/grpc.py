@@ -28,14 +28,12 @@ from broker.errors import (
 )
 from broker.toolspec import ToolSpec
 
-from . import ExecContext, PerProcess, from_env, require
+from . import DEFAULT_MAX_OUTPUT, POLL, ExecContext, PerProcess, from_env, require
 
 if TYPE_CHECKING:  # grpc and protobuf are imported where a call runs, not where a spec registers
     import grpc
 
-DEFAULT_MAX_OUTPUT = 1024 * 1024
 STREAM_PROGRESS_EVERY = 0.1  # seconds between progress events of a response stream
-_POLL = 0.05
 _RETRYABLE = {"UNAVAILABLE", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL"}  # status code names
 
 
@@ -159,7 +157,7 @@ class GrpcExecutor:
         future = call.future(request, timeout=ctx.remaining(), metadata=metadata or None)
         while True:
             try:
-                response = future.result(timeout=_POLL)
+                response = future.result(timeout=POLL)
                 break
             except grpc.FutureTimeoutError:
                 if ctx.cancelled.is_set():
@@ -191,7 +189,7 @@ def _stream(responses: Any, ctx: ExecContext, where: str, max_output: int) -> li
 
     def watch() -> None:  # the iterator blocks between messages: a cancel reaches it from here
         while not ended.is_set():
-            if ctx.cancelled.wait(_POLL):
+            if ctx.cancelled.wait(POLL):
                 responses.cancel()
                 return
 

@@ -51,14 +51,13 @@ from broker.placeholders import (
 from broker.toolspec import ToolSpec
 from workers.args import load_yaml_text
 
-from . import ExecContext, PerProcess, from_env, require
+from . import DEFAULT_MAX_OUTPUT, ExecContext, PerProcess, from_env, require
 
 if TYPE_CHECKING:  # httpx and the guard are imported where a call runs, not where a spec registers
     import httpx
 
     from .netguard import GuardPolicy
 
-DEFAULT_MAX_OUTPUT = 1024 * 1024
 DEFAULT_MAX_REDIRECTS = 5
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
 _SEND_ARGS_AS = ("query", "form", "json")

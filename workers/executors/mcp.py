@@ -17,10 +17,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from broker.errors import CallCancelled, ExecutorError, HermesError, InvalidSpec, OutputTooLarge, ToolTimeout
+from broker.errors import CallCancelled, ExecutorError, HermesError, InvalidSpec, OutputTooLarge
 from broker.toolspec import ToolSpec
 
-from . import ExecContext, require
+from . import DEFAULT_MAX_OUTPUT, ExecContext, require
 from .mcp_session import (
     CONNECTION_CLOSED,
     DEFAULT_HANDSHAKE_TIMEOUT,
@@ -29,9 +29,6 @@ from .mcp_session import (
     SessionPool,
     translate,
 )
-
-DEFAULT_MAX_OUTPUT = 1024 * 1024
-_POLL = 0.05
 
 
 def server_config(config: dict[str, Any], settings: dict[str, Any], where: str) -> dict[str, Any]:
@@ -109,15 +106,10 @@ class McpExecutor:
         ctx.check()
         future = self._pool.submit(self._call(key, server, handshake, name, dict(args), ctx))
         # Poll with wait(), not result(timeout): the call's own TimeoutError must not read as "not yet".
-        while not concurrent.futures.wait(
-            [future], timeout=max(0.0, min(_POLL, ctx.deadline - time.monotonic()))
-        )[0]:
-            if ctx.cancelled.is_set():
+        while not concurrent.futures.wait([future], timeout=ctx.poll_slice())[0]:
+            if ctx.cancelled.is_set() or time.monotonic() >= ctx.deadline:
                 future.cancel()
-                raise CallCancelled(f"call {ctx.call_id} was cancelled")
-            if time.monotonic() >= ctx.deadline:
-                future.cancel()
-                raise ToolTimeout(f"{where}: timed out after {ctx.timeout:g}s", timeout=ctx.timeout)
+                ctx.check_at(where)
         try:
             result = future.result()
         except HermesError:

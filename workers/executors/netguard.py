@@ -23,7 +23,7 @@ import httpx
 
 from broker.errors import CallCancelled, DestinationBlocked, InvalidSpec
 
-from . import ExecContext
+from . import POLL, ExecContext
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -33,7 +33,6 @@ METADATA = frozenset(
     for a in ("169.254.169.254", "169.254.170.2", "100.100.100.200", "fd00:ec2::254", "192.0.0.192")
 )
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
-_POLL = 0.05
 
 # The call whose request is being sent on this thread (httpcore's sync pool does I/O in the caller).
 current_call: contextvars.ContextVar[ExecContext | None] = contextvars.ContextVar(
@@ -182,7 +181,7 @@ class WatchedStream(httpcore.NetworkStream):
                 raise CallCancelled(f"call {ctx.call_id} was cancelled")
             if isinstance(self._sock, ssl.SSLSocket) and self._sock.pending():
                 return
-            wait = _POLL if end is None else max(0.0, min(_POLL, end - time.monotonic()))
+            wait = POLL if end is None else max(0.0, min(POLL, end - time.monotonic()))
             readable, _, _ = select.select([self._sock], [], [], wait)
             if readable:
                 return

@@ -16,7 +16,6 @@ from broker.errors import ExecutorError
 
 log = structlog.get_logger("hermes.executor.python")
 
-POLL = 0.05
 DEFAULT_MAX_ABANDONED = 8
 _HELPER_IDLE = 60.0  # seconds an idle helper thread waits for work before it ends
 

@@ -31,7 +31,7 @@ from broker.errors import ExecutorError, HermesError, InvalidArgs, InvalidSpec
 from broker.toolspec import ToolSpec
 
 from . import ExecContext, from_env, require
-from .pyhelpers import DEFAULT_MAX_ABANDONED, FINISHED, POLL, HelperPool, Job, Tally
+from .pyhelpers import DEFAULT_MAX_ABANDONED, FINISHED, HelperPool, Job, Tally
 
 log = structlog.get_logger("hermes.executor.python")
 _DOTTED = re.compile(r"[^\W\d]\w*(?:\.[^\W\d]\w*)*")
@@ -185,7 +185,7 @@ class PythonExecutor:
         job = Job(call, tally)
         self._helpers.submit(job)
         done = job.done
-        while not done.acquire(timeout=max(0.0, min(POLL, ctx.deadline - time.monotonic()))):
+        while not done.acquire(timeout=ctx.poll_slice()):
             if ctx.cancelled.is_set() or time.monotonic() >= ctx.deadline:
                 self._abandon(job, spec, "cancelled" if ctx.cancelled.is_set() else "timed out")
                 ctx.check_at(where)
@@ -215,8 +215,7 @@ def _run_async(awaitable: Any, ctx: ExecContext, where: str) -> Any:
     async def guarded() -> Any:
         task = asyncio.ensure_future(awaitable)
         while True:
-            left = ctx.deadline - time.monotonic()
-            done, _ = await asyncio.wait({task}, timeout=max(0.0, min(POLL, left)))
+            done, _ = await asyncio.wait({task}, timeout=ctx.poll_slice())
             if done:
                 return task.result()
             if ctx.cancelled.is_set() or time.monotonic() >= ctx.deadline:
