@@ -11,13 +11,14 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import structlog
 
 from broker.envelope import plugins_applied
-from broker.errors import CallCancelled, ProviderError, ProviderTimeout
+from broker.errors import CallCancelled, HermesError, ProviderError, ProviderTimeout
 from broker.events import DELTA, PROGRESS
 from broker.settings import ModelSettings
 from workers.executors import ExecContext
@@ -100,6 +101,14 @@ def _label(error: BaseException) -> str:
     return f"{status} {error}" if status else str(error)
 
 
+@dataclass
+class _LLMContext(ExecContext):
+    """An LLM call's context: running out of time is a ProviderTimeout."""
+
+    def timed_out(self) -> HermesError:
+        return ProviderTimeout(f"LLM call {self.call_id} timed out after {self.timeout:g}s")
+
+
 class LLMCall:
     """Runs one claimed LLM call up to its response; the runner moves it and publishes its events."""
 
@@ -125,7 +134,7 @@ class LLMCall:
         self.context["base_url"] = _without_userinfo(base_url_of(cfg))
         run.rate = cfg.rate_limit_for(str(self.context["provider"]), self.model) is not None
         # The runner's control channel cancels through run.ctx; the provider watches the same Event.
-        self.ctx = ExecContext(
+        self.ctx = _LLMContext(
             call_id=env.call_id,
             tool_name=self.model,
             timeout=self.timeout,
@@ -144,7 +153,7 @@ class LLMCall:
         self.core.check_budget(self.run.env.context.get("principal"))
         n = 1
         while True:
-            self._check()
+            self.ctx.check()
             try:
                 response = self._attempt(provider, n)
             except (ProviderError, ProviderTimeout) as e:
@@ -173,7 +182,7 @@ class LLMCall:
             self.runner.executing(run)
             pctx = ProviderContext(
                 call_id=run.info.call_id,
-                timeout=self._remaining(),
+                timeout=self.ctx.remaining(),
                 attempt=n,
                 cancelled=ctx.cancelled,
                 on_delta=self._delta,
@@ -249,16 +258,3 @@ class LLMCall:
             "error": error.to_wire(),
         }
         self.runner.publish(self.run, PROGRESS, detail)
-
-    # -- time and cancellation -------------------------------------------------------------------
-
-    def _remaining(self) -> float:
-        left = self.ctx.deadline - time.monotonic()
-        if left <= 0:
-            raise ProviderTimeout(f"LLM call {self.run.info.call_id} timed out after {self.timeout:g}s")
-        return left
-
-    def _check(self) -> None:
-        if self.ctx.cancelled.is_set():
-            raise CallCancelled(f"call {self.run.info.call_id} was cancelled")
-        self._remaining()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import email.utils
 import random
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -12,6 +13,8 @@ from typing import Any
 from workers.retry import RetryPolicy
 
 RETRYABLE_STATUSES: frozenset[int] = frozenset({408, 429})
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|h|m|s)")
+_UNITS = {"ms": 0.001, "h": 3600.0, "m": 60.0, "s": 1.0}
 
 
 def is_retryable_status(status: int) -> bool:
@@ -54,21 +57,10 @@ def parse_reset(value: str) -> float | None:
         return max(0.0, float(text))
     except ValueError:
         pass
-    total, num = 0.0, ""
-    i = 0
-    while i < len(text):
-        c = text[i]
-        if c.isdigit() or c == ".":
-            num += c
-            i += 1
-            continue
-        unit = "ms" if text.startswith("ms", i) else c
-        if not num or unit not in ("ms", "h", "m", "s"):
-            return None
-        total += float(num) * {"ms": 0.001, "h": 3600.0, "m": 60.0, "s": 1.0}[unit]
-        num = ""
-        i += len(unit)
-    return None if num else total
+    parts = _DURATION_PART.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        return None
+    return sum(float(n) * _UNITS[u] for n, u in parts)
 
 
 def pause_seconds(headers: Mapping[str, str]) -> float | None:
