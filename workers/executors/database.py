@@ -44,17 +44,12 @@ _MODES = ("template", "structured")
 _SQL_COMMENTS = re.compile(r"(--[^\n]*|/\*.*?\*/)", re.S)
 
 
-def single_statement(sql: str) -> bool:
-    """True when ``sql`` holds one statement (a ``;`` inside a string literal is fine)."""
-    body = _SQL_COMMENTS.sub(" ", sql).strip().rstrip(";")
-    return ";" not in re.sub(r"'(?:[^']|'')*'", "''", body)
-
-
 def checked_query(where: str, query: Any) -> str:
-    """``query`` when it is one SQL statement (registration's check and the run's)."""
+    """``query`` when it is one SQL statement (a ``;`` in a string literal is fine)."""
     if not isinstance(query, str) or not query.strip():
         raise InvalidSpec.at(where, "query", "expected an SQL string (or mode: structured)")
-    if not single_statement(query):
+    body = _SQL_COMMENTS.sub(" ", query).strip().rstrip(";")
+    if ";" in re.sub(r"'(?:[^']|'')*'", "''", body):
         raise InvalidSpec.at(where, "query", "one statement only")
     return query
 

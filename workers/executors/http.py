@@ -144,14 +144,7 @@ class HttpExecutor:
         return GuardPolicy.build(enabled, hosts, nets)
 
     def client(self, policy: GuardPolicy, verify: bool) -> httpx.Client:
-        def make() -> httpx.Client:
-            import httpx
-
-            from .netguard import GuardedTransport
-
-            return httpx.Client(transport=GuardedTransport(policy, verify), follow_redirects=False, trust_env=False)
-
-        return self._clients.get((policy, verify), make)
+        return self._clients.get((policy, verify), lambda: _guarded_client(policy, verify))
 
     def run(self, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext) -> Any:
         import httpx
@@ -207,6 +200,14 @@ class HttpExecutor:
 
     def close(self) -> None:
         self._clients.close_all()
+
+
+def _guarded_client(policy: GuardPolicy, verify: bool) -> httpx.Client:
+    import httpx
+
+    from .netguard import GuardedTransport
+
+    return httpx.Client(transport=GuardedTransport(policy, verify), follow_redirects=False, trust_env=False)
 
 
 def build_request(

@@ -121,15 +121,13 @@ class McpExecutor:
         # A spec imported before `unwrap_result` existed declares the wrapper itself: keep the wrapper then.
         declared = spec.output_schema
         keep = isinstance(declared, dict) and wrapped_result_schema(declared) is not None
-        return _result(
-            result, where, max_output, unwrap=bool(config.get("unwrap_result")) and not keep, keep=keep
-        )
+        return _result(result, where, max_output, unwrap=bool(config.get("unwrap_result")), keep=keep)
 
     def close(self) -> None:
         self._pool.close()
 
 
-def _result(result: Any, where: str, max_output: int, unwrap: bool = False, keep: bool = False) -> Any:
+def _result(result: Any, where: str, max_output: int, unwrap: bool, keep: bool) -> Any:
     """A tool's result as plain data: structured content if any, else text, else content blocks.
     ``{"result": value}`` is unwrapped when ``unwrap`` or its text shows a wrapper; never when ``keep``."""
     blocks = [b.model_dump(mode="json", by_alias=True, exclude_none=True) for b in result.content]
