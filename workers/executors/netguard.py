@@ -206,20 +206,12 @@ class WatchedStream(httpcore.NetworkStream):
 
 # httpx names its errors after httpcore's (as httpx's own transport maps them).
 _ERRORS: dict[type[Exception], type[httpx.HTTPError]] = {
-    httpcore.TimeoutException: httpx.TimeoutException,
-    httpcore.ConnectTimeout: httpx.ConnectTimeout,
-    httpcore.ReadTimeout: httpx.ReadTimeout,
-    httpcore.WriteTimeout: httpx.WriteTimeout,
-    httpcore.PoolTimeout: httpx.PoolTimeout,
-    httpcore.NetworkError: httpx.NetworkError,
-    httpcore.ConnectError: httpx.ConnectError,
-    httpcore.ReadError: httpx.ReadError,
-    httpcore.WriteError: httpx.WriteError,
-    httpcore.ProxyError: httpx.ProxyError,
-    httpcore.UnsupportedProtocol: httpx.UnsupportedProtocol,
-    httpcore.ProtocolError: httpx.ProtocolError,
-    httpcore.LocalProtocolError: httpx.LocalProtocolError,
-    httpcore.RemoteProtocolError: httpx.RemoteProtocolError,
+    getattr(httpcore, name): getattr(httpx, name)
+    for name in (
+        "TimeoutException", "ConnectTimeout", "ReadTimeout", "WriteTimeout", "PoolTimeout", "NetworkError",
+        "ConnectError", "ReadError", "WriteError", "ProxyError", "UnsupportedProtocol", "ProtocolError",
+        "LocalProtocolError", "RemoteProtocolError",
+    )
 }
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import queue
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -58,13 +57,12 @@ class Exchange:
         """The next item from the reader; raises CallCancelled or ProviderTimeout (and aborts) instead."""
         ctx = self.ctx
         while True:
-            if ctx.cancelled.is_set():
+            try:
+                ctx.check()
+                left = ctx.remaining()
+            except (CallCancelled, ProviderTimeout):
                 self.abort()
-                raise CallCancelled(f"call {ctx.call_id} was cancelled")
-            left = ctx.deadline - time.monotonic()
-            if left <= 0:
-                self.abort()
-                raise ProviderTimeout(f"LLM call {ctx.call_id} timed out after {ctx.timeout:g}s")
+                raise
             try:
                 item = self._items.get(timeout=min(POLL, left))
             except queue.Empty:
