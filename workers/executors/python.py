@@ -70,8 +70,6 @@ class _Target:
                 self.names = frozenset(p.name for p in named)
                 self.any_name = len(named) < len(params)
                 self.required = frozenset(p.name for p in named if p.default is inspect.Parameter.empty)
-        # Instances with an ``async def __call__`` count as async too.
-        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
     def fits(self, kwargs: dict[str, Any]) -> bool:
         """True when ``kwargs`` certainly bind (False: bind the signature for the exact error)."""
@@ -146,9 +144,7 @@ class PythonExecutor:
         try:
             if not target.inline:
                 result = self._run_on_helper(spec, target.fn, kwargs, ctx, where)
-            elif target.is_async:
-                result = _run_async(target.fn(**kwargs), ctx, where)
-            else:
+            else:  # an async function's coroutine is awaitable like any other result
                 result = target.fn(**kwargs)
                 if inspect.isawaitable(result):
                     result = _run_async(result, ctx, where)
