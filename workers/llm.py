@@ -1,9 +1,8 @@
 """One LLM call in a worker: provider kwargs, the contract's LLM flow per attempt, retries with Retry-After.
 
-Every provider attempt runs the whole flow again (``llm_request`` → ``pre_api_request`` →
-``llm_execution`` around the provider → ``post_api_request`` | ``api_request_error``), so hooks see each
-attempt. Stream deltas become ``delta`` events; each retry is a ``progress`` event. The ``model:``
-settings (api key included) never go into an event or a log.
+Every provider attempt runs the whole LLM flow again, so hooks see each attempt; stream deltas become
+``delta`` events and each retry a ``progress`` event. The ``model:`` settings (api key included) never go
+into an event or a log.
 """
 
 from __future__ import annotations
@@ -169,8 +168,6 @@ class LLMCall:
             self.runner.executing(self.run)  # (a middleware may have answered without calling the provider)
             return response
 
-    # -- one attempt -----------------------------------------------------------------------------
-
     def _attempt(self, provider: Provider, n: int) -> Any:
         run, ctx = self.run, self.ctx
         context = dict(self.context)
@@ -210,8 +207,6 @@ class LLMCall:
 
     def _delta(self, delta: dict[str, Any]) -> None:
         self.runner.publish(self.run, DELTA, delta)
-
-    # -- retries ---------------------------------------------------------------------------------
 
     def _pause(self, error: ProviderError) -> None:
         """Pause the key for the whole fleet as long as the provider asked, and send this call back."""

@@ -1,23 +1,10 @@
-"""The ``command`` executor: run a program with argv filled from the arguments. Never a shell.
+"""The ``command`` executor: run a program with argv filled from the arguments, never through a shell.
 
-Spec keys (defaults may sit in ``executors.command``):
-
-- ``command``: a string (split with :func:`shlex.split` FIRST, then each element is filled) or a list;
-  a value stays exactly one argument, and ``argv[0]`` may not hold a placeholder.
-- A value may not make an element start with ``-`` (``invalid_args``) unless the template element does
-  (``--name={{n}}``). ``args_separator: true`` puts ``--`` before the first element holding a value and
-  lets values start with ``-``; ``false`` lets them through as they are.
-- A shell's or interpreter's code may not hold a placeholder (``sh -c "ls {{dir}}"``, ``python3 -c``):
-  pass values as arguments after the code (``sh -c 'ls -- "$1"' sh {{dir}}``). Checked at registration
-  and at run time (a stored spec is not re-validated).
-- ``env``: names passed through from the worker's environment (default ``DEFAULT_ENV``; the rest stays
-  out); ``env_set: {K: V}`` sets more (values may hold placeholders; one that is just an optional field
-  left out is not set). In argv a missing value is always ``invalid_args``: dropping it would shift the rest.
-- ``cwd``; ``stdin: json`` (the arguments as JSON on stdin); ``output: text | json``.
-- ``max_output``: cap on stdout in bytes (default 1 MiB); ``kill_grace``: seconds between SIGTERM and
-  SIGKILL of the process group (default 2).
-
-Result: stdout as text with one trailing newline removed (or parsed JSON with ``output: json``).
+``command`` is split with :func:`shlex.split` FIRST, then each element is filled, so a value stays one
+argument; a value never chooses the program, never becomes an option (unless ``args_separator``) and is
+never code given to a shell or interpreter (checked at registration and again at run time). The child
+gets only the ``env`` allow-list plus ``env_set``, runs in its own process group (killed after
+``kill_grace`` on timeout or cancel) and its stdout (capped by ``max_output``) is the result.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """The ``database`` executor: parameterised SQL through SQLAlchemy 2, read-only by default.
 
-Spec keys (``dsn`` may also come from ``executors.database.dsn``):
-
-- Template mode (default): ``query: SELECT ... WHERE city = :city``; the driver binds the arguments,
-  nothing is pasted into the SQL. A parameter of an optional field left out binds NULL
-  (``WHERE (:unit IS NULL OR unit = :unit)``); any other missing one is ``invalid_args``.
-- Structured mode: ``mode: structured``, ``tables: {name: [allowed columns]}``; the model sends
-  ``{table, columns, where: {col: value | [values]}, limit}``, checked against the allow-list and built
-  with SQLAlchemy Core.
-- ``read_only`` (default true): only reading statements, in a transaction always rolled back
-  (PostgreSQL ``SET TRANSACTION READ ONLY``, SQLite ``PRAGMA query_only``); ``false`` commits.
-- ``max_rows`` (default 1000; extra rows are dropped and reported as progress).
-- The deadline becomes ``statement_timeout`` (PostgreSQL) or a progress handler (SQLite); cancellation
-  cancels the running statement.
-
-Result: a list of row dicts with JSON-friendly values.
+Template mode binds the arguments to ``:name`` parameters of one ``query`` (an optional field left out
+binds NULL); structured mode builds a SELECT from ``{table, columns, where, limit}`` checked against the
+``tables`` allow-list. ``read_only`` statements run in a transaction always rolled back; the deadline
+becomes a statement timeout, cancellation cancels the statement, ``max_rows`` caps the result (a list
+of row dicts with JSON-friendly values).
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """The ``grpc`` executor: unary and server-streaming calls described by server reflection, JSON in and out.
 
-Spec keys: ``target`` (``host:port``, also ``executors.grpc.target``), ``tls: true`` (system roots),
-``method`` (``package.Service/Method``), ``metadata`` (the call's trace headers are added),
-``max_output`` (bytes, default 1 MiB).
-
-Message types come from the server's reflection service (cached per target). A server stream's
-responses come back as a list, announced as progress (at most every 0.1 s, and at its end);
-client-streaming methods are refused. DEADLINE_EXCEEDED -> ToolTimeout, INVALID_ARGUMENT -> InvalidArgs,
-UNAVAILABLE / RESOURCE_EXHAUSTED / ABORTED / INTERNAL -> retryable ExecutorError, others ExecutorError.
+A server stream's messages come back as a list, announced as progress while it runs; client-streaming
+methods are refused. gRPC status codes become typed errors (``_translate``).
 """
 
 from __future__ import annotations

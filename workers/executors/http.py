@@ -1,20 +1,10 @@
 """The ``http`` executor: call an HTTP endpoint with the arguments, behind the SSRF guard (:mod:`netguard`).
 
-Spec keys (defaults may sit in ``executors.http``):
-
-- ``method`` (GET), ``endpoint``: ``{{field}}`` only in the path and query, percent-encoded.
-- ``headers``: values may hold ``{{field}}`` (names may not); CR/LF/NUL in a value is refused.
-- Arguments not used in the endpoint go to the query string (GET/DELETE/HEAD) or a form body;
-  ``send_args_as: query | form | json`` overrides.
-- ``body_template``: a YAML-flow/JSON text, parsed FIRST, then filled with typed values and sent as JSON.
-- An optional field left out drops a body value, header or query parameter that is just its placeholder
-  (``broker/placeholders.py``).
-- ``allow_hosts`` / ``allow_networks`` (settings and spec combined) admit exceptions to the guard
-  (``ssrf_guard: false`` only in settings); ``max_output`` (1 MiB), ``max_redirects`` (5), ``verify``.
-
-Registration refuses what the run would (a bad URL, a placeholder in the scheme, host, a header name or
-a body key, an unparsable body, a placeholder naming no declared property); the run checks again.
-Result: the JSON body, else text; status >= 400 is an ExecutorError with ``details.status``.
+``{{field}}`` is percent-encoded into the endpoint's path and query only; other arguments go to the query
+string or a form body (``send_args_as`` overrides); ``body_template`` is parsed FIRST, then filled with
+typed values and sent as JSON. An optional field left out drops what is just its placeholder
+(``broker/placeholders.py``). Registration refuses what the run would, and the run checks again. The
+result is the JSON body, else text; status >= 400 is an ExecutorError with ``details.status``.
 """
 
 from __future__ import annotations

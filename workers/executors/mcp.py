@@ -1,9 +1,5 @@
 """The ``mcp`` executor: call tools on MCP servers (stdio or streamable HTTP) through the ``mcp`` SDK.
 
-Spec keys: ``mcp``, the server (``{command: [prog, args...], env, cwd}``, ``{url, headers}`` or
-``{server: name}`` of ``executors.mcp.servers``); ``tool`` (default: the spec's name);
-``handshake_timeout`` (10 s); ``max_output`` (bytes of the result's JSON, 1 MiB).
-
 One session per server per process (``mcp_session.py``), re-established when the server dies. A result
 with ``isError`` is a failed call; the call's trace headers travel in the request's ``_meta``.
 """

@@ -1,16 +1,9 @@
 """The ``python`` executor: call ``package.module:callable`` (sync or async) in the worker.
 
-Spec key: ``function``. A callable with a ``ctx`` parameter also gets the :class:`ExecContext` and runs on
-the call's own thread, expected to watch ``ctx.cancelled`` / ``ctx.deadline`` (an async one is cancelled
-at the deadline). Settings ``executors.python``: ``paths`` (extra ``sys.path`` entries), ``inline`` and
-``max_abandoned`` (default 8).
-
-A callable without ``ctx`` runs on a helper thread (``pyhelpers``) the call's thread waits on. At the
-deadline or on cancellation the call ends at once and the function is abandoned: a :class:`ToolStopped`
-is injected into its thread (code blocked in C gets it when that returns) and whatever it returns is
-discarded. Past ``max_abandoned`` abandoned functions of one tool still running, its new calls fail at
-once (a retryable ``executor_error``). Functions listed in ``inline`` run on the call's thread like
-``ctx`` ones: no thread switch, not stoppable.
+A callable with a ``ctx`` parameter (or listed in ``executors.python.inline``) runs on the call's own
+thread and watches ``ctx`` itself. Any other runs on a helper thread (``pyhelpers``): at the deadline or
+on cancellation the call ends at once and the function is abandoned and stopped with
+:class:`ToolStopped`; past ``max_abandoned`` of them still running, new calls of that tool fail at once.
 """
 
 from __future__ import annotations

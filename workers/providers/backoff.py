@@ -42,8 +42,6 @@ def parse_retry_after(headers: Mapping[str, str], now: float | None = None) -> f
         when = email.utils.parsedate_to_datetime(raw)
     except (TypeError, ValueError):
         return None
-    if when is None:
-        return None
     current = time.time() if now is None else now
     return max(0.0, when.timestamp() - current)
 
