@@ -239,8 +239,7 @@ def expand_spec(spec: ToolSpec, environ: Mapping[str, str] | None = None) -> Pre
         if isinstance(value, str):
             if "${" not in value:
                 return value
-            missing = unset_env(value, env)
-            if missing:
+            if missing := unset_env(value, env):
                 raise InvalidSpec(
                     f"{where}: {path}: ${{{missing[0]}}} is not set in the worker's environment",
                     path=path,

@@ -67,8 +67,7 @@ def split_command(where: str, template: Any) -> list[str]:
         raise InvalidSpec.at(where, "command", "is empty")
     if has(parts[0]):
         raise InvalidSpec.at(where, "command", "the program (argv[0]) may not contain a placeholder")
-    problem = code_placeholder(parts)
-    if problem:
+    if problem := code_placeholder(parts):
         raise InvalidSpec.at(where, "command", problem)
     return parts
 

@@ -243,8 +243,7 @@ def build_template(
         raise InvalidSpec.at(where, "query", "read-only tools may only read (set read_only: false to write)")
     statement = sa.text(query)
     names = list(statement.compile().params)  # the bind parameter names text() found in the SQL
-    missing = [n for n in names if n not in args and not optional(schema, n)]
-    if missing:
+    if missing := [n for n in names if n not in args and not optional(schema, n)]:
         raise InvalidArgs(
             f"{where}: missing value for {', '.join(':' + n for n in missing)}",
             violations=[f"$.{n}: missing" for n in missing],

@@ -107,8 +107,7 @@ class HttpExecutor:
                 continue  # a ${VAR} is judged on the worker, once filled in
             if not isinstance(url, str):
                 raise InvalidSpec.at(where, key, f"expected an http(s) URL, got {type(url).__name__} {url!r}")
-            problem = url_problem(url.strip())
-            if problem:
+            if problem := url_problem(url.strip()):
                 raise InvalidSpec.at(where, key, problem)
         mode = data.get("send_args_as")
         if mode is not None and mode not in _SEND_ARGS_AS:
@@ -208,8 +207,7 @@ def build_request(
     endpoint = config.get("endpoint") or config.get("url")
     if not isinstance(endpoint, str) or not endpoint:
         raise InvalidSpec.at(where, "endpoint", "expected a URL")
-    problem = url_problem(endpoint)
-    if problem:
+    if problem := url_problem(endpoint):
         raise InvalidSpec.at(where, "endpoint", problem)
     parts = urlsplit(endpoint)
     used = set(names(parts.path) + names(parts.query))

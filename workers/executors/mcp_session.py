@@ -192,8 +192,7 @@ def translate(e: BaseException, where: str, handshake: float, server: dict[str, 
 
     target = server.get("url") or server.get("command")
     if isinstance(e, BaseExceptionGroup):  # the SDK's task groups: the first real failure says what happened
-        leaves = _leaves(e)
-        if leaves:
+        if leaves := _leaves(e):
             return translate(leaves[0], where, handshake, server)
     if isinstance(e, TRANSPORT_ERRORS) or (isinstance(e, MCPError) and e.code == CONNECTION_CLOSED):
         hint = " (it exited? a stdio server's own error output is above)" if server.get("command") else ""

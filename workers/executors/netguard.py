@@ -133,8 +133,7 @@ class GuardedBackend(httpcore.NetworkBackend):
         if not addresses:
             raise httpcore.ConnectError(f"{bare!r} resolves to no address")
         for address in addresses:
-            reason = self.policy.refusal(bare, address)
-            if reason:
+            if reason := self.policy.refusal(bare, address):
                 raise DestinationBlocked(
                     f"refusing to connect to {bare!r}: {reason}", host=bare, address=address
                 )
@@ -169,8 +168,7 @@ class WatchedStream(httpcore.NetworkStream):
         self._sock = sock
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        ctx = current_call.get()
-        if ctx is not None:
+        if (ctx := current_call.get()) is not None:
             self._wait_readable(ctx, timeout)
         return self._inner.read(max_bytes, timeout)
 
@@ -235,8 +233,7 @@ class _Body(httpx.SyncByteStream):
             yield from self._stream
 
     def close(self) -> None:
-        close = getattr(self._stream, "close", None)
-        if close is not None:
+        if (close := getattr(self._stream, "close", None)) is not None:
             close()
 
 

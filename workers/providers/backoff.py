@@ -25,8 +25,7 @@ def is_retryable_status(status: int) -> bool:
 def parse_retry_after(headers: Mapping[str, str], now: float | None = None) -> float | None:
     """Seconds to wait from ``retry-after-ms`` or ``Retry-After`` (delta-seconds or an HTTP-date)."""
     lowered = {k.lower(): v for k, v in headers.items()}
-    raw_ms = lowered.get("retry-after-ms")
-    if raw_ms:
+    if raw_ms := lowered.get("retry-after-ms"):
         try:
             return max(0.0, float(raw_ms) / 1000.0)
         except ValueError:
@@ -64,8 +63,7 @@ def parse_reset(value: str) -> float | None:
 def pause_seconds(headers: Mapping[str, str]) -> float | None:
     """How long a 429/503 asks the fleet to wait: ``retry-after-ms``, ``Retry-After``, else the longest
     ``x-ratelimit-reset-requests`` / ``-tokens`` whose remaining count is 0 (or either, when none says)."""
-    from_retry = parse_retry_after(headers)
-    if from_retry is not None:
+    if (from_retry := parse_retry_after(headers)) is not None:
         return from_retry
     lowered = {k.lower(): v for k, v in headers.items()}
     waits = []

@@ -73,8 +73,7 @@ _instances: PerProcess[tuple[str, str, str], Provider] = PerProcess()
 def provider_module(name: str) -> str:
     """The module name under ``workers.providers`` that serves ``model.provider``."""
     key = (name or "openai-compatible").strip().lower()
-    module = _MODULES.get(key)
-    if module is None:
+    if (module := _MODULES.get(key)) is None:
         raise ConfigError(f"unknown model provider {name!r}; known: {', '.join(sorted(_MODULES))}")
     return module
 
