@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
@@ -158,10 +159,8 @@ class PerProcess(Generic[K, V]):
         """Close every instance (best effort: at shutdown) and forget them."""
         with self._lock:
             for inst in self.items.values():
-                try:
+                with contextlib.suppress(Exception):  # closing is best effort at shutdown
                     inst.close()
-                except Exception:  # noqa: BLE001 - closing is best effort at shutdown
-                    pass
             self.items.clear()
 
 

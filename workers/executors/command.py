@@ -9,6 +9,7 @@ gets only the ``env`` allow-list plus ``env_set``, runs in its own process group
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -311,22 +312,16 @@ def _communicate(
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _kill_group(proc: subprocess.Popen[bytes], grace: float) -> None:
     """SIGTERM the whole process group, then SIGKILL whatever is left after ``grace`` seconds."""
     _signal_group(proc, signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        pass
     _signal_group(proc, signal.SIGKILL)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):  # (only a kernel in trouble gets there)
         proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:  # pragma: no cover - only a kernel in trouble gets here
-        pass
 

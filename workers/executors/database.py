@@ -9,6 +9,7 @@ of row dicts with JSON-friendly values).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import decimal
 import re
@@ -220,10 +221,8 @@ class DatabaseExecutor:
                 for key, _ in due:
                     self._inflight.pop(key, None)
             for _, cancel in due:
-                try:
+                with contextlib.suppress(Exception):  # the query may have just finished
                     cancel()
-                except Exception:  # noqa: BLE001 - the query may have just finished; nothing to cancel
-                    pass
 
     def close(self) -> None:
         with self._lock:

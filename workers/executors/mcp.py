@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import time
 from collections.abc import Mapping
@@ -70,10 +71,8 @@ class McpExecutor:
         meta: dict[str, Any] = dict(ctx.trace_headers())
 
         async def progress(value: float, total: float | None, message: str | None) -> None:
-            try:
+            with contextlib.suppress(Exception):  # a progress sink failure must not fail the call
                 ctx.progress(message or (f"{value:g}/{total:g}" if total else f"{value:g}"))
-            except Exception:  # noqa: BLE001 - a progress sink failure must not fail the call
-                pass
 
         # Session start is shared by concurrent callers: one caller's cancellation must not abort it.
         session = await asyncio.shield(self._pool.get(key, server, handshake))

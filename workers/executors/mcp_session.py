@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import threading
 from collections.abc import Coroutine
@@ -132,10 +133,8 @@ class Session:
     async def close(self) -> None:
         self._stop.set()
         if self.task is not None:
-            try:
+            with contextlib.suppress(BaseException):  # closing is best effort
                 await asyncio.wait_for(asyncio.shield(self.task), 6)
-            except BaseException:  # noqa: BLE001 - closing is best effort
-                pass
 
 
 class SessionPool:
@@ -179,10 +178,8 @@ class SessionPool:
             self._sessions.clear()
 
         if self._loop.is_running():
-            try:
+            with contextlib.suppress(Exception):  # shutdown is best effort
                 self.submit(close_all()).result(timeout=15)
-            except Exception:  # noqa: BLE001 - shutdown is best effort
-                pass
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
 

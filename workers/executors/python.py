@@ -9,6 +9,7 @@ on cancellation the call ends at once and the function is abandoned and stopped 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import re
@@ -209,10 +210,8 @@ def _run_async(awaitable: Any, ctx: ExecContext, where: str) -> Any:
                 return task.result()
             if ctx.cancelled.is_set() or time.monotonic() >= ctx.deadline:
                 task.cancel()
-                try:
+                with contextlib.suppress(BaseException):  # the task's own outcome no longer matters
                     await task
-                except BaseException:  # noqa: BLE001 - the task's own outcome no longer matters
-                    pass
                 ctx.check_at(where)
 
     return asyncio.run(guarded())

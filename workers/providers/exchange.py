@@ -7,6 +7,7 @@ in ``recv``: the reader hands items over a queue the caller polls; on abort the 
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import socket
 import threading
@@ -82,8 +83,6 @@ class Exchange:
             sock = self._sock
         if sock is None:
             return
-        try:
-            # The base-class method: an SSLSocket is shut down at the TCP level, its TLS state untouched.
+        # The base-class method: an SSLSocket is shut down at the TCP level, its TLS state untouched.
+        with contextlib.suppress(OSError):  # already closed
             socket.socket.shutdown(sock, socket.SHUT_RDWR)
-        except OSError:
-            pass  # already closed
