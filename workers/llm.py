@@ -220,8 +220,7 @@ class LLMCall:
         """Seconds before attempt ``n + 1``; raises the error that ends the call when there is none."""
         if n > self.max_retries:
             raise error
-        delay = retry_delay(error, n, max_retry_after=self.max_retry_after)
-        if delay is None:
+        if (delay := retry_delay(error, n, max_retry_after=self.max_retry_after)) is None:
             if getattr(error, "retryable", False):  # the server asked for a wait we refuse
                 raise ProviderError(
                     give_up_reason(error, self.max_retry_after),

@@ -146,12 +146,10 @@ class PerProcess(Generic[K, V]):
 
     def get(self, key: K, make: Callable[[], V]) -> V:
         """The instance of ``key``, made by ``make()`` the first time (once, under a lock)."""
-        inst = self.items.get(key)
-        if inst is not None:
+        if (inst := self.items.get(key)) is not None:
             return inst
         with self._lock:
-            inst = self.items.get(key)
-            if inst is None:
+            if (inst := self.items.get(key)) is None:
                 inst = self.items[key] = make()
         return inst
 

@@ -87,12 +87,10 @@ class DatabaseExecutor:
         self._watcher: threading.Thread | None = None
 
     def engine(self, dsn: str) -> Engine:
-        found = self._engines.get(dsn)
-        if found is not None:
+        if (found := self._engines.get(dsn)) is not None:
             return found
         with self._lock:
-            found = self._engines.get(dsn)
-            if found is None:
+            if (found := self._engines.get(dsn)) is None:
                 import sqlalchemy as sa
 
                 url = re.sub(r"^postgres(ql)?://", "postgresql+psycopg://", dsn)

@@ -65,11 +65,9 @@ class _Target:
 
     def method(self, name: str, where: str) -> tuple[Any, Any, bool]:
         """(callable, request class, whether it streams its responses) for ``package.Service/Method``."""
-        found = self.methods.get(name)
-        if found is not None:
+        if (found := self.methods.get(name)) is not None:
             return found
-        split = split_method(name)
-        if split is None:
+        if (split := split_method(name)) is None:
             raise InvalidSpec.at(where, "method", f"expected 'package.Service/Method', got {name!r}")
         service, method = split
         from google.protobuf import message_factory

@@ -233,8 +233,7 @@ def build_request(
             raise InvalidArgs(f"{where}: header {name}: value may not contain CR, LF or NUL")
         headers[str(name)] = filled
     out: dict[str, Any] = {"method": method, "url": url, "headers": headers}
-    template = config.get("body_template")
-    if template is not None:
+    if (template := config.get("body_template")) is not None:
         structure = parse_body(template, where) if isinstance(template, str) else template
         body = fill_structure(structure, args, where, schema)
         if body is not OMIT:  # a template that is only an optional field left out: no body

@@ -215,8 +215,7 @@ def list_server_tools(
             "input_schema": tool.input_schema or {"type": "object"},
         }
         if tool.output_schema:
-            inner = wrapped_result_schema(tool.output_schema)
-            if inner is None:
+            if (inner := wrapped_result_schema(tool.output_schema)) is None:
                 spec["output_schema"] = tool.output_schema
             else:  # the result the gateway returns (and checks) is the value, not the server's wrapper
                 spec["output_schema"], spec["unwrap_result"] = inner, True

@@ -153,8 +153,7 @@ class PythonExecutor:
         self, spec: ToolSpec, fn: Callable[..., Any], kwargs: dict[str, Any], ctx: ExecContext, where: str
     ) -> Any:
         """Run ``fn`` on a helper thread; give up on it at the deadline or on cancellation."""
-        tally = self._tallies.get(spec.name)
-        if tally is None:
+        if (tally := self._tallies.get(spec.name)) is None:
             with self._lock:
                 tally = self._tallies.setdefault(spec.name, Tally())
         limit = self._max_abandoned

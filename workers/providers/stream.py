@@ -113,8 +113,7 @@ class StreamAssembler:
         out: list[dict[str, Any]] = []
         for raw in chunk.get("choices") or []:
             index = int(raw.get("index", 0))
-            choice = self.choices.get(index)
-            if choice is None:
+            if (choice := self.choices.get(index)) is None:
                 choice = self.choices[index] = _Choice(index)
             delta = raw.get("delta") or {}
             choice.add(delta)
