@@ -36,9 +36,7 @@ def split_method(name: str) -> tuple[str, str] | None:
     service, sep, method = name.rpartition("/")
     if not sep:
         service, _, method = name.rpartition(".")
-    if not service or not method:
-        return None
-    return service, method
+    return (service, method) if service and method else None
 
 
 class _Target:

@@ -68,8 +68,6 @@ class McpExecutor:
         args: dict[str, Any],
         ctx: ExecContext,
     ) -> Any:
-        meta: dict[str, Any] = dict(ctx.trace_headers())
-
         async def progress(value: float, total: float | None, message: str | None) -> None:
             with contextlib.suppress(Exception):  # a progress sink failure must not fail the call
                 ctx.progress(message or (f"{value:g}/{total:g}" if total else f"{value:g}"))
@@ -82,7 +80,7 @@ class McpExecutor:
                 args,
                 read_timeout_seconds=max(0.001, ctx.deadline - time.monotonic()),
                 progress_callback=progress,
-                meta=meta or None,
+                meta=ctx.trace_headers() or None,
             )
         except Exception as e:
             # The connection died: no retry here (the tool may have run); the next call reconnects.

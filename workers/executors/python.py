@@ -36,9 +36,7 @@ def split_ref(ref: str) -> tuple[str, str] | None:
     module, sep, attr = ref.strip().partition(":")
     if not sep:
         module, _, attr = ref.strip().rpartition(".")
-    if not _DOTTED.fullmatch(module) or not _DOTTED.fullmatch(attr):
-        return None
-    return module, attr
+    return (module, attr) if _DOTTED.fullmatch(module) and _DOTTED.fullmatch(attr) else None
 
 
 class _Target:
