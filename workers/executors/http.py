@@ -211,15 +211,9 @@ def build_request(
         raise InvalidSpec.at(where, "endpoint", problem)
     parts = urlsplit(endpoint)
     used = set(names(parts.path) + names(parts.query))
-    url = urlunsplit(
-        (
-            parts.scheme,
-            parts.netloc,
-            fill(parts.path, args, where, encode=lambda v: _path_value(v, where), schema=schema),
-            _fill_query(parts.query, args, where, schema),
-            "",
-        )
-    )
+    path = fill(parts.path, args, where, encode=lambda v: _path_value(v, where), schema=schema)
+    query = _fill_query(parts.query, args, where, schema)
+    url = urlunsplit((parts.scheme, parts.netloc, path, query, ""))
     headers: dict[str, str] = {}
     for name, value in (config.get("headers") or {}).items():
         if has(str(name)):
@@ -247,10 +241,9 @@ def build_request(
         out["data"] = _flat(rest)
     elif mode == "query":
         # httpx replaces (does not extend) a URL's query when given params: merge them ourselves.
-        split = urlsplit(url)
-        pairs = parse_qsl(split.query, keep_blank_values=True)
+        pairs = parse_qsl(query, keep_blank_values=True)
         pairs += [(k, v) for k, values in _flat(rest).items() for v in values]
-        out["url"] = urlunsplit((split.scheme, split.netloc, split.path, "", ""))
+        out["url"] = urlunsplit((parts.scheme, parts.netloc, path, "", ""))
         out["params"] = pairs
     else:
         raise InvalidSpec(f"{where}: send_args_as: expected query, form or json, got {mode!r}")
