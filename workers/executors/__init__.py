@@ -210,8 +210,7 @@ class Prepared:
 
     def scrub(self, text: str) -> str:
         for value, ref in self.secrets:
-            if value in text:
-                text = text.replace(value, ref)
+            text = text.replace(value, ref)
         return text
 
     def scrub_value(self, value: Any) -> Any:
