@@ -95,11 +95,6 @@ class RateLimited(Exception):  # noqa: N818 - control flow, not an error (as Dra
         self.until = until
 
 
-def _label(error: BaseException) -> str:
-    status = getattr(error, "status", None)
-    return f"{status} {error}" if status else str(error)
-
-
 @dataclass
 class _LLMContext(ExecContext):
     """An LLM call's context: running out of time is a ProviderTimeout."""
@@ -228,8 +223,7 @@ class LLMCall:
                     retryable=False,
                 ) from error
             raise error
-        left = self.ctx.deadline - time.monotonic()
-        if delay >= left:
+        if delay >= self.ctx.deadline - time.monotonic():
             if isinstance(error, ProviderTimeout):
                 raise error
             raise ProviderError(
@@ -241,7 +235,8 @@ class LLMCall:
         return delay
 
     def _announce_retry(self, error: ProviderError | ProviderTimeout, n: int, delay: float) -> None:
-        message = f"retrying after {delay:.1f}s: {_label(error)}"
+        status = getattr(error, "status", None)
+        message = f"retrying after {delay:.1f}s: " + (f"{status} {error}" if status else str(error))
         log.info("llm attempt failed, retrying", attempt=n, delay_s=round(delay, 3), error=str(error))
         self.run.trace.retry(n, delay, error)
         detail = {
