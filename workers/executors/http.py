@@ -325,13 +325,14 @@ def _read_result(response: httpx.Response, ctx: ExecContext, max_output: int, wh
     status = response.status_code
     if status >= 400:
         excerpt = text[:_EXCERPT]
+        retryable = status in (408, 429) or status >= 500
         err = ExecutorError(
             f"{where}: HTTP {status} {response.reason_phrase}" + (f": {excerpt}" if excerpt else ""),
             status=status,
             body=excerpt,
-            retryable=status in (408, 429) or status >= 500,
+            retryable=retryable,
         )
-        err.retryable = status in (408, 429) or status >= 500
+        err.retryable = retryable
         raise err
     ctx.progress(f"HTTP {status}, {len(body)} bytes")
     ctype = response.headers.get("content-type", "").split(";", 1)[0].strip().lower()
