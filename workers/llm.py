@@ -1,10 +1,8 @@
 """One LLM call in a worker: provider kwargs, the contract's LLM flow per attempt, retries with Retry-After.
 
-Every provider attempt runs the whole flow again (``llm_request`` → ``pre_api_request`` →
-``llm_execution`` around the provider → ``post_api_request`` | ``api_request_error``), as Hermes does,
-so middleware and observer hooks see each attempt. Stream deltas become ``delta`` events as they
-arrive; each retry is announced as a ``progress`` event. The provider's settings (``model:`` in
-config.yaml, api key included) stay in this process: nothing here puts them in an event or a log.
+Every provider attempt runs the whole LLM flow again, so hooks see each attempt; stream deltas become
+``delta`` events and each retry a ``progress`` event. The ``model:`` settings (api key included) never go
+into an event or a log.
 """
 
 from __future__ import annotations
@@ -12,13 +10,14 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import structlog
 
 from broker.envelope import plugins_applied
-from broker.errors import CallCancelled, ProviderError, ProviderTimeout
+from broker.errors import CallCancelled, HermesError, ProviderError, ProviderTimeout
 from broker.events import DELTA, PROGRESS
 from broker.settings import ModelSettings
 from workers.executors import ExecContext
@@ -42,10 +41,7 @@ LLM_CONTEXT = ("session_id", "task_id", "turn_id", "api_request_id")
 def provider_kwargs(
     request: Mapping[str, Any], context: Mapping[str, Any], model_settings: ModelSettings
 ) -> dict[str, Any]:
-    """The provider kwargs the middleware sees: the caller's request, with the model filled in.
-
-    The request's own ``model`` wins; then the call's context; then ``model.model`` of config.yaml.
-    """
+    """The caller's request with the model filled in: its own, else the context's, else ``model.model``."""
     kwargs = copy.deepcopy(dict(request))
     model = kwargs.get("model") or context.get("model") or model_settings.model
     if model:
@@ -85,30 +81,30 @@ def _without_userinfo(url: str) -> str:
     return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
-# A call the provider keeps refusing for its rate goes back to waiting this many times, then fails as a
-# retry would (each return is free, so without a bound a provider that always says 429 would loop).
+# A call refused for its rate goes back to waiting this many times at most, then fails as a retry would.
 RATE_RETURNS = 10
 PAUSE_STATUSES = (429, 503)
 DEFAULT_PAUSE = 1.0  # seconds a 429/503 without a time to wait pauses its key
 
 
 class RateLimited(Exception):  # noqa: N818 - control flow, not an error (as Dramatiq's Retry)
-    """The provider refused a rate-limited key's request; the key is paused until ``until`` (unix s) and
-    the call goes back to waiting."""
+    """The provider refused a rate-limited key's request: the key is paused until ``until`` (unix s)."""
 
     def __init__(self, until: float) -> None:
         super().__init__(f"paused until {until:.3f}")
         self.until = until
 
 
-def _label(error: BaseException) -> str:
-    status = getattr(error, "status", None)
-    return f"{status} {error}" if status else str(error)
+@dataclass
+class _LLMContext(ExecContext):
+    """An LLM call's context: running out of time is a ProviderTimeout."""
+
+    def timed_out(self) -> HermesError:
+        return ProviderTimeout(f"LLM call {self.call_id} timed out after {self.timeout:g}s")
 
 
 class LLMCall:
-    """Runs one claimed LLM call up to its response; the runner moves it (``runner.executing`` when the
-    provider is called) and publishes its events (``runner.publish``)."""
+    """Runs one claimed LLM call up to its response; the runner moves it and publishes its events."""
 
     def __init__(self, core: WorkerCore, run: Running, runner: CallRunner) -> None:
         self.core = core
@@ -132,7 +128,7 @@ class LLMCall:
         self.context["base_url"] = _without_userinfo(base_url_of(cfg))
         run.rate = cfg.rate_limit_for(str(self.context["provider"]), self.model) is not None
         # The runner's control channel cancels through run.ctx; the provider watches the same Event.
-        self.ctx = ExecContext(
+        self.ctx = _LLMContext(
             call_id=env.call_id,
             tool_name=self.model,
             timeout=self.timeout,
@@ -151,19 +147,13 @@ class LLMCall:
         self.core.check_budget(self.run.env.context.get("principal"))
         n = 1
         while True:
-            self._check()
+            self.ctx.check()
             try:
                 response = self._attempt(provider, n)
-            except ProviderError as e:
-                if self.run.rate and e.status in PAUSE_STATUSES and self.run.attempt <= RATE_RETURNS:
-                    self._pause(e)
-                delay = self._retry_in(e, n)
-                self._announce_retry(e, n, delay)
-                if self.ctx.cancelled.wait(delay):
-                    raise CallCancelled(f"call {self.run.info.call_id} was cancelled") from None
-                n += 1
-                continue
-            except ProviderTimeout as e:
+            except (ProviderError, ProviderTimeout) as e:
+                if isinstance(e, ProviderError) and self.run.rate and e.status in PAUSE_STATUSES:
+                    if self.run.attempt <= RATE_RETURNS:
+                        self._pause(e)
                 delay = self._retry_in(e, n)
                 self._announce_retry(e, n, delay)
                 if self.ctx.cancelled.wait(delay):
@@ -172,8 +162,6 @@ class LLMCall:
                 continue
             self.runner.executing(self.run)  # (a middleware may have answered without calling the provider)
             return response
-
-    # -- one attempt -----------------------------------------------------------------------------
 
     def _attempt(self, provider: Provider, n: int) -> Any:
         run, ctx = self.run, self.ctx
@@ -186,14 +174,13 @@ class LLMCall:
             self.runner.executing(run)
             pctx = ProviderContext(
                 call_id=run.info.call_id,
-                timeout=self._remaining(),
+                timeout=self.ctx.remaining(),
                 attempt=n,
                 cancelled=ctx.cancelled,
                 on_delta=self._delta,
                 traceparent=ctx.traceparent,
                 tracestate=ctx.tracestate,
             )
-            # ``chat <model>``: the provider forwards this span's context (pctx.traceparent) to the API.
             if run.rate:  # its limiter entry counts from the response (the provider surely has the request)
                 run.sent = True
                 pctx.on_response = lambda: self.core.rate_sent(run)
@@ -216,8 +203,6 @@ class LLMCall:
     def _delta(self, delta: dict[str, Any]) -> None:
         self.runner.publish(self.run, DELTA, delta)
 
-    # -- retries ---------------------------------------------------------------------------------
-
     def _pause(self, error: ProviderError) -> None:
         """Pause the key for the whole fleet as long as the provider asked, and send this call back."""
         wait = error.retry_after if error.retry_after is not None else DEFAULT_PAUSE
@@ -230,8 +215,7 @@ class LLMCall:
         """Seconds before attempt ``n + 1``; raises the error that ends the call when there is none."""
         if n > self.max_retries:
             raise error
-        delay = retry_delay(error, n, max_retry_after=self.max_retry_after)
-        if delay is None:
+        if (delay := retry_delay(error, n, max_retry_after=self.max_retry_after)) is None:
             if getattr(error, "retryable", False):  # the server asked for a wait we refuse
                 raise ProviderError(
                     give_up_reason(error, self.max_retry_after),
@@ -239,8 +223,7 @@ class LLMCall:
                     retryable=False,
                 ) from error
             raise error
-        left = self.ctx.deadline - time.monotonic()
-        if delay >= left:
+        if delay >= self.ctx.deadline - time.monotonic():
             if isinstance(error, ProviderTimeout):
                 raise error
             raise ProviderError(
@@ -252,7 +235,8 @@ class LLMCall:
         return delay
 
     def _announce_retry(self, error: ProviderError | ProviderTimeout, n: int, delay: float) -> None:
-        message = f"retrying after {delay:.1f}s: {_label(error)}"
+        status = getattr(error, "status", None)
+        message = f"retrying after {delay:.1f}s: " + (f"{status} {error}" if status else str(error))
         log.info("llm attempt failed, retrying", attempt=n, delay_s=round(delay, 3), error=str(error))
         self.run.trace.retry(n, delay, error)
         detail = {
@@ -263,16 +247,3 @@ class LLMCall:
             "error": error.to_wire(),
         }
         self.runner.publish(self.run, PROGRESS, detail)
-
-    # -- time and cancellation -------------------------------------------------------------------
-
-    def _remaining(self) -> float:
-        left = self.ctx.deadline - time.monotonic()
-        if left <= 0:
-            raise ProviderTimeout(f"LLM call {self.run.info.call_id} timed out after {self.timeout:g}s")
-        return left
-
-    def _check(self) -> None:
-        if self.ctx.cancelled.is_set():
-            raise CallCancelled(f"call {self.run.info.call_id} was cancelled")
-        self._remaining()

@@ -1,14 +1,11 @@
-"""Executors, one module per kind: its spec keys and registration checks on its class, and its run.
-
-This module holds what every kind shares: ``ExecContext`` (what a run gets besides the spec and args) and
-the ``Executor`` protocol; ``run_executor``, which fills a spec's ``${VAR}`` from the worker's environment
-right before the run; ``PerProcess``, one instance per key per process; ``PerSpec``, one value per spec object; and ``EXECUTORS``, the one table
-of kinds. A class is imported on first use, so registering a spec loads its
-own executor's module only, and none of the libraries its run needs (those are imported in the run).
+"""Executors, one module per kind; here what they share: ``ExecContext``, the ``Executor`` protocol,
+``run_executor`` (fills a spec's ``${VAR}`` right before the run), ``PerProcess``, ``PerSpec`` and
+``EXECUTORS``, the table of kinds, whose classes are imported on first use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
@@ -23,13 +20,12 @@ from broker.config import ENV_VAR, expand_env, unset_env
 from broker.errors import CallCancelled, ConfigError, ExecutorError, HermesError, InvalidSpec, ToolTimeout
 from broker.toolspec import ToolSpec
 
-# -- the context and the protocol -------------------------------------------------------------------
+POLL = 0.05  # seconds between a waiting run's looks at its call's cancellation and deadline
+DEFAULT_MAX_OUTPUT = 1024 * 1024  # bytes of a result, unless the spec's max_output says otherwise
 
 
 class Deadline:
-    """The deadline and cancellation that a tool's run (``ExecContext``) and a provider call
-    (``workers.providers.ProviderContext``) both check; each says what running out of time is
-    (``timed_out``)."""
+    """The deadline and cancellation a tool run (``ExecContext``) or a provider call checks."""
 
     call_id: str
     timeout: float
@@ -72,7 +68,7 @@ class ExecContext(Deadline):
     progress_sink: Callable[[str], None] | None = None
     settings: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
-    # The back end's own status for the audit record: HTTP status, exit code, gRPC status name (None: none).
+    # The back end's own status for the audit record: HTTP status, exit code, gRPC status name.
     status_code: int | str | None = None
 
     def trace_headers(self) -> dict[str, str]:
@@ -89,6 +85,17 @@ class ExecContext(Deadline):
     def timed_out(self) -> HermesError:
         return ToolTimeout(f"tool {self.tool_name!r} timed out after {self.timeout:g}s")
 
+    def poll_slice(self) -> float:
+        """Seconds to wait before looking at cancellation and the deadline again."""
+        return max(0.0, min(POLL, self.deadline - time.monotonic()))
+
+    def check_at(self, where: str) -> None:
+        """Raise if the call was cancelled or ran out of time (the timeout's message starting ``where``)."""
+        if self.cancelled.is_set():
+            raise CallCancelled(f"call {self.call_id} was cancelled")
+        if time.monotonic() >= self.deadline:
+            raise ToolTimeout(f"{where}: timed out after {self.timeout:g}s", timeout=self.timeout)
+
     def progress(self, message: str) -> None:
         """Publish a progress message as an event of this call."""
         if self.progress_sink is not None:
@@ -96,9 +103,7 @@ class ExecContext(Deadline):
 
 
 class Executor(Protocol):
-    """One kind of executor, one module each (``workers/executors/__init__.py`` lists them): its spec keys
-    and registration checks on the class, and its run. A run must turn back-end failures into typed errors
-    and never kill the process; one instance per process serves every thread."""
+    """One kind of executor. A run raises typed errors only; one instance serves every thread."""
 
     keys: ClassVar[frozenset[str]]  # the spec keys it reads, besides those every spec has
 
@@ -114,8 +119,7 @@ class Executor(Protocol):
 
 
 def from_env(value: Any) -> bool:
-    """True when the text starts with a ``${VAR}`` reference: only the worker's environment can judge it
-    (``run_executor`` fills it in right before the run)."""
+    """True when the text starts with a ``${VAR}`` reference: only the worker can judge it."""
     return isinstance(value, str) and ENV_VAR.match(value.strip()) is not None
 
 
@@ -124,11 +128,6 @@ def require(where: str, kind: str, data: Mapping[str, Any], keys: tuple[str, ...
     if not any(data.get(k) not in (None, "") for k in keys):
         raise InvalidSpec.at(where, keys[0], f"required for a {kind} tool: {expected}")
 
-
-# -- one instance per key per process, one value per spec object ------------------------------------
-#
-# ``PerProcess``: made on first use and closed together at shutdown (executors by kind, LLM providers by
-# endpoint). ``PerSpec``: a spec's prepared form (its ``${VAR}`` filled), a tool's breaker config.
 
 class Closable(Protocol):
     def close(self) -> None: ...
@@ -139,18 +138,18 @@ V = TypeVar("V", bound=Closable)
 
 
 class PerProcess(Generic[K, V]):
+    """One instance per key per process, made on first use and closed together at shutdown."""
+
     def __init__(self) -> None:
         self.items: dict[K, V] = {}
         self._lock = threading.Lock()
 
     def get(self, key: K, make: Callable[[], V]) -> V:
         """The instance of ``key``, made by ``make()`` the first time (once, under a lock)."""
-        inst = self.items.get(key)
-        if inst is not None:
+        if (inst := self.items.get(key)) is not None:
             return inst
         with self._lock:
-            inst = self.items.get(key)
-            if inst is None:
+            if (inst := self.items.get(key)) is None:
                 inst = self.items[key] = make()
         return inst
 
@@ -158,10 +157,8 @@ class PerProcess(Generic[K, V]):
         """Close every instance (best effort: at shutdown) and forget them."""
         with self._lock:
             for inst in self.items.values():
-                try:
+                with contextlib.suppress(Exception):  # closing is best effort at shutdown
                     inst.close()
-                except Exception:  # noqa: BLE001 - closing is best effort at shutdown
-                    pass
             self.items.clear()
 
 
@@ -169,10 +166,8 @@ T = TypeVar("T")
 
 
 class PerSpec(Generic[T]):
-    """A value made once per spec object: the directory hands out one object per tool version, so this
-    sees each version once (keyed by the object's id; the object is held, so its id is not reused while
-    the entry lives). ``make`` raising caches nothing: the next call tries again. Past ``limit`` entries
-    (specs of replaced versions) it starts over."""
+    """A value made once per spec object (the directory hands out one per tool version); the object is
+    held, so its id is not reused. ``make`` raising caches nothing. Past ``limit`` entries it starts over."""
 
     def __init__(self, make: Callable[[ToolSpec], T], limit: int = 4096) -> None:
         self._make = make
@@ -196,34 +191,13 @@ class PerSpec(Generic[T]):
             self._items.clear()
 
 
-# -- ${VAR} in a tool spec -------------------------------------------------------------------------
-#
-# ``${VAR}`` in a tool spec, filled from the WORKER's environment right before its executor runs.
-#
-# The directory keeps the spec as written (``Authorization: Bearer ${WEATHER_API_TOKEN}``,
-# ``dsn: ${WEATHER_DB_DSN}``), so a secret never sits in Redis and ``tool show`` shows the reference.
-# Every tool call goes through :func:`run_executor` (``workers/runner.py``), which:
-#
-# - expands the spec's own configuration (``spec.config``: the executor's keys such as ``endpoint``,
-#   ``headers``, ``body_template``, ``dsn``, ``command``, ``env_set``, ``target``; never the name,
-#   description or schemas) with the grammar and rules of config.yaml's expander
-#   (:func:`broker.config.expand_env`: ``${VAR}`` and ``${VAR:-default}``, no other escapes);
-# - does so BEFORE the executor fills ``{{field}}`` placeholders from the arguments, and never on the
-#   arguments themselves: an argument value ``"${HOME}"`` reaches the back end as those seven characters;
-# - refuses a reference to an unset variable without a ``:-default`` with a typed ``InvalidSpec`` naming
-#   the key path and the variable (``tool 'x': headers.Authorization: ${WEATHER_API_TOKEN} is not set
-#   in the worker's environment``);
-# - caches the result per spec object (the directory hands out the same object until the tool's version
-#   changes), so a call of an unchanged spec costs one dict lookup; a spec without ``${`` is used as is;
-# - keeps the values it put in out of what the call publishes: in the executor's error messages and
-#   details, and in its progress messages, each value (and the password of a URL value) is replaced by
-#   the ``${VAR}`` text it came from. Results are the back end's answer and are not touched.
-#
-# A value taken from the environment is filled in before placeholders are, so it should not itself
-# contain ``{{…}}``.
+# ``${VAR}`` in ``spec.config`` is filled from the WORKER's environment right before the run (the directory
+# keeps the reference, so no secret sits in Redis), with config.yaml's grammar (``broker.config.expand_env``),
+# before ``{{field}}`` and never in the arguments. An unset variable without a default is an InvalidSpec
+# naming the key path. The values filled in are replaced by their ``${VAR}`` text in the executor's error
+# messages, details and progress; results are not touched.
 
-# Values shorter than this are not scrubbed from messages (a port number or "true" is no secret, and
-# replacing every "5432" in a message would only garble it).
+# Shorter values are not scrubbed from messages (a port or "true" is no secret; replacing it would garble).
 MIN_SECRET = 6
 
 
@@ -236,8 +210,7 @@ class Prepared:
 
     def scrub(self, text: str) -> str:
         for value, ref in self.secrets:
-            if value in text:
-                text = text.replace(value, ref)
+            text = text.replace(value, ref)
         return text
 
     def scrub_value(self, value: Any) -> Any:
@@ -262,8 +235,7 @@ def expand_spec(spec: ToolSpec, environ: Mapping[str, str] | None = None) -> Pre
         if isinstance(value, str):
             if "${" not in value:
                 return value
-            missing = unset_env(value, env)
-            if missing:
+            if missing := unset_env(value, env):
                 raise InvalidSpec(
                     f"{where}: {path}: ${{{missing[0]}}} is not set in the worker's environment",
                     path=path,
@@ -303,12 +275,11 @@ def _note_secret(secrets: dict[str, str], value: str, ref: str) -> None:
                 secrets.setdefault(text, f"<password of {ref}>")
 
 
-_prepared: PerSpec[Prepared] = PerSpec(lambda spec: expand_spec(spec))
+_prepared: PerSpec[Prepared] = PerSpec(expand_spec)
 
 
 def prepare(spec: ToolSpec) -> Prepared:
-    """:func:`expand_spec` from this process's environment, cached per spec object (one per version); an
-    unset variable raises and is not cached: the next call says it again."""
+    """:func:`expand_spec` from ``os.environ``, cached per spec object (an unset variable is not cached)."""
     return _prepared.get(spec)
 
 
@@ -323,7 +294,7 @@ def run_executor(executor: Executor, spec: ToolSpec, args: dict[str, Any], ctx: 
         return executor.run(prepared.spec, args, ctx)
     sink = ctx.progress_sink
     if sink is not None:
-        ctx.progress_sink = _scrubbing(sink, prepared)
+        ctx.progress_sink = lambda message: sink(prepared.scrub(message))
     try:
         return executor.run(prepared.spec, args, ctx)
     except HermesError as e:
@@ -339,13 +310,6 @@ def run_executor(executor: Executor, spec: ToolSpec, args: dict[str, Any], ctx: 
         ctx.progress_sink = sink
 
 
-def _scrubbing(sink: Callable[[str], None], prepared: Prepared) -> Callable[[str], None]:
-    def progress(message: str) -> None:
-        sink(prepared.scrub(message))
-
-    return progress
-
-
 def _scrub_error(e: HermesError, prepared: Prepared) -> None:
     message = prepared.scrub(e.message)
     details = prepared.scrub_value(e.details)
@@ -354,7 +318,7 @@ def _scrub_error(e: HermesError, prepared: Prepared) -> None:
     e.message = message
     e.args = (message,)
     e.details = details
-    # The chained exception quoted the same text; nothing prints it, but nothing needs to keep it either.
+    # The chained exception quoted the same text.
     e.__cause__ = None
     e.__suppress_context__ = True
 

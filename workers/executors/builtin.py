@@ -11,8 +11,7 @@ from . import ExecContext
 
 
 def noop(ctx: ExecContext | None = None, **kwargs: Any) -> None:
-    """Do nothing: the cheapest possible tool, for measuring the gateway itself. It takes ``ctx``, so it
-    runs on the call's thread (it cannot overrun a deadline: it returns at once)."""
+    """Do nothing: the cheapest tool, for measuring the gateway; it takes ``ctx``, so it runs inline."""
     return None
 
 
@@ -21,11 +20,8 @@ def echo(ctx: ExecContext | None = None, **kwargs: Any) -> dict[str, Any]:
     return kwargs
 
 
-def sleep(seconds: float, ctx: ExecContext | None = None) -> dict[str, float]:
+def sleep(seconds: float, ctx: ExecContext) -> dict[str, float]:
     """Wait ``seconds``; a cancelled call stops at once."""
-    if ctx is None:
-        time.sleep(float(seconds))
-        return {"slept": float(seconds)}
     left = ctx.deadline - time.monotonic()
     if ctx.cancelled.wait(max(0.0, min(float(seconds), left))):
         raise CallCancelled(f"call {ctx.call_id} was cancelled")

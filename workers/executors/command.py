@@ -1,36 +1,15 @@
-"""The ``command`` executor: run a program with argv filled from the arguments. Never a shell.
+"""The ``command`` executor: run a program with argv filled from the arguments, never through a shell.
 
-Spec keys (``spec.config``), each also settable as a default in ``executors.command``:
-
-- ``command``: a string (split with :func:`shlex.split` FIRST, then each element is filled) or a list.
-  ``{{field}}`` placeholders are filled per argv element, so a value stays exactly one argument.
-  ``argv[0]`` may not contain a placeholder: a value never chooses the program.
-- A value may not make an argv element start with ``-`` (``sort {{x}}`` with ``x = "--output=F"`` is
-  ``invalid_args``): no value becomes an option. ``args_separator: true`` instead puts ``--`` before the
-  first argv element that holds a value and lets values start with ``-`` (for programs that honour
-  ``--``; literal options must then come before the values); ``args_separator: false`` lets them through
-  as they are (the spec author's word that the program takes no harmful option there). An element whose
-  template starts with ``-`` (``--name={{n}}``, ``-n{{count}}``) is an option the spec wrote: its value is fine.
-- A shell or interpreter's code may not hold a placeholder (``sh -c "ls {{dir}}"``, ``python3 -c``,
-  ``perl -e``, ...; refused at registration, and again at run time, as every check here:
-  a stored spec is not re-validated): pass values as arguments after the code
-  (``sh -c 'ls -- "$1"' sh {{dir}}``).
-- ``env``: names passed through from the worker's environment (default: PATH, HOME, LANG, LC_ALL,
-  LC_CTYPE, TZ, TMPDIR; the rest, secrets included, stays out); ``env_set: {K: V}`` sets more
-  (values may hold placeholders: an argument passed in the environment is still never a command).
-  An ``env_set`` entry that is just the placeholder of an optional field the caller left out is not
-  set; inside longer text such a field is ``""``. In argv a missing value is always ``invalid_args``,
-  optional or not: dropping an argument would shift the ones after it (see ``broker/placeholders.py``).
-- ``${VAR}`` in any of these is filled from the worker's environment first (``run_executor`` in ``workers/executors/__init__.py``).
-- ``cwd``; ``stdin: json`` (write the arguments as JSON to stdin); ``output: text | json``.
-- ``max_output``: cap on stdout in bytes (default 1 MiB) -> OutputTooLarge.
-- ``kill_grace``: seconds between SIGTERM and SIGKILL of the process group (default 2).
-
-Result: stdout as text with one trailing newline removed (or parsed JSON with ``output: json``).
+``command`` is split with :func:`shlex.split` FIRST, then each element is filled, so a value stays one
+argument; a value never chooses the program, never becomes an option (unless ``args_separator``) and is
+never code given to a shell or interpreter (checked at registration and again at run time). The child
+gets only the ``env`` allow-list plus ``env_set``, runs in its own process group (killed after
+``kill_grace`` on timeout or cancel) and its stdout (capped by ``max_output``) is the result.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -39,32 +18,29 @@ import shlex
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Mapping
 from typing import Any
 
-from broker.errors import CallCancelled, ExecutorError, InvalidArgs, InvalidSpec, OutputTooLarge, ToolTimeout
+from broker.errors import ExecutorError, InvalidArgs, InvalidSpec, OutputTooLarge
 from broker.placeholders import OMIT, check_declared, fill, has, names, sole, value_of
 from broker.toolspec import ToolSpec
 
-from . import ExecContext, require
+from . import DEFAULT_MAX_OUTPUT, ExecContext, require
 
-DEFAULT_MAX_OUTPUT = 1024 * 1024
 DEFAULT_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
 STDERR_TAIL = 2000
-_POLL = 0.05  # how often a running command notices cancellation between output chunks
 
 
-# A worker killed outright (SIGKILL, OOM) takes its tools with it: an orphan would run on beside the retry
-# of its call on another worker, outside the concurrency limit. util-linux's setpriv sets the parent-death
-# signal and execs the tool (same pid); a preexec_fn doing it would fork the whole worker with the GIL held.
+# A worker killed outright takes its tools with it (an orphan would run beside its call's retry).
+# util-linux's setpriv sets the parent-death signal and execs the tool (same pid); a preexec_fn would
+# fork the whole worker with the GIL held.
 _SETPRIV = shutil.which("setpriv")
 
 
 def _dying_with_worker(argv: list[str], where: str, env: dict[str, str]) -> list[str]:
     if _SETPRIV is None:
         return argv
-    # What Popen would have said itself, before setpriv hides it behind its own exit code.
+    # What Popen would have said, before setpriv hides it behind its own exit code.
     program = argv[0]
     found = program if os.sep in program else shutil.which(program, path=env.get("PATH", os.defpath))
     if found is None or not os.path.exists(found):
@@ -75,8 +51,7 @@ def _dying_with_worker(argv: list[str], where: str, env: dict[str, str]) -> list
 
 
 def split_command(where: str, template: Any) -> list[str]:
-    """The ``command`` template as argv, before any filling, checked: it splits, it is not empty, a value
-    never chooses the program, and no shell or interpreter gets code holding a placeholder."""
+    """The ``command`` template as argv, before any filling, checked (module docstring)."""
     if isinstance(template, str):
         try:
             parts = shlex.split(template)
@@ -93,29 +68,23 @@ def split_command(where: str, template: Any) -> list[str]:
         raise InvalidSpec.at(where, "command", "is empty")
     if has(parts[0]):
         raise InvalidSpec.at(where, "command", "the program (argv[0]) may not contain a placeholder")
-    problem = code_placeholder(parts)
-    if problem:
+    if problem := code_placeholder(parts):
         raise InvalidSpec.at(where, "command", problem)
     return parts
 
 
-# Programs that run code given on their command line, and the options that give it (a word of single-letter
-# options like bash's ``-ec`` holds the letter). A placeholder in that code would let a value be code.
+# Programs that run code given on their command line, and the options that give it (bash's ``-ec`` too).
 _SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "ash", "fish", "csh", "tcsh"})
 _CODE_OPTIONS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     # program (basename, version suffix dropped) -> (short option letters, long options)
     **{sh: (frozenset("c"), frozenset({"--command"})) for sh in _SHELLS},
-    "python": (frozenset("c"), frozenset()),
-    "pypy": (frozenset("c"), frozenset()),
+    **dict.fromkeys(("python", "pypy"), (frozenset("c"), frozenset())),
+    **dict.fromkeys(("ruby", "lua", "luajit", "osascript"), (frozenset("e"), frozenset())),
     "perl": (frozenset("eE"), frozenset()),
-    "ruby": (frozenset("e"), frozenset()),
     "node": (frozenset("ep"), frozenset({"--eval", "--print"})),
     "deno": (frozenset(), frozenset({"eval"})),
     "php": (frozenset("r"), frozenset()),
-    "lua": (frozenset("e"), frozenset()),
-    "luajit": (frozenset("e"), frozenset()),
     "tclsh": (frozenset(), frozenset()),
-    "osascript": (frozenset("e"), frozenset()),
     "pwsh": (frozenset(), frozenset({"-c", "-command", "-encodedcommand", "-ec"})),
     "powershell": (frozenset(), frozenset({"-c", "-command", "-encodedcommand", "-ec"})),
 }
@@ -130,10 +99,8 @@ def _program(part: str) -> str:
 
 
 def code_placeholder(parts: list[str]) -> str | None:
-    """What is wrong when a command hands code with a placeholder in it to a shell or interpreter
-    (``sh -c "ls {{dir}}"``, ``python3 -c ...``, ``bash -ec``, also behind ``env``/``timeout``/``busybox``)
-    or lets a value name the script it runs (``sh {{script}}``); None when it does not. Values after
-    the code stay arguments (``sh -c 'cat "$1"' sh {{file}}`` is fine)."""
+    """What is wrong when a shell or interpreter gets code holding a placeholder (also behind ``env``)
+    or a value names the script it runs (``sh {{script}}``); None when nothing is."""
     for i, part in enumerate(parts):
         program = _program(part)
         options = _CODE_OPTIONS.get(program)
@@ -190,9 +157,7 @@ def build_argv(config: dict[str, Any], args: dict[str, Any], where: str) -> list
 def build_env(config: dict[str, Any], args: dict[str, Any], where: str, schema: Any = None) -> dict[str, str]:
     """The allow-listed part of the worker's environment plus ``env_set``."""
     names = config.get("env", DEFAULT_ENV)
-    if isinstance(names, str):
-        names = [names]
-    env = {n: os.environ[n] for n in names if n in os.environ}  # the child process's environment
+    env = {n: os.environ[n] for n in ([names] if isinstance(names, str) else names) if n in os.environ}
     for key, val in (config.get("env_set") or {}).items():
         text = str(val)
         field = sole(text)
@@ -235,9 +200,7 @@ class CommandExecutor:
         env = build_env(config, args, where, spec.input_schema)
         max_output = int(config.get("max_output", DEFAULT_MAX_OUTPUT))
         grace = float(config.get("kill_grace", 2.0))
-        stdin_data = None
-        if config.get("stdin") == "json":
-            stdin_data = json.dumps(args, ensure_ascii=False).encode()
+        stdin_data = json.dumps(args, ensure_ascii=False).encode() if config.get("stdin") == "json" else None
         ctx.check()
         try:
             proc = subprocess.Popen(
@@ -248,7 +211,6 @@ class CommandExecutor:
                 cwd=config.get("cwd"),
                 env=env,
                 start_new_session=True,
-                close_fds=True,
             )
         except FileNotFoundError as e:
             raise ExecutorError(f"{where}: command not found: {argv[0]}", command=argv[0]) from e
@@ -305,19 +267,19 @@ def _communicate(
             sel.register(proc.stdin, selectors.EVENT_WRITE, None)
         reaped = False
         while True:
-            _check(ctx, where)
+            ctx.check_at(where)
             if not reaped and proc.poll() is not None:
-                # The leader exited; children it left holding our pipes must not keep the call open.
+                # Children the leader left holding our pipes must not keep the call open.
                 _signal_group(proc, signal.SIGKILL)
                 reaped = True
             if not sel.get_map():
                 # Pipes are closed; the process may still be running (it closed stdout itself).
                 try:
-                    proc.wait(timeout=min(_POLL, max(ctx.deadline - time.monotonic(), 0.001)))
+                    proc.wait(timeout=ctx.poll_slice())
                 except subprocess.TimeoutExpired:
                     continue
                 break
-            for key, _ in sel.select(timeout=min(_POLL, max(ctx.deadline - time.monotonic(), 0.001))):
+            for key, _ in sel.select(timeout=ctx.poll_slice()):
                 if key.data is None:
                     assert pending is not None and proc.stdin is not None
                     try:
@@ -341,35 +303,21 @@ def _communicate(
                     )
                 if buf is err and len(err) > 4 * STDERR_TAIL:
                     del err[: -2 * STDERR_TAIL]
-    # The leader is gone; anything it left behind in its group dies with it (no orphans per call).
     _signal_group(proc, signal.SIGKILL)
     return bytes(out), bytes(err)
 
 
-def _check(ctx: ExecContext, where: str) -> None:
-    if ctx.cancelled.is_set():
-        raise CallCancelled(f"call {ctx.call_id} was cancelled")
-    if time.monotonic() >= ctx.deadline:
-        raise ToolTimeout(f"{where}: timed out after {ctx.timeout:g}s", timeout=ctx.timeout)
-
-
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _kill_group(proc: subprocess.Popen[bytes], grace: float) -> None:
     """SIGTERM the whole process group, then SIGKILL whatever is left after ``grace`` seconds."""
     _signal_group(proc, signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        pass
     _signal_group(proc, signal.SIGKILL)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):  # (only a kernel in trouble gets there)
         proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:  # pragma: no cover - only a kernel in trouble gets here
-        pass
 

@@ -1,27 +1,15 @@
 """The ``database`` executor: parameterised SQL through SQLAlchemy 2, read-only by default.
 
-Spec keys (``dsn`` may also come from ``executors.database.dsn``):
-
-- Template mode (default): ``query: SELECT ... WHERE city = :city``. Named bind parameters are filled
-  from the arguments by the driver; nothing is ever pasted into the SQL text. A parameter naming a field
-  ``input_schema`` declares but does not require is bound as NULL when the caller leaves it out
-  (``WHERE (:unit IS NULL OR unit = :unit)``); any other missing one is ``invalid_args``.
-- ``dsn: ${WEATHER_DB_DSN}`` is filled from the worker's environment (``run_executor`` in ``workers/executors/__init__.py``).
-- Structured mode: ``mode: structured`` and ``tables: {name: [allowed columns]}``. The model sends
-  ``{table, columns, where: {col: value | [values]}, limit}``; every name is checked against the
-  allow-list, then the statement is built with SQLAlchemy Core (quoted identifiers, bound values).
-- ``read_only`` (default true): only SELECT/WITH/VALUES/TABLE/SHOW/EXPLAIN statements, run in a
-  transaction that is always rolled back (PostgreSQL: ``SET TRANSACTION READ ONLY``; SQLite:
-  ``PRAGMA query_only``). ``read_only: false`` commits.
-- ``max_rows`` (default 1000; extra rows are dropped and reported as progress).
-- The call's deadline becomes ``SET LOCAL statement_timeout`` (PostgreSQL) or an interrupting
-  progress handler (SQLite); cancellation cancels the running statement.
-
-Result: a list of row dicts with JSON-friendly values.
+Template mode binds the arguments to ``:name`` parameters of one ``query`` (an optional field left out
+binds NULL); structured mode builds a SELECT from ``{table, columns, where, limit}`` checked against the
+``tables`` allow-list. ``read_only`` statements run in a transaction always rolled back; the deadline
+becomes a statement timeout, cancellation cancels the statement, ``max_rows`` caps the result (a list
+of row dicts with JSON-friendly values).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import decimal
 import re
@@ -35,7 +23,7 @@ from broker.errors import CallCancelled, ExecutorError, HermesError, InvalidArgs
 from broker.placeholders import optional
 from broker.toolspec import ToolSpec
 
-from . import ExecContext, require
+from . import POLL, ExecContext, require
 
 if TYPE_CHECKING:  # SQLAlchemy (and its driver) is imported where a query runs, not where a spec registers
     import sqlalchemy as sa
@@ -45,20 +33,14 @@ DEFAULT_MAX_ROWS = 1000
 _READ_VERBS = {"select", "with", "values", "table", "show", "explain"}
 _MODES = ("template", "structured")
 _SQL_COMMENTS = re.compile(r"(--[^\n]*|/\*.*?\*/)", re.S)
-_POLL = 0.05
-
-
-def single_statement(sql: str) -> bool:
-    """True when ``sql`` holds one statement (a ``;`` inside a string literal is fine)."""
-    body = _SQL_COMMENTS.sub(" ", sql).strip().rstrip(";")
-    return ";" not in re.sub(r"'(?:[^']|'')*'", "''", body)
 
 
 def checked_query(where: str, query: Any) -> str:
-    """``query`` when it is one SQL statement (registration's check and the run's)."""
+    """``query`` when it is one SQL statement (a ``;`` in a string literal is fine)."""
     if not isinstance(query, str) or not query.strip():
         raise InvalidSpec.at(where, "query", "expected an SQL string (or mode: structured)")
-    if not single_statement(query):
+    body = _SQL_COMMENTS.sub(" ", query).strip().rstrip(";")
+    if ";" in re.sub(r"'(?:[^']|'')*'", "''", body):
         raise InvalidSpec.at(where, "query", "one statement only")
     return query
 
@@ -105,12 +87,10 @@ class DatabaseExecutor:
         self._watcher: threading.Thread | None = None
 
     def engine(self, dsn: str) -> Engine:
-        found = self._engines.get(dsn)
-        if found is not None:
+        if (found := self._engines.get(dsn)) is not None:
             return found
         with self._lock:
-            found = self._engines.get(dsn)
-            if found is None:
+            if (found := self._engines.get(dsn)) is None:
                 import sqlalchemy as sa
 
                 url = re.sub(r"^postgres(ql)?://", "postgresql+psycopg://", dsn)
@@ -204,25 +184,20 @@ class DatabaseExecutor:
     def _translate(self, e: sa.exc.DBAPIError, ctx: ExecContext, where: str) -> HermesError:
         import sqlalchemy as sa
 
-        message = (
-            str(getattr(e, "orig", e)).strip().splitlines()[0]
-            if str(getattr(e, "orig", e)).strip()
-            else str(e)
-        )
+        orig = str(getattr(e, "orig", e)).strip()
+        message = orig.splitlines()[0] if orig else str(e)
         if ctx.cancelled.is_set():
             return CallCancelled(f"call {ctx.call_id} was cancelled")
         lowered = message.lower()
         if time.monotonic() >= ctx.deadline or "statement timeout" in lowered or lowered == "interrupted":
             return ToolTimeout(f"{where}: query timed out after {ctx.timeout:g}s", timeout=ctx.timeout)
-        err = ExecutorError(
-            f"{where}: database error: {message}", retryable=isinstance(e, sa.exc.OperationalError)
-        )
-        err.retryable = isinstance(e, sa.exc.OperationalError)
+        retryable = isinstance(e, sa.exc.OperationalError)
+        err = ExecutorError(f"{where}: database error: {message}", retryable=retryable)
+        err.retryable = retryable
         return err
 
-    # --- cancellation watcher: one thread for all in-flight queries of this executor ----------------
-
     def _watch(self, ctx: ExecContext, cancel: Callable[[], None]) -> None:
+        """Have one thread, for all in-flight queries, call ``cancel`` if the call is cancelled."""
         with self._lock:
             self._inflight[id(ctx)] = (ctx, cancel)
             if self._watcher is None or not self._watcher.is_alive():
@@ -235,7 +210,7 @@ class DatabaseExecutor:
 
     def _watch_loop(self) -> None:
         while True:
-            time.sleep(_POLL)
+            time.sleep(POLL)
             with self._lock:
                 if not self._inflight:
                     self._watcher = None
@@ -244,10 +219,8 @@ class DatabaseExecutor:
                 for key, _ in due:
                     self._inflight.pop(key, None)
             for _, cancel in due:
-                try:
+                with contextlib.suppress(Exception):  # the query may have just finished
                     cancel()
-                except Exception:  # noqa: BLE001 - the query may have just finished; nothing to cancel
-                    pass
 
     def close(self) -> None:
         with self._lock:
@@ -267,8 +240,7 @@ def build_template(
         raise InvalidSpec.at(where, "query", "read-only tools may only read (set read_only: false to write)")
     statement = sa.text(query)
     names = list(statement.compile().params)  # the bind parameter names text() found in the SQL
-    missing = [n for n in names if n not in args and not optional(schema, n)]
-    if missing:
+    if missing := [n for n in names if n not in args and not optional(schema, n)]:
         raise InvalidArgs(
             f"{where}: missing value for {', '.join(':' + n for n in missing)}",
             violations=[f"$.{n}: missing" for n in missing],

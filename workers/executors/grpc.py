@@ -1,19 +1,7 @@
 """The ``grpc`` executor: unary and server-streaming calls described by server reflection, JSON in and out.
 
-Spec keys (``target`` may also come from ``executors.grpc.target``):
-
-- ``target``: ``host:port``; ``tls: true`` for a TLS channel (system roots).
-- ``method``: ``package.Service/Method`` (``package.Service.Method`` also accepted).
-- ``metadata``: extra request metadata (``traceparent``/``tracestate``/``baggage`` are added from the call).
-- ``max_output``: cap on the response message size in bytes (default 1 MiB).
-
-The method's message types come from the server's reflection service (cached per target), arguments
-are parsed into the request with ``json_format`` and the response comes back as a dict. A
-server-streaming method's responses come back as a list of dicts, announced as progress events while the
-stream runs (at most one every 0.1 s, and one at its end; ``max_output`` caps their total size);
-client-streaming methods are refused. gRPC status
-codes become typed errors: DEADLINE_EXCEEDED -> ToolTimeout, INVALID_ARGUMENT -> InvalidArgs,
-UNAVAILABLE / RESOURCE_EXHAUSTED / ABORTED / INTERNAL -> retryable ExecutorError, others ExecutorError.
+A server stream's messages come back as a list, announced as progress while it runs; client-streaming
+methods are refused. gRPC status codes become typed errors (``_translate``).
 """
 
 from __future__ import annotations
@@ -34,14 +22,12 @@ from broker.errors import (
 )
 from broker.toolspec import ToolSpec
 
-from . import ExecContext, from_env, require
+from . import DEFAULT_MAX_OUTPUT, POLL, ExecContext, PerProcess, from_env, require
 
 if TYPE_CHECKING:  # grpc and protobuf are imported where a call runs, not where a spec registers
     import grpc
 
-DEFAULT_MAX_OUTPUT = 1024 * 1024
 STREAM_PROGRESS_EVERY = 0.1  # seconds between progress events of a response stream
-_POLL = 0.05
 _RETRYABLE = {"UNAVAILABLE", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL"}  # status code names
 
 
@@ -50,9 +36,7 @@ def split_method(name: str) -> tuple[str, str] | None:
     service, sep, method = name.rpartition("/")
     if not sep:
         service, _, method = name.rpartition(".")
-    if not service or not method:
-        return None
-    return service, method
+    return (service, method) if service and method else None
 
 
 class _Target:
@@ -74,13 +58,14 @@ class _Target:
         self.methods: dict[str, tuple[Any, Any, bool]] = {}
         self.lock = threading.Lock()
 
+    def close(self) -> None:
+        self.channel.close()
+
     def method(self, name: str, where: str) -> tuple[Any, Any, bool]:
         """(callable, request class, whether it streams its responses) for ``package.Service/Method``."""
-        found = self.methods.get(name)
-        if found is not None:
+        if (found := self.methods.get(name)) is not None:
             return found
-        split = split_method(name)
-        if split is None:
+        if (split := split_method(name)) is None:
             raise InvalidSpec.at(where, "method", f"expected 'package.Service/Method', got {name!r}")
         service, method = split
         from google.protobuf import message_factory
@@ -88,10 +73,8 @@ class _Target:
         with self.lock:
             try:
                 desc = self.pool.FindServiceByName(service).FindMethodByName(method)
-            except KeyError as e:
-                raise ExecutorError(
-                    f"{where}: the server does not offer {service}/{method} (via reflection)"
-                ) from e
+            except KeyError:
+                desc = None
             if desc is None:
                 raise ExecutorError(f"{where}: the server does not offer {service}/{method} (via reflection)")
             if desc.client_streaming:
@@ -127,18 +110,7 @@ class GrpcExecutor:
 
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = settings
-        self._targets: dict[tuple[str, bool], _Target] = {}
-        self._lock = threading.Lock()
-
-    def target(self, address: str, tls: bool) -> _Target:
-        key = (address, tls)
-        found = self._targets.get(key)
-        if found is None:
-            with self._lock:
-                found = self._targets.get(key)
-                if found is None:
-                    found = self._targets[key] = _Target(address, tls)
-        return found
+        self._targets: PerProcess[tuple[str, bool], _Target] = PerProcess()
 
     def run(self, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext) -> Any:
         import grpc
@@ -156,7 +128,8 @@ class GrpcExecutor:
         metadata = [(str(k).lower(), str(v)) for k, v in (config.get("metadata") or {}).items()]
         metadata.extend(ctx.trace_headers().items())
         ctx.check()
-        target = self.target(address, bool(config.get("tls", False)))
+        tls = bool(config.get("tls", False))
+        target = self._targets.get((address, tls), lambda: _Target(address, tls))
         try:
             call, request_cls, streams = target.method(name, where)
         except HermesError:
@@ -174,7 +147,7 @@ class GrpcExecutor:
         future = call.future(request, timeout=ctx.remaining(), metadata=metadata or None)
         while True:
             try:
-                response = future.result(timeout=_POLL)
+                response = future.result(timeout=POLL)
                 break
             except grpc.FutureTimeoutError:
                 if ctx.cancelled.is_set():
@@ -194,10 +167,7 @@ class GrpcExecutor:
         return json_format.MessageToDict(response, preserving_proto_field_name=True)
 
     def close(self) -> None:
-        with self._lock:
-            for target in self._targets.values():
-                target.channel.close()
-            self._targets.clear()
+        self._targets.close_all()
 
 
 def _stream(responses: Any, ctx: ExecContext, where: str, max_output: int) -> list[dict[str, Any]]:
@@ -209,7 +179,7 @@ def _stream(responses: Any, ctx: ExecContext, where: str, max_output: int) -> li
 
     def watch() -> None:  # the iterator blocks between messages: a cancel reaches it from here
         while not ended.is_set():
-            if ctx.cancelled.wait(_POLL):
+            if ctx.cancelled.wait(POLL):
                 responses.cancel()
                 return
 
@@ -251,9 +221,8 @@ def _translate(e: grpc.RpcError, ctx: ExecContext, where: str) -> HermesError:
         return CallCancelled(f"call {ctx.call_id} was cancelled")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidArgs(f"{where}: server rejected the arguments: {details}", status=code.name)
-    err = ExecutorError(
-        f"{where}: gRPC {code.name}: {details}", status=code.name, retryable=code.name in _RETRYABLE
-    )
-    err.retryable = code.name in _RETRYABLE
+    retryable = code.name in _RETRYABLE
+    err = ExecutorError(f"{where}: gRPC {code.name}: {details}", status=code.name, retryable=retryable)
+    err.retryable = retryable
     return err
 

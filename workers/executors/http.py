@@ -1,30 +1,10 @@
-"""The ``http`` executor: call an HTTP endpoint with the arguments, behind the SSRF guard.
+"""The ``http`` executor: call an HTTP endpoint with the arguments, behind the SSRF guard (:mod:`netguard`).
 
-Spec keys (defaults may also sit in ``executors.http``):
-
-- ``method`` (GET), ``endpoint``: URL; ``{{field}}`` may appear in the path and query only (never the
-  scheme or host) and is percent-encoded, so a value cannot add a path segment or a parameter.
-- ``headers``: values may hold ``{{field}}`` (names may not); CR/LF/NUL in a value is refused.
-- Arguments not used in the endpoint go to the query string (GET/DELETE/HEAD) or a form body
-  (POST/PUT/PATCH), as the seed says; ``send_args_as: query | form | json`` overrides.
-- ``body_template``: a YAML-flow/JSON string like ``{query: {{city}}, opts: {unit: {{unit}}}}``. It is
-  parsed into a structure FIRST; typed values are then put into it and it is sent as JSON.
-- A field ``input_schema`` declares but does not require, left out by the caller: a body_template value
-  or list item, a header or a query parameter ``k={{field}}`` that is just its placeholder is left out
-  (``{query: 北京, opts: {}}``); inside longer text it is ``""``. A missing required field is
-  ``invalid_args``. (Rules in ``broker/placeholders.py``.)
-- ``${VAR}`` anywhere in the spec is filled from the worker's environment before all this
-  (``headers: {Authorization: Bearer ${API_TOKEN}}``; ``run_executor`` in ``workers/executors/__init__.py``).
-- SSRF guard (on by default; ``ssrf_guard: false`` only in settings): see :mod:`netguard`.
-  ``allow_hosts`` / ``allow_networks`` (settings and spec lists are combined) admit named exceptions.
-- ``max_output`` (bytes, default 1 MiB) caps the response body; ``max_redirects`` (5); ``verify`` TLS.
-
-Registration refuses an endpoint that is not an http(s) URL or has a placeholder in its scheme or host,
-a placeholder in a header name or a ``body_template`` key, a ``body_template`` that does not parse, and
-(with declared ``properties``) a placeholder naming none of them; the run checks the same again.
-
-Result: the parsed JSON body if the response is JSON, else text. Status >= 400 is an ExecutorError
-with ``details.status`` (retryable for 408, 429 and 5xx only).
+``{{field}}`` is percent-encoded into the endpoint's path and query only; other arguments go to the query
+string or a form body (``send_args_as`` overrides); ``body_template`` is parsed FIRST, then filled with
+typed values and sent as JSON. An optional field left out drops what is just its placeholder
+(``broker/placeholders.py``). Registration refuses what the run would, and the run checks again. The
+result is the JSON body, else text; status >= 400 is an ExecutorError with ``details.status``.
 """
 
 from __future__ import annotations
@@ -61,14 +41,13 @@ from broker.placeholders import (
 from broker.toolspec import ToolSpec
 from workers.args import load_yaml_text
 
-from . import ExecContext, PerProcess, from_env, require
+from . import DEFAULT_MAX_OUTPUT, ExecContext, PerProcess, from_env, require
 
 if TYPE_CHECKING:  # httpx and the guard are imported where a call runs, not where a spec registers
     import httpx
 
     from .netguard import GuardPolicy
 
-DEFAULT_MAX_OUTPUT = 1024 * 1024
 DEFAULT_MAX_REDIRECTS = 5
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
 _SEND_ARGS_AS = ("query", "form", "json")
@@ -86,8 +65,7 @@ def url_problem(url: str) -> str | None:
 
 
 def parse_body(template: str, where: str) -> Any:
-    """A ``body_template`` text such as ``{query: {{city}}}`` as a structure, its placeholders kept as
-    leaf strings (never keys); :func:`fill_structure` then puts the typed values in."""
+    """A ``body_template`` text as a structure, its placeholders kept as leaf strings (never keys)."""
     try:
         parsed = masked_load(template, load_yaml_text)
     except yaml.YAMLError as e:
@@ -129,8 +107,7 @@ class HttpExecutor:
                 continue  # a ${VAR} is judged on the worker, once filled in
             if not isinstance(url, str):
                 raise InvalidSpec.at(where, key, f"expected an http(s) URL, got {type(url).__name__} {url!r}")
-            problem = url_problem(url.strip())
-            if problem:
+            if problem := url_problem(url.strip()):
                 raise InvalidSpec.at(where, key, problem)
         mode = data.get("send_args_as")
         if mode is not None and mode not in _SEND_ARGS_AS:
@@ -156,14 +133,7 @@ class HttpExecutor:
         return GuardPolicy.build(enabled, hosts, nets)
 
     def client(self, policy: GuardPolicy, verify: bool) -> httpx.Client:
-        def make() -> httpx.Client:
-            import httpx
-
-            from .netguard import GuardedTransport
-
-            return httpx.Client(transport=GuardedTransport(policy, verify), follow_redirects=False, trust_env=False)
-
-        return self._clients.get((policy, verify), make)
+        return self._clients.get((policy, verify), lambda: _guarded_client(policy, verify))
 
     def run(self, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext) -> Any:
         import httpx
@@ -221,31 +191,29 @@ class HttpExecutor:
         self._clients.close_all()
 
 
+def _guarded_client(policy: GuardPolicy, verify: bool) -> httpx.Client:
+    import httpx
+
+    from .netguard import GuardedTransport
+
+    return httpx.Client(transport=GuardedTransport(policy, verify), follow_redirects=False, trust_env=False)
+
+
 def build_request(
     config: dict[str, Any], args: dict[str, Any], where: str, schema: Any = None
 ) -> dict[str, Any]:
-    """Method, URL, headers and body for one call, with every value placed, never pasted.
-
-    ``schema`` (the tool's ``input_schema``) tells which missing fields are optional (module docstring).
-    """
+    """Method, URL, headers and body for one call; ``schema`` tells which missing fields are optional."""
     method = str(config.get("method", "GET")).upper()
     endpoint = config.get("endpoint") or config.get("url")
     if not isinstance(endpoint, str) or not endpoint:
         raise InvalidSpec.at(where, "endpoint", "expected a URL")
-    problem = url_problem(endpoint)
-    if problem:
+    if problem := url_problem(endpoint):
         raise InvalidSpec.at(where, "endpoint", problem)
     parts = urlsplit(endpoint)
     used = set(names(parts.path) + names(parts.query))
-    url = urlunsplit(
-        (
-            parts.scheme,
-            parts.netloc,
-            fill(parts.path, args, where, encode=lambda v: _path_value(v, where), schema=schema),
-            _fill_query(parts.query, args, where, schema),
-            "",
-        )
-    )
+    path = fill(parts.path, args, where, encode=lambda v: _path_value(v, where), schema=schema)
+    query = _fill_query(parts.query, args, where, schema)
+    url = urlunsplit((parts.scheme, parts.netloc, path, query, ""))
     headers: dict[str, str] = {}
     for name, value in (config.get("headers") or {}).items():
         if has(str(name)):
@@ -259,8 +227,7 @@ def build_request(
             raise InvalidArgs(f"{where}: header {name}: value may not contain CR, LF or NUL")
         headers[str(name)] = filled
     out: dict[str, Any] = {"method": method, "url": url, "headers": headers}
-    template = config.get("body_template")
-    if template is not None:
+    if (template := config.get("body_template")) is not None:
         structure = parse_body(template, where) if isinstance(template, str) else template
         body = fill_structure(structure, args, where, schema)
         if body is not OMIT:  # a template that is only an optional field left out: no body
@@ -274,10 +241,9 @@ def build_request(
         out["data"] = _flat(rest)
     elif mode == "query":
         # httpx replaces (does not extend) a URL's query when given params: merge them ourselves.
-        split = urlsplit(url)
-        pairs = parse_qsl(split.query, keep_blank_values=True)
+        pairs = parse_qsl(query, keep_blank_values=True)
         pairs += [(k, v) for k, values in _flat(rest).items() for v in values]
-        out["url"] = urlunsplit((split.scheme, split.netloc, split.path, "", ""))
+        out["url"] = urlunsplit((parts.scheme, parts.netloc, path, "", ""))
         out["params"] = pairs
     else:
         raise InvalidSpec(f"{where}: send_args_as: expected query, form or json, got {mode!r}")
@@ -291,7 +257,7 @@ def _left_out(text: str, args: dict[str, Any], where: str, schema: Any) -> bool:
 
 
 def _fill_query(query: str, args: dict[str, Any], where: str, schema: Any) -> str:
-    """Fill the endpoint's query string pair by pair; ``k={{field}}`` of a left-out optional field goes."""
+    """Fill the query pair by pair; ``k={{field}}`` of a left-out optional field goes."""
     if not has(query):
         return query
     pieces = []
@@ -359,13 +325,14 @@ def _read_result(response: httpx.Response, ctx: ExecContext, max_output: int, wh
     status = response.status_code
     if status >= 400:
         excerpt = text[:_EXCERPT]
+        retryable = status in (408, 429) or status >= 500
         err = ExecutorError(
             f"{where}: HTTP {status} {response.reason_phrase}" + (f": {excerpt}" if excerpt else ""),
             status=status,
             body=excerpt,
-            retryable=status in (408, 429) or status >= 500,
+            retryable=retryable,
         )
-        err.retryable = status in (408, 429) or status >= 500
+        err.retryable = retryable
         raise err
     ctx.progress(f"HTTP {status}, {len(body)} bytes")
     ctype = response.headers.get("content-type", "").split(";", 1)[0].strip().lower()

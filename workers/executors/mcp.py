@@ -1,33 +1,23 @@
 """The ``mcp`` executor: call tools on MCP servers (stdio or streamable HTTP) through the ``mcp`` SDK.
 
-Spec keys:
-
-- ``mcp``: the server: ``{command: [prog, args...], env: {...}, cwd: ...}`` (stdio) or ``{url: ...,
-  headers: {...}}`` (streamable HTTP), or ``{server: name}`` naming ``executors.mcp.servers.<name>``.
-- ``tool``: the tool's name on the server (default: the spec's name).
-- ``handshake_timeout``: seconds to connect and negotiate (default 10; also ``executors.mcp``).
-- ``max_output``: cap on the result's JSON size in bytes (default 1 MiB).
-
-The SDK is async: the sessions (``mcp_session.py``) live on a private event loop in a background
-thread, and worker threads submit calls to it. One session per server is kept per process and
-re-established when the server dies.
-A result with ``isError`` is a failed call carrying the server's message. ``traceparent``,
-``tracestate`` and ``baggage`` (when the caller sent any) travel in the request's ``_meta``.
+One session per server per process (``mcp_session.py``), re-established when the server dies. A result
+with ``isError`` is a failed call; the call's trace headers travel in the request's ``_meta``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from broker.errors import CallCancelled, ExecutorError, HermesError, InvalidSpec, OutputTooLarge, ToolTimeout
+from broker.errors import CallCancelled, ExecutorError, HermesError, InvalidSpec, OutputTooLarge
 from broker.toolspec import ToolSpec
 
-from . import ExecContext, require
+from . import DEFAULT_MAX_OUTPUT, ExecContext, require
 from .mcp_session import (
     CONNECTION_CLOSED,
     DEFAULT_HANDSHAKE_TIMEOUT,
@@ -36,9 +26,6 @@ from .mcp_session import (
     SessionPool,
     translate,
 )
-
-DEFAULT_MAX_OUTPUT = 1024 * 1024
-_POLL = 0.05
 
 
 def server_config(config: dict[str, Any], settings: dict[str, Any], where: str) -> dict[str, Any]:
@@ -61,8 +48,7 @@ def server_config(config: dict[str, Any], settings: dict[str, Any], where: str) 
 class McpExecutor:
     """Calls MCP tools; thread-safe (all session state lives on the pool's own loop)."""
 
-    # mcp_server: the label ``mcp add`` gave the server the tool came from (``mcp remove`` finds it by that);
-    # unwrap_result: the server wraps a non-object return as {"result": ...} (``mcp add`` sets it).
+    # mcp_server: the label ``mcp remove`` finds the tool by; unwrap_result: set by ``mcp add``.
     keys = frozenset({"mcp", "server", "tool", "handshake_timeout", "max_output", "mcp_server", "unwrap_result"})
 
     @staticmethod
@@ -82,13 +68,9 @@ class McpExecutor:
         args: dict[str, Any],
         ctx: ExecContext,
     ) -> Any:
-        meta: dict[str, Any] = dict(ctx.trace_headers())
-
         async def progress(value: float, total: float | None, message: str | None) -> None:
-            try:
+            with contextlib.suppress(Exception):  # a progress sink failure must not fail the call
                 ctx.progress(message or (f"{value:g}/{total:g}" if total else f"{value:g}"))
-            except Exception:  # noqa: BLE001 - a progress sink failure must not fail the call
-                pass
 
         # Session start is shared by concurrent callers: one caller's cancellation must not abort it.
         session = await asyncio.shield(self._pool.get(key, server, handshake))
@@ -98,11 +80,10 @@ class McpExecutor:
                 args,
                 read_timeout_seconds=max(0.001, ctx.deadline - time.monotonic()),
                 progress_callback=progress,
-                meta=meta or None,
+                meta=ctx.trace_headers() or None,
             )
         except Exception as e:
-            # The connection died with this call in flight. No retry here: the tool may have run, and
-            # retrying is the gateway's decision (ExecutorError is retryable). The next call reconnects.
+            # The connection died: no retry here (the tool may have run); the next call reconnects.
             if isinstance(e, TRANSPORT_ERRORS) or getattr(e, "code", None) == CONNECTION_CLOSED:
                 await self._pool.drop(key, session)
             raise
@@ -118,15 +99,10 @@ class McpExecutor:
         ctx.check()
         future = self._pool.submit(self._call(key, server, handshake, name, dict(args), ctx))
         # Poll with wait(), not result(timeout): the call's own TimeoutError must not read as "not yet".
-        while not concurrent.futures.wait(
-            [future], timeout=max(0.0, min(_POLL, ctx.deadline - time.monotonic()))
-        )[0]:
-            if ctx.cancelled.is_set():
+        while not concurrent.futures.wait([future], timeout=ctx.poll_slice())[0]:
+            if ctx.cancelled.is_set() or time.monotonic() >= ctx.deadline:
                 future.cancel()
-                raise CallCancelled(f"call {ctx.call_id} was cancelled")
-            if time.monotonic() >= ctx.deadline:
-                future.cancel()
-                raise ToolTimeout(f"{where}: timed out after {ctx.timeout:g}s", timeout=ctx.timeout)
+                ctx.check_at(where)
         try:
             result = future.result()
         except HermesError:
@@ -138,20 +114,15 @@ class McpExecutor:
         # A spec imported before `unwrap_result` existed declares the wrapper itself: keep the wrapper then.
         declared = spec.output_schema
         keep = isinstance(declared, dict) and wrapped_result_schema(declared) is not None
-        return _result(
-            result, where, max_output, unwrap=bool(config.get("unwrap_result")) and not keep, keep=keep
-        )
+        return _result(result, where, max_output, unwrap=bool(config.get("unwrap_result")), keep=keep)
 
     def close(self) -> None:
         self._pool.close()
 
 
-def _result(result: Any, where: str, max_output: int, unwrap: bool = False, keep: bool = False) -> Any:
+def _result(result: Any, where: str, max_output: int, unwrap: bool, keep: bool) -> Any:
     """A tool's result as plain data: structured content if any, else text, else content blocks.
-
-    A non-object return value arrives wrapped as ``{"result": value}``: unwrapped when ``unwrap`` (the
-    spec says the server wraps), else when its text shows it is a wrapper; never when ``keep``.
-    """
+    ``{"result": value}`` is unwrapped when ``unwrap`` or its text shows a wrapper; never when ``keep``."""
     blocks = [b.model_dump(mode="json", by_alias=True, exclude_none=True) for b in result.content]
     texts = [b.get("text", "") for b in blocks if b.get("type") == "text"]
     if result.is_error:
@@ -175,9 +146,8 @@ def _result(result: Any, where: str, max_output: int, unwrap: bool = False, keep
 
 
 def wrapped_result_schema(schema: dict[str, Any]) -> dict[str, Any] | None:
-    """The schema of the value inside the ``{"result": ...}`` wrapper MCP SDK servers put around a
-    non-object return value (an object with only a required ``result``, titled ``<tool>Output``), or
-    None when ``schema`` is not that wrapper. Shared ``$defs`` stay with it, so its references resolve."""
+    """The schema inside the ``{"result": ...}`` wrapper SDK servers put around a non-object return value
+    (an object with only a required ``result``, titled ``<tool>Output``; ``$defs`` kept), else None."""
     props = schema.get("properties")
     if (
         schema.get("type") != "object"
@@ -243,8 +213,7 @@ def list_server_tools(
             "input_schema": tool.input_schema or {"type": "object"},
         }
         if tool.output_schema:
-            inner = wrapped_result_schema(tool.output_schema)
-            if inner is None:
+            if (inner := wrapped_result_schema(tool.output_schema)) is None:
                 spec["output_schema"] = tool.output_schema
             else:  # the result the gateway returns (and checks) is the value, not the server's wrapper
                 spec["output_schema"], spec["unwrap_result"] = inner, True

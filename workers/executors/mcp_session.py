@@ -1,12 +1,12 @@
 """MCP sessions for the ``mcp`` executor and ``mcp add``: one live ``mcp.Client`` per server, held open by
-its own task on a private event loop (the SDK is async; worker threads submit calls to that loop), and the
-SDK's failures turned into typed errors.
+its own task on a private event loop, and the SDK's failures turned into typed errors.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import threading
 from collections.abc import Coroutine
@@ -33,8 +33,8 @@ MCP_READ_TIMEOUT = 300.0
 
 
 def require_sdk(what: str = "the mcp executor") -> None:
-    """ExecutorError unless the ``mcp`` SDK 2.x is importable. It is the ``mcp`` extra: the Hermes agent
-    plugin installs beside ``hermes-agent[mcp]``, whose MCP client pins mcp 1.x."""
+    """ExecutorError unless the ``mcp`` SDK 2.x (the ``mcp`` extra) is importable; ``hermes-agent[mcp]``
+    pins mcp 1.x."""
     try:
         from mcp import Client  # noqa: F401 - the 2.x client API
     except ImportError:
@@ -57,10 +57,9 @@ def client_for(server: dict[str, Any]) -> Any:
     from mcp.client.streamable_http import streamable_http_client
 
     if server.get("url"):
-        import httpx2  # (the SDK's HTTP client library: it documents passing a client of one's own)
+        import httpx2  # the SDK's HTTP client library
 
         headers = {str(k): str(v) for k, v in (server.get("headers") or {}).items()}
-        # The SDK's own defaults: 30 s for connect, write and pool; 300 s to read (a response stream stays open).
         http = httpx2.AsyncClient(headers=headers or None, timeout=httpx2.Timeout(MCP_TIMEOUT, read=MCP_READ_TIMEOUT))
         return Client(streamable_http_client(str(server["url"]), http_client=http), cache=None)
     command = server["command"]
@@ -90,9 +89,8 @@ class Session:
     def alive(self) -> bool:
         if self.client is None or self.task is None or self.task.done():
             return False
-        # The SDK marks its dispatcher closed when the server's stream ends (the process died or the
-        # HTTP session went away); there is no public flag, so look and degrade gracefully. mcp is pinned
-        # to the minor version tests/workers/executors/test_mcp_internals.py checks these names on.
+        # The SDK marks its dispatcher closed when the server's stream ends; there is no public flag
+        # (test_mcp_internals.py checks these names on the pinned mcp version).
         dispatcher = getattr(getattr(self.client, "_session", None), "_dispatcher", None)
         return not getattr(dispatcher, "_closed", False)
 
@@ -100,8 +98,7 @@ class Session:
         ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.task = asyncio.create_task(self._hold(ready))
         try:
-            # The handshake deadline is kept from outside: a cancel scope around __aenter__ would
-            # close before the SDK's own task groups do, which anyio forbids.
+            # Timed from outside: a cancel scope around __aenter__ would close before the SDK's task groups.
             await asyncio.wait_for(asyncio.shield(ready), self.handshake_timeout)
         except TimeoutError:
             ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # consumed: no warning
@@ -136,10 +133,8 @@ class Session:
     async def close(self) -> None:
         self._stop.set()
         if self.task is not None:
-            try:
+            with contextlib.suppress(BaseException):  # closing is best effort
                 await asyncio.wait_for(asyncio.shield(self.task), 6)
-            except BaseException:  # noqa: BLE001 - closing is best effort
-                pass
 
 
 class SessionPool:
@@ -183,10 +178,8 @@ class SessionPool:
             self._sessions.clear()
 
         if self._loop.is_running():
-            try:
+            with contextlib.suppress(Exception):  # shutdown is best effort
                 self.submit(close_all()).result(timeout=15)
-            except Exception:  # noqa: BLE001 - shutdown is best effort
-                pass
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
 
@@ -196,8 +189,7 @@ def translate(e: BaseException, where: str, handshake: float, server: dict[str, 
 
     target = server.get("url") or server.get("command")
     if isinstance(e, BaseExceptionGroup):  # the SDK's task groups: the first real failure says what happened
-        leaves = _leaves(e)
-        if leaves:
+        if leaves := _leaves(e):
             return translate(leaves[0], where, handshake, server)
     if isinstance(e, TRANSPORT_ERRORS) or (isinstance(e, MCPError) and e.code == CONNECTION_CLOSED):
         hint = " (it exited? a stdio server's own error output is above)" if server.get("command") else ""
@@ -212,12 +204,8 @@ def translate(e: BaseException, where: str, handshake: float, server: dict[str, 
             return InvalidArgs(f"{where}: MCP server rejected the arguments: {e.message}", code=e.code)
         if "timed out" in e.message.lower():
             return ToolTimeout(f"{where}: MCP server did not answer in time: {e.message}")
-        if e.code == CONNECTION_CLOSED:
-            return ExecutorError(
-                f"{where}: MCP server {target} closed the connection: {e.message}", code=e.code
-            )
         return ExecutorError(f"{where}: MCP error {e.code}: {e.message}", code=e.code)
-    if isinstance(e, OSError | ValueError) and not isinstance(e, TRANSPORT_ERRORS):
+    if isinstance(e, OSError | ValueError):  # (transport errors were handled above)
         return ExecutorError(f"{where}: cannot start MCP server {target}: {e}")
     return ExecutorError(f"{where}: MCP server {target} failed: {type(e).__name__}: {e}")
 

@@ -1,13 +1,8 @@
-"""The SSRF guard for outgoing tool traffic, enforced where sockets are opened.
+"""The SSRF guard for outgoing tool traffic, an httpcore network backend under an httpx transport.
 
-It plugs into httpcore (public API only: ``httpcore.NetworkBackend``, ``SyncBackend``, ``ConnectionPool``)
-as a network backend, under an httpx transport of our own: every new connection resolves the host itself, refuses it
-if ANY resolved address is private, loopback, link-local, multicast, reserved, unspecified or a cloud
-metadata address, and connects to the address it checked (so DNS rebinding between check and connect
-has nothing to exploit). Redirects open new connections, so every hop is checked the same way.
-
-The streams it returns also watch the call's cancellation flag while waiting for bytes, so a cancelled
-call stops promptly even when the server is silent.
+Every new connection (each redirect hop too) resolves the host itself, refuses it if ANY address is not
+public or is a cloud metadata address, and connects to the address it checked (no DNS rebinding). Its
+streams also watch the call's cancellation while waiting for bytes.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ import httpx
 
 from broker.errors import CallCancelled, DestinationBlocked, InvalidSpec
 
-from . import ExecContext
+from . import POLL, ExecContext
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -38,7 +33,6 @@ METADATA = frozenset(
     for a in ("169.254.169.254", "169.254.170.2", "100.100.100.200", "fd00:ec2::254", "192.0.0.192")
 )
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
-_POLL = 0.05
 
 # The call whose request is being sent on this thread (httpcore's sync pool does I/O in the caller).
 current_call: contextvars.ContextVar[ExecContext | None] = contextvars.ContextVar(
@@ -70,10 +64,7 @@ class GuardPolicy:
 
     def host_allowed(self, host: str) -> bool:
         host = host.lower().rstrip(".")
-        for pattern in self.allow_hosts:
-            if host == pattern or (pattern.startswith("*.") and host.endswith(pattern[1:])):
-                return True
-        return False
+        return any(host == p or (p.startswith("*.") and host.endswith(p[1:])) for p in self.allow_hosts)
 
     def refusal(self, host: str, address: str) -> str | None:
         """Why ``address`` (resolved from ``host``) may not be reached, or None if it may."""
@@ -92,8 +83,8 @@ class GuardPolicy:
             if not candidate.is_global or candidate.is_multicast:
                 return (
                     f"{candidate} is not a public address ({_kind(candidate)}); to reach an internal "
-                    f"service, allow it in config.yaml: executors.http.allow_networks: [\"{_net_of(candidate)}\"] "
-                    f"or allow_hosts: [\"{host}\"]"
+                    "service, allow it in config.yaml: executors.http.allow_networks: "
+                    f"[\"{candidate}/{candidate.max_prefixlen}\"] or allow_hosts: [\"{host}\"]"
                 )
         return None
 
@@ -111,10 +102,6 @@ def _embedded(ip: IPAddress) -> list[IPAddress]:
         if ip in _NAT64:
             out.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
     return out
-
-
-def _net_of(ip: IPAddress) -> str:
-    return f"{ip}/{ip.max_prefixlen}"
 
 
 def _kind(ip: IPAddress) -> str:
@@ -146,8 +133,7 @@ class GuardedBackend(httpcore.NetworkBackend):
         if not addresses:
             raise httpcore.ConnectError(f"{bare!r} resolves to no address")
         for address in addresses:
-            reason = self.policy.refusal(bare, address)
-            if reason:
+            if reason := self.policy.refusal(bare, address):
                 raise DestinationBlocked(
                     f"refusing to connect to {bare!r}: {reason}", host=bare, address=address
                 )
@@ -182,8 +168,7 @@ class WatchedStream(httpcore.NetworkStream):
         self._sock = sock
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        ctx = current_call.get()
-        if ctx is not None:
+        if (ctx := current_call.get()) is not None:
             self._wait_readable(ctx, timeout)
         return self._inner.read(max_bytes, timeout)
 
@@ -194,7 +179,7 @@ class WatchedStream(httpcore.NetworkStream):
                 raise CallCancelled(f"call {ctx.call_id} was cancelled")
             if isinstance(self._sock, ssl.SSLSocket) and self._sock.pending():
                 return
-            wait = _POLL if end is None else max(0.0, min(_POLL, end - time.monotonic()))
+            wait = POLL if end is None else max(0.0, min(POLL, end - time.monotonic()))
             readable, _, _ = select.select([self._sock], [], [], wait)
             if readable:
                 return
@@ -219,20 +204,12 @@ class WatchedStream(httpcore.NetworkStream):
 
 # httpx names its errors after httpcore's (as httpx's own transport maps them).
 _ERRORS: dict[type[Exception], type[httpx.HTTPError]] = {
-    httpcore.TimeoutException: httpx.TimeoutException,
-    httpcore.ConnectTimeout: httpx.ConnectTimeout,
-    httpcore.ReadTimeout: httpx.ReadTimeout,
-    httpcore.WriteTimeout: httpx.WriteTimeout,
-    httpcore.PoolTimeout: httpx.PoolTimeout,
-    httpcore.NetworkError: httpx.NetworkError,
-    httpcore.ConnectError: httpx.ConnectError,
-    httpcore.ReadError: httpx.ReadError,
-    httpcore.WriteError: httpx.WriteError,
-    httpcore.ProxyError: httpx.ProxyError,
-    httpcore.UnsupportedProtocol: httpx.UnsupportedProtocol,
-    httpcore.ProtocolError: httpx.ProtocolError,
-    httpcore.LocalProtocolError: httpx.LocalProtocolError,
-    httpcore.RemoteProtocolError: httpx.RemoteProtocolError,
+    getattr(httpcore, name): getattr(httpx, name)
+    for name in (
+        "TimeoutException", "ConnectTimeout", "ReadTimeout", "WriteTimeout", "PoolTimeout", "NetworkError",
+        "ConnectError", "ReadError", "WriteError", "ProxyError", "UnsupportedProtocol", "ProtocolError",
+        "LocalProtocolError", "RemoteProtocolError",
+    )
 }
 
 
@@ -256,17 +233,14 @@ class _Body(httpx.SyncByteStream):
             yield from self._stream
 
     def close(self) -> None:
-        close = getattr(self._stream, "close", None)
-        if close is not None:
+        if (close := getattr(self._stream, "close", None)) is not None:
             close()
 
 
 class GuardedTransport(httpx.BaseTransport):
-    """An httpx transport on an httpcore connection pool whose network backend is the guard.
-
-    The pool is the one httpx's ``HTTPTransport`` builds, except for the backend; proxies are never used
-    (they would connect on our behalf to addresses the guard never saw). Public API of both libraries only.
-    """
+    """An httpx transport on an httpcore connection pool whose network backend is the guard:
+    the pool httpx's ``HTTPTransport`` builds but for the backend, and never a proxy (it would connect to
+    addresses the guard never saw)."""
 
     def __init__(self, policy: GuardPolicy, verify: bool) -> None:
         self.pool = httpcore.ConnectionPool(

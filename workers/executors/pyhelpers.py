@@ -1,7 +1,5 @@
-"""Helper threads for ``python`` tools that cannot cooperate (no ``ctx``): the call's thread waits on
-one with the deadline, so the call can end at its timeout (or on cancel) while the function is abandoned
-and stopped with :class:`ToolStopped` (see :mod:`workers.executors.python`).
-"""
+"""Helper threads for ``python`` tools without ``ctx``, so a call can end at its deadline while the
+function is abandoned and stopped with :class:`ToolStopped` (see :mod:`workers.executors.python`)."""
 
 from __future__ import annotations
 
@@ -18,19 +16,15 @@ from broker.errors import ExecutorError
 
 log = structlog.get_logger("hermes.executor.python")
 
-POLL = 0.05
 DEFAULT_MAX_ABANDONED = 8
 _HELPER_IDLE = 60.0  # seconds an idle helper thread waits for work before it ends
 
 
 class ToolStopped(BaseException):
-    """Raised inside an abandoned python tool (its call timed out or was cancelled).
-
-    A ``BaseException``, so a tool's ``except Exception`` does not swallow it."""
+    """Raised inside an abandoned python tool; a ``BaseException``, so ``except Exception`` misses it."""
 
 
-# Called with the GIL held (pythonapi functions keep it); the second prototype passes NULL, which clears
-# a pending exception. Both take the thread id as a plain int, so calling them runs no Python code.
+# Called with the GIL held (pythonapi keeps it), so no Python code runs; NULL clears a pending exception.
 _inject = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_ulong, ctypes.py_object)(
     ("PyThreadState_SetAsyncExc", ctypes.pythonapi)
 )
@@ -42,11 +36,8 @@ _QUEUED, _RUNNING, FINISHED = 0, 1, 2
 
 
 class Job:
-    """One function call on a helper thread, and the hand-shake that makes abandoning it safe.
-
-    ``lock`` orders the helper's start/finish against the call thread's ``stop``: a ToolStopped is
-    injected only while the function runs, at most once, and cleared (if still pending) when it ends.
-    """
+    """One function call on a helper thread. ``lock`` orders its start and end against ``stop``: a
+    ToolStopped is injected only while the function runs, at most once, and cleared when it ends."""
 
     def __init__(self, call: Callable[[], Any], tally: Tally) -> None:
         self.call = call
@@ -78,9 +69,7 @@ class Job:
             self.error = e
 
     def settle(self) -> None:
-        """On the helper: the function has ended. Idempotent (a late ToolStopped may interrupt it).
-
-        After it returns no ToolStopped is pending; the helper then releases ``done``."""
+        """On the helper: the function has ended; no ToolStopped is pending after. Idempotent."""
         with self.lock:
             if self.injected:
                 _uninject(self.ident, None)  # first: a pending ToolStopped must not fire later
@@ -90,7 +79,7 @@ class Job:
                     self.tally.release()
 
     def stop(self) -> None:
-        """On the call thread, once it gave up on the call: abandon the function and ask it to stop."""
+        """On the call thread, once it gave up: abandon the function and ask it to stop."""
         with self.lock:
             self.abandoned = True
             if self.state == FINISHED:
@@ -146,8 +135,7 @@ class _Helper:
 
     @staticmethod
     def serve(job: Job, ident: int) -> None:
-        # From ``begin`` until ``settle`` has cleared it, a ToolStopped may surface at any bytecode
-        # check, also in this frame: catch it and go on; it is injected at most once per job.
+        # Until ``settle`` has cleared it, a ToolStopped may surface here too: catch it and go on.
         begun = False
         while True:
             try:
@@ -174,14 +162,12 @@ class HelperPool:
         with self.lock:
             if self.closed:
                 raise ExecutorError("the python executor is closed")
-            helper = self.idle.pop() if self.idle else None
-            if helper is None:
+            if self.idle:
+                helper = self.idle.pop()
+            else:  # a new thread waits for ``wake`` like an idle one
                 self.started += 1
                 helper = _Helper(self, self.started)
-                helper.job = job
-                helper.wake.release()
                 helper.thread.start()
-                return
             helper.job = job
         helper.wake.release()
 

@@ -1,32 +1,15 @@
-"""The ``python`` executor: call ``package.module:callable`` in the worker with the arguments.
+"""The ``python`` executor: call ``package.module:callable`` (sync or async) in the worker.
 
-Spec keys: ``function: "package.module:callable"`` (sync or async). The callable gets ``**args``; one
-with a parameter named ``ctx`` also gets the :class:`ExecContext` (deadline, cancellation, progress).
-Settings: ``executors.python.paths`` lists extra directories to put on ``sys.path``;
-``executors.python.max_abandoned`` (default 8) and ``executors.python.inline`` are explained below.
-
-A callable that takes ``ctx`` runs on the call's own thread, as it always did: it is expected to watch
-``ctx.cancelled`` / ``ctx.deadline`` (an async one is cancelled at the deadline or on cancellation).
-
-A callable without ``ctx`` cannot cooperate, so it runs on a helper thread that the call's thread waits
-on with the deadline. At the deadline (or on cancellation) the *call* ends at once, ``tool_timeout``
-(or ``cancelled``), and its slot is released; the function is abandoned and asked to stop: a
-:class:`ToolStopped` is injected into its thread (``PyThreadState_SetAsyncExc``), so Python code stops
-at its next bytecode check; code blocked in C (``time.sleep``, a socket read) gets it only when that
-returns. An async callable is also cancelled on its loop. Whatever an abandoned function returns is
-discarded. Helper threads come from a growing pool (idle ones retire after a minute), so an abandoned
-function holds a helper, never a call thread. At most ``max_abandoned`` abandoned functions of one tool
-may still be running in a worker process; beyond that, new calls of that tool fail at once with an
-``executor_error`` (retryable, counted by the breaker) until some of them end.
-
-The helper costs two thread switches per call (about 60 µs of CPU on a small VM): nothing for real
-tools, but visible for no-op ones. Functions listed in ``executors.python.inline`` (``module:callable``)
-run on the call's thread like ``ctx`` ones, without that cost and without being stoppable.
+A callable with a ``ctx`` parameter (or listed in ``executors.python.inline``) runs on the call's own
+thread and watches ``ctx`` itself. Any other runs on a helper thread (``pyhelpers``): at the deadline or
+on cancellation the call ends at once and the function is abandoned and stopped with
+:class:`ToolStopped`; past ``max_abandoned`` of them still running, new calls of that tool fail at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import re
@@ -38,18 +21,11 @@ from typing import Any
 
 import structlog
 
-from broker.errors import (
-    CallCancelled,
-    ExecutorError,
-    HermesError,
-    InvalidArgs,
-    InvalidSpec,
-    ToolTimeout,
-)
+from broker.errors import ExecutorError, HermesError, InvalidArgs, InvalidSpec
 from broker.toolspec import ToolSpec
 
 from . import ExecContext, from_env, require
-from .pyhelpers import DEFAULT_MAX_ABANDONED, FINISHED, POLL, HelperPool, Job, Tally
+from .pyhelpers import DEFAULT_MAX_ABANDONED, FINISHED, HelperPool, Job, Tally
 
 log = structlog.get_logger("hermes.executor.python")
 _DOTTED = re.compile(r"[^\W\d]\w*(?:\.[^\W\d]\w*)*")
@@ -60,9 +36,7 @@ def split_ref(ref: str) -> tuple[str, str] | None:
     module, sep, attr = ref.strip().partition(":")
     if not sep:
         module, _, attr = ref.strip().rpartition(".")
-    if not _DOTTED.fullmatch(module) or not _DOTTED.fullmatch(attr):
-        return None
-    return module, attr
+    return (module, attr) if _DOTTED.fullmatch(module) and _DOTTED.fullmatch(attr) else None
 
 
 class _Target:
@@ -76,8 +50,7 @@ class _Target:
             self.signature = None
         self.wants_ctx = self.signature is not None and "ctx" in self.signature.parameters
         self.inline = self.wants_ctx  # on the call's own thread (else on a helper thread)
-        # For a plain signature (named parameters, maybe ``**kwargs``), arguments are checked against these
-        # sets instead of binding the signature on every call; anything else is bound as before.
+        # A plain signature (named parameters, maybe ``**kwargs``) is checked against these sets, not bound.
         self.names: frozenset[str] | None = None
         self.any_name = False  # it takes ``**kwargs``: any name fits
         self.required: frozenset[str] = frozenset()
@@ -89,8 +62,6 @@ class _Target:
                 self.names = frozenset(p.name for p in named)
                 self.any_name = len(named) < len(params)
                 self.required = frozenset(p.name for p in named if p.default is inspect.Parameter.empty)
-        # Instances with an ``async def __call__`` count as async too.
-        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
     def fits(self, kwargs: dict[str, Any]) -> bool:
         """True when ``kwargs`` certainly bind (False: bind the signature for the exact error)."""
@@ -165,9 +136,7 @@ class PythonExecutor:
         try:
             if not target.inline:
                 result = self._run_on_helper(spec, target.fn, kwargs, ctx, where)
-            elif target.is_async:
-                result = _run_async(target.fn(**kwargs), ctx, where)
-            else:
+            else:  # an async function's coroutine is awaitable like any other result
                 result = target.fn(**kwargs)
                 if inspect.isawaitable(result):
                     result = _run_async(result, ctx, where)
@@ -175,18 +144,14 @@ class PythonExecutor:
             raise
         except Exception as e:  # noqa: BLE001 - any failure of user code is a failed call, not a dead worker
             raise ExecutorError(f"{type(e).__name__}: {e}", exception=type(e).__name__) from e
-        if ctx.cancelled.is_set():
-            raise CallCancelled(f"call {ctx.call_id} was cancelled")
-        if time.monotonic() >= ctx.deadline:
-            raise ToolTimeout(f"{where}: timed out after {ctx.timeout:g}s", timeout=ctx.timeout)
+        ctx.check_at(where)
         return to_wire_value(result, where)
 
     def _run_on_helper(
         self, spec: ToolSpec, fn: Callable[..., Any], kwargs: dict[str, Any], ctx: ExecContext, where: str
     ) -> Any:
         """Run ``fn`` on a helper thread; give up on it at the deadline or on cancellation."""
-        tally = self._tallies.get(spec.name)
-        if tally is None:
+        if (tally := self._tallies.get(spec.name)) is None:
             with self._lock:
                 tally = self._tallies.setdefault(spec.name, Tally())
         limit = self._max_abandoned
@@ -207,13 +172,10 @@ class PythonExecutor:
         job = Job(call, tally)
         self._helpers.submit(job)
         done = job.done
-        while not done.acquire(timeout=max(0.0, min(POLL, ctx.deadline - time.monotonic()))):
-            if ctx.cancelled.is_set():
-                self._abandon(job, spec, "cancelled")
-                raise CallCancelled(f"call {ctx.call_id} was cancelled")
-            if time.monotonic() >= ctx.deadline:
-                self._abandon(job, spec, "timed out")
-                raise ToolTimeout(f"{where}: timed out after {ctx.timeout:g}s", timeout=ctx.timeout)
+        while not done.acquire(timeout=ctx.poll_slice()):
+            if ctx.cancelled.is_set() or time.monotonic() >= ctx.deadline:
+                self._abandon(job, spec, "cancelled" if ctx.cancelled.is_set() else "timed out")
+                ctx.check_at(where)
         if job.error is not None:
             raise job.error
         return job.result
@@ -240,19 +202,14 @@ def _run_async(awaitable: Any, ctx: ExecContext, where: str) -> Any:
     async def guarded() -> Any:
         task = asyncio.ensure_future(awaitable)
         while True:
-            left = ctx.deadline - time.monotonic()
-            done, _ = await asyncio.wait({task}, timeout=max(0.0, min(POLL, left)))
+            done, _ = await asyncio.wait({task}, timeout=ctx.poll_slice())
             if done:
                 return task.result()
             if ctx.cancelled.is_set() or time.monotonic() >= ctx.deadline:
                 task.cancel()
-                try:
+                with contextlib.suppress(BaseException):  # the task's own outcome no longer matters
                     await task
-                except BaseException:  # noqa: BLE001 - the task's own outcome no longer matters
-                    pass
-                if ctx.cancelled.is_set():
-                    raise CallCancelled(f"call {ctx.call_id} was cancelled")
-                raise ToolTimeout(f"{where}: timed out after {ctx.timeout:g}s", timeout=ctx.timeout)
+                ctx.check_at(where)
 
     return asyncio.run(guarded())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import email.utils
 import random
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -12,6 +13,8 @@ from typing import Any
 from workers.retry import RetryPolicy
 
 RETRYABLE_STATUSES: frozenset[int] = frozenset({408, 429})
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|h|m|s)")
+_UNITS = {"ms": 0.001, "h": 3600.0, "m": 60.0, "s": 1.0}
 
 
 def is_retryable_status(status: int) -> bool:
@@ -22,8 +25,7 @@ def is_retryable_status(status: int) -> bool:
 def parse_retry_after(headers: Mapping[str, str], now: float | None = None) -> float | None:
     """Seconds to wait from ``retry-after-ms`` or ``Retry-After`` (delta-seconds or an HTTP-date)."""
     lowered = {k.lower(): v for k, v in headers.items()}
-    raw_ms = lowered.get("retry-after-ms")
-    if raw_ms:
+    if raw_ms := lowered.get("retry-after-ms"):
         try:
             return max(0.0, float(raw_ms) / 1000.0)
         except ValueError:
@@ -39,8 +41,6 @@ def parse_retry_after(headers: Mapping[str, str], now: float | None = None) -> f
         when = email.utils.parsedate_to_datetime(raw)
     except (TypeError, ValueError):
         return None
-    if when is None:
-        return None
     current = time.time() if now is None else now
     return max(0.0, when.timestamp() - current)
 
@@ -54,28 +54,16 @@ def parse_reset(value: str) -> float | None:
         return max(0.0, float(text))
     except ValueError:
         pass
-    total, num = 0.0, ""
-    i = 0
-    while i < len(text):
-        c = text[i]
-        if c.isdigit() or c == ".":
-            num += c
-            i += 1
-            continue
-        unit = "ms" if text.startswith("ms", i) else c
-        if not num or unit not in ("ms", "h", "m", "s"):
-            return None
-        total += float(num) * {"ms": 0.001, "h": 3600.0, "m": 60.0, "s": 1.0}[unit]
-        num = ""
-        i += len(unit)
-    return None if num else total
+    parts = _DURATION_PART.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        return None
+    return sum(float(n) * _UNITS[u] for n, u in parts)
 
 
 def pause_seconds(headers: Mapping[str, str]) -> float | None:
     """How long a 429/503 asks the fleet to wait: ``retry-after-ms``, ``Retry-After``, else the longest
     ``x-ratelimit-reset-requests`` / ``-tokens`` whose remaining count is 0 (or either, when none says)."""
-    from_retry = parse_retry_after(headers)
-    if from_retry is not None:
+    if (from_retry := parse_retry_after(headers)) is not None:
         return from_retry
     lowered = {k.lower(): v for k, v in headers.items()}
     waits = []
@@ -94,10 +82,8 @@ def retry_delay(
     max_retry_after: float = 60.0,
     rand: Callable[[], float] = random.random,
 ) -> float | None:
-    """Seconds before the next attempt, or None to give up (not retryable, or the server asks too much).
-
-    ``attempt`` is the 1-based number of the attempt that just failed.
-    """
+    """Seconds before the attempt after ``attempt`` (1-based), or None to give up (not retryable, or the
+    server asks for a longer wait than ``max_retry_after``)."""
     if not getattr(error, "retryable", False):
         return None
     retry_after: Any = getattr(error, "retry_after", None)

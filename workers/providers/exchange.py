@@ -1,17 +1,16 @@
 """A blocking HTTP exchange on a helper thread, so the calling thread can be cancelled or time out at once.
 
 httpx cannot resume a response after a read timeout, and closing a socket does not wake a thread blocked
-in ``recv``. So the exchange runs on its own daemon thread and hands items over a queue; the caller polls
-the queue in short slices, checking ``cancelled`` and the deadline between them. On abort the socket is
-shut down (which does wake the reader) and the reader closes the response itself.
+in ``recv``: the reader hands items over a queue the caller polls; on abort the socket is shut down
+(which wakes the reader) and the reader closes the response itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,13 +37,9 @@ class Exchange:
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 
-    def start(self, target: Callable[[Exchange], None]) -> threading.Thread:
+    def start(self, target: Callable[[Exchange], None]) -> None:
         """Run ``target(self)`` on a daemon thread named after the call."""
-        thread = threading.Thread(target=target, args=(self,), daemon=True, name=f"llm-{self.ctx.call_id}")
-        thread.start()
-        return thread
-
-    # --- reader side --------------------------------------------------------------------------
+        threading.Thread(target=target, args=(self,), daemon=True, name=f"llm-{self.ctx.call_id}").start()
 
     def put(self, kind: str, value: Any = None) -> None:
         """Hand one item to the caller."""
@@ -59,19 +54,16 @@ class Exchange:
         if self.stop.is_set():
             self._shutdown()
 
-    # --- caller side --------------------------------------------------------------------------
-
     def next(self) -> Item:
         """The next item from the reader; raises CallCancelled or ProviderTimeout (and aborts) instead."""
         ctx = self.ctx
         while True:
-            if ctx.cancelled.is_set():
+            try:
+                ctx.check()
+                left = ctx.remaining()
+            except (CallCancelled, ProviderTimeout):
                 self.abort()
-                raise CallCancelled(f"call {ctx.call_id} was cancelled")
-            left = ctx.deadline - time.monotonic()
-            if left <= 0:
-                self.abort()
-                raise ProviderTimeout(f"LLM call {ctx.call_id} timed out after {ctx.timeout:g}s")
+                raise
             try:
                 item = self._items.get(timeout=min(POLL, left))
             except queue.Empty:
@@ -91,9 +83,6 @@ class Exchange:
             sock = self._sock
         if sock is None:
             return
-        try:
-            # The base-class method, so an SSLSocket is shut down at the TCP level without touching
-            # TLS state the reader thread is using.
+        # The base-class method: an SSLSocket is shut down at the TCP level, its TLS state untouched.
+        with contextlib.suppress(OSError):  # already closed
             socket.socket.shutdown(sock, socket.SHUT_RDWR)
-        except OSError:
-            pass  # already closed

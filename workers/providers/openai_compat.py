@@ -1,12 +1,7 @@
 """OpenAI-compatible chat completions over httpx: DeepSeek, OpenAI, vLLM, Ollama, llama.cpp and friends.
 
-Configured by the ``model:`` block of config.yaml::
-
-    model: {provider: openai-compatible, base_url: ..., api_key: ${ENV}, model: ..., timeout: 120,
-            max_retries: 2, headers: {...}}
-
-The provider makes exactly one HTTP attempt per ``complete``; the worker owns retries (each attempt runs
-the middleware again) and uses ``retry_delay`` on the typed errors raised here.
+Configured by config.yaml's ``model:`` block. One HTTP attempt per ``complete``: the worker owns retries
+(``retry_delay`` on the typed errors raised here).
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ from broker.settings import ModelSettings
 from .backoff import is_retryable_status, pause_seconds
 from .exchange import Exchange
 from .provider import ProviderContext, base_url_of
-from .stream import DONE, StreamAssembler, sse_data
+from .stream import DONE, StreamAssembler, public_delta, sse_data
 
 log = structlog.get_logger(__name__)
 
@@ -44,8 +39,6 @@ class OpenAICompatProvider:
         timeout: float = 120.0,
         max_retries: int = 2,
         headers: dict[str, str] | None = None,
-        max_connections: int = 100,
-        transport: httpx.BaseTransport | None = None,
     ) -> None:
         if not base_url:
             raise ConfigError(
@@ -61,14 +54,11 @@ class OpenAICompatProvider:
         self._client = httpx.Client(
             base_url=self.base_url,
             timeout=httpx.Timeout(self.timeout, connect=min(10.0, self.timeout)),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-            transport=transport,
+            limits=httpx.Limits(max_connections=100, max_keepalive_connections=100),
         )
 
     def __repr__(self) -> str:
         return f"OpenAICompatProvider(base_url={self.base_url!r}, model={self.model!r})"
-
-    # --- the call -------------------------------------------------------------------------------
 
     def complete(self, request: dict[str, Any], ctx: ProviderContext) -> dict[str, Any]:
         """Run one chat-completions request; for ``stream: true`` feed ``ctx.on_delta`` and assemble."""
@@ -130,8 +120,6 @@ class OpenAICompatProvider:
             raise
         except Exception as e:  # noqa: BLE001 - a broken event sink must not fail the LLM call
             log.warning("llm.delta_sink_failed", call_id=ctx.call_id, error=repr(e))
-
-    # --- the reader thread ---------------------------------------------------------------------
 
     def _exchange(
         self,
@@ -257,17 +245,10 @@ def _error_message(resp: httpx.Response) -> tuple[str, str | None]:
 
 def _deltas_of(completion: dict[str, Any]) -> list[dict[str, Any]]:
     """One delta per choice of a whole completion (for servers that ignore ``stream: true``)."""
-    out = []
-    for choice in completion.get("choices") or []:
-        msg = choice.get("message") or {}
-        delta: dict[str, Any] = {"index": choice.get("index", 0)}
-        for key in ("content", "reasoning_content", "tool_calls"):
-            if msg.get(key):
-                delta[key] = msg[key]
-        if choice.get("finish_reason"):
-            delta["finish_reason"] = choice["finish_reason"]
-        out.append(delta)
-    return out
+    return [
+        public_delta(c.get("index", 0), c.get("message") or {}, c.get("finish_reason"))
+        for c in completion.get("choices") or []
+    ]
 
 
 def create(settings_model: ModelSettings) -> OpenAICompatProvider:

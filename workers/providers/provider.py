@@ -16,21 +16,13 @@ from workers.executors import Deadline, PerProcess
 
 DeltaSink = Callable[[dict[str, Any]], None]
 
-# `model.provider` spellings -> module under workers.providers. OpenAI-compatible servers
-# (DeepSeek, vLLM, Ollama, llama.cpp, LM Studio) all speak the same chat-completions dialect.
-_MODULES: dict[str, str] = {
-    "openai-compatible": "openai_compat",
-    "openai_compatible": "openai_compat",
-    "openai_compat": "openai_compat",
-    "openai": "openai_compat",
-    "custom": "openai_compat",
-    "deepseek": "openai_compat",
-    "ollama": "openai_compat",
-    "vllm": "openai_compat",
-    "lmstudio": "openai_compat",
-    "llamacpp": "openai_compat",
-    "llama.cpp": "openai_compat",
-}
+# `model.provider` spellings -> module under workers.providers; the servers named here all speak the
+# OpenAI chat-completions dialect.
+_MODULES: dict[str, str] = dict.fromkeys(
+    ("openai-compatible", "openai_compatible", "openai_compat", "openai", "custom", "deepseek", "ollama")
+    + ("vllm", "lmstudio", "llamacpp", "llama.cpp"),
+    "openai_compat",
+)
 
 # Where a named server listens by default, used when ``model.base_url`` is not given.
 DEFAULT_BASE_URLS: dict[str, str] = {
@@ -57,8 +49,7 @@ class ProviderContext(Deadline):
     attempt: int = 1
     cancelled: threading.Event = field(default_factory=threading.Event)
     on_delta: DeltaSink | None = None
-    # Called once the provider's response headers arrive (so it has received the request): the rate
-    # limiter counts the request's window from then.
+    # Called when the response headers arrive: the rate limiter counts the request's window from then.
     on_response: Callable[[], None] | None = None
     traceparent: str | None = None
     tracestate: str | None = None
@@ -82,18 +73,15 @@ _instances: PerProcess[tuple[str, str, str], Provider] = PerProcess()
 def provider_module(name: str) -> str:
     """The module name under ``workers.providers`` that serves ``model.provider``."""
     key = (name or "openai-compatible").strip().lower()
-    module = _MODULES.get(key)
-    if module is None:
+    if (module := _MODULES.get(key)) is None:
         raise ConfigError(f"unknown model provider {name!r}; known: {', '.join(sorted(_MODULES))}")
     return module
 
 
 def _cache_key(settings_model: ModelSettings) -> tuple[str, str, str]:
-    # The key is hashed so the cache never holds (or prints) the secret itself.
-    api_key = settings_model.api_key
+    api_key = settings_model.api_key  # hashed: the cache never holds (or prints) the secret itself
     digest = hashlib.sha256(api_key.encode()).hexdigest()[:16] if api_key else ""
-    module = provider_module(settings_model.provider)
-    return (module, base_url_of(settings_model), digest)
+    return (provider_module(settings_model.provider), base_url_of(settings_model), digest)
 
 
 def create(settings_model: ModelSettings) -> Provider:

@@ -29,6 +29,17 @@ def sse_data(lines: Iterable[str]) -> Iterator[str]:
         yield "\n".join(buf)
 
 
+def public_delta(index: int, fields: dict[str, Any], finish_reason: Any) -> dict[str, Any]:
+    """The delta subscribers see of one choice: its index, text and tool-call pieces, finish reason."""
+    out: dict[str, Any] = {"index": index}
+    for key in ("content", "reasoning_content", "tool_calls"):
+        if fields.get(key):
+            out[key] = fields[key]
+    if finish_reason:
+        out["finish_reason"] = finish_reason
+    return out
+
+
 class _Choice:
     """Accumulates one choice's deltas."""
 
@@ -102,20 +113,15 @@ class StreamAssembler:
         out: list[dict[str, Any]] = []
         for raw in chunk.get("choices") or []:
             index = int(raw.get("index", 0))
-            choice = self.choices.get(index)
-            if choice is None:
+            if (choice := self.choices.get(index)) is None:
                 choice = self.choices[index] = _Choice(index)
             delta = raw.get("delta") or {}
             choice.add(delta)
             if raw.get("logprobs") is not None:
                 choice.logprobs = raw["logprobs"]
-            public: dict[str, Any] = {"index": index}
-            for key in ("content", "reasoning_content", "tool_calls"):
-                if delta.get(key):
-                    public[key] = delta[key]
             if raw.get("finish_reason"):
                 choice.finish_reason = raw["finish_reason"]
-                public["finish_reason"] = raw["finish_reason"]
+            public = public_delta(index, delta, raw.get("finish_reason"))
             if len(public) > 1:
                 out.append(public)
         return out
