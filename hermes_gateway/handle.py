@@ -74,12 +74,9 @@ class CallHandle(CallState):
                 raise CallTimeout(f"no result for call {self.call_id} ({self.name}) within {timeout:g}s", call_id=self.call_id)
 
     def sync(self, live_grace: float = 0.0) -> None:
-        """Fetch any events we have not seen from the call's durable history.
-
-        ``live_grace``: when the history holds the call's kept end past events we have not seen (an ended
-        call keeps its end alone), first give the event thread that long to deliver them: they were
-        published before the end was stored, so they may be unread in our subscription still, and the
-        history can no longer give them (a stream's deltas, progress)."""
+        """Fetch any events we have not seen from the call's durable history. ``live_grace``: when it holds
+        only the call's kept end past unseen events, first give the event thread that long to deliver them
+        (published before the end, they may be unread in our subscription still)."""
         seen = self.last_seq
         history = ev_mod.history(self.gateway.conn, self.call_id, seen + 1)
         if live_grace > 0 and self.own and ev_mod.ends_past_a_gap(history, seen):
