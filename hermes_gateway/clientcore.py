@@ -41,11 +41,11 @@ from broker.errors import (
     error_from_wire,
 )
 from broker.events import Event
-from broker.otel import ensure_traceparent
+from broker.otel import ensure_traceparent, headers_of
 from broker.ratelimits import RateLimit, estimate_tokens
 from broker.states import State
 from broker.toolspec import ToolSpec
-from hermes_gateway.tracing import Headers, current_headers
+from hermes_gateway.tracing import Headers
 
 if TYPE_CHECKING:
     import redis
@@ -194,7 +194,7 @@ class CallOptions:
     def headers(self) -> Headers:
         """The trace context to send: the producer span's (tracing on), else the caller's own or the current one."""
         tp, ts, bg = self.trace_headers or (self.traceparent, self.tracestate, None)
-        return (tp, ts, bg) if tp is not None else current_headers()
+        return (tp, ts, bg) if tp is not None else headers_of()
 
     def envelope_options(self) -> Options:
         """The envelope's options, with a typed error for a bad fairness key or class (``call_class``:
