@@ -54,6 +54,17 @@ SUBSCRIBE_WAIT = 5.0  # seconds to wait for the server to confirm a new sharded 
 CATCH_UP_CHUNK = 500  # history reads per pipelined round trip when the subscription comes back
 
 
+def _function_tool(spec: ToolSpec) -> dict[str, Any]:
+    """One tool in the chat-completions ``tools`` shape."""
+    parameters = dict(spec.input_schema)
+    parameters.setdefault("type", "object")
+    parameters.setdefault("properties", {})  # (some providers refuse an object schema without it)
+    return {
+        "type": "function",
+        "function": {"name": spec.name, "description": spec.description, "parameters": parameters},
+    }
+
+
 class Gateway:
     """A client of the gateway: one connection, one event channel, many calls in flight."""
 
@@ -148,10 +159,9 @@ class Gateway:
         return policy_store.active(self.conn, Policy.from_settings(self.settings.policy))[0]
 
     def tool_schemas(self, principal: str | None = None) -> list[dict[str, Any]]:
-        """OpenAI function tools for every tool ``principal`` may call (the policy workers judge by)."""
-        from hermes_gateway.schemas import tool_schemas
-
-        return tool_schemas(self.directory.all(), self.policy(), principal)
+        """OpenAI function tools for every tool ``principal`` may call (the policy workers judge by), by name."""
+        specs = sorted((e.spec for e in self.directory.all()), key=lambda s: s.name)
+        return [_function_tool(s) for s in self.policy().allowed_tools(principal, specs)]
 
     # -- calls -----------------------------------------------------------------------------------
 
