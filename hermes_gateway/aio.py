@@ -72,13 +72,8 @@ class AsyncGateway:
     """An asyncio client of the gateway: one connection, one event channel, one pub/sub task."""
 
     def __init__(
-        self,
-        conn: aioredis.Redis,
-        settings: Settings,
-        *,
-        broker: BrokerHandle | None = None,
-        url: str | None = None,
-        check_workers: bool = False,
+        self, conn: aioredis.Redis, settings: Settings, *, broker: BrokerHandle | None = None,
+        url: str | None = None, check_workers: bool = False,
     ) -> None:
         self.conn = conn
         self.url = url or (broker.url if broker is not None else None)  # (batches run on a threaded client)
@@ -222,19 +217,10 @@ class AsyncGateway:
     # -- calls -----------------------------------------------------------------------------------
 
     async def call_tool(
-        self,
-        name: str,
-        args: dict[str, Any] | None = None,
-        *,
-        timeout: float | None = None,
-        idempotency_key: str | None = None,
-        max_attempts: int | None = None,
-        traceparent: str | None = None,
-        tracestate: str | None = None,
-        queue: str | None = None,
-        fairness_key: str | None = None,
-        call_class: str | None = None,
-        **context: Any,
+        self, name: str, args: dict[str, Any] | None = None, *, timeout: float | None = None,
+        idempotency_key: str | None = None, max_attempts: int | None = None, traceparent: str | None = None,
+        tracestate: str | None = None, queue: str | None = None, fairness_key: str | None = None,
+        call_class: str | None = None, **context: Any,
     ) -> AsyncCallHandle:
         """Submit one tool call, as ``Gateway.call_tool``."""
         with answered(f"submitting a call of {name!r}"), Sending(traceparent, tracestate) as send:
@@ -248,18 +234,9 @@ class AsyncGateway:
             return await self._submit(env, tool_limits(env, entry.spec, self.settings))
 
     async def call_llm(
-        self,
-        request: dict[str, Any],
-        *,
-        timeout: float | None = None,
-        idempotency_key: str | None = None,
-        max_attempts: int | None = None,
-        traceparent: str | None = None,
-        tracestate: str | None = None,
-        queue: str = "llm",
-        fairness_key: str | None = None,
-        call_class: str | None = None,
-        **context: Any,
+        self, request: dict[str, Any], *, timeout: float | None = None, idempotency_key: str | None = None,
+        max_attempts: int | None = None, traceparent: str | None = None, tracestate: str | None = None,
+        queue: str = "llm", fairness_key: str | None = None, call_class: str | None = None, **context: Any,
     ) -> AsyncCallHandle:
         """Submit one LLM call, as ``Gateway.call_llm``."""
         check_llm_request(request, context)

@@ -188,13 +188,9 @@ class BatchStore:
         meta = meta or self.meta(batch_id)
         counts = self.counts(batch_id, meta["queues"].split(","))
         p = Progress(
-            id=batch_id,
-            tool=meta["tool"],
-            state=meta.get("state", "submitting"),
+            id=batch_id, tool=meta["tool"], state=meta.get("state", "submitting"),
             total=int(meta["total"]) if meta.get("total") else None,
-            submitted=int(meta.get("submitted") or 0),
-            counts=counts,
-            created=float(meta.get("created") or 0),
+            submitted=int(meta.get("submitted") or 0), counts=counts, created=float(meta.get("created") or 0),
             started=float(meta.get("started") or 0),
             ended=float(meta["ended"]) if meta.get("ended") else None,
         )

@@ -172,19 +172,10 @@ class Gateway:
         return env, tool_limits(env, entry.spec, self.settings)
 
     def call_tool(
-        self,
-        name: str,
-        args: dict[str, Any] | None = None,
-        *,
-        timeout: float | None = None,
-        idempotency_key: str | None = None,
-        max_attempts: int | None = None,
-        traceparent: str | None = None,
-        tracestate: str | None = None,
-        queue: str | None = None,
-        fairness_key: str | None = None,
-        call_class: str | None = None,
-        **context: Any,
+        self, name: str, args: dict[str, Any] | None = None, *, timeout: float | None = None,
+        idempotency_key: str | None = None, max_attempts: int | None = None, traceparent: str | None = None,
+        tracestate: str | None = None, queue: str | None = None, fairness_key: str | None = None,
+        call_class: str | None = None, **context: Any,
     ) -> CallHandle:
         """Submit one tool call; raises UnknownTool, QueueFull or IdempotencyConflict at once, else returns its handle.
 
@@ -202,18 +193,9 @@ class Gateway:
             return self._submit(env, limits)
 
     def call_llm(
-        self,
-        request: dict[str, Any],
-        *,
-        timeout: float | None = None,
-        idempotency_key: str | None = None,
-        max_attempts: int | None = None,
-        traceparent: str | None = None,
-        tracestate: str | None = None,
-        queue: str = "llm",
-        fairness_key: str | None = None,
-        call_class: str | None = None,
-        **context: Any,
+        self, request: dict[str, Any], *, timeout: float | None = None, idempotency_key: str | None = None,
+        max_attempts: int | None = None, traceparent: str | None = None, tracestate: str | None = None,
+        queue: str = "llm", fairness_key: str | None = None, call_class: str | None = None, **context: Any,
     ) -> CallHandle:
         """Submit one LLM call (chat-completions kwargs) to config.yaml's ``model:`` (``request["model"]``
         overrides ``model.model``): events carry stream deltas, the result is the response."""
@@ -393,14 +375,8 @@ class Gateway:
     # -- batches ---------------------------------------------------------------------------------
 
     def batch(
-        self,
-        tool: str,
-        items: Iterable[dict[str, Any]],
-        *,
-        window: int | None = None,
-        ttl: int | None = None,
-        resume: str | None = None,
-        **context: Any,
+        self, tool: str, items: Iterable[dict[str, Any]], *, window: int | None = None,
+        ttl: int | None = None, resume: str | None = None, **context: Any,
     ) -> BatchJob:
         """Run ``tool`` over ``items`` (argument mappings) as a batch sent by a thread, at most ``window``
         calls unfinished, kept ``ttl`` seconds (``batch.*`` by default). ``resume``: the id of a batch whose

@@ -205,11 +205,8 @@ class CallOptions:
         if klass is not None and klass not in CALL_CLASSES:
             raise InvalidArgs(f"call_class must be one of {', '.join(CALL_CLASSES)}, got {klass!r}")
         return Options(
-            timeout=self.timeout,
-            idempotency_key=self.idempotency_key,
-            max_attempts=self.max_attempts,
-            fairness_key=fkey,
-            call_class=klass,
+            timeout=self.timeout, idempotency_key=self.idempotency_key, max_attempts=self.max_attempts,
+            fairness_key=fkey, call_class=klass,
         )
 
 
@@ -279,13 +276,8 @@ def check_batch_keys(common: dict[str, Any], idem_keys: Sequence[str | None] | N
 
 
 def tool_envelope(
-    entry: Entry,
-    name: str,
-    args: dict[str, Any] | None,
-    opts: CallOptions,
-    context: dict[str, Any],
-    channel: Callable[[str], str],
-    settings: Settings | None = None,
+    entry: Entry, name: str, args: dict[str, Any] | None, opts: CallOptions, context: dict[str, Any],
+    channel: Callable[[str], str], settings: Settings | None = None,
 ) -> Envelope:
     """The envelope of one call of ``entry``; events go to ``channel(queue)``, a split tool's call to its next
     partition."""
@@ -303,18 +295,10 @@ def tool_envelope(
         concurrency = spec.concurrency or (settings.concurrency_for(spec.executor) if settings else -1)
         queue = keys.partition_route(queue, n, concurrency, opts.idempotency_key, opts.partition_slot)
     env = Envelope(
-        call_id=keys.call_id(queue, opts.call_id or new_call_id()),
-        kind="tool",
-        tool=name,
-        args=args,
-        tool_version=entry.version,
-        context={k: v for k, v in context.items() if v is not None},
-        traceparent=ensure_traceparent(tp),
-        tracestate=ts,
-        baggage=bg,
-        options=opts.envelope_options(),
-        queue=queue,
-        channel=channel(queue),
+        call_id=keys.call_id(queue, opts.call_id or new_call_id()), kind="tool", tool=name, args=args,
+        tool_version=entry.version, context={k: v for k, v in context.items() if v is not None},
+        traceparent=ensure_traceparent(tp), tracestate=ts, baggage=bg, options=opts.envelope_options(),
+        queue=queue, channel=channel(queue),
     )
     return env.keep_packed(packed)
 
@@ -356,10 +340,7 @@ def fair_limits(env: Envelope, settings: Settings, key_size: int) -> dict[str, A
 
 
 def llm_envelope(
-    request: dict[str, Any],
-    settings: Settings,
-    opts: CallOptions,
-    context: dict[str, Any],
+    request: dict[str, Any], settings: Settings, opts: CallOptions, context: dict[str, Any],
     channel: Callable[[str], str],
 ) -> tuple[Envelope, dict[str, Any]]:
     """The envelope and limits of one LLM call (chat-completions kwargs, ``check_llm_request``-ed)."""
@@ -373,16 +354,9 @@ def llm_envelope(
     per_key = settings.fairness.queue_size_per_key
     queue = opts.queue or "llm"
     env = Envelope(
-        call_id=keys.call_id(queue, new_call_id()),
-        kind="llm",
-        request=request,
-        context={k: v for k, v in context.items() if v is not None},
-        traceparent=ensure_traceparent(tp),
-        tracestate=ts,
-        baggage=bg,
-        options=opts.envelope_options(),
-        queue=queue,
-        channel=channel(queue),
+        call_id=keys.call_id(queue, new_call_id()), kind="llm", request=request,
+        context={k: v for k, v in context.items() if v is not None}, traceparent=ensure_traceparent(tp),
+        tracestate=ts, baggage=bg, options=opts.envelope_options(), queue=queue, channel=channel(queue),
     ).keep_packed(packed)
     ckey = concurrency_key(env)
     rate = model_cfg.rate_limit_for(str(context["provider"]), str(context.get("model") or ""))
@@ -441,18 +415,12 @@ class CancelTarget:
             env = None
         context = env.context if env is not None else {}
         return AuditRecord.of(
-            call_id=info.call_id,
-            kind=info.kind,
-            state=str(State.CANCELLED),
-            args=env.args if env is not None else None,
-            sensitive=tuple(sensitive or ()),
-            request=env.request if env is not None and info.kind == "llm" else None,
-            error=PENDING_CANCEL,
+            call_id=info.call_id, kind=info.kind, state=str(State.CANCELLED),
+            args=env.args if env is not None else None, sensitive=tuple(sensitive or ()),
+            request=env.request if env is not None and info.kind == "llm" else None, error=PENDING_CANCEL,
             tool_name=info.name if info.kind == "tool" else None,
-            model=info.name if info.kind == "llm" else None,
-            **context_fields(context),
-            trace_id=info.trace_id,
-            attempts=self.attempt,
+            model=info.name if info.kind == "llm" else None, **context_fields(context),
+            trace_id=info.trace_id, attempts=self.attempt,
         )
 
 
