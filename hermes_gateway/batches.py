@@ -32,12 +32,7 @@ if TYPE_CHECKING:
 CHUNK = 20  # items per pipelined round trip (other clients wait behind a pipeline; docs/decisions.md)
 READ_CHUNK = 500  # results read per round trip
 POLL = 0.2  # seconds between looks at the counters while waiting
-STATES = ("submitting", "submitted", "cancelled")  # of the submission; "finished" is derived from counts
 ENDED = ("done", "failed", "cancelled")  # the counters of :n (the terminal states)
-
-
-def new_batch_id() -> str:
-    return uuid.uuid4().hex[:20]
 
 
 def item_call_id(batch_id: str, index: int) -> str:
@@ -120,12 +115,8 @@ class Item:
     error: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"index": self.index, "call_id": self.call_id, "state": self.state}
-        if self.error is not None:
-            out["error"] = self.error
-        else:
-            out["result"] = self.result
-        return out
+        end = {"error": self.error} if self.error is not None else {"result": self.result}
+        return {"index": self.index, "call_id": self.call_id, "state": self.state, **end}
 
 
 @dataclass
@@ -157,7 +148,7 @@ class BatchStore:
     # -- meta ----------------------------------------------------------------------------------
 
     def create(self, tool: str, queues: list[str], *, ttl: int, window: int, principal: str | None = None) -> str:
-        batch_id = new_batch_id()
+        batch_id = uuid.uuid4().hex[:20]
         now = time.time()
         meta = {
             "tool": tool,
