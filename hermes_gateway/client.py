@@ -267,19 +267,14 @@ class Gateway:
         send = Sending(opts.traceparent, opts.tracestate)  # one producer span for the batch
         opts = dataclasses.replace(opts, trace_headers=send.headers)
         prepared: list[tuple[Envelope, dict[str, Any], CallHandle]] = []
+        handles = Batch()
+        done = 0  # items settled (accepted or refused); the rest are untracked if anything escapes
         try:
             for i, (name, args) in enumerate(calls):
                 env, limits = self._prepare(name, args, opts.item(idempotency_keys, i), common)
                 prepared.append((env, limits, self.router.track(CallHandle(self, env.call_id, name))))
             check_batch_keys(common, idempotency_keys, len(prepared))
             self.workers.ensure(env.queue for env, _, _ in prepared)
-        except BaseException:
-            for env, _, _ in prepared:
-                self.router.drop(env.call_id)
-            raise
-        handles = Batch()
-        done = 0  # items settled (accepted or refused); the rest are untracked if anything escapes
-        try:
             with send:
                 send.describe(prepared[0][0] if prepared else None, len(prepared))
                 failure: redis.RedisError | None = None
