@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, cast
@@ -64,10 +65,9 @@ class AsyncCallHandle(CallState):
         try:
             await asyncio.wait_for(signal.wait(), quiet if left is None else min(left, quiet))
         except TimeoutError:
-            try:
+            # (a broker restart: the call goes on, and so does the wait, until the deadline)
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
                 await self.sync(LIVE_GRACE)
-            except (redis.ConnectionError, redis.TimeoutError):
-                pass  # a broker restart: the call goes on, and so does the wait, until the deadline
 
     async def result(self, timeout: float | None = None) -> Any:
         """The call's result; raises its typed error, CallCancelled, or CallTimeout."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -103,10 +104,7 @@ class CallHandle(CallState):
             return
         i = 0
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            event = self._next(i, deadline)
-            if event is None:
-                return
+        while (event := self._next(i, deadline)) is not None:
             i += 1
             yield event
             if event.terminal:
@@ -130,10 +128,10 @@ class CallHandle(CallState):
                     self._followers -= 1
                 if woken:
                     continue
-            try:
-                self.sync(LIVE_GRACE)  # quiet for a second: read the durable history in case pub/sub dropped one
-            except (redis.ConnectionError, redis.TimeoutError):
-                pass  # a broker restart: keep following until the deadline
+            # Quiet for a second: read the durable history in case pub/sub dropped one (a broker restart:
+            # keep following until the deadline).
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                self.sync(LIVE_GRACE)
 
     def cancel(self) -> bool:
         """Ask for the call to stop: at once while it waits, through its worker while it runs."""
