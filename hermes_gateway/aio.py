@@ -15,6 +15,7 @@ import structlog
 from redis import RedisError
 
 from broker import durability, keys, scripts
+from broker import events as ev_mod
 from broker.calls import Calls
 from broker.codec import pack, text, unpack
 from broker.config import Settings, load_settings
@@ -489,7 +490,7 @@ class AsyncGateway:
     async def _route(self, channel: bytes, data: bytes) -> None:
         if channel == self._tools_channel:
             self.invalidate(data.decode(errors="replace"))
-        elif (routed := self.router.route(data)) is not None:
+        elif (routed := ev_mod.for_handle(self.router.handles, data)) is not None:
             event, handle, gap = routed
             if gap:
                 try:

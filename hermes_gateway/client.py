@@ -15,6 +15,7 @@ import redis
 import structlog
 
 from broker import durability, keys, pipes
+from broker import events as ev_mod
 from broker.calls import Calls
 from broker.codec import pack, text
 from broker.config import Settings, load_settings
@@ -504,7 +505,7 @@ class Gateway:
                 return
             if not data or self._closed.is_set():
                 return  # the wake-up close() publishes
-            routed = self.router.route(data)
+            routed = ev_mod.for_handle(self.router.handles, data)  # (event, handle, missed some)
             if routed is not None:
                 event, handle, gap = routed
                 if gap:

@@ -559,10 +559,6 @@ class Router(Generic[H]):
         """The handle routed to, or kept after its end, for ``call_id``."""
         return self.handles.get(call_id) or self._ended.get(call_id)
 
-    def route(self, data: bytes) -> tuple[Event, H, bool] | None:
-        """A caller's channel message as ``(event, its handle, True when the handle missed some before it)``."""
-        return ev_mod.for_handle(self.handles, data)
-
     def waiting(self) -> list[H]:
         """The handles whose calls have not ended."""
         with self._lock:
