@@ -83,9 +83,8 @@ class Progress:
         """Seconds until every item has ended at the current rate (None: unknown)."""
         if self.complete:
             return 0.0
-        left = (self.total if self.total is not None else self.submitted) - self.finished
         rate = self.rate
-        return left / rate if rate > 0 and self.total is not None else None
+        return (self.total - self.finished) / rate if rate > 0 and self.total is not None else None
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -100,7 +100,6 @@ def run(gateway: Any, audit: AuditLog, replay: ReplayPlan, timeout: float | None
         state = "cancelled" if isinstance(e, CallCancelled) else "failed"
     except CallTimeout as e:
         error, state = {"type": e.type, "message": str(e)}, "running"
-    record = None
     # The record rides in the pipeline of the terminal transition; allow the outbox a moment.
     deadline = time.monotonic() + (2.0 if state != "running" else 0.0)
     while True:
