@@ -285,8 +285,7 @@ class AsyncGateway:
         return sent[: len(prepared)], sent[len(prepared)] if confirm else None
 
     async def _settle(self, env: Envelope, limits: dict[str, Any], handle: AsyncCallHandle, reply: Any, acked: Any) -> AsyncCallHandle:
-        """The handle of a submitted call from SUBMIT's reply (and WAIT's, ``acked``, when confirmations
-        are asked for): that of the existing call for an idempotent resubmission; raises its refusal."""
+        """As ``Gateway._settle`` (the existing call's handle reads its history first)."""
         _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
         if call_id != env.call_id:  # idempotent resubmission: follow the call that already exists
             self.router.drop(env.call_id)
