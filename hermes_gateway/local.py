@@ -57,7 +57,9 @@ def connect_shared(settings: Settings) -> BrokerHandle:
         raise BrokerUnavailable(
             f"{URL_ENV} is not set and no `hermes-gateway serve` or `worker` of {settings.home} runs here"
         )
-    _note(f"broker: {attached[1].describe()}")
+    from hermes_gateway.cli.common import note
+
+    note(f"broker: {attached[1].describe()}")
     return attached[0]
 
 
@@ -70,12 +72,6 @@ THROWAWAY_NOTE = (
     "the embedded broker lasts only for this command (no HERMES_REDIS_URL, and no `hermes-gateway serve` or "
     "`worker` of {home} runs here)"
 )
-
-
-def _note(message: str) -> None:
-    from hermes_gateway.cli.common import note
-
-    note(message)
 
 
 @contextlib.contextmanager
@@ -100,7 +96,9 @@ def local_stack(
                 wait_for_heartbeats(gw, 1, queues=queues)
         if attached is not None:
             extra = f"; no worker listens on {','.join(queues)}: started {len(procs)} for this command"
-            _note(f"broker: {attached.describe()}{extra if procs else ''}")
+            from hermes_gateway.cli.common import note
+
+            note(f"broker: {attached.describe()}{extra if procs else ''}")
         yield gw, procs
     finally:
         stop_all(procs)
