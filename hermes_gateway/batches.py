@@ -538,7 +538,7 @@ def start(gw: Gateway, tool: str, items: Iterable[Any], *, window: int | None = 
             if meta.get("state") == "cancelled":
                 raise HermesError(f"batch {batch_id} was cancelled", batch_id=batch_id)
             Submitter(store, gw, batch_id, meta, resume=resume is not None, context=context or {}).run(items)
-            store.progress(batch_id)  # (stamps the end of a batch complete already: its rate counts from then)
+            store.progress(batch_id)  # (stamps the end of a batch that is complete already)
         except BaseException as e:  # handed to wait() / results() of this job
             job.error = e
 
