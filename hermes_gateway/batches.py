@@ -522,14 +522,9 @@ def start(gw: Gateway, tool: str, items: Iterable[Any], *, window: int | None = 
         store.conn.hset(keys.batch(batch_id), "state", "submitting")
         store.conn.expire(keys.batch(batch_id), int(meta["ttl"]))
     else:
-        entry = gw.directory.get(tool)
-        batch_id = store.create(
-            tool,
-            batch_queues(entry.spec, settings),
-            ttl=ttl or settings.batch.ttl,
-            window=window or settings.batch.window,
-            principal=(context or {}).get("principal"),
-        )
+        queues = batch_queues(gw.directory.get(tool).spec, settings)
+        batch_id = store.create(tool, queues, ttl=ttl or settings.batch.ttl,
+                                window=window or settings.batch.window, principal=(context or {}).get("principal"))
     job = BatchJob(gw, batch_id)
 
     def run() -> None:

@@ -107,14 +107,8 @@ class WorkerCheck:
         pipe = self.conn.pipeline(transaction=False)
         for n in names:
             pipe.hgetall(keys.worker(text(n)))
-        out = []
-        for raw in pipe.execute():
-            if not raw:
-                continue
-            w = {k.decode(): v.decode() for k, v in raw.items()}
-            if queue is None or queue in w.get("queues", "").split(","):
-                out.append(w)
-        return out
+        workers = [{k.decode(): v.decode() for k, v in raw.items()} for raw in pipe.execute() if raw]
+        return [w for w in workers if queue is None or queue in w.get("queues", "").split(",")]
 
     def require_workers(self, queue: str) -> None:
         """NoWorkers unless a live worker listens on ``queue``."""
