@@ -523,8 +523,9 @@ def start(gw: Gateway, tool: str, items: Iterable[Any], *, window: int | None = 
         store.conn.expire(keys.batch(batch_id), int(meta["ttl"]))
     else:
         queues = batch_queues(gw.directory.get(tool).spec, settings)
+        principal = (context or {}).get("principal")
         ttl, window = ttl or settings.batch.ttl, window or settings.batch.window
-        batch_id = store.create(tool, queues, ttl=ttl, window=window, principal=(context or {}).get("principal"))
+        batch_id = store.create(tool, queues, ttl=ttl, window=window, principal=principal)
     job = BatchJob(gw, batch_id)
 
     def run() -> None:
