@@ -446,7 +446,7 @@ class AsyncGateway:
         self._catch_up_due = True
 
     async def catch_up(self) -> None:
-        """Read the durable history of every call still waited on, in one round trip (``Gateway.catch_up``)."""
+        """Read the history of every call still waited on, in one round trip (as ``Gateway.catch_up``)."""
         pending = self.router.waiting()
         if not pending:
             return

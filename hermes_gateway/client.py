@@ -69,7 +69,9 @@ def _function_tool(spec: ToolSpec) -> dict[str, Any]:
 class Gateway:
     """A client of the gateway: one connection, one event channel, many calls in flight."""
 
-    def __init__(self, handle: BrokerHandle, settings: Settings | None = None, *, check_workers: bool = False) -> None:
+    def __init__(
+        self, handle: BrokerHandle, settings: Settings | None = None, *, check_workers: bool = False
+    ) -> None:
         self.broker = handle
         self.conn: redis.Redis = handle.conn
         self.settings = settings or load_settings()
@@ -160,7 +162,7 @@ class Gateway:
         return policy_store.active(self.conn, Policy.from_settings(self.settings.policy))[0]
 
     def tool_schemas(self, principal: str | None = None) -> list[dict[str, Any]]:
-        """OpenAI function tools for every tool ``principal`` may call (the policy workers judge by), by name."""
+        """OpenAI function tools, by name, for every tool ``principal`` may call (as the policy says)."""
         specs = sorted((e.spec for e in self.directory.all()), key=lambda s: s.name)
         return [_function_tool(s) for s in self.policy().allowed_tools(principal, specs)]
 
