@@ -173,8 +173,7 @@ class AsyncGateway:
         """A batch made by any process, by id (UnknownBatch when none is on record)."""
         from hermes_gateway.batches import AsyncBatchJob
 
-        gw = await asyncio.to_thread(self._batch_client)
-        return AsyncBatchJob(await asyncio.to_thread(gw.batch_job, batch_id))
+        return AsyncBatchJob(await asyncio.to_thread(lambda: self._batch_client().batch_job(batch_id)))
 
     async def __aenter__(self) -> AsyncGateway:
         return self
