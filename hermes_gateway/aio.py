@@ -225,10 +225,8 @@ class AsyncGateway:
         """Submit one tool call, as ``Gateway.call_tool``."""
         with answered(f"submitting a call of {name!r}"), Sending(traceparent, tracestate) as send:
             entry = await self.tool(name)
-            opts = CallOptions(
-                timeout, idempotency_key, max_attempts, traceparent, tracestate, queue, fairness_key, call_class,
-                trace_headers=send.headers,
-            )
+            opts = CallOptions(timeout, idempotency_key, max_attempts, traceparent, tracestate, queue,
+                               fairness_key, call_class, trace_headers=send.headers)
             env = tool_envelope(entry, name, args, opts, context, self._channel_of, self.settings)
             send.describe(env)
             return await self._submit(env, tool_limits(env, entry.spec, self.settings))
@@ -241,10 +239,8 @@ class AsyncGateway:
         """Submit one LLM call, as ``Gateway.call_llm``."""
         check_llm_request(request, context)
         send = Sending(traceparent, tracestate)
-        opts = CallOptions(
-            timeout, idempotency_key, max_attempts, traceparent, tracestate, queue, fairness_key, call_class,
-            trace_headers=send.headers,
-        )
+        opts = CallOptions(timeout, idempotency_key, max_attempts, traceparent, tracestate, queue,
+                           fairness_key, call_class, trace_headers=send.headers)
         env, limits = llm_envelope(request, self.settings, opts, context, self._channel_of)
         with answered("submitting an LLM call"), send:
             send.describe(env)

@@ -187,10 +187,8 @@ class Gateway:
         calls get slots round robin across keys (default: principal, else session), ``interactive`` first.
         """
         with answered(f"submitting a call of {name!r}"), Sending(traceparent, tracestate) as send:
-            opts = CallOptions(
-                timeout, idempotency_key, max_attempts, traceparent, tracestate, queue, fairness_key, call_class,
-                trace_headers=send.headers,
-            )
+            opts = CallOptions(timeout, idempotency_key, max_attempts, traceparent, tracestate, queue,
+                               fairness_key, call_class, trace_headers=send.headers)
             env, limits = self._prepare(name, args, opts, context)
             send.describe(env)
             return self._submit(env, limits)
@@ -204,10 +202,8 @@ class Gateway:
         overrides ``model.model``): events carry stream deltas, the result is the response."""
         check_llm_request(request, context)  # before the producer span starts
         send = Sending(traceparent, tracestate)
-        opts = CallOptions(
-            timeout, idempotency_key, max_attempts, traceparent, tracestate, queue, fairness_key, call_class,
-            trace_headers=send.headers,
-        )
+        opts = CallOptions(timeout, idempotency_key, max_attempts, traceparent, tracestate, queue,
+                           fairness_key, call_class, trace_headers=send.headers)
         env, limits = llm_envelope(request, self.settings, opts, context, self.channel_for)
         with answered("submitting an LLM call"), send:
             send.describe(env)
