@@ -38,25 +38,8 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
-    "AsyncGateway",
-    "BrokerNotDurable",
-    "BrokerUnavailable",
-    "CallCancelled",
-    "CallFailed",
-    "CallHandle",
-    "CallTimeout",
-    "CircuitOpen",
-    "Event",
-    "ExecutorError",
-    "Gateway",
-    "HermesError",
-    "IdempotencyConflict",
-    "InvalidArgs",
-    "NoWorkers",
-    "PermissionDenied",
-    "QueueFull",
-    "ToolSpec",
-    "ToolTimeout",
-    "UnknownBatch",
+    "AsyncGateway", "BrokerNotDurable", "BrokerUnavailable", "CallCancelled", "CallFailed", "CallHandle",
+    "CallTimeout", "CircuitOpen", "Event", "ExecutorError", "Gateway", "HermesError", "IdempotencyConflict",
+    "InvalidArgs", "NoWorkers", "PermissionDenied", "QueueFull", "ToolSpec", "ToolTimeout", "UnknownBatch",
     "UnknownTool",
 ]

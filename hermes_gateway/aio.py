@@ -1,15 +1,5 @@
-"""The asyncio client: the ``Gateway`` surface on ``redis.asyncio``, with no threads.
-
-A face over ``hermes_gateway.clientcore`` (options, envelopes, the worker check, routing, handle state),
-as ``Gateway`` is. Calls are submitted by the broker's own SUBMIT script (``broker.calls.Calls``
-registered on the asyncio connection); one pub/sub task feeds every handle. ``await handle.result()`` and ``async for ev in handle.events()``::
-
-    async with await AsyncGateway.connect(url) as gw:
-        handle = await gw.call_tool("get_weather", {"city": "Berlin"}, session_id="s-1")
-        async for ev in handle.events():
-            print(ev.state)
-        print(await handle.result())
-"""
+"""The asyncio client: the ``Gateway`` surface on ``redis.asyncio``, with no threads; a face over
+``hermes_gateway.clientcore`` as ``Gateway`` is. One pub/sub task feeds every handle."""
 
 from __future__ import annotations
 
@@ -25,6 +15,7 @@ import structlog
 from redis import RedisError
 
 from broker import durability, keys, scripts
+from broker import events as ev_mod
 from broker.calls import Calls
 from broker.codec import pack, text, unpack
 from broker.config import Settings, load_settings
@@ -82,13 +73,8 @@ class AsyncGateway:
     """An asyncio client of the gateway: one connection, one event channel, one pub/sub task."""
 
     def __init__(
-        self,
-        conn: aioredis.Redis,
-        settings: Settings,
-        *,
-        broker: BrokerHandle | None = None,
-        url: str | None = None,
-        check_workers: bool = False,
+        self, conn: aioredis.Redis, settings: Settings, *, broker: BrokerHandle | None = None,
+        url: str | None = None, check_workers: bool = False,
     ) -> None:
         self.conn = conn
         self.url = url or (broker.url if broker is not None else None)  # (batches run on a threaded client)
@@ -96,8 +82,7 @@ class AsyncGateway:
         self.settings = settings
         durability.check_supported(conn, settings)
         self.broker = broker  # the broker connect() found (closed with this client), if it made one
-        # The same worker check as Gateway's (NoWorkers, or a worker started on an embedded broker of our
-        # own), on the broker's sync connection, run in a thread when a queue is not trusted yet.
+        # (Gateway's worker check, on the broker's sync connection, run in a thread)
         self.workers = WorkerCheck(broker, settings, check_workers) if broker is not None else None
         self.client_id = uuid.uuid4().hex
         self.channel = keys.caller_channel(self.client_id)
@@ -105,7 +90,6 @@ class AsyncGateway:
         self._channels = {self.channel}
         self._wanted: set[str] = set()
         self._confirmed: dict[str, asyncio.Event] = {}
-        # The broker's own scripts, registered on the asyncio client: same SUBMIT/TRANSITION, awaited.
         self.calls = Calls(conn)  # type: ignore[arg-type]
         self.calls.keep_history = settings.workers.keep_history
         self.router: Router[AsyncCallHandle] = Router(keep_ended=ENDED_KEPT)  # (+ our calls that ended lately)
@@ -120,8 +104,7 @@ class AsyncGateway:
     async def connect(
         cls, url: str | None = None, *, home: str | None = None, embedded_ok: bool = True, check_workers: bool = True
     ) -> AsyncGateway:
-        """Find the broker exactly as ``Gateway.connect`` does (``find_broker``) and subscribe; with
-        ``check_workers`` a call to a queue no worker listens on raises ``NoWorkers`` as it does there."""
+        """Connect and subscribe, as ``Gateway.connect`` does (``check_workers`` too)."""
         settings = load_settings(home)
         # (may start a child process, the embedded broker: once, up front)
         broker = await asyncio.to_thread(find_broker, settings, url, embedded_ok=embedded_ok)
@@ -143,7 +126,7 @@ class AsyncGateway:
             await self._pubsub.subscribe(self._tools_channel)
         else:
             await self._pubsub.subscribe(self.channel, self._tools_channel)
-        # redis-py subscribes again on every reconnect; then every waiting handle reads its history at once.
+        # redis-py subscribes again on every reconnect; then every waiting handle reads its history.
         connection = getattr(self._pubsub, "connection", None)
         if connection is not None and hasattr(connection, "register_connect_callback"):
             connection.register_connect_callback(self._on_reconnect)
@@ -177,10 +160,8 @@ class AsyncGateway:
             self._batches = Gateway(connect(self.url, embedded_ok=False), self.settings)
         return self._batches
 
-    async def batch(
-        self, tool: str, items: Any, *, window: int | None = None, ttl: int | None = None,
-        resume: str | None = None, **context: Any,
-    ) -> AsyncBatchJob:
+    async def batch(self, tool: str, items: Any, *, window: int | None = None, ttl: int | None = None,
+                    resume: str | None = None, **context: Any) -> AsyncBatchJob:
         """``Gateway.batch`` for asyncio: the items are sent by a thread (iterate them there, not here)."""
         from hermes_gateway.batches import AsyncBatchJob
 
@@ -192,8 +173,7 @@ class AsyncGateway:
         """A batch made by any process, by id (UnknownBatch when none is on record)."""
         from hermes_gateway.batches import AsyncBatchJob
 
-        gw = await asyncio.to_thread(self._batch_client)
-        return AsyncBatchJob(await asyncio.to_thread(gw.batch_job, batch_id))
+        return AsyncBatchJob(await asyncio.to_thread(lambda: self._batch_client().batch_job(batch_id)))
 
     async def __aenter__(self) -> AsyncGateway:
         return self
@@ -220,7 +200,7 @@ class AsyncGateway:
         return entry
 
     async def sync_tools(self, path: Any = None, errors: list[InvalidSpec] | None = None) -> list[tuple[str, int, bool]]:
-        """Register every spec file of ``$HERMES_HOME/tools`` (or ``path``), as ``Gateway.sync_tools``."""
+        """As ``Gateway.sync_tools``."""
         if self.broker is None:
             raise HermesError("sync_tools needs a gateway made by AsyncGateway.connect()")
         directory = Directory(self.broker.conn)
@@ -237,63 +217,37 @@ class AsyncGateway:
     # -- calls -----------------------------------------------------------------------------------
 
     async def call_tool(
-        self,
-        name: str,
-        args: dict[str, Any] | None = None,
-        *,
-        timeout: float | None = None,
-        idempotency_key: str | None = None,
-        max_attempts: int | None = None,
-        traceparent: str | None = None,
-        tracestate: str | None = None,
-        queue: str | None = None,
-        fairness_key: str | None = None,
-        call_class: str | None = None,
-        **context: Any,
+        self, name: str, args: dict[str, Any] | None = None, *, timeout: float | None = None,
+        idempotency_key: str | None = None, max_attempts: int | None = None, traceparent: str | None = None,
+        tracestate: str | None = None, queue: str | None = None, fairness_key: str | None = None,
+        call_class: str | None = None, **context: Any,
     ) -> AsyncCallHandle:
-        """Submit one tool call; raises UnknownTool, QueueFull or IdempotencyConflict at once, else returns its handle.
-
-        ``idempotency_key`` as in ``Gateway.call_tool``: the same tool and arguments under a key still on
-        record get that call's handle; another tool or other arguments are an ``IdempotencyConflict``.
-        """
+        """Submit one tool call, as ``Gateway.call_tool``."""
         with answered(f"submitting a call of {name!r}"), Sending(traceparent, tracestate) as send:
             entry = await self.tool(name)
-            opts = CallOptions(
-                timeout, idempotency_key, max_attempts, traceparent, tracestate, queue, fairness_key, call_class,
-                trace_headers=send.headers,
-            )
+            opts = CallOptions(timeout, idempotency_key, max_attempts, traceparent, tracestate, queue,
+                               fairness_key, call_class, trace_headers=send.headers)
             env = tool_envelope(entry, name, args, opts, context, self._channel_of, self.settings)
             send.describe(env)
             return await self._submit(env, tool_limits(env, entry.spec, self.settings))
 
     async def call_llm(
-        self,
-        request: dict[str, Any],
-        *,
-        timeout: float | None = None,
-        idempotency_key: str | None = None,
-        max_attempts: int | None = None,
-        traceparent: str | None = None,
-        tracestate: str | None = None,
-        queue: str = "llm",
-        fairness_key: str | None = None,
-        call_class: str | None = None,
-        **context: Any,
+        self, request: dict[str, Any], *, timeout: float | None = None, idempotency_key: str | None = None,
+        max_attempts: int | None = None, traceparent: str | None = None, tracestate: str | None = None,
+        queue: str = "llm", fairness_key: str | None = None, call_class: str | None = None, **context: Any,
     ) -> AsyncCallHandle:
-        """Submit one LLM call (chat-completions kwargs); the result is the provider's response."""
+        """Submit one LLM call, as ``Gateway.call_llm``."""
         check_llm_request(request, context)
         send = Sending(traceparent, tracestate)
-        opts = CallOptions(
-            timeout, idempotency_key, max_attempts, traceparent, tracestate, queue, fairness_key, call_class,
-            trace_headers=send.headers,
-        )
+        opts = CallOptions(timeout, idempotency_key, max_attempts, traceparent, tracestate, queue,
+                           fairness_key, call_class, trace_headers=send.headers)
         env, limits = llm_envelope(request, self.settings, opts, context, self._channel_of)
         with answered("submitting an LLM call"), send:
             send.describe(env)
             return await self._submit(env, limits)
 
     async def _ensure_workers(self, queues: Iterable[str]) -> None:
-        """NoWorkers for a queue no worker listens on, as ``Gateway`` (the same check, in a thread)."""
+        """``WorkerCheck.ensure``, in a thread when a queue is not trusted yet."""
         queues = tuple(dict.fromkeys(keys.base_queue(q) for q in queues))
         if self.workers is not None and self.workers.unchecked(queues):
             await asyncio.to_thread(self.workers.ensure, queues)
@@ -326,8 +280,7 @@ class AsyncGateway:
         return sent[: len(prepared)], sent[len(prepared)] if confirm else None
 
     async def _settle(self, env: Envelope, limits: dict[str, Any], handle: AsyncCallHandle, reply: Any, acked: Any) -> AsyncCallHandle:
-        """The handle of a submitted call from SUBMIT's reply (and WAIT's, ``acked``, when confirmations
-        are asked for): that of the existing call for an idempotent resubmission; raises its refusal."""
+        """As ``Gateway._settle`` (the existing call's handle reads its history first)."""
         _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
         if call_id != env.call_id:  # idempotent resubmission: follow the call that already exists
             self.router.drop(env.call_id)
@@ -356,10 +309,7 @@ class AsyncGateway:
         return await self.submit_many(((name, args) for args in items), **common)
 
     async def submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> AsyncBatch:
-        """Submit (tool, args) pairs in one pipeline; each gets a handle, refused ones carry their error.
-
-        ``idempotency_keys``: one key (or None) per item, as in ``Gateway.submit_many``.
-        """
+        """Submit (tool, args) pairs in one pipeline, as ``Gateway.submit_many``."""
         with answered("submitting a batch of calls"):
             return await self._submit_many(calls, **common)
 
@@ -379,11 +329,6 @@ class AsyncGateway:
                 handle = self.router.track(AsyncCallHandle(self, env.call_id, name))
                 prepared.append((env, tool_limits(env, entry.spec, self.settings), handle))
             await self._ensure_workers(env.queue for env, _, _ in prepared)
-        except BaseException:
-            for env, _, _ in prepared:
-                self.router.drop(env.call_id)
-            raise
-        try:
             with send:
                 send.describe(prepared[0][0] if prepared else None, len(prepared))
                 replies, acked = await self._send(prepared)
@@ -496,11 +441,7 @@ class AsyncGateway:
         self._catch_up_due = True
 
     async def catch_up(self) -> None:
-        """Read the durable history of every call still waited on, in one pipelined round trip.
-
-        Done by the event task when its subscription comes back after a broker restart or a dropped
-        connection (as ``Gateway.catch_up``): the events published meanwhile went nowhere.
-        """
+        """Read the history of every call still waited on, in one round trip (as ``Gateway.catch_up``)."""
         pending = self.router.waiting()
         if not pending:
             return
@@ -534,24 +475,20 @@ class AsyncGateway:
                 self._catch_up_due = True
                 await asyncio.sleep(0.2)
                 continue
-            if msg is None:
-                continue
             try:
-                await self._route(msg["channel"], msg["data"])
+                if msg is not None:
+                    await self._route(msg["channel"], msg["data"])
             except Exception as e:  # noqa: BLE001 - one bad message must not end the event task
                 log.warning("event message skipped", channel=msg.get("channel"), error=f"{type(e).__name__}: {e}")
 
     async def _route(self, channel: bytes, data: bytes) -> None:
         if channel == self._tools_channel:
             self.invalidate(data.decode(errors="replace"))
-            return
-        routed = self.router.route(data)
-        if routed is None:
-            return
-        event, handle, gap = routed
-        if gap:
-            try:
-                await handle.sync()  # fill it from the durable history
-            except (RedisError, OSError, DecodeError) as e:
-                log.warning("could not fill an event gap from the history", error=str(e))
-        handle.feed(event)  # the terminal event untracks the handle
+        elif (routed := ev_mod.for_handle(self.router.handles, data)) is not None:
+            event, handle, gap = routed
+            if gap:
+                try:
+                    await handle.sync()  # fill it from the durable history
+                except (RedisError, OSError, DecodeError) as e:
+                    log.warning("could not fill an event gap from the history", error=str(e))
+            handle.feed(event)  # the terminal event untracks the handle

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, cast
@@ -25,9 +26,8 @@ _POLL = 0.2  # the same for a call whose events go to another client's channel: 
 class AsyncCallHandle(CallState):
     """A submitted call: ``await result()``, ``async for ev in events()``, ``await cancel()``."""
 
-    def __init__(
-        self, gateway: AsyncGateway, call_id: str, name: str, kind: str = "tool", *, own: bool = True
-    ) -> None:
+    def __init__(self, gateway: AsyncGateway, call_id: str, name: str, kind: str = "tool", *,
+                 own: bool = True) -> None:
         super().__init__(gateway.router, call_id, name, kind, own=own)
         self.gateway = gateway
         self._signal = asyncio.Event()  # set (and replaced) whenever something new arrives
@@ -37,12 +37,8 @@ class AsyncCallHandle(CallState):
         self._signal = asyncio.Event()
 
     async def sync(self, live_grace: float = 0.0) -> None:
-        """Fetch the events we have not seen from the call's durable history.
-
-        ``live_grace``: when the history holds the call's kept end past events we have not seen (an ended
-        call keeps its end alone), first give our subscription that long to deliver them: they were
-        published before the end was stored, so they may be unread in it still, and the history can no
-        longer give them (a stream's deltas, progress). The end is taken from the history after that."""
+        """Fetch the events we have not seen from the call's durable history (``live_grace``: as
+        ``CallHandle.sync``)."""
         pipe = self.gateway.conn.pipeline(transaction=False)
         Router.read_history(pipe, [self])
         seen = self.last_seq
@@ -59,22 +55,19 @@ class AsyncCallHandle(CallState):
             self.feed(event)
 
     async def _next_change(self, deadline: float | None) -> None:
-        """Wait until something arrives, re-reading the history after a quiet second (with ``LIVE_GRACE``, see
-        ``sync``: a later events() lists what the live feed still had); CallTimeout at the deadline."""
+        """Wait for news, re-reading the history after a quiet while; CallTimeout at the deadline."""
         signal = self._signal
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
-            raise CallTimeout(
-                f"no result for call {self.call_id} ({self.name}) in time", call_id=self.call_id
-            )
+            raise CallTimeout(f"no result for call {self.call_id} ({self.name}) in time",
+                              call_id=self.call_id)
         quiet = _RESYNC if self.own else _POLL
         try:
             await asyncio.wait_for(signal.wait(), quiet if left is None else min(left, quiet))
         except TimeoutError:
-            try:
+            # (a broker restart: the call goes on, and so does the wait, until the deadline)
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
                 await self.sync(LIVE_GRACE)
-            except (redis.ConnectionError, redis.TimeoutError):
-                pass  # a broker restart: the call goes on, and so does the wait, until the deadline
 
     async def result(self, timeout: float | None = None) -> Any:
         """The call's result; raises its typed error, CallCancelled, or CallTimeout."""

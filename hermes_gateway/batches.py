@@ -1,15 +1,10 @@
-"""Batches as objects: one model behind the Python and async clients, the CLI, the HTTP API and the console.
+"""Batches: one model behind both clients, the CLI, the HTTP API and the console.
 
-A batch is an id, a meta hash (``hermes:batch:<id>``: tool, queues, total once known, state, the submitted
-high-water mark, window, ttl, times) and, per queue tag its calls use, result keys that the calls' own
-TRANSITION writes when they end (``hermes:batch:{q}:<id>:r|x|o|n``, see ``broker/keys.py`` and
-``broker/lua/transition.lua``). Item ``i``'s call id is derived from (batch id, i) and its partition from
-``i``, so submitting an item again finds the same call (SUBMIT answers "exists") and cancel can name them.
-
-The submitter keeps no handle per item: it streams the items in pipelined chunks, at most ``window`` calls
-unfinished (read from the counters in Redis), and a ``QueueFull`` item waits and goes again — so its memory
-is O(window) whatever the item count. Resume = submit the same items again from 0: an item with a result is
-skipped, the others go with their own ids, so nothing runs twice and each index has one result.
+A batch is a meta hash (``hermes:batch:<id>``) and, per queue tag, result keys its calls' own TRANSITION
+writes (``hermes:batch:{q}:<id>:r|x|o|n``). Item ``i``'s call id and partition derive from (batch id, i), so
+submitting it again finds the same call. The submitter streams items in chunks, at most ``window``
+unfinished (a ``QueueFull`` item waits and goes again): O(window) memory. Resume submits every item again;
+those with a result are skipped.
 """
 
 from __future__ import annotations
@@ -34,15 +29,10 @@ from hermes_gateway.clientcore import CallOptions, tool_envelope, tool_limits
 if TYPE_CHECKING:
     from hermes_gateway.client import Gateway
 
-CHUNK = 20  # items per pipelined round trip (~1 ms of Redis: other clients wait behind a pipeline; docs/decisions.md)
+CHUNK = 20  # items per pipelined round trip (other clients wait behind a pipeline; docs/decisions.md)
 READ_CHUNK = 500  # results read per round trip
 POLL = 0.2  # seconds between looks at the counters while waiting
-STATES = ("submitting", "submitted", "cancelled")  # of the submission; "finished" is derived from counts
 ENDED = ("done", "failed", "cancelled")  # the counters of :n (the terminal states)
-
-
-def new_batch_id() -> str:
-    return uuid.uuid4().hex[:20]
 
 
 def item_call_id(batch_id: str, index: int) -> str:
@@ -51,7 +41,7 @@ def item_call_id(batch_id: str, index: int) -> str:
 
 
 def check_batch_id(batch_id: str) -> str:
-    """A batch id as given by a user: 1–64 characters of ``[0-9A-Za-z_-]`` (it becomes part of keys)."""
+    """A batch id as given by a user: 1–64 characters of ``[0-9A-Za-z_-]`` (it is part of keys)."""
     if not isinstance(batch_id, str) or not 0 < len(batch_id) <= 64 or not all(
         c.isalnum() or c in "-_" for c in batch_id
     ):
@@ -61,7 +51,7 @@ def check_batch_id(batch_id: str) -> str:
 
 @dataclass(frozen=True)
 class Progress:
-    """Where a batch stands, read from Redis (the same figures from any process)."""
+    """Where a batch stands, read from Redis."""
 
     id: str
     tool: str
@@ -93,9 +83,8 @@ class Progress:
         """Seconds until every item has ended at the current rate (None: unknown)."""
         if self.complete:
             return 0.0
-        left = (self.total if self.total is not None else self.submitted) - self.finished
         rate = self.rate
-        return left / rate if rate > 0 and self.total is not None else None
+        return (self.total - self.finished) / rate if rate > 0 and self.total is not None else None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -125,12 +114,8 @@ class Item:
     error: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"index": self.index, "call_id": self.call_id, "state": self.state}
-        if self.error is not None:
-            out["error"] = self.error
-        else:
-            out["result"] = self.result
-        return out
+        end = {"error": self.error} if self.error is not None else {"result": self.result}
+        return {"index": self.index, "call_id": self.call_id, "state": self.state, **end}
 
 
 @dataclass
@@ -162,7 +147,7 @@ class BatchStore:
     # -- meta ----------------------------------------------------------------------------------
 
     def create(self, tool: str, queues: list[str], *, ttl: int, window: int, principal: str | None = None) -> str:
-        batch_id = new_batch_id()
+        batch_id = uuid.uuid4().hex[:20]
         now = time.time()
         meta = {
             "tool": tool,
@@ -193,13 +178,9 @@ class BatchStore:
         meta = meta or self.meta(batch_id)
         counts = self.counts(batch_id, meta["queues"].split(","))
         p = Progress(
-            id=batch_id,
-            tool=meta["tool"],
-            state=meta.get("state", "submitting"),
+            id=batch_id, tool=meta["tool"], state=meta.get("state", "submitting"),
             total=int(meta["total"]) if meta.get("total") else None,
-            submitted=int(meta.get("submitted") or 0),
-            counts=counts,
-            created=float(meta.get("created") or 0),
+            submitted=int(meta.get("submitted") or 0), counts=counts, created=float(meta.get("created") or 0),
             started=float(meta.get("started") or 0),
             ended=float(meta["ended"]) if meta.get("ended") else None,
         )
@@ -257,37 +238,32 @@ class BatchStore:
             cursor.offsets[q] = cursor.offsets.get(q, 0) + len(idx)
         return items
 
-    def results(
-        self, batch_id: str, *, cursor: Cursor | None = None, follow: bool = True, poll: float = POLL,
-        stop: Callable[[], bool] | None = None,
-    ) -> Iterator[Item]:
-        """Every result of the batch in the order the calls ended, each index once; with ``follow``, as they
-        come, until the batch is complete."""
-        meta = self.meta(batch_id)
-        queues = meta["queues"].split(",")
-        cursor = cursor or Cursor()
+    def results(self, batch_id: str, follow: bool, stop: Callable[[], bool]) -> Iterator[Item]:
+        """Every result in the order the calls ended, each index once; with ``follow``, until complete
+        (or ``stop()``)."""
+        queues = self.meta(batch_id)["queues"].split(",")
+        cursor = Cursor()
         while True:
             done_before = self.progress(batch_id).complete if follow else True  # read before the results
             items = self.read(batch_id, queues, cursor)
             yield from items
             if items:
                 continue
-            if done_before or (stop is not None and stop()):
+            if done_before or stop():
                 return
-            time.sleep(poll)
+            time.sleep(POLL)
 
-    def wait(self, batch_id: str, timeout: float | None = None, poll: float = POLL) -> Progress:
+    def wait(self, batch_id: str, timeout: float | None = None) -> Progress:
         """Block until the batch is complete (or ``timeout`` seconds: its progress then, not complete)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             p = self.progress(batch_id)
             if p.complete or (deadline is not None and time.monotonic() >= deadline):
                 return p
-            time.sleep(poll)
+            time.sleep(POLL)
 
     def write_refused(self, batch_id: str, queue: str, index: int, ttl: int, error: HermesError) -> None:
-        """An item the gateway refused before it became a call (bad arguments): its result, failed, so the
-        batch's output still holds every index once."""
+        """The failed result of an item refused before it became a call (bad arguments)."""
         entry = pack({"call_id": "", "seq": 0, "state": "failed", "type": events.TRANSITION,
                       "detail": {"error": error.to_wire()}})
         part = keys.batch_part(queue, batch_id)
@@ -309,26 +285,18 @@ class BatchStore:
         upto = int(self.meta(batch_id).get("submitted") or 0)  # (read after the state: the submitter stops)
         cancelled = 0
         for start in range(0, upto, CHUNK):
-            idx = list(range(start, min(upto, start + CHUNK)))
-            pipe = self.conn.pipeline(transaction=False)
-            for i in idx:
-                pipe.hexists(keys.batch_part(queue_of(i), batch_id) + ":r", i)
-            for i, has in zip(idx, pipe.execute(), strict=True):
+            idx = range(start, min(upto, start + CHUNK))
+            for i, has in zip(idx, self.has_result(batch_id, queue_of, idx), strict=True):
                 if not has and gw.cancel(keys.call_id(queue_of(i), item_call_id(batch_id, i))):
                     cancelled += 1
         return cancelled
 
-    # -- submission ----------------------------------------------------------------------------
-
-    def submit(self, gw: Gateway, batch_id: str, items: Iterable[Any], *, resume: bool = False,
-               context: dict[str, Any] | None = None, stop: threading.Event | None = None) -> Progress:
-        """Send ``items`` (argument mappings) as the batch's calls, from item 0; returns the progress once
-        every item is sent (or the batch was cancelled). ``resume``: items with a result are skipped."""
-        meta = self.meta(batch_id)
-        if meta.get("state") == "cancelled":
-            raise HermesError(f"batch {batch_id} was cancelled", batch_id=batch_id)
-        Submitter(self, gw, batch_id, meta, resume=resume, context=context or {}, stop=stop).run(items)
-        return self.progress(batch_id)
+    def has_result(self, batch_id: str, queue_of: Callable[[int], str], indexes: Iterable[int]) -> list[Any]:
+        """Whether each of the items ``indexes`` has its result, in one round trip."""
+        pipe = self.conn.pipeline(transaction=False)
+        for i in indexes:
+            pipe.hexists(keys.batch_part(queue_of(i), batch_id) + ":r", i)
+        return pipe.execute()
 
 
 def _router(meta: dict[str, str]) -> Callable[[int], str]:
@@ -338,7 +306,7 @@ def _router(meta: dict[str, str]) -> Callable[[int], str]:
 
 
 def batch_queues(spec: Any, settings: Any) -> list[str]:
-    """The queues a batch of ``spec``'s calls uses: its queue, or each partition with a share of the limit."""
+    """The queues of a batch of ``spec``: its queue, or each partition with a share of the limit."""
     queue = str(spec.config.get("queue") or "tools")
     n = keys.partition_count(spec)
     if n <= 1:
@@ -352,12 +320,11 @@ class Submitter:
     """One pass over a batch's items: chunks of SUBMIT in one pipeline each, at most ``window`` unfinished."""
 
     def __init__(self, store: BatchStore, gw: Gateway, batch_id: str, meta: dict[str, str], *, resume: bool,
-                 context: dict[str, Any], stop: threading.Event | None) -> None:
+                 context: dict[str, Any]) -> None:
         self.store, self.gw, self.id, self.meta = store, gw, batch_id, meta
         self.conn = store.conn
         self.resume = resume
         self.context = context
-        self.stop = stop or threading.Event()
         self.ttl = int(meta["ttl"])
         self.window = max(1, int(meta["window"]))
         self.entry = gw.directory.get(meta["tool"])
@@ -366,12 +333,11 @@ class Submitter:
         self.cancelled = False
 
     def channel(self, queue: str) -> str:
-        # Nobody listens per call: the batch's channel (sharded in the call's slot on a cluster).
+        # (nobody listens per call: the batch's channel, sharded in the call's slot on a cluster)
         return keys.caller_channel("batch." + self.id, keys.tag(queue) if self.gw.cluster else "")
 
     def run(self, items: Iterable[Any]) -> None:
-        # (the state is "submitting" already, set before this thread started: setting it here again
-        # would undo a cancel that came first)
+        # (the state is "submitting" already: setting it here could undo a cancel that came first)
         self.gw.workers.ensure(self.meta["queues"].split(","))
         chunk: list[tuple[int, Any]] = []
         count = 0
@@ -381,11 +347,11 @@ class Submitter:
             if len(chunk) >= min(CHUNK, self.window):
                 self.send(chunk)
                 chunk = []
-            if self.cancelled or self.stop.is_set():
+            if self.cancelled:
                 return
         if chunk:
             self.send(chunk)
-        if self.cancelled or self.stop.is_set():
+        if self.cancelled:
             return
         pipe = self.conn.pipeline(transaction=False)
         pipe.hset(keys.batch(self.id), mapping={"total": count, "submitted": count})
@@ -400,7 +366,7 @@ class Submitter:
     def make_room(self, n: int) -> None:
         """Wait while more than ``window`` calls would be unfinished (the counters in Redis say)."""
         delay = 0.01
-        while not self.stop.is_set() and self.sent + n - self.finished() > self.window:
+        while self.sent + n - self.finished() > self.window:
             if self.is_cancelled():
                 return
             time.sleep(delay)
@@ -433,7 +399,7 @@ class Submitter:
             extra = (keys.F_BATCH, f"{self.ttl} {i} {keys.batch_part(env.queue, self.id)}")
             prepared.append((env, limits, extra))
         delay = 0.02
-        while prepared and not self.stop.is_set():
+        while prepared:
             refused = self.submit(prepared)
             if not refused:
                 break
@@ -469,10 +435,8 @@ class Submitter:
 
     def unfinished(self, chunk: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
         """The items of ``chunk`` with no result yet (a resumed batch sends only those)."""
-        pipe = self.conn.pipeline(transaction=False)
-        for i, _ in chunk:
-            pipe.hexists(keys.batch_part(self.queue_of(i), self.id) + ":r", i)
-        return [item for item, has in zip(chunk, pipe.execute(), strict=True) if not has]
+        done = self.store.has_result(self.id, self.queue_of, (i for i, _ in chunk))
+        return [item for item, has in zip(chunk, done, strict=True) if not has]
 
 
 class BatchJob:
@@ -490,7 +454,7 @@ class BatchJob:
 
     def results(self, follow: bool = True) -> Iterator[Item]:
         """Each item's outcome once, as the calls end, until the batch is complete."""
-        yield from self.store.results(self.id, follow=follow, stop=self._failed)
+        yield from self.store.results(self.id, follow, lambda: self.error is not None)
         self._raise()
 
     def cancel(self) -> int:
@@ -504,9 +468,6 @@ class BatchJob:
         self._raise()
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         return self.store.wait(self.id, left)
-
-    def _failed(self) -> bool:
-        return self.error is not None
 
     def _raise(self) -> None:
         if self.error is not None:
@@ -546,9 +507,8 @@ class AsyncBatchJob:
 
 
 def start(gw: Gateway, tool: str, items: Iterable[Any], *, window: int | None = None, ttl: int | None = None,
-          resume: str | None = None, background: bool = True, context: dict[str, Any] | None = None) -> BatchJob:
-    """Make (or, with ``resume``, take up again) a batch of ``tool`` over ``items`` and send them, in a
-    thread of its own when ``background``."""
+          resume: str | None = None, context: dict[str, Any] | None = None) -> BatchJob:
+    """Make (or ``resume``) a batch of ``tool`` over ``items`` and send them in a thread."""
     store = BatchStore(gw.conn)
     settings = gw.settings
     if resume is not None:
@@ -558,30 +518,26 @@ def start(gw: Gateway, tool: str, items: Iterable[Any], *, window: int | None = 
         if meta.get("state") == "cancelled":
             raise InvalidArgs(f"batch {resume} was cancelled: it cannot be resumed", batch_id=resume)
         batch_id = resume
-        # Submitting again from now (before the thread starts: a reader must not take it for complete).
+        # (before the thread starts: a reader must not take it for complete)
         store.conn.hset(keys.batch(batch_id), "state", "submitting")
         store.conn.expire(keys.batch(batch_id), int(meta["ttl"]))
     else:
-        entry = gw.directory.get(tool)
-        batch_id = store.create(
-            tool,
-            batch_queues(entry.spec, settings),
-            ttl=ttl or settings.batch.ttl,
-            window=window or settings.batch.window,
-            principal=(context or {}).get("principal"),
-        )
+        queues = batch_queues(gw.directory.get(tool).spec, settings)
+        principal = (context or {}).get("principal")
+        ttl, window = ttl or settings.batch.ttl, window or settings.batch.window
+        batch_id = store.create(tool, queues, ttl=ttl, window=window, principal=principal)
     job = BatchJob(gw, batch_id)
 
     def run() -> None:
         try:
-            store.submit(gw, batch_id, items, resume=resume is not None, context=context)
+            meta = store.meta(batch_id)
+            if meta.get("state") == "cancelled":
+                raise HermesError(f"batch {batch_id} was cancelled", batch_id=batch_id)
+            Submitter(store, gw, batch_id, meta, resume=resume is not None, context=context or {}).run(items)
+            store.progress(batch_id)  # (stamps the end of a batch that is complete already)
         except BaseException as e:  # handed to wait() / results() of this job
             job.error = e
 
-    if background:
-        job._thread = threading.Thread(target=run, name=f"hermes-batch-{batch_id}", daemon=True)
-        job._thread.start()
-    else:
-        run()
-        job._raise()
+    job._thread = threading.Thread(target=run, name=f"hermes-batch-{batch_id}", daemon=True)
+    job._thread.start()
     return job

@@ -15,6 +15,7 @@ import redis
 import structlog
 
 from broker import durability, keys, pipes
+from broker import events as ev_mod
 from broker.calls import Calls
 from broker.codec import pack, text
 from broker.config import Settings, load_settings
@@ -48,12 +49,21 @@ if TYPE_CHECKING:
 log = structlog.get_logger("hermes.client")
 
 SUBMIT_CHUNK = 100  # calls per pipelined round trip in submit_many
-# How long the event thread reads the subscription directly with nothing arriving before it goes back to
-# redis-py's reader (which keeps the connection's health checks).
-DIRECT_READ_IDLE = 1.0
+DIRECT_READ_IDLE = 1.0  # seconds of quiet before the event thread goes back to redis-py's reader
 CLUSTER_POLL = 0.05  # seconds a cluster client's event thread waits on its sharded channels per round
 SUBSCRIBE_WAIT = 5.0  # seconds to wait for the server to confirm a new sharded subscription
 CATCH_UP_CHUNK = 500  # history reads per pipelined round trip when the subscription comes back
+
+
+def _function_tool(spec: ToolSpec) -> dict[str, Any]:
+    """One tool in the chat-completions ``tools`` shape."""
+    parameters = dict(spec.input_schema)
+    parameters.setdefault("type", "object")
+    parameters.setdefault("properties", {})  # (some providers refuse an object schema without it)
+    return {
+        "type": "function",
+        "function": {"name": spec.name, "description": spec.description, "parameters": parameters},
+    }
 
 
 class Gateway:
@@ -65,8 +75,6 @@ class Gateway:
         self.broker = handle
         self.conn: redis.Redis = handle.conn
         self.settings = settings or load_settings()
-        # Refuse a call at once (NoWorkers) when no worker listens on its queue; on an embedded broker of
-        # our own, start a worker for the queue instead (it ends with this gateway).
         self.workers = WorkerCheck(handle, self.settings, check_workers)
         durability.check_supported(self.conn, self.settings)
         self.client_id = uuid.uuid4().hex
@@ -97,13 +105,9 @@ class Gateway:
     def connect(
         cls, url: str | None = None, *, home: str | None = None, embedded_ok: bool = True, check_workers: bool = True
     ) -> Gateway:
-        """Connect as the command line does: to ``url`` / ``$HERMES_REDIS_URL`` / ``broker.url``; else to the
-        embedded broker of the ``serve`` or ``worker`` of the same ``$HERMES_HOME`` running here; else start
-        an embedded broker of this gateway's own, with a worker for each queue it calls (both end with it).
-
-        ``check_workers``: a call to a queue no worker listens on raises ``NoWorkers`` at once instead of
-        waiting for one (off: it waits, pending, as on a queue whose workers are still starting).
-        """
+        """Connect as the command line does (``find_broker``); on an embedded broker of its own, a worker is
+        started for each queue it calls. ``check_workers``: a call to a queue no worker listens on raises
+        ``NoWorkers`` at once instead of waiting, pending."""
         settings = load_settings(home)
         return cls(find_broker(settings, url, embedded_ok=embedded_ok), settings, check_workers=check_workers)
 
@@ -141,11 +145,7 @@ class Gateway:
         return version
 
     def sync_tools(self, path: Any = None, errors: list[InvalidSpec] | None = None) -> list[tuple[str, int, bool]]:
-        """Register every spec file of ``$HERMES_HOME/tools`` (or ``path``).
-
-        A file that does not load is skipped, so one bad file leaves the others usable: it goes to
-        ``errors`` when given, else it is logged as a warning.
-        """
+        """Register every spec file of ``$HERMES_HOME/tools`` (or ``path``); see ``register_dir``."""
         return register_dir(self.directory, path or self.settings.tools_dir, errors)
 
     def tool(self, name: str) -> Entry:
@@ -162,10 +162,9 @@ class Gateway:
         return policy_store.active(self.conn, Policy.from_settings(self.settings.policy))[0]
 
     def tool_schemas(self, principal: str | None = None) -> list[dict[str, Any]]:
-        """OpenAI function tools for every tool ``principal`` may call (the policy workers judge by)."""
-        from hermes_gateway.schemas import tool_schemas
-
-        return tool_schemas(self.directory.all(), self.policy(), principal)
+        """OpenAI function tools, by name, for every tool ``principal`` may call (as the policy says)."""
+        specs = sorted((e.spec for e in self.directory.all()), key=lambda s: s.name)
+        return [_function_tool(s) for s in self.policy().allowed_tools(principal, specs)]
 
     # -- calls -----------------------------------------------------------------------------------
 
@@ -176,65 +175,35 @@ class Gateway:
         return env, tool_limits(env, entry.spec, self.settings)
 
     def call_tool(
-        self,
-        name: str,
-        args: dict[str, Any] | None = None,
-        *,
-        timeout: float | None = None,
-        idempotency_key: str | None = None,
-        max_attempts: int | None = None,
-        traceparent: str | None = None,
-        tracestate: str | None = None,
-        queue: str | None = None,
-        fairness_key: str | None = None,
-        call_class: str | None = None,
-        **context: Any,
+        self, name: str, args: dict[str, Any] | None = None, *, timeout: float | None = None,
+        idempotency_key: str | None = None, max_attempts: int | None = None, traceparent: str | None = None,
+        tracestate: str | None = None, queue: str | None = None, fairness_key: str | None = None,
+        call_class: str | None = None, **context: Any,
     ) -> CallHandle:
         """Submit one tool call; raises UnknownTool, QueueFull or IdempotencyConflict at once, else returns its handle.
 
-        ``idempotency_key``: while the call that first used the key is on record (until its result TTL
-        after it ends), submitting the same tool and arguments under it returns that call's handle;
-        another tool or other arguments are an ``IdempotencyConflict``.
-
-        ``fairness_key`` / ``call_class``: while calls wait for a slot of the tool's limit, slots go round
-        robin across fairness keys (default: the call's principal, else its session) and to ``interactive``
-        calls (the default) before ``batch`` ones, which keep a minimum share.
+        ``idempotency_key``: while the key's call is on record, the same tool and arguments under it get
+        that call's handle; others are an ``IdempotencyConflict``. ``fairness_key`` / ``call_class``: waiting
+        calls get slots round robin across keys (default: principal, else session), ``interactive`` first.
         """
         with answered(f"submitting a call of {name!r}"), Sending(traceparent, tracestate) as send:
-            opts = CallOptions(
-                timeout, idempotency_key, max_attempts, traceparent, tracestate, queue, fairness_key, call_class,
-                trace_headers=send.headers,
-            )
+            opts = CallOptions(timeout, idempotency_key, max_attempts, traceparent, tracestate, queue,
+                               fairness_key, call_class, trace_headers=send.headers)
             env, limits = self._prepare(name, args, opts, context)
             send.describe(env)
             return self._submit(env, limits)
 
     def call_llm(
-        self,
-        request: dict[str, Any],
-        *,
-        timeout: float | None = None,
-        idempotency_key: str | None = None,
-        max_attempts: int | None = None,
-        traceparent: str | None = None,
-        tracestate: str | None = None,
-        queue: str = "llm",
-        fairness_key: str | None = None,
-        call_class: str | None = None,
-        **context: Any,
+        self, request: dict[str, Any], *, timeout: float | None = None, idempotency_key: str | None = None,
+        max_attempts: int | None = None, traceparent: str | None = None, tracestate: str | None = None,
+        queue: str = "llm", fairness_key: str | None = None, call_class: str | None = None, **context: Any,
     ) -> CallHandle:
-        """Submit one LLM call (chat-completions kwargs): events carry stream deltas, the result the response.
-
-        The provider is ``model:`` of config.yaml as the worker reads it; ``request["model"]`` overrides
-        ``model.model`` for this call. Raises QueueFull at once when the model's queue is full, and
-        IdempotencyConflict when ``idempotency_key`` belongs to a call with another request.
-        """
+        """Submit one LLM call (chat-completions kwargs) to config.yaml's ``model:`` (``request["model"]``
+        overrides ``model.model``): events carry stream deltas, the result is the response."""
         check_llm_request(request, context)  # before the producer span starts
         send = Sending(traceparent, tracestate)
-        opts = CallOptions(
-            timeout, idempotency_key, max_attempts, traceparent, tracestate, queue, fairness_key, call_class,
-            trace_headers=send.headers,
-        )
+        opts = CallOptions(timeout, idempotency_key, max_attempts, traceparent, tracestate, queue,
+                           fairness_key, call_class, trace_headers=send.headers)
         env, limits = llm_envelope(request, self.settings, opts, context, self.channel_for)
         with answered("submitting an LLM call"), send:
             send.describe(env)
@@ -283,40 +252,28 @@ class Gateway:
     def submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> Batch:
         """Submit (tool, args) pairs; each gets a handle, refused ones carry their error.
 
-        ``idempotency_keys``: one key (or None) per item, as ``call_tool``'s ``idempotency_key``; an item
-        whose key belongs to another call's request is refused with ``IdempotencyConflict``, one whose
-        key names the same request gets that call's handle.
-
-        Every item is built and validated first (an unknown tool or bad argument raises before anything
-        is sent); then the calls go out in pipelines of ``SUBMIT_CHUNK``, each waking the workers, so
-        workers start on the first calls while the rest are still being sent. A broker failure on the
-        first pipeline raises; on a later one, the items of that pipeline are refused as "outcome unknown"
-        (the server may have taken some) and the rest as not sent, without waiting on the broker again.
+        ``idempotency_keys``: one key (or None) per item, as ``call_tool``'s. Every item is validated before
+        anything is sent, then they go in pipelines of ``SUBMIT_CHUNK``. A broker failure on the first
+        pipeline raises; on a later one, its items are refused as "outcome unknown", the rest as not sent.
         """
         with answered("submitting a batch of calls"):
             return self._submit_many(calls, **common)
 
     def _submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> Batch:
-        """``submit_many`` without its BrokerUnavailable translation."""
         opts = CallOptions.take(common)
         idempotency_keys: Sequence[str | None] | None = common.pop("idempotency_keys", None)
         check_batch_keys(common, idempotency_keys)
         send = Sending(opts.traceparent, opts.tracestate)  # one producer span for the batch
         opts = dataclasses.replace(opts, trace_headers=send.headers)
         prepared: list[tuple[Envelope, dict[str, Any], CallHandle]] = []
+        handles = Batch()
+        done = 0  # items settled (accepted or refused); the rest are untracked if anything escapes
         try:
             for i, (name, args) in enumerate(calls):
                 env, limits = self._prepare(name, args, opts.item(idempotency_keys, i), common)
                 prepared.append((env, limits, self.router.track(CallHandle(self, env.call_id, name))))
             check_batch_keys(common, idempotency_keys, len(prepared))
             self.workers.ensure(env.queue for env, _, _ in prepared)
-        except BaseException:
-            for env, _, _ in prepared:
-                self.router.drop(env.call_id)
-            raise
-        handles = Batch()
-        done = 0  # items settled (accepted or refused); the rest are untracked if anything escapes
-        try:
             with send:
                 send.describe(prepared[0][0] if prepared else None, len(prepared))
                 failure: redis.RedisError | None = None
@@ -363,8 +320,7 @@ class Gateway:
         confirm = durability.queue_wait(pipe, self.settings)  # before the wake-up: workers see it confirmed
         queues = list(dict.fromkeys(keys.base_queue(env.queue) for env, _, _ in chunk))
         self.wake(pipe, queues)
-        # (SUBMIT reads what it discovers before its first write: a refusal of a moving slot means it did
-        # not run, so it is sent again while the slot moves)
+        # (a SUBMIT refused for a moving slot did not run: it is sent again while the slot moves)
         replies = pipes.execute(pipe, keep_trying=pipes.for_seconds(pipes.SUBMIT_PATIENCE))
         self.wake(None, queues)
         return replies[: len(chunk)], replies[len(chunk)] if confirm else None
@@ -378,11 +334,8 @@ class Gateway:
             (pipe if pipe is not None else self.conn).publish(self.calls.wake_channel(queue), b"")
 
     def cancel(self, call_id: str) -> bool:
-        """Cancel by id; True when the request was recorded (the call was not already finished).
-
-        Still pending and not taken by a worker, it ends here and now (with its audit record: no worker
-        runs it). A worker that has taken it (it is leased) is told instead, so its slot is given back
-        only when it has really stopped."""
+        """Cancel by id; True when the request was recorded (the call was not already finished). A call no
+        worker has taken ends here (with its audit record); a leased one's worker is told to stop it."""
         conn = self.conn
         target = CancelTarget.of(call_id, conn.hmget(keys.job(call_id), *CANCEL_FIELDS))
         if target is None or target.state in TERMINAL:
@@ -416,19 +369,12 @@ class Gateway:
     # -- batches ---------------------------------------------------------------------------------
 
     def batch(
-        self,
-        tool: str,
-        items: Iterable[dict[str, Any]],
-        *,
-        window: int | None = None,
-        ttl: int | None = None,
-        resume: str | None = None,
-        **context: Any,
+        self, tool: str, items: Iterable[dict[str, Any]], *, window: int | None = None,
+        ttl: int | None = None, resume: str | None = None, **context: Any,
     ) -> BatchJob:
-        """Run ``tool`` over ``items`` (argument mappings) as a batch: returns at once with its id while a
-        thread sends the items, at most ``window`` calls unfinished (``batch.window``); its counters and
-        results live in Redis for ``ttl`` (``batch.ttl``). ``resume``: the id of a batch whose submitter
-        died; the same items are sent again and only those with no result yet run."""
+        """Run ``tool`` over ``items`` (argument mappings) as a batch sent by a thread, at most ``window``
+        calls unfinished, kept ``ttl`` seconds (``batch.*`` by default). ``resume``: the id of a batch whose
+        submitter died; only its items with no result yet run."""
         from hermes_gateway.batches import start
 
         with answered(f"starting a batch of {tool!r}"):
@@ -453,9 +399,8 @@ class Gateway:
     # -- events ----------------------------------------------------------------------------------
 
     def channel_for(self, queue: str) -> str:
-        """The channel this client hears the events of its calls on ``queue`` on: its one channel on a
-        plain Redis; on a cluster its sharded channel of the queue's tag, subscribed (and confirmed by
-        the server) before the first call there is sent, so no event of it goes unheard."""
+        """The channel of this client's calls on ``queue``: its one channel; on a cluster, its sharded
+        channel of the queue's tag, subscribed and confirmed before the first call there is sent."""
         if not self.cluster:
             return self.channel
         ch = keys.caller_channel(self.client_id, keys.tag(queue))
@@ -494,13 +439,8 @@ class Gateway:
         self._catch_up_due = True
 
     def catch_up(self) -> None:
-        """Read the durable history of every call still waited on, in pipelined round trips.
-
-        Done by the event thread when its subscription comes back after a broker restart or a dropped
-        connection: the events published meanwhile went nowhere, and waiting for each handle's own
-        resync would cost a second per handle waited on in turn. Raises the broker's error (the next
-        reconnect tries again).
-        """
+        """Read the durable history of every call still waited on, in pipelined round trips (when the
+        subscription comes back: what was published meanwhile is lost). Raises the broker's error."""
         pending = self.router.waiting()
         for start in range(0, len(pending), CATCH_UP_CHUNK):
             chunk = pending[start : start + CATCH_UP_CHUNK]
@@ -514,8 +454,7 @@ class Gateway:
             self.router.feed_history(chunk, stored)
 
     def _dispatch_cluster(self) -> None:
-        """A cluster's loop: the directory's notices (plain pub/sub) and the sharded channels of the
-        queue tags in use, read in turn (redis-py follows a sharded channel to its slot's new node)."""
+        """A cluster's loop: the directory's notices and the sharded channels of the queue tags, in turn."""
         pubsub = self._pubsub
         while not self._closed.is_set():
             try:
@@ -538,12 +477,8 @@ class Gateway:
                 time.sleep(0.5)
 
     def _read_direct(self) -> None:
-        """Read published messages off the subscribed connection until it has been idle for a while.
-
-        Per message this skips the layers of ``PubSub.get_message`` (retry wrapper, health-check
-        bookkeeping, message dicts), which under load cost more than handling the event. A health-check
-        answer read here is counted as ``get_message`` would; any trouble goes back to ``get_message``.
-        """
+        """Read messages straight off the subscribed connection, skipping ``PubSub.get_message``'s layers,
+        until it is idle (a health-check answer is counted as there); any trouble goes back to it."""
         pubsub, conn = self._pubsub, self._pubsub.connection
         if not pipes.FAST or conn is None or not pubsub.subscribed:
             return
@@ -563,19 +498,16 @@ class Gateway:
 
     def _on_message(self, channel: bytes, data: bytes) -> None:
         try:
-            self._route(channel, data)
+            if channel == self._tools_channel:
+                self.directory.invalidate(data.decode(errors="replace"))
+                return
+            if not data or self._closed.is_set():
+                return  # the wake-up close() publishes
+            routed = ev_mod.for_handle(self.router.handles, data)  # (event, handle, missed some)
+            if routed is not None:
+                event, handle, gap = routed
+                if gap:
+                    handle.sync()  # fill it from the durable history
+                handle.feed(event)  # the terminal event untracks the handle
         except Exception as e:  # noqa: BLE001 - one bad message must not stop the event thread
             log.warning("event message skipped", channel=channel, error=f"{type(e).__name__}: {e}")
-
-    def _route(self, channel: bytes, data: bytes) -> None:
-        if channel == self._tools_channel:
-            self.directory.invalidate(data.decode(errors="replace"))
-            return
-        if not data or self._closed.is_set():
-            return  # the wake-up close() publishes
-        routed = self.router.route(data)
-        if routed is not None:
-            event, handle, gap = routed
-            if gap:
-                handle.sync()  # fill it from the durable history
-            handle.feed(event)  # the terminal event untracks the handle

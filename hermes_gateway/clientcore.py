@@ -1,10 +1,6 @@
-"""The client core: what the threaded ``Gateway`` and the asyncio ``AsyncGateway`` share.
-
-Broker discovery (``find_broker``), typed call options (``CallOptions``), the envelope and admission
-limits of a call (pure, no I/O), the worker check (``NoWorkers``), the routing of events to handles by
-call id (``Router``) and what a handle knows of its call (``CallState``). Each client is a thin face over
-this module: it adds only its own way of waiting (a thread and a condition, or a task and an event).
-"""
+"""The client core shared by the threaded ``Gateway`` and the asyncio ``AsyncGateway``: broker discovery,
+call options, envelopes and admission limits (no I/O), the worker check, event routing (``Router``) and
+handle state (``CallState``). Each client adds only its own way of waiting."""
 
 from __future__ import annotations
 
@@ -45,11 +41,11 @@ from broker.errors import (
     error_from_wire,
 )
 from broker.events import Event
-from broker.otel import ensure_traceparent
+from broker.otel import ensure_traceparent, headers_of
 from broker.ratelimits import RateLimit, estimate_tokens
 from broker.states import State
 from broker.toolspec import ToolSpec
-from hermes_gateway.tracing import Headers, current_headers
+from hermes_gateway.tracing import Headers
 
 if TYPE_CHECKING:
     import redis
@@ -57,20 +53,17 @@ if TYPE_CHECKING:
 log = structlog.get_logger("hermes.client")
 
 MAX_FAIRNESS_KEY = 256  # characters of a fairness key (it is a field of a hash in Redis)
-MAX_DEPTH = 100  # levels of nesting a call's arguments may have (a tool's arguments rarely pass 10)
+MAX_DEPTH = 100  # levels of nesting a call's arguments may have
 WORKERS_TRUSTED = 5.0  # seconds a queue seen with a live worker is not checked again (check_workers)
-# Ended calls of ours whose handles (every event heard) the asyncio client keeps for a later `handle(id)`:
-# the HTTP API streams a call's events after submitting it, and by then a quick call may have ended.
-ENDED_KEPT = 1000
+ENDED_KEPT = 1000  # ended calls' handles the asyncio client keeps for `handle(id)` (the HTTP API's streams)
 
 
 # -- the broker ----------------------------------------------------------------------------------
 
 
 def find_broker(settings: Settings, url: str | None = None, *, embedded_ok: bool = True) -> BrokerHandle:
-    """The broker of a client (``Gateway.connect`` and ``AsyncGateway.connect`` alike), as the commands find
-    theirs: ``url`` / ``$HERMES_REDIS_URL`` / ``broker.url``; else the embedded broker of the ``serve`` or
-    ``worker`` of the same ``$HERMES_HOME`` running here; else (``embedded_ok``) an embedded broker of its own."""
+    """A client's broker: ``url`` / ``$HERMES_REDIS_URL`` / ``broker.url``; else the embedded broker of a
+    ``serve`` or ``worker`` of the same ``$HERMES_HOME`` here; else (``embedded_ok``) one of its own."""
     url = url or settings.broker.url
     if url is None and embedded_ok:
         from hermes_gateway.local import connect_local
@@ -80,8 +73,8 @@ def find_broker(settings: Settings, url: str | None = None, *, embedded_ok: bool
 
 
 def register_dir(directory: Directory, path: Any, errors: list[InvalidSpec] | None = None) -> list[tuple[str, int, bool]]:
-    """Register every spec file of ``path`` in ``directory`` (``sync_tools`` of both clients); a file that
-    does not load is skipped: it goes to ``errors`` when given, else it is logged as a warning."""
+    """Register every spec file of ``path``; one that does not load is skipped, put in ``errors`` when
+    given, else logged."""
     from pathlib import Path
 
     from workers.specs import sync_dir
@@ -95,9 +88,8 @@ def register_dir(directory: Directory, path: Any, errors: list[InvalidSpec] | No
 
 
 class WorkerCheck:
-    """Which workers listen on a queue: with ``check_workers`` a call to a queue nobody serves is refused
-    at once (``NoWorkers``) — or, on an embedded broker of the client's own, a worker is started for it
-    (stopped by ``close``). Blocking I/O: the asyncio client runs ``ensure`` in a thread."""
+    """With ``check_workers``, a call to a queue nobody serves is refused (``NoWorkers``), or on an embedded
+    broker of the client's own a worker is started for it (stopped by ``close``). Blocking I/O."""
 
     def __init__(self, broker: BrokerHandle, settings: Settings, check_workers: bool) -> None:
         self.broker = broker
@@ -115,14 +107,8 @@ class WorkerCheck:
         pipe = self.conn.pipeline(transaction=False)
         for n in names:
             pipe.hgetall(keys.worker(text(n)))
-        out = []
-        for raw in pipe.execute():
-            if not raw:
-                continue
-            w = {k.decode(): v.decode() for k, v in raw.items()}
-            if queue is None or queue in w.get("queues", "").split(","):
-                out.append(w)
-        return out
+        workers = [{k.decode(): v.decode() for k, v in raw.items()} for raw in pipe.execute() if raw]
+        return [w for w in workers if queue is None or queue in w.get("queues", "").split(",")]
 
     def require_workers(self, queue: str) -> None:
         """NoWorkers unless a live worker listens on ``queue``."""
@@ -139,9 +125,8 @@ class WorkerCheck:
         return self.check_workers and any(self._seen.get(q, 0.0) <= now for q in queues)
 
     def ensure(self, queues: Iterable[str]) -> None:
-        """With ``check_workers``: NoWorkers for a queue (a partition counts as its base queue) no worker
-        listens on — or a worker started for it on an embedded broker of ours. A queue seen served is
-        trusted for a few seconds."""
+        """The check on ``queues`` (a partition counts as its base queue); a queue seen served is trusted
+        for ``WORKERS_TRUSTED`` seconds."""
         if not self.check_workers:
             return
         for queue in dict.fromkeys(keys.base_queue(q) for q in queues):
@@ -181,7 +166,7 @@ class CallOptions:
     queue: str | None = None
     fairness_key: str | None = None
     call_class: str | None = None
-    # Set by the client, not its caller: the producer span's headers, and a batch item's id and partition.
+    # (set by the client: the producer span's headers, a batch item's id and partition)
     trace_headers: Headers | None = None
     call_id: str | None = None
     partition_slot: int | None = None
@@ -203,7 +188,7 @@ class CallOptions:
     def headers(self) -> Headers:
         """The trace context to send: the producer span's (tracing on), else the caller's own or the current one."""
         tp, ts, bg = self.trace_headers or (self.traceparent, self.tracestate, None)
-        return (tp, ts, bg) if tp is not None else current_headers()
+        return (tp, ts, bg) if tp is not None else headers_of()
 
     def envelope_options(self) -> Options:
         """The envelope's options, with a typed error for a bad fairness key or class (``call_class``:
@@ -214,17 +199,13 @@ class CallOptions:
         if klass is not None and klass not in CALL_CLASSES:
             raise InvalidArgs(f"call_class must be one of {', '.join(CALL_CLASSES)}, got {klass!r}")
         return Options(
-            timeout=self.timeout,
-            idempotency_key=self.idempotency_key,
-            max_attempts=self.max_attempts,
-            fairness_key=fkey,
-            call_class=klass,
+            timeout=self.timeout, idempotency_key=self.idempotency_key, max_attempts=self.max_attempts,
+            fairness_key=fkey, call_class=klass,
         )
 
 
 def nesting(value: Any, limit: int = MAX_DEPTH) -> int:
-    """How deeply ``value`` nests lists and mappings, counted up to ``limit + 1`` (walked without recursion:
-    the point is to refuse what would exhaust the recursion of the code that handles it later)."""
+    """How deeply ``value`` nests lists and mappings, counted up to ``limit + 1`` (without recursion)."""
     deepest = 0
     stack: list[tuple[Any, int]] = [(value, 0)]
     while stack:
@@ -244,10 +225,8 @@ def nesting(value: Any, limit: int = MAX_DEPTH) -> int:
 
 
 def check_sendable(value: Any, what: str, limit: int | None = None) -> bytes:
-    """``value`` packed (the envelope keeps these bytes: the job is not packed again), or a typed error now
-    for a value the wire cannot carry (a Decimal, an arbitrary object), not a bare TypeError from deep in
-    the submission; with ``limit``, for one larger than that many bytes packed. Nesting deeper than
-    ``MAX_DEPTH`` is refused too: validation, redaction and the executors recurse."""
+    """``value`` packed (the envelope keeps these bytes), or InvalidArgs for what the wire cannot carry,
+    what nests deeper than ``MAX_DEPTH`` (later code recurses) or packs larger than ``limit`` bytes."""
     if nesting(value) > MAX_DEPTH:
         raise InvalidArgs(f"{what} are nested more than {MAX_DEPTH} levels deep", limit=MAX_DEPTH)
     try:
@@ -291,17 +270,11 @@ def check_batch_keys(common: dict[str, Any], idem_keys: Sequence[str | None] | N
 
 
 def tool_envelope(
-    entry: Entry,
-    name: str,
-    args: dict[str, Any] | None,
-    opts: CallOptions,
-    context: dict[str, Any],
-    channel: Callable[[str], str],
-    settings: Settings | None = None,
+    entry: Entry, name: str, args: dict[str, Any] | None, opts: CallOptions, context: dict[str, Any],
+    channel: Callable[[str], str], settings: Settings | None = None,
 ) -> Envelope:
-    """The envelope of one call of the directory tool ``entry``; events go to ``channel(queue)``. A tool
-    split in partitions (``queue_partitions``) gets the next partition with a share of its limit;
-    arguments larger than ``settings.broker.max_args`` packed are refused."""
+    """The envelope of one call of ``entry``; events go to ``channel(queue)``, a split tool's call to its next
+    partition."""
     spec = entry.spec
     check_context(context)
     if args is not None and not isinstance(args, dict):
@@ -316,18 +289,10 @@ def tool_envelope(
         concurrency = spec.concurrency or (settings.concurrency_for(spec.executor) if settings else -1)
         queue = keys.partition_route(queue, n, concurrency, opts.idempotency_key, opts.partition_slot)
     env = Envelope(
-        call_id=keys.call_id(queue, opts.call_id or new_call_id()),
-        kind="tool",
-        tool=name,
-        args=args,
-        tool_version=entry.version,
-        context={k: v for k, v in context.items() if v is not None},
-        traceparent=ensure_traceparent(tp),
-        tracestate=ts,
-        baggage=bg,
-        options=opts.envelope_options(),
-        queue=queue,
-        channel=channel(queue),
+        call_id=keys.call_id(queue, opts.call_id or new_call_id()), kind="tool", tool=name, args=args,
+        tool_version=entry.version, context={k: v for k, v in context.items() if v is not None},
+        traceparent=ensure_traceparent(tp), tracestate=ts, baggage=bg, options=opts.envelope_options(),
+        queue=queue, channel=channel(queue),
     )
     return env.keep_packed(packed)
 
@@ -337,11 +302,9 @@ def tool_limits(env: Envelope, spec: ToolSpec, settings: Settings) -> dict[str, 
     queue_size = spec.queue_size
     if queue_size is None:
         queue_size = settings.queue_size_for(spec.executor)
-    # Error retries (``retry.max``) need their attempts too; an explicit per-call max_attempts wins.
     retries = int((spec.retry or {}).get("max") or 0)
     concurrency = spec.concurrency or settings.concurrency_for(spec.executor)
-    # A partition's share of the tool's limit and queue size (the shares add up to them exactly).
-    # (so is the per-key bound: a key's calls go to the partitions in turn)
+    # A partition's share of the tool's limit, queue size and per-key bound.
     n = keys.partition_count(spec)
     per_key = settings.fairness.queue_size_per_key
     key_size = -1 if per_key is None else keys.partition_limits(env.queue, n, concurrency, per_key)[1]
@@ -361,8 +324,7 @@ def tool_limits(env: Envelope, spec: ToolSpec, settings: Settings) -> dict[str, 
 
 
 def fair_limits(env: Envelope, settings: Settings, key_size: int) -> dict[str, Any]:
-    """What SUBMIT needs for the call's fair turn: its key's weight, the batch share, the per-key bound
-    (``key_size``, -1 = none)."""
+    """SUBMIT's fairness limits: the key's weight, the batch share, the per-key bound (-1: none)."""
     fairness = settings.fairness
     return {
         "weight": fairness.weight_of(env.context.get("principal"), fairness_of(env)[0]),
@@ -372,14 +334,10 @@ def fair_limits(env: Envelope, settings: Settings, key_size: int) -> dict[str, A
 
 
 def llm_envelope(
-    request: dict[str, Any],
-    settings: Settings,
-    opts: CallOptions,
-    context: dict[str, Any],
+    request: dict[str, Any], settings: Settings, opts: CallOptions, context: dict[str, Any],
     channel: Callable[[str], str],
 ) -> tuple[Envelope, dict[str, Any]]:
-    """The envelope and limits of one LLM call (chat-completions kwargs) on ``opts.queue`` (else ``llm``)."""
-    check_llm_request(request, context)
+    """The envelope and limits of one LLM call (chat-completions kwargs, ``check_llm_request``-ed)."""
     packed = check_sendable(request, "the LLM request", settings.broker.max_args)
     context = dict(context)
     model_cfg = settings.model
@@ -390,16 +348,9 @@ def llm_envelope(
     per_key = settings.fairness.queue_size_per_key
     queue = opts.queue or "llm"
     env = Envelope(
-        call_id=keys.call_id(queue, new_call_id()),
-        kind="llm",
-        request=request,
-        context={k: v for k, v in context.items() if v is not None},
-        traceparent=ensure_traceparent(tp),
-        tracestate=ts,
-        baggage=bg,
-        options=opts.envelope_options(),
-        queue=queue,
-        channel=channel(queue),
+        call_id=keys.call_id(queue, new_call_id()), kind="llm", request=request,
+        context={k: v for k, v in context.items() if v is not None}, traceparent=ensure_traceparent(tp),
+        tracestate=ts, baggage=bg, options=opts.envelope_options(), queue=queue, channel=channel(queue),
     ).keep_packed(packed)
     ckey = concurrency_key(env)
     rate = model_cfg.rate_limit_for(str(context["provider"]), str(context.get("model") or ""))
@@ -431,7 +382,7 @@ PENDING_CANCEL = {"type": "cancelled", "message": "cancelled by the caller befor
 
 @dataclass(frozen=True)
 class CancelTarget:
-    """A call as cancel reads it (``CANCEL_FIELDS``): who to tell, and what its audit record needs."""
+    """A call as cancel reads it (``CANCEL_FIELDS``)."""
 
     info: CallInfo
     state: str
@@ -447,7 +398,7 @@ class CancelTarget:
         return cls(CallInfo(call_id, trace, "", kind, tool, None, chan, ckey, origin), state, int(attempt or 1), raw[-1])
 
     def audit_record(self, sensitive: Any) -> Any:
-        """The audit record of the call cancelled while pending (no worker ran it, so the caller writes it)."""
+        """The audit record of the call cancelled while pending (no worker ran it)."""
         from broker.audit import AuditRecord, context_fields
         from broker.calls import envelope_of
 
@@ -458,44 +409,27 @@ class CancelTarget:
             env = None
         context = env.context if env is not None else {}
         return AuditRecord.of(
-            call_id=info.call_id,
-            kind=info.kind,
-            state=str(State.CANCELLED),
-            args=env.args if env is not None else None,
-            sensitive=tuple(sensitive or ()),
-            request=env.request if env is not None and info.kind == "llm" else None,
-            error=PENDING_CANCEL,
+            call_id=info.call_id, kind=info.kind, state=str(State.CANCELLED),
+            args=env.args if env is not None else None, sensitive=tuple(sensitive or ()),
+            request=env.request if env is not None and info.kind == "llm" else None, error=PENDING_CANCEL,
             tool_name=info.name if info.kind == "tool" else None,
-            model=info.name if info.kind == "llm" else None,
-            **context_fields(context),
-            trace_id=info.trace_id,
-            attempts=self.attempt,
+            model=info.name if info.kind == "llm" else None, **context_fields(context),
+            trace_id=info.trace_id, attempts=self.attempt,
         )
 
 
 # -- events and handles --------------------------------------------------------------------------
 
 _MISSING = object()
-
-
 LIVE_GRACE = 0.2  # seconds a follower waits for live events an ended call's history no longer holds (``sync``)
 
 
 class CallState:
-    """What a handle knows of its call: its events in order, its end, its result or error, or the refusal
-    of its submission. Fed by its client's ``Router`` (pub/sub) or by reads of the call's history; the
-    faces ``CallHandle`` and ``AsyncCallHandle`` add waiting. ``lock``: held while the state changes."""
+    """What a handle knows of its call: its events, its end, its result or error, or the refusal of its
+    submission; the faces add waiting. ``lock``: held while the state changes."""
 
-    def __init__(
-        self,
-        router: Router[Any],
-        call_id: str,
-        name: str,
-        kind: str = "tool",
-        *,
-        own: bool = True,
-        lock: Any = None,
-    ) -> None:
+    def __init__(self, router: Router[Any], call_id: str, name: str, kind: str = "tool", *, own: bool = True,
+                 lock: Any = None) -> None:
         self.router = router
         self.call_id = call_id
         self.name = name
@@ -558,7 +492,7 @@ class CallState:
         """Called under the lock when an event arrives (None: refused); the faces wake their waiters."""
 
     def needs_result(self) -> bool:
-        """Whether the call ended done with a result too large for its terminal event (read from its hash)."""
+        """Whether the call ended done with a result too large for its terminal event."""
         final = self._final
         return final is not None and final.state == State.DONE and self._result is _MISSING and "result" not in final.detail
 
@@ -584,10 +518,8 @@ H = TypeVar("H", bound=CallState)
 
 
 class Router(Generic[H]):
-    """The handles of one client by call id: events heard on its channel go to the handle of their call.
-
-    A handle is tracked from its submission until its end (``ended``); with ``keep_ended`` the latest
-    ended ones stay findable by ``get``."""
+    """A client's handles by call id, from submission to end; with ``keep_ended`` the latest ended ones
+    stay findable by ``get``."""
 
     def __init__(self, keep_ended: int = 0) -> None:
         self.handles: dict[str, H] = {}
@@ -621,10 +553,6 @@ class Router(Generic[H]):
         """The handle routed to, or kept after its end, for ``call_id``."""
         return self.handles.get(call_id) or self._ended.get(call_id)
 
-    def route(self, data: bytes) -> tuple[Event, H, bool] | None:
-        """A caller's channel message as ``(event, its handle, True when the handle missed some before it)``."""
-        return ev_mod.for_handle(self.handles, data)
-
     def waiting(self) -> list[H]:
         """The handles whose calls have not ended."""
         with self._lock:
@@ -632,8 +560,7 @@ class Router(Generic[H]):
 
     @staticmethod
     def read_history(pipe: Any, handles: Sequence[CallState]) -> None:
-        """Queue on ``pipe`` the reads of each handle's unseen history (with the terminal event an ended
-        call keeps in its place: ``events.history``); ``feed_history`` takes the replies."""
+        """Queue on ``pipe`` the reads of each handle's unseen history; ``feed_history`` takes the replies."""
         for h in handles:
             pipe.lrange(keys.history(h.call_id), h.last_seq, -1)
             pipe.get(keys.ended(h.call_id))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -74,12 +75,9 @@ class CallHandle(CallState):
                 raise CallTimeout(f"no result for call {self.call_id} ({self.name}) within {timeout:g}s", call_id=self.call_id)
 
     def sync(self, live_grace: float = 0.0) -> None:
-        """Fetch any events we have not seen from the call's durable history.
-
-        ``live_grace``: when the history holds the call's kept end past events we have not seen (an ended
-        call keeps its end alone), first give the event thread that long to deliver them: they were
-        published before the end was stored, so they may be unread in our subscription still, and the
-        history can no longer give them (a stream's deltas, progress)."""
+        """Fetch any events we have not seen from the call's durable history. ``live_grace``: when it holds
+        only the call's kept end past unseen events, first give the event thread that long to deliver them
+        (published before the end, they may be unread in our subscription still)."""
         seen = self.last_seq
         history = ev_mod.history(self.gateway.conn, self.call_id, seen + 1)
         if live_grace > 0 and self.own and ev_mod.ends_past_a_gap(history, seen):
@@ -106,10 +104,7 @@ class CallHandle(CallState):
             return
         i = 0
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            event = self._next(i, deadline)
-            if event is None:
-                return
+        while (event := self._next(i, deadline)) is not None:
             i += 1
             yield event
             if event.terminal:
@@ -133,10 +128,10 @@ class CallHandle(CallState):
                     self._followers -= 1
                 if woken:
                     continue
-            try:
-                self.sync(LIVE_GRACE)  # quiet for a second: read the durable history in case pub/sub dropped one
-            except (redis.ConnectionError, redis.TimeoutError):
-                pass  # a broker restart: keep following until the deadline
+            # Quiet for a second: read the durable history in case pub/sub dropped one (a broker restart:
+            # keep following until the deadline).
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                self.sync(LIVE_GRACE)
 
     def cancel(self) -> bool:
         """Ask for the call to stop: at once while it waits, through its worker while it runs."""

@@ -1,6 +1,5 @@
-"""The broker (and workers) of one command: ``HERMES_REDIS_URL``; else the embedded broker of the ``serve`` or
-``worker`` that runs here with the same ``$HERMES_HOME``; else a broker and workers of its own, for the
-duration of the command."""
+"""The broker (and workers) of one command: ``HERMES_REDIS_URL``; else the embedded broker of a ``serve`` or
+``worker`` of the same ``$HERMES_HOME`` here; else a broker and workers of its own, for the command."""
 
 from __future__ import annotations
 
@@ -24,13 +23,8 @@ from workers.pool import spawn, stop_all
 
 
 def connect_local(settings: Settings) -> tuple[BrokerHandle, runfiles.LocalBroker | None]:
-    """The broker of a command: ``HERMES_REDIS_URL`` (or ``broker.url``) when set; else the embedded
-    broker of a ``serve``/``worker`` of the same ``$HERMES_HOME`` running here (found in its run registry,
-    alive and answering PING), and which one it is; else a fresh embedded broker of this process.
-
-    A process that records itself in the run registry (``serve``, ``worker``) owns its broker: it never
-    attaches to another's.
-    """
+    """The broker of a command, as the module says, and the ``serve``/``worker`` it belongs to if attached
+    (a process in the run registry itself owns its broker: it never attaches to another's)."""
     url = settings.broker.url
     if url is None:
         attached = _attach(settings)
@@ -53,8 +47,7 @@ def _attach(settings: Settings) -> tuple[BrokerHandle, runfiles.LocalBroker] | N
 
 
 def connect_shared(settings: Settings) -> BrokerHandle:
-    """A broker that outlives this command: ``HERMES_REDIS_URL`` (or ``broker.url``), else the embedded
-    broker of the ``serve``/``worker`` of ``$HERMES_HOME`` running here (noted on stderr). For commands
+    """A broker that outlives this command (the URL, else an attached one, noted on stderr): for commands
     whose subject lives in a running gateway's broker (audit log, active policy, control messages)."""
     url = settings.broker.url
     if url:
@@ -64,13 +57,14 @@ def connect_shared(settings: Settings) -> BrokerHandle:
         raise BrokerUnavailable(
             f"{URL_ENV} is not set and no `hermes-gateway serve` or `worker` of {settings.home} runs here"
         )
-    _note(f"broker: {attached[1].describe()}")
+    from hermes_gateway.cli.common import note
+
+    note(f"broker: {attached[1].describe()}")
     return attached[0]
 
 
 def throwaway(gw: Gateway) -> bool:
-    """True when the gateway's broker is this command's own embedded one: what it holds (registered tools,
-    calls, events) ends with the command. A ``serve``/``worker`` keeps its broker as long as it runs."""
+    """True when the gateway's broker is this command's own embedded one: what it holds ends with it."""
     return gw.broker.embedded is not None and runfiles.enabled() is None
 
 
@@ -80,31 +74,14 @@ THROWAWAY_NOTE = (
 )
 
 
-def _note(message: str) -> None:
-    from hermes_gateway.cli.common import note
-
-    note(message)
-
-
 @contextlib.contextmanager
 def local_stack(
-    settings: Settings,
-    *,
-    queues: tuple[str, ...] = ("tools", "llm"),
-    processes: int = 1,
-    concurrency: int = 16,
-    need_workers: bool = True,
-    worker_stdout: Any = None,
+    settings: Settings, *, queues: tuple[str, ...] = ("tools", "llm"), processes: int = 1,
+    concurrency: int = 16, need_workers: bool = True, worker_stdout: Any = None,
 ) -> Iterator[tuple[Gateway, list[Any]]]:
-    """Connect as ``connect_local`` does; on a broker of its own, start worker processes too.
-
-    Yields the gateway and the worker processes this context started. They die with this process, like
-    its embedded broker, even when it is killed; ``worker_stdout`` is where their standard output goes
-    (``mcp serve`` keeps its own for the protocol). On a shared broker none are started; on the broker of
-    a ``serve``/``worker`` running here, only for queues no live worker listens on (a ``worker --queues
-    tools`` has no LLM worker), and the attachment is noted on stderr ("broker: the embedded broker of
-    serve (pid 1234) at unix:///...").
-    """
+    """Connect as ``connect_local`` does, and yield the gateway with the worker processes started for it:
+    none on a shared broker; on an attached one only for queues no live worker listens on (noted on
+    stderr). They die with this process; ``worker_stdout`` is where their output goes."""
     handle, attached = connect_local(settings)
     gw = Gateway(handle, settings)
     procs: list[Any] = []
@@ -119,7 +96,9 @@ def local_stack(
                 wait_for_heartbeats(gw, 1, queues=queues)
         if attached is not None:
             extra = f"; no worker listens on {','.join(queues)}: started {len(procs)} for this command"
-            _note(f"broker: {attached.describe()}{extra if procs else ''}")
+            from hermes_gateway.cli.common import note
+
+            note(f"broker: {attached.describe()}{extra if procs else ''}")
         yield gw, procs
     finally:
         stop_all(procs)
@@ -127,19 +106,14 @@ def local_stack(
 
 
 def start_workers(
-    url: str,
-    settings: Settings,
-    queues: tuple[str, ...],
-    processes: int = 1,
-    concurrency: int = 16,
+    url: str, settings: Settings, queues: tuple[str, ...], processes: int = 1, concurrency: int = 16,
     worker_stdout: Any = None,
 ) -> list[Any]:
     """Worker processes of this process on ``url`` (they die with it, even when it is killed)."""
     from workers.policy import Policy
 
     Policy.from_settings(settings.policy)  # a bad policy: a clear error now, not a worker that dies
-    # The command's own output stays clean: its workers log errors only, unless a level was asked for
-    # (`--log-level`, HERMES_LOG_LEVEL, `logging.level`); they log in the command's format (JSON too).
+    # (the command's output stays clean: its workers log errors only unless a level was asked for)
     asked = settings.logging
     level = asked.worker_level or (asked.level if asked.level_set else "ERROR")
     env = dict(os.environ, HERMES_LOG_LEVEL=level)  # a child process's environment: ours, with its level
@@ -165,9 +139,8 @@ def wait_for_heartbeats(
 
 
 def watch_control_stop(conn: redis.Redis, on_stop: Callable[[], None]) -> threading.Thread:
-    """Call ``on_stop`` once when a stop for everyone (``hermes-gateway stop --all``) arrives on the
-    broker's control channel, as workers obey it; a stop naming one worker is not for us. A daemon thread
-    that ends with the connection."""
+    """Call ``on_stop`` once when a stop for everyone (``stop --all``) comes on the control channel, in a
+    daemon thread that ends with the connection."""
 
     def listen() -> None:
         pubsub = subscriber(conn)

@@ -1,10 +1,6 @@
-"""Replaying an audited tool call: the same tool and principal with the recorded arguments (over HTTP,
-the replaying token's principal: ``console_api``); its audit record names the original (``replay_of``).
-
-The audit log keeps arguments redacted. A sensitive argument is kept as its sha256 hash, so the caller
-must supply the value again and it is checked against the hash; any other argument the redaction masked
-must be supplied too (there is nothing to check it against). Everything else runs as recorded.
-"""
+"""Replaying an audited tool call: the same tool and principal with the recorded arguments; its audit
+record names the original (``replay_of``). Redacted arguments must be supplied again: a sensitive one is
+checked against its recorded sha256, a masked one is taken as given."""
 
 from __future__ import annotations
 
@@ -13,6 +9,7 @@ import textwrap
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from typing import Any
 
 from broker.audit import AuditLog, AuditRecord, summarize
@@ -103,7 +100,6 @@ def run(gateway: Any, audit: AuditLog, replay: ReplayPlan, timeout: float | None
         state = "cancelled" if isinstance(e, CallCancelled) else "failed"
     except CallTimeout as e:
         error, state = {"type": e.type, "message": str(e)}, "running"
-    record = None
     # The record rides in the pipeline of the terminal transition; allow the outbox a moment.
     deadline = time.monotonic() + (2.0 if state != "running" else 0.0)
     while True:
@@ -115,48 +111,36 @@ def run(gateway: Any, audit: AuditLog, replay: ReplayPlan, timeout: float | None
     if replay.verified:
         notes.append(f"sensitive argument(s) {', '.join(replay.verified)} matched their recorded hash")
     if replay.unverified:
-        notes.append(
-            f"masked argument(s) {', '.join(replay.unverified)} were taken as given (no hash to check)"
-        )
+        notes.append(f"masked argument(s) {', '.join(replay.unverified)} were taken as given "
+                     "(no hash to check)")
     return ReplayOutcome(replay, handle.call_id, state, result, error, record, notes)
 
 
 def render(outcome: ReplayOutcome, width: int = 110) -> str:
     """The recorded call and its replay side by side."""
     old, new = outcome.plan.record, outcome.record
-    new_summary = (
-        new.result_summary
-        if new is not None
-        else (summarize(outcome.result) if outcome.state == "done" else None)
-    )
+    new_principal = outcome.plan.context.get("principal")
+    done_summary = summarize(outcome.result) if outcome.state == "done" else None
+    new_summary = new.result_summary if new is not None else done_summary
     rows = [
         ("call", old.call_id, outcome.call_id),
         ("tool", old.tool_name or "", outcome.plan.tool),
-        (
-            "principal",
-            old.principal or "-",
-            (new.principal if new else outcome.plan.context.get("principal")) or "-",
-        ),
+        ("principal", old.principal or "-", (new.principal if new else new_principal) or "-"),
         ("state", old.state, outcome.state),
         ("error", _error(old.error_type, old.error_message), _new_error(outcome)),
         ("result", old.result_summary or "-", new_summary or "-"),
         ("duration", f"{old.duration_ms:.1f} ms", f"{new.duration_ms:.1f} ms" if new else "-"),
     ]
     label, col = 11, max(20, (width - 11 - 3) // 2)
-    lines = [
-        f"{'':<{label}}{'recorded':<{col}}   replay",
-        f"{'':<{label}}{'-' * (col - 1):<{col}}   {'-' * (col - 1)}",
-    ]
+    rule = "-" * (col - 1)
+    lines = [f"{'':<{label}}{'recorded':<{col}}   replay", f"{'':<{label}}{rule:<{col}}   {rule}"]
     for name, left, right in rows:
         lcells = textwrap.wrap(str(left), col - 1) or [""]
         rcells = textwrap.wrap(str(right), col - 1) or [""]
-        for i in range(max(len(lcells), len(rcells))):
-            lc = lcells[i] if i < len(lcells) else ""
-            rc = rcells[i] if i < len(rcells) else ""
+        for i, (lc, rc) in enumerate(zip_longest(lcells, rcells, fillvalue="")):
             lines.append(f"{name if i == 0 else '':<{label}}{lc:<{col}}   {rc}".rstrip())
     same = old.state == outcome.state and old.result_summary == new_summary
-    lines.append("")
-    lines.append("same outcome as recorded" if same else "the outcome differs from the recorded one")
+    lines += ["", "same outcome as recorded" if same else "the outcome differs from the recorded one"]
     lines.extend(f"note: {n}" for n in outcome.notes)
     return "\n".join(lines)
 

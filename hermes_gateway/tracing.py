@@ -1,12 +1,6 @@
-"""Client-side tracing: the producer span of a submission, and the SDK set-up for the CLI.
-
-A submission is a ``send <queue>`` PRODUCER span (messaging.system ``rq``; ``messaging.message.id`` is
-the call id) under the caller's current span or the ``traceparent`` the caller passed. Its context —
-``traceparent``, ``tracestate`` and W3C ``baggage`` — rides in the envelope, and the worker's
-``process <queue>`` span continues from it. A batch (``map``/``submit_many``) is one span with
-``messaging.batch.message_count``. With no SDK provider there is no span: the envelope carries the
-caller's context as it is, or a fresh trace id (``ensure_traceparent``).
-"""
+"""Client-side tracing: the SDK set-up for the CLI, and a submission's ``send <queue>`` PRODUCER span
+(one per batch) whose context rides in the envelope(s) for the worker's ``process`` span. With no SDK
+provider there is no span: the envelope carries the caller's context as it is."""
 
 from __future__ import annotations
 
@@ -35,23 +29,16 @@ def setup(telemetry: TelemetrySettings, mode: str | None = None) -> str:
     return otelsdk.setup("hermes-gateway", telemetry, mode)
 
 
-def current_headers() -> Headers:
-    """``(traceparent, tracestate, baggage)`` of the caller's current OpenTelemetry context."""
-    return headers_of()
-
-
 class Sending:
     """The producer span of one submission or one batch; ``headers`` go into the envelope(s)."""
 
     def __init__(self, traceparent: str | None = None, tracestate: str | None = None) -> None:
         tracer = otel.tracer()
-        if traceparent is not None:
-            parent: Any = parent_context(traceparent, tracestate, headers_of()[2])
-        else:
-            parent = None  # the current context
+        # (None: the current context)
+        parent = parent_context(traceparent, tracestate, headers_of()[2]) if traceparent is not None else None
         self.span: Any = None
         if tracer is None:
-            self.headers: Headers = (traceparent, tracestate, None) if traceparent else current_headers()
+            self.headers: Headers = (traceparent, tracestate, None) if traceparent else headers_of()
             return
         self.span = tracer.start_span(
             "send",

@@ -1,10 +1,5 @@
-"""``hermes-gateway status --watch``: the call figures live in the terminal, read from Redis.
-
-The same figures the OpenTelemetry metrics carry (``workers/telemetry.py``): calls by tool, state and
-error type, mean duration and queue wait, calls in flight per concurrency key, breaker states and
-queue depths. Workers add their totals to ``hermes:stats`` once a second; this view reads them, so it
-works with tracing and metrics export off.
-"""
+"""``hermes-gateway status --watch``: the call figures of the OpenTelemetry metrics, live in the terminal,
+read from the totals workers add to ``hermes:stats`` (so it works with metrics export off)."""
 
 from __future__ import annotations
 
@@ -23,8 +18,7 @@ from workers.telemetry import SEP, queue_depths, text
 
 
 def call_known(conn: redis.Redis, call_id: str) -> bool:
-    """The call has a record or an event history here (an id never submitted on this broker, or one past
-    its result TTL, has neither): what ``events CALL_ID`` checks before printing nothing."""
+    """The call has a record or an event history here (what ``events CALL_ID`` checks first)."""
     return bool(conn.exists(keys.job(call_id), keys.history(call_id), keys.ended(call_id)))
 
 
@@ -109,12 +103,18 @@ def _total(row: dict[str, Any]) -> int:
     return sum(row["states"].values())
 
 
+def _table(title: str, *columns: str, numbers: bool = False) -> Table:
+    """A table of ``columns``; with ``numbers``, all but the first right-aligned."""
+    table = Table(title=title, title_justify="left")
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="right" if numbers and i else "left")
+    return table
+
+
 def render(data: dict[str, Any], previous: dict[str, Any] | None = None) -> Group:
     """The tables for one refresh; rates come from the difference with ``previous``."""
     elapsed = max(1e-6, data["ts"] - previous["ts"]) if previous else 0.0
-    calls = Table(title="calls", title_justify="left")
-    for col in ("name", "done", "failed", "cancelled", "other", "mean ms", "per s"):
-        calls.add_column(col, justify="left" if col == "name" else "right")
+    calls = _table("calls", "name", "done", "failed", "cancelled", "other", "mean ms", "per s", numbers=True)
     for name, row in sorted(data["calls"].items()):
         states = dict(row["states"])
         done, failed, cancelled = (states.pop(s, 0) for s in ("done", "failed", "cancelled"))
@@ -126,24 +126,16 @@ def render(data: dict[str, Any], previous: dict[str, Any] | None = None) -> Grou
         calls.add_row(
             name, str(done), str(failed), str(cancelled), str(sum(states.values())), f"{mean:,.1f}", rate
         )
-    errors = Table(title="errors", title_justify="left")
-    for col in ("name", "error type", "count"):
-        errors.add_column(col)
+    errors = _table("errors", "name", "error type", "count")
     for (name, etype), n in sorted(data["errors"].items()):
         errors.add_row(name, etype, str(n))
-    queues = Table(title="queues", title_justify="left")
-    for col in ("queue", "depth", "mean wait ms"):
-        queues.add_column(col)
+    queues = _table("queues", "queue", "depth", "mean wait ms")
     for q in sorted(set(data["queues"]) | set(data["queue_wait"])):
         queues.add_row(q, str(data["queues"].get(q, 0)), f"{data['queue_wait'].get(q, 0.0) * 1000:,.1f}")
-    flight = Table(title="in flight", title_justify="left")
-    flight.add_column("concurrency key")
-    flight.add_column("calls", justify="right")
+    flight = _table("in flight", "concurrency key", "calls", numbers=True)
     for k, n in sorted(data["inflight"].items()):
         flight.add_row(k, str(n))
-    breakers = Table(title="breakers", title_justify="left")
-    breakers.add_column("key")
-    breakers.add_column("state")
+    breakers = _table("breakers", "key", "state")
     for k, s in sorted(data["breakers"].items()):
         breakers.add_row(k, f"[red]{s}[/red]" if s == "open" else s)
     return Group(calls, errors, queues, flight, breakers)

@@ -14,7 +14,7 @@ def test_a_cancel_before_the_submitters_first_chunk_is_not_undone(gateway: Any, 
     store = BatchStore(gateway.conn)
     batch_id = store.create("echo", ["tools"], ttl=60, window=10)
     # The submitter has read the batch (its thread is starting) when the cancel comes.
-    submitter = Submitter(store, gateway, batch_id, store.meta(batch_id), resume=False, context={}, stop=None)
+    submitter = Submitter(store, gateway, batch_id, store.meta(batch_id), resume=False, context={})
     store.cancel(gateway, batch_id)
     submitter.run([{"i": i} for i in range(5)])
     assert store.progress(batch_id).state == "cancelled"

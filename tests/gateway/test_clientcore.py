@@ -39,8 +39,8 @@ def test_batch_options_are_taken_from_the_common_keywords_and_the_rest_is_contex
 def test_a_handle_takes_each_event_once_in_order_and_its_end_stops_its_routing() -> None:
     router: Router[CallState] = Router()
     h = router.track(CallState(router, "c1", "echo"))
-    assert router.route(wire("nobody", 1, "pending")) is None
-    _, routed, gap = router.route(wire("c1", 2, "executing"))  # type: ignore[misc]
+    assert events.for_handle(router.handles, wire("nobody", 1, "pending")) is None
+    _, routed, gap = events.for_handle(router.handles, wire("c1", 2, "executing"))  # type: ignore[misc]
     assert routed is h and gap  # seq 1 was never heard: the face reads the history first
     h.feed(event("c1", 1, "pending"))
     h.feed(event("c1", 1, "pending"))

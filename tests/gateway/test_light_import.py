@@ -31,7 +31,7 @@ def test_the_asyncio_client_is_exported_but_loaded_only_when_asked_for() -> None
 
 def test_reading_the_policy_or_the_model_facing_tools_loads_no_argument_validator_and_no_hook() -> None:
     # (Gateway.tool_schemas, the Hermes plugin's tool list and `policy` commands import these on the client)
-    code = "import sys, json, hermes_gateway.schemas, workers.policy; print(json.dumps(sorted(sys.modules)))"
+    code = "import sys, json, hermes_gateway.client, workers.policy; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     loaded = json.loads(out.stdout)
     assert [m for m in loaded if m.startswith("jsonschema")] == []
