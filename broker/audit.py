@@ -1,9 +1,6 @@
-"""The audit log: one record per finished call (``AuditRecord``: redacted, with a bounded result preview),
-kept in a capped Redis stream and optionally a JSONL file (``AuditLog``).
-
-Each record is written by the same pipeline that finishes the call, so a call is never done without
-its record. The stream is trimmed by count and/or age; a sorted set indexes records by call id with
-the same retention, so ``get`` is two cheap reads and the index never outgrows the stream.
+"""The audit log: one redacted record per finished call (``AuditRecord``), kept in a capped Redis stream
+and optionally a JSONL file (``AuditLog``). A sorted set indexes records by call id with the stream's
+retention, so ``get`` is two cheap reads.
 """
 
 from __future__ import annotations
@@ -29,13 +26,8 @@ from .settings import DEFAULT_AUDIT_MAXLEN, AuditSettings
 
 AUDIT_VERSION = 1
 SUMMARY_LIMIT = 1024  # bytes of UTF-8 in a result summary
-# An argument string kept in a record: longer ones keep this much and say how much more there was (the
-# whole call is in its job record; scanning megabytes for secrets would stall the worker).
-MAX_ARG_TEXT = 64 * 1024
-# Request keys that are conversation or tool payload, not model parameters.
-_NOT_MODEL_PARAMS = frozenset(
-    {"model", "messages", "input", "prompt", "system", "tools", "functions", "contents"}
-)
+MAX_ARG_TEXT = 64 * 1024  # an argument string kept in a record (scanning megabytes for secrets would stall)
+_NOT_MODEL_PARAMS = frozenset({"model", "messages", "input", "prompt", "system", "tools", "functions", "contents"})
 
 
 @dataclass(frozen=True)
@@ -97,8 +89,7 @@ class AuditRecord:
         unknown = set(rest).difference(_RECORD_FIELDS)
         if unknown:
             raise TypeError(f"AuditRecord has no field(s) {', '.join(sorted(unknown))}")
-        # Filled in directly rather than through the frozen dataclass's __init__ (one object.__setattr__
-        # per field, 25 of them): a worker builds one for every call it finishes.
+        # Not through the frozen dataclass's __init__: a worker builds one for every call it finishes.
         return _fill(
             dict(
                 call_id=call_id,
@@ -118,8 +109,7 @@ class AuditRecord:
         return self.tool_name or self.model or ""
 
     def to_dict(self) -> dict[str, Any]:
-        # Shallow on purpose: the values are already plain data (redacted copies), and asdict's deep copy
-        # showed as a tenth of a worker's CPU per call.
+        # Shallow on purpose: the values are already plain data (asdict's deep copy costs per call).
         values = self.__dict__
         return {name: values[name] for name in _RECORD_FIELDS}
 
@@ -133,8 +123,7 @@ class AuditRecord:
         if data.get("version", AUDIT_VERSION) != AUDIT_VERSION:
             raise DecodeError(f"unsupported audit record version {data.get('version')!r}")
         known = {f.name for f in fields(cls)}
-        try:
-            # Unknown keys are dropped: a newer writer may add fields an older reader does not know.
+        try:  # unknown keys are dropped: a newer writer may add fields
             return cls(**{k: v for k, v in data.items() if k in known})
         except TypeError as e:
             raise DecodeError(f"audit record does not fit: {e}") from e
@@ -149,14 +138,7 @@ class AuditRecord:
 
 
 CONTEXT_KEYS = (
-    "principal",
-    "session_id",
-    "turn_id",
-    "task_id",
-    "api_request_id",
-    "tool_call_id",
-    "parent_call_id",
-    "replay_of",
+    "principal", "session_id", "turn_id", "task_id", "api_request_id", "tool_call_id", "parent_call_id", "replay_of"
 )
 
 
@@ -204,8 +186,7 @@ class _Preview:
         self.used += len(text)
 
     def _walk(self, value: Any) -> None:
-        if isinstance(value, str):
-            # Slice with room to spare: a secret cut at the slice end lies far past what is kept.
+        if isinstance(value, str):  # sliced with room: a secret cut at the end lies past what is kept
             self._emit(repr(redact_text(value[: self.budget * 4])))
         elif isinstance(value, Mapping):
             self._emit("{")
@@ -247,20 +228,10 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
-# XADD, trim by count and/or age, index the call id, and trim the index to the stream's first entry.
-# One script so the index and the stream cannot drift apart. KEYS: stream, index.
-# ARGV: maxlen (0 = none), minid (0 = none), "~" or "=", call_id ("" = trim only), field, value, ...
-
-
 _RECORD_FIELDS = tuple(f.name for f in fields(AuditRecord))
 _fill = filler(AuditRecord)
-
-
-# -- where records are kept ---------------------------------------------------------------------------
-
 AUDIT_STREAM = keys.AUDIT_STREAM
 AUDIT_INDEX = keys.AUDIT_INDEX
-DEFAULT_MAXLEN = DEFAULT_AUDIT_MAXLEN
 
 
 class AuditLog:
@@ -272,7 +243,7 @@ class AuditLog:
         key: str = AUDIT_STREAM,
         *,
         index_key: str | None = None,
-        maxlen: int | None = DEFAULT_MAXLEN,
+        maxlen: int | None = DEFAULT_AUDIT_MAXLEN,
         max_age: float | None = None,
         approximate: bool = True,
         jsonl_path: str | os.PathLike[str] | None = None,
@@ -291,7 +262,7 @@ class AuditLog:
 
     @classmethod
     def from_settings(cls, redis: Any, audit: AuditSettings | None, **kw: Any) -> AuditLog:
-        """From ``settings.audit`` (``broker.config`` parsed and checked it)."""
+        """From ``settings.audit``."""
         audit = audit or AuditSettings()
         return cls(
             redis,
@@ -303,22 +274,10 @@ class AuditLog:
             **kw,
         )
 
-    # --- writing ----------------------------------------------------------------------------------
-
     def append(self, record: AuditRecord, pipeline: Any = None) -> Any:
         """Add a record (into ``pipeline`` when given: only its creator executes it); mirrors to JSONL."""
-        fields_ = [
-            "call_id",
-            record.call_id,
-            "name",
-            record.name,
-            "principal",
-            record.principal or "",
-            "state",
-            record.state,
-            "d",
-            record.encode(),
-        ]
+        fields_ = ["call_id", record.call_id, "name", record.name, "principal", record.principal or ""]
+        fields_ += ["state", record.state, "d", record.encode()]
         client = pipeline if pipeline is not None else self.redis
         result = pipes.script(
             self._script, [self.key, self.index_key], self._trim_args(record.call_id) + fields_, client
@@ -338,15 +297,12 @@ class AuditLog:
     def _mirror(self, record: AuditRecord) -> None:
         line = (record.to_json() + "\n").encode("utf-8")
         assert self.jsonl_path is not None
-        with self._file_lock:
-            # One O_APPEND write per line: whole lines even with several processes on one file.
+        with self._file_lock:  # one O_APPEND write per line: whole lines even with several processes
             fd = os.open(self.jsonl_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:
                 os.write(fd, line)
             finally:
                 os.close(fd)
-
-    # --- reading ----------------------------------------------------------------------------------
 
     def get(self, call_id: str) -> AuditRecord | None:
         """The latest record of a call, or None when there is none (or it was trimmed)."""
@@ -421,17 +377,13 @@ class AuditLog:
                 page = self.redis.xrevrange(self.key, cursor_hi, cursor_lo, count=batch)
             else:
                 page = self.redis.xrange(self.key, cursor_lo, cursor_hi, count=batch)
-            for _sid, entry in page:
-                # Filter on the plain fields first: most entries never need unpacking.
+            for _sid, entry in page:  # filter on the plain fields first: most need no unpacking
                 if all(v is None or _text(entry.get(k)) == v for k, v in want.items()):
                     yield AuditRecord.decode(entry[b"d"])
             if len(page) < batch:
                 return
-            last = _text(page[-1][0])
-            if newest_first:
-                cursor_hi = "(" + last
-            else:
-                cursor_lo = "(" + last
+            last = "(" + _text(page[-1][0])
+            cursor_hi, cursor_lo = (last, cursor_lo) if newest_first else (cursor_hi, last)
 
 
 def _text(value: Any) -> str:
