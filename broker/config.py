@@ -1,9 +1,7 @@
 """One typed settings object, read from ``$HERMES_HOME/config.yaml`` and the environment when asked.
 
-Every ``HERMES_*`` variable is read here and nowhere else (tests/broker/test_config.py checks it); the
-table in docs/configuration.md lists them. A section mirrors its part of config.yaml: an
-environment variable wins over the file, a bad value is a ``ConfigError`` naming where it came from.
-Nothing is read at import time: ``load_settings()`` reads, callers pass the result down.
+Every ``HERMES_*`` variable is read here and nowhere else (tests/broker/test_config.py checks it). An
+environment variable wins over the file; a bad value is a ``ConfigError`` naming where it came from.
 """
 
 from __future__ import annotations
@@ -20,10 +18,8 @@ from .errors import ConfigError
 from .placeholders import load_yaml
 from .settings import (
     AGENT_PLUGIN,
-    DEFAULT_CONCURRENCY,
     DEFAULT_LEASE,
     DEFAULT_MAX_ARGS,
-    DEFAULT_QUEUE_SIZE,
     DEFAULT_RESULT_TTL,
     DEFAULT_WAIT_TIMEOUT_MS,
     GC_THRESHOLD,
@@ -31,14 +27,10 @@ from .settings import (
     TRACE_MODES,
     AgentPluginSettings,
     ApiSettings,
-    AuditSettings,
     BatchSettings,
     BrokerSettings,
     ConsoleSettings,
-    FairnessSettings,
     LoggingSettings,
-    McpSettings,
-    ModelSettings,
     PluginDiscovery,
     Settings,
     TelemetrySettings,
@@ -52,37 +44,8 @@ from .settings import (
     yaml_number,
 )
 
-__all__ = [
-    "DEFAULT_CONCURRENCY",
-    "DEFAULT_MAX_ARGS",
-    "DEFAULT_QUEUE_SIZE",
-    "GC_THRESHOLD",
-    "LOG_LEVELS",
-    "TRACE_MODES",
-    "AgentPluginSettings",
-    "ApiSettings",
-    "AuditSettings",
-    "BatchSettings",
-    "BrokerSettings",
-    "ConsoleSettings",
-    "FairnessSettings",
-    "LoggingSettings",
-    "McpSettings",
-    "ModelSettings",
-    "PluginDiscovery",
-    "Settings",
-    "TelemetrySettings",
-    "WorkerSettings",
-    "expand_env",
-    "hermes_home",
-    "load_settings",
-    "unset_env",
-]
-
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-# The ``${VAR}`` / ``${VAR:-default}`` grammar of :func:`expand_env`, for code that expands with it (tool
-# specs, on the worker) and must first tell which references have no value.
-ENV_VAR = _VAR
+# The ``${VAR}`` / ``${VAR:-default}`` grammar of :func:`expand_env`.
+ENV_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 HOME_ENV = "HERMES_HOME"
 REDIS_URL_ENV = "HERMES_REDIS_URL"
@@ -114,7 +77,7 @@ def expand_env(value: Any, environ: Mapping[str, str] | None = None) -> Any:
     """Replace ``${VAR}`` (and ``${VAR:-default}``) in every string, so secrets stay out of files."""
     env = os.environ if environ is None else environ
     if isinstance(value, str):
-        return _VAR.sub(lambda m: env.get(m.group(1), m.group(2) if m.group(2) is not None else ""), value)
+        return ENV_VAR.sub(lambda m: env.get(m.group(1), m.group(2) if m.group(2) is not None else ""), value)
     if isinstance(value, dict):
         return {k: expand_env(v, env) for k, v in value.items()}
     if isinstance(value, list):
@@ -126,7 +89,7 @@ def unset_env(text: str, environ: Mapping[str, str] | None = None) -> list[str]:
     """Names of the ``${VAR}`` references in ``text`` that :func:`expand_env` would have to leave empty:
     the variable is not set and the reference gives no ``:-default``."""
     env = os.environ if environ is None else environ
-    return [m.group(1) for m in _VAR.finditer(text) if m.group(2) is None and m.group(1) not in env]
+    return [m.group(1) for m in ENV_VAR.finditer(text) if m.group(2) is None and m.group(1) not in env]
 
 
 def load_settings(
