@@ -20,7 +20,7 @@ from broker.envelope import filler
 from broker.logs import MASK, is_secret_key, redact, redact_text, sensitive_hashes
 
 from . import keys, pipes, scripts
-from .codec import pack, unpack
+from .codec import pack, text, unpack
 from .errors import DecodeError
 from .settings import DEFAULT_AUDIT_MAXLEN, AuditSettings
 
@@ -312,7 +312,7 @@ class AuditLog:
         ms = int(ms)
         found = None
         for _id, entry in self.redis.xrange(self.key, f"{ms}-0", f"{ms}-18446744073709551615"):
-            if _text(entry.get(b"call_id")) == call_id:
+            if text(entry.get(b"call_id")) == call_id:
                 found = entry
         return AuditRecord.decode(found[b"d"]) if found is not None else None
 
@@ -378,16 +378,12 @@ class AuditLog:
             else:
                 page = self.redis.xrange(self.key, cursor_lo, cursor_hi, count=batch)
             for _sid, entry in page:  # filter on the plain fields first: most need no unpacking
-                if all(v is None or _text(entry.get(k)) == v for k, v in want.items()):
+                if all(v is None or text(entry.get(k)) == v for k, v in want.items()):
                     yield AuditRecord.decode(entry[b"d"])
             if len(page) < batch:
                 return
-            last = "(" + _text(page[-1][0])
+            last = "(" + text(page[-1][0])
             cursor_hi, cursor_lo = (last, cursor_lo) if newest_first else (cursor_hi, last)
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value or "")
 
 
 def _stream_id(when: float | datetime, seq: str) -> str:

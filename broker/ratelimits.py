@@ -18,7 +18,8 @@ from typing import Any
 
 import redis
 
-from . import keys, scripts
+from . import keys, pipes, scripts
+from .codec import text
 from .errors import InvalidSpec
 
 KINDS = ("requests_per_minute", "tokens_per_minute", "requests_per_second")
@@ -101,8 +102,6 @@ class RateLimiter:
             keys.waiting_batch(tag, ckey),
         ]
         if pipeline is not None:
-            from . import pipes
-
             return pipes.script(self._sent, script_keys, [call_id, ckey, int(slack * 1000)], pipeline)
         return self._sent(keys=script_keys, args=[call_id, ckey, int(slack * 1000)])
 
@@ -122,7 +121,7 @@ class RateLimiter:
             reply = self._due(keys=[keys.rate_due(tag)], args=[int(hold * 1000), 100])
             after = reply.pop()
             for raw in reply:
-                ckey = raw.decode() if isinstance(raw, bytes) else str(raw)
+                ckey = text(raw)
                 self._promote(
                     keys=[
                         keys.rate_due(tag),
@@ -151,7 +150,7 @@ class RateLimiter:
         for q in queues:
             tag = keys.tag(q)
             for raw in sorted(self.conn.smembers(keys.rates(tag))):
-                ckey = raw.decode() if isinstance(raw, bytes) else str(raw)
+                ckey = text(raw)
                 h = keys.rate(tag, ckey)
                 cfg = self.conn.hmget(h, "rpm", "rps", "tpm", "sum", "pause")
                 if all(v is None for v in cfg[:3]):
