@@ -60,7 +60,7 @@ def setup(service_name: str, telemetry: TelemetrySettings, mode: str | None = No
             raise ConfigError(f"tracing mode must be one of {', '.join(MODES)}, got {mode!r}")
         if mode == "off":
             if _extra_readers:
-                _install_meters(_resource(service_name), None)
+                metrics.set_meter_provider(_meter_provider(_resource(service_name), _extra_readers, None))
             _mode = mode
             return mode
         from opentelemetry.sdk.trace import TracerProvider
@@ -79,7 +79,9 @@ def setup(service_name: str, telemetry: TelemetrySettings, mode: str | None = No
         provider.add_span_processor(processor)
         trace.set_tracer_provider(provider)
         _installed.append((provider, exporter))
-        _install_meters(resource, _metric_exporter(mode))
+        meters = _meter_provider(resource, _extra_readers, _metric_exporter(mode))
+        if meters is not None:
+            metrics.set_meter_provider(meters)
         atexit.register(shutdown)
         _mode = mode
         return mode
@@ -91,19 +93,18 @@ def _resource(service_name: str) -> Any:
     return Resource.create(_default_service(service_name))
 
 
-def _install_meters(resource: Any, exporter: Any) -> None:
-    """The global meter provider: exporting with ``exporter`` (when any) and read by ``_extra_readers``."""
+def _meter_provider(resource: Any, readers: list[Any], exporter: Any) -> Any:
+    """A meter provider read by ``readers`` and exporting with ``exporter`` (when any); None with neither."""
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-    readers = list(_extra_readers)
     if exporter is not None:
-        readers.append(PeriodicExportingMetricReader(exporter))  # OTEL_METRIC_EXPORT_INTERVAL
+        readers = [*readers, PeriodicExportingMetricReader(exporter)]  # OTEL_METRIC_EXPORT_INTERVAL
     if not readers:
-        return
-    meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
-    metrics.set_meter_provider(meter_provider)
-    _installed.append((meter_provider, exporter))
+        return None
+    provider = MeterProvider(resource=resource, metric_readers=list(readers), shutdown_on_exit=False)
+    _installed.append((provider, exporter))
+    return provider
 
 
 def serve_prometheus(port: int, host: str = "127.0.0.1", service_name: str = "hermes-worker") -> Any:
@@ -122,14 +123,8 @@ def serve_prometheus(port: int, host: str = "127.0.0.1", service_name: str = "he
         if _mode is None:
             _extra_readers.append(reader)
             return server
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-
         exporter = _metric_exporter(_mode) if _mode != "off" else None
-        readers = [reader, *([PeriodicExportingMetricReader(exporter)] if exporter is not None else [])]
-        provider = MeterProvider(resource=_resource(service_name), metric_readers=readers, shutdown_on_exit=False)
-        _installed.append((provider, exporter))
-        otel.use_providers(meter_provider=provider)
+        otel.use_providers(meter_provider=_meter_provider(_resource(service_name), [reader], exporter))
     return server
 
 
