@@ -69,4 +69,3 @@ def _settle(calls: Calls, call_id: str, reason: str) -> str:
     pipe.execute()
     log.error("unreadable call record dropped: nothing to tell its caller on", call_id=call_id, reason=reason)
     return "dropped"
-

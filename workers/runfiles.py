@@ -187,19 +187,9 @@ def entries(home: str | os.PathLike[str] | None = None) -> list[Entry]:
     for path in sorted(root.glob("*.json")) if root.is_dir() else []:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            found.append(
-                Entry(
-                    path=path,
-                    pid=int(data["pid"]),
-                    kind=str(data["kind"]),
-                    started=float(data.get("started") or 0.0),
-                    proc_start=data.get("proc_start"),
-                    parent=data.get("parent"),
-                    url=data.get("url"),
-                    port=data.get("port"),
-                    host=data.get("host"),
-                )
-            )
+            pid, kind, started = int(data["pid"]), str(data["kind"]), float(data.get("started") or 0.0)
+            rest = {k: data.get(k) for k in ("proc_start", "parent", "url", "port", "host")}
+            found.append(Entry(path, pid, kind, started, **rest))
         except (OSError, ValueError, KeyError, TypeError):
             unregister(path)
     return found
