@@ -265,13 +265,8 @@ class AuditLog:
         """From ``settings.audit``."""
         audit = audit or AuditSettings()
         return cls(
-            redis,
-            audit.key or AUDIT_STREAM,
-            maxlen=audit.maxlen,
-            max_age=audit.max_age,
-            approximate=audit.approximate,
-            jsonl_path=audit.jsonl,
-            **kw,
+            redis, audit.key or AUDIT_STREAM, maxlen=audit.maxlen, max_age=audit.max_age,
+            approximate=audit.approximate, jsonl_path=audit.jsonl, **kw,
         )
 
     def append(self, record: AuditRecord, pipeline: Any = None) -> Any:
@@ -368,10 +363,9 @@ class AuditLog:
         newest_first: bool,
         batch: int = 500,
     ) -> Iterator[AuditRecord]:
-        lo = _stream_id(since, "0") if since is not None else "-"
-        hi = _stream_id(until, "18446744073709551615") if until is not None else "+"
+        cursor_lo = _stream_id(since, "0") if since is not None else "-"
+        cursor_hi = _stream_id(until, "18446744073709551615") if until is not None else "+"
         want = {b"name": tool, b"principal": principal, b"state": state}
-        cursor_lo, cursor_hi = lo, hi
         while True:
             if newest_first:
                 page = self.redis.xrevrange(self.key, cursor_hi, cursor_lo, count=batch)
