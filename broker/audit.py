@@ -266,7 +266,7 @@ class AuditLog:
         audit = audit or AuditSettings()
         return cls(
             redis, audit.key or AUDIT_STREAM, maxlen=audit.maxlen, max_age=audit.max_age,
-            approximate=audit.approximate, jsonl_path=audit.jsonl, **kw,
+            approximate=audit.approximate, jsonl_path=audit.jsonl, **kw
         )
 
     def append(self, record: AuditRecord, pipeline: Any = None) -> Any:
