@@ -13,7 +13,7 @@ from typing import Any
 import redis
 
 from . import keys, pipes, poison, scripts
-from .calls import recheck_absent
+from .calls import Calls, recheck_absent
 from .codec import text
 
 
@@ -92,8 +92,6 @@ class Limits:
                 try:
                     out.append(Due(cid, int(attempt or 1), trace, kind, tool, chan, ckey, origin or q))
                 except ValueError:  # an unreadable record: taken off the schedule, failed alone (broker.poison)
-                    from .calls import Calls
-
                     self.conn.zrem(keys.scheduled(keys.tag(q)), cid)
                     poison.settle(Calls(self.conn), cid, poison.row_problem({"h_attempt": attempt}))
             if after not in (b"", "", None):
