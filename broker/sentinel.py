@@ -80,24 +80,15 @@ def parse_sentinel_url(url: str) -> SentinelURL:
         raise bad("no master name: expected redis+sentinel://host:port[,host:port...]/<master-name>[/db]")
     if len(segments) > 2:
         raise bad("expected /<master-name>[/db] after the Sentinels")
-    db = 0
-    if len(segments) == 2:
-        if not segments[1].isdigit():
-            raise bad(f"database {segments[1]!r} is not a number")
-        db = int(segments[1])
+    if len(segments) == 2 and not segments[1].isdigit():
+        raise bad(f"database {segments[1]!r} is not a number")
+    db = int(segments[1]) if len(segments) == 2 else 0
     options = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
     unknown = sorted(set(options) - {"sentinel_password", "sentinel_username"})
     if unknown:
         raise bad(f"unknown option(s) {', '.join(unknown)}; known: sentinel_password, sentinel_username")
-    return SentinelURL(
-        tuple(sentinels),
-        segments[0],
-        db,
-        username,
-        password,
-        options.get("sentinel_username") or None,
-        options.get("sentinel_password") or None,
-    )
+    sentinel_auth = (options.get("sentinel_username") or None, options.get("sentinel_password") or None)
+    return SentinelURL(tuple(sentinels), segments[0], db, username, password, *sentinel_auth)
 
 
 def _sentinel_kwargs(parsed: SentinelURL) -> dict[str, Any]:
