@@ -47,24 +47,18 @@ class Directory:
     def put(self, spec: ToolSpec, *, replace: bool = True) -> tuple[int, str]:
         """Store a spec checked by its caller (``workers.specs.check_spec``); returns (version, outcome), one
         of ``OUTCOMES`` ("kept": ``replace=False`` and a different spec is registered under the name)."""
+        channel = keys.channel(self.conn, keys.TOOLS_CHANNEL)
         version, outcome = self._register(
             keys=[keys.TOOLS, keys.TOOLS_VERSION, keys.TOOLS_DIGEST, keys.TOOLS_VER],
-            args=[
-                spec.name,
-                spec.digest(),
-                pack(spec.to_dict()),
-                keys.channel(self.conn, keys.TOOLS_CHANNEL),
-                1 if replace else 0,
-            ],
+            args=[spec.name, spec.digest(), pack(spec.to_dict()), channel, int(replace)],
         )
         return int(version), OUTCOMES[int(outcome)]
 
     def remove(self, name: str) -> bool:
         """Delete a tool; every instance is told over pub/sub. True when it existed."""
         pipe = self.conn.pipeline()
-        pipe.hdel(keys.TOOLS, name)
-        pipe.hdel(keys.TOOLS_DIGEST, name)
-        pipe.hdel(keys.TOOLS_VER, name)
+        for key in (keys.TOOLS, keys.TOOLS_DIGEST, keys.TOOLS_VER):
+            pipe.hdel(key, name)
         pipe.incr(keys.TOOLS_VERSION)
         removed = pipe.execute()[0]  # (one slot, {hermes:dir}: a transaction on a cluster too)
         self.conn.publish(keys.channel(self.conn, keys.TOOLS_CHANNEL), name)
