@@ -27,7 +27,9 @@ from .settings import DEFAULT_AUDIT_MAXLEN, AuditSettings
 AUDIT_VERSION = 1
 SUMMARY_LIMIT = 1024  # bytes of UTF-8 in a result summary
 MAX_ARG_TEXT = 64 * 1024  # an argument string kept in a record (scanning megabytes for secrets would stall)
-_NOT_MODEL_PARAMS = frozenset({"model", "messages", "input", "prompt", "system", "tools", "functions", "contents"})
+_NOT_MODEL_PARAMS = frozenset(
+    {"model", "messages", "input", "prompt", "system", "tools", "functions", "contents"}
+)
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,8 @@ class AuditRecord:
 
 
 CONTEXT_KEYS = (
-    "principal", "session_id", "turn_id", "task_id", "api_request_id", "tool_call_id", "parent_call_id", "replay_of"
+    "principal", "session_id", "turn_id", "task_id", "api_request_id", "tool_call_id", "parent_call_id",
+    "replay_of",
 )
 
 

@@ -23,7 +23,9 @@ from .toolspec import ToolSpec
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 
 # Error types that count as a failure of the back end unless a breaker lists its own (``on``).
-COUNTED = frozenset({"executor_error", "tool_timeout", "provider_error", "provider_timeout", "internal_error"})
+COUNTED = frozenset(
+    {"executor_error", "tool_timeout", "provider_error", "provider_timeout", "internal_error"}
+)
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,10 @@ class Breakers:
             text(v)
             for v in self._record(
                 keys=[keys.breaker(cfg.key), keys.BREAKER_WINDOW.format(cfg.key), keys.BREAKERS],
-                args=[now, outcome, call_id, cfg.failures, cfg.rate, cfg.window, cfg.min_calls, error_type, cfg.key],
+                args=[
+                    now, outcome, call_id, cfg.failures, cfg.rate, cfg.window, cfg.min_calls, error_type,
+                    cfg.key,
+                ],
             )
         )
         if after == before:

@@ -199,7 +199,9 @@ def from_url(url: str, **kwargs: Any) -> redis.Redis:
         raise BrokerUnavailable(f"no primary at {redact_url(url)}: {sentinels_say(url)}") from e
     except redis.AuthenticationError as e:  # (a ConnectionError: caught before those)
         raise BrokerUnavailable(f"Redis at {redact_url(url)} refused the credentials: {e}") from e
-    except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.RedisClusterException, ValueError) as e:
+    except (
+        redis.ConnectionError, redis.TimeoutError, redis.exceptions.RedisClusterException, ValueError
+    ) as e:
         raise BrokerUnavailable(f"cannot reach Redis at {redact_url(url)}: {e}") from e
     return conn
 

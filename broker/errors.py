@@ -226,7 +226,8 @@ class CallTimeout(HermesError):
 _BY_TYPE: dict[str, type[CallFailed]] = {
     cls.type: cls
     for cls in (
-        CallFailed, InvalidArgs, PermissionDenied, CircuitOpen, ExecutorError, ToolTimeout, OutputTooLarge, WorkerLost
+        CallFailed, InvalidArgs, PermissionDenied, CircuitOpen, ExecutorError, ToolTimeout, OutputTooLarge,
+        WorkerLost,
     )
 }
 _BY_TYPE[DecodeError.type] = CallFailed

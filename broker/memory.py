@@ -42,7 +42,11 @@ def usage(conn: Any) -> Memory:
     info = conn.info("memory")
     nodes = info.values() if info and all(isinstance(v, dict) for v in info.values()) else [info]
     found = [
-        Memory(_int(node.get("used_memory")), _int(node.get("maxmemory")), str(node.get("maxmemory_policy") or ""))
+        Memory(
+            used=_int(node.get("used_memory")),
+            maxmemory=_int(node.get("maxmemory")),
+            policy=str(node.get("maxmemory_policy") or ""),
+        )
         for node in nodes
     ]
     return max(found, key=lambda m: (m.fraction or 0.0, m.used)) if found else Memory(0, 0)

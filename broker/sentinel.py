@@ -163,10 +163,14 @@ def _async_following_connection() -> type:
             finally:
                 self._resolving = False
 
-        async def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        async def connect_check_health(
+            self, check_health: bool = True, retry_socket_connect: bool = True
+        ) -> None:
             if not self.is_connected and not self._resolving and self.connection_pool.is_master:
                 self.host, self.port = await self.connection_pool.get_master_address()
-            await super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+            await super().connect_check_health(
+                check_health=check_health, retry_socket_connect=retry_socket_connect
+            )
 
     return AsyncFollowing
 
@@ -185,4 +189,5 @@ def sentinel_client(url: str, *, is_async: bool = False, **kwargs: Any) -> Any:
     else:
         options.update(health_check_interval=30, connection_class=_FollowingConnection)
     options.update(kwargs)
-    return sentinel(list(parsed.sentinels), sentinel_kwargs=_sentinel_kwargs(parsed)).master_for(parsed.master, **options)
+    sentinels = sentinel(list(parsed.sentinels), sentinel_kwargs=_sentinel_kwargs(parsed))
+    return sentinels.master_for(parsed.master, **options)

@@ -76,7 +76,9 @@ class ToolSpec:
             raise InvalidSpec(f"{where}: input_schema: expected a mapping (JSON Schema)", path="input_schema")
         out_schema = data.get("output_schema")
         if out_schema is not None and not isinstance(out_schema, dict):
-            raise InvalidSpec(f"{where}: output_schema: expected a mapping (JSON Schema)", path="output_schema")
+            raise InvalidSpec(
+                f"{where}: output_schema: expected a mapping (JSON Schema)", path="output_schema"
+            )
         timeout = data.get("timeout", DEFAULT_TIMEOUT)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
             raise InvalidSpec(

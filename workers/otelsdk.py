@@ -1,4 +1,4 @@
-"""OpenTelemetry SDK set-up from the standard ``OTEL_*`` environment and ``settings.telemetry`` (HERMES_TRACE).
+"""OpenTelemetry SDK set-up from the standard ``OTEL_*`` environment and ``settings.telemetry``.
 
 Tracing is off (no SDK provider) unless asked for (:func:`trace_mode`); the rest of the ``OTEL_*``
 environment is the SDK's own to read. Metrics are exported with OTLP when traces are (unless
@@ -155,14 +155,16 @@ def _bounded(step: Any, timeout_ms: int) -> None:
 
 def _default_service(name: str) -> dict[str, str]:
     # The environment names the service when it says so; our default only fills the gap.
-    if os.environ.get("OTEL_SERVICE_NAME") or "service.name=" in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", ""):
+    if os.environ.get("OTEL_SERVICE_NAME") or "service.name=" in os.environ.get(
+        "OTEL_RESOURCE_ATTRIBUTES", ""
+    ):
         return {}
     return {"service.name": name}
 
 
 def _protocol(signal: str) -> str:
-    protocol = os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-    return (protocol or "http/protobuf").strip().lower()
+    specific = os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL")
+    return (specific or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip().lower()
 
 
 def _span_exporter(mode: str) -> Any:

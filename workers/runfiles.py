@@ -103,7 +103,7 @@ class Entry:
         return f"{self.kind}{where}{broker} pid {self.pid}"
 
     def is_ours(self) -> bool:
-        """Alive and still the process that wrote this file: same start time and a command line of its kind."""
+        """Alive and still the process that wrote this file (same start time, a command line of its kind)."""
         try:
             os.kill(self.pid, 0)  # (gone, or another user's process: not ours)
             proc = psutil.Process(self.pid)
