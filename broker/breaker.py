@@ -144,8 +144,7 @@ class Breakers:
 
     def state(self, key: str) -> dict[str, Any]:
         """One breaker's state (``closed`` when it never tripped)."""
-        raw = {text(k): text(v) for k, v in self.conn.hgetall(keys.breaker(key)).items()}
-        return _view(key, raw)
+        return _view(key, self.conn.hgetall(keys.breaker(key)))
 
     def all(self) -> list[dict[str, Any]]:
         """Every breaker that ever changed state, with its current state."""
@@ -153,10 +152,7 @@ class Breakers:
         pipe = self.conn.pipeline(transaction=False)
         for name in names:
             pipe.hgetall(keys.breaker(name))
-        return [
-            _view(name, {text(k): text(v) for k, v in raw.items()})
-            for name, raw in zip(names, pipe.execute(), strict=True)
-        ]
+        return [_view(name, raw) for name, raw in zip(names, pipe.execute(), strict=True)]
 
     def reset(self, key: str) -> None:
         """Forget a breaker (closed again, counters cleared)."""
@@ -164,7 +160,8 @@ class Breakers:
         self.conn.srem(keys.BREAKERS, key)
 
 
-def _view(key: str, raw: dict[str, str]) -> dict[str, Any]:
+def _view(key: str, stored: dict[Any, Any]) -> dict[str, Any]:
+    raw = {text(k): text(v) for k, v in stored.items()}
     state = raw.get("state") or CLOSED
     out: dict[str, Any] = {
         "key": key,
