@@ -245,7 +245,6 @@ class AuditLog:
         redis: Any,
         key: str = AUDIT_STREAM,
         *,
-        index_key: str | None = None,
         maxlen: int | None = DEFAULT_AUDIT_MAXLEN,
         max_age: float | None = None,
         approximate: bool = True,
@@ -254,7 +253,7 @@ class AuditLog:
     ) -> None:
         self.redis = redis
         self.key = key
-        self.index_key = index_key or (AUDIT_INDEX if key == AUDIT_STREAM else key + ":idx")
+        self.index_key = AUDIT_INDEX if key == AUDIT_STREAM else key + ":idx"
         self.maxlen = int(maxlen or 0)
         self.max_age = float(max_age or 0)
         self.approximate = approximate

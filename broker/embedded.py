@@ -59,13 +59,12 @@ def find_redis_server() -> tuple[str, str]:
 
 
 class EmbeddedBroker:
-    """A private redis-server on a unix socket in a temp dir; nothing on disk unless ``persist`` is given."""
+    """A private redis-server on a unix socket in a temp dir; nothing on disk."""
 
-    def __init__(self, persist: str | None = None) -> None:
+    def __init__(self) -> None:
         self.binary, self.origin = find_redis_server()
         self.dir = Path(tempfile.mkdtemp(prefix="hermes-broker-"))
         self.socket = self.dir / "redis.sock"
-        self.persist = persist
         self.proc: subprocess.Popen[bytes] | None = None
         self._unrecord: Callable[[], None] | None = None
 
@@ -78,7 +77,7 @@ class EmbeddedBroker:
 
     def start(self, wait: float = 10.0) -> EmbeddedBroker:
         argv = [self.binary, "--port", "0", "--unixsocket", str(self.socket), "--unixsocketperm", "700"]
-        argv += ["--dir", str(self.dir), "--save", "", "--appendonly", "yes" if self.persist else "no"]
+        argv += ["--dir", str(self.dir), "--save", "", "--appendonly", "no"]
         argv += ["--daemonize", "no", "--loglevel", "warning"]
         self.proc = subprocess.Popen(
             argv,
