@@ -82,10 +82,12 @@ class AuditRecord:
         if request is not None:
             rest.setdefault("model", request.get("model"))
             rest.setdefault("model_params", model_params(request))
-        if error is not None:
-            etype, emsg = _error_parts(error)
-            rest.setdefault("error_type", etype)
-            rest.setdefault("error_message", emsg)
+        if isinstance(error, Mapping):
+            rest.setdefault("error_type", str(error.get("type") or "error"))
+            rest.setdefault("error_message", str(error.get("message") or ""))
+        elif error is not None:
+            rest.setdefault("error_type", str(getattr(error, "type", None) or type(error).__name__))
+            rest.setdefault("error_message", str(error))
         if rest.get("error_message"):
             rest["error_message"] = redact_text(str(rest["error_message"]))
         unknown = set(rest).difference(_RECORD_FIELDS)
@@ -215,12 +217,6 @@ class _Preview:
 def model_params(request: Mapping[str, Any]) -> dict[str, Any]:
     """The model parameters of an LLM request (temperature, max_tokens, ...), without the conversation."""
     return redact({k: v for k, v in request.items() if k not in _NOT_MODEL_PARAMS})
-
-
-def _error_parts(error: BaseException | Mapping[str, Any]) -> tuple[str, str]:
-    if isinstance(error, Mapping):
-        return str(error.get("type") or "error"), str(error.get("message") or "")
-    return str(getattr(error, "type", None) or type(error).__name__), str(error)
 
 
 def _json_default(obj: Any) -> Any:
