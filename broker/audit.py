@@ -269,8 +269,10 @@ class AuditLog:
 
     def append(self, record: AuditRecord, pipeline: Any = None) -> Any:
         """Add a record (into ``pipeline`` when given: only its creator executes it); mirrors to JSONL."""
-        fields_ = ["call_id", record.call_id, "name", record.name, "principal", record.principal or ""]
-        fields_ += ["state", record.state, "d", record.encode()]
+        fields_ = [
+            "call_id", record.call_id, "name", record.name, "principal", record.principal or "",
+            "state", record.state, "d", record.encode(),
+        ]
         client = pipeline if pipeline is not None else self.redis
         result = pipes.script(
             self._script, [self.key, self.index_key], self._trim_args(record.call_id) + fields_, client
