@@ -72,13 +72,11 @@ class ToolSpec:
         if not isinstance(executor, str) or not executor:  # (which names exist is checked at registration)
             raise InvalidSpec(f"{where}: executor: expected an executor's name, got {executor!r}", path="executor")
         schema = data.get("input_schema", {"type": "object"})
-        if not isinstance(schema, dict):
-            raise InvalidSpec(f"{where}: input_schema: expected a mapping (JSON Schema)", path="input_schema")
         out_schema = data.get("output_schema")
-        if out_schema is not None and not isinstance(out_schema, dict):
-            raise InvalidSpec(
-                f"{where}: output_schema: expected a mapping (JSON Schema)", path="output_schema"
-            )
+        schemas = {"input_schema": schema, "output_schema": {} if out_schema is None else out_schema}
+        for key, value in schemas.items():
+            if not isinstance(value, dict):
+                raise InvalidSpec(f"{where}: {key}: expected a mapping (JSON Schema)", path=key)
         timeout = data.get("timeout", DEFAULT_TIMEOUT)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
             raise InvalidSpec(
