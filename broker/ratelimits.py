@@ -48,11 +48,7 @@ class RateLimit:
             values[key] = value
         if not values:
             return None
-        return cls(
-            rpm=values.get("requests_per_minute", -1),
-            tpm=values.get("tokens_per_minute", -1),
-            rps=values.get("requests_per_second", -1),
-        )
+        return cls(*(values.get(kind, -1) for kind in KINDS))  # (KINDS is in field order)
 
     def share(self, n: int, i: int) -> RateLimit:
         """Partition ``i``'s part of the limit split in ``n`` (as ``keys.partition_share`` splits concurrency)."""
