@@ -145,8 +145,7 @@ def _read_config(path: Path, env: Mapping[str, str]) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid YAML: {e}") from e
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
-    expanded: dict[str, Any] = expand_env(loaded, env)
-    return expanded
+    return expand_env(loaded, env)  # type: ignore[no-any-return]
 
 
 def _logging(section: dict[str, Any], env: Mapping[str, str]) -> LoggingSettings:
