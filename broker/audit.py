@@ -126,9 +126,8 @@ class AuditRecord:
             raise DecodeError(f"audit record must be a mapping, got {type(data).__name__}")
         if data.get("version", AUDIT_VERSION) != AUDIT_VERSION:
             raise DecodeError(f"unsupported audit record version {data.get('version')!r}")
-        known = {f.name for f in fields(cls)}
         try:  # unknown keys are dropped: a newer writer may add fields
-            return cls(**{k: v for k, v in data.items() if k in known})
+            return cls(**{k: v for k, v in data.items() if k in _RECORD_FIELDS})
         except TypeError as e:
             raise DecodeError(f"audit record does not fit: {e}") from e
 
