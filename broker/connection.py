@@ -135,16 +135,19 @@ async def async_from_url(url: str, **kwargs: Any) -> Any:
             await _close(conn)
             conn = redis.asyncio.cluster.RedisCluster.from_url(url, **kwargs)
         await conn.ping()
-    except MasterNotFoundError as e:
-        await _close(conn)
-        raise BrokerUnavailable(f"no primary at {redact_url(url)}: {sentinels_say(url)}") from e
-    except redis.AuthenticationError as e:  # (a ConnectionError: caught before those)
-        await _close(conn)
-        raise BrokerUnavailable(f"Redis at {redact_url(url)} refused the credentials: {e}") from e
     except (redis.RedisError, OSError, ValueError) as e:
         await _close(conn)
-        raise BrokerUnavailable(f"cannot reach Redis at {redact_url(url)}: {e}") from e
+        raise _unreachable(url, e) from e
     return conn
+
+
+def _unreachable(url: str, error: Exception) -> BrokerUnavailable:
+    """Why no client of ``url`` could be had (passwords masked)."""
+    if isinstance(error, MasterNotFoundError):
+        return BrokerUnavailable(f"no primary at {redact_url(url)}: {sentinels_say(url)}")
+    if isinstance(error, redis.AuthenticationError):
+        return BrokerUnavailable(f"Redis at {redact_url(url)} refused the credentials: {error}")
+    return BrokerUnavailable(f"cannot reach Redis at {redact_url(url)}: {error}")
 
 
 async def _close(conn: Any) -> None:
@@ -195,14 +198,10 @@ def from_url(url: str, **kwargs: Any) -> redis.Redis:
                 return cluster  # type: ignore[return-value]
             return conn
         conn.ping()
-    except MasterNotFoundError as e:
-        raise BrokerUnavailable(f"no primary at {redact_url(url)}: {sentinels_say(url)}") from e
-    except redis.AuthenticationError as e:  # (a ConnectionError: caught before those)
-        raise BrokerUnavailable(f"Redis at {redact_url(url)} refused the credentials: {e}") from e
     except (
         redis.ConnectionError, redis.TimeoutError, redis.exceptions.RedisClusterException, ValueError
     ) as e:
-        raise BrokerUnavailable(f"cannot reach Redis at {redact_url(url)}: {e}") from e
+        raise _unreachable(url, e) from e
     return conn
 
 
