@@ -47,18 +47,15 @@ from .settings import (
 # The ``${VAR}`` / ``${VAR:-default}`` grammar of :func:`expand_env`.
 ENV_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
-HOME_ENV = "HERMES_HOME"
 REDIS_URL_ENV = "HERMES_REDIS_URL"
 FAST_PATH_ENV = "HERMES_REDIS_FAST_PATH"
 KEEP_HISTORY_ENV = "HERMES_KEEP_HISTORY"
 MAX_ARGS_ENV = "HERMES_MAX_ARGS"
 TRACE_ENV = "HERMES_TRACE"
-LEAN_SPANS_ENV = "HERMES_LEAN_SPANS"
 GC_ENV = "HERMES_GC_THRESHOLD"
 METRICS_PORT_ENV = "HERMES_METRICS_PORT"  # /metrics of a worker process (`worker --metrics-port`)
 METRICS_HOST_ENV = "HERMES_METRICS_HOST"
 RUN_REGISTRY_ENV = "HERMES_RUN_REGISTRY"  # set by `worker`/`serve`: their worker processes record themselves
-API_TOKEN_ENV = "HERMES_API_TOKEN"
 API_MAX_BODY_ENV = "HERMES_API_MAX_BODY"
 API_BODY_TIMEOUT_ENV = "HERMES_API_BODY_TIMEOUT"
 
@@ -70,7 +67,7 @@ def hermes_home(
     if explicit:
         return Path(explicit).expanduser()
     env = os.environ if environ is None else environ
-    return Path(env.get(HOME_ENV) or "~/.hermes").expanduser()
+    return Path(env.get("HERMES_HOME") or "~/.hermes").expanduser()
 
 
 def expand_env(value: Any, environ: Mapping[str, str] | None = None) -> Any:
@@ -274,7 +271,7 @@ def _gc_threshold(raw: str) -> tuple[int, ...] | None:
 
 def _api(env: Mapping[str, str]) -> ApiSettings:
     return ApiSettings(
-        token=env.get(API_TOKEN_ENV) or None,
+        token=env.get("HERMES_API_TOKEN") or None,
         max_body=int(_lenient(env, API_MAX_BODY_ENV, ApiSettings.max_body, whole=True)),
         body_timeout=_lenient(env, API_BODY_TIMEOUT_ENV, ApiSettings.body_timeout),
         header_timeout=_lenient(env, "HERMES_API_HEADER_TIMEOUT", ApiSettings.header_timeout),
@@ -300,7 +297,7 @@ def _telemetry(env: Mapping[str, str]) -> TelemetrySettings:
     if mode and mode not in TRACE_MODES:
         raise ConfigError(f"{TRACE_ENV}: expected one of {', '.join(TRACE_MODES)}, got {mode!r}")
     return TelemetrySettings(
-        trace=mode, lean_spans=env.get(LEAN_SPANS_ENV, "1").strip().lower() not in ("0", "false", "no")
+        trace=mode, lean_spans=env.get("HERMES_LEAN_SPANS", "1").strip().lower() not in ("0", "false", "no")
     )
 
 
