@@ -1,9 +1,6 @@
-"""The audit log: one record per finished call (``AuditRecord``: redacted, with a bounded result preview),
-kept in a capped Redis stream and optionally a JSONL file (``AuditLog``).
-
-Each record is written by the same pipeline that finishes the call, so a call is never done without
-its record. The stream is trimmed by count and/or age; a sorted set indexes records by call id with
-the same retention, so ``get`` is two cheap reads and the index never outgrows the stream.
+"""The audit log: one redacted record per finished call (``AuditRecord``), kept in a capped Redis stream
+and optionally a JSONL file (``AuditLog``). A sorted set indexes records by call id with the stream's
+retention, so ``get`` is two cheap reads.
 """
 
 from __future__ import annotations
@@ -23,16 +20,13 @@ from broker.envelope import filler
 from broker.logs import MASK, is_secret_key, redact, redact_text, sensitive_hashes
 
 from . import keys, pipes, scripts
-from .codec import pack, unpack
+from .codec import pack, text, unpack
 from .errors import DecodeError
 from .settings import DEFAULT_AUDIT_MAXLEN, AuditSettings
 
 AUDIT_VERSION = 1
 SUMMARY_LIMIT = 1024  # bytes of UTF-8 in a result summary
-# An argument string kept in a record: longer ones keep this much and say how much more there was (the
-# whole call is in its job record; scanning megabytes for secrets would stall the worker).
-MAX_ARG_TEXT = 64 * 1024
-# Request keys that are conversation or tool payload, not model parameters.
+MAX_ARG_TEXT = 64 * 1024  # an argument string kept in a record (scanning megabytes for secrets would stall)
 _NOT_MODEL_PARAMS = frozenset(
     {"model", "messages", "input", "prompt", "system", "tools", "functions", "contents"}
 )
@@ -88,17 +82,18 @@ class AuditRecord:
         if request is not None:
             rest.setdefault("model", request.get("model"))
             rest.setdefault("model_params", model_params(request))
-        if error is not None:
-            etype, emsg = _error_parts(error)
-            rest.setdefault("error_type", etype)
-            rest.setdefault("error_message", emsg)
+        if isinstance(error, Mapping):
+            rest.setdefault("error_type", str(error.get("type") or "error"))
+            rest.setdefault("error_message", str(error.get("message") or ""))
+        elif error is not None:
+            rest.setdefault("error_type", str(getattr(error, "type", None) or type(error).__name__))
+            rest.setdefault("error_message", str(error))
         if rest.get("error_message"):
             rest["error_message"] = redact_text(str(rest["error_message"]))
         unknown = set(rest).difference(_RECORD_FIELDS)
         if unknown:
             raise TypeError(f"AuditRecord has no field(s) {', '.join(sorted(unknown))}")
-        # Filled in directly rather than through the frozen dataclass's __init__ (one object.__setattr__
-        # per field, 25 of them): a worker builds one for every call it finishes.
+        # Not through the frozen dataclass's __init__: a worker builds one for every call it finishes.
         return _fill(
             dict(
                 call_id=call_id,
@@ -118,8 +113,7 @@ class AuditRecord:
         return self.tool_name or self.model or ""
 
     def to_dict(self) -> dict[str, Any]:
-        # Shallow on purpose: the values are already plain data (redacted copies), and asdict's deep copy
-        # showed as a tenth of a worker's CPU per call.
+        # Shallow on purpose: the values are already plain data (asdict's deep copy costs per call).
         values = self.__dict__
         return {name: values[name] for name in _RECORD_FIELDS}
 
@@ -132,10 +126,8 @@ class AuditRecord:
             raise DecodeError(f"audit record must be a mapping, got {type(data).__name__}")
         if data.get("version", AUDIT_VERSION) != AUDIT_VERSION:
             raise DecodeError(f"unsupported audit record version {data.get('version')!r}")
-        known = {f.name for f in fields(cls)}
-        try:
-            # Unknown keys are dropped: a newer writer may add fields an older reader does not know.
-            return cls(**{k: v for k, v in data.items() if k in known})
+        try:  # unknown keys are dropped: a newer writer may add fields
+            return cls(**{k: v for k, v in data.items() if k in _RECORD_FIELDS})
         except TypeError as e:
             raise DecodeError(f"audit record does not fit: {e}") from e
 
@@ -149,13 +141,7 @@ class AuditRecord:
 
 
 CONTEXT_KEYS = (
-    "principal",
-    "session_id",
-    "turn_id",
-    "task_id",
-    "api_request_id",
-    "tool_call_id",
-    "parent_call_id",
+    "principal", "session_id", "turn_id", "task_id", "api_request_id", "tool_call_id", "parent_call_id",
     "replay_of",
 )
 
@@ -204,8 +190,7 @@ class _Preview:
         self.used += len(text)
 
     def _walk(self, value: Any) -> None:
-        if isinstance(value, str):
-            # Slice with room to spare: a secret cut at the slice end lies far past what is kept.
+        if isinstance(value, str):  # sliced with room: a secret cut at the end lies past what is kept
             self._emit(repr(redact_text(value[: self.budget * 4])))
         elif isinstance(value, Mapping):
             self._emit("{")
@@ -233,12 +218,6 @@ def model_params(request: Mapping[str, Any]) -> dict[str, Any]:
     return redact({k: v for k, v in request.items() if k not in _NOT_MODEL_PARAMS})
 
 
-def _error_parts(error: BaseException | Mapping[str, Any]) -> tuple[str, str]:
-    if isinstance(error, Mapping):
-        return str(error.get("type") or "error"), str(error.get("message") or "")
-    return str(getattr(error, "type", None) or type(error).__name__), str(error)
-
-
 def _json_default(obj: Any) -> Any:
     if isinstance(obj, bytes | bytearray):
         return bytes(obj).decode("utf-8", errors="replace")
@@ -247,20 +226,10 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
-# XADD, trim by count and/or age, index the call id, and trim the index to the stream's first entry.
-# One script so the index and the stream cannot drift apart. KEYS: stream, index.
-# ARGV: maxlen (0 = none), minid (0 = none), "~" or "=", call_id ("" = trim only), field, value, ...
-
-
 _RECORD_FIELDS = tuple(f.name for f in fields(AuditRecord))
 _fill = filler(AuditRecord)
-
-
-# -- where records are kept ---------------------------------------------------------------------------
-
 AUDIT_STREAM = keys.AUDIT_STREAM
 AUDIT_INDEX = keys.AUDIT_INDEX
-DEFAULT_MAXLEN = DEFAULT_AUDIT_MAXLEN
 
 
 class AuditLog:
@@ -271,8 +240,7 @@ class AuditLog:
         redis: Any,
         key: str = AUDIT_STREAM,
         *,
-        index_key: str | None = None,
-        maxlen: int | None = DEFAULT_MAXLEN,
+        maxlen: int | None = DEFAULT_AUDIT_MAXLEN,
         max_age: float | None = None,
         approximate: bool = True,
         jsonl_path: str | os.PathLike[str] | None = None,
@@ -280,7 +248,7 @@ class AuditLog:
     ) -> None:
         self.redis = redis
         self.key = key
-        self.index_key = index_key or (AUDIT_INDEX if key == AUDIT_STREAM else key + ":idx")
+        self.index_key = AUDIT_INDEX if key == AUDIT_STREAM else key + ":idx"
         self.maxlen = int(maxlen or 0)
         self.max_age = float(max_age or 0)
         self.approximate = approximate
@@ -291,33 +259,18 @@ class AuditLog:
 
     @classmethod
     def from_settings(cls, redis: Any, audit: AuditSettings | None, **kw: Any) -> AuditLog:
-        """From ``settings.audit`` (``broker.config`` parsed and checked it)."""
+        """From ``settings.audit``."""
         audit = audit or AuditSettings()
         return cls(
-            redis,
-            audit.key or AUDIT_STREAM,
-            maxlen=audit.maxlen,
-            max_age=audit.max_age,
-            approximate=audit.approximate,
-            jsonl_path=audit.jsonl,
-            **kw,
+            redis, audit.key or AUDIT_STREAM, maxlen=audit.maxlen, max_age=audit.max_age,
+            approximate=audit.approximate, jsonl_path=audit.jsonl, **kw
         )
-
-    # --- writing ----------------------------------------------------------------------------------
 
     def append(self, record: AuditRecord, pipeline: Any = None) -> Any:
         """Add a record (into ``pipeline`` when given: only its creator executes it); mirrors to JSONL."""
         fields_ = [
-            "call_id",
-            record.call_id,
-            "name",
-            record.name,
-            "principal",
-            record.principal or "",
-            "state",
-            record.state,
-            "d",
-            record.encode(),
+            "call_id", record.call_id, "name", record.name, "principal", record.principal or "",
+            "state", record.state, "d", record.encode(),
         ]
         client = pipeline if pipeline is not None else self.redis
         result = pipes.script(
@@ -338,15 +291,12 @@ class AuditLog:
     def _mirror(self, record: AuditRecord) -> None:
         line = (record.to_json() + "\n").encode("utf-8")
         assert self.jsonl_path is not None
-        with self._file_lock:
-            # One O_APPEND write per line: whole lines even with several processes on one file.
+        with self._file_lock:  # one O_APPEND write per line: whole lines even with several processes
             fd = os.open(self.jsonl_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:
                 os.write(fd, line)
             finally:
                 os.close(fd)
-
-    # --- reading ----------------------------------------------------------------------------------
 
     def get(self, call_id: str) -> AuditRecord | None:
         """The latest record of a call, or None when there is none (or it was trimmed)."""
@@ -356,7 +306,7 @@ class AuditLog:
         ms = int(ms)
         found = None
         for _id, entry in self.redis.xrange(self.key, f"{ms}-0", f"{ms}-18446744073709551615"):
-            if _text(entry.get(b"call_id")) == call_id:
+            if text(entry.get(b"call_id")) == call_id:
                 found = entry
         return AuditRecord.decode(found[b"d"]) if found is not None else None
 
@@ -412,30 +362,21 @@ class AuditLog:
         newest_first: bool,
         batch: int = 500,
     ) -> Iterator[AuditRecord]:
-        lo = _stream_id(since, "0") if since is not None else "-"
-        hi = _stream_id(until, "18446744073709551615") if until is not None else "+"
+        cursor_lo = _stream_id(since, "0") if since is not None else "-"
+        cursor_hi = _stream_id(until, "18446744073709551615") if until is not None else "+"
         want = {b"name": tool, b"principal": principal, b"state": state}
-        cursor_lo, cursor_hi = lo, hi
         while True:
             if newest_first:
                 page = self.redis.xrevrange(self.key, cursor_hi, cursor_lo, count=batch)
             else:
                 page = self.redis.xrange(self.key, cursor_lo, cursor_hi, count=batch)
-            for _sid, entry in page:
-                # Filter on the plain fields first: most entries never need unpacking.
-                if all(v is None or _text(entry.get(k)) == v for k, v in want.items()):
+            for _sid, entry in page:  # filter on the plain fields first: most need no unpacking
+                if all(v is None or text(entry.get(k)) == v for k, v in want.items()):
                     yield AuditRecord.decode(entry[b"d"])
             if len(page) < batch:
                 return
-            last = _text(page[-1][0])
-            if newest_first:
-                cursor_hi = "(" + last
-            else:
-                cursor_lo = "(" + last
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value or "")
+            last = "(" + text(page[-1][0])
+            cursor_hi, cursor_lo = (last, cursor_lo) if newest_first else (cursor_hi, last)
 
 
 def _stream_id(when: float | datetime, seq: str) -> str:

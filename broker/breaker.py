@@ -9,21 +9,18 @@ or opens it again. A probe whose worker died is replaced once its deadline passe
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import redis
 from redis.client import Pipeline
 
 from . import keys, scripts
-from .codec import pack
+from .codec import pack, text
 from .connection import is_cluster
 from .toolspec import ToolSpec
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
-BUCKETS = 10  # the error-rate window is counted in this many buckets
-
-
 
 # Error types that count as a failure of the back end unless a breaker lists its own (``on``).
 COUNTED = frozenset(
@@ -63,8 +60,7 @@ class BreakerConfig:
 
 
 def breaker_config(settings: Any, spec: ToolSpec) -> BreakerConfig | None:
-    """Which breaker guards a tool: its ``breaker:`` over ``executors.<type>.breaker``; None when neither
-    asks for one."""
+    """Which breaker guards a tool: its ``breaker:`` over ``executors.<type>.breaker``; None for neither."""
     base = settings.executor_settings(spec.executor).get("breaker")
     base = base if isinstance(base, dict) else None
     if not spec.breaker and base is None:
@@ -84,14 +80,7 @@ class Change:
     ts: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "previous": self.previous,
-            "state": self.state,
-            "reason": self.reason,
-            "call_id": self.call_id,
-            "ts": self.ts,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -102,10 +91,6 @@ class Decision:
     probe: bool
     retry_at: float | None
     change: Change | None
-
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 class Breakers:
@@ -121,7 +106,7 @@ class Breakers:
         """May this call go to the back end? The first call after the cooldown becomes the probe."""
         now = time.time()
         decision, before, retry_at = (
-            _s(v)
+            text(v)
             for v in self._check(
                 keys=[keys.breaker(cfg.key), keys.BREAKERS],
                 args=[now, cfg.cooldown, call_id, now + probe_ttl, cfg.key],
@@ -138,18 +123,11 @@ class Breakers:
         """Count one outcome (``ok``, ``fail`` or ``neutral``); returns the change it caused, if any."""
         now = time.time()
         after, before, reason = (
-            _s(v)
+            text(v)
             for v in self._record(
                 keys=[keys.breaker(cfg.key), keys.BREAKER_WINDOW.format(cfg.key), keys.BREAKERS],
                 args=[
-                    now,
-                    outcome,
-                    call_id,
-                    cfg.failures,
-                    cfg.rate,
-                    cfg.window,
-                    cfg.min_calls,
-                    error_type,
+                    now, outcome, call_id, cfg.failures, cfg.rate, cfg.window, cfg.min_calls, error_type,
                     cfg.key,
                 ],
             )
@@ -159,26 +137,22 @@ class Breakers:
         return Change(cfg.key, before, after, reason, call_id, now)
 
     def publish(self, change: Change, pipeline: Pipeline | None = None) -> None:
-        """Announce a change on the breaker channel (in ``pipeline`` on a plain Redis; a cluster's pipelines
-        carry no PUBLISH, so there it goes at once)."""
+        """Announce a change on the breaker channel (in ``pipeline``, except on a cluster: its pipelines
+        carry no PUBLISH)."""
         target = pipeline if pipeline is not None and not is_cluster(self.conn) else self.conn
         target.publish(self.channel, pack(change.to_dict()))
 
     def state(self, key: str) -> dict[str, Any]:
         """One breaker's state (``closed`` when it never tripped)."""
-        raw = {_s(k): _s(v) for k, v in self.conn.hgetall(keys.breaker(key)).items()}
-        return _view(key, raw)
+        return _view(key, self.conn.hgetall(keys.breaker(key)))
 
     def all(self) -> list[dict[str, Any]]:
         """Every breaker that ever changed state, with its current state."""
-        names = sorted(_s(k) for k in self.conn.smembers(keys.BREAKERS))
+        names = sorted(text(k) for k in self.conn.smembers(keys.BREAKERS))
         pipe = self.conn.pipeline(transaction=False)
         for name in names:
             pipe.hgetall(keys.breaker(name))
-        return [
-            _view(name, {_s(k): _s(v) for k, v in raw.items()})
-            for name, raw in zip(names, pipe.execute(), strict=True)
-        ]
+        return [_view(name, raw) for name, raw in zip(names, pipe.execute(), strict=True)]
 
     def reset(self, key: str) -> None:
         """Forget a breaker (closed again, counters cleared)."""
@@ -186,7 +160,8 @@ class Breakers:
         self.conn.srem(keys.BREAKERS, key)
 
 
-def _view(key: str, raw: dict[str, str]) -> dict[str, Any]:
+def _view(key: str, stored: dict[Any, Any]) -> dict[str, Any]:
+    raw = {text(k): text(v) for k, v in stored.items()}
     state = raw.get("state") or CLOSED
     out: dict[str, Any] = {
         "key": key,

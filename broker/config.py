@@ -1,9 +1,7 @@
 """One typed settings object, read from ``$HERMES_HOME/config.yaml`` and the environment when asked.
 
-Every ``HERMES_*`` variable is read here and nowhere else (tests/broker/test_config.py checks it); the
-table in docs/configuration.md lists them. A section mirrors its part of config.yaml: an
-environment variable wins over the file, a bad value is a ``ConfigError`` naming where it came from.
-Nothing is read at import time: ``load_settings()`` reads, callers pass the result down.
+Every ``HERMES_*`` variable is read here and nowhere else (tests/broker/test_config.py checks it). An
+environment variable wins over the file; a bad value is a ``ConfigError`` naming where it came from.
 """
 
 from __future__ import annotations
@@ -20,10 +18,8 @@ from .errors import ConfigError
 from .placeholders import load_yaml
 from .settings import (
     AGENT_PLUGIN,
-    DEFAULT_CONCURRENCY,
     DEFAULT_LEASE,
     DEFAULT_MAX_ARGS,
-    DEFAULT_QUEUE_SIZE,
     DEFAULT_RESULT_TTL,
     DEFAULT_WAIT_TIMEOUT_MS,
     GC_THRESHOLD,
@@ -31,14 +27,10 @@ from .settings import (
     TRACE_MODES,
     AgentPluginSettings,
     ApiSettings,
-    AuditSettings,
     BatchSettings,
     BrokerSettings,
     ConsoleSettings,
-    FairnessSettings,
     LoggingSettings,
-    McpSettings,
-    ModelSettings,
     PluginDiscovery,
     Settings,
     TelemetrySettings,
@@ -52,50 +44,18 @@ from .settings import (
     yaml_number,
 )
 
-__all__ = [
-    "DEFAULT_CONCURRENCY",
-    "DEFAULT_MAX_ARGS",
-    "DEFAULT_QUEUE_SIZE",
-    "GC_THRESHOLD",
-    "LOG_LEVELS",
-    "TRACE_MODES",
-    "AgentPluginSettings",
-    "ApiSettings",
-    "AuditSettings",
-    "BatchSettings",
-    "BrokerSettings",
-    "ConsoleSettings",
-    "FairnessSettings",
-    "LoggingSettings",
-    "McpSettings",
-    "ModelSettings",
-    "PluginDiscovery",
-    "Settings",
-    "TelemetrySettings",
-    "WorkerSettings",
-    "expand_env",
-    "hermes_home",
-    "load_settings",
-    "unset_env",
-]
+# The ``${VAR}`` / ``${VAR:-default}`` grammar of :func:`expand_env`.
+ENV_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-# The ``${VAR}`` / ``${VAR:-default}`` grammar of :func:`expand_env`, for code that expands with it (tool
-# specs, on the worker) and must first tell which references have no value.
-ENV_VAR = _VAR
-
-HOME_ENV = "HERMES_HOME"
 REDIS_URL_ENV = "HERMES_REDIS_URL"
 FAST_PATH_ENV = "HERMES_REDIS_FAST_PATH"
 KEEP_HISTORY_ENV = "HERMES_KEEP_HISTORY"
 MAX_ARGS_ENV = "HERMES_MAX_ARGS"
 TRACE_ENV = "HERMES_TRACE"
-LEAN_SPANS_ENV = "HERMES_LEAN_SPANS"
 GC_ENV = "HERMES_GC_THRESHOLD"
 METRICS_PORT_ENV = "HERMES_METRICS_PORT"  # /metrics of a worker process (`worker --metrics-port`)
 METRICS_HOST_ENV = "HERMES_METRICS_HOST"
 RUN_REGISTRY_ENV = "HERMES_RUN_REGISTRY"  # set by `worker`/`serve`: their worker processes record themselves
-API_TOKEN_ENV = "HERMES_API_TOKEN"
 API_MAX_BODY_ENV = "HERMES_API_MAX_BODY"
 API_BODY_TIMEOUT_ENV = "HERMES_API_BODY_TIMEOUT"
 
@@ -107,14 +67,14 @@ def hermes_home(
     if explicit:
         return Path(explicit).expanduser()
     env = os.environ if environ is None else environ
-    return Path(env.get(HOME_ENV) or "~/.hermes").expanduser()
+    return Path(env.get("HERMES_HOME") or "~/.hermes").expanduser()
 
 
 def expand_env(value: Any, environ: Mapping[str, str] | None = None) -> Any:
     """Replace ``${VAR}`` (and ``${VAR:-default}``) in every string, so secrets stay out of files."""
     env = os.environ if environ is None else environ
     if isinstance(value, str):
-        return _VAR.sub(lambda m: env.get(m.group(1), m.group(2) if m.group(2) is not None else ""), value)
+        return ENV_VAR.sub(lambda m: env.get(m.group(1), m.group(2) if m.group(2) is not None else ""), value)
     if isinstance(value, dict):
         return {k: expand_env(v, env) for k, v in value.items()}
     if isinstance(value, list):
@@ -126,7 +86,7 @@ def unset_env(text: str, environ: Mapping[str, str] | None = None) -> list[str]:
     """Names of the ``${VAR}`` references in ``text`` that :func:`expand_env` would have to leave empty:
     the variable is not set and the reference gives no ``:-default``."""
     env = os.environ if environ is None else environ
-    return [m.group(1) for m in _VAR.finditer(text) if m.group(2) is None and m.group(1) not in env]
+    return [m.group(1) for m in ENV_VAR.finditer(text) if m.group(2) is None and m.group(1) not in env]
 
 
 def load_settings(
@@ -182,8 +142,7 @@ def _read_config(path: Path, env: Mapping[str, str]) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid YAML: {e}") from e
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
-    expanded: dict[str, Any] = expand_env(loaded, env)
-    return expanded
+    return expand_env(loaded, env)  # type: ignore[no-any-return]
 
 
 def _logging(section: dict[str, Any], env: Mapping[str, str]) -> LoggingSettings:
@@ -312,7 +271,7 @@ def _gc_threshold(raw: str) -> tuple[int, ...] | None:
 
 def _api(env: Mapping[str, str]) -> ApiSettings:
     return ApiSettings(
-        token=env.get(API_TOKEN_ENV) or None,
+        token=env.get("HERMES_API_TOKEN") or None,
         max_body=int(_lenient(env, API_MAX_BODY_ENV, ApiSettings.max_body, whole=True)),
         body_timeout=_lenient(env, API_BODY_TIMEOUT_ENV, ApiSettings.body_timeout),
         header_timeout=_lenient(env, "HERMES_API_HEADER_TIMEOUT", ApiSettings.header_timeout),
@@ -338,7 +297,7 @@ def _telemetry(env: Mapping[str, str]) -> TelemetrySettings:
     if mode and mode not in TRACE_MODES:
         raise ConfigError(f"{TRACE_ENV}: expected one of {', '.join(TRACE_MODES)}, got {mode!r}")
     return TelemetrySettings(
-        trace=mode, lean_spans=env.get(LEAN_SPANS_ENV, "1").strip().lower() not in ("0", "false", "no")
+        trace=mode, lean_spans=env.get("HERMES_LEAN_SPANS", "1").strip().lower() not in ("0", "false", "no")
     )
 
 

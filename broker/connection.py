@@ -39,13 +39,9 @@ class BrokerHandle:
             self.embedded.stop()
 
 
-
-
 @contextmanager
 def answered(what: str) -> Iterator[None]:
-    """Redis failing (down, restarting, refusing the command) while doing ``what`` is a typed
-    ``BrokerUnavailable`` — or ``BrokerFull`` at maxmemory — for the caller, not a raw redis error
-    (redis.asyncio raises the same classes)."""
+    """A Redis error while doing ``what`` becomes ``BrokerUnavailable`` (``BrokerFull`` at maxmemory)."""
     try:
         yield
     except redis.RedisError as e:
@@ -60,7 +56,7 @@ def broker_error(what: str, error: Exception) -> HermesError:
 
 
 def out_of_memory(error: Exception) -> str:
-    """What ``BrokerFull`` says (Redis refused a write with OOM: used memory is past ``maxmemory``)."""
+    """What ``BrokerFull`` says."""
     return (
         f"Redis is out of memory: maxmemory reached ({error}); new calls are refused until ended calls "
         "free theirs (workers.result_ttl) or maxmemory is raised"
@@ -79,7 +75,6 @@ def is_cluster(conn: Any) -> bool:
 
 def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], dict[str, str]]:
     """The seed nodes and credentials of ``redis+cluster://[user:pass@]host:port[,host:port...]``."""
-
     rest, _, query = url[len(CLUSTER_SCHEME) :].partition("?")
     rest, _, path = rest.partition("/")
     if path.strip("/") not in ("", "0"):  # taken silently, it would name a database the cluster has not
@@ -103,21 +98,9 @@ def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], dict[str, str]]:
     return nodes, creds
 
 
-def cluster_from_url(url: str, **kwargs: Any) -> Any:
-    """A ``RedisCluster`` client on the seed nodes of a ``redis+cluster://`` URL, checked with PING."""
-    from redis.cluster import ClusterNode, RedisCluster
-
-    nodes, creds = cluster_nodes(url)
-    options: dict[str, Any] = {**creds, **kwargs}
-    conn = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], health_check_interval=30, **options)
-    conn.ping()
-    return conn
-
-
 def cluster_node_url(url: str, info: dict[str, Any]) -> bool:
-    """Whether a plain ``redis://``/``rediss://`` URL reached a Redis Cluster node (its ``INFO cluster``):
-    such a URL is then used as the cluster's seed node, as ``redis+cluster://`` would be. A cluster has
-    only database 0, so a URL naming another is refused, saying so."""
+    """Whether a plain URL reached a Redis Cluster node (its ``INFO cluster``), then used as the cluster's
+    seed; BrokerUnavailable when the URL names a database other than 0."""
     if str(info.get("cluster_enabled", 0)) != "1":
         return False
     db = redis.connection.parse_url(url).get("db") if url.startswith(("redis://", "rediss://")) else None
@@ -130,9 +113,7 @@ def cluster_node_url(url: str, info: dict[str, Any]) -> bool:
 
 
 async def async_from_url(url: str, **kwargs: Any) -> Any:
-    """An asyncio client for the same URLs as :func:`from_url` (``redis.asyncio``; its cluster client for
-    ``redis+cluster://``, a Sentinel-managed one for ``redis+sentinel://``), checked with PING;
-    BrokerUnavailable naming the URL (passwords masked) when it does not answer."""
+    """An asyncio client for the same URLs as :func:`from_url`, checked the same way."""
     import redis.asyncio
     import redis.asyncio.cluster
 
@@ -154,16 +135,19 @@ async def async_from_url(url: str, **kwargs: Any) -> Any:
             await _close(conn)
             conn = redis.asyncio.cluster.RedisCluster.from_url(url, **kwargs)
         await conn.ping()
-    except MasterNotFoundError as e:
-        await _close(conn)
-        raise BrokerUnavailable(f"no primary at {redact_url(url)}: {sentinels_say(url)}") from e
-    except redis.AuthenticationError as e:  # (a ConnectionError: caught before those)
-        await _close(conn)
-        raise BrokerUnavailable(f"Redis at {redact_url(url)} refused the credentials: {e}") from e
     except (redis.RedisError, OSError, ValueError) as e:
         await _close(conn)
-        raise BrokerUnavailable(f"cannot reach Redis at {redact_url(url)}: {e}") from e
+        raise _unreachable(url, e) from e
     return conn
+
+
+def _unreachable(url: str, error: Exception) -> BrokerUnavailable:
+    """Why no client of ``url`` could be had (passwords masked)."""
+    if isinstance(error, MasterNotFoundError):
+        return BrokerUnavailable(f"no primary at {redact_url(url)}: {sentinels_say(url)}")
+    if isinstance(error, redis.AuthenticationError):
+        return BrokerUnavailable(f"Redis at {redact_url(url)} refused the credentials: {error}")
+    return BrokerUnavailable(f"cannot reach Redis at {redact_url(url)}: {error}")
 
 
 async def _close(conn: Any) -> None:
@@ -186,20 +170,24 @@ def _info_cluster_sync(conn: redis.Redis) -> dict[str, Any]:
 
 
 def _refused(e: redis.ResponseError) -> dict[str, Any]:
-    """What ``INFO cluster`` refused says: a cluster node refuses the SELECT of a URL's database; INFO
-    renamed or refused (a managed Redis) is taken as no cluster."""
+    """A cluster node refuses the SELECT of a URL's database; INFO refused otherwise (a managed Redis) is
+    taken as no cluster."""
     return {"cluster_enabled": 1} if "not allowed in cluster mode" in str(e) else {}
 
 
 def from_url(url: str, **kwargs: Any) -> redis.Redis:
-    """A client for redis://, rediss://, unix:// (password in the URL), redis+sentinel:// URLs, or a Redis
-    Cluster for ``redis+cluster://host:port[,host:port...]`` (or a plain URL naming one of its nodes),
-    checked with PING (a plain URL with ``INFO cluster``)."""
-    library_logs()  # (redis-py's own records: one line each, never a traceback on a caller's stderr)
+    """A client for redis://, rediss://, unix://, redis+sentinel:// or redis+cluster://host:port[,...] URLs
+    (a plain URL naming a cluster node gives a cluster client), checked with PING (or ``INFO cluster``)."""
+    library_logs()
     try:
         if url.startswith(CLUSTER_SCHEME):
-            return cluster_from_url(url, **kwargs)  # type: ignore[no-any-return]
-        if url.startswith(SENTINEL_SCHEME + "://"):
+            nodes, creds = cluster_nodes(url)
+            conn: Any = redis.cluster.RedisCluster(
+                startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in nodes],
+                health_check_interval=30,
+                **{**creds, **kwargs},
+            )
+        elif url.startswith(SENTINEL_SCHEME + "://"):
             conn = sentinel_client(url, **kwargs)
         else:
             conn = redis.Redis.from_url(url, health_check_interval=30, **kwargs)  # type: ignore[arg-type]
@@ -210,17 +198,10 @@ def from_url(url: str, **kwargs: Any) -> redis.Redis:
                 return cluster  # type: ignore[return-value]
             return conn
         conn.ping()
-    except MasterNotFoundError as e:
-        raise BrokerUnavailable(f"no primary at {redact_url(url)}: {sentinels_say(url)}") from e
-    except redis.AuthenticationError as e:  # (a ConnectionError: caught before those)
-        raise BrokerUnavailable(f"Redis at {redact_url(url)} refused the credentials: {e}") from e
     except (
-        redis.ConnectionError,
-        redis.TimeoutError,
-        redis.exceptions.RedisClusterException,
-        ValueError,
+        redis.ConnectionError, redis.TimeoutError, redis.exceptions.RedisClusterException, ValueError
     ) as e:
-        raise BrokerUnavailable(f"cannot reach Redis at {redact_url(url)}: {e}") from e
+        raise _unreachable(url, e) from e
     return conn
 
 
@@ -233,11 +214,8 @@ async def _as_is_async(message: Any) -> Any:
 
 
 def subscriber(conn: Any, **kwargs: Any) -> Any:
-    """``conn.pubsub(ignore_subscribe_messages=True)`` that hands RESP3 push messages on as they are.
-
-    redis-py's default handler formats every pushed message into a debug string (logged or not): on a
-    busy event channel that costs more than handling the event. Works for redis.asyncio clients too.
-    """
+    """``conn.pubsub(ignore_subscribe_messages=True)`` that hands RESP3 push messages on as they are
+    (redis-py's default handler formats each into a debug string, logged or not; sync or asyncio)."""
     import redis.asyncio
 
     if is_cluster(conn):  # (subscribe confirmations are kept: a client waits for its sharded ones)

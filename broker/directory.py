@@ -45,29 +45,20 @@ class Directory:
         return version, outcome != "unchanged"
 
     def put(self, spec: ToolSpec, *, replace: bool = True) -> tuple[int, str]:
-        """Store a spec checked by its caller (``workers.specs.check_spec``: the directory cannot judge an
-        executor's keys); returns (version, outcome), outcome one of ``OUTCOMES``.
-
-        With ``replace=False`` a different spec already registered under the name is kept ("kept").
-        """
+        """Store a spec checked by its caller (``workers.specs.check_spec``); returns (version, outcome), one
+        of ``OUTCOMES`` ("kept": ``replace=False`` and a different spec is registered under the name)."""
+        channel = keys.channel(self.conn, keys.TOOLS_CHANNEL)
         version, outcome = self._register(
             keys=[keys.TOOLS, keys.TOOLS_VERSION, keys.TOOLS_DIGEST, keys.TOOLS_VER],
-            args=[
-                spec.name,
-                spec.digest(),
-                pack(spec.to_dict()),
-                keys.channel(self.conn, keys.TOOLS_CHANNEL),
-                1 if replace else 0,
-            ],
+            args=[spec.name, spec.digest(), pack(spec.to_dict()), channel, int(replace)],
         )
         return int(version), OUTCOMES[int(outcome)]
 
     def remove(self, name: str) -> bool:
         """Delete a tool; every instance is told over pub/sub. True when it existed."""
         pipe = self.conn.pipeline()
-        pipe.hdel(keys.TOOLS, name)
-        pipe.hdel(keys.TOOLS_DIGEST, name)
-        pipe.hdel(keys.TOOLS_VER, name)
+        for key in (keys.TOOLS, keys.TOOLS_DIGEST, keys.TOOLS_VER):
+            pipe.hdel(key, name)
         pipe.incr(keys.TOOLS_VERSION)
         removed = pipe.execute()[0]  # (one slot, {hermes:dir}: a transaction on a cluster too)
         self.conn.publish(keys.channel(self.conn, keys.TOOLS_CHANNEL), name)
@@ -109,8 +100,7 @@ class Directory:
                 self._cache.pop(name, None)
 
     def all(self) -> list[Entry]:
-        """Every entry, sorted by name (read from Redis, not the cache); one that does not decode is
-        skipped with a warning naming it (``readable``)."""
+        """Every entry that decodes (``readable``), sorted by name, read from Redis (not the cache)."""
         pipe = self.conn.pipeline(transaction=False)
         pipe.hgetall(keys.TOOLS)
         pipe.hgetall(keys.TOOLS_VER)
@@ -122,9 +112,8 @@ _warned: set[tuple[bytes, int]] = set()  # (name, hash of the bad entry): each i
 
 
 def readable(raw: dict[Any, Any], vers: dict[Any, Any]) -> list[Entry]:
-    """The entries of the tools hash ``raw`` (versions ``vers``) that decode, sorted by name. An entry that
-    does not (damaged, or written by something else) is skipped, so one bad entry leaves the listing, the
-    schemas and the other tools usable; a warning names it, once."""
+    """The entries of the tools hash ``raw`` (versions ``vers``) that decode, sorted by name; one that does
+    not is skipped (the other tools stay usable) with a warning naming it, once."""
     out = []
     for name, packed in sorted(raw.items()):
         try:

@@ -1,9 +1,7 @@
 """Confirmed submissions: ``broker.wait_replicas: N`` makes a write wait for ``WAIT N timeout``.
 
-Redis replicates asynchronously: a primary that dies right after answering may take its last writes with
-it, and the replica Sentinel promotes never saw them. ``WAIT`` (sent on the same connection, after the
-writes) answers how many replicas have them; short of N within ``broker.wait_timeout_ms`` the caller is
-told (``BrokerNotDurable``) instead of holding a call a failover may lose.
+Redis replicates asynchronously: a failover may lose a primary's last writes. Short of N replicas within
+``broker.wait_timeout_ms`` the caller is told (``BrokerNotDurable``) instead of holding a call it may lose.
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ from .errors import BrokerNotDurable, ConfigError
 
 def check_supported(conn: Any, settings: Settings) -> None:
     """ConfigError when ``broker.wait_replicas`` is asked of a Redis Cluster: WAIT confirms the writes of
-    one connection to one node, and a cluster client's writes of one call go to several (the call's
-    queue, the directory, the audit), so the promise could not be kept."""
+    one connection to one node, and a cluster client's writes of one call go to several."""
     if settings.broker.wait_replicas > 0 and is_cluster(conn):
         raise ConfigError(
             f"broker.wait_replicas ({settings.broker.wait_replicas}; env HERMES_WAIT_REPLICAS) is not supported on a "
@@ -51,9 +48,8 @@ def shortfall(acked: Any, settings: Settings, what: str, **details: Any) -> Brok
 
 
 class Confirmer:
-    """A worker's WAITs (its claims, its outbox's batches): while the replicas fall short, it stops asking
-    for ``SKIP`` seconds — a worker must not crawl at one ``wait_timeout_ms`` per write when no replica is
-    left (and with none, no failover can lose its writes either)."""
+    """A worker's WAITs: while the replicas fall short it stops asking for ``SKIP`` seconds, so a worker does
+    not crawl at one ``wait_timeout_ms`` per write when no replica is left."""
 
     SKIP = 5.0
 

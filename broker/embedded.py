@@ -20,14 +20,12 @@ from .errors import BrokerUnavailable
 
 _PR_SET_PDEATHSIG = 1
 
-# Set in a process that keeps this machine's run registry (``workers.runfiles.enable``: serve, worker):
-# called with the broker's pid and URL once it answers, so ``stop --all`` finds it; what it returns is
-# called when the broker stops.
+# Set by ``workers.runfiles.enable``: called with the broker's pid and URL once it answers; what it returns
+# is called when the broker stops.
 on_start: Callable[[int, str], Callable[[], None]] | None = None
 
 
-# Looked up here, once: a forked child of a process with threads must not load libraries (the loader's
-# lock may be held by a thread that does not exist in the child).
+# Looked up once, here: a forked child of a process with threads must not load libraries (the loader's lock).
 try:
     _prctl: Any = ctypes.CDLL("libc.so.6", use_errno=True).prctl
 except (OSError, AttributeError):  # not Linux
@@ -35,8 +33,7 @@ except (OSError, AttributeError):  # not Linux
 
 
 def die_with_parent() -> None:
-    """(``preexec_fn``) The child gets SIGTERM when the thread that started it ends — its process dying,
-    even by SIGKILL, included (Linux; elsewhere nothing)."""
+    """(``preexec_fn``) The child gets SIGTERM when the thread that started it ends (Linux only)."""
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -62,13 +59,12 @@ def find_redis_server() -> tuple[str, str]:
 
 
 class EmbeddedBroker:
-    """A private redis-server on a unix socket in a temp dir; nothing on disk unless ``persist`` is given."""
+    """A private redis-server on a unix socket in a temp dir; nothing on disk."""
 
-    def __init__(self, persist: str | None = None) -> None:
+    def __init__(self) -> None:
         self.binary, self.origin = find_redis_server()
         self.dir = Path(tempfile.mkdtemp(prefix="hermes-broker-"))
         self.socket = self.dir / "redis.sock"
-        self.persist = persist
         self.proc: subprocess.Popen[bytes] | None = None
         self._unrecord: Callable[[], None] | None = None
 
@@ -80,32 +76,15 @@ class EmbeddedBroker:
         return f"embedded broker ({self.origin}: {self.binary}) at {self.url}"
 
     def start(self, wait: float = 10.0) -> EmbeddedBroker:
-        argv = [
-            self.binary,
-            "--port",
-            "0",
-            "--unixsocket",
-            str(self.socket),
-            "--unixsocketperm",
-            "700",
-            "--dir",
-            str(self.dir),
-            "--save",
-            "",
-            "--appendonly",
-            "yes" if self.persist else "no",
-            "--daemonize",
-            "no",
-            "--loglevel",
-            "warning",
-        ]
+        argv = [self.binary, "--port", "0", "--unixsocket", str(self.socket), "--unixsocketperm", "700"]
+        argv += ["--dir", str(self.dir), "--save", "", "--appendonly", "no"]
+        argv += ["--daemonize", "no", "--loglevel", "warning"]
         self.proc = subprocess.Popen(
             argv,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             preexec_fn=die_with_parent,
-            # Not in the starting command's process group: Ctrl-C at a terminal reaches the command, which
-            # stops its workers and then this broker; signalled too, the broker would exit under them.
+            # Own process group: Ctrl-C reaches the command, which stops its workers and then this broker.
             process_group=0,
         )
         atexit.register(self.stop)

@@ -24,9 +24,8 @@ class HermesError(Exception):
         self.details = details
 
     def to_wire(self) -> dict[str, Any]:
-        """The error as it travels (events, records, HTTP): secret-shaped text masked, as in logs and
-        audit records — a message may quote what a caller sent (``{'password': ...} is not of type
-        'string'``) — and very long text cut."""
+        """The error as it travels (events, records, HTTP): secret-shaped text masked (a message may quote
+        what a caller sent) and very long text cut."""
         from broker.logs import clip_text, redact
 
         message = clip_text(self.message, WIRE_TEXT) if self.masked else self.message[:WIRE_TEXT]
@@ -227,13 +226,7 @@ class CallTimeout(HermesError):
 _BY_TYPE: dict[str, type[CallFailed]] = {
     cls.type: cls
     for cls in (
-        CallFailed,
-        InvalidArgs,
-        PermissionDenied,
-        CircuitOpen,
-        ExecutorError,
-        ToolTimeout,
-        OutputTooLarge,
+        CallFailed, InvalidArgs, PermissionDenied, CircuitOpen, ExecutorError, ToolTimeout, OutputTooLarge,
         WorkerLost,
     )
 }

@@ -1,8 +1,5 @@
-"""Idempotency keys: what a call asks for as a digest, and the conflict when a key is reused for another.
-
-SUBMIT (``broker/scripts.py``) stores the digest with the call and compares it when the key comes back;
-the key expires with the call's record.
-"""
+"""Idempotency keys: what a call asks for as a digest (SUBMIT stores and compares it), and the conflict
+when a key is reused for another call."""
 
 from __future__ import annotations
 
@@ -13,13 +10,9 @@ from .errors import IdempotencyConflict
 
 
 def request_digest(env: Envelope) -> str:
-    """What a call asks for, as a digest: kind, tool (or model), canonical args (or LLM request), and
-    the principal it runs as when it names one.
-
-    The rest of the context, options and trace headers are not part of it: a resubmission under one
-    idempotency key may come from another turn or process, but must ask for the same thing as the same
-    principal — alice reusing a key of admin's is a conflict, never admin's result.
-    """
+    """What a call asks for, as a digest: kind, tool (or model), args (or LLM request) and the principal
+    when it names one (alice reusing a key of admin's is a conflict, never admin's result); not the rest of
+    the context, options or trace headers, which a resubmission may change."""
     body = env.args if env.kind == "tool" else env.request
     principal = env.context.get("principal")
     what = [env.kind, env.name, body] + ([principal] if principal else [])  # principal-less: digests as before

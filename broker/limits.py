@@ -1,7 +1,6 @@
 """Concurrency slots and scheduled retries, as seen from outside a call: sweep, due retries, snapshot.
 
-The slots themselves are taken and given back inside the call scripts (SUBMIT, CLAIM, TRANSITION), so a
-call's flow-control bookkeeping costs no extra round trip; this module holds what runs beside them.
+The slots themselves are taken and given back inside the call scripts (SUBMIT, CLAIM, TRANSITION).
 """
 
 from __future__ import annotations
@@ -14,7 +13,8 @@ from typing import Any
 import redis
 
 from . import keys, pipes, poison, scripts
-from .calls import recheck_absent
+from .calls import Calls, recheck_absent
+from .codec import text
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Limits:
             tag = keys.tag(q)
             wake = keys.channel(self.conn, keys.wake(keys.base_queue(q)))
             try:
-                for ckey in map(_text, self.conn.hkeys(keys.limits(tag))):
+                for ckey in map(text, self.conn.hkeys(keys.limits(tag))):
                     freed += int(
                         self._sweep(
                             keys=[
@@ -92,8 +92,6 @@ class Limits:
                 try:
                     out.append(Due(cid, int(attempt or 1), trace, kind, tool, chan, ckey, origin or q))
                 except ValueError:  # an unreadable record: taken off the schedule, failed alone (broker.poison)
-                    from .calls import Calls
-
                     self.conn.zrem(keys.scheduled(keys.tag(q)), cid)
                     poison.settle(Calls(self.conn), cid, poison.row_problem({"h_attempt": attempt}))
             if after not in (b"", "", None):
@@ -102,18 +100,16 @@ class Limits:
 
     def queues(self) -> list[str]:
         """Every queue RQ's set lists (the queues calls were submitted to)."""
-        return sorted(keys.queue_name(_text(k)) for k in self.conn.smembers(keys.RQ_QUEUES))
+        return sorted(keys.queue_name(text(k)) for k in self.conn.smembers(keys.RQ_QUEUES))
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Every concurrency key with its limit, calls holding a slot and calls waiting for one (both
-        classes, summed
-        over the queues it is used on). The limit of a tool split in queue partitions is the sum of its
-        partitions' shares on record (each partition records its own share), so the tool's whole limit."""
+        classes), summed over its queues; a partitioned tool's limit is the sum of its partitions' shares."""
         per: dict[str, dict[str, int]] = {}
         shares: dict[str, dict[str, int]] = {}  # concurrency key -> logical queue -> its limit (summed)
         for q in self.queues():
             tag = keys.tag(q)
-            limits = {_text(k): int(v) for k, v in self.conn.hgetall(keys.limits(tag)).items()}
+            limits = {text(k): int(v) for k, v in self.conn.hgetall(keys.limits(tag)).items()}
             names = sorted(limits)
             pipe = self.conn.pipeline(transaction=False)
             for ckey in names:
@@ -136,7 +132,3 @@ class Limits:
     def scheduled(self) -> int:
         """How many retries are waiting for their time."""
         return sum(int(self.conn.zcard(keys.scheduled(keys.tag(q)))) for q in self.queues())
-
-
-def _text(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v

@@ -1,9 +1,5 @@
-"""Redis memory against ``maxmemory``: what ``status`` and the console show, and when they warn.
-
-At ``maxmemory`` (with the default ``noeviction`` policy) Redis refuses writes that may add memory: new
-calls fail with ``BrokerFull`` while accepted ones still end (TRANSITION runs at maxmemory). The warning
-comes earlier, at ``WARN_AT`` of ``maxmemory``, while there is still room to act.
-"""
+"""Redis memory against ``maxmemory``: what ``status`` and the console show, and when they warn (at
+``WARN_AT``, before new calls fail with ``BrokerFull``)."""
 
 from __future__ import annotations
 
@@ -45,16 +41,15 @@ def usage(conn: Any) -> Memory:
     """``INFO memory`` of ``conn``'s server (a cluster client: its fullest primary)."""
     info = conn.info("memory")
     nodes = info.values() if info and all(isinstance(v, dict) for v in info.values()) else [info]
-    found = [_memory(node) for node in nodes]
+    found = [
+        Memory(
+            used=_int(node.get("used_memory")),
+            maxmemory=_int(node.get("maxmemory")),
+            policy=str(node.get("maxmemory_policy") or ""),
+        )
+        for node in nodes
+    ]
     return max(found, key=lambda m: (m.fraction or 0.0, m.used)) if found else Memory(0, 0)
-
-
-def _memory(info: dict[str, Any]) -> Memory:
-    return Memory(
-        used=_int(info.get("used_memory")),
-        maxmemory=_int(info.get("maxmemory")),
-        policy=str(info.get("maxmemory_policy") or ""),
-    )
 
 
 def mib(n: int) -> str:

@@ -1,30 +1,13 @@
 """``{{field}}`` placeholders: their one grammar, and filling them from a call's arguments.
 
-Everything that reads a placeholder calls this module: YAML loading (``load_yaml``, which keeps the
-seed's unquoted ``{query: {{city}}}`` as text), registration (each executor's ``check``), the executors
-filling their templates, and the path rules (``workers/pathargs.py``).
+Executors parse their templates into a structure FIRST and only then fill each leaf, so a value can
+never change the structure it lands in (a second argv element, a JSON key, a URL path segment).
 
-Executors split or parse their templates into a structure FIRST and only then fill each leaf, so a
-value can never change the structure it lands in (a second argv element, a JSON key, a URL path segment).
-
-A field the caller left out (or sent as null where text is needed):
-
-- if ``input_schema`` declares it (``properties``, followed for a dotted ``{{opts.unit}}``) and does
-  not require it, it is *optional*: a leaf that is exactly that one placeholder drops out of its
-  container (a ``body_template`` mapping value or list item, a header, an ``endpoint`` query
-  parameter ``k={{f}}``, an ``env_set`` entry); inside longer text it reads as ``""``. A
-  ``body_template`` that is nothing but that placeholder sends no body. An explicit ``null`` inside a
-  ``body_template`` stays ``null``.
-- the ``command`` executor's argv is the exception: a missing value there stays ``invalid_args``
-  even for an optional field, because dropping an argument would shift the positions of the ones
-  after it and an empty one is rarely what a program expects;
-- otherwise (a required field, or one the schema does not declare) it is the caller's mistake:
-  ``invalid_args: ... no value for placeholder {{unit}}``.
-
-Registration refuses a placeholder naming no declared property when the schema declares any
-(:func:`check_declared`), so "not declared" only happens with schemas that declare no properties at all.
-``${VAR}`` references are filled from the worker's environment before any of this, never in argument
-values (``workers/executors/__init__.py``).
+A field the caller left out (or sent as null where text is needed) that ``input_schema`` declares and
+does not require is *optional*: a leaf that is exactly that placeholder drops out of its container (the
+whole template: no body), and inside longer text it reads as ``""``; an explicit ``null`` inside a
+structure stays ``null``. A command's argv is the exception (dropping an argument would shift the
+others). Any other missing field is ``invalid_args: ... no value for placeholder {{unit}}``.
 """
 
 from __future__ import annotations
@@ -168,9 +151,8 @@ def fill(
     encode: Callable[[str], str] | None = None,
     schema: Any = None,
 ) -> str:
-    """Replace every placeholder in one string; ``encode`` post-processes each value (URL quoting).
-
-    With ``schema``, a missing optional field reads as ``""``."""
+    """Replace every placeholder in one string; ``encode`` post-processes each value (URL quoting). With
+    ``schema``, a missing optional field reads as ``""``."""
 
     def sub(m: re.Match[str]) -> str:
         value = value_of(args, m.group(1), where, schema=schema)
@@ -182,23 +164,14 @@ def fill(
     return PLACEHOLDER.sub(sub, text)
 
 
-def fill_typed(text: str, args: dict[str, Any], where: str, schema: Any = None) -> Any:
-    """A string that is exactly one placeholder becomes the typed value (``OMIT`` for a missing optional
-    field, with ``schema``); otherwise text is filled."""
-    name = sole(text)
-    if name is not None:
-        # Inside a structure an explicit null stays null; only inside text would it read as "None".
-        return value_of(args, name, where, allow_none=True, schema=schema)
-    return fill(text, args, where, schema=schema)
-
-
 def fill_structure(template: Any, args: dict[str, Any], where: str, schema: Any = None) -> Any:
-    """Fill every string leaf of an already parsed structure; keys are never templated.
-
-    With ``schema``, a leaf that is exactly one placeholder of a missing optional field drops out of
-    its mapping or list (the whole template: ``OMIT``)."""
+    """Fill every string leaf of an already parsed structure (keys are never templated); a leaf that is
+    exactly one placeholder becomes the typed value, and drops out (``OMIT``) for a missing optional field."""
     if isinstance(template, str):
-        return fill_typed(template, args, where, schema)
+        name = sole(template)
+        if name is None:
+            return fill(template, args, where, schema=schema)
+        return value_of(args, name, where, allow_none=True, schema=schema)  # (null stays null)
     if isinstance(template, dict):
         out = {}
         for k, v in template.items():
@@ -212,9 +185,8 @@ def fill_structure(template: Any, args: dict[str, Any], where: str, schema: Any 
 
 
 def masked_load(text: str, load: Callable[[str], Any]) -> Any:
-    """``load`` (a YAML loader) on ``text`` with its placeholders kept as the same text wherever they stand.
-
-    Unmasked, ``{{city}}`` reads as a flow mapping used as a key, and YAML fails."""
+    """``load`` (a YAML loader) on ``text`` with its placeholders kept as text wherever they stand
+    (unmasked, ``{{city}}`` reads as a flow mapping used as a key)."""
     if "{{" not in text:
         return load(text)
     found: list[str] = []
@@ -233,9 +205,8 @@ def load_yaml(text: str) -> Any:
 
 
 def _unmask(value: Any, found: list[str], done: dict[int, Any]) -> Any:
-    # ``done``: containers already unmasked, by identity. A YAML alias is the same object again, so a
-    # node repeated through aliases is copied once (a few aliased levels would otherwise be copied
-    # exponentially often), and the copy keeps the sharing the parse had.
+    # ``done``: containers already unmasked, by identity: a node repeated through YAML aliases is copied
+    # once (not exponentially often), and the copy keeps the parse's sharing.
     if isinstance(value, str):
         return _MASKED.sub(lambda m: found[int(m.group(1))], value)
     if not isinstance(value, dict | list):

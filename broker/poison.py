@@ -1,10 +1,6 @@
-"""Poison records: a call record a worker cannot read is settled alone, never blocking the calls with it.
-
-Claims, reaps and due retries come back from their scripts in batches. One record in a batch that does
-not convert (``h_attempt`` not a number, an id that is not UTF-8; only hostile or broken writes to Redis
-make one) must not stop the others: each batch converts row by row and hands a bad row here. The call is
-then ``failed`` with a typed ``bad_payload`` error when its record names a channel to tell its caller
-on, else it is dropped (taken off the leases and its slot) with an error in the log.
+"""Poison records: a call record a worker cannot read (in a batch of claims, reaps or due retries) is
+settled alone, never blocking the others: ``failed`` with ``bad_payload`` when its record names a channel
+to tell its caller on, else dropped (off the leases and its slot) with an error in the log.
 """
 
 from __future__ import annotations
@@ -62,13 +58,7 @@ def _settle(calls: Calls, call_id: str, reason: str) -> str:
         from .calls import CallInfo  # (calls imports this module)
 
         info = CallInfo(call_id, trace, new_span_id(), kind or "tool", tool, None, chan, ckey, origin)
-        reply = calls.transition(
-            info,
-            State.FAILED,
-            attempt=1,
-            fence=False,
-            detail={"error": error},
-        )
+        reply = calls.transition(info, State.FAILED, attempt=1, fence=False, detail={"error": error})
         if int(reply[0]) > 0:
             log.error("unreadable call record failed", call_id=call_id, reason=reason)
             return "failed"
@@ -79,4 +69,3 @@ def _settle(calls: Calls, call_id: str, reason: str) -> str:
     pipe.execute()
     log.error("unreadable call record dropped: nothing to tell its caller on", call_id=call_id, reason=reason)
     return "dropped"
-

@@ -1,10 +1,7 @@
 """Fleet-wide rate limits (requests and tokens per minute, requests per second) on a concurrency key.
 
-The limiter is ``broker/lua/ratelimit.lua``, a library of the admission scripts (SUBMIT, TRANSITION,
-SWEEP): a call waits in its key's waiting set until both a concurrency slot and the limiter allow it, and
-keeps its place there; the limiter's timer (``hermes:ratedue:{q}``) tells the workers' schedulers when
-capacity returns, and they promote then (``RATE_DUE`` + ``RATE_PROMOTE``). This module holds the typed
-limit, the token estimate of an LLM request, and what runs beside the admission scripts: the worker's
+The limiter itself is ``broker/lua/ratelimit.lua``, run inside the admission scripts. This module holds
+the typed limit, the token estimate of an LLM request, and what runs beside admission: the worker's
 "sent" stamp, a provider's pause (429/503), the timer and the operators' snapshot.
 """
 
@@ -18,7 +15,8 @@ from typing import Any
 
 import redis
 
-from . import keys, scripts
+from . import keys, pipes, scripts
+from .codec import text
 from .errors import InvalidSpec
 
 KINDS = ("requests_per_minute", "tokens_per_minute", "requests_per_second")
@@ -50,15 +48,12 @@ class RateLimit:
             values[key] = value
         if not values:
             return None
-        return cls(
-            rpm=values.get("requests_per_minute", -1),
-            tpm=values.get("tokens_per_minute", -1),
-            rps=values.get("requests_per_second", -1),
-        )
+        return cls(*(values.get(kind, -1) for kind in KINDS))  # (KINDS is in field order)
 
     def share(self, n: int, i: int) -> RateLimit:
         """Partition ``i``'s part of the limit split in ``n`` (as ``keys.partition_share`` splits concurrency)."""
-        return RateLimit(keys.partition_share(self.rpm, n, i), keys.partition_share(self.tpm, n, i), keys.partition_share(self.rps, n, i))
+        share = keys.partition_share
+        return RateLimit(share(self.rpm, n, i), share(self.tpm, n, i), share(self.rps, n, i))
 
     def argv(self) -> str:
         """The limit as SUBMIT takes it."""
@@ -70,9 +65,8 @@ class RateLimit:
 
 
 def estimate_tokens(request: Mapping[str, Any], default_max: int = DEFAULT_MAX_TOKENS) -> int:
-    """Tokens an LLM request may use: its ``max_tokens`` (or ``max_completion_tokens``, else
-    ``default_max``) plus its messages' JSON length / 4, rounded up: a bound the provider's reported
-    usage settles afterwards."""
+    """Tokens an LLM request may use: its ``max_completion_tokens`` / ``max_tokens`` (else ``default_max``)
+    plus its messages' JSON length / 4, rounded up (the provider's reported usage settles it)."""
     reply = request.get("max_completion_tokens") or request.get("max_tokens") or default_max
     try:
         reply = max(0, int(reply))
@@ -93,16 +87,13 @@ class RateLimiter:
         self._promote = conn.register_script(scripts.RATE_PROMOTE)
 
     def sent(self, call_id: str, queue: str, ckey: str, slack: float = 0.0, pipeline: Any = None) -> Any:
-        """Stamp the call's entry: its request left now (+ ``slack`` seconds; the window counts it from
-        there)."""
+        """Stamp the call's entry: its request left now (+ ``slack`` seconds)."""
         tag = keys.tag(queue)
         script_keys = [
             keys.rate(tag, ckey), keys.rate_log(tag, ckey), keys.rate_due(tag), keys.waiting(tag, ckey),
             keys.waiting_batch(tag, ckey),
         ]
         if pipeline is not None:
-            from . import pipes
-
             return pipes.script(self._sent, script_keys, [call_id, ckey, int(slack * 1000)], pipeline)
         return self._sent(keys=script_keys, args=[call_id, ckey, int(slack * 1000)])
 
@@ -122,7 +113,7 @@ class RateLimiter:
             reply = self._due(keys=[keys.rate_due(tag)], args=[int(hold * 1000), 100])
             after = reply.pop()
             for raw in reply:
-                ckey = raw.decode() if isinstance(raw, bytes) else str(raw)
+                ckey = text(raw)
                 self._promote(
                     keys=[
                         keys.rate_due(tag),
@@ -151,7 +142,7 @@ class RateLimiter:
         for q in queues:
             tag = keys.tag(q)
             for raw in sorted(self.conn.smembers(keys.rates(tag))):
-                ckey = raw.decode() if isinstance(raw, bytes) else str(raw)
+                ckey = text(raw)
                 h = keys.rate(tag, ckey)
                 cfg = self.conn.hmget(h, "rpm", "rps", "tpm", "sum", "pause")
                 if all(v is None for v in cfg[:3]):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote
@@ -9,7 +10,7 @@ from urllib.parse import parse_qs, unquote
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from redis.sentinel import SentinelManagedConnection
+from redis.sentinel import Sentinel, SentinelManagedConnection
 
 from broker.logs import redact_url
 
@@ -79,24 +80,15 @@ def parse_sentinel_url(url: str) -> SentinelURL:
         raise bad("no master name: expected redis+sentinel://host:port[,host:port...]/<master-name>[/db]")
     if len(segments) > 2:
         raise bad("expected /<master-name>[/db] after the Sentinels")
-    db = 0
-    if len(segments) == 2:
-        if not segments[1].isdigit():
-            raise bad(f"database {segments[1]!r} is not a number")
-        db = int(segments[1])
+    if len(segments) == 2 and not segments[1].isdigit():
+        raise bad(f"database {segments[1]!r} is not a number")
+    db = int(segments[1]) if len(segments) == 2 else 0
     options = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
     unknown = sorted(set(options) - {"sentinel_password", "sentinel_username"})
     if unknown:
         raise bad(f"unknown option(s) {', '.join(unknown)}; known: sentinel_password, sentinel_username")
-    return SentinelURL(
-        tuple(sentinels),
-        segments[0],
-        db,
-        username,
-        password,
-        options.get("sentinel_username") or None,
-        options.get("sentinel_password") or None,
-    )
+    sentinel_auth = (options.get("sentinel_username") or None, options.get("sentinel_password") or None)
+    return SentinelURL(tuple(sentinels), segments[0], db, username, password, *sentinel_auth)
 
 
 def _sentinel_kwargs(parsed: SentinelURL) -> dict[str, Any]:
@@ -114,8 +106,7 @@ def sentinels_say(url: str) -> str:
     said = []
     for host, port in parsed.sentinels:
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        # One try each: redis-py's default retry backs off ten times (4.6 s for a refused connection) before
-        # this one line reaches a waiting user.
+        # One try each: redis-py's default retry backs off for seconds while a user waits for this line.
         client = redis.Redis(host, port, retry=Retry(NoBackoff(), 0), **_sentinel_kwargs(parsed))
         try:
             masters: dict[str, Any] = client.sentinel_masters()  # type: ignore[assignment]
@@ -137,10 +128,8 @@ def sentinels_say(url: str) -> str:
 class _FollowingConnection(SentinelManagedConnection):
     """A Sentinel-managed connection that asks where the primary is on *every* reconnect.
 
-    redis-py resolves the primary in ``connect()``, but a connection that broke is connected again by
-    ``send_packed_command`` through ``connect_check_health``, which reuses the old address: a connection
-    kept across a failover (a worker's outbox, a subscription) would knock on the dead primary forever.
-    ``connect_check_health`` and ``connect_to`` are redis-py's insides, not its documented API: redis is
+    redis-py reconnects a broken connection through ``connect_check_health`` at its old address, so one
+    kept across a failover would knock on the dead primary forever. These are redis-py's insides: redis is
     pinned to the range ``tests/broker/test_sentinel_internals.py`` checks them on.
     """
 
@@ -159,52 +148,46 @@ class _FollowingConnection(SentinelManagedConnection):
         super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
 
 
+@functools.cache
 def _async_following_connection() -> type:
     """The asyncio twin of :class:`_FollowingConnection` (made on first use: redis.asyncio loads lazily)."""
-    global _ASYNC_FOLLOWING
-    if _ASYNC_FOLLOWING is None:
-        from redis.asyncio.sentinel import SentinelManagedConnection as AsyncManaged
+    from redis.asyncio.sentinel import SentinelManagedConnection as AsyncManaged
 
-        class AsyncFollowing(AsyncManaged):  # type: ignore[misc]
-            _resolving = False
+    class AsyncFollowing(AsyncManaged):  # type: ignore[misc]
+        _resolving = False
 
-            async def connect_to(self, address: Any) -> None:
-                self._resolving = True
-                try:
-                    await super().connect_to(address)
-                finally:
-                    self._resolving = False
+        async def connect_to(self, address: Any) -> None:
+            self._resolving = True
+            try:
+                await super().connect_to(address)
+            finally:
+                self._resolving = False
 
-            async def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
-                if not self.is_connected and not self._resolving and self.connection_pool.is_master:
-                    self.host, self.port = await self.connection_pool.get_master_address()
-                await super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+        async def connect_check_health(
+            self, check_health: bool = True, retry_socket_connect: bool = True
+        ) -> None:
+            if not self.is_connected and not self._resolving and self.connection_pool.is_master:
+                self.host, self.port = await self.connection_pool.get_master_address()
+            await super().connect_check_health(
+                check_health=check_health, retry_socket_connect=retry_socket_connect
+            )
 
-        _ASYNC_FOLLOWING = AsyncFollowing
-    return _ASYNC_FOLLOWING
-
-
-_ASYNC_FOLLOWING: type | None = None
+    return AsyncFollowing
 
 
 def sentinel_client(url: str, *, is_async: bool = False, **kwargs: Any) -> Any:
     """A client of the primary the Sentinels of ``url`` name (redis-py's ``Sentinel.master_for``): its
     pool asks them again on every new connection, so it follows a promoted replica by itself."""
     parsed = parse_sentinel_url(url)
-    sentinel_kwargs = _sentinel_kwargs(parsed)
     options: dict[str, Any] = {"db": parsed.db, "username": parsed.username, "password": parsed.password}
-    if is_async:
-        options["connection_class"] = _async_following_connection()
-    else:
-        options["health_check_interval"] = 30
-        options["connection_class"] = _FollowingConnection
-    options.update(kwargs)
+    sentinel: Any = Sentinel
     if is_async:
         from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 
-        return AsyncSentinel(list(parsed.sentinels), sentinel_kwargs=sentinel_kwargs).master_for(
-            parsed.master, **options
-        )
-    from redis.sentinel import Sentinel
-
-    return Sentinel(list(parsed.sentinels), sentinel_kwargs=sentinel_kwargs).master_for(parsed.master, **options)
+        sentinel = AsyncSentinel
+        options["connection_class"] = _async_following_connection()
+    else:
+        options.update(health_check_interval=30, connection_class=_FollowingConnection)
+    options.update(kwargs)
+    sentinels = sentinel(list(parsed.sentinels), sentinel_kwargs=_sentinel_kwargs(parsed))
+    return sentinels.master_for(parsed.master, **options)

@@ -1,8 +1,6 @@
 """Registration-time checks of what every tool spec has: JSON Schemas, retry and breaker options.
 
-Each executor checks its own keys (``check`` in ``workers/executors/<kind>.py``; ``workers/specs.py``
-runs both). Every error names the field path (``input_schema.properties.city.type``, ``retry.backoff``) and what
-was expected, because the person reading it is editing a YAML file.
+Every error names the field path (``retry.backoff``) and what was expected: its reader is editing YAML.
 """
 
 from __future__ import annotations
@@ -64,9 +62,15 @@ def check_strict(
         )
     if out_schema is not None:
         check_schema(where, "output_schema", out_schema)
-    for key, rules in (("retry", _RETRY), ("breaker", _BREAKER)):
-        if isinstance(data.get(key), dict):
-            check_options(where, key, data[key], rules)
+    for section, rules in (("retry", _RETRY), ("breaker", _BREAKER)):
+        options = data.get(section)
+        for key, val in options.items() if isinstance(options, dict) else ():
+            if key not in rules:
+                known = f"known keys: {', '.join(rules)}"
+                raise InvalidSpec.at(where, f"{section}.{key}", f"unknown key{_maybe(key, rules)}; {known}")
+            check, expected = rules[key]
+            if not check(val):
+                raise InvalidSpec.at(where, f"{section}.{key}", f"expected {expected}, got {val!r}")
     RateLimit.parse(where, data.get("rate_limit"))
 
 
@@ -96,14 +100,3 @@ def check_schema(where: str, field: str, schema: dict[str, Any]) -> None:
     else:
         expected = f"not valid JSON Schema 2020-12: {error.message}"
     raise InvalidSpec.at(where, path, expected)
-
-
-def check_options(
-    where: str, section: str, value: Mapping[str, Any], rules: Mapping[str, tuple[Any, str]]
-) -> None:
-    for key, val in value.items():
-        if key not in rules:
-            raise InvalidSpec.at(where, f"{section}.{key}", f"unknown key{_maybe(key, rules)}; known keys: {', '.join(rules)}")
-        check, expected = rules[key]
-        if not check(val):
-            raise InvalidSpec.at(where, f"{section}.{key}", f"expected {expected}, got {val!r}")

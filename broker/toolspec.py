@@ -13,21 +13,8 @@ from .errors import InvalidSpec
 
 # The keys every spec may have, whatever its executor; the rest is the executor's own configuration.
 COMMON_KEYS = frozenset(
-    {
-        "name",
-        "description",
-        "executor",
-        "input_schema",
-        "output_schema",
-        "timeout",
-        "permissions",
-        "concurrency",
-        "queue_size",
-        "retry",
-        "breaker",
-        "sensitive",
-        "version",
-    }
+    {"name", "description", "executor", "input_schema", "output_schema", "timeout", "permissions"}
+    | {"concurrency", "queue_size", "retry", "breaker", "sensitive", "version"}
 )
 # Keys routing reads (also kept in ``config``): every spec may carry them too.
 ROUTING_KEYS = frozenset({"queue", "queue_partitions", "rate_limit"})
@@ -59,16 +46,12 @@ class ToolSpec:
     @classmethod
     def from_dict(cls, data: Any) -> ToolSpec:
         """Validate what every spec has (name, schemas, timeout, retry, breaker...); errors name the field
-        path and what was expected. The executor's own keys are its executor's to check: registration
-        goes through ``workers.specs.check_spec``, which runs both."""
+        path. The executor's own keys are its own to check (``workers.specs.check_spec`` runs both)."""
         return cls._build(data, strict=True)
 
     @classmethod
     def from_stored(cls, data: Any) -> ToolSpec:
-        """A spec read back from the directory: checked at registration, so only rebuilt here.
-
-        Skipping the strict checks also keeps specs stored by an older version readable.
-        """
+        """A spec read back from the directory: checked at registration, so only rebuilt here."""
         return cls._build(data, strict=False)
 
     @classmethod
@@ -86,17 +69,14 @@ class ToolSpec:
             )
         where = f"tool {name!r}"
         executor = data.get("executor")
-        if not isinstance(executor, str) or not executor:
-            # Which names exist is the executors' table (workers/executors/__init__.py), checked at registration.
+        if not isinstance(executor, str) or not executor:  # (which names exist is checked at registration)
             raise InvalidSpec(f"{where}: executor: expected an executor's name, got {executor!r}", path="executor")
         schema = data.get("input_schema", {"type": "object"})
-        if not isinstance(schema, dict):
-            raise InvalidSpec(f"{where}: input_schema: expected a mapping (JSON Schema)", path="input_schema")
         out_schema = data.get("output_schema")
-        if out_schema is not None and not isinstance(out_schema, dict):
-            raise InvalidSpec(
-                f"{where}: output_schema: expected a mapping (JSON Schema)", path="output_schema"
-            )
+        schemas = {"input_schema": schema, "output_schema": {} if out_schema is None else out_schema}
+        for key, value in schemas.items():
+            if not isinstance(value, dict):
+                raise InvalidSpec(f"{where}: {key}: expected a mapping (JSON Schema)", path=key)
         timeout = data.get("timeout", DEFAULT_TIMEOUT)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
             raise InvalidSpec(

@@ -1,19 +1,9 @@
-"""OpenTelemetry SDK set-up from the standard ``OTEL_*`` environment (and ``settings.telemetry``: HERMES_TRACE).
+"""OpenTelemetry SDK set-up from the standard ``OTEL_*`` environment and ``settings.telemetry``.
 
-Tracing is off unless asked for. Off means no SDK provider: the API hands out no-op tracers and our
-hot paths skip even those (``tracer()`` returns None). Asked for means, first match wins:
-
-- ``OTEL_SDK_DISABLED=true`` or ``HERMES_TRACE=off``: off;
-- ``HERMES_TRACE=console | otlp | memory`` (``memory`` keeps the latest spans in-process: benchmarks);
-- ``OTEL_TRACES_EXPORTER=otlp | console | none``;
-- an OTLP endpoint in ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``: otlp.
-
-Everything else is the SDK's own reading of the environment: ``OTEL_SERVICE_NAME`` /
-``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL`` (``http/protobuf`` default,
-``grpc``), ``OTEL_TRACES_SAMPLER(_ARG)``, ``OTEL_BSP_*``, ``OTEL_METRIC_EXPORT_INTERVAL``. Metrics are
-exported with OTLP when traces are (unless ``OTEL_METRICS_EXPORTER=none``), to the console only when
-``OTEL_METRICS_EXPORTER=console``. ``serve_prometheus(port)`` (``worker --metrics-port``) adds the
-OpenTelemetry Prometheus exporter: the same instruments, scraped from ``/metrics``, with tracing on or off.
+Tracing is off (no SDK provider) unless asked for (:func:`trace_mode`); the rest of the ``OTEL_*``
+environment is the SDK's own to read. Metrics are exported with OTLP when traces are (unless
+``OTEL_METRICS_EXPORTER=none``), to the console only when ``OTEL_METRICS_EXPORTER=console``;
+``serve_prometheus`` serves them on ``/metrics`` with tracing on or off.
 """
 
 from __future__ import annotations
@@ -42,7 +32,8 @@ MEMORY_KEEP = 2048  # spans HERMES_TRACE=memory keeps: a worker's heap (and GC p
 
 
 def trace_mode(telemetry: TelemetrySettings, environ: Mapping[str, str] | None = None) -> str:
-    """The tracing mode asked for: off, console, otlp or memory (``HERMES_TRACE``, then ``OTEL_*``)."""
+    """The tracing mode asked for, first match wins: ``OTEL_SDK_DISABLED=true``: off; ``HERMES_TRACE``
+    (off, console, otlp, memory); ``OTEL_TRACES_EXPORTER`` (otlp, console, none); an OTLP endpoint: otlp."""
     env = os.environ if environ is None else environ  # the SDK's OTEL_* variables, not ours
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return "off"
@@ -69,7 +60,7 @@ def setup(service_name: str, telemetry: TelemetrySettings, mode: str | None = No
             raise ConfigError(f"tracing mode must be one of {', '.join(MODES)}, got {mode!r}")
         if mode == "off":
             if _extra_readers:
-                _install_meters(_resource(service_name), None)
+                metrics.set_meter_provider(_meter_provider(_resource(service_name), _extra_readers, None))
             _mode = mode
             return mode
         from opentelemetry.sdk.trace import TracerProvider
@@ -78,18 +69,19 @@ def setup(service_name: str, telemetry: TelemetrySettings, mode: str | None = No
         from workers.spans import Provider
 
         resource = _resource(service_name)
-        # Sampler: OTEL_TRACES_SAMPLER, ParentBased(always_on) by default. Our shutdown() replaces the SDK's
-        # exit hook, so an unreachable collector cannot hold a process for the exporter's 10 s of retries.
-        # HERMES_LEAN_SPANS=0: the SDK's own tracer (bench/throughput.py measures both; see ARCHITECTURE).
+        # Our shutdown() replaces the SDK's exit hook: an unreachable collector cannot hold a process for the
+        # exporter's retries. HERMES_LEAN_SPANS=0: the SDK's own tracer.
         kind = Provider if telemetry.lean_spans else TracerProvider
         provider = kind(resource=resource, shutdown_on_exit=False)
         exporter = _span_exporter(mode)
-        # Console output is for a quick look: print each span as it ends rather than in batches.
+        # Console output is for a quick look: each span as it ends.
         processor = SimpleSpanProcessor(exporter) if mode == "console" else BatchSpanProcessor(exporter)
         provider.add_span_processor(processor)
         trace.set_tracer_provider(provider)
         _installed.append((provider, exporter))
-        _install_meters(resource, _metric_exporter(mode))
+        meters = _meter_provider(resource, _extra_readers, _metric_exporter(mode))
+        if meters is not None:
+            metrics.set_meter_provider(meters)
         atexit.register(shutdown)
         _mode = mode
         return mode
@@ -101,26 +93,24 @@ def _resource(service_name: str) -> Any:
     return Resource.create(_default_service(service_name))
 
 
-def _install_meters(resource: Any, exporter: Any) -> None:
-    """The global meter provider: exporting with ``exporter`` (when any) and read by ``_extra_readers``."""
+def _meter_provider(resource: Any, readers: list[Any], exporter: Any) -> Any:
+    """A meter provider read by ``readers`` and exporting with ``exporter`` (when any); None with neither."""
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-    readers = list(_extra_readers)
     if exporter is not None:
-        readers.append(PeriodicExportingMetricReader(exporter))  # OTEL_METRIC_EXPORT_INTERVAL
+        readers = [*readers, PeriodicExportingMetricReader(exporter)]  # OTEL_METRIC_EXPORT_INTERVAL
     if not readers:
-        return
-    meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
-    metrics.set_meter_provider(meter_provider)
-    _installed.append((meter_provider, exporter))
+        return None
+    provider = MeterProvider(resource=resource, metric_readers=list(readers), shutdown_on_exit=False)
+    _installed.append((provider, exporter))
+    return provider
 
 
 def serve_prometheus(port: int, host: str = "127.0.0.1", service_name: str = "hermes-worker") -> Any:
-    """Serve this process's metrics on ``http://host:port/metrics`` through the OpenTelemetry Prometheus
-    exporter. Before ``setup``, the meter provider it installs gets the reader; after it (the CLI set up
-    tracing before its ``worker`` command ran), our instruments go to a meter provider of their own with
-    the reader (and the metric export ``setup`` chose). Returns the HTTP server."""
+    """Serve this process's metrics on ``http://host:port/metrics`` (OpenTelemetry's Prometheus exporter);
+    returns the HTTP server. Before ``setup``, the meter provider it installs gets the reader; after it, our
+    instruments go to a meter provider of their own with the reader and ``setup``'s metric export."""
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from prometheus_client import REGISTRY, start_http_server
 
@@ -133,14 +123,8 @@ def serve_prometheus(port: int, host: str = "127.0.0.1", service_name: str = "he
         if _mode is None:
             _extra_readers.append(reader)
             return server
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-
         exporter = _metric_exporter(_mode) if _mode != "off" else None
-        readers = [reader, *([PeriodicExportingMetricReader(exporter)] if exporter is not None else [])]
-        provider = MeterProvider(resource=_resource(service_name), metric_readers=readers, shutdown_on_exit=False)
-        _installed.append((provider, exporter))
-        otel.use_providers(meter_provider=provider)
+        otel.use_providers(meter_provider=_meter_provider(_resource(service_name), [reader], exporter))
     return server
 
 
@@ -169,11 +153,6 @@ def _bounded(step: Any, timeout_ms: int) -> None:
     thread.join(timeout_ms / 1000)
 
 
-def mode() -> str:
-    """The mode ``setup`` installed here ("off" before any set-up)."""
-    return _mode or "off"
-
-
 def _default_service(name: str) -> dict[str, str]:
     # The environment names the service when it says so; our default only fills the gap.
     if os.environ.get("OTEL_SERVICE_NAME") or "service.name=" in os.environ.get(
@@ -184,15 +163,8 @@ def _default_service(name: str) -> dict[str, str]:
 
 
 def _protocol(signal: str) -> str:
-    return (
-        (
-            os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL")
-            or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-            or "http/protobuf"
-        )
-        .strip()
-        .lower()
-    )
+    specific = os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL")
+    return (specific or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip().lower()
 
 
 def _span_exporter(mode: str) -> Any:
@@ -213,11 +185,8 @@ def _span_exporter(mode: str) -> Any:
 
 
 def _recent_spans_exporter(keep: int) -> Any:
-    """An exporter that keeps the latest ``keep`` spans, like a real one that lets spans go once sent.
-
-    The SDK's in-memory exporter keeps every span: in a long run the heap grows per call, and
-    the interpreter's full GC passes over it get longer, which a benchmark would book on tracing.
-    """
+    """An exporter that keeps the latest ``keep`` spans (the SDK's in-memory one keeps every span: the heap,
+    and the GC's passes over it, would grow per call)."""
     from collections import deque
 
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -243,25 +212,14 @@ def _metric_exporter(mode: str) -> Any:
     wanted = os.environ.get("OTEL_METRICS_EXPORTER", "").split(",")[0].strip().lower()
     if wanted == "none" or (not wanted and mode != "otlp"):
         return None
-    exporter: Any
     if wanted == "console":
         from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
 
-        exporter = ConsoleMetricExporter()
-    elif _protocol("METRICS") == "grpc":
+        return ConsoleMetricExporter()
+    if _protocol("METRICS") == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as Grpc
 
-        exporter = Grpc()
-    else:
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        return Grpc()
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
-        exporter = OTLPMetricExporter()
-    return exporter
-
-
-def flush(timeout_ms: int = EXIT_FLUSH_MS) -> None:
-    """Push out spans and metrics still buffered (before a process exits)."""
-    for provider in otel.providers():
-        force = getattr(provider, "force_flush", None)
-        if force is not None:
-            _bounded(force, timeout_ms)
+    return OTLPMetricExporter()

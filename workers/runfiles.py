@@ -1,19 +1,10 @@
 """This machine's run registry: the long-running processes our commands started, one JSON file each.
 
-``$HERMES_HOME/run/<kind>-<pid>.json`` holds ``{pid, kind, started, proc_start, parent, url, port, host}``;
-it is written when a ``serve``, a worker, a worker pool or an embedded broker starts and removed when it
-ends cleanly. ``hermes-gateway stop --all`` reads it to stop what runs here (whatever broker each uses),
-checking each pid still is the process recorded (its start time and command line), so a reused pid is
-never signalled and the files of processes that died are dropped.
-
-Registration is opt-in per process (``enable``): a program that merely uses ``Gateway.connect()`` starts
-an embedded broker nobody else should stop, so that broker is not recorded. (``enable`` sets
-``broker.embedded.on_start``: the broker layer records nothing itself.) What a pid is now — alive, its
-start time, its command line — is ``psutil``'s to read.
-
-The registry is also how a command without ``HERMES_REDIS_URL`` finds the broker of the gateway that runs
-here (``embedded_brokers``): a ``broker`` file's ``url`` is its unix socket (an embedded broker has no
-password, and a password would never be written), its ``parent`` the ``serve`` or ``worker`` that owns it.
+``$HERMES_HOME/run/<kind>-<pid>.json`` holds ``{pid, kind, started, proc_start, parent, url, port, host}``
+of a ``serve``, worker, worker pool or embedded broker while it runs. ``stop --all`` stops what it lists,
+checking each pid is still the process recorded (start time, command line); a command without
+``HERMES_REDIS_URL`` finds the embedded broker of the gateway running here through it. Registration is
+opt-in per process (``enable``): the embedded broker of a mere ``Gateway.connect()`` is not recorded.
 """
 
 from __future__ import annotations
@@ -24,7 +15,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +26,13 @@ from broker.config import hermes_home
 from broker.connection import redact_url
 
 RUN_DIR = "run"
-ENV = "HERMES_RUN_REGISTRY"  # set by `hermes-gateway worker`: its worker processes record themselves
-
-# What the command line of each kind contains; a pid whose command line has none of its kind's markers
-# is not ours any more (the pid was reused) and is never signalled.
+# What the command line of each kind contains; without any of its kind's markers, a pid is not ours any more.
 MARKERS: dict[str, tuple[str, ...]] = {
     "serve": ("hermes-gateway", "hermes_gateway"),
     "worker": ("hermes-gateway", "hermes_gateway", "workers"),
     "pool": ("hermes-gateway", "hermes_gateway", "workers"),
     "broker": ("redis-server",),
 }
-# The order to name them in when reporting.
-KIND_ORDER = ("serve", "pool", "worker", "broker")
 
 _run_dir: Path | None = None
 
@@ -71,8 +57,6 @@ def _record_broker(pid: int, url: str) -> Callable[[], None]:
 def enabled() -> Path | None:
     return _run_dir
 
-
-# -- what a process is now -------------------------------------------------------------------------
 
 _GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)  # exited, not yet waited for by its parent
 
@@ -99,9 +83,6 @@ def alive(pid: int) -> bool:
         return True  # someone else's process: alive, but never ours (see ``Entry.is_ours``)
 
 
-# -- the files --------------------------------------------------------------------------------------
-
-
 @dataclass
 class Entry:
     """One run file."""
@@ -110,12 +91,11 @@ class Entry:
     pid: int
     kind: str
     started: float = 0.0
-    proc_start: float | None = None  # seconds from boot to its start (a run file of 0.10 holds clock ticks)
+    proc_start: float | None = None  # seconds from boot to its start
     parent: int | None = None
     url: str | None = None
     port: int | None = None
     host: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
         where = f" on http://{self.host or '127.0.0.1'}:{self.port}/" if self.port else ""
@@ -123,8 +103,7 @@ class Entry:
         return f"{self.kind}{where}{broker} pid {self.pid}"
 
     def is_ours(self) -> bool:
-        """Alive and still the process that wrote this file: same start time and a command line of its
-        kind. A pid reused by an unrelated process fails one of the two."""
+        """Alive and still the process that wrote this file (same start time, a command line of its kind)."""
         try:
             os.kill(self.pid, 0)  # (gone, or another user's process: not ours)
             proc = psutil.Process(self.pid)
@@ -141,7 +120,7 @@ class Entry:
 def _write(path: Path, data: dict[str, Any]) -> None:
     # Only the owner reads the registry (it names our processes and their brokers).
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path.parent, 0o700)  # (a directory made by an older version was 0755)
+    os.chmod(path.parent, 0o700)  # (also an existing directory)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()  # a leftover keeps its old mode
@@ -161,8 +140,8 @@ def register(
     host: str | None = None,
     directory: Path | None = None,
 ) -> Path | None:
-    """Record a process (this one unless ``pid``) in the enabled run dir (or ``directory``); its path,
-    or None when registration is not enabled in this process. Never raises on a full or read-only disk."""
+    """Record a process (this one unless ``pid``) in the enabled run dir (or ``directory``); its path, or
+    None when registration is not enabled in this process. Never raises on a full or read-only disk."""
     target = directory or _run_dir
     if target is None:
         return None
@@ -208,26 +187,13 @@ def entries(home: str | os.PathLike[str] | None = None) -> list[Entry]:
     for path in sorted(root.glob("*.json")) if root.is_dir() else []:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            found.append(
-                Entry(
-                    path=path,
-                    pid=int(data["pid"]),
-                    kind=str(data["kind"]),
-                    started=float(data.get("started") or 0.0),
-                    proc_start=data.get("proc_start"),
-                    parent=data.get("parent"),
-                    url=data.get("url"),
-                    port=data.get("port"),
-                    host=data.get("host"),
-                    extra={k: v for k, v in data.items() if k not in Entry.__dataclass_fields__},
-                )
-            )
+            pid, kind, started = int(data["pid"]), str(data["kind"]), float(data.get("started") or 0.0)
+            rest = {k: data.get(k) for k in ("proc_start", "parent", "url", "port", "host")}
+            found.append(Entry(path, pid, kind, started, **rest))
         except (OSError, ValueError, KeyError, TypeError):
             unregister(path)
     return found
 
-
-# -- finding the gateway that runs here --------------------------------------------------------------
 
 # The processes whose embedded broker a command may use, in the order they are preferred.
 OWNERS = ("serve", "pool", "worker")
@@ -246,9 +212,8 @@ class LocalBroker:
 
 
 def embedded_brokers(home: str | os.PathLike[str] | None = None) -> list[LocalBroker]:
-    """The embedded brokers of the live ``serve``/``worker`` processes of ``home``: serve first, then the
-    newest. Both processes are checked to be alive and still the ones recorded; whether the socket answers
-    is for the caller to check (PING). Nothing when the registry is empty or unreadable."""
+    """The embedded brokers of the live ``serve``/``worker`` processes of ``home``, serve first, then the
+    newest; whether the socket answers is for the caller to check (PING)."""
     found = entries(home)
     owners = {e.pid: e for e in found if e.kind in OWNERS}
     out: list[LocalBroker] = []
@@ -264,16 +229,10 @@ def embedded_brokers(home: str | os.PathLike[str] | None = None) -> list[LocalBr
     return out
 
 
-# -- stopping them ----------------------------------------------------------------------------------
-
-
 @dataclass
 class Outcome:
     entry: Entry
     result: str  # "stopped" (exited after our SIGTERM), "exited" (with its parent), "killed", "stale", "failed"
-
-    def line(self) -> str:
-        return f"{self.entry.describe()}: {self.result}"
 
 
 def stop_all(
@@ -283,9 +242,8 @@ def stop_all(
 ) -> list[Outcome]:
     """Stop every live process of ``home``'s run registry; drop the files of those that are gone.
 
-    Parents go first: a process whose recorded parent is itself running here gets no signal while that
-    parent lives, since the parent stops it in order (``serve`` drains its local worker, then its broker).
-    What has not exited ``grace`` seconds after the first SIGTERM is SIGKILLed.
+    A process whose recorded parent runs here gets no signal while that parent lives: the parent stops it
+    in order. What has not exited ``grace`` seconds after the first SIGTERM is SIGKILLed.
     """
     outcomes: list[Outcome] = []
 
