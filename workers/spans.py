@@ -1,18 +1,9 @@
 """Lean spans: what the SDK's tracer records, for a fraction of its cost, into the same export pipeline.
 
-The SDK's ``Tracer.start_span`` costs about 100 µs per span on a small machine (attribute cleaning
-through ABC checks, bounded containers with locks, links, self-metrics); a call has three or more, and
-that was most of what tracing cost a worker. ``LeanTracer`` is used instead when the tracer provider is
-the one ``otelsdk.setup`` installed (a ``Provider``); any other provider — one a host application or a
-test installed — gets the SDK's own tracer.
-
-It keeps the SDK's behaviour where it shows: the provider's sampler decides (and may add attributes or
-trace state), its id generator makes the ids, its span limits bound attributes, events and links, and
-a finished span is an SDK ``ReadableSpan`` handed to every span processor of the provider — the batch
-processor and exporter configured by ``OTEL_*`` (OTLP, console, memory) see exactly what they would.
-What it leaves out: the SDK's own self-metrics on span counts, its private ``_on_ending`` processor hook,
-and ``dropped_*`` counts on exported spans (spans we make stay far below the limits; over a limit, the
-oldest attribute goes, as in the SDK).
+``LeanTracer`` serves our scope when the tracer provider is the one ``otelsdk.setup`` installed (a
+``Provider``). It keeps the SDK's behaviour where it shows: the provider's sampler, id generator and span
+limits apply, and a finished span is an SDK ``ReadableSpan`` handed to every span processor of the provider.
+It leaves out the SDK's self-metrics, its private ``_on_ending`` hook and ``dropped_*`` counts.
 """
 
 from __future__ import annotations
@@ -104,9 +95,8 @@ class LeanTracer:
         self._as_given: int | None = None
         if limits.max_span_attribute_length is None:
             self._as_given = 1 << 30 if limits.max_span_attributes is None else limits.max_span_attributes
-        # A ParentBased sampler with its default delegates samples a span with a parent exactly when the
-        # parent is sampled, keeping its trace state and the given attributes: for such a sampler the
-        # decision is made here without asking it for every span (its description names its delegates).
+        # A ParentBased sampler with its default delegates follows the parent: decided here without asking
+        # it for every span (its description names its delegates).
         sampler = provider.sampler
         described = sampler.get_description() if type(sampler) is ParentBased else ""
         self._follow_local = described.endswith(_LOCAL_DEFAULTS)
@@ -240,7 +230,7 @@ class LeanSpan(trace.Span):
         self._status_on_exception = status_on_exception
         self._open = [True]  # emptied by the one end() that exports
 
-    # What a processor may read in on_start (the SDK's span is a ReadableSpan too).
+    # What a processor may read in on_start.
     name = _field("_name")
     context = _field("_context")
     parent = _field("_parent")
@@ -253,8 +243,6 @@ class LeanSpan(trace.Span):
     links = property(lambda self: tuple(self._links))
     resource = property(lambda self: self._tracer.provider.resource)
     instrumentation_scope = property(lambda self: self._tracer.scope)
-
-    # -- the Span interface --------------------------------------------------------------------
 
     def get_span_context(self) -> SpanContext:
         return self._context
@@ -332,8 +320,8 @@ class LeanSpan(trace.Span):
 
     def end(self, end_time: int | None = None) -> None:
         try:
-            self._open.pop()  # atomic: of two threads ending a span at once, one exports it (no lock to
-        except IndexError:  # convoy on: a process-wide one cost every call thread a wait on the GIL)
+            self._open.pop()  # atomic: of two threads ending a span at once, one exports it (no lock)
+        except IndexError:
             return
         self._end = end_time or time_ns()
         tracer = self._tracer

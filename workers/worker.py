@@ -38,7 +38,6 @@ log = structlog.get_logger("hermes.worker")
 
 
 def _version() -> str:
-    """The installed hermes-gateway version (the console's workers table shows it)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -50,7 +49,7 @@ def _version() -> str:
 VERSION = _version()
 
 CLAIM_BATCH = 64
-# Submissions publish a wake-up; polling is only the fallback for a lost message.
+# Submissions publish a wake-up; polling is the fallback for a lost message.
 IDLE_POLL_MIN = 0.01
 IDLE_POLL_MAX = 0.5
 # Beyond wait_timeout_ms, how long a caller may take to cancel a submission its replicas did not confirm.
@@ -98,8 +97,7 @@ class Worker:
         self._slots = Tokens(self.concurrency)  # one per call this process may run at once
         self._wake = threading.Event()
         self._beat_now = threading.Event()
-        # The queues claimed from: ``queues`` and the partitions of their tools (``refresh_queues``).
-        self.claim_queues = list(queues)
+        self.claim_queues = list(queues)  # and the partitions of their tools (``refresh_queues``)
         self._turn = 0
         self.core.scheduler.queues = self.claim_queues
         # Registered as an RQ worker (``rq info`` lists it) on a plain Redis; RQ knows no Redis Cluster.
@@ -110,8 +108,7 @@ class Worker:
             serializer=MsgpackSerializer,
         )
         self.started_at = time.time()
-        # Claims go on a connection of their own when the replicas must confirm them (WAIT confirms the
-        # writes of the connection it is sent on).
+        # With ``wait_replicas``, claims go on a connection of their own (WAIT confirms its connection's writes).
         self._claims = self.core.calls
         if settings.broker.wait_replicas > 0:
             own = redis.Redis(connection_pool=conn.connection_pool, single_connection_client=True)
@@ -119,21 +116,18 @@ class Worker:
         self._unconfirmed_logged = 0.0
         self._claim_conn: Any = None  # the dispatcher's own connection for its claims (taken once)
         self._peers: dict[str, int] = {}  # live workers per queue, read with each heartbeat
-        self.tool_notices = 0  # directory change notices heard (the heartbeat reports it: was a change seen?)
-        # A call ending here takes the next one of its queue in the same script (when its release promoted
-        # one, that one): no wake-up, dispatcher or claim of its own (not with wait_replicas: claims wait
-        # for the replicas there, see _confirm_claims).
+        self.tool_notices = 0  # directory change notices heard (the heartbeat reports it)
+        # A call ending here takes the next one of its queue in the same script (not with wait_replicas:
+        # claims wait for the replicas there, see _confirm_claims).
         if settings.broker.wait_replicas <= 0:
             self.runner.next_call, self.runner.took = self._next_call, self._took
 
     def _claim_connection(self) -> Any:
-        """The dispatcher's kept connection (as the outbox keeps one): its claims skip the pool and
-        redis-py's command layers; None where the claims need their own client (``wait_replicas``)."""
+        """The dispatcher's kept connection (its claims skip the pool); None where the claims need their own
+        client (``wait_replicas``)."""
         if self._claim_conn is None and self._claims is self.core.calls and hasattr(self.conn, "connection_pool"):
             self._claim_conn = self.conn.connection_pool.get_connection()
         return self._claim_conn
-
-    # -- life cycle ------------------------------------------------------------------------------
 
     def request_stop(self) -> None:
         self.stopping.set()
@@ -154,8 +148,7 @@ class Worker:
         threads = [
             threading.Thread(target=self._heartbeat_loop, name="hermes-heartbeat", daemon=True),
             threading.Thread(target=self._control_loop, name="hermes-control", daemon=True),
-            # Due retries back to pending; a call waiting for its retry holds no thread.
-            threading.Thread(
+            threading.Thread(  # due retries back to pending: a call waiting for its retry holds no thread
                 target=self.core.scheduler.run, args=(self.stopping,), name="hermes-retry", daemon=True
             ),
         ]
@@ -201,20 +194,17 @@ class Worker:
                 self.pool.submit(self._run_one, c)
             if len(claimed) == free:
                 continue  # there may be more
-            # The queues are empty: wait for a wake-up (every push publishes one), polling now and then
-            # in case one was lost.
+            # The queues are empty: wait for a wake-up, polling now and then in case one was lost.
             idle = IDLE_POLL_MIN if claimed else min(idle * 2, IDLE_POLL_MAX)
             self._wake.wait(idle)
 
     def _confirm_claims(self, call_ids: list[str]) -> None:
-        """With ``broker.wait_replicas``: wait until the replicas have the claims before the calls start, so
-        a primary lost meanwhile cannot hand the same attempt to another worker (the replication stream is
-        in order: a confirmed claim confirms the submission before it too).
+        """With ``broker.wait_replicas``: wait until the replicas have the claims before the calls start, so a
+        primary lost meanwhile cannot hand the same attempt to another worker.
 
-        Short of that (no replica answers, or backing off after it did not), the calls run anyway — they
-        were accepted, and a promotion needs a replica — except one its caller cancels: a submission its
-        replicas did not confirm is cancelled by its caller, ``wait_timeout_ms`` after it was made at most,
-        so a call submitted less than that ago is held until its caller has decided.
+        Short of that, the calls run anyway, except one its caller cancels: a caller cancels a submission its
+        replicas did not confirm within ``wait_timeout_ms``, so a call submitted less than that ago is held
+        until its caller has decided.
         """
         confirmer = self.core.confirmer
         if confirmer.wanted():
@@ -269,8 +259,7 @@ class Worker:
         log.info("worker stopped", worker=self.name, handed_back=handed_back, processed=self.core.processed)
 
     def refresh_queues(self) -> None:
-        """Claim from every partition of the tools on our queues (re-read on a directory change and with
-        every heartbeat)."""
+        """Claim from every partition of the tools on our queues."""
         self.claim_queues[:] = keys.claim_queues(self.queues, (e.spec for e in self.core.directory.all()))
 
     def _run_one(self, claimed: Any) -> None:
@@ -285,9 +274,8 @@ class Worker:
 
     def _next_call(self, run: Any) -> Callable[[], list[Any]] | None:
         """TRANSITION's ``take`` for a call ending here: one next call of its queue, on its thread slot, while
-        this worker holds less than its share of the key's limit (the workers on the queue, as of the last
-        heartbeat). Its arguments are made when the write goes out (again if the broker was away): the
-        taken call's lease counts from then."""
+        this worker holds less than its share of the key's limit. Its arguments are made when the write goes
+        out, so the taken call's lease counts from then."""
         if self.stopping.is_set():
             return None
         queue = run.info.queue
@@ -297,13 +285,9 @@ class Worker:
         return lambda: [*calls.claim_args(queue, 1, name, lease), held, peers]
 
     def _took(self, queue: str, reply: Any, take: Sequence[Any]) -> None:
-        """The ending's reply (on the outbox thread): the call it took starts on the ended call's thread
-        slot; when it took none (nothing waited, a fenced or failed write) the slot goes back.
-
-        A reply that comes late (half the lease gone: its write waited for a cluster slot that moved) starts
-        nothing: the call was leased to us when taken and no heartbeat kept its lease, so the reaper may
-        have given it to another worker. It stays pending and leased until its lease ends; the reaper then
-        puts it back at the head of its queue, at no cost to its attempts."""
+        """The ending's reply (on the outbox thread): the call it took starts on the ended call's thread slot;
+        when it took none the slot goes back. A reply that comes after half the lease starts nothing (no
+        heartbeat kept the taken call's lease): the reaper puts that call back at no cost to its attempts."""
         claimed = []
         # (no take: its write never went out; take[2]: the lease deadline the call was taken with)
         answered = bool(take) and not isinstance(reply, Exception) and len(reply) >= 4
@@ -323,16 +307,13 @@ class Worker:
             except RuntimeError:  # (shut down meanwhile: leased here, never started; the reaper puts it back)
                 log.warning("a call taken at shutdown is left to the reaper", call_id=c.call_id)
 
-    # -- background threads ----------------------------------------------------------------------
-
     def _heartbeat_once(self) -> None:
         runs = self.core.inflight()
-        # Calls that ended here but whose last writes wait (a cluster slot moving) keep their leases too.
         held = [r.info for r in runs] + [r.info for r in self.core.unwritten()]
         pipe = self.conn.pipeline(transaction=False)
         if self.rq is not None:
             self.rq.heartbeat(pipeline=pipe)
-            self.rq.set_state(WorkerStatus.BUSY if runs else WorkerStatus.IDLE, pipeline=pipe)  # (rq info)
+            self.rq.set_state(WorkerStatus.BUSY if runs else WorkerStatus.IDLE, pipeline=pipe)
         now = time.time()
         pipe.zadd(keys.WORKERS, {self.name: now})
         peers: dict[str, int] = {}  # queue -> where its worker count comes in the replies
@@ -363,8 +344,8 @@ class Worker:
         pipe.expire(keys.worker(self.name), int(self.lease * 2) + 5)
         self.core.calls.extend_leases(held, self.lease, pipeline=pipe)
         started = time.monotonic()
-        # On a cluster, what a moving slot refuses is sent again (within a lease): missing a beat or two
-        # would let the reaper take the calls of this live worker.
+        # On a cluster, what a moving slot refuses is sent again (within a lease): missed beats would let the
+        # reaper take this live worker's calls.
         replies = pipes.settled(pipe, lambda _rounds, _e: time.monotonic() - started < self.lease and not self.stopping.is_set())
         self._peers = {q: max(1, int(replies[i])) for q, i in peers.items()}
 
@@ -386,8 +367,7 @@ class Worker:
                 self.refresh_queues()
                 step = "reaper"
                 reaper.reap(self.core.calls, self.claim_queues, self.lease, self.settings.workers.result_ttl, self.core.audit)
-                # Slots still held by calls that ended (a safety net: ending gives the slot back).
-                step = "sweep"
+                step = "sweep"  # slots still held by calls that ended (a safety net)
                 self.core.scheduler.limits.sweep(self.claim_queues, self.lease)
                 step = "workers"
                 self.conn.zremrangebyscore(keys.WORKERS, "-inf", time.time() - self.lease * 2)
@@ -412,12 +392,11 @@ class Worker:
                     if msg["channel"] in wakes:
                         self._wake.set()  # a call was submitted: claim now instead of at the next poll
                     elif msg["channel"] == tools:
-                        # A changed or removed tool must not keep running from this worker's cache.
                         self.core.directory.invalidate(msg["data"].decode(errors="replace"))
                         self.refresh_queues()  # a tool's partitions may have changed
                         self.tool_notices += 1
                     elif msg["channel"] == policy:
-                        self.core.refresh_policy()  # the next call is judged by the pushed policy
+                        self.core.refresh_policy()
                     else:
                         self._on_control(msg["data"])
                 pubsub.close()
@@ -443,36 +422,27 @@ class Worker:
             self.request_stop()
         elif op == "reload":
             self.core.directory.invalidate()
-            reload = getattr(self.core, "reload", None)
-            if reload is not None:
-                reload()
+            self.core.reload()
 
 
 def control_message(op: str, **fields: Any) -> bytes:
     return pack({"op": op, **fields})
 
 
-# -- the call threads ------------------------------------------------------------------------------
-#
-# What ``ThreadPoolExecutor`` does for this case — up to ``size`` threads taking work off one queue, a new
-# thread only when none is idle — without what a call here does not use: a ``Future`` (two condition
-# variables), a work item and an executor-wide lock per call. A worker hands every call to a thread, so
-# under load that was a measurable share of its CPU. ``workers.shortcuts_off: [threads]`` runs calls on a
-# ``ThreadPoolExecutor`` instead (``StockThreads``; bench/shortcuts.py measures both).
-
-
 _STOP = object()
 
 
 class CallThreads:
-    """Runs ``fn(arg)`` on up to ``size`` threads named ``<prefix>_<n>``."""
+    """Runs ``fn(arg)`` on up to ``size`` threads named ``<prefix>_<n>``: what ``ThreadPoolExecutor`` does
+    here, without a ``Future``, a work item and an executor-wide lock per call (``StockThreads`` with the
+    ``threads`` shortcut off)."""
 
     def __init__(self, size: int, prefix: str) -> None:
         self.size = max(1, size)
         self.prefix = prefix
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        self._idle = 0  # threads that finished a task and will take the next one (as the executor counts)
+        self._idle = 0  # threads that finished a task and will take the next one
         self._lock = threading.Lock()
         self._closed = False
 
@@ -567,8 +537,7 @@ def call_threads(size: int, prefix: str) -> CallThreads:
 
 
 class Tokens:
-    """A counting semaphore that hands out several tokens at once: the dispatcher takes what is free in one
-    step instead of one ``acquire`` per token (it claims up to a batch of calls at a time)."""
+    """A counting semaphore that hands out several tokens at once (the dispatcher claims a batch of calls)."""
 
     def __init__(self, n: int) -> None:
         self._n = n
