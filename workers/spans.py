@@ -8,9 +8,7 @@ It leaves out the SDK's self-metrics, its private ``_on_ending`` hook and ``drop
 
 from __future__ import annotations
 
-import traceback
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from time import time_ns
 from types import MappingProxyType, TracebackType
 from typing import Any
@@ -18,6 +16,8 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, TracerProvider
+from opentelemetry.sdk.trace import Span as SDKSpan
+from opentelemetry.sdk.trace import Tracer as SDKTracer
 from opentelemetry.sdk.trace.sampling import ParentBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import (
@@ -155,29 +155,8 @@ class LeanTracer:
             processor.on_start(span, parent_context=context)
         return span
 
-    @contextmanager
-    def start_as_current_span(
-        self,
-        name: str,
-        context: otel_context.Context | None = None,
-        kind: SpanKind = SpanKind.INTERNAL,
-        attributes: Mapping[str, Any] | None = None,
-        links: Sequence[Link] | None = (),
-        start_time: int | None = None,
-        record_exception: bool = True,
-        set_status_on_exception: bool = True,
-        end_on_exit: bool = True,
-    ) -> Iterator[trace.Span]:
-        span = self.start_span(
-            name, context, kind, attributes, links, start_time, record_exception, set_status_on_exception
-        )
-        with trace.use_span(
-            span,
-            end_on_exit=end_on_exit,
-            record_exception=record_exception,
-            set_status_on_exception=set_status_on_exception,
-        ) as current:
-            yield current
+    # The SDK tracer's own: it only calls ``self.start_span`` and ``trace.use_span``.
+    start_as_current_span = SDKTracer.start_as_current_span
 
 
 def _field(slot: str) -> Any:
@@ -301,22 +280,8 @@ class LeanSpan(trace.Span):
         elif status is not StatusCode.UNSET:
             self._status = Status(status, description)
 
-    def record_exception(
-        self,
-        exception: BaseException,
-        attributes: Mapping[str, Any] | None = None,
-        timestamp: int | None = None,
-        escaped: bool = False,
-    ) -> None:
-        module, qualname = type(exception).__module__, type(exception).__qualname__
-        attrs: dict[str, Any] = {
-            "exception.type": f"{module}.{qualname}" if module and module != "builtins" else qualname,
-            "exception.message": str(exception),
-            "exception.stacktrace": "".join(traceback.format_exception(exception)),
-            "exception.escaped": str(escaped),
-        }
-        attrs.update(attributes or {})
-        self.add_event("exception", attrs, timestamp)
+    # The SDK span's own: it only builds the event's attributes and calls ``self.add_event``.
+    record_exception = SDKSpan.record_exception
 
     def end(self, end_time: int | None = None) -> None:
         try:

@@ -43,23 +43,22 @@ _NULL: AbstractContextManager[Any] = nullcontext()
 def _args_attribute(args: Mapping[str, Any] | None, sensitive: Sequence[str]) -> str:
     if not args:
         return "{}"
-    text = json.dumps(redact(dict(args or {}), sensitive), ensure_ascii=False, default=str)
+    text = json.dumps(redact(dict(args), sensitive), ensure_ascii=False, default=str)
     return text if len(text) <= ARGS_LIMIT else text[: ARGS_LIMIT - 1] + "…"
 
 
 class _Phase:
-    """A span we end ourselves on leaving; ``ctx`` set: that context is current meanwhile (executors)."""
+    """A span we end ourselves on leaving, with ``ctx`` current meanwhile (the executor's, the provider's)."""
 
     __slots__ = ("span", "ctx", "_token")
 
-    def __init__(self, span: Any, ctx: otel_context.Context | None = None) -> None:
+    def __init__(self, span: Any, ctx: otel_context.Context) -> None:
         self.span = span
         self.ctx = ctx
         self._token: Any = None
 
     def __enter__(self) -> Any:
-        if self.ctx is not None:
-            self._token = otel_context.attach(self.ctx)
+        self._token = otel_context.attach(self.ctx)
         return self.span
 
     def __exit__(
@@ -101,9 +100,6 @@ class NoTrace:
     def open(self, name: str) -> None: ...
 
     def close(self, name: str, error: BaseException | None = None) -> None: ...
-
-    def phase(self, name: str, **attributes: Any) -> AbstractContextManager[Any]:
-        return _NULL
 
     def executor(
         self, spec: Any, args: Mapping[str, Any], ctx: Any, sensitive: Sequence[str] = ()
@@ -194,9 +190,6 @@ class CallTrace(NoTrace):
             _ended(span, error)
         if name == "tool_execution":
             self._chain_ctx = None
-
-    def phase(self, name: str, **attributes: Any) -> AbstractContextManager[Any]:
-        return _Phase(_start(self.tracer, name, self._parent(), SpanKind.INTERNAL, attributes))
 
     def executor(
         self, spec: Any, args: Mapping[str, Any], ctx: Any, sensitive: Sequence[str] = ()
