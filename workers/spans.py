@@ -8,7 +8,7 @@ It leaves out the SDK's self-metrics, its private ``_on_ending`` hook and ``drop
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from time import time_ns
 from types import MappingProxyType, TracebackType
 from typing import Any
@@ -281,7 +281,7 @@ class LeanSpan(trace.Span):
             self._status = Status(status, description)
 
     # The SDK span's own: it only builds the event's attributes and calls ``self.add_event``.
-    record_exception = SDKSpan.record_exception
+    record_exception: Callable[..., None] = SDKSpan.record_exception
 
     def end(self, end_time: int | None = None) -> None:
         try:

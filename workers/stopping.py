@@ -70,7 +70,7 @@ def drain(core: WorkerCore, pool: CallThreads, grace: float) -> int:
     for run in leftovers:
         hand_back(core, run)
     core.flush(grace)
-    dropped = pool.shutdown(wait=True, cancel_pending=True)
+    dropped = pool.shutdown()
     if dropped:  # taken off the queue, never started: the reaper puts them back when their lease ends
         log.warning("calls taken but not started are left to the reaper", calls=dropped)
     core.close()

@@ -25,6 +25,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind
 
 from broker import keys, otel
+from broker.codec import text
 from broker.errors import CallCancelled
 from broker.logs import redact, redact_text
 from broker.otel import MESSAGING_SYSTEM, error_type, mark_failed, parent_context, traceparent_of
@@ -486,11 +487,6 @@ def _observe_queues(_options: Any) -> Iterable[Any]:
         ]
     except redis.RedisError:
         return []
-
-
-def text(value: bytes | str) -> str:
-    """A Redis reply as text (clients may or may not decode responses)."""
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def queue_depths(conn: redis.Redis) -> list[tuple[str, int]]:

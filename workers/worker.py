@@ -473,25 +473,23 @@ class CallThreads:
             with self._lock:
                 self._idle += 1
 
-    def shutdown(self, wait: bool = True, cancel_pending: bool = True) -> int:
-        """Take no more work; drop what has not started (``cancel_pending``); returns how many were dropped."""
+    def shutdown(self) -> int:
+        """Take no more work, drop what has not started and wait for the threads; how many were dropped."""
         with self._lock:
             self._closed = True
             threads = list(self._threads)
         dropped = 0
-        if cancel_pending:
-            while True:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not _STOP:
-                    dropped += 1
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _STOP:
+                dropped += 1
         for _ in threads:
             self._queue.put(_STOP)
-        if wait:
-            for t in threads:
-                t.join()
+        for t in threads:
+            t.join()
         return dropped
 
 
@@ -522,12 +520,12 @@ class StockThreads(CallThreads):
         with self._lock:
             self._pending.discard(future)
 
-    def shutdown(self, wait: bool = True, cancel_pending: bool = True) -> int:
+    def shutdown(self) -> int:
         with self._lock:
             self._closed = True
             pending = list(self._pending)
-        dropped = sum(1 for f in pending if f.cancel()) if cancel_pending else 0
-        self._executor.shutdown(wait=wait)
+        dropped = sum(1 for f in pending if f.cancel())
+        self._executor.shutdown()
         return dropped
 
 
