@@ -167,32 +167,13 @@ class LeanSpan(trace.Span):
     """A recording span; ``end()`` hands an SDK ``ReadableSpan`` to the provider's processors."""
 
     __slots__ = (
-        "_tracer",
-        "_name",
-        "_context",
-        "_parent",
-        "_kind",
-        "_attributes",
-        "_events",
-        "_links",
-        "_status",
-        "_start",
-        "_end",
-        "_record_exception",
-        "_status_on_exception",
-        "_open",
+        "_tracer", "_name", "_context", "_parent", "_kind", "_attributes", "_events", "_links", "_status",
+        "_start", "_end", "_record_exception", "_status_on_exception", "_open",
     )
 
     def __init__(
-        self,
-        tracer: LeanTracer,
-        name: str,
-        context: SpanContext,
-        parent: SpanContext | None,
-        kind: SpanKind,
-        start: int,
-        record_exception: bool = True,
-        status_on_exception: bool = True,
+        self, tracer: LeanTracer, name: str, context: SpanContext, parent: SpanContext | None, kind: SpanKind,
+        start: int, record_exception: bool = True, status_on_exception: bool = True,
     ) -> None:
         self._tracer = tracer
         self._name = name
@@ -291,17 +272,9 @@ class LeanSpan(trace.Span):
         self._end = end_time or time_ns()
         tracer = self._tracer
         finished = ReadableSpan(
-            name=self._name,
-            context=self._context,
-            parent=self._parent,
-            resource=tracer.provider.resource,
-            attributes=dict(self._attributes),
-            events=tuple(self._events),
-            links=tuple(self._links),
-            kind=self._kind,
-            status=self._status,
-            start_time=self._start,
-            end_time=self._end,
+            name=self._name, context=self._context, parent=self._parent, resource=tracer.provider.resource,
+            attributes=dict(self._attributes), events=tuple(self._events), links=tuple(self._links),
+            kind=self._kind, status=self._status, start_time=self._start, end_time=self._end,
             instrumentation_scope=tracer.scope,
         )
         for processor in tracer.provider.processors:

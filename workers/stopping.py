@@ -26,9 +26,8 @@ log = structlog.get_logger("hermes.worker")
 def install_signals(request_stop: Callable[[], None]) -> None:
     """SIGTERM/SIGINT call ``request_stop``; a second SIGINT exits at once.
 
-    The handler takes no lock (it may interrupt the main thread while that holds the logger's or an
-    Event's lock, and a second signal may interrupt the handler itself): it only writes the signal
-    number to a pipe, and a thread of ours logs it and asks the worker to stop.
+    The handler takes no lock (it may interrupt a thread holding one): it writes the signal number to a pipe,
+    and a thread of ours logs it and asks the worker to stop.
     """
     read_fd, write_fd = os.pipe()
     interrupts = [0]

@@ -83,11 +83,7 @@ def _ended(span: Any, exc: BaseException | None) -> None:
 def _start(tracer: Any, name: str, parent: Any, kind: SpanKind, attributes: dict[str, Any]) -> Any:
     # We end (and mark) our spans ourselves, so the SDK's own exception recording stays off.
     return tracer.start_span(
-        name,
-        context=parent,
-        kind=kind,
-        attributes=attributes,
-        record_exception=False,
+        name, context=parent, kind=kind, attributes=attributes, record_exception=False,
         set_status_on_exception=False,
     )
 
