@@ -144,7 +144,7 @@ log = structlog.get_logger("hermes.breaker")
 
 class Circuit(Hook):
     """A tool's circuit breaker (``broker/breaker.py``): checked right before its executor (open: CircuitOpen)
-    and told the executor's outcome after; a state change is logged, counted, published and told the caller."""
+    and told the executor's outcome after; a change is logged, counted, published and told the caller."""
 
     def __init__(self, core: WorkerCore) -> None:
         super().__init__(core)

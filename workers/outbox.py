@@ -32,7 +32,7 @@ class Outbox:
         self, conn: redis.Redis, max_batch: int = 512, confirmer: Confirmer | None = None, name: str = "hermes-outbox"
     ) -> None:
         self.conn = conn
-        # With ``broker.wait_replicas``, every batch ends with WAIT: its callbacks run once the replicas have it.
+        # With ``broker.wait_replicas``, each batch ends with WAIT: its callbacks wait for the replicas.
         self.confirmer = confirmer if confirmer is not None and confirmer.asked else None
         self._unconfirmed_logged = 0.0
         self.max_batch = max_batch
@@ -141,8 +141,8 @@ class Outbox:
             log.warning("writes not confirmed by the replicas", writes=writes, why=str(short))
 
     def _keep_trying(self, rounds: int, error: Exception) -> bool:
-        """Whether to send again the writes a moving cluster slot refused: for as long as the migration lasts
-        (their calls keep their leases meanwhile, ``WorkerCore.unwritten``), only a few more times once closing."""
+        """Whether to send again the writes a moving cluster slot refused: while the migration lasts (their
+        calls keep their leases meanwhile, ``WorkerCore.unwritten``), only a few more times once closing."""
         if rounds == 0 or rounds % 60 == 0:  # (about every 30 s while it lasts)
             log.warning("a cluster slot is moving: writes wait for it", error=str(error), rounds=rounds)
         return not self._closed or rounds < _CLOSING_TRIES * 4

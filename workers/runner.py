@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -658,10 +659,7 @@ class WorkerCore:
 
     def inflight_by_key(self) -> dict[str, int]:
         """Calls running in this process per concurrency key."""
-        out: dict[str, int] = {}
-        for run in self.inflight():
-            out[run.info.ckey] = out.get(run.info.ckey, 0) + 1
-        return out
+        return Counter(run.info.ckey for run in self.inflight())
 
     def rate_sent(self, run: Running) -> None:
         """The provider answered ``run``'s request: stamp its rate limiter entry (a late stamp only keeps the

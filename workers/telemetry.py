@@ -1,4 +1,4 @@
-"""A call's telemetry in a worker: its spans (OpenTelemetry messaging and GenAI conventions), then its figures.
+"""A call's telemetry in a worker: its spans (OpenTelemetry messaging and GenAI conventions), its figures.
 
 ``process <queue>`` (CONSUMER) continues the caller's trace from the envelope and links to the producer
 span; under it: ``tool_request``, ``policy``, ``tool_execution`` (the middleware phases, when any),
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 import redis
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.metrics import Observation
 from opentelemetry.trace import Link, SpanKind
 
 from broker import keys, otel
@@ -118,7 +119,7 @@ NO_TRACE = NoTrace()
 
 class CallTrace(NoTrace):
     """The spans of one call in this worker: ``process <queue>`` and its children, whose parent is passed
-    explicitly; the context is made current only around the executor and the provider (user code runs there)."""
+    explicitly; the context is current only around the executor and the provider (user code runs there)."""
 
     def __init__(self, tracer: Any, env: Envelope, attempt: int, claimed_at: float) -> None:
         self.tracer = tracer
@@ -421,7 +422,8 @@ def call_started(ckey: str, queue: str, wait_s: float) -> None:
 
 
 def call_ended(
-    ckey: str, kind: str, name: str, state: str, error_type: str | None, duration_s: float, inflight: bool = True
+    ckey: str, kind: str, name: str, state: str, error_type: str | None, duration_s: float,
+    inflight: bool = True,
 ) -> None:
     """A call this worker ran reached a terminal state (or was handed back); ``inflight``: it was counted."""
     label = f"{kind}{SEP}{name}"
@@ -464,23 +466,17 @@ def watch_queues(conn: redis.Redis) -> None:
 
 
 def _observe_breakers(_options: Any) -> Iterable[Any]:
-    from opentelemetry.metrics import Observation
-
     with _totals.lock:
         current = dict(_totals.breakers)
     return [Observation(BREAKER_STATES.get(s, 0), {"hermes.breaker.key": k}) for k, s in current.items()]
 
 
 def _observe_queues(_options: Any) -> Iterable[Any]:
-    from opentelemetry.metrics import Observation
-
     if not _queue_conns:
         return []
     try:
-        return [
-            Observation(depth, {"messaging.destination.name": q})
-            for q, depth in queue_depths(_queue_conns[0])
-        ]
+        depths = queue_depths(_queue_conns[0])
+        return [Observation(depth, {"messaging.destination.name": q}) for q, depth in depths]
     except redis.RedisError:
         return []
 

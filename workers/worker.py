@@ -108,7 +108,7 @@ class Worker:
             serializer=MsgpackSerializer,
         )
         self.started_at = time.time()
-        # With ``wait_replicas``, claims go on a connection of their own (WAIT confirms its connection's writes).
+        # With ``wait_replicas``, claims go on a connection of their own (WAIT confirms its own writes).
         self._claims = self.core.calls
         if settings.broker.wait_replicas > 0:
             own = redis.Redis(connection_pool=conn.connection_pool, single_connection_client=True)
