@@ -148,11 +148,8 @@ class Circuit(Hook):
 
     def __init__(self, core: WorkerCore) -> None:
         super().__init__(core)
-        # Made once per spec object (a worker's settings do not change).
-        self._configs = PerSpec(lambda spec: breaker_config(core.settings, spec))
-
-    def config(self, spec: ToolSpec) -> BreakerConfig | None:
-        return self._configs.get(spec)
+        configs = PerSpec(lambda spec: breaker_config(core.settings, spec))  # once per spec object
+        self.config: Callable[[ToolSpec], BreakerConfig | None] = configs.get
 
     @functools.cached_property
     def breakers(self) -> Breakers:
