@@ -1,6 +1,5 @@
-"""How a worker process stops: a signal (or ``stop`` on the control channel) asks for it, the claim loop
-ends, and the calls in flight get the grace period; what is left is handed back to its queue.
-"""
+"""How a worker process stops: a signal (or ``stop`` on the control channel) asks for it, the calls in
+flight get the grace period, and what is left is handed back to its queue."""
 
 from __future__ import annotations
 

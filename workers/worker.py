@@ -1,9 +1,5 @@
-"""A worker process: claims calls from RQ queues and keeps up to N of them in flight on threads.
-
-It registers as an RQ worker (``rq info`` lists it and its queues), heartbeats, extends the leases of
-its calls, reaps the calls of dead workers, and on SIGTERM finishes in-flight calls within a grace
-period, handing back what is left (``workers.stopping``).
-"""
+"""A worker process: claims calls from RQ queues and keeps up to N of them in flight on threads; registers as
+an RQ worker, heartbeats, extends its calls' leases, reaps dead workers' calls and drains on SIGTERM."""
 
 from __future__ import annotations
 
@@ -200,12 +196,9 @@ class Worker:
 
     def _confirm_claims(self, call_ids: list[str]) -> None:
         """With ``broker.wait_replicas``: wait until the replicas have the claims before the calls start, so a
-        primary lost meanwhile cannot hand the same attempt to another worker.
-
-        Short of that, the calls run anyway, except one its caller cancels: a caller cancels a submission its
-        replicas did not confirm within ``wait_timeout_ms``, so a call submitted less than that ago is held
-        until its caller has decided.
-        """
+        primary lost meanwhile cannot hand the same attempt to another worker. Short of that the calls run
+        anyway, but one submitted less than ``wait_timeout_ms`` ago is held until its caller has decided
+        whether to cancel it (a caller cancels a submission its replicas did not confirm)."""
         confirmer = self.core.confirmer
         if confirmer.wanted():
             try:  # on the claims' own connection (a pipeline would take another from the pool)
