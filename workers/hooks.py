@@ -1,11 +1,9 @@
-"""Per-call concerns as hooks the runner runs (the shape of Dramatiq's middleware): the ``Hook`` base class,
-and the hooks that have no module of their own concern.
+"""Per-call concerns as hooks (the shape of Dramatiq's middleware): the ``Hook`` base class, and the hooks
+with no module of their own concern.
 
-``CallRunner`` calls a stage's ``before_*`` in ``HOOKS`` order (``workers/runner.py``) and its ``after_*`` in
-reverse, also when the stage raised, for the hooks whose ``before_*`` returned. Stages: ``call``, ``flow``
-(around the tool call's middleware flow), ``checks`` (the contract's policy step), ``execute`` (right around
-the executor) and ``ending`` (writes that ride with the terminal move); an LLM call passes ``call`` and
-``ending`` only. Hooks never move the call; what the caller should hear goes to ``run.notices``.
+The runner calls a stage's ``before_*`` in ``HOOKS`` order and its ``after_*`` in reverse, also when the stage
+raised, for the hooks whose ``before_*`` returned (docs/ARCHITECTURE.md describes the stages). Hooks never
+move the call; what the caller should hear goes to ``run.notices``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """A call's telemetry in a worker: its spans (OpenTelemetry messaging and GenAI conventions), its figures.
 
-``process <queue>`` (CONSUMER) continues the caller's trace from the envelope and links to the producer
-span; under it: ``tool_request``, ``policy``, ``tool_execution`` (the middleware phases, when any),
-``execute_tool <tool>`` (the executor, which forwards its context to the back end) and ``chat <model>``.
-Retries are span events; strings that could carry a secret are redacted. With tracing off,
-``CallTrace.start`` returns ``NO_TRACE``, whose methods do nothing.
+``process <queue>`` continues the caller's trace; under it: ``tool_request``, ``policy``, ``tool_execution``
+(the middleware phases), ``execute_tool <tool>`` and ``chat <model>``. Strings that could carry a secret are
+redacted. With tracing off, ``CallTrace.start`` returns ``NO_TRACE``, whose methods do nothing.
 """
 
 from __future__ import annotations
