@@ -64,9 +64,9 @@ class Hook:
         return None
 
 
-def overrides(hook: Hook, name: str) -> bool:
-    """Whether ``hook`` does something at ``name`` (the runner skips the no-op base methods)."""
-    return getattr(type(hook), name) is not getattr(Hook, name)
+def hooked(hook: Hook, name: str) -> Callable[..., Any] | None:
+    """``hook``'s method ``name``, or None where it keeps the base's no-op (the runner skips those)."""
+    return getattr(hook, name) if getattr(type(hook), name) is not getattr(Hook, name) else None
 
 
 class AuditRecordHook(Hook):

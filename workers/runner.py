@@ -37,7 +37,7 @@ from middleware.plugins import NAMESPACE as PLUGIN_NAMESPACE
 from workers import otelsdk, policy_store, retry, telemetry
 from workers.args import check_output, coerce_args
 from workers.executors import ExecContext, get_executor, run_executor
-from workers.hooks import AuditRecordHook, CallLog, Checks, Circuit, Hook, Writer, overrides
+from workers.hooks import AuditRecordHook, CallLog, Checks, Circuit, Hook, Writer, hooked
 from workers.llm import LLMCall, RateLimited, describe_response
 from workers.outbox import Outbox
 from workers.policy import Policy
@@ -155,20 +155,13 @@ class CallRunner:
         self.next_call: Callable[[Running], Callable[[], Sequence[Any]] | None] | None = None
         self.took: Callable[[str, Any, Sequence[Any]], None] | None = None
         hooks = [cls(core) for cls in HOOKS]
-        self._starts = [h.before_call for h in hooks if overrides(h, "before_call")]
-        self._ends = [h.after_call for h in reversed(hooks) if overrides(h, "after_call")]
-        self._endings = [h.ending for h in hooks if overrides(h, "ending")]
-        self._stages: dict[str, Stage] = {
-            stage: [
-                (
-                    getattr(h, f"before_{stage}") if overrides(h, f"before_{stage}") else None,
-                    getattr(h, f"after_{stage}") if overrides(h, f"after_{stage}") else None,
-                )
-                for h in hooks
-                if overrides(h, f"before_{stage}") or overrides(h, f"after_{stage}")
-            ]
-            for stage in ("flow", "checks", "execute")
-        }
+        self._starts = [f for h in hooks if (f := hooked(h, "before_call"))]
+        self._ends = [f for h in reversed(hooks) if (f := hooked(h, "after_call"))]
+        self._endings = [f for h in hooks if (f := hooked(h, "ending"))]
+        self._stages: dict[str, Stage] = {}
+        for stage in ("flow", "checks", "execute"):
+            pairs = [(hooked(h, f"before_{stage}"), hooked(h, f"after_{stage}")) for h in hooks]
+            self._stages[stage] = [pair for pair in pairs if pair != (None, None)]
 
     def _stage(self, stage: str, run: Running, spec: ToolSpec, args: dict[str, Any], body: Callable[[], Any]) -> Any:
         """``body`` between the stage's ``before_*`` (table order; one raising ends the stage) and ``after_*``
