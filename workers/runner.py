@@ -515,15 +515,9 @@ class CallRunner:
         )
         chan, ckey, trace, kind, tool, origin = (text(v) for v in raw)
         info = CallInfo(
-            claimed.call_id,
-            trace,
-            new_span_id(),
-            kind or "tool",
-            tool,
-            None,
-            chan or keys.caller_channel("unknown"),
-            ckey,
-            origin or keys.tag_in(claimed.call_id)[1:-1],  # its lease and slot are in its queue's keys
+            claimed.call_id, trace, new_span_id(), kind or "tool", tool, session_id=None,
+            channel=chan or keys.caller_channel("unknown"), ckey=ckey,
+            queue=origin or keys.tag_in(claimed.call_id)[1:-1],  # its lease and slot are in its queue's keys
         )
         run = Running(info, None, claimed.attempt)  # type: ignore[arg-type]
         log.warning("undecodable call payload", call_id=claimed.call_id, error=str(err))

@@ -69,13 +69,8 @@ class Worker:
     """One worker process."""
 
     def __init__(
-        self,
-        conn: redis.Redis,
-        settings: Settings,
-        queues: list[str],
-        concurrency: int = 16,
-        name: str | None = None,
-        grace: float = 25.0,
+        self, conn: redis.Redis, settings: Settings, queues: list[str], concurrency: int = 16,
+        name: str | None = None, grace: float = 25.0,
     ) -> None:
         durability.check_supported(conn, settings)
         self.conn = conn
@@ -99,9 +94,7 @@ class Worker:
         # Registered as an RQ worker (``rq info`` lists it) on a plain Redis; RQ knows no Redis Cluster.
         self.rq = None if is_cluster(conn) else RQWorker(
             [Queue(keys.tag(q), connection=conn, serializer=MsgpackSerializer) for q in queues],
-            connection=conn,
-            name=self.name,
-            serializer=MsgpackSerializer,
+            connection=conn, name=self.name, serializer=MsgpackSerializer,
         )
         self.started_at = time.time()
         # With ``wait_replicas``, claims go on a connection of their own (WAIT confirms its own writes).
