@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         if not url:
             print("error: HERMES_REDIS_URL is not set; a worker process needs a broker URL", file=sys.stderr)
             return 2
-        return run_worker(url, settings, [q for q in args.queues.split(",") if q], args.concurrency, args.grace)
+        queues = [q for q in args.queues.split(",") if q]
+        return run_worker(url, settings, queues, args.concurrency, args.grace)
     except HermesError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
