@@ -22,22 +22,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         settings = load_settings()
-    except HermesError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.metrics_port is not None:  # (what the pool passes its children in the environment)
-        host = args.metrics_host or settings.workers.metrics_host
-        metrics = dataclasses.replace(settings.workers, metrics_port=args.metrics_port, metrics_host=host)
-        settings = dataclasses.replace(settings, workers=metrics)
-    configure(settings.logging.level, settings.logging.format, batched=True)
-    url = settings.broker.url
-    if not url:
-        print("error: HERMES_REDIS_URL is not set; a worker process needs a broker URL", file=sys.stderr)
-        return 2
-    try:
-        return run_worker(
-            url, settings, [q for q in args.queues.split(",") if q], args.concurrency, args.grace
-        )
+        if args.metrics_port is not None:  # (what the pool passes its children in the environment)
+            host = args.metrics_host or settings.workers.metrics_host
+            metrics = dataclasses.replace(settings.workers, metrics_port=args.metrics_port, metrics_host=host)
+            settings = dataclasses.replace(settings, workers=metrics)
+        configure(settings.logging.level, settings.logging.format, batched=True)
+        url = settings.broker.url
+        if not url:
+            print("error: HERMES_REDIS_URL is not set; a worker process needs a broker URL", file=sys.stderr)
+            return 2
+        queues = [q for q in args.queues.split(",") if q]
+        return run_worker(url, settings, queues, args.concurrency, args.grace)
     except HermesError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,8 +1,5 @@
-"""The RQ job function of every call, so a stock RQ worker with our serializer can run one too.
-
-``rq worker --serializer broker.codec.MsgpackSerializer tools`` runs calls one at a time through the
-same runner; Hermes workers do not call this (they run many calls per process).
-"""
+"""The RQ job function of every call: ``rq worker --serializer broker.codec.MsgpackSerializer tools`` runs
+calls one at a time through the same runner (Hermes workers do not call this)."""
 
 from __future__ import annotations
 

@@ -1,27 +1,9 @@
-"""Per-call concerns as hooks the runner runs, in the order of ``HOOKS`` in ``workers/runner.py`` (the shape of
-Dramatiq's middleware); ``Hook``, which each subclasses, is here.
+"""Per-call concerns as hooks (the shape of Dramatiq's middleware): the ``Hook`` base class, and the hooks
+with no module of their own concern.
 
-A call passes these stages, each a pair of methods on ``Hook``; ``CallRunner`` calls a stage's ``before_*``
-in table order and its ``after_*`` in reverse, the latter also when the stage raised (``error`` set) but only
-for hooks whose ``before_*`` returned. A ``before_*`` that raises a gateway error ends the call with it.
-
-- ``before_call`` / ``after_call``: the call began here / it is over here (``outcome``: its terminal state,
-  or ``retrying``, ``handed_back``, ``lost``);
-- ``before_flow`` / ``after_flow``: around the tool call's middleware flow (``middleware/call_order.py``: request
-  middleware, the checks, the ``tool_execution`` chain, the observer hooks);
-- ``before_checks`` / ``after_checks``: on the effective arguments, after request middleware (the
-  contract's policy step);
-- ``before_execute`` / ``after_execute``: right around the executor, inside the ``tool_execution`` chain;
-- ``ending``: a terminal move is being queued; a returned function adds its writes to that move's pipeline.
-
-An LLM call passes ``call`` and ``ending`` only: its middleware runs per provider attempt in ``workers/llm.py``.
-
-Hooks never move the call: the runner owns its states. A hook that has something to tell the caller appends
-``(event type, detail)`` to ``run.notices``; the runner publishes them after the stage. A hook lives with
-its concern: ``CallMetrics``, ``Usage`` and ``CallSpans`` in ``workers/telemetry.py``, ``Failures`` beside
-the worker's counters in ``workers/runner.py``. The others are here: ``AuditRecordHook`` (the audit record),
-``CallLog`` (the call's log lines), ``Circuit`` (the tool's breaker) and ``Checks`` (the policy, then the
-input schema). A new per-call concern is one ``Hook`` subclass and a line in ``HOOKS``.
+The runner calls a stage's ``before_*`` in ``HOOKS`` order and its ``after_*`` in reverse, also when the stage
+raised, for the hooks whose ``before_*`` returned (docs/ARCHITECTURE.md describes the stages). Hooks never
+move the call; what the caller should hear goes to ``run.notices``.
 """
 
 from __future__ import annotations
@@ -82,15 +64,14 @@ class Hook:
         return None
 
 
-def overrides(hook: Hook, name: str) -> bool:
-    """Whether ``hook`` does something at ``name`` (the runner skips the no-op base methods)."""
-    return getattr(type(hook), name) is not getattr(Hook, name)
+def hooked(hook: Hook, name: str) -> Callable[..., Any] | None:
+    """``hook``'s method ``name``, or None where it keeps the base's no-op (the runner skips those)."""
+    return getattr(hook, name) if getattr(type(hook), name) is not getattr(Hook, name) else None
 
-
-# -- the audit record ------------------------------------------------------------------------------
-# A call's audit record (``broker/audit.py``), appended in the pipeline of its terminal move.
 
 class AuditRecordHook(Hook):
+    """A call's audit record (``broker/audit.py``), appended in the pipeline of its terminal move."""
+
     def ending(
         self, run: Running, state: str, result: Any, error: dict[str, Any] | None, duration: float
     ) -> Writer | None:
@@ -129,17 +110,14 @@ def _status_code(run: Running, error: dict[str, Any] | None) -> int | str | None
     return None
 
 
-# -- the log lines ---------------------------------------------------------------------------------
-# A call's log lines: ``call started`` (DEBUG) and ``call finished`` (INFO; WARNING with the error when failed).
-#
-# The ids (``call_id``, ``trace_id``, ``span_id``, ``tool``) are bound in contextvars by the runner. Only
-# the ``call finished`` line is written at the default level: each line costs a busy worker tens of µs.
-
 # Ends that are not the call's end (it runs again, here or elsewhere): DEBUG, the next attempt logs its own.
 NOT_ENDED = frozenset(("retrying", "handed_back", "lost"))
 
 
 class CallLog(Hook):
+    """``call started`` (DEBUG) and ``call finished`` (INFO; WARNING with the error when failed); the runner
+    binds the call's ids in contextvars."""
+
     def before_call(self, run: Running) -> None:
         if logs.debug_enabled():
             logs.call_log().debug("call started", attempt=run.attempt, queue_wait_ms=round(run.queue_wait * 1000, 3))
@@ -159,22 +137,17 @@ class CallLog(Hook):
             logs.call_log().info("call finished", state=outcome, duration_ms=ms)
 
 
-# -- the circuit breaker ---------------------------------------------------------------------------
-# A tool's circuit breaker (``broker/breaker.py``): checked right before its executor (open: CircuitOpen,
-# the back end is not called) and told the executor's outcome after. A state change is logged, counted,
-# published to the fleet and told to the call's caller as a ``progress`` event.
-
 log = structlog.get_logger("hermes.breaker")
 
 
 class Circuit(Hook):
+    """A tool's circuit breaker (``broker/breaker.py``): checked right before its executor (open: CircuitOpen)
+    and told the executor's outcome after; a change is logged, counted, published and told the caller."""
+
     def __init__(self, core: WorkerCore) -> None:
         super().__init__(core)
-        # Each spec's breaker config, made once per spec object (a worker's settings do not change).
-        self._configs = PerSpec(lambda spec: breaker_config(core.settings, spec))
-
-    def config(self, spec: ToolSpec) -> BreakerConfig | None:
-        return self._configs.get(spec)
+        configs = PerSpec(lambda spec: breaker_config(core.settings, spec))  # once per spec object
+        self.config: Callable[[ToolSpec], BreakerConfig | None] = configs.get
 
     @functools.cached_property
     def breakers(self) -> Breakers:
@@ -229,13 +202,10 @@ class Circuit(Hook):
         run.notices.append((PROGRESS, {"message": message, "breaker": change.to_dict()}))
 
 
-# -- the checks ------------------------------------------------------------------------------------
-# The contract's policy step on the effective arguments: the active policy (``workers/policy.py``), then
-# the tool's input schema (``workers/args.py``). Here, not in policy.py: a client that reads the policy
-# (``Gateway.tool_schemas``) does not load the argument validator.
-
-
 class Checks(Hook):
+    """The contract's policy step: the active policy, then the tool's input schema (here, not in policy.py:
+    a client that reads the policy does not load the argument validator)."""
+
     def before_checks(self, run: Running, spec: ToolSpec, args: dict[str, Any]) -> None:
         run.args = args  # the audit record keeps the arguments the checks saw, refused or not
         self.core.policy.enforce(run.env.context.get("principal"), spec, args)

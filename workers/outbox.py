@@ -1,8 +1,5 @@
-"""Write-behind: many threads queue Redis writes, one thread sends them in pipelines.
-
-Under load every round trip carries the writes of many calls; ordering per call is kept because
-there is one queue and one sender.
-"""
+"""Write-behind: many threads queue Redis writes, one thread sends them in pipelines (in order: one queue,
+one sender)."""
 
 from __future__ import annotations
 
@@ -25,7 +22,6 @@ log = structlog.get_logger("hermes.worker.outbox")
 Writer = Callable[[Pipeline], Any]
 Callback = Callable[[Any], None]
 
-
 _CLOSING_TRIES = 5  # a closing outbox (worker shutdown) stops retrying an unreachable broker after these
 
 
@@ -36,8 +32,7 @@ class Outbox:
         self, conn: redis.Redis, max_batch: int = 512, confirmer: Confirmer | None = None, name: str = "hermes-outbox"
     ) -> None:
         self.conn = conn
-        # With ``broker.wait_replicas``, every batch ends with WAIT: its callbacks (a hand-off starting the
-        # next call) run once the replicas have the writes. (Without, no confirmer is asked at all.)
+        # With ``broker.wait_replicas``, each batch ends with WAIT: its callbacks wait for the replicas.
         self.confirmer = confirmer if confirmer is not None and confirmer.asked else None
         self._unconfirmed_logged = 0.0
         self.max_batch = max_batch
@@ -92,9 +87,6 @@ class Outbox:
             self.conn.connection_pool.release(self._connection)
             self._connection = None
 
-    def pending(self) -> int:
-        return len(self._items)
-
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -131,8 +123,8 @@ class Outbox:
 
     @staticmethod
     def _settled(starts: list[int], ends: list[int], early: Callable[[int, Any], None]) -> pipes.Settled:
-        """``pipes.stock``'s ``on_settled``: answer the writers whose commands all ran (each writer's commands
-        are ``starts[k]`` to ``ends[k]`` of the pipeline)."""
+        """``pipes.stock``'s ``on_settled``: answer the writers whose commands (``starts[k]`` to ``ends[k]``)
+        all ran."""
 
         def settled(replies: list[Any], refused: set[int]) -> None:
             for k, (start, end) in enumerate(zip(starts, ends, strict=True)):
@@ -149,10 +141,8 @@ class Outbox:
             log.warning("writes not confirmed by the replicas", writes=writes, why=str(short))
 
     def _keep_trying(self, rounds: int, error: Exception) -> bool:
-        """Whether to send again the writes a moving cluster slot refused (``pipes.stock``): for as long as
-        the migration lasts — the calls those writes belong to keep their leases meanwhile (the worker
-        heartbeats them until their last write is in, ``WorkerCore.unwritten``) — and a few more seconds
-        only once the outbox is closing."""
+        """Whether to send again the writes a moving cluster slot refused: while the migration lasts (their
+        calls keep their leases meanwhile, ``WorkerCore.unwritten``), only a few more times once closing."""
         if rounds == 0 or rounds % 60 == 0:  # (about every 30 s while it lasts)
             log.warning("a cluster slot is moving: writes wait for it", error=str(error), rounds=rounds)
         return not self._closed or rounds < _CLOSING_TRIES * 4
@@ -162,13 +152,10 @@ class Outbox:
     ) -> list[Any]:
         """Send one pipeline; each writer's reply is the reply of the first command it added.
 
-        While the broker is unreachable the batch is sent again (every 2 s at most) until it answers: a
-        call that finished during an outage keeps its result instead of being run again once the broker
-        is back (the writes are fenced by attempt, so a call another worker took over meanwhile is not
-        overwritten). Only a closing outbox gives up, after a few tries. On a cluster, the writes a moving
-        slot refuses (ASK/TRYAGAIN/MOVED, redis-py's redirections running out) are sent again the same way,
-        alone (the rest of the batch went through), see ``_keep_trying``; ``early(k, reply)`` meanwhile
-        answers each writer none of whose commands was refused (not with WAIT: its callbacks wait for it).
+        While the broker is unreachable the batch is sent again until it answers (a call that finished during
+        an outage keeps its result; the writes are fenced by attempt); only a closing outbox gives up. On a
+        cluster, the writes a moving slot refuses are sent again alone (``_keep_trying``); ``early(k, reply)``
+        meanwhile answers each writer none of whose commands was refused (not with WAIT).
         """
         for attempt in itertools.count():
             if attempt >= _CLOSING_TRIES and self._closed:
@@ -176,9 +163,9 @@ class Outbox:
             pipe = self.conn.pipeline(transaction=False)
             starts = []
             for writer, _ in batch:
-                starts.append(len(pipe))  # (a cluster pipeline queues elsewhere: its command_stack stays empty)
+                starts.append(len(pipe))
                 writer(pipe)
-            ends = [*starts[1:], len(pipe)]  # (where each writer's commands end; WAIT comes after them)
+            ends = [*starts[1:], len(pipe)]  # (WAIT comes after them)
             confirm = self.confirmer is not None and self.confirmer.queue(pipe)
             settled = None if confirm or early is None else self._settled(starts, ends, early)
             try:

@@ -1,9 +1,8 @@
 """Running one call through the state machine: routing → executing → formatting → done.
 
 ``CallRunner`` owns every state move of a call and runs the per-call hooks at each stage; ``WorkerCore``
-is what a call needs from its worker process: broker access, directory, executors, bookkeeping. Every
-transition goes through the worker's outbox (write-behind, pipelined) and is fenced by the call's attempt
-number, so a worker that lost its lease can no longer move the call.
+is what a call needs from its worker process. Every move goes through the worker's outbox and is fenced by
+the call's attempt number, so a worker that lost its lease can no longer move the call.
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +37,7 @@ from middleware.plugins import NAMESPACE as PLUGIN_NAMESPACE
 from workers import otelsdk, policy_store, retry, telemetry
 from workers.args import check_output, coerce_args
 from workers.executors import ExecContext, get_executor, run_executor
-from workers.hooks import AuditRecordHook, CallLog, Checks, Circuit, Hook, Writer, overrides
+from workers.hooks import AuditRecordHook, CallLog, Checks, Circuit, Hook, Writer, hooked
 from workers.llm import LLMCall, RateLimited, describe_response
 from workers.outbox import Outbox
 from workers.policy import Policy
@@ -67,18 +67,17 @@ class Running:
     sensitive: tuple[str, ...] = ()
     middleware_trace: list[dict[str, Any]] = field(default_factory=list)  # request middleware's, for audit
     started: float = field(default_factory=time.monotonic)
-    trace: NoTrace = NO_TRACE  # the call's spans (NO_TRACE when tracing is off)
+    trace: NoTrace = NO_TRACE
     claimed_at: float = 0.0  # wall clock when this worker began it (0: never began)
     outcome: str = ""  # how it ended here (its terminal state, retrying, handed_back, lost); "" while running
     rate: bool = False  # its concurrency key has a rate limit (its sends are stamped on the limiter)
-    sent: bool = False  # a request of it left (stamped): its limiter entry counts it
+    sent: bool = False  # a request of it left: its limiter entry counts it
     usage: dict[str, int] | None = None  # an LLM call's reported tokens: {"in": prompt, "out": completion}
     notices: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # hooks' events, for the runner
-    span: Any = None  # the executor span while the executor runs (``CallSpans``, workers/telemetry.py)
-    breaker: Any = None  # (its breaker config, probe) while the executor runs (``Circuit``, workers/hooks.py)
+    span: Any = None  # the executor span while the executor runs (``CallSpans``)
+    breaker: Any = None  # (its breaker config, probe) while the executor runs (``Circuit``)
     open: _Write | None = None  # its last write, while later moves may still join it
-    # Guards joining that write against the sender taking it, and the call's writes queueing in move order
-    # (one per call: the calls of a process never wait on each other's writes).
+    # Guards joining that write against the sender taking it; one per call, so calls never wait on each other.
     writes: threading.Lock = field(default_factory=threading.Lock)
     passed_on: bool = False  # its end takes the next call, which gets its thread slot (``CallRunner.next_call``)
     take_sent: Sequence[Any] = ()  # the ``take`` arguments its ending write last went with
@@ -90,12 +89,8 @@ class Running:
 
 
 class _Write:
-    """A call's moves queued as one outbox write (one script call).
-
-    Moves the call makes before the outbox's sender takes the write join it — under load the quick
-    successions routing → executing and formatting → done each cost one round of Redis work instead of
-    two — and their events are still recorded and published one by one, in order, with their own times.
-    """
+    """A call's moves queued as one outbox write (one script call): moves made before the sender takes it join
+    it, and their events are still recorded and published one by one, in order, with their own times."""
 
     __slots__ = ("current", "steps", "kw", "after", "callbacks", "taken")
 
@@ -108,14 +103,13 @@ class _Write:
         self.taken = False  # the sender has read it: later moves make a write of their own
 
 
-# -- the per-call hooks ------------------------------------------------------------------------------
-# The worker's call counts (its heartbeat reports them) and the fleet's list of recent failures
-# (``hermes:failures``, the last ``FAILURES_KEPT``), written with the failed call's terminal move.
-
 FAILURES_KEPT = 100
 
 
 class Failures(Hook):
+    """The worker's call counts (its heartbeat reports them) and the fleet's list of recent failures
+    (``hermes:failures``), written with the failed call's terminal move."""
+
     def ending(
         self, run: Running, state: str, result: Any, error: dict[str, Any] | None, duration: float
     ) -> Writer | None:
@@ -132,7 +126,6 @@ class Failures(Hook):
                 "error": error or {},
                 "ts": time.time(),
                 "worker": core.name,
-                # (the API shows a non-admin token its own principal's failures only)
                 "principal": run.env.context.get("principal") if run.env is not None else None,
             }
         )
@@ -144,9 +137,8 @@ class Failures(Hook):
         return write
 
 
-# The one table of per-call concerns (``workers/hooks.py`` says how they run): ``before_*`` run in
-# this order, ``after_*`` in reverse. The breaker is checked before the executor span opens (an open circuit
-# calls no executor); the spans wrap the checks (a ``policy`` span).
+# The per-call concerns (``workers/hooks.py``): ``before_*`` run in this order, ``after_*`` in reverse. The
+# breaker is checked before the executor span opens (an open circuit calls no executor).
 HOOKS: list[type[Hook]] = [CallMetrics, CallLog, Circuit, CallSpans, Checks, Usage, AuditRecordHook, Failures]
 
 
@@ -154,33 +146,22 @@ Stage = list[tuple[Callable[..., None] | None, Callable[..., None] | None]]
 
 
 class CallRunner:
-    """Runs claimed calls for one worker process: owns every state move of a call, and runs the per-call
-    hooks (``workers/hooks.py``) at each stage of it."""
+    """Runs claimed calls for one worker process: owns every state move of a call and runs its hooks."""
 
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
         # Set by the worker: the TRANSITION ``take`` arguments for the call ending (None: take none), and
-        # what gets the reply (the calls taken, which start on the ended call's thread slot, or nothing
-        # and the slot goes back). Without them each ending call's slot goes back at once.
+        # what gets the reply. Without them each ending call's thread slot goes back at once.
         self.next_call: Callable[[Running], Callable[[], Sequence[Any]] | None] | None = None
         self.took: Callable[[str, Any, Sequence[Any]], None] | None = None
         hooks = [cls(core) for cls in HOOKS]
-        self._starts = [h.before_call for h in hooks if overrides(h, "before_call")]
-        self._ends = [h.after_call for h in reversed(hooks) if overrides(h, "after_call")]
-        self._endings = [h.ending for h in hooks if overrides(h, "ending")]
-        self._stages: dict[str, Stage] = {
-            stage: [
-                (
-                    getattr(h, f"before_{stage}") if overrides(h, f"before_{stage}") else None,
-                    getattr(h, f"after_{stage}") if overrides(h, f"after_{stage}") else None,
-                )
-                for h in hooks
-                if overrides(h, f"before_{stage}") or overrides(h, f"after_{stage}")
-            ]
-            for stage in ("flow", "checks", "execute")
-        }
-
-    # -- hooks -----------------------------------------------------------------------------------
+        self._starts = [f for h in hooks if (f := hooked(h, "before_call"))]
+        self._ends = [f for h in reversed(hooks) if (f := hooked(h, "after_call"))]
+        self._endings = [f for h in hooks if (f := hooked(h, "ending"))]
+        self._stages: dict[str, Stage] = {}
+        for stage in ("flow", "checks", "execute"):
+            pairs = [(hooked(h, f"before_{stage}"), hooked(h, f"after_{stage}")) for h in hooks]
+            self._stages[stage] = [pair for pair in pairs if pair != (None, None)]
 
     def _stage(self, stage: str, run: Running, spec: ToolSpec, args: dict[str, Any], body: Callable[[], Any]) -> Any:
         """``body`` between the stage's ``before_*`` (table order; one raising ends the stage) and ``after_*``
@@ -217,13 +198,11 @@ class CallRunner:
             except Exception:  # noqa: BLE001 - as in _stage
                 log.exception("hook failed", stage="after_call", hook=type(getattr(after, "__self__", after)).__name__)
 
-    # -- transitions -----------------------------------------------------------------------------
-
     def _move(self, run: Running, target: State, detail: dict[str, Any] | None = None) -> None:
         current = run.state
         run.state = target
         if target is State.EXECUTING and run.rate and run.env.kind == "tool":
-            run.sent = True  # (its limiter entry counts from the call's end: when the back end surely had it)
+            run.sent = True  # (its limiter entry counts from the call's end, when the back end surely had it)
         self._write(run, current, (target, detail, time.time()), {}, check=lambda reply: self._check(run, target, reply))
 
     def _write(
@@ -307,12 +286,8 @@ class CallRunner:
         if run.state is State.ROUTING:
             self._move(run, State.EXECUTING)
 
-    def progress(self, run: Running, message: str) -> None:
-        # Progress is fenced like a transition: a refusal means the call was taken from us, so stop the tool.
-        self.publish(run, PROGRESS, {"message": message})
-
     def publish(self, run: Running, event_type: str, detail: dict[str, Any]) -> None:
-        """A non-state event (a stream delta, a retry notice), fenced like a transition."""
+        """A non-state event (progress, a stream delta), fenced like a transition."""
         calls = self.core.calls
         state = run.state
         ts = time.time()
@@ -324,8 +299,6 @@ class CallRunner:
             run.open = None
             self.core.write(run, write, lambda reply: self._check(run, state, reply))
 
-    # -- the call --------------------------------------------------------------------------------
-
     def run(self, claimed: Claimed) -> bool:
         """Run one claimed call to a terminal state (or hand it back); never raises. True when its thread
         slot passed on with its end (``next_call``: the worker must not give it back)."""
@@ -334,7 +307,7 @@ class CallRunner:
         except DecodeError as e:
             self._fail_undecodable(claimed, e)
             return False
-        ckey = self.core.ckey_of(env)
+        ckey = concurrency_key(env)
         claimed_at = time.time()
         # With tracing on, events carry the consumer span's id, so events and spans line up.
         trace = CallTrace.start(env, claimed.attempt, claimed_at)
@@ -365,8 +338,8 @@ class CallRunner:
                 )
         finally:
             self.core.untrack(run)
-            if run.ctx is not None:  # its sink closes over the call: without this, a cycle per call, left to the
-                run.ctx.progress_sink = None  # collector (workers.gc_threshold: a 20-45 ms pause every 2 s)
+            if run.ctx is not None:  # (its sink closes over the call: a reference cycle per call otherwise)
+                run.ctx.progress_sink = None
             if not run.outcome:  # retrying, handed back or taken over: no terminal move here
                 if run.state is State.RETRYING:
                     outcome = "retrying"
@@ -398,7 +371,7 @@ class CallRunner:
             traceparent=env.traceparent,
             tracestate=env.tracestate,
             baggage=env.baggage,
-            progress_sink=lambda msg: self.progress(run, msg),
+            progress_sink=lambda msg: self.publish(run, PROGRESS, {"message": msg}),
             settings=core.settings.executor_settings(spec.executor),
         )
         if core.is_cancelled(env.call_id):
@@ -413,8 +386,8 @@ class CallRunner:
         self._finish(run, State.DONE, result=result)
 
     def _flow(self, run: Running, spec: ToolSpec, args: dict[str, Any]) -> Any:
-        """The contract's tool call (``middleware/call_order.py``) with the hooks' checks as its policy step and
-        the executor, between the execute hooks, at the heart of its ``tool_execution`` chain."""
+        """The contract's tool call (``middleware/call_order.py``): the check hooks as its policy step, the
+        executor between the execute hooks."""
         ctx = run.ctx
         assert ctx is not None
 
@@ -424,8 +397,6 @@ class CallRunner:
         def execute(eff: dict[str, Any]) -> Any:
             self.executing(run)
             ctx.check()
-            # ${VAR} in the spec is filled from this worker's environment here, before any executor
-            # fills {{field}} from the arguments (``run_executor``, workers/executors/__init__.py).
             executor = get_executor(spec.executor, ctx.settings)
             return self._stage("execute", run, spec, eff, lambda: run_executor(executor, spec, eff, ctx))
 
@@ -544,15 +515,9 @@ class CallRunner:
         )
         chan, ckey, trace, kind, tool, origin = (text(v) for v in raw)
         info = CallInfo(
-            claimed.call_id,
-            trace,
-            new_span_id(),
-            kind or "tool",
-            tool,
-            None,
-            chan or keys.caller_channel("unknown"),
-            ckey,
-            origin or keys.tag_in(claimed.call_id)[1:-1],  # its lease and slot are in its queue's keys
+            claimed.call_id, trace, new_span_id(), kind or "tool", tool, session_id=None,
+            channel=chan or keys.caller_channel("unknown"), ckey=ckey,
+            queue=origin or keys.tag_in(claimed.call_id)[1:-1],  # its lease and slot are in its queue's keys
         )
         run = Running(info, None, claimed.attempt)  # type: ignore[arg-type]
         log.warning("undecodable call payload", call_id=claimed.call_id, error=str(err))
@@ -561,9 +526,6 @@ class CallRunner:
 
 def _nothing() -> None:
     return None
-
-
-# -- the process's side ----------------------------------------------------------------------------
 
 
 def _blocked(tool_name: str, message: str, _ctx: dict[str, Any]) -> Any:
@@ -584,14 +546,13 @@ class WorkerCore:
         self.calls.keep_history = settings.workers.keep_history
         self.confirmer = Confirmer(settings)  # WAITs for the replicas, when broker.wait_replicas asks
         self.outbox = Outbox(conn, confirmer=self.confirmer)
-        # Batch calls' writes (``call_class="batch"``) go through an outbox of their own, started with the
-        # first: an agent's call never waits behind a batch's round trip (a call's writes all go one way,
-        # so their order holds).
+        # Batch calls' writes go through an outbox of their own (``outbox_of``): an agent's call never waits
+        # behind a batch's round trip.
         self._batch_outbox: Outbox | None = None
         self.directory = Directory(conn)
         self._inflight: dict[str, Running] = {}
-        # Calls that ended here whose writes are still on their way (a cluster slot moving holds them in the
-        # outbox): the worker keeps their leases, so the reaper does not take and run them again.
+        # Calls that ended here whose writes are still in the outbox (a cluster slot moving): their leases are
+        # kept, so the reaper does not run them again.
         self._unwritten: dict[str, Running] = {}
         self._writing: dict[int, int] = {}  # writes queued and not answered yet, per run (id of its Running)
         self._held: dict[str, int] = {}  # calls in flight here per concurrency key
@@ -615,15 +576,9 @@ class WorkerCore:
         self.plugins.load()
         self.tool_flow = ToolCallFlow(self.plugins, on_blocked=_blocked)
         self.llm_flow = LLMCallFlow(self.plugins, describe_response=describe_response)
-        # Tracing and metrics from OTEL_* / HERMES_TRACE (off unless asked for); figures for `status --watch`.
         otelsdk.setup("hermes-worker", settings.telemetry)
         telemetry.watch_queues(conn)
         self.stats = telemetry.StatsFlusher(conn, name, self.inflight_by_key)
-
-    # -- bookkeeping -----------------------------------------------------------------------------
-
-    def ckey_of(self, env: Envelope) -> str:
-        return concurrency_key(env)
 
     def track(self, run: Running) -> None:
         with self._lock:
@@ -632,8 +587,7 @@ class WorkerCore:
             self._held[ckey] = self._held.get(ckey, 0) + 1
 
     def write(self, run: Running, writer: Callable[[Any], None], callback: Callable[[Any], None]) -> None:
-        """Queue a write of ``run`` on the outbox; until it is answered the call counts as ``unwritten``
-        once it left this process's in-flight set (its lease is kept)."""
+        """Queue a write of ``run``; until it is answered a call no longer in flight here is ``unwritten``."""
         key = id(run)
         with self._lock:
             self._writing[key] = self._writing.get(key, 0) + 1
@@ -676,8 +630,7 @@ class WorkerCore:
                 del self._inflight[run.info.call_id]
             if self._writing.get(id(run)):
                 self._unwritten[run.info.call_id] = run
-            # Paired with track() (runner.run's finally), even when a newer run of the same call id (taken
-            # over after a lost lease, then given back to us) replaced this one in _inflight.
+            # Paired with track(), even when a newer run of the same call id replaced this one in _inflight.
             ckey = run.info.ckey
             left = self._held.get(ckey, 1) - 1
             if left > 0:
@@ -693,14 +646,11 @@ class WorkerCore:
 
     def inflight_by_key(self) -> dict[str, int]:
         """Calls running in this process per concurrency key."""
-        out: dict[str, int] = {}
-        for run in self.inflight():
-            out[run.info.ckey] = out.get(run.info.ckey, 0) + 1
-        return out
+        return Counter(run.info.ckey for run in self.inflight())
 
     def rate_sent(self, run: Running) -> None:
-        """The provider answered ``run``'s request (so had received it): stamp its rate limiter entry
-        (write-behind: a stamp later than the provider's receipt only keeps the entry counted longer)."""
+        """The provider answered ``run``'s request: stamp its rate limiter entry (a late stamp only keeps the
+        entry counted longer)."""
         info, limiter = run.info, self.limiter
         self.outbox.put(lambda pipe: limiter.sent(info.call_id, info.queue, info.ckey, pipeline=pipe))
 
@@ -737,8 +687,6 @@ class WorkerCore:
         return True
 
     def is_cancelled(self, call_id: str) -> bool:
-        # A cancel lands here through the control channel; by the time a call is ``routing`` in
-        # Redis it is tracked, so a client that saw ``routing`` and published reaches it.
         return call_id in self._cancelled
 
     def reload(self) -> None:
@@ -765,4 +713,4 @@ class WorkerCore:
         if self._batch_outbox is not None:
             self._batch_outbox.close()
         self.outbox.close()
-        self.stats.close()  # spans still buffered go out in otelsdk.shutdown at exit (bounded)
+        self.stats.close()

@@ -1,25 +1,14 @@
 """Lean spans: what the SDK's tracer records, for a fraction of its cost, into the same export pipeline.
 
-The SDK's ``Tracer.start_span`` costs about 100 µs per span on a small machine (attribute cleaning
-through ABC checks, bounded containers with locks, links, self-metrics); a call has three or more, and
-that was most of what tracing cost a worker. ``LeanTracer`` is used instead when the tracer provider is
-the one ``otelsdk.setup`` installed (a ``Provider``); any other provider — one a host application or a
-test installed — gets the SDK's own tracer.
-
-It keeps the SDK's behaviour where it shows: the provider's sampler decides (and may add attributes or
-trace state), its id generator makes the ids, its span limits bound attributes, events and links, and
-a finished span is an SDK ``ReadableSpan`` handed to every span processor of the provider — the batch
-processor and exporter configured by ``OTEL_*`` (OTLP, console, memory) see exactly what they would.
-What it leaves out: the SDK's own self-metrics on span counts, its private ``_on_ending`` processor hook,
-and ``dropped_*`` counts on exported spans (spans we make stay far below the limits; over a limit, the
-oldest attribute goes, as in the SDK).
+``LeanTracer`` serves our scope when the tracer provider is the one ``otelsdk.setup`` installed (a
+``Provider``). It keeps the SDK's behaviour where it shows: the provider's sampler, id generator and span
+limits apply, and a finished span is an SDK ``ReadableSpan`` handed to every span processor of the provider.
+It leaves out the SDK's self-metrics, its private ``_on_ending`` hook and ``dropped_*`` counts.
 """
 
 from __future__ import annotations
 
-import traceback
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from time import time_ns
 from types import MappingProxyType, TracebackType
 from typing import Any
@@ -27,6 +16,8 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, TracerProvider
+from opentelemetry.sdk.trace import Span as SDKSpan
+from opentelemetry.sdk.trace import Tracer as SDKTracer
 from opentelemetry.sdk.trace.sampling import ParentBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import (
@@ -104,9 +95,8 @@ class LeanTracer:
         self._as_given: int | None = None
         if limits.max_span_attribute_length is None:
             self._as_given = 1 << 30 if limits.max_span_attributes is None else limits.max_span_attributes
-        # A ParentBased sampler with its default delegates samples a span with a parent exactly when the
-        # parent is sampled, keeping its trace state and the given attributes: for such a sampler the
-        # decision is made here without asking it for every span (its description names its delegates).
+        # A ParentBased sampler with its default delegates follows the parent: decided here without asking
+        # it for every span (its description names its delegates).
         sampler = provider.sampler
         described = sampler.get_description() if type(sampler) is ParentBased else ""
         self._follow_local = described.endswith(_LOCAL_DEFAULTS)
@@ -165,29 +155,8 @@ class LeanTracer:
             processor.on_start(span, parent_context=context)
         return span
 
-    @contextmanager
-    def start_as_current_span(
-        self,
-        name: str,
-        context: otel_context.Context | None = None,
-        kind: SpanKind = SpanKind.INTERNAL,
-        attributes: Mapping[str, Any] | None = None,
-        links: Sequence[Link] | None = (),
-        start_time: int | None = None,
-        record_exception: bool = True,
-        set_status_on_exception: bool = True,
-        end_on_exit: bool = True,
-    ) -> Iterator[trace.Span]:
-        span = self.start_span(
-            name, context, kind, attributes, links, start_time, record_exception, set_status_on_exception
-        )
-        with trace.use_span(
-            span,
-            end_on_exit=end_on_exit,
-            record_exception=record_exception,
-            set_status_on_exception=set_status_on_exception,
-        ) as current:
-            yield current
+    # The SDK tracer's own: it only calls ``self.start_span`` and ``trace.use_span``.
+    start_as_current_span = SDKTracer.start_as_current_span
 
 
 def _field(slot: str) -> Any:
@@ -198,32 +167,13 @@ class LeanSpan(trace.Span):
     """A recording span; ``end()`` hands an SDK ``ReadableSpan`` to the provider's processors."""
 
     __slots__ = (
-        "_tracer",
-        "_name",
-        "_context",
-        "_parent",
-        "_kind",
-        "_attributes",
-        "_events",
-        "_links",
-        "_status",
-        "_start",
-        "_end",
-        "_record_exception",
-        "_status_on_exception",
-        "_open",
+        "_tracer", "_name", "_context", "_parent", "_kind", "_attributes", "_events", "_links", "_status",
+        "_start", "_end", "_record_exception", "_status_on_exception", "_open",
     )
 
     def __init__(
-        self,
-        tracer: LeanTracer,
-        name: str,
-        context: SpanContext,
-        parent: SpanContext | None,
-        kind: SpanKind,
-        start: int,
-        record_exception: bool = True,
-        status_on_exception: bool = True,
+        self, tracer: LeanTracer, name: str, context: SpanContext, parent: SpanContext | None, kind: SpanKind,
+        start: int, record_exception: bool = True, status_on_exception: bool = True,
     ) -> None:
         self._tracer = tracer
         self._name = name
@@ -240,7 +190,7 @@ class LeanSpan(trace.Span):
         self._status_on_exception = status_on_exception
         self._open = [True]  # emptied by the one end() that exports
 
-    # What a processor may read in on_start (the SDK's span is a ReadableSpan too).
+    # What a processor may read in on_start.
     name = _field("_name")
     context = _field("_context")
     parent = _field("_parent")
@@ -253,8 +203,6 @@ class LeanSpan(trace.Span):
     links = property(lambda self: tuple(self._links))
     resource = property(lambda self: self._tracer.provider.resource)
     instrumentation_scope = property(lambda self: self._tracer.scope)
-
-    # -- the Span interface --------------------------------------------------------------------
 
     def get_span_context(self) -> SpanContext:
         return self._context
@@ -313,42 +261,20 @@ class LeanSpan(trace.Span):
         elif status is not StatusCode.UNSET:
             self._status = Status(status, description)
 
-    def record_exception(
-        self,
-        exception: BaseException,
-        attributes: Mapping[str, Any] | None = None,
-        timestamp: int | None = None,
-        escaped: bool = False,
-    ) -> None:
-        module, qualname = type(exception).__module__, type(exception).__qualname__
-        attrs: dict[str, Any] = {
-            "exception.type": f"{module}.{qualname}" if module and module != "builtins" else qualname,
-            "exception.message": str(exception),
-            "exception.stacktrace": "".join(traceback.format_exception(exception)),
-            "exception.escaped": str(escaped),
-        }
-        attrs.update(attributes or {})
-        self.add_event("exception", attrs, timestamp)
+    # The SDK span's own: it only builds the event's attributes and calls ``self.add_event``.
+    record_exception: Callable[..., None] = SDKSpan.record_exception
 
     def end(self, end_time: int | None = None) -> None:
         try:
-            self._open.pop()  # atomic: of two threads ending a span at once, one exports it (no lock to
-        except IndexError:  # convoy on: a process-wide one cost every call thread a wait on the GIL)
+            self._open.pop()  # atomic: of two threads ending a span at once, one exports it (no lock)
+        except IndexError:
             return
         self._end = end_time or time_ns()
         tracer = self._tracer
         finished = ReadableSpan(
-            name=self._name,
-            context=self._context,
-            parent=self._parent,
-            resource=tracer.provider.resource,
-            attributes=dict(self._attributes),
-            events=tuple(self._events),
-            links=tuple(self._links),
-            kind=self._kind,
-            status=self._status,
-            start_time=self._start,
-            end_time=self._end,
+            name=self._name, context=self._context, parent=self._parent, resource=tracer.provider.resource,
+            attributes=dict(self._attributes), events=tuple(self._events), links=tuple(self._links),
+            kind=self._kind, status=self._status, start_time=self._start, end_time=self._end,
             instrumentation_scope=tracer.scope,
         )
         for processor in tracer.provider.processors:

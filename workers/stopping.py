@@ -1,6 +1,5 @@
-"""How a worker process stops: a signal (or ``stop`` on the control channel) asks for it, the claim loop
-ends, and the calls in flight get the grace period; what is left is handed back to its queue.
-"""
+"""How a worker process stops: a signal (or ``stop`` on the control channel) asks for it, the calls in
+flight get the grace period, and what is left is handed back to its queue."""
 
 from __future__ import annotations
 
@@ -26,9 +25,8 @@ log = structlog.get_logger("hermes.worker")
 def install_signals(request_stop: Callable[[], None]) -> None:
     """SIGTERM/SIGINT call ``request_stop``; a second SIGINT exits at once.
 
-    The handler takes no lock (it may interrupt the main thread while that holds the logger's or an
-    Event's lock, and a second signal may interrupt the handler itself): it only writes the signal
-    number to a pipe, and a thread of ours logs it and asks the worker to stop.
+    The handler takes no lock (it may interrupt a thread holding one): it writes the signal number to a pipe,
+    and a thread of ours logs it and asks the worker to stop.
     """
     read_fd, write_fd = os.pipe()
     interrupts = [0]
@@ -70,7 +68,7 @@ def drain(core: WorkerCore, pool: CallThreads, grace: float) -> int:
     for run in leftovers:
         hand_back(core, run)
     core.flush(grace)
-    dropped = pool.shutdown(wait=True, cancel_pending=True)
+    dropped = pool.shutdown()
     if dropped:  # taken off the queue, never started: the reaper puts them back when their lease ends
         log.warning("calls taken but not started are left to the reaper", calls=dropped)
     core.close()

@@ -1,16 +1,8 @@
-"""A call's telemetry in a worker: its spans, then its figures (metrics), in that order below.
+"""A call's telemetry in a worker: its spans (OpenTelemetry messaging and GenAI conventions), its figures.
 
-Spans follow the OpenTelemetry messaging and GenAI conventions.
-
-``process <queue>`` (CONSUMER) continues the caller's trace from the envelope's W3C context and links
-to the producer span; under it: ``tool_request`` (request middleware, when any is registered),
-``policy``, ``tool_execution`` (the execution middleware chain, when any), ``execute_tool <tool>``
-(the executor; the executors forward *its* context to the back end) and ``chat <model>`` (a provider
-call). Retries are span events. Failures set status ERROR and ``error.type``. Every string that
-could carry a secret goes through ``broker.logs.redact`` first.
-
-With tracing off (no SDK provider) ``CallTrace.start`` returns ``NO_TRACE``, whose methods do nothing,
-so the call path never branches and pays almost nothing.
+``process <queue>`` continues the caller's trace; under it: ``tool_request``, ``policy``, ``tool_execution``
+(the middleware phases), ``execute_tool <tool>`` and ``chat <model>``. Strings that could carry a secret are
+redacted. With tracing off, ``CallTrace.start`` returns ``NO_TRACE``, whose methods do nothing.
 """
 
 from __future__ import annotations
@@ -28,12 +20,11 @@ from typing import TYPE_CHECKING, Any, cast
 import redis
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import (
-    Link,
-    SpanKind,
-)
+from opentelemetry.metrics import Observation
+from opentelemetry.trace import Link, SpanKind
 
 from broker import keys, otel
+from broker.codec import text
 from broker.errors import CallCancelled
 from broker.logs import redact, redact_text
 from broker.otel import MESSAGING_SYSTEM, error_type, mark_failed, parent_context, traceparent_of
@@ -49,50 +40,34 @@ ARGS_LIMIT = 1024
 _NULL: AbstractContextManager[Any] = nullcontext()
 
 
-def retry_event(span: Any, attempt: int, delay: float, error: BaseException | Mapping[str, Any]) -> None:
-    """A retry as a span event: which attempt failed, why, and the wait before the next one."""
-    message = str(error.get("message") or "") if isinstance(error, Mapping) else str(error)
-    span.add_event(
-        "retry",
-        {
-            "hermes.attempt": attempt,
-            "hermes.retry.delay_s": round(delay, 3),
-            "error.type": error_type(error),
-            "exception.message": redact_text(message)[:500],
-        },
-    )
-
-
 def _args_attribute(args: Mapping[str, Any] | None, sensitive: Sequence[str]) -> str:
     if not args:
         return "{}"
-    text = json.dumps(redact(dict(args or {}), sensitive), ensure_ascii=False, default=str)
+    text = json.dumps(redact(dict(args), sensitive), ensure_ascii=False, default=str)
     return text if len(text) <= ARGS_LIMIT else text[: ARGS_LIMIT - 1] + "…"
 
 
 class _Phase:
-    """A span we end ourselves on leaving; ``ctx`` set: that context is current meanwhile (executors)."""
+    """A span we end ourselves on leaving, with ``ctx`` current meanwhile (the executor's, the provider's)."""
 
     __slots__ = ("span", "ctx", "_token")
 
-    def __init__(self, span: Any, ctx: otel_context.Context | None = None) -> None:
+    def __init__(self, span: Any, ctx: otel_context.Context) -> None:
         self.span = span
         self.ctx = ctx
         self._token: Any = None
 
     def __enter__(self) -> Any:
-        if self.ctx is not None:
-            self._token = otel_context.attach(self.ctx)
+        self._token = otel_context.attach(self.ctx)
         return self.span
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        span = self.span
         if self._token is not None:
             otel_context.detach(self._token)
             self._token = None
-        _ended(span, exc)
+        _ended(self.span, exc)
 
 
 def _ended(span: Any, exc: BaseException | None) -> None:
@@ -107,16 +82,9 @@ def _ended(span: Any, exc: BaseException | None) -> None:
 def _start(tracer: Any, name: str, parent: Any, kind: SpanKind, attributes: dict[str, Any]) -> Any:
     # We end (and mark) our spans ourselves, so the SDK's own exception recording stays off.
     return tracer.start_span(
-        name,
-        context=parent,
-        kind=kind,
-        attributes=attributes,
-        record_exception=False,
+        name, context=parent, kind=kind, attributes=attributes, record_exception=False,
         set_status_on_exception=False,
     )
-
-
-# -- one call ----------------------------------------------------------------------------------
 
 
 class NoTrace:
@@ -125,14 +93,9 @@ class NoTrace:
     span_id: str | None = None
     span: Any = None
 
-    def open(self, name: str) -> None:
-        return None
+    def open(self, name: str) -> None: ...
 
-    def close(self, name: str, error: BaseException | None = None) -> None:
-        return None
-
-    def phase(self, name: str, **attributes: Any) -> AbstractContextManager[Any]:
-        return _NULL
+    def close(self, name: str, error: BaseException | None = None) -> None: ...
 
     def executor(
         self, spec: Any, args: Mapping[str, Any], ctx: Any, sensitive: Sequence[str] = ()
@@ -142,25 +105,19 @@ class NoTrace:
     def provider(self, model: str, provider: str, ctx: Any) -> AbstractContextManager[Any]:
         return _NULL
 
-    def retry(self, attempt: int, delay: float, error: BaseException | Mapping[str, Any]) -> None:
-        return None
+    def retry(self, attempt: int, delay: float, error: BaseException | Mapping[str, Any]) -> None: ...
 
-    def end(self, state: str, error: Mapping[str, Any] | None = None) -> None:
-        return None
+    def end(self, state: str, error: Mapping[str, Any] | None = None) -> None: ...
 
-    def finish(self) -> None:
-        return None
+    def finish(self) -> None: ...
 
 
 NO_TRACE = NoTrace()
 
 
 class CallTrace(NoTrace):
-    """The spans of one call in this worker: ``process <queue>`` and its children.
-
-    Children get their parent passed explicitly; the OpenTelemetry context is made current only around
-    the executor and the provider (user code that reads baggage or opens spans of its own runs there).
-    """
+    """The spans of one call in this worker: ``process <queue>`` and its children, whose parent is passed
+    explicitly; the context is current only around the executor and the provider (user code runs there)."""
 
     def __init__(self, tracer: Any, env: Envelope, attempt: int, claimed_at: float) -> None:
         self.tracer = tracer
@@ -214,8 +171,6 @@ class CallTrace(NoTrace):
     def _parent(self) -> Any:
         return self._chain_ctx if self._chain_ctx is not None else self.ctx
 
-    # -- phases ----------------------------------------------------------------------------------
-
     def open(self, name: str) -> None:
         """Start a phase span that callbacks end later (``tool_request`` ends when the checks begin)."""
         if name not in self._open:
@@ -231,9 +186,6 @@ class CallTrace(NoTrace):
             _ended(span, error)
         if name == "tool_execution":
             self._chain_ctx = None
-
-    def phase(self, name: str, **attributes: Any) -> AbstractContextManager[Any]:
-        return _Phase(_start(self.tracer, name, self._parent(), SpanKind.INTERNAL, attributes))
 
     def executor(
         self, spec: Any, args: Mapping[str, Any], ctx: Any, sensitive: Sequence[str] = ()
@@ -264,9 +216,17 @@ class CallTrace(NoTrace):
         return _Phase(span, trace.set_span_in_context(span, parent))
 
     def retry(self, attempt: int, delay: float, error: BaseException | Mapping[str, Any]) -> None:
-        retry_event(self.span, attempt, delay, error)
-
-    # -- the end -----------------------------------------------------------------------------------
+        """A retry as a span event: which attempt failed, why, and the wait before the next one."""
+        message = str(error.get("message") or "") if isinstance(error, Mapping) else str(error)
+        self.span.add_event(
+            "retry",
+            {
+                "hermes.attempt": attempt,
+                "hermes.retry.delay_s": round(delay, 3),
+                "error.type": error_type(error),
+                "exception.message": redact_text(message)[:500],
+            },
+        )
 
     def end(self, state: str, error: Mapping[str, Any] | None = None) -> None:
         """Record the call's outcome and end every span still open (once)."""
@@ -288,7 +248,6 @@ class CallTrace(NoTrace):
 
 @functools.lru_cache(maxsize=1024)
 def _tool_attributes(name: str, executor: str) -> Mapping[str, Any]:
-    # The executor span's attributes that depend on the tool alone: built once per tool.
     return {
         "gen_ai.operation.name": "execute_tool",
         "gen_ai.tool.name": name,
@@ -320,13 +279,9 @@ def record_usage(span: Any, response: Any) -> None:
         span.set_attribute("gen_ai.response.finish_reasons", reasons)
 
 
-# -- the hook: a tool call's phase spans -------------------------------------------------------------
-# A tool call's phase spans under ``process <queue>``: ``tool_request`` (request middleware, when any),
-# ``policy`` (the checks), ``tool_execution`` (the execution chain, when any) and ``execute_tool <tool>``
-# around the executor (``CallTrace`` above; every method does nothing when tracing is off).
-
-
 class CallSpans(Hook):
+    """A tool call's phase spans under ``process <queue>`` and ``execute_tool <tool>`` around the executor."""
+
     def _registered(self, run: Running, stage: str) -> bool:
         return run.trace.span is not None and self.core.plugins.runtime.has_middleware(stage)
 
@@ -344,7 +299,6 @@ class CallSpans(Hook):
             run.trace.open("tool_execution")
 
     def before_execute(self, run: Running, spec: ToolSpec, args: dict[str, Any]) -> None:
-        # The executors forward ctx.traceparent: the executor span's context, so the back end's parent is it.
         run.span = run.trace.executor(spec, args, run.ctx, spec.sensitive)
         run.span.__enter__()
 
@@ -361,29 +315,15 @@ class CallSpans(Hook):
 
 
 # -- figures ---------------------------------------------------------------------------------------
-# Call figures: OpenTelemetry metrics when a meter provider is set, and totals in Redis for ``status --watch``.
-#
-# Instruments (attributes in brackets):
-#
-# - ``hermes.calls`` counter [hermes.call.kind, hermes.call.name, hermes.call.state, error.type]
-# - ``hermes.call.duration`` histogram, s [hermes.call.kind, hermes.call.name, hermes.call.state]
-# - ``hermes.call.queue_wait`` histogram, s: claim time − submission [messaging.destination.name]
-# - ``hermes.executor.inflight`` up-down counter [hermes.concurrency_key]
-# - ``hermes.breaker.state_changes`` counter [hermes.breaker.key, hermes.breaker.state]
-# - ``hermes.breaker.state`` observable gauge, 0 closed / 1 half-open / 2 open [hermes.breaker.key]
-# - ``hermes.queue.depth`` observable gauge: calls waiting on each RQ queue [messaging.destination.name]
-#
-# The same figures are summed per process and added to the ``hermes:stats`` hash once a second (one
-# pipeline, only when something changed), with each worker's in-flight calls per key beside it, so the
-# terminal view reads them from Redis like ``status`` does. Durations are also counted in fixed buckets
-# (``lat|<kind>|<name>|<bucket>``, upper bounds ``LATENCY_BOUNDS``): the console's p50/p99 and the
-# gateway-wide ``hermes.call.duration`` histogram of ``serve``'s ``/metrics`` come from them.
+# OpenTelemetry metrics when a meter provider is set, and the same figures summed per process and added to
+# the ``hermes:stats`` hash once a second (``status --watch``, the console, ``serve``'s ``/metrics``), with
+# durations also counted in fixed buckets (``lat|<kind>|<name>|<bucket>``).
 
 BREAKER_STATES = {"closed": 0, "half_open": 1, "half-open": 1, "open": 2}
 FLUSH_INTERVAL = 1.0
 SEP = "|"
-# Upper bounds (seconds, inclusive, as Prometheus' ``le``) of the duration buckets kept in hermes:stats;
-# the last bucket (index len(LATENCY_BOUNDS)) holds everything slower.
+# Upper bounds (seconds, inclusive, as Prometheus' ``le``) of the duration buckets; the last bucket (index
+# len(LATENCY_BOUNDS)) holds everything slower.
 LATENCY_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
@@ -435,9 +375,6 @@ def _instruments() -> _Instruments | None:
         return _cache[1]
 
 
-# -- process-wide totals -----------------------------------------------------------------------
-
-
 class _Totals:
     """What this process adds to ``hermes:stats`` at the next flush."""
 
@@ -483,12 +420,7 @@ def call_started(ckey: str, queue: str, wait_s: float) -> None:
 
 
 def call_ended(
-    ckey: str,
-    kind: str,
-    name: str,
-    state: str,
-    error_type: str | None,
-    duration_s: float,
+    ckey: str, kind: str, name: str, state: str, error_type: str | None, duration_s: float,
     inflight: bool = True,
 ) -> None:
     """A call this worker ran reached a terminal state (or was handed back); ``inflight``: it was counted."""
@@ -512,16 +444,6 @@ def call_ended(
         inst.calls.add(1, attrs)
 
 
-def usage(principal: str | None, kind: str, name: str, tokens_in: int = 0, tokens_out: int = 0) -> None:
-    """A call of ``principal`` ended: one call of ``kind:name``, and an LLM call's tokens in and out (the
-    fields ``pcalls|<principal>|<kind>|<name>`` and ``tokens|<principal>|<model>|in`` / ``out``)."""
-    who = principal or "-"
-    counts = [(f"pcalls{SEP}{who}{SEP}{kind}{SEP}{name}", 1)]
-    if tokens_in or tokens_out:
-        counts += [(f"tokens{SEP}{who}{SEP}{name}{SEP}in", tokens_in), (f"tokens{SEP}{who}{SEP}{name}{SEP}out", tokens_out)]
-    _totals.add_n(counts)
-
-
 def breaker_changed(key: str, old: str, new: str) -> None:
     """A circuit breaker moved from ``old`` to ``new`` (closed | half_open | open): call on each change."""
     with _totals.lock:
@@ -542,30 +464,19 @@ def watch_queues(conn: redis.Redis) -> None:
 
 
 def _observe_breakers(_options: Any) -> Iterable[Any]:
-    from opentelemetry.metrics import Observation
-
     with _totals.lock:
         current = dict(_totals.breakers)
     return [Observation(BREAKER_STATES.get(s, 0), {"hermes.breaker.key": k}) for k, s in current.items()]
 
 
 def _observe_queues(_options: Any) -> Iterable[Any]:
-    from opentelemetry.metrics import Observation
-
     if not _queue_conns:
         return []
     try:
-        return [
-            Observation(depth, {"messaging.destination.name": q})
-            for q, depth in queue_depths(_queue_conns[0])
-        ]
+        depths = queue_depths(_queue_conns[0])
+        return [Observation(depth, {"messaging.destination.name": q}) for q, depth in depths]
     except redis.RedisError:
         return []
-
-
-def text(value: bytes | str) -> str:
-    """A Redis reply as text (clients may or may not decode responses)."""
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def queue_depths(conn: redis.Redis) -> list[tuple[str, int]]:
@@ -575,9 +486,6 @@ def queue_depths(conn: redis.Redis) -> list[tuple[str, int]]:
     for k in names:
         pipe.llen(k)
     return [(keys.queue_name(k), int(d)) for k, d in zip(names, pipe.execute(), strict=True)]
-
-
-# -- writing the totals to Redis ---------------------------------------------------------------
 
 
 def flush(pipe: Any) -> bool:
@@ -631,10 +539,9 @@ class StatsFlusher:
         self.flush_now()
 
 
-# -- the hooks: a call's metrics, and its token usage ------------------------------------------------
-# Metrics of a call: queue wait and in-flight count when it begins, outcome and duration when it ends.
-
 class CallMetrics(Hook):
+    """Queue wait and in-flight count when a call begins, outcome and duration when it ends."""
+
     def before_call(self, run: Running) -> None:
         call_started(run.info.ckey, run.info.queue, run.queue_wait)
 
@@ -645,20 +552,25 @@ class CallMetrics(Hook):
         call_ended(info.ckey, info.kind, info.name, outcome, err_type, duration, bool(run.claimed_at))
 
 
-# A call's token usage: counted for the stats flush, and an LLM call's tokens added to its principal's
-# daily total (what ``policy``'s ``daily_tokens`` budget reads) in the terminal move's pipeline.
-
 DAY_TTL = 2 * 86400
 
 
 class Usage(Hook):
+    """A call of its principal for the stats flush (``pcalls|<principal>|<kind>|<name>``), and an LLM call's
+    tokens (``tokens|<principal>|<model>|in`` / ``out``), also added to the principal's daily total (what the
+    ``daily_tokens`` budget reads) in the terminal move's pipeline."""
+
     def ending(
         self, run: Running, state: str, result: Any, error: dict[str, Any] | None, duration: float
     ) -> Writer | None:
         principal = run.env.context.get("principal") if run.env is not None else None
-        tokens = run.usage or {"in": 0, "out": 0}
-        usage(principal, run.info.kind, run.info.name, tokens["in"], tokens["out"])
-        if not principal or run.usage is None:
+        info, tokens, who = run.info, run.usage, principal or "-"
+        counts = [(f"pcalls{SEP}{who}{SEP}{info.kind}{SEP}{info.name}", 1)]
+        if tokens is not None and (tokens["in"] or tokens["out"]):
+            prefix = f"tokens{SEP}{who}{SEP}{info.name}{SEP}"
+            counts += [(prefix + "in", tokens["in"]), (prefix + "out", tokens["out"])]
+        _totals.add_n(counts)
+        if not principal or tokens is None:
             return None
         key = keys.usage_day(time.strftime("%Y-%m-%d", time.gmtime()), str(principal))
         total = tokens["in"] + tokens["out"]

@@ -1,9 +1,5 @@
-"""A worker process: claims calls from RQ queues and keeps up to N of them in flight on threads.
-
-It registers as an RQ worker (``rq info`` lists it and its queues), heartbeats, extends the leases of
-its calls, reaps the calls of dead workers, and on SIGTERM finishes in-flight calls within a grace
-period, handing back what is left (``workers.stopping``).
-"""
+"""A worker process: claims calls from RQ queues and keeps up to N of them in flight on threads; registers as
+an RQ worker, heartbeats, extends its calls' leases, reaps dead workers' calls and drains on SIGTERM."""
 
 from __future__ import annotations
 
@@ -38,7 +34,6 @@ log = structlog.get_logger("hermes.worker")
 
 
 def _version() -> str:
-    """The installed hermes-gateway version (the console's workers table shows it)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -50,7 +45,7 @@ def _version() -> str:
 VERSION = _version()
 
 CLAIM_BATCH = 64
-# Submissions publish a wake-up; polling is only the fallback for a lost message.
+# Submissions publish a wake-up; polling is the fallback for a lost message.
 IDLE_POLL_MIN = 0.01
 IDLE_POLL_MAX = 0.5
 # Beyond wait_timeout_ms, how long a caller may take to cancel a submission its replicas did not confirm.
@@ -74,13 +69,8 @@ class Worker:
     """One worker process."""
 
     def __init__(
-        self,
-        conn: redis.Redis,
-        settings: Settings,
-        queues: list[str],
-        concurrency: int = 16,
-        name: str | None = None,
-        grace: float = 25.0,
+        self, conn: redis.Redis, settings: Settings, queues: list[str], concurrency: int = 16,
+        name: str | None = None, grace: float = 25.0,
     ) -> None:
         durability.check_supported(conn, settings)
         self.conn = conn
@@ -98,20 +88,16 @@ class Worker:
         self._slots = Tokens(self.concurrency)  # one per call this process may run at once
         self._wake = threading.Event()
         self._beat_now = threading.Event()
-        # The queues claimed from: ``queues`` and the partitions of their tools (``refresh_queues``).
-        self.claim_queues = list(queues)
+        self.claim_queues = list(queues)  # and the partitions of their tools (``refresh_queues``)
         self._turn = 0
         self.core.scheduler.queues = self.claim_queues
         # Registered as an RQ worker (``rq info`` lists it) on a plain Redis; RQ knows no Redis Cluster.
         self.rq = None if is_cluster(conn) else RQWorker(
             [Queue(keys.tag(q), connection=conn, serializer=MsgpackSerializer) for q in queues],
-            connection=conn,
-            name=self.name,
-            serializer=MsgpackSerializer,
+            connection=conn, name=self.name, serializer=MsgpackSerializer,
         )
         self.started_at = time.time()
-        # Claims go on a connection of their own when the replicas must confirm them (WAIT confirms the
-        # writes of the connection it is sent on).
+        # With ``wait_replicas``, claims go on a connection of their own (WAIT confirms its own writes).
         self._claims = self.core.calls
         if settings.broker.wait_replicas > 0:
             own = redis.Redis(connection_pool=conn.connection_pool, single_connection_client=True)
@@ -119,21 +105,18 @@ class Worker:
         self._unconfirmed_logged = 0.0
         self._claim_conn: Any = None  # the dispatcher's own connection for its claims (taken once)
         self._peers: dict[str, int] = {}  # live workers per queue, read with each heartbeat
-        self.tool_notices = 0  # directory change notices heard (the heartbeat reports it: was a change seen?)
-        # A call ending here takes the next one of its queue in the same script (when its release promoted
-        # one, that one): no wake-up, dispatcher or claim of its own (not with wait_replicas: claims wait
-        # for the replicas there, see _confirm_claims).
+        self.tool_notices = 0  # directory change notices heard (the heartbeat reports it)
+        # A call ending here takes the next one of its queue in the same script (not with wait_replicas:
+        # claims wait for the replicas there, see _confirm_claims).
         if settings.broker.wait_replicas <= 0:
             self.runner.next_call, self.runner.took = self._next_call, self._took
 
     def _claim_connection(self) -> Any:
-        """The dispatcher's kept connection (as the outbox keeps one): its claims skip the pool and
-        redis-py's command layers; None where the claims need their own client (``wait_replicas``)."""
+        """The dispatcher's kept connection (its claims skip the pool); None where the claims need their own
+        client (``wait_replicas``)."""
         if self._claim_conn is None and self._claims is self.core.calls and hasattr(self.conn, "connection_pool"):
             self._claim_conn = self.conn.connection_pool.get_connection()
         return self._claim_conn
-
-    # -- life cycle ------------------------------------------------------------------------------
 
     def request_stop(self) -> None:
         self.stopping.set()
@@ -154,8 +137,7 @@ class Worker:
         threads = [
             threading.Thread(target=self._heartbeat_loop, name="hermes-heartbeat", daemon=True),
             threading.Thread(target=self._control_loop, name="hermes-control", daemon=True),
-            # Due retries back to pending; a call waiting for its retry holds no thread.
-            threading.Thread(
+            threading.Thread(  # due retries back to pending: a call waiting for its retry holds no thread
                 target=self.core.scheduler.run, args=(self.stopping,), name="hermes-retry", daemon=True
             ),
         ]
@@ -201,21 +183,15 @@ class Worker:
                 self.pool.submit(self._run_one, c)
             if len(claimed) == free:
                 continue  # there may be more
-            # The queues are empty: wait for a wake-up (every push publishes one), polling now and then
-            # in case one was lost.
+            # The queues are empty: wait for a wake-up, polling now and then in case one was lost.
             idle = IDLE_POLL_MIN if claimed else min(idle * 2, IDLE_POLL_MAX)
             self._wake.wait(idle)
 
     def _confirm_claims(self, call_ids: list[str]) -> None:
-        """With ``broker.wait_replicas``: wait until the replicas have the claims before the calls start, so
-        a primary lost meanwhile cannot hand the same attempt to another worker (the replication stream is
-        in order: a confirmed claim confirms the submission before it too).
-
-        Short of that (no replica answers, or backing off after it did not), the calls run anyway — they
-        were accepted, and a promotion needs a replica — except one its caller cancels: a submission its
-        replicas did not confirm is cancelled by its caller, ``wait_timeout_ms`` after it was made at most,
-        so a call submitted less than that ago is held until its caller has decided.
-        """
+        """With ``broker.wait_replicas``: wait until the replicas have the claims before the calls start, so a
+        primary lost meanwhile cannot hand the same attempt to another worker. Short of that the calls run
+        anyway, but one submitted less than ``wait_timeout_ms`` ago is held until its caller has decided
+        whether to cancel it (a caller cancels a submission its replicas did not confirm)."""
         confirmer = self.core.confirmer
         if confirmer.wanted():
             try:  # on the claims' own connection (a pipeline would take another from the pool)
@@ -269,8 +245,7 @@ class Worker:
         log.info("worker stopped", worker=self.name, handed_back=handed_back, processed=self.core.processed)
 
     def refresh_queues(self) -> None:
-        """Claim from every partition of the tools on our queues (re-read on a directory change and with
-        every heartbeat)."""
+        """Claim from every partition of the tools on our queues."""
         self.claim_queues[:] = keys.claim_queues(self.queues, (e.spec for e in self.core.directory.all()))
 
     def _run_one(self, claimed: Any) -> None:
@@ -285,9 +260,8 @@ class Worker:
 
     def _next_call(self, run: Any) -> Callable[[], list[Any]] | None:
         """TRANSITION's ``take`` for a call ending here: one next call of its queue, on its thread slot, while
-        this worker holds less than its share of the key's limit (the workers on the queue, as of the last
-        heartbeat). Its arguments are made when the write goes out (again if the broker was away): the
-        taken call's lease counts from then."""
+        this worker holds less than its share of the key's limit. Its arguments are made when the write goes
+        out, so the taken call's lease counts from then."""
         if self.stopping.is_set():
             return None
         queue = run.info.queue
@@ -297,13 +271,9 @@ class Worker:
         return lambda: [*calls.claim_args(queue, 1, name, lease), held, peers]
 
     def _took(self, queue: str, reply: Any, take: Sequence[Any]) -> None:
-        """The ending's reply (on the outbox thread): the call it took starts on the ended call's thread
-        slot; when it took none (nothing waited, a fenced or failed write) the slot goes back.
-
-        A reply that comes late (half the lease gone: its write waited for a cluster slot that moved) starts
-        nothing: the call was leased to us when taken and no heartbeat kept its lease, so the reaper may
-        have given it to another worker. It stays pending and leased until its lease ends; the reaper then
-        puts it back at the head of its queue, at no cost to its attempts."""
+        """The ending's reply (on the outbox thread): the call it took starts on the ended call's thread slot;
+        when it took none the slot goes back. A reply that comes after half the lease starts nothing (no
+        heartbeat kept the taken call's lease): the reaper puts that call back at no cost to its attempts."""
         claimed = []
         # (no take: its write never went out; take[2]: the lease deadline the call was taken with)
         answered = bool(take) and not isinstance(reply, Exception) and len(reply) >= 4
@@ -323,16 +293,13 @@ class Worker:
             except RuntimeError:  # (shut down meanwhile: leased here, never started; the reaper puts it back)
                 log.warning("a call taken at shutdown is left to the reaper", call_id=c.call_id)
 
-    # -- background threads ----------------------------------------------------------------------
-
     def _heartbeat_once(self) -> None:
         runs = self.core.inflight()
-        # Calls that ended here but whose last writes wait (a cluster slot moving) keep their leases too.
         held = [r.info for r in runs] + [r.info for r in self.core.unwritten()]
         pipe = self.conn.pipeline(transaction=False)
         if self.rq is not None:
             self.rq.heartbeat(pipeline=pipe)
-            self.rq.set_state(WorkerStatus.BUSY if runs else WorkerStatus.IDLE, pipeline=pipe)  # (rq info)
+            self.rq.set_state(WorkerStatus.BUSY if runs else WorkerStatus.IDLE, pipeline=pipe)
         now = time.time()
         pipe.zadd(keys.WORKERS, {self.name: now})
         peers: dict[str, int] = {}  # queue -> where its worker count comes in the replies
@@ -363,8 +330,8 @@ class Worker:
         pipe.expire(keys.worker(self.name), int(self.lease * 2) + 5)
         self.core.calls.extend_leases(held, self.lease, pipeline=pipe)
         started = time.monotonic()
-        # On a cluster, what a moving slot refuses is sent again (within a lease): missing a beat or two
-        # would let the reaper take the calls of this live worker.
+        # On a cluster, what a moving slot refuses is sent again (within a lease): missed beats would let the
+        # reaper take this live worker's calls.
         replies = pipes.settled(pipe, lambda _rounds, _e: time.monotonic() - started < self.lease and not self.stopping.is_set())
         self._peers = {q: max(1, int(replies[i])) for q, i in peers.items()}
 
@@ -386,8 +353,7 @@ class Worker:
                 self.refresh_queues()
                 step = "reaper"
                 reaper.reap(self.core.calls, self.claim_queues, self.lease, self.settings.workers.result_ttl, self.core.audit)
-                # Slots still held by calls that ended (a safety net: ending gives the slot back).
-                step = "sweep"
+                step = "sweep"  # slots still held by calls that ended (a safety net)
                 self.core.scheduler.limits.sweep(self.claim_queues, self.lease)
                 step = "workers"
                 self.conn.zremrangebyscore(keys.WORKERS, "-inf", time.time() - self.lease * 2)
@@ -412,12 +378,11 @@ class Worker:
                     if msg["channel"] in wakes:
                         self._wake.set()  # a call was submitted: claim now instead of at the next poll
                     elif msg["channel"] == tools:
-                        # A changed or removed tool must not keep running from this worker's cache.
                         self.core.directory.invalidate(msg["data"].decode(errors="replace"))
                         self.refresh_queues()  # a tool's partitions may have changed
                         self.tool_notices += 1
                     elif msg["channel"] == policy:
-                        self.core.refresh_policy()  # the next call is judged by the pushed policy
+                        self.core.refresh_policy()
                     else:
                         self._on_control(msg["data"])
                 pubsub.close()
@@ -443,36 +408,27 @@ class Worker:
             self.request_stop()
         elif op == "reload":
             self.core.directory.invalidate()
-            reload = getattr(self.core, "reload", None)
-            if reload is not None:
-                reload()
+            self.core.reload()
 
 
 def control_message(op: str, **fields: Any) -> bytes:
     return pack({"op": op, **fields})
 
 
-# -- the call threads ------------------------------------------------------------------------------
-#
-# What ``ThreadPoolExecutor`` does for this case — up to ``size`` threads taking work off one queue, a new
-# thread only when none is idle — without what a call here does not use: a ``Future`` (two condition
-# variables), a work item and an executor-wide lock per call. A worker hands every call to a thread, so
-# under load that was a measurable share of its CPU. ``workers.shortcuts_off: [threads]`` runs calls on a
-# ``ThreadPoolExecutor`` instead (``StockThreads``; bench/shortcuts.py measures both).
-
-
 _STOP = object()
 
 
 class CallThreads:
-    """Runs ``fn(arg)`` on up to ``size`` threads named ``<prefix>_<n>``."""
+    """Runs ``fn(arg)`` on up to ``size`` threads named ``<prefix>_<n>``: what ``ThreadPoolExecutor`` does
+    here, without a ``Future``, a work item and an executor-wide lock per call (``StockThreads`` with the
+    ``threads`` shortcut off)."""
 
     def __init__(self, size: int, prefix: str) -> None:
         self.size = max(1, size)
         self.prefix = prefix
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        self._idle = 0  # threads that finished a task and will take the next one (as the executor counts)
+        self._idle = 0  # threads that finished a task and will take the next one
         self._lock = threading.Lock()
         self._closed = False
 
@@ -503,25 +459,23 @@ class CallThreads:
             with self._lock:
                 self._idle += 1
 
-    def shutdown(self, wait: bool = True, cancel_pending: bool = True) -> int:
-        """Take no more work; drop what has not started (``cancel_pending``); returns how many were dropped."""
+    def shutdown(self) -> int:
+        """Take no more work, drop what has not started and wait for the threads; how many were dropped."""
         with self._lock:
             self._closed = True
             threads = list(self._threads)
         dropped = 0
-        if cancel_pending:
-            while True:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not _STOP:
-                    dropped += 1
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _STOP:
+                dropped += 1
         for _ in threads:
             self._queue.put(_STOP)
-        if wait:
-            for t in threads:
-                t.join()
+        for t in threads:
+            t.join()
         return dropped
 
 
@@ -552,12 +506,12 @@ class StockThreads(CallThreads):
         with self._lock:
             self._pending.discard(future)
 
-    def shutdown(self, wait: bool = True, cancel_pending: bool = True) -> int:
+    def shutdown(self) -> int:
         with self._lock:
             self._closed = True
             pending = list(self._pending)
-        dropped = sum(1 for f in pending if f.cancel()) if cancel_pending else 0
-        self._executor.shutdown(wait=wait)
+        dropped = sum(1 for f in pending if f.cancel())
+        self._executor.shutdown()
         return dropped
 
 
@@ -567,8 +521,7 @@ def call_threads(size: int, prefix: str) -> CallThreads:
 
 
 class Tokens:
-    """A counting semaphore that hands out several tokens at once: the dispatcher takes what is free in one
-    step instead of one ``acquire`` per token (it claims up to a batch of calls at a time)."""
+    """A counting semaphore that hands out several tokens at once (the dispatcher claims a batch of calls)."""
 
     def __init__(self, n: int) -> None:
         self._n = n

@@ -78,3 +78,12 @@ def test_the_provider_hands_out_the_lean_tracer_for_our_scope_and_the_sdks_for_o
     provider = Provider()
     assert isinstance(provider.get_tracer("hermes_gateway"), LeanTracer)
     assert not isinstance(provider.get_tracer("someone.else"), LeanTracer)
+
+
+def test_the_sdk_methods_the_lean_classes_borrow_reach_the_span_only_through_its_public_methods() -> None:
+    # LeanTracer.start_as_current_span and LeanSpan.record_exception are the SDK's own functions.
+    from opentelemetry.sdk.trace import Span, Tracer
+
+    assert "self.start_span(" in inspect.getsource(Tracer.start_as_current_span)
+    assert "self.add_event(" in inspect.getsource(Span.record_exception)
+    assert "self._" not in inspect.getsource(Span.record_exception)

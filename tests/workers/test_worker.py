@@ -197,7 +197,7 @@ def test_a_worker_that_lost_its_lease_cannot_move_the_call(
     assert reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600) == 1
     assert states(fake, "c1")[-2:] == ["retrying", "pending"]
     # The old attempt's next write is fenced off; the runner notices, stops its tool and writes nothing.
-    runner.progress(core.inflight()[0], "still here")
+    core.inflight()[0].ctx.progress("still here")  # (the progress sink the runner gave the tool)
     thread.join(5)
     assert not thread.is_alive()
     assert core.outbox.flush(5)
