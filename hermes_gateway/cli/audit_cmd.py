@@ -94,13 +94,8 @@ def audit() -> None:
 @click.option("--json", "as_json", is_flag=True, help="JSON lines instead of a table.")
 @click.pass_context
 def audit_list(
-    ctx: click.Context,
-    tool: str | None,
-    principal: str | None,
-    state: str | None,
-    since: float | None,
-    limit: int,
-    as_json: bool,
+    ctx: click.Context, tool: str | None, principal: str | None, state: str | None, since: float | None,
+    limit: int, as_json: bool,
 ) -> None:
     """Finished calls, newest first."""
     with _log(ctx) as (_, log):
@@ -160,10 +155,7 @@ def audit_show(ctx: click.Context, call_id: str, as_json: bool) -> None:
 @audit.command("replay")
 @click.argument("call_id")
 @click.option(
-    "--arg",
-    "arg_pairs",
-    multiple=True,
-    metavar="NAME=VALUE",
+    "--arg", "arg_pairs", multiple=True, metavar="NAME=VALUE",
     help="A redacted argument (sensitive ones are checked against the recorded sha256).",
 )
 @click.option(
@@ -174,7 +166,6 @@ def audit_replay(ctx: click.Context, call_id: str, arg_pairs: tuple[str, ...], t
     """Run a finished tool call again with its recorded arguments; show both outcomes side by side."""
     from hermes_gateway import replay
     from hermes_gateway.client import Gateway
-    from hermes_gateway.local import connect_shared
 
     supplied: dict[str, str] = {}
     for pair in arg_pairs:
@@ -182,28 +173,21 @@ def audit_replay(ctx: click.Context, call_id: str, arg_pairs: tuple[str, ...], t
         if not sep or not name:
             fail(f"--arg {pair!r}: expected NAME=VALUE")
         supplied[name.strip()] = value
-    settings = settings_of(ctx)
-    try:
-        handle = connect_shared(settings)
-    except HermesError as e:
-        fail(f"{e} (the audit log lives in the broker: set HERMES_REDIS_URL)")
-    gw = Gateway(handle, settings)
-    try:
-        log = AuditLog.from_settings(gw.conn, settings.audit)
-        rec = log.get(call_id)
-        if rec is None:
-            fail(f"no audit record for call {call_id} (unknown, unfinished, or past retention)", 1)
-        assert rec is not None
+    with _log(ctx) as (handle, log):
+        gw = Gateway(handle, settings_of(ctx))
         try:
-            plan = replay.plan(rec, supplied)
-            spec = gw.tool(plan.tool).spec
-            gw.require_workers(str(spec.config.get("queue") or "tools"))
-            outcome = replay.run(gw, log, plan, timeout)
-        except HermesError as e:
-            fail(f"{e.type}: {e}")
-        click.echo(replay.render(outcome))
-    finally:
-        gw.close()
+            rec = log.get(call_id)
+            if rec is None:
+                fail(f"no audit record for call {call_id} (unknown, unfinished, or past retention)", 1)
+            try:
+                plan = replay.plan(rec, supplied)
+                gw.require_workers(str(gw.tool(plan.tool).spec.config.get("queue") or "tools"))
+                outcome = replay.run(gw, log, plan, timeout)
+            except HermesError as e:
+                fail(f"{e.type}: {e}")
+            click.echo(replay.render(outcome))
+        finally:
+            gw.close()
 
 
 @audit.command("export")
@@ -217,13 +201,8 @@ def audit_replay(ctx: click.Context, call_id: str, arg_pairs: tuple[str, ...], t
 )
 @click.pass_context
 def audit_export(
-    ctx: click.Context,
-    since: float | None,
-    until: float | None,
-    tool: str | None,
-    principal: str | None,
-    state: str | None,
-    output: str | None,
+    ctx: click.Context, since: float | None, until: float | None, tool: str | None, principal: str | None,
+    state: str | None, output: str | None,
 ) -> None:
     """Every matching record as JSON lines, oldest first (audit export --since 7d > audit.jsonl)."""
     with _log(ctx) as (_, log), contextlib.ExitStack() as stack:

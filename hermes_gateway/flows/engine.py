@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker import events as ev_mod
 from broker.breaker import Breakers, breaker_config, rejecting
-from broker.errors import CallCancelled, CallTimeout, CircuitOpen, FlowError, HermesError
+from broker.errors import CircuitOpen, FlowError, HermesError
 
 from .expr import render
 from .model import Flow, Step
@@ -126,7 +126,6 @@ class _Run:
 
     def __init__(self, runner: FlowRunner, results: dict[str, StepResult], scope: dict[str, Any]) -> None:
         self.r = runner
-        self.gw = runner.gw
         self.results = results
         self.scope = scope
 
@@ -176,17 +175,13 @@ class _Run:
         outcome = self.call(step.tool or "", args, step.timeout, res)
         if isinstance(outcome, CircuitOpen) and step.fallback is not None:
             self.fallback(step, scope, res, args, "breaker open")
-        elif isinstance(outcome, HermesError):
-            res.error = outcome.to_wire()
-            self.emit(res, "failed", error=res.error)
         else:
-            res.result = outcome
-            self.emit(res, "done")
+            self.settle(res, outcome, "done")
 
     def call(self, tool: str, args: Any, timeout: float | None, res: StepResult) -> Any:
         """One call, its events reported as they come; returns the result or the error."""
         try:
-            handle = self.gw.call_tool(tool, args, timeout=timeout, **self.r.context)
+            handle = self.r.gw.call_tool(tool, args, timeout=timeout, **self.r.context)
         except HermesError as e:
             return e
         res.call_id = handle.call_id
@@ -196,8 +191,17 @@ class _Run:
                 if ev.type == ev_mod.TRANSITION and not ev.terminal:
                     self.emit(res, "running", call_state=ev.state, attempt=ev.attempt)
             return handle.result(0 if handle.done() else self.r.wait)
-        except (HermesError, CallCancelled, CallTimeout) as e:
+        except HermesError as e:
             return e
+
+    def settle(self, res: StepResult, outcome: Any, state: str, **detail: Any) -> None:
+        """A call's outcome: its error fails the step, its result ends it in ``state``."""
+        if isinstance(outcome, HermesError):
+            res.error = outcome.to_wire()
+            self.emit(res, "failed", error=res.error)
+        else:
+            res.result = outcome
+            self.emit(res, state, **detail)
 
     def fallback(self, step: Step, scope: dict[str, Any], res: StepResult, args: Any, why: str) -> None:
         fb = step.fallback
@@ -208,17 +212,12 @@ class _Run:
             return
         fb_args = render(step.fallback_tpl, scope) if step.fallback_tpl is not None else args
         outcome = self.call(fb.tool or "", fb_args, step.timeout, res)
-        if isinstance(outcome, HermesError):
-            res.error = outcome.to_wire()
-            self.emit(res, "failed", error=res.error)
-        else:
-            res.result = outcome
-            self.emit(res, "fallback", tool=fb.tool, reason=why)
+        self.settle(res, outcome, "fallback", tool=fb.tool, reason=why)
 
     def breaker_open(self, tool: str) -> bool:
         """Whether the tool's breaker would refuse a call now (then the fallback goes first)."""
         try:
-            cfg = breaker_config(self.gw.settings, self.gw.tool(tool).spec)
+            cfg = breaker_config(self.r.gw.settings, self.r.gw.tool(tool).spec)
         except HermesError:
             return False
         return cfg is not None and rejecting(self.r._breakers.state(cfg.key), cfg.cooldown)
@@ -244,7 +243,7 @@ class _Run:
             for i, it in enumerate(items)
         ]
         opts = {"timeout": step.timeout} if step.timeout is not None else {}
-        batch = self.gw.submit_many(calls, **opts, **self.r.context) if calls else []
+        batch = self.r.gw.submit_many(calls, **opts, **self.r.context) if calls else []
         self.emit(res, "running", total=len(calls))
         out: list[dict[str, Any]] = []
         for i, handle in enumerate(batch):
@@ -252,7 +251,7 @@ class _Run:
                 out.append(
                     {"index": i, "ok": True, "result": handle.result(self.r.wait), "call_id": handle.call_id}
                 )
-            except (HermesError, CallCancelled, CallTimeout) as e:
+            except HermesError as e:
                 out.append({"index": i, "ok": False, "error": e.to_wire(), "call_id": handle.call_id})
             self.emit(res, "running", done=len(out), failed=sum(not o["ok"] for o in out), total=len(calls))
         self.combine(res, out, [o.get("result") for o in out])
