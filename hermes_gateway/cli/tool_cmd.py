@@ -20,8 +20,6 @@ from hermes_gateway.cli.common import (
     sync_tools,
 )
 
-# -- tools ---------------------------------------------------------------------------------------
-
 
 @click.group()
 def tool() -> None:
@@ -54,7 +52,10 @@ def tool_list(ctx: click.Context, as_json: bool) -> None:
 @click.option("--session-id", default=None)
 @click.option("--principal", default=None)
 @click.pass_context
-def tool_run(ctx: click.Context, name: str, args: tuple[str, ...], follow: bool, timeout: float | None, session_id: str | None, principal: str | None) -> None:
+def tool_run(
+    ctx: click.Context, name: str, args: tuple[str, ...], follow: bool, timeout: float | None,
+    session_id: str | None, principal: str | None,
+) -> None:
     """Run one tool call: ARGS is JSON or YAML flow form, e.g. '{name: Alice}' (unquoted, as in
     `tool run hello {name: Alice}`, the shell's words are joined back with spaces); @FILE reads them
     from a file, - from stdin."""
@@ -89,7 +90,6 @@ def tool_run(ctx: click.Context, name: str, args: tuple[str, ...], follow: bool,
         except HermesError as e:
             fail(f"{e.type}: {e}")
         print_result(result)
-
 
 
 @tool.command("register")
@@ -140,9 +140,8 @@ def _spec_files(tools_dir: Any, name: str) -> list[tuple[Any, Any]]:
     if not tools_dir.is_dir():
         return []
     found = []
-    for f in sorted([*tools_dir.glob("*.yaml"), *tools_dir.glob("*.yml")]):
-        if f.name.startswith("."):
-            continue
+    files = [*tools_dir.glob("*.yaml"), *tools_dir.glob("*.yml")]
+    for f in sorted(f for f in files if not f.name.startswith(".")):
         try:
             spec = load_spec_file(f)
         except HermesError:
@@ -196,7 +195,8 @@ def tool_show(ctx: click.Context, name: str) -> None:
             entry = gw.tool(name)
         except HermesError as e:
             fail(str(e))
-        click.echo(yaml.safe_dump({**entry.spec.to_dict(), "version": entry.version}, allow_unicode=True, sort_keys=False))
+        shown = {**entry.spec.to_dict(), "version": entry.version}
+        click.echo(yaml.safe_dump(shown, allow_unicode=True, sort_keys=False))
 
 
 @tool.command("remove")
