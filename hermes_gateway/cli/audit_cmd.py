@@ -16,7 +16,7 @@ import yaml
 
 from broker.audit import AuditLog, AuditRecord
 from broker.errors import HermesError
-from hermes_gateway.cli.common import WAIT_SECONDS, event_line, fail, note, settings_of
+from hermes_gateway.cli.common import WAIT_SECONDS, event_line, fail, note, settings_of, shared_broker
 
 STATES = ("done", "failed", "cancelled")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
@@ -53,18 +53,9 @@ class When(click.ParamType):
 @contextlib.contextmanager
 def _log(ctx: click.Context) -> Iterator[tuple[Any, AuditLog]]:
     """A connection to the shared broker and its audit log (an embedded broker would have none)."""
-    from hermes_gateway.local import connect_shared
-
     settings = settings_of(ctx)
-    try:
-        handle = connect_shared(settings)
-        log = AuditLog.from_settings(handle.conn, settings.audit)
-    except HermesError as e:
-        fail(f"{e} (the audit log lives in the broker: set HERMES_REDIS_URL)")
-    try:
-        yield handle, log
-    finally:
-        handle.close()
+    with shared_broker(settings, "the audit log") as handle:
+        yield handle, AuditLog.from_settings(handle.conn, settings.audit)
 
 
 def _stamp(ts: float) -> str:
