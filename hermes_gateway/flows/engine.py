@@ -3,7 +3,6 @@ policy and audit apply to each); the runner only decides what to call next and r
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,13 +36,8 @@ class StepResult:
 
     def view(self) -> dict[str, Any]:
         return {
-            "state": self.state,
-            "ok": self.state in OK_STATES,
-            "result": self.result,
-            "error": self.error,
-            "call_id": self.call_id,
-            "items": self.items,
-            "reason": self.reason,
+            "state": self.state, "ok": self.state in OK_STATES, "result": self.result, "error": self.error,
+            "call_id": self.call_id, "items": self.items, "reason": self.reason,
         }
 
 
@@ -70,10 +64,7 @@ class FlowResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name,
-            "state": self.state,
-            "result": self.result,
-            "error": self.error,
+            "name": self.name, "state": self.state, "result": self.result, "error": self.error,
             "steps": {k: v.view() for k, v in self.steps.items()},
         }
 
@@ -82,13 +73,8 @@ class FlowRunner:
     """Runs flows on a Gateway; ``on_event`` hears every step and call state change."""
 
     def __init__(
-        self,
-        gateway: Gateway,
-        *,
-        on_event: Callable[[StepEvent], None] | None = None,
-        wait: float | None = 300.0,
-        max_parallel: int = 64,
-        **context: Any,
+        self, gateway: Gateway, *, on_event: Callable[[StepEvent], None] | None = None,
+        wait: float | None = 300.0, max_parallel: int = 64, **context: Any,
     ) -> None:
         self.gw = gateway
         self.on_event = on_event
@@ -96,28 +82,23 @@ class FlowRunner:
         self.max_parallel = max_parallel
         self.context = context
         self._breakers = Breakers(gateway.conn)
-        self._lock = threading.Lock()
 
     def run(self, flow: Flow, args: dict[str, Any] | None = None) -> FlowResult:
         """Run every step in order; stops at the first failed step whose ``on_error`` is ``fail``."""
         flow.validate()
         results = {s.id: StepResult(s.id) for s in flow.all_steps()}
         scope: dict[str, Any] = {"args": dict(args or {}), "steps": {k: v.view() for k, v in results.items()}}
-        run = _Run(self, results, scope)
-        completed = run.steps(flow.steps, scope)
+        completed = _Run(self, results, scope).steps(flow.steps, scope)
         out = FlowResult(flow.name, "done" if completed else "failed", results)
-        failed = next((r for r in results.values() if r.state == "failed"), None)
-        if not completed and failed is not None:
+        if not completed:  # (a step failed: the first failed one is reported)
+            failed = next(r for r in results.values() if r.state == "failed")
             out.error = {"step": failed.id, **(failed.error or {})}
-        if completed:
-            try:
-                out.result = (
-                    render(flow.result_tpl, scope)
-                    if flow.result is not None
-                    else {s.id: results[s.id].result for s in flow.steps}
-                )
-            except FlowError as e:
-                out.state, out.error = "failed", {"step": "result", **e.to_wire()}
+            return out
+        try:
+            each = {s.id: results[s.id].result for s in flow.steps}
+            out.result = render(flow.result_tpl, scope) if flow.result is not None else each
+        except FlowError as e:
+            out.state, out.error = "failed", {"step": "result", **e.to_wire()}
         return out
 
 
@@ -248,9 +229,8 @@ class _Run:
         out: list[dict[str, Any]] = []
         for i, handle in enumerate(batch):
             try:
-                out.append(
-                    {"index": i, "ok": True, "result": handle.result(self.r.wait), "call_id": handle.call_id}
-                )
+                result = handle.result(self.r.wait)
+                out.append({"index": i, "ok": True, "result": result, "call_id": handle.call_id})
             except HermesError as e:
                 out.append({"index": i, "ok": False, "error": e.to_wire(), "call_id": handle.call_id})
             self.emit(res, "running", done=len(out), failed=sum(not o["ok"] for o in out), total=len(calls))
@@ -259,9 +239,8 @@ class _Run:
     def parallel(self, step: Step, scope: dict[str, Any], res: StepResult) -> None:
         branches = step.parallel or []
         self.emit(res, "running", branches=[b.id for b in branches])
-        with ThreadPoolExecutor(
-            min(len(branches), self.r.max_parallel), thread_name_prefix="hermes-flow"
-        ) as pool:
+        threads = min(len(branches), self.r.max_parallel)
+        with ThreadPoolExecutor(threads, thread_name_prefix="hermes-flow") as pool:
             list(pool.map(lambda b: self.step(b, scope), branches))
         out = []
         for b in branches:
@@ -275,10 +254,7 @@ class _Run:
         res.items, res.result = items, result
         failed = sum(not i["ok"] for i in items)
         if failed:
-            res.error = {
-                "type": "partial_failure",
-                "message": f"{failed} of {len(items)} failed",
-                "failed": failed,
-            }
+            message = f"{failed} of {len(items)} failed"
+            res.error = {"type": "partial_failure", "message": message, "failed": failed}
         state = "done" if not failed else ("failed" if failed == len(items) else "partial")
         self.emit(res, state, failed=failed, total=len(items))
