@@ -24,6 +24,7 @@ from rich.table import Table
 
 from broker.config import Settings
 from hermes_gateway.client import Gateway
+from hermes_gateway.demo_tools import CITIES
 from hermes_gateway.handle import CallHandle
 from hermes_gateway.local import connect_local, wait_for_heartbeats
 from workers.pool import spawn, stop_all
@@ -34,30 +35,20 @@ LEAVE_WITHIN = 15.0  # seconds the demo waits for its cancelled calls to end bef
 
 DEMO_TOOLS: list[dict[str, Any]] = [
     {
-        "name": HELLO,
-        "description": "Greet someone by name",
-        "executor": "command",
+        "name": HELLO, "description": "Greet someone by name", "executor": "command",
         "command": "echo Hello, {{name}}!",
         "input_schema": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
-        "timeout": 10,
-        "concurrency": 20,
-        "queue": QUEUE,
+        "timeout": 10, "concurrency": 20, "queue": QUEUE,
     },
     {
-        "name": WEATHER,
-        "description": "查询指定城市的实时天气情况",
-        "executor": "python",
+        "name": WEATHER, "description": "查询指定城市的实时天气情况", "executor": "python",
         "function": "hermes_gateway.demo_tools:weather",
         "input_schema": {"type": "object", "properties": {
             "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
         }, "required": ["city"]},
-        "timeout": 10,
-        "concurrency": 50,
-        "queue": QUEUE,
+        "timeout": 10, "concurrency": 50, "queue": QUEUE,
     },
 ]
-
-CITIES = ["北京", "上海", "广州", "深圳", "杭州", "成都", "Berlin", "Paris", "Lisbon", "Nairobi"]
 ATLANTIS = "Atlantis"  # the demo's failures on purpose: the weather tool has no station there
 NAMES = ["Alice", "Bob", "Chen", "Dana", "Émile", "Farah"]
 

@@ -34,13 +34,8 @@ def load_flow(source: str | Path | dict[str, Any]) -> Flow:
 
 
 def run_flow(
-    gateway: Gateway,
-    flow: Flow | str | Path | dict[str, Any],
-    args: dict[str, Any] | None = None,
-    *,
-    on_event: Callable[[StepEvent], None] | None = None,
-    wait: float | None = 300.0,
-    **context: Any,
+    gateway: Gateway, flow: Flow | str | Path | dict[str, Any], args: dict[str, Any] | None = None, *,
+    on_event: Callable[[StepEvent], None] | None = None, wait: float | None = 300.0, **context: Any,
 ) -> FlowResult:
     """Run a flow on ``gateway``; ``context`` (session_id, principal, ...) goes with every call."""
     f = flow if isinstance(flow, Flow) else load_flow(flow)
