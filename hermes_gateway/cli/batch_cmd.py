@@ -46,7 +46,7 @@ def _job(ctx: click.Context, batch_id: str) -> Iterator[Any]:
 
 def _exit_code(p: Any) -> int:
     """0 when every item is done, 1 when any failed or was cancelled."""
-    return 0 if p.counts.get("failed", 0) == 0 and p.counts.get("cancelled", 0) == 0 else 1
+    return 1 if p.counts.get("failed") or p.counts.get("cancelled") else 0
 
 
 def count_items(path: Path) -> int:
@@ -116,7 +116,6 @@ def batch_submit(ctx: click.Context, tool: str | None, items: Path | None, out_p
         items, tool = Path(tool), None  # `--resume ID items.jsonl`: the tool is the batch's own
     if items is None:
         fail("name the items file: batch submit TOOL items.jsonl (or --resume ID items.jsonl)")
-    assert items is not None
     settings = settings_of(ctx)
     with open_gateway(settings) as (gw, _):
         sync_tools(gw)
@@ -130,7 +129,6 @@ def batch_submit(ctx: click.Context, tool: str | None, items: Path | None, out_p
                 tool = tool or gw.batch_job(resume).progress().tool
             if tool is None:
                 fail("name the tool: batch submit TOOL items.jsonl")
-            assert tool is not None
             total = count_items(items)
             context = {"principal": principal} if principal else {}
             job = gw.batch(tool, read_items(items), window=window, resume=resume, **context)
