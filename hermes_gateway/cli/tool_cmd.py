@@ -124,11 +124,10 @@ def tool_register(ctx: click.Context, spec_file: str, force: bool) -> None:
         click.echo(f"{spec.name}: {'registered' if changed else 'unchanged'} (version {version})")
         if kept is not None:
             path, wrote = kept
-            where = (
-                f"the spec was written to {path} so every command loads it"
-                if wrote
-                else f"the spec is already in {path}, which every command loads"
-            )
+            if wrote:
+                where = f"the spec was written to {path} so every command loads it"
+            else:
+                where = f"the spec is already in {path}, which every command loads"
             note(f"note: {THROWAWAY_NOTE.format(home=settings.home)}; {where}")
 
 
@@ -221,9 +220,7 @@ def tool_remove(ctx: click.Context, name: str, delete_file: bool) -> None:
         if delete_file:
             for f in files:
                 try:
-                    f.unlink()
-                except FileNotFoundError:
-                    pass
+                    f.unlink(missing_ok=True)
                 except OSError as e:
                     fail(f"{name}: removed, but {f} could not be deleted: {e.strerror or e}")
             click.echo(f"{name}: removed" + (f"; deleted {where}" if files else ""))
