@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import sys
+from itertools import islice
 from typing import Any
 
 import click
@@ -38,19 +39,14 @@ class _Main(click.Group):
         while at < len(args) and args[at] not in self.commands:
             at += 2 if args[at] in _ANYWHERE else 1
         front, rest = list(args[:at]), []
-        i = at
-        while i < len(args):
-            arg = args[i]
+        tail = iter(args[at:])
+        for arg in tail:
             if arg == "--":
-                rest.extend(args[i:])
-                break
-            if arg.split("=", 1)[0] in _ANYWHERE:
-                take = 1 if "=" in arg else 2
-                front.extend(args[i : i + take])
-                i += take
-                continue
-            rest.append(arg)
-            i += 1
+                rest += [arg, *tail]  # (the rest, as it is)
+            elif arg.split("=", 1)[0] in _ANYWHERE:
+                front += [arg] if "=" in arg else [arg, *islice(tail, 1)]  # with its value
+            else:
+                rest.append(arg)
         return super().parse_args(ctx, front + rest)
 
     def invoke(self, ctx: click.Context) -> Any:
