@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -69,10 +70,8 @@ def _conversation(session: Any, shown: dict[str, bool], verbose: bool, max_turns
     interactive = sys.stdin.isatty()
     if interactive:
         if sys.stdout.isatty():  # only then does input() use it (and may it write to stdout)
-            try:
+            with contextlib.suppress(ImportError):  # (not on every platform)
                 import readline  # noqa: F401 - importing it gives input() line editing and history
-            except ImportError:  # pragma: no cover - not on every platform
-                pass
         click.echo(
             f"hermes-gateway chat, session {session.session_id}. Type a message and press Enter;"
             " `exit`, `quit` or Ctrl-D to quit.",
