@@ -15,6 +15,9 @@ import click
 from broker.config import LOG_LEVELS, RUN_REGISTRY_ENV, load_settings
 from broker.errors import HermesError
 from broker.logs import configure
+from hermes_gateway.cli.audit_cmd import audit
+from hermes_gateway.cli.batch_cmd import batch
+from hermes_gateway.cli.chat_cmd import chat
 from hermes_gateway.cli.common import (
     POSITIVE,
     SECONDS,
@@ -25,6 +28,13 @@ from hermes_gateway.cli.common import (
     open_gateway,
     settings_of,
 )
+from hermes_gateway.cli.flow_cmd import flow
+from hermes_gateway.cli.mcp_cmd import mcp
+from hermes_gateway.cli.migrate_cmd import migrate
+from hermes_gateway.cli.plugins_cmd import plugins
+from hermes_gateway.cli.policy_cmd import policy
+from hermes_gateway.cli.serve_cmd import serve
+from hermes_gateway.cli.tool_cmd import tool
 
 __all__ = ["main"]
 
@@ -62,7 +72,11 @@ class _Main(click.Group):
             fail(f"broker_full: {out_of_memory(e)}", 1)
 
 
-@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
+# The command groups are one module each (hermes_gateway/cli/<group>_cmd.py); the root's commands are below.
+@click.group(
+    cls=_Main, context_settings={"help_option_names": ["-h", "--help"]},
+    commands=[tool, batch, plugins, policy, audit, migrate, mcp, chat, flow, serve],
+)
 @click.option(
     "--home", envvar="HERMES_HOME", show_envvar=True,
     help="Config directory: config.yaml, tools/, plugins/ (default $HERMES_HOME, else ~/.hermes).",
@@ -327,20 +341,3 @@ def demo(ctx: click.Context, calls: int, processes: int, concurrency: int) -> No
         sys.exit(run_demo(settings_of(ctx), calls=calls, processes=processes, concurrency=concurrency))
     except HermesError as e:
         fail(str(e))
-
-
-# -- the command groups, one module each (hermes_gateway/cli/<group>_cmd.py) ---------------------------
-
-from hermes_gateway.cli.audit_cmd import audit  # noqa: E402
-from hermes_gateway.cli.batch_cmd import batch  # noqa: E402
-from hermes_gateway.cli.chat_cmd import chat  # noqa: E402
-from hermes_gateway.cli.flow_cmd import flow  # noqa: E402
-from hermes_gateway.cli.mcp_cmd import mcp  # noqa: E402
-from hermes_gateway.cli.migrate_cmd import migrate  # noqa: E402
-from hermes_gateway.cli.plugins_cmd import plugins  # noqa: E402
-from hermes_gateway.cli.policy_cmd import policy  # noqa: E402
-from hermes_gateway.cli.serve_cmd import serve  # noqa: E402
-from hermes_gateway.cli.tool_cmd import tool  # noqa: E402
-
-for _command in (tool, batch, plugins, policy, audit, migrate, mcp, chat, flow, serve):
-    main.add_command(_command)
