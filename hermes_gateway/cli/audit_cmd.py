@@ -187,9 +187,7 @@ def audit_replay(ctx: click.Context, call_id: str, arg_pairs: tuple[str, ...], t
 @click.option("--tool", default=None)
 @click.option("--principal", default=None)
 @click.option("--state", type=click.Choice(STATES), default=None)
-@click.option(
-    "--output", "-o", type=click.Path(dir_okay=False, writable=True), default=None, help="Default: stdout."
-)
+@click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), help="Default: stdout.")
 @click.pass_context
 def audit_export(
     ctx: click.Context, since: float | None, until: float | None, tool: str | None, principal: str | None,

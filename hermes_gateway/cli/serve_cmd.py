@@ -50,9 +50,7 @@ def _listen(host: str, port: int, home: Any) -> Any:
     "--port", default=8787, show_default=True, type=click.IntRange(1, 65535),
     help="Port of the API and the console.",
 )
-@click.option(
-    "--token", default=None, help="Admin bearer token every /v1 route and /mcp want (default $HERMES_API_TOKEN)."
-)
+@click.option("--token", help="Admin bearer token every /v1 route and /mcp want (default $HERMES_API_TOKEN).")
 @click.option(
     "--mcp-stateful", is_flag=True,
     help="Keep MCP sessions at /mcp (handshake-era clients then get tools/list_changed; a proxy must be sticky).",
