@@ -68,5 +68,6 @@ def plugins_reload(ctx: click.Context) -> None:
     from workers.worker import control_message
 
     with shared_broker(settings_of(ctx)) as handle:
-        reached = handle.conn.publish(keys.channel(handle.conn, keys.CONTROL_CHANNEL), control_message("reload"))
+        channel = keys.channel(handle.conn, keys.CONTROL_CHANNEL)
+        reached = handle.conn.publish(channel, control_message("reload"))
         click.echo(f"reload sent to workers on {handle.description} ({reached} listening)")
