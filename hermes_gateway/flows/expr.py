@@ -28,7 +28,9 @@ _TOKEN = re.compile(
 _TEMPLATE = re.compile(r"\{\{(.*?)\}\}", re.DOTALL)
 _CONSTANTS = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
 _KEYWORDS = {"and", "or", "not", "in"}
-_ORDER = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
+_COMPARE = {
+    "==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge
+}
 
 
 def _length(v: Any) -> int:
@@ -253,16 +255,11 @@ def _eval(n: Node, scope: dict[str, Any]) -> Any:
             return a + b
         return _number(a) + _number(b) if n[1] == "+" else _number(a) - _number(b)
     a, b = _eval(n[2], scope), _eval(n[3], scope)
-    cmp = n[1]
-    if cmp == "==":
-        return a == b
-    if cmp == "!=":
-        return a != b
-    if cmp == "in":
+    if n[1] == "in":
         return a in b if isinstance(b, str | list | dict) else False
-    if a is None or b is None:
+    if n[1] not in ("==", "!=") and (a is None or b is None):
         return False  # an ordering against a missing value is never true
-    return _ORDER[cmp](a, b)
+    return _COMPARE[n[1]](a, b)
 
 
 def _number(v: Any) -> float | int:
