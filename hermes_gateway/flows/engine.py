@@ -110,9 +110,9 @@ class _Run:
         self.results = results
         self.scope = scope
 
-    def emit(self, res: StepResult, state: str | None = None, **detail: Any) -> None:
-        if state is not None:
-            res.state = state
+    def emit(self, res: StepResult, state: str, **detail: Any) -> None:
+        """Move the step to ``state``: the scope sees it, ``on_event`` hears it."""
+        res.state = state
         self.scope["steps"][res.id] = res.view()
         if self.r.on_event is not None:
             self.r.on_event(StepEvent(res.id, res.state, res.call_id, detail))
