@@ -136,10 +136,8 @@ def _spec_files(tools_dir: Any, name: str) -> list[tuple[Any, Any]]:
     reads them: ``*.yaml``/``*.yml``, not hidden, loadable)."""
     from workers.specs import load_spec_file
 
-    if not tools_dir.is_dir():
-        return []
     found = []
-    files = [*tools_dir.glob("*.yaml"), *tools_dir.glob("*.yml")]
+    files = [*tools_dir.glob("*.yaml"), *tools_dir.glob("*.yml")]  # (none when the directory is missing)
     for f in sorted(f for f in files if not f.name.startswith(".")):
         try:
             spec = load_spec_file(f)
