@@ -1,10 +1,9 @@
 """``hermes-gateway demo``: a broker, a worker pool, a live batch, and a summary.
 
-The broker is ``HERMES_REDIS_URL``, else the embedded broker of a ``hermes-gateway serve`` (or ``worker``)
-of the same ``$HERMES_HOME`` running here, so its console shows the demo's calls; else an embedded broker
-of its own, which ends with the demo. On a broker it shares, the demo touches nothing of the user's: its
-tools have names of their own (``demo_*``) on a queue of their own, and it leaves nothing running behind
-it: its unfinished calls are cancelled (Ctrl-C, an error) and its tools removed before its workers stop.
+The broker is ``HERMES_REDIS_URL``, else that of a ``serve`` (or ``worker``) of this ``$HERMES_HOME``
+running here (its console shows the demo's calls), else an embedded one that ends with the demo. On a
+shared broker the demo touches nothing of the user's (its tools are ``demo_*`` on a queue of their own)
+and leaves nothing behind: its unfinished calls are cancelled and its tools removed before its workers stop.
 """
 
 from __future__ import annotations
@@ -13,8 +12,8 @@ import os
 import random
 import signal
 import statistics
-import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,6 +24,7 @@ from rich.table import Table
 
 from broker.config import Settings
 from hermes_gateway.client import Gateway
+from hermes_gateway.demo_tools import CITIES
 from hermes_gateway.handle import CallHandle
 from hermes_gateway.local import connect_local, wait_for_heartbeats
 from workers.pool import spawn, stop_all
@@ -35,32 +35,20 @@ LEAVE_WITHIN = 15.0  # seconds the demo waits for its cancelled calls to end bef
 
 DEMO_TOOLS: list[dict[str, Any]] = [
     {
-        "name": HELLO,
-        "description": "Greet someone by name",
-        "executor": "command",
+        "name": HELLO, "description": "Greet someone by name", "executor": "command",
         "command": "echo Hello, {{name}}!",
         "input_schema": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
-        "timeout": 10,
-        "concurrency": 20,
-        "queue": QUEUE,
+        "timeout": 10, "concurrency": 20, "queue": QUEUE,
     },
     {
-        "name": WEATHER,
-        "description": "查询指定城市的实时天气情况",
-        "executor": "python",
+        "name": WEATHER, "description": "查询指定城市的实时天气情况", "executor": "python",
         "function": "hermes_gateway.demo_tools:weather",
-        "input_schema": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-            "required": ["city"],
-        },
-        "timeout": 10,
-        "concurrency": 50,
-        "queue": QUEUE,
+        "input_schema": {"type": "object", "properties": {
+            "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        }, "required": ["city"]},
+        "timeout": 10, "concurrency": 50, "queue": QUEUE,
     },
 ]
-
-CITIES = ["北京", "上海", "广州", "深圳", "杭州", "成都", "Berlin", "Paris", "Lisbon", "Nairobi"]
 ATLANTIS = "Atlantis"  # the demo's failures on purpose: the weather tool has no station there
 NAMES = ["Alice", "Bob", "Chen", "Dana", "Émile", "Farah"]
 
@@ -79,9 +67,7 @@ def _batch(n: int, rng: random.Random) -> list[tuple[str, dict[str, Any]]]:
 
 def _latency(h: CallHandle) -> float | None:
     evs = [e for e in h._events if e.type == "transition"]
-    if len(evs) < 2:
-        return None
-    return (evs[-1].ts - evs[0].ts) * 1000
+    return (evs[-1].ts - evs[0].ts) * 1000 if len(evs) >= 2 else None
 
 
 def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int) -> int:
@@ -113,8 +99,7 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
         console.print(f"  result: {one.result(30)}")
 
         console.rule(f"a batch of {calls} calls")
-        rng = random.Random(10)
-        work = _batch(calls, rng)
+        work = _batch(calls, random.Random(10))
         failing = sum(1 for name, args in work if args.get("city") == ATLANTIS)
         if failing:
             console.print(f"  {failing} of them ask for the weather in {ATLANTIS!r}, which fails on purpose (executor_error)")
@@ -136,14 +121,13 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
                 time.sleep(0.05)
         wall = time.perf_counter() - start
 
-        outcomes: dict[str, int] = {}
+        outcomes: Counter[str] = Counter()
         for h in batch:
             try:
                 h.result(0)
-                outcomes["done"] = outcomes.get("done", 0) + 1
+                outcomes["done"] += 1
             except Exception as e:  # noqa: BLE001 - the summary counts every kind of failure
-                key = f"failed ({getattr(e, 'type', type(e).__name__)})"
-                outcomes[key] = outcomes.get(key, 0) + 1
+                outcomes[f"failed ({getattr(e, 'type', type(e).__name__)})"] += 1
         lat = sorted(x for x in (_latency(h) for h in batch) if x is not None)
         table = Table(title="summary", title_justify="left")
         table.add_column("metric")
@@ -163,16 +147,17 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
         topo = Table(title="topology", title_justify="left")
         for col in ("worker", "pid", "queues", "concurrency", "ran (this demo)", "failed"):
             topo.add_column(col)
-        ran_by: dict[str, list[int]] = {}
+        ran: Counter[str] = Counter()  # calls of the demo per worker, and those of them that failed
+        failed: Counter[str] = Counter()
         for h in handles:
             worker = next((e.detail.get("worker") for e in h._events if e.state == "routing"), None)
             if worker:
-                tally = ran_by.setdefault(worker, [0, 0])
-                tally[0] += 1
-                tally[1] += h.final_state == "failed"
+                ran[worker] += 1
+                failed[worker] += h.final_state == "failed"
         for w in gw.live_workers(QUEUE):
-            done, failed = ran_by.get(w.get("name", ""), [0, 0])
-            topo.add_row(w.get("name", ""), w.get("pid", ""), w.get("queues", ""), w.get("concurrency", ""), str(done), str(failed))
+            name = w.get("name", "")
+            row = (name, w.get("pid", ""), w.get("queues", ""), w.get("concurrency", ""), ran[name], failed[name])
+            topo.add_row(*map(str, row))
         console.print(topo)
         console.print(f"broker: {handle.description}")
         return 0
@@ -188,10 +173,7 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
 def _ctrl_c_after() -> Iterator[list[int]]:
     """Hold SIGINT until the block ends (the list it gives is then non-empty): the block's calls are in
     Redis before their handles are, so an interrupt inside would leave calls the demo cannot cancel."""
-    held: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield held
-        return
+    held: list[int] = []  # (the demo runs on the CLI's main thread, where signal handlers can be set)
     previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
         yield held

@@ -6,7 +6,7 @@ import time
 import zlib
 from typing import Any
 
-_KNOWN = ("北京", "上海", "广州", "深圳", "杭州", "成都", "Berlin", "Paris", "Lisbon", "Nairobi")
+CITIES = ("北京", "上海", "广州", "深圳", "杭州", "成都", "Berlin", "Paris", "Lisbon", "Nairobi")
 
 
 def weather(city: str, unit: str = "celsius", ctx: Any = None) -> dict[str, Any]:
@@ -14,7 +14,7 @@ def weather(city: str, unit: str = "celsius", ctx: Any = None) -> dict[str, Any]
     if ctx is not None:
         ctx.progress(f"querying weather service for {city}")
     time.sleep(0.02)
-    if city not in _KNOWN:
+    if city not in CITIES:
         raise LookupError(f"no weather station for {city!r}")
     temp = zlib.crc32(city.encode()) % 35
     if unit == "fahrenheit":

@@ -1,15 +1,9 @@
 """Flows: several tool calls orchestrated as one — serial (a result feeds the next step's arguments by
 reference), parallel (fan-out, one combined result, failures per item), conditional (``when``), and
-breaker fallback (another tool, or skip, while a tool's breaker is open).
+breaker fallback (another tool, or skip, while a tool's breaker is open)::
 
-    from hermes_gateway import Gateway
-    from hermes_gateway.flow import Flow, run_flow
-
-    flow = (
-        Flow("trip")
-        .step("lookup", "geo", {"name": "{{ args.person }}"})
-        .step("weather", "weather", {"city": "{{ steps.lookup.result.city }}"}, fallback="skip")
-    )
+    flow = Flow("trip").step("lookup", "geo", {"name": "{{ args.person }}"})
+    flow.step("weather", "weather", {"city": "{{ steps.lookup.result.city }}"}, fallback="skip")
     result = run_flow(gw, flow, {"person": "Ada"})
 
 A flow is also a YAML/JSON document (:meth:`Flow.load`); ``hermes-gateway flow run flow.yaml``.
@@ -29,18 +23,8 @@ if TYPE_CHECKING:
     from hermes_gateway.client import Gateway
 
 __all__ = [
-    "Expression",
-    "Fallback",
-    "Flow",
-    "FlowResult",
-    "FlowRunner",
-    "Step",
-    "StepEvent",
-    "StepResult",
-    "compile_template",
-    "load_flow",
-    "render",
-    "run_flow",
+    "Expression", "Fallback", "Flow", "FlowResult", "FlowRunner", "Step", "StepEvent", "StepResult",
+    "compile_template", "load_flow", "render", "run_flow",
 ]
 
 
@@ -50,13 +34,8 @@ def load_flow(source: str | Path | dict[str, Any]) -> Flow:
 
 
 def run_flow(
-    gateway: Gateway,
-    flow: Flow | str | Path | dict[str, Any],
-    args: dict[str, Any] | None = None,
-    *,
-    on_event: Callable[[StepEvent], None] | None = None,
-    wait: float | None = 300.0,
-    **context: Any,
+    gateway: Gateway, flow: Flow | str | Path | dict[str, Any], args: dict[str, Any] | None = None, *,
+    on_event: Callable[[StepEvent], None] | None = None, wait: float | None = 300.0, **context: Any,
 ) -> FlowResult:
     """Run a flow on ``gateway``; ``context`` (session_id, principal, ...) goes with every call."""
     f = flow if isinstance(flow, Flow) else load_flow(flow)

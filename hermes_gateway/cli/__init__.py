@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import sys
+from itertools import islice
 from typing import Any
 
 import click
@@ -14,6 +15,9 @@ import click
 from broker.config import LOG_LEVELS, RUN_REGISTRY_ENV, load_settings
 from broker.errors import HermesError
 from broker.logs import configure
+from hermes_gateway.cli.audit_cmd import audit
+from hermes_gateway.cli.batch_cmd import batch
+from hermes_gateway.cli.chat_cmd import chat
 from hermes_gateway.cli.common import (
     POSITIVE,
     SECONDS,
@@ -24,12 +28,18 @@ from hermes_gateway.cli.common import (
     open_gateway,
     settings_of,
 )
+from hermes_gateway.cli.flow_cmd import flow
+from hermes_gateway.cli.mcp_cmd import mcp
+from hermes_gateway.cli.migrate_cmd import migrate
+from hermes_gateway.cli.plugins_cmd import plugins
+from hermes_gateway.cli.policy_cmd import policy
+from hermes_gateway.cli.serve_cmd import serve
+from hermes_gateway.cli.tool_cmd import tool
 
 __all__ = ["main"]
 
 
-# The group's options that a user may also write after the command (`hermes-gateway worker --log-format json`):
-# they are moved in front of it, where click reads them.
+# Group options a user may also write after the command (`worker --log-format json`): moved in front of it.
 _ANYWHERE = ("--log-level", "--log-format", "--home", "--trace")
 
 
@@ -39,19 +49,14 @@ class _Main(click.Group):
         while at < len(args) and args[at] not in self.commands:
             at += 2 if args[at] in _ANYWHERE else 1
         front, rest = list(args[:at]), []
-        i = at
-        while i < len(args):
-            arg = args[i]
+        tail = iter(args[at:])
+        for arg in tail:
             if arg == "--":
-                rest.extend(args[i:])
-                break
-            if arg.split("=", 1)[0] in _ANYWHERE:
-                take = 1 if "=" in arg else 2
-                front.extend(args[i : i + take])
-                i += take
-                continue
-            rest.append(arg)
-            i += 1
+                rest += [arg, *tail]  # (the rest, as it is)
+            elif arg.split("=", 1)[0] in _ANYWHERE:
+                front += [arg] if "=" in arg else [arg, *islice(tail, 1)]  # with its value
+            else:
+                rest.append(arg)
         return super().parse_args(ctx, front + rest)
 
     def invoke(self, ctx: click.Context) -> Any:
@@ -67,28 +72,24 @@ class _Main(click.Group):
             fail(f"broker_full: {out_of_memory(e)}", 1)
 
 
-@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
+# The command groups are one module each (hermes_gateway/cli/<group>_cmd.py); the root's commands are below.
+@click.group(
+    cls=_Main, context_settings={"help_option_names": ["-h", "--help"]},
+    commands=[tool, batch, plugins, policy, audit, migrate, mcp, chat, flow, serve],
+)
 @click.option(
-    "--home",
-    envvar="HERMES_HOME",
-    show_envvar=True,
-    default=None,
+    "--home", envvar="HERMES_HOME", show_envvar=True,
     help="Config directory: config.yaml, tools/, plugins/ (default $HERMES_HOME, else ~/.hermes).",
 )
 @click.option(
-    "--log-level",
-    type=click.Choice(LOG_LEVELS, case_sensitive=False),
-    default=None,
+    "--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
     help="DEBUG, INFO, WARNING, ERROR (default: logging.level or INFO).",
 )
+@click.option("--log-format", type=click.Choice(["console", "json"]), help="Log lines as text or JSON.")
 @click.option(
-    "--log-format", type=click.Choice(["console", "json"]), default=None, help="Log lines as text or JSON."
-)
-@click.option(
-    "--trace",
-    type=click.Choice(["off", "console", "otlp"]),
-    default=None,
-    help="Trace the calls: console prints spans, otlp exports to OTEL_EXPORTER_OTLP_ENDPOINT (default: OTEL_* env).",
+    "--trace", type=click.Choice(["off", "console", "otlp"]),
+    help="Trace the calls: console prints spans, otlp exports to OTEL_EXPORTER_OTLP_ENDPOINT "
+    "(default: OTEL_* env).",
 )
 @click.version_option("0.10.0", prog_name="hermes-gateway", message="%(prog)s v%(version)s")
 @click.pass_context
@@ -101,16 +102,13 @@ def main(
         settings = load_settings(home)
     except HermesError as e:
         fail(str(e))
-    if log_level or log_format:  # the command line wins over the environment and config.yaml
-        was = settings.logging
-        asked = dataclasses.replace(
-            was,
-            level=log_level or was.level,
-            format=log_format or was.format,
-            level_set=was.level_set or bool(log_level),
-        )
-        settings = dataclasses.replace(settings, logging=asked)
-    configure(settings.logging.level, settings.logging.format)
+    was = settings.logging  # the command line wins over the environment and config.yaml
+    asked = dataclasses.replace(
+        was, level=log_level or was.level, format=log_format or was.format,
+        level_set=was.level_set or bool(log_level),
+    )
+    settings = dataclasses.replace(settings, logging=asked)
+    configure(asked.level, asked.format)
     # Written, not read: processes this command starts (a pool's workers, a chat's worker) log the same way.
     if log_level:
         os.environ["HERMES_LOG_LEVEL"] = log_level
@@ -140,27 +138,17 @@ def main(
     "--processes", "-p", default=1, show_default=True, type=POSITIVE, help="Worker processes to run."
 )
 @click.option(
-    "--grace",
-    default=25.0,
-    show_default=True,
-    type=SECONDS,
+    "--grace", default=25.0, show_default=True, type=SECONDS,
     help="Seconds to finish in-flight calls on SIGTERM.",
 )
 @click.option(
-    "--metrics-port",
-    default=None,
-    type=click.IntRange(1, 65535),
+    "--metrics-port", type=click.IntRange(1, 65535),
     help="Serve Prometheus /metrics on this port (process i of --processes on PORT+i).",
 )
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Address of /metrics.")
 @click.pass_context
 def worker(
-    ctx: click.Context,
-    queues: str,
-    concurrency: int,
-    processes: int,
-    grace: float,
-    metrics_port: int | None,
+    ctx: click.Context, queues: str, concurrency: int, processes: int, grace: float, metrics_port: int | None,
     metrics_host: str,
 ) -> None:
     """Run worker processes that take calls off the queues."""
@@ -198,16 +186,12 @@ def worker(
 
 @main.command()
 @click.option(
-    "--all",
-    "all_",
-    is_flag=True,
+    "--all", "all_", is_flag=True,
     help="Stop every worker on the broker, and every process our commands run on this machine (serve, "
     "workers, embedded brokers).",
 )
 @click.option(
-    "--grace",
-    default=30.0,
-    show_default=True,
+    "--grace", default=30.0, show_default=True,
     help="With --all: seconds this machine's processes get to exit after SIGTERM before SIGKILL (a worker "
     "finishes its calls within its own --grace, 25 s by default).",
 )
@@ -248,7 +232,8 @@ def stop(ctx: click.Context, all_: bool, grace: float, names: tuple[str, ...]) -
             if unknown:  # a typo must not read as done
                 shown = ", ".join(sorted(known)) or "none"
                 fail(
-                    f"no such worker: {', '.join(unknown)} (workers on this broker: {shown}; see `hermes-gateway status`)",
+                    f"no such worker: {', '.join(unknown)} (workers on this broker: {shown}; "
+                    "see `hermes-gateway status`)",
                     1,
                 )
     if not all_:
@@ -279,11 +264,9 @@ def stop(ctx: click.Context, all_: bool, grace: float, names: tuple[str, ...]) -
 @click.argument("call_id")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing until the call ends.")
 @click.option(
-    "--request",
-    "show_request",
-    is_flag=True,
-    help="First print what the call asked for, secrets masked: a tool call's args, an LLM call's whole request "
-    "(the messages the model is sent, tool results included).",
+    "--request", "show_request", is_flag=True,
+    help="First print what the call asked for, secrets masked: a tool call's args, an LLM call's whole "
+    "request (the messages the model is sent, tool results included).",
 )
 @click.pass_context
 def events(ctx: click.Context, call_id: str, follow: bool, show_request: bool) -> None:
@@ -309,15 +292,11 @@ def events(ctx: click.Context, call_id: str, follow: bool, show_request: bool) -
 
 @main.command()
 @click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
+    "--json", "as_json", is_flag=True,
     help="Plain data, live figures included; with --watch one JSON line per refresh.",
 )
 @click.option(
-    "--watch",
-    "-w",
-    is_flag=True,
+    "--watch", "-w", is_flag=True,
     help="Live call figures (by tool, state, error; durations, waits, in flight, breakers).",
 )
 @click.option("--interval", default=1.0, show_default=True, help="Seconds between refreshes with --watch.")
@@ -329,9 +308,8 @@ def status(ctx: click.Context, as_json: bool, watch: bool, interval: float) -> N
 
     with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
         if throwaway(gw):
-            note(
-                f"note: {THROWAWAY_NOTE.format(home=settings_of(ctx).home)}: this status is of an empty broker of its own"
-            )
+            throwaway_note = THROWAWAY_NOTE.format(home=settings_of(ctx).home)
+            note(f"note: {throwaway_note}: this status is of an empty broker of its own")
         if watch:
             from hermes_gateway.watch import watch as watch_figures
             from hermes_gateway.watch import watch_json
@@ -363,20 +341,3 @@ def demo(ctx: click.Context, calls: int, processes: int, concurrency: int) -> No
         sys.exit(run_demo(settings_of(ctx), calls=calls, processes=processes, concurrency=concurrency))
     except HermesError as e:
         fail(str(e))
-
-
-# -- the command groups, one module each (hermes_gateway/cli/<group>_cmd.py) ---------------------------
-
-from hermes_gateway.cli.audit_cmd import audit  # noqa: E402
-from hermes_gateway.cli.batch_cmd import batch  # noqa: E402
-from hermes_gateway.cli.chat_cmd import chat  # noqa: E402
-from hermes_gateway.cli.flow_cmd import flow  # noqa: E402
-from hermes_gateway.cli.mcp_cmd import mcp  # noqa: E402
-from hermes_gateway.cli.migrate_cmd import migrate  # noqa: E402
-from hermes_gateway.cli.plugins_cmd import plugins  # noqa: E402
-from hermes_gateway.cli.policy_cmd import policy  # noqa: E402
-from hermes_gateway.cli.serve_cmd import serve  # noqa: E402
-from hermes_gateway.cli.tool_cmd import tool  # noqa: E402
-
-for _command in (tool, batch, plugins, policy, audit, migrate, mcp, chat, flow, serve):
-    main.add_command(_command)

@@ -16,7 +16,7 @@ import yaml
 
 from broker.audit import AuditLog, AuditRecord
 from broker.errors import HermesError
-from hermes_gateway.cli.common import WAIT_SECONDS, event_line, fail, note, settings_of
+from hermes_gateway.cli.common import WAIT_SECONDS, event_line, fail, note, settings_of, shared_broker
 
 STATES = ("done", "failed", "cancelled")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
@@ -53,18 +53,9 @@ class When(click.ParamType):
 @contextlib.contextmanager
 def _log(ctx: click.Context) -> Iterator[tuple[Any, AuditLog]]:
     """A connection to the shared broker and its audit log (an embedded broker would have none)."""
-    from hermes_gateway.local import connect_shared
-
     settings = settings_of(ctx)
-    try:
-        handle = connect_shared(settings)
-        log = AuditLog.from_settings(handle.conn, settings.audit)
-    except HermesError as e:
-        fail(f"{e} (the audit log lives in the broker: set HERMES_REDIS_URL)")
-    try:
-        yield handle, log
-    finally:
-        handle.close()
+    with shared_broker(settings, "the audit log") as handle:
+        yield handle, AuditLog.from_settings(handle.conn, settings.audit)
 
 
 def _stamp(ts: float) -> str:
@@ -94,13 +85,8 @@ def audit() -> None:
 @click.option("--json", "as_json", is_flag=True, help="JSON lines instead of a table.")
 @click.pass_context
 def audit_list(
-    ctx: click.Context,
-    tool: str | None,
-    principal: str | None,
-    state: str | None,
-    since: float | None,
-    limit: int,
-    as_json: bool,
+    ctx: click.Context, tool: str | None, principal: str | None, state: str | None, since: float | None,
+    limit: int, as_json: bool,
 ) -> None:
     """Finished calls, newest first."""
     with _log(ctx) as (_, log):
@@ -160,10 +146,7 @@ def audit_show(ctx: click.Context, call_id: str, as_json: bool) -> None:
 @audit.command("replay")
 @click.argument("call_id")
 @click.option(
-    "--arg",
-    "arg_pairs",
-    multiple=True,
-    metavar="NAME=VALUE",
+    "--arg", "arg_pairs", multiple=True, metavar="NAME=VALUE",
     help="A redacted argument (sensitive ones are checked against the recorded sha256).",
 )
 @click.option(
@@ -174,7 +157,6 @@ def audit_replay(ctx: click.Context, call_id: str, arg_pairs: tuple[str, ...], t
     """Run a finished tool call again with its recorded arguments; show both outcomes side by side."""
     from hermes_gateway import replay
     from hermes_gateway.client import Gateway
-    from hermes_gateway.local import connect_shared
 
     supplied: dict[str, str] = {}
     for pair in arg_pairs:
@@ -182,28 +164,21 @@ def audit_replay(ctx: click.Context, call_id: str, arg_pairs: tuple[str, ...], t
         if not sep or not name:
             fail(f"--arg {pair!r}: expected NAME=VALUE")
         supplied[name.strip()] = value
-    settings = settings_of(ctx)
-    try:
-        handle = connect_shared(settings)
-    except HermesError as e:
-        fail(f"{e} (the audit log lives in the broker: set HERMES_REDIS_URL)")
-    gw = Gateway(handle, settings)
-    try:
-        log = AuditLog.from_settings(gw.conn, settings.audit)
-        rec = log.get(call_id)
-        if rec is None:
-            fail(f"no audit record for call {call_id} (unknown, unfinished, or past retention)", 1)
-        assert rec is not None
+    with _log(ctx) as (handle, log):
+        gw = Gateway(handle, settings_of(ctx))
         try:
-            plan = replay.plan(rec, supplied)
-            spec = gw.tool(plan.tool).spec
-            gw.require_workers(str(spec.config.get("queue") or "tools"))
-            outcome = replay.run(gw, log, plan, timeout)
-        except HermesError as e:
-            fail(f"{e.type}: {e}")
-        click.echo(replay.render(outcome))
-    finally:
-        gw.close()
+            rec = log.get(call_id)
+            if rec is None:
+                fail(f"no audit record for call {call_id} (unknown, unfinished, or past retention)", 1)
+            try:
+                plan = replay.plan(rec, supplied)
+                gw.require_workers(str(gw.tool(plan.tool).spec.config.get("queue") or "tools"))
+                outcome = replay.run(gw, log, plan, timeout)
+            except HermesError as e:
+                fail(f"{e.type}: {e}")
+            click.echo(replay.render(outcome))
+        finally:
+            gw.close()
 
 
 @audit.command("export")
@@ -212,18 +187,11 @@ def audit_replay(ctx: click.Context, call_id: str, arg_pairs: tuple[str, ...], t
 @click.option("--tool", default=None)
 @click.option("--principal", default=None)
 @click.option("--state", type=click.Choice(STATES), default=None)
-@click.option(
-    "--output", "-o", type=click.Path(dir_okay=False, writable=True), default=None, help="Default: stdout."
-)
+@click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), help="Default: stdout.")
 @click.pass_context
 def audit_export(
-    ctx: click.Context,
-    since: float | None,
-    until: float | None,
-    tool: str | None,
-    principal: str | None,
-    state: str | None,
-    output: str | None,
+    ctx: click.Context, since: float | None, until: float | None, tool: str | None, principal: str | None,
+    state: str | None, output: str | None,
 ) -> None:
     """Every matching record as JSON lines, oldest first (audit export --since 7d > audit.jsonl)."""
     with _log(ctx) as (_, log), contextlib.ExitStack() as stack:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -31,6 +32,21 @@ def read_items(path: Path) -> Iterator[Any]:
                 yield json.loads(line)
             except json.JSONDecodeError:
                 yield line.rstrip("\n")
+
+
+@contextlib.contextmanager
+def _job(ctx: click.Context, batch_id: str) -> Iterator[Any]:
+    """The batch ``batch_id``; a HermesError in the block (no such batch, ...) ends the command with 1."""
+    with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
+        try:
+            yield gw.batch_job(batch_id)
+        except HermesError as e:
+            fail(str(e), 1)
+
+
+def _exit_code(p: Any) -> int:
+    """0 when every item is done, 1 when any failed or was cancelled."""
+    return 1 if p.counts.get("failed") or p.counts.get("cancelled") else 0
 
 
 def count_items(path: Path) -> int:
@@ -100,7 +116,6 @@ def batch_submit(ctx: click.Context, tool: str | None, items: Path | None, out_p
         items, tool = Path(tool), None  # `--resume ID items.jsonl`: the tool is the batch's own
     if items is None:
         fail("name the items file: batch submit TOOL items.jsonl (or --resume ID items.jsonl)")
-    assert items is not None
     settings = settings_of(ctx)
     with open_gateway(settings) as (gw, _):
         sync_tools(gw)
@@ -114,7 +129,6 @@ def batch_submit(ctx: click.Context, tool: str | None, items: Path | None, out_p
                 tool = tool or gw.batch_job(resume).progress().tool
             if tool is None:
                 fail("name the tool: batch submit TOOL items.jsonl")
-            assert tool is not None
             total = count_items(items)
             context = {"principal": principal} if principal else {}
             job = gw.batch(tool, read_items(items), window=window, resume=resume, **context)
@@ -134,7 +148,7 @@ def batch_submit(ctx: click.Context, tool: str | None, items: Path | None, out_p
         if job.error is not None:
             fail(f"batch {job.id}: submission stopped: {job.error}; resume with --resume {job.id}", 1)
         note(_status_text(p))
-        sys.exit(0 if p.counts.get("failed", 0) == 0 and p.counts.get("cancelled", 0) == 0 else 1)
+        sys.exit(_exit_code(p))
 
 
 @batch.command("status")
@@ -143,11 +157,8 @@ def batch_submit(ctx: click.Context, tool: str | None, items: Path | None, out_p
 @click.pass_context
 def batch_status(ctx: click.Context, batch_id: str, as_json: bool) -> None:
     """Counts per state, rate and ETA of a batch."""
-    with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
-        try:
-            p = gw.batch_job(batch_id).progress()
-        except HermesError as e:
-            fail(str(e), 1)
+    with _job(ctx, batch_id) as job:
+        p = job.progress()
         click.echo(json.dumps(p.to_dict(), indent=2) if as_json else _status_text(p))
 
 
@@ -157,15 +168,10 @@ def batch_status(ctx: click.Context, batch_id: str, as_json: bool) -> None:
 @click.pass_context
 def batch_wait(ctx: click.Context, batch_id: str, timeout: float | None) -> None:
     """Block until every item of the batch has ended; exit 0 when all are done, 1 otherwise."""
-    with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
-        try:
-            p = gw.batch_job(batch_id).wait(timeout)
-        except HermesError as e:
-            fail(str(e), 1)
+    with _job(ctx, batch_id) as job:
+        p = job.wait(timeout)
         click.echo(_status_text(p))
-        if not p.complete:
-            sys.exit(3)
-        sys.exit(0 if p.counts.get("failed", 0) == 0 and p.counts.get("cancelled", 0) == 0 else 1)
+        sys.exit(_exit_code(p) if p.complete else 3)
 
 
 @batch.command("results")
@@ -176,14 +182,12 @@ def batch_wait(ctx: click.Context, batch_id: str, timeout: float | None) -> None
 @click.pass_context
 def batch_results(ctx: click.Context, batch_id: str, out_path: Path | None, no_follow: bool) -> None:
     """Each item's outcome as a JSONL line `{index, call_id, state, result | error}`, as the calls end."""
-    with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
+    with _job(ctx, batch_id) as job:
         out = out_path.open("w", encoding="utf-8") if out_path is not None else sys.stdout
         try:
-            for item in gw.batch_job(batch_id).results(follow=not no_follow):
+            for item in job.results(follow=not no_follow):
                 out.write(item_line(item) + "\n")
                 out.flush()
-        except HermesError as e:
-            fail(str(e), 1)
         finally:
             if out_path is not None:
                 out.close()
@@ -194,11 +198,8 @@ def batch_results(ctx: click.Context, batch_id: str, out_path: Path | None, no_f
 @click.pass_context
 def batch_cancel(ctx: click.Context, batch_id: str) -> None:
     """Stop sending the batch's items and cancel its calls that have not ended."""
-    with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
-        try:
-            n = gw.batch_job(batch_id).cancel()
-        except HermesError as e:
-            fail(str(e), 1)
+    with _job(ctx, batch_id) as job:
+        n = job.cancel()
         click.echo(f"batch {batch_id}: cancelled, {n} calls told to stop")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -18,8 +19,6 @@ from hermes_gateway.cli.common import (
     sync_tools,
 )
 
-# -- chat: a minimal agent loop over the queue (hermes_gateway/chat.py) ---------------------------
-
 QUIT_WORDS = ("exit", "quit")
 PROMPT = "> "
 
@@ -28,9 +27,7 @@ def _ask_once(
     session: Any, query: str, shown: dict[str, bool], verbose: bool, max_turns: int, *, more: bool = False
 ) -> int:
     """Run one user message and print its answer (or ``error: ...`` on stderr); the exit code it earns.
-
-    ``more``: other messages follow, so a stream that broke off mid-line gets its line ended first.
-    """
+    ``more``: other messages follow, so a stream that broke off mid-line gets its line ended first."""
     shown["answer_shown"] = False
     try:
         result = session.ask(query)
@@ -38,11 +35,8 @@ def _ask_once(
         if more and shown["open"]:
             click.echo("")
         shown["open"] = False
-        if isinstance(e, CallCancelled):
-            note(f"cancelled: {e}", "error")
-            return 1
-        note(f"{e.type}: {e}", "error")
-        return 1 if isinstance(e, (CallTimeout, CallFailed)) else 2
+        note(f"cancelled: {e}" if isinstance(e, CallCancelled) else f"{e.type}: {e}", "error")
+        return 1 if isinstance(e, (CallCancelled, CallTimeout, CallFailed)) else 2
     if verbose:
         note(f"session {result.session_id}: {len(result.turns)} LLM call(s)")
     if result.answer is None:
@@ -76,10 +70,8 @@ def _conversation(session: Any, shown: dict[str, bool], verbose: bool, max_turns
     interactive = sys.stdin.isatty()
     if interactive:
         if sys.stdout.isatty():  # only then does input() use it (and may it write to stdout)
-            try:
+            with contextlib.suppress(ImportError):  # (not on every platform)
                 import readline  # noqa: F401 - importing it gives input() line editing and history
-            except ImportError:  # pragma: no cover - not on every platform
-                pass
         click.echo(
             f"hermes-gateway chat, session {session.session_id}. Type a message and press Enter;"
             " `exit`, `quit` or Ctrl-D to quit.",
@@ -92,13 +84,11 @@ def _conversation(session: Any, shown: dict[str, bool], verbose: bool, max_turns
         except KeyboardInterrupt:  # Ctrl-C at the prompt: leave like Ctrl-D
             click.echo("", err=True)
             break
-        if line is None:
+        if line is None or line.strip().lower() in QUIT_WORDS:
             break
         query = line.strip()
         if not query:
             continue
-        if query.lower() in QUIT_WORDS:
-            break
         try:
             code = max(code, _ask_once(session, query, shown, verbose, max_turns, more=True))
         except KeyboardInterrupt:  # Ctrl-C while a turn runs: end the conversation, no traceback
@@ -161,8 +151,7 @@ def chat(
             for line in describe_turn(turn):
                 note(line)
 
-    settings = settings_of(ctx)
-    with open_gateway(settings) as (gw, procs):
+    with open_gateway(settings_of(ctx)) as (gw, procs):
         if verbose and procs:
             note(f"broker: {gw.description}; started {len(procs)} worker for this chat")
         sync_tools(gw)

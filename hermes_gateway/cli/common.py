@@ -93,6 +93,22 @@ def open_gateway(settings: Settings, need_workers: bool = True) -> Iterator[tupl
         yield pair
 
 
+@contextlib.contextmanager
+def shared_broker(settings: Settings, what: str = "") -> Iterator[Any]:
+    """The shared broker (``connect_shared``), closed after the block. Unreachable: exit 2, the message
+    saying that ``what`` lives in the broker when given."""
+    from hermes_gateway.local import connect_shared
+
+    try:
+        handle = connect_shared(settings)
+    except HermesError as e:
+        fail(f"{e} ({what} lives in the broker: set HERMES_REDIS_URL)" if what else str(e))
+    try:
+        yield handle
+    finally:
+        handle.close()
+
+
 # Option types shared by the commands: a bad value is click's usage error (exit 2), never a traceback.
 POSITIVE = click.IntRange(min=1)
 SECONDS = click.FloatRange(min=0)

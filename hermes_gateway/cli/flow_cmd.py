@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import click
@@ -18,8 +19,6 @@ from hermes_gateway.cli.common import (
     settings_of,
     sync_tools,
 )
-
-# -- flows (orchestration) ---------------------------------------------------------------------------
 
 
 @click.group()
@@ -58,17 +57,10 @@ def flow_check(flow_file: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print every step's outcome, not only the result.")
 @click.pass_context
 def flow_run(
-    ctx: click.Context,
-    flow_file: str,
-    args_text: str,
-    session_id: str | None,
-    principal: str | None,
-    wait: float,
-    as_json: bool,
+    ctx: click.Context, flow_file: str, args_text: str, session_id: str | None, principal: str | None,
+    wait: float, as_json: bool,
 ) -> None:
     """Run a flow (YAML or JSON), showing each step's state live on stderr; the result goes to stdout."""
-    import time
-
     from hermes_gateway.flow import load_flow, run_flow
     from workers.args import parse_args_text
 

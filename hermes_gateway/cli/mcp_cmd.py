@@ -1,5 +1,5 @@
-"""``hermes-gateway mcp add|list|remove|serve``: MCP servers' tools in the directory, and the directory as an MCP
-server."""
+"""``hermes-gateway mcp add|list|remove|serve``: MCP servers' tools in the directory, and the directory as
+an MCP server."""
 
 from __future__ import annotations
 
@@ -27,22 +27,13 @@ def mcp() -> None:
 @click.option("--prefix", default="", help="Put before every tool name (e.g. fs_), to keep servers apart.")
 @click.option("--env", "env", multiple=True, help="KEY=VALUE for a stdio server's environment (repeatable).")
 @click.option(
-    "--timeout",
-    type=WAIT_SECONDS,
-    default=None,
-    help="Seconds to connect and list (executors.mcp.handshake_timeout).",
+    "--timeout", type=WAIT_SECONDS, help="Seconds to connect and list (executors.mcp.handshake_timeout)."
 )
 @click.option("--force", is_flag=True, help="Replace tools of another origin that have the same names.")
 @click.pass_context
 def mcp_add(
-    ctx: click.Context,
-    server_name: str,
-    command: str | None,
-    url: str | None,
-    prefix: str,
-    env: tuple[str, ...],
-    timeout: float | None,
-    force: bool,
+    ctx: click.Context, server_name: str, command: str | None, url: str | None, prefix: str,
+    env: tuple[str, ...], timeout: float | None, force: bool,
 ) -> None:
     """Register every tool of an MCP server (SERVER_NAME labels it) as an mcp tool."""
     from hermes_gateway.mcp_import import import_server
@@ -60,14 +51,9 @@ def mcp_add(
     with open_gateway(settings, need_workers=False) as (gw, _):
         try:
             results = import_server(
-                gw.directory,
-                server,
-                prefix=prefix,
-                handshake_timeout=handshake,
+                gw.directory, server, prefix=prefix, handshake_timeout=handshake,
                 write_dir=settings.tools_dir if gw.broker.embedded is not None else None,
-                label=server_name,
-                tools_dir=settings.tools_dir,
-                force=force,
+                label=server_name, tools_dir=settings.tools_dir, force=force,
             )
         except HermesError as e:
             fail(f"{server_name}: {e}", 1)
@@ -96,11 +82,10 @@ def mcp_list(ctx: click.Context, as_json: bool) -> None:
         return
     for label, specs in found.items():
         server = specs[0].config.get("mcp") or {}
-        target = (
-            _shown_url(str(server["url"]))
-            if server.get("url")
-            else " ".join(map(str, server.get("command") or []))
-        )
+        if server.get("url"):
+            target = _shown_url(str(server["url"]))
+        else:
+            target = " ".join(map(str, server.get("command") or []))
         click.echo(f"{label}: {len(specs)} tools  ({target})")
         for spec in specs:
             click.echo(f"  {spec.name}")
@@ -123,33 +108,21 @@ def mcp_remove(ctx: click.Context, server_name: str) -> None:
 
     settings = settings_of(ctx)
     with open_gateway(settings, need_workers=False) as (gw, _):
-        removed = remove_server(
-            gw.directory,
-            server_name,
-            write_dir=settings.tools_dir if gw.broker.embedded is not None else None,
-        )
+        write_dir = settings.tools_dir if gw.broker.embedded is not None else None
+        removed = remove_server(gw.directory, server_name, write_dir=write_dir)
     if not removed:
-        fail(
-            f"no tools were imported from an MCP server named {server_name!r} (see `hermes-gateway mcp list`)",
-            1,
-        )
+        fail(f"no tools were imported from an MCP server named {server_name!r} "
+             "(see `hermes-gateway mcp list`)", 1)
     for name in removed:
         click.echo(f"removed    {name}")
     click.echo(f"{server_name}: {len(removed)} tools removed")
 
 
 @mcp.command("serve")
+@click.option("--principal", help="Who the calls run as: offer and allow only what the policy lets it call.")
+@click.option("--session-id", help="Put on every call's context (events, audit, traces).")
 @click.option(
-    "--principal",
-    default=None,
-    help="Who the calls run as: offer and allow only what the policy lets it call.",
-)
-@click.option("--session-id", default=None, help="Put on every call's context (events, audit, traces).")
-@click.option(
-    "--timeout",
-    type=WAIT_SECONDS,
-    default=None,
-    help="Seconds to wait for a call (default: the tool's timeout).",
+    "--timeout", type=WAIT_SECONDS, help="Seconds to wait for a call (default: the tool's timeout)."
 )
 @click.pass_context
 def mcp_serve(
@@ -183,11 +156,8 @@ def mcp_serve(
     try:
         with local_stack(settings, worker_stdout=sys.stderr.fileno()) as (gw, procs):
             sync_tools(gw)
-            asyncio.run(
-                serve_stdio(
-                    gw, principal=principal, session_id=session_id, timeout=timeout, need_workers=not procs
-                )
-            )
+            options = {"principal": principal, "session_id": session_id, "timeout": timeout}
+            asyncio.run(serve_stdio(gw, need_workers=not procs, **options))
     except HermesError as e:
         fail(str(e))
     except KeyboardInterrupt:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from dataclasses import asdict
 
 import click
@@ -28,11 +29,7 @@ def migrate(ctx: click.Context, force: bool, dry_run: bool, no_rewrite: bool, as
         embedded = gw.broker.embedded is not None
         try:
             outcomes = run_migration(
-                gw.directory,
-                settings.home,
-                force=force,
-                rewrite=not no_rewrite,
-                dry_run=dry_run,
+                gw.directory, settings.home, force=force, rewrite=not no_rewrite, dry_run=dry_run,
                 to_files=embedded,
             )
         except OSError as e:
@@ -47,9 +44,7 @@ def migrate(ctx: click.Context, force: bool, dry_run: bool, no_rewrite: bool, as
         return
     for o in outcomes:
         click.echo(outcome_line(o.status, o.name, o.version, o.source, o.reason))
-    counts: dict[str, int] = {}
-    for o in outcomes:
-        counts[o.status] = counts.get(o.status, 0) + 1
+    counts = Counter(o.status for o in outcomes)
     summary = ", ".join(f"{n} {status}" for status, n in counts.items())
     click.echo(f"{'dry run: ' if dry_run else ''}{summary}")
     if embedded:
@@ -57,9 +52,8 @@ def migrate(ctx: click.Context, force: bool, dry_run: bool, no_rewrite: bool, as
             "note: the embedded broker lasts only for this command; the specs were written to "
             f"{settings.tools_dir} so every command loads them. Set HERMES_REDIS_URL to fill a shared directory."
         )
-    failed = [o for o in outcomes if o.failed]
+    failed = sum(o.failed for o in outcomes)
     if failed:  # scripts see it: the rest was migrated, these were not
         fail(
-            f"{len(failed)} spec(s) could not be migrated (see 'skipped' above); fix them and run migrate again",
-            1,
+            f"{failed} spec(s) could not be migrated (see 'skipped' above); fix them and run migrate again", 1
         )

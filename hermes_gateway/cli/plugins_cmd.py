@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import click
 
-from broker.errors import HermesError
-from hermes_gateway.cli.common import fail, settings_of
+from hermes_gateway.cli.common import fail, settings_of, shared_broker
 
 
 @click.group()
@@ -36,10 +37,7 @@ def plugins_enable(ctx: click.Context, name: str) -> None:
     """Enable a plugin (written to plugins.enabled in config.yaml)."""
     from middleware import enable_plugin
 
-    try:
-        key = enable_plugin(settings_of(ctx).home, name, discovery=settings_of(ctx).plugin_discovery)
-    except LookupError as e:
-        fail(str(e))
+    key = _toggle(ctx, enable_plugin, name)
     click.echo(f"enabled {key}; running workers pick it up with `hermes-gateway plugins reload`")
 
 
@@ -50,11 +48,16 @@ def plugins_disable(ctx: click.Context, name: str) -> None:
     """Disable a plugin."""
     from middleware import disable_plugin
 
+    click.echo(f"disabled {_toggle(ctx, disable_plugin, name)}")
+
+
+def _toggle(ctx: click.Context, change: Callable[..., str], name: str) -> str:
+    """``enable_plugin`` or ``disable_plugin`` on this home's config.yaml; an unknown plugin exits 2."""
+    settings = settings_of(ctx)
     try:
-        key = disable_plugin(settings_of(ctx).home, name, discovery=settings_of(ctx).plugin_discovery)
+        return change(settings.home, name, discovery=settings.plugin_discovery)
     except LookupError as e:
         fail(str(e))
-    click.echo(f"disabled {key}")
 
 
 @plugins.command("reload")
@@ -62,13 +65,9 @@ def plugins_disable(ctx: click.Context, name: str) -> None:
 def plugins_reload(ctx: click.Context) -> None:
     """Make every running worker re-import its plugins (and re-read policy) without a restart."""
     from broker import keys
-    from hermes_gateway.local import connect_shared
     from workers.worker import control_message
 
-    try:
-        handle = connect_shared(settings_of(ctx))
-    except HermesError as e:
-        fail(str(e))
-    reached = handle.conn.publish(keys.channel(handle.conn, keys.CONTROL_CHANNEL), control_message("reload"))
-    click.echo(f"reload sent to workers on {handle.description} ({reached} listening)")
-    handle.close()
+    with shared_broker(settings_of(ctx)) as handle:
+        channel = keys.channel(handle.conn, keys.CONTROL_CHANNEL)
+        reached = handle.conn.publish(channel, control_message("reload"))
+        click.echo(f"reload sent to workers on {handle.description} ({reached} listening)")

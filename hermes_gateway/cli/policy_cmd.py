@@ -6,25 +6,16 @@ import json
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import click
 import yaml
 
-from broker.config import Settings
 from broker.errors import ConfigError, HermesError
-from hermes_gateway.cli.common import fail, open_gateway, settings_of, sync_tools
+from hermes_gateway.cli.common import fail, open_gateway, settings_of, shared_broker, sync_tools
 from workers import policy_store
 from workers.policy import Policy
 
-
-def _connect(settings: Settings) -> Any:
-    from hermes_gateway.local import connect_shared
-
-    try:
-        return connect_shared(settings)
-    except HermesError as e:
-        fail(f"{e} (the active policy lives in the broker: set HERMES_REDIS_URL)")
+_WHERE = "the active policy"  # (lives in the broker)
 
 
 def read_policy_file(path: Path) -> Policy:
@@ -55,10 +46,7 @@ def policy() -> None:
 
 @policy.command("push")
 @click.option(
-    "--file",
-    "path",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
+    "--file", "path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="A YAML file with a policy: mapping (default: config.yaml in $HERMES_HOME).",
 )
 @click.pass_context
@@ -70,15 +58,11 @@ def policy_push(ctx: click.Context, path: Path | None) -> None:
         policy = read_policy_file(path) if path else Policy.from_settings(settings.policy)
     except HermesError as e:
         fail(str(e))
-    handle = _connect(settings)
-    try:
+    with shared_broker(settings, _WHERE) as handle:
         version, changed = policy_store.push(handle.conn, policy, source=str(source))
-    finally:
-        handle.close()
     if changed:
-        click.echo(
-            f"policy version {version} pushed from {source} ({_summary(policy)}); workers apply it now"
-        )
+        pushed = f"policy version {version} pushed from {source} ({_summary(policy)})"
+        click.echo(f"{pushed}; workers apply it now")
     else:
         click.echo(f"policy unchanged (version {version} is the same policy)")
 
@@ -89,13 +73,11 @@ def policy_push(ctx: click.Context, path: Path | None) -> None:
 def policy_show(ctx: click.Context, as_json: bool) -> None:
     """The policy workers use now: the pushed one, else config.yaml's."""
     settings = settings_of(ctx)
-    handle = _connect(settings)
-    try:
-        stored = policy_store.load(handle.conn)
-    except HermesError as e:
-        fail(f"the stored policy is unreadable ({e}); workers keep the policy they had: push a new one")
-    finally:
-        handle.close()
+    with shared_broker(settings, _WHERE) as handle:
+        try:
+            stored = policy_store.load(handle.conn)
+        except HermesError as e:
+            fail(f"the stored policy is unreadable ({e}); workers keep the policy they had: push a new one")
     if stored.policy is not None:
         policy, origin = stored.policy, "redis"
         pushed = datetime.fromtimestamp(stored.pushed_at).astimezone().isoformat(timespec="seconds")
@@ -108,10 +90,7 @@ def policy_show(ctx: click.Context, as_json: bool) -> None:
         header = f"no policy pushed to {handle.description}; workers use their config.yaml's (this one's:)"
     if as_json:
         doc = {
-            "origin": origin,
-            "version": stored.version,
-            "source": stored.source,
-            "policy": policy.to_dict(),
+            "origin": origin, "version": stored.version, "source": stored.source, "policy": policy.to_dict()
         }
         click.echo(json.dumps(doc, ensure_ascii=False, indent=2))
         return
@@ -123,11 +102,8 @@ def policy_show(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def policy_clear(ctx: click.Context) -> None:
     """Drop the pushed policy: every worker goes back to its own config.yaml's."""
-    handle = _connect(settings_of(ctx))
-    try:
+    with shared_broker(settings_of(ctx), _WHERE) as handle:
         version = policy_store.clear(handle.conn)
-    finally:
-        handle.close()
     click.echo("policy cleared; workers use their config.yaml's" if version else "no policy was pushed")
 
 
@@ -137,14 +113,11 @@ def policy_clear(ctx: click.Context) -> None:
 @click.pass_context
 def policy_explain(ctx: click.Context, principal: str, tool_name: str) -> None:
     """Why PRINCIPAL may or may not call TOOL (the 'listed but permission denied' question)."""
-    settings = settings_of(ctx)
-    with open_gateway(settings, need_workers=False) as (gw, _):
+    with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
         sync_tools(gw)
         try:
             spec = gw.tool(tool_name).spec
-            from workers.policy_store import active
-
-            pol, _ = active(gw.conn, Policy.from_settings(settings.policy))  # the pushed policy wins
+            pol = gw.policy()  # the pushed policy wins
         except HermesError as e:
             fail(str(e))
         click.echo(pol.explain(principal, spec))

@@ -47,23 +47,18 @@ def _listen(host: str, port: int, home: Any) -> Any:
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option(
-    "--port",
-    default=8787,
-    show_default=True,
-    type=click.IntRange(1, 65535),
+    "--port", default=8787, show_default=True, type=click.IntRange(1, 65535),
     help="Port of the API and the console.",
 )
+@click.option("--token", help="Admin bearer token every /v1 route and /mcp want (default $HERMES_API_TOKEN).")
 @click.option(
-    "--token", default=None, help="Admin bearer token every /v1 route and /mcp want (default $HERMES_API_TOKEN)."
-)
-@click.option(
-    "--mcp-stateful",
-    is_flag=True,
+    "--mcp-stateful", is_flag=True,
     help="Keep MCP sessions at /mcp (handshake-era clients then get tools/list_changed; a proxy must be sticky).",
 )
 @click.pass_context
 def serve(ctx: click.Context, host: str, port: int, token: str | None, mcp_stateful: bool) -> None:
     """The HTTP/SSE API, MCP at /mcp and the web console (GET / in a browser); see hermes_gateway/http_api.py."""
+    import signal
 
     import uvicorn
 
@@ -82,13 +77,13 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None, mcp_state
             f"listening on {host} lets anyone there register tools and run calls: give --token (or ${TOKEN_ENV}, "
             "or api.tokens in config.yaml)"
         )
+    from hermes_gateway.http_limits import uvicorn_options
+    from hermes_gateway.local import watch_control_stop
+    from workers import runfiles
+
     # uvicorn shuts down on SIGTERM, then raises the signal again to the handler it found: exit through
     # our own cleanup (stop the local worker, the embedded broker) instead of dying on the spot. A SIGTERM
     # while the broker and worker start is kept and obeyed once they are up; while cleaning up, ignored.
-    import signal
-
-    from hermes_gateway.local import watch_control_stop
-    from workers import runfiles
 
     sock = _listen(host, port, settings.home)  # before the broker and worker: a taken port fails at once
     early: list[int] = []
@@ -113,14 +108,8 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None, mcp_state
                 note(f"broker: {gw.description}{local}")
                 note(f"console and API on http://{host}:{port}/, MCP on http://{host}:{port}/mcp")
                 app = create_app(gw, credentials=credentials, mcp_stateful=mcp_stateful)
-                from hermes_gateway.http_limits import uvicorn_options
-
                 config = uvicorn.Config(
-                    app,
-                    host=host,
-                    port=port,
-                    log_level="warning",
-                    timeout_graceful_shutdown=5,
+                    app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
                     **uvicorn_options(settings.api),
                 )
                 uvicorn.Server(config).run(sockets=[sock])

@@ -20,8 +20,6 @@ from hermes_gateway.cli.common import (
     sync_tools,
 )
 
-# -- tools ---------------------------------------------------------------------------------------
-
 
 @click.group()
 def tool() -> None:
@@ -54,7 +52,10 @@ def tool_list(ctx: click.Context, as_json: bool) -> None:
 @click.option("--session-id", default=None)
 @click.option("--principal", default=None)
 @click.pass_context
-def tool_run(ctx: click.Context, name: str, args: tuple[str, ...], follow: bool, timeout: float | None, session_id: str | None, principal: str | None) -> None:
+def tool_run(
+    ctx: click.Context, name: str, args: tuple[str, ...], follow: bool, timeout: float | None,
+    session_id: str | None, principal: str | None,
+) -> None:
     """Run one tool call: ARGS is JSON or YAML flow form, e.g. '{name: Alice}' (unquoted, as in
     `tool run hello {name: Alice}`, the shell's words are joined back with spaces); @FILE reads them
     from a file, - from stdin."""
@@ -91,7 +92,6 @@ def tool_run(ctx: click.Context, name: str, args: tuple[str, ...], follow: bool,
         print_result(result)
 
 
-
 @tool.command("register")
 @click.argument("spec_file", type=click.Path(exists=True, dir_okay=False))
 @click.option(
@@ -124,11 +124,10 @@ def tool_register(ctx: click.Context, spec_file: str, force: bool) -> None:
         click.echo(f"{spec.name}: {'registered' if changed else 'unchanged'} (version {version})")
         if kept is not None:
             path, wrote = kept
-            where = (
-                f"the spec was written to {path} so every command loads it"
-                if wrote
-                else f"the spec is already in {path}, which every command loads"
-            )
+            if wrote:
+                where = f"the spec was written to {path} so every command loads it"
+            else:
+                where = f"the spec is already in {path}, which every command loads"
             note(f"note: {THROWAWAY_NOTE.format(home=settings.home)}; {where}")
 
 
@@ -137,12 +136,9 @@ def _spec_files(tools_dir: Any, name: str) -> list[tuple[Any, Any]]:
     reads them: ``*.yaml``/``*.yml``, not hidden, loadable)."""
     from workers.specs import load_spec_file
 
-    if not tools_dir.is_dir():
-        return []
     found = []
-    for f in sorted([*tools_dir.glob("*.yaml"), *tools_dir.glob("*.yml")]):
-        if f.name.startswith("."):
-            continue
+    files = [*tools_dir.glob("*.yaml"), *tools_dir.glob("*.yml")]  # (none when the directory is missing)
+    for f in sorted(f for f in files if not f.name.startswith(".")):
         try:
             spec = load_spec_file(f)
         except HermesError:
@@ -196,7 +192,8 @@ def tool_show(ctx: click.Context, name: str) -> None:
             entry = gw.tool(name)
         except HermesError as e:
             fail(str(e))
-        click.echo(yaml.safe_dump({**entry.spec.to_dict(), "version": entry.version}, allow_unicode=True, sort_keys=False))
+        shown = {**entry.spec.to_dict(), "version": entry.version}
+        click.echo(yaml.safe_dump(shown, allow_unicode=True, sort_keys=False))
 
 
 @tool.command("remove")
@@ -221,9 +218,7 @@ def tool_remove(ctx: click.Context, name: str, delete_file: bool) -> None:
         if delete_file:
             for f in files:
                 try:
-                    f.unlink()
-                except FileNotFoundError:
-                    pass
+                    f.unlink(missing_ok=True)
                 except OSError as e:
                     fail(f"{name}: removed, but {f} could not be deleted: {e.strerror or e}")
             click.echo(f"{name}: removed" + (f"; deleted {where}" if files else ""))

@@ -3,7 +3,6 @@ policy and audit apply to each); the runner only decides what to call next and r
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker import events as ev_mod
 from broker.breaker import Breakers, breaker_config, rejecting
-from broker.errors import CallCancelled, CallTimeout, CircuitOpen, FlowError, HermesError
+from broker.errors import CircuitOpen, FlowError, HermesError
 
 from .expr import render
 from .model import Flow, Step
@@ -37,13 +36,8 @@ class StepResult:
 
     def view(self) -> dict[str, Any]:
         return {
-            "state": self.state,
-            "ok": self.state in OK_STATES,
-            "result": self.result,
-            "error": self.error,
-            "call_id": self.call_id,
-            "items": self.items,
-            "reason": self.reason,
+            "state": self.state, "ok": self.state in OK_STATES, "result": self.result, "error": self.error,
+            "call_id": self.call_id, "items": self.items, "reason": self.reason,
         }
 
 
@@ -70,10 +64,7 @@ class FlowResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name,
-            "state": self.state,
-            "result": self.result,
-            "error": self.error,
+            "name": self.name, "state": self.state, "result": self.result, "error": self.error,
             "steps": {k: v.view() for k, v in self.steps.items()},
         }
 
@@ -82,13 +73,8 @@ class FlowRunner:
     """Runs flows on a Gateway; ``on_event`` hears every step and call state change."""
 
     def __init__(
-        self,
-        gateway: Gateway,
-        *,
-        on_event: Callable[[StepEvent], None] | None = None,
-        wait: float | None = 300.0,
-        max_parallel: int = 64,
-        **context: Any,
+        self, gateway: Gateway, *, on_event: Callable[[StepEvent], None] | None = None,
+        wait: float | None = 300.0, max_parallel: int = 64, **context: Any,
     ) -> None:
         self.gw = gateway
         self.on_event = on_event
@@ -96,28 +82,23 @@ class FlowRunner:
         self.max_parallel = max_parallel
         self.context = context
         self._breakers = Breakers(gateway.conn)
-        self._lock = threading.Lock()
 
     def run(self, flow: Flow, args: dict[str, Any] | None = None) -> FlowResult:
         """Run every step in order; stops at the first failed step whose ``on_error`` is ``fail``."""
         flow.validate()
         results = {s.id: StepResult(s.id) for s in flow.all_steps()}
         scope: dict[str, Any] = {"args": dict(args or {}), "steps": {k: v.view() for k, v in results.items()}}
-        run = _Run(self, results, scope)
-        completed = run.steps(flow.steps, scope)
+        completed = _Run(self, results, scope).steps(flow.steps, scope)
         out = FlowResult(flow.name, "done" if completed else "failed", results)
-        failed = next((r for r in results.values() if r.state == "failed"), None)
-        if not completed and failed is not None:
+        if not completed:  # (a step failed: the first failed one is reported)
+            failed = next(r for r in results.values() if r.state == "failed")
             out.error = {"step": failed.id, **(failed.error or {})}
-        if completed:
-            try:
-                out.result = (
-                    render(flow.result_tpl, scope)
-                    if flow.result is not None
-                    else {s.id: results[s.id].result for s in flow.steps}
-                )
-            except FlowError as e:
-                out.state, out.error = "failed", {"step": "result", **e.to_wire()}
+            return out
+        try:
+            each = {s.id: results[s.id].result for s in flow.steps}
+            out.result = render(flow.result_tpl, scope) if flow.result is not None else each
+        except FlowError as e:
+            out.state, out.error = "failed", {"step": "result", **e.to_wire()}
         return out
 
 
@@ -126,13 +107,12 @@ class _Run:
 
     def __init__(self, runner: FlowRunner, results: dict[str, StepResult], scope: dict[str, Any]) -> None:
         self.r = runner
-        self.gw = runner.gw
         self.results = results
         self.scope = scope
 
-    def emit(self, res: StepResult, state: str | None = None, **detail: Any) -> None:
-        if state is not None:
-            res.state = state
+    def emit(self, res: StepResult, state: str, **detail: Any) -> None:
+        """Move the step to ``state``: the scope sees it, ``on_event`` hears it."""
+        res.state = state
         self.scope["steps"][res.id] = res.view()
         if self.r.on_event is not None:
             self.r.on_event(StepEvent(res.id, res.state, res.call_id, detail))
@@ -176,17 +156,13 @@ class _Run:
         outcome = self.call(step.tool or "", args, step.timeout, res)
         if isinstance(outcome, CircuitOpen) and step.fallback is not None:
             self.fallback(step, scope, res, args, "breaker open")
-        elif isinstance(outcome, HermesError):
-            res.error = outcome.to_wire()
-            self.emit(res, "failed", error=res.error)
         else:
-            res.result = outcome
-            self.emit(res, "done")
+            self.settle(res, outcome, "done")
 
     def call(self, tool: str, args: Any, timeout: float | None, res: StepResult) -> Any:
         """One call, its events reported as they come; returns the result or the error."""
         try:
-            handle = self.gw.call_tool(tool, args, timeout=timeout, **self.r.context)
+            handle = self.r.gw.call_tool(tool, args, timeout=timeout, **self.r.context)
         except HermesError as e:
             return e
         res.call_id = handle.call_id
@@ -196,8 +172,17 @@ class _Run:
                 if ev.type == ev_mod.TRANSITION and not ev.terminal:
                     self.emit(res, "running", call_state=ev.state, attempt=ev.attempt)
             return handle.result(0 if handle.done() else self.r.wait)
-        except (HermesError, CallCancelled, CallTimeout) as e:
+        except HermesError as e:
             return e
+
+    def settle(self, res: StepResult, outcome: Any, state: str, **detail: Any) -> None:
+        """A call's outcome: its error fails the step, its result ends it in ``state``."""
+        if isinstance(outcome, HermesError):
+            res.error = outcome.to_wire()
+            self.emit(res, "failed", error=res.error)
+        else:
+            res.result = outcome
+            self.emit(res, state, **detail)
 
     def fallback(self, step: Step, scope: dict[str, Any], res: StepResult, args: Any, why: str) -> None:
         fb = step.fallback
@@ -208,17 +193,12 @@ class _Run:
             return
         fb_args = render(step.fallback_tpl, scope) if step.fallback_tpl is not None else args
         outcome = self.call(fb.tool or "", fb_args, step.timeout, res)
-        if isinstance(outcome, HermesError):
-            res.error = outcome.to_wire()
-            self.emit(res, "failed", error=res.error)
-        else:
-            res.result = outcome
-            self.emit(res, "fallback", tool=fb.tool, reason=why)
+        self.settle(res, outcome, "fallback", tool=fb.tool, reason=why)
 
     def breaker_open(self, tool: str) -> bool:
         """Whether the tool's breaker would refuse a call now (then the fallback goes first)."""
         try:
-            cfg = breaker_config(self.gw.settings, self.gw.tool(tool).spec)
+            cfg = breaker_config(self.r.gw.settings, self.r.gw.tool(tool).spec)
         except HermesError:
             return False
         return cfg is not None and rejecting(self.r._breakers.state(cfg.key), cfg.cooldown)
@@ -244,15 +224,14 @@ class _Run:
             for i, it in enumerate(items)
         ]
         opts = {"timeout": step.timeout} if step.timeout is not None else {}
-        batch = self.gw.submit_many(calls, **opts, **self.r.context) if calls else []
+        batch = self.r.gw.submit_many(calls, **opts, **self.r.context) if calls else []
         self.emit(res, "running", total=len(calls))
         out: list[dict[str, Any]] = []
         for i, handle in enumerate(batch):
             try:
-                out.append(
-                    {"index": i, "ok": True, "result": handle.result(self.r.wait), "call_id": handle.call_id}
-                )
-            except (HermesError, CallCancelled, CallTimeout) as e:
+                result = handle.result(self.r.wait)
+                out.append({"index": i, "ok": True, "result": result, "call_id": handle.call_id})
+            except HermesError as e:
                 out.append({"index": i, "ok": False, "error": e.to_wire(), "call_id": handle.call_id})
             self.emit(res, "running", done=len(out), failed=sum(not o["ok"] for o in out), total=len(calls))
         self.combine(res, out, [o.get("result") for o in out])
@@ -260,9 +239,8 @@ class _Run:
     def parallel(self, step: Step, scope: dict[str, Any], res: StepResult) -> None:
         branches = step.parallel or []
         self.emit(res, "running", branches=[b.id for b in branches])
-        with ThreadPoolExecutor(
-            min(len(branches), self.r.max_parallel), thread_name_prefix="hermes-flow"
-        ) as pool:
+        threads = min(len(branches), self.r.max_parallel)
+        with ThreadPoolExecutor(threads, thread_name_prefix="hermes-flow") as pool:
             list(pool.map(lambda b: self.step(b, scope), branches))
         out = []
         for b in branches:
@@ -276,10 +254,7 @@ class _Run:
         res.items, res.result = items, result
         failed = sum(not i["ok"] for i in items)
         if failed:
-            res.error = {
-                "type": "partial_failure",
-                "message": f"{failed} of {len(items)} failed",
-                "failed": failed,
-            }
+            message = f"{failed} of {len(items)} failed"
+            res.error = {"type": "partial_failure", "message": message, "failed": failed}
         state = "done" if not failed else ("failed" if failed == len(items) else "partial")
         self.emit(res, state, failed=failed, total=len(items))

@@ -28,7 +28,9 @@ _TOKEN = re.compile(
 _TEMPLATE = re.compile(r"\{\{(.*?)\}\}", re.DOTALL)
 _CONSTANTS = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
 _KEYWORDS = {"and", "or", "not", "in"}
-_ORDER = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
+_COMPARE = {
+    "==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge
+}
 
 
 def _length(v: Any) -> int:
@@ -37,11 +39,15 @@ def _length(v: Any) -> int:
     return len(v)
 
 
+def _text(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+
+
 FUNCTIONS: dict[str, Callable[..., Any]] = {
     "len": _length,
     "lower": lambda s: str(s).lower(),
     "upper": lambda s: str(s).upper(),
-    "str": lambda v: v if isinstance(v, str) else json.dumps(v, ensure_ascii=False),
+    "str": _text,
     "int": lambda v: int(v),
     "float": lambda v: float(v),
 }
@@ -58,27 +64,22 @@ def _tokens(text: str) -> list[tuple[str, Any]]:
         if m is None or m.end() == pos:
             raise FlowError(f"expression {text!r}: unexpected {text[pos:].strip()[:20]!r}")
         pos = m.end()
-        if m.group("num") is not None:
-            raw = m.group("num")
+        kind, raw = m.lastgroup, m.group(m.lastgroup or 0)
+        if kind == "num":
             out.append(("lit", float(raw) if "." in raw else int(raw)))
-        elif m.group("str") is not None:
-            out.append(("lit", _unquote(m.group("str"))))
-        elif m.group("op") is not None:
-            out.append(("op", m.group("op")))
+        elif kind == "str":
+            out.append(("lit", _unquote(raw)))
+        elif kind == "op" or raw in _KEYWORDS:
+            out.append(("op", raw))
+        elif raw in _CONSTANTS:
+            out.append(("lit", _CONSTANTS[raw]))
         else:
-            word = m.group("name")
-            if word in _CONSTANTS:
-                out.append(("lit", _CONSTANTS[word]))
-            elif word in _KEYWORDS:
-                out.append(("op", word))
-            else:
-                out.append(("name", word))
+            out.append(("name", raw))
     return out
 
 
 def _unquote(raw: str) -> str:
-    body = raw[1:-1]
-    return re.sub(r"\\(.)", lambda m: {"n": "\n", "t": "\t"}.get(m.group(1), m.group(1)), body)
+    return re.sub(r"\\(.)", lambda m: {"n": "\n", "t": "\t"}.get(m.group(1), m.group(1)), raw[1:-1])
 
 
 class _Parser:
@@ -92,16 +93,19 @@ class _Parser:
     def error(self, what: str) -> FlowError:
         return FlowError(f"expression {self.text!r}: {what}", expression=self.text)
 
-    def peek(self, value: str | None = None) -> bool:
-        if self.i >= len(self.toks):
-            return False
-        kind, v = self.toks[self.i]
-        return kind == "op" and (value is None or v == value)
+    def peek(self, value: str) -> bool:
+        return self.i < len(self.toks) and self.toks[self.i] == ("op", value)
+
+    def accept(self, value: str) -> bool:
+        """Consume the operator ``value`` if it comes next."""
+        if self.peek(value):
+            self.i += 1
+            return True
+        return False
 
     def take(self, value: str) -> None:
-        if not self.peek(value):
+        if not self.accept(value):
             raise self.error(f"expected {value!r}")
-        self.i += 1
 
     def parse(self) -> Node:
         if not self.toks:
@@ -113,29 +117,25 @@ class _Parser:
 
     def or_(self) -> Node:
         node = self.and_()
-        while self.peek("or"):
-            self.i += 1
+        while self.accept("or"):
             node = ("or", node, self.and_())
         return node
 
     def and_(self) -> Node:
         node = self.not_()
-        while self.peek("and"):
-            self.i += 1
+        while self.accept("and"):
             node = ("and", node, self.not_())
         return node
 
     def not_(self) -> Node:
-        if self.peek("not"):
-            self.i += 1
+        if self.accept("not"):
             return ("not", self.not_())
         return self.compare()
 
     def compare(self) -> Node:
         node = self.sum()
         for op in ("==", "!=", "<=", ">=", "<", ">", "in"):
-            if self.peek(op):
-                self.i += 1
+            if self.accept(op):
                 return ("cmp", op, node, self.sum())
         if self.peek("not") and self.i + 1 < len(self.toks) and self.toks[self.i + 1] == ("op", "in"):
             self.i += 2
@@ -151,22 +151,19 @@ class _Parser:
         return node
 
     def unary(self) -> Node:
-        if self.peek("-"):
-            self.i += 1
+        if self.accept("-"):
             return ("neg", self.unary())
         return self.postfix()
 
     def postfix(self) -> Node:
         node = self.primary()
         while True:
-            if self.peek("."):
-                self.i += 1
+            if self.accept("."):
                 if self.i >= len(self.toks) or self.toks[self.i][0] != "name":
                     raise self.error("expected a name after '.'")
                 node = ("get", node, ("lit", self.toks[self.i][1]))
                 self.i += 1
-            elif self.peek("["):
-                self.i += 1
+            elif self.accept("["):
                 key = self.or_()
                 self.take("]")
                 node = ("get", node, key)
@@ -185,7 +182,7 @@ class _Parser:
                 if v not in FUNCTIONS:
                     raise self.error(f"unknown function {v!r} (known: {', '.join(sorted(FUNCTIONS))})")
                 self.i += 1
-                args = [] if self.peek(")") else self.items(")")
+                args = [] if self.peek(")") else self.items()
                 self.take(")")
                 return ("call", v, *args)
             return ("name", v)
@@ -194,15 +191,14 @@ class _Parser:
             self.take(")")
             return node
         if v == "[":
-            items = [] if self.peek("]") else self.items("]")
+            items = [] if self.peek("]") else self.items()
             self.take("]")
             return ("list", *items)
         raise self.error(f"unexpected {v!r}")
 
-    def items(self, close: str) -> list[Node]:
+    def items(self) -> list[Node]:
         out = [self.or_()]
-        while self.peek(","):
-            self.i += 1
+        while self.accept(","):
             out.append(self.or_())
         return out
 
@@ -216,20 +212,6 @@ class Expression:
 
     def __repr__(self) -> str:
         return f"Expression({self.text!r})"
-
-    def names(self) -> set[str]:
-        """The root names the expression reads (``steps``, ``args``, ...)."""
-        out: set[str] = set()
-
-        def walk(n: Any) -> None:
-            if isinstance(n, tuple) and n:
-                if n[0] == "name":
-                    out.add(n[1])
-                for child in n[1:]:
-                    walk(child)
-
-        walk(self.tree)
-        return out
 
     def evaluate(self, scope: dict[str, Any]) -> Any:
         try:
@@ -256,11 +238,11 @@ def _eval(n: Node, scope: dict[str, Any]) -> Any:
             return base[key] if -len(base) <= key < len(base) else None
         return None
     if op == "and":
-        return _truth(_eval(n[1], scope)) and _truth(_eval(n[2], scope))
+        return bool(_eval(n[1], scope)) and bool(_eval(n[2], scope))
     if op == "or":
-        return _truth(_eval(n[1], scope)) or _truth(_eval(n[2], scope))
+        return bool(_eval(n[1], scope)) or bool(_eval(n[2], scope))
     if op == "not":
-        return not _truth(_eval(n[1], scope))
+        return not _eval(n[1], scope)
     if op == "neg":
         return -_number(_eval(n[1], scope))
     if op == "list":
@@ -273,20 +255,11 @@ def _eval(n: Node, scope: dict[str, Any]) -> Any:
             return a + b
         return _number(a) + _number(b) if n[1] == "+" else _number(a) - _number(b)
     a, b = _eval(n[2], scope), _eval(n[3], scope)
-    cmp = n[1]
-    if cmp == "==":
-        return a == b
-    if cmp == "!=":
-        return a != b
-    if cmp == "in":
+    if n[1] == "in":
         return a in b if isinstance(b, str | list | dict) else False
-    if a is None or b is None:
+    if n[1] not in ("==", "!=") and (a is None or b is None):
         return False  # an ordering against a missing value is never true
-    return _ORDER[cmp](a, b)
-
-
-def _truth(v: Any) -> bool:
-    return bool(v)
+    return _COMPARE[n[1]](a, b)
 
 
 def _number(v: Any) -> float | int:
@@ -315,18 +288,13 @@ def compile_template(value: Any) -> Any:
 
 
 class _Interpolated:
+    """A string with templates inside: its text parts and expressions, in order."""
+
     def __init__(self, parts: list[Any]) -> None:
         self.parts = parts
 
     def render(self, scope: dict[str, Any]) -> str:
-        out = []
-        for p in self.parts:
-            if isinstance(p, Expression):
-                v = p.evaluate(scope)
-                out.append(v if isinstance(v, str) else json.dumps(v, ensure_ascii=False))
-            else:
-                out.append(p)
-        return "".join(out)
+        return "".join(_text(p.evaluate(scope)) if isinstance(p, Expression) else p for p in self.parts)
 
 
 def render(compiled: Any, scope: dict[str, Any]) -> Any:

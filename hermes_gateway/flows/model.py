@@ -4,23 +4,14 @@ As a document (YAML or JSON)::
 
     name: trip
     steps:
-      - id: lookup
-        tool: geo
-        args: {name: "{{ args.person }}"}
+      - {id: lookup, tool: geo, args: {name: "{{ args.person }}"}}
       - id: weather
         tool: weather
         args: {city: "{{ steps.lookup.result.city }}"}
         when: "steps.lookup.result.country == 'FR'"
         fallback: {tool: weather_backup}      # or: skip (when the tool's breaker is open)
-      - id: both
-        parallel:
-          - {id: news, tool: news, args: {city: "{{ steps.lookup.result.city }}"}}
-          - {id: traffic, tool: traffic}
-      - id: each
-        for_each: "args.cities"
-        as: city
-        tool: weather
-        args: {city: "{{ city }}"}
+      - {id: both, parallel: [{id: news, tool: news}, {id: traffic, tool: traffic}]}
+      - {id: each, for_each: "args.cities", as: city, tool: weather, args: {city: "{{ city }}"}}
     result: "{{ steps.weather.result }}"
 
 or built in Python with :class:`Flow` (``flow.step(...)``, ``flow.parallel(...)``, ``flow.for_each(...)``).
@@ -43,17 +34,7 @@ from .expr import Expression, compile_template
 _ID = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 ON_ERROR = ("fail", "continue")
 _STEP_KEYS = {
-    "id",
-    "tool",
-    "args",
-    "when",
-    "fallback",
-    "on_error",
-    "timeout",
-    "parallel",
-    "steps",
-    "for_each",
-    "as",
+    "id", "tool", "args", "when", "fallback", "on_error", "timeout", "parallel", "steps", "for_each", "as"
 }
 
 
@@ -133,25 +114,21 @@ class Step:
             fallback=fallback,
             on_error=str(data.get("on_error", "fail")),
             timeout=data.get("timeout"),
-            parallel=[
-                cls.from_dict(s, f"{where}.parallel[{i}]")
-                for i, s in enumerate(_list(data, "parallel", where))
-            ]
-            if "parallel" in data
-            else None,
-            steps=[cls.from_dict(s, f"{where}.steps[{i}]") for i, s in enumerate(_list(data, "steps", where))]
-            if "steps" in data
-            else None,
+            parallel=_substeps(data, "parallel", where),
+            steps=_substeps(data, "steps", where),
             for_each=each,
             as_name=str(data.get("as") or "item"),
         )
 
 
-def _list(data: dict[str, Any], key: str, where: str) -> list[Any]:
-    value = data.get(key)
+def _substeps(data: dict[str, Any], key: str, where: str) -> list[Step] | None:
+    """The steps under ``key`` (``parallel`` or ``steps``), None when the step has no such key."""
+    if key not in data:
+        return None
+    value = data[key]
     if not isinstance(value, list) or not value:
         raise FlowError(f"{where}: {key}: expected a non-empty list of steps")
-    return value
+    return [Step.from_dict(s, f"{where}.{key}[{i}]") for i, s in enumerate(value)]
 
 
 @dataclass
@@ -197,12 +174,11 @@ class Flow:
         steps = data.get("steps")
         if not isinstance(steps, list) or not steps:
             raise FlowError("flow: steps: expected a non-empty list")
-        flow = cls(
+        return cls(
             name=str(data.get("name") or "flow"),
             steps=[Step.from_dict(s, f"steps[{i}]") for i, s in enumerate(steps)],
             result=data.get("result"),
-        )
-        return flow.validate()
+        ).validate()
 
     @classmethod
     def load(cls, path: str | Path) -> Flow:
