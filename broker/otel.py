@@ -1,10 +1,6 @@
-"""The OpenTelemetry API as the client and the workers both use it: which tracer and meter (the global
-providers, a test's, or none), W3C context in and out of envelopes, and marking a span failed; and the W3C
-``traceparent`` header itself (parsed, minted: ``parse_traceparent``, ``ensure_traceparent``), which an
-envelope carries whether tracing is on or not.
-
-Only the OpenTelemetry API is imported here, so ``import hermes_gateway`` loads no SDK;
-``workers.otelsdk`` installs the SDK providers a process exports with.
+"""The OpenTelemetry API as the client and the workers use it (which tracer and meter, W3C context in and
+out of envelopes, marking a span failed) and the W3C ``traceparent`` header, which an envelope carries
+whether tracing is on or not. Only the API is imported here: ``workers.otelsdk`` installs the SDK.
 """
 
 from __future__ import annotations
@@ -50,10 +46,8 @@ _KEEP: Any = object()
 
 
 def use_providers(tracer_provider: Any = _KEEP, meter_provider: Any = _KEEP) -> None:
-    """Route our spans / metrics to these providers instead of the global ones (tests, benchmarks).
-
-    Only what is passed changes; no arguments at all goes back to the global providers for both.
-    """
+    """Route our spans / metrics to these providers instead of the global ones (tests, benchmarks); only
+    what is passed changes, and no arguments at all goes back to the global providers for both."""
     global _tracer_override, _meter_override
     if tracer_provider is _KEEP and meter_provider is _KEEP:
         _tracer_override = _meter_override = None
@@ -69,17 +63,15 @@ def providers() -> tuple[Any, Any]:
     return _tracer_override or trace.get_tracer_provider(), _meter_override or metrics.get_meter_provider()
 
 
-# While no SDK provider is installed, OTel's get_*_provider() reads os.environ on every call; that shows
-# on the per-call path, so a "none yet" answer is trusted for a second. A global SDK provider can only be
-# set once, so a real one is trusted for good.
+# While no SDK provider is installed, OTel's get_*_provider() reads os.environ on every call: a "none yet"
+# answer is trusted for a second. A global SDK provider can only be set once: a real one is kept for good.
 _RECHECK = 1.0
 _tracer_checked = 0.0
 _meter_checked = 0.0
 
 
 def _is_sdk_meter_provider(provider: Any) -> bool:
-    # The API's global stand-in before an SDK provider is set is private (metrics._internal), and so is
-    # its type: an SDK provider is told apart by what the API providers lack, a force_flush().
+    # The API's global stand-in is a private type: an SDK provider is told apart by its force_flush().
     return not isinstance(provider, NoOpMeterProvider) and callable(getattr(provider, "force_flush", None))
 
 
@@ -148,8 +140,8 @@ def parent_context(
 
 
 def _fast_parent(traceparent: str | None, tracestate: str | None) -> otel_context.Context | None:
-    # The envelope's own well-formed version-00 header, parsed without the propagators' regex and
-    # composite machinery (a per-call cost); anything else (baggage, odd headers) takes the full path.
+    # A well-formed version-00 header parsed without the propagators (a per-call cost); anything else
+    # takes the full path.
     if not traceparent or len(traceparent) != 55 or not traceparent.startswith("00-"):
         return None
     if traceparent[35] != "-" or traceparent[52] != "-" or not _HEX.issuperset(traceparent[3:35]):
@@ -198,8 +190,8 @@ def mark_failed(span: Any, error: BaseException | Mapping[str, Any]) -> None:
 
 # -- W3C trace context: parse and mint ``traceparent`` headers ----------------------------------------
 
-# Ids need to be unique, not secret: a PRNG seeded from the OS (and reseeded in a forked child) is enough,
-# and os.urandom is a system call that costs tens of microseconds per id on some virtual machines.
+# Ids need to be unique, not secret: a PRNG seeded from the OS (reseeded in a forked child), not a system
+# call per id.
 _rng = random.Random()
 os.register_at_fork(after_in_child=_rng.seed)
 
@@ -221,20 +213,12 @@ def random_hex(nbytes: int) -> str:
     return f"{_rng.getrandbits(nbytes * 8) or 1:0{nbytes * 2}x}"
 
 
-def new_trace_id() -> str:
-    return random_hex(16)
-
-
 def new_span_id() -> str:
     return random_hex(8)
 
 
-def make_traceparent(trace_id: str, span_id: str, sampled: bool = True) -> str:
-    return f"00-{trace_id}-{span_id}-{'01' if sampled else '00'}"
-
-
 def ensure_traceparent(value: str | None) -> str:
-    """The caller's traceparent when valid, else the start of a new trace."""
+    """The caller's traceparent when valid, else the start of a new (sampled) trace."""
     if parse_traceparent(value):
         return value.strip().lower()  # type: ignore[union-attr]
-    return make_traceparent(new_trace_id(), new_span_id())
+    return f"00-{random_hex(16)}-{random_hex(8)}-01"
