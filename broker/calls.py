@@ -48,13 +48,6 @@ def waiting_score() -> int:
 def rq_time(t: float) -> str:
     """A time in RQ's format (UTC, microseconds)."""
     sec = int(t)
-    return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(sec))}.{int((t - sec) * 1_000_000):06d}Z"
-
-
-def rq_now() -> str:
-    """Now in RQ's time format (UTC, microseconds)."""
-    t = time.time()
-    sec = int(t)
     cached = _SECOND[0]
     if cached[0] != sec:
         cached = (sec, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec)))
@@ -99,7 +92,7 @@ class Claimed:
 
 def job_fields(env: Envelope, *, ckey: str, max_attempts: int, timeout: float) -> dict[str, Any]:
     """The RQ job hash (RQ's own fields, so ``rq info``/``Job.fetch`` work) plus ours."""
-    stamp = rq_now()
+    stamp = rq_time(time.time())
     fkey, klass = fairness_of(env)
     fields = {
         "created_at": stamp,
@@ -245,21 +238,10 @@ class Calls:
     # -- submission ------------------------------------------------------------------------------
 
     def submit(
-        self,
-        env: Envelope,
-        *,
-        ckey: str,
-        queue_size: int,
-        max_attempts: int,
-        timeout: float,
-        concurrency: int = -1,
-        weight: float = 1.0,
-        batch_share: float = DEFAULT_BATCH_SHARE,
-        key_size: int = -1,
-        rate_limit: RateLimit | None = None,
-        estimate: int = 0,
-        pipeline: Pipeline | None = None,
-        extra: tuple[Any, ...] = (),
+        self, env: Envelope, *, ckey: str, queue_size: int, max_attempts: int, timeout: float,
+        concurrency: int = -1, weight: float = 1.0, batch_share: float = DEFAULT_BATCH_SHARE,
+        key_size: int = -1, rate_limit: RateLimit | None = None, estimate: int = 0,
+        pipeline: Pipeline | None = None, extra: tuple[Any, ...] = (),
     ) -> Any:
         """Admit a call with its ``pending`` event: onto its queue with a slot of ``ckey`` when one is free
         (``concurrency`` -1 = no limit) and its ``rate_limit`` allows it (``estimate`` tokens reserved),
@@ -379,7 +361,8 @@ class Calls:
         """CLAIM's arguments but the job prefix, also TRANSITION's ``take`` of ``n`` calls of ``queue``
         (followed there by the taker's share: see transition.lua)."""
         tag = keys.tag(queue)
-        return [n, worker, lease_deadline(lease), rq_now(), keys.slots(tag, ""), tag + "." if self._strict_ids else ""]
+        deadline, now = lease_deadline(lease), rq_time(time.time())
+        return [n, worker, deadline, now, keys.slots(tag, ""), tag + "." if self._strict_ids else ""]
 
     def claimed(self, queue: str, reply: list[Any], absent: list[bytes]) -> list[Claimed]:
         """The calls a claim took (claim_calls' reply): ids not found here are asked again
@@ -436,18 +419,12 @@ class Calls:
                     problem = poison.row_problem({"h_attempt": attempt, "h_max_attempts": max_att})
                     poison.settle(self, reply[i], problem)  # type: ignore[arg-type]
                     continue
-                out.append(
-                    {
-                        "call_id": cid,
-                        "state": state,
-                        "attempt": numbers[0],
-                        "max_attempts": numbers[1],
-                        # (a record without h_queue: the id's tag is its queue's, so its lease can go)
-                        "queue": queue or keys.RQ_QUEUE.format(keys.tag_in(cid) or keys.tag(q)),
-                        "cancel": cancel == "1",
-                        "ckey": ckey,
-                    }
-                )
+                # (a record without h_queue: the id's tag is its queue's, so its lease can go)
+                queue = queue or keys.RQ_QUEUE.format(keys.tag_in(cid) or keys.tag(q))
+                out.append({
+                    "call_id": cid, "state": state, "attempt": numbers[0], "max_attempts": numbers[1],
+                    "queue": queue, "cancel": cancel == "1", "ckey": ckey,
+                })  # fmt: skip
         return out
 
     # -- transitions -----------------------------------------------------------------------------
