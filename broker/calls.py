@@ -142,11 +142,8 @@ def ending(conn: Any, call_id: str) -> Any:
 
 
 def read_record(conn: Any, call_id: str) -> dict[str, Any] | None:
-    """The call's record as plain values (state, attempt, result, error, ...).
-
-    An ended call's seq, trace id, end time and result or error come from its terminal event (a result too
-    large for the event from ``h_result``); it has no envelope any more (``request_dropped`` True).
-    """
+    """The call's record as plain values (state, attempt, result, error, ...); an ended call's come from
+    its terminal event, and it has no envelope any more (``request_dropped`` True)."""
     stored = conn.hgetall(keys.job(call_id))
     if not stored:
         return None
@@ -290,11 +287,8 @@ class Calls:
 
     @staticmethod
     def check_submit(reply: Any, ckey: str, queue_size: int, env: Envelope | None = None) -> tuple[bool, str]:
-        """Turn a SUBMIT reply into (accepted_new, call_id) or raise QueueFull / IdempotencyConflict.
-
-        With ``env`` (the envelope submitted), an existing call of another tool or kind under the same
-        idempotency key is a conflict too (a record of an older version carries no digest to compare).
-        """
+        """Turn a SUBMIT reply into (accepted_new, call_id) or raise QueueFull / IdempotencyConflict; with
+        ``env``, an existing call of another tool or kind under the same idempotency key is a conflict too."""
         code, value = int(reply[0]), reply[1]
         if code == -3:
             fkey = text(reply[3])
@@ -440,16 +434,11 @@ class Calls:
     ) -> Any:
         """Move a call to ``target`` (or publish a non-state event when None), atomically with its event.
 
-        ``via``: earlier moves not written yet, ``(state, detail, ts)`` each, the first from ``current``;
-        their events go first, in the same script. ``unleased``: only from ``pending`` while no worker
-        holds the call (a caller cancelling it directly).
-
-        Ending (or ``retrying``) releases the call's concurrency slot and promotes the next waiting call
-        of its key; ``requeue`` admits it again (``requeue_first``: before every waiting call);
-        ``schedule_at`` puts a ``retrying`` call on the scheduled set. Releasing settles the call's
-        rate-limiter entry with ``used_tokens`` (None: its estimate stands; ``sent`` False: given back).
-        ``take`` (``claim_args``): a releasing worker takes that many next calls in the same script; the
-        reply then ends with claim_calls' two lists (``claimed`` reads them).
+        ``via``: earlier moves not written yet, ``(state, detail, ts)`` each, the first from ``current``,
+        written first. ``unleased``: only from ``pending`` while no worker holds the call. Ending (or
+        ``retrying``) releases the call's slot and promotes the next waiting call, settling its rate
+        limiter with ``used_tokens`` (``sent`` False: given back); ``requeue`` admits it again. ``take``
+        (``claim_args``): a releasing worker takes next calls in the same script (``claimed`` reads them).
         """
         release = target is not None and (target in TERMINAL or target is State.RETRYING)
         if via and target is None:

@@ -215,11 +215,8 @@ def follow(
     poll: float = 1.0,
     after: int = 0,
 ) -> Iterator[Event]:
-    """History then live tail of one call, each event once, in seq order, until a terminal event.
-
-    Subscribes before reading the history so nothing published in between is missed; a gap in the live
-    tail is filled from the history. ``after``: the seq already seen.
-    """
+    """History then live tail of one call, each event once, in seq order, until a terminal event (subscribed
+    before the history is read; a gap in the tail is filled from the history). ``after``: the seq seen."""
     channel = conn.hget(keys.job(call_id), keys.F_CHANNEL)
     if channel is None:  # (an ended call's record names no channel: its history has the end)
         yield from history(conn, call_id, after + 1)

@@ -166,11 +166,8 @@ def sensitive_hashes(args: Mapping[str, Any] | None, sensitive_fields: Iterable[
 
 
 def redact(value: Any, sensitive_fields: Iterable[str] = (), max_text: int | None = None) -> Any:
-    """A redacted copy of ``value``; top-level keys in ``sensitive_fields`` become their hash.
-
-    ``max_text``: a longer string keeps its first ``max_text`` characters and says how many more there
-    were (scanning megabytes of arguments would hold the GIL for long).
-    """
+    """A redacted copy of ``value``; top-level keys in ``sensitive_fields`` become their hash. ``max_text``:
+    a longer string keeps its first ``max_text`` characters and says how many more there were."""
     if type(value) in _SCALARS:
         return value
     fields = frozenset(sensitive_fields)
@@ -260,7 +257,6 @@ class RedactProcessor:
 
 
 redact_processor = RedactProcessor()
-_STOCK = redact_processor
 
 
 def redact_url(url: str) -> str:
@@ -314,7 +310,7 @@ def redact_event(logger: Any, method_name: str, event_dict: MutableMapping[str, 
     and a short string's scan is remembered. With ``workers.shortcuts_off: [redaction]``,
     ``RedactProcessor`` over the whole event instead."""
     if not shortcut_on("redaction"):
-        return _STOCK(logger, method_name, event_dict)
+        return redact_processor(logger, method_name, event_dict)
     out: dict[str, Any] = {}
     for key, value in event_dict.items():
         kind = type(value)

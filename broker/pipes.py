@@ -70,11 +70,8 @@ def execute(
     pipe: Pipeline, connection: Any = None, keep_trying: KeepTrying | None = None, on_settled: Settled | None = None
 ) -> list[Any]:
     """Send ``pipe``'s queued commands in one round trip and return their replies; the pipe is reset.
-
-    ``connection``: one the caller keeps for its own sending (a worker's outbox), disconnected when
-    anything fails. A cluster's pipeline is sent by redis-py (``stock``, with ``keep_trying`` and
-    ``on_settled``).
-    """
+    ``connection``: one the caller keeps (a worker's outbox), disconnected when anything fails. A cluster's
+    pipeline is sent by ``stock``."""
     if not FAST or not isinstance(pipe, Pipeline):
         return stock(pipe, keep_trying, on_settled)
     if getattr(pipe, "transaction", False) is True or pipe.explicit_transaction or pipe.watching:
@@ -153,12 +150,9 @@ def settled(pipe: Any, keep_trying: KeepTrying) -> list[Any]:
 
 def stock(pipe: Any, keep_trying: KeepTrying | None = None, on_settled: Settled | None = None) -> list[Any]:
     """``pipe.execute(raise_on_error=False)``; scripts queued through ``script`` that a node refused with
-    NOSCRIPT are sent again as EVAL with their text, in order.
-
-    On a cluster, commands refused because their slot is moving (``moving``) are sent again, alone and in
-    order, after a backoff, for as long as ``keep_trying`` says (redis-py gives up on TRYAGAIN within half
-    a second). The others ran: ``on_settled`` gets their replies before the first resend.
-    """
+    NOSCRIPT are sent again as EVAL. On a cluster, commands refused because their slot is moving are sent
+    again, in order, after a backoff, while ``keep_trying`` says so (redis-py gives up on TRYAGAIN within
+    half a second); ``on_settled`` gets the other replies before the first resend."""
     if isinstance(pipe, Pipeline):
         keep_trying = None  # (only a cluster's slots move: a plain pipeline has nothing to send again)
     queued = _queued(pipe) if keep_trying is not None else []
