@@ -9,7 +9,7 @@ import os
 import random
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -38,36 +38,66 @@ _EMPTY = otel_context.Context()
 _NO_STATE = TraceState()
 _HEX = frozenset("0123456789abcdef")
 
-_tracer_override: Any = None
-_meter_override: Any = None
-_tracer_cache: tuple[Any, Any, bool] | None = None  # (provider, tracer, provider is the global one)
-_meter_cache: tuple[Any, Any, bool] | None = None
 _KEEP: Any = object()
+_OVERRIDES: dict[str, list[Any]] = {"tracer": [None], "meter": [None]}  # a test's providers, or None
 
 
 def use_providers(tracer_provider: Any = _KEEP, meter_provider: Any = _KEEP) -> None:
     """Route our spans / metrics to these providers instead of the global ones (tests, benchmarks); only
     what is passed changes, and no arguments at all goes back to the global providers for both."""
-    global _tracer_override, _meter_override
     if tracer_provider is _KEEP and meter_provider is _KEEP:
-        _tracer_override = _meter_override = None
-        return
+        tracer_provider = meter_provider = None
     if tracer_provider is not _KEEP:
-        _tracer_override = tracer_provider
+        _OVERRIDES["tracer"][0] = tracer_provider
     if meter_provider is not _KEEP:
-        _meter_override = meter_provider
+        _OVERRIDES["meter"][0] = meter_provider
 
 
 def providers() -> tuple[Any, Any]:
     """The tracer and meter providers in force (a test's, else the global ones)."""
-    return _tracer_override or trace.get_tracer_provider(), _meter_override or metrics.get_meter_provider()
+    return (
+        _OVERRIDES["tracer"][0] or trace.get_tracer_provider(),
+        _OVERRIDES["meter"][0] or metrics.get_meter_provider(),
+    )
 
 
 # While no SDK provider is installed, OTel's get_*_provider() reads os.environ on every call: a "none yet"
 # answer is trusted for a second. A global SDK provider can only be set once: a real one is kept for good.
 _RECHECK = 1.0
-_tracer_checked = 0.0
-_meter_checked = 0.0
+
+
+def _finder(
+    kind: str, get_global: Callable[[], Any], usable: Callable[[Any], bool], make: Callable[[Any], Any]
+) -> Callable[[], Any]:
+    """``tracer()`` or ``meter()``: ours from the provider in force when it is an SDK one, else None."""
+    override = _OVERRIDES[kind]
+    cache: tuple[Any, Any, bool] | None = None  # (provider, ours, provider is the global one)
+    checked = 0.0
+
+    def find() -> Any:
+        nonlocal cache, checked
+        if override[0] is None:
+            if cache is not None and cache[2]:
+                return cache[1]
+            now = time.monotonic()
+            if cache is None and now - checked < _RECHECK:
+                return None
+            checked = now
+        provider = override[0] or get_global()
+        if cache is not None and cache[0] is provider:
+            return cache[1]
+        if not usable(provider):
+            cache = None
+            return None
+        found = make(provider)
+        cache = (provider, found, override[0] is None)
+        return found
+
+    return find
+
+
+def _is_sdk_tracer_provider(provider: Any) -> bool:
+    return not isinstance(provider, ProxyTracerProvider | NoOpTracerProvider)
 
 
 def _is_sdk_meter_provider(provider: Any) -> bool:
@@ -75,50 +105,9 @@ def _is_sdk_meter_provider(provider: Any) -> bool:
     return not isinstance(provider, NoOpMeterProvider) and callable(getattr(provider, "force_flush", None))
 
 
-def tracer() -> Any:
-    """Our tracer when an SDK provider is set (here or by the host application), else None: skip spans."""
-    global _tracer_cache, _tracer_checked
-    if _tracer_override is None:
-        cached = _tracer_cache
-        if cached is not None and cached[2]:
-            return cached[1]
-        now = time.monotonic()
-        if cached is None and now - _tracer_checked < _RECHECK:
-            return None
-        _tracer_checked = now
-    provider = _tracer_override or trace.get_tracer_provider()
-    if isinstance(provider, ProxyTracerProvider | NoOpTracerProvider):
-        _tracer_cache = None
-        return None
-    cached = _tracer_cache
-    if cached is not None and cached[0] is provider:
-        return cached[1]
-    found = provider.get_tracer(SCOPE)
-    _tracer_cache = (provider, found, _tracer_override is None)
-    return found
-
-
-def meter() -> Any:
-    """Our meter when an SDK meter provider is set, else None: skip measurements."""
-    global _meter_cache, _meter_checked
-    if _meter_override is None:
-        cached = _meter_cache
-        if cached is not None and cached[2]:
-            return cached[1]
-        now = time.monotonic()
-        if cached is None and now - _meter_checked < _RECHECK:
-            return None
-        _meter_checked = now
-    provider = _meter_override or metrics.get_meter_provider()
-    if not _is_sdk_meter_provider(provider):
-        _meter_cache = None
-        return None
-    cached = _meter_cache
-    if cached is not None and cached[0] is provider:
-        return cached[1]
-    found = provider.get_meter(SCOPE)
-    _meter_cache = (provider, found, _meter_override is None)
-    return found
+# Our tracer / meter when an SDK provider is set (here or by the host application), else None: skip them.
+tracer = _finder("tracer", trace.get_tracer_provider, _is_sdk_tracer_provider, lambda p: p.get_tracer(SCOPE))
+meter = _finder("meter", metrics.get_meter_provider, _is_sdk_meter_provider, lambda p: p.get_meter(SCOPE))
 
 
 # -- W3C context -------------------------------------------------------------------------------
