@@ -193,8 +193,7 @@ class Envelope:
             raise DecodeError(
                 f"unsupported envelope version {version!r} (this worker speaks {ENVELOPE_VERSION})"
             )
-        known = _ENVELOPE_FIELDS
-        kwargs = {k: v for k, v in data.items() if k in known}
+        kwargs = {k: v for k, v in data.items() if k in _ENVELOPE_FIELDS}
         opts = kwargs.pop("options", None) or {}
         if not isinstance(opts, dict):
             raise DecodeError("envelope options must be a mapping")
@@ -207,11 +206,8 @@ class Envelope:
             raise DecodeError("envelope context must be a mapping")
         _check_types(kwargs, _FIELD_TYPES, "field ")
         _check_types(opts, _OPTION_TYPES, "option ")
-        try:
-            options = Options(**{k: v for k, v in opts.items() if k in _OPTION_FIELDS})
-        except TypeError as e:
-            raise DecodeError(f"envelope does not fit: {e}") from e
-        kwargs["options"] = options  # (checked above, so filled in directly: see filler)
+        # Only known names, each with a default (so no TypeError); checked above, so filled in directly.
+        kwargs["options"] = Options(**{k: v for k, v in opts.items() if k in _OPTION_FIELDS})
         env = _fill(kwargs)
         env.__post_init__()
         return env
@@ -237,6 +233,4 @@ def fairness_of(env: Envelope) -> tuple[str, str]:
 
 def concurrency_key(env: Envelope) -> str:
     """The key whose limit a call counts against: the tool itself, or the model for LLM calls."""
-    if env.kind == "tool":
-        return f"tool:{env.tool}"
-    return f"llm:{env.name}"
+    return f"tool:{env.tool}" if env.kind == "tool" else f"llm:{env.name}"
