@@ -208,12 +208,7 @@ def ends_past_a_gap(events: Sequence[Event], seen: int) -> bool:
 
 
 def follow(
-    conn: redis.Redis,
-    call_id: str,
-    *,
-    timeout: float | None = None,
-    poll: float = 1.0,
-    after: int = 0,
+    conn: redis.Redis, call_id: str, *, timeout: float | None = None, poll: float = 1.0, after: int = 0
 ) -> Iterator[Event]:
     """History then live tail of one call, each event once, in seq order, until a terminal event (subscribed
     before the history is read; a gap in the tail is filled from the history). ``after``: the seq seen."""
@@ -234,10 +229,8 @@ def follow(
         while True:
             wait = poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic()))
             msg = get(wait)
-            if msg is None:
-                # Quiet: re-read the history in case a message was lost on the way.
-                fresh = history(conn, call_id, last + 1)
-                for ev in fresh:
+            if msg is None:  # quiet: the history again, in case a message was lost on the way
+                for ev in history(conn, call_id, last + 1):
                     last = ev.seq
                     yield ev
                     if ev.terminal:
