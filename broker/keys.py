@@ -87,7 +87,6 @@ F_CKEY = "h_ckey"
 F_KIND = "h_kind"
 F_TOOL = "h_tool"
 F_TRACE = "h_trace"
-F_ENVELOPE = "h_env"
 F_FKEY = "h_fkey"  # the call's fairness key (fair dispatch: whose turn it takes while waiting)
 F_CLASS = "h_class"  # interactive | batch
 F_PRINCIPAL = "h_principal"  # the principal a call runs as (absent: none), read by the API's per-principal checks
