@@ -106,9 +106,8 @@ class PluginDiscovery:
     safe_mode: bool = False  # HERMES_SAFE_MODE: no plugin at all
     project_plugins: bool = False  # HERMES_ENABLE_PROJECT_PLUGINS: ./.hermes/plugins as well
 
-    def read_yaml(self, text: str) -> Any:
-        """config.yaml as the gateway reads it: the seed's unquoted ``{{field}}`` templates stay text."""
-        return load_yaml(text)
+    # config.yaml as the gateway reads it: the seed's unquoted ``{{field}}`` templates stay text.
+    read_yaml = staticmethod(load_yaml)
 
 
 @dataclass(frozen=True)
