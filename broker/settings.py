@@ -264,9 +264,7 @@ def audit_settings(section: Mapping[str, Any] | None) -> AuditSettings:
         raise ConfigError("audit: maxlen and max_age must not be negative")
     approximate = audit.get("approximate", True)
     return AuditSettings(
-        key=str(audit["key"]) if audit.get("key") else None,
-        maxlen=maxlen,
-        max_age=max_age,
+        key=str(audit["key"]) if audit.get("key") else None, maxlen=maxlen, max_age=max_age,
         approximate=approximate if isinstance(approximate, bool) else flag(approximate, "audit.approximate"),
         jsonl=str(audit["jsonl"]) if audit.get("jsonl") else None,
     )
@@ -281,10 +279,8 @@ def model_settings(section: dict[str, Any]) -> ModelSettings:
     if retries != int(retries):
         raise ConfigError(f"config.yaml: model.max_retries: expected a whole number, got {retries:g}")
     return ModelSettings(
-        provider=str(section.get("provider") or ""),
-        model=str(section.get("model") or ""),
-        base_url=str(section.get("base_url") or ""),
-        api_key=str(section.get("api_key") or ""),
+        provider=str(section.get("provider") or ""), model=str(section.get("model") or ""),
+        base_url=str(section.get("base_url") or ""), api_key=str(section.get("api_key") or ""),
         api_mode=str(section.get("api_mode") or ""),
         timeout=yaml_number(section.get("timeout") or ModelSettings.timeout, "model.timeout"),
         max_retries=max(0, int(retries)),
@@ -340,8 +336,7 @@ def fairness_settings(
             f"fairness.queue_size_per_key (HERMES_QUEUE_SIZE_PER_KEY): expected a whole number of calls, got {size:g}"
         )
     return FairnessSettings(
-        weights=parsed,
-        batch_share=DEFAULT_BATCH_SHARE if share is None else share,
+        weights=parsed, batch_share=DEFAULT_BATCH_SHARE if share is None else share,
         queue_size_per_key=None if size is None else int(size),
     )
 
@@ -365,9 +360,7 @@ def mcp_settings(section: dict[str, Any]) -> McpSettings:
             "the mcp executor's other settings go under executors.mcp)"
         )
     timeout = section.get("handshake_timeout")
-    return McpSettings(
-        handshake_timeout=None if timeout is None else yaml_number(timeout, "mcp.handshake_timeout")
-    )
+    return McpSettings(None if timeout is None else yaml_number(timeout, "mcp.handshake_timeout"))
 
 
 def flag(value: Any, where: str, env_name: str | None = None) -> bool:
