@@ -438,7 +438,8 @@ def configure(level: str = "INFO", fmt: str = "console", stream: Any = None, bat
             structlog.stdlib.ProcessorFormatter(
                 processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, redact_event, renderer],
                 foreign_pre_chain=[
-                    structlog.stdlib.add_logger_name, structlog.processors.add_log_level, stamp, _record_extras
+                    structlog.stdlib.add_logger_name, structlog.processors.add_log_level, stamp,
+                    _record_extras,
                 ],
             )
         )
