@@ -56,11 +56,10 @@ class Event:
         return self.type == TRANSITION and self.state in TERMINAL
 
     def to_dict(self) -> dict[str, Any]:
-        out = {name: getattr(self, name) for name in _FIELDS}
-        return out | ({"steps": self.steps} if self.steps else {})
-
-
-_FIELDS = tuple(f.name for f in dataclasses.fields(Event) if f.name != "steps")
+        out = self.__dict__.copy()  # (its fields, in order: no slots, no cached extras)
+        if not out["steps"]:
+            del out["steps"]
+        return out
 
 
 def payload(
