@@ -1,12 +1,7 @@
 """Call records in Redis: submit, claim, transition, lease and reap, each one atomic script.
 
-``Calls`` holds every scripted operation on a call's record: callers submit (SUBMIT: admission,
-idempotency, the ``pending`` event), workers claim, extend leases and reap (CLAIM, TAKE_DUE), and both
-move calls (TRANSITION). Before it, what a record holds: the RQ job hash with our fields, the envelope
-inside its ``data``, what every event of a call repeats (``CallInfo``), a claimed call, and how times go
-into Redis (RQ's time format, lease deadlines and waiting places as integer scores).
-
-Every write takes an optional ``pipeline``; only the creator of a pipeline executes it.
+A record is the RQ job hash with our ``h_*`` fields, the envelope inside its ``data``. Every write takes
+an optional ``pipeline``; only the creator of a pipeline executes it.
 """
 
 from __future__ import annotations
@@ -26,7 +21,6 @@ from redis.client import Pipeline
 
 from . import events, keys, pipes, poison, scripts
 from .codec import raw, text, unpack
-from .codec import raw as as_bytes  # (``raw`` is a local name in some functions here)
 from .connection import is_cluster
 from .envelope import Envelope, fairness_of
 from .errors import DecodeError, IllegalTransition, QueueFull
@@ -35,38 +29,24 @@ from .ratelimits import RateLimit
 from .settings import DEFAULT_BATCH_SHARE, DEFAULT_RESULT_TTL
 from .states import RQ_STATUS, STEP_CODES, TERMINAL, State, sources
 
-# -- what a record holds --------------------------------------------------------------------------
-
 RQ_FUNC = "workers.entry.run_call"
-
 
 _SECOND: list[tuple[int, str]] = [(0, "")]  # the last whole second formatted (strftime showed in profiles)
 
 
 def lease_deadline(seconds: float) -> int:
-    """A lease deadline ``seconds`` from now, rounded up to a whole second.
-
-    Leases and held slots live in small sorted sets, which Redis keeps as listpacks: a fractional score is
-    printed on every write and parsed back (``strtod``) for every entry a lookup walks past, which showed
-    as a tenth of Redis's CPU under load. Whole seconds are stored as integers.
-    """
+    """A lease deadline ``seconds`` from now, in whole seconds: Redis keeps small sorted sets as listpacks,
+    where a fractional score is printed and parsed back on every access."""
     return math.ceil(time.time() + seconds)
 
 
 def waiting_score() -> int:
-    """Where a call joins the line for a slot: now in whole microseconds (an integer score, see above)."""
+    """Where a call joins the line for a slot: now in whole microseconds (an integer score)."""
     return time.time_ns() // 1000
 
 
 def rq_time(t: float) -> str:
     """A time in RQ's format (UTC, microseconds)."""
-    sec = int(t)
-    return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(sec))}.{int((t - sec) * 1_000_000):06d}Z"
-
-
-def rq_now() -> str:
-    """Now in RQ's time format (UTC, microseconds)."""
-    t = time.time()
     sec = int(t)
     cached = _SECOND[0]
     if cached[0] != sec:
@@ -92,15 +72,8 @@ class CallInfo:
     @classmethod
     def of(cls, env: Envelope, ckey: str, span_id: str | None = None) -> CallInfo:
         return cls(
-            call_id=env.call_id,
-            trace_id=env.trace_id,
-            span_id=span_id or env.parent_span_id,
-            kind=env.kind,
-            name=env.name,
-            session_id=env.context.get("session_id"),
-            channel=env.channel,
-            ckey=ckey,
-            queue=env.queue,
+            env.call_id, env.trace_id, span_id or env.parent_span_id, env.kind, env.name,
+            env.context.get("session_id"), env.channel, ckey, env.queue,
         )
 
 
@@ -119,7 +92,7 @@ class Claimed:
 
 def job_fields(env: Envelope, *, ckey: str, max_attempts: int, timeout: float) -> dict[str, Any]:
     """The RQ job hash (RQ's own fields, so ``rq info``/``Job.fetch`` work) plus ours."""
-    stamp = rq_now()
+    stamp = rq_time(time.time())
     fkey, klass = fairness_of(env)
     fields = {
         "created_at": stamp,
@@ -145,43 +118,36 @@ def job_fields(env: Envelope, *, ckey: str, max_attempts: int, timeout: float) -
         keys.F_CLASS: klass,
     }
     principal = env.context.get("principal")
-    if principal:  # (whose call it is, one HGET away for the HTTP API's checks; absent: no principal)
+    if principal:  # (one HGET away for the HTTP API's checks)
         fields[keys.F_PRINCIPAL] = principal
     return fields
 
 
 def envelope_of(data: bytes) -> Envelope:
     """Decode the envelope out of the RQ job's ``data`` field."""
-    raw = unpack(data)
-    if not isinstance(raw, list) or len(raw) != 4 or not isinstance(raw[2], list) or not raw[2]:
+    job = unpack(data)
+    if not isinstance(job, list) or len(job) != 4 or not isinstance(job[2], list) or not job[2]:
         raise DecodeError("job data is not a hermes call")
-    return Envelope.from_dict(raw[2][0])
+    return Envelope.from_dict(job[2][0])
 
 
 def ending(conn: Any, call_id: str) -> Any:
-    """An ended call's terminal event: the one it keeps in place of its history (``keys.ended``), else
-    the last terminal one of its whole history (``workers.keep_history``, or a record written before)."""
-    from .events import decode, history
-
+    """An ended call's terminal event: the one kept at ``keys.ended``, else the last terminal one of its
+    history (``workers.keep_history``)."""
     last = conn.get(keys.ended(call_id))
     if last is not None:
-        return decode(as_bytes(last), call_id)
-    ends = [e for e in history(conn, call_id) if e.terminal]
+        return events.decode(raw(last), call_id)
+    ends = [e for e in events.history(conn, call_id) if e.terminal]
     return ends[-1] if ends else None
 
 
 def read_record(conn: Any, call_id: str) -> dict[str, Any] | None:
-    """The call's record as plain values (state, attempt, result, error, ...).
-
-    An ended call's hash keeps only what TRANSITION's ``ENDED`` lists; its seq, trace id, end time and
-    result or error come from its terminal event (a result too large for the event from ``h_result``), and
-    it has no envelope any more (``envelope`` None, ``request_dropped`` True: its audit record keeps the
-    arguments, redacted).
-    """
-    raw = conn.hgetall(keys.job(call_id))
-    if not raw:
+    """The call's record as plain values (state, attempt, result, error, ...); an ended call's come from
+    its terminal event, and it has no envelope any more (``request_dropped`` True)."""
+    stored = conn.hgetall(keys.job(call_id))
+    if not stored:
         return None
-    rec = {text(k): v for k, v in raw.items()}
+    rec = {text(k): v for k, v in stored.items()}
     out: dict[str, Any] = {
         "call_id": call_id,
         "state": text(rec.get(keys.F_STATE)),
@@ -207,14 +173,12 @@ def read_record(conn: Any, call_id: str) -> dict[str, Any] | None:
             if "result" in end.detail:
                 out["result"] = end.detail["result"]
     if rec.get(keys.F_RESULT) is not None:
-        out["result"] = unpack(as_bytes(rec[keys.F_RESULT]))
+        out["result"] = unpack(raw(rec[keys.F_RESULT]))
     elif out["state"] == State.DONE.value:
         out.setdefault("result", None)
-    if "error" not in out and rec.get(keys.F_ERROR) is not None:  # (a record written before trimming)
-        out["error"] = unpack(as_bytes(rec[keys.F_ERROR]))
     if rec.get("data"):
         try:
-            out["envelope"] = envelope_of(as_bytes(rec["data"]))
+            out["envelope"] = envelope_of(raw(rec["data"]))
         except Exception:  # noqa: BLE001 - a record with a bad payload is still a record
             out["envelope"] = None
     elif out["state"] in _ENDED:
@@ -236,93 +200,56 @@ def _int(value: Any) -> int:
 
 log = structlog.get_logger("hermes.calls")
 _ABSENT_PATIENCE = 30.0  # seconds a recheck waits out a moving slot (a migration of one slot)
-
-
 SUBMIT_TTL = 7 * 86400
 
-# Job hash fields of a call submitted under an idempotency key: the key (TRANSITION gives it the record's
-# TTL when the call ends) and the digest of what was asked (a resubmission asking otherwise is a conflict).
+# Job hash fields of a call submitted under an idempotency key: the key and the digest of what was asked.
 F_IDEM = "h_idem"
 F_DIGEST = "h_digest"
 
-# Fair dispatch (broker/lua/slots.lua): a weight-1 fairness key's step between its waiting calls' tags
-# (the tag step of weight w is UNIT / w, an integer: the waiting sets keep integer scores), and the scale
-# of the batch share passed to the scripts (per 10,000).
+# Fair dispatch (broker/lua/slots.lua): a weight-1 fairness key's tag step (weight w: UNIT / w, an integer
+# score), and the scale of the batch share passed to the scripts.
 UNIT = 1_000_000
 SHARE_SCALE = 10_000
-
 
 # Reasons a transition script refused.
 MISSING, FENCED, WRONG_STATE = -1, -2, -3
 
 
 class Calls:
-    """Scripted operations on call records: submission, the workers' side (claims, leases, reaping) and
-    transitions."""
+    """Scripted operations on call records: submission, claims, leases, reaping and transitions."""
 
     def __init__(self, conn: redis.Redis) -> None:
         self.conn = conn
         self._claim = conn.register_script(scripts.CLAIM)
         self._reap = conn.register_script(scripts.TAKE_DUE)
         self._strict_ids = is_cluster(conn)  # (see claim.lua: ids of another slot are not looked up)
-
         self._submit = conn.register_script(scripts.SUBMIT)
-        # Events go out on sharded channels (in the call's slot) on a cluster, where plain PUBLISH would
-        # reach every node; a plain Redis (the embedded one may be 6.2) has only PUBLISH.
+        # Sharded channels (in the call's slot) on a cluster, where PUBLISH would reach every node.
         self.publish = "SPUBLISH" if is_cluster(conn) else "PUBLISH"
         self.listed: set[str] = set()  # queues this process added to rq:queues
         self.is_async = isinstance(conn, (redis.asyncio.Redis, redis.asyncio.cluster.RedisCluster))
-
         self._transition = conn.register_script(scripts.for_server(conn, scripts.TRANSITION))
-        # An ended call keeps its terminal event alone, unless `workers.keep_history` (set by the owner).
-        self.keep_history = False
+        self.keep_history = False  # `workers.keep_history`, set by the owner
         self._queue_keys: dict[tuple[str, str], tuple[QueueKeys, str]] = {}  # (see _keys_of)
-
-    def list_queue(self, queue: str) -> None:
-        """Add ``queue`` to RQ's set of queues (``rq info`` lists it), once per process: a set spanning
-        queues is no key of a submission's slot."""
-        if queue not in self.listed:
-            self.conn.sadd(keys.RQ_QUEUES, keys.queue(queue))
-            self.listed.add(queue)
 
     # -- submission ------------------------------------------------------------------------------
 
     def submit(
-        self,
-        env: Envelope,
-        *,
-        ckey: str,
-        queue_size: int,
-        max_attempts: int,
-        timeout: float,
-        concurrency: int = -1,
-        weight: float = 1.0,
-        batch_share: float = DEFAULT_BATCH_SHARE,
-        key_size: int = -1,
-        rate_limit: RateLimit | None = None,
-        estimate: int = 0,
-        pipeline: Pipeline | None = None,
-        extra: tuple[Any, ...] = (),
+        self, env: Envelope, *, ckey: str, queue_size: int, max_attempts: int, timeout: float,
+        concurrency: int = -1, weight: float = 1.0, batch_share: float = DEFAULT_BATCH_SHARE,
+        key_size: int = -1, rate_limit: RateLimit | None = None, estimate: int = 0,
+        pipeline: Pipeline | None = None, extra: tuple[Any, ...] = (),
     ) -> Any:
         """Admit a call with its ``pending`` event: onto its queue with a slot of ``ckey`` when one is free
         (``concurrency`` -1 = no limit) and its ``rate_limit`` allows it (``estimate`` tokens reserved),
         else waiting (at most ``queue_size``; at most ``key_size`` of its fairness key and class, -1 = no
-        such bound) for its fair turn (``weight`` of its fairness key; ``batch_share``: the least share of
-        promotions batch calls get). Returns the script's reply.
+        such bound) for its fair turn. Returns the script's reply.
         ``extra``: more field/value pairs for the job hash (a batch's call: ``h_batch``)."""
         info = CallInfo.of(env, ckey)
         now = time.time()
         ev = events.payload(
-            call_id=env.call_id,
-            state=State.PENDING,
-            trace_id=info.trace_id,
-            span_id=info.span_id,
-            attempt=1,
-            kind=env.kind,
-            name=info.name,
-            session_id=info.session_id,
-            detail={"queue": env.queue},
-            ts=now,
+            call_id=env.call_id, state=State.PENDING, trace_id=info.trace_id, span_id=info.span_id, attempt=1,
+            kind=env.kind, name=info.name, session_id=info.session_id, detail={"queue": env.queue}, ts=now,
         )
         fields = job_fields(env, ckey=ckey, max_attempts=max_attempts, timeout=timeout)
         fields[keys.F_STEPS] = step_text(State.PENDING, 1, now)
@@ -335,75 +262,45 @@ class Calls:
             digest = request_digest(env)
             flat += [F_IDEM, keys.idempotency(tag, idem), F_DIGEST, digest]
         flat += extra
-        if not self.is_async:  # (an asyncio client awaits its own SADD: AsyncGateway._list)
-            self.list_queue(env.queue)
+        # Listed in rq:queues (``rq info``) once per process (an asyncio client awaits its own SADD).
+        if not self.is_async and env.queue not in self.listed:
+            self.conn.sadd(keys.RQ_QUEUES, keys.queue(env.queue))
+            self.listed.add(env.queue)
         of, wake = self._keys_of(env.queue, ckey)
         return pipes.script(
             self._submit,
             [
-                keys.job(env.call_id),
-                of.queue,
-                keys.history(env.call_id),
-                of.waiting,
-                keys.idempotency(tag, idem or ""),
-                of.slots,
-                of.limits,
-                of.waiting_batch,
-                of.fair,
-                of.rate,
-                of.rate_log,
-                of.rate_due,
-                keys.rates(tag),
+                keys.job(env.call_id), of.queue, keys.history(env.call_id), of.waiting,
+                keys.idempotency(tag, idem or ""), of.slots, of.limits, of.waiting_batch, of.fair,
+                of.rate, of.rate_log, of.rate_due, keys.rates(tag),
             ],
             [
-                env.call_id,
-                ev,
-                SUBMIT_TTL,
-                queue_size,
-                waiting_score(),
-                env.channel,
-                digest,
-                concurrency,
-                ckey,
-                wake,
-                self.publish,
-                keys.job(""),
-                fkey,
-                klass,
-                max(1, round(UNIT / weight)),
-                round(batch_share * SHARE_SCALE),
-                key_size,
+                env.call_id, ev, SUBMIT_TTL, queue_size, waiting_score(), env.channel, digest, concurrency,
+                ckey, wake, self.publish, keys.job(""), fkey, klass, max(1, round(UNIT / weight)),
+                round(batch_share * SHARE_SCALE), key_size,
                 rate_limit.argv() if rate_limit is not None else "",
                 estimate if rate_limit is not None else 0,
                 *flat,
             ],
             pipeline,
-        )
+        )  # fmt: skip
 
     @staticmethod
     def check_submit(reply: Any, ckey: str, queue_size: int, env: Envelope | None = None) -> tuple[bool, str]:
-        """Turn a SUBMIT reply into (accepted_new, call_id) or raise QueueFull / IdempotencyConflict.
-
-        With ``env`` (the envelope submitted), an existing call of another tool or kind under the same
-        idempotency key is a conflict too (a record of an older version carries no digest to compare).
-        """
+        """Turn a SUBMIT reply into (accepted_new, call_id) or raise QueueFull / IdempotencyConflict; with
+        ``env``, an existing call of another tool or kind under the same idempotency key is a conflict too."""
         code, value = int(reply[0]), reply[1]
         if code == -3:
             fkey = text(reply[3])
             raise QueueFull(
                 f"queue for {ckey!r} is full for fairness key {fkey!r} ({int(value)} waiting, "
                 f"limit {int(reply[2])} per key: fairness.queue_size_per_key)",
-                key=ckey,
-                fairness_key=fkey,
-                limit=int(reply[2]),
-                depth=int(value),
+                key=ckey, fairness_key=fkey, limit=int(reply[2]), depth=int(value),
             )
         if code == -1:
             raise QueueFull(
                 f"queue for {ckey!r} is full ({int(value)} waiting, limit {queue_size})",
-                key=ckey,
-                limit=queue_size,
-                depth=int(value),
+                key=ckey, limit=queue_size, depth=int(value),
             )
         existing = Calls.existing_call(reply)
         if code == -2 or (
@@ -428,51 +325,44 @@ class Calls:
 
     def claim(self, queues: list[str], n: int, worker: str, lease: float, connection: Any = None) -> list[Claimed]:
         """Take up to ``n`` pending calls off the queues (in order), leased to ``worker``: one script per
-        queue (each queue is a slot of its own), the next queue only while fewer than ``n`` came. A queue
-        whose slot is moving to another node (a cluster's redirections, ``pipes.moving``) is skipped this
-        time. ``connection``: one the caller keeps for its claims alone (a worker's dispatcher), sent on
-        through ``pipes`` on a plain Redis (``bench/shortcuts.py``'s ``claim`` row: ~73 µs a claim against
-        ~132 through redis-py's ``Script.__call__``)."""
+        queue, the next queue only while fewer than ``n`` came. A queue whose slot is moving to another
+        node (``pipes.moving``) is skipped this time. ``connection``: one the caller keeps for its claims
+        alone (a worker's dispatcher), sent through ``pipes`` on a plain Redis."""
         out: list[Claimed] = []
+        fast = connection is not None and pipes.FAST  # (a cluster client keeps no connection)
         for q in queues:
+            keys_ = [keys.leases(keys.tag(q)), keys.queue(q)]
+            args = [*self.claim_args(q, n - len(out), worker, lease), keys.job("")]
             try:
-                reply, absent = self._claim_one(
-                    [keys.leases(keys.tag(q)), keys.queue(q)],
-                    [*self.claim_args(q, n - len(out), worker, lease), keys.job("")],
-                    connection,
-                )
+                if fast:
+                    pipe = self.conn.pipeline(transaction=False)
+                    pipes.script(self._claim, keys_, args, pipe)
+                    (reply,) = pipes.execute(pipe, connection)
+                    if isinstance(reply, Exception):
+                        raise reply
+                else:
+                    reply = self._claim(keys=keys_, args=args)
             except redis.RedisError as e:
                 if not pipes.moving(e):
                     raise
                 continue  # this queue's slot is moving to another node: claimed again once it is there
-            out += self.claimed(q, reply, absent)
+            out += self.claimed(q, reply[0], reply[1])
             if len(out) >= n:
                 break
         return out
 
-    def _claim_one(self, keys_: list[str], args: list[Any], connection: Any) -> Any:
-        if connection is None or not pipes.FAST:  # (a cluster client keeps no connection: redis-py routes it)
-            return self._claim(keys=keys_, args=args)
-        pipe = self.conn.pipeline(transaction=False)
-        pipes.script(self._claim, keys_, args, pipe)
-        (reply,) = pipes.execute(pipe, connection)
-        if isinstance(reply, Exception):
-            raise reply
-        return reply
-
     def claim_args(self, queue: str, n: int, worker: str, lease: float) -> list[Any]:
-        """CLAIM's arguments but the job prefix: TRANSITION's ``take`` of ``n`` calls of ``queue``
-        (claiming.lua's claim_calls) are these and then the taker's share (``held`` calls of the ending
-        call's key besides it, ``peers`` workers on the queue; transition.lua takes while held * peers <
-        the key's limit)."""
+        """CLAIM's arguments but the job prefix, also TRANSITION's ``take`` of ``n`` calls of ``queue``
+        (followed there by the taker's share: see transition.lua)."""
         tag = keys.tag(queue)
-        return [n, worker, lease_deadline(lease), rq_now(), keys.slots(tag, ""), tag + "." if self._strict_ids else ""]
+        deadline, now = lease_deadline(lease), rq_time(time.time())
+        return [n, worker, deadline, now, keys.slots(tag, ""), tag + "." if self._strict_ids else ""]
 
     def claimed(self, queue: str, reply: list[Any], absent: list[bytes]) -> list[Claimed]:
-        """The calls a claim took (claim_calls' reply): ids not found here are asked again where a cluster's
-        redirections are followed (``recheck_absent``), an unreadable record is settled alone."""
+        """The calls a claim took (claim_calls' reply): ids not found here are asked again
+        (``recheck_absent``), an unreadable record is settled alone."""
         if absent:
-            for gone in self.recheck_absent(absent, requeue=keys.queue(queue)):
+            for gone in recheck_absent(self.conn, absent, requeue=keys.queue(queue)):
                 DROPPED.warn(queue, gone)
         out: list[Claimed] = []
         for i in range(0, len(reply), 3):
@@ -482,9 +372,6 @@ class Calls:
             except (TypeError, ValueError):  # one unreadable record is settled alone (broker.poison)
                 poison.settle(self, cid, poison.row_problem({"h_attempt": attempt}))  # type: ignore[arg-type]
         return out
-
-    def recheck_absent(self, ids: list[bytes], *, requeue: str | None = None, zset: str | None = None) -> list[bytes]:
-        return recheck_absent(self.conn, ids, requeue=requeue, zset=zset)
 
     def extend_leases(self, runs: Sequence[CallInfo], lease: float, pipeline: Pipeline | None = None) -> None:
         """Push the lease deadline of calls still running here (only those still leased), and of the
@@ -517,7 +404,7 @@ class Calls:
                 if not pipes.moving(e):
                     raise
                 continue  # this queue's slot is moving: its leases are looked at next time
-            self.recheck_absent(reply.pop(), zset=keys.leases(keys.tag(q)))
+            recheck_absent(self.conn, reply.pop(), zset=keys.leases(keys.tag(q)))
             for i in range(0, len(reply), 7):
                 cid, state, attempt, max_att, queue, cancel, ckey = (text(v) for v in reply[i : i + 7])
                 try:
@@ -526,62 +413,32 @@ class Calls:
                     problem = poison.row_problem({"h_attempt": attempt, "h_max_attempts": max_att})
                     poison.settle(self, reply[i], problem)  # type: ignore[arg-type]
                     continue
-                out.append(
-                    {
-                        "call_id": cid,
-                        "state": state,
-                        "attempt": numbers[0],
-                        "max_attempts": numbers[1],
-                        # (a record without h_queue: the id's tag is its queue's, so its lease can go)
-                        "queue": queue or keys.RQ_QUEUE.format(keys.tag_in(cid) or keys.tag(q)),
-                        "cancel": cancel == "1",
-                        "ckey": ckey,
-                    }
-                )
+                # (a record without h_queue: the id's tag is its queue's, so its lease can go)
+                queue = queue or keys.RQ_QUEUE.format(keys.tag_in(cid) or keys.tag(q))
+                out.append({
+                    "call_id": cid, "state": state, "attempt": numbers[0], "max_attempts": numbers[1],
+                    "queue": queue, "cancel": cancel == "1", "ckey": ckey,
+                })  # fmt: skip
         return out
 
     # -- transitions -----------------------------------------------------------------------------
 
     def transition(
-        self,
-        info: CallInfo,
-        target: State | None,
-        *,
-        attempt: int,
-        detail: dict[str, Any] | None = None,
-        fence: bool = True,
-        from_states: frozenset[State] | None = None,
-        lease: float | str | None = None,
-        requeue: bool = False,
-        requeue_first: bool = False,
-        schedule_at: float | None = None,
-        fields: dict[str, Any] | None = None,
-        ttl: int | None = None,
-        event_type: str = events.TRANSITION,
-        current: State | None = None,
-        pipeline: Pipeline | None = None,
-        via: Sequence[Step] = (),
-        ts: float | None = None,
-        unleased: bool = False,
-        used_tokens: int | None = None,
-        sent: bool = True,
+        self, info: CallInfo, target: State | None, *, attempt: int, detail: dict[str, Any] | None = None,
+        fence: bool = True, from_states: frozenset[State] | None = None, lease: float | str | None = None,
+        requeue: bool = False, requeue_first: bool = False, schedule_at: float | None = None,
+        fields: dict[str, Any] | None = None, ttl: int | None = None, event_type: str = events.TRANSITION,
+        current: State | None = None, pipeline: Pipeline | None = None, via: Sequence[Step] = (),
+        ts: float | None = None, unleased: bool = False, used_tokens: int | None = None, sent: bool = True,
         take: Sequence[Any] = (),
     ) -> Any:
         """Move a call to ``target`` (or publish a non-state event when None), atomically with its event.
 
-        ``via``: moves made before this one that were not written yet, ``(state, detail, ts)`` each in
-        order, the first from ``current``; their events are recorded and published first, in the same
-        script. ``ts``: when this move happened (default now). ``unleased``: only from ``pending`` while no
-        worker holds the call (a caller cancelling it directly; a worker that took it is told instead).
-
-        Ending (or ``retrying``) releases the call's concurrency slot and promotes the next waiting call
-        of its key (fair order, broker/lua/slots.lua); ``requeue`` admits it again (a free slot, else
-        waiting for its fairness key's next turn, or with ``requeue_first`` before every waiting call);
-        ``schedule_at`` puts a ``retrying`` call on the scheduled set, due at that time. Releasing settles
-        the call's rate-limiter entry with ``used_tokens`` (None: its estimate stands); ``sent`` False says
-        its request never left (the entry is given back), else one not stamped yet counts from now.
-        ``take`` (``claim_args`` of the call's queue): a releasing worker takes that many next calls in
-        the same script; the reply then ends with claim_calls' two lists (``claimed`` reads them).
+        ``via``: earlier moves not written yet, ``(state, detail, ts)`` each, the first from ``current``,
+        written first. ``unleased``: only from ``pending`` while no worker holds the call. Ending (or
+        ``retrying``) releases the call's slot and promotes the next waiting call, settling its rate
+        limiter with ``used_tokens`` (``sent`` False: given back); ``requeue`` admits it again. ``take``
+        (``claim_args``): a releasing worker takes next calls in the same script (``claimed`` reads them).
         """
         release = target is not None and (target in TERMINAL or target is State.RETRYING)
         if via and target is None:
@@ -608,41 +465,25 @@ class Calls:
         ev = self._event(info, state or (str(current) if current else ""), attempt, event_type, detail, ts)
         move = step_text(state, attempt, ts) if state and event_type == events.TRANSITION else ""
         flat: list[Any] = [len(early), *early]
-        for k, v in (fields or {}).items():
-            flat.append(k)
-            flat.append(v)
+        for pair in (fields or {}).items():
+            flat += pair
         of_queue, wake = self._keys_of(info.queue, info.ckey)
         return pipes.script(
             self._transition,
             [keys.job(info.call_id), keys.history(info.call_id), *of_queue, keys.ended(info.call_id)],
             [
-                info.call_id,
-                ev,
-                "" if ttl is None else ttl,
-                str(attempt) if fence else "",
-                src,
-                state,
-                RQ_STATUS[target] if target is not None else "",
-                "" if lease is None else lease,
-                "1" if requeue else "",
-                "first" if requeue_first else "",
-                info.channel,
-                "1" if release else "",
-                info.ckey,
-                "" if schedule_at is None else schedule_at,
-                wake,
-                self.publish,
-                keys.job(""),
-                waiting_score() if requeue else "",
-                "-" if not sent else "" if used_tokens is None else used_tokens,
-                "1" if self.keep_history else "",
-                "".join(moves),
-                move,
-                *(take or _NO_TAKE),
+                info.call_id, ev, "" if ttl is None else ttl, str(attempt) if fence else "", src,  # 1-5
+                state, RQ_STATUS[target] if target is not None else "", "" if lease is None else lease,  # 6-8
+                "1" if requeue else "", "first" if requeue_first else "", info.channel,  # 9-11
+                "1" if release else "", info.ckey, "" if schedule_at is None else schedule_at,  # 12-14
+                wake, self.publish, keys.job(""), waiting_score() if requeue else "",  # 15-18
+                "-" if not sent else "" if used_tokens is None else used_tokens,  # 19
+                "1" if self.keep_history else "", "".join(moves), move,  # 20-22
+                *(take or _NO_TAKE),  # 23-30
                 *flat,  # (ARGV 31 on: how many earlier events, those events, then the job fields)
             ],
             pipeline,
-        )
+        )  # fmt: skip
 
     def _keys_of(self, queue: str, ckey: str) -> tuple[QueueKeys, str]:
         """The keys of a queue and concurrency key (``QueueKeys``) and the queue's wake-up channel, made once
@@ -665,63 +506,18 @@ class Calls:
 
     # -- named operations (each one TRANSITION) ----------------------------------------------------
 
-    def move(
-        self,
-        info: CallInfo,
-        target: State,
-        *,
-        attempt: int,
-        current: State | None,
-        detail: dict[str, Any] | None = None,
-        via: Sequence[Step] = (),
-        ts: float | None = None,
-        fields: dict[str, Any] | None = None,
-        ttl: int | None = None,
-        pipeline: Pipeline | None = None,
-        used_tokens: int | None = None,
-        sent: bool = True,
-        take: Sequence[Any] = (),
-    ) -> Any:
-        """A worker moves the call it holds (fenced by ``attempt``), with the moves ``via`` not written yet;
-        a terminal ``target`` ends it (``fields``: result or error, ``ttl``: how long the record stays;
-        ``used_tokens`` / ``sent``: its rate limiter's settlement, ``take``: the next calls it takes, see
-        ``transition``)."""
-        return self.transition(
-            info,
-            target,
-            attempt=attempt,
-            current=current,
-            detail=detail,
-            via=via,
-            ts=ts,
-            fields=fields,
-            ttl=ttl,
-            pipeline=pipeline,
-            used_tokens=used_tokens,
-            sent=sent,
-            take=take,
-        )
+    # A worker moves the call it holds (fenced by ``attempt``, ``current`` its state), with the moves
+    # ``via`` not written yet; a terminal ``target`` ends it (``fields``: result, ``ttl``: how long the
+    # record stays). The same operation, named for the worker's side.
+    move = transition
 
     def note(
-        self,
-        info: CallInfo,
-        event_type: str,
-        detail: dict[str, Any],
-        *,
-        attempt: int,
-        current: State | None,
-        ts: float | None = None,
-        pipeline: Pipeline | None = None,
+        self, info: CallInfo, event_type: str, detail: dict[str, Any], *, attempt: int, current: State | None,
+        ts: float | None = None, pipeline: Pipeline | None = None,
     ) -> Any:
         """An event that changes no state (progress, a stream delta), fenced like a move."""
         return self.transition(
-            info,
-            None,
-            attempt=attempt,
-            detail=detail,
-            event_type=event_type,
-            current=current,
-            ts=ts,
+            info, None, attempt=attempt, detail=detail, event_type=event_type, current=current, ts=ts,
             pipeline=pipeline,
         )
 
@@ -730,36 +526,18 @@ class Calls:
     ) -> Any:
         """End a call with ``error`` (``failed`` or ``cancelled``) on behalf of a lost worker."""
         return self.transition(
-            info,
-            target,
-            attempt=attempt,
-            current=current,
-            detail={"error": error},
-            ttl=ttl,
+            info, target, attempt=attempt, current=current, detail={"error": error}, ttl=ttl
         )
 
     def retry(
-        self,
-        info: CallInfo,
-        *,
-        attempt: int,
-        current: State,
-        detail: dict[str, Any],
-        due: float | None = None,
-        pipeline: Pipeline | None = None,
+        self, info: CallInfo, *, attempt: int, current: State, detail: dict[str, Any],
+        due: float | None = None, pipeline: Pipeline | None = None,
     ) -> Any:
         """The attempt ends ``retrying``: its lease and slot go, the next attempt is counted and, with
         ``due``, put on the schedule."""
         return self.transition(
-            info,
-            State.RETRYING,
-            attempt=attempt,
-            current=current,
-            detail=detail,
-            lease="-",
-            schedule_at=due,
-            fields={keys.F_ATTEMPT: attempt + 1},
-            pipeline=pipeline,
+            info, State.RETRYING, attempt=attempt, current=current, detail=detail, lease="-", schedule_at=due,
+            fields={keys.F_ATTEMPT: attempt + 1}, pipeline=pipeline,
         )
 
     def requeue(
@@ -768,14 +546,8 @@ class Calls:
         """A ``retrying`` call is admitted again: a free slot, else it waits for its fairness key's next
         turn (``first``: before every waiting call)."""
         return self.transition(
-            info,
-            State.PENDING,
-            attempt=attempt,
-            requeue=True,
-            requeue_first=first,
-            lease="-",
-            current=State.RETRYING,
-            pipeline=pipeline,
+            info, State.PENDING, attempt=attempt, requeue=True, requeue_first=first, lease="-",
+            current=State.RETRYING, pipeline=pipeline,
         )
 
     def hand_back(
@@ -798,21 +570,13 @@ class Calls:
     ) -> Any:
         """A caller cancels a call still ``pending`` that no worker holds."""
         return self.transition(
-            info,
-            State.CANCELLED,
-            attempt=attempt,
-            fence=False,
-            from_states=frozenset({State.PENDING}),
-            unleased=True,
-            detail={"error": error},
-            pipeline=pipeline,
+            info, State.CANCELLED, attempt=attempt, fence=False, from_states=frozenset({State.PENDING}),
+            unleased=True, detail={"error": error}, pipeline=pipeline,
         )
 
     @staticmethod
     def _check_move(
-        current: State | None,
-        target: State,
-        from_states: frozenset[State] | None,
+        current: State | None, target: State, from_states: frozenset[State] | None,
         first: frozenset[State] | None,
     ) -> frozenset[State]:
         """Refuse an illegal move; returns the sources the script checks (the first move's)."""
@@ -825,37 +589,22 @@ class Calls:
 
     @staticmethod
     def _event(
-        info: CallInfo,
-        state: str,
-        attempt: int,
-        event_type: str,
-        detail: dict[str, Any] | None,
+        info: CallInfo, state: str, attempt: int, event_type: str, detail: dict[str, Any] | None,
         ts: float | None,
     ) -> bytes:
         return events.payload(
-            call_id=info.call_id,
-            state=state,
-            trace_id=info.trace_id,
-            span_id=info.span_id,
-            attempt=attempt,
-            kind=info.kind,
-            name=info.name,
-            session_id=info.session_id,
-            type=event_type,
-            detail=detail,
-            ts=ts,
+            call_id=info.call_id, state=state, trace_id=info.trace_id, span_id=info.span_id, attempt=attempt,
+            kind=info.kind, name=info.name, session_id=info.session_id, type=event_type, detail=detail, ts=ts,
         )
 
     def load_scripts(self) -> None:
         """Load the scripts the hot paths queue into pipelines, so that none is refused (NOSCRIPT) and
-        rerun after the commands queued behind it: writes of a worker depend on their order."""
+        rerun after the commands queued behind it."""
         for script in (self._transition, self._submit):
             self.conn.script_load(script.script)
 
-    # -- reading ---------------------------------------------------------------------------------
-
     def record(self, call_id: str) -> dict[str, Any] | None:
-        """The call's record as plain values (state, attempt, result, error, ...)."""
+        """The call's record as plain values (``read_record``)."""
         return read_record(self.conn, call_id)
 
 
@@ -880,8 +629,7 @@ _NO_TAKE = ('',) * 8  # TRANSITION's ARGV 23-30 when it takes no call
 
 def step_text(state: str, attempt: int, ts: float) -> str:
     """One transition as the record's ``h_steps`` keeps it, ``<state's code><attempt> <µs since the
-    epoch, hexadecimal>;`` (``STEP_CODES``; 17 bytes a step, 20 in decimal): what an ended call's
-    ``steps`` are read from (``broker.events``) without decoding its events."""
+    epoch, hexadecimal>;``: what an ended call's ``steps`` are read from (``broker.events``)."""
     return f"{STEP_CODES[state]}{attempt} {round(ts * 1e6):x};"
 
 
@@ -890,18 +638,17 @@ def _joined(states: frozenset[State]) -> str:
     """The sources a script checks, as its ``a,b,c`` argument (a few distinct sets, each joined once)."""
     return ",".join(sorted(states))
 
+
 def recheck_absent(conn: Any, ids: list[bytes], *, requeue: str | None = None, zset: str | None = None) -> list[bytes]:
     """Ids a script found no record of, asked again where a cluster's redirections are followed: a
-    record on its way to another node (a slot migration) keeps its place — back at the head of
-    ``requeue`` (it still holds its slot), or left in ``zset`` (held) — and one that is gone (expired)
-    leaves ``zset``. An id without the tag of ``requeue``'s queue is no call of it, never looked up.
-    Returns the ids dropped."""
+    record on its way to another node keeps its place (back at the head of ``requeue``, or left in
+    ``zset``), one that is gone leaves ``zset``. An id without the tag of ``requeue``'s queue is never
+    looked up. Returns the ids dropped."""
     prefix = keys.tag_in(requeue).encode() + b"." if requeue is not None else b""
     gone = []
     for raw_id in ids:
         cid = text(raw_id)
-        # A slot mid-migration bounces single-key commands too (MOVED back and forth while its nodes learn
-        # the new owner): asked again, so a popped id is never dropped.
+        # A slot mid-migration bounces single-key commands too: asked again, so a popped id is never dropped.
         patience = pipes.for_seconds(_ABSENT_PATIENCE)
         if raw(raw_id).startswith(prefix) and pipes.patiently(patience, conn.hexists, keys.job(cid), keys.F_STATE):
             if requeue is not None:
@@ -914,9 +661,8 @@ def recheck_absent(conn: Any, ids: list[bytes], *, requeue: str | None = None, z
 
 
 class DroppedIds:
-    """One warning for each id drained off a queue that names no call there (raw bytes, a foreign tag, a
-    record that does not exist), at most ``burst`` a minute per process; the rest are counted into the
-    next warning."""
+    """One warning for each id drained off a queue that names no call there, at most ``burst`` a minute
+    per process; the rest are counted into the next warning."""
 
     def __init__(self, burst: int = 20, window: float = 60.0) -> None:
         self.burst, self.window = burst, window
@@ -933,8 +679,7 @@ class DroppedIds:
         more, self._suppressed = self._suppressed, 0
         shown = raw_id.decode(errors="replace")
         log.warning(
-            "dropped an id on queue that names no call of it",
-            queue=queue,
+            "dropped an id on queue that names no call of it", queue=queue,
             call_id=shown[:40] + ("..." if len(shown) > 40 else ""),
             **({"suppressed_before": more} if more else {}),
         )

@@ -77,10 +77,5 @@ def raw(value: Any) -> bytes:
 class MsgpackSerializer:
     """RQ serializer (``dumps``/``loads``) so RQ stores our jobs as msgpack."""
 
-    @staticmethod
-    def dumps(obj: Any) -> bytes:
-        return pack(obj)
-
-    @staticmethod
-    def loads(data: bytes) -> Any:
-        return unpack(data)
+    dumps = staticmethod(pack)
+    loads = staticmethod(unpack)

@@ -12,20 +12,14 @@ from .errors import DecodeError
 from .otel import parse_traceparent, random_hex
 from .settings import shortcut_on
 
-# -- filling a frozen dataclass without its __init__ -----------------------------------------------
-# For the few built once per call on hot paths.
-#
-# A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``; for the envelope a
-# worker decodes and the audit record it builds for every call, that showed in a profile. ``filler`` makes
-# them directly: the fields' defaults, fresh values from their default factories (for fields not given),
-# then the given values. The caller checks the values (required fields present, no unknown ones) first.
-# With ``workers.shortcuts_off: [frozen]`` it calls the class instead (bench/shortcuts.py measures both).
-
 T = TypeVar("T")
 
 
 def filler(cls: type[T]) -> Callable[[Mapping[str, Any]], T]:
-    """``make(values)``: an instance of the frozen dataclass ``cls`` holding ``values`` over its defaults."""
+    """``make(values)``: an instance of the frozen dataclass ``cls`` holding ``values`` over its defaults,
+    made without its ``__init__`` (one ``object.__setattr__`` per field), for the few built once per call.
+    The caller checks the values (required fields present, no unknown ones) first. With
+    ``workers.shortcuts_off: [frozen]`` it calls the class instead."""
     defaults = {f.name: f.default for f in fields(cls) if f.default is not MISSING}  # type: ignore[arg-type]
     factories = tuple((f.name, f.default_factory) for f in fields(cls) if f.default_factory is not MISSING)  # type: ignore[arg-type]
 
@@ -46,20 +40,12 @@ def filler(cls: type[T]) -> Callable[[Mapping[str, Any]], T]:
 
 ENVELOPE_VERSION = 1
 
+# ``platform``: the agent's platform (cli, telegram...), passed to LLM middleware as Hermes does;
+# ``plugins_applied``: plugin keys the caller already ran around this call (workers skip them);
+# ``replay_of``: the call this one replays (``audit replay``), kept in its audit record.
 CONTEXT_FIELDS = (
-    "session_id",
-    "task_id",
-    "turn_id",
-    "api_request_id",
-    "tool_call_id",
-    "principal",
-    "provider",
-    "model",
-    "api_mode",
-    "parent_call_id",
-    "platform",  # the agent's platform (cli, telegram...), passed to LLM middleware as Hermes does
-    "plugins_applied",  # comma-separated plugin keys the caller already ran around this call: workers skip them
-    "replay_of",  # the call this one replays (``audit replay``): kept in its audit record
+    "session_id", "task_id", "turn_id", "api_request_id", "tool_call_id", "principal", "provider", "model",
+    "api_mode", "parent_call_id", "platform", "plugins_applied", "replay_of",
 )
 
 KINDS = ("tool", "llm")
@@ -70,6 +56,7 @@ CALL_CLASSES = ("interactive", "batch")
 def plugins_applied(context: dict[str, Any]) -> tuple[str, ...]:
     """The plugin keys a call's caller already ran around it (``plugins_applied``, comma-separated)."""
     return tuple(p.strip() for p in str(context.get("plugins_applied") or "").split(",") if p.strip())
+
 
 _NONE = type(None)
 # Types of the optional fields: a wrong type is a malformed payload, caught here rather than deep in a worker.
@@ -148,8 +135,8 @@ class Envelope:
             raise DecodeError("an llm call envelope needs a request mapping")
 
     def keep_packed(self, packed: bytes) -> Envelope:
-        """Keep the msgpack bytes of the call's body (``args``, or an LLM call's ``request``) the client
-        made when checking it, so the job is not packed twice (:meth:`job_data`); returns ``self``."""
+        """Keep the msgpack bytes of the call's body (``args`` or ``request``) the client made when checking
+        it, so :meth:`job_data` does not pack it twice; returns ``self``."""
         object.__setattr__(self, "_packed", packed)  # a cache on a frozen dataclass, not a field
         return self
 
@@ -206,8 +193,7 @@ class Envelope:
             raise DecodeError(
                 f"unsupported envelope version {version!r} (this worker speaks {ENVELOPE_VERSION})"
             )
-        known = _ENVELOPE_FIELDS
-        kwargs = {k: v for k, v in data.items() if k in known}
+        kwargs = {k: v for k, v in data.items() if k in _ENVELOPE_FIELDS}
         opts = kwargs.pop("options", None) or {}
         if not isinstance(opts, dict):
             raise DecodeError("envelope options must be a mapping")
@@ -220,14 +206,8 @@ class Envelope:
             raise DecodeError("envelope context must be a mapping")
         _check_types(kwargs, _FIELD_TYPES, "field ")
         _check_types(opts, _OPTION_TYPES, "option ")
-        try:
-            options = Options(**{k: v for k, v in opts.items() if k in _OPTION_FIELDS})
-        except TypeError as e:
-            raise DecodeError(f"envelope does not fit: {e}") from e
-        # Every required field is checked above and only known ones are kept, so the envelope is filled
-        # in directly (defaults first) rather than through the frozen dataclass's per-field __setattr__:
-        # a worker decodes one per call.
-        kwargs["options"] = options
+        # Only known names, each with a default (so no TypeError); checked above, so filled in directly.
+        kwargs["options"] = Options(**{k: v for k, v in opts.items() if k in _OPTION_FIELDS})
         env = _fill(kwargs)
         env.__post_init__()
         return env
@@ -237,16 +217,15 @@ class Envelope:
         return cls.from_dict(unpack(data))
 
 
-# Field names, computed once: dataclasses.fields() is slow enough to show on the hot path.
+# Field names, computed once (dataclasses.fields() is slow).
 _ENVELOPE_FIELDS = tuple(f.name for f in fields(Envelope))
 _fill = filler(Envelope)
 _OPTION_FIELDS = tuple(f.name for f in fields(Options))
 
 
 def fairness_of(env: Envelope) -> tuple[str, str]:
-    """(fairness key, class) of a call: whose turn it takes among the calls waiting for a slot of its
-    concurrency key, and ``interactive`` or ``batch``. The key defaults to the call's principal, else its
-    session, else the empty key (one shared turn for anonymous calls)."""
+    """(fairness key, class) of a call: whose turn it takes while waiting for a slot (default: its
+    principal, else its session, else the empty key), and ``interactive`` or ``batch``."""
     ctx = env.context
     key = env.options.fairness_key or ctx.get("principal") or ctx.get("session_id") or ""
     return str(key), env.options.call_class or "interactive"
@@ -254,6 +233,4 @@ def fairness_of(env: Envelope) -> tuple[str, str]:
 
 def concurrency_key(env: Envelope) -> str:
     """The key whose limit a call counts against: the tool itself, or the model for LLM calls."""
-    if env.kind == "tool":
-        return f"tool:{env.tool}"
-    return f"llm:{env.name}"
+    return f"tool:{env.tool}" if env.kind == "tool" else f"llm:{env.name}"

@@ -1,8 +1,8 @@
-"""Events: one per state transition (and per progress message or stream delta).
+"""Events: one per state transition (and per progress message or stream delta), a msgpack map.
 
-An event is a msgpack map. ``seq`` is added by the Lua script that appends the event to the call's
-durable history and publishes it on the caller's channel, so it rises by exactly one per call and a
-subscriber can see a gap. Late subscribers read the history, then the live tail (``follow``).
+``seq`` is added by the script that appends the event to the call's history and publishes it, so it rises
+by exactly one per call and a subscriber can see a gap. Late subscribers read the history, then the live
+tail (``follow``).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ class Event:
     session_id: str | None = None
     type: str = TRANSITION
     detail: dict[str, Any] = field(default_factory=dict)
-    # On the terminal event an ended call keeps in place of its history (broker/lua/transition.lua): its
-    # earlier transitions, ``[state, attempt, microseconds before this event]`` each, in order.
+    # On the terminal event an ended call keeps in place of its history: its earlier transitions,
+    # ``[state, attempt, microseconds before this event]`` each, in order.
     steps: list[list[Any]] | None = None
 
     @property
@@ -56,41 +56,20 @@ class Event:
         return self.type == TRANSITION and self.state in TERMINAL
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "call_id": self.call_id,
-            "seq": self.seq,
-            "state": self.state,
-            "ts": self.ts,
-            "trace_id": self.trace_id,
-            "span_id": self.span_id,
-            "attempt": self.attempt,
-            "kind": self.kind,
-            "tool_name": self.tool_name,
-            "model": self.model,
-            "session_id": self.session_id,
-            "type": self.type,
-            "detail": self.detail,
-        } | ({"steps": self.steps} if self.steps else {})
+        out = self.__dict__.copy()  # (its fields, in order: no slots, no cached extras)
+        if not out["steps"]:
+            del out["steps"]
+        return out
 
 
 def payload(
-    *,
-    call_id: str,
-    state: str,
-    trace_id: str,
-    span_id: str,
-    attempt: int,
-    kind: str,
-    name: str,
-    session_id: str | None,
-    type: str = TRANSITION,
-    detail: dict[str, Any] | None = None,
+    *, call_id: str, state: str, trace_id: str, span_id: str, attempt: int, kind: str, name: str,
+    session_id: str | None, type: str = TRANSITION, detail: dict[str, Any] | None = None,
     ts: float | None = None,
 ) -> bytes:
-    """Encode an event without ``seq`` (the script adds it): a msgpack fixmap of at most 11 keys, the
-    fields DESIGN.md lists (``tool_name`` or ``model``, whichever the kind has) and ``type`` when it is not
-    a transition. An ended call keeps its terminal event for ``workers.result_ttl``: each byte counts
-    (issue 29's 800 bytes a call). ``decode`` fills the absent ones in."""
+    """Encode an event without ``seq`` (the script adds it): ``tool_name`` or ``model``, whichever the kind
+    has, and ``type`` only when it is not a transition (an ended call keeps this event: each byte counts).
+    ``decode`` fills the absent ones in."""
     out: dict[str, Any] = {
         "call_id": call_id,
         "state": state,
@@ -122,8 +101,7 @@ def decode(data: bytes, call_id: str | None = None) -> Event:
     detail = raw.get("detail") or {}
     if not isinstance(detail, dict):
         raise DecodeError("not an event: its detail is not a mapping")
-    # Filled in directly rather than through the frozen dataclass's __init__ (one object.__setattr__
-    # per field): a caller's event thread decodes every event of every call it has in flight.
+    # Filled in directly, not through the frozen dataclass's __init__: a caller decodes every event.
     event = object.__new__(Event)
     try:  # a malformed message (a seq that is no number, say) is a DecodeError, never a crash of the reader
         event.__dict__.update(
@@ -148,30 +126,26 @@ def decode(data: bytes, call_id: str | None = None) -> Event:
 
 
 def _steps(raw: Any, ts: float) -> list[list[Any]] | None:
-    """An ended call's ``steps`` (``[state, attempt, µs before ts]`` each), or None when absent or
-    unreadable. TRANSITION stores them as the record's ``h_steps`` text (``broker.calls.step_text``: no
-    arithmetic in the script; the time in hexadecimal, or in decimal, 16 digits, as earlier versions wrote it); records
-    ended by an older version still hold the list itself."""
+    """An ended call's ``steps`` (``[state, attempt, µs before ts]`` each) from the record's ``h_steps``
+    text (``broker.calls.step_text``; a time of 16 digits is decimal), or None when absent or unreadable."""
     if isinstance(raw, bytes):
         raw = raw.decode(errors="replace")
-    if isinstance(raw, str):
-        try:
-            return [
-                [STEP_STATES[head[0]], int(head[1:]), round(ts * 1e6) - (int(at) if len(at) >= 16 else int(at, 16))]
-                for head, at in (part.split(" ") for part in raw.split(";") if part)
-            ]
-        except (KeyError, IndexError, ValueError):
-            return None
-    if not isinstance(raw, list) or not all(isinstance(s, list) and len(s) == 3 for s in raw):
+    if not isinstance(raw, str):
         return None
-    return raw
+    end = round(ts * 1e6)
+    try:
+        return [
+            [STEP_STATES[head[0]], int(head[1:]), end - (int(at) if len(at) >= 16 else int(at, 16))]
+            for head, at in (part.split(" ") for part in raw.split(";") if part)
+        ]
+    except (KeyError, IndexError, ValueError):
+        return None
 
 
 def missed_moves(end: Event, seen: Sequence[Event]) -> list[Event]:
-    """The transitions before ``end`` (an ended call's kept terminal event, with its ``steps``) that a
-    follower which saw ``seen`` never got: its live feed lagged and the history it then read was trimmed
-    to the end. Rebuilt from the steps (state, attempt, time; the end's trace id, no span id, no detail)
-    and numbered into the gap of seqs before the end; empty when they would not fit there."""
+    """The transitions before ``end`` (an ended call's kept terminal event) that a follower which saw
+    ``seen`` never got, rebuilt from its steps (no span id, no detail) and numbered into the gap of seqs
+    before the end; empty when they would not fit there."""
     if not end.steps:
         return []
     last = seen[-1].seq if seen else 0
@@ -186,11 +160,8 @@ def missed_moves(end: Event, seen: Sequence[Event]) -> list[Event]:
 
 
 def for_handle(handles: Mapping[str, Any], data: bytes) -> tuple[Event, Any, bool] | None:
-    """A caller's channel message as ``(event, the handle it is for, True when seq skipped some)``.
-
-    None when it is not an event (logged) or no handle of ``handles`` (by call id) waits for it; a skip
-    means the handle should read the history before taking this one.
-    """
+    """A caller's channel message as ``(event, the handle it is for, True when seq skipped some)``; None
+    when it is not an event (logged) or no handle of ``handles`` (by call id) waits for it."""
     if not data:  # a wake-up (a client closing publishes one to its channel), not an event
         return None
     try:
@@ -205,13 +176,8 @@ def for_handle(handles: Mapping[str, Any], data: bytes) -> tuple[Event, Any, boo
 
 
 def history(conn: redis.Redis, call_id: str, start_seq: int = 1) -> list[Event]:
-    """Stored events of a call from ``start_seq`` on.
-
-    While a call runs, its history list holds every event (index = seq - 1); once it has ended, the list
-    is gone and its terminal event alone is kept, a string at ``keys.ended`` (TRANSITION trims it: a
-    follower that missed events still gets the end, with its result or error). Both are read together
-    (``unseen``); with ``workers.keep_history`` the list stays whole and there is no kept event.
-    """
+    """Stored events of a call from ``start_seq`` on: its history list (index = seq - 1) while it runs,
+    its terminal event alone (``keys.ended``) once it has ended, read together (``unseen``)."""
     pipe = conn.pipeline(transaction=False)
     pipe.lrange(keys.history(call_id), max(start_seq - 1, 0), -1)
     pipe.get(keys.ended(call_id))
@@ -221,8 +187,7 @@ def history(conn: redis.Redis, call_id: str, start_seq: int = 1) -> list[Event]:
 
 def unseen(stored: list[Any], end: Any, seen: int, call_id: str) -> list[Event]:
     """The events after seq ``seen``, from ``LRANGE history seen -1`` (``stored``) and ``GET ended``
-    (``end``, the kept terminal event) read together: the range, then the kept end when it is newer than
-    all of them (the range was read before the call ended, or the history was trimmed to it)."""
+    (``end``) read together: the range, then the kept end when it is newer than all of them."""
     out = [decode(raw(b), call_id) for b in stored]
     if end is not None:
         ev = decode(raw(end), call_id)
@@ -232,8 +197,7 @@ def unseen(stored: list[Any], end: Any, seen: int, call_id: str) -> list[Event]:
 
 
 def ends_past_a_gap(events: Sequence[Event], seen: int) -> bool:
-    """Whether ``events`` (read after seq ``seen``) end with a terminal event some events before it are
-    missing from: the kept end of a call whose trimmed history no longer has them."""
+    """Whether ``events`` (read after seq ``seen``) end with a terminal event past a gap of missing ones."""
     prev = seen
     for e in events:
         if e.terminal and e.seq > prev + 1:
@@ -243,22 +207,13 @@ def ends_past_a_gap(events: Sequence[Event], seen: int) -> bool:
 
 
 def follow(
-    conn: redis.Redis,
-    call_id: str,
-    *,
-    timeout: float | None = None,
-    poll: float = 1.0,
-    after: int = 0,
+    conn: redis.Redis, call_id: str, *, timeout: float | None = None, poll: float = 1.0, after: int = 0
 ) -> Iterator[Event]:
-    """History then live tail of one call, each event once, in seq order, until a terminal event.
-
-    Subscribes before reading the history so nothing published in between is missed; a gap in the
-    live tail (a dropped message) is filled from the history. ``after``: the seq already seen (its events
-    and those before it are skipped).
-    """
+    """History then live tail of one call, each event once, in seq order, until a terminal event (subscribed
+    before the history is read; a gap in the tail is filled from the history). ``after``: the seq seen."""
     channel = conn.hget(keys.job(call_id), keys.F_CHANNEL)
     if channel is None:  # (an ended call's record names no channel: its history has the end)
-        yield from _drain(history(conn, call_id, after + 1))
+        yield from history(conn, call_id, after + 1)
         return
     pubsub = subscriber(conn)
     get = _subscribe(conn, pubsub, channel)
@@ -273,10 +228,8 @@ def follow(
         while True:
             wait = poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic()))
             msg = get(wait)
-            if msg is None:
-                # Quiet: re-read the history in case a message was lost on the way.
-                fresh = history(conn, call_id, last + 1)
-                for ev in fresh:
+            if msg is None:  # quiet: the history again, in case a message was lost on the way
+                for ev in history(conn, call_id, last + 1):
                     last = ev.seq
                     yield ev
                     if ev.terminal:
@@ -323,6 +276,3 @@ def _subscribe(conn: Any, pubsub: Any, channel: Any) -> Callable[[float], Any]:
 
     return get
 
-
-def _drain(events: list[Event]) -> Iterator[Event]:
-    yield from events

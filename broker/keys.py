@@ -1,16 +1,10 @@
-"""Every Redis key and channel the gateway uses, in one place, laid out for Redis Cluster; at the end, the
-queue partitions: one logical queue spread over N hash tags.
+"""Every Redis key and channel the gateway uses, laid out for Redis Cluster; at the end, queue partitions.
 
-Calls are RQ jobs: the call record *is* the RQ job hash (``rq:job:<id>``) with our own ``h_*`` fields
-beside RQ's, and calls wait on RQ's queue lists, so RQ's own tools (``rq info``) see them on a plain Redis.
-
-Slots (docs/ARCHITECTURE.md, "Keys and hash slots"): the keys of one queue and of the calls on it share
-the queue's hash tag ``{<queue>}``: its list ``rq:queue:{tools}``, its leases, scheduled retries, limits,
-slot and waiting sets, fair-state hashes and idempotency keys, and — because a call id starts with its queue's tag
-(``{tools}.<hex>``, see ``call_id``) — each call's record ``rq:job:{tools}.<hex>`` and history. So every
-script about a call or a queue touches one slot. State that spans queues lives in slots of its own:
-the tool directory (``{hermes:dir}``), breakers (``{hermes:brk}``), the audit log (``{hermes:audit}``),
-and single keys (policy, worker registry, stats, failures) reached by single-key commands.
+A call record *is* the RQ job hash (``rq:job:<id>``) with our ``h_*`` fields, on RQ's queue lists, so
+``rq info`` sees calls. The keys of a queue and of the calls on it share the queue's hash tag
+``{<queue>}`` (a call id starts with it: ``{tools}.<hex>``), so every script about a call or a queue
+touches one slot (docs/ARCHITECTURE.md, "Keys and hash slots"); state that spans queues lives in slots of
+its own.
 """
 
 from __future__ import annotations
@@ -19,7 +13,7 @@ import functools
 import itertools
 import random
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
@@ -93,7 +87,6 @@ F_CKEY = "h_ckey"
 F_KIND = "h_kind"
 F_TOOL = "h_tool"
 F_TRACE = "h_trace"
-F_ENVELOPE = "h_env"
 F_FKEY = "h_fkey"  # the call's fairness key (fair dispatch: whose turn it takes while waiting)
 F_CLASS = "h_class"  # interactive | batch
 F_PRINCIPAL = "h_principal"  # the principal a call runs as (absent: none), read by the API's per-principal checks
@@ -123,10 +116,6 @@ def queue_workers(name: str) -> str:
     return QUEUE_WORKERS.format(tag(name))
 
 
-def job(call_id: str) -> str:
-    return RQ_JOB.format(call_id)
-
-
 def queue(name: str) -> str:
     return RQ_QUEUE.format(tag(name))
 
@@ -137,24 +126,11 @@ def queue_name(queue_key: str) -> str:
 
 
 def channel(conn: Any, base: str) -> str:
-    """A pub/sub channel scoped to the connection's database: Redis shares pub/sub across DB numbers,
-    so two deployments on db 0 and db 1 of one server must not hear each other's control messages.
-    (A cluster has only db 0, and its clients no single connection pool.)"""
+    """A pub/sub channel scoped to the connection's database: Redis shares pub/sub across DB numbers, so
+    deployments on db 0 and db 1 of one server must not hear each other (a cluster has only db 0)."""
     pool = getattr(conn, "connection_pool", None)
     db = int(pool.connection_kwargs.get("db") or 0) if pool is not None else 0
     return base if db == 0 else f"{base}@db{db}"
-
-
-def wake(queue_name: str) -> str:
-    return WAKE_CHANNEL.format(queue_name)
-
-
-def history(call_id: str) -> str:
-    return HISTORY.format(call_id)
-
-
-def ended(call_id: str) -> str:
-    return ENDED.format(call_id)
 
 
 def caller_channel(client_id: str, queue_tag: str = "") -> str:
@@ -163,60 +139,28 @@ def caller_channel(client_id: str, queue_tag: str = "") -> str:
     return SHARD_CHANNEL.format(queue_tag, client_id) if queue_tag else CALLER_CHANNEL.format(client_id)
 
 
-def leases(queue_tag: str) -> str:
-    return LEASES.format(queue_tag)
-
-
-def scheduled(queue_tag: str) -> str:
-    return SCHEDULED.format(queue_tag)
-
-
-def limits(queue_tag: str) -> str:
-    return LIMITS.format(queue_tag)
-
-
-def waiting(queue_tag: str, ckey: str) -> str:
-    return WAITING.format(queue_tag, ckey)
-
-
-def waiting_batch(queue_tag: str, ckey: str) -> str:
-    return WAITING_BATCH.format(queue_tag, ckey)
-
-
-def fair(queue_tag: str, ckey: str) -> str:
-    return FAIR.format(queue_tag, ckey)
-
-
-def slots(queue_tag: str, ckey: str) -> str:
-    return SLOTS.format(queue_tag, ckey)
-
-
-def rate(queue_tag: str, ckey: str) -> str:
-    return RATE.format(queue_tag, ckey)
-
-
-def rate_log(queue_tag: str, ckey: str) -> str:
-    return RATE_LOG.format(queue_tag, ckey)
-
-
-def rate_due(queue_tag: str) -> str:
-    return RATE_DUE.format(queue_tag)
-
-
-def rates(queue_tag: str) -> str:
-    return RATES.format(queue_tag)
-
-
-def idempotency(queue_tag: str, key: str) -> str:
-    return IDEMPOTENCY.format(queue_tag, key)
-
-
-def usage_day(day: str, principal: str) -> str:
-    return USAGE_DAY.format(day, principal)
-
-
-def batch(batch_id: str) -> str:
-    return BATCH.format(batch_id)
+# Keys that fill their pattern as given: the pattern's own ``format`` (no Python frame on the call path).
+job: Callable[[str], str] = RQ_JOB.format  # (call_id)
+wake: Callable[[str], str] = WAKE_CHANNEL.format  # (queue_name)
+history: Callable[[str], str] = HISTORY.format  # (call_id)
+ended: Callable[[str], str] = ENDED.format  # (call_id)
+leases: Callable[[str], str] = LEASES.format  # (queue_tag)
+scheduled: Callable[[str], str] = SCHEDULED.format  # (queue_tag)
+limits: Callable[[str], str] = LIMITS.format  # (queue_tag)
+waiting: Callable[[str, str], str] = WAITING.format  # (queue_tag, ckey)
+waiting_batch: Callable[[str, str], str] = WAITING_BATCH.format  # (queue_tag, ckey)
+fair: Callable[[str, str], str] = FAIR.format  # (queue_tag, ckey)
+slots: Callable[[str, str], str] = SLOTS.format  # (queue_tag, ckey)
+rate: Callable[[str, str], str] = RATE.format  # (queue_tag, ckey)
+rate_log: Callable[[str, str], str] = RATE_LOG.format  # (queue_tag, ckey)
+rate_due: Callable[[str], str] = RATE_DUE.format  # (queue_tag)
+rates: Callable[[str], str] = RATES.format  # (queue_tag)
+idempotency: Callable[[str, str], str] = IDEMPOTENCY.format  # (queue_tag, key)
+usage_day: Callable[[str, str], str] = USAGE_DAY.format  # (day, principal)
+batch: Callable[[str], str] = BATCH.format  # (batch_id)
+worker: Callable[[str], str] = WORKER.format  # (name)
+breaker: Callable[[str], str] = BREAKER.format  # (key)
+stats_inflight: Callable[[str], str] = STATS_INFLIGHT.format  # (worker_name)
 
 
 def batch_part(queue_name: str, batch_id: str) -> str:
@@ -224,40 +168,16 @@ def batch_part(queue_name: str, batch_id: str) -> str:
     return BATCH_PART.format(tag(queue_name), batch_id)
 
 
-def worker(name: str) -> str:
-    return WORKER.format(name)
-
-
-def breaker(key: str) -> str:
-    return BREAKER.format(key)
-
-
-def stats_inflight(worker_name: str) -> str:
-    return STATS_INFLIGHT.format(worker_name)
-
-
 # -- queue partitions ------------------------------------------------------------------------------
-#
-# Queue partitions: one logical queue spread over N hash tags (``queue_partitions: N`` on a tool).
-#
-# A tool with N > 1 partitions puts its calls on queues ``<queue>#0.<k>`` .. ``<queue>#N-1.<k>``, each its own
-# hash tag (``{tools#0.3}``...), so on a cluster one hot queue spreads over up to N shards. The suffix ``k``
-# is the first that puts partition i's tag in the i-th N-th of the 16,384 hash slots — where a cluster made
-# by ``redis-cli --cluster create`` has its i-th shard when N is a multiple of the shard count — so the
-# partitions spread evenly instead of falling where their names happen to hash (6 plain names on 3 shards
-# measured 0.30 / 0.68 / 0.02 of the Redis CPU). The tool's concurrency
-# limit and ``queue_size`` are split statically over the partitions (``partition_share``: partition i gets
-# ``total // N`` plus one for the first ``total % N``), so the sums are exactly the tool's figures and each
-# partition's own slot and waiting sets (exact, atomic, in one slot) bound it: never more than the limit
-# running, never more than ``queue_size`` waiting, whatever the races. A partition whose limit share is 0
-# (limit < N) gets no calls. Clients spread calls over the partitions in turn (a call with an idempotency key
-# always on the same one, where its key lives); workers claim from every partition of their queues,
-# starting from the next one each round. The price of the static split: a partition may wait for a slot
-# while another has one free (no borrowing between shards).
+# One logical queue spread over N hash tags (``queue_partitions: N`` on a tool): queues ``<queue>#<i>.<k>``,
+# where ``k`` is the first suffix that puts partition i's tag in the i-th N-th of the hash slots, so the
+# partitions spread evenly over a cluster's shards. The tool's concurrency limit and ``queue_size`` are
+# split statically over the partitions (``partition_share``), so each partition's own slot and waiting
+# sets bound it exactly; a partition whose limit share is 0 gets no calls. Clients spread calls over the
+# partitions in turn (by idempotency key when there is one); workers claim from every partition.
 
 PARTITION_SEP = "#"
-# Each process starts its turn at random: a client that submits one call and ends (a CLI command, a
-# short script) would otherwise always pick partition 0, and a fleet of them use one share of the limit.
+# Each process starts its turn at random, or every short-lived client would pick partition 0.
 _partition_turn = itertools.count(random.randrange(1 << 30))
 
 

@@ -21,11 +21,8 @@ from .codec import pack
 from .settings import shortcut_on
 
 # -- redaction --------------------------------------------------------------------------------------
-#
-# Two ways a secret is recognised: by the key it sits under (``password``, ``github_token``, ...) and by
-# its shape inside any string (bearer tokens, JWTs, PEM private keys, well-known API key prefixes,
-# passwords in URLs, ``key=value`` pairs in free text). Arguments a tool declares ``sensitive`` are
-# replaced by a hash of their value instead, so a replay can check it was given the same value.
+# A secret is recognised by the key it sits under and by its shape inside any string. Arguments a tool
+# declares ``sensitive`` become a hash of their value, so a replay can check it was given the same value.
 
 MASK = "***"
 HASH_PREFIX = "sha256:"
@@ -46,8 +43,8 @@ _NOT_SECRET_KEY = re.compile(
     re.IGNORECASE,
 )
 
-# Secret shapes inside strings. Each alternative is a named group; ``_replace`` decides what to keep.
-# Case-insensitive parts say so with ``(?i:...)``: key prefixes such as ``AKIA`` are case-sensitive.
+# Secret shapes inside strings, each a named group (``_replace`` decides what to keep); key prefixes such
+# as ``AKIA`` are case-sensitive.
 _PATTERNS: tuple[tuple[str, str], ...] = (
     # PEM private key blocks, also truncated ones (no END line).
     (
@@ -99,8 +96,7 @@ _PATTERNS: tuple[tuple[str, str], ...] = (
     ),
     ("slackhook", r"https://hooks\.slack\.com/services/[A-Za-z0-9/_\-]+"),
     ("tg", r"\b\d{8,10}:AA[A-Za-z0-9_\-]{30,}"),  # Telegram bot token
-    # key=value / "key": "value" in free text (query strings, config dumps, exception messages), also
-    # JSON quoted inside JSON text (a back end's error quoting a request: {\"password\":\"...\"}).
+    # key=value / "key": "value" in free text, also JSON quoted inside JSON text ({\"password\":\"...\"}).
     (
         "kv",
         r"(?P<kv_head>(?<![A-Za-z0-9_\-])[\"']?(?i:[A-Za-z0-9_\-]*(?:passw(?:or)?d|passphrase|pwd|secret|token"
@@ -123,15 +119,10 @@ def _replace(m: re.Match[str]) -> str:
     if kind == "hdr":
         return m.group("hdr_head") + MASK
     if kind == "scheme":
-        return (
-            m.group(0)
-            if _is_prose(m.group("scheme_name"), m.group("scheme_val"))
-            else m.group("scheme_head") + MASK
-        )
+        prose = _is_prose(m.group("scheme_name"), m.group("scheme_val"))
+        return m.group(0) if prose else m.group("scheme_head") + MASK
     if kind == "kv":
-        if _NOT_SECRET_KEY.search(m.group("kv_head")):
-            return m.group(0)
-        return m.group("kv_head") + MASK
+        return m.group(0) if _NOT_SECRET_KEY.search(m.group("kv_head")) else m.group("kv_head") + MASK
     return MASK
 
 
@@ -175,12 +166,8 @@ def sensitive_hashes(args: Mapping[str, Any] | None, sensitive_fields: Iterable[
 
 
 def redact(value: Any, sensitive_fields: Iterable[str] = (), max_text: int | None = None) -> Any:
-    """A redacted copy of ``value``; top-level keys in ``sensitive_fields`` become their hash.
-
-    ``max_text``: a longer string keeps its first ``max_text`` characters and says how many more there
-    were. Scanning text for secrets costs about a quarter of a microsecond a character, holding the GIL,
-    so a record of a call with megabytes of arguments must not scan them all.
-    """
+    """A redacted copy of ``value``; top-level keys in ``sensitive_fields`` become their hash. ``max_text``:
+    a longer string keeps its first ``max_text`` characters and says how many more there were."""
     if type(value) in _SCALARS:
         return value
     fields = frozenset(sensitive_fields)
@@ -195,10 +182,8 @@ def redact(value: Any, sensitive_fields: Iterable[str] = (), max_text: int | Non
 
 
 def clip_text(text: str, limit: int) -> str:
-    """The first ``limit`` characters of ``text``, redacted, and how many more there were.
-
-    The scan reaches past the cut, so a secret straddling it is masked, not shown in part.
-    """
+    """The first ``limit`` characters of ``text``, redacted (the scan reaches past the cut, so a secret
+    straddling it is masked), and how many more there were."""
     if len(text) <= limit:
         return redact_text(text)
     return f"{redact_text(text[: limit + _CLIP_MARGIN])[:limit]}…[{len(text) - limit} more characters]"
@@ -306,16 +291,13 @@ _PASSWORD_PARAMS = frozenset({"pass", "pw", "passwd", "password", "auth", "crede
 
 # -- logging -----------------------------------------------------------------------------------------
 
-# Fields every call's lines carry that cannot hold a secret: ids we mint or validated as hex, and what
-# the processors before redaction added. Scanning them costs more than the rest of a line (measured).
+# Fields every call's lines carry that cannot hold a secret: ids we mint, and what the processors before
+# redaction added.
 _GENERATED = frozenset(("timestamp", "level"))
 _IDS = frozenset(("call_id", "trace_id", "span_id"))
 # A hex id, or a call id: its queue's hash tag, a dot and hex ("{tools}.9f2c..."); the tag is scanned.
 _ID = re.compile(r"(\{[^{}]*\}\.)?[0-9a-f]{8,64}")
 _SHORT = 256  # strings up to this long are scanned once per distinct value (messages, tool names, states)
-
-
-_STOCK = RedactProcessor()
 
 
 @lru_cache(maxsize=4096)
@@ -324,12 +306,11 @@ def _redact_short(text: str) -> str:
 
 
 def redact_event(logger: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> Mapping[str, Any]:
-    """The redaction processor (``RedactProcessor`` above) over an event's fields, made cheap for the lines every
-    call writes: generated stamps and hex ids are not scanned, numbers are kept, and a short string's
-    scan is remembered (the same message, tool name or state comes back on every call). With
-    ``workers.shortcuts_off: [redaction]``, ``RedactProcessor`` over the whole event instead."""
+    """``RedactProcessor`` made cheap for the lines every call writes: stamps and hex ids are not scanned,
+    and a short string's scan is remembered. With ``workers.shortcuts_off: [redaction]``,
+    ``RedactProcessor`` over the whole event instead."""
     if not shortcut_on("redaction"):
-        return _STOCK(logger, method_name, event_dict)
+        return redact_processor(logger, method_name, event_dict)
     out: dict[str, Any] = {}
     for key, value in event_dict.items():
         kind = type(value)
@@ -354,8 +335,8 @@ def redact_event(logger: Any, method_name: str, event_dict: MutableMapping[str, 
 
 
 def stamp(logger: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    """``timestamp``: ISO 8601 in UTC with microseconds, as ``TimeStamper(fmt="iso", utc=True)`` writes it,
-    at a fifth of its cost (the date and time of day are formatted once a second)."""
+    """``timestamp``: ISO 8601 in UTC with microseconds, as ``TimeStamper(fmt="iso", utc=True)`` writes it
+    (the date and time of day formatted once a second)."""
     global _second
     now = time.time()
     whole = int(now)
@@ -371,11 +352,8 @@ _second = (-1, "")
 
 
 class ConsoleLines:
-    """structlog renderer: ``<time> [<level>] <event> key=value ...`` and the traceback under it.
-
-    The layout of structlog's ``ConsoleRenderer(colors=False)`` at a tenth of its cost (it writes each
-    field through a StringIO and pads every column), which is what every call's two lines paid.
-    """
+    """structlog renderer: ``<time> [<level>] <event> key=value ...`` and the traceback under it, the
+    layout of structlog's ``ConsoleRenderer(colors=False)`` at a fraction of its cost."""
 
     def __call__(self, logger: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> str:
         ts = event_dict.pop("timestamp", None)
@@ -395,11 +373,7 @@ _level = logging.INFO  # the level configure() set; structlog's default when it 
 
 
 def info_enabled() -> bool:
-    """Whether an info line would be written.
-
-    For the lines every call emits: with ``cache_logger_on_first_use`` off (so configure() may run again),
-    a filtered-out ``log.info`` still builds a bound logger first, ~20 us a call measured.
-    """
+    """Whether an info line would be written (a filtered-out ``log.info`` still builds a bound logger)."""
     return _level <= logging.INFO
 
 
@@ -407,9 +381,8 @@ _calls: Any = None  # the logger of every call's lines, made by configure()
 
 
 def call_log() -> Any:
-    """The logger of the lines every call writes (``call finished``; ``call started`` at DEBUG), bound once per
-    configure(): ``structlog.get_logger()`` assembles a new bound logger on every line (``cache_logger_on_first_use``
-    is off so that configure() may run again), ~10 us a line measured in a busy worker."""
+    """The logger of the lines every call writes, bound once per configure() (``structlog.get_logger()``
+    assembles a new bound logger on every line: ``cache_logger_on_first_use`` is off)."""
     return _calls if _calls is not None else structlog.get_logger("hermes.worker")
 
 
@@ -440,25 +413,17 @@ def configure(level: str = "INFO", fmt: str = "console", stream: Any = None, bat
     _level = lvl
     _json = fmt == "json"
     _batched = BatchedLines(stream or sys.stderr) if batched else None
-    renderer: Any
-    if fmt == "json":
-        renderer = structlog.processors.JSONRenderer()
-    else:
-        renderer = ConsoleLines()
+    renderer: Any = structlog.processors.JSONRenderer() if fmt == "json" else ConsoleLines()
+    # Every logger writes through one writer (one write() per line: the processes of a pool share stderr).
+    writer: Any = _batched if _batched is not None else structlog.WriteLogger(stream or sys.stderr)
     structlog.configure(
         processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            stamp,
-            structlog.processors.format_exc_info,
-            # After format_exc_info, so a traceback's text is scrubbed too; no secret reaches a log line.
-            redact_event,
-            renderer,
+            structlog.contextvars.merge_contextvars, structlog.processors.add_log_level, stamp,
+            # After format_exc_info, so a traceback's text is scrubbed too.
+            structlog.processors.format_exc_info, redact_event, renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        # One write() per line (message and newline together): the processes of a pool share one stderr,
-        # and lines written in two parts came out glued to another process's.
-        logger_factory=_OneWriter(stream or sys.stderr, _batched),
+        logger_factory=lambda *_args: writer,
         cache_logger_on_first_use=False,
     )
     _calls = structlog.get_logger("hermes.worker").bind()
@@ -473,9 +438,7 @@ def configure(level: str = "INFO", fmt: str = "console", stream: Any = None, bat
             structlog.stdlib.ProcessorFormatter(
                 processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, redact_event, renderer],
                 foreign_pre_chain=[
-                    structlog.stdlib.add_logger_name,
-                    structlog.processors.add_log_level,
-                    stamp,
+                    structlog.stdlib.add_logger_name, structlog.processors.add_log_level, stamp,
                     _record_extras,
                 ],
             )
@@ -490,25 +453,11 @@ def configure(level: str = "INFO", fmt: str = "console", stream: Any = None, bat
             each.addFilter(RedactFilter())
 
 
-class _OneWriter:
-    """The logger factory: every logger writes through one logger (structlog's factory made one per log
-    line, with ``cache_logger_on_first_use`` off): a ``WriteLogger``, or a ``BatchedLines`` (workers)."""
-
-    def __init__(self, stream: Any, batched: BatchedLines | None = None) -> None:
-        self.logger: Any = batched if batched is not None else structlog.WriteLogger(stream)
-
-    def __call__(self, *args: Any) -> Any:
-        return self.logger
-
-
 class BatchedLines:
     """A worker's log lines written a batch at a time by a thread of their own, each write whole lines of
-    at most ``PIPE_BUF`` bytes (the processes of a pool share one stderr: such a write is never cut by
-    another's). A worker thread that wrote its line itself released the interpreter lock for the system
-    call and then waited to get it back behind the other call threads, with every call's ``call finished``
-    line (bench/throughput.py: ``info_vs_warning``). Lines at WARNING and above go out at once, after
-    those before them, and so does a line after ``EVERY`` seconds without one (startup, a quiet worker);
-    the rest within ``EVERY`` seconds, and at exit."""
+    at most ``PIPE_BUF`` bytes (never cut by another process's on the shared stderr), so that call threads
+    do not give up the interpreter lock for a system call per line. Lines at WARNING and above go out at
+    once, and so does a line after ``EVERY`` seconds without one; the rest within ``EVERY`` seconds."""
 
     EVERY = 0.02
     CHUNK = 4096  # PIPE_BUF on Linux
@@ -579,9 +528,8 @@ def _record_extras(logger: Any, method_name: str, event_dict: MutableMapping[str
 
 
 class LibraryRecords(logging.Filter):
-    """redis-py's records as one line at WARNING at most: the exception named in the message, its
-    traceback dropped (unless DEBUG is configured). A failover makes redis-py log errors with tracebacks
-    for what the gateway retries and reports itself."""
+    """redis-py's records as one line at WARNING at most, the exception named in the message and its
+    traceback dropped (unless DEBUG): a failover makes redis-py log what the gateway retries itself."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.name.startswith(LIBRARIES) or _level <= logging.DEBUG:
@@ -602,8 +550,7 @@ LIBRARIES = ("redis.",)  # loggers whose records LibraryRecords shortens
 
 class _LastResort(logging.Handler):
     """redis-py's records in a process whose application configured no logging: one line on stderr at
-    WARNING (Python's own last resort prints each with its traceback). Where the root logger has a handler
-    (``configure()``'s, or the application's), that handler decides alone."""
+    WARNING. Where the root logger has a handler, that handler decides alone."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)

@@ -1,10 +1,6 @@
-"""The OpenTelemetry API as the client and the workers both use it: which tracer and meter (the global
-providers, a test's, or none), W3C context in and out of envelopes, and marking a span failed; and the W3C
-``traceparent`` header itself (parsed, minted: ``parse_traceparent``, ``ensure_traceparent``), which an
-envelope carries whether tracing is on or not.
-
-Only the OpenTelemetry API is imported here, so ``import hermes_gateway`` loads no SDK;
-``workers.otelsdk`` installs the SDK providers a process exports with.
+"""The OpenTelemetry API as the client and the workers use it (which tracer and meter, W3C context in and
+out of envelopes, marking a span failed) and the W3C ``traceparent`` header, which an envelope carries
+whether tracing is on or not. Only the API is imported here: ``workers.otelsdk`` installs the SDK.
 """
 
 from __future__ import annotations
@@ -13,7 +9,7 @@ import os
 import random
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -42,91 +38,76 @@ _EMPTY = otel_context.Context()
 _NO_STATE = TraceState()
 _HEX = frozenset("0123456789abcdef")
 
-_tracer_override: Any = None
-_meter_override: Any = None
-_tracer_cache: tuple[Any, Any, bool] | None = None  # (provider, tracer, provider is the global one)
-_meter_cache: tuple[Any, Any, bool] | None = None
 _KEEP: Any = object()
+_OVERRIDES: dict[str, list[Any]] = {"tracer": [None], "meter": [None]}  # a test's providers, or None
 
 
 def use_providers(tracer_provider: Any = _KEEP, meter_provider: Any = _KEEP) -> None:
-    """Route our spans / metrics to these providers instead of the global ones (tests, benchmarks).
-
-    Only what is passed changes; no arguments at all goes back to the global providers for both.
-    """
-    global _tracer_override, _meter_override
+    """Route our spans / metrics to these providers instead of the global ones (tests, benchmarks); only
+    what is passed changes, and no arguments at all goes back to the global providers for both."""
     if tracer_provider is _KEEP and meter_provider is _KEEP:
-        _tracer_override = _meter_override = None
-        return
+        tracer_provider = meter_provider = None
     if tracer_provider is not _KEEP:
-        _tracer_override = tracer_provider
+        _OVERRIDES["tracer"][0] = tracer_provider
     if meter_provider is not _KEEP:
-        _meter_override = meter_provider
+        _OVERRIDES["meter"][0] = meter_provider
 
 
 def providers() -> tuple[Any, Any]:
     """The tracer and meter providers in force (a test's, else the global ones)."""
-    return _tracer_override or trace.get_tracer_provider(), _meter_override or metrics.get_meter_provider()
+    return (
+        _OVERRIDES["tracer"][0] or trace.get_tracer_provider(),
+        _OVERRIDES["meter"][0] or metrics.get_meter_provider(),
+    )
 
 
-# While no SDK provider is installed, OTel's get_*_provider() reads os.environ on every call; that shows
-# on the per-call path, so a "none yet" answer is trusted for a second. A global SDK provider can only be
-# set once, so a real one is trusted for good.
+# While no SDK provider is installed, OTel's get_*_provider() reads os.environ on every call: a "none yet"
+# answer is trusted for a second. A global SDK provider can only be set once: a real one is kept for good.
 _RECHECK = 1.0
-_tracer_checked = 0.0
-_meter_checked = 0.0
+
+
+def _finder(
+    kind: str, get_global: Callable[[], Any], usable: Callable[[Any], bool], make: Callable[[Any], Any]
+) -> Callable[[], Any]:
+    """``tracer()`` or ``meter()``: ours from the provider in force when it is an SDK one, else None."""
+    override = _OVERRIDES[kind]
+    cache: tuple[Any, Any, bool] | None = None  # (provider, ours, provider is the global one)
+    checked = 0.0
+
+    def find() -> Any:
+        nonlocal cache, checked
+        if override[0] is None:
+            if cache is not None and cache[2]:
+                return cache[1]
+            now = time.monotonic()
+            if cache is None and now - checked < _RECHECK:
+                return None
+            checked = now
+        provider = override[0] or get_global()
+        if cache is not None and cache[0] is provider:
+            return cache[1]
+        if not usable(provider):
+            cache = None
+            return None
+        found = make(provider)
+        cache = (provider, found, override[0] is None)
+        return found
+
+    return find
+
+
+def _is_sdk_tracer_provider(provider: Any) -> bool:
+    return not isinstance(provider, ProxyTracerProvider | NoOpTracerProvider)
 
 
 def _is_sdk_meter_provider(provider: Any) -> bool:
-    # The API's global stand-in before an SDK provider is set is private (metrics._internal), and so is
-    # its type: an SDK provider is told apart by what the API providers lack, a force_flush().
+    # The API's global stand-in is a private type: an SDK provider is told apart by its force_flush().
     return not isinstance(provider, NoOpMeterProvider) and callable(getattr(provider, "force_flush", None))
 
 
-def tracer() -> Any:
-    """Our tracer when an SDK provider is set (here or by the host application), else None: skip spans."""
-    global _tracer_cache, _tracer_checked
-    if _tracer_override is None:
-        cached = _tracer_cache
-        if cached is not None and cached[2]:
-            return cached[1]
-        now = time.monotonic()
-        if cached is None and now - _tracer_checked < _RECHECK:
-            return None
-        _tracer_checked = now
-    provider = _tracer_override or trace.get_tracer_provider()
-    if isinstance(provider, ProxyTracerProvider | NoOpTracerProvider):
-        _tracer_cache = None
-        return None
-    cached = _tracer_cache
-    if cached is not None and cached[0] is provider:
-        return cached[1]
-    found = provider.get_tracer(SCOPE)
-    _tracer_cache = (provider, found, _tracer_override is None)
-    return found
-
-
-def meter() -> Any:
-    """Our meter when an SDK meter provider is set, else None: skip measurements."""
-    global _meter_cache, _meter_checked
-    if _meter_override is None:
-        cached = _meter_cache
-        if cached is not None and cached[2]:
-            return cached[1]
-        now = time.monotonic()
-        if cached is None and now - _meter_checked < _RECHECK:
-            return None
-        _meter_checked = now
-    provider = _meter_override or metrics.get_meter_provider()
-    if not _is_sdk_meter_provider(provider):
-        _meter_cache = None
-        return None
-    cached = _meter_cache
-    if cached is not None and cached[0] is provider:
-        return cached[1]
-    found = provider.get_meter(SCOPE)
-    _meter_cache = (provider, found, _meter_override is None)
-    return found
+# Our tracer / meter when an SDK provider is set (here or by the host application), else None: skip them.
+tracer = _finder("tracer", trace.get_tracer_provider, _is_sdk_tracer_provider, lambda p: p.get_tracer(SCOPE))
+meter = _finder("meter", metrics.get_meter_provider, _is_sdk_meter_provider, lambda p: p.get_meter(SCOPE))
 
 
 # -- W3C context -------------------------------------------------------------------------------
@@ -148,8 +129,8 @@ def parent_context(
 
 
 def _fast_parent(traceparent: str | None, tracestate: str | None) -> otel_context.Context | None:
-    # The envelope's own well-formed version-00 header, parsed without the propagators' regex and
-    # composite machinery (a per-call cost); anything else (baggage, odd headers) takes the full path.
+    # A well-formed version-00 header parsed without the propagators (a per-call cost); anything else
+    # takes the full path.
     if not traceparent or len(traceparent) != 55 or not traceparent.startswith("00-"):
         return None
     if traceparent[35] != "-" or traceparent[52] != "-" or not _HEX.issuperset(traceparent[3:35]):
@@ -198,8 +179,8 @@ def mark_failed(span: Any, error: BaseException | Mapping[str, Any]) -> None:
 
 # -- W3C trace context: parse and mint ``traceparent`` headers ----------------------------------------
 
-# Ids need to be unique, not secret: a PRNG seeded from the OS (and reseeded in a forked child) is enough,
-# and os.urandom is a system call that costs tens of microseconds per id on some virtual machines.
+# Ids need to be unique, not secret: a PRNG seeded from the OS (reseeded in a forked child), not a system
+# call per id.
 _rng = random.Random()
 os.register_at_fork(after_in_child=_rng.seed)
 
@@ -221,20 +202,12 @@ def random_hex(nbytes: int) -> str:
     return f"{_rng.getrandbits(nbytes * 8) or 1:0{nbytes * 2}x}"
 
 
-def new_trace_id() -> str:
-    return random_hex(16)
-
-
 def new_span_id() -> str:
     return random_hex(8)
 
 
-def make_traceparent(trace_id: str, span_id: str, sampled: bool = True) -> str:
-    return f"00-{trace_id}-{span_id}-{'01' if sampled else '00'}"
-
-
 def ensure_traceparent(value: str | None) -> str:
-    """The caller's traceparent when valid, else the start of a new trace."""
+    """The caller's traceparent when valid, else the start of a new (sampled) trace."""
     if parse_traceparent(value):
         return value.strip().lower()  # type: ignore[union-attr]
-    return make_traceparent(new_trace_id(), new_span_id())
+    return f"00-{random_hex(16)}-{random_hex(8)}-01"

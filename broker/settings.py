@@ -1,8 +1,5 @@
-"""The typed settings: one frozen section per part of config.yaml, and the ``HERMES_*`` variables of each;
-at the end, the speed shortcuts' switches (``workers.shortcuts_off``).
-
-:func:`broker.config.load_settings` fills them; nothing here reads a file or the environment.
-"""
+"""The typed settings: one frozen section per part of config.yaml and its ``HERMES_*`` variables, filled
+by :func:`broker.config.load_settings`; at the end, the speed shortcuts' switches."""
 
 from __future__ import annotations
 
@@ -16,21 +13,15 @@ from .placeholders import load_yaml
 from .ratelimits import RateLimit
 
 DEFAULT_LEASE = 30.0
-# How long an ended call's record and terminal event stay (workers.result_ttl): at the few hundred bytes an
-# ended call keeps, an hour of calls at a few thousand a second fits a small Redis.
-DEFAULT_RESULT_TTL = 3600
+DEFAULT_RESULT_TTL = 3600  # how long an ended call's record and terminal event stay
 DEFAULT_CONCURRENCY = 5
 DEFAULT_QUEUE_SIZE = 10_000
 DEFAULT_WAIT_TIMEOUT_MS = 500
-# Bytes a call's arguments (an LLM call's request) may take, packed: what the broker keeps for a day.
-# The HTTP API's body limit (HERMES_API_MAX_BODY) has the same default.
-DEFAULT_MAX_ARGS = 32 * 1024 * 1024
+DEFAULT_MAX_ARGS = 32 * 1024 * 1024  # bytes a call's arguments may take, packed (also the API's body limit)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 TRACE_MODES = ("off", "console", "otlp", "memory")
-# Python's default (700, 10, 10) collects the young generation every 700 container allocations. A worker
-# allocates thousands per second and keeps each call's objects alive for the call's duration, so most of
-# them were scanned and promoted before they died; measured on io_bound, a higher threshold gained ~5%
-# efficiency (4 of 4 interleaved pairs). Reference counting still frees everything that is not a cycle.
+# A worker keeps each call's objects alive for the call's duration: Python's default (700, 10, 10) scanned
+# and promoted most of them before they died (docs/benchmarks.md).
 GC_THRESHOLD = (50_000, 20, 10)
 AGENT_PLUGIN = "hermes-gateway"  # the Hermes agent plugin's name in plugins.entries
 DEFAULT_AUDIT_MAXLEN = 100_000
@@ -43,8 +34,8 @@ class BrokerSettings:
     """``broker:`` — where the broker is and what a write waits for."""
 
     url: str | None = None  # broker.url / HERMES_REDIS_URL
-    # redis-py's private insides for hot pipelines and pub/sub reads on a plain Redis (broker/pipes.py,
-    # Gateway._read_direct): broker.fast_path / HERMES_REDIS_FAST_PATH, default measured (ARCHITECTURE)
+    # redis-py's private insides for hot pipelines and pub/sub reads (broker/pipes.py): broker.fast_path /
+    # HERMES_REDIS_FAST_PATH
     fast_path: bool = True
     # A submission returns only once ``WAIT wait_replicas wait_timeout_ms`` confirms it (0: not asked).
     wait_replicas: int = 0  # broker.wait_replicas / HERMES_WAIT_REPLICAS
@@ -70,15 +61,13 @@ class WorkerSettings:
     lease: float = DEFAULT_LEASE  # workers.lease / HERMES_LEASE
     max_attempts: int = 3  # workers.max_attempts / HERMES_MAX_ATTEMPTS
     result_ttl: int = DEFAULT_RESULT_TTL  # workers.result_ttl / HERMES_RESULT_TTL
-    # workers.keep_history / HERMES_KEEP_HISTORY: an ended call keeps every event (~250 bytes each) instead
-    # of its terminal event alone (benchmarks and tests that read whole histories of ended calls)
+    # workers.keep_history / HERMES_KEEP_HISTORY: an ended call keeps every event, not its terminal one alone
     keep_history: bool = False
     gc_threshold: tuple[int, ...] | None = GC_THRESHOLD  # HERMES_GC_THRESHOLD ("default": None, Python's own)
     metrics_port: int | None = None  # HERMES_METRICS_PORT: Prometheus /metrics of a worker process
     metrics_host: str = "127.0.0.1"  # HERMES_METRICS_HOST
     run_registry: bool = False  # HERMES_RUN_REGISTRY: record this worker for `stop --all`
-    # workers.shortcuts_off: speed shortcuts to run without (their switches at the end of this module; bench/shortcuts.py)
-    shortcuts_off: frozenset[str] = frozenset()
+    shortcuts_off: frozenset[str] = frozenset()  # workers.shortcuts_off: speed shortcuts to run without
 
 
 @dataclass(frozen=True)
@@ -87,9 +76,7 @@ class ApiSettings:
 
     token: str | None = None  # HERMES_API_TOKEN (``--token`` wins)
     max_body: int = DEFAULT_MAX_ARGS  # HERMES_API_MAX_BODY: bytes of a request body
-    body_timeout: float = (
-        60.0  # HERMES_API_BODY_TIMEOUT: seconds to receive a whole body (32 MiB at ~4 Mbit/s)
-    )
+    body_timeout: float = 60.0  # HERMES_API_BODY_TIMEOUT: seconds to receive a whole body
     header_timeout: float = 10.0  # HERMES_API_HEADER_TIMEOUT: seconds from connect to a complete request head
     keep_alive: float = 5.0  # HERMES_API_KEEP_ALIVE: seconds an idle kept-alive connection stays open
     max_connections: int = 1000  # HERMES_API_MAX_CONNECTIONS
@@ -100,7 +87,7 @@ class TelemetrySettings:
     """Tracing beyond the standard ``OTEL_*`` variables (which the OpenTelemetry SDK reads itself)."""
 
     trace: str = ""  # HERMES_TRACE: off, console, otlp or memory ("": the OTEL_* environment decides)
-    lean_spans: bool = True  # HERMES_LEAN_SPANS=0: the SDK's own tracer (bench/throughput.py measures both)
+    lean_spans: bool = True  # HERMES_LEAN_SPANS=0: the SDK's own tracer
 
 
 @dataclass(frozen=True)
@@ -119,9 +106,8 @@ class PluginDiscovery:
     safe_mode: bool = False  # HERMES_SAFE_MODE: no plugin at all
     project_plugins: bool = False  # HERMES_ENABLE_PROJECT_PLUGINS: ./.hermes/plugins as well
 
-    def read_yaml(self, text: str) -> Any:
-        """config.yaml as the gateway reads it: the seed's unquoted ``{{field}}`` templates stay text."""
-        return load_yaml(text)
+    # config.yaml as the gateway reads it: the seed's unquoted ``{{field}}`` templates stay text.
+    read_yaml = staticmethod(load_yaml)
 
 
 @dataclass(frozen=True)
@@ -129,9 +115,7 @@ class AgentPluginSettings:
     """The Hermes agent plugin's options: ``HERMES_GATEWAY_*`` over ``plugins.entries.hermes-gateway``."""
 
     url: str | None = None  # HERMES_GATEWAY_URL / redis_url (else the broker's URL)
-    route_llm: bool = (
-        False  # HERMES_GATEWAY_ROUTE_LLM / route_llm: the agent's LLM calls go through the queue
-    )
+    route_llm: bool = False  # HERMES_GATEWAY_ROUTE_LLM / route_llm: the agent's LLM calls are queued too
     principal: str | None = None  # HERMES_GATEWAY_PRINCIPAL / principal
     timeout: float = 600.0  # HERMES_GATEWAY_TIMEOUT / timeout
     tool_prefix: str = ""  # HERMES_GATEWAY_TOOL_PREFIX / tool_prefix
@@ -150,10 +134,7 @@ class AuditSettings:
 
 @dataclass(frozen=True)
 class ModelSettings:
-    """``model:`` — the LLM provider the ``llm`` workers call (``workers.llm``, ``workers.providers``).
-
-    Other keys of Hermes' own ``model:`` section (``default``, ...) are Hermes', not read here.
-    """
+    """``model:`` — the LLM provider the ``llm`` workers call (Hermes' own keys of it are not read here)."""
 
     provider: str = ""  # model.provider: openai-compatible (""), openai, deepseek, ollama, vllm, ...
     model: str = ""  # model.model: used when neither the request nor the call's context names one
@@ -176,12 +157,11 @@ class ModelSettings:
 class FairnessSettings:
     """``fairness:`` — the order in which calls waiting for a slot of a concurrency key get one."""
 
-    # fairness.weights: principal (or fairness key) -> weight (default 1): a key of weight 2 gets twice the
-    # slots of a key of weight 1 while both wait.
+    # fairness.weights: principal (or fairness key) -> weight (default 1), its share of slots while all wait
     weights: dict[str, float] = field(default_factory=dict)
     # The least share of promotions batch calls get while interactive calls wait too.
     batch_share: float = DEFAULT_BATCH_SHARE  # fairness.batch_share / HERMES_BATCH_SHARE
-    # Calls one fairness key (in one class) may have waiting for a slot (None: only queue_size bounds them).
+    # Calls one fairness key (in one class) may have waiting (None: only queue_size bounds them).
     queue_size_per_key: int | None = None  # fairness.queue_size_per_key / HERMES_QUEUE_SIZE_PER_KEY
 
     def weight_of(self, principal: str | None, fairness_key: str) -> float:
@@ -269,9 +249,6 @@ def yaml_number(value: Any, where: str) -> float:
         raise ConfigError(f"config.yaml: {where}: expected a number, got {value!r}") from e
 
 
-# The sections config.yaml alone sets (no environment variable), read by broker/config.py.
-
-
 def audit_settings(section: Mapping[str, Any] | None) -> AuditSettings:
     """``audit: {maxlen, max_age (seconds), approximate, jsonl, key}``; a typo or a bad number is an error."""
     audit = dict(section or {})
@@ -287,9 +264,7 @@ def audit_settings(section: Mapping[str, Any] | None) -> AuditSettings:
         raise ConfigError("audit: maxlen and max_age must not be negative")
     approximate = audit.get("approximate", True)
     return AuditSettings(
-        key=str(audit["key"]) if audit.get("key") else None,
-        maxlen=maxlen,
-        max_age=max_age,
+        key=str(audit["key"]) if audit.get("key") else None, maxlen=maxlen, max_age=max_age,
         approximate=approximate if isinstance(approximate, bool) else flag(approximate, "audit.approximate"),
         jsonl=str(audit["jsonl"]) if audit.get("jsonl") else None,
     )
@@ -304,10 +279,8 @@ def model_settings(section: dict[str, Any]) -> ModelSettings:
     if retries != int(retries):
         raise ConfigError(f"config.yaml: model.max_retries: expected a whole number, got {retries:g}")
     return ModelSettings(
-        provider=str(section.get("provider") or ""),
-        model=str(section.get("model") or ""),
-        base_url=str(section.get("base_url") or ""),
-        api_key=str(section.get("api_key") or ""),
+        provider=str(section.get("provider") or ""), model=str(section.get("model") or ""),
+        base_url=str(section.get("base_url") or ""), api_key=str(section.get("api_key") or ""),
         api_mode=str(section.get("api_mode") or ""),
         timeout=yaml_number(section.get("timeout") or ModelSettings.timeout, "model.timeout"),
         max_retries=max(0, int(retries)),
@@ -363,8 +336,7 @@ def fairness_settings(
             f"fairness.queue_size_per_key (HERMES_QUEUE_SIZE_PER_KEY): expected a whole number of calls, got {size:g}"
         )
     return FairnessSettings(
-        weights=parsed,
-        batch_share=DEFAULT_BATCH_SHARE if share is None else share,
+        weights=parsed, batch_share=DEFAULT_BATCH_SHARE if share is None else share,
         queue_size_per_key=None if size is None else int(size),
     )
 
@@ -388,9 +360,7 @@ def mcp_settings(section: dict[str, Any]) -> McpSettings:
             "the mcp executor's other settings go under executors.mcp)"
         )
     timeout = section.get("handshake_timeout")
-    return McpSettings(
-        handshake_timeout=None if timeout is None else yaml_number(timeout, "mcp.handshake_timeout")
-    )
+    return McpSettings(None if timeout is None else yaml_number(timeout, "mcp.handshake_timeout"))
 
 
 def flag(value: Any, where: str, env_name: str | None = None) -> bool:
@@ -407,20 +377,10 @@ def flag(value: Any, where: str, env_name: str | None = None) -> bool:
 
 
 # -- the speed shortcuts' switches ------------------------------------------------------------------
-# Switches for the speed shortcuts that have a stock twin, so each can be measured on and off
-# (``bench/shortcuts.py``) and turned off where it misbehaves: ``workers.shortcuts_off`` in config.yaml, a
-# list of names. A worker process sets them once (``configure_shortcuts``) before it runs a call; all are on by
-# default. Each shortcut asks ``shortcut_on(name)`` in its own module:
-#
-# - ``threads``: a worker's call threads (``workers/worker.py``) instead of a ``ThreadPoolExecutor``;
-# - ``quickcheck``: the compiled quick check of common argument schemas (``workers/args.py``) before
-#   the full JSON Schema validator;
-# - ``frozen``: the envelope and audit record filled without their dataclass ``__init__`` (``broker/envelope.filler``);
-# - ``redaction``: the log lines' redaction processor that skips ids and remembers short strings
-#   (``broker/logs.redact_event``) instead of ``broker.logs.RedactProcessor``.
-#
-# The two shortcuts on library insides have settings of their own: ``broker.fast_path`` (``broker/pipes.py``)
-# and ``telemetry.lean_spans`` (``workers/spans.py``).
+# Speed shortcuts with a stock twin, so each can be measured on and off (``bench/shortcuts.py``) and turned
+# off where it misbehaves (``workers.shortcuts_off``): ``threads`` (workers/worker.py), ``quickcheck``
+# (workers/args.py), ``frozen`` (broker/envelope.filler), ``redaction`` (broker/logs.redact_event). A
+# worker process sets them once (``configure_shortcuts``); each shortcut asks ``shortcut_on(name)``.
 
 SHORTCUTS = ("threads", "quickcheck", "frozen", "redaction")
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import functools
 from enum import StrEnum
 
-from .errors import IllegalTransition
-
 
 class State(StrEnum):
     """States of a call (Tool Gateway document), plus ``cancelled``."""
@@ -66,13 +64,3 @@ def sources(target: State) -> frozenset[State]:
     """Every state from which ``target`` may be entered."""
     return frozenset(s for s, outs in TRANSITIONS.items() if target in outs)
 
-
-def check_transition(current: State | str, target: State | str) -> State:
-    """Return ``target`` as a State, or raise IllegalTransition: illegal moves are bugs."""
-    try:
-        cur, tgt = State(current), State(target)
-    except ValueError as e:
-        raise IllegalTransition(f"unknown state in {current!r} -> {target!r}") from e
-    if tgt not in TRANSITIONS[cur]:
-        raise IllegalTransition(f"illegal transition {cur} -> {tgt}", current=str(cur), target=str(tgt))
-    return tgt

@@ -27,7 +27,7 @@ def _setup(fake: Any) -> tuple[CallRunner, Running, list[tuple[str, int]], Outbo
         written.append((str(target), len(kw.get("via") or ())))
         return real(info, target, **kw)
 
-    calls.transition = counting  # type: ignore[method-assign]
+    calls.transition = calls.move = counting  # type: ignore[method-assign]  # (move is transition itself)
     outbox = Outbox(fake)
     core = SimpleNamespace(calls=calls, outbox=outbox, write=lambda _run, writer, cb: outbox.put(writer, cb))
     runner = CallRunner(core)  # type: ignore[arg-type]
