@@ -1,10 +1,7 @@
 """What the console's overview shows, read from Redis in one pass: one snapshot every tick of its stream.
 
-Every figure is cumulative or current (calls by state since the broker started, duration bucket counts,
-queue depths, slots, workers, breakers); the page turns consecutive snapshots into rates and
-percentiles, so a tab opened late or reconnecting only loses its own chart history. The readers are
-the ones ``status`` and ``status --watch`` use (``hermes_gateway.watch``, ``broker.limits``,
-``broker.breaker``), plus the duration buckets ``workers.telemetry`` keeps in ``hermes:stats``.
+Every figure is cumulative or current; the page turns consecutive snapshots into rates and percentiles.
+The readers are those of ``status`` and ``status --watch``, plus the duration buckets of ``hermes:stats``.
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ from typing import Any
 from broker import keys, memory
 from broker.breaker import OPEN, Breakers
 from broker.limits import Limits
-from workers.telemetry import LATENCY_BOUNDS, SEP, text
+from workers.telemetry import LATENCY_BOUNDS, SEP, queue_depths, text
 
 # A worker whose heartbeat is older than this many of its heartbeat intervals (plus a second of slack
 # for a busy machine) is shown late; the reaper takes its calls back once its lease (3 intervals) passes.
@@ -63,19 +60,18 @@ def usage_figures(stats: dict[str, str]) -> list[dict[str, Any]]:
     for field, value in stats.items():
         parts = field.split(SEP)
         if parts[0] == "pcalls" and len(parts) >= 4:
-            name = f"{parts[2]}:{SEP.join(parts[3:])}"
-            row = rows.setdefault((parts[1], name), {"principal": parts[1], "name": name, "calls": 0, "tokens_in": 0, "tokens_out": 0})
-            row["calls"] += _int(value)
+            key, figure = (parts[1], f"{parts[2]}:{SEP.join(parts[3:])}"), "calls"
         elif parts[0] == "tokens" and len(parts) >= 4 and parts[-1] in ("in", "out"):
-            name = f"llm:{SEP.join(parts[2:-1])}"
-            row = rows.setdefault((parts[1], name), {"principal": parts[1], "name": name, "calls": 0, "tokens_in": 0, "tokens_out": 0})
-            row[f"tokens_{parts[-1]}"] += _int(value)
+            key, figure = (parts[1], f"llm:{SEP.join(parts[2:-1])}"), f"tokens_{parts[-1]}"
+        else:
+            continue
+        empty = {"principal": key[0], "name": key[1], "calls": 0, "tokens_in": 0, "tokens_out": 0}
+        rows.setdefault(key, empty)[figure] += _int(value)
     return [rows[k] for k in sorted(rows)]
 
 
 def rate_limits(conn: Any) -> list[dict[str, Any]]:
     """Every rate limiter: its limits, what is left in the window, calls waiting, a pause and its end."""
-    from broker.limits import Limits
     from broker.ratelimits import RateLimiter
 
     return RateLimiter(conn).snapshot(Limits(conn).queues())
@@ -92,12 +88,6 @@ def inflight(conn: Any) -> dict[str, int]:
         for ckey, n in conn.hgetall(key).items():
             out[text(ckey)] = out.get(text(ckey), 0) + int(n)
     return out
-
-
-def queue_depths(conn: Any) -> dict[str, int]:
-    from workers.telemetry import queue_depths as depths
-
-    return dict(depths(conn))
 
 
 def workers(conn: Any, lease: float, now: float | None = None) -> list[dict[str, Any]]:
@@ -162,10 +152,8 @@ def slots(
     conn: Any, settings: Any, entries: list[Any], served: set[str] | None = None
 ) -> list[dict[str, Any]]:
     """Per concurrency key: its limit, calls executing, slots held and calls waiting; every tool of the
-    directory has a row (with its effective limit) even while idle, when Redis keeps no limit for it.
-
-    ``served``: the queues some live worker listens on. A tool's row with calls held or waiting on a queue
-    outside it says ``no_worker`` (the queue): no worker is the cause then, not the limit."""
+    directory has a row, even while idle. ``served``: the queues some live worker listens on; a busy row
+    of a tool whose queue is not among them names it in ``no_worker`` (the cause, not the limit)."""
     rows = {row["key"]: row for row in Limits(conn).snapshot()}
     queue_of: dict[str, str] = {}
     for entry in entries:
@@ -210,7 +198,7 @@ def snapshot(gw: Any) -> dict[str, Any]:
         "calls": calls["states"],
         "by_tool": calls["by_tool"],
         "latency": calls["latency"],
-        "queues": queue_depths(conn),
+        "queues": dict(queue_depths(conn)),
         "limits": slots(conn, gw.settings, entries, served),
         "rate_limits": rate_limits(conn),
         "usage": usage_figures(stats),

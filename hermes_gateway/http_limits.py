@@ -1,26 +1,13 @@
 """Bounded HTTP for ``serve``: every connection either makes progress or is closed.
 
-uvicorn (h11) closes a connection idle *after* a response (``timeout_keep_alive``) but waits forever for
-a request that never comes or trickles in byte by byte, and every byte it receives cancels that timer.
-So ``serve`` runs uvicorn with :class:`BoundedH11Protocol`, which adds:
+uvicorn (h11) waits forever for a request head that never comes or trickles in (every byte restarts its
+keep-alive timer), so ``serve`` runs it with :class:`BoundedH11Protocol`: the request head must be
+complete within ``header_timeout`` of the connection opening (or of the previous response), and a
+response sent while the body is still coming (413, 408, ...) closes the connection. ``uvicorn_options``
+adds the header cap, keep-alive and connection limit (``settings.api``).
 
-- a **header deadline**: the request line and headers must be complete within ``header_timeout`` of the
-  connection opening (or of the previous response ending, on a kept-alive connection); otherwise the
-  connection is closed. It covers idle connections that never send a request, and slow-header ones;
-- **no half-read bodies**: a response sent while the client is still sending its body (413, 408, a route
-  that reads none) closes the connection, instead of leaving it open to a trickle.
-
-The body itself has a deadline in :func:`hermes_gateway.http_json.read_body` (``body_timeout``: 408).
-Headers are capped at ``MAX_HEADER_BYTES`` (h11's incomplete-event limit: more is a 400), and at most
-``max_connections`` connections are served at once (uvicorn's ``limit_concurrency``: 503 past it; an SSE
-stream holds one). Each has an environment variable (``settings.api``: broker/settings.py), read when
-``serve`` starts.
-
-uvicorn's public settings cannot do the header deadline (its keep-alive timer starts only after a first
-response, and any byte stops it), so this subclasses its ``H11Protocol``: the hooks and attributes used
-(``connection_made``, ``data_received``, ``on_response_complete``, ``connection_lost``, ``conn``,
-``loop``, ``transport``) are checked one by one in tests/gateway/test_uvicorn_internals.py, and uvicorn is
-pinned to the minor versions they cover.
+No public uvicorn setting does this, so the ``H11Protocol`` hooks and attributes used here are checked in
+tests/gateway/test_uvicorn_internals.py, and uvicorn is pinned to the versions they cover.
 """
 
 from __future__ import annotations
@@ -82,9 +69,7 @@ class BoundedH11Protocol(H11Protocol):
         if self.conn.their_state is h11.IDLE:  # no complete request head in time
             self._close()
 
-    def _close(self) -> None:
-        # (uvicorn's keep-alive timer needs no cancelling here: connection_lost cancels it, and it does
-        # nothing on a closing transport)
+    def _close(self) -> None:  # (uvicorn's keep-alive timer: connection_lost cancels it)
         if not self.transport.is_closing():
             self.transport.close()
 
