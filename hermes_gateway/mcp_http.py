@@ -1,15 +1,10 @@
-"""``/mcp`` on ``hermes-gateway serve``: the MCP server of ``hermes_gateway.mcp_serve`` on the streamable
-HTTP transport (the ``mcp`` SDK's ``StreamableHTTPSessionManager``), behind the API's protections (its
-route's ``http_guard.Guard``: origin, Host, bearer token).
+"""``/mcp`` on ``serve``: ``mcp_serve``'s server on the SDK's streamable HTTP transport, behind the
+route's ``http_guard.Guard``.
 
-Stateless by default: every request stands alone, so any ``serve`` behind a load balancer answers any
-request; 2026-protocol clients get tool-list changes on a ``subscriptions/listen`` stream. ``stateful``
-(``serve --mcp-stateful``) keeps handshake-era sessions (``Mcp-Session-Id``) with their GET stream, so
-``notifications/tools/list_changed`` reaches clients such as the Hermes agent's mcp 1.x client — a
-session lives in one ``serve`` process, so a proxy in front of several must keep a client on one
-(sticky on the ``Mcp-Session-Id`` header). A session belongs to the principal that opened it: the
-request's ``Caller`` is handed to the SDK as its authenticated user, and the SDK answers a session id
-used by another principal exactly as an unknown one (404), so nobody cancels or reads another's requests.
+Stateless by default, so any ``serve`` behind a load balancer answers any request. ``stateful``
+(``--mcp-stateful``) keeps handshake-era sessions (``Mcp-Session-Id``) with their GET stream for
+``list_changed`` notices; a session lives in one process (sticky routing) and belongs to the principal
+that opened it: the SDK answers another principal's session id as an unknown one (404).
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
-"""The directory's tools as an MCP server, one for both transports: stdio (``hermes-gateway mcp serve``)
-and streamable HTTP at ``/mcp`` of ``hermes-gateway serve`` (``hermes_gateway.mcp_http``).
+"""The directory's tools as an MCP server, for stdio (``hermes-gateway mcp serve``) and for ``/mcp``
+of ``serve`` (``hermes_gateway.mcp_http``).
 
-Any MCP client — the Hermes agent's ``mcp_servers``, an IDE, another agent — sees the tools its principal
-may call (the policy the workers judge by) and calls them through the gateway: each call is an ordinary
-call (queue, limits, breakers, retries, policy, audit, events and trace; a ``traceparent`` in the request's
-``_meta`` continues the caller's trace), run by the workers. The principal is the one the caller's token
-maps to over HTTP (``hermes_gateway.credentials``), the ``--principal`` of ``mcp serve`` over stdio.
-
-The list is read from the directory at every ``tools/list``. A change of the directory (a tool registered,
-updated or removed anywhere) is announced, so clients list again and an agent sees new tools without a
-restart: with ``notifications/tools/list_changed`` to handshake-era sessions (the Hermes agent's mcp 1.x
-client; over HTTP only in stateful mode, where a session has a stream to push on), and on
-``subscriptions/listen`` streams in the 2026 protocol (stateless).
-
-A tool's progress events become ``notifications/progress`` when the request carries a progress token. A
-failed call comes back as a tool error (``isError``) with its typed error, ``<type>: <message>``; a result
-is one text block (a string as it is, anything else as JSON) plus ``structuredContent`` when it is an
-object. A call the client cancels (or abandons by leaving) is cancelled in the gateway too.
+A client sees the tools its principal may call, and each call is an ordinary gateway call run by the
+workers (a ``traceparent`` in the request's ``_meta`` continues the caller's trace). A directory change
+is announced (``notifications/tools/list_changed`` to handshake-era sessions, ``subscriptions/listen``
+streams in the 2026 protocol) so an agent sees new tools without a restart. A failed call is a tool error
+``<type>: <message>``; a call the client cancels or abandons is cancelled in the gateway too.
 """
 
 from __future__ import annotations
@@ -54,23 +43,14 @@ class _Server(Server[Any]):
         return super().create_initialization_options(options, *args, **kwargs)
 
 
-class Sessions:
+class Sessions(OrderedDict[str, Any]):
     """Handshake-era sessions that listed tools, to tell of a change (the oldest forgotten past a cap)."""
 
-    def __init__(self) -> None:
-        self._by_key: OrderedDict[str, Any] = OrderedDict()
-
     def add(self, key: str, session: Any) -> None:
-        self._by_key[key] = session
-        self._by_key.move_to_end(key)
-        while len(self._by_key) > MAX_SESSIONS:
-            self._by_key.popitem(last=False)
-
-    def drop(self, key: str) -> None:
-        self._by_key.pop(key, None)
-
-    def items(self) -> list[tuple[str, Any]]:
-        return list(self._by_key.items())
+        self[key] = session
+        self.move_to_end(key)
+        while len(self) > MAX_SESSIONS:
+            self.popitem(last=False)
 
 
 def _session_key(ctx: Any) -> str | None:
@@ -96,11 +76,10 @@ def build_server(
     need_workers: bool = False,
     bus: Any = None,
 ) -> Server[Any]:
-    """The MCP server over ``gw`` (a ``Gateway``: directory, policy) and ``agw()`` (the ``AsyncGateway``
-    the calls go through). ``principal``: who the calls run as when the request has no caller of its own
-    (stdio). ``sessions``: where handshake-era sessions are kept for ``ChangeNotices``. ``need_workers``: a
-    call to a queue no live worker serves is refused at once (``no_workers``) instead of waiting.
-    ``bus``: the ``SubscriptionBus`` that ``subscriptions/listen`` streams are served from."""
+    """The MCP server over ``gw`` (directory, policy) and ``agw()`` (the ``AsyncGateway`` calls go through).
+    ``principal``: who calls run as when the request has no caller (stdio). ``sessions``/``bus``: where
+    ``ChangeNotices`` finds handshake-era sessions and listen streams. ``need_workers``: a call to a queue
+    no live worker serves is refused at once (``no_workers``)."""
     from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 
     fixed = Caller(principal)
@@ -176,8 +155,7 @@ def _text(value: Any) -> str | None:
 
 
 async def _progress(ctx: Any, handle: Any, token: Any, timeout: float | None) -> None:
-    """Send the call's progress events as ``notifications/progress`` (1, 2, ... with the event's message)
-    until it ends."""
+    """The call's progress events as ``notifications/progress`` (1, 2, ... with their message)."""
     count = 0
     async for event in handle.events(timeout):
         if event.type != ev_mod.PROGRESS:
@@ -190,10 +168,8 @@ async def _progress(ctx: Any, handle: Any, token: Any, timeout: float | None) ->
 
 
 class ChangeNotices:
-    """A thread on the directory's change channel that tells clients the tool list changed (a burst of
-    changes within ``quiet`` seconds is one notice): ``ToolsListChanged`` on ``bus`` for listen streams,
-    ``notifications/tools/list_changed`` to each of ``sessions``. Redis errors are logged and the
-    subscription is made again, backing off up to 5 s."""
+    """A thread on the directory's change channel that tells ``bus`` and ``sessions`` the tool list changed
+    (a burst within ``quiet`` seconds is one notice); after a Redis error it subscribes again, backing off."""
 
     def __init__(
         self, gw: Any, sessions: Sessions, bus: Any, loop: asyncio.AbstractEventLoop, quiet: float = 0.2
@@ -249,10 +225,10 @@ class ChangeNotices:
                 with anyio.fail_after(5):
                     await session.send_tool_list_changed()
             except Exception:  # noqa: BLE001 - the client went away or is stuck: forget it
-                self.sessions.drop(key)
+                self.sessions.pop(key, None)
 
         async with anyio.create_task_group() as group:  # side by side: a stuck client holds up no other
-            for key, session in self.sessions.items():
+            for key, session in list(self.sessions.items()):
                 group.start_soon(tell, key, session)
 
 

@@ -161,8 +161,8 @@ def print_flow_control(data: dict[str, Any]) -> None:
             r.add_row(row["key"], *cells, str(row["waiting"]), _clock(row.get("paused_until")))
         console.print(r)
     if data.get("usage"):
-        cols = ("calls", "tokens in", "tokens out")
-        u = _table("usage per principal", "principal", "tool / model", *cols, right=cols)
+        counts = ("calls", "tokens in", "tokens out")
+        u = _table("usage per principal", "principal", "tool / model", *counts, right=counts)
         for row in data["usage"]:
             u.add_row(row["principal"], row["name"], str(row["calls"]), str(row["tokens_in"]), str(row["tokens_out"]))
         console.print(u)
