@@ -1,11 +1,7 @@
-"""The Hermes agent plugin ``hermes-gateway``: the gateway's tools in a Hermes session, run on our workers.
-
-Install ``hermes-gateway`` in the agent's environment, then ``hermes plugins enable hermes-gateway``.
-The plugin reaches the gateway's Redis at ``HERMES_GATEWAY_URL``, ``HERMES_REDIS_URL`` or
-``plugins.entries.hermes-gateway.redis_url`` (workers run wherever ``hermes-gateway worker`` runs).
-Every tool the principal may call becomes a Hermes tool in the ``hermes-gateway`` toolset; calling
-one enqueues it with the agent's session, turn and tool-call ids. With ``HERMES_GATEWAY_ROUTE_LLM=1``
-(or ``route_llm: true``) the agent's own chat-completions calls go through the ``llm`` queue too.
+"""The Hermes agent plugin ``hermes-gateway`` (``hermes plugins enable hermes-gateway``): every gateway
+tool the principal may call becomes a Hermes tool of the ``hermes-gateway`` toolset, run on our workers
+with the agent's session, turn and tool-call ids; with ``route_llm`` the agent's chat-completions calls
+go through the ``llm`` queue too. Settings: ``broker.settings.AgentPluginSettings``.
 """
 
 from __future__ import annotations
