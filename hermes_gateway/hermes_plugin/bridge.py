@@ -201,18 +201,22 @@ class Bridge:
         run.__name__ = f"gateway_{name}"
         return run
 
-    def call(self, name: str, args: dict[str, Any], kw: dict[str, Any]) -> str:
-        ids = {k: kw.get(k) for k in ("session_id", "task_id")}
-        ids.update(_TOOL_CALL.get() or {})
+    def _context(self, ids: dict[str, Any]) -> dict[str, str]:
+        """A call's context: the agent's ids given, the principal, the plugins the agent runs itself."""
         context = {k: str(v) for k, v in ids.items() if v}
-        parent = self._last_llm.get(context.get("session_id", ""))
-        if parent:
-            context["parent_call_id"] = parent
         if self.options.principal:
             context["principal"] = self.options.principal
         applied = agent_plugins(self.settings)
         if applied:
             context["plugins_applied"] = applied
+        return context
+
+    def call(self, name: str, args: dict[str, Any], kw: dict[str, Any]) -> str:
+        ids = {"session_id": kw.get("session_id"), "task_id": kw.get("task_id"), **(_TOOL_CALL.get() or {})}
+        context = self._context(ids)
+        parent = self._last_llm.get(context.get("session_id", ""))
+        if parent:
+            context["parent_call_id"] = parent
         try:
             # NoWorkers at once when no worker listens on the tool's queue (the error names the queue).
             handle = self.gw.call_tool(self.names.get(name, name), args or {}, **context)
@@ -238,12 +242,7 @@ class Bridge:
         if kw.get("api_mode") not in (None, "", "chat_completions") or not isinstance(request, dict):
             return next_call(request)  # only chat-completions requests travel the queue
         ids = ("session_id", "task_id", "turn_id", "api_request_id", "provider", "platform")
-        context = {k: str(kw[k]) for k in ids if kw.get(k)}
-        if self.options.principal:
-            context["principal"] = self.options.principal
-        applied = agent_plugins(self.settings)
-        if applied:
-            context["plugins_applied"] = applied
+        context = self._context({k: kw.get(k) for k in ids})
         body = request_body(request)
         # The kwargs have no ``stream`` (Hermes streams inside its client call): the worker streaming
         # publishes the deltas as events, the result is the whole completion all the same.
