@@ -27,7 +27,7 @@ from broker.codec import text
 from broker.connection import async_from_url
 from broker.errors import CallFailed, HermesError
 from hermes_gateway import console_data, replay
-from hermes_gateway.credentials import Credentials
+from hermes_gateway.credentials import Caller, Credentials
 from hermes_gateway.http_guard import Forbidden, guarded, request_caller
 from hermes_gateway.http_json import BadRequest, dumps, read_body, reply
 from hermes_gateway.views import hide_probes
@@ -189,14 +189,18 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
         )
         return reply([r.to_dict() for r in records])
 
+    def visible_record(call_id: str, caller: Caller) -> Any:
+        rec = audit_log.get(call_id)
+        if rec is None or not caller.sees(rec.principal):  # another's: as an unknown id
+            raise CallFailed(f"no audit record for call {call_id}", error_type="unknown_call")
+        return rec
+
     async def audit_get(request: Request) -> Response:
         from broker import events
 
         call_id = request.path_params["call_id"]
-        rec = await run_in_threadpool(audit_log.get, call_id)
+        rec = await run_in_threadpool(visible_record, call_id, request_caller(request))
         history = await run_in_threadpool(events.history, gw.conn, call_id)
-        if rec is None or not request_caller(request).sees(rec.principal):  # another's: as an unknown id
-            raise CallFailed(f"no audit record for call {call_id}", error_type="unknown_call")
         return reply({"record": rec.to_dict(), "events": [e.to_dict() for e in history]})
 
     async def audit_replay(request: Request) -> Response:
@@ -208,13 +212,10 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
         timeout = body.get("timeout", REPLAY_TIMEOUT)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= 300:
             raise BadRequest(f"timeout: expected seconds in (0, 300], got {timeout!r}")
-
         caller = request_caller(request)
 
         def run() -> dict[str, Any]:
-            rec = audit_log.get(call_id)
-            if rec is None or not caller.sees(rec.principal):  # another's: as an unknown id
-                raise CallFailed(f"no audit record for call {call_id}", error_type="unknown_call")
+            rec = visible_record(call_id, caller)
             plan = replay.plan(rec, supplied)  # what `audit replay` does, step by step
             # It runs as the replaying token's principal, under the policy (an admin token may replay any
             # call: as its own principal, or as recorded when it has none); the record names the original.
