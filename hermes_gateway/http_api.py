@@ -43,7 +43,6 @@ from hermes_gateway.aio_handle import AsyncCallHandle
 from hermes_gateway.client import Gateway
 from hermes_gateway.credentials import Caller, Credentials
 from hermes_gateway.http_guard import ERROR_HANDLERS, guarded, request_caller
-from hermes_gateway.http_guard import error_reply as error_reply
 from hermes_gateway.http_json import JSONL_TYPES, BadRequest, dumps, parse_json, read_body, read_raw, reply
 from hermes_gateway.views import call_request
 

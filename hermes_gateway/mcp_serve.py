@@ -26,9 +26,9 @@ from mcp.server.lowlevel.server import NotificationOptions, Server
 
 from broker import events as ev_mod
 from broker.errors import HermesError
+from hermes_gateway import __version__
 from hermes_gateway.credentials import CALLER_SCOPE_KEY, Caller
 
-VERSION = "0.10.0"  # (the package version: pyproject, hermes_gateway.__version__)
 MAX_SESSIONS = 10_000  # handshake-era sessions remembered for list_changed (the SDK's default session cap)
 
 log = structlog.get_logger("hermes.mcp")
@@ -142,7 +142,7 @@ def build_server(
 
     return _Server(
         "hermes-gateway",
-        version=VERSION,
+        version=__version__,
         instructions="Tools of the Hermes Gateway directory; every call runs on the gateway's workers.",
         on_list_tools=list_tools,
         on_call_tool=call_tool,

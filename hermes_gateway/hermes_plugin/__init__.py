@@ -17,12 +17,9 @@ log = structlog.get_logger("hermes.plugin")
 
 __all__ = ["PLUGIN_NAME", "TOOLSET", "Bridge", "Options", "register"]
 
-BRIDGE: Bridge | None = None  # the agent process's one bridge (for tests and a clean shutdown)
-
 
 def register(ctx: Any) -> None:
     """Hermes' plugin entry: register the gateway's tools and middleware on ``ctx``."""
-    global BRIDGE
     if not hasattr(type(ctx), "register_tool"):
         # Our own workers load the same plugins (shared config.yaml) with a middleware-only context;
         # routing their LLM calls back onto the queue would loop, so this plugin is agent-side only.
@@ -59,4 +56,3 @@ def register(ctx: Any) -> None:
     ctx.register_middleware("tool_execution", bridge.tool_execution)
     if options.route_llm:
         ctx.register_middleware("llm_execution", bridge.llm_execution)
-    BRIDGE = bridge
