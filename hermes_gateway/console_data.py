@@ -10,14 +10,13 @@ import time
 from typing import Any
 
 from broker import keys, memory
-from broker.breaker import OPEN, Breakers
+from broker.breaker import OPEN, Breakers, breaker_config
 from broker.limits import Limits
 from workers.telemetry import LATENCY_BOUNDS, SEP, queue_depths, text
 
 # A worker whose heartbeat is older than this many of its heartbeat intervals (plus a second of slack
 # for a busy machine) is shown late; the reaper takes its calls back once its lease (3 intervals) passes.
 LATE_AFTER = 2.0
-TERMINAL = ("done", "failed", "cancelled")
 
 
 def call_figures(stats: dict[str, str]) -> dict[str, Any]:
@@ -138,14 +137,8 @@ def breakers(conn: Any, cooldowns: dict[str, float]) -> list[dict[str, Any]]:
 
 def breaker_cooldowns(settings: Any, entries: list[Any]) -> dict[str, float]:
     """Breaker key -> cooldown, from the specs in the directory (and executors.<type>.breaker)."""
-    from broker.breaker import breaker_config
-
-    out: dict[str, float] = {}
-    for entry in entries:
-        cfg = breaker_config(settings, entry.spec)
-        if cfg is not None:
-            out[cfg.key] = cfg.cooldown
-    return out
+    configs = (breaker_config(settings, entry.spec) for entry in entries)
+    return {cfg.key: cfg.cooldown for cfg in configs if cfg is not None}
 
 
 def slots(
