@@ -217,8 +217,7 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
         def run() -> dict[str, Any]:
             rec = visible_record(call_id, caller)
             plan = replay.plan(rec, supplied)  # what `audit replay` does, step by step
-            # It runs as the replaying token's principal, under the policy (an admin token may replay any
-            # call: as its own principal, or as recorded when it has none); the record names the original.
+            # As the replaying token's principal (an admin token without one: as recorded), under the policy.
             context = {k: v for k, v in plan.context.items() if k != "principal"}
             who = caller.principal or (rec.principal if caller.admin else None)
             plan = dataclasses.replace(plan, context={**context, **({"principal": who} if who else {})})

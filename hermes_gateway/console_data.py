@@ -14,9 +14,7 @@ from broker.breaker import OPEN, Breakers, breaker_config
 from broker.limits import Limits
 from workers.telemetry import LATENCY_BOUNDS, SEP, queue_depths, text
 
-# A worker whose heartbeat is older than this many of its heartbeat intervals (plus a second of slack
-# for a busy machine) is shown late; the reaper takes its calls back once its lease (3 intervals) passes.
-LATE_AFTER = 2.0
+LATE_AFTER = 2.0  # heartbeat intervals (plus a second of slack) after which a worker is shown late
 
 
 def call_figures(stats: dict[str, str]) -> dict[str, Any]:

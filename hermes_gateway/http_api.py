@@ -240,8 +240,6 @@ class Api:
         await self.agw.handle(call_id)  # 404 for an unknown id
         return reply({"call_id": call_id, "cancelled": await self.agw.cancel(call_id)})
 
-    # -- batches (hermes_gateway/batches.py; the threaded Gateway, in the thread pool) ---------------
-
     async def submit_batch(self, request: Request) -> Response:
         from hermes_gateway.batches import BatchJob
 

@@ -94,8 +94,6 @@ def guarded(credentials: Credentials, *, token: bool = True, query_token: bool =
     return [Middleware(Guard, credentials, token=token, query_token=query_token)]
 
 
-# -- typed errors as HTTP ----------------------------------------------------------------------------
-
 _STATUS: list[tuple[tuple[type[HermesError], ...], int]] = [
     ((UnknownTool, UnknownBatch), 404),
     ((InvalidSpec, InvalidArgs), 400),

@@ -50,8 +50,7 @@ def import_server(
     if not _stderr_is_a_file():
         listing["stderr"] = "discard"  # the SDK hands the server our stderr, which must be a real file
     found_tools = list_server_tools(listing, handshake_timeout=handshake_timeout)
-    # The server's own name stays in ``tool:`` (what the executor calls); the directory name must be one a
-    # model API accepts, so other characters become '_'.
+    # Directory names a model API accepts (the server's own name stays in ``tool:``, for the executor).
     names = [_UNSAFE.sub("_", f"{prefix}{found['name']}")[:64] for found in found_tools]
     taken = [] if force else [what for name in names if (what := _taken(directory, tools_dir, name, label))]
     if taken:

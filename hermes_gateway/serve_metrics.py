@@ -93,8 +93,6 @@ class GatewayMetrics:
     def close(self) -> None:
         self.provider.shutdown()
 
-    # -- the callbacks (run inside generate_latest) ----------------------------------------------
-
     def _calls(self, _options: CallbackOptions) -> Iterable[Observation]:
         out = []
         for field, value in self._snap.get("stats", {}).items():

@@ -23,10 +23,8 @@ def breaker_states(conn: Any, specs: list[ToolSpec], settings: Settings) -> dict
     """Each tool's breaker state from ``hermes:breaker:<key>`` (``closed`` when none is stored)."""
     from broker.breaker import breaker_config
 
-    names = {}
-    for s in specs:
-        cfg = breaker_config(settings, s)
-        names[s.name] = cfg.key if cfg is not None else f"tool:{s.name}"
+    configs = {s.name: breaker_config(settings, s) for s in specs}
+    names = {name: cfg.key if cfg is not None else f"tool:{name}" for name, cfg in configs.items()}
     pipe = conn.pipeline(transaction=False)
     for key in names.values():
         pipe.hget(keys.breaker(key), "state")

@@ -180,8 +180,6 @@ class Bridge:
         except Exception as e:  # noqa: BLE001 - the way out goes on; the broker may be the trouble
             log.warning("could not cancel a call the agent stopped waiting for", call_id=handle.call_id, error=str(e))
 
-    # -- tools -----------------------------------------------------------------------------------
-
     def tools(self) -> list[tuple[str, dict[str, Any]]]:
         """(Hermes name, Hermes schema) of every gateway tool the principal may call."""
         out = []
@@ -218,7 +216,6 @@ class Bridge:
         if parent:
             context["parent_call_id"] = parent
         try:
-            # NoWorkers at once when no worker listens on the tool's queue (the error names the queue).
             handle = self.gw.call_tool(self.names.get(name, name), args or {}, **context)
             result = self.wait(handle)
         except HermesError as e:
@@ -235,8 +232,6 @@ class Bridge:
         finally:
             _TOOL_CALL.reset(token)
 
-    # -- the agent's own LLM calls ---------------------------------------------------------------
-
     def llm_execution(self, request: Any = None, next_call: Any = None, **kw: Any) -> Any:
         """Middleware: run the provider call on the gateway's ``llm`` queue instead of in the agent."""
         if kw.get("api_mode") not in (None, "", "chat_completions") or not isinstance(request, dict):
@@ -244,13 +239,11 @@ class Bridge:
         ids = ("session_id", "task_id", "turn_id", "api_request_id", "provider", "platform")
         context = self._context({k: kw.get(k) for k in ids})
         body = request_body(request)
-        # The kwargs have no ``stream`` (Hermes streams inside its client call): the worker streaming
-        # publishes the deltas as events, the result is the whole completion all the same.
+        # (Hermes streams inside its client call: a streaming worker publishes the deltas as events)
         body.setdefault("stream", True)
         if body["stream"]:
             body.setdefault("stream_options", {"include_usage": True})
-        # A raise (NoWorkers at once when no worker listens on the llm queue) makes Hermes log it and call
-        # the provider itself; ``wait`` has cancelled the call first.
+        # A raise (NoWorkers, at once) makes Hermes log it and call the provider itself.
         handle = self.gw.call_llm(body, **context)
         self._last_llm[context.get("session_id", "")] = handle.call_id
         return as_completion(self.wait(handle))
