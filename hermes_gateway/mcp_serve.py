@@ -72,15 +72,15 @@ def build_server(
     principal: str | None = None,
     session_id: str | None = None,
     timeout: float | None = None,
-    sessions: Sessions | None = None,
+    sessions: Sessions,
+    bus: Any,
     need_workers: bool = False,
-    bus: Any = None,
 ) -> Server[Any]:
     """The MCP server over ``gw`` (directory, policy) and ``agw()`` (the ``AsyncGateway`` calls go through).
     ``principal``: who calls run as when the request has no caller (stdio). ``sessions``/``bus``: where
     ``ChangeNotices`` finds handshake-era sessions and listen streams. ``need_workers``: a call to a queue
     no live worker serves is refused at once (``no_workers``)."""
-    from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
+    from mcp.server.subscriptions import ListenHandler
 
     fixed = Caller(principal)
 
@@ -90,7 +90,7 @@ def build_server(
 
     async def list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
         key = _session_key(ctx)
-        if sessions is not None and key is not None:
+        if key is not None:
             sessions.add(key, ctx.session)  # the connection to announce changes on
         schemas = await anyio.to_thread.run_sync(gw.tool_schemas, caller_of(ctx).principal)
         tools = [
@@ -146,7 +146,7 @@ def build_server(
         instructions="Tools of the Hermes Gateway directory; every call runs on the gateway's workers.",
         on_list_tools=list_tools,
         on_call_tool=call_tool,
-        on_subscriptions_listen=ListenHandler(bus if bus is not None else InMemorySubscriptionBus()),
+        on_subscriptions_listen=ListenHandler(bus),
     )
 
 
