@@ -87,9 +87,8 @@ def inflight(conn: Any) -> dict[str, int]:
     return out
 
 
-def workers(conn: Any, lease: float, now: float | None = None) -> list[dict[str, Any]]:
+def workers(conn: Any, lease: float, now: float) -> list[dict[str, Any]]:
     """Every worker with a heartbeat on record (late ones too, until the reaper drops them), newest first."""
-    now = time.time() if now is None else now
     names = [text(n) for n in conn.zrevrange(keys.WORKERS, 0, -1)]
     pipe = conn.pipeline(transaction=False)
     for n in names:
