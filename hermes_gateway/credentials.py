@@ -1,11 +1,8 @@
-"""Who is calling the HTTP API and ``/mcp``: principals bound to bearer tokens.
-
-``config.yaml``: ``api.token_principal`` (who ``$HERMES_API_TOKEN``/``--token`` calls as) and
-``api.tokens`` (the sha256 hex of a token -> ``{principal: NAME, admin: BOOL}``; tokens are never stored).
-A caller is its token's principal and may not claim another, unless its credential is *admin* (the
-single token, an ``admin: true`` entry, or any caller of a loopback-only server without tokens): a
-trusted back end acting for its users. A credential that is not admin sees and acts on its own
-principal's calls only; registering or removing tools needs admin or the :data:`MANAGE_TOOLS` grant.
+"""Who is calling the HTTP API and ``/mcp``: principals bound to bearer tokens (``api.tokens``: the
+sha256 hex of a token -> ``{principal, admin}``; ``api.token_principal``: who ``--token`` calls as).
+A caller may not claim another principal unless its credential is *admin* (the single token, an
+``admin: true`` entry, any caller of a loopback-only server without tokens); a credential that is not
+admin sees and acts on its own principal's calls only.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The HTTP/SSE API, the web console and ``/mcp``: ``hermes-gateway serve`` (127.0.0.1:8787 by default).
-
-The same operations as the Python client, for callers in any language (routes: ``create_app``;
-reference: docs/http-and-mcp.md). Admission errors are HTTP errors with the typed body ``{"error":
-{"type", "message", "details"}}``; a call that ran and failed is a 200 with ``"state": "failed"``. The
-checks every route passes (origin, Host, bearer token) and the error statuses are ``http_guard``'s; who a
-token is, ``credentials``'; the endpoints are the methods of :class:`Api`.
+"""The HTTP/SSE API, the web console and ``/mcp`` of ``hermes-gateway serve``: the Python client's
+operations for callers in any language (routes: ``create_app``; reference: docs/http-and-mcp.md).
+Admission errors are HTTP errors with a typed body (``http_guard``); a call that ran and failed is a
+200 with ``"state": "failed"``. The endpoints are the methods of :class:`Api`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""What every HTTP route of ``serve`` passes through: where the request comes from and who sends it
-(:class:`Guard`, a route middleware), and what a typed error becomes (``ERROR_HANDLERS``: the typed body
-with the status of ``error_reply``; a broker that does not answer is 503 ``broker_unavailable``).
-
-A browser must not drive the API from another site: a foreign ``Origin`` is refused, and without a token
-the ``Host`` must be a loopback name (no DNS rebinding).
+"""What every HTTP route of ``serve`` passes through: :class:`Guard` (a foreign ``Origin`` is refused,
+without a token the ``Host`` must be a loopback name, else the bearer token names the caller), and
+``ERROR_HANDLERS``: a typed error as ``{"error": {"type", "message", "details"}}`` with its status.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""Bounded HTTP for ``serve``: every connection either makes progress or is closed.
-
-uvicorn (h11) waits forever for a request head that never comes or trickles in (every byte restarts its
-keep-alive timer), so ``serve`` runs it with :class:`BoundedH11Protocol`: the request head must be
-complete within ``header_timeout`` of the connection opening (or of the previous response), and a
-response sent while the body is still coming (413, 408, ...) closes the connection. ``uvicorn_options``
-adds the header cap, keep-alive and connection limit (``settings.api``).
-
-No public uvicorn setting does this, so the ``H11Protocol`` hooks and attributes used here are checked in
-tests/gateway/test_uvicorn_internals.py, and uvicorn is pinned to the versions they cover.
+"""Bounded HTTP for ``serve``: uvicorn (h11) waits forever for a request head that trickles in, so
+:class:`BoundedH11Protocol` closes a connection whose head is not in within ``header_timeout`` (of
+opening, or of the previous response), or that is still sending a body already answered. No public
+uvicorn setting does this: the hooks used are checked in tests/gateway/test_uvicorn_internals.py, and
+uvicorn is pinned to the versions they cover.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""``/mcp`` on ``serve``: ``mcp_serve``'s server on the SDK's streamable HTTP transport, behind the
-route's ``http_guard.Guard``.
-
-Stateless by default, so any ``serve`` behind a load balancer answers any request. ``stateful``
-(``--mcp-stateful``) keeps handshake-era sessions (``Mcp-Session-Id``) with their GET stream for
-``list_changed`` notices; a session lives in one process (sticky routing) and belongs to the principal
-that opened it: the SDK answers another principal's session id as an unknown one (404).
+"""``/mcp`` on ``serve``: ``mcp_serve``'s server on the SDK's streamable HTTP transport. Stateless by
+default (any ``serve`` behind a load balancer answers); ``stateful`` keeps handshake-era sessions for
+``list_changed`` notices, each in one process and owned by the principal that opened it (to another
+principal its id is unknown: 404).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""The directory's tools as an MCP server, for stdio (``hermes-gateway mcp serve``) and for ``/mcp``
-of ``serve`` (``hermes_gateway.mcp_http``).
-
-A client sees the tools its principal may call, and each call is an ordinary gateway call run by the
-workers (a ``traceparent`` in the request's ``_meta`` continues the caller's trace). A directory change
-is announced (``notifications/tools/list_changed`` to handshake-era sessions, ``subscriptions/listen``
-streams in the 2026 protocol) so an agent sees new tools without a restart. A failed call is a tool error
-``<type>: <message>``; a call the client cancels or abandons is cancelled in the gateway too.
+"""The directory's tools as an MCP server, for stdio (``mcp serve``) and ``/mcp`` (``mcp_http``): a client
+sees the tools its principal may call, each call an ordinary gateway call on the workers (a ``_meta``
+``traceparent`` continues the caller's trace; a cancelled or abandoned call is cancelled). Directory
+changes are announced (``list_changed`` to handshake-era sessions, ``subscriptions/listen`` streams).
 """
 
 from __future__ import annotations

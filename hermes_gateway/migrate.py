@@ -1,11 +1,7 @@
-"""``hermes-gateway migrate``: import the v0.9 tool files into the v0.10 directory.
-
-v0.9 read ``$HERMES_HOME/tools.json`` (or ``.yaml``: ``[spec, ...]``, ``{"tools": [...]}`` or ``{name:
-spec}``) and single specs in ``$HERMES_HOME/tools/``, with older key names (``RENAMES``, executor
-``EXECUTOR_ALIASES``, ``timeout_ms``, ``retries``; ``enabled: false`` is not imported). Each spec is
-converted, validated and registered; a different spec already in the directory is kept unless ``force``.
-Per-file specs are rewritten in the v0.10 shape, the original kept as ``*.v09.bak``, since every command
-reads that directory. Running it again reports every tool "unchanged".
+"""``hermes-gateway migrate``: the v0.9 tool files (``$HERMES_HOME/tools.{json,yaml}`` and
+``tools/*``, with older key names: ``RENAMES``, ``EXECUTOR_ALIASES``) converted, validated and registered.
+A different spec already in the directory is kept unless ``force``; per-file specs are rewritten in
+the v0.10 shape (the original kept as ``*.v09.bak``). Running it again reports every tool "unchanged".
 """
 
 from __future__ import annotations

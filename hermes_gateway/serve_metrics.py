@@ -1,10 +1,7 @@
-"""``GET /metrics`` of ``serve``: the gateway-wide figures for Prometheus, read from Redis at each scrape.
-
-The workers add what they ran to ``hermes:stats`` every second (``workers.telemetry``); here observable
-OpenTelemetry instruments read those totals and the live state, and its Prometheus exporter writes them
-out. OpenTelemetry has no observable histogram, so ``hermes_call_duration_seconds`` is a
-``prometheus_client`` collector in the same registry. A worker's ``--metrics-port`` serves its own
-process's instruments: scrape one or the other for totals, not both.
+"""``GET /metrics`` of ``serve``: the gateway-wide figures for Prometheus, read from Redis at each scrape
+(the totals the workers add to ``hermes:stats``, and the live state) by observable OpenTelemetry
+instruments; ``hermes_call_duration_seconds`` is a ``prometheus_client`` collector in the same registry
+(OpenTelemetry has no observable histogram). Scrape this or the workers' ``--metrics-port``, not both.
 """
 
 from __future__ import annotations
