@@ -121,15 +121,8 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
     auth = guarded(creds)
 
     async def console_config(_request: Request) -> Response:
-        return reply(
-            {
-                "version": __version__,
-                "broker": gw.description,
-                "trace_url": gw.settings.console.trace_url,
-                "token": creds.required,
-                "stats_interval": hub.interval,
-            }
-        )
+        about = {"version": __version__, "broker": gw.description, "trace_url": gw.settings.console.trace_url}
+        return reply({**about, "token": creds.required, "stats_interval": hub.interval})
 
     async def stats_stream(request: Request) -> Response:
         admin = request_caller(request).admin

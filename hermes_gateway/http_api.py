@@ -189,16 +189,12 @@ class Api:
         wait = _number(body, "wait", 0)
         timeout = _number(body, "timeout", 0.001)
         key = _field(body, "idempotency_key", (str,), "a string")
+        attempts = _number(body, "max_attempts", 1, integer=True)
+        trace = {name: request.headers.get(name) for name in ("traceparent", "tracestate")}  # W3C: continued
         try:
             handle = await self.agw.call_tool(
-                request.path_params["name"],
-                args,
-                timeout=timeout,
-                idempotency_key=key,
-                max_attempts=_number(body, "max_attempts", 1, integer=True),
-                traceparent=request.headers.get("traceparent"),
-                tracestate=request.headers.get("tracestate"),
-                **context,
+                request.path_params["name"], args, timeout=timeout, idempotency_key=key,
+                max_attempts=attempts, **trace, **context
             )
         except IdempotencyConflict as e:
             raise _conflict_for(request_caller(request), e, key) from None

@@ -105,14 +105,8 @@ def build_server(
             spec = (await agw().tool(name)).spec
             await anyio.to_thread.run_sync(gw.require_workers, str(spec.config.get("queue") or "tools"))
         context = {k: v for k, v in (("principal", caller_of(ctx).principal), ("session_id", session_id)) if v}
-        handle = await agw().call_tool(
-            name,
-            args,
-            timeout=timeout,
-            traceparent=_text(meta.get("traceparent")),
-            tracestate=_text(meta.get("tracestate")),
-            **context,
-        )
+        trace = {"traceparent": _text(meta.get("traceparent")), "tracestate": _text(meta.get("tracestate"))}
+        handle = await agw().call_tool(name, args, timeout=timeout, **trace, **context)
         try:
             token = meta.get("progress_token", meta.get("progressToken"))
             if token is not None:
