@@ -166,18 +166,17 @@ class ChatSession:
         for n in range(1, self.max_turns + 1):
             turn = self._llm_turn(n, schemas)
             turns.append(turn)
-            if not turn.tools:
-                if self.on_turn is not None:
-                    self.on_turn(turn)
-                return ChatResult(turn.content or "", self.session_id, self.messages, turns)
-            started = time.monotonic()
-            self._run_tools(turn)
-            turn.seconds += time.monotonic() - started
-            self.messages.extend(
-                {"role": "tool", "tool_call_id": r.tool_call_id, "content": r.content()} for r in turn.tools
-            )
+            if turn.tools:
+                started = time.monotonic()
+                self._run_tools(turn)
+                turn.seconds += time.monotonic() - started
+                self.messages.extend(
+                    {"role": "tool", "tool_call_id": r.tool_call_id, "content": r.content()} for r in turn.tools
+                )
             if self.on_turn is not None:
                 self.on_turn(turn)
+            if not turn.tools:
+                return ChatResult(turn.content or "", self.session_id, self.messages, turns)
         return ChatResult(None, self.session_id, self.messages, turns)
 
     def _context(self, turn_id: str, **more: Any) -> dict[str, Any]:
@@ -187,13 +186,8 @@ class ChatSession:
     def _llm_turn(self, n: int, schemas: list[dict[str, Any]]) -> Turn:
         self._turns += 1
         turn_id = f"{self.session_id}-t{self._turns}"
-        request: dict[str, Any] = {"messages": list(self.messages)}
-        if schemas:
-            request["tools"] = schemas
-        if self.model:
-            request["model"] = self.model
-        if self.stream:
-            request["stream"] = True
+        optional = {"tools": schemas, "model": self.model, "stream": self.stream}  # (sent when set)
+        request = {"messages": list(self.messages), **{k: v for k, v in optional.items() if v}}
         started = time.monotonic()
         handle = self.gw.call_llm(request, **self._context(turn_id))
         if self.stream and self.on_delta is not None:
