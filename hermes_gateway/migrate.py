@@ -154,11 +154,8 @@ def migrate(
     seen: dict[str, tuple[str, str]] = {}  # name -> (source, digest)
     for found in find_legacy(home):
         raw = found.raw
-        if isinstance(raw, _Unreadable):
-            out.append(Outcome(found.source, "?", "skipped", reason=raw.reason, failed=True))
-            continue
         if not isinstance(raw, dict):
-            why = f"expected a mapping, got {type(raw).__name__}"
+            why = raw.reason if isinstance(raw, _Unreadable) else f"expected a mapping, got {type(raw).__name__}"
             out.append(Outcome(found.source, "?", "skipped", reason=why, failed=True))
             continue
         name = str(raw.get("name") or (found.file.stem if found.file else "?"))
@@ -187,7 +184,7 @@ def migrate(
         target = home / "tools" / f"{spec.name}.yaml"
         if to_files and not dry_run and found.file is None and not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(_HEADER.format(found.source) + _dump(data), encoding="utf-8")
+            target.write_text(_converted(found.source, data), encoding="utf-8")
     return out
 
 
@@ -219,11 +216,9 @@ def _rewrite(path: Path, data: dict[str, Any]) -> None:
         path.rename(backup)
     elif path != target:
         path.unlink()
-    target.write_text(_HEADER.format(backup.name) + _dump(data), encoding="utf-8")
+    target.write_text(_converted(backup.name, data), encoding="utf-8")
 
 
-_HEADER = "# converted from v0.9 ({}) by `hermes-gateway migrate`\n"
-
-
-def _dump(data: dict[str, Any]) -> str:
-    return yaml.safe_dump(data, allow_unicode=True, sort_keys=False)
+def _converted(source: str, data: dict[str, Any]) -> str:
+    header = f"# converted from v0.9 ({source}) by `hermes-gateway migrate`\n"
+    return header + yaml.safe_dump(data, allow_unicode=True, sort_keys=False)

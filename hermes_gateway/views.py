@@ -210,8 +210,7 @@ def print_status(data: dict[str, Any], description: str) -> None:
     console.print(f)
 
 
-# A string in a call's request view longer than this is shown in part (with how much more there was).
-VIEW_MAX_TEXT = 256 * 1024
+VIEW_MAX_TEXT = 256 * 1024  # a longer string in a request view is shown in part (saying how much more)
 
 
 def call_request(conn: Any, call_id: str, audit: Any = None) -> dict[str, Any] | None:
