@@ -110,8 +110,7 @@ def _error(e: BaseException) -> dict[str, Any]:
 
 
 class ChatSession:
-    """One conversation through the gateway: ``ask`` runs one user message to an answer, and the history
-    (``messages``) carries over to the next."""
+    """One conversation: ``ask`` runs a user message to an answer; ``messages`` carries over to the next."""
 
     def __init__(
         self,

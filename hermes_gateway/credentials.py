@@ -24,8 +24,7 @@ _ENTRY_KEYS = {"principal", "admin"}
 
 @dataclass(frozen=True)
 class Caller:
-    """What a request's credential says about it: its principal (None: the policy's default) and
-    whether it is an admin credential."""
+    """A request's credential: its principal (None: the policy's default) and whether it is admin."""
 
     principal: str | None
     admin: bool = False

@@ -337,8 +337,7 @@ class Api:
 def create_app(
     gw: Gateway, *, token: str | None = None, credentials: Credentials | None = None, mcp_stateful: bool = False
 ) -> Starlette:
-    """The API over ``gw``'s broker (:class:`Api`). ``credentials``: the tokens accepted (default: ``token``
-    and ``api.tokens`` of ``gw.settings``)."""
+    """The app over ``gw``'s broker; ``credentials`` default to ``token`` and ``api.tokens``."""
     from hermes_gateway.console_api import console_routes
 
     creds = credentials or Credentials.from_settings(gw.settings, token)
@@ -372,8 +371,7 @@ def create_app(
 
 
 def _conflict_for(caller: Caller, error: IdempotencyConflict, key: str | None) -> IdempotencyConflict:
-    """The conflict as a caller may see it: the call that holds the key may be another principal's, so
-    only an admin credential is told which call it is."""
+    """The conflict as ``caller`` may see it: which call holds the key (maybe another's) only to an admin."""
     if caller.admin:
         return error
     return IdempotencyConflict(
@@ -384,8 +382,7 @@ def _conflict_for(caller: Caller, error: IdempotencyConflict, key: str | None) -
 
 
 def _jsonl(raw: bytes) -> list[Any]:
-    """The items of a JSONL body, one per non-blank line; a line that is not JSON stays its text, and the
-    batch records it as a failed item rather than refusing the others."""
+    """A JSONL body's items, one per non-blank line (a line that is not JSON stays text: a failed item)."""
     items: list[Any] = []
     for line in raw.decode("utf-8", errors="replace").splitlines():
         if line.strip():

@@ -60,9 +60,8 @@ def presented_token(request: HTTPConnection, query_token: bool = False) -> str |
 
 
 class Guard:
-    """The origin and Host checks (``Forbidden``: 403), then, unless ``token=False``, the bearer token: 401
-    when it is missing or unknown, else its ``Caller`` is kept in the scope (``request_caller``).
-    ``query_token``: ``?access_token=`` is taken too, for ``EventSource``, which cannot send headers."""
+    """The origin and Host checks (403), then, unless ``token=False``, the bearer token (401, else its
+    ``Caller`` in the scope); ``query_token``: ``?access_token=`` too, for ``EventSource``."""
 
     def __init__(self, app: ASGIApp, creds: Credentials, *, token: bool = True, query_token: bool = False) -> None:
         self.app, self.credentials, self.token, self.query_token = app, creds, token, query_token

@@ -22,10 +22,7 @@ class BoundedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a header deadline, closing connections left with a half-read body."""
 
     header_timeout = ApiSettings.header_timeout  # (uvicorn_options makes a subclass with the one asked for)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._head_deadline: asyncio.TimerHandle | None = None
+    _head_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

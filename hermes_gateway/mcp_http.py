@@ -50,7 +50,6 @@ class McpEndpoint:
 
 
 def session_owner(caller: Caller) -> AuthenticatedUser:
-    """Who a session belongs to, as the SDK compares it (its ``client_id``): the principal, and whether
-    the credential is admin (never the token itself)."""
+    """Who a session belongs to, as the SDK compares it: the principal and admin flag, never the token."""
     who = f"{'admin' if caller.admin else 'principal'}:{caller.principal or ''}"
     return AuthenticatedUser(AccessToken(token="", client_id=who, scopes=[]))

@@ -81,9 +81,8 @@ def tools_table(entries: list[Entry], settings: Settings, states: dict[str, str]
 
 
 def status_data(gw: Any, figures: bool = False, viewer: Any = None) -> dict[str, Any]:
-    """Everything ``status`` shows, as plain data; ``figures``: with the live call figures (``--json``).
-    ``viewer``: a ``Caller`` that is not admin sees the recent failures of its own principal's calls only,
-    and no breaker's probe call id."""
+    """Everything ``status`` shows, as data; ``figures``: with the live call figures. ``viewer``: a
+    ``Caller`` that is not admin, shown its own principal's failures only and no breaker's probe call."""
     from workers.telemetry import queue_depths
 
     conn = gw.conn

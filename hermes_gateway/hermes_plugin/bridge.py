@@ -57,9 +57,8 @@ _plugins_seen: dict[Path, tuple[float, str]] = {}  # HERMES_HOME -> (when read, 
 
 
 def agent_plugins(settings: Settings) -> str:
-    """Comma-separated keys of the plugins this agent runs itself (around our calls), for the workers to
-    skip: each runs once per call. What Hermes' plugin manager loaded (outside Hermes, the enabled plugins
-    of HERMES_HOME), read again after ``_PLUGINS_TTL`` seconds."""
+    """The plugins this agent runs itself, comma-separated, for the workers to skip (each runs once per
+    call): what Hermes loaded, else HERMES_HOME's enabled ones; read again after ``_PLUGINS_TTL`` s."""
     home, now = settings.home, time.monotonic()
     seen = _plugins_seen.get(home)
     if seen is None or now - seen[0] >= _PLUGINS_TTL:
