@@ -41,7 +41,7 @@ from hermes_gateway.client import Gateway
 from hermes_gateway.credentials import Caller, Credentials
 from hermes_gateway.http_guard import ERROR_HANDLERS, guarded, request_caller
 from hermes_gateway.http_json import JSONL_TYPES, BadRequest, dumps, parse_json, read_body, read_raw, reply
-from hermes_gateway.views import call_request
+from hermes_gateway.views import call_request, status_data
 
 TOKEN_ENV = "HERMES_API_TOKEN"
 MAX_WAIT = 300.0  # seconds a request may hold on for a call's outcome
@@ -123,8 +123,6 @@ class Api:
         return HTMLResponse(page)
 
     async def status(self, request: Request) -> Response:
-        from hermes_gateway.views import status_data
-
         caller = request_caller(request)
         return reply(await run_in_threadpool(status_data, self.gw, True, None if caller.admin else caller))
 

@@ -195,8 +195,7 @@ def print_status(data: dict[str, Any], description: str) -> None:
             f"{now - float(row.get('heartbeat', now)):.1f}s ago",
         )
     console.print(w)
-    if "breakers" in data:
-        print_flow_control(data)
+    print_flow_control(data)
     f = _table("recent failures", "when", "call", "name", "error")
     for row in data["recent_failures"]:
         err = row.get("error") or {}
