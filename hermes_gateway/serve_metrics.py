@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from broker.breaker import Breakers
+from broker.limits import Limits
 from hermes_gateway import console_data
 from workers.telemetry import BREAKER_STATES, LATENCY_BOUNDS, SEP, queue_depths
 
@@ -69,12 +71,8 @@ class GatewayMetrics:
     def render(self) -> bytes:
         """The exposition text: one Redis read, then every instrument observes it (blocking: a thread)."""
         conn = self.gw.conn
-        stats = console_data.read_stats(conn)
-        from broker.breaker import Breakers
-        from broker.limits import Limits
-
         snap = {
-            "stats": stats,
+            "stats": console_data.read_stats(conn),
             "queues": dict(queue_depths(conn)),
             "inflight": console_data.inflight(conn),
             "limits": Limits(conn).snapshot(),
