@@ -1,9 +1,7 @@
-"""A minimal agent loop over the queue: the LLM call and the tool calls it asks for all run on workers.
-
-Each turn enqueues one LLM call (``gw.call_llm``) offering the tools the principal may call; the tool
-calls of its answer are submitted together and run in parallel on the workers, each carrying the
-session, turn, tool-call id and the LLM call as its parent; their results go back as ``tool``
-messages. The loop ends at an answer without tool calls, or after ``max_turns`` LLM calls.
+"""A minimal agent loop over the queue (``hermes-gateway chat``): each turn is one LLM call offering the
+tools the principal may call, then the tool calls of its answer, side by side on the workers (with the
+session, turn, tool-call id and the LLM call as parent), their results fed back as ``tool`` messages;
+until an answer without tool calls, or ``max_turns`` LLM calls.
 """
 
 from __future__ import annotations
@@ -112,10 +110,7 @@ def _error(e: BaseException) -> dict[str, Any]:
 
 
 class ChatSession:
-    """A conversation run through the gateway; ``ask`` runs one user message to an answer.
-
-    History is kept across ``ask`` calls (``messages``), so one session is one conversation.
-    """
+    """One conversation: ``ask`` runs a user message to an answer; ``messages`` carries over to the next."""
 
     def __init__(
         self,
@@ -150,13 +145,8 @@ class ChatSession:
         self._turns = 0  # across asks, so turn ids stay unique within the session
 
     def ask(self, query: str) -> ChatResult:
-        """Run ``query`` until the model answers without tool calls or the turn limit is reached.
-
-        The conversation carries over: every ``ask`` appends to ``messages``, so a later question sees
-        the earlier ones and their answers. If the ask raises (a failed or timed-out call, Ctrl-C),
-        its messages are taken back out, so the next ``ask`` continues from the last completed one; so are
-        those of an ask that reached ``max_turns`` without an answer (its result keeps a copy).
-        """
+        """Run ``query`` until the model answers without tool calls or the turn limit is reached. An ask
+        that raises or reaches ``max_turns`` leaves ``messages`` as it found them (the result keeps a copy)."""
         mark = len(self.messages)
         try:
             result = self._ask(query)
@@ -175,19 +165,18 @@ class ChatSession:
         for n in range(1, self.max_turns + 1):
             turn = self._llm_turn(n, schemas)
             turns.append(turn)
+            if turn.tools:
+                started = time.monotonic()
+                self._run_tools(turn)
+                turn.seconds += time.monotonic() - started
+                self.messages.extend(
+                    {"role": "tool", "tool_call_id": r.tool_call_id, "content": r.content()} for r in turn.tools
+                )
+            if self.on_turn is not None:
+                self.on_turn(turn)
             if not turn.tools:
-                self._report(turn)
                 return ChatResult(turn.content or "", self.session_id, self.messages, turns)
-            started = time.monotonic()
-            self._run_tools(turn)
-            turn.seconds += time.monotonic() - started
-            self.messages.extend(
-                {"role": "tool", "tool_call_id": r.tool_call_id, "content": r.content()} for r in turn.tools
-            )
-            self._report(turn)
         return ChatResult(None, self.session_id, self.messages, turns)
-
-    # -- one turn --------------------------------------------------------------------------------
 
     def _context(self, turn_id: str, **more: Any) -> dict[str, Any]:
         context = {"session_id": self.session_id, "turn_id": turn_id, "principal": self.principal, **more}
@@ -196,17 +185,14 @@ class ChatSession:
     def _llm_turn(self, n: int, schemas: list[dict[str, Any]]) -> Turn:
         self._turns += 1
         turn_id = f"{self.session_id}-t{self._turns}"
-        request: dict[str, Any] = {"messages": list(self.messages)}
-        if schemas:
-            request["tools"] = schemas
-        if self.model:
-            request["model"] = self.model
-        if self.stream:
-            request["stream"] = True
+        optional = {"tools": schemas, "model": self.model, "stream": self.stream}  # (sent when set)
+        request = {"messages": list(self.messages), **{k: v for k, v in optional.items() if v}}
         started = time.monotonic()
         handle = self.gw.call_llm(request, **self._context(turn_id))
         if self.stream and self.on_delta is not None:
-            self._relay(handle)
+            for ev in handle.events(timeout=self.wait):
+                if ev.type == DELTA and ev.detail.get("content"):
+                    self.on_delta(str(ev.detail["content"]))
         response = handle.result(self.wait)
         message = _first_message(response)
         assistant: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
@@ -217,16 +203,9 @@ class ChatSession:
         turn = Turn(n, turn_id, handle.call_id, message.get("content"), seconds=time.monotonic() - started)
         for tc in calls:
             fn = tc.get("function") or {}
-            turn.tools.append(
-                ToolRun(str(tc.get("id") or ""), str(fn.get("name") or ""), fn.get("arguments"))
-            )
+            run = ToolRun(str(tc.get("id") or ""), str(fn.get("name") or ""), fn.get("arguments"))
+            turn.tools.append(run)
         return turn
-
-    def _relay(self, handle: CallHandle) -> None:
-        for ev in handle.events(timeout=self.wait):
-            if ev.type == DELTA and ev.detail.get("content"):
-                assert self.on_delta is not None
-                self.on_delta(str(ev.detail["content"]))
 
     def _run_tools(self, turn: Turn) -> None:
         """Submit every tool call of the turn first, then collect: they run side by side on the workers."""
@@ -249,10 +228,6 @@ class ChatSession:
             except HermesError as e:
                 run.error = _error(e)
             run.seconds = time.monotonic() - started
-
-    def _report(self, turn: Turn) -> None:
-        if self.on_turn is not None:
-            self.on_turn(turn)
 
 
 def _first_message(response: Any) -> dict[str, Any]:

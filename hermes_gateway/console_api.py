@@ -1,14 +1,6 @@
-"""The console's own routes, mounted by ``http_api.create_app``:
-
-- ``GET /v1/console``: what the page needs to know (trace link template, whether a token is in force)
-- ``GET /v1/stream/stats``: Server-Sent Events, one ``stats`` snapshot (``console_data.snapshot``) every
-  ``STATS_INTERVAL`` seconds and at once on a breaker change; one producer for every open page
-- ``POST /v1/workers/{name}/stop``: the ``stop`` control message ``hermes-gateway stop NAME`` sends (only
-  when the API runs with a token: without one, any local page could stop the fleet)
-- ``GET /v1/audit?tool=&principal=&session=&state=&since=&until=&limit=``, ``GET /v1/audit/{call_id}``
-  (the record and the call's events), ``POST /v1/audit/{call_id}/replay`` ``{"args": {name: text}}``:
-  ``hermes_gateway.replay`` as ``audit replay`` runs it (refusals and policy denials alike)
-- ``GET /metrics``: Prometheus text (``serve_metrics``), open like ``/healthz``
+"""The console's own routes, mounted by ``http_api.create_app``: its settings, a stream of overview
+snapshots (``console_data.snapshot``), stopping a worker, the audit log (list, record, replay) and
+``/metrics`` (``serve_metrics``). The routes are listed at the end of ``console_routes``.
 """
 
 from __future__ import annotations
@@ -35,8 +27,8 @@ from broker.codec import text
 from broker.connection import async_from_url
 from broker.errors import CallFailed, HermesError
 from hermes_gateway import console_data, replay
-from hermes_gateway.credentials import CALLER_SCOPE_KEY, Caller, Credentials
-from hermes_gateway.http_guard import Forbidden, guarded
+from hermes_gateway.credentials import Caller, Credentials
+from hermes_gateway.http_guard import Forbidden, guarded, request_caller
 from hermes_gateway.http_json import BadRequest, dumps, read_body, reply
 from hermes_gateway.views import hide_probes
 
@@ -46,6 +38,7 @@ STATS_INTERVAL = 1.5  # seconds between snapshots of the overview
 AUDIT_LIMIT = 200  # records one audit query returns at most
 REPLAY_TIMEOUT = 60.0
 STATES = ("done", "failed", "cancelled")
+
 
 class StatsHub:
     """One loop reading snapshots while any page listens; every stream gets each one (or the latest)."""
@@ -118,7 +111,7 @@ class StatsHub:
 
 
 def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
-    """The routes above, each behind ``http_guard.Guard`` (origin and Host checks; the token on ``/v1``)."""
+    """The console's routes, each behind ``http_guard.Guard`` (origin and Host; the token on ``/v1``)."""
     from hermes_gateway import __version__
     from hermes_gateway.serve_metrics import CONTENT_TYPE, GatewayMetrics
 
@@ -128,18 +121,11 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
     auth = guarded(creds)
 
     async def console_config(_request: Request) -> Response:
-        return reply(
-            {
-                "version": __version__,
-                "broker": gw.description,
-                "trace_url": gw.settings.console.trace_url,
-                "token": creds.required,
-                "stats_interval": hub.interval,
-            }
-        )
+        about = {"version": __version__, "broker": gw.description, "trace_url": gw.settings.console.trace_url}
+        return reply({**about, "token": creds.required, "stats_interval": hub.interval})
 
     async def stats_stream(request: Request) -> Response:
-        admin = _caller(request).admin
+        admin = request_caller(request).admin
 
         async def events() -> AsyncIterator[dict[str, str]]:
             async for snap in hub.stream():
@@ -151,8 +137,7 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
 
     async def stop_worker(request: Request) -> Response:
         name = request.path_params["name"]
-        caller = request.scope.get(CALLER_SCOPE_KEY)
-        if not creds.required or caller is None or not caller.admin:
+        if not creds.required or not request_caller(request).admin:  # (else any local page could)
             raise Forbidden(
                 "stopping a worker from the API needs an admin token (serve --token, $HERMES_API_TOKEN or an "
                 f"admin entry of api.tokens); or run `hermes-gateway stop {name}`"
@@ -180,7 +165,7 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
             limit = min(int(q.get("limit") or 50), AUDIT_LIMIT)
         except ValueError as e:
             raise BadRequest(f"limit: expected a number, got {q.get('limit')!r}") from e
-        caller, principal = _caller(request), q.get("principal") or None
+        caller, principal = request_caller(request), q.get("principal") or None
         if not caller.admin:  # its own principal's records only; another's: none, as for a name never used
             if principal not in (None, caller.principal):
                 return reply([])
@@ -197,17 +182,18 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
         )
         return reply([r.to_dict() for r in records])
 
+    def visible_record(call_id: str, caller: Caller) -> Any:
+        rec = audit_log.get(call_id)
+        if rec is None or not caller.sees(rec.principal):  # another's: as an unknown id
+            raise CallFailed(f"no audit record for call {call_id}", error_type="unknown_call")
+        return rec
+
     async def audit_get(request: Request) -> Response:
         from broker import events
 
         call_id = request.path_params["call_id"]
-
-        def read() -> tuple[Any, list[Any]]:
-            return audit_log.get(call_id), events.history(gw.conn, call_id)
-
-        rec, history = await run_in_threadpool(read)
-        if rec is None or not _caller(request).sees(rec.principal):  # another's: as an unknown id
-            raise CallFailed(f"no audit record for call {call_id}", error_type="unknown_call")
+        rec = await run_in_threadpool(visible_record, call_id, request_caller(request))
+        history = await run_in_threadpool(events.history, gw.conn, call_id)
         return reply({"record": rec.to_dict(), "events": [e.to_dict() for e in history]})
 
     async def audit_replay(request: Request) -> Response:
@@ -219,16 +205,12 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
         timeout = body.get("timeout", REPLAY_TIMEOUT)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= 300:
             raise BadRequest(f"timeout: expected seconds in (0, 300], got {timeout!r}")
-
-        caller = _caller(request)
+        caller = request_caller(request)
 
         def run() -> dict[str, Any]:
-            rec = audit_log.get(call_id)
-            if rec is None or not caller.sees(rec.principal):  # another's: as an unknown id
-                raise CallFailed(f"no audit record for call {call_id}", error_type="unknown_call")
+            rec = visible_record(call_id, caller)
             plan = replay.plan(rec, supplied)  # what `audit replay` does, step by step
-            # It runs as the replaying token's principal, under the policy (an admin token may replay any
-            # call: as its own principal, or as recorded when it has none); the record names the original.
+            # As the replaying token's principal (an admin token without one: as recorded), under the policy.
             context = {k: v for k, v in plan.context.items() if k != "principal"}
             who = caller.principal or (rec.principal if caller.admin else None)
             plan = dataclasses.replace(plan, context={**context, **({"principal": who} if who else {})})
@@ -265,11 +247,6 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
         Route("/v1/audit/{call_id}/replay", audit_replay, methods=["POST"], middleware=auth),
         Mount("/static", StaticFiles(packages=[("hermes_gateway", "static")]), name="static"),
     ]
-
-
-def _caller(request: Request) -> Caller:
-    caller: Caller = request.scope[CALLER_SCOPE_KEY]  # (set by http_guard.Guard)
-    return caller
 
 
 def _when(value: str | None, name: str) -> float | None:

@@ -1,10 +1,7 @@
 """What the console's overview shows, read from Redis in one pass: one snapshot every tick of its stream.
 
-Every figure is cumulative or current (calls by state since the broker started, duration bucket counts,
-queue depths, slots, workers, breakers); the page turns consecutive snapshots into rates and
-percentiles, so a tab opened late or reconnecting only loses its own chart history. The readers are
-the ones ``status`` and ``status --watch`` use (``hermes_gateway.watch``, ``broker.limits``,
-``broker.breaker``), plus the duration buckets ``workers.telemetry`` keeps in ``hermes:stats``.
+Every figure is cumulative or current; the page turns consecutive snapshots into rates and percentiles.
+The readers are those of ``status`` and ``status --watch``, plus the duration buckets of ``hermes:stats``.
 """
 
 from __future__ import annotations
@@ -13,14 +10,11 @@ import time
 from typing import Any
 
 from broker import keys, memory
-from broker.breaker import OPEN, Breakers
+from broker.breaker import OPEN, Breakers, breaker_config
 from broker.limits import Limits
-from workers.telemetry import LATENCY_BOUNDS, SEP, text
+from workers.telemetry import LATENCY_BOUNDS, SEP, queue_depths, text
 
-# A worker whose heartbeat is older than this many of its heartbeat intervals (plus a second of slack
-# for a busy machine) is shown late; the reaper takes its calls back once its lease (3 intervals) passes.
-LATE_AFTER = 2.0
-TERMINAL = ("done", "failed", "cancelled")
+LATE_AFTER = 2.0  # heartbeat intervals (plus a second of slack) after which a worker is shown late
 
 
 def call_figures(stats: dict[str, str]) -> dict[str, Any]:
@@ -63,19 +57,18 @@ def usage_figures(stats: dict[str, str]) -> list[dict[str, Any]]:
     for field, value in stats.items():
         parts = field.split(SEP)
         if parts[0] == "pcalls" and len(parts) >= 4:
-            name = f"{parts[2]}:{SEP.join(parts[3:])}"
-            row = rows.setdefault((parts[1], name), {"principal": parts[1], "name": name, "calls": 0, "tokens_in": 0, "tokens_out": 0})
-            row["calls"] += _int(value)
+            key, figure = (parts[1], f"{parts[2]}:{SEP.join(parts[3:])}"), "calls"
         elif parts[0] == "tokens" and len(parts) >= 4 and parts[-1] in ("in", "out"):
-            name = f"llm:{SEP.join(parts[2:-1])}"
-            row = rows.setdefault((parts[1], name), {"principal": parts[1], "name": name, "calls": 0, "tokens_in": 0, "tokens_out": 0})
-            row[f"tokens_{parts[-1]}"] += _int(value)
+            key, figure = (parts[1], f"llm:{SEP.join(parts[2:-1])}"), f"tokens_{parts[-1]}"
+        else:
+            continue
+        empty = {"principal": key[0], "name": key[1], "calls": 0, "tokens_in": 0, "tokens_out": 0}
+        rows.setdefault(key, empty)[figure] += _int(value)
     return [rows[k] for k in sorted(rows)]
 
 
 def rate_limits(conn: Any) -> list[dict[str, Any]]:
     """Every rate limiter: its limits, what is left in the window, calls waiting, a pause and its end."""
-    from broker.limits import Limits
     from broker.ratelimits import RateLimiter
 
     return RateLimiter(conn).snapshot(Limits(conn).queues())
@@ -94,15 +87,8 @@ def inflight(conn: Any) -> dict[str, int]:
     return out
 
 
-def queue_depths(conn: Any) -> dict[str, int]:
-    from workers.telemetry import queue_depths as depths
-
-    return dict(depths(conn))
-
-
-def workers(conn: Any, lease: float, now: float | None = None) -> list[dict[str, Any]]:
+def workers(conn: Any, lease: float, now: float) -> list[dict[str, Any]]:
     """Every worker with a heartbeat on record (late ones too, until the reaper drops them), newest first."""
-    now = time.time() if now is None else now
     names = [text(n) for n in conn.zrevrange(keys.WORKERS, 0, -1)]
     pipe = conn.pipeline(transaction=False)
     for n in names:
@@ -148,24 +134,16 @@ def breakers(conn: Any, cooldowns: dict[str, float]) -> list[dict[str, Any]]:
 
 def breaker_cooldowns(settings: Any, entries: list[Any]) -> dict[str, float]:
     """Breaker key -> cooldown, from the specs in the directory (and executors.<type>.breaker)."""
-    from broker.breaker import breaker_config
-
-    out: dict[str, float] = {}
-    for entry in entries:
-        cfg = breaker_config(settings, entry.spec)
-        if cfg is not None:
-            out[cfg.key] = cfg.cooldown
-    return out
+    configs = (breaker_config(settings, entry.spec) for entry in entries)
+    return {cfg.key: cfg.cooldown for cfg in configs if cfg is not None}
 
 
 def slots(
     conn: Any, settings: Any, entries: list[Any], served: set[str] | None = None
 ) -> list[dict[str, Any]]:
     """Per concurrency key: its limit, calls executing, slots held and calls waiting; every tool of the
-    directory has a row (with its effective limit) even while idle, when Redis keeps no limit for it.
-
-    ``served``: the queues some live worker listens on. A tool's row with calls held or waiting on a queue
-    outside it says ``no_worker`` (the queue): no worker is the cause then, not the limit."""
+    directory has a row, even while idle. ``served``: the queues some live worker listens on; a busy row
+    of a tool whose queue is not among them names it in ``no_worker`` (the cause, not the limit)."""
     rows = {row["key"]: row for row in Limits(conn).snapshot()}
     queue_of: dict[str, str] = {}
     for entry in entries:
@@ -210,7 +188,7 @@ def snapshot(gw: Any) -> dict[str, Any]:
         "calls": calls["states"],
         "by_tool": calls["by_tool"],
         "latency": calls["latency"],
-        "queues": queue_depths(conn),
+        "queues": dict(queue_depths(conn)),
         "limits": slots(conn, gw.settings, entries, served),
         "rate_limits": rate_limits(conn),
         "usage": usage_figures(stats),

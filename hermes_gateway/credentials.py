@@ -1,27 +1,8 @@
-"""Who is calling the HTTP API and ``/mcp``: principals bound to bearer tokens.
-
-``config.yaml``::
-
-    api:
-      token_principal: ops          # who $HERMES_API_TOKEN / --token calls as (default: none named)
-      tokens:                       # sha256 hex of a token -> who it is
-        9f86d081884c7d65...: {principal: alice}
-        60303ae22b998861...: {principal: ci, admin: true}
-
-``printf %s "$TOKEN" | sha256sum`` gives a token's key; the tokens themselves are never stored. A caller's
-principal is the one its token maps to: a ``principal`` it names in a call's context (or the
-``?principal=`` of ``/v1/schemas``) that differs is refused (``permission_denied``, 403), so alice cannot
-claim to be admin. An *admin* credential — the single ``$HERMES_API_TOKEN``/``--token``, an entry with
-``admin: true``, or any caller of a loopback-only server that has no token at all — is a trusted back end
-acting for its users: it may name the principal a call runs as.
-
-Calls are per principal: a credential that is not admin sees, follows, cancels and replays its own
-principal's calls only, and another principal's call id is answered exactly as an unknown one (``sees``);
-an admin credential sees every call.
-
-Registering or removing a tool (``POST /v1/tools``, ``DELETE /v1/tools/{name}``) is running code on the
-workers, so it needs an admin credential or the :data:`MANAGE_TOOLS` tag among the principal's policy
-grants (``policy.principals.<name>.grants``; ``"*"`` holds it too).
+"""Who is calling the HTTP API and ``/mcp``: principals bound to bearer tokens (``api.tokens``: the
+sha256 hex of a token -> ``{principal, admin}``; ``api.token_principal``: who ``--token`` calls as).
+A caller may not claim another principal unless its credential is *admin* (the single token, an
+``admin: true`` entry, any caller of a loopback-only server without tokens); a credential that is not
+admin sees and acts on its own principal's calls only.
 """
 
 from __future__ import annotations
@@ -43,8 +24,7 @@ _ENTRY_KEYS = {"principal", "admin"}
 
 @dataclass(frozen=True)
 class Caller:
-    """What a request's credential says about it: its principal (None: the policy's default) and
-    whether it is an admin credential."""
+    """A request's credential: its principal (None: the policy's default) and whether it is admin."""
 
     principal: str | None
     admin: bool = False
@@ -63,8 +43,7 @@ class Caller:
         )
 
     def sees(self, principal: Any) -> bool:
-        """Whether this caller may see and act on a call that runs as ``principal`` (None: no principal):
-        an admin credential every call, any other its own principal's only."""
+        """Whether this caller may see and act on a call that runs as ``principal`` (None: no principal)."""
         return self.admin or (self.principal is not None and principal == self.principal)
 
     def check_manage_tools(self, policy: Any) -> None:
@@ -106,7 +85,10 @@ class Credentials:
             raise ConfigError("config.yaml: api.token_principal: expected a principal name")
         self.token = token
         self.admin_caller = Caller(named, admin=True)
-        self.tokens = {key: _entry(key, raw) for key, raw in _tokens(api.get("tokens")).items()}
+        tokens = api.get("tokens")
+        if tokens is not None and tokens != "" and not isinstance(tokens, Mapping):
+            raise ConfigError("config.yaml: api.tokens: expected a mapping of sha256 hex -> {principal: ...}")
+        self.tokens = {str(key): _entry(str(key), raw) for key, raw in (tokens or {}).items()}
 
     @classmethod
     def from_settings(cls, settings: Any, token: str | None = None) -> Credentials:
@@ -126,14 +108,6 @@ class Credentials:
         if self.token is not None and hmac.compare_digest(presented.encode(), self.token.encode()):
             return self.admin_caller
         return self.tokens.get(token_key(presented))
-
-
-def _tokens(raw: Any) -> dict[str, Any]:
-    if raw is None or raw == "":
-        return {}
-    if not isinstance(raw, Mapping):
-        raise ConfigError("config.yaml: api.tokens: expected a mapping of sha256 hex -> {principal: ...}")
-    return {str(k): v for k, v in raw.items()}
 
 
 def _entry(key: str, raw: Any) -> Caller:

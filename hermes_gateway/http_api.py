@@ -1,45 +1,7 @@
-"""The HTTP/SSE API and a small web console: ``hermes-gateway serve`` (127.0.0.1:8787 by default).
-
-The same operations as the Python client, for callers in any language and for a browser:
-
-- ``GET /healthz``; ``GET /v1/status`` (what ``status --json`` prints)
-- ``GET /v1/tools``, ``GET|DELETE /v1/tools/{name}``, ``POST /v1/tools`` (a spec as a JSON object, or
-  ``{"yaml": "<spec as YAML text>"}`` read like a spec file: registered like ``tool register``),
-  ``GET /v1/schemas?principal=`` (the model-facing function list)
-- ``POST /v1/tools/{name}/calls`` ``{"args", "context", "timeout", "idempotency_key", "max_attempts",
-  "wait"}``: 202 with the call id, or with ``wait`` (seconds) the outcome when it comes in time; a W3C
-  ``traceparent``/``tracestate`` request header continues the caller's trace
-- ``GET /v1/calls/{id}``; ``POST /v1/calls/{id}/cancel``
-- ``GET /v1/calls/{id}/request``: what the call asked for, secrets masked (a tool call's args; an LLM
-  call's whole request, the messages with the tool results fed back)
-- ``POST /v1/batches`` (``?tool=NAME``; the items as a JSON array of argument objects, or JSONL sent as
-  ``application/x-ndjson``; or a JSON object ``{"tool", "items", "window"}``): 202 with the batch id at
-  once, the items sent by a thread of the server; ``GET /v1/batches``, ``GET /v1/batches/{id}`` (counts,
-  rate, ETA), ``GET /v1/batches/{id}/results`` (JSONL streamed as the calls end; ``?follow=0``: only what
-  has ended), ``DELETE /v1/batches/{id}`` (cancel); ``POST /v1/batches?resume=ID`` with the same items takes
-  up a batch whose submitter died (items with a result are not sent again) — ``hermes_gateway.batches``, one model with the CLI's
-- ``GET /v1/calls/{id}/events``: Server-Sent Events, the call's history then its live tail, one event
-  per state change, progress message or stream delta (``id:`` is the event's ``seq``, so a reconnecting
-  ``EventSource`` resumes after ``Last-Event-ID``), ending with the terminal one.
-
-Admission errors are HTTP errors with the gateway's typed body ``{"error": {"type", "message",
-"details"}}`` (unknown tool 404, bad arguments or spec 400, ``QueueFull`` 429, ...); a call that ran and
-failed is a 200 with ``"state": "failed"`` and its error. With a token (``--token`` or
-``HERMES_API_TOKEN``, or ``api.tokens`` in config.yaml) every ``/v1`` route and ``/mcp`` want
-``Authorization: Bearer <token>`` (``?access_token=`` on the events route, for ``EventSource``, which
-cannot send headers); the token is who calls (``hermes_gateway.credentials``): a call or ``/v1/schemas``
-naming another principal is refused, registering and removing tools need the ``tools:write`` grant.
-
-``/mcp``: the directory as an MCP server on the streamable HTTP transport (``hermes_gateway.mcp_http``).
-
-A browser must not be able to drive the API from another site (registering a ``command`` tool is
-running code): request bodies must be ``application/json`` (a cross-site form or ``no-cors`` fetch
-cannot send that without a preflight, which is never answered), a foreign ``Origin`` is refused, and
-without a token the ``Host`` must be a loopback name (no DNS rebinding): ``hermes_gateway.http_guard``.
-
-The app is Starlette's: each route names its checks as route middleware (``http_guard.Guard``: origin and
-Host, then the token), and typed errors become HTTP answers in the app's exception handlers
-(``http_guard.ERROR_HANDLERS``); the endpoints are the methods of :class:`Api`.
+"""The HTTP/SSE API, the web console and ``/mcp`` of ``hermes-gateway serve``: the Python client's
+operations for callers in any language (routes: ``create_app``; reference: docs/http-and-mcp.md).
+Admission errors are HTTP errors with a typed body (``http_guard``); a call that ran and failed is a
+200 with ``"state": "failed"``. The endpoints are the methods of :class:`Api`.
 """
 
 from __future__ import annotations
@@ -76,11 +38,10 @@ from broker.logs import redact
 from hermes_gateway.aio import AsyncGateway
 from hermes_gateway.aio_handle import AsyncCallHandle
 from hermes_gateway.client import Gateway
-from hermes_gateway.credentials import CALLER_SCOPE_KEY, Caller, Credentials
-from hermes_gateway.http_guard import ERROR_HANDLERS, guarded
-from hermes_gateway.http_guard import error_reply as error_reply
+from hermes_gateway.credentials import Caller, Credentials
+from hermes_gateway.http_guard import ERROR_HANDLERS, guarded, request_caller
 from hermes_gateway.http_json import JSONL_TYPES, BadRequest, dumps, parse_json, read_body, read_raw, reply
-from hermes_gateway.views import call_request
+from hermes_gateway.views import call_request, status_data
 
 TOKEN_ENV = "HERMES_API_TOKEN"
 MAX_WAIT = 300.0  # seconds a request may hold on for a call's outcome
@@ -109,11 +70,6 @@ def _context(body: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise BadRequest(f"context: unknown field(s) {', '.join(unknown)}; known: {', '.join(known)}", fields=unknown)
     return context
-
-
-def _caller(request: Request) -> Caller:
-    caller: Caller = request.scope[CALLER_SCOPE_KEY]  # (set by http_guard.Guard)
-    return caller
 
 
 class _Unavailable:
@@ -167,28 +123,23 @@ class Api:
         return HTMLResponse(page)
 
     async def status(self, request: Request) -> Response:
-        from hermes_gateway.views import status_data
-
-        caller = _caller(request)
+        caller = request_caller(request)
         return reply(await run_in_threadpool(status_data, self.gw, True, None if caller.admin else caller))
 
     async def list_tools(self, _request: Request) -> Response:
-        rows = []
-        for entry in await self.agw.tools():
-            spec = entry.spec
-            rows.append(
-                {
-                    "name": spec.name,
-                    "description": spec.description,
-                    "executor": spec.executor,
-                    "permissions": list(spec.permissions) if spec.permissions is not None else None,
-                    "concurrency": spec.concurrency,  # None: the default, which the next field gives
-                    "concurrency_effective": spec.concurrency or self.gw.settings.concurrency_for(spec.executor),
-                    "queue_size": spec.queue_size,
-                    "version": entry.version,
-                }
-            )
-        return reply(rows)
+        def row(spec: Any, version: int) -> dict[str, Any]:
+            return {
+                "name": spec.name,
+                "description": spec.description,
+                "executor": spec.executor,
+                "permissions": list(spec.permissions) if spec.permissions is not None else None,
+                "concurrency": spec.concurrency,  # None: the default, which the next field gives
+                "concurrency_effective": spec.concurrency or self.gw.settings.concurrency_for(spec.executor),
+                "queue_size": spec.queue_size,
+                "version": version,
+            }
+
+        return reply([row(entry.spec, entry.version) for entry in await self.agw.tools()])
 
     async def get_tool(self, request: Request) -> Response:
         entry = await self.agw.tool(request.path_params["name"])
@@ -196,7 +147,7 @@ class Api:
         return reply({**redact(entry.spec.to_dict()), "version": entry.version})
 
     async def _may_manage_tools(self, request: Request) -> None:
-        _caller(request).check_manage_tools(await run_in_threadpool(self.gw.policy))
+        request_caller(request).check_manage_tools(await run_in_threadpool(self.gw.policy))
 
     async def register_tool(self, request: Request) -> Response:
         await self._may_manage_tools(request)
@@ -223,32 +174,28 @@ class Api:
         return reply({"removed": name})
 
     async def schemas(self, request: Request) -> Response:
-        principal = _caller(request).principal_for(request.query_params.get("principal") or None)
+        principal = request_caller(request).principal_for(request.query_params.get("principal") or None)
         return reply(await run_in_threadpool(self.gw.tool_schemas, principal))
 
     async def call_tool(self, request: Request) -> Response:
         body = await read_body(request, self.gw.settings.api)
         args = _field(body, "args", (dict,), "an object")
         context = _context(body)
-        principal = _caller(request).principal_for(context.pop("principal", None))
+        principal = request_caller(request).principal_for(context.pop("principal", None))
         if principal is not None:
             context["principal"] = principal
         wait = _number(body, "wait", 0)
         timeout = _number(body, "timeout", 0.001)
         key = _field(body, "idempotency_key", (str,), "a string")
+        attempts = _number(body, "max_attempts", 1, integer=True)
+        trace = {name: request.headers.get(name) for name in ("traceparent", "tracestate")}  # W3C: continued
         try:
             handle = await self.agw.call_tool(
-                request.path_params["name"],
-                args,
-                timeout=timeout,
-                idempotency_key=key,
-                max_attempts=_number(body, "max_attempts", 1, integer=True),
-                traceparent=request.headers.get("traceparent"),
-                tracestate=request.headers.get("tracestate"),
-                **context,
+                request.path_params["name"], args, timeout=timeout, idempotency_key=key,
+                max_attempts=attempts, **trace, **context
             )
         except IdempotencyConflict as e:
-            raise _conflict_for(_caller(request), e, key) from None
+            raise _conflict_for(request_caller(request), e, key) from None
         if not wait:
             return reply(_accepted(handle), 202)
         outcome = await _outcome(handle, min(float(wait), MAX_WAIT))
@@ -257,7 +204,7 @@ class Api:
     async def _visible(self, request: Request, call_id: str) -> None:
         """Unknown call (404, the body of an id that does not exist) unless the caller may see it: a
         token that is not admin sees its own principal's calls only, so ids cannot be probed. One HGET."""
-        caller = _caller(request)
+        caller = request_caller(request)
         if caller.admin:
             return
         owner = await self.agw.conn.hget(keys.job(call_id), keys.F_PRINCIPAL)
@@ -283,8 +230,6 @@ class Api:
         await self._visible(request, call_id)
         await self.agw.handle(call_id)  # 404 for an unknown id
         return reply({"call_id": call_id, "cancelled": await self.agw.cancel(call_id)})
-
-    # -- batches (hermes_gateway/batches.py; the threaded Gateway, in the thread pool) ---------------
 
     async def submit_batch(self, request: Request) -> Response:
         from hermes_gateway.batches import BatchJob
@@ -319,7 +264,7 @@ class Api:
             raise BadRequest(f"window: expected a whole number, got {window!r}") from e
         if size is not None and size < 1:
             raise BadRequest(f"window: expected a whole number of at least 1, got {size}")
-        principal = _caller(request).principal
+        principal = request_caller(request).principal
         context: dict[str, Any] = {"principal": principal} if principal else {}
         job = await run_in_threadpool(lambda: self.gw.batch(tool, items, window=size, resume=resume, **context))
         base = "/v1/batches/" + job.id
@@ -332,7 +277,7 @@ class Api:
 
         batch_id = request.path_params["batch_id"]
         meta = await run_in_threadpool(BatchStore(self.gw.conn).meta, batch_id)
-        caller = _caller(request)
+        caller = request_caller(request)
         if not caller.admin and meta.get("principal", "") != (caller.principal or ""):
             raise UnknownBatch(f"no such batch {batch_id!r} (never made, or past its batch.ttl)", batch_id=batch_id)
         return BatchJob(self.gw, batch_id)
@@ -340,7 +285,7 @@ class Api:
     async def list_batches(self, request: Request) -> Response:
         from hermes_gateway.batches import BatchStore
 
-        caller = _caller(request)
+        caller = request_caller(request)
         store = BatchStore(self.gw.conn)
         rows = await run_in_threadpool(store.recent)
         if not caller.admin:
@@ -390,8 +335,7 @@ class Api:
 def create_app(
     gw: Gateway, *, token: str | None = None, credentials: Credentials | None = None, mcp_stateful: bool = False
 ) -> Starlette:
-    """The API over ``gw``'s broker (:class:`Api`). ``credentials``: the tokens accepted (default: ``token``
-    and ``api.tokens`` of ``gw.settings``)."""
+    """The app over ``gw``'s broker; ``credentials`` default to ``token`` and ``api.tokens``."""
     from hermes_gateway.console_api import console_routes
 
     creds = credentials or Credentials.from_settings(gw.settings, token)
@@ -425,8 +369,7 @@ def create_app(
 
 
 def _conflict_for(caller: Caller, error: IdempotencyConflict, key: str | None) -> IdempotencyConflict:
-    """The conflict as a caller may see it: the call that holds the key may be another principal's, so
-    only an admin credential is told which call it is."""
+    """The conflict as ``caller`` may see it: which call holds the key (maybe another's) only to an admin."""
     if caller.admin:
         return error
     return IdempotencyConflict(
@@ -437,8 +380,7 @@ def _conflict_for(caller: Caller, error: IdempotencyConflict, key: str | None) -
 
 
 def _jsonl(raw: bytes) -> list[Any]:
-    """The items of a JSONL body, one per non-blank line; a line that is not JSON stays its text, and the
-    batch records it as a failed item rather than refusing the others."""
+    """A JSONL body's items, one per non-blank line (a line that is not JSON stays text: a failed item)."""
     items: list[Any] = []
     for line in raw.decode("utf-8", errors="replace").splitlines():
         if line.strip():

@@ -1,12 +1,6 @@
-"""What every HTTP route of ``serve`` passes through (``/v1``, ``/mcp``, the console): first where the
-request comes from and who sends it (:class:`Guard`, a Starlette route middleware), and what a typed error
-becomes (``ERROR_HANDLERS``, the app's exception handlers: ``{"error": {"type", "message", "details"}}``
-with the status of ``error_reply``; a broker that does not answer is 503 ``broker_unavailable``).
-
-A browser must not be able to drive the API from another site: a foreign ``Origin`` is refused, and
-without a token the ``Host`` must be a loopback name (no DNS rebinding). With a token configured
-(``--token``/``$HERMES_API_TOKEN`` or ``api.tokens``), a request wants ``Authorization: Bearer <token>``
-and is the ``Caller`` its token maps to (``hermes_gateway.credentials``).
+"""What every HTTP route of ``serve`` passes through: :class:`Guard` (a foreign ``Origin`` is refused,
+without a token the ``Host`` must be a loopback name, else the bearer token names the caller), and
+``ERROR_HANDLERS``: a typed error as ``{"error": {"type", "message", "details"}}`` with its status.
 """
 
 from __future__ import annotations
@@ -37,7 +31,7 @@ from broker.errors import (
     UnknownBatch,
     UnknownTool,
 )
-from hermes_gateway.credentials import CALLER_SCOPE_KEY, Credentials
+from hermes_gateway.credentials import CALLER_SCOPE_KEY, Caller, Credentials
 from hermes_gateway.http_json import BadRequest, RequestTimeout, TooLarge, reply
 
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
@@ -65,16 +59,9 @@ def presented_token(request: HTTPConnection, query_token: bool = False) -> str |
     return request.query_params.get("access_token") if query_token else None
 
 
-def unauthorized() -> Response:
-    body = {"type": "unauthorized", "message": "a valid bearer token is required", "details": {}}
-    return reply({"error": body}, 401, {"WWW-Authenticate": "Bearer"})
-
-
 class Guard:
-    """The origin and Host checks (a refusal raises ``Forbidden``: the app's exception handlers answer 403),
-    then, unless ``token=False``, the bearer token: 401 when it is missing or unknown, else its ``Caller`` is
-    kept in the request's scope (``CALLER_SCOPE_KEY``). ``query_token``: ``?access_token=`` is taken too,
-    for ``EventSource``, which cannot send headers."""
+    """The origin and Host checks (403), then, unless ``token=False``, the bearer token (401, else its
+    ``Caller`` in the scope); ``query_token``: ``?access_token=`` too, for ``EventSource``."""
 
     def __init__(self, app: ASGIApp, creds: Credentials, *, token: bool = True, query_token: bool = False) -> None:
         self.app, self.credentials, self.token, self.query_token = app, creds, token, query_token
@@ -85,10 +72,17 @@ class Guard:
         if self.token:
             caller = self.credentials.caller(presented_token(request, self.query_token))
             if caller is None:
-                await unauthorized()(scope, receive, send)
+                body = {"type": "unauthorized", "message": "a valid bearer token is required", "details": {}}
+                await reply({"error": body}, 401, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
             scope[CALLER_SCOPE_KEY] = caller
         await self.app(scope, receive, send)
+
+
+def request_caller(request: HTTPConnection) -> Caller:
+    """The ``Caller`` that :class:`Guard` kept in the request's scope."""
+    caller: Caller = request.scope[CALLER_SCOPE_KEY]
+    return caller
 
 
 def guarded(credentials: Credentials, *, token: bool = True, query_token: bool = False) -> list[Middleware]:
@@ -96,24 +90,15 @@ def guarded(credentials: Credentials, *, token: bool = True, query_token: bool =
     return [Middleware(Guard, credentials, token=token, query_token=query_token)]
 
 
-# -- typed errors as HTTP ----------------------------------------------------------------------------
-
-_STATUS: list[tuple[type[HermesError], int]] = [
-    (UnknownTool, 404),
-    (UnknownBatch, 404),
-    (InvalidSpec, 400),
-    (InvalidArgs, 400),
-    (QueueFull, 429),
-    (IdempotencyConflict, 409),
-    (PermissionDenied, 403),
-    (Forbidden, 403),
-    (CircuitOpen, 503),
-    (NoWorkers, 503),
-    (BrokerUnavailable, 503),
-    (BrokerFull, 503),
-    (BrokerNotDurable, 503),
-    (TooLarge, 413),
-    (RequestTimeout, 408),
+_STATUS: list[tuple[tuple[type[HermesError], ...], int]] = [
+    ((UnknownTool, UnknownBatch), 404),
+    ((InvalidSpec, InvalidArgs), 400),
+    ((QueueFull,), 429),
+    ((IdempotencyConflict,), 409),
+    ((PermissionDenied, Forbidden), 403),
+    ((CircuitOpen, NoWorkers, BrokerUnavailable, BrokerFull, BrokerNotDurable), 503),
+    ((TooLarge,), 413),
+    ((RequestTimeout,), 408),
 ]
 
 

@@ -1,11 +1,6 @@
-"""JSON in and out of the HTTP API: strict JSON only, for callers in any language.
-
-Requests: ``Content-Type: application/json``, at most ``HERMES_API_MAX_BODY`` bytes (32 MiB by default;
-more is ``413 payload_too_large``), arriving within ``HERMES_API_BODY_TIMEOUT`` seconds (60 by default;
-later is ``408 request_timeout``), an object nested at most as deeply as Python's parser goes (deeper is
-``400``), and no ``NaN``/``Infinity`` (not JSON: JavaScript's
-``JSON.parse``, Go and Java refuse them). Responses and SSE events never hold them either: a non-finite
-number a tool returned goes out as ``null``. Bytes go out as ``{"$base64": ...}``.
+"""Strict JSON in and out of the HTTP API. Request bodies are ``application/json``, bounded in size
+(``HERMES_API_MAX_BODY``: 413) and arrival time (``HERMES_API_BODY_TIMEOUT``: 408), without ``NaN`` or
+``Infinity``; responses and SSE events write a non-finite number as ``null``, bytes as ``{"$base64": ...}``.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""``/mcp`` on ``hermes-gateway serve``: the MCP server of ``hermes_gateway.mcp_serve`` on the streamable
-HTTP transport (the ``mcp`` SDK's ``StreamableHTTPSessionManager``), behind the API's protections (its
-route's ``http_guard.Guard``: origin, Host, bearer token).
-
-Stateless by default: every request stands alone, so any ``serve`` behind a load balancer answers any
-request; 2026-protocol clients get tool-list changes on a ``subscriptions/listen`` stream. ``stateful``
-(``serve --mcp-stateful``) keeps handshake-era sessions (``Mcp-Session-Id``) with their GET stream, so
-``notifications/tools/list_changed`` reaches clients such as the Hermes agent's mcp 1.x client — a
-session lives in one ``serve`` process, so a proxy in front of several must keep a client on one
-(sticky on the ``Mcp-Session-Id`` header). A session belongs to the principal that opened it: the
-request's ``Caller`` is handed to the SDK as its authenticated user, and the SDK answers a session id
-used by another principal exactly as an unknown one (404), so nobody cancels or reads another's requests.
+"""``/mcp`` on ``serve``: ``mcp_serve``'s server on the SDK's streamable HTTP transport. Stateless by
+default (any ``serve`` behind a load balancer answers); ``stateful`` keeps handshake-era sessions for
+``list_changed`` notices, each in one process and owned by the principal that opened it (to another
+principal its id is unknown: 404).
 """
 
 from __future__ import annotations
@@ -58,7 +50,6 @@ class McpEndpoint:
 
 
 def session_owner(caller: Caller) -> AuthenticatedUser:
-    """Who a session belongs to, as the SDK compares it (its ``client_id``): the principal, and whether
-    the credential is admin (never the token itself)."""
+    """Who a session belongs to, as the SDK compares it: the principal and admin flag, never the token."""
     who = f"{'admin' if caller.admin else 'principal'}:{caller.principal or ''}"
     return AuthenticatedUser(AccessToken(token="", client_id=who, scopes=[]))

@@ -1,5 +1,5 @@
-"""``mcp add``: an MCP server's tools become ``mcp`` tools in the directory, one report line each;
-``mcp list`` and ``mcp remove`` find them again by the server's label."""
+"""``mcp add``, ``mcp list``, ``mcp remove``: an MCP server's tools as ``mcp`` tools of the directory,
+found again by the server's label."""
 
 from __future__ import annotations
 
@@ -41,33 +41,25 @@ def import_server(
     tools_dir: Path | None = None,
     force: bool = False,
 ) -> list[Imported]:
-    """List the server's tools and register each (named ``prefix + tool``); raises when it is unreachable.
-
-    ``label`` (the SERVER_NAME of ``mcp add``) is stored in each spec as ``mcp_server``.
-
-    ``write_dir`` also writes each spec to ``<write_dir>/<name>.yaml`` (for an embedded broker, whose
-    directory ends with the command).
-
-    A tool of another origin under the same name — in the directory, or a spec file ``<tools_dir>/<name>.yaml``
-    that every command loads (and that would put its own tool back) — is not replaced unless ``force``:
-    ``ToolExists`` names them all and nothing is registered.
-    """
+    """List the server's tools and register each as ``prefix + tool``, its spec's ``mcp_server`` being
+    ``label``; raises when the server is unreachable. ``write_dir``: each spec also as a YAML file there
+    (an embedded broker's directory ends with the command). A tool of another origin of the same name, in
+    the directory or as ``<tools_dir>/<name>.yaml``, is replaced only with ``force``, else ``ToolExists``
+    names them all and nothing is registered."""
     listing = dict(server)
     if not _stderr_is_a_file():
         listing["stderr"] = "discard"  # the SDK hands the server our stderr, which must be a real file
     found_tools = list_server_tools(listing, handshake_timeout=handshake_timeout)
-    if not force:
-        names = [_UNSAFE.sub("_", f"{prefix}{found['name']}")[:64] for found in found_tools]
-        taken = [what for name in names if (what := _taken(directory, tools_dir, name, label))]
-        if taken:
-            raise ToolExists(
-                f"{'; '.join(taken)}: `--force` replaces them, or `--prefix` imports beside them (nothing imported)"
-            )
+    # Directory names a model API accepts (the server's own name stays in ``tool:``, for the executor).
+    names = [_UNSAFE.sub("_", f"{prefix}{found['name']}")[:64] for found in found_tools]
+    taken = [] if force else [what for name in names if (what := _taken(directory, tools_dir, name, label))]
+    if taken:
+        raise ToolExists(
+            f"{'; '.join(taken)}: `--force` replaces them, or `--prefix` imports beside them (nothing imported)"
+        )
     out = []
-    for found in found_tools:
-        # The server's own name stays in ``tool:`` (what the executor calls); the directory name must be
-        # one a model API accepts, so other characters become '_'.
-        data = {**found, "name": _UNSAFE.sub("_", f"{prefix}{found['name']}")[:64], "mcp": server}
+    for found, name in zip(found_tools, names, strict=True):
+        data = {**found, "name": name, "mcp": server}
         if label:
             data["mcp_server"] = label
         try:

@@ -1,22 +1,7 @@
-"""The directory's tools as an MCP server, one for both transports: stdio (``hermes-gateway mcp serve``)
-and streamable HTTP at ``/mcp`` of ``hermes-gateway serve`` (``hermes_gateway.mcp_http``).
-
-Any MCP client — the Hermes agent's ``mcp_servers``, an IDE, another agent — sees the tools its principal
-may call (the policy the workers judge by) and calls them through the gateway: each call is an ordinary
-call (queue, limits, breakers, retries, policy, audit, events and trace; a ``traceparent`` in the request's
-``_meta`` continues the caller's trace), run by the workers. The principal is the one the caller's token
-maps to over HTTP (``hermes_gateway.credentials``), the ``--principal`` of ``mcp serve`` over stdio.
-
-The list is read from the directory at every ``tools/list``. A change of the directory (a tool registered,
-updated or removed anywhere) is announced, so clients list again and an agent sees new tools without a
-restart: with ``notifications/tools/list_changed`` to handshake-era sessions (the Hermes agent's mcp 1.x
-client; over HTTP only in stateful mode, where a session has a stream to push on), and on
-``subscriptions/listen`` streams in the 2026 protocol (stateless).
-
-A tool's progress events become ``notifications/progress`` when the request carries a progress token. A
-failed call comes back as a tool error (``isError``) with its typed error, ``<type>: <message>``; a result
-is one text block (a string as it is, anything else as JSON) plus ``structuredContent`` when it is an
-object. A call the client cancels (or abandons by leaving) is cancelled in the gateway too.
+"""The directory's tools as an MCP server, for stdio (``mcp serve``) and ``/mcp`` (``mcp_http``): a client
+sees the tools its principal may call, each call an ordinary gateway call on the workers (a ``_meta``
+``traceparent`` continues the caller's trace; a cancelled or abandoned call is cancelled). Directory
+changes are announced (``list_changed`` to handshake-era sessions, ``subscriptions/listen`` streams).
 """
 
 from __future__ import annotations
@@ -37,9 +22,9 @@ from mcp.server.lowlevel.server import NotificationOptions, Server
 
 from broker import events as ev_mod
 from broker.errors import HermesError
+from hermes_gateway import __version__
 from hermes_gateway.credentials import CALLER_SCOPE_KEY, Caller
 
-VERSION = "0.10.0"  # (the package version: pyproject, hermes_gateway.__version__)
 MAX_SESSIONS = 10_000  # handshake-era sessions remembered for list_changed (the SDK's default session cap)
 
 log = structlog.get_logger("hermes.mcp")
@@ -54,23 +39,14 @@ class _Server(Server[Any]):
         return super().create_initialization_options(options, *args, **kwargs)
 
 
-class Sessions:
+class Sessions(OrderedDict[str, Any]):
     """Handshake-era sessions that listed tools, to tell of a change (the oldest forgotten past a cap)."""
 
-    def __init__(self) -> None:
-        self._by_key: OrderedDict[str, Any] = OrderedDict()
-
     def add(self, key: str, session: Any) -> None:
-        self._by_key[key] = session
-        self._by_key.move_to_end(key)
-        while len(self._by_key) > MAX_SESSIONS:
-            self._by_key.popitem(last=False)
-
-    def drop(self, key: str) -> None:
-        self._by_key.pop(key, None)
-
-    def items(self) -> list[tuple[str, Any]]:
-        return list(self._by_key.items())
+        self[key] = session
+        self.move_to_end(key)
+        while len(self) > MAX_SESSIONS:
+            self.popitem(last=False)
 
 
 def _session_key(ctx: Any) -> str | None:
@@ -92,16 +68,15 @@ def build_server(
     principal: str | None = None,
     session_id: str | None = None,
     timeout: float | None = None,
-    sessions: Sessions | None = None,
+    sessions: Sessions,
+    bus: Any,
     need_workers: bool = False,
-    bus: Any = None,
 ) -> Server[Any]:
-    """The MCP server over ``gw`` (a ``Gateway``: directory, policy) and ``agw()`` (the ``AsyncGateway``
-    the calls go through). ``principal``: who the calls run as when the request has no caller of its own
-    (stdio). ``sessions``: where handshake-era sessions are kept for ``ChangeNotices``. ``need_workers``: a
-    call to a queue no live worker serves is refused at once (``no_workers``) instead of waiting.
-    ``bus``: the ``SubscriptionBus`` that ``subscriptions/listen`` streams are served from."""
-    from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
+    """The MCP server over ``gw`` (directory, policy) and ``agw()`` (the ``AsyncGateway`` calls go through).
+    ``principal``: who calls run as when the request has no caller (stdio). ``sessions``/``bus``: where
+    ``ChangeNotices`` finds handshake-era sessions and listen streams. ``need_workers``: a call to a queue
+    no live worker serves is refused at once (``no_workers``)."""
+    from mcp.server.subscriptions import ListenHandler
 
     fixed = Caller(principal)
 
@@ -111,7 +86,7 @@ def build_server(
 
     async def list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
         key = _session_key(ctx)
-        if sessions is not None and key is not None:
+        if key is not None:
             sessions.add(key, ctx.session)  # the connection to announce changes on
         schemas = await anyio.to_thread.run_sync(gw.tool_schemas, caller_of(ctx).principal)
         tools = [
@@ -130,14 +105,8 @@ def build_server(
             spec = (await agw().tool(name)).spec
             await anyio.to_thread.run_sync(gw.require_workers, str(spec.config.get("queue") or "tools"))
         context = {k: v for k, v in (("principal", caller_of(ctx).principal), ("session_id", session_id)) if v}
-        handle = await agw().call_tool(
-            name,
-            args,
-            timeout=timeout,
-            traceparent=_text(meta.get("traceparent")),
-            tracestate=_text(meta.get("tracestate")),
-            **context,
-        )
+        trace = {"traceparent": _text(meta.get("traceparent")), "tracestate": _text(meta.get("tracestate"))}
+        handle = await agw().call_tool(name, args, timeout=timeout, **trace, **context)
         try:
             token = meta.get("progress_token", meta.get("progressToken"))
             if token is not None:
@@ -163,11 +132,11 @@ def build_server(
 
     return _Server(
         "hermes-gateway",
-        version=VERSION,
+        version=__version__,
         instructions="Tools of the Hermes Gateway directory; every call runs on the gateway's workers.",
         on_list_tools=list_tools,
         on_call_tool=call_tool,
-        on_subscriptions_listen=ListenHandler(bus if bus is not None else InMemorySubscriptionBus()),
+        on_subscriptions_listen=ListenHandler(bus),
     )
 
 
@@ -176,8 +145,7 @@ def _text(value: Any) -> str | None:
 
 
 async def _progress(ctx: Any, handle: Any, token: Any, timeout: float | None) -> None:
-    """Send the call's progress events as ``notifications/progress`` (1, 2, ... with the event's message)
-    until it ends."""
+    """The call's progress events as ``notifications/progress`` (1, 2, ... with their message)."""
     count = 0
     async for event in handle.events(timeout):
         if event.type != ev_mod.PROGRESS:
@@ -190,10 +158,8 @@ async def _progress(ctx: Any, handle: Any, token: Any, timeout: float | None) ->
 
 
 class ChangeNotices:
-    """A thread on the directory's change channel that tells clients the tool list changed (a burst of
-    changes within ``quiet`` seconds is one notice): ``ToolsListChanged`` on ``bus`` for listen streams,
-    ``notifications/tools/list_changed`` to each of ``sessions``. Redis errors are logged and the
-    subscription is made again, backing off up to 5 s."""
+    """A thread on the directory's change channel that tells ``bus`` and ``sessions`` the tool list changed
+    (a burst within ``quiet`` seconds is one notice); after a Redis error it subscribes again, backing off."""
 
     def __init__(
         self, gw: Any, sessions: Sessions, bus: Any, loop: asyncio.AbstractEventLoop, quiet: float = 0.2
@@ -249,10 +215,10 @@ class ChangeNotices:
                 with anyio.fail_after(5):
                     await session.send_tool_list_changed()
             except Exception:  # noqa: BLE001 - the client went away or is stuck: forget it
-                self.sessions.drop(key)
+                self.sessions.pop(key, None)
 
         async with anyio.create_task_group() as group:  # side by side: a stuck client holds up no other
-            for key, session in self.sessions.items():
+            for key, session in list(self.sessions.items()):
                 group.start_soon(tell, key, session)
 
 

@@ -1,23 +1,7 @@
-"""``hermes-gateway migrate``: import the v0.9 tool files into the v0.10 directory (the seed's pitfall 7).
-
-v0.9 kept tools in files the gateway read at start: one list in ``$HERMES_HOME/tools.json`` (or
-``tools.yaml``), as ``[spec, ...]``, ``{"tools": [spec, ...]}`` or ``{name: spec}``, and single specs
-in ``$HERMES_HOME/tools/*.{json,yaml,yml}``. Its specs used older key names::
-
-    type: shell          ->  executor: command     (shell/cmd/exec, rest/api, sql/db, py/function, grpc, mcp)
-    schema | parameters  ->  input_schema
-    returns              ->  output_schema
-    timeout_ms: 5000     ->  timeout: 5.0
-    tags | permission    ->  permissions
-    max_concurrency      ->  concurrency
-    retries: 3           ->  retry: {max: 3}
-    cmd / sql / handler  ->  command / query / function
-    enabled: false       ->  not imported
-
-Each spec is converted, validated and registered; a different spec already in the directory is kept
-unless ``force``. Old per-file specs under ``tools/`` are rewritten in the v0.10 shape (the original is
-kept beside it as ``*.v09.bak``), because every ``tool list`` re-reads that directory. Running it again
-reports every tool "unchanged".
+"""``hermes-gateway migrate``: the v0.9 tool files (``$HERMES_HOME/tools.{json,yaml}`` and
+``tools/*``, with older key names: ``RENAMES``, ``EXECUTOR_ALIASES``) converted, validated and registered.
+A different spec already in the directory is kept unless ``force``; per-file specs are rewritten in
+the v0.10 shape (the original kept as ``*.v09.bak``). Running it again reports every tool "unchanged".
 """
 
 from __future__ import annotations
@@ -49,15 +33,10 @@ RENAMES = {
     "handler": "function",
 }
 EXECUTOR_ALIASES = {
-    "shell": "command",
-    "cmd": "command",
-    "exec": "command",
-    "rest": "http",
-    "api": "http",
-    "sql": "database",
-    "db": "database",
-    "py": "python",
-    "function": "python",
+    **dict.fromkeys(("shell", "cmd", "exec"), "command"),
+    **dict.fromkeys(("rest", "api"), "http"),
+    **dict.fromkeys(("sql", "db"), "database"),
+    **dict.fromkeys(("py", "function"), "python"),
 }
 BACKUP_SUFFIX = ".v09.bak"
 
@@ -118,14 +97,14 @@ def find_legacy(home: Path) -> Iterator[_Found]:
     for name in ("tools.json", "tools.yaml", "tools.yml"):
         path = home / name
         if path.is_file():
-            yield from _entries(path, _read(path), path.name)
+            yield from _entries(_read(path), path.name)
     tools = home / "tools"
     if tools.is_dir():
         files = sorted(p for p in tools.iterdir() if p.suffix in (".json", ".yaml", ".yml") and p.is_file())
         for path in files:
             data = _read(path)
             if isinstance(data, list | str) or (isinstance(data, dict) and "tools" in data):
-                yield from _entries(path, data, f"tools/{path.name}")
+                yield from _entries(data, f"tools/{path.name}")
             else:
                 yield _Found(f"tools/{path.name}", data, path)
 
@@ -143,7 +122,7 @@ class _Unreadable:
     reason: str
 
 
-def _entries(path: Path, data: Any, label: str) -> Iterator[_Found]:
+def _entries(data: Any, label: str) -> Iterator[_Found]:
     if isinstance(data, _Unreadable):
         yield _Found(label, data)
         return
@@ -168,28 +147,16 @@ def migrate(
     dry_run: bool = False,
     to_files: bool = False,
 ) -> list[Outcome]:
-    """Import every v0.9 spec under ``home``; one Outcome per spec found, in the order found.
-
-    ``to_files`` also writes specs of the list files to ``tools/<name>.yaml`` (when no such file
-    exists): with the embedded broker the directory ends with the command, the files do not.
-    """
+    """Import every v0.9 spec under ``home``; one Outcome per spec found, in the order found. ``to_files``
+    also writes the list files' specs to new ``tools/<name>.yaml`` files (an embedded broker's directory
+    ends with the command, the files do not)."""
     out: list[Outcome] = []
     seen: dict[str, tuple[str, str]] = {}  # name -> (source, digest)
     for found in find_legacy(home):
         raw = found.raw
-        if isinstance(raw, _Unreadable):
-            out.append(Outcome(found.source, "?", "skipped", reason=raw.reason, failed=True))
-            continue
         if not isinstance(raw, dict):
-            out.append(
-                Outcome(
-                    found.source,
-                    "?",
-                    "skipped",
-                    reason=f"expected a mapping, got {type(raw).__name__}",
-                    failed=True,
-                )
-            )
+            why = raw.reason if isinstance(raw, _Unreadable) else f"expected a mapping, got {type(raw).__name__}"
+            out.append(Outcome(found.source, "?", "skipped", reason=why, failed=True))
             continue
         name = str(raw.get("name") or (found.file.stem if found.file else "?"))
         if raw.get("enabled") is False:
@@ -205,15 +172,8 @@ def migrate(
             continue
         earlier = seen.get(spec.name)
         if earlier is not None and earlier[1] != spec.digest():
-            out.append(
-                Outcome(
-                    found.source,
-                    spec.name,
-                    "skipped",
-                    reason=f"another spec named so in {earlier[0]}",
-                    failed=True,
-                )
-            )
+            why = f"another spec named so in {earlier[0]}"
+            out.append(Outcome(found.source, spec.name, "skipped", reason=why, failed=True))
             continue
         seen[spec.name] = (found.source, spec.digest())
         outcome = _register(directory, spec, found.source, notes, force, dry_run)
@@ -224,7 +184,7 @@ def migrate(
         target = home / "tools" / f"{spec.name}.yaml"
         if to_files and not dry_run and found.file is None and not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(_HEADER.format(found.source) + _dump(data), encoding="utf-8")
+            target.write_text(_converted(found.source, data), encoding="utf-8")
     return out
 
 
@@ -242,13 +202,8 @@ def _register(
         return Outcome(source, spec.name, status, current.version, "differs from the directory's spec")
     version, outcome = directory.put(spec, replace=force)
     if outcome == "kept":
-        return Outcome(
-            source,
-            spec.name,
-            "skipped",
-            version,
-            f"the directory holds a different {spec.name!r} (version {version}); --force replaces it",
-        )
+        why = f"the directory holds a different {spec.name!r} (version {version}); --force replaces it"
+        return Outcome(source, spec.name, "skipped", version, why)
     status = {"added": "imported", "updated": "updated", "unchanged": "unchanged"}[outcome]
     return Outcome(source, spec.name, status, version, why)
 
@@ -261,11 +216,9 @@ def _rewrite(path: Path, data: dict[str, Any]) -> None:
         path.rename(backup)
     elif path != target:
         path.unlink()
-    target.write_text(_HEADER.format(backup.name) + _dump(data), encoding="utf-8")
+    target.write_text(_converted(backup.name, data), encoding="utf-8")
 
 
-_HEADER = "# converted from v0.9 ({}) by `hermes-gateway migrate`\n"
-
-
-def _dump(data: dict[str, Any]) -> str:
-    return yaml.safe_dump(data, allow_unicode=True, sort_keys=False)
+def _converted(source: str, data: dict[str, Any]) -> str:
+    header = f"# converted from v0.9 ({source}) by `hermes-gateway migrate`\n"
+    return header + yaml.safe_dump(data, allow_unicode=True, sort_keys=False)

@@ -1,21 +1,14 @@
-"""``GET /metrics`` of ``serve``: the gateway-wide figures for Prometheus, read from Redis at each scrape.
-
-``serve`` runs no calls itself; the workers add what they ran to ``hermes:stats`` every second
-(``workers.telemetry``). Here OpenTelemetry observable instruments read those totals and the live state
-(queue depths, calls executing per concurrency key, slot limits, breaker states, live workers), and the
-OpenTelemetry Prometheus exporter writes them out, so ``hermes_calls_total`` summed over its series is
-the number of calls the workers ran (each attempt that ended, ``retrying`` included, as a worker's own
-``hermes.calls`` counts them). OpenTelemetry has no observable histogram, so ``hermes_call_duration_seconds``
-(the workers' bucket counts) is a ``prometheus_client`` collector in the same registry.
-
-A worker started with ``--metrics-port`` serves its own process's instruments the same way
-(``workers.otelsdk.serve_prometheus``); scrape one or the other for totals, not both.
+"""``GET /metrics`` of ``serve``: the gateway-wide figures for Prometheus, read from Redis at each scrape
+(the totals the workers add to ``hermes:stats``, and the live state) by observable OpenTelemetry
+instruments; ``hermes_call_duration_seconds`` is a ``prometheus_client`` collector in the same registry
+(OpenTelemetry has no observable histogram). Scrape this or the workers' ``--metrics-port``, not both.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Iterator
+from functools import partial
 from typing import Any
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -26,8 +19,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from broker.breaker import Breakers
+from broker.limits import Limits
 from hermes_gateway import console_data
-from workers.telemetry import BREAKER_STATES, LATENCY_BOUNDS, SEP
+from workers.telemetry import BREAKER_STATES, LATENCY_BOUNDS, SEP, queue_depths
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -44,60 +39,41 @@ class GatewayMetrics:
         resource = Resource.create({"service.name": "hermes-gateway"})
         self.provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False)
         meter = self.provider.get_meter("hermes_gateway.serve")
-        meter.create_observable_counter(
-            "hermes.calls", [self._calls], unit="{call}", description="Calls that ended, over every worker"
-        )
-        meter.create_observable_gauge(
-            "hermes.queue.depth", [self._queues], unit="{call}", description="Calls waiting on each queue"
-        )
-        meter.create_observable_up_down_counter(
-            "hermes.executor.inflight", [self._inflight], unit="{call}", description="Calls executing per key"
-        )
-        meter.create_observable_gauge(
-            "hermes.concurrency.limit", [self._limits], unit="{call}", description="Slots per concurrency key"
-        )
-        meter.create_observable_gauge(
-            "hermes.concurrency.waiting", [self._waiting], unit="{call}", description="Calls waiting for a slot"
-        )
-        meter.create_observable_gauge(
-            "hermes.breaker.state", [self._breakers], description="0 closed, 1 half-open, 2 open"
-        )
-        meter.create_observable_gauge(
-            "hermes.batch.items", [self._batches], unit="{call}",
-            description="Items of each batch on record by state: done, failed, cancelled, running, unsent",
-        )
-        meter.create_observable_gauge(
-            "hermes.workers", [self._workers], unit="{worker}", description="Workers with a recent heartbeat"
-        )
-        meter.create_observable_counter(
-            "hermes.llm.tokens", [self._tokens], unit="{token}",
-            description="LLM tokens per principal, model and direction (in: prompt, out: completion)",
-        )
-        meter.create_observable_gauge(
-            "hermes.rate.limit", [self._rate_limits], description="Each rate limiter's limit per kind"
-        )
-        meter.create_observable_gauge(
-            "hermes.rate.left", [self._rate_left], description="What each rate limiter has left in its window"
-        )
-        meter.create_observable_gauge(
-            "hermes.rate.waiting", [self._rate_waiting], unit="{call}", description="Calls waiting on each rate-limited key"
-        )
-        meter.create_observable_gauge(
-            "hermes.rate.paused_until", [self._rate_paused], unit="s",
-            description="When a provider's pause of the key ends (unix seconds; 0: not paused)",
-        )
+        counter, gauge = meter.create_observable_counter, meter.create_observable_gauge
+        instruments: list[tuple[Any, str, Any, str, str]] = [
+            (counter, "hermes.calls", self._calls, "{call}", "Calls that ended, over every worker"),
+            (gauge, "hermes.queue.depth", partial(self._by, "queues", "messaging.destination.name"), "{call}",
+             "Calls waiting on each queue"),
+            (meter.create_observable_up_down_counter, "hermes.executor.inflight",
+             partial(self._by, "inflight", "hermes.concurrency_key"), "{call}", "Calls executing per key"),
+            (gauge, "hermes.concurrency.limit", self._limits, "{call}", "Slots per concurrency key"),
+            (gauge, "hermes.concurrency.waiting", partial(self._per_key, "limits", "waiting"), "{call}",
+             "Calls waiting for a slot"),
+            (gauge, "hermes.breaker.state", self._breakers, "", "0 closed, 1 half-open, 2 open"),
+            (gauge, "hermes.batch.items", self._batches, "{call}",
+             "Items of each batch on record by state: done, failed, cancelled, running, unsent"),
+            (gauge, "hermes.workers", self._workers, "{worker}", "Workers with a recent heartbeat"),
+            (counter, "hermes.llm.tokens", self._tokens, "{token}",
+             "LLM tokens per principal, model and direction (in: prompt, out: completion)"),
+            (gauge, "hermes.rate.limit", partial(self._rate, "limits"), "",
+             "Each rate limiter's limit per kind"),
+            (gauge, "hermes.rate.left", partial(self._rate, "left"), "",
+             "What each rate limiter has left in its window"),
+            (gauge, "hermes.rate.waiting", partial(self._per_key, "rate_limits", "waiting"), "{call}",
+             "Calls waiting on each rate-limited key"),
+            (gauge, "hermes.rate.paused_until", partial(self._per_key, "rate_limits", "paused_until"), "s",
+             "When a provider's pause of the key ends (unix seconds; 0: not paused)"),
+        ]
+        for create, name, callback, unit, description in instruments:
+            create(name, [callback], unit=unit, description=description)
         self.registry.register(_DurationCollector(self))
 
     def render(self) -> bytes:
         """The exposition text: one Redis read, then every instrument observes it (blocking: a thread)."""
         conn = self.gw.conn
-        stats = console_data.read_stats(conn)
-        from broker.breaker import Breakers
-        from broker.limits import Limits
-
         snap = {
-            "stats": stats,
-            "queues": console_data.queue_depths(conn),
+            "stats": console_data.read_stats(conn),
+            "queues": dict(queue_depths(conn)),
             "inflight": console_data.inflight(conn),
             "limits": Limits(conn).snapshot(),
             "rate_limits": console_data.rate_limits(conn),
@@ -111,8 +87,6 @@ class GatewayMetrics:
 
     def close(self) -> None:
         self.provider.shutdown()
-
-    # -- the callbacks (run inside generate_latest) ----------------------------------------------
 
     def _calls(self, _options: CallbackOptions) -> Iterable[Observation]:
         out = []
@@ -138,39 +112,24 @@ class GatewayMetrics:
                 out.append(Observation(int(value), attrs))
         return out
 
-    def _rate_limits(self, _options: CallbackOptions) -> Iterable[Observation]:
+    def _rate(self, field: str, _options: CallbackOptions) -> Iterable[Observation]:
         return [
             Observation(v, {"hermes.concurrency_key": r["key"], "hermes.rate.kind": k})
-            for r in self._snap.get("rate_limits", []) for k, v in r["limits"].items()
+            for r in self._snap.get("rate_limits", []) for k, v in r[field].items()
         ]
 
-    def _rate_left(self, _options: CallbackOptions) -> Iterable[Observation]:
-        return [
-            Observation(v, {"hermes.concurrency_key": r["key"], "hermes.rate.kind": k})
-            for r in self._snap.get("rate_limits", []) for k, v in r["left"].items()
-        ]
+    def _per_key(self, rows: str, field: str, _options: CallbackOptions) -> Iterable[Observation]:
+        """``field`` of each row of ``rows`` (a missing figure as 0), per concurrency key."""
+        rows_now = self._snap.get(rows, [])
+        return [Observation(r[field] or 0, {"hermes.concurrency_key": r["key"]}) for r in rows_now]
 
-    def _rate_waiting(self, _options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(r["waiting"], {"hermes.concurrency_key": r["key"]}) for r in self._snap.get("rate_limits", [])]
-
-    def _rate_paused(self, _options: CallbackOptions) -> Iterable[Observation]:
-        return [
-            Observation(r["paused_until"] or 0, {"hermes.concurrency_key": r["key"]})
-            for r in self._snap.get("rate_limits", [])
-        ]
-
-    def _queues(self, _options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(d, {"messaging.destination.name": q}) for q, d in self._snap.get("queues", {}).items()]
-
-    def _inflight(self, _options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(n, {"hermes.concurrency_key": k}) for k, n in self._snap.get("inflight", {}).items()]
+    def _by(self, figures: str, attribute: str, _options: CallbackOptions) -> Iterable[Observation]:
+        """Each figure of the mapping ``figures``, its key as ``attribute``."""
+        return [Observation(n, {attribute: key}) for key, n in self._snap.get(figures, {}).items()]
 
     def _limits(self, _options: CallbackOptions) -> Iterable[Observation]:
         rows = self._snap.get("limits", [])
         return [Observation(r["limit"], {"hermes.concurrency_key": r["key"]}) for r in rows if r["limit"] >= 0]
-
-    def _waiting(self, _options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(r["waiting"], {"hermes.concurrency_key": r["key"]}) for r in self._snap.get("limits", [])]
 
     def _breakers(self, _options: CallbackOptions) -> Iterable[Observation]:
         return [

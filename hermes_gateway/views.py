@@ -23,10 +23,8 @@ def breaker_states(conn: Any, specs: list[ToolSpec], settings: Settings) -> dict
     """Each tool's breaker state from ``hermes:breaker:<key>`` (``closed`` when none is stored)."""
     from broker.breaker import breaker_config
 
-    names = {}
-    for s in specs:
-        cfg = breaker_config(settings, s)
-        names[s.name] = cfg.key if cfg is not None else f"tool:{s.name}"
+    configs = {s.name: breaker_config(settings, s) for s in specs}
+    names = {name: cfg.key if cfg is not None else f"tool:{name}" for name, cfg in configs.items()}
     pipe = conn.pipeline(transaction=False)
     for key in names.values():
         pipe.hget(keys.breaker(key), "state")
@@ -51,11 +49,20 @@ def tool_rows(
     return rows
 
 
+def _table(title: str, *columns: str, right: tuple[str, ...] = ()) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in columns:
+        table.add_column(col, justify="right" if col in right else "left")
+    return table
+
+
+def _clock(ts: float | None) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
 def tools_table(entries: list[Entry], settings: Settings, states: dict[str, str] | None = None) -> None:
-    table = Table(title="tools", title_justify="left")
     cols = ("name", "executor", "permissions", "concurrency", "queue_size", "timeout", "breaker", "version")
-    for col in (*cols, "description"):
-        table.add_column(col)
+    table = _table("tools", *cols, "description")
     for row in tool_rows(entries, settings, states):
         perms = row.get("permissions")
         limits = row["limits"]
@@ -74,15 +81,12 @@ def tools_table(entries: list[Entry], settings: Settings, states: dict[str, str]
 
 
 def status_data(gw: Any, figures: bool = False, viewer: Any = None) -> dict[str, Any]:
-    """Everything ``status`` shows, as plain data; ``figures``: with the live call figures (``--json``).
-    ``viewer``: a ``Caller`` that is not admin sees the recent failures of its own principal's calls only,
-    and no breaker's probe call id."""
+    """Everything ``status`` shows, as data; ``figures``: with the live call figures. ``viewer``: a
+    ``Caller`` that is not admin, shown its own principal's failures only and no breaker's probe call."""
+    from workers.telemetry import queue_depths
+
     conn = gw.conn
-    queue_keys = sorted(k.decode() for k in conn.smembers(keys.RQ_QUEUES))
-    pipe = conn.pipeline(transaction=False)
-    for k in queue_keys:
-        pipe.llen(k)
-    depths = pipe.execute()
+    depths = queue_depths(conn)
     flow = flow_control_data(conn)
     # (every key with calls waiting has its limit recorded: the sweep drops a limit only once nothing waits)
     waiting = {row["key"]: row["waiting"] for row in flow["concurrency"] if row["waiting"]}
@@ -98,9 +102,9 @@ def status_data(gw: Any, figures: bool = False, viewer: Any = None) -> dict[str,
             break
     data = {
         "broker": gw.description,
-        "queues": [{"queue": keys.queue_name(k), "depth": d} for k, d in zip(queue_keys, depths, strict=True)],
+        "queues": [{"queue": queue, "depth": depth} for queue, depth in depths],
         "waiting_by_key": waiting,
-        "leased_calls": sum(conn.zcard(keys.leases(keys.tag(keys.queue_name(k)))) for k in queue_keys),
+        "leased_calls": sum(conn.zcard(keys.leases(keys.tag(queue))) for queue, _ in depths),
         "workers": gw.live_workers(),
         "recent_failures": failures,
         "memory": memory.usage(conn).to_dict(),  # with a warning past 80 % of maxmemory
@@ -137,45 +141,32 @@ def flow_control_data(conn: Any) -> dict[str, Any]:
 
 def print_flow_control(data: dict[str, Any]) -> None:
     title = f"concurrency keys (retries scheduled: {data['scheduled_retries']})"
-    c = Table(title=title, title_justify="left")
-    for col in ("key", "limit", "running", "waiting"):
-        c.add_column(col, justify="left" if col == "key" else "right")
+    c = _table(title, "key", "limit", "running", "waiting", right=("limit", "running", "waiting"))
     for row in data["concurrency"]:
         limit = "-" if row["limit"] < 0 else str(row["limit"])
         c.add_row(row["key"], limit, str(row["running"]), str(row["waiting"]))
     console.print(c)
     if data.get("rate_limits"):
-        r = Table(title="rate limits (left in the window / limit)", title_justify="left")
-        for col in ("key", "requests/min", "tokens/min", "requests/s", "waiting", "paused until"):
-            r.add_column(col, justify="left" if col == "key" else "right")
+        cols = ("requests/min", "tokens/min", "requests/s", "waiting", "paused until")
+        r = _table("rate limits (left in the window / limit)", "key", *cols, right=cols)
         for row in data["rate_limits"]:
             left, limits = row["left"], row["limits"]
             cells = [
                 f"{left[k]}/{limits[k]}" if k in limits else "-"
                 for k in ("requests_per_minute", "tokens_per_minute", "requests_per_second")
             ]
-            until = row.get("paused_until")
-            r.add_row(row["key"], *cells, str(row["waiting"]), time.strftime("%H:%M:%S", time.localtime(until)) if until else "-")
+            r.add_row(row["key"], *cells, str(row["waiting"]), _clock(row.get("paused_until")))
         console.print(r)
     if data.get("usage"):
-        u = Table(title="usage per principal", title_justify="left")
-        for col in ("principal", "tool / model", "calls", "tokens in", "tokens out"):
-            u.add_column(col, justify="right" if col in ("calls", "tokens in", "tokens out") else "left")
+        counts = ("calls", "tokens in", "tokens out")
+        u = _table("usage per principal", "principal", "tool / model", *counts, right=counts)
         for row in data["usage"]:
             u.add_row(row["principal"], row["name"], str(row["calls"]), str(row["tokens_in"]), str(row["tokens_out"]))
         console.print(u)
-    b = Table(title="circuit breakers", title_justify="left")
-    for col in ("key", "state", "since", "reason", "last error"):
-        b.add_column(col)
+    b = _table("circuit breakers", "key", "state", "since", "reason", "last error")
     for row in data["breakers"]:
-        since = row.get("changed_at")
-        b.add_row(
-            row["key"],
-            row["state"],
-            time.strftime("%H:%M:%S", time.localtime(since)) if since else "-",
-            row.get("reason") or "",
-            row.get("last_error") or "",
-        )
+        reason, error = row.get("reason") or "", row.get("last_error") or ""
+        b.add_row(row["key"], row["state"], _clock(row.get("changed_at")), reason, error)
     console.print(b)
 
 
@@ -186,15 +177,12 @@ def print_status(data: dict[str, Any], description: str) -> None:
         console.print(f"[bold red]warning[/bold red]: {mem['warning']}", markup=True, highlight=False)
     elif mem.get("maxmemory"):
         console.print(f"memory: {memory.mib(mem['used'])} of {memory.mib(mem['maxmemory'])} (maxmemory)")
-    q = Table(title="queues", title_justify="left")
-    q.add_column("queue")
-    q.add_column("depth", justify="right")
+    q = _table("queues", "queue", "depth", right=("depth",))
     for row in data["queues"]:
         q.add_row(row["queue"], str(row["depth"]))
     console.print(q)
-    w = Table(title=f"workers ({len(data['workers'])})", title_justify="left")
-    for col in ("name", "queues", "in flight", "concurrency", "processed", "failed", "heartbeat"):
-        w.add_column(col)
+    cols = ("name", "queues", "in flight", "concurrency", "processed", "failed", "heartbeat")
+    w = _table(f"workers ({len(data['workers'])})", *cols)
     now = time.time()
     for row in data["workers"]:
         w.add_row(
@@ -207,11 +195,8 @@ def print_status(data: dict[str, Any], description: str) -> None:
             f"{now - float(row.get('heartbeat', now)):.1f}s ago",
         )
     console.print(w)
-    if "breakers" in data:
-        print_flow_control(data)
-    f = Table(title="recent failures", title_justify="left")
-    for col in ("when", "call", "name", "error"):
-        f.add_column(col)
+    print_flow_control(data)
+    f = _table("recent failures", "when", "call", "name", "error")
     for row in data["recent_failures"]:
         err = row.get("error") or {}
         f.add_row(
@@ -223,19 +208,14 @@ def print_status(data: dict[str, Any], description: str) -> None:
     console.print(f)
 
 
-# A string in a call's request view longer than this is shown in part (with how much more there was).
-VIEW_MAX_TEXT = 256 * 1024
+VIEW_MAX_TEXT = 256 * 1024  # a longer string in a request view is shown in part (saying how much more)
 
 
 def call_request(conn: Any, call_id: str, audit: Any = None) -> dict[str, Any] | None:
-    """What a call asked for, as submitted, secrets masked: a tool call's args (the tool's ``sensitive``
-    args as their hash, as in its audit record), an LLM call's whole request — the messages the model is
-    sent, tool results included (the seed's check for "was the tool result fed back?"). None: no such call.
-
-    An ended call no longer keeps its request (only its outcome, for ``workers.result_ttl``): the answer
-    then comes from its audit record (``audit``, an ``AuditLog``; ``"source": "audit"``: a tool call's
-    redacted args, an LLM call's model and parameters but not its messages), else says it is gone.
-    """
+    """What a call asked for, secrets masked: a tool call's args (``sensitive`` ones as their hash), an LLM
+    call's whole request, tool results fed back included. None: no such call. An ended call keeps only its
+    outcome: then its audit record answers (``audit``; ``"source": "audit"``, without an LLM call's
+    messages), else the answer says the request is gone."""
     from broker.calls import read_record
     from broker.directory import Directory
     from broker.errors import HermesError

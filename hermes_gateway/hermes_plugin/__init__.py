@@ -1,11 +1,7 @@
-"""The Hermes agent plugin ``hermes-gateway``: the gateway's tools in a Hermes session, run on our workers.
-
-Install ``hermes-gateway`` in the agent's environment, then ``hermes plugins enable hermes-gateway``.
-The plugin reaches the gateway's Redis at ``HERMES_GATEWAY_URL``, ``HERMES_REDIS_URL`` or
-``plugins.entries.hermes-gateway.redis_url`` (workers run wherever ``hermes-gateway worker`` runs).
-Every tool the principal may call becomes a Hermes tool in the ``hermes-gateway`` toolset; calling
-one enqueues it with the agent's session, turn and tool-call ids. With ``HERMES_GATEWAY_ROUTE_LLM=1``
-(or ``route_llm: true``) the agent's own chat-completions calls go through the ``llm`` queue too.
+"""The Hermes agent plugin ``hermes-gateway`` (``hermes plugins enable hermes-gateway``): every gateway
+tool the principal may call becomes a Hermes tool of the ``hermes-gateway`` toolset, run on our workers
+with the agent's session, turn and tool-call ids; with ``route_llm`` the agent's chat-completions calls
+go through the ``llm`` queue too. Settings: ``broker.settings.AgentPluginSettings``.
 """
 
 from __future__ import annotations
@@ -21,12 +17,9 @@ log = structlog.get_logger("hermes.plugin")
 
 __all__ = ["PLUGIN_NAME", "TOOLSET", "Bridge", "Options", "register"]
 
-BRIDGE: Bridge | None = None  # the agent process's one bridge (for tests and a clean shutdown)
-
 
 def register(ctx: Any) -> None:
     """Hermes' plugin entry: register the gateway's tools and middleware on ``ctx``."""
-    global BRIDGE
     if not hasattr(type(ctx), "register_tool"):
         # Our own workers load the same plugins (shared config.yaml) with a middleware-only context;
         # routing their LLM calls back onto the queue would loop, so this plugin is agent-side only.
@@ -63,4 +56,3 @@ def register(ctx: Any) -> None:
     ctx.register_middleware("tool_execution", bridge.tool_execution)
     if options.route_llm:
         ctx.register_middleware("llm_execution", bridge.llm_execution)
-    BRIDGE = bridge

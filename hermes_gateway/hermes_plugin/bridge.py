@@ -1,10 +1,8 @@
 """What the plugin does inside the Hermes agent: gateway tools as Hermes tools, LLM calls via the queue.
 
-Hermes calls a tool handler as ``handler(args, task_id=..., session_id=..., ...)`` and expects a string
-back; the ids of the model's tool call (``tool_call_id``, ``turn_id``, ``api_request_id``) reach only
-the ``tool_execution`` middleware, so that middleware puts them in a context variable the handler
-(same thread, just below it in the chain) reads. ``llm_execution`` gets the provider kwargs and must
-return what the provider client would: an OpenAI SDK ``ChatCompletion``, built from our dict.
+A tool handler gets only ``task_id``/``session_id``; the model's ids for the tool call reach the
+``tool_execution`` middleware, which hands them down the chain (same thread) in a context variable.
+``llm_execution`` returns what the provider client would: an OpenAI SDK ``ChatCompletion``.
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ _IDS = ("session_id", "task_id", "turn_id", "tool_call_id", "api_request_id")
 _CLIENT_ONLY = frozenset({"timeout"})
 
 
-# The plugin's settings (``settings.agent_plugin``): HERMES_GATEWAY_* over plugins.entries.hermes-gateway.
-Options = AgentPluginSettings
+Options = AgentPluginSettings  # (``settings.agent_plugin``: HERMES_GATEWAY_* over plugins.entries)
 
 
 def request_body(request: dict[str, Any]) -> dict[str, Any]:
@@ -60,12 +57,8 @@ _plugins_seen: dict[Path, tuple[float, str]] = {}  # HERMES_HOME -> (when read, 
 
 
 def agent_plugins(settings: Settings) -> str:
-    """Comma-separated keys of the plugins this agent runs itself (their middleware and hooks run here,
-    around our calls), so workers reading the same HERMES_HOME skip them: each runs once per call.
-
-    Hermes' own plugin manager says what it loaded; outside Hermes, the enabled plugins of HERMES_HOME.
-    Read again after a few seconds, not on every call.
-    """
+    """The plugins this agent runs itself, comma-separated, for the workers to skip (each runs once per
+    call): what Hermes loaded, else HERMES_HOME's enabled ones; read again after ``_PLUGINS_TTL`` s."""
     home, now = settings.home, time.monotonic()
     seen = _plugins_seen.get(home)
     if seen is None or now - seen[0] >= _PLUGINS_TTL:
@@ -96,11 +89,9 @@ def agent_interrupted() -> bool:
     """Whether the agent asked this thread's tool to stop (Hermes' ``tools.interrupt``; False outside Hermes)."""
     try:
         from tools.interrupt import is_interrupted
-    except Exception:  # noqa: BLE001 - not inside Hermes (or another version)
-        return False
-    try:
+
         return bool(is_interrupted())
-    except Exception:  # noqa: BLE001 - never let the check break a call
+    except Exception:  # noqa: BLE001 - not inside Hermes (or another version): never break a call
         return False
 
 
@@ -131,9 +122,7 @@ class Bridge:
         self.names: dict[str, str] = {}  # Hermes tool name -> gateway tool name
         self._gw: Any = None
         self._lock = threading.Lock()
-        self._last_llm: dict[
-            str, str
-        ] = {}  # session -> its latest LLM call id (the parent of its tool calls)
+        self._last_llm: dict[str, str] = {}  # session -> its latest LLM call id (its tool calls' parent)
         self._waiting: set[Any] = set()  # handles a thread of the agent waits on (cancelled on close)
         self._waiting_lock = threading.Lock()
 
@@ -159,9 +148,8 @@ class Bridge:
                 self._gw = None
 
     def wait(self, handle: Any) -> Any:
-        """``handle.result()`` within the timeout. Any other way out — the timeout, the agent's interrupt
-        (Hermes' ``tools.interrupt``), KeyboardInterrupt, an error, the agent exiting (``close``) —
-        cancels the call: nobody would see it run, so it must not run (or be billed) unseen."""
+        """``handle.result()`` within the timeout. Any other way out (the timeout, the agent's interrupt,
+        KeyboardInterrupt, an error, ``close``) cancels the call: it must not run (or be billed) unseen."""
         deadline = time.monotonic() + self.options.timeout
         with self._waiting_lock:
             self._waiting.add(handle)
@@ -191,8 +179,6 @@ class Bridge:
         except Exception as e:  # noqa: BLE001 - the way out goes on; the broker may be the trouble
             log.warning("could not cancel a call the agent stopped waiting for", call_id=handle.call_id, error=str(e))
 
-    # -- tools -----------------------------------------------------------------------------------
-
     def tools(self) -> list[tuple[str, dict[str, Any]]]:
         """(Hermes name, Hermes schema) of every gateway tool the principal may call."""
         out = []
@@ -212,20 +198,23 @@ class Bridge:
         run.__name__ = f"gateway_{name}"
         return run
 
-    def call(self, name: str, args: dict[str, Any], kw: dict[str, Any]) -> str:
-        ids = {k: kw.get(k) for k in ("session_id", "task_id")}
-        ids.update(_TOOL_CALL.get() or {})
+    def _context(self, ids: dict[str, Any]) -> dict[str, str]:
+        """A call's context: the agent's ids given, the principal, the plugins the agent runs itself."""
         context = {k: str(v) for k, v in ids.items() if v}
-        parent = self._last_llm.get(context.get("session_id", ""))
-        if parent:
-            context["parent_call_id"] = parent
         if self.options.principal:
             context["principal"] = self.options.principal
         applied = agent_plugins(self.settings)
         if applied:
             context["plugins_applied"] = applied
+        return context
+
+    def call(self, name: str, args: dict[str, Any], kw: dict[str, Any]) -> str:
+        ids = {"session_id": kw.get("session_id"), "task_id": kw.get("task_id"), **(_TOOL_CALL.get() or {})}
+        context = self._context(ids)
+        parent = self._last_llm.get(context.get("session_id", ""))
+        if parent:
+            context["parent_call_id"] = parent
         try:
-            # NoWorkers at once when no worker listens on the tool's queue (the error names the queue).
             handle = self.gw.call_tool(self.names.get(name, name), args or {}, **context)
             result = self.wait(handle)
         except HermesError as e:
@@ -242,28 +231,18 @@ class Bridge:
         finally:
             _TOOL_CALL.reset(token)
 
-    # -- the agent's own LLM calls ---------------------------------------------------------------
-
     def llm_execution(self, request: Any = None, next_call: Any = None, **kw: Any) -> Any:
         """Middleware: run the provider call on the gateway's ``llm`` queue instead of in the agent."""
         if kw.get("api_mode") not in (None, "", "chat_completions") or not isinstance(request, dict):
             return next_call(request)  # only chat-completions requests travel the queue
         ids = ("session_id", "task_id", "turn_id", "api_request_id", "provider", "platform")
-        context = {k: str(kw[k]) for k in ids if kw.get(k)}
-        if self.options.principal:
-            context["principal"] = self.options.principal
-        applied = agent_plugins(self.settings)
-        if applied:
-            context["plugins_applied"] = applied
+        context = self._context({k: kw.get(k) for k in ids})
         body = request_body(request)
-        # Hermes streams inside its client call, so the kwargs have no ``stream``; asking the worker to
-        # stream publishes the deltas as events, and the result is the assembled completion all the same.
+        # (Hermes streams inside its client call: a streaming worker publishes the deltas as events)
         body.setdefault("stream", True)
         if body["stream"]:
             body.setdefault("stream_options", {"include_usage": True})
-        # NoWorkers at once when no worker listens on the llm queue. Hermes takes a raise from a middleware
-        # as its failure: it logs it (naming the queue) and calls the provider itself. A call given up
-        # on is cancelled first (``wait``): it must not also go on and complete (and be billed) unseen.
+        # A raise (NoWorkers, at once) makes Hermes log it and call the provider itself.
         handle = self.gw.call_llm(body, **context)
         self._last_llm[context.get("session_id", "")] = handle.call_id
         return as_completion(self.wait(handle))

@@ -240,7 +240,7 @@ def test_without_a_replica_to_confirm_a_submission_is_broker_not_durable_and_nev
 ) -> None:
     from hermes_gateway import BrokerNotDurable, Gateway
     from hermes_gateway.aio import AsyncGateway
-    from hermes_gateway.http_api import error_reply
+    from hermes_gateway.http_guard import error_reply
 
     url = stack.url(1)
     marks = tmp_path / "marks"
