@@ -244,15 +244,12 @@ def test_events_arrive_on_the_callers_channel_and_settle_the_handle(gw: Gateway,
 
 def test_a_failed_call_raises_its_typed_error(gw: Gateway) -> None:
     from broker.calls import CallInfo
-    from broker.codec import pack
     from broker.states import State
 
     h = gw.call_tool("echo", {})
     info = CallInfo.of(gw.calls.record(h.call_id)["envelope"], "tool:echo")
     err = {"type": "invalid_args", "message": "city: required", "details": {"path": "city"}}
-    gw.calls.transition(
-        info, State.FAILED, attempt=1, detail={"error": err}, fields={keys.F_ERROR: pack(err)}
-    )
+    gw.calls.transition(info, State.FAILED, attempt=1, detail={"error": err})
     with pytest.raises(InvalidArgs) as exc:
         h.result(timeout=5)
     assert exc.value.details == {"path": "city"}
