@@ -309,7 +309,8 @@ class AsyncGateway:
         return await self.submit_many(((name, args) for args in items), **common)
 
     async def submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> AsyncBatch:
-        """Submit (tool, args) pairs in one pipeline, as ``Gateway.submit_many``."""
+        """Submit (tool, args) pairs in one pipeline (one round trip: a broker error raises for all of them;
+        refused items raise on ``result()``)."""
         with answered("submitting a batch of calls"):
             return await self._submit_many(calls, **common)
 

@@ -81,11 +81,10 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None, mcp_state
     from hermes_gateway.local import watch_control_stop
     from workers import runfiles
 
+    sock = _listen(host, port, settings.home)  # before the broker and worker: a taken port fails at once
     # uvicorn shuts down on SIGTERM, then raises the signal again to the handler it found: exit through
     # our own cleanup (stop the local worker, the embedded broker) instead of dying on the spot. A SIGTERM
     # while the broker and worker start is kept and obeyed once they are up; while cleaning up, ignored.
-
-    sock = _listen(host, port, settings.home)  # before the broker and worker: a taken port fails at once
     early: list[int] = []
     signal.signal(signal.SIGTERM, lambda sig, _frame: early.append(sig))
     # In this machine's run registry ($HERMES_HOME/run) with its embedded broker and local worker, so
