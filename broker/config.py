@@ -18,8 +18,10 @@ from .errors import ConfigError
 from .placeholders import load_yaml
 from .settings import (
     AGENT_PLUGIN,
+    DEFAULT_CONCURRENCY,
     DEFAULT_LEASE,
     DEFAULT_MAX_ARGS,
+    DEFAULT_QUEUE_SIZE,
     DEFAULT_RESULT_TTL,
     DEFAULT_WAIT_TIMEOUT_MS,
     GC_THRESHOLD,
@@ -27,10 +29,14 @@ from .settings import (
     TRACE_MODES,
     AgentPluginSettings,
     ApiSettings,
+    AuditSettings,
     BatchSettings,
     BrokerSettings,
     ConsoleSettings,
+    FairnessSettings,
     LoggingSettings,
+    McpSettings,
+    ModelSettings,
     PluginDiscovery,
     Settings,
     TelemetrySettings,
@@ -43,6 +49,14 @@ from .settings import (
     model_settings,
     yaml_number,
 )
+
+# What config readers import from here: the loader and, re-exported, the settings it builds.
+__all__ = [
+    "DEFAULT_CONCURRENCY", "DEFAULT_MAX_ARGS", "DEFAULT_QUEUE_SIZE", "GC_THRESHOLD", "LOG_LEVELS", "TRACE_MODES",
+    "AgentPluginSettings", "ApiSettings", "AuditSettings", "BatchSettings", "BrokerSettings", "ConsoleSettings",
+    "FairnessSettings", "LoggingSettings", "McpSettings", "ModelSettings", "PluginDiscovery", "Settings",
+    "TelemetrySettings", "WorkerSettings", "expand_env", "hermes_home", "load_settings", "unset_env",
+]
 
 # The ``${VAR}`` / ``${VAR:-default}`` grammar of :func:`expand_env`.
 ENV_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")

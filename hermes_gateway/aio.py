@@ -414,7 +414,7 @@ class AsyncGateway:
             raise BrokerUnavailable(f"the broker did not confirm the subscriptions {sorted(wanted)} in time") from e
 
     async def _list(self, queues: Iterable[str]) -> None:
-        """Add ``queues`` to RQ's set of queues, once per process (as ``Calls.list_queue``)."""
+        """Add ``queues`` to RQ's set of queues, once per process (``Calls.listed`` remembers them)."""
         for queue in queues:
             if queue not in self.calls.listed:
                 await self.conn.sadd(keys.RQ_QUEUES, keys.queue(queue))

@@ -52,7 +52,7 @@ def call_figures(stats: dict[str, str]) -> dict[str, Any]:
 
 
 def usage_figures(stats: dict[str, str]) -> list[dict[str, Any]]:
-    """Per principal and tool or model: calls, and an LLM call's tokens in and out (``workers.telemetry.usage``)."""
+    """Per principal and tool or model: calls, and an LLM call's tokens in and out (the ``Usage`` hook's figures)."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for field, value in stats.items():
         parts = field.split(SEP)

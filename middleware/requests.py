@@ -24,6 +24,11 @@ class RequestOutcome:
     original: Any
     trace: list[dict[str, Any]] = field(default_factory=list)
 
+    @property
+    def changed(self) -> bool:
+        """True when at least one middleware replaced the payload."""
+        return bool(self.trace)
+
 
 def safe_copy(payload: Any) -> Any:
     """Deep-copy a payload; fall back to a shallow copy when it holds something uncopyable (a client)."""

@@ -157,6 +157,10 @@ class MiddlewareRuntime:
                 self._without[skip] = found
         return found
 
+    def middleware(self, kind: str) -> tuple[Registration, ...]:
+        """The registrations for ``kind`` in registration (= chain) order."""
+        return tuple(self._middleware.get(kind, ()))
+
     def has_middleware(self, kind: str) -> bool:
         """True when at least one callback is registered for ``kind``."""
         return bool(self._middleware.get(kind))

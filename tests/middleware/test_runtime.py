@@ -88,3 +88,16 @@ def test_without_leaves_out_the_named_plugins_callbacks_only(registry: Middlewar
     rt = registry.runtime()
     assert rt.without(("a",)) is rt.without(["a"])  # built once per set
     assert rt.without(()) is rt and rt.without(("a", "b")).empty
+
+
+def test_a_request_outcome_says_whether_middleware_changed_it_and_lists_registrations_in_order(
+    registry: MiddlewareRegistry,
+) -> None:
+    assert not registry.runtime().tool_request({}, "t", {"a": 1}).changed
+    first, second = (lambda **kw: None), (lambda **kw: {"args": {"a": 2}})
+    registry.register_middleware("tool_request", first)
+    registry.register_middleware("tool_request", second)
+    rt = registry.runtime()
+    assert [r.callback for r in rt.middleware("tool_request")] == [first, second]
+    outcome = rt.tool_request({}, "t", {"a": 1})
+    assert outcome.changed and outcome.payload == {"a": 2} and outcome.original == {"a": 1}

@@ -1,9 +1,10 @@
 """The ``python`` executor: call ``package.module:callable`` (sync or async) in the worker.
 
 A callable with a ``ctx`` parameter (or listed in ``executors.python.inline``) runs on the call's own
-thread and watches ``ctx`` itself. Any other runs on a helper thread (``pyhelpers``): at the deadline or
-on cancellation the call ends at once and the function is abandoned and stopped with
-:class:`ToolStopped`; past ``max_abandoned`` of them still running, new calls of that tool fail at once.
+thread (with ``ctx``, it can watch the deadline and cancellation itself). Any other runs on a helper
+thread (``pyhelpers``): at the deadline or on cancellation the call ends at once and the function is
+abandoned and stopped with :class:`ToolStopped`; past ``max_abandoned`` of them still running, new calls
+of that tool fail at once.
 """
 
 from __future__ import annotations
