@@ -1,7 +1,7 @@
 """What the console's overview shows, read from Redis in one pass: one snapshot every tick of its stream.
 
 Every figure is cumulative or current; the page turns consecutive snapshots into rates and percentiles.
-The readers are those of ``status`` and ``status --watch``, plus the duration buckets of ``hermes:stats``.
+``hermes:stats`` is read by ``workers.telemetry.read_stats``, as for ``status`` and ``/metrics``.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ def call_figures(stats: Stats) -> dict[str, Any]:
         row = by_tool.setdefault(f"{kind}:{name}", {})
         row[state] = row.get(state, 0) + n
     buckets = [sum(counts[i] for counts in stats.latency.values()) for i in range(len(LATENCY_BOUNDS) + 1)]
-    return {"states": states, "by_tool": by_tool, "latency": {"bounds": list(LATENCY_BOUNDS), "counts": buckets}}
+    latency = {"bounds": list(LATENCY_BOUNDS), "counts": buckets}
+    return {"states": states, "by_tool": by_tool, "latency": latency}
 
 
 def usage_figures(stats: Stats) -> list[dict[str, Any]]:
-    """Per principal and tool or model: calls, and an LLM call's tokens in and out (``workers.telemetry.Usage``)."""
+    """Per principal and tool or model: calls, and an LLM call's tokens in and out (``telemetry.Usage``)."""
     figures = [((p, f"{kind}:{name}"), "calls", n) for (p, kind, name), n in stats.pcalls.items()]
     figures += [((p, f"llm:{model}"), f"tokens_{way}", n) for (p, model, way), n in stats.tokens.items()]
     rows: dict[tuple[str, str], dict[str, Any]] = {}

@@ -347,7 +347,7 @@ class Timing:
 
 @dataclass
 class Stats:
-    """``hermes:stats`` parsed, each mapping in the order the hash lists its fields; (kind, name) is a call's."""
+    """``hermes:stats`` parsed, each mapping in the order the hash lists its fields; (kind, name): a call."""
 
     calls: dict[tuple[str, str, str, str], int] = field(default_factory=dict)  # + state, error type or ""
     names: dict[tuple[str, str], None] = field(default_factory=dict)  # with calls or durations, first listed

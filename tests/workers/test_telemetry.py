@@ -333,13 +333,14 @@ def test_parse_stats_keeps_the_hash_order_and_skips_what_it_cannot_read() -> Non
     got = metrics.parse_stats({
         "duration|tool|a|b": "0.5", "calls|tool|z|done|": "2", "calls|tool|a|b|failed|boom": "1",
         "lat|tool|a|b|3": "4", "lat|tool|a|b|99": "1", "lat|tool|a|b|x": "1", "calls|x|y|z": "1",
-        "tokens|p|m|up": "1", "tokens|p|m|x|in": "3", "wait|q": "0.3", "wait_n|q": "2", "pcalls|p|tool|z": "?",
+        "tokens|p|m|up": "1", "tokens|p|m|x|in": "3", "wait|q": "0.3", "wait_n|q": "2", "pcalls|p|t|z": "?",
     })
     assert list(got.names) == [("tool", "a|b"), ("tool", "z")]  # (the order `status --json` lists calls in)
     assert got.calls == {("tool", "z", "done", ""): 2, ("tool", "a|b", "failed", "boom"): 1}
     assert got.latency == {("tool", "a|b"): [0, 0, 0, 4] + [0] * (len(metrics.LATENCY_BOUNDS) - 3)}
     assert got.tokens == {("p", "m|x", "in"): 3} and got.pcalls == {}
-    assert got.waits["q"].mean == pytest.approx(0.15) and got.durations == {("tool", "a|b"): metrics.Timing(0.5)}
+    assert got.waits["q"].mean == pytest.approx(0.15)
+    assert got.durations == {("tool", "a|b"): metrics.Timing(0.5)}
 
 
 # -- turning it on -------------------------------------------------------------------------------
