@@ -1,7 +1,7 @@
 """What the console's overview shows, read from Redis in one pass: one snapshot every tick of its stream.
 
 Every figure is cumulative or current; the page turns consecutive snapshots into rates and percentiles.
-The readers are those of ``status`` and ``status --watch``, plus the duration buckets of ``hermes:stats``.
+``hermes:stats`` is read by ``workers.telemetry.read_stats``, as for ``status`` and ``/metrics``.
 """
 
 from __future__ import annotations
@@ -12,58 +12,32 @@ from typing import Any
 from broker import keys, memory
 from broker.breaker import OPEN, Breakers, breaker_config
 from broker.limits import Limits
-from workers.telemetry import LATENCY_BOUNDS, SEP, queue_depths, text
+from workers.telemetry import LATENCY_BOUNDS, Stats, queue_depths, read_inflight, read_stats, text
 
 LATE_AFTER = 2.0  # heartbeat intervals (plus a second of slack) after which a worker is shown late
 
 
-def call_figures(stats: dict[str, str]) -> dict[str, Any]:
-    """Calls by state (all tools), by tool and state, and duration bucket counts, from ``hermes:stats``."""
+def call_figures(stats: Stats) -> dict[str, Any]:
+    """Calls by state (all tools), by tool and state, and the duration bucket counts of every tool."""
     states: dict[str, int] = {}
     by_tool: dict[str, dict[str, int]] = {}
-    buckets = [0] * (len(LATENCY_BOUNDS) + 1)
-    by_tool_buckets: dict[str, list[int]] = {}
-    sums: dict[str, float] = {}
-    for field, value in stats.items():
-        parts = field.split(SEP)
-        if parts[0] == "calls" and len(parts) >= 5:
-            name, state = f"{parts[1]}:{SEP.join(parts[2:-2])}", parts[-2]
-            states[state] = states.get(state, 0) + int(value)
-            row = by_tool.setdefault(name, {})
-            row[state] = row.get(state, 0) + int(value)
-        elif parts[0] == "lat" and len(parts) >= 4:
-            name = f"{parts[1]}:{SEP.join(parts[2:-1])}"
-            try:
-                i = int(parts[-1])
-            except ValueError:
-                continue
-            if 0 <= i < len(buckets):
-                buckets[i] += int(value)
-                by_tool_buckets.setdefault(name, [0] * len(buckets))[i] += int(value)
-        elif parts[0] == "duration" and len(parts) >= 3:
-            sums[f"{parts[1]}:{SEP.join(parts[2:])}"] = float(value)
-    return {
-        "states": states,
-        "by_tool": by_tool,
-        "latency": {"bounds": list(LATENCY_BOUNDS), "counts": buckets},
-        "latency_by_tool": by_tool_buckets,
-        "duration_sum": sums,
-    }
+    for (kind, name, state, _), n in stats.calls.items():
+        states[state] = states.get(state, 0) + n
+        row = by_tool.setdefault(f"{kind}:{name}", {})
+        row[state] = row.get(state, 0) + n
+    buckets = [sum(counts[i] for counts in stats.latency.values()) for i in range(len(LATENCY_BOUNDS) + 1)]
+    latency = {"bounds": list(LATENCY_BOUNDS), "counts": buckets}
+    return {"states": states, "by_tool": by_tool, "latency": latency}
 
 
-def usage_figures(stats: dict[str, str]) -> list[dict[str, Any]]:
-    """Per principal and tool or model: calls, and an LLM call's tokens in and out (the ``Usage`` hook's figures)."""
+def usage_figures(stats: Stats) -> list[dict[str, Any]]:
+    """Per principal and tool or model: calls, and an LLM call's tokens in and out (``telemetry.Usage``)."""
+    figures = [((p, f"{kind}:{name}"), "calls", n) for (p, kind, name), n in stats.pcalls.items()]
+    figures += [((p, f"llm:{model}"), f"tokens_{way}", n) for (p, model, way), n in stats.tokens.items()]
     rows: dict[tuple[str, str], dict[str, Any]] = {}
-    for field, value in stats.items():
-        parts = field.split(SEP)
-        if parts[0] == "pcalls" and len(parts) >= 4:
-            key, figure = (parts[1], f"{parts[2]}:{SEP.join(parts[3:])}"), "calls"
-        elif parts[0] == "tokens" and len(parts) >= 4 and parts[-1] in ("in", "out"):
-            key, figure = (parts[1], f"llm:{SEP.join(parts[2:-1])}"), f"tokens_{parts[-1]}"
-        else:
-            continue
+    for key, figure, n in figures:
         empty = {"principal": key[0], "name": key[1], "calls": 0, "tokens_in": 0, "tokens_out": 0}
-        rows.setdefault(key, empty)[figure] += _int(value)
+        rows.setdefault(key, empty)[figure] += n
     return [rows[k] for k in sorted(rows)]
 
 
@@ -72,19 +46,6 @@ def rate_limits(conn: Any) -> list[dict[str, Any]]:
     from broker.ratelimits import RateLimiter
 
     return RateLimiter(conn).snapshot(Limits(conn).queues())
-
-
-def read_stats(conn: Any) -> dict[str, str]:
-    return {text(k): text(v) for k, v in conn.hgetall(keys.STATS).items()}
-
-
-def inflight(conn: Any) -> dict[str, int]:
-    """Calls executing per concurrency key, summed over the workers' in-flight hashes."""
-    out: dict[str, int] = {}
-    for key in conn.scan_iter(match=keys.STATS_INFLIGHT.format("*"), count=500):
-        for ckey, n in conn.hgetall(key).items():
-            out[text(ckey)] = out.get(text(ckey), 0) + int(n)
-    return out
 
 
 def workers(conn: Any, lease: float, now: float) -> list[dict[str, Any]]:
@@ -152,7 +113,7 @@ def slots(
         queue_of[key] = str(spec.config.get("queue") or "tools")
         limit = spec.concurrency or settings.concurrency_for(spec.executor)
         rows.setdefault(key, {"key": key, "limit": limit, "running": 0, "waiting": 0})
-    running = inflight(conn)
+    running = read_inflight(conn)
     for ckey, n in running.items():
         rows.setdefault(ckey, {"key": ckey, "limit": -1, "running": n, "waiting": 0})
     for row in rows.values():

@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 from broker.breaker import Breakers
 from broker.limits import Limits
 from hermes_gateway import console_data
-from workers.telemetry import BREAKER_STATES, LATENCY_BOUNDS, SEP, queue_depths
+from workers.telemetry import BREAKER_STATES, LATENCY_BOUNDS, Stats, queue_depths, read_inflight, read_stats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -72,9 +72,9 @@ class GatewayMetrics:
         """The exposition text: one Redis read, then every instrument observes it (blocking: a thread)."""
         conn = self.gw.conn
         snap = {
-            "stats": console_data.read_stats(conn),
+            "stats": read_stats(conn),
             "queues": dict(queue_depths(conn)),
-            "inflight": console_data.inflight(conn),
+            "inflight": read_inflight(conn),
             "limits": Limits(conn).snapshot(),
             "rate_limits": console_data.rate_limits(conn),
             "breakers": Breakers(conn).all(),
@@ -90,27 +90,19 @@ class GatewayMetrics:
 
     def _calls(self, _options: CallbackOptions) -> Iterable[Observation]:
         out = []
-        for field, value in self._snap.get("stats", {}).items():
-            parts = field.split(SEP)
-            if parts[0] == "calls" and len(parts) >= 5:
-                attrs = {
-                    "hermes.call.kind": parts[1],
-                    "hermes.call.name": SEP.join(parts[2:-2]),
-                    "hermes.call.state": parts[-2],
-                }
-                if parts[-1]:
-                    attrs["error.type"] = parts[-1]
-                out.append(Observation(int(value), attrs))
+        for (kind, name, state, etype), n in self._stats().calls.items():
+            attrs = {"hermes.call.kind": kind, "hermes.call.name": name, "hermes.call.state": state}
+            out.append(Observation(n, {**attrs, "error.type": etype} if etype else attrs))
         return out
 
     def _tokens(self, _options: CallbackOptions) -> Iterable[Observation]:
-        out = []
-        for field, value in self._snap.get("stats", {}).items():
-            parts = field.split(SEP)
-            if parts[0] == "tokens" and len(parts) >= 4 and parts[-1] in ("in", "out"):
-                attrs = {"principal": parts[1], "model": SEP.join(parts[2:-1]), "direction": parts[-1]}
-                out.append(Observation(int(value), attrs))
-        return out
+        return [
+            Observation(n, {"principal": principal, "model": model, "direction": way})
+            for (principal, model, way), n in self._stats().tokens.items()
+        ]
+
+    def _stats(self) -> Stats:
+        return self._snap.get("stats") or Stats()
 
     def _rate(self, field: str, _options: CallbackOptions) -> Iterable[Observation]:
         return [
@@ -158,18 +150,18 @@ class _DurationCollector(Collector):
         self.metrics = metrics
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
-        figures = console_data.call_figures(self.metrics._snap.get("stats", {}))
+        stats = self.metrics._stats()
         family = HistogramMetricFamily(
             "hermes_call_duration_seconds",
             "Time from claim to the terminal state, over every worker",
             labels=["hermes_call_kind", "hermes_call_name"],
             unit="seconds",
         )
-        for label, counts in sorted(figures["latency_by_tool"].items()):
-            kind, _, name = label.partition(":")
+        for (kind, name), counts in sorted(stats.latency.items()):
             cumulative, buckets = 0, []
             for bound, n in zip([*LATENCY_BOUNDS, float("inf")], counts, strict=True):
                 cumulative += n
                 buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-            family.add_metric([kind, name], buckets, figures["duration_sum"].get(label, 0.0))
+            timing = stats.durations.get((kind, name))
+            family.add_metric([kind, name], buckets, timing.seconds if timing else 0.0)
         yield family

@@ -128,7 +128,8 @@ def flow_control_data(conn: Any) -> dict[str, Any]:
     """Concurrency keys (limit, running, waiting), retries on the schedule, circuit breakers."""
     from broker.breaker import Breakers
     from broker.limits import Limits
-    from hermes_gateway.console_data import rate_limits, read_stats, usage_figures
+    from hermes_gateway.console_data import rate_limits, usage_figures
+    from workers.telemetry import read_stats
 
     return {
         "concurrency": Limits(conn).snapshot(),

@@ -14,7 +14,7 @@ from rich.live import Live
 from rich.table import Table
 
 from broker import keys
-from workers.telemetry import SEP, queue_depths, text
+from workers.telemetry import Timing, queue_depths, read_inflight, read_stats, text
 
 
 def call_known(conn: redis.Redis, call_id: str) -> bool:
@@ -24,46 +24,30 @@ def call_known(conn: redis.Redis, call_id: str) -> bool:
 
 def figures(conn: redis.Redis) -> dict[str, Any]:
     """Everything the live view shows, as plain data (a few round trips)."""
-    raw = {text(k): text(v) for k, v in conn.hgetall(keys.STATS).items()}
+    stats = read_stats(conn)
     calls: dict[str, dict[str, Any]] = {}
+    for kind, name in stats.names:
+        timing = stats.durations.get((kind, name), Timing())
+        calls[f"{kind}:{name}"] = {"states": {}, "duration_s": timing.seconds, "n": timing.n}
     errors: dict[tuple[str, str], int] = {}
-    waits: dict[str, dict[str, float]] = {}
-    for field, value in raw.items():
-        parts = field.split(SEP)
-        if parts[0] == "calls" and len(parts) >= 5:
-            name, state, etype = f"{parts[1]}:{SEP.join(parts[2:-2])}", parts[-2], parts[-1]
-            row = calls.setdefault(name, {"states": {}, "duration_s": 0.0, "n": 0})
-            row["states"][state] = row["states"].get(state, 0) + int(value)
-            if etype:
-                errors[(name, etype)] = errors.get((name, etype), 0) + int(value)
-        elif parts[0] in ("duration", "duration_n") and len(parts) >= 3:
-            row = calls.setdefault(
-                f"{parts[1]}:{SEP.join(parts[2:])}", {"states": {}, "duration_s": 0.0, "n": 0}
-            )
-            if parts[0] == "duration":
-                row["duration_s"] = float(value)
-            else:
-                row["n"] = int(value)
-        elif parts[0] in ("wait", "wait_n") and len(parts) >= 2:
-            w = waits.setdefault(SEP.join(parts[1:]), {"sum": 0.0, "n": 0})
-            w["sum" if parts[0] == "wait" else "n"] = float(value)
-    inflight: dict[str, int] = {}
-    for key in conn.scan_iter(match=keys.STATS_INFLIGHT.format("*"), count=500):
-        for ckey, n in conn.hgetall(key).items():
-            inflight[text(ckey)] = inflight.get(text(ckey), 0) + int(n)
+    for (kind, name, state, etype), n in stats.calls.items():
+        label = f"{kind}:{name}"
+        states = calls[label]["states"]
+        states[state] = states.get(state, 0) + n
+        if etype:
+            errors[(label, etype)] = errors.get((label, etype), 0) + n
     breaker_keys = sorted(text(k) for k in conn.smembers(keys.BREAKERS))
     pipe = conn.pipeline(transaction=False)
     for k in breaker_keys:
         pipe.hget(keys.breaker(k), "state")
     breakers = {k: (s or b"closed").decode() for k, s in zip(breaker_keys, pipe.execute(), strict=True)}
-    for field, value in raw.items():  # breakers reported through workers.telemetry.breaker_changed
-        if field.startswith(f"breaker{SEP}"):
-            breakers.setdefault(field.split(SEP, 1)[1], value)
+    for key, state in stats.breakers.items():  # reported through workers.telemetry.breaker_changed
+        breakers.setdefault(key, state)
     return {
         "calls": calls,
         "errors": errors,
-        "queue_wait": {q: (w["sum"] / w["n"] if w["n"] else 0.0) for q, w in waits.items()},
-        "inflight": inflight,
+        "queue_wait": {q: w.mean for q, w in stats.waits.items()},
+        "inflight": read_inflight(conn),
         "breakers": breakers,
         "queues": dict(queue_depths(conn)),
         "ts": time.time(),

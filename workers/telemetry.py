@@ -14,6 +14,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
@@ -330,6 +331,84 @@ LATENCY_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 
 def latency_bucket(seconds: float) -> int:
     """The index of the bucket a duration falls in (``le`` semantics: 0.001 is in bucket 0)."""
     return bisect_left(LATENCY_BOUNDS, seconds)
+
+
+@dataclass
+class Timing:
+    """Seconds summed over ``n`` calls: a call name's durations, a queue's waits."""
+
+    seconds: float = 0.0
+    n: int = 0
+
+    @property
+    def mean(self) -> float:
+        return self.seconds / self.n if self.n else 0.0
+
+
+@dataclass
+class Stats:
+    """``hermes:stats`` parsed, each mapping in the order the hash lists its fields; (kind, name): a call."""
+
+    calls: dict[tuple[str, str, str, str], int] = field(default_factory=dict)  # + state, error type or ""
+    names: dict[tuple[str, str], None] = field(default_factory=dict)  # with calls or durations, first listed
+    durations: dict[tuple[str, str], Timing] = field(default_factory=dict)
+    latency: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # calls per latency_bucket
+    waits: dict[str, Timing] = field(default_factory=dict)  # per queue
+    pcalls: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (principal, kind, name)
+    tokens: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (principal, model, "in" | "out")
+    breakers: dict[str, str] = field(default_factory=dict)  # key -> the state a worker last reported
+
+
+def parse_stats(raw: Mapping[str, str]) -> Stats:
+    """The figures of ``hermes:stats``, its fields named as the writers below name them (others skipped)."""
+    s = Stats()
+    for name, value in raw.items():
+        what, *rest = name.split(SEP)
+        try:
+            if what == "calls" and len(rest) >= 4:
+                label = (rest[0], SEP.join(rest[1:-2]))
+                s.calls[(*label, rest[-2], rest[-1])] = int(value)
+                s.names.setdefault(label)
+            elif what in ("duration", "duration_n") and len(rest) >= 2:
+                label = (rest[0], SEP.join(rest[1:]))
+                _timing(s.durations, label, what, value)
+                s.names.setdefault(label)
+            elif what == "lat" and len(rest) >= 3 and 0 <= (i := int(rest[-1])) <= len(LATENCY_BOUNDS):
+                label, n = (rest[0], SEP.join(rest[1:-1])), int(value)
+                s.latency.setdefault(label, [0] * (len(LATENCY_BOUNDS) + 1))[i] += n
+            elif what in ("wait", "wait_n") and rest:
+                _timing(s.waits, SEP.join(rest), what, value)
+            elif what == "pcalls" and len(rest) >= 3:
+                s.pcalls[(rest[0], rest[1], SEP.join(rest[2:]))] = int(value)
+            elif what == "tokens" and len(rest) >= 3 and rest[-1] in ("in", "out"):
+                s.tokens[(rest[0], SEP.join(rest[1:-1]), rest[-1])] = int(value)
+            elif what == "breaker" and rest:
+                s.breakers[SEP.join(rest)] = value
+        except ValueError:  # a damaged figure
+            continue
+    return s
+
+
+def _timing(into: dict[Any, Timing], key: Any, what: str, value: str) -> None:
+    """Set the sum (``duration``, ``wait``) or the count (``…_n``) of ``into[key]``."""
+    if what.endswith("_n"):
+        into.setdefault(key, Timing()).n = int(value)  # (the value parses before the entry is made)
+    else:
+        into.setdefault(key, Timing()).seconds = float(value)
+
+
+def read_stats(conn: redis.Redis) -> Stats:
+    """``hermes:stats``: what every worker's flushes summed (one round trip)."""
+    return parse_stats({text(k): text(v) for k, v in conn.hgetall(keys.STATS).items()})
+
+
+def read_inflight(conn: redis.Redis) -> dict[str, int]:
+    """Calls executing per concurrency key, summed over the workers' in-flight hashes (``StatsFlusher``)."""
+    out: dict[str, int] = {}
+    for key in conn.scan_iter(match=keys.STATS_INFLIGHT.format("*"), count=500):
+        for ckey, n in conn.hgetall(key).items():
+            out[text(ckey)] = out.get(text(ckey), 0) + int(n)
+    return out
 
 
 class _Instruments:

@@ -7,7 +7,7 @@ from typing import Any
 
 from broker import keys
 from hermes_gateway import console_data
-from workers.telemetry import LATENCY_BOUNDS, SEP
+from workers.telemetry import LATENCY_BOUNDS, SEP, Timing, parse_stats
 
 
 def test_call_figures_sum_states_and_duration_buckets_per_tool() -> None:
@@ -22,12 +22,13 @@ def test_call_figures_sum_states_and_duration_buckets_per_tool() -> None:
         f"duration{SEP}tool{SEP}echo": "12.5",
         f"wait{SEP}tools": "0.3",
     }
-    got = console_data.call_figures(stats)
+    parsed = parse_stats(stats)
+    got = console_data.call_figures(parsed)
     assert got["states"] == {"done": 5, "failed": 2, "retrying": 1}
     assert got["by_tool"] == {"tool:echo": {"done": 5, "failed": 2}, "tool:a|b": {"retrying": 1}}
     counts = got["latency"]["counts"]
     assert len(counts) == len(LATENCY_BOUNDS) + 1 and counts[0] == 4 and counts[-1] == 3 and counts[2] == 1
-    assert got["latency_by_tool"]["tool:a|b"][2] == 1 and got["duration_sum"] == {"tool:echo": 12.5}
+    assert parsed.latency[("tool", "a|b")][2] == 1 and parsed.durations == {("tool", "echo"): Timing(12.5)}
 
 
 def test_a_worker_is_late_past_two_heartbeat_intervals(fake: Any) -> None:

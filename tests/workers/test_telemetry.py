@@ -324,6 +324,23 @@ def test_totals_reach_redis_for_the_status_view(fake: Any, core: WorkerCore) -> 
     assert stats["calls|tool|strict|failed|invalid_args"] == "1"
     assert stats["duration_n|tool|echo"] == "1" and float(stats["duration|tool|echo"]) > 0
     assert stats["wait_n|tools"] == "2" and stats["breaker|tool:strict"] == "open"
+    parsed = metrics.read_stats(fake)  # what the views read back
+    assert parsed.calls[("tool", "strict", "failed", "invalid_args")] == 1 and parsed.waits["tools"].n == 2
+    assert parsed.durations[("tool", "echo")].n == 1 and parsed.breakers == {"tool:strict": "open"}
+
+
+def test_parse_stats_keeps_the_hash_order_and_skips_what_it_cannot_read() -> None:
+    got = metrics.parse_stats({
+        "duration|tool|a|b": "0.5", "calls|tool|z|done|": "2", "calls|tool|a|b|failed|boom": "1",
+        "lat|tool|a|b|3": "4", "lat|tool|a|b|99": "1", "lat|tool|a|b|x": "1", "calls|x|y|z": "1",
+        "tokens|p|m|up": "1", "tokens|p|m|x|in": "3", "wait|q": "0.3", "wait_n|q": "2", "pcalls|p|t|z": "?",
+    })
+    assert list(got.names) == [("tool", "a|b"), ("tool", "z")]  # (the order `status --json` lists calls in)
+    assert got.calls == {("tool", "z", "done", ""): 2, ("tool", "a|b", "failed", "boom"): 1}
+    assert got.latency == {("tool", "a|b"): [0, 0, 0, 4] + [0] * (len(metrics.LATENCY_BOUNDS) - 3)}
+    assert got.tokens == {("p", "m|x", "in"): 3} and got.pcalls == {}
+    assert got.waits["q"].mean == pytest.approx(0.15)
+    assert got.durations == {("tool", "a|b"): metrics.Timing(0.5)}
 
 
 # -- turning it on -------------------------------------------------------------------------------
