@@ -8,6 +8,7 @@ tail (``follow``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -218,43 +219,36 @@ def follow(
     pubsub = subscriber(conn)
     get = _subscribe(conn, pubsub, channel)
     try:
-        last = after
-        for ev in history(conn, call_id, after + 1):
-            last = ev.seq
-            yield ev
-            if ev.terminal:
-                return
+        last, quiet = after, False
+        fresh = history(conn, call_id, after + 1)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            for ev in fresh:
+                last = ev.seq
+                yield ev
+                if ev.terminal:
+                    return
+            if quiet and deadline is not None and time.monotonic() >= deadline:
+                return
             wait = poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic()))
             msg = get(wait)
-            if msg is None:  # quiet: the history again, in case a message was lost on the way
-                for ev in history(conn, call_id, last + 1):
-                    last = ev.seq
-                    yield ev
-                    if ev.terminal:
-                        return
-                if deadline is not None and time.monotonic() >= deadline:
-                    return
-                continue
-            try:
-                ev = decode(msg["data"])
-            except DecodeError:
-                continue
-            if ev.call_id != call_id or ev.seq <= last:
-                continue
-            if ev.seq > last + 1:
-                for missing in history(conn, call_id, last + 1):
-                    if missing.seq >= ev.seq:
-                        break
-                    last = missing.seq
-                    yield missing
-            last = ev.seq
-            yield ev
-            if ev.terminal:
-                return
+            quiet = msg is None  # then the history again, in case a message was lost on the way
+            fresh = history(conn, call_id, last + 1) if quiet else _live(conn, call_id, msg["data"], last)
     finally:
         pubsub.close()
+
+
+def _live(conn: Any, call_id: str, data: Any, last: int) -> list[Event]:
+    """A live message's event if it is this call's next after seq ``last``, behind those of the history it
+    skipped; none when it is not."""
+    try:
+        ev = decode(data)
+    except DecodeError:
+        return []
+    if ev.call_id != call_id or ev.seq <= last:
+        return []
+    skipped = history(conn, call_id, last + 1) if ev.seq > last + 1 else []
+    return [*itertools.takewhile(lambda missing: missing.seq < ev.seq, skipped), ev]
 
 
 def _subscribe(conn: Any, pubsub: Any, channel: Any) -> Callable[[float], Any]:
