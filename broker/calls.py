@@ -380,13 +380,12 @@ class Calls:
             return
         deadline = lease_deadline(lease)
         target = pipeline if pipeline is not None else self.conn
-        by_lease: dict[str, dict[str, int]] = {}
-        by_slots: dict[str, dict[str, int]] = {}
+        by_key: dict[str, dict[str, int]] = {}  # a queue's leases and a concurrency key's slots
         for info in runs:
             tag = keys.tag(info.queue)
-            by_lease.setdefault(keys.leases(tag), {})[info.call_id] = deadline
-            by_slots.setdefault(keys.slots(tag, info.ckey), {})[info.call_id] = deadline
-        for key, members in (*by_lease.items(), *by_slots.items()):
+            by_key.setdefault(keys.leases(tag), {})[info.call_id] = deadline
+            by_key.setdefault(keys.slots(tag, info.ckey), {})[info.call_id] = deadline
+        for key, members in by_key.items():
             target.zadd(key, members, xx=True)
 
     def reap(self, queues: Sequence[str], lease: float, limit: int = 100) -> list[dict[str, Any]]:
