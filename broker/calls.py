@@ -253,7 +253,7 @@ class Calls:
         )
         fields = job_fields(env, ckey=ckey, max_attempts=max_attempts, timeout=timeout)
         fields[keys.F_STEPS] = step_text(State.PENDING, 1, now)
-        fkey, klass = fairness_of(env)
+        fkey, klass = fields[keys.F_FKEY], fields[keys.F_CLASS]
         flat = [x for k, v in fields.items() for x in (k, "" if v is None else v)]
         idem = env.options.idempotency_key
         digest = ""

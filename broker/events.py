@@ -105,11 +105,12 @@ def decode(data: bytes, call_id: str | None = None) -> Event:
     # Filled in directly, not through the frozen dataclass's __init__: a caller decodes every event.
     event = object.__new__(Event)
     try:  # a malformed message (a seq that is no number, say) is a DecodeError, never a crash of the reader
+        ts = float(raw.get("ts") or 0.0)
         event.__dict__.update(
             call_id=raw["call_id"],
             seq=int(raw["seq"]),
             state=str(raw.get("state") or ""),
-            ts=float(raw.get("ts") or 0.0),
+            ts=ts,
             trace_id=raw.get("trace_id") or "",
             span_id=raw.get("span_id") or "",
             attempt=int(raw.get("attempt") or 0),
@@ -119,7 +120,7 @@ def decode(data: bytes, call_id: str | None = None) -> Event:
             session_id=raw.get("session_id"),
             type=raw.get("type") or TRANSITION,
             detail=detail,
-            steps=_steps(raw.get("steps"), float(raw.get("ts") or 0.0)),
+            steps=_steps(raw.get("steps"), ts),
         )
     except (TypeError, ValueError, OverflowError) as e:
         raise DecodeError(f"not an event: {e}") from e

@@ -498,17 +498,14 @@ class BatchedLines:
                     self._last = time.monotonic()
             if not lines:
                 return
-            chunk: list[str] = []
-            size = 0
+            chunk = ""
             try:
                 for line in lines:
-                    n = len(line) + 1
-                    if chunk and size + n > self.CHUNK:
-                        self._stream.write("\n".join(chunk) + "\n")
-                        chunk, size = [], 0
-                    chunk.append(line)
-                    size += n
-                self._stream.write("\n".join(chunk) + "\n")
+                    if chunk and len(chunk) + len(line) + 1 > self.CHUNK:
+                        self._stream.write(chunk)
+                        chunk = ""
+                    chunk += line + "\n"
+                self._stream.write(chunk)
                 self._stream.flush()
             except (OSError, ValueError):  # a closed or broken stderr loses the lines, not the worker
                 pass
