@@ -168,10 +168,7 @@ def read_record(conn: Any, call_id: str) -> dict[str, Any] | None:
             out["seq"] = max(out["seq"], end.seq)
             out["trace_id"] = out["trace_id"] or end.trace_id
             out["ended_at"] = out["ended_at"] or rq_time(end.ts)
-            if "error" in end.detail:
-                out["error"] = end.detail["error"]
-            if "result" in end.detail:
-                out["result"] = end.detail["result"]
+            out.update({k: v for k, v in end.detail.items() if k in ("error", "result")})
     if rec.get(keys.F_RESULT) is not None:
         out["result"] = unpack(raw(rec[keys.F_RESULT]))
     elif out["state"] == State.DONE.value:
