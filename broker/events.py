@@ -220,16 +220,17 @@ def follow(
     pubsub = subscriber(conn)
     get = _subscribe(conn, pubsub, channel)
     try:
-        last, quiet = after, False
+        last, quiet, deadline = after, False, None
         fresh = history(conn, call_id, after + 1)
-        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             for ev in fresh:
                 last = ev.seq
                 yield ev
                 if ev.terminal:
                     return
-            if quiet and deadline is not None and time.monotonic() >= deadline:
+            if deadline is None and timeout is not None:  # (counted once the first history is out)
+                deadline = time.monotonic() + timeout
+            elif quiet and deadline is not None and time.monotonic() >= deadline:
                 return
             wait = poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic()))
             msg = get(wait)
