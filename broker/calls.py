@@ -168,7 +168,9 @@ def read_record(conn: Any, call_id: str) -> dict[str, Any] | None:
             out["seq"] = max(out["seq"], end.seq)
             out["trace_id"] = out["trace_id"] or end.trace_id
             out["ended_at"] = out["ended_at"] or rq_time(end.ts)
-            out.update({k: v for k, v in end.detail.items() if k in ("error", "result")})
+            for outcome in ("error", "result"):  # (in this order: a record's keys keep it)
+                if outcome in end.detail:
+                    out[outcome] = end.detail[outcome]
     if rec.get(keys.F_RESULT) is not None:
         out["result"] = unpack(raw(rec[keys.F_RESULT]))
     elif out["state"] == State.DONE.value:
