@@ -168,10 +168,9 @@ def read_record(conn: Any, call_id: str) -> dict[str, Any] | None:
             out["seq"] = max(out["seq"], end.seq)
             out["trace_id"] = out["trace_id"] or end.trace_id
             out["ended_at"] = out["ended_at"] or rq_time(end.ts)
-            if "error" in end.detail:
-                out["error"] = end.detail["error"]
-            if "result" in end.detail:
-                out["result"] = end.detail["result"]
+            for outcome in ("error", "result"):  # (in this order: a record's keys keep it)
+                if outcome in end.detail:
+                    out[outcome] = end.detail[outcome]
     if rec.get(keys.F_RESULT) is not None:
         out["result"] = unpack(raw(rec[keys.F_RESULT]))
     elif out["state"] == State.DONE.value:
@@ -253,7 +252,7 @@ class Calls:
         )
         fields = job_fields(env, ckey=ckey, max_attempts=max_attempts, timeout=timeout)
         fields[keys.F_STEPS] = step_text(State.PENDING, 1, now)
-        fkey, klass = fairness_of(env)
+        fkey, klass = fields[keys.F_FKEY], fields[keys.F_CLASS]
         flat = [x for k, v in fields.items() for x in (k, "" if v is None else v)]
         idem = env.options.idempotency_key
         digest = ""
@@ -380,13 +379,12 @@ class Calls:
             return
         deadline = lease_deadline(lease)
         target = pipeline if pipeline is not None else self.conn
-        by_lease: dict[str, dict[str, int]] = {}
-        by_slots: dict[str, dict[str, int]] = {}
+        by_key: dict[str, dict[str, int]] = {}  # a queue's leases and a concurrency key's slots
         for info in runs:
             tag = keys.tag(info.queue)
-            by_lease.setdefault(keys.leases(tag), {})[info.call_id] = deadline
-            by_slots.setdefault(keys.slots(tag, info.ckey), {})[info.call_id] = deadline
-        for key, members in (*by_lease.items(), *by_slots.items()):
+            by_key.setdefault(keys.leases(tag), {})[info.call_id] = deadline
+            by_key.setdefault(keys.slots(tag, info.ckey), {})[info.call_id] = deadline
+        for key, members in by_key.items():
             target.zadd(key, members, xx=True)
 
     def reap(self, queues: Sequence[str], lease: float, limit: int = 100) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ tail (``follow``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -104,11 +105,12 @@ def decode(data: bytes, call_id: str | None = None) -> Event:
     # Filled in directly, not through the frozen dataclass's __init__: a caller decodes every event.
     event = object.__new__(Event)
     try:  # a malformed message (a seq that is no number, say) is a DecodeError, never a crash of the reader
+        ts = float(raw.get("ts") or 0.0)
         event.__dict__.update(
             call_id=raw["call_id"],
             seq=int(raw["seq"]),
             state=str(raw.get("state") or ""),
-            ts=float(raw.get("ts") or 0.0),
+            ts=ts,
             trace_id=raw.get("trace_id") or "",
             span_id=raw.get("span_id") or "",
             attempt=int(raw.get("attempt") or 0),
@@ -118,7 +120,7 @@ def decode(data: bytes, call_id: str | None = None) -> Event:
             session_id=raw.get("session_id"),
             type=raw.get("type") or TRANSITION,
             detail=detail,
-            steps=_steps(raw.get("steps"), float(raw.get("ts") or 0.0)),
+            steps=_steps(raw.get("steps"), ts),
         )
     except (TypeError, ValueError, OverflowError) as e:
         raise DecodeError(f"not an event: {e}") from e
@@ -218,43 +220,37 @@ def follow(
     pubsub = subscriber(conn)
     get = _subscribe(conn, pubsub, channel)
     try:
-        last = after
-        for ev in history(conn, call_id, after + 1):
-            last = ev.seq
-            yield ev
-            if ev.terminal:
-                return
-        deadline = None if timeout is None else time.monotonic() + timeout
+        last, quiet, deadline = after, False, None
+        fresh = history(conn, call_id, after + 1)
         while True:
+            for ev in fresh:
+                last = ev.seq
+                yield ev
+                if ev.terminal:
+                    return
+            if deadline is None and timeout is not None:  # (counted once the first history is out)
+                deadline = time.monotonic() + timeout
+            elif quiet and deadline is not None and time.monotonic() >= deadline:
+                return
             wait = poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic()))
             msg = get(wait)
-            if msg is None:  # quiet: the history again, in case a message was lost on the way
-                for ev in history(conn, call_id, last + 1):
-                    last = ev.seq
-                    yield ev
-                    if ev.terminal:
-                        return
-                if deadline is not None and time.monotonic() >= deadline:
-                    return
-                continue
-            try:
-                ev = decode(msg["data"])
-            except DecodeError:
-                continue
-            if ev.call_id != call_id or ev.seq <= last:
-                continue
-            if ev.seq > last + 1:
-                for missing in history(conn, call_id, last + 1):
-                    if missing.seq >= ev.seq:
-                        break
-                    last = missing.seq
-                    yield missing
-            last = ev.seq
-            yield ev
-            if ev.terminal:
-                return
+            quiet = msg is None  # then the history again, in case a message was lost on the way
+            fresh = history(conn, call_id, last + 1) if quiet else _live(conn, call_id, msg["data"], last)
     finally:
         pubsub.close()
+
+
+def _live(conn: Any, call_id: str, data: Any, last: int) -> list[Event]:
+    """A live message's event if it is this call's next after seq ``last``, behind those of the history it
+    skipped; none when it is not."""
+    try:
+        ev = decode(data)
+    except DecodeError:
+        return []
+    if ev.call_id != call_id or ev.seq <= last:
+        return []
+    skipped = history(conn, call_id, last + 1) if ev.seq > last + 1 else []
+    return [*itertools.takewhile(lambda missing: missing.seq < ev.seq, skipped), ev]
 
 
 def _subscribe(conn: Any, pubsub: Any, channel: Any) -> Callable[[float], Any]:

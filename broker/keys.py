@@ -224,12 +224,10 @@ def partition_route(queue: str, n: int, concurrency: int, idempotency_key: str |
     or by ``slot`` (a batch item's index: the same partition whenever the item is submitted again)."""
     if n <= 1:
         return queue
+    if slot is None:
+        slot = zlib.crc32(idempotency_key.encode()) if idempotency_key else next(_partition_turn)
     usable = n if concurrency < 0 else min(n, concurrency)
-    if slot is not None:
-        i = slot % usable
-    else:
-        i = zlib.crc32(idempotency_key.encode()) % usable if idempotency_key else next(_partition_turn) % usable
-    return partition_name(queue, n, i)
+    return partition_name(queue, n, slot % usable)
 
 
 def partition_limits(queue: str, n: int, concurrency: int, queue_size: int) -> tuple[int, int]:

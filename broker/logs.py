@@ -409,13 +409,13 @@ def json_lines() -> bool:
 def configure(level: str = "INFO", fmt: str = "console", stream: Any = None, batched: bool = False) -> None:
     """Configure structlog and stdlib logging once per process (``batched``: a worker's, see ``BatchedLines``)."""
     global _level, _json, _calls, _batched
-    lvl = getattr(logging, str(level).upper(), logging.INFO)
-    _level = lvl
+    _level = lvl = getattr(logging, str(level).upper(), logging.INFO)
     _json = fmt == "json"
-    _batched = BatchedLines(stream or sys.stderr) if batched else None
+    stream = stream or sys.stderr
+    _batched = BatchedLines(stream) if batched else None
     renderer: Any = structlog.processors.JSONRenderer() if fmt == "json" else ConsoleLines()
     # Every logger writes through one writer (one write() per line: the processes of a pool share stderr).
-    writer: Any = _batched if _batched is not None else structlog.WriteLogger(stream or sys.stderr)
+    writer: Any = _batched if _batched is not None else structlog.WriteLogger(stream)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars, structlog.processors.add_log_level, stamp,
@@ -432,7 +432,7 @@ def configure(level: str = "INFO", fmt: str = "console", stream: Any = None, bat
     for old in [h for h in root.handlers if getattr(h, "hermes_handler", False)]:
         root.removeHandler(old)  # configure() again (another level or format) replaces our handler
     if not root.handlers:
-        handler = logging.StreamHandler(stream or sys.stderr)
+        handler = logging.StreamHandler(stream)
         handler.hermes_handler = True  # type: ignore[attr-defined]
         handler.setFormatter(
             structlog.stdlib.ProcessorFormatter(
@@ -444,7 +444,7 @@ def configure(level: str = "INFO", fmt: str = "console", stream: Any = None, bat
             )
         )
         # Our loggers and plugins' follow the configured level; libraries' stay at WARNING, one line each.
-        handler.addFilter(_QuietLibraries())
+        handler.addFilter(_quiet_libraries)
         handler.addFilter(LibraryRecords())
         root.addHandler(handler)
         root.setLevel(lvl)
@@ -498,17 +498,14 @@ class BatchedLines:
                     self._last = time.monotonic()
             if not lines:
                 return
-            chunk: list[str] = []
-            size = 0
+            chunk = ""
             try:
                 for line in lines:
-                    n = len(line) + 1
-                    if chunk and size + n > self.CHUNK:
-                        self._stream.write("\n".join(chunk) + "\n")
-                        chunk, size = [], 0
-                    chunk.append(line)
-                    size += n
-                self._stream.write("\n".join(chunk) + "\n")
+                    if chunk and len(chunk) + len(line) + 1 > self.CHUNK:
+                        self._stream.write(chunk)
+                        chunk = ""
+                    chunk += line + "\n"
+                self._stream.write(chunk)
                 self._stream.flush()
             except (OSError, ValueError):  # a closed or broken stderr loses the lines, not the worker
                 pass
@@ -578,9 +575,8 @@ def library_logs() -> None:
         redis_logger.addHandler(_LastResort())
 
 
-class _QuietLibraries(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or record.name.startswith(("hermes.", "hermes_plugins"))
+def _quiet_libraries(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or record.name.startswith(("hermes.", "hermes_plugins"))
 
 
 class RedactFilter(logging.Filter):

@@ -214,12 +214,11 @@ def _round_trip(conn: Any, client: Pipeline, stack: Sequence[Command], again: in
             replied[0] = True
         return out
 
-    disconnect: Callable[[Exception], None] = lambda _e: conn.disconnect()  # noqa: E731
     # Sent again only while no reply came: after one, resending the lot would run commands twice.
     while True:
         try:
             return conn.retry.call_with_retry(
-                send_and_read, disconnect, is_retryable=lambda _e: not replied[0]
+                send_and_read, lambda _e: conn.disconnect(), is_retryable=lambda _e: not replied[0]
             )
         except ConnectionError:  # (not a timeout: a slow server may have run the commands)
             if again <= 0 or replied[0]:

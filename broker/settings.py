@@ -262,10 +262,9 @@ def audit_settings(section: Mapping[str, Any] | None) -> AuditSettings:
         raise ConfigError(f"audit: maxlen and max_age must be numbers: {e}") from e
     if maxlen < 0 or max_age < 0:
         raise ConfigError("audit: maxlen and max_age must not be negative")
-    approximate = audit.get("approximate", True)
     return AuditSettings(
         key=str(audit["key"]) if audit.get("key") else None, maxlen=maxlen, max_age=max_age,
-        approximate=approximate if isinstance(approximate, bool) else flag(approximate, "audit.approximate"),
+        approximate=flag(audit.get("approximate", True), "audit.approximate"),
         jsonl=str(audit["jsonl"]) if audit.get("jsonl") else None,
     )
 
