@@ -161,25 +161,20 @@ class PythonExecutor:
             )
         job = Job(lambda: _call(fn, kwargs, ctx, where), tally)
         self._helpers.submit(job)
-        done = job.done
-        while not done.acquire(timeout=ctx.poll_slice()):
+        while not job.done.acquire(timeout=ctx.poll_slice()):
             if ctx.cancelled.is_set() or time.monotonic() >= ctx.deadline:
-                self._abandon(job, spec, "cancelled" if ctx.cancelled.is_set() else "timed out")
+                job.stop()
+                if job.state != FINISHED:
+                    log.warning(
+                        "python tool abandoned; asked to stop",
+                        reason="cancelled" if ctx.cancelled.is_set() else "timed out",
+                        function=spec.config.get("function"),
+                        still_running=tally.count,
+                    )
                 ctx.check_at(where)
         if job.error is not None:
             raise job.error
         return job.result
-
-    @staticmethod
-    def _abandon(job: Job, spec: ToolSpec, why: str) -> None:
-        job.stop()
-        if job.state != FINISHED:
-            log.warning(
-                "python tool abandoned; asked to stop",
-                reason=why,
-                function=spec.config.get("function"),
-                still_running=job.tally.count,
-            )
 
     def close(self) -> None:
         self._targets.clear()
