@@ -282,7 +282,7 @@ def _communicate(
                     assert pending is not None and proc.stdin is not None
                     try:
                         written = os.write(key.fd, pending[:65536])
-                    except (BrokenPipeError, OSError):
+                    except OSError:  # the child stopped reading
                         written = len(pending)
                     pending = pending[written:]
                     if not pending:
