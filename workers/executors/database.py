@@ -120,8 +120,6 @@ class DatabaseExecutor:
         try:
             with engine.connect() as conn:
                 rows, more = self._execute(conn, statement, params, ctx, read_only, max_rows)
-        except HermesError:
-            raise
         except sa.exc.DBAPIError as e:
             raise self._translate(e, ctx, where) from e
         except sa.exc.SQLAlchemyError as e:
