@@ -215,24 +215,19 @@ class LLMCall:
         """Seconds before attempt ``n + 1``; raises the error that ends the call when there is none."""
         if n > self.max_retries:
             raise error
-        if (delay := retry_delay(error, n, max_retry_after=self.max_retry_after)) is None:
-            if getattr(error, "retryable", False):  # the server asked for a wait we refuse
-                raise ProviderError(
-                    give_up_reason(error, self.max_retry_after),
-                    status=getattr(error, "status", None),
-                    retryable=False,
-                ) from error
-            raise error
-        if delay >= self.ctx.deadline - time.monotonic():
-            if isinstance(error, ProviderTimeout):
+        delay = retry_delay(error, n, max_retry_after=self.max_retry_after)
+        if delay is None:
+            if not getattr(error, "retryable", False):
                 raise error
-            raise ProviderError(
-                f"a retry in {delay:.1f}s would pass the call's {self.timeout:g}s timeout; "
-                f"giving up: {error}",
-                status=getattr(error, "status", None),
-                retryable=False,
-            ) from error
-        return delay
+            reason = give_up_reason(error, self.max_retry_after)  # the server asked for a wait we refuse
+        elif delay < self.ctx.deadline - time.monotonic():
+            return delay
+        elif isinstance(error, ProviderTimeout):
+            raise error
+        else:
+            reason = f"a retry in {delay:.1f}s would pass the call's {self.timeout:g}s timeout"
+            reason += f"; giving up: {error}"
+        raise ProviderError(reason, status=getattr(error, "status", None), retryable=False) from error
 
     def _announce_retry(self, error: ProviderError | ProviderTimeout, n: int, delay: float) -> None:
         status = getattr(error, "status", None)

@@ -191,11 +191,9 @@ class PerSpec(Generic[T]):
             self._items.clear()
 
 
-# ``${VAR}`` in ``spec.config`` is filled from the WORKER's environment right before the run (the directory
-# keeps the reference, so no secret sits in Redis), with config.yaml's grammar (``broker.config.expand_env``),
-# before ``{{field}}`` and never in the arguments. An unset variable without a default is an InvalidSpec
-# naming the key path. The values filled in are replaced by their ``${VAR}`` text in the executor's error
-# messages, details and progress; results are not touched.
+# ``${VAR}`` in ``spec.config`` is filled from the WORKER's environment right before the run (so no secret
+# sits in Redis), never in the arguments; the values filled in are shown as their ``${VAR}`` text in the
+# executor's errors and progress (results are not touched).
 
 # Shorter values are not scrubbed from messages (a port or "true" is no secret; replacing it would garble).
 MIN_SECRET = 6
@@ -228,10 +226,8 @@ def expand_spec(spec: ToolSpec, environ: Mapping[str, str] | None = None) -> Pre
     env = os.environ if environ is None else environ  # user data for ${VAR} in a spec, not a setting
     where = f"tool {spec.name!r}"
     secrets: dict[str, str] = {}
-    changed = False
 
     def walk(value: Any, path: str) -> Any:
-        nonlocal changed
         if isinstance(value, str):
             if "${" not in value:
                 return value
@@ -244,9 +240,7 @@ def expand_spec(spec: ToolSpec, environ: Mapping[str, str] | None = None) -> Pre
             for m in ENV_VAR.finditer(value):
                 if m.group(1) in env:
                     _note_secret(secrets, env[m.group(1)], f"${{{m.group(1)}}}")
-            expanded = expand_env(value, env)
-            changed = changed or expanded != value
-            return expanded
+            return expand_env(value, env)
         if isinstance(value, dict):
             return {k: walk(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
         if isinstance(value, list):
@@ -254,7 +248,7 @@ def expand_spec(spec: ToolSpec, environ: Mapping[str, str] | None = None) -> Pre
         return value
 
     config = walk(spec.config, "")
-    if not changed:
+    if config == spec.config:
         return Prepared(spec)
     ordered = tuple(sorted(secrets.items(), key=lambda kv: -len(kv[0])))
     return Prepared(dataclasses.replace(spec, config=config), ordered)

@@ -163,8 +163,8 @@ def build_env(config: dict[str, Any], args: dict[str, Any], where: str, schema: 
         field = sole(text)
         if field is not None and value_of(args, field, where, schema=schema) is OMIT:
             continue  # an optional field left out: the variable is not set
-        env[str(key)] = fill(text, args, where, schema=schema)
-        if "\x00" in env[str(key)]:
+        filled = env[str(key)] = fill(text, args, where, schema=schema)
+        if "\x00" in filled:
             raise InvalidArgs(f"{where}: env_set {key}: a value contains a NUL byte")
     return env
 
@@ -243,9 +243,7 @@ class CommandExecutor:
                 return json.loads(text)
             except ValueError as e:
                 raise ExecutorError(f"{where}: output is not JSON: {e}") from e
-        if text.endswith("\r\n"):
-            return text[:-2]
-        return text[:-1] if text.endswith("\n") else text
+        return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
 
     def close(self) -> None:
         pass
@@ -284,7 +282,7 @@ def _communicate(
                     assert pending is not None and proc.stdin is not None
                     try:
                         written = os.write(key.fd, pending[:65536])
-                    except (BrokenPipeError, OSError):
+                    except OSError:  # the child stopped reading
                         written = len(pending)
                     pending = pending[written:]
                     if not pending:

@@ -58,18 +58,17 @@ class DatabaseExecutor:
 
     @staticmethod
     def check(where: str, data: Mapping[str, Any]) -> None:
-        structured = data.get("mode") == "structured"
-        if structured:
+        mode = data.get("mode")
+        if mode == "structured":
             require(where, "database", data, ("tables",), "with mode: structured, the allow-list {table: [columns]}")
         else:
             require(where, "database", data, ("query",), "the SQL with :named parameters (or `mode: structured` with `tables`)")
         dsn = data.get("dsn")
         if dsn is not None and not isinstance(dsn, str):
             raise InvalidSpec.at(where, "dsn", f"expected a database URL, got {type(dsn).__name__}")
-        mode = data.get("mode")
         if mode is not None and mode not in _MODES:
             raise InvalidSpec.at(where, "mode", f"expected one of {', '.join(_MODES)}, got {mode!r}")
-        if structured:
+        if mode == "structured":
             tables = data["tables"]
             if not isinstance(tables, dict):
                 raise InvalidSpec.at(where, "tables", "expected a mapping {table: [allowed columns]}")
@@ -121,8 +120,6 @@ class DatabaseExecutor:
         try:
             with engine.connect() as conn:
                 rows, more = self._execute(conn, statement, params, ctx, read_only, max_rows)
-        except HermesError:
-            raise
         except sa.exc.DBAPIError as e:
             raise self._translate(e, ctx, where) from e
         except sa.exc.SQLAlchemyError as e:

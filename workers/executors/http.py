@@ -160,20 +160,16 @@ class HttpExecutor:
             origin = request.url.copy_with(path="/", query=None, fragment=None)
             for hop in range(max_redirects + 1):
                 ctx.check()
-                timeout = ctx.remaining()
-                request.extensions["timeout"] = httpx.Timeout(timeout).as_dict()
+                request.extensions["timeout"] = httpx.Timeout(ctx.remaining()).as_dict()
                 response = client.send(request, stream=True)
                 try:
                     if response.next_request is None:
                         return _read_result(response, ctx, max_output, where)
-                    if hop == max_redirects:
-                        raise ExecutorError(
-                            f"{where}: more than {max_redirects} redirects", status=response.status_code
-                        )
-                    request = _next_hop(response.next_request, origin, secret_headers, where)
+                    if hop < max_redirects:
+                        request = _next_hop(response.next_request, origin, secret_headers, where)
                 finally:
                     response.close()
-            raise AssertionError("unreachable")  # pragma: no cover
+            raise ExecutorError(f"{where}: more than {max_redirects} redirects", status=response.status_code)
         except httpx.TimeoutException as e:
             raise ToolTimeout(f"{where}: timed out after {ctx.timeout:g}s ({type(e).__name__})") from e
         except (httpx.HTTPError, httpx.InvalidURL, httpx.StreamError) as e:

@@ -60,14 +60,10 @@ class McpExecutor:
         self._pool = SessionPool()
 
     async def _call(
-        self,
-        key: str,
-        server: dict[str, Any],
-        handshake: float,
-        name: str,
-        args: dict[str, Any],
-        ctx: ExecContext,
+        self, server: dict[str, Any], handshake: float, name: str, args: dict[str, Any], ctx: ExecContext
     ) -> Any:
+        key = json.dumps(server, sort_keys=True, default=str)
+
         async def progress(value: float, total: float | None, message: str | None) -> None:
             with contextlib.suppress(Exception):  # a progress sink failure must not fail the call
                 ctx.progress(message or (f"{value:g}/{total:g}" if total else f"{value:g}"))
@@ -92,12 +88,11 @@ class McpExecutor:
         config = {**self.settings, **spec.config}
         where = f"tool {spec.name!r}"
         server = server_config(config, self.settings, where)
-        key = json.dumps(server, sort_keys=True, default=str)
         handshake = float(config.get("handshake_timeout", DEFAULT_HANDSHAKE_TIMEOUT))
         name = str(config.get("tool") or spec.name)
         max_output = int(config.get("max_output", DEFAULT_MAX_OUTPUT))
         ctx.check()
-        future = self._pool.submit(self._call(key, server, handshake, name, dict(args), ctx))
+        future = self._pool.submit(self._call(server, handshake, name, dict(args), ctx))
         # Poll with wait(), not result(timeout): the call's own TimeoutError must not read as "not yet".
         while not concurrent.futures.wait([future], timeout=ctx.poll_slice())[0]:
             if ctx.cancelled.is_set() or time.monotonic() >= ctx.deadline:

@@ -151,11 +151,7 @@ class SessionPool:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     async def get(self, key: str, server: dict[str, Any], handshake_timeout: float) -> Session:
-        session = self._sessions.get(key)
-        if session is not None and session.alive:
-            return session
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
+        async with self._locks.setdefault(key, asyncio.Lock()):
             session = self._sessions.get(key)
             if session is not None and session.alive:
                 return session

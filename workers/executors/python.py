@@ -43,14 +43,14 @@ def split_ref(ref: str) -> tuple[str, str] | None:
 class _Target:
     """A resolved callable and what we learned about it once."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], inline: bool) -> None:
         self.fn = fn
         try:
             self.signature: inspect.Signature | None = inspect.signature(fn)
         except (TypeError, ValueError):
             self.signature = None
         self.wants_ctx = self.signature is not None and "ctx" in self.signature.parameters
-        self.inline = self.wants_ctx  # on the call's own thread (else on a helper thread)
+        self.inline = self.wants_ctx or inline  # on the call's own thread (else on a helper thread)
         # A plain signature (named parameters, maybe ``**kwargs``) is checked against these sets, not bound.
         self.names: frozenset[str] | None = None
         self.any_name = False  # it takes ``**kwargs``: any name fits
@@ -115,9 +115,7 @@ class PythonExecutor:
                 raise InvalidSpec.at(where, "function", f"{module_name!r} has no {attr!r}") from e
             if not callable(obj):
                 raise InvalidSpec.at(where, "function", f"{ref!r} is not callable")
-            target = _Target(obj)
-            target.inline = target.wants_ctx or ref.replace(":", ".") in self._inline
-            self._targets[ref] = target
+            target = self._targets[ref] = _Target(obj, ref.replace(":", ".") in self._inline)
         return target
 
     def run(self, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext) -> Any:
@@ -135,12 +133,10 @@ class PythonExecutor:
                 raise InvalidArgs(f"{where}: {e}", violations=[str(e)]) from e
         ctx.check()
         try:
-            if not target.inline:
+            if target.inline:
+                result = _call(target.fn, kwargs, ctx, where)
+            else:
                 result = self._run_on_helper(spec, target.fn, kwargs, ctx, where)
-            else:  # an async function's coroutine is awaitable like any other result
-                result = target.fn(**kwargs)
-                if inspect.isawaitable(result):
-                    result = _run_async(result, ctx, where)
         except HermesError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure of user code is a failed call, not a dead worker
@@ -163,38 +159,32 @@ class PythonExecutor:
                 "(a python tool that takes a ctx parameter can stop on its own)",
                 abandoned=tally.count,
             )
-
-        def call() -> Any:
-            result = fn(**kwargs)
-            if inspect.isawaitable(result):
-                result = _run_async(result, ctx, where)
-            return result
-
-        job = Job(call, tally)
+        job = Job(lambda: _call(fn, kwargs, ctx, where), tally)
         self._helpers.submit(job)
-        done = job.done
-        while not done.acquire(timeout=ctx.poll_slice()):
+        while not job.done.acquire(timeout=ctx.poll_slice()):
             if ctx.cancelled.is_set() or time.monotonic() >= ctx.deadline:
-                self._abandon(job, spec, "cancelled" if ctx.cancelled.is_set() else "timed out")
+                job.stop()
+                if job.state != FINISHED:
+                    log.warning(
+                        "python tool abandoned; asked to stop",
+                        reason="cancelled" if ctx.cancelled.is_set() else "timed out",
+                        function=spec.config.get("function"),
+                        still_running=tally.count,
+                    )
                 ctx.check_at(where)
         if job.error is not None:
             raise job.error
         return job.result
 
-    @staticmethod
-    def _abandon(job: Job, spec: ToolSpec, why: str) -> None:
-        job.stop()
-        if job.state != FINISHED:
-            log.warning(
-                "python tool abandoned; asked to stop",
-                reason=why,
-                function=spec.config.get("function"),
-                still_running=job.tally.count,
-            )
-
     def close(self) -> None:
         self._targets.clear()
         self._helpers.close()
+
+
+def _call(fn: Callable[..., Any], kwargs: dict[str, Any], ctx: ExecContext, where: str) -> Any:
+    """``fn(**kwargs)``; an async function's coroutine is run to its end here."""
+    result = fn(**kwargs)
+    return _run_async(result, ctx, where) if inspect.isawaitable(result) else result
 
 
 def _run_async(awaitable: Any, ctx: ExecContext, where: str) -> Any:

@@ -41,8 +41,7 @@ def parse_retry_after(headers: Mapping[str, str], now: float | None = None) -> f
         when = email.utils.parsedate_to_datetime(raw)
     except (TypeError, ValueError):
         return None
-    current = time.time() if now is None else now
-    return max(0.0, when.timestamp() - current)
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
 def parse_reset(value: str) -> float | None:

@@ -34,8 +34,7 @@ class Exchange:
         self.stop = threading.Event()
         self.final = False
         self._items: queue.SimpleQueue[Item] = queue.SimpleQueue()
-        self._sock: socket.socket | None = None
-        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None  # set once by the reader, read by abort (one reference)
 
     def start(self, target: Callable[[Exchange], None]) -> None:
         """Run ``target(self)`` on a daemon thread named after the call."""
@@ -48,9 +47,7 @@ class Exchange:
     def attach(self, response: Any) -> None:
         """Remember the response's socket so an abort can wake a reader blocked on it."""
         stream = (getattr(response, "extensions", None) or {}).get("network_stream")
-        sock = stream.get_extra_info("socket") if stream is not None else None
-        with self._lock:
-            self._sock = sock
+        self._sock = stream.get_extra_info("socket") if stream is not None else None
         if self.stop.is_set():
             self._shutdown()
 
@@ -79,9 +76,7 @@ class Exchange:
         self._shutdown()
 
     def _shutdown(self) -> None:
-        with self._lock:
-            sock = self._sock
-        if sock is None:
+        if (sock := self._sock) is None:
             return
         # The base-class method: an SSLSocket is shut down at the TCP level, its TLS state untouched.
         with contextlib.suppress(OSError):  # already closed

@@ -7,7 +7,6 @@ Configured by config.yaml's ``model:`` block. One HTTP attempt per ``complete``:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -64,12 +63,10 @@ class OpenAICompatProvider:
         """Run one chat-completions request; for ``stream: true`` feed ``ctx.on_delta`` and assemble."""
         ctx.check()
         body, headers = self._build(request, ctx)
-        stream = bool(body.get("stream"))
-        timeout = httpx.Timeout(ctx.timeout, connect=min(10.0, ctx.timeout))
         ex = Exchange(ctx)
-        ex.start(lambda e: self._exchange(e, body, headers, timeout, ctx.on_response))
+        ex.start(lambda e: self._exchange(e, body, headers))
         try:
-            return self._collect(ex, ctx, stream)
+            return self._collect(ex, ctx, bool(body.get("stream")))
         except BaseException:
             ex.abort()  # a no-op once the reader has handed over its last item
             raise
@@ -121,22 +118,17 @@ class OpenAICompatProvider:
         except Exception as e:  # noqa: BLE001 - a broken event sink must not fail the LLM call
             log.warning("llm.delta_sink_failed", call_id=ctx.call_id, error=repr(e))
 
-    def _exchange(
-        self,
-        ex: Exchange,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        timeout: httpx.Timeout,
-        on_response: Callable[[], None] | None = None,
-    ) -> None:
+    def _exchange(self, ex: Exchange, body: dict[str, Any], headers: dict[str, str]) -> None:
+        """On the reader thread: send the request, hand the response over to ``ex``."""
+        timeout = httpx.Timeout(ex.ctx.timeout, connect=min(10.0, ex.ctx.timeout))
         try:
             with self._client.stream(
                 "POST", "/chat/completions", json=body, headers=headers, timeout=timeout
             ) as resp:
                 ex.attach(resp)
-                if on_response is not None:
+                if ex.ctx.on_response is not None:
                     try:
-                        on_response()
+                        ex.ctx.on_response()
                     except Exception as e:  # noqa: BLE001 - bookkeeping must not fail the call
                         log.warning("llm.on_response_failed", error=repr(e))
                 if ex.stop.is_set():

@@ -83,12 +83,8 @@ class _Choice:
             slot["function"]["arguments"] += fn["arguments"]
 
     def message(self) -> dict[str, Any]:
-        msg: dict[str, Any] = {"role": self.role}
-        content = self.text.get("content")
-        msg["content"] = "".join(content) if content is not None else None
-        for key in _TEXT_FIELDS[1:]:
-            if key in self.text:
-                msg[key] = "".join(self.text[key])
+        msg: dict[str, Any] = {"role": self.role, "content": None}
+        msg.update({key: "".join(parts) for key, parts in self.text.items()})
         msg.update(self.extra)
         if self.tool_calls:
             msg["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
