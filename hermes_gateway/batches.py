@@ -392,11 +392,7 @@ class Submitter:
             extra = (keys.F_BATCH, f"{self.ttl} {i} {keys.batch_part(env.queue, self.id)}")
             prepared.append((env, limits, extra))
         delay = 0.02
-        while prepared:
-            refused = self.submit(prepared)
-            if not refused:
-                break
-            prepared = refused
+        while prepared and (prepared := self.submit(prepared)):  # (submit returns those refused)
             if self.is_cancelled():
                 return
             time.sleep(delay)  # the queue is full: wait for room rather than fail the item

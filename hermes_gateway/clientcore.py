@@ -186,9 +186,10 @@ class CallOptions:
         return dataclasses.replace(self, idempotency_key=idem_keys[i])
 
     def headers(self) -> Headers:
-        """The trace context to send: the producer span's (tracing on), else the caller's own or the current one."""
-        tp, ts, bg = self.trace_headers or (self.traceparent, self.tracestate, None)
-        return (tp, ts, bg) if tp is not None else headers_of()
+        """The trace context to send: the client's (``Sending.headers``), else the caller's own or the current one."""
+        if self.trace_headers is not None:
+            return self.trace_headers
+        return (self.traceparent, self.tracestate, None) if self.traceparent is not None else headers_of()
 
     def envelope_options(self) -> Options:
         """The envelope's options, with a typed error for a bad fairness key or class (``call_class``:
