@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import threading
 import time
 import uuid
@@ -230,8 +231,7 @@ class BatchStore:
             return []
         replies = pipe.execute()
         items = []
-        for n, (q, idx) in enumerate(wanted):
-            entries, bigs = replies[2 * n], replies[2 * n + 1]
+        for (q, idx), entries, bigs in zip(wanted, replies[0::2], replies[1::2], strict=True):
             for i, entry, big in zip(idx, entries, bigs, strict=True):
                 if entry is not None:
                     items.append(_item(int(i), raw(entry), None if big is None else raw(big)))
@@ -339,20 +339,13 @@ class Submitter:
     def run(self, items: Iterable[Any]) -> None:
         # (the state is "submitting" already: setting it here could undo a cancel that came first)
         self.gw.workers.ensure(self.meta["queues"].split(","))
-        chunk: list[tuple[int, Any]] = []
+        numbered = enumerate(items)
         count = 0
-        for i, args in enumerate(items):
-            chunk.append((i, args))
-            count = i + 1
-            if len(chunk) >= min(CHUNK, self.window):
-                self.send(chunk)
-                chunk = []
+        while chunk := list(itertools.islice(numbered, min(CHUNK, self.window))):
+            self.send(chunk)
+            count = chunk[-1][0] + 1
             if self.cancelled:
                 return
-        if chunk:
-            self.send(chunk)
-        if self.cancelled:
-            return
         pipe = self.conn.pipeline(transaction=False)
         pipe.hset(keys.batch(self.id), mapping={"total": count, "submitted": count})
         pipe.hget(keys.batch(self.id), "state")
@@ -399,11 +392,7 @@ class Submitter:
             extra = (keys.F_BATCH, f"{self.ttl} {i} {keys.batch_part(env.queue, self.id)}")
             prepared.append((env, limits, extra))
         delay = 0.02
-        while prepared:
-            refused = self.submit(prepared)
-            if not refused:
-                break
-            prepared = refused
+        while prepared and (prepared := self.submit(prepared)):  # (submit returns those refused)
             if self.is_cancelled():
                 return
             time.sleep(delay)  # the queue is full: wait for room rather than fail the item
@@ -491,19 +480,10 @@ class AsyncBatchJob:
         return await asyncio.to_thread(self.job.wait, timeout)
 
     async def results(self, follow: bool = True) -> AsyncIterator[Item]:
-        """Each item's outcome once, as the calls end (read in worker threads, ``POLL`` apart when idle)."""
-        store, cursor = self.job.store, Cursor()
-        queues = (await asyncio.to_thread(store.meta, self.id))["queues"].split(",")
-        while True:
-            complete = (await self.progress()).complete if follow else True
-            items = await asyncio.to_thread(store.read, self.id, queues, cursor)
-            for item in items:
-                yield item
-            if not items:
-                if complete or self.job.error is not None:
-                    self.job._raise()
-                    return
-                await asyncio.sleep(POLL)
+        """Each item's outcome once, as the calls end (``BatchJob.results``, stepped in worker threads)."""
+        items = self.job.results(follow)
+        while (item := await asyncio.to_thread(next, items, None)) is not None:
+            yield item
 
 
 def start(gw: Gateway, tool: str, items: Iterable[Any], *, window: int | None = None, ttl: int | None = None,

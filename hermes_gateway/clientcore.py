@@ -186,9 +186,10 @@ class CallOptions:
         return dataclasses.replace(self, idempotency_key=idem_keys[i])
 
     def headers(self) -> Headers:
-        """The trace context to send: the producer span's (tracing on), else the caller's own or the current one."""
-        tp, ts, bg = self.trace_headers or (self.traceparent, self.tracestate, None)
-        return (tp, ts, bg) if tp is not None else headers_of()
+        """The trace context to send: the client's (``Sending.headers``), else the caller's own or the current one."""
+        if self.trace_headers is not None:
+            return self.trace_headers
+        return (self.traceparent, self.tracestate, None) if self.traceparent is not None else headers_of()
 
     def envelope_options(self) -> Options:
         """The envelope's options, with a typed error for a bad fairness key or class (``call_class``:
@@ -207,20 +208,14 @@ class CallOptions:
 def nesting(value: Any, limit: int = MAX_DEPTH) -> int:
     """How deeply ``value`` nests lists and mappings, counted up to ``limit + 1`` (without recursion)."""
     deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 0)]
+    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, dict | list | tuple) else []
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list | tuple):
-            children = item
-        else:
-            continue
-        depth += 1
         if depth > limit:
             return depth
         deepest = max(deepest, depth)
-        stack.extend((child, depth) for child in children if isinstance(child, dict | list | tuple))
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list | tuple))
     return deepest
 
 
@@ -299,9 +294,7 @@ def tool_envelope(
 
 def tool_limits(env: Envelope, spec: ToolSpec, settings: Settings) -> dict[str, Any]:
     """Admission limits of a tool call: concurrency key and limit, queue size, attempts, timeout."""
-    queue_size = spec.queue_size
-    if queue_size is None:
-        queue_size = settings.queue_size_for(spec.executor)
+    queue_size = settings.queue_size_for(spec.executor) if spec.queue_size is None else spec.queue_size
     retries = int((spec.retry or {}).get("max") or 0)
     concurrency = spec.concurrency or settings.concurrency_for(spec.executor)
     # A partition's share of the tool's limit, queue size and per-key bound.

@@ -4,6 +4,7 @@ checked against its recorded sha256, a masked one is taken as given."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import textwrap
 import time
@@ -170,14 +171,9 @@ def _parsed(text: str) -> Any:
 def _matching(text: str, digest: str) -> Any:
     """The reading of ``text`` (as text, or as JSON) whose hash is ``digest``."""
     candidates: list[Any] = [text]
-    try:
+    with contextlib.suppress(ValueError):
         candidates.append(json.loads(text))
-    except ValueError:
-        pass
-    for value in candidates:
-        if verify_hash(value, digest):
-            return value
-    return _NO_MATCH
+    return next((value for value in candidates if verify_hash(value, digest)), _NO_MATCH)
 
 
 def _new_error(outcome: ReplayOutcome) -> str:
