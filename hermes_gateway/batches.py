@@ -480,10 +480,19 @@ class AsyncBatchJob:
         return await asyncio.to_thread(self.job.wait, timeout)
 
     async def results(self, follow: bool = True) -> AsyncIterator[Item]:
-        """Each item's outcome once, as the calls end (``BatchJob.results``, stepped in worker threads)."""
-        items = self.job.results(follow)
-        while (item := await asyncio.to_thread(next, items, None)) is not None:
-            yield item
+        """Each item's outcome once, as the calls end (read in worker threads, ``POLL`` apart when idle)."""
+        store, cursor = self.job.store, Cursor()
+        queues = (await asyncio.to_thread(store.meta, self.id))["queues"].split(",")
+        while True:
+            complete = (await self.progress()).complete if follow else True
+            items = await asyncio.to_thread(store.read, self.id, queues, cursor)
+            for item in items:
+                yield item
+            if not items:
+                if complete or self.job.error is not None:
+                    self.job._raise()
+                    return
+                await asyncio.sleep(POLL)
 
 
 def start(gw: Gateway, tool: str, items: Iterable[Any], *, window: int | None = None, ttl: int | None = None,
