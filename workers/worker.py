@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import redis
@@ -33,16 +34,10 @@ from workers.stopping import drain
 log = structlog.get_logger("hermes.worker")
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("hermes-gateway")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-VERSION = _version()
+try:
+    VERSION = version("hermes-gateway")
+except PackageNotFoundError:
+    VERSION = "unknown"
 
 CLAIM_BATCH = 64
 # Submissions publish a wake-up; polling is the fallback for a lost message.
