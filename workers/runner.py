@@ -100,7 +100,7 @@ class _Write:
         self.current = current  # the state before the first move
         self.steps: list[Step] = []
         self.kw: dict[str, Any] = {}  # the last move's options (a terminal one's fields, ttl, hand-off)
-        self.after: list[Callable[[Any], None]] = []  # more writes in the same pipeline (the audit record)
+        self.after: list[Writer] = []  # more writes in the same pipeline (the hooks': audit record, failures)
         self.callbacks: list[Callable[[Any], None]] = []
         self.taken = False  # the sender has read it: later moves make a write of their own
 
@@ -239,7 +239,7 @@ class CallRunner:
         kw: dict[str, Any],
         *,
         check: Callable[[Any], None],
-        after: Callable[[Any], None] | None = None,
+        after: Sequence[Writer] = (),
         last: bool = False,
     ) -> None:
         """Queue a move: joined to the call's open write when the sender has not taken it yet."""
@@ -250,8 +250,7 @@ class CallRunner:
                 self.core.write(run, w.send, w.replied)
             w.steps.append(step)
             w.kw = kw
-            if after is not None:
-                w.after.append(after)
+            w.after.extend(after)
             w.callbacks.append(check)
             run.open = None if last else w
 
@@ -478,10 +477,6 @@ class CallRunner:
         current = run.state
         run.state = target
 
-        def after(pipe: Any) -> None:  # the hooks' writes (audit record, usage, failures) ride with it
-            for write in writers:
-                write(pipe)
-
         kw: dict[str, Any] = {"fields": fields, "ttl": self.core.settings.workers.result_ttl}
         if run.rate:
             kw["sent"] = run.sent
@@ -499,7 +494,7 @@ class CallRunner:
                 if took is not None:  # (the calls it took start on its thread slot, else the slot goes back)
                     took(run.info.queue, reply, run.take_sent)
 
-        self._write(run, current, (target, detail, time.time()), kw, check=check, after=after if writers else None, last=True)
+        self._write(run, current, (target, detail, time.time()), kw, check=check, after=writers, last=True)
         self._ended(run, outcome, error, duration)
 
     def _fail_undecodable(self, claimed: Claimed, err: DecodeError) -> None:
