@@ -89,9 +89,7 @@ class Outbox:
                     self._cond.wait()
                 if not self._items:  # (closed)
                     return
-                batch: list[tuple[Writer, Callback | None]] = []
-                while self._items and len(batch) < self.max_batch:
-                    batch.append(self._items.popleft())
+                batch = [self._items.popleft() for _ in range(min(len(self._items), self.max_batch))]
             self._send(batch)
 
     def _send(self, batch: list[tuple[Writer, Callback | None]]) -> None:

@@ -488,7 +488,7 @@ class StockThreads(CallThreads):
                 raise RuntimeError("cannot run new calls after shutdown")
             future = self._executor.submit(self._run, fn, arg)
             self._pending.add(future)
-        future.add_done_callback(self._forget)
+        future.add_done_callback(self._pending.discard)  # (set.discard is atomic: no lock needed)
 
     @staticmethod
     def _run(fn: Callable[[Any], None], arg: Any) -> None:
@@ -496,10 +496,6 @@ class StockThreads(CallThreads):
             fn(arg)
         except BaseException:  # noqa: BLE001 - as CallThreads: a task's failure is logged, not raised
             log.exception("call thread task failed")
-
-    def _forget(self, future: Future[None]) -> None:
-        with self._lock:
-            self._pending.discard(future)
 
     def shutdown(self) -> int:
         with self._lock:
