@@ -8,6 +8,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import redis
@@ -38,8 +39,7 @@ class Outbox:
         self.max_batch = max_batch
         self._items: deque[tuple[Writer, Callback | None]] = deque()
         self._cond = threading.Condition()
-        self._closed = False
-        self._closing = threading.Event()  # set by close(): ends a retry's backoff at once
+        self._closed = threading.Event()  # set by close(): ends a retry's backoff at once
         self._connection: Any = None  # the sender's own connection, taken from the pool once
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -52,19 +52,15 @@ class Outbox:
 
     def call(self, writer: Writer, timeout: float = 30.0) -> Any:
         """Queue a write and wait for its reply."""
-        done = threading.Event()
-        box: list[Any] = []
-
-        def cb(reply: Any) -> None:
-            box.append(reply)
-            done.set()
-
-        self.put(writer, cb)
-        if not done.wait(timeout):
-            raise TimeoutError("outbox write not flushed in time")
-        if isinstance(box[0], Exception):
-            raise box[0]
-        return box[0]
+        answered: Future[Any] = Future()
+        self.put(writer, answered.set_result)
+        try:
+            reply = answered.result(timeout)
+        except TimeoutError:
+            raise TimeoutError("outbox write not flushed in time") from None
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until everything queued so far has been sent."""
@@ -78,10 +74,9 @@ class Outbox:
         """Send what is queued (waiting up to ``timeout`` for it), then stop: an unreachable broker gets its
         last few tries at once, not after a backoff, and writes still unsent then fail."""
         self.flush(timeout)
+        self._closed.set()
         with self._cond:
-            self._closed = True
             self._cond.notify()
-        self._closing.set()
         self._thread.join(timeout)
         if self._connection is not None and not self._thread.is_alive():
             self.conn.connection_pool.release(self._connection)
@@ -90,13 +85,11 @@ class Outbox:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._items and not self._closed:
+                while not self._items and not self._closed.is_set():
                     self._cond.wait()
-                if self._closed and not self._items:
+                if not self._items:  # (closed)
                     return
-                batch: list[tuple[Writer, Callback | None]] = []
-                while self._items and len(batch) < self.max_batch:
-                    batch.append(self._items.popleft())
+                batch = [self._items.popleft() for _ in range(min(len(self._items), self.max_batch))]
             self._send(batch)
 
     def _send(self, batch: list[tuple[Writer, Callback | None]]) -> None:
@@ -145,7 +138,7 @@ class Outbox:
         calls keep their leases meanwhile, ``WorkerCore.unwritten``), only a few more times once closing."""
         if rounds == 0 or rounds % 60 == 0:  # (about every 30 s while it lasts)
             log.warning("a cluster slot is moving: writes wait for it", error=str(error), rounds=rounds)
-        return not self._closed or rounds < _CLOSING_TRIES * 4
+        return not self._closed.is_set() or rounds < _CLOSING_TRIES * 4
 
     def _execute(
         self, batch: list[tuple[Writer, Callback | None]], early: Callable[[int, Any], None] | None = None
@@ -158,7 +151,7 @@ class Outbox:
         meanwhile answers each writer none of whose commands was refused (not with WAIT).
         """
         for attempt in itertools.count():
-            if attempt >= _CLOSING_TRIES and self._closed:
+            if attempt >= _CLOSING_TRIES and self._closed.is_set():
                 break
             pipe = self.conn.pipeline(transaction=False)
             starts = []
@@ -179,7 +172,7 @@ class Outbox:
                     log.warning(
                         "outbox flush failed, retrying", error=str(e), attempt=attempt + 1, writes=len(batch)
                     )
-                self._closing.wait(min(0.1 * 2 ** min(attempt, 5), 2.0))
+                self._closed.wait(min(0.1 * 2 ** min(attempt, 5), 2.0))
                 continue
             return [replies[s] if s < e else None for s, e in zip(starts, ends, strict=True)]  # (no command: None)
         return [redis.ConnectionError("broker unreachable")] * len(batch)

@@ -92,15 +92,41 @@ class _Write:
     """A call's moves queued as one outbox write (one script call): moves made before the sender takes it join
     it, and their events are still recorded and published one by one, in order, with their own times."""
 
-    __slots__ = ("current", "steps", "kw", "after", "callbacks", "taken")
+    __slots__ = ("run", "calls", "current", "steps", "kw", "after", "callbacks", "taken")
 
-    def __init__(self, current: State) -> None:
+    def __init__(self, run: Running, calls: Calls, current: State) -> None:
+        self.run = run
+        self.calls = calls
         self.current = current  # the state before the first move
         self.steps: list[Step] = []
         self.kw: dict[str, Any] = {}  # the last move's options (a terminal one's fields, ttl, hand-off)
-        self.after: list[Callable[[Any], None]] = []  # more writes in the same pipeline (the audit record)
+        self.after: list[Writer] = []  # more writes in the same pipeline (the hooks': audit record, failures)
         self.callbacks: list[Callable[[Any], None]] = []
         self.taken = False  # the sender has read it: later moves make a write of their own
+
+    def send(self, pipe: Any) -> None:
+        """The outbox's writer: the moves so far as one ``Calls.move``, then the writes riding with them."""
+        run = self.run
+        with run.writes:
+            self.taken = True
+            steps, kw, after = list(self.steps), self.kw, list(self.after)
+        target, detail, ts = steps[-1]
+        if callable(kw.get("take")):  # (its lease deadline from when it goes out, every time it does)
+            run.take_sent = kw["take"]()
+            kw = {**kw, "take": run.take_sent}
+        self.calls.move(
+            run.info, target, attempt=run.attempt, current=self.current, detail=detail, via=steps[:-1], ts=ts,
+            pipeline=pipe, **kw,
+        )
+        for more in after:
+            more(pipe)
+
+    def replied(self, reply: Any) -> None:
+        for check in self.callbacks:  # complete: the sender took the write before this reply
+            try:
+                check(reply)
+            except Exception:  # noqa: BLE001 - each move's callback runs (the last returns a hand-off)
+                log.exception("transition callback failed", call_id=self.run.info.call_id)
 
 
 FAILURES_KEPT = 100
@@ -184,7 +210,7 @@ class CallRunner:
                 try:
                     after(run, spec, args, error)
                 except Exception:  # noqa: BLE001 - a hook's failure does not change the call's outcome
-                    log.exception("hook failed", stage=f"after_{stage}", hook=type(getattr(after, "__self__", after)).__name__)
+                    log.exception("hook failed", stage=f"after_{stage}", hook=type(after.__self__).__name__)
             if run.notices:
                 notices, run.notices = run.notices, []
                 for event_type, detail in notices:
@@ -196,7 +222,7 @@ class CallRunner:
             try:
                 after(run, outcome, error, duration)
             except Exception:  # noqa: BLE001 - as in _stage
-                log.exception("hook failed", stage="after_call", hook=type(getattr(after, "__self__", after)).__name__)
+                log.exception("hook failed", stage="after_call", hook=type(after.__self__).__name__)
 
     def _move(self, run: Running, target: State, detail: dict[str, Any] | None = None) -> None:
         current = run.state
@@ -213,52 +239,20 @@ class CallRunner:
         kw: dict[str, Any],
         *,
         check: Callable[[Any], None],
-        after: Callable[[Any], None] | None = None,
+        after: Sequence[Writer] = (),
         last: bool = False,
     ) -> None:
         """Queue a move: joined to the call's open write when the sender has not taken it yet."""
         with run.writes:
             w = run.open
             if w is None or w.taken:
-                w = _Write(current)
-                self.core.write(run, self._writer(run, w), self._replied(w, run.info.call_id))
+                w = _Write(run, self.core.calls, current)
+                self.core.write(run, w.send, w.replied)
             w.steps.append(step)
             w.kw = kw
-            if after is not None:
-                w.after.append(after)
+            w.after.extend(after)
             w.callbacks.append(check)
             run.open = None if last else w
-
-    def _writer(self, run: Running, w: _Write) -> Callable[[Any], None]:
-        calls = self.core.calls
-
-        def write(pipe: Any) -> None:
-            with run.writes:
-                w.taken = True
-                steps, kw, after = list(w.steps), w.kw, list(w.after)
-            target, detail, ts = steps[-1]
-            if callable(kw.get("take")):  # (its lease deadline from when it goes out, every time it does)
-                run.take_sent = kw["take"]()
-                kw = {**kw, "take": run.take_sent}
-            calls.move(
-                run.info, target, attempt=run.attempt, current=w.current, detail=detail, via=steps[:-1], ts=ts,
-                pipeline=pipe, **kw,
-            )
-            for more in after:
-                more(pipe)
-
-        return write
-
-    @staticmethod
-    def _replied(w: _Write, run_id: str) -> Callable[[Any], None]:
-        def replied(reply: Any) -> None:
-            for check in w.callbacks:  # complete: the sender took the write before this reply
-                try:
-                    check(reply)
-                except Exception:  # noqa: BLE001 - each move's callback runs (the last returns a hand-off)
-                    log.exception("transition callback failed", call_id=run_id)
-
-        return replied
 
     @staticmethod
     def seal(run: Running) -> None:
@@ -483,10 +477,6 @@ class CallRunner:
         current = run.state
         run.state = target
 
-        def after(pipe: Any) -> None:  # the hooks' writes (audit record, usage, failures) ride with it
-            for write in writers:
-                write(pipe)
-
         kw: dict[str, Any] = {"fields": fields, "ttl": self.core.settings.workers.result_ttl}
         if run.rate:
             kw["sent"] = run.sent
@@ -504,7 +494,7 @@ class CallRunner:
                 if took is not None:  # (the calls it took start on its thread slot, else the slot goes back)
                     took(run.info.queue, reply, run.take_sent)
 
-        self._write(run, current, (target, detail, time.time()), kw, check=check, after=after if writers else None, last=True)
+        self._write(run, current, (target, detail, time.time()), kw, check=check, after=writers, last=True)
         self._ended(run, outcome, error, duration)
 
     def _fail_undecodable(self, claimed: Claimed, err: DecodeError) -> None:

@@ -1,9 +1,8 @@
 """Lean spans: what the SDK's tracer records, for a fraction of its cost, into the same export pipeline.
 
-``LeanTracer`` serves our scope when the tracer provider is the one ``otelsdk.setup`` installed (a
-``Provider``). It keeps the SDK's behaviour where it shows: the provider's sampler, id generator and span
-limits apply, and a finished span is an SDK ``ReadableSpan`` handed to every span processor of the provider.
-It leaves out the SDK's self-metrics, its private ``_on_ending`` hook and ``dropped_*`` counts.
+It keeps the SDK's behaviour where it shows: the provider's sampler, id generator and span limits apply, and
+a finished span is an SDK ``ReadableSpan`` handed to every span processor of the provider. It leaves out the
+SDK's self-metrics, its private ``_on_ending`` hook and ``dropped_*`` counts.
 """
 
 from __future__ import annotations

@@ -61,9 +61,8 @@ def drain(core: WorkerCore, pool: CallThreads, grace: float) -> int:
     and executors; the number of calls handed back."""
     deadline = time.monotonic() + grace
     core.flush(grace)  # calls handed to us in flight are submitted before the drain
-    with core.idle:
-        while core.inflight_count() and time.monotonic() < deadline:
-            core.idle.wait(0.1)
+    with core.idle:  # (untrack notifies it)
+        core.idle.wait_for(lambda: not core.inflight_count(), deadline - time.monotonic())
     leftovers = core.inflight()
     for run in leftovers:
         hand_back(core, run)

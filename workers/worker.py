@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import redis
@@ -33,16 +34,10 @@ from workers.stopping import drain
 log = structlog.get_logger("hermes.worker")
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("hermes-gateway")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-VERSION = _version()
+try:
+    VERSION = version("hermes-gateway")
+except PackageNotFoundError:
+    VERSION = "unknown"
 
 CLAIM_BATCH = 64
 # Submissions publish a wake-up; polling is the fallback for a lost message.
@@ -493,7 +488,7 @@ class StockThreads(CallThreads):
                 raise RuntimeError("cannot run new calls after shutdown")
             future = self._executor.submit(self._run, fn, arg)
             self._pending.add(future)
-        future.add_done_callback(self._forget)
+        future.add_done_callback(self._pending.discard)  # (set.discard is atomic: no lock needed)
 
     @staticmethod
     def _run(fn: Callable[[Any], None], arg: Any) -> None:
@@ -501,10 +496,6 @@ class StockThreads(CallThreads):
             fn(arg)
         except BaseException:  # noqa: BLE001 - as CallThreads: a task's failure is logged, not raised
             log.exception("call thread task failed")
-
-    def _forget(self, future: Future[None]) -> None:
-        with self._lock:
-            self._pending.discard(future)
 
     def shutdown(self) -> int:
         with self._lock:
