@@ -158,9 +158,9 @@ def parse_manifest(manifest_file: Path, plugin_dir: Path, source: str, prefix: s
     name = str(data.get("name") or plugin_dir.name)
     return PluginManifest(
         name=name,
-        version=str(data.get("version", "") or ""),
-        description=str(data.get("description", "") or ""),
-        author=str(data.get("author", "") or ""),
+        version=str(data.get("version") or ""),
+        description=str(data.get("description") or ""),
+        author=str(data.get("author") or ""),
         requires_env=_str_list(data.get("requires_env")),
         provides_tools=_str_list(data.get("provides_tools")),
         provides_hooks=_str_list(data.get("provides_hooks") or data.get("hooks")),

@@ -90,11 +90,10 @@ def _edit_lists(
     key = manifest.lookup_key
     with _write_lock:
         config = read_config(home, discovery)
-        section = config.get("plugins")
-        if not isinstance(section, dict):
-            section = {}
-            config["plugins"] = section
         enabled, disabled = plugin_lists(config)
+        if not isinstance(config.get("plugins"), dict):
+            config["plugins"] = {}
+        section = config["plugins"]
         enabled = set(enabled or ())
         bare = key.split("/")[-1]
         if enable:

@@ -14,6 +14,7 @@ from typing import Any
 
 from middleware.logger import get_logger
 from middleware.manifest import (
+    ENTRY_POINTS_GROUP,
     PLAIN,
     Discovery,
     PluginInfo,
@@ -22,7 +23,7 @@ from middleware.manifest import (
     group_entry_points,
     resolve_home,
 )
-from middleware.plugin_config import plugin_lists, read_config
+from middleware.plugin_config import is_enabled, plugin_lists, read_config
 from middleware.reporter import FailureReporter
 from middleware.runtime import MiddlewareRegistry, MiddlewareRuntime
 
@@ -67,7 +68,7 @@ def _import_entrypoint_plugin(manifest: PluginManifest) -> Any:
     for ep in group_entry_points():
         if ep.name == manifest.name:
             return ep.load()
-    raise ImportError(f"Entry point {manifest.name!r} not found in group 'hermes_agent.plugins'")
+    raise ImportError(f"Entry point {manifest.name!r} not found in group '{ENTRY_POINTS_GROUP}'")
 
 
 def _module_names(manifest: PluginManifest) -> str:
@@ -174,7 +175,7 @@ class PluginManager:
             return "exclusive plugin — activate via <category>.provider config"
         if m.kind in ("model-provider", "platform"):
             return f"{m.kind} plugin — not run by the gateway"
-        if enabled is None or not (key in enabled or m.name in enabled):
+        if not is_enabled(m, enabled, disabled):
             return f"not enabled in config (run `hermes plugins enable {key}` to activate)"
         return None
 
