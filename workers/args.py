@@ -65,10 +65,6 @@ def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
-def _dict(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
-
-
 def _coerce(value: Any, schema: Any) -> Any:
     if not isinstance(schema, dict):
         return value
@@ -84,15 +80,12 @@ def _coerce(value: Any, schema: Any) -> Any:
             return value
         items = schema.get("items")
         prefix = _list(schema.get("prefixItems"))
-        out = []
-        for i, item in enumerate(value):
-            sub = prefix[i] if i < len(prefix) else items
-            out.append(_coerce(item, sub))
-        return out
+        return [_coerce(item, prefix[i] if i < len(prefix) else items) for i, item in enumerate(value)]
     if isinstance(value, dict):
         if types and "object" not in types:
             return _wrap(value, schema, types)
-        props = _dict(schema.get("properties"))
+        props = schema.get("properties")
+        props = props if isinstance(props, dict) else {}
         extra = schema.get("additionalProperties")
         return {k: _coerce(v, props.get(k, extra)) for k, v in value.items()}
     return _wrap(value, schema, types)
