@@ -207,7 +207,7 @@ def scan_entry_points() -> list[PluginManifest]:
         found.append(
             PluginManifest(
                 name=ep.name,
-                version=str(getattr(dist, "version", "") or "") if dist is not None else "",
+                version=str(getattr(dist, "version", "") or ""),
                 description=str(meta.get("Summary", "") or "") if meta is not None else "",
                 source="entrypoint",
                 path=ep.value,
