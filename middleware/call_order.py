@@ -146,11 +146,11 @@ class ToolCallFlow:
                 reason = f": {message}" if message else ""
                 message = f"BLOCKED: plugin approval required for {tool_name}{reason}"
         if directive is not None:
-            result = {"error": message}
-            _post(rt, base, eff, trace, result, 0, "blocked", "plugin_block", message)
+            refusal = {"error": message}
+            _post(rt, base, eff, trace, refusal, 0, "blocked", "plugin_block", message)
             if self.on_blocked is not None:
                 return self.on_blocked(tool_name, message, ctx)
-            return result
+            return refusal
         if policy is not None:
             try:
                 policy(tool_name, eff, ctx)

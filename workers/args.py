@@ -146,11 +146,6 @@ _validators: dict[str, tuple[Draft202012Validator, Quick | None]] = {}
 _lock = threading.Lock()
 
 
-def _digest(schema: dict[str, Any]) -> str:
-    blob = json.dumps(schema, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
 # The last schema objects seen, by identity, so the hot path skips hashing a spec's schema; each is kept
 # with its validator so its id is not reused meanwhile. Specs are replaced whole, never edited in place.
 _by_id: dict[int, tuple[dict[str, Any], Draft202012Validator, Quick | None]] = {}
@@ -165,7 +160,8 @@ def _compiled(schema: dict[str, Any]) -> tuple[Draft202012Validator, Quick | Non
     seen = _by_id.get(id(schema))
     if seen is not None and seen[0] is schema:
         return seen[1], seen[2]
-    key = _digest(schema)
+    blob = json.dumps(schema, sort_keys=True, separators=(",", ":"), default=str)
+    key = hashlib.sha256(blob.encode()).hexdigest()
     found = _validators.get(key)
     if found is None:
         try:
