@@ -23,7 +23,7 @@ class MiddlewareLog:
         self._structlog = structlog.get_logger(NAME)
         self._stdlib = logging.getLogger(NAME)
 
-    def _emit(self, method: str, level: int, event: str, **fields: Any) -> None:
+    def _emit(self, method: str, level: int, event: str, /, **fields: Any) -> None:
         if structlog.is_configured():
             getattr(self._structlog, method)(event, **fields)
         elif self._stdlib.isEnabledFor(level):
