@@ -131,10 +131,9 @@ def _detect_kind(data: dict[str, Any], plugin_dir: Path) -> str:
         kind = "standalone"
     if kind == "standalone" and "kind" not in data:
         # Hermes routes undeclared memory providers to their own loader; so must we, or we'd run them.
-        init = plugin_dir / "__init__.py"
         try:
-            text = init.read_text(errors="replace")[:8192] if init.exists() else ""
-        except OSError:
+            text = (plugin_dir / "__init__.py").read_text(errors="replace")[:8192]
+        except OSError:  # no __init__.py: nothing to detect
             text = ""
         if "register_memory_provider" in text or "MemoryProvider" in text:
             kind = "exclusive"

@@ -125,7 +125,7 @@ def _coerce_number(value: str, integer_only: bool) -> Any:
         f = float(value)
     except (ValueError, OverflowError):
         return value
-    if math.isnan(f) or math.isinf(f):
+    if not math.isfinite(f):
         return value
     if f == int(f):
         return int(f)

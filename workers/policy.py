@@ -238,7 +238,7 @@ class Policy:
 
         if args:
             for pr in self.path_rules:
-                if pr.tool != tool and pr.tool != ALL_TAGS:
+                if pr.tool not in (tool, ALL_TAGS):
                     continue
                 for name, value in pr.judged(spec, args):
                     bad = _outside(value, pr.allow)
