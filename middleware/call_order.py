@@ -283,11 +283,7 @@ class LLMCallFlow:
                 rt.emit(
                     API_REQUEST_ERROR,
                     **ctx,
-                    request=request_view(eff),
-                    middleware_trace=list(trace),
-                    api_duration=time.monotonic() - t0,
-                    started_at=started_at,
-                    ended_at=time.time(),
+                    **_ended(eff, trace, t0, started_at),
                     status_code=getattr(exc, "status_code", None) or getattr(exc, "status", None),
                     retry_count=retry_count,
                     max_retries=max_retries,
@@ -298,14 +294,18 @@ class LLMCallFlow:
             raise
         if rt.has_hook(POST_API_REQUEST):
             extra = dict(self.describe_response(response)) if self.describe_response is not None else {}
-            rt.emit(
-                POST_API_REQUEST,
-                **ctx,
-                **post_api_fields(eff, response, extra),
-                request=request_view(eff),  # the seed: the effective request reaches post_api_request too
-                middleware_trace=list(trace),
-                api_duration=time.monotonic() - t0,
-                started_at=started_at,
-                ended_at=time.time(),
-            )
+            fields = post_api_fields(eff, response, extra)
+            rt.emit(POST_API_REQUEST, **ctx, **fields, **_ended(eff, trace, t0, started_at))
         return response
+
+
+def _ended(eff: dict[str, Any], trace: list[dict[str, Any]], t0: float, started_at: float) -> dict[str, Any]:
+    """What api_request_error and post_api_request both report (the seed: the effective request reaches
+    post_api_request too)."""
+    return {
+        "request": request_view(eff),
+        "middleware_trace": list(trace),
+        "api_duration": time.monotonic() - t0,
+        "started_at": started_at,
+        "ended_at": time.time(),
+    }
