@@ -33,9 +33,7 @@ _SPLIT = re.compile(r"[^A-Za-z0-9]+")
 def path_like(name: str) -> bool:
     """True when an argument (or environment variable) name says it holds a path."""
     words = [w for w in _SPLIT.split(_CAMEL.sub(r"\1_\2", name).lower()) if w]
-    if not words:
-        return False
-    return words[-1] in PATH_WORDS or "".join(words).endswith(PATH_ENDINGS)
+    return bool(words) and (words[-1] in PATH_WORDS or "".join(words).endswith(PATH_ENDINGS))
 
 
 def every_path(spec: ToolSpec, args: Mapping[str, Any]) -> list[tuple[str, Any]]:
