@@ -1,13 +1,10 @@
 """Tool arguments: parse the text a person types, coerce model output as Hermes does, validate.
 
-Coercion follows hermes-agent's ``coerce_tool_args``: strings become the numbers, booleans, None or JSON
-arrays/objects the schema asks for, and a bare value where an array is expected becomes ``[value]``;
-what does not coerce cleanly is left for validation to report. Unlike Hermes it recurses into every
-nested property and item.
-
-Validation runs a quick check (``quick_check``) before jsonschema: a plain schema is compiled into a test
-that says only "certainly valid" or "not sure" (then the full Draft 2020-12 validator runs and reports
-every violation). ``workers.shortcuts_off: [quickcheck]`` turns it off.
+Coercion follows hermes-agent's ``coerce_tool_args`` (strings become the numbers, booleans, None or JSON
+arrays/objects the schema asks for; a bare value where an array is expected becomes ``[value]``) but
+recurses into every nested property and item; what does not coerce cleanly is left for validation to
+report. Validation tries ``quick_check`` first (``workers.shortcuts_off: [quickcheck]`` turns it off), then
+the full Draft 2020-12 validator, which reports every violation.
 """
 
 from __future__ import annotations
