@@ -182,11 +182,9 @@ class PluginManager:
     def _load_one(self, manifest: PluginManifest, registry: MiddlewareRegistry) -> PluginInfo:
         key = manifest.lookup_key
         self._modules.add(_module_names(manifest))
+        importer = _import_entrypoint_plugin if manifest.source == "entrypoint" else _import_directory_plugin
         try:
-            if manifest.source == "entrypoint":
-                module = _import_entrypoint_plugin(manifest)
-            else:
-                module = _import_directory_plugin(manifest)
+            module = importer(manifest)
         except Exception as exc:
             log.warning(f"failed to load plugin {key!r}: {exc}", plugin=key, error=str(exc), exc_info=exc)
             return PluginInfo.of(manifest, enabled=False, error=str(exc))
