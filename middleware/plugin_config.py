@@ -91,9 +91,6 @@ def _edit_lists(
     with _write_lock:
         config = read_config(home, discovery)
         enabled, disabled = plugin_lists(config)
-        if not isinstance(config.get("plugins"), dict):
-            config["plugins"] = {}
-        section = config["plugins"]
         enabled = set(enabled or ())
         bare = key.split("/")[-1]
         if enable:
@@ -103,8 +100,9 @@ def _edit_lists(
         else:
             enabled -= {key, bare}
             disabled.add(key)
-        section["enabled"] = sorted(enabled)
-        section["disabled"] = sorted(disabled)
+        section = config.get("plugins")
+        section = section if isinstance(section, dict) else {}  # a malformed section is replaced
+        config["plugins"] = {**section, "enabled": sorted(enabled), "disabled": sorted(disabled)}
         _write_config(home, config)
     return key
 
