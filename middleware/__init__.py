@@ -1,16 +1,10 @@
 """The Hermes middleware contract (hermes.middleware.v1), self-contained: imports nothing else of ours.
 
-Plugins are found as Hermes finds them (``$HERMES_HOME/plugins/<name>/`` with ``plugin.yaml`` and
-``register(ctx)``, or a ``hermes_agent.plugins`` entry point); only those in ``plugins.enabled`` of
-``$HERMES_HOME/config.yaml`` run (``plugins.disabled`` wins), so one HERMES_HOME serves the gateway and
-Hermes alike. ``enable_plugin``, ``disable_plugin`` and ``list_plugins`` edit and read that file;
-``PluginManager(home).load()`` imports the enabled plugins, ``reload()`` re-imports them fresh.
-
-A call reads ``manager.runtime`` (an immutable snapshot) once; ``ToolCallFlow`` and ``LLMCallFlow`` run it
-in the contract's order, and the runtime offers the steps piecemeal (``apply_tool_request``,
-``apply_llm_request``, ``run_tool_execution``, ``run_llm_execution``, ``emit``, ``run_tool_call``,
-``run_llm_call``). Middleware and hooks fail open; an identical repeated failure warns once, then goes
-to DEBUG until ``PluginManager.reload()``.
+Plugins are found and enabled as Hermes does it (``middleware.manifest``, ``middleware.plugin_config``),
+so one HERMES_HOME serves the gateway and Hermes alike; ``PluginManager(home).load()`` imports the
+enabled ones. A call reads ``manager.runtime`` (an immutable snapshot) once; ``ToolCallFlow`` and
+``LLMCallFlow`` run it in the contract's order. Middleware and hooks fail open; an identical repeated
+failure warns once, then goes to DEBUG until ``PluginManager.reload()``.
 """
 
 from __future__ import annotations

@@ -59,10 +59,8 @@ def _block_message(results: list[Any]) -> tuple[str, str] | None:
             continue
         action = result.get("action")
         message = result.get("message")
-        message = message if isinstance(message, str) and message else ""
-        if action == "block" and message:
-            return action, message
-        if action == "approve":
+        message = message if isinstance(message, str) else ""
+        if action == "approve" or (action == "block" and message):
             return action, message
     return None
 
@@ -134,7 +132,7 @@ class ToolCallFlow:
             try:
                 check_available(tool_name, eff, ctx)
             except BaseException as exc:
-                self._post(rt, base, eff, None, trace, None, "error", exc)
+                _post(rt, base, eff, trace, None, 0, "error", error_type(exc), str(exc))
                 raise
         directive = None
         if rt.has_hook(PRE_TOOL_CALL):
@@ -148,26 +146,16 @@ class ToolCallFlow:
                 reason = f": {message}" if message else ""
                 message = f"BLOCKED: plugin approval required for {tool_name}{reason}"
         if directive is not None:
-            if rt.has_hook(POST_TOOL_CALL):
-                rt.emit(
-                    POST_TOOL_CALL,
-                    **base,
-                    args=eff,
-                    result={"error": message},
-                    duration_ms=0,
-                    status="blocked",
-                    error_type="plugin_block",
-                    error_message=message,
-                    middleware_trace=list(trace),
-                )
+            refusal = {"error": message}
+            _post(rt, base, eff, trace, refusal, 0, "blocked", "plugin_block", message)
             if self.on_blocked is not None:
                 return self.on_blocked(tool_name, message, ctx)
-            return {"error": message}
+            return refusal
         if policy is not None:
             try:
                 policy(tool_name, eff, ctx)
             except BaseException as exc:
-                self._post(rt, base, eff, None, trace, None, "blocked", exc)
+                _post(rt, base, eff, trace, None, 0, "blocked", error_type(exc), str(exc))
                 raise
 
         started = time.monotonic()
@@ -175,9 +163,10 @@ class ToolCallFlow:
             result = rt.run_tool_execution(ctx, tool_name, eff, execute, original_args=outcome.original)
         except BaseException as exc:
             status = "cancelled" if self.is_cancelled(exc) else "error"
-            self._post(rt, base, eff, None, trace, started, status, exc)
+            _post(rt, base, eff, trace, None, _elapsed_ms(started), status, error_type(exc), str(exc))
             raise
-        duration_ms = self._post(rt, base, eff, result, trace, started, "ok", None)
+        duration_ms = _elapsed_ms(started)
+        _post(rt, base, eff, trace, result, duration_ms)
         if rt.has_hook(TRANSFORM_TOOL_RESULT):
             outcome_status, err_type, err_message = result_status(result)
             replaced = rt.emit(  # no middleware_trace: Hermes sends none to this hook
@@ -192,40 +181,40 @@ class ToolCallFlow:
             )
             # The first replacement wins: a string, as in Hermes, or (our results may be structured) a
             # dict or list; any other return (None, True, 0...) keeps the result.
-            for value in replaced:
-                if isinstance(value, str | dict | list):
-                    result = value
-                    break
+            result = next((value for value in replaced if isinstance(value, str | dict | list)), result)
         return result
 
-    @staticmethod
-    def _post(
-        rt: MiddlewareRuntime,
-        base: dict[str, Any],
-        eff: dict[str, Any],
-        result: Any,
-        trace: list[dict[str, Any]],
-        started: float | None,
-        status: str,
-        exc: BaseException | None,
-    ) -> int:
-        duration_ms = 0 if started is None else int((time.monotonic() - started) * 1000)
-        if rt.has_hook(POST_TOOL_CALL):
-            kind, message = (None, None) if exc is None else (error_type(exc), str(exc))
-            if exc is None and status == "ok":
-                status, kind, message = result_status(result)
-            rt.emit(
-                POST_TOOL_CALL,
-                **base,
-                args=eff,
-                result=result,
-                duration_ms=duration_ms,
-                status=status,
-                error_type=kind,
-                error_message=message,
-                middleware_trace=list(trace),
-            )
-        return duration_ms
+
+def _elapsed_ms(started: float) -> int:
+    return int((time.monotonic() - started) * 1000)
+
+
+def _post(
+    rt: MiddlewareRuntime,
+    base: dict[str, Any],
+    eff: dict[str, Any],
+    trace: list[dict[str, Any]],
+    result: Any,
+    duration_ms: int,
+    status: str = "ok",
+    kind: str | None = None,
+    message: str | None = None,
+) -> None:
+    """Emit post_tool_call; an ``ok`` call's status comes from its result, as Hermes derives it."""
+    if rt.has_hook(POST_TOOL_CALL):
+        if status == "ok":
+            status, kind, message = result_status(result)
+        rt.emit(
+            POST_TOOL_CALL,
+            **base,
+            args=eff,
+            result=result,
+            duration_ms=duration_ms,
+            status=status,
+            error_type=kind,
+            error_message=message,
+            middleware_trace=list(trace),
+        )
 
 
 def result_status(result: Any) -> tuple[str, str | None, str | None]:
@@ -294,11 +283,7 @@ class LLMCallFlow:
                 rt.emit(
                     API_REQUEST_ERROR,
                     **ctx,
-                    request=request_view(eff),
-                    middleware_trace=list(trace),
-                    api_duration=time.monotonic() - t0,
-                    started_at=started_at,
-                    ended_at=time.time(),
+                    **_ended(eff, trace, t0, started_at),
                     status_code=getattr(exc, "status_code", None) or getattr(exc, "status", None),
                     retry_count=retry_count,
                     max_retries=max_retries,
@@ -309,14 +294,18 @@ class LLMCallFlow:
             raise
         if rt.has_hook(POST_API_REQUEST):
             extra = dict(self.describe_response(response)) if self.describe_response is not None else {}
-            rt.emit(
-                POST_API_REQUEST,
-                **ctx,
-                **post_api_fields(eff, response, extra),
-                request=request_view(eff),  # the seed: the effective request reaches post_api_request too
-                middleware_trace=list(trace),
-                api_duration=time.monotonic() - t0,
-                started_at=started_at,
-                ended_at=time.time(),
-            )
+            fields = post_api_fields(eff, response, extra)
+            rt.emit(POST_API_REQUEST, **ctx, **fields, **_ended(eff, trace, t0, started_at))
         return response
+
+
+def _ended(eff: dict[str, Any], trace: list[dict[str, Any]], t0: float, started_at: float) -> dict[str, Any]:
+    """What api_request_error and post_api_request both report (the seed: the effective request reaches
+    post_api_request too)."""
+    return {
+        "request": request_view(eff),
+        "middleware_trace": list(trace),
+        "api_duration": time.monotonic() - t0,
+        "started_at": started_at,
+        "ended_at": time.time(),
+    }

@@ -61,9 +61,7 @@ class _Layer:
             ok = True
             return result
 
-        kwargs = dict(fields)
-        kwargs[self.key] = payload
-        kwargs["next_call"] = next_call
+        kwargs = {**fields, self.key: payload, "next_call": next_call}
         try:
             out = reg.callback(**kwargs)
         except Exception as exc:

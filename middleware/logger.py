@@ -8,6 +8,7 @@ of unconfigured structlog's stdout: the fields travel in the record's ``hermes``
 from __future__ import annotations
 
 import logging
+from functools import partialmethod
 from typing import Any
 
 import structlog
@@ -22,21 +23,16 @@ class MiddlewareLog:
         self._structlog = structlog.get_logger(NAME)
         self._stdlib = logging.getLogger(NAME)
 
-    def _emit(self, method: str, level: int, event: str, fields: dict[str, Any]) -> None:
+    def _emit(self, method: str, level: int, event: str, /, **fields: Any) -> None:
         if structlog.is_configured():
             getattr(self._structlog, method)(event, **fields)
         elif self._stdlib.isEnabledFor(level):
             exc_info = fields.pop("exc_info", False)
             self._stdlib.log(level, "%s", event, exc_info=exc_info, extra={"hermes": fields})
 
-    def debug(self, event: str, **fields: Any) -> None:
-        self._emit("debug", logging.DEBUG, event, fields)
-
-    def info(self, event: str, **fields: Any) -> None:
-        self._emit("info", logging.INFO, event, fields)
-
-    def warning(self, event: str, **fields: Any) -> None:
-        self._emit("warning", logging.WARNING, event, fields)
+    debug = partialmethod(_emit, "debug", logging.DEBUG)
+    info = partialmethod(_emit, "info", logging.INFO)
+    warning = partialmethod(_emit, "warning", logging.WARNING)
 
 
 def get_logger() -> MiddlewareLog:

@@ -131,10 +131,9 @@ def _detect_kind(data: dict[str, Any], plugin_dir: Path) -> str:
         kind = "standalone"
     if kind == "standalone" and "kind" not in data:
         # Hermes routes undeclared memory providers to their own loader; so must we, or we'd run them.
-        init = plugin_dir / "__init__.py"
         try:
-            text = init.read_text(errors="replace")[:8192] if init.exists() else ""
-        except OSError:
+            text = (plugin_dir / "__init__.py").read_text(errors="replace")[:8192]
+        except OSError:  # no __init__.py: nothing to detect
             text = ""
         if "register_memory_provider" in text or "MemoryProvider" in text:
             kind = "exclusive"
@@ -158,9 +157,9 @@ def parse_manifest(manifest_file: Path, plugin_dir: Path, source: str, prefix: s
     name = str(data.get("name") or plugin_dir.name)
     return PluginManifest(
         name=name,
-        version=str(data.get("version", "") or ""),
-        description=str(data.get("description", "") or ""),
-        author=str(data.get("author", "") or ""),
+        version=str(data.get("version") or ""),
+        description=str(data.get("description") or ""),
+        author=str(data.get("author") or ""),
         requires_env=_str_list(data.get("requires_env")),
         provides_tools=_str_list(data.get("provides_tools")),
         provides_hooks=_str_list(data.get("provides_hooks") or data.get("hooks")),
@@ -207,7 +206,7 @@ def scan_entry_points() -> list[PluginManifest]:
         found.append(
             PluginManifest(
                 name=ep.name,
-                version=str(getattr(dist, "version", "") or "") if dist is not None else "",
+                version=str(getattr(dist, "version", "") or ""),
                 description=str(meta.get("Summary", "") or "") if meta is not None else "",
                 source="entrypoint",
                 path=ep.value,

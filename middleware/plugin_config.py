@@ -90,10 +90,6 @@ def _edit_lists(
     key = manifest.lookup_key
     with _write_lock:
         config = read_config(home, discovery)
-        section = config.get("plugins")
-        if not isinstance(section, dict):
-            section = {}
-            config["plugins"] = section
         enabled, disabled = plugin_lists(config)
         enabled = set(enabled or ())
         bare = key.split("/")[-1]
@@ -104,8 +100,9 @@ def _edit_lists(
         else:
             enabled -= {key, bare}
             disabled.add(key)
-        section["enabled"] = sorted(enabled)
-        section["disabled"] = sorted(disabled)
+        section = config.get("plugins")
+        section = section if isinstance(section, dict) else {}  # a malformed section is replaced
+        config["plugins"] = {**section, "enabled": sorted(enabled), "disabled": sorted(disabled)}
         _write_config(home, config)
     return key
 

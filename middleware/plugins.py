@@ -14,6 +14,7 @@ from typing import Any
 
 from middleware.logger import get_logger
 from middleware.manifest import (
+    ENTRY_POINTS_GROUP,
     PLAIN,
     Discovery,
     PluginInfo,
@@ -22,7 +23,7 @@ from middleware.manifest import (
     group_entry_points,
     resolve_home,
 )
-from middleware.plugin_config import plugin_lists, read_config
+from middleware.plugin_config import is_enabled, plugin_lists, read_config
 from middleware.reporter import FailureReporter
 from middleware.runtime import MiddlewareRegistry, MiddlewareRuntime
 
@@ -67,7 +68,7 @@ def _import_entrypoint_plugin(manifest: PluginManifest) -> Any:
     for ep in group_entry_points():
         if ep.name == manifest.name:
             return ep.load()
-    raise ImportError(f"Entry point {manifest.name!r} not found in group 'hermes_agent.plugins'")
+    raise ImportError(f"Entry point {manifest.name!r} not found in group '{ENTRY_POINTS_GROUP}'")
 
 
 def _module_names(manifest: PluginManifest) -> str:
@@ -174,18 +175,16 @@ class PluginManager:
             return "exclusive plugin — activate via <category>.provider config"
         if m.kind in ("model-provider", "platform"):
             return f"{m.kind} plugin — not run by the gateway"
-        if enabled is None or not (key in enabled or m.name in enabled):
+        if not is_enabled(m, enabled, disabled):
             return f"not enabled in config (run `hermes plugins enable {key}` to activate)"
         return None
 
     def _load_one(self, manifest: PluginManifest, registry: MiddlewareRegistry) -> PluginInfo:
         key = manifest.lookup_key
         self._modules.add(_module_names(manifest))
+        importer = _import_entrypoint_plugin if manifest.source == "entrypoint" else _import_directory_plugin
         try:
-            if manifest.source == "entrypoint":
-                module = _import_entrypoint_plugin(manifest)
-            else:
-                module = _import_directory_plugin(manifest)
+            module = importer(manifest)
         except Exception as exc:
             log.warning(f"failed to load plugin {key!r}: {exc}", plugin=key, error=str(exc), exc_info=exc)
             return PluginInfo.of(manifest, enabled=False, error=str(exc))

@@ -50,8 +50,7 @@ class FailureReporter:
         key = (where, id(callback), type(exc).__name__, str(exc))
         with self._lock:
             first = key not in self._seen
-            if first:
-                self._seen.add(key)
+            self._seen.add(key)
         fields = sorted(given)
         event = (
             f"{where} callback {label} raised {type(exc).__name__}: {exc}; it is given: {', '.join(fields)}"

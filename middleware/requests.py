@@ -61,11 +61,9 @@ def apply_request_chain(
         except Exception as exc:
             reporter.report(kind, reg.callback, exc, kwargs, plugin=reg.plugin)
             continue
-        if not isinstance(result, dict):
-            continue  # None or any other shape: "anything else is ignored"
-        replacement = result.get(key)
+        replacement = result.get(key) if isinstance(result, dict) else None
         if not isinstance(replacement, dict):
-            continue
+            continue  # None or any other shape is ignored
         current = replacement
         trace.append(trace_entry(result))
     return RequestOutcome(payload=current, original=original, trace=trace)

@@ -65,11 +65,7 @@ class MiddlewareRegistry:
                 valid=list(KINDS),
             )
             return False
-        if not callable(callback):
-            raise TypeError(f"middleware for {kind!r} must be callable, got {type(callback).__name__}")
-        with self._lock:
-            self._middleware[kind].append(Registration(kind, callback, plugin))
-            self._runtime = None
+        self._add(self._middleware, kind, callback, plugin, f"middleware for {kind!r}")
         log.debug("middleware registered", kind=kind, plugin=plugin, callback=callback_label(callback))
         return True
 
@@ -82,11 +78,16 @@ class MiddlewareRegistry:
                 plugin=plugin,
                 hook=name,
             )
+        self._add(self._hooks, name, callback, plugin, f"hook {name!r}")
+
+    def _add(
+        self, table: dict[str, list[Registration]], name: str, callback: Any, plugin: str | None, what: str
+    ) -> None:
         if not callable(callback):
-            raise TypeError(f"hook {name!r} must be callable, got {type(callback).__name__}")
+            raise TypeError(f"{what} must be callable, got {type(callback).__name__}")
         with self._lock:
-            self._hooks.setdefault(name, []).append(Registration(name, callback, plugin))
-            self._runtime = None
+            table.setdefault(name, []).append(Registration(name, callback, plugin))
+            self._runtime = None  # the next runtime() folds a fresh snapshot
 
     def context(self, plugin: str, manifest: Any = None) -> PluginContext:
         """The ``ctx`` handed to a plugin's ``register(ctx)``."""
@@ -103,7 +104,7 @@ class MiddlewareRegistry:
             if self._runtime is None:
                 self._runtime = MiddlewareRuntime(
                     {kind: tuple(regs) for kind, regs in self._middleware.items()},
-                    {name: tuple(regs) for name, regs in self._hooks.items() if regs},
+                    {name: tuple(regs) for name, regs in self._hooks.items()},
                     self.reporter,
                 )
             return self._runtime
@@ -124,14 +125,14 @@ class MiddlewareRuntime:
         reporter: FailureReporter,
     ) -> None:
         self._middleware = dict(middleware)
-        self._hooks = dict(hooks)
+        self._hooks = {name: regs for name, regs in hooks.items() if regs}  # has_hook: a key is a callback
         self.reporter = reporter
         self._chains = {
             kind: ExecutionChain(kind, self._middleware[kind], reporter)
             for kind in (LLM_EXECUTION, TOOL_EXECUTION)
             if self._middleware.get(kind)
         }
-        self.empty = not any(self._middleware.values()) and not any(self._hooks.values())
+        self.empty = not any(self._middleware.values()) and not self._hooks
         self._without: dict[frozenset[str], MiddlewareRuntime] = {}
 
     def without(self, plugins: Collection[str]) -> MiddlewareRuntime:
@@ -146,11 +147,7 @@ class MiddlewareRuntime:
         if found is None:
             found = MiddlewareRuntime(
                 {k: tuple(r for r in regs if r.plugin not in skip) for k, regs in self._middleware.items()},
-                {
-                    k: kept
-                    for k, regs in self._hooks.items()
-                    if (kept := tuple(r for r in regs if r.plugin not in skip))
-                },
+                {k: tuple(r for r in regs if r.plugin not in skip) for k, regs in self._hooks.items()},
                 self.reporter,
             )
             if len(self._without) < 64:  # a handful of distinct sets in practice; never unbounded

@@ -1,13 +1,10 @@
 """Tool arguments: parse the text a person types, coerce model output as Hermes does, validate.
 
-Coercion follows hermes-agent's ``coerce_tool_args``: strings become the numbers, booleans, None or JSON
-arrays/objects the schema asks for, and a bare value where an array is expected becomes ``[value]``;
-what does not coerce cleanly is left for validation to report. Unlike Hermes it recurses into every
-nested property and item.
-
-Validation runs a quick check (``quick_check``) before jsonschema: a plain schema is compiled into a test
-that says only "certainly valid" or "not sure" (then the full Draft 2020-12 validator runs and reports
-every violation). ``workers.shortcuts_off: [quickcheck]`` turns it off.
+Coercion follows hermes-agent's ``coerce_tool_args`` (strings become the numbers, booleans, None or JSON
+arrays/objects the schema asks for; a bare value where an array is expected becomes ``[value]``) but
+recurses into every nested property and item; what does not coerce cleanly is left for validation to
+report. Validation tries ``quick_check`` first (``workers.shortcuts_off: [quickcheck]`` turns it off), then
+the full Draft 2020-12 validator, which reports every violation.
 """
 
 from __future__ import annotations
@@ -65,10 +62,6 @@ def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
-def _dict(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
-
-
 def _coerce(value: Any, schema: Any) -> Any:
     if not isinstance(schema, dict):
         return value
@@ -84,15 +77,12 @@ def _coerce(value: Any, schema: Any) -> Any:
             return value
         items = schema.get("items")
         prefix = _list(schema.get("prefixItems"))
-        out = []
-        for i, item in enumerate(value):
-            sub = prefix[i] if i < len(prefix) else items
-            out.append(_coerce(item, sub))
-        return out
+        return [_coerce(item, prefix[i] if i < len(prefix) else items) for i, item in enumerate(value)]
     if isinstance(value, dict):
         if types and "object" not in types:
             return _wrap(value, schema, types)
-        props = _dict(schema.get("properties"))
+        props = schema.get("properties")
+        props = props if isinstance(props, dict) else {}
         extra = schema.get("additionalProperties")
         return {k: _coerce(v, props.get(k, extra)) for k, v in value.items()}
     return _wrap(value, schema, types)
@@ -132,7 +122,7 @@ def _coerce_number(value: str, integer_only: bool) -> Any:
         f = float(value)
     except (ValueError, OverflowError):
         return value
-    if math.isnan(f) or math.isinf(f):
+    if not math.isfinite(f):
         return value
     if f == int(f):
         return int(f)
@@ -153,11 +143,6 @@ _validators: dict[str, tuple[Draft202012Validator, Quick | None]] = {}
 _lock = threading.Lock()
 
 
-def _digest(schema: dict[str, Any]) -> str:
-    blob = json.dumps(schema, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
 # The last schema objects seen, by identity, so the hot path skips hashing a spec's schema; each is kept
 # with its validator so its id is not reused meanwhile. Specs are replaced whole, never edited in place.
 _by_id: dict[int, tuple[dict[str, Any], Draft202012Validator, Quick | None]] = {}
@@ -172,7 +157,8 @@ def _compiled(schema: dict[str, Any]) -> tuple[Draft202012Validator, Quick | Non
     seen = _by_id.get(id(schema))
     if seen is not None and seen[0] is schema:
         return seen[1], seen[2]
-    key = _digest(schema)
+    blob = json.dumps(schema, sort_keys=True, separators=(",", ":"), default=str)
+    key = hashlib.sha256(blob.encode()).hexdigest()
     found = _validators.get(key)
     if found is None:
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Iterator, Mapping
+from itertools import chain
 from typing import Any
 
 from broker.placeholders import OMIT, lookup, names
@@ -32,32 +33,23 @@ _SPLIT = re.compile(r"[^A-Za-z0-9]+")
 def path_like(name: str) -> bool:
     """True when an argument (or environment variable) name says it holds a path."""
     words = [w for w in _SPLIT.split(_CAMEL.sub(r"\1_\2", name).lower()) if w]
-    if not words:
-        return False
-    return words[-1] in PATH_WORDS or "".join(words).endswith(PATH_ENDINGS)
+    return bool(words) and (words[-1] in PATH_WORDS or "".join(words).endswith(PATH_ENDINGS))
 
 
 def every_path(spec: ToolSpec, args: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """``(where, value)`` for every path-like value of the call, each place once."""
     found: dict[str, Any] = {}
-    for where, value in _by_name(args, ""):
-        found.setdefault(where, value)
-    for where, value in _by_schema(spec.input_schema, args, ""):
-        found.setdefault(where, value)
+    sources = [_by_name(args, ""), _by_schema(spec.input_schema, args, "")]
     if spec.executor == "command":
-        for where, value in _by_position(spec.config, args):
-            found.setdefault(where, value)
+        sources.append(_by_position(spec.config, args))
+    for where, value in chain(*sources):
+        found.setdefault(where, value)
     return list(found.items())
 
 
 def named(names: tuple[str, ...], args: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """``(name, value)`` for each of ``names`` the call has (``opts.path`` is followed into ``opts``)."""
-    out = []
-    for name in names:
-        value = lookup(args, name)
-        if value is not OMIT:
-            out.append((name, value))
-    return out
+    return [(name, value) for name in names if (value := lookup(args, name)) is not OMIT]
 
 
 def _by_name(value: Any, where: str) -> Iterator[tuple[str, Any]]:
@@ -104,16 +96,19 @@ def _by_position(config: Mapping[str, Any], args: Mapping[str, Any]) -> Iterator
     except ValueError:
         parts = []  # the executor refuses this spec itself
     for part in parts[1:]:
-        for name in names(part):
-            value = lookup(args, name)
-            if isinstance(value, str):
-                yield f"{name} (argv)", value
+        for name, value in _filled(part, args):
+            yield f"{name} (argv)", value
     env_set = config.get("env_set")
     if isinstance(env_set, Mapping):
         for var, text in env_set.items():
-            if not path_like(str(var)):
-                continue
-            for name in names(str(text)):
-                value = lookup(args, name)
-                if isinstance(value, str):
+            if path_like(str(var)):
+                for name, value in _filled(str(text), args):
                     yield f"{name} (env {var})", value
+
+
+def _filled(template: str, args: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    """``(placeholder, string)`` for each placeholder of ``template`` the call fills with a string."""
+    for name in names(template):
+        value = lookup(args, name)
+        if isinstance(value, str):
+            yield name, value

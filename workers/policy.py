@@ -1,26 +1,11 @@
 """Policy: which principal may call which tool, judged on the effective (post-middleware) args.
 
-Configured under ``policy:`` in ``config.yaml``::
-
-    policy:
-      mode: permissive            # or strict (recommended in production)
-      default_principal: anonymous  # who a call without a principal is
-      deny_tools: [rm_rf, "db_drop_*"]   # refused for everyone (glob patterns)
-      allow_tools: [...]          # optional: when set, nothing else may be called
-      principals:
-        agent-a: {grants: [read_only, write], deny_tools: [shell]}
-        "ops-*": {grants: ["*"]}  # "*" as a grant holds every tag
-        "*": {grants: [read_only]}  # every principal, the anonymous one included
-      args:
-        path_prefixes:
-          read_file: [/srv/data/]          # every path-like value: by name at any depth, schema
-                                           # format: path, a command's argv (workers/pathargs.py)
-          write_file: {args: [dest], allow: [/tmp/out]}
-
-Rules are tried in a fixed order and the first refusal wins: ``deny_tools``, the principal's
-``deny_tools``, ``allow_tools``, the principal's ``allow_tools``, the permission tags (mode), then the
-argument rules. A principal's grants are the union of every ``principals`` entry whose key (a glob)
-matches its name.
+Configured under ``policy:`` in ``config.yaml`` (docs/security.md). Rules are tried in a fixed order and
+the first refusal wins: ``deny_tools``, the principal's ``deny_tools``, ``allow_tools``, the principal's
+``allow_tools``, the permission tags (mode), then the argument rules (``args.path_prefixes``, whose
+paths ``workers/pathargs.py`` finds). A principal's grants are the union of every ``principals`` entry
+whose key (a glob; ``"*"`` matches everyone, the anonymous principal included) matches its name; ``"*"``
+as a grant holds every tag.
 """
 
 from __future__ import annotations
@@ -120,11 +105,7 @@ class Policy:
         """Validate a ``policy:`` mapping; typos are errors, because a silently ignored rule is a hole."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"policy: expected a mapping, got {type(data).__name__}")
-        unknown = set(data) - _TOP_KEYS - {"version"}
-        if unknown:
-            raise ConfigError(
-                f"policy: unknown key(s) {sorted(unknown)}; expected some of {sorted(_TOP_KEYS)}"
-            )
+        _known_keys("policy", set(data) - {"version"}, _TOP_KEYS)
         mode = data.get("mode", PERMISSIVE)
         mode = MODE_ALIASES.get(mode, mode) if isinstance(mode, str) else mode
         if mode not in MODES:
@@ -242,10 +223,7 @@ class Policy:
 
         if spec.permissions is None:
             if self.mode == STRICT:
-                return deny(
-                    "mode.strict",
-                    f"tool {tool!r} declares no permissions and policy.mode is strict",
-                )
+                return deny("mode.strict", f"tool {tool!r} declares no permissions and policy.mode is strict")
             granted_rule = "mode.permissive"
         else:
             held = {t for t, _ in self.grants_of(who)}
@@ -260,7 +238,7 @@ class Policy:
 
         if args:
             for pr in self.path_rules:
-                if pr.tool != tool and pr.tool != ALL_TAGS:
+                if pr.tool not in (tool, ALL_TAGS):
                     continue
                 for name, value in pr.judged(spec, args):
                     bad = _outside(value, pr.allow)
@@ -299,10 +277,7 @@ class Policy:
 
     def daily_tokens(self, principal: str | None) -> int | None:
         """The principal's daily token budget: the first matching ``principals`` entry that sets one."""
-        for rule in self.rules_for(principal):
-            if rule.daily_tokens is not None:
-                return rule.daily_tokens
-        return None
+        return next((r.daily_tokens for r in self.rules_for(principal) if r.daily_tokens is not None), None)
 
     def rules_for(self, principal: str | None) -> list[PrincipalRule]:
         """The ``principals`` entries that match this principal, in config order."""
@@ -323,19 +298,20 @@ def _names(value: Any, where: str) -> tuple[str, ...] | None:
     return tuple(value)
 
 
+def _known_keys(where: str, given: set[Any], known: set[str]) -> None:
+    """A typo is an error: a silently ignored rule is a hole."""
+    if given - known:
+        raise ConfigError(f"{where}: unknown key(s) {sorted(given - known)}; expected some of {sorted(known)}")
+
+
 def _principal(name: str, raw: Any) -> PrincipalRule:
     where = f"policy.principals.{name}"
-    if raw is None:
-        raw = {}
+    raw = {} if raw is None else raw
     if isinstance(raw, list):  # shorthand: agent-a: [read_only, write]
         raw = {"grants": raw}
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: expected a mapping with some of {sorted(_PRINCIPAL_KEYS)}")
-    unknown = set(raw) - _PRINCIPAL_KEYS
-    if unknown:
-        raise ConfigError(
-            f"{where}: unknown key(s) {sorted(unknown)}; expected some of {sorted(_PRINCIPAL_KEYS)}"
-        )
+    _known_keys(where, set(raw), _PRINCIPAL_KEYS)
     return PrincipalRule(
         pattern=name,
         grants=_names(raw.get("grants"), f"{where}.grants") or (),

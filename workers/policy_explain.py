@@ -60,12 +60,10 @@ def fix(policy: Policy, d: Decision, spec: ToolSpec) -> str:
             "or set policy.mode: permissive (not recommended in production)"
         )
     if d.rule == "permissions":
-        own = any(r.pattern == who for r in policy.principals)
-        where = (
-            f"policy.principals.{who}.grants"
-            if own
-            else f"a new entry policy.principals.{who}: {{grants: [...]}}"
-        )
+        if any(r.pattern == who for r in policy.principals):
+            where = f"policy.principals.{who}.grants"
+        else:
+            where = f"a new entry policy.principals.{who}: {{grants: [...]}}"
         return (
             f"grant {', '.join(d.missing)} in {where} (config.yaml), or call as a principal that holds them"
         )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker import keys, scripts
+from broker.codec import text
 from workers.policy import Policy
 
 
@@ -50,19 +51,12 @@ def clear(conn: Any) -> int:
 
 def load(conn: Any) -> Stored:
     """The stored policy; raises DecodeError when what is stored is not a valid policy."""
-    raw = conn.hgetall(keys.POLICY)
-    fields = {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
+    fields = {text(k): v for k, v in conn.hgetall(keys.POLICY).items()}
     ver = int(fields.get("version") or 0)
     data = fields.get("data")
     if data is None:
         return Stored(None, ver)
-    source = fields.get("source") or b""
-    return Stored(
-        Policy.decode(data),
-        ver,
-        float(fields.get("pushed_at") or 0),
-        source.decode(errors="replace") if isinstance(source, bytes) else str(source),
-    )
+    return Stored(Policy.decode(data), ver, float(fields.get("pushed_at") or 0), text(fields.get("source")))
 
 
 def active(conn: Any, fallback: Policy) -> tuple[Policy, int]:

@@ -138,8 +138,7 @@ def supervise(
                     restarts[:] = [t for t in restarts if now - t < 60]
                     if len(restarts) >= 10 * processes:
                         log.error("workers keep crashing; giving up", exit_code=code)
-                        stopping = True
-                        on_term(signal.SIGTERM, None)
+                        on_term(signal.SIGTERM, None)  # (sets stopping)
                         continue
                     restarts.append(now)
                     log.warning("worker process exited; restarting", exit_code=code, pid=child.pid)

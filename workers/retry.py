@@ -126,18 +126,16 @@ class RetryScheduler:
         while not stopping.is_set():
             try:
                 moved, nxt = self.run_once()
-            except redis.RedisError as e:
-                log.warning("retry scheduler: broker error", error=str(e))
-                stopping.wait(1.0)
-                continue
-            except Exception:  # noqa: BLE001 - the scheduler must keep going
-                log.exception("retry scheduler crashed")
+            except Exception as e:  # noqa: BLE001 - the scheduler must keep going
+                if isinstance(e, redis.RedisError):
+                    log.warning("retry scheduler: broker error", error=str(e))
+                else:
+                    log.exception("retry scheduler crashed")
                 stopping.wait(1.0)
                 continue
             if moved:
                 continue
-            now = time.time()
             self._next = nxt if nxt is not None else float("inf")
-            wait = min(MAX_WAIT, max(0.002, self._next - now))
+            wait = min(MAX_WAIT, max(0.002, self._next - time.time()))
             self._kick.wait(wait)
             self._kick.clear()

@@ -63,7 +63,7 @@ def yaml_problem(e: yaml.YAMLError) -> str:
     """PyYAML's error on one line: "line L, column C: problem (while ... at line L, column C)"."""
 
     def at(mark: Any) -> str:
-        return f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        return f"line {mark.line + 1}, column {mark.column + 1}"
 
     problem = getattr(e, "problem", None)
     if not problem:
