@@ -105,12 +105,10 @@ def _taken(directory: Directory, tools_dir: Path | None, name: str, label: str) 
 def servers(directory: Directory) -> dict[str, list[ToolSpec]]:
     """The tools ``mcp add`` imported, by server label (tools registered by hand have none)."""
     out: dict[str, list[ToolSpec]] = {}
-    for entry in directory.all():
+    for entry in sorted(directory.all(), key=lambda e: e.spec.name):
         label = entry.spec.config.get("mcp_server") if entry.spec.executor == "mcp" else None
         if label:
             out.setdefault(str(label), []).append(entry.spec)
-    for specs in out.values():
-        specs.sort(key=lambda s: s.name)
     return dict(sorted(out.items()))
 
 
