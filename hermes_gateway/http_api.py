@@ -241,8 +241,7 @@ class Api:
             else:
                 raise BadRequest(f"the body must be a JSON array of argument objects, got {type(body).__name__}")
         if resume is not None:  # the same items again after the submitter died: the batch's own tool
-            request.path_params["batch_id"] = resume
-            await self._batch(request)  # (unknown, or another principal's: 404)
+            await self._batch(request, resume)  # (unknown, or another principal's: 404)
             tool = tool or (await run_in_threadpool(BatchJob(self.gw, resume).progress)).tool
         if not tool:
             raise BadRequest("name the tool: POST /v1/batches?tool=NAME (or \"tool\" in a JSON object body)")
@@ -258,12 +257,12 @@ class Api:
         base = "/v1/batches/" + job.id
         return reply({"id": job.id, "tool": tool, "items": len(items), "status": base, "results": base + "/results"}, 202)
 
-    async def _batch(self, request: Request) -> Any:
-        """The batch of the path, if this caller may see it (another principal's is unknown to it)."""
+    async def _batch(self, request: Request, batch_id: str | None = None) -> Any:
+        """The batch (by default the path's), if this caller may see it (another principal's is unknown)."""
         from broker.errors import UnknownBatch
         from hermes_gateway.batches import BatchJob, BatchStore
 
-        batch_id = request.path_params["batch_id"]
+        batch_id = batch_id or request.path_params["batch_id"]
         meta = await run_in_threadpool(BatchStore(self.gw.conn).meta, batch_id)
         caller = request_caller(request)
         if not caller.admin and meta.get("principal", "") != (caller.principal or ""):

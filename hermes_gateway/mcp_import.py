@@ -91,8 +91,7 @@ def _taken(directory: Directory, tools_dir: Path | None, name: str, label: str) 
     entry = directory.fetch(name)
     if entry is not None and not _imported_from(entry.spec.to_dict(), label):
         return f"a tool named {name!r} exists ({entry.spec.executor}, not from MCP server {label!r})"
-    path = tools_dir / f"{name}.yaml" if tools_dir is not None else None
-    if path is not None and path.exists():
+    if tools_dir is not None and (path := tools_dir / f"{name}.yaml").exists():
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8"))
         except (OSError, yaml.YAMLError):
