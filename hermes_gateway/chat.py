@@ -203,8 +203,7 @@ class ChatSession:
         turn = Turn(n, turn_id, handle.call_id, message.get("content"), seconds=time.monotonic() - started)
         for tc in calls:
             fn = tc.get("function") or {}
-            run = ToolRun(str(tc.get("id") or ""), str(fn.get("name") or ""), fn.get("arguments"))
-            turn.tools.append(run)
+            turn.tools.append(ToolRun(str(tc.get("id") or ""), str(fn.get("name") or ""), fn.get("arguments")))
         return turn
 
     def _run_tools(self, turn: Turn) -> None:

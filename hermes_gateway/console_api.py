@@ -214,8 +214,7 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
             context = {k: v for k, v in plan.context.items() if k != "principal"}
             who = caller.principal or (rec.principal if caller.admin else None)
             plan = dataclasses.replace(plan, context={**context, **({"principal": who} if who else {})})
-            spec = gw.tool(plan.tool).spec
-            gw.require_workers(str(spec.config.get("queue") or "tools"))
+            gw.require_workers(str(gw.tool(plan.tool).spec.config.get("queue") or "tools"))
             outcome = replay.run(gw, audit_log, plan, float(timeout))
             return {
                 "call_id": outcome.call_id,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from dataclasses import asdict
 from importlib import resources
 from typing import Any
@@ -72,20 +72,6 @@ def _context(body: dict[str, Any]) -> dict[str, Any]:
     return context
 
 
-class _Unavailable:
-    """``/mcp`` where the MCP SDK 2.x is not installed: every request is told what to install (501)."""
-
-    def __init__(self, error: HermesError) -> None:
-        self.error = error
-
-    @asynccontextmanager
-    async def running(self) -> AsyncIterator[None]:
-        yield
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await reply({"error": self.error.to_wire()}, 501)(scope, receive, send)
-
-
 class Api:
     """The endpoints over ``gw``'s broker: ``gw`` (threads) for the directory and status, ``agw`` (an
     ``AsyncGateway`` on the same broker, opened by ``lifespan``) for calls, waits and event streams."""
@@ -101,15 +87,15 @@ class Api:
             from hermes_gateway.mcp_http import McpEndpoint
 
             self.mcp: Any = McpEndpoint(gw, lambda: self.agw, stateful=mcp_stateful)
-        except HermesError as e:
-            self.mcp = _Unavailable(e)
+        except HermesError as e:  # (a Response is an ASGI app: every request is told what to install)
+            self.mcp = reply({"error": e.to_wire()}, 501)
 
     @asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         self.agw = AsyncGateway(await async_from_url(self.gw.broker.url), self.gw.settings, url=self.gw.broker.url)
         await self.agw.start()
         try:
-            async with self.mcp.running():
+            async with self.mcp.running() if hasattr(self.mcp, "running") else nullcontext():
                 yield
         finally:
             await self.agw.close()
@@ -211,9 +197,13 @@ class Api:
         if not caller.sees(text(owner) if owner is not None else None):
             raise CallFailed(f"no such call {call_id}", error_type="unknown_call")
 
-    async def get_call(self, request: Request) -> Response:
+    async def _handle(self, request: Request) -> AsyncCallHandle:
+        """The path's call, if this caller may see it (404 for an unknown id)."""
         await self._visible(request, request.path_params["call_id"])
-        handle = await self.agw.handle(request.path_params["call_id"])
+        return await self.agw.handle(request.path_params["call_id"])
+
+    async def get_call(self, request: Request) -> Response:
+        handle = await self._handle(request)
         return reply(await _outcome(handle, 0.0) if handle.done() else _accepted(handle))
 
     async def get_call_request(self, request: Request) -> Response:
@@ -226,9 +216,7 @@ class Api:
         return reply(found)
 
     async def cancel_call(self, request: Request) -> Response:
-        call_id = request.path_params["call_id"]
-        await self._visible(request, call_id)
-        await self.agw.handle(call_id)  # 404 for an unknown id
+        call_id = (await self._handle(request)).call_id
         return reply({"call_id": call_id, "cancelled": await self.agw.cancel(call_id)})
 
     async def submit_batch(self, request: Request) -> Response:
@@ -253,8 +241,7 @@ class Api:
             else:
                 raise BadRequest(f"the body must be a JSON array of argument objects, got {type(body).__name__}")
         if resume is not None:  # the same items again after the submitter died: the batch's own tool
-            request.path_params["batch_id"] = resume
-            await self._batch(request)  # (unknown, or another principal's: 404)
+            await self._batch(request, resume)  # (unknown, or another principal's: 404)
             tool = tool or (await run_in_threadpool(BatchJob(self.gw, resume).progress)).tool
         if not tool:
             raise BadRequest("name the tool: POST /v1/batches?tool=NAME (or \"tool\" in a JSON object body)")
@@ -270,12 +257,12 @@ class Api:
         base = "/v1/batches/" + job.id
         return reply({"id": job.id, "tool": tool, "items": len(items), "status": base, "results": base + "/results"}, 202)
 
-    async def _batch(self, request: Request) -> Any:
-        """The batch of the path, if this caller may see it (another principal's is unknown to it)."""
+    async def _batch(self, request: Request, batch_id: str | None = None) -> Any:
+        """The batch (by default the path's), if this caller may see it (another principal's is unknown)."""
         from broker.errors import UnknownBatch
         from hermes_gateway.batches import BatchJob, BatchStore
 
-        batch_id = request.path_params["batch_id"]
+        batch_id = batch_id or request.path_params["batch_id"]
         meta = await run_in_threadpool(BatchStore(self.gw.conn).meta, batch_id)
         caller = request_caller(request)
         if not caller.admin and meta.get("principal", "") != (caller.principal or ""):
@@ -289,8 +276,8 @@ class Api:
         store = BatchStore(self.gw.conn)
         rows = await run_in_threadpool(store.recent)
         if not caller.admin:
-            mine = await run_in_threadpool(lambda: {p.id for p in rows if store.meta(p.id).get("principal", "") == (caller.principal or "")})
-            rows = [p for p in rows if p.id in mine]
+            owners = await run_in_threadpool(lambda: [store.meta(p.id).get("principal", "") for p in rows])
+            rows = [p for p, owner in zip(rows, owners, strict=True) if owner == (caller.principal or "")]
         return reply([p.to_dict() for p in rows])
 
     async def get_batch(self, request: Request) -> Response:
@@ -312,8 +299,7 @@ class Api:
         return reply({"id": job.id, "cancelled": await run_in_threadpool(job.cancel)})
 
     async def call_events(self, request: Request) -> Response:
-        await self._visible(request, request.path_params["call_id"])
-        handle = await self.agw.handle(request.path_params["call_id"])
+        handle = await self._handle(request)
         raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
         try:
             after = int(raw)

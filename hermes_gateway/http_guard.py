@@ -81,8 +81,7 @@ class Guard:
 
 def request_caller(request: HTTPConnection) -> Caller:
     """The ``Caller`` that :class:`Guard` kept in the request's scope."""
-    caller: Caller = request.scope[CALLER_SCOPE_KEY]
-    return caller
+    return request.scope[CALLER_SCOPE_KEY]
 
 
 def guarded(credentials: Credentials, *, token: bool = True, query_token: bool = False) -> list[Middleware]:

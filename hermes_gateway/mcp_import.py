@@ -91,8 +91,7 @@ def _taken(directory: Directory, tools_dir: Path | None, name: str, label: str) 
     entry = directory.fetch(name)
     if entry is not None and not _imported_from(entry.spec.to_dict(), label):
         return f"a tool named {name!r} exists ({entry.spec.executor}, not from MCP server {label!r})"
-    path = tools_dir / f"{name}.yaml" if tools_dir is not None else None
-    if path is not None and path.exists():
+    if tools_dir is not None and (path := tools_dir / f"{name}.yaml").exists():
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8"))
         except (OSError, yaml.YAMLError):
@@ -105,12 +104,10 @@ def _taken(directory: Directory, tools_dir: Path | None, name: str, label: str) 
 def servers(directory: Directory) -> dict[str, list[ToolSpec]]:
     """The tools ``mcp add`` imported, by server label (tools registered by hand have none)."""
     out: dict[str, list[ToolSpec]] = {}
-    for entry in directory.all():
+    for entry in sorted(directory.all(), key=lambda e: e.spec.name):
         label = entry.spec.config.get("mcp_server") if entry.spec.executor == "mcp" else None
         if label:
             out.setdefault(str(label), []).append(entry.spec)
-    for specs in out.values():
-        specs.sort(key=lambda s: s.name)
     return dict(sorted(out.items()))
 
 

@@ -105,7 +105,7 @@ def build_server(
             spec = (await agw().tool(name)).spec
             await anyio.to_thread.run_sync(gw.require_workers, str(spec.config.get("queue") or "tools"))
         context = {k: v for k, v in (("principal", caller_of(ctx).principal), ("session_id", session_id)) if v}
-        trace = {"traceparent": _text(meta.get("traceparent")), "tracestate": _text(meta.get("tracestate"))}
+        trace = {name: _text(meta.get(name)) for name in ("traceparent", "tracestate")}
         handle = await agw().call_tool(name, args, timeout=timeout, **trace, **context)
         try:
             token = meta.get("progress_token", meta.get("progressToken"))
