@@ -93,9 +93,7 @@ class RateLimiter:
             keys.rate(tag, ckey), keys.rate_log(tag, ckey), keys.rate_due(tag), keys.waiting(tag, ckey),
             keys.waiting_batch(tag, ckey),
         ]
-        if pipeline is not None:
-            return pipes.script(self._sent, script_keys, [call_id, ckey, int(slack * 1000)], pipeline)
-        return self._sent(keys=script_keys, args=[call_id, ckey, int(slack * 1000)])
+        return pipes.script(self._sent, script_keys, [call_id, ckey, int(slack * 1000)], pipeline)
 
     def pause(self, call_id: str, queue: str, ckey: str, seconds: float) -> float:
         """Pause the key for the whole fleet ``seconds`` from now; returns the pause's end (unix s)."""
