@@ -131,7 +131,8 @@ def load_settings(
             or None
         ),
         plugin_discovery=PluginDiscovery(
-            safe_mode=_on(env, "HERMES_SAFE_MODE"), project_plugins=_on(env, "HERMES_ENABLE_PROJECT_PLUGINS")
+            safe_mode=_truthy(env.get("HERMES_SAFE_MODE", "")),
+            project_plugins=_truthy(env.get("HERMES_ENABLE_PROJECT_PLUGINS", "")),
         ),
         agent_plugin=_agent_plugin(plugins, env, broker.url),
         audit=audit_settings(_mapping(raw, "audit")),
@@ -318,10 +319,6 @@ def _agent_plugin(
 def _truthy(value: Any) -> bool:
     """An opt-in switch, read as Hermes reads them (1/true/yes/on; anything else is off)."""
     return str(value).strip().lower() in ("1", "true", "yes", "on")
-
-
-def _on(env: Mapping[str, str], name: str) -> bool:
-    return _truthy(env.get(name, ""))
 
 
 def _env_float(env: Mapping[str, str], name: str, default: float) -> float:

@@ -122,9 +122,8 @@ async def async_from_url(url: str, **kwargs: Any) -> Any:
     try:
         if url.startswith(CLUSTER_SCHEME):
             nodes, creds = cluster_nodes(url)
-            options: dict[str, Any] = {**creds, **kwargs}
             conn = redis.asyncio.cluster.RedisCluster(
-                startup_nodes=[redis.asyncio.cluster.ClusterNode(h, p) for h, p in nodes], **options
+                startup_nodes=[redis.asyncio.cluster.ClusterNode(h, p) for h, p in nodes], **{**creds, **kwargs}
             )
         elif url.startswith(SENTINEL_SCHEME + "://"):
             conn = sentinel_client(url, is_async=True, **kwargs)

@@ -173,12 +173,8 @@ def fill_structure(template: Any, args: dict[str, Any], where: str, schema: Any 
             return fill(template, args, where, schema=schema)
         return value_of(args, name, where, allow_none=True, schema=schema)  # (null stays null)
     if isinstance(template, dict):
-        out = {}
-        for k, v in template.items():
-            filled = fill_structure(v, args, where, schema)
-            if filled is not OMIT:
-                out[k] = filled
-        return out
+        filled = ((k, fill_structure(v, args, where, schema)) for k, v in template.items())
+        return {k: f for k, f in filled if f is not OMIT}
     if isinstance(template, list):
         return [f for f in (fill_structure(v, args, where, schema) for v in template) if f is not OMIT]
     return template
