@@ -303,11 +303,9 @@ class AuditLog:
         if ms is None:
             return None
         ms = int(ms)
-        found = None
-        for _id, entry in self.redis.xrange(self.key, f"{ms}-0", f"{ms}-18446744073709551615"):
-            if text(entry.get(b"call_id")) == call_id:
-                found = entry
-        return AuditRecord.decode(found[b"d"]) if found is not None else None
+        entries = self.redis.xrange(self.key, f"{ms}-0", f"{ms}-18446744073709551615")
+        found = [entry for _id, entry in entries if text(entry.get(b"call_id")) == call_id]
+        return AuditRecord.decode(found[-1][b"d"]) if found else None
 
     def list(
         self,

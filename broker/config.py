@@ -323,7 +323,7 @@ def _truthy(value: Any) -> bool:
 
 def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
     raw = env.get(name)
-    if raw is None or raw == "":
+    if not raw:
         return default
     try:
         return float(raw)

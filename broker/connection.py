@@ -190,12 +190,10 @@ def from_url(url: str, **kwargs: Any) -> redis.Redis:
             conn = sentinel_client(url, **kwargs)
         else:
             conn = redis.Redis.from_url(url, health_check_interval=30, **kwargs)  # type: ignore[arg-type]
-            if cluster_node_url(url, _info_cluster_sync(conn)):  # (INFO answers: no PING needed after it)
-                conn.close()
-                cluster = redis.cluster.RedisCluster.from_url(url, health_check_interval=30, **kwargs)
-                cluster.ping()
-                return cluster  # type: ignore[return-value]
-            return conn
+            if not cluster_node_url(url, _info_cluster_sync(conn)):
+                return conn  # (INFO answered: no PING needed after it)
+            conn.close()
+            conn = redis.cluster.RedisCluster.from_url(url, health_check_interval=30, **kwargs)
         conn.ping()
     except (
         redis.ConnectionError, redis.TimeoutError, redis.exceptions.RedisClusterException, ValueError

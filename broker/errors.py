@@ -230,8 +230,6 @@ _BY_TYPE: dict[str, type[CallFailed]] = {
         WorkerLost,
     )
 }
-_BY_TYPE[DecodeError.type] = CallFailed
-_BY_TYPE[UnknownTool.type] = CallFailed
 
 
 def error_from_wire(data: dict[str, Any] | None) -> CallFailed:

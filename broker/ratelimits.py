@@ -60,8 +60,7 @@ class RateLimit:
         return f"{self.rpm} {self.rps} {self.tpm}"
 
     def to_dict(self) -> dict[str, int]:
-        names = dict(zip(KINDS, (self.rpm, self.tpm, self.rps), strict=True))
-        return {k: v for k, v in names.items() if v >= 0}
+        return {k: v for k, v in zip(KINDS, (self.rpm, self.tpm, self.rps), strict=True) if v >= 0}
 
 
 def estimate_tokens(request: Mapping[str, Any], default_max: int = DEFAULT_MAX_TOKENS) -> int:

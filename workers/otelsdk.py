@@ -9,6 +9,7 @@ environment is the SDK's own to read. Metrics are exported with OTLP when traces
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -143,10 +144,8 @@ def _bounded(step: Any, timeout_ms: int) -> None:
     # The SDK's force_flush ignores its timeout and exports in the caller's thread, retrying for up to
     # OTEL_EXPORTER_OTLP_TIMEOUT (10 s): run each step on a daemon thread and stop waiting in time.
     def run() -> None:
-        try:
+        with contextlib.suppress(Exception):  # an unreachable collector must not stop a process from exiting
             step()
-        except Exception:  # noqa: BLE001 - an unreachable collector must not stop a process from exiting
-            pass
 
     thread = threading.Thread(target=run, name="hermes-otel-flush", daemon=True)
     thread.start()
