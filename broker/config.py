@@ -162,12 +162,11 @@ def _read_config(path: Path, env: Mapping[str, str]) -> dict[str, Any]:
 
 def _logging(section: dict[str, Any], env: Mapping[str, str]) -> LoggingSettings:
     level = _level(env.get("HERMES_LOG_LEVEL"), section.get("level"), "HERMES_LOG_LEVEL", "logging.level")
-    worker_level = env.get("HERMES_WORKER_LOG_LEVEL") or None
     return LoggingSettings(
         level=level or "INFO",
         format=str(env.get("HERMES_LOG_FORMAT") or section.get("format") or "console"),
         level_set=level is not None,
-        worker_level=_level(worker_level, None, "HERMES_WORKER_LOG_LEVEL", "") if worker_level else None,
+        worker_level=_level(env.get("HERMES_WORKER_LOG_LEVEL"), None, "HERMES_WORKER_LOG_LEVEL", ""),
     )
 
 

@@ -140,8 +140,7 @@ class RateLimiter:
             tag = keys.tag(q)
             for raw in sorted(self.conn.smembers(keys.rates(tag))):
                 ckey = text(raw)
-                h = keys.rate(tag, ckey)
-                cfg = self.conn.hmget(h, "rpm", "rps", "tpm", "sum", "pause")
+                cfg = self.conn.hmget(keys.rate(tag, ckey), "rpm", "rps", "tpm", "sum", "pause")
                 if all(v is None for v in cfg[:3]):
                     continue
                 rpm, rps, tpm, tok, pause = (int(v) if v is not None else None for v in cfg)
