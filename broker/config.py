@@ -185,7 +185,9 @@ def _level(from_env: str | None, from_file: Any, env_name: str, key: str) -> str
 
 def _broker(section: dict[str, Any], env: Mapping[str, str]) -> BrokerSettings:
     replicas = _number(env, "HERMES_WAIT_REPLICAS", section, "broker.wait_replicas", 0)
-    timeout = _number(env, "HERMES_WAIT_TIMEOUT_MS", section, "broker.wait_timeout_ms", DEFAULT_WAIT_TIMEOUT_MS)
+    timeout = _number(
+        env, "HERMES_WAIT_TIMEOUT_MS", section, "broker.wait_timeout_ms", DEFAULT_WAIT_TIMEOUT_MS
+    )
     wait_replicas = _whole(replicas, 0, "broker.wait_replicas", "a whole number of replicas >= 0")
     wait_timeout = _whole(timeout, 1, "broker.wait_timeout_ms", "a whole number of milliseconds > 0")
     max_args = _number(env, MAX_ARGS_ENV, section, "broker.max_args", DEFAULT_MAX_ARGS)
@@ -330,8 +332,10 @@ def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
         raise ConfigError(f"{name}: expected a number, got {raw!r}") from e
 
 
-def _number(env: Mapping[str, str], name: str, section: Mapping[str, Any], where: str, default: float) -> float:
-    """A number from env var ``name``, else from config.yaml's ``where`` (``section.key``), else ``default``."""
+def _number(
+    env: Mapping[str, str], name: str, section: Mapping[str, Any], where: str, default: float
+) -> float:
+    """A number from env var ``name``, else config.yaml's ``where`` (``section.key``), else ``default``."""
     return _env_float(env, name, yaml_number(section.get(where.rpartition(".")[2], default), where))
 
 

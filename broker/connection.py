@@ -123,7 +123,8 @@ async def async_from_url(url: str, **kwargs: Any) -> Any:
         if url.startswith(CLUSTER_SCHEME):
             nodes, creds = cluster_nodes(url)
             conn = redis.asyncio.cluster.RedisCluster(
-                startup_nodes=[redis.asyncio.cluster.ClusterNode(h, p) for h, p in nodes], **{**creds, **kwargs}
+                startup_nodes=[redis.asyncio.cluster.ClusterNode(h, p) for h, p in nodes],
+                **{**creds, **kwargs},
             )
         elif url.startswith(SENTINEL_SCHEME + "://"):
             conn = sentinel_client(url, is_async=True, **kwargs)

@@ -78,8 +78,8 @@ def check_keys(where: str, what: str, data: Mapping[str, Any], known: frozenset[
     """Every key of ``data`` is one of ``known`` (the error suggests the nearest); ``what``: "a http tool"."""
     for key in data:
         if key not in known:
-            known_keys = ", ".join(sorted(known))
-            raise InvalidSpec.at(where, str(key), f"unknown key for {what}{_maybe(key, known)}; known keys: {known_keys}")
+            expected = f"unknown key for {what}{_maybe(key, known)}; known keys: {', '.join(sorted(known))}"
+            raise InvalidSpec.at(where, str(key), expected)
 
 
 def _maybe(key: Any, known: Iterable[str]) -> str:

@@ -95,7 +95,8 @@ class ToolSpec:
                 raise InvalidSpec.at(where, key, f"expected a positive integer, got {val!r}")
         parts = data.get("queue_partitions")
         if parts is not None and (isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= 1024):
-            raise InvalidSpec.at(where, "queue_partitions", f"expected an integer from 1 to 1024, got {parts!r}")
+            expected = f"expected an integer from 1 to 1024, got {parts!r}"
+            raise InvalidSpec.at(where, "queue_partitions", expected)
         for key in ("retry", "breaker"):
             val = data.get(key)
             if val is not None and not isinstance(val, dict):
