@@ -277,7 +277,7 @@ class AuditLog:
             self._script, [self.key, self.index_key], self._trim_args(record.call_id) + fields_, client
         )
         if self.jsonl_path is not None:
-            self._mirror(record)
+            self._mirror(self.jsonl_path, record)
         return result
 
     def trim(self) -> None:
@@ -288,11 +288,10 @@ class AuditLog:
         minid = int((self._clock() - self.max_age) * 1000) if self.max_age else 0
         return [self.maxlen, max(minid, 0), "~" if self.approximate else "=", call_id]
 
-    def _mirror(self, record: AuditRecord) -> None:
+    def _mirror(self, path: Path, record: AuditRecord) -> None:
         line = (record.to_json() + "\n").encode("utf-8")
-        assert self.jsonl_path is not None
         with self._file_lock:  # one O_APPEND write per line: whole lines even with several processes
-            fd = os.open(self.jsonl_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:
                 os.write(fd, line)
             finally:
@@ -304,11 +303,9 @@ class AuditLog:
         if ms is None:
             return None
         ms = int(ms)
-        found = None
-        for _id, entry in self.redis.xrange(self.key, f"{ms}-0", f"{ms}-18446744073709551615"):
-            if text(entry.get(b"call_id")) == call_id:
-                found = entry
-        return AuditRecord.decode(found[b"d"]) if found is not None else None
+        entries = self.redis.xrange(self.key, f"{ms}-0", f"{ms}-18446744073709551615")
+        found = [entry for _id, entry in entries if text(entry.get(b"call_id")) == call_id]
+        return AuditRecord.decode(found[-1][b"d"]) if found else None
 
     def list(
         self,

@@ -131,7 +131,8 @@ def load_settings(
             or None
         ),
         plugin_discovery=PluginDiscovery(
-            safe_mode=_on(env, "HERMES_SAFE_MODE"), project_plugins=_on(env, "HERMES_ENABLE_PROJECT_PLUGINS")
+            safe_mode=_truthy(env.get("HERMES_SAFE_MODE", "")),
+            project_plugins=_truthy(env.get("HERMES_ENABLE_PROJECT_PLUGINS", "")),
         ),
         agent_plugin=_agent_plugin(plugins, env, broker.url),
         audit=audit_settings(_mapping(raw, "audit")),
@@ -161,12 +162,11 @@ def _read_config(path: Path, env: Mapping[str, str]) -> dict[str, Any]:
 
 def _logging(section: dict[str, Any], env: Mapping[str, str]) -> LoggingSettings:
     level = _level(env.get("HERMES_LOG_LEVEL"), section.get("level"), "HERMES_LOG_LEVEL", "logging.level")
-    worker_level = env.get("HERMES_WORKER_LOG_LEVEL") or None
     return LoggingSettings(
         level=level or "INFO",
         format=str(env.get("HERMES_LOG_FORMAT") or section.get("format") or "console"),
         level_set=level is not None,
-        worker_level=_level(worker_level, None, "HERMES_WORKER_LOG_LEVEL", "") if worker_level else None,
+        worker_level=_level(env.get("HERMES_WORKER_LOG_LEVEL"), None, "HERMES_WORKER_LOG_LEVEL", ""),
     )
 
 
@@ -184,25 +184,13 @@ def _level(from_env: str | None, from_file: Any, env_name: str, key: str) -> str
 
 
 def _broker(section: dict[str, Any], env: Mapping[str, str]) -> BrokerSettings:
-    wait_replicas = _env_float(
-        env, "HERMES_WAIT_REPLICAS", yaml_number(section.get("wait_replicas", 0), "broker.wait_replicas")
+    replicas = _number(env, "HERMES_WAIT_REPLICAS", section, "broker.wait_replicas", 0)
+    timeout = _number(
+        env, "HERMES_WAIT_TIMEOUT_MS", section, "broker.wait_timeout_ms", DEFAULT_WAIT_TIMEOUT_MS
     )
-    wait_timeout = _env_float(
-        env,
-        "HERMES_WAIT_TIMEOUT_MS",
-        yaml_number(section.get("wait_timeout_ms", DEFAULT_WAIT_TIMEOUT_MS), "broker.wait_timeout_ms"),
-    )
-    if wait_replicas < 0 or wait_replicas != int(wait_replicas):
-        raise ConfigError(
-            f"broker.wait_replicas: expected a whole number of replicas >= 0, got {wait_replicas:g}"
-        )
-    if wait_timeout <= 0 or wait_timeout != int(wait_timeout):
-        raise ConfigError(
-            f"broker.wait_timeout_ms: expected a whole number of milliseconds > 0, got {wait_timeout:g}"
-        )
-    max_args = _env_float(
-        env, MAX_ARGS_ENV, yaml_number(section.get("max_args", DEFAULT_MAX_ARGS), "broker.max_args")
-    )
+    wait_replicas = _whole(replicas, 0, "broker.wait_replicas", "a whole number of replicas >= 0")
+    wait_timeout = _whole(timeout, 1, "broker.wait_timeout_ms", "a whole number of milliseconds > 0")
+    max_args = _number(env, MAX_ARGS_ENV, section, "broker.max_args", DEFAULT_MAX_ARGS)
     if max_args <= 0:
         raise ConfigError(
             f"broker.max_args / {MAX_ARGS_ENV}: expected a number of bytes > 0, got {max_args:g}"
@@ -211,20 +199,16 @@ def _broker(section: dict[str, Any], env: Mapping[str, str]) -> BrokerSettings:
     return BrokerSettings(
         url=env.get(REDIS_URL_ENV) or section.get("url") or None,
         fast_path=flag(fast_path, "broker.fast_path", FAST_PATH_ENV),
-        wait_replicas=int(wait_replicas),
-        wait_timeout_ms=int(wait_timeout),
+        wait_replicas=wait_replicas,
+        wait_timeout_ms=wait_timeout,
         max_args=int(max_args),
     )
 
 
 def _workers(section: dict[str, Any], env: Mapping[str, str]) -> WorkerSettings:
-    lease = _env_float(env, "HERMES_LEASE", yaml_number(section.get("lease", DEFAULT_LEASE), "workers.lease"))
-    attempts = _env_float(
-        env, "HERMES_MAX_ATTEMPTS", yaml_number(section.get("max_attempts", 3), "workers.max_attempts")
-    )
-    ttl = _env_float(
-        env, "HERMES_RESULT_TTL", yaml_number(section.get("result_ttl", DEFAULT_RESULT_TTL), "workers.result_ttl")
-    )
+    lease = _number(env, "HERMES_LEASE", section, "workers.lease", DEFAULT_LEASE)
+    attempts = _number(env, "HERMES_MAX_ATTEMPTS", section, "workers.max_attempts", 3)
+    ttl = _number(env, "HERMES_RESULT_TTL", section, "workers.result_ttl", DEFAULT_RESULT_TTL)
     port = env.get(METRICS_PORT_ENV, "").strip()
     if port and not (port.isdigit() and 1 <= int(port) <= 65535):
         raise ConfigError(f"{METRICS_PORT_ENV}: expected a port number, got {port!r}")
@@ -251,15 +235,12 @@ def _shortcuts_off(raw: Any) -> frozenset[str]:
 
 
 def _batch(section: dict[str, Any], env: Mapping[str, str]) -> BatchSettings:
-    ttl = _env_float(env, "HERMES_BATCH_TTL", yaml_number(section.get("ttl", BatchSettings.ttl), "batch.ttl"))
-    window = _env_float(
-        env, "HERMES_BATCH_WINDOW", yaml_number(section.get("window", BatchSettings.window), "batch.window")
+    ttl = _number(env, "HERMES_BATCH_TTL", section, "batch.ttl", BatchSettings.ttl)
+    window = _number(env, "HERMES_BATCH_WINDOW", section, "batch.window", BatchSettings.window)
+    return BatchSettings(
+        ttl=_whole(ttl, 1, "batch.ttl / HERMES_BATCH_TTL", "whole seconds >= 1"),
+        window=_whole(window, 1, "batch.window / HERMES_BATCH_WINDOW", "a whole number >= 1"),
     )
-    if ttl < 1 or ttl != int(ttl):
-        raise ConfigError(f"batch.ttl / HERMES_BATCH_TTL: expected whole seconds >= 1, got {ttl:g}")
-    if window < 1 or window != int(window):
-        raise ConfigError(f"batch.window / HERMES_BATCH_WINDOW: expected a whole number >= 1, got {window:g}")
-    return BatchSettings(ttl=int(ttl), window=int(window))
 
 
 def _gc_threshold(raw: str) -> tuple[int, ...] | None:
@@ -341,18 +322,28 @@ def _truthy(value: Any) -> bool:
     return str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
-def _on(env: Mapping[str, str], name: str) -> bool:
-    return _truthy(env.get(name, ""))
-
-
 def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
     raw = env.get(name)
-    if raw is None or raw == "":
+    if not raw:
         return default
     try:
         return float(raw)
     except ValueError as e:
         raise ConfigError(f"{name}: expected a number, got {raw!r}") from e
+
+
+def _number(
+    env: Mapping[str, str], name: str, section: Mapping[str, Any], where: str, default: float
+) -> float:
+    """A number from env var ``name``, else config.yaml's ``where`` (``section.key``), else ``default``."""
+    return _env_float(env, name, yaml_number(section.get(where.rpartition(".")[2], default), where))
+
+
+def _whole(value: float, least: int, where: str, expected: str) -> int:
+    """``value`` as an int; a ConfigError when it is not a whole number >= ``least``."""
+    if value < least or value != int(value):
+        raise ConfigError(f"{where}: expected {expected}, got {value:g}")
+    return int(value)
 
 
 def _mapping(raw: Mapping[str, Any], key: str) -> dict[str, Any]:

@@ -98,6 +98,13 @@ def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], dict[str, str]]:
     return nodes, creds
 
 
+def _seeded_cluster(module: Any, url: str, **kwargs: Any) -> Any:
+    """The client of a redis+cluster:// URL, from ``redis.cluster`` or ``redis.asyncio.cluster``."""
+    nodes, creds = cluster_nodes(url)
+    seeds = [module.ClusterNode(host, port) for host, port in nodes]
+    return module.RedisCluster(startup_nodes=seeds, **{**creds, **kwargs})
+
+
 def cluster_node_url(url: str, info: dict[str, Any]) -> bool:
     """Whether a plain URL reached a Redis Cluster node (its ``INFO cluster``), then used as the cluster's
     seed; BrokerUnavailable when the URL names a database other than 0."""
@@ -121,11 +128,7 @@ async def async_from_url(url: str, **kwargs: Any) -> Any:
     conn: Any = None
     try:
         if url.startswith(CLUSTER_SCHEME):
-            nodes, creds = cluster_nodes(url)
-            options: dict[str, Any] = {**creds, **kwargs}
-            conn = redis.asyncio.cluster.RedisCluster(
-                startup_nodes=[redis.asyncio.cluster.ClusterNode(h, p) for h, p in nodes], **options
-            )
+            conn = _seeded_cluster(redis.asyncio.cluster, url, **kwargs)
         elif url.startswith(SENTINEL_SCHEME + "://"):
             conn = sentinel_client(url, is_async=True, **kwargs)
         else:
@@ -181,22 +184,15 @@ def from_url(url: str, **kwargs: Any) -> redis.Redis:
     library_logs()
     try:
         if url.startswith(CLUSTER_SCHEME):
-            nodes, creds = cluster_nodes(url)
-            conn: Any = redis.cluster.RedisCluster(
-                startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in nodes],
-                health_check_interval=30,
-                **{**creds, **kwargs},
-            )
+            conn: Any = _seeded_cluster(redis.cluster, url, health_check_interval=30, **kwargs)
         elif url.startswith(SENTINEL_SCHEME + "://"):
             conn = sentinel_client(url, **kwargs)
         else:
             conn = redis.Redis.from_url(url, health_check_interval=30, **kwargs)  # type: ignore[arg-type]
-            if cluster_node_url(url, _info_cluster_sync(conn)):  # (INFO answers: no PING needed after it)
-                conn.close()
-                cluster = redis.cluster.RedisCluster.from_url(url, health_check_interval=30, **kwargs)
-                cluster.ping()
-                return cluster  # type: ignore[return-value]
-            return conn
+            if not cluster_node_url(url, _info_cluster_sync(conn)):
+                return conn  # (INFO answered: no PING needed after it)
+            conn.close()
+            conn = redis.cluster.RedisCluster.from_url(url, health_check_interval=30, **kwargs)
         conn.ping()
     except (
         redis.ConnectionError, redis.TimeoutError, redis.exceptions.RedisClusterException, ValueError

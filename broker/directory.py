@@ -79,16 +79,16 @@ class Directory:
     def get(self, name: str, min_version: int = 0) -> Entry:
         """A spec at least as new as ``min_version``: the cache serves only when it is new enough."""
         entry = self._cache.get(name)
-        if entry is None or entry.version < min_version:
-            generation = self._generation
-            fresh = self.fetch(name)
-            if fresh is None:
-                raise UnknownTool(f"unknown tool {name!r}: it is not in the tool directory", tool=name)
-            with self._lock:
-                if generation == self._generation:
-                    self._cache[name] = fresh
-            entry = fresh
-        return entry
+        if entry is not None and entry.version >= min_version:
+            return entry
+        generation = self._generation
+        fresh = self.fetch(name)
+        if fresh is None:
+            raise UnknownTool(f"unknown tool {name!r}: it is not in the tool directory", tool=name)
+        with self._lock:
+            if generation == self._generation:
+                self._cache[name] = fresh
+        return fresh
 
     def invalidate(self, name: str | None = None) -> None:
         """Drop cached entries (one, or all) after a change notice."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import shutil
@@ -94,13 +95,11 @@ class EmbeddedBroker:
                 err = (self.proc.stderr.read() if self.proc.stderr else b"").decode(errors="replace")
                 raise BrokerUnavailable(f"embedded redis-server exited at start: {err.strip()[-500:]}")
             if self.socket.exists():
-                try:
+                with contextlib.suppress(redis.ConnectionError):
                     if redis.Redis(unix_socket_path=str(self.socket)).ping():
                         if on_start is not None:
                             self._unrecord = on_start(self.proc.pid, self.url)
                         return self
-                except redis.ConnectionError:
-                    pass
             time.sleep(0.02)
         self.stop()
         raise BrokerUnavailable(f"embedded redis-server did not answer within {wait:g}s")

@@ -19,8 +19,8 @@ class HermesError(Exception):
     masked: bool = True  # secret-shaped text in the message is masked on the wire
 
     def __init__(self, message: str = "", **details: Any) -> None:
-        super().__init__(message or self.__class__.__doc__ or self.type)
-        self.message = message or (self.__class__.__doc__ or self.type)
+        self.message = message or self.__class__.__doc__ or self.type
+        super().__init__(self.message)
         self.details = details
 
     def to_wire(self) -> dict[str, Any]:
@@ -230,8 +230,6 @@ _BY_TYPE: dict[str, type[CallFailed]] = {
         WorkerLost,
     )
 }
-_BY_TYPE[DecodeError.type] = CallFailed
-_BY_TYPE[UnknownTool.type] = CallFailed
 
 
 def error_from_wire(data: dict[str, Any] | None) -> CallFailed:

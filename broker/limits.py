@@ -75,15 +75,14 @@ class Limits:
         out = []
         nxt: float | None = None
         for q in queues:
+            scheduled = keys.scheduled(keys.tag(q))
             try:
-                reply = self._due(
-                    keys=[keys.scheduled(keys.tag(q))], args=[now, now + hold, limit, keys.job(""), "due"]
-                )
+                reply = self._due(keys=[scheduled], args=[now, now + hold, limit, keys.job(""), "due"])
             except redis.RedisError as e:
                 if not pipes.moving(e):
                     raise
                 continue  # this queue's slot is moving to another node: its retries are taken next time
-            recheck_absent(self.conn, reply.pop(), zset=keys.scheduled(keys.tag(q)))  # (a record mid-migration keeps its retry)
+            recheck_absent(self.conn, reply.pop(), zset=scheduled)  # (a record mid-migration keeps its retry)
             after = reply[-1]
             for i in range(0, len(reply) - 1, 10):
                 cid, _state, attempt, trace, kind, tool, chan, ckey, origin, _queue = (
@@ -92,7 +91,7 @@ class Limits:
                 try:
                     out.append(Due(cid, int(attempt or 1), trace, kind, tool, chan, ckey, origin or q))
                 except ValueError:  # an unreadable record: taken off the schedule, failed alone (broker.poison)
-                    self.conn.zrem(keys.scheduled(keys.tag(q)), cid)
+                    self.conn.zrem(scheduled, cid)
                     poison.settle(Calls(self.conn), cid, poison.row_problem({"h_attempt": attempt}))
             if after not in (b"", "", None):
                 nxt = float(after) if nxt is None else min(nxt, float(after))

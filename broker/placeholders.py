@@ -104,7 +104,7 @@ def check_declared(where: str, data: Mapping[str, Any], keys: tuple[str, ...]) -
     """Registration: with declared ``properties``, each ``{{name}}`` in the spec's ``keys`` must name one."""
     schema = data.get("input_schema")
     props = schema.get("properties") if isinstance(schema, dict) else None
-    if not isinstance(schema, dict) or not isinstance(props, dict) or not props or schema.get("patternProperties"):
+    if not isinstance(props, dict) or not props or schema.get("patternProperties"):
         return
     for key in keys:
         for path, text in _strings(data.get(key), key):
@@ -173,12 +173,8 @@ def fill_structure(template: Any, args: dict[str, Any], where: str, schema: Any 
             return fill(template, args, where, schema=schema)
         return value_of(args, name, where, allow_none=True, schema=schema)  # (null stays null)
     if isinstance(template, dict):
-        out = {}
-        for k, v in template.items():
-            filled = fill_structure(v, args, where, schema)
-            if filled is not OMIT:
-                out[k] = filled
-        return out
+        filled = ((k, fill_structure(v, args, where, schema)) for k, v in template.items())
+        return {k: f for k, f in filled if f is not OMIT}
     if isinstance(template, list):
         return [f for f in (fill_structure(v, args, where, schema) for v in template) if f is not OMIT]
     return template

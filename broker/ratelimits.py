@@ -60,8 +60,7 @@ class RateLimit:
         return f"{self.rpm} {self.rps} {self.tpm}"
 
     def to_dict(self) -> dict[str, int]:
-        names = dict(zip(KINDS, (self.rpm, self.tpm, self.rps), strict=True))
-        return {k: v for k, v in names.items() if v >= 0}
+        return {k: v for k, v in zip(KINDS, (self.rpm, self.tpm, self.rps), strict=True) if v >= 0}
 
 
 def estimate_tokens(request: Mapping[str, Any], default_max: int = DEFAULT_MAX_TOKENS) -> int:
@@ -93,9 +92,7 @@ class RateLimiter:
             keys.rate(tag, ckey), keys.rate_log(tag, ckey), keys.rate_due(tag), keys.waiting(tag, ckey),
             keys.waiting_batch(tag, ckey),
         ]
-        if pipeline is not None:
-            return pipes.script(self._sent, script_keys, [call_id, ckey, int(slack * 1000)], pipeline)
-        return self._sent(keys=script_keys, args=[call_id, ckey, int(slack * 1000)])
+        return pipes.script(self._sent, script_keys, [call_id, ckey, int(slack * 1000)], pipeline)
 
     def pause(self, call_id: str, queue: str, ckey: str, seconds: float) -> float:
         """Pause the key for the whole fleet ``seconds`` from now; returns the pause's end (unix s)."""
@@ -143,8 +140,7 @@ class RateLimiter:
             tag = keys.tag(q)
             for raw in sorted(self.conn.smembers(keys.rates(tag))):
                 ckey = text(raw)
-                h = keys.rate(tag, ckey)
-                cfg = self.conn.hmget(h, "rpm", "rps", "tpm", "sum", "pause")
+                cfg = self.conn.hmget(keys.rate(tag, ckey), "rpm", "rps", "tpm", "sum", "pause")
                 if all(v is None for v in cfg[:3]):
                     continue
                 rpm, rps, tpm, tok, pause = (int(v) if v is not None else None for v in cfg)

@@ -73,10 +73,8 @@ def parse_sentinel_url(url: str) -> SentinelURL:
         if not host or not 0 < port < 65536:
             raise bad(f"Sentinel {part!r}: expected host:port")
         sentinels.append((host, port))
-    segments = [unquote(s) for s in path.split("/")] if path else []
-    if segments and segments[-1] == "":
-        segments.pop()
-    if not segments or not segments[0]:
+    segments = [unquote(s) for s in path.removesuffix("/").split("/")]
+    if not segments[0]:
         raise bad("no master name: expected redis+sentinel://host:port[,host:port...]/<master-name>[/db]")
     if len(segments) > 2:
         raise bad("expected /<master-name>[/db] after the Sentinels")
@@ -92,12 +90,8 @@ def parse_sentinel_url(url: str) -> SentinelURL:
 
 
 def _sentinel_kwargs(parsed: SentinelURL) -> dict[str, Any]:
-    out: dict[str, Any] = {"socket_connect_timeout": SENTINEL_TIMEOUT, "socket_timeout": SENTINEL_TIMEOUT}
-    if parsed.sentinel_password is not None:
-        out["password"] = parsed.sentinel_password
-    if parsed.sentinel_username is not None:
-        out["username"] = parsed.sentinel_username
-    return out
+    timeouts = {"socket_connect_timeout": SENTINEL_TIMEOUT, "socket_timeout": SENTINEL_TIMEOUT}
+    return {**timeouts, "password": parsed.sentinel_password, "username": parsed.sentinel_username}
 
 
 def sentinels_say(url: str) -> str:

@@ -78,10 +78,8 @@ def check_keys(where: str, what: str, data: Mapping[str, Any], known: frozenset[
     """Every key of ``data`` is one of ``known`` (the error suggests the nearest); ``what``: "a http tool"."""
     for key in data:
         if key not in known:
-            raise InvalidSpec(
-                f"{where}: {key}: unknown key for {what}{_maybe(key, known)}; known keys: {', '.join(sorted(known))}",
-                path=str(key),
-            )
+            expected = f"unknown key for {what}{_maybe(key, known)}; known keys: {', '.join(sorted(known))}"
+            raise InvalidSpec.at(where, str(key), expected)
 
 
 def _maybe(key: Any, known: Iterable[str]) -> str:

@@ -70,46 +70,43 @@ class ToolSpec:
         where = f"tool {name!r}"
         executor = data.get("executor")
         if not isinstance(executor, str) or not executor:  # (which names exist is checked at registration)
-            raise InvalidSpec(f"{where}: executor: expected an executor's name, got {executor!r}", path="executor")
+            raise InvalidSpec.at(where, "executor", f"expected an executor's name, got {executor!r}")
         schema = data.get("input_schema", {"type": "object"})
         out_schema = data.get("output_schema")
         schemas = {"input_schema": schema, "output_schema": {} if out_schema is None else out_schema}
         for key, value in schemas.items():
             if not isinstance(value, dict):
-                raise InvalidSpec(f"{where}: {key}: expected a mapping (JSON Schema)", path=key)
+                raise InvalidSpec.at(where, key, "expected a mapping (JSON Schema)")
         timeout = data.get("timeout", DEFAULT_TIMEOUT)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-            raise InvalidSpec(
-                f"{where}: timeout: expected a positive number of seconds, got {timeout!r}", path="timeout"
-            )
+            raise InvalidSpec.at(where, "timeout", f"expected a positive number of seconds, got {timeout!r}")
         perms = data.get("permissions")
         if perms is not None:
             if isinstance(perms, str):
                 perms = [perms]
             if not isinstance(perms, list) or not all(isinstance(p, str) for p in perms):
-                raise InvalidSpec(f"{where}: permissions: expected a list of tag strings", path="permissions")
+                raise InvalidSpec.at(where, "permissions", "expected a list of tag strings")
             perms = tuple(perms)
         for key in ("concurrency", "queue_size"):
             val = data.get(key)
             if val is not None and (
                 isinstance(val, bool) or not isinstance(val, int) or val < (1 if key == "concurrency" else 0)
             ):
-                raise InvalidSpec(f"{where}: {key}: expected a positive integer, got {val!r}", path=key)
+                raise InvalidSpec.at(where, key, f"expected a positive integer, got {val!r}")
         parts = data.get("queue_partitions")
         if parts is not None and (isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= 1024):
-            raise InvalidSpec(
-                f"{where}: queue_partitions: expected an integer from 1 to 1024, got {parts!r}", path="queue_partitions"
-            )
+            expected = f"expected an integer from 1 to 1024, got {parts!r}"
+            raise InvalidSpec.at(where, "queue_partitions", expected)
         for key in ("retry", "breaker"):
             val = data.get(key)
             if val is not None and not isinstance(val, dict):
-                raise InvalidSpec(f"{where}: {key}: expected a mapping", path=key)
+                raise InvalidSpec.at(where, key, "expected a mapping")
         sensitive = data.get("sensitive") or ()
         if not isinstance(sensitive, list | tuple) or not all(isinstance(s, str) for s in sensitive):
-            raise InvalidSpec(f"{where}: sensitive: expected a list of argument names", path="sensitive")
+            raise InvalidSpec.at(where, "sensitive", "expected a list of argument names")
         description = data.get("description", "")
         if not isinstance(description, str):
-            raise InvalidSpec(f"{where}: description: expected a string", path="description")
+            raise InvalidSpec.at(where, "description", "expected a string")
         config = {k: v for k, v in data.items() if k not in COMMON_KEYS}
         if strict:
             from .specchecks import check_strict  # jsonschema: only where a spec is registered

@@ -9,6 +9,7 @@ environment is the SDK's own to read. Metrics are exported with OTLP when traces
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -90,7 +91,10 @@ def setup(service_name: str, telemetry: TelemetrySettings, mode: str | None = No
 def _resource(service_name: str) -> Any:
     from opentelemetry.sdk.resources import Resource
 
-    return Resource.create(_default_service(service_name))
+    # The environment names the service when it says so; our default only fills the gap.
+    attributes = os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
+    named = os.environ.get("OTEL_SERVICE_NAME") or "service.name=" in attributes
+    return Resource.create({} if named else {"service.name": service_name})
 
 
 def _meter_provider(resource: Any, readers: list[Any], exporter: Any) -> Any:
@@ -143,23 +147,12 @@ def _bounded(step: Any, timeout_ms: int) -> None:
     # The SDK's force_flush ignores its timeout and exports in the caller's thread, retrying for up to
     # OTEL_EXPORTER_OTLP_TIMEOUT (10 s): run each step on a daemon thread and stop waiting in time.
     def run() -> None:
-        try:
+        with contextlib.suppress(Exception):  # an unreachable collector must not stop a process from exiting
             step()
-        except Exception:  # noqa: BLE001 - an unreachable collector must not stop a process from exiting
-            pass
 
     thread = threading.Thread(target=run, name="hermes-otel-flush", daemon=True)
     thread.start()
     thread.join(timeout_ms / 1000)
-
-
-def _default_service(name: str) -> dict[str, str]:
-    # The environment names the service when it says so; our default only fills the gap.
-    if os.environ.get("OTEL_SERVICE_NAME") or "service.name=" in os.environ.get(
-        "OTEL_RESOURCE_ATTRIBUTES", ""
-    ):
-        return {}
-    return {"service.name": name}
 
 
 def _protocol(signal: str) -> str:

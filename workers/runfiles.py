@@ -264,23 +264,20 @@ def stop_all(
     deadline = time.monotonic() + grace
     while live:
         running = {e.pid for e in live}
-        for entry in live:
-            if entry.pid in signalled or entry.parent in running:
-                continue
-            if not entry.is_ours():  # it ended since the first look, and its pid may be another's now
-                done(entry, "exited")
-                continue
-            signalled.add(entry.pid)
-            try:
-                os.kill(entry.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                done(entry, "failed")
         still: list[Entry] = []
         for entry in live:
-            if any(o.entry is entry for o in outcomes):
-                continue
+            if entry.pid not in signalled and entry.parent not in running:
+                if not entry.is_ours():  # it ended since the first look, and its pid may be another's now
+                    done(entry, "exited")
+                    continue
+                signalled.add(entry.pid)
+                try:
+                    os.kill(entry.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+                except PermissionError:
+                    done(entry, "failed")
+                    continue
             if alive(entry.pid):
                 still.append(entry)
             else:
