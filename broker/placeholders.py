@@ -104,7 +104,7 @@ def check_declared(where: str, data: Mapping[str, Any], keys: tuple[str, ...]) -
     """Registration: with declared ``properties``, each ``{{name}}`` in the spec's ``keys`` must name one."""
     schema = data.get("input_schema")
     props = schema.get("properties") if isinstance(schema, dict) else None
-    if not isinstance(props, dict) or not props or schema.get("patternProperties"):
+    if not isinstance(schema, dict) or not isinstance(props, dict) or not props or schema.get("patternProperties"):
         return
     for key in keys:
         for path, text in _strings(data.get(key), key):

@@ -210,7 +210,7 @@ class CallRunner:
                 try:
                     after(run, spec, args, error)
                 except Exception:  # noqa: BLE001 - a hook's failure does not change the call's outcome
-                    log.exception("hook failed", stage=f"after_{stage}", hook=type(after.__self__).__name__)
+                    log.exception("hook failed", stage=f"after_{stage}", hook=type(getattr(after, "__self__", after)).__name__)
             if run.notices:
                 notices, run.notices = run.notices, []
                 for event_type, detail in notices:
@@ -222,7 +222,7 @@ class CallRunner:
             try:
                 after(run, outcome, error, duration)
             except Exception:  # noqa: BLE001 - as in _stage
-                log.exception("hook failed", stage="after_call", hook=type(after.__self__).__name__)
+                log.exception("hook failed", stage="after_call", hook=type(getattr(after, "__self__", after)).__name__)
 
     def _move(self, run: Running, target: State, detail: dict[str, Any] | None = None) -> None:
         current = run.state
