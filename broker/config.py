@@ -52,10 +52,11 @@ from .settings import (
 
 # What config readers import from here: the loader and, re-exported, the settings it builds.
 __all__ = [
-    "DEFAULT_CONCURRENCY", "DEFAULT_MAX_ARGS", "DEFAULT_QUEUE_SIZE", "GC_THRESHOLD", "LOG_LEVELS", "TRACE_MODES",
-    "AgentPluginSettings", "ApiSettings", "AuditSettings", "BatchSettings", "BrokerSettings", "ConsoleSettings",
-    "FairnessSettings", "LoggingSettings", "McpSettings", "ModelSettings", "PluginDiscovery", "Settings",
-    "TelemetrySettings", "WorkerSettings", "expand_env", "hermes_home", "load_settings", "unset_env",
+    "DEFAULT_CONCURRENCY", "DEFAULT_MAX_ARGS", "DEFAULT_QUEUE_SIZE", "GC_THRESHOLD", "LOG_LEVELS",
+    "TRACE_MODES", "AgentPluginSettings", "ApiSettings", "AuditSettings", "BatchSettings", "BrokerSettings",
+    "ConsoleSettings", "FairnessSettings", "LoggingSettings", "McpSettings", "ModelSettings",
+    "PluginDiscovery", "Settings", "TelemetrySettings", "WorkerSettings", "expand_env", "hermes_home",
+    "load_settings", "unset_env",
 ]
 
 # The ``${VAR}`` / ``${VAR:-default}`` grammar of :func:`expand_env`.

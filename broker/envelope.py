@@ -17,7 +17,8 @@ T = TypeVar("T")
 
 def filler(cls: type[T]) -> Callable[[Mapping[str, Any]], T]:
     """``make(values)``: an instance of the frozen dataclass ``cls`` holding ``values`` over its defaults,
-    made without its ``__init__`` (a frozen ``__init__`` does one ``object.__setattr__`` per field), for the few built once per call.
+    made without its ``__init__`` (a frozen ``__init__`` does one ``object.__setattr__`` per field), for the
+    few built once per call.
     The caller checks the values (required fields present, no unknown ones) first. With
     ``workers.shortcuts_off: [frozen]`` it calls the class instead."""
     defaults = {f.name: f.default for f in fields(cls) if f.default is not MISSING}  # type: ignore[arg-type]

@@ -146,7 +146,8 @@ class ChatSession:
 
     def ask(self, query: str) -> ChatResult:
         """Run ``query`` until the model answers without tool calls or the turn limit is reached. An ask
-        that raises or reaches ``max_turns`` leaves ``messages`` as it found them (the result keeps a copy)."""
+        that raises or reaches ``max_turns`` leaves ``messages`` as it found them (the result keeps a
+        copy)."""
         mark = len(self.messages)
         try:
             result = self._ask(query)

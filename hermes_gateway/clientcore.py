@@ -186,7 +186,8 @@ class CallOptions:
         return dataclasses.replace(self, idempotency_key=idem_keys[i])
 
     def headers(self) -> Headers:
-        """The trace context to send: the client's (``Sending.headers``), else the caller's own or the current one."""
+        """The trace context to send: the client's (``Sending.headers``), else the caller's own or the
+        current one."""
         if self.trace_headers is not None:
             return self.trace_headers
         return (self.traceparent, self.tracestate, None) if self.traceparent is not None else headers_of()

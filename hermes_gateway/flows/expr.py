@@ -29,7 +29,8 @@ _TEMPLATE = re.compile(r"\{\{(.*?)\}\}", re.DOTALL)
 _CONSTANTS = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
 _KEYWORDS = {"and", "or", "not", "in"}
 _COMPARE = {
-    "==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge
+    "==": operator.eq, "!=": operator.ne, "<": operator.lt,
+    "<=": operator.le, ">": operator.gt, ">=": operator.ge,
 }
 
 
