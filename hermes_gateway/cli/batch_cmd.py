@@ -137,14 +137,11 @@ def batch_submit(ctx: click.Context, tool: str | None, items: Path | None, out_p
         click.echo(job.id)
         sys.stdout.flush()
         note(f"batch {job.id}: {total} items of {tool}" + (" (resumed)" if resume else ""))
-        out = out_path.open("w", encoding="utf-8") if out_path is not None else None
-        try:
-            p = _follow(gw, job, out, total, not no_progress)
-        except KeyboardInterrupt:
-            fail(f"interrupted: resume with `hermes-gateway batch submit --resume {job.id} {items}`", 130)
-        finally:
-            if out is not None:
-                out.close()
+        with out_path.open("w", encoding="utf-8") if out_path else contextlib.nullcontext() as out:
+            try:
+                p = _follow(gw, job, out, total, not no_progress)
+            except KeyboardInterrupt:
+                fail(f"interrupted: resume with `hermes-gateway batch submit --resume {job.id} {items}`", 130)
         if job.error is not None:
             fail(f"batch {job.id}: submission stopped: {job.error}; resume with --resume {job.id}", 1)
         note(_status_text(p))
@@ -183,14 +180,10 @@ def batch_wait(ctx: click.Context, batch_id: str, timeout: float | None) -> None
 def batch_results(ctx: click.Context, batch_id: str, out_path: Path | None, no_follow: bool) -> None:
     """Each item's outcome as a JSONL line `{index, call_id, state, result | error}`, as the calls end."""
     with _job(ctx, batch_id) as job:
-        out = out_path.open("w", encoding="utf-8") if out_path is not None else sys.stdout
-        try:
+        with out_path.open("w", encoding="utf-8") if out_path else contextlib.nullcontext(sys.stdout) as out:
             for item in job.results(follow=not no_follow):
                 out.write(item_line(item) + "\n")
                 out.flush()
-        finally:
-            if out_path is not None:
-                out.close()
 
 
 @batch.command("cancel")
