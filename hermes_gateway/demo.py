@@ -109,9 +109,8 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
             handles += batch
         if interrupted:
             raise KeyboardInterrupt
-        with Progress(
-            TextColumn("calls"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False
-        ) as bar:
+        columns = (TextColumn("calls"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=console) as bar:
             task = bar.add_task("calls", total=len(batch))
             while True:
                 finished = sum(1 for h in batch if h.done())

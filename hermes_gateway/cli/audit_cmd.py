@@ -29,10 +29,8 @@ def parse_when(text: str, now: float | None = None) -> float:
     m = _DURATION.match(text)
     if m:
         return now - float(m.group(1)) * _UNIT[m.group(2)]
-    try:
+    with contextlib.suppress(ValueError):
         return float(text)
-    except ValueError:
-        pass
     try:
         return datetime.fromisoformat(text.strip()).timestamp()
     except ValueError:

@@ -13,7 +13,7 @@ from typing import IO, Any
 import click
 
 from broker.errors import HermesError
-from hermes_gateway.cli.common import POSITIVE, fail, note, open_gateway, settings_of, sync_tools
+from hermes_gateway.cli.common import POSITIVE, fail, failing, note, open_gateway, settings_of, sync_tools
 
 
 @click.group()
@@ -38,10 +38,8 @@ def read_items(path: Path) -> Iterator[Any]:
 def _job(ctx: click.Context, batch_id: str) -> Iterator[Any]:
     """The batch ``batch_id``; a HermesError in the block (no such batch, ...) ends the command with 1."""
     with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
-        try:
+        with failing(1):
             yield gw.batch_job(batch_id)
-        except HermesError as e:
-            fail(str(e), 1)
 
 
 def _exit_code(p: Any) -> int:

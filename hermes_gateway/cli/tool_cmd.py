@@ -12,6 +12,7 @@ from hermes_gateway.cli.common import (
     WAIT_SECONDS,
     event_line,
     fail,
+    failing,
     note,
     open_gateway,
     print_result,
@@ -63,10 +64,8 @@ def tool_run(
 
     settings = settings_of(ctx)
     text = read_args_text(args[0]) if len(args) == 1 else " ".join(args)
-    try:
+    with failing():
         parsed = parse_args_text(text or "{}")
-    except HermesError as e:
-        fail(str(e))
     with open_gateway(settings) as (gw, procs):
         if procs and gw.broker.embedded is not None:  # (on a gateway's broker, local_stack said so)
             note(f"broker: {gw.description}; started {len(procs)} worker for this call")
@@ -112,10 +111,8 @@ def tool_register(ctx: click.Context, spec_file: str, force: bool) -> None:
 
     settings = settings_of(ctx)
     source = Path(spec_file)
-    try:
+    with failing():
         spec = load_spec_file(source)
-    except HermesError as e:
-        fail(str(e))
     with open_gateway(settings, need_workers=False) as (gw, _):
         kept = None
         if throwaway(gw):
@@ -188,10 +185,8 @@ def tool_show(ctx: click.Context, name: str) -> None:
 
     with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
         sync_tools(gw)
-        try:
+        with failing():
             entry = gw.tool(name)
-        except HermesError as e:
-            fail(str(e))
         shown = {**entry.spec.to_dict(), "version": entry.version}
         click.echo(yaml.safe_dump(shown, allow_unicode=True, sort_keys=False))
 

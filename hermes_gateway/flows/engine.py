@@ -163,11 +163,8 @@ class _Run:
         """One call, its events reported as they come; returns the result or the error."""
         try:
             handle = self.r.gw.call_tool(tool, args, timeout=timeout, **self.r.context)
-        except HermesError as e:
-            return e
-        res.call_id = handle.call_id
-        self.emit(res, "running", tool=tool)
-        try:
+            res.call_id = handle.call_id
+            self.emit(res, "running", tool=tool)
             for ev in handle.events(timeout=self.r.wait):
                 if ev.type == ev_mod.TRANSITION and not ev.terminal:
                     self.emit(res, "running", call_state=ev.state, attempt=ev.attempt)
