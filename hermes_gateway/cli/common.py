@@ -72,7 +72,7 @@ def sync_tools(gw: Any) -> None:
 
 def event_line(ev: Any) -> str:
     """One line of ``events``: the state or event type, trace id, attempt and what the event carries."""
-    label = ev.state if ev.type == "transition" else f"{ev.type}"
+    label = ev.state if ev.type == "transition" else ev.type
     extra = ""
     if ev.type != "transition":
         extra = " " + json.dumps(ev.detail, ensure_ascii=False, default=str)

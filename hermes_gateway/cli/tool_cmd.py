@@ -156,9 +156,8 @@ def _keep_spec_file(tools_dir: Any, source: Any, spec: Any, force: bool) -> tupl
     for path, _ in defining:
         if path.resolve() == source.resolve():
             return path, False
-    same = [path for path, other in defining if other.digest() == spec.digest()]
-    if same and len(same) == len(defining):
-        return same[0], False
+    if defining and all(other.digest() == spec.digest() for _, other in defining):
+        return defining[0][0], False
     target = defining[0][0] if defining else tools_dir / f"{spec.name}.yaml"
     if target.exists() and not force:
         fail(
