@@ -141,8 +141,8 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
             table.add_row("latency p99", f"{lat[min(len(lat) - 1, int(len(lat) * 0.99))]:.1f} ms")
         console.print(table)
 
-        columns = ("worker", "pid", "queues", "concurrency", "ran (this demo)", "failed")
-        topo = Table(*columns, title="topology", title_justify="left")
+        headers = ("worker", "pid", "queues", "concurrency", "ran (this demo)", "failed")
+        topo = Table(*headers, title="topology", title_justify="left")
         ran: Counter[str] = Counter()  # calls of the demo per worker, and those of them that failed
         failed: Counter[str] = Counter()
         for h in handles:
