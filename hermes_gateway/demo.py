@@ -20,7 +20,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 from broker.config import Settings
 from hermes_gateway.client import Gateway
@@ -109,9 +109,8 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
             handles += batch
         if interrupted:
             raise KeyboardInterrupt
-        with Progress(
-            TextColumn("calls"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False
-        ) as bar:
+        columns = (TextColumn("calls"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=console) as bar:
             task = bar.add_task("calls", total=len(batch))
             while True:
                 finished = sum(1 for h in batch if h.done())
@@ -129,9 +128,7 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
             except Exception as e:  # noqa: BLE001 - the summary counts every kind of failure
                 outcomes[f"failed ({getattr(e, 'type', type(e).__name__)})"] += 1
         lat = sorted(x for x in (_latency(h) for h in batch) if x is not None)
-        table = Table(title="summary", title_justify="left")
-        table.add_column("metric")
-        table.add_column("value", justify="right")
+        table = Table("metric", Column("value", justify="right"), title="summary", title_justify="left")
         table.add_row("calls", str(len(batch)))
         for k, v in sorted(outcomes.items()):
             table.add_row(k, str(v))
@@ -144,9 +141,8 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
             table.add_row("latency p99", f"{lat[min(len(lat) - 1, int(len(lat) * 0.99))]:.1f} ms")
         console.print(table)
 
-        topo = Table(title="topology", title_justify="left")
-        for col in ("worker", "pid", "queues", "concurrency", "ran (this demo)", "failed"):
-            topo.add_column(col)
+        headers = ("worker", "pid", "queues", "concurrency", "ran (this demo)", "failed")
+        topo = Table(*headers, title="topology", title_justify="left")
         ran: Counter[str] = Counter()  # calls of the demo per worker, and those of them that failed
         failed: Counter[str] = Counter()
         for h in handles:

@@ -3,6 +3,7 @@ demo), and the command groups of ``hermes_gateway/cli/<group>_cmd.py``."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -24,6 +25,7 @@ from hermes_gateway.cli.common import (
     check_queues,
     event_line,
     fail,
+    failing,
     note,
     open_gateway,
     settings_of,
@@ -98,10 +100,8 @@ def main(
 ) -> None:
     """Hermes Gateway: LLM and tool calls through Redis and RQ worker pools."""
     configure(log_level or "INFO", log_format or "console")  # until the config is read (its errors, too)
-    try:
+    with failing():
         settings = load_settings(home)
-    except HermesError as e:
-        fail(str(e))
     was = settings.logging  # the command line wins over the environment and config.yaml
     asked = dataclasses.replace(
         was, level=log_level or was.level, format=log_format or was.format,
@@ -116,10 +116,8 @@ def main(
         os.environ["HERMES_LOG_FORMAT"] = log_format
     from hermes_gateway.tracing import setup as setup_tracing
 
-    try:
+    with failing():
         setup_tracing(settings.telemetry, trace)  # workers this command starts inherit the mode
-    except HermesError as e:
-        fail(str(e))
     ctx.obj = {"settings": settings}
 
 
@@ -167,21 +165,15 @@ def worker(
     if metrics_port is not None:  # the command line wins over HERMES_METRICS_PORT / HERMES_METRICS_HOST
         metrics = dataclasses.replace(settings.workers, metrics_port=metrics_port, metrics_host=metrics_host)
         settings = dataclasses.replace(settings, workers=metrics)
-    try:
+    with failing():
         handle = connect(settings.broker.url)
-    except HermesError as e:
-        fail(str(e))
     note(f"broker: {handle.description}")
     if handle.embedded is not None:
         note(f"clients reach it with: export HERMES_REDIS_URL={handle.url}")
-    try:
+    with contextlib.closing(handle), failing():
         if processes > 1:
             sys.exit(supervise(handle.url, qs, concurrency, processes, grace, settings.workers))
         sys.exit(run_worker(handle.url, settings, qs, concurrency, grace))
-    except HermesError as e:
-        fail(str(e))
-    finally:
-        handle.close()
 
 
 @main.command()
@@ -337,7 +329,5 @@ def demo(ctx: click.Context, calls: int, processes: int, concurrency: int) -> No
     """Start a broker and a worker pool, run a batch of calls live, and summarise."""
     from hermes_gateway.demo import run_demo
 
-    try:
+    with failing():
         sys.exit(run_demo(settings_of(ctx), calls=calls, processes=processes, concurrency=concurrency))
-    except HermesError as e:
-        fail(str(e))

@@ -29,10 +29,8 @@ def parse_when(text: str, now: float | None = None) -> float:
     m = _DURATION.match(text)
     if m:
         return now - float(m.group(1)) * _UNIT[m.group(2)]
-    try:
+    with contextlib.suppress(ValueError):
         return float(text)
-    except ValueError:
-        pass
     try:
         return datetime.fromisoformat(text.strip()).timestamp()
     except ValueError:
@@ -164,21 +162,17 @@ def audit_replay(ctx: click.Context, call_id: str, arg_pairs: tuple[str, ...], t
         if not sep or not name:
             fail(f"--arg {pair!r}: expected NAME=VALUE")
         supplied[name.strip()] = value
-    with _log(ctx) as (handle, log):
-        gw = Gateway(handle, settings_of(ctx))
+    with _log(ctx) as (handle, log), contextlib.closing(Gateway(handle, settings_of(ctx))) as gw:
+        rec = log.get(call_id)
+        if rec is None:
+            fail(f"no audit record for call {call_id} (unknown, unfinished, or past retention)", 1)
         try:
-            rec = log.get(call_id)
-            if rec is None:
-                fail(f"no audit record for call {call_id} (unknown, unfinished, or past retention)", 1)
-            try:
-                plan = replay.plan(rec, supplied)
-                gw.require_workers(str(gw.tool(plan.tool).spec.config.get("queue") or "tools"))
-                outcome = replay.run(gw, log, plan, timeout)
-            except HermesError as e:
-                fail(f"{e.type}: {e}")
-            click.echo(replay.render(outcome))
-        finally:
-            gw.close()
+            plan = replay.plan(rec, supplied)
+            gw.require_workers(str(gw.tool(plan.tool).spec.config.get("queue") or "tools"))
+            outcome = replay.run(gw, log, plan, timeout)
+        except HermesError as e:
+            fail(f"{e.type}: {e}")
+        click.echo(replay.render(outcome))
 
 
 @audit.command("export")

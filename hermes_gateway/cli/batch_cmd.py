@@ -13,7 +13,7 @@ from typing import IO, Any
 import click
 
 from broker.errors import HermesError
-from hermes_gateway.cli.common import POSITIVE, fail, note, open_gateway, settings_of, sync_tools
+from hermes_gateway.cli.common import POSITIVE, fail, failing, note, open_gateway, settings_of, sync_tools
 
 
 @click.group()
@@ -38,10 +38,8 @@ def read_items(path: Path) -> Iterator[Any]:
 def _job(ctx: click.Context, batch_id: str) -> Iterator[Any]:
     """The batch ``batch_id``; a HermesError in the block (no such batch, ...) ends the command with 1."""
     with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
-        try:
+        with failing(1):
             yield gw.batch_job(batch_id)
-        except HermesError as e:
-            fail(str(e), 1)
 
 
 def _exit_code(p: Any) -> int:
@@ -137,14 +135,11 @@ def batch_submit(ctx: click.Context, tool: str | None, items: Path | None, out_p
         click.echo(job.id)
         sys.stdout.flush()
         note(f"batch {job.id}: {total} items of {tool}" + (" (resumed)" if resume else ""))
-        out = out_path.open("w", encoding="utf-8") if out_path is not None else None
-        try:
-            p = _follow(gw, job, out, total, not no_progress)
-        except KeyboardInterrupt:
-            fail(f"interrupted: resume with `hermes-gateway batch submit --resume {job.id} {items}`", 130)
-        finally:
-            if out is not None:
-                out.close()
+        with out_path.open("w", encoding="utf-8") if out_path else contextlib.nullcontext() as out:
+            try:
+                p = _follow(gw, job, out, total, not no_progress)
+            except KeyboardInterrupt:
+                fail(f"interrupted: resume with `hermes-gateway batch submit --resume {job.id} {items}`", 130)
         if job.error is not None:
             fail(f"batch {job.id}: submission stopped: {job.error}; resume with --resume {job.id}", 1)
         note(_status_text(p))
@@ -183,14 +178,10 @@ def batch_wait(ctx: click.Context, batch_id: str, timeout: float | None) -> None
 def batch_results(ctx: click.Context, batch_id: str, out_path: Path | None, no_follow: bool) -> None:
     """Each item's outcome as a JSONL line `{index, call_id, state, result | error}`, as the calls end."""
     with _job(ctx, batch_id) as job:
-        out = out_path.open("w", encoding="utf-8") if out_path is not None else sys.stdout
-        try:
+        with out_path.open("w", encoding="utf-8") if out_path else contextlib.nullcontext(sys.stdout) as out:
             for item in job.results(follow=not no_follow):
                 out.write(item_line(item) + "\n")
                 out.flush()
-        finally:
-            if out_path is not None:
-                out.close()
 
 
 @batch.command("cancel")

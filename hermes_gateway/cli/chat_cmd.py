@@ -12,7 +12,7 @@ from broker.errors import CallCancelled, CallFailed, CallTimeout, HermesError
 from hermes_gateway.cli.common import (
     POSITIVE,
     WAIT_SECONDS,
-    fail,
+    failing,
     note,
     open_gateway,
     settings_of,
@@ -155,7 +155,7 @@ def chat(
         if verbose and procs:
             note(f"broker: {gw.description}; started {len(procs)} worker for this chat")
         sync_tools(gw)
-        try:
+        with failing(typed=True):
             if not procs:
                 gw.require_workers("llm")
             session = ChatSession(
@@ -163,8 +163,6 @@ def chat(
                 max_turns=max_turns, stream=stream, wait=timeout, on_delta=on_delta, on_turn=on_turn,
                 tools=[t.strip() for t in only.split(",") if t.strip()] if only else None,
             )
-        except HermesError as e:
-            fail(f"{e.type}: {e}")
         if query is not None:
             code = _ask_once(session, query, shown, verbose, max_turns)
         else:

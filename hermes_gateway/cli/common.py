@@ -49,6 +49,15 @@ def fail(message: str, code: int = 2) -> NoReturn:
     sys.exit(code)
 
 
+@contextlib.contextmanager
+def failing(code: int = 2, *, typed: bool = False) -> Iterator[None]:
+    """A HermesError in the block ``fail``s the command with exit ``code``; ``typed`` puts its type first."""
+    try:
+        yield
+    except HermesError as e:
+        fail(f"{e.type}: {e}" if typed else str(e), code)
+
+
 def sync_tools(gw: Any) -> None:
     """Register ``$HERMES_HOME/tools``; a spec file that does not load is named on stderr and skipped."""
     errors: list[HermesError] = []
@@ -63,7 +72,7 @@ def sync_tools(gw: Any) -> None:
 
 def event_line(ev: Any) -> str:
     """One line of ``events``: the state or event type, trace id, attempt and what the event carries."""
-    label = ev.state if ev.type == "transition" else f"{ev.type}"
+    label = ev.state if ev.type == "transition" else ev.type
     extra = ""
     if ev.type != "transition":
         extra = " " + json.dumps(ev.detail, ensure_ascii=False, default=str)
@@ -86,10 +95,8 @@ def open_gateway(settings: Settings, need_workers: bool = True) -> Iterator[tupl
     from hermes_gateway.local import local_stack
 
     with contextlib.ExitStack() as stack:
-        try:
+        with failing():
             pair = stack.enter_context(local_stack(settings, need_workers=need_workers))
-        except HermesError as e:
-            fail(str(e))
         yield pair
 
 
@@ -103,10 +110,8 @@ def shared_broker(settings: Settings, what: str = "") -> Iterator[Any]:
         handle = connect_shared(settings)
     except HermesError as e:
         fail(f"{e} ({what} lives in the broker: set HERMES_REDIS_URL)" if what else str(e))
-    try:
+    with contextlib.closing(handle):
         yield handle
-    finally:
-        handle.close()
 
 
 # Option types shared by the commands: a bad value is click's usage error (exit 2), never a traceback.

@@ -12,6 +12,7 @@ from broker.errors import HermesError
 from hermes_gateway.cli.common import (
     WAIT_SECONDS,
     fail,
+    failing,
     note,
     open_gateway,
     print_result,
@@ -38,10 +39,8 @@ def flow_check(flow_file: str) -> None:
     """Validate a flow document (ids, shapes, every expression) without running it."""
     from hermes_gateway.flow import load_flow
 
-    try:
+    with failing():
         f = load_flow(flow_file)
-    except HermesError as e:
-        fail(str(e))
     click.echo(f"{f.name}: ok ({len(f.all_steps())} steps)")
 
 
@@ -68,21 +67,17 @@ def flow_run(
         parsed = parse_args_text(read_args_text(args_text))
     except HermesError as e:
         fail(f"--args: {e}")
-    try:
+    with failing():
         f = load_flow(flow_file)
-    except HermesError as e:
-        fail(str(e))
     context = {k: v for k, v in (("session_id", session_id), ("principal", principal)) if v}
     t0 = time.time()
     with open_gateway(settings_of(ctx)) as (gw, procs):
         if procs:
             note(f"broker: {gw.description}; started {len(procs)} worker for this flow")
         sync_tools(gw)
-        try:
+        with failing(typed=True):
             show = lambda ev: note(_flow_line(ev, t0))  # noqa: E731
             outcome = run_flow(gw, f, parsed, on_event=show, wait=wait, **context)
-        except HermesError as e:
-            fail(f"{e.type}: {e}")
     note(f"flow {f.name}: {outcome.state} in {time.time() - t0:.3f}s")
     if as_json or outcome.state == "done":  # a failed flow has no result to print (not a bare null)
         print_result(outcome.to_dict() if as_json else outcome.result)

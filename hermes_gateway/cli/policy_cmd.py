@@ -11,7 +11,7 @@ import click
 import yaml
 
 from broker.errors import ConfigError, HermesError
-from hermes_gateway.cli.common import fail, open_gateway, settings_of, shared_broker, sync_tools
+from hermes_gateway.cli.common import fail, failing, open_gateway, settings_of, shared_broker, sync_tools
 from workers import policy_store
 from workers.policy import Policy
 
@@ -54,10 +54,8 @@ def policy_push(ctx: click.Context, path: Path | None) -> None:
     """Make config.yaml's policy (or --file's) the one every worker uses, from its next call on."""
     settings = settings_of(ctx)
     source = path or settings.config_path
-    try:
+    with failing():
         policy = read_policy_file(path) if path else Policy.from_settings(settings.policy)
-    except HermesError as e:
-        fail(str(e))
     with shared_broker(settings, _WHERE) as handle:
         version, changed = policy_store.push(handle.conn, policy, source=str(source))
     if changed:
@@ -83,10 +81,8 @@ def policy_show(ctx: click.Context, as_json: bool) -> None:
         pushed = datetime.fromtimestamp(stored.pushed_at).astimezone().isoformat(timespec="seconds")
         header = f"active policy: version {stored.version}, pushed {pushed} from {stored.source or '?'}"
     else:
-        try:
+        with failing():
             policy, origin = Policy.from_settings(settings.policy), "config.yaml"
-        except HermesError as e:
-            fail(str(e))
         header = f"no policy pushed to {handle.description}; workers use their config.yaml's (this one's:)"
     if as_json:
         doc = {
@@ -115,9 +111,7 @@ def policy_explain(ctx: click.Context, principal: str, tool_name: str) -> None:
     """Why PRINCIPAL may or may not call TOOL (the 'listed but permission denied' question)."""
     with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
         sync_tools(gw)
-        try:
+        with failing():
             spec = gw.tool(tool_name).spec
             pol = gw.policy()  # the pushed policy wins
-        except HermesError as e:
-            fail(str(e))
         click.echo(pol.explain(principal, spec))

@@ -9,8 +9,7 @@ from typing import Any
 import click
 
 from broker.config import RUN_REGISTRY_ENV
-from broker.errors import HermesError
-from hermes_gateway.cli.common import fail, note, settings_of, sync_tools
+from hermes_gateway.cli.common import fail, failing, note, settings_of, sync_tools
 
 
 def _listen(host: str, port: int, home: Any) -> Any:
@@ -68,10 +67,8 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None, mcp_state
 
     settings = settings_of(ctx)
     token = token or settings.api.token
-    try:
+    with failing():
         credentials = Credentials.from_settings(settings, token)
-    except HermesError as e:
-        fail(str(e))
     if not credentials.required and host not in ("127.0.0.1", "localhost", "::1"):
         fail(
             f"listening on {host} lets anyone there register tools and run calls: give --token (or ${TOKEN_ENV}, "
@@ -94,7 +91,7 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None, mcp_state
     os.environ[RUN_REGISTRY_ENV] = "1"
     runfile = runfiles.register("serve", host=host, port=port)
     try:
-        with local_stack(settings) as (gw, procs):
+        with failing(), local_stack(settings) as (gw, procs):
             try:
                 signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))
                 if early:
@@ -114,7 +111,5 @@ def serve(ctx: click.Context, host: str, port: int, token: str | None, mcp_state
                 uvicorn.Server(config).run(sockets=[sock])
             finally:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    except HermesError as e:
-        fail(str(e))
     finally:
         runfiles.unregister(runfile)

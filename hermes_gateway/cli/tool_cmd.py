@@ -12,6 +12,7 @@ from hermes_gateway.cli.common import (
     WAIT_SECONDS,
     event_line,
     fail,
+    failing,
     note,
     open_gateway,
     print_result,
@@ -63,10 +64,8 @@ def tool_run(
 
     settings = settings_of(ctx)
     text = read_args_text(args[0]) if len(args) == 1 else " ".join(args)
-    try:
+    with failing():
         parsed = parse_args_text(text or "{}")
-    except HermesError as e:
-        fail(str(e))
     with open_gateway(settings) as (gw, procs):
         if procs and gw.broker.embedded is not None:  # (on a gateway's broker, local_stack said so)
             note(f"broker: {gw.description}; started {len(procs)} worker for this call")
@@ -112,10 +111,8 @@ def tool_register(ctx: click.Context, spec_file: str, force: bool) -> None:
 
     settings = settings_of(ctx)
     source = Path(spec_file)
-    try:
+    with failing():
         spec = load_spec_file(source)
-    except HermesError as e:
-        fail(str(e))
     with open_gateway(settings, need_workers=False) as (gw, _):
         kept = None
         if throwaway(gw):
@@ -159,9 +156,8 @@ def _keep_spec_file(tools_dir: Any, source: Any, spec: Any, force: bool) -> tupl
     for path, _ in defining:
         if path.resolve() == source.resolve():
             return path, False
-    same = [path for path, other in defining if other.digest() == spec.digest()]
-    if same and len(same) == len(defining):
-        return same[0], False
+    if defining and all(other.digest() == spec.digest() for _, other in defining):
+        return defining[0][0], False
     target = defining[0][0] if defining else tools_dir / f"{spec.name}.yaml"
     if target.exists() and not force:
         fail(
@@ -188,10 +184,8 @@ def tool_show(ctx: click.Context, name: str) -> None:
 
     with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
         sync_tools(gw)
-        try:
+        with failing():
             entry = gw.tool(name)
-        except HermesError as e:
-            fail(str(e))
         shown = {**entry.spec.to_dict(), "version": entry.version}
         click.echo(yaml.safe_dump(shown, allow_unicode=True, sort_keys=False))
 

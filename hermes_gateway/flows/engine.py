@@ -88,7 +88,7 @@ class FlowRunner:
         flow.validate()
         results = {s.id: StepResult(s.id) for s in flow.all_steps()}
         scope: dict[str, Any] = {"args": dict(args or {}), "steps": {k: v.view() for k, v in results.items()}}
-        completed = _Run(self, results, scope).steps(flow.steps, scope)
+        completed = _Run(self, results, scope).steps(flow.steps)
         out = FlowResult(flow.name, "done" if completed else "failed", results)
         if not completed:  # (a step failed: the first failed one is reported)
             failed = next(r for r in results.values() if r.state == "failed")
@@ -117,26 +117,26 @@ class _Run:
         if self.r.on_event is not None:
             self.r.on_event(StepEvent(res.id, res.state, res.call_id, detail))
 
-    def steps(self, steps: list[Step], scope: dict[str, Any]) -> bool:
-        return all(self.step(s, scope) for s in steps)
+    def steps(self, steps: list[Step]) -> bool:
+        return all(self.step(s) for s in steps)
 
-    def step(self, step: Step, scope: dict[str, Any]) -> bool:
+    def step(self, step: Step) -> bool:
         """Run one step; False when the flow must stop."""
         res = self.results[step.id]
         try:
-            if step.when_expr is not None and not step.when_expr.evaluate(scope):
+            if step.when_expr is not None and not step.when_expr.evaluate(self.scope):
                 res.reason = f"condition is false: {step.when}"
                 self.emit(res, "skipped", reason=res.reason)
                 return True
             if step.kind == "tool":
-                self.tool(step, scope, res)
+                self.tool(step, res)
             elif step.kind == "for_each":
-                self.for_each(step, scope, res)
+                self.for_each(step, res)
             elif step.kind == "parallel":
-                self.parallel(step, scope, res)
+                self.parallel(step, res)
             else:
                 self.emit(res, "running")
-                ok = self.steps(step.steps or [], scope)
+                ok = self.steps(step.steps or [])
                 res.result = {c.id: self.results[c.id].result for c in step.steps or []}
                 if not ok:
                     res.error = {"type": "step_failed", "message": "a step of the group failed"}
@@ -148,14 +148,14 @@ class _Run:
 
     # -- a tool call -----------------------------------------------------------------------------
 
-    def tool(self, step: Step, scope: dict[str, Any], res: StepResult) -> None:
-        args = render(step.args_tpl, scope)
+    def tool(self, step: Step, res: StepResult) -> None:
+        args = render(step.args_tpl, self.scope)
         if step.fallback is not None and self.breaker_open(step.tool or ""):
-            self.fallback(step, scope, res, args, "breaker open")
+            self.fallback(step, res, args)
             return
         outcome = self.call(step.tool or "", args, step.timeout, res)
         if isinstance(outcome, CircuitOpen) and step.fallback is not None:
-            self.fallback(step, scope, res, args, "breaker open")
+            self.fallback(step, res, args)
         else:
             self.settle(res, outcome, "done")
 
@@ -163,11 +163,8 @@ class _Run:
         """One call, its events reported as they come; returns the result or the error."""
         try:
             handle = self.r.gw.call_tool(tool, args, timeout=timeout, **self.r.context)
-        except HermesError as e:
-            return e
-        res.call_id = handle.call_id
-        self.emit(res, "running", tool=tool)
-        try:
+            res.call_id = handle.call_id
+            self.emit(res, "running", tool=tool)
             for ev in handle.events(timeout=self.r.wait):
                 if ev.type == ev_mod.TRANSITION and not ev.terminal:
                     self.emit(res, "running", call_state=ev.state, attempt=ev.attempt)
@@ -184,16 +181,17 @@ class _Run:
             res.result = outcome
             self.emit(res, state, **detail)
 
-    def fallback(self, step: Step, scope: dict[str, Any], res: StepResult, args: Any, why: str) -> None:
+    def fallback(self, step: Step, res: StepResult, args: Any) -> None:
+        """The tool's breaker is open: skip the step, or call the fallback tool."""
         fb = step.fallback
         assert fb is not None
-        res.reason = why
+        res.reason = "breaker open"
         if fb.skip:
-            self.emit(res, "skipped", reason=why)
+            self.emit(res, "skipped", reason=res.reason)
             return
-        fb_args = render(step.fallback_tpl, scope) if step.fallback_tpl is not None else args
+        fb_args = render(step.fallback_tpl, self.scope) if step.fallback_tpl is not None else args
         outcome = self.call(fb.tool or "", fb_args, step.timeout, res)
-        self.settle(res, outcome, "fallback", tool=fb.tool, reason=why)
+        self.settle(res, outcome, "fallback", tool=fb.tool, reason=res.reason)
 
     def breaker_open(self, tool: str) -> bool:
         """Whether the tool's breaker would refuse a call now (then the fallback goes first)."""
@@ -205,9 +203,9 @@ class _Run:
 
     # -- fan-out ---------------------------------------------------------------------------------
 
-    def for_each(self, step: Step, scope: dict[str, Any], res: StepResult) -> None:
+    def for_each(self, step: Step, res: StepResult) -> None:
         assert step.each_expr is not None
-        items = step.each_expr.evaluate(scope)
+        items = step.each_expr.evaluate(self.scope)
         if not isinstance(items, list):
             raise FlowError(
                 f"step {step.id}: for_each: {step.for_each!r} is a {type(items).__name__}, not a list"
@@ -215,12 +213,11 @@ class _Run:
         tool = step.tool or ""
         if step.fallback is not None and self.breaker_open(tool):
             if step.fallback.skip:
-                res.reason = "breaker open"
-                self.emit(res, "skipped", reason=res.reason)
+                self.fallback(step, res, None)
                 return
             tool = step.fallback.tool or tool
         calls = [
-            (tool, render(step.args_tpl, {**scope, step.as_name: it, "index": i}))
+            (tool, render(step.args_tpl, {**self.scope, step.as_name: it, "index": i}))
             for i, it in enumerate(items)
         ]
         opts = {"timeout": step.timeout} if step.timeout is not None else {}
@@ -236,12 +233,12 @@ class _Run:
             self.emit(res, "running", done=len(out), failed=sum(not o["ok"] for o in out), total=len(calls))
         self.combine(res, out, [o.get("result") for o in out])
 
-    def parallel(self, step: Step, scope: dict[str, Any], res: StepResult) -> None:
+    def parallel(self, step: Step, res: StepResult) -> None:
         branches = step.parallel or []
         self.emit(res, "running", branches=[b.id for b in branches])
         threads = min(len(branches), self.r.max_parallel)
         with ThreadPoolExecutor(threads, thread_name_prefix="hermes-flow") as pool:
-            list(pool.map(lambda b: self.step(b, scope), branches))
+            list(pool.map(self.step, branches))
         out = []
         for b in branches:
             r = self.results[b.id]

@@ -217,8 +217,6 @@ class Expression:
     def evaluate(self, scope: dict[str, Any]) -> Any:
         try:
             return _eval(self.tree, scope)
-        except FlowError:
-            raise
         except (TypeError, ValueError, ZeroDivisionError) as e:
             raise FlowError(f"expression {self.text!r}: {e}", expression=self.text) from e
 

@@ -1,26 +1,14 @@
-"""A flow: steps run in order; a step is a tool call, a parallel fan-out, a serial group or a for-each.
-
-As a document (YAML or JSON)::
-
-    name: trip
-    steps:
-      - {id: lookup, tool: geo, args: {name: "{{ args.person }}"}}
-      - id: weather
-        tool: weather
-        args: {city: "{{ steps.lookup.result.city }}"}
-        when: "steps.lookup.result.country == 'FR'"
-        fallback: {tool: weather_backup}      # or: skip (when the tool's breaker is open)
-      - {id: both, parallel: [{id: news, tool: news}, {id: traffic, tool: traffic}]}
-      - {id: each, for_each: "args.cities", as: city, tool: weather, args: {city: "{{ city }}"}}
-    result: "{{ steps.weather.result }}"
-
-or built in Python with :class:`Flow` (``flow.step(...)``, ``flow.parallel(...)``, ``flow.for_each(...)``).
+"""A flow: steps run in order. A step is a tool call (``tool``, ``args``, ``when``, ``fallback``: skip or
+{tool, args}, ``on_error``, ``timeout``), a parallel fan-out (``parallel``), a serial group (``steps``) or a
+tool call per item (``for_each``, ``as``); ``result`` templates the flow's result. Written as a YAML or JSON
+document (docs/flow-control.md) or built with :class:`Flow` (``step``, ``parallel``, ``for_each``).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,15 +191,14 @@ class Flow:
         return self
 
     def all_steps(self) -> list[Step]:
-        out: list[Step] = []
+        """Every step, nested ones too, each before its children."""
+        return list(_walk(self.steps))
 
-        def walk(steps: list[Step]) -> None:
-            for s in steps:
-                out.append(s)
-                walk(s.children())
 
-        walk(self.steps)
-        return out
+def _walk(steps: list[Step]) -> Iterator[Step]:
+    for step in steps:
+        yield step
+        yield from _walk(step.children())
 
 
 def _check(step: Step, seen: set[str]) -> None:
