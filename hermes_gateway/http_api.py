@@ -262,7 +262,8 @@ class Api:
         from broker.errors import UnknownBatch
         from hermes_gateway.batches import BatchJob, BatchStore
 
-        batch_id = batch_id or request.path_params["batch_id"]
+        if batch_id is None:
+            batch_id = request.path_params["batch_id"]
         meta = await run_in_threadpool(BatchStore(self.gw.conn).meta, batch_id)
         caller = request_caller(request)
         if not caller.admin and meta.get("principal", "") != (caller.principal or ""):

@@ -50,6 +50,7 @@ def test_a_json_array_batch_runs_and_its_results_stream_each_index_once(api: htt
     assert api.get(f"/v1/batches/{batch_id}").json()["counts"]["done"] == 60
     assert set(_runs(marks).values()) == {1}
     assert api.post("/v1/batches?resume=nosuch", json=items).status_code == 404
+    assert api.post("/v1/batches?resume=", json=items).status_code == 404  # (an empty id is unknown too)
 
 
 def test_a_jsonl_body_keeps_a_bad_line_as_a_failed_item_and_delete_cancels(api: httpx.Client, tmp_path: Path) -> None:
