@@ -132,7 +132,7 @@ class ToolCallFlow:
             try:
                 check_available(tool_name, eff, ctx)
             except BaseException as exc:
-                _post(rt, base, eff, trace, None, 0, "error", error_type(exc), str(exc))
+                _post(rt, base, eff, trace, None, 0, "error", exc=exc)
                 raise
         directive = None
         if rt.has_hook(PRE_TOOL_CALL):
@@ -146,16 +146,15 @@ class ToolCallFlow:
                 reason = f": {message}" if message else ""
                 message = f"BLOCKED: plugin approval required for {tool_name}{reason}"
         if directive is not None:
-            refusal = {"error": message}
-            _post(rt, base, eff, trace, refusal, 0, "blocked", "plugin_block", message)
+            _post(rt, base, eff, trace, {"error": message}, 0, "blocked", "plugin_block", message)
             if self.on_blocked is not None:
                 return self.on_blocked(tool_name, message, ctx)
-            return refusal
+            return {"error": message}  # (its own dict: not the one the hooks saw)
         if policy is not None:
             try:
                 policy(tool_name, eff, ctx)
             except BaseException as exc:
-                _post(rt, base, eff, trace, None, 0, "blocked", error_type(exc), str(exc))
+                _post(rt, base, eff, trace, None, 0, "blocked", exc=exc)
                 raise
 
         started = time.monotonic()
@@ -163,7 +162,7 @@ class ToolCallFlow:
             result = rt.run_tool_execution(ctx, tool_name, eff, execute, original_args=outcome.original)
         except BaseException as exc:
             status = "cancelled" if self.is_cancelled(exc) else "error"
-            _post(rt, base, eff, trace, None, _elapsed_ms(started), status, error_type(exc), str(exc))
+            _post(rt, base, eff, trace, None, _elapsed_ms(started), status, exc=exc)
             raise
         duration_ms = _elapsed_ms(started)
         _post(rt, base, eff, trace, result, duration_ms)
@@ -199,11 +198,15 @@ def _post(
     status: str = "ok",
     kind: str | None = None,
     message: str | None = None,
+    exc: BaseException | None = None,
 ) -> None:
-    """Emit post_tool_call; an ``ok`` call's status comes from its result, as Hermes derives it."""
+    """Emit post_tool_call; an ``ok`` call's status comes from its result, as Hermes derives it, a failed
+    one's error from ``exc`` (read only when a hook listens)."""
     if rt.has_hook(POST_TOOL_CALL):
         if status == "ok":
             status, kind, message = result_status(result)
+        elif exc is not None:
+            kind, message = error_type(exc), str(exc)
         rt.emit(
             POST_TOOL_CALL,
             **base,
