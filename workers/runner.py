@@ -81,6 +81,7 @@ class Running:
     writes: threading.Lock = field(default_factory=threading.Lock)
     passed_on: bool = False  # its end takes the next call, which gets its thread slot (``CallRunner.next_call``)
     take_sent: Sequence[Any] = ()  # the ``take`` arguments its ending write last went with
+    holds: bool = False  # it counts in ``WorkerCore.held`` (from track() to release() or untrack())
 
     @property
     def queue_wait(self) -> float:
@@ -486,6 +487,9 @@ class CallRunner:
         took = self.took if take else None
         if take:
             kw["take"], run.passed_on = take, True
+        # Its key's slot here ends before the write can be answered: the call the write takes may begin and end
+        # on another thread before this one reaches untrack(), and its own take must not count this call.
+        self.core.release(run)
 
         def check(reply: Any) -> None:
             try:
@@ -575,6 +579,7 @@ class WorkerCore:
             self._inflight[run.info.call_id] = run
             ckey = run.info.ckey
             self._held[ckey] = self._held.get(ckey, 0) + 1
+            run.holds = True
 
     def write(self, run: Running, writer: Callable[[Any], None], callback: Callable[[Any], None]) -> None:
         """Queue a write of ``run``; until it is answered a call no longer in flight here is ``unwritten``."""
@@ -621,14 +626,25 @@ class WorkerCore:
             if self._writing.get(id(run)):
                 self._unwritten[run.info.call_id] = run
             # Paired with track(), even when a newer run of the same call id replaced this one in _inflight.
-            ckey = run.info.ckey
-            left = self._held.get(ckey, 1) - 1
-            if left > 0:
-                self._held[ckey] = left
-            else:
-                self._held.pop(ckey, None)
+            self._unhold(run)
             self._cancelled.discard(run.info.call_id)
             self.idle.notify_all()
+
+    def release(self, run: Running) -> None:
+        """``run`` no longer counts in ``held`` (its terminal write is being queued); untrack() then leaves it."""
+        with self._lock:
+            self._unhold(run)
+
+    def _unhold(self, run: Running) -> None:
+        if not run.holds:  # (never tracked, or released already)
+            return
+        run.holds = False
+        ckey = run.info.ckey
+        left = self._held.get(ckey, 1) - 1
+        if left > 0:
+            self._held[ckey] = left
+        else:
+            self._held.pop(ckey, None)
 
     def held(self, ckey: str) -> int:
         """Calls of concurrency key ``ckey`` in flight in this process (each holds one of its slots)."""

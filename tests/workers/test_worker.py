@@ -16,7 +16,7 @@ from broker.config import Settings, WorkerSettings
 from broker.directory import Directory
 from broker.envelope import Envelope, Options
 from broker.states import State
-from tests.conftest import heard
+from tests.conftest import heard, wait_until
 from workers import reaper
 from workers.runner import CallRunner, WorkerCore
 from workers.specs import check_spec
@@ -422,6 +422,45 @@ def test_a_call_ending_here_takes_the_next_waiting_one_onto_its_thread_slot(fake
             time.sleep(0.01)
         assert [w.core.calls.record(f"c{i}")["state"] for i in range(3)] == ["done"] * 3
         assert w._slots.free == 2 and w.core.processed == 3
+    finally:
+        w.core.close()
+        w.pool.shutdown()
+
+
+def test_a_call_taken_by_an_ending_does_not_count_the_ending_call_while_its_thread_winds_down(
+    fake: Any, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ending call's thread is slow to reach untrack() (preempted after queuing its write): the call its
+    end took begins and ends meanwhile, and its own ending still takes the next one (the first no longer
+    counts among the key's calls held here, so held * peers < limit)."""
+    Directory(fake).register(check_spec({**TOOLS[0], "concurrency": 1}))
+    w = Worker(fake, settings, ["tools"], concurrency=2, name="w-a")
+    untrack, wound_down = w.core.untrack, threading.Event()
+
+    def slow_untrack(run: Any) -> None:
+        if run.info.call_id == "c0":
+            wait_until(lambda: w.core.calls.record("c1")["state"] == "done", timeout=10, message="c1 ended")
+            wound_down.set()
+        untrack(run)
+
+    monkeypatch.setattr(w.core, "untrack", slow_untrack)
+    try:
+        for i in range(3):
+            Calls.check_submit(
+                Calls(fake).submit(
+                    Envelope(call_id=f"c{i}", kind="tool", tool="echo", args={"i": i}, traceparent=TP, channel="hermes:ch:t"),
+                    ckey="tool:echo", queue_size=-1, max_attempts=1, timeout=30, concurrency=1,
+                ),
+                "tool:echo",
+                -1,
+            )
+        heard(fake)
+        assert w._slots.take(1) == 1
+        [first] = w.core.calls.claim(["tools"], 1, w.name, w.lease)
+        w._run_one(first)
+        assert wound_down.is_set()
+        wait_until(lambda: w._slots.free == 2 and w.core.calls.record("c2")["state"] == "done", message="c2 done")
+        assert [w.core.calls.record(f"c{i}")["state"] for i in range(3)] == ["done"] * 3
     finally:
         w.core.close()
         w.pool.shutdown()
