@@ -153,15 +153,15 @@ def test_calls_finishing_during_a_redis_restart_keep_their_results_and_run_once(
         log.close()
 
 
-def _finished_lines(log_path: Path) -> list[dict[str, Any]]:
-    """The workers' JSON ``call finished`` lines."""
+def _finished_lines(log_path: Path, event: str = "call finished") -> list[dict[str, Any]]:
+    """The workers' JSON ``call finished`` lines (or another ``event``'s)."""
     import json
 
     out = []
     for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines():
-        if '"call finished"' in line:
+        if f'"{event}"' in line:
             with_fields = json.loads(line)
-            if with_fields.get("event") == "call finished":
+            if with_fields.get("event") == event:
                 out.append(with_fields)
     return out
 
@@ -264,7 +264,19 @@ def test_after_a_redis_sigkill_and_restart_every_waiting_result_catches_up_at_on
         ids = sorted(line["call_id"] for line in finished)
         assert len(ids) == len(set(ids)) == 400, (len(ids), len(set(ids)))
         assert {h.call_id for h in handles + ahs} == set(ids)
-        assert all(gw.calls.record(h.call_id)["attempt"] == 1 for h in handles + ahs)
+        # Each on its first attempt, but for a call whose claim (or an ending's take of it) Redis ran and wrote to
+        # its AOF in the instant before the SIGKILL, its reply lost with the connection: no worker knew it held
+        # that call, so when the lease ran out the reaper put it back unstarted as the next attempt
+        # (workers/reaper.py). The kill cannot be timed to miss that instant; such a call still ran once (above).
+        unstarted = {
+            line["call_id"]
+            for p in logs
+            for line in _finished_lines(p, "requeued call of a lost worker")
+            if line.get("state") == "pending"
+        }
+        later = {h.call_id: int(gw.calls.record(h.call_id)["attempt"]) for h in handles + ahs}
+        later = {call_id: attempt for call_id, attempt in later.items() if attempt != 1}
+        assert later == dict.fromkeys(unstarted, 2), (later, unstarted)
         ended = {line["call_id"]: _iso(line["timestamp"]) for line in finished}
         sync_finish = max(ended[h.call_id] for h in handles)
         async_finish = max(ended[h.call_id] for h in ahs)
