@@ -395,6 +395,19 @@ def test_a_call_whose_last_writes_wait_in_the_outbox_keeps_its_lease_until_they_
         w.pool.shutdown()
 
 
+def _submit_echo_calls(fake: Any, n: int) -> None:
+    """``n`` echo calls c0, c1, ... of a tool limited to one at a time."""
+    for i in range(n):
+        Calls.check_submit(
+            Calls(fake).submit(
+                Envelope(call_id=f"c{i}", kind="tool", tool="echo", args={"i": i}, traceparent=TP, channel="hermes:ch:t"),
+                ckey="tool:echo", queue_size=-1, max_attempts=1, timeout=30, concurrency=1,
+            ),
+            "tool:echo",
+            -1,
+        )
+
+
 def test_a_call_ending_here_takes_the_next_waiting_one_onto_its_thread_slot(fake: Any, settings: Settings) -> None:
     """Limit 1, three calls: the worker claims the first; each ending takes the next call in its TRANSITION
     and runs it on the same thread slot (no dispatcher runs here: only the takes can start them); the last ending takes none and its
@@ -402,15 +415,7 @@ def test_a_call_ending_here_takes_the_next_waiting_one_onto_its_thread_slot(fake
     Directory(fake).register(check_spec({**TOOLS[0], "concurrency": 1}))
     w = Worker(fake, settings, ["tools"], concurrency=2, name="w-a")
     try:
-        for i in range(3):
-            Calls.check_submit(
-                Calls(fake).submit(
-                    Envelope(call_id=f"c{i}", kind="tool", tool="echo", args={"i": i}, traceparent=TP, channel="hermes:ch:t"),
-                    ckey="tool:echo", queue_size=-1, max_attempts=1, timeout=30, concurrency=1,
-                ),
-                "tool:echo",
-                -1,
-            )
+        _submit_echo_calls(fake, 3)
         heard(fake)
         assert w._slots.take(1) == 1  # as the dispatcher does before its claim
         [first] = w.core.calls.claim(["tools"], 1, w.name, w.lease)
@@ -445,15 +450,7 @@ def test_a_call_taken_by_an_ending_does_not_count_the_ending_call_while_its_thre
 
     monkeypatch.setattr(w.core, "untrack", slow_untrack)
     try:
-        for i in range(3):
-            Calls.check_submit(
-                Calls(fake).submit(
-                    Envelope(call_id=f"c{i}", kind="tool", tool="echo", args={"i": i}, traceparent=TP, channel="hermes:ch:t"),
-                    ckey="tool:echo", queue_size=-1, max_attempts=1, timeout=30, concurrency=1,
-                ),
-                "tool:echo",
-                -1,
-            )
+        _submit_echo_calls(fake, 3)
         heard(fake)
         assert w._slots.take(1) == 1
         [first] = w.core.calls.claim(["tools"], 1, w.name, w.lease)
