@@ -151,6 +151,9 @@ class SessionPool:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     async def get(self, key: str, server: dict[str, Any], handshake_timeout: float) -> Session:
+        session = self._sessions.get(key)
+        if session is not None and session.alive:  # (the usual case: no lock made or taken)
+            return session
         async with self._locks.setdefault(key, asyncio.Lock()):
             session = self._sessions.get(key)
             if session is not None and session.alive:
