@@ -215,8 +215,9 @@ def nesting(value: Any, limit: int = MAX_DEPTH) -> int:
         if depth > limit:
             return depth
         deepest = max(deepest, depth)
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list | tuple))
+        for child in item.values() if isinstance(item, dict) else item:  # (a loop: no generator per item)
+            if isinstance(child, dict | list | tuple):
+                stack.append((child, depth + 1))
     return deepest
 
 

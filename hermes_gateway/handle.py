@@ -24,16 +24,27 @@ class CallHandle(CallState):
     """A submitted call: wait for its result, follow its events, or cancel it."""
 
     def __init__(self, gateway: Gateway, call_id: str, name: str, kind: str = "tool", *, own: bool = True) -> None:
-        # One condition for new events and for the end (a plain lock: never re-entered, and cheaper).
-        self._cv = threading.Condition(threading.Lock())
-        super().__init__(gateway.router, call_id, name, kind, own=own, lock=self._cv)
+        # A plain lock guards the state (never re-entered); the condition on it for new events and for the
+        # end is made by the first thread that waits: most handles of a batch are done before anyone
+        # waits on them, and a Condition costs more to build than the rest of a handle.
+        self._mutex = threading.Lock()
+        self._waiting: threading.Condition | None = None
+        super().__init__(gateway.router, call_id, name, kind, own=own, lock=self._mutex)
         self.gateway = gateway
         self._followers = 0  # threads waiting in events() for the next event (result() waits for the end)
 
+    @property
+    def _cv(self) -> threading.Condition:
+        if self._waiting is None:
+            with self._mutex:  # (made and looked at under the lock: _changed never misses a waiter)
+                if self._waiting is None:
+                    self._waiting = threading.Condition(self._mutex)
+        return self._waiting
+
     def _changed(self, event: Event | None) -> None:
-        # nobody waits for a non-terminal event unless events() does
-        if event is None or event.terminal or self._followers:
-            self._cv.notify_all()
+        # (called with the lock held) nobody waits for a non-terminal event unless events() does
+        if self._waiting is not None and (event is None or event.terminal or self._followers):
+            self._waiting.notify_all()
 
     def result(self, timeout: float | None = None) -> Any:
         """The call's result; raises its typed error, CallCancelled, or CallTimeout."""
