@@ -144,14 +144,13 @@ def _steps(raw: Any, ts: float) -> list[list[Any]] | None:
         return None
 
 
-def missed_moves(end: Event, seen: Sequence[Event]) -> list[Event]:
-    """The transitions before ``end`` (an ended call's kept terminal event) that a follower which saw
-    ``seen`` never got, rebuilt from its steps (no span id, no detail) and numbered into the gap of seqs
-    before the end; empty when they would not fit there."""
+def missed_moves(end: Event, last: int, moved: int) -> list[Event]:
+    """The transitions before ``end`` (an ended call's kept terminal event) that a follower which saw up
+    to seq ``last``, ``moved`` transitions of them, never got, rebuilt from its steps (no span id, no
+    detail) and numbered into the gap of seqs before the end; empty when they would not fit there."""
     if not end.steps:
         return []
-    last = seen[-1].seq if seen else 0
-    missed = end.steps[sum(1 for e in seen if e.type == TRANSITION) :]
+    missed = end.steps[moved:]
     if not missed or len(missed) > end.seq - last - 1:
         return []
     return [
@@ -213,18 +212,23 @@ def follow(
 ) -> Iterator[Event]:
     """History then live tail of one call, each event once, in seq order, until a terminal event (subscribed
     before the history is read; a gap in the tail is filled from the history). ``after``: the seq seen."""
+    last, moved = after, 0  # (transitions among them: an end past a gap gets those it misses rebuilt)
     channel = conn.hget(keys.job(call_id), keys.F_CHANNEL)
     if channel is None:  # (an ended call's record names no channel: its history has the end)
-        yield from history(conn, call_id, after + 1)
+        for ev in history(conn, call_id, after + 1):
+            yield from missed_moves(ev, last, moved) if ev.terminal and ev.seq > last + 1 else ()
+            yield ev
+            last, moved = ev.seq, moved + (ev.type == TRANSITION)
         return
     pubsub = subscriber(conn)
     get = _subscribe(conn, pubsub, channel)
     try:
-        last, quiet, deadline = after, False, None
+        quiet, deadline = False, None
         fresh = history(conn, call_id, after + 1)
         while True:
             for ev in fresh:
-                last = ev.seq
+                yield from missed_moves(ev, last, moved) if ev.terminal and ev.seq > last + 1 else ()
+                last, moved = ev.seq, moved + (ev.type == TRANSITION)
                 yield ev
                 if ev.terminal:
                     return

@@ -469,7 +469,8 @@ class CallState:
             if event.seq <= self.last_seq:
                 return
             if event.terminal and event.seq > self.last_seq + 1:  # (a trimmed history: the end alone)
-                self._events.extend(ev_mod.missed_moves(event, self._events))
+                moved = sum(e.type == ev_mod.TRANSITION for e in self._events)
+                self._events.extend(ev_mod.missed_moves(event, self.last_seq, moved))
             self._events.append(event)
             if event.terminal:
                 self._final = event

@@ -289,11 +289,16 @@ def test_terminal_transitions_drop_the_lease_and_set_a_ttl(fake: Any) -> None:
 # -- follow(): late subscribers ------------------------------------------------------------------
 
 
-def test_follow_after_the_end_gives_the_terminal_event_once(fake: Any) -> None:
+def test_follow_after_the_end_gives_the_moves_rebuilt_then_the_terminal_event_once(fake: Any) -> None:
+    """The ended call keeps its end alone: a follower from the start gets the moves rebuilt from its steps
+    (as a handle does), then the end; one that saw them all gets nothing."""
     calls = Calls(fake)
     info = submit(calls)
     walk(calls, info, HAPPY)
-    assert [e.seq for e in events.follow(fake, "c1", timeout=1)] == [5]
+    got = list(events.follow(fake, "c1", timeout=1))
+    assert [(e.seq, e.state) for e in got] == list(enumerate(["pending", "routing", "executing", "formatting", "done"], 1))
+    assert [e.span_id for e in got[1:4]] == ["", "", ""] and {e.trace_id for e in got} == {info.trace_id}
+    assert list(events.follow(fake, "c1", timeout=1, after=5)) == []
 
 
 def test_follow_joins_late_then_tails_live_filling_a_dropped_message(fake: Any) -> None:
@@ -330,7 +335,9 @@ def test_follow_reads_a_dropped_terminal_event_from_history_when_quiet(fake: Any
     assert next(stream).seq == 1
     lost = CallInfo(**{**info.__dict__, "channel": "hermes:ch:elsewhere"})
     walk(calls, lost, HAPPY)  # nothing of it is published to the follower, and it ended meanwhile
-    assert [(e.seq, e.state) for e in stream] == [(5, "done")]  # the end, with what it carries
+    rest = list(stream)  # the moves it missed, rebuilt from the kept end's steps, then the end
+    assert [(e.seq, e.state) for e in rest] == [(2, "routing"), (3, "executing"), (4, "formatting"), (5, "done")]
+    assert [e.span_id for e in rest[:-1]] == ["", "", ""] and rest[-1].span_id == info.span_id
 
 
 def test_follow_ignores_other_calls_on_a_shared_channel(fake: Any) -> None:
@@ -485,8 +492,8 @@ def test_a_follower_whose_feed_lagged_gets_the_moves_it_missed_back_from_the_kep
     calls.move(info, State.FORMATTING, attempt=1, current=State.EXECUTING, ts=t0 + 1.75)
     calls.move(info, State.DONE, attempt=1, current=State.FORMATTING, ts=t0 + 2.0, ttl=60)
     (end,) = events.history(r, "c1", seen[-1].seq + 1)
-    missed = events.missed_moves(end, seen)
+    missed = events.missed_moves(end, seen[-1].seq, 1)
     assert [(e.state, e.attempt, e.seq) for e in missed] == [("routing", 1, 2), ("executing", 1, 3), ("formatting", 1, 4)]
     assert [round(e.ts - t0, 3) for e in missed] == [1.0, 1.5, 1.75]
     assert {e.trace_id for e in missed} == {end.trace_id} and end.seq == 5
-    assert events.missed_moves(end, seen + missed) == []  # nothing missed, nothing made up
+    assert events.missed_moves(end, missed[-1].seq, 4) == []  # nothing missed, nothing made up
