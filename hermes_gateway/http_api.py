@@ -63,9 +63,20 @@ def _number(body: dict[str, Any], name: str, low: float, *, integer: bool = Fals
     return value
 
 
+# Context fields an HTTP caller may not set: replay_of is the replay route's; plugins_applied makes the
+# workers skip those plugins' middleware and hooks for the call (the Hermes plugin's, over Redis, for the
+# plugins its agent ran itself), so over HTTP it would switch off an operator's guardrails.
+NOT_OVER_HTTP = ("replay_of", "plugins_applied")
+
+
 def _context(body: dict[str, Any]) -> dict[str, Any]:
     context = _field(body, "context", (dict,), "an object") or {}
-    known = [k for k in CONTEXT_FIELDS if k != "replay_of"]  # (set by the replay route alone)
+    if "plugins_applied" in context:
+        raise BadRequest(
+            "context: plugins_applied is not accepted over HTTP (it would make the workers skip those plugins' "
+            "middleware and hooks, guardrails included)", fields=["plugins_applied"],
+        )
+    known = [k for k in CONTEXT_FIELDS if k not in NOT_OVER_HTTP]
     unknown = sorted(str(k) for k in context if k not in known)
     if unknown:
         raise BadRequest(f"context: unknown field(s) {', '.join(unknown)}; known: {', '.join(known)}", fields=unknown)

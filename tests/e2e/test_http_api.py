@@ -157,6 +157,11 @@ def test_admission_errors_are_typed_http_errors_and_failures_are_outcomes(api: h
     assert wrong.status_code == 400 and "args: expected an object" in wrong.json()["error"]["message"]
     typo = api.post("/v1/tools/echo/calls", json={"context": {"sesion_id": "x"}})
     assert typo.status_code == 400 and "sesion_id" in typo.json()["error"]["message"]
+    # Naming plugins "already applied" would make the workers skip their middleware and hooks (guardrails):
+    # only the Hermes plugin may, over Redis; over HTTP it is refused, as is the replay route's field.
+    for field in ("plugins_applied", "replay_of"):
+        skip = api.post("/v1/tools/echo/calls", json={"args": {}, "context": {field: "x"}})
+        assert skip.status_code == 400 and field in skip.json()["error"]["message"], field
 
     first = api.post("/v1/tools/tight/calls", json={"args": {"seconds": 20}})
     assert first.status_code == 202
