@@ -265,6 +265,8 @@ class LLMCallFlow:
         ctx = normalize_context(context, LLM_CONTEXT_FIELDS)
         outcome = rt.llm_request(ctx, request)
         eff, trace = outcome.payload, outcome.trace
+        if isinstance(eff.get("model"), str) and eff["model"] and eff["model"] != ctx["model"]:
+            ctx = {**ctx, "model": eff["model"]}  # (a request middleware chose another model: what runs)
         if on_trace is not None:
             on_trace(list(trace))
         started_at = time.time()

@@ -61,8 +61,12 @@ VALID_HOOKS: frozenset[str] = frozenset(
 )
 
 # Runtime context each call family always carries ("" when unknown, as Hermes sends it), so a
-# callback reading kwargs["turn_id"] never fails just because the caller had no turn.
-TOOL_CONTEXT_FIELDS: tuple[str, ...] = ("session_id", "task_id", "turn_id", "api_request_id", "tool_call_id")
+# callback reading kwargs["turn_id"] never fails just because the caller had no turn. The contract's list
+# (session_id, task_id, turn_id, api_request_id, provider, model, api_mode, tool_name; tool_call_id where it
+# applies) reaches every callback: a tool call's provider, model and api_mode are its agent's, when given.
+TOOL_CONTEXT_FIELDS: tuple[str, ...] = (
+    "session_id", "task_id", "turn_id", "api_request_id", "provider", "model", "api_mode", "tool_call_id",
+)
 LLM_CONTEXT_FIELDS: tuple[str, ...] = (
     "session_id",
     "task_id",
@@ -73,6 +77,7 @@ LLM_CONTEXT_FIELDS: tuple[str, ...] = (
     "model",
     "base_url",
     "api_mode",
+    "tool_name",
 )
 CONTEXT_FIELDS: tuple[str, ...] = (*LLM_CONTEXT_FIELDS, "api_call_count", "tool_name", "tool_call_id")
 

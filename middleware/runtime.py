@@ -214,9 +214,10 @@ class MiddlewareRuntime:
             return base(args)
         fields = normalize_context(context, TOOL_CONTEXT_FIELDS)
         fields["tool_name"] = tool_name
-        # No middleware_trace here: Hermes sends none to tool_execution, and a callback whose signature
-        # names Hermes' fields exactly would fail on an extra one.
-        payload = middleware_payload(fields, original_args=args if original_args is None else original_args)
+        # (No middleware_trace here: Hermes sends none to tool_execution.)
+        if original_args is None or original_args is args:  # (no tool_request replaced them)
+            original_args, args = args, safe_copy(args)  # an in-place edit of args leaves the original as it was
+        payload = middleware_payload(fields, original_args=original_args)
         return chain(args, base, payload)
 
     def run_llm_execution(
@@ -233,9 +234,11 @@ class MiddlewareRuntime:
         if chain is None:
             return base(request)
         fields = normalize_context(context, LLM_CONTEXT_FIELDS)
+        if original_request is None or original_request is request:  # (no llm_request replaced it)
+            original_request, request = request, safe_copy(request)
         payload = middleware_payload(
             fields,
-            original_request=request if original_request is None else original_request,
+            original_request=original_request,
             middleware_trace=list(middleware_trace or ()),
         )
         return chain(request, base, payload)

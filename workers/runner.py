@@ -49,7 +49,7 @@ log = structlog.get_logger("hermes.worker")
 INLINE_RESULT_LIMIT = 64 * 1024
 
 # The call's context a tool's middleware sees (``middleware/kinds.py`` normalises it).
-TOOL_CONTEXT = ("session_id", "task_id", "turn_id", "api_request_id", "tool_call_id")
+TOOL_CONTEXT = ("session_id", "task_id", "turn_id", "api_request_id", "provider", "model", "api_mode", "tool_call_id")
 
 
 @dataclass

@@ -132,6 +132,24 @@ def test_clause_context_fields_that_apply_are_present_even_when_unknown(registry
     assert seen[0]["tool_call_id"] == seen[0]["turn_id"] == ""
 
 
+def test_clause_every_callback_gets_the_whole_runtime_context_list(registry: MiddlewareRegistry) -> None:
+    """运行时上下文，如 session_id、task_id、turn_id、api_request_id、provider、model、api_mode、tool_name: a tool
+    callback gets its agent's provider, model and api_mode when the call carries them ("" when not), and
+    an LLM callback a tool_name ("")."""
+    listed = ("session_id", "task_id", "turn_id", "api_request_id", "provider", "model", "api_mode", "tool_name")
+    seen: list[dict[str, Any]] = []
+    for kind in KINDS:
+        registry.register_middleware(kind, recorder(seen))
+    run_tool(registry)
+    run_llm(registry)
+    assert len(seen) == 4 and all(set(listed) <= set(kw) for kw in seen)
+    assert [(kw["model"], kw["tool_name"]) for kw in seen] == [("", "terminal")] * 2 + [("gpt-x", "")] * 2
+    seen.clear()
+    agent = {**TOOL_CTX, "provider": "openai", "model": "gpt-x", "api_mode": "chat_completions"}
+    ToolCallFlow(registry).run("terminal", {"command": "ls"}, execute=lambda a: a, context=agent)
+    assert [(kw["provider"], kw["model"], kw["api_mode"]) for kw in seen] == [("openai", "gpt-x", "chat_completions")] * 2
+
+
 # -- 支持的中间件种类 (the table) -----------------------------------------------------------------
 
 
@@ -334,6 +352,43 @@ def test_clause_llm_call_order(registry: MiddlewareRegistry) -> None:
     with pytest.raises(ConnectionError):
         run_llm(registry, provider=failing)
     assert order == ["llm_request", "pre_api_request", "llm_execution", "provider", "api_request_error"]
+
+
+def test_clause_a_model_the_request_middleware_chose_is_the_model_later_callbacks_are_told(
+    registry: MiddlewareRegistry,
+) -> None:
+    """以生效请求发出 pre_api_request: after llm_request picks a fallback model, pre_api_request,
+    llm_execution and post_api_request name the model that runs, not the one first asked for."""
+    told: list[tuple[str, str]] = []
+    registry.register_middleware(
+        "llm_request", lambda **kw: {"request": {**kw["request"], "model": "fallback"}, "reason": "selected fallback model"}
+    )
+    registry.register_hook("pre_api_request", lambda **kw: told.append(("pre_api_request", kw["model"])))
+    registry.register_middleware(
+        "llm_execution", lambda **kw: told.append(("llm_execution", kw["model"])) or kw["next_call"](kw["request"])
+    )
+    registry.register_hook("post_api_request", lambda **kw: told.append(("post_api_request", kw["model"])))
+    run_llm(registry)
+    assert told == [("pre_api_request", "fallback"), ("llm_execution", "fallback"), ("post_api_request", "fallback")]
+
+
+def test_clause_original_args_stay_as_they_were_when_a_middleware_edits_args_in_place(
+    registry: MiddlewareRegistry,
+) -> None:
+    """tool_execution gets args and original_args: two objects, so an in-place edit of args (no
+    tool_request middleware replaced them) leaves original_args, and the caller's dict, as they were."""
+    seen: list[Any] = []
+
+    def outer(**kw: Any) -> Any:
+        kw["args"]["injected"] = True
+        return kw["next_call"](kw["args"])
+
+    registry.register_middleware("tool_execution", outer)
+    registry.register_middleware("tool_execution", lambda **kw: seen.append(kw["original_args"]) or kw["next_call"](kw["args"]))
+    given = {"command": "ls"}
+    result = run_tool(registry, given)
+    assert result["args"] == {"command": "ls", "injected": True}
+    assert seen == [{"command": "ls"}] and given == {"command": "ls"}
 
 
 def test_clause_request_middleware_sees_the_full_provider_kwargs(registry: MiddlewareRegistry) -> None:
