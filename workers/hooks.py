@@ -83,7 +83,7 @@ class AuditRecordHook(Hook):
             args=run.args if run.args is not None else (env.args if env is not None else None),
             sensitive=run.sensitive,
             result=result if state == "done" else None,
-            request=env.request if env is not None and env.kind == "llm" else None,
+            request=run.request or (env.request if env is not None and env.kind == "llm" else None),
             error=error,
             tool_name=info.name if info.kind == "tool" else None,
             **context_fields(env.context if env is not None else {}),

@@ -113,7 +113,7 @@ class LLMCall:
         env = run.env
         cfg = core.settings.model
         self.cfg = cfg
-        self.request = provider_kwargs(env.request or {}, env.context, cfg)
+        self.request = run.request = provider_kwargs(env.request or {}, env.context, cfg)
         self.model = str(self.request.get("model") or "")
         self.timeout = float(env.options.timeout or cfg.timeout)
         self.max_retries = cfg.max_retries
@@ -185,7 +185,10 @@ class LLMCall:
                 run.sent = True
                 pctx.on_response = lambda: self.core.rate_sent(run)
             with run.trace.provider(self.model, str(self.context["provider"]), pctx) as span:
-                response = provider.complete(request, pctx)
+                try:
+                    response = provider.complete(request, pctx)
+                finally:  # (the audit record's status code: this attempt's)
+                    self.ctx.status_code = pctx.status_code
                 record_usage(span, response)
                 run.usage = reported_usage(response)
                 return response

@@ -73,6 +73,7 @@ class Running:
     rate: bool = False  # its concurrency key has a rate limit (its sends are stamped on the limiter)
     sent: bool = False  # a request of it left: its limiter entry counts it
     usage: dict[str, int] | None = None  # an LLM call's reported tokens: {"in": prompt, "out": completion}
+    request: dict[str, Any] | None = None  # an LLM call's provider kwargs as built (its model filled in)
     notices: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # hooks' events, for the runner
     span: Any = None  # the executor span while the executor runs (``CallSpans``)
     breaker: Any = None  # (its breaker config, probe) while the executor runs (``Circuit``)

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from broker import events, keys
+from broker.audit import AuditLog
 from broker.codec import pack
 from broker.errors import CallFailed
 from broker.limits import Limits
@@ -178,6 +179,9 @@ def test_stream_deltas_arrive_as_events_before_the_call_ends_and_the_result_is_t
     # The worker got the key from ${HERMES_E2E_LLM_KEY} (the server requires it) and leaked it nowhere.
     assert llm.chat_requests[-1].headers["authorization"] == f"Bearer {KEY}"
     assert_no_secret(conn, handle.call_id, worker.log())
+    # The audit record names the model config.yaml chose (the request had none) and the provider's status.
+    record = wait_until(lambda: AuditLog(conn).get(handle.call_id), 10, message="the audit record")
+    assert (record.model, record.status_code, record.model_params.get("stream")) == (MODEL, 200, True)
 
 
 def test_a_non_streamed_call_returns_the_providers_response_and_the_request_model_overrides_the_config(
@@ -278,7 +282,7 @@ def test_an_absurd_retry_after_is_refused_and_the_call_fails_with_the_reason(
     assert len(llm.chat_requests) == 1
 
 
-def test_a_400_is_not_retried(llm: LLMServer, gateway: Any, workers: Any) -> None:
+def test_a_400_is_not_retried(llm: LLMServer, gateway: Any, workers: Any, conn: Any) -> None:
     llm.script(Reply(status=400, error="bad messages"))
     workers(queues="llm", env=KEY_ENV)
     handle = gateway.call_llm({"messages": ASK})
@@ -286,6 +290,8 @@ def test_a_400_is_not_retried(llm: LLMServer, gateway: Any, workers: Any) -> Non
         handle.result(20)
     assert info.value.type == "provider_error" and info.value.details["status"] == 400
     assert len(llm.chat_requests) == 1
+    record = wait_until(lambda: AuditLog(conn).get(handle.call_id), 10, message="the audit record")
+    assert (record.state, record.model, record.status_code) == ("failed", MODEL, 400)
     assert not [e for e in handle.events(timeout=5) if e.type == events.PROGRESS]
 
 

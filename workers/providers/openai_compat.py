@@ -126,6 +126,7 @@ class OpenAICompatProvider:
                 "POST", "/chat/completions", json=body, headers=headers, timeout=timeout
             ) as resp:
                 ex.attach(resp)
+                ex.ctx.status_code = resp.status_code  # (the audit record's status code)
                 if ex.ctx.on_response is not None:
                     try:
                         ex.ctx.on_response()

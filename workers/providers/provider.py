@@ -54,6 +54,7 @@ class ProviderContext(Deadline):
     traceparent: str | None = None
     tracestate: str | None = None
     started: float = field(default_factory=time.monotonic)
+    status_code: int | None = None  # the provider's HTTP status, once its response came
 
     def timed_out(self) -> HermesError:
         return ProviderTimeout(f"LLM call {self.call_id} timed out after {self.timeout:g}s")
