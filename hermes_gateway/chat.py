@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from broker import otel
 from broker.errors import DecodeError, HermesError, UnknownTool
 from broker.events import DELTA
 
@@ -143,6 +144,7 @@ class ChatSession:
         self.on_turn = on_turn
         self.messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
         self._turns = 0  # across asks, so turn ids stay unique within the session
+        self._traceparent: str | None = None  # the question's trace when no SDK span carries it
 
     def ask(self, query: str) -> ChatResult:
         """Run ``query`` until the model answers without tool calls or the turn limit is reached. An ask
@@ -150,7 +152,7 @@ class ChatSession:
         copy)."""
         mark = len(self.messages)
         try:
-            result = self._ask(query)
+            result = self._traced(query)
         except BaseException:
             del self.messages[mark:]
             raise
@@ -158,6 +160,17 @@ class ChatSession:
             result.messages = list(self.messages)
             del self.messages[mark:]
         return result
+
+    def _traced(self, query: str) -> ChatResult:
+        """One trace for the question: its LLM calls and tool calls are children of a ``chat`` span (with
+        an SDK tracer), else of one traceparent made for it (or the caller's current one)."""
+        tracer = otel.tracer()
+        if tracer is None:
+            self._traceparent = otel.headers_of()[0] or otel.ensure_traceparent(None)
+            return self._ask(query)
+        self._traceparent = None  # (the span is current: each call's producer span is its child)
+        with tracer.start_as_current_span("chat", attributes={"session.id": self.session_id}):
+            return self._ask(query)
 
     def _ask(self, query: str) -> ChatResult:
         self.messages.append({"role": "user", "content": query})
@@ -180,7 +193,8 @@ class ChatSession:
         return ChatResult(None, self.session_id, self.messages, turns)
 
     def _context(self, turn_id: str, **more: Any) -> dict[str, Any]:
-        context = {"session_id": self.session_id, "turn_id": turn_id, "principal": self.principal, **more}
+        context = {"session_id": self.session_id, "turn_id": turn_id, "principal": self.principal,
+                   "traceparent": self._traceparent, **more}
         return {k: v for k, v in context.items() if v is not None}
 
     def _llm_turn(self, n: int, schemas: list[dict[str, Any]]) -> Turn:

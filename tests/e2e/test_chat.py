@@ -75,6 +75,9 @@ def test_a_weather_question_runs_the_tool_on_a_worker_and_the_answer_quotes_its_
     assert [e.state for e in events.history(conn, run.call_id) if e.type == events.TRANSITION][-1] == "done"
     record = AuditLog(conn).get(run.call_id)
     assert record is not None and record.tool_call_id == run.tool_call_id and record.session_id == "s-weather"
+    # One question is one trace: both LLM calls and the tool call carry its trace id (each their own span).
+    traces = {events.history(conn, c)[-1].trace_id for c in (first.llm_call_id, run.call_id, second.llm_call_id)}
+    assert len(traces) == 1 and "" not in traces
 
     # The second LLM request carried the assistant's tool call and the tool message answering it.
     offered, answered = llm.chat_requests
@@ -82,6 +85,36 @@ def test_a_weather_question_runs_the_tool_on_a_worker_and_the_answer_quotes_its_
     assistant, tool_msg = answered.body["messages"][-2:]
     assert assistant["tool_calls"][0]["id"] == run.tool_call_id
     assert tool_msg == {"role": "tool", "tool_call_id": run.tool_call_id, "content": run.content()}
+    # The next question of the session is a trace of its own.
+    nxt = session.ask("And in Paris?").turns[0].llm_call_id
+    assert events.history(conn, nxt)[-1].trace_id not in traces
+
+
+def test_with_an_sdk_tracer_a_question_is_one_chat_span_whose_children_are_its_calls(
+    llm: LLMServer, gateway: Any, workers: Any, conn: Any
+) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from broker import otel
+
+    gateway.sync_tools()
+    workers(queues="tools,llm")
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    otel.use_providers(tracer_provider=provider)
+    try:
+        result = ChatSession(gateway).ask("What is the weather in Berlin?")
+    finally:
+        otel.use_providers()
+    spans = exporter.get_finished_spans()
+    [chat] = [sp for sp in spans if sp.name == "chat"]
+    sends = [sp for sp in spans if sp.name.startswith("send ")]
+    assert len(sends) == 3 and {sp.parent.span_id for sp in sends} == {chat.context.span_id}  # 2 LLM + 1 tool
+    calls = [result.turns[0].llm_call_id, result.turns[0].tools[0].call_id, result.turns[1].llm_call_id]
+    assert {events.history(conn, c)[-1].trace_id for c in calls} == {format(chat.context.trace_id, "032x")}
 
 
 def test_the_tool_calls_of_one_answer_run_side_by_side_and_failures_go_back_to_the_model(
