@@ -104,6 +104,19 @@ def unset_env(text: str, environ: Mapping[str, str] | None = None) -> list[str]:
     return [m.group(1) for m in ENV_VAR.finditer(text) if m.group(2) is None and m.group(1) not in env]
 
 
+def _limits(section: Mapping[str, Any], where: str) -> None:
+    """An executor section's ``concurrency`` (at least 1: a limit of 0 would leave every call waiting) and
+    ``queue_size`` (at least 0), when set, or a ConfigError naming the key."""
+    for key, low in (("concurrency", 1), ("queue_size", 0)):
+        value = section.get(key)
+        try:  # (a ${VAR} expands to text: "5" counts as 5)
+            number = None if value is None or isinstance(value, bool) else float(value)
+        except (TypeError, ValueError):
+            number = None
+        if value is not None and (number is None or number != int(number) or number < low):
+            raise ConfigError(f"config.yaml: {where}.{key}: expected an integer of at least {low}, got {value!r}")
+
+
 def load_settings(
     home: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> Settings:
@@ -116,7 +129,8 @@ def load_settings(
     for kind, section in executors.items():
         if section is not None and not isinstance(section, dict):
             raise ConfigError(f"config.yaml: executors.{kind}: expected a mapping, got {section!r}")
-    _mapping(raw, "executor")  # the seed's singular spelling, merged under executors.<kind>
+        _limits(section or {}, f"executors.{kind}")
+    _limits(_mapping(raw, "executor"), "executor")  # the seed's singular spelling, merged under executors.<kind>
     logging_ = _logging(_mapping(raw, "logging"), env)
     broker = _broker(_mapping(raw, "broker"), env)
     plugins = _mapping(raw, "plugins")

@@ -211,6 +211,11 @@ def test_the_model_and_mcp_sections_are_typed_with_their_defaults(tmp_path: Path
         ("mcp: {handshake_timeout: never}", "config.yaml: mcp.handshake_timeout: expected a number"),
         ("mcp: {servers: {}}", "config.yaml: mcp: unknown key(s) ['servers']"),
         ("model: fast", "config.yaml: model: expected a mapping"),
+        # A limit of 0 would leave every call of the executor waiting for a slot forever.
+        ("executor: {concurrency: 0}", "config.yaml: executor.concurrency: expected an integer of at least 1, got 0"),
+        ("executors: {http: {concurrency: 2.5}}", "config.yaml: executors.http.concurrency: expected an integer"),
+        ("executors: {mcp: {queue_size: -1}}", "config.yaml: executors.mcp.queue_size: expected an integer of at least 0"),
+        ("executor: {queue_size: many}", "config.yaml: executor.queue_size: expected an integer"),
     ],
 )
 def test_a_bad_model_or_mcp_key_is_a_config_error_naming_it(tmp_path: Path, text: str, message: str) -> None:
@@ -218,6 +223,12 @@ def test_a_bad_model_or_mcp_key_is_a_config_error_naming_it(tmp_path: Path, text
     with pytest.raises(ConfigError) as info:
         load_settings(tmp_path, environ={})
     assert message in str(info.value)
+
+
+def test_executor_limits_from_a_variable_are_numbers(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text("executor: {concurrency: '${LIMIT}', queue_size: 0}\n")
+    settings = load_settings(tmp_path, environ={"LIMIT": "3"})
+    assert (settings.concurrency_for("http"), settings.queue_size_for("http")) == (3, 0)
 
 
 @pytest.mark.parametrize("raw", ["lots", "0", "-3", ""])
