@@ -2,7 +2,7 @@
 
 ``{{field}}`` is percent-encoded into the endpoint's path and query only; other arguments go to the query
 string or a form body (``send_args_as`` overrides); ``body_template`` is parsed FIRST, then filled with
-typed values and sent as JSON. An optional field left out drops what is just its placeholder
+typed values and sent as JSON. With a body to send and no ``method``, the method is POST, else GET. An optional field left out drops what is just its placeholder
 (``broker/placeholders.py``). Registration refuses what the run would, and the run checks again. The
 result is the JSON body, else text; status >= 400 is an ExecutorError with ``details.status``.
 """
@@ -199,7 +199,9 @@ def build_request(
     config: dict[str, Any], args: dict[str, Any], where: str, schema: Any = None
 ) -> dict[str, Any]:
     """Method, URL, headers and body for one call; ``schema`` tells which missing fields are optional."""
-    method = str(config.get("method", "GET")).upper()
+    # Without a method: POST when there is a body to send (a body_template, or args sent as json/form), else GET.
+    bodied = config.get("body_template") is not None or config.get("send_args_as") in ("json", "form")
+    method = str(config.get("method") or ("POST" if bodied else "GET")).upper()
     endpoint = config.get("endpoint") or config.get("url")
     if not isinstance(endpoint, str) or not endpoint:
         raise InvalidSpec.at(where, "endpoint", "expected a URL")

@@ -107,6 +107,20 @@ def test_body_template_from_executor_settings(server, make_ctx):
     assert out["body"] == '{"q":"上海"}' or out["body"].replace(" ", "") == '{"q":"上海"}'
 
 
+def test_a_body_to_send_without_a_method_is_a_post(ex, server, make_ctx):
+    """The seed's config.yaml puts body_template under executors.http and the tool names no method: a
+    body is sent with POST (a GET with a JSON body is dropped or refused by many servers and proxies)."""
+    executor = httpexec.HttpExecutor({"allow_networks": ["127.0.0.1/8"], "body_template": "{query: {{city}}}"})
+    try:
+        out = executor.run(spec(endpoint=f"{server.base}/weather"), {"city": "北京"}, make_ctx())
+    finally:
+        executor.close()
+    assert out["method"] == "POST" and out["headers"]["content-type"] == "application/json"
+    sent = ex.run(spec(endpoint=f"{server.base}/j", send_args_as="json"), {"a": 1}, make_ctx())
+    assert sent["method"] == "POST" and sent["body"].replace(" ", "") == '{"a":1}'
+    assert ex.run(spec(endpoint=f"{server.base}/q"), {"a": 1}, make_ctx())["method"] == "GET"
+
+
 def test_path_placeholder_is_percent_encoded_and_removed_from_query(ex, server, make_ctx):
     out = ex.run(spec(endpoint=f"{server.base}/users/{{{{id}}}}"), {"id": "a/b c", "x": 1}, make_ctx())
     assert out["raw_path"] == "/users/a%2Fb%20c" and out["query"] == [["x", "1"]]
