@@ -3,7 +3,8 @@
 ``command`` is split with :func:`shlex.split` FIRST, then each element is filled, so a value stays one
 argument; a value never chooses the program, never becomes an option (unless ``args_separator``) and is
 never code given to a shell or interpreter (checked at registration and again at run time). The child
-gets only the ``env`` allow-list plus ``env_set``, runs in its own process group (killed after
+gets only the ``env`` allow-list plus ``env_set`` (and the call's W3C context as ``TRACEPARENT``,
+``TRACESTATE``, ``BAGGAGE``), runs in its own process group (killed after
 ``kill_grace`` on timeout or cancel) and its stdout (capped by ``max_output``) is the result.
 """
 
@@ -198,6 +199,8 @@ class CommandExecutor:
         where = f"tool {spec.name!r}"
         argv = build_argv(config, args, where)
         env = build_env(config, args, where, spec.input_schema)
+        for name, value in ctx.trace_headers().items():  # W3C context as OpenTelemetry's env carriers name it
+            env.setdefault(name.upper(), value)
         max_output = int(config.get("max_output", DEFAULT_MAX_OUTPUT))
         grace = float(config.get("kill_grace", 2.0))
         stdin_data = json.dumps(args, ensure_ascii=False).encode() if config.get("stdin") == "json" else None

@@ -96,6 +96,18 @@ def test_default_env_keeps_secrets_out(ex, make_ctx, monkeypatch):
     assert "DEEPSEEK_API_KEY" not in env and "PATH" in env
 
 
+def test_the_trace_context_reaches_the_program_in_its_environment(ex, make_ctx):
+    """As OpenTelemetry's environment carriers name it (TRACEPARENT, TRACESTATE, BAGGAGE), so a traced
+    program joins the call's trace; an env_set of the same name wins."""
+    tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    ctx = make_ctx(traceparent=tp, tracestate="a=b", baggage="tenant=acme")
+    env = ex.run(spec(command=[PY, RECORDER], output="json"), {}, ctx)["env"]
+    assert (env["TRACEPARENT"], env["TRACESTATE"], env["BAGGAGE"]) == (tp, "a=b", "tenant=acme")
+    env = ex.run(spec(command=[PY, RECORDER], output="json", env_set={"BAGGAGE": "mine"}), {}, ctx)["env"]
+    assert env["BAGGAGE"] == "mine"
+    assert "TRACEPARENT" not in ex.run(spec(command=[PY, RECORDER], output="json"), {}, make_ctx())["env"]
+
+
 def test_cwd_is_used(ex, make_ctx, tmp_path):
     out = ex.run(spec(command=[PY, RECORDER], cwd=str(tmp_path), output="json"), {}, make_ctx())
     assert os.path.realpath(out["cwd"]) == os.path.realpath(tmp_path)
