@@ -19,7 +19,7 @@ DEFAULT_QUEUE_SIZE = 10_000
 DEFAULT_WAIT_TIMEOUT_MS = 500
 DEFAULT_MAX_ARGS = 32 * 1024 * 1024  # bytes a call's arguments may take, packed (also the API's body limit)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-TRACE_MODES = ("off", "console", "otlp", "memory")
+TRACE_MODES = ("off", "console", "otlp", "zipkin", "memory")
 # A worker keeps each call's objects alive for the call's duration: Python's default (700, 10, 10) scanned
 # and promoted most of them before they died (docs/benchmarks.md).
 GC_THRESHOLD = (50_000, 20, 10)

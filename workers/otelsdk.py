@@ -34,17 +34,18 @@ MEMORY_KEEP = 2048  # spans HERMES_TRACE=memory keeps: a worker's heap (and GC p
 
 def trace_mode(telemetry: TelemetrySettings, environ: Mapping[str, str] | None = None) -> str:
     """The tracing mode asked for, first match wins: ``OTEL_SDK_DISABLED=true``: off; ``HERMES_TRACE``
-    (off, console, otlp, memory); ``OTEL_TRACES_EXPORTER`` (otlp, console, none); an OTLP endpoint: otlp."""
+    (off, console, otlp, zipkin, memory); ``OTEL_TRACES_EXPORTER`` (otlp, zipkin, console, none); an OTLP
+    endpoint: otlp."""
     env = os.environ if environ is None else environ  # the SDK's OTEL_* variables, not ours
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return "off"
     if telemetry.trace:
         return telemetry.trace
     exporter = env.get("OTEL_TRACES_EXPORTER", "").split(",")[0].strip().lower()
-    if exporter in ("none", "console", "otlp"):
+    if exporter in ("none", "console", "otlp", "zipkin"):
         return "off" if exporter == "none" else exporter
     if exporter:
-        raise ConfigError(f"OTEL_TRACES_EXPORTER: only otlp, console and none are built in, got {exporter!r}")
+        raise ConfigError(f"OTEL_TRACES_EXPORTER: only otlp, zipkin, console and none are built in, got {exporter!r}")
     if env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         return "otlp"
     return "off"
@@ -168,6 +169,15 @@ def _span_exporter(mode: str) -> Any:
         return ConsoleSpanExporter(out=sys.stderr)
     if mode == "memory":
         return _recent_spans_exporter(MEMORY_KEEP)
+    if mode == "zipkin":  # Zipkin's v2 JSON API (OTEL_EXPORTER_ZIPKIN_ENDPOINT, default localhost:9411)
+        try:
+            from opentelemetry.exporter.zipkin.json import ZipkinExporter
+        except ImportError:
+            raise ConfigError(
+                "tracing to Zipkin needs its exporter: pip install 'hermes-gateway[zipkin]' "
+                "(opentelemetry-exporter-zipkin-json), or send OTLP to a collector that forwards to Zipkin"
+            ) from None
+        return ZipkinExporter()
     if _protocol("TRACES") == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 

@@ -89,9 +89,9 @@ class _Main(click.Group):
 )
 @click.option("--log-format", type=click.Choice(["console", "json"]), help="Log lines as text or JSON.")
 @click.option(
-    "--trace", type=click.Choice(["off", "console", "otlp"]),
-    help="Trace the calls: console prints spans, otlp exports to OTEL_EXPORTER_OTLP_ENDPOINT "
-    "(default: OTEL_* env).",
+    "--trace", type=click.Choice(["off", "console", "otlp", "zipkin"]),
+    help="Trace the calls: console prints spans, otlp exports to OTEL_EXPORTER_OTLP_ENDPOINT, zipkin to "
+    "OTEL_EXPORTER_ZIPKIN_ENDPOINT (default: OTEL_* env).",
 )
 @click.version_option("0.10.0", prog_name="hermes-gateway", message="%(prog)s v%(version)s")
 @click.pass_context

@@ -167,7 +167,7 @@ def test_each_config_yaml_key_of_the_table_sets_its_setting_and_its_variable_win
         ({"HERMES_WAIT_REPLICAS": "1.5"}, "broker.wait_replicas: expected a whole number of replicas >= 0"),
         ({"HERMES_GC_THRESHOLD": "0"}, "HERMES_GC_THRESHOLD must be one to three integers"),
         ({"HERMES_METRICS_PORT": "http"}, "HERMES_METRICS_PORT: expected a port number, got 'http'"),
-        ({"HERMES_TRACE": "jaeger"}, "HERMES_TRACE: expected one of off, console, otlp, memory, got 'jaeger'"),
+        ({"HERMES_TRACE": "jaeger"}, "HERMES_TRACE: expected one of off, console, otlp, zipkin, memory, got 'jaeger'"),
         ({"HERMES_GATEWAY_TIMEOUT": "soon"}, "HERMES_GATEWAY_TIMEOUT / plugins.entries.hermes-gateway.timeout"),
         ({"HERMES_BATCH_SHARE": "2"}, "fairness.batch_share (HERMES_BATCH_SHARE): expected a share from 0 to 1"),
         ({"HERMES_QUEUE_SIZE_PER_KEY": "1.5"}, "fairness.queue_size_per_key (HERMES_QUEUE_SIZE_PER_KEY): expected a whole"),

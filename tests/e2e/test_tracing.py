@@ -302,3 +302,62 @@ def test_a_call_with_no_incoming_context_starts_a_new_trace(
     for trace_id in traces:
         got = worker_spans(receiver, trace_id, ["process tools", "GET /weather"])
         assert got["GET /weather"]["trace_id"] == trace_id
+
+
+class ZipkinReceiver(ThreadingHTTPServer):
+    """Zipkin's v2 JSON API (POST /api/v2/spans): keeps every span it is sent."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.path == "/api/v2/spans":
+                    with receiver.lock:
+                        receiver.spans.extend(json.loads(body))
+                self.send_response(202)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        receiver = self
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.spans: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+
+def test_with_otel_traces_exporter_zipkin_the_workers_spans_go_to_zipkin(
+    gateway: Any, home: Any, workers: Any
+) -> None:
+    """The seed: Jaeger or Zipkin take Hermes' traces directly (Jaeger speaks OTLP; Zipkin its JSON API)."""
+    zipkin = ZipkinReceiver()
+    try:
+        home.echo_tool()
+        gateway.sync_tools()
+        env = {
+            "OTEL_TRACES_EXPORTER": "zipkin",
+            "OTEL_EXPORTER_ZIPKIN_ENDPOINT": f"http://127.0.0.1:{zipkin.server_address[1]}/api/v2/spans",
+            "OTEL_SERVICE_NAME": "hermes-worker",
+            "OTEL_BSP_SCHEDULE_DELAY": "50",
+            "OTEL_METRICS_EXPORTER": "none",
+        }
+        workers(1, env=env)
+        handle = gateway.call_tool("echo", {"text": "hi"})
+        handle.result(20)
+        trace_id = events.history(gateway.conn, handle.call_id)[-1].trace_id
+
+        def sent() -> list[dict[str, Any]]:
+            with zipkin.lock:
+                return [s for s in zipkin.spans if s.get("traceId") == trace_id]
+
+        names = {s["name"] for s in wait_until(sent, 15, message="the call's spans at Zipkin")}
+        wait_until(lambda: {"process tools", "execute_tool echo"} <= {s["name"] for s in sent()}, 15,
+                   message=f"the process and execute spans (got {names})")
+        assert {s["localEndpoint"]["serviceName"] for s in sent()} == {"hermes-worker"}
+    finally:
+        zipkin.shutdown()
+        zipkin.server_close()

@@ -353,6 +353,8 @@ def test_parse_stats_keeps_the_hash_order_and_skips_what_it_cannot_read() -> Non
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, "otlp"),
         ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4318/v1/traces"}, "otlp"),
         ({"OTEL_TRACES_EXPORTER": "console"}, "console"),
+        ({"OTEL_TRACES_EXPORTER": "zipkin"}, "zipkin"),
+        ({"HERMES_TRACE": "zipkin"}, "zipkin"),
         ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, "off"),
         ({"HERMES_TRACE": "memory", "OTEL_TRACES_EXPORTER": "console"}, "memory"),
         ({"HERMES_TRACE": "off", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, "off"),
@@ -369,3 +371,6 @@ def test_an_unknown_tracing_mode_is_a_config_error(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="HERMES_TRACE"):
         load_settings(tmp_path, environ={"HERMES_TRACE": "jaeger"})
+    telemetry = load_settings(tmp_path, environ={}).telemetry
+    with pytest.raises(ConfigError, match="only otlp, zipkin, console and none are built in, got 'jaeger'"):
+        otelsdk.trace_mode(telemetry, {"OTEL_TRACES_EXPORTER": "jaeger"})
