@@ -152,7 +152,7 @@ def migrate(
     ends with the command, the files do not)."""
     out: list[Outcome] = []
     seen: dict[str, tuple[str, str]] = {}  # name -> (source, digest)
-    for found in find_legacy(home):
+    for found in list(find_legacy(home)):  # (found before any is written: a spec file this run writes is no source)
         raw = found.raw
         if not isinstance(raw, dict):
             why = raw.reason if isinstance(raw, _Unreadable) else f"expected a mapping, got {type(raw).__name__}"

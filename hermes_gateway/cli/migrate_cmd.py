@@ -27,6 +27,8 @@ def migrate(ctx: click.Context, force: bool, dry_run: bool, no_rewrite: bool, as
     settings = settings_of(ctx)
     with open_gateway(settings, need_workers=False) as (gw, _):
         embedded = gw.broker.embedded is not None
+        if embedded:  # its directory starts empty: first what every command loads (a v0.9 file there is skipped)
+            gw.sync_tools(errors=[])
         try:
             outcomes = run_migration(
                 gw.directory, settings.home, force=force, rewrite=not no_rewrite, dry_run=dry_run,

@@ -144,6 +144,31 @@ def test_cli_migrate_twice_on_the_shared_broker(
     ]
 
 
+def test_cli_migrate_twice_on_the_embedded_broker_and_the_empty_list_says_to_migrate(
+    home: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without HERMES_REDIS_URL the directory lasts one command: migrate writes tools/<name>.yaml (not
+    counted again as found), and a second run finds every tool unchanged. Before it, `tool list` says why
+    the list is empty (the seed's pitfall 7)."""
+    monkeypatch.delenv("HERMES_REDIS_URL", raising=False)
+    monkeypatch.setenv("HERMES_HOME", str(home.path))
+    (home.path / "tools.yaml").write_text(
+        yaml.safe_dump([{"name": "adder", "type": "py", "handler": "tests.workers.executors.pyfuncs:add"}]),
+        encoding="utf-8",
+    )
+    runner = CliRunner()
+    empty = runner.invoke(main, ["tool", "list"])
+    assert empty.exit_code == 0 and "holds v0.9 tool specs: run `hermes-gateway migrate`" in empty.output
+    first = runner.invoke(main, ["migrate", "--json"])
+    assert first.exit_code == 0, first.output
+    assert [(o["name"], o["status"]) for o in json.loads(first.output)] == [("adder", "imported")]
+    assert (home.tools_dir / "adder.yaml").is_file()
+    second = runner.invoke(main, ["migrate", "--json"])
+    assert {o["status"] for o in json.loads(second.output)} == {"unchanged"}, second.output
+    listed = runner.invoke(main, ["tool", "list"])
+    assert "adder" in listed.output and "v0.9" not in listed.output
+
+
 def test_cli_migrate_exits_1_when_a_spec_could_not_be_migrated_and_keeps_the_rest(
     redis_url: str, home: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
