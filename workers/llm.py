@@ -160,7 +160,6 @@ class LLMCall:
                     raise CallCancelled(f"call {self.run.info.call_id} was cancelled") from None
                 n += 1
                 continue
-            self.runner.executing(self.run)  # (a middleware may have answered without calling the provider)
             return response
 
     def _attempt(self, provider: Provider, n: int) -> Any:
@@ -171,7 +170,6 @@ class LLMCall:
         context["api_call_count"] = n
 
         def call_provider(request: dict[str, Any]) -> Any:
-            self.runner.executing(run)
             pctx = ProviderContext(
                 call_id=run.info.call_id,
                 timeout=self.ctx.remaining(),
@@ -201,6 +199,8 @@ class LLMCall:
             retry_count=n - 1,
             max_retries=self.max_retries,
             skip_plugins=plugins_applied(self.run.env.context),
+            on_execute=lambda: self.runner.executing(run),  # (before the llm_execution chain)
+            on_executed=lambda: None if run.lost or run.abandoned else self.runner.formatting(run),
         )
 
     def _delta(self, delta: dict[str, Any]) -> None:

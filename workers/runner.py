@@ -278,9 +278,15 @@ class CallRunner:
             )
 
     def executing(self, run: Running) -> None:
-        """The call reached its executor (or a middleware answered for it): ``routing`` → ``executing``."""
+        """The call reached its execution chain (or a middleware answered for it): ``routing`` → ``executing``."""
         if run.state is State.ROUTING:
             self._move(run, State.EXECUTING)
+
+    def formatting(self, run: Running) -> None:
+        """Its execution chain returned (or a hook answered for it): on to ``formatting``, once."""
+        if run.state is not State.FORMATTING:
+            self.executing(run)
+            self._move(run, State.FORMATTING)
 
     def publish(self, run: Running, event_type: str, detail: dict[str, Any]) -> None:
         """A non-state event (progress, a stream delta), fenced like a transition."""
@@ -353,7 +359,7 @@ class CallRunner:
             result = LLMCall(core, run, self).execute()
             if run.lost or run.abandoned:
                 return
-            self._move(run, State.FORMATTING)
+            self.formatting(run)
             self._finish(run, State.DONE, result=result)
             return
         spec = core.directory.get(env.tool or "", env.tool_version).spec
@@ -376,14 +382,13 @@ class CallRunner:
         result = self._stage("flow", run, spec, args, lambda: self._flow(run, spec, args))
         if run.lost or run.abandoned:
             return
-        self.executing(run)  # a middleware answered without calling the tool
-        self._move(run, State.FORMATTING)
+        self.formatting(run)  # (already, unless a pre_tool_call block answered without executing)
         check_output(spec.output_schema, result, spec.name)
         self._finish(run, State.DONE, result=result)
 
     def _flow(self, run: Running, spec: ToolSpec, args: dict[str, Any]) -> Any:
         """The contract's tool call (``middleware/call_order.py``): the check hooks as its policy step, the
-        executor between the execute hooks."""
+        executor between the execute hooks; executing before the tool_execution chain, formatting after it."""
         ctx = run.ctx
         assert ctx is not None
 
@@ -391,7 +396,6 @@ class CallRunner:
             self._stage("checks", run, spec, eff, _nothing)
 
         def execute(eff: dict[str, Any]) -> Any:
-            self.executing(run)
             ctx.check()
             executor = get_executor(spec.executor, ctx.settings)
             return self._stage("execute", run, spec, eff, lambda: run_executor(executor, spec, eff, ctx))
@@ -408,6 +412,8 @@ class CallRunner:
             policy=checks,
             on_trace=on_trace,
             skip_plugins=plugins_applied(context),
+            on_execute=lambda: self.executing(run),  # (before the tool_execution chain, as DESIGN.md's flow)
+            on_executed=lambda: None if run.lost or run.abandoned else self.formatting(run),
         )
 
     def _back_to_waiting(self, run: Running, limited: RateLimited) -> None:

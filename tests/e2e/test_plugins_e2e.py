@@ -7,6 +7,7 @@ copied into ``$HERMES_HOME/plugins`` and enabled as a user would; plus ``hermes-
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -187,3 +188,54 @@ def test_plugins_the_caller_already_ran_are_not_run_again_on_the_worker(
     assert "metadata" not in llm.chat_requests[-1].body
     gateway.call_llm(ASK).result(20)
     assert llm.chat_requests[-1].body["metadata"] == TAG
+
+
+STATE_PLUGIN = '''
+import json, os, time
+
+
+def _note(what):
+    with open(os.environ["E2E_STATE_LOG"], "a") as f:
+        f.write(json.dumps({"what": what, "at": time.time()}) + "\\n")
+
+
+def _wrap(**kw):
+    _note("tool_execution")
+    time.sleep(0.3)
+    result = kw["next_call"](kw["args"])
+    _note("tool_execution returned")
+    return result
+
+
+def _post(**kw):
+    _note("post_tool_call")
+
+
+def register(ctx):
+    ctx.register_middleware("tool_execution", _wrap)
+    ctx.register_hook("post_tool_call", _post)
+'''
+
+
+def test_the_call_is_executing_around_the_tool_execution_chain_and_formatting_for_post_tool_call(
+    home: Home, gateway: Any, workers: Any, tmp_path: Path
+) -> None:
+    """DESIGN.md's flow: `executing`: the tool_execution chain around the executor; `formatting`:
+    post_tool_call hooks. The moves' times (each event's ts) bracket what the plugin saw when."""
+    from broker import events
+
+    root = home.path / "plugins" / "state-noter"
+    root.mkdir(parents=True)
+    (root / "plugin.yaml").write_text("name: state-noter\nversion: '0.1.0'\nkind: standalone\n")
+    (root / "__init__.py").write_text(STATE_PLUGIN)
+    enable_plugin(home.path, "state-noter")
+    home.echo_tool()
+    gateway.sync_tools()
+    log = tmp_path / "states.jsonl"
+    workers(1, env={"E2E_STATE_LOG": str(log)})
+    handle = gateway.call_tool("echo", {"text": "hi"})
+    assert handle.result(20) == {"text": "hi"}
+    at = {json.loads(line)["what"]: json.loads(line)["at"] for line in log.read_text().splitlines()}
+    moves = {e.state: e.ts for e in handle.events(timeout=5) if e.type == events.TRANSITION}
+    assert moves["executing"] <= at["tool_execution"]  # executing before the chain starts
+    assert at["tool_execution returned"] <= moves["formatting"] <= at["post_tool_call"]
