@@ -26,7 +26,7 @@ from broker.config import Settings, load_settings
 from broker.directory import Directory
 from broker.durability import Confirmer
 from broker.envelope import Envelope, concurrency_key, plugins_applied
-from broker.errors import BudgetExceeded, CallCancelled, CallFailed, DecodeError, HermesError
+from broker.errors import BudgetExceeded, CallCancelled, CallFailed, DecodeError, HermesError, OutputTooLarge
 from broker.events import PROGRESS
 from broker.otel import new_span_id
 from broker.ratelimits import RateLimiter
@@ -36,7 +36,7 @@ from middleware import LLMCallFlow, PluginManager, ToolCallFlow
 from middleware.plugins import NAMESPACE as PLUGIN_NAMESPACE
 from workers import otelsdk, policy_store, retry, telemetry
 from workers.args import check_output, coerce_args
-from workers.executors import ExecContext, get_executor, run_executor
+from workers.executors import DEFAULT_MAX_OUTPUT, ExecContext, get_executor, run_executor
 from workers.hooks import AuditRecordHook, CallLog, Checks, Circuit, Hook, Writer, hooked
 from workers.llm import LLMCall, RateLimited, describe_response
 from workers.outbox import Outbox
@@ -475,6 +475,12 @@ class CallRunner:
             else:  # stored once: in the done event (history and caller), else in the record when large
                 if len(packed) <= INLINE_RESULT_LIMIT:
                     detail["result"] = result
+                elif (cap := self._result_cap(run)) is not None and len(packed) > cap:
+                    target, result = State.FAILED, None
+                    error = OutputTooLarge(
+                        f"tool {run.info.name!r}: its result of {len(packed)} bytes passes the cap of {cap} "
+                        "(max_output)", limit=cap,
+                    ).to_wire()
                 else:
                     fields[keys.F_RESULT] = packed
                     detail["result_in_record"] = True
@@ -507,6 +513,16 @@ class CallRunner:
 
         self._write(run, current, (target, detail, time.time()), kw, check=check, after=writers, last=True)
         self._ended(run, outcome, error, duration)
+
+    def _result_cap(self, run: Running) -> int | None:
+        """The most bytes a tool call's result may take (its spec's ``max_output``, else its executor's,
+        else ``DEFAULT_MAX_OUTPUT``: the formatting step's cap, whatever the executor); None for an LLM call."""
+        env = run.env
+        if env.kind != "tool":
+            return None
+        spec = self.core.directory.get(env.tool or "", env.tool_version).spec
+        settings = self.core.settings.executor_settings(spec.executor)
+        return int(spec.config.get("max_output") or settings.get("max_output") or DEFAULT_MAX_OUTPUT)
 
     def _fail_undecodable(self, claimed: Claimed, err: DecodeError) -> None:
         """A payload that does not decode fails that call with a typed error; the worker goes on."""

@@ -37,3 +37,22 @@ def test_a_small_result_lives_only_in_the_done_event_and_a_large_one_only_in_the
     # A fresh handle of each (another client, the CLI's `events`, a late reader) gets the same results.
     assert gateway.handle(small.call_id).result(timeout=5) == {"city": "北京"}
     assert gateway.handle(large.call_id).result(timeout=5) == {"text": big_text}
+
+
+def test_a_result_past_the_cap_fails_the_call_whatever_its_executor(
+    home: Any, gateway: Any, workers: Any, conn: Any
+) -> None:
+    """DESIGN.md's formatting step caps a result: a python tool's too (the http, command, grpc and mcp
+    executors cap what they read themselves). 1 MiB by default; the spec's max_output says otherwise."""
+    from broker.errors import CallFailed
+
+    home.echo_tool()
+    home.echo_tool("roomy", max_output=4 * 1024 * 1024)
+    gateway.sync_tools()
+    workers(1)
+    huge = "x" * (2 * 1024 * 1024)
+    with pytest.raises(CallFailed) as info:
+        gateway.call_tool("echo", {"text": huge}).result(timeout=20)
+    assert info.value.type == "output_too_large" and "passes the cap of 1048576" in info.value.message
+    roomy = gateway.call_tool("roomy", {"text": huge})
+    assert roomy.result(timeout=20) == {"text": huge}

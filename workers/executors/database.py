@@ -54,7 +54,7 @@ def first_keyword(sql: str) -> str:
 class DatabaseExecutor:
     """Engines are cached per DSN and shared by all worker threads (SQLAlchemy pools are thread-safe)."""
 
-    keys = frozenset({"dsn", "query", "mode", "tables", "read_only", "max_rows"})
+    keys = frozenset({"dsn", "query", "mode", "tables", "read_only", "max_rows", "max_output"})
 
     @staticmethod
     def check(where: str, data: Mapping[str, Any]) -> None:

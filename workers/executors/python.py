@@ -74,7 +74,7 @@ class _Target:
 class PythonExecutor:
     """Calls Python functions in-process; thread-safe (the resolved-callable cache is locked)."""
 
-    keys = frozenset({"function"})
+    keys = frozenset({"function", "max_output"})
 
     @staticmethod
     def check(where: str, data: Mapping[str, Any]) -> None:
