@@ -120,6 +120,9 @@ def job_fields(env: Envelope, *, ckey: str, max_attempts: int, timeout: float) -
     principal = env.context.get("principal")
     if principal:  # (one HGET away for the HTTP API's checks)
         fields[keys.F_PRINCIPAL] = principal
+    session = env.context.get("session_id")
+    if session:  # (the events a retry, a cancel or the reaper make carry it too)
+        fields[keys.F_SESSION] = session
     return fields
 
 

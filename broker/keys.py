@@ -88,6 +88,7 @@ F_TOOL = "h_tool"
 F_TRACE = "h_trace"
 F_FKEY = "h_fkey"  # the call's fairness key (fair dispatch: whose turn it takes while waiting)
 F_CLASS = "h_class"  # interactive | batch
+F_SESSION = "h_session"  # the call's session id (absent: none), for the events made without its envelope
 F_PRINCIPAL = "h_principal"  # the principal a call runs as (absent: none), read by the API's per-principal checks
 F_STEPS = "h_steps"  # one step per transition so far (broker.calls.step_text): an ended call's `steps`, no event decoded
 F_BATCH = "h_batch"  # "<ttl> <index> <batch part prefix>" of a batch's call: TRANSITION writes its result there

@@ -29,6 +29,7 @@ class Due:
     channel: str
     ckey: str
     queue: str
+    session_id: str | None = None
 
 
 class Limits:
@@ -84,12 +85,12 @@ class Limits:
                 continue  # this queue's slot is moving to another node: its retries are taken next time
             recheck_absent(self.conn, reply.pop(), zset=scheduled)  # (a record mid-migration keeps its retry)
             after = reply[-1]
-            for i in range(0, len(reply) - 1, 10):
-                cid, _state, attempt, trace, kind, tool, chan, ckey, origin, _queue = (
-                    v.decode() if isinstance(v, bytes) else str(v) for v in reply[i : i + 10]
+            for i in range(0, len(reply) - 1, 11):
+                cid, _state, attempt, trace, kind, tool, chan, ckey, origin, _queue, session = (
+                    v.decode() if isinstance(v, bytes) else str(v) for v in reply[i : i + 11]
                 )
                 try:
-                    out.append(Due(cid, int(attempt or 1), trace, kind, tool, chan, ckey, origin or q))
+                    out.append(Due(cid, int(attempt or 1), trace, kind, tool, chan, ckey, origin or q, session or None))
                 except ValueError:  # an unreadable record: taken off the schedule, failed alone (broker.poison)
                     self.conn.zrem(scheduled, cid)
                     poison.settle(Calls(self.conn), cid, poison.row_problem({"h_attempt": attempt}))

@@ -45,9 +45,10 @@ def settle(calls: Calls, raw_id: Any, reason: str) -> str:
 def _settle(calls: Calls, call_id: str, reason: str) -> str:
     conn = calls.conn
     raw = conn.hmget(
-        keys.job(call_id), keys.F_STATE, keys.F_CHANNEL, keys.F_CKEY, keys.F_TRACE, keys.F_KIND, keys.F_TOOL, "origin"
+        keys.job(call_id), keys.F_STATE, keys.F_CHANNEL, keys.F_CKEY, keys.F_TRACE, keys.F_KIND, keys.F_TOOL, "origin",
+        keys.F_SESSION,
     )
-    state, chan, ckey, trace, kind, tool, origin = (text(v) for v in raw)
+    state, chan, ckey, trace, kind, tool, origin, session = (text(v) for v in raw)
     tag = keys.tag(origin) if origin else keys.tag_in(call_id)  # (its queue's keys)
     if not state or state in TERMINAL:
         conn.zrem(keys.leases(tag), call_id)
@@ -57,7 +58,7 @@ def _settle(calls: Calls, call_id: str, reason: str) -> str:
     if chan:
         from .calls import CallInfo  # (calls imports this module)
 
-        info = CallInfo(call_id, trace, new_span_id(), kind or "tool", tool, None, chan, ckey, origin)
+        info = CallInfo(call_id, trace, new_span_id(), kind or "tool", tool, session or None, chan, ckey, origin)
         reply = calls.transition(info, State.FAILED, attempt=1, fence=False, detail={"error": error})
         if int(reply[0]) > 0:
             log.error("unreadable call record failed", call_id=call_id, reason=reason)

@@ -41,7 +41,7 @@ from broker.errors import (
     error_from_wire,
 )
 from broker.events import Event
-from broker.otel import ensure_traceparent, headers_of
+from broker.otel import ensure_traceparent, headers_of, new_span_id
 from broker.ratelimits import RateLimit, estimate_tokens
 from broker.states import State
 from broker.toolspec import ToolSpec
@@ -371,7 +371,10 @@ def llm_envelope(
 
 # -- cancelling a call that no worker has taken -------------------------------------------------
 
-CANCEL_FIELDS = (keys.F_STATE, keys.F_ATTEMPT, keys.F_TRACE, keys.F_KIND, keys.F_TOOL, keys.F_CHANNEL, keys.F_CKEY, "origin", "data")
+CANCEL_FIELDS = (
+    keys.F_STATE, keys.F_ATTEMPT, keys.F_TRACE, keys.F_KIND, keys.F_TOOL, keys.F_CHANNEL, keys.F_CKEY, "origin",
+    keys.F_SESSION, "data",
+)
 PENDING_CANCEL = {"type": "cancelled", "message": "cancelled by the caller before it started"}
 
 
@@ -389,8 +392,9 @@ class CancelTarget:
         """From ``HMGET job CANCEL_FIELDS``; None for a call not on record."""
         if raw[0] is None:
             return None
-        state, attempt, trace, kind, tool, chan, ckey, origin = (text(v) if v is not None else "" for v in raw[:-1])
-        return cls(CallInfo(call_id, trace, "", kind, tool, None, chan, ckey, origin), state, int(attempt or 1), raw[-1])
+        state, attempt, trace, kind, tool, chan, ckey, origin, session = (text(v) if v is not None else "" for v in raw[:-1])
+        info = CallInfo(call_id, trace, new_span_id(), kind, tool, session or None, chan, ckey, origin)
+        return cls(info, state, int(attempt or 1), raw[-1])
 
     def audit_record(self, sensitive: Any) -> Any:
         """The audit record of the call cancelled while pending (no worker ran it)."""

@@ -32,10 +32,10 @@ def reap(calls: Calls, queues: list[str], lease: float, result_ttl: int, audit: 
 
 def _info(calls: Calls, call_id: str, item: dict[str, Any]) -> CallInfo:
     raw = calls.conn.hmget(
-        keys.job(call_id), keys.F_TRACE, keys.F_KIND, keys.F_TOOL, keys.F_CHANNEL, "origin"
+        keys.job(call_id), keys.F_TRACE, keys.F_KIND, keys.F_TOOL, keys.F_CHANNEL, "origin", keys.F_SESSION
     )
-    trace, kind, tool, chan, origin = (text(v) for v in raw)
-    return CallInfo(call_id, trace, new_span_id(), kind, tool, None, chan, item["ckey"], origin)
+    trace, kind, tool, chan, origin, session = (text(v) for v in raw)
+    return CallInfo(call_id, trace, new_span_id(), kind, tool, session or None, chan, item["ckey"], origin)
 
 
 def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog | None = None) -> None:

@@ -117,7 +117,7 @@ class RetryScheduler:
         if due:
             pipe = self.calls.conn.pipeline(transaction=False)
             for d in due:
-                info = CallInfo(d.call_id, d.trace_id, new_span_id(), d.kind, d.name, None, d.channel, d.ckey, d.queue)
+                info = CallInfo(d.call_id, d.trace_id, new_span_id(), d.kind, d.name, d.session_id, d.channel, d.ckey, d.queue)
                 self.calls.requeue(info, attempt=d.attempt, pipeline=pipe)
             pipes.execute(pipe, keep_trying=pipes.for_seconds(self.hold))  # (held that long: a moving slot is waited out)
         return len(due) + promoted, nxt

@@ -5,7 +5,7 @@
 -- REAP (mode 'reap'): expired leases; returns {call_id, state, attempt, max_attempts, queue, cancel,
 --   ckey, ...} for the reaper to settle (a record that is gone just leaves the set).
 -- DUE (mode 'due'): retries that are due: {call_id, state, attempt, trace, kind, tool, channel, ckey,
---   origin, queue, ...}, then the next due time after them ('' when none).
+--   origin, queue, session, ...}, then the next due time after them ('' when none).
 -- Records are read at job_prefix .. id: ids carry the queue's tag, so they live in this slot. An entry whose
 -- record is not here is held too and its id returned as absent, the reply's last element (a list): on a
 -- cluster the record may be on its way to another node (a slot migration), so the caller asks again where
@@ -20,7 +20,7 @@ local fields
 if mode == 'reap' then
   fields = {'h_state', 'h_attempt', 'h_max_attempts', 'h_queue', 'h_cancel', 'h_ckey'}
 else
-  fields = {'h_state', 'h_attempt', 'h_trace', 'h_kind', 'h_tool', 'h_channel', 'h_ckey', 'origin', 'h_queue'}
+  fields = {'h_state', 'h_attempt', 'h_trace', 'h_kind', 'h_tool', 'h_channel', 'h_ckey', 'origin', 'h_queue', 'h_session'}
 end
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, max)
 local out = {}

@@ -294,7 +294,7 @@ def test_a_failed_call_is_retried_on_schedule_without_holding_a_worker_thread(
     home.echo_tool()
     gateway.sync_tools()
     workers(1, concurrency=1)  # one thread: the other call can only run while the retry waits
-    flaky = gateway.call_tool("flaky", {"counter": str(counter), "times": 2})
+    flaky = gateway.call_tool("flaky", {"counter": str(counter), "times": 2}, session_id="s-flaky")
     wait_until(lambda: any(e.state == "executing" for e in events.history(conn, flaky.call_id)), 10,
                message="the flaky call's first attempt")  # fmt: skip
     other = gateway.call_tool("echo", {"x": 1})
@@ -316,6 +316,8 @@ def test_a_failed_call_is_retried_on_schedule_without_holding_a_worker_thread(
         ("formatting", 3),
         ("done", 3),
     ]
+    # Every event names the call's session, the pending ones a retry's scheduler made included.
+    assert {e.session_id for e in hist} == {"s-flaky"} and "" not in {e.span_id for e in hist}
     retrying = [e for e in hist if e.state == "retrying"]
     pendings = [e for e in hist if e.state == "pending"][1:]
     assert [r.detail["delay"] for r in retrying] == [0.4, 0.8]  # exponential, no jitter asked for

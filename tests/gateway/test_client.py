@@ -195,12 +195,14 @@ def test_result_times_out_when_no_worker_runs_the_call(gw: Gateway) -> None:
 
 
 def test_cancelling_a_pending_call_ends_it_at_once(gw: Gateway, conn: Any) -> None:
-    h = gw.call_tool("sleep", {"seconds": 5})
+    h = gw.call_tool("sleep", {"seconds": 5}, session_id="s-c")
     assert h.cancel() is True
     assert gw.calls.record(h.call_id)["state"] == "cancelled"
     with pytest.raises(CallCancelled):
         h.result(timeout=5)
-    assert [e.state for e in h.events(timeout=5)] == ["pending", "cancelled"]
+    seen = list(h.events(timeout=5))
+    assert [e.state for e in seen] == ["pending", "cancelled"]
+    assert [e.session_id for e in seen] == ["s-c", "s-c"] and seen[1].span_id  # (the cancel's event too)
     assert conn.zcard(keys.waiting("{tools}", "tool:sleep")) == 0
     assert h.cancel() is False  # already finished
     assert gw.cancel("no-such-call") is False
