@@ -402,12 +402,12 @@ class WorkerFactory:
         from broker import keys
         from broker.connection import is_cluster
 
-        if is_cluster(self._client):  # (PUBSUB NUMSUB counts one node's subscribers only)
-            time.sleep(0.3)
-            return 1 << 30
-
         channel = keys.channel(self._client, keys.CONTROL_CHANNEL)
-        return int(dict(self._client.pubsub_numsub(channel)).get(channel.encode(), 0))
+        if is_cluster(self._client):  # PUBSUB NUMSUB counts one node's subscribers: ask every node (summed)
+            reply = self._client.pubsub_numsub(channel, target_nodes=self._client.ALL_NODES)
+        else:
+            reply = self._client.pubsub_numsub(channel)
+        return int(dict(reply).get(channel.encode(), 0))
 
     def stop_all(self, timeout: float = 10.0) -> None:
         for w in self.started:

@@ -20,6 +20,7 @@ from broker.config import load_settings
 from broker.errors import ConfigError, DecodeError, PermissionDenied
 from broker.logs import MASK, verify_hash
 from tests.broker.test_redact import CORPUS
+from tests.conftest import wait_until
 
 
 @pytest.fixture
@@ -290,7 +291,9 @@ def test_real_redis_age_retention_drops_records_older_than_max_age(real: redis.R
     now = [time.time()]
     log = AuditLog(real, prefix, maxlen=None, max_age=3600, approximate=False, clock=lambda: now[0])
     log.append(rec("old"))
-    time.sleep(0.003)  # a later millisecond, so the cut-off can fall between the two entries
+    old_ms = int(real.xrange(prefix)[-1][0].split(b"-")[0])
+    # Redis's clock in a later millisecond than "old"'s entry id, so the cut-off can fall between the two entries.
+    wait_until(lambda: _server_ms(real) > old_ms, timeout=5, interval=0.001, message="a later millisecond")
     log.append(rec("new"))
     new_ms = int(real.xrange(prefix)[-1][0].split(b"-")[0])
     now[0] = new_ms / 1000 + 3600  # an hour after "new" was written: "old" is past max_age, "new" is not
@@ -300,6 +303,11 @@ def test_real_redis_age_retention_drops_records_older_than_max_age(real: redis.R
     now[0] += 10
     log.trim()
     assert len(log) == 0 and not real.exists(prefix + ":idx")
+
+
+def _server_ms(conn: redis.Redis) -> int:
+    seconds, micros = conn.time()
+    return int(seconds) * 1000 + int(micros) // 1000
 
 
 def test_a_record_keeps_only_the_start_of_a_huge_argument() -> None:

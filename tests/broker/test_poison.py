@@ -14,6 +14,7 @@ from broker.calls import Calls
 from broker.limits import Limits
 from broker.states import State
 from tests.broker.test_calls import CKEY, env, submit
+from tests.conftest import wait_until
 
 TAG = keys.tag("tools")  # (the calls' ids here carry no tag: their records say their queue)
 
@@ -79,7 +80,9 @@ def test_a_reap_batch_with_one_unreadable_record_settles_the_others(conn: redis.
     assert len(calls.claim(["tools"], 10, "w-dead", 0.05)) == 6
     conn.hset(keys.job("r2"), keys.F_MAX_ATTEMPTS, "lots")
     conn.hset(keys.job("r4"), keys.F_ATTEMPT, "-")
-    time.sleep(1.1)  # (lease deadlines are whole seconds)
+    # The leases' deadline (whole seconds, so up to a second away) passed: the reaper's cut-off is time.time().
+    deadline = max(score for _, score in conn.zrange(keys.leases(TAG), 0, -1, withscores=True))
+    wait_until(lambda: time.time() > deadline, timeout=5, message="the leases to run out")
     expired = calls.reap(["tools"], 30)
     assert sorted(item["call_id"] for item in expired) == ["r0", "r1", "r3", "r5"]
     for bad in ("r2", "r4"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,8 @@ from tests.e2e.util import free_port
 
 pytestmark = pytest.mark.e2e
 
+# The outbox's fifth failed try, its last logged before the long backoffs ("first tries": 0.1 + 0.2 + 0.4 + 0.8 s).
+FIFTH_TRY = re.compile(r"outbox flush failed, retrying\s+attempt=5\b")
 REDIS = shutil.which("redis-server", path="/usr/local/bin:/usr/bin:/bin")
 CLI = str(Path(sys.executable).parent / "hermes-gateway")
 
@@ -133,7 +136,12 @@ def test_calls_finishing_during_a_redis_restart_keep_their_results_and_run_once(
         async_waiter.start()
         wait_until(lambda: len(list(marks.iterdir())) == 4, timeout=30, message="all four running")
         server.stop()
-        time.sleep(6)  # they finish while Redis is down (longer than the outbox's first tries)
+
+        def finished_while_down() -> bool:  # all four ended on the worker, and the outbox's first tries all failed
+            text = (tmp_path / "worker.log").read_text()
+            return text.count("call finished") == 4 and bool(FIFTH_TRY.search(text))
+
+        wait_until(finished_while_down, timeout=30, message="the calls to finish while Redis is down")
         server.start()
         waiter.join(60)
         async_waiter.join(60)
@@ -241,10 +249,12 @@ def test_after_a_redis_sigkill_and_restart_every_waiting_result_catches_up_at_on
             return time.time(), outcomes
 
         async_waiter = asyncio.run_coroutine_threadsafe(async_results(), loop)
-        time.sleep(1.5)
+        # Mid-batch (about 1.5 s in): a hundred calls finished, twenty running, most still waiting.
+        wait_until(lambda: sum(p.read_text().count('"call finished"') for p in logs) >= 100, timeout=60,
+                   message="a hundred calls to finish before the kill")
         server.kill()
         killed = time.time()
-        time.sleep(5)
+        time.sleep(5)  # the outage itself: Redis is down for 5 s (under the 6 s lease), what the test is about
         server.start()
         back = time.time()
         outcomes = []

@@ -78,6 +78,14 @@ def test_each_outbox_write_on_a_cluster_gets_its_own_reply(curl: str) -> None:
     conn = from_url(curl)
     box = Outbox(conn)
     gate, got = threading.Event(), {}
+    refusals: list[int] = []  # each time the moving slot refused the write and the outbox was asked to send it again
+    keep_trying = box._keep_trying
+
+    def counted(rounds: int, error: Exception) -> bool:
+        refusals.append(rounds)
+        return keep_trying(rounds, error)
+
+    box._keep_trying = counted  # type: ignore[method-assign]
     try:
         box.put(lambda pipe: gate.wait(5) and pipe.exists("hermes:test:gate"))  # (the rest queue up behind it)
         for i in range(12):
@@ -617,6 +625,14 @@ def test_an_outbox_write_a_moving_slot_refuses_holds_back_only_its_own_callback(
     cluster.node(src).execute_command("CLUSTER SETSLOT", slot, "MIGRATING", cluster.node_id(dst))
     box = Outbox(conn)
     gate, got = threading.Event(), {}
+    refusals: list[int] = []  # each time the moving slot refused the write and the outbox was asked to send it again
+    keep_trying = box._keep_trying
+
+    def counted(rounds: int, error: Exception) -> bool:
+        refusals.append(rounds)
+        return keep_trying(rounds, error)
+
+    box._keep_trying = counted  # type: ignore[method-assign]
     try:
         try:
             box.put(lambda pipe: gate.wait(5) and pipe.exists("hermes:test:gate"))  # (the rest queue up behind it)
@@ -625,8 +641,8 @@ def test_an_outbox_write_a_moving_slot_refuses_holds_back_only_its_own_callback(
             gate.set()
             wait_until(lambda: "other" in got, timeout=5, message="the write that ran to be answered")
             assert got["other"] == 1
-            time.sleep(0.5)  # (a few resends of the refused one meanwhile: it is still held back)
-            assert "moving" not in got
+            wait_until(lambda: len(refusals) >= 4, timeout=5, message="a few resends of the refused write")
+            assert "moving" not in got  # refused each time: it is still held back
         finally:
             for port in (src, dst):  # the move called off: the slot is its source's again
                 cluster.node(port).execute_command("CLUSTER SETSLOT", slot, "STABLE")

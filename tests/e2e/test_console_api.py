@@ -98,7 +98,7 @@ def test_serve_metrics_parse_and_count_the_calls_the_workers_ran(
         gateway.call_tool("boom", {"message": "no"}, max_attempts=1).result(20)
     with _client(served) as client:
         wait_until(lambda: _calls_total(client.get("/metrics").text) >= 18, 10, message="the stats flush")
-        time.sleep(1.5)  # another flush: nothing more may come
+        time.sleep(1.5)  # a negative check: a bounded wait past another flush (1 s apart): nothing more may come
         page = client.get("/metrics")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/plain")
     families = {fam.name: fam for fam in text_string_to_metric_families(page.text)}

@@ -19,7 +19,9 @@ from typing import Any
 
 import pytest
 
+from broker.breaker import Breakers, rejecting
 from broker.config import ConsoleSettings
+from tests.conftest import wait_until
 from tests.e2e.test_console import ConsoleServer
 from tests.e2e.test_console_browser import WAIT_MS, Page, browser
 
@@ -107,7 +109,9 @@ def test_the_overview_charts_get_points_while_a_batch_runs(
     # The tool list shows the description in Chinese and the effective concurrency of `slow`.
     row = page.page.locator("#tools tr", has_text="slow").locator("td")
     assert row.nth(3).text_content() == "4" and "查询指定城市" in (row.nth(4).text_content() or "")
-    time.sleep(2)
+    # The next snapshot after the batch reaches the charts (what the screenshot shows; page problems count meanwhile).
+    last = page.page.evaluate("() => hermesConsole.charts.calls.data[0].at(-1)")
+    page.page.wait_for_function("(t) => hermesConsole.charts.calls.data[0].at(-1) > t", arg=last, timeout=WAIT_MS)
     _shot(page, "console-overview.png")
     assert page.problems == [], page.problems
 
@@ -192,7 +196,13 @@ def test_a_breaker_opened_by_failures_shows_open_then_half_open(
     assert "in " in (cells.nth(6).text_content() or "")  # when the next probe may go
     # After the cooldown the next call is the probe: half-open while it runs (3 s), then closed.
     mode.write_text("ok")
-    time.sleep(3.2)
+    breakers = Breakers(gateway.conn)
+
+    def cooled_down() -> bool:  # still open, its cooldown over by its own opened_at: the next call is the probe
+        view = breakers.state("tool:fragile")
+        return view["state"] == "open" and not rejecting(view, 3)
+
+    wait_until(cooled_down, 10, 0.01, "the breaker's cooldown to end")
     probe = call(hold=3.0)
     page.page.wait_for_function(
         "() => /tool:fragile\\s*half-open/.test(document.querySelector('#breakers').textContent)",

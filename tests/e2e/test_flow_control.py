@@ -206,6 +206,14 @@ def _fragile(home: Any, tmp: Path, **breaker: Any) -> tuple[Path, Path]:
     return mode, log
 
 
+def _cooled_down(conn: Any, key: str, cooldown: float) -> bool:
+    """The breaker is open and its cooldown is over (by its own ``opened_at``): the next call is the probe."""
+    from broker.breaker import Breakers, rejecting
+
+    view = Breakers(conn).state(key)
+    return view["state"] == "open" and not rejecting(view, cooldown)
+
+
 def test_a_breaker_opens_lets_one_probe_through_and_closes_across_two_workers(
     gateway: Any, home: Any, workers: Any, conn: Any, tmp_path: Path, wait_until: Any
 ) -> None:
@@ -234,7 +242,7 @@ def test_a_breaker_opens_lets_one_probe_through_and_closes_across_two_workers(
 
     # After the cooldown exactly one of six concurrent calls (on both workers) is the probe.
     mode.write_text("ok")
-    time.sleep(cooldown + 0.1)
+    wait_until(lambda: _cooled_down(conn, "tool:fragile", cooldown), 5, 0.01, "the breaker's cooldown to end")
     batch = [call(f"p{i}", hold=0.8) for i in range(6)]
     outcomes = []
     for h in batch:
@@ -253,7 +261,7 @@ def test_a_breaker_opens_lets_one_probe_through_and_closes_across_two_workers(
     for i in range(3):
         with pytest.raises(ExecutorError):
             call(f"g{i}").result(10)
-    time.sleep(cooldown + 0.1)
+    wait_until(lambda: _cooled_down(conn, "tool:fragile", cooldown), 5, 0.01, "the breaker's cooldown to end")
     with pytest.raises(ExecutorError):
         call("probe2").result(10)
     with pytest.raises(CircuitOpen):

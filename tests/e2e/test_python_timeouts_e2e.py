@@ -89,7 +89,7 @@ def test_a_pure_python_busy_loop_is_stopped_at_the_deadline(
     wait_until(lambda: "ToolStopped" in notes(path), 3, message="the loop to get ToolStopped")
     count = Path(f"{path}.count")
     seen = count.read_text()
-    time.sleep(0.5)
+    time.sleep(0.5)  # a negative check: a short bounded wait in which a loop that was not stopped would count on
     assert count.read_text() == seen and int(seen) > 0  # it stopped counting
     assert "ran-out" not in notes(path)
 

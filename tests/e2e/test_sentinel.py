@@ -277,7 +277,7 @@ def test_without_a_replica_to_confirm_a_submission_is_broker_not_durable_and_nev
         aerror = asyncio.run(through_asyncio())
         assert aerror.details["cancelled"] is True
         assert error_reply(aerror).status_code == 503  # what the HTTP API answers
-        time.sleep(3 * LEASE)  # a worker that took any of them would have run it by now
+        time.sleep(3 * LEASE)  # a negative check, bounded: a worker that took any of them would have run it by now
         ran = sorted(p.name.split(".")[0] for p in marks.iterdir())
         assert ran == ["before"], ran
     finally:

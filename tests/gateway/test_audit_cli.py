@@ -15,13 +15,13 @@ import pytest
 import structlog
 from click.testing import CliRunner
 
-from broker.audit import AuditRecord
+from broker.audit import AuditLog, AuditRecord
 from broker.errors import CallFailed, PermissionDenied, ReplayRefused
 from broker.logs import hash_value
 from hermes_gateway import replay
 from hermes_gateway.cli import main
 from hermes_gateway.cli.audit_cmd import parse_when
-from tests.conftest import ECHO, Home
+from tests.conftest import ECHO, Home, wait_until
 from tests.llm_server import LLMServer
 
 KEY = "sk-audit-cli-0123456789abcdefghij"
@@ -72,7 +72,12 @@ def test_list_filters_by_tool_principal_state_and_since(stack: Any, home: Home, 
     gw.call_tool("login", {"user": "bob", "password": "pw1"}, principal="agent-a").result(20)
     with pytest.raises(PermissionDenied):
         gw.call_tool("login", {"user": "eve", "password": "pw2"}, principal="agent-b").result(20)
-    time.sleep(0.05)
+    # Both records are in the stream and the clock has passed the millisecond of the newer one's entry id (what
+    # --since compares), so `later` falls after them and before the next call's.
+    audit = AuditLog(gw.conn)
+    wait_until(lambda: len(audit) == 2, timeout=10, message="the first two calls' audit records")
+    newest_ms = int(gw.conn.xrevrange(audit.key, count=1)[0][0].split(b"-")[0])
+    wait_until(lambda: time.time() * 1000 >= newest_ms + 1, timeout=5, interval=0.001, message="a later millisecond")
     later = time.time()
     with pytest.raises(CallFailed):
         gw.call_tool("cat", {"path": "/nonexistent/file"}).result(20)

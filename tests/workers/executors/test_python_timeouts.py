@@ -57,7 +57,7 @@ def test_pure_python_loop_is_stopped(ex, make_ctx):
     assert isinstance(err, ToolTimeout) and took < 0.6
     wait_until(lambda: "ToolStopped" in stoppable.events.get("s2", []), timeout=2)
     seen = stoppable.counters["s2"]
-    time.sleep(0.2)
+    time.sleep(0.2)  # a negative check: a short bounded wait in which a loop that was not stopped would count on
     assert stoppable.counters["s2"] == seen  # it stopped counting (its `except Exception` did not help)
     assert "ran-out" not in stoppable.events["s2"]
     assert ex._tallies["s2"].count == 0
