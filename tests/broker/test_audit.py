@@ -29,8 +29,9 @@ def fake() -> fakeredis.FakeRedis:
 
 
 @pytest.fixture
-def real() -> Iterator[redis.Redis]:
-    client = redis.Redis(host="127.0.0.1", port=6379)
+def real(redis_url: str) -> Iterator[redis.Redis]:
+    """The test database (``HERMES_TEST_REDIS_URL``), not whatever answers on 6379."""
+    client = redis.Redis.from_url(redis_url)
     client.ping()
     yield client
     client.close()
