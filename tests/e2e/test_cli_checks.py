@@ -80,12 +80,13 @@ def test_a_wrong_type_in_config_yaml_is_one_line_naming_the_setting(
     assert out.returncode != 0 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
-def test_a_bad_executor_concurrency_fails_the_call_with_its_path(home: Any) -> None:
-    _config(home, "executors: {command: {concurrency: lots}}\n")
+@pytest.mark.parametrize(("value", "shown"), [("lots", "'lots'"), ("0", "0")])
+def test_a_bad_executor_concurrency_is_refused_with_its_path(home: Any, value: str, shown: str) -> None:
+    _config(home, f"executors: {{command: {{concurrency: {value}}}}}\n")  # (0 would leave every call waiting)
     (home.tools_dir / "hello.yaml").write_text((ROOT / "examples" / "tools" / "hello.yaml").read_text())
     out = _run(home, "tool", "run", "hello", "{name: A}")
     assert out.returncode != 0 and "Traceback" not in out.stderr
-    assert "executors.command.concurrency: expected a number, got 'lots'" in out.stderr
+    assert f"executors.command.concurrency: expected an integer of at least 1, got {shown}" in out.stderr
 
 
 @pytest.mark.parametrize(
