@@ -254,7 +254,7 @@ class Calls:
             kind=env.kind, name=info.name, session_id=info.session_id, detail={"queue": env.queue}, ts=now,
         )
         fields = job_fields(env, ckey=ckey, max_attempts=max_attempts, timeout=timeout)
-        fields[keys.F_STEPS] = step_text(State.PENDING, 1, now)
+        fields[keys.F_STEPS] = "#1" + step_text(State.PENDING, 1, now, 0)  # (the pending event is seq 1)
         fkey, klass = fields[keys.F_FKEY], fields[keys.F_CLASS]
         flat = [x for k, v in fields.items() for x in (k, "" if v is None else v)]
         idem = env.options.idempotency_key
@@ -451,7 +451,7 @@ class Calls:
             first = self._check_move(current, state_, from_states if first is None else None, first)
             ts_ = time.time() if ts_ is None else ts_
             early.append(self._event(info, str(state_), attempt, events.TRANSITION, detail_, ts_))
-            moves.append(step_text(state_, attempt, ts_))
+            moves.append(step_text(state_, attempt, ts_, len(early) - 1))
             current = state_
         if target is not None:
             allowed = self._check_move(current, target, from_states if first is None else None, first)
@@ -464,7 +464,7 @@ class Calls:
             src, state = "", ""
         ts = time.time() if ts is None else ts
         ev = self._event(info, state or (str(current) if current else ""), attempt, event_type, detail, ts)
-        move = step_text(state, attempt, ts) if state and event_type == events.TRANSITION else ""
+        move = step_text(state, attempt, ts, len(early)) if state and event_type == events.TRANSITION else ""
         flat: list[Any] = [len(early), *early]
         for pair in (fields or {}).items():
             flat += pair
@@ -628,10 +628,12 @@ class QueueKeys(NamedTuple):
 _NO_TAKE = ('',) * 8  # TRANSITION's ARGV 23-30 when it takes no call
 
 
-def step_text(state: str, attempt: int, ts: float) -> str:
+def step_text(state: str, attempt: int, ts: float, index: int) -> str:
     """One transition as the record's ``h_steps`` keeps it, ``<state's code><attempt> <µs since the
-    epoch, hexadecimal>;``: what an ended call's ``steps`` are read from (``broker.events``)."""
-    return f"{STEP_CODES[state]}{attempt} {round(ts * 1e6):x};"
+    epoch, hexadecimal> <its event's place in its write>;``: what an ended call's ``steps`` are read from
+    (``broker.events``). TRANSITION puts ``#<seq of the write's first event>`` before a write's steps, so
+    each step's seq is known: a follower resuming after seq N is given exactly the moves after it."""
+    return f"{STEP_CODES[state]}{attempt} {round(ts * 1e6):x} {index};"
 
 
 @functools.lru_cache(maxsize=256)

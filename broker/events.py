@@ -128,35 +128,50 @@ def decode(data: bytes, call_id: str | None = None) -> Event:
 
 
 def _steps(raw: Any, ts: float) -> list[list[Any]] | None:
-    """An ended call's ``steps`` (``[state, attempt, µs before ts]`` each) from the record's ``h_steps``
-    text (``broker.calls.step_text``; a time of 16 digits is decimal), or None when absent or unreadable."""
+    """An ended call's ``steps`` (``[state, attempt, µs before ts, seq]`` each) from the record's
+    ``h_steps`` text (``broker.calls.step_text``: ``#<seq>`` opens a write, each step names its event's
+    place in it; a time of 16 digits is decimal; seq None in a text written before steps had places), or
+    None when absent or unreadable."""
     if isinstance(raw, bytes):
         raw = raw.decode(errors="replace")
     if not isinstance(raw, str):
         return None
     end = round(ts * 1e6)
+    out: list[list[Any]] = []
+    base = None
     try:
-        return [
-            [STEP_STATES[head[0]], int(head[1:]), end - (int(at) if len(at) >= 16 else int(at, 16))]
-            for head, at in (part.split(" ") for part in raw.split(";") if part)
-        ]
+        for part in raw.split(";"):
+            if part.startswith("#"):  # a write's first seq, then its first step
+                rest = part[1:].lstrip("0123456789")
+                base, part = int(part[1 : len(part) - len(rest)]), rest
+            if not part:
+                continue
+            head, at, *place = part.split(" ")
+            seq = base + int(place[0]) if place and base is not None else None
+            out.append([STEP_STATES[head[0]], int(head[1:]), end - (int(at) if len(at) >= 16 else int(at, 16)), seq])
     except (KeyError, IndexError, ValueError):
         return None
+    return out
 
 
 def missed_moves(end: Event, last: int, moved: int) -> list[Event]:
     """The transitions before ``end`` (an ended call's kept terminal event) that a follower which saw up
     to seq ``last``, ``moved`` transitions of them, never got, rebuilt from its steps (no span id, no
-    detail) and numbered into the gap of seqs before the end; empty when they would not fit there."""
+    detail) with their own seqs (those after ``last``). Steps written before they carried seqs: the ones
+    past the first ``moved``, numbered into the gap before the end (empty when they would not fit)."""
     if not end.steps:
         return []
-    missed = end.steps[moved:]
-    if not missed or len(missed) > end.seq - last - 1:
-        return []
+    if all(step[3] is not None for step in end.steps):
+        missed = [(step, step[3]) for step in end.steps if last < step[3] < end.seq]
+    else:
+        rest = end.steps[moved:]
+        if len(rest) > end.seq - last - 1:
+            return []
+        missed = [(step, last + 1 + i) for i, step in enumerate(rest)]
     return [
-        dataclasses.replace(end, seq=last + 1 + i, state=str(state), attempt=int(attempt),
-                            ts=end.ts - before / 1e6, span_id="", detail={}, steps=None)
-        for i, (state, attempt, before) in enumerate(missed)
+        dataclasses.replace(end, seq=seq, state=str(step[0]), attempt=int(step[1]),
+                            ts=end.ts - step[2] / 1e6, span_id="", detail={}, steps=None)
+        for step, seq in missed
     ]
 
 

@@ -101,9 +101,13 @@ if trims then
 else
   seq = redis.call('HINCRBY', KEYS[1], 'h_seq', before + 1) - before
 end
-local steps_so_far = (rec[5] or '') .. moves
+-- This write's steps follow '#' and the seq of its first event (broker.calls.step_text).
+local mark = '#' .. seq
+local steps_so_far = rec[5] or ''
+if moves ~= '' then steps_so_far = steps_so_far .. mark .. moves end
 if state ~= '' then
   if move ~= '' and ttl == '' then  -- (an ended call's hash is written anew below, without them)
+    if moves == '' then move = mark .. move end
     redis.call('HSET', KEYS[1], 'h_state', state, 'status', rq_status, 'h_steps', steps_so_far .. move,
                unpack(ARGV, FIELDS, #ARGV))
   else

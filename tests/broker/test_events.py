@@ -328,6 +328,37 @@ def test_follow_joins_late_then_tails_live_filling_a_dropped_message(fake: Any) 
     assert got[3].type == events.PROGRESS
 
 
+@pytest.mark.parametrize(("after", "rest"), [(0, [1, 2, 3, 6, 7]), (3, [6, 7]), (4, [6, 7]), (5, [6, 7]), (6, [7])])
+def test_a_follower_resuming_after_the_end_gets_exactly_the_moves_after_its_seq(
+    fake: Any, after: int, rest: list[int]
+) -> None:
+    """Progress events leave gaps once the history is trimmed: each kept step names its seq, so a
+    follower resuming after seq N (Last-Event-ID, ``after=``) misses no move and gets none twice."""
+    calls = Calls(fake)
+    info = submit(calls)
+    walk(calls, info, [State.ROUTING, State.EXECUTING])  # seqs 2, 3
+    for message in ("half", "most"):  # seqs 4, 5
+        calls.transition(info, None, attempt=1, event_type=events.PROGRESS, detail={"message": message},
+                         current=State.EXECUTING)  # fmt: skip
+    walk(calls, info, [State.FORMATTING, State.DONE])  # seqs 6, 7 (the end trims the history)
+    got = list(events.follow(fake, "c1", timeout=1, after=after))
+    assert [e.seq for e in got] == rest
+    states = {1: "pending", 2: "routing", 3: "executing", 6: "formatting", 7: "done"}
+    assert [e.state for e in got] == [states[n] for n in rest]
+
+
+def test_steps_written_by_batched_moves_name_each_moves_seq(fake: Any) -> None:
+    """A worker's moves joined into one write (``via``) get their seqs from the write's first one."""
+    calls = Calls(fake)
+    info = submit(calls)
+    now = time.time()
+    moves = [(State.ROUTING, None, now), (State.EXECUTING, None, now), (State.FORMATTING, None, now)]
+    calls.move(info, State.DONE, attempt=1, current=State.PENDING, via=moves, ttl=60)
+    (end,) = events.history(fake, "c1")
+    assert [(s[0], s[3]) for s in end.steps] == [("pending", 1), ("routing", 2), ("executing", 3), ("formatting", 4)]
+    assert end.seq == 5
+
+
 def test_follow_reads_a_dropped_terminal_event_from_history_when_quiet(fake: Any) -> None:
     calls = Calls(fake)
     info = submit(calls)

@@ -56,10 +56,17 @@ def test_a_handle_whose_feed_lagged_past_the_end_still_lists_every_transition() 
     router: Router[CallState] = Router()
     h = router.track(CallState(router, "c1", "echo"))
     h.feed(event("c1", 1, "pending"))
-    steps = "".join(step_text(s, 1, t) for s, t in (("pending", 9.0), ("routing", 9.5), ("executing", 9.75), ("formatting", 9.875)))
+    moves = (("pending", 9.0), ("routing", 9.5), ("executing", 9.75), ("formatting", 9.875))
+    steps = "#1" + "".join(step_text(s, 1, t, i) for i, (s, t) in enumerate(moves))  # (one write from seq 1)
     h.feed(events.decode(pack({"call_id": "c1", "seq": 5, "state": "done", "ts": 10.0, "detail": {"result": 1}, "steps": steps})))
     assert [(e.seq, e.state, e.ts) for e in h._events[1:]] == [(2, "routing", 9.5), (3, "executing", 9.75), (4, "formatting", 9.875), (5, "done", 10.0)]
     assert h.outcome() == 1
+    # Steps written before they named their seqs (a record from before): numbered into the gap.
+    old = CallState(router, "c2", "echo")
+    old.feed(event("c2", 1, "pending"))
+    legacy = "".join(f"{s[0]}1 {round(t * 1e6):x};" for s, t in moves)
+    old.feed(events.decode(pack({"call_id": "c2", "seq": 5, "state": "done", "ts": 10.0, "detail": {}, "steps": legacy})))
+    assert [(e.seq, e.state) for e in old._events] == [(1, "pending"), (2, "routing"), (3, "executing"), (4, "formatting"), (5, "done")]
 
 
 def test_an_ended_handle_is_kept_for_lookup_only_with_keep_ended_and_errors_stay_typed() -> None:
