@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from broker import events, keys, pipes
+from broker import durability, events, keys, pipes
 from broker.calls import Calls
 from broker.codec import pack, raw, text, unpack
 from broker.errors import DecodeError, HermesError, InvalidArgs, QueueFull, UnknownBatch
@@ -403,14 +403,23 @@ class Submitter:
             self.store.cancel(self.gw, self.id)
 
     def submit(self, prepared: list[Any]) -> list[Any]:
-        """SUBMIT ``prepared`` in one pipeline; returns the ones refused with QueueFull."""
+        """SUBMIT ``prepared`` in one pipeline; returns the ones refused with QueueFull. With
+        ``broker.wait_replicas``, a chunk too few replicas confirmed is cancelled, as ``call_tool`` cancels
+        its call, and BrokerNotDurable stops the submitter (``wait()`` raises it)."""
         pipe = self.conn.pipeline(transaction=False)
         for env, limits, extra in prepared:
             self.gw.calls.submit(env, pipeline=pipe, extra=extra, **limits)
+        confirm = durability.queue_wait(pipe, self.gw.settings)  # (before the wake-up: workers see it confirmed)
         queues = list(dict.fromkeys(env.queue for env, _, _ in prepared))
         self.gw.wake(pipe, queues)
         replies = pipes.execute(pipe)
         self.gw.wake(None, queues)
+        if confirm:
+            what = f"batch {self.id}: {len(prepared)} call(s) not accepted"
+            error = durability.shortfall(replies[len(prepared)], self.gw.settings, what, batch_id=self.id)
+            if error is not None:
+                error.details["cancelled"] = sum(self.gw.cancel(env.call_id) for env, _, _ in prepared)
+                raise error
         refused = []
         for item, reply in zip(prepared, replies, strict=False):
             env, limits, _ = item

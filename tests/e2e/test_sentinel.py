@@ -265,6 +265,10 @@ def test_without_a_replica_to_confirm_a_submission_is_broker_not_durable_and_nev
             time.sleep(0.05)
         batch = gw.map("mark", [{"id": f"m{i}"} for i in range(5)])
         assert len(batch.refused) == 5 and all(isinstance(h.refused, BrokerNotDurable) for _, h in batch.refused)
+        job = gw.batch("mark", [{"id": f"b{i}"} for i in range(3)])  # a batch's submitter too (CLI, HTTP)
+        with pytest.raises(BrokerNotDurable) as binfo:
+            job.wait(30)
+        assert binfo.value.details["batch_id"] == job.id and binfo.value.details["cancelled"] == 3
 
         async def through_asyncio() -> BrokerNotDurable:
             async with await AsyncGateway.connect(url, home=str(home.path), embedded_ok=False) as agw:
