@@ -117,6 +117,30 @@ def _limits(section: Mapping[str, Any], where: str) -> None:
             raise ConfigError(f"config.yaml: {where}.{key}: expected an integer of at least {low}, got {value!r}")
 
 
+OVERRIDE_PREFIX = "HERMES__"
+
+
+def _overridden(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    """``raw`` with every ``HERMES__<SECTION>__<KEY>[__<KEY>...]=value`` applied: any config.yaml setting
+    from the environment (``HERMES__EXECUTORS__HTTP__CONCURRENCY=10``, ``HERMES__MODEL__BASE_URL=...``),
+    the value read as YAML (``10``, ``true``, ``[a, b]``); the named ``HERMES_*`` variables still win."""
+    for name in sorted(n for n in env if n.startswith(OVERRIDE_PREFIX)):
+        path = [part.lower() for part in name[len(OVERRIDE_PREFIX) :].split("__")]
+        if not all(path):
+            raise ConfigError(f"{name}: expected HERMES__<SECTION>__<KEY>, with no empty part")
+        try:
+            value = yaml.safe_load(env[name])
+        except yaml.YAMLError:
+            value = env[name]
+        node = raw
+        for part in path[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[path[-1]] = value
+    return raw
+
+
 def load_settings(
     home: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> Settings:
@@ -124,7 +148,7 @@ def load_settings(
     default this process's environment)."""
     env = os.environ if environ is None else environ
     root = hermes_home(home, env)
-    raw = _read_config(root / "config.yaml", env)
+    raw = _overridden(_read_config(root / "config.yaml", env), env)
     executors = _mapping(raw, "executors")
     for kind, section in executors.items():
         if section is not None and not isinstance(section, dict):

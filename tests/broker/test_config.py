@@ -225,6 +225,33 @@ def test_a_bad_model_or_mcp_key_is_a_config_error_naming_it(tmp_path: Path, text
     assert message in str(info.value)
 
 
+def test_every_setting_has_an_environment_override(tmp_path: Path) -> None:
+    """DESIGN.md: every setting has an environment override. HERMES__<SECTION>__<KEY>... names any
+    config.yaml key, its value read as YAML, over the file; the named variables still win."""
+    (tmp_path / "config.yaml").write_text(
+        "executors: {http: {concurrency: 2}}\nmodel: {base_url: http://file}\nbroker: {max_args: 1000}\n"
+    )
+    env = {
+        "HERMES__EXECUTORS__HTTP__CONCURRENCY": "10",
+        "HERMES__EXECUTORS__HTTP__ALLOW_HOSTS": "[api.test, 127.0.0.1]",
+        "HERMES__MODEL__BASE_URL": "http://env:8000/v1",
+        "HERMES__AUDIT__MAXLEN": "500",
+        "HERMES__MCP__HANDSHAKE_TIMEOUT": "30",
+        "HERMES__BROKER__MAX_ARGS": "2000",
+        "HERMES_MAX_ARGS": "3000",
+    }
+    settings = load_settings(tmp_path, environ=env)
+    assert settings.concurrency_for("http") == 10
+    assert settings.executor_settings("http")["allow_hosts"] == ["api.test", "127.0.0.1"]
+    assert settings.model.base_url == "http://env:8000/v1" and settings.audit.maxlen == 500
+    assert settings.executor_settings("mcp")["handshake_timeout"] == 30.0
+    assert settings.broker.max_args == 3000  # (HERMES_MAX_ARGS, the named variable, wins)
+    with pytest.raises(ConfigError, match="executors.http.concurrency: expected an integer of at least 1"):
+        load_settings(tmp_path, environ={"HERMES__EXECUTORS__HTTP__CONCURRENCY": "0"})  # checked as the file is
+    with pytest.raises(ConfigError, match="HERMES__MODEL__: expected HERMES__<SECTION>__<KEY>"):
+        load_settings(tmp_path, environ={"HERMES__MODEL__": "x"})
+
+
 def test_executor_limits_from_a_variable_are_numbers(tmp_path: Path) -> None:
     (tmp_path / "config.yaml").write_text("executor: {concurrency: '${LIMIT}', queue_size: 0}\n")
     settings = load_settings(tmp_path, environ={"LIMIT": "3"})
