@@ -122,7 +122,7 @@ OVERRIDE_PREFIX = "HERMES__"
 
 def _overridden(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     """``raw`` with every ``HERMES__<SECTION>__<KEY>[__<KEY>...]=value`` applied: any config.yaml setting
-    from the environment (``HERMES__EXECUTORS__HTTP__CONCURRENCY=10``, ``HERMES__MODEL__BASE_URL=...``),
+    from the environment (executors.http.concurrency as ``HERMES__`` + ``EXECUTORS__HTTP__CONCURRENCY``),
     the value read as YAML (``10``, ``true``, ``[a, b]``); the named ``HERMES_*`` variables still win."""
     for name in sorted(n for n in env if n.startswith(OVERRIDE_PREFIX)):
         path = [part.lower() for part in name[len(OVERRIDE_PREFIX) :].split("__")]
