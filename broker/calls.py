@@ -567,9 +567,16 @@ class Calls:
         return True
 
     def cancel_unleased(
-        self, info: CallInfo, *, attempt: int, error: dict[str, Any], pipeline: Pipeline | None = None
+        self, info: CallInfo, *, attempt: int, error: dict[str, Any], pipeline: Pipeline | None = None,
+        retrying: bool = False,
     ) -> Any:
-        """A caller cancels a call still ``pending`` that no worker holds."""
+        """A caller cancels a call still ``pending`` that no worker holds, or (``retrying``) one waiting for
+        its next attempt (its schedule entry then just leaves: the retry finds it ended)."""
+        if retrying:
+            return self.transition(
+                info, State.CANCELLED, attempt=attempt, fence=False, from_states=frozenset({State.RETRYING}),
+                detail={"error": error}, pipeline=pipeline,
+            )
         return self.transition(
             info, State.CANCELLED, attempt=attempt, fence=False, from_states=frozenset({State.PENDING}),
             unleased=True, detail={"error": error}, pipeline=pipeline,

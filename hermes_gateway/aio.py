@@ -46,6 +46,7 @@ from hermes_gateway.clientcore import (
     CANCEL_FIELDS,
     ENDED_KEPT,
     PENDING_CANCEL,
+    RETRYING_CANCEL,
     CallOptions,
     CancelTarget,
     Router,
@@ -371,8 +372,12 @@ class AsyncGateway:
         if target is None or target.state in TERMINAL:
             return False
         info = target.info
-        if target.state == State.PENDING and await conn.zscore(keys.leases(keys.tag(info.queue)), call_id) is None:
-            reply = await self.calls.cancel_unleased(info, attempt=target.attempt, error=PENDING_CANCEL)
+        retrying = target.state == State.RETRYING  # (between attempts: no worker holds it either)
+        if retrying or (
+            target.state == State.PENDING and await conn.zscore(keys.leases(keys.tag(info.queue)), call_id) is None
+        ):
+            error = RETRYING_CANCEL if retrying else PENDING_CANCEL
+            reply = await self.calls.cancel_unleased(info, attempt=target.attempt, error=error, retrying=retrying)
             if int(reply[0]) > 0:
                 from broker.audit import AuditLog
 

@@ -28,6 +28,7 @@ from broker.toolspec import ToolSpec
 from hermes_gateway.clientcore import (
     CANCEL_FIELDS,
     PENDING_CANCEL,
+    RETRYING_CANCEL,
     CallOptions,
     CancelTarget,
     Router,
@@ -341,8 +342,10 @@ class Gateway:
         if target is None or target.state in TERMINAL:
             return False
         info = target.info
-        if target.state == State.PENDING and conn.zscore(keys.leases(keys.tag(info.queue)), call_id) is None:
-            reply = self.calls.cancel_unleased(info, attempt=target.attempt, error=PENDING_CANCEL)
+        retrying = target.state == State.RETRYING  # (between attempts: no worker holds it either)
+        if retrying or (target.state == State.PENDING and conn.zscore(keys.leases(keys.tag(info.queue)), call_id) is None):
+            error = RETRYING_CANCEL if retrying else PENDING_CANCEL
+            reply = self.calls.cancel_unleased(info, attempt=target.attempt, error=error, retrying=retrying)
             if int(reply[0]) > 0:
                 from broker.audit import AuditLog
 

@@ -376,6 +376,7 @@ CANCEL_FIELDS = (
     keys.F_SESSION, "data",
 )
 PENDING_CANCEL = {"type": "cancelled", "message": "cancelled by the caller before it started"}
+RETRYING_CANCEL = {"type": "cancelled", "message": "cancelled by the caller while it waited for its next attempt"}
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import pytest
 
 from broker import events, keys
 from broker.codec import unpack
-from broker.errors import CallFailed, CircuitOpen, ExecutorError, ToolTimeout
+from broker.errors import CallCancelled, CallFailed, CircuitOpen, ExecutorError, ToolTimeout
 from tests.conftest import REPO
 from tests.e2e.flowtools import lines
 from tests.e2e.util import all_terminal, current, field, histories
@@ -340,6 +340,32 @@ def test_a_failed_call_is_retried_on_schedule_without_holding_a_worker_thread(
     with pytest.raises(ExecutorError):
         gateway.call_tool("flaky", {"counter": str(counter), "times": 9}, max_attempts=2).result(15)
     assert counter.read_text() == "2"
+
+
+def test_a_call_cancelled_while_it_waits_for_its_next_attempt_ends_at_once_and_never_runs_again(
+    gateway: Any, home: Any, workers: Any, conn: Any, tmp_path: Path, wait_until: Any
+) -> None:
+    counter = tmp_path / "count"
+    home.tool(
+        "flaky",
+        function="tests.e2e.flowtools:fail_times",
+        timeout=10,
+        retry={"max": 3, "backoff": 1.5, "jitter": 0},
+        input_schema={"type": "object"},
+    )
+    gateway.sync_tools()
+    workers(1)
+    h = gateway.call_tool("flaky", {"counter": str(counter), "times": 1})
+    wait_until(lambda: gateway.calls.record(h.call_id)["state"] == "retrying", 10, message="its retry to wait")
+    asked = time.monotonic()
+    assert h.cancel() is True
+    with pytest.raises(CallCancelled, match="while it waited for its next attempt"):
+        h.result(5)
+    assert time.monotonic() - asked < 1.0  # at once, not when the retry was due
+    states = [e.state for e in events.history(conn, h.call_id)]
+    assert states[-2:] == ["retrying", "cancelled"] or states == ["cancelled"]  # (the kept end alone, trimmed)
+    time.sleep(2.0)  # a negative check, bounded: past when the retry was due (its backoff is 1.5 s)
+    assert counter.read_text() == "1" and gateway.calls.record(h.call_id)["state"] == "cancelled"
 
 
 def test_a_call_submitted_twice_with_one_idempotency_key_runs_once(
