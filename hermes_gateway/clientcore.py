@@ -252,9 +252,15 @@ def check_context(context: dict[str, Any]) -> None:
 
 
 def check_llm_request(request: Any, context: dict[str, Any]) -> None:
-    """Refuse an LLM request that is not a mapping, or unknown context fields."""
+    """Refuse an LLM request that is not a mapping, whose ``messages`` (chat completions) are not a list of
+    mappings, that has neither ``messages`` nor ``input`` (the Responses API), or unknown context fields."""
     if not isinstance(request, dict):
         raise InvalidArgs(f"an LLM request must be a mapping, got {type(request).__name__}")
+    messages = request.get("messages")
+    if messages is None and request.get("input") is None:
+        raise InvalidArgs("an LLM request needs messages (chat completions) or input (the Responses API)")
+    if messages is not None and not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
+        raise InvalidArgs(f"an LLM request's messages must be a list of mappings, got {type(messages).__name__}")
     check_context(context)
 
 

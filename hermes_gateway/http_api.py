@@ -177,6 +177,20 @@ class Api:
     async def call_tool(self, request: Request) -> Response:
         body = await read_body(request, self.gw.settings.api)
         args = _field(body, "args", (dict,), "an object")
+        name = request.path_params["name"]
+        return await self._call(request, body, lambda **kw: self.agw.call_tool(name, args, **kw))
+
+    async def call_llm(self, request: Request) -> Response:
+        """``POST /v1/llm/calls``: ``{"request": chat-completions kwargs, ...}`` as ``AsyncGateway.call_llm``."""
+        body = await read_body(request, self.gw.settings.api)
+        llm_request = _field(body, "request", (dict,), "an object (chat-completions kwargs: messages, model...)")
+        if llm_request is None:
+            raise BadRequest("request: expected an object (chat-completions kwargs: messages, model...)")
+        return await self._call(request, body, lambda **kw: self.agw.call_llm(llm_request, **kw))
+
+    async def _call(self, request: Request, body: dict[str, Any], submit: Any) -> Response:
+        """A call's submission with the body's context and options: 202 and where to follow it, or (``wait``)
+        its outcome when it ends within that many seconds."""
         context = _context(body)
         principal = request_caller(request).principal_for(context.pop("principal", None))
         if principal is not None:
@@ -187,10 +201,7 @@ class Api:
         attempts = _number(body, "max_attempts", 1, integer=True)
         trace = {name: request.headers.get(name) for name in ("traceparent", "tracestate")}  # W3C: continued
         try:
-            handle = await self.agw.call_tool(
-                request.path_params["name"], args, timeout=timeout, idempotency_key=key,
-                max_attempts=attempts, **trace, **context
-            )
+            handle = await submit(timeout=timeout, idempotency_key=key, max_attempts=attempts, **trace, **context)
         except IdempotencyConflict as e:
             raise _conflict_for(request_caller(request), e, key) from None
         if not wait:
@@ -350,6 +361,7 @@ def create_app(
         Route("/v1/tools/{name}", api.get_tool, methods=["GET"], middleware=auth),
         Route("/v1/tools/{name}", api.remove_tool, methods=["DELETE"], middleware=auth),
         Route("/v1/tools/{name}/calls", api.call_tool, methods=["POST"], middleware=auth),
+        Route("/v1/llm/calls", api.call_llm, methods=["POST"], middleware=auth),
         Route("/v1/schemas", api.schemas, middleware=auth),
         Route("/v1/calls/{call_id}", api.get_call, middleware=auth),
         Route("/v1/calls/{call_id}/request", api.get_call_request, middleware=auth),

@@ -337,3 +337,32 @@ def test_responses_and_events_are_strict_json_and_a_huge_body_is_413(
     big = api.post("/v1/tools/echo/calls", json={"args": {"x": "a" * 2000}})
     assert big.status_code == 413 and big.json()["error"]["type"] == "payload_too_large"
     assert "over the limit of 1000" in big.json()["error"]["message"]
+
+
+def test_an_llm_call_over_http_runs_on_the_workers_and_a_bad_request_is_a_400(
+    gateway: Any, home: Any, workers: Any
+) -> None:
+    """POST /v1/llm/calls: the same operation as call_llm, for callers in any language."""
+    from tests.llm_server import LLMServer
+
+    with LLMServer(api_key="sk-http") as llm:
+        home.config({"model": {"provider": "openai-compatible", "base_url": llm.base_url, "api_key": "sk-http",
+                               "model": "hermes-test"}})  # fmt: skip
+        gateway.settings = load_settings(home.path)  # (the client fills the model in from config.yaml)
+        workers(1, queues="llm")
+        served = Served(gateway)
+        try:
+            with httpx.Client(base_url=served.base, timeout=30) as client:
+                ask = {"messages": [{"role": "user", "content": "Reply exactly ok"}]}
+                done = client.post("/v1/llm/calls", json={"request": ask, "wait": 20, "context": {"session_id": "s-h"}})
+                assert done.status_code == 200, done.text
+                body = done.json()
+                assert body["state"] == "done" and body["result"]["choices"][0]["message"]["content"] == "ok"
+                assert llm.chat_requests[-1].body["model"] == "hermes-test"
+                later = client.post("/v1/llm/calls", json={"request": ask})
+                assert later.status_code == 202 and later.json()["events"].startswith("/v1/calls/")
+                for bad in ({}, {"request": [1]}, {"request": {"messages": "hi"}}):
+                    refused = client.post("/v1/llm/calls", json=bad)
+                    assert refused.status_code == 400, (bad, refused.text)
+        finally:
+            served.stop()

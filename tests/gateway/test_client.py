@@ -82,7 +82,11 @@ def test_bad_arguments_and_unknown_context_are_refused_at_once(gw: Gateway, conn
             gw.map("echo", [{"ok": 1}, bad])
     with pytest.raises(InvalidArgs, match="the LLM request cannot be sent"):
         gw.call_llm({"messages": [{"role": "user", "content": Decimal("2")}]})
-    assert conn.llen(keys.queue("tools")) == 0
+    with pytest.raises(InvalidArgs, match="messages must be a list of mappings, got str"):
+        gw.call_llm({"messages": "hi"})
+    with pytest.raises(InvalidArgs, match="needs messages .chat completions. or input"):
+        gw.call_llm({"model": "m"})
+    assert conn.llen(keys.queue("tools")) == 0 and conn.llen(keys.queue("llm")) == 0
 
 
 def test_a_full_queue_is_queue_full_at_once_never_a_silent_drop(gw: Gateway, conn: Any) -> None:
