@@ -150,9 +150,10 @@ class AsyncGateway:
         if self.broker is not None:
             self.broker.close()
 
-    # -- batches: the one model of hermes_gateway/batches.py, run by a threaded client in worker threads --
+    # -- batches (the one model of hermes_gateway/batches.py) and the directory's writes, policy and workers:
+    # -- a threaded client's, run in worker threads
 
-    def _batch_client(self) -> Any:
+    def _threaded(self) -> Any:
         if self._batches is None:
             from hermes_gateway.client import Gateway
 
@@ -166,7 +167,7 @@ class AsyncGateway:
         """``Gateway.batch`` for asyncio: the items are sent by a thread (iterate them there, not here)."""
         from hermes_gateway.batches import AsyncBatchJob
 
-        gw = await asyncio.to_thread(self._batch_client)
+        gw = await asyncio.to_thread(self._threaded)
         job = await asyncio.to_thread(lambda: gw.batch(tool, items, window=window, ttl=ttl, resume=resume, **context))
         return AsyncBatchJob(job)
 
@@ -174,7 +175,27 @@ class AsyncGateway:
         """A batch made by any process, by id (UnknownBatch when none is on record)."""
         from hermes_gateway.batches import AsyncBatchJob
 
-        return AsyncBatchJob(await asyncio.to_thread(lambda: self._batch_client().batch_job(batch_id)))
+        return AsyncBatchJob(await asyncio.to_thread(lambda: self._threaded().batch_job(batch_id)))
+
+    async def register_tool(self, spec: ToolSpec | dict[str, Any]) -> int:
+        """As ``Gateway.register_tool``: the new version."""
+        return int(await asyncio.to_thread(lambda: self._threaded().register_tool(spec)))
+
+    async def tool_schemas(self, principal: str | None = None) -> list[dict[str, Any]]:
+        """As ``Gateway.tool_schemas``: the OpenAI function tools ``principal`` may call."""
+        return list(await asyncio.to_thread(lambda: self._threaded().tool_schemas(principal)))
+
+    async def policy(self) -> Any:
+        """As ``Gateway.policy``: the policy the workers judge by."""
+        return await asyncio.to_thread(lambda: self._threaded().policy())
+
+    async def live_workers(self, queue: str | None = None, within: float | None = None) -> list[dict[str, Any]]:
+        """As ``Gateway.live_workers``."""
+        return list(await asyncio.to_thread(lambda: self._threaded().live_workers(queue, within)))
+
+    async def require_workers(self, queue: str) -> None:
+        """As ``Gateway.require_workers``: NoWorkers unless a live worker listens on ``queue``."""
+        await asyncio.to_thread(lambda: self._threaded().require_workers(queue))
 
     async def __aenter__(self) -> AsyncGateway:
         return self

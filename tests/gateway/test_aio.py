@@ -192,3 +192,25 @@ def test_a_call_cancelled_while_pending_gets_its_audit_record(redis_url: str, ho
     assert (record.session_id, record.principal, record.error_type) == ("s-9", "ops", "cancelled")
     assert record.args["seconds"] == 5 and "s3cret-value" not in repr(record)
     assert record.trace_id == gateway.calls.record(call_id)["trace_id"]
+
+
+def test_the_directory_writes_policy_and_worker_checks_are_there_awaited(
+    redis_url: str, home: Home, gateway: Any, workers: Any
+) -> None:
+    """The README: the asyncio client has the same calls, awaited (these go through a threaded client)."""
+    from broker.errors import NoWorkers
+
+    workers(1, queues="tools")
+
+    async def scenario(gw: AsyncGateway) -> Any:
+        version = await gw.register_tool({"name": "aecho", "executor": "python", "function": "workers.executors.builtin:echo"})
+        assert (await gw.tool("aecho")).version == version
+        assert "aecho" in [t["function"]["name"] for t in await gw.tool_schemas()]
+        assert (await gw.policy()) is not None
+        assert [w for w in await gw.live_workers("tools")]
+        await gw.require_workers("tools")
+        with pytest.raises(NoWorkers):
+            await gw.require_workers("nobody-listens-here")
+        return await (await gw.call_tool("aecho", {"x": 1})).result(10)
+
+    assert run(redis_url, home, scenario) == {"x": 1}
