@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -200,6 +201,12 @@ class CallOptions:
             raise InvalidArgs(f"fairness_key must be a non-empty string of at most {MAX_FAIRNESS_KEY} characters, got {fkey!r}")
         if klass is not None and klass not in CALL_CLASSES:
             raise InvalidArgs(f"call_class must be one of {', '.join(CALL_CLASSES)}, got {klass!r}")
+        timeout, attempts = self.timeout, self.max_attempts
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                    or not math.isfinite(timeout) or timeout <= 0):
+            raise InvalidArgs(f"timeout must be a number of seconds above 0, got {timeout!r}")
+        if attempts is not None and (isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1):
+            raise InvalidArgs(f"max_attempts must be an integer of at least 1, got {attempts!r}")
         return Options(
             timeout=self.timeout, idempotency_key=self.idempotency_key, max_attempts=self.max_attempts,
             fairness_key=fkey, call_class=klass,
