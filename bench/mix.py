@@ -71,9 +71,9 @@ def interactive(gw: Any, name: str, n: int, seconds: float, waits: list[float] |
         handle = gw.call_tool(name, {"seconds": seconds}, **opts)
         handle.result(300)
         out.append(time.perf_counter() - start)
-        if waits is not None:  # from the moves its kept terminal event carries: [state, attempt, µs before the end]
+        if waits is not None:  # from the moves its kept terminal event carries: [state, attempt, µs before the end, seq]
             end = events.history(gw.conn, handle.call_id)[-1]
-            before = {state: us for state, _, us in end.steps or []}
+            before = {step[0]: step[2] for step in end.steps or []}
             waits.append((before["pending"] - before["routing"]) / 1e6)
     return out
 

@@ -181,7 +181,7 @@ def test_the_async_client_runs_a_batch_and_attaches_by_id(
         async with await AsyncGateway.connect(redis_url, home=str(home.path)) as agw:
             from workers.specs import sync_dir
 
-            await asyncio.to_thread(lambda: sync_dir(agw._batch_client().directory, home.tools_dir, []))
+            await asyncio.to_thread(lambda: sync_dir(agw._threaded().directory, home.tools_dir, []))
             job = await agw.batch("mark", [{"i": i, "path": str(marks)} for i in range(40)], window=10)
             seen = [item.index async for item in job.results()]
             other = await agw.batch_job(job.id)
