@@ -201,9 +201,12 @@ def _read_config(path: Path, env: Mapping[str, str]) -> dict[str, Any]:
 
 def _logging(section: dict[str, Any], env: Mapping[str, str]) -> LoggingSettings:
     level = _level(env.get("HERMES_LOG_LEVEL"), section.get("level"), "HERMES_LOG_LEVEL", "logging.level")
+    fmt = str(env.get("HERMES_LOG_FORMAT") or section.get("format") or "console").strip().lower()
+    if fmt not in ("console", "json"):
+        raise ConfigError(f"logging.format (HERMES_LOG_FORMAT): expected console or json, got {fmt!r}")
     return LoggingSettings(
         level=level or "INFO",
-        format=str(env.get("HERMES_LOG_FORMAT") or section.get("format") or "console"),
+        format=fmt,
         level_set=level is not None,
         worker_level=_level(env.get("HERMES_WORKER_LOG_LEVEL"), None, "HERMES_WORKER_LOG_LEVEL", ""),
     )
@@ -248,6 +251,13 @@ def _workers(section: dict[str, Any], env: Mapping[str, str]) -> WorkerSettings:
     lease = _number(env, "HERMES_LEASE", section, "workers.lease", DEFAULT_LEASE)
     attempts = _number(env, "HERMES_MAX_ATTEMPTS", section, "workers.max_attempts", 3)
     ttl = _number(env, "HERMES_RESULT_TTL", section, "workers.result_ttl", DEFAULT_RESULT_TTL)
+    for value, what, whole, low in (
+        (lease, "workers.lease (HERMES_LEASE): expected seconds above 0", False, 0.0),
+        (attempts, "workers.max_attempts (HERMES_MAX_ATTEMPTS): expected a whole number of at least 1", True, 1.0),
+        (ttl, "workers.result_ttl (HERMES_RESULT_TTL): expected whole seconds of at least 1", True, 1.0),
+    ):
+        if (whole and value != int(value)) or (value <= low if not whole else value < low):
+            raise ConfigError(f"{what}, got {value:g}")
     port = env.get(METRICS_PORT_ENV, "").strip()
     if port and not (port.isdigit() and 1 <= int(port) <= 65535):
         raise ConfigError(f"{METRICS_PORT_ENV}: expected a port number, got {port!r}")
@@ -330,9 +340,7 @@ def _telemetry(env: Mapping[str, str]) -> TelemetrySettings:
         mode = "off"
     if mode and mode not in TRACE_MODES:
         raise ConfigError(f"{TRACE_ENV}: expected one of {', '.join(TRACE_MODES)}, got {mode!r}")
-    return TelemetrySettings(
-        trace=mode, lean_spans=env.get("HERMES_LEAN_SPANS", "1").strip().lower() not in ("0", "false", "no")
-    )
+    return TelemetrySettings(trace=mode, lean_spans=flag(env.get("HERMES_LEAN_SPANS", "1"), "lean spans", "HERMES_LEAN_SPANS"))
 
 
 def _agent_plugin(

@@ -171,6 +171,12 @@ def test_each_config_yaml_key_of_the_table_sets_its_setting_and_its_variable_win
         ({"HERMES_GATEWAY_TIMEOUT": "soon"}, "HERMES_GATEWAY_TIMEOUT / plugins.entries.hermes-gateway.timeout"),
         ({"HERMES_BATCH_SHARE": "2"}, "fairness.batch_share (HERMES_BATCH_SHARE): expected a share from 0 to 1"),
         ({"HERMES_QUEUE_SIZE_PER_KEY": "1.5"}, "fairness.queue_size_per_key (HERMES_QUEUE_SIZE_PER_KEY): expected a whole"),
+        ({"HERMES_LEASE": "-5"}, "workers.lease (HERMES_LEASE): expected seconds above 0, got -5"),
+        ({"HERMES_MAX_ATTEMPTS": "0"}, "workers.max_attempts (HERMES_MAX_ATTEMPTS): expected a whole number of at least 1"),
+        ({"HERMES_MAX_ATTEMPTS": "2.7"}, "expected a whole number of at least 1, got 2.7"),
+        ({"HERMES_RESULT_TTL": "0"}, "workers.result_ttl (HERMES_RESULT_TTL): expected whole seconds of at least 1"),
+        ({"HERMES_LOG_FORMAT": "xml"}, "logging.format (HERMES_LOG_FORMAT): expected console or json, got 'xml'"),
+        ({"HERMES_LEAN_SPANS": "maybe"}, "lean spans (HERMES_LEAN_SPANS): expected true or false, got 'maybe'"),
     ],
 )
 def test_a_bad_value_is_a_config_error_naming_its_variable(
