@@ -19,6 +19,7 @@ from broker.errors import (
     ToolTimeout,
     UnknownBatch,
     UnknownTool,
+    WorkerLost,
 )
 from broker.events import Event
 from broker.toolspec import ToolSpec
@@ -41,5 +42,5 @@ __all__ = [
     "AsyncGateway", "BrokerNotDurable", "BrokerUnavailable", "CallCancelled", "CallFailed", "CallHandle",
     "CallTimeout", "CircuitOpen", "Event", "ExecutorError", "Gateway", "HermesError", "IdempotencyConflict",
     "InvalidArgs", "NoWorkers", "PermissionDenied", "QueueFull", "ToolSpec", "ToolTimeout", "UnknownBatch",
-    "UnknownTool",
+    "UnknownTool", "WorkerLost",
 ]
