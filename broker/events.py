@@ -175,6 +175,19 @@ def missed_moves(end: Event, last: int, moved: int) -> list[Event]:
     ]
 
 
+def filled(evs: Sequence[Event], last: int = 0) -> list[Event]:
+    """``evs`` (a history read after seq ``last``) with the moves an ended call's kept end carries as steps
+    rebuilt before it (``missed_moves``): what a reader of a trimmed history is shown."""
+    out: list[Event] = []
+    moved = 0
+    for ev in evs:
+        if ev.terminal and ev.seq > last + 1:
+            out += missed_moves(ev, last, moved)
+        out.append(ev)
+        last, moved = ev.seq, moved + (ev.type == TRANSITION)
+    return out
+
+
 def for_handle(handles: Mapping[str, Any], data: bytes) -> tuple[Event, Any, bool] | None:
     """A caller's channel message as ``(event, the handle it is for, True when seq skipped some)``; None
     when it is not an event (logged) or no handle of ``handles`` (by call id) waits for it."""
@@ -230,10 +243,7 @@ def follow(
     last, moved = after, 0  # (transitions among them: an end past a gap gets those it misses rebuilt)
     channel = conn.hget(keys.job(call_id), keys.F_CHANNEL)
     if channel is None:  # (an ended call's record names no channel: its history has the end)
-        for ev in history(conn, call_id, after + 1):
-            yield from missed_moves(ev, last, moved) if ev.terminal and ev.seq > last + 1 else ()
-            yield ev
-            last, moved = ev.seq, moved + (ev.type == TRANSITION)
+        yield from filled(history(conn, call_id, after + 1), after)
         return
     pubsub = subscriber(conn)
     get = _subscribe(conn, pubsub, channel)

@@ -277,7 +277,7 @@ def events(ctx: click.Context, call_id: str, follow: bool, show_request: bool) -
             if asked is None:
                 fail(f"no such call {call_id} (unknown, or past its result TTL)", 1)
             click.echo(json.dumps(asked, ensure_ascii=False, indent=2, default=str))
-        stream = ev_mod.follow(gw.conn, call_id) if follow else iter(ev_mod.history(gw.conn, call_id))
+        stream = ev_mod.follow(gw.conn, call_id) if follow else iter(ev_mod.filled(ev_mod.history(gw.conn, call_id)))
         for ev in stream:
             click.echo(event_line(ev))
 
