@@ -118,7 +118,12 @@ class AuditRecord:
         return {name: values[name] for name in _RECORD_FIELDS}
 
     def encode(self) -> bytes:
-        return pack(self.to_dict())
+        """The record packed; a value the wire cannot carry (an integer past 64 bits, a key that is not
+        text) is kept as its text instead, so a call's end never fails on its audit record."""
+        try:
+            return pack(self.to_dict())
+        except (TypeError, ValueError, OverflowError):
+            return pack(_printable(self.to_dict()))
 
     @classmethod
     def from_dict(cls, data: Any) -> AuditRecord:
@@ -137,7 +142,10 @@ class AuditRecord:
 
     def to_json(self) -> str:
         """One JSONL line (no newline)."""
-        return json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":"), default=_json_default)
+        try:
+            return json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":"), default=_json_default)
+        except (TypeError, ValueError):  # (a key that is not text)
+            return json.dumps(_printable(self.to_dict()), ensure_ascii=False, separators=(",", ":"))
 
 
 CONTEXT_KEYS = (
@@ -216,6 +224,21 @@ class _Preview:
 def model_params(request: Mapping[str, Any]) -> dict[str, Any]:
     """The model parameters of an LLM request (temperature, max_tokens, ...), without the conversation."""
     return redact({k: v for k, v in request.items() if k not in _NOT_MODEL_PARAMS})
+
+
+def _printable(value: Any, depth: int = 0) -> Any:
+    """``value`` with what msgpack or JSON cannot carry turned into text: keys, big integers, other types."""
+    if depth > 64:
+        return "..."
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else repr(k): _printable(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_printable(v, depth + 1) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, str | float):
+        return value
+    if isinstance(value, int):
+        return value if -(2**63) <= value < 2**64 else str(value)
+    return repr(value)
 
 
 def _json_default(obj: Any) -> Any:

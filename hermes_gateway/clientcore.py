@@ -214,7 +214,8 @@ class CallOptions:
 
 
 def nesting(value: Any, limit: int = MAX_DEPTH) -> int:
-    """How deeply ``value`` nests lists and mappings, counted up to ``limit + 1`` (without recursion)."""
+    """How deeply ``value`` nests lists and mappings, counted up to ``limit + 1`` (without recursion); -1
+    when a mapping has a key that is not text (JSON's keys are; a later JSON reader would fail on it)."""
     deepest = 0
     stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, dict | list | tuple) else []
     while stack:
@@ -222,7 +223,11 @@ def nesting(value: Any, limit: int = MAX_DEPTH) -> int:
         if depth > limit:
             return depth
         deepest = max(deepest, depth)
-        for child in item.values() if isinstance(item, dict) else item:  # (a loop: no generator per item)
+        if isinstance(item, dict):
+            if not all(type(k) is str for k in item):
+                return -1
+            item = item.values()
+        for child in item:  # (a loop: no generator per item)
             if isinstance(child, dict | list | tuple):
                 stack.append((child, depth + 1))
     return deepest
@@ -231,8 +236,11 @@ def nesting(value: Any, limit: int = MAX_DEPTH) -> int:
 def check_sendable(value: Any, what: str, limit: int | None = None) -> bytes:
     """``value`` packed (the envelope keeps these bytes), or InvalidArgs for what the wire cannot carry,
     what nests deeper than ``MAX_DEPTH`` (later code recurses) or packs larger than ``limit`` bytes."""
-    if nesting(value) > MAX_DEPTH:
+    depth = nesting(value)
+    if depth > MAX_DEPTH:
         raise InvalidArgs(f"{what} are nested more than {MAX_DEPTH} levels deep", limit=MAX_DEPTH)
+    if depth < 0:
+        raise InvalidArgs(f"{what} have a key that is not text (names and mapping keys are strings)")
     try:
         packed = pack(value)
     except (TypeError, ValueError, OverflowError) as e:

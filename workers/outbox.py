@@ -154,11 +154,19 @@ class Outbox:
             if attempt >= _CLOSING_TRIES and self._closed.is_set():
                 break
             pipe = self.conn.pipeline(transaction=False)
-            starts = []
-            for writer, _ in batch:
+            starts: list[int] = []
+            unbuilt: dict[int, Exception] = {}  # writers that raised: they fail alone, the batch goes on
+            for k, (writer, _) in enumerate(batch):
                 starts.append(len(pipe))
-                writer(pipe)
+                try:
+                    writer(pipe)
+                except Exception as e:  # noqa: BLE001 - e.g. a value the wire cannot carry, in one call's write
+                    del pipe.command_stack[starts[-1] :]  # (what it had added: none of it is sent)
+                    unbuilt[k] = e
+                    log.error("a write could not be built; it alone fails", error=f"{type(e).__name__}: {e}")
             ends = [*starts[1:], len(pipe)]  # (WAIT comes after them)
+            for k, error in unbuilt.items() if early is not None else ():
+                early(k, error)  # (answered now: it has no command, so nothing else answers it)
             confirm = self.confirmer is not None and self.confirmer.queue(pipe)
             settled = None if confirm or early is None else self._settled(starts, ends, early)
             try:
@@ -174,5 +182,8 @@ class Outbox:
                     )
                 self._closed.wait(min(0.1 * 2 ** min(attempt, 5), 2.0))
                 continue
-            return [replies[s] if s < e else None for s, e in zip(starts, ends, strict=True)]  # (no command: None)
+            return [
+                unbuilt[k] if k in unbuilt else replies[s] if s < e else None  # (no command: None)
+                for k, (s, e) in enumerate(zip(starts, ends, strict=True))
+            ]
         return [redis.ConnectionError("broker unreachable")] * len(batch)

@@ -120,8 +120,11 @@ class _Write:
             run.info, target, attempt=run.attempt, current=self.current, detail=detail, via=steps[:-1], ts=ts,
             pipeline=pipe, **kw,
         )
-        for more in after:
-            more(pipe)
+        for more in after:  # (one that fails alone: the move itself still goes)
+            try:
+                more(pipe)
+            except Exception:  # noqa: BLE001 - e.g. a hook's record the wire cannot carry
+                log.exception("a write riding with a move could not be built", call_id=run.info.call_id)
 
     def replied(self, reply: Any) -> None:
         for check in self.callbacks:  # complete: the sender took the write before this reply

@@ -120,3 +120,31 @@ def test_a_tool_removed_after_a_worker_cached_it_is_unknown(
     with pytest.raises(CallFailed) as info:
         handle.result(timeout=10)
     assert info.value.type == "unknown_tool"
+
+
+def test_numbers_past_the_wire_end_the_call_typed_once_and_other_calls_are_untouched(
+    gateway: Any, home: Any, workers: Any, tmp_path: Any
+) -> None:
+    """A string the schema turns into a number too big for msgpack stayed a number: the call's audit
+    record could not be encoded, its end (and the other writes of that round trip) were never written, and
+    the call ran again every lease. Now it fails invalid_args once, and the calls beside it end done."""
+    log = tmp_path / "runs"
+    home.tool(
+        "counted", function="tests.e2e.flowtools:counted", timeout=10,
+        input_schema={"type": "object", "properties": {"seconds": {"type": "number"}, "log": {"type": "string"},
+                                                       "n": {"type": "integer"}}},
+    )  # fmt: skip
+    home.echo_tool()
+    gateway.sync_tools()
+    workers(1, concurrency=8)
+    others = gateway.map("echo", [{"i": i} for i in range(40)])
+    bad = gateway.call_tool("counted", {"seconds": 0, "log": str(log), "n": "1" + "0" * 30})
+    with pytest.raises(CallFailed) as info:
+        bad.result(20)
+    assert info.value.type == "invalid_args"
+    assert [h.result(20) for h in others.accepted] == [{"i": i} for i in range(40)]
+    assert not log.exists()  # it never ran (the schema refused it before the tool)
+    huge = gateway.call_tool("counted", {"seconds": 0, "log": str(log), "n": "9" * 5000})
+    with pytest.raises(CallFailed) as info:
+        huge.result(20)
+    assert info.value.type == "invalid_args"  # (not internal_error: more digits than Python converts)

@@ -44,6 +44,18 @@ def test_big_integers_keep_precision():
     assert coerce_args(SCHEMA, {"days": "12345678901234567891"})["days"] == 12345678901234567891
 
 
+def test_a_number_the_wire_cannot_carry_stays_a_string_for_validation_to_reject():
+    """Past msgpack's 64-bit integers (or Python's digit limit) a coerced integer could not be written: the
+    call's end failed to encode and the call ran again every lease. It stays text; the schema refuses it."""
+    out = coerce_args(SCHEMA, {"days": "1" + "0" * 30, "ratio": "1e30", "maybe": "9" * 5000})
+    assert out["days"] == "1" + "0" * 30 and out["ratio"] == 1e30 and out["maybe"] == "9" * 5000
+    assert coerce_args(SCHEMA, {"days": str(2**64 - 1)})["days"] == 2**64 - 1
+    with pytest.raises(InvalidArgs):
+        validate_args(SCHEMA, {"city": "x", "days": "1" + "0" * 30})
+    deep = "[" * 600 + "]" * 600  # (deeper than arguments may nest: not read as JSON)
+    assert coerce_args(SCHEMA, {"tags": deep})["tags"] == [deep]
+
+
 def test_nan_and_inf_are_not_numbers():
     assert coerce_args(SCHEMA, {"ratio": "nan", "days": "inf"}) == {"ratio": "nan", "days": "inf"}
 

@@ -68,6 +68,29 @@ def test_a_failing_command_reports_to_its_own_callback_and_the_rest_still_land(
         outbox.call(lambda pipe: pipe.rpush("str", 1), timeout=5)
 
 
+def test_a_writer_that_cannot_be_built_fails_alone_and_what_it_added_is_not_sent(
+    outbox: Outbox, server: Any
+) -> None:
+    """One call's write that raises while it is built (a value the wire cannot carry) must not take the
+    other calls' writes of the batch down with it, nor send the half it had added."""
+    from broker.codec import pack
+
+    r = fakeredis.FakeRedis(server=server)
+    got: dict[str, Any] = {}
+
+    def broken(pipe: Any) -> None:
+        pipe.rpush("half", 1)
+        pipe.set("k", pack({"n": 2**70}))  # (raises: too big for msgpack)
+
+    outbox.put(lambda pipe: pipe.rpush("l", 1), lambda rep: got.setdefault("before", rep))
+    outbox.put(broken, lambda rep: got.setdefault("bad", rep))
+    outbox.put(lambda pipe: pipe.rpush("l", 2), lambda rep: got.setdefault("after", rep))
+    assert outbox.flush(5)
+    assert got["before"] == 1 and got["after"] == 2
+    assert isinstance(got["bad"], OverflowError | TypeError | ValueError)
+    assert not r.exists("half") and not r.exists("k")
+
+
 def test_a_writer_of_several_commands_gets_the_reply_of_its_first(outbox: Outbox, server: Any) -> None:
     def write(pipe: Any) -> None:
         pipe.rpush("multi", "a", "b")
