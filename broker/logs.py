@@ -148,6 +148,25 @@ def is_secret_key(key: str) -> bool:
     return bool(_SECRET_KEY.search(key)) and not _NOT_SECRET_KEY.search(key)
 
 
+def secret_values(args: Mapping[str, Any], sensitive: Iterable[str] = ()) -> list[str]:
+    """The argument values a message must not show: those of ``sensitive`` fields and of secret-named keys
+    (text of four characters or more), longest first."""
+    named = set(sensitive)
+    found = {
+        str(v) for k, v in args.items()
+        if (k in named or is_secret_key(str(k))) and isinstance(v, str | int | float) and not isinstance(v, bool)
+    }  # fmt: skip
+    return sorted((v for v in found if len(v) >= 4), key=len, reverse=True)
+
+
+def scrub(text: str, values: Iterable[str]) -> str:
+    """``text`` with each of ``values`` (``secret_values``) shown as ``***``."""
+    for value in values:
+        if value in text:
+            text = text.replace(value, "***")
+    return text
+
+
 def hash_value(value: Any) -> str:
     """``sha256:<hex>`` of a value's canonical msgpack form: the same value always hashes the same."""
     return HASH_PREFIX + hashlib.sha256(pack(_canonical(value))).hexdigest()

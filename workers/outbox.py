@@ -165,8 +165,9 @@ class Outbox:
                     unbuilt[k] = e
                     log.error("a write could not be built; it alone fails", error=f"{type(e).__name__}: {e}")
             ends = [*starts[1:], len(pipe)]  # (WAIT comes after them)
-            for k, error in unbuilt.items() if early is not None else ():
-                early(k, error)  # (answered now: it has no command, so nothing else answers it)
+            if early is not None:
+                for k, error in unbuilt.items():
+                    early(k, error)  # (answered now: it has no command, so nothing else answers it)
             confirm = self.confirmer is not None and self.confirmer.queue(pipe)
             settled = None if confirm or early is None else self._settled(starts, ends, early)
             try:

@@ -18,7 +18,7 @@ from typing import Any
 import redis
 import structlog
 
-from broker import keys, pipes
+from broker import keys, logs, pipes
 from broker.audit import AuditLog
 from broker.calls import CallInfo, Calls, Claimed, Step, envelope_of
 from broker.codec import pack, text
@@ -401,7 +401,8 @@ class CallRunner:
         def execute(eff: dict[str, Any]) -> Any:
             ctx.check()
             executor = get_executor(spec.executor, ctx.settings)
-            return self._stage("execute", run, spec, eff, lambda: run_executor(executor, spec, eff, ctx))
+            body = lambda: _secrets_kept(run_executor, executor, spec, eff, ctx, run.sensitive)  # noqa: E731
+            return self._stage("execute", run, spec, eff, body)
 
         def on_trace(trace: list[dict[str, Any]]) -> None:
             run.middleware_trace = trace
@@ -488,6 +489,10 @@ class CallRunner:
                     fields[keys.F_RESULT] = packed
                     detail["result_in_record"] = True
         if error is not None:  # (in the terminal event only: the ended record reads it there)
+            args = run.args if run.args is not None else getattr(run.env, "args", None)  # (no env: undecodable)
+            secrets = logs.secret_values(args or {}, run.sensitive)
+            if secrets:  # (a check's message may quote a secret argument too, not only a back end's)
+                error = {k: logs.scrub(v, secrets) if isinstance(v, str) else v for k, v in error.items()}
             detail["error"] = error
         outcome = str(target)
         writers = [w for ending in self._endings if (w := ending(run, outcome, result, error, duration)) is not None]
@@ -542,6 +547,22 @@ class CallRunner:
         run = Running(info, None, claimed.attempt)  # type: ignore[arg-type]
         log.warning("undecodable call payload", call_id=claimed.call_id, error=str(err))
         self._finish(run, State.FAILED, error=err.to_wire())
+
+
+def _secrets_kept(run: Callable[..., Any], executor: Any, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext,
+                  sensitive: Sequence[str]) -> Any:
+    """``run(executor, spec, args, ctx)``; its error's message and text details show no value of a sensitive
+    or secret-named argument (a back end's error may quote it: `ls: cannot access 'hunter2'`), before the
+    span, the log line, the audit record or the caller see it."""
+    try:
+        return run(executor, spec, args, ctx)
+    except HermesError as e:
+        secrets = logs.secret_values(args, sensitive)
+        if secrets:
+            e.message = logs.scrub(e.message, secrets)
+            e.args = (e.message,)
+            e.details = {k: logs.scrub(v, secrets) if isinstance(v, str) else v for k, v in e.details.items()}
+        raise
 
 
 def _nothing() -> None:

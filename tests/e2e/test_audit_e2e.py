@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from broker import keys
+from broker import events, keys
 from broker.audit import AuditLog, AuditRecord
 from broker.errors import CallFailed
 from broker.logs import hash_value
@@ -159,3 +159,32 @@ def test_secrets_reach_no_audit_record_mirror_export_or_worker_log(
         leaked = [shape for shape, _, secret in CORPUS if secret in text]
         leaked += [pw for pw in passwords if pw in text]
         assert leaked == [], f"secrets in the {where}: {leaked}"
+
+
+def test_a_back_ends_error_quoting_a_secret_argument_shows_it_nowhere(
+    home: Home, gateway: Any, workers: Any, conn: Any
+) -> None:
+    """`ls {{password}}` fails with `ls: cannot access 'hunter2…'`: the value of a sensitive (or
+    secret-named) argument is masked in the error the caller, the event, the audit record, the worker's
+    log line and the fleet's recent failures carry."""
+    home.tool("lsp", executor="command", command="ls {{password}}", timeout=10, sensitive=["password"],
+              input_schema={"type": "object", "properties": {"password": {"type": "string"}}})  # fmt: skip
+    home.tool("lsk", executor="command", command="ls {{api_token}}", timeout=10,
+              input_schema={"type": "object", "properties": {"api_token": {"type": "string"}}})  # fmt: skip
+    gateway.sync_tools()
+    [worker] = workers(1)
+    secret, token = "hunter2-PWLEAK-B", "tok-LEAK-77aa"
+    handles = [gateway.call_tool("lsp", {"password": secret}), gateway.call_tool("lsk", {"api_token": token})]
+    for h in handles:
+        with pytest.raises(CallFailed) as info:
+            h.result(20)
+        assert "cannot access" in info.value.message and "***" in info.value.message
+    records = [AuditLog(conn).get(h.call_id) for h in handles]
+    wait_until(lambda: "lsk" in worker.log(), 10)
+    seen = " ".join([
+        *(repr(r.to_dict()) for r in records if r is not None),
+        *(repr(e.to_dict()) for h in handles for e in events.history(conn, h.call_id)),
+        worker.log(), repr(conn.lrange(keys.FAILURES, 0, -1)),
+    ])  # fmt: skip
+    assert len(records) == 2 and None not in records
+    assert secret not in seen and token not in seen
