@@ -259,11 +259,19 @@ def check_sendable(value: Any, what: str, limit: int | None = None) -> bytes:
 
 
 def check_context(context: dict[str, Any]) -> None:
-    """Refuse call-context fields the envelope does not know (a typo would otherwise vanish)."""
+    """Refuse call-context fields the envelope does not know (a typo would otherwise vanish), and values
+    that are not text (an integer id is made text here; a list or mapping is InvalidArgs)."""
     unknown = set(context) - set(CONTEXT_FIELDS)
     if unknown:
         known = ", ".join(CONTEXT_FIELDS)
         raise TypeError(f"unknown call context field(s): {', '.join(sorted(unknown))}; known: {known}")
+    for name, value in context.items():
+        if value is None or type(value) is str:
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            context[name] = str(value)
+            continue
+        raise InvalidArgs(f"context field {name} must be text, got {type(value).__name__}", field=name)
 
 
 def check_llm_request(request: Any, context: dict[str, Any]) -> None:

@@ -159,6 +159,8 @@ def test_admission_errors_are_typed_http_errors_and_failures_are_outcomes(api: h
     assert typo.status_code == 400 and "sesion_id" in typo.json()["error"]["message"]
     # Naming plugins "already applied" would make the workers skip their middleware and hooks (guardrails):
     # only the Hermes plugin may, over Redis; over HTTP it is refused, as is the replay route's field.
+    listed = api.post("/v1/tools/echo/calls", json={"args": {}, "context": {"session_id": ["a"]}})
+    assert listed.status_code == 400 and "context field session_id must be text" in listed.json()["error"]["message"]
     for field in ("plugins_applied", "replay_of"):
         skip = api.post("/v1/tools/echo/calls", json={"args": {}, "context": {field: "x"}})
         assert skip.status_code == 400 and field in skip.json()["error"]["message"], field

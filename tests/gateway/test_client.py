@@ -91,6 +91,9 @@ def test_bad_arguments_and_unknown_context_are_refused_at_once(gw: Gateway, conn
             gw.call_tool("echo", {}, timeout=timeout)
     with pytest.raises(InvalidArgs, match="max_attempts must be an integer of at least 1"):
         gw.call_tool("echo", {}, max_attempts=0)
+    for field, value in (("session_id", ["a"]), ("principal", {"x": 1}), ("parent_call_id", object())):
+        with pytest.raises(InvalidArgs, match=f"context field {field} must be text"):
+            gw.call_tool("echo", {}, **{field: value})
     assert conn.llen(keys.queue("tools")) == 0 and conn.llen(keys.queue("llm")) == 0
 
 
