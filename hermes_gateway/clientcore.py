@@ -284,6 +284,8 @@ def check_llm_request(request: Any, context: dict[str, Any]) -> None:
         raise InvalidArgs("an LLM request needs messages (chat completions) or input (the Responses API)")
     if messages is not None and not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
         raise InvalidArgs(f"an LLM request's messages must be a list of mappings, got {type(messages).__name__}")
+    if request.get("model") is not None and type(request["model"]) is not str:
+        raise InvalidArgs(f"an LLM request's model must be text, got {type(request['model']).__name__}")
     check_context(context)
 
 

@@ -146,7 +146,7 @@ def test_admission_errors_are_typed_http_errors_and_failures_are_outcomes(api: h
         )
         assert refused.status_code == 400 and field in refused.json()["error"]["message"], (field, value)
     # NaN and Infinity are not JSON (JSON.parse, Go and Java refuse them): refused wherever they stand.
-    for body in ('{"wait": NaN}', '{"args": {"x": Infinity}}', '{"args": {"x": -Infinity}}'):
+    for body in ('{"wait": NaN}', '{"args": {"x": Infinity}}', '{"args": {"x": -Infinity}}', '{"args": {"x": 1e400}}'):
         refused = api.post("/v1/tools/echo/calls", content=body, headers={"Content-Type": "application/json"})
         assert refused.status_code == 400 and "is not a JSON number" in refused.json()["error"]["message"], (
             body

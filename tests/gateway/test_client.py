@@ -86,6 +86,8 @@ def test_bad_arguments_and_unknown_context_are_refused_at_once(gw: Gateway, conn
         gw.call_llm({"messages": "hi"})
     with pytest.raises(InvalidArgs, match="needs messages .chat completions. or input"):
         gw.call_llm({"model": "m"})
+    with pytest.raises(InvalidArgs, match="model must be text, got list"):
+        gw.call_llm({"messages": [], "model": ["x"]})
     for timeout in (-1, 0, float("nan"), "5"):  # (0 had meant the default; -1 failed later as a timeout)
         with pytest.raises(InvalidArgs, match="timeout must be a number of seconds above 0"):
             gw.call_tool("echo", {}, timeout=timeout)
