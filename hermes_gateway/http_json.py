@@ -102,7 +102,7 @@ async def read_raw(request: Request, api: ApiSettings, types: tuple[str, ...] = 
     return bytes(raw)
 
 
-def _finite(text: str) -> float:
+def _float(text: str) -> float:
     """A JSON number as a float, refused when it is past a float's range (``1e400`` would be infinity)."""
     value = float(text)
     if not math.isfinite(value):
@@ -113,7 +113,7 @@ def _finite(text: str) -> float:
 def parse_json(raw: bytes, what: str = "the request body") -> Any:
     """Strict JSON (no NaN or Infinity), or a typed error."""
     try:
-        return json.loads(raw, parse_constant=_not_json, parse_float=_finite)
+        return json.loads(raw, parse_constant=_not_json, parse_float=_float)
     except ValueError as e:
         raise BadRequest(f"{what} is not JSON: {e}") from e
     except RecursionError as e:  # (arrays or objects nested thousands deep)
