@@ -89,8 +89,23 @@ _CODE_OPTIONS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "pwsh": (frozenset(), frozenset({"-c", "-command", "-encodedcommand", "-ec"})),
     "powershell": (frozenset(), frozenset({"-c", "-command", "-encodedcommand", "-ec"})),
 }
-# Programs that run the program named after them (``env sh {{x}}``).
-_WRAPPERS = frozenset({"env", "busybox", "nice", "nohup", "setsid", "stdbuf", "sudo", "doas", "time", "exec"})
+# Programs that run the program named after them (``env sh {{x}}``, ``timeout 5 sh {{x}}``).
+_WRAPPERS = frozenset({
+    "env", "busybox", "nice", "nohup", "setsid", "stdbuf", "sudo", "doas", "time", "exec", "timeout", "xargs",
+    "chroot", "ionice", "taskset", "unshare", "flock", "watch", "strace", "ltrace", "nsenter", "runuser",
+})  # fmt: skip
+# Options of an interpreter that take the next argument (so that argument is no script name).
+_OPTION_ARGS = frozenset({
+    "-o", "-O", "+o", "+O", "--rcfile", "--init-file",  # shells
+    "-W", "-X", "--check-hash-based-pycs",  # python
+    "-I", "-r", "-C", "-E", "--require", "--import", "--loader",  # perl, ruby, node
+    "-v", "-F",  # awk
+})  # fmt: skip
+# Programs whose first operand is their program text (``awk {{x}}``; sed's ``e`` command runs a shell).
+_SCRIPT_FIRST: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    **dict.fromkeys(("awk", "gawk", "mawk", "nawk"), (frozenset(), frozenset({"-f", "--file"}))),
+    **dict.fromkeys(("sed", "gsed"), (frozenset({"-e", "--expression"}), frozenset({"-f", "--file"}))),
+}
 _VERSION = re.compile(r"[\d.]+$")
 
 
@@ -99,33 +114,88 @@ def _program(part: str) -> str:
     return _VERSION.sub("", name) if not name.startswith(("sh", "ksh")) else name
 
 
+def _runs(parts: list[str], i: int) -> bool:
+    """Whether ``parts[i]`` stands where a program does: first, or after a wrapper (``env``, ``timeout``...)
+    and only its options, option values, ``VAR=value`` settings and durations."""
+    if i == 0:
+        return True
+    for j in range(i - 1, -1, -1):
+        prev = parts[j]
+        if _program(prev) in _WRAPPERS:
+            return True
+        if not (prev.startswith(("-", "+")) or ("=" in prev and not has(prev)) or _VERSION.match(prev)
+                or (j > 0 and parts[j - 1] in _OPTION_ARGS | {"-n", "-u", "-s", "-k", "-c", "-p", "-i", "-o"})):
+            return False
+    return False
+
+
 def code_placeholder(parts: list[str]) -> str | None:
-    """What is wrong when a shell or interpreter gets code holding a placeholder (also behind ``env``)
-    or a value names the script it runs (``sh {{script}}``); None when nothing is."""
+    """What is wrong when a shell or interpreter gets code holding a placeholder (also behind a wrapper
+    such as ``env`` or ``timeout``), a value names the script it runs (``sh {{script}}``), or a value names
+    the program a wrapper runs (``env {{x}}``); None when nothing is."""
     for i, part in enumerate(parts):
+        if i > 0 and has(part) and _runs(parts, i) and not part.startswith(("-", "+")):
+            return f"{part}: a placeholder where a program goes would let a value choose the program run"
         program = _program(part)
+        if (i > 0 and part.startswith("-")) or not _runs(parts, i):
+            continue
+        if program in _SCRIPT_FIRST:
+            return _script_first(program, parts[i + 1 :])
         options = _CODE_OPTIONS.get(program)
-        if options is None or (i > 0 and part.startswith("-")):
+        if options is None:
             continue
         letters, longs = options
-        for opt in parts[i + 1 :]:
+        rest = parts[i + 1 :]
+        skip = False
+        for j, opt in enumerate(rest):
+            if skip:  # (the value of the option before it)
+                skip = False
+                continue
             name, eq, inline = opt.partition("=")
             short = opt[1:] if opt.startswith("-") and not opt.startswith("--") else ""
             if name.lower() in longs or (short.isalpha() and letters & set(short)):
-                j = parts.index(opt, i + 1)
-                code = inline if eq and name.lower() in longs else (parts[j + 1] if j + 1 < len(parts) else "")
+                code = inline if eq and name.lower() in longs else (rest[j + 1] if j + 1 < len(rest) else "")
                 if has(code) or has(opt):
                     return (
                         f"{program} {name} runs its next argument as code: a placeholder there would let a "
                         "value be code; pass values as arguments after the code (sh -c 'cat \"$1\"' sh {{file}})"
                     )
                 return None
-            if not opt.startswith("-"):
-                named = i == 0 or _program(parts[i - 1]) in _WRAPPERS  # the program itself, not an argument
-                if named and has(opt):
+            if opt in _OPTION_ARGS:
+                skip = True
+                continue
+            if not opt.startswith(("-", "+")):
+                if has(opt):
                     return f"{program} {opt}: a placeholder would let a value name the script {program} runs"
                 return None  # a script file: what follows are its arguments
         return None
+    return None
+
+
+def _script_first(program: str, rest: list[str]) -> str | None:
+    """awk's or sed's program text: its first operand, or what follows ``-e``; none after ``-f FILE``."""
+    code_options, file_options = _SCRIPT_FIRST[program]
+    skip = had_code = False
+    for j, opt in enumerate(rest):
+        if skip:
+            skip = False
+            continue
+        name = opt.partition("=")[0]
+        if name in file_options:
+            return None
+        if name in code_options:
+            code = opt.partition("=")[2] if "=" in opt else (rest[j + 1] if j + 1 < len(rest) else "")
+            if has(code):
+                return f"{program} {name} runs its next argument as a program: a placeholder there would let a value be code"
+            skip, had_code = "=" not in opt, True
+            continue
+        if opt in _OPTION_ARGS:
+            skip = True
+            continue
+        if not opt.startswith("-"):
+            if has(opt) and not had_code:  # (after -e CODE, the operands are files)
+                return f"{program} {opt}: its first operand is a program: a placeholder there would let a value be code"
+            return None
     return None
 
 

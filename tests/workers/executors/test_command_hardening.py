@@ -77,10 +77,27 @@ def test_args_separator_must_be_a_boolean():
         'ruby -e "{{x}}"',
         "pwsh -Command {{x}}",
         "sh {{script}}",
+        # options that take a value before the code option; wrappers with their own arguments
+        'bash -o errexit -c "echo {{x}}"',
+        'bash --rcfile /dev/null -c "echo {{x}}"',
+        'python3 -W ignore -c "print({{x}})"',
+        'perl -I /tmp -e "{{x}}"',
+        "timeout 5 sh {{script}}",
+        'sudo -u bob bash -c "{{x}}"',
+        # program text as an operand (sed's `e` command runs a shell)
+        "awk {{x}}",
+        "gawk -v n=1 {{x}} file",
+        "sed -n {{x}} file",
+        "sed -e {{x}} file",
+        # a value choosing the program a wrapper runs
+        "env {{x}}",
+        "xargs {{x}}",
+        "timeout 5 {{x}}",
+        "env LC_ALL=C {{x}} arg",
     ],
 )
 def test_a_placeholder_in_shell_or_interpreter_code_is_refused_at_registration(cmd):
-    with pytest.raises(InvalidSpec, match="code|script"):
+    with pytest.raises(InvalidSpec, match="code|script|program"):
         spec(command=cmd)
 
 
@@ -92,6 +109,14 @@ def test_a_placeholder_in_shell_or_interpreter_code_is_refused_at_registration(c
         "python3 tool.py -c {{x}}",
         "grep -c {{pattern}} file",
         "echo sh {{x}}",
+        "env LC_ALL=C sort {{file}}",
+        "timeout 5 curl {{url}}",
+        "awk '{print $1}' {{file}}",
+        "awk -f prog.awk {{file}}",
+        "sed -e s/a/b/ {{file}}",
+        "sed -n 1p {{file}}",
+        "git -C {{repo}} log",
+        "python3 -m http.server {{port}}",
     ],
 )
 def test_values_passed_as_arguments_after_the_code_are_fine(cmd):
