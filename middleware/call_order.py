@@ -36,6 +36,8 @@ from middleware.runtime import MiddlewareRuntime
 
 # (tool_name, effective_args, context) -> None, or raise to refuse the call.
 Check = Callable[[str, dict[str, Any], dict[str, Any]], Any]
+# (effective args or request, run the execution chain) -> its result: the host's step around the chain.
+Around = Callable[[dict[str, Any], Callable[[], Any]], Any]
 
 
 def error_type(exc: BaseException) -> str:
@@ -104,15 +106,14 @@ class ToolCallFlow:
         policy: Check | None = None,
         on_trace: Callable[[list[dict[str, Any]]], Any] | None = None,
         skip_plugins: Collection[str] = (),
-        on_execute: Callable[[], Any] | None = None,
-        on_executed: Callable[[], Any] | None = None,
+        around_execution: Around | None = None,
     ) -> Any:
         """Run the call; return the final result or raise. Per-call checks override the flow's.
 
         ``on_trace(middleware_trace)`` gets the ``tool_request`` trace as soon as it is known, even when a
         later step refuses the call. ``skip_plugins``: keys of plugins the caller already ran.
-        ``on_execute()`` runs right before the ``tool_execution`` chain (the call is executing) and
-        ``on_executed()`` right after it returned, before ``post_tool_call`` (the call is formatting).
+        ``around_execution(args, chain)`` runs the ``tool_execution`` chain (``chain()``) on the effective
+        args, after the checks and before ``post_tool_call``: the host's executing step around it.
         """
         rt = _current(self.source).without(skip_plugins)
         check_available = check_available or self.check_available
@@ -125,12 +126,7 @@ class ToolCallFlow:
                 check_available(tool_name, args, ctx)
             if policy is not None:
                 policy(tool_name, args, ctx)
-            if on_execute is not None:
-                on_execute()
-            result = execute(args)
-            if on_executed is not None:
-                on_executed()
-            return result
+            return around_execution(args, lambda: execute(args)) if around_execution is not None else execute(args)
 
         outcome = rt.tool_request(ctx, tool_name, args)
         eff, trace = outcome.payload, outcome.trace
@@ -168,16 +164,13 @@ class ToolCallFlow:
 
         started = time.monotonic()
         try:
-            if on_execute is not None:
-                on_execute()
-            result = rt.run_tool_execution(ctx, tool_name, eff, execute, original_args=outcome.original)
+            chain = lambda: rt.run_tool_execution(ctx, tool_name, eff, execute, original_args=outcome.original)  # noqa: E731
+            result = around_execution(eff, chain) if around_execution is not None else chain()
         except BaseException as exc:
             status = "cancelled" if self.is_cancelled(exc) else "error"
             _post(rt, base, eff, trace, None, _elapsed_ms(started), status, exc=exc)
             raise
         duration_ms = _elapsed_ms(started)
-        if on_executed is not None:
-            on_executed()
         _post(rt, base, eff, trace, result, duration_ms)
         if rt.has_hook(TRANSFORM_TOOL_RESULT):
             outcome_status, err_type, err_message = result_status(result)
@@ -266,24 +259,18 @@ class LLMCallFlow:
         retry_count: int | None = None,
         max_retries: int | None = None,
         skip_plugins: Collection[str] = (),
-        on_execute: Callable[[], Any] | None = None,
-        on_executed: Callable[[], Any] | None = None,
+        around_execution: Around | None = None,
     ) -> Any:
         """Run the provider call with ``request`` (the built provider kwargs); return its response or raise.
 
         ``on_trace`` gets this attempt's ``llm_request`` trace before the provider runs; ``retry_count``
-        and ``max_retries`` go to ``api_request_error``; ``skip_plugins``, ``on_execute`` (before the
-        ``llm_execution`` chain) and ``on_executed`` (after it returned, before ``post_api_request``) as
-        for tool calls.
+        and ``max_retries`` go to ``api_request_error``; ``skip_plugins`` and ``around_execution`` (around
+        the ``llm_execution`` chain, after ``pre_api_request``, before ``post_api_request``) as for tool calls.
         """
         rt = _current(self.source).without(skip_plugins)
         if rt.empty:
-            if on_execute is not None:
-                on_execute()
-            response = call_provider(request)
-            if on_executed is not None:
-                on_executed()
-            return response
+            bare = lambda: call_provider(request)  # noqa: E731
+            return around_execution(request, bare) if around_execution is not None else bare()
         ctx = normalize_context(context, LLM_CONTEXT_FIELDS)
         outcome = rt.llm_request(ctx, request)
         eff, trace = outcome.payload, outcome.trace
@@ -302,11 +289,10 @@ class LLMCallFlow:
             )
         t0 = time.monotonic()
         try:
-            if on_execute is not None:
-                on_execute()
-            response = rt.run_llm_execution(
+            chain = lambda: rt.run_llm_execution(  # noqa: E731
                 ctx, eff, call_provider, original_request=outcome.original, middleware_trace=trace
             )
+            response = around_execution(eff, chain) if around_execution is not None else chain()
         except BaseException as exc:
             if rt.has_hook(API_REQUEST_ERROR):
                 rt.emit(
@@ -321,8 +307,6 @@ class LLMCallFlow:
                     error={"type": error_type(exc), "message": str(exc)},
                 )
             raise
-        if on_executed is not None:
-            on_executed()
         if rt.has_hook(POST_API_REQUEST):
             extra = dict(self.describe_response(response)) if self.describe_response is not None else {}
             fields = post_api_fields(eff, response, extra)

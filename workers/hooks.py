@@ -52,6 +52,12 @@ class Hook:
         self, run: Running, spec: ToolSpec, args: dict[str, Any], error: BaseException | None
     ) -> None: ...
 
+    def before_chain(self, run: Running, spec: ToolSpec, args: dict[str, Any]) -> None: ...
+
+    def after_chain(
+        self, run: Running, spec: ToolSpec, args: dict[str, Any], error: BaseException | None
+    ) -> None: ...
+
     def before_execute(self, run: Running, spec: ToolSpec, args: dict[str, Any]) -> None: ...
 
     def after_execute(
@@ -141,8 +147,9 @@ log = structlog.get_logger("hermes.breaker")
 
 
 class Circuit(Hook):
-    """A tool's circuit breaker (``broker/breaker.py``): checked right before its executor (open: CircuitOpen)
-    and told the executor's outcome after; a change is logged, counted, published and told the caller."""
+    """A tool's circuit breaker (``broker/breaker.py``): checked before the tool_execution middleware chain
+    (open: CircuitOpen, and no middleware runs) and told the executor's outcome after it; a change is
+    logged, counted, published and told the caller."""
 
     def __init__(self, core: WorkerCore) -> None:
         super().__init__(core)
@@ -153,7 +160,8 @@ class Circuit(Hook):
     def breakers(self) -> Breakers:
         return Breakers(self.core.conn)
 
-    def before_execute(self, run: Running, spec: ToolSpec, args: dict[str, Any]) -> None:
+    def before_chain(self, run: Running, spec: ToolSpec, args: dict[str, Any]) -> None:
+        """Before the tool_execution middleware chain (DESIGN.md: breaker check, then the chain)."""
         cfg = self.config(spec)
         if cfg is None:
             return
@@ -169,12 +177,21 @@ class Circuit(Hook):
             )
         run.breaker = (cfg, decision.probe)
 
+    def after_chain(self, run: Running, spec: ToolSpec, args: dict[str, Any], error: BaseException | None) -> None:
+        """The chain ended without reaching the executor (a middleware answered or failed first): its probe,
+        if it held one, is given back without an outcome."""
+        if run.breaker is not None:
+            self._record(run, None, neutral=True)
+
     def after_execute(self, run: Running, spec: ToolSpec, args: dict[str, Any], error: BaseException | None) -> None:
+        self._record(run, error)
+
+    def _record(self, run: Running, error: BaseException | None, neutral: bool = False) -> None:
         if run.breaker is None:
             return
         (cfg, probe), run.breaker = run.breaker, None
         outcome, etype = "ok", ""
-        if isinstance(error, CallCancelled):
+        if neutral or isinstance(error, CallCancelled):
             outcome = "neutral"
         elif error is not None:
             etype = error.type if isinstance(error, HermesError) else "internal_error"

@@ -199,8 +199,7 @@ class LLMCall:
             retry_count=n - 1,
             max_retries=self.max_retries,
             skip_plugins=plugins_applied(self.run.env.context),
-            on_execute=lambda: self.runner.executing(run),  # (before the llm_execution chain)
-            on_executed=lambda: None if run.lost or run.abandoned else self.runner.formatting(run),
+            around_execution=lambda request, chain: self.runner.execution(run, None, request, chain),
         )
 
     def _delta(self, delta: dict[str, Any]) -> None:

@@ -190,7 +190,7 @@ class CallRunner:
         self._ends = [f for h in reversed(hooks) if (f := hooked(h, "after_call"))]
         self._endings = [f for h in hooks if (f := hooked(h, "ending"))]
         self._stages: dict[str, Stage] = {}
-        for stage in ("flow", "checks", "execute"):
+        for stage in ("flow", "checks", "chain", "execute"):
             pairs = [(hooked(h, f"before_{stage}"), hooked(h, f"after_{stage}")) for h in hooks]
             self._stages[stage] = [pair for pair in pairs if pair != (None, None)]
 
@@ -284,6 +284,15 @@ class CallRunner:
         """The call reached its execution chain (or a middleware answered for it): ``routing`` → ``executing``."""
         if run.state is State.ROUTING:
             self._move(run, State.EXECUTING)
+
+    def execution(self, run: Running, spec: ToolSpec | None, payload: dict[str, Any], chain: Callable[[], Any]) -> Any:
+        """DESIGN.md's executing step: the move, then (a tool call) the chain stage — the breaker's check
+        first — around the execution middleware chain; formatting as it returns, before the post hooks."""
+        self.executing(run)
+        result = chain() if spec is None else self._stage("chain", run, spec, payload, chain)
+        if not (run.lost or run.abandoned):
+            self.formatting(run)
+        return result
 
     def formatting(self, run: Running) -> None:
         """Its execution chain returned (or a hook answered for it): on to ``formatting``, once."""
@@ -416,8 +425,7 @@ class CallRunner:
             policy=checks,
             on_trace=on_trace,
             skip_plugins=plugins_applied(context),
-            on_execute=lambda: self.executing(run),  # (before the tool_execution chain, as DESIGN.md's flow)
-            on_executed=lambda: None if run.lost or run.abandoned else self.formatting(run),
+            around_execution=lambda eff, chain: self.execution(run, spec, eff, chain),
         )
 
     def _back_to_waiting(self, run: Running, limited: RateLimited) -> None:

@@ -424,3 +424,42 @@ def test_a_timeout_stops_the_command_and_its_process_is_gone(
     with pytest.raises(CallFailed) as info:
         gateway.call_tool("short", {"seconds": 5}).result(10)
     assert info.value.error_type == "tool_timeout"
+
+
+COUNTING_MIDDLEWARE = '''
+import os
+
+
+def _counted(**kw):
+    with open(os.environ["E2E_MIDDLEWARE_LOG"], "a") as f:
+        f.write(kw["args"].get("tag", "") + "\\n")
+    return kw["next_call"](kw["args"])
+
+
+def register(ctx):
+    ctx.register_middleware("tool_execution", _counted)
+'''
+
+
+def test_an_open_breaker_refuses_before_the_tool_execution_middleware_runs(
+    gateway: Any, home: Any, workers: Any, tmp_path: Path
+) -> None:
+    """DESIGN.md: `executing`: breaker check, then the tool_execution middleware chain around the executor."""
+    from middleware import enable_plugin
+
+    root = home.path / "plugins" / "counting"
+    root.mkdir(parents=True)
+    (root / "plugin.yaml").write_text("name: counting\nversion: '0.1.0'\nkind: standalone\n")
+    (root / "__init__.py").write_text(COUNTING_MIDDLEWARE)
+    enable_plugin(home.path, "counting")
+    mode, log = _fragile(home, tmp_path, failures=2, cooldown=60)
+    gateway.sync_tools()
+    seen = tmp_path / "middleware.log"
+    workers(1, env={"E2E_MIDDLEWARE_LOG": str(seen)})
+    call = lambda tag: gateway.call_tool("fragile", {"mode_file": str(mode), "log": str(log), "tag": tag})  # noqa: E731
+    for tag in ("f0", "f1"):
+        with pytest.raises(ExecutorError):
+            call(tag).result(10)
+    with pytest.raises(CircuitOpen):
+        call("refused").result(10)
+    assert seen.read_text().split() == ["f0", "f1"]  # the refused call never reached the middleware
