@@ -65,6 +65,15 @@ def _failed(node: pytest.Item) -> bool:
 # -- waiting -----------------------------------------------------------------------------------
 
 
+def sigint_as_by_default() -> None:
+    """A ``preexec_fn`` for a child a test sends Ctrl-C (SIGINT): it gets the signal's default handling even
+    when the test run itself was started with SIGINT ignored (a shell's background job, ``nohup``), which a
+    child would inherit across exec."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def wait_until(
     predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, message: str = ""
 ) -> Any:

@@ -20,7 +20,7 @@ from broker import events, keys
 from broker.audit import CONTEXT_KEYS, AuditLog
 from broker.calls import envelope_of
 from hermes_gateway.chat import ChatSession
-from tests.conftest import Home
+from tests.conftest import Home, sigint_as_by_default
 from tests.llm_server import LLMServer, Reply
 
 pytestmark = pytest.mark.e2e
@@ -349,7 +349,7 @@ def test_cli_chat_at_a_terminal_shows_a_banner_and_prompt_and_ctrl_c_at_the_prom
     master, slave = pty.openpty()
     proc = subprocess.Popen(
         [CLI, "chat"], stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env=cli_env(home), start_new_session=True,
+        env=cli_env(home), start_new_session=True, preexec_fn=sigint_as_by_default,
     )
     os.close(slave)
     try:

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import sigint_as_by_default
+
 ROOT = Path(__file__).resolve().parents[2]
 CLI = str(Path(sys.executable).parent / "hermes-gateway")
 
@@ -248,7 +250,8 @@ def test_demo_interrupted_mid_batch_cancels_its_calls_before_it_leaves(
     log = tmp_path / "demo.out"
     with open(log, "w") as stdout:
         demo = subprocess.Popen([CLI, "demo", "--calls", "3000", "--processes", "1", "--concurrency", "2"],
-                                env=_env(home, HERMES_REDIS_URL=redis_url), stdout=stdout, stderr=subprocess.STDOUT)  # fmt: skip
+                                env=_env(home, HERMES_REDIS_URL=redis_url), stdout=stdout, stderr=subprocess.STDOUT,
+                                preexec_fn=sigint_as_by_default)  # fmt: skip
     try:
         wait_until(lambda: _demo_leftovers(gateway.conn)["calls"] > 1000, timeout=60, message="the demo's batch")
         demo.send_signal(signal.SIGINT)  # Ctrl-C mid-batch

@@ -207,9 +207,16 @@ def test_a_call_whose_wait_ends_by_keyboard_interrupt_or_an_error_is_cancelled(
     gateway.sync_tools()
     bridge = _bridge(home, gateway)
     handles = _recorded(gateway, monkeypatch)
-    threading.Timer(0.4, _thread.interrupt_main).start()  # Ctrl-C in the agent while the tool runs
-    with pytest.raises(KeyboardInterrupt):
-        bridge.call("sleep", {"seconds": 1}, {"session_id": "s1"})
+    import signal
+
+    # (interrupt_main does nothing while SIGINT is ignored, as in a run started as a background job)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.4, _thread.interrupt_main).start()  # Ctrl-C in the agent while the tool runs
+        with pytest.raises(KeyboardInterrupt):
+            bridge.call("sleep", {"seconds": 1}, {"session_id": "s1"})
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert gateway.calls.record(handles[0].call_id)["state"] == "cancelled"
 
     # An error out of the wait (a routed LLM turn's, here) cancels it too.
