@@ -211,6 +211,8 @@ class Bridge:
     def call(self, name: str, args: dict[str, Any], kw: dict[str, Any]) -> str:
         ids = {"session_id": kw.get("session_id"), "task_id": kw.get("task_id"), **(_TOOL_CALL.get() or {})}
         context = self._context(ids)
+        if self.options.tool_prefix:  # Hermes ran its plugins on the prefixed name: one matching the tool by
+            context.pop("plugins_applied", None)  # name did not apply there, so the workers run them all
         parent = self._last_llm.get(context.get("session_id", ""))
         if parent:
             context["parent_call_id"] = parent

@@ -149,6 +149,14 @@ def test_calls_name_the_plugins_the_agent_runs_itself(
     monkeypatch.setattr(gateway, "call_tool", recording)
     bridge.call("echo", {}, {"session_id": "s1"})
     assert submitted[0] is not None and submitted[0].context["plugins_applied"] == "middleware-demo-llm-tag"
+    # With a tool prefix Hermes saw `gw_echo`, so a plugin matching `echo` by name never applied there:
+    # the workers are not told to skip any (else such a rewrite or guardrail would apply nowhere).
+    prefixed = Bridge(Options(url=None, timeout=0.3, tool_prefix="gw_"), load_settings(home.path))
+    prefixed._gw = gateway
+    assert [name for name, _ in prefixed.tools()] == ["gw_echo"]
+    prefixed.call("gw_echo", {}, {"session_id": "s1"})
+    assert submitted[1] is not None and submitted[1].tool == "echo"
+    assert "plugins_applied" not in submitted[1].context
 
 
 def _bridge(home: Home, gateway: Any, timeout: float = 30.0) -> Bridge:
