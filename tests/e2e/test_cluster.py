@@ -78,14 +78,6 @@ def test_each_outbox_write_on_a_cluster_gets_its_own_reply(curl: str) -> None:
     conn = from_url(curl)
     box = Outbox(conn)
     gate, got = threading.Event(), {}
-    refusals: list[int] = []  # each time the moving slot refused the write and the outbox was asked to send it again
-    keep_trying = box._keep_trying
-
-    def counted(rounds: int, error: Exception) -> bool:
-        refusals.append(rounds)
-        return keep_trying(rounds, error)
-
-    box._keep_trying = counted  # type: ignore[method-assign]
     try:
         box.put(lambda pipe: gate.wait(5) and pipe.exists("hermes:test:gate"))  # (the rest queue up behind it)
         for i in range(12):
