@@ -288,17 +288,23 @@ def test_a_breaker_opens_lets_one_probe_through_and_closes_across_two_workers(
     assert progress and progress[0].detail["breaker"]["state"] == "open"
 
 
-def test_a_failed_call_is_retried_on_schedule_without_holding_a_worker_thread(
-    gateway: Any, home: Any, workers: Any, conn: Any, tmp_path: Path, wait_until: Any
-) -> None:
-    counter = tmp_path / "count"
+def _flaky(home: Any, tmp: Path, backoff: float) -> Path:
+    """``flaky``: fails the first ``times`` calls (counted in the file returned), retried 3 times at
+    ``backoff`` seconds, doubling, no jitter."""
     home.tool(
         "flaky",
         function="tests.e2e.flowtools:fail_times",
         timeout=10,
-        retry={"max": 3, "backoff": 0.4, "jitter": 0},
+        retry={"max": 3, "backoff": backoff, "jitter": 0},
         input_schema={"type": "object"},
     )
+    return tmp / "count"
+
+
+def test_a_failed_call_is_retried_on_schedule_without_holding_a_worker_thread(
+    gateway: Any, home: Any, workers: Any, conn: Any, tmp_path: Path, wait_until: Any
+) -> None:
+    counter = _flaky(home, tmp_path, backoff=0.4)
     home.echo_tool()
     gateway.sync_tools()
     workers(1, concurrency=1)  # one thread: the other call can only run while the retry waits
@@ -345,14 +351,7 @@ def test_a_failed_call_is_retried_on_schedule_without_holding_a_worker_thread(
 def test_a_call_cancelled_while_it_waits_for_its_next_attempt_ends_at_once_and_never_runs_again(
     gateway: Any, home: Any, workers: Any, conn: Any, tmp_path: Path, wait_until: Any
 ) -> None:
-    counter = tmp_path / "count"
-    home.tool(
-        "flaky",
-        function="tests.e2e.flowtools:fail_times",
-        timeout=10,
-        retry={"max": 3, "backoff": 1.5, "jitter": 0},
-        input_schema={"type": "object"},
-    )
+    counter = _flaky(home, tmp_path, backoff=1.5)
     gateway.sync_tools()
     workers(1)
     h = gateway.call_tool("flaky", {"counter": str(counter), "times": 1})
