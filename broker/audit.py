@@ -20,7 +20,7 @@ from broker.envelope import filler
 from broker.logs import MASK, is_secret_key, redact, redact_text, sensitive_hashes
 
 from . import keys, pipes, scripts
-from .codec import pack, text, unpack
+from .codec import WIRE_INTS, pack, text, unpack
 from .errors import DecodeError
 from .settings import DEFAULT_AUDIT_MAXLEN, AuditSettings
 
@@ -237,7 +237,7 @@ def _printable(value: Any, depth: int = 0) -> Any:
     if isinstance(value, bool) or value is None or isinstance(value, str | float):
         return value
     if isinstance(value, int):
-        return value if -(2**63) <= value < 2**64 else str(value)
+        return value if value in WIRE_INTS else str(value)
     return repr(value)
 
 

@@ -18,6 +18,32 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"cannot encode {type(obj).__name__} on the wire")
 
 
+# What msgpack carries as an integer (int64 to uint64), and how deeply a call's arguments may nest (later
+# code recurses over them).
+WIRE_INTS = range(-(2**63), 2**64)
+MAX_DEPTH = 100
+
+
+def nesting(value: Any, limit: int = MAX_DEPTH) -> int:
+    """How deeply ``value`` nests lists and mappings, counted up to ``limit + 1`` (without recursion); -1
+    when a mapping has a key that is not text (JSON's keys are; a later JSON reader would fail on it)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, dict | list | tuple) else []
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return depth
+        deepest = max(deepest, depth)
+        if isinstance(item, dict):
+            if not all(type(k) is str for k in item):
+                return -1
+            item = item.values()
+        for child in item:  # (a loop: no generator per item)
+            if isinstance(child, dict | list | tuple):
+                stack.append((child, depth + 1))
+    return deepest
+
+
 _packers = threading.local()
 _KEEP_BELOW = 64 * 1024  # a packer whose buffer grew past this is let go, not kept for the thread
 

@@ -19,7 +19,7 @@ import structlog
 from broker import events as ev_mod
 from broker import keys
 from broker.calls import CallInfo
-from broker.codec import pack, text, unpack
+from broker.codec import MAX_DEPTH, nesting, pack, text, unpack
 from broker.config import MAX_ARGS_ENV, Settings
 from broker.connection import BrokerHandle, connect
 from broker.directory import Directory, Entry
@@ -54,7 +54,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger("hermes.client")
 
 MAX_FAIRNESS_KEY = 256  # characters of a fairness key (it is a field of a hash in Redis)
-MAX_DEPTH = 100  # levels of nesting a call's arguments may have
 WORKERS_TRUSTED = 5.0  # seconds a queue seen with a live worker is not checked again (check_workers)
 ENDED_KEPT = 1000  # ended calls' handles the asyncio client keeps for `handle(id)` (the HTTP API's streams)
 
@@ -211,26 +210,6 @@ class CallOptions:
             timeout=self.timeout, idempotency_key=self.idempotency_key, max_attempts=self.max_attempts,
             fairness_key=fkey, call_class=klass,
         )
-
-
-def nesting(value: Any, limit: int = MAX_DEPTH) -> int:
-    """How deeply ``value`` nests lists and mappings, counted up to ``limit + 1`` (without recursion); -1
-    when a mapping has a key that is not text (JSON's keys are; a later JSON reader would fail on it)."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, dict | list | tuple) else []
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            return depth
-        deepest = max(deepest, depth)
-        if isinstance(item, dict):
-            if not all(type(k) is str for k in item):
-                return -1
-            item = item.values()
-        for child in item:  # (a loop: no generator per item)
-            if isinstance(child, dict | list | tuple):
-                stack.append((child, depth + 1))
-    return deepest
 
 
 def check_sendable(value: Any, what: str, limit: int | None = None) -> bytes:

@@ -22,6 +22,7 @@ import yaml
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
+from broker.codec import MAX_DEPTH, WIRE_INTS, nesting
 from broker.errors import InvalidArgs, InvalidOutput, InvalidSpec
 from broker.settings import shortcut_on as on
 
@@ -115,24 +116,20 @@ def _coerce_string(value: str, schema: dict[str, Any], types: list[str]) -> Any:
     return value
 
 
-# What the wire (msgpack) carries as an integer: a string past it stays a string, which the schema refuses.
-_WIRE_INTS = range(-(2**63), 2**64)
-
-
 def _coerce_number(value: str, integer_only: bool) -> Any:
     if _INT.match(value):
         try:
             n = int(value)  # exact, even past float precision
         except ValueError:  # (more digits than Python converts)
             return value
-        return n if n in _WIRE_INTS else value
+        return n if n in WIRE_INTS else value  # (past the wire's integers: text, which the schema refuses)
     try:
         f = float(value)
     except (ValueError, OverflowError):
         return value
     if not math.isfinite(f):
         return value
-    if f == int(f) and int(f) in _WIRE_INTS:
+    if f == int(f) and int(f) in WIRE_INTS:
         return int(f)
     return value if integer_only else f
 
@@ -142,22 +139,7 @@ def _coerce_json(value: str, kind: type) -> Any:
         parsed = json.loads(value)
     except (ValueError, TypeError, RecursionError):
         return value
-    return parsed if isinstance(parsed, kind) and _depth(parsed) <= _MAX_JSON_DEPTH else value
-
-
-_MAX_JSON_DEPTH = 100  # as deep as a caller's arguments may nest (hermes_gateway.clientcore.MAX_DEPTH)
-
-
-def _depth(value: Any) -> int:
-    """How deeply ``value`` nests lists and dicts (iteratively: it may be deeper than Python recurses)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        deepest = max(deepest, depth)
-        for child in item.values() if isinstance(item, dict) else item:
-            if isinstance(child, dict | list):
-                stack.append((child, depth + 1))
-    return deepest
+    return parsed if isinstance(parsed, kind) and nesting(parsed) <= MAX_DEPTH else value  # (deeper: text)
 
 
 # --- validation ---------------------------------------------------------------------------------
