@@ -175,11 +175,11 @@ def missed_moves(end: Event, last: int, moved: int) -> list[Event]:
     ]
 
 
-def filled(evs: Sequence[Event], last: int = 0) -> list[Event]:
-    """``evs`` (a history read after seq ``last``) with the moves an ended call's kept end carries as steps
-    rebuilt before it (``missed_moves``): what a reader of a trimmed history is shown."""
+def filled(evs: Sequence[Event], last: int = 0, moved: int = 0) -> list[Event]:
+    """``evs`` (read after seq ``last``, ``moved`` transitions seen before) with the moves an ended call's
+    kept end carries as steps rebuilt before it (``missed_moves``): what a reader of a trimmed history is
+    shown."""
     out: list[Event] = []
-    moved = 0
     for ev in evs:
         if ev.terminal and ev.seq > last + 1:
             out += missed_moves(ev, last, moved)
@@ -240,7 +240,7 @@ def follow(
 ) -> Iterator[Event]:
     """History then live tail of one call, each event once, in seq order, until a terminal event (subscribed
     before the history is read; a gap in the tail is filled from the history). ``after``: the seq seen."""
-    last, moved = after, 0  # (transitions among them: an end past a gap gets those it misses rebuilt)
+    last, moved = after, 0  # (transitions seen: for an end past a gap written before steps had seqs)
     channel = conn.hget(keys.job(call_id), keys.F_CHANNEL)
     if channel is None:  # (an ended call's record names no channel: its history has the end)
         yield from filled(history(conn, call_id, after + 1), after)
@@ -251,8 +251,7 @@ def follow(
         quiet, deadline = False, None
         fresh = history(conn, call_id, after + 1)
         while True:
-            for ev in fresh:
-                yield from missed_moves(ev, last, moved) if ev.terminal and ev.seq > last + 1 else ()
+            for ev in filled(fresh, last, moved):
                 last, moved = ev.seq, moved + (ev.type == TRANSITION)
                 yield ev
                 if ev.terminal:
