@@ -117,6 +117,8 @@ def parent_context(
     traceparent: str | None, tracestate: str | None = None, baggage: str | None = None
 ) -> otel_context.Context:
     """The OpenTelemetry context a W3C ``traceparent``/``tracestate``/``baggage`` triple describes."""
+    if tracestate and len(tracestate) > TRACESTATE_MAX:
+        tracestate = _truncated(tracestate)
     fast = _fast_parent(traceparent, tracestate) if not baggage else None
     if fast is not None:
         return fast
@@ -126,6 +128,25 @@ def parent_context(
     if baggage:
         carrier["baggage"] = baggage
     return _W3C.extract(carrier, context=otel_context.Context())
+
+
+TRACESTATE_MAX = 512  # W3C: what every vendor must propagate, and the bound it truncates to
+
+
+def _truncated(tracestate: str) -> str:
+    # W3C Trace Context's truncation: members over 128 characters go first, then from the end until
+    # the header fits. (OpenTelemetry logs an invalid member whole: a 60 KB header became a 60 KB line.)
+    kept: list[str] = []
+    size = -1
+    for member in tracestate.split(","):
+        member = member.strip()
+        if not member or len(member) > 128:
+            continue
+        if size + 1 + len(member) > TRACESTATE_MAX:
+            break
+        kept.append(member)
+        size += 1 + len(member)
+    return ",".join(kept)
 
 
 def _fast_parent(traceparent: str | None, tracestate: str | None) -> otel_context.Context | None:

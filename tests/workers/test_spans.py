@@ -328,3 +328,19 @@ def test_an_attribute_set_after_the_end_does_not_reach_the_exported_span() -> No
     span.end()
     span._attributes["late"] = True  # as a racing set_attribute that passed its check just before end()
     assert dict(exporter.get_finished_spans()[0].attributes) == {"a": 1}
+
+
+def test_an_oversized_tracestate_is_truncated_as_w3c_says_and_logged_at_no_length(caplog: Any) -> None:
+    big = "a=" + "x" * 60_000
+    members = [f"k{i}=" + "v" * 40 for i in range(20)]  # 20 x 44 characters: over 512
+    header = ",".join([members[0], big, *members[1:]])
+    with caplog.at_level("WARNING"):
+        state = trace.get_current_span(parent_context(TP, header)).get_span_context().trace_state
+    # the 128+ member goes first, then members from the end until the header fits 512 characters
+    assert state.to_header() == ",".join(members[:11])
+    assert len(state.to_header()) <= 512
+    assert all(len(r.getMessage()) < 1_000 for r in caplog.records)
+    # a header within bounds is kept as sent
+    assert trace.get_current_span(parent_context(TP, "vendor=abc")).get_span_context().trace_state.to_header() == (
+        "vendor=abc"
+    )
