@@ -222,6 +222,35 @@ class ChangeNotices:
                 group.start_soon(tell, key, session)
 
 
+async def answer_unreadable(source: Any, sink: Any, replies: Any) -> None:
+    """Pass the client's messages on; answer a line that is no JSON-RPC message (the SDK's stdio reader
+    hands it over as an exception, which the server drops: the client would wait for ever) with a parse
+    error or an invalid request, under the line's id when Python's more lenient json reads one (a lone
+    surrogate escape, which pydantic refuses), else null as JSON-RPC says."""
+    from mcp.shared.message import SessionMessage
+
+    async with sink:
+        async for item in source:
+            if not isinstance(item, Exception):
+                await sink.send(item)
+                continue
+            problems = item.errors() if hasattr(item, "errors") else []
+            line = problems[0].get("input") if problems else None
+            parsed = False
+            request_id: Any = None
+            try:
+                body = json.loads(line) if isinstance(line, str) else None
+                parsed = True
+            except ValueError:
+                body = None
+            if isinstance(body, dict) and type(body.get("id")) in (int, str):
+                request_id = body["id"]
+            code = types.INVALID_REQUEST if parsed and all(p.get("type") != "json_invalid" for p in problems) else types.PARSE_ERROR
+            message = "not a JSON-RPC message" if code == types.INVALID_REQUEST else "unreadable JSON (RFC 8259, UTF-8, no lone surrogates)"
+            error = types.ErrorData(code=code, message=message)
+            await replies.send(SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=request_id, error=error)))
+
+
 async def serve_stdio(gw: Any, **options: Any) -> None:
     """Serve ``gw``'s directory over stdin/stdout until the client closes stdin."""
     from mcp.server.stdio import stdio_server
@@ -238,7 +267,10 @@ async def serve_stdio(gw: Any, **options: Any) -> None:
     notices = ChangeNotices(gw, sessions, bus, asyncio.get_running_loop()).start()
     try:
         async with stdio_server() as (read_stream, write_stream):
-            await server.run(read_stream, write_stream, server.create_initialization_options())
+            sink, inbox = anyio.create_memory_object_stream[Any](0)
+            async with anyio.create_task_group() as group:
+                group.start_soon(answer_unreadable, read_stream, sink, write_stream)
+                await server.run(inbox, write_stream, server.create_initialization_options())
     finally:
         notices.stop()
         await agw.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -207,3 +208,37 @@ def test_a_newer_protocol_client_hears_of_a_change_on_its_listen_stream(home: Ho
     before, after = asyncio.run(session())
     assert [t.name for t in before.tools] == ["first"]
     assert [t.name for t in after.tools] == ["first", "second"]
+
+
+def test_a_line_that_is_no_json_rpc_message_gets_an_error_reply_and_the_session_goes_on(home: Home, redis_url: str) -> None:
+    import json
+    import subprocess
+
+    spec = _server(home, redis_url)
+    proc = subprocess.Popen(spec["command"], env=spec["env"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    hello = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
+    lines = [
+        json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": hello}),
+        json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+        '{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"\\ud800x","arguments":{}}}',  # lone surrogate
+        '{"jsonrpc":"2.0","id":3,"method":"tools/li',  # cut short: no id to read
+        '{"hello": "world"}',  # JSON, but no JSON-RPC message
+        json.dumps({"jsonrpc": "2.0", "id": 4, "method": "tools/list"}),
+    ]
+    replies: list[dict[str, Any]] = []
+    guard = threading.Timer(60, proc.kill)  # a missing reply fails the test (EOF), never hangs it
+    guard.start()
+    try:
+        proc.stdin.write("\n".join(lines).encode() + b"\n")
+        proc.stdin.flush()  # (left open: at end of input the server cancels what it still runs)
+        for _ in range(5):  # a reply for every line but the notification, or the read blocks until the kill
+            replies.append(json.loads(proc.stdout.readline()))
+    finally:
+        guard.cancel()
+        proc.kill()
+        proc.wait()
+    assert [r.get("id") for r in replies] == [1, 2, None, None, 4]
+    assert [r.get("error", {}).get("code") for r in replies] == [None, -32700, -32700, -32600, None]
+    assert replies[-1]["result"] == {"tools": []}
