@@ -364,8 +364,11 @@ class Calls:
         """The calls a claim took (claim_calls' reply): ids not found here are asked again
         (``recheck_absent``), an unreadable record is settled alone."""
         if absent:
-            for gone in recheck_absent(self.conn, absent, requeue=keys.queue(queue)):
-                DROPPED.warn(queue, gone)
+            gone = recheck_absent(self.conn, absent, requeue=keys.queue(queue))
+            for cid in gone:
+                DROPPED.warn(queue, cid)
+            if gone:
+                self._stale_slots(queue, gone)
         out: list[Claimed] = []
         for i in range(0, len(reply), 3):
             cid, data, attempt = reply[i], reply[i + 1], reply[i + 2]
@@ -374,6 +377,23 @@ class Calls:
             except (TypeError, ValueError):  # one unreadable record is settled alone (broker.poison)
                 poison.settle(self, cid, poison.row_problem({"h_attempt": attempt}))  # type: ignore[arg-type]
         return out
+
+    def _stale_slots(self, queue: str, gone: list[bytes]) -> None:
+        # A queued call holds its slot (score +inf) until it ends; one whose record was deleted behind our
+        # back (by hand, or a flush of its key) never ends, so its slot would stay taken for good. Which
+        # key's slot it held went with the record: it is marked stale in each slot set of the queue's tag
+        # (XX: only where it is), so the next sweep frees it and promotes the call next in line.
+        tag = keys.tag(queue)
+        try:
+            ckeys = self.conn.hkeys(keys.limits(tag))
+            with self.conn.pipeline(transaction=False) as pipe:
+                for ckey in ckeys:
+                    for cid in gone:
+                        pipe.zadd(keys.slots(tag, text(ckey)), {cid: 0}, xx=True)
+                pipe.execute()
+        except redis.RedisError as e:
+            if not pipes.moving(e):
+                raise  # (a tag mid-migration: its marks are skipped, the slots stay taken)
 
     def extend_leases(self, runs: Sequence[CallInfo], lease: float, pipeline: Pipeline | None = None) -> None:
         """Push the lease deadline of calls still running here (only those still leased), and of the

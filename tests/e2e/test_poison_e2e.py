@@ -263,3 +263,22 @@ def test_garbage_ids_on_a_queue_are_drained_with_one_warning_each(
         shown = raw.decode(errors="replace")
         assert f"call_id={shown} " in line + " " or f"call_id={shown!r}" in line, line  # (quoted when it has spaces)
     assert "Traceback" not in worker.log()
+
+
+def test_a_queued_call_whose_record_was_deleted_by_hand_gives_its_slot_back(
+    gateway: Any, home: Any, workers: Any, conn: redis.Redis
+) -> None:
+    # Limit 1: the first call holds the slot while queued, the second waits for it. The first's record
+    # goes behind the gateway's back; the worker drops its id, and the slot it held goes to the second.
+    home.echo_tool(concurrency=1)
+    gateway.sync_tools()
+    lost = gateway.call_tool("echo", {"n": 1})
+    second = gateway.call_tool("echo", {"n": 2})
+    tag = keys.tag("tools")
+    slots = keys.slots(tag, "tool:echo")
+    assert conn.zrange(slots, 0, -1) == [lost.call_id.encode()] and conn.zcard(keys.waiting(tag, "tool:echo")) == 1
+    conn.delete(keys.job(lost.call_id))
+    (worker,) = workers(1, lease=1.0)
+    assert second.result(timeout=20) == {"n": 2}
+    assert "dropped an id on queue" in worker.log()
+    wait_until(lambda: conn.zcard(slots) == 0, 10, message="no slot left taken")
