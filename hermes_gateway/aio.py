@@ -407,7 +407,7 @@ class AsyncGateway:
                     with contextlib.suppress(HermesError):  # removed meanwhile: still redacted by name
                         sensitive = (await self.tool(info.name)).spec.sensitive
                 audit: Any = AuditLog.from_settings(conn, self.settings.audit)
-                await audit.append(target.audit_record(sensitive))
+                await audit.append(target.audit_record(sensitive, error))
                 return True
         await conn.hset(keys.job(call_id), keys.F_CANCEL, "1")
         await conn.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))

@@ -353,7 +353,7 @@ class Gateway:
                 if info.kind == "tool":
                     with contextlib.suppress(HermesError):  # removed meanwhile: still redacted by name
                         sensitive = self.directory.get(info.name).spec.sensitive
-                AuditLog.from_settings(conn, self.settings.audit).append(target.audit_record(sensitive))
+                AuditLog.from_settings(conn, self.settings.audit).append(target.audit_record(sensitive, error))
                 return True
         conn.hset(keys.job(call_id), keys.F_CANCEL, "1")
         conn.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))

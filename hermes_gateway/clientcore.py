@@ -407,8 +407,9 @@ class CancelTarget:
         info = CallInfo(call_id, trace, new_span_id(), kind, tool, session or None, chan, ckey, origin)
         return cls(info, state, int(attempt or 1), raw[-1])
 
-    def audit_record(self, sensitive: Any) -> Any:
-        """The audit record of the call cancelled while pending (no worker ran it)."""
+    def audit_record(self, sensitive: Any, error: dict[str, str]) -> Any:
+        """The audit record of the call cancelled while no worker held it (pending, or between attempts:
+        ``error`` says which)."""
         from broker.audit import AuditRecord, context_fields
         from broker.calls import envelope_of
 
@@ -421,7 +422,7 @@ class CancelTarget:
         return AuditRecord.of(
             call_id=info.call_id, kind=info.kind, state=str(State.CANCELLED),
             args=env.args if env is not None else None, sensitive=tuple(sensitive or ()),
-            request=env.request if env is not None and info.kind == "llm" else None, error=PENDING_CANCEL,
+            request=env.request if env is not None and info.kind == "llm" else None, error=error,
             tool_name=info.name if info.kind == "tool" else None,
             model=info.name if info.kind == "llm" else None, **context_fields(context),
             trace_id=info.trace_id, attempts=self.attempt,

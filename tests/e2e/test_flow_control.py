@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from broker import events, keys
+from broker.audit import AuditLog
 from broker.codec import unpack
 from broker.errors import CallCancelled, CallFailed, CircuitOpen, ExecutorError, ToolTimeout
 from tests.conftest import REPO
@@ -365,6 +366,8 @@ def test_a_call_cancelled_while_it_waits_for_its_next_attempt_ends_at_once_and_n
     assert states[-2:] == ["retrying", "cancelled"] or states == ["cancelled"]  # (the kept end alone, trimmed)
     time.sleep(2.0)  # a negative check, bounded: past when the retry was due (its backoff is 1.5 s)
     assert counter.read_text() == "1" and gateway.calls.record(h.call_id)["state"] == "cancelled"
+    record = AuditLog(conn).get(h.call_id)  # written by the cancel: no worker held the call
+    assert record is not None and record.state == "cancelled" and "while it waited for its next attempt" in (record.error_message or "")
 
 
 def test_a_call_submitted_twice_with_one_idempotency_key_runs_once(
