@@ -308,11 +308,15 @@ class Api:
         return reply((await run_in_threadpool(job.progress)).to_dict())
 
     async def batch_results(self, request: Request) -> Response:
-        job = await self._batch(request)
+        from hermes_gateway.batches import AsyncBatchJob
+
+        job = AsyncBatchJob(await self._batch(request))
         follow = request.query_params.get("follow", "1") not in ("0", "false", "no")
 
-        def lines() -> Any:  # (a sync iterator: Starlette runs it in the thread pool)
-            for item in job.results(follow=follow):
+        async def lines() -> AsyncIterator[str]:
+            # (asynchronous, each read a short one in a thread: a follower waiting on a batch that makes no
+            # progress holds no thread of the server's pool, and goes when its client does)
+            async for item in job.results(follow=follow):
                 yield dumps(item.to_dict()) + "\n"
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")

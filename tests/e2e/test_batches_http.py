@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +107,29 @@ def test_metrics_and_the_console_snapshot_count_each_batch_by_state(
     assert samples == {"done": 19, "failed": 1, "cancelled": 0, "running": 0, "unsent": 0}
     row = next(b for b in console_data.snapshot(gateway)["batches"] if b["id"] == batch_id)
     assert row["counts"] == {"done": 19, "failed": 1, "cancelled": 0} and row["state"] == "finished"
+
+
+def test_followers_of_a_stalled_batch_hold_no_server_thread_and_go_with_their_clients(gateway: Any, home: Any) -> None:
+    # A batch on a queue no worker serves makes no progress; 50 followers that give up after half a
+    # second (more than the server's thread pool of 40) leave every route that uses the pool answering.
+    home.echo_tool("stalled", queue="nobody")
+    gateway.sync_tools()
+    served = Served(gateway)
+    try:
+        with httpx.Client(base_url=served.base, timeout=30) as client:
+            r = client.post("/v1/batches?tool=stalled", json=[{}])
+            assert r.status_code == 202, r.text
+            batch_id = r.json()["id"]
+
+            def follow(_: int) -> None:
+                with pytest.raises(httpx.ReadTimeout):
+                    with httpx.Client(base_url=served.base, timeout=0.5) as follower:
+                        follower.get(f"/v1/batches/{batch_id}/results")
+
+            with ThreadPoolExecutor(10) as pool:
+                list(pool.map(follow, range(50)))
+            assert client.get("/v1/status", timeout=10).status_code == 200
+            assert client.get(f"/v1/batches/{batch_id}", timeout=10).json()["state"] != "finished"
+            assert client.delete(f"/v1/batches/{batch_id}", timeout=10).json() == {"id": batch_id, "cancelled": 1}
+    finally:
+        served.stop()
