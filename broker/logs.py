@@ -11,7 +11,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -152,11 +152,24 @@ def secret_values(args: Mapping[str, Any], sensitive: Iterable[str] = ()) -> lis
     """The argument values a message must not show: those of ``sensitive`` fields and of secret-named keys
     (text of four characters or more), longest first."""
     named = set(sensitive)
-    found = {
-        str(v) for k, v in args.items()
-        if (k in named or is_secret_key(str(k))) and isinstance(v, str | int | float) and not isinstance(v, bool)
-    }  # fmt: skip
+    found: set[str] = set()
+    for k, v in args.items():
+        if k in named or is_secret_key(str(k)):
+            _leaves(v, found, 0)
     return sorted((v for v in found if len(v) >= 4), key=len, reverse=True)
+
+
+def _leaves(value: Any, into: set[str], depth: int) -> None:
+    # A secret's text, or every text inside it when it is an object or a list (a message may quote the
+    # whole value: "{'x': 'hunter2'} is not of type 'integer'").
+    if isinstance(value, str | int | float) and not isinstance(value, bool):
+        into.add(str(value))
+    elif depth < 100 and isinstance(value, Mapping):
+        for item in value.values():
+            _leaves(item, into, depth + 1)
+    elif depth < 100 and isinstance(value, list | tuple):
+        for item in value:
+            _leaves(item, into, depth + 1)
 
 
 def scrub(text: str, values: Iterable[str]) -> str:
@@ -165,6 +178,18 @@ def scrub(text: str, values: Iterable[str]) -> str:
         if value in text:
             text = text.replace(value, "***")
     return text
+
+
+def scrub_all(value: Any, values: Sequence[str], depth: int = 0) -> Any:
+    """``scrub`` on every text in ``value`` and the mappings and lists it holds (an error's details: its
+    ``violations`` quote the arguments)."""
+    if isinstance(value, str):
+        return scrub(value, values)
+    if depth < 100 and isinstance(value, Mapping):
+        return {k: scrub_all(v, values, depth + 1) for k, v in value.items()}
+    if depth < 100 and isinstance(value, list | tuple):
+        return [scrub_all(v, values, depth + 1) for v in value]
+    return value
 
 
 def hash_value(value: Any) -> str:

@@ -500,7 +500,7 @@ class CallRunner:
             args = run.args if run.args is not None else getattr(run.env, "args", None)  # (no env: undecodable)
             secrets = logs.secret_values(args or {}, run.sensitive)
             if secrets:  # (a check's message may quote a secret argument too, not only a back end's)
-                error = {k: logs.scrub(v, secrets) if isinstance(v, str) else v for k, v in error.items()}
+                error = logs.scrub_all(error, secrets)
             detail["error"] = error
         outcome = str(target)
         writers = [w for ending in self._endings if (w := ending(run, outcome, result, error, duration)) is not None]
@@ -569,7 +569,7 @@ def _secrets_kept(run: Callable[..., Any], executor: Any, spec: ToolSpec, args: 
         if secrets:
             e.message = logs.scrub(e.message, secrets)
             e.args = (e.message,)
-            e.details = {k: logs.scrub(v, secrets) if isinstance(v, str) else v for k, v in e.details.items()}
+            e.details = logs.scrub_all(e.details, secrets)
         raise
 
 

@@ -171,14 +171,23 @@ def test_a_back_ends_error_quoting_a_secret_argument_shows_it_nowhere(
               input_schema={"type": "object", "properties": {"password": {"type": "string"}}})  # fmt: skip
     home.tool("lsk", executor="command", command="ls {{api_token}}", timeout=10,
               input_schema={"type": "object", "properties": {"api_token": {"type": "string"}}})  # fmt: skip
+    # A secret inside an object or a list is quoted whole by a schema check: "{'x': '...'} is not of type".
+    home.tool("typed", executor="command", command="true", timeout=10, sensitive=["password"],
+              input_schema={"type": "object", "properties": {"password": {"type": "integer"}}})  # fmt: skip
     gateway.sync_tools()
     [worker] = workers(1)
-    secret, token = "hunter2-PWLEAK-B", "tok-LEAK-77aa"
+    secret, token, nested, listed = "hunter2-PWLEAK-B", "tok-LEAK-77aa", "hunter3-NESTED-C", "hunter4-LISTED-D"
     handles = [gateway.call_tool("lsp", {"password": secret}), gateway.call_tool("lsk", {"api_token": token})]
     for h in handles:
         with pytest.raises(CallFailed) as info:
             h.result(20)
         assert "cannot access" in info.value.message and "***" in info.value.message
+    for value in ({"x": nested}, [listed]):
+        h = gateway.call_tool("typed", {"password": value})
+        with pytest.raises(CallFailed) as info:
+            h.result(20)
+        assert "is not of type 'integer'" in info.value.message and "***" in info.value.message
+        handles.append(h)
     records = [AuditLog(conn).get(h.call_id) for h in handles]
     wait_until(lambda: "lsk" in worker.log(), 10)
     seen = " ".join([
@@ -186,5 +195,7 @@ def test_a_back_ends_error_quoting_a_secret_argument_shows_it_nowhere(
         *(repr(e.to_dict()) for h in handles for e in events.history(conn, h.call_id)),
         worker.log(), repr(conn.lrange(keys.FAILURES, 0, -1)),
     ])  # fmt: skip
-    assert len(records) == 2 and None not in records
-    assert secret not in seen and token not in seen
+    assert len(records) == 4 and None not in records
+    for value in (secret, token, nested, listed):
+        at = seen.find(value)
+        assert at < 0, seen[max(0, at - 300) : at + 100]
