@@ -23,20 +23,29 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
+LATEST = 253402300799.0  # 9999-12-31T23:59:59Z, in unix seconds
+
+
 def parse_when(text: str, now: float | None = None) -> float:
     """``15m``/``2h``/``7d`` ago, an ISO date or time (local unless it names a zone), or unix seconds."""
     now = time.time() if now is None else now
     m = _DURATION.match(text)
+    when: float | None = None
     if m:
-        return now - float(m.group(1)) * _UNIT[m.group(2)]
-    with contextlib.suppress(ValueError):
-        return float(text)
-    try:
-        return datetime.fromisoformat(text.strip()).timestamp()
-    except ValueError:
-        raise click.BadParameter(
-            f"{text!r}: expected a duration (90s, 15m, 2h, 7d), an ISO time (2025-01-31T08:00) or unix seconds"
-        ) from None
+        when = now - float(m.group(1)) * _UNIT[m.group(2)]
+    else:
+        with contextlib.suppress(ValueError):
+            when = float(text)
+    if when is None:
+        try:
+            when = datetime.fromisoformat(text.strip()).timestamp()
+        except (ValueError, OverflowError):
+            raise click.BadParameter(
+                f"{text!r}: expected a duration (90s, 15m, 2h, 7d), an ISO time (2025-01-31T08:00) or unix seconds"
+            ) from None
+    if not 0 <= when <= LATEST:  # (NaN fails this too)
+        raise click.BadParameter(f"{text!r}: out of range (a time from 1970 to the year 9999)")
+    return when
 
 
 class When(click.ParamType):

@@ -168,6 +168,9 @@ def test_audit_filters_by_session_opens_a_record_and_replays_it_unless_policy_re
         assert client.get("/v1/audit", params={"principal": "agent-a", "state": "done", "since": "5m"}).json() == found
         assert client.get("/v1/audit", params={"until": str(time.time() - 3600)}).json() == []
         assert client.get("/v1/audit", params={"since": "yesterday-ish"}).status_code == 400
+        for bad in ({"since": "nan"}, {"until": "-1"}, {"since": "1e20"}):  # (not a 500, not a 503)
+            r = client.get("/v1/audit", params=bad)
+            assert r.status_code == 400 and "out of range" in r.json()["error"]["message"], r.text
         opened = client.get(f"/v1/audit/{mine.call_id}").json()
         assert opened["record"]["args"] == {"who": "ann"} and opened["events"][-1]["state"] == "done"
 

@@ -186,6 +186,10 @@ def test_parse_when_reads_durations_iso_times_and_unix_seconds() -> None:
     )
     with pytest.raises(click.BadParameter):
         parse_when("yesterday-ish")
+    # Times an audit stream id cannot hold are refused here, not sent to Redis (which would refuse them).
+    for out_of_range in ("nan", "-1", "1e20", "inf", "9999999999999999999999", "99999999999h", "1969-12-31T00:00+00:00"):
+        with pytest.raises(click.BadParameter, match="out of range"):
+            parse_when(out_of_range, now)
 
 
 def record(**kw: Any) -> AuditRecord:
