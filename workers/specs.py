@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from broker.directory import Directory
+from broker.codec import nesting
 from broker.errors import InvalidSpec
 from broker.placeholders import load_yaml
 from broker.specchecks import check_keys
@@ -23,10 +24,15 @@ from .executors import EXECUTORS, executor_class
 _V09_KEYS = frozenset({"type", "schema", "parameters", "timeout_ms", "tags", "cmd", "handler", "retries"})
 
 
+SPEC_DEPTH = 64  # levels of lists and mappings a spec (its input schema, mostly) may nest
+
+
 def check_spec(data: Any) -> ToolSpec:
     """The spec ``data`` describes, checked as registration checks it; InvalidSpec names the field path."""
     if isinstance(data, ToolSpec):
         data = data.to_dict()
+    if nesting(data, SPEC_DEPTH) > SPEC_DEPTH:  # (a JSON Schema checker recurses: ~100 levels overflow it)
+        raise InvalidSpec(f"the spec is nested too deeply (more than {SPEC_DEPTH} levels)")
     spec = ToolSpec.from_dict(data)
     where = f"tool {spec.name!r}"
     if spec.executor not in EXECUTORS:

@@ -130,6 +130,13 @@ def test_register_as_yaml_or_json_like_the_console_then_run_and_remove(client: h
     assert again.status_code == 404 and again.json()["error"]["type"] == "unknown_tool"
 
 
+def _nested_schema(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 @pytest.mark.parametrize(
     ("body", "kind", "says", "path"),
     [
@@ -151,6 +158,12 @@ def test_register_as_yaml_or_json_like_the_console_then_run_and_remove(client: h
         ),
         ({"yaml": 12}, "bad_request", "YAML text", None),
         ({"name": "broken", "executor": "python"}, "invalid_spec", "function", None),
+        (  # a JSON Schema checker recurses: 100 levels overflowed it, a 500
+            {"name": "broken", "executor": "python", "function": "a:b", "input_schema": _nested_schema(100)},
+            "invalid_spec",
+            "nested too deeply",
+            None,
+        ),
     ],
 )
 def test_an_invalid_spec_gets_the_typed_error_the_console_shows(
