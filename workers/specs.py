@@ -11,8 +11,8 @@ from typing import Any
 
 import yaml
 
-from broker.directory import Directory
 from broker.codec import nesting
+from broker.directory import Directory
 from broker.errors import InvalidSpec
 from broker.placeholders import load_yaml
 from broker.specchecks import check_keys
