@@ -113,9 +113,10 @@ def start_workers(
     from workers.policy import Policy
 
     Policy.from_settings(settings.policy)  # a bad policy: a clear error now, not a worker that dies
-    # (the command's output stays clean: its workers log errors only unless a level was asked for)
+    # (the command's output stays clean: its workers log warnings and errors only unless a level was asked
+    # for; a warning is what a plugin author needs to see, as a middleware that failed open)
     asked = settings.logging
-    level = asked.worker_level or (asked.level if asked.level_set else "ERROR")
+    level = asked.worker_level or (asked.level if asked.level_set else "WARNING")
     env = dict(os.environ, HERMES_LOG_LEVEL=level)  # a child process's environment: ours, with its level
     if logs.json_lines():
         env["HERMES_LOG_FORMAT"] = "json"

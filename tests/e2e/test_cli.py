@@ -128,6 +128,28 @@ def test_an_explicit_log_level_reaches_the_private_worker_of_tool_run(home: Any)
     assert "call finished" not in quiet.stderr
 
 
+def test_a_middleware_failing_open_is_one_warning_on_the_commands_stderr(home: Any) -> None:
+    # The middleware seed's local test: enable a plugin in HERMES_HOME and run a call there. A callback
+    # with the wrong signature fails open, and the one WARNING naming the fields it is given shows at the
+    # default level (a command's own worker logged errors only: the broken plugin looked fine).
+    shutil.copy(ROOT / "examples" / "tools" / "hello.yaml", home.tools_dir / "hello.yaml")
+    plugin = home.path / "plugins" / "mwbad"
+    plugin.mkdir(parents=True)
+    (plugin / "plugin.yaml").write_text('name: mwbad\nversion: "0.1.0"\nkind: standalone\n')
+    (plugin / "__init__.py").write_text(
+        "def register(ctx):\n    ctx.register_middleware('tool_request', bad)\n\n"
+        "def bad(args, tool_name, not_a_field):\n    return None\n"
+    )
+    env = _env(home)
+    assert _run(["plugins", "enable", "mwbad"], env).returncode == 0
+    out = _run(["tool", "run", "hello", '{"name": "Alice"}'], env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "Hello, Alice!\n"  # (fail-open: the call ran as if the middleware were not there)
+    warned = [line for line in out.stderr.splitlines() if "tool_request callback hermes_plugins.mwbad.bad raised" in line]
+    assert len(warned) == 1 and "warning" in warned[0] and "it is given: " in warned[0], out.stderr
+    assert "call finished" not in out.stderr  # (INFO lines stay out)
+
+
 def test_in_json_mode_the_commands_own_output_is_json_whatever_the_level(home: Any) -> None:
     shutil.copy(ROOT / "examples" / "tools" / "hello.yaml", home.tools_dir / "hello.yaml")
     out = _run(["tool", "run", "hello", "{name: Alice}", "--follow", "--log-format", "json", "--log-level", "ERROR"], _env(home))
