@@ -63,6 +63,7 @@ class Progress:
     created: float
     started: float
     ended: float | None  # when the last call ended (once finished)
+    principal: str = ""  # who made it ('' none): only they (and admins) see it over HTTP
 
     @property
     def finished(self) -> int:
@@ -183,7 +184,7 @@ class BatchStore:
             total=int(meta["total"]) if meta.get("total") else None,
             submitted=int(meta.get("submitted") or 0), counts=counts, created=float(meta.get("created") or 0),
             started=float(meta.get("started") or 0),
-            ended=float(meta["ended"]) if meta.get("ended") else None,
+            ended=float(meta["ended"]) if meta.get("ended") else None, principal=meta.get("principal", ""),
         )
         if p.complete and p.ended is None:  # the first reader to see it finished stamps the end (rate, ETA)
             now = time.time()

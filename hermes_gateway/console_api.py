@@ -125,12 +125,14 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
         return reply({**about, "token": creds.required, "stats_interval": hub.interval})
 
     async def stats_stream(request: Request) -> Response:
-        admin = request_caller(request).admin
+        caller = request_caller(request)
+        mine = caller.principal or ""
 
         async def events() -> AsyncIterator[dict[str, str]]:
             async for snap in hub.stream():
-                if not admin and snap.get("breakers"):  # (a probe's call id may be another principal's)
-                    snap = {**snap, "breakers": hide_probes(snap["breakers"])}
+                if not caller.admin:  # a probe's call id and a batch may be another principal's
+                    snap = {**snap, "breakers": hide_probes(snap.get("breakers") or []),
+                            "batches": [b for b in snap.get("batches") or [] if b.get("principal", "") == mine]}
                 yield {"event": "stats", "data": dumps(snap)}
 
         return EventSourceResponse(events(), ping=15)

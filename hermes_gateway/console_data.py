@@ -129,10 +129,11 @@ def slots(
 
 
 def batches(conn: Any, limit: int = 20) -> list[dict[str, Any]]:
-    """The newest batches on record with their counts, rate and ETA (``hermes_gateway/batches.py``)."""
+    """The newest batches on record with their counts, rate and ETA (``hermes_gateway/batches.py``), and
+    who made each (``principal``: the stats stream shows a principal only theirs)."""
     from hermes_gateway.batches import BatchStore
 
-    return [p.to_dict() for p in BatchStore(conn).recent(limit)]
+    return [{**p.to_dict(), "principal": p.principal} for p in BatchStore(conn).recent(limit)]
 
 
 def snapshot(gw: Any) -> dict[str, Any]:

@@ -298,10 +298,7 @@ class Api:
         caller = request_caller(request)
         store = BatchStore(self.gw.conn)
         rows = await run_in_threadpool(store.recent)
-        if not caller.admin:
-            owners = await run_in_threadpool(lambda: [store.meta(p.id).get("principal", "") for p in rows])
-            rows = [p for p, owner in zip(rows, owners, strict=True) if owner == (caller.principal or "")]
-        return reply([p.to_dict() for p in rows])
+        return reply([p.to_dict() for p in rows if caller.admin or p.principal == (caller.principal or "")])
 
     async def get_batch(self, request: Request) -> Response:
         job = await self._batch(request)

@@ -208,3 +208,38 @@ def test_a_call_the_reaper_ends_is_still_its_principals_in_the_audit_log(home: H
         found = wait_until(lambda: (r := alice.get(f"/v1/audit/{quote(call_id)}")).status_code == 200 and r, 10)
         record = found.json()["record"]
         assert record["principal"] == "alice" and record["error_type"] == "worker_lost"
+
+
+def _stats_batches(client: httpx.Client) -> list[dict[str, Any]]:
+    """The batches of the first snapshot on ``/v1/stream/stats``."""
+    import json
+
+    with client.stream("GET", "/v1/stream/stats") as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                return list(json.loads(line.split(":", 1)[1])["batches"])
+    raise AssertionError("no snapshot")
+
+
+def test_a_batch_is_its_principals_alone_over_every_route_and_the_stats_stream(
+    home: Home, serve: Any, workers: Any
+) -> None:
+    setup(home)
+    workers(1)
+    server = serve()
+    with api(server, ALICE) as alice, api(server, BOB) as bob, api(server, ADMIN) as admin:
+        made = bob.post("/v1/batches?tool=lookup", json=[{"city": "x"}, {"city": "y"}])
+        assert made.status_code == 202, made.text
+        batch_id = made.json()["id"]
+        assert len(bob.get(f"/v1/batches/{batch_id}/results").text.splitlines()) == 2  # (followed to its end)
+        assert batch_id in {b["id"] for b in bob.get("/v1/batches").json()}
+        assert batch_id in {b["id"] for b in admin.get("/v1/batches").json()}
+        assert batch_id not in {b["id"] for b in alice.get("/v1/batches").json()}
+        for method, path in (("GET", ""), ("GET", "/results"), ("DELETE", "")):
+            r = alice.request(method, f"/v1/batches/{batch_id}{path}")
+            assert r.status_code == 404 and r.json()["error"]["type"] == "unknown_batch", r.text
+        # The console's live stats: bob's batch is bob's (and the admin's), not alice's.
+        assert [b["id"] for b in _stats_batches(bob)] == [batch_id]
+        assert batch_id in {b["id"] for b in _stats_batches(admin)}
+        assert _stats_batches(alice) == []
