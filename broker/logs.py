@@ -95,6 +95,8 @@ _PATTERNS: tuple[tuple[str, str], ...] = (
         r")",
     ),
     ("slackhook", r"https://hooks\.slack\.com/services/[A-Za-z0-9/_\-]+"),
+    # A URL's `key` / `sig` query parameter (Google-style API keys, signed URLs).
+    ("qp", r"(?P<qp_head>[?&](?i:key|sig|signature)=)[^\s&#\"'<>]{3,}"),
     ("tg", r"\b\d{8,10}:AA[A-Za-z0-9_\-]{30,}"),  # Telegram bot token
     # key=value / "key": "value" in free text, also JSON quoted inside JSON text ({\"password\":\"...\"}).
     (
@@ -118,6 +120,8 @@ def _replace(m: re.Match[str]) -> str:
         return m.group("url_head") + MASK
     if kind == "hdr":
         return m.group("hdr_head") + MASK
+    if kind == "qp":
+        return m.group("qp_head") + MASK
     if kind == "scheme":
         prose = _is_prose(m.group("scheme_name"), m.group("scheme_val"))
         return m.group(0) if prose else m.group("scheme_head") + MASK
@@ -330,7 +334,8 @@ def _masked_param(param: str) -> str:
     return f"{name}={MASK}" if secret else param
 
 
-_PASSWORD_PARAMS = frozenset({"pass", "pw", "passwd", "password", "auth", "credentials"})
+# (besides secret-named ones: `key` is how Google-style APIs take theirs, `sig` a signed URL's signature)
+_PASSWORD_PARAMS = frozenset({"pass", "pw", "passwd", "password", "auth", "credentials", "key", "sig", "signature"})
 
 
 # -- logging -----------------------------------------------------------------------------------------

@@ -126,6 +126,9 @@ def test_redact_url(url: str, shown: str) -> None:
         ("unix:///tmp/r.sock?db=0&password=p%40w", "unix:///tmp/r.sock?db=0&password=***"),
         ("rediss://u:p/w@h:1/0?ssl_cert_reqs=none", "rediss://u:***@h:1/0?ssl_cert_reqs=none"),
         ("redis://h:1/0?password=", "redis://h:1/0?password="),
+        ("https://api.example/v1?key=QKEY-SECRET&q=1", "https://api.example/v1?key=***&q=1"),
+        ("https://blob.example/f?sv=2&sig=S1G", "https://blob.example/f?sv=2&sig=***"),
+        ("https://api.example/v1?keyword=x", "https://api.example/v1?keyword=x"),
     ],
 )
 def test_redact_url_masks_a_query_string_password(url: str, shown: str) -> None:

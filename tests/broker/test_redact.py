@@ -45,6 +45,8 @@ CORPUS: list[tuple[str, str, str]] = [
         "9944b09199c62bcf9418ad846dd0e4bbdfc6ee4b",
     ),
     ("jwt", f"id token {JWT} expired", JWT),
+    ("url key param", "GET https://api.example/v1/geo?q=x&key=QKEY-7f3a9 failed", "QKEY-7f3a9"),
+    ("url sig param", "fetch https://blob.example/f?sv=2021&sig=Zx9%2Bk3 timed out", "Zx9%2Bk3"),
     ("pem rsa", "key:\n" + PEM.format(k="RSA "), "bXl0ZXN0a2V5"),
     ("pem ec", PEM.format(k="EC "), "MIIEvQIBADANBgkqhkiG9w0BAQEFAASC"),
     ("pem openssh", PEM.format(k="OPENSSH "), "bXl0ZXN0a2V5"),
@@ -115,6 +117,7 @@ SECRET_KEYS = [
 # Things that look a bit like secrets but are not, and must stay readable.
 NOT_SECRETS = [
     "max_tokens=1024 temperature=0.2",
+    "https://docs.example/search?keyword=redis&page=2",
     "Token expired, please log in again",
     "Basic authentication is disabled",
     "the bearer token is missing",
