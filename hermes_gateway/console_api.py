@@ -154,7 +154,7 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
 
         listening = await run_in_threadpool(send)
         if isinstance(listening, str):
-            error = {"type": "unknown_worker", "message": f"no worker {name!r} (known: {listening})", "details": {}}
+            error = {"type": "unknown_worker", "message": f"no worker {name!r} (known: {listening})"}
             return reply({"error": error}, 404)
         return reply({"worker": name, "stop_sent": True, "listening": listening})
 

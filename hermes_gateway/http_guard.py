@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from redis.exceptions import OutOfMemoryError, RedisError
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
@@ -72,7 +73,7 @@ class Guard:
         if self.token:
             caller = self.credentials.caller(presented_token(request, self.query_token))
             if caller is None:
-                body = {"type": "unauthorized", "message": "a valid bearer token is required", "details": {}}
+                body = {"type": "unauthorized", "message": "a valid bearer token is required"}
                 await reply({"error": body}, 401, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
             scope[CALLER_SCOPE_KEY] = caller
@@ -125,8 +126,22 @@ async def _unsendable(_request: Request, error: Exception) -> Response:  # what 
     return error_reply(BadRequest(f"a value cannot be sent: {error}"))
 
 
-# The app's exception handlers (Starlette looks an exception's classes up in order, most derived first).
+async def _http(_request: Request, error: Exception) -> Response:  # Starlette's own: no route, no method
+    assert isinstance(error, HTTPException)
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+    return reply({"error": {"type": kind, "message": str(error.detail)}}, error.status_code, dict(error.headers or {}))
+
+
+async def _crash(_request: Request, _error: Exception) -> Response:  # (uvicorn still logs the traceback)
+    message = "the server failed on this request (a bug: its log has the traceback)"
+    return reply({"error": {"type": "internal_error", "message": message}}, 500)
+
+
+# The app's exception handlers (Starlette looks an exception's classes up in order, most derived first);
+# every error body is {"error": {"type", "message"[, "details"]}}.
 ERROR_HANDLERS: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+    500: _crash,
+    HTTPException: _http,
     HermesError: _typed,
     RedisError: _broker_down,
     OSError: _broker_down,

@@ -178,6 +178,22 @@ def test_admission_errors_are_typed_http_errors_and_failures_are_outcomes(api: h
     assert api.get("/v1/calls/0123456789abcdef0123456789abcdef").status_code == 404
 
 
+def test_every_error_body_has_the_one_shape_even_no_route_no_method_and_a_crash(
+    api: httpx.Client, monkeypatch: Any
+) -> None:
+    def shape(r: httpx.Response, status: int, kind: str) -> None:
+        assert r.status_code == status and r.headers["content-type"] == "application/json", r.text
+        assert set(r.json()) == {"error"} and r.json()["error"]["type"] == kind, r.text
+        assert set(r.json()["error"]) <= {"type", "message", "details"} and r.json()["error"]["message"]
+
+    shape(api.get("/v1/nowhere"), 404, "not_found")
+    wrong = api.put("/v1/calls/x/cancel")
+    shape(wrong, 405, "method_not_allowed")
+    assert "POST" in wrong.headers["allow"]
+    monkeypatch.setattr("hermes_gateway.http_api.status_data", lambda *_: 1 / 0)  # a bug in a route
+    shape(api.get("/v1/status"), 500, "internal_error")
+
+
 def test_other_sites_and_rebound_host_names_are_refused(api: httpx.Client) -> None:
     evil = api.post("/v1/tools/echo/calls", json={"args": {}}, headers={"Origin": "http://evil.example"})
     assert evil.status_code == 403 and evil.json()["error"]["type"] == "forbidden"
