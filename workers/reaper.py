@@ -70,7 +70,7 @@ def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog
     current = State(state)
     if item["cancel"]:
         err = {"type": "cancelled", "message": "call cancelled; its worker was lost"}
-        _end(calls, info, State.CANCELLED, current, attempt, err, result_ttl, audit)
+        end_call(calls, info, State.CANCELLED, current, attempt, err, result_ttl, audit)
     elif attempt < item["max_attempts"]:
         calls.hand_back(info, attempt=attempt, current=current, reason="worker_lost")
         log.warning("worker lost mid-call, retrying", call_id=call_id, attempt=attempt + 1)
@@ -78,11 +78,11 @@ def _settle(calls: Calls, item: dict[str, Any], result_ttl: int, audit: AuditLog
         err = WorkerLost(
             f"the worker running this call was lost {attempt} time(s); no attempts left", attempts=attempt
         ).to_wire()
-        _end(calls, info, State.FAILED, current, attempt, err, result_ttl, audit)
+        end_call(calls, info, State.FAILED, current, attempt, err, result_ttl, audit)
         log.warning("worker lost mid-call, no attempts left", call_id=call_id, attempt=attempt)
 
 
-def _end(
+def end_call(
     calls: Calls,
     info: CallInfo,
     state: State,

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from workers.worker import CallThreads
 
 log = structlog.get_logger("hermes.worker")
+STUCK_WAIT = 2.0  # seconds past the grace for the call threads to return, the calls handed back already
 
 
 def install_signals(request_stop: Callable[[], None]) -> None:
@@ -67,7 +68,7 @@ def drain(core: WorkerCore, pool: CallThreads, grace: float) -> int:
     for run in leftovers:
         hand_back(core, run)
     core.flush(grace)
-    dropped = pool.shutdown()
+    dropped = pool.shutdown(max(0.0, deadline - time.monotonic()) + STUCK_WAIT)
     if dropped:  # taken off the queue, never started: the reaper puts them back when their lease ends
         log.warning("calls taken but not started are left to the reaper", calls=dropped)
     core.close()
@@ -76,11 +77,20 @@ def drain(core: WorkerCore, pool: CallThreads, grace: float) -> int:
 
 
 def hand_back(core: WorkerCore, run: Any) -> None:
-    """Requeue a call the grace period could not finish; it does not count as a failed attempt."""
+    """Requeue a call the grace period could not finish; it does not count as a failed attempt. A call its
+    caller cancelled (its tool did not stop in time) ends cancelled instead: handed back, it ran again."""
+    from workers.reaper import end_call
+
+    cancelled = core.is_cancelled(run.info.call_id)
     run.abandoned = True
     if run.ctx is not None:
         run.ctx.cancelled.set()
     current = run.state
     if current not in (State.ROUTING, State.EXECUTING, State.FORMATTING):
+        return
+    if cancelled:
+        err = {"type": "cancelled", "message": "call cancelled; its worker stopped before the tool did"}
+        end_call(core.calls, run.info, State.CANCELLED, current, run.attempt, err,
+                 core.settings.workers.result_ttl, core.audit)  # fmt: skip
         return
     core.calls.hand_back(run.info, attempt=run.attempt, current=current, reason="worker_shutdown", free=True)

@@ -454,8 +454,10 @@ class CallThreads:
             with self._lock:
                 self._idle += 1
 
-    def shutdown(self) -> int:
-        """Take no more work, drop what has not started and wait for the threads; how many were dropped."""
+    def shutdown(self, timeout: float | None = None) -> int:
+        """Take no more work, drop what has not started and wait for the threads (at most ``timeout``
+        seconds: a tool stuck in a call that ignores its cancel must not keep the process; the threads are
+        daemons); how many were dropped."""
         with self._lock:
             self._closed = True
             threads = list(self._threads)
@@ -469,8 +471,12 @@ class CallThreads:
                 dropped += 1
         for _ in threads:
             self._queue.put(_STOP)
+        deadline = None if timeout is None else time.monotonic() + timeout
         for t in threads:
-            t.join()
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in threads if t.is_alive()]
+        if stuck:
+            log.warning("call threads still in a tool at exit are left behind", threads=stuck)
         return dropped
 
 
@@ -497,12 +503,12 @@ class StockThreads(CallThreads):
         except BaseException:  # noqa: BLE001 - as CallThreads: a task's failure is logged, not raised
             log.exception("call thread task failed")
 
-    def shutdown(self) -> int:
+    def shutdown(self, timeout: float | None = None) -> int:
         with self._lock:
             self._closed = True
             pending = list(self._pending)
         dropped = sum(1 for f in pending if f.cancel())
-        self._executor.shutdown()
+        self._executor.shutdown(wait=timeout is None)
         return dropped
 
 

@@ -1,4 +1,4 @@
-"""Python tools for the python-executor timeout tests: none takes ``ctx``; each records in files
+"""Python tools for the python-executor timeout tests (only ``stubborn`` takes ``ctx``); each records in files
 (``<path>.log`` lines, ``<path>.count``) what happened to it inside the worker process."""
 
 from __future__ import annotations
@@ -53,3 +53,8 @@ async def anap(seconds: float, path: str) -> str:
         raise
     _note(path, "finished")
     return "finished"
+
+
+def stubborn(seconds: float, path: str, ctx: object) -> dict:
+    """Takes ``ctx`` (so it runs on the call's own thread) and never looks at its cancel."""
+    return nap(seconds, path)

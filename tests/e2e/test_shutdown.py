@@ -125,3 +125,27 @@ def test_a_burst_of_signals_stops_a_busy_logging_worker_without_hanging(
         assert worker.wait(GRACE + 10) in (0, -15), worker.log()
         assert "worker stopped" in worker.log()
         del handles
+
+
+def test_a_tool_that_ignores_its_cancel_neither_holds_a_stopping_worker_nor_runs_again(
+    gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any, tmp_path: Path
+) -> None:
+    # `stubborn` runs on the call's thread (it takes ctx), sleeps in C and never looks at its cancel. Cancelled, then its worker stopped: the worker exits
+    # soon after its grace (it waited on the stuck thread for ever), and the call ends cancelled instead of
+    # being handed back (another worker ran it again, to completion).
+    home.tool("nap", function="tests.e2e.stoptools:stubborn", timeout=60)
+    gateway.sync_tools()
+    [first] = workers(1, grace=GRACE)
+    marks = tmp_path / "nap"
+    h = gateway.call_tool("nap", {"seconds": 12, "path": str(marks)})
+    wait_until(lambda: current(conn, [h.call_id])[h.call_id] == "executing", 10, message="the nap to start")
+    assert h.cancel() is True
+    stopped = time.monotonic()
+    first.terminate()
+    assert first.wait(GRACE + 8) == 0
+    assert time.monotonic() - stopped < GRACE + 6  # (the nap had 11 s to go)
+    assert "call threads still in a tool at exit are left behind" in first.log()
+    workers(1, grace=GRACE)  # a second worker: nothing is handed to it
+    wait_until(lambda: current(conn, [h.call_id])[h.call_id] == "cancelled", 10, message="the call cancelled")
+    time.sleep(1.0)  # a negative check, bounded: a handed-back call would start on the new worker at once
+    assert Path(f"{marks}.log").read_text().splitlines() == ["start"]
