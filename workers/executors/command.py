@@ -86,6 +86,7 @@ _CODE_OPTIONS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "deno": (frozenset(), frozenset({"eval"})),
     "php": (frozenset("r"), frozenset()),
     "tclsh": (frozenset(), frozenset()),
+    **dict.fromkeys(("su", "runuser", "flock"), (frozenset("c"), frozenset({"--command", "--session-command"}))),
     "pwsh": (frozenset(), frozenset({"-c", "-command", "-encodedcommand", "-ec"})),
     "powershell": (frozenset(), frozenset({"-c", "-command", "-encodedcommand", "-ec"})),
 }
@@ -103,7 +104,7 @@ _OPTION_ARGS = frozenset({
 })  # fmt: skip
 # Programs whose first operand is their program text (``awk {{x}}``; sed's ``e`` command runs a shell).
 _SCRIPT_FIRST: dict[str, tuple[frozenset[str], frozenset[str]]] = {
-    **dict.fromkeys(("awk", "gawk", "mawk", "nawk"), (frozenset(), frozenset({"-f", "--file"}))),
+    **dict.fromkeys(("awk", "gawk", "mawk", "nawk"), (frozenset({"-e", "--source"}), frozenset({"-f", "--file"}))),
     **dict.fromkeys(("sed", "gsed"), (frozenset({"-e", "--expression"}), frozenset({"-f", "--file"}))),
 }
 _VERSION = re.compile(r"[\d.]+$")
@@ -130,50 +131,73 @@ def _runs(parts: list[str], i: int) -> bool:
 
 
 def code_placeholder(parts: list[str]) -> str | None:
-    """What is wrong when a shell or interpreter gets code holding a placeholder (also behind a wrapper
-    such as ``env`` or ``timeout``), a value names the script it runs (``sh {{script}}``), or a value names
-    the program a wrapper runs (``env {{x}}``); None when nothing is."""
+    """What is wrong when a shell or interpreter gets code holding a placeholder (wherever it stands:
+    behind a wrapper such as ``env``, ``timeout --signal KILL 5`` or ``chroot /``, or ``find -exec``), a
+    value names the script it runs (``sh {{script}}``), or a value names the program a wrapper runs
+    (``env {{x}}``); None when nothing is."""
     for i, part in enumerate(parts):
-        if i > 0 and has(part) and _runs(parts, i) and not part.startswith(("-", "+")):
+        positioned = _runs(parts, i)  # (where a program goes: a value there would choose it)
+        if i > 0 and has(part) and positioned and not part.startswith(("-", "+")):
             return f"{part}: a placeholder where a program goes would let a value choose the program run"
+        if i > 0 and part.startswith("-"):
+            continue
         program = _program(part)
-        if (i > 0 and part.startswith("-")) or not _runs(parts, i):
-            continue
         if program in _SCRIPT_FIRST:
-            return _script_first(program, parts[i + 1 :])
-        options = _CODE_OPTIONS.get(program)
-        if options is None:
+            problem = _script_first(program, parts[i + 1 :], positioned)
+        elif program in _CODE_OPTIONS:
+            problem = _code_option(program, parts[i + 1 :], positioned)
+        else:
             continue
-        letters, longs = options
-        rest = parts[i + 1 :]
-        skip = False
-        for j, opt in enumerate(rest):
-            if skip:  # (the value of the option before it)
-                skip = False
-                continue
-            name, eq, inline = opt.partition("=")
-            short = opt[1:] if opt.startswith("-") and not opt.startswith("--") else ""
-            if name.lower() in longs or (short.isalpha() and letters & set(short)):
-                code = inline if eq and name.lower() in longs else (rest[j + 1] if j + 1 < len(rest) else "")
-                if has(code) or has(opt):
-                    return (
-                        f"{program} {name} runs its next argument as code: a placeholder there would let a "
-                        "value be code; pass values as arguments after the code (sh -c 'cat \"$1\"' sh {{file}})"
-                    )
-                return None
-            if opt in _OPTION_ARGS:
-                skip = True
-                continue
-            if not opt.startswith(("-", "+")):
-                if has(opt):
-                    return f"{program} {opt}: a placeholder would let a value name the script {program} runs"
-                return None  # a script file: what follows are its arguments
-        return None
+        if problem:
+            return problem
     return None
 
 
-def _script_first(program: str, rest: list[str]) -> str | None:
-    """awk's or sed's program text: its first operand, or what follows ``-e``; none after ``-f FILE``."""
+def _code_option(program: str, rest: list[str], positioned: bool) -> str | None:
+    """A placeholder in the code ``program``'s code option gives (``-c CODE``, ``-cCODE``, ``-ec CODE``,
+    ``--eval=CODE``) or, where it runs as a program, in the script name it is given."""
+    letters, longs = _CODE_OPTIONS[program]
+    skip = False
+    lock_file = program == "flock"  # (flock FILE -c CODE: its first operand is the lock)
+    for j, opt in enumerate(rest):
+        if skip:  # (the value of the option before it)
+            skip = False
+            continue
+        name, eq, inline = opt.partition("=")
+        code: str | None = None
+        if name.lower() in longs:
+            code = inline if eq else (rest[j + 1] if j + 1 < len(rest) else "")
+        elif opt.startswith("-") and not opt.startswith("--"):
+            for k, letter in enumerate(opt[1:], 1):  # a cluster of flags, the code option in it, maybe code
+                if letter in letters:
+                    code = opt[k + 1 :] or (rest[j + 1] if j + 1 < len(rest) else "")
+                    break
+                if not letter.isalpha():
+                    break
+        if code is not None:
+            if has(code) or has(opt):
+                return (
+                    f"{program} {name if name.lower() in longs else opt[:2]} runs its next argument as code: a "
+                    "placeholder there would let a value be code; pass values as arguments after the code "
+                    "(sh -c 'cat \"$1\"' sh {{file}})"
+                )
+            return None
+        if opt in _OPTION_ARGS:
+            skip = True
+            continue
+        if not opt.startswith(("-", "+")):
+            if lock_file:
+                lock_file = False
+                continue
+            if has(opt) and positioned:
+                return f"{program} {opt}: a placeholder would let a value name the script {program} runs"
+            return None  # a script file: what follows are its arguments
+    return None
+
+
+def _script_first(program: str, rest: list[str], positioned: bool = True) -> str | None:
+    """awk's or sed's program text: its first operand (where it runs as a program), or what follows
+    ``-e`` / ``--source``; none after ``-f FILE``."""
     code_options, file_options = _SCRIPT_FIRST[program]
     skip = had_code = False
     for j, opt in enumerate(rest):
@@ -193,7 +217,7 @@ def _script_first(program: str, rest: list[str]) -> str | None:
             skip = True
             continue
         if not opt.startswith("-"):
-            if has(opt) and not had_code:  # (after -e CODE, the operands are files)
+            if has(opt) and not had_code and positioned:  # (after -e CODE, the operands are files)
                 return f"{program} {opt}: its first operand is a program: a placeholder there would let a value be code"
             return None
     return None

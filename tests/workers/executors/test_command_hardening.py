@@ -94,6 +94,18 @@ def test_args_separator_must_be_a_boolean():
         "xargs {{x}}",
         "timeout 5 {{x}}",
         "env LC_ALL=C {{x}} arg",
+        # behind wrappers with operands and long options of their own, and code attached to its option
+        'chroot / sh -c "echo hello {{x}}"',
+        'flock /tmp/lk -c "echo hello {{x}}"',
+        'flock /tmp/lk sh -c "echo hello {{x}}"',
+        'timeout --signal KILL 5 sh -c "echo hello {{x}}"',
+        'setpriv --reuid 0 sh -c "echo {{x}}"',
+        "find . -exec sh -c 'echo {{x}}' ';'",
+        "python3 -c\"print('hello {{x}}')\"",
+        'python3 -Bc "print({{x}})"',
+        'perl -e"print {{x}}"',
+        'gawk --source="BEGIN{print {{x}}}"',
+        'su -c "echo {{x}}" bob',
     ],
 )
 def test_a_placeholder_in_shell_or_interpreter_code_is_refused_at_registration(cmd):
@@ -117,6 +129,10 @@ def test_a_placeholder_in_shell_or_interpreter_code_is_refused_at_registration(c
         "sed -n 1p {{file}}",
         "git -C {{repo}} log",
         "python3 -m http.server {{port}}",
+        "grep -r python {{dir}}",
+        "find {{dir}} -name '*.py'",
+        "flock /tmp/lk sh -c 'echo \"$1\"' sh {{x}}",
+        "python3 tool.py --city={{city}}",
     ],
 )
 def test_values_passed_as_arguments_after_the_code_are_fine(cmd):
