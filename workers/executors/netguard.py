@@ -173,10 +173,14 @@ class WatchedStream(httpcore.NetworkStream):
         return self._inner.read(max_bytes, timeout)
 
     def _wait_readable(self, ctx: ExecContext, timeout: float | None) -> None:
-        end = None if timeout is None else time.monotonic() + timeout
+        # Bounded by the call's deadline as well as by the read's timeout: the timeout is per read, so a
+        # server that sends a byte every little while (a header line every 0.5 s) ran on past the tool's.
+        end = ctx.deadline if timeout is None else min(ctx.deadline, time.monotonic() + timeout)
         while True:
             if ctx.cancelled.is_set():
                 raise CallCancelled(f"call {ctx.call_id} was cancelled")
+            if time.monotonic() >= ctx.deadline:
+                raise httpcore.ReadTimeout("timed out waiting for the server")
             if isinstance(self._sock, ssl.SSLSocket) and self._sock.pending():
                 return
             wait = POLL if end is None else max(0.0, min(POLL, end - time.monotonic()))

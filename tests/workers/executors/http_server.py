@@ -80,6 +80,16 @@ class Handler(BaseHTTPRequestHandler):
         elif path == "/slow":
             self.server.stop.wait(30)
             self._send(200, b"{}")
+        elif path == "/dribble":  # header lines a little at a time, for ever (until the test ends)
+            self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+            for i in range(300):
+                if self.server.stop.wait(0.1):
+                    return
+                try:
+                    self.wfile.write(f"X-Line-{i}: b\r\n".encode())
+                    self.wfile.flush()
+                except OSError:
+                    return
         elif path == "/drip":
             self.send_response(200)
             self.send_header("Content-Type", "text/plain")

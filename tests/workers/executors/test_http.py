@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from urllib.parse import quote
 
 import pytest
@@ -178,6 +179,14 @@ def test_oversize_response_is_output_too_large(ex, server, make_ctx):
 def test_timeout_is_tool_timeout(ex, server, make_ctx):
     with pytest.raises(ToolTimeout):
         ex.run(spec(endpoint=f"{server.base}/slow"), {}, make_ctx(timeout=0.5))
+
+
+def test_a_server_dribbling_its_headers_is_held_to_the_tools_timeout(ex, server, make_ctx):
+    # Every read gets a byte within its timeout; the call's deadline ends it (it ran for ever).
+    started = time.monotonic()
+    with pytest.raises(ToolTimeout):
+        ex.run(spec(endpoint=f"{server.base}/dribble"), {}, make_ctx(timeout=0.8))
+    assert time.monotonic() - started < 5
 
 
 def test_cancellation_while_server_is_silent(ex, server, make_ctx):
