@@ -153,6 +153,12 @@ class PerProcess(Generic[K, V]):
                 inst = self.items[key] = make()
         return inst
 
+    def forget(self, key: K, inst: V) -> None:
+        """Drop ``inst`` (if it is still ``key``'s): the next ``get`` makes a new one."""
+        with self._lock:
+            if self.items.get(key) is inst:
+                del self.items[key]
+
     def close_all(self) -> None:
         """Close every instance (best effort: at shutdown) and forget them."""
         with self._lock:

@@ -112,6 +112,30 @@ class GrpcExecutor:
         self.settings = settings
         self._targets: PerProcess[tuple[str, bool], _Target] = PerProcess()
 
+    def _describe(self, target: _Target, key: tuple[str, bool], name: str, where: str, ctx: ExecContext) -> Any:
+        """``target.method`` within the call's deadline and cancel: the reflection stream has no deadline
+        of its own, so a server that never answers it held the call (and the target's lock) for ever. On
+        giving up, the target's channel closes (ending the stream) and the next call opens a new one."""
+        found: list[Any] = []
+
+        def describe() -> None:
+            try:
+                found.append(target.method(name, where))
+            except BaseException as e:  # noqa: BLE001 - handed to the call's thread
+                found.append(e)
+
+        thread = threading.Thread(target=describe, name="hermes-grpc-reflection", daemon=True)
+        thread.start()
+        while not found:
+            thread.join(POLL)
+            if not found and (ctx.cancelled.is_set() or time.monotonic() >= ctx.deadline):
+                self._targets.forget(key, target)
+                target.close()
+                ctx.check()
+        if isinstance(found[0], BaseException):
+            raise found[0]
+        return found[0]
+
     def run(self, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext) -> Any:
         import grpc
         from google.protobuf import json_format
@@ -131,7 +155,8 @@ class GrpcExecutor:
         tls = bool(config.get("tls", False))
         target = self._targets.get((address, tls), lambda: _Target(address, tls))
         try:
-            call, request_cls, streams = target.method(name, where)
+            key = (address, tls)
+            call, request_cls, streams = target.methods.get(name) or self._describe(target, key, name, where, ctx)
         except HermesError:
             raise
         except grpc.RpcError as e:

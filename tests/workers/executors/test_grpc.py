@@ -222,3 +222,39 @@ def test_a_stream_is_cancelled_timed_out_capped_and_its_errors_typed(ex, address
 def test_a_client_streaming_method_is_refused_as_a_spec_error(ex, address, make_ctx):
     with pytest.raises(InvalidSpec, match="streams its requests"):
         ex.run(spec(address, "Collect"), {"name": "a"}, make_ctx())
+
+
+@pytest.fixture
+def silent_reflection():
+    """A server whose reflection service takes the stream and never answers it."""
+    release = threading.Event()
+
+    def hang(requests, context):
+        release.wait(30)
+        return iter(())
+
+    handler = grpc.stream_stream_rpc_method_handler(hang)
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("grpc.reflection.v1alpha.ServerReflection", {"ServerReflectionInfo": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    release.set()
+    server.stop(0)
+
+
+def test_a_reflection_service_that_never_answers_is_held_to_the_timeout_and_the_cancel(
+    ex, silent_reflection, make_ctx
+):
+    started = time.monotonic()
+    with pytest.raises(ToolTimeout):
+        ex.run(spec(silent_reflection, "Greet"), {"name": "x"}, make_ctx(timeout=0.8))
+    assert time.monotonic() - started < 3  # (it waited for ever, holding the target for every other call)
+    ctx = make_ctx(timeout=30)
+    threading.Timer(0.3, ctx.cancelled.set).start()
+    started = time.monotonic()
+    with pytest.raises(CallCancelled):
+        ex.run(spec(silent_reflection, "Greet"), {"name": "x"}, ctx)
+    assert time.monotonic() - started < 3
