@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from functools import lru_cache
 from typing import Any
+from urllib.parse import quote, quote_plus
 
 import structlog
 
@@ -160,6 +161,8 @@ def secret_values(args: Mapping[str, Any], sensitive: Iterable[str] = ()) -> lis
     for k, v in args.items():
         if k in named or is_secret_key(str(k)):
             _leaves(v, found, 0)
+    # (and as a URL carries it: a back end's error may quote the request line, /echo/AbC%2BdEf%3D...)
+    found |= {form for v in list(found) for form in (quote(v, safe=""), quote_plus(v), quote(v))}
     return sorted((v for v in found if len(v) >= 4), key=len, reverse=True)
 
 

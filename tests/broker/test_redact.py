@@ -291,3 +291,12 @@ def test_an_errors_wire_form_masks_what_its_message_quotes_from_the_caller() -> 
 def test_json_escaped_secrets_in_back_end_error_text_are_masked(text: str) -> None:
     out = redact_text(text)
     assert "hunter22x" not in out and "more" not in out and MASK in out
+
+
+def test_secret_values_cover_a_secret_as_a_url_carries_it_and_everything_inside_an_object() -> None:
+    from broker.logs import scrub, secret_values
+
+    values = secret_values({"token": "AbC+dEf/GhI=secret", "password": {"x": ["inner-s3cret"]}, "q": "x"}, ["q"])
+    # A back end's error quoting its request line: the value percent-encoded in the path, or form-encoded.
+    for said in ("GET /echo/AbC%2BdEf%2FGhI%3Dsecret?q=x", "token=AbC%2BdEf%2FGhI%3Dsecret", "{'x': ['inner-s3cret']}"):
+        assert "secret" not in scrub(said, values).replace("***", ""), said
