@@ -10,8 +10,10 @@ of row dicts with JSON-friendly values).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import datetime
 import decimal
+import math
 import re
 import threading
 import time
@@ -49,6 +51,16 @@ def first_keyword(sql: str) -> str:
     """The statement's first keyword, lower case (comments and an opening parenthesis skipped)."""
     stripped = _SQL_COMMENTS.sub(" ", sql).strip().lstrip("(").strip()
     return stripped.split(None, 1)[0].lower() if stripped else ""
+
+
+_connecting: contextvars.ContextVar[ExecContext | None] = contextvars.ContextVar("connecting", default=None)
+
+
+def _connect_within_the_call(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
+    # A server that takes the connection and never answers held the call for libpq's default (130 s here),
+    # past its timeout and its cancel: the connect gets what is left of the call (libpq's least is 2 s).
+    if (ctx := _connecting.get()) is not None:
+        cparams["connect_timeout"] = max(2, math.ceil(ctx.deadline - time.monotonic()))
 
 
 class DatabaseExecutor:
@@ -97,6 +109,8 @@ class DatabaseExecutor:
                     found = sa.create_engine(url, pool_pre_ping=True)
                 except (sa.exc.ArgumentError, ImportError) as e:
                     raise InvalidSpec(f"database: dsn: {e}") from e
+                if found.dialect.name == "postgresql":
+                    sa.event.listen(found, "do_connect", _connect_within_the_call)
                 self._engines[dsn] = found
         return found
 
@@ -117,6 +131,7 @@ class DatabaseExecutor:
         engine = self.engine(dsn)
         ctx.check()
         ctx.progress("querying database")
+        token = _connecting.set(ctx)
         try:
             with engine.connect() as conn:
                 rows, more = self._execute(conn, statement, params, ctx, read_only, max_rows)
@@ -124,6 +139,8 @@ class DatabaseExecutor:
             raise self._translate(e, ctx, where) from e
         except sa.exc.SQLAlchemyError as e:
             raise ExecutorError(f"{where}: {type(e).__name__}: {e}") from e
+        finally:
+            _connecting.reset(token)
         suffix = f" (more than {max_rows}; only the first {max_rows} returned)" if more else ""
         ctx.progress(f"{len(rows)} rows found{suffix}, formatting")
         return [{k: json_friendly(v) for k, v in row.items()} for row in rows]

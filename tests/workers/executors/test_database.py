@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import pytest
@@ -249,3 +250,19 @@ def test_dsn_from_executor_settings(tmp_path, make_ctx):
         ]
     finally:
         executor.close()
+
+
+def test_a_server_that_takes_the_connection_and_never_answers_is_held_to_the_timeout(ex, make_ctx):
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # (accepted by the kernel, never answered)
+    port = silent.getsockname()[1]
+    try:
+        started = time.monotonic()
+        with pytest.raises(ToolTimeout):
+            ex.run(spec(dsn=f"postgresql://postgres@127.0.0.1:{port}/test", query="SELECT 1"), {}, make_ctx(timeout=1))
+        assert time.monotonic() - started < 6  # libpq's least connect timeout is 2 s (it waited 130 s)
+    finally:
+        silent.close()
