@@ -266,3 +266,25 @@ def test_a_server_that_takes_the_connection_and_never_answers_is_held_to_the_tim
         assert time.monotonic() - started < 6  # libpq's least connect timeout is 2 s (it waited 130 s)
     finally:
         silent.close()
+
+
+def test_max_rows_bounds_the_memory_a_huge_result_takes_not_only_what_comes_back(ex, make_ctx):
+    import psutil
+
+    me = psutil.Process()
+    base, peak, done = me.memory_info().rss, [0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.005):
+            peak[0] = max(peak[0], me.memory_info().rss)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    query = "SELECT g, repeat('x', 100) AS pad FROM generate_series(1, 3000000) g"
+    try:
+        rows = ex.run(spec(dsn=PG_DSN, query=query, max_rows=10), {}, make_ctx(timeout=60))
+    finally:
+        done.set()
+        sampler.join()
+    assert [r["g"] for r in rows] == list(range(1, 11))
+    assert peak[0] - base < 150 * 1024 * 1024, (peak[0] - base) // 2**20  # (all 3,000,000 rows: ~500 MB)
