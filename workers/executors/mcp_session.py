@@ -69,6 +69,9 @@ def client_for(server: dict[str, Any]) -> Any:
         args=argv[1:],
         env={str(k): str(v) for k, v in (server.get("env") or {}).items()} or None,
         cwd=server.get("cwd"),
+        # (strict decoding let one line that is not UTF-8 kill the SDK's reader: every later call to the
+        # server then waited out its timeout; replaced, the line is dropped as not JSON and the rest read)
+        encoding_error_handler="replace",
     )
     errlog = open(os.devnull, "w") if server.get("stderr") == "discard" else None  # noqa: SIM115
     transport = stdio_client(params, errlog=errlog) if errlog else stdio_client(params)

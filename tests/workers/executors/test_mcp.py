@@ -269,3 +269,15 @@ def test_a_server_that_exits_before_the_handshake_is_named_plainly(tmp_path: Pat
         )
     message = str(info.value)
     assert "closed the connection (it exited?" in message and "ExceptionGroup" not in message, message
+
+
+def test_a_line_that_is_not_utf8_from_a_stdio_server_spoils_nothing(make_ctx):
+    # The SDK decoded strictly: one bad line killed its reader, and every later call to the server waited
+    # out its timeout until the worker restarted. Decoded with replacement, the line is dropped as not JSON.
+    raw = {"command": [sys.executable, str(Path(__file__).with_name("raw_mcp_server.py"))], "stderr": "discard"}
+    executor = mcpexec.McpExecutor({"servers": {"raw": raw}})
+    try:
+        assert executor.run(spec("garbage", "raw"), {}, make_ctx(timeout=5)) == "after garbage"
+        assert executor.run(spec("echo", "raw"), {"a": 1}, make_ctx(timeout=5)) == '{"a": 1}'
+    finally:
+        executor.close()
