@@ -87,6 +87,7 @@ _CODE_OPTIONS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "php": (frozenset("r"), frozenset()),
     "tclsh": (frozenset(), frozenset()),
     **dict.fromkeys(("su", "runuser", "flock"), (frozenset("c"), frozenset({"--command", "--session-command"}))),
+    "git": (frozenset("c"), frozenset({"--config-env"})),  # (core.sshCommand, core.pager, alias.x=!cmd run code)
     "pwsh": (frozenset(), frozenset({"-c", "-command", "-encodedcommand", "-ec"})),
     "powershell": (frozenset(), frozenset({"-c", "-command", "-encodedcommand", "-ec"})),
 }
@@ -142,7 +143,9 @@ def code_placeholder(parts: list[str]) -> str | None:
         if i > 0 and part.startswith("-"):
             continue
         program = _program(part)
-        if program in _SCRIPT_FIRST:
+        if program == "ssh":
+            problem = _ssh_command(parts[i + 1 :])
+        elif program in _SCRIPT_FIRST:
             problem = _script_first(program, parts[i + 1 :], positioned)
         elif program in _CODE_OPTIONS:
             problem = _code_option(program, parts[i + 1 :], positioned)
@@ -150,6 +153,26 @@ def code_placeholder(parts: list[str]) -> str | None:
             continue
         if problem:
             return problem
+    return None
+
+
+_SSH_VALUED = frozenset("BbcDEeFIiJLlmOoPpQRSWw")  # ssh's options that take a value
+
+
+def _ssh_command(rest: list[str]) -> str | None:
+    """ssh joins what follows its host into one command for the remote shell: a placeholder there is code
+    (``ssh host cat {{file}}`` runs ``; rm -rf ~`` too); the host itself may be one."""
+    skip = False
+    for j, opt in enumerate(rest):
+        if skip:
+            skip = False
+            continue
+        if opt.startswith("-") and len(opt) > 1:
+            skip = opt[-1] in _SSH_VALUED and len(opt) == 2  # (-p 22; -p22 carries its value)
+            continue
+        if any(has(part) for part in rest[j + 1 :]):
+            return "ssh runs what follows the host in the remote shell: a placeholder there would let a value be code"
+        return None
     return None
 
 

@@ -106,6 +106,9 @@ def test_args_separator_must_be_a_boolean():
         'perl -e"print {{x}}"',
         'gawk --source="BEGIN{print {{x}}}"',
         'su -c "echo {{x}}" bob',
+        "ssh host cat {{file}}",
+        "ssh -p 22 -o BatchMode=yes host 'ls {{dir}}'",
+        "git -c core.sshCommand={{x}} fetch",
     ],
 )
 def test_a_placeholder_in_shell_or_interpreter_code_is_refused_at_registration(cmd):
@@ -133,6 +136,8 @@ def test_a_placeholder_in_shell_or_interpreter_code_is_refused_at_registration(c
         "find {{dir}} -name '*.py'",
         "flock /tmp/lk sh -c 'echo \"$1\"' sh {{x}}",
         "python3 tool.py --city={{city}}",
+        "ssh {{host}} uptime",
+        "git -C {{repo}} log --author={{who}}",
     ],
 )
 def test_values_passed_as_arguments_after_the_code_are_fine(cmd):
