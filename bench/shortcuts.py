@@ -278,16 +278,17 @@ def end_to_end(url: str, calls: int, rounds: int) -> dict[str, Any]:
             )
             both["on" if on else "off"] = {"calls_per_s": sample.calls_per_s, "worker_us": sample.worker_us}
         per_round.append(both)
-    ratios = [f["off"]["worker_us"] / f["on"]["worker_us"] for f in per_round]
+    # (a round too short for the CPU clock's tick reads 0 µs: no ratio from it)
+    ratios = [f["off"]["worker_us"] / f["on"]["worker_us"] for f in per_round if f["on"]["worker_us"] > 0]
     return {
         "calls_per_round": calls,
         "on_calls_per_s": round(statistics.median(f["on"]["calls_per_s"] for f in per_round), 1),
         "off_calls_per_s": round(statistics.median(f["off"]["calls_per_s"] for f in per_round), 1),
         "on_worker_us": round(statistics.median(f["on"]["worker_us"] for f in per_round), 1),
         "off_worker_us": round(statistics.median(f["off"]["worker_us"] for f in per_round), 1),
-        "worker_cpu_ratio": round(statistics.median(ratios), 3),
-        "worker_cpu_ratio_low": round(min(ratios), 3),
-        "worker_cpu_ratio_high": round(max(ratios), 3),
+        "worker_cpu_ratio": round(statistics.median(ratios), 3) if ratios else None,
+        "worker_cpu_ratio_low": round(min(ratios), 3) if ratios else None,
+        "worker_cpu_ratio_high": round(max(ratios), 3) if ratios else None,
         "rounds": [{k: {m: round(v, 1) for m, v in d.items()} for k, d in f.items()} for f in per_round],
     }
 
@@ -356,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"end to end, all on / all off: {e2e['on_calls_per_s']:,.0f} / {e2e['off_calls_per_s']:,.0f} calls/s, "
             f"worker CPU {e2e['on_worker_us']:.0f} / {e2e['off_worker_us']:.0f} µs a call, off/on "
-            f"{e2e['worker_cpu_ratio']:.2f} ({e2e['worker_cpu_ratio_low']:.2f}-{e2e['worker_cpu_ratio_high']:.2f})"
+            + (f"{e2e['worker_cpu_ratio']:.2f} ({e2e['worker_cpu_ratio_low']:.2f}-{e2e['worker_cpu_ratio_high']:.2f})"
+               if e2e["worker_cpu_ratio"] is not None else "n/a (rounds too short for the CPU clock)")
         )
     print(f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; written to {path}")
     print(f"shortcuts_ratio={summary:.3f}")

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 
 def test_shortcuts_runs_each_shortcut_both_ways_and_writes_its_json(redis_url: str, tmp_path: Path) -> None:
     out = tmp_path / "shortcuts.json"
-    small = ("--rounds", "2", "--seconds", "0.02", "--e2e-calls", "50", "--e2e-rounds", "1")
+    small = ("--rounds", "2", "--seconds", "0.02", "--e2e-calls", "200", "--e2e-rounds", "1")
     lines = bench("shortcuts.py", "--url", redis_url, *small, "--out", str(out))
     assert re.fullmatch(r"shortcuts_ratio=\d+\.\d{3}", lines[-1])
     result = json.loads(out.read_text())

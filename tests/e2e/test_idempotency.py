@@ -33,17 +33,18 @@ def test_a_finished_calls_key_expires_with_its_record_then_the_key_runs_a_new_ca
     tools: None, gateway: Any, workers: Any, conn: Any, wait_until: Any
 ) -> None:
     workers(1, env={"HERMES_RESULT_TTL": "2"})
-    first = gateway.call_tool("echo", {"v": 1}, idempotency_key="ttl-1")
+    # (a call that takes a moment: an echo could end before the key's TTL is read)
+    first = gateway.call_tool("sleep", {"seconds": 0.5}, idempotency_key="ttl-1")
     assert conn.ttl(idem("ttl-1")) > 86400  # while it runs: as long as the pending record
-    assert first.result(10) == {"v": 1}
+    assert first.result(10) == {"slept": 0.5}
     wait_until(lambda: conn.ttl(keys.job(first.call_id)) <= 2, 5, message="the record's result TTL")
     assert 0 < conn.ttl(idem("ttl-1")) <= 2
     assert abs(conn.pttl(idem("ttl-1")) - conn.pttl(keys.job(first.call_id))) < 1000
     wait_until(lambda: not conn.exists(keys.job(first.call_id)), 6, 0.1, "the record to expire")
     assert not conn.exists(idem("ttl-1"))
-    again = gateway.call_tool("echo", {"v": 1}, idempotency_key="ttl-1")
+    again = gateway.call_tool("sleep", {"seconds": 0.5}, idempotency_key="ttl-1")
     assert again.call_id != first.call_id and again.own
-    assert again.result(10) == {"v": 1}
+    assert again.result(10) == {"slept": 0.5}
 
 
 def test_a_key_whose_record_is_gone_runs_a_new_call(tools: None, gateway: Any, workers: Any, conn: Any) -> None:
