@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import httpx2
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
@@ -68,6 +69,13 @@ def client(url: str, token: str | None, **options: Any) -> Client:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     transport = streamable_http_client(url, http_client=httpx2.AsyncClient(headers=headers, timeout=60))
     return Client(transport, cache=None, **options)
+
+
+def api(server: Any, token: str) -> httpx.Client:
+    """An HTTP client of ``server`` (a ``serve_processes`` server) with ``token``."""
+    return httpx.Client(
+        base_url=f"http://127.0.0.1:{server.port}", headers={"Authorization": f"Bearer {token}"}, timeout=30
+    )
 
 
 def configure(home: Home, **extra: Any) -> None:

@@ -16,7 +16,7 @@ import yaml
 
 from broker import keys
 from tests.conftest import Home, wait_until
-from tests.e2e.served import ADMIN, ALICE, client, configure, serve_processes, sha
+from tests.e2e.served import ADMIN, ALICE, api, client, configure, serve_processes, sha
 
 pytestmark = pytest.mark.e2e
 serve = pytest.fixture(serve_processes)
@@ -36,12 +36,6 @@ def setup(home: Home) -> None:
     config["policy"]["principals"]["ci"] = {"grants": ["read_only"]}
     home.config(config)
     home.tool("payroll", function="tests.e2e.stoptools:nap", timeout=20, permissions=["payroll"], input_schema=NAP_SCHEMA)
-
-
-def api(server: Any, token: str) -> httpx.Client:
-    return httpx.Client(
-        base_url=f"http://127.0.0.1:{server.port}", headers={"Authorization": f"Bearer {token}"}, timeout=30
-    )
 
 
 def runs(path: Path) -> int:

@@ -8,11 +8,10 @@ import asyncio
 import hashlib
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.conftest import Home
-from tests.e2e.served import ADMIN, ALICE, client, configure, serve_processes
+from tests.e2e.served import ADMIN, ALICE, api, client, configure, serve_processes
 
 pytestmark = pytest.mark.e2e
 serve = pytest.fixture(serve_processes)
@@ -27,12 +26,6 @@ def setup(home: Home) -> None:
     config["api"]["tokens"][hashlib.sha256(BOB.encode()).hexdigest()] = {"principal": "bob"}
     config["policy"]["principals"]["bob"] = {"grants": ["tools:write"]}
     home.config(config)
-
-
-def api(server: Any, token: str) -> httpx.Client:
-    return httpx.Client(
-        base_url=f"http://127.0.0.1:{server.port}", headers={"Authorization": f"Bearer {token}"}, timeout=30
-    )
 
 
 def test_a_caller_cannot_claim_another_principal_and_its_own_decides_calls_and_lists(
