@@ -18,6 +18,7 @@ from urllib.parse import quote, quote_plus
 
 import structlog
 
+from .codec import MAX_DEPTH as ARGS_DEPTH
 from .codec import pack
 from .settings import shortcut_on
 
@@ -171,10 +172,10 @@ def _leaves(value: Any, into: set[str], depth: int) -> None:
     # whole value: "{'x': 'hunter2'} is not of type 'integer'").
     if isinstance(value, str | int | float) and not isinstance(value, bool):
         into.add(str(value))
-    elif depth < 100 and isinstance(value, Mapping):
+    elif depth < ARGS_DEPTH and isinstance(value, Mapping):
         for item in value.values():
             _leaves(item, into, depth + 1)
-    elif depth < 100 and isinstance(value, list | tuple):
+    elif depth < ARGS_DEPTH and isinstance(value, list | tuple):
         for item in value:
             _leaves(item, into, depth + 1)
 
@@ -192,9 +193,9 @@ def scrub_all(value: Any, values: Sequence[str], depth: int = 0) -> Any:
     ``violations`` quote the arguments)."""
     if isinstance(value, str):
         return scrub(value, values)
-    if depth < 100 and isinstance(value, Mapping):
+    if depth < ARGS_DEPTH and isinstance(value, Mapping):
         return {k: scrub_all(v, values, depth + 1) for k, v in value.items()}
-    if depth < 100 and isinstance(value, list | tuple):
+    if depth < ARGS_DEPTH and isinstance(value, list | tuple):
         return [scrub_all(v, values, depth + 1) for v in value]
     return value
 

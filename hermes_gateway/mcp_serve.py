@@ -236,18 +236,15 @@ async def answer_unreadable(source: Any, sink: Any, replies: Any) -> None:
                 continue
             problems = item.errors() if hasattr(item, "errors") else []
             line = problems[0].get("input") if problems else None
-            parsed = False
-            request_id: Any = None
             try:
                 body = json.loads(line) if isinstance(line, str) else None
-                parsed = True
             except ValueError:
                 body = None
-            if isinstance(body, dict) and type(body.get("id")) in (int, str):
-                request_id = body["id"]
-            code = types.INVALID_REQUEST if parsed and all(p.get("type") != "json_invalid" for p in problems) else types.PARSE_ERROR
-            message = "not a JSON-RPC message" if code == types.INVALID_REQUEST else "unreadable JSON (RFC 8259, UTF-8, no lone surrogates)"
-            error = types.ErrorData(code=code, message=message)
+            request_id = body["id"] if isinstance(body, dict) and type(body.get("id")) in (int, str) else None
+            if any(p.get("type") == "json_invalid" for p in problems):
+                error = types.ErrorData(code=types.PARSE_ERROR, message="unreadable JSON (RFC 8259, UTF-8, no lone surrogates)")
+            else:
+                error = types.ErrorData(code=types.INVALID_REQUEST, message="not a JSON-RPC message")
             await replies.send(SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=request_id, error=error)))
 
 

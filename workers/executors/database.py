@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # SQLAlchemy (and its driver) is imported where a query runs,
 
 DEFAULT_MAX_ROWS = 1000
 _READ_VERBS = {"select", "with", "values", "table", "show", "explain"}
+_QUERY_VERBS = _READ_VERBS - {"show", "explain"}  # what a cursor can be declared FOR (streamed results)
 _MODES = ("template", "structured")
 _SQL_COMMENTS = re.compile(r"(--[^\n]*|/\*.*?\*/)", re.S)
 
@@ -53,7 +54,6 @@ def first_keyword(sql: str) -> str:
     return stripped.split(None, 1)[0].lower() if stripped else ""
 
 
-_SELECTS = re.compile(r"\s*\(*\s*(select|with|values|table)\b", re.IGNORECASE)
 _connecting: contextvars.ContextVar[ExecContext | None] = contextvars.ContextVar("connecting", default=None)
 
 
@@ -176,7 +176,7 @@ class DatabaseExecutor:
             try:
                 # (streamed: a server-side cursor on PostgreSQL, so max_rows bounds the memory too, not
                 # only what is returned; 2,000,000 rows took 320 MB before the first 10 came back)
-                streamed = read_only and _SELECTS.match(str(statement)) is not None  # (a cursor is FOR a query)
+                streamed = read_only and first_keyword(str(statement)).partition("(")[0] in _QUERY_VERBS
                 result = conn.execution_options(stream_results=streamed, max_row_buffer=max_rows + 1).execute(
                     statement, params
                 )

@@ -153,9 +153,9 @@ class GrpcExecutor:
         metadata.extend(ctx.trace_headers().items())
         ctx.check()
         tls = bool(config.get("tls", False))
-        target = self._targets.get((address, tls), lambda: _Target(address, tls))
+        key = (address, tls)
+        target = self._targets.get(key, lambda: _Target(address, tls))
         try:
-            key = (address, tls)
             call, request_cls, streams = target.methods.get(name) or self._describe(target, key, name, where, ctx)
         except HermesError:
             raise

@@ -179,16 +179,13 @@ class WatchedStream(httpcore.NetworkStream):
         while True:
             if ctx.cancelled.is_set():
                 raise CallCancelled(f"call {ctx.call_id} was cancelled")
-            if time.monotonic() >= ctx.deadline:
+            if time.monotonic() >= end:
                 raise httpcore.ReadTimeout("timed out waiting for the server")
             if isinstance(self._sock, ssl.SSLSocket) and self._sock.pending():
                 return
-            wait = POLL if end is None else max(0.0, min(POLL, end - time.monotonic()))
-            readable, _, _ = select.select([self._sock], [], [], wait)
+            readable, _, _ = select.select([self._sock], [], [], max(0.0, min(POLL, end - time.monotonic())))
             if readable:
                 return
-            if end is not None and time.monotonic() >= end:
-                raise httpcore.ReadTimeout("timed out waiting for the server")
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
         self._inner.write(buffer, timeout)
