@@ -221,7 +221,9 @@ def test_a_breaker_opens_lets_one_probe_through_and_closes_across_two_workers(
     cooldown = 1.0
     mode, log = _fragile(home, tmp_path, failures=3, cooldown=cooldown)
     gateway.sync_tools()
-    a, b = workers(2, concurrency=3)
+    # One slot each: the probe holds its worker's slot for 0.8 s, so the other worker must take the refused
+    # calls and both workers take part in the half-open round (with 3 slots one worker could take all six).
+    a, b = workers(2, concurrency=1)
     changes: list[dict[str, Any]] = []
     pubsub = conn.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(keys.channel(conn, keys.BREAKER_CHANNEL))
