@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
+from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from broker.connection import out_of_memory
@@ -126,10 +127,25 @@ async def _unsendable(_request: Request, error: Exception) -> Response:  # what 
     return error_reply(BadRequest(f"a value cannot be sent: {error}"))
 
 
-async def _http(_request: Request, error: Exception) -> Response:  # Starlette's own: no route, no method
+async def _http(request: Request, error: Exception) -> Response:  # Starlette's own: no route, no method
     assert isinstance(error, HTTPException)
     kind = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
-    return reply({"error": {"type": kind, "message": str(error.detail)}}, error.status_code, dict(error.headers or {}))
+    message, headers = str(error.detail), dict(error.headers or {})
+    if error.status_code == 405 and (allowed := _allowed(request)):
+        # (Starlette's Allow names the methods of the first route of the path; a path has a route per method)
+        headers["Allow"] = allowed
+        message = f"{request.method} is not allowed on {request.url.path}; it takes {allowed}"
+    return reply({"error": {"type": kind, "message": message}}, error.status_code, headers)
+
+
+def _allowed(request: Request) -> str:
+    """The methods of every route of the request's path, as an ``Allow`` header lists them."""
+    methods: set[str] = set()
+    for route in getattr(request.app, "routes", ()):
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
 
 
 async def _crash(_request: Request, _error: Exception) -> Response:  # (uvicorn still logs the traceback)

@@ -190,6 +190,11 @@ def test_every_error_body_has_the_one_shape_even_no_route_no_method_and_a_crash(
     wrong = api.put("/v1/calls/x/cancel")
     shape(wrong, 405, "method_not_allowed")
     assert "POST" in wrong.headers["allow"]
+    # A path with a route per method: Allow names them all (Starlette's named the first route's only).
+    both = api.put("/v1/tools")
+    shape(both, 405, "method_not_allowed")
+    assert set(both.headers["allow"].split(", ")) == {"GET", "HEAD", "POST"}, both.headers["allow"]
+    assert "PUT is not allowed on /v1/tools" in both.json()["error"]["message"]
     monkeypatch.setattr("hermes_gateway.http_api.status_data", lambda *_: 1 / 0)  # a bug in a route
     shape(api.get("/v1/status"), 500, "internal_error")
 
