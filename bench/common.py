@@ -20,6 +20,14 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(os.environ.get("HERMES_BENCH_RESULTS") or ROOT / "bench" / "results")
 
 
+def commit() -> str:
+    """The checkout's commit, for a result file ('' outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
 def shown(path: Path) -> str:
     """A result file's path as printed: relative to the checkout when it is inside it."""
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
@@ -87,17 +95,38 @@ def start_workers(
         ]
 
 
-def start_rq_workers(url: str, queue: str, processes: int) -> list[subprocess.Popen[bytes]]:
+def start_rq_workers(url: str, queue: str, processes: int, *more: str) -> list[subprocess.Popen[bytes]]:
+    """``processes`` stock RQ ``SimpleWorker`` processes on ``queue`` (and the queues ``more``, after it: an
+    RQ worker takes from the first queue that has a job)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return [
         subprocess.Popen(
-            [sys.executable, "-m", "rq.cli", "worker", "--url", url, "--worker-class", "rq.SimpleWorker", "--quiet", queue],
+            [sys.executable, "-m", "rq.cli", "worker", "--url", url, "--worker-class", "rq.SimpleWorker", "--quiet", queue, *more],
             env=env,
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
         )
         for _ in range(processes)
     ]
+
+
+def dramatiq_results(url: str, queue: str, first: str) -> Any:
+    """``bench/dramatiq_results.py`` (a sleeping actor whose result is waited for), imported afresh in this
+    process for these queue names; ``start_dramatiq`` starts its worker with the same."""
+    os.environ.update(BENCH_DRAMATIQ_URL=url, BENCH_DRAMATIQ_QUEUE=queue, BENCH_DRAMATIQ_FIRST=first)
+    sys.modules.pop("bench.dramatiq_results", None)
+    import bench.dramatiq_results as actors
+
+    return actors
+
+
+def start_dramatiq(url: str, queue: str, first: str, threads: int) -> list[subprocess.Popen[bytes]]:
+    """One Dramatiq worker process with ``threads`` threads on ``bench/dramatiq_results.py``'s two queues
+    (its log under ``$TMPDIR``)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), BENCH_DRAMATIQ_URL=url, BENCH_DRAMATIQ_QUEUE=queue, BENCH_DRAMATIQ_FIRST=first)
+    cmd = [sys.executable, "-m", "dramatiq", "bench.dramatiq_results", "--processes", "1", "--threads", str(threads)]
+    with (Path(os.environ.get("TMPDIR", "/tmp")) / f"{queue}.log").open("wb") as log:
+        return [subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=log)]
 
 
 def stop(procs: list[subprocess.Popen[bytes]]) -> None:

@@ -4,14 +4,19 @@
 two worker processes. Prints the highest number of calls ever executing at once (from the executing and
 formatting events' timestamps, and the peak size of the slot set sampled in Redis; both must equal the
 limit, never more), the wall time against the limit-bound ideal as ``efficiency=<ideal/actual>`` (the
-median of ``--rounds`` rounds on the same workers), and the same workload on stock ``rq worker-pool``
-with as many processes (one round; its job function is ``bench.rqjobs.sleep``, which imports nothing of ours). The last line is ``ratio_vs_rq=<x>``.
+median of ``--rounds`` rounds on the same workers), and the same workload on Dramatiq (as many processes,
+``limit / processes`` threads each: the same number of jobs at once; its actor stores its result as our
+calls do, done when the last is acked) and on stock ``rq worker-pool`` with as many processes (one round
+each; RQ's job function is ``bench.rqjobs.sleep``, which imports nothing of ours). The last line is
+``ratio_vs_rq=<x>``, after ``ratio_vs_dramatiq=<x>`` (their wall time / ours).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -23,7 +28,20 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, Peak, scratch_home, start_workers, stop, using_broker, wait_for_workers  # noqa: E402
+from bench.common import (  # noqa: E402
+    RESULTS,
+    ROOT,
+    Peak,
+    commit,
+    dramatiq_results,
+    scratch_home,
+    shown,
+    start_dramatiq,
+    start_workers,
+    stop,
+    using_broker,
+    wait_for_workers,
+)
 from hermes_gateway.client import SUBMIT_CHUNK  # noqa: E402
 
 
@@ -197,6 +215,42 @@ def run_rq(url: str, n: int, processes: int, seconds: float) -> float:
         stop([pool])
 
 
+def run_dramatiq(url: str, n: int, processes: int, limit: int, seconds: float) -> float:
+    """Wall seconds for n sleep messages on ``processes`` Dramatiq processes of ``limit / processes``
+    threads, from the first send to the last ack."""
+    from broker.connection import from_url
+
+    tag = uuid.uuid4().hex[:8]
+    queue, first = f"dqio-{tag}", f"dqio-{tag}-first"
+    actors = dramatiq_results(url, queue, first)
+    threads = max(1, limit // processes)
+    procs = [p for _ in range(processes) for p in start_dramatiq(url, queue, first, threads)]
+    conn = from_url(url)
+    pending = f"dramatiq:{queue}.msgs"  # (every message not yet acked)
+    try:
+        for _ in range(2 * processes):  # warm: every worker up
+            actors.batch_sleep.send(0.001)
+        _until_acked(conn, pending)
+        start = time.perf_counter()
+        for _ in range(n):
+            actors.batch_sleep.send(seconds)
+        _until_acked(conn, pending)
+        return time.perf_counter() - start
+    finally:
+        stop(procs)
+        for key in conn.scan_iter(f"*{tag}*"):
+            conn.delete(key)
+        conn.close()
+
+
+def _until_acked(conn: Any, key: str, timeout: float = 900.0) -> None:
+    deadline = time.monotonic() + timeout
+    while conn.hlen(key):
+        if time.monotonic() > deadline:
+            raise RuntimeError("Dramatiq did not finish in time")
+        time.sleep(0.01)
+
+
 def _wait_finished(q: object, count: int, timeout: float = 900.0) -> None:
     deadline = time.monotonic() + timeout
     while q.finished_job_registry.count < count:  # type: ignore[attr-defined]
@@ -213,7 +267,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=0.05, help="how long each call waits")
     parser.add_argument("--url", default=None, help="Redis URL (default $HERMES_REDIS_URL, else embedded)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds on the same workers (median reported)")
-    parser.add_argument("--skip-rq", action="store_true", help="ours only (no ratio line)")
+    parser.add_argument("--skip-rq", action="store_true", help="ours only: no peers, no ratio lines")
     args = parser.parse_args()
     with using_broker(args.url) as url:
         n, limit = args.calls, args.limit
@@ -245,11 +299,34 @@ def main() -> None:
         print(
             f"cpu_ceiling={ceiling:.3f}  (median: the efficiency {cores} cores allow at the measured CPU per call)"
         )
+        record: dict[str, Any] = {
+            "bench": "io_bound",
+            "commit": commit(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": {"platform": platform.platform(), "cpus": cores, "python": platform.python_version()},
+            "args": vars(args),
+            "rounds": [{"seconds": r[0], "efficiency": ideal / r[0], "max_executing": r[1], "max_slots_held": r[2],
+                        "cpu_us_per_call": dict(zip(("client", "workers", "redis"), r[5], strict=True))} for r in results],
+            "efficiency": ideal / elapsed,
+            "cpu_ceiling": ceiling,
+        }
+        if not args.skip_rq:
+            dq_elapsed = run_dramatiq(url, n, args.processes, limit, args.seconds)
+            rq_elapsed = run_rq(url, n, args.processes, args.seconds)
+            record.update(dramatiq_seconds=dq_elapsed, rq_seconds=rq_elapsed)
+        out = RESULTS / f"io_bound-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"result: {shown(out)}")
         print(f"efficiency={ideal / elapsed:.3f}  (median; target >= 0.85)")
         if args.skip_rq:
             return
-        rq_elapsed = run_rq(url, n, args.processes, args.seconds)
+        print(
+            f"Dramatiq {args.processes} processes x {max(1, limit // args.processes)} threads: {dq_elapsed:.3f}s "
+            f"({n / dq_elapsed:,.0f} jobs/s)  efficiency={ideal / dq_elapsed:.3f}"
+        )
         print(f"stock RQ worker-pool -n {args.processes}: {rq_elapsed:.3f}s ({n / rq_elapsed:,.0f} jobs/s)")
+        print(f"ratio_vs_dramatiq={dq_elapsed / elapsed:.2f}")
         print(f"ratio_vs_rq={rq_elapsed / elapsed:.2f}")
 
 

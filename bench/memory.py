@@ -9,10 +9,15 @@ Soak (``--soak SECONDS``): calls at full speed with ``workers.result_ttl: 60``; 
 start, every few seconds, and at the end should be flat once the first minute's records expire (the audit
 stream grows until its cap, so the figures are also given without it).
 
+Beside it (unless ``--no-peers``), the same on Dramatiq (1 process x 8 threads, its ``Results`` middleware
+on Redis: what a finished message keeps is its result) and stock RQ (one ``SimpleWorker``; a finished job
+keeps its hash, its result stream and its place in the finished registry for ``result_ttl``, 500 s by
+default): ``used_memory`` growth over their N finished jobs, the same 100-byte arguments.
+
 Results go to ``bench/results/memory.json`` (and ``memory-soak.json``) with the commit, date and machine.
 The machine is shared: speeds are noisy, byte counts are not.
 
-    python -m bench.memory [-n 5000] [--soak 600] [--url redis://...]
+    python bench/memory.py [-n 5000] [--soak 600] [--url redis://...] [--no-peers]
 """
 
 from __future__ import annotations
@@ -23,15 +28,21 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import (  # noqa: E402
     RESULTS,
     ROOT,
+    dramatiq_results,
     scratch_home,
     shown,
+    start_dramatiq,
+    start_rq_workers,
     start_workers,
     stop,
     using_broker,
@@ -162,6 +173,58 @@ def soak(url: str, seconds: float, processes: int = 1, concurrency: int = 64, ev
     }
 
 
+def peer_bytes_per_job(kind: str, url: str, n: int) -> dict[str, Any]:
+    """Redis bytes a finished job of ``kind`` (``dramatiq``, ``rq``) keeps: ``used_memory`` growth over ``n``
+    finished jobs with the same 100-byte arguments, after a warm-up (their keys are deleted after)."""
+    import uuid
+
+    from redis import Redis
+    from rq import Queue
+
+    tag = uuid.uuid4().hex[:8]
+    conn = Redis.from_url(url, socket_timeout=None)
+    if kind == "dramatiq":
+        queue = f"dqmem-{tag}"
+        actors = dramatiq_results(url, queue, f"{queue}-first")
+        procs = start_dramatiq(url, queue, f"{queue}-first", 8)
+        pending = f"dramatiq:{queue}.msgs"
+
+        def run(count: int) -> None:
+            for _ in range(count):
+                actors.noop_text.send(ARGS["text"])
+            deadline = time.monotonic() + 600
+            while conn.hlen(pending) and time.monotonic() < deadline:
+                time.sleep(0.05)
+    else:
+        queue = f"rqmem-{tag}"
+        procs = start_rq_workers(url, queue, 1)
+        q = Queue(queue, connection=conn)
+
+        def run(count: int) -> None:
+            base = q.finished_job_registry.count
+            for start in range(0, count, CHUNK):
+                q.enqueue_many([Queue.prepare_data("bench.rqjobs.noop_text", (ARGS["text"],)) for _ in range(min(CHUNK, count - start))])
+            deadline = time.monotonic() + 600
+            while q.finished_job_registry.count < base + count and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+    try:
+        if kind == "rq":
+            wait_for_workers(conn, 1, queue, timeout=60)
+        run(200)  # warm-up
+        time.sleep(0.5)
+        used0 = _used(conn)
+        run(n)
+        time.sleep(0.5)
+        used1 = _used(conn)
+    finally:
+        stop(procs)
+        for key in conn.scan_iter(f"*{tag}*"):
+            conn.delete(key)
+        conn.close()
+    return {"jobs": n, "used_memory_delta": used1 - used0, "bytes_per_job": round((used1 - used0) / n, 1)}
+
+
 def _provenance() -> dict[str, Any]:
     try:
         commit = subprocess.run(
@@ -190,6 +253,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--soak", type=float, default=0.0, help="seconds of calls at full speed (result_ttl 60)")
     parser.add_argument("--url", default=None, help="Redis URL (default $HERMES_REDIS_URL, else embedded)")
+    parser.add_argument("--no-peers", action="store_true", help="ours only (no Dramatiq, no RQ)")
     args = parser.parse_args()
     with using_broker(args.url) as url:
         from broker.connection import from_url
@@ -209,8 +273,14 @@ def main() -> None:
             print(f"{out['calls']:,} finished calls (100-byte args, no result) on Redis {version}")
             print(f"record_bytes={out['record_bytes']} (MEMORY USAGE of one ended call's job hash + history; max {out['record_bytes_max']})")
             print(f"audit_bytes_per_call={out['audit_bytes_per_call']} (the capped audit stream, counted apart)")
-            print(f"bytes_per_call={out['bytes_per_call']}  (used_memory delta / N less the audit's growth; goal <= 800)")
+            if not args.no_peers:
+                out["peers"] = {kind: peer_bytes_per_job(kind, url, args.calls) for kind in ("dramatiq", "rq")}
+                dq, rq = out["peers"]["dramatiq"], out["peers"]["rq"]
+                print(f"Dramatiq (Results on Redis): {dq['bytes_per_job']} bytes a finished job; stock RQ: {rq['bytes_per_job']}")
             path = write("memory.json", {"redis": version, **out})
+            print(f"written to {shown(path)}")
+            print(f"bytes_per_call={out['bytes_per_call']}  (used_memory delta / N less the audit's growth; goal <= 800)")
+            return
         print(f"written to {shown(path)}")
 
 

@@ -7,9 +7,12 @@ One tool (concurrency ``--limit`` 8, a Python tool sleeping ``--tool-ms`` 5 ms),
    (so the tool always has a backlog of waiting batch calls, and the submitter's memory stays bounded).
 3. *fifo* (the reference): a few calls submitted as if they were part of the batch (its key and class),
    which is where every call waited before fair dispatch: behind the whole backlog.
+4. *peers* (``--peers``): the same on Dramatiq and stock RQ (see "peers" below): alone, behind the batch in a
+   queue of their own that the workers prefer (how their users would put an agent first), and in the
+   batch's queue.
 Latency is submit → ``done`` event at the caller; "to start" is submit → ``routing`` (the slot wait and
 the worker's pick-up), the part fair dispatch decides. The machine is shared: figures are noisy, ratios count.
-4. *memory* (unless ``--no-memory``): Redis bytes per finished call (bench/memory.py, goal <= 800), the
+5. *memory* (unless ``--no-memory``): Redis bytes per finished call (bench/memory.py, goal <= 800), the
    batch submitter's peak RSS extrapolated to 1,000,000 items (bench/batch_rss.py, goal <= 200 MB), and
    with ``--soak 600`` ten minutes at full speed with ``result_ttl: 60`` (used_memory flat).
 The last line is ``interactive_slowdown=<p99 behind / p99 alone>`` (goal <= 2); each p99 is read from
@@ -27,7 +30,6 @@ import multiprocessing
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -39,9 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
     RESULTS,
-    ROOT,
+    commit,
+    dramatiq_results,
     scratch_home,
     shown,
+    start_dramatiq,
+    start_rq_workers,
     start_workers,
     stop,
     using_broker,
@@ -171,6 +176,125 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     }
 
 
+# -- peers ------------------------------------------------------------------------------------------------
+# The same scenario on Dramatiq (1 process x --limit threads, bench/dramatiq_results.py) and stock RQ (--limit
+# SimpleWorker processes, bench/rqjobs.py): a job sleeping --tool-ms, its result waited for as each one's
+# users wait (Dramatiq's Results middleware, RQ's ``latest_result``), a batch backlog of --window jobs kept
+# by a process of its own. Neither has a fair share between callers, so an agent's call either joins the
+# batch's queue (*same queue*: FIFO behind the backlog) or, as their users would set it up, goes to a queue
+# of its own that the workers prefer (*own queue*: RQ's queue order; Dramatiq's own consumer and priority).
+
+
+def peer_batch(kind: str, url: str, queue: str, first: str, window: int, seconds: float, stop_flag: Any, out: Any) -> None:
+    """Keep ``window`` unfinished batch jobs of ``kind`` on ``queue`` until ``stop_flag`` is set; puts how
+    many it sent (a process of its own, as ours: a thread would share the measuring caller's lock)."""
+    from broker.connection import from_url
+
+    conn = from_url(url)
+    send: Any
+    if kind == "dramatiq":
+        actors = dramatiq_results(url, queue, first)
+        pending = f"dramatiq:{queue}.msgs"  # (every message not yet acked: queued, fetched or running)
+
+        def send(n: int) -> None:
+            for _ in range(n):
+                actors.batch_sleep.send(seconds)
+    else:
+        from rq import Queue
+
+        q = Queue(queue, connection=conn)
+        pending = f"rq:queue:{queue}"
+
+        def send(n: int) -> None:
+            q.enqueue_many([Queue.prepare_data("bench.rqjobs.sleep", (seconds,), result_ttl=RESULT_TTL) for _ in range(n)])
+
+    depth = conn.hlen if kind == "dramatiq" else conn.llen
+    sent = 0
+    while not stop_flag.is_set():
+        missing = window - int(depth(pending))
+        if missing > 0:
+            send(min(missing, 500))
+            sent += min(missing, 500)
+        else:
+            time.sleep(0.02)
+    out.put(sent)
+
+
+def peer_calls(kind: str, target: Any, n: int, seconds: float) -> list[float]:
+    """Latency of ``n`` jobs made one after another, each waited for to its result, in seconds (``target``:
+    the Dramatiq actor to send, or the RQ queue to enqueue on)."""
+    out = []
+    for _ in range(n):
+        start = time.perf_counter()
+        if kind == "dramatiq":
+            target.send(seconds).get_result(block=True, timeout=300_000)
+        else:
+            job = target.enqueue("bench.rqjobs.sleep", seconds, result_ttl=RESULT_TTL)
+            if job.latest_result(timeout=300) is None:
+                raise RuntimeError(f"stock RQ gave no result for {job.id} in 300 s")
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def run_peer(kind: str, args: argparse.Namespace, url: str) -> dict[str, Any]:
+    """Alone, behind the batch in a queue of its own, and in the batch's queue: one peer's figures."""
+    from redis import Redis
+    from rq import Queue
+
+    from broker.connection import from_url
+
+    tag = uuid.uuid4().hex[:8]
+    queue, first = f"mix-{kind}-{tag}", f"mix-{kind}-{tag}-first"
+    seconds = args.tool_ms / 1000
+    conn = from_url(url)
+    if kind == "dramatiq":
+        actors = dramatiq_results(url, queue, first)
+        procs = start_dramatiq(url, queue, first, args.limit)
+        own: Any = actors.first_sleep
+        same: Any = actors.batch_sleep
+    else:
+        procs = start_rq_workers(url, first, args.limit, queue)  # (the agent's queue first: RQ's priority)
+        # (no socket timeout: redis-py 8's default of 5 s would cut RQ's blocking wait for a later result)
+        waits = Redis.from_url(url, socket_timeout=None)
+        own, same = Queue(first, connection=waits), Queue(queue, connection=waits)
+    ctx = multiprocessing.get_context("spawn")
+    stop_flag, out = ctx.Event(), ctx.Queue()
+    batch = ctx.Process(target=peer_batch, args=(kind, url, queue, first, args.window, seconds, stop_flag, out))
+    try:
+        if kind == "rq":
+            wait_for_workers(conn, args.limit, first, timeout=60)
+        peer_calls(kind, own, 20, seconds)  # warm (for Dramatiq also: its worker is up)
+        alone = peer_calls(kind, own, args.peer_samples, seconds)
+        batch.start()
+        deadline = time.monotonic() + 60
+        pending = (lambda: conn.hlen(f"dramatiq:{queue}.msgs")) if kind == "dramatiq" else (lambda: conn.llen(f"rq:queue:{queue}"))
+        while pending() < args.window // 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the batch has a backlog
+        depth = int(pending())
+        behind = peer_calls(kind, own, args.peer_samples, seconds)
+        fifo = peer_calls(kind, same, args.peer_fifo_samples, seconds)
+        stop_flag.set()
+        sent = out.get(timeout=60)
+        batch.join(30)
+    finally:
+        stop_flag.set()
+        if batch.is_alive():
+            batch.terminate()
+        stop(procs)
+        for key in conn.scan_iter(f"*{tag}*"):
+            conn.delete(key)
+        conn.close()
+    (a50, a99), (b50, b99) = percentiles(alone), percentiles(behind)
+    return {
+        "alone_ms": {"p50": a50, "p99": a99},
+        "behind_ms": {"p50": b50, "p99": b99},
+        "fifo_ms": {"p50": percentiles(fifo)[0], "samples": len(fifo)},
+        "batch_backlog": depth,
+        "batch_sent": sent,
+        "interactive_slowdown": b99 / a99,
+    }
+
+
 def memory(args: argparse.Namespace, url: str) -> dict[str, Any]:
     """The bounded-memory figures of the same run: Redis bytes per finished call (bench/memory.py), the
     batch submitter's peak RSS extrapolated to 1,000,000 items (bench/batch_rss.py) and, with ``--soak``,
@@ -197,13 +321,6 @@ def memory(args: argparse.Namespace, url: str) -> dict[str, Any]:
     return out
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--items", type=int, default=100_000, help="calls in the batch")
@@ -218,11 +335,16 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the memory figures (bytes per call, RSS)")
     parser.add_argument("--soak", type=float, default=0.0, help="seconds of a soak at full speed (result_ttl 60); the issue's run: 600")
     parser.add_argument("--no-save", action="store_true", help="do not write the JSON result")
+    parser.add_argument("--peers", default="dramatiq,rq", help="peer queues run the same way ('' for none)")
+    parser.add_argument("--peer-samples", type=int, default=200, help="a peer's calls alone and behind the batch")
+    parser.add_argument("--peer-fifo-samples", type=int, default=3, help="a peer's calls in the batch's own queue")
     args = parser.parse_args()
     with using_broker(args.url) as url:
         print(f"broker: {url}; tool limit {args.limit}, {args.tool_ms:g} ms; batch of {args.items:,} "
               f"(window {args.window:,}); {args.samples} interactive calls per phase (a shared machine is noisy)")
         result = run(args, url)
+        peers = [p for p in args.peers.split(",") if p]
+        result["peers"] = {kind: run_peer(kind, args, url) for kind in peers}
         if not args.no_memory:
             result["memory"] = memory(args, url)
     a, b, f = result["alone_ms"], result["behind_ms"], result["fifo_ms"]
@@ -236,6 +358,12 @@ def main() -> None:
     if f["samples"]:
         print(f"queued as part of the batch (FIFO, as before fair dispatch): p50 {f['p50']:.1f} ms")
     print(f"batch: {result['batch_calls_per_s']:,.0f} calls/s")
+    names = {"dramatiq": f"Dramatiq 1x{args.limit}", "rq": f"stock RQ, {args.limit} SimpleWorkers"}
+    for kind, peer in result["peers"].items():
+        a, b, f = peer["alone_ms"], peer["behind_ms"], peer["fifo_ms"]
+        print(f"{names[kind]}: alone p50 {a['p50']:.1f} / p99 {a['p99']:.1f} ms; behind the batch "
+              f"({peer['batch_backlog']:,} unfinished) in a queue of its own p50 {b['p50']:.1f} / p99 {b['p99']:.1f} ms "
+              f"(slowdown {peer['interactive_slowdown']:.2f}), in the batch's queue p50 {f['p50']:.1f} ms")
     if "memory" in result:
         m = result["memory"]
         rb, rss = m["redis_bytes"], m["submitter_rss"]

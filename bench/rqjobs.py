@@ -17,3 +17,7 @@ def sleep(seconds: float = 0.0) -> dict[str, float]:
 
 def noop() -> None:
     """Nothing, like ``workers.executors.builtin:noop``."""
+
+
+def noop_text(text: str) -> None:
+    """Nothing, with arguments (``bench/memory.py``'s 100 bytes)."""

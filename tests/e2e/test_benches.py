@@ -117,14 +117,42 @@ def test_durability_measures_each_persistence_setting_and_counts_runs_across_a_r
 def test_mix_measures_an_interactive_call_alone_and_behind_a_batch(redis_url: str) -> None:
     lines = bench(
         "mix.py", "--url", redis_url, "--items", "400", "--window", "100", "--samples", "10",
-        "--fifo-samples", "1", "--no-memory", "--no-save",
+        "--fifo-samples", "1", "--no-memory", "--no-save", "--peer-samples", "5", "--peer-fifo-samples", "1",
     )  # fmt: skip
     alone = next(line for line in lines if line.startswith("interactive alone:"))
     behind = next(line for line in lines if line.startswith("interactive behind batch:"))
     assert re.search(r"p99 [0-9.]+ ms", alone) and re.search(r"p99 [0-9.]+ ms", behind)
     # The wait for a slot, read from the steps an ended call keeps (its workers keep no whole history).
     assert re.search(r"submit -> a worker starts it: alone p50 [0-9.]+ / p99 [0-9.]+ ms", "\n".join(lines))
+    # The same scenario on the peers, each behind a backlog of its own batch (a queue of its own, the batch's).
+    for peer in ("Dramatiq 1x8", "stock RQ, 8 SimpleWorkers"):
+        line = next(line for line in lines if line.startswith(f"{peer}:"))
+        assert re.search(r"alone p50 [0-9.]+ / p99 [0-9.]+ ms", line), line
+        backlog = re.search(r"behind the batch \(([0-9,]+) unfinished\)", line)
+        assert backlog is not None and int(backlog[1].replace(",", "")) >= 50, line
+        assert re.search(r"in the batch's queue p50 [0-9.]+ ms", line), line
     assert re.fullmatch(r"interactive_slowdown=[0-9.]+", lines[-1])
+
+
+def test_latency_measures_one_call_at_a_time_beside_dramatiq_and_rq(redis_url: str) -> None:
+    lines = bench("latency.py", "--url", redis_url, "-n", "20")
+    for who in ("ours:", "Dramatiq:", "stock RQ:"):
+        line = next(line for line in lines if line.startswith(who))
+        assert re.search(r"p50 [0-9.]+ ms +p99 [0-9.]+ ms", line), line
+    result = next(line for line in lines if line.startswith("result: "))
+    record = json.loads(Path(result.removeprefix("result: ")).read_text())
+    assert set(record) >= {"ours", "dramatiq", "rq", "commit"} and record["calls"] == 20
+    assert any(re.fullmatch(r"p50_ratio_vs_dramatiq=[0-9.]+", line) for line in lines)
+    assert re.fullmatch(r"p50_ratio_vs_rq=[0-9.]+", lines[-1])
+
+
+def test_memory_counts_the_bytes_a_finished_call_keeps_beside_dramatiq_and_rq(redis_url: str) -> None:
+    lines = bench("memory.py", "--url", redis_url, "-n", "300")
+    assert int(re.search(r"record_bytes=(\d+)", "\n".join(lines))[1]) > 0  # type: ignore[index]
+    peers = next(line for line in lines if line.startswith("Dramatiq (Results on Redis):"))
+    # (both measured on the shared test Redis: other tests move used_memory too, so only the shape is checked)
+    assert re.fullmatch(r"Dramatiq \(Results on Redis\): -?[0-9.]+ bytes a finished job; stock RQ: -?[0-9.]+", peers), peers
+    assert re.fullmatch(r"bytes_per_call=[0-9.]+ +\(.*\)", lines[-1])
 
 
 def test_throughputs_switch_count_sums_every_thread_and_grows_when_one_sleeps() -> None:
