@@ -146,13 +146,22 @@ def test_latency_measures_one_call_at_a_time_beside_dramatiq_and_rq(redis_url: s
     assert re.fullmatch(r"p50_ratio_vs_rq=[0-9.]+", lines[-1])
 
 
-def test_memory_counts_the_bytes_a_finished_call_keeps_beside_dramatiq_and_rq(redis_url: str) -> None:
-    lines = bench("memory.py", "--url", redis_url, "-n", "300")
-    assert int(re.search(r"record_bytes=(\d+)", "\n".join(lines))[1]) > 0  # type: ignore[index]
+def test_memory_counts_the_bytes_a_finished_call_keeps_beside_dramatiq_and_rq(tmp_path: Path) -> None:
+    from tests.redis_stack import data_node
+
+    server = data_node(tmp_path, "memory").start()  # its own Redis: used_memory moves with this run alone
+    try:
+        lines = bench("memory.py", "--url", f"redis://127.0.0.1:{server.port}/0", "-n", "500")
+    finally:
+        server.stop()
+    assert 0 < int(re.search(r"record_bytes=(\d+)", "\n".join(lines))[1]) <= 800  # type: ignore[index]
     peers = next(line for line in lines if line.startswith("Dramatiq (Results on Redis):"))
-    # (both measured on the shared test Redis: other tests move used_memory too, so only the shape is checked)
-    assert re.fullmatch(r"Dramatiq \(Results on Redis\): -?[0-9.]+ bytes a finished job; stock RQ: -?[0-9.]+", peers), peers
-    assert re.fullmatch(r"bytes_per_call=-?[0-9.]+ +\(.*\)", lines[-1])
+    found = re.fullmatch(r"Dramatiq \(Results on Redis\): (-?[0-9.]+) bytes a finished job; stock RQ: (-?[0-9.]+)", peers)
+    assert found is not None, peers
+    # Dramatiq keeps a result alone; RQ its job hash, result stream and registry entry (kilobytes a job).
+    assert 0 < float(found[1]) < 1000 and float(found[2]) > 1000, peers
+    ours = re.fullmatch(r"bytes_per_call=(-?[0-9.]+) +\(.*\)", lines[-1])
+    assert ours is not None and 0 < float(ours[1]) < float(found[2]), lines[-1]
 
 
 def test_throughputs_switch_count_sums_every_thread_and_grows_when_one_sleeps() -> None:
