@@ -183,6 +183,9 @@ class Gateway:
     ) -> CallHandle:
         """Submit one tool call; raises UnknownTool, QueueFull or IdempotencyConflict at once, else returns its handle.
 
+        ``timeout``: seconds the call may run at its worker, in place of its spec's ``timeout`` (longer or
+        shorter); how long to wait for it is ``result(timeout=)``'s.
+
         ``idempotency_key``: while the key's call is on record, the same tool and arguments under it get
         that call's handle; others are an ``IdempotencyConflict``. ``fairness_key`` / ``call_class``: waiting
         calls get slots round robin across keys (default: principal, else session), ``interactive`` first.
