@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import click
@@ -110,8 +110,9 @@ class StatsHub:
                     await conn.aclose()
 
 
-def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
-    """The console's routes, each behind ``http_guard.Guard`` (origin and Host; the token on ``/v1``)."""
+def console_routes(gw: Any, creds: Credentials, agw: Callable[[], Any]) -> list[BaseRoute]:
+    """The console's routes, each behind ``http_guard.Guard`` (origin and Host; the token on ``/v1``);
+    ``agw``: the app's ``AsyncGateway`` (made at start-up), for what waits on a call."""
     from hermes_gateway import __version__
     from hermes_gateway.serve_metrics import CONTENT_TYPE, GatewayMetrics
 
@@ -209,7 +210,7 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
             raise BadRequest(f"timeout: expected seconds in (0, 300], got {timeout!r}")
         caller = request_caller(request)
 
-        def run() -> dict[str, Any]:
+        def planned() -> Any:
             rec = visible_record(call_id, caller)
             plan = replay.plan(rec, supplied)  # what `audit replay` does, step by step
             # As the replaying token's principal (an admin token without one: as recorded), under the policy.
@@ -217,19 +218,22 @@ def console_routes(gw: Any, creds: Credentials) -> list[BaseRoute]:
             who = caller.principal or (rec.principal if caller.admin else None)
             plan = dataclasses.replace(plan, context={**context, **({"principal": who} if who else {})})
             gw.require_workers(str(gw.tool(plan.tool).spec.config.get("queue") or "tools"))
-            outcome = replay.run(gw, audit_log, plan, float(timeout))
-            return {
-                "call_id": outcome.call_id,
-                "state": outcome.state,
-                "result": outcome.result,
-                "error": outcome.error,
-                "recorded": rec.to_dict(),
-                "record": outcome.record.to_dict() if outcome.record is not None else None,
-                "notes": outcome.notes,
-                "comparison": replay.render(outcome),
-            }
+            return plan
 
-        return reply(await run_in_threadpool(run))
+        plan = await run_in_threadpool(planned)
+        # The wait is the event loop's, not a pool thread's: replays waiting on a busy tool must not hold
+        # the threads every other route of every principal runs on.
+        outcome = await replay.arun(agw(), audit_log, plan, float(timeout))
+        return reply({
+            "call_id": outcome.call_id,
+            "state": outcome.state,
+            "result": outcome.result,
+            "error": outcome.error,
+            "recorded": plan.record.to_dict(),
+            "record": outcome.record.to_dict() if outcome.record is not None else None,
+            "notes": outcome.notes,
+            "comparison": replay.render(outcome),
+        })
 
     async def metrics(_request: Request) -> Response:
         try:

@@ -374,7 +374,7 @@ def create_app(
         Route("/v1/batches/{batch_id}", api.cancel_batch, methods=["DELETE"], middleware=auth),
         Route("/v1/batches/{batch_id}/results", api.batch_results, methods=["GET"], middleware=auth),
         Route("/mcp", api.mcp, middleware=auth),
-        *console_routes(gw, creds),  # the console's overview, workers, audit; /metrics
+        *console_routes(gw, creds, lambda: api.agw),  # the console's overview, workers, audit; /metrics
     ]
     return Starlette(routes=routes, exception_handlers=ERROR_HANDLERS, lifespan=api.lifespan)
 

@@ -91,20 +91,43 @@ def plan(record: AuditRecord, supplied: Mapping[str, str]) -> ReplayPlan:
 def run(gateway: Any, audit: AuditLog, replay: ReplayPlan, timeout: float | None = None) -> ReplayOutcome:
     """Submit the planned call, wait for it, and fetch its own audit record."""
     handle = gateway.call_tool(replay.tool, replay.args, timeout=timeout, **replay.context)
-    result: Any = None
-    error: dict[str, Any] | None = None
+    ended: tuple[str, Any, dict[str, Any] | None]
     try:
-        result = handle.result(timeout)
-        state = "done"
-    except (CallFailed, CallCancelled) as e:
-        error = {"type": getattr(e, "error_type", None) or e.type, "message": str(e)}
-        state = "cancelled" if isinstance(e, CallCancelled) else "failed"
-    except CallTimeout as e:
-        error, state = {"type": e.type, "message": str(e)}, "running"
+        ended = ("done", handle.result(timeout), None)
+    except (CallFailed, CallCancelled, CallTimeout) as e:
+        ended = _ended(e)
+    return outcome(audit, replay, handle.call_id, *ended)
+
+
+async def arun(agateway: Any, audit: AuditLog, replay: ReplayPlan, timeout: float | None = None) -> ReplayOutcome:
+    """``run`` on an ``AsyncGateway``: the wait holds no thread (the HTTP API's pool serves every route);
+    the audit record is read in a thread."""
+    import asyncio
+
+    handle = await agateway.call_tool(replay.tool, replay.args, timeout=timeout, **replay.context)
+    ended: tuple[str, Any, dict[str, Any] | None]
+    try:
+        ended = ("done", await handle.result(timeout), None)
+    except (CallFailed, CallCancelled, CallTimeout) as e:
+        ended = _ended(e)
+    return await asyncio.to_thread(outcome, audit, replay, handle.call_id, *ended)
+
+
+def _ended(e: CallFailed | CallCancelled | CallTimeout) -> tuple[str, Any, dict[str, Any]]:
+    """(state, result, error) of a replay that did not end done (``running``: not ended in time)."""
+    if isinstance(e, CallTimeout):
+        return "running", None, {"type": e.type, "message": str(e)}
+    error = {"type": getattr(e, "error_type", None) or e.type, "message": str(e)}
+    return ("cancelled" if isinstance(e, CallCancelled) else "failed"), None, error
+
+
+def outcome(audit: AuditLog, replay: ReplayPlan, call_id: str, state: str, result: Any,
+            error: dict[str, Any] | None) -> ReplayOutcome:
+    """The replay's outcome, with its own audit record once written."""
     # The record rides in the pipeline of the terminal transition; allow the outbox a moment.
     deadline = time.monotonic() + (2.0 if state != "running" else 0.0)
     while True:
-        record = audit.get(handle.call_id)
+        record = audit.get(call_id)
         if record is not None or time.monotonic() >= deadline:
             break
         time.sleep(0.02)
@@ -114,7 +137,7 @@ def run(gateway: Any, audit: AuditLog, replay: ReplayPlan, timeout: float | None
     if replay.unverified:
         notes.append(f"masked argument(s) {', '.join(replay.unverified)} were taken as given "
                      "(no hash to check)")
-    return ReplayOutcome(replay, handle.call_id, state, result, error, record, notes)
+    return ReplayOutcome(replay, call_id, state, result, error, record, notes)
 
 
 def render(outcome: ReplayOutcome, width: int = 110) -> str:

@@ -187,6 +187,39 @@ def test_audit_filters_by_session_opens_a_record_and_replays_it_unless_policy_re
     assert "the outcome differs" in refused["comparison"]
 
 
+def test_replays_waiting_on_a_busy_tool_hold_none_of_the_threads_other_routes_run_on(
+    served: ConsoleServer, gateway: Any, home: Any, conn: Any
+) -> None:
+    """48 replays waiting on a tool whose one slot is taken (more than the 40 threads of the app's pool):
+    /v1/status still answers, and each replay ends done once the slot frees."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from broker import keys
+
+    home.sleep_tool("hold", concurrency=1)
+    gateway.sync_tools()
+    first = gateway.call_tool("hold", {"seconds": 0.01})
+    first.result(20)
+    blocker = gateway.call_tool("hold", {"seconds": 30})
+    wait_until(lambda: blocker.state == "executing", 20, message="the blocker to take the slot")
+    waiting = keys.waiting(keys.tag("tools"), "tool:hold")
+
+    def replay(_i: int) -> dict[str, Any]:
+        with _client(served) as client:
+            return client.post(f"/v1/audit/{first.call_id}/replay", json={"timeout": 60}, timeout=90).json()
+
+    with ThreadPoolExecutor(48) as pool, _client(served) as client:
+        wait_until(lambda: len(client.get("/v1/audit").json()) == 1, 10, message="the first call's record")
+        replays = [pool.submit(replay, i) for i in range(48)]
+        wait_until(lambda: conn.zcard(waiting) == 48, 30, message="every replay's call waiting for the slot")
+        status = client.get("/v1/status", timeout=10)  # (a pool held by the 48 waits: no answer for 60 s)
+        assert status.status_code == 200, status.text
+        assert blocker.cancel()
+        outcomes = [r.result(90) for r in replays]
+    assert [o["state"] for o in outcomes] == ["done"] * 48, outcomes[:3]
+    assert {o["record"]["replay_of"] for o in outcomes} == {first.call_id}
+
+
 def test_the_tool_list_shows_the_effective_concurrency(served: ConsoleServer, gateway: Any) -> None:
     gateway.register_tool({"name": "plain", "executor": "python", "function": "workers.executors.builtin:echo"})
     with _client(served) as client:
