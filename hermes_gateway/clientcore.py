@@ -265,6 +265,9 @@ def check_llm_request(request: Any, context: dict[str, Any]) -> None:
         raise InvalidArgs(f"an LLM request's messages must be a list of mappings, got {type(messages).__name__}")
     if request.get("model") is not None and type(request["model"]) is not str:
         raise InvalidArgs(f"an LLM request's model must be text, got {type(request['model']).__name__}")
+    for key in ("extra_headers", "extra_body", "extra_query"):  # (the provider merges them as mappings)
+        if request.get(key) is not None and not isinstance(request[key], dict):
+            raise InvalidArgs(f"an LLM request's {key} must be a mapping, got {type(request[key]).__name__}", field=key)
     check_context(context)
 
 

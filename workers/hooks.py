@@ -17,7 +17,7 @@ import structlog
 from broker import logs
 from broker.audit import AuditRecord, context_fields
 from broker.breaker import BreakerConfig, Breakers, Change, breaker_config
-from broker.errors import CallCancelled, CircuitOpen, HermesError
+from broker.errors import CallCancelled, CircuitOpen, HermesError, ToolTimeout
 from broker.events import PROGRESS
 from broker.toolspec import ToolSpec
 from workers.args import validate_args
@@ -184,9 +184,12 @@ class Circuit(Hook):
             self._record(run, None, neutral=True)
 
     def after_execute(self, run: Running, spec: ToolSpec, args: dict[str, Any], error: BaseException | None) -> None:
-        self._record(run, error)
+        # A timeout the caller made shorter than the spec's is the caller's doing, not the back end's: it
+        # does not count (one principal's 1 ms timeouts would open the tool's breaker for everyone).
+        asked = run.env.options.timeout if run.env is not None else None
+        self._record(run, error, shortened=asked is not None and 0 < asked < spec.timeout)
 
-    def _record(self, run: Running, error: BaseException | None, neutral: bool = False) -> None:
+    def _record(self, run: Running, error: BaseException | None, neutral: bool = False, shortened: bool = False) -> None:
         if run.breaker is None:
             return
         (cfg, probe), run.breaker = run.breaker, None
@@ -195,7 +198,8 @@ class Circuit(Hook):
             outcome = "neutral"
         elif error is not None:
             etype = error.type if isinstance(error, HermesError) else "internal_error"
-            outcome = "fail" if cfg.counts(etype) else "neutral"
+            callers = shortened and isinstance(error, ToolTimeout)
+            outcome = "fail" if cfg.counts(etype) and not callers else "neutral"
         if outcome == "neutral" and not probe:  # only the probe reports a neutral outcome (it frees the slot)
             return
         try:

@@ -304,6 +304,29 @@ def _flaky(home: Any, tmp: Path, backoff: float) -> Path:
     return tmp / "count"
 
 
+def test_a_timeout_the_caller_shortened_does_not_count_against_the_breaker_but_the_specs_does(
+    gateway: Any, home: Any, workers: Any, conn: Any
+) -> None:
+    from broker.breaker import Breakers
+
+    home.sleep_tool("nap", timeout=0.5, breaker={"failures": 2, "cooldown": 60})
+    gateway.sync_tools()
+    workers(1, concurrency=4)
+    # A caller's own short timeouts (here 50 ms against the spec's 0.5 s): its calls fail, the breaker stays
+    # closed for everyone else.
+    for _ in range(3):
+        with pytest.raises(ToolTimeout):
+            gateway.call_tool("nap", {"seconds": 1}, timeout=0.05, max_attempts=1).result(10)
+    assert Breakers(conn).state("tool:nap")["state"] == "closed"
+    assert gateway.call_tool("nap", {"seconds": 0}).result(10) is not None
+    # The spec's own timeout is the back end's slowness: two open it.
+    for _ in range(2):
+        with pytest.raises(ToolTimeout):
+            gateway.call_tool("nap", {"seconds": 1}, max_attempts=1).result(10)
+    with pytest.raises(CircuitOpen):
+        gateway.call_tool("nap", {"seconds": 0}).result(10)
+
+
 def test_a_failed_call_is_retried_on_schedule_without_holding_a_worker_thread(
     gateway: Any, home: Any, workers: Any, conn: Any, tmp_path: Path, wait_until: Any
 ) -> None:

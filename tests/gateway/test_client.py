@@ -88,6 +88,10 @@ def test_bad_arguments_and_unknown_context_are_refused_at_once(gw: Gateway, conn
         gw.call_llm({"model": "m"})
     with pytest.raises(InvalidArgs, match="model must be text, got list"):
         gw.call_llm({"messages": [], "model": ["x"]})
+    # (the provider merges these as mappings: anything else had failed at the worker as an internal_error)
+    for key, value in (("extra_headers", "notadict"), ("extra_body", [1, 2]), ("extra_query", 3)):
+        with pytest.raises(InvalidArgs, match=f"{key} must be a mapping"):
+            gw.call_llm({"messages": [], key: value})
     for timeout in (-1, 0, float("nan"), "5"):  # (0 had meant the default; -1 failed later as a timeout)
         with pytest.raises(InvalidArgs, match="timeout must be a number of seconds above 0"):
             gw.call_tool("echo", {}, timeout=timeout)
