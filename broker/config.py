@@ -149,6 +149,9 @@ def load_settings(
     env = os.environ if environ is None else environ
     root = hermes_home(home, env)
     raw = _overridden(_read_config(root / "config.yaml", env), env)
+    # ${VAR}s that read as empty, as docker compose reads them; a worker says so when it starts, and an LLM
+    # call refused for its key says which variable it came from.
+    unset = tuple(unset_refs(_unexpanded(root / "config.yaml"), env))
     executors = _mapping(raw, "executors")
     for kind, section in executors.items():
         if section is not None and not isinstance(section, dict):
@@ -175,7 +178,7 @@ def load_settings(
         ),
         agent_plugin=_agent_plugin(plugins, env, broker.url),
         audit=audit_settings(_mapping(raw, "audit")),
-        model=model_settings(_mapping(raw, "model")),
+        model=model_settings(_mapping(raw, "model"), next((n for k, n in unset if k == "model.api_key"), "")),
         mcp=mcp_settings(_mapping(raw, "mcp")),
         fairness=fairness_settings(
             _mapping(raw, "fairness"), env.get("HERMES_BATCH_SHARE"), env.get("HERMES_QUEUE_SIZE_PER_KEY")
@@ -184,6 +187,7 @@ def load_settings(
         executors=executors,
         policy=_mapping(raw, "policy"),
         raw=raw,
+        unset_vars=unset,
     )
 
 
@@ -197,6 +201,26 @@ def _read_config(path: Path, env: Mapping[str, str]) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return expand_env(loaded, env)  # type: ignore[no-any-return]
+
+
+def _unexpanded(path: Path) -> Any:
+    """config.yaml as written (its ``${VAR}``s kept); None when it is absent or unreadable."""
+    try:
+        return load_yaml(path.read_text(encoding="utf-8")) if path.exists() else None
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def unset_refs(value: Any, environ: Mapping[str, str], where: str = "") -> list[tuple[str, str]]:
+    """(dotted key, variable) of every ``${VAR}`` in ``value``'s strings that is not set and has no
+    ``:-default``."""
+    if isinstance(value, str):
+        return [(where, name) for name in unset_env(value, environ)]
+    if isinstance(value, dict):
+        return [ref for k, v in value.items() for ref in unset_refs(v, environ, f"{where}.{k}" if where else str(k))]
+    if isinstance(value, list):
+        return [ref for i, v in enumerate(value) for ref in unset_refs(v, environ, f"{where}[{i}]")]
+    return []
 
 
 def _logging(section: dict[str, Any], env: Mapping[str, str]) -> LoggingSettings:

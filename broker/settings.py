@@ -140,6 +140,7 @@ class ModelSettings:
     model: str = ""  # model.model: used when neither the request nor the call's context names one
     base_url: str = ""  # model.base_url ("": the named provider's default address)
     api_key: str = field(default="", repr=False)  # model.api_key (``${VAR}`` keeps it out of the file)
+    api_key_unset: str = ""  # the variable model.api_key names when it is not set (its key then reads empty)
     api_mode: str = ""  # model.api_mode ("": chat_completions)
     timeout: float = 120.0  # model.timeout: seconds a call may take (its own timeout wins)
     max_retries: int = 2  # model.max_retries: retries of a failed attempt (429, 5xx, connection)
@@ -209,6 +210,8 @@ class Settings:
     # Parsed into the typed workers.policy.Policy, which broker cannot import (workers depends on broker).
     policy: dict[str, Any] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)  # expanded: may hold secrets
+    # (dotted key, variable) of config.yaml's ${VAR}s that are not set here: they read as empty
+    unset_vars: tuple[tuple[str, str], ...] = ()
 
     @property
     def tools_dir(self) -> Path:
@@ -269,7 +272,7 @@ def audit_settings(section: Mapping[str, Any] | None) -> AuditSettings:
     )
 
 
-def model_settings(section: dict[str, Any]) -> ModelSettings:
+def model_settings(section: dict[str, Any], api_key_unset: str = "") -> ModelSettings:
     """``model:`` — the keys the LLM workers read; Hermes' own (``default``, ...) are left to it."""
     headers = section.get("headers") or {}
     if not isinstance(headers, dict):
@@ -280,6 +283,7 @@ def model_settings(section: dict[str, Any]) -> ModelSettings:
     return ModelSettings(
         provider=str(section.get("provider") or ""), model=str(section.get("model") or ""),
         base_url=str(section.get("base_url") or ""), api_key=str(section.get("api_key") or ""),
+        api_key_unset=api_key_unset,
         api_mode=str(section.get("api_mode") or ""),
         timeout=yaml_number(section.get("timeout") or ModelSettings.timeout, "model.timeout"),
         max_retries=max(0, int(retries)),

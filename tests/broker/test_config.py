@@ -406,3 +406,17 @@ def test_fairness_weights_are_per_principal_positive_numbers(tmp_path: Path) -> 
         (tmp_path / "config.yaml").write_text(yaml.safe_dump({"fairness": bad}))
         with pytest.raises(ConfigError, match="fairness"):
             load_settings(tmp_path, environ={})
+
+
+def test_an_unset_variable_in_config_yaml_reads_empty_and_is_named(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text(
+        "model: {base_url: 'http://h/v1', api_key: '${NOPE_KEY}', model: '${NOPE_MODEL:-m1}'}\n"
+        "# api_key: ${COMMENTED_OUT}\n"
+        "executors: {http: {headers: ['${NOPE_TOKEN}']}}\n"
+    )
+    settings = load_settings(tmp_path, environ={})
+    assert settings.model.api_key == "" and settings.model.model == "m1"  # (a :-default is no omission)
+    assert settings.model.api_key_unset == "NOPE_KEY"
+    assert settings.unset_vars == (("model.api_key", "NOPE_KEY"), ("executors.http.headers[0]", "NOPE_TOKEN"))
+    found = load_settings(tmp_path, environ={"NOPE_KEY": "sk-1", "NOPE_TOKEN": "t"})
+    assert found.unset_vars == () and found.model.api_key == "sk-1" and found.model.api_key_unset == ""

@@ -295,6 +295,17 @@ def test_a_400_is_not_retried(llm: LLMServer, gateway: Any, workers: Any, conn: 
     assert not [e for e in handle.events(timeout=5) if e.type == events.PROGRESS]
 
 
+def test_a_worker_without_the_keys_variable_says_so_at_start_and_in_the_401(
+    llm: LLMServer, gateway: Any, workers: Any
+) -> None:
+    # The caller's shell has the key; the worker's environment does not (config.yaml reads ${HERMES_E2E_LLM_KEY}).
+    (worker,) = workers(queues="llm")  # (KEY_ENV not given: the variable is unset there)
+    wait_until(lambda: "${HERMES_E2E_LLM_KEY}" in worker.log(), 10, message="the worker's start-up warning")
+    assert "config.yaml names a variable not set in this worker's environment" in worker.log()
+    with pytest.raises(CallFailed, match=r"HTTP 401: .*model.api_key reads \$\{HERMES_E2E_LLM_KEY\}, which is not set"):
+        gateway.call_llm({"messages": ASK}).result(20)
+
+
 def test_retries_stop_after_model_max_retries_with_the_last_error(
     llm: LLMServer, gateway: Any, workers: Any
 ) -> None:

@@ -38,6 +38,7 @@ class OpenAICompatProvider:
         timeout: float = 120.0,
         max_retries: int = 2,
         headers: dict[str, str] | None = None,
+        api_key_unset: str = "",
     ) -> None:
         if not base_url:
             raise ConfigError(
@@ -49,6 +50,7 @@ class OpenAICompatProvider:
         self.timeout = float(timeout)
         self.max_retries = int(max_retries)
         self._api_key = api_key
+        self._api_key_unset = api_key_unset  # the unset variable model.api_key named (said on a 401/403)
         self._headers = {"User-Agent": "hermes-gateway", **(headers or {})}
         self._client = httpx.Client(
             base_url=self.base_url,
@@ -191,6 +193,9 @@ class OpenAICompatProvider:
         status = resp.status_code
         message, code = _error_message(resp)
         details: dict[str, Any] = {"code": code} if code else {}
+        if status in (401, 403) and self._api_key_unset:
+            message += (f" (model.api_key reads ${{{self._api_key_unset}}}, which is not set in this worker's "
+                        "environment: no key was sent)")
         return ProviderError(
             self._scrub(f"provider returned HTTP {status}: {message}"),
             status=status,
@@ -253,4 +258,5 @@ def create(settings_model: ModelSettings) -> OpenAICompatProvider:
         timeout=settings_model.timeout,
         max_retries=settings_model.max_retries,
         headers=dict(settings_model.headers),
+        api_key_unset=settings_model.api_key_unset,
     )

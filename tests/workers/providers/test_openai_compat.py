@@ -294,6 +294,14 @@ def test_wrong_key_is_a_non_retryable_401(server):
     prov.close()
 
 
+def test_a_401_says_when_the_key_came_from_an_unset_variable(server):
+    prov = OpenAICompatProvider(base_url=server.base_url, api_key="", model="m", api_key_unset="DEEPSEEK_API_KEY")
+    err = _raises(prov, ProviderError)
+    assert err.status == 401
+    assert "model.api_key reads ${DEEPSEEK_API_KEY}, which is not set in this worker's environment" in str(err)
+    prov.close()
+
+
 def test_missing_base_url_is_a_config_error():
     with pytest.raises(ConfigError):
         create(ModelSettings(provider="openai-compatible", api_key="x"))
