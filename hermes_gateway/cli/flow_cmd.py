@@ -36,7 +36,7 @@ def _flow_line(ev: Any, t0: float) -> str:
 @flow.command("check")
 @click.argument("flow_file", type=click.Path(exists=True, dir_okay=False))
 def flow_check(flow_file: str) -> None:
-    """Validate a flow document (ids, shapes, every expression) without running it."""
+    """Validate a flow document (ids, shapes, every expression and the names and steps it reads) without running it."""
     from hermes_gateway.flow import load_flow
 
     with failing():

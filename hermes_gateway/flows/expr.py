@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from broker.errors import FlowError
@@ -294,6 +295,38 @@ class _Interpolated:
 
     def render(self, scope: dict[str, Any]) -> str:
         return "".join(_text(p.evaluate(scope)) if isinstance(p, Expression) else p for p in self.parts)
+
+
+def expressions(compiled: Any) -> Iterator[Expression]:
+    """Every expression of a compiled template (or the expression itself)."""
+    if isinstance(compiled, Expression):
+        yield compiled
+    elif isinstance(compiled, _Interpolated):
+        yield from (p for p in compiled.parts if isinstance(p, Expression))
+    elif isinstance(compiled, dict):
+        for v in compiled.values():
+            yield from expressions(v)
+    elif isinstance(compiled, list):
+        for v in compiled:
+            yield from expressions(v)
+
+
+def check_names(expr: Expression, names: AbstractSet[str], step_ids: AbstractSet[str]) -> None:
+    """FlowError unless every name ``expr`` reads is one of ``names`` and every ``steps.<id>`` it reads
+    (a literal id) is a step of the flow: a typo shows at ``flow check``, not as a failed run or a null."""
+
+    def walk(n: Node) -> None:
+        if n[0] == "name" and n[1] not in names:
+            raise FlowError(f"expression {expr.text!r}: unknown name {n[1]!r} (known here: {', '.join(sorted(names))})",
+                            expression=expr.text)
+        if n[0] == "get" and n[1] == ("name", "steps") and n[2][0] == "lit" and n[2][1] not in step_ids:
+            raise FlowError(f"expression {expr.text!r}: no step {n[2][1]!r} in this flow "
+                            f"(its steps: {', '.join(sorted(step_ids))})", expression=expr.text)
+        for child in n[1:]:
+            if isinstance(child, tuple):
+                walk(child)
+
+    walk(expr.tree)
 
 
 def render(compiled: Any, scope: dict[str, Any]) -> Any:

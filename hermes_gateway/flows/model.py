@@ -17,9 +17,10 @@ import yaml
 
 from broker.errors import FlowError
 
-from .expr import Expression, compile_template
+from .expr import Expression, check_names, compile_template, expressions
 
 _ID = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
+SCOPE = frozenset({"args", "steps"})  # the names every expression of a flow may read (flows/engine.py)
 ON_ERROR = ("fail", "continue")
 _STEP_KEYS = {
     "id", "tool", "args", "when", "fallback", "on_error", "timeout", "parallel", "steps", "for_each", "as"
@@ -188,6 +189,19 @@ class Flow:
         for step in self.steps:
             _check(step, seen)
         self.result_tpl = compile_template(self.result)
+        # What each expression may read: the flow's args, the steps (by a declared id), and in a for_each
+        # step's args its item and index.
+        for step in self.all_steps():
+            each = {step.as_name, "index"} if step.each_expr is not None else set()
+            for names, compiled in ((SCOPE, step.when_expr), (SCOPE, step.each_expr), (SCOPE | each, step.args_tpl),
+                                    (SCOPE, step.fallback_tpl)):
+                for expr in expressions(compiled):
+                    try:
+                        check_names(expr, names, seen)
+                    except FlowError as e:
+                        raise FlowError(f"step {step.id}: {e}") from e
+        for expr in expressions(self.result_tpl):
+            check_names(expr, SCOPE, seen)
         return self
 
     def all_steps(self) -> list[Step]:

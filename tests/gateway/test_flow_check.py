@@ -1,0 +1,45 @@
+"""A flow document is checked whole before any call: every name an expression reads, and every step it
+names, exist (``flow check`` and ``flow run`` both load it this way)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from broker.errors import FlowError
+from hermes_gateway.flow import Flow
+
+
+def flow(*steps: dict[str, Any], result: Any = None) -> Flow:
+    return Flow.from_dict({"name": "x", "steps": list(steps), **({"result": result} if result else {})})
+
+
+def test_a_flow_reading_only_its_args_its_steps_and_its_items_passes() -> None:
+    flow(
+        {"id": "a", "tool": "hello", "args": {"name": "{{ args.who }}"}},
+        {"id": "b", "tool": "hello", "args": {"name": "{{ steps.a.result }}"}, "when": "steps.a.state == 'done'"},
+        {"id": "c", "for_each": "steps.b.result", "as": "n", "tool": "hello", "args": {"name": "{{ n }} #{{ index }}"}},
+        {"id": "d", "parallel": [{"id": "e", "tool": "hello", "args": {"x": "{{ steps['c'].result }}"}}]},
+        result={"last": "{{ steps.e.result }}"},
+    )
+
+
+@pytest.mark.parametrize(
+    ("steps", "result", "message"),
+    [
+        ([{"id": "a", "tool": "t"}, {"id": "b", "tool": "t", "args": {"n": "{{ step.a.result }}"}}], None,
+         "step b: expression 'step.a.result': unknown name 'step' (known here: args, steps)"),
+        ([{"id": "s", "tool": "t", "args": {"name": "{{ steps.zz.result }}"}}], None,
+         "step s: expression 'steps.zz.result': no step 'zz' in this flow (its steps: s)"),
+        ([{"id": "s", "tool": "t", "when": "steps.s.state == 'done' and arg.x"}], None, "unknown name 'arg'"),
+        ([{"id": "s", "tool": "t", "args": {"n": "{{ item }}"}}], None, "unknown name 'item'"),  # (not a for_each)
+        ([{"id": "s", "tool": "t"}], {"r": "{{ steps.t.result }}"}, "no step 't' in this flow"),
+    ],
+)
+def test_a_name_or_step_that_does_not_exist_is_refused_when_the_flow_loads(
+    steps: list[dict[str, Any]], result: Any, message: str
+) -> None:
+    with pytest.raises(FlowError) as refused:
+        flow(*steps, result=result)
+    assert message in str(refused.value)
