@@ -38,17 +38,37 @@ def plugins_enable(ctx: click.Context, name: str) -> None:
     from middleware import enable_plugin
 
     key = _toggle(ctx, enable_plugin, name)
-    click.echo(f"enabled {key}; running workers pick it up with `hermes-gateway plugins reload`")
+    click.echo(f"enabled {key}; {_reload_running(ctx)}")
 
 
 @plugins.command("disable")
 @click.argument("name")
 @click.pass_context
 def plugins_disable(ctx: click.Context, name: str) -> None:
-    """Disable a plugin."""
+    """Disable a plugin (its middleware stops in the running workers too)."""
     from middleware import disable_plugin
 
-    click.echo(f"disabled {_toggle(ctx, disable_plugin, name)}")
+    key = _toggle(ctx, disable_plugin, name)
+    click.echo(f"disabled {key}; {_reload_running(ctx)}")
+
+
+def _reload_running(ctx: click.Context) -> str:
+    """Tell the running workers of this home's broker to reload their plugins (a plugin disabled here must
+    not go on running in them); what happened, as a sentence's end."""
+    from broker import keys
+    from broker.errors import HermesError
+    from hermes_gateway.local import connect_shared
+    from workers.worker import control_message
+
+    try:
+        handle = connect_shared(settings_of(ctx))
+    except HermesError:  # (no shared broker: no worker of this home is running, or one an env var names)
+        return "workers started from now on read it (`hermes-gateway plugins reload` tells running ones)"
+    try:
+        reached = handle.conn.publish(keys.channel(handle.conn, keys.CONTROL_CHANNEL), control_message("reload"))
+    finally:
+        handle.close()
+    return f"reload sent to the workers on {handle.description} ({reached} listening)"
 
 
 def _toggle(ctx: click.Context, change: Callable[..., str], name: str) -> str:

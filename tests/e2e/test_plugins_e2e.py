@@ -92,11 +92,11 @@ def start(workers: Any, user_home: Path) -> Any:
     return worker
 
 
-def reload_plugins(redis_url: str, home: Home) -> str:
-    """``hermes-gateway plugins reload``, as a user runs it."""
+def reload_plugins(redis_url: str, home: Home, *command: str) -> str:
+    """``hermes-gateway plugins reload`` (or ``command``, e.g. ``disable NAME``), as a user runs it."""
     env = {**os.environ, "HERMES_REDIS_URL": redis_url, "HERMES_HOME": str(home.path)}
     out = subprocess.run(
-        [str(Path(sys.executable).parent / "hermes-gateway"), "plugins", "reload"],
+        [str(Path(sys.executable).parent / "hermes-gateway"), "plugins", *(command or ("reload",))],
         env=env, capture_output=True, text=True, timeout=30, check=True,
     )  # fmt: skip
     return out.stdout
@@ -166,6 +166,12 @@ def test_plugins_reload_makes_a_running_worker_pick_up_newly_enabled_plugins(
     assert llm.chat_requests[-1].body["metadata"] == TAG
     assert gateway.call_tool("terminal", {"command": "ls"}).result(20) == {"command": "ls", "workdir": demo}
     assert worker.alive and len(workers.started) == 1  # the same process, never restarted
+
+    # Disabling one stops its middleware in the running worker too: the command tells the workers to reload.
+    assert "reload sent to the workers" in reload_plugins(redis_url, home, "disable", LLM_TAG)
+    wait_until(lambda: worker.log().count("plugins loaded") >= 3, timeout=10, message="the worker to reload")
+    gateway.call_llm(ASK).result(20)
+    assert "metadata" not in llm.chat_requests[-1].body
 
 
 def test_plugins_the_caller_already_ran_are_not_run_again_on_the_worker(
