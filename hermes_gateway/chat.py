@@ -60,6 +60,7 @@ class Turn:
     content: str | None
     tools: list[ToolRun] = field(default_factory=list)
     seconds: float = 0.0
+    api_request: dict[str, str] = field(default_factory=dict)  # the answering request's context (its tool calls')
 
 
 @dataclass
@@ -216,6 +217,10 @@ class ChatSession:
             assistant["tool_calls"] = calls
         self.messages.append(assistant)
         turn = Turn(n, turn_id, handle.call_id, message.get("content"), seconds=time.monotonic() - started)
+        # The API request that answered (its id, provider, model, api_mode): the tool calls it asks for carry
+        # it, so their middleware sees the runtime context the seed lists.
+        answered = handle.final.detail.get("api_request") if handle.final is not None else None
+        turn.api_request = {str(k): str(v) for k, v in answered.items() if v} if isinstance(answered, dict) else {}
         for tc in calls:
             fn = tc.get("function") or {}
             turn.tools.append(ToolRun(str(tc.get("id") or ""), str(fn.get("name") or ""), fn.get("arguments")))
@@ -228,7 +233,7 @@ class ChatSession:
             try:
                 run.args = parse_arguments(run.args)
                 context = self._context(
-                    turn.turn_id, tool_call_id=run.tool_call_id, parent_call_id=turn.llm_call_id
+                    turn.turn_id, tool_call_id=run.tool_call_id, parent_call_id=turn.llm_call_id, **turn.api_request
                 )
                 handle = self.gw.call_tool(run.name, run.args, **context)
             except (HermesError, ValueError) as e:

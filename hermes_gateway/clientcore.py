@@ -476,6 +476,11 @@ class CallState:
         return self._final.state if self._final else None
 
     @property
+    def final(self) -> Event | None:
+        """The call's terminal event, once it has ended."""
+        return self._final
+
+    @property
     def trace_id(self) -> str:
         return self._events[0].trace_id if self._events else ""
 

@@ -189,6 +189,8 @@ class LLMCall:
                     self.ctx.status_code = pctx.status_code
                 record_usage(span, response)
                 run.usage = reported_usage(response)
+                # (the done event names the request that answered: the tool calls it asks for carry it)
+                run.api_request = {k: context[k] for k in ("api_request_id", "provider", "model", "api_mode")}
                 return response
 
         return self.core.llm_flow.run(

@@ -73,6 +73,7 @@ class Running:
     rate: bool = False  # its concurrency key has a rate limit (its sends are stamped on the limiter)
     sent: bool = False  # a request of it left: its limiter entry counts it
     usage: dict[str, int] | None = None  # an LLM call's reported tokens: {"in": prompt, "out": completion}
+    api_request: dict[str, Any] | None = None  # an LLM call's answering request: api_request_id, provider, model, api_mode
     request: dict[str, Any] | None = None  # an LLM call's provider kwargs as built (its model filled in)
     notices: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # hooks' events, for the runner
     span: Any = None  # the executor span while the executor runs (``CallSpans``)
@@ -478,6 +479,8 @@ class CallRunner:
         duration = time.monotonic() - run.started
         fields: dict[str, Any] = {}
         detail: dict[str, Any] = {"duration_ms": round(duration * 1000, 3)}
+        if run.api_request is not None and target is State.DONE:
+            detail["api_request"] = run.api_request
         if target is State.DONE:
             try:
                 packed = pack(result)
