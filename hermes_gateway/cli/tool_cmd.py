@@ -53,7 +53,10 @@ def tool_list(ctx: click.Context, as_json: bool) -> None:
 @click.argument("name")
 @click.argument("args", nargs=-1)
 @click.option("--follow", "-f", is_flag=True, help="Also print each state transition with its trace id.")
-@click.option("--timeout", type=WAIT_SECONDS, default=None, help="Seconds to wait for the result.")
+@click.option(
+    "--timeout", type=WAIT_SECONDS, default=None,
+    help="The call's timeout in seconds, in place of its spec's: the call is stopped then (Ctrl-C cancels it too).",
+)
 @click.option("--session-id", default=None)
 @click.option("--principal", default=None)
 @click.pass_context
@@ -80,10 +83,14 @@ def tool_run(
                 gw.require_workers(str(spec.config.get("queue") or "tools"))
             context = {k: v for k, v in (("session_id", session_id), ("principal", principal)) if v}
             handle = gw.call_tool(name, parsed, timeout=timeout, **context)
-            if follow:
-                for ev in handle.events(timeout=timeout):
-                    note(event_line(ev))
-            result = handle.result(timeout)
+            try:
+                if follow:
+                    for ev in handle.events(timeout=timeout):
+                        note(event_line(ev))
+                result = handle.result(timeout)
+            except KeyboardInterrupt:  # Ctrl-C: the call is this command's, so it stops too (as --timeout's)
+                cancelled = handle.cancel()
+                fail(f"interrupted: call {handle.call_id} " + ("cancelled" if cancelled else "had already ended"), 130)
         except CallCancelled as e:
             fail(f"cancelled: {e}", 1)
         except CallTimeout as e:

@@ -195,6 +195,39 @@ def test_a_failing_call_exits_1_with_its_typed_error(redis_url: str, home: Any, 
     assert "executor_error" in out.stderr
 
 
+def test_ctrl_c_on_tool_run_cancels_its_call_and_says_so(
+    redis_url: str, home: Any, gateway: Any, workers: Any, wait_until: Any
+) -> None:
+    import signal
+
+    from broker import events
+
+    home.sleep_tool("nap")
+    workers(1)
+    run = subprocess.Popen([CLI, "tool", "run", "nap", "{seconds: 30}"], env=_env(home, HERMES_REDIS_URL=redis_url),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=sigint_as_by_default)  # fmt: skip
+    try:
+        wait_until(lambda: _executing(gateway.conn), 20, message="a worker to take the call")
+        run.send_signal(signal.SIGINT)  # Ctrl-C while it waits for the result
+        _out, err = run.communicate(timeout=30)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 130, err
+    found = re.search(r"interrupted: call (\S+) cancelled", err)
+    assert found is not None, err
+    ended = wait_until(lambda: [e for e in events.history(gateway.conn, found[1]) if e.terminal], 10, message="its end")
+    assert ended[-1].state == "cancelled"
+
+
+def _executing(conn: Any) -> bool:
+    """A worker holds a call of the tools queue (its lease)."""
+    from broker import keys
+
+    return bool(conn.zcard(keys.leases(keys.tag("tools"))))
+
+
 def test_tool_list_and_status_show_the_tools_workers_and_recent_failures(redis_url: str, home: Any, workers: Any) -> None:
     home.tool("boom", executor="command", command="false", timeout=5)
     home.echo_tool()
