@@ -150,7 +150,14 @@ def _unreachable(url: str, error: Exception) -> BrokerUnavailable:
         return BrokerUnavailable(f"no primary at {redact_url(url)}: {sentinels_say(url)}")
     if isinstance(error, redis.AuthenticationError):
         return BrokerUnavailable(f"Redis at {redact_url(url)} refused the credentials: {error}")
+    if url.partition("://")[0].lower() not in URL_SCHEMES:  # (redis-py's own message leaves ours out)
+        return BrokerUnavailable(
+            f"{redact_url(url)} is not a Redis URL: it starts with one of {', '.join(s + '://' for s in URL_SCHEMES)}"
+        )
     return BrokerUnavailable(f"cannot reach Redis at {redact_url(url)}: {error}")
+
+
+URL_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "redis+sentinel")
 
 
 async def _close(conn: Any) -> None:

@@ -176,7 +176,8 @@ class PluginManager:
         if m.kind in ("model-provider", "platform"):
             return f"{m.kind} plugin — not run by the gateway"
         if not is_enabled(m, enabled, disabled):
-            return f"not enabled in config (run `hermes plugins enable {key}` to activate)"
+            # (the gateway's command: this loader runs in its workers; the Hermes agent's own is `hermes`)
+            return f"not enabled in config (run `hermes-gateway plugins enable {key}` to activate)"
         return None
 
     def _load_one(self, manifest: PluginManifest, registry: MiddlewareRegistry) -> PluginInfo:

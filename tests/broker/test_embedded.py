@@ -104,6 +104,14 @@ def test_an_unreachable_url_is_broker_unavailable_without_the_password() -> None
     assert "user:***@127.0.0.1:1" in str(info.value)
 
 
+def test_a_url_that_is_no_redis_url_is_said_to_be_one_naming_every_scheme() -> None:
+    with pytest.raises(BrokerUnavailable) as info:
+        from_url("http://u:s3cret@x:1")
+    message = str(info.value)
+    assert message.startswith("http://u:***@x:1 is not a Redis URL") and "s3cret" not in message
+    assert "redis+cluster://" in message and "redis+sentinel://" in message and "cannot reach" not in message
+
+
 @pytest.mark.parametrize(
     ("url", "shown"),
     [
