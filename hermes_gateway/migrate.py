@@ -175,6 +175,8 @@ def migrate(
             why = f"another spec named so in {earlier[0]}"
             out.append(Outcome(found.source, spec.name, "skipped", reason=why, failed=True))
             continue
+        if earlier is not None:  # the same spec twice (a list file's and the tools/<name>.yaml an earlier run wrote): one tool
+            continue
         seen[spec.name] = (found.source, spec.digest())
         outcome = _register(directory, spec, found.source, notes, force, dry_run)
         out.append(outcome)
