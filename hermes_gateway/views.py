@@ -110,8 +110,9 @@ def status_data(gw: Any, figures: bool = False, viewer: Any = None) -> dict[str,
         "memory": memory.usage(conn).to_dict(),  # with a warning past 80 % of maxmemory
         **flow,
     }
-    if viewer is not None:
+    if viewer is not None:  # (a probe's call id and another principal's usage are not this caller's to see)
         data["breakers"] = hide_probes(data["breakers"])
+        data["usage"] = [u for u in data.get("usage") or [] if viewer.sees(u.get("principal"))]
     if figures:
         from hermes_gateway.watch import figures_json
 

@@ -90,6 +90,11 @@ def test_a_token_sees_and_acts_on_its_own_principals_calls_only_and_anothers_id_
         failures = alice.get("/v1/status").json()["recent_failures"]
         assert [f["principal"] for f in failures] == ["alice"]
         assert done["call_id"] not in alice.get("/v1/status").text and running not in alice.get("/v1/status").text
+        # Usage per principal: hers alone (bob's name and calls are not hers to see), everyone's for an admin.
+        wait_until(lambda: {"alice", "bob"} <= {u["principal"] for u in admin.get("/v1/status").json()["usage"]}, 10,
+                   message="both principals' usage")
+        assert {u["principal"] for u in alice.get("/v1/status").json()["usage"]} == {"alice"}
+        assert {u["principal"] for u in _stats(alice)["usage"]} == {"alice"}
 
         # Her own: every route answers.
         own = quote(mine["call_id"])
@@ -204,16 +209,21 @@ def test_a_call_the_reaper_ends_is_still_its_principals_in_the_audit_log(home: H
         assert record["principal"] == "alice" and record["error_type"] == "worker_lost"
 
 
-def _stats_batches(client: httpx.Client) -> list[dict[str, Any]]:
-    """The batches of the first snapshot on ``/v1/stream/stats``."""
+def _stats(client: httpx.Client) -> dict[str, Any]:
+    """The first snapshot on ``/v1/stream/stats``."""
     import json
 
     with client.stream("GET", "/v1/stream/stats") as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data:"):
-                return list(json.loads(line.split(":", 1)[1])["batches"])
+                return dict(json.loads(line.split(":", 1)[1]))
     raise AssertionError("no snapshot")
+
+
+def _stats_batches(client: httpx.Client) -> list[dict[str, Any]]:
+    """The batches of the first snapshot on ``/v1/stream/stats``."""
+    return list(_stats(client)["batches"])
 
 
 def test_a_batch_is_its_principals_alone_over_every_route_and_the_stats_stream(
