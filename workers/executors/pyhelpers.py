@@ -49,6 +49,7 @@ class Job:
         self.state = _QUEUED
         self.abandoned = False
         self.injected = False
+        self.cooperative = False  # an async function's loop cancels its task itself: no ToolStopped
         self.ident = 0
         self.result: Any = None
         self.error: BaseException | None = None
@@ -85,9 +86,15 @@ class Job:
             if self.state == FINISHED:
                 return
             self.tally.take()
-            if self.state == _RUNNING:
+            if self.state == _RUNNING and not self.cooperative:
                 self.injected = True
                 _inject(self.ident, ToolStopped)
+
+    def cooperate(self) -> None:
+        """On the helper: the function returned a coroutine, whose loop cancels it at the deadline or on
+        cancel (a ToolStopped landing in the loop or the coroutine's own cleanup would cut that short)."""
+        with self.lock:
+            self.cooperative = True
 
 
 class Tally:

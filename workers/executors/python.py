@@ -159,7 +159,7 @@ class PythonExecutor:
                 "(a python tool that takes a ctx parameter can stop on its own)",
                 abandoned=tally.count,
             )
-        job = Job(lambda: _call(fn, kwargs, ctx, where), tally)
+        job = Job(lambda: _call(fn, kwargs, ctx, where, job.cooperate), tally)
         self._helpers.submit(job)
         while not job.done.acquire(timeout=ctx.poll_slice()):
             if ctx.cancelled.is_set() or time.monotonic() >= ctx.deadline:
@@ -181,10 +181,16 @@ class PythonExecutor:
         self._helpers.close()
 
 
-def _call(fn: Callable[..., Any], kwargs: dict[str, Any], ctx: ExecContext, where: str) -> Any:
-    """``fn(**kwargs)``; an async function's coroutine is run to its end here."""
+def _call(fn: Callable[..., Any], kwargs: dict[str, Any], ctx: ExecContext, where: str,
+          cooperate: Callable[[], None] | None = None) -> Any:
+    """``fn(**kwargs)``; an async function's coroutine is run to its end here (``cooperate``: told first,
+    its loop stops it)."""
     result = fn(**kwargs)
-    return _run_async(result, ctx, where) if inspect.isawaitable(result) else result
+    if not inspect.isawaitable(result):
+        return result
+    if cooperate is not None:
+        cooperate()
+    return _run_async(result, ctx, where)
 
 
 def _run_async(awaitable: Any, ctx: ExecContext, where: str) -> Any:

@@ -57,6 +57,18 @@ async def asleeper(seconds: float, tag: str = "") -> str:
     return "finished"
 
 
+async def atidy(seconds: float, tag: str = "", tidy: float = 0.3) -> str:
+    """Sleeps; when cancelled, tidies up for ``tidy`` seconds (blocking, as cleanup code may) before it notes it."""
+    _note(tag, "start")
+    try:
+        await asyncio.sleep(seconds)
+    except asyncio.CancelledError:
+        time.sleep(tidy)
+        _note(tag, "tidied")
+        raise
+    return "finished"
+
+
 def whoami() -> dict:
     return {"thread": threading.get_ident(), "request_id": request_id.get()}
 

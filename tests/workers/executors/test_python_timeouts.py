@@ -88,6 +88,32 @@ def test_async_function_without_ctx_is_cancelled(ex, make_ctx):
     wait_until(lambda: ex._tallies["s5"].count == 0, timeout=5)
 
 
+def test_an_async_functions_job_gets_no_toolstopped_its_loop_stops_it(ex, make_ctx):
+    """The loop running an async function cancels its task at the deadline itself; a ToolStopped injected as
+    well landed wherever the helper was, the loop or the coroutine's own cleanup, and cut that short (a
+    flaky end-to-end test under load lost the coroutine's CancelledError note that way)."""
+    from workers.executors.pyhelpers import Job, Tally
+
+    started, release = threading.Event(), threading.Event()
+
+    def body() -> None:
+        job.cooperate()  # (what _call does once the function returned a coroutine)
+        started.set()
+        release.wait(5)
+
+    job = Job(body, Tally())
+    helper = threading.Thread(target=lambda: (job.begin(threading.get_ident()), job.execute(), job.settle()))
+    helper.start()
+    assert started.wait(5)
+    job.stop()  # the call thread gives up on it
+    release.set()
+    helper.join(5)
+    assert not job.injected and job.error is None  # nothing was thrown into the helper
+    took, err = timed(ex.run, spec("atidy", "s5t"), {"seconds": 20, "tag": "s5t", "tidy": 0.2}, make_ctx(timeout=0.3))
+    assert isinstance(err, ToolTimeout) and took < 0.6
+    wait_until(lambda: "tidied" in stoppable.events.get("s5t", []), timeout=3, message="the cleanup to end")
+
+
 def test_async_function_without_ctx_returns_its_result(ex, make_ctx):
     assert ex.run(spec("asleeper", "s5b"), {"seconds": 0.01, "tag": "s5b"}, make_ctx()) == "finished"
 
