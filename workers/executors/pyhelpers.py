@@ -18,6 +18,7 @@ log = structlog.get_logger("hermes.executor.python")
 
 DEFAULT_MAX_ABANDONED = 8
 _HELPER_IDLE = 60.0  # seconds an idle helper thread waits for work before it ends
+COOPERATION_GRACE = 1.0  # seconds an abandoned coroutine has to end on its loop's cancel before ToolStopped
 
 
 class ToolStopped(BaseException):
@@ -86,13 +87,28 @@ class Job:
             if self.state == FINISHED:
                 return
             self.tally.take()
-            if self.state == _RUNNING and not self.cooperative:
+            if self.state != _RUNNING:
+                return
+            if not self.cooperative:
+                self.injected = True
+                _inject(self.ident, ToolStopped)
+                return
+        # A coroutine's loop cancels it itself (a ToolStopped landing in the loop or in the coroutine's own
+        # cleanup would cut that short); one that does not end by then (it runs sync code, or swallows the
+        # cancel) gets the ToolStopped after COOPERATION_GRACE.
+        timer = threading.Timer(COOPERATION_GRACE, self._stop_late)
+        timer.daemon = True
+        timer.start()
+
+    def _stop_late(self) -> None:
+        with self.lock:
+            if self.state == _RUNNING and not self.injected:
                 self.injected = True
                 _inject(self.ident, ToolStopped)
 
     def cooperate(self) -> None:
         """On the helper: the function returned a coroutine, whose loop cancels it at the deadline or on
-        cancel (a ToolStopped landing in the loop or the coroutine's own cleanup would cut that short)."""
+        cancel: ``stop`` leaves it COOPERATION_GRACE seconds for that before it injects."""
         with self.lock:
             self.cooperative = True
 

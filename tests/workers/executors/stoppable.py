@@ -57,6 +57,11 @@ async def asleeper(seconds: float, tag: str = "") -> str:
     return "finished"
 
 
+async def aspinner(tag: str, limit: float = 20.0) -> int:
+    """An async function that never awaits: its loop cannot cancel it (only a ToolStopped stops it)."""
+    return spinner(tag, limit)
+
+
 async def atidy(seconds: float, tag: str = "", tidy: float = 0.3) -> str:
     """Sleeps; when cancelled, tidies up for ``tidy`` seconds (blocking, as cleanup code may) before it notes it."""
     _note(tag, "start")

@@ -114,6 +114,17 @@ def test_an_async_functions_job_gets_no_toolstopped_its_loop_stops_it(ex, make_c
     wait_until(lambda: "tidied" in stoppable.events.get("s5t", []), timeout=3, message="the cleanup to end")
 
 
+def test_an_async_function_that_never_awaits_is_stopped_after_the_grace(ex, make_ctx):
+    """Its loop cannot cancel a coroutine that never yields: the ToolStopped comes after COOPERATION_GRACE."""
+    from workers.executors.pyhelpers import COOPERATION_GRACE
+
+    took, err = timed(ex.run, spec("aspinner", "s5s"), {"tag": "s5s", "limit": 20}, make_ctx(timeout=0.3))
+    assert isinstance(err, ToolTimeout) and took < 0.6
+    wait_until(lambda: "ToolStopped" in stoppable.events.get("s5s", []), timeout=COOPERATION_GRACE + 3)
+    assert "ran-out" not in stoppable.events["s5s"]
+    wait_until(lambda: ex._tallies["s5s"].count == 0, timeout=5)
+
+
 def test_async_function_without_ctx_returns_its_result(ex, make_ctx):
     assert ex.run(spec("asleeper", "s5b"), {"seconds": 0.01, "tag": "s5b"}, make_ctx()) == "finished"
 
