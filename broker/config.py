@@ -151,7 +151,7 @@ def load_settings(
     raw = _overridden(_read_config(root / "config.yaml", env), env)
     # ${VAR}s that read as empty, as docker compose reads them; a worker says so when it starts, and an LLM
     # call refused for its key says which variable it came from.
-    unset = tuple(unset_refs(_unexpanded(root / "config.yaml"), env))
+    unset = tuple(ref for ref in unset_refs(_unexpanded(root / "config.yaml"), env) if _empty_at(raw, ref[0]))
     executors = _mapping(raw, "executors")
     for kind, section in executors.items():
         if section is not None and not isinstance(section, dict):
@@ -201,6 +201,19 @@ def _read_config(path: Path, env: Mapping[str, str]) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return expand_env(loaded, env)  # type: ignore[no-any-return]
+
+
+def _empty_at(raw: Any, key: str) -> bool:
+    """Whether the dotted ``key`` (``a.b[0]``) reads empty in the settings as overridden (a HERMES_* variable
+    may have set what the file left to an unset ${VAR})."""
+    value = raw
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", key):
+        if part.startswith("["):
+            index = int(part[1:-1])
+            value = value[index] if isinstance(value, list) and index < len(value) else None
+        else:
+            value = value.get(part) if isinstance(value, dict) else None
+    return value in (None, "")
 
 
 def _unexpanded(path: Path) -> Any:

@@ -152,7 +152,7 @@ def _unreachable(url: str, error: Exception) -> BrokerUnavailable:
         return BrokerUnavailable(f"Redis at {redact_url(url)} refused the credentials: {error}")
     if url.partition("://")[0].lower() not in URL_SCHEMES:  # (redis-py's own message leaves ours out)
         return BrokerUnavailable(
-            f"{redact_url(url)} is not a Redis URL: it starts with one of {', '.join(s + '://' for s in URL_SCHEMES)}"
+            f"{redact_url(url)} is not a Redis URL (one starts with {', '.join(s + '://' for s in URL_SCHEMES)})"
         )
     return BrokerUnavailable(f"cannot reach Redis at {redact_url(url)}: {error}")
 

@@ -175,12 +175,14 @@ def migrate(
             why = f"another spec named so in {earlier[0]}"
             out.append(Outcome(found.source, spec.name, "skipped", reason=why, failed=True))
             continue
+        converted = notes or (found.file is not None and found.file.suffix == ".json")
         if earlier is not None:  # the same spec twice (a list file's and the tools/<name>.yaml an earlier run wrote): one tool
+            if rewrite and not dry_run and found.file is not None and converted:
+                _rewrite(found.file, data)  # (a per-file copy in the old shape is still brought up to date)
             continue
         seen[spec.name] = (found.source, spec.digest())
         outcome = _register(directory, spec, found.source, notes, force, dry_run)
         out.append(outcome)
-        converted = notes or (found.file is not None and found.file.suffix == ".json")
         if rewrite and not dry_run and found.file is not None and converted and outcome.status != "skipped":
             _rewrite(found.file, data)
         target = home / "tools" / f"{spec.name}.yaml"

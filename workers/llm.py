@@ -189,8 +189,10 @@ class LLMCall:
                     self.ctx.status_code = pctx.status_code
                 record_usage(span, response)
                 run.usage = reported_usage(response)
-                # (the done event names the request that answered: the tool calls it asks for carry it)
-                run.api_request = {k: context[k] for k in ("api_request_id", "provider", "model", "api_mode")}
+                # (the done event names the request that answered, its model as llm_request middleware left
+                # it: the tool calls it asks for carry them)
+                run.api_request = {k: context[k] for k in ("api_request_id", "provider", "api_mode")}
+                run.api_request["model"] = str(request.get("model") or self.model)
                 return response
 
         return self.core.llm_flow.run(

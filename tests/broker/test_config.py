@@ -420,3 +420,7 @@ def test_an_unset_variable_in_config_yaml_reads_empty_and_is_named(tmp_path: Pat
     assert settings.unset_vars == (("model.api_key", "NOPE_KEY"), ("executors.http.headers[0]", "NOPE_TOKEN"))
     found = load_settings(tmp_path, environ={"NOPE_KEY": "sk-1", "NOPE_TOKEN": "t"})
     assert found.unset_vars == () and found.model.api_key == "sk-1" and found.model.api_key_unset == ""
+    # A HERMES__ variable that sets the key the file left to an unset ${VAR}: nothing reads empty.
+    overridden = load_settings(tmp_path, environ={"HERMES__MODEL__API_KEY": "sk-2"})
+    assert overridden.model.api_key == "sk-2" and overridden.model.api_key_unset == ""
+    assert overridden.unset_vars == (("executors.http.headers[0]", "NOPE_TOKEN"),)
