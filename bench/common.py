@@ -21,9 +21,13 @@ RESULTS = Path(os.environ.get("HERMES_BENCH_RESULTS") or ROOT / "bench" / "resul
 
 
 def commit() -> str:
-    """The checkout's commit, for a result file ('' outside a git checkout)."""
+    """The checkout's commit, for a result file ('' outside a git checkout; ``+dirty`` when the tree has
+    changes not committed: the figures are then not that commit's)."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        def git(*args: str) -> str:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+        return git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return ""
 
@@ -120,13 +124,22 @@ def dramatiq_results(url: str, queue: str, first: str) -> Any:
     return actors
 
 
-def start_dramatiq(url: str, queue: str, first: str, threads: int) -> list[subprocess.Popen[bytes]]:
-    """One Dramatiq worker process with ``threads`` threads on ``bench/dramatiq_results.py``'s two queues
-    (its log under ``$TMPDIR``)."""
+def start_dramatiq(url: str, queue: str, first: str, threads: int, timeout: float = 60.0) -> list[subprocess.Popen[bytes]]:
+    """One Dramatiq worker process with ``threads`` threads on ``bench/dramatiq_results.py``'s two queues,
+    returned once it says it is ready (as ``wait_for_workers`` waits for ours and RQ's; its log, one per
+    process, under ``$TMPDIR``)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), BENCH_DRAMATIQ_URL=url, BENCH_DRAMATIQ_QUEUE=queue, BENCH_DRAMATIQ_FIRST=first)
     cmd = [sys.executable, "-m", "dramatiq", "bench.dramatiq_results", "--processes", "1", "--threads", str(threads)]
-    with (Path(os.environ.get("TMPDIR", "/tmp")) / f"{queue}.log").open("wb") as log:
-        return [subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=log)]
+    path = Path(tempfile.mkstemp(prefix=f"{queue}-", suffix=".log", dir=os.environ.get("TMPDIR", "/tmp"))[1])
+    with path.open("wb") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=log)
+    deadline = time.monotonic() + timeout
+    while b"ready for action" not in path.read_bytes():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop([proc])
+            raise RuntimeError(f"Dramatiq did not start: {path}")
+        time.sleep(0.05)
+    return [proc]
 
 
 def stop(procs: list[subprocess.Popen[bytes]]) -> None:

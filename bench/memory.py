@@ -277,6 +277,8 @@ def main() -> None:
                 out["peers"] = {kind: peer_bytes_per_job(kind, url, args.calls) for kind in ("dramatiq", "rq")}
                 dq, rq = out["peers"]["dramatiq"], out["peers"]["rq"]
                 print(f"Dramatiq (Results on Redis): {dq['bytes_per_job']} bytes a finished job; stock RQ: {rq['bytes_per_job']}")
+                print(f"ours with the audit stream's growth (the peers keep no audit log): "
+                      f"{out['bytes_per_call'] + out['audit_bytes_per_call']:.1f}")
             path = write("memory.json", {"redis": version, **out})
             print(f"written to {shown(path)}")
             print(f"bytes_per_call={out['bytes_per_call']}  (used_memory delta / N less the audit's growth; goal <= 800)")

@@ -336,7 +336,8 @@ def main() -> None:
     parser.add_argument("--soak", type=float, default=0.0, help="seconds of a soak at full speed (result_ttl 60); the issue's run: 600")
     parser.add_argument("--no-save", action="store_true", help="do not write the JSON result")
     parser.add_argument("--peers", default="dramatiq,rq", help="peer queues run the same way ('' for none)")
-    parser.add_argument("--peer-samples", type=int, default=200, help="a peer's calls alone and behind the batch")
+    parser.add_argument("--peer-samples", type=int, default=None,
+                        help="a peer's calls alone and behind the batch (default: --samples, as ours)")
     parser.add_argument("--peer-fifo-samples", type=int, default=3, help="a peer's calls in the batch's own queue")
     args = parser.parse_args()
     with using_broker(args.url) as url:
@@ -344,6 +345,7 @@ def main() -> None:
               f"(window {args.window:,}); {args.samples} interactive calls per phase (a shared machine is noisy)")
         result = run(args, url)
         peers = [p for p in args.peers.split(",") if p]
+        args.peer_samples = args.peer_samples or args.samples  # (p99s from as many calls as ours)
         result["peers"] = {kind: run_peer(kind, args, url) for kind in peers}
         if not args.no_memory:
             result["memory"] = memory(args, url)
