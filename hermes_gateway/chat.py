@@ -6,12 +6,15 @@ until an answer without tool calls, or ``max_turns`` LLM calls.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import redis
 
 from broker import otel
 from broker.errors import DecodeError, HermesError, UnknownTool
@@ -146,6 +149,7 @@ class ChatSession:
         self.messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
         self._turns = 0  # across asks, so turn ids stay unique within the session
         self._traceparent: str | None = None  # the question's trace when no SDK span carries it
+        self._waiting: list[CallHandle] = []  # the calls the running ask waits on (cancel_waiting)
 
     def ask(self, query: str) -> ChatResult:
         """Run ``query`` until the model answers without tool calls or the turn limit is reached. An ask
@@ -156,11 +160,22 @@ class ChatSession:
             result = self._traced(query)
         except BaseException:
             del self.messages[mark:]
+            self.cancel_waiting()  # (Ctrl-C, say: the calls this ask waits on stop too)
             raise
+        finally:
+            self._waiting = []
         if result.answer is None:
             result.messages = list(self.messages)
             del self.messages[mark:]
         return result
+
+    def cancel_waiting(self) -> int:
+        """Cancel the calls the running ask waits on (its LLM call or its tool calls); how many were."""
+        cancelled = 0
+        for handle in self._waiting:
+            with contextlib.suppress(HermesError, redis.RedisError):
+                cancelled += bool(not handle.done() and handle.cancel())
+        return cancelled
 
     def _traced(self, query: str) -> ChatResult:
         """One trace for the question: its LLM calls and tool calls are children of a ``chat`` span (with
@@ -205,6 +220,7 @@ class ChatSession:
         request = {"messages": list(self.messages), **{k: v for k, v in optional.items() if v}}
         started = time.monotonic()
         handle = self.gw.call_llm(request, **self._context(turn_id))
+        self._waiting = [handle]
         if self.stream and self.on_delta is not None:
             for ev in handle.events(timeout=self.wait):
                 if ev.type == DELTA and ev.detail.get("content"):
@@ -241,6 +257,7 @@ class ChatSession:
                 continue
             run.call_id = handle.call_id
             pending.append((run, handle, time.monotonic()))
+            self._waiting.append(handle)
         for run, handle, started in pending:
             try:
                 run.result = handle.result(self.wait)

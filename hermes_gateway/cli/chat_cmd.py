@@ -94,7 +94,7 @@ def _conversation(session: Any, shown: dict[str, bool], verbose: bool, max_turns
         except KeyboardInterrupt:  # Ctrl-C while a turn runs: end the conversation, no traceback
             if shown["open"]:
                 click.echo("")
-            note("interrupted", "error")
+            note("interrupted: the calls of this question were cancelled", "error")  # (ChatSession.ask did)
             return 130
     return code
 
@@ -122,7 +122,8 @@ def chat(
 
     \b
     With --query: one message, one answer. Exit code 1 if a call failed, timed out
-    or was cancelled, or no answer came within --max-turns; 2 on other errors.
+    or was cancelled, or no answer came within --max-turns; 2 on other errors; 130
+    after Ctrl-C, which cancels the calls the question was waiting on.
 
     \b
     Without --query: a conversation. Each line of stdin is one message, answered in
@@ -164,7 +165,13 @@ def chat(
                 tools=[t.strip() for t in only.split(",") if t.strip()] if only else None,
             )
         if query is not None:
-            code = _ask_once(session, query, shown, verbose, max_turns)
+            try:
+                code = _ask_once(session, query, shown, verbose, max_turns)
+            except KeyboardInterrupt:  # Ctrl-C while it runs (ChatSession.ask cancelled its calls)
+                if shown["open"]:
+                    click.echo("")
+                note("interrupted: the calls of this question were cancelled", "error")
+                code = 130
         else:
             code = _conversation(session, shown, verbose, max_turns)
         if code:

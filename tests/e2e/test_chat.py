@@ -345,6 +345,27 @@ def _read_until(stream: Any, needle: bytes, seen: bytearray, timeout: float = 30
             seen += chunk
 
 
+def test_cli_chat_interrupted_while_the_model_answers_cancels_its_call(
+    llm: LLMServer, home: Home, redis_url: str, workers: Any, conn: Any, wait_until: Any
+) -> None:
+    llm.script(Reply(text="late", delay=30))  # the model takes its time
+    workers(queues="llm")
+    chat = subprocess.Popen([CLI, "chat", "-q", "Reply exactly ok"], env=cli_env(home, {"HERMES_REDIS_URL": redis_url}),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_as_by_default)  # fmt: skip
+    try:
+        leased = wait_until(lambda: conn.zrange(keys.leases(keys.tag("llm")), 0, -1), 30, message="the LLM call to run")
+        chat.send_signal(signal.SIGINT)  # Ctrl-C while it waits for the answer
+        _out, err = chat.communicate(timeout=30)
+    finally:
+        if chat.poll() is None:
+            chat.kill()
+    assert chat.returncode == 130 and "interrupted: the calls of this question were cancelled" in err, err
+    call_id = leased[0].decode()
+    ended = wait_until(lambda: [e for e in events.history(conn, call_id) if e.terminal], 15, message="its end")
+    assert ended[-1].state == "cancelled"
+
+
 def test_cli_chat_at_a_terminal_shows_a_banner_and_prompt_and_ctrl_c_at_the_prompt_ends_cleanly(
     llm: LLMServer, home: Home
 ) -> None:
