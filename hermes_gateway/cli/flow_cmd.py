@@ -77,7 +77,10 @@ def flow_run(
         sync_tools(gw)
         with failing(typed=True):
             show = lambda ev: note(_flow_line(ev, t0))  # noqa: E731
-            outcome = run_flow(gw, f, parsed, on_event=show, wait=wait, **context)
+            try:
+                outcome = run_flow(gw, f, parsed, on_event=show, wait=wait, **context)
+            except KeyboardInterrupt:  # Ctrl-C (FlowRunner.run cancelled the calls it was waiting on)
+                fail(f"flow {f.name}: interrupted: its running calls were cancelled", 130)
     note(f"flow {f.name}: {outcome.state} in {time.time() - t0:.3f}s")
     if as_json or outcome.state == "done":  # a failed flow has no result to print (not a bare null)
         print_result(outcome.to_dict() if as_json else outcome.result)

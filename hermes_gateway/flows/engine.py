@@ -3,6 +3,8 @@ policy and audit apply to each); the runner only decides what to call next and r
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -82,13 +84,36 @@ class FlowRunner:
         self.max_parallel = max_parallel
         self.context = context
         self._breakers = Breakers(gateway.conn)
+        self._calls: list[Any] = []  # the run's calls (cancelled if the run is interrupted)
+        self._calls_lock = threading.Lock()
+
+    def track(self, *handles: Any) -> None:
+        with self._calls_lock:
+            self._calls.extend(handles)
+
+    def cancel_running(self) -> int:
+        """Cancel the run's calls that have not ended (Ctrl-C on ``flow run``); how many were."""
+        with self._calls_lock:
+            calls, self._calls = self._calls, []
+        cancelled = 0
+        for handle in calls:
+            with contextlib.suppress(Exception):  # (a broker gone meanwhile: the rest are still tried)
+                cancelled += bool(not handle.done() and handle.cancel())
+        return cancelled
 
     def run(self, flow: Flow, args: dict[str, Any] | None = None) -> FlowResult:
         """Run every step in order; stops at the first failed step whose ``on_error`` is ``fail``."""
         flow.validate()
         results = {s.id: StepResult(s.id) for s in flow.all_steps()}
         scope: dict[str, Any] = {"args": dict(args or {}), "steps": {k: v.view() for k, v in results.items()}}
-        completed = _Run(self, results, scope).steps(flow.steps)
+        try:
+            completed = _Run(self, results, scope).steps(flow.steps)
+        except KeyboardInterrupt:  # (Ctrl-C: the calls it was waiting on stop too)
+            self.cancel_running()
+            raise
+        finally:
+            with self._calls_lock:
+                self._calls = []
         out = FlowResult(flow.name, "done" if completed else "failed", results)
         if not completed:  # (a step failed: the first failed one is reported)
             failed = next(r for r in results.values() if r.state == "failed")
@@ -163,6 +188,7 @@ class _Run:
         """One call, its events reported as they come; returns the result or the error."""
         try:
             handle = self.r.gw.call_tool(tool, args, timeout=timeout, **self.r.context)
+            self.r.track(handle)
             res.call_id = handle.call_id
             self.emit(res, "running", tool=tool)
             for ev in handle.events(timeout=self.r.wait):
@@ -222,6 +248,7 @@ class _Run:
         ]
         opts = {"timeout": step.timeout} if step.timeout is not None else {}
         batch = self.r.gw.submit_many(calls, **opts, **self.r.context) if calls else []
+        self.r.track(*batch)
         self.emit(res, "running", total=len(calls))
         out: list[dict[str, Any]] = []
         for i, handle in enumerate(batch):

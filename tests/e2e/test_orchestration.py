@@ -222,3 +222,37 @@ def test_an_open_breaker_takes_the_fallback_or_skips_and_the_cli_shows_steps_liv
     assert any(" optional " in line and "skipped" in line for line in shown)
     assert any(" final " in line and "executing" in line for line in shown)
     assert "flow degraded: done" in cli.stderr
+
+
+def test_ctrl_c_on_flow_run_cancels_the_calls_it_waits_on(
+    gateway: Any, home: Any, workers: Any, redis_url: str, tmp_path: Path, wait_until: Any
+) -> None:
+    import signal
+
+    from broker import keys
+    from tests.conftest import sigint_as_by_default
+
+    home.sleep_tool("nap")
+    gateway.sync_tools()
+    workers(1)
+    path = tmp_path / "slow.yaml"
+    path.write_text(yaml.safe_dump({"name": "slow", "steps": [
+        {"id": "fan", "for_each": "args.items", "tool": "nap", "args": {"seconds": "{{ item }}"}},
+    ]}))  # fmt: skip
+    env = dict(os.environ, HERMES_REDIS_URL=redis_url, HERMES_HOME=str(home.path))
+    run = subprocess.Popen(
+        [str(Path(sys.executable).parent / "hermes-gateway"), "flow", "run", str(path), "--args", "{items: [30, 30]}"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_by_default,
+    )  # fmt: skip
+    try:
+        leased = wait_until(lambda: len(ids := gateway.conn.zrange(keys.leases(keys.tag("tools")), 0, -1)) == 2 and ids,
+                            30, message="both calls to run")  # fmt: skip
+        run.send_signal(signal.SIGINT)  # Ctrl-C while the step waits on its calls
+        _out, err = run.communicate(timeout=30)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 130 and "interrupted: its running calls were cancelled" in err, err
+    for call_id in (c.decode() for c in leased):
+        ended = wait_until(lambda c=call_id: [e for e in events.history(gateway.conn, c) if e.terminal], 15)
+        assert ended[-1].state == "cancelled", call_id
