@@ -148,10 +148,11 @@ def load_settings(
     default this process's environment)."""
     env = os.environ if environ is None else environ
     root = hermes_home(home, env)
-    raw = _overridden(_read_config(root / "config.yaml", env), env)
+    written = _read_config(root / "config.yaml")
+    raw = _overridden(expand_env(written, env), env)
     # ${VAR}s that read as empty, as docker compose reads them; a worker says so when it starts, and an LLM
     # call refused for its key says which variable it came from.
-    unset = tuple(ref for ref in unset_refs(_unexpanded(root / "config.yaml"), env) if _empty_at(raw, ref[0]))
+    unset = tuple(unset_refs(written, raw, env))
     executors = _mapping(raw, "executors")
     for kind, section in executors.items():
         if section is not None and not isinstance(section, dict):
@@ -191,7 +192,8 @@ def load_settings(
     )
 
 
-def _read_config(path: Path, env: Mapping[str, str]) -> dict[str, Any]:
+def _read_config(path: Path) -> dict[str, Any]:
+    """config.yaml as written (its ``${VAR}``s not expanded yet); {} when there is none."""
     if not path.exists():
         return {}
     try:
@@ -200,39 +202,23 @@ def _read_config(path: Path, env: Mapping[str, str]) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid YAML: {e}") from e
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
-    return expand_env(loaded, env)  # type: ignore[no-any-return]
+    return loaded
 
 
-def _empty_at(raw: Any, key: str) -> bool:
-    """Whether the dotted ``key`` (``a.b[0]``) reads empty in the settings as overridden (a HERMES_* variable
-    may have set what the file left to an unset ${VAR})."""
-    value = raw
-    for part in re.findall(r"[^.\[\]]+|\[\d+\]", key):
-        if part.startswith("["):
-            index = int(part[1:-1])
-            value = value[index] if isinstance(value, list) and index < len(value) else None
-        else:
-            value = value.get(part) if isinstance(value, dict) else None
-    return value in (None, "")
-
-
-def _unexpanded(path: Path) -> Any:
-    """config.yaml as written (its ``${VAR}``s kept); None when it is absent or unreadable."""
-    try:
-        return load_yaml(path.read_text(encoding="utf-8")) if path.exists() else None
-    except (OSError, yaml.YAMLError):
-        return None
-
-
-def unset_refs(value: Any, environ: Mapping[str, str], where: str = "") -> list[tuple[str, str]]:
-    """(dotted key, variable) of every ``${VAR}`` in ``value``'s strings that is not set and has no
-    ``:-default``."""
-    if isinstance(value, str):
-        return [(where, name) for name in unset_env(value, environ)]
-    if isinstance(value, dict):
-        return [ref for k, v in value.items() for ref in unset_refs(v, environ, f"{where}.{k}" if where else str(k))]
-    if isinstance(value, list):
-        return [ref for i, v in enumerate(value) for ref in unset_refs(v, environ, f"{where}[{i}]")]
+def unset_refs(written: Any, now: Any, environ: Mapping[str, str], where: str = "") -> list[tuple[str, str]]:
+    """(dotted key, variable) of every ``${VAR}`` in ``written``'s strings that is not set and has no
+    ``:-default``, where the setting still reads empty in ``now`` (the settings as overridden: a HERMES_*
+    variable may have set what the file left to an unset ${VAR})."""
+    if isinstance(written, str):
+        return [(where, name) for name in unset_env(written, environ)] if now in (None, "") else []
+    if isinstance(written, dict):
+        keyed = now if isinstance(now, dict) else {}
+        return [ref for k, v in written.items()
+                for ref in unset_refs(v, keyed.get(k), environ, f"{where}.{k}" if where else str(k))]
+    if isinstance(written, list):
+        items = now if isinstance(now, list) else []
+        return [ref for i, v in enumerate(written)
+                for ref in unset_refs(v, items[i] if i < len(items) else None, environ, f"{where}[{i}]")]
     return []
 
 
