@@ -6,15 +6,12 @@ until an answer without tool calls, or ``max_turns`` LLM calls.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-import redis
 
 from broker import otel
 from broker.errors import DecodeError, HermesError, UnknownTool
@@ -171,11 +168,9 @@ class ChatSession:
 
     def cancel_waiting(self) -> int:
         """Cancel the calls the running ask waits on (its LLM call or its tool calls); how many were."""
-        cancelled = 0
-        for handle in self._waiting:
-            with contextlib.suppress(HermesError, redis.RedisError):
-                cancelled += bool(not handle.done() and handle.cancel())
-        return cancelled
+        from hermes_gateway.handle import cancel_unended
+
+        return cancel_unended(self._waiting)
 
     def _traced(self, query: str) -> ChatResult:
         """One trace for the question: its LLM calls and tool calls are children of a ``chat`` span (with

@@ -5,14 +5,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import redis
 
 from broker import events as ev_mod
 from broker import keys
-from broker.errors import BrokerUnavailable, CallTimeout
+from broker.errors import BrokerUnavailable, CallTimeout, HermesError
 from broker.events import Event
 from hermes_gateway.clientcore import LIVE_GRACE, CallState, Handles
 
@@ -151,3 +151,13 @@ class CallHandle(CallState):
 
 class Batch(Handles[CallHandle]):
     """A batch's ``CallHandle``s (``Gateway.map`` / ``submit_many``)."""
+
+
+def cancel_unended(handles: Iterable[CallHandle]) -> int:
+    """Cancel those of ``handles`` whose calls have not ended (a command's Ctrl-C: the calls it waits on
+    stop too); how many were. A broker failing meanwhile spoils only that one: the rest are still tried."""
+    cancelled = 0
+    for handle in handles:
+        with contextlib.suppress(HermesError, redis.RedisError):
+            cancelled += bool(not handle.done() and handle.cancel())
+    return cancelled

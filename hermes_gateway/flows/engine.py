@@ -3,7 +3,6 @@ policy and audit apply to each); the runner only decides what to call next and r
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -93,13 +92,11 @@ class FlowRunner:
 
     def cancel_running(self) -> int:
         """Cancel the run's calls that have not ended (Ctrl-C on ``flow run``); how many were."""
+        from hermes_gateway.handle import cancel_unended
+
         with self._calls_lock:
             calls, self._calls = self._calls, []
-        cancelled = 0
-        for handle in calls:
-            with contextlib.suppress(Exception):  # (a broker gone meanwhile: the rest are still tried)
-                cancelled += bool(not handle.done() and handle.cancel())
-        return cancelled
+        return cancel_unended(calls)
 
     def run(self, flow: Flow, args: dict[str, Any] | None = None) -> FlowResult:
         """Run every step in order; stops at the first failed step whose ``on_error`` is ``fail``."""
