@@ -185,6 +185,12 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
 # of its own that the workers prefer (*own queue*: RQ's queue order; Dramatiq's own consumer and priority).
 
 
+def peer_backlog(conn: Any, kind: str, queue: str) -> int:
+    """A peer's unfinished jobs on ``queue``: Dramatiq's messages not yet acked (queued, fetched or running),
+    RQ's jobs still queued."""
+    return int(conn.hlen(f"dramatiq:{queue}.msgs") if kind == "dramatiq" else conn.llen(f"rq:queue:{queue}"))
+
+
 def peer_batch(kind: str, url: str, queue: str, first: str, window: int, seconds: float, stop_flag: Any, out: Any) -> None:
     """Keep ``window`` unfinished batch jobs of ``kind`` on ``queue`` until ``stop_flag`` is set; puts how
     many it sent (a process of its own, as ours: a thread would share the measuring caller's lock)."""
@@ -194,7 +200,6 @@ def peer_batch(kind: str, url: str, queue: str, first: str, window: int, seconds
     send: Any
     if kind == "dramatiq":
         actors = dramatiq_results(url, queue, first)
-        pending = f"dramatiq:{queue}.msgs"  # (every message not yet acked: queued, fetched or running)
 
         def send(n: int) -> None:
             for _ in range(n):
@@ -203,15 +208,13 @@ def peer_batch(kind: str, url: str, queue: str, first: str, window: int, seconds
         from rq import Queue
 
         q = Queue(queue, connection=conn)
-        pending = f"rq:queue:{queue}"
 
         def send(n: int) -> None:
             q.enqueue_many([Queue.prepare_data("bench.rqjobs.sleep", (seconds,), result_ttl=RESULT_TTL) for _ in range(n)])
 
-    depth = conn.hlen if kind == "dramatiq" else conn.llen
     sent = 0
     while not stop_flag.is_set():
-        missing = window - int(depth(pending))
+        missing = window - peer_backlog(conn, kind, queue)
         if missing > 0:
             send(min(missing, 500))
             sent += min(missing, 500)
@@ -263,14 +266,13 @@ def run_peer(kind: str, args: argparse.Namespace, url: str) -> dict[str, Any]:
     try:
         if kind == "rq":
             wait_for_workers(conn, args.limit, first, timeout=60)
-        peer_calls(kind, own, 20, seconds)  # warm (for Dramatiq also: its worker is up)
+        peer_calls(kind, own, 20, seconds)  # warm
         alone = peer_calls(kind, own, args.peer_samples, seconds)
         batch.start()
         deadline = time.monotonic() + 60
-        pending = (lambda: conn.hlen(f"dramatiq:{queue}.msgs")) if kind == "dramatiq" else (lambda: conn.llen(f"rq:queue:{queue}"))
-        while pending() < args.window // 2 and time.monotonic() < deadline:
+        while peer_backlog(conn, kind, queue) < args.window // 2 and time.monotonic() < deadline:
             time.sleep(0.05)  # until the batch has a backlog
-        depth = int(pending())
+        depth = peer_backlog(conn, kind, queue)
         behind = peer_calls(kind, own, args.peer_samples, seconds)
         fifo = peer_calls(kind, same, args.peer_fifo_samples, seconds)
         stop_flag.set()
