@@ -186,10 +186,10 @@ class Circuit(Hook):
     def after_execute(self, run: Running, spec: ToolSpec, args: dict[str, Any], error: BaseException | None) -> None:
         # A timeout the caller made shorter than the spec's is the caller's doing, not the back end's: it
         # does not count (one principal's 1 ms timeouts would open the tool's breaker for everyone).
-        asked = run.env.options.timeout if run.env is not None else None
-        self._record(run, error, shortened=asked is not None and 0 < asked < spec.timeout)
+        asked = run.env.options.timeout if run.env is not None and isinstance(error, ToolTimeout) else None
+        self._record(run, error, callers=asked is not None and 0 < asked < spec.timeout)
 
-    def _record(self, run: Running, error: BaseException | None, neutral: bool = False, shortened: bool = False) -> None:
+    def _record(self, run: Running, error: BaseException | None, neutral: bool = False, callers: bool = False) -> None:
         if run.breaker is None:
             return
         (cfg, probe), run.breaker = run.breaker, None
@@ -198,7 +198,6 @@ class Circuit(Hook):
             outcome = "neutral"
         elif error is not None:
             etype = error.type if isinstance(error, HermesError) else "internal_error"
-            callers = shortened and isinstance(error, ToolTimeout)
             outcome = "fail" if cfg.counts(etype) and not callers else "neutral"
         if outcome == "neutral" and not probe:  # only the probe reports a neutral outcome (it frees the slot)
             return
