@@ -79,6 +79,9 @@ class Sample:
     client_cs: float | None = None
     p50_ms: float | None = None
     p99_ms: float | None = None
+    # Commands Redis ran per call, the ones scripts call counted one by one (INFO commandstats): the
+    # figure for Redis's work that does not move with the machine's speed or load.
+    redis_cmds: float | None = None
 
 
 def switches(pid: int) -> int | None:
@@ -145,6 +148,10 @@ class Cpu:
         info = self.conn.info("cpu")
         return float(info["used_cpu_user"]) + float(info["used_cpu_sys"]), workers, own
 
+    def commands(self) -> int:
+        """Commands Redis has run so far (every client's, and each command a script called)."""
+        return sum(int(v.get("calls", 0)) for k, v in self.conn.info("commandstats").items() if isinstance(v, dict))
+
 
 def _sample(
     n: int,
@@ -152,9 +159,12 @@ def _sample(
     before: tuple[float, float, float],
     after: tuple[float, float, float],
     switched: tuple[tuple[float, float, float], tuple[float, float, float]] | None = None,
+    commands: tuple[int, int] | None = None,
 ) -> Sample:
     redis, workers, own = ((b - a) / n * 1e6 for a, b in zip(before, after, strict=True))
     sample = Sample(n / elapsed, redis, workers, own)
+    if commands is not None:
+        sample.redis_cmds = (commands[1] - commands[0]) / n
     if switched is not None:
         cs = [(b - a) / n for a, b in zip(*switched, strict=True)]
         sample.redis_cs, sample.worker_cs, sample.client_cs = (None if v != v else v for v in cs)
@@ -225,14 +235,14 @@ def run_ours(
         for h in gw.map(name, [{}] * 40):  # warm: imported, connected, scripts loaded
             h.result(30)
         cpu = Cpu(conn, procs)
-        switched0, before, start = cpu.switches_read(), cpu.read(), time.perf_counter()
+        cmds0, switched0, before, start = cpu.commands(), cpu.switches_read(), cpu.read(), time.perf_counter()
         handles: list[Any] = []
         for i in range(0, n, BATCH):
             handles.extend(gw.map(name, [{}] * min(BATCH, n - i)))
         for h in handles:
             h.result(120)
-        elapsed, after = time.perf_counter() - start, cpu.read()
-        sample = _sample(n, elapsed, before, after, (switched0, cpu.switches_read()))
+        elapsed, after, cmds1 = time.perf_counter() - start, cpu.read(), cpu.commands()
+        sample = _sample(n, elapsed, before, after, (switched0, cpu.switches_read()), (cmds0, cmds1))
         if latency:
             times = []
             for i in range(20 + latency):
@@ -291,12 +301,12 @@ def run_dramatiq(url: str, n: int, threads: int = 8) -> Sample:
             actors.noop.send()
         _until_empty(conn, pending, procs)
         cpu = Cpu(conn, procs)
-        switched0, before, start = cpu.switches_read(), cpu.read(), time.perf_counter()
+        cmds0, switched0, before, start = cpu.commands(), cpu.switches_read(), cpu.read(), time.perf_counter()
         for _ in range(n):
             actors.noop.send()
         _until_empty(conn, pending, procs)
-        elapsed, after = time.perf_counter() - start, cpu.read()
-        return _sample(n, elapsed, before, after, (switched0, cpu.switches_read()))
+        elapsed, after, cmds1 = time.perf_counter() - start, cpu.read(), cpu.commands()
+        return _sample(n, elapsed, before, after, (switched0, cpu.switches_read()), (cmds0, cmds1))
     finally:
         stop(procs)
         log.close()
@@ -329,12 +339,12 @@ def run_rq(url: str, n: int) -> Sample:
         _wait_finished(q, len(jobs))
         base = q.finished_job_registry.count
         cpu = Cpu(conn, procs)
-        switched0, before, start = cpu.switches_read(), cpu.read(), time.perf_counter()
+        cmds0, switched0, before, start = cpu.commands(), cpu.switches_read(), cpu.read(), time.perf_counter()
         for i in range(0, n, BATCH):
             q.enqueue_many([Queue.prepare_data("bench.rqjobs.noop") for _ in range(min(BATCH, n - i))])
         _wait_finished(q, base + n)
-        elapsed, after = time.perf_counter() - start, cpu.read()
-        return _sample(n, elapsed, before, after, (switched0, cpu.switches_read()))
+        elapsed, after, cmds1 = time.perf_counter() - start, cpu.read(), cpu.commands()
+        return _sample(n, elapsed, before, after, (switched0, cpu.switches_read()), (cmds0, cmds1))
     finally:
         stop(procs)
         conn.close()
@@ -436,13 +446,15 @@ def main() -> None:
     medians = {k: {f: statistics.median(getattr(s, f) for s in v) if all(getattr(s, f) is not None for s in v)
                    else None for f in Sample.__dataclass_fields__} for k, v in runs.items() if v}
     print(f"{'row':<46} {'calls/s':>8} {'range':>13} {'Redis µs':>9} {'worker µs':>10} {'caller µs':>10}"
-          f" {'p50/p99 ms':>11} {'switches':>14}   (CPU per call; context switches per call: Redis/worker/caller; medians)")
+          f" {'p50/p99 ms':>11} {'switches':>14} {'cmds':>5}   (CPU per call; context switches per call: Redis/worker/caller;"
+          f" Redis commands per call; medians)")
     for row in chosen:
         m, v = medians[row.key], [s.calls_per_s for s in runs[row.key]]
         lat = f"{m['p50_ms']:.2f}/{m['p99_ms']:.2f}" if m["p50_ms"] is not None else "-"
         cs = "/".join(f"{m[f]:.1f}" if m[f] is not None else "-" for f in ("redis_cs", "worker_cs", "client_cs"))
+        cmds = f"{m['redis_cmds']:.1f}" if m["redis_cmds"] is not None else "-"
         print(f"{row.label:<46} {m['calls_per_s']:>8,.0f} {min(v):>6,.0f}-{max(v):<6,.0f} {m['redis_us']:>9.0f}"
-              f" {m['worker_us']:>10.0f} {m['client_us']:>10.0f} {lat:>11} {cs:>14}")
+              f" {m['worker_us']:>10.0f} {m['client_us']:>10.0f} {lat:>11} {cs:>14} {cmds:>5}")
     ratios: dict[str, list[float]] = {}
     for name, top, bottom in (
         ("ratio_vs_dramatiq", "8x8", "dramatiq"),

@@ -59,10 +59,11 @@ local function fair_left(fair, wi, wb, c, k)
     end
   end
 end
--- The next waiting call to promote (nil when none), read only: the class by the batch credit when both
--- wait, then the lowest tag of that class; {id, class, its set, the credit to store (false: none)}.
--- (Nobody waiting costs one EXISTS; one class waiting, EXISTS and a ZRANGE.)
-local function next_fair(wi, wb, fair)
+-- The next waiting call to promote (nil when none): the class by the batch credit when both wait, then
+-- the lowest tag of that class; {id, class, its set, the credit to store (false: none), popped}. `pop`:
+-- take it off its set now (ZPOPMIN: nothing, no limiter, needs to see it first), else read only.
+-- (Nobody waiting costs one EXISTS; one class waiting, EXISTS and a ZRANGE or ZPOPMIN.)
+local function next_fair(wi, wb, fair, pop)
   local sets = redis.call('EXISTS', wi, wb)
   if sets == 0 then return nil end
   local c, set, credit = 'i', wi, false
@@ -74,19 +75,20 @@ local function next_fair(wi, wb, fair)
       credit = credit - SHARE_SCALE
     end
   end
-  local top = redis.call('ZRANGE', set, 0, 0)
+  local top
+  if pop then top = redis.call('ZPOPMIN', set) else top = redis.call('ZRANGE', set, 0, 0) end
   if #top == 0 and sets == 1 then
     c, set = 'b', wb
-    top = redis.call('ZRANGE', set, 0, 0)
+    if pop then top = redis.call('ZPOPMIN', set) else top = redis.call('ZRANGE', set, 0, 0) end
   end
   if #top == 0 then return nil end
-  return {top[1], c, set, credit}
+  return {top[1], c, set, credit, pop}
 end
 -- Take the call next_fair chose off waiting.
 local function pop_fair(wi, wb, fair, job_prefix, pick)
   local id, c, set, credit = pick[1], pick[2], pick[3], pick[4]
   if credit then redis.call('HSET', fair, 'cr', credit) end
-  redis.call('ZREM', set, id)
+  if not pick[5] then redis.call('ZREM', set, id) end
   fair_left(fair, wi, wb, c, redis.call('HGET', job_prefix .. id, 'h_fkey') or '')
   return id
 end
@@ -94,12 +96,15 @@ end
 -- any moved. (Promotion is this one function: whatever else may hold a call back goes here.)
 local function promote(slots, wi, wb, fair, queue, limit, wake_channel, job_prefix, rate)
   local moved = false
-  while limit < 0 or redis.call('ZCARD', slots) < limit do
-    local pick = next_fair(wi, wb, fair)
+  local held = 0  -- slots held (counted once: each call promoted takes one more)
+  if limit >= 0 then held = redis.call('ZCARD', slots) end
+  while limit < 0 or held < limit do
+    local pick = next_fair(wi, wb, fair, rate == nil)
     if not pick or not rate_admits(rate, pick[1]) then break end
     local id = pop_fair(wi, wb, fair, job_prefix, pick)
     redis.call('ZADD', slots, 'inf', id)
     redis.call('RPUSH', queue, id)
+    held = held + 1
     moved = true
   end
   if moved and wake_channel ~= '' then redis.call('PUBLISH', wake_channel, '') end

@@ -68,9 +68,18 @@ local FIELDS = EARLY + before
 -- result fed back?"; a tool call's arguments are in its audit record). Each byte counts: the hash stays
 -- a listpack in a small allocation (created_at or worker_name would each take it a size class up).
 local ENDED = {'h_state', 'h_attempt', 'status', 'h_kind', 'h_tool', 'h_idem', 'h_digest', 'h_result', 'h_principal'}
-local KIND = 4  -- (an LLM call's `data` is kept too, read apart: see below)
+local ENDS = {}  -- (an LLM call's `data` is kept too, read apart: see below)
+for _, name in ipairs(ENDED) do ENDS[name] = true end
 
-local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem', 'h_batch', 'h_steps', 'h_seq')
+-- An ending that trims (see ENDED) reads the rest of what the hash keeps with the rest, here.
+local trims = ttl ~= '' and keep_history ~= '1'
+local rec
+if trims then
+  rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem', 'h_batch', 'h_steps', 'h_seq',
+                   'status', 'h_kind', 'h_tool', 'h_digest', 'h_result', 'h_principal')
+else
+  rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem', 'h_batch', 'h_steps', 'h_seq')
+end
 local st = rec[1]
 if not st then return {-1, ''} end
 if fence ~= '' and rec[2] ~= fence then return {-2, st} end
@@ -94,7 +103,6 @@ if rec[4] and (state == 'done' or state == 'failed' or state == 'cancelled') the
 end
 -- One increment for every event this call records: the earlier ones get seq .. seq + before - 1. (An
 -- ending that trims the record writes it anew without h_seq below: its count is read, not written.)
-local trims = ttl ~= '' and keep_history ~= '1'
 local seq
 if trims then
   seq = (tonumber(rec[6]) or 0) + 1
@@ -105,7 +113,9 @@ end
 local mark = '#' .. seq
 local steps_so_far = rec[5] or ''
 if moves ~= '' then steps_so_far = steps_so_far .. mark .. moves end
-if state ~= '' then
+if trims then
+  -- (the hash is written anew below, from what was read and these fields: nothing to set now)
+elseif state ~= '' then
   if move ~= '' and ttl == '' then  -- (an ended call's hash is written anew below, without them)
     if moves == '' then move = mark .. move end
     redis.call('HSET', KEYS[1], 'h_state', state, 'status', rq_status, 'h_steps', steps_so_far .. move,
@@ -116,8 +126,9 @@ if state ~= '' then
 elseif #ARGV >= FIELDS then
   redis.call('HSET', KEYS[1], unpack(ARGV, FIELDS, #ARGV))
 end
+local leased = false  -- (a call claimed off the queue holds a slot: it does not wait)
 if lease == '-' then
-  redis.call('ZREM', KEYS[3], call_id)
+  leased = redis.call('ZREM', KEYS[3], call_id) == 1
 elseif lease ~= '' then
   redis.call('ZADD', KEYS[3], lease, call_id)
 end
@@ -125,7 +136,7 @@ local rate = nil
 local woken = false  -- this release promoted calls onto the queue (their wake-up waits for the take)
 if release == '1' or requeue == '1' then rate = rate_of(KEYS[11], KEYS[12], KEYS[13], ckey) end
 if release == '1' then
-  if st == 'pending' then  -- (only a pending call waits)
+  if st == 'pending' and not leased then  -- (only a pending call waits)
     unwait(KEYS[4], KEYS[9], KEYS[10], call_id, KEYS[1])
   end
   rate_settle(rate, call_id, used, state == 'done' or state == 'failed' or state == 'cancelled')
@@ -164,16 +175,24 @@ if ttl ~= '' and keep_history == '1' then
   redis.call('EXPIRE', KEYS[2], ttl)
   if idem_ours then redis.call('EXPIRE', rec[3], ttl) end
 elseif trims then
-  local kept = redis.call('HMGET', KEYS[1], unpack(ENDED))
+  -- What the hash keeps: as read at the start, then this move's state and fields over it.
+  local kept = {h_state = rec[1], h_attempt = rec[2], h_idem = rec[3], status = rec[7], h_kind = rec[8],
+                h_tool = rec[9], h_digest = rec[10], h_result = rec[11], h_principal = rec[12]}
+  if state ~= '' then kept.h_state, kept.status = state, rq_status end
+  local data = nil
+  for i = FIELDS, #ARGV - 1, 2 do
+    local name = ARGV[i]
+    if name == 'data' then data = ARGV[i + 1] elseif ENDS[name] then kept[name] = ARGV[i + 1] end
+  end
   local fields = {}
-  for i, name in ipairs(ENDED) do
-    if kept[i] then
+  for _, name in ipairs(ENDED) do
+    if kept[name] then
       fields[#fields + 1] = name
-      fields[#fields + 1] = kept[i]
+      fields[#fields + 1] = kept[name]
     end
   end
-  if kept[KIND] == 'llm' then  -- (a tool call's `data` is dropped: it is not even read out)
-    local data = redis.call('HGET', KEYS[1], 'data')
+  if kept.h_kind == 'llm' then  -- (a tool call's `data` is dropped: it is not even read out)
+    data = data or redis.call('HGET', KEYS[1], 'data')
     if data then
       fields[#fields + 1] = 'data'
       fields[#fields + 1] = data
