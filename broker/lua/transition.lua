@@ -68,18 +68,9 @@ local FIELDS = EARLY + before
 -- result fed back?"; a tool call's arguments are in its audit record). Each byte counts: the hash stays
 -- a listpack in a small allocation (created_at or worker_name would each take it a size class up).
 local ENDED = {'h_state', 'h_attempt', 'status', 'h_kind', 'h_tool', 'h_idem', 'h_digest', 'h_result', 'h_principal'}
-local ENDS = {}  -- (an LLM call's `data` is kept too, read apart: see below)
-for _, name in ipairs(ENDED) do ENDS[name] = true end
+local KIND = 4  -- (an LLM call's `data` is kept too, read apart: see below)
 
--- An ending that trims (see ENDED) reads the rest of what the hash keeps with the rest, here.
-local trims = ttl ~= '' and keep_history ~= '1'
-local rec
-if trims then
-  rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem', 'h_batch', 'h_steps', 'h_seq',
-                   'status', 'h_kind', 'h_tool', 'h_digest', 'h_result', 'h_principal')
-else
-  rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem', 'h_batch', 'h_steps', 'h_seq')
-end
+local rec = redis.call('HMGET', KEYS[1], 'h_state', 'h_attempt', 'h_idem', 'h_batch', 'h_steps', 'h_seq')
 local st = rec[1]
 if not st then return {-1, ''} end
 if fence ~= '' and rec[2] ~= fence then return {-2, st} end
@@ -103,6 +94,7 @@ if rec[4] and (state == 'done' or state == 'failed' or state == 'cancelled') the
 end
 -- One increment for every event this call records: the earlier ones get seq .. seq + before - 1. (An
 -- ending that trims the record writes it anew without h_seq below: its count is read, not written.)
+local trims = ttl ~= '' and keep_history ~= '1'
 local seq
 if trims then
   seq = (tonumber(rec[6]) or 0) + 1
@@ -113,9 +105,7 @@ end
 local mark = '#' .. seq
 local steps_so_far = rec[5] or ''
 if moves ~= '' then steps_so_far = steps_so_far .. mark .. moves end
-if trims then
-  -- (the hash is written anew below, from what was read and these fields: nothing to set now)
-elseif state ~= '' then
+if state ~= '' then
   if move ~= '' and ttl == '' then  -- (an ended call's hash is written anew below, without them)
     if moves == '' then move = mark .. move end
     redis.call('HSET', KEYS[1], 'h_state', state, 'status', rq_status, 'h_steps', steps_so_far .. move,
@@ -175,24 +165,16 @@ if ttl ~= '' and keep_history == '1' then
   redis.call('EXPIRE', KEYS[2], ttl)
   if idem_ours then redis.call('EXPIRE', rec[3], ttl) end
 elseif trims then
-  -- What the hash keeps: as read at the start, then this move's state and fields over it.
-  local kept = {h_state = rec[1], h_attempt = rec[2], h_idem = rec[3], status = rec[7], h_kind = rec[8],
-                h_tool = rec[9], h_digest = rec[10], h_result = rec[11], h_principal = rec[12]}
-  if state ~= '' then kept.h_state, kept.status = state, rq_status end
-  local data = nil
-  for i = FIELDS, #ARGV - 1, 2 do
-    local name = ARGV[i]
-    if name == 'data' then data = ARGV[i + 1] elseif ENDS[name] then kept[name] = ARGV[i + 1] end
-  end
+  local kept = redis.call('HMGET', KEYS[1], unpack(ENDED))
   local fields = {}
-  for _, name in ipairs(ENDED) do
-    if kept[name] then
+  for i, name in ipairs(ENDED) do
+    if kept[i] then
       fields[#fields + 1] = name
-      fields[#fields + 1] = kept[name]
+      fields[#fields + 1] = kept[i]
     end
   end
-  if kept.h_kind == 'llm' then  -- (a tool call's `data` is dropped: it is not even read out)
-    data = data or redis.call('HGET', KEYS[1], 'data')
+  if kept[KIND] == 'llm' then  -- (a tool call's `data` is dropped: it is not even read out)
+    local data = redis.call('HGET', KEYS[1], 'data')
     if data then
       fields[#fields + 1] = 'data'
       fields[#fields + 1] = data
