@@ -165,6 +165,19 @@ def test_memory_counts_the_bytes_a_finished_call_keeps_beside_dramatiq_and_rq(tm
     assert ours is not None and 0 < float(ours[1]) < float(found[2]), lines[-1]
 
 
+def test_throughputs_command_count_counts_each_command_a_script_calls(redis_url: str) -> None:
+    from bench.throughput import Cpu
+    from broker.connection import from_url
+
+    conn = from_url(redis_url)
+    cpu = Cpu(conn, [])
+    before = cpu.commands()
+    conn.eval("redis.call('PING') redis.call('PING') redis.call('PING') return 1", 0)
+    # The EVAL, its three PINGs and the INFO that reads the count (others' commands only add to it).
+    assert cpu.commands() - before >= 5
+    conn.close()
+
+
 def test_throughputs_switch_count_sums_every_thread_and_grows_when_one_sleeps() -> None:
     import threading
     import time
