@@ -80,10 +80,12 @@ def _ended(span: Any, exc: BaseException | None) -> None:
     span.end()
 
 
-def _start(tracer: Any, name: str, parent: Any, kind: SpanKind, attributes: dict[str, Any]) -> Any:
+def _start(
+    tracer: Any, name: str, parent: Any, kind: SpanKind, attributes: dict[str, Any], links: Any = ()
+) -> Any:
     # We end (and mark) our spans ourselves, so the SDK's own exception recording stays off.
     return tracer.start_span(
-        name, context=parent, kind=kind, attributes=attributes, record_exception=False,
+        name, context=parent, kind=kind, attributes=attributes, links=links, record_exception=False,
         set_status_on_exception=False,
     )
 
@@ -146,15 +148,8 @@ class CallTrace(NoTrace):
         if env.context.get("session_id"):
             attributes["session.id"] = str(env.context["session_id"])
         # Parent: the producer span (one message, so the creation context is the parent); also a link.
-        self.span = tracer.start_span(
-            f"process {env.queue}",
-            context=parent,
-            kind=SpanKind.CONSUMER,
-            links=[Link(caller)] if caller.is_valid else None,
-            attributes=attributes,
-            record_exception=False,
-            set_status_on_exception=False,
-        )
+        links = [Link(caller)] if caller.is_valid else None
+        self.span = _start(tracer, f"process {env.queue}", parent, SpanKind.CONSUMER, attributes, links)
         self.ctx = trace.set_span_in_context(self.span, parent)
         self.span_id = f"{self.span.get_span_context().span_id:016x}"
         self._open: dict[str, Any] = {}
@@ -197,9 +192,8 @@ class CallTrace(NoTrace):
         attributes["gen_ai.tool.call.arguments"] = _args_attribute(args, sensitive)
         parent = self._parent()
         span = _start(self.tracer, f"execute_tool {spec.name}", parent, SpanKind.INTERNAL, attributes)
-        sc = span.get_span_context()
-        ctx.traceparent = f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{int(sc.trace_flags):02x}"
-        state = sc.trace_state
+        ctx.traceparent = traceparent_of(span)
+        state = span.get_span_context().trace_state
         ctx.tracestate = state.to_header() if state else None
         return _Phase(span, trace.set_span_in_context(span, parent))
 
@@ -464,18 +458,12 @@ class _Totals:
         self.breakers: dict[str, str] = {}  # current state per key (also read by the gauge)
         self.breakers_dirty: set[str] = set()
 
-    def add(self, count_fields: Iterable[str], sums: Iterable[tuple[str, float]]) -> None:
-        with self.lock:
-            counts, totals = self.counts, self.sums
-            for f in count_fields:
-                counts[f] = counts.get(f, 0) + 1
-            for f, v in sums:
-                totals[f] = totals.get(f, 0.0) + v
-
-    def add_n(self, counts: Iterable[tuple[str, int]]) -> None:
+    def add(self, counts: Iterable[tuple[str, int]], sums: Iterable[tuple[str, float]] = ()) -> None:
         with self.lock:
             for f, n in counts:
                 self.counts[f] = self.counts.get(f, 0) + n
+            for f, v in sums:
+                self.sums[f] = self.sums.get(f, 0.0) + v
 
     def take(self) -> tuple[dict[str, int], dict[str, float], dict[str, str]]:
         with self.lock:
@@ -491,7 +479,7 @@ _queue_conns: list[redis.Redis] = []
 
 def call_started(ckey: str, queue: str, wait_s: float) -> None:
     """A worker began a call that waited ``wait_s`` seconds on ``queue``."""
-    _totals.add((f"wait_n{SEP}{queue}",), ((f"wait{SEP}{queue}", wait_s),))
+    _totals.add(((f"wait_n{SEP}{queue}", 1),), ((f"wait{SEP}{queue}", wait_s),))
     inst = _instruments()
     if inst is not None:
         inst.inflight.add(1, {"hermes.concurrency_key": ckey})
@@ -506,9 +494,9 @@ def call_ended(
     label = f"{kind}{SEP}{name}"
     _totals.add(
         (
-            f"calls{SEP}{label}{SEP}{state}{SEP}{error_type or ''}",
-            f"duration_n{SEP}{label}",
-            f"lat{SEP}{label}{SEP}{bisect_left(LATENCY_BOUNDS, duration_s)}",
+            (f"calls{SEP}{label}{SEP}{state}{SEP}{error_type or ''}", 1),
+            (f"duration_n{SEP}{label}", 1),
+            (f"lat{SEP}{label}{SEP}{latency_bucket(duration_s)}", 1),
         ),
         ((f"duration{SEP}{label}", duration_s),),
     )
@@ -528,7 +516,7 @@ def breaker_changed(key: str, old: str, new: str) -> None:
     with _totals.lock:
         _totals.breakers[key] = new
         _totals.breakers_dirty.add(key)
-        _totals.counts[f"breaker_changes{SEP}{key}"] = _totals.counts.get(f"breaker_changes{SEP}{key}", 0) + 1
+    _totals.add(((f"breaker_changes{SEP}{key}", 1),))
     inst = _instruments()
     if inst is not None:
         inst.breaker_changes.add(
@@ -648,7 +636,7 @@ class Usage(Hook):
         if tokens is not None and (tokens["in"] or tokens["out"]):
             prefix = f"tokens{SEP}{who}{SEP}{info.name}{SEP}"
             counts += [(prefix + "in", tokens["in"]), (prefix + "out", tokens["out"])]
-        _totals.add_n(counts)
+        _totals.add(counts)
         if not principal or tokens is None:
             return None
         key = keys.usage_day(time.strftime("%Y-%m-%d", time.gmtime()), str(principal))
