@@ -133,12 +133,7 @@ class ToolCallFlow:
         if on_trace is not None:
             on_trace(list(trace))
         base = {**ctx, "tool_name": tool_name}
-        if check_available is not None:
-            try:
-                check_available(tool_name, eff, ctx)
-            except BaseException as exc:
-                _post(rt, base, eff, trace, None, 0, "error", exc=exc)
-                raise
+        _check(check_available, "error", rt, base, eff, trace, ctx)
         directive = None
         if rt.has_hook(PRE_TOOL_CALL):
             directive = _block_message(rt.emit(PRE_TOOL_CALL, **base, args=eff, middleware_trace=list(trace)))
@@ -155,12 +150,7 @@ class ToolCallFlow:
             if self.on_blocked is not None:
                 return self.on_blocked(tool_name, message, ctx)
             return {"error": message}  # (its own dict: not the one the hooks saw)
-        if policy is not None:
-            try:
-                policy(tool_name, eff, ctx)
-            except BaseException as exc:
-                _post(rt, base, eff, trace, None, 0, "blocked", exc=exc)
-                raise
+        _check(policy, "blocked", rt, base, eff, trace, ctx)
 
         started = time.monotonic()
         try:
@@ -188,6 +178,19 @@ class ToolCallFlow:
             # dict or list; any other return (None, True, 0...) keeps the result.
             result = next((value for value in replaced if isinstance(value, str | dict | list)), result)
         return result
+
+
+def _check(
+    step: Check | None, status: str, rt: MiddlewareRuntime, base: dict[str, Any], eff: dict[str, Any],
+    trace: list[dict[str, Any]], ctx: dict[str, Any],
+) -> None:
+    """Run a refusing step on the effective args; a refusal still reaches post_tool_call (``status``)."""
+    if step is not None:
+        try:
+            step(base["tool_name"], eff, ctx)
+        except BaseException as exc:
+            _post(rt, base, eff, trace, None, 0, status, exc=exc)
+            raise
 
 
 def _elapsed_ms(started: float) -> int:

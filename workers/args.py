@@ -23,7 +23,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
 from broker.codec import MAX_DEPTH, WIRE_INTS, nesting
-from broker.errors import InvalidArgs, InvalidOutput, InvalidSpec
+from broker.errors import CallFailed, InvalidArgs, InvalidOutput, InvalidSpec
 from broker.settings import shortcut_on as on
 
 _INT = re.compile(r"^\s*[-+]?\d+\s*$")
@@ -213,27 +213,22 @@ def violations(schema: dict[str, Any], instance: Any) -> list[str]:
     return [f"{p}: {m}" for p, m in found]
 
 
-def _problems(schema: dict[str, Any], value: Any) -> list[str]:
-    quick = _compiled(schema)[1]
-    return [] if quick is not None and quick(value) else violations(schema, value)
-
-
 def validate_args(schema: dict[str, Any] | None, args: Any, tool: str | None = None) -> None:
     """Raise InvalidArgs listing every violation (``details.violations``) if ``args`` do not fit."""
-    problems = _problems(schema, args) if schema else None
-    if problems:
-        where = f"tool {tool!r}: " if tool else ""
-        raise InvalidArgs(f"{where}invalid arguments: " + "; ".join(problems), violations=problems)
+    _refuse(InvalidArgs, "invalid arguments", schema, args, tool)
 
 
 def check_output(schema: dict[str, Any] | None, result: Any, tool: str | None = None) -> None:
     """Raise InvalidOutput listing every violation if the tool's result does not fit its output schema."""
-    problems = _problems(schema, result) if schema else None
-    if problems:
+    _refuse(InvalidOutput, "result does not match the output schema", schema, result, tool)
+
+
+def _refuse(error: type[CallFailed], what: str, schema: dict[str, Any] | None, value: Any, tool: str | None) -> None:
+    if not schema or ((quick := _compiled(schema)[1]) is not None and quick(value)):
+        return
+    if problems := violations(schema, value):
         where = f"tool {tool!r}: " if tool else ""
-        raise InvalidOutput(
-            f"{where}result does not match the output schema: " + "; ".join(problems), violations=problems
-        )
+        raise error(f"{where}{what}: " + "; ".join(problems), violations=problems)
 
 
 # --- parsing what a person types -----------------------------------------------------------------
