@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 WIRE_TEXT = 16 * 1024  # characters of an error's message (and of each detail string) that travel
+_BY_TYPE: dict[str, type[CallFailed]] = {}  # wire type -> its CallFailed class (error_from_wire)
 
 
 class HermesError(Exception):
@@ -157,6 +158,11 @@ class CallFailed(HermesError):
 
     type = "remote_error"
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Each typed call failure is what ``error_from_wire`` rebuilds for its ``type``."""
+        super().__init_subclass__(**kwargs)
+        _BY_TYPE[cls.type] = cls
+
     def __init__(self, message: str = "", *, error_type: str | None = None, **details: Any) -> None:
         super().__init__(message, **details)
         if error_type:
@@ -223,15 +229,6 @@ class CallTimeout(HermesError):
     type = "timeout"
 
 
-_BY_TYPE: dict[str, type[CallFailed]] = {
-    cls.type: cls
-    for cls in (
-        CallFailed, InvalidArgs, PermissionDenied, CircuitOpen, ExecutorError, ToolTimeout, OutputTooLarge,
-        WorkerLost,
-    )
-}
-
-
 def error_from_wire(data: dict[str, Any] | None) -> CallFailed:
     """Rebuild the typed error a worker reported; unknown types stay ``CallFailed`` with that type."""
     data = data or {}
@@ -242,16 +239,9 @@ def error_from_wire(data: dict[str, Any] | None) -> CallFailed:
     return cls(message, error_type=etype, **details)
 
 
-def register_error_type(cls: type[CallFailed]) -> type[CallFailed]:
-    """Let later modules (policy, flow control) add their own typed call failures."""
-    _BY_TYPE[cls.type] = cls
-    return cls
-
-
 # --- LLM providers ----------------------------------------------------------------------------
 
 
-@register_error_type
 class ProviderError(ExecutorError):
     """The LLM provider failed or refused the request."""
 
@@ -279,7 +269,6 @@ class ProviderError(ExecutorError):
         self.retryable = retryable
 
 
-@register_error_type
 class BudgetExceeded(CallFailed):
     """The principal has spent its ``policy.principals.<p>.daily_tokens`` for today (UTC).
     ``details``: ``principal``, ``used``, ``budget``."""
@@ -287,21 +276,18 @@ class BudgetExceeded(CallFailed):
     type = "budget_exceeded"
 
 
-@register_error_type
 class ProviderTimeout(ToolTimeout):
     """The LLM provider did not answer within the call's timeout."""
 
     type = "provider_timeout"
 
 
-@register_error_type
 class InvalidOutput(CallFailed):
     """The tool's result does not match its output schema."""
 
     type = "invalid_output"
 
 
-@register_error_type
 class DestinationBlocked(CallFailed):
     """The SSRF guard refused the address a tool tried to reach (private, loopback, metadata, ...)."""
 

@@ -21,17 +21,20 @@ class State(StrEnum):
 
 TERMINAL = frozenset({State.DONE, State.FAILED, State.CANCELLED})
 
-# One letter per state, as an ended call's kept ``steps`` name them (broker.calls.step_text).
-STEP_CODES: dict[str, str] = {
-    State.PENDING: "p",
-    State.ROUTING: "r",
-    State.EXECUTING: "e",
-    State.FORMATTING: "f",
-    State.DONE: "d",
-    State.FAILED: "x",
-    State.RETRYING: "t",
-    State.CANCELLED: "c",
+# Per state: its letter in an ended call's kept ``steps`` (broker.calls.step_text), and RQ's own status,
+# kept in the job hash so RQ's tools agree with us.
+_CODES: dict[State, tuple[str, str]] = {
+    State.PENDING: ("p", "queued"),
+    State.ROUTING: ("r", "started"),
+    State.EXECUTING: ("e", "started"),
+    State.FORMATTING: ("f", "started"),
+    State.DONE: ("d", "finished"),
+    State.FAILED: ("x", "failed"),
+    State.RETRYING: ("t", "scheduled"),
+    State.CANCELLED: ("c", "canceled"),
 }
+STEP_CODES: dict[str, str] = {state: step for state, (step, _) in _CODES.items()}
+RQ_STATUS = {state: rq for state, (_, rq) in _CODES.items()}
 STEP_STATES = {code: str(state) for state, code in STEP_CODES.items()}
 ACTIVE = frozenset({State.ROUTING, State.EXECUTING, State.FORMATTING})
 
@@ -44,18 +47,6 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     State.DONE: frozenset(),
     State.FAILED: frozenset(),
     State.CANCELLED: frozenset(),
-}
-
-# RQ's own status for each of our states, kept in the job hash so RQ's tools agree with us.
-RQ_STATUS = {
-    State.PENDING: "queued",
-    State.ROUTING: "started",
-    State.EXECUTING: "started",
-    State.FORMATTING: "started",
-    State.RETRYING: "scheduled",
-    State.DONE: "finished",
-    State.FAILED: "failed",
-    State.CANCELLED: "canceled",
 }
 
 
