@@ -25,13 +25,12 @@ from .connection import is_cluster
 from .envelope import Envelope, fairness_of
 from .errors import DecodeError, IllegalTransition, QueueFull
 from .idempotency import conflict, request_digest
+from .logs import utc_text
 from .ratelimits import RateLimit
 from .settings import DEFAULT_BATCH_SHARE, DEFAULT_RESULT_TTL
 from .states import RQ_STATUS, STEP_CODES, TERMINAL, State, sources
 
 RQ_FUNC = "workers.entry.run_call"
-
-_SECOND: list[tuple[int, str]] = [(0, "")]  # the last whole second formatted (strftime showed in profiles)
 
 
 def lease_deadline(seconds: float) -> int:
@@ -45,14 +44,7 @@ def waiting_score() -> int:
     return time.time_ns() // 1000
 
 
-def rq_time(t: float) -> str:
-    """A time in RQ's format (UTC, microseconds)."""
-    sec = int(t)
-    cached = _SECOND[0]
-    if cached[0] != sec:
-        cached = (sec, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec)))
-        _SECOND[0] = cached
-    return f"{cached[1]}.{int((t - sec) * 1_000_000):06d}Z"
+rq_time = utc_text  # a time as RQ keeps it (UTC, microseconds)
 
 
 @dataclass(frozen=True)

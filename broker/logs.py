@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from functools import lru_cache
 from typing import Any
-from urllib.parse import quote, quote_plus
+from urllib.parse import quote, quote_plus, unquote_plus
 
 import structlog
 
@@ -330,8 +330,6 @@ def redact_url(url: str) -> str:
 
 
 def _masked_param(param: str) -> str:
-    from urllib.parse import unquote_plus
-
     name, eq, value = param.partition("=")
     key = unquote_plus(name)
     secret = eq and value and (is_secret_key(key) or key.lower() in _PASSWORD_PARAMS)
@@ -387,21 +385,25 @@ def redact_event(logger: Any, method_name: str, event_dict: MutableMapping[str, 
     return out
 
 
-def stamp(logger: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    """``timestamp``: ISO 8601 in UTC with microseconds, as ``TimeStamper(fmt="iso", utc=True)`` writes it
-    (the date and time of day formatted once a second)."""
+def utc_text(t: float) -> str:
+    """``t`` in ISO 8601, UTC, with microseconds, as ``TimeStamper(fmt="iso", utc=True)`` writes it and RQ
+    keeps its times (``broker.calls.rq_time``): the date and time of day formatted once a second."""
     global _second
-    now = time.time()
-    whole = int(now)
+    whole = int(t)
     second, text = _second
     if whole != second:
         text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
         _second = (whole, text)  # (one tuple: threads read a consistent pair)
-    event_dict["timestamp"] = f"{text}.{int((now - whole) * 1e6):06d}Z"
-    return event_dict
+    return f"{text}.{int((t - whole) * 1e6):06d}Z"
 
 
 _second = (-1, "")
+
+
+def stamp(logger: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """``timestamp``: now, as ``utc_text`` writes it."""
+    event_dict["timestamp"] = utc_text(time.time())
+    return event_dict
 
 
 class ConsoleLines:
