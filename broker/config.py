@@ -274,20 +274,17 @@ def _workers(section: dict[str, Any], env: Mapping[str, str]) -> WorkerSettings:
     lease = _number(env, "HERMES_LEASE", section, "workers.lease", DEFAULT_LEASE)
     attempts = _number(env, "HERMES_MAX_ATTEMPTS", section, "workers.max_attempts", 3)
     ttl = _number(env, "HERMES_RESULT_TTL", section, "workers.result_ttl", DEFAULT_RESULT_TTL)
-    for value, what, whole, low in (
-        (lease, "workers.lease (HERMES_LEASE): expected seconds above 0", False, 0.0),
-        (attempts, "workers.max_attempts (HERMES_MAX_ATTEMPTS): expected a whole number of at least 1", True, 1.0),
-        (ttl, "workers.result_ttl (HERMES_RESULT_TTL): expected whole seconds of at least 1", True, 1.0),
-    ):
-        if (whole and value != int(value)) or (value <= low if not whole else value < low):
-            raise ConfigError(f"{what}, got {value:g}")
+    if lease <= 0:
+        raise ConfigError(f"workers.lease (HERMES_LEASE): expected seconds above 0, got {lease:g}")
+    max_attempts = _whole(attempts, 1, "workers.max_attempts (HERMES_MAX_ATTEMPTS)", "a whole number of at least 1")
+    result_ttl = _whole(ttl, 1, "workers.result_ttl (HERMES_RESULT_TTL)", "whole seconds of at least 1")
     port = env.get(METRICS_PORT_ENV, "").strip()
     if port and not (port.isdigit() and 1 <= int(port) <= 65535):
         raise ConfigError(f"{METRICS_PORT_ENV}: expected a port number, got {port!r}")
     return WorkerSettings(
         lease=lease,
-        max_attempts=int(attempts),
-        result_ttl=int(ttl),
+        max_attempts=max_attempts,
+        result_ttl=result_ttl,
         gc_threshold=_gc_threshold(env.get(GC_ENV, "")),
         metrics_port=int(port) if port else None,
         metrics_host=env.get(METRICS_HOST_ENV) or "127.0.0.1",
@@ -392,21 +389,18 @@ def _truthy(value: Any) -> bool:
     return str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
-def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if not raw:
-        return default
-    try:
-        return float(raw)
-    except ValueError as e:
-        raise ConfigError(f"{name}: expected a number, got {raw!r}") from e
-
-
 def _number(
     env: Mapping[str, str], name: str, section: Mapping[str, Any], where: str, default: float
 ) -> float:
     """A number from env var ``name``, else config.yaml's ``where`` (``section.key``), else ``default``."""
-    return _env_float(env, name, yaml_number(section.get(where.rpartition(".")[2], default), where))
+    from_file = yaml_number(section.get(where.rpartition(".")[2], default), where)
+    raw = env.get(name)
+    if not raw:
+        return from_file
+    try:
+        return float(raw)
+    except ValueError as e:
+        raise ConfigError(f"{name}: expected a number, got {raw!r}") from e
 
 
 def _whole(value: float, least: int, where: str, expected: str) -> int:
