@@ -584,14 +584,10 @@ class Calls:
     ) -> Any:
         """A caller cancels a call still ``pending`` that no worker holds, or (``retrying``) one waiting for
         its next attempt (its schedule entry then just leaves: the retry finds it ended)."""
-        if retrying:
-            return self.transition(
-                info, State.CANCELLED, attempt=attempt, fence=False, from_states=frozenset({State.RETRYING}),
-                detail={"error": error}, pipeline=pipeline,
-            )
+        waiting = State.RETRYING if retrying else State.PENDING
         return self.transition(
-            info, State.CANCELLED, attempt=attempt, fence=False, from_states=frozenset({State.PENDING}),
-            unleased=True, detail={"error": error}, pipeline=pipeline,
+            info, State.CANCELLED, attempt=attempt, fence=False, from_states=frozenset({waiting}),
+            unleased=not retrying, detail={"error": error}, pipeline=pipeline,
         )
 
     @staticmethod

@@ -73,8 +73,9 @@ def is_cluster(conn: Any) -> bool:
     return isinstance(conn, (redis.cluster.RedisCluster, redis.asyncio.cluster.RedisCluster))
 
 
-def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], dict[str, str]]:
-    """The seed nodes and credentials of ``redis+cluster://[user:pass@]host:port[,host:port...]``."""
+def _seeded_cluster(module: Any, url: str, **kwargs: Any) -> Any:
+    """The client of ``redis+cluster://[user:pass@]host:port[,host:port...]``, from ``redis.cluster`` or
+    ``redis.asyncio.cluster``."""
     rest, _, query = url[len(CLUSTER_SCHEME) :].partition("?")
     rest, _, path = rest.partition("/")
     if path.strip("/") not in ("", "0"):  # taken silently, it would name a database the cluster has not
@@ -89,19 +90,12 @@ def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], dict[str, str]]:
             creds["username"] = unquote(user)
         if password:
             creds["password"] = unquote(password)
-    nodes = []
+    seeds = []
     for part in rest.split(","):
         host, _, port = part.strip().rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"a cluster seed node is host:port, not {part!r}")
-        nodes.append((host.strip("[]"), int(port)))
-    return nodes, creds
-
-
-def _seeded_cluster(module: Any, url: str, **kwargs: Any) -> Any:
-    """The client of a redis+cluster:// URL, from ``redis.cluster`` or ``redis.asyncio.cluster``."""
-    nodes, creds = cluster_nodes(url)
-    seeds = [module.ClusterNode(host, port) for host, port in nodes]
+        seeds.append(module.ClusterNode(host.strip("[]"), int(port)))
     return module.RedisCluster(startup_nodes=seeds, **{**creds, **kwargs})
 
 
