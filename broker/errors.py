@@ -159,9 +159,10 @@ class CallFailed(HermesError):
     type = "remote_error"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Each typed call failure is what ``error_from_wire`` rebuilds for its ``type``."""
+        """Each typed call failure (one naming its own ``type``) is what ``error_from_wire`` rebuilds for it."""
         super().__init_subclass__(**kwargs)
-        _BY_TYPE[cls.type] = cls
+        if "type" in cls.__dict__:
+            _BY_TYPE[cls.type] = cls
 
     def __init__(self, message: str = "", *, error_type: str | None = None, **details: Any) -> None:
         super().__init__(message, **details)
