@@ -158,7 +158,8 @@ class ToolSpec:
 
 def _canonical(value: Any) -> Any:
     if isinstance(value, dict):
-        return [[k, _canonical(value[k])] for k in sorted(value)]
+        # Keys of one type in their own order (the digests stored so far); a YAML mapping may mix types.
+        return [[k, _canonical(value[k])] for k in sorted(value, key=lambda k: (type(k).__name__, k))]
     if isinstance(value, list | tuple):
         return [_canonical(v) for v in value]
     return value

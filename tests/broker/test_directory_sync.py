@@ -124,6 +124,14 @@ def test_put_without_replace_keeps_a_different_spec(fake: Any) -> None:
     assert d.put(echo3) == (2, "updated")
 
 
+def test_a_spec_whose_yaml_mapping_mixes_key_types_registers(fake: Any) -> None:
+    # (YAML `headers: {1: a, b: c}`: keys of two types, which a plain sort cannot order)
+    spec = ToolSpec.from_dict({**ECHO, "headers": {1: "a", "b": "c"}})
+    assert spec.digest() == ToolSpec.from_dict({**ECHO, "headers": {"b": "c", 1: "a"}}).digest()
+    assert Directory(fake).put(spec) == (1, "added")
+    assert ToolSpec.from_dict(ECHO).digest() != spec.digest()
+
+
 def test_a_fetch_that_raced_a_change_notice_is_not_cached(fake: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     d, other = Directory(fake), Directory(fake)
     other.register(ToolSpec.from_dict(ECHO))
