@@ -344,6 +344,8 @@ class AuditLog:
         """Newest first, filtered by tool (or model), principal, final state, append time ``since`` /
         ``until`` and session id (read from each record: the stream entry does not carry it)."""
         out: builtins.list[AuditRecord] = []
+        if limit <= 0:
+            return out
         for rec in self._scan(tool, principal, state, since, until, newest_first=True):
             if session_id is not None and rec.session_id != session_id:
                 continue

@@ -162,6 +162,7 @@ def test_append_get_and_list_with_filters(fake: fakeredis.FakeRedis) -> None:
     assert [r.call_id for r in log.list(principal="agent-b", state="done")] == ["c3"]
     assert [r.call_id for r in log.list(tool="m1")] == ["l1"]
     assert [r.call_id for r in log.list(limit=2)] == ["l1", "c3"]
+    assert log.list(limit=0) == [] and log.list(limit=-1) == []  # (no record is read for a limit of none)
 
 
 def test_list_since_uses_append_time(fake: fakeredis.FakeRedis) -> None:
