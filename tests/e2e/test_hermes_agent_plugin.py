@@ -10,12 +10,9 @@ by the README's install, ``pip install 'hermes-agent[mcp]==0.19.0' hermes-gatewa
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -30,11 +27,12 @@ from broker import events, keys
 from broker.audit import AuditLog, AuditRecord
 from broker.calls import Calls, envelope_of
 from middleware import enable_plugin
-from tests.conftest import REPO, Home
+from tests.conftest import Home
+from tests.hermes_agent_venv import HERMES_VERSION, documented_venv
 from tests.llm_server import LLMServer
-from tests.middleware.test_interop_hermes_agent import HERMES_VERSION, VENV_ROOT, _terminal_line
 
-# One xdist worker runs the module: its agent venv is built once (under a lock), not waited for twice.
+# One xdist worker runs the modules that use the agent's venv (this one and
+# tests/middleware/test_interop_hermes_agent.py): it is built once (under a lock), not waited for twice.
 pytestmark = [pytest.mark.interop, pytest.mark.e2e, pytest.mark.xdist_group("hermes-agent-documented")]
 
 
@@ -44,41 +42,13 @@ def _whole_histories(keep_history: None) -> None:
 
 MODEL = "hermes-test"
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-# The README's install, with this checkout (editable: the code under test) in place of the name.
-DOCUMENTED_INSTALL = ["hermes-agent[mcp]==0.19.0", "-e", str(REPO)]
 AGENT_MCP = "1.26.0"  # what hermes-agent[mcp] pins for its own MCP client
 
 
 @pytest.fixture(scope="module")
 def hermes_bin(request: pytest.FixtureRequest) -> Path:
-    """``hermes`` of a venv made by the README's install, ``pip install 'hermes-agent[mcp]==0.19.0'
-    hermes-gateway``: the agent with its mcp extra and our plugin with all its dependencies, resolved
-    together (no ``--no-deps``). One venv per checkout, cached until pyproject.toml changes."""
-    VENV_ROOT.mkdir(parents=True, exist_ok=True)
-    tag = hashlib.sha256(str(REPO).encode()).hexdigest()[:10]
-    venv = VENV_ROOT / f"{HERMES_VERSION}-documented-{tag}"
-    stamp = hashlib.sha256((REPO / "pyproject.toml").read_bytes() + repr(DOCUMENTED_INSTALL).encode()).hexdigest()[:16]
-    marker = venv / ".hermes-gateway-documented"
-    with open(VENV_ROOT / f"{HERMES_VERSION}-documented-{tag}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if marker.exists() and json.loads(marker.read_text()).get("stamp") == stamp:
-            took = json.loads(marker.read_text())["install_s"]
-            _terminal_line(request, f"hermes-agent[mcp] + hermes-gateway venv: cached (install took {took:.1f}s)")
-            return venv / "bin" / "hermes"
-        shutil.rmtree(venv, ignore_errors=True)
-        started = time.monotonic()
-        base = Path(getattr(sys, "_base_executable", sys.executable))
-        python = str(venv / "bin" / "python")
-        for step in (
-            [str(base), "-m", "venv", str(venv)],
-            [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *DOCUMENTED_INSTALL],
-        ):
-            proc = subprocess.run(step, capture_output=True, text=True, timeout=900)
-            assert proc.returncode == 0, f"{' '.join(step)} failed:\n{proc.stderr[-3000:]}"
-        took = time.monotonic() - started
-        marker.write_text(json.dumps({"stamp": stamp, "install_s": took}))
-        _terminal_line(request, f"pip install 'hermes-agent[mcp]==0.19.0' hermes-gateway: {took:.1f}s")
-        return venv / "bin" / "hermes"
+    """``hermes`` of the venv made by the README's install (tests/hermes_agent_venv.py)."""
+    return documented_venv(request) / "bin" / "hermes"
 
 
 @pytest.fixture

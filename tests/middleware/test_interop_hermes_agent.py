@@ -6,33 +6,32 @@
 (b) Hermes-style plugins, including Hermes' own bundled ``security-guidance`` plugin, run unchanged
     in our PluginManager and give the same results as in Hermes.
 
-The venv is cached under /tmp/hermes-interop-venv/<version>; the install time is reported.
+The venv is the one the README's install makes (``pip install 'hermes-agent[mcp]==0.19.0' hermes-gateway``,
+tests/hermes_agent_venv.py), cached under /tmp/hermes-interop-venv/; the install time is reported. Our
+package there changes nothing these scripts run: Hermes loads an entry-point plugin (ours) only when
+``plugins.enabled`` names it, and the example plugins import nothing of ours.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
-import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from middleware import PluginManager, ToolCallFlow, disable_plugin, enable_plugin, list_plugins
+from tests.hermes_agent_venv import documented_venv
 from tests.middleware.helpers import EXAMPLES, install_example, write_plugin
 
-# One xdist worker runs the module: its agent venv is built once (under a lock), not waited for twice.
-pytestmark = [pytest.mark.interop, pytest.mark.xdist_group("hermes-agent-interop")]
+# The group of tests/e2e/test_hermes_agent_plugin.py: one xdist worker runs both modules, which share the
+# agent's venv; it is built once (under a lock), not waited for by a second worker.
+pytestmark = [pytest.mark.interop, pytest.mark.xdist_group("hermes-agent-documented")]
 
-HERMES_VERSION = "0.19.0"
-VENV_ROOT = Path("/tmp/hermes-interop-venv")
 EXAMPLE_NAMES = sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir())
 
 # A plugin in the Hermes style: keyword signatures as Hermes' call sites send them, **kwargs for the rest.
@@ -71,61 +70,11 @@ def upper(tool_name="", args=None, result=None, **kwargs):
 """
 
 
-def _terminal_line(request: pytest.FixtureRequest, line: str) -> None:
-    # Shown even under output capture: the install time is part of what this test reports.
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capman = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is None or capman is None:
-        return
-    with capman.global_and_fixture_disabled():
-        reporter.write_line(line)
-
-
 @pytest.fixture(scope="module")
 def hermes_python(request: pytest.FixtureRequest) -> Path:
-    """The python of a venv with hermes-agent installed; built once and cached by version."""
-    VENV_ROOT.mkdir(parents=True, exist_ok=True)
-    venv = VENV_ROOT / HERMES_VERSION
-    marker = venv / ".hermes-interop-ready"
-    python = venv / "bin" / "python"
-    with open(VENV_ROOT / f"{HERMES_VERSION}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two test runs at once must not build the same venv
-        if marker.exists():
-            info = json.loads(marker.read_text())
-            _terminal_line(
-                request,
-                f"hermes-agent {HERMES_VERSION}: cached venv {venv} (first install took {info['install_s']:.1f}s)",
-            )
-            return python
-        shutil.rmtree(venv, ignore_errors=True)  # a half-built venv from an interrupted run
-        started = time.monotonic()
-        base = Path(getattr(sys, "_base_executable", sys.executable))
-        steps = [
-            [str(base), "-m", "venv", str(venv)],
-            [
-                str(python),
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--disable-pip-version-check",
-                f"hermes-agent=={HERMES_VERSION}",
-            ],
-        ]
-        for step in steps:
-            proc = subprocess.run(step, capture_output=True, text=True, timeout=900)
-            if proc.returncode != 0:
-                reason = (
-                    f"INTEROP NOT PROVEN: hermes-agent=={HERMES_VERSION} could not be installed "
-                    f"({' '.join(step[:3])} ... exited {proc.returncode}): {proc.stderr.strip()[-800:]}"
-                )
-                warnings.warn(reason, stacklevel=1)
-                _terminal_line(request, reason)
-                pytest.skip(reason)
-        elapsed = time.monotonic() - started
-        marker.write_text(json.dumps({"install_s": elapsed, "version": HERMES_VERSION}))
-        _terminal_line(request, f"hermes-agent {HERMES_VERSION}: venv built and installed in {elapsed:.1f}s")
-        return python
+    """The python of the agent's venv (tests/hermes_agent_venv.py): the README's install, shared with
+    tests/e2e/test_hermes_agent_plugin.py, so a test run builds one hermes-agent venv, not two."""
+    return documented_venv(request) / "bin" / "python"
 
 
 def run_in_hermes(python: Path, home: Path, script: str, **env: str) -> dict[str, Any]:
