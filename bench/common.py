@@ -153,6 +153,31 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.kill()
 
 
+def stop_rq(procs: list[subprocess.Popen[bytes]], every: float = 1.5) -> None:
+    """Stop stock RQ worker processes: SIGTERM (RQ's warm shutdown: the worker deregisters), then SIGTERM
+    again every ``every`` seconds to those still running, up to 30 s (then SIGKILL, as ``stop``).
+
+    RQ 3.0 on redis-py 8.2 may hang up to 60 s at the end of its warm shutdown: its pubsub thread, once
+    unsubscribed, waits out a 60 s ``get_message`` before ``PubSubWorkerThread.stop`` returns. A second
+    SIGTERM at least 1 s after the first is RQ's cold shutdown, which ends the process there (one sooner
+    is ignored, hence ``every`` > 1 s). ``stop`` would wait 30 s per such worker before killing it."""
+    pending = [p for p in procs if p.poll() is None]
+    for p in pending:
+        p.terminate()
+    now = time.monotonic()
+    deadline, again = now + 30, now + every
+    while pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+        pending = [p for p in pending if p.poll() is None]
+        if time.monotonic() >= again:
+            for p in pending:
+                p.terminate()
+            again += every
+    for p in pending:
+        p.kill()
+        p.wait()
+
+
 def wait_for_workers(conn: Any, count: int, queue: str, timeout: float = 20.0) -> None:
     """Until ``count`` workers listen on ``queue``: stock RQ's (RQ's registry) or ours (their heartbeats)."""
     from broker import keys

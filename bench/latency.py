@@ -33,6 +33,7 @@ from bench.common import (  # noqa: E402
     start_rq_workers,
     start_workers,
     stop,
+    stop_rq,
     using_broker,
     wait_for_workers,
 )
@@ -96,7 +97,7 @@ def run_rq(url: str, n: int) -> list[float]:
                 samples.append(time.perf_counter() - start)
         return samples
     finally:
-        stop(procs)
+        stop_rq(procs)
         conn.close()
 
 

@@ -45,6 +45,7 @@ from bench.common import (  # noqa: E402
     start_rq_workers,
     start_workers,
     stop,
+    stop_rq,
     using_broker,
     wait_for_workers,
 )
@@ -218,7 +219,7 @@ def peer_bytes_per_job(kind: str, url: str, n: int) -> dict[str, Any]:
         time.sleep(0.5)
         used1 = _used(conn)
     finally:
-        stop(procs)
+        (stop_rq if kind == "rq" else stop)(procs)
         for key in conn.scan_iter(f"*{tag}*"):
             conn.delete(key)
         conn.close()

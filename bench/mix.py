@@ -49,6 +49,7 @@ from bench.common import (  # noqa: E402
     start_rq_workers,
     start_workers,
     stop,
+    stop_rq,
     using_broker,
     wait_for_workers,
 )
@@ -282,7 +283,7 @@ def run_peer(kind: str, args: argparse.Namespace, url: str) -> dict[str, Any]:
         stop_flag.set()
         if batch.is_alive():
             batch.terminate()
-        stop(procs)
+        (stop_rq if kind == "rq" else stop)(procs)
         for key in conn.scan_iter(f"*{tag}*"):
             conn.delete(key)
         conn.close()

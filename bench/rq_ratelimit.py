@@ -29,7 +29,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, Peak, scratch_home, start_workers, stop, using_broker, wait_for_workers  # noqa: E402
+from bench.common import (  # noqa: E402
+    ROOT,
+    Peak,
+    scratch_home,
+    start_workers,
+    stop,
+    stop_rq,
+    using_broker,
+    wait_for_workers,
+)
 
 
 def _until(check: Any, timeout: float) -> float | None:
@@ -108,7 +117,7 @@ def rq_limit_and_dead_slot(url: str, jobs: int, wait: float) -> tuple[int, int, 
         back = _until(lambda: job_id not in registry.get_allowed_job_ids(), wait)
         return peak.value, finished, back
     finally:
-        stop(procs)
+        stop_rq(procs)
 
 
 def _holder(conn: Any, job_id: str, procs: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes] | None:

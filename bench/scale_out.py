@@ -43,6 +43,7 @@ from bench.common import (  # noqa: E402
     start_rq_workers,
     start_workers,
     stop,
+    stop_rq,
     wait_for_workers,
 )
 from tests.redis_stack import ClusterStack, SentinelStack, Server, data_node  # noqa: E402
@@ -211,7 +212,7 @@ def run_rq(server: Server, n: int) -> float:
         _finished(q, 20 + n)
         used = cpu_seconds([server])[0] - before
     finally:
-        stop(procs)
+        stop_rq(procs)
     return used / n * 1e6
 
 

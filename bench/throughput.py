@@ -48,6 +48,7 @@ from bench.common import (  # noqa: E402
     start_rq_workers,
     start_workers,
     stop,
+    stop_rq,
     using_broker,
     wait_for_workers,
 )
@@ -346,7 +347,7 @@ def run_rq(url: str, n: int) -> Sample:
         elapsed, after, cmds1 = time.perf_counter() - start, cpu.read(), cpu.commands()
         return _sample(n, elapsed, before, after, (switched0, cpu.switches_read()), (cmds0, cmds1))
     finally:
-        stop(procs)
+        stop_rq(procs)
         conn.close()
 
 
