@@ -320,9 +320,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the fleet figures")
     parser.add_argument("--fleet-only", action="store_true", help="only the fleet figures (1, 2, 4 processes)")
     parser.add_argument("--fleet", default="1,2,4", help="worker process counts of the fleet figures")
+    parser.add_argument(
+        "--reuse-fleet", action="store_true",
+        help="a quick run (the tests'): the 1- and 2-process figures of plain Redis and of the cluster are the "
+        "fleet's first round, not measured again (--fleet must name 1 and 2)",
+    )
     args = parser.parse_args()
     n = args.calls
     counts = tuple(int(c) for c in args.fleet.split(","))
+    if args.reuse_fleet and not {1, 2} <= set(counts):
+        parser.error("--reuse-fleet needs --fleet to name 1 and 2")
     print(f"{n} warm no-op calls per figure; {SLOTS} slots per worker process; every Redis a local process; "
           f"nproc {os.cpu_count()}; load {os.getloadavg()[0]:.2f}")
     result: dict[str, Any] = {"calls": n, "rounds": args.rounds}
@@ -344,8 +351,11 @@ def main() -> None:
     plain = data_node(Path(__import__("tempfile").mkdtemp(prefix="hermes-plain-")), "plain").start()
     try:
         url = f"redis://127.0.0.1:{plain.port}/0"
-        one = run_ours(url, [plain], n, 1)
-        two = run_ours(url, [plain], n, 2)
+        if args.reuse_fleet:
+            one, two = (result["fleet_plain"][c]["runs"][0] for c in ("1", "2"))
+        else:
+            one = run_ours(url, [plain], n, 1)
+            two = run_ours(url, [plain], n, 2)
         print(f"plain Redis: {one['us_per_call']:.1f} µs Redis CPU per call (1 worker process); "
               f"{one['calls_per_s']:,.0f} calls/s with 1 worker process, {two['calls_per_s']:,.0f} with 2")
         if not args.skip_rq:
@@ -374,8 +384,11 @@ def main() -> None:
         print("busiest_shard_share=n/a")
         return
     with ClusterStack(3) as cluster:
-        c1 = run_ours(cluster.url(), cluster.nodes, n, 1)
-        c2 = run_ours(cluster.url(), cluster.nodes, n, 2)
+        if args.reuse_fleet and "fleet_cluster" in result:
+            c1, c2 = (result["fleet_cluster"][c]["runs"][0] for c in ("1", "2"))
+        else:
+            c1 = run_ours(cluster.url(), cluster.nodes, n, 1)
+            c2 = run_ours(cluster.url(), cluster.nodes, n, 2)
         print(f"cluster, 3 primaries, 1 queue: {c1['us_per_call']:.1f} µs Redis CPU per call summed over the nodes "
               f"({c1['us_per_call'] / one['us_per_call']:.2f}x plain); {c1['calls_per_s']:,.0f} calls/s with 1 worker "
               f"process, {c2['calls_per_s']:,.0f} with 2")
