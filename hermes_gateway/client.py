@@ -4,45 +4,32 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import time
-import uuid
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, cast
 
 import redis
 import structlog
 
-from broker import durability, keys, pipes
 from broker import events as ev_mod
-from broker.calls import Calls
-from broker.codec import pack, text
+from broker import keys, pipes
+from broker.codec import text
 from broker.config import Settings, load_settings
-from broker.connection import BrokerHandle, answered, broker_error, is_cluster, subscriber
+from broker.connection import BrokerHandle, answered
 from broker.directory import Directory, Entry
 from broker.envelope import Envelope
-from broker.errors import BrokerUnavailable, CallFailed, HermesError, InvalidSpec, QueueFull
-from broker.states import TERMINAL, State
+from broker.errors import BrokerUnavailable, InvalidSpec
 from broker.toolspec import ToolSpec
 from hermes_gateway.clientcore import (
-    CANCEL_FIELDS,
-    PENDING_CANCEL,
-    RETRYING_CANCEL,
     CallOptions,
-    CancelTarget,
-    Router,
+    ClientCore,
     WorkerCheck,
-    check_batch_keys,
-    check_llm_request,
     find_broker,
-    llm_envelope,
     register_dir,
-    tool_envelope,
-    tool_limits,
+    run_steps,
 )
 from hermes_gateway.handle import Batch, CallHandle
-from hermes_gateway.tracing import Sending
 
 if TYPE_CHECKING:
     from hermes_gateway.batches import BatchJob
@@ -53,7 +40,6 @@ SUBMIT_CHUNK = 100  # calls per pipelined round trip in submit_many
 DIRECT_READ_IDLE = 1.0  # seconds of quiet before the event thread goes back to redis-py's reader
 CLUSTER_POLL = 0.05  # seconds a cluster client's event thread waits on its sharded channels per round
 SUBSCRIBE_WAIT = 5.0  # seconds to wait for the server to confirm a new sharded subscription
-CATCH_UP_CHUNK = 500  # history reads per pipelined round trip when the subscription comes back
 
 
 def _function_tool(spec: ToolSpec) -> dict[str, Any]:
@@ -67,38 +53,25 @@ def _function_tool(spec: ToolSpec) -> dict[str, Any]:
     }
 
 
-class Gateway:
+class Gateway(ClientCore[CallHandle]):
     """A client of the gateway: one connection, one event channel, many calls in flight."""
 
     def __init__(
         self, handle: BrokerHandle, settings: Settings | None = None, *, check_workers: bool = False
     ) -> None:
         self.broker = handle
-        self.conn: redis.Redis = handle.conn
+        self.conn: redis.Redis
         self.settings = settings or load_settings()
         self.workers = WorkerCheck(handle, self.settings, check_workers)
-        durability.check_supported(self.conn, self.settings)
-        self.client_id = uuid.uuid4().hex
-        self.channel = keys.caller_channel(self.client_id)
         pipes.configure(self.settings.broker.fast_path)
-        self.calls = Calls(self.conn)
-        self.calls.keep_history = self.settings.workers.keep_history
+        super().__init__(handle.conn, self.settings)
         self.directory = Directory(self.conn)
-        self.router: Router[CallHandle] = Router()
         self._closed = threading.Event()
         # On a cluster, events come on one sharded channel per queue tag used (``channel_for``).
-        self.cluster = is_cluster(self.conn)
-        self._channels = {self.channel}
         self._confirmed: dict[str, threading.Event] = {}
         self._sub_lock = threading.Lock()
-        self._pubsub = subscriber(self.conn)
-        self._tools_channel = keys.channel(self.conn, keys.TOOLS_CHANNEL).encode()
         self._pubsub.subscribe(self._tools_channel, *([] if self.cluster else [self.channel]))
-        # redis-py subscribes again on every reconnect; then every waiting handle reads its history at once.
-        self._catch_up_due = False
-        connection = getattr(self._pubsub, "connection", None)
-        if connection is not None and hasattr(connection, "register_connect_callback"):
-            connection.register_connect_callback(self._on_reconnect)
+        self._watch_reconnects()
         self._thread = threading.Thread(target=self._dispatch, name="hermes-client-events", daemon=True)
         self._thread.start()
 
@@ -169,12 +142,6 @@ class Gateway:
 
     # -- calls -----------------------------------------------------------------------------------
 
-    def _prepare(self, name: str, args: dict[str, Any] | None, opts: CallOptions, context: dict[str, Any]) -> tuple[Envelope, dict[str, Any]]:
-        """The envelope of a call of tool ``name`` and its admission limits."""
-        entry = self.directory.get(name)
-        env = tool_envelope(entry, name, args, opts, context, self.channel_for, self.settings)
-        return env, tool_limits(env, entry.spec, self.settings)
-
     def call_tool(
         self, name: str, args: dict[str, Any] | None = None, *, timeout: float | None = None,
         idempotency_key: str | None = None, max_attempts: int | None = None, traceparent: str | None = None,
@@ -190,12 +157,8 @@ class Gateway:
         that call's handle; others are an ``IdempotencyConflict``. ``fairness_key`` / ``call_class``: waiting
         calls get slots round robin across keys (default: principal, else session), ``interactive`` first.
         """
-        with answered(f"submitting a call of {name!r}"), Sending(traceparent, tracestate) as send:
-            opts = CallOptions(timeout, idempotency_key, max_attempts, traceparent, tracestate, queue,
-                               fairness_key, call_class, trace_headers=send.headers)
-            env, limits = self._prepare(name, args, opts, context)
-            send.describe(env)
-            return self._submit(env, limits)
+        opts = CallOptions(timeout, idempotency_key, max_attempts, traceparent, tracestate, queue, fairness_key, call_class)
+        return run_steps(self._call_tool(name, args, opts, context))
 
     def call_llm(
         self, request: dict[str, Any], *, timeout: float | None = None, idempotency_key: str | None = None,
@@ -204,50 +167,8 @@ class Gateway:
     ) -> CallHandle:
         """Submit one LLM call (chat-completions kwargs) to config.yaml's ``model:`` (``request["model"]``
         overrides ``model.model``): events carry stream deltas, the result is the response."""
-        check_llm_request(request, context)  # before the producer span starts
-        send = Sending(traceparent, tracestate)
-        opts = CallOptions(timeout, idempotency_key, max_attempts, traceparent, tracestate, queue,
-                           fairness_key, call_class, trace_headers=send.headers)
-        env, limits = llm_envelope(request, self.settings, opts, context, self.channel_for)
-        with answered("submitting an LLM call"), send:
-            send.describe(env)
-            return self._submit(env, limits)
-
-    def _submit(self, env: Envelope, limits: dict[str, Any]) -> CallHandle:
-        self.workers.ensure((env.queue,))
-        handle = self.router.track(CallHandle(self, env.call_id, env.name, env.kind))
-        try:
-            (reply,), acked = self._send_chunk([(env, limits, handle)])
-            if isinstance(reply, Exception):
-                raise reply
-            return self._settle(env, limits, handle, reply, acked)
-        except BaseException:
-            self.router.drop(env.call_id)
-            raise
-
-    def _settle(self, env: Envelope, limits: dict[str, Any], handle: CallHandle, reply: Any, acked: Any) -> CallHandle:
-        """The handle of a submitted call from SUBMIT's reply (and WAIT's, ``acked``, when confirmations
-        are asked for): that of the existing call for an idempotent resubmission; raises its refusal."""
-        _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
-        if call_id != env.call_id:  # idempotent resubmission: follow the call that already exists
-            self.router.drop(env.call_id)
-            name, kind = Calls.existing_call(reply) or (env.name, env.kind)
-            return CallHandle(self, call_id, name, kind, own=False)
-        if acked is not None:
-            self._confirm(acked, env)
-        return handle
-
-    def _confirm(self, acked: Any, env: Envelope) -> None:
-        """Raise BrokerNotDurable, the call cancelled, when WAIT confirmed it on too few replicas."""
-        error = durability.shortfall(acked, self.settings, f"call {env.call_id} ({env.name}) not accepted", call_id=env.call_id)
-        if error is None:
-            return
-        try:
-            error.details["cancelled"] = self.cancel(env.call_id)
-        except redis.RedisError as e:  # the broker failed meanwhile: the caller is told it may still run
-            error.details["cancelled"] = False
-            error.message += f"; cancelling it failed too ({e}): gw.handle({env.call_id!r}) finds it if it was kept"
-        raise error
+        opts = CallOptions(timeout, idempotency_key, max_attempts, traceparent, tracestate, queue, fairness_key, call_class)
+        return run_steps(self._call_llm(request, opts, context))
 
     def map(self, name: str, items: Iterable[dict[str, Any]], **common: Any) -> Batch:
         """Submit many calls of one tool, pipelined; refused items raise on ``result()``."""
@@ -261,106 +182,28 @@ class Gateway:
         pipeline raises; on a later one, its items are refused as "outcome unknown", the rest as not sent.
         """
         with answered("submitting a batch of calls"):
-            return self._submit_many(calls, **common)
+            return cast(Batch, run_steps(self._submit_many(calls, common, Batch(), SUBMIT_CHUNK)))
 
-    def _submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], **common: Any) -> Batch:
-        opts = CallOptions.take(common)
-        idempotency_keys: Sequence[str | None] | None = common.pop("idempotency_keys", None)
-        check_batch_keys(common, idempotency_keys)
-        send = Sending(opts.traceparent, opts.tracestate)  # one producer span for the batch
-        opts = dataclasses.replace(opts, trace_headers=send.headers)
-        prepared: list[tuple[Envelope, dict[str, Any], CallHandle]] = []
-        handles = Batch()
-        done = 0  # items settled (accepted or refused); the rest are untracked if anything escapes
-        try:
-            for i, (name, args) in enumerate(calls):
-                env, limits = self._prepare(name, args, opts.item(idempotency_keys, i), common)
-                prepared.append((env, limits, self.router.track(CallHandle(self, env.call_id, name))))
-            check_batch_keys(common, idempotency_keys, len(prepared))
-            self.workers.ensure(env.queue for env, _, _ in prepared)
-            with send:
-                send.describe(prepared[0][0] if prepared else None, len(prepared))
-                failure: redis.RedisError | None = None
-                for start in range(0, len(prepared), SUBMIT_CHUNK):
-                    chunk = prepared[start : start + SUBMIT_CHUNK]
-                    replies: list[Any]
-                    acked: Any = None  # WAIT's reply for this pipeline, when confirmations are asked for
-                    if failure is not None:  # the broker failed on an earlier pipeline: do not wait on it again
-                        replies = [HermesError(f"not sent: the broker failed earlier in this batch: {failure}")]
-                        replies *= len(chunk)
-                    else:
-                        try:
-                            replies, acked = self._send_chunk(chunk)
-                        except redis.RedisError as e:
-                            if start == 0:
-                                raise
-                            failure = e
-                            # The server may have taken some of this pipeline before the connection broke.
-                            unknown = HermesError(
-                                f"submission outcome unknown: {e}; gw.handle(call_id) finds the call if it was taken"
-                            )
-                            replies = [unknown] * len(chunk)
-                    for (env, limits, handle), reply in zip(chunk, replies, strict=True):
-                        try:
-                            if isinstance(reply, Exception):
-                                raise reply if isinstance(reply, HermesError) else broker_error("submission failed", reply)
-                            handle = self._settle(env, limits, handle, reply, acked)
-                        except (QueueFull, HermesError) as e:
-                            self.router.drop(env.call_id)
-                            handle.refuse(e)
-                        handles.append(handle)
-                        done += 1
-        except BaseException:
-            for env, _, _ in prepared[done:]:
-                self.router.drop(env.call_id)
-            raise
-        return handles
+    def _new_handle(self, call_id: str, name: str, kind: str = "tool", *, own: bool = True) -> CallHandle:
+        return CallHandle(self, call_id, name, kind, own=own)
+
+    def _ensure_workers(self, queues: Iterable[str]) -> None:
+        self.workers.ensure(queues)
 
     def _send_chunk(self, chunk: list[tuple[Envelope, dict[str, Any], CallHandle]]) -> tuple[list[Any], Any]:
-        """The SUBMIT replies of ``chunk``, and WAIT's reply (None when not asked for)."""
-        pipe = self.conn.pipeline(transaction=False)
-        for env, limits, _ in chunk:
-            self.calls.submit(env, pipeline=pipe, **limits)
-        confirm = durability.queue_wait(pipe, self.settings)  # before the wake-up: workers see it confirmed
-        queues = list(dict.fromkeys(keys.base_queue(env.queue) for env, _, _ in chunk))
-        self.wake(pipe, queues)
         # (a SUBMIT refused for a moving slot did not run: it is sent again while the slot moves)
-        replies = pipes.execute(pipe, keep_trying=pipes.for_seconds(pipes.SUBMIT_PATIENCE))
-        self.wake(None, queues)
-        return replies[: len(chunk)], replies[len(chunk)] if confirm else None
+        keep_trying = pipes.for_seconds(pipes.SUBMIT_PATIENCE)
+        return run_steps(self._pipelined(chunk, lambda pipe: pipes.execute(pipe, keep_trying=keep_trying)))
 
     def wake(self, pipe: Any, queues: list[str]) -> None:
         """Wake the workers of ``queues``: in the submission's pipeline on a plain Redis (``pipe``), after
         it on a cluster (``pipe`` None; a cluster pipeline carries no PUBLISH)."""
-        if (pipe is None) != self.cluster:
-            return
-        for queue in queues:
-            (pipe if pipe is not None else self.conn).publish(self.calls.wake_channel(queue), b"")
+        run_steps(self._wake(pipe, queues))
 
     def cancel(self, call_id: str) -> bool:
         """Cancel by id; True when the request was recorded (the call was not already finished). A call no
         worker has taken ends here (with its audit record); a leased one's worker is told to stop it."""
-        conn = self.conn
-        target = CancelTarget.of(call_id, conn.hmget(keys.job(call_id), *CANCEL_FIELDS))
-        if target is None or target.state in TERMINAL:
-            return False
-        info = target.info
-        retrying = target.state == State.RETRYING  # (between attempts: no worker holds it either)
-        if retrying or (target.state == State.PENDING and conn.zscore(keys.leases(keys.tag(info.queue)), call_id) is None):
-            error = RETRYING_CANCEL if retrying else PENDING_CANCEL
-            reply = self.calls.cancel_unleased(info, attempt=target.attempt, error=error, retrying=retrying)
-            if int(reply[0]) > 0:
-                from broker.audit import AuditLog
-
-                sensitive: tuple[str, ...] = ()
-                if info.kind == "tool":
-                    with contextlib.suppress(HermesError):  # removed meanwhile: still redacted by name
-                        sensitive = self.directory.get(info.name).spec.sensitive
-                AuditLog.from_settings(conn, self.settings.audit).append(target.audit_record(sensitive, error))
-                return True
-        conn.hset(keys.job(call_id), keys.F_CANCEL, "1")
-        conn.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))
-        return True
+        return run_steps(self._cancel(call_id))
 
     # -- workers ---------------------------------------------------------------------------------
 
@@ -395,12 +238,7 @@ class Gateway:
 
     def handle(self, call_id: str) -> CallHandle:
         """A handle on any call by id (for example one submitted by another process)."""
-        name, kind, channel = (text(v) if v is not None else None for v in self.conn.hmget(keys.job(call_id), keys.F_TOOL, keys.F_KIND, keys.F_CHANNEL))
-        if kind is None:
-            raise CallFailed(f"no such call {call_id}", error_type="unknown_call")
-        h = CallHandle(self, call_id, name or "", kind, own=channel in self._channels)
-        h.sync()
-        return h
+        return run_steps(self._lookup(call_id))
 
     # -- events ----------------------------------------------------------------------------------
 
@@ -440,24 +278,15 @@ class Gateway:
                     return
                 time.sleep(0.2)
 
-    def _on_reconnect(self, connection: Any) -> None:
-        """redis-py's connect callback of the subscription (after its own, which subscribes again)."""
-        self._catch_up_due = True
-
     def catch_up(self) -> None:
         """Read the durable history of every call still waited on, in pipelined round trips (when the
-        subscription comes back: what was published meanwhile is lost). Raises the broker's error."""
-        pending = self.router.waiting()
-        for start in range(0, len(pending), CATCH_UP_CHUNK):
-            chunk = pending[start : start + CATCH_UP_CHUNK]
-            pipe = self.conn.pipeline(transaction=False)
-            self.router.read_history(pipe, chunk)
-            try:
-                stored = pipe.execute()
-            except (redis.ConnectionError, redis.TimeoutError):
-                self._catch_up_due = True
-                raise
-            self.router.feed_history(chunk, stored)
+        subscription comes back: what was published meanwhile is lost). Raises the broker's error (and
+        catches up again on the next round)."""
+        try:
+            run_steps(self._catch_up())
+        except (redis.ConnectionError, redis.TimeoutError):
+            self._catch_up_due = True
+            raise
 
     def _dispatch_cluster(self) -> None:
         """A cluster's loop: the directory's notices and the sharded channels of the queue tags, in turn."""

@@ -1,27 +1,31 @@
 """The client core shared by the threaded ``Gateway`` and the asyncio ``AsyncGateway``: broker discovery,
-call options, envelopes and admission limits (no I/O), the worker check, event routing (``Router``) and
-handle state (``CallState``). Each client adds only its own way of waiting."""
+call options, envelopes and admission limits (no I/O), the worker check, event routing (``Router``),
+handle state (``CallState``) and the operations both run (``ClientCore``: submit, settle, cancel, look up,
+catch up), written once as ``Steps``. Each client adds only its own way of doing I/O and of waiting."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import threading
 import time
+import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
+import redis
 import structlog
 
+from broker import durability, keys
 from broker import events as ev_mod
-from broker import keys
-from broker.calls import CallInfo
+from broker.calls import CallInfo, Calls
 from broker.codec import MAX_DEPTH, nesting, pack, text, unpack
 from broker.config import MAX_ARGS_ENV, Settings
-from broker.connection import BrokerHandle, connect
+from broker.connection import BrokerHandle, answered, broker_error, connect, is_cluster, subscriber
 from broker.directory import Directory, Entry
 from broker.envelope import (
     CALL_CLASSES,
@@ -34,6 +38,7 @@ from broker.envelope import (
 )
 from broker.errors import (
     CallCancelled,
+    CallFailed,
     HermesError,
     InvalidArgs,
     InvalidSpec,
@@ -44,12 +49,9 @@ from broker.errors import (
 from broker.events import Event
 from broker.otel import ensure_traceparent, headers_of, new_span_id
 from broker.ratelimits import RateLimit, estimate_tokens
-from broker.states import State
+from broker.states import TERMINAL, State
 from broker.toolspec import ToolSpec
-from hermes_gateway.tracing import Headers
-
-if TYPE_CHECKING:
-    import redis
+from hermes_gateway.tracing import Headers, Sending
 
 log = structlog.get_logger("hermes.client")
 
@@ -511,6 +513,10 @@ class CallState:
     def _changed(self, event: Event | None) -> None:
         """Called under the lock when an event arrives (None: refused); the faces wake their waiters."""
 
+    def sync(self, live_grace: float = 0.0) -> Any:
+        """Fetch the events not seen yet from the call's durable history (the faces')."""
+        raise NotImplementedError
+
     def needs_result(self) -> bool:
         """Whether the call ended done with a result too large for its terminal event."""
         final = self._final
@@ -603,3 +609,276 @@ class Handles(list[H]):
     def refused(self) -> list[tuple[int, H]]:
         """(index in the batch, handle) of each refused item; ``handle.refused`` is its error."""
         return [(i, h) for i, h in enumerate(self) if h.refused is not None]
+
+
+# -- the operations both faces run ---------------------------------------------------------------
+
+T = TypeVar("T")
+# An operation written once for both faces: it yields what each Redis command returned (the reply on the
+# threaded client, an awaitable of it on the asyncio one) and is sent back the reply (``run_steps``,
+# ``await_steps``), or has the error raised where it yielded.
+Steps = Generator[Any, Any, T]
+CATCH_UP_CHUNK = 500  # history reads per pipelined round trip when the subscription comes back
+
+
+def run_steps(steps: Steps[T]) -> T:
+    """Run ``steps`` on the threaded client: each command was sent as it was yielded; its reply goes back."""
+    reply: Any = None
+    while True:
+        try:
+            reply = steps.send(reply)
+        except StopIteration as end:
+            return cast(T, end.value)
+
+
+async def await_steps(steps: Steps[T]) -> T:
+    """Run ``steps`` on the asyncio client: each awaitable yielded is awaited; its result goes back, or its
+    error is raised inside ``steps``."""
+    reply: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = steps.send(reply) if error is None else steps.throw(error)
+        except StopIteration as end:
+            return cast(T, end.value)
+        reply = error = None
+        try:
+            reply = (await step) if inspect.isawaitable(step) else step
+        except BaseException as e:  # (raised inside ``steps``, where it may be handled)
+            error = e
+
+
+class ClientCore(Generic[H]):
+    """What ``Gateway`` and ``AsyncGateway`` share: their channel, their calls in flight (``router``), the
+    subscription's reconnects, and submitting, settling, cancelling, looking up and catching up as ``Steps``.
+    A face runs them with ``run_steps`` or ``await_steps`` and provides the methods below that raise
+    NotImplementedError here (each returns its result, or an awaitable of it)."""
+
+    def __init__(self, conn: Any, settings: Settings, keep_ended: int = 0) -> None:
+        durability.check_supported(conn, settings)
+        self.conn = conn
+        self.settings = settings
+        self.client_id = uuid.uuid4().hex
+        self.channel = keys.caller_channel(self.client_id)
+        self.cluster = is_cluster(conn)
+        self._channels = {self.channel}  # (on a cluster, one sharded channel per queue tag used too)
+        self.calls = Calls(conn)
+        self.calls.keep_history = settings.workers.keep_history
+        self.router: Router[H] = Router(keep_ended)
+        self._tools_channel = keys.channel(conn, keys.TOOLS_CHANNEL).encode()
+        self._pubsub = subscriber(conn)
+        self._catch_up_due = False  # (set on a reconnect of the subscription: see ``_watch_reconnects``)
+
+    def tool(self, name: str) -> Any:
+        raise NotImplementedError
+
+    def channel_for(self, queue: str) -> str:
+        raise NotImplementedError
+
+    def _new_handle(self, call_id: str, name: str, kind: str = "tool", *, own: bool = True) -> H:
+        raise NotImplementedError
+
+    def _existing(self, call_id: str, name: str, kind: str) -> Any:
+        """The handle of the call an idempotent resubmission found (the asyncio one reads its history first)."""
+        return self._new_handle(call_id, name, kind, own=False)
+
+    def _ensure_workers(self, queues: Iterable[str]) -> Any:
+        raise NotImplementedError
+
+    def _send_chunk(self, chunk: list[tuple[Envelope, dict[str, Any], H]]) -> Any:
+        """The SUBMIT replies of ``chunk`` (an error in place of a failed one), and WAIT's (None when not
+        asked for): ``_pipelined``."""
+        raise NotImplementedError
+
+    def _watch_reconnects(self) -> None:
+        """redis-py subscribes again on every reconnect (its connect callback); ours, called after it, has
+        every waiting handle read its history (``_catch_up``): what was published meanwhile is lost."""
+        connection = getattr(self._pubsub, "connection", None)
+        if connection is not None and hasattr(connection, "register_connect_callback"):
+            connection.register_connect_callback(self._on_reconnect)
+
+    def _on_reconnect(self, connection: Any) -> None:
+        self._catch_up_due = True
+
+    def _call_tool(self, name: str, args: dict[str, Any] | None, opts: CallOptions, context: dict[str, Any]) -> Steps[H]:
+        with answered(f"submitting a call of {name!r}"), Sending(opts.traceparent, opts.tracestate) as send:
+            entry = yield self.tool(name)
+            opts = dataclasses.replace(opts, trace_headers=send.headers)
+            env = tool_envelope(entry, name, args, opts, context, self.channel_for, self.settings)
+            send.describe(env)
+            return (yield from self._submit(env, tool_limits(env, entry.spec, self.settings)))
+
+    def _call_llm(self, request: dict[str, Any], opts: CallOptions, context: dict[str, Any]) -> Steps[H]:
+        check_llm_request(request, context)  # before the producer span starts
+        send = Sending(opts.traceparent, opts.tracestate)
+        opts = dataclasses.replace(opts, trace_headers=send.headers)
+        env, limits = llm_envelope(request, self.settings, opts, context, self.channel_for)
+        with answered("submitting an LLM call"), send:
+            send.describe(env)
+            return (yield from self._submit(env, limits))
+
+    def _submit(self, env: Envelope, limits: dict[str, Any]) -> Steps[H]:
+        yield self._ensure_workers((env.queue,))
+        handle = self.router.track(self._new_handle(env.call_id, env.name, env.kind))
+        try:
+            (reply,), acked = yield self._send_chunk([(env, limits, handle)])
+            if isinstance(reply, Exception):
+                raise reply
+            return (yield from self._settle(env, limits, handle, reply, acked))
+        except BaseException:
+            self.router.drop(env.call_id)
+            raise
+
+    def _submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], common: dict[str, Any], handles: Handles[H],
+                     chunk_size: int) -> Steps[Handles[H]]:
+        """Submit (tool, args) pairs into ``handles``: every item is checked, its tool looked up first, before
+        anything is sent, then they go in pipelines of ``chunk_size``. A broker failure on the first pipeline
+        raises; on a later one, its items are refused as "outcome unknown", the rest as not sent."""
+        opts = CallOptions.take(common)
+        idem_keys: Sequence[str | None] | None = common.pop("idempotency_keys", None)
+        calls = list(calls)
+        check_batch_keys(common, idem_keys, len(calls))
+        entries = {}
+        for name in dict.fromkeys(n for n, _ in calls):  # (UnknownTool before anything else)
+            entries[name] = yield self.tool(name)
+        send = Sending(opts.traceparent, opts.tracestate)  # one producer span for the batch
+        opts = dataclasses.replace(opts, trace_headers=send.headers)
+        prepared: list[tuple[Envelope, dict[str, Any], H]] = []
+        try:
+            for i, (name, args) in enumerate(calls):
+                entry = entries[name]
+                env = tool_envelope(entry, name, args, opts.item(idem_keys, i), common, self.channel_for, self.settings)
+                handle = self.router.track(self._new_handle(env.call_id, name))
+                prepared.append((env, tool_limits(env, entry.spec, self.settings), handle))
+            yield self._ensure_workers(env.queue for env, _, _ in prepared)
+            with send:
+                send.describe(prepared[0][0] if prepared else None, len(prepared))
+                failure: redis.RedisError | None = None
+                for start in range(0, len(prepared), chunk_size):
+                    chunk = prepared[start : start + chunk_size]
+                    replies: list[Any]
+                    acked: Any = None
+                    if failure is not None:  # the broker failed on an earlier pipeline: do not wait on it again
+                        replies = [HermesError(f"not sent: the broker failed earlier in this batch: {failure}")]
+                        replies *= len(chunk)
+                    else:
+                        try:
+                            replies, acked = yield self._send_chunk(chunk)
+                        except redis.RedisError as e:
+                            if start == 0:
+                                raise
+                            failure = e
+                            # The server may have taken some of this pipeline before the connection broke.
+                            unknown = HermesError(
+                                f"submission outcome unknown: {e}; gw.handle(call_id) finds the call if it was taken"
+                            )
+                            replies = [unknown] * len(chunk)
+                    for (env, limits, handle), reply in zip(chunk, replies, strict=True):
+                        try:
+                            if isinstance(reply, Exception):
+                                raise reply if isinstance(reply, HermesError) else broker_error("submission failed", reply)
+                            handle = yield from self._settle(env, limits, handle, reply, acked)
+                        except HermesError as e:
+                            self.router.drop(env.call_id)
+                            handle.refuse(e)
+                        handles.append(handle)
+        except BaseException:
+            for env, _, _ in prepared[len(handles) :]:  # (those not settled yet)
+                self.router.drop(env.call_id)
+            raise
+        return handles
+
+    def _pipelined(self, chunk: Sequence[tuple[Envelope, dict[str, Any], Any]],
+                   execute: Callable[[Any], Any]) -> Steps[tuple[list[Any], Any]]:
+        """SUBMIT ``chunk``'s calls (envelope, SUBMIT's keywords, anything) in one pipeline sent by
+        ``execute``: their replies (an error in place of a failed one), and WAIT's (None when not asked for)."""
+        pipe = self.conn.pipeline(transaction=False)
+        for env, limits, _ in chunk:
+            yield self.calls.submit(env, pipeline=pipe, **limits)
+        confirm = bool(chunk) and durability.queue_wait(pipe, self.settings)  # (before the wake-up: workers see it confirmed)
+        queues = list(dict.fromkeys(keys.base_queue(env.queue) for env, _, _ in chunk))
+        yield from self._wake(pipe, queues)
+        replies = yield execute(pipe)
+        yield from self._wake(None, queues)
+        return replies[: len(chunk)], replies[len(chunk)] if confirm else None
+
+    def _wake(self, pipe: Any, queues: Iterable[str]) -> Steps[None]:
+        """Wake the workers of ``queues``: in the submission's pipeline on a plain Redis (``pipe``), after
+        it on a cluster (``pipe`` None; a cluster pipeline carries no PUBLISH)."""
+        if (pipe is None) != self.cluster:
+            return
+        for queue in queues:
+            channel = self.calls.wake_channel(queue)
+            if pipe is not None:
+                pipe.publish(channel, b"")
+            else:
+                yield self.conn.publish(channel, b"")
+
+    def _settle(self, env: Envelope, limits: dict[str, Any], handle: H, reply: Any, acked: Any) -> Steps[H]:
+        """The handle of a submitted call from SUBMIT's reply (and WAIT's, ``acked``, when confirmations
+        are asked for): that of the existing call for an idempotent resubmission; raises its refusal, or
+        BrokerNotDurable, the call cancelled, when WAIT confirmed it on too few replicas."""
+        _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
+        if call_id != env.call_id:  # idempotent resubmission: follow the call that already exists
+            self.router.drop(env.call_id)
+            name, kind = Calls.existing_call(reply) or (env.name, env.kind)
+            return cast(H, (yield self._existing(call_id, name, kind)))
+        what = f"call {env.call_id} ({env.name}) not accepted"
+        error = None if acked is None else durability.shortfall(acked, self.settings, what, call_id=env.call_id)
+        if error is not None:
+            try:
+                error.details["cancelled"] = yield from self._cancel(env.call_id)
+            except (redis.RedisError, OSError) as e:  # the broker failed meanwhile: the caller is told it may still run
+                error.details["cancelled"] = False
+                error.message += f"; cancelling it failed too ({e}): gw.handle({env.call_id!r}) finds it if it was kept"
+            raise error
+        return handle
+
+    def _cancel(self, call_id: str) -> Steps[bool]:
+        """Cancel by id; True when the request was recorded (the call was not already finished). A call no
+        worker has taken ends here (with its audit record); a leased one's worker is told to stop it."""
+        conn = self.conn
+        target = CancelTarget.of(call_id, (yield conn.hmget(keys.job(call_id), *CANCEL_FIELDS)))
+        if target is None or target.state in TERMINAL:
+            return False
+        info = target.info
+        retrying = target.state == State.RETRYING  # (between attempts: no worker holds it either)
+        if retrying or (target.state == State.PENDING
+                        and (yield conn.zscore(keys.leases(keys.tag(info.queue)), call_id)) is None):
+            error = RETRYING_CANCEL if retrying else PENDING_CANCEL
+            reply = yield self.calls.cancel_unleased(info, attempt=target.attempt, error=error, retrying=retrying)
+            if int(reply[0]) > 0:
+                from broker.audit import AuditLog
+
+                sensitive: tuple[str, ...] = ()
+                if info.kind == "tool":
+                    with contextlib.suppress(HermesError):  # removed meanwhile: still redacted by name
+                        sensitive = (yield self.tool(info.name)).spec.sensitive
+                yield AuditLog.from_settings(conn, self.settings.audit).append(target.audit_record(sensitive, error))
+                return True
+        yield conn.hset(keys.job(call_id), keys.F_CANCEL, "1")
+        yield conn.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))
+        return True
+
+    def _lookup(self, call_id: str, *, track: bool = False) -> Steps[H]:
+        """A handle on any call by id, read from its record (``own``: its events come on our channel;
+        ``track``: then it is fed them), with its history so far."""
+        raw = yield self.conn.hmget(keys.job(call_id), keys.F_TOOL, keys.F_KIND, keys.F_CHANNEL)
+        if raw[1] is None:
+            raise CallFailed(f"no such call {call_id}", error_type="unknown_call")
+        name, kind, channel = (text(v) if v is not None else "" for v in raw)
+        handle = self._new_handle(call_id, name, kind, own=channel in self._channels)
+        if track and handle.own:
+            self.router.track(handle)
+        yield handle.sync()  # (an ended call is untracked again by its terminal event)
+        return handle
+
+    def _catch_up(self) -> Steps[None]:
+        """Read the durable history of every call still waited on, in pipelined round trips (when the
+        subscription comes back: what was published meanwhile is lost). Raises the broker's error."""
+        pending = self.router.waiting()
+        for start in range(0, len(pending), CATCH_UP_CHUNK):
+            chunk = pending[start : start + CATCH_UP_CHUNK]
+            pipe = self.conn.pipeline(transaction=False)
+            self.router.read_history(pipe, chunk)
+            self.router.feed_history(chunk, (yield pipe.execute()))
