@@ -25,7 +25,7 @@ from broker import durability, events, keys, pipes
 from broker.calls import Calls
 from broker.codec import pack, raw, text, unpack
 from broker.errors import DecodeError, HermesError, InvalidArgs, QueueFull, UnknownBatch
-from hermes_gateway.clientcore import CallOptions, tool_envelope, tool_limits
+from hermes_gateway.clientcore import CallOptions, run_steps, tool_envelope, tool_limits
 
 if TYPE_CHECKING:
     from hermes_gateway.client import Gateway
@@ -239,20 +239,24 @@ class BatchStore:
             cursor.offsets[q] = cursor.offsets.get(q, 0) + len(idx)
         return items
 
-    def results(self, batch_id: str, follow: bool, stop: Callable[[], bool]) -> Iterator[Item]:
-        """Every result in the order the calls ended, each index once; with ``follow``, until complete
-        (or ``stop()``)."""
+    def pages(self, batch_id: str, follow: bool, stop: Callable[[], bool]) -> Iterator[list[Item]]:
+        """Every result in the order the calls ended, each index once, a page per read; with ``follow``,
+        until complete (or ``stop()``). An empty page: none yet (wait ``POLL`` before the next)."""
         queues = self.meta(batch_id)["queues"].split(",")
         cursor = Cursor()
         while True:
             done_before = self.progress(batch_id).complete if follow else True  # read before the results
             items = self.read(batch_id, queues, cursor)
-            yield from items
-            if items:
-                continue
-            if done_before or stop():
+            if not items and (done_before or stop()):
                 return
-            time.sleep(POLL)
+            yield items
+
+    def results(self, batch_id: str, follow: bool, stop: Callable[[], bool]) -> Iterator[Item]:
+        """The results of ``pages``, one by one."""
+        for items in self.pages(batch_id, follow, stop):
+            yield from items
+            if not items:
+                time.sleep(POLL)
 
     def wait(self, batch_id: str, timeout: float | None = None) -> Progress:
         """Block until the batch is complete (or ``timeout`` seconds: its progress then, not complete)."""
@@ -389,9 +393,8 @@ class Submitter:
                 err = e if isinstance(e, HermesError) else InvalidArgs(str(e))
                 self.store.write_refused(self.id, queue, i, self.ttl, err)
                 continue
-            limits = tool_limits(env, self.entry.spec, self.gw.settings)
             extra = (keys.F_BATCH, f"{self.ttl} {i} {keys.batch_part(env.queue, self.id)}")
-            prepared.append((env, limits, extra))
+            prepared.append((env, {**tool_limits(env, self.entry.spec, self.gw.settings), "extra": extra}, i))
         delay = 0.02
         while prepared and (prepared := self.submit(prepared)):  # (submit returns those refused)
             if self.is_cancelled():
@@ -407,22 +410,15 @@ class Submitter:
         """SUBMIT ``prepared`` in one pipeline; returns the ones refused with QueueFull. With
         ``broker.wait_replicas``, a chunk too few replicas confirmed is cancelled, as ``call_tool`` cancels
         its call, and BrokerNotDurable stops the submitter (``wait()`` raises it)."""
-        pipe = self.conn.pipeline(transaction=False)
-        for env, limits, extra in prepared:
-            self.gw.calls.submit(env, pipeline=pipe, extra=extra, **limits)
-        confirm = durability.queue_wait(pipe, self.gw.settings)  # (before the wake-up: workers see it confirmed)
-        queues = list(dict.fromkeys(env.queue for env, _, _ in prepared))
-        self.gw.wake(pipe, queues)
-        replies = pipes.execute(pipe)
-        self.gw.wake(None, queues)
-        if confirm:
+        replies, acked = run_steps(self.gw._pipelined(prepared, pipes.execute))
+        if acked is not None:
             what = f"batch {self.id}: {len(prepared)} call(s) not accepted"
-            error = durability.shortfall(replies[len(prepared)], self.gw.settings, what, batch_id=self.id)
+            error = durability.shortfall(acked, self.gw.settings, what, batch_id=self.id)
             if error is not None:
                 error.details["cancelled"] = sum(self.gw.cancel(env.call_id) for env, _, _ in prepared)
                 raise error
         refused = []
-        for item, reply in zip(prepared, replies, strict=False):
+        for item, reply in zip(prepared, replies, strict=True):
             env, limits, _ = item
             if isinstance(reply, Exception):
                 raise reply if isinstance(reply, HermesError) else HermesError(f"submission failed: {reply}")
@@ -491,18 +487,13 @@ class AsyncBatchJob:
 
     async def results(self, follow: bool = True) -> AsyncIterator[Item]:
         """Each item's outcome once, as the calls end (read in worker threads, ``POLL`` apart when idle)."""
-        store, cursor = self.job.store, Cursor()
-        queues = (await asyncio.to_thread(store.meta, self.id))["queues"].split(",")
-        while True:
-            complete = (await self.progress()).complete if follow else True
-            items = await asyncio.to_thread(store.read, self.id, queues, cursor)
+        pages = self.job.store.pages(self.id, follow, lambda: self.job.error is not None)
+        while (items := await asyncio.to_thread(next, pages, None)) is not None:
             for item in items:
                 yield item
             if not items:
-                if complete or self.job.error is not None:
-                    self.job._raise()
-                    return
                 await asyncio.sleep(POLL)
+        self.job._raise()
 
 
 def start(gw: Gateway, tool: str, items: Iterable[Any], *, window: int | None = None, ttl: int | None = None,
