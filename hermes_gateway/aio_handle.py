@@ -6,15 +6,14 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from broker import events as ev_mod
-from broker import keys
 from broker.errors import CallTimeout
 from broker.events import Event
-from hermes_gateway.clientcore import LIVE_GRACE, CallState, Handles, Router
+from hermes_gateway.clientcore import LIVE_GRACE, CallState, Handles, Router, await_steps
 
 if TYPE_CHECKING:
     from hermes_gateway.aio import AsyncGateway
@@ -74,9 +73,7 @@ class AsyncCallHandle(CallState):
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.done():
             await self._next_change(deadline)
-        if self.needs_result():
-            self.stored_result(cast(bytes | None, await self.gateway.conn.hget(keys.job(self.call_id), keys.F_RESULT)))
-        return self.outcome()
+        return await await_steps(self._outcome(self.gateway.conn))
 
     async def events(self, timeout: float | None = None) -> AsyncIterator[Event]:
         """Every event of the call in order (those already seen first), until the terminal one."""

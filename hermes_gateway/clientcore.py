@@ -273,17 +273,17 @@ def check_llm_request(request: Any, context: dict[str, Any]) -> None:
     check_context(context)
 
 
-def check_batch_keys(common: dict[str, Any], idem_keys: Sequence[str | None] | None, n: int | None = None) -> None:
+def check_batch_keys(common: dict[str, Any], idem_keys: Sequence[str | None] | None, n: int) -> None:
     """A batch takes one idempotency key (or None) per item, never one key for all of them; ``n`` items."""
     if "idempotency_key" in common or isinstance(idem_keys, str | bytes):
         raise TypeError("map/submit_many take idempotency_keys= (one key or None per item), not one key")
-    if idem_keys is not None and n is not None and len(idem_keys) != n:
+    if idem_keys is not None and len(idem_keys) != n:
         raise ValueError(f"idempotency_keys has {len(idem_keys)} entries for {n} calls")
 
 
 def tool_envelope(
     entry: Entry, name: str, args: dict[str, Any] | None, opts: CallOptions, context: dict[str, Any],
-    channel: Callable[[str], str], settings: Settings | None = None,
+    channel: Callable[[str], str], settings: Settings,
 ) -> Envelope:
     """The envelope of one call of ``entry``; events go to ``channel(queue)``, a split tool's call to its next
     partition."""
@@ -291,14 +291,13 @@ def tool_envelope(
     check_context(context)
     if args is not None and not isinstance(args, dict):
         raise InvalidArgs(f"arguments for {name!r} must be a mapping, got {type(args).__name__}")
-    limit = settings.broker.max_args if settings is not None else None
     args = args or {}
-    packed = check_sendable(args, f"arguments for {name!r}", limit)
+    packed = check_sendable(args, f"arguments for {name!r}", settings.broker.max_args)
     tp, ts, bg = opts.headers()
     queue = opts.queue or str(spec.config.get("queue") or "tools")
     n = keys.partition_count(spec)
     if n > 1:
-        concurrency = spec.concurrency or (settings.concurrency_for(spec.executor) if settings else -1)
+        concurrency = spec.concurrency or settings.concurrency_for(spec.executor)
         queue = keys.partition_route(queue, n, concurrency, opts.idempotency_key, opts.partition_slot)
     env = Envelope(
         call_id=keys.call_id(queue, opts.call_id or new_call_id()), kind="tool", tool=name, args=args,
@@ -434,6 +433,42 @@ class CancelTarget:
         )
 
 
+# -- one operation for both faces -------------------------------------------------------------
+
+T = TypeVar("T")
+# An operation written once for both faces: it yields what each Redis command returned (the reply on the
+# threaded client, an awaitable of it on the asyncio one) and is sent back the reply (``run_steps``,
+# ``await_steps``), or has the error raised where it yielded.
+Steps = Generator[Any, Any, T]
+
+
+def run_steps(steps: Steps[T]) -> T:
+    """Run ``steps`` on the threaded client: each command was sent as it was yielded; its reply goes back."""
+    reply: Any = None
+    while True:
+        try:
+            reply = steps.send(reply)
+        except StopIteration as end:
+            return cast(T, end.value)
+
+
+async def await_steps(steps: Steps[T]) -> T:
+    """Run ``steps`` on the asyncio client: each awaitable yielded is awaited; its result goes back, or its
+    error is raised inside ``steps``."""
+    reply: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = steps.send(reply) if error is None else steps.throw(error)
+        except StopIteration as end:
+            return cast(T, end.value)
+        reply = error = None
+        try:
+            reply = (await step) if inspect.isawaitable(step) else step
+        except BaseException as e:  # (raised inside ``steps``, where it may be handled)
+            error = e
+
+
 # -- events and handles --------------------------------------------------------------------------
 
 _MISSING = object()
@@ -517,14 +552,13 @@ class CallState:
         """Fetch the events not seen yet from the call's durable history (the faces')."""
         raise NotImplementedError
 
-    def needs_result(self) -> bool:
-        """Whether the call ended done with a result too large for its terminal event."""
+    def _outcome(self, conn: Any) -> Steps[Any]:
+        """``outcome``, with a result too large for the terminal event read from the call's record first."""
         final = self._final
-        return final is not None and final.state == State.DONE and self._result is _MISSING and "result" not in final.detail
-
-    def stored_result(self, raw: bytes | None) -> None:
-        """The call's ``F_RESULT`` field as read for ``needs_result``."""
-        self._result = unpack(raw) if raw is not None else None
+        if final is not None and final.state == State.DONE and self._result is _MISSING and "result" not in final.detail:
+            raw = yield conn.hget(keys.job(self.call_id), keys.F_RESULT)
+            self._result = unpack(raw) if raw is not None else None
+        return self.outcome()
 
     def outcome(self) -> Any:
         """The result of the ended call; raises the refusal, its typed error, or CallCancelled."""
@@ -613,39 +647,7 @@ class Handles(list[H]):
 
 # -- the operations both faces run ---------------------------------------------------------------
 
-T = TypeVar("T")
-# An operation written once for both faces: it yields what each Redis command returned (the reply on the
-# threaded client, an awaitable of it on the asyncio one) and is sent back the reply (``run_steps``,
-# ``await_steps``), or has the error raised where it yielded.
-Steps = Generator[Any, Any, T]
 CATCH_UP_CHUNK = 500  # history reads per pipelined round trip when the subscription comes back
-
-
-def run_steps(steps: Steps[T]) -> T:
-    """Run ``steps`` on the threaded client: each command was sent as it was yielded; its reply goes back."""
-    reply: Any = None
-    while True:
-        try:
-            reply = steps.send(reply)
-        except StopIteration as end:
-            return cast(T, end.value)
-
-
-async def await_steps(steps: Steps[T]) -> T:
-    """Run ``steps`` on the asyncio client: each awaitable yielded is awaited; its result goes back, or its
-    error is raised inside ``steps``."""
-    reply: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = steps.send(reply) if error is None else steps.throw(error)
-        except StopIteration as end:
-            return cast(T, end.value)
-        reply = error = None
-        try:
-            reply = (await step) if inspect.isawaitable(step) else step
-        except BaseException as e:  # (raised inside ``steps``, where it may be handled)
-            error = e
 
 
 class ClientCore(Generic[H]):

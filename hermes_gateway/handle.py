@@ -6,15 +6,14 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from broker import events as ev_mod
-from broker import keys
 from broker.errors import BrokerUnavailable, CallTimeout, HermesError
 from broker.events import Event
-from hermes_gateway.clientcore import LIVE_GRACE, CallState, Handles
+from hermes_gateway.clientcore import LIVE_GRACE, CallState, Handles, run_steps
 
 if TYPE_CHECKING:
     from hermes_gateway.client import Gateway
@@ -50,9 +49,7 @@ class CallHandle(CallState):
         """The call's result; raises its typed error, CallCancelled, or CallTimeout."""
         if self.refused is None:
             self._wait(timeout)
-            if self.needs_result():
-                self.stored_result(cast(bytes | None, self.gateway.conn.hget(keys.job(self.call_id), keys.F_RESULT)))
-        return self.outcome()
+        return run_steps(self._outcome(self.gateway.conn))
 
     def _wait(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
