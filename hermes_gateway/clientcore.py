@@ -293,19 +293,23 @@ def tool_envelope(
         raise InvalidArgs(f"arguments for {name!r} must be a mapping, got {type(args).__name__}")
     args = args or {}
     packed = check_sendable(args, f"arguments for {name!r}", settings.broker.max_args)
-    tp, ts, bg = opts.headers()
     queue = opts.queue or str(spec.config.get("queue") or "tools")
     n = keys.partition_count(spec)
     if n > 1:
         concurrency = spec.concurrency or settings.concurrency_for(spec.executor)
         queue = keys.partition_route(queue, n, concurrency, opts.idempotency_key, opts.partition_slot)
-    env = Envelope(
-        call_id=keys.call_id(queue, opts.call_id or new_call_id()), kind="tool", tool=name, args=args,
-        tool_version=entry.version, context={k: v for k, v in context.items() if v is not None},
-        traceparent=ensure_traceparent(tp), tracestate=ts, baggage=bg, options=opts.envelope_options(),
-        queue=queue, channel=channel(queue),
-    )
-    return env.keep_packed(packed)
+    return _envelope(opts, queue, context, channel, packed, kind="tool", tool=name, args=args, tool_version=entry.version)
+
+
+def _envelope(opts: CallOptions, queue: str, context: dict[str, Any], channel: Callable[[str], str], packed: bytes,
+              **call: Any) -> Envelope:
+    """The envelope of a call (``call``: its kind and what it asks) on ``queue``, keeping its ``packed`` arguments."""
+    tp, ts, bg = opts.headers()
+    return Envelope(
+        call_id=keys.call_id(queue, opts.call_id or new_call_id()),
+        context={k: v for k, v in context.items() if v is not None}, traceparent=ensure_traceparent(tp),
+        tracestate=ts, baggage=bg, options=opts.envelope_options(), queue=queue, channel=channel(queue), **call,
+    ).keep_packed(packed)
 
 
 def tool_limits(env: Envelope, spec: ToolSpec, settings: Settings) -> dict[str, Any]:
@@ -353,14 +357,8 @@ def llm_envelope(
     context.setdefault("provider", model_cfg.provider or "openai-compatible")
     context.setdefault("api_mode", model_cfg.api_mode or "chat_completions")
     context["model"] = request.get("model") or context.get("model") or model_cfg.model or None
-    tp, ts, bg = opts.headers()
     per_key = settings.fairness.queue_size_per_key
-    queue = opts.queue or "llm"
-    env = Envelope(
-        call_id=keys.call_id(queue, new_call_id()), kind="llm", request=request,
-        context={k: v for k, v in context.items() if v is not None}, traceparent=ensure_traceparent(tp),
-        tracestate=ts, baggage=bg, options=opts.envelope_options(), queue=queue, channel=channel(queue),
-    ).keep_packed(packed)
+    env = _envelope(opts, opts.queue or "llm", context, channel, packed, kind="llm", request=request)
     ckey = concurrency_key(env)
     rate = model_cfg.rate_limit_for(str(context["provider"]), str(context.get("model") or ""))
     estimate = estimate_tokens(request) if rate is not None else 0
