@@ -80,12 +80,10 @@ class AsyncGateway(ClientCore[AsyncCallHandle]):
     async def start(self) -> None:
         """Subscribe before any submission, so no event of ours can be published unheard."""
         self._catch_up_due = False
-        if self.cluster:
-            for text_ in scripts.PIPELINED:  # a cluster pipeline cannot load a script a node lacks
+        if self.cluster:  # (a cluster pipeline cannot load a script a node lacks)
+            for text_ in scripts.PIPELINED:
                 await self.conn.script_load(text_)
-            await self._pubsub.subscribe(self._tools_channel)
-        else:
-            await self._pubsub.subscribe(self.channel, self._tools_channel)
+        await self._pubsub.subscribe(self._tools_channel, *([] if self.cluster else [self.channel]))
         self._watch_reconnects()
         self._task = asyncio.create_task(self._dispatch(), name="hermes-aio-events")
 
