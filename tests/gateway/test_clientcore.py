@@ -14,7 +14,7 @@ from broker.codec import pack
 from broker.errors import CallCancelled, ExecutorError, InvalidArgs, QueueFull
 from broker.events import Event
 from hermes_gateway.aio import AsyncGateway
-from hermes_gateway.clientcore import CallOptions, CallState, Router
+from hermes_gateway.clientcore import CallOptions, CallState, Router, Steps, await_steps, run_steps
 
 
 def event(call_id: str, seq: int, state: str, **detail: Any) -> Event:
@@ -34,6 +34,28 @@ def test_batch_options_are_taken_from_the_common_keywords_and_the_rest_is_contex
     assert opts.item(["k0", None], 1) is opts and opts.item(None, 3) is opts
     with pytest.raises(InvalidArgs, match="call_class"):
         CallOptions(call_class="urgent").envelope_options()
+
+
+def test_one_operation_runs_alike_on_both_faces_and_handles_a_failed_command_where_it_was_sent() -> None:
+    def command(reply: Any, fail: bool = False) -> Any:  # a blocking client's reply
+        if fail:
+            raise ConnectionError("down")
+        return reply
+
+    async def acommand(reply: Any, fail: bool = False) -> Any:  # an asyncio client's awaitable
+        return command(reply, fail)
+
+    def operation(send: Any) -> Steps[list[Any]]:
+        got = [(yield send(1))]
+        try:
+            yield send(None, fail=True)
+        except ConnectionError as e:
+            got.append(str(e))
+        got.append((yield send(2)))
+        return got
+
+    assert run_steps(operation(command)) == [1, "down", 2]
+    assert asyncio.run(await_steps(operation(acommand))) == [1, "down", 2]
 
 
 def test_a_handle_takes_each_event_once_in_order_and_its_end_stops_its_routing() -> None:
