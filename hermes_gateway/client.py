@@ -259,24 +259,26 @@ class Gateway(ClientCore[CallHandle]):
         return ch
 
     def _dispatch(self) -> None:
-        if self.cluster:
-            self._dispatch_cluster()
-            return
+        """The event thread: rounds of ``_pump`` (``_pump_cluster`` on a cluster) until the client closes."""
+        pump, pause = (self._pump_cluster, 0.5) if self.cluster else (self._pump, 0.2)
         while not self._closed.is_set():
             try:
-                # redis-py's reader reconnects, subscribes again and sends health checks ...
-                msg = self._pubsub.get_message(timeout=0.5)
-                if self._catch_up_due:  # (the subscription is back: what was published meanwhile is lost)
-                    self._catch_up_due = False
-                    self.catch_up()
-                if msg is not None and not self._closed.is_set():
-                    self._on_message(msg["channel"], msg["data"])
-                # ... and while the subscription is up and busy, messages are read straight off it.
-                self._read_direct()
+                pump()
             except (redis.ConnectionError, redis.TimeoutError, ValueError):
                 if self._closed.is_set():
                     return
-                time.sleep(0.2)
+                time.sleep(pause)
+
+    def _pump(self) -> None:
+        # redis-py's reader reconnects, subscribes again and sends health checks ...
+        msg = self._pubsub.get_message(timeout=0.5)
+        if self._catch_up_due:  # (the subscription is back: what was published meanwhile is lost)
+            self._catch_up_due = False
+            self.catch_up()
+        if msg is not None and not self._closed.is_set():
+            self._on_message(msg["channel"], msg["data"])
+        # ... and while the subscription is up and busy, messages are read straight off it.
+        self._read_direct()
 
     def catch_up(self) -> None:
         """Read the durable history of every call still waited on, in pipelined round trips (when the
@@ -288,28 +290,22 @@ class Gateway(ClientCore[CallHandle]):
             self._catch_up_due = True
             raise
 
-    def _dispatch_cluster(self) -> None:
-        """A cluster's loop: the directory's notices and the sharded channels of the queue tags, in turn."""
+    def _pump_cluster(self) -> None:
+        """A cluster's round: the directory's notices and the sharded channels of the queue tags, in turn."""
         pubsub = self._pubsub
-        while not self._closed.is_set():
-            try:
-                with self._sub_lock:
-                    msgs = [pubsub.get_message(timeout=0.0)]
-                    if pubsub.shard_channels:
-                        msgs.append(pubsub.get_sharded_message(timeout=CLUSTER_POLL))
-                for msg in msgs:
-                    if msg is None or self._closed.is_set():
-                        continue
-                    if msg["type"] in ("message", "smessage"):
-                        self._on_message(msg["channel"], msg["data"])
-                    elif msg["type"] == "ssubscribe":
-                        self._confirmed.setdefault(text(msg["channel"]), threading.Event()).set()
-                if not pubsub.shard_channels:
-                    self._closed.wait(CLUSTER_POLL)
-            except (redis.ConnectionError, redis.TimeoutError, ValueError):
-                if self._closed.is_set():
-                    return
-                time.sleep(0.5)
+        with self._sub_lock:
+            msgs = [pubsub.get_message(timeout=0.0)]
+            if pubsub.shard_channels:
+                msgs.append(pubsub.get_sharded_message(timeout=CLUSTER_POLL))
+        for msg in msgs:
+            if msg is None or self._closed.is_set():
+                continue
+            if msg["type"] in ("message", "smessage"):
+                self._on_message(msg["channel"], msg["data"])
+            elif msg["type"] == "ssubscribe":
+                self._confirmed.setdefault(text(msg["channel"]), threading.Event()).set()
+        if not pubsub.shard_channels:
+            self._closed.wait(CLUSTER_POLL)
 
     def _read_direct(self) -> None:
         """Read messages straight off the subscribed connection, skipping ``PubSub.get_message``'s layers,
