@@ -20,6 +20,7 @@ from hermes_gateway.cli.common import (
     settings_of,
     sync_tools,
 )
+from hermes_gateway.handle import cancel_unended
 
 
 @click.group()
@@ -82,15 +83,21 @@ def tool_run(
             if not procs:
                 gw.require_workers(str(spec.config.get("queue") or "tools"))
             context = {k: v for k, v in (("session_id", session_id), ("principal", principal)) if v}
-            handle = gw.call_tool(name, parsed, timeout=timeout, **context)
+            handle = None
             try:
+                handle = gw.call_tool(name, parsed, timeout=timeout, **context)
                 if follow:
                     for ev in handle.events(timeout=timeout):
                         note(event_line(ev))
                 result = handle.result(timeout)
             except KeyboardInterrupt:  # Ctrl-C: the call is this command's, so it stops too (as --timeout's)
-                cancelled = handle.cancel()
-                fail(f"interrupted: call {handle.call_id} " + ("cancelled" if cancelled else "had already ended"), 130)
+                # (as early as while it is being submitted: then the gateway's own calls are it)
+                mine = [handle] if handle is not None else gw.router.waiting()
+                if not mine:
+                    fail("interrupted: the call was not sent", 130)
+                cancelled = cancel_unended(mine)
+                ids = " ".join(h.call_id for h in mine)
+                fail(f"interrupted: call {ids} " + ("cancelled" if cancelled else "had already ended"), 130)
         except CallCancelled as e:
             fail(f"cancelled: {e}", 1)
         except CallTimeout as e:

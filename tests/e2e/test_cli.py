@@ -221,6 +221,38 @@ def test_ctrl_c_on_tool_run_cancels_its_call_and_says_so(
     assert ended[-1].state == "cancelled"
 
 
+def test_ctrl_c_while_tool_run_is_still_submitting_cancels_the_call_it_sent(
+    redis_url: str, home: Any, gateway: Any, workers: Any, wait_until: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import structlog
+    from click.testing import CliRunner
+
+    from broker import events
+    from hermes_gateway.cli import main
+    from hermes_gateway.client import Gateway
+
+    home.sleep_tool("nap")
+    workers(1)
+    sent = Gateway.call_tool
+
+    def interrupted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        sent(self, *args, **kwargs)  # the SUBMIT went out; Ctrl-C lands before call_tool returns
+        wait_until(lambda: _executing(gateway.conn), 20, message="a worker to take the call")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Gateway, "call_tool", interrupted)
+    try:
+        out = CliRunner().invoke(main, ["tool", "run", "nap", "{seconds: 30}"],
+                                 env={"HERMES_REDIS_URL": redis_url, "HERMES_HOME": str(home.path)})  # fmt: skip
+    finally:
+        structlog.reset_defaults()  # (the command configured logging onto the runner's stream)
+    assert out.exit_code == 130, out.output
+    found = re.search(r"interrupted: call (\S+) cancelled", out.output)
+    assert found is not None, out.output
+    ended = wait_until(lambda: [e for e in events.history(gateway.conn, found[1]) if e.terminal], 10, message="its end")
+    assert ended[-1].state == "cancelled"
+
+
 def _executing(conn: Any) -> bool:
     """A worker holds a call of the tools queue (its lease)."""
     from broker import keys
