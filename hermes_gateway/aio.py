@@ -251,7 +251,7 @@ class AsyncGateway(ClientCore[AsyncCallHandle]):
     async def _send_chunk(self, chunk: list[tuple[Envelope, dict[str, Any], AsyncCallHandle]]) -> tuple[list[Any], Any]:
         await self._subscribed()
         await self._list(dict.fromkeys(env.queue for env, _, _ in chunk))
-        return await await_steps(self._pipelined(chunk, lambda pipe: pipe.execute(raise_on_error=False)))
+        return await await_steps(self.pipelined(chunk, lambda pipe: pipe.execute(raise_on_error=False)))
 
     # -- events ----------------------------------------------------------------------------------
 

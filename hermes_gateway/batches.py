@@ -410,7 +410,7 @@ class Submitter:
         """SUBMIT ``prepared`` in one pipeline; returns the ones refused with QueueFull. With
         ``broker.wait_replicas``, a chunk too few replicas confirmed is cancelled, as ``call_tool`` cancels
         its call, and BrokerNotDurable stops the submitter (``wait()`` raises it)."""
-        replies, acked = run_steps(self.gw._pipelined(prepared, pipes.execute))
+        replies, acked = run_steps(self.gw.pipelined(prepared, pipes.execute))
         if acked is not None:
             what = f"batch {self.id}: {len(prepared)} call(s) not accepted"
             error = durability.shortfall(acked, self.gw.settings, what, batch_id=self.id)

@@ -193,7 +193,7 @@ class Gateway(ClientCore[CallHandle]):
     def _send_chunk(self, chunk: list[tuple[Envelope, dict[str, Any], CallHandle]]) -> tuple[list[Any], Any]:
         # (a SUBMIT refused for a moving slot did not run: it is sent again while the slot moves)
         keep_trying = pipes.for_seconds(pipes.SUBMIT_PATIENCE)
-        return run_steps(self._pipelined(chunk, lambda pipe: pipes.execute(pipe, keep_trying=keep_trying)))
+        return run_steps(self.pipelined(chunk, lambda pipe: pipes.execute(pipe, keep_trying=keep_trying)))
 
     def wake(self, pipe: Any, queues: list[str]) -> None:
         """Wake the workers of ``queues``: in the submission's pipeline on a plain Redis (``pipe``), after

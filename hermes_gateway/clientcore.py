@@ -498,6 +498,12 @@ class CallState:
         return self._events[-1].seq if self._events else 0
 
     @property
+    def seen(self) -> list[Event]:
+        """The events of the call seen so far, in seq order (a copy)."""
+        with self._lock:
+            return list(self._events)
+
+    @property
     def state(self) -> str:
         if self.refused is not None:
             return "refused"
@@ -687,7 +693,7 @@ class ClientCore(Generic[H]):
 
     def _send_chunk(self, chunk: list[tuple[Envelope, dict[str, Any], H]]) -> Any:
         """The SUBMIT replies of ``chunk`` (an error in place of a failed one), and WAIT's (None when not
-        asked for): ``_pipelined``."""
+        asked for): ``pipelined``."""
         raise NotImplementedError
 
     def _watch_reconnects(self) -> None:
@@ -788,7 +794,7 @@ class ClientCore(Generic[H]):
             raise
         return handles
 
-    def _pipelined(self, chunk: Sequence[tuple[Envelope, dict[str, Any], Any]],
+    def pipelined(self, chunk: Sequence[tuple[Envelope, dict[str, Any], Any]],
                    execute: Callable[[Any], Any]) -> Steps[tuple[list[Any], Any]]:
         """SUBMIT ``chunk``'s calls (envelope, SUBMIT's keywords, anything) in one pipeline sent by
         ``execute``: their replies (an error in place of a failed one), and WAIT's (None when not asked for)."""

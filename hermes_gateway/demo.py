@@ -66,7 +66,7 @@ def _batch(n: int, rng: random.Random) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _latency(h: CallHandle) -> float | None:
-    evs = [e for e in h._events if e.type == "transition"]
+    evs = [e for e in h.seen if e.type == "transition"]
     return (evs[-1].ts - evs[0].ts) * 1000 if len(evs) >= 2 else None
 
 
@@ -146,7 +146,7 @@ def run_demo(settings: Settings, *, calls: int, processes: int, concurrency: int
         ran: Counter[str] = Counter()  # calls of the demo per worker, and those of them that failed
         failed: Counter[str] = Counter()
         for h in handles:
-            worker = next((e.detail.get("worker") for e in h._events if e.state == "routing"), None)
+            worker = next((e.detail.get("worker") for e in h.seen if e.state == "routing"), None)
             if worker:
                 ran[worker] += 1
                 failed[worker] += h.final_state == "failed"

@@ -67,8 +67,10 @@ def test_a_handle_takes_each_event_once_in_order_and_its_end_stops_its_routing()
     h.feed(event("c1", 1, "pending"))
     h.feed(event("c1", 1, "pending"))
     h.feed(event("c1", 2, "executing"))
-    assert [e.seq for e in h._events] == [1, 2] and h.state == "executing" and not h.done()
+    seen = h.seen
+    assert [e.seq for e in seen] == [1, 2] and h.state == "executing" and not h.done()
     h.feed(event("c1", 3, "done", result={"ok": 1}))
+    assert [e.seq for e in seen] == [1, 2] and [e.seq for e in h.seen] == [1, 2, 3]  # (a copy each time)
     assert h.done() and h.final_state == "done" and h.outcome() == {"ok": 1}
     assert router.handles == {} and router.get("c1") is None  # nothing kept without keep_ended
 
