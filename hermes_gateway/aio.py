@@ -225,10 +225,7 @@ class AsyncGateway(ClientCore[AsyncCallHandle]):
 
     async def handle(self, call_id: str) -> AsyncCallHandle:
         """A handle on any call by id (for example one submitted by another process)."""
-        tracked = self.router.get(call_id)
-        if tracked is not None:  # ours and still running: the handle the event task already feeds
-            return tracked
-        return await await_steps(self._lookup(call_id, track=True))
+        return await await_steps(self._lookup(call_id))
 
     async def cancel(self, call_id: str) -> bool:
         """Cancel by id, as ``Gateway.cancel``; True when the request was recorded."""

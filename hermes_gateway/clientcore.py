@@ -866,15 +866,19 @@ class ClientCore(Generic[H]):
         yield conn.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))
         return True
 
-    def _lookup(self, call_id: str, *, track: bool = False) -> Steps[H]:
-        """A handle on any call by id, read from its record (``own``: its events come on our channel;
-        ``track``: then it is fed them), with its history so far."""
+    def _lookup(self, call_id: str) -> Steps[H]:
+        """A handle on any call by id: one of ours still running is the handle the events already feed;
+        another is read from its record, with its history so far (``own``: its events come on our
+        channel, and it is fed them from now on)."""
+        tracked = self.router.get(call_id)
+        if tracked is not None:
+            return tracked
         raw = yield self.conn.hmget(keys.job(call_id), keys.F_TOOL, keys.F_KIND, keys.F_CHANNEL)
         if raw[1] is None:
             raise CallFailed(f"no such call {call_id}", error_type="unknown_call")
         name, kind, channel = (text(v) if v is not None else "" for v in raw)
         handle = self._new_handle(call_id, name, kind, own=channel in self._channels)
-        if track and handle.own:
+        if handle.own:
             self.router.track(handle)
         yield handle.sync()  # (an ended call is untracked again by its terminal event)
         return handle

@@ -275,6 +275,14 @@ def test_a_failed_call_raises_its_typed_error(gw: Gateway) -> None:
     assert exc.value.details == {"path": "city"}
 
 
+def test_handle_by_id_of_a_running_call_of_ours_is_the_handle_its_events_feed(gw: Gateway) -> None:
+    h = gw.call_tool("sleep", {"seconds": 30})
+    assert gw.handle(h.call_id) is h  # (a second handle would only learn of the call's moves by polling)
+    h.cancel()
+    with pytest.raises(CallCancelled):
+        h.result(timeout=5)
+
+
 def test_handle_by_id_follows_a_call_from_another_client(gw: Gateway, redis_url: str, home: Any) -> None:
     h = gw.call_tool("sleep", {"seconds": 1})
     other = Gateway.connect(redis_url, home=str(home.path), embedded_ok=False)
