@@ -234,11 +234,6 @@ class AsyncGateway(ClientCore[AsyncCallHandle]):
     def _new_handle(self, call_id: str, name: str, kind: str = "tool", *, own: bool = True) -> AsyncCallHandle:
         return AsyncCallHandle(self, call_id, name, kind, own=own)
 
-    async def _existing(self, call_id: str, name: str, kind: str) -> AsyncCallHandle:
-        existing = AsyncCallHandle(self, call_id, name, kind, own=False)
-        await existing.sync()
-        return existing
-
     async def _ensure_workers(self, queues: Iterable[str]) -> None:
         """``WorkerCheck.ensure``, in a thread when a queue is not trusted yet."""
         queues = tuple(dict.fromkeys(keys.base_queue(q) for q in queues))

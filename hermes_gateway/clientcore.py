@@ -684,9 +684,11 @@ class ClientCore(Generic[H]):
     def _new_handle(self, call_id: str, name: str, kind: str = "tool", *, own: bool = True) -> H:
         raise NotImplementedError
 
-    def _existing(self, call_id: str, name: str, kind: str) -> Any:
-        """The handle of the call an idempotent resubmission found (the asyncio one reads its history first)."""
-        return self._new_handle(call_id, name, kind, own=False)
+    def _existing(self, call_id: str, name: str, kind: str) -> Steps[H]:
+        """The handle of the call an idempotent resubmission found, with its history so far."""
+        handle = self._new_handle(call_id, name, kind, own=False)
+        yield handle.sync()
+        return handle
 
     def _ensure_workers(self, queues: Iterable[str]) -> Any:
         raise NotImplementedError
@@ -828,7 +830,7 @@ class ClientCore(Generic[H]):
         if call_id != env.call_id:  # idempotent resubmission: follow the call that already exists
             self.router.drop(env.call_id)
             name, kind = Calls.existing_call(reply) or (env.name, env.kind)
-            return cast(H, (yield self._existing(call_id, name, kind)))
+            return (yield from self._existing(call_id, name, kind))
         what = f"call {env.call_id} ({env.name}) not accepted"
         error = None if acked is None else durability.shortfall(acked, self.settings, what, call_id=env.call_id)
         if error is not None:

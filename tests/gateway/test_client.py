@@ -203,6 +203,10 @@ def test_an_idempotency_key_gives_back_the_existing_call(gw: Gateway, conn: Any)
     b = gw.call_tool("echo", {"n": 1}, idempotency_key="charge-7")  # other args: tests/e2e/test_idempotency.py
     assert b.call_id == a.call_id
     assert conn.llen(keys.queue("tools")) == 1
+    a.cancel()
+    c = gw.call_tool("echo", {"n": 1}, idempotency_key="charge-7")
+    assert c.call_id == a.call_id and not c.own
+    assert c.done() and c.final_state == "cancelled"  # its history was read with the resubmission
 
 
 def test_result_times_out_when_no_worker_runs_the_call(gw: Gateway) -> None:
