@@ -19,7 +19,7 @@ from broker.config import Settings, load_settings
 from broker.connection import BrokerHandle, answered, async_from_url, connect
 from broker.directory import Directory, Entry, readable
 from broker.envelope import Envelope
-from broker.errors import BrokerUnavailable, DecodeError, HermesError, InvalidSpec, UnknownTool
+from broker.errors import BrokerUnavailable, HermesError, InvalidSpec, UnknownTool
 from broker.toolspec import ToolSpec
 from hermes_gateway.aio_handle import AsyncBatch, AsyncCallHandle
 from hermes_gateway.clientcore import (
@@ -324,9 +324,6 @@ class AsyncGateway(ClientCore[AsyncCallHandle]):
             self.invalidate(data.decode(errors="replace"))
         elif (routed := ev_mod.for_handle(self.router.handles, data)) is not None:
             event, handle, gap = routed
-            if gap:
-                try:
-                    await handle.sync()  # fill it from the durable history
-                except (RedisError, OSError, DecodeError) as e:
-                    log.warning("could not fill an event gap from the history", error=str(e))
+            if gap and not await await_steps(self._fill_gap(handle, event)):
+                return
             handle.feed(event)  # the terminal event untracks the handle

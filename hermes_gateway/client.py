@@ -337,8 +337,8 @@ class Gateway(ClientCore[CallHandle]):
             routed = ev_mod.for_handle(self.router.handles, data)  # (event, handle, missed some)
             if routed is not None:
                 event, handle, gap = routed
-                if gap:
-                    handle.sync()  # fill it from the durable history
+                if gap and not run_steps(self._fill_gap(handle, event)):
+                    return
                 handle.feed(event)  # the terminal event untracks the handle
         except Exception as e:  # noqa: BLE001 - one bad message must not stop the event thread
             log.warning("event message skipped", channel=channel, error=f"{type(e).__name__}: {e}")

@@ -39,6 +39,7 @@ from broker.envelope import (
 from broker.errors import (
     CallCancelled,
     CallFailed,
+    DecodeError,
     HermesError,
     InvalidArgs,
     InvalidSpec,
@@ -884,6 +885,18 @@ class ClientCore(Generic[H]):
             self.router.track(handle)
         yield handle.sync()  # (an ended call is untracked again by its terminal event)
         return handle
+
+    @staticmethod
+    def _fill_gap(handle: H, event: Event) -> Steps[bool]:
+        """Read the events a handle missed before ``event`` from the history; whether to feed ``event``
+        now. When the read fails, a terminal event still is (its end is known, and the moves it names
+        are listed), another is not: the handle's next re-read lists it after the ones it missed."""
+        try:
+            yield handle.sync()
+        except (redis.RedisError, OSError, DecodeError) as e:
+            log.warning("could not fill an event gap from the history", error=str(e))
+            return event.terminal
+        return True
 
     def _catch_up(self) -> Steps[None]:
         """Read the durable history of every call still waited on, in pipelined round trips (when the

@@ -124,3 +124,23 @@ def test_a_bad_item_refuses_the_whole_async_batch_and_leaves_nothing_tracked(
 
     assert asyncio.run(scenario()) == {}
     assert conn.llen(keys.queue("tools")) == 0
+
+
+def test_a_gap_the_history_cannot_fill_holds_back_all_but_a_terminal_event() -> None:
+    import redis
+
+    from hermes_gateway.clientcore import ClientCore
+
+    class Unreachable(CallState):
+        def sync(self, live_grace: float = 0.0) -> Any:
+            raise redis.ConnectionError("broker down")
+
+    router: Router[CallState] = Router()
+    h = router.track(Unreachable(router, "c1", "echo"))
+    later, end = event("c1", 3, "executing"), event("c1", 4, "done", result=1)
+    # (a later re-read lists the held-back event after the ones it missed; the end is known now)
+    assert run_steps(ClientCore._fill_gap(h, later)) is False
+    assert run_steps(ClientCore._fill_gap(h, end)) is True
+    reachable = router.track(CallState(router, "c2", "echo"))
+    reachable.sync = lambda live_grace=0.0: None  # type: ignore[method-assign]
+    assert run_steps(ClientCore._fill_gap(reachable, event("c2", 3, "executing"))) is True
