@@ -685,11 +685,25 @@ class ClientCore(Generic[H]):
     def _new_handle(self, call_id: str, name: str, kind: str = "tool", *, own: bool = True) -> H:
         raise NotImplementedError
 
-    def _existing(self, call_id: str, name: str, kind: str) -> Steps[H]:
-        """The handle of the call an idempotent resubmission found, with its history so far."""
+    def _existing(self, call_id: str, name: str, kind: str, *, read: bool = True) -> Steps[H]:
+        """The handle of the call an idempotent resubmission found, with its history so far (``read``
+        False: the caller reads it, with others', ``_read_histories``)."""
         handle = self._new_handle(call_id, name, kind, own=False)
-        yield handle.sync()
+        if read:
+            yield from self._read_histories([handle])
         return handle
+
+    def _read_histories(self, handles: Sequence[H]) -> Steps[None]:
+        """Feed ``handles`` their history so far, in one round trip. A broker failing meanwhile is no
+        failure of theirs: a handle waited on reads its history again now and then."""
+        if not handles:
+            return
+        pipe = self.conn.pipeline(transaction=False)
+        Router.read_history(pipe, handles)
+        try:
+            Router.feed_history(handles, (yield pipe.execute()))
+        except (redis.RedisError, OSError, DecodeError) as e:
+            log.warning("could not read the history of existing calls", calls=len(handles), error=str(e))
 
     def _ensure_workers(self, queues: Iterable[str]) -> Any:
         raise NotImplementedError
@@ -782,15 +796,19 @@ class ClientCore(Generic[H]):
                                 f"submission outcome unknown: {e}; gw.handle(call_id) finds the call if it was taken"
                             )
                             replies = [unknown] * len(chunk)
+                    existing: list[H] = []  # (idempotent resubmissions: their histories read together)
                     for (env, limits, handle), reply in zip(chunk, replies, strict=True):
                         try:
                             if isinstance(reply, Exception):
                                 raise reply if isinstance(reply, HermesError) else broker_error("submission failed", reply)
-                            handle = yield from self._settle(env, limits, handle, reply, acked)
+                            handle = yield from self._settle(env, limits, handle, reply, acked, read=False)
+                            if handle.call_id != env.call_id:
+                                existing.append(handle)
                         except HermesError as e:
                             self.router.drop(env.call_id)
                             handle.refuse(e)
                         handles.append(handle)
+                    yield from self._read_histories(existing)
         except BaseException:
             for env, _, _ in prepared[len(handles) :]:  # (those not settled yet)
                 self.router.drop(env.call_id)
@@ -823,15 +841,18 @@ class ClientCore(Generic[H]):
             else:
                 yield self.conn.publish(channel, b"")
 
-    def _settle(self, env: Envelope, limits: dict[str, Any], handle: H, reply: Any, acked: Any) -> Steps[H]:
+    def _settle(
+        self, env: Envelope, limits: dict[str, Any], handle: H, reply: Any, acked: Any, *, read: bool = True
+    ) -> Steps[H]:
         """The handle of a submitted call from SUBMIT's reply (and WAIT's, ``acked``, when confirmations
-        are asked for): that of the existing call for an idempotent resubmission; raises its refusal, or
-        BrokerNotDurable, the call cancelled, when WAIT confirmed it on too few replicas."""
+        are asked for): that of the existing call for an idempotent resubmission (``read``: see
+        ``_existing``); raises its refusal, or BrokerNotDurable, the call cancelled, when WAIT confirmed it
+        on too few replicas."""
         _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
         if call_id != env.call_id:  # idempotent resubmission: follow the call that already exists
             self.router.drop(env.call_id)
             name, kind = Calls.existing_call(reply) or (env.name, env.kind)
-            return (yield from self._existing(call_id, name, kind))
+            return (yield from self._existing(call_id, name, kind, read=read))
         what = f"call {env.call_id} ({env.name}) not accepted"
         error = None if acked is None else durability.shortfall(acked, self.settings, what, call_id=env.call_id)
         if error is not None:
@@ -883,7 +904,11 @@ class ClientCore(Generic[H]):
         handle = self._new_handle(call_id, name, kind, own=channel in self._channels)
         if handle.own:
             self.router.track(handle)
-        yield handle.sync()  # (an ended call is untracked again by its terminal event)
+        try:
+            yield handle.sync()  # (an ended call is untracked again by its terminal event)
+        except BaseException:
+            self.router.drop(call_id, handle)
+            raise
         return handle
 
     @staticmethod

@@ -209,6 +209,33 @@ def test_an_idempotency_key_gives_back_the_existing_call(gw: Gateway, conn: Any)
     assert c.done() and c.final_state == "cancelled"  # its history was read with the resubmission
 
 
+def test_a_batch_resubmitted_with_its_keys_reads_the_calls_histories_together_and_survives_a_failed_read(
+    gw: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hermes_gateway.clientcore import Router
+
+    first = gw.map("echo", [{"n": i} for i in range(3)], idempotency_keys=[f"b-{i}" for i in range(3)])
+    first[0].cancel()
+    reads: list[int] = []
+    read = Router.read_history
+
+    def counted(pipe: Any, handles: Any) -> None:
+        reads.append(len(handles))
+        read(pipe, handles)
+
+    monkeypatch.setattr(Router, "read_history", staticmethod(counted))
+    again = gw.map("echo", [{"n": i} for i in range(5)], idempotency_keys=[f"b-{i}" for i in range(5)])
+    assert [h.call_id for h in again[:3]] == [h.call_id for h in first] and reads == [3]  # one round trip
+    assert again[0].final_state == "cancelled"  # (its history was read with the resubmission)
+
+    def broken(pipe: Any, handles: Any) -> None:
+        pipe.execute_command("NO-SUCH-COMMAND")  # (the read fails: the broker refuses it)
+
+    monkeypatch.setattr(Router, "read_history", staticmethod(broken))
+    third = gw.map("echo", [{"n": i} for i in range(6)], idempotency_keys=[f"b-{i}" for i in range(6)])
+    assert [h.call_id for h in third[:5]] == [h.call_id for h in again] and all(h.refused is None for h in third)
+
+
 def test_result_times_out_when_no_worker_runs_the_call(gw: Gateway) -> None:
     h = gw.call_tool("echo", {})
     with pytest.raises(CallTimeout):
