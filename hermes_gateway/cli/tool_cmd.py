@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import click
+from redis import RedisError
 
 from broker.errors import CallCancelled, CallFailed, CallTimeout, HermesError
 from hermes_gateway.cli.common import (
@@ -13,6 +14,7 @@ from hermes_gateway.cli.common import (
     event_line,
     fail,
     failing,
+    interrupt_after,
     note,
     open_gateway,
     print_result,
@@ -20,7 +22,6 @@ from hermes_gateway.cli.common import (
     settings_of,
     sync_tools,
 )
-from hermes_gateway.handle import cancel_unended
 
 
 @click.group()
@@ -85,19 +86,20 @@ def tool_run(
             context = {k: v for k, v in (("session_id", session_id), ("principal", principal)) if v}
             handle = None
             try:
-                handle = gw.call_tool(name, parsed, timeout=timeout, **context)
+                with interrupt_after():  # (a Ctrl-C while the call is being sent comes once it has its handle)
+                    handle = gw.call_tool(name, parsed, timeout=timeout, **context)
                 if follow:
                     for ev in handle.events(timeout=timeout):
                         note(event_line(ev))
                 result = handle.result(timeout)
             except KeyboardInterrupt:  # Ctrl-C: the call is this command's, so it stops too (as --timeout's)
-                # (as early as while it is being submitted: then the gateway's own calls are it)
-                mine = [handle] if handle is not None else gw.router.waiting()
-                if not mine:
+                if handle is None:
                     fail("interrupted: the call was not sent", 130)
-                cancelled = cancel_unended(mine)
-                ids = " ".join(h.call_id for h in mine)
-                fail(f"interrupted: call {ids} " + ("cancelled" if cancelled else "had already ended"), 130)
+                try:
+                    cancelled = handle.cancel()
+                except (HermesError, RedisError) as e:
+                    fail(f"interrupted: call {handle.call_id} may still run: cancelling it failed: {e}", 130)
+                fail(f"interrupted: call {handle.call_id} " + ("cancelled" if cancelled else "had already ended"), 130)
         except CallCancelled as e:
             fail(f"cancelled: {e}", 1)
         except CallTimeout as e:

@@ -224,6 +224,8 @@ def test_ctrl_c_on_tool_run_cancels_its_call_and_says_so(
 def test_ctrl_c_while_tool_run_is_still_submitting_cancels_the_call_it_sent(
     redis_url: str, home: Any, gateway: Any, workers: Any, wait_until: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import signal
+
     import structlog
     from click.testing import CliRunner
 
@@ -233,14 +235,15 @@ def test_ctrl_c_while_tool_run_is_still_submitting_cancels_the_call_it_sent(
 
     home.sleep_tool("nap")
     workers(1)
-    sent = Gateway.call_tool
+    send = Gateway._send_chunk
 
-    def interrupted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        sent(self, *args, **kwargs)  # the SUBMIT went out; Ctrl-C lands before call_tool returns
+    def interrupted(self: Any, chunk: Any) -> Any:
+        replies = send(self, chunk)  # the SUBMIT went out; Ctrl-C lands before call_tool returns
         wait_until(lambda: _executing(gateway.conn), 20, message="a worker to take the call")
-        raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGINT)
+        return replies
 
-    monkeypatch.setattr(Gateway, "call_tool", interrupted)
+    monkeypatch.setattr(Gateway, "_send_chunk", interrupted)
     try:
         out = CliRunner().invoke(main, ["tool", "run", "nap", "{seconds: 30}"],
                                  env={"HERMES_REDIS_URL": redis_url, "HERMES_HOME": str(home.path)})  # fmt: skip
