@@ -19,8 +19,10 @@ import shlex
 import shutil
 import signal
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import psutil
 
 from broker.errors import ExecutorError, InvalidArgs, InvalidSpec, OutputTooLarge
 from broker.placeholders import OMIT, check_declared, fill, has, names, sole, value_of
@@ -425,17 +427,37 @@ def _communicate(
     return bytes(out), bytes(err)
 
 
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+def _signal_group(proc: subprocess.Popen[bytes], sig: int, strays: Sequence[psutil.Process] = ()) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
+    for stray in strays:  # (psutil checks each is still the process it found: no pid reused)
+        with contextlib.suppress(psutil.Error):
+            stray.send_signal(sig)
 
 
 def _kill_group(proc: subprocess.Popen[bytes], grace: float) -> None:
-    """SIGTERM the whole process group, then SIGKILL whatever is left after ``grace`` seconds."""
-    _signal_group(proc, signal.SIGTERM)
+    """SIGTERM the whole process group, then SIGKILL whatever is left after ``grace`` seconds; the
+    command's descendants that left its group (``setsid``) too, found while the command still runs (once it
+    is gone, they belong to init: out of reach)."""
+    strays = _strays(proc)
+    _signal_group(proc, signal.SIGTERM, strays)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=grace)
-    _signal_group(proc, signal.SIGKILL)
+    _signal_group(proc, signal.SIGKILL, strays)
     with contextlib.suppress(subprocess.TimeoutExpired):  # (only a kernel in trouble gets there)
         proc.wait(timeout=5)
+
+
+def _strays(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
+    """The command's live descendants in a process group other than its own."""
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    out = []
+    for child in descendants:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(child.pid) != proc.pid:
+                out.append(child)
+    return out
 

@@ -152,6 +152,23 @@ def test_timeout_kills_the_whole_process_group(ex, make_ctx, tmp_path):
     assert not _alive(grandchild)
 
 
+# The child calls setsid(): the group's signals miss it.
+SESSION_SCRIPT = GROUP_SCRIPT.replace("['sleep', '30']", "['sleep', '30'], start_new_session=True")
+
+
+def test_timeout_kills_a_child_that_left_the_process_group_too(ex, make_ctx, tmp_path):
+    pidfile = tmp_path / "pid"
+    s = spec(command=[PY, "-c", SESSION_SCRIPT, str(pidfile)], kill_grace=0.5)
+    with pytest.raises(ToolTimeout):
+        ex.run(s, {}, make_ctx(timeout=1.0))
+    escaped = int(pidfile.read_text())
+    for _ in range(50):
+        if not _alive(escaped):
+            break
+        time.sleep(0.05)
+    assert not _alive(escaped)
+
+
 def test_cancellation_kills_the_command(ex, make_ctx, tmp_path):
     pidfile = tmp_path / "pid"
     ctx = make_ctx(timeout=20)
