@@ -195,11 +195,6 @@ class Gateway(ClientCore[CallHandle]):
         keep_trying = pipes.for_seconds(pipes.SUBMIT_PATIENCE)
         return run_steps(self.pipelined(chunk, lambda pipe: pipes.execute(pipe, keep_trying=keep_trying)))
 
-    def wake(self, pipe: Any, queues: list[str]) -> None:
-        """Wake the workers of ``queues``: in the submission's pipeline on a plain Redis (``pipe``), after
-        it on a cluster (``pipe`` None; a cluster pipeline carries no PUBLISH)."""
-        run_steps(self._wake(pipe, queues))
-
     def cancel(self, call_id: str) -> bool:
         """Cancel by id; True when the request was recorded (the call was not already finished). A call no
         worker has taken ends here (with its audit record); a leased one's worker is told to stop it."""
