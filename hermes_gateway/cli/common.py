@@ -54,8 +54,9 @@ def fail(message: str, code: int = 2) -> NoReturn:
 @contextlib.contextmanager
 def interrupt_after() -> Iterator[None]:
     """Hold a Ctrl-C that comes inside the block until it ends (a call being submitted then has its
-    handle, so the command can cancel it); KeyboardInterrupt is raised then. In the main thread only."""
-    if threading.current_thread() is not threading.main_thread():
+    handle, so the command can cancel it); KeyboardInterrupt is raised then. In the main thread only, and
+    not where Ctrl-C is ignored (``nohup``, a background job of a script)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         yield
         return
     caught: list[int] = []
