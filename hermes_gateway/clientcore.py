@@ -685,14 +685,6 @@ class ClientCore(Generic[H]):
     def _new_handle(self, call_id: str, name: str, kind: str = "tool", *, own: bool = True) -> H:
         raise NotImplementedError
 
-    def _existing(self, call_id: str, name: str, kind: str, *, read: bool = True) -> Steps[H]:
-        """The handle of the call an idempotent resubmission found, with its history so far (``read``
-        False: the caller reads it, with others', ``_read_histories``)."""
-        handle = self._new_handle(call_id, name, kind, own=False)
-        if read:
-            yield from self._read_histories([handle])
-        return handle
-
     def _read_histories(self, handles: Sequence[H]) -> Steps[None]:
         """Feed ``handles`` their history so far, in one round trip. A broker failing meanwhile is no
         failure of theirs: a handle waited on reads its history again now and then."""
@@ -747,7 +739,10 @@ class ClientCore(Generic[H]):
             (reply,), acked = yield self._send_chunk([(env, limits, handle)])
             if isinstance(reply, Exception):
                 raise reply
-            return (yield from self._settle(env, limits, handle, reply, acked))
+            settled = yield from self._settle(env, limits, handle, reply, acked)
+            if settled is not handle:  # (an idempotent resubmission: the existing call, with its history)
+                yield from self._read_histories([settled])
+            return settled
         except BaseException:
             self.router.drop(env.call_id)
             raise
@@ -801,9 +796,10 @@ class ClientCore(Generic[H]):
                         try:
                             if isinstance(reply, Exception):
                                 raise reply if isinstance(reply, HermesError) else broker_error("submission failed", reply)
-                            handle = yield from self._settle(env, limits, handle, reply, acked, read=False)
-                            if handle.call_id != env.call_id:
-                                existing.append(handle)
+                            settled = yield from self._settle(env, limits, handle, reply, acked)
+                            if settled is not handle:  # (the existing call)
+                                existing.append(settled)
+                            handle = settled
                         except HermesError as e:
                             self.router.drop(env.call_id)
                             handle.refuse(e)
@@ -841,18 +837,16 @@ class ClientCore(Generic[H]):
             else:
                 yield self.conn.publish(channel, b"")
 
-    def _settle(
-        self, env: Envelope, limits: dict[str, Any], handle: H, reply: Any, acked: Any, *, read: bool = True
-    ) -> Steps[H]:
+    def _settle(self, env: Envelope, limits: dict[str, Any], handle: H, reply: Any, acked: Any) -> Steps[H]:
         """The handle of a submitted call from SUBMIT's reply (and WAIT's, ``acked``, when confirmations
-        are asked for): that of the existing call for an idempotent resubmission (``read``: see
-        ``_existing``); raises its refusal, or BrokerNotDurable, the call cancelled, when WAIT confirmed it
-        on too few replicas."""
+        are asked for): that of the existing call for an idempotent resubmission (its history is for the
+        caller to read: ``_read_histories``); raises its refusal, or BrokerNotDurable, the call cancelled,
+        when WAIT confirmed it on too few replicas."""
         _, call_id = Calls.check_submit(reply, limits["ckey"], limits["queue_size"], env)
         if call_id != env.call_id:  # idempotent resubmission: follow the call that already exists
             self.router.drop(env.call_id)
             name, kind = Calls.existing_call(reply) or (env.name, env.kind)
-            return (yield from self._existing(call_id, name, kind, read=read))
+            return self._new_handle(call_id, name, kind, own=False)
         what = f"call {env.call_id} ({env.name}) not accepted"
         error = None if acked is None else durability.shortfall(acked, self.settings, what, call_id=env.call_id)
         if error is not None:
