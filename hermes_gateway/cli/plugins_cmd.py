@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import click
 
 from hermes_gateway.cli.common import fail, settings_of, shared_broker
+
+if TYPE_CHECKING:
+    from broker.connection import BrokerHandle
 
 
 @click.group()
@@ -55,20 +59,26 @@ def plugins_disable(ctx: click.Context, name: str) -> None:
 def _reload_running(ctx: click.Context) -> str:
     """Tell the running workers of this home's broker to reload their plugins (a plugin disabled here must
     not go on running in them); what happened, as a sentence's end."""
-    from broker import keys
     from broker.errors import HermesError
     from hermes_gateway.local import connect_shared
-    from workers.worker import control_message
 
     try:
         handle = connect_shared(settings_of(ctx))
     except HermesError:  # (no shared broker: no worker of this home is running, or one an env var names)
         return "workers started from now on read it (`hermes-gateway plugins reload` tells running ones)"
     try:
-        reached = handle.conn.publish(keys.channel(handle.conn, keys.CONTROL_CHANNEL), control_message("reload"))
+        reached = _send_reload(handle)
     finally:
         handle.close()
     return f"reload sent to the workers on {handle.description} ({reached} listening)"
+
+
+def _send_reload(handle: BrokerHandle) -> int:
+    """Publish ``reload`` on the control channel of ``handle``'s broker; how many workers listened."""
+    from broker import keys
+    from workers.worker import control_message
+
+    return int(handle.conn.publish(keys.channel(handle.conn, keys.CONTROL_CHANNEL), control_message("reload")))
 
 
 def _toggle(ctx: click.Context, change: Callable[..., str], name: str) -> str:
@@ -84,10 +94,6 @@ def _toggle(ctx: click.Context, change: Callable[..., str], name: str) -> str:
 @click.pass_context
 def plugins_reload(ctx: click.Context) -> None:
     """Make every running worker re-import its plugins (and re-read policy) without a restart."""
-    from broker import keys
-    from workers.worker import control_message
-
     with shared_broker(settings_of(ctx)) as handle:
-        channel = keys.channel(handle.conn, keys.CONTROL_CHANNEL)
-        reached = handle.conn.publish(channel, control_message("reload"))
+        reached = _send_reload(handle)
         click.echo(f"reload sent to workers on {handle.description} ({reached} listening)")
