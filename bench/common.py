@@ -142,40 +142,34 @@ def start_dramatiq(url: str, queue: str, first: str, threads: int, timeout: floa
     return [proc]
 
 
-def stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
-def stop_rq(procs: list[subprocess.Popen[bytes]], every: float = 1.5) -> None:
-    """Stop stock RQ worker processes: SIGTERM (RQ's warm shutdown: the worker deregisters), then SIGTERM
-    again every ``every`` seconds to those still running, up to 30 s (then SIGKILL, as ``stop``).
-
-    RQ 3.0 on redis-py 8.2 may hang up to 60 s at the end of its warm shutdown: its pubsub thread, once
-    unsubscribed, waits out a 60 s ``get_message`` before ``PubSubWorkerThread.stop`` returns. A second
-    SIGTERM at least 1 s after the first is RQ's cold shutdown, which ends the process there (one sooner
-    is ignored, hence ``every`` > 1 s). ``stop`` would wait 30 s per such worker before killing it."""
+def stop(procs: list[subprocess.Popen[bytes]], again: float | None = None) -> None:
+    """SIGTERM the processes still running, SIGKILL those left after 30 s; ``again``: SIGTERM the ones
+    still running every ``again`` seconds meanwhile."""
     pending = [p for p in procs if p.poll() is None]
     for p in pending:
         p.terminate()
-    now = time.monotonic()
-    deadline, again = now + 30, now + every
+    deadline = time.monotonic() + 30
+    resend = time.monotonic() + again if again else deadline
     while pending and time.monotonic() < deadline:
         time.sleep(0.05)
         pending = [p for p in pending if p.poll() is None]
-        if time.monotonic() >= again:
+        if again and time.monotonic() >= resend:
             for p in pending:
                 p.terminate()
-            again += every
+            resend += again
     for p in pending:
         p.kill()
         p.wait()
+
+
+def stop_rq(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Stop stock RQ worker processes: ``stop`` with a SIGTERM again every 1.5 s.
+
+    RQ 3.0 on redis-py 8.2 may hang up to 60 s at the end of its warm shutdown (the first SIGTERM: the
+    worker deregisters): its pubsub thread, once unsubscribed, waits out a 60 s ``get_message`` before
+    ``PubSubWorkerThread.stop`` returns. A second SIGTERM at least 1 s after the first is RQ's cold
+    shutdown, which ends the process there (one sooner is ignored)."""
+    stop(procs, again=1.5)
 
 
 def wait_for_workers(conn: Any, count: int, queue: str, timeout: float = 20.0) -> None:
