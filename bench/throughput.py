@@ -153,23 +153,19 @@ class Cpu:
         """Commands Redis has run so far (every client's, and each command a script called)."""
         return sum(int(v.get("calls", 0)) for k, v in self.conn.info("commandstats").items() if isinstance(v, dict))
 
+    def start(self) -> None:
+        """Mark where a figure starts: commands, context switches, CPU and the time so far."""
+        self._marks = (self.commands(), self.switches_read(), self.read(), time.perf_counter())
 
-def _sample(
-    n: int,
-    elapsed: float,
-    before: tuple[float, float, float],
-    after: tuple[float, float, float],
-    switched: tuple[tuple[float, float, float], tuple[float, float, float]] | None = None,
-    commands: tuple[int, int] | None = None,
-) -> Sample:
-    redis, workers, own = ((b - a) / n * 1e6 for a, b in zip(before, after, strict=True))
-    sample = Sample(n / elapsed, redis, workers, own)
-    if commands is not None:
-        sample.redis_cmds = (commands[1] - commands[0]) / n
-    if switched is not None:
-        cs = [(b - a) / n for a, b in zip(*switched, strict=True)]
+    def sample(self, n: int) -> Sample:
+        """The figure of ``n`` calls since ``start``: calls/s, and per call CPU (µs), switches and commands."""
+        cmds0, switched0, before, start = self._marks
+        elapsed, after, cmds1, switched1 = time.perf_counter() - start, self.read(), self.commands(), self.switches_read()
+        redis, workers, own = ((b - a) / n * 1e6 for a, b in zip(before, after, strict=True))
+        sample = Sample(n / elapsed, redis, workers, own, redis_cmds=(cmds1 - cmds0) / n)
+        cs = [(b - a) / n for a, b in zip(switched0, switched1, strict=True)]
         sample.redis_cs, sample.worker_cs, sample.client_cs = (None if v != v else v for v in cs)
-    return sample
+        return sample
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -236,14 +232,13 @@ def run_ours(
         for h in gw.map(name, [{}] * 40):  # warm: imported, connected, scripts loaded
             h.result(30)
         cpu = Cpu(conn, procs)
-        cmds0, switched0, before, start = cpu.commands(), cpu.switches_read(), cpu.read(), time.perf_counter()
+        cpu.start()
         handles: list[Any] = []
         for i in range(0, n, BATCH):
             handles.extend(gw.map(name, [{}] * min(BATCH, n - i)))
         for h in handles:
             h.result(120)
-        elapsed, after, cmds1 = time.perf_counter() - start, cpu.read(), cpu.commands()
-        sample = _sample(n, elapsed, before, after, (switched0, cpu.switches_read()), (cmds0, cmds1))
+        sample = cpu.sample(n)
         if latency:
             times = []
             for i in range(20 + latency):
@@ -302,12 +297,11 @@ def run_dramatiq(url: str, n: int, threads: int = 8) -> Sample:
             actors.noop.send()
         _until_empty(conn, pending, procs)
         cpu = Cpu(conn, procs)
-        cmds0, switched0, before, start = cpu.commands(), cpu.switches_read(), cpu.read(), time.perf_counter()
+        cpu.start()
         for _ in range(n):
             actors.noop.send()
         _until_empty(conn, pending, procs)
-        elapsed, after, cmds1 = time.perf_counter() - start, cpu.read(), cpu.commands()
-        return _sample(n, elapsed, before, after, (switched0, cpu.switches_read()), (cmds0, cmds1))
+        return cpu.sample(n)
     finally:
         stop(procs)
         log.close()
@@ -340,12 +334,11 @@ def run_rq(url: str, n: int) -> Sample:
         _wait_finished(q, len(jobs))
         base = q.finished_job_registry.count
         cpu = Cpu(conn, procs)
-        cmds0, switched0, before, start = cpu.commands(), cpu.switches_read(), cpu.read(), time.perf_counter()
+        cpu.start()
         for i in range(0, n, BATCH):
             q.enqueue_many([Queue.prepare_data("bench.rqjobs.noop") for _ in range(min(BATCH, n - i))])
         _wait_finished(q, base + n)
-        elapsed, after, cmds1 = time.perf_counter() - start, cpu.read(), cpu.commands()
-        return _sample(n, elapsed, before, after, (switched0, cpu.switches_read()), (cmds0, cmds1))
+        return cpu.sample(n)
     finally:
         stop_rq(procs)
         conn.close()
