@@ -92,11 +92,16 @@ def _conversation(session: Any, shown: dict[str, bool], verbose: bool, max_turns
         try:
             code = max(code, _ask_once(session, query, shown, verbose, max_turns, more=True))
         except KeyboardInterrupt:  # Ctrl-C while a turn runs: end the conversation, no traceback
-            if shown["open"]:
-                click.echo("")
-            note("interrupted: the calls of this question were cancelled", "error")  # (ChatSession.ask did)
-            return 130
+            return _interrupted(shown)
     return code
+
+
+def _interrupted(shown: dict[str, bool]) -> int:
+    """Say a Ctrl-C ended the question (ChatSession.ask cancelled its calls); exit code 130."""
+    if shown["open"]:
+        click.echo("")
+    note("interrupted: the calls of this question were cancelled", "error")
+    return 130
 
 
 @click.command()
@@ -167,11 +172,8 @@ def chat(
         if query is not None:
             try:
                 code = _ask_once(session, query, shown, verbose, max_turns)
-            except KeyboardInterrupt:  # Ctrl-C while it runs (ChatSession.ask cancelled its calls)
-                if shown["open"]:
-                    click.echo("")
-                note("interrupted: the calls of this question were cancelled", "error")
-                code = 130
+            except KeyboardInterrupt:  # Ctrl-C while it runs
+                code = _interrupted(shown)
         else:
             code = _conversation(session, shown, verbose, max_turns)
         if code:
