@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from broker import durability, events, keys, pipes
 from broker.calls import Calls
 from broker.codec import pack, raw, text, unpack
-from broker.errors import DecodeError, HermesError, InvalidArgs, QueueFull, UnknownBatch
+from broker.errors import CallCancelled, DecodeError, HermesError, InvalidArgs, QueueFull, UnknownBatch
 from hermes_gateway.clientcore import CallOptions, run_steps, tool_envelope, tool_limits
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 CHUNK = 20  # items per pipelined round trip (other clients wait behind a pipeline; docs/decisions.md)
 READ_CHUNK = 500  # results read per round trip
 POLL = 0.2  # seconds between looks at the counters while waiting
+SENDING_STALE = 30.0  # seconds after which a chunk marked in flight is taken as its submitter's death
 ENDED = ("done", "failed", "cancelled")  # the counters of :n (the terminal states)
 
 
@@ -64,6 +65,7 @@ class Progress:
     started: float
     ended: float | None  # when the last call ended (once finished)
     principal: str = ""  # who made it ('' none): only they (and admins) see it over HTTP
+    sending: bool = False  # a submitter is sending a chunk (its items are not yet counted in ``submitted``)
 
     @property
     def finished(self) -> int:
@@ -72,7 +74,7 @@ class Progress:
     @property
     def complete(self) -> bool:
         """Every item sent has ended and nothing more will be sent."""
-        return self.state != "submitting" and self.finished >= self.submitted
+        return self.state != "submitting" and not self.sending and self.finished >= self.submitted
 
     @property
     def rate(self) -> float:
@@ -179,12 +181,14 @@ class BatchStore:
     def progress(self, batch_id: str, meta: dict[str, str] | None = None) -> Progress:
         meta = meta or self.meta(batch_id)
         counts = self.counts(batch_id, meta["queues"].split(","))
+        sending = bool(meta.get("sending")) and time.time() - float(meta["sending"]) < SENDING_STALE
         p = Progress(
             id=batch_id, tool=meta["tool"], state=meta.get("state", "submitting"),
             total=int(meta["total"]) if meta.get("total") else None,
             submitted=int(meta.get("submitted") or 0), counts=counts, created=float(meta.get("created") or 0),
             started=float(meta.get("started") or 0),
             ended=float(meta["ended"]) if meta.get("ended") else None, principal=meta.get("principal", ""),
+            sending=sending,
         )
         if p.complete and p.ended is None:  # the first reader to see it finished stamps the end (rate, ETA)
             now = time.time()
@@ -267,15 +271,17 @@ class BatchStore:
                 return p
             time.sleep(POLL)
 
-    def write_refused(self, batch_id: str, queue: str, index: int, ttl: int, error: HermesError) -> None:
-        """The failed result of an item refused before it became a call (bad arguments)."""
-        entry = pack({"call_id": "", "seq": 0, "state": "failed", "type": events.TRANSITION,
+    def write_unsent(self, batch_id: str, queue: str, index: int, ttl: int, error: HermesError,
+                     state: str = "failed") -> None:
+        """The result of an item that never became a call: refused (bad arguments, ``failed``) or
+        ``cancelled`` while it waited for room in a full queue."""
+        entry = pack({"call_id": "", "seq": 0, "state": state, "type": events.TRANSITION,
                       "detail": {"error": error.to_wire()}})
         part = keys.batch_part(queue, batch_id)
         if self.conn.hsetnx(part + ":r", index, entry):
             pipe = self.conn.pipeline(transaction=False)
             pipe.rpush(part + ":o", index)
-            pipe.hincrby(part + ":n", "failed", 1)
+            pipe.hincrby(part + ":n", state, 1)
             for suffix in (":r", ":o", ":n"):
                 pipe.expire(part + suffix, ttl)
             pipe.execute()
@@ -375,12 +381,35 @@ class Submitter:
             self.cancelled = True
         return self.cancelled
 
+    def begin(self) -> bool:
+        """Mark a chunk in flight (a reader must not take a cancelled batch for complete while its calls
+        go out) unless the batch is cancelled already; False: cancelled, send nothing."""
+        pipe = self.conn.pipeline(transaction=False)
+        pipe.hset(keys.batch(self.id), "sending", time.time())
+        pipe.hget(keys.batch(self.id), "state")  # (after the mark: a cancel after this read sees it)
+        if text(pipe.execute()[1] or b"") != "cancelled":
+            return True
+        self.conn.hdel(keys.batch(self.id), "sending")
+        self.cancelled = True
+        return False
+
     def send(self, chunk: list[tuple[int, Any]]) -> None:
         if self.resume:
             chunk = self.unfinished(chunk)
         self.make_room(len(chunk))
-        if self.is_cancelled():
+        if not self.begin():
             return
+        try:
+            self.send_chunk(chunk)
+        finally:
+            pipe = self.conn.pipeline(transaction=False)
+            pipe.hset(keys.batch(self.id), "submitted", self.sent)
+            pipe.hdel(keys.batch(self.id), "sending")
+            pipe.execute()
+        if self.is_cancelled():  # cancelled while this chunk went out: its calls go too
+            self.store.cancel(self.gw, self.id)
+
+    def send_chunk(self, chunk: list[tuple[int, Any]]) -> None:
         prepared = []
         for i, args in chunk:
             queue = self.queue_of(i)
@@ -391,20 +420,22 @@ class Submitter:
                                     self.gw.settings)
             except (InvalidArgs, TypeError) as e:
                 err = e if isinstance(e, HermesError) else InvalidArgs(str(e))
-                self.store.write_refused(self.id, queue, i, self.ttl, err)
+                self.store.write_unsent(self.id, queue, i, self.ttl, err)
                 continue
             extra = (keys.F_BATCH, f"{self.ttl} {i} {keys.batch_part(env.queue, self.id)}")
             prepared.append((env, {**tool_limits(env, self.entry.spec, self.gw.settings), "extra": extra}, i))
         delay = 0.02
         while prepared and (prepared := self.submit(prepared)):  # (submit returns those refused)
-            if self.is_cancelled():
-                return
+            if self.is_cancelled():  # those still waiting for room end cancelled, never sent
+                for _, _, i in prepared:
+                    self.store.write_unsent(self.id, self.queue_of(i), i, self.ttl,
+                                            CallCancelled("the batch was cancelled before this item was sent"),
+                                            state="cancelled")
+                break
             time.sleep(delay)  # the queue is full: wait for room rather than fail the item
             delay = min(0.5, delay * 2)
+            self.conn.hset(keys.batch(self.id), "sending", time.time())  # (still in flight)
         self.sent = chunk[-1][0] + 1 if chunk else self.sent
-        self.conn.hset(keys.batch(self.id), "submitted", self.sent)
-        if self.is_cancelled():  # cancelled while this chunk went out: its calls go too
-            self.store.cancel(self.gw, self.id)
 
     def submit(self, prepared: list[Any]) -> list[Any]:
         """SUBMIT ``prepared`` in one pipeline; returns the ones refused with QueueFull. With
