@@ -4,9 +4,9 @@ one sender)."""
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -24,6 +24,7 @@ Writer = Callable[[Pipeline], Any]
 Callback = Callable[[Any], None]
 
 _CLOSING_TRIES = 5  # a closing outbox (worker shutdown) stops retrying an unreachable broker after these
+_STOP = object()  # close()'s mark on the queue: the sender sends what came before it, then ends
 
 
 class Outbox:
@@ -37,8 +38,8 @@ class Outbox:
         self.confirmer = confirmer if confirmer is not None and confirmer.asked else None
         self._unconfirmed_logged = 0.0
         self.max_batch = max_batch
-        self._items: deque[tuple[Writer, Callback | None]] = deque()
-        self._cond = threading.Condition()
+        # (a SimpleQueue's put and get are C calls: a Condition's notify and wait are Python, per write)
+        self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = threading.Event()  # set by close(): ends a retry's backoff at once
         self._connection: Any = None  # the sender's own connection, taken from the pool once
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -46,9 +47,7 @@ class Outbox:
 
     def put(self, writer: Writer, callback: Callback | None = None) -> None:
         """Queue a write; ``callback`` gets the reply of the first command ``writer(pipe)`` adds."""
-        with self._cond:
-            self._items.append((writer, callback))
-            self._cond.notify()
+        self._items.put((writer, callback))
 
     def call(self, writer: Writer, timeout: float = 30.0) -> Any:
         """Queue a write and wait for its reply."""
@@ -75,22 +74,24 @@ class Outbox:
         last few tries at once, not after a backoff, and writes still unsent then fail."""
         self.flush(timeout)
         self._closed.set()
-        with self._cond:
-            self._cond.notify()
+        self._items.put(_STOP)
         self._thread.join(timeout)
         if self._connection is not None and not self._thread.is_alive():
             self.conn.connection_pool.release(self._connection)
             self._connection = None
 
     def _run(self) -> None:
+        items = self._items
         while True:
-            with self._cond:
-                while not self._items and not self._closed.is_set():
-                    self._cond.wait()
-                if not self._items:  # (closed)
-                    return
-                batch = [self._items.popleft() for _ in range(min(len(self._items), self.max_batch))]
-            self._send(batch)
+            batch = [items.get()]
+            for _ in range(min(items.qsize(), self.max_batch - 1)):  # (this thread alone takes: they are there)
+                batch.append(items.get_nowait())
+            stop = _STOP in batch
+            batch = [item for item in batch if item is not _STOP] if stop else batch
+            if batch:
+                self._send(batch)
+            if stop:
+                return
 
     def _send(self, batch: list[tuple[Writer, Callback | None]]) -> None:
         answered = [False] * len(batch)

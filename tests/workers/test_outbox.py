@@ -33,7 +33,7 @@ def test_writes_land_in_order_and_each_callback_gets_its_reply(outbox: Outbox, s
     r = fakeredis.FakeRedis(server=server)
     assert [int(x) for x in r.lrange("l", 0, -1)] == list(range(100))
     assert replies == list(range(1, 101))  # RPUSH answers the new length
-    assert not outbox._items
+    assert outbox._items.empty()
 
 
 def test_each_threads_writes_keep_their_order(outbox: Outbox, server: Any) -> None:
