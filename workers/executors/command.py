@@ -19,6 +19,8 @@ import shlex
 import shutil
 import signal
 import subprocess
+import time
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,6 +32,10 @@ from broker.toolspec import ToolSpec
 
 from . import DEFAULT_MAX_OUTPUT, ExecContext, require
 
+# Set in every command's environment, a token per run: its descendants keep it wherever they go (``setsid``,
+# an exited parent), so the kill paths find them by it (``_marked``). Not a secret: it names a run.
+RUN_MARK = "HERMES_COMMAND_RUN"
+STRAY_WAIT = 0.2  # seconds the pipes may stay open after the command exits before its marked strays go
 DEFAULT_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
 STDERR_TAIL = 2000
 
@@ -320,6 +326,7 @@ class CommandExecutor:
         env = build_env(config, args, where, spec.input_schema)
         for name, value in ctx.trace_headers().items():  # W3C context as OpenTelemetry's env carriers name it
             env.setdefault(name.upper(), value)
+        env[RUN_MARK] = uuid.uuid4().hex
         max_output = int(config.get("max_output", DEFAULT_MAX_OUTPUT))
         grace = float(config.get("kill_grace", 2.0))
         stdin_data = json.dumps(args, ensure_ascii=False).encode() if config.get("stdin") == "json" else None
@@ -341,9 +348,9 @@ class CommandExecutor:
         except OSError as e:
             raise ExecutorError(f"{where}: cannot start {argv[0]}: {e}", command=argv[0]) from e
         try:
-            out, err = _communicate(proc, stdin_data, ctx, max_output, where)
+            out, err = _communicate(proc, stdin_data, ctx, max_output, where, env[RUN_MARK])
         except BaseException:
-            _kill_group(proc, grace)
+            _kill_group(proc, grace, env[RUN_MARK])
             raise
         finally:
             for stream in (proc.stdin, proc.stdout, proc.stderr):
@@ -372,7 +379,8 @@ class CommandExecutor:
 
 
 def _communicate(
-    proc: subprocess.Popen[bytes], stdin_data: bytes | None, ctx: ExecContext, max_output: int, where: str
+    proc: subprocess.Popen[bytes], stdin_data: bytes | None, ctx: ExecContext, max_output: int, where: str,
+    mark: str,
 ) -> tuple[bytes, bytes]:
     """Read both pipes until EOF and exit, watching the deadline, cancellation and the output cap."""
     assert proc.stdout is not None and proc.stderr is not None
@@ -385,13 +393,18 @@ def _communicate(
         if proc.stdin is not None and pending is not None:
             os.set_blocking(proc.stdin.fileno(), False)
             sel.register(proc.stdin, selectors.EVENT_WRITE, None)
-        reaped = False
+        reaped: float | None = None  # (when the command was seen gone)
+        strays_killed = False
         while True:
             ctx.check_at(where)
-            if not reaped and proc.poll() is not None:
+            if reaped is None and proc.poll() is not None:
                 # Children the leader left holding our pipes must not keep the call open.
                 _signal_group(proc, signal.SIGKILL)
-                reaped = True
+                reaped = time.monotonic()
+            elif reaped is not None and not strays_killed and sel.get_map() and time.monotonic() - reaped > STRAY_WAIT:
+                # Still open: a descendant outside the group (setsid) holds them.
+                _signal_group(proc, signal.SIGKILL, _marked(mark))
+                strays_killed = True
             if not sel.get_map():
                 # Pipes are closed; the process may still be running (it closed stdout itself).
                 try:
@@ -435,11 +448,10 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int, strays: Sequence[psut
             stray.send_signal(sig)
 
 
-def _kill_group(proc: subprocess.Popen[bytes], grace: float) -> None:
+def _kill_group(proc: subprocess.Popen[bytes], grace: float, mark: str) -> None:
     """SIGTERM the whole process group, then SIGKILL whatever is left after ``grace`` seconds; the
-    command's descendants that left its group (``setsid``) too, found while the command still runs (once it
-    is gone, they belong to init: out of reach)."""
-    strays = _strays(proc)
+    command's descendants that left its group (``setsid``) too, its children or carrying its ``mark``."""
+    strays = _strays(proc) + _marked(mark)
     _signal_group(proc, signal.SIGTERM, strays)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=grace)
@@ -460,4 +472,15 @@ def _strays(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
             if os.getpgid(child.pid) != proc.pid:
                 out.append(child)
     return out
+
+
+def _marked(mark: str) -> list[psutil.Process]:
+    """The live processes whose environment holds ``RUN_MARK=mark`` (this user's: the commands run as the
+    worker), wherever they went; one that cleared or changed its environment is not found."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get(RUN_MARK) == mark:
+                found.append(proc)
+    return found
 

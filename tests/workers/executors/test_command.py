@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -143,6 +144,30 @@ GROUP_SCRIPT = (
 SESSION_SCRIPT = GROUP_SCRIPT.replace("['sleep', '30']", "['sleep', '30'], start_new_session=True")
 
 
+# The child starts a setsid() grandchild and exits first: the grandchild belongs to init, not to the command.
+ORPHAN_SCRIPT = (
+    "import subprocess, sys, time\n"
+    "inner = \"import subprocess, sys; subprocess.Popen(['sleep', '30'], start_new_session=True, "
+    "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); \"\n"
+    "subprocess.run([sys.executable, '-c', inner + \"open(sys.argv[1], 'w').write('')\", sys.argv[1]])\n"
+    "time.sleep(30)\n"
+)
+
+
+def _tagged(tag: str) -> list[int]:
+    """The live processes whose environment has ``TEST_TAG=tag`` (set by the test's tool with env_set)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("TEST_TAG") == tag and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p.pid)
+        except psutil.Error:
+            pass
+    return found
+
+
 @pytest.mark.parametrize("script", [GROUP_SCRIPT, SESSION_SCRIPT], ids=["in_its_group", "left_the_group_by_setsid"])
 def test_timeout_kills_the_whole_process_group_and_children_that_left_it(ex, make_ctx, tmp_path, wait_until, script):
     pidfile = tmp_path / "pid"
@@ -151,6 +176,24 @@ def test_timeout_kills_the_whole_process_group_and_children_that_left_it(ex, mak
         ex.run(s, {}, make_ctx(timeout=1.0))
     child = int(pidfile.read_text())
     wait_until(lambda: not _alive(child), 2.5, message=f"child {child} to be killed")
+
+
+def test_timeout_kills_a_setsid_descendant_whose_parent_already_exited(ex, make_ctx, tmp_path, wait_until):
+    done, tag = tmp_path / "started", uuid.uuid4().hex
+    s = spec(command=[PY, "-c", ORPHAN_SCRIPT, str(done)], kill_grace=0.5, env_set={"TEST_TAG": tag})
+    with pytest.raises(ToolTimeout):
+        ex.run(s, {}, make_ctx(timeout=1.5))
+    assert done.exists()  # the orphan was started (its parent wrote the file after starting it)
+    wait_until(lambda: not _tagged(tag), 2.5, message="the orphaned sleep to be killed")
+
+
+def test_a_setsid_child_holding_the_pipes_after_the_command_exits_does_not_hold_the_call(ex, make_ctx, wait_until):
+    tag = uuid.uuid4().hex
+    script = "import subprocess; subprocess.Popen(['sleep', '30'], start_new_session=True); print('bye')"
+    t0 = time.monotonic()
+    assert ex.run(spec(command=[PY, "-c", script], env_set={"TEST_TAG": tag}), {}, make_ctx(timeout=20)) == "bye"
+    assert time.monotonic() - t0 < 10  # (not the 20 s deadline: the stray holding stdout was killed)
+    wait_until(lambda: not _tagged(tag), 2.5, message="the stray sleep to be killed")
 
 
 def test_cancellation_kills_the_command(ex, make_ctx, tmp_path, wait_until):
