@@ -38,6 +38,8 @@ AUDIT_APPEND = ALLOW_OOM + load("audit_append")  # (an ended call's record, writ
 TOOL_REGISTER = load("tool_register")
 POLICY_PUSH = load("policy_push")
 POLICY_CLEAR = load("policy_clear")
+BATCH_STATE = load("batch_state")
+BATCH_UNSENT = load("batch_unsent")
 
 # The scripts sent inside pipelines (a cluster client loads them on every primary up front).
 PIPELINED = (SUBMIT, TRANSITION, AUDIT_APPEND, RATE_SENT)

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from broker import durability, events, keys, pipes
+from broker import durability, events, keys, pipes, scripts
 from broker.calls import Calls
 from broker.codec import pack, raw, text, unpack
 from broker.errors import CallCancelled, DecodeError, HermesError, InvalidArgs, QueueFull, UnknownBatch
@@ -44,8 +44,10 @@ def item_call_id(batch_id: str, index: int) -> str:
 
 def check_batch_id(batch_id: str) -> str:
     """A batch id as given by a user: 1–64 characters of ``[0-9A-Za-z_-]`` (it is part of keys)."""
-    if not isinstance(batch_id, str) or not 0 < len(batch_id) <= 64 or not all(
-        c.isalnum() or c in "-_" for c in batch_id
+    if (
+        not isinstance(batch_id, str)
+        or not 0 < len(batch_id) <= 64
+        or not all(c.isalnum() or c in "-_" for c in batch_id)
     ):
         raise UnknownBatch(f"no such batch {batch_id!r}: an id is 1-64 letters, digits, '-' or '_'")
     return batch_id
@@ -57,7 +59,9 @@ class Progress:
 
     id: str
     tool: str
-    state: str  # submitting | submitted | cancelled (of the submission)
+    state: (
+        str  # submitting | submitted | cancelled | stopped (of the submission; stopped: its submitter failed)
+    )
     total: int | None  # items, once the submitter has read them all
     submitted: int  # items sent so far (the high-water mark)
     counts: dict[str, int]  # done / failed / cancelled
@@ -66,6 +70,7 @@ class Progress:
     ended: float | None  # when the last call ended (once finished)
     principal: str = ""  # who made it ('' none): only they (and admins) see it over HTTP
     sending: bool = False  # a submitter is sending a chunk (its items are not yet counted in ``submitted``)
+    error: str = ""  # what stopped the submitter (state ``stopped``)
 
     @property
     def finished(self) -> int:
@@ -104,6 +109,7 @@ class Progress:
             "rate": round(self.rate, 3),
             "eta": None if self.eta is None else round(self.eta, 3),
             "complete": self.complete,
+            **({"error": self.error} if self.error else {}),
         }
 
 
@@ -147,10 +153,14 @@ class BatchStore:
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
+        self._state = conn.register_script(scripts.BATCH_STATE)
+        self._unsent = conn.register_script(scripts.BATCH_UNSENT)
 
     # -- meta ----------------------------------------------------------------------------------
 
-    def create(self, tool: str, queues: list[str], *, ttl: int, window: int, principal: str | None = None) -> str:
+    def create(
+        self, tool: str, queues: list[str], *, ttl: int, window: int, principal: str | None = None
+    ) -> str:
         batch_id = uuid.uuid4().hex[:20]
         now = time.time()
         meta = {
@@ -168,27 +178,51 @@ class BatchStore:
         pipe.hset(keys.batch(batch_id), mapping=meta)
         pipe.expire(keys.batch(batch_id), ttl)
         pipe.zadd(keys.BATCHES, {batch_id: now})
-        pipe.zremrangebyscore(keys.BATCHES, "-inf", now - ttl)  # batches past their TTL leave the list
-        pipe.execute()
+        pipe.zrangebyscore(keys.BATCHES, "-inf", now - ttl, start=0, num=CHUNK)
+        old = pipe.execute()[-1]
+        if old:  # batches made before this one's TTL began leave the list once their meta is gone
+            pipe = self.conn.pipeline(transaction=False)
+            for bid in old:
+                pipe.exists(keys.batch(text(bid)))
+            if gone := [bid for bid, there in zip(old, pipe.execute(), strict=True) if not there]:
+                self.conn.zrem(keys.BATCHES, *gone)
         return batch_id
+
+    def set_state(self, batch_id: str, state: str, ttl: int, **fields: Any) -> str:
+        """Set the batch's state (with ``fields``) unless it was cancelled, refreshing its TTL; returns the
+        state before ('' when the batch is gone: nothing written)."""
+        flat = [x for k, v in fields.items() for x in (k, v)]
+        return text(self._state(keys=[keys.batch(batch_id)], args=[state, ttl, *flat]) or b"")
 
     def meta(self, batch_id: str) -> dict[str, str]:
         raw_meta = self.conn.hgetall(keys.batch(check_batch_id(batch_id)))
-        if not raw_meta:
-            raise UnknownBatch(f"no such batch {batch_id!r} (never made, or past its batch.ttl)", batch_id=batch_id)
-        return {text(k): text(v) for k, v in raw_meta.items()}
+        meta = {text(k): text(v) for k, v in raw_meta.items()}
+        if "tool" not in meta or "queues" not in meta:  # (none, or a late write's remains after it expired)
+            raise UnknownBatch(
+                f"no such batch {batch_id!r} (never made, or past its batch.ttl)", batch_id=batch_id
+            )
+        return meta
 
     def progress(self, batch_id: str, meta: dict[str, str] | None = None) -> Progress:
         meta = meta or self.meta(batch_id)
         counts = self.counts(batch_id, meta["queues"].split(","))
-        sending = bool(meta.get("sending")) and time.time() - float(meta["sending"]) < SENDING_STALE
+        at, end = _sending(meta)
+        sending = at is not None and time.time() - at < SENDING_STALE
+        # (a dead submitter's chunk: its calls may have gone out uncounted; they count as sent)
+        submitted = int(meta.get("submitted") or 0) if sending else max(int(meta.get("submitted") or 0), end)
         p = Progress(
-            id=batch_id, tool=meta["tool"], state=meta.get("state", "submitting"),
+            id=batch_id,
+            tool=meta["tool"],
+            state=meta.get("state", "submitting"),
             total=int(meta["total"]) if meta.get("total") else None,
-            submitted=int(meta.get("submitted") or 0), counts=counts, created=float(meta.get("created") or 0),
+            submitted=submitted,
+            counts=counts,
+            created=float(meta.get("created") or 0),
             started=float(meta.get("started") or 0),
-            ended=float(meta["ended"]) if meta.get("ended") else None, principal=meta.get("principal", ""),
+            ended=float(meta["ended"]) if meta.get("ended") else None,
+            principal=meta.get("principal", ""),
             sending=sending,
+            error=meta.get("error", ""),
         )
         if p.complete and p.ended is None:  # the first reader to see it finished stamps the end (rate, ETA)
             now = time.time()
@@ -271,35 +305,54 @@ class BatchStore:
                 return p
             time.sleep(POLL)
 
-    def write_unsent(self, batch_id: str, queue: str, index: int, ttl: int, error: HermesError,
-                     state: str = "failed") -> None:
+    def write_unsent(
+        self, batch_id: str, queue: str, index: int, ttl: int, error: HermesError, state: str = "failed"
+    ) -> None:
         """The result of an item that never became a call: refused (bad arguments, ``failed``) or
         ``cancelled`` while it waited for room in a full queue."""
-        entry = pack({"call_id": "", "seq": 0, "state": state, "type": events.TRANSITION,
-                      "detail": {"error": error.to_wire()}})
+        entry = pack(
+            {
+                "call_id": "",
+                "seq": 0,
+                "state": state,
+                "type": events.TRANSITION,
+                "detail": {"error": error.to_wire()},
+            }
+        )
         part = keys.batch_part(queue, batch_id)
-        if self.conn.hsetnx(part + ":r", index, entry):
-            pipe = self.conn.pipeline(transaction=False)
-            pipe.rpush(part + ":o", index)
-            pipe.hincrby(part + ":n", state, 1)
-            for suffix in (":r", ":o", ":n"):
-                pipe.expire(part + suffix, ttl)
-            pipe.execute()
+        self._unsent(keys=[part + ":r", part + ":o", part + ":n"], args=[index, entry, state, ttl])
 
     # -- cancel --------------------------------------------------------------------------------
 
     def cancel(self, gw: Gateway, batch_id: str) -> int:
         """Stop the submission and cancel every call of the batch not yet ended; returns how many."""
-        meta = self.meta(batch_id)
+        self.meta(batch_id)
         self.conn.hset(keys.batch(batch_id), "state", "cancelled")
+        meta = self.meta(batch_id)  # (read after the state: the submitter stops)
         queue_of = _router(meta)
-        upto = int(self.meta(batch_id).get("submitted") or 0)  # (read after the state: the submitter stops)
+        counted = int(meta.get("submitted") or 0)
+        at, end = _sending(meta)
+        dead = (
+            at is not None and time.time() - at >= SENDING_STALE
+        )  # (a live submitter cancels its own chunk)
+        upto = max(counted, end) if dead else counted
         cancelled = 0
         for start in range(0, upto, CHUNK):
             idx = range(start, min(upto, start + CHUNK))
             for i, has in zip(idx, self.has_result(batch_id, queue_of, idx), strict=True):
-                if not has and gw.cancel(keys.call_id(queue_of(i), item_call_id(batch_id, i))):
+                if has:
+                    continue
+                if gw.cancel(keys.call_id(queue_of(i), item_call_id(batch_id, i))):
                     cancelled += 1
+                elif i >= counted:  # the dead submitter's chunk: this item never became a call
+                    self.write_unsent(
+                        batch_id,
+                        queue_of(i),
+                        i,
+                        int(meta["ttl"]),
+                        CallCancelled("the batch was cancelled before this item was sent"),
+                        state="cancelled",
+                    )
         return cancelled
 
     def has_result(self, batch_id: str, queue_of: Callable[[int], str], indexes: Iterable[int]) -> list[Any]:
@@ -308,6 +361,12 @@ class BatchStore:
         for i in indexes:
             pipe.hexists(keys.batch_part(queue_of(i), batch_id) + ":r", i)
         return pipe.execute()
+
+
+def _sending(meta: dict[str, str]) -> tuple[float | None, int]:
+    """The chunk a submitter marked in flight: (when, the index after its last) — (None, 0) none."""
+    at, _, end = meta.get("sending", "").partition(" ")
+    return (float(at), int(end or 0)) if at else (None, 0)
 
 
 def _router(meta: dict[str, str]) -> Callable[[int], str]:
@@ -330,8 +389,16 @@ def batch_queues(spec: Any, settings: Any) -> list[str]:
 class Submitter:
     """One pass over a batch's items: chunks of SUBMIT in one pipeline each, at most ``window`` unfinished."""
 
-    def __init__(self, store: BatchStore, gw: Gateway, batch_id: str, meta: dict[str, str], *, resume: bool,
-                 context: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        store: BatchStore,
+        gw: Gateway,
+        batch_id: str,
+        meta: dict[str, str],
+        *,
+        resume: bool,
+        context: dict[str, Any],
+    ) -> None:
         self.store, self.gw, self.id, self.meta = store, gw, batch_id, meta
         self.conn = store.conn
         self.resume = resume
@@ -340,7 +407,9 @@ class Submitter:
         self.window = max(1, int(meta["window"]))
         self.entry = gw.directory.get(meta["tool"])
         self.queue_of = _router(meta)
-        self.sent = 0  # the high-water mark: every item before it was accepted (or has a result)
+        # The high-water mark: every item before it was accepted (or has a result); never lowered (a resumed
+        # batch's items before it all went out once).
+        self.sent = int(meta.get("submitted") or 0) if resume else 0
         self.cancelled = False
 
     def channel(self, queue: str) -> str:
@@ -357,12 +426,7 @@ class Submitter:
             count = chunk[-1][0] + 1
             if self.cancelled:
                 return
-        pipe = self.conn.pipeline(transaction=False)
-        pipe.hset(keys.batch(self.id), mapping={"total": count, "submitted": count})
-        pipe.hget(keys.batch(self.id), "state")
-        _, state = pipe.execute()
-        if text(state or b"") != "cancelled":
-            self.conn.hset(keys.batch(self.id), "state", "submitted")
+        self.store.set_state(self.id, "submitted", self.ttl, total=count, submitted=max(count, self.sent))
 
     def finished(self) -> int:
         return sum(self.store.counts(self.id, self.meta["queues"].split(",")).values())
@@ -377,34 +441,39 @@ class Submitter:
             delay = min(POLL, delay * 2)
 
     def is_cancelled(self) -> bool:
-        if text(self.conn.hget(keys.batch(self.id), "state") or b"") == "cancelled":
+        """Cancelled, or gone (past its TTL): either way nothing more is sent."""
+        if text(self.conn.hget(keys.batch(self.id), "state") or b"cancelled") == "cancelled":
             self.cancelled = True
         return self.cancelled
 
-    def begin(self) -> bool:
-        """Mark a chunk in flight (a reader must not take a cancelled batch for complete while its calls
-        go out) unless the batch is cancelled already; False: cancelled, send nothing."""
+    def begin(self, end: int) -> bool:
+        """Mark the chunk up to ``end`` in flight (a reader must not take a cancelled batch for complete while
+        its calls go out; a cancel after the submitter died covers it) unless the batch is cancelled or gone
+        already; False: send nothing."""
         pipe = self.conn.pipeline(transaction=False)
-        pipe.hset(keys.batch(self.id), "sending", time.time())
+        pipe.hset(keys.batch(self.id), "sending", f"{time.time()} {end}")
         pipe.hget(keys.batch(self.id), "state")  # (after the mark: a cancel after this read sees it)
-        if text(pipe.execute()[1] or b"") != "cancelled":
+        if text(pipe.execute()[1] or b"cancelled") != "cancelled":
             return True
         self.conn.hdel(keys.batch(self.id), "sending")
         self.cancelled = True
         return False
 
     def send(self, chunk: list[tuple[int, Any]]) -> None:
+        end = chunk[-1][0] + 1
         if self.resume:
             chunk = self.unfinished(chunk)
         self.make_room(len(chunk))
-        if not self.begin():
+        if not self.begin(end):
             return
         try:
             self.send_chunk(chunk)
+            self.sent = max(self.sent, end)
         finally:
             pipe = self.conn.pipeline(transaction=False)
             pipe.hset(keys.batch(self.id), "submitted", self.sent)
             pipe.hdel(keys.batch(self.id), "sending")
+            pipe.expire(keys.batch(self.id), self.ttl)  # (a batch that runs longer than its TTL stays)
             pipe.execute()
         if self.is_cancelled():  # cancelled while this chunk went out: its calls go too
             self.store.cancel(self.gw, self.id)
@@ -413,11 +482,22 @@ class Submitter:
         prepared = []
         for i, args in chunk:
             queue = self.queue_of(i)
-            opts = CallOptions(queue=keys.base_queue(queue), fairness_key=self.id, call_class="batch",
-                               call_id=item_call_id(self.id, i), partition_slot=i)
+            if args is None:  # (a JSON null item: tool_envelope would take it for no arguments)
+                self.store.write_unsent(
+                    self.id, queue, i, self.ttl, InvalidArgs("the item is null, not an argument mapping")
+                )
+                continue
+            opts = CallOptions(
+                queue=keys.base_queue(queue),
+                fairness_key=self.id,
+                call_class="batch",
+                call_id=item_call_id(self.id, i),
+                partition_slot=i,
+            )
             try:
-                env = tool_envelope(self.entry, self.meta["tool"], args, opts, self.context, self.channel,
-                                    self.gw.settings)
+                env = tool_envelope(
+                    self.entry, self.meta["tool"], args, opts, self.context, self.channel, self.gw.settings
+                )
             except (InvalidArgs, TypeError) as e:
                 err = e if isinstance(e, HermesError) else InvalidArgs(str(e))
                 self.store.write_unsent(self.id, queue, i, self.ttl, err)
@@ -428,14 +508,20 @@ class Submitter:
         while prepared and (prepared := self.submit(prepared)):  # (submit returns those refused)
             if self.is_cancelled():  # those still waiting for room end cancelled, never sent
                 for _, _, i in prepared:
-                    self.store.write_unsent(self.id, self.queue_of(i), i, self.ttl,
-                                            CallCancelled("the batch was cancelled before this item was sent"),
-                                            state="cancelled")
+                    self.store.write_unsent(
+                        self.id,
+                        self.queue_of(i),
+                        i,
+                        self.ttl,
+                        CallCancelled("the batch was cancelled before this item was sent"),
+                        state="cancelled",
+                    )
                 break
             time.sleep(delay)  # the queue is full: wait for room rather than fail the item
             delay = min(0.5, delay * 2)
-            self.conn.hset(keys.batch(self.id), "sending", time.time())  # (still in flight)
-        self.sent = chunk[-1][0] + 1 if chunk else self.sent
+            self.conn.hset(
+                keys.batch(self.id), "sending", f"{time.time()} {chunk[-1][0] + 1}"
+            )  # (still in flight)
 
     def submit(self, prepared: list[Any]) -> list[Any]:
         """SUBMIT ``prepared`` in one pipeline; returns the ones refused with QueueFull. With
@@ -527,8 +613,16 @@ class AsyncBatchJob:
         self.job._raise()
 
 
-def start(gw: Gateway, tool: str, items: Iterable[Any], *, window: int | None = None, ttl: int | None = None,
-          resume: str | None = None, context: dict[str, Any] | None = None) -> BatchJob:
+def start(
+    gw: Gateway,
+    tool: str,
+    items: Iterable[Any],
+    *,
+    window: int | None = None,
+    ttl: int | None = None,
+    resume: str | None = None,
+    context: dict[str, Any] | None = None,
+) -> BatchJob:
     """Make (or ``resume``) a batch of ``tool`` over ``items`` and send them in a thread."""
     store = BatchStore(gw.conn)
     settings = gw.settings
@@ -536,12 +630,17 @@ def start(gw: Gateway, tool: str, items: Iterable[Any], *, window: int | None = 
         meta = store.meta(resume)
         if meta["tool"] != tool:
             raise InvalidArgs(f"batch {resume} is a batch of {meta['tool']!r}, not {tool!r}")
-        if meta.get("state") == "cancelled":
-            raise InvalidArgs(f"batch {resume} was cancelled: it cannot be resumed", batch_id=resume)
+        now_queues = batch_queues(gw.directory.get(tool).spec, settings)
+        if now_queues != meta["queues"].split(","):  # (its items' call ids and partitions would differ)
+            raise InvalidArgs(
+                f"batch {resume} cannot be resumed: tool {tool!r} is split over other queues now "
+                f"({', '.join(now_queues)}; the batch's: {meta['queues']})",
+                batch_id=resume,
+            )
         batch_id = resume
-        # (before the thread starts: a reader must not take it for complete)
-        store.conn.hset(keys.batch(batch_id), "state", "submitting")
-        store.conn.expire(keys.batch(batch_id), int(meta["ttl"]))
+        # (before the thread starts: a reader must not take it for complete; a cancel is never undone)
+        if store.set_state(batch_id, "submitting", int(meta["ttl"])) in ("cancelled", ""):
+            raise InvalidArgs(f"batch {resume} was cancelled: it cannot be resumed", batch_id=resume)
     else:
         queues = batch_queues(gw.directory.get(tool).spec, settings)
         principal = (context or {}).get("principal")
@@ -556,8 +655,12 @@ def start(gw: Gateway, tool: str, items: Iterable[Any], *, window: int | None = 
                 raise HermesError(f"batch {batch_id} was cancelled", batch_id=batch_id)
             Submitter(store, gw, batch_id, meta, resume=resume is not None, context=context or {}).run(items)
             store.progress(batch_id)  # (stamps the end of a batch that is complete already)
-        except BaseException as e:  # handed to wait() / results() of this job
+        except BaseException as e:  # handed to wait() / results() of this job, and said in its meta
             job.error = e
+            with contextlib.suppress(Exception):  # (the broker may be what failed)
+                store.set_state(
+                    batch_id, "stopped", int(store.meta(batch_id)["ttl"]), error=f"{type(e).__name__}: {e}"
+                )
 
     job._thread = threading.Thread(target=run, name=f"hermes-batch-{batch_id}", daemon=True)
     job._thread.start()

@@ -75,7 +75,9 @@ def test_items_waiting_for_room_when_the_batch_is_cancelled_end_cancelled(
     assert conn.llen(keys.queue("tools")) == 0
 
 
-def test_a_chunk_marked_in_flight_by_a_dead_submitter_stops_counting_after_a_while(gateway: Any, conn: Any) -> None:
+def test_a_chunk_marked_in_flight_by_a_dead_submitter_stops_counting_after_a_while(
+    gateway: Any, conn: Any
+) -> None:
     import time
 
     from hermes_gateway.batches import SENDING_STALE

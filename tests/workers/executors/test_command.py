@@ -148,7 +148,7 @@ SESSION_SCRIPT = GROUP_SCRIPT.replace("['sleep', '30']", "['sleep', '30'], start
 ORPHAN_SCRIPT = (
     "import subprocess, sys, time\n"
     "inner = \"import subprocess, sys; subprocess.Popen(['sleep', '30'], start_new_session=True, "
-    "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); \"\n"
+    'stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "\n'
     "subprocess.run([sys.executable, '-c', inner + \"open(sys.argv[1], 'w').write('')\", sys.argv[1]])\n"
     "time.sleep(30)\n"
 )
@@ -168,8 +168,12 @@ def _tagged(tag: str) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("script", [GROUP_SCRIPT, SESSION_SCRIPT], ids=["in_its_group", "left_the_group_by_setsid"])
-def test_timeout_kills_the_whole_process_group_and_children_that_left_it(ex, make_ctx, tmp_path, wait_until, script):
+@pytest.mark.parametrize(
+    "script", [GROUP_SCRIPT, SESSION_SCRIPT], ids=["in_its_group", "left_the_group_by_setsid"]
+)
+def test_timeout_kills_the_whole_process_group_and_children_that_left_it(
+    ex, make_ctx, tmp_path, wait_until, script
+):
     pidfile = tmp_path / "pid"
     s = spec(command=[PY, "-c", script, str(pidfile)], kill_grace=0.5)
     with pytest.raises(ToolTimeout):
@@ -187,11 +191,15 @@ def test_timeout_kills_a_setsid_descendant_whose_parent_already_exited(ex, make_
     wait_until(lambda: not _tagged(tag), 2.5, message="the orphaned sleep to be killed")
 
 
-def test_a_setsid_child_holding_the_pipes_after_the_command_exits_does_not_hold_the_call(ex, make_ctx, wait_until):
+def test_a_setsid_child_holding_the_pipes_after_the_command_exits_does_not_hold_the_call(
+    ex, make_ctx, wait_until
+):
     tag = uuid.uuid4().hex
     script = "import subprocess; subprocess.Popen(['sleep', '30'], start_new_session=True); print('bye')"
     t0 = time.monotonic()
-    assert ex.run(spec(command=[PY, "-c", script], env_set={"TEST_TAG": tag}), {}, make_ctx(timeout=20)) == "bye"
+    assert (
+        ex.run(spec(command=[PY, "-c", script], env_set={"TEST_TAG": tag}), {}, make_ctx(timeout=20)) == "bye"
+    )
     assert time.monotonic() - t0 < 10  # (not the 20 s deadline: the stray holding stdout was killed)
     wait_until(lambda: not _tagged(tag), 2.5, message="the stray sleep to be killed")
 
