@@ -178,7 +178,8 @@ class Api:
         body = await read_body(request, self.gw.settings.api)
         args = _field(body, "args", (dict,), "an object")
         name = request.path_params["name"]
-        return await self._call(request, body, lambda **kw: self.agw.call_tool(name, args, **kw))
+        ceiling = lambda: self.gw.directory.get(name).spec.timeout  # noqa: E731 - (only asked when it matters)
+        return await self._call(request, body, lambda **kw: self.agw.call_tool(name, args, **kw), ceiling)
 
     async def call_llm(self, request: Request) -> Response:
         """``POST /v1/llm/calls``: ``{"request": chat-completions kwargs, ...}`` as ``AsyncGateway.call_llm``."""
@@ -186,17 +187,27 @@ class Api:
         llm_request = _field(body, "request", (dict,), "an object (chat-completions kwargs: messages, model...)")
         if llm_request is None:
             raise BadRequest("request: expected an object (chat-completions kwargs: messages, model...)")
-        return await self._call(request, body, lambda **kw: self.agw.call_llm(llm_request, **kw))
+        return await self._call(
+            request, body, lambda **kw: self.agw.call_llm(llm_request, **kw), lambda: self.gw.settings.model.timeout
+        )
 
-    async def _call(self, request: Request, body: dict[str, Any], submit: Any) -> Response:
+    async def _call(self, request: Request, body: dict[str, Any], submit: Any, ceiling: Any) -> Response:
         """A call's submission with the body's context and options: 202 and where to follow it, or (``wait``)
-        its outcome when it ends within that many seconds."""
+        its outcome when it ends within that many seconds. A ``timeout`` past ``ceiling()`` (the tool's or
+        the model's own) is an admin's to give: another token would hold slots past what the operator set."""
         context = _context(body)
         principal = request_caller(request).principal_for(context.pop("principal", None))
         if principal is not None:
             context["principal"] = principal
         wait = _number(body, "wait", 0)
         timeout = _number(body, "timeout", 0.001)
+        if timeout is not None and not request_caller(request).admin:
+            most = float(await run_in_threadpool(ceiling))
+            if float(timeout) > most:
+                raise BadRequest(
+                    f"timeout: at most {most:g} s for this token (the operator's timeout of the tool or model); "
+                    "a shorter one is yours to give, a longer one an admin token's"
+                )
         key = _field(body, "idempotency_key", (str,), "a string")
         attempts = _number(body, "max_attempts", 1, integer=True)
         trace = {name: request.headers.get(name) for name in ("traceparent", "tracestate")}  # W3C: continued

@@ -247,3 +247,25 @@ def test_a_batch_is_its_principals_alone_over_every_route_and_the_stats_stream(
         assert [b["id"] for b in _stats_batches(bob)] == [batch_id]
         assert batch_id in {b["id"] for b in _stats_batches(admin)}
         assert _stats_batches(alice) == []
+
+
+def test_a_token_may_shorten_a_calls_timeout_but_only_an_admin_may_lengthen_it(
+    home: Home, serve: Any, workers: Any, tmp_path: Path
+) -> None:
+    setup(home)
+    workers(1)
+    server = serve()
+    marks = str(tmp_path / "nap")
+    with api(server, BOB) as bob, api(server, ADMIN) as admin:
+        longer = bob.post("/v1/tools/payroll/calls", json={"args": {"seconds": 0.01, "path": marks}, "timeout": 3600})
+        assert longer.status_code == 400 and "at most 20 s" in longer.json()["error"]["message"]
+        assert runs(Path(marks)) == 0  # refused before it became a call
+        shorter = bob.post(
+            "/v1/tools/payroll/calls", json={"args": {"seconds": 5, "path": marks}, "timeout": 0.5, "wait": 20}
+        ).json()
+        assert shorter["state"] == "failed" and shorter["error"]["type"] == "tool_timeout"
+        by_admin = admin.post(
+            "/v1/tools/payroll/calls",
+            json={"args": {"seconds": 0.01, "path": marks}, "timeout": 3600, "wait": 20, "principal": "bob"},
+        ).json()
+        assert by_admin["state"] == "done"
