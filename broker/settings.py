@@ -80,6 +80,9 @@ class ApiSettings:
     header_timeout: float = 10.0  # HERMES_API_HEADER_TIMEOUT: seconds from connect to a complete request head
     keep_alive: float = 5.0  # HERMES_API_KEEP_ALIVE: seconds an idle kept-alive connection stays open
     max_connections: int = 1000  # HERMES_API_MAX_CONNECTIONS
+    # HERMES_API_ALLOWED_HOSTS: host names (beside loopback names and IP addresses) the routes that take no
+    # token answer to when tokens are set (a name not listed could be a DNS rebinding page's)
+    allowed_hosts: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ without a token the ``Host`` must be a loopback name, else the bearer token name
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -45,13 +46,48 @@ class Forbidden(HermesError):
     type = "forbidden"
 
 
-def check_origin(request: HTTPConnection, token_required: bool) -> None:
+def host_name(host: str) -> str:
+    """The name or address of a Host header, without its port (an IPv6 address keeps its brackets)."""
+    if host.startswith("["):
+        return host.split("]", 1)[0] + "]"
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def check_origin(
+    request: HTTPConnection,
+    token_required: bool,
+    tokenless: bool = False,
+    allowed: frozenset[str] = frozenset(),
+) -> None:
+    """A foreign ``Origin`` is refused; without a token configured the Host must be a loopback name; with
+    one, a route that takes no token (``tokenless``) answers only to loopback names, IP addresses and the
+    ``allowed`` names: a DNS rebinding page's own name is none of them."""
     host = request.headers.get("host", "")
     origin = request.headers.get("origin")
     if origin is not None and origin.split("://", 1)[-1].rstrip("/") != host:
         raise Forbidden(f"requests from {origin} are not served here (the API serves its own origin only)")
-    if not token_required and host.rsplit(":", 1)[0] not in LOOPBACK and host not in LOOPBACK:
+    name = host_name(host).lower()
+    if not token_required and name not in LOOPBACK and host not in LOOPBACK:
         raise Forbidden(f"host {host!r}: without a token the API answers to loopback names only")
+    if (
+        token_required
+        and tokenless
+        and name not in LOOPBACK
+        and name not in allowed
+        and not _is_address(name)
+    ):
+        raise Forbidden(
+            f"host {host!r}: this route takes no token, so it answers to loopback names, IP addresses and "
+            "api.allowed_hosts (HERMES_API_ALLOWED_HOSTS) only"
+        )
 
 
 def presented_token(request: HTTPConnection, query_token: bool = False) -> str | None:
@@ -65,12 +101,14 @@ class Guard:
     """The origin and Host checks (403), then, unless ``token=False``, the bearer token (401, else its
     ``Caller`` in the scope); ``query_token``: ``?access_token=`` too, for ``EventSource``."""
 
-    def __init__(self, app: ASGIApp, creds: Credentials, *, token: bool = True, query_token: bool = False) -> None:
+    def __init__(
+        self, app: ASGIApp, creds: Credentials, *, token: bool = True, query_token: bool = False
+    ) -> None:
         self.app, self.credentials, self.token, self.query_token = app, creds, token, query_token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = HTTPConnection(scope)
-        check_origin(request, self.credentials.required)
+        check_origin(request, self.credentials.required, not self.token, self.credentials.allowed_hosts)
         if self.token:
             caller = self.credentials.caller(presented_token(request, self.query_token))
             if caller is None:
