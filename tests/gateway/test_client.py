@@ -88,6 +88,12 @@ def test_bad_arguments_and_unknown_context_are_refused_at_once(gw: Gateway, conn
         gw.call_llm({"model": "m"})
     with pytest.raises(InvalidArgs, match="model must be text, got list"):
         gw.call_llm({"messages": [], "model": ["x"]})
+    # (a model names the call's concurrency key, its metrics and status rows, which every principal sees)
+    for model in ("evil}{x}:*model", "a b", "x" * 129, "\nINFO"):
+        with pytest.raises(InvalidArgs, match="model .* is not a name"):
+            gw.call_llm({"messages": [], "model": model})
+    with pytest.raises(InvalidArgs, match="provider .* is not a name"):
+        gw.call_llm({"messages": []}, provider="bad provider")
     # (the provider merges these as mappings: anything else had failed at the worker as an internal_error)
     for key, value in (("extra_headers", "notadict"), ("extra_body", [1, 2]), ("extra_query", 3)):
         with pytest.raises(InvalidArgs, match=f"{key} must be a mapping"):
