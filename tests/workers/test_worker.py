@@ -45,7 +45,12 @@ def core(fake: Any, settings: Settings) -> Any:
 
 
 def submit(
-    fake: Any, call_id: str, tool: str = "echo", max_attempts: int = 3, call_class: str | None = None, **args: Any
+    fake: Any,
+    call_id: str,
+    tool: str = "echo",
+    max_attempts: int = 3,
+    call_class: str | None = None,
+    **args: Any,
 ) -> CallInfo:
     heard(fake)  # (listening as the caller does: an ended call's history is its last event alone)
     env = Envelope(
@@ -102,7 +107,9 @@ def test_a_call_runs_through_every_state_to_done(fake: Any, core: WorkerCore) ->
     assert core.processed == 1 and core.failed == 0
 
 
-def test_a_batch_calls_writes_go_through_an_outbox_of_their_own(fake: Any, core: WorkerCore, monkeypatch: Any) -> None:
+def test_a_batch_calls_writes_go_through_an_outbox_of_their_own(
+    fake: Any, core: WorkerCore, monkeypatch: Any
+) -> None:
     """An agent's call never waits behind a batch's round trip: a batch call's moves are sent by a second
     outbox thread (started with the first batch call), an interactive call's by the first; both end done."""
     sent_by: dict[str, set[str]] = {}
@@ -131,7 +138,9 @@ def test_a_finished_call_leaves_no_cycle_for_the_garbage_collector(fake: Any, co
 
     from workers.runner import Running
 
-    submit(fake, "warm")  # (the first call loads the scripts: fakeredis's NOSCRIPT tracebacks hold its frames)
+    submit(
+        fake, "warm"
+    )  # (the first call loads the scripts: fakeredis's NOSCRIPT tracebacks hold its frames)
     run_all(core)
     gc.collect()
     gc.disable()
@@ -251,7 +260,9 @@ def test_reaper_retries_a_lost_call_while_attempts_are_left(fake: Any) -> None:
     assert hist[3].detail == {"reason": "worker_lost", "next_attempt": 2}
     assert (hist[3].attempt, hist[4].attempt) == (1, 2)
     assert fake.lrange(keys.queue("tools"), 0, -1) == [b"c1"]
-    assert fake.zscore(keys.slots("{tools}", "tool:echo"), "c1") == float("inf")  # back on the queue with a slot
+    assert fake.zscore(keys.slots("{tools}", "tool:echo"), "c1") == float(
+        "inf"
+    )  # back on the queue with a slot
     assert fake.zscore(keys.leases("{tools}"), "c1") is None
     assert int(fake.hget(keys.job("c1"), keys.F_ATTEMPT)) == 2
     assert reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600) == 0
@@ -342,7 +353,9 @@ def test_control_messages_stop_and_cancel_and_ignore_the_rest(fake: Any, setting
     assert unpack(control_message("stop")) == {"op": "stop"}
 
 
-def test_the_held_count_follows_runs_even_when_a_newer_run_replaced_an_older_one(fake: Any, core: WorkerCore) -> None:
+def test_the_held_count_follows_runs_even_when_a_newer_run_replaced_an_older_one(
+    fake: Any, core: WorkerCore
+) -> None:
     from workers.runner import Running
 
     info = CallInfo("c1", TRACE, SPAN, "tool", "echo", None, "hermes:ch:t", "tool:echo", "tools")
@@ -400,15 +413,28 @@ def _submit_echo_calls(fake: Any, n: int) -> None:
     for i in range(n):
         Calls.check_submit(
             Calls(fake).submit(
-                Envelope(call_id=f"c{i}", kind="tool", tool="echo", args={"i": i}, traceparent=TP, channel="hermes:ch:t"),
-                ckey="tool:echo", queue_size=-1, max_attempts=1, timeout=30, concurrency=1,
+                Envelope(
+                    call_id=f"c{i}",
+                    kind="tool",
+                    tool="echo",
+                    args={"i": i},
+                    traceparent=TP,
+                    channel="hermes:ch:t",
+                ),
+                ckey="tool:echo",
+                queue_size=-1,
+                max_attempts=1,
+                timeout=30,
+                concurrency=1,
             ),
             "tool:echo",
             -1,
         )
 
 
-def test_a_call_ending_here_takes_the_next_waiting_one_onto_its_thread_slot(fake: Any, settings: Settings) -> None:
+def test_a_call_ending_here_takes_the_next_waiting_one_onto_its_thread_slot(
+    fake: Any, settings: Settings
+) -> None:
     """Limit 1, three calls: the worker claims the first; each ending takes the next call in its TRANSITION
     and runs it on the same thread slot (no dispatcher runs here: only the takes can start them); the last ending takes none and its
     slot goes back, so every slot is free again and each call ran once."""
@@ -422,7 +448,9 @@ def test_a_call_ending_here_takes_the_next_waiting_one_onto_its_thread_slot(fake
         assert first.call_id == "c0" and fake.llen(keys.queue("tools")) == 0  # the others wait for the slot
         w._run_one(first)
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not (w._slots.free == 2 and w.core.calls.record("c2")["state"] == "done"):
+        while time.monotonic() < deadline and not (
+            w._slots.free == 2 and w.core.calls.record("c2")["state"] == "done"
+        ):
             w.core.outbox.flush(1)
             time.sleep(0.01)
         assert [w.core.calls.record(f"c{i}")["state"] for i in range(3)] == ["done"] * 3
@@ -456,8 +484,91 @@ def test_a_call_taken_by_an_ending_does_not_count_the_ending_call_while_its_thre
         [first] = w.core.calls.claim(["tools"], 1, w.name, w.lease)
         w._run_one(first)
         assert wound_down.is_set()
-        wait_until(lambda: w._slots.free == 2 and w.core.calls.record("c2")["state"] == "done", message="c2 done")
+        wait_until(
+            lambda: w._slots.free == 2 and w.core.calls.record("c2")["state"] == "done", message="c2 done"
+        )
         assert [w.core.calls.record(f"c{i}")["state"] for i in range(3)] == ["done"] * 3
     finally:
         w.core.close()
         w.pool.shutdown()
+
+
+# -- what a review found: a lost reply, an undecodable payload's slot, a hand-back cut in two -------------
+
+
+def test_a_write_whose_reply_was_lost_and_that_is_sent_again_does_not_drop_the_call(
+    fake: Any, core: WorkerCore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis ran the routing/executing write but its reply was lost (a socket timeout): the outbox sends it
+    again and Redis answers "wrong state" — the state that write itself made. That is not another worker
+    taking the call: it must run on to done, once, not be cancelled and left to the reaper."""
+    import redis
+
+    from workers import outbox
+
+    real, lost = outbox.pipes.execute, []
+
+    def reply_lost_once(pipe: Any, *args: Any, **kwargs: Any) -> Any:
+        replies = real(pipe, *args, **kwargs)
+        if not lost:
+            lost.append(replies)
+            raise redis.TimeoutError("Timeout reading from socket (the reply, not the write, was lost)")
+        return replies
+
+    monkeypatch.setattr(outbox.pipes, "execute", reply_lost_once)
+    submit(fake, "c1", tool="sleep", seconds=0.3)
+    run_all(core)
+    assert lost  # (the first write's reply was lost, and the write went again)
+    assert states(fake, "c1") == ["pending", "routing", "executing", "formatting", "done"]
+    assert core.calls.record("c1")["state"] == "done" and core.processed == 1
+
+
+def test_an_undecodable_payload_whose_end_takes_the_next_call_gives_its_thread_slot_back_once(
+    fake: Any, settings: Settings
+) -> None:
+    """Limit 1: the undecodable c0's failing end takes c1 onto its thread slot, as any end does; the slot
+    must then pass to c1 only (it was also given back, so the dispatcher claimed past the pool's size)."""
+    Directory(fake).register(check_spec({**TOOLS[0], "concurrency": 1}))
+    w = Worker(fake, settings, ["tools"], concurrency=2, name="w-a")
+    try:
+        _submit_echo_calls(fake, 3)
+        fake.hset(keys.job("c0"), "data", b"\xc1\xc1 garbage")
+        heard(fake)
+        assert w._slots.take(1) == 1
+        [first] = w.core.calls.claim(["tools"], 1, w.name, w.lease)
+        w._run_one(first)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and w.core.calls.record("c2")["state"] != "done":
+            w.core.outbox.flush(1)
+            time.sleep(0.01)
+        w.core.outbox.flush(1)
+        assert [w.core.calls.record(f"c{i}")["state"] for i in range(3)] == ["failed", "done", "done"]
+        assert w._slots.free == 2  # (3 with the slot given back twice)
+    finally:
+        w.core.close()
+        w.pool.shutdown()
+
+
+def test_a_hand_back_cut_between_its_retry_and_its_requeue_is_still_requeued_by_the_schedule(
+    fake: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import redis
+
+    info = submit(fake, "c1", max_attempts=3)
+    _start(fake, info, [State.ROUTING, State.EXECUTING])
+
+    def broker_gone(*args: Any, **kwargs: Any) -> Any:
+        raise redis.ConnectionError("the reaper's connection dropped")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Calls, "requeue", broker_gone)
+        with pytest.raises(redis.ConnectionError):
+            Calls(fake).hand_back(info, attempt=1, current=State.EXECUTING, reason="worker_lost")
+    assert fake.hget(keys.job("c1"), "h_state") == b"retrying"
+    due = fake.zscore(keys.scheduled("{tools}"), "c1")
+    assert due is not None and time.time() < due <= time.time() + 6  # a DUE scheduler requeues it then
+    info2 = submit(fake, "c2", max_attempts=3)
+    _start(fake, info2, [State.ROUTING])
+    assert Calls(fake).hand_back(info2, attempt=1, current=State.ROUTING, reason="worker_lost")
+    assert fake.zscore(keys.scheduled("{tools}"), "c2") is None  # (requeued: its safety entry is gone)
+    assert fake.hget(keys.job("c2"), "h_state") == b"pending"
