@@ -278,7 +278,15 @@ def events(ctx: click.Context, call_id: str, follow: bool, show_request: bool) -
                 fail(f"no such call {call_id} (unknown, or past its result TTL)", 1)
             click.echo(json.dumps(asked, ensure_ascii=False, indent=2, default=str))
         stream = ev_mod.follow(gw.conn, call_id) if follow else iter(ev_mod.filled(ev_mod.history(gw.conn, call_id)))
+        last = 0
         for ev in stream:
+            if ev.seq > last + 1:  # (an ended call keeps its moves, not its progress events or stream deltas)
+                missing = ev.seq - last - 1
+                click.echo(
+                    f"     ({missing} event{'s' if missing > 1 else ''} not kept once the call ended: progress "
+                    "messages or stream deltas; workers.keep_history keeps them)"
+                )
+            last = max(last, ev.seq)
             click.echo(event_line(ev))
 
 

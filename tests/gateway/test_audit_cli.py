@@ -217,3 +217,18 @@ def test_plan_matches_a_sensitive_value_as_text_or_as_json() -> None:
     assert plan.context == {"principal": "p", "session_id": "s", "replay_of": rec.call_id}  # (named in its record)
     with pytest.raises(ReplayRefused, match="not the one"):
         replay.plan(rec, {"pin": "4321"})
+
+
+def test_events_of_an_ended_call_says_where_its_progress_events_were(
+    redis_url: str, home: Home, gateway: Any, workers: Any
+) -> None:
+    home.tool("progressing", function="tests.workers.executors.pyfuncs:with_progress", timeout=10)
+    gateway.sync_tools()
+    workers(1)
+    handle = gateway.call_tool("progressing", {"n": 2})
+    handle.result(20)
+    out = run_cli(redis_url, home, "events", handle.call_id).splitlines()
+    states = [line.split()[2] for line in out if line.startswith("[")]
+    assert states == ["pending", "routing", "executing", "formatting", "done"]
+    # (its progress event was not kept once it ended: a line says so, where it was)
+    assert "1 event not kept once the call ended" in out[3] and "workers.keep_history" in out[3], out
