@@ -265,8 +265,10 @@ def _where(error: yaml.YAMLError, json_error: json.JSONDecodeError) -> str:
     return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
 
 
-def parse_args_text(text: str | None) -> dict[str, Any]:
-    """Arguments typed on a command line: JSON, or the YAML flow form the seed prints (``{name: Alice}``)."""
+def parse_args_text(text: str | None, schema: Any = None) -> dict[str, Any]:
+    """Arguments typed on a command line: JSON, or the YAML flow form the seed prints (``{name: Alice}``).
+    In the YAML form, a value ``schema`` wants as a string stays the text typed (``{zip: 02134}``,
+    ``{code: 1.50}``), where YAML alone would read a number."""
     if text is None or not text.strip():
         return {}
     try:
@@ -276,9 +278,32 @@ def parse_args_text(text: str | None) -> dict[str, Any]:
             value = load_yaml_text(text)
         except yaml.YAMLError as e:
             raise InvalidArgs(f"arguments are neither JSON nor YAML: {_where(e, json_error)}") from e
+        if schema is not None:
+            value = _as_typed(value, yaml.load(text, Loader=yaml.BaseLoader), schema)  # noqa: S506 - text only
     if not isinstance(value, dict):
         raise InvalidArgs(f'arguments must be a mapping like {{"name": "Alice"}}, got {type(value).__name__}')
     return {str(k): v for k, v in value.items()}
+
+
+def _as_typed(value: Any, text: Any, schema: Any) -> Any:
+    """``value`` (YAML's reading) with the scalar ``text`` typed in its place wherever ``schema`` wants a
+    string and not a number or boolean."""
+    if not isinstance(schema, dict):
+        return value
+    if isinstance(value, dict) and isinstance(text, dict):
+        props = schema.get("properties")
+        props = props if isinstance(props, dict) else {}
+        extra = schema.get("additionalProperties")
+        return {k: _as_typed(v, text.get(str(k)), props.get(str(k), extra)) for k, v in value.items()}
+    if isinstance(value, list) and isinstance(text, list) and len(value) == len(text):
+        return [_as_typed(v, t, schema.get("items")) for v, t in zip(value, text, strict=True)]
+    types = _types(schema)
+    if (
+        isinstance(text, str) and value is not None and not isinstance(value, str | dict | list)
+        and "string" in types and not {"integer", "number", "boolean"} & set(types)
+    ):
+        return text
+    return value
 
 
 # --- the quick check ------------------------------------------------------------------------------

@@ -67,8 +67,8 @@ def tool_run(
     session_id: str | None, principal: str | None,
 ) -> None:
     """Run one tool call: ARGS is JSON or YAML flow form, e.g. '{name: Alice}' (unquoted, as in
-    `tool run hello {name: Alice}`, the shell's words are joined back with spaces); @FILE reads them
-    from a file, - from stdin."""
+    `tool run hello {name: Alice}`, the shell's words are joined back with spaces; a value the tool's
+    schema wants as text stays as typed, `{zip: 02134}`); @FILE reads them from a file, - from stdin."""
     from workers.args import parse_args_text
 
     settings = settings_of(ctx)
@@ -81,6 +81,8 @@ def tool_run(
         sync_tools(gw)
         try:
             spec = gw.tool(name).spec
+            with failing():  # (again, with the schema: what it wants as text stays the text typed)
+                parsed = parse_args_text(text or "{}", spec.input_schema)
             if not procs:
                 gw.require_workers(str(spec.config.get("queue") or "tools"))
             context = {k: v for k, v in (("session_id", session_id), ("principal", principal)) if v}

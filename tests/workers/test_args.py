@@ -179,3 +179,22 @@ def test_unparsable_arguments_are_one_line_naming_the_position(text: str, where:
     message = str(refused.value)
     assert "\n" not in message and message.startswith("arguments are neither JSON nor YAML: "), message
     assert message.endswith(where), message
+
+
+def test_the_yaml_form_keeps_the_text_typed_where_the_schema_wants_a_string():
+    schema = {
+        "type": "object",
+        "properties": {
+            "x": {"type": "string"}, "n": {"type": "integer"}, "zip": {"type": "string"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "inner": {"type": "object", "properties": {"flag": {"type": "string"}}},
+            "either": {"type": ["string", "integer"]},
+        },
+    }  # fmt: skip
+    typed = "{x: 1, n: 5, zip: 02134, tags: [1, 2.50], inner: {flag: true}, either: 7, other: 3, none: null}"
+    assert parse_args_text(typed, schema) == {
+        "x": "1", "n": 5, "zip": "02134", "tags": ["1", "2.50"], "inner": {"flag": "true"}, "either": 7,
+        "other": 3, "none": None,
+    }  # fmt: skip
+    assert parse_args_text('{"x": 1}', schema) == {"x": 1}  # JSON says what it means: left to the schema
+    assert parse_args_text("{x: 1}") == {"x": 1}  # (no schema: YAML's reading)
