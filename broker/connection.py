@@ -113,6 +113,13 @@ def cluster_node_url(url: str, info: dict[str, Any]) -> bool:
     )
 
 
+# An asyncio client's connections to a plain Redis: redis-py's pool refuses the 101st at once ("Too many
+# connections") while a blocking pool makes it wait for one, so thousands of calls gathered at once are
+# sent ~100 at a time instead of failing with BrokerUnavailable.
+ASYNC_CONNECTIONS = 100
+ASYNC_CONNECTION_WAIT = 30.0  # seconds a command waits for a free connection before it fails
+
+
 async def async_from_url(url: str, **kwargs: Any) -> Any:
     """An asyncio client for the same URLs as :func:`from_url`, checked the same way."""
     import redis.asyncio
@@ -126,7 +133,11 @@ async def async_from_url(url: str, **kwargs: Any) -> Any:
         elif url.startswith(SENTINEL_SCHEME + "://"):
             conn = sentinel_client(url, is_async=True, **kwargs)
         else:
-            conn = redis.asyncio.Redis.from_url(url, **kwargs)
+            pool = redis.asyncio.BlockingConnectionPool.from_url(
+                url, max_connections=ASYNC_CONNECTIONS, timeout=ASYNC_CONNECTION_WAIT, **kwargs
+            )
+            conn = redis.asyncio.Redis(connection_pool=pool)
+            conn.auto_close_connection_pool = True  # (aclose() closes the pool, as from_url's client does)
             if not cluster_node_url(url, await _info_cluster(conn)):
                 return conn  # (INFO answered: no PING needed after it)
             await _close(conn)

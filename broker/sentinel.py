@@ -180,6 +180,9 @@ def sentinel_client(url: str, *, is_async: bool = False, **kwargs: Any) -> Any:
 
         sentinel = AsyncSentinel
         options["connection_class"] = _async_following_connection()
+        # (its pool refuses a connection past max_connections at once, and has no blocking kind: an asyncio
+        # client's gathered calls each hold one while they are sent)
+        options["max_connections"] = 1000
     else:
         options.update(health_check_interval=30, connection_class=_FollowingConnection)
     options.update(kwargs)

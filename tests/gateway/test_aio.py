@@ -83,6 +83,25 @@ def test_many_calls_awaited_together_and_a_batch_in_one_round_trip(
     assert got[220] == {"a": 1} and got[221] == {"slept": 0}
 
 
+def test_more_calls_gathered_at_once_than_the_client_has_connections_all_run(
+    redis_url: str, home: Home, tools: None, workers: Any
+) -> None:
+    """redis-py's asyncio pool refuses its 101st connection at once ("Too many connections"): 400 calls
+    submitted together each held one while sent, and ~300 failed with BrokerUnavailable, Redis healthy."""
+    from broker.connection import ASYNC_CONNECTIONS
+
+    workers(concurrency=32)
+
+    async def one(gw: AsyncGateway, i: int) -> Any:
+        return await (await gw.call_tool("echo", {"i": i})).result(25)
+
+    async def scenario(gw: AsyncGateway) -> Any:
+        return await asyncio.gather(*(one(gw, i) for i in range(4 * ASYNC_CONNECTIONS)))
+
+    got = run(redis_url, home, scenario)
+    assert got == [{"i": i} for i in range(4 * ASYNC_CONNECTIONS)]
+
+
 def test_a_full_queue_refuses_batch_items_and_single_calls_at_once(
     redis_url: str, home: Home, gateway: Any
 ) -> None:
