@@ -64,15 +64,8 @@ class CallInfo:
     @classmethod
     def of(cls, env: Envelope, ckey: str, span_id: str | None = None) -> CallInfo:
         return cls(
-            env.call_id,
-            env.trace_id,
-            span_id or env.parent_span_id,
-            env.kind,
-            env.name,
-            env.context.get("session_id"),
-            env.channel,
-            ckey,
-            env.queue,
+            env.call_id, env.trace_id, span_id or env.parent_span_id, env.kind, env.name,
+            env.context.get("session_id"), env.channel, ckey, env.queue,
         )
 
 
@@ -239,21 +232,10 @@ class Calls:
     # -- submission ------------------------------------------------------------------------------
 
     def submit(
-        self,
-        env: Envelope,
-        *,
-        ckey: str,
-        queue_size: int,
-        max_attempts: int,
-        timeout: float,
-        concurrency: int = -1,
-        weight: float = 1.0,
-        batch_share: float = DEFAULT_BATCH_SHARE,
-        key_size: int = -1,
-        rate_limit: RateLimit | None = None,
-        estimate: int = 0,
-        pipeline: Pipeline | None = None,
-        extra: tuple[Any, ...] = (),
+        self, env: Envelope, *, ckey: str, queue_size: int, max_attempts: int, timeout: float,
+        concurrency: int = -1, weight: float = 1.0, batch_share: float = DEFAULT_BATCH_SHARE,
+        key_size: int = -1, rate_limit: RateLimit | None = None, estimate: int = 0,
+        pipeline: Pipeline | None = None, extra: tuple[Any, ...] = (),
     ) -> Any:
         """Admit a call with its ``pending`` event: onto its queue with a slot of ``ckey`` when one is free
         (``concurrency`` -1 = no limit) and its ``rate_limit`` allows it (``estimate`` tokens reserved),
@@ -263,16 +245,8 @@ class Calls:
         info = CallInfo.of(env, ckey)
         now = time.time()
         ev = events.payload(
-            call_id=env.call_id,
-            state=State.PENDING,
-            trace_id=info.trace_id,
-            span_id=info.span_id,
-            attempt=1,
-            kind=env.kind,
-            name=info.name,
-            session_id=info.session_id,
-            detail={"queue": env.queue},
-            ts=now,
+            call_id=env.call_id, state=State.PENDING, trace_id=info.trace_id, span_id=info.span_id, attempt=1,
+            kind=env.kind, name=info.name, session_id=info.session_id, detail={"queue": env.queue}, ts=now,
         )
         fields = job_fields(env, ckey=ckey, max_attempts=max_attempts, timeout=timeout)
         fields[keys.F_STEPS] = "#1" + step_text(State.PENDING, 1, now, 0)  # (the pending event is seq 1)
@@ -318,17 +292,12 @@ class Calls:
             raise QueueFull(
                 f"queue for {ckey!r} is full for fairness key {fkey!r} ({int(value)} waiting, "
                 f"limit {int(reply[2])} per key: fairness.queue_size_per_key)",
-                key=ckey,
-                fairness_key=fkey,
-                limit=int(reply[2]),
-                depth=int(value),
+                key=ckey, fairness_key=fkey, limit=int(reply[2]), depth=int(value),
             )
         if code == -1:
             raise QueueFull(
                 f"queue for {ckey!r} is full ({int(value)} waiting, limit {queue_size})",
-                key=ckey,
-                limit=queue_size,
-                depth=int(value),
+                key=ckey, limit=queue_size, depth=int(value),
             )
         existing = Calls.existing_call(reply)
         if code == -2 or (
@@ -351,9 +320,7 @@ class Calls:
 
     # -- workers ---------------------------------------------------------------------------------
 
-    def claim(
-        self, queues: list[str], n: int, worker: str, lease: float, connection: Any = None
-    ) -> list[Claimed]:
+    def claim(self, queues: list[str], n: int, worker: str, lease: float, connection: Any = None) -> list[Claimed]:
         """Take up to ``n`` pending calls off the queues (in order), leased to ``worker``: one script per
         queue, the next queue only while fewer than ``n`` came. A queue whose slot is moving to another
         node (``pipes.moving``) is skipped this time. ``connection``: one the caller keeps for its claims
@@ -473,28 +440,12 @@ class Calls:
     # -- transitions -----------------------------------------------------------------------------
 
     def transition(
-        self,
-        info: CallInfo,
-        target: State | None,
-        *,
-        attempt: int,
-        detail: dict[str, Any] | None = None,
-        fence: bool = True,
-        from_states: frozenset[State] | None = None,
-        lease: float | str | None = None,
-        requeue: bool = False,
-        requeue_first: bool = False,
-        schedule_at: float | None = None,
-        fields: dict[str, Any] | None = None,
-        ttl: int | None = None,
-        event_type: str = events.TRANSITION,
-        current: State | None = None,
-        pipeline: Pipeline | None = None,
-        via: Sequence[Step] = (),
-        ts: float | None = None,
-        unleased: bool = False,
-        used_tokens: int | None = None,
-        sent: bool = True,
+        self, info: CallInfo, target: State | None, *, attempt: int, detail: dict[str, Any] | None = None,
+        fence: bool = True, from_states: frozenset[State] | None = None, lease: float | str | None = None,
+        requeue: bool = False, requeue_first: bool = False, schedule_at: float | None = None,
+        fields: dict[str, Any] | None = None, ttl: int | None = None, event_type: str = events.TRANSITION,
+        current: State | None = None, pipeline: Pipeline | None = None, via: Sequence[Step] = (),
+        ts: float | None = None, unleased: bool = False, used_tokens: int | None = None, sent: bool = True,
         take: Sequence[Any] = (),
     ) -> Any:
         """Move a call to ``target`` (or publish a non-state event when None), atomically with its event.
@@ -577,25 +528,12 @@ class Calls:
     move = transition
 
     def note(
-        self,
-        info: CallInfo,
-        event_type: str,
-        detail: dict[str, Any],
-        *,
-        attempt: int,
-        current: State | None,
-        ts: float | None = None,
-        pipeline: Pipeline | None = None,
+        self, info: CallInfo, event_type: str, detail: dict[str, Any], *, attempt: int, current: State | None,
+        ts: float | None = None, pipeline: Pipeline | None = None,
     ) -> Any:
         """An event that changes no state (progress, a stream delta), fenced like a move."""
         return self.transition(
-            info,
-            None,
-            attempt=attempt,
-            detail=detail,
-            event_type=event_type,
-            current=current,
-            ts=ts,
+            info, None, attempt=attempt, detail=detail, event_type=event_type, current=current, ts=ts,
             pipeline=pipeline,
         )
 
@@ -608,27 +546,14 @@ class Calls:
         )
 
     def retry(
-        self,
-        info: CallInfo,
-        *,
-        attempt: int,
-        current: State,
-        detail: dict[str, Any],
-        due: float | None = None,
-        pipeline: Pipeline | None = None,
+        self, info: CallInfo, *, attempt: int, current: State, detail: dict[str, Any],
+        due: float | None = None, pipeline: Pipeline | None = None,
     ) -> Any:
         """The attempt ends ``retrying``: its lease and slot go, the next attempt is counted and, with
         ``due``, put on the schedule."""
         return self.transition(
-            info,
-            State.RETRYING,
-            attempt=attempt,
-            current=current,
-            detail=detail,
-            lease="-",
-            schedule_at=due,
-            fields={keys.F_ATTEMPT: attempt + 1},
-            pipeline=pipeline,
+            info, State.RETRYING, attempt=attempt, current=current, detail=detail, lease="-", schedule_at=due,
+            fields={keys.F_ATTEMPT: attempt + 1}, pipeline=pipeline,
         )
 
     def requeue(
@@ -637,14 +562,8 @@ class Calls:
         """A ``retrying`` call is admitted again: a free slot, else it waits for its fairness key's next
         turn (``first``: before every waiting call)."""
         return self.transition(
-            info,
-            State.PENDING,
-            attempt=attempt,
-            requeue=True,
-            requeue_first=first,
-            lease="-",
-            current=State.RETRYING,
-            pipeline=pipeline,
+            info, State.PENDING, attempt=attempt, requeue=True, requeue_first=first, lease="-",
+            current=State.RETRYING, pipeline=pipeline,
         )
 
     def hand_back(
@@ -655,10 +574,7 @@ class Calls:
         The move is also put on the retry schedule ``HAND_BACK_SAFETY`` seconds on, which the requeue
         takes off: should this process stop between the two, a DUE scheduler requeues the call."""
         reply = self.retry(
-            info,
-            attempt=attempt,
-            current=current,
-            detail={"reason": reason, "next_attempt": attempt + 1},
+            info, attempt=attempt, current=current, detail={"reason": reason, "next_attempt": attempt + 1},
             due=time.time() + HAND_BACK_SAFETY,
         )
         if int(reply[0]) <= 0:
@@ -669,33 +585,20 @@ class Calls:
         return True
 
     def cancel_unleased(
-        self,
-        info: CallInfo,
-        *,
-        attempt: int,
-        error: dict[str, Any],
-        pipeline: Pipeline | None = None,
+        self, info: CallInfo, *, attempt: int, error: dict[str, Any], pipeline: Pipeline | None = None,
         retrying: bool = False,
     ) -> Any:
         """A caller cancels a call still ``pending`` that no worker holds, or (``retrying``) one waiting for
         its next attempt (its schedule entry then just leaves: the retry finds it ended)."""
         waiting = State.RETRYING if retrying else State.PENDING
         return self.transition(
-            info,
-            State.CANCELLED,
-            attempt=attempt,
-            fence=False,
-            from_states=frozenset({waiting}),
-            unleased=not retrying,
-            detail={"error": error},
-            pipeline=pipeline,
+            info, State.CANCELLED, attempt=attempt, fence=False, from_states=frozenset({waiting}),
+            unleased=not retrying, detail={"error": error}, pipeline=pipeline,
         )
 
     @staticmethod
     def _check_move(
-        current: State | None,
-        target: State,
-        from_states: frozenset[State] | None,
+        current: State | None, target: State, from_states: frozenset[State] | None,
         first: frozenset[State] | None,
     ) -> frozenset[State]:
         """Refuse an illegal move; returns the sources the script checks (the first move's)."""
@@ -708,25 +611,12 @@ class Calls:
 
     @staticmethod
     def _event(
-        info: CallInfo,
-        state: str,
-        attempt: int,
-        event_type: str,
-        detail: dict[str, Any] | None,
+        info: CallInfo, state: str, attempt: int, event_type: str, detail: dict[str, Any] | None,
         ts: float | None,
     ) -> bytes:
         return events.payload(
-            call_id=info.call_id,
-            state=state,
-            trace_id=info.trace_id,
-            span_id=info.span_id,
-            attempt=attempt,
-            kind=info.kind,
-            name=info.name,
-            session_id=info.session_id,
-            type=event_type,
-            detail=detail,
-            ts=ts,
+            call_id=info.call_id, state=state, trace_id=info.trace_id, span_id=info.span_id, attempt=attempt,
+            kind=info.kind, name=info.name, session_id=info.session_id, type=event_type, detail=detail, ts=ts,
         )
 
     def load_scripts(self) -> None:
@@ -756,7 +646,7 @@ class QueueKeys(NamedTuple):
     rate_due: str
 
 
-_NO_TAKE = ("",) * 8  # TRANSITION's ARGV 23-30 when it takes no call
+_NO_TAKE = ('',) * 8  # TRANSITION's ARGV 23-30 when it takes no call
 
 
 def step_text(state: str, attempt: int, ts: float, index: int) -> str:
@@ -773,9 +663,7 @@ def _joined(states: frozenset[State]) -> str:
     return ",".join(sorted(states))
 
 
-def recheck_absent(
-    conn: Any, ids: list[bytes], *, requeue: str | None = None, zset: str | None = None
-) -> list[bytes]:
+def recheck_absent(conn: Any, ids: list[bytes], *, requeue: str | None = None, zset: str | None = None) -> list[bytes]:
     """Ids a script found no record of, asked again where a cluster's redirections are followed: a
     record on its way to another node keeps its place (back at the head of ``requeue``, or left in
     ``zset``), one that is gone leaves ``zset``. An id without the tag of ``requeue``'s queue is never
@@ -786,9 +674,7 @@ def recheck_absent(
         cid = text(raw_id)
         # A slot mid-migration bounces single-key commands too: asked again, so a popped id is never dropped.
         patience = pipes.for_seconds(_ABSENT_PATIENCE)
-        if raw(raw_id).startswith(prefix) and pipes.patiently(
-            patience, conn.hexists, keys.job(cid), keys.F_STATE
-        ):
+        if raw(raw_id).startswith(prefix) and pipes.patiently(patience, conn.hexists, keys.job(cid), keys.F_STATE):
             if requeue is not None:
                 pipes.patiently(patience, conn.lpush, requeue, cid)
             continue
@@ -817,8 +703,7 @@ class DroppedIds:
         more, self._suppressed = self._suppressed, 0
         shown = raw_id.decode(errors="replace")
         log.warning(
-            "dropped an id on queue that names no call of it",
-            queue=queue,
+            "dropped an id on queue that names no call of it", queue=queue,
             call_id=shown[:40] + ("..." if len(shown) > 40 else ""),
             **({"suppressed_before": more} if more else {}),
         )

@@ -52,30 +52,11 @@ from .settings import (
 
 # What config readers import from here: the loader and, re-exported, the settings it builds.
 __all__ = [
-    "DEFAULT_CONCURRENCY",
-    "DEFAULT_MAX_ARGS",
-    "DEFAULT_QUEUE_SIZE",
-    "GC_THRESHOLD",
-    "LOG_LEVELS",
-    "TRACE_MODES",
-    "AgentPluginSettings",
-    "ApiSettings",
-    "AuditSettings",
-    "BatchSettings",
-    "BrokerSettings",
-    "ConsoleSettings",
-    "FairnessSettings",
-    "LoggingSettings",
-    "McpSettings",
-    "ModelSettings",
-    "PluginDiscovery",
-    "Settings",
-    "TelemetrySettings",
-    "WorkerSettings",
-    "expand_env",
-    "hermes_home",
-    "load_settings",
-    "unset_env",
+    "DEFAULT_CONCURRENCY", "DEFAULT_MAX_ARGS", "DEFAULT_QUEUE_SIZE", "GC_THRESHOLD", "LOG_LEVELS",
+    "TRACE_MODES", "AgentPluginSettings", "ApiSettings", "AuditSettings", "BatchSettings", "BrokerSettings",
+    "ConsoleSettings", "FairnessSettings", "LoggingSettings", "McpSettings", "ModelSettings",
+    "PluginDiscovery", "Settings", "TelemetrySettings", "WorkerSettings", "expand_env", "hermes_home",
+    "load_settings", "unset_env",
 ]
 
 # The ``${VAR}`` / ``${VAR:-default}`` grammar of :func:`expand_env`.
@@ -133,9 +114,7 @@ def _limits(section: Mapping[str, Any], where: str) -> None:
         except (TypeError, ValueError):
             number = None
         if value is not None and (number is None or number != int(number) or number < low):
-            raise ConfigError(
-                f"config.yaml: {where}.{key}: expected an integer of at least {low}, got {value!r}"
-            )
+            raise ConfigError(f"config.yaml: {where}.{key}: expected an integer of at least {low}, got {value!r}")
 
 
 OVERRIDE_PREFIX = "HERMES__"
@@ -179,9 +158,7 @@ def load_settings(
         if section is not None and not isinstance(section, dict):
             raise ConfigError(f"config.yaml: executors.{kind}: expected a mapping, got {section!r}")
         _limits(section or {}, f"executors.{kind}")
-    _limits(
-        _mapping(raw, "executor"), "executor"
-    )  # the seed's singular spelling, merged under executors.<kind>
+    _limits(_mapping(raw, "executor"), "executor")  # the seed's singular spelling, merged under executors.<kind>
     logging_ = _logging(_mapping(raw, "logging"), env)
     broker = _broker(_mapping(raw, "broker"), env)
     plugins = _mapping(raw, "plugins")
@@ -236,18 +213,12 @@ def unset_refs(written: Any, now: Any, environ: Mapping[str, str], where: str = 
         return [(where, name) for name in unset_env(written, environ)] if now in (None, "") else []
     if isinstance(written, dict):
         keyed = now if isinstance(now, dict) else {}
-        return [
-            ref
-            for k, v in written.items()
-            for ref in unset_refs(v, keyed.get(k), environ, f"{where}.{k}" if where else str(k))
-        ]
+        return [ref for k, v in written.items()
+                for ref in unset_refs(v, keyed.get(k), environ, f"{where}.{k}" if where else str(k))]
     if isinstance(written, list):
         items = now if isinstance(now, list) else []
-        return [
-            ref
-            for i, v in enumerate(written)
-            for ref in unset_refs(v, items[i] if i < len(items) else None, environ, f"{where}[{i}]")
-        ]
+        return [ref for i, v in enumerate(written)
+                for ref in unset_refs(v, items[i] if i < len(items) else None, environ, f"{where}[{i}]")]
     return []
 
 
@@ -305,9 +276,7 @@ def _workers(section: dict[str, Any], env: Mapping[str, str]) -> WorkerSettings:
     ttl = _number(env, "HERMES_RESULT_TTL", section, "workers.result_ttl", DEFAULT_RESULT_TTL)
     if lease <= 0:
         raise ConfigError(f"workers.lease (HERMES_LEASE): expected seconds above 0, got {lease:g}")
-    max_attempts = _whole(
-        attempts, 1, "workers.max_attempts (HERMES_MAX_ATTEMPTS)", "a whole number of at least 1"
-    )
+    max_attempts = _whole(attempts, 1, "workers.max_attempts (HERMES_MAX_ATTEMPTS)", "a whole number of at least 1")
     result_ttl = _whole(ttl, 1, "workers.result_ttl (HERMES_RESULT_TTL)", "whole seconds of at least 1")
     port = env.get(METRICS_PORT_ENV, "").strip()
     if port and not (port.isdigit() and 1 <= int(port) <= 65535):
@@ -321,9 +290,7 @@ def _workers(section: dict[str, Any], env: Mapping[str, str]) -> WorkerSettings:
         metrics_host=env.get(METRICS_HOST_ENV) or "127.0.0.1",
         run_registry=bool(env.get(RUN_REGISTRY_ENV)),
         keep_history=flag(
-            env.get(KEEP_HISTORY_ENV, section.get("keep_history", False)),
-            "workers.keep_history",
-            KEEP_HISTORY_ENV,
+            env.get(KEEP_HISTORY_ENV, section.get("keep_history", False)), "workers.keep_history", KEEP_HISTORY_ENV
         ),
         shortcuts_off=_shortcuts_off(section.get("shortcuts_off") or ()),
     )
@@ -375,9 +342,7 @@ def _api(env: Mapping[str, str]) -> ApiSettings:
         keep_alive=_lenient(env, "HERMES_API_KEEP_ALIVE", ApiSettings.keep_alive),
         max_connections=int(_lenient(env, "HERMES_API_MAX_CONNECTIONS", ApiSettings.max_connections)),
         allowed_hosts=frozenset(
-            name.strip().lower()
-            for name in env.get("HERMES_API_ALLOWED_HOSTS", "").split(",")
-            if name.strip()
+            name.strip().lower() for name in env.get("HERMES_API_ALLOWED_HOSTS", "").split(",") if name.strip()
         ),
     )
 
@@ -398,9 +363,7 @@ def _telemetry(env: Mapping[str, str]) -> TelemetrySettings:
         mode = "off"
     if mode and mode not in TRACE_MODES:
         raise ConfigError(f"{TRACE_ENV}: expected one of {', '.join(TRACE_MODES)}, got {mode!r}")
-    return TelemetrySettings(
-        trace=mode, lean_spans=flag(env.get("HERMES_LEAN_SPANS", "1"), "lean spans", "HERMES_LEAN_SPANS")
-    )
+    return TelemetrySettings(trace=mode, lean_spans=flag(env.get("HERMES_LEAN_SPANS", "1"), "lean spans", "HERMES_LEAN_SPANS"))
 
 
 def _agent_plugin(

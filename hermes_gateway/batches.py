@@ -44,10 +44,8 @@ def item_call_id(batch_id: str, index: int) -> str:
 
 def check_batch_id(batch_id: str) -> str:
     """A batch id as given by a user: 1–64 characters of ``[0-9A-Za-z_-]`` (it is part of keys)."""
-    if (
-        not isinstance(batch_id, str)
-        or not 0 < len(batch_id) <= 64
-        or not all(c.isalnum() or c in "-_" for c in batch_id)
+    if not isinstance(batch_id, str) or not 0 < len(batch_id) <= 64 or not all(
+        c.isalnum() or c in "-_" for c in batch_id
     ):
         raise UnknownBatch(f"no such batch {batch_id!r}: an id is 1-64 letters, digits, '-' or '_'")
     return batch_id
@@ -59,9 +57,7 @@ class Progress:
 
     id: str
     tool: str
-    state: (
-        str  # submitting | submitted | cancelled | stopped (of the submission; stopped: its submitter failed)
-    )
+    state: str  # submitting | submitted | cancelled | stopped (of the submission; stopped: its submitter failed)
     total: int | None  # items, once the submitter has read them all
     submitted: int  # items sent so far (the high-water mark)
     counts: dict[str, int]  # done / failed / cancelled
@@ -158,9 +154,7 @@ class BatchStore:
 
     # -- meta ----------------------------------------------------------------------------------
 
-    def create(
-        self, tool: str, queues: list[str], *, ttl: int, window: int, principal: str | None = None
-    ) -> str:
+    def create(self, tool: str, queues: list[str], *, ttl: int, window: int, principal: str | None = None) -> str:
         batch_id = uuid.uuid4().hex[:20]
         now = time.time()
         meta = {
@@ -198,9 +192,7 @@ class BatchStore:
         raw_meta = self.conn.hgetall(keys.batch(check_batch_id(batch_id)))
         meta = {text(k): text(v) for k, v in raw_meta.items()}
         if "tool" not in meta or "queues" not in meta:  # (none, or a late write's remains after it expired)
-            raise UnknownBatch(
-                f"no such batch {batch_id!r} (never made, or past its batch.ttl)", batch_id=batch_id
-            )
+            raise UnknownBatch(f"no such batch {batch_id!r} (never made, or past its batch.ttl)", batch_id=batch_id)
         return meta
 
     def progress(self, batch_id: str, meta: dict[str, str] | None = None) -> Progress:
@@ -211,18 +203,12 @@ class BatchStore:
         # (a dead submitter's chunk: its calls may have gone out uncounted; they count as sent)
         submitted = int(meta.get("submitted") or 0) if sending else max(int(meta.get("submitted") or 0), end)
         p = Progress(
-            id=batch_id,
-            tool=meta["tool"],
-            state=meta.get("state", "submitting"),
+            id=batch_id, tool=meta["tool"], state=meta.get("state", "submitting"),
             total=int(meta["total"]) if meta.get("total") else None,
-            submitted=submitted,
-            counts=counts,
-            created=float(meta.get("created") or 0),
+            submitted=submitted, counts=counts, created=float(meta.get("created") or 0),
             started=float(meta.get("started") or 0),
-            ended=float(meta["ended"]) if meta.get("ended") else None,
-            principal=meta.get("principal", ""),
-            sending=sending,
-            error=meta.get("error", ""),
+            ended=float(meta["ended"]) if meta.get("ended") else None, principal=meta.get("principal", ""),
+            sending=sending, error=meta.get("error", ""),
         )
         if p.complete and p.ended is None:  # the first reader to see it finished stamps the end (rate, ETA)
             now = time.time()
@@ -305,20 +291,12 @@ class BatchStore:
                 return p
             time.sleep(POLL)
 
-    def write_unsent(
-        self, batch_id: str, queue: str, index: int, ttl: int, error: HermesError, state: str = "failed"
-    ) -> None:
+    def write_unsent(self, batch_id: str, queue: str, index: int, ttl: int, error: HermesError,
+                     state: str = "failed") -> None:
         """The result of an item that never became a call: refused (bad arguments, ``failed``) or
         ``cancelled`` while it waited for room in a full queue."""
-        entry = pack(
-            {
-                "call_id": "",
-                "seq": 0,
-                "state": state,
-                "type": events.TRANSITION,
-                "detail": {"error": error.to_wire()},
-            }
-        )
+        entry = pack({"call_id": "", "seq": 0, "state": state, "type": events.TRANSITION,
+                      "detail": {"error": error.to_wire()}})
         part = keys.batch_part(queue, batch_id)
         self._unsent(keys=[part + ":r", part + ":o", part + ":n"], args=[index, entry, state, ttl])
 
@@ -332,9 +310,7 @@ class BatchStore:
         queue_of = _router(meta)
         counted = int(meta.get("submitted") or 0)
         at, end = _sending(meta)
-        dead = (
-            at is not None and time.time() - at >= SENDING_STALE
-        )  # (a live submitter cancels its own chunk)
+        dead = at is not None and time.time() - at >= SENDING_STALE  # (a live submitter cancels its own chunk)
         upto = max(counted, end) if dead else counted
         cancelled = 0
         for start in range(0, upto, CHUNK):
@@ -345,14 +321,9 @@ class BatchStore:
                 if gw.cancel(keys.call_id(queue_of(i), item_call_id(batch_id, i))):
                     cancelled += 1
                 elif i >= counted:  # the dead submitter's chunk: this item never became a call
-                    self.write_unsent(
-                        batch_id,
-                        queue_of(i),
-                        i,
-                        int(meta["ttl"]),
-                        CallCancelled("the batch was cancelled before this item was sent"),
-                        state="cancelled",
-                    )
+                    self.write_unsent(batch_id, queue_of(i), i, int(meta["ttl"]),
+                                      CallCancelled("the batch was cancelled before this item was sent"),
+                                      state="cancelled")
         return cancelled
 
     def has_result(self, batch_id: str, queue_of: Callable[[int], str], indexes: Iterable[int]) -> list[Any]:
@@ -389,16 +360,8 @@ def batch_queues(spec: Any, settings: Any) -> list[str]:
 class Submitter:
     """One pass over a batch's items: chunks of SUBMIT in one pipeline each, at most ``window`` unfinished."""
 
-    def __init__(
-        self,
-        store: BatchStore,
-        gw: Gateway,
-        batch_id: str,
-        meta: dict[str, str],
-        *,
-        resume: bool,
-        context: dict[str, Any],
-    ) -> None:
+    def __init__(self, store: BatchStore, gw: Gateway, batch_id: str, meta: dict[str, str], *, resume: bool,
+                 context: dict[str, Any]) -> None:
         self.store, self.gw, self.id, self.meta = store, gw, batch_id, meta
         self.conn = store.conn
         self.resume = resume
@@ -483,21 +446,13 @@ class Submitter:
         for i, args in chunk:
             queue = self.queue_of(i)
             if args is None:  # (a JSON null item: tool_envelope would take it for no arguments)
-                self.store.write_unsent(
-                    self.id, queue, i, self.ttl, InvalidArgs("the item is null, not an argument mapping")
-                )
+                self.store.write_unsent(self.id, queue, i, self.ttl, InvalidArgs("the item is null, not an argument mapping"))
                 continue
-            opts = CallOptions(
-                queue=keys.base_queue(queue),
-                fairness_key=self.id,
-                call_class="batch",
-                call_id=item_call_id(self.id, i),
-                partition_slot=i,
-            )
+            opts = CallOptions(queue=keys.base_queue(queue), fairness_key=self.id, call_class="batch",
+                               call_id=item_call_id(self.id, i), partition_slot=i)
             try:
-                env = tool_envelope(
-                    self.entry, self.meta["tool"], args, opts, self.context, self.channel, self.gw.settings
-                )
+                env = tool_envelope(self.entry, self.meta["tool"], args, opts, self.context, self.channel,
+                                    self.gw.settings)
             except (InvalidArgs, TypeError) as e:
                 err = e if isinstance(e, HermesError) else InvalidArgs(str(e))
                 self.store.write_unsent(self.id, queue, i, self.ttl, err)
@@ -508,20 +463,13 @@ class Submitter:
         while prepared and (prepared := self.submit(prepared)):  # (submit returns those refused)
             if self.is_cancelled():  # those still waiting for room end cancelled, never sent
                 for _, _, i in prepared:
-                    self.store.write_unsent(
-                        self.id,
-                        self.queue_of(i),
-                        i,
-                        self.ttl,
-                        CallCancelled("the batch was cancelled before this item was sent"),
-                        state="cancelled",
-                    )
+                    self.store.write_unsent(self.id, self.queue_of(i), i, self.ttl,
+                                            CallCancelled("the batch was cancelled before this item was sent"),
+                                            state="cancelled")
                 break
             time.sleep(delay)  # the queue is full: wait for room rather than fail the item
             delay = min(0.5, delay * 2)
-            self.conn.hset(
-                keys.batch(self.id), "sending", f"{time.time()} {chunk[-1][0] + 1}"
-            )  # (still in flight)
+            self.conn.hset(keys.batch(self.id), "sending", f"{time.time()} {chunk[-1][0] + 1}")  # (still in flight)
 
     def submit(self, prepared: list[Any]) -> list[Any]:
         """SUBMIT ``prepared`` in one pipeline; returns the ones refused with QueueFull. With
@@ -613,16 +561,8 @@ class AsyncBatchJob:
         self.job._raise()
 
 
-def start(
-    gw: Gateway,
-    tool: str,
-    items: Iterable[Any],
-    *,
-    window: int | None = None,
-    ttl: int | None = None,
-    resume: str | None = None,
-    context: dict[str, Any] | None = None,
-) -> BatchJob:
+def start(gw: Gateway, tool: str, items: Iterable[Any], *, window: int | None = None, ttl: int | None = None,
+          resume: str | None = None, context: dict[str, Any] | None = None) -> BatchJob:
     """Make (or ``resume``) a batch of ``tool`` over ``items`` and send them in a thread."""
     store = BatchStore(gw.conn)
     settings = gw.settings
@@ -634,8 +574,7 @@ def start(
         if now_queues != meta["queues"].split(","):  # (its items' call ids and partitions would differ)
             raise InvalidArgs(
                 f"batch {resume} cannot be resumed: tool {tool!r} is split over other queues now "
-                f"({', '.join(now_queues)}; the batch's: {meta['queues']})",
-                batch_id=resume,
+                f"({', '.join(now_queues)}; the batch's: {meta['queues']})", batch_id=resume,
             )
         batch_id = resume
         # (before the thread starts: a reader must not take it for complete; a cancel is never undone)
@@ -658,9 +597,7 @@ def start(
         except BaseException as e:  # handed to wait() / results() of this job, and said in its meta
             job.error = e
             with contextlib.suppress(Exception):  # (the broker may be what failed)
-                store.set_state(
-                    batch_id, "stopped", int(store.meta(batch_id)["ttl"]), error=f"{type(e).__name__}: {e}"
-                )
+                store.set_state(batch_id, "stopped", int(store.meta(batch_id)["ttl"]), error=f"{type(e).__name__}: {e}")
 
     job._thread = threading.Thread(target=run, name=f"hermes-batch-{batch_id}", daemon=True)
     job._thread.start()

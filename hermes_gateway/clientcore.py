@@ -76,9 +76,7 @@ def find_broker(settings: Settings, url: str | None = None, *, embedded_ok: bool
     return connect(url, embedded_ok=embedded_ok)
 
 
-def register_dir(
-    directory: Directory, path: Any, errors: list[InvalidSpec] | None = None
-) -> list[tuple[str, int, bool]]:
+def register_dir(directory: Directory, path: Any, errors: list[InvalidSpec] | None = None) -> list[tuple[str, int, bool]]:
     """Register every spec file of ``path``; one that does not load is skipped, put in ``errors`` when
     given, else logged."""
     from pathlib import Path
@@ -203,29 +201,18 @@ class CallOptions:
         ``interactive`` or ``batch``)."""
         fkey, klass = self.fairness_key, self.call_class
         if fkey is not None and (not isinstance(fkey, str) or not fkey or len(fkey) > MAX_FAIRNESS_KEY):
-            raise InvalidArgs(
-                f"fairness_key must be a non-empty string of at most {MAX_FAIRNESS_KEY} characters, got {fkey!r}"
-            )
+            raise InvalidArgs(f"fairness_key must be a non-empty string of at most {MAX_FAIRNESS_KEY} characters, got {fkey!r}")
         if klass is not None and klass not in CALL_CLASSES:
             raise InvalidArgs(f"call_class must be one of {', '.join(CALL_CLASSES)}, got {klass!r}")
         timeout, attempts = self.timeout, self.max_attempts
-        if timeout is not None and (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                    or not math.isfinite(timeout) or timeout <= 0):
             raise InvalidArgs(f"timeout must be a number of seconds above 0, got {timeout!r}")
-        if attempts is not None and (
-            isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1
-        ):
+        if attempts is not None and (isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1):
             raise InvalidArgs(f"max_attempts must be an integer of at least 1, got {attempts!r}")
         return Options(
-            timeout=self.timeout,
-            idempotency_key=self.idempotency_key,
-            max_attempts=self.max_attempts,
-            fairness_key=fkey,
-            call_class=klass,
+            timeout=self.timeout, idempotency_key=self.idempotency_key, max_attempts=self.max_attempts,
+            fairness_key=fkey, call_class=klass,
         )
 
 
@@ -278,19 +265,13 @@ def check_llm_request(request: Any, context: dict[str, Any]) -> None:
     messages = request.get("messages")
     if messages is None and request.get("input") is None:
         raise InvalidArgs("an LLM request needs messages (chat completions) or input (the Responses API)")
-    if messages is not None and not (
-        isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
-    ):
-        raise InvalidArgs(
-            f"an LLM request's messages must be a list of mappings, got {type(messages).__name__}"
-        )
+    if messages is not None and not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
+        raise InvalidArgs(f"an LLM request's messages must be a list of mappings, got {type(messages).__name__}")
     if request.get("model") is not None and type(request["model"]) is not str:
         raise InvalidArgs(f"an LLM request's model must be text, got {type(request['model']).__name__}")
     for key in ("extra_headers", "extra_body", "extra_query"):  # (the provider merges them as mappings)
         if request.get(key) is not None and not isinstance(request[key], dict):
-            raise InvalidArgs(
-                f"an LLM request's {key} must be a mapping, got {type(request[key]).__name__}", field=key
-            )
+            raise InvalidArgs(f"an LLM request's {key} must be a mapping, got {type(request[key]).__name__}", field=key)
     check_context(context)
 
 
@@ -303,13 +284,8 @@ def check_batch_keys(common: dict[str, Any], idem_keys: Sequence[str | None] | N
 
 
 def tool_envelope(
-    entry: Entry,
-    name: str,
-    args: dict[str, Any] | None,
-    opts: CallOptions,
-    context: dict[str, Any],
-    channel: Callable[[str], str],
-    settings: Settings,
+    entry: Entry, name: str, args: dict[str, Any] | None, opts: CallOptions, context: dict[str, Any],
+    channel: Callable[[str], str], settings: Settings,
 ) -> Envelope:
     """The envelope of one call of ``entry``; events go to ``channel(queue)``, a split tool's call to its next
     partition."""
@@ -324,31 +300,17 @@ def tool_envelope(
     if n > 1:
         concurrency = spec.concurrency or settings.concurrency_for(spec.executor)
         queue = keys.partition_route(queue, n, concurrency, opts.idempotency_key, opts.partition_slot)
-    return _envelope(
-        opts, queue, context, channel, packed, kind="tool", tool=name, args=args, tool_version=entry.version
-    )
+    return _envelope(opts, queue, context, channel, packed, kind="tool", tool=name, args=args, tool_version=entry.version)
 
 
-def _envelope(
-    opts: CallOptions,
-    queue: str,
-    context: dict[str, Any],
-    channel: Callable[[str], str],
-    packed: bytes,
-    **call: Any,
-) -> Envelope:
+def _envelope(opts: CallOptions, queue: str, context: dict[str, Any], channel: Callable[[str], str], packed: bytes,
+              **call: Any) -> Envelope:
     """The envelope of a call (``call``: its kind and what it asks) on ``queue``, keeping its ``packed`` arguments."""
     tp, ts, bg = opts.headers()
     return Envelope(
         call_id=keys.call_id(queue, opts.call_id or new_call_id()),
-        context={k: v for k, v in context.items() if v is not None},
-        traceparent=ensure_traceparent(tp),
-        tracestate=ts,
-        baggage=bg,
-        options=opts.envelope_options(),
-        queue=queue,
-        channel=channel(queue),
-        **call,
+        context={k: v for k, v in context.items() if v is not None}, traceparent=ensure_traceparent(tp),
+        tracestate=ts, baggage=bg, options=opts.envelope_options(), queue=queue, channel=channel(queue), **call,
     ).keep_packed(packed)
 
 
@@ -390,10 +352,7 @@ LLM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 
 
 def llm_envelope(
-    request: dict[str, Any],
-    settings: Settings,
-    opts: CallOptions,
-    context: dict[str, Any],
+    request: dict[str, Any], settings: Settings, opts: CallOptions, context: dict[str, Any],
     channel: Callable[[str], str],
 ) -> tuple[Envelope, dict[str, Any]]:
     """The envelope and limits of one LLM call (chat-completions kwargs, ``check_llm_request``-ed)."""
@@ -419,9 +378,7 @@ def llm_envelope(
         raise TokensOverLimit(
             f"the LLM call's token estimate ({estimate}: max_tokens + its prompt) is more than {ckey!r} "
             f"allows in a minute (tokens_per_minute {rate.tpm}): it could never run; lower max_tokens",
-            key=ckey,
-            estimate=estimate,
-            limit=rate.tpm,
+            key=ckey, estimate=estimate, limit=rate.tpm,
         )
     limits = {
         "ckey": ckey,
@@ -439,22 +396,11 @@ def llm_envelope(
 # -- cancelling a call that no worker has taken -------------------------------------------------
 
 CANCEL_FIELDS = (
-    keys.F_STATE,
-    keys.F_ATTEMPT,
-    keys.F_TRACE,
-    keys.F_KIND,
-    keys.F_TOOL,
-    keys.F_CHANNEL,
-    keys.F_CKEY,
-    "origin",
-    keys.F_SESSION,
-    "data",
+    keys.F_STATE, keys.F_ATTEMPT, keys.F_TRACE, keys.F_KIND, keys.F_TOOL, keys.F_CHANNEL, keys.F_CKEY, "origin",
+    keys.F_SESSION, "data",
 )
 PENDING_CANCEL = {"type": "cancelled", "message": "cancelled by the caller before it started"}
-RETRYING_CANCEL = {
-    "type": "cancelled",
-    "message": "cancelled by the caller while it waited for its next attempt",
-}
+RETRYING_CANCEL = {"type": "cancelled", "message": "cancelled by the caller while it waited for its next attempt"}
 
 
 @dataclass(frozen=True)
@@ -471,9 +417,7 @@ class CancelTarget:
         """From ``HMGET job CANCEL_FIELDS``; None for a call not on record."""
         if raw[0] is None:
             return None
-        state, attempt, trace, kind, tool, chan, ckey, origin, session = (
-            text(v) if v is not None else "" for v in raw[:-1]
-        )
+        state, attempt, trace, kind, tool, chan, ckey, origin, session = (text(v) if v is not None else "" for v in raw[:-1])
         info = CallInfo(call_id, trace, new_span_id(), kind, tool, session or None, chan, ckey, origin)
         return cls(info, state, int(attempt or 1), raw[-1])
 
@@ -490,18 +434,12 @@ class CancelTarget:
             env = None
         context = env.context if env is not None else {}
         return AuditRecord.of(
-            call_id=info.call_id,
-            kind=info.kind,
-            state=str(State.CANCELLED),
-            args=env.args if env is not None else None,
-            sensitive=tuple(sensitive or ()),
-            request=env.request if env is not None and info.kind == "llm" else None,
-            error=error,
+            call_id=info.call_id, kind=info.kind, state=str(State.CANCELLED),
+            args=env.args if env is not None else None, sensitive=tuple(sensitive or ()),
+            request=env.request if env is not None and info.kind == "llm" else None, error=error,
             tool_name=info.name if info.kind == "tool" else None,
-            model=info.name if info.kind == "llm" else None,
-            **context_fields(context),
-            trace_id=info.trace_id,
-            attempts=self.attempt,
+            model=info.name if info.kind == "llm" else None, **context_fields(context),
+            trace_id=info.trace_id, attempts=self.attempt,
         )
 
 
@@ -544,25 +482,15 @@ async def await_steps(steps: Steps[T]) -> T:
 # -- events and handles --------------------------------------------------------------------------
 
 _MISSING = object()
-LIVE_GRACE = (
-    0.2  # seconds a follower waits for live events an ended call's history no longer holds (``sync``)
-)
+LIVE_GRACE = 0.2  # seconds a follower waits for live events an ended call's history no longer holds (``sync``)
 
 
 class CallState:
     """What a handle knows of its call: its events, its end, its result or error, or the refusal of its
     submission; the faces add waiting. ``lock``: held while the state changes."""
 
-    def __init__(
-        self,
-        router: Router[Any],
-        call_id: str,
-        name: str,
-        kind: str = "tool",
-        *,
-        own: bool = True,
-        lock: Any = None,
-    ) -> None:
+    def __init__(self, router: Router[Any], call_id: str, name: str, kind: str = "tool", *, own: bool = True,
+                 lock: Any = None) -> None:
         self.router = router
         self.call_id = call_id
         self.name = name
@@ -643,12 +571,7 @@ class CallState:
     def _outcome(self, conn: Any) -> Steps[Any]:
         """``outcome``, with a result too large for the terminal event read from the call's record first."""
         final = self._final
-        if (
-            final is not None
-            and final.state == State.DONE
-            and self._result is _MISSING
-            and "result" not in final.detail
-        ):
+        if final is not None and final.state == State.DONE and self._result is _MISSING and "result" not in final.detail:
             raw = yield conn.hget(keys.job(self.call_id), keys.F_RESULT)
             self._result = unpack(raw) if raw is not None else None
         return self.outcome()
@@ -803,9 +726,7 @@ class ClientCore(Generic[H]):
     def _on_reconnect(self, connection: Any) -> None:
         self._catch_up_due = True
 
-    def _call_tool(
-        self, name: str, args: dict[str, Any] | None, opts: CallOptions, context: dict[str, Any]
-    ) -> Steps[H]:
+    def _call_tool(self, name: str, args: dict[str, Any] | None, opts: CallOptions, context: dict[str, Any]) -> Steps[H]:
         with answered(f"submitting a call of {name!r}"), Sending(opts.traceparent, opts.tracestate) as send:
             entry = yield self.tool(name)
             opts = dataclasses.replace(opts, trace_headers=send.headers)
@@ -837,13 +758,8 @@ class ClientCore(Generic[H]):
             self.router.drop(env.call_id)
             raise
 
-    def _submit_many(
-        self,
-        calls: Iterable[tuple[str, dict[str, Any]]],
-        common: dict[str, Any],
-        handles: Handles[H],
-        chunk_size: int,
-    ) -> Steps[Handles[H]]:
+    def _submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]], common: dict[str, Any], handles: Handles[H],
+                     chunk_size: int) -> Steps[Handles[H]]:
         """Submit (tool, args) pairs into ``handles``: every item is checked, its tool looked up first, before
         anything is sent, then they go in pipelines of ``chunk_size``. A broker failure on the first pipeline
         raises; on a later one, its items are refused as "outcome unknown", the rest as not sent."""
@@ -860,9 +776,7 @@ class ClientCore(Generic[H]):
         try:
             for i, (name, args) in enumerate(calls):
                 entry = entries[name]
-                env = tool_envelope(
-                    entry, name, args, opts.item(idem_keys, i), common, self.channel_for, self.settings
-                )
+                env = tool_envelope(entry, name, args, opts.item(idem_keys, i), common, self.channel_for, self.settings)
                 handle = self.router.track(self._new_handle(env.call_id, name))
                 prepared.append((env, tool_limits(env, entry.spec, self.settings), handle))
             yield self._ensure_workers(env.queue for env, _, _ in prepared)
@@ -873,12 +787,8 @@ class ClientCore(Generic[H]):
                     chunk = prepared[start : start + chunk_size]
                     replies: list[Any]
                     acked: Any = None
-                    if (
-                        failure is not None
-                    ):  # the broker failed on an earlier pipeline: do not wait on it again
-                        replies = [
-                            HermesError(f"not sent: the broker failed earlier in this batch: {failure}")
-                        ]
+                    if failure is not None:  # the broker failed on an earlier pipeline: do not wait on it again
+                        replies = [HermesError(f"not sent: the broker failed earlier in this batch: {failure}")]
                         replies *= len(chunk)
                     else:
                         try:
@@ -896,11 +806,7 @@ class ClientCore(Generic[H]):
                     for (env, limits, handle), reply in zip(chunk, replies, strict=True):
                         try:
                             if isinstance(reply, Exception):
-                                raise (
-                                    reply
-                                    if isinstance(reply, HermesError)
-                                    else broker_error("submission failed", reply)
-                                )
+                                raise reply if isinstance(reply, HermesError) else broker_error("submission failed", reply)
                             settled = yield from self._settle(env, limits, handle, reply, acked)
                             if settled is not handle:  # (the existing call)
                                 existing.append(settled)
@@ -916,17 +822,14 @@ class ClientCore(Generic[H]):
             raise
         return handles
 
-    def pipelined(
-        self, chunk: Sequence[tuple[Envelope, dict[str, Any], Any]], execute: Callable[[Any], Any]
-    ) -> Steps[tuple[list[Any], Any]]:
+    def pipelined(self, chunk: Sequence[tuple[Envelope, dict[str, Any], Any]],
+                   execute: Callable[[Any], Any]) -> Steps[tuple[list[Any], Any]]:
         """SUBMIT ``chunk``'s calls (envelope, SUBMIT's keywords, anything) in one pipeline sent by
         ``execute``: their replies (an error in place of a failed one), and WAIT's (None when not asked for)."""
         pipe = self.conn.pipeline(transaction=False)
         for env, limits, _ in chunk:
             yield self.calls.submit(env, pipeline=pipe, **limits)
-        confirm = bool(chunk) and durability.queue_wait(
-            pipe, self.settings
-        )  # (before the wake-up: workers see it confirmed)
+        confirm = bool(chunk) and durability.queue_wait(pipe, self.settings)  # (before the wake-up: workers see it confirmed)
         queues = list(dict.fromkeys(keys.base_queue(env.queue) for env, _, _ in chunk))
         yield from self._wake(pipe, queues)
         replies = yield execute(pipe)
@@ -956,20 +859,13 @@ class ClientCore(Generic[H]):
             name, kind = Calls.existing_call(reply) or (env.name, env.kind)
             return self._new_handle(call_id, name, kind, own=False)
         what = f"call {env.call_id} ({env.name}) not accepted"
-        error = (
-            None if acked is None else durability.shortfall(acked, self.settings, what, call_id=env.call_id)
-        )
+        error = None if acked is None else durability.shortfall(acked, self.settings, what, call_id=env.call_id)
         if error is not None:
             try:
                 error.details["cancelled"] = yield from self._cancel(env.call_id)
-            except (
-                redis.RedisError,
-                OSError,
-            ) as e:  # the broker failed meanwhile: the caller is told it may still run
+            except (redis.RedisError, OSError) as e:  # the broker failed meanwhile: the caller is told it may still run
                 error.details["cancelled"] = False
-                error.message += (
-                    f"; cancelling it failed too ({e}): gw.handle({env.call_id!r}) finds it if it was kept"
-                )
+                error.message += f"; cancelling it failed too ({e}): gw.handle({env.call_id!r}) finds it if it was kept"
             raise error
         return handle
 
@@ -982,14 +878,10 @@ class ClientCore(Generic[H]):
             return False
         info = target.info
         retrying = target.state == State.RETRYING  # (between attempts: no worker holds it either)
-        if retrying or (
-            target.state == State.PENDING
-            and (yield conn.zscore(keys.leases(keys.tag(info.queue)), call_id)) is None
-        ):
+        if retrying or (target.state == State.PENDING
+                        and (yield conn.zscore(keys.leases(keys.tag(info.queue)), call_id)) is None):
             error = RETRYING_CANCEL if retrying else PENDING_CANCEL
-            reply = yield self.calls.cancel_unleased(
-                info, attempt=target.attempt, error=error, retrying=retrying
-            )
+            reply = yield self.calls.cancel_unleased(info, attempt=target.attempt, error=error, retrying=retrying)
             if int(reply[0]) > 0:
                 from broker.audit import AuditLog
 
@@ -997,14 +889,10 @@ class ClientCore(Generic[H]):
                 if info.kind == "tool":
                     with contextlib.suppress(HermesError):  # removed meanwhile: still redacted by name
                         sensitive = (yield self.tool(info.name)).spec.sensitive
-                yield AuditLog.from_settings(conn, self.settings.audit).append(
-                    target.audit_record(sensitive, error)
-                )
+                yield AuditLog.from_settings(conn, self.settings.audit).append(target.audit_record(sensitive, error))
                 return True
         yield conn.hset(keys.job(call_id), keys.F_CANCEL, "1")
-        yield conn.publish(
-            keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id})
-        )
+        yield conn.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))
         return True
 
     def _lookup(self, call_id: str) -> Steps[H]:

@@ -74,10 +74,7 @@ class Credentials:
     """The tokens a server accepts and the caller each one is."""
 
     def __init__(
-        self,
-        token: str | None = None,
-        api: Mapping[str, Any] | None = None,
-        allowed_hosts: frozenset[str] = frozenset(),
+        self, token: str | None = None, api: Mapping[str, Any] | None = None, allowed_hosts: frozenset[str] = frozenset()
     ) -> None:
         self.allowed_hosts = allowed_hosts  # (api.allowed_hosts: what the routes taking no token answer to)
         api = api or {}
@@ -85,9 +82,7 @@ class Credentials:
             raise ConfigError(f"config.yaml: api: expected a mapping, got {type(api).__name__}")
         unknown = set(api) - {"tokens", "token_principal"}
         if unknown:
-            raise ConfigError(
-                f"config.yaml: api: unknown key(s) {sorted(unknown)}; expected tokens, token_principal"
-            )
+            raise ConfigError(f"config.yaml: api: unknown key(s) {sorted(unknown)}; expected tokens, token_principal")
         named = api.get("token_principal")
         if named is not None and (not isinstance(named, str) or not named):
             raise ConfigError("config.yaml: api.token_principal: expected a principal name")

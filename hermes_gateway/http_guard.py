@@ -61,12 +61,8 @@ def _is_address(name: str) -> bool:
     return True
 
 
-def check_origin(
-    request: HTTPConnection,
-    token_required: bool,
-    tokenless: bool = False,
-    allowed: frozenset[str] = frozenset(),
-) -> None:
+def check_origin(request: HTTPConnection, token_required: bool, tokenless: bool = False,
+                 allowed: frozenset[str] = frozenset()) -> None:
     """A foreign ``Origin`` is refused; without a token configured the Host must be a loopback name; with
     one, a route that takes no token (``tokenless``) answers only to loopback names, IP addresses and the
     ``allowed`` names: a DNS rebinding page's own name is none of them."""
@@ -77,13 +73,7 @@ def check_origin(
     name = host_name(host).lower()
     if not token_required and name not in LOOPBACK and host not in LOOPBACK:
         raise Forbidden(f"host {host!r}: without a token the API answers to loopback names only")
-    if (
-        token_required
-        and tokenless
-        and name not in LOOPBACK
-        and name not in allowed
-        and not _is_address(name)
-    ):
+    if token_required and tokenless and name not in LOOPBACK and name not in allowed and not _is_address(name):
         raise Forbidden(
             f"host {host!r}: this route takes no token, so it answers to loopback names, IP addresses and "
             "api.allowed_hosts (HERMES_API_ALLOWED_HOSTS) only"
@@ -101,9 +91,7 @@ class Guard:
     """The origin and Host checks (403), then, unless ``token=False``, the bearer token (401, else its
     ``Caller`` in the scope); ``query_token``: ``?access_token=`` too, for ``EventSource``."""
 
-    def __init__(
-        self, app: ASGIApp, creds: Credentials, *, token: bool = True, query_token: bool = False
-    ) -> None:
+    def __init__(self, app: ASGIApp, creds: Credentials, *, token: bool = True, query_token: bool = False) -> None:
         self.app, self.credentials, self.token, self.query_token = app, creds, token, query_token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

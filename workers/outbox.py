@@ -31,11 +31,7 @@ class Outbox:
     """A FIFO of pipeline writers flushed by one background thread."""
 
     def __init__(
-        self,
-        conn: redis.Redis,
-        max_batch: int = 512,
-        confirmer: Confirmer | None = None,
-        name: str = "hermes-outbox",
+        self, conn: redis.Redis, max_batch: int = 512, confirmer: Confirmer | None = None, name: str = "hermes-outbox"
     ) -> None:
         self.conn = conn
         # With ``broker.wait_replicas``, each batch ends with WAIT: its callbacks wait for the replicas.
@@ -68,9 +64,7 @@ class Outbox:
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until everything queued so far has been sent."""
         try:
-            self.call(
-                lambda pipe: pipe.exists(keys.WORKERS), timeout
-            )  # (a keyed no-op: a cluster pipeline takes no ECHO)
+            self.call(lambda pipe: pipe.exists(keys.WORKERS), timeout)  # (a keyed no-op: a cluster pipeline takes no ECHO)
             return True
         except (TimeoutError, redis.RedisError):
             return False
@@ -90,9 +84,7 @@ class Outbox:
         items = self._items
         while True:
             batch = [items.get()]
-            for _ in range(
-                min(items.qsize(), self.max_batch - 1)
-            ):  # (this thread alone takes: they are there)
+            for _ in range(min(items.qsize(), self.max_batch - 1)):  # (this thread alone takes: they are there)
                 batch.append(items.get_nowait())
             stop = _STOP in batch
             batch = [item for item in batch if item is not _STOP] if stop else batch

@@ -49,16 +49,7 @@ log = structlog.get_logger("hermes.worker")
 INLINE_RESULT_LIMIT = 64 * 1024
 
 # The call's context a tool's middleware sees (``middleware/kinds.py`` normalises it).
-TOOL_CONTEXT = (
-    "session_id",
-    "task_id",
-    "turn_id",
-    "api_request_id",
-    "provider",
-    "model",
-    "api_mode",
-    "tool_call_id",
-)
+TOOL_CONTEXT = ("session_id", "task_id", "turn_id", "api_request_id", "provider", "model", "api_mode", "tool_call_id")
 
 
 @dataclass
@@ -82,9 +73,7 @@ class Running:
     rate: bool = False  # its concurrency key has a rate limit (its sends are stamped on the limiter)
     sent: bool = False  # a request of it left: its limiter entry counts it
     usage: dict[str, int] | None = None  # an LLM call's reported tokens: {"in": prompt, "out": completion}
-    api_request: dict[str, Any] | None = (
-        None  # an LLM call's answering request: api_request_id, provider, model, api_mode
-    )
+    api_request: dict[str, Any] | None = None  # an LLM call's answering request: api_request_id, provider, model, api_mode
     request: dict[str, Any] | None = None  # an LLM call's provider kwargs as built (its model filled in)
     notices: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # hooks' events, for the runner
     span: Any = None  # the executor span while the executor runs (``CallSpans``)
@@ -92,9 +81,7 @@ class Running:
     open: _Write | None = None  # its last write, while later moves may still join it
     # Guards joining that write against the sender taking it; one per call, so calls never wait on each other.
     writes: threading.Lock = field(default_factory=threading.Lock)
-    passed_on: bool = (
-        False  # its end takes the next call, which gets its thread slot (``CallRunner.next_call``)
-    )
+    passed_on: bool = False  # its end takes the next call, which gets its thread slot (``CallRunner.next_call``)
     take_sent: Sequence[Any] = ()  # the ``take`` arguments its ending write last went with
     holds: bool = False  # it counts in ``WorkerCore.held`` (from track() to release() or untrack())
 
@@ -131,15 +118,8 @@ class _Write:
             run.take_sent = kw["take"]()
             kw = {**kw, "take": run.take_sent}
         self.calls.move(
-            run.info,
-            target,
-            attempt=run.attempt,
-            current=self.current,
-            detail=detail,
-            via=steps[:-1],
-            ts=ts,
-            pipeline=pipe,
-            **kw,
+            run.info, target, attempt=run.attempt, current=self.current, detail=detail, via=steps[:-1], ts=ts,
+            pipeline=pipe, **kw,
         )
         for more in after:  # (one that fails alone: the move itself still goes)
             try:
@@ -149,8 +129,7 @@ class _Write:
 
     def replied(self, reply: Any) -> None:
         if (  # a resend (its first reply lost) of a write that ran: the call is where this write put it
-            not isinstance(reply, Exception)
-            and int(reply[0]) == WRONG_STATE
+            not isinstance(reply, Exception) and int(reply[0]) == WRONG_STATE
             and text(reply[1]) == str(self.steps[-1][0])
         ):
             reply = [0, reply[1]]  # (fenced by attempt: at this attempt only this worker moves the call)
@@ -221,9 +200,7 @@ class CallRunner:
             pairs = [(hooked(h, f"before_{stage}"), hooked(h, f"after_{stage}")) for h in hooks]
             self._stages[stage] = [pair for pair in pairs if pair != (None, None)]
 
-    def _stage(
-        self, stage: str, run: Running, spec: ToolSpec, args: dict[str, Any], body: Callable[[], Any]
-    ) -> Any:
+    def _stage(self, stage: str, run: Running, spec: ToolSpec, args: dict[str, Any], body: Callable[[], Any]) -> Any:
         """``body`` between the stage's ``before_*`` (table order; one raising ends the stage) and ``after_*``
         (reverse order, for the hooks whose ``before_*`` returned; contained), then the hooks' notices."""
         pairs = self._stages[stage]
@@ -244,11 +221,7 @@ class CallRunner:
                 try:
                     after(run, spec, args, error)
                 except Exception:  # noqa: BLE001 - a hook's failure does not change the call's outcome
-                    log.exception(
-                        "hook failed",
-                        stage=f"after_{stage}",
-                        hook=type(getattr(after, "__self__", after)).__name__,
-                    )
+                    log.exception("hook failed", stage=f"after_{stage}", hook=type(getattr(after, "__self__", after)).__name__)
             if run.notices:
                 notices, run.notices = run.notices, []
                 for event_type, detail in notices:
@@ -260,22 +233,14 @@ class CallRunner:
             try:
                 after(run, outcome, error, duration)
             except Exception:  # noqa: BLE001 - as in _stage
-                log.exception(
-                    "hook failed", stage="after_call", hook=type(getattr(after, "__self__", after)).__name__
-                )
+                log.exception("hook failed", stage="after_call", hook=type(getattr(after, "__self__", after)).__name__)
 
     def _move(self, run: Running, target: State, detail: dict[str, Any] | None = None) -> None:
         current = run.state
         run.state = target
         if target is State.EXECUTING and run.rate and run.env.kind == "tool":
             run.sent = True  # (its limiter entry counts from the call's end, when the back end surely had it)
-        self._write(
-            run,
-            current,
-            (target, detail, time.time()),
-            {},
-            check=lambda reply: self._check(run, target, reply),
-        )
+        self._write(run, current, (target, detail, time.time()), {}, check=lambda reply: self._check(run, target, reply))
 
     def _write(
         self,
@@ -326,9 +291,7 @@ class CallRunner:
         if run.state is State.ROUTING:
             self._move(run, State.EXECUTING)
 
-    def execution(
-        self, run: Running, spec: ToolSpec | None, payload: dict[str, Any], chain: Callable[[], Any]
-    ) -> Any:
+    def execution(self, run: Running, spec: ToolSpec | None, payload: dict[str, Any], chain: Callable[[], Any]) -> Any:
         """DESIGN.md's executing step: the move, then (a tool call) the chain stage — the breaker's check
         first — around the execution middleware chain; formatting as it returns, before the post hooks."""
         self.executing(run)
@@ -535,24 +498,19 @@ class CallRunner:
                     target, result = State.FAILED, None
                     error = OutputTooLarge(
                         f"tool {run.info.name!r}: its result of {len(packed)} bytes passes the cap of {cap} "
-                        "(max_output)",
-                        limit=cap,
+                        "(max_output)", limit=cap,
                     ).to_wire()
                 else:
                     fields[keys.F_RESULT] = packed
                     detail["result_in_record"] = True
         if error is not None:  # (in the terminal event only: the ended record reads it there)
-            args = (
-                run.args if run.args is not None else getattr(run.env, "args", None)
-            )  # (no env: undecodable)
+            args = run.args if run.args is not None else getattr(run.env, "args", None)  # (no env: undecodable)
             secrets = logs.secret_values(args or {}, run.sensitive)
             if secrets:  # (a check's message may quote a secret argument too, not only a back end's)
                 error = logs.scrub_all(error, secrets)
             detail["error"] = error
         outcome = str(target)
-        writers = [
-            w for ending in self._endings if (w := ending(run, outcome, result, error, duration)) is not None
-        ]
+        writers = [w for ending in self._endings if (w := ending(run, outcome, result, error, duration)) is not None]
         current = run.state
         run.state = target
 
@@ -594,24 +552,12 @@ class CallRunner:
         its thread slot passed on with its end (as ``run``)."""
         core = self.core
         raw = core.conn.hmget(
-            keys.job(claimed.call_id),
-            keys.F_CHANNEL,
-            keys.F_CKEY,
-            keys.F_TRACE,
-            keys.F_KIND,
-            keys.F_TOOL,
-            "origin",
+            keys.job(claimed.call_id), keys.F_CHANNEL, keys.F_CKEY, keys.F_TRACE, keys.F_KIND, keys.F_TOOL, "origin"
         )
         chan, ckey, trace, kind, tool, origin = (text(v) for v in raw)
         info = CallInfo(
-            claimed.call_id,
-            trace,
-            new_span_id(),
-            kind or "tool",
-            tool,
-            session_id=None,
-            channel=chan or keys.caller_channel("unknown"),
-            ckey=ckey,
+            claimed.call_id, trace, new_span_id(), kind or "tool", tool, session_id=None,
+            channel=chan or keys.caller_channel("unknown"), ckey=ckey,
             queue=origin or keys.tag_in(claimed.call_id)[1:-1],  # its lease and slot are in its queue's keys
         )
         run = Running(info, None, claimed.attempt)  # type: ignore[arg-type]
@@ -620,14 +566,8 @@ class CallRunner:
         return run.passed_on
 
 
-def _secrets_kept(
-    run: Callable[..., Any],
-    executor: Any,
-    spec: ToolSpec,
-    args: dict[str, Any],
-    ctx: ExecContext,
-    sensitive: Sequence[str],
-) -> Any:
+def _secrets_kept(run: Callable[..., Any], executor: Any, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext,
+                  sensitive: Sequence[str]) -> Any:
     """``run(executor, spec, args, ctx)``; its error's message and text details show no value of a sensitive
     or secret-named argument (a back end's error may quote it: `ls: cannot access 'hunter2'`), before the
     span, the log line, the audit record or the caller see it."""
@@ -729,9 +669,7 @@ class WorkerCore:
         if self._batch_outbox is None:  # (the lock only until it exists: every batch write asks)
             with self._lock:
                 if self._batch_outbox is None:
-                    self._batch_outbox = Outbox(
-                        self.conn, confirmer=self.confirmer, name="hermes-outbox-batch"
-                    )
+                    self._batch_outbox = Outbox(self.conn, confirmer=self.confirmer, name="hermes-outbox-batch")
         return self._batch_outbox
 
     def flush(self, timeout: float) -> None:
@@ -791,15 +729,11 @@ class WorkerCore:
         budget = self.policy.daily_tokens(principal) if principal else None
         if budget is None:
             return
-        used = int(
-            self.conn.get(keys.usage_day(time.strftime("%Y-%m-%d", time.gmtime()), str(principal))) or 0
-        )
+        used = int(self.conn.get(keys.usage_day(time.strftime("%Y-%m-%d", time.gmtime()), str(principal))) or 0)
         if used >= budget:
             raise BudgetExceeded(
                 f"principal {principal!r} has used {used} of its {budget} tokens today (UTC)",
-                principal=principal,
-                used=used,
-                budget=budget,
+                principal=principal, used=used, budget=budget,
             )
 
     def inflight(self) -> list[Running]:

@@ -3,6 +3,7 @@ policy and audit apply to each); the runner only decides what to call next and r
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker import events as ev_mod
 from broker.breaker import Breakers, breaker_config, rejecting
-from broker.errors import CircuitOpen, FlowError, HermesError
+from broker.errors import CallTimeout, CircuitOpen, FlowError, HermesError
 
 from .expr import render
 from .model import Flow, Step
@@ -85,26 +86,38 @@ class FlowRunner:
         self._breakers = Breakers(gateway.conn)
         self._calls: list[Any] = []  # the run's calls (cancelled if the run is interrupted)
         self._calls_lock = threading.Lock()
+        self._stopped = False  # cancel_running() ran: a call a branch has yet to make is not made
 
     def track(self, *handles: Any) -> None:
         with self._calls_lock:
             self._calls.extend(handles)
+            stopped = self._stopped
+        if stopped:  # (made by a branch thread as the run was being stopped: it goes too)
+            self.cancel_running()
 
     def cancel_running(self) -> int:
-        """Cancel the run's calls that have not ended (Ctrl-C on ``flow run``); how many were."""
+        """Cancel the run's calls that have not ended (Ctrl-C on ``flow run``), and make no more; how many
+        were cancelled."""
         from hermes_gateway.handle import cancel_unended
 
         with self._calls_lock:
-            calls, self._calls = self._calls, []
+            calls, self._calls, self._stopped = self._calls, [], True
         return cancel_unended(calls)
+
+    def check_running(self) -> None:
+        """FlowError once the run was stopped (a parallel branch must not start a call after Ctrl-C)."""
+        if self._stopped:
+            raise FlowError("the flow was interrupted: its calls were cancelled")
 
     def run(self, flow: Flow, args: dict[str, Any] | None = None) -> FlowResult:
         """Run every step in order; stops at the first failed step whose ``on_error`` is ``fail``."""
         flow.validate()
         results = {s.id: StepResult(s.id) for s in flow.all_steps()}
         scope: dict[str, Any] = {"args": dict(args or {}), "steps": {k: v.view() for k, v in results.items()}}
+        self._stopped = False
+        run = _Run(self, results, scope)
         try:
-            completed = _Run(self, results, scope).steps(flow.steps)
+            completed = run.steps(flow.steps)
         except KeyboardInterrupt:  # (Ctrl-C: the calls it was waiting on stop too)
             self.cancel_running()
             raise
@@ -112,8 +125,8 @@ class FlowRunner:
             with self._calls_lock:
                 self._calls = []
         out = FlowResult(flow.name, "done" if completed else "failed", results)
-        if not completed:  # (a step failed: the first failed one is reported)
-            failed = next(r for r in results.values() if r.state == "failed")
+        if not completed:  # (the step that stopped the flow: the innermost, in a group)
+            failed = results[run.stopped_at or next(r.id for r in results.values() if r.state == "failed")]
             out.error = {"step": failed.id, **(failed.error or {})}
             return out
         try:
@@ -131,6 +144,7 @@ class _Run:
         self.r = runner
         self.results = results
         self.scope = scope
+        self.stopped_at: str | None = None  # the step that stopped the flow
 
     def emit(self, res: StepResult, state: str, **detail: Any) -> None:
         """Move the step to ``state``: the scope sees it, ``on_event`` hears it."""
@@ -140,7 +154,11 @@ class _Run:
             self.r.on_event(StepEvent(res.id, res.state, res.call_id, detail))
 
     def steps(self, steps: list[Step]) -> bool:
-        return all(self.step(s) for s in steps)
+        for s in steps:
+            if not self.step(s):
+                self.stopped_at = self.stopped_at or s.id  # (a group's inner step came first)
+                return False
+        return True
 
     def step(self, step: Step) -> bool:
         """Run one step; False when the flow must stop."""
@@ -182,8 +200,12 @@ class _Run:
             self.settle(res, outcome, "done")
 
     def call(self, tool: str, args: Any, timeout: float | None, res: StepResult) -> Any:
-        """One call, its events reported as they come; returns the result or the error."""
+        """One call, its events reported as they come; returns the result or the error. A call not ended
+        within the runner's ``wait`` is cancelled (the step fails: its effects must not come later)."""
+        handle = None
+        deadline = None if self.r.wait is None else time.monotonic() + self.r.wait
         try:
+            self.r.check_running()
             handle = self.r.gw.call_tool(tool, args, timeout=timeout, **self.r.context)
             self.r.track(handle)
             res.call_id = handle.call_id
@@ -191,7 +213,10 @@ class _Run:
             for ev in handle.events(timeout=self.r.wait):
                 if ev.type == ev_mod.TRANSITION and not ev.terminal:
                     self.emit(res, "running", call_state=ev.state, attempt=ev.attempt)
-            return handle.result(0 if handle.done() else self.r.wait)
+            return handle.result(0 if handle.done() else _left(deadline))
+        except CallTimeout as e:
+            _cancel(handle)
+            return e
         except HermesError as e:
             return e
 
@@ -233,36 +258,75 @@ class _Run:
             raise FlowError(
                 f"step {step.id}: for_each: {step.for_each!r} is a {type(items).__name__}, not a list"
             )
-        tool = step.tool or ""
-        if step.fallback is not None and self.breaker_open(tool):
-            if step.fallback.skip:
+        fb = step.fallback
+        if fb is not None and self.breaker_open(step.tool or ""):
+            if fb.skip:
                 self.fallback(step, res, None)
                 return
-            tool = step.fallback.tool or tool
-        calls = [
-            (tool, render(step.args_tpl, {**self.scope, step.as_name: it, "index": i}))
-            for i, it in enumerate(items)
-        ]
+            calls = [self.fallback_call(step, i, it) for i, it in enumerate(items)]
+        else:
+            calls = [
+                (step.tool or "", render(step.args_tpl, {**self.scope, step.as_name: it, "index": i}))
+                for i, it in enumerate(items)
+            ]
         opts = {"timeout": step.timeout} if step.timeout is not None else {}
+        self.r.check_running()
         batch = self.r.gw.submit_many(calls, **opts, **self.r.context) if calls else []
         self.r.track(*batch)
         self.emit(res, "running", total=len(calls))
+        deadline = None if self.r.wait is None else time.monotonic() + self.r.wait
         out: list[dict[str, Any]] = []
         for i, handle in enumerate(batch):
             try:
-                result = handle.result(self.r.wait)
+                result = handle.result(_left(deadline))
                 out.append({"index": i, "ok": True, "result": result, "call_id": handle.call_id})
+            except CircuitOpen as e:  # (the breaker opened while the items went out: this one degrades)
+                out.append(self.fallback_item(step, i, items[i], e, handle.call_id))
             except HermesError as e:
+                if isinstance(e, CallTimeout):
+                    _cancel(handle)
                 out.append({"index": i, "ok": False, "error": e.to_wire(), "call_id": handle.call_id})
             self.emit(res, "running", done=len(out), failed=sum(not o["ok"] for o in out), total=len(calls))
         self.combine(res, out, [o.get("result") for o in out])
+
+    def fallback_call(self, step: Step, index: int, item: Any) -> tuple[str, Any]:
+        """Item ``index``'s call to the step's fallback tool (its ``args`` rendered with the item in scope)."""
+        assert step.fallback is not None
+        scope = {**self.scope, step.as_name: item, "index": index}
+        tpl = step.fallback_tpl if step.fallback_tpl is not None else step.args_tpl
+        return step.fallback.tool or step.tool or "", render(tpl, scope)
+
+    def fallback_item(
+        self, step: Step, index: int, item: Any, error: CircuitOpen, call_id: str
+    ) -> dict[str, Any]:
+        """An item its tool's breaker refused: skipped, or its fallback tool's outcome; failed without one."""
+        fb = step.fallback
+        if fb is None:
+            return {"index": index, "ok": False, "error": error.to_wire(), "call_id": call_id}
+        if fb.skip:
+            return {"index": index, "ok": True, "result": None, "skipped": "breaker open", "call_id": call_id}
+        tool, args = self.fallback_call(step, index, item)
+        try:
+            self.r.check_running()
+            handle = self.r.gw.call_tool(tool, args, timeout=step.timeout, **self.r.context)
+            self.r.track(handle)
+            result = handle.result(self.r.wait)
+        except HermesError as e:
+            return {"index": index, "ok": False, "error": e.to_wire(), "call_id": call_id, "fallback": tool}
+        return {"index": index, "ok": True, "result": result, "call_id": handle.call_id, "fallback": tool}
 
     def parallel(self, step: Step, res: StepResult) -> None:
         branches = step.parallel or []
         self.emit(res, "running", branches=[b.id for b in branches])
         threads = min(len(branches), self.r.max_parallel)
-        with ThreadPoolExecutor(threads, thread_name_prefix="hermes-flow") as pool:
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="hermes-flow")
+        try:
             list(pool.map(self.step, branches))
+        except BaseException:  # (Ctrl-C: the branches' calls stop now, not after they end)
+            self.r.cancel_running()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
         out = []
         for b in branches:
             r = self.results[b.id]
@@ -279,3 +343,17 @@ class _Run:
             res.error = {"type": "partial_failure", "message": message, "failed": failed}
         state = "done" if not failed else ("failed" if failed == len(items) else "partial")
         self.emit(res, state, failed=failed, total=len(items))
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (None: no deadline), never below 0."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _cancel(handle: Any) -> None:
+    """Cancel a call the flow stopped waiting for (a broker failing meanwhile leaves it be)."""
+    import redis
+
+    if handle is not None:
+        with contextlib.suppress(HermesError, redis.RedisError):
+            handle.cancel()

@@ -205,12 +205,25 @@ class _Parser:
         return out
 
 
+MAX_CHARS = 1000  # an expression's length at most (its parser and evaluator recurse with its nesting)
+
+
 class Expression:
     """A parsed expression; ``evaluate(scope)`` reads only the scope's data."""
 
     def __init__(self, text: str) -> None:
         self.text = text.strip()
-        self.tree = _Parser(self.text).parse()
+        if len(self.text) > MAX_CHARS:
+            raise FlowError(
+                f"expression {self.text[:40]!r}...: {len(self.text)} characters, more than {MAX_CHARS}",
+                expression=self.text[:MAX_CHARS],
+            )
+        try:
+            self.tree = _Parser(self.text).parse()
+        except RecursionError:
+            raise FlowError(
+                f"expression {self.text[:40]!r}...: nested too deeply", expression=self.text
+            ) from None
 
     def __repr__(self) -> str:
         return f"Expression({self.text!r})"
@@ -218,8 +231,10 @@ class Expression:
     def evaluate(self, scope: dict[str, Any]) -> Any:
         try:
             return _eval(self.tree, scope)
-        except (TypeError, ValueError, ZeroDivisionError) as e:
+        except (TypeError, ValueError, ArithmeticError) as e:  # (int(1e999): OverflowError)
             raise FlowError(f"expression {self.text!r}: {e}", expression=self.text) from e
+        except RecursionError:
+            raise FlowError(f"expression {self.text!r}: nested too deeply", expression=self.text) from None
 
 
 def _eval(n: Node, scope: dict[str, Any]) -> Any:
@@ -326,7 +341,10 @@ def check_names(expr: Expression, names: AbstractSet[str], step_ids: AbstractSet
             if isinstance(child, tuple):
                 walk(child)
 
-    walk(expr.tree)
+    try:
+        walk(expr.tree)
+    except RecursionError:
+        raise FlowError(f"expression {expr.text!r}: nested too deeply", expression=expr.text) from None
 
 
 def render(compiled: Any, scope: dict[str, Any]) -> Any:

@@ -190,11 +190,11 @@ class Flow:
             _check(step, seen)
         self.result_tpl = compile_template(self.result)
         # What each expression may read: the flow's args, the steps (by a declared id), and in a for_each
-        # step's args its item and index.
+        # step's args (and its fallback's, called per item) its item and index.
         for step in self.all_steps():
             each = {step.as_name, "index"} if step.each_expr is not None else set()
             for names, compiled in ((SCOPE, step.when_expr), (SCOPE, step.each_expr), (SCOPE | each, step.args_tpl),
-                                    (SCOPE, step.fallback_tpl)):
+                                    (SCOPE | each, step.fallback_tpl)):
                 for expr in expressions(compiled):
                     try:
                         check_names(expr, names, seen)

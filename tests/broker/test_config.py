@@ -46,12 +46,7 @@ VARIABLES: list[tuple[str, str, str, Any]] = [
     ("HERMES_API_HEADER_TIMEOUT", "3", "api.header_timeout", 3.0),
     ("HERMES_API_KEEP_ALIVE", "4", "api.keep_alive", 4.0),
     ("HERMES_API_MAX_CONNECTIONS", "10", "api.max_connections", 10),
-    (
-        "HERMES_API_ALLOWED_HOSTS",
-        "gw.internal, Metrics.Lan",
-        "api.allowed_hosts",
-        frozenset({"gw.internal", "metrics.lan"}),
-    ),
+    ("HERMES_API_ALLOWED_HOSTS", "gw.internal, Metrics.Lan", "api.allowed_hosts", frozenset({"gw.internal", "metrics.lan"})),
     ("HERMES_TRACE", "Console", "telemetry.trace", "console"),
     ("HERMES_LEAN_SPANS", "0", "telemetry.lean_spans", False),
     ("HERMES_TRACE_URL", "http://j/{trace_id}", "console.trace_url", "http://j/{trace_id}"),
@@ -68,14 +63,8 @@ PACKAGES = ("broker", "workers", "middleware", "hermes_gateway")
 SETTINGS_MODULE = "broker/config.py"
 # Reads of the whole environment (or of one named at run time) that are not settings: where, and why.
 NOT_SETTINGS = {
-    (
-        "workers/executors/command.py",
-        "build_env",
-    ): "a command tool's child process gets its allow-listed variables",
-    (
-        "workers/executors/__init__.py",
-        "expand_spec",
-    ): "${VAR} in a tool spec is user data from the worker's env",
+    ("workers/executors/command.py", "build_env"): "a command tool's child process gets its allow-listed variables",
+    ("workers/executors/__init__.py", "expand_spec"): "${VAR} in a tool spec is user data from the worker's env",
     ("workers/pool.py", "spawn"): "a worker child process inherits this process's environment",
     ("workers/pool.py", "metrics_env"): "a pool child's environment: this one's, with its own metrics port",
     ("hermes_gateway/local.py", "start_workers"): "a command's own worker processes inherit its environment",
@@ -94,9 +83,7 @@ def attribute(settings: Settings, path: str) -> Any:
 
 
 @pytest.mark.parametrize(("name", "raw", "path", "expected"), VARIABLES, ids=[v[0] for v in VARIABLES])
-def test_each_variable_sets_its_setting(
-    tmp_path: Path, name: str, raw: str, path: str, expected: Any
-) -> None:
+def test_each_variable_sets_its_setting(tmp_path: Path, name: str, raw: str, path: str, expected: Any) -> None:
     assert attribute(load_settings(tmp_path, environ={}), path) != expected
     assert attribute(load_settings(tmp_path, environ={name: raw}), path) == expected
 
@@ -119,11 +106,7 @@ def test_the_readme_table_lists_every_variable_and_the_setting_it_sets() -> None
     assert table == {"HERMES_HOME": "home", **{name: path for name, _, path, _ in VARIABLES}}
     read = set()
     for module in ("broker/config.py", "broker/settings.py"):
-        read |= set(
-            re.findall(
-                r"HERMES_[A-Z0-9_]*[A-Z0-9](?![A-Za-z0-9_*])", (REPO / module).read_text(encoding="utf-8")
-            )
-        )
+        read |= set(re.findall(r"HERMES_[A-Z0-9_]*[A-Z0-9](?![A-Za-z0-9_*])", (REPO / module).read_text(encoding="utf-8")))
     assert read == set(table)
 
 
@@ -177,54 +160,24 @@ def test_each_config_yaml_key_of_the_table_sets_its_setting_and_its_variable_win
 @pytest.mark.parametrize(
     ("environ", "message"),
     [
-        (
-            {"HERMES_LOG_LEVEL": "loud"},
-            "HERMES_LOG_LEVEL: expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL",
-        ),
+        ({"HERMES_LOG_LEVEL": "loud"}, "HERMES_LOG_LEVEL: expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL"),
         ({"HERMES_WORKER_LOG_LEVEL": "loud"}, "HERMES_WORKER_LOG_LEVEL: expected one of DEBUG"),
         ({"HERMES_LEASE": "long"}, "HERMES_LEASE: expected a number, got 'long'"),
-        (
-            {"HERMES_REDIS_FAST_PATH": "maybe"},
-            "broker.fast_path (HERMES_REDIS_FAST_PATH): expected true or false",
-        ),
+        ({"HERMES_REDIS_FAST_PATH": "maybe"}, "broker.fast_path (HERMES_REDIS_FAST_PATH): expected true or false"),
         ({"HERMES_MAX_ARGS": "0"}, "broker.max_args / HERMES_MAX_ARGS: expected a number of bytes > 0"),
         ({"HERMES_WAIT_REPLICAS": "1.5"}, "broker.wait_replicas: expected a whole number of replicas >= 0"),
         ({"HERMES_GC_THRESHOLD": "0"}, "HERMES_GC_THRESHOLD must be one to three integers"),
         ({"HERMES_METRICS_PORT": "http"}, "HERMES_METRICS_PORT: expected a port number, got 'http'"),
-        (
-            {"HERMES_TRACE": "jaeger"},
-            "HERMES_TRACE: expected one of off, console, otlp, zipkin, memory, got 'jaeger'",
-        ),
-        (
-            {"HERMES_GATEWAY_TIMEOUT": "soon"},
-            "HERMES_GATEWAY_TIMEOUT / plugins.entries.hermes-gateway.timeout",
-        ),
-        (
-            {"HERMES_BATCH_SHARE": "2"},
-            "fairness.batch_share (HERMES_BATCH_SHARE): expected a share from 0 to 1",
-        ),
-        (
-            {"HERMES_QUEUE_SIZE_PER_KEY": "1.5"},
-            "fairness.queue_size_per_key (HERMES_QUEUE_SIZE_PER_KEY): expected a whole",
-        ),
+        ({"HERMES_TRACE": "jaeger"}, "HERMES_TRACE: expected one of off, console, otlp, zipkin, memory, got 'jaeger'"),
+        ({"HERMES_GATEWAY_TIMEOUT": "soon"}, "HERMES_GATEWAY_TIMEOUT / plugins.entries.hermes-gateway.timeout"),
+        ({"HERMES_BATCH_SHARE": "2"}, "fairness.batch_share (HERMES_BATCH_SHARE): expected a share from 0 to 1"),
+        ({"HERMES_QUEUE_SIZE_PER_KEY": "1.5"}, "fairness.queue_size_per_key (HERMES_QUEUE_SIZE_PER_KEY): expected a whole"),
         ({"HERMES_LEASE": "-5"}, "workers.lease (HERMES_LEASE): expected seconds above 0, got -5"),
-        (
-            {"HERMES_MAX_ATTEMPTS": "0"},
-            "workers.max_attempts (HERMES_MAX_ATTEMPTS): expected a whole number of at least 1",
-        ),
+        ({"HERMES_MAX_ATTEMPTS": "0"}, "workers.max_attempts (HERMES_MAX_ATTEMPTS): expected a whole number of at least 1"),
         ({"HERMES_MAX_ATTEMPTS": "2.7"}, "expected a whole number of at least 1, got 2.7"),
-        (
-            {"HERMES_RESULT_TTL": "0"},
-            "workers.result_ttl (HERMES_RESULT_TTL): expected whole seconds of at least 1",
-        ),
-        (
-            {"HERMES_LOG_FORMAT": "xml"},
-            "logging.format (HERMES_LOG_FORMAT): expected console or json, got 'xml'",
-        ),
-        (
-            {"HERMES_LEAN_SPANS": "maybe"},
-            "lean spans (HERMES_LEAN_SPANS): expected true or false, got 'maybe'",
-        ),
+        ({"HERMES_RESULT_TTL": "0"}, "workers.result_ttl (HERMES_RESULT_TTL): expected whole seconds of at least 1"),
+        ({"HERMES_LOG_FORMAT": "xml"}, "logging.format (HERMES_LOG_FORMAT): expected console or json, got 'xml'"),
+        ({"HERMES_LEAN_SPANS": "maybe"}, "lean spans (HERMES_LEAN_SPANS): expected true or false, got 'maybe'"),
     ],
 )
 def test_a_bad_value_is_a_config_error_naming_its_variable(
@@ -249,18 +202,9 @@ def test_the_model_and_mcp_sections_are_typed_with_their_defaults(tmp_path: Path
     settings = load_settings(tmp_path, environ={"KEY": "sk-secret"})
     model = settings.model
     assert (model.provider, model.model, model.base_url, model.api_key, model.api_mode) == (
-        "ollama",
-        "qwen",
-        "http://h:1/v1",
-        "sk-secret",
-        "x",
+        "ollama", "qwen", "http://h:1/v1", "sk-secret", "x"
     )
-    assert (model.timeout, model.max_retries, model.max_retry_after, model.headers) == (
-        7.0,
-        4,
-        3.0,
-        {"X-A": "1"},
-    )
+    assert (model.timeout, model.max_retries, model.max_retry_after, model.headers) == (7.0, 4, 3.0, {"X-A": "1"})
     assert "sk-secret" not in repr(settings)  # the key is kept out of logs of the settings
     assert settings.executor_settings("mcp") == {"handshake_timeout": 30.0, "concurrency": 2}
 
@@ -275,18 +219,9 @@ def test_the_model_and_mcp_sections_are_typed_with_their_defaults(tmp_path: Path
         ("mcp: {servers: {}}", "config.yaml: mcp: unknown key(s) ['servers']"),
         ("model: fast", "config.yaml: model: expected a mapping"),
         # A limit of 0 would leave every call of the executor waiting for a slot forever.
-        (
-            "executor: {concurrency: 0}",
-            "config.yaml: executor.concurrency: expected an integer of at least 1, got 0",
-        ),
-        (
-            "executors: {http: {concurrency: 2.5}}",
-            "config.yaml: executors.http.concurrency: expected an integer",
-        ),
-        (
-            "executors: {mcp: {queue_size: -1}}",
-            "config.yaml: executors.mcp.queue_size: expected an integer of at least 0",
-        ),
+        ("executor: {concurrency: 0}", "config.yaml: executor.concurrency: expected an integer of at least 1, got 0"),
+        ("executors: {http: {concurrency: 2.5}}", "config.yaml: executors.http.concurrency: expected an integer"),
+        ("executors: {mcp: {queue_size: -1}}", "config.yaml: executors.mcp.queue_size: expected an integer of at least 0"),
         ("executor: {queue_size: many}", "config.yaml: executor.queue_size: expected an integer"),
     ],
 )
@@ -319,9 +254,7 @@ def test_every_setting_has_an_environment_override(tmp_path: Path) -> None:
     assert settings.executor_settings("mcp")["handshake_timeout"] == 30.0
     assert settings.broker.max_args == 3000  # (HERMES_MAX_ARGS, the named variable, wins)
     with pytest.raises(ConfigError, match="executors.http.concurrency: expected an integer of at least 1"):
-        load_settings(
-            tmp_path, environ={"HERMES__EXECUTORS__HTTP__CONCURRENCY": "0"}
-        )  # checked as the file is
+        load_settings(tmp_path, environ={"HERMES__EXECUTORS__HTTP__CONCURRENCY": "0"})  # checked as the file is
     with pytest.raises(ConfigError, match="HERMES__MODEL__: expected HERMES__<SECTION>__<KEY>"):
         load_settings(tmp_path, environ={"HERMES__MODEL__": "x"})
 
@@ -362,9 +295,7 @@ def test_importing_our_packages_reads_no_setting(tmp_path: Path) -> None:
         "            importlib.import_module(info.name)\n"
     )
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **bad}
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
-    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
 
 
@@ -468,9 +399,7 @@ def test_the_guard_sees_each_way_of_reading(tmp_path: Path) -> None:
 
 
 def test_fairness_weights_are_per_principal_positive_numbers(tmp_path: Path) -> None:
-    (tmp_path / "config.yaml").write_text(
-        yaml.safe_dump({"fairness": {"weights": {"alice": 2, "batch-7": 0.5}}})
-    )
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"fairness": {"weights": {"alice": 2, "batch-7": 0.5}}}))
     fairness = load_settings(tmp_path, environ={}).fairness
     assert fairness.weight_of("alice", "anything") == 2 and fairness.weight_of(None, "batch-7") == 0.5
     assert fairness.weight_of("bob", "bob") == 1.0 and fairness.queue_size_per_key is None

@@ -163,13 +163,12 @@ def test_grpc_server_stream_reports_progress_as_events_then_the_messages(
     gateway.sync_tools()
     handle = gateway.call_tool("count", {"times": 3, "name": "0.15"})
     assert [m["message"] for m in handle.result(20)] == ["1", "2", "3"]
-    progress = [e.detail["message"] for e in handle.events() if e.type == "progress"]
-    assert [p.split(",")[0] for p in progress] == [
-        "gRPC stream: 1 message(s)",
-        "gRPC stream: 2 message(s)",
-        "gRPC stream: 3 message(s)",
-        "gRPC stream ended: 3 message(s)",
-    ]
+    progress = [e.detail["message"].split(",")[0] for e in handle.events() if e.type == "progress"]
+    # Messages 0.15 s apart, progress at most every 0.1 s (STREAM_PROGRESS_EVERY): on a loaded machine two
+    # messages can come closer than that, and the second is then told with the next one.
+    assert progress[-1] == "gRPC stream ended: 3 message(s)"
+    counts = [int(p.removeprefix("gRPC stream: ").split()[0]) for p in progress[:-1]]
+    assert counts[0] == 1 and counts == sorted(set(counts)) and counts[-1] <= 3, progress
 
 
 def test_mcp_stdio_tool_and_an_is_error_result(gateway: Any, home: Any, workers: Any) -> None:

@@ -28,10 +28,7 @@ class Served:
     def __init__(self, gateway: Any, token: str | None = None) -> None:
         self.port = free_port()
         config = uvicorn.Config(
-            create_app(gateway, token=token),
-            host="127.0.0.1",
-            port=self.port,
-            log_level="warning",
+            create_app(gateway, token=token), host="127.0.0.1", port=self.port, log_level="warning",
             timeout_graceful_shutdown=1,  # a browser page still holding an event stream does not delay the stop
         )
         self.server = uvicorn.Server(config)
@@ -107,9 +104,7 @@ def test_register_list_call_and_stream_a_tool_over_http(api: httpx.Client, gatew
     body = done.json()
     assert body["state"] == "done" and body["result"] == {"who": "北京"}
     # The caller's trace continues through the API (the ended call's terminal event carries its trace id).
-    assert gateway.calls.record(body["call_id"])["trace_id"] == TRACE, (
-        "the caller's trace continues through the API"
-    )
+    assert gateway.calls.record(body["call_id"])["trace_id"] == TRACE, "the caller's trace continues through the API"
 
     accepted = api.post(
         "/v1/tools/sleep/calls", json={"args": {"seconds": 0.2}, "context": {"session_id": "s-1"}}
@@ -151,12 +146,7 @@ def test_admission_errors_are_typed_http_errors_and_failures_are_outcomes(api: h
         )
         assert refused.status_code == 400 and field in refused.json()["error"]["message"], (field, value)
     # NaN and Infinity are not JSON (JSON.parse, Go and Java refuse them): refused wherever they stand.
-    for body in (
-        '{"wait": NaN}',
-        '{"args": {"x": Infinity}}',
-        '{"args": {"x": -Infinity}}',
-        '{"args": {"x": 1e400}}',
-    ):
+    for body in ('{"wait": NaN}', '{"args": {"x": Infinity}}', '{"args": {"x": -Infinity}}', '{"args": {"x": 1e400}}'):
         refused = api.post("/v1/tools/echo/calls", content=body, headers={"Content-Type": "application/json"})
         assert refused.status_code == 400 and "is not a JSON number" in refused.json()["error"]["message"], (
             body
@@ -170,10 +160,7 @@ def test_admission_errors_are_typed_http_errors_and_failures_are_outcomes(api: h
     # Naming plugins "already applied" would make the workers skip their middleware and hooks (guardrails):
     # only the Hermes plugin may, over Redis; over HTTP it is refused, as is the replay route's field.
     listed = api.post("/v1/tools/echo/calls", json={"args": {}, "context": {"session_id": ["a"]}})
-    assert (
-        listed.status_code == 400
-        and "context field session_id must be text" in listed.json()["error"]["message"]
-    )
+    assert listed.status_code == 400 and "context field session_id must be text" in listed.json()["error"]["message"]
     for field in ("plugins_applied", "replay_of"):
         skip = api.post("/v1/tools/echo/calls", json={"args": {}, "context": {field: "x"}})
         assert skip.status_code == 400 and field in skip.json()["error"]["message"], field
@@ -408,9 +395,7 @@ def test_responses_and_events_are_strict_json_and_a_huge_body_is_413(
     last = json.loads(events[-1]["data"], **strict)
     assert last["state"] == "done" and last["detail"]["result"] == {"nan": None, "inf": None, "ok": 1.5}
     monkeypatch.setenv("HERMES_API_MAX_BODY", "1000")
-    monkeypatch.setattr(
-        gateway, "settings", load_settings(gateway.settings.home)
-    )  # as a `serve` started now reads it
+    monkeypatch.setattr(gateway, "settings", load_settings(gateway.settings.home))  # as a `serve` started now reads it
     big = api.post("/v1/tools/echo/calls", json={"args": {"x": "a" * 2000}})
     assert big.status_code == 413 and big.json()["error"]["type"] == "payload_too_large"
     assert "over the limit of 1000" in big.json()["error"]["message"]
@@ -431,9 +416,7 @@ def test_an_llm_call_over_http_runs_on_the_workers_and_a_bad_request_is_a_400(
         try:
             with httpx.Client(base_url=served.base, timeout=30) as client:
                 ask = {"messages": [{"role": "user", "content": "Reply exactly ok"}]}
-                done = client.post(
-                    "/v1/llm/calls", json={"request": ask, "wait": 20, "context": {"session_id": "s-h"}}
-                )
+                done = client.post("/v1/llm/calls", json={"request": ask, "wait": 20, "context": {"session_id": "s-h"}})
                 assert done.status_code == 200, done.text
                 body = done.json()
                 assert body["state"] == "done" and body["result"]["choices"][0]["message"]["content"] == "ok"

@@ -224,10 +224,21 @@ def test_an_open_breaker_takes_the_fallback_or_skips_and_the_cli_shows_steps_liv
     assert "flow degraded: done" in cli.stderr
 
 
+FAN_STEPS = {
+    "for_each": {"id": "fan", "for_each": "args.items", "tool": "nap", "args": {"seconds": "{{ item }}"}},
+    "parallel": {"id": "fan", "parallel": [  # (its branches wait on their calls in threads of their own)
+        {"id": "a", "tool": "nap", "args": {"seconds": "{{ args.items[0] }}"}},
+        {"id": "b", "tool": "nap", "args": {"seconds": "{{ args.items[1] }}"}},
+    ]},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fan", ["for_each", "parallel"])
 def test_ctrl_c_on_flow_run_cancels_the_calls_it_waits_on(
-    gateway: Any, home: Any, workers: Any, redis_url: str, tmp_path: Path, wait_until: Any
+    gateway: Any, home: Any, workers: Any, redis_url: str, tmp_path: Path, wait_until: Any, fan: str
 ) -> None:
     import signal
+    import time
 
     from broker import keys
     from tests.conftest import sigint_as_by_default
@@ -236,9 +247,7 @@ def test_ctrl_c_on_flow_run_cancels_the_calls_it_waits_on(
     gateway.sync_tools()
     workers(1)
     path = tmp_path / "slow.yaml"
-    path.write_text(yaml.safe_dump({"name": "slow", "steps": [
-        {"id": "fan", "for_each": "args.items", "tool": "nap", "args": {"seconds": "{{ item }}"}},
-    ]}))  # fmt: skip
+    path.write_text(yaml.safe_dump({"name": "slow", "steps": [FAN_STEPS[fan]]}))
     env = dict(os.environ, HERMES_REDIS_URL=redis_url, HERMES_HOME=str(home.path))
     run = subprocess.Popen(
         [str(Path(sys.executable).parent / "hermes-gateway"), "flow", "run", str(path), "--args", "{items: [30, 30]}"],
@@ -248,7 +257,9 @@ def test_ctrl_c_on_flow_run_cancels_the_calls_it_waits_on(
         leased = wait_until(lambda: len(ids := gateway.conn.zrange(keys.leases(keys.tag("tools")), 0, -1)) == 2 and ids,
                             30, message="both calls to run")  # fmt: skip
         run.send_signal(signal.SIGINT)  # Ctrl-C while the step waits on its calls
+        t0 = time.monotonic()
         _out, err = run.communicate(timeout=30)
+        assert time.monotonic() - t0 < 10, "the command waited for its 30 s calls to end"
     finally:
         if run.poll() is None:
             run.kill()
@@ -256,3 +267,61 @@ def test_ctrl_c_on_flow_run_cancels_the_calls_it_waits_on(
     for call_id in (c.decode() for c in leased):
         ended = wait_until(lambda c=call_id: [e for e in events.history(gateway.conn, c) if e.terminal], 15)
         assert ended[-1].state == "cancelled", call_id
+
+
+def test_a_failed_flow_names_the_step_that_stopped_it_and_a_call_past_the_wait_is_cancelled(
+    gateway: Any, home: Any, workers: Any, tmp_path: Path, wait_until: Any
+) -> None:
+    import time
+
+    mode, log = _tools(home, tmp_path)
+    home.sleep_tool("nap")
+    gateway.sync_tools()
+    workers(1, concurrency=8)
+    backend = {"mode_file": str(mode), "log": str(log)}
+    doc = {"name": "stops", "steps": [
+        {"id": "fan", "parallel": [{"id": "a", "tool": "echo", "args": {}},
+                                   {"id": "b", "tool": "fragile", "args": {**backend, "tag": "b"}}]},
+        {"id": "later", "tool": "nosuchtool", "args": {}},
+    ]}  # fmt: skip
+    out = run_flow(gateway, doc, {})
+    assert out.state == "failed" and out.steps["fan"].state == "partial"
+    assert out.error["step"] == "later" and out.error["type"] == "unknown_tool"  # (not the partial fan's b)
+
+    t0 = time.monotonic()
+    slow = run_flow(
+        gateway, {"name": "slow", "steps": [{"id": "nap", "tool": "nap", "args": {"seconds": 20}}]}, wait=1.0
+    )
+    assert time.monotonic() - t0 < 1.8  # one deadline for the call's events and its result
+    assert slow.state == "failed" and slow.error == {**slow.error, "step": "nap", "type": "timeout"}
+    call_id = slow.steps["nap"].call_id
+    ended = wait_until(lambda: [e for e in events.history(gateway.conn, call_id) if e.terminal], 10)
+    assert ended[-1].state == "cancelled"  # the flow gave up on it: it must not finish later
+
+
+def test_for_each_items_the_breaker_refuses_take_the_fallback_with_the_item_in_scope(
+    gateway: Any, home: Any, workers: Any, tmp_path: Path
+) -> None:
+    mode, log = _tools(home, tmp_path, failures=2, cooldown=60)
+    gateway.sync_tools()
+    workers(1, concurrency=1)  # (one at a time: the first two failures open the breaker for the rest)
+    backend = {"mode_file": str(mode), "log": str(log)}
+    each = {
+        "id": "each",
+        "for_each": "args.items",
+        "as": "it",
+        "tool": "fragile",
+        "args": {**backend, "tag": "{{ it }}"},
+    }
+    skipped = run_flow(
+        gateway, {"name": "s", "steps": [{**each, "fallback": "skip"}]}, {"items": list("abcdef")}
+    )
+    items = skipped.steps["each"].items
+    assert [i["ok"] for i in items[:2]] == [False, False]  # they failed and opened the breaker
+    assert all(i["ok"] and i["skipped"] == "breaker open" for i in items[2:]), items
+    assert sorted(line.split()[1] for line in lines(log)) == ["a", "b"]  # the back end saw no more
+    fallback = {"tool": "echo", "args": {"degraded": True, "city": "{{ it }}"}}
+    degraded = run_flow(
+        gateway, {"name": "f", "steps": [{**each, "fallback": fallback}]}, {"items": ["x", "y"]}
+    )
+    assert degraded.steps["each"].result == [{"degraded": True, "city": "x"}, {"degraded": True, "city": "y"}]

@@ -43,3 +43,16 @@ def test_a_name_or_step_that_does_not_exist_is_refused_when_the_flow_loads(
     with pytest.raises(FlowError) as refused:
         flow(*steps, result=result)
     assert message in str(refused.value)
+
+
+def test_deep_long_or_overflowing_expressions_are_flow_errors_not_tracebacks() -> None:
+    from hermes_gateway.flows.expr import MAX_CHARS, Expression
+
+    for text in ("(" * 130 + "1" + ")" * 130, "[" * 120 + "1" + "]" * 120):
+        with pytest.raises(FlowError, match="nested too deeply"):
+            Expression(text)
+    with pytest.raises(FlowError, match=f"more than {MAX_CHARS}"):
+        Expression("+".join(["1"] * 1000))
+    assert Expression("+".join(["1"] * 450)).evaluate({}) == 450
+    with pytest.raises(FlowError, match="cannot convert float infinity to integer"):
+        Expression("int(args.v)").evaluate({"args": {"v": 1e999}})

@@ -45,12 +45,7 @@ def core(fake: Any, settings: Settings) -> Any:
 
 
 def submit(
-    fake: Any,
-    call_id: str,
-    tool: str = "echo",
-    max_attempts: int = 3,
-    call_class: str | None = None,
-    **args: Any,
+    fake: Any, call_id: str, tool: str = "echo", max_attempts: int = 3, call_class: str | None = None, **args: Any
 ) -> CallInfo:
     heard(fake)  # (listening as the caller does: an ended call's history is its last event alone)
     env = Envelope(
@@ -107,9 +102,7 @@ def test_a_call_runs_through_every_state_to_done(fake: Any, core: WorkerCore) ->
     assert core.processed == 1 and core.failed == 0
 
 
-def test_a_batch_calls_writes_go_through_an_outbox_of_their_own(
-    fake: Any, core: WorkerCore, monkeypatch: Any
-) -> None:
+def test_a_batch_calls_writes_go_through_an_outbox_of_their_own(fake: Any, core: WorkerCore, monkeypatch: Any) -> None:
     """An agent's call never waits behind a batch's round trip: a batch call's moves are sent by a second
     outbox thread (started with the first batch call), an interactive call's by the first; both end done."""
     sent_by: dict[str, set[str]] = {}
@@ -138,9 +131,7 @@ def test_a_finished_call_leaves_no_cycle_for_the_garbage_collector(fake: Any, co
 
     from workers.runner import Running
 
-    submit(
-        fake, "warm"
-    )  # (the first call loads the scripts: fakeredis's NOSCRIPT tracebacks hold its frames)
+    submit(fake, "warm")  # (the first call loads the scripts: fakeredis's NOSCRIPT tracebacks hold its frames)
     run_all(core)
     gc.collect()
     gc.disable()
@@ -260,9 +251,7 @@ def test_reaper_retries_a_lost_call_while_attempts_are_left(fake: Any) -> None:
     assert hist[3].detail == {"reason": "worker_lost", "next_attempt": 2}
     assert (hist[3].attempt, hist[4].attempt) == (1, 2)
     assert fake.lrange(keys.queue("tools"), 0, -1) == [b"c1"]
-    assert fake.zscore(keys.slots("{tools}", "tool:echo"), "c1") == float(
-        "inf"
-    )  # back on the queue with a slot
+    assert fake.zscore(keys.slots("{tools}", "tool:echo"), "c1") == float("inf")  # back on the queue with a slot
     assert fake.zscore(keys.leases("{tools}"), "c1") is None
     assert int(fake.hget(keys.job("c1"), keys.F_ATTEMPT)) == 2
     assert reaper.reap(Calls(fake), ["tools"], lease=5, result_ttl=600) == 0
@@ -353,9 +342,7 @@ def test_control_messages_stop_and_cancel_and_ignore_the_rest(fake: Any, setting
     assert unpack(control_message("stop")) == {"op": "stop"}
 
 
-def test_the_held_count_follows_runs_even_when_a_newer_run_replaced_an_older_one(
-    fake: Any, core: WorkerCore
-) -> None:
+def test_the_held_count_follows_runs_even_when_a_newer_run_replaced_an_older_one(fake: Any, core: WorkerCore) -> None:
     from workers.runner import Running
 
     info = CallInfo("c1", TRACE, SPAN, "tool", "echo", None, "hermes:ch:t", "tool:echo", "tools")
@@ -413,28 +400,15 @@ def _submit_echo_calls(fake: Any, n: int) -> None:
     for i in range(n):
         Calls.check_submit(
             Calls(fake).submit(
-                Envelope(
-                    call_id=f"c{i}",
-                    kind="tool",
-                    tool="echo",
-                    args={"i": i},
-                    traceparent=TP,
-                    channel="hermes:ch:t",
-                ),
-                ckey="tool:echo",
-                queue_size=-1,
-                max_attempts=1,
-                timeout=30,
-                concurrency=1,
+                Envelope(call_id=f"c{i}", kind="tool", tool="echo", args={"i": i}, traceparent=TP, channel="hermes:ch:t"),
+                ckey="tool:echo", queue_size=-1, max_attempts=1, timeout=30, concurrency=1,
             ),
             "tool:echo",
             -1,
         )
 
 
-def test_a_call_ending_here_takes_the_next_waiting_one_onto_its_thread_slot(
-    fake: Any, settings: Settings
-) -> None:
+def test_a_call_ending_here_takes_the_next_waiting_one_onto_its_thread_slot(fake: Any, settings: Settings) -> None:
     """Limit 1, three calls: the worker claims the first; each ending takes the next call in its TRANSITION
     and runs it on the same thread slot (no dispatcher runs here: only the takes can start them); the last ending takes none and its
     slot goes back, so every slot is free again and each call ran once."""
@@ -448,9 +422,7 @@ def test_a_call_ending_here_takes_the_next_waiting_one_onto_its_thread_slot(
         assert first.call_id == "c0" and fake.llen(keys.queue("tools")) == 0  # the others wait for the slot
         w._run_one(first)
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not (
-            w._slots.free == 2 and w.core.calls.record("c2")["state"] == "done"
-        ):
+        while time.monotonic() < deadline and not (w._slots.free == 2 and w.core.calls.record("c2")["state"] == "done"):
             w.core.outbox.flush(1)
             time.sleep(0.01)
         assert [w.core.calls.record(f"c{i}")["state"] for i in range(3)] == ["done"] * 3
@@ -484,16 +456,11 @@ def test_a_call_taken_by_an_ending_does_not_count_the_ending_call_while_its_thre
         [first] = w.core.calls.claim(["tools"], 1, w.name, w.lease)
         w._run_one(first)
         assert wound_down.is_set()
-        wait_until(
-            lambda: w._slots.free == 2 and w.core.calls.record("c2")["state"] == "done", message="c2 done"
-        )
+        wait_until(lambda: w._slots.free == 2 and w.core.calls.record("c2")["state"] == "done", message="c2 done")
         assert [w.core.calls.record(f"c{i}")["state"] for i in range(3)] == ["done"] * 3
     finally:
         w.core.close()
         w.pool.shutdown()
-
-
-# -- what a review found: a lost reply, an undecodable payload's slot, a hand-back cut in two -------------
 
 
 def test_a_write_whose_reply_was_lost_and_that_is_sent_again_does_not_drop_the_call(
@@ -572,3 +539,4 @@ def test_a_hand_back_cut_between_its_retry_and_its_requeue_is_still_requeued_by_
     assert Calls(fake).hand_back(info2, attempt=1, current=State.ROUTING, reason="worker_lost")
     assert fake.zscore(keys.scheduled("{tools}"), "c2") is None  # (requeued: its safety entry is gone)
     assert fake.hget(keys.job("c2"), "h_state") == b"pending"
+

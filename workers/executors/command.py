@@ -94,13 +94,8 @@ _CODE_OPTIONS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "deno": (frozenset(), frozenset({"eval"})),
     "php": (frozenset("r"), frozenset()),
     "tclsh": (frozenset(), frozenset()),
-    **dict.fromkeys(
-        ("su", "runuser", "flock"), (frozenset("c"), frozenset({"--command", "--session-command"}))
-    ),
-    "git": (
-        frozenset("c"),
-        frozenset({"--config-env"}),
-    ),  # (core.sshCommand, core.pager, alias.x=!cmd run code)
+    **dict.fromkeys(("su", "runuser", "flock"), (frozenset("c"), frozenset({"--command", "--session-command"}))),
+    "git": (frozenset("c"), frozenset({"--config-env"})),  # (core.sshCommand, core.pager, alias.x=!cmd run code)
     "pwsh": (frozenset(), frozenset({"-c", "-command", "-encodedcommand", "-ec"})),
     "powershell": (frozenset(), frozenset({"-c", "-command", "-encodedcommand", "-ec"})),
 }
@@ -118,9 +113,7 @@ _OPTION_ARGS = frozenset({
 })  # fmt: skip
 # Programs whose first operand is their program text (``awk {{x}}``; sed's ``e`` command runs a shell).
 _SCRIPT_FIRST: dict[str, tuple[frozenset[str], frozenset[str]]] = {
-    **dict.fromkeys(
-        ("awk", "gawk", "mawk", "nawk"), (frozenset({"-e", "--source"}), frozenset({"-f", "--file"}))
-    ),
+    **dict.fromkeys(("awk", "gawk", "mawk", "nawk"), (frozenset({"-e", "--source"}), frozenset({"-f", "--file"}))),
     **dict.fromkeys(("sed", "gsed"), (frozenset({"-e", "--expression"}), frozenset({"-f", "--file"}))),
 }
 _VERSION = re.compile(r"[\d.]+$")
@@ -140,12 +133,8 @@ def _runs(parts: list[str], i: int) -> bool:
         prev = parts[j]
         if _program(prev) in _WRAPPERS:
             return True
-        if not (
-            prev.startswith(("-", "+"))
-            or ("=" in prev and not has(prev))
-            or _VERSION.match(prev)
-            or (j > 0 and parts[j - 1] in _OPTION_ARGS | {"-n", "-u", "-s", "-k", "-c", "-p", "-i", "-o"})
-        ):
+        if not (prev.startswith(("-", "+")) or ("=" in prev and not has(prev)) or _VERSION.match(prev)
+                or (j > 0 and parts[j - 1] in _OPTION_ARGS | {"-n", "-u", "-s", "-k", "-c", "-p", "-i", "-o"})):
             return False
     return False
 
@@ -318,13 +307,7 @@ class CommandExecutor:
 
     @staticmethod
     def check(where: str, data: Mapping[str, Any]) -> None:
-        require(
-            where,
-            "command",
-            data,
-            ("command",),
-            "the program and its arguments, e.g. `echo Hello, {{name}}!`",
-        )
+        require(where, "command", data, ("command",), "the program and its arguments, e.g. `echo Hello, {{name}}!`")
         split_command(where, data["command"])
         separator = data.get("args_separator")
         if separator is not None and not isinstance(separator, bool):
@@ -332,9 +315,7 @@ class CommandExecutor:
         if data.get("env_set") is not None and not isinstance(data["env_set"], dict):
             raise InvalidSpec.at(where, "env_set", "expected a mapping {NAME: value}")
         env = data.get("env")
-        if env is not None and not (
-            isinstance(env, str) or (isinstance(env, list) and all(isinstance(n, str) for n in env))
-        ):
+        if env is not None and not (isinstance(env, str) or (isinstance(env, list) and all(isinstance(n, str) for n in env))):
             raise InvalidSpec.at(where, "env", "expected a variable name or a list of names")
         check_declared(where, data, ("command", "env_set"))
 
@@ -398,11 +379,7 @@ class CommandExecutor:
 
 
 def _communicate(
-    proc: subprocess.Popen[bytes],
-    stdin_data: bytes | None,
-    ctx: ExecContext,
-    max_output: int,
-    where: str,
+    proc: subprocess.Popen[bytes], stdin_data: bytes | None, ctx: ExecContext, max_output: int, where: str,
     mark: str,
 ) -> tuple[bytes, bytes]:
     """Read both pipes until EOF and exit, watching the deadline, cancellation and the output cap."""
@@ -424,12 +401,7 @@ def _communicate(
                 # Children the leader left holding our pipes must not keep the call open.
                 _signal_group(proc, signal.SIGKILL)
                 reaped = time.monotonic()
-            elif (
-                reaped is not None
-                and not strays_killed
-                and sel.get_map()
-                and time.monotonic() - reaped > STRAY_WAIT
-            ):
+            elif reaped is not None and not strays_killed and sel.get_map() and time.monotonic() - reaped > STRAY_WAIT:
                 # Still open: a descendant outside the group (setsid) holds them.
                 _signal_group(proc, signal.SIGKILL, _marked(mark))
                 strays_killed = True
@@ -511,3 +483,4 @@ def _marked(mark: str) -> list[psutil.Process]:
             if proc.environ().get(RUN_MARK) == mark:
                 found.append(proc)
     return found
+

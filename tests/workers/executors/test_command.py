@@ -154,6 +154,7 @@ ORPHAN_SCRIPT = (
 )
 
 
+
 def _tagged(tag: str) -> list[int]:
     """The live processes whose environment has ``TEST_TAG=tag`` (set by the test's tool with env_set)."""
     import psutil
@@ -168,12 +169,9 @@ def _tagged(tag: str) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize(
-    "script", [GROUP_SCRIPT, SESSION_SCRIPT], ids=["in_its_group", "left_the_group_by_setsid"]
-)
-def test_timeout_kills_the_whole_process_group_and_children_that_left_it(
-    ex, make_ctx, tmp_path, wait_until, script
-):
+
+@pytest.mark.parametrize("script", [GROUP_SCRIPT, SESSION_SCRIPT], ids=["in_its_group", "left_the_group_by_setsid"])
+def test_timeout_kills_the_whole_process_group_and_children_that_left_it(ex, make_ctx, tmp_path, wait_until, script):
     pidfile = tmp_path / "pid"
     s = spec(command=[PY, "-c", script, str(pidfile)], kill_grace=0.5)
     with pytest.raises(ToolTimeout):
@@ -191,6 +189,7 @@ def test_timeout_kills_a_setsid_descendant_whose_parent_already_exited(ex, make_
     wait_until(lambda: not _tagged(tag), 2.5, message="the orphaned sleep to be killed")
 
 
+
 def test_a_setsid_child_holding_the_pipes_after_the_command_exits_does_not_hold_the_call(
     ex, make_ctx, wait_until
 ):
@@ -202,6 +201,7 @@ def test_a_setsid_child_holding_the_pipes_after_the_command_exits_does_not_hold_
     )
     assert time.monotonic() - t0 < 10  # (not the 20 s deadline: the stray holding stdout was killed)
     wait_until(lambda: not _tagged(tag), 2.5, message="the stray sleep to be killed")
+
 
 
 def test_cancellation_kills_the_command(ex, make_ctx, tmp_path, wait_until):
