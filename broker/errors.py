@@ -224,6 +224,13 @@ class CallCancelled(HermesError):
     type = "cancelled"
 
 
+class GatewayClosed(HermesError):
+    """This client was closed: it sends no more calls, and one it was waiting on goes on without it (its
+    outcome can be read by id with another client)."""
+
+    type = "gateway_closed"
+
+
 class CallTimeout(HermesError):
     """Waiting for the call's result timed out (the call itself may still finish)."""
 

@@ -10,6 +10,7 @@ from broker.errors import (
     CallTimeout,
     CircuitOpen,
     ExecutorError,
+    GatewayClosed,
     HermesError,
     IdempotencyConflict,
     InvalidArgs,
@@ -40,7 +41,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "AsyncGateway", "BrokerNotDurable", "BrokerUnavailable", "CallCancelled", "CallFailed", "CallHandle",
-    "CallTimeout", "CircuitOpen", "Event", "ExecutorError", "Gateway", "HermesError", "IdempotencyConflict",
+    "CallTimeout", "CircuitOpen", "Event", "ExecutorError", "Gateway", "GatewayClosed", "HermesError", "IdempotencyConflict",
     "InvalidArgs", "NoWorkers", "PermissionDenied", "QueueFull", "ToolSpec", "ToolTimeout", "UnknownBatch",
     "UnknownTool", "WorkerLost",
 ]

@@ -89,6 +89,9 @@ class AsyncGateway(ClientCore[AsyncCallHandle]):
 
     async def close(self) -> None:
         """Stop the event task and close the connection (and the embedded broker, if ours)."""
+        if self.shut:
+            return
+        self.shutting()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

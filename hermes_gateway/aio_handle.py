@@ -81,7 +81,7 @@ class AsyncCallHandle(CallState):
         i = 0
         while True:
             while i >= len(self._events):
-                if self.refused is not None:
+                if self.refused is not None or self.abandoned is not None:
                     return
                 try:
                     await self._next_change(deadline)

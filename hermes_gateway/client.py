@@ -95,6 +95,7 @@ class Gateway(ClientCore[CallHandle]):
         """Stop the event thread and close the connection (and the embedded broker, if ours)."""
         if self._closed.is_set():
             return
+        self.shutting()
         self._closed.set()
         with contextlib.suppress(redis.RedisError):
             if not self.cluster:

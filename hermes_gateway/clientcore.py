@@ -41,6 +41,7 @@ from broker.errors import (
     CallCancelled,
     CallFailed,
     DecodeError,
+    GatewayClosed,
     HermesError,
     InvalidArgs,
     InvalidSpec,
@@ -497,6 +498,7 @@ class CallState:
         self.kind = kind
         self.own = own  # events arrive on our channel (False: someone else's call, followed from Redis)
         self.refused: HermesError | None = None
+        self.abandoned: HermesError | None = None  # its client closed while it ran: the wait ends, not the call
         self._events: list[Event] = []
         self._final: Event | None = None
         self._result: Any = _MISSING
@@ -538,7 +540,7 @@ class CallState:
         return self._events[0].trace_id if self._events else ""
 
     def done(self) -> bool:
-        return self._final is not None or self.refused is not None
+        return self._final is not None or self.refused is not None or self.abandoned is not None
 
     def feed(self, event: Event) -> None:
         """Take one event of the call (one already seen is ignored); at its end the router stops routing."""
@@ -561,6 +563,12 @@ class CallState:
             self.refused = error
             self._changed(None)
 
+    def abandon(self, error: HermesError) -> None:
+        """Its client closed: ``result()`` raises ``error`` (the call itself goes on)."""
+        with self._lock:
+            self.abandoned = error
+            self._changed(None)
+
     def _changed(self, event: Event | None) -> None:
         """Called under the lock when an event arrives (None: refused); the faces wake their waiters."""
 
@@ -581,6 +589,8 @@ class CallState:
         if self.refused is not None:
             raise self.refused
         final = self._final
+        if final is None and self.abandoned is not None:
+            raise self.abandoned
         assert final is not None
         if final.state == State.DONE:
             return self._result if self._result is not _MISSING else final.detail.get("result")
@@ -686,6 +696,21 @@ class ClientCore(Generic[H]):
         self._tools_channel = keys.channel(conn, keys.TOOLS_CHANNEL).encode()
         self._pubsub = subscriber(conn)
         self._catch_up_due = False  # (set on a reconnect of the subscription: see ``_watch_reconnects``)
+        self.shut = False  # close() began: nothing more is sent
+
+    def shutting(self) -> None:
+        """The face's close() begins: refuse new calls, and end the waits of the calls in flight (a waiter
+        would otherwise poll a closed connection, which redis-py quietly opens again, or wait forever)."""
+        self.shut = True
+        for handle in self.router.waiting():
+            handle.abandon(GatewayClosed(
+                f"the gateway was closed while call {handle.call_id} ({handle.name}) was in flight: it goes on "
+                "without this client (read its outcome by id with another)", call_id=handle.call_id,
+            ))
+
+    def _check_open(self) -> None:
+        if self.shut:
+            raise GatewayClosed("this gateway was closed: it sends no more calls (connect a new one)")
 
     def tool(self, name: str) -> Any:
         raise NotImplementedError
@@ -744,6 +769,7 @@ class ClientCore(Generic[H]):
             return (yield from self._submit(env, limits))
 
     def _submit(self, env: Envelope, limits: dict[str, Any]) -> Steps[H]:
+        self._check_open()
         yield self._ensure_workers((env.queue,))
         handle = self.router.track(self._new_handle(env.call_id, env.name, env.kind))
         try:
@@ -763,6 +789,7 @@ class ClientCore(Generic[H]):
         """Submit (tool, args) pairs into ``handles``: every item is checked, its tool looked up first, before
         anything is sent, then they go in pipelines of ``chunk_size``. A broker failure on the first pipeline
         raises; on a later one, its items are refused as "outcome unknown", the rest as not sent."""
+        self._check_open()
         opts = CallOptions.take(common)
         idem_keys: Sequence[str | None] | None = common.pop("idempotency_keys", None)
         calls = list(calls)

@@ -124,7 +124,7 @@ class CallHandle(CallState):
             with self._cv:
                 if i < len(self._events):
                     return self._events[i]
-                if self.refused is not None:
+                if self.refused is not None or self.abandoned is not None:
                     return None
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:

@@ -233,3 +233,36 @@ def test_the_directory_writes_policy_and_worker_checks_are_there_awaited(
         return await (await gw.call_tool("aecho", {"x": 1})).result(10)
 
     assert run(redis_url, home, scenario) == {"x": 1}
+
+
+def test_close_ends_the_waits_of_calls_in_flight_and_refuses_new_calls(
+    redis_url: str, home: Home, tools: None, workers: Any
+) -> None:
+    from broker.errors import GatewayClosed
+
+    workers(concurrency=4)
+
+    async def main() -> Any:
+        gw = await AsyncGateway.connect(redis_url, home=str(home.path), embedded_ok=False)
+        handle = await gw.call_tool("sleep", {"seconds": 3})
+        waiting = asyncio.ensure_future(handle.result())
+        await asyncio.sleep(0.2)
+        await gw.close()
+        with pytest.raises(GatewayClosed, match="goes on without this client"):
+            await asyncio.wait_for(waiting, 2)  # (it polled the closed connection, reopened, for 3 s)
+        with pytest.raises(GatewayClosed, match="sends no more calls"):
+            await gw.call_tool("echo", {"x": 1})
+        await gw.close()  # (twice: nothing more)
+        return handle.call_id
+
+    call_id = asyncio.run(main())
+    from broker.config import load_settings
+    from broker.connection import from_url
+    from hermes_gateway import Gateway
+    from hermes_gateway.client import BrokerHandle
+
+    with Gateway(BrokerHandle(from_url(redis_url), redis_url, redis_url), load_settings(home.path)) as gw:
+        assert gw.handle(call_id).result(10) == {"slept": 3}  # the call went on without the closed client
+        gw.close()
+        with pytest.raises(GatewayClosed):
+            gw.call_tool("echo", {"x": 1})
