@@ -234,9 +234,9 @@ def _check(step: Step, seen: set[str]) -> None:
     if step.fallback is not None and step.tool is None:
         raise FlowError(f"{where}: fallback applies to tool steps")
     if step.timeout is not None and (
-        isinstance(step.timeout, bool) or not isinstance(step.timeout, int | float)
+        isinstance(step.timeout, bool) or not isinstance(step.timeout, int | float) or not 0 < step.timeout < 1e9
     ):
-        raise FlowError(f"{where}: timeout: expected a number of seconds")
+        raise FlowError(f"{where}: timeout: expected a number of seconds above 0, got {step.timeout!r}")
     try:
         step.when_expr = Expression(step.when) if step.when else None
         step.each_expr = Expression(step.for_each) if step.for_each else None

@@ -56,3 +56,9 @@ def test_deep_long_or_overflowing_expressions_are_flow_errors_not_tracebacks() -
     assert Expression("+".join(["1"] * 450)).evaluate({}) == 450
     with pytest.raises(FlowError, match="cannot convert float infinity to integer"):
         Expression("int(args.v)").evaluate({"args": {"v": 1e999}})
+
+
+@pytest.mark.parametrize("timeout", [0, -5, True, "10"])
+def test_a_step_timeout_must_be_seconds_above_zero_at_check_time(timeout: Any) -> None:
+    with pytest.raises(FlowError, match="timeout: expected a number of seconds above 0"):
+        Flow.from_dict({"name": "t", "steps": [{"id": "a", "tool": "echo", "args": {}, "timeout": timeout}]})
