@@ -189,6 +189,7 @@ def load_settings(
         policy=_mapping(raw, "policy"),
         raw=raw,
         unset_vars=unset,
+        unknown_keys=_unknown("logging", _mapping(raw, "logging"), ("level", "format")),
     )
 
 
@@ -220,6 +221,20 @@ def unset_refs(written: Any, now: Any, environ: Mapping[str, str], where: str = 
         return [ref for i, v in enumerate(written)
                 for ref in unset_refs(v, items[i] if i < len(items) else None, environ, f"{where}[{i}]")]
     return []
+
+
+def _unknown(where: str, section: Mapping[str, Any], known: tuple[str, ...]) -> tuple[str, ...]:
+    """What a command and a worker warn of: the keys of ``section`` it does not read (a typo reads as
+    nothing set), each with the nearest known key."""
+    import difflib
+
+    out = []
+    for key in section:
+        if key not in known:
+            near = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {where}.{near[0]}?)" if near else f" (known: {', '.join(known)})"
+            out.append(f"config.yaml: {where}.{key} is not a setting{hint}")
+    return tuple(out)
 
 
 def _logging(section: dict[str, Any], env: Mapping[str, str]) -> LoggingSettings:

@@ -215,6 +215,7 @@ class Settings:
     raw: dict[str, Any] = field(default_factory=dict, repr=False)  # expanded: may hold secrets
     # (dotted key, variable) of config.yaml's ${VAR}s that are not set here: they read as empty
     unset_vars: tuple[tuple[str, str], ...] = ()
+    unknown_keys: tuple[str, ...] = ()  # keys of config.yaml read by nothing (a typo): said at start
 
     @property
     def tools_dir(self) -> Path:

@@ -146,6 +146,8 @@ class Worker:
             pid=os.getpid(),
             **({"shortcuts_off": sorted(off)} if (off := self.settings.workers.shortcuts_off) else {}),
         )
+        for problem in self.settings.unknown_keys:
+            log.warning(problem)
         for key, name in self.settings.unset_vars:  # (as docker compose says it: it reads as empty)
             log.warning("config.yaml names a variable not set in this worker's environment: it reads as empty",
                         key=key, variable=f"${{{name}}}")

@@ -109,6 +109,8 @@ def main(
     )
     settings = dataclasses.replace(settings, logging=asked)
     configure(asked.level, asked.format)
+    for problem in settings.unknown_keys:
+        note(problem, "warning")
     # Written, not read: processes this command starts (a pool's workers, a chat's worker) log the same way.
     if log_level:
         os.environ["HERMES_LOG_LEVEL"] = log_level

@@ -425,3 +425,19 @@ def test_an_unset_variable_in_config_yaml_reads_empty_and_is_named(tmp_path: Pat
     overridden = load_settings(tmp_path, environ={"HERMES__MODEL__API_KEY": "sk-2"})
     assert overridden.model.api_key == "sk-2" and overridden.model.api_key_unset == ""
     assert overridden.unset_vars == (("executors.http.headers[0]", "NOPE_TOKEN"),)
+
+
+def test_a_mistyped_logging_key_is_named_with_the_nearest_one(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text("logging:\n  levle: DEBUG\n  format: json\n  colour: red\n")
+    settings = load_settings(tmp_path, environ={})
+    assert settings.logging.level == "INFO"  # (the typo set nothing)
+    assert settings.unknown_keys == (
+        "config.yaml: logging.levle is not a setting (did you mean logging.level?)",
+        "config.yaml: logging.colour is not a setting (known: level, format)",
+    )
+    from click.testing import CliRunner
+
+    from hermes_gateway.cli import main
+
+    out = CliRunner().invoke(main, ["--home", str(tmp_path), "tool", "--help"])
+    assert "logging.levle is not a setting (did you mean logging.level?)" in out.output
