@@ -32,9 +32,11 @@ from broker.errors import (
     CallTimeout,
     HermesError,
     IdempotencyConflict,
+    PermissionDenied,
     UnknownTool,
 )
 from broker.logs import redact
+from broker.placeholders import sole
 from hermes_gateway.aio import AsyncGateway
 from hermes_gateway.aio_handle import AsyncCallHandle
 from hermes_gateway.client import Gateway
@@ -140,8 +142,17 @@ class Api:
 
     async def get_tool(self, request: Request) -> Response:
         entry = await self.agw.tool(request.path_params["name"])
-        # Literal headers, environments and DSNs may hold credentials: masked as in the audit log.
-        return reply({**redact(entry.spec.to_dict()), "version": entry.version})
+        # Literal headers, environments and DSNs may hold credentials: masked as in the audit log; to a
+        # token that may not manage tools, every literal header and env_set value (a name like DB_PASS or
+        # CREDS is no secret to the masking's patterns): what the tool is called with stays readable.
+        shown = redact(entry.spec.to_dict())
+        try:
+            await self._may_manage_tools(request)
+        except PermissionDenied:
+            for field in ("headers", "env_set"):
+                if isinstance(shown.get(field), dict):
+                    shown[field] = {k: v if sole(str(v)) is not None else "***" for k, v in shown[field].items()}
+        return reply({**shown, "version": entry.version})
 
     async def _may_manage_tools(self, request: Request) -> None:
         request_caller(request).check_manage_tools(await run_in_threadpool(self.gw.policy))

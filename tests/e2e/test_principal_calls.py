@@ -6,6 +6,7 @@ and names the call it replays. Admin tokens see every call."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -269,3 +270,20 @@ def test_a_token_may_shorten_a_calls_timeout_but_only_an_admin_may_lengthen_it(
             json={"args": {"seconds": 0.01, "path": marks}, "timeout": 3600, "wait": 20, "principal": "bob"},
         ).json()
         assert by_admin["state"] == "done"
+
+
+def test_a_token_that_may_not_manage_tools_reads_a_spec_with_every_literal_header_and_env_value_masked(
+    home: Home, serve: Any
+) -> None:
+    setup(home)
+    home.tool(
+        "deploy", executor="command", command="deploy {{target}}",
+        env_set={"DB_PASS": "hunter2-literal", "TARGET": "{{target}}"},
+        input_schema={"type": "object", "properties": {"target": {"type": "string"}}},
+    )  # fmt: skip
+    server = serve()
+    with api(server, BOB) as bob, api(server, ADMIN) as admin:
+        shown = bob.get("/v1/tools/deploy").json()
+        assert shown["env_set"] == {"DB_PASS": "***", "TARGET": "{{target}}"}  # (a placeholder is no secret)
+        assert "hunter2" not in json.dumps(shown)
+        assert admin.get("/v1/tools/deploy").json()["env_set"]["DB_PASS"] == "hunter2-literal"
