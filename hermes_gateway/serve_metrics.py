@@ -43,7 +43,7 @@ class GatewayMetrics:
         instruments: list[tuple[Any, str, Any, str, str]] = [
             (counter, "hermes.calls", self._calls, "{call}", "Calls that ended, over every worker"),
             (gauge, "hermes.queue.depth", partial(self._by, "queues", "messaging.destination.name"), "{call}",
-             "Calls waiting on each queue"),
+             "Calls queued with a slot for a worker to take (waiting for a slot: hermes_concurrency_waiting)"),
             (meter.create_observable_up_down_counter, "hermes.executor.inflight",
              partial(self._by, "inflight", "hermes.concurrency_key"), "{call}", "Calls executing per key"),
             (gauge, "hermes.concurrency.limit", self._limits, "{call}", "Slots per concurrency key"),

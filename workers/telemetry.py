@@ -397,10 +397,18 @@ def read_stats(conn: redis.Redis) -> Stats:
 
 
 def read_inflight(conn: redis.Redis) -> dict[str, int]:
-    """Calls executing per concurrency key, summed over the workers' in-flight hashes (``StatsFlusher``)."""
+    """Calls executing per concurrency key, summed over the in-flight hashes (``StatsFlusher``) of the
+    workers on record (``hermes:workers``; a dead one's hash expires): two round trips, however many keys
+    the Redis holds (a SCAN for the hashes read every key of it, each console tick and status read)."""
+    names = conn.zrange(keys.WORKERS, 0, -1)
+    if not names:
+        return {}
+    pipe = conn.pipeline(transaction=False)
+    for name in names:
+        pipe.hgetall(keys.stats_inflight(text(name)))
     out: dict[str, int] = {}
-    for key in conn.scan_iter(match=keys.STATS_INFLIGHT.format("*"), count=500):
-        for ckey, n in conn.hgetall(key).items():
+    for running in pipe.execute():
+        for ckey, n in running.items():
             out[text(ckey)] = out.get(text(ckey), 0) + int(n)
     return out
 
