@@ -61,6 +61,10 @@ class Directory:
             pipe.hdel(key, name)
         pipe.incr(keys.TOOLS_VERSION)
         removed = pipe.execute()[0]  # (one slot, {hermes:dir}: a transaction on a cluster too)
+        if removed:  # its own breaker goes with it (an open one stayed open on every surface, for ever)
+            from broker.breaker import Breakers
+
+            Breakers(self.conn).reset(f"tool:{name}")
         self.conn.publish(keys.channel(self.conn, keys.TOOLS_CHANNEL), name)
         with self._lock:
             self._cache.pop(name, None)

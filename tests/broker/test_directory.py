@@ -84,3 +84,14 @@ def test_all_lists_every_entry_sorted(fake: Any) -> None:
     for name in ("zeta", "alpha", "mid"):
         d.register(spec(name=name))
     assert [(e.spec.name, e.version) for e in d.all()] == [("alpha", 2), ("mid", 3), ("zeta", 1)]
+
+
+def test_removing_a_tool_forgets_its_breaker_and_no_other(fake: Any) -> None:
+    d = Directory(fake)
+    d.register(spec())
+    for key in ("tool:echo", "shared:backend"):
+        fake.sadd(keys.BREAKERS, key)
+        fake.hset(keys.breaker(key), mapping={"state": "open", "opened_at": 1})
+    assert d.remove("echo") is True
+    assert fake.smembers(keys.BREAKERS) == {b"shared:backend"}  # (a key other tools may share stays)
+    assert not fake.exists(keys.breaker("tool:echo")) and fake.exists(keys.breaker("shared:backend"))
