@@ -55,6 +55,7 @@ BATCHES = PREFIX + ":batches"  # zset batch id -> created (``batch list``)
 WORKERS = PREFIX + ":workers"  # zset worker name -> last heartbeat
 WORKER = PREFIX + ":worker:{}"  # hash of one worker's figures
 FAILURES = PREFIX + ":failures"  # capped list of recent failures
+FAILURES_KEPT = 100
 TOOLS = PREFIX + ":{dir}:tools"  # hash tool name -> packed directory entry
 TOOLS_DIGEST = TOOLS + ":digest"  # hash tool name -> digest of its spec
 TOOLS_VER = TOOLS + ":ver"  # hash tool name -> its version
@@ -67,6 +68,13 @@ POLICY_CHANNEL = PREFIX + ":policy:changes"  # pub/sub notice (the new version) 
 USAGE_DAY = PREFIX + ":usage:{}:{}"  # hash principal -> tokens used that UTC day (daily_tokens budgets)
 STATS = PREFIX + ":stats"  # hash of call figures summed over all workers (workers/telemetry.py)
 STATS_INFLIGHT = PREFIX + ":stats:inflight:{}"  # hash concurrency key -> calls running, per worker
+
+
+def stats_ended(kind: str, name: str, state: str, error_type: str | None) -> str:
+    """The ``hermes:stats`` field counting calls of ``kind``/``name`` that ended ``state`` (``error_type``):
+    the workers' flushes add to it (workers/telemetry.py ``call_ended``), and so do the ends made elsewhere
+    (a caller's cancel of a waiting call, the reaper's end of a lost worker's call)."""
+    return f"calls|{kind}|{name}|{state}|{error_type or ''}"
 BREAKER = PREFIX + ":{{brk}}:breaker:{}"  # hash: state, opened_at, failures, probe, ... of one circuit breaker
 BREAKER_WINDOW = PREFIX + ":{{brk}}:breaker:{}:win"  # hash bucket -> calls / failures, for the error-rate rule
 BREAKERS = PREFIX + ":{brk}:breakers"  # set of every breaker key (for status)

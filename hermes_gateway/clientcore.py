@@ -917,6 +917,7 @@ class ClientCore(Generic[H]):
                     with contextlib.suppress(HermesError):  # removed meanwhile: still redacted by name
                         sensitive = (yield self.tool(info.name)).spec.sensitive
                 yield AuditLog.from_settings(conn, self.settings.audit).append(target.audit_record(sensitive, error))
+                yield conn.hincrby(keys.STATS, keys.stats_ended(info.kind, info.name, "cancelled", error["type"]), 1)
                 return True
         yield conn.hset(keys.job(call_id), keys.F_CANCEL, "1")
         yield conn.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import structlog
@@ -9,7 +10,7 @@ import structlog
 from broker import keys, pipes
 from broker.audit import AuditLog, AuditRecord
 from broker.calls import CallInfo, Calls
-from broker.codec import text
+from broker.codec import pack, text
 from broker.errors import WorkerLost
 from broker.otel import new_span_id
 from broker.states import ACTIVE, State
@@ -94,7 +95,19 @@ def end_call(
 ) -> None:
     """End the call in ``state`` with ``err``, and write its audit record when this move ended it."""
     reply = calls.finish(info, state, attempt=attempt, current=current, error=err, ttl=ttl)
-    if int(reply[0]) <= 0 or audit is None:
+    if int(reply[0]) <= 0:
+        return
+    # Counted with the calls the workers ended, and a failure listed with theirs (status's recent failures).
+    pipe = calls.conn.pipeline(transaction=False)
+    pipe.hincrby(keys.STATS, keys.stats_ended(info.kind, info.name, str(state), err.get("type")), 1)
+    if state == State.FAILED:
+        pipe.lpush(keys.FAILURES, pack({
+            "call_id": info.call_id, "name": info.name, "kind": info.kind, "error": err, "ts": time.time(),
+            "worker": "reaper", "principal": None,
+        }))  # fmt: skip
+        pipe.ltrim(keys.FAILURES, 0, keys.FAILURES_KEPT - 1)
+    pipes.settled(pipe, pipes.for_seconds(_SETTLE_PATIENCE))
+    if audit is None:
         return
     audit.append(
         AuditRecord.of(

@@ -140,9 +140,6 @@ class _Write:
                 log.exception("transition callback failed", call_id=self.run.info.call_id)
 
 
-FAILURES_KEPT = 100
-
-
 class Failures(Hook):
     """The worker's call counts (its heartbeat reports them) and the fleet's list of recent failures
     (``hermes:failures``), written with the failed call's terminal move."""
@@ -169,7 +166,7 @@ class Failures(Hook):
 
         def write(pipe: Any) -> None:
             pipe.lpush(keys.FAILURES, entry)
-            pipe.ltrim(keys.FAILURES, 0, FAILURES_KEPT - 1)
+            pipe.ltrim(keys.FAILURES, 0, keys.FAILURES_KEPT - 1)
 
         return write
 

@@ -502,7 +502,7 @@ def call_ended(
     label = f"{kind}{SEP}{name}"
     _totals.add(
         (
-            (f"calls{SEP}{label}{SEP}{state}{SEP}{error_type or ''}", 1),
+            (keys.stats_ended(kind, name, state, error_type), 1),
             (f"duration_n{SEP}{label}", 1),
             (f"lat{SEP}{label}{SEP}{latency_bucket(duration_s)}", 1),
         ),

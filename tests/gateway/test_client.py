@@ -462,3 +462,9 @@ def test_a_call_cancelled_while_pending_gets_its_audit_record(gw: Gateway, home:
     assert record.args["seconds"] == 5 and "s3cret-value" not in repr(record)
     assert record.trace_id == h.trace_id
     assert h.cancel() is False and len(AuditLog(gw.conn)) == 1  # one record per call, not per cancel
+
+
+def test_a_call_cancelled_before_any_worker_took_it_is_counted_with_the_others(gw: Gateway, conn: Any) -> None:
+    handle = gw.call_tool("echo", {"n": 1})
+    assert handle.cancel()
+    assert conn.hget(keys.STATS, keys.stats_ended("tool", "echo", "cancelled", "cancelled")) == b"1"

@@ -267,6 +267,10 @@ def test_reaper_fails_a_lost_call_with_worker_lost_when_no_attempts_are_left(fak
     assert events.history(fake, "c1")[-1].detail["error"]["type"] == "worker_lost"
     assert fake.llen(keys.queue("tools")) == 0
     assert fake.zscore(keys.leases("{tools}"), "c1") is None
+    # counted with the calls the workers ended, and listed with their failures (status's first stop)
+    assert fake.hget(keys.STATS, keys.stats_ended("tool", "echo", "failed", "worker_lost")) == b"1"
+    [failure] = [unpack(x) for x in fake.lrange(keys.FAILURES, 0, -1)]
+    assert failure["call_id"] == "c1" and failure["error"]["type"] == "worker_lost" and failure["worker"] == "reaper"
 
 
 def test_reaper_puts_back_a_call_claimed_but_never_started_as_its_next_attempt(fake: Any) -> None:
