@@ -318,8 +318,11 @@ def json_friendly(value: Any) -> Any:
     """Database values as msgpack/JSON-friendly ones."""
     if value is None or isinstance(value, str | bool | int | float | bytes):
         return value
-    if isinstance(value, decimal.Decimal):
-        return int(value) if value == value.to_integral_value() else float(value)
+    if isinstance(value, decimal.Decimal):  # (an integer past 64 bits, or Infinity, a float: msgpack takes it)
+        if value.is_finite() and value == value.to_integral_value() and -(2**63) <= value < 2**64:
+            return int(value)
+        as_float = float(value)
+        return str(value) if value.is_finite() and math.isinf(as_float) else as_float  # (1e400: its digits)
     if isinstance(value, datetime.datetime | datetime.date | datetime.time):
         return value.isoformat()
     if isinstance(value, datetime.timedelta):

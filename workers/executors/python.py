@@ -26,7 +26,7 @@ from broker.errors import ExecutorError, HermesError, InvalidArgs, InvalidSpec
 from broker.toolspec import ToolSpec
 
 from . import ExecContext, from_env, require
-from .pyhelpers import DEFAULT_MAX_ABANDONED, FINISHED, HelperPool, Job, Tally
+from .pyhelpers import DEFAULT_MAX_ABANDONED, FINISHED, HelperPool, Job, Tally, ToolStopped
 
 log = structlog.get_logger("hermes.executor.python")
 _DOTTED = re.compile(r"[^\W\d]\w*(?:\.[^\W\d]\w*)*")
@@ -137,10 +137,12 @@ class PythonExecutor:
                 result = _call(target.fn, kwargs, ctx, where)
             else:
                 result = self._run_on_helper(spec, target.fn, kwargs, ctx, where)
-        except HermesError:
+        except (HermesError, ToolStopped):
             raise
-        except Exception as e:  # noqa: BLE001 - any failure of user code is a failed call, not a dead worker
-            raise ExecutorError(f"{type(e).__name__}: {e}", exception=type(e).__name__) from e
+        except BaseException as e:  # noqa: BLE001 - any failure of user code is a failed call, not a dead worker
+            # (SystemExit too: sys.exit() or argparse's error on a hostile argument; it escaped the call
+            # thread, the call hung and a lease later ran again)
+            raise ExecutorError(f"{type(e).__name__}: {_text_of(e)}", exception=type(e).__name__) from e
         ctx.check_at(where)
         return to_wire_value(result, where)
 
@@ -179,6 +181,14 @@ class PythonExecutor:
     def close(self) -> None:
         self._targets.clear()
         self._helpers.close()
+
+
+def _text_of(error: BaseException) -> str:
+    """``str(error)``, or its type's name when that raises (user code's ``__str__``)."""
+    try:
+        return str(error)
+    except Exception:  # noqa: BLE001
+        return f"<{type(error).__name__} whose message cannot be read>"
 
 
 def _call(fn: Callable[..., Any], kwargs: dict[str, Any], ctx: ExecContext, where: str,

@@ -51,3 +51,21 @@ def tagged(name: str, **extra: object) -> dict:
 
 def positional_only(a: int, /) -> int:
     return a
+
+
+def exits(code: int) -> None:
+    """What argparse's error does on an argument it refuses (and any ``sys.exit`` in a tool)."""
+    raise SystemExit(code)
+
+
+def interrupted() -> None:
+    raise KeyboardInterrupt("tool code raised it")
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("str exploded")
+
+
+def unprintable() -> None:
+    raise _Unprintable()

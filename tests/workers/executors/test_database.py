@@ -288,3 +288,14 @@ def test_max_rows_bounds_the_memory_a_huge_result_takes_not_only_what_comes_back
         sampler.join()
     assert [r["g"] for r in rows] == list(range(1, 11))
     assert peak[0] - base < 150 * 1024 * 1024, (peak[0] - base) // 2**20  # (all 3,000,000 rows: ~500 MB)
+
+
+def test_numerics_a_caller_chooses_come_back_as_numbers_or_their_digits_not_a_crash(ex, make_ctx):
+    import math
+
+    s = spec(dsn=PG_DSN, query="SELECT CAST(:x AS numeric) AS v")
+    rows = {x: ex.run(s, {"x": x}, make_ctx())[0]["v"] for x in ("Infinity", "-Infinity", "NaN", "1e400", "12", "2.5")}
+    assert rows["Infinity"] == math.inf and rows["-Infinity"] == -math.inf and math.isnan(rows["NaN"])
+    assert rows["1e400"] == str(10**400)  # (past a float: its digits, not inf)
+    assert (rows["12"], rows["2.5"]) == (12, 2.5)
+    assert ex.run(s, {"x": str(2**70)}, make_ctx())[0]["v"] == float(2**70)  # (past 64 bits: msgpack's limit)

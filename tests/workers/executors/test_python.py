@@ -67,6 +67,26 @@ def test_exception_becomes_executor_error_with_type_and_message(ex, make_ctx):
         ex.run(spec(f"{MOD}:explode"), {"message": "kaboom"}, make_ctx())
 
 
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "helper_thread"])
+def test_sys_exit_and_keyboard_interrupt_from_a_tool_are_its_failure_not_the_workers(make_ctx, inline):
+    """SystemExit (sys.exit, argparse's error on a hostile argument) passed ``except Exception``: it left
+    the call thread, the call hung, and a lease later the tool ran again."""
+    functions = [f"{MOD}:{f}" for f in ("exits", "interrupted", "unprintable")]
+    ex = pyexec.PythonExecutor({"inline": functions} if inline else {})
+
+    def run(function: str, args: dict) -> None:
+        assert ex.resolve(f"{MOD}:{function}", "t").inline is inline
+        ex.run(spec(f"{MOD}:{function}"), args, make_ctx())
+
+    with pytest.raises(ExecutorError, match="SystemExit: 2") as info:
+        run("exits", {"code": 2})
+    assert info.value.details["exception"] == "SystemExit"
+    with pytest.raises(ExecutorError, match="KeyboardInterrupt: tool code raised it"):
+        run("interrupted", {})
+    with pytest.raises(ExecutorError, match="_Unprintable: <_Unprintable whose message cannot be read>"):
+        run("unprintable", {})
+
+
 def test_gateway_errors_pass_through(ex, make_ctx):
     with pytest.raises(InvalidArgs, match="bad city"):
         ex.run(spec(f"{MOD}:typed_failure"), {}, make_ctx())
