@@ -43,8 +43,16 @@ def checked_query(where: str, query: Any) -> str:
     if not isinstance(query, str) or not query.strip():
         raise InvalidSpec.at(where, "query", "expected an SQL string (or mode: structured)")
     body = _SQL_COMMENTS.sub(" ", query).strip().rstrip(";")
-    if ";" in re.sub(r"'(?:[^']|'')*'", "''", body):
+    code = re.sub(r"'(?:[^']|'')*'", "''", body)  # (string literals out)
+    if ";" in code:
         raise InvalidSpec.at(where, "query", "one statement only")
+    # Placeholders that would never bind (every call would fail with a syntax error): SQLAlchemy binds :name.
+    if "{{" in code or "%(" in code:
+        raise InvalidSpec.at(where, "query", "parameters are written :name (the value is bound, never pasted "
+                                             "into the SQL), not {{name}} or %(name)s")
+    if cast := re.search(r"(?<![:\w]):(\w+)::", code):
+        raise InvalidSpec.at(where, "query", f":{cast.group(1)}::type does not bind (SQLAlchemy reads :{cast.group(1)}: "
+                                             f"as text); write CAST(:{cast.group(1)} AS type)")
     return query
 
 

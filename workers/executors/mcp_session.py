@@ -207,6 +207,10 @@ def translate(e: BaseException, where: str, handshake: float, server: dict[str, 
         if "timed out" in e.message.lower():
             return ToolTimeout(f"{where}: MCP server did not answer in time: {e.message}")
         return ExecutorError(f"{where}: MCP error {e.code}: {e.message}", code=e.code)
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError):  # (a ValueError too: not a server that failed to start)
+        return ExecutorError(f"{where}: MCP server {target} sent a malformed result: {e}")
     if isinstance(e, OSError | ValueError):  # (transport errors were handled above)
         return ExecutorError(f"{where}: cannot start MCP server {target}: {e}")
     return ExecutorError(f"{where}: MCP server {target} failed: {type(e).__name__}: {e}")

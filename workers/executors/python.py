@@ -144,7 +144,10 @@ class PythonExecutor:
             # thread, the call hung and a lease later ran again)
             raise ExecutorError(f"{type(e).__name__}: {_text_of(e)}", exception=type(e).__name__) from e
         ctx.check_at(where)
-        return to_wire_value(result, where)
+        try:
+            return to_wire_value(result, where)
+        except RecursionError:  # (a result that holds itself, or nested thousands deep)
+            raise ExecutorError(f"{where}: result is nested too deeply to send (or contains itself)") from None
 
     def _run_on_helper(
         self, spec: ToolSpec, fn: Callable[..., Any], kwargs: dict[str, Any], ctx: ExecContext, where: str

@@ -69,3 +69,9 @@ class _Unprintable(Exception):
 
 def unprintable() -> None:
     raise _Unprintable()
+
+
+def holds_itself() -> list:
+    out: list = []
+    out.append(out)
+    return out

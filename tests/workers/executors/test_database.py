@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
@@ -299,3 +300,17 @@ def test_numerics_a_caller_chooses_come_back_as_numbers_or_their_digits_not_a_cr
     assert rows["1e400"] == str(10**400)  # (past a float: its digits, not inf)
     assert (rows["12"], rows["2.5"]) == (12, 2.5)
     assert ex.run(s, {"x": str(2**70)}, make_ctx())[0]["v"] == float(2**70)  # (past 64 bits: msgpack's limit)
+
+
+@pytest.mark.parametrize(
+    ("query", "says"),
+    [
+        ("SELECT :x::numeric AS v", "write CAST(:x AS type)"),
+        ("SELECT * FROM t WHERE id = {{id}}", "not {{name}} or %(name)s"),
+        ("SELECT * FROM t WHERE id = %(id)s", "not {{name}} or %(name)s"),
+    ],
+)
+def test_a_placeholder_that_would_never_bind_is_refused_at_registration(query, says):
+    with pytest.raises(InvalidSpec, match=re.escape(says)):
+        spec(dsn="sqlite://", query=query)
+    spec(dsn="sqlite://", query="SELECT '{{not a placeholder}}' AS lit, CAST(:x AS numeric) AS v")  # (fine)

@@ -47,3 +47,16 @@ def test_a_session_whose_server_died_is_no_longer_alive(wait_until: Any) -> None
         wait_until(lambda: not session.alive, timeout=10)
     finally:
         pool.close()
+
+
+def test_a_malformed_result_is_said_as_such_not_as_a_server_that_did_not_start() -> None:
+    from mcp.types import CallToolResult
+    from pydantic import ValidationError
+
+    from workers.executors.mcp_session import translate
+
+    try:
+        CallToolResult.model_validate({"content": "notalist"})
+    except ValidationError as e:
+        error = translate(e, "tool 'm'", 10.0, {"command": ["srv"]})
+    assert "sent a malformed result" in str(error) and "cannot start" not in str(error)

@@ -142,3 +142,8 @@ def test_cancelled_before_start_does_not_call(ex, make_ctx):
     ctx.cancelled.set()
     with pytest.raises(CallCancelled):
         ex.run(spec(f"{MOD}:explode"), {"message": "should not run"}, ctx)
+
+
+def test_a_result_that_holds_itself_fails_typed(ex, make_ctx):
+    with pytest.raises(ExecutorError, match="nested too deeply to send"):
+        ex.run(spec(f"{MOD}:holds_itself"), {}, make_ctx())
