@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from middleware.kinds import PAYLOAD_KEY
 from middleware.reporter import callback_label
+from middleware.requests import safe_copy
 
 if TYPE_CHECKING:
     from middleware.reporter import FailureReporter
@@ -43,6 +44,10 @@ class _Layer:
         result: Any = None
         error: BaseException | None = None
 
+        # Its own copy: should it fail before next_call, what it changed in place goes with it (the contract:
+        # a failed middleware is skipped, and the chain goes on with the payload it was given).
+        own = safe_copy(payload)
+
         def next_call(next_payload: Any = None) -> Any:
             nonlocal called, reused, ok, result, error
             if called:
@@ -54,14 +59,14 @@ class _Layer:
                 )
             called = True
             try:
-                result = inner(base, fields, payload if next_payload is None else next_payload)
+                result = inner(base, fields, own if next_payload is None else next_payload)
             except BaseException as exc:
                 error = exc
                 raise
             ok = True
             return result
 
-        kwargs = {**fields, self.key: payload, "next_call": next_call}
+        kwargs = {**fields, self.key: own, "next_call": next_call}
         try:
             out = reg.callback(**kwargs)
         except Exception as exc:

@@ -63,7 +63,13 @@ def apply_request_chain(
             continue
         replacement = result.get(key) if isinstance(result, dict) else None
         if not isinstance(replacement, dict):
-            continue  # None or any other shape is ignored
+            if result is not None:  # (None: no change; any other shape is a mistake, said once, then ignored)
+                shape = f"{{{key!r}: {type(replacement).__name__}}}" if isinstance(result, dict) and key in result else (
+                    f"a dict without {key!r}" if isinstance(result, dict) else f"a {type(result).__name__}")
+                reporter.report(kind, reg.callback, TypeError(
+                    f"returned {shape}; expected None (no change) or {{{key!r}: {{...}}}}, the whole new {key}"
+                ), kwargs, plugin=reg.plugin, phase="its return")
+            continue
         current = replacement
         trace.append(trace_entry(result))
     return RequestOutcome(payload=current, original=original, trace=trace)

@@ -195,7 +195,7 @@ class LLMCall:
                 run.api_request["model"] = str(request.get("model") or self.model)
                 return response
 
-        return self.core.llm_flow.run(
+        response = self.core.llm_flow.run(
             copy.deepcopy(self.request),
             call_provider=call_provider,
             context=context,
@@ -205,6 +205,10 @@ class LLMCall:
             skip_plugins=plugins_applied(self.run.env.context),
             around_execution=lambda request, chain: self.runner.execution(run, None, request, chain),
         )
+        # An llm_execution middleware may answer with the provider SDK's own object (a ChatCompletion, as
+        # Hermes' adapters return): the response goes on the wire as its plain data.
+        dump = getattr(response, "model_dump", None)
+        return dump(mode="json") if callable(dump) else response
 
     def _delta(self, delta: dict[str, Any]) -> None:
         self.runner.publish(self.run, DELTA, delta)

@@ -487,7 +487,8 @@ class CallRunner:
                 packed = pack(result)
             except (TypeError, ValueError) as e:
                 target = State.FAILED
-                error = {"type": "unserializable_result", "message": f"tool result cannot be encoded: {e}"}
+                what = "tool result" if run.env is None or run.env.kind == "tool" else "LLM response"
+                error = {"type": "unserializable_result", "message": f"{what} cannot be encoded: {e}"}
             else:  # stored once: in the done event (history and caller), else in the record when large
                 if len(packed) <= INLINE_RESULT_LIMIT:
                     detail["result"] = result

@@ -245,3 +245,34 @@ def test_the_call_is_executing_around_the_tool_execution_chain_and_formatting_fo
     moves = {e.state: e.ts for e in handle.events(timeout=5) if e.type == events.TRANSITION}
     assert moves["executing"] <= at["tool_execution"]  # executing before the chain starts
     assert at["tool_execution returned"] <= moves["formatting"] <= at["post_tool_call"]
+
+
+SDK_ANSWER = '''"""llm_execution that answers with the provider SDK's own object, as Hermes' adapters return one."""
+from openai.types.chat import ChatCompletion
+
+
+def register(ctx):
+    ctx.register_middleware("llm_execution", answer)
+
+
+def answer(**kwargs):
+    return ChatCompletion.model_validate({
+        "id": "cached-1", "object": "chat.completion", "created": 1, "model": "cache",
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "from cache"}}],
+    })
+'''
+
+
+def test_an_llm_execution_middleware_may_answer_with_the_sdks_own_response_object(
+    llm: LLMServer, home: Home, gateway: Any, workers: Any, user_home: Path
+) -> None:
+    set_up(home, llm, allow=[], enabled=())
+    plugin = home.path / "plugins" / "sdk-answer"
+    plugin.mkdir()
+    (plugin / "plugin.yaml").write_text("name: sdk-answer\nversion: '0.1.0'\nkind: standalone\n")
+    (plugin / "__init__.py").write_text(SDK_ANSWER)
+    enable_plugin(home.path, "sdk-answer")
+    start(workers, user_home)
+    reply = gateway.call_llm({"messages": [{"role": "user", "content": "hi"}]}).result(20)
+    assert reply["id"] == "cached-1" and reply["choices"][0]["message"]["content"] == "from cache"
+    assert llm.chat_requests == []  # (short-circuited: the provider was not called)

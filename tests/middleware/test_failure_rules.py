@@ -253,3 +253,31 @@ def test_a_program_that_never_configured_structlog_gets_the_warn_once_as_stdlib_
     assert first["tb"] and "tool_execution callback" in first["msg"] and "it is given: " in first["msg"]
     assert first["fields"]["error_type"] == "RuntimeError" and first["fields"]["repeated"] is False
     assert records[1]["fields"]["repeated"] is True
+
+
+def test_what_a_middleware_changed_in_place_before_it_failed_goes_with_it(registry: MiddlewareRegistry) -> None:
+    """The contract: a middleware that raises before next_call is skipped, and the chain goes on with the
+    payload it was given — not with the half-made edit it left in place (which no policy check had seen)."""
+    def half_done(**kw: Any) -> Any:
+        kw["args"]["half_done"] = True
+        raise ValueError("oops")
+
+    seen: list[Any] = []
+    registry.register_middleware("tool_execution", half_done)
+    registry.register_middleware("tool_execution", lambda **kw: seen.append(dict(kw["args"])) or kw["next_call"]())
+    ran: list[Any] = []
+    assert run(registry, lambda args: ran.append(args) or "result") == "result"
+    assert seen == [{"a": 1}] and ran == [{"a": 1}]
+
+
+def test_a_request_middleware_returning_a_wrong_shape_is_said_once_and_ignored(
+    registry: MiddlewareRegistry, logs: list
+) -> None:
+    registry.register_middleware("tool_request", lambda **kw: {"arguments": {"a": 2}})  # (a typo of "args")
+    registry.register_middleware("tool_request", lambda **kw: None)  # (no change: nothing to say)
+    ran: list[Any] = []
+    for _ in range(2):
+        run(registry, lambda args: ran.append(args) or "result")
+    assert ran == [{"a": 1}, {"a": 1}]
+    [warning] = warnings_of(logs)
+    assert "returned a dict without 'args'" in str(warning) and warning["phase"] == "its return"
