@@ -103,6 +103,28 @@ class _LLMContext(ExecContext):
         return ProviderTimeout(f"LLM call {self.call_id} timed out after {self.timeout:g}s")
 
 
+class Response(dict[str, Any]):
+    """A provider response as plain data that also reads as the SDK's object does, for llm_execution
+    middleware written against Hermes' adapters: ``r["choices"][0]`` and ``r.choices[0].message.content``
+    (a field the response lacks reads as None, as the SDK's optional fields do)."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self.get(name)
+
+
+def as_response(value: Any) -> Any:
+    """``value`` with every mapping in it a :class:`Response`."""
+    if isinstance(value, dict):
+        return Response({k: as_response(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return [as_response(v) for v in value]
+    return value
+
+
 class LLMCall:
     """Runs one claimed LLM call up to its response; the runner moves it and publishes its events."""
 
@@ -193,7 +215,7 @@ class LLMCall:
                 # it: the tool calls it asks for carry them)
                 run.api_request = {k: context[k] for k in ("api_request_id", "provider", "api_mode")}
                 run.api_request["model"] = str(request.get("model") or self.model)
-                return response
+                return as_response(response)
 
         response = self.core.llm_flow.run(
             copy.deepcopy(self.request),

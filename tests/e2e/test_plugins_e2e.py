@@ -263,6 +263,36 @@ def answer(**kwargs):
 '''
 
 
+READS_ATTRIBUTES = '''"""llm_execution that reads the response as Hermes' adapters hand it: attributes, as the SDK's object."""
+
+
+def register(ctx):
+    ctx.register_middleware("llm_execution", shout)
+
+
+def shout(**kwargs):
+    response = kwargs["next_call"](kwargs["request"])
+    message = response.choices[0].message
+    assert message.tool_calls is None  # (a field the response lacks reads as None, as the SDK's)
+    message["content"] = message.content.upper() + " / " + response["choices"][0]["finish_reason"]
+    return response
+'''
+
+
+def test_an_llm_execution_middleware_reads_the_response_by_attribute_or_by_key(
+    llm: LLMServer, home: Home, gateway: Any, workers: Any, user_home: Path
+) -> None:
+    set_up(home, llm, allow=[], enabled=())
+    plugin = home.path / "plugins" / "reads-attributes"
+    plugin.mkdir()
+    (plugin / "plugin.yaml").write_text("name: reads-attributes\nversion: '0.1.0'\nkind: standalone\n")
+    (plugin / "__init__.py").write_text(READS_ATTRIBUTES)
+    enable_plugin(home.path, "reads-attributes")
+    start(workers, user_home)
+    reply = gateway.call_llm({"messages": [{"role": "user", "content": "Reply exactly ok"}]}).result(20)
+    assert reply["choices"][0]["message"]["content"] == "OK / stop"
+
+
 def test_an_llm_execution_middleware_may_answer_with_the_sdks_own_response_object(
     llm: LLMServer, home: Home, gateway: Any, workers: Any, user_home: Path
 ) -> None:
