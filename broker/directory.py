@@ -52,7 +52,14 @@ class Directory:
             keys=[keys.TOOLS, keys.TOOLS_VERSION, keys.TOOLS_DIGEST, keys.TOOLS_VER],
             args=[spec.name, spec.digest(), pack(spec.to_dict()), channel, int(replace)],
         )
-        return int(version), OUTCOMES[int(outcome)]
+        result = OUTCOMES[int(outcome)]
+        with self._lock:  # this process's next call uses it now, not after its own change notice comes back
+            self._generation += 1
+            if result == "kept":
+                self._cache.pop(spec.name, None)
+            else:
+                self._cache[spec.name] = Entry(ToolSpec.from_stored(spec.to_dict()), int(version))
+        return int(version), result
 
     def remove(self, name: str) -> bool:
         """Delete a tool; every instance is told over pub/sub. True when it existed."""

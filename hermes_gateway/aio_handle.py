@@ -71,7 +71,7 @@ class AsyncCallHandle(CallState):
     async def result(self, timeout: float | None = None) -> Any:
         """The call's result; raises its typed error, CallCancelled, or CallTimeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.done():
+        while not self.settled():
             await self._next_change(deadline)
         return await await_steps(self._outcome(self.gateway.conn))
 

@@ -540,7 +540,12 @@ class CallState:
         return self._events[0].trace_id if self._events else ""
 
     def done(self) -> bool:
-        return self._final is not None or self.refused is not None or self.abandoned is not None
+        return self._final is not None or self.refused is not None
+
+    def settled(self) -> bool:
+        """Nothing more to wait for: it ended, was refused, or its client closed (``abandoned``: the call
+        itself goes on, so ``done()`` stays False and a cancel still reaches it)."""
+        return self.done() or self.abandoned is not None
 
     def feed(self, event: Event) -> None:
         """Take one event of the call (one already seen is ignored); at its end the router stops routing."""

@@ -55,12 +55,12 @@ class CallHandle(CallState):
         deadline = None if timeout is None else time.monotonic() + timeout
         check = 0.0
         unreachable: Exception | None = None
-        while not self.done():
+        while not self.settled():
             wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
             with self._cv:
-                if not self.done():
+                if not self.settled():
                     self._cv.wait(wait)
-            if self.done():
+            if self.settled():
                 return
             # Pub/sub is fire-and-forget: now and then read the durable history directly.
             if time.monotonic() >= check:
@@ -71,7 +71,7 @@ class CallHandle(CallState):
                 except (redis.ConnectionError, redis.TimeoutError) as e:
                     # A broker restart: the call goes on (its worker keeps it) and so does the wait.
                     unreachable = e
-                if self.done():
+                if self.settled():
                     return
             if deadline is not None and time.monotonic() >= deadline:
                 if unreachable is not None:

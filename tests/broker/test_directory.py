@@ -95,3 +95,14 @@ def test_removing_a_tool_forgets_its_breaker_and_no_other(fake: Any) -> None:
     assert d.remove("echo") is True
     assert fake.smembers(keys.BREAKERS) == {b"shared:backend"}  # (a key other tools may share stays)
     assert not fake.exists(keys.breaker("tool:echo")) and fake.exists(keys.breaker("shared:backend"))
+
+
+def test_a_spec_this_process_registers_is_what_its_next_lookup_gets(fake: Any) -> None:
+    """Before its own change notice comes back over pub/sub (a busy event thread: the next call ran the
+    spec before, which ``tests/e2e/test_directory_e2e.py`` caught under load)."""
+    d = Directory(fake)
+    d.register(spec(description="first"))
+    assert d.get("echo").spec.description == "first"  # (cached)
+    version, changed = d.register(spec(description="second"))
+    entry = d.get("echo")
+    assert changed and entry.version == version and entry.spec.description == "second"
