@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from broker import otel
 from broker.errors import DecodeError, HermesError, UnknownTool
 from broker.events import DELTA
+from hermes_gateway.cli.common import interrupt_after
 
 if TYPE_CHECKING:
     from hermes_gateway.client import Gateway
@@ -214,8 +215,9 @@ class ChatSession:
         optional = {"tools": schemas, "model": self.model, "stream": self.stream}  # (sent when set)
         request = {"messages": list(self.messages), **{k: v for k, v in optional.items() if v}}
         started = time.monotonic()
-        handle = self.gw.call_llm(request, **self._context(turn_id))
-        self._waiting = [handle]
+        with interrupt_after():  # (a Ctrl-C right after the submission still finds the call to cancel)
+            handle = self.gw.call_llm(request, **self._context(turn_id))
+            self._waiting = [handle]
         if self.stream and self.on_delta is not None:
             for ev in handle.events(timeout=self.wait):
                 if ev.type == DELTA and ev.detail.get("content"):
@@ -246,13 +248,14 @@ class ChatSession:
                 context = self._context(
                     turn.turn_id, tool_call_id=run.tool_call_id, parent_call_id=turn.llm_call_id, **turn.api_request
                 )
-                handle = self.gw.call_tool(run.name, run.args, **context)
+                with interrupt_after():
+                    handle = self.gw.call_tool(run.name, run.args, **context)
+                    self._waiting.append(handle)
             except (HermesError, ValueError) as e:
                 run.error = _error(e)
                 continue
             run.call_id = handle.call_id
             pending.append((run, handle, time.monotonic()))
-            self._waiting.append(handle)
         for run, handle, started in pending:
             try:
                 run.result = handle.result(self.wait)
