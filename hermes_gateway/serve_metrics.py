@@ -20,7 +20,6 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from broker.breaker import Breakers
-from broker.limits import Limits
 from hermes_gateway import console_data
 from workers.telemetry import BREAKER_STATES, LATENCY_BOUNDS, Stats, queue_depths, read_inflight, read_stats
 
@@ -75,7 +74,8 @@ class GatewayMetrics:
             "stats": read_stats(conn),
             "queues": dict(queue_depths(conn)),
             "inflight": read_inflight(conn),
-            "limits": Limits(conn).snapshot(),
+            # (every tool of the directory, idle ones too, as the console shows them)
+            "limits": console_data.slots(conn, self.gw.settings, self.gw.directory.all()),
             "rate_limits": console_data.rate_limits(conn),
             "breakers": Breakers(conn).all(),
             "workers": len(self.gw.live_workers()),

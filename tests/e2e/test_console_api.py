@@ -90,6 +90,7 @@ def test_serve_metrics_parse_and_count_the_calls_the_workers_ran(
     served: ConsoleServer, gateway: Any, home: Any
 ) -> None:
     home.tool("boom", function="tests.workers.executors.pyfuncs:explode", timeout=10)
+    home.tool("idle", function="tests.workers.executors.pyfuncs:explode", timeout=10, concurrency=3)  # never called
     gateway.sync_tools()
     ok = [gateway.call_tool("echo", {"i": i}) for i in range(17)]
     for h in ok:
@@ -115,6 +116,9 @@ def test_serve_metrics_parse_and_count_the_calls_the_workers_ran(
     assert counts == infs == {"echo": 17, "boom": 1}
     assert families["hermes_queue_depth"].samples[0].labels["messaging_destination_name"] == "tools"
     assert [s.value for s in families["hermes_workers"].samples] == [1]
+    # every tool's limit, idle as they are now (it read only the keys a submission had written a limit for)
+    limits = {s.labels["hermes_concurrency_key"]: s.value for s in families["hermes_concurrency_limit"].samples}
+    assert {"tool:echo", "tool:boom"} <= set(limits) and limits["tool:idle"] == 3, limits
 
 
 def test_a_worker_serves_its_own_metrics_with_metrics_port(gateway: Any, home: Any, workers: Any) -> None:
