@@ -48,14 +48,16 @@ class Directory:
         """Store a spec checked by its caller (``workers.specs.check_spec``); returns (version, outcome), one
         of ``OUTCOMES`` ("kept": ``replace=False`` and a different spec is registered under the name)."""
         channel = keys.channel(self.conn, keys.TOOLS_CHANNEL)
+        generation = self._generation
         version, outcome = self._register(
             keys=[keys.TOOLS, keys.TOOLS_VERSION, keys.TOOLS_DIGEST, keys.TOOLS_VER],
             args=[spec.name, spec.digest(), pack(spec.to_dict()), channel, int(replace)],
         )
         result = OUTCOMES[int(outcome)]
         with self._lock:  # this process's next call uses it now, not after its own change notice comes back
+            newer = generation != self._generation  # (a change notice came meanwhile: maybe a newer spec)
             self._generation += 1
-            if result == "kept":
+            if result == "kept" or newer:
                 self._cache.pop(spec.name, None)
             else:
                 self._cache[spec.name] = Entry(ToolSpec.from_stored(spec.to_dict()), int(version))

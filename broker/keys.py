@@ -68,6 +68,7 @@ POLICY_CHANNEL = PREFIX + ":policy:changes"  # pub/sub notice (the new version) 
 USAGE_DAY = PREFIX + ":usage:{}:{}"  # hash principal -> tokens used that UTC day (daily_tokens budgets)
 STATS = PREFIX + ":stats"  # hash of call figures summed over all workers (workers/telemetry.py)
 STATS_INFLIGHT = PREFIX + ":stats:inflight:{}"  # hash concurrency key -> calls running, per worker
+STATS_INFLIGHT_BY = PREFIX + ":stats:inflight"  # zset worker -> when it last wrote its in-flight hash
 
 
 def stats_ended(kind: str, name: str, state: str, error_type: str | None) -> str:

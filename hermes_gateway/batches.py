@@ -429,15 +429,13 @@ class Submitter:
         self.make_room(len(chunk))
         if not self.begin(end):
             return
-        try:
-            self.send_chunk(chunk)
-            self.sent = max(self.sent, end)
-        finally:
-            pipe = self.conn.pipeline(transaction=False)
-            pipe.hset(keys.batch(self.id), "submitted", self.sent)
-            pipe.hdel(keys.batch(self.id), "sending")
-            pipe.expire(keys.batch(self.id), self.ttl)  # (a batch that runs longer than its TTL stays)
-            pipe.execute()
+        self.send_chunk(chunk)  # (failing, it leaves its mark: stale, its chunk then counts as sent)
+        self.sent = max(self.sent, end)
+        pipe = self.conn.pipeline(transaction=False)
+        pipe.hset(keys.batch(self.id), "submitted", self.sent)
+        pipe.hdel(keys.batch(self.id), "sending")
+        pipe.expire(keys.batch(self.id), self.ttl)  # (a batch that runs longer than its TTL stays)
+        pipe.execute()
         if self.is_cancelled():  # cancelled while this chunk went out: its calls go too
             self.store.cancel(self.gw, self.id)
 
@@ -578,7 +576,7 @@ def start(gw: Gateway, tool: str, items: Iterable[Any], *, window: int | None = 
             )
         batch_id = resume
         # (before the thread starts: a reader must not take it for complete; a cancel is never undone)
-        if store.set_state(batch_id, "submitting", int(meta["ttl"])) in ("cancelled", ""):
+        if store.set_state(batch_id, "submitting", int(meta["ttl"]), error="") in ("cancelled", ""):
             raise InvalidArgs(f"batch {resume} was cancelled: it cannot be resumed", batch_id=resume)
     else:
         queues = batch_queues(gw.directory.get(tool).spec, settings)

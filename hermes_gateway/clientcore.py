@@ -349,7 +349,7 @@ def fair_limits(env: Envelope, settings: Settings, key_size: int) -> dict[str, A
     }
 
 
-LLM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
+LLM_NAME = re.compile(r"[A-Za-z0-9@][A-Za-z0-9._:/@+-]{0,127}")  # (@cf/meta/llama-3.1-8b-instruct)
 
 
 def llm_envelope(

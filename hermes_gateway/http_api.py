@@ -149,7 +149,7 @@ class Api:
         try:
             await self._may_manage_tools(request)
         except PermissionDenied:
-            for field in ("headers", "env_set"):
+            for field in ("headers", "env_set", "metadata"):
                 if isinstance(shown.get(field), dict):
                     shown[field] = {k: v if sole(str(v)) is not None else "***" for k, v in shown[field].items()}
         return reply({**shown, "version": entry.version})

@@ -109,9 +109,11 @@ class Response(dict[str, Any]):
     (a field the response lacks reads as None, as the SDK's optional fields do)."""
 
     __slots__ = ()
+    # (the SDK object's methods: ``hasattr(r, "model_dump")`` must stay False for plain data)
+    METHODS = frozenset({"model_dump", "model_dump_json", "model_copy", "to_dict", "to_json", "dict", "json", "copy"})
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
+        if name.startswith("_") or name in Response.METHODS:
             raise AttributeError(name)
         return self.get(name)
 

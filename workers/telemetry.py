@@ -398,9 +398,13 @@ def read_stats(conn: redis.Redis) -> Stats:
 
 def read_inflight(conn: redis.Redis) -> dict[str, int]:
     """Calls executing per concurrency key, summed over the in-flight hashes (``StatsFlusher``) of the
-    workers on record (``hermes:workers``; a dead one's hash expires): two round trips, however many keys
-    the Redis holds (a SCAN for the hashes read every key of it, each console tick and status read)."""
-    names = conn.zrange(keys.WORKERS, 0, -1)
+    processes that wrote one lately (``hermes:stats:inflight``, stock RQ workers' too; a dead one's hash
+    expires): two round trips, however many keys the Redis holds (a SCAN for the hashes read every key of
+    it, each console tick and status read)."""
+    pipe = conn.pipeline(transaction=False)
+    pipe.zremrangebyscore(keys.STATS_INFLIGHT_BY, "-inf", time.time() - 60)
+    pipe.zrange(keys.STATS_INFLIGHT_BY, 0, -1)
+    names = pipe.execute()[1]
     if not names:
         return {}
     pipe = conn.pipeline(transaction=False)
@@ -580,6 +584,7 @@ class StatsFlusher:
 
     def __init__(self, conn: redis.Redis, worker: str, inflight: Callable[[], dict[str, int]]) -> None:
         self.conn = conn
+        self.worker = worker
         self.key = keys.stats_inflight(worker)
         self.inflight = inflight
         self._stop = threading.Event()
@@ -599,6 +604,7 @@ class StatsFlusher:
             pipe.delete(self.key)
             pipe.hset(self.key, mapping=cast(Any, current))
             pipe.expire(self.key, int(FLUSH_INTERVAL * 5) + 1)
+            pipe.zadd(keys.STATS_INFLIGHT_BY, {self.worker: time.time()})  # (read_inflight reads these)
         elif self._had_inflight:
             pipe.delete(self.key)
         self._had_inflight = bool(current)

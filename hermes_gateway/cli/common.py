@@ -63,8 +63,12 @@ def interrupt_after() -> Iterator[None]:
     old = signal.signal(signal.SIGINT, lambda signum, _frame: caught.append(signum))
     try:
         yield
-    finally:
+    except BaseException:
         signal.signal(signal.SIGINT, old)
+        if caught:  # (the block failed too: the Ctrl-C still ends the command)
+            raise KeyboardInterrupt from None
+        raise
+    signal.signal(signal.SIGINT, old)
     if caught:
         raise KeyboardInterrupt
 

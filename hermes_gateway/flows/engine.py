@@ -184,6 +184,8 @@ class _Run:
         except FlowError as e:
             res.error = e.to_wire()
             self.emit(res, "failed", error=res.error)
+        if res.state == "failed" and step.on_error == "continue":
+            self.stopped_at = None  # (an inner step of this group failed, and the flow goes on)
         return res.state != "failed" or step.on_error == "continue"
 
     # -- a tool call -----------------------------------------------------------------------------

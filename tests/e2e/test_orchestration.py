@@ -287,6 +287,11 @@ def test_a_failed_flow_names_the_step_that_stopped_it_and_a_call_past_the_wait_i
     out = run_flow(gateway, doc, {})
     assert out.state == "failed" and out.steps["fan"].state == "partial"
     assert out.error["step"] == "later" and out.error["type"] == "unknown_tool"  # (not the partial fan's b)
+    grouped = run_flow(gateway, {"name": "g", "steps": [
+        {"id": "g", "on_error": "continue", "steps": [{"id": "inner", "tool": "nosuchtool", "args": {}}]},
+        {"id": "last", "tool": "nosuchtool", "args": {}},
+    ]}, {})  # fmt: skip
+    assert grouped.error["step"] == "last"  # (the group's inner failure was let go by on_error: continue)
 
     t0 = time.monotonic()
     slow = run_flow(

@@ -32,7 +32,7 @@ def workload(fake: Any) -> None:
     fake.hset(keys.stats_inflight("w1"), mapping={"tool:get_weather": 2})
     fake.hset(keys.stats_inflight("w2"), mapping={"tool:get_weather": 1, "llm:gpt": 4})
     fake.hset(keys.stats_inflight("gone"), mapping={"tool:get_weather": 9})  # (no worker on record: not read)
-    fake.zadd(keys.WORKERS, {"w1": time.time(), "w2": time.time()})  # (their heartbeats)
+    fake.zadd(keys.STATS_INFLIGHT_BY, {"w1": time.time(), "w2": time.time()})  # (as their flushers write it)
     fake.sadd(keys.BREAKERS, "tool:get_weather")
     fake.hset(keys.breaker("tool:get_weather"), "state", "open")
     fake.sadd(keys.RQ_QUEUES, keys.queue("tools"))
