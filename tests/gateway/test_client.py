@@ -94,7 +94,9 @@ def test_bad_arguments_and_unknown_context_are_refused_at_once(gw: Gateway, conn
             gw.call_llm({"messages": [], "model": model})
     with pytest.raises(InvalidArgs, match="provider .* is not a name"):
         gw.call_llm({"messages": []}, provider="bad provider")
-    gw.call_llm({"messages": [], "model": "@cf/meta/llama-3.1-8b-instruct"})  # (Workers AI's names begin with @)
+    from hermes_gateway.clientcore import LLM_NAME
+
+    assert LLM_NAME.fullmatch("@cf/meta/llama-3.1-8b-instruct")  # (Workers AI's names begin with @)
     # (the provider merges these as mappings: anything else had failed at the worker as an internal_error)
     for key, value in (("extra_headers", "notadict"), ("extra_body", [1, 2]), ("extra_query", 3)):
         with pytest.raises(InvalidArgs, match=f"{key} must be a mapping"):
