@@ -198,10 +198,7 @@ class BatchStore:
     def progress(self, batch_id: str, meta: dict[str, str] | None = None) -> Progress:
         meta = meta or self.meta(batch_id)
         counts = self.counts(batch_id, meta["queues"].split(","))
-        at, end = _sending(meta)
-        sending = at is not None and time.time() - at < SENDING_STALE
-        # (a dead submitter's chunk: its calls may have gone out uncounted; they count as sent)
-        submitted = int(meta.get("submitted") or 0) if sending else max(int(meta.get("submitted") or 0), end)
+        submitted, sending = _sent(meta)
         p = Progress(
             id=batch_id, tool=meta["tool"], state=meta.get("state", "submitting"),
             total=int(meta["total"]) if meta.get("total") else None,
@@ -300,6 +297,11 @@ class BatchStore:
         part = keys.batch_part(queue, batch_id)
         self._unsent(keys=[part + ":r", part + ":o", part + ":n"], args=[index, entry, state, ttl])
 
+    def write_cancelled(self, batch_id: str, queue: str, index: int, ttl: int) -> None:
+        """The ``cancelled`` result of an item the batch's cancel caught before it was sent."""
+        self.write_unsent(batch_id, queue, index, ttl,
+                          CallCancelled("the batch was cancelled before this item was sent"), state="cancelled")
+
     # -- cancel --------------------------------------------------------------------------------
 
     def cancel(self, gw: Gateway, batch_id: str) -> int:
@@ -309,9 +311,7 @@ class BatchStore:
         meta = self.meta(batch_id)  # (read after the state: the submitter stops)
         queue_of = _router(meta)
         counted = int(meta.get("submitted") or 0)
-        at, end = _sending(meta)
-        dead = at is not None and time.time() - at >= SENDING_STALE  # (a live submitter cancels its own chunk)
-        upto = max(counted, end) if dead else counted
+        upto, _ = _sent(meta)  # (a live submitter cancels its own chunk; a dead one's chunk is ours)
         cancelled = 0
         for start in range(0, upto, CHUNK):
             idx = range(start, min(upto, start + CHUNK))
@@ -321,9 +321,7 @@ class BatchStore:
                 if gw.cancel(keys.call_id(queue_of(i), item_call_id(batch_id, i))):
                     cancelled += 1
                 elif i >= counted:  # the dead submitter's chunk: this item never became a call
-                    self.write_unsent(batch_id, queue_of(i), i, int(meta["ttl"]),
-                                      CallCancelled("the batch was cancelled before this item was sent"),
-                                      state="cancelled")
+                    self.write_cancelled(batch_id, queue_of(i), i, int(meta["ttl"]))
         return cancelled
 
     def has_result(self, batch_id: str, queue_of: Callable[[int], str], indexes: Iterable[int]) -> list[Any]:
@@ -334,10 +332,21 @@ class BatchStore:
         return pipe.execute()
 
 
-def _sending(meta: dict[str, str]) -> tuple[float | None, int]:
-    """The chunk a submitter marked in flight: (when, the index after its last) — (None, 0) none."""
+def _sending_mark(end: int) -> str:
+    """The meta's ``sending`` field: a chunk up to item ``end`` in flight since now (``_sent`` reads it)."""
+    return f"{time.time()} {end}"
+
+
+def _sent(meta: dict[str, str]) -> tuple[int, bool]:
+    """(the items sent, whether a live submitter has a chunk in flight): the high-water mark, and past it a
+    chunk whose mark is older than ``SENDING_STALE`` (its submitter died: its calls may have gone out)."""
+    counted = int(meta.get("submitted") or 0)
     at, _, end = meta.get("sending", "").partition(" ")
-    return (float(at), int(end or 0)) if at else (None, 0)
+    if not at:
+        return counted, False
+    if time.time() - float(at) < SENDING_STALE:
+        return counted, True
+    return max(counted, int(end or 0)), False
 
 
 def _router(meta: dict[str, str]) -> Callable[[int], str]:
@@ -414,7 +423,7 @@ class Submitter:
         its calls go out; a cancel after the submitter died covers it) unless the batch is cancelled or gone
         already; False: send nothing."""
         pipe = self.conn.pipeline(transaction=False)
-        pipe.hset(keys.batch(self.id), "sending", f"{time.time()} {end}")
+        pipe.hset(keys.batch(self.id), "sending", _sending_mark(end))
         pipe.hget(keys.batch(self.id), "state")  # (after the mark: a cancel after this read sees it)
         if text(pipe.execute()[1] or b"cancelled") != "cancelled":
             return True
@@ -461,13 +470,11 @@ class Submitter:
         while prepared and (prepared := self.submit(prepared)):  # (submit returns those refused)
             if self.is_cancelled():  # those still waiting for room end cancelled, never sent
                 for _, _, i in prepared:
-                    self.store.write_unsent(self.id, self.queue_of(i), i, self.ttl,
-                                            CallCancelled("the batch was cancelled before this item was sent"),
-                                            state="cancelled")
+                    self.store.write_cancelled(self.id, self.queue_of(i), i, self.ttl)
                 break
             time.sleep(delay)  # the queue is full: wait for room rather than fail the item
             delay = min(0.5, delay * 2)
-            self.conn.hset(keys.batch(self.id), "sending", f"{time.time()} {chunk[-1][0] + 1}")  # (still in flight)
+            self.conn.hset(keys.batch(self.id), "sending", _sending_mark(chunk[-1][0] + 1))  # (still in flight)
 
     def submit(self, prepared: list[Any]) -> list[Any]:
         """SUBMIT ``prepared`` in one pipeline; returns the ones refused with QueueFull. With
