@@ -69,13 +69,7 @@ USAGE_DAY = PREFIX + ":usage:{}:{}"  # hash principal -> tokens used that UTC da
 STATS = PREFIX + ":stats"  # hash of call figures summed over all workers (workers/telemetry.py)
 STATS_INFLIGHT = PREFIX + ":stats:inflight:{}"  # hash concurrency key -> calls running, per worker
 STATS_INFLIGHT_BY = PREFIX + ":stats:inflight"  # zset worker -> when it last wrote its in-flight hash
-
-
-def stats_ended(kind: str, name: str, state: str, error_type: str | None) -> str:
-    """The ``hermes:stats`` field counting calls of ``kind``/``name`` that ended ``state`` (``error_type``):
-    the workers' flushes add to it (workers/telemetry.py ``call_ended``), and so do the ends made elsewhere
-    (a caller's cancel of a waiting call, the reaper's end of a lost worker's call)."""
-    return f"calls|{kind}|{name}|{state}|{error_type or ''}"
+STATS_SEP = "|"  # between the parts of a hermes:stats field (workers/telemetry.py parses them)
 BREAKER = PREFIX + ":{{brk}}:breaker:{}"  # hash: state, opened_at, failures, probe, ... of one circuit breaker
 BREAKER_WINDOW = PREFIX + ":{{brk}}:breaker:{}:win"  # hash bucket -> calls / failures, for the error-rate rule
 BREAKERS = PREFIX + ":{brk}:breakers"  # set of every breaker key (for status)
@@ -102,6 +96,12 @@ F_PRINCIPAL = "h_principal"  # the principal a call runs as (absent: none), read
 F_STEPS = "h_steps"  # one step per transition so far (broker.calls.step_text): an ended call's `steps`, no event decoded
 F_BATCH = "h_batch"  # "<ttl> <index> <batch part prefix>" of a batch's call: TRANSITION writes its result there
 
+
+def stats_ended(kind: str, name: str, state: str, error_type: str | None) -> str:
+    """The ``hermes:stats`` field counting calls of ``kind``/``name`` that ended ``state`` (``error_type``):
+    the workers' flushes add to it (workers/telemetry.py ``call_ended``), and so do the ends made elsewhere
+    (a caller's cancel of a waiting call, the reaper's end of a lost worker's call)."""
+    return STATS_SEP.join(("calls", kind, name, state, error_type or ""))
 
 def tag(queue_name: str) -> str:
     """The hash tag of a queue: every key of the queue and of the calls on it carries it."""

@@ -316,7 +316,8 @@ class CallSpans(Hook):
 
 BREAKER_STATES = {"closed": 0, "half_open": 1, "half-open": 1, "open": 2}
 FLUSH_INTERVAL = 1.0
-SEP = "|"
+INFLIGHT_NAMED = 60.0  # seconds a worker stays named in hermes:stats:inflight after its last in-flight write
+SEP = keys.STATS_SEP
 # Upper bounds (seconds, inclusive, as Prometheus' ``le``) of the duration buckets; the last bucket (index
 # len(LATENCY_BOUNDS)) holds everything slower.
 LATENCY_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -401,10 +402,7 @@ def read_inflight(conn: redis.Redis) -> dict[str, int]:
     processes that wrote one lately (``hermes:stats:inflight``, stock RQ workers' too; a dead one's hash
     expires): two round trips, however many keys the Redis holds (a SCAN for the hashes read every key of
     it, each console tick and status read)."""
-    pipe = conn.pipeline(transaction=False)
-    pipe.zremrangebyscore(keys.STATS_INFLIGHT_BY, "-inf", time.time() - 60)
-    pipe.zrange(keys.STATS_INFLIGHT_BY, 0, -1)
-    names = pipe.execute()[1]
+    names = conn.zrangebyscore(keys.STATS_INFLIGHT_BY, time.time() - INFLIGHT_NAMED, "+inf")
     if not names:
         return {}
     pipe = conn.pipeline(transaction=False)
@@ -604,7 +602,9 @@ class StatsFlusher:
             pipe.delete(self.key)
             pipe.hset(self.key, mapping=cast(Any, current))
             pipe.expire(self.key, int(FLUSH_INTERVAL * 5) + 1)
-            pipe.zadd(keys.STATS_INFLIGHT_BY, {self.worker: time.time()})  # (read_inflight reads these)
+            now = time.time()  # (read_inflight reads the names; the writers, not the readers, drop old ones)
+            pipe.zadd(keys.STATS_INFLIGHT_BY, {self.worker: now})
+            pipe.zremrangebyscore(keys.STATS_INFLIGHT_BY, "-inf", now - INFLIGHT_NAMED)
         elif self._had_inflight:
             pipe.delete(self.key)
         self._had_inflight = bool(current)
