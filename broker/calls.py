@@ -20,7 +20,7 @@ import structlog
 from redis.client import Pipeline
 
 from . import events, keys, pipes, poison, scripts
-from .codec import raw, text, unpack
+from .codec import pack, raw, text, unpack
 from .connection import is_cluster
 from .envelope import Envelope, fairness_of
 from .errors import DecodeError, IllegalTransition, QueueFull
@@ -116,6 +116,20 @@ def job_fields(env: Envelope, *, ckey: str, max_attempts: int, timeout: float) -
     if session:  # (the events a retry, a cancel or the reaper make carry it too)
         fields[keys.F_SESSION] = session
     return fields
+
+
+def failure_entry(info: CallInfo, error: dict[str, Any], worker: str, principal: str | None) -> bytes:
+    """A failed call as ``hermes:failures`` lists it (status's recent failures)."""
+    return pack({
+        "call_id": info.call_id, "name": info.name, "kind": info.kind, "error": error, "ts": time.time(),
+        "worker": worker, "principal": principal,
+    })  # fmt: skip
+
+
+def push_failure(pipe: Any, entry: bytes) -> None:
+    """Queue on ``pipe`` the listing of a ``failure_entry``, the list kept to ``FAILURES_KEPT``."""
+    pipe.lpush(keys.FAILURES, entry)
+    pipe.ltrim(keys.FAILURES, 0, keys.FAILURES_KEPT - 1)
 
 
 def envelope_of(data: bytes) -> Envelope:

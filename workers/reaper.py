@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import structlog
 
 from broker import keys, pipes
 from broker.audit import AuditLog, AuditRecord
-from broker.calls import CallInfo, Calls
-from broker.codec import pack, text
+from broker.calls import CallInfo, Calls, failure_entry, push_failure
+from broker.codec import text
 from broker.errors import WorkerLost
 from broker.otel import new_span_id
 from broker.states import ACTIVE, State
@@ -101,11 +100,7 @@ def end_call(
     pipe = calls.conn.pipeline(transaction=False)
     pipe.hincrby(keys.STATS, keys.stats_ended(info.kind, info.name, str(state), err.get("type")), 1)
     if state == State.FAILED:
-        pipe.lpush(keys.FAILURES, pack({
-            "call_id": info.call_id, "name": info.name, "kind": info.kind, "error": err, "ts": time.time(),
-            "worker": "reaper", "principal": None,
-        }))  # fmt: skip
-        pipe.ltrim(keys.FAILURES, 0, keys.FAILURES_KEPT - 1)
+        push_failure(pipe, failure_entry(info, err, "reaper", None))
     pipes.settled(pipe, pipes.for_seconds(_SETTLE_PATIENCE))
     if audit is None:
         return

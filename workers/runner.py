@@ -20,7 +20,7 @@ import structlog
 
 from broker import keys, logs, pipes
 from broker.audit import AuditLog
-from broker.calls import WRONG_STATE, CallInfo, Calls, Claimed, Step, envelope_of
+from broker.calls import WRONG_STATE, CallInfo, Calls, Claimed, Step, envelope_of, failure_entry, push_failure
 from broker.codec import pack, text
 from broker.config import Settings, load_settings
 from broker.directory import Directory
@@ -152,23 +152,9 @@ class Failures(Hook):
         if state != "failed":
             return None
         core.failed += 1
-        entry = pack(
-            {
-                "call_id": run.info.call_id,
-                "name": run.info.name,
-                "kind": run.info.kind,
-                "error": error or {},
-                "ts": time.time(),
-                "worker": core.name,
-                "principal": run.env.context.get("principal") if run.env is not None else None,
-            }
-        )
-
-        def write(pipe: Any) -> None:
-            pipe.lpush(keys.FAILURES, entry)
-            pipe.ltrim(keys.FAILURES, 0, keys.FAILURES_KEPT - 1)
-
-        return write
+        principal = run.env.context.get("principal") if run.env is not None else None
+        entry = failure_entry(run.info, error or {}, core.name, principal)
+        return lambda pipe: push_failure(pipe, entry)
 
 
 # The per-call concerns (``workers/hooks.py``): ``before_*`` run in this order, ``after_*`` in reverse. The
