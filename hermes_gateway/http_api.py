@@ -7,7 +7,7 @@ Admission errors are HTTP errors with a typed body (``http_guard``); a call that
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, nullcontext
 from dataclasses import asdict
 from importlib import resources
@@ -189,7 +189,10 @@ class Api:
         body = await read_body(request, self.gw.settings.api)
         args = _field(body, "args", (dict,), "an object")
         name = request.path_params["name"]
-        ceiling = lambda: self.gw.directory.get(name).spec.timeout  # noqa: E731 - (only asked when it matters)
+
+        async def ceiling() -> float:  # (the async client's cached lookup, which its call_tool then reuses)
+            return float((await self.agw.tool(name)).spec.timeout)
+
         return await self._call(request, body, lambda **kw: self.agw.call_tool(name, args, **kw), ceiling)
 
     async def call_llm(self, request: Request) -> Response:
@@ -198,22 +201,26 @@ class Api:
         llm_request = _field(body, "request", (dict,), "an object (chat-completions kwargs: messages, model...)")
         if llm_request is None:
             raise BadRequest("request: expected an object (chat-completions kwargs: messages, model...)")
-        return await self._call(
-            request, body, lambda **kw: self.agw.call_llm(llm_request, **kw), lambda: self.gw.settings.model.timeout
-        )
+        async def ceiling() -> float:
+            return float(self.gw.settings.model.timeout)
 
-    async def _call(self, request: Request, body: dict[str, Any], submit: Any, ceiling: Any) -> Response:
+        return await self._call(request, body, lambda **kw: self.agw.call_llm(llm_request, **kw), ceiling)
+
+    async def _call(
+        self, request: Request, body: dict[str, Any], submit: Any, ceiling: Callable[[], Awaitable[float]]
+    ) -> Response:
         """A call's submission with the body's context and options: 202 and where to follow it, or (``wait``)
         its outcome when it ends within that many seconds. A ``timeout`` past ``ceiling()`` (the tool's or
         the model's own) is an admin's to give: another token would hold slots past what the operator set."""
         context = _context(body)
-        principal = request_caller(request).principal_for(context.pop("principal", None))
+        caller = request_caller(request)
+        principal = caller.principal_for(context.pop("principal", None))
         if principal is not None:
             context["principal"] = principal
         wait = _number(body, "wait", 0)
         timeout = _number(body, "timeout", 0.001)
-        if timeout is not None and not request_caller(request).admin:
-            most = float(await run_in_threadpool(ceiling))
+        if timeout is not None and not caller.admin:
+            most = await ceiling()
             if float(timeout) > most:
                 raise BadRequest(
                     f"timeout: at most {most:g} s for this token (the operator's timeout of the tool or model); "
@@ -225,7 +232,7 @@ class Api:
         try:
             handle = await submit(timeout=timeout, idempotency_key=key, max_attempts=attempts, **trace, **context)
         except IdempotencyConflict as e:
-            raise _conflict_for(request_caller(request), e, key) from None
+            raise _conflict_for(caller, e, key) from None
         if not wait:
             return reply(_accepted(handle), 202)
         outcome = await _outcome(handle, min(float(wait), MAX_WAIT))
