@@ -64,8 +64,12 @@ def apply_request_chain(
         replacement = result.get(key) if isinstance(result, dict) else None
         if not isinstance(replacement, dict):
             if result is not None:  # (None: no change; any other shape is a mistake, said once, then ignored)
-                shape = f"{{{key!r}: {type(replacement).__name__}}}" if isinstance(result, dict) and key in result else (
-                    f"a dict without {key!r}" if isinstance(result, dict) else f"a {type(result).__name__}")
+                if not isinstance(result, dict):
+                    shape = f"a {type(result).__name__}"
+                elif key in result:
+                    shape = f"{{{key!r}: {type(replacement).__name__}}}"
+                else:
+                    shape = f"a dict without {key!r}"
                 reporter.report(kind, reg.callback, TypeError(
                     f"returned {shape}; expected None (no change) or {{{key!r}: {{...}}}}, the whole new {key}"
                 ), kwargs, plugin=reg.plugin, phase="its return")

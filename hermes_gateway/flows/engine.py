@@ -3,7 +3,6 @@ policy and audit apply to each); the runner only decides what to call next and r
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from broker import events as ev_mod
 from broker.breaker import Breakers, breaker_config, rejecting
 from broker.errors import CallTimeout, CircuitOpen, FlowError, HermesError
+from hermes_gateway.handle import cancel_unended
 
 from .expr import render
 from .model import Flow, Step
@@ -98,8 +98,6 @@ class FlowRunner:
     def cancel_running(self) -> int:
         """Cancel the run's calls that have not ended (Ctrl-C on ``flow run``), and make no more; how many
         were cancelled."""
-        from hermes_gateway.handle import cancel_unended
-
         with self._calls_lock:
             calls, self._calls, self._stopped = self._calls, [], True
         return cancel_unended(calls)
@@ -205,7 +203,7 @@ class _Run:
         """One call, its events reported as they come; returns the result or the error. A call not ended
         within the runner's ``wait`` is cancelled (the step fails: its effects must not come later)."""
         handle = None
-        deadline = None if self.r.wait is None else time.monotonic() + self.r.wait
+        deadline = _deadline(self.r.wait)
         try:
             self.r.check_running()
             handle = self.r.gw.call_tool(tool, args, timeout=timeout, **self.r.context)
@@ -217,7 +215,7 @@ class _Run:
                     self.emit(res, "running", call_state=ev.state, attempt=ev.attempt)
             return handle.result(0 if handle.done() else _left(deadline))
         except CallTimeout as e:
-            _cancel(handle)
+            cancel_unended([handle] if handle is not None else [])
             return e
         except HermesError as e:
             return e
@@ -276,7 +274,7 @@ class _Run:
         batch = self.r.gw.submit_many(calls, **opts, **self.r.context) if calls else []
         self.r.track(*batch)
         self.emit(res, "running", total=len(calls))
-        deadline = None if self.r.wait is None else time.monotonic() + self.r.wait
+        deadline = _deadline(self.r.wait)
         out: list[dict[str, Any]] = []
         for i, handle in enumerate(batch):
             try:
@@ -286,7 +284,7 @@ class _Run:
                 out.append(self.fallback_item(step, i, items[i], e, handle.call_id))
             except HermesError as e:
                 if isinstance(e, CallTimeout):
-                    _cancel(handle)
+                    cancel_unended([handle])
                 out.append({"index": i, "ok": False, "error": e.to_wire(), "call_id": handle.call_id})
             self.emit(res, "running", done=len(out), failed=sum(not o["ok"] for o in out), total=len(calls))
         self.combine(res, out, [o.get("result") for o in out])
@@ -347,15 +345,11 @@ class _Run:
         self.emit(res, state, failed=failed, total=len(items))
 
 
+def _deadline(wait: float | None) -> float | None:
+    """When a wait of ``wait`` seconds from now ends (None: it does not)."""
+    return None if wait is None else time.monotonic() + wait
+
+
 def _left(deadline: float | None) -> float | None:
     """Seconds until ``deadline`` (None: no deadline), never below 0."""
     return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-def _cancel(handle: Any) -> None:
-    """Cancel a call the flow stopped waiting for (a broker failing meanwhile leaves it be)."""
-    import redis
-
-    if handle is not None:
-        with contextlib.suppress(HermesError, redis.RedisError):
-            handle.cancel()

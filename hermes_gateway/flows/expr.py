@@ -208,6 +208,11 @@ class _Parser:
 MAX_CHARS = 1000  # an expression's length at most (its parser and evaluator recurse with its nesting)
 
 
+def _too_deep(text: str) -> FlowError:
+    """What a RecursionError in parsing, checking or evaluating ``text`` becomes."""
+    return FlowError(f"expression {text[:40]!r}...: nested too deeply", expression=text)
+
+
 class Expression:
     """A parsed expression; ``evaluate(scope)`` reads only the scope's data."""
 
@@ -221,9 +226,7 @@ class Expression:
         try:
             self.tree = _Parser(self.text).parse()
         except RecursionError:
-            raise FlowError(
-                f"expression {self.text[:40]!r}...: nested too deeply", expression=self.text
-            ) from None
+            raise _too_deep(self.text) from None
 
     def __repr__(self) -> str:
         return f"Expression({self.text!r})"
@@ -234,7 +237,7 @@ class Expression:
         except (TypeError, ValueError, ArithmeticError) as e:  # (int(1e999): OverflowError)
             raise FlowError(f"expression {self.text!r}: {e}", expression=self.text) from e
         except RecursionError:
-            raise FlowError(f"expression {self.text!r}: nested too deeply", expression=self.text) from None
+            raise _too_deep(self.text) from None
 
 
 def _eval(n: Node, scope: dict[str, Any]) -> Any:
@@ -344,7 +347,7 @@ def check_names(expr: Expression, names: AbstractSet[str], step_ids: AbstractSet
     try:
         walk(expr.tree)
     except RecursionError:
-        raise FlowError(f"expression {expr.text!r}: nested too deeply", expression=expr.text) from None
+        raise _too_deep(expr.text) from None
 
 
 def render(compiled: Any, scope: dict[str, Any]) -> Any:
