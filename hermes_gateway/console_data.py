@@ -100,7 +100,8 @@ def breaker_cooldowns(settings: Any, entries: list[Any]) -> dict[str, float]:
 
 
 def slots(
-    conn: Any, settings: Any, entries: list[Any], served: set[str] | None = None
+    conn: Any, settings: Any, entries: list[Any], served: set[str] | None = None,
+    running: dict[str, int] | None = None,
 ) -> list[dict[str, Any]]:
     """Per concurrency key: its limit, calls executing, slots held and calls waiting; every tool of the
     directory has a row, even while idle. ``served``: the queues some live worker listens on; a busy row
@@ -113,7 +114,7 @@ def slots(
         queue_of[key] = str(spec.config.get("queue") or "tools")
         limit = spec.concurrency or settings.concurrency_for(spec.executor)
         rows.setdefault(key, {"key": key, "limit": limit, "running": 0, "waiting": 0})
-    running = read_inflight(conn)
+    running = read_inflight(conn) if running is None else running  # (a caller that read it already)
     for ckey, n in running.items():
         rows.setdefault(ckey, {"key": ckey, "limit": -1, "running": n, "waiting": 0})
     for row in rows.values():

@@ -70,12 +70,13 @@ class GatewayMetrics:
     def render(self) -> bytes:
         """The exposition text: one Redis read, then every instrument observes it (blocking: a thread)."""
         conn = self.gw.conn
+        inflight = read_inflight(conn)
         snap = {
             "stats": read_stats(conn),
             "queues": dict(queue_depths(conn)),
-            "inflight": read_inflight(conn),
+            "inflight": inflight,
             # (every tool of the directory, idle ones too, as the console shows them)
-            "limits": console_data.slots(conn, self.gw.settings, self.gw.directory.all()),
+            "limits": console_data.slots(conn, self.gw.settings, self.gw.directory.all(), running=inflight),
             "rate_limits": console_data.rate_limits(conn),
             "breakers": Breakers(conn).all(),
             "workers": len(self.gw.live_workers()),
