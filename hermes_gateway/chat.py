@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from broker import otel
 from broker.errors import DecodeError, HermesError, UnknownTool
 from broker.events import DELTA
-from hermes_gateway.cli.common import interrupt_after
+from hermes_gateway.handle import interrupt_after
 
 if TYPE_CHECKING:
     from hermes_gateway.client import Gateway

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -158,3 +159,25 @@ def cancel_unended(handles: Iterable[CallHandle]) -> int:
         with contextlib.suppress(HermesError, redis.RedisError):
             cancelled += bool(not handle.done() and handle.cancel())
     return cancelled
+
+
+@contextlib.contextmanager
+def interrupt_after() -> Iterator[None]:
+    """Hold a Ctrl-C that comes inside the block until it ends (a call being submitted then has its
+    handle, so the command can cancel it); KeyboardInterrupt is raised then. In the main thread only, and
+    not where Ctrl-C is ignored (``nohup``, a background job of a script)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield
+        return
+    caught: list[int] = []
+    old = signal.signal(signal.SIGINT, lambda signum, _frame: caught.append(signum))
+    try:
+        yield
+    except BaseException:
+        signal.signal(signal.SIGINT, old)
+        if caught:  # (the block failed too: the Ctrl-C still ends the command)
+            raise KeyboardInterrupt from None
+        raise
+    signal.signal(signal.SIGINT, old)
+    if caught:
+        raise KeyboardInterrupt

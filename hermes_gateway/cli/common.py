@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -49,28 +47,6 @@ def fail(message: str, code: int = 2) -> NoReturn:
     """``note`` the error and exit with ``code`` (2: usage or configuration, 1: the operation failed)."""
     note(message, "error")
     sys.exit(code)
-
-
-@contextlib.contextmanager
-def interrupt_after() -> Iterator[None]:
-    """Hold a Ctrl-C that comes inside the block until it ends (a call being submitted then has its
-    handle, so the command can cancel it); KeyboardInterrupt is raised then. In the main thread only, and
-    not where Ctrl-C is ignored (``nohup``, a background job of a script)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        yield
-        return
-    caught: list[int] = []
-    old = signal.signal(signal.SIGINT, lambda signum, _frame: caught.append(signum))
-    try:
-        yield
-    except BaseException:
-        signal.signal(signal.SIGINT, old)
-        if caught:  # (the block failed too: the Ctrl-C still ends the command)
-            raise KeyboardInterrupt from None
-        raise
-    signal.signal(signal.SIGINT, old)
-    if caught:
-        raise KeyboardInterrupt
 
 
 @contextlib.contextmanager

@@ -14,7 +14,6 @@ from hermes_gateway.cli.common import (
     event_line,
     fail,
     failing,
-    interrupt_after,
     note,
     open_gateway,
     print_result,
@@ -22,6 +21,7 @@ from hermes_gateway.cli.common import (
     settings_of,
     sync_tools,
 )
+from hermes_gateway.handle import interrupt_after
 
 
 @click.group()

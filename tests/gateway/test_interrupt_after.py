@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from hermes_gateway.cli.common import interrupt_after
+from hermes_gateway.handle import interrupt_after
 
 
 def test_a_ctrl_c_inside_the_block_is_raised_once_the_block_has_ended() -> None:
