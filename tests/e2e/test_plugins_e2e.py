@@ -247,6 +247,15 @@ def test_the_call_is_executing_around_the_tool_execution_chain_and_formatting_fo
     assert at["tool_execution returned"] <= moves["formatting"] <= at["post_tool_call"]
 
 
+def own_plugin(home: Home, name: str, code: str) -> None:
+    """A plugin of this test's own (``code`` its ``__init__.py``) in ``$HERMES_HOME/plugins``, enabled."""
+    plugin = home.path / "plugins" / name
+    plugin.mkdir()
+    (plugin / "plugin.yaml").write_text(f"name: {name}\nversion: '0.1.0'\nkind: standalone\n")
+    (plugin / "__init__.py").write_text(code)
+    enable_plugin(home.path, name)
+
+
 SDK_ANSWER = '''"""llm_execution that answers with the provider SDK's own object, as Hermes' adapters return one."""
 from openai.types.chat import ChatCompletion
 
@@ -283,11 +292,7 @@ def test_an_llm_execution_middleware_reads_the_response_by_attribute_or_by_key(
     llm: LLMServer, home: Home, gateway: Any, workers: Any, user_home: Path
 ) -> None:
     set_up(home, llm, allow=[], enabled=())
-    plugin = home.path / "plugins" / "reads-attributes"
-    plugin.mkdir()
-    (plugin / "plugin.yaml").write_text("name: reads-attributes\nversion: '0.1.0'\nkind: standalone\n")
-    (plugin / "__init__.py").write_text(READS_ATTRIBUTES)
-    enable_plugin(home.path, "reads-attributes")
+    own_plugin(home, "reads-attributes", READS_ATTRIBUTES)
     start(workers, user_home)
     reply = gateway.call_llm({"messages": [{"role": "user", "content": "Reply exactly ok"}]}).result(20)
     assert reply["choices"][0]["message"]["content"] == "OK / stop"
@@ -297,11 +302,7 @@ def test_an_llm_execution_middleware_may_answer_with_the_sdks_own_response_objec
     llm: LLMServer, home: Home, gateway: Any, workers: Any, user_home: Path
 ) -> None:
     set_up(home, llm, allow=[], enabled=())
-    plugin = home.path / "plugins" / "sdk-answer"
-    plugin.mkdir()
-    (plugin / "plugin.yaml").write_text("name: sdk-answer\nversion: '0.1.0'\nkind: standalone\n")
-    (plugin / "__init__.py").write_text(SDK_ANSWER)
-    enable_plugin(home.path, "sdk-answer")
+    own_plugin(home, "sdk-answer", SDK_ANSWER)
     start(workers, user_home)
     reply = gateway.call_llm({"messages": [{"role": "user", "content": "hi"}]}).result(20)
     assert reply["id"] == "cached-1" and reply["choices"][0]["message"]["content"] == "from cache"

@@ -9,16 +9,21 @@ from hermes_gateway.batches import BatchStore, Submitter
 
 
 def test_a_cancel_before_the_submitters_first_chunk_is_not_undone(gateway: Any, home: Any, conn: Any) -> None:
-    home.echo_tool()
-    gateway.sync_tools()
-    store = BatchStore(gateway.conn)
-    batch_id = store.create("echo", ["tools"], ttl=60, window=10)
     # The submitter has read the batch (its thread is starting) when the cancel comes.
-    submitter = Submitter(store, gateway, batch_id, store.meta(batch_id), resume=False, context={})
+    store, batch_id, submitter = _batch_of_echo(gateway, home)
     store.cancel(gateway, batch_id)
     submitter.run([{"i": i} for i in range(5)])
     assert store.progress(batch_id).state == "cancelled"
     assert conn.llen(keys.queue("tools")) == 0  # and none of its items went out
+
+
+def _batch_of_echo(gateway: Any, home: Any) -> tuple[BatchStore, str, Submitter]:
+    """A batch of the echo tool (window 10) and its submitter, not started."""
+    home.echo_tool()
+    gateway.sync_tools()
+    store = BatchStore(gateway.conn)
+    batch_id = store.create("echo", ["tools"], ttl=60, window=10)
+    return store, batch_id, Submitter(store, gateway, batch_id, store.meta(batch_id), resume=False, context={})
 
 
 def _ended(store: BatchStore, batch_id: str) -> list[int]:
@@ -28,11 +33,7 @@ def _ended(store: BatchStore, batch_id: str) -> list[int]:
 def test_a_cancel_while_a_chunk_goes_out_is_not_complete_until_the_chunk_is_counted(
     gateway: Any, home: Any, conn: Any, monkeypatch: Any
 ) -> None:
-    home.echo_tool()
-    gateway.sync_tools()
-    store = BatchStore(gateway.conn)
-    batch_id = store.create("echo", ["tools"], ttl=60, window=10)
-    submitter = Submitter(store, gateway, batch_id, store.meta(batch_id), resume=False, context={})
+    store, batch_id, submitter = _batch_of_echo(gateway, home)
     seen = []
     real = Submitter.submit
 
@@ -55,11 +56,7 @@ def test_a_cancel_while_a_chunk_goes_out_is_not_complete_until_the_chunk_is_coun
 def test_items_waiting_for_room_when_the_batch_is_cancelled_end_cancelled(
     gateway: Any, home: Any, conn: Any, monkeypatch: Any
 ) -> None:
-    home.echo_tool()
-    gateway.sync_tools()
-    store = BatchStore(gateway.conn)
-    batch_id = store.create("echo", ["tools"], ttl=60, window=10)
-    submitter = Submitter(store, gateway, batch_id, store.meta(batch_id), resume=False, context={})
+    store, batch_id, submitter = _batch_of_echo(gateway, home)
 
     def queue_full_then_cancelled(self: Submitter, prepared: list[Any]) -> list[Any]:
         store.cancel(gateway, batch_id)
