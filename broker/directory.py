@@ -12,6 +12,7 @@ import redis
 import structlog
 
 from . import keys, scripts
+from .breaker import Breakers
 from .codec import pack, text, unpack
 from .errors import HermesError, UnknownTool
 from .toolspec import ToolSpec
@@ -71,8 +72,6 @@ class Directory:
         pipe.incr(keys.TOOLS_VERSION)
         removed = pipe.execute()[0]  # (one slot, {hermes:dir}: a transaction on a cluster too)
         if removed:  # its own breaker goes with it (an open one stayed open on every surface, for ever)
-            from broker.breaker import Breakers
-
             Breakers(self.conn).reset(f"tool:{name}")
         self.conn.publish(keys.channel(self.conn, keys.TOOLS_CHANNEL), name)
         with self._lock:
