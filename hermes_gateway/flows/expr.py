@@ -329,17 +329,24 @@ def expressions(compiled: Any) -> Iterator[Expression]:
             yield from expressions(v)
 
 
-def check_names(expr: Expression, names: AbstractSet[str], step_ids: AbstractSet[str]) -> None:
+def check_names(
+    expr: Expression, names: AbstractSet[str], step_ids: AbstractSet[str], ended: AbstractSet[str] | None = None
+) -> None:
     """FlowError unless every name ``expr`` reads is one of ``names`` and every ``steps.<id>`` it reads
-    (a literal id) is a step of the flow: a typo shows at ``flow check``, not as a failed run or a null."""
+    (a literal id) is a step of the flow, one of ``ended`` when given (those ended before it is evaluated):
+    a typo or a forward reference shows at ``flow check``, not as a failed run or a null."""
 
     def walk(n: Node) -> None:
         if n[0] == "name" and n[1] not in names:
             raise FlowError(f"expression {expr.text!r}: unknown name {n[1]!r} (known here: {', '.join(sorted(names))})",
                             expression=expr.text)
-        if n[0] == "get" and n[1] == ("name", "steps") and n[2][0] == "lit" and n[2][1] not in step_ids:
-            raise FlowError(f"expression {expr.text!r}: no step {n[2][1]!r} in this flow "
+        step = n[2][1] if n[0] == "get" and n[1] == ("name", "steps") and n[2][0] == "lit" else None
+        if step is not None and step not in step_ids:
+            raise FlowError(f"expression {expr.text!r}: no step {step!r} in this flow "
                             f"(its steps: {', '.join(sorted(step_ids))})", expression=expr.text)
+        if step is not None and ended is not None and step not in ended:
+            raise FlowError(f"expression {expr.text!r}: step {step!r} has not run yet here (it comes later, runs "
+                            "in parallel with this one, or is this step or a group around it)", expression=expr.text)
         for child in n[1:]:
             if isinstance(child, tuple):
                 walk(child)

@@ -189,15 +189,17 @@ class Flow:
         for step in self.steps:
             _check(step, seen)
         self.result_tpl = compile_template(self.result)
-        # What each expression may read: the flow's args, the steps (by a declared id), and in a for_each
-        # step's args (and its fallback's, called per item) its item and index.
+        # What each expression may read: the flow's args, the steps ended before its own starts (by a declared
+        # id), and in a for_each step's args (and its fallback's, called per item) its item and index.
+        ended: dict[str, frozenset[str]] = {}
+        _ended_before(self.steps, frozenset(), ended)
         for step in self.all_steps():
             each = {step.as_name, "index"} if step.each_expr is not None else set()
             for names, compiled in ((SCOPE, step.when_expr), (SCOPE, step.each_expr), (SCOPE | each, step.args_tpl),
                                     (SCOPE | each, step.fallback_tpl)):
                 for expr in expressions(compiled):
                     try:
-                        check_names(expr, names, seen)
+                        check_names(expr, names, seen, ended[step.id])
                     except FlowError as e:
                         raise FlowError(f"step {step.id}: {e}") from e
         for expr in expressions(self.result_tpl):
@@ -213,6 +215,18 @@ def _walk(steps: list[Step]) -> Iterator[Step]:
     for step in steps:
         yield step
         yield from _walk(step.children())
+
+
+def _ended_before(
+    steps: list[Step], ended: frozenset[str], out: dict[str, frozenset[str]], serial: bool = True
+) -> frozenset[str]:
+    """Put in ``out`` each step's id -> the ids of the steps ended before it starts (not a later one, a parallel
+    sibling's, nor its own or its group's); returns the ids ended after ``steps``."""
+    after = ended
+    for step in steps:
+        out[step.id] = after if serial else ended
+        after = after | _ended_before(step.children(), out[step.id], out, step.parallel is None) | {step.id}
+    return after
 
 
 def _check(step: Step, seen: set[str]) -> None:

@@ -32,7 +32,7 @@ def test_a_flow_reading_only_its_args_its_steps_and_its_items_passes() -> None:
          "step b: expression 'step.a.result': unknown name 'step' (known here: args, steps)"),
         ([{"id": "s", "tool": "t", "args": {"name": "{{ steps.zz.result }}"}}], None,
          "step s: expression 'steps.zz.result': no step 'zz' in this flow (its steps: s)"),
-        ([{"id": "s", "tool": "t", "when": "steps.s.state == 'done' and arg.x"}], None, "unknown name 'arg'"),
+        ([{"id": "s", "tool": "t", "when": "args.ok and arg.x"}], None, "unknown name 'arg'"),
         ([{"id": "s", "tool": "t", "args": {"n": "{{ item }}"}}], None, "unknown name 'item'"),  # (not a for_each)
         ([{"id": "s", "tool": "t"}], {"r": "{{ steps.t.result }}"}, "no step 't' in this flow"),
     ],
@@ -43,6 +43,53 @@ def test_a_name_or_step_that_does_not_exist_is_refused_when_the_flow_loads(
     with pytest.raises(FlowError) as refused:
         flow(*steps, result=result)
     assert message in str(refused.value)
+
+
+RAN_LATER = (
+    "has not run yet here (it comes later, "
+    "runs in parallel with this one, or is this step or a group around it)"
+)
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [
+        ([{"id": "a", "tool": "t", "args": {"n": "{{ steps.b.result }}"}}, {"id": "b", "tool": "t"}],
+         f"step a: expression 'steps.b.result': step 'b' {RAN_LATER}"),
+        ([{"id": "a", "tool": "t", "when": "steps.a.state == 'done'"}], f"step 'a' {RAN_LATER}"),
+        ([{"id": "p", "parallel": [{"id": "x", "tool": "t"}, {"id": "y", "tool": "t", "args": "{{ steps.x }}"}]}],
+         f"step y: expression 'steps.x': step 'x' {RAN_LATER}"),
+        ([{"id": "p", "parallel": [{"id": "x", "tool": "t"},
+                                   {"id": "g", "steps": [{"id": "y", "tool": "t", "when": "steps.x.ok"}]}]}],
+         f"step y: expression 'steps.x.ok': step 'x' {RAN_LATER}"),
+        ([{"id": "g", "steps": [{"id": "y", "tool": "t", "args": {"n": "{{ steps.g.result }}"}}]}],
+         f"step y: expression 'steps.g.result': step 'g' {RAN_LATER}"),
+        ([{"id": "g", "when": "steps.y.ok", "steps": [{"id": "y", "tool": "t"}]}],
+         f"step g: expression 'steps.y.ok': step 'y' {RAN_LATER}"),
+        ([{"id": "e", "for_each": "steps.e.result", "tool": "t"}],
+         f"step e: expression 'steps.e.result': step 'e' {RAN_LATER}"),
+    ],
+)
+def test_a_step_reading_a_step_that_has_not_run_before_it_is_refused_when_the_flow_loads(
+    steps: list[dict[str, Any]], message: str
+) -> None:
+    with pytest.raises(FlowError) as refused:
+        flow(*steps)
+    assert message in str(refused.value)
+
+
+def test_steps_may_read_what_ended_before_them_in_groups_and_after_a_parallel_step() -> None:
+    flow(
+        {"id": "a", "tool": "t"},
+        {"id": "p", "when": "steps.a.ok", "parallel": [
+            {"id": "x", "tool": "t", "args": "{{ steps.a.result }}"},
+            {"id": "g", "steps": [{"id": "y1", "tool": "t"},
+                                  {"id": "y2", "tool": "t", "args": "{{ steps.y1.result }}"}]},
+        ]},
+        {"id": "z", "tool": "t", "args": {"x": "{{ steps.x.result }}", "y": "{{ steps.y2.result }}",
+                                          "p": "{{ steps.p }}"}},
+        result="{{ steps.z.result }}",
+    )  # fmt: skip
 
 
 def test_deep_long_or_overflowing_expressions_are_flow_errors_not_tracebacks() -> None:
