@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import Any
 
 import click
 
+from broker.config import Settings
 from broker.errors import HermesError
 from hermes_gateway.cli.common import (
     WAIT_SECONDS,
@@ -33,15 +35,39 @@ def _flow_line(ev: Any, t0: float) -> str:
     return f"[{ev.ts - t0:7.3f}s] {ev.step:<16} {ev.state:<9}{call} {extra}".rstrip()
 
 
+def _known_tools(settings: Settings) -> set[str] | None:
+    """The tools ``flow run`` would find: $HERMES_HOME/tools (it registers them) and the shared broker's, or
+    None when HERMES_REDIS_URL names a broker that does not answer."""
+    from broker.directory import Directory
+    from hermes_gateway.local import connect_shared
+    from workers.specs import load_spec_dir
+
+    known = {spec.name for spec in load_spec_dir(settings.tools_dir, [])}
+    try:
+        handle = connect_shared(settings)
+    except HermesError as e:
+        if settings.broker.url is None:  # (`flow run` would start a broker of its own, with those tools alone)
+            return known
+        note(f"tools not checked: {e}", "warning")
+        return None
+    with contextlib.closing(handle):
+        return known | {entry.spec.name for entry in Directory(handle.conn).all()}
+
+
 @flow.command("check")
 @click.argument("flow_file", type=click.Path(exists=True, dir_okay=False))
-def flow_check(flow_file: str) -> None:
-    """Validate a flow document (ids, shapes, every expression and the names and steps it reads) without running it."""
+@click.pass_context
+def flow_check(ctx: click.Context, flow_file: str) -> None:
+    """Validate a flow document (ids, shapes, every expression and the names and steps it reads) and that its
+    tools exist (when the broker answers), without running it."""
     from hermes_gateway.flow import load_flow
 
     with failing():
         f = load_flow(flow_file)
-    click.echo(f"{f.name}: ok ({len(f.all_steps())} steps)")
+        known = _known_tools(settings_of(ctx))
+        if known is not None:
+            f.check_tools(known)
+    click.echo(f"{f.name}: ok ({len(f.all_steps())} steps{'' if known is not None else '; tools not checked'})")
 
 
 @flow.command("run")

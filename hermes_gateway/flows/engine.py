@@ -108,8 +108,10 @@ class FlowRunner:
             raise FlowError("the flow was interrupted: its calls were cancelled")
 
     def run(self, flow: Flow, args: dict[str, Any] | None = None) -> FlowResult:
-        """Run every step in order; stops at the first failed step whose ``on_error`` is ``fail``."""
+        """Run every step in order; stops at the first failed step whose ``on_error`` is ``fail``. A flow that
+        does not validate, or names a tool not in the directory, raises before any call."""
         flow.validate()
+        flow.check_tools({e.spec.name for e in self.gw.tools()})
         results = {s.id: StepResult(s.id) for s in flow.all_steps()}
         scope: dict[str, Any] = {"args": dict(args or {}), "steps": {k: v.view() for k, v in results.items()}}
         self._stopped = False

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from broker.errors import FlowError
+from broker.errors import FlowError, UnknownTool
 
 from .expr import Expression, check_names, compile_template, expressions
 
@@ -205,6 +206,14 @@ class Flow:
         for expr in expressions(self.result_tpl):
             check_names(expr, SCOPE, seen)
         return self
+
+    def check_tools(self, known: AbstractSet[str]) -> None:
+        """UnknownTool naming the first step whose tool (or fallback tool) is not one of ``known``."""
+        for step in self.all_steps():
+            for tool in (step.tool, step.fallback.tool if step.fallback else None):
+                if tool is not None and tool not in known:
+                    raise UnknownTool(f"step {step.id}: unknown tool {tool!r}: it is not in the tool directory",
+                                      tool=tool)
 
     def all_steps(self) -> list[Step]:
         """Every step, nested ones too, each before its children."""

@@ -174,9 +174,12 @@ def test_flow_args_take_the_yaml_form_a_file_or_stdin_and_a_failed_flow_prints_n
         env={**base, "HERMES_HOME": str(home.path)}, timeout=90,
     )  # fmt: skip
     assert from_stdin.returncode == 0 and from_stdin.stdout == "Cy\n", from_stdin.stderr
-    (home.tools_dir / "echo.yaml").unlink()  # the step's tool is gone: the flow fails
-    failed = _run(home, "flow", "run", str(flow), "--args", "{who: Dee}")
-    assert failed.returncode == 1 and failed.stdout == "" and "step say" in failed.stderr, failed
+    (home.tools_dir / "echo.yaml").write_text(ECHO_SPEC + "input_schema: {properties: {who: {type: integer}}}\n")
+    failed = _run(home, "flow", "run", str(flow), "--args", "{who: Dee}")  # (the call is refused: the flow fails)
+    assert failed.returncode == 1 and failed.stdout == "" and "step say: invalid_args" in failed.stderr, failed
+    (home.tools_dir / "echo.yaml").unlink()  # the step's tool is gone: the flow is refused before any call
+    refused = _run(home, "flow", "run", str(flow), "--args", "{who: Dee}")
+    assert refused.returncode == 2 and "step say: unknown tool 'echo'" in refused.stderr, refused
     missing = _run(home, "flow", "run", str(flow), "--args", "@/nonexistent/args.json")
     assert missing.returncode == 2 and "cannot read arguments from /nonexistent/args.json" in missing.stderr
 

@@ -38,6 +38,12 @@ def _tools(home: Any, tmp: Path, **breaker: Any) -> tuple[Path, Path]:
     return mode, log
 
 
+def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``hermes-gateway ARGS`` in a process of its own, with ``env``."""
+    cli = str(Path(sys.executable).parent / "hermes-gateway")
+    return subprocess.run([cli, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+
+
 def test_serial_steps_pass_results_by_reference_and_conditions_skip_steps(
     gateway: Any, home: Any, workers: Any, conn: Any, tmp_path: Path
 ) -> None:
@@ -200,21 +206,7 @@ def test_an_open_breaker_takes_the_fallback_or_skips_and_the_cli_shows_steps_liv
     ]  # the open breaker kept the back end untouched
 
     env = dict(os.environ, HERMES_REDIS_URL=redis_url, HERMES_HOME=str(home.path))
-    cli = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "hermes-gateway"),
-            "flow",
-            "run",
-            str(path),
-            "--args",
-            '{"city": "Rome"}',
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    cli = _cli(env, "flow", "run", str(path), "--args", '{"city": "Rome"}')
     assert cli.returncode == 0, cli.stderr
     assert json.loads(cli.stdout) == {"main": "fallback", "opt": "skipped"}
     shown = cli.stderr.splitlines()
@@ -282,14 +274,14 @@ def test_a_failed_flow_names_the_step_that_stopped_it_and_a_call_past_the_wait_i
     doc = {"name": "stops", "steps": [
         {"id": "fan", "parallel": [{"id": "a", "tool": "echo", "args": {}},
                                    {"id": "b", "tool": "fragile", "args": {**backend, "tag": "b"}}]},
-        {"id": "later", "tool": "nosuchtool", "args": {}},
+        {"id": "later", "tool": "fragile", "args": {**backend, "tag": "later"}},
     ]}  # fmt: skip
     out = run_flow(gateway, doc, {})
     assert out.state == "failed" and out.steps["fan"].state == "partial"
-    assert out.error["step"] == "later" and out.error["type"] == "unknown_tool"  # (not the partial fan's b)
+    assert out.error["step"] == "later" and out.error["type"] == "executor_error"  # (not the partial fan's b)
     grouped = run_flow(gateway, {"name": "g", "steps": [
-        {"id": "g", "on_error": "continue", "steps": [{"id": "inner", "tool": "nosuchtool", "args": {}}]},
-        {"id": "last", "tool": "nosuchtool", "args": {}},
+        {"id": "g", "on_error": "continue", "steps": [{"id": "inner", "tool": "fragile", "args": backend}]},
+        {"id": "last", "tool": "fragile", "args": backend},
     ]}, {})  # fmt: skip
     assert grouped.error["step"] == "last"  # (the group's inner failure was let go by on_error: continue)
 
@@ -330,3 +322,39 @@ def test_for_each_items_the_breaker_refuses_take_the_fallback_with_the_item_in_s
         gateway, {"name": "f", "steps": [{**each, "fallback": fallback}]}, {"items": ["x", "y"]}
     )
     assert degraded.steps["each"].result == [{"degraded": True, "city": "x"}, {"degraded": True, "city": "y"}]
+
+
+def test_a_flow_naming_a_tool_not_in_the_directory_or_a_later_step_is_refused_before_any_call(
+    gateway: Any, home: Any, workers: Any, redis_url: str, tmp_path: Path
+) -> None:
+    from broker.errors import UnknownTool
+
+    mode, log = _tools(home, tmp_path)
+    mode.write_text("ok")
+    gateway.sync_tools()
+    workers(1)
+    first = {"id": "first", "tool": "fragile", "args": {"mode_file": str(mode), "log": str(log)}}
+    doc = {"name": "typo", "steps": [first, {"id": "later", "tool": "echo", "args": {}, "fallback": {"tool": "ecko"}}]}
+    with pytest.raises(UnknownTool, match="step later: unknown tool 'ecko': it is not in the tool directory"):
+        run_flow(gateway, doc, {})
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    forward = tmp_path / "forward.yaml"
+    forward.write_text(yaml.safe_dump({"name": "fwd", "steps": [{**first, "args": "{{ steps.later.result }}"},
+                                                                {"id": "later", "tool": "echo"}]}))
+    env = dict(os.environ, HERMES_REDIS_URL=redis_url, HERMES_HOME=str(home.path))
+    for args in (("check", str(path)), ("run", str(path)), ("check", str(forward)), ("run", str(forward))):
+        refused = _cli(env, "flow", *args)
+        assert refused.returncode == 2 and refused.stdout == "", refused.stderr
+        assert "step later: unknown tool 'ecko'" in refused.stderr or "step 'later' has not run yet" in refused.stderr
+    assert lines(log) == []  # nothing ran: not even the first step
+    # With no broker (HERMES_REDIS_URL unset, no serve running) `flow run` would have $HERMES_HOME/tools alone:
+    # those are checked. A broker named but not answering: the rest is checked, and the tools said unchecked.
+    del env["HERMES_REDIS_URL"]
+    assert "unknown tool 'ecko'" in _cli(env, "flow", "check", str(path)).stderr
+    doc["steps"][1]["fallback"] = {"tool": "echo"}
+    path.write_text(yaml.safe_dump(doc))
+    assert _cli(env, "flow", "check", str(path)).stdout == "typo: ok (2 steps)\n"
+    unreachable = _cli({**env, "HERMES_REDIS_URL": "redis://127.0.0.1:1/0"}, "flow", "check", str(path))
+    assert unreachable.returncode == 0 and unreachable.stdout == "typo: ok (2 steps; tools not checked)\n"
+    assert "warning: tools not checked: cannot reach Redis at redis://127.0.0.1:1/0" in unreachable.stderr
