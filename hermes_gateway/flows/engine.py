@@ -289,7 +289,7 @@ class _Run:
                     cancel_unended([handle])
                 out.append({"index": i, "ok": False, "error": e.to_wire(), "call_id": handle.call_id})
             self.emit(res, "running", done=len(out), failed=sum(not o["ok"] for o in out), total=len(calls))
-        self.combine(res, out, [o.get("result") for o in out])
+        self.combine(step, res, out, [o.get("result") for o in out])
 
     def fallback_call(self, step: Step, index: int, item: Any) -> tuple[str, Any]:
         """Item ``index``'s call to the step's fallback tool (its ``args`` rendered with the item in scope)."""
@@ -329,22 +329,26 @@ class _Run:
             pool.shutdown(wait=False, cancel_futures=True)
             raise
         pool.shutdown()
+        self.stopped_at = None  # (a branch's group that stopped: this step's outcome speaks for its branches)
         out = []
         for b in branches:
             r = self.results[b.id]
             item: dict[str, Any] = {"id": b.id, "ok": r.state in OK_STATES, "state": r.state}
             item.update({"result": r.result} if item["ok"] else {"error": r.error})
             out.append(item)
-        self.combine(res, out, {b.id: self.results[b.id].result for b in branches})
+        self.combine(step, res, out, {b.id: self.results[b.id].result for b in branches})
 
-    def combine(self, res: StepResult, items: list[dict[str, Any]], result: Any) -> None:
+    def combine(self, step: Step, res: StepResult, items: list[dict[str, Any]], result: Any) -> None:
+        """A fan-out's outcome: ``done``, or with failures ``failed`` (``partial`` under ``on_error: continue``
+        while some succeeded); its error names the first failure."""
         res.items, res.result = items, result
-        failed = sum(not i["ok"] for i in items)
-        if failed:
-            message = f"{failed} of {len(items)} failed"
-            res.error = {"type": "partial_failure", "message": message, "failed": failed}
-        state = "done" if not failed else ("failed" if failed == len(items) else "partial")
-        self.emit(res, state, failed=failed, total=len(items))
+        bad = [i for i in items if not i["ok"]]
+        if bad:
+            first, err = bad[0].get("id", f"item {bad[0].get('index')}"), bad[0].get("error") or {}
+            message = f"{len(bad)} of {len(items)} failed; first {first}: {err.get('type')}: {err.get('message')}"
+            res.error = {"type": "partial_failure", "message": message, "failed": len(bad)}
+        partial = step.on_error == "continue" and len(bad) < len(items)
+        self.emit(res, "done" if not bad else ("partial" if partial else "failed"), failed=len(bad), total=len(items))
 
 
 def _deadline(wait: float | None) -> float | None:

@@ -140,7 +140,8 @@ class Flow:
         return self
 
     def parallel(self, id: str, branches: list[dict[str, Any] | Step], **options: Any) -> Flow:
-        """Add a fan-out: every branch at once, one combined result, failures reported per branch."""
+        """Add a fan-out: every branch at once, one combined result, failures reported per branch (one fails the
+        step unless ``on_error="continue"``: then it is ``partial``)."""
         steps = [b if isinstance(b, Step) else Step.from_dict(b, f"{id} branch") for b in branches]
         step = Step.from_dict({"id": id, **options, "parallel": [{}]}, f"step {id}")
         step.parallel = steps

@@ -115,6 +115,7 @@ def test_parallel_and_for_each_fan_out_with_one_combined_result_and_failures_per
         "steps": [
             {
                 "id": "fan",
+                "on_error": "continue",
                 "parallel": [
                     {"id": "a", "tool": "echo", "args": {"v": "{{ args.v }}"}},
                     {
@@ -137,6 +138,7 @@ def test_parallel_and_for_each_fan_out_with_one_combined_result_and_failures_per
                 "as": "it",
                 "tool": "fragile",
                 "args": {"mode_file": "{{ it.mode }}", "log": str(log), "tag": "{{ it.tag }}"},
+                "on_error": "continue",
             },
             {
                 "id": "summary",
@@ -163,6 +165,20 @@ def test_parallel_and_for_each_fan_out_with_one_combined_result_and_failures_per
     assert [i["ok"] for i in each.items] == [True, False, True]
     assert out.steps["summary"].result == {"failed": False, "fan": "partial"}
     assert sorted(line.split()[1] for line in lines(log)) == ["b", "x", "y", "z"]
+
+    # Without on_error: continue, a failed branch or item fails its step, and the flow stops there.
+    for fan in doc["steps"][:2]:
+        del fan["on_error"]
+    fan_stops = run_flow(gateway, doc, {"v": 7, "items": items})
+    assert fan_stops.state == "failed" and fan_stops.steps["fan"].state == "failed"
+    assert fan_stops.error == {"step": "fan", "type": "partial_failure", "failed": 1,
+                               "message": "1 of 3 failed; first b: executor_error: RuntimeError: back end is down"}
+    assert fan_stops.steps["fan"].result["a"] == {"v": 7} and fan_stops.steps["each"].state == "pending"
+    doc["steps"] = [doc["steps"][1], {"id": "after", "tool": "echo", "args": {}}]
+    each_stops = run_flow(gateway, doc, {"v": 7, "items": items})
+    assert each_stops.state == "failed" and each_stops.steps["each"].state == "failed"
+    assert each_stops.error["step"] == "each" and each_stops.error["message"].startswith("1 of 3 failed; first item 1:")
+    assert each_stops.steps["after"].state == "pending"
 
 
 def test_an_open_breaker_takes_the_fallback_or_skips_and_the_cli_shows_steps_live(
@@ -272,8 +288,9 @@ def test_a_failed_flow_names_the_step_that_stopped_it_and_a_call_past_the_wait_i
     workers(1, concurrency=8)
     backend = {"mode_file": str(mode), "log": str(log)}
     doc = {"name": "stops", "steps": [
-        {"id": "fan", "parallel": [{"id": "a", "tool": "echo", "args": {}},
-                                   {"id": "b", "tool": "fragile", "args": {**backend, "tag": "b"}}]},
+        {"id": "fan", "on_error": "continue", "parallel": [
+            {"id": "a", "tool": "echo", "args": {}},
+            {"id": "g", "steps": [{"id": "b", "tool": "fragile", "args": {**backend, "tag": "b"}}]}]},
         {"id": "later", "tool": "fragile", "args": {**backend, "tag": "later"}},
     ]}  # fmt: skip
     out = run_flow(gateway, doc, {})
