@@ -181,7 +181,7 @@ class _Run:
                 if not ok:
                     res.error = {"type": "step_failed", "message": "a step of the group failed"}
                 self.emit(res, "done" if ok else "failed")
-        except FlowError as e:
+        except HermesError as e:  # (an expression, or a fan-out's calls refused as a whole: bad arguments)
             res.error = e.to_wire()
             self.emit(res, "failed", error=res.error)
         if res.state == "failed" and step.on_error == "continue":

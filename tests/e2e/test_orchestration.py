@@ -375,3 +375,23 @@ def test_a_flow_naming_a_tool_not_in_the_directory_or_a_later_step_is_refused_be
     unreachable = _cli({**env, "HERMES_REDIS_URL": "redis://127.0.0.1:1/0"}, "flow", "check", str(path))
     assert unreachable.returncode == 0 and unreachable.stdout == "typo: ok (2 steps; tools not checked)\n"
     assert "warning: tools not checked: cannot reach Redis at redis://127.0.0.1:1/0" in unreachable.stderr
+
+
+def test_a_for_each_whose_calls_are_refused_as_a_whole_fails_its_step_not_the_run_nor_its_siblings(
+    gateway: Any, home: Any, workers: Any
+) -> None:
+    home.echo_tool()
+    home.sleep_tool("nap")
+    gateway.sync_tools()
+    workers(1)
+    each = {"id": "each", "for_each": "args.items", "as": "it", "tool": "echo", "args": "{{ it }}"}  # (not a mapping)
+    doc = {"name": "bad", "steps": [
+        {"id": "p", "on_error": "continue", "parallel": [each, {"id": "nap", "tool": "nap", "args": {"seconds": 0.5}}]},
+        {"id": "after", "tool": "echo", "args": {"went": "on"}},
+    ]}  # fmt: skip
+    out = run_flow(gateway, doc, {"items": ["a", "b"]})
+    assert out.state == "done", out.error
+    assert out.steps["each"].state == "failed" and out.steps["each"].error == {
+        **out.steps["each"].error, "type": "invalid_args", "message": "arguments for 'echo' must be a mapping, got str"}
+    assert out.steps["nap"].state == "done" and out.steps["p"].state == "partial"  # (its sibling was not cancelled)
+    assert out.steps["after"].result == {"went": "on"}
