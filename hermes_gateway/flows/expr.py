@@ -234,7 +234,7 @@ class Expression:
     def evaluate(self, scope: dict[str, Any]) -> Any:
         try:
             return _eval(self.tree, scope)
-        except (TypeError, ValueError, ArithmeticError) as e:  # (int(1e999): OverflowError)
+        except (FlowError, TypeError, ValueError, ArithmeticError) as e:  # (int(1e999): OverflowError)
             raise FlowError(f"expression {self.text!r}: {e}", expression=self.text) from e
         except RecursionError:
             raise _too_deep(self.text) from None

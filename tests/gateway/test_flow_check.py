@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from broker.errors import FlowError
-from hermes_gateway.flow import Flow
+from hermes_gateway.flow import Expression, Flow
 
 
 def flow(*steps: dict[str, Any], result: Any = None) -> Flow:
@@ -109,3 +109,17 @@ def test_deep_long_or_overflowing_expressions_are_flow_errors_not_tracebacks() -
 def test_a_step_timeout_must_be_seconds_above_zero_at_check_time(timeout: Any) -> None:
     with pytest.raises(FlowError, match="timeout: expected a number of seconds above 0"):
         Flow.from_dict({"name": "t", "steps": [{"id": "a", "tool": "echo", "args": {}, "timeout": timeout}]})
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("len(steps.a.result.items) > 0", "len() of a NoneType"),
+        ("steps.a.result.count + 1", "expected a number, got None"),
+        ("-steps.a.result.count", "expected a number, got None"),
+    ],
+)
+def test_an_expression_failing_on_a_missing_field_names_itself(text: str, message: str) -> None:
+    with pytest.raises(FlowError) as failed:
+        Expression(text).evaluate({"steps": {"a": {"result": {}}}})
+    assert str(failed.value) == f"expression {text!r}: {message}" and failed.value.details == {"expression": text}
