@@ -283,7 +283,7 @@ class _Run:
                 result = handle.result(_left(deadline))
                 out.append({"index": i, "ok": True, "result": result, "call_id": handle.call_id})
             except CircuitOpen as e:  # (the breaker opened while the items went out: this one degrades)
-                out.append(self.fallback_item(step, i, items[i], e, handle.call_id))
+                out.append(self.fallback_item(step, i, items[i], e, handle.call_id, deadline))
             except HermesError as e:
                 if isinstance(e, CallTimeout):
                     cancel_unended([handle])
@@ -299,21 +299,25 @@ class _Run:
         return step.fallback.tool or step.tool or "", render(tpl, scope)
 
     def fallback_item(
-        self, step: Step, index: int, item: Any, error: CircuitOpen, call_id: str
+        self, step: Step, index: int, item: Any, error: CircuitOpen, call_id: str, deadline: float | None
     ) -> dict[str, Any]:
-        """An item its tool's breaker refused: skipped, or its fallback tool's outcome; failed without one."""
+        """An item its tool's breaker refused: skipped, or its fallback tool's outcome (by the step's deadline:
+        cancelled past it, as the items are); failed without one."""
         fb = step.fallback
         if fb is None:
             return {"index": index, "ok": False, "error": error.to_wire(), "call_id": call_id}
         if fb.skip:
             return {"index": index, "ok": True, "result": None, "skipped": "breaker open", "call_id": call_id}
         tool, args = self.fallback_call(step, index, item)
+        handle = None
         try:
             self.r.check_running()
             handle = self.r.gw.call_tool(tool, args, timeout=step.timeout, **self.r.context)
             self.r.track(handle)
-            result = handle.result(self.r.wait)
+            result = handle.result(_left(deadline))
         except HermesError as e:
+            if isinstance(e, CallTimeout) and handle is not None:
+                cancel_unended([handle])
             return {"index": index, "ok": False, "error": e.to_wire(), "call_id": call_id, "fallback": tool}
         return {"index": index, "ok": True, "result": result, "call_id": handle.call_id, "fallback": tool}
 

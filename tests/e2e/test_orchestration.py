@@ -395,3 +395,25 @@ def test_a_for_each_whose_calls_are_refused_as_a_whole_fails_its_step_not_the_ru
         **out.steps["each"].error, "type": "invalid_args", "message": "arguments for 'echo' must be a mapping, got str"}
     assert out.steps["nap"].state == "done" and out.steps["p"].state == "partial"  # (its sibling was not cancelled)
     assert out.steps["after"].result == {"went": "on"}
+
+
+def test_for_each_fallback_calls_share_the_step_deadline_and_are_cancelled_past_it(
+    gateway: Any, home: Any, workers: Any, tmp_path: Path, wait_until: Any
+) -> None:
+    import time
+
+    mode, log = _tools(home, tmp_path, failures=1, cooldown=60)
+    home.sleep_tool("nap")
+    gateway.sync_tools()
+    workers(1, concurrency=1)  # (one at a time: the first item's failure opens the breaker for the others)
+    each = {"id": "each", "for_each": "args.items", "as": "it", "tool": "fragile",
+            "args": {"mode_file": str(mode), "log": str(log), "tag": "{{ it }}"},
+            "fallback": {"tool": "nap", "args": {"seconds": 5}}}  # fmt: skip
+    t0 = time.monotonic()
+    out = run_flow(gateway, {"name": "f", "steps": [each]}, {"items": ["a", "b", "c"]}, wait=1.5)
+    assert time.monotonic() - t0 < 2.5  # one deadline for the step, not one more per fallback call
+    late = [i["error"]["details"]["call_id"] for i in out.steps["each"].items[1:]]
+    assert [i["error"]["type"] for i in out.steps["each"].items] == ["executor_error", "timeout", "timeout"]
+    for call_id in late:  # the flow gave up on them: they must not finish later
+        ended = wait_until(lambda c=call_id: [e for e in events.history(gateway.conn, c) if e.terminal], 10)
+        assert ended[-1].state == "cancelled", call_id
