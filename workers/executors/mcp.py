@@ -24,6 +24,7 @@ from .mcp_session import (
     TRANSPORT_ERRORS,
     Session,
     SessionPool,
+    message_limit,
     translate,
 )
 
@@ -60,16 +61,16 @@ class McpExecutor:
         self._pool = SessionPool()
 
     async def _call(
-        self, server: dict[str, Any], handshake: float, name: str, args: dict[str, Any], ctx: ExecContext
+        self, server: dict[str, Any], handshake: float, limit: int, name: str, args: dict[str, Any], ctx: ExecContext
     ) -> Any:
-        key = json.dumps(server, sort_keys=True, default=str)
+        key = json.dumps([server, limit], sort_keys=True, default=str)  # (a session reads messages up to its limit)
 
         async def progress(value: float, total: float | None, message: str | None) -> None:
             with contextlib.suppress(Exception):  # a progress sink failure must not fail the call
                 ctx.progress(message or (f"{value:g}/{total:g}" if total else f"{value:g}"))
 
         # Session start is shared by concurrent callers: one caller's cancellation must not abort it.
-        session = await asyncio.shield(self._pool.get(key, server, handshake))
+        session = await asyncio.shield(self._pool.get(key, server, handshake, limit))
         try:
             return await session.client.call_tool(
                 name,
@@ -82,6 +83,13 @@ class McpExecutor:
             # The connection died: no retry here (the tool may have run); the next call reconnects.
             if isinstance(e, TRANSPORT_ERRORS) or getattr(e, "code", None) == CONNECTION_CLOSED:
                 await self._pool.drop(key, session)
+            if session.overflowed:
+                target = server.get("command")
+                raise OutputTooLarge(
+                    f"tool {ctx.tool_name!r}: MCP server {target} sent a line past the limit of {limit} bytes "
+                    "(the server was stopped)",
+                    limit=limit,
+                ) from None
             raise
 
     def run(self, spec: ToolSpec, args: dict[str, Any], ctx: ExecContext) -> Any:
@@ -92,7 +100,7 @@ class McpExecutor:
         name = str(config.get("tool") or spec.name)
         max_output = int(config.get("max_output", DEFAULT_MAX_OUTPUT))
         ctx.check()
-        future = self._pool.submit(self._call(server, handshake, name, dict(args), ctx))
+        future = self._pool.submit(self._call(server, handshake, message_limit(max_output), name, dict(args), ctx))
         # Poll with wait(), not result(timeout): the call's own TimeoutError must not read as "not yet".
         while not concurrent.futures.wait([future], timeout=ctx.poll_slice())[0]:
             if ctx.cancelled.is_set() or time.monotonic() >= ctx.deadline:
@@ -176,7 +184,7 @@ def list_server_tools(
     """The server's tools as tool-spec dicts (for ``hermes-gateway mcp add``)."""
 
     async def fetch() -> list[Any]:
-        session = Session(server_cfg, handshake_timeout)
+        session = Session(server_cfg, handshake_timeout, message_limit(DEFAULT_MAX_OUTPUT))
         await session.start()
         try:
             tools: list[Any] = []

@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import os
+import subprocess
 import threading
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -32,6 +32,12 @@ MCP_TIMEOUT = 30.0
 MCP_READ_TIMEOUT = 300.0
 
 
+def message_limit(max_output: int) -> int:
+    """The bytes one message from an MCP server may take: a result comes as text and again as structured
+    content, in an envelope (the result itself is held to ``max_output`` once read)."""
+    return 2 * max_output + 64 * 1024
+
+
 def require_sdk(what: str = "the mcp executor") -> None:
     """ExecutorError unless the ``mcp`` SDK 2.x (the ``mcp`` extra) is importable; ``hermes-agent[mcp]``
     pins mcp 1.x."""
@@ -49,41 +55,89 @@ def require_sdk(what: str = "the mcp executor") -> None:
         raise missing from None
 
 
-def client_for(server: dict[str, Any]) -> Any:
-    """An unentered ``mcp.Client`` for the server."""
+def client_for(server: dict[str, Any], limit: int, overflowed: Callable[[], None]) -> Any:
+    """An unentered ``mcp.Client`` for the server; a stdio line from it may take ``limit`` bytes (one
+    past that calls ``overflowed`` and ends the connection)."""
     require_sdk()
-    from mcp import Client, StdioServerParameters
-    from mcp.client.stdio import stdio_client
-    from mcp.client.streamable_http import streamable_http_client
+    from mcp import Client
 
     if server.get("url"):
         import httpx2  # the SDK's HTTP client library
+        from mcp.client.streamable_http import streamable_http_client
 
         headers = {str(k): str(v) for k, v in (server.get("headers") or {}).items()}
         http = httpx2.AsyncClient(headers=headers or None, timeout=httpx2.Timeout(MCP_TIMEOUT, read=MCP_READ_TIMEOUT))
         return Client(streamable_http_client(str(server["url"]), http_client=http), cache=None)
+    return Client(_stdio(server, limit, overflowed), cache=None)
+
+
+@contextlib.asynccontextmanager
+async def _stdio(server: dict[str, Any], limit: int, overflowed: Callable[[], None]) -> AsyncIterator[Any]:
+    """The SDK's stdio transport, but reading at most ``limit`` bytes of a line: a larger one (a huge result,
+    or bytes that never end in a newline) ends the connection instead of growing the worker without bound."""
+    from mcp.client.stdio import _stop_server_process, get_default_environment
+    from mcp.shared.message import SessionMessage
+    from mcp.types import jsonrpc_message_adapter
+
     command = server["command"]
     argv = [str(a) for a in (command if isinstance(command, list) else [command, *server.get("args", [])])]
-    params = StdioServerParameters(
-        command=argv[0],
-        args=argv[1:],
-        env={str(k): str(v) for k, v in (server.get("env") or {}).items()} or None,
-        cwd=server.get("cwd"),
-        # (strict decoding let one line that is not UTF-8 kill the SDK's reader: every later call to the
-        # server then waited out its timeout; replaced, the line is dropped as not JSON and the rest read)
-        encoding_error_handler="replace",
+    env = {str(k): str(v) for k, v in (server.get("env") or {}).items()}
+    stderr = subprocess.DEVNULL if server.get("stderr") == "discard" else None
+    process = await anyio.open_process(
+        argv, env=get_default_environment() | env, cwd=server.get("cwd"), stderr=stderr, start_new_session=True
     )
-    errlog = open(os.devnull, "w") if server.get("stderr") == "discard" else None  # noqa: SIM115
-    transport = stdio_client(params, errlog=errlog) if errlog else stdio_client(params)
-    return Client(transport, cache=None)
+    to_session, from_server = anyio.create_memory_object_stream[Any](0)
+    to_server, from_session = anyio.create_memory_object_stream[Any](0)
+
+    async def read() -> None:
+        assert process.stdout
+        pending = bytearray()
+        async with to_session:
+            async for chunk in process.stdout:
+                *lines, rest = chunk.split(b"\n")
+                if lines:
+                    lines[0], pending = bytes(pending) + lines[0], bytearray()
+                pending += rest
+                for line in lines:
+                    # (decoded with replacement: one line that is not UTF-8 once killed the SDK's reader)
+                    with contextlib.suppress(ValueError):  # not JSON-RPC (a stray print): dropped
+                        message = jsonrpc_message_adapter.validate_json(line.decode(errors="replace"), by_name=False)
+                        await to_session.send(SessionMessage(message))
+                if len(pending) > limit:
+                    return overflowed()
+
+    async def write() -> None:
+        assert process.stdin
+        async with from_session:
+            async for item in from_session:
+                data = item.message.model_dump_json(by_alias=True, exclude_unset=True)
+                await process.stdin.send(data.encode() + b"\n")
+
+    async def guarded(part: Callable[[], Awaitable[None]]) -> None:
+        # A closed pipe or session ends the connection: the session sees its read stream end.
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
+            await part()
+        await to_session.aclose()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(guarded, read)
+        tg.start_soon(guarded, write)
+        try:
+            yield from_server, to_server
+        finally:
+            with anyio.CancelScope(shield=True):  # stdin closed, then the process group ended (bounded waits)
+                await _stop_server_process(process)
+            tg.cancel_scope.cancel()
 
 
 class Session:
     """One live client, held open by its own task on the executor's loop."""
 
-    def __init__(self, server: dict[str, Any], handshake_timeout: float) -> None:
+    def __init__(self, server: dict[str, Any], handshake_timeout: float, limit: int) -> None:
         self.server = server
         self.handshake_timeout = handshake_timeout
+        self.limit = limit
+        self.overflowed = False  # the stdio server sent a line past the limit: the session is over
         self.client: Any = None
         self.task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
@@ -114,7 +168,7 @@ class Session:
 
     async def _hold(self, ready: asyncio.Future[None]) -> None:
         # The SDK's task groups must be entered and left by the same task: this one.
-        client = client_for(self.server)
+        client = client_for(self.server, self.limit, lambda: setattr(self, "overflowed", True))
         try:
             await client.__aenter__()
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the session
@@ -153,7 +207,7 @@ class SessionPool:
     def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    async def get(self, key: str, server: dict[str, Any], handshake_timeout: float) -> Session:
+    async def get(self, key: str, server: dict[str, Any], handshake_timeout: float, limit: int) -> Session:
         session = self._sessions.get(key)
         if session is not None and session.alive:  # (the usual case: no lock made or taken)
             return session
@@ -163,7 +217,7 @@ class SessionPool:
                 return session
             if session is not None:
                 await session.close()
-            session = Session(server, handshake_timeout)
+            session = Session(server, handshake_timeout, limit)
             await session.start()
             self._sessions[key] = session
             return session

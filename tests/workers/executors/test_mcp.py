@@ -25,6 +25,7 @@ from workers.specs import check_spec
 
 SERVER = str(Path(__file__).with_name("mcp_server.py"))
 STDIO = {"command": [sys.executable, SERVER, "stdio"], "stderr": "discard"}
+RAW = {"command": [sys.executable, str(Path(__file__).with_name("raw_mcp_server.py"))], "stderr": "discard"}
 TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
@@ -274,10 +275,21 @@ def test_a_server_that_exits_before_the_handshake_is_named_plainly(tmp_path: Pat
 def test_a_line_that_is_not_utf8_from_a_stdio_server_spoils_nothing(make_ctx):
     # The SDK decoded strictly: one bad line killed its reader, and every later call to the server waited
     # out its timeout until the worker restarted. Decoded with replacement, the line is dropped as not JSON.
-    raw = {"command": [sys.executable, str(Path(__file__).with_name("raw_mcp_server.py"))], "stderr": "discard"}
-    executor = mcpexec.McpExecutor({"servers": {"raw": raw}})
+    executor = mcpexec.McpExecutor({"servers": {"raw": RAW}})
     try:
         assert executor.run(spec("garbage", "raw"), {}, make_ctx(timeout=5)) == "after garbage"
         assert executor.run(spec("echo", "raw"), {"a": 1}, make_ctx(timeout=5)) == '{"a": 1}'
     finally:
         executor.close()
+
+
+def test_a_stdio_answer_that_never_ends_fails_the_call_at_the_cap_and_the_server_is_restarted(make_ctx):
+    # The SDK buffered a line until its newline: a result of no end grew the worker until its memory ran out.
+    executor = mcpexec.McpExecutor({"servers": {"raw": RAW}, "max_output": 100_000})
+    try:
+        with pytest.raises(OutputTooLarge, match="past the limit"):
+            executor.run(spec("flood", "raw"), {}, make_ctx(timeout=20))
+        assert executor.run(spec("echo", "raw"), {"a": 1}, make_ctx()) == '{"a": 1}'
+    finally:
+        executor.close()
+

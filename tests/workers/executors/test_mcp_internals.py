@@ -1,5 +1,5 @@
 """The MCP SDK insides workers/executors/mcp_session.py reads (``Session.alive``: the SDK has no public
-"the server's stream ended" flag), one test each: an upgrade that renames one fails here rather than
+"the server's stream ended" flag; its stdio transport stops a server the SDK's way), one test each: an upgrade that renames one fails here rather than
 leaving the executor reusing a dead session. mcp is pinned (pyproject.toml) to the minor version these
 cover."""
 
@@ -35,10 +35,16 @@ def test_a_dispatcher_says_closed_once_its_stream_ends() -> None:
     assert "self._closed = True" in inspect.getsource(JSONRPCDispatcher.run) and source
 
 
+def test_the_stdio_transport_still_has_the_server_shutdown_the_executor_reuses() -> None:
+    from mcp.client import stdio
+
+    assert list(inspect.signature(stdio._stop_server_process).parameters) == ["process"]
+
+
 def test_a_session_whose_server_died_is_no_longer_alive(wait_until: Any) -> None:
     pool = SessionPool()
     try:
-        session = pool.submit(pool.get("test", STDIO, 10)).result(15)
+        session = pool.submit(pool.get("test", STDIO, 10, 10**6)).result(15)
         assert session.alive
         reply = pool.submit(session.client.call_tool("whoami", {})).result(15)
         pid = json.loads(reply.content[0].text)["pid"]
