@@ -25,6 +25,7 @@ from .mcp_session import (
     Session,
     SessionPool,
     message_limit,
+    over_limit,
     translate,
 )
 
@@ -81,7 +82,8 @@ class McpExecutor:
             )
         except Exception as e:
             # The connection died: no retry here (the tool may have run); the next call reconnects.
-            if isinstance(e, TRANSPORT_ERRORS) or getattr(e, "code", None) == CONNECTION_CLOSED:
+            closed = isinstance(e, TRANSPORT_ERRORS) or getattr(e, "code", None) == CONNECTION_CLOSED
+            if closed and not over_limit(e):  # (an SSE event past the limit ends only its own call)
                 await self._pool.drop(key, session)
             if session.overflowed:
                 target = server.get("command")

@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 
-from broker.errors import ExecutorError, HermesError, InvalidArgs, ToolTimeout
+from broker.errors import ExecutorError, HermesError, InvalidArgs, OutputTooLarge, ToolTimeout
 
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 _INVALID_PARAMS = -32602
@@ -38,6 +38,11 @@ def message_limit(max_output: int) -> int:
     return 2 * max_output + 64 * 1024
 
 
+def over_limit(e: BaseException) -> bool:
+    """True for the SDK's answer to a message past the limit (an SSE event's, or a JSON body's)."""
+    return "byte limit" in str(getattr(e, "message", ""))
+
+
 def require_sdk(what: str = "the mcp executor") -> None:
     """ExecutorError unless the ``mcp`` SDK 2.x (the ``mcp`` extra) is importable; ``hermes-agent[mcp]``
     pins mcp 1.x."""
@@ -56,7 +61,7 @@ def require_sdk(what: str = "the mcp executor") -> None:
 
 
 def client_for(server: dict[str, Any], limit: int, overflowed: Callable[[], None]) -> Any:
-    """An unentered ``mcp.Client`` for the server; a stdio line from it may take ``limit`` bytes (one
+    """An unentered ``mcp.Client`` for the server; a message from it may take ``limit`` bytes (a stdio line
     past that calls ``overflowed`` and ends the connection)."""
     require_sdk()
     from mcp import Client
@@ -65,9 +70,34 @@ def client_for(server: dict[str, Any], limit: int, overflowed: Callable[[], None
         import httpx2  # the SDK's HTTP client library
         from mcp.client.streamable_http import streamable_http_client
 
+        class Capped(httpx2.AsyncByteStream):
+            """A JSON body read only up to the limit (an SSE one is bounded by event, by the SDK)."""
+
+            def __init__(self, stream: Any) -> None:
+                self.stream = stream
+
+            async def __aiter__(self) -> AsyncIterator[bytes]:
+                read = 0
+                async for chunk in self.stream:
+                    if (read := read + len(chunk)) > limit:  # (the SDK answers the call with this message)
+                        raise httpx2.StreamError(f"the response exceeded the {limit} byte limit")
+                    yield chunk
+
+            async def aclose(self) -> None:
+                await self.stream.aclose()
+
+        async def cap(response: Any) -> None:
+            if not response.headers.get("content-type", "").startswith("text/event-stream"):
+                response.stream = Capped(response.stream)
+
         headers = {str(k): str(v) for k, v in (server.get("headers") or {}).items()}
-        http = httpx2.AsyncClient(headers=headers or None, timeout=httpx2.Timeout(MCP_TIMEOUT, read=MCP_READ_TIMEOUT))
-        return Client(streamable_http_client(str(server["url"]), http_client=http), cache=None)
+        http = httpx2.AsyncClient(
+            headers=headers or None,
+            timeout=httpx2.Timeout(MCP_TIMEOUT, read=MCP_READ_TIMEOUT),
+            event_hooks={"response": [cap]},
+        )
+        transport = streamable_http_client(str(server["url"]), http_client=http, max_sse_event_size=limit)
+        return Client(transport, cache=None)
     return Client(_stdio(server, limit, overflowed), cache=None)
 
 
@@ -247,6 +277,8 @@ def translate(e: BaseException, where: str, handshake: float, server: dict[str, 
     if isinstance(e, BaseExceptionGroup):  # the SDK's task groups: the first real failure says what happened
         if leaves := _leaves(e):
             return translate(leaves[0], where, handshake, server)
+    if over_limit(e):
+        return OutputTooLarge(f"{where}: MCP server {target} sent a message too large: {e}")
     if isinstance(e, TRANSPORT_ERRORS) or (isinstance(e, MCPError) and e.code == CONNECTION_CLOSED):
         hint = " (it exited? a stdio server's own error output is above)" if server.get("command") else ""
         return ExecutorError(f"{where}: MCP server {target} closed the connection{hint}")

@@ -1,12 +1,14 @@
 """A hand-spoken MCP server that misbehaves on purpose: ``garbage`` writes a line that is not UTF-8 before
 its answer; ``flood`` starts its answer and never ends it; any other tool answers with its arguments.
-Spoken on stdio."""
+``python raw_mcp_server.py`` speaks stdio; ``serve_http()`` streamable HTTP (JSON bodies, or SSE ones)."""
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 FLOOD_START = b'{"jsonrpc": "2.0", "id": %d, "result": {"content": [{"type": "text", "text": "'
 
@@ -31,6 +33,48 @@ def answer(msg: dict, write: Callable[[bytes], object]) -> dict | None:
     if mid is not None:
         return {"jsonrpc": "2.0", "id": mid, "result": {"tools": []} if method == "tools/list" else {}}
     return None
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:  # no server-to-client stream
+        self.send_response(405)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self) -> None:
+        msg = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if msg.get("id") is None:
+            self.send_response(202)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        sse = getattr(self.server, "sse", False)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream" if sse else "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+        def chunk(data: bytes) -> None:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+        if sse:
+            chunk(b"event: message\ndata: ")
+        reply = answer(msg, chunk)
+        chunk(json.dumps(reply).encode() + (b"\n\n" if sse else b""))
+        self.wfile.write(b"0\r\n\r\n")
+
+
+def serve_http(sse: bool = False) -> ThreadingHTTPServer:
+    """The server on a free port of 127.0.0.1, serving on a daemon thread (``shutdown()`` stops it)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    server.daemon_threads, server.sse = True, sse  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    return server
 
 
 if __name__ == "__main__":

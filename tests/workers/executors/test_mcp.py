@@ -23,6 +23,8 @@ from workers.executors import ExecContext
 from workers.executors import mcp as mcpexec
 from workers.specs import check_spec
 
+from .raw_mcp_server import serve_http
+
 SERVER = str(Path(__file__).with_name("mcp_server.py"))
 STDIO = {"command": [sys.executable, SERVER, "stdio"], "stderr": "discard"}
 RAW = {"command": [sys.executable, str(Path(__file__).with_name("raw_mcp_server.py"))], "stderr": "discard"}
@@ -293,3 +295,29 @@ def test_a_stdio_answer_that_never_ends_fails_the_call_at_the_cap_and_the_server
     finally:
         executor.close()
 
+
+@pytest.mark.parametrize("sse", [False, True], ids=["json", "sse"])
+def test_an_http_answer_that_never_ends_fails_its_call_at_the_cap_and_the_session_serves_on(make_ctx, sse):
+    # A JSON body was read whole; an SSE event past the SDK's own 1 MiB read as the server closing.
+    server = serve_http(sse)
+    url = {"url": f"http://127.0.0.1:{server.server_address[1]}/mcp"}
+    executor = mcpexec.McpExecutor({"max_output": 100_000})
+    try:
+        with pytest.raises(OutputTooLarge, match="byte limit"):
+            executor.run(spec("flood", url), {}, make_ctx(timeout=20))
+        assert executor.run(spec("echo", url), {"a": 1}, make_ctx()) == '{"a": 1}'
+    finally:
+        executor.close()
+        server.shutdown()
+
+
+def test_an_sse_answer_larger_than_a_mib_is_read_when_max_output_allows_it(make_ctx):
+    server = serve_http(sse=True)
+    url = {"url": f"http://127.0.0.1:{server.server_address[1]}/mcp"}
+    executor = mcpexec.McpExecutor({"max_output": 4_000_000})
+    try:
+        text = "y" * 1_500_000
+        assert executor.run(spec("echo", url), {"s": text}, make_ctx()) == json.dumps({"s": text})
+    finally:
+        executor.close()
+        server.shutdown()
