@@ -203,6 +203,7 @@ class LLMCall:
                 traceparent=ctx.traceparent,
                 tracestate=ctx.tracestate,
             )
+            run.ran = True
             if run.rate:  # its limiter entry counts from the response (the provider surely has the request)
                 run.sent = True
                 pctx.on_response = lambda: self.core.rate_sent(run)

@@ -72,6 +72,7 @@ class Running:
     outcome: str = ""  # how it ended here (its terminal state, retrying, handed_back, lost); "" while running
     rate: bool = False  # its concurrency key has a rate limit (its sends are stamped on the limiter)
     sent: bool = False  # a request of it left: its limiter entry counts it
+    ran: bool = False  # its executor or provider was called (a refused call's duration is not a run's)
     usage: dict[str, int] | None = None  # an LLM call's reported tokens: {"in": prompt, "out": completion}
     api_request: dict[str, Any] | None = None  # an LLM call's answering request: api_request_id, provider, model, api_mode
     request: dict[str, Any] | None = None  # an LLM call's provider kwargs as built (its model filled in)
@@ -397,6 +398,7 @@ class CallRunner:
 
         def execute(eff: dict[str, Any]) -> Any:
             ctx.check()
+            run.ran = True
             executor = get_executor(spec.executor, ctx.settings)
             body = lambda: _secrets_kept(run_executor, executor, spec, eff, ctx, run.sensitive)  # noqa: E731
             return self._stage("execute", run, spec, eff, body)

@@ -497,25 +497,24 @@ def call_started(ckey: str, queue: str, wait_s: float) -> None:
 
 
 def call_ended(
-    ckey: str, kind: str, name: str, state: str, error_type: str | None, duration_s: float,
+    ckey: str, kind: str, name: str, state: str, error_type: str | None, duration_s: float | None,
     inflight: bool = True,
 ) -> None:
-    """A call this worker ran reached a terminal state (or was handed back); ``inflight``: it was counted."""
+    """A call this worker ran reached a terminal state (or was handed back); ``inflight``: it was counted.
+    ``duration_s`` None: it never reached its executor or provider (refused by the policy, its arguments, an
+    open breaker, a budget, a hook): counted, but its ~0 s would only drag the durations down."""
     label = f"{kind}{SEP}{name}"
-    _totals.add(
-        (
-            (keys.stats_ended(kind, name, state, error_type), 1),
-            (f"duration_n{SEP}{label}", 1),
-            (f"lat{SEP}{label}{SEP}{latency_bucket(duration_s)}", 1),
-        ),
-        ((f"duration{SEP}{label}", duration_s),),
-    )
+    counts: list[tuple[str, int]] = [(keys.stats_ended(kind, name, state, error_type), 1)]
+    if duration_s is not None:
+        counts += [(f"duration_n{SEP}{label}", 1), (f"lat{SEP}{label}{SEP}{latency_bucket(duration_s)}", 1)]
+    _totals.add(counts, ((f"duration{SEP}{label}", duration_s),) if duration_s is not None else ())
     inst = _instruments()
     if inst is not None:
         if inflight:
             inst.inflight.add(-1, {"hermes.concurrency_key": ckey})
         attrs = {"hermes.call.kind": kind, "hermes.call.name": name, "hermes.call.state": state}
-        inst.duration.record(duration_s, attrs)
+        if duration_s is not None:
+            inst.duration.record(duration_s, attrs)
         if error_type:
             attrs = {**attrs, "error.type": error_type}
         inst.calls.add(1, attrs)
@@ -630,7 +629,8 @@ class CallMetrics(Hook):
         info = run.info
         err_type = str(error.get("type") or "error") if error else None
         # An undecodable payload never started (claimed_at 0), so it was never counted in flight.
-        call_ended(info.ckey, info.kind, info.name, outcome, err_type, duration, bool(run.claimed_at))
+        ran = duration if run.ran else None
+        call_ended(info.ckey, info.kind, info.name, outcome, err_type, ran, bool(run.claimed_at))
 
 
 DAY_TTL = 2 * 86400

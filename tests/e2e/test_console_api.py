@@ -121,6 +121,26 @@ def test_serve_metrics_parse_and_count_the_calls_the_workers_ran(
     assert {"tool:echo", "tool:boom"} <= set(limits) and limits["tool:idle"] == 3, limits
 
 
+def test_the_duration_histogram_leaves_out_calls_refused_before_they_ran(
+    served: ConsoleServer, gateway: Any, home: Any
+) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    home.echo_tool("strict", input_schema=schema)
+    gateway.sync_tools()
+    for n in (1, 2):
+        gateway.call_tool("strict", {"n": n}).result(20)
+    for _ in range(3):  # refused by the input schema: the executor never runs
+        with pytest.raises(HermesError):
+            gateway.call_tool("strict", {"n": "x"}, max_attempts=1).result(20)
+    with _client(served) as client:
+        wait_until(lambda: _calls_total(client.get("/metrics").text) >= 5, 10, message="the stats flush")
+        families = {fam.name: fam for fam in text_string_to_metric_families(client.get("/metrics").text)}
+    failed = [s for s in families["hermes_calls"].samples if s.labels.get("error_type") == "invalid_args"]
+    assert [s.value for s in failed if s.name == "hermes_calls_total"] == [3]  # counted as refusals
+    histogram = families["hermes_call_duration_seconds"].samples
+    assert {s.labels["hermes_call_name"]: s.value for s in histogram if s.name.endswith("_count")} == {"strict": 2}
+
+
 def test_a_worker_serves_its_own_metrics_with_metrics_port(gateway: Any, home: Any, workers: Any) -> None:
     home.echo_tool()
     gateway.sync_tools()

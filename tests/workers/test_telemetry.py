@@ -297,7 +297,7 @@ def test_metrics_after_a_known_workload(fake: Any, core: WorkerCore, reader: InM
         for p in got["hermes.calls"]
     }
     assert calls == {("echo", "done", None): 3, ("strict", "failed", "invalid_args"): 1}
-    assert sum(p.count for p in got["hermes.call.duration"]) == 4
+    assert sum(p.count for p in got["hermes.call.duration"]) == 3  # (not the refused one: it never ran)
     assert sum(p.count for p in got["hermes.call.queue_wait"]) == 4
     assert {p.attributes["hermes.concurrency_key"]: p.value for p in got["hermes.executor.inflight"]} == {
         "tool:echo": 0,
