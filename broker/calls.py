@@ -126,6 +126,12 @@ def failure_entry(info: CallInfo, error: dict[str, Any], worker: str, principal:
     })  # fmt: skip
 
 
+def stats_name(conn: Any, label: str, value: str) -> Any:
+    """1 when ``value`` is one of the values hermes:stats shows of ``label`` (admitted now unless the label has
+    ``keys.STATS_MAX_NAMES`` of them), else 0: it counts as ``keys.STATS_OTHER`` (an asyncio client: awaitable)."""
+    return conn.eval(scripts.STATS_NAME, 1, keys.stats_names(label), value, keys.STATS_MAX_NAMES)
+
+
 def push_failure(pipe: Any, entry: bytes) -> None:
     """Queue on ``pipe`` the listing of a ``failure_entry``, the list kept to ``FAILURES_KEPT``."""
     pipe.lpush(keys.FAILURES, entry)

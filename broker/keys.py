@@ -70,6 +70,9 @@ STATS = PREFIX + ":stats"  # hash of call figures summed over all workers (worke
 STATS_INFLIGHT = PREFIX + ":stats:inflight:{}"  # hash concurrency key -> calls running, per worker
 STATS_INFLIGHT_BY = PREFIX + ":stats:inflight"  # zset worker -> when it last wrote its in-flight hash
 STATS_SEP = "|"  # between the parts of a hermes:stats field (workers/telemetry.py parses them)
+STATS_NAMES = PREFIX + ":stats:names:{}"  # set of the values hermes:stats shows of a label (tool, llm, principal)
+STATS_MAX_NAMES = 500  # values a label shows; a caller chooses a model or principal: the rest count as STATS_OTHER
+STATS_OTHER = "(other)"
 BREAKER = PREFIX + ":{{brk}}:breaker:{}"  # hash: state, opened_at, failures, probe, ... of one circuit breaker
 BREAKER_WINDOW = PREFIX + ":{{brk}}:breaker:{}:win"  # hash bucket -> calls / failures, for the error-rate rule
 BREAKERS = PREFIX + ":{brk}:breakers"  # set of every breaker key (for status)
@@ -170,6 +173,7 @@ batch: Callable[[str], str] = BATCH.format  # (batch_id)
 worker: Callable[[str], str] = WORKER.format  # (name)
 breaker: Callable[[str], str] = BREAKER.format  # (key)
 stats_inflight: Callable[[str], str] = STATS_INFLIGHT.format  # (worker_name)
+stats_names: Callable[[str], str] = STATS_NAMES.format  # (label: tool, llm or principal)
 
 
 def batch_part(queue_name: str, batch_id: str) -> str:

@@ -38,6 +38,7 @@ AUDIT_APPEND = ALLOW_OOM + load("audit_append")  # (an ended call's record, writ
 TOOL_REGISTER = load("tool_register")
 POLICY_PUSH = load("policy_push")
 POLICY_CLEAR = load("policy_clear")
+STATS_NAME = load("stats_name")
 BATCH_STATE = load("batch_state")
 BATCH_UNSENT = load("batch_unsent")
 

@@ -23,7 +23,7 @@ import structlog
 
 from broker import durability, keys
 from broker import events as ev_mod
-from broker.calls import CallInfo, Calls
+from broker.calls import CallInfo, Calls, stats_name
 from broker.codec import MAX_DEPTH, nesting, pack, text, unpack
 from broker.config import MAX_ARGS_ENV, Settings
 from broker.connection import BrokerHandle, answered, broker_error, connect, is_cluster, subscriber
@@ -922,7 +922,8 @@ class ClientCore(Generic[H]):
                     with contextlib.suppress(HermesError):  # removed meanwhile: still redacted by name
                         sensitive = (yield self.tool(info.name)).spec.sensitive
                 yield AuditLog.from_settings(conn, self.settings.audit).append(target.audit_record(sensitive, error))
-                yield conn.hincrby(keys.STATS, keys.stats_ended(info.kind, info.name, "cancelled", error["type"]), 1)
+                name = info.name if int((yield stats_name(conn, info.kind, info.name))) else keys.STATS_OTHER
+                yield conn.hincrby(keys.STATS, keys.stats_ended(info.kind, name, "cancelled", error["type"]), 1)
                 return True
         yield conn.hset(keys.job(call_id), keys.F_CANCEL, "1")
         yield conn.publish(keys.channel(conn, keys.CONTROL_CHANNEL), pack({"op": "cancel", "call_id": call_id}))

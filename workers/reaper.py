@@ -8,7 +8,7 @@ import structlog
 
 from broker import keys, pipes
 from broker.audit import AuditLog, AuditRecord
-from broker.calls import CallInfo, Calls, failure_entry, push_failure
+from broker.calls import CallInfo, Calls, failure_entry, push_failure, stats_name
 from broker.codec import text
 from broker.errors import WorkerLost
 from broker.otel import new_span_id
@@ -98,7 +98,8 @@ def end_call(
         return
     # Counted with the calls the workers ended, and a failure listed with theirs (status's recent failures).
     pipe = calls.conn.pipeline(transaction=False)
-    pipe.hincrby(keys.STATS, keys.stats_ended(info.kind, info.name, str(state), err.get("type")), 1)
+    name = info.name if int(stats_name(calls.conn, info.kind, info.name)) else keys.STATS_OTHER
+    pipe.hincrby(keys.STATS, keys.stats_ended(info.kind, name, str(state), err.get("type")), 1)
     if state == State.FAILED:
         push_failure(pipe, failure_entry(info, err, "reaper", None))
     pipes.settled(pipe, pipes.for_seconds(_SETTLE_PATIENCE))

@@ -25,6 +25,7 @@ from opentelemetry.metrics import Observation
 from opentelemetry.trace import Link, SpanKind
 
 from broker import keys, otel
+from broker.calls import stats_name
 from broker.codec import text
 from broker.errors import CallCancelled
 from broker.logs import redact, redact_text
@@ -483,7 +484,29 @@ class _Totals:
         return counts, sums, breakers
 
 
+class _Labels:
+    """A value of a label a caller chooses (an LLM call's model, a principal; a tool name too) as hermes:stats
+    and the instruments show it: itself while ``keys.STATS_MAX_NAMES`` values of the label at most are in
+    Redis (``calls.stats_name``, over every process), else ``keys.STATS_OTHER``; the admitted ones are kept."""
+
+    def __init__(self) -> None:
+        self.conn: redis.Redis | None = None  # (the stats flusher's: none, every value shows)
+        self.known: set[tuple[str, str]] = set()
+
+    def __call__(self, label: str, value: str) -> str:
+        if self.conn is None or (label, value) in self.known:
+            return value
+        try:
+            admitted = int(stats_name(self.conn, label, value))
+        except redis.RedisError:
+            return keys.STATS_OTHER  # (not kept: asked again next time)
+        if admitted:
+            self.known.add((label, value))
+        return value if admitted else keys.STATS_OTHER
+
+
 _totals = _Totals()
+_labels = _Labels()
 _queue_conns: list[redis.Redis] = []
 
 
@@ -503,6 +526,7 @@ def call_ended(
     """A call this worker ran reached a terminal state (or was handed back); ``inflight``: it was counted.
     ``duration_s`` None: it never reached its executor or provider (refused by the policy, its arguments, an
     open breaker, a budget, a hook): counted, but its ~0 s would only drag the durations down."""
+    name = _labels(kind, name)
     label = f"{kind}{SEP}{name}"
     counts: list[tuple[str, int]] = [(keys.stats_ended(kind, name, state, error_type), 1)]
     if duration_s is not None:
@@ -580,7 +604,7 @@ class StatsFlusher:
     """A daemon thread that flushes the totals and this worker's in-flight calls per key every second."""
 
     def __init__(self, conn: redis.Redis, worker: str, inflight: Callable[[], dict[str, int]]) -> None:
-        self.conn = conn
+        self.conn = _labels.conn = conn
         self.worker = worker
         self.key = keys.stats_inflight(worker)
         self.inflight = inflight
@@ -645,10 +669,11 @@ class Usage(Hook):
         self, run: Running, state: str, result: Any, error: dict[str, Any] | None, duration: float
     ) -> Writer | None:
         principal = run.env.context.get("principal") if run.env is not None else None
-        info, tokens, who = run.info, run.usage, principal or "-"
-        counts = [(f"pcalls{SEP}{who}{SEP}{info.kind}{SEP}{info.name}", 1)]
+        info, tokens, who = run.info, run.usage, _labels("principal", principal) if principal else "-"
+        name = _labels(info.kind, info.name)
+        counts = [(f"pcalls{SEP}{who}{SEP}{info.kind}{SEP}{name}", 1)]
         if tokens is not None and (tokens["in"] or tokens["out"]):
-            prefix = f"tokens{SEP}{who}{SEP}{info.name}{SEP}"
+            prefix = f"tokens{SEP}{who}{SEP}{name}{SEP}"
             counts += [(prefix + "in", tokens["in"]), (prefix + "out", tokens["out"])]
         _totals.add(counts)
         if not principal or tokens is None:

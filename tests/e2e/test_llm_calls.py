@@ -25,6 +25,7 @@ from broker.limits import Limits
 from middleware import enable_plugin
 from tests.conftest import Home, wait_until
 from tests.llm_server import LLMServer, Reply
+from workers.telemetry import read_stats
 
 pytestmark = pytest.mark.e2e
 
@@ -200,6 +201,24 @@ def test_a_non_streamed_call_returns_the_providers_response_and_the_request_mode
     assert {e.model for e in evs} == {"other-model"}
     assert {e.detail.get("queue") for e in evs if e.state == "pending"} == {"llm"}
     assert "llm:other-model" in {row["key"] for row in Limits(conn).snapshot()}  # its concurrency key
+
+
+def test_models_past_the_label_cap_count_as_other_in_the_stats_and_the_metrics(
+    llm: LLMServer, gateway: Any, workers: Any, conn: Any
+) -> None:
+    # A caller names any model: once the label holds STATS_MAX_NAMES of them, the next ones add no field.
+    conn.sadd(keys.stats_names("llm"), MODEL, *(f"seen-{i}" for i in range(keys.STATS_MAX_NAMES - 1)))
+    workers(queues="llm", env=KEY_ENV)
+    for model in [MODEL, *(f"fresh-{i}" for i in range(5))]:
+        gateway.call_llm({"model": model, "messages": ASK}).result(20)
+    stats = wait_until(
+        lambda: (s := read_stats(conn)).calls.get(("llm", keys.STATS_OTHER, "done", "")) == 5 and s, 10,
+        message="the stats flush",
+    )
+    assert {name for _kind, name in stats.names} == {MODEL, keys.STATS_OTHER}
+    assert {model for _who, model, _way in stats.tokens} == {MODEL, keys.STATS_OTHER}
+    assert {name for _who, _kind, name in stats.pcalls} == {MODEL, keys.STATS_OTHER}
+    assert conn.scard(keys.stats_names("llm")) == keys.STATS_MAX_NAMES
 
 
 def test_events_request_shows_the_messages_the_model_was_sent_tool_results_included(
