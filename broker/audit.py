@@ -6,6 +6,7 @@ retention, so ``get`` is two cheap reads.
 from __future__ import annotations
 
 import builtins
+import functools
 import json
 import os
 import threading
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from broker.envelope import filler
-from broker.logs import MASK, is_secret_key, redact, redact_text, sensitive_hashes
+from broker.logs import MASK, is_secret_key, keyed_hash, redact, redact_text, sensitive_hashes
 
 from . import keys, pipes, scripts
 from .codec import WIRE_INTS, pack, text, unpack
@@ -76,9 +77,11 @@ class AuditRecord:
         result: Any = None,
         request: Mapping[str, Any] | None = None,
         error: BaseException | Mapping[str, Any] | None = None,
+        digest: Any = None,
         **rest: Any,
     ) -> AuditRecord:
-        """Build a record from raw call data: redacts args, hashes sensitive ones, summarises the result."""
+        """Build a record from raw call data: redacts args, hashes sensitive ones with ``digest``
+        (``AuditLog.digest``; None: masked only), summarises the result."""
         if request is not None:
             rest.setdefault("model", request.get("model"))
             rest.setdefault("model_params", model_params(request))
@@ -99,8 +102,8 @@ class AuditRecord:
                 call_id=call_id,
                 kind=kind,
                 state=state,
-                args=redact(dict(args), sensitive, max_text=MAX_ARG_TEXT) if args is not None else None,
-                sensitive_hashes=sensitive_hashes(args, sensitive),
+                args=redact(dict(args), sensitive, MAX_ARG_TEXT, digest) if args is not None else None,
+                sensitive_hashes=sensitive_hashes(args, sensitive, digest) if digest is not None else {},
                 result_summary=summarize(result) if result is not None else None,
                 middleware_trace=[redact(dict(t)) for t in rest.pop("middleware_trace", None) or ()],
                 **rest,
@@ -288,6 +291,14 @@ class AuditLog:
             redis, audit.key or AUDIT_STREAM, maxlen=audit.maxlen, max_age=audit.max_age,
             approximate=audit.approximate, jsonl_path=audit.jsonl, **kw
         )
+
+    @functools.cached_property
+    def digest(self) -> Any:
+        """The hash of a sensitive argument in a record: HMAC-SHA256 under this deployment's key
+        (``<stream>:key`` in Redis, made by the first process that needs it), never a plain sha256 anyone
+        could match by hashing every 6-digit PIN."""
+        self.redis.set(f"{self.key}:key", os.urandom(32), nx=True)
+        return keyed_hash(self.redis.get(f"{self.key}:key"))
 
     def append(self, record: AuditRecord, pipeline: Any = None) -> Any:
         """Add a record (into ``pipeline`` when given: only its creator executes it); mirrors to JSONL."""

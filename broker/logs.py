@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import hmac
 import json
 import logging
 import re
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from functools import lru_cache
 from typing import Any
 from urllib.parse import quote, quote_plus, unquote_plus
@@ -24,10 +25,12 @@ from .settings import shortcut_on
 
 # -- redaction --------------------------------------------------------------------------------------
 # A secret is recognised by the key it sits under and by its shape inside any string. Arguments a tool
-# declares ``sensitive`` become a hash of their value, so a replay can check it was given the same value.
+# declares ``sensitive`` are masked; the audit record keeps a keyed hash of each (``keyed_hash``), so a replay
+# can check it was given the same value while nobody can find a short one (a PIN) by hashing every candidate.
 
 MASK = "***"
 HASH_PREFIX = "sha256:"
+KEYED_PREFIX = "hmac-sha256:"
 MAX_DEPTH = 32
 _CLIP_MARGIN = 512  # clipped text is scanned this far past its cut
 
@@ -205,27 +208,40 @@ def hash_value(value: Any) -> str:
     return HASH_PREFIX + hashlib.sha256(pack(_canonical(value))).hexdigest()
 
 
-def verify_hash(value: Any, digest: str) -> bool:
-    """True when ``value`` is the value that produced ``digest`` (replay checks supplied secrets)."""
-    return hash_value(value) == digest
+def keyed_hash(key: bytes) -> Callable[[Any], str]:
+    """``hmac-sha256:<hex>`` of a value's canonical msgpack form under ``key`` (the deployment's audit key)."""
+    return lambda value: KEYED_PREFIX + hmac.new(key, pack(_canonical(value)), hashlib.sha256).hexdigest()
 
 
-def sensitive_hashes(args: Mapping[str, Any] | None, sensitive_fields: Iterable[str]) -> dict[str, str]:
-    """``{field: sha256:...}`` for each sensitive top-level argument present in ``args``."""
+def verify_hash(value: Any, digest: str, keyed: Callable[[Any], str] | None = None) -> bool:
+    """True when ``value`` is the value that produced ``digest`` (replay checks supplied secrets): a keyed one
+    with ``keyed``, a plain sha256 (records written before keyed hashes) without."""
+    made = hash_value(value) if digest.startswith(HASH_PREFIX) else keyed(value) if keyed else ""
+    return hmac.compare_digest(made, digest)
+
+
+def sensitive_hashes(
+    args: Mapping[str, Any] | None, sensitive_fields: Iterable[str], digest: Callable[[Any], str]
+) -> dict[str, str]:
+    """``{field: digest(value)}`` for each sensitive top-level argument present in ``args``."""
     if not args:
         return {}
-    return {f: hash_value(args[f]) for f in sensitive_fields if f in args}
+    return {f: digest(args[f]) for f in sensitive_fields if f in args}
 
 
-def redact(value: Any, sensitive_fields: Iterable[str] = (), max_text: int | None = None) -> Any:
-    """A redacted copy of ``value``; top-level keys in ``sensitive_fields`` become their hash. ``max_text``:
-    a longer string keeps its first ``max_text`` characters and says how many more there were."""
+def redact(
+    value: Any, sensitive_fields: Iterable[str] = (), max_text: int | None = None,
+    digest: Callable[[Any], str] | None = None,
+) -> Any:
+    """A redacted copy of ``value``; top-level keys in ``sensitive_fields`` become ``digest(value)`` (the audit
+    log's keyed hash), else ``***``. ``max_text``: a longer string keeps its first ``max_text`` characters and
+    says how many more there were."""
     if type(value) in _SCALARS:
         return value
     fields = frozenset(sensitive_fields)
     if fields and isinstance(value, Mapping):
         return {
-            k: hash_value(v)
+            k: (digest(v) if digest is not None else MASK)
             if k in fields
             else (_mask_keyed(v) if _key_is_secret(k) else _redact(v, 1, max_text))
             for k, v in value.items()

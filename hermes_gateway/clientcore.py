@@ -422,9 +422,9 @@ class CancelTarget:
         info = CallInfo(call_id, trace, new_span_id(), kind, tool, session or None, chan, ckey, origin)
         return cls(info, state, int(attempt or 1), raw[-1])
 
-    def audit_record(self, sensitive: Any, error: dict[str, str]) -> Any:
+    def audit_record(self, sensitive: Any, error: dict[str, str], digest: Any = None) -> Any:
         """The audit record of the call cancelled while no worker held it (pending, or between attempts:
-        ``error`` says which)."""
+        ``error`` says which); ``digest``: the audit log's keyed hash (None: sensitive args masked only)."""
         from broker.audit import AuditRecord, context_fields
         from broker.calls import envelope_of
 
@@ -440,7 +440,7 @@ class CancelTarget:
             request=env.request if env is not None and info.kind == "llm" else None, error=error,
             tool_name=info.name if info.kind == "tool" else None,
             model=info.name if info.kind == "llm" else None, **context_fields(context),
-            trace_id=info.trace_id, attempts=self.attempt,
+            trace_id=info.trace_id, attempts=self.attempt, digest=digest,
         )
 
 
@@ -916,12 +916,15 @@ class ClientCore(Generic[H]):
             reply = yield self.calls.cancel_unleased(info, attempt=target.attempt, error=error, retrying=retrying)
             if int(reply[0]) > 0:
                 from broker.audit import AuditLog
+                from broker.logs import keyed_hash
 
                 sensitive: tuple[str, ...] = ()
                 if info.kind == "tool":
                     with contextlib.suppress(HermesError):  # removed meanwhile: still redacted by name
                         sensitive = (yield self.tool(info.name)).spec.sensitive
-                yield AuditLog.from_settings(conn, self.settings.audit).append(target.audit_record(sensitive, error))
+                audit = AuditLog.from_settings(conn, self.settings.audit)
+                secret = yield conn.get(f"{audit.key}:key")  # (AuditLog.digest's; a worker made it)
+                yield audit.append(target.audit_record(sensitive, error, keyed_hash(secret) if secret else None))
                 name = info.name if int((yield stats_name(conn, info.kind, info.name))) else keys.STATS_OTHER
                 yield conn.hincrby(keys.STATS, keys.stats_ended(info.kind, name, "cancelled", error["type"]), 1)
                 return True

@@ -213,7 +213,7 @@ def console_routes(gw: Any, creds: Credentials, agw: Callable[[], Any]) -> list[
 
         def planned() -> Any:
             rec = visible_record(call_id, caller)
-            plan = replay.plan(rec, supplied)  # what `audit replay` does, step by step
+            plan = replay.plan(rec, supplied, audit_log.digest)  # what `audit replay` does, step by step
             # As the replaying token's principal (an admin token without one: as recorded), under the policy.
             context = {k: v for k, v in plan.context.items() if k != "principal"}
             who = caller.principal or (rec.principal if caller.admin else None)

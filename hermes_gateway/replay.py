@@ -1,6 +1,6 @@
 """Replaying an audited tool call: the same tool and principal with the recorded arguments; its audit
 record names the original (``replay_of``). Redacted arguments must be supplied again: a sensitive one is
-checked against its recorded sha256, a masked one is taken as given."""
+checked against its recorded keyed hash, a masked one is taken as given."""
 
 from __future__ import annotations
 
@@ -46,8 +46,9 @@ class ReplayOutcome:
     notes: list[str] = field(default_factory=list)
 
 
-def plan(record: AuditRecord, supplied: Mapping[str, str]) -> ReplayPlan:
-    """Rebuild a call's arguments from its record and the ``supplied`` values (as typed: text)."""
+def plan(record: AuditRecord, supplied: Mapping[str, str], digest: Any = None) -> ReplayPlan:
+    """Rebuild a call's arguments from its record and the ``supplied`` values (as typed: text); ``digest``:
+    ``AuditLog.digest``, what a sensitive one's recorded hash is checked with."""
     if record.kind != "tool" or not record.tool_name:
         raise ReplayRefused(
             f"call {record.call_id} is an {record.kind} call; only tool calls can be replayed "
@@ -72,12 +73,12 @@ def plan(record: AuditRecord, supplied: Mapping[str, str]) -> ReplayPlan:
             f"supply them with {' '.join(f'--arg {k}=VALUE' for k in missing)}",
             missing=missing,
         )
-    for name, digest in hashed.items():
-        value = _matching(supplied[name], digest)
+    for name, recorded in hashed.items():
+        value = _matching(supplied[name], recorded, digest)
         if value is _NO_MATCH:
             raise ReplayRefused(
                 f"the value given for {name!r} is not the one call {record.call_id} ran with "
-                "(its sha256 differs from the recorded hash)",
+                "(its hash differs from the recorded one)",
                 argument=name,
             )
         args[name] = value
@@ -191,12 +192,12 @@ def _parsed(text: str) -> Any:
     return value if isinstance(value, dict | list) else text
 
 
-def _matching(text: str, digest: str) -> Any:
-    """The reading of ``text`` (as text, or as JSON) whose hash is ``digest``."""
+def _matching(text: str, recorded: str, digest: Any) -> Any:
+    """The reading of ``text`` (as text, or as JSON) whose hash is ``recorded``."""
     candidates: list[Any] = [text]
     with contextlib.suppress(ValueError):
         candidates.append(json.loads(text))
-    return next((value for value in candidates if verify_hash(value, digest)), _NO_MATCH)
+    return next((value for value in candidates if verify_hash(value, recorded, digest)), _NO_MATCH)
 
 
 def _new_error(outcome: ReplayOutcome) -> str:

@@ -154,7 +154,7 @@ def audit_show(ctx: click.Context, call_id: str, as_json: bool) -> None:
 @click.argument("call_id")
 @click.option(
     "--arg", "arg_pairs", multiple=True, metavar="NAME=VALUE",
-    help="A redacted argument (sensitive ones are checked against the recorded sha256).",
+    help="A redacted argument (sensitive ones are checked against their recorded keyed hash).",
 )
 @click.option(
     "--timeout", type=WAIT_SECONDS, default=60.0, show_default=True, help="Seconds to wait for the replay."
@@ -176,7 +176,7 @@ def audit_replay(ctx: click.Context, call_id: str, arg_pairs: tuple[str, ...], t
         if rec is None:
             fail(f"no audit record for call {call_id} (unknown, unfinished, or past retention)", 1)
         try:
-            plan = replay.plan(rec, supplied)
+            plan = replay.plan(rec, supplied, log.digest)
             gw.require_workers(str(gw.tool(plan.tool).spec.config.get("queue") or "tools"))
             outcome = replay.run(gw, log, plan, timeout)
         except HermesError as e:

@@ -18,7 +18,7 @@ import redis
 from broker.audit import SUMMARY_LIMIT, AuditLog, AuditRecord, summarize
 from broker.config import load_settings
 from broker.errors import ConfigError, DecodeError, PermissionDenied
-from broker.logs import MASK, verify_hash
+from broker.logs import MASK, keyed_hash, verify_hash
 from tests.broker.test_redact import CORPUS
 from tests.conftest import wait_until
 
@@ -74,6 +74,7 @@ def test_record_of_redacts_args_hashes_sensitive_ones_and_round_trips() -> None:
         trace_id="0af7651916cd43dd8448eb211c80319c",
         parent_call_id="llm-1",
         tool_call_id="call_1",
+        digest=keyed_hash(b"k"),
     )
     assert args["api_key"] == "abc123"  # the caller's args are untouched
     assert r.args == {
@@ -82,7 +83,7 @@ def test_record_of_redacts_args_hashes_sensitive_ones_and_round_trips() -> None:
         "card": r.sensitive_hashes["card"],
         "note": "Bearer ***",
     }
-    assert verify_hash("4111111111111111", r.sensitive_hashes["card"])
+    assert verify_hash("4111111111111111", r.sensitive_hashes["card"], keyed_hash(b"k"))
     assert r.result_summary == "{'ok': True, 'token': '***'}"
     assert r.middleware_trace == [{"source": "jail", "reason": "rewrote url https://u:***@h/x"}]
     assert AuditRecord.decode(r.encode()) == r

@@ -15,6 +15,7 @@ from broker.logs import (
     RedactProcessor,
     hash_value,
     is_secret_key,
+    keyed_hash,
     redact,
     redact_processor,
     redact_text,
@@ -199,15 +200,20 @@ def test_scalars_come_back_as_they_are() -> None:
         assert redact(v) is v
 
 
-def test_sensitive_fields_become_hashes_a_replay_can_verify() -> None:
+def test_sensitive_fields_become_keyed_hashes_a_replay_can_verify_and_are_masked_elsewhere() -> None:
     args = {"card": "4111111111111111", "query": {"b": 1, "a": [1, 2]}, "city": "北京"}
-    out = redact(args, sensitive_fields=["card", "query"])
+    digest = keyed_hash(b"k" * 32)
+    out = redact(args, sensitive_fields=["card", "query"], digest=digest)
     assert out["city"] == "北京"
-    assert out["card"].startswith("sha256:") and len(out["card"]) == 7 + 64
-    assert verify_hash("4111111111111111", out["card"])
-    assert not verify_hash("4111111111111112", out["card"])
-    assert verify_hash({"a": [1, 2], "b": 1}, out["query"])  # key order does not matter
-    assert sensitive_hashes(args, ["card", "missing"]) == {"card": out["card"]}
+    assert out["card"].startswith("hmac-sha256:") and out["card"] != hash_value("4111111111111111")
+    assert verify_hash("4111111111111111", out["card"], digest)
+    assert not verify_hash("4111111111111112", out["card"], digest)
+    assert not verify_hash("4111111111111111", out["card"], keyed_hash(b"another deployment"))
+    assert not verify_hash("4111111111111111", out["card"])  # (no key: nothing matches a keyed hash)
+    assert verify_hash({"a": [1, 2], "b": 1}, out["query"], digest)  # key order does not matter
+    assert verify_hash("4111", hash_value("4111"))  # a record written before keyed hashes still checks
+    assert sensitive_hashes(args, ["card", "missing"], digest) == {"card": out["card"]}
+    assert redact(args, ["card"])["card"] == MASK  # spans, logs, views: no hash at all
     assert hash_value([1, 2]) == hash_value((1, 2))
 
 
@@ -244,10 +250,10 @@ def test_structlog_processor_scrubs_every_event() -> None:
     assert len(out.splitlines()) == len(CORPUS) + 1
 
 
-def test_processor_hashes_configured_fields() -> None:
+def test_processor_masks_configured_fields() -> None:
     proc = RedactProcessor(sensitive_fields=["ssn"])
     out = proc(None, "info", {"event": "x", "ssn": "123-45-6789"})
-    assert out["ssn"] == hash_value("123-45-6789")
+    assert out["ssn"] == MASK
 
 
 def test_long_text_is_clipped_and_a_secret_straddling_the_cut_is_masked_not_shown_in_part() -> None:

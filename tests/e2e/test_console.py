@@ -209,7 +209,7 @@ def test_a_calls_request_is_shown_as_submitted_with_its_secrets_masked(
     done = client.post("/v1/tools/login/calls", json={"args": args, "context": {"session_id": "s1"}, "wait": 20}).json()
     asked = client.get(f"/v1/calls/{done['call_id']}/request").json()
     assert asked["kind"] == "tool" and asked["name"] == "login" and asked["context"]["session_id"] == "s1"
-    assert asked["args"]["user"] == "ann" and asked["args"]["ssn"].startswith("sha256:")  # the spec's `sensitive`
+    assert asked["args"]["user"] == "ann" and asked["args"]["ssn"].startswith("hmac-sha256:")  # the spec's `sensitive`
     assert "123-45-6789" not in json.dumps(asked) and "abcdef123456" not in json.dumps(asked)
     # It has ended, so its request is no longer kept: what is shown is its audit record's, and says so.
     assert asked["source"] == "audit" and "no longer kept" in asked["note"]

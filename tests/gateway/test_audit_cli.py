@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from broker.audit import AuditLog, AuditRecord
 from broker.errors import CallFailed, PermissionDenied, ReplayRefused
-from broker.logs import hash_value
+from broker.logs import hash_value, keyed_hash
 from hermes_gateway import replay
 from hermes_gateway.cli import main
 from hermes_gateway.cli.audit_cmd import parse_when
@@ -106,7 +106,7 @@ def test_show_prints_the_record_the_event_history_and_the_llm_call_that_asked(
 
     out = run_cli(redis_url, home, "audit", "show", tool.call_id)
     assert f"audit record of {tool.call_id}" in out and "state: done" in out and "principal: agent-a" in out
-    assert "pw1" not in out and hash_value("pw1") in out
+    assert "pw1" not in out and AuditLog(gw.conn).digest("pw1") in out and hash_value("pw1") not in out
     # An ended call keeps its terminal event alone (the history is trimmed when it ends).
     assert out.split("events (")[1].startswith("1):") and " done " in out.split("events (")[1]
     assert f"asked for by LLM call {ask.call_id}:" in out and "temperature" in out
@@ -137,7 +137,7 @@ def test_replay_of_a_done_call_checks_the_sensitive_arg_against_its_hash(
     assert [(r["principal"], r["state"], r["args"]["user"]) for r in records] == [
         ("agent-a", "done", "bob")
     ] * 2
-    assert records[0]["call_id"] != h.call_id and records[0]["args"]["password"] == hash_value("s3cret-pw")
+    assert records[0]["call_id"] != h.call_id and records[0]["args"]["password"] == AuditLog(stack.conn).digest("s3cret-pw")
 
 
 def test_replay_of_a_failed_call_shows_the_new_result_beside_the_old(
@@ -192,8 +192,11 @@ def test_parse_when_reads_durations_iso_times_and_unix_seconds() -> None:
             parse_when(out_of_range, now)
 
 
+KEYED = keyed_hash(b"k")
+
+
 def record(**kw: Any) -> AuditRecord:
-    return AuditRecord.of(call_id="c1", kind="tool", state="done", tool_name="t", **kw)
+    return AuditRecord.of(call_id="c1", kind="tool", state="done", tool_name="t", digest=KEYED, **kw)
 
 
 def test_plan_refuses_llm_calls_and_requires_every_redacted_argument() -> None:
@@ -211,12 +214,12 @@ def test_plan_refuses_llm_calls_and_requires_every_redacted_argument() -> None:
 
 def test_plan_matches_a_sensitive_value_as_text_or_as_json() -> None:
     rec = record(args={"pin": 1234, "label": "ci"}, sensitive=("pin",), principal="p", session_id="s")
-    assert rec.args["pin"] == hash_value(1234)
-    plan = replay.plan(rec, {"pin": "1234"})  # typed on a command line, it is text; the hash says int
+    assert rec.args["pin"] == KEYED(1234)
+    plan = replay.plan(rec, {"pin": "1234"}, KEYED)  # typed on a command line, it is text; the hash says int
     assert plan.args == {"pin": 1234, "label": "ci"} and plan.verified == ("pin",)
     assert plan.context == {"principal": "p", "session_id": "s", "replay_of": rec.call_id}  # (named in its record)
     with pytest.raises(ReplayRefused, match="not the one"):
-        replay.plan(rec, {"pin": "4321"})
+        replay.plan(rec, {"pin": "4321"}, KEYED)
 
 
 def test_events_of_an_ended_call_says_where_its_progress_events_were(

@@ -215,7 +215,7 @@ def test_secrets_and_sensitive_args_never_reach_span_attributes(
     dumped = repr([(s.attributes, s.events, s.status.description) for s in spans.get_finished_spans()])
     assert KEY not in dumped and "4242" not in dumped
     args = by_name(spans)["execute_tool login"].attributes["gen_ai.tool.call.arguments"]
-    assert '"api_key": "***"' in args and '"pin": "sha256:' in args
+    assert '"api_key": "***"' in args and '"pin": "***"' in args
 
 
 def test_tracing_off_means_no_trace_object_and_events_still_get_a_span_id(
