@@ -925,7 +925,8 @@ class ClientCore(Generic[H]):
                 audit = AuditLog.from_settings(conn, self.settings.audit)
                 secret = yield conn.get(f"{audit.key}:key")  # (AuditLog.digest's; a worker made it)
                 yield audit.append(target.audit_record(sensitive, error, keyed_hash(secret) if secret else None))
-                name = info.name if int((yield stats_name(conn, info.kind, info.name))) else keys.STATS_OTHER
+                shown = info.kind == "tool" or int((yield stats_name(conn, info.kind, info.name)))
+                name = info.name if shown else keys.STATS_OTHER
                 yield conn.hincrby(keys.STATS, keys.stats_ended(info.kind, name, "cancelled", error["type"]), 1)
                 return True
         yield conn.hset(keys.job(call_id), keys.F_CANCEL, "1")

@@ -485,16 +485,17 @@ class _Totals:
 
 
 class _Labels:
-    """A value of a label a caller chooses (an LLM call's model, a principal; a tool name too) as hermes:stats
-    and the instruments show it: itself while ``keys.STATS_MAX_NAMES`` values of the label at most are in
-    Redis (``calls.stats_name``, over every process), else ``keys.STATS_OTHER``; the admitted ones are kept."""
+    """A value of a label a caller chooses (an LLM call's model, a principal) as hermes:stats and the
+    instruments show it: itself while ``keys.STATS_MAX_NAMES`` values of the label at most are in Redis
+    (``calls.stats_name``, over every process), else ``keys.STATS_OTHER``; the admitted ones are kept. A tool's
+    name is shown as it is: only who may manage tools makes one, and a call to no such tool never runs."""
 
     def __init__(self) -> None:
         self.conn: redis.Redis | None = None  # (the stats flusher's: none, every value shows)
         self.known: set[tuple[str, str]] = set()
 
     def __call__(self, label: str, value: str) -> str:
-        if self.conn is None or (label, value) in self.known:
+        if self.conn is None or label == "tool" or (label, value) in self.known:
             return value
         try:
             admitted = int(stats_name(self.conn, label, value))

@@ -374,3 +374,13 @@ def test_an_unknown_tracing_mode_is_a_config_error(tmp_path: Path) -> None:
     telemetry = load_settings(tmp_path, environ={}).telemetry
     with pytest.raises(ConfigError, match="only otlp, zipkin, console and none are built in, got 'jaeger'"):
         otelsdk.trace_mode(telemetry, {"OTEL_TRACES_EXPORTER": "jaeger"})
+
+
+def test_a_label_a_caller_picks_is_capped_but_a_tool_name_is_shown_as_it_is(fake: Any) -> None:
+    labels = metrics._Labels()
+    labels.conn = fake
+    fake.sadd(keys.stats_names("llm"), *(f"m{i}" for i in range(keys.STATS_MAX_NAMES)))
+    fake.sadd(keys.stats_names("tool"), *(f"t{i}" for i in range(keys.STATS_MAX_NAMES)))
+    assert labels("llm", "m1") == "m1"  # admitted before the set filled
+    assert labels("llm", "invented") == keys.STATS_OTHER
+    assert labels("tool", "tool_number_501") == "tool_number_501"  # (only who manages tools makes one)
