@@ -21,7 +21,8 @@ from hermes_gateway.cli.common import fail, note, open_gateway, outcome_line, se
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 @click.pass_context
 def migrate(ctx: click.Context, force: bool, dry_run: bool, no_rewrite: bool, as_json: bool) -> None:
-    """Import the v0.9 tool files ($HERMES_HOME/tools.json, tools/*) into the tool directory."""
+    """Import the v0.9 tool files ($HERMES_HOME/tools.json, tools/*, and the tools: list of config.yaml or
+    config.json, which is read and left as it is) into the tool directory."""
     from hermes_gateway.migrate import migrate as run_migration
 
     settings = settings_of(ctx)
@@ -42,7 +43,9 @@ def migrate(ctx: click.Context, force: bool, dry_run: bool, no_rewrite: bool, as
             sys.exit(1)
         return
     if not outcomes:
-        click.echo(f"nothing to migrate: no tools.json, tools.yaml or tools/ specs in {settings.home}")
+        click.echo(
+            f"nothing to migrate: no tools.json, tools.yaml, tools/ specs or config tools: list in {settings.home}"
+        )
         return
     for o in outcomes:
         click.echo(outcome_line(o.status, o.name, o.version, o.source, o.reason))

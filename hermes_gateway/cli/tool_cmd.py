@@ -45,9 +45,13 @@ def tool_list(ctx: click.Context, as_json: bool) -> None:
             click.echo(json.dumps(tool_rows(entries, settings, states), ensure_ascii=False, indent=2))
         else:
             tools_table(entries, settings, states)
-    old = [n for n in ("tools.json", "tools.yaml", "tools.yml") if (settings.home / n).is_file()]
-    if not entries and old:  # the seed's pitfall 7: an upgrade from v0.9 leaves the list empty until migrated
-        note(f"no tools registered, but {settings.home / old[0]} holds v0.9 tool specs: "
+    if entries:
+        return
+    from hermes_gateway.migrate import find_legacy
+
+    old = next(find_legacy(settings.home), None)
+    if old is not None:  # the seed's pitfall 7: an upgrade from v0.9 leaves the list empty until migrated
+        note(f"no tools registered, but {settings.home / old.source.split('[')[0]} holds v0.9 tool specs: "
              "run `hermes-gateway migrate` to import them")
 
 

@@ -144,6 +144,35 @@ def test_cli_migrate_twice_on_the_shared_broker(
     ]
 
 
+def test_cli_migrate_imports_the_tools_of_a_v09_config_file_and_leaves_the_file_as_it_was(
+    redis_url: str, home: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """v0.9 kept its tools in its config file (the seed's pitfall 7): a tools: list in config.yaml, a tools:
+    mapping in config.json. Both are imported with the same renames; the files are not changed."""
+    monkeypatch.setenv("HERMES_REDIS_URL", redis_url)
+    config = home.config({"logging": {"level": "INFO"}, "tools": [yaml.safe_load(OLD_HELLO)]})
+    written = config.read_text(encoding="utf-8")
+    adder = {"type": "py", "handler": "tests.workers.executors.pyfuncs:add", "retries": 1}
+    (home.path / "config.json").write_text(json.dumps({"tools": {"adder": adder}}), encoding="utf-8")
+    runner = CliRunner()
+    empty = runner.invoke(main, ["tool", "list"])
+    assert f"{config} holds v0.9 tool specs: run `hermes-gateway migrate`" in empty.output, empty.output
+    first = runner.invoke(main, ["migrate"])
+    assert first.exit_code == 0, first.output
+    assert "config.yaml[0]" in first.output and "config.json[0]" in first.output
+    assert first.output.strip().endswith("2 imported")
+    d = Directory(__import__("redis").Redis.from_url(redis_url))
+    hello = d.fetch("hello").spec
+    assert (hello.executor, hello.timeout, hello.config["command"]) == ("command", 2.5, "echo Hello, {{name}}!")
+    assert (d.fetch("adder").spec.executor, d.fetch("adder").spec.retry) == ("python", {"max": 1})
+    assert config.read_text(encoding="utf-8") == written and not list(home.tools_dir.iterdir())
+    second = runner.invoke(main, ["migrate", "--json"])
+    assert [(o["name"], o["status"]) for o in json.loads(second.output)] == [
+        ("hello", "unchanged"),
+        ("adder", "unchanged"),
+    ], second.output
+
+
 def test_cli_migrate_twice_on_the_embedded_broker_and_the_empty_list_says_to_migrate(
     home: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
