@@ -216,6 +216,45 @@ def tool_show(ctx: click.Context, name: str) -> None:
         click.echo(yaml.safe_dump(shown, allow_unicode=True, sort_keys=False))
 
 
+@tool.command("breaker")
+@click.argument("name")
+@click.option("--reset", is_flag=True, help="Close it now, counters cleared: the next calls reach the back end.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def tool_breaker(ctx: click.Context, name: str, reset: bool, as_json: bool) -> None:
+    """Show a tool's circuit breaker (state, failures, last error); --reset closes it, e.g. once the back end
+    is fixed, without waiting for the cooldown and its probe. A shared breaker (breaker: {key: ...}) is
+    reset for every tool on it."""
+    import time
+
+    import yaml
+
+    from broker.breaker import CLOSED, Breakers, Change, breaker_config
+    from hermes_gateway.local import THROWAWAY_NOTE, throwaway
+
+    settings = settings_of(ctx)
+    with open_gateway(settings, need_workers=False) as (gw, _):
+        if throwaway(gw):
+            note(f"note: {THROWAWAY_NOTE.format(home=settings.home)}: its breakers are its own, all closed")
+        sync_tools(gw)
+        with failing():
+            spec = gw.tool(name).spec
+        cfg = breaker_config(settings, spec)
+        if cfg is None:
+            fail(f"{name} has no circuit breaker (breaker: in its spec, or executors.{spec.executor}.breaker)", 1)
+        breakers = Breakers(gw.conn)
+        view = breakers.state(cfg.key)
+        if reset:
+            breakers.reset(cfg.key)
+            if view["state"] != CLOSED:  # (serve's console and /metrics hear of it at once)
+                breakers.publish(Change(cfg.key, view["state"], CLOSED, "reset by an operator", "", time.time()))
+            configs = [(e.spec.name, breaker_config(settings, e.spec)) for e in gw.tools()]
+            shared = sorted(n for n, c in configs if c is not None and c.key == cfg.key)
+            click.echo(f"{cfg.key}: reset (was {view['state']}); closed for {', '.join(shared)}")
+            return
+    click.echo(json.dumps(view) if as_json else yaml.safe_dump(view, sort_keys=False).rstrip())
+
+
 @tool.command("remove")
 @click.argument("name")
 @click.option(

@@ -291,6 +291,51 @@ def test_a_breaker_opens_lets_one_probe_through_and_closes_across_two_workers(
     assert progress and progress[0].detail["breaker"]["state"] == "open"
 
 
+def test_tool_breaker_shows_an_open_breaker_and_reset_lets_the_next_call_through_before_the_cooldown(
+    gateway: Any, home: Any, workers: Any, conn: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    redis_url: str, wait_until: Any,
+) -> None:
+    from click.testing import CliRunner
+
+    from hermes_gateway.cli import main
+
+    monkeypatch.setenv("HERMES_REDIS_URL", redis_url)
+    mode, log = _fragile(home, tmp_path, failures=2, cooldown=600)
+    home.echo_tool()  # no breaker
+    gateway.sync_tools()
+    workers(1)
+    pubsub = conn.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(keys.channel(conn, keys.BREAKER_CHANNEL))
+    args = {"mode_file": str(mode), "log": str(log), "tag": "t"}
+    for _ in range(2):
+        with pytest.raises(ExecutorError):
+            gateway.call_tool("fragile", args).result(10)
+    with pytest.raises(CircuitOpen):
+        gateway.call_tool("fragile", args).result(10)
+    runner = CliRunner()
+    shown = runner.invoke(main, ["tool", "breaker", "fragile", "--json"])
+    assert shown.exit_code == 0, shown.output
+    view = json.loads(shown.output)
+    assert (view["key"], view["state"], view["last_error"]) == ("tool:fragile", "open", "executor_error")
+
+    mode.write_text("ok")  # the back end is fixed: the operator closes the breaker, 10 minutes early
+    reset = runner.invoke(main, ["tool", "breaker", "fragile", "--reset"])
+    assert reset.exit_code == 0 and "tool:fragile: reset (was open); closed for fragile" in reset.output, reset.output
+    assert gateway.call_tool("fragile", args).result(10) == {"ok": True, "tag": "t"}
+    assert len(lines(log)) == 3
+    published: list[tuple[str, str]] = []
+
+    def heard_reset() -> bool:  # (serve's console and /metrics hear of it at once)
+        while (msg := pubsub.get_message(timeout=0.05)) is not None:
+            published.append((unpack(msg["data"])["previous"], unpack(msg["data"])["state"]))
+        return ("open", "closed") in published
+
+    wait_until(heard_reset, 5, message="the reset published on the breaker channel")
+    pubsub.close()
+    none = runner.invoke(main, ["tool", "breaker", "echo"])
+    assert none.exit_code == 1 and "echo has no circuit breaker" in none.output
+
+
 def _flaky(home: Any, tmp: Path, backoff: float) -> Path:
     """``flaky``: fails the first ``times`` calls (counted in the file returned), retried 3 times at
     ``backoff`` seconds, doubling, no jitter."""
