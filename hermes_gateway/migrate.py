@@ -1,5 +1,5 @@
 """``hermes-gateway migrate``: the v0.9 tool files (``$HERMES_HOME/tools.{json,yaml}``, ``tools/*``, and the
-``tools:`` of ``config.yaml`` or a v0.9 ``config.json``, with older key names: ``RENAMES``,
+spec-shaped entries of ``tools:`` in ``config.yaml`` or a v0.9 ``config.json``, with older key names: ``RENAMES``,
 ``EXECUTOR_ALIASES``) converted, validated and registered; the config files are only read.
 A different spec already in the directory is kept unless ``force``; per-file specs are rewritten in
 the v0.10 shape (the original kept as ``*.v09.bak``). Running it again reports every tool "unchanged".
@@ -101,8 +101,10 @@ def find_legacy(home: Path) -> Iterator[_Found]:
             yield from _entries(_read(path), path.name)
     for name in ("config.yaml", "config.json"):  # v0.9 also kept its tools in its own config file
         data = _read(home / name) if (home / name).is_file() else None
-        if isinstance(data, _Unreadable) or (isinstance(data, dict) and isinstance(data.get("tools"), list | dict)):
-            yield from _entries(data, name)
+        if isinstance(data, dict) and isinstance(data.get("tools"), list | dict):
+            # (spec-shaped entries only: a shared config.yaml may hold another program's `tools:` settings)
+            specs = (f for f in _entries(data, name) if isinstance(f.raw, dict))
+            yield from (f for f in specs if "type" in f.raw or "executor" in f.raw)
     tools = home / "tools"
     if tools.is_dir():
         files = sorted(p for p in tools.iterdir() if p.suffix in (".json", ".yaml", ".yml") and p.is_file())

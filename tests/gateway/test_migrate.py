@@ -171,6 +171,10 @@ def test_cli_migrate_imports_the_tools_of_a_v09_config_file_and_leaves_the_file_
         ("hello", "unchanged"),
         ("adder", "unchanged"),
     ], second.output
+    # Another program's tools: settings in a shared config.yaml are no specs: not read as tools, not failed.
+    home.config({"tools": {"restrict_to_workspace": True, "settings": {"protected": ["x"]}, "names": ["web"]}})
+    third = runner.invoke(main, ["migrate", "--json"])
+    assert third.exit_code == 0 and [o["name"] for o in json.loads(third.output)] == ["adder"], third.output
 
 
 def test_cli_migrate_twice_on_the_embedded_broker_and_the_empty_list_says_to_migrate(
