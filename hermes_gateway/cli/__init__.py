@@ -22,6 +22,7 @@ from hermes_gateway.cli.chat_cmd import chat
 from hermes_gateway.cli.common import (
     POSITIVE,
     SECONDS,
+    WAIT_SECONDS,
     check_queues,
     event_line,
     fail,
@@ -185,7 +186,7 @@ def worker(
     "workers, embedded brokers).",
 )
 @click.option(
-    "--grace", default=30.0, show_default=True,
+    "--grace", default=30.0, show_default=True, type=SECONDS,
     help="With --all: seconds this machine's processes get to exit after SIGTERM before SIGKILL (a worker "
     "finishes its calls within its own --grace, 25 s by default).",
 )
@@ -301,7 +302,9 @@ def events(ctx: click.Context, call_id: str, follow: bool, show_request: bool) -
     "--watch", "-w", is_flag=True,
     help="Live call figures (by tool, state, error; durations, waits, in flight, breakers).",
 )
-@click.option("--interval", default=1.0, show_default=True, help="Seconds between refreshes with --watch.")
+@click.option(
+    "--interval", default=1.0, show_default=True, type=WAIT_SECONDS, help="Seconds between refreshes with --watch."
+)
 @click.pass_context
 def status(ctx: click.Context, as_json: bool, watch: bool, interval: float) -> None:
     """Queues with depths, workers with in-flight counts, recent failures."""

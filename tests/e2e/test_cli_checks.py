@@ -99,10 +99,13 @@ def test_a_bad_executor_concurrency_is_refused_with_its_path(home: Any, value: s
         (["worker", "--queues", ","], "--queues"),
         (["worker", "--concurrency", "0"], "--concurrency"),
         (["chat", "-q", "hi", "--timeout", "0"], "--timeout"),
+        (["status", "--watch", "--json", "--interval", "-1"], "--interval"),  # (0: a loop hammering the broker)
+        (["status", "--watch", "--interval", "0"], "--interval"),
+        (["stop", "--all", "--grace", "-1"], "--grace"),
     ],
 )
-def test_bad_option_values_are_usage_errors(home: Any, args: list[str], option: str) -> None:
-    out = _run(home, *args)
+def test_bad_option_values_are_usage_errors(home: Any, redis_url: str, args: list[str], option: str) -> None:
+    out = _run(home, *args, HERMES_REDIS_URL=redis_url)  # (a broker for a command that would start anyway)
     assert out.returncode == 2 and f"Invalid value for '{option}'" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
 
