@@ -93,9 +93,11 @@ class DatabaseExecutor:
             tables = data["tables"]
             if not isinstance(tables, dict):
                 raise InvalidSpec.at(where, "tables", "expected a mapping {table: [allowed columns]}")
-            for table, columns in tables.items():
-                if columns is not None and not (isinstance(columns, list) and all(isinstance(c, str) for c in columns)):
-                    raise InvalidSpec.at(where, f"tables.{table}", "expected a list of column names")
+            if not tables:
+                raise InvalidSpec.at(where, "tables", "expected at least one table {table: [allowed columns]}")
+            for table, columns in tables.items():  # (a table with no column would be read as `SELECT LIMIT n`)
+                if not (isinstance(columns, list) and columns and all(isinstance(c, str) and c for c in columns)):
+                    raise InvalidSpec.at(where, f"tables.{table}", "expected a non-empty list of column names")
             return
         checked_query(where, data["query"])
 

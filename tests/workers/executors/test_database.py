@@ -314,3 +314,10 @@ def test_a_placeholder_that_would_never_bind_is_refused_at_registration(query, s
     with pytest.raises(InvalidSpec, match=re.escape(says)):
         spec(dsn="sqlite://", query=query)
     spec(dsn="sqlite://", query="SELECT '{{not a placeholder}}' AS lit, CAST(:x AS numeric) AS v")  # (fine)
+
+
+@pytest.mark.parametrize("tables", [{}, {"weather": None}, {"weather": []}, {"weather": ["city", ""]}])
+def test_structured_mode_needs_tables_with_columns_at_registration(tables: dict) -> None:
+    # (a table with no column was accepted, and every call failed in the database on `SELECT LIMIT n`)
+    with pytest.raises(InvalidSpec, match="tables"):
+        spec(dsn="sqlite://", mode="structured", tables=tables)
