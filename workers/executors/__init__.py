@@ -11,7 +11,8 @@ import importlib
 import os
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping
+import zlib
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 from urllib.parse import quote, quote_plus, unquote, urlsplit
@@ -127,6 +128,36 @@ def require(where: str, kind: str, data: Mapping[str, Any], keys: tuple[str, ...
     """One of ``keys`` must be given (the error names the first)."""
     if not any(data.get(k) not in (None, "") for k in keys):
         raise InvalidSpec.at(where, keys[0], f"required for a {kind} tool: {expected}")
+
+
+ACCEPT_ENCODING = "gzip, deflate"  # what an HTTP back end may compress with: what Inflater undoes
+
+
+class Inflater:
+    """A response body's ``Content-Encoding`` (none, gzip or deflate) undone piece by piece, no piece past
+    ``most`` bytes, so a cap on the decoded body is checked before a small compressed one swells in memory
+    (httpx inflates each network read whole: ~1000x for gzip). Any other coding is refused."""
+
+    def __init__(self, coding: str, most: int, where: str) -> None:
+        coding = coding.strip().lower()
+        if coding not in ("", "identity", "gzip", "x-gzip", "deflate"):
+            raise ExecutorError(f"{where}: the response's Content-Encoding {coding!r} was not asked for ({ACCEPT_ENCODING})")
+        self.zlib = None if coding in ("", "identity") else zlib.decompressobj(zlib.MAX_WBITS | 32)  # gzip or zlib
+        self.most, self.where = most, where
+
+    def pieces(self, raw: bytes) -> Iterator[bytes]:
+        """The decoded bytes of ``raw`` (with ``b""`` at the end of the body: what the decoder still holds)."""
+        if self.zlib is None:
+            yield raw
+            return
+        try:
+            if not raw:  # (a match under way: at most 258 bytes)
+                yield self.zlib.flush()
+            while raw:
+                yield self.zlib.decompress(raw, self.most)
+                raw = self.zlib.unconsumed_tail
+        except zlib.error as e:
+            raise ExecutorError(f"{self.where}: the response's compressed body is corrupt: {e}") from e
 
 
 class Closable(Protocol):

@@ -9,6 +9,7 @@ result is the JSON body, else text; status >= 400 is an ExecutorError with ``det
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Iterator, Mapping
@@ -41,7 +42,7 @@ from broker.placeholders import (
 from broker.toolspec import ToolSpec
 from workers.args import load_yaml_text
 
-from . import DEFAULT_MAX_OUTPUT, ExecContext, PerProcess, from_env, require
+from . import ACCEPT_ENCODING, DEFAULT_MAX_OUTPUT, ExecContext, Inflater, PerProcess, from_env, require
 
 if TYPE_CHECKING:  # httpx and the guard are imported where a call runs, not where a spec registers
     import httpx
@@ -192,7 +193,10 @@ def _guarded_client(policy: GuardPolicy, verify: bool) -> httpx.Client:
 
     from .netguard import GuardedTransport
 
-    return httpx.Client(transport=GuardedTransport(policy, verify), follow_redirects=False, trust_env=False)
+    return httpx.Client(
+        transport=GuardedTransport(policy, verify), follow_redirects=False, trust_env=False,
+        headers={"Accept-Encoding": ACCEPT_ENCODING},
+    )
 
 
 def build_request(
@@ -309,7 +313,8 @@ def _read_result(response: httpx.Response, ctx: ExecContext, max_output: int, wh
             f"{where}: response of {declared} bytes passes the cap of {max_output}", limit=max_output
         )
     body = bytearray()
-    for chunk in response.iter_bytes():
+    inflater = Inflater(response.headers.get("content-encoding", ""), max_output + 1, where)
+    for chunk in (piece for raw in itertools.chain(response.iter_raw(), [b""]) for piece in inflater.pieces(raw)):
         body += chunk
         if len(body) > max_output:
             if response.status_code >= 400:

@@ -10,11 +10,14 @@ import contextlib
 import subprocess
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from math import inf
 from typing import Any
 
 import anyio
 
 from broker.errors import ExecutorError, HermesError, InvalidArgs, OutputTooLarge, ToolTimeout
+
+from . import ACCEPT_ENCODING, Inflater
 
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 _INVALID_PARAMS = -32602
@@ -71,28 +74,39 @@ def client_for(server: dict[str, Any], limit: int, overflowed: Callable[[], None
         from mcp.client.streamable_http import streamable_http_client
 
         class Capped(httpx2.AsyncByteStream):
-            """A JSON body read only up to the limit (an SSE one is bounded by event, by the SDK)."""
+            """A body inflated piece by piece (``Inflater``), a JSON one read only up to the limit (an SSE one is
+            bounded by event, by the SDK)."""
 
-            def __init__(self, stream: Any) -> None:
-                self.stream = stream
+            def __init__(self, stream: Any, coding: str, most: float) -> None:
+                self.stream, self.coding, self.most = stream, coding, most
 
             async def __aiter__(self) -> AsyncIterator[bytes]:
                 read = 0
-                async for chunk in self.stream:
-                    if (read := read + len(chunk)) > limit:  # (the SDK answers the call with this message)
-                        raise httpx2.StreamError(f"the response exceeded the {limit} byte limit")
-                    yield chunk
+                try:
+                    inflater = Inflater(self.coding, limit + 1, f"MCP server {server['url']}")
+                    async for raw in self._raw():
+                        for chunk in inflater.pieces(raw):
+                            if (read := read + len(chunk)) > self.most:  # (the SDK answers the call with this)
+                                raise httpx2.StreamError(f"the response exceeded the {limit} byte limit")
+                            yield chunk
+                except ExecutorError as e:
+                    raise httpx2.StreamError(str(e)) from None
+
+            async def _raw(self) -> AsyncIterator[bytes]:
+                async for raw in self.stream:
+                    yield raw
+                yield b""  # the end: what the inflater still holds
 
             async def aclose(self) -> None:
                 await self.stream.aclose()
 
-        async def cap(response: Any) -> None:
-            if not response.headers.get("content-type", "").startswith("text/event-stream"):
-                response.stream = Capped(response.stream)
+        async def cap(response: Any) -> None:  # (the body comes out inflated: httpx2 must not inflate it again)
+            sse = response.headers.get("content-type", "").startswith("text/event-stream")
+            response.stream = Capped(response.stream, response.headers.pop("content-encoding", ""), inf if sse else limit)
 
         headers = {str(k): str(v) for k, v in (server.get("headers") or {}).items()}
         http = httpx2.AsyncClient(
-            headers=headers or None,
+            headers={"Accept-Encoding": ACCEPT_ENCODING, **headers},
             timeout=httpx2.Timeout(MCP_TIMEOUT, read=MCP_READ_TIMEOUT),
             event_hooks={"response": [cap]},
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qsl, urlsplit
 
@@ -75,6 +76,11 @@ class Handler(BaseHTTPRequestHandler):
             self._send(int(query.get("code", 302)), b"", "text/plain", {"Location": query["to"]})
         elif path == "/big":
             self._send(200, b"x" * (2 * 1024 * 1024), "text/plain")
+        elif path == "/gzip":  # ?size= bytes of "0", gzipped (200 MiB: a 200 KB bomb)
+            packer = zlib.compressobj(9, zlib.DEFLATED, zlib.MAX_WBITS | 16)
+            size, block = int(query["size"]), b"0" * (1 << 20)
+            body = b"".join(packer.compress(block[: min(len(block), size - i)]) for i in range(0, size, len(block)))
+            self._send(200, body + packer.flush(), "text/plain", {"Content-Encoding": "gzip"})
         elif path == "/text":
             self._send(200, "plain 北京\n".encode(), "text/plain; charset=utf-8")
         elif path == "/slow":

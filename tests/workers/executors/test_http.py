@@ -176,6 +176,21 @@ def test_oversize_response_is_output_too_large(ex, server, make_ctx):
         ex.run(spec(endpoint=f"{server.base}/big", max_output=100_000), {}, make_ctx())
 
 
+def test_a_compressed_body_is_held_to_the_cap_as_it_inflates(ex, server, make_ctx):
+    import tracemalloc
+
+    assert ex.run(spec(endpoint=f"{server.base}/gzip?size=1000"), {}, make_ctx()) == "0" * 1000
+    # A gzip bomb: 200 KB sent, 200 MiB inflated (httpx inflated each 64 KiB read whole, 64 MiB, before the cap).
+    tracemalloc.start()
+    try:
+        with pytest.raises(OutputTooLarge):
+            ex.run(spec(endpoint=f"{server.base}/gzip?size={200 << 20}"), {}, make_ctx())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20  # the 1 MiB cap, the body and its copies: not the bomb
+
+
 def test_timeout_is_tool_timeout(ex, server, make_ctx):
     with pytest.raises(ToolTimeout):
         ex.run(spec(endpoint=f"{server.base}/slow"), {}, make_ctx(timeout=0.5))

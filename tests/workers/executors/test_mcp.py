@@ -321,3 +321,27 @@ def test_an_sse_answer_larger_than_a_mib_is_read_when_max_output_allows_it(make_
     finally:
         executor.close()
         server.shutdown()
+
+
+@pytest.mark.parametrize("sse", [False, True], ids=["json", "sse"])
+def test_a_gzipped_http_answer_is_held_to_the_cap_as_it_inflates(make_ctx, sse):
+    # 200 KB of gzip, 200 MiB inflated: the cap counted the bytes sent, and httpx inflated each read whole.
+    import tracemalloc
+
+    server = serve_http(sse, gzip=True)
+    url = {"url": f"http://127.0.0.1:{server.server_address[1]}/mcp"}
+    executor = mcpexec.McpExecutor({"max_output": 100_000})
+    try:
+        assert executor.run(spec("echo", url), {"a": 1}, make_ctx()) == '{"a": 1}'  # gzip is read
+        tracemalloc.start()
+        try:
+            with pytest.raises(OutputTooLarge, match="byte limit"):
+                executor.run(spec("bomb", url), {}, make_ctx(timeout=30))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 16 << 20, peak
+        assert executor.run(spec("echo", url), {"a": 2}, make_ctx()) == '{"a": 2}'
+    finally:
+        executor.close()
+        server.shutdown()
