@@ -504,7 +504,7 @@ def test_mcp_serve_over_stdio_on_a_cluster_lists_and_calls_a_tool(curl: str, cga
               "stderr": "discard"}
 
     async def session() -> tuple[Any, Any]:
-        async with _client(server) as client:
+        async with _client(server, 1 << 24, lambda: None) as client:
             return await client.list_tools(), await client.call_tool("lookup", {"city": "北京"})
 
     listed, found = asyncio.run(session())

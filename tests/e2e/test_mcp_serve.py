@@ -14,11 +14,15 @@ import pytest
 
 from broker.audit import AuditLog
 from tests.conftest import Home, wait_until
-from workers.executors.mcp_session import client_for as _client
+from workers.executors.mcp_session import client_for
 
 pytestmark = pytest.mark.e2e
 
 CLI = str(Path(sys.executable).parent / "hermes-gateway")
+
+
+def _client(server: dict[str, Any]) -> Any:
+    return client_for(server, 1 << 24, lambda: None)  # (a message of up to 16 MiB)
 
 
 def _server(home: Home, redis_url: str, *args: str) -> dict[str, Any]:
