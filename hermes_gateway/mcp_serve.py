@@ -7,6 +7,7 @@ changes are announced (``list_changed`` to handshake-era sessions, ``subscriptio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -21,7 +22,7 @@ import structlog
 from mcp.server.lowlevel.server import NotificationOptions, Server
 
 from broker import events as ev_mod
-from broker.errors import HermesError
+from broker.errors import HermesError, UnknownTool
 from hermes_gateway import __version__
 from hermes_gateway.credentials import CALLER_SCOPE_KEY, Caller
 
@@ -99,12 +100,26 @@ def build_server(
         ]
         return types.ListToolsResult(tools=tools)
 
+    def judged(name: str, principal: str | None) -> tuple[Any, bool]:
+        """The tool's spec (None: not in the directory) and whether ``principal`` may call it."""
+        try:
+            spec = gw.tool(name).spec
+        except UnknownTool:
+            return None, False
+        return spec, gw.policy().check(principal, spec).allowed
+
     async def run(ctx: Any, name: str, args: dict[str, Any]) -> Any:
         meta = dict(ctx.meta or {})
+        principal = caller_of(ctx).principal
+        context = {k: v for k, v in (("principal", principal), ("session_id", session_id)) if v}
+        spec, allowed = await anyio.to_thread.run_sync(judged, name, principal)  # (the worker judges the args)
+        if not allowed:  # one answer for a tool it may not call and one that does not exist (not listed: unknown)
+            if spec is not None:  # sent all the same, unwaited: the worker refuses it and audits the refusal
+                with contextlib.suppress(HermesError):
+                    await agw().call_tool(name, args, timeout=timeout, **context)
+            raise UnknownTool(f"unknown tool {name!r}: not one of the tools listed to this client", tool=name)
         if need_workers:
-            spec = (await agw().tool(name)).spec
             await anyio.to_thread.run_sync(gw.require_workers, str(spec.config.get("queue") or "tools"))
-        context = {k: v for k, v in (("principal", caller_of(ctx).principal), ("session_id", session_id)) if v}
         trace = {name: _text(meta.get(name)) for name in ("traceparent", "tracestate")}
         handle = await agw().call_tool(name, args, timeout=timeout, **trace, **context)
         try:

@@ -52,7 +52,7 @@ def test_a_client_lists_what_its_token_may_call_calls_it_and_gets_typed_errors_a
 
     assert not found.is_error and found.structured_content == {"city": "北京"}
     assert bad_args.is_error and bad_args.content[0].text.startswith("invalid_args: ")
-    assert refused.is_error and refused.content[0].text.startswith("permission_denied: ")
+    assert refused.is_error and refused.content[0].text.startswith("unknown_tool: ")  # (not listed: as unknown)
     assert not stepped.is_error and stepped.structured_content == {"steps": 3}
     assert progress == [(1.0, "step 1 of 3"), (2.0, "step 2 of 3"), (3.0, "step 3 of 3")]
 

@@ -67,7 +67,7 @@ def test_an_mcp_client_lists_what_its_principal_may_call_and_calls_it_through_th
     assert found.content[0].text == '{"city": "北京"}'
     assert bad_args.is_error and bad_args.content[0].text.startswith("invalid_args: ")
     assert failed.is_error and failed.content[0].text.startswith("executor_error: ")
-    assert refused.is_error and refused.content[0].text.startswith("permission_denied: permission denied: ")
+    assert refused.is_error and refused.content[0].text.startswith("unknown_tool: ")  # (not listed: as unknown)
 
     # Ordinary calls: audited with the principal and the session the server was started with.
     log = AuditLog(conn)
@@ -79,6 +79,29 @@ def test_an_mcp_client_lists_what_its_principal_may_call_and_calls_it_through_th
     assert {(r.tool_name, r.state, r.principal) for r in records} >= {
         ("lookup", "done", "reader"), ("broken", "failed", "reader"), ("wipe", "failed", "reader"),
     }
+
+
+def test_a_tool_its_principal_may_not_call_is_answered_as_one_that_does_not_exist(
+    home: Home, redis_url: str, gateway: Any, workers: Any
+) -> None:
+    # With a broker URL the server checks for workers first: a denied tool on a queue no worker serves
+    # answered no_workers, a denied one with workers permission_denied, a missing one unknown_tool.
+    home.config({"policy": {"mode": "strict", "principals": {"reader": {"grants": ["read_only"]}}}})
+    home.echo_tool("lookup", permissions=["read_only"])
+    home.noop_tool("wipe", permissions=["admin"])
+    home.noop_tool("vault", permissions=["admin"], queue="vault-only")
+    workers(1)
+
+    async def session() -> tuple[Any, list[str]]:
+        async with _client(_server(home, redis_url, "--principal", "reader")) as client:
+            answers = [await client.call_tool(name, {}) for name in ("wipe", "vault", "no_such_tool")]
+            assert all(a.is_error for a in answers)
+            return await client.list_tools(), [a.content[0].text.replace(name, "NAME") for a, name in
+                                              zip(answers, ("wipe", "vault", "no_such_tool"), strict=True)]
+
+    listed, texts = asyncio.run(session())
+    assert [t.name for t in listed.tools] == ["lookup"]
+    assert texts[0] == texts[1] == texts[2] and texts[0].startswith("unknown_tool: "), texts
 
 
 def test_without_a_broker_url_it_starts_the_embedded_broker_and_a_worker_and_keeps_stdout_for_mcp(home: Home) -> None:
