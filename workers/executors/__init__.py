@@ -143,6 +143,7 @@ class Inflater:
         if coding not in ("", "identity", "gzip", "x-gzip", "deflate"):
             raise ExecutorError(f"{where}: the response's Content-Encoding {coding!r} was not asked for ({ACCEPT_ENCODING})")
         self.zlib = None if coding in ("", "identity") else zlib.decompressobj(zlib.MAX_WBITS | 32)  # gzip or zlib
+        self.raw_deflate = coding == "deflate"  # (some servers send deflate without its zlib header: tried next)
         self.most, self.where = most, where
 
     def pieces(self, raw: bytes) -> Iterator[bytes]:
@@ -154,7 +155,15 @@ class Inflater:
             if not raw:  # (a match under way: at most 258 bytes)
                 yield self.zlib.flush()
             while raw:
-                yield self.zlib.decompress(raw, self.most)
+                try:
+                    piece = self.zlib.decompress(raw, self.most)
+                except zlib.error:
+                    if not self.raw_deflate:
+                        raise
+                    self.zlib = zlib.decompressobj(-zlib.MAX_WBITS)
+                    piece = self.zlib.decompress(raw, self.most)
+                self.raw_deflate = False
+                yield piece
                 raw = self.zlib.unconsumed_tail
         except zlib.error as e:
             raise ExecutorError(f"{self.where}: the response's compressed body is corrupt: {e}") from e

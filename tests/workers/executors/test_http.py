@@ -405,3 +405,22 @@ def test_guard_disabled_only_by_settings(server, make_ctx):
         assert executor.run(spec(endpoint=f"{server.base}/open"), {}, make_ctx())["raw_path"] == "/open"
     finally:
         executor.close()
+
+
+def test_the_inflater_reads_gzip_zlib_and_headerless_deflate_in_capped_pieces() -> None:
+    import gzip
+    import zlib
+
+    from workers.executors import Inflater
+
+    body = b"hermes " * 5000
+    raw = zlib.compressobj(wbits=-zlib.MAX_WBITS)  # deflate without its zlib header, as some servers send it
+    bare = raw.compress(body) + raw.flush()
+    for coding, sent in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body)), ("deflate", bare)):
+        inflater = Inflater(coding, 1000, "t")
+        pieces = [p for chunk in (sent[:7], sent[7:], b"") for p in inflater.pieces(chunk)]
+        assert b"".join(pieces) == body and max(map(len, pieces)) <= 1000, coding
+    with pytest.raises(ExecutorError, match="corrupt"):
+        list(Inflater("gzip", 1000, "t").pieces(b"not gzip at all"))
+    with pytest.raises(ExecutorError, match="not asked for"):
+        Inflater("br", 1000, "t")
