@@ -358,9 +358,14 @@ def _setting(from_env: str | None, env_name: str, from_file: Any, where: str) ->
     return None if from_file is None else yaml_number(from_file, where)
 
 
+# Hermes' own keys under mcp: (``hermes config set mcp.auto_reload_on_config_change false``): a config.yaml the
+# agent shares (its plugin reads it too) may hold them; they are Hermes' to read.
+MCP_KEYS_OF_HERMES = frozenset({"auto_reload_on_config_change"})
+
+
 def mcp_settings(section: dict[str, Any]) -> McpSettings:
     """``mcp: {handshake_timeout}`` (the seed's spelling); other MCP settings go under ``executors.mcp``."""
-    unknown = set(section) - {"handshake_timeout"}
+    unknown = set(section) - {"handshake_timeout", *MCP_KEYS_OF_HERMES}
     if unknown:
         raise ConfigError(
             f"config.yaml: mcp: unknown key(s) {sorted(unknown)} (only handshake_timeout; "

@@ -139,6 +139,20 @@ def test_hermes_chat_calls_a_gateway_tool_that_runs_on_our_workers(
     assert "x-hermes-call-id" not in offered.headers  # the agent called its provider itself
 
 
+def test_hermes_own_mcp_setting_in_the_agents_config_leaves_the_plugin_working(
+    agent: Agent, llm: LLMServer, workers: Any, conn: Any
+) -> None:
+    # The plugin reads the agent's config.yaml: Hermes' own keys there (its mcp: section) are Hermes' to read.
+    agent.run("config", "set", "mcp.auto_reload_on_config_change", "false")
+    workers(queues="tools")
+    proc = agent.run("chat", "-q", "What is the weather in Berlin?", "-Q")
+
+    offered = llm.chat_requests[0]
+    assert "get_weather" in [t["function"]["name"] for t in offered.body.get("tools") or []], proc.stderr[-3000:]
+    [record] = [r for r in records(conn) if r.kind == "tool"]
+    assert record.tool_name == "get_weather" and record.state == "done"
+
+
 def test_route_llm_sends_the_agents_provider_calls_through_the_llm_queue(
     agent: Agent, llm: LLMServer, workers: Any, conn: Any
 ) -> None:
