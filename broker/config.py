@@ -179,7 +179,11 @@ def load_settings(
         ),
         agent_plugin=_agent_plugin(plugins, env, broker.url),
         audit=audit_settings(_mapping(raw, "audit")),
-        model=model_settings(_mapping(raw, "model"), next((n for k, n in unset if k == "model.api_key"), "")),
+        model=model_settings(
+            # (``model: NAME``, Hermes' spelling of the model's name alone, as in the agent's config.yaml)
+            {"model": raw["model"]} if isinstance(raw.get("model"), str) else _mapping(raw, "model"),
+            next((n for k, n in unset if k == "model.api_key"), ""),
+        ),
         mcp=mcp_settings(_mapping(raw, "mcp")),
         fairness=fairness_settings(
             _mapping(raw, "fairness"), env.get("HERMES_BATCH_SHARE"), env.get("HERMES_QUEUE_SIZE_PER_KEY")

@@ -209,6 +209,11 @@ def test_the_model_and_mcp_sections_are_typed_with_their_defaults(tmp_path: Path
     assert settings.executor_settings("mcp") == {"handshake_timeout": 30.0, "concurrency": 2}
 
 
+def test_a_model_named_alone_is_hermes_spelling_of_model_model(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text("model: anthropic/claude-sonnet-4\n")
+    assert load_settings(tmp_path, environ={}).model.model == "anthropic/claude-sonnet-4"
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -217,7 +222,7 @@ def test_the_model_and_mcp_sections_are_typed_with_their_defaults(tmp_path: Path
         ("model: {headers: [a]}", "config.yaml: model.headers: expected a mapping"),
         ("mcp: {handshake_timeout: never}", "config.yaml: mcp.handshake_timeout: expected a number"),
         ("mcp: {servers: {}}", "config.yaml: mcp: unknown key(s) ['servers']"),
-        ("model: fast", "config.yaml: model: expected a mapping"),
+        ("model: [fast]", "config.yaml: model: expected a mapping"),
         # A limit of 0 would leave every call of the executor waiting for a slot forever.
         ("executor: {concurrency: 0}", "config.yaml: executor.concurrency: expected an integer of at least 1, got 0"),
         ("executors: {http: {concurrency: 2.5}}", "config.yaml: executors.http.concurrency: expected an integer"),

@@ -153,6 +153,28 @@ def test_hermes_own_mcp_setting_in_the_agents_config_leaves_the_plugin_working(
     assert record.tool_name == "get_weather" and record.state == "done"
 
 
+LOADED = """
+import json
+from hermes_cli.plugins import discover_plugins, get_plugin_manager
+discover_plugins()
+print(json.dumps([p for p in get_plugin_manager().list_plugins() if p["name"] == "hermes-gateway"]))
+"""
+
+
+def test_a_model_named_alone_in_the_agents_config_leaves_the_plugin_working(
+    agent: Agent, hermes_bin: Path
+) -> None:
+    # Hermes' other spelling of model: (its "new format"), the model's name alone.
+    config = yaml.safe_load((agent.root / "config.yaml").read_text())
+    (agent.root / "config.yaml").write_text(yaml.safe_dump({**config, "model": MODEL}))
+    proc = subprocess.run(
+        [str(hermes_bin.parent / "python"), "-c", LOADED], capture_output=True, text=True, timeout=120,
+        env=agent.env, cwd=agent.root,
+    )
+    [plugin] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert plugin["enabled"] and plugin["error"] is None and plugin["tools"] == 1, plugin
+
+
 def test_route_llm_sends_the_agents_provider_calls_through_the_llm_queue(
     agent: Agent, llm: LLMServer, workers: Any, conn: Any
 ) -> None:
