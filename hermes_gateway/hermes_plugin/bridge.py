@@ -20,6 +20,7 @@ import structlog
 
 from broker.config import AgentPluginSettings, PluginDiscovery, Settings, load_settings
 from broker.errors import BrokerUnavailable, CallCancelled, CallTimeout, HermesError
+from broker.toolspec import TOOL_NAME
 
 log = structlog.get_logger("hermes.plugin")
 
@@ -185,6 +186,10 @@ class Bridge:
         for tool in self.gw.tool_schemas(self.options.principal):
             fn = tool["function"]
             name = f"{self.options.tool_prefix}{fn['name']}"
+            if not TOOL_NAME.fullmatch(name):  # a provider refuses the whole request over one such name
+                log.warning(f"hermes-gateway plugin: tool {fn['name']!r} left out: {name!r} is no function name a "
+                            "provider takes (at most 64 of A-Z a-z 0-9 _ -); see tool_prefix", plugin=PLUGIN_NAME)
+                continue
             self.names[name] = fn["name"]
             out.append((name, {**fn, "name": name}))
         return out

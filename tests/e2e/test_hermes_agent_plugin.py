@@ -175,6 +175,22 @@ def test_a_model_named_alone_in_the_agents_config_leaves_the_plugin_working(
     assert plugin["enabled"] and plugin["error"] is None and plugin["tools"] == 1, plugin
 
 
+def test_a_tool_whose_prefixed_name_no_provider_takes_is_left_out_and_the_others_work(
+    agent: Agent, llm: LLMServer, home: Home, gateway: Any, workers: Any, conn: Any
+) -> None:
+    # Providers take function names of at most 64 of [A-Za-z0-9_-] and refuse the whole request over one
+    # longer: a valid 62-character gateway name with the prefix would have broken every turn of the agent.
+    home.echo_tool("lookup_" + "x" * 55)
+    gateway.sync_tools()
+    workers(queues="tools")
+    agent.run("chat", "-q", "What is the weather in Berlin?", "-Q", HERMES_GATEWAY_TOOL_PREFIX="gw__")
+
+    names = [t["function"]["name"] for t in llm.chat_requests[0].body["tools"]]
+    assert "gw__get_weather" in names and max(map(len, names)) <= 64, names
+    [record] = [r for r in records(conn) if r.kind == "tool"]
+    assert record.tool_name == "get_weather" and record.state == "done"
+
+
 def test_route_llm_sends_the_agents_provider_calls_through_the_llm_queue(
     agent: Agent, llm: LLMServer, workers: Any, conn: Any
 ) -> None:
