@@ -82,6 +82,7 @@ class RateLimiter:
         self.conn = conn
         self._sent = conn.register_script(scripts.RATE_SENT)
         self._pause = conn.register_script(scripts.RATE_PAUSE)
+        self._again = conn.register_script(scripts.RATE_AGAIN)
         self._due = conn.register_script(scripts.RATE_DUE)
         self._promote = conn.register_script(scripts.RATE_PROMOTE)
 
@@ -99,6 +100,12 @@ class RateLimiter:
         tag = keys.tag(queue)
         end = self._pause(keys=[keys.rate(tag, ckey), keys.rate_log(tag, ckey)], args=[call_id, seconds])
         return int(end) / 1000.0
+
+    def again(self, call_id: str, queue: str, ckey: str) -> float:
+        """Take a new entry for the call's next request: 0 when taken, else seconds to wait before asking again."""
+        tag = keys.tag(queue)
+        return int(self._again(keys=[keys.rate(tag, ckey), keys.rate_log(tag, ckey), keys.rate_due(tag)],
+                               args=[call_id, ckey])) / 1000.0
 
     def due(self, queues: Sequence[str], hold: float, wake: Mapping[str, str]) -> tuple[int, float | None]:
         """Promote the waiting calls of every key whose limiter has room again on ``queues``; returns

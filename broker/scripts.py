@@ -30,6 +30,7 @@ TAKE_DUE = load("take_due")  # REAP and DUE
 SWEEP = load("sweep", "ratelimit", "slots")
 RATE_SENT = load("rate_sent", "ratelimit")
 RATE_PAUSE = load("rate_pause", "ratelimit")
+RATE_AGAIN = load("rate_again", "ratelimit")
 RATE_DUE = load("rate_due")
 RATE_PROMOTE = load("rate_promote", "ratelimit", "slots")
 BREAKER_CHECK = load("breaker_check")

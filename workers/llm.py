@@ -182,6 +182,11 @@ class LLMCall:
                 self._announce_retry(e, n, delay)
                 if self.ctx.cancelled.wait(delay):
                     raise CallCancelled(f"call {self.run.info.call_id} was cancelled") from None
+                info = self.run.info
+                # (a retry is one more request the provider counts: the fleet's limiter admits it first)
+                while self.run.rate and (wait := self.core.limiter.again(info.call_id, info.queue, info.ckey)):
+                    self.ctx.cancelled.wait(min(wait, self.ctx.remaining()))
+                    self.ctx.check()
                 n += 1
                 continue
             return response

@@ -24,7 +24,9 @@ ASK = [{"role": "user", "content": "Say something"}]
 CKEY = f"llm:{MODEL}"
 
 
-def _config(home: Home, server: LLMServer, limit: dict[str, int], policy: dict[str, Any] | None = None) -> None:
+def _config(
+    home: Home, server: LLMServer, limit: dict[str, int], policy: dict[str, Any] | None = None, retries: int = 0
+) -> None:
     home.config(
         {
             "model": {
@@ -32,7 +34,7 @@ def _config(home: Home, server: LLMServer, limit: dict[str, int], policy: dict[s
                 "base_url": server.base_url,
                 "api_key": "sk-test",
                 "model": MODEL,
-                "max_retries": 0,
+                "max_retries": retries,
                 "rate_limits": {MODEL: limit},
             },
             "executors": {"llm": {"concurrency": 50}},
@@ -219,3 +221,26 @@ def test_a_tool_rate_limit_holds_with_real_workers_on_a_cluster(
     for w in factory.started:
         bad = [line for line in w.log().splitlines() if "transition not written" in line or "outbox batch failed" in line]
         assert bad == [], bad[:3]
+
+
+def test_retries_of_failed_attempts_count_against_the_limit(llm: LLMServer, home: Home, gateway: Any, workers: Any) -> None:
+    # Each call's first request fails with a 500 the worker retries at once: every retry is a request the
+    # provider receives, so it must be admitted by the limiter as the first was.
+    _config(home, llm, {"requests_per_second": 5}, retries=2)  # (the workers read the retries)
+    seen: set[str] = set()
+
+    def first_fails(body: dict[str, Any]) -> Reply | None:
+        ask = body["messages"][0]["content"]
+        if ask in seen:
+            return None
+        seen.add(ask)
+        return Reply(status=500, error="oops", headers={"Retry-After": "0"})
+
+    llm.rule = first_fails
+    workers(2, queues="llm")
+    handles = [gateway.call_llm({"messages": [{"role": "user", "content": f"ask {i}"}]}) for i in range(10)]
+    for h in handles:
+        assert h.result(30)["choices"][0]["message"]["content"]
+    received = [r.received for r in llm.chat_requests]
+    assert len(received) == 20  # each call failed once, then answered
+    assert _most_in_window(received, 1.0) <= 5
