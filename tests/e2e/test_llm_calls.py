@@ -247,6 +247,27 @@ def test_events_request_shows_the_messages_the_model_was_sent_tool_results_inclu
     assert out.stdout.rstrip().splitlines()[-1].split()[2] == "done"  # then the events, as before
 
 
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        {"choices": ["text"]},
+        {"choices": [{"index": 0, "delta": "text"}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": "get_weather"}]}}]},
+    ],
+)
+def test_a_stream_chunk_of_another_shape_fails_the_call_as_a_provider_error(
+    llm: LLMServer, gateway: Any, workers: Any, chunk: dict[str, Any]
+) -> None:
+    llm.script(Reply(events=[chunk]))
+    [worker] = workers(queues="llm", env=KEY_ENV)
+    with pytest.raises(CallFailed) as info:
+        gateway.call_llm({"messages": ASK, "stream": True}).result(20)
+    assert info.value.type == "provider_error"  # (was internal_error: "AttributeError: 'str' object has ...")
+    assert str(info.value).startswith("provider sent a malformed stream chunk: {")
+    assert len(llm.chat_requests) == 1
+    assert "call crashed in the worker" not in worker.log()
+
+
 # -- retries -----------------------------------------------------------------------------------
 
 

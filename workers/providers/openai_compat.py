@@ -86,7 +86,14 @@ class OpenAICompatProvider:
                         self._emit(ctx, delta)
                 return completion
             if kind == "chunk":
-                for delta in assembler.add(self._checked(value)):
+                chunk = self._checked(value)
+                try:
+                    deltas = assembler.add(chunk)
+                except (AttributeError, TypeError, ValueError):  # (a choice, delta or tool call of another shape)
+                    text = json.dumps(chunk, ensure_ascii=False)[:_MAX_ERROR_TEXT]
+                    message = self._scrub(f"provider sent a malformed stream chunk: {text}")
+                    raise ProviderError(message, retryable=False) from None
+                for delta in deltas:
                     self._emit(ctx, delta)
             elif kind == "end":
                 return assembler.result()
