@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from broker import events, keys
 from broker.audit import AuditLog
 from broker.codec import pack
-from broker.errors import CallFailed
+from broker.errors import BudgetExceeded, CallFailed
 from broker.limits import Limits
 from middleware import enable_plugin
 from tests.conftest import Home, wait_until
@@ -266,6 +267,24 @@ def test_a_stream_chunk_of_another_shape_fails_the_call_as_a_provider_error(
     assert str(info.value).startswith("provider sent a malformed stream chunk: {")
     assert len(llm.chat_requests) == 1
     assert "call crashed in the worker" not in worker.log()
+
+
+def test_a_streamed_call_counts_its_tokens_against_the_principals_daily_budget(
+    llm: LLMServer, home: Home, gateway: Any, workers: Any, conn: Any
+) -> None:
+    # The provider reports a stream's usage only when asked (stream_options.include_usage, as OpenAI does):
+    # without it a principal streaming its calls used tokens no budget or statistic counted.
+    config = yaml.safe_load((home.path / "config.yaml").read_text())
+    home.config({**config, "policy": {"principals": {"alice": {"daily_tokens": 3}}}})
+    workers(queues="llm", env=KEY_ENV)
+    handle = gateway.call_llm({"messages": ASK, "stream": True}, principal="alice")
+    assert handle.result(20)["usage"]["total_tokens"] > 3
+    assert llm.chat_requests[-1].body["stream_options"] == {"include_usage": True}
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    assert int(conn.get(keys.usage_day(day, "alice")) or 0) > 3
+    with pytest.raises(BudgetExceeded):
+        gateway.call_llm({"messages": ASK, "stream": True}, principal="alice").result(20)
+    assert len(llm.chat_requests) == 1
 
 
 # -- retries -----------------------------------------------------------------------------------

@@ -105,6 +105,9 @@ class OpenAICompatProvider:
             if not self.model:
                 raise ProviderError("no model in the request and no model.model configured", retryable=False)
             body["model"] = self.model
+        options = body.get("stream_options") or {}
+        if body.get("stream") and isinstance(options, dict):  # (a stream's usage comes only when asked for:
+            body["stream_options"] = {**options, "include_usage": True}  # budgets and limits count it)
         headers = dict(self._headers)
         headers["Accept"] = "text/event-stream" if body.get("stream") else "application/json"
         headers["X-Hermes-Call-Id"] = ctx.call_id

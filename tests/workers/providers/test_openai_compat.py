@@ -141,12 +141,13 @@ def test_stream_assembles_tool_calls_from_deltas_by_index(provider, server):
     assert deltas[-1] == {"index": 0, "finish_reason": "tool_calls"}
 
 
-def test_stream_records_usage_when_the_server_sends_it(provider, server):
+def test_a_stream_always_asks_for_its_usage_and_records_it(provider, server):
     usage = {"prompt_tokens": 11, "completion_tokens": 2, "total_tokens": 13}
     server.script(Reply(text="hi", usage=usage), Reply(text="hi", usage=usage))
-    with_usage = {"messages": user("x"), "stream": True, "stream_options": {"include_usage": True}}
-    assert provider.complete(with_usage, make_ctx())["usage"] == usage
-    assert "usage" not in provider.complete({"messages": user("x"), "stream": True}, make_ctx())
+    assert provider.complete({"messages": user("x"), "stream": True}, make_ctx())["usage"] == usage
+    without = {"messages": user("x"), "stream": True, "stream_options": {"include_usage": False, "x": 1}}
+    assert provider.complete(without, make_ctx())["usage"] == usage  # (budgets and limits count it)
+    assert server.chat_requests[-1].body["stream_options"] == {"include_usage": True, "x": 1}
 
 
 def test_non_streaming_records_usage_as_the_provider_returns_it(provider, server):
