@@ -149,7 +149,8 @@ class ModelSettings:
     max_retries: int = 2  # model.max_retries: retries of a failed attempt (429, 5xx, connection)
     max_retry_after: float = 60.0  # model.max_retry_after: longest Retry-After honoured, seconds
     headers: dict[str, str] = field(default_factory=dict)  # model.headers: sent with every request
-    # model.rate_limits: "<provider>/<model>" or "<model>" -> the fleet-wide limit of its calls
+    # model.rate_limits: "<provider>/<model>" or "<model>" -> the fleet-wide limit of its calls (provider: this
+    # section's, the one the workers call, whatever a call's context names)
     rate_limits: dict[str, RateLimit] = field(default_factory=dict)
 
     def rate_limit_for(self, provider: str, model: str) -> RateLimit | None:

@@ -360,7 +360,8 @@ def llm_envelope(
     packed = check_sendable(request, "the LLM request", settings.broker.max_args)
     context = dict(context)
     model_cfg = settings.model
-    context.setdefault("provider", model_cfg.provider or "openai-compatible")
+    provider = model_cfg.provider or "openai-compatible"  # (the one the workers call, whatever the context says)
+    context.setdefault("provider", provider)
     context.setdefault("api_mode", model_cfg.api_mode or "chat_completions")
     context["model"] = request.get("model") or context.get("model") or model_cfg.model or None
     for field in ("model", "provider"):  # (they name the call's concurrency key, its metrics and status rows)
@@ -373,7 +374,7 @@ def llm_envelope(
     per_key = settings.fairness.queue_size_per_key
     env = _envelope(opts, opts.queue or "llm", context, channel, packed, kind="llm", request=request)
     ckey = concurrency_key(env)
-    rate = model_cfg.rate_limit_for(str(context["provider"]), str(context.get("model") or ""))
+    rate = model_cfg.rate_limit_for(provider, str(context.get("model") or ""))
     estimate = estimate_tokens(request) if rate is not None else 0
     if rate is not None and 0 <= rate.tpm < estimate:
         raise TokensOverLimit(

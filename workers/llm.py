@@ -150,7 +150,7 @@ class LLMCall:
         self.context["api_mode"] = env.context.get("api_mode") or cfg.api_mode or DEFAULT_API_MODE
         self.context["platform"] = str(env.context.get("platform") or "")
         self.context["base_url"] = _without_userinfo(base_url_of(cfg))
-        run.rate = cfg.rate_limit_for(str(self.context["provider"]), self.model) is not None
+        run.rate = cfg.rate_limit_for(cfg.provider or DEFAULT_PROVIDER, self.model) is not None  # (the one called)
         # The runner's control channel cancels through run.ctx; the provider watches the same Event.
         self.ctx = _LLMContext(
             call_id=env.call_id,

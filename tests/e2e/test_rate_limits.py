@@ -25,7 +25,8 @@ CKEY = f"llm:{MODEL}"
 
 
 def _config(
-    home: Home, server: LLMServer, limit: dict[str, int], policy: dict[str, Any] | None = None, retries: int = 0
+    home: Home, server: LLMServer, limit: dict[str, int], policy: dict[str, Any] | None = None, retries: int = 0,
+    key: str = MODEL,
 ) -> None:
     home.config(
         {
@@ -35,7 +36,7 @@ def _config(
                 "api_key": "sk-test",
                 "model": MODEL,
                 "max_retries": retries,
-                "rate_limits": {MODEL: limit},
+                "rate_limits": {key: limit},
             },
             "executors": {"llm": {"concurrency": 50}},
             **({"policy": policy} if policy else {}),
@@ -69,6 +70,27 @@ def test_the_provider_never_sees_more_than_the_limit_from_two_workers(llm: LLMSe
     assert len(received) == 16  # each call sent once
     assert _most_in_window(received, 1.0) <= 5  # 5 per second, counted where the provider counts
     assert received[-1] - received[0] >= 2.0  # (16 calls at 5/s need three windows: they waited)
+
+
+def test_a_provider_model_limit_holds_whatever_provider_name_the_caller_gives(
+    home: Home, redis_url: str, workers: Any
+) -> None:
+    # The workers call model.provider whatever the call's context names (Hermes' plugin passes the agent's own
+    # provider name, "custom" say): the limit of "openai-compatible/<model>" is the one its requests count on.
+    from hermes_gateway.client import Gateway
+
+    with LLMServer(api_key="sk-test", model=MODEL) as server:
+        _config(home, server, {"requests_per_second": 5}, key=f"openai-compatible/{MODEL}")
+        gw = Gateway.connect(redis_url, home=str(home.path), embedded_ok=False, check_workers=False)
+        try:
+            workers(2, queues="llm")
+            handles = [gw.call_llm({"messages": ASK}, provider="custom") for _ in range(12)]
+            for h in handles:
+                assert h.result(30)["choices"][0]["message"]["content"]
+        finally:
+            gw.close()
+        received = [r.received for r in server.chat_requests]
+    assert len(received) == 12 and _most_in_window(received, 1.0) <= 5
 
 
 def test_one_429_pauses_the_fleet_and_the_refused_call_waits_instead_of_retrying(
