@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 
 from broker.config import AgentPluginSettings, PluginDiscovery, Settings, load_settings
-from broker.errors import BrokerUnavailable, CallCancelled, CallTimeout, HermesError
+from broker.errors import BrokerUnavailable, CallCancelled, CallTimeout, HermesError, NoWorkers
 from broker.toolspec import TOOL_NAME
 
 log = structlog.get_logger("hermes.plugin")
@@ -249,7 +249,16 @@ class Bridge:
         body.setdefault("stream", True)
         if body["stream"]:
             body.setdefault("stream_options", {"include_usage": True})
-        # A raise (NoWorkers, at once) makes Hermes log it and call the provider itself.
-        handle = self.gw.call_llm(body, **context)
-        self._last_llm[context.get("session_id", "")] = handle.call_id
-        return as_completion(self.wait(handle))
+        # A raise makes Hermes log it and call the provider itself: only when the gateway cannot take the call
+        # (NoWorkers, no broker). One it refused or ran (a provider error, a budget, a limit) is answered as a
+        # failed provider response, which Hermes reports and retries through this middleware.
+        try:
+            handle = self.gw.call_llm(body, **context)
+            self._last_llm[context.get("session_id", "")] = handle.call_id
+            return as_completion(self.wait(handle))
+        except (NoWorkers, BrokerUnavailable):
+            raise
+        except HermesError as e:
+            log.warning("LLM call failed on the gateway", error=e.type, message=e.message)
+            error = {"message": f"{e.type}: {e.message}", "code": e.details.get("status")}
+            return SimpleNamespace(choices=[], model=None, usage=None, error=error)

@@ -29,7 +29,7 @@ from broker.calls import Calls, envelope_of
 from middleware import enable_plugin
 from tests.conftest import Home
 from tests.hermes_agent_venv import HERMES_VERSION, documented_venv
-from tests.llm_server import LLMServer
+from tests.llm_server import LLMServer, Reply
 
 # One xdist worker runs the modules that use the agent's venv (this one and
 # tests/middleware/test_interop_hermes_agent.py): it is built once (under a lock), not waited for twice.
@@ -208,6 +208,48 @@ def test_route_llm_sends_the_agents_provider_calls_through_the_llm_queue(
     assert context["parent_call_id"] == first.call_id
     deltas = [e for e in events.history(conn, second.call_id) if e.type == events.DELTA]
     assert "".join(d.detail.get("content", "") for d in deltas).startswith("Tool result:")
+
+
+# Hermes' own llm_execution chain with our bridge in it; its terminal call (the agent calling the provider
+# itself) only counts. Prints what the chain returned and how often the terminal call ran.
+HERMES_CHAIN = """
+import json
+from hermes_cli.middleware import run_llm_execution_middleware
+from hermes_cli.plugins import get_plugin_manager
+from broker.config import load_settings
+from hermes_gateway.hermes_plugin import Bridge
+
+settings = load_settings()
+bridge = Bridge(settings.agent_plugin, settings)
+get_plugin_manager()._middleware.setdefault("llm_execution", []).append(bridge.llm_execution)
+direct = []
+response = run_llm_execution_middleware(
+    {"model": "hermes-test", "messages": [{"role": "user", "content": "hi"}]}, direct.append,
+    session_id="s-1", api_mode="chat_completions", provider="custom",
+)
+print(json.dumps({"direct": len(direct), **{k: getattr(response, k, None) for k in ("choices", "error")}}))
+bridge.close()
+"""
+
+
+def test_a_routed_llm_call_that_fails_on_the_gateway_is_not_sent_again_by_the_agent_itself(
+    hermes_bin: Path, llm: LLMServer, workers: Any, redis_url: str, home: Home, tmp_path: Path
+) -> None:
+    # A raise from llm_execution makes Hermes call the provider itself: a call the gateway ran and failed (or
+    # refused: a budget, a limit) was sent again behind the fleet's limits, budgets and audit.
+    llm.script(Reply(status=400, error="bad messages"))
+    workers(queues="llm")
+    env = {"PATH": os.environ.get("PATH", ""), "HERMES_HOME": str(home.path), "HERMES_REDIS_URL": redis_url}
+    proc = subprocess.run(
+        [str(hermes_bin.parent / "python"), "-c", HERMES_CHAIN], capture_output=True, text=True, timeout=120,
+        env=env, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["direct"] == 0 and len(llm.chat_requests) == 1  # the worker's request only
+    # What Hermes reads as a failed provider answer (no choices, the error and its status): it reports it.
+    assert out["choices"] == [] and out["error"]["code"] == 400
+    assert "HTTP 400: bad messages" in out["error"]["message"]
 
 
 # Not idempotent on purpose: run twice, it leaves two notes and two "!".
