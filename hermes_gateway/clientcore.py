@@ -483,7 +483,6 @@ async def await_steps(steps: Steps[T]) -> T:
 
 # -- events and handles --------------------------------------------------------------------------
 
-_MISSING = object()
 LIVE_GRACE = 0.2  # seconds a follower waits for live events an ended call's history no longer holds (``sync``)
 
 
@@ -502,7 +501,6 @@ class CallState:
         self.abandoned: HermesError | None = None  # its client closed while it ran: the wait ends, not the call
         self._events: list[Event] = []
         self._final: Event | None = None
-        self._result: Any = _MISSING
         self._lock = lock if lock is not None else contextlib.nullcontext()
 
     def __repr__(self) -> str:
@@ -583,11 +581,12 @@ class CallState:
         raise NotImplementedError
 
     def _outcome(self, conn: Any) -> Steps[Any]:
-        """``outcome``, with a result too large for the terminal event read from the call's record first."""
+        """``outcome``, with a result too large for the terminal event read from the call's record (at each
+        read, not kept: the asyncio client keeps ended calls' handles, and ``serve`` would hold megabytes each)."""
         final = self._final
-        if final is not None and final.state == State.DONE and self._result is _MISSING and "result" not in final.detail:
+        if final is not None and final.state == State.DONE and "result" not in final.detail:
             raw = yield conn.hget(keys.job(self.call_id), keys.F_RESULT)
-            self._result = unpack(raw) if raw is not None else None
+            return unpack(raw) if raw is not None else None
         return self.outcome()
 
     def outcome(self) -> Any:
@@ -599,7 +598,7 @@ class CallState:
             raise self.abandoned
         assert final is not None
         if final.state == State.DONE:
-            return self._result if self._result is not _MISSING else final.detail.get("result")
+            return final.detail.get("result")
         error = final.detail.get("error") or {}
         if final.state == State.CANCELLED:
             raise CallCancelled(error.get("message") or f"call {self.call_id} was cancelled")

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from typing import Any
 
@@ -428,3 +429,22 @@ def test_an_llm_call_over_http_runs_on_the_workers_and_a_bad_request_is_a_400(
                     assert refused.status_code == 400, (bad, refused.text)
         finally:
             served.stop()
+
+
+def test_the_server_holds_no_large_result_of_the_ended_calls_it_keeps(api: httpx.Client) -> None:
+    """The server keeps its last ended calls' handles (for their event streams): a result too large for
+    the terminal event, read from the record for a `wait`, must not stay in memory with each of them."""
+    big = "x" * 300_000  # (past the 64 KiB a terminal event carries: read from the call's record)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(40):
+            done = api.post("/v1/tools/echo/calls", json={"args": {"s": big, "i": i}, "wait": 20}).json()
+            assert done["state"] == "done" and done["result"]["s"] == big
+            got = api.get(f"/v1/calls/{done['call_id']}").json()  # (a second read of it, as a front end's)
+            assert got["result"]["i"] == i
+        del done, got
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 40 * len(big) / 2, f"{grown} bytes still held after 40 calls of {len(big)}-byte results"
