@@ -224,13 +224,19 @@ class BatchStore:
                 counts[text(k)] = counts.get(text(k), 0) + int(v)
         return counts
 
-    def recent(self, limit: int = 100) -> list[Progress]:
-        """The newest batches still on record, newest first."""
-        out = []
-        for bid in self.conn.zrevrange(keys.BATCHES, 0, limit - 1):
-            with contextlib.suppress(UnknownBatch):
-                out.append(self.progress(text(bid)))
-        return out
+    def recent(self, limit: int = 100, principal: str | None = None) -> list[Progress]:
+        """The newest batches still on record, newest first; with ``principal``, the newest of its own (read
+        on past others' batches: a principal's own must not drop out of its list behind 100 of another's)."""
+        out: list[Progress] = []
+        start = 0
+        while len(out) < limit and (ids := self.conn.zrevrange(keys.BATCHES, start, start + limit - 1)):
+            start += len(ids)
+            for bid in map(text, ids):
+                with contextlib.suppress(UnknownBatch):
+                    meta = self.meta(bid)
+                    if principal is None or meta.get("principal", "") == principal:
+                        out.append(self.progress(bid, meta))
+        return out[:limit]
 
     # -- results -------------------------------------------------------------------------------
 

@@ -326,8 +326,8 @@ class Api:
 
         caller = request_caller(request)
         store = BatchStore(self.gw.conn)
-        rows = await run_in_threadpool(store.recent)
-        return reply([p.to_dict() for p in rows if caller.admin or p.principal == (caller.principal or "")])
+        rows = await run_in_threadpool(store.recent, 100, None if caller.admin else caller.principal or "")
+        return reply([p.to_dict() for p in rows])
 
     async def get_batch(self, request: Request) -> Response:
         job = await self._batch(request)

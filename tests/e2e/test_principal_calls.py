@@ -287,3 +287,22 @@ def test_a_token_that_may_not_manage_tools_reads_a_spec_with_every_literal_heade
         assert shown["env_set"] == {"DB_PASS": "***", "TARGET": "{{target}}"}  # (a placeholder is no secret)
         assert "hunter2" not in json.dumps(shown)
         assert admin.get("/v1/tools/deploy").json()["env_set"]["DB_PASS"] == "hunter2-literal"
+
+
+def test_a_principals_batch_stays_in_its_list_behind_a_hundred_newer_of_anothers(
+    home: Home, serve: Any, workers: Any, conn: Any
+) -> None:
+    from hermes_gateway.batches import BatchStore
+
+    setup(home)
+    workers(1)
+    server = serve()
+    with api(server, ALICE) as alice, api(server, ADMIN) as admin:
+        made = alice.post("/v1/batches?tool=lookup", json=[{"city": "x"}])
+        assert made.status_code == 202, made.text
+        mine = made.json()["id"]
+        store = BatchStore(conn)
+        for _ in range(100):  # bob's, newer (the list shows the newest 100)
+            store.create("lookup", ["tools"], ttl=600, window=1, principal="bob")
+        assert [b["id"] for b in alice.get("/v1/batches").json()] == [mine]
+        assert mine not in {b["id"] for b in admin.get("/v1/batches").json()}  # (an admin's: the newest 100 of all)
