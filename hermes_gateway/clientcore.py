@@ -61,6 +61,7 @@ log = structlog.get_logger("hermes.client")
 MAX_FAIRNESS_KEY = 256  # characters of a fairness key (it is a field of a hash in Redis)
 WORKERS_TRUSTED = 5.0  # seconds a queue seen with a live worker is not checked again (check_workers)
 ENDED_KEPT = 1000  # ended calls' handles the asyncio client keeps for `handle(id)` (the HTTP API's streams)
+ENDED_EVENTS_KEPT = 100_000  # and the events they hold at most (~1 KB each; a streamed reply has one a chunk)
 
 
 # -- the broker ----------------------------------------------------------------------------------
@@ -616,6 +617,7 @@ class Router(Generic[H]):
         self.handles: dict[str, H] = {}
         self.keep_ended = keep_ended
         self._ended: OrderedDict[str, H] = OrderedDict()
+        self._ended_events = 0  # held by the handles in _ended
         self._lock = threading.Lock()
 
     def track(self, handle: H) -> H:
@@ -637,8 +639,9 @@ class Router(Generic[H]):
             del self.handles[handle.call_id]
             if self.keep_ended:  # (an ended call keeps its terminal event alone in Redis)
                 self._ended[handle.call_id] = handle
-                while len(self._ended) > self.keep_ended:
-                    self._ended.popitem(last=False)
+                self._ended_events += len(handle._events)
+                while len(self._ended) > self.keep_ended or self._ended_events > ENDED_EVENTS_KEPT:
+                    self._ended_events -= len(self._ended.popitem(last=False)[1]._events)
 
     def get(self, call_id: str) -> H | None:
         """The handle routed to, or kept after its end, for ``call_id``."""

@@ -12,3 +12,10 @@ def steps(n: int, ctx: Any) -> dict[str, int]:
         ctx.progress(f"step {i} of {n}")
         time.sleep(0.05)
     return {"steps": n}
+
+
+def chatty(n: int, ctx: Any) -> dict[str, int]:
+    """Report ``n`` progress messages at once (a streamed reply's many events), then return."""
+    for i in range(n):
+        ctx.progress(f"chunk {i}")
+    return {"chunks": n}

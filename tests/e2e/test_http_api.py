@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -444,7 +445,34 @@ def test_the_server_holds_no_large_result_of_the_ended_calls_it_keeps(api: httpx
             got = api.get(f"/v1/calls/{done['call_id']}").json()  # (a second read of it, as a front end's)
             assert got["result"]["i"] == i
         del done, got
+        gc.collect()  # (the test's own responses, in reference cycles)
         grown = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
     assert grown < 40 * len(big) / 2, f"{grown} bytes still held after 40 calls of {len(big)}-byte results"
+
+
+def test_the_ended_calls_the_server_keeps_hold_a_bounded_number_of_events(
+    api: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call may send thousands of events (an LLM reply streamed a chunk each): the ended calls the server
+    keeps for their late followers are bounded by the events they hold, not by their number alone."""
+    from hermes_gateway import clientcore
+
+    monkeypatch.setattr(clientcore, "ENDED_EVENTS_KEPT", 3000, raising=False)  # (100,000 in earnest: ~100 MB)
+    spec = {"name": "chatty", "executor": "python", "function": "tests.e2e.mcptools:chatty", "timeout": 30}
+    assert api.post("/v1/tools", json=spec).status_code == 201
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(12):
+            done = api.post("/v1/tools/chatty/calls", json={"args": {"n": 1500}, "wait": 30}).json()
+            assert done["state"] == "done", done
+        last = _sse(api, f"/v1/calls/{done['call_id']}/events")  # the latest is kept whole for a late follower
+        assert sum(e["event"] == "progress" for e in last) == 1500
+        del last
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 8_000_000, f"{grown} bytes held after 12 calls of 1,500 events"
