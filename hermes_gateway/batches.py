@@ -172,8 +172,10 @@ class BatchStore:
         pipe.hset(keys.batch(batch_id), mapping=meta)
         pipe.expire(keys.batch(batch_id), ttl)
         pipe.zadd(keys.BATCHES, {batch_id: now})
-        pipe.zrangebyscore(keys.BATCHES, "-inf", now - ttl, start=0, num=CHUNK)
-        old = pipe.execute()[-1]
+        # (entries picked at random, not the oldest: long-lived batches at its head would stop the pruning)
+        pipe.zrandmember(keys.BATCHES, CHUNK, withscores=True)
+        picked = pipe.execute()[-1]
+        old = [bid for bid, at in zip(picked[0::2], picked[1::2], strict=True) if float(at) <= now - ttl]
         if old:  # batches made before this one's TTL began leave the list once their meta is gone
             pipe = self.conn.pipeline(transaction=False)
             for bid in old:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from broker import keys
+from broker.codec import text
 from broker.errors import InvalidArgs, NoWorkers, UnknownBatch
 from hermes_gateway.batches import SENDING_STALE, BatchStore, Submitter, item_call_id
 
@@ -130,6 +131,19 @@ def test_a_short_ttl_batch_does_not_drop_live_batches_from_the_list(store: Batch
     store.create("echo", ["tools"], ttl=10, window=10)
     listed = conn.zrange(keys.BATCHES, 0, -1)
     assert long_lived.encode() in listed and gone.encode() not in listed
+
+
+def test_gone_batches_leave_the_list_behind_long_lived_ones_at_its_head(store: BatchStore, conn: Any) -> None:
+    long_ago = time.time() - 1000
+    alive = [store.create("echo", ["tools"], ttl=86400, window=10) for _ in range(25)]
+    gone = [store.create("echo", ["tools"], ttl=60, window=10) for _ in range(15)]
+    conn.zadd(keys.BATCHES, {bid: long_ago - 1 for bid in alive})  # the oldest: still running
+    conn.zadd(keys.BATCHES, dict.fromkeys(gone, long_ago))
+    conn.delete(*(keys.batch(bid) for bid in gone))
+    for _ in range(60):
+        store.create("echo", ["tools"], ttl=60, window=10)
+    listed = {text(bid) for bid in conn.zrange(keys.BATCHES, 0, -1)}
+    assert set(alive) <= listed and not set(gone) & listed  # (20 at a time from the oldest never got past them)
 
 
 def test_a_null_item_is_a_failed_item_not_a_call(gateway: Any, store: BatchStore, conn: Any) -> None:
