@@ -227,18 +227,20 @@ class BatchStore:
         return counts
 
     def recent(self, limit: int = 100, principal: str | None = None) -> list[Progress]:
-        """The newest batches still on record, newest first; with ``principal``, the newest of its own (read
-        on past others' batches: a principal's own must not drop out of its list behind 100 of another's)."""
+        """The newest ``limit`` batches still on record, newest first; only ``principal``'s when given (read
+        further down the list: the newest batches may all be others' or gone)."""
         out: list[Progress] = []
-        start = 0
-        while len(out) < limit and (ids := self.conn.zrevrange(keys.BATCHES, start, start + limit - 1)):
-            start += len(ids)
-            for bid in map(text, ids):
-                with contextlib.suppress(UnknownBatch):
-                    meta = self.meta(bid)
-                    if principal is None or meta.get("principal", "") == principal:
-                        out.append(self.progress(bid, meta))
-        return out[:limit]
+        at = 0
+        while len(out) < limit and (page := self.conn.zrevrange(keys.BATCHES, at, at + READ_CHUNK - 1)):
+            ids, at = [text(b) for b in page], at + len(page)
+            pipe = self.conn.pipeline(transaction=False)
+            for bid in ids:
+                pipe.hget(keys.batch(bid), "principal")
+            for bid, who in zip(ids, pipe.execute(), strict=True):
+                if who is not None and principal in (None, text(who)) and len(out) < limit:
+                    with contextlib.suppress(UnknownBatch):
+                        out.append(self.progress(bid))
+        return out
 
     # -- results -------------------------------------------------------------------------------
 

@@ -133,7 +133,7 @@ def console_routes(gw: Any, creds: Credentials, agw: Callable[[], Any]) -> list[
             async for snap in hub.stream():
                 if not caller.admin:  # a probe's call id, a batch and a usage row may be another principal's
                     snap = {**snap, "breakers": hide_probes(snap.get("breakers") or []),
-                            "batches": [b for b in snap.get("batches") or [] if b.get("principal", "") == mine],
+                            "batches": await run_in_threadpool(console_data.batches, gw.conn, 20, mine),
                             "usage": [u for u in snap.get("usage") or [] if caller.sees(u.get("principal"))]}
                 yield {"event": "stats", "data": dumps(snap)}
 

@@ -129,12 +129,12 @@ def slots(
     return sorted(rows.values(), key=lambda r: r["key"])
 
 
-def batches(conn: Any, limit: int = 20) -> list[dict[str, Any]]:
-    """The newest batches on record with their counts, rate and ETA (``hermes_gateway/batches.py``), and
-    who made each (``principal``: the stats stream shows a principal only theirs)."""
+def batches(conn: Any, limit: int = 20, principal: str | None = None) -> list[dict[str, Any]]:
+    """The newest batches on record (``principal``'s only, when given: the stats stream shows a principal
+    only theirs) with their counts, rate and ETA (``hermes_gateway/batches.py``), and who made each."""
     from hermes_gateway.batches import BatchStore
 
-    return [{**p.to_dict(), "principal": p.principal} for p in BatchStore(conn).recent(limit)]
+    return [{**p.to_dict(), "principal": p.principal} for p in BatchStore(conn).recent(limit, principal)]
 
 
 def snapshot(gw: Any) -> dict[str, Any]:

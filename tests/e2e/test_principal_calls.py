@@ -228,7 +228,7 @@ def _stats_batches(client: httpx.Client) -> list[dict[str, Any]]:
 
 
 def test_a_batch_is_its_principals_alone_over_every_route_and_the_stats_stream(
-    home: Home, serve: Any, workers: Any
+    home: Home, serve: Any, workers: Any, conn: Any
 ) -> None:
     setup(home)
     workers(1)
@@ -248,6 +248,13 @@ def test_a_batch_is_its_principals_alone_over_every_route_and_the_stats_stream(
         assert [b["id"] for b in _stats_batches(bob)] == [batch_id]
         assert batch_id in {b["id"] for b in _stats_batches(admin)}
         assert _stats_batches(alice) == []
+        from hermes_gateway.batches import BatchStore
+
+        for _ in range(120):  # alice's newer batches do not hide bob's from bob (the newest 100 / 20 were read)
+            BatchStore(conn).create("lookup", ["tools"], ttl=60, window=1, principal="alice")
+        assert [b["id"] for b in bob.get("/v1/batches").json()] == [batch_id]
+        assert [b["id"] for b in _stats_batches(bob)] == [batch_id]
+        assert len(alice.get("/v1/batches").json()) == 100 and len(_stats_batches(alice)) == 20
 
 
 def test_a_token_may_shorten_a_calls_timeout_but_only_an_admin_may_lengthen_it(
