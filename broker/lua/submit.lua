@@ -7,7 +7,8 @@
 -- ARGV: see the locals below; then field/value pairs of the job hash (with an idempotency key: `h_idem`
 --       its key, `h_digest` the request digest)
 -- Returns {1, call_id, queued 1 / waiting 0} accepted; {0, existing call_id[, its tool, its kind]}
--- duplicate; {-1, depth} queue full (depth = calls waiting for a slot of this key, both classes); {-2,
+-- duplicate; {-1, depth} queue full (depth = calls waiting for a slot of this key: interactive ones for an
+-- interactive call, both classes for a batch call); {-2,
 -- existing call_id, its tool, its kind} the idempotency key belongs to a call with another digest; {-3,
 -- waiting, per-key size, fairness key} the call's fairness key has `queue_size_per_key` calls waiting.
 -- The existing call an idempotency key names is read at job_prefix .. its id: ids carry their queue's
@@ -60,9 +61,10 @@ end
 local run = free and rate_admits(rate, call_id)  -- (a call the limiter holds back waits too)
 local c, n, last
 if not run then
-  local depth = redis.call('ZCARD', wi) + redis.call('ZCARD', wb)
+  local depth = redis.call('ZCARD', wi)
   c = 'i'
-  if klass == 'batch' then c = 'b' end
+  -- (batch calls count every call waiting, interactive ones their own: a batch never makes an agent's QueueFull)
+  if klass == 'batch' then c, depth = 'b', depth + redis.call('ZCARD', wb) end
   local f = redis.call('HMGET', KEYS[9], 'n:' .. c .. ':' .. fkey, 'l:' .. c .. ':' .. fkey)
   n, last = tonumber(f[1]) or 0, tonumber(f[2])
   local no = nil

@@ -176,6 +176,23 @@ def test_queue_size_per_key_refuses_only_that_key_and_counts_both_classes_in_que
     assert full.value.details["depth"] == 5 and "fairness_key" not in full.value.details
 
 
+def test_a_batch_filling_queue_size_leaves_room_for_interactive_calls(conn: redis.Redis) -> None:
+    calls = Calls(conn)
+    submit(calls, "z0", "zed", "batch", limit=1, queue_size=3)  # (takes the slot)
+    for i in range(1, 4):
+        submit(calls, f"z{i}", "zed", "batch", limit=1, queue_size=3)
+    with pytest.raises(QueueFull):  # the batch's fourth waits for room (its submitter sends it again)
+        submit(calls, "z4", "zed", "batch", limit=1, queue_size=3)
+    for i in range(3):  # an agent's calls are not refused for the batch's backlog, only for their own
+        submit(calls, f"a{i}", "alice", limit=1, queue_size=3)
+    with pytest.raises(QueueFull) as full:
+        submit(calls, "a3", "alice", limit=1, queue_size=3)
+    assert full.value.details["depth"] == 3
+    with pytest.raises(QueueFull) as full:  # batch calls count both classes
+        submit(calls, "z4", "zed", "batch", limit=1, queue_size=3)
+    assert full.value.details["depth"] == 6
+
+
 def test_cancelling_waiting_calls_keeps_the_counts_and_the_fair_hash_empties(conn: redis.Redis) -> None:
     calls = Calls(conn)
     owners: dict[str, tuple[str, str | None]] = {"r0": ("x", None)}
@@ -246,9 +263,12 @@ def test_limit_queue_size_and_per_key_size_are_exact_when_processes_race(redis_u
     for w in workers:
         w.join(10)
     codes = Counter(code for code, _ in replies)
-    waiting = conn.zcard(keys.waiting(TAG, CKEY)) + conn.zcard(keys.waiting_batch(TAG, CKEY))
-    # 5 slots + 60 waiting (the per-key bounds leave room for 80): never one more.
-    assert conn.zcard(keys.slots(TAG, CKEY)) == 5 and waiting == 60 and codes[1] == 65
+    interactive = conn.zcard(keys.waiting(TAG, CKEY))
+    waiting = interactive + conn.zcard(keys.waiting_batch(TAG, CKEY))
+    # 5 slots + 60 interactive calls waiting (the per-key bounds leave room for 60 of them and 20 batch calls,
+    # which count the interactive ones too): never one more.
+    assert conn.zcard(keys.slots(TAG, CKEY)) == 5 and interactive == 60 and 60 <= waiting <= 80
+    assert codes[1] == 5 + waiting
     assert codes[1] + codes[-1] + codes[-3] == procs * per and codes[-3] > 0
     # Each key's count is exact (they add up to what waits), none past 10, and a key refused is at 10.
     counts = {f: int(v) for f, v in fair_state(conn).items() if f.startswith("n:")}
