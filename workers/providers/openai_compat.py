@@ -13,6 +13,7 @@ import httpx
 import structlog
 
 from broker.errors import CallCancelled, ConfigError, ProviderError, ProviderTimeout
+from broker.logs import secret_values
 from broker.settings import ModelSettings
 
 from .backoff import is_retryable_status, pause_seconds
@@ -52,6 +53,11 @@ class OpenAICompatProvider:
         self._api_key = api_key
         self._api_key_unset = api_key_unset  # the unset variable model.api_key named (said on a 401/403)
         self._headers = {"User-Agent": "hermes-gateway", **(headers or {})}
+        # What an error text must never show: the key, and model.headers' secret-named values ("api-key: ...",
+        # "Authorization: Bearer ...": the value and its last word), longest first.
+        named = secret_values(self._headers)
+        found = {api_key, *named, *(v.rsplit(" ", 1)[-1] for v in named)}
+        self._secrets = sorted((v for v in found if len(v) >= 4), key=len, reverse=True)
         self._client = httpx.Client(
             base_url=self.base_url,
             timeout=httpx.Timeout(self.timeout, connect=min(10.0, self.timeout)),
@@ -227,9 +233,9 @@ class OpenAICompatProvider:
         return ProviderError(self._scrub(f"provider call failed: {type(e).__name__}: {e}"), retryable=False)
 
     def _scrub(self, text: str) -> str:
-        """Never let the key out, even if a server or an exception echoes it back."""
-        if self._api_key and len(self._api_key) >= 4:
-            text = text.replace(self._api_key, "***")
+        """Never let the key (or a secret header) out, even if a server or an exception echoes it back."""
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
         return text
 
     def close(self) -> None:

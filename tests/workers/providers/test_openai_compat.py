@@ -288,6 +288,17 @@ def test_api_key_never_appears_in_error_text(provider, server):
     assert err.status == 401 and not err.retryable
 
 
+def test_a_secret_header_of_model_headers_never_appears_in_error_text(server):
+    # (Azure-style "api-key: <key>" in model.headers instead of model.api_key; a gateway "Bearer" of its own)
+    azure, bearer = "azk-" + "q" * 28, "gwtok-" + "z" * 20
+    prov = OpenAICompatProvider(base_url=server.base_url, api_key=API_KEY, model="m",
+                                headers={"api-key": azure, "X-Gateway-Authorization": f"Bearer {bearer}"})
+    server.script(Reply(status=400, error=f"key {azure} rejected; token {bearer} unknown"))
+    err = _raises(prov, ProviderError)
+    assert azure not in str(err) and bearer not in str(err) and "***" in str(err)
+    prov.close()
+
+
 def test_wrong_key_is_a_non_retryable_401(server):
     prov = OpenAICompatProvider(base_url=server.base_url, api_key="sk-wrong-key-123", model="m")
     err = _raises(prov, ProviderError)
