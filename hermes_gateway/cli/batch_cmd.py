@@ -13,7 +13,7 @@ from typing import IO, Any
 import click
 
 from broker.errors import HermesError
-from hermes_gateway.cli.common import POSITIVE, fail, failing, note, open_gateway, settings_of, sync_tools
+from hermes_gateway.cli.common import POSITIVE, WAIT_SECONDS, fail, failing, note, open_gateway, settings_of, sync_tools
 
 
 @click.group()
@@ -159,7 +159,7 @@ def batch_status(ctx: click.Context, batch_id: str, as_json: bool) -> None:
 
 @batch.command("wait")
 @click.argument("batch_id")
-@click.option("--timeout", type=float, default=None, help="Seconds to wait at most (exit 3 when reached).")
+@click.option("--timeout", type=WAIT_SECONDS, default=None, help="Seconds to wait at most (exit 3 when reached).")
 @click.pass_context
 def batch_wait(ctx: click.Context, batch_id: str, timeout: float | None) -> None:
     """Block until every item of the batch has ended; exit 0 when all are done, 1 otherwise."""

@@ -102,6 +102,7 @@ def test_a_bad_executor_concurrency_is_refused_with_its_path(home: Any, value: s
         (["status", "--watch", "--json", "--interval", "-1"], "--interval"),  # (0: a loop hammering the broker)
         (["status", "--watch", "--interval", "0"], "--interval"),
         (["stop", "--all", "--grace", "-1"], "--grace"),
+        (["batch", "wait", "0123456789abcdef0123", "--timeout", "-1"], "--timeout"),
     ],
 )
 def test_bad_option_values_are_usage_errors(home: Any, redis_url: str, args: list[str], option: str) -> None:
