@@ -6,6 +6,7 @@ environment variable wins over the file; a bad value is a ``ConfigError`` naming
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -394,9 +395,11 @@ def _agent_plugin(
     timeout = env.get("HERMES_GATEWAY_TIMEOUT") or entry.get("timeout") or 600.0
     try:
         seconds = float(timeout)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not 0 < seconds < math.inf:  # (0 or less failed every call at once; nan never timed out)
         where = f"HERMES_GATEWAY_TIMEOUT / plugins.entries.{AGENT_PLUGIN}.timeout"
-        raise ConfigError(f"{where}: expected a number of seconds, got {timeout!r}") from e
+        raise ConfigError(f"{where}: expected a number of seconds more than 0, got {timeout!r}")
     return AgentPluginSettings(
         url=env.get("HERMES_GATEWAY_URL") or entry.get("redis_url") or broker_url,
         route_llm=_truthy(env.get("HERMES_GATEWAY_ROUTE_LLM", entry.get("route_llm", False))),

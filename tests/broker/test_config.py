@@ -170,6 +170,8 @@ def test_each_config_yaml_key_of_the_table_sets_its_setting_and_its_variable_win
         ({"HERMES_METRICS_PORT": "http"}, "HERMES_METRICS_PORT: expected a port number, got 'http'"),
         ({"HERMES_TRACE": "jaeger"}, "HERMES_TRACE: expected one of off, console, otlp, zipkin, memory, got 'jaeger'"),
         ({"HERMES_GATEWAY_TIMEOUT": "soon"}, "HERMES_GATEWAY_TIMEOUT / plugins.entries.hermes-gateway.timeout"),
+        ({"HERMES_GATEWAY_TIMEOUT": "-1"}, "HERMES_GATEWAY_TIMEOUT / plugins.entries.hermes-gateway.timeout"),
+        ({"HERMES_GATEWAY_TIMEOUT": "nan"}, "timeout: expected a number of seconds more than 0, got 'nan'"),
         ({"HERMES_BATCH_SHARE": "2"}, "fairness.batch_share (HERMES_BATCH_SHARE): expected a share from 0 to 1"),
         ({"HERMES_QUEUE_SIZE_PER_KEY": "1.5"}, "fairness.queue_size_per_key (HERMES_QUEUE_SIZE_PER_KEY): expected a whole"),
         ({"HERMES_LEASE": "-5"}, "workers.lease (HERMES_LEASE): expected seconds above 0, got -5"),
