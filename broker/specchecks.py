@@ -71,7 +71,14 @@ def check_strict(
             check, expected = rules[key]
             if not check(val):
                 raise InvalidSpec.at(where, f"{section}.{key}", f"expected {expected}, got {val!r}")
-    RateLimit.parse(where, data.get("rate_limit"))
+    rate = RateLimit.parse(where, data.get("rate_limit"))
+    parts = data.get("queue_partitions") or 1
+    for kind, value in rate.to_dict().items() if rate is not None else ():
+        if kind == "tokens_per_minute":  # (a tool call reserves no tokens: it would never be checked)
+            raise InvalidSpec.at(where, f"rate_limit.{kind}", "counts LLM tokens: a tool call has none")
+        if value < parts:  # (each partition has its share: one of 0 would hold its calls for ever)
+            expected = f"expected at least queue_partitions ({parts}): each partition takes a share >= 1, got {value}"
+            raise InvalidSpec.at(where, f"rate_limit.{kind}", expected)
 
 
 def check_keys(where: str, what: str, data: Mapping[str, Any], known: frozenset[str]) -> None:

@@ -237,6 +237,21 @@ def test_a_tool_spec_rate_limit_is_checked_at_registration() -> None:
         check_spec({**base, "rate_limit": {"requests_per_hour": 3}})
 
 
+def test_a_tool_rate_limit_no_partition_could_use_is_refused_at_registration() -> None:
+    from workers.specs import check_spec
+
+    base = {"name": "t", "executor": "python", "function": "workers.executors.builtin:echo"}
+    # 2 a second over 4 partitions: two shares of 0, whose calls would wait for ever (half of all calls).
+    with pytest.raises(InvalidSpec, match=r"rate_limit\.requests_per_second: expected at least queue_partitions \(4\)"):
+        check_spec({**base, "queue_partitions": 4, "rate_limit": {"requests_per_second": 2}})
+    with pytest.raises(InvalidSpec, match=r"rate_limit\.requests_per_minute: expected at least queue_partitions"):
+        check_spec({**base, "queue_partitions": 3, "rate_limit": {"requests_per_second": 9, "requests_per_minute": 2}})
+    assert check_spec({**base, "queue_partitions": 4, "rate_limit": {"requests_per_second": 4}}).name == "t"
+    # A tool call reserves no tokens: a tokens_per_minute on a tool would never hold anything back.
+    with pytest.raises(InvalidSpec, match=r"rate_limit\.tokens_per_minute: counts LLM tokens"):
+        check_spec({**base, "rate_limit": {"tokens_per_minute": 1000}})
+
+
 def test_model_rate_limits_and_daily_budgets_are_read_from_config() -> None:
     from broker.errors import ConfigError
     from broker.settings import model_settings
