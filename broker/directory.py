@@ -15,6 +15,7 @@ from . import keys, scripts
 from .breaker import Breakers
 from .codec import pack, text, unpack
 from .errors import HermesError, UnknownTool
+from .ratelimits import RateLimiter
 from .toolspec import ToolSpec
 
 OUTCOMES = ("unchanged", "added", "updated", "kept")
@@ -55,6 +56,8 @@ class Directory:
             args=[spec.name, spec.digest(), pack(spec.to_dict()), channel, int(replace)],
         )
         result = OUTCOMES[int(outcome)]
+        if result in ("added", "updated"):
+            RateLimiter(self.conn).apply(spec)
         with self._lock:  # this process's next call uses it now, not after its own change notice comes back
             newer = generation != self._generation  # (a change notice came meanwhile: maybe a newer spec)
             self._generation += 1

@@ -95,6 +95,24 @@ class RateLimiter:
         ]
         return pipes.script(self._sent, script_keys, [call_id, ckey, int(slack * 1000)], pipeline)
 
+    def apply(self, spec: Any) -> None:
+        """A tool spec just registered: its ``rate_limit`` (each partition's share; none: removed) goes on its
+        limiters now, and their timers fire, so calls already waiting go by it (raised: they go; lowered: it
+        holds at once), not only once another call is submitted."""
+        limit = RateLimit.parse(f"tool {spec.name!r}", spec.config.get("rate_limit"))
+        n, ckey = keys.partition_count(spec), f"tool:{spec.name}"
+        pipe = self.conn.pipeline(transaction=False)
+        for i, q in enumerate(keys.partition_names(str(spec.config.get("queue") or "tools"), n)):
+            tag = keys.tag(q)
+            if limit is None:
+                pipe.hdel(keys.rate(tag, ckey), "rpm", "rps", "tpm")
+            else:
+                share = limit.share(n, i)
+                pipe.hset(keys.rate(tag, ckey), mapping={"rpm": share.rpm, "rps": share.rps, "tpm": share.tpm})
+                pipe.sadd(keys.rates(tag), ckey)
+            pipe.zadd(keys.rate_due(tag), {ckey: 0})
+        pipe.execute()
+
     def pause(self, call_id: str, queue: str, ckey: str, seconds: float) -> float:
         """Pause the key for the whole fleet ``seconds`` from now; returns the pause's end (unix s)."""
         tag = keys.tag(queue)

@@ -16,6 +16,7 @@ from broker.errors import BudgetExceeded, TokensOverLimit
 from broker.ratelimits import RateLimiter
 from tests.conftest import Home, wait_until
 from tests.llm_server import LLMServer, Reply
+from tests.workers.executors.http_server import Recorder
 
 pytestmark = pytest.mark.e2e
 
@@ -186,6 +187,55 @@ def test_a_tool_rate_limit_holds_across_workers_and_queue_partitions(gateway: An
     # 6 a second, split 3 + 3 over the two partitions (each its own slot), so exact in sum.
     assert _most_in_window(started, 1.0) <= 6
     assert max(started) - min(started) >= 1.9  # 18 calls at 6/s: three windows
+
+
+@pytest.fixture
+def backend(home: Home) -> Iterator[Recorder]:
+    """A real HTTP back end on 127.0.0.1 recording when each request came in, reachable by the workers."""
+    home.config({"executors": {"http": {"allow_networks": ["127.0.0.1/32"]}}})
+    server = Recorder()
+    yield server
+    server.close()
+
+
+def _http_tool(backend: Recorder, **fields: Any) -> dict[str, Any]:
+    return {"name": "hits", "executor": "http", "endpoint": f"{backend.base}/hit", "concurrency": 50, **fields}
+
+
+def test_a_limit_raised_or_removed_while_calls_wait_lets_them_go_at_once(
+    gateway: Any, workers: Any, backend: Recorder
+) -> None:
+    gateway.register_tool(_http_tool(backend, rate_limit={"requests_per_second": 1}))
+    workers(2)
+    handles = [gateway.call_tool("hits", {"i": i}) for i in range(6)]
+    wait_until(lambda: backend.received, message="the first request")
+    gateway.register_tool(_http_tool(backend, rate_limit={"requests_per_second": 50}))
+    changed = time.time()
+    for h in handles:
+        h.result(15)
+    assert max(backend.received) - changed < 2.5  # (at 1/s the last would come 5 s after the first)
+    gateway.register_tool(_http_tool(backend, rate_limit={"requests_per_second": 1}))
+    wait_until(lambda: time.time() - max(backend.received) > 1.0, message="the window to pass")
+    handles = [gateway.call_tool("hits", {"i": i}) for i in range(6)]
+    wait_until(lambda: len(backend.received) > 6, message="the first request")
+    gateway.register_tool(_http_tool(backend))  # the limit removed
+    changed = time.time()
+    for h in handles:
+        h.result(15)
+    assert len(backend.received) == 12 and max(backend.received) - changed < 2.5
+
+
+def test_a_limit_lowered_while_calls_wait_holds_at_once(gateway: Any, workers: Any, backend: Recorder) -> None:
+    gateway.register_tool(_http_tool(backend, rate_limit={"requests_per_second": 5}))
+    workers(2)
+    handles = [gateway.call_tool("hits", {"i": i}) for i in range(8)]
+    wait_until(lambda: len(backend.received) == 5, message="the first second's five")
+    gateway.register_tool(_http_tool(backend, rate_limit={"requests_per_second": 1}))
+    changed = time.time()
+    for h in handles:
+        h.result(15)
+    later = [t for t in backend.received if t > changed]
+    assert len(later) == 3 and _most_in_window(later, 1.0) == 1  # (the old limit sent the three at once)
 
 
 def _started(handle: Any) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qsl, urlsplit
@@ -16,6 +17,7 @@ class Recorder(ThreadingHTTPServer):
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), Handler)
         self.requests: list[dict] = []
+        self.received: list[float] = []  # when each request came in (time.time())
         self.connections = 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -67,6 +69,7 @@ class Handler(BaseHTTPRequestHandler):
             "body": body,
         }
         self.server.requests.append(record)
+        self.server.received.append(time.time())
         path = parts.path
         query = dict(parse_qsl(parts.query))
         if path.startswith("/status/"):
