@@ -38,7 +38,7 @@ from workers import otelsdk, policy_store, retry, telemetry
 from workers.args import check_output, coerce_args
 from workers.executors import DEFAULT_MAX_OUTPUT, ExecContext, get_executor, run_executor
 from workers.hooks import AuditRecordHook, CallLog, Checks, Circuit, Hook, Writer, hooked
-from workers.llm import LLMCall, RateLimited, describe_response
+from workers.llm import DEFAULT_PAUSE, PAUSE_STATUSES, RATE_RETURNS, LLMCall, RateLimited, describe_response
 from workers.outbox import Outbox
 from workers.policy import Policy
 from workers.retry import RetryScheduler
@@ -331,7 +331,7 @@ class CallRunner:
             if not run.abandoned and not run.lost:
                 self._back_to_waiting(run, e)
         except HermesError as e:
-            if not run.abandoned and not run.lost and not self._retry(run, e):
+            if not run.abandoned and not run.lost and not self._paused(run, e) and not self._retry(run, e):
                 self._finish(run, State.FAILED, error=e.to_wire())
         except Exception as e:  # noqa: BLE001 - nothing a caller sends may kill the worker
             log.exception("call crashed in the worker")
@@ -433,6 +433,23 @@ class CallRunner:
 
         self.core.outbox_of(run).put(write, lambda reply: self._check(run, State.RETRYING, reply))
         log.info("provider rate limit: call back to waiting", paused_until=limited.until)
+
+    def _paused(self, run: Running, error: HermesError) -> bool:
+        """A rate-limited tool's back end refused for its rate (429/503): as for a provider's, the key (every
+        partition) is paused for the fleet as long as it asked, at most the spec's ``retry.max_backoff``, and
+        the call goes back to waiting (at most RATE_RETURNS times)."""
+        status, env, info = error.details.get("status"), run.env, run.info
+        if not run.rate or env.kind != "tool" or status not in PAUSE_STATUSES or run.attempt > RATE_RETURNS:
+            return False
+        try:
+            spec = self.core.directory.get(env.tool or "", env.tool_version).spec
+        except HermesError:  # (removed meanwhile)
+            return False
+        wait = min(float(error.details.get("retry_after") or DEFAULT_PAUSE), retry.RetryPolicy.of(spec.retry).max_backoff)
+        for q in keys.partition_names(keys.base_queue(info.queue), keys.partition_count(spec)):
+            until = self.core.limiter.pause(info.call_id, q, info.ckey, wait)
+        self._back_to_waiting(run, RateLimited(until))
+        return True
 
     def _retry(self, run: Running, error: HermesError) -> bool:
         """Schedule another attempt when the tool's ``retry:`` allows it (the slot goes back meanwhile)."""

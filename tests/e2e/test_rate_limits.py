@@ -238,6 +238,25 @@ def test_a_limit_lowered_while_calls_wait_holds_at_once(gateway: Any, workers: A
     assert len(later) == 3 and _most_in_window(later, 1.0) == 1  # (the old limit sent the three at once)
 
 
+def test_a_429_from_a_rate_limited_tool_pauses_all_its_partitions_for_the_fleet(
+    gateway: Any, workers: Any, backend: Recorder
+) -> None:
+    backend.replies.append((429, {"Retry-After": "30"}))  # (more than the tool's retry.max_backoff: 1 s)
+    spec = _http_tool(backend, queue_partitions=2, rate_limit={"requests_per_second": 10}, retry={"max_backoff": 1})
+    gateway.register_tool(spec)
+    workers(2)
+    first = gateway.call_tool("hits", {"i": 0})
+    wait_until(lambda: backend.received, message="the refused request")
+    rest = [gateway.call_tool("hits", {"i": i}) for i in range(1, 7)]  # (both partitions, both workers)
+    for h in [first, *rest]:
+        h.result(15)
+    refused, *later = backend.received
+    assert len(later) == 7  # each call once more: the refused one went back to waiting, not failed
+    assert min(later) >= refused + 0.95 and max(later) < refused + 5  # paused 1 s (not 30) for everyone
+    back = [e for e in first.events(timeout=5) if e.state == "retrying"]
+    assert back and back[0].detail["reason"] == "rate_limited"
+
+
 def _started(handle: Any) -> float:
     """When the call's (one) attempt started executing: from its events, or from the moves its terminal
     event keeps (``steps``) when the handle caught up with an ended call whose history was trimmed."""

@@ -41,6 +41,7 @@ from broker.placeholders import (
 )
 from broker.toolspec import ToolSpec
 from workers.args import load_yaml_text
+from workers.providers.backoff import pause_seconds
 
 from . import ACCEPT_ENCODING, DEFAULT_MAX_OUTPUT, ExecContext, Inflater, PerProcess, from_env, require
 
@@ -335,6 +336,8 @@ def _read_result(response: httpx.Response, ctx: ExecContext, max_output: int, wh
             body=excerpt,
             retryable=retryable,
         )
+        if status in (429, 503) and (wait := pause_seconds(response.headers)) is not None:
+            err.details["retry_after"] = wait  # (a rate-limited tool's key is paused that long)
         err.retryable = retryable
         raise err
     ctx.progress(f"HTTP {status}, {len(body)} bytes")

@@ -18,6 +18,7 @@ class Recorder(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), Handler)
         self.requests: list[dict] = []
         self.received: list[float] = []  # when each request came in (time.time())
+        self.replies: list[tuple[int, dict]] = []  # (status, headers) answering the next requests, in turn
         self.connections = 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -70,6 +71,10 @@ class Handler(BaseHTTPRequestHandler):
         }
         self.server.requests.append(record)
         self.server.received.append(time.time())
+        if self.server.replies:
+            status, headers = self.server.replies.pop(0)
+            self._send(status, b"{}", extra=headers)
+            return
         path = parts.path
         query = dict(parse_qsl(parts.query))
         if path.startswith("/status/"):
