@@ -17,6 +17,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
+import redis
+
 from broker.envelope import filler
 from broker.logs import MASK, is_secret_key, keyed_hash, redact, redact_text, sensitive_hashes
 
@@ -299,6 +301,14 @@ class AuditLog:
         could match by hashing every 6-digit PIN."""
         self.redis.set(f"{self.key}:key", os.urandom(32), nx=True)
         return keyed_hash(self.redis.get(f"{self.key}:key"))
+
+    def digest_now(self) -> Any:
+        """``digest``, or None when Redis cannot give the key now (at maxmemory, or away): the record then masks
+        a sensitive value only (a call's end must never fail for its audit record's hash)."""
+        try:
+            return self.digest
+        except redis.RedisError:
+            return None
 
     def append(self, record: AuditRecord, pipeline: Any = None) -> Any:
         """Add a record (into ``pipeline`` when given: only its creator executes it); mirrors to JSONL."""

@@ -88,7 +88,7 @@ class AuditRecordHook(Hook):
             state=state,
             args=run.args if run.args is not None else (env.args if env is not None else None),
             sensitive=run.sensitive,
-            digest=self.core.audit.digest,
+            digest=self.core.audit.digest_now() if run.sensitive else None,
             result=result if state == "done" else None,
             request=run.request or (env.request if env is not None and env.kind == "llm" else None),
             error=error,

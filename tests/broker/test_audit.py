@@ -321,3 +321,17 @@ def test_a_record_keeps_only_the_start_of_a_huge_argument() -> None:
     )
     assert r.args is not None and r.args["x"].startswith("a" * 1000)
     assert r.args["x"].endswith(f"…[{20_000_000 - 64 * 1024} more characters]")
+
+
+def test_a_record_built_while_redis_refuses_the_key_masks_a_sensitive_value_and_the_key_comes_later() -> None:
+    # At maxmemory (or during an outage) the deployment's key cannot be made: the call still ends, its record
+    # masks the value (the worker's digest raised, and the call never ended); once Redis answers, hashes come.
+    server = fakeredis.FakeServer()
+    log = AuditLog(fakeredis.FakeRedis(server=server))
+    server.connected = False
+    assert log.digest_now() is None
+    record = AuditRecord.of(call_id="c1", kind="tool", state="done", args={"pin": "123456"}, sensitive=("pin",),
+                            digest=log.digest_now(), tool_name="t")
+    assert record.args == {"pin": MASK} and record.sensitive_hashes == {}
+    server.connected = True
+    assert log.digest_now() is not None and log.digest_now()("123456").startswith("hmac-sha256:")
