@@ -317,8 +317,10 @@ class BatchStore:
     # -- cancel --------------------------------------------------------------------------------
 
     def cancel(self, gw: Gateway, batch_id: str) -> int:
-        """Stop the submission and cancel every call of the batch not yet ended; returns how many."""
-        self.meta(batch_id)
+        """Stop the submission and cancel every call of the batch not yet ended; returns how many. A batch
+        whose every item has ended is left as it is (finished, not relabelled cancelled)."""
+        if self.progress(batch_id).complete:
+            return 0
         self.conn.hset(keys.batch(batch_id), "state", "cancelled")
         meta = self.meta(batch_id)  # (read after the state: the submitter stops)
         queue_of = _router(meta)

@@ -191,7 +191,7 @@ def batch_cancel(ctx: click.Context, batch_id: str) -> None:
     """Stop sending the batch's items and cancel its calls that have not ended."""
     with _job(ctx, batch_id) as job:
         n = job.cancel()
-        click.echo(f"batch {batch_id}: cancelled, {n} calls told to stop")
+        click.echo(f"batch {batch_id}: {job.progress().to_dict()['state']}, {n} calls told to stop")
 
 
 @batch.command("list")

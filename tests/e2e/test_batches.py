@@ -112,6 +112,20 @@ def test_cancel_stops_the_submission_and_ends_every_sent_call_once(
     assert {r.index for r in results if r.state == "done"} <= set(runs)
 
 
+def test_cancel_after_every_item_ended_leaves_the_batch_finished(
+    gateway: Any, home: Any, workers: Any, tmp_path: Path
+) -> None:
+    _mark_tool(home, concurrency=4)
+    gateway.sync_tools()
+    workers(1, concurrency=4)
+    job = gateway.batch("mark", ({"i": i, "path": str(tmp_path / "marks")} for i in range(5)))
+    assert job.wait(60).complete
+    assert job.cancel() == 0  # (the README's job.progress(); job.cancel(); job.wait() on a batch that ended)
+    p = job.wait(10)
+    assert p.to_dict()["state"] == "finished" and p.counts == {"done": 5}
+    assert sorted(r.index for r in job.results() if r.state == "done") == list(range(5))
+
+
 def test_results_hold_each_item_once_across_a_worker_killed_with_sigkill(
     gateway: Any, home: Any, workers: Any, conn: Any, tmp_path: Path, wait_until: Any
 ) -> None:
