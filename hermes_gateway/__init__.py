@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from broker.errors import (
+    BrokerFull,
     BrokerNotDurable,
     BrokerUnavailable,
+    BudgetExceeded,
     CallCancelled,
     CallFailed,
     CallTimeout,
@@ -15,8 +17,10 @@ from broker.errors import (
     IdempotencyConflict,
     InvalidArgs,
     NoWorkers,
+    OutputTooLarge,
     PermissionDenied,
     QueueFull,
+    TokensOverLimit,
     ToolTimeout,
     UnknownBatch,
     UnknownTool,
@@ -40,8 +44,8 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
-    "AsyncGateway", "BrokerNotDurable", "BrokerUnavailable", "CallCancelled", "CallFailed", "CallHandle",
-    "CallTimeout", "CircuitOpen", "Event", "ExecutorError", "Gateway", "GatewayClosed", "HermesError", "IdempotencyConflict",
-    "InvalidArgs", "NoWorkers", "PermissionDenied", "QueueFull", "ToolSpec", "ToolTimeout", "UnknownBatch",
-    "UnknownTool", "WorkerLost",
+    "AsyncGateway", "BrokerFull", "BrokerNotDurable", "BrokerUnavailable", "BudgetExceeded", "CallCancelled",
+    "CallFailed", "CallHandle", "CallTimeout", "CircuitOpen", "Event", "ExecutorError", "Gateway", "GatewayClosed",
+    "HermesError", "IdempotencyConflict", "InvalidArgs", "NoWorkers", "OutputTooLarge", "PermissionDenied",
+    "QueueFull", "TokensOverLimit", "ToolSpec", "ToolTimeout", "UnknownBatch", "UnknownTool", "WorkerLost",
 ]

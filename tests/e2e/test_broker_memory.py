@@ -16,7 +16,7 @@ import redis
 
 from broker import events, keys
 from broker.audit import AuditLog
-from broker.errors import BrokerFull
+from hermes_gateway import BrokerFull  # (the name the docs give callers)
 from hermes_gateway.client import Gateway
 from tests.conftest import Home, WorkerFactory, wait_until
 from tests.e2e.test_http_api import Served

@@ -12,8 +12,8 @@ import pytest
 
 from broker import keys
 from broker.audit import AuditLog
-from broker.errors import BudgetExceeded, TokensOverLimit
 from broker.ratelimits import RateLimiter
+from hermes_gateway import BudgetExceeded, TokensOverLimit  # (the names the docs give callers)
 from tests.conftest import Home, wait_until
 from tests.llm_server import LLMServer, Reply
 from tests.workers.executors.http_server import Recorder
