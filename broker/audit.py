@@ -299,8 +299,8 @@ class AuditLog:
         """The hash of a sensitive argument in a record: HMAC-SHA256 under this deployment's key
         (``<stream>:key`` in Redis, made by the first process that needs it), never a plain sha256 anyone
         could match by hashing every 6-digit PIN."""
-        self.redis.set(f"{self.key}:key", os.urandom(32), nx=True)
-        return keyed_hash(self.redis.get(f"{self.key}:key"))
+        make = self.redis.register_script(scripts.for_server(self.redis, scripts.AUDIT_KEY))
+        return keyed_hash(make(keys=[f"{self.key}:key"], args=[os.urandom(32)]))
 
     def digest_now(self) -> Any:
         """``digest``, or None when Redis cannot give the key now (at maxmemory, or away): the record then masks
