@@ -20,16 +20,17 @@ console = Console(width=None if sys.stdout.isatty() else 200)
 
 
 def breaker_states(conn: Any, specs: list[ToolSpec], settings: Settings) -> dict[str, str]:
-    """Each tool's breaker state from ``hermes:breaker:<key>`` (``closed`` when none is stored)."""
+    """Each tool's breaker state from ``hermes:breaker:<key>`` (``closed`` when none is stored; ``off`` for a
+    tool with no breaker configured, which ``tool breaker`` says has none)."""
     from broker.breaker import breaker_config
 
     configs = {s.name: breaker_config(settings, s) for s in specs}
-    names = {name: cfg.key if cfg is not None else f"tool:{name}" for name, cfg in configs.items()}
+    names = {name: cfg.key for name, cfg in configs.items() if cfg is not None}
     pipe = conn.pipeline(transaction=False)
     for key in names.values():
         pipe.hget(keys.breaker(key), "state")
-    states = pipe.execute()
-    return {name: (raw.decode() if raw else "closed") for name, raw in zip(names, states, strict=True)}
+    states = dict(zip(names, pipe.execute(), strict=True))
+    return {name: (states[name] or b"closed").decode() if name in names else "off" for name in configs}
 
 
 def tool_rows(

@@ -239,7 +239,7 @@ def test_tool_list_shows_limits_permissions_and_breaker_state(
     assert result.exit_code == 0, result.output
     rows = {r["name"]: r for r in json.loads(result.output)}
     assert rows["echo"]["limits"] == {"concurrency": 7, "queue_size": 3, "timeout": 10.0}
-    assert (rows["echo"]["permissions"], rows["echo"]["breaker_state"]) == (["read_only"], "closed")
+    assert (rows["echo"]["permissions"], rows["echo"]["breaker_state"]) == (["read_only"], "off")  # none configured
     assert rows["noop"]["breaker_state"] == "open"
     assert rows["shared"]["breaker_state"] == "closed"
     conn.hset(keys.breaker("backend-a"), "state", "half_open")  # a breaker the spec names by its key
@@ -250,7 +250,7 @@ def test_tool_list_shows_limits_permissions_and_breaker_state(
     monkeypatch.setattr("hermes_gateway.views.console", Console(width=200))
     table = CliRunner().invoke(main, ["tool", "list"])
     assert table.exit_code == 0, table.output
-    assert "breaker" in table.output and "open" in table.output and "closed" in table.output
+    assert "breaker" in table.output and "open" in table.output and "half_open" in table.output and " off " in table.output
 
 
 def test_tool_schemas_are_the_tools_each_principal_may_call(redis_url: str, home: Any) -> None:
