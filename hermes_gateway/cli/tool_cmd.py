@@ -94,10 +94,10 @@ def tool_run(
             try:
                 with interrupt_after():  # (a Ctrl-C while the call is being sent comes once it has its handle)
                     handle = gw.call_tool(name, parsed, timeout=timeout, **context)
-                if follow:
-                    for ev in handle.events(timeout=timeout):
+                if follow:  # (no wait of our own: the worker ends the call at its --timeout, as a tool_timeout)
+                    for ev in handle.events():
                         note(event_line(ev))
-                result = handle.result(timeout)
+                result = handle.result()
             except KeyboardInterrupt:  # Ctrl-C: the call is this command's, so it stops too (as --timeout's)
                 if handle is None:
                     fail("interrupted: the call was not sent", 130)

@@ -205,6 +205,14 @@ def test_tool_run_reads_its_arguments_from_stdin_or_a_file(home: Any, tmp_path: 
     assert zero.returncode == 2 and "Invalid value for '--timeout'" in zero.stderr
 
 
+def test_tool_run_timeout_is_the_calls_and_the_command_reports_its_tool_timeout(home: Any) -> None:
+    home.sleep_tool()  # (its spec's timeout: 30 s)
+    # The call is stopped at its worker after 1 s; the command waits for that end (it gave up just before it,
+    # with "no result ... within 1s", a wait of its own that said nothing of the call).
+    ran = _run(home, "tool", "run", "sleep", "{seconds: 5}", "--timeout", "1")
+    assert ran.returncode == 1 and "error: tool_timeout: tool 'sleep' timed out after 1s" in ran.stderr, ran.stderr
+
+
 def test_a_pools_json_logs_are_one_object_per_line(home: Any, redis_url: str, tmp_path: Path) -> None:
     # The processes of a pool share one stderr (a pipe under docker or systemd): a line written as two
     # write()s came out glued to another process's line.
