@@ -47,9 +47,9 @@ def tool_list(ctx: click.Context, as_json: bool) -> None:
             tools_table(entries, settings, states)
     if entries:
         return
-    from hermes_gateway.migrate import find_legacy
+    from hermes_gateway.migrate import _Unreadable, find_legacy
 
-    old = next(find_legacy(settings.home), None)
+    old = next((f for f in find_legacy(settings.home) if not isinstance(f.raw, _Unreadable)), None)  # (broken: warned)
     if old is not None:  # the seed's pitfall 7: an upgrade from v0.9 leaves the list empty until migrated
         note(f"no tools registered, but {settings.home / old.source.split('[')[0]} holds v0.9 tool specs: "
              "run `hermes-gateway migrate` to import them")
