@@ -308,6 +308,8 @@ class CallRunner:
         slot passed on with its end (``next_call``: the worker must not give it back)."""
         try:
             env = envelope_of(claimed.data)
+            if env.call_id != claimed.call_id:  # its moves would be another call's: ending it, or none
+                raise DecodeError(f"the payload of call {claimed.call_id} names another call, {env.call_id}")
         except DecodeError as e:  # (its end may take the next call onto this thread slot, as any end)
             return self._fail_undecodable(claimed, e)
         ckey = concurrency_key(env)

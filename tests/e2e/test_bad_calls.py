@@ -148,3 +148,24 @@ def test_numbers_past_the_wire_end_the_call_typed_once_and_other_calls_are_untou
     with pytest.raises(CallFailed) as info:
         huge.result(20)
     assert info.value.type == "invalid_args"  # (not internal_error: more digits than Python converts)
+
+
+def test_a_payload_naming_another_calls_id_fails_alone_and_leaves_that_call_untouched(
+    gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any
+) -> None:
+    """A job whose envelope names another call's id ran as that call: it ended a waiting call of another
+    principal with its own result, and was itself never ended (the tool ran again every lease)."""
+    home.echo_tool()
+    home.echo_tool("theirs", queue="q2")  # (no worker on q2 yet: the call waits)
+    gateway.sync_tools()
+    victim = gateway.call_tool("theirs", {"mine": 1}, principal="bob")
+    env = good_env(call_id=victim.call_id, args={"forged": 1}, queue="q2", context={"principal": "mallory"})
+    write_raw_call(conn, "forged", pack(["workers.entry.run_call", None, [env], {}]), gateway.channel)
+    [w] = workers(1, concurrency=2)
+    wait_until(lambda: all_terminal(conn, ["forged"]), 10, message="the forged call to end")
+    assert error_type(conn, "forged") == "bad_payload"
+    assert states(conn, "forged") == ["failed"]
+    assert current(conn, [victim.call_id])[victim.call_id] == "pending"  # untouched, still waiting
+    workers(1, queues="q2")
+    assert victim.result(timeout=10) == {"mine": 1}
+    assert w.alive and "Traceback" not in w.log()
