@@ -203,8 +203,9 @@ class Envelope:
                 raise DecodeError(f"envelope field {key!r} is missing or not a string")
         if kwargs.get("args") is not None and not isinstance(kwargs["args"], dict):
             raise DecodeError("envelope args must be a mapping")
-        if not isinstance(kwargs.get("context", {}), dict):
-            raise DecodeError("envelope context must be a mapping")
+        context = kwargs.get("context", {})
+        if not isinstance(context, dict) or not all(type(v) is str for v in context.values()):
+            raise DecodeError("envelope context must be a mapping of text values")  # (as clients send it)
         _check_types(kwargs, _FIELD_TYPES, "field ")
         _check_types(opts, _OPTION_TYPES, "option ")
         # Only known names, each with a default (so no TypeError); checked above, so filled in directly.

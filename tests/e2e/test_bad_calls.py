@@ -50,6 +50,13 @@ MALFORMED = {
     "pickle": b"\x80\x04\x95\x1b\x00\x00\x00\x00\x00\x00\x00\x8c\x05posix\x94\x8c\x06system\x94\x93\x94.",
     "future-version": pack(["workers.entry.run_call", None, [good_env(version=99)], {}]),
     "wrong-types": pack(["workers.entry.run_call", None, [good_env(tool_version="latest")], {}]),
+    # (a context value that is not text crashed the call's end after the tool ran: run thrice, worker_lost)
+    "context-mapping": pack(
+        ["workers.entry.run_call", None, [good_env(call_id="bad-context-mapping", context={"principal": {"a": 1}})], {}]
+    ),
+    "context-bool": pack(
+        ["workers.entry.run_call", None, [good_env(call_id="bad-context-bool", context={"principal": True})], {}]
+    ),
     "no-data": None,
 }
 
