@@ -670,7 +670,9 @@ class Usage(Hook):
         self, run: Running, state: str, result: Any, error: dict[str, Any] | None, duration: float
     ) -> Writer | None:
         principal = run.env.context.get("principal") if run.env is not None else None
-        info, tokens, who = run.info, run.usage, _labels("principal", principal) if principal else "-"
+        info, tokens = run.info, run.usage
+        # (a principal holding the separator would read back as another: its figures would be that one's)
+        who = "-" if not principal else keys.STATS_OTHER if SEP in principal else _labels("principal", principal)
         name = _labels(info.kind, info.name)
         counts = [(f"pcalls{SEP}{who}{SEP}{info.kind}{SEP}{name}", 1)]
         if tokens is not None and (tokens["in"] or tokens["out"]):

@@ -96,3 +96,19 @@ def test_an_idempotency_key_reused_by_another_principal_is_a_conflict_not_its_re
         assert reused.json()["error"]["details"] == {"key": "pay-1"}
         again = admin.post("/v1/tools/lookup/calls", json=body).json()
         assert again["call_id"] == first["call_id"] and again["result"] == {"city": "secret"}
+
+
+def test_a_principal_named_with_the_stats_separator_counts_as_other_not_as_another_principal(
+    home: Home, gateway: Any, workers: Any, conn: Any, wait_until: Any
+) -> None:
+    """``pcalls|<principal>|<kind>|<name>`` read "bob|tool|echo" as bob: its calls were bob's figures."""
+    from broker import keys
+    from workers.telemetry import read_stats
+
+    home.echo_tool()
+    gateway.sync_tools()
+    workers(1)
+    for who in ("bob", "bob|tool|echo", "bob|tool|echo"):
+        gateway.call_tool("echo", {}, principal=who).result(10)
+    stats = wait_until(lambda: sum((s := read_stats(conn)).pcalls.values()) == 3 and s, 10, message="the stats flush")
+    assert stats.pcalls == {("bob", "tool", "echo"): 1, (keys.STATS_OTHER, "tool", "echo"): 2}
