@@ -149,3 +149,45 @@ def test_a_tool_that_ignores_its_cancel_neither_holds_a_stopping_worker_nor_runs
     wait_until(lambda: current(conn, [h.call_id])[h.call_id] == "cancelled", 10, message="the call cancelled")
     time.sleep(1.0)  # a negative check, bounded: a handed-back call would start on the new worker at once
     assert Path(f"{marks}.log").read_text().splitlines() == ["start"]
+
+
+STUBBORN = (  # its first run ignores SIGTERM, forks a child and sleeps; a run after it prints at once
+    "import os, signal, sys, time\n"
+    "first = not os.path.exists(sys.argv[1])\n"
+    "open(sys.argv[1], 'a').write(f'run {os.getpid()}\\n')\n"
+    "if first:\n"
+    "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "    if os.fork() == 0:\n"
+    "        open(sys.argv[1], 'a').write(f'child {os.getpid()}\\n')\n"
+    "    time.sleep(60)\n"
+    "print('again')\n"
+)
+
+
+def test_a_command_that_ignores_sigterm_dies_with_its_stopping_worker_and_its_handed_back_call_runs_once_more(
+    gateway: Any, home: Any, workers: Any, conn: Any, wait_until: Any, tmp_path: Path
+) -> None:
+    """The worker's wait for its call threads (grace + 2 s) ended before the command's kill_grace (2 s) did:
+    the command and its child ran on beside the handed-back call's next run."""
+    import psutil
+
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    home.tool("stubborn", executor="command", command=[sys.executable, "-c", STUBBORN, "{{path}}"], timeout=120)
+    gateway.sync_tools()
+    [first] = workers(1, grace=GRACE)
+    log = tmp_path / "runs"
+    h = gateway.call_tool("stubborn", {"path": str(log)})
+    wait_until(lambda: log.exists() and len(log.read_text().splitlines()) == 2, 10, message="the command and child")
+    first.terminate()
+    assert first.wait(GRACE + 8) == 0
+    assert "handed_back=1" in first.log()
+    pids = [int(line.split()[1]) for line in log.read_text().splitlines()]
+    wait_until(lambda: not any(running(p) for p in pids), 3, message="the command and its child to die")
+    workers(1, grace=GRACE)
+    assert h.result(timeout=20) == "again"
+    assert [line.split()[0] for line in log.read_text().splitlines()] == ["run", "child", "run"]

@@ -304,6 +304,7 @@ class CommandExecutor:
 
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = settings
+        self.running: dict[str, subprocess.Popen[bytes]] = {}  # run mark -> its command, while it runs
 
     @staticmethod
     def check(where: str, data: Mapping[str, Any]) -> None:
@@ -347,12 +348,14 @@ class CommandExecutor:
             raise ExecutorError(f"{where}: command not executable: {argv[0]}", command=argv[0]) from e
         except OSError as e:
             raise ExecutorError(f"{where}: cannot start {argv[0]}: {e}", command=argv[0]) from e
+        self.running[env[RUN_MARK]] = proc
         try:
             out, err = _communicate(proc, stdin_data, ctx, max_output, where, env[RUN_MARK])
         except BaseException:
             _kill_group(proc, grace, env[RUN_MARK])
             raise
         finally:
+            self.running.pop(env[RUN_MARK], None)
             for stream in (proc.stdin, proc.stdout, proc.stderr):
                 if stream is not None:
                     stream.close()
@@ -375,7 +378,10 @@ class CommandExecutor:
         return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
 
     def close(self) -> None:
-        pass
+        """Kill the commands still running: a stopping worker handed their calls back (they run again
+        elsewhere), and one that ignores SIGTERM would outlive the worker inside its ``kill_grace``."""
+        for mark, proc in list(self.running.items()):
+            _signal_group(proc, signal.SIGKILL, _strays(proc) + _marked(mark))
 
 
 def _communicate(
