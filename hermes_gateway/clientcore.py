@@ -59,6 +59,7 @@ from hermes_gateway.tracing import Headers, Sending
 log = structlog.get_logger("hermes.client")
 
 MAX_FAIRNESS_KEY = 256  # characters of a fairness key (it is a field of a hash in Redis)
+MAX_IDEMPOTENCY_KEY = 256  # characters of an idempotency key (a Redis key's name, kept with the call)
 WORKERS_TRUSTED = 5.0  # seconds a queue seen with a live worker is not checked again (check_workers)
 ENDED_KEPT = 1000  # ended calls' handles the asyncio client keeps for `handle(id)` (the HTTP API's streams)
 ENDED_EVENTS_KEPT = 100_000  # and the events they hold at most (~1 KB each; a streamed reply has one a chunk)
@@ -201,9 +202,13 @@ class CallOptions:
     def envelope_options(self) -> Options:
         """The envelope's options, with a typed error for a bad fairness key or class (``call_class``:
         ``interactive`` or ``batch``)."""
-        fkey, klass = self.fairness_key, self.call_class
+        fkey, klass, idem = self.fairness_key, self.call_class, self.idempotency_key
         if fkey is not None and (not isinstance(fkey, str) or not fkey or len(fkey) > MAX_FAIRNESS_KEY):
-            raise InvalidArgs(f"fairness_key must be a non-empty string of at most {MAX_FAIRNESS_KEY} characters, got {fkey!r}")
+            raise InvalidArgs(f"fairness_key must be a non-empty string of at most {MAX_FAIRNESS_KEY} characters, "
+                              f"got {fkey!r:.80}")
+        if idem is not None and (not isinstance(idem, str) or len(idem) > MAX_IDEMPOTENCY_KEY):
+            raise InvalidArgs(f"idempotency_key must be a string of at most {MAX_IDEMPOTENCY_KEY} characters, "
+                              f"got {idem!r:.80}")
         if klass is not None and klass not in CALL_CLASSES:
             raise InvalidArgs(f"call_class must be one of {', '.join(CALL_CLASSES)}, got {klass!r}")
         timeout, attempts = self.timeout, self.max_attempts

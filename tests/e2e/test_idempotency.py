@@ -156,3 +156,23 @@ def test_http_answers_a_conflict_with_409(tools: None, gateway: Any, workers: An
         assert error["type"] == "idempotency_conflict"
         assert error["details"] == {"key": "h-1", "call_id": call_id, "tool": "echo", "kind": "tool"}
     assert "cannot be reused for tool 'sleep'" in other_tool.json()["error"]["message"]
+
+
+def test_an_idempotency_key_of_a_megabyte_is_refused_at_the_edge_and_nothing_is_stored(
+    tools: None, gateway: Any, workers: Any, conn: Any
+) -> None:
+    """It was taken: a Redis key's name, a field of the job and a part of its payload, kept with the call
+    (three copies of up to the 32 MB body limit per call, outside max_args)."""
+    workers(1)
+    served = Served(gateway)
+    try:
+        with httpx.Client(base_url=served.base, timeout=30) as api:
+            huge = api.post("/v1/tools/echo/calls", json={"args": {}, "idempotency_key": "k" * (1 << 20), "wait": 10})
+            fine = api.post("/v1/tools/echo/calls", json={"args": {}, "idempotency_key": "k" * 256, "wait": 10})
+    finally:
+        served.stop()
+    assert huge.status_code == 400 and len(huge.content) < 1000
+    assert huge.json()["error"]["type"] == "invalid_args" and "at most 256 characters" in huge.json()["error"]["message"]
+    assert fine.status_code == 200 and fine.json()["state"] == "done"
+    assert conn.exists(idem("k" * 256)) and not conn.exists(idem("k" * (1 << 20)))
+    assert len(list(conn.scan_iter(keys.job("*")))) == 1  # the fine call's alone
