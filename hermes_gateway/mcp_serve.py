@@ -22,9 +22,10 @@ import structlog
 from mcp.server.lowlevel.server import NotificationOptions, Server
 
 from broker import events as ev_mod
-from broker.errors import HermesError, UnknownTool
+from broker.errors import HermesError, InvalidArgs, UnknownTool
 from hermes_gateway import __version__
 from hermes_gateway.credentials import CALLER_SCOPE_KEY, Caller
+from hermes_gateway.http_json import dumps
 
 MAX_SESSIONS = 10_000  # handshake-era sessions remembered for list_changed (the SDK's default session cap)
 
@@ -135,11 +136,11 @@ def build_server(
 
     async def call_tool(ctx: Any, params: Any) -> types.CallToolResult:
         try:
-            result = await run(ctx, params.name, dict(params.arguments or {}))
+            result = await run(ctx, params.name, _strict(dict(params.arguments or {})))
         except HermesError as e:
             kind = getattr(e, "error_type", None) or e.type
             return types.CallToolResult(content=[types.TextContent(type="text", text=f"{kind}: {e}")], is_error=True)
-        text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
+        text = result if isinstance(result, str) else dumps(result)  # (strict JSON, as the HTTP API answers)
         return types.CallToolResult(
             content=[types.TextContent(type="text", text=text)],
             structured_content=result if isinstance(result, dict) else None,
@@ -153,6 +154,15 @@ def build_server(
         on_call_tool=call_tool,
         on_subscriptions_listen=ListenHandler(bus),
     )
+
+
+def _strict(args: dict[str, Any]) -> dict[str, Any]:
+    """``args``, refused when they hold NaN or Infinity (the SDK reads them; JSON, and the HTTP API, do not)."""
+    try:
+        json.dumps(args, allow_nan=False)
+    except ValueError as e:
+        raise InvalidArgs("arguments hold NaN or Infinity, which JSON has no number for") from e
+    return args
 
 
 def _text(value: Any) -> str | None:

@@ -346,3 +346,33 @@ def test_the_mcp_client_in_the_docs_runs_as_printed(
         proc.wait(10)
     assert proc.returncode == 0, rest
     assert rest and rest[0].startswith("tools now: ") and "late0" in rest[0], rest
+
+
+def test_nan_or_infinity_in_arguments_is_invalid_args_and_a_results_text_is_strict_json(
+    home: Home, serve: Any, workers: Any, conn: Any
+) -> None:
+    """The SDK reads NaN and Infinity: such arguments reached the tool (the HTTP API refuses them); and a
+    result holding one came back as text no JSON reader takes ('Infinity'), bytes as a Python repr."""
+    import json
+
+    configure(home)
+    home.tool("odd", function="tests.workers.executors.pyfuncs:non_finite", permissions=["read_only"])
+    workers(1)
+    server = serve()
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json",
+               "Authorization": f"Bearer {ALICE}"}
+
+    def call(name: str, arguments: bytes) -> dict[str, Any]:
+        body = b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"%s","arguments":%s}}'
+        response = httpx.post(server.url, content=body % (name.encode(), arguments), headers=headers, timeout=30)
+        assert response.status_code == 200, response.text
+        data = next(line for line in response.text.splitlines() if line.startswith("data:"))
+        return json.loads(data[5:])["result"]
+
+    for arguments in (b'{"city": "x", "n": Infinity}', b'{"city": "x", "n": [NaN]}', b'{"city": "x", "n": -Infinity}'):
+        refused = call("lookup", arguments)
+        assert refused["isError"] and refused["content"][0]["text"].startswith("invalid_args: arguments hold NaN")
+    assert _jobs(conn, "lookup") == []  # refused before anything was submitted
+    odd = call("odd", b"{}")
+    assert not odd["isError"]
+    assert json.loads(odd["content"][0]["text"], parse_constant=lambda c: 1 / 0) == {"nan": None, "inf": None, "ok": 1.5}
