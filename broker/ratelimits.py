@@ -101,17 +101,23 @@ class RateLimiter:
         holds at once), not only once another call is submitted."""
         limit = RateLimit.parse(f"tool {spec.name!r}", spec.config.get("rate_limit"))
         n, ckey = keys.partition_count(spec), f"tool:{spec.name}"
+        tags = [keys.tag(q) for q in keys.partition_names(str(spec.config.get("queue") or "tools"), n)]
         pipe = self.conn.pipeline(transaction=False)
-        for i, q in enumerate(keys.partition_names(str(spec.config.get("queue") or "tools"), n)):
-            tag = keys.tag(q)
-            if limit is None:
+        for i, tag in enumerate(tags):
+            if limit is None:  # (removed, if it had one: only then do its timers fire)
                 pipe.hdel(keys.rate(tag, ckey), "rpm", "rps", "tpm")
             else:
                 share = limit.share(n, i)
                 pipe.hset(keys.rate(tag, ckey), mapping={"rpm": share.rpm, "rps": share.rps, "tpm": share.tpm})
                 pipe.sadd(keys.rates(tag), ckey)
-            pipe.zadd(keys.rate_due(tag), {ckey: 0})
-        pipe.execute()
+        changed = pipe.execute()
+        if limit is None:
+            tags = [tag for tag, removed in zip(tags, changed, strict=True) if removed]
+        if tags:
+            pipe = self.conn.pipeline(transaction=False)
+            for tag in tags:
+                pipe.zadd(keys.rate_due(tag), {ckey: 0})
+            pipe.execute()
 
     def pause(self, call_id: str, queue: str, ckey: str, seconds: float) -> float:
         """Pause the key for the whole fleet ``seconds`` from now; returns the pause's end (unix s)."""
