@@ -8,6 +8,7 @@ refused commands in order. Replies come back as ``Pipeline.execute(raise_on_erro
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -175,6 +176,27 @@ def stock(pipe: Any, keep_trying: KeepTrying | None = None, on_settled: Settled 
             pipe.execute_command(*args, **options)
         pipe.hermes_evals = evals
         for i, reply in zip(refused, _stock_once(pipe), strict=True):
+            replies[i] = reply
+    return replies
+
+
+async def resent(pipe: Any, keep_trying: KeepTrying) -> list[Any]:
+    """``await pipe.execute(raise_on_error=False)``; on an asyncio cluster pipeline, what a moving slot
+    refused is sent again as ``stock`` does (redis-py's asyncio client too gives up within half a second)."""
+    strategy = getattr(pipe, "_execution_strategy", None)  # (a plain pipeline has none: nothing moves)
+    queued = [(c.args, c.kwargs) for c in strategy._command_queue] if strategy is not None else []
+    replies: list[Any] = await pipe.execute(raise_on_error=False)
+    delay, rounds = 0.05, 0
+    while queued:
+        refused = [i for i, r in enumerate(replies) if moving(r)]
+        if not refused or not keep_trying(rounds, replies[refused[0]]):
+            break
+        rounds += 1
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.5)
+        for i in refused:
+            pipe.execute_command(*queued[i][0], **queued[i][1])
+        for i, reply in zip(refused, await pipe.execute(raise_on_error=False), strict=True):
             replies[i] = reply
     return replies
 

@@ -13,7 +13,7 @@ import structlog
 from redis import RedisError
 
 from broker import events as ev_mod
-from broker import keys, scripts
+from broker import keys, pipes, scripts
 from broker.codec import text, unpack
 from broker.config import Settings, load_settings
 from broker.connection import BrokerHandle, answered, async_from_url, connect
@@ -246,7 +246,8 @@ class AsyncGateway(ClientCore[AsyncCallHandle]):
     async def _send_chunk(self, chunk: list[tuple[Envelope, dict[str, Any], AsyncCallHandle]]) -> tuple[list[Any], Any]:
         await self._subscribed()
         await self._list(dict.fromkeys(env.queue for env, _, _ in chunk))
-        return await await_steps(self.pipelined(chunk, lambda pipe: pipe.execute(raise_on_error=False)))
+        keep_trying = pipes.for_seconds(pipes.SUBMIT_PATIENCE)  # (a SUBMIT a moving slot refused did not run)
+        return await await_steps(self.pipelined(chunk, lambda pipe: pipes.resent(pipe, keep_trying)))
 
     # -- events ----------------------------------------------------------------------------------
 

@@ -97,3 +97,16 @@ def test_a_cluster_pipeline_queues_args_and_options_on_its_execution_strategy() 
         (("EVALSHA", "f00", 1, "{q}k", "a"), {}),
         (("SET", "k", "v"), {"ex": 5}),
     ]
+
+
+def test_an_asyncio_cluster_pipeline_queues_args_and_kwargs_on_its_execution_strategy() -> None:
+    """pipes.resent reads an asyncio cluster pipeline's queued commands there, as pipes.stock a sync one's."""
+    import redis.asyncio.cluster
+
+    pipe: Any = redis.asyncio.cluster.ClusterPipeline(None)  # type: ignore[arg-type, abstract]
+    pipe.execute_command("EVALSHA", "f00", 1, "{q}k", "a")
+    pipe.execute_command("SET", "k", "v", ex=5)
+    assert [(c.args, c.kwargs) for c in pipe._execution_strategy._command_queue] == [
+        (("EVALSHA", "f00", 1, "{q}k", "a"), {}),
+        (("SET", "k", "v"), {"ex": 5}),
+    ]

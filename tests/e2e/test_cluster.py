@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -643,3 +644,40 @@ def test_an_outbox_write_a_moving_slot_refuses_holds_back_only_its_own_callback(
     finally:
         box.close()
         conn.close()
+
+
+def test_an_http_call_submitted_while_its_queues_slot_moves_waits_for_the_slot_instead_of_a_503(
+    cluster: Cluster, cgateway: Any, cworkers: Any, home: Any
+) -> None:
+    """The HTTP API submits on the asyncio client, which sent a SUBMIT refused by a moving slot (TRYAGAIN) on
+    to redis-py alone: it gave up within half a second, a 503 "TTL exhausted", where the sync client waits
+    the move out (``pipes.SUBMIT_PATIENCE``)."""
+    import httpx
+
+    from tests.e2e.test_http_api import Served
+
+    home.sleep_tool()
+    cgateway.sync_tools()
+    cworkers(1, queues="tools", concurrency=4)
+    assert cgateway.call_tool("sleep", {"seconds": 0.01}).result(timeout=20) == {"slept": 0.01}  # (the queue's keys)
+    slot = cgateway.conn.keyslot(keys.queue("tools"))
+    src = cluster.slot_owner(slot)
+    dst = next(p for p in cluster.ports if p != src)
+    served, pool = Served(cgateway), ThreadPoolExecutor(1)
+    try:
+        with httpx.Client(base_url=served.base, timeout=30) as api:
+            cluster.node(dst).execute_command("CLUSTER SETSLOT", slot, "IMPORTING", cluster.node_id(src))
+            cluster.node(src).execute_command("CLUSTER SETSLOT", slot, "MIGRATING", cluster.node_id(dst))
+            try:  # (a new call's record is not on the source yet, its queue is: TRYAGAIN until the slot settles)
+                posted = pool.submit(api.post, "/v1/tools/sleep/calls", json={"args": {"seconds": 0.01}, "wait": 20})
+                time.sleep(1.5)  # three times what redis-py waits on its own
+                assert not posted.done(), posted.result().text
+            finally:
+                for port in (src, dst):  # the move called off: the slot is its source's again
+                    cluster.node(port).execute_command("CLUSTER SETSLOT", slot, "STABLE")
+            reply = posted.result(30)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["state"] == "done" and reply.json()["result"] == {"slept": 0.01}
+    finally:
+        pool.shutdown()
+        served.stop()
