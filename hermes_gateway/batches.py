@@ -22,11 +22,11 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from broker import durability, events, keys, pipes, scripts
+from broker import durability, events, keys, scripts
 from broker.calls import Calls
 from broker.codec import pack, raw, text, unpack
 from broker.errors import CallCancelled, DecodeError, HermesError, InvalidArgs, QueueFull, UnknownBatch
-from hermes_gateway.clientcore import CallOptions, run_steps, tool_envelope, tool_limits
+from hermes_gateway.clientcore import CallOptions, tool_envelope, tool_limits
 
 if TYPE_CHECKING:
     from hermes_gateway.client import Gateway
@@ -499,7 +499,7 @@ class Submitter:
         """SUBMIT ``prepared`` in one pipeline; returns the ones refused with QueueFull. With
         ``broker.wait_replicas``, a chunk too few replicas confirmed is cancelled, as ``call_tool`` cancels
         its call, and BrokerNotDurable stops the submitter (``wait()`` raises it)."""
-        replies, acked = run_steps(self.gw.pipelined(prepared, pipes.execute))
+        replies, acked = self.gw._send_chunk(prepared)  # (as call_tool's: a moving slot is waited out)
         if acked is not None:
             what = f"batch {self.id}: {len(prepared)} call(s) not accepted"
             error = durability.shortfall(acked, self.gw.settings, what, batch_id=self.id)

@@ -33,3 +33,35 @@ def test_a_partitioned_batch_on_a_cluster_ends_each_item_once_and_a_resume_runs_
     assert sorted(r.index for r in again.results()) == list(range(90))
     runs = _runs(marks)
     assert sorted(runs) == list(range(90)) and set(runs.values()) == {1}
+
+
+def test_a_batch_submitted_while_its_queues_slot_moves_waits_for_the_slot_and_runs_each_item_once(
+    cluster: Any, cgateway: Any, cworkers: Any, home: Any, tmp_path: Path  # noqa: F811
+) -> None:
+    """The batch submitter sent its chunks with no patience for a moving slot: the first SUBMIT refused
+    (TRYAGAIN) stopped the batch ("submission failed: TTL exhausted."), a chunk of it never sent."""
+    import time
+
+    from broker import keys
+
+    home.tool("mark", function=MARK, timeout=20, concurrency=8)
+    cgateway.sync_tools()
+    cworkers(1, concurrency=8)
+    marks = tmp_path / "marks"
+    assert cgateway.call_tool("mark", {"i": -1, "path": str(tmp_path / "first")}).result(20)  # (the queue's keys)
+    slot = cgateway.conn.keyslot(keys.queue("tools"))
+    src = cluster.slot_owner(slot)
+    dst = next(p for p in cluster.ports if p != src)
+    cluster.node(dst).execute_command("CLUSTER SETSLOT", slot, "IMPORTING", cluster.node_id(src))
+    cluster.node(src).execute_command("CLUSTER SETSLOT", slot, "MIGRATING", cluster.node_id(dst))
+    try:  # (a new call's record is not on the source, its queue is: TRYAGAIN until the slot settles)
+        job = cgateway.batch("mark", [{"i": i, "path": str(marks)} for i in range(40)])
+        time.sleep(1.5)  # three times what redis-py waits on its own
+        assert job.error is None, job.error
+    finally:
+        for port in (src, dst):  # the move called off: the slot is its source's again
+            cluster.node(port).execute_command("CLUSTER SETSLOT", slot, "STABLE")
+    p = job.wait(30)
+    assert p.complete and p.counts == {"done": 40}
+    runs = _runs(marks)
+    assert sorted(runs) == list(range(40)) and set(runs.values()) == {1}
