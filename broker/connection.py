@@ -143,7 +143,7 @@ async def async_from_url(url: str, **kwargs: Any) -> Any:
             await _close(conn)
             conn = redis.asyncio.cluster.RedisCluster.from_url(url, **kwargs)
         await conn.ping()
-    except (redis.RedisError, OSError, ValueError) as e:
+    except (redis.RedisError, redis.exceptions.RedisClusterException, OSError, ValueError) as e:
         await _close(conn)
         raise _unreachable(url, e) from e
     return conn
@@ -155,6 +155,11 @@ def _unreachable(url: str, error: Exception) -> BrokerUnavailable:
         return BrokerUnavailable(f"no primary at {redact_url(url)}: {sentinels_say(url)}")
     if isinstance(error, redis.AuthenticationError):
         return BrokerUnavailable(f"Redis at {redact_url(url)} refused the credentials: {error}")
+    if "Cluster mode is not enabled" in str(error):  # (redis-py's words for a seed that is a single Redis)
+        return BrokerUnavailable(
+            f"{redact_url(url)} names no Redis Cluster: cluster mode is not enabled on its node(s); "
+            "name a single Redis as redis://host:port"
+        )
     if url.partition("://")[0].lower() not in URL_SCHEMES:  # (redis-py's own message leaves ours out)
         return BrokerUnavailable(
             f"{redact_url(url)} is not a Redis URL (one starts with {', '.join(s + '://' for s in URL_SCHEMES)})"

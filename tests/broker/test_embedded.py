@@ -141,3 +141,19 @@ def test_redact_url(url: str, shown: str) -> None:
 )
 def test_redact_url_masks_a_query_string_password(url: str, shown: str) -> None:
     assert redact_url(url) == shown
+
+
+def test_a_cluster_url_naming_a_single_redis_says_so_from_the_sync_and_the_asyncio_client(redis_url: str) -> None:
+    """The asyncio client let redis-py's RedisClusterException through (no BrokerUnavailable), and both
+    said "cannot reach" a Redis that answered."""
+    import asyncio
+
+    from broker.connection import async_from_url
+
+    url = "redis+cluster://" + redis_url.split("//", 1)[1].split("/", 1)[0]
+    for connecting in (lambda: from_url(url), lambda: asyncio.run(async_from_url(url))):
+        with pytest.raises(BrokerUnavailable) as info:
+            connecting()
+        message = str(info.value)
+        assert "names no Redis Cluster: cluster mode is not enabled" in message and "redis://host:port" in message
+        assert message.startswith(url) and "cannot reach" not in message
