@@ -206,17 +206,20 @@ class SentinelStack:
 
 
 class ClusterStack:
-    """``primaries`` cluster-enabled redis-server processes (no replicas) joined by ``redis-cli --cluster
-    create``; every slot is served."""
+    """``primaries`` cluster-enabled redis-server processes, each with ``replicas`` replicas, joined by
+    ``redis-cli --cluster create``; every slot is served. A killed primary's replica takes over after
+    ``cluster-node-timeout`` (1 s)."""
 
-    def __init__(self, primaries: int = 3, workdir: Path | None = None) -> None:
+    def __init__(self, primaries: int = 3, workdir: Path | None = None, replicas: int = 0) -> None:
         self.dir = workdir or Path(tempfile.mkdtemp(prefix="hermes-cluster-"))
         self._own_dir = workdir is None
+        self.replicas = replicas
         self.nodes = []
-        for i in range(primaries):
+        for i in range(primaries * (1 + replicas)):
             port = cluster_port()
             args = [redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--dir", str(self.dir / f"c{i}")]
+            args += ["--cluster-node-timeout", "1000"] if replicas else []  # (15 s: no primary lost under load)
             self.nodes.append(Server(port, args, self.dir / f"c{i}", f"cluster node {i}"))
 
     def url(self) -> str:
@@ -230,8 +233,9 @@ class ClusterStack:
         return redis.Redis(host="127.0.0.1", port=port)
 
     def slot_owner(self, slot: int) -> int:
-        """The port of the primary serving ``slot``."""
-        for lo, hi, primary, *_ in self.node(self.ports[0]).execute_command("CLUSTER SLOTS"):
+        """The port of the primary serving ``slot`` (as the first live node sees it)."""
+        alive = next(n.port for n in self.nodes if n.pid is not None)
+        for lo, hi, primary, *_ in self.node(alive).execute_command("CLUSTER SLOTS"):
             if lo <= slot <= hi:
                 return int(primary[1])
         raise LookupError(slot)
@@ -269,13 +273,15 @@ class ClusterStack:
             cli = shutil.which("redis-cli") or str(Path(redis_server()).with_name("redis-cli"))
             addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
             subprocess.run(
-                [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+                [cli, "--cluster", "create", *addrs, "--cluster-replicas", str(self.replicas), "--cluster-yes"],
                 check=True,
                 stdout=subprocess.DEVNULL,
                 timeout=60,
             )
             first = self.nodes[0].client()
             _wait(lambda: first.cluster("info")["cluster_state"] == "ok", 30, "cluster_state:ok")
+            for c in [n.client() for n in self.nodes] if self.replicas else []:
+                _wait(lambda c=c: c.info("replication").get("master_link_status", "up") == "up", 30, "replicas to sync")
         except BaseException:
             self.stop()
             raise

@@ -681,3 +681,51 @@ def test_an_http_call_submitted_while_its_queues_slot_moves_waits_for_the_slot_i
     finally:
         pool.shutdown()
         served.stop()
+
+
+def test_a_primary_killed_mid_batch_is_replaced_by_its_replica_and_every_accepted_call_ends(
+    home: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cluster node failover (docs/reliability.md): the primary of the queue's slot killed (-9) while
+    calls run, its replica promoted; every call ends done, each ran (counted from the tool's side), a
+    rerun is reported as a later attempt, and calls submitted after the promotion go through."""
+    from collections import Counter
+
+    from hermes_gateway.client import Gateway
+
+    with Cluster(3, tmp_path / "cluster", replicas=1) as cl:
+        monkeypatch.setenv("HERMES_REDIS_URL", cl.url())
+        runs = tmp_path / "runs.log"
+        home.tool("counted", function="tests.e2e.flowtools:counted", timeout=30, concurrency=60, queue_size=1000,
+                  input_schema={"type": "object"})
+        logs = tmp_path / "logs"
+        logs.mkdir()
+        workers = WorkerFactory(cl.url(), home, logs)
+        gw = Gateway.connect(cl.url(), home=str(home.path), embedded_ok=False)
+        try:
+            gw.sync_tools()
+            workers(2, concurrency=16, lease=2.0)
+            ids = [h.call_id for h in gw.map("counted", [{"seconds": 0.25, "log": str(runs)}] * 200).accepted]
+            assert len(ids) == 200
+            slot = gw.conn.keyslot(keys.queue("tools"))
+            old = cl.slot_owner(slot)
+            wait_until(lambda: runs.exists() and len(runs.read_text().splitlines()) >= 30, 30, message="calls running")
+            next(n for n in cl.nodes if n.port == old).kill()
+            wait_until(lambda: cl.slot_owner(slot) != old, 30, 0.1, "the replica to be promoted")
+            late = gw.map("counted", [{"seconds": 0.25, "log": str(runs)}] * 20)
+            assert len(late.accepted) == 20
+            ids += [h.call_id for h in late.accepted]
+
+            def ended() -> list[dict[str, Any]] | None:
+                records = [gw.calls.record(cid) for cid in ids]
+                return records if all(r and r["state"] in ("done", "failed", "cancelled") for r in records) else None
+
+            records = wait_until(ended, 60, 0.2, "every call ended")
+            assert Counter(r["state"] for r in records) == {"done": 220}
+            counts = Counter(line.split()[0] for line in runs.read_text().splitlines())
+            assert set(counts) == set(ids)
+            attempts = {r["call_id"]: r["attempt"] for r in records}
+            assert all(attempts[cid] > 1 for cid, n in counts.items() if n > 1), counts
+        finally:
+            gw.close()
+            workers.stop_all()
