@@ -13,7 +13,16 @@ from typing import IO, Any
 import click
 
 from broker.errors import HermesError
-from hermes_gateway.cli.common import POSITIVE, WAIT_SECONDS, fail, failing, note, open_gateway, settings_of, sync_tools
+from hermes_gateway.cli.common import (
+    POSITIVE,
+    WAIT_SECONDS,
+    fail,
+    failing,
+    note,
+    open_gateway,
+    settings_of,
+    sync_tools,
+)
 
 
 @click.group()
