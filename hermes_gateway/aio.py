@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
+import weakref
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 import redis.asyncio as aioredis
@@ -24,6 +26,7 @@ from broker.toolspec import ToolSpec
 from hermes_gateway.aio_handle import AsyncBatch, AsyncCallHandle
 from hermes_gateway.clientcore import (
     ENDED_KEPT,
+    LIVE_GRACE,
     CallOptions,
     ClientCore,
     WorkerCheck,
@@ -55,7 +58,12 @@ class AsyncGateway(ClientCore[AsyncCallHandle]):
         # (Gateway's worker check, on the broker's sync connection, run in a thread)
         self.workers = WorkerCheck(broker, settings, check_workers) if broker is not None else None
         self._wanted: set[str] = set()
-        self._confirmed: dict[str, asyncio.Event] = {}
+        self._confirmed: dict[str, asyncio.Event] = {}  # set by the event task when a subscription is confirmed
+        self._pubsub.ignore_subscribe_messages = False  # (it reads the confirmations: ``_next_message``)
+        # Other clients' calls: one handle each while anyone holds it, and the channels of those followed
+        # (``following``) with how many such calls each carries.
+        self._foreign: weakref.WeakValueDictionary[str, AsyncCallHandle] = weakref.WeakValueDictionary()
+        self._follows: Counter[str] = Counter()
         self._tools: dict[str, Entry] = {}
         self._tools_gen = 0  # bumped by every change notice: a fetch that raced one is not cached
         self._task: asyncio.Task[None] | None = None
@@ -235,7 +243,43 @@ class AsyncGateway(ClientCore[AsyncCallHandle]):
         return await await_steps(self._cancel(call_id))
 
     def _new_handle(self, call_id: str, name: str, kind: str = "tool", *, own: bool = True) -> AsyncCallHandle:
-        return AsyncCallHandle(self, call_id, name, kind, own=own)
+        handle = AsyncCallHandle(self, call_id, name, kind, own=own)
+        return handle if own else self._foreign.setdefault(call_id, handle)  # (its followers share one)
+
+    @contextlib.asynccontextmanager
+    async def following(self, handle: AsyncCallHandle) -> AsyncIterator[None]:
+        """Hear another client's call live while in the block (its history, polled, is trimmed to the end
+        when it ends, and the events just before are lost): the handle is routed to, and the channel its
+        events are published on is subscribed, confirmed before the history is read again, so each event
+        is heard or read. Counted: the handle, and a channel several followed calls share, go with the last."""
+        if handle.own or handle.done():
+            yield
+            return
+        raw = await self.conn.hget(keys.job(handle.call_id), keys.F_CHANNEL)
+        channel = text(raw) if raw is not None else None  # (None: it has ended)
+        handle.followers += 1
+        self.router.track(handle)
+        try:
+            if channel is not None:
+                self._follows[channel] += 1
+                if self._follows[channel] == 1:
+                    self._confirmed[channel] = asyncio.Event()
+                    await (self._pubsub.ssubscribe if self.cluster else self._pubsub.subscribe)(channel)
+                with contextlib.suppress(TimeoutError):  # (unconfirmed: the history is still read every second)
+                    await asyncio.wait_for(self._confirmed[channel].wait(), SUBSCRIBE_WAIT)
+            await handle.sync(LIVE_GRACE)
+            yield
+        finally:
+            handle.followers -= 1
+            if not handle.followers:
+                self.router.drop(handle.call_id, handle)
+            if channel is not None:
+                self._follows[channel] -= 1
+                if not self._follows[channel]:
+                    del self._follows[channel], self._confirmed[channel]
+                    with contextlib.suppress(RedisError, OSError):
+                        if not self.shut:
+                            await (self._pubsub.sunsubscribe if self.cluster else self._pubsub.unsubscribe)(channel)
 
     async def _ensure_workers(self, queues: Iterable[str]) -> None:
         """``WorkerCheck.ensure``, in a thread when a queue is not trusted yet."""
@@ -293,15 +337,13 @@ class AsyncGateway(ClientCore[AsyncCallHandle]):
 
     async def _next_message(self) -> Any:
         """The next message: on a cluster the directory's notices, then the sharded channels in turn."""
-        if not self.cluster:
-            return await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-        msg = await self._pubsub.get_message(timeout=0.0)
+        msg = await self._pubsub.get_message(timeout=0.0 if self.cluster else 1.0)
         if msg is None and self._pubsub.shard_channels:
             msg = await self._pubsub.get_sharded_message(timeout=CLUSTER_POLL)
-        elif msg is None:
+        elif msg is None and self.cluster:
             await asyncio.sleep(CLUSTER_POLL)
-        if msg is not None and msg["type"] == "ssubscribe":
-            self._confirmed.setdefault(text(msg["channel"]), asyncio.Event()).set()
+        if msg is not None and msg["type"] in ("subscribe", "ssubscribe") and text(msg["channel"]) in self._confirmed:
+            self._confirmed[text(msg["channel"])].set()
         return msg if msg is None or msg["type"] in ("message", "smessage") else None
 
     async def _dispatch(self) -> None:

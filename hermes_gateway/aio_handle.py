@@ -30,6 +30,12 @@ class AsyncCallHandle(CallState):
         super().__init__(gateway.router, call_id, name, kind, own=own)
         self.gateway = gateway
         self._signal = asyncio.Event()  # set (and replaced) whenever something new arrives
+        self.followers = 0  # events() following it, when it is another client's call (``AsyncGateway.following``)
+
+    @property
+    def heard(self) -> bool:
+        """Whether its events come live: ours, or another client's call being followed."""
+        return self.own or self.followers > 0
 
     def _changed(self, event: Event | None) -> None:
         self._signal.set()
@@ -43,7 +49,7 @@ class AsyncCallHandle(CallState):
         seen = self.last_seq
         stored, end = await pipe.execute()
         history = ev_mod.unseen(stored, end, seen, self.call_id)
-        if live_grace > 0 and self.own and ev_mod.ends_past_a_gap(history, seen):
+        if live_grace > 0 and self.heard and ev_mod.ends_past_a_gap(history, seen):
             deadline = time.monotonic() + live_grace
             while not self.done() and (left := deadline - time.monotonic()) > 0:
                 try:
@@ -60,7 +66,7 @@ class AsyncCallHandle(CallState):
         if left is not None and left <= 0:
             raise CallTimeout(f"no result for call {self.call_id} ({self.name}) in time",
                               call_id=self.call_id)
-        quiet = _RESYNC if self.own else _POLL
+        quiet = _RESYNC if self.heard else _POLL
         try:
             await asyncio.wait_for(signal.wait(), quiet if left is None else min(left, quiet))
         except TimeoutError:
@@ -79,19 +85,20 @@ class AsyncCallHandle(CallState):
         """Every event of the call in order (those already seen first), until the terminal one."""
         deadline = None if timeout is None else time.monotonic() + timeout
         i = 0
-        while True:
-            while i >= len(self._events):
-                if self.refused is not None or self.abandoned is not None:
+        async with self.gateway.following(self):
+            while True:
+                while i >= len(self._events):
+                    if self.refused is not None or self.abandoned is not None:
+                        return
+                    try:
+                        await self._next_change(deadline)
+                    except CallTimeout:
+                        return
+                event = self._events[i]
+                i += 1
+                yield event
+                if event.terminal:
                     return
-                try:
-                    await self._next_change(deadline)
-                except CallTimeout:
-                    return
-            event = self._events[i]
-            i += 1
-            yield event
-            if event.terminal:
-                return
 
     async def cancel(self) -> bool:
         """Ask for the call to stop: at once while it waits, through its worker while it runs."""

@@ -266,3 +266,33 @@ def test_close_ends_the_waits_of_calls_in_flight_and_refuses_new_calls(
         gw.close()
         with pytest.raises(GatewayClosed):
             gw.call_tool("echo", {"x": 1})
+
+
+def test_500_calls_of_other_clients_followed_live_leave_no_subscription_or_handle_behind(
+    redis_url: str, home: Home, tools: None, gateway: Any, workers: Any, conn: Any
+) -> None:
+    from hermes_gateway.client import Gateway
+
+    with Gateway.connect(redis_url, home=str(home.path), embedded_ok=False, check_workers=False) as second:
+        ids = [h.call_id for gw in (gateway, second) for h in gw.map("echo", [{"i": i} for i in range(250)])]
+        channels = [gateway.channel, second.channel]  # (each submitter's: the followed calls share them)
+
+        async def follow(gw: AsyncGateway, call_id: str) -> list[int]:
+            return [ev.seq async for ev in (await gw.handle(call_id)).events(timeout=60)]
+
+        async def scenario(gw: AsyncGateway) -> Any:
+            before = dict(gw._pubsub.channels)
+            followers = [asyncio.ensure_future(follow(gw, call_id)) for call_id in ids]
+            while sum(gw._follows.values()) < len(ids):  # every call followed: now they may run
+                await asyncio.sleep(0.05)
+            assert sorted(gw._follows) == sorted(channels) and len(gw.router.handles) == len(ids)
+            await asyncio.to_thread(workers)
+            seqs = await asyncio.gather(*followers)
+            while gw._pubsub.channels != before:  # (forgotten as each unsubscription is confirmed)
+                await asyncio.sleep(0.05)
+            return seqs, gw.router.handles, gw._follows, set(gw._confirmed) & set(channels), len(gw._foreign)
+
+        seqs, routed, follows, confirmed, foreign = run(redis_url, home, scenario, check_workers=False)
+        assert all(s == list(range(1, len(s) + 1)) and len(s) == 5 for s in seqs)
+        assert routed == {} and not follows and not confirmed and foreign == 0
+        assert [n for _, n in conn.pubsub_numsub(*channels)] == [1, 1]  # their submitters alone
