@@ -244,7 +244,11 @@ class AsyncGateway(ClientCore[AsyncCallHandle]):
 
     def _new_handle(self, call_id: str, name: str, kind: str = "tool", *, own: bool = True) -> AsyncCallHandle:
         handle = AsyncCallHandle(self, call_id, name, kind, own=own)
-        return handle if own else self._foreign.setdefault(call_id, handle)  # (its followers share one)
+        if own:
+            return handle
+        # (an idempotent resubmission of a call of ours that runs: the handle its events feed; else one
+        # handle a call, that its followers share)
+        return self.router.handles.get(call_id) or self._foreign.setdefault(call_id, handle)
 
     @contextlib.asynccontextmanager
     async def following(self, handle: AsyncCallHandle) -> AsyncIterator[None]:
@@ -256,7 +260,7 @@ class AsyncGateway(ClientCore[AsyncCallHandle]):
             yield
             return
         raw = await self.conn.hget(keys.job(handle.call_id), keys.F_CHANNEL)
-        channel = text(raw) if raw is not None else None  # (None: it has ended)
+        channel = text(raw) if raw is not None and text(raw) not in self._channels else None  # (None: ended, or ours)
         handle.followers += 1
         self.router.track(handle)
         try:

@@ -124,7 +124,7 @@ def test_the_async_client_raises_the_conflict_and_follows_the_same_request(
             return first, same, errors, batch, results, await first.result(10)
 
     first, same, errors, batch, results, result = asyncio.run(asyncio.wait_for(scenario(), 30))
-    assert same.call_id == first.call_id and same.name == "echo" and not same.own
+    assert same.call_id == first.call_id and same.name == "echo"
     assert result == {"n": 1}
     assert [e.details["call_id"] for e in errors] == [first.call_id] * 2
     assert "with different arguments" in str(errors[0]) and "cannot be reused for tool 'sleep'" in str(errors[1])

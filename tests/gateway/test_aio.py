@@ -189,7 +189,7 @@ def test_failures_are_typed_and_an_idempotent_resubmission_follows_the_first_cal
 
     error, first, again, result, followed = run(redis_url, home, scenario)
     assert isinstance(error, InvalidArgs) and error.type == "invalid_args"
-    assert again.call_id == first.call_id and not again.own
+    assert again.call_id == first.call_id  # (the handle of ours its events feed while it runs, else its own)
     assert result == followed == {"n": 1}
 
 
@@ -296,3 +296,22 @@ def test_500_calls_of_other_clients_followed_live_leave_no_subscription_or_handl
         assert all(s == list(range(1, len(s) + 1)) and len(s) == 5 for s in seqs)
         assert routed == {} and not follows and not confirmed and foreign == 0
         assert [n for _, n in conn.pubsub_numsub(*channels)] == [1, 1]  # their submitters alone
+
+
+def test_following_an_idempotent_resubmission_of_a_running_call_of_ours_keeps_our_subscription(
+    redis_url: str, home: Home, tools: None, gateway: Any, workers: Any
+) -> None:
+    home.tool("chatty", function="tests.e2e.mcptools:chatty", timeout=20)
+    gateway.sync_tools()
+    workers()
+
+    async def scenario(gw: AsyncGateway) -> Any:
+        first = await gw.call_tool("sleep", {"seconds": 0.3}, idempotency_key="k-run")
+        again = await gw.call_tool("sleep", {"seconds": 0.3}, idempotency_key="k-run")
+        followed = [ev.seq async for ev in again.events(timeout=20)]
+        later = await gw.call_tool("chatty", {"n": 300})  # (its last events are heard live, or lost)
+        return first, again, followed, [ev.seq async for ev in later.events(timeout=20)]
+
+    first, again, followed, seqs = run(redis_url, home, scenario)
+    assert seqs == list(range(1, 306)), "our own channel was unsubscribed"
+    assert again is first and followed == [1, 2, 3, 4, 5]  # (the handle the events feed)
