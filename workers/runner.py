@@ -448,8 +448,12 @@ class CallRunner:
         except HermesError:  # (removed meanwhile)
             return False
         wait = min(float(error.details.get("retry_after") or DEFAULT_PAUSE), retry.RetryPolicy.of(spec.retry).max_backoff)
-        for q in keys.partition_names(keys.base_queue(info.queue), keys.partition_count(spec)):
-            until = self.core.limiter.pause(info.call_id, q, info.ckey, wait)
+        try:  # (a Redis refusing the pause, at maxmemory or away: the call ends as any failed one, not here)
+            for q in keys.partition_names(keys.base_queue(info.queue), keys.partition_count(spec)):
+                until = self.core.limiter.pause(info.call_id, q, info.ckey, wait)
+        except redis.RedisError as e:
+            log.warning("pausing the rate-limited tool failed", error=str(e))
+            return False
         self._back_to_waiting(run, RateLimited(until))
         return True
 

@@ -16,11 +16,12 @@ import redis
 
 from broker import events, keys
 from broker.audit import AuditLog
-from hermes_gateway import BrokerFull  # (the name the docs give callers)
+from hermes_gateway import BrokerFull, CallFailed  # (the names the docs give callers)
 from hermes_gateway.client import Gateway
 from tests.conftest import Home, WorkerFactory, wait_until
 from tests.e2e.test_http_api import Served
 from tests.redis_stack import data_node
+from tests.workers.executors.http_server import Recorder
 
 pytestmark = pytest.mark.e2e
 
@@ -136,6 +137,33 @@ def test_at_maxmemory_a_submission_is_broker_full_and_accepted_calls_still_end(
     # Room again: calls are taken as before.
     conn.config_set("maxmemory", 0)
     assert stack.call_tool("echo", {"x": 2}).result(timeout=20) == {"x": 2}
+
+
+def test_at_maxmemory_a_rate_limited_tool_answered_429_ends_with_its_error(
+    small_redis: str, home: Home, tmp_path: Path
+) -> None:
+    # The 429 pauses the tool's key, a write Redis refuses at maxmemory: the call ends all the same, with the
+    # back end's answer, run once (the refusal escaped the worker's call thread: the call ran again each lease).
+    home.config({"executors": {"http": {"allow_networks": ["127.0.0.1/32"]}}})
+    backend, gw = Recorder(), Gateway.connect(small_redis, home=str(home.path), embedded_ok=False, check_workers=False)
+    factory = WorkerFactory(small_redis, home, tmp_path)
+    try:
+        endpoint = f"{backend.base}/status/429?after=1"  # (time to fill Redis while the request is out)
+        limit = {"requests_per_second": 10}
+        gw.register_tool({"name": "hits", "executor": "http", "endpoint": endpoint, "rate_limit": limit})
+        factory(1)
+        handle = gw.call_tool("hits", {})
+        wait_until(lambda: backend.received, message="the request")
+        _fill(gw.conn)
+        gw.conn.config_set("maxmemory", max(1, int(gw.conn.info("memory")["used_memory"]) - 256 * 1024))
+        with pytest.raises(CallFailed) as failed:
+            handle.result(timeout=20)
+        assert failed.value.type == "executor_error" and "HTTP 429" in failed.value.message
+        assert len(backend.received) == 1
+    finally:
+        gw.close()
+        factory.stop_all()
+        backend.close()
 
 
 def test_at_maxmemory_http_answers_503_broker_full_and_the_cli_says_so(

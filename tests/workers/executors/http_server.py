@@ -79,6 +79,7 @@ class Handler(BaseHTTPRequestHandler):
         query = dict(parse_qsl(parts.query))
         if path.startswith("/status/"):
             code = int(path.rsplit("/", 1)[1])
+            self.server.stop.wait(float(query.get("after", 0)))  # (seconds before it answers)
             self._send(code, b"backend says no: " + query.get("msg", "").encode(), "text/plain")
         elif path == "/redirect":
             self._send(int(query.get("code", 302)), b"", "text/plain", {"Location": query["to"]})
