@@ -488,21 +488,29 @@ class _Labels:
     """A value of a label a caller chooses (an LLM call's model, a principal) as hermes:stats and the
     instruments show it: itself while ``keys.STATS_MAX_NAMES`` values of the label at most are in Redis
     (``calls.stats_name``, over every process), else ``keys.STATS_OTHER``; the admitted ones are kept. A tool's
-    name is shown as it is: only who may manage tools makes one, and a call to no such tool never runs."""
+    name is shown as it is: only who may manage tools makes one, and a call to no such tool never runs. A value
+    refused is remembered too (up to ``OTHERS_KEPT``), so invented names cost no round trip a call."""
+
+    OTHERS_KEPT = 10_000
 
     def __init__(self) -> None:
         self.conn: redis.Redis | None = None  # (the stats flusher's: none, every value shows)
         self.known: set[tuple[str, str]] = set()
+        self.others: set[tuple[str, str]] = set()
 
     def __call__(self, label: str, value: str) -> str:
         if self.conn is None or label == "tool" or (label, value) in self.known:
             return value
+        if (label, value) in self.others:
+            return keys.STATS_OTHER
         try:
             admitted = int(stats_name(self.conn, label, value))
         except redis.RedisError:
             return keys.STATS_OTHER  # (not kept: asked again next time)
         if admitted:
             self.known.add((label, value))
+        elif len(self.others) < self.OTHERS_KEPT:
+            self.others.add((label, value))
         return value if admitted else keys.STATS_OTHER
 
 

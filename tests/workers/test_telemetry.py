@@ -383,4 +383,6 @@ def test_a_label_a_caller_picks_is_capped_but_a_tool_name_is_shown_as_it_is(fake
     fake.sadd(keys.stats_names("tool"), *(f"t{i}" for i in range(keys.STATS_MAX_NAMES)))
     assert labels("llm", "m1") == "m1"  # admitted before the set filled
     assert labels("llm", "invented") == keys.STATS_OTHER
+    fake.delete(keys.stats_names("llm"))  # (a refused value is remembered: no round trip a call for it)
+    assert labels("llm", "invented") == keys.STATS_OTHER and labels("llm", "new") == "new"
     assert labels("tool", "tool_number_501") == "tool_number_501"  # (only who manages tools makes one)
