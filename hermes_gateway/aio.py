@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import weakref
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 import redis.asyncio as aioredis
@@ -294,8 +294,10 @@ class AsyncGateway(ClientCore[AsyncCallHandle]):
     async def _send_chunk(self, chunk: list[tuple[Envelope, dict[str, Any], AsyncCallHandle]]) -> tuple[list[Any], Any]:
         await self._subscribed()
         await self._list(dict.fromkeys(env.queue for env, _, _ in chunk))
-        keep_trying = pipes.for_seconds(pipes.SUBMIT_PATIENCE)  # (a SUBMIT a moving slot refused did not run)
-        return await await_steps(self.pipelined(chunk, lambda pipe: pipes.resent(pipe, keep_trying)))
+        return await await_steps(self.pipelined(chunk, self._patient))
+
+    def _patient(self, pipe: Any) -> Awaitable[list[Any]]:
+        return pipes.resent(pipe, pipes.for_seconds(pipes.SUBMIT_PATIENCE))
 
     # -- events ----------------------------------------------------------------------------------
 

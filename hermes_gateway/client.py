@@ -192,9 +192,10 @@ class Gateway(ClientCore[CallHandle]):
         self.workers.ensure(queues)
 
     def _send_chunk(self, chunk: list[tuple[Envelope, dict[str, Any], CallHandle]]) -> tuple[list[Any], Any]:
-        # (a SUBMIT refused for a moving slot did not run: it is sent again while the slot moves)
-        keep_trying = pipes.for_seconds(pipes.SUBMIT_PATIENCE)
-        return run_steps(self.pipelined(chunk, lambda pipe: pipes.execute(pipe, keep_trying=keep_trying)))
+        return run_steps(self.pipelined(chunk, self._patient))
+
+    def _patient(self, pipe: Any) -> list[Any]:
+        return pipes.execute(pipe, keep_trying=pipes.for_seconds(pipes.SUBMIT_PATIENCE))
 
     def cancel(self, call_id: str) -> bool:
         """Cancel by id; True when the request was recorded (the call was not already finished). A call no

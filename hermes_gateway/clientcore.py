@@ -754,6 +754,11 @@ class ClientCore(Generic[H]):
         asked for): ``pipelined``."""
         raise NotImplementedError
 
+    def _patient(self, pipe: Any) -> Any:
+        """``pipe``'s replies (an error in place of a failed command); what a moving cluster slot refused did
+        not run, and is sent again for up to ``pipes.SUBMIT_PATIENCE``."""
+        raise NotImplementedError
+
     def _watch_reconnects(self) -> None:
         """redis-py subscribes again on every reconnect (its connect callback); ours, called after it, has
         every waiting handle read its history (``_catch_up``): what was published meanwhile is lost."""
@@ -921,7 +926,12 @@ class ClientCore(Generic[H]):
         if retrying or (target.state == State.PENDING
                         and (yield conn.zscore(keys.leases(keys.tag(info.queue)), call_id)) is None):
             error = RETRYING_CANCEL if retrying else PENDING_CANCEL
-            reply = yield self.calls.cancel_unleased(info, attempt=target.attempt, error=error, retrying=retrying)
+            pipe = conn.pipeline(transaction=False)
+            yield self.calls.cancel_unleased(info, attempt=target.attempt, error=error, retrying=retrying,
+                                             pipeline=pipe)
+            (reply,) = yield self._patient(pipe)  # (a moving slot is waited out, as a submission's)
+            if isinstance(reply, Exception):
+                raise reply
             if int(reply[0]) > 0:
                 from broker.audit import AuditLog
                 from broker.logs import keyed_hash

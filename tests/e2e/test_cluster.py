@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from broker import events, keys
+from broker.errors import CallCancelled
 from tests.conftest import REPO, WorkerFactory, wait_until
 from tests.redis_stack import ClusterStack as Cluster
 
@@ -729,3 +730,49 @@ def test_a_primary_killed_mid_batch_is_replaced_by_its_replica_and_every_accepte
         finally:
             gw.close()
             workers.stop_all()
+
+
+def test_waiting_calls_cancelled_while_their_queues_slot_moves_are_cancelled_once_it_settles_not_refused(
+    cluster: Cluster, cgateway: Any, cworkers: Any, home: Any
+) -> None:
+    """Cancelling a waiting call runs a script on its queue's slot: while the slot moved, it was refused
+    (TRYAGAIN) and both clients gave up within half a second ("TTL exhausted": ``gw.cancel`` raised it, the
+    HTTP cancel route answered 503). It is sent again as a submission is (``pipes.SUBMIT_PATIENCE``)."""
+    import httpx
+
+    from tests.e2e.test_http_api import Served
+
+    home.sleep_tool(concurrency=1)
+    cgateway.sync_tools()
+    cworkers(1, queues="tools", concurrency=1)
+    busy = cgateway.call_tool("sleep", {"seconds": 3})
+    waiting = [cgateway.call_tool("sleep", {"seconds": 0.01}) for _ in range(2)]  # (the limit is 1: behind `busy`)
+    wait_until(lambda: cgateway.calls.record(busy.call_id)["state"] == "executing", timeout=10, message="busy to run")
+    slot = cgateway.conn.keyslot(keys.queue("tools"))
+    src = cluster.slot_owner(slot)
+    dst = next(p for p in cluster.ports if p != src)
+    served, pool = Served(cgateway), ThreadPoolExecutor(2)
+    try:
+        with httpx.Client(base_url=served.base, timeout=30) as api:
+            cluster.node(dst).execute_command("CLUSTER SETSLOT", slot, "IMPORTING", cluster.node_id(src))
+            cluster.node(src).execute_command("CLUSTER SETSLOT", slot, "MIGRATING", cluster.node_id(dst))
+            try:
+                by_client = pool.submit(cgateway.cancel, waiting[0].call_id)
+                by_http = pool.submit(api.post, f"/v1/calls/{waiting[1].call_id}/cancel")
+                time.sleep(1.5)  # three times what redis-py waits on its own
+                assert not by_client.done(), by_client.result()
+                assert not by_http.done(), by_http.result().text
+            finally:
+                for port in (src, dst):  # the move called off: the slot is its source's again
+                    cluster.node(port).execute_command("CLUSTER SETSLOT", slot, "STABLE")
+            assert by_client.result(30) is True
+            reply = by_http.result(30)
+            assert reply.status_code == 200 and reply.json()["cancelled"] is True, reply.text
+        for h in waiting:
+            assert cgateway.calls.record(h.call_id)["state"] == "cancelled"
+            with pytest.raises(CallCancelled):
+                h.result(timeout=10)
+        assert busy.result(timeout=20) == {"slept": 3}
+    finally:
+        pool.shutdown()
+        served.stop()
