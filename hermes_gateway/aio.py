@@ -240,7 +240,8 @@ class AsyncGateway(ClientCore[AsyncCallHandle]):
 
     async def cancel(self, call_id: str) -> bool:
         """Cancel by id, as ``Gateway.cancel``; True when the request was recorded."""
-        return await await_steps(self._cancel(call_id))
+        with answered(f"cancelling call {call_id}"):
+            return await await_steps(self._cancel(call_id))
 
     def _new_handle(self, call_id: str, name: str, kind: str = "tool", *, own: bool = True) -> AsyncCallHandle:
         handle = AsyncCallHandle(self, call_id, name, kind, own=own)

@@ -200,7 +200,8 @@ class Gateway(ClientCore[CallHandle]):
     def cancel(self, call_id: str) -> bool:
         """Cancel by id; True when the request was recorded (the call was not already finished). A call no
         worker has taken ends here (with its audit record); a leased one's worker is told to stop it."""
-        return run_steps(self._cancel(call_id))
+        with answered(f"cancelling call {call_id}"):
+            return run_steps(self._cancel(call_id))
 
     # -- workers ---------------------------------------------------------------------------------
 

@@ -100,6 +100,27 @@ def test_submitting_during_an_outage_raises_broker_unavailable_async(own_redis: 
     asyncio.run(main())
 
 
+def test_cancelling_during_an_outage_raises_broker_unavailable_in_both_clients(own_redis: OwnRedis, home: Any) -> None:
+    """``cancel`` let the raw redis ConnectionError through, where a submission raises the typed error."""
+    gw = Gateway.connect(own_redis.url, home=str(home.path), embedded_ok=False)
+
+    async def cancel() -> None:
+        agw = await AsyncGateway.connect(own_redis.url, home=str(home.path), embedded_ok=False)
+        try:
+            own_redis.stop()  # (both clients connected: the outage comes now)
+            with pytest.raises(BrokerUnavailable, match=r"cancelling call \{tools\}.x"):
+                await agw.cancel("{tools}.x")
+        finally:
+            await agw.close()
+
+    try:
+        asyncio.run(cancel())
+        with pytest.raises(BrokerUnavailable, match=r"cancelling call \{tools\}.x"):
+            gw.cancel("{tools}.x")
+    finally:
+        gw.close()
+
+
 def test_arguments_over_the_limit_are_refused_before_anything_is_stored(
     gateway: Any, home: Any, conn: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
