@@ -247,6 +247,9 @@ def test_a_429_from_a_rate_limited_tool_pauses_all_its_partitions_for_the_fleet(
     workers(2)
     first = gateway.call_tool("hits", {"i": 0})
     wait_until(lambda: backend.received, message="the refused request")
+    # (its worker pauses the key, then moves it back to waiting: calls sent before that could not be held)
+    wait_until(lambda: gateway.calls.record(first.call_id)["state"] not in ("routing", "executing"),
+               message="the refused call back to waiting")
     rest = [gateway.call_tool("hits", {"i": i}) for i in range(1, 7)]  # (both partitions, both workers)
     for h in [first, *rest]:
         h.result(15)
