@@ -19,6 +19,7 @@ from .errors import ConfigError
 from .placeholders import load_yaml
 from .settings import (
     AGENT_PLUGIN,
+    API_KEYS,
     DEFAULT_CONCURRENCY,
     DEFAULT_LEASE,
     DEFAULT_MAX_ARGS,
@@ -155,11 +156,13 @@ def load_settings(
     # call refused for its key says which variable it came from.
     unset = tuple(unset_refs(written, raw, env))
     executors = _mapping(raw, "executors")
+    limited = {"executor": _mapping(raw, "executor")}  # the seed's singular spelling, merged under executors.<kind>
     for kind, section in executors.items():
         if section is not None and not isinstance(section, dict):
             raise ConfigError(f"config.yaml: executors.{kind}: expected a mapping, got {section!r}")
-        _limits(section or {}, f"executors.{kind}")
-    _limits(_mapping(raw, "executor"), "executor")  # the seed's singular spelling, merged under executors.<kind>
+        limited[f"executors.{kind}"] = section or {}
+    for where, section in limited.items():
+        _limits(section, where)
     logging_ = _logging(_mapping(raw, "logging"), env)
     broker = _broker(_mapping(raw, "broker"), env)
     plugins = _mapping(raw, "plugins")
@@ -194,7 +197,12 @@ def load_settings(
         policy=_mapping(raw, "policy"),
         raw=raw,
         unset_vars=unset,
-        unknown_keys=_unknown("logging", _mapping(raw, "logging"), ("level", "format")),
+        unknown_keys=(
+            *(typo for where, known in KNOWN_KEYS.items() for typo in _unknown(where, _at(raw, where), known)),
+            # (an executor's section holds any setting of its kind: only a near miss of a limit is named there)
+            *(typo for where, section in limited.items()
+              for typo in _unknown(where, section, ("concurrency", "queue_size"), near_only=True)),
+        ),
     )
 
 
@@ -228,16 +236,44 @@ def unset_refs(written: Any, now: Any, environ: Mapping[str, str], where: str = 
     return []
 
 
-def _unknown(where: str, section: Mapping[str, Any], known: tuple[str, ...]) -> tuple[str, ...]:
+# The sections of config.yaml that are ours alone and the keys read of each; any other key of one is named when a
+# command or a worker starts (a typo reads as nothing set). Sections not listed are Hermes' (the file is shared),
+# model: (shared with it) or checked where they are read: audit, mcp, fairness (an error), executors, policy.
+KNOWN_KEYS: dict[str, tuple[str, ...]] = {
+    "logging": ("level", "format"),
+    "broker": ("url", "fast_path", "wait_replicas", "wait_timeout_ms", "max_args"),
+    "workers": ("lease", "max_attempts", "result_ttl", "keep_history", "shortcuts_off"),
+    "batch": ("ttl", "window"),
+    "console": ("trace_url",),
+    "api": API_KEYS,
+    "telemetry": (),  # (HERMES_TRACE and HERMES_LEAN_SPANS alone)
+    f"plugins.entries.{AGENT_PLUGIN}": ("redis_url", "route_llm", "principal", "timeout", "tool_prefix"),
+}
+
+
+def _at(raw: Mapping[str, Any], path: str) -> Mapping[str, Any]:
+    """The mapping at dotted ``path`` of ``raw`` ({} when there is none)."""
+    node: Any = raw
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else {}
+
+
+def _unknown(
+    where: str, section: Mapping[str, Any], known: tuple[str, ...], near_only: bool = False
+) -> tuple[str, ...]:
     """What a command and a worker warn of: the keys of ``section`` it does not read (a typo reads as
-    nothing set), each with the nearest known key."""
+    nothing set), each with the nearest known key (``near_only``: only the keys near one)."""
     import difflib
 
     out = []
     for key in section:
         if key not in known:
             near = difflib.get_close_matches(str(key), known, n=1)
-            hint = f" (did you mean {where}.{near[0]}?)" if near else f" (known: {', '.join(known)})"
+            if near_only and not near:
+                continue
+            listed = ", ".join(known) or "none, HERMES_* variables set it"
+            hint = f" (did you mean {where}.{near[0]}?)" if near else f" (known: {listed})"
             out.append(f"config.yaml: {where}.{key} is not a setting{hint}")
     return tuple(out)
 

@@ -24,6 +24,7 @@ TRACE_MODES = ("off", "console", "otlp", "zipkin", "memory")
 # and promoted most of them before they died (docs/benchmarks.md).
 GC_THRESHOLD = (50_000, 20, 10)
 AGENT_PLUGIN = "hermes-gateway"  # the Hermes agent plugin's name in plugins.entries
+API_KEYS = ("tokens", "token_principal")  # of config.yaml's api: (hermes_gateway/credentials.py)
 DEFAULT_AUDIT_MAXLEN = 100_000
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 DEFAULT_BATCH_SHARE = 0.1

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.errors import ConfigError, PermissionDenied
+from broker.settings import API_KEYS
 
 CALLER_SCOPE_KEY = "hermes.caller"  # where a request's Caller is kept in its ASGI scope
 MANAGE_TOOLS = "tools:write"  # the policy grant that lets a principal register and remove tools
@@ -80,9 +81,9 @@ class Credentials:
         api = api or {}
         if not isinstance(api, Mapping):
             raise ConfigError(f"config.yaml: api: expected a mapping, got {type(api).__name__}")
-        unknown = set(api) - {"tokens", "token_principal"}
+        unknown = set(api) - set(API_KEYS)
         if unknown:
-            raise ConfigError(f"config.yaml: api: unknown key(s) {sorted(unknown)}; expected tokens, token_principal")
+            raise ConfigError(f"config.yaml: api: unknown key(s) {sorted(unknown)}; expected {', '.join(API_KEYS)}")
         named = api.get("token_principal")
         if named is not None and (not isinstance(named, str) or not named):
             raise ConfigError("config.yaml: api.token_principal: expected a principal name")

@@ -239,6 +239,42 @@ def test_a_bad_model_or_mcp_key_is_a_config_error_naming_it(tmp_path: Path, text
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("executor: {concurency: 3}", "executor.concurency is not a setting (did you mean executor.concurrency?)"),
+        ("executors: {http: {queue_sise: 9}}",
+         "executors.http.queue_sise is not a setting (did you mean executors.http.queue_size?)"),
+        ("broker: {urll: 'redis://h'}", "broker.urll is not a setting (did you mean broker.url?)"),
+        ("workers: {max_atempts: 5}", "workers.max_atempts is not a setting (did you mean workers.max_attempts?)"),
+        ("batch: {windw: 5}", "batch.windw is not a setting (did you mean batch.window?)"),
+        ("console: {trace-url: x}", "console.trace-url is not a setting (did you mean console.trace_url?)"),
+        ("api: {tokns: {}}", "api.tokns is not a setting (did you mean api.tokens?)"),
+        ("telemetry: {trace: otlp}", "telemetry.trace is not a setting (known: none, HERMES_* variables set it)"),
+        ("plugins: {entries: {hermes-gateway: {rout_llm: true}}}",
+         "plugins.entries.hermes-gateway.rout_llm is not a setting "
+         "(did you mean plugins.entries.hermes-gateway.route_llm?)"),
+    ],
+)
+def test_a_mistyped_key_of_a_section_of_ours_is_named_with_the_nearest_one(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    (tmp_path / "config.yaml").write_text(text + "\n")
+    assert load_settings(tmp_path, environ={}).unknown_keys == (f"config.yaml: {message}",)
+
+
+def test_hermes_own_keys_and_an_executors_own_settings_are_not_named(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text(
+        "model: {default: m, provider: openai}\nterminal: {backend: docker}\n"
+        "mcp: {auto_reload_on_config_change: false}\n"
+        "plugins: {enabled: [x], entries: {other: {colour: red}, hermes-gateway: {route_llm: true, timeout: 5}}}\n"
+        "executor: {concurrency: 3, breaker: {failures: 2}, max_output: 100}\n"
+        "executors: {http: {allow_hosts: [a], body_template: x, queue_size: 5}, python: {inline: [], paths: []}}\n"
+        "broker: {url: 'redis://h', max_args: 10}\nworkers: {lease: 5, shortcuts_off: []}\nconsole: {trace_url: x}\n"
+    )
+    assert load_settings(tmp_path, environ={}).unknown_keys == ()
+
+
 def test_every_setting_has_an_environment_override(tmp_path: Path) -> None:
     """DESIGN.md: every setting has an environment override. HERMES__<SECTION>__<KEY>... names any
     config.yaml key, its value read as YAML, over the file; the named variables still win."""

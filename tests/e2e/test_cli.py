@@ -387,6 +387,17 @@ def test_a_broken_spec_file_is_one_warning_line_naming_file_line_and_problem(hom
     assert "spec file problem in full" in detailed.stderr and 'command: "echo hi' in detailed.stderr
 
 
+def test_a_typo_in_config_yaml_is_named_when_a_command_starts(home: Any, redis_url: str) -> None:
+    # The seed's pitfall 6 spelling, mistyped: it would set nothing, silently.
+    home.config({"executor": {"concurency": 3}, "workers": {"leese": 5}, "model": {"default": "m"}})
+    out = _run(["tool", "list"], _env(home, HERMES_REDIS_URL=redis_url))
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [
+        "warning: config.yaml: workers.leese is not a setting (did you mean workers.lease?)",
+        "warning: config.yaml: executor.concurency is not a setting (did you mean executor.concurrency?)",
+    ], out.stderr
+
+
 def test_help_names_hermes_home(home: Any) -> None:
     out = _run(["--help"], _env(home))
     assert out.returncode == 0
