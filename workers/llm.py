@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
+import redis
 import structlog
 
 from broker.envelope import plugins_applied
@@ -183,10 +184,14 @@ class LLMCall:
                 if self.ctx.cancelled.wait(delay):
                     raise CallCancelled(f"call {self.run.info.call_id} was cancelled") from None
                 info = self.run.info
-                # (a retry is one more request the provider counts: the fleet's limiter admits it first)
-                while self.run.rate and (wait := self.core.limiter.again(info.call_id, info.queue, info.ckey)):
-                    self.ctx.cancelled.wait(min(wait, self.ctx.remaining()))
-                    self.ctx.check()
+                # (a retry is one more request the provider counts: the fleet's limiter admits it first; a
+                # Redis refusing that entry, at maxmemory or away, ends the call with the provider's error)
+                try:
+                    while self.run.rate and (wait := self.core.limiter.again(info.call_id, info.queue, info.ckey)):
+                        self.ctx.cancelled.wait(min(wait, self.ctx.remaining()))
+                        self.ctx.check()
+                except redis.RedisError:
+                    raise e from None
                 n += 1
                 continue
             return response

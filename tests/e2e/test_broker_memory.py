@@ -220,3 +220,31 @@ def test_status_and_the_console_warn_past_80_percent_of_maxmemory(
     assert "warning" in text and "of maxmemory" in text
     assert "of maxmemory" in snapshot(stack)["memory"]["warning"]
     assert stack.call_tool("echo", {"x": 1}).result(timeout=20) == {"x": 1}  # a warning, not a refusal
+
+
+def test_at_maxmemory_a_rate_limited_models_retry_ends_the_call_with_the_providers_error(
+    small_redis: str, home: Home, tmp_path: Path
+) -> None:
+    # A 500 the worker would retry: the retry's limiter entry is a write Redis refuses at maxmemory, so the
+    # call ends with the provider's error (it was internal_error: OutOfMemoryError), after one request.
+    from tests.llm_server import LLMServer, Reply
+
+    with LLMServer() as llm:
+        llm.rule = lambda body: Reply(status=500, error="overloaded", delay=1.0)  # (time to fill Redis)
+        home.config({"model": {"provider": "openai-compatible", "base_url": llm.base_url, "api_key": "sk-test",
+                               "model": "m", "max_retries": 2, "rate_limits": {"m": {"requests_per_second": 5}}}})
+        gw = Gateway.connect(small_redis, home=str(home.path), embedded_ok=False, check_workers=False)
+        factory = WorkerFactory(small_redis, home, tmp_path)
+        try:
+            factory(1, queues="llm")
+            handle = gw.call_llm({"messages": [{"role": "user", "content": "hi"}]})
+            wait_until(lambda: llm.chat_requests, message="the request")
+            _fill(gw.conn)
+            gw.conn.config_set("maxmemory", max(1, int(gw.conn.info("memory")["used_memory"]) - 256 * 1024))
+            with pytest.raises(CallFailed) as failed:
+                handle.result(timeout=20)
+            assert failed.value.type == "provider_error" and "500" in failed.value.message, failed.value
+            assert len(llm.chat_requests) == 1
+        finally:
+            gw.close()
+            factory.stop_all()
