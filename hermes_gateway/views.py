@@ -16,7 +16,8 @@ from broker.directory import Entry
 from broker.toolspec import ToolSpec
 
 # Piped output (scripts, CI logs) gets wide tables instead of rich's 80-column default, so names stay whole.
-console = Console(width=None if sys.stdout.isatty() else 200)
+# No markup: a description or an error message holding "[/red]" is shown as written, not read (or refused).
+console = Console(width=None if sys.stdout.isatty() else 200, markup=False)
 
 
 def breaker_states(conn: Any, specs: list[ToolSpec], settings: Settings) -> dict[str, str]:
@@ -174,10 +175,10 @@ def print_flow_control(data: dict[str, Any]) -> None:
 
 
 def print_status(data: dict[str, Any], description: str) -> None:
-    console.print(f"[bold]broker[/bold]: {description}")
+    console.print(f"broker: {description}")
     mem = data.get("memory") or {}
     if mem.get("warning"):
-        console.print(f"[bold red]warning[/bold red]: {mem['warning']}", markup=True, highlight=False)
+        console.print(f"warning: {mem['warning']}", style="bold red", highlight=False)
     elif mem.get("maxmemory"):
         console.print(f"memory: {memory.mib(mem['used'])} of {memory.mib(mem['maxmemory'])} (maxmemory)")
     q = _table("queues", "queue", "depth", right=("depth",))

@@ -284,6 +284,21 @@ def test_tool_list_and_status_show_the_tools_workers_and_recent_failures(redis_u
     assert table.returncode == 0 and worker.name in table.stdout and "recent failures" in table.stdout
 
 
+def test_tool_list_and_status_show_brackets_in_a_description_or_error_as_written(
+    redis_url: str, home: Any, workers: Any
+) -> None:
+    hostile = "[/red] [link=javascript:x]y[/link]"
+    home.tool("brackets", executor="command", command=["sh", "-c", f"echo '{hostile}' >&2; exit 3"], timeout=5,
+              description=f"says {hostile}")
+    workers(1)
+    env = _env(home, HERMES_REDIS_URL=redis_url)
+    assert _run(["tool", "run", "brackets"], env).returncode == 1
+    listed = _run(["tool", "list"], env)  # (rich read them as markup: MarkupError, a traceback)
+    assert listed.returncode == 0 and f"says {hostile}" in listed.stdout, listed.stderr
+    status = _run(["status"], env)
+    assert status.returncode == 0 and hostile in status.stdout, status.stderr
+
+
 def test_demo_runs_a_live_batch_and_ends_with_a_summary_and_the_topology(home: Any) -> None:
     out = _run(["demo", "--calls", "60", "--processes", "1", "--concurrency", "16"], _env(home), timeout=120)
     assert out.returncode == 0, out.stderr
