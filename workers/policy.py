@@ -2,10 +2,10 @@
 
 Configured under ``policy:`` in ``config.yaml`` (docs/security.md). Rules are tried in a fixed order and
 the first refusal wins: ``deny_tools``, the principal's ``deny_tools``, ``allow_tools``, the principal's
-``allow_tools``, the permission tags (mode), then the argument rules (``args.path_prefixes``, whose
-paths ``workers/pathargs.py`` finds). A principal's grants are the union of every ``principals`` entry
-whose key (a glob; ``"*"`` matches everyone, the anonymous principal included) matches its name; ``"*"``
-as a grant holds every tag.
+``allow_tools``, the permission tags (mode), then the argument rules (``args.path_prefixes``, keyed by tool
+name or glob, whose paths ``workers/pathargs.py`` finds). A principal's grants are the union of every
+``principals`` entry whose key (a glob; ``"*"`` matches everyone, the anonymous principal included) matches
+its name; ``"*"`` as a grant holds every tag.
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ class Policy:
 
         if args:
             for pr in self.path_rules:
-                if pr.tool not in (tool, ALL_TAGS):
+                if not _matches(tool, (pr.tool,)):  # a name or a glob ("*": every tool)
                     continue
                 for name, value in pr.judged(spec, args):
                     bad = _outside(value, pr.allow)

@@ -343,3 +343,20 @@ def test_path_rules_judge_nested_and_unconventionally_named_paths_on_real_worker
             gateway.call_tool(name, args).result(timeout=20)
     assert gateway.call_tool("cat_opts", {"opts": {"path": str(allowed_dir / "ok.txt")}}).result(timeout=20) == "fine"
     assert gateway.call_tool("cat_camel", {"filePath": str(allowed_dir / "ok.txt")}).result(timeout=20) == "fine"
+
+
+def test_a_path_rule_keyed_by_a_tool_glob_judges_every_tool_it_matches(
+    home: Home, gateway: Any, workers: Any, tmp_path: Path
+) -> None:
+    # `fs_*` as the key, as deny_tools/allow_tools take globs: the rule applied to no tool, silently.
+    allowed_dir = tmp_path / "data"
+    allowed_dir.mkdir()
+    (allowed_dir / "ok.txt").write_text("fine")
+    home.tool("fs_cat", "command", command="cat -- {{path}}")
+    home.config({"policy": {"args": {"path_prefixes": {"fs_*": [str(allowed_dir)]}}}})
+    gateway.sync_tools()
+    workers(1)
+    with pytest.raises(PermissionDenied, match="outside the allowed prefixes") as info:
+        gateway.call_tool("fs_cat", {"path": "/etc/hostname"}).result(timeout=20)
+    assert info.value.details["rule"] == "args.path_prefixes.fs_*"
+    assert gateway.call_tool("fs_cat", {"path": str(allowed_dir / "ok.txt")}).result(timeout=20) == "fine"
