@@ -253,11 +253,14 @@ class Policy:
     def enforce(
         self, principal: str | None, spec: ToolSpec, args: Mapping[str, Any] | None = None
     ) -> Decision:
-        """``check``, raising PermissionDenied (details: tool, principal, missing, rule) on refusal."""
+        """``check``, raising PermissionDenied (details: tool, principal, missing, rule) on refusal; its message
+        says the rule that refused and how to allow the call (``policy explain``'s fix)."""
         decision = self.check(principal, spec, args)
         if not decision.allowed:
+            from workers.policy_explain import fix
+
             raise PermissionDenied(
-                f"permission denied: {decision.message}",  # the seed's words for this refusal
+                f"permission denied: {decision.message}; to allow it: {fix(self, decision, spec)}",  # seed's words
                 tool=decision.tool,
                 principal=decision.principal,
                 missing=list(decision.missing),

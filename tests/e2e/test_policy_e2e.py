@@ -123,6 +123,8 @@ def test_permissive_and_strict_judge_the_same_directory_and_a_push_reaches_runni
         "missing": ["read_only"],
         "rule": "permissions",
     }
+    assert str(err).endswith("to allow it: grant read_only in a new entry policy.principals.anonymous: "
+                             "{grants: [...]} (config.yaml), or call as a principal that holds them")
 
     # The same directory under strict, pushed to the running workers from an edited config.yaml.
     home.config({"policy": {"mode": "strict", "principals": {"reader": {"grants": ["read_only"]}}}})
@@ -137,6 +139,7 @@ def test_permissive_and_strict_judge_the_same_directory_and_a_push_reaches_runni
         err = denied(gateway.call_tool("open", {}, principal="reader"))
         assert err.details["rule"] == "mode.strict" and err.details["tool"] == "open"
         assert str(err).startswith("permission denied: ")  # the seed's pitfall 3, in its words
+        assert "; to allow it: declare `permissions: [tags]` in the spec of 'open'" in str(err)  # and the fix
     assert gateway.call_tool("free", {}).result(20) is None
     assert gateway.call_tool("read", {}, principal="reader").result(20) is None
     shown = cli(redis_url, home, "policy", "show")
