@@ -186,9 +186,11 @@ class Circuit(Hook):
 
     def after_execute(self, run: Running, spec: ToolSpec, args: dict[str, Any], error: BaseException | None) -> None:
         # A timeout the caller made shorter than the spec's is the caller's doing, not the back end's: it
-        # does not count (one principal's 1 ms timeouts would open the tool's breaker for everyone).
+        # does not count (one principal's 1 ms timeouts would open the tool's breaker for everyone); nor does
+        # the back end refusing what the caller sent (HTTP 4xx, a query the database refused: not retryable).
         asked = run.env.options.timeout if run.env is not None and isinstance(error, ToolTimeout) else None
-        self._record(run, error, callers=asked is not None and 0 < asked < spec.timeout)
+        refused = error is not None and not getattr(error, "retryable", True)
+        self._record(run, error, callers=refused or (asked is not None and 0 < asked < spec.timeout))
 
     def _record(self, run: Running, error: BaseException | None, neutral: bool = False, callers: bool = False) -> None:
         if run.breaker is None:

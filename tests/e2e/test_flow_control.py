@@ -535,3 +535,33 @@ def test_an_open_breaker_refuses_before_the_tool_execution_middleware_runs(
     with pytest.raises(CircuitOpen):
         call("refused").result(10)
     assert seen.read_text().split() == ["f0", "f1"]  # the refused call never reached the middleware
+
+
+def test_a_back_end_refusing_what_callers_sent_does_not_open_the_breaker_for_everyone(
+    gateway: Any, home: Any, workers: Any
+) -> None:
+    """An HTTP 404/400 answers the caller's arguments (an id that does not exist): one caller asking for missing
+    ids must not open the tool's breaker for every caller. The back end's own failures (5xx) still do."""
+    from tests.workers.executors.http_server import Recorder
+
+    home.config({"executors": {"http": {"allow_networks": ["127.0.0.1/32"]}}})
+    backend = Recorder()
+    try:
+        gateway.register_tool({
+            "name": "item", "executor": "http", "method": "GET", "endpoint": f"{backend.base}/status/{{{{code}}}}",
+            "input_schema": {"type": "object", "properties": {"code": {"type": "integer"}}},
+            "breaker": {"failures": 2, "cooldown": 60},
+        })  # fmt: skip
+        workers(1)
+        for code in (404, 400, 404):
+            with pytest.raises(ExecutorError):
+                gateway.call_tool("item", {"code": code}).result(10)
+        assert gateway.call_tool("item", {"code": 200}).result(10) is not None
+        for _ in range(2):
+            with pytest.raises(ExecutorError):
+                gateway.call_tool("item", {"code": 503}).result(10)
+        with pytest.raises(CircuitOpen):
+            gateway.call_tool("item", {"code": 200}).result(10)
+        assert len(backend.requests) == 6  # the refused call never reached it
+    finally:
+        backend.close()
