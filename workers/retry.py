@@ -72,8 +72,8 @@ class RetryPolicy:
         return self.base_delay(attempt) * (1.0 - self.jitter * rand())
 
 
-def plan(core: WorkerCore, run: Running, error: HermesError) -> tuple[float, RetryPolicy] | None:
-    """(delay, policy) when the failed attempt should be retried, else None."""
+def plan(core: WorkerCore, run: Running, error: HermesError) -> tuple[float, int] | None:
+    """(delay, attempts allowed in all) when the failed attempt should be retried, else None."""
     env = run.env
     if env is None or env.kind != "tool" or run.lost or run.abandoned:
         return None  # LLM calls retry inside their attempt (Retry-After); see workers/llm.py
@@ -86,7 +86,7 @@ def plan(core: WorkerCore, run: Running, error: HermesError) -> tuple[float, Ret
     allowed = min(policy.max + 1, env.options.max_attempts or policy.max + 1)
     if run.attempt >= allowed or not policy.applies(error):
         return None
-    return policy.delay(run.attempt), policy
+    return policy.delay(run.attempt), allowed
 
 
 class RetryScheduler:

@@ -463,7 +463,7 @@ class CallRunner:
         if planned is None:
             return False
         self.seal(run)
-        delay, policy = planned
+        delay, allowed = planned
         due = time.time() + delay
         detail = {
             "reason": "error",
@@ -471,7 +471,7 @@ class CallRunner:
             "next_attempt": run.attempt + 1,
             "next_attempt_at": due,
             "delay": round(delay, 3),
-            "max_attempts": policy.max + 1,
+            "max_attempts": allowed,  # (the caller's max_attempts may be fewer than the spec's retries allow)
         }
         calls, current = self.core.calls, run.state
         run.state = State.RETRYING

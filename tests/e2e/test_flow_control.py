@@ -412,11 +412,16 @@ def test_a_failed_call_is_retried_on_schedule_without_holding_a_worker_thread(
     done_other = [e for e in events.history(conn, other.call_id) if e.state == "done"][0]
     assert done_other.ts < pendings[0].ts  # it ran while the first retry waited
 
-    # Out of retries: the last error stands.
+    assert [r.detail["max_attempts"] for r in retrying] == [4, 4]
+
+    # Out of retries: the last error stands; its retrying event named the caller's bound, not the spec's.
     counter.unlink()
+    bounded = gateway.call_tool("flaky", {"counter": str(counter), "times": 9}, max_attempts=2)
     with pytest.raises(ExecutorError):
-        gateway.call_tool("flaky", {"counter": str(counter), "times": 9}, max_attempts=2).result(15)
+        bounded.result(15)
     assert counter.read_text() == "2"
+    retried = [e for e in events.history(conn, bounded.call_id) if e.state == "retrying"]
+    assert [(e.detail["next_attempt"], e.detail["max_attempts"]) for e in retried] == [(2, 2)]
 
 
 def test_a_call_cancelled_while_it_waits_for_its_next_attempt_ends_at_once_and_never_runs_again(
