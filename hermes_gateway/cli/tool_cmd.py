@@ -250,7 +250,10 @@ def tool_breaker(ctx: click.Context, name: str, reset: bool, as_json: bool) -> N
                 breakers.publish(Change(cfg.key, view["state"], CLOSED, "reset by an operator", "", time.time()))
             configs = [(e.spec.name, breaker_config(settings, e.spec)) for e in gw.tools()]
             shared = sorted(n for n, c in configs if c is not None and c.key == cfg.key)
-            click.echo(f"{cfg.key}: reset (was {view['state']}); closed for {', '.join(shared)}")
+            if as_json:
+                click.echo(json.dumps({"key": cfg.key, "reset": True, "was": view["state"], "tools": shared}))
+            else:
+                click.echo(f"{cfg.key}: reset (was {view['state']}); closed for {', '.join(shared)}")
             return
     click.echo(json.dumps(view) if as_json else yaml.safe_dump(view, sort_keys=False).rstrip())
 

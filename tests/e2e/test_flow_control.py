@@ -332,6 +332,8 @@ def test_tool_breaker_shows_an_open_breaker_and_reset_lets_the_next_call_through
 
     wait_until(heard_reset, 5, message="the reset published on the breaker channel")
     pubsub.close()
+    again = runner.invoke(main, ["tool", "breaker", "fragile", "--reset", "--json"])  # (a script's form)
+    assert json.loads(again.output) == {"key": "tool:fragile", "reset": True, "was": "closed", "tools": ["fragile"]}
     none = runner.invoke(main, ["tool", "breaker", "echo"])
     assert none.exit_code == 1 and "echo has no circuit breaker" in none.output
 
