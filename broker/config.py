@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError
+from .errors import ConfigError, InvalidSpec
 from .placeholders import load_yaml
 from .settings import (
     AGENT_PLUGIN,
@@ -51,6 +51,7 @@ from .settings import (
     model_settings,
     yaml_number,
 )
+from .specchecks import check_options
 
 # What config readers import from here: the loader and, re-exported, the settings it builds.
 __all__ = [
@@ -117,6 +118,10 @@ def _limits(section: Mapping[str, Any], where: str) -> None:
             number = None
         if value is not None and (number is None or number != int(number) or number < low):
             raise ConfigError(f"config.yaml: {where}.{key}: expected an integer of at least {low}, got {value!r}")
+    try:  # (the breaker every tool of the kind gets: a bad value failed each of their calls, internal_error)
+        check_options(f"config.yaml: {where}", "breaker", section.get("breaker"))
+    except InvalidSpec as e:
+        raise ConfigError(str(e)) from None
 
 
 OVERRIDE_PREFIX = "HERMES__"

@@ -62,15 +62,8 @@ def check_strict(
         )
     if out_schema is not None:
         check_schema(where, "output_schema", out_schema)
-    for section, rules in (("retry", _RETRY), ("breaker", _BREAKER)):
-        options = data.get(section)
-        for key, val in options.items() if isinstance(options, dict) else ():
-            if key not in rules:
-                known = f"known keys: {', '.join(rules)}"
-                raise InvalidSpec.at(where, f"{section}.{key}", f"unknown key{_maybe(key, rules)}; {known}")
-            check, expected = rules[key]
-            if not check(val):
-                raise InvalidSpec.at(where, f"{section}.{key}", f"expected {expected}, got {val!r}")
+    for section in ("retry", "breaker"):
+        check_options(where, section, data.get(section))
     rate = RateLimit.parse(where, data.get("rate_limit"))
     parts = data.get("queue_partitions") or 1
     for kind, value in rate.to_dict().items() if rate is not None else ():
@@ -79,6 +72,18 @@ def check_strict(
         if value < parts:  # (each partition has its share: one of 0 would hold its calls for ever)
             expected = f"expected at least queue_partitions ({parts}): each partition takes a share >= 1, got {value}"
             raise InvalidSpec.at(where, f"rate_limit.{kind}", expected)
+
+
+def check_options(where: str, section: str, options: Any) -> None:
+    """A spec's ``retry:`` or ``breaker:`` mapping (or ``executors.<kind>.breaker``): known keys, good values."""
+    rules = {"retry": _RETRY, "breaker": _BREAKER}[section]
+    for key, val in options.items() if isinstance(options, dict) else ():
+        if key not in rules:
+            known = f"known keys: {', '.join(rules)}"
+            raise InvalidSpec.at(where, f"{section}.{key}", f"unknown key{_maybe(key, rules)}; {known}")
+        check, expected = rules[key]
+        if not check(val):
+            raise InvalidSpec.at(where, f"{section}.{key}", f"expected {expected}, got {val!r}")
 
 
 def check_keys(where: str, what: str, data: Mapping[str, Any], known: frozenset[str]) -> None:

@@ -230,6 +230,9 @@ def test_a_model_named_alone_is_hermes_spelling_of_model_model(tmp_path: Path) -
         ("executors: {http: {concurrency: 2.5}}", "config.yaml: executors.http.concurrency: expected an integer"),
         ("executors: {mcp: {queue_size: -1}}", "config.yaml: executors.mcp.queue_size: expected an integer of at least 0"),
         ("executor: {queue_size: many}", "config.yaml: executor.queue_size: expected an integer"),
+        # The breaker every tool of the kind gets: a bad value failed each of their calls as internal_error.
+        ("executors: {http: {breaker: {cooldown: 30s}}}", "executors.http: breaker.cooldown: expected a number"),
+        ("executor: {breaker: {failure: 3}}", "executor: breaker.failure: unknown key (did you mean 'failures'?)"),
     ],
 )
 def test_a_bad_model_or_mcp_key_is_a_config_error_naming_it(tmp_path: Path, text: str, message: str) -> None:
