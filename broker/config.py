@@ -51,7 +51,6 @@ from .settings import (
     model_settings,
     yaml_number,
 )
-from .specchecks import check_options
 
 # What config readers import from here: the loader and, re-exported, the settings it builds.
 __all__ = [
@@ -118,6 +117,10 @@ def _limits(section: Mapping[str, Any], where: str) -> None:
             number = None
         if value is not None and (number is None or number != int(number) or number < low):
             raise ConfigError(f"config.yaml: {where}.{key}: expected an integer of at least {low}, got {value!r}")
+    if section.get("breaker") is None:
+        return
+    from .specchecks import check_options  # (jsonschema's: a client that reads its settings never needs it)
+
     try:  # (the breaker every tool of the kind gets: a bad value failed each of their calls, internal_error)
         check_options(f"config.yaml: {where}", "breaker", section.get("breaker"))
     except InvalidSpec as e:
