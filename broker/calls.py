@@ -24,7 +24,7 @@ from .codec import pack, raw, text, unpack
 from .connection import is_cluster
 from .envelope import Envelope, fairness_of
 from .errors import DecodeError, IllegalTransition, QueueFull
-from .idempotency import conflict, request_digest
+from .idempotency import conflict, key_name, request_digest
 from .logs import utc_text
 from .ratelimits import RateLimit
 from .settings import DEFAULT_BATCH_SHARE, DEFAULT_RESULT_TTL
@@ -275,9 +275,10 @@ class Calls:
         idem = env.options.idempotency_key
         digest = ""
         tag = keys.tag(env.queue)
+        idem_key = key_name(env)
         if idem:
             digest = request_digest(env)
-            flat += [F_IDEM, keys.idempotency(tag, idem), F_DIGEST, digest]
+            flat += [F_IDEM, idem_key, F_DIGEST, digest]
         flat += extra
         # Listed in rq:queues (``rq info``) once per process (an asyncio client awaits its own SADD).
         if not self.is_async and env.queue not in self.listed:
@@ -288,7 +289,7 @@ class Calls:
             self._submit,
             [
                 keys.job(env.call_id), of.queue, keys.history(env.call_id), of.waiting,
-                keys.idempotency(tag, idem or ""), of.slots, of.limits, of.waiting_batch, of.fair,
+                idem_key, of.slots, of.limits, of.waiting_batch, of.fair,
                 of.rate, of.rate_log, of.rate_due, keys.rates(tag),
             ],
             [

@@ -3,6 +3,7 @@ when a key is reused for another call."""
 
 from __future__ import annotations
 
+from broker import keys
 from broker.logs import HASH_PREFIX, hash_value
 
 from .envelope import Envelope
@@ -19,6 +20,13 @@ def request_digest(env: Envelope) -> str:
     return hash_value(what).removeprefix(HASH_PREFIX)[:32]
 
 
+def key_name(env: Envelope) -> str:
+    """Where the call's idempotency key names its call: per queue tag and per principal, whose keys are its
+    own (another's same string neither blocks it nor tells whether it was used); a principal-less key as before."""
+    key, principal = env.options.idempotency_key or "", env.context.get("principal")
+    return keys.idempotency(keys.tag(env.queue), f"{key}\0{principal}" if principal else key)
+
+
 def conflict(env: Envelope | None, call_id: str, name: str, kind: str) -> IdempotencyConflict:
     key = env.options.idempotency_key if env is not None else None
     what = "model" if kind == "llm" else "tool"
@@ -27,7 +35,7 @@ def conflict(env: Envelope | None, call_id: str, name: str, kind: str) -> Idempo
         why = f": it cannot be reused for {asked} {env.name!r}"
     else:
         other = "a different request" if kind == "llm" else "different arguments"
-        why = f" with {other} or as another principal: reuse a key only to resubmit the same call"
+        why = f" with {other}: reuse a key only to resubmit the same call"
     return IdempotencyConflict(
         f"idempotency key {key!r} already belongs to call {call_id} of {what} {name!r}{why}",
         key=key,

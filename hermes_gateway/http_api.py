@@ -413,8 +413,8 @@ def _conflict_for(caller: Caller, error: IdempotencyConflict, key: str | None) -
     if caller.admin:
         return error
     return IdempotencyConflict(
-        f"idempotency key {key!r} already belongs to another call (other arguments, another tool or another "
-        "principal): reuse a key only to resubmit the same call",
+        f"idempotency key {key!r} already belongs to another call (other arguments or another tool): reuse a "
+        "key only to resubmit the same call",
         key=key,
     )
 

@@ -68,8 +68,8 @@ def test_other_arguments_under_a_key_are_a_conflict(fake: Any) -> None:
     assert err.type == "idempotency_conflict"
     assert err.details == {"key": "k", "call_id": "first", "tool": "echo", "kind": "tool"}
     assert str(err) == (
-        "idempotency key 'k' already belongs to call first of tool 'echo' with different arguments or as another "
-        "principal: reuse a key only to resubmit the same call"
+        "idempotency key 'k' already belongs to call first of tool 'echo' with different arguments: reuse a key "
+        "only to resubmit the same call"
     )
     assert not fake.exists(keys.job("second"))
     assert fake.llen(keys.queue("tools")) == 1
@@ -162,7 +162,7 @@ def test_the_digest_is_canonical_and_tells_requests_apart() -> None:
         request_digest(env("k", o=object()))
 
 
-def test_the_digest_holds_the_principal_so_a_key_is_not_reused_across_principals(fake: Any) -> None:
+def test_a_key_and_its_digest_are_the_principals_own_so_a_key_is_not_shared_across_principals(fake: Any) -> None:
     def as_(call_id: str, principal: str | None, **context: Any) -> Envelope:
         e = env(call_id, x=1)
         e.context.update(context, **({"principal": principal} if principal else {}))
@@ -175,6 +175,8 @@ def test_the_digest_holds_the_principal_so_a_key_is_not_reused_across_principals
 
     calls = Calls(fake)
     assert submit(calls, as_("admins", "admin")) == (True, "admins")
-    with pytest.raises(IdempotencyConflict, match="or as another principal"):
-        submit(calls, as_("alices", "alice"))
+    assert submit(calls, as_("alices", "alice")) == (True, "alices")  # her own key: neither blocked nor admin's
     assert submit(calls, as_("again", "admin")) == (False, "admins")
+    assert submit(calls, as_("anon", None)) == (True, "anon")
+    assert fake.get(keys.idempotency("{tools}", "k\0alice")) == b"alices"
+    assert fake.get(keys.idempotency("{tools}", "k")) == b"anon"

@@ -71,7 +71,7 @@ def test_reusing_a_key_for_other_arguments_or_another_tool_is_a_conflict(
     assert info.value.to_wire() == {
         "type": "idempotency_conflict",
         "message": f"idempotency key 'pay-1' already belongs to call {first.call_id} of tool 'echo' with "
-        "different arguments or as another principal: reuse a key only to resubmit the same call",
+        "different arguments: reuse a key only to resubmit the same call",
         "details": {"key": "pay-1", "call_id": first.call_id, "tool": "echo", "kind": "tool"},
     }
     with pytest.raises(IdempotencyConflict) as info:

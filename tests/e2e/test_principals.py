@@ -79,23 +79,28 @@ def test_registering_and_removing_tools_needs_the_tools_write_grant(home: Home, 
         assert admin.post("/v1/tools", json=NEW_TOOL).status_code == 201
 
 
-def test_an_idempotency_key_reused_by_another_principal_is_a_conflict_not_its_result(
+def test_an_idempotency_key_is_the_principals_own_another_using_the_same_string_neither_blocks_nor_gets_its_call(
     home: Home, serve: Any, workers: Any
 ) -> None:
+    """Keys were one namespace for every principal: alice, submitting first under the key admin would use
+    ("pay-1"), had admin's own call refused with a 409 until her record expired (days, if it waited)."""
     setup(home)
     workers(1)
     server = serve()
-    body = {"args": {"city": "secret"}, "idempotency_key": "pay-1", "wait": 20}
     with api(server, ALICE) as alice, api(server, ADMIN) as admin:
-        first = admin.post("/v1/tools/lookup/calls", json=body).json()
-        assert first["state"] == "done"
-        reused = alice.post("/v1/tools/lookup/calls", json=body)
+        body = {"args": {"city": "secret"}, "idempotency_key": "pay-1", "wait": 20}
+        taken = alice.post("/v1/tools/lookup/calls", json={**body, "args": {"city": "alice's"}})
+        assert taken.status_code == 200 and taken.json()["result"] == {"city": "alice's"}
+        first = admin.post("/v1/tools/lookup/calls", json=body)
+        assert first.status_code == 200, first.text
+        assert first.json()["result"] == {"city": "secret"} and first.json()["call_id"] != taken.json()["call_id"]
+        reused = alice.post("/v1/tools/lookup/calls", json=body)  # admin's arguments under her own key: a conflict
         assert reused.status_code == 409, reused.text
-        assert reused.json()["error"]["type"] == "idempotency_conflict" and "result" not in reused.json()
-        assert first["call_id"] not in reused.text  # nor the id to fetch admin's call by
-        assert reused.json()["error"]["details"] == {"key": "pay-1"}
+        assert reused.json()["error"]["details"] == {"key": "pay-1"} and first.json()["call_id"] not in reused.text
+        mine = alice.post("/v1/tools/lookup/calls", json={**body, "args": {"city": "alice's"}}).json()
+        assert (mine["call_id"], mine["result"]) == (taken.json()["call_id"], {"city": "alice's"})
         again = admin.post("/v1/tools/lookup/calls", json=body).json()
-        assert again["call_id"] == first["call_id"] and again["result"] == {"city": "secret"}
+        assert again["call_id"] == first.json()["call_id"] and again["result"] == {"city": "secret"}
 
 
 def test_a_principal_named_with_the_stats_separator_counts_as_other_not_as_another_principal(
