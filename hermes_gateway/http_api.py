@@ -227,6 +227,10 @@ class Api:
                     "a shorter one is yours to give, a longer one an admin token's"
                 )
         key = _field(body, "idempotency_key", (str,), "a string")
+        header = request.headers.get("idempotency-key")  # (the standard header: the body's field wins)
+        if header is not None and key is not None and header != key:
+            raise BadRequest("the Idempotency-Key header and the body's idempotency_key differ: give one")
+        key = key if key is not None else header
         attempts = _number(body, "max_attempts", 1, integer=True)
         trace = {name: request.headers.get(name) for name in ("traceparent", "tracestate")}  # W3C: continued
         try:

@@ -176,3 +176,23 @@ def test_an_idempotency_key_of_a_megabyte_is_refused_at_the_edge_and_nothing_is_
     assert fine.status_code == 200 and fine.json()["state"] == "done"
     assert conn.exists(idem("k" * 256)) and not conn.exists(idem("k" * (1 << 20)))
     assert len(list(conn.scan_iter(keys.job("*")))) == 1  # the fine call's alone
+
+
+def test_the_standard_idempotency_key_header_deduplicates_as_the_body_field_does(
+    tools: None, gateway: Any, workers: Any, conn: Any
+) -> None:
+    # (a client sending the standard header got no deduplication and no word of it: the call ran twice)
+    workers(1)
+    served = Served(gateway)
+    try:
+        with httpx.Client(base_url=served.base, timeout=30) as api:
+            body = {"args": {"n": 1}, "wait": 10}
+            first = api.post("/v1/tools/echo/calls", json=body, headers={"Idempotency-Key": "hdr-1"})
+            again = api.post("/v1/tools/echo/calls", json=body, headers={"Idempotency-Key": "hdr-1"})
+            both = api.post("/v1/tools/echo/calls", json={**body, "idempotency_key": "other"},
+                            headers={"Idempotency-Key": "hdr-1"})
+    finally:
+        served.stop()
+    assert first.status_code == again.status_code == 200 and first.json()["call_id"] == again.json()["call_id"]
+    assert conn.exists(idem("hdr-1")) and len(list(conn.scan_iter(keys.job("*")))) == 1
+    assert both.status_code == 400 and "differ" in both.json()["error"]["message"]
