@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 import click
 
 from broker.config import Settings
-from broker.errors import HermesError
+from broker.errors import HermesError, InvalidSpec
 
 
 def settings_of(ctx: click.Context) -> Settings:
@@ -58,16 +58,34 @@ def failing(code: int = 2, *, typed: bool = False) -> Iterator[None]:
         fail(f"{e.type}: {e}" if typed else str(e), code)
 
 
-def sync_tools(gw: Any) -> None:
-    """Register ``$HERMES_HOME/tools``; a spec file that does not load is named on stderr and skipped."""
-    errors: list[HermesError] = []
-    gw.sync_tools(errors=errors)
+def sync_tools(gw: Any, *, write: bool = True) -> list[str]:
+    """Register ``$HERMES_HOME/tools``; a spec file that does not load is named on stderr and skipped. A command
+    that only reads (``write=False``) on a broker that refuses it the write (a read-only ACL user) reads the
+    directory as it is and names the local specs it lacks (returned), instead of failing."""
+    import redis
+
+    errors: list[InvalidSpec] = []
+    lacking: list[str] = []
+    try:
+        gw.sync_tools(errors=errors)
+    except redis.exceptions.NoPermissionError:
+        if write:
+            raise
+        from workers.specs import load_spec_dir
+
+        errors = []
+        held = {e.spec.name: e.spec.digest() for e in gw.tools()}
+        lacking = [s.name for s in load_spec_dir(gw.settings.tools_dir, errors) if held.get(s.name) != s.digest()]
+        if lacking:
+            note(f"{', '.join(lacking)}: $HERMES_HOME/tools holds specs this broker user may not register (a user "
+                 "that may, or `tool register FILE` as one, registers them)")
     for e in errors:
         note(f"skipped {e}", "warning")
         if e.__cause__ is not None:  # the parser's own account, several lines: with --log-level debug
             import structlog
 
             structlog.get_logger("hermes.cli").debug("spec file problem in full", detail=str(e.__cause__))
+    return lacking
 
 
 def event_line(ev: Any) -> str:

@@ -110,7 +110,7 @@ def policy_clear(ctx: click.Context) -> None:
 def policy_explain(ctx: click.Context, principal: str, tool_name: str) -> None:
     """Why PRINCIPAL may or may not call TOOL (the 'listed but permission denied' question)."""
     with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
-        sync_tools(gw)
+        sync_tools(gw, write=False)
         with failing():
             spec = gw.tool(tool_name).spec
             pol = gw.policy()  # the pushed policy wins

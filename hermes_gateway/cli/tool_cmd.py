@@ -38,14 +38,14 @@ def tool_list(ctx: click.Context, as_json: bool) -> None:
 
     settings = settings_of(ctx)
     with open_gateway(settings, need_workers=False) as (gw, _):
-        sync_tools(gw)
+        lacking = sync_tools(gw, write=False)
         entries = gw.tools()
         states = breaker_states(gw.conn, [e.spec for e in entries], settings)
         if as_json:
             click.echo(json.dumps(tool_rows(entries, settings, states), ensure_ascii=False, indent=2))
         else:
             tools_table(entries, settings, states)
-    if entries:
+    if entries or lacking:
         return
     from hermes_gateway.migrate import _Unreadable, find_legacy
 
@@ -209,7 +209,7 @@ def tool_show(ctx: click.Context, name: str) -> None:
     import yaml
 
     with open_gateway(settings_of(ctx), need_workers=False) as (gw, _):
-        sync_tools(gw)
+        sync_tools(gw, write=False)
         with failing():
             entry = gw.tool(name)
         shown = {**entry.spec.to_dict(), "version": entry.version}
@@ -236,7 +236,7 @@ def tool_breaker(ctx: click.Context, name: str, reset: bool, as_json: bool) -> N
     with open_gateway(settings, need_workers=False) as (gw, _):
         if throwaway(gw):
             note(f"note: {THROWAWAY_NOTE.format(home=settings.home)}: its breakers are its own, all closed")
-        sync_tools(gw)
+        sync_tools(gw, write=reset)
         with failing():
             spec = gw.tool(name).spec
         cfg = breaker_config(settings, spec)

@@ -3,6 +3,7 @@ client run and cancel calls under their own users, and neither can write the dir
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,4 +94,33 @@ def test_workers_and_clients_work_under_their_users_and_cannot_change_directory_
     finally:
         workers.stop_all()
         client.close()
+        admin.close()
+
+
+def test_commands_that_only_read_work_as_a_read_only_user_and_name_what_they_could_not_register(
+    acl_redis: str, home: Home
+) -> None:
+    # (they registered $HERMES_HOME/tools first: the client user's write was NOPERM, and the command died with it)
+    from tests.e2e.test_cli import _env, _run
+
+    admin = Gateway.connect(acl_redis.format(user="admin"), home=str(home.path), embedded_ok=False)
+    try:
+        admin.register_tool({"name": "echo", "executor": "python", "function": "workers.executors.builtin:echo", "timeout": 10})
+        home.echo_tool(timeout=99)  # $HERMES_HOME/tools: an older echo of this machine's, and a tool not registered
+        home.noop_tool()
+        before = [(e.spec.to_dict(), e.version) for e in admin.tools()]
+        env = _env(home, HERMES_REDIS_URL=acl_redis.format(user="client"))
+        explained = _run(["policy", "explain", "ops", "echo"], env)
+        assert explained.returncode == 0, explained.stderr
+        listed = _run(["tool", "list", "--json"], env)
+        assert listed.returncode == 0, listed.stderr
+        assert [t["name"] for t in json.loads(listed.stdout)] == ["echo"]
+        assert "echo, noop: $HERMES_HOME/tools holds specs this broker user may not register" in listed.stderr
+        shown = _run(["tool", "show", "echo"], env)
+        assert shown.returncode == 0 and "timeout: 10" in shown.stdout, shown.stderr
+        assert [(e.spec.to_dict(), e.version) for e in admin.tools()] == before
+        # A user that may write registers them, as every command loads $HERMES_HOME/tools (README).
+        listed = _run(["tool", "list", "--json"], _env(home, HERMES_REDIS_URL=acl_redis.format(user="admin")))
+        assert listed.returncode == 0 and sorted(t["name"] for t in json.loads(listed.stdout)) == ["echo", "noop"]
+    finally:
         admin.close()
