@@ -49,3 +49,12 @@ def lines(path: str | Path) -> list[str]:
     """The lines a back end wrote (none when it was never reached)."""
     p = Path(path)
     return p.read_text(encoding="utf-8").splitlines() if p.exists() else []
+
+
+def chatty(n: int, until: str, ctx: Any = None) -> dict[str, Any]:
+    """Send ``n`` progress messages, then wait for the file ``until`` to exist (a call that stays live)."""
+    for i in range(n):
+        ctx.progress(f"step {i}")
+    while not os.path.exists(until):
+        time.sleep(0.02)
+    return {"sent": n}

@@ -10,6 +10,7 @@ With ``HERMES_CONSOLE_SCREENSHOTS=<dir>`` the overview and a waterfall are saved
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
 import time
@@ -276,4 +277,46 @@ def test_the_audit_filter_finds_a_call_by_session_and_replays_it(
     page.page.click("#audit-replay")
     out = page.wait_text("#audit-out", r"replay \{tools\}\.[0-9a-f]{32}: done")
     assert "same outcome as recorded" in out
+    assert page.problems == [], page.problems
+
+
+def test_a_call_streaming_5000_events_is_drawn_once_a_frame_and_keeps_bounded_sets(
+    browser: Any, serve: Any, gateway: Any, home: Any, workers: Any, tmp_path: Path
+) -> None:
+    home.tool("chatty", function="tests.e2e.flowtools:chatty", timeout=120, input_schema={"type": "object"})
+    gateway.sync_tools()
+    workers(1)
+    page = _open(browser, serve())
+    page.wait_text("#tool", "chatty")
+    page.page.select_option("#tool", "chatty")
+    page.page.fill("#args", json.dumps({"n": 300, "until": str(tmp_path / "go")}))
+    # Renders counted from outside the page's script: each draw of the trace sets its head, each of the calls list
+    # empties the select; frames counted by a requestAnimationFrame loop of the test's own.
+    page.page.evaluate(
+        """() => { const w = globalThis.watch = {trace: 0, calls: 0, frames: 0};
+        new MutationObserver((rs) => { w.trace += rs.length; }).observe($('trace-head'), {childList: true});
+        new MutationObserver((rs) => { w.calls += rs.filter((r) => r.removedNodes.length).length; })
+          .observe($('calls'), {childList: true});
+        const tick = () => { w.frames += 1; requestAnimationFrame(tick); }; requestAnimationFrame(tick); }"""
+    )
+    counts = "() => ({...watch, events: calls.size && [...calls.values()].at(-1).events.length})"
+    page.page.click("#run")  # 300 events first: one draw per event would freeze the page for minutes on 5,000
+    page.wait_text("#log", r"step 299(?!\d)")
+    burst = page.page.evaluate(counts)  # at most one draw of each per frame, not one per event
+    assert burst["trace"] < 100 and burst["trace"] <= burst["frames"] + 3, burst
+    assert burst["calls"] < 100 and burst["calls"] <= burst["frames"] + 3, burst
+    (tmp_path / "go").write_text("")
+    page.wait_text("#trace-head", r"· done ·")
+    (tmp_path / "go").unlink()
+    page.page.fill("#args", json.dumps({"n": 5000, "until": str(tmp_path / "go")}))
+    page.page.click("#run")
+    page.wait_text("#log", r"step 4999(?!\d)")
+    page.wait_text("#trace-head", r"over 2000 events so far")
+    after = page.page.evaluate(counts)
+    assert after["trace"] <= after["frames"] + 3 and after["calls"] <= after["frames"] + 3, after
+    kept = page.page.evaluate("() => [...calls.values()].map((c) => [c.events.length, c.seqs.size, c.events[0].seq])")
+    assert kept[1] == [2000, 2000, 3004], kept  # the last 2,000 of 5,003 events, their seqs alone
+    assert page.page.locator("#trace tr").count() == 2000
+    (tmp_path / "go").write_text("")
+    page.wait_text("#trace-head", r"· done ·")
     assert page.problems == [], page.problems
