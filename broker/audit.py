@@ -277,6 +277,7 @@ class AuditLog:
         self.redis = redis
         self.key = key
         self.index_key = AUDIT_INDEX if key == AUDIT_STREAM else key + ":idx"
+        self.hash_key = f"{key}:key"  # where the secret of sensitive arguments' hashes is kept (``digest``)
         self.maxlen = int(maxlen or 0)
         self.max_age = float(max_age or 0)
         self.approximate = approximate
@@ -300,7 +301,7 @@ class AuditLog:
         (``<stream>:key`` in Redis, made by the first process that needs it), never a plain sha256 anyone
         could match by hashing every 6-digit PIN."""
         make = self.redis.register_script(scripts.for_server(self.redis, scripts.AUDIT_KEY))
-        return keyed_hash(make(keys=[f"{self.key}:key"], args=[os.urandom(32)]))
+        return keyed_hash(make(keys=[self.hash_key], args=[os.urandom(32)]))
 
     def digest_now(self) -> Any:
         """``digest``, or None when Redis cannot give the key now (at maxmemory, or away): the record then masks

@@ -941,7 +941,7 @@ class ClientCore(Generic[H]):
                     with contextlib.suppress(HermesError):  # removed meanwhile: still redacted by name
                         sensitive = (yield self.tool(info.name)).spec.sensitive
                 audit = AuditLog.from_settings(conn, self.settings.audit)
-                secret = yield conn.get(f"{audit.key}:key")  # (AuditLog.digest's; a worker made it)
+                secret = yield conn.get(audit.hash_key)  # (AuditLog.digest's; a worker made it)
                 yield audit.append(target.audit_record(sensitive, error, keyed_hash(secret) if secret else None))
                 shown = info.kind == "tool" or int((yield stats_name(conn, info.kind, info.name)))
                 name = info.name if shown else keys.STATS_OTHER
