@@ -15,6 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -242,6 +243,21 @@ class ClusterStack:
 
     def node_id(self, port: int) -> str:
         return str(self.node(port).execute_command("CLUSTER MYID").decode())
+
+    @contextlib.contextmanager
+    def slot_moving(self, slot: int) -> Iterator[tuple[int, int]]:
+        """``slot`` marked as moving to another primary (IMPORTING / MIGRATING), none of its keys moved: a new
+        key of it is refused (TRYAGAIN) until the block ends and the move is called off (STABLE: the slot is
+        its source's again). Yields (source port, destination port)."""
+        src = self.slot_owner(slot)
+        dst = next(p for p in self.ports if p != src)
+        self.node(dst).execute_command("CLUSTER SETSLOT", slot, "IMPORTING", self.node_id(src))
+        self.node(src).execute_command("CLUSTER SETSLOT", slot, "MIGRATING", self.node_id(dst))
+        try:
+            yield src, dst
+        finally:
+            for port in (src, dst):
+                self.node(port).execute_command("CLUSTER SETSLOT", slot, "STABLE")
 
     def migrate_slot(self, slot: int, dest_port: int, batch: int = 50, pause: float = 0.01) -> int:
         """Move ``slot`` (and its keys) to the primary on ``dest_port`` as ``redis-cli --cluster reshard``

@@ -50,17 +50,10 @@ def test_a_batch_submitted_while_its_queues_slot_moves_waits_for_the_slot_and_ru
     marks = tmp_path / "marks"
     assert cgateway.call_tool("mark", {"i": -1, "path": str(tmp_path / "first")}).result(20)  # (the queue's keys)
     slot = cgateway.conn.keyslot(keys.queue("tools"))
-    src = cluster.slot_owner(slot)
-    dst = next(p for p in cluster.ports if p != src)
-    cluster.node(dst).execute_command("CLUSTER SETSLOT", slot, "IMPORTING", cluster.node_id(src))
-    cluster.node(src).execute_command("CLUSTER SETSLOT", slot, "MIGRATING", cluster.node_id(dst))
-    try:  # (a new call's record is not on the source, its queue is: TRYAGAIN until the slot settles)
+    with cluster.slot_moving(slot):  # (a new call's record is not on the source, its queue is: TRYAGAIN)
         job = cgateway.batch("mark", [{"i": i, "path": str(marks)} for i in range(40)])
         time.sleep(1.5)  # three times what redis-py waits on its own
         assert job.error is None, job.error
-    finally:
-        for port in (src, dst):  # the move called off: the slot is its source's again
-            cluster.node(port).execute_command("CLUSTER SETSLOT", slot, "STABLE")
     p = job.wait(30)
     assert p.complete and p.counts == {"done": 40}
     runs = _runs(marks)

@@ -662,20 +662,14 @@ def test_an_http_call_submitted_while_its_queues_slot_moves_waits_for_the_slot_i
     cworkers(1, queues="tools", concurrency=4)
     assert cgateway.call_tool("sleep", {"seconds": 0.01}).result(timeout=20) == {"slept": 0.01}  # (the queue's keys)
     slot = cgateway.conn.keyslot(keys.queue("tools"))
-    src = cluster.slot_owner(slot)
-    dst = next(p for p in cluster.ports if p != src)
     served, pool = Served(cgateway), ThreadPoolExecutor(1)
     try:
         with httpx.Client(base_url=served.base, timeout=30) as api:
-            cluster.node(dst).execute_command("CLUSTER SETSLOT", slot, "IMPORTING", cluster.node_id(src))
-            cluster.node(src).execute_command("CLUSTER SETSLOT", slot, "MIGRATING", cluster.node_id(dst))
-            try:  # (a new call's record is not on the source yet, its queue is: TRYAGAIN until the slot settles)
+            # (a new call's record is not on the source yet, its queue is: TRYAGAIN until the slot settles)
+            with cluster.slot_moving(slot):
                 posted = pool.submit(api.post, "/v1/tools/sleep/calls", json={"args": {"seconds": 0.01}, "wait": 20})
                 time.sleep(1.5)  # three times what redis-py waits on its own
                 assert not posted.done(), posted.result().text
-            finally:
-                for port in (src, dst):  # the move called off: the slot is its source's again
-                    cluster.node(port).execute_command("CLUSTER SETSLOT", slot, "STABLE")
             reply = posted.result(30)
             assert reply.status_code == 200, reply.text
             assert reply.json()["state"] == "done" and reply.json()["result"] == {"slept": 0.01}
@@ -749,22 +743,15 @@ def test_waiting_calls_cancelled_while_their_queues_slot_moves_are_cancelled_onc
     waiting = [cgateway.call_tool("sleep", {"seconds": 0.01}) for _ in range(2)]  # (the limit is 1: behind `busy`)
     wait_until(lambda: cgateway.calls.record(busy.call_id)["state"] == "executing", timeout=10, message="busy to run")
     slot = cgateway.conn.keyslot(keys.queue("tools"))
-    src = cluster.slot_owner(slot)
-    dst = next(p for p in cluster.ports if p != src)
     served, pool = Served(cgateway), ThreadPoolExecutor(2)
     try:
         with httpx.Client(base_url=served.base, timeout=30) as api:
-            cluster.node(dst).execute_command("CLUSTER SETSLOT", slot, "IMPORTING", cluster.node_id(src))
-            cluster.node(src).execute_command("CLUSTER SETSLOT", slot, "MIGRATING", cluster.node_id(dst))
-            try:
+            with cluster.slot_moving(slot):
                 by_client = pool.submit(cgateway.cancel, waiting[0].call_id)
                 by_http = pool.submit(api.post, f"/v1/calls/{waiting[1].call_id}/cancel")
                 time.sleep(1.5)  # three times what redis-py waits on its own
                 assert not by_client.done(), by_client.result()
                 assert not by_http.done(), by_http.result().text
-            finally:
-                for port in (src, dst):  # the move called off: the slot is its source's again
-                    cluster.node(port).execute_command("CLUSTER SETSLOT", slot, "STABLE")
             assert by_client.result(30) is True
             reply = by_http.result(30)
             assert reply.status_code == 200 and reply.json()["cancelled"] is True, reply.text
