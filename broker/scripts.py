@@ -36,8 +36,8 @@ RATE_PROMOTE = load("rate_promote", "ratelimit", "slots")
 BREAKER_CHECK = load("breaker_check")
 BREAKER_RECORD = load("breaker_record")
 AUDIT_APPEND = ALLOW_OOM + load("audit_append")  # (an ended call's record, written with its end)
-# The audit's keyed-hash secret, made once: at maxmemory too, as every call a worker ends reads it first.
-AUDIT_KEY = ALLOW_OOM + "redis.call('SET', KEYS[1], ARGV[1], 'NX')\nreturn redis.call('GET', KEYS[1])\n"
+# The audit's keyed-hash secret, made once: at maxmemory too (a worker ending a call with sensitive arguments reads it).
+AUDIT_KEY = ALLOW_OOM + load("audit_key")
 TOOL_REGISTER = load("tool_register")
 POLICY_PUSH = load("policy_push")
 POLICY_CLEAR = load("policy_clear")
