@@ -943,7 +943,7 @@ class ClientCore(Generic[H]):
                 audit = AuditLog.from_settings(conn, self.settings.audit)
                 secret = yield conn.get(audit.hash_key)  # (AuditLog.digest's; a worker made it)
                 yield audit.append(target.audit_record(sensitive, error, keyed_hash(secret) if secret else None))
-                shown = info.kind == "tool" or int((yield stats_name(conn, info.kind, info.name)))
+                shown = info.kind not in keys.STATS_CAPPED or int((yield stats_name(conn, info.kind, info.name)))
                 name = info.name if shown else keys.STATS_OTHER
                 yield conn.hincrby(keys.STATS, keys.stats_ended(info.kind, name, "cancelled", error["type"]), 1)
                 return True

@@ -98,7 +98,8 @@ def end_call(
         return
     # Counted with the calls the workers ended, and a failure listed with theirs (status's recent failures).
     pipe = calls.conn.pipeline(transaction=False)
-    name = info.name if info.kind == "tool" or int(stats_name(calls.conn, info.kind, info.name)) else keys.STATS_OTHER
+    shown = info.kind not in keys.STATS_CAPPED or int(stats_name(calls.conn, info.kind, info.name))
+    name = info.name if shown else keys.STATS_OTHER
     pipe.hincrby(keys.STATS, keys.stats_ended(info.kind, name, str(state), err.get("type")), 1)
     if state == State.FAILED:
         push_failure(pipe, failure_entry(info, err, "reaper", None))

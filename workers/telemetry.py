@@ -499,7 +499,7 @@ class _Labels:
         self.others: set[tuple[str, str]] = set()
 
     def __call__(self, label: str, value: str) -> str:
-        if self.conn is None or label == "tool" or (label, value) in self.known:
+        if self.conn is None or label not in keys.STATS_CAPPED or (label, value) in self.known:
             return value
         if (label, value) in self.others:
             return keys.STATS_OTHER
